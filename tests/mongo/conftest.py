@@ -1,0 +1,64 @@
+"""Black-pipe fixtures: the real PyMongo async driver over a socket to a MockupDB server.
+
+MockupDB serves from its own thread; its blocking ``receives()`` runs through
+``anyio.to_thread.run_sync`` (``Wire.receives``). A test starts the store call in a task group,
+then receives each command, asserts its document, and scripts the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from typing import Any
+
+import anyio
+import pytest
+from mockupdb import MockupDB, Request
+from pymongo import AsyncMongoClient
+
+
+class Wire:
+    def __init__(self, server: MockupDB) -> None:
+        self.server = server
+
+    async def receives(self, *args: Any, timeout: float = 10, **kwargs: Any) -> Request:
+        """The next request the driver sent (heartbeats are answered by MockupDB itself)."""
+        return await anyio.to_thread.run_sync(partial(self.server.receives, *args, timeout=timeout, **kwargs))
+
+    async def command(self, name: str, timeout: float = 10) -> Request:
+        """The next request, asserted to be the command ``name``."""
+        req = await self.receives(timeout=timeout)
+        assert req.command_name == name, f"expected {name}, got {req.command_name}: {req.doc}"
+        return req
+
+
+@pytest.fixture
+def mock_server() -> Iterator[MockupDB]:
+    server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
+    server.run()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def wire(mock_server: MockupDB) -> Wire:
+    return Wire(mock_server)
+
+
+@pytest.fixture
+async def mongo_client(mock_server: MockupDB) -> AsyncIterator[AsyncMongoClient[Any]]:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        mock_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False
+    )
+    try:
+        yield client
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await client.close()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

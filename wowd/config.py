@@ -1,0 +1,232 @@
+"""Settings: ``WOWD_``-prefixed environment variables (nested with ``__``) or a TOML file.
+
+A misspelled key is an error (``extra="forbid"``), credentials are ``SecretStr``.
+Precedence: init arguments > environment > TOML file (``--config`` / ``WOWD_CONFIG``) > defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from wowd.errors import ConfigError
+from wowd.model import validate_name
+
+__all__ = [
+    "ElasticsearchSettings",
+    "EmbeddedSettings",
+    "GatewaySettings",
+    "HttpSettings",
+    "LeaseSettings",
+    "MongoSettings",
+    "ShutdownSettings",
+    "TimerSettings",
+    "WowdSettings",
+    "load_settings",
+]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedSettings(_Part):
+    path: Path = Path("./wowd.db")
+
+
+class MongoSettings(_Part):
+    uri: SecretStr | None = None
+    """May hold credentials, hence secret."""
+    database: str = "wowd"
+    timeout_ms: int = Field(default=10_000, ge=0)
+    write_concern: Literal["majority", "1"] = "majority"
+
+
+class ElasticsearchSettings(_Part):
+    url: str | None = None
+    api_key: SecretStr | None = None
+    username: str | None = None
+    password: SecretStr | None = None
+    ca_certs: Path | None = None
+    verify_certs: bool = True
+    ddl: Literal["auto", "validate", "none"] = "auto"
+    request_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class LeaseSettings(_Part):
+    namespace: str | None = None
+    """Defaults to ``wowd.<context>``."""
+    limit: int = Field(default=1, ge=1, le=4096)
+    ttl_s: float = Field(default=10.0, gt=0)
+    tolerance_s: float = Field(default=1.0, ge=0)
+    slot_offset: int = Field(default=0, ge=0)
+    slots_per_process: int = Field(default=1, ge=1)
+    owner_key: str | None = None
+    """Defaults to ``host:pid:<random>``."""
+
+    @model_validator(mode="after")
+    def _tolerance_below_ttl(self) -> LeaseSettings:
+        if self.tolerance_s >= self.ttl_s:
+            raise ValueError(f"tolerance_s ({self.tolerance_s}) must be below ttl_s ({self.ttl_s})")
+        if self.slots_per_process > self.limit:
+            raise ValueError(f"slots_per_process ({self.slots_per_process}) must be <= limit ({self.limit})")
+        return self
+
+
+class TimerSettings(_Part):
+    batch: int = Field(default=1000, ge=1, le=100_000)
+    lookahead_ms: int = Field(default=200, ge=0)
+    claim_ttl_s: float = Field(default=30.0, gt=0)
+    concurrency: int = Field(default=64, ge=1)
+    max_attempts: int = Field(default=10, ge=1)
+    max_body_bytes: int = Field(default=64 * 1024, ge=64)
+    backoff_base_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=300.0, gt=0)
+
+
+class GatewaySettings(_Part):
+    kind: Literal["outbox", "http"] = "outbox"
+    url: str | None = None
+    token: SecretStr | None = None
+    api_key_header: str | None = None
+    """When set, the token is sent in this header instead of ``Authorization: Bearer``."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    ca_certs: Path | None = None
+    verify_certs: bool = True
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> GatewaySettings:
+        if self.kind == "http" and not self.url:
+            raise ValueError("url is required when kind is 'http'")
+        return self
+
+
+class HttpSettings(_Part):
+    host: str = "0.0.0.0"
+    port: int = Field(default=9180, ge=0, le=65535)
+
+
+class ShutdownSettings(_Part):
+    grace_s: float = Field(default=20.0, ge=0)
+
+
+class WowdSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="WOWD_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+    )
+
+    context: str = "demo"
+    partitions: int = Field(default=64, ge=1, le=65536)
+    backend: Literal["embedded", "mongo"] = "embedded"
+    config: Path | None = None
+    """The TOML file these settings were read from (``WOWD_CONFIG``)."""
+    log_level: str = "INFO"
+    log_format: Literal["auto", "json", "text"] = "auto"
+    embedded: EmbeddedSettings = EmbeddedSettings()
+    mongodb: MongoSettings = MongoSettings()
+    elasticsearch: ElasticsearchSettings = ElasticsearchSettings()
+    lease: LeaseSettings = LeaseSettings()
+    timers: TimerSettings = TimerSettings()
+    gateway: GatewaySettings = GatewaySettings()
+    http: HttpSettings = HttpSettings()
+    shutdown: ShutdownSettings = ShutdownSettings()
+    reducers: dict[str, str] = {}
+    """Aggregate name -> import path (``module:attribute``) of a reducer with ``state_revision``
+    and ``fold(state, event) -> state``: snapshots of that type are kept from the log."""
+    demo: bool = False
+    """Run the demo producer in-process (``wowd run --demo``)."""
+
+    @field_validator("context")
+    @classmethod
+    def _context_name(cls, v: str) -> str:
+        try:
+            return validate_name(v, field="context")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+
+    @model_validator(mode="after")
+    def _consistent(self) -> WowdSettings:
+        if self.partitions < self.lease.limit:
+            raise ValueError(
+                f"partitions ({self.partitions}) must be >= lease.limit ({self.lease.limit}): "
+                "a slot without partitions does no work"
+            )
+        if self.backend == "mongo":
+            if self.mongodb.uri is None:
+                raise ValueError("mongodb.uri (WOWD_MONGODB__URI) is required when backend is 'mongo'")
+            if not self.elasticsearch.url:
+                raise ValueError("elasticsearch.url (WOWD_ELASTICSEARCH__URL) is required when backend is 'mongo'")
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get("WOWD_CONFIG")
+        if path:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+        return tuple(sources)
+
+    # ------------------------------------------------------------------ derived values
+
+    @property
+    def lease_namespace(self) -> str:
+        return self.lease.namespace or f"wowd.{self.context}"
+
+    @property
+    def owner_key(self) -> str:
+        return self.lease.owner_key or _default_owner_key()
+
+    def partitions_of_slot(self, slot: int) -> list[int]:
+        """Slot ``s`` owns the partitions ``p`` with ``p % limit == s - slot_offset``."""
+        index = slot - self.lease.slot_offset
+        return [p for p in range(self.partitions) if p % self.lease.limit == index]
+
+
+_OWNER_KEY: str | None = None
+
+
+def _default_owner_key() -> str:
+    global _OWNER_KEY
+    if _OWNER_KEY is None:
+        _OWNER_KEY = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    return _OWNER_KEY
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:
+    """Reads the settings; every error (misspelling, range, consistency) is a :class:`ConfigError`
+    whose message names the key (without echoing a secret value)."""
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        os.environ["WOWD_CONFIG"] = str(path)
+    try:
+        return WowdSettings(**overrides)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_input=False, include_url=False):
+            loc = ".".join(str(p) for p in err["loc"]) or "settings"
+            lines.append(f"{loc}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

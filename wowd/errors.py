@@ -1,0 +1,66 @@
+"""wowd's exceptions: one root, translated from driver errors at the store's edge.
+
+The daemon catches these, never a PyMongo, Elasticsearch or sqlite3 exception: each store
+raises ``StorageUnavailable(...) from exc`` (or another class here) where it met the driver's.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ConflictError",
+    "FormatError",
+    "InvalidInput",
+    "LeaseLost",
+    "SinkWriteError",
+    "StorageError",
+    "StorageUnavailable",
+    "WowdError",
+]
+
+
+class WowdError(Exception):
+    """Root of every error wowd raises on purpose."""
+
+
+class ConfigError(WowdError, ValueError):
+    """The configuration is invalid (a misspelled key, a value out of range, an invalid name)."""
+
+
+class InvalidInput(WowdError, ValueError):
+    """Input from outside (a commit, a timer event, an answer) cannot be read.
+
+    ``field`` names the offending field (dotted path) so the message and the metric can say it.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+        self.reason = message
+
+
+class StorageError(WowdError):
+    """A store failed in a way retrying will not fix (a defect, a refused write, a bad answer)."""
+
+
+class StorageUnavailable(StorageError):
+    """A transient store failure: network error, timeout, election, 429/502/503/504, busy file.
+
+    The caller retries with backoff; nothing it wrote before is lost.
+    """
+
+
+class ConflictError(StorageError):
+    """A write met a conflicting one: e.g. a log append at a version that exists."""
+
+
+class FormatError(StorageError):
+    """A collection, table or index was recorded in another layout version (``MongoFormat``)."""
+
+
+class SinkWriteError(StorageError):
+    """The event sink refused an item for a reason that is not transient; names the item."""
+
+
+class LeaseLost(WowdError):
+    """A lease is no longer valid (expired on the holder's clock, or renew/release refused)."""

@@ -1,0 +1,94 @@
+"""Every Prometheus metric wowd exports, in one place (names follow Prometheus conventions:
+``wowd_`` prefix, base units in the name, ``_total`` for counters).
+
+Stores and the daemon import the objects from here; the dashboard and the alert rules use only
+these names (``tests/test_ops.py`` checks that against a live ``/metrics``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "FEED_COMMITS",
+    "FEED_ERRORS",
+    "FEED_LAG",
+    "FIRE_LAG",
+    "LEASES_HELD",
+    "LEASE_FENCE",
+    "LEASE_LOST",
+    "LEASE_RENEW_FAILURES",
+    "LEASE_RENEW_SECONDS",
+    "PARTITIONS_OWNED",
+    "PARTITIONS_UNOWNED",
+    "QUARANTINED",
+    "READY",
+    "REGISTRY",
+    "SETTLE_BATCH",
+    "SETTLE_SKIPPED",
+    "SINK_BULK_SECONDS",
+    "SINK_ITEMS",
+    "STORE_CALL_SECONDS",
+    "STORE_UNAVAILABLE",
+    "TIMERS_DUE_BACKLOG",
+    "TIMERS_FAILED",
+    "TIMERS_FIRED",
+    "TIMERS_PARKED",
+    "TIMERS_RETRIED",
+    "TIMER_EVENTS_REJECTED",
+    "CollectorRegistry",
+]
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# leases
+LEASES_HELD = Gauge("wowd_leases_held", "Slot leases this replica holds now")
+LEASE_FENCE = Gauge("wowd_lease_fence", "Fence of each slot this replica holds", ["slot"])
+LEASE_RENEW_SECONDS = Histogram(
+    "wowd_lease_renew_seconds", "Latency of lease renewals", buckets=_LATENCY_BUCKETS
+)
+LEASE_RENEW_FAILURES = Counter(
+    "wowd_lease_renew_failures_total", "Lease renewals that failed (error or lease lost)", ["reason"]
+)
+LEASE_LOST = Counter("wowd_lease_lost_total", "Leases lost while held (expired on the holder's clock or refused)")
+PARTITIONS_OWNED = Gauge("wowd_partitions_owned", "Log partitions this replica works on now")
+PARTITIONS_UNOWNED = Gauge(
+    "wowd_partitions_unowned", "Partitions of the context whose slot has no live holder (store view)"
+)
+READY = Gauge("wowd_ready", "1 when the replica holds a lease and its stores answer")
+
+# timers
+TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered", ["aggregate"])
+TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later", ["aggregate"])
+TIMERS_PARKED = Counter("wowd_timers_parked_total", "Timers parked (target could not take the command)", ["aggregate"])
+TIMERS_FAILED = Counter("wowd_timers_failed_total", "Timers failed after the retry budget or refused", ["aggregate"])
+FIRE_LAG = Histogram(
+    "wowd_fire_lag_seconds", "Delivery time minus scheduled time of fired timers", buckets=_LAG_BUCKETS
+)
+TIMERS_DUE_BACKLOG = Gauge("wowd_timers_due_backlog", "Due timers read in the last poll (capped at the batch)")
+SETTLE_BATCH = Histogram(
+    "wowd_settle_batch_size", "Changes per settle call", buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000)
+)
+SETTLE_SKIPPED = Counter("wowd_settle_skipped_total", "Settle changes skipped: the timer moved on meanwhile")
+TIMER_EVENTS_REJECTED = Counter(
+    "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
+)
+
+# feed
+FEED_COMMITS = Counter("wowd_feed_commits_total", "Commits fed to the sink and views", ["aggregate"])
+FEED_LAG = Gauge("wowd_feed_lag_seconds", "Now minus create time of the last commit fed", ["slot"])
+FEED_ERRORS = Counter("wowd_feed_errors_total", "Feed batches that failed, by kind (transient, fatal)", ["kind"])
+QUARANTINED = Counter("wowd_quarantined_total", "Malformed commits quarantined, by field", ["field"])
+
+# sink
+SINK_BULK_SECONDS = Histogram("wowd_sink_bulk_seconds", "Latency of one sink bulk write", buckets=_LATENCY_BUCKETS)
+SINK_ITEMS = Counter("wowd_sink_items_total", "Sink bulk items by HTTP status (201, 409, 429, ...)", ["status"])
+
+# stores
+STORE_CALL_SECONDS = Histogram(
+    "wowd_store_call_seconds", "Latency of store calls", ["store", "operation"], buckets=_LATENCY_BUCKETS
+)
+STORE_UNAVAILABLE = Counter(
+    "wowd_store_unavailable_total", "Transient store failures met (retried with backoff)", ["store", "operation"]
+)

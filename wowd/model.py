@@ -1,0 +1,819 @@
+"""The value types every layer shares: identities, commits, timers, snapshots, leases.
+
+All models are frozen dataclasses; validation happens in ``__post_init__`` (or in the
+``*_from_doc`` readers for data coming from a store) and raises :class:`InvalidInput` /
+:class:`ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal, TypeAlias
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from wowd.errors import ConfigError, InvalidInput
+
+__all__ = [
+    "DEFAULT_TENANT",
+    "MAX_BODY_BYTES",
+    "AccessStamp",
+    "AcquireResult",
+    "AggregateRef",
+    "AggregateType",
+    "Checkpoint",
+    "Claim",
+    "Command",
+    "Commit",
+    "CronRule",
+    "DomainEvent",
+    "IntervalRule",
+    "LogBatch",
+    "LogEntry",
+    "OnceRule",
+    "OutboxEntry",
+    "Owner",
+    "Position",
+    "Rule",
+    "SlotLease",
+    "SlotState",
+    "SnapshotRecord",
+    "SnapshotSaveOutcome",
+    "SnapshotTable",
+    "Timer",
+    "TimerCancelled",
+    "TimerChange",
+    "TimerScheduled",
+    "TimerStatus",
+    "commit_from_doc",
+    "commit_to_doc",
+    "deterministic_timer_id",
+    "java_string_hash",
+    "parse_rule",
+    "partition",
+    "request_id_for",
+    "stream_id",
+    "timer_event_from",
+    "validate_name",
+]
+
+DEFAULT_TENANT = "(0)"
+"""Wow's default tenant id."""
+
+MAX_BODY_BYTES = 64 * 1024
+"""Default limit of a timer command's JSON text (configurable in the daemon)."""
+
+_NAME = re.compile(r"^[a-z0-9_-]+$")
+
+
+def validate_name(value: str, *, field: str = "name") -> str:
+    """A context or aggregate name: ``[a-z0-9_-]+``, lower case, at most 64 characters.
+
+    It becomes part of collection and index names, so anything else is refused.
+    """
+    if not isinstance(value, str) or not _NAME.match(value) or len(value) > 64:
+        raise ConfigError(
+            f"{field}: {value!r} is not a valid name (lower-case [a-z0-9_-], 1..64 characters)"
+        )
+    return value
+
+
+def java_string_hash(s: str) -> int:
+    """Java's ``String.hashCode`` over the UTF-16 code units of ``s``, as a signed 32-bit int."""
+    data = s.encode("utf-16-be", "surrogatepass")
+    h = 0
+    for i in range(0, len(data), 2):
+        h = (31 * h + ((data[i] << 8) | data[i + 1])) & 0xFFFFFFFF
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def partition(aggregate_id: str, n: int) -> int:
+    """``floorMod(javaStringHashCode(aggregate_id), n)``: Wow's ``AggregateId.mod``."""
+    if n < 1:
+        raise ConfigError(f"partitions: must be >= 1, got {n}")
+    return java_string_hash(aggregate_id) % n  # Python's % is a floor mod
+
+
+# --------------------------------------------------------------------------- identities
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class AggregateType:
+    """An aggregate type of a bounded context."""
+
+    context: str
+    aggregate: str
+
+    def __post_init__(self) -> None:
+        validate_name(self.context, field="context")
+        validate_name(self.aggregate, field="aggregate")
+
+    def __str__(self) -> str:
+        return f"{self.context}.{self.aggregate}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, order=True)
+class AggregateRef:
+    """One aggregate: ``(context, aggregate, tenant_id, id)``."""
+
+    context: str
+    aggregate: str
+    id: str
+    tenant_id: str = DEFAULT_TENANT
+
+    def __post_init__(self) -> None:
+        validate_name(self.context, field="context")
+        validate_name(self.aggregate, field="aggregate")
+        if not isinstance(self.id, str):
+            raise InvalidInput("must be a string", field="aggregate_id")
+        if not isinstance(self.tenant_id, str) or not self.tenant_id:
+            raise InvalidInput("must be a non-empty string", field="tenant_id")
+
+    @property
+    def type(self) -> AggregateType:
+        return AggregateType(context=self.context, aggregate=self.aggregate)
+
+    def partition(self, n: int) -> int:
+        return partition(self.id, n)
+
+    def __str__(self) -> str:
+        return f"{self.context}.{self.aggregate}/{self.tenant_id}/{self.id}"
+
+
+def stream_id(ref: AggregateRef, version: int) -> str:
+    """The event document id: tenant, aggregate id and version, each percent-encoded, joined by ``:``."""
+    from urllib.parse import quote
+
+    return ":".join(quote(part, safe="") for part in (ref.tenant_id, ref.id, str(version)))
+
+
+# --------------------------------------------------------------------------- commits (the log)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DomainEvent:
+    id: str
+    name: str
+    revision: str = "0.0.1"
+    body_type: str = ""
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Commit:
+    """One commit of the log (Wow's ``StateEventRecord``)."""
+
+    ref: AggregateRef
+    version: int
+    command_id: str
+    request_id: str
+    create_time: int
+    """Milliseconds since the epoch."""
+    events: tuple[DomainEvent, ...] = ()
+    header: Mapping[str, Any] = field(default_factory=dict)
+    access: Mapping[str, Any] = field(default_factory=dict)
+    """The aggregate's access attributes: ``owner_id``, ``space_id``, ``tags``."""
+    access_version: int = 0
+    """The version the access attributes are of."""
+    deleted: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, int) or isinstance(self.version, bool) or self.version < 1:
+            raise InvalidInput(f"must be an integer >= 1, got {self.version!r}", field="version")
+        if not isinstance(self.create_time, int) or isinstance(self.create_time, bool):
+            raise InvalidInput("must be an integer (ms)", field="create_time")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidInput("must be a non-empty string", field="request_id")
+
+    @property
+    def owner_id(self) -> str:
+        return str(self.access.get("owner_id", ""))
+
+    @property
+    def space_id(self) -> str:
+        return str(self.access.get("space_id", ""))
+
+    def partition(self, n: int) -> int:
+        return partition(self.ref.id, n)
+
+
+Position: TypeAlias = dict[str, Any]
+"""A log position: opaque to the daemon, JSON- and BSON-serialisable, meaningful to its log.
+
+The embedded log uses ``{"seq": n}``; the MongoDB log ``{"token": {...}, "cluster_time": ...}``.
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogEntry:
+    """One entry read from the log: a commit, or a malformed document to quarantine."""
+
+    position: Position
+    partition: int
+    aggregate: AggregateType
+    commit: Commit | None
+    raw: Mapping[str, Any]
+    error: str | None = None
+    """Why ``raw`` could not be read as a commit (``commit`` is then ``None``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogBatch:
+    """Entries in log order; ``positions`` holds each partition's last position in this batch."""
+
+    entries: tuple[LogEntry, ...]
+    positions: Mapping[int, Position]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    consumer: str
+    partition: int
+    position: Position
+    fence: int
+    written_at: int
+
+
+def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str = "") -> Any:
+    name = f"{path}{key}"
+    if key not in doc:
+        raise InvalidInput("is missing", field=name)
+    value = doc[key]
+    if isinstance(value, bool) and kind in (int, (int,)):
+        raise InvalidInput(f"must be {_kind_name(kind)}, got bool", field=name)
+    if not isinstance(value, kind):
+        raise InvalidInput(f"must be {_kind_name(kind)}, got {type(value).__name__}", field=name)
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:
+    """The log document of a commit (DESIGN.md section 3), without storage-specific keys."""
+    ref = commit.ref
+    return {
+        "_id": {"t": ref.tenant_id, "a": ref.id, "v": commit.version},
+        "tenant_id": ref.tenant_id,
+        "aggregate_id": ref.id,
+        "version": commit.version,
+        "partition": partition(ref.id, partitions),
+        "command_id": commit.command_id,
+        "request_id": commit.request_id,
+        "create_time": commit.create_time,
+        "header": dict(commit.header),
+        "events": [
+            {
+                "id": e.id,
+                "name": e.name,
+                "revision": e.revision,
+                "body_type": e.body_type,
+                "body": dict(e.body),
+            }
+            for e in commit.events
+        ],
+        "owner_id": commit.owner_id,
+        "space_id": commit.space_id,
+        "access": dict(commit.access),
+        "access_version": commit.access_version,
+        "deleted": commit.deleted,
+    }
+
+
+def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
+    """Reads a log document; raises :class:`InvalidInput` naming the first bad field."""
+    if not isinstance(doc, Mapping):
+        raise InvalidInput("a commit must be a document", field="commit")
+    tenant = doc.get("tenant_id", DEFAULT_TENANT)
+    if not isinstance(tenant, str) or not tenant:
+        raise InvalidInput("must be a non-empty string", field="tenant_id")
+    agg_id = _require(doc, "aggregate_id", str)
+    events_raw = _require(doc, "events", list)
+    events: list[DomainEvent] = []
+    for i, e in enumerate(events_raw):
+        path = f"events[{i}]."
+        if not isinstance(e, Mapping):
+            raise InvalidInput("must be a document", field=f"events[{i}]")
+        body = e.get("body", {})
+        if not isinstance(body, Mapping):
+            raise InvalidInput("must be a document", field=f"{path}body")
+        events.append(
+            DomainEvent(
+                id=str(e.get("id", "")),
+                name=_require(e, "name", str, path),
+                revision=str(e.get("revision", "0.0.1")),
+                body_type=str(e.get("body_type", "")),
+                body=body,
+            )
+        )
+    access = doc.get("access") or {}
+    if not isinstance(access, Mapping):
+        raise InvalidInput("must be a document", field="access")
+    header = doc.get("header") or {}
+    if not isinstance(header, Mapping):
+        raise InvalidInput("must be a document", field="header")
+    access_version = doc.get("access_version", 0)
+    if not isinstance(access_version, int) or isinstance(access_version, bool):
+        raise InvalidInput("must be an integer", field="access_version")
+    deleted = doc.get("deleted", False)
+    if not isinstance(deleted, bool):
+        raise InvalidInput("must be a boolean", field="deleted")
+    return Commit(
+        ref=AggregateRef(
+            context=aggregate.context, aggregate=aggregate.aggregate, tenant_id=tenant, id=agg_id
+        ),
+        version=_require(doc, "version", int),
+        command_id=str(doc.get("command_id", "")),
+        request_id=_require(doc, "request_id", str),
+        create_time=_require(doc, "create_time", int),
+        events=tuple(events),
+        header=header,
+        access=access,
+        access_version=access_version,
+        deleted=deleted,
+    )
+
+
+# --------------------------------------------------------------------------- timer rules
+
+_MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OnceRule:
+    type: Literal["once"] = "once"
+
+    def next_after(self, fired_at: int) -> int | None:
+        return None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"type": "once"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntervalRule:
+    every_ms: int
+    until: int | None = None
+    type: Literal["interval"] = "interval"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every_ms, int) or isinstance(self.every_ms, bool) or self.every_ms < 1:
+            raise InvalidInput(f"must be an integer >= 1, got {self.every_ms!r}", field="rule.every_ms")
+        if self.until is not None and (not isinstance(self.until, int) or isinstance(self.until, bool)):
+            raise InvalidInput("must be an integer (ms) or absent", field="rule.until")
+
+    def next_after(self, scheduled_at: int) -> int | None:
+        nxt = scheduled_at + self.every_ms
+        if self.until is not None and nxt > self.until:
+            return None
+        return nxt
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"type": "interval", "every_ms": self.every_ms}
+        if self.until is not None:
+            doc["until"] = self.until
+        return doc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CronRule:
+    """A cron rule (5 or 6 fields, croniter's syntax) evaluated in ``zone``."""
+
+    expression: str
+    zone: str = "UTC"
+    type: Literal["cron"] = "cron"
+
+    def __post_init__(self) -> None:
+        from croniter import croniter
+
+        if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
+            raise InvalidInput(f"{self.expression!r} is not a valid cron expression", field="rule.expression")
+        try:
+            ZoneInfo(self.zone)
+        except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+            raise InvalidInput(f"{self.zone!r} is not a known time zone", field="rule.zone") from exc
+
+    def next_after(self, scheduled_at: int) -> int | None:
+        """The first occurrence strictly after ``scheduled_at``; ``None`` when there is none
+        before year 9999 (an expression such as ``0 0 30 2 *`` never fires)."""
+        from croniter import CroniterBadDateError, croniter
+
+        start = datetime.fromtimestamp(scheduled_at / 1000, tz=ZoneInfo(self.zone))
+        try:
+            nxt = croniter(self.expression, start, max_years_between_matches=50).get_next(datetime)
+        except (CroniterBadDateError, OverflowError, ValueError):
+            return None
+        ms = int(nxt.astimezone(UTC).timestamp() * 1000)
+        return ms if ms <= _MAX_MS else None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"type": "cron", "expression": self.expression, "zone": self.zone}
+
+
+Rule: TypeAlias = OnceRule | IntervalRule | CronRule
+
+
+def parse_rule(doc: Any) -> Rule:
+    """Reads ``{type, ...}``; an unknown type or bad field raises :class:`InvalidInput`."""
+    if not isinstance(doc, Mapping):
+        raise InvalidInput("must be a document {type, ...}", field="rule")
+    kind = doc.get("type")
+    if kind == "once":
+        return OnceRule()
+    if kind == "interval":
+        return IntervalRule(every_ms=doc.get("every_ms"), until=doc.get("until"))  # type: ignore[arg-type]
+    if kind == "cron":
+        return CronRule(expression=doc.get("expression"), zone=doc.get("zone", "UTC"))  # type: ignore[arg-type]
+    raise InvalidInput(f"unknown rule type {kind!r} (once, interval, cron)", field="rule.type")
+
+
+# --------------------------------------------------------------------------- timers
+
+
+class TimerStatus(StrEnum):
+    PENDING = "PENDING"
+    FIRING = "FIRING"
+    PARKED = "PARKED"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    name: str
+    body: Mapping[str, Any] = field(default_factory=dict)
+    body_type: str | None = None
+
+    def to_json(self) -> str:
+        doc: dict[str, Any] = {"name": self.name, "body": dict(self.body)}
+        if self.body_type is not None:
+            doc["body_type"] = self.body_type
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Command:
+        doc = json.loads(text)
+        return Command(name=doc["name"], body=doc.get("body", {}), body_type=doc.get("body_type"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    owner_key: str
+    fence: int
+    until: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timer:
+    """A timer as stored (DESIGN.md section 5).
+
+    ``scheduled_at`` is the nominal due time of the current occurrence; ``due_at`` equals it
+    while PENDING and is the claim's expiry while FIRING (an abandoned claim comes due again).
+    """
+
+    timer_id: str
+    partition: int
+    owner: AggregateRef
+    key: str
+    version: int
+    due_at: int
+    scheduled_at: int
+    target: AggregateRef
+    body: str
+    """The command's JSON text (``{name, body_type?, body}``)."""
+    rule: Rule = field(default_factory=OnceRule)
+    status: TimerStatus = TimerStatus.PENDING
+    attempts: int = 0
+    fired: int = 0
+    claim: Claim | None = None
+    last_error: str | None = None
+    revision: int = 0
+
+    @property
+    def command(self) -> Command:
+        return Command.from_json(self.body)
+
+    @property
+    def request_id(self) -> str:
+        return request_id_for(self.timer_id, self.scheduled_at)
+
+
+def deterministic_timer_id(owner: AggregateRef, key: str, version: int) -> str:
+    """A timer id from owner, key and version: a view rebuilt from the log has the same ids."""
+    raw = "\x1f".join((owner.context, owner.aggregate, owner.tenant_id, owner.id, key, str(version)))
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def request_id_for(timer_id: str, scheduled_at: int) -> str:
+    """The ``Command-Request-Id`` of one occurrence of a timer: the same on every re-fire."""
+    return hashlib.sha256(f"{timer_id}:{scheduled_at}".encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerChange:
+    """One outcome to settle, made against the timer *as loaded* (``timer_id`` + ``revision``).
+
+    ``kind``:
+      - ``claim``: FIRING, ``claim = {owner_key, fence, until}``, ``due_at = until``.
+      - ``fired``: delivered; deleted when ``next_due`` is None, else PENDING at ``next_due``
+        (``scheduled_at = due_at = next_due``, ``fired + 1``, attempts reset).
+      - ``retry``: PENDING at ``due_at``, ``attempts + 1``, ``last_error``.
+      - ``park``: PARKED (out of the due index), ``last_error``.
+      - ``resume``: PENDING at ``due_at`` (attempts reset), from PARKED or FAILED.
+      - ``fail``: FAILED, ``last_error``.
+    Every change bumps ``revision``; ``fence`` is the slot fence of the writer.
+    """
+
+    kind: Literal["claim", "fired", "retry", "park", "resume", "fail"]
+    timer: Timer
+    fence: int = 0
+    owner_key: str = ""
+    due_at: int | None = None
+    """claim: the claim's expiry; retry/resume: the new due time."""
+    next_due: int | None = None
+    """fired: the next occurrence of a recurring rule, or None to delete."""
+    error: str | None = None
+
+    @staticmethod
+    def claim(timer: Timer, *, owner_key: str, fence: int, until: int) -> TimerChange:
+        return TimerChange(kind="claim", timer=timer, owner_key=owner_key, fence=fence, due_at=until)
+
+    @staticmethod
+    def fired(timer: Timer, *, fence: int, next_due: int | None) -> TimerChange:
+        return TimerChange(kind="fired", timer=timer, fence=fence, next_due=next_due)
+
+    @staticmethod
+    def retry(timer: Timer, *, fence: int, due_at: int, error: str) -> TimerChange:
+        return TimerChange(kind="retry", timer=timer, fence=fence, due_at=due_at, error=error)
+
+    @staticmethod
+    def park(timer: Timer, *, fence: int, reason: str) -> TimerChange:
+        return TimerChange(kind="park", timer=timer, fence=fence, error=reason)
+
+    @staticmethod
+    def resume(timer: Timer, *, due_at: int) -> TimerChange:
+        return TimerChange(kind="resume", timer=timer, due_at=due_at)
+
+    @staticmethod
+    def fail(timer: Timer, *, fence: int, reason: str) -> TimerChange:
+        return TimerChange(kind="fail", timer=timer, fence=fence, error=reason)
+
+    def applied(self) -> Timer | None:
+        """The timer after this change (``None``: deleted). Stores write exactly this."""
+        t = self.timer
+        rev = t.revision + 1
+        if self.kind == "claim":
+            assert self.due_at is not None
+            return replace(
+                t,
+                status=TimerStatus.FIRING,
+                due_at=self.due_at,
+                claim=Claim(owner_key=self.owner_key, fence=self.fence, until=self.due_at),
+                revision=rev,
+            )
+        if self.kind == "fired":
+            if self.next_due is None:
+                return None
+            return replace(
+                t,
+                status=TimerStatus.PENDING,
+                due_at=self.next_due,
+                scheduled_at=self.next_due,
+                fired=t.fired + 1,
+                attempts=0,
+                claim=None,
+                last_error=None,
+                revision=rev,
+            )
+        if self.kind == "retry":
+            assert self.due_at is not None
+            return replace(
+                t,
+                status=TimerStatus.PENDING,
+                due_at=self.due_at,
+                attempts=t.attempts + 1,
+                claim=None,
+                last_error=self.error,
+                revision=rev,
+            )
+        if self.kind == "park":
+            return replace(t, status=TimerStatus.PARKED, claim=None, last_error=self.error, revision=rev)
+        if self.kind == "resume":
+            assert self.due_at is not None
+            return replace(
+                t, status=TimerStatus.PENDING, due_at=self.due_at, attempts=0, claim=None, revision=rev
+            )
+        return replace(t, status=TimerStatus.FAILED, claim=None, last_error=self.error, revision=rev)
+
+
+# --------------------------------------------------------------------------- timer events
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerScheduled:
+    key: str
+    due_at: int
+    rule: Rule
+    target: AggregateRef
+    command: Command
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerCancelled:
+    key: str
+
+
+def timer_event_from(event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES) -> TimerScheduled | TimerCancelled | None:
+    """Reads a timer event of the log (DESIGN.md section 3); ``None`` for other events.
+
+    Raises :class:`InvalidInput` naming the field for a malformed timer event.
+    """
+    if event.name not in ("TimerScheduled", "TimerCancelled"):
+        return None
+    body = event.body
+    key = body.get("key")
+    if not isinstance(key, str) or not key or len(key) > 512:
+        raise InvalidInput("must be a non-empty string of at most 512 characters", field="body.key")
+    if event.name == "TimerCancelled":
+        return TimerCancelled(key=key)
+    due_at = body.get("due_at")
+    if not isinstance(due_at, int) or isinstance(due_at, bool) or not 0 <= due_at <= _MAX_MS:
+        raise InvalidInput(f"must be an integer in [0, {_MAX_MS}] (ms), got {due_at!r}", field="body.due_at")
+    rule = parse_rule(body.get("rule", {"type": "once"}))
+    t = body.get("target")
+    if not isinstance(t, Mapping):
+        raise InvalidInput("must be a document {context, aggregate, tenant_id, id}", field="body.target")
+    try:
+        target = AggregateRef(
+            context=t.get("context"),  # type: ignore[arg-type]
+            aggregate=t.get("aggregate"),  # type: ignore[arg-type]
+            tenant_id=t.get("tenant_id", DEFAULT_TENANT),  # type: ignore[arg-type]
+            id=t.get("id"),  # type: ignore[arg-type]
+        )
+    except (ConfigError, InvalidInput) as exc:
+        raise InvalidInput(str(exc), field="body.target") from exc
+    c = body.get("command")
+    if not isinstance(c, Mapping) or not isinstance(c.get("name"), str) or not c.get("name"):
+        raise InvalidInput("must be a document {name, body_type?, body}", field="body.command")
+    cbody = c.get("body", {})
+    if not isinstance(cbody, Mapping):
+        raise InvalidInput("must be a document", field="body.command.body")
+    command = Command(name=c["name"], body=cbody, body_type=c.get("body_type"))
+    size = len(command.to_json().encode())
+    if size > max_body_bytes:
+        raise InvalidInput(f"is {size} bytes, over the limit of {max_body_bytes}", field="body.command")
+    return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotRecord:
+    """The state of one aggregate at ``version``, folded by a reducer of ``state_revision``."""
+
+    ref: AggregateRef
+    version: int
+    state_revision: int
+    state: Mapping[str, Any]
+    owner_id: str = ""
+    space_id: str = ""
+    tags: tuple[str, ...] = ()
+    access_version: int = 0
+    deleted: bool = False
+    event_time: int = 0
+    stale_version: int | None = None
+    """Set by ``mark_stale``/a refused save: the log is at this version, the snapshot behind it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotTable:
+    """The rebuild control plane's record of one aggregate type's snapshot collection."""
+
+    type: AggregateType
+    revision: int
+    """The claimed state revision."""
+    rebuilding: bool = False
+    backfilled: bool = False
+    updated_at: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotSaveOutcome:
+    """What ``save_all`` did with one snapshot: ``saved``, ``unchanged`` (the guard kept a newer
+    one, possibly marking it stale) or ``failed`` (``reason`` says why; the others still saved)."""
+
+    ref: AggregateRef
+    version: int
+    status: Literal["saved", "unchanged", "failed"]
+    reason: str | None = None
+
+    @staticmethod
+    def rounds(snapshots: Sequence[SnapshotRecord]) -> list[list[SnapshotRecord]]:
+        """Splits a batch into rounds holding at most one snapshot per aggregate, in order,
+        so one bulk write never carries two upserts of one key."""
+        rounds: list[list[SnapshotRecord]] = []
+        seen: dict[AggregateRef, int] = {}
+        for s in snapshots:
+            k = seen.get(s.ref, 0)
+            seen[s.ref] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(s)
+        return rounds
+
+
+# --------------------------------------------------------------------------- leases
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Owner:
+    """A lease owner: ``key`` identifies the process (host:pid plus a random suffix by default)."""
+
+    key: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not self.key or len(self.key) > 256:
+            raise ConfigError("lease owner key: must be a non-empty string of at most 256 characters")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotLease:
+    """A held slot. Times are store-clock milliseconds since the epoch."""
+
+    namespace: str
+    slot: int
+    owner_key: str
+    incarnation: int
+    fence: int
+    expires_at: int
+    floor: int
+    ceiling: int
+    written_at: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcquireResult:
+    status: Literal["acquired", "exhausted", "refused"]
+    lease: SlotLease | None = None
+    reason: str | None = None
+
+    @property
+    def acquired(self) -> bool:
+        return self.status == "acquired"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlotState:
+    """One slot document as ``wowd status`` shows it (store-clock times)."""
+
+    namespace: str
+    slot: int
+    owner_key: str | None
+    last_owner_key: str | None
+    incarnation: int
+    fence: int
+    expires_at: int
+    next_floor: int
+    store_now: int
+
+    @property
+    def live(self) -> bool:
+        return self.owner_key is not None and self.expires_at > self.store_now
+
+
+# --------------------------------------------------------------------------- sink, outbox
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AccessStamp:
+    """Write ``access`` (of ``as_of``, an access version) over the documents of ``ref`` whose
+    version is in ``[from_, until]``, under the sink's stamp guard."""
+
+    ref: AggregateRef
+    access: Mapping[str, Any]
+    as_of: int
+    from_: int
+    until: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboxEntry:
+    """A command delivered into the outbox: unique on ``request_id``."""
+
+    request_id: str
+    timer_id: str
+    target: AggregateRef
+    command: str
+    """The command's JSON text."""
+    scheduled_at: int
+    fence: int
+    owner_key: str
+    created_at: int

@@ -1,0 +1,344 @@
+"""The store protocols: every backend (embedded SQLite, MongoDB, Elasticsearch) implements these.
+
+Each method's docstring is its contract: what it guarantees, what it raises, and whether it is
+idempotent. The contract suites in ``tests/contract/`` hold every implementation to it.
+
+Common to all: a transient failure (network, timeout, election, busy file, 429/5xx) raises
+:class:`~wowd.errors.StorageUnavailable` and may be retried; any other store failure raises
+another :class:`~wowd.errors.StorageError`. No driver exception crosses these methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from wowd.model import (
+    AccessStamp,
+    AcquireResult,
+    AggregateRef,
+    AggregateType,
+    Checkpoint,
+    Commit,
+    LogBatch,
+    OutboxEntry,
+    Owner,
+    Position,
+    SlotLease,
+    SlotState,
+    SnapshotRecord,
+    SnapshotSaveOutcome,
+    SnapshotTable,
+    Timer,
+    TimerChange,
+    TimerStatus,
+)
+
+__all__ = [
+    "AppendOutcome",
+    "Ddl",
+    "EventSink",
+    "Log",
+    "Outbox",
+    "SlotLeaseStore",
+    "SnapshotRebuildStore",
+    "SnapshotStore",
+    "TimerStore",
+]
+
+
+class Ddl(StrEnum):
+    """What a store does about its collections/tables/indexes before first use."""
+
+    AUTO = "auto"
+    """Create what is missing."""
+    VALIDATE = "validate"
+    """Require it to exist (and match); raise :class:`~wowd.errors.FormatError` otherwise."""
+    NONE = "none"
+    """Assume it exists."""
+
+
+AppendOutcome = Literal["appended", "duplicate", "conflict"]
+"""``appended``: written; ``duplicate``: a commit with this (aggregate id, request id) exists
+(idempotent success); ``conflict``: another commit holds this version."""
+
+
+@runtime_checkable
+class Log(Protocol):
+    """The context's log of commits (DESIGN.md section 3), checkpoints and quarantine."""
+
+    context: str
+    partitions: int
+
+    async def append(self, commit: Commit) -> AppendOutcome:
+        """Appends one commit. Idempotent on ``(aggregate_id, request_id)``: a repeat answers
+        ``duplicate``. Raises :class:`~wowd.errors.ConflictError` when another commit holds the
+        version (a different request id)."""
+        ...
+
+    async def append_many(self, commits: Sequence[Commit]) -> list[AppendOutcome]:
+        """Appends unordered; one outcome per commit, in order (no exception for a conflict)."""
+        ...
+
+    async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
+        """Writes ``document`` as is, without validation (tools and tests inject bad input)."""
+        ...
+
+    def read(
+        self, positions: Mapping[int, Position | None], *, batch_size: int = 500, follow: bool = True
+    ) -> AsyncIterator[LogBatch]:
+        """Yields batches of the given partitions' entries after each one's position (``None``:
+        from the start), in log order per aggregate. Malformed documents come as entries with
+        ``commit=None`` and ``error`` set, never raised. With ``follow`` it tails forever
+        (waiting without a busy poll); otherwise it stops when caught up. The iterator is closed
+        by ``aclose()``/cancellation."""
+        ...
+
+    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
+        """The stored checkpoints of ``consumer`` for ``partitions`` (missing ones absent)."""
+        ...
+
+    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
+        """Stores a checkpoint, admitted only when the stored one's fence is the same or lower:
+        a checkpoint written under fence f is never overwritten under a fence below f.
+        Answers False when refused. Idempotent."""
+        ...
+
+    async def quarantine(
+        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
+    ) -> None:
+        """Keeps a malformed document with the reason (idempotent per document)."""
+        ...
+
+    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
+        """The quarantined items, oldest first: ``{consumer, partition, aggregate, raw, reason}``."""
+        ...
+
+    async def aggregate_types(self) -> list[AggregateType]:
+        """The aggregate types that have a log collection/table."""
+        ...
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def ping(self) -> None:
+        """Raises :class:`~wowd.errors.StorageUnavailable` if the store does not answer."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SlotLeaseStore(Protocol):
+    """CosId-style slot leases (seed 001, DESIGN.md section 4), decided on the store's clock."""
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        """Acquires a slot in ``[slot_offset, slot_offset + limit)``.
+
+        Idempotent: an owner key holding a live slot gets that lease back unchanged. Otherwise,
+        in order: its last slot (sticky), ``preferred_slot``, then the first free slot, where free
+        means no owner or ``expires_at + tolerance < store now``. Each take increments
+        ``incarnation``; ``fence`` increments when the slot changes hands. ``exhausted`` when all
+        slots are live; ``refused`` when the namespace is recorded with another limit or offset.
+        A live slot is never handed to another owner."""
+        ...
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        """Extends a lease that matches (namespace, slot, owner key, incarnation, fence) and has
+        not expired by the store clock. ``None``: the lease is lost (expired, taken, or the
+        owner key re-acquired in a newer incarnation)."""
+        ...
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        """Clears the owner of a matching lease, keeps ``last_owner_key`` (sticky), and sets
+        ``next_floor = max(last_issued + 1, floor)``. False when the lease did not match."""
+        ...
+
+    async def slots(self, namespace: str) -> list[SlotState]:
+        """Every slot document of the namespace with the store's now (for ``wowd status``)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TimerStore(Protocol):
+    """The timers of one context (seed 000, DESIGN.md section 5)."""
+
+    async def prepare(self) -> None:
+        """Claims the registry's format (refuses another one) as the DDL mode says."""
+        ...
+
+    def collection_name(self, aggregate: str) -> str:
+        """``wow_timer__<context>__<aggregate>``."""
+        ...
+
+    async def put(self, timer: Timer) -> bool:
+        """Upserts ``timer`` unless a later version of it (same owner and key) is stored.
+        Admitted over the same or an earlier version (replacing it); False when a later one
+        is stored. Idempotent."""
+        ...
+
+    async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
+        """Removes the timer ``key`` of ``owner`` when its version is at or below ``version``."""
+        ...
+
+    async def cancel_all(self, owner: AggregateRef, version: int) -> int:
+        """Removes every timer of ``owner`` at or below ``version``; answers how many."""
+        ...
+
+    async def find(self, owner: AggregateRef, key: str) -> Timer | None: ...
+
+    async def parked(self, target: AggregateRef) -> list[Timer]:
+        """The PARKED timers whose target is ``target`` (every partition)."""
+        ...
+
+    async def settle(self, changes: Sequence[TimerChange]) -> int:
+        """Applies each change (see :class:`~wowd.model.TimerChange`) to the document as loaded
+        (``timer_id`` + ``revision``), one unordered bulk write per collection. A change whose
+        document moved on is skipped. Answers how many were written."""
+        ...
+
+    async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
+        """The first ``limit`` PENDING or FIRING timers of ``partitions`` with ``due_at <= until``,
+        across every aggregate type, ordered by ``(due_at, timer_id)``. A FIRING timer whose
+        claim expired is due again."""
+        ...
+
+    async def scan(
+        self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
+    ) -> list[Timer]:
+        """Timers for the operator's tools, by ``(due_at, timer_id)`` (not on a hot path)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SnapshotStore(Protocol):
+    """Snapshots of one context (seed 004)."""
+
+    async def prepare(self) -> None: ...
+
+    async def create_collection(self, aggregate: str) -> None:
+        """Creates the type's collection/table, key and indexes when missing; refuses one
+        recorded in another format (:class:`~wowd.errors.FormatError`)."""
+        ...
+
+    async def load(self, ref: AggregateRef) -> SnapshotRecord | None: ...
+
+    async def save(self, snapshot: SnapshotRecord) -> bool:
+        """One conditional upsert: written when the stored version is below the new one and the
+        stored state revision is not above the new one. A save refused for a higher stored
+        state revision marks the stored snapshot stale (``stale_version``). Concurrent saves
+        leave the highest version. True when written."""
+        ...
+
+    async def save_all(self, snapshots: Sequence[SnapshotRecord]) -> list[SnapshotSaveOutcome]:
+        """Saves in :meth:`SnapshotSaveOutcome.rounds`, one bulk per type per round, each item
+        guarded as :meth:`save`; one outcome per snapshot in order. A failing item is ``failed``
+        alone."""
+        ...
+
+    async def mark_stale(self, ref: AggregateRef) -> bool:
+        """Marks the stored snapshot stale (its ``stale_version`` set to its version + 1 unless
+        already later). False when there is none."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SnapshotRebuildStore(Protocol):
+    """The rebuild control plane of snapshots (seed 004)."""
+
+    async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
+        """Records ``revision`` as the type's claimed state revision when it is higher than the
+        stored one (or lower, with ``lower``); answers the table as stored after the call."""
+        ...
+
+    async def mark(
+        self, type: AggregateType, revision: int, rebuilding: bool | None = None, backfilled: bool | None = None
+    ) -> SnapshotTable | None:
+        """Sets the flags given when the claimed revision is ``revision``; None otherwise."""
+        ...
+
+    async def table(self, type: AggregateType) -> SnapshotTable | None: ...
+
+    async def pending(
+        self, type: AggregateType, revision: int, after: AggregateRef | None, limit: int
+    ) -> list[AggregateRef]:
+        """Snapshots whose state revision is below ``revision``, in key order (tenant, id),
+        after ``after``, at most ``limit``."""
+        ...
+
+    async def rewrite(self, snapshot: SnapshotRecord) -> bool:
+        """Writes a rebuilt snapshot in place: admitted when the stored state revision is below
+        the new one and the stored version not above it (or same revision, lower version);
+        clears a stale mark. True when written."""
+        ...
+
+
+@runtime_checkable
+class EventSink(Protocol):
+    """The event index of one aggregate type (seed 002): one document per commit."""
+
+    type: AggregateType
+
+    async def prepare(self) -> None:
+        """Makes sure of the index, once, as the DDL mode says."""
+        ...
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        """Writes each commit as one document whose id is its stream id. Idempotent: a document
+        written before counts as written. Durable on return. Raises
+        :class:`~wowd.errors.StorageUnavailable` for a transient failure (429, 502-504,
+        connection), :class:`~wowd.errors.SinkWriteError` naming the item for another; the items
+        written stay. Then stamps changed access attributes over the aggregate's earlier
+        documents (see :meth:`stamp`)."""
+        ...
+
+    async def stamp(
+        self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int
+    ) -> int:
+        """Writes ``access`` over the documents of ``ref`` with versions in ``[from_, until]`` whose
+        ``access_version`` is absent, below ``as_of``, or ``as_of`` with other attributes. The
+        later of two stamps wins whatever their order. Answers how many documents changed."""
+        ...
+
+    async def stamp_all(self, stamps: Sequence[AccessStamp]) -> int:
+        """Applies a page of stamps, each document under its own stamp's guard."""
+        ...
+
+    async def documents(self, ref: AggregateRef) -> list[dict[str, Any]]:
+        """The stored documents of ``ref`` by version (tools and tests)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Outbox(Protocol):
+    """Where the ``outbox`` gateway delivers commands: unique on the request id."""
+
+    async def put(self, entry: OutboxEntry) -> bool:
+        """Inserts; False when the request id is there already (a re-fire: idempotent)."""
+        ...
+
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]: ...
+
+    async def count(self) -> int: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,101 @@
+"""One SQLite file shared by the embedded stores (and by several processes), in WAL mode.
+
+Every call runs in a worker thread (``anyio.to_thread``) on this store's own connection, one
+call at a time. Read-modify-write steps run in ``BEGIN IMMEDIATE`` transactions so that two
+processes on the file serialise on the write lock; ``busy_timeout`` waits for it, and a lock
+still held after that is :class:`StorageUnavailable` (transient).
+
+The store clock is SQLite's own ``now`` evaluated in the statement that decides (``NOW_MS``).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import anyio.to_thread
+
+from wowd.errors import StorageError, StorageUnavailable
+
+__all__ = ["NOW_MS", "SqliteDatabase"]
+
+T = TypeVar("T")
+
+NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+"""SQL expression: the store clock in ms since the epoch (SQLite's ``now``)."""
+
+
+class SqliteDatabase:
+    """A connection to the wowd SQLite file. Stores accept one (the caller owns it) or a path
+    (the store opens and closes its own)."""
+
+    def __init__(self, path: str | Path, *, busy_timeout_ms: int = 10_000) -> None:
+        self.path = str(path)
+        self._busy_timeout_ms = busy_timeout_ms
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._limiter = anyio.CapacityLimiter(1)
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(
+                self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._conn = conn
+        return self._conn
+
+    def run_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs ``fn(conn)`` in the calling thread, translating sqlite3 errors."""
+        with self._lock:
+            conn = self._connect()
+            try:
+                return fn(conn)
+            except sqlite3.OperationalError as exc:
+                if conn.in_transaction:
+                    conn.rollback()
+                msg = str(exc)
+                if "locked" in msg or "busy" in msg:
+                    raise StorageUnavailable(f"sqlite {self.path}: {msg}") from exc
+                raise StorageError(f"sqlite {self.path}: {msg}") from exc
+            except sqlite3.Error as exc:
+                if conn.in_transaction:
+                    conn.rollback()
+                raise StorageError(f"sqlite {self.path}: {exc}") from exc
+            except BaseException:
+                if conn.in_transaction:
+                    conn.rollback()
+                raise
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs ``fn(conn)`` in a worker thread, one call at a time on this connection."""
+        return await anyio.to_thread.run_sync(self.run_sync, fn, limiter=self._limiter)
+
+    def transaction(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
+        """Wraps ``fn`` in ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on error)."""
+
+        def wrapped(conn: sqlite3.Connection) -> T:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                result = fn(conn)
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.execute("COMMIT")
+            return result
+
+        return wrapped
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
