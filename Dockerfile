@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1
+# wowd container image: multi-stage; the final stage has no compilers and runs as a non-root user.
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN python -m venv /opt/wowd
+COPY pyproject.toml requirements.lock README.md ./
+COPY wowd ./wowd
+# Runtime dependencies pinned by the lock file (its test/bench extras are not installed).
+RUN /opt/wowd/bin/pip install --constraint requirements.lock . \
+ && find /opt/wowd -name '__pycache__' -prune -exec rm -rf {} +
+
+FROM ${PYTHON_IMAGE}
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="wowd" \
+      org.opencontainers.image.description="Worker daemon for Wow-style event-sourced bounded contexts" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="https://github.com/wowd/wowd"
+RUN groupadd --system --gid 10001 wowd \
+ && useradd --system --uid 10001 --gid wowd --home-dir /var/lib/wowd --create-home --shell /usr/sbin/nologin wowd
+COPY --from=build /opt/wowd /opt/wowd
+ENV PATH=/opt/wowd/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    WOWD_EMBEDDED__PATH=/var/lib/wowd/wowd.db \
+    WOWD_HTTP__HOST=0.0.0.0 \
+    WOWD_HTTP__PORT=9180
+USER 10001:10001
+WORKDIR /var/lib/wowd
+VOLUME ["/var/lib/wowd"]
+EXPOSE 9180
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+  CMD ["python", "-c", "import os,sys,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('WOWD_HTTP__PORT', '9180'), timeout=2); sys.exit(0)"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["wowd", "run"]
