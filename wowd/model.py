@@ -630,7 +630,9 @@ class TimerCancelled:
     key: str
 
 
-def timer_event_from(event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES) -> TimerScheduled | TimerCancelled | None:
+def timer_event_from(
+    event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES
+) -> TimerScheduled | TimerCancelled | None:
     """Reads a timer event of the log (DESIGN.md section 3); ``None`` for other events.
 
     Raises :class:`InvalidInput` naming the field for a malformed timer event.
@@ -654,7 +656,7 @@ def timer_event_from(event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES
         target = AggregateRef(
             context=t.get("context"),  # type: ignore[arg-type]
             aggregate=t.get("aggregate"),  # type: ignore[arg-type]
-            tenant_id=t.get("tenant_id", DEFAULT_TENANT),  # type: ignore[arg-type]
+            tenant_id=t.get("tenant_id", DEFAULT_TENANT),
             id=t.get("id"),  # type: ignore[arg-type]
         )
     except (ConfigError, InvalidInput) as exc:

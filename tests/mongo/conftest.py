@@ -21,11 +21,11 @@ class Wire:
     def __init__(self, server: MockupDB) -> None:
         self.server = server
 
-    async def receives(self, *args: Any, timeout: float = 10, **kwargs: Any) -> Request:
+    async def receives(self, *args: Any, timeout: float = 10, **kwargs: Any) -> Request:  # noqa: ASYNC109
         """The next request the driver sent (heartbeats are answered by MockupDB itself)."""
         return await anyio.to_thread.run_sync(partial(self.server.receives, *args, timeout=timeout, **kwargs))
 
-    async def command(self, name: str, timeout: float = 10) -> Request:
+    async def command(self, name: str, timeout: float = 10) -> Request:  # noqa: ASYNC109
         """The next request, asserted to be the command ``name``."""
         req = await self.receives(timeout=timeout)
         assert req.command_name == name, f"expected {name}, got {req.command_name}: {req.doc}"

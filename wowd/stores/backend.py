@@ -45,7 +45,9 @@ async def open_backend(settings: WowdSettings) -> Backend:
     if settings.backend == "embedded":
         from wowd.stores.embedded import open_embedded
 
-        return await open_embedded(settings)
+        backend: Backend = await open_embedded(settings)
+        return backend
     from wowd.stores.mongo import open_mongo
 
-    return await open_mongo(settings)
+    backend = await open_mongo(settings)
+    return backend
