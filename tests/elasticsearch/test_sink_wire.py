@@ -1,0 +1,535 @@
+"""Black-pipe tests of ElasticsearchEventSink: the real AsyncElasticsearch client over a socket
+to a fake that answers as Elasticsearch 9 does (``fake_es``); each test scripts the answers and
+asserts the requests on the wire."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from elasticsearch import AsyncElasticsearch
+
+from tests.elasticsearch import fake_es
+from tests.elasticsearch.fake_es import FakeElasticsearch
+from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable
+from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
+from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
+from wowd.stores.base import Ddl, EventSink
+from wowd.stores.elasticsearch import ElasticsearchEventSink, events_mapping, index_name
+from wowd.stores.elasticsearch.sink import MAX_CONFLICT_ROUNDS, STAMP_SCRIPT, access_digest
+
+pytestmark = pytest.mark.anyio
+
+TYPE = AggregateType(context="ctx", aggregate="order")
+INDEX = "wow.ctx.order.events"
+P = f"/{INDEX}"
+A = {"owner_id": "u1", "space_id": "s1", "tags": ["x"]}
+B = {"owner_id": "u2", "space_id": "s1", "tags": ["x"]}
+C = {"owner_id": "u3", "space_id": "s2", "tags": []}
+
+
+def ref(id: str, tenant: str = "(0)") -> AggregateRef:
+    return AggregateRef(context="ctx", aggregate="order", tenant_id=tenant, id=id)
+
+
+def commit(id: str, version: int, access: dict[str, Any] = A, access_version: int = 1, tenant: str = "(0)") -> Commit:
+    return Commit(
+        ref=ref(id, tenant),
+        version=version,
+        command_id=f"cmd-{id}-{version}",
+        request_id=f"req-{id}-{version}",
+        create_time=1_700_000_000_000 + version,
+        events=(DomainEvent(id=f"ev-{id}-{version}", name="OrderChanged", body={"n": version, "deep": {"a": [1]}}),),
+        header={"user_agent": "test"},
+        access=access,
+        access_version=access_version,
+    )
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeElasticsearch]:
+    server = FakeElasticsearch()
+    server.start()
+    try:
+        yield server
+        assert not server.unexpected, [f"{r.method} {r.path}" for r in server.unexpected]
+        assert not server.pending(), server.pending()
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
+    es = AsyncElasticsearch(fake.url, max_retries=0, request_timeout=5)
+    try:
+        yield es
+    finally:
+        await es.close()
+
+
+def sink_of(client: AsyncElasticsearch, **kwargs: Any) -> ElasticsearchEventSink:
+    kwargs.setdefault("ddl", Ddl.NONE)
+    return ElasticsearchEventSink(client, TYPE, **kwargs)
+
+
+def count(status: str) -> float:
+    value = SINK_ITEMS.labels(status=status)._value.get()
+    assert isinstance(value, float)
+    return value
+
+
+def _count(histogram: Any) -> float:
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):
+                return float(sample.value)
+    raise AssertionError("no _count sample")
+
+
+# --------------------------------------------------------------------------- names, mapping
+
+
+def test_index_name_and_mapping() -> None:
+    assert index_name(TYPE) == INDEX
+    m = events_mapping()
+    assert m["dynamic"] == "strict"
+    p = m["properties"]
+    assert p["tenant_id"] == p["aggregate_id"] == p["request_id"] == {"type": "keyword"}
+    assert p["create_time"]["type"] == "date"
+    assert p["events"]["type"] == "nested"
+    assert p["events"]["properties"]["body"] == {"type": "object", "enabled": False}
+    assert p["header"] == {"type": "object", "enabled": False}
+
+
+async def test_is_an_event_sink_named_by_index_and_hosts(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    assert isinstance(sink, EventSink)
+    assert INDEX in str(sink) and fake.url in str(sink)
+
+
+# --------------------------------------------------------------------------- write
+
+
+async def test_one_bulk_of_creates_with_stream_ids_and_routing(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    records = [commit("o:1", 1), commit("o:1", 2), commit("b/2", 1, tenant="t 1")]
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 201, 201))
+    before = count("201")
+    bulks = _count(SINK_BULK_SECONDS)
+    await sink.write(records)
+    assert _count(SINK_BULK_SECONDS) == bulks + 1
+    (req,) = fake.take()
+    assert "refresh" not in req.params
+    assert req.headers["content-type"].startswith("application/vnd.elasticsearch+x-ndjson")
+    lines = req.ndjson()
+    assert lines[0::2] == [
+        {"create": {"_id": "%280%29:o%3A1:1", "routing": "o:1"}},
+        {"create": {"_id": "%280%29:o%3A1:2", "routing": "o:1"}},
+        {"create": {"_id": "t%201:b%2F2:1", "routing": "b/2"}},
+    ]
+    doc = lines[1]
+    assert doc == {
+        "tenant_id": "(0)",
+        "aggregate_id": "o:1",
+        "version": 1,
+        "command_id": "cmd-o:1-1",
+        "request_id": "req-o:1-1",
+        "create_time": 1_700_000_000_001,
+        "header": {"user_agent": "test"},
+        "events": [
+            {
+                "id": "ev-o:1-1",
+                "name": "OrderChanged",
+                "revision": "0.0.1",
+                "body_type": "",
+                "body": {"n": 1, "deep": {"a": [1]}},
+            }
+        ],
+        "owner_id": "u1",
+        "space_id": "s1",
+        "access": A,
+        "access_version": 1,
+        "access_digest": access_digest(A),
+        "deleted": False,
+    }
+    assert count("201") == before + 3
+
+
+async def test_refresh_param_only_when_refresh_is_true(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink_of(client, refresh=True).write([commit("a", 1)])
+    (req,) = fake.take()
+    assert req.params["refresh"] == "true"
+
+
+async def test_transient_items_fail_the_write_and_the_retry_of_409s_succeeds(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    records = [commit("a", 1), commit("b", 1), commit("c", 1)]
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 409, 429))
+    with pytest.raises(StorageUnavailable, match=r"1 of 3 items.*%280%29:c:1.*429"):
+        await sink.write(records)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(409, 409, 409))
+    await sink.write(records)
+    first, retry = fake.take()
+    assert first.body == retry.body
+
+
+async def test_a_refused_item_fails_the_write_naming_it(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 429, 400))
+    with pytest.raises(SinkWriteError, match=r"%280%29:c:1.*\[400\] document_parsing_exception") as info:
+        await sink.write([commit("a", 1), commit("b", 1), commit("c", 1)])
+    assert not isinstance(info.value, StorageUnavailable)
+
+
+async def test_request_level_answers_are_classified(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", 503, fake_es.error(503, "cluster_block_exception", "blocked"))
+    with pytest.raises(StorageUnavailable, match="503"):
+        await sink.write([commit("a", 1)])
+    fake.on("PUT", f"{P}/_bulk", 400, fake_es.error(400, "illegal_argument_exception", "bad bulk"))
+    with pytest.raises(SinkWriteError, match="bad bulk.*%280%29:a:1"):
+        await sink.write([commit("a", 1)])
+
+
+async def test_a_timeout_is_transient(fake: FakeElasticsearch) -> None:
+    release = threading.Event()
+
+    def slow(req: fake_es.Recorded) -> Any:
+        release.wait(10)
+        return fake_es.bulk_answer(201)(req)
+
+    fake.on("PUT", f"{P}/_bulk", body=slow)
+    es = AsyncElasticsearch(fake.url, max_retries=0, request_timeout=0.2)
+    try:
+        with pytest.raises(StorageUnavailable, match="bulk"):
+            await sink_of(es).write([commit("a", 1)])
+    finally:
+        release.set()
+        await es.close()
+
+
+async def test_connection_refused_is_transient() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    es = AsyncElasticsearch(f"http://127.0.0.1:{port}", request_timeout=2)
+    sink = ElasticsearchEventSink(es, TYPE, ddl=Ddl.NONE, owns_client=True)
+    try:
+        with pytest.raises(StorageUnavailable, match="bulk"):
+            await sink.write([commit("a", 1)])
+    finally:
+        await sink.close()
+
+
+# --------------------------------------------------------------------------- stamps
+
+
+def _guard(as_of: int, access: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bool": {
+            "should": [
+                {"bool": {"must_not": [{"exists": {"field": "access_version"}}]}},
+                {"range": {"access_version": {"lt": as_of}}},
+                {
+                    "bool": {
+                        "filter": [{"term": {"access_version": as_of}}],
+                        "must_not": [{"term": {"access_digest": access_digest(access)}}],
+                    }
+                },
+            ],
+            "minimum_should_match": 1,
+        }
+    }
+
+
+def _clause(r: AggregateRef, lo: int, hi: int, as_of: int, access: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "bool": {
+            "filter": [
+                {"term": {"tenant_id": r.tenant_id}},
+                {"term": {"aggregate_id": r.id}},
+                {"range": {"version": {"gte": lo, "lte": hi}}},
+                _guard(as_of, access),
+            ]
+        }
+    }
+
+
+def _params(access: dict[str, Any], as_of: int, lo: int, hi: int) -> dict[str, Any]:
+    return {
+        "access": access,
+        "owner_id": access["owner_id"],
+        "space_id": access["space_id"],
+        "as_of": as_of,
+        "from_version": lo,
+        "until_version": hi,
+        "digest": access_digest(access),
+    }
+
+
+async def test_stamp_is_one_guarded_update_by_query(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2, noops=1))
+    assert await sink.stamp(ref("a"), B, 4, 1, 3) == 2
+    (req,) = fake.take()
+    assert req.params == {"routing": "a"}
+    body = req.json()
+    assert body["conflicts"] == "proceed"
+    assert body["query"] == _clause(ref("a"), 1, 3, 4, B)
+    assert body["script"] == {
+        "lang": "painless",
+        "source": STAMP_SCRIPT,
+        "params": {"stamps": {"(0)": {"a": _params(B, 4, 1, 3)}}},
+    }
+    # the script holds the same guard: noop outside the versions or when not newer/other
+    for part in ("ctx.op = 'noop'", "av == null", "av < s.as_of", "ctx._source.access_digest != s.digest"):
+        assert part in STAMP_SCRIPT
+
+
+async def test_stamp_all_is_one_request_per_round(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client, refresh=True)
+    stamps = [
+        AccessStamp(ref=ref("a"), access=B, as_of=3, from_=1, until=2),
+        AccessStamp(ref=ref("b", "t2"), access=C, as_of=5, from_=1, until=4),
+        AccessStamp(ref=ref("a"), access=B, as_of=3, from_=1, until=2),  # the same again: once
+        AccessStamp(ref=ref("a"), access=C, as_of=6, from_=1, until=5),  # another of a: next round
+    ]
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=6))
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=5))
+    assert await sink.stamp_all(stamps) == 11
+    first, second = fake.take()
+    assert first.params == {"routing": "a,b", "refresh": "true"}
+    assert first.json()["conflicts"] == "proceed"
+    assert first.json()["query"] == {
+        "bool": {
+            "should": [_clause(ref("a"), 1, 2, 3, B), _clause(ref("b", "t2"), 1, 4, 5, C)],
+            "minimum_should_match": 1,
+        }
+    }
+    assert first.json()["script"]["params"] == {
+        "stamps": {"(0)": {"a": _params(B, 3, 1, 2)}, "t2": {"b": _params(C, 5, 1, 4)}}
+    }
+    assert second.json()["query"] == _clause(ref("a"), 1, 5, 6, C)
+    assert second.json()["script"]["params"] == {"stamps": {"(0)": {"a": _params(C, 6, 1, 5)}}}
+
+
+async def test_version_conflicts_make_the_stamp_search_again(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=1, version_conflicts=2))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2))
+    assert await sink.stamp(ref("a"), B, 4, 1, 3) == 3
+    first, refresh, second = fake.take()
+    assert (refresh.method, refresh.path) == ("POST", f"{P}/_refresh")
+    assert first.body == second.body
+
+
+async def test_version_conflicts_without_end_are_transient(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    for _ in range(MAX_CONFLICT_ROUNDS):
+        fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(version_conflicts=1))
+        fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    with pytest.raises(StorageUnavailable, match="version conflicts"):
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+
+
+async def test_stamp_failures_are_classified(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    failure = {"index": INDEX, "id": "x", "cause": {"type": "script_exception", "reason": "boom"}, "status": 400}
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(failures=[failure]))
+    with pytest.raises(StorageError, match="script_exception") as info:
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+    assert not isinstance(info.value, StorageUnavailable)
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(failures=[{**failure, "status": 429}]))
+    with pytest.raises(StorageUnavailable):
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+
+
+# --------------------------------------------------------------------------- access changes in writes
+
+
+def _latest(version: int, access: dict[str, Any]) -> dict[str, Any]:
+    return fake_es.hits(INDEX, [{"version": version, "access": access, "access_version": version}])
+
+
+async def test_a_change_inside_one_write_stamps_without_a_search(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 201, 201))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2))
+    await sink.write([commit("a", 1, A, 1), commit("a", 2, B, 2), commit("a", 3, B, 2)])
+    bulk, refresh, ubq = fake.take()
+    assert refresh.path == f"{P}/_refresh"
+    assert ubq.json()["query"] == _clause(ref("a"), 1, 1, 2, B)
+
+
+async def test_the_lru_detects_a_change_without_a_search(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink.write([commit("a", 1, A, 1)])  # version 1: nothing before it, no search
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink.write([commit("a", 2, A, 1)])  # the same attributes: known from the LRU
+    assert [r.path for r in fake.take()] == [f"{P}/_bulk", f"{P}/_bulk"]
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2))
+    await sink.write([commit("a", 3, B, 3)])
+    reqs = fake.take()
+    assert [r.path for r in reqs] == [f"{P}/_bulk", f"{P}/_refresh", f"{P}/_update_by_query"]
+    assert reqs[2].json()["query"] == _clause(ref("a"), 1, 2, 3, B)
+
+
+async def test_an_aggregate_not_in_the_lru_is_searched(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client, capacity=1)
+    # b is not known: its latest document before version 5 is searched (after a refresh)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 201))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_msearch", body=fake_es.msearch_answer(_latest(4, B), _latest(2, A)))
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=4))
+    await sink.write([commit("b", 5, C, 5), commit("c", 3, A, 1)])
+    bulk, refresh, msearch, ubq = fake.take()
+    assert refresh.path == f"{P}/_refresh"
+    lines = msearch.ndjson()
+    assert lines[0] == {"routing": "b"}
+    assert lines[1] == {
+        "query": {
+            "bool": {
+                "filter": [
+                    {"term": {"tenant_id": "(0)"}},
+                    {"term": {"aggregate_id": "b"}},
+                    {"range": {"version": {"lt": 5}}},
+                ]
+            }
+        },
+        "sort": [{"version": {"order": "desc"}}],
+        "size": 1,
+        "_source": ["version", "access", "access_version"],
+    }
+    assert lines[3]["query"]["bool"]["filter"][1] == {"term": {"aggregate_id": "c"}}
+    # b changed (B -> C) and is stamped; c did not (A -> A)
+    assert ubq.json()["query"] == _clause(ref("b"), 1, 4, 5, C)
+    # capacity 1: only c is remembered, so b is searched again (same attributes: no stamp)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_msearch", body=fake_es.msearch_answer(_latest(5, C)))
+    await sink.write([commit("b", 6, C, 5)])
+    assert [r.path for r in fake.take()] == [f"{P}/_bulk", f"{P}/_refresh", f"{P}/_msearch"]
+    # b is remembered now (and c forgotten): no search
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink.write([commit("b", 7, C, 5)])
+    assert [r.path for r in fake.take()] == [f"{P}/_bulk"]
+
+
+async def test_a_failed_stamp_is_stamped_again_by_the_retry(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink.write([commit("a", 1, A, 1)])
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_update_by_query", 429, fake_es.error(429, "es_rejected_execution_exception", "full"))
+    with pytest.raises(StorageUnavailable):
+        await sink.write([commit("a", 2, B, 2)])
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(409))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=1))
+    await sink.write([commit("a", 2, B, 2)])
+    assert fake.take()[-1].json()["query"] == _clause(ref("a"), 1, 1, 2, B)
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+MAPPING_ANSWER = {INDEX: {"mappings": events_mapping()}}
+
+
+async def test_prepare_auto_creates_the_index_and_waits_for_its_primary_once(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO)
+    fake.on("PUT", P, body=fake_es.created(INDEX))
+    fake.on("GET", f"/_cluster/health/{INDEX}", body=fake_es.health(INDEX))
+    await sink.prepare()
+    await sink.prepare()
+    create, health = fake.take()
+    assert create.json() == {"mappings": events_mapping()}
+    assert health.params["wait_for_status"] == "yellow"
+
+
+async def test_prepare_auto_checks_an_existing_index(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO)
+    fake.on("PUT", P, 400, fake_es.error(400, "resource_already_exists_exception", f"index [{INDEX}] already exists"))
+    fake.on("GET", f"{P}/_mapping", body=MAPPING_ANSWER)
+    fake.on("GET", f"/_cluster/health/{INDEX}", body=fake_es.health(INDEX, "green"))
+    await sink.prepare()
+    assert [r.path for r in fake.take()] == [P, f"{P}/_mapping", f"/_cluster/health/{INDEX}"]
+
+
+async def test_prepare_auto_fails_transiently_while_the_primary_is_missing(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO)
+    fake.on("PUT", P, body=fake_es.created(INDEX))
+    fake.on("GET", f"/_cluster/health/{INDEX}", 408, fake_es.health(INDEX, "red", timed_out=True))
+    with pytest.raises(StorageUnavailable, match="primary"):
+        await sink.prepare()
+
+
+async def test_prepare_validate_requires_the_index_with_its_key_fields(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    fake.on("GET", f"{P}/_mapping", 404, fake_es.error(404, "index_not_found_exception", f"no such index [{INDEX}]"))
+    with pytest.raises(FormatError, match="does not exist"):
+        await sink_of(client, ddl=Ddl.VALIDATE).prepare()
+    wrong = events_mapping()
+    wrong["properties"]["version"] = {"type": "keyword"}
+    fake.on("GET", f"{P}/_mapping", body={INDEX: {"mappings": wrong}})
+    with pytest.raises(FormatError, match="version is keyword, expected long"):
+        await sink_of(client, ddl=Ddl.VALIDATE).prepare()
+    fake.on("GET", f"{P}/_mapping", body=MAPPING_ANSWER)
+    fake.on("GET", f"/_cluster/health/{INDEX}", body=fake_es.health(INDEX))
+    await sink_of(client, ddl=Ddl.VALIDATE).prepare()
+    assert not [r for r in fake.take() if r.method != "GET"]
+
+
+async def test_prepare_none_sends_nothing(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    await sink_of(client, ddl=Ddl.NONE).prepare()
+    assert fake.take() == []
+
+
+# --------------------------------------------------------------------------- reads, close
+
+
+async def test_documents_are_searched_by_version(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    docs = [{"aggregate_id": "a", "version": v, "access_digest": "d"} for v in (1, 2)]
+    fake.on("POST", f"{P}/_search", body=fake_es.hits(INDEX, docs))
+    assert await sink_of(client).documents(ref("a")) == [{"aggregate_id": "a", "version": v} for v in (1, 2)]
+    (req,) = fake.take()
+    assert req.params == {"routing": "a"}
+    assert req.json()["sort"] == [{"version": {"order": "asc"}}]
+    assert req.json()["query"] == {
+        "bool": {"filter": [{"term": {"tenant_id": "(0)"}}, {"term": {"aggregate_id": "a"}}]}
+    }
+
+
+async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> None:
+    es = AsyncElasticsearch(fake.url, max_retries=0)
+    try:
+        await sink_of(es).close()
+        fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+        await sink_of(es).write([commit("a", 1)])  # still open
+    finally:
+        await sink_of(es, owns_client=True).close()
