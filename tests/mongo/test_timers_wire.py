@@ -1,0 +1,608 @@
+"""MongoTimerStore on the wire (MockupDB): the exact commands it sends and how it reads answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from bson.min_key import MinKey
+from pymongo import AsyncMongoClient
+
+from tests.mongo.conftest import Wire
+from tests.mongo.timers_support import (
+    CONTEXT,
+    PARTITIONS,
+    REGISTRY,
+    answer_first_use,
+    answer_update,
+    calling,
+    cursor,
+    make_timer,
+    matches,
+    ref,
+    registry_doc,
+)
+from wowd.errors import FormatError, InvalidInput, StorageUnavailable
+from wowd.model import CronRule, Timer, TimerChange, TimerStatus
+from wowd.stores.base import Ddl
+from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.timers import (
+    MongoTimerStore,
+    due_match,
+    index_specs,
+    put_filter,
+    settle_filter,
+    timer_from_doc,
+    timer_to_doc,
+    union_pipeline,
+)
+
+pytestmark = pytest.mark.anyio
+
+DB = "wowd"
+
+
+def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimerStore:
+    options: dict[str, Any] = {"sharding": MongoSharding.OFF, "operation_timeout": None}
+    options.update(kwargs)
+    return MongoTimerStore(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
+
+
+async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
+    """``prepare`` reading a registry that records ``aggregates`` (format 5)."""
+    async with calling(store.prepare) as out:
+        req = await wire.command("find")
+        assert req.doc["find"] == REGISTRY
+        assert req.doc["filter"] == {"context": CONTEXT}
+        req.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc(a) for a in aggregates]))
+    assert out.error is None, out.error
+
+
+async def first_put(store: MongoTimerStore, wire: Wire, aggregate: str = "order") -> None:
+    async with calling(lambda: store.put(make_timer(aggregate=aggregate))) as out:
+        await answer_first_use(wire, aggregate)
+        await answer_update(wire)
+    assert out.value is True, out.error
+
+
+@pytest.fixture
+async def idle_client() -> AsyncIterator[AsyncMongoClient[Any]]:
+    """A client that never connects, for calls refused before any I/O (no MockupDB to race)."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://localhost:1", connect=False)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def stored(timer: Timer, *, aggregate: str | None = None) -> dict[str, Any]:
+    """A timer document as the union read answers it (``owner.aggregate`` set by the pipeline)."""
+    doc = timer_to_doc(timer)
+    doc["owner"]["aggregate"] = aggregate or timer.owner.aggregate
+    return doc
+
+
+# --------------------------------------------------------------------------- names, documents, DDL
+
+
+async def test_collection_name_follows_the_log_rule(idle_client: AsyncMongoClient[Any]) -> None:
+    store = MongoTimerStore(idle_client, DB, context=CONTEXT, partitions=PARTITIONS)
+    assert store.collection_name("order") == "wow_timer__ctx__order"
+    with pytest.raises(ValueError):
+        store.collection_name("Bad.Name")
+
+
+def test_timer_document_round_trip_keeps_every_field() -> None:
+    from wowd.model import Claim
+
+    t = replace(
+        make_timer(),
+        rule=CronRule(expression="*/5 * * * *", zone="Europe/Paris"),
+        status=TimerStatus.FIRING,
+        claim=Claim(owner_key="host:1", fence=7, until=9_000),
+        last_error="503",
+        attempts=2,
+        fired=3,
+        revision=4,
+    )
+    doc = timer_to_doc(t)
+    assert doc["owner"] == {"tenant_id": "(0)", "id": "order-1"}
+    assert doc["rule"] == {"type": "cron", "expression": "*/5 * * * *", "zone": "Europe/Paris"}
+    assert doc["body"] == t.body and isinstance(doc["due_at"], int)
+    assert doc["claim"] == {"owner_key": "host:1", "fence": 7, "until": 9_000}
+    assert timer_from_doc(doc, context=CONTEXT, aggregate="order") == t
+    pending = timer_to_doc(make_timer())
+    assert "claim" not in pending and "last_error" not in pending
+
+
+def test_index_specs() -> None:
+    specs = {s["name"]: s for s in index_specs()}
+    unique = specs["partition_owner_key"]
+    assert list(unique["key"].items()) == [
+        ("partition", 1),
+        ("owner.tenant_id", 1),
+        ("owner.id", 1),
+        ("key", 1),
+    ]
+    assert unique["unique"] is True
+    due = specs["due"]
+    assert list(due["key"].items()) == [("partition", 1), ("due_at", 1), ("timer_id", 1)]
+    assert due["partialFilterExpression"] == {"status": {"$in": ["PENDING", "FIRING"]}}
+    assert "unique" not in due
+    parked = specs["parked_target"]
+    assert parked["partialFilterExpression"] == {"status": "PARKED"}
+
+
+async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    timer = make_timer()
+    async with calling(lambda: store.put(timer)) as out:
+        fam = await wire.command("findAndModify")
+        assert fam.doc["findAndModify"] == REGISTRY
+        assert fam.doc["query"] == {"_id": "wow_timer__ctx__order"}
+        assert fam.doc["upsert"] is True and fam.doc["new"] is True
+        insert = fam.doc["update"]["$setOnInsert"]
+        assert {k: insert[k] for k in ("context", "aggregate", "format")} == {
+            "context": CONTEXT,
+            "aggregate": "order",
+            "format": 5,
+        }
+        assert isinstance(insert["created_at"], int)
+        fam.ok(value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False})
+        create = await wire.command("create")
+        assert create.doc["create"] == "wow_timer__ctx__order"
+        create.command_err(code=48, errmsg="Collection already exists")  # another replica made it
+        ci = await wire.command("createIndexes")
+        assert ci.doc["createIndexes"] == "wow_timer__ctx__order"
+        assert [dict(i) for i in ci.doc["indexes"]] == index_specs()
+        assert [list(i["key"]) for i in ci.doc["indexes"]] == [list(s["key"]) for s in index_specs()]
+        ci.ok()
+        update = await answer_update(wire)
+    assert out.error is None and out.value is True
+    [op] = update["updates"]
+    assert update["update"] == "wow_timer__ctx__order"
+    assert op["q"] == put_filter(timer)
+    assert op["q"]["partition"] == timer.partition  # the shard key is in every filter by owner
+    assert op["upsert"] is True and not op.get("multi", False)
+    [stage] = op["u"]
+    merged = stage["$replaceWith"]["$mergeObjects"]
+    assert merged[0] == {"_id": "$_id"}
+    literal = timer_to_doc(timer)
+    del literal["revision"]
+    assert merged[1] == {"$literal": literal}
+
+    # the type is known now: the next put is the upsert alone
+    async with calling(lambda: store.put(make_timer(version=6))) as out2:
+        await answer_update(wire, upserted=False)
+    assert out2.value is True
+
+
+async def test_put_refused_on_another_format(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    async with calling(lambda: store.put(make_timer())) as out:
+        await answer_first_use(wire, "order", fmt=4)
+    assert isinstance(out.error, FormatError)
+    assert "format 4" in str(out.error)
+
+
+async def test_first_put_drops_and_rebuilds_another_format_when_told(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client, drop_other_format=True)
+    async with calling(lambda: store.put(make_timer())) as out:
+        (await wire.command("findAndModify")).ok(value=registry_doc("order", fmt=4))
+        drop = await wire.command("drop")
+        assert drop.doc["drop"] == "wow_timer__ctx__order"
+        drop.ok()
+        delete = await wire.command("delete")
+        assert delete.doc["deletes"][0]["q"] == {"_id": "wow_timer__ctx__order", "format": 4}
+        delete.ok(n=1)
+        await answer_first_use(wire, "order")  # registered anew at format 5, created, indexed
+        await answer_update(wire)
+    assert out.error is None and out.value is True
+
+
+async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(
+    mongo_client: Any, wire: Wire
+) -> None:
+    store = store_on(mongo_client, ddl=Ddl.VALIDATE)
+    async with calling(lambda: store.put(make_timer())) as out:
+        reg = await wire.command("find")
+        assert reg.doc["find"] == REGISTRY and reg.doc["filter"] == {"_id": "wow_timer__ctx__order"}
+        reg.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        li = await wire.command("listIndexes")
+        assert li.doc["listIndexes"] == "wow_timer__ctx__order"
+        li.ok(
+            **cursor(
+                f"{DB}.wow_timer__ctx__order", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()]
+            )
+        )
+        await answer_update(wire)
+    assert out.error is None and out.value is True
+
+    other = store_on(mongo_client, ddl=Ddl.VALIDATE)
+    async with calling(lambda: other.put(make_timer())) as refused:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listIndexes")).ok(
+            **cursor(
+                f"{DB}.wow_timer__ctx__order",
+                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()[:1]],
+            )
+        )
+    assert isinstance(refused.error, FormatError) and "due" in str(refused.error)
+
+
+async def test_ddl_none_registers_the_type_and_creates_nothing(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    async with calling(lambda: store.put(make_timer())) as out:
+        (await wire.command("findAndModify")).ok(value=registry_doc("order"))
+        await answer_update(wire)  # straight to the upsert
+    assert out.error is None and out.value is True
+
+
+async def test_prepare_refuses_a_collection_of_another_format(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    async with calling(store.prepare) as out:
+        req = await wire.command("find")
+        req.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart", fmt=4)]))
+    assert isinstance(out.error, FormatError)
+    assert "wow_timer__ctx__cart" in str(out.error)
+
+
+async def test_prepare_drops_another_format_when_told(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client, drop_other_format=True)
+    async with calling(store.prepare) as out:
+        (await wire.command("find")).ok(
+            **cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart", fmt=4)])
+        )
+        drop = await wire.command("drop")
+        assert drop.doc["drop"] == "wow_timer__ctx__cart"
+        drop.ok()
+        delete = await wire.command("delete")
+        assert delete.doc["delete"] == REGISTRY
+        assert [d["q"] for d in delete.doc["deletes"]] == [{"_id": "wow_timer__ctx__cart", "format": 4}]
+        delete.ok(n=1)
+    assert out.error is None, out.error
+    # only the format-5 collection is read by due
+    async with calling(lambda: store.due({0}, 10, 5)) as due:
+        agg = await wire.command("aggregate")
+        unions = [s["$unionWith"]["coll"] for s in agg.doc["pipeline"] if "$unionWith" in s]
+        assert unions == ["wow_timer__ctx__order"]
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 1}]))
+    assert due.value == []
+
+
+async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client: Any, wire: Wire) -> None:
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
+    )
+    timer = make_timer(id="a")
+    timer = replace(timer, partition=timer.owner.partition(3))
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(lambda: store.put(timer)) as out:
+        (await wire.command("findAndModify")).ok(value=registry_doc("order"))
+        (await wire.command("create")).ok()
+        (await wire.command("createIndexes")).ok()
+        (await wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        shard = await wire.command("shardCollection")
+        assert shard.doc["shardCollection"] == ns and shard.doc["key"] == {"partition": 1}
+        shard.ok(collectionsharded=ns)
+        (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        splits = []
+        for _ in range(2):
+            req = await wire.command("split")
+            assert req.doc["split"] == ns
+            splits.append(req.doc["middle"])
+            req.ok()
+        assert splits == [{"partition": 1}, {"partition": 2}]
+        moves = []
+        for _ in range(3):
+            req = await wire.command("moveRange")
+            moves.append((req.doc["min"]["partition"], req.doc["toShard"]))
+            req.ok()
+        assert moves == [(MinKey(), "s0"), (1, "s1"), (2, "s0")]
+        await answer_update(wire)
+    assert out.value is True, out.error
+
+
+# --------------------------------------------------------------------------- put's guard
+
+
+async def test_put_answers_false_on_duplicate_key(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    async with calling(lambda: store.put(make_timer(version=3))) as out:
+        req = await wire.command("update")
+        req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 duplicate key"}])
+    assert out.error is None and out.value is False
+
+
+@pytest.mark.parametrize(("new", "stored_version", "admitted"), [(3, 5, False), (5, 5, True), (6, 5, True)])
+async def test_put_version_guard(
+    mongo_client: Any, wire: Wire, new: int, stored_version: int, admitted: bool
+) -> None:
+    """The filter sent is judged against a stored timer the way the server does: a match is
+    replaced, no match is an insert that meets the unique key (E11000)."""
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    existing = timer_to_doc(make_timer(version=stored_version))
+    async with calling(lambda: store.put(make_timer(version=new))) as out:
+        req = await wire.command("update")
+        q = req.doc["updates"][0]["q"]
+        if matches(q, existing):
+            req.ok(n=1, nModified=1)
+        else:
+            req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 dup key"}])
+    assert out.error is None
+    assert out.value is admitted
+
+
+async def test_put_refuses_a_timer_of_another_context_or_partition(idle_client: Any) -> None:
+    from wowd.model import AggregateRef
+
+    store = store_on(idle_client)
+    other = AggregateRef(context="other", aggregate="order", id="order-1")
+    with pytest.raises(InvalidInput):
+        await store.put(replace(make_timer(), owner=other))
+    t = make_timer()
+    with pytest.raises(InvalidInput):
+        await store.put(replace(t, partition=(t.partition + 1) % PARTITIONS))
+
+
+# --------------------------------------------------------------------------- owner reads and writes
+
+
+async def test_find_cancel_cancel_all_filter_on_partition_and_owner(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    owner = ref()
+    p = owner.partition(PARTITIONS)
+    t = make_timer()
+    async with calling(lambda: store.find(owner, "remind")) as found:
+        req = await wire.command("find")
+        assert req.doc["find"] == "wow_timer__ctx__order"
+        assert req.doc["filter"] == {
+            "partition": p,
+            "owner.tenant_id": "(0)",
+            "owner.id": "order-1",
+            "key": "remind",
+        }
+        req.ok(**cursor(f"{DB}.wow_timer__ctx__order", [{"_id": ObjectId(), **timer_to_doc(t)}]))
+    assert found.value == t
+
+    async with calling(lambda: store.cancel(owner, "remind", 7)) as cancelled:
+        req = await wire.command("delete")
+        [d] = req.doc["deletes"]
+        assert d["q"] == {
+            "partition": p,
+            "owner.tenant_id": "(0)",
+            "owner.id": "order-1",
+            "key": "remind",
+            "version": {"$lte": 7},
+        }
+        assert d["limit"] == 1
+        req.ok(n=1)
+    assert cancelled.value is True
+
+    async with calling(lambda: store.cancel_all(owner, 9)) as all_:
+        req = await wire.command("delete")
+        [d] = req.doc["deletes"]
+        assert d["q"] == {
+            "partition": p,
+            "owner.tenant_id": "(0)",
+            "owner.id": "order-1",
+            "version": {"$lte": 9},
+        }
+        assert d["limit"] == 0
+        req.ok(n=2)
+    assert all_.value == 2
+
+
+# --------------------------------------------------------------------------- settle
+
+
+async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    a1, a2 = make_timer(id="a1", revision=2), make_timer(id="a2")
+    gone = make_timer(id="a3", revision=1)
+    b1 = make_timer(aggregate="cart", id="b1")
+    changes = [
+        TimerChange.claim(a1, owner_key="me", fence=3, until=5_000),
+        TimerChange.claim(b1, owner_key="me", fence=3, until=5_000),
+        TimerChange.fired(gone, fence=3, next_due=None),
+        TimerChange.retry(a2, fence=3, due_at=7_000, error="503"),
+    ]
+    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    async with calling(lambda: store.settle(changes)) as out:
+        for _ in range(3):
+            req = await wire.receives()
+            name = req.command_name
+            assert name in ("update", "delete")
+            seen[(name, req.doc[name])] = dict(req.doc)
+            if (name, req.doc[name]) == ("update", "wow_timer__ctx__order"):
+                req.ok(n=1, nModified=1)  # one of the two moved on meanwhile
+            else:
+                req.ok(n=1, nModified=1) if name == "update" else req.ok(n=1)
+    assert out.error is None
+    assert out.value == 3
+    assert set(seen) == {
+        ("update", "wow_timer__ctx__order"),
+        ("delete", "wow_timer__ctx__order"),
+        ("update", "wow_timer__ctx__cart"),
+    }
+    assert all(doc["ordered"] is False for doc in seen.values())
+    updates = seen[("update", "wow_timer__ctx__order")]["updates"]
+    assert [u["q"] for u in updates] == [settle_filter(a1), settle_filter(a2)]
+    assert updates[0]["q"]["timer_id"] == a1.timer_id and updates[0]["q"]["revision"] == 2
+    assert updates[0]["q"]["partition"] == a1.partition
+    claimed = changes[0].applied()
+    assert claimed is not None
+    assert dict(updates[0]["u"]) == timer_to_doc(claimed)  # exactly the applied document
+    assert not any(u.get("upsert") for u in updates)
+    [delete] = seen[("delete", "wow_timer__ctx__order")]["deletes"]
+    assert delete["q"] == settle_filter(gone) and delete["limit"] == 1
+    [cart] = seen[("update", "wow_timer__ctx__cart")]["updates"]
+    assert cart["q"] == settle_filter(b1)
+
+
+async def test_settle_of_nothing_sends_nothing(idle_client: Any) -> None:
+    assert await store_on(idle_client).settle([]) == 0
+
+
+# --------------------------------------------------------------------------- due
+
+
+async def test_due_is_one_aggregate_with_a_union_per_collection(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order", "cart", "user")
+    o1 = make_timer(id="o1", due_at=300)
+    c1 = make_timer(aggregate="cart", id="c1", due_at=100)
+    u1 = make_timer(aggregate="user", id="u1", due_at=200)
+    async with calling(lambda: store.due({3, 1}, 500, 10)) as out:
+        agg = await wire.command("aggregate")
+        assert agg.doc["aggregate"] == REGISTRY
+        assert agg.doc["cursor"] == {"batchSize": 11}  # the whole answer in the first batch
+        pipeline = agg.doc["pipeline"]
+        assert pipeline[:2] == [{"$match": {"context": CONTEXT}}, {"$count": "registered"}]
+        unions = [s["$unionWith"] for s in pipeline[2:5]]
+        assert [u["coll"] for u in unions] == [f"wow_timer__ctx__{a}" for a in ("cart", "order", "user")]
+        for u, aggregate in zip(unions, ["cart", "order", "user"], strict=True):
+            assert u["pipeline"] == [
+                {
+                    "$match": {
+                        "partition": {"$in": [1, 3]},
+                        "status": {"$in": ["PENDING", "FIRING"]},
+                        "due_at": {"$lte": 500},
+                    }
+                },
+                {"$sort": {"due_at": 1, "timer_id": 1}},
+                {"$limit": 10},
+                {"$set": {"owner.aggregate": {"$literal": aggregate}}},
+                {"$unset": "_id"},
+            ]
+        assert pipeline[5:] == [{"$sort": {"due_at": 1, "timer_id": 1}}, {"$limit": 11}]
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 3}, stored(c1), stored(u1), stored(o1)]))
+    assert out.error is None, out.error
+    assert out.value == [c1, u1, o1]
+    assert [t.owner.aggregate for t in out.value] == ["cart", "user", "order"]
+
+
+def test_due_sub_pipeline_is_covered_by_the_partial_index() -> None:
+    """An explain by the manual's rules, on the documents the store sends.
+
+    - Partial index: used only when the query predicate implies the ``partialFilterExpression``
+      (the query contains it or a subset of it); ``status: {$in: [PENDING, FIRING]}`` must be
+      present with no value outside the index's set.
+    - Bounds: an equality or ``$in`` on the first key (``partition``: point intervals), then a range
+      on the next (``due_at``), keep the scan inside the matching keys.
+    - Sort: a sort on the keys that follow an equality prefix is provided by the index; with a
+      ``$in`` prefix the index is sorted only within each point, so the planner explodes the
+      scan into one per point (up to 200) and merges them with SORT_MERGE (no blocking SORT),
+      and the ``$limit`` ends the merge early.
+    """
+    [due] = [s for s in index_specs() if s["name"] == "due"]
+    keys = list(due["key"].items())
+    sub = union_pipeline(CONTEXT, {"wow_timer__ctx__order": "order"}, due_match({5, 1, 7}, 900), 50)[2]
+    match, sort, limit = (stage for stage in sub["$unionWith"]["pipeline"][:3])
+    predicate = match["$match"]
+    # partial filter implied: the same field, values a subset of the index's
+    pfe = due["partialFilterExpression"]["status"]["$in"]
+    assert set(predicate["status"]["$in"]) <= set(pfe)
+    # first key: point intervals; second key: a range; nothing else filtered outside the index
+    assert keys[0] == ("partition", 1) and set(predicate["partition"]) == {"$in"}
+    assert predicate["partition"]["$in"] == [1, 5, 7] and len(predicate["partition"]["$in"]) <= 200
+    assert keys[1] == ("due_at", 1) and set(predicate["due_at"]) == {"$lte"}
+    assert set(predicate) - {k for k, _ in keys} == {"status"}  # only the partial filter's field
+    # sort: the index keys after the $in prefix, same directions (SORT_MERGE of the points)
+    assert list(sort["$sort"].items()) == keys[1:]
+    assert limit == {"$limit": 50}
+
+
+async def test_due_reloads_the_registry_when_its_count_differs(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order")
+    c1 = make_timer(aggregate="cart", id="c1", due_at=100)
+    o1 = make_timer(id="o1", due_at=300)
+    async with calling(lambda: store.due({0, 1, 2}, 500, 10)) as out:
+        first = await wire.command("aggregate")
+        assert [s["$unionWith"]["coll"] for s in first.doc["pipeline"] if "$unionWith" in s] == [
+            "wow_timer__ctx__order"
+        ]
+        first.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(o1)]))  # another replica added cart
+        reload = await wire.command("find")
+        assert reload.doc["find"] == REGISTRY and reload.doc["filter"] == {"context": CONTEXT}
+        reload.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
+        second = await wire.command("aggregate")
+        assert [s["$unionWith"]["coll"] for s in second.doc["pipeline"] if "$unionWith" in s] == [
+            "wow_timer__ctx__cart",
+            "wow_timer__ctx__order",
+        ]
+        second.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(c1), stored(o1)]))
+    assert out.error is None, out.error
+    assert out.value == [c1, o1]
+
+
+async def test_due_with_no_collection_counts_zero(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    async with calling(lambda: store.due({0}, 500, 10)) as out:
+        agg = await wire.command("aggregate")
+        assert agg.doc["pipeline"] == [
+            {"$match": {"context": CONTEXT}},
+            {"$count": "registered"},
+            {"$sort": {"due_at": 1, "timer_id": 1}},
+            {"$limit": 11},
+        ]
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", []))  # $count emits nothing for no input
+    assert out.value == []
+
+
+async def test_parked_reads_every_collection_by_target(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order", "cart")
+    t = replace(make_timer(), status=TimerStatus.PARKED, last_error="404")
+    async with calling(lambda: store.parked(t.target)) as out:
+        agg = await wire.command("aggregate")
+        for stage in agg.doc["pipeline"][2:4]:
+            sub = stage["$unionWith"]["pipeline"]
+            assert sub[0] == {
+                "$match": {
+                    "target.id": "inv-9",
+                    "target.tenant_id": "(0)",
+                    "target.aggregate": "invoice",
+                    "target.context": "billing",
+                    "status": "PARKED",
+                }
+            }
+            assert not any("$limit" in s for s in sub)
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(t)]))
+    assert out.value == [t]
+
+
+# --------------------------------------------------------------------------- errors and timeouts
+
+
+async def test_not_writable_primary_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    async with calling(lambda: store.put(make_timer(version=6))) as out:
+        (await wire.command("update")).command_err(code=10107, errmsg="not primary")
+    assert isinstance(out.error, StorageUnavailable)
+    assert "timers.put" in str(out.error)
+
+
+async def test_hangup_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    async with calling(lambda: store.due({0}, 1, 1)) as out:
+        (await wire.command("aggregate")).hangup()
+    assert isinstance(out.error, StorageUnavailable)
+
+
+async def test_operation_timeout_bounds_each_command(mongo_client: Any, wire: Wire) -> None:
+    from datetime import timedelta
+
+    store = store_on(mongo_client, operation_timeout=timedelta(seconds=5))
+    async with calling(lambda: store.find(ref(), "remind")) as out:
+        req = await wire.command("find")
+        assert 0 < req.doc["maxTimeMS"] <= 5_000
+        req.ok(**cursor(f"{DB}.wow_timer__ctx__order", []))
+    assert out.error is None and out.value is None

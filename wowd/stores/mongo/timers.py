@@ -1,0 +1,660 @@
+"""The timers of one context on MongoDB (seed 000, DESIGN.md section 5).
+
+One collection per owner aggregate type, ``wow_timer__<context>__<aggregate>``, recorded in the
+registry ``wow_timer_aggregate`` (``{_id: collection, context, aggregate, format: 5, created_at}``).
+One document per timer::
+
+    {timer_id, partition, owner {tenant_id, id}, key, version, status, due_at, scheduled_at,
+     target {context, aggregate, tenant_id, id}, body, rule {type, ...}, attempts, fired,
+     claim {owner_key, fence, until}?, last_error?, revision}
+
+Times (``due_at``, ``scheduled_at``, ``claim.until``) are int64 milliseconds since the epoch.
+``body`` is the command's JSON text; ``rule`` the subdocument Wow's JSON writes.
+
+Every filter by owner carries the owner's partition (the shard key), so on a sharded cluster the
+reads and writes by owner reach one shard. The documents each method sends are built by the pure
+functions next to it (the black-pipe tests assert them on the wire).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pymongo
+from bson.min_key import MinKey
+from pymongo import AsyncMongoClient, DeleteOne, ReplaceOne
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import OperationFailure, PyMongoError
+
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import (
+    DEFAULT_TENANT,
+    AggregateRef,
+    Claim,
+    Timer,
+    TimerChange,
+    TimerStatus,
+    parse_rule,
+    validate_name,
+)
+from wowd.stores.base import Ddl
+from wowd.stores.mongo._common import (
+    FORMAT,
+    MongoSharding,
+    collection_name,
+    is_duplicate_key,
+    translate_errors,
+)
+
+__all__ = [
+    "REGISTRY",
+    "MongoTimerStore",
+    "cancel_all_filter",
+    "due_match",
+    "index_specs",
+    "owner_filter",
+    "put_filter",
+    "put_update",
+    "registry_claim",
+    "settle_filter",
+    "settle_operations",
+    "timer_from_doc",
+    "timer_to_doc",
+    "union_pipeline",
+]
+
+log = logging.getLogger(__name__)
+
+REGISTRY = "wow_timer_aggregate"
+"""The registry of the timer collections of every context."""
+
+DUE_STATUSES = [TimerStatus.PENDING.value, TimerStatus.FIRING.value]
+"""The statuses the due index holds (its ``partialFilterExpression``)."""
+
+SORT = {"due_at": 1, "timer_id": 1}
+
+UNIQUE_INDEX = "partition_owner_key"
+DUE_INDEX = "due"
+PARKED_INDEX = "parked_target"
+
+_NAMESPACE_EXISTS = 48
+_INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
+_STORE = "mongo_timers"
+_MAX_RELOADS = 3
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def timer_to_doc(timer: Timer) -> dict[str, Any]:
+    """The stored document of ``timer`` (no ``_id``: the server assigns one on insert and a
+    replacement keeps it). ``claim`` and ``last_error`` are absent when None."""
+    doc: dict[str, Any] = {
+        "timer_id": timer.timer_id,
+        "partition": timer.partition,
+        "owner": {"tenant_id": timer.owner.tenant_id, "id": timer.owner.id},
+        "key": timer.key,
+        "version": timer.version,
+        "status": timer.status.value,
+        "due_at": timer.due_at,
+        "scheduled_at": timer.scheduled_at,
+        "target": {
+            "context": timer.target.context,
+            "aggregate": timer.target.aggregate,
+            "tenant_id": timer.target.tenant_id,
+            "id": timer.target.id,
+        },
+        "body": timer.body,
+        "rule": timer.rule.to_doc(),
+        "attempts": timer.attempts,
+        "fired": timer.fired,
+        "revision": timer.revision,
+    }
+    if timer.claim is not None:
+        claim = timer.claim
+        doc["claim"] = {"owner_key": claim.owner_key, "fence": claim.fence, "until": claim.until}
+    if timer.last_error is not None:
+        doc["last_error"] = timer.last_error
+    return doc
+
+
+def timer_from_doc(doc: Mapping[str, Any], *, context: str, aggregate: str) -> Timer:
+    """Reads a stored timer of ``context.aggregate``; a malformed document is a :class:`StorageError`."""
+    try:
+        owner = doc["owner"]
+        target = doc["target"]
+        claim = doc.get("claim")
+        return Timer(
+            timer_id=doc["timer_id"],
+            partition=int(doc["partition"]),
+            owner=AggregateRef(
+                context=context,
+                aggregate=aggregate,
+                tenant_id=owner.get("tenant_id", DEFAULT_TENANT),
+                id=owner["id"],
+            ),
+            key=doc["key"],
+            version=int(doc["version"]),
+            due_at=int(doc["due_at"]),
+            scheduled_at=int(doc["scheduled_at"]),
+            target=AggregateRef(
+                context=target["context"],
+                aggregate=target["aggregate"],
+                tenant_id=target.get("tenant_id", DEFAULT_TENANT),
+                id=target["id"],
+            ),
+            body=doc["body"],
+            rule=parse_rule(doc.get("rule", {"type": "once"})),
+            status=TimerStatus(doc["status"]),
+            attempts=int(doc.get("attempts", 0)),
+            fired=int(doc.get("fired", 0)),
+            claim=None
+            if claim is None
+            else Claim(owner_key=claim["owner_key"], fence=int(claim["fence"]), until=int(claim["until"])),
+            last_error=doc.get("last_error"),
+            revision=int(doc.get("revision", 0)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError, InvalidInput) as exc:
+        raise StorageError(
+            f"mongodb timers: malformed timer document in {context}.{aggregate}: {exc!r}"
+        ) from exc
+
+
+# --------------------------------------------------------------------------- DDL builders
+
+
+def index_specs() -> list[dict[str, Any]]:
+    """The indexes of a timer collection (``createIndexes``'s ``indexes``).
+
+    - unique ``(partition, owner.tenant_id, owner.id, key)``: one timer per owner and key; its
+      partition prefix is the shard key, so the key stays unique across the shards;
+    - partial ``(partition, due_at, timer_id)`` over PENDING and FIRING: the due read (needs
+      MongoDB 6.0+ for ``$in`` in a ``partialFilterExpression``);
+    - partial ``(target.id, target.tenant_id, target.aggregate, target.context)`` over PARKED: the
+      parked read, which runs whenever a target commits (a small index: parked timers are few).
+    """
+    return [
+        {
+            "key": {"partition": 1, "owner.tenant_id": 1, "owner.id": 1, "key": 1},
+            "name": UNIQUE_INDEX,
+            "unique": True,
+        },
+        {
+            "key": {"partition": 1, "due_at": 1, "timer_id": 1},
+            "name": DUE_INDEX,
+            "partialFilterExpression": {"status": {"$in": list(DUE_STATUSES)}},
+        },
+        {
+            "key": {"target.id": 1, "target.tenant_id": 1, "target.aggregate": 1, "target.context": 1},
+            "name": PARKED_INDEX,
+            "partialFilterExpression": {"status": TimerStatus.PARKED.value},
+        },
+    ]
+
+
+def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
+    """The registry upsert's update: writes the format only when the document is new, so the
+    answer (the document after the upsert) tells which format is recorded."""
+    return {
+        "$setOnInsert": {"context": context, "aggregate": aggregate, "format": FORMAT, "created_at": now_ms}
+    }
+
+
+def split_points(partitions: int) -> list[dict[str, Any]]:
+    """``split`` middles: one chunk per partition (``[MinKey, 1), [1, 2) ... [n-1, MaxKey)``)."""
+    return [{"partition": p} for p in range(1, partitions)]
+
+
+def chunk_mins(partitions: int) -> list[dict[str, Any]]:
+    """The lower bound of each partition's chunk, for ``moveRange``'s ``min``."""
+    return [{"partition": MinKey() if p == 0 else p} for p in range(partitions)]
+
+
+# --------------------------------------------------------------------------- query builders
+
+
+def owner_filter(owner: AggregateRef, partition: int) -> dict[str, Any]:
+    """An owner's timers: the partition (shard key) first, then the unique index's owner keys."""
+    return {"partition": partition, "owner.tenant_id": owner.tenant_id, "owner.id": owner.id}
+
+
+def put_filter(timer: Timer) -> dict[str, Any]:
+    """The put's conditional upsert: matches the stored timer of (owner, key) only at the same or
+    an earlier version. A later stored version does not match, so the upsert inserts and meets
+    the unique index: E11000, answered False. (The server's own retry of a duplicate-key upsert
+    needs a filter of equalities only; the ``$lte`` keeps the error ours.)"""
+    return {**key_filter(timer.owner, timer.partition, timer.key), "version": {"$lte": timer.version}}
+
+
+def put_update(timer: Timer) -> list[dict[str, Any]]:
+    """The put's update (a pipeline): the whole new timer (``$literal``: a body or key starting
+    with ``$`` stays text), keeping the stored ``_id``, with the revision bumped over the stored
+    one (``max(stored + 1, new)``, as the embedded store does) so that a settle made against the
+    replaced timer is skipped. On insert there is no stored revision: the new one is kept."""
+    doc = timer_to_doc(timer)
+    del doc["revision"]
+    revision = {"$max": [{"$add": [{"$ifNull": ["$revision", timer.revision - 1]}, 1]}, timer.revision]}
+    return [{"$replaceWith": {"$mergeObjects": [{"_id": "$_id"}, {"$literal": doc}, {"revision": revision}]}}]
+
+
+def key_filter(owner: AggregateRef, partition: int, key: str) -> dict[str, Any]:
+    return {**owner_filter(owner, partition), "key": key}
+
+
+def cancel_filter(owner: AggregateRef, partition: int, key: str, version: int) -> dict[str, Any]:
+    return {**key_filter(owner, partition, key), "version": {"$lte": version}}
+
+
+def cancel_all_filter(owner: AggregateRef, partition: int, version: int) -> dict[str, Any]:
+    return {**owner_filter(owner, partition), "version": {"$lte": version}}
+
+
+def settle_filter(timer: Timer) -> dict[str, Any]:
+    """The document *as loaded*: ``timer_id`` and ``revision``, plus the owner's partition (shard
+    key) and unique key, so the write reaches one shard and the unique index finds the document
+    (``timer_id`` alone has no index)."""
+    return {
+        **key_filter(timer.owner, timer.partition, timer.key),
+        "timer_id": timer.timer_id,
+        "revision": timer.revision,
+    }
+
+
+def settle_operations(changes: Iterable[TimerChange]) -> list[ReplaceOne[Any] | DeleteOne]:
+    """One operation per change: the document :meth:`TimerChange.applied` gives, or a delete."""
+    ops: list[ReplaceOne[Any] | DeleteOne] = []
+    for change in changes:
+        after = change.applied()
+        flt = settle_filter(change.timer)
+        ops.append(DeleteOne(flt) if after is None else ReplaceOne(flt, timer_to_doc(after)))
+    return ops
+
+
+def due_match(partitions: Iterable[int], until: int) -> dict[str, Any]:
+    """The due timers of ``partitions`` (inside each ``$unionWith`` sub-pipeline).
+
+    Why the partial index ``(partition, due_at, timer_id)`` over ``{status: {$in: [PENDING,
+    FIRING]}}`` serves it, by the MongoDB manual's rules:
+
+    - *Partial index use*: the query predicate must imply the ``partialFilterExpression`` (contain
+      it or a subset of it); ``status: {$in: [PENDING, FIRING]}`` is that very expression.
+    - *Bounds*: ``partition`` (the index's first key) by ``$in`` gives point intervals, ``due_at``
+      (the second) by ``$lte`` a range inside each point: ``[[p, p], [-inf, until], [MinKey,
+      MaxKey]]`` per partition, no document outside is examined.
+    - *Sort*: the sort ``{due_at: 1, timer_id: 1}`` follows the keys after the ``$in`` prefix,
+      which is ordered within each partition only; the planner "explodes" the point intervals
+      (at most ``internalQueryMaxScansToExplode`` = 200 scans, our partitions are fewer) into one
+      index scan per partition merged by a SORT_MERGE stage, so there is no blocking SORT and the
+      ``$limit`` stops the scans after ``limit`` keys. With a single partition it is a plain scan.
+    """
+    return {
+        "partition": {"$in": sorted(set(partitions))},
+        "status": {"$in": list(DUE_STATUSES)},
+        "due_at": {"$lte": until},
+    }
+
+
+def parked_match(target: AggregateRef) -> dict[str, Any]:
+    """PARKED timers of a target: equality on the parked partial index's keys and its filter."""
+    return {
+        "target.id": target.id,
+        "target.tenant_id": target.tenant_id,
+        "target.aggregate": target.aggregate,
+        "target.context": target.context,
+        "status": TimerStatus.PARKED.value,
+    }
+
+
+def scan_match(status: TimerStatus | None, partitions: Iterable[int] | None) -> dict[str, Any]:
+    match: dict[str, Any] = {}
+    if partitions is not None:
+        match["partition"] = {"$in": sorted(set(partitions))}
+    if status is not None:
+        match["status"] = status.value
+    return match
+
+
+def union_pipeline(
+    context: str,
+    collections: Mapping[str, str],
+    match: Mapping[str, Any],
+    limit: int | None,
+) -> list[dict[str, Any]]:
+    """ONE aggregation on the registry: the count of ``context``'s collections (``{registered:
+    n}``, absent when there are none), then each known collection's matching timers through
+    ``$unionWith`` (``$match``, ``$sort``, ``$limit`` inside, then the owner's aggregate, which
+    the document leaves to its collection), merged by ``(due_at, timer_id)``.
+
+    The count document has no ``due_at`` and sorts first (a missing field sorts as null, before
+    numbers); the final ``$limit`` keeps it with ``limit`` timers after it.
+    """
+    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    for name in sorted(collections):
+        sub: list[dict[str, Any]] = [{"$match": dict(match)}, {"$sort": dict(SORT)}]
+        if limit is not None:
+            sub.append({"$limit": limit})
+        sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
+        sub.append({"$unset": "_id"})
+        pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    pipeline.append({"$sort": dict(SORT)})
+    if limit is not None:
+        pipeline.append({"$limit": limit + 1})
+    return pipeline
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class MongoTimerStore:
+    """The :class:`~wowd.stores.base.TimerStore` of one context on MongoDB.
+
+    ``client`` is not owned (``close`` leaves it open). No I/O in the constructor; ``prepare``
+    reads the registry, each type's collection is created (``ddl``) on its first put.
+    ``drop_other_format``: a collection recorded in another format is dropped and re-registered
+    (the timers are a view of the log: the caller resets the timer view's checkpoints) instead of
+    refused with :class:`~wowd.errors.FormatError`.
+    """
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Any],
+        database_name: str,
+        *,
+        context: str,
+        partitions: int,
+        ddl: Ddl = Ddl.AUTO,
+        sharding: MongoSharding = MongoSharding.AUTO,
+        operation_timeout: timedelta | None = timedelta(seconds=10),
+        drop_other_format: bool = False,
+    ) -> None:
+        self.context = validate_name(context, field="context")
+        if partitions < 1:
+            raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
+        self.partitions = partitions
+        self.ddl = Ddl(ddl)
+        self.sharding = MongoSharding(sharding)
+        self.drop_other_format = drop_other_format
+        self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
+        self._client = client
+        self._db: AsyncDatabase[Any] = client[database_name]
+        self._registry: AsyncCollection[Any] = self._db[REGISTRY]
+        self._known: dict[str, str] = {}
+        """Collections read by the union reads: name -> aggregate."""
+        self._ready: set[str] = set()
+        """Collections whose DDL this store made sure of (first put of the type)."""
+        self._sharded: bool | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def collection_name(self, aggregate: str) -> str:
+        return collection_name("timer", self.context, aggregate)
+
+    @contextmanager
+    def _op(self, operation: str) -> Iterator[None]:
+        """Times a call, counts transient failures, applies the operation timeout (CSOT) and
+        translates driver errors."""
+        started = time.perf_counter()
+        try:
+            if self._timeout is None:
+                with translate_errors(f"timers.{operation}"):
+                    yield
+            else:
+                with pymongo.timeout(self._timeout), translate_errors(f"timers.{operation}"):
+                    yield
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - started)
+
+    def _collection(self, owner: AggregateRef) -> AsyncCollection[Any]:
+        if owner.context != self.context:
+            raise InvalidInput(f"{owner} is not of context {self.context!r}", field="owner.context")
+        return self._db[self.collection_name(owner.aggregate)]
+
+    def _partition(self, owner: AggregateRef) -> int:
+        return owner.partition(self.partitions)
+
+    # ------------------------------------------------------------------ registry and DDL
+
+    async def prepare(self) -> None:
+        """Reads the registry of the context and claims its format: a collection recorded in
+        another format is refused (:class:`FormatError`) or, with ``drop_other_format``, dropped."""
+        with self._op("prepare"):
+            await self._load_registry()
+
+    async def _load_registry(self) -> None:
+        known: dict[str, str] = {}
+        async for doc in self._registry.find({"context": self.context}):
+            name, aggregate = str(doc["_id"]), str(doc.get("aggregate", ""))
+            if doc.get("format") != FORMAT:
+                await self._other_format(name, aggregate, doc.get("format"))
+                continue
+            known[name] = aggregate
+        self._known = known
+
+    async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
+        if not self.drop_other_format:
+            raise FormatError(
+                f"mongodb timers: {name} is recorded in format {found!r}, this wowd needs {FORMAT} "
+                "(start with drop_other_format to drop it and rebuild the timer view from the log)"
+            )
+        log.warning("dropping timer collection %s of format %r (rebuilt from the log)", name, found)
+        await self._db.drop_collection(name)
+        await self._registry.delete_one({"_id": name, "format": found})
+        self._ready.discard(name)
+        self._known.pop(name, None)
+
+    async def _ensure(self, aggregate: str) -> None:
+        """The type's first use in this store: registers the collection (format checked) and,
+        as the DDL mode says, creates it, its indexes and its chunks."""
+        name = self.collection_name(aggregate)
+        if name in self._ready:
+            return
+        if self.ddl is Ddl.VALIDATE:
+            doc = await self._registry.find_one({"_id": name})
+            if doc is None:
+                raise FormatError(f"mongodb timers: {name} is not registered in {REGISTRY} (ddl=validate)")
+            if doc.get("format") != FORMAT:
+                raise FormatError(
+                    f"mongodb timers: {name} is recorded in format {doc.get('format')!r}, not {FORMAT}"
+                )
+            await self._validate_indexes(name)
+        else:
+            doc = await self._register(name, aggregate)
+            if doc.get("format") != FORMAT:
+                await self._other_format(name, aggregate, doc.get("format"))
+                doc = await self._register(name, aggregate)
+            if self.ddl is Ddl.AUTO:
+                await self._create(name)
+        self._known[name] = aggregate
+        self._ready.add(name)
+
+    async def _register(self, name: str, aggregate: str) -> dict[str, Any]:
+        doc = await self._registry.find_one_and_update(
+            {"_id": name},
+            registry_claim(self.context, aggregate, int(time.time() * 1000)),
+            upsert=True,
+            return_document=pymongo.ReturnDocument.AFTER,
+        )
+        assert doc is not None  # an upsert answers the document after it
+        return dict(doc)
+
+    async def _create(self, name: str) -> None:
+        created = True
+        try:
+            await self._db.command("create", name)
+        except OperationFailure as exc:
+            if exc.code != _NAMESPACE_EXISTS:
+                raise
+            created = False
+        try:
+            await self._db.command("createIndexes", name, indexes=index_specs())
+        except OperationFailure as exc:
+            if exc.code in _INDEX_CONFLICT_CODES:
+                raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
+            raise
+        if await self._is_sharded():
+            await self._shard(name, spread=created)
+
+    async def _validate_indexes(self, name: str) -> None:
+        indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
+        for spec in index_specs():
+            found = indexes.get(spec["name"])
+            if (
+                found is None
+                or dict(found["key"]) != spec["key"]
+                or found.get("partialFilterExpression") != spec.get("partialFilterExpression")
+                or bool(found.get("unique", False)) != bool(spec.get("unique", False))
+            ):
+                raise FormatError(f"mongodb timers: {name} lacks the index {spec} (ddl=validate)")
+
+    async def _is_sharded(self) -> bool:
+        if self.sharding is MongoSharding.OFF:
+            return False
+        if self.sharding is MongoSharding.ON:
+            return True
+        if self._sharded is None:
+            hello = await self._client.admin.command("hello")
+            self._sharded = hello.get("msg") == "isdbgrid"
+        return self._sharded
+
+    async def _shard(self, name: str, *, spread: bool) -> None:
+        """Shards by ``{partition: 1}``; a new collection gets one chunk per partition spread over
+        the shards (``split`` at each partition, ``moveRange`` round robin: MongoDB 6.0+). The
+        spread is best effort: a refused split or move is logged, the collection stays usable."""
+        ns = f"{self._db.name}.{name}"
+        admin = self._client.admin
+        await admin.command("shardCollection", ns, key={"partition": 1})
+        if not spread or self.partitions < 2:
+            return
+        shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
+        for middle in split_points(self.partitions):
+            try:
+                await admin.command("split", ns, middle=middle)
+            except OperationFailure as exc:
+                log.warning("split of %s at %s refused: %s", ns, middle, exc)
+        if len(shards) < 2:
+            return
+        for p, lower in enumerate(chunk_mins(self.partitions)):
+            try:
+                await admin.command("moveRange", ns, min=lower, toShard=shards[p % len(shards)])
+            except OperationFailure as exc:
+                log.warning("moveRange of %s partition %d refused: %s", ns, p, exc)
+
+    # ------------------------------------------------------------------ writes
+
+    async def put(self, timer: Timer) -> bool:
+        coll = self._collection(timer.owner)
+        if timer.partition != self._partition(timer.owner):
+            raise InvalidInput(
+                f"is {timer.partition}, the owner's partition is {self._partition(timer.owner)}",
+                field="partition",
+            )
+        with self._op("put"):
+            await self._ensure(timer.owner.aggregate)
+            try:
+                res = await coll.update_one(put_filter(timer), put_update(timer), upsert=True)
+            except PyMongoError as exc:
+                if is_duplicate_key(exc):
+                    return False
+                raise
+        return res.upserted_id is not None or res.matched_count == 1
+
+    async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
+        coll = self._collection(owner)
+        with self._op("cancel"):
+            res = await coll.delete_one(cancel_filter(owner, self._partition(owner), key, version))
+        return res.deleted_count == 1
+
+    async def cancel_all(self, owner: AggregateRef, version: int) -> int:
+        coll = self._collection(owner)
+        with self._op("cancel_all"):
+            res = await coll.delete_many(cancel_all_filter(owner, self._partition(owner), version))
+        return res.deleted_count
+
+    async def settle(self, changes: Sequence[TimerChange]) -> int:
+        by_collection: dict[str, list[TimerChange]] = {}
+        for change in changes:
+            self._collection(change.timer.owner)  # checks the context
+            by_collection.setdefault(self.collection_name(change.timer.owner.aggregate), []).append(change)
+        written = 0
+        with self._op("settle"):
+            for name, group in by_collection.items():
+                res = await self._db[name].bulk_write(settle_operations(group), ordered=False)
+                written += res.matched_count + res.deleted_count
+        return written
+
+    # ------------------------------------------------------------------ reads
+
+    async def find(self, owner: AggregateRef, key: str) -> Timer | None:
+        coll = self._collection(owner)
+        with self._op("find"):
+            doc = await coll.find_one(key_filter(owner, self._partition(owner), key))
+        return None if doc is None else timer_from_doc(doc, context=self.context, aggregate=owner.aggregate)
+
+    async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
+        if not partitions or limit < 1:
+            return []
+        with self._op("due"):
+            return await self._union("due", due_match(partitions, until), limit)
+
+    async def parked(self, target: AggregateRef) -> list[Timer]:
+        with self._op("parked"):
+            return await self._union("parked", parked_match(target), None)
+
+    async def scan(
+        self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
+    ) -> list[Timer]:
+        if limit < 1:
+            return []
+        with self._op("scan"):
+            return await self._union("scan", scan_match(status, partitions), limit)
+
+    async def _union(self, operation: str, match: Mapping[str, Any], limit: int | None) -> list[Timer]:
+        """Runs :func:`union_pipeline` over the known collections; when the registry counts
+        another number of the context's collections, reloads the registry and reads again."""
+        for attempt in range(_MAX_RELOADS + 1):
+            known = dict(self._known)
+            pipeline = union_pipeline(self.context, known, match, limit)
+            kwargs: dict[str, Any] = {} if limit is None else {"batchSize": limit + 1}
+            cursor = await self._registry.aggregate(pipeline, **kwargs)
+            docs = await cursor.to_list(None)
+            registered = 0
+            timers: list[Timer] = []
+            for doc in docs:
+                if "registered" in doc and "timer_id" not in doc:
+                    registered = int(doc["registered"])
+                    continue
+                aggregate = str(doc.get("owner", {}).get("aggregate", ""))
+                timers.append(timer_from_doc(doc, context=self.context, aggregate=aggregate))
+            if registered == len(known) or attempt == _MAX_RELOADS:
+                if registered != len(known):
+                    log.warning(
+                        "timers %s: the registry still counts %d collections of %s, %d read",
+                        operation,
+                        registered,
+                        self.context,
+                        len(known),
+                    )
+                timers.sort(key=lambda t: (t.due_at, t.timer_id))
+                return timers if limit is None else timers[:limit]
+            log.info(
+                "timers %s: registry counts %d collections of %s, %d known: reloading",
+                operation,
+                registered,
+                self.context,
+                len(known),
+            )
+            await self._load_registry()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        """The client is the caller's: nothing to close."""
