@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -46,7 +47,20 @@ class SqliteDatabase:
             conn = sqlite3.connect(
                 self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
             )
-            conn.execute("PRAGMA journal_mode=WAL")
+            # Switching a new file to WAL takes an exclusive lock that busy_timeout does not wait
+            # for: several processes opening a fresh file at once retry it for the busy timeout.
+            deadline = time.monotonic() + self._busy_timeout_ms / 1000
+            delay = 0.005
+            while True:
+                try:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or time.monotonic() > deadline:
+                        conn.close()
+                        raise
+                    time.sleep(delay)  # a worker thread's backoff, not test synchronisation
+                    delay = min(delay * 2, 0.2)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -56,7 +70,10 @@ class SqliteDatabase:
     def run_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Runs ``fn(conn)`` in the calling thread, translating sqlite3 errors."""
         with self._lock:
-            conn = self._connect()
+            try:
+                conn = self._connect()
+            except sqlite3.Error as exc:
+                raise StorageUnavailable(f"sqlite {self.path}: cannot open: {exc}") from exc
             try:
                 return fn(conn)
             except sqlite3.OperationalError as exc:

@@ -1,0 +1,291 @@
+"""Log contract (DESIGN.md section 3): appends, reads per partition, checkpoints, quarantine.
+
+Positions are opaque here: a test only passes back positions the log gave it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.contract.conftest import CONTEXT, PARTITIONS
+from wowd.errors import ConflictError
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Commit,
+    DomainEvent,
+    LogBatch,
+    LogEntry,
+    Position,
+    partition,
+)
+
+pytestmark = pytest.mark.anyio
+
+ORDER = AggregateType(context=CONTEXT, aggregate="order")
+CART = AggregateType(context=CONTEXT, aggregate="cart")
+
+
+def ids_in(p: int, count: int, prefix: str = "agg") -> list[str]:
+    """Aggregate ids whose partition is ``p``."""
+    found: list[str] = []
+    i = 0
+    while len(found) < count:
+        candidate = f"{prefix}-{i}"
+        if partition(candidate, PARTITIONS) == p:
+            found.append(candidate)
+        i += 1
+    return found
+
+
+def commit(
+    agg_id: str, version: int = 1, *, request_id: str | None = None, type: AggregateType = ORDER, **kw: Any
+) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=type.context, aggregate=type.aggregate, id=agg_id, tenant_id="t1"),
+        version=version,
+        command_id=f"cmd-{agg_id}-{version}",
+        request_id=request_id or f"req-{agg_id}-{version}",
+        create_time=1_700_000_000_000 + version,
+        events=(DomainEvent(id=f"ev-{agg_id}-{version}", name="OrderChanged", body={"n": version}),),
+        header={"source": "test"},
+        access={"owner_id": "u1", "space_id": "s1", "tags": ["a"]},
+        access_version=version,
+        **kw,
+    )
+
+
+async def read_all(log: Any, positions: dict[int, Position | None], batch_size: int = 500) -> list[LogBatch]:
+    batches: list[LogBatch] = []
+    with anyio.fail_after(10):
+        async for batch in log.read(positions, batch_size=batch_size, follow=False):
+            batches.append(batch)
+    return batches
+
+
+def entries(batches: Sequence[LogBatch]) -> list[LogEntry]:
+    return [e for b in batches for e in b.entries]
+
+
+# --------------------------------------------------------------------------- append
+
+
+async def test_append_is_idempotent_by_request_id(log: Any) -> None:
+    c = commit("o-1")
+    assert await log.append(c) == "appended"
+    assert await log.append(c) == "duplicate"
+    found = entries(await read_all(log, {c.partition(PARTITIONS): None}))
+    assert [e.commit for e in found] == [c]
+
+
+async def test_append_conflicts_on_a_taken_version(log: Any) -> None:
+    await log.append(commit("o-1", 1))
+    with pytest.raises(ConflictError):
+        await log.append(commit("o-1", 1, request_id="another-request"))
+    assert await log.append(commit("o-1", 2)) == "appended"
+
+
+async def test_append_many_answers_per_commit(log: Any) -> None:
+    await log.append(commit("o-1", 1))
+    outcomes = await log.append_many(
+        [commit("o-2", 1), commit("o-1", 1), commit("o-1", 1, request_id="other"), commit("o-1", 2)]
+    )
+    assert outcomes == ["appended", "duplicate", "conflict", "appended"]
+    assert await log.append_many([]) == []
+
+
+async def test_aggregate_types_lists_the_types_with_commits(log: Any) -> None:
+    await log.append(commit("o-1"))
+    await log.append(commit("c-1", type=CART))
+    assert sorted(await log.aggregate_types()) == [CART, ORDER]
+
+
+async def test_ping_and_prepare_again(log: Any) -> None:
+    await log.ping()
+    await log.prepare()  # idempotent
+    assert await log.append(commit("o-1")) == "appended"
+
+
+# --------------------------------------------------------------------------- read
+
+
+async def test_read_yields_commits_in_log_order_with_partition_and_type(log: Any) -> None:
+    (a,) = ids_in(3, 1)
+    commits = [commit(a, v) for v in (1, 2, 3)]
+    for c in commits:
+        await log.append(c)
+    found = entries(await read_all(log, {3: None}))
+    assert [e.commit for e in found] == commits
+    assert all(e.partition == 3 and e.aggregate == ORDER and e.error is None for e in found)
+    assert found[0].raw["aggregate_id"] == a and found[0].raw["version"] == 1
+
+
+async def test_read_only_the_given_partitions(log: Any) -> None:
+    (a,), (b,), (c,) = ids_in(1, 1), ids_in(2, 1), ids_in(5, 1)
+    for agg_id in (a, b, c):
+        await log.append(commit(agg_id))
+    found = entries(await read_all(log, {1: None, 5: None}))
+    assert sorted(e.commit.ref.id for e in found if e.commit) == sorted([a, c])
+    assert {e.partition for e in found} == {1, 5}
+
+
+async def test_read_after_a_position_per_partition(log: Any) -> None:
+    (a,), (b,) = ids_in(1, 1), ids_in(2, 1)
+    for v in (1, 2, 3):
+        await log.append(commit(a, v))
+        await log.append(commit(b, v))
+    everything = entries(await read_all(log, {1: None, 2: None}))
+    pos_a2 = next(
+        e.position for e in everything if e.commit and e.commit.ref.id == a and e.commit.version == 2
+    )
+    pos_b1 = next(
+        e.position for e in everything if e.commit and e.commit.ref.id == b and e.commit.version == 1
+    )
+    found = entries(await read_all(log, {1: pos_a2, 2: pos_b1}))
+    assert [(e.commit.ref.id, e.commit.version) for e in found if e.commit and e.commit.ref.id == a] == [
+        (a, 3)
+    ]
+    assert [(e.commit.ref.id, e.commit.version) for e in found if e.commit and e.commit.ref.id == b] == [
+        (b, 2),
+        (b, 3),
+    ]
+
+
+async def test_read_batches_carry_each_partitions_last_position(log: Any) -> None:
+    (a,), (b,) = ids_in(1, 1), ids_in(2, 1)
+    for v in (1, 2, 3):
+        await log.append(commit(a, v))
+        await log.append(commit(b, v))
+    batches = await read_all(log, {1: None, 2: None}, batch_size=4)
+    assert all(len(batch.entries) <= 4 for batch in batches)
+    assert len(entries(batches)) == 6
+    for batch in batches:
+        for p, position in batch.positions.items():
+            assert position == [e.position for e in batch.entries if e.partition == p][-1]
+    # resuming from the last batch's positions finds nothing more
+    last: dict[int, Position | None] = {}
+    for batch in batches:
+        last.update(batch.positions)
+    assert entries(await read_all(log, last)) == []
+
+
+async def test_read_follow_wakes_on_a_new_append(log: Any) -> None:
+    (a,) = ids_in(4, 1)
+    await log.append(commit(a, 1))
+    seen: list[Commit] = []
+    got_first, got_second = anyio.Event(), anyio.Event()
+
+    async def tail() -> None:
+        async for batch in log.read({4: None}, follow=True):
+            seen.extend(e.commit for e in batch.entries if e.commit)
+            if len(seen) >= 1:
+                got_first.set()
+            if len(seen) >= 2:
+                got_second.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail)
+        with anyio.fail_after(5):
+            await got_first.wait()  # the reader is caught up and tailing now
+        await log.append(commit(a, 2))
+        with anyio.fail_after(5):
+            await got_second.wait()
+        tg.cancel_scope.cancel()
+    assert [c.version for c in seen] == [1, 2]
+
+
+async def test_malformed_documents_come_as_entries_naming_the_field(log: Any) -> None:
+    (a,) = ids_in(6, 1)
+    p = partition(a, PARTITIONS)
+    bad_version = {
+        "aggregate_id": a,
+        "tenant_id": "t1",
+        "partition": p,
+        "version": "one",
+        "request_id": "r-bad",
+        "create_time": 1,
+        "events": [],
+    }
+    no_events = {
+        "aggregate_id": a,
+        "tenant_id": "t1",
+        "partition": p,
+        "version": 7,
+        "request_id": "r-x",
+        "create_time": 1,
+    }
+    await log.insert_raw(ORDER, bad_version)
+    await log.insert_raw(ORDER, no_events)
+    await log.append(commit(a, 1))
+    found = entries(await read_all(log, {p: None}))
+    assert len(found) == 3
+    first, second, good = found
+    assert first.commit is None and first.error and "version" in first.error
+    assert first.raw["version"] == "one"
+    assert second.commit is None and second.error and "events" in second.error
+    assert good.commit is not None and good.error is None
+    assert first.partition == p and first.aggregate == ORDER
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+async def test_checkpoint_fence_guard(log: Any) -> None:
+    (a,) = ids_in(2, 1)
+    await log.append(commit(a, 1))
+    await log.append(commit(a, 2))
+    pos1, pos2 = (e.position for e in entries(await read_all(log, {2: None})))
+    assert await log.save_checkpoint("feed", 2, pos1, 5) is True
+    assert await log.save_checkpoint("feed", 2, pos2, 4) is False  # lower fence refused
+    stored = (await log.checkpoints("feed", [2]))[2]
+    assert (
+        stored.position == pos1 and stored.fence == 5 and stored.consumer == "feed" and stored.partition == 2
+    )
+    assert await log.save_checkpoint("feed", 2, pos2, 5) is True  # same fence admitted
+    assert (await log.checkpoints("feed", [2]))[2].position == pos2
+    assert await log.save_checkpoint("feed", 2, pos1, 6) is True  # higher fence admitted
+    assert (await log.checkpoints("feed", [2]))[2].fence == 6
+
+
+async def test_checkpoints_are_per_consumer_and_partition(log: Any) -> None:
+    (a,) = ids_in(0, 1)
+    await log.append(commit(a, 1))
+    (pos,) = (e.position for e in entries(await read_all(log, {0: None})))
+    assert await log.save_checkpoint("feed", 0, pos, 1)
+    assert await log.checkpoints("feed", [0, 1]) == {0: (await log.checkpoints("feed", [0]))[0]}
+    assert await log.checkpoints("other", [0]) == {}
+    # a checkpoint resumes the read after it
+    checkpoint = (await log.checkpoints("feed", [0]))[0]
+    assert entries(await read_all(log, {0: checkpoint.position})) == []
+
+
+# --------------------------------------------------------------------------- quarantine
+
+
+async def test_quarantine_keeps_raw_and_reason_once(log: Any) -> None:
+    raw = {"aggregate_id": "x", "version": "one"}
+    await log.quarantine("feed", 3, ORDER, raw, "version: must be int")
+    await log.quarantine("feed", 3, ORDER, dict(raw), "version: must be int")  # idempotent
+    await log.quarantine("feed", 3, ORDER, {"aggregate_id": "y"}, "events: is missing")
+    items = await log.quarantined()
+    assert items == [
+        {
+            "consumer": "feed",
+            "partition": 3,
+            "aggregate": "order",
+            "raw": raw,
+            "reason": "version: must be int",
+        },
+        {
+            "consumer": "feed",
+            "partition": 3,
+            "aggregate": "order",
+            "raw": {"aggregate_id": "y"},
+            "reason": "events: is missing",
+        },
+    ]
+    assert len(await log.quarantined(limit=1)) == 1

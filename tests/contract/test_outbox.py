@@ -1,0 +1,53 @@
+"""Outbox contract: unique on the request id, entries by insertion order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wowd.model import AggregateRef, Command, OutboxEntry
+
+pytestmark = pytest.mark.anyio
+
+TARGET = AggregateRef(context="ctx", aggregate="order", id="o-1", tenant_id="t1")
+
+
+def entry(request_id: str, **kw: Any) -> OutboxEntry:
+    values: dict[str, Any] = {
+        "request_id": request_id,
+        "timer_id": f"timer-{request_id}",
+        "target": TARGET,
+        "command": Command(name="Expire", body={"reason": request_id}).to_json(),
+        "scheduled_at": 1_700_000_000_000,
+        "fence": 3,
+        "owner_key": "host-a:1:aa",
+        "created_at": 1_700_000_000_123,
+    }
+    values.update(kw)
+    return OutboxEntry(**values)
+
+
+async def test_put_deduplicates_by_request_id(outbox: Any) -> None:
+    first = entry("r-1")
+    assert await outbox.put(first) is True
+    # a re-fire (same request id, even from another holder) is not a second delivery
+    assert await outbox.put(entry("r-1", fence=4, owner_key="host-b:2:bb", created_at=1)) is False
+    assert await outbox.count() == 1
+    assert await outbox.entries() == [first]
+
+
+async def test_entries_by_insertion_order_with_limit_and_after(outbox: Any) -> None:
+    puts = [entry(f"r-{n}") for n in (5, 1, 4, 2, 3)]
+    for e in puts:
+        assert await outbox.put(e)
+    assert await outbox.count() == 5
+    assert await outbox.entries() == puts
+    assert await outbox.entries(limit=2) == puts[:2]
+    assert await outbox.entries(limit=2, after=2) == puts[2:4]
+    assert await outbox.entries(after=5) == []
+
+
+async def test_empty_outbox(outbox: Any) -> None:
+    assert await outbox.count() == 0
+    assert await outbox.entries() == []

@@ -1,0 +1,387 @@
+"""Embedded-only behaviour of the SQLite leases, log and outbox (the contract suites cover the
+protocols): several processes on one file, the log's format record and wake-ups, raw input."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd.errors import FormatError
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, SlotLease, partition
+from wowd.stores.base import Ddl
+from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
+from wowd.stores.embedded import log as log_module
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+NS = "wowd.race"
+ORDER = AggregateType(context="ctx", aggregate="order")
+
+
+def commit(agg_id: str, version: int = 1) -> Commit:
+    return Commit(
+        ref=AggregateRef(context="ctx", aggregate="order", id=agg_id),
+        version=version,
+        command_id="c",
+        request_id=f"r-{agg_id}-{version}",
+        create_time=1,
+        events=(DomainEvent(id="e", name="Changed"),),
+    )
+
+
+def test_importing_the_embedded_backend_loads_no_mongodb_or_elasticsearch_driver() -> None:
+    code = (
+        "import sys, wowd.stores.embedded\n"
+        "from wowd.stores.embedded import (EmbeddedEventSink, EmbeddedLog, EmbeddedOutbox,\n"
+        "    EmbeddedSlotLeaseStore, EmbeddedSnapshotStore, EmbeddedTimerStore, open_embedded)\n"
+        "drivers = ('pymongo', 'bson', 'motor', 'elasticsearch', 'elastic_transport')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in drivers)\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- leases, racing
+
+
+def assert_exclusive(leases: list[SlotLease]) -> None:
+    """Every take of a slot got its own fence, and the fences of a slot have no gaps."""
+    by_slot: dict[int, list[int]] = {}
+    for lease in leases:
+        by_slot.setdefault(lease.slot, []).append(lease.fence)
+    for slot, fences in by_slot.items():
+        assert sorted(fences) == list(range(1, len(fences) + 1)), (slot, sorted(fences))
+
+
+async def churn(store: EmbeddedSlotLeaseStore, owner: Owner, rounds: int, taken: list[SlotLease]) -> None:
+    done = 0
+    while done < rounds:
+        result = await store.acquire(NS, owner, 2, timedelta(seconds=30), timedelta(0))
+        if result.lease is None:
+            assert result.status == "exhausted"
+            await anyio.sleep(0.001)  # both slots held this instant: let the holders release
+            continue
+        done += 1
+        taken.append(result.lease)
+        assert await store.release(result.lease, result.lease.floor)
+
+
+async def test_two_stores_on_one_file_racing_never_share_a_slot(tmp_path: Path) -> None:
+    path = tmp_path / "race.db"
+    stores = [EmbeddedSlotLeaseStore(path), EmbeddedSlotLeaseStore(path)]
+    try:
+        # first: 8 owners at once on 3 slots, through two connections
+        results: list[Any] = []
+
+        async def one(store: EmbeddedSlotLeaseStore, key: str) -> None:
+            results.append(
+                await store.acquire("wowd.once", Owner(key=key), 3, timedelta(seconds=30), timedelta(0))
+            )
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(one, stores[i % 2], f"owner-{i}")
+        won = [r.lease for r in results if r.lease is not None]
+        assert sorted(lease.slot for lease in won) == [0, 1, 2]
+        # then: acquire/release churn; every take is exclusive
+        taken: list[SlotLease] = []
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(churn, stores[i % 2], Owner(key=f"churn-{i}"), 10, taken)
+        assert len(taken) == 60
+        assert_exclusive(taken)
+    finally:
+        for s in stores:
+            await s.close()
+
+
+RACER = textwrap.dedent(
+    """
+    import json, sys
+    from datetime import timedelta
+    import anyio
+    from wowd.model import Owner
+    from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+
+    async def main(path, tag):
+        store = EmbeddedSlotLeaseStore(path)
+        out = []
+        for i in range(40):
+            owner = Owner(key=f"{tag}-{i % 3}")
+            r = await store.acquire("wowd.race", owner, 2, timedelta(seconds=30), timedelta(0))
+            if r.lease is not None:
+                out.append([r.lease.slot, r.lease.fence, r.lease.owner_key])
+                assert await store.release(r.lease, r.lease.floor)
+        await store.close()
+        print(json.dumps(out))
+
+    anyio.run(main, sys.argv[1], sys.argv[2])
+    """
+)
+
+
+async def test_two_processes_racing_on_one_file_get_distinct_fences(tmp_path: Path) -> None:
+    path = tmp_path / "race.db"
+    # create the tables first so that both processes start on the same footing
+    store = EmbeddedSlotLeaseStore(path)
+    await store.prepare()
+    await store.close()
+    outputs: list[list[Any]] = []
+
+    async def racer(tag: str) -> None:
+        done = await anyio.run_process([sys.executable, "-c", RACER, str(path), tag], cwd=ROOT)
+        outputs.extend(json.loads(done.stdout))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(racer, "p1")
+            tg.start_soon(racer, "p2")
+    assert len(outputs) == 80
+    leases = [
+        SlotLease(
+            namespace=NS,
+            slot=s,
+            owner_key=o,
+            incarnation=0,
+            fence=f,
+            expires_at=0,
+            floor=0,
+            ceiling=0,
+            written_at=0,
+        )
+        for s, f, o in outputs
+    ]
+    assert_exclusive(leases)
+
+
+async def test_a_store_closes_only_what_it_opened(tmp_path: Path) -> None:
+    db = SqliteDatabase(tmp_path / "shared.db")
+    try:
+        leases, outbox = EmbeddedSlotLeaseStore(db), EmbeddedOutbox(db)
+        lease = (await leases.acquire("ns", Owner(key="a"), 1, timedelta(seconds=5), timedelta(0))).lease
+        assert lease is not None
+        await leases.close()
+        assert await outbox.count() == 0  # the shared connection is still open
+        await outbox.close()
+        assert await db.run(lambda c: c.execute("SELECT COUNT(*) FROM cosid_slot").fetchone()[0]) == 1
+    finally:
+        db.close()
+
+
+async def test_lease_tables_follow_the_seed_fields(tmp_path: Path) -> None:
+    store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
+    try:
+        await store.acquire("ns", Owner(key="a"), 2, timedelta(seconds=5), timedelta(milliseconds=250), 4)
+    finally:
+        await store.close()
+    with sqlite3.connect(tmp_path / "w.db") as conn:
+        cols = [r[1] for r in conn.execute("PRAGMA table_info(cosid_slot)")]
+        assert cols == [
+            "ns",
+            "slot",
+            "ownerKey",
+            "incarnation",
+            "lastOwnerKey",
+            "fence",
+            "expiresAt",
+            "floor",
+            "ceiling",
+            "nextFloor",
+            "writtenAt",
+        ]
+        assert conn.execute(
+            'SELECT ns, "limit", toleranceMs, slotOffset FROM cosid_namespace'
+        ).fetchall() == [("ns", 2, 250, 4)]
+        # a namespace row written without slotOffset (older version) reads as offset 0
+        conn.execute("INSERT INTO cosid_namespace (ns, \"limit\", toleranceMs) VALUES ('old', 1, 0)")
+    store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
+    try:
+        result = await store.acquire("old", Owner(key="a"), 1, timedelta(seconds=5), timedelta(0))
+        assert result.status == "acquired"
+    finally:
+        await store.close()
+    with sqlite3.connect(tmp_path / "w.db") as conn:
+        assert conn.execute("SELECT slotOffset FROM cosid_namespace WHERE ns = 'old'").fetchone() == (None,)
+
+
+# --------------------------------------------------------------------------- log
+
+
+@pytest.fixture
+async def elog(tmp_path: Path) -> AsyncIterator[EmbeddedLog]:
+    store = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
+    await store.prepare()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_log_refuses_tables_of_another_format(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    store = EmbeddedLog(path, context="ctx", partitions=8)
+    await store.prepare()
+    await store.close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE log_format SET format = 4")
+    store = EmbeddedLog(path, context="ctx", partitions=8)
+    try:
+        with pytest.raises(FormatError, match="format 4"):
+            await store.prepare()
+    finally:
+        await store.close()
+
+
+async def test_log_validate_requires_the_tables(tmp_path: Path) -> None:
+    path = tmp_path / "log.db"
+    store = EmbeddedLog(path, context="ctx", partitions=8, ddl=Ddl.VALIDATE)
+    try:
+        with pytest.raises(FormatError, match="missing"):
+            await store.prepare()
+        await EmbeddedLog(path, context="ctx", partitions=8).prepare()
+        await store.prepare()
+    finally:
+        await store.close()
+
+
+async def test_insert_raw_without_a_string_id_lands_in_partition_zero(elog: EmbeddedLog) -> None:
+    await elog.insert_raw(ORDER, {"aggregate_id": 42, "version": 1, "events": []})
+    found = [e async for b in elog.read({0: None}, follow=False) for e in b.entries]
+    assert len(found) == 1
+    assert found[0].partition == 0 and found[0].commit is None
+    assert found[0].error is not None and found[0].error.startswith("aggregate_id")
+    assert found[0].raw["aggregate_id"] == 42
+
+
+async def test_follow_is_woken_by_an_append_through_another_store_in_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(log_module, "POLL_MIN_S", 60.0)  # only the notification can wake it in time
+    monkeypatch.setattr(log_module, "POLL_MAX_S", 60.0)
+    reader = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
+    writer = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
+    await reader.prepare()
+    p = partition("o-1", 8)
+    got = anyio.Event()
+    started = anyio.Event()
+
+    async def tail() -> None:
+        async for batch in reader.read({p: None}, follow=True):
+            if any(e.commit and e.commit.version == 2 for e in batch.entries):
+                got.set()
+            started.set()
+
+    try:
+        await writer.append(commit("o-1", 1))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tail)
+            with anyio.fail_after(5):
+                await started.wait()
+                await writer.append(commit("o-1", 2))
+                await got.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        await reader.close()
+        await writer.close()
+
+
+async def test_follow_polls_for_appends_of_other_processes(elog: EmbeddedLog, tmp_path: Path) -> None:
+    p = partition("o-1", 8)
+    got = anyio.Event()
+
+    async def tail() -> None:
+        async for batch in elog.read({p: None}, follow=True):
+            if batch.entries:
+                got.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail)
+        # another process's append: straight into the file, no in-process notification
+        doc = json.dumps(
+            {"aggregate_id": "o-1", "version": 1, "request_id": "x", "create_time": 1, "events": []}
+        )
+        with sqlite3.connect(tmp_path / "log.db") as conn:
+            conn.execute(
+                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
+                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', 1, ?, 'x', ?)",
+                (p, doc),
+            )
+        with anyio.fail_after(5):
+            await got.wait()
+        tg.cancel_scope.cancel()
+
+
+async def test_contexts_sharing_a_file_do_not_mix(tmp_path: Path) -> None:
+    a = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
+    b = EmbeddedLog(tmp_path / "log.db", context="other", partitions=8)
+    try:
+        await a.append(commit("o-1"))
+        assert await b.aggregate_types() == []
+        assert [
+            e async for batch in b.read({p: None for p in range(8)}, follow=False) for e in batch.entries
+        ] == []
+    finally:
+        await a.close()
+        await b.close()
+
+
+# --------------------------------------------------------------------------- open_embedded
+
+
+async def test_open_embedded_builds_every_store_on_the_file(tmp_path: Path) -> None:
+    from wowd.config import EmbeddedSettings, WowdSettings
+    from wowd.stores.base import (
+        EventSink,
+        Log,
+        Outbox,
+        SlotLeaseStore,
+        SnapshotRebuildStore,
+        SnapshotStore,
+        TimerStore,
+    )
+    from wowd.stores.embedded import open_embedded
+
+    settings = WowdSettings(
+        context="shop", partitions=4, embedded=EmbeddedSettings(path=tmp_path / "sub" / "wowd.db")
+    )
+    backend = await open_embedded(settings)
+    try:
+        assert backend.name == "embedded"
+        assert isinstance(backend.log, Log) and isinstance(backend.leases, SlotLeaseStore)
+        assert isinstance(backend.timers, TimerStore) and isinstance(backend.outbox, Outbox)
+        assert isinstance(backend.snapshots, SnapshotStore) and isinstance(
+            backend.rebuilds, SnapshotRebuildStore
+        )
+        assert backend.log.context == "shop" and backend.log.partitions == 4
+        sink = backend.sink(AggregateType(context="shop", aggregate="order"))
+        assert (
+            isinstance(sink, EventSink)
+            and backend.sink(AggregateType(context="shop", aggregate="order")) is sink
+        )
+        lease = await backend.leases.acquire(
+            "wowd.shop", Owner(key="a"), 1, timedelta(seconds=5), timedelta(0)
+        )
+        assert lease.acquired
+        ref = AggregateRef(context="shop", aggregate="order", id="o-1")
+        c = Commit(ref=ref, version=1, command_id="c", request_id="r", create_time=1)
+        assert await backend.log.append(c) == "appended"
+    finally:
+        await backend.close()
+    with sqlite3.connect(tmp_path / "sub" / "wowd.db") as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"log", "log_checkpoint", "log_quarantine", "cosid_slot", "cosid_namespace", "outbox"} <= tables

@@ -1,0 +1,445 @@
+"""wowd.model: partitioning, names, rules, timer events, timer changes, snapshots, commits."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wowd.errors import ConfigError, InvalidInput
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Claim,
+    Command,
+    Commit,
+    CronRule,
+    DomainEvent,
+    IntervalRule,
+    OnceRule,
+    SnapshotRecord,
+    SnapshotSaveOutcome,
+    Timer,
+    TimerCancelled,
+    TimerChange,
+    TimerScheduled,
+    TimerStatus,
+    commit_from_doc,
+    commit_to_doc,
+    deterministic_timer_id,
+    java_string_hash,
+    parse_rule,
+    partition,
+    request_id_for,
+    stream_id,
+    timer_event_from,
+    validate_name,
+)
+
+
+def ms(text: str) -> int:
+    return int(datetime.fromisoformat(text).astimezone(UTC).timestamp() * 1000)
+
+
+# --------------------------------------------------------------------------- partitioning
+
+
+VECTORS = [  # DESIGN.md section 2, computed with a JVM
+    ("", 0, 0, 0),
+    ("order-1", -1207111310, 50, 1),
+    ("0U9EJ8pEXLA", -1164353479, 57, 5),
+    ("(0)", 39969, 33, 6),
+    ("聚合根", 32270091, 11, 0),
+    ("emoji-😀", 1164511306, 10, 0),
+    ("a-very-long-aggregate-id-0123456789abcdef", -272322810, 6, 3),
+]
+
+
+@pytest.mark.parametrize(("agg_id", "hash_code", "mod64", "mod7"), VECTORS)
+def test_partition_matches_javas_string_hash_code(agg_id: str, hash_code: int, mod64: int, mod7: int) -> None:
+    assert java_string_hash(agg_id) == hash_code
+    assert partition(agg_id, 64) == mod64
+    assert partition(agg_id, 7) == mod7
+
+
+@given(st.text(), st.integers(min_value=1, max_value=4096))
+def test_partition_is_a_floor_mod_in_range(agg_id: str, n: int) -> None:
+    p = partition(agg_id, n)
+    assert 0 <= p < n
+    h = java_string_hash(agg_id)
+    assert -(2**31) <= h < 2**31
+    assert (h - p) % n == 0
+
+
+def test_partition_count_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="partitions"):
+        partition("x", 0)
+
+
+def test_aggregate_ref_partition_uses_the_id_only() -> None:
+    ref = AggregateRef(context="ctx", aggregate="order", id="order-1", tenant_id="tenant-9")
+    assert ref.partition(64) == 50
+    assert AggregateRef(context="ctx", aggregate="order", id="order-1").tenant_id == "(0)"
+
+
+# --------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("name", ["order", "order_line-2", "a", "x" * 64])
+def test_valid_names(name: str) -> None:
+    assert validate_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "Order", "order.line", "order line", "x" * 65, "ordre/1"])
+def test_invalid_names_are_refused_naming_the_field(name: str) -> None:
+    with pytest.raises(ConfigError, match="^aggregate: "):
+        validate_name(name, field="aggregate")
+
+
+def test_aggregate_types_and_refs_validate_their_names() -> None:
+    with pytest.raises(ConfigError, match="context"):
+        AggregateType(context="Bad", aggregate="order")
+    with pytest.raises(ConfigError, match="aggregate"):
+        AggregateRef(context="ctx", aggregate="Order!", id="1")
+    with pytest.raises(InvalidInput, match="tenant_id"):
+        AggregateRef(context="ctx", aggregate="order", id="1", tenant_id="")
+
+
+def test_stream_id_percent_encodes_each_part() -> None:
+    ref = AggregateRef(context="ctx", aggregate="order", id="a:b/c", tenant_id="(0)")
+    assert stream_id(ref, 3) == "%280%29:a%3Ab%2Fc:3"
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def test_once_rule_fires_once() -> None:
+    assert OnceRule().next_after(1_000) is None
+    assert parse_rule({"type": "once"}) == OnceRule()
+
+
+def test_interval_rule_until() -> None:
+    rule = IntervalRule(every_ms=1_000, until=3_000)
+    assert rule.next_after(1_000) == 2_000
+    assert rule.next_after(2_000) == 3_000
+    assert rule.next_after(2_500) is None
+    assert IntervalRule(every_ms=5).next_after(10) == 15
+
+
+def test_cron_rule_next_after_in_utc() -> None:
+    rule = CronRule(expression="*/15 * * * *")
+    assert rule.next_after(ms("2026-03-01T10:07:00+00:00")) == ms("2026-03-01T10:15:00+00:00")
+    # strictly after: an occurrence at the start is not repeated
+    assert rule.next_after(ms("2026-03-01T10:15:00+00:00")) == ms("2026-03-01T10:30:00+00:00")
+
+
+def test_cron_rule_follows_its_zone_across_daylight_saving() -> None:
+    rule = CronRule(expression="0 9 * * *", zone="Europe/Paris")
+    assert rule.next_after(ms("2026-01-15T12:00:00+00:00")) == ms("2026-01-16T08:00:00+00:00")  # CET
+    assert rule.next_after(ms("2026-07-15T12:00:00+00:00")) == ms("2026-07-16T07:00:00+00:00")  # CEST
+
+
+def test_a_never_firing_cron_has_no_next_occurrence() -> None:
+    assert CronRule(expression="0 0 30 2 *").next_after(ms("2026-01-01T00:00:00+00:00")) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "field"),
+    [
+        ("once", "rule"),
+        ({"type": "weekly"}, "rule.type"),
+        ({}, "rule.type"),
+        ({"type": "interval", "every_ms": 0}, "rule.every_ms"),
+        ({"type": "interval", "every_ms": "1s"}, "rule.every_ms"),
+        ({"type": "interval", "every_ms": 10, "until": "later"}, "rule.until"),
+        ({"type": "cron", "expression": "every minute"}, "rule.expression"),
+        ({"type": "cron", "expression": "* * * * *", "zone": "Mars/Olympus"}, "rule.zone"),
+    ],
+)
+def test_bad_rules_name_the_field(doc: Any, field: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        parse_rule(doc)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        OnceRule(),
+        IntervalRule(every_ms=60_000),
+        IntervalRule(every_ms=5, until=99),
+        CronRule(expression="0 * * * *"),
+    ],
+)
+def test_rules_round_trip_through_their_documents(rule: Any) -> None:
+    assert parse_rule(rule.to_doc()) == rule
+
+
+# --------------------------------------------------------------------------- timer events
+
+TARGET_DOC = {"context": "billing", "aggregate": "invoice", "tenant_id": "t1", "id": "inv-1"}
+
+
+def scheduled(**body: Any) -> DomainEvent:
+    doc: dict[str, Any] = {
+        "key": "expire",
+        "due_at": 1_700_000_000_000,
+        "rule": {"type": "interval", "every_ms": 1000},
+        "target": TARGET_DOC,
+        "command": {"name": "ExpireInvoice", "body": {"why": "late"}},
+    }
+    doc.update(body)
+    return DomainEvent(id="e1", name="TimerScheduled", body=doc)
+
+
+def test_timer_scheduled_is_read() -> None:
+    event = timer_event_from(scheduled())
+    assert event == TimerScheduled(
+        key="expire",
+        due_at=1_700_000_000_000,
+        rule=IntervalRule(every_ms=1000),
+        target=AggregateRef(context="billing", aggregate="invoice", tenant_id="t1", id="inv-1"),
+        command=Command(name="ExpireInvoice", body={"why": "late"}),
+    )
+
+
+def test_timer_scheduled_defaults_to_once() -> None:
+    event = scheduled()
+    body = {k: v for k, v in event.body.items() if k != "rule"}
+    read = timer_event_from(replace(event, body=body))
+    assert isinstance(read, TimerScheduled) and read.rule == OnceRule()
+
+
+def test_timer_cancelled_and_other_events() -> None:
+    assert timer_event_from(DomainEvent(id="e", name="TimerCancelled", body={"key": "k"})) == TimerCancelled(
+        key="k"
+    )
+    assert timer_event_from(DomainEvent(id="e", name="OrderPaid", body={})) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"key": ""}, "body.key"),
+        ({"key": 5}, "body.key"),
+        ({"key": "k" * 513}, "body.key"),
+        ({"due_at": "soon"}, "body.due_at"),
+        ({"due_at": -1}, "body.due_at"),
+        ({"due_at": True}, "body.due_at"),
+        ({"rule": {"type": "sometimes"}}, "rule.type"),
+        ({"target": "inv-1"}, "body.target"),
+        ({"target": {**TARGET_DOC, "aggregate": "Invoice"}}, "body.target"),
+        ({"target": {**TARGET_DOC, "id": None}}, "body.target"),
+        ({"command": {"body": {}}}, "body.command"),
+        ({"command": {"name": "X", "body": [1]}}, "body.command.body"),
+        ({"command": {"name": "X", "body": {"blob": "x" * 70_000}}}, "body.command"),
+    ],
+)
+def test_malformed_timer_events_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        timer_event_from(scheduled(**body))
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_timer_cancelled_without_a_key_names_the_field() -> None:
+    with pytest.raises(InvalidInput) as info:
+        timer_event_from(DomainEvent(id="e", name="TimerCancelled", body={}))
+    assert info.value.field == "body.key"
+
+
+def test_body_limit_is_configurable() -> None:
+    with pytest.raises(InvalidInput, match="over the limit of 16"):
+        timer_event_from(scheduled(), max_body_bytes=16)
+
+
+# --------------------------------------------------------------------------- timers and changes
+
+OWNER = AggregateRef(context="ctx", aggregate="order", id="o-1")
+TARGET = AggregateRef(context="billing", aggregate="invoice", id="inv-1")
+
+
+def timer(**kw: Any) -> Timer:
+    values: dict[str, Any] = {
+        "timer_id": deterministic_timer_id(OWNER, "expire", 3),
+        "partition": OWNER.partition(8),
+        "owner": OWNER,
+        "key": "expire",
+        "version": 3,
+        "due_at": 1_000,
+        "scheduled_at": 1_000,
+        "target": TARGET,
+        "body": Command(name="Expire").to_json(),
+        "revision": 4,
+        "attempts": 2,
+        "last_error": "503",
+    }
+    values.update(kw)
+    return Timer(**values)
+
+
+def test_timer_ids_and_request_ids_are_deterministic() -> None:
+    assert deterministic_timer_id(OWNER, "expire", 3) == deterministic_timer_id(OWNER, "expire", 3)
+    assert deterministic_timer_id(OWNER, "expire", 3) != deterministic_timer_id(OWNER, "expire", 4)
+    t = timer()
+    assert t.request_id == request_id_for(t.timer_id, 1_000)
+    assert t.request_id != request_id_for(t.timer_id, 2_000)  # another occurrence, another id
+    assert t.command == Command(name="Expire")
+
+
+def test_claim_applied() -> None:
+    after = TimerChange.claim(timer(), owner_key="a", fence=7, until=31_000).applied()
+    assert after == timer(
+        status=TimerStatus.FIRING,
+        due_at=31_000,
+        claim=Claim(owner_key="a", fence=7, until=31_000),
+        revision=5,
+    )
+    assert after is not None and after.scheduled_at == 1_000  # the occurrence keeps its request id
+
+
+def test_fired_applied_deletes_or_reschedules() -> None:
+    firing = timer(status=TimerStatus.FIRING, claim=Claim(owner_key="a", fence=1, until=9), due_at=9)
+    assert TimerChange.fired(firing, fence=1, next_due=None).applied() is None
+    after = TimerChange.fired(firing, fence=1, next_due=2_000).applied()
+    assert after == timer(
+        status=TimerStatus.PENDING,
+        due_at=2_000,
+        scheduled_at=2_000,
+        fired=1,
+        attempts=0,
+        claim=None,
+        last_error=None,
+        revision=5,
+    )
+
+
+def test_retry_park_resume_fail_applied() -> None:
+    firing = timer(status=TimerStatus.FIRING, claim=Claim(owner_key="a", fence=1, until=9))
+    retry = TimerChange.retry(firing, fence=1, due_at=5_000, error="timeout").applied()
+    assert retry == timer(
+        status=TimerStatus.PENDING, due_at=5_000, attempts=3, last_error="timeout", revision=5
+    )
+    park = TimerChange.park(firing, fence=1, reason="404").applied()
+    assert park == timer(status=TimerStatus.PARKED, last_error="404", revision=5)
+    assert park is not None
+    resume = TimerChange.resume(park, due_at=7_000).applied()
+    assert resume == timer(status=TimerStatus.PENDING, due_at=7_000, attempts=0, last_error="404", revision=6)
+    fail = TimerChange.fail(firing, fence=1, reason="400").applied()
+    assert fail == timer(status=TimerStatus.FAILED, last_error="400", revision=5)
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def snap(agg_id: str, version: int) -> SnapshotRecord:
+    return SnapshotRecord(
+        ref=AggregateRef(context="ctx", aggregate="order", id=agg_id),
+        version=version,
+        state_revision=1,
+        state={},
+    )
+
+
+def test_snapshot_rounds_hold_one_snapshot_per_aggregate_in_order() -> None:
+    a1, b1, a2, a3, c1, b2 = (
+        snap("a", 1),
+        snap("b", 1),
+        snap("a", 2),
+        snap("a", 3),
+        snap("c", 1),
+        snap("b", 2),
+    )
+    assert SnapshotSaveOutcome.rounds([a1, b1, a2, a3, c1, b2]) == [[a1, b1, c1], [a2, b2], [a3]]
+    assert SnapshotSaveOutcome.rounds([]) == []
+
+
+# --------------------------------------------------------------------------- commits
+
+
+def make_commit(**kw: Any) -> Commit:
+    values: dict[str, Any] = {
+        "ref": AggregateRef(context="ctx", aggregate="order", id="order-1", tenant_id="t1"),
+        "version": 2,
+        "command_id": "cmd-1",
+        "request_id": "req-1",
+        "create_time": 1_700_000_000_000,
+        "events": (
+            DomainEvent(id="e1", name="OrderCreated", revision="1.0", body_type="x.Created", body={"n": 1}),
+            DomainEvent(id="e2", name="TimerScheduled", body={"key": "k"}),
+        ),
+        "header": {"trace": "abc"},
+        "access": {"owner_id": "u1", "space_id": "s1", "tags": ["vip"]},
+        "access_version": 2,
+        "deleted": False,
+    }
+    values.update(kw)
+    return Commit(**values)
+
+
+def test_commit_round_trips_through_its_document() -> None:
+    c = make_commit()
+    doc = commit_to_doc(c, 64)
+    assert doc["_id"] == {"t": "t1", "a": "order-1", "v": 2}
+    assert doc["partition"] == 50 and doc["owner_id"] == "u1" and doc["space_id"] == "s1"
+    assert commit_from_doc(AggregateType(context="ctx", aggregate="order"), doc) == c
+
+
+@given(
+    agg_id=st.text(min_size=0, max_size=40),
+    tenant=st.text(min_size=1, max_size=10),
+    version=st.integers(min_value=1, max_value=2**53),
+    deleted=st.booleans(),
+)
+def test_commit_round_trip_property(agg_id: str, tenant: str, version: int, deleted: bool) -> None:
+    c = make_commit(
+        ref=AggregateRef(context="ctx", aggregate="order", id=agg_id, tenant_id=tenant),
+        version=version,
+        deleted=deleted,
+    )
+    assert commit_from_doc(AggregateType(context="ctx", aggregate="order"), commit_to_doc(c, 16)) == c
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"aggregate_id": 42}, "aggregate_id"),
+        ({"version": "2"}, "version"),
+        ({"version": True}, "version"),
+        ({"version": 0}, "version"),
+        ({"request_id": None}, "request_id"),
+        ({"create_time": "now"}, "create_time"),
+        ({"events": {}}, "events"),
+        ({"events": ["x"]}, "events[0]"),
+        ({"events": [{"id": "e"}]}, "events[0].name"),
+        ({"events": [{"name": "X", "body": []}]}, "events[0].body"),
+        ({"access": "all"}, "access"),
+        ({"header": 1}, "header"),
+        ({"access_version": "1"}, "access_version"),
+        ({"deleted": "no"}, "deleted"),
+        ({"tenant_id": ""}, "tenant_id"),
+    ],
+)
+def test_malformed_commit_documents_name_the_field(change: dict[str, Any], field: str) -> None:
+    doc = commit_to_doc(make_commit(), 64) | change
+    with pytest.raises(InvalidInput) as info:
+        commit_from_doc(AggregateType(context="ctx", aggregate="order"), doc)
+    assert info.value.field == field
+
+
+def test_missing_fields_are_named() -> None:
+    doc = commit_to_doc(make_commit(), 64)
+    del doc["request_id"]
+    with pytest.raises(InvalidInput, match="^request_id: is missing"):
+        commit_from_doc(AggregateType(context="ctx", aggregate="order"), doc)
+
+
+def test_commit_validates_itself() -> None:
+    with pytest.raises(InvalidInput, match="^version"):
+        make_commit(version=0)
+    with pytest.raises(InvalidInput, match="^request_id"):
+        make_commit(request_id="")

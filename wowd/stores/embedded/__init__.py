@@ -1,0 +1,93 @@
+"""The embedded backend: every store on one SQLite file in WAL mode (DESIGN.md section 8).
+
+Several processes may share the file. Importing this package never imports pymongo or
+elasticsearch. The timer, snapshot and sink classes are imported on first use of their names
+(so that a store module is loaded only by who uses it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+from wowd.stores.backend import Backend
+from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+from wowd.stores.embedded.log import EmbeddedLog
+from wowd.stores.embedded.outbox import EmbeddedOutbox
+
+if TYPE_CHECKING:
+    from wowd.config import WowdSettings
+    from wowd.stores.embedded.sink import EmbeddedEventSink
+    from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+__all__ = [
+    "EmbeddedEventSink",
+    "EmbeddedLog",
+    "EmbeddedOutbox",
+    "EmbeddedSlotLeaseStore",
+    "EmbeddedSnapshotStore",
+    "EmbeddedTimerStore",
+    "SqliteDatabase",
+    "open_embedded",
+]
+
+_LAZY = {
+    "EmbeddedTimerStore": "wowd.stores.embedded.timers",
+    "EmbeddedSnapshotStore": "wowd.stores.embedded.snapshots",
+    "EmbeddedEventSink": "wowd.stores.embedded.sink",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+async def open_embedded(settings: WowdSettings) -> Backend:
+    """Every embedded store of ``settings.context`` on ``settings.embedded.path``, each on its own
+    connection, prepared. The backend's ``close`` closes them all."""
+    from wowd.model import AggregateType
+    from wowd.stores.embedded.sink import EmbeddedEventSink
+    from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    path = settings.embedded.path
+    async with AsyncExitStack() as stack:
+        leases = EmbeddedSlotLeaseStore(path)
+        stack.push_async_callback(leases.close)
+        log = EmbeddedLog(path, context=settings.context, partitions=settings.partitions)
+        stack.push_async_callback(log.close)
+        timers = EmbeddedTimerStore(path, context=settings.context, partitions=settings.partitions)
+        stack.push_async_callback(timers.close)
+        snapshots = EmbeddedSnapshotStore(path, context=settings.context)
+        stack.push_async_callback(snapshots.close)
+        outbox = EmbeddedOutbox(path)
+        stack.push_async_callback(outbox.close)
+        # one at a time: the first prepare creates the file and switches it to WAL
+        await leases.prepare()
+        await log.prepare()
+        await timers.prepare()
+        await snapshots.prepare()
+        await outbox.prepare()
+
+        def sink_factory(type: AggregateType) -> EmbeddedEventSink:
+            return EmbeddedEventSink(path, type)
+
+        backend = Backend(
+            name="embedded",
+            log=log,
+            leases=leases,
+            timers=timers,
+            snapshots=snapshots,
+            rebuilds=snapshots,
+            outbox=outbox,
+            sink_factory=sink_factory,
+            closers=[leases.close, log.close, timers.close, snapshots.close, outbox.close],
+        )
+        stack.pop_all()  # success: the backend owns the stores now
+    return backend

@@ -1,0 +1,330 @@
+"""CosId-style slot leases on SQLite (seed 001, DESIGN.md section 4).
+
+Tables (the seed's documents as rows, the seed's field names as columns):
+
+- ``cosid_slot``: ``(ns, slot)`` primary key, ``ownerKey``, ``incarnation``, ``lastOwnerKey``,
+  ``fence``, ``expiresAt``, ``floor``, ``ceiling``, ``nextFloor``, ``writtenAt``;
+- ``cosid_namespace``: ``ns`` primary key, ``limit``, ``toleranceMs``, ``slotOffset`` (NULL reads
+  as 0 and is never rewritten).
+
+The store clock is SQLite's ``now`` (:data:`~wowd.stores.embedded.db.NOW_MS`), evaluated once per
+statement (``UPDATE ... FROM (SELECT now) AS clk``), so ``writtenAt`` and ``expiresAt`` come from
+the same write. An acquire runs in one short ``BEGIN IMMEDIATE`` transaction (processes sharing
+the file serialise on SQLite's write lock), and each step that takes a slot is one conditional
+``UPDATE ... RETURNING`` whose ``WHERE`` holds the whole condition (free by the store clock, the
+fence read for the sticky step), so it stays right even without the transaction.
+
+Fence: +1 on every take, i.e. on every acquire that is not the holder's idempotent re-acquire of
+its live lease. That includes the same owner key taking back the slot it released (or let expire):
+anything written under the earlier fence belongs to a finished tenure. Incarnation: +1 on every
+take as well, so the renew/release of an earlier process with the same owner key fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from wowd.errors import StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import AcquireResult, Owner, SlotLease, SlotState
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+
+__all__ = ["EmbeddedSlotLeaseStore"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS cosid_namespace (
+        ns TEXT PRIMARY KEY,
+        "limit" INTEGER NOT NULL,
+        toleranceMs INTEGER NOT NULL,
+        slotOffset INTEGER
+    )""",
+    """CREATE TABLE IF NOT EXISTS cosid_slot (
+        ns TEXT NOT NULL,
+        slot INTEGER NOT NULL,
+        ownerKey TEXT,
+        incarnation INTEGER NOT NULL DEFAULT 0,
+        lastOwnerKey TEXT,
+        fence INTEGER NOT NULL DEFAULT 0,
+        expiresAt INTEGER NOT NULL DEFAULT 0,
+        floor INTEGER NOT NULL DEFAULT 0,
+        ceiling INTEGER NOT NULL DEFAULT 0,
+        nextFloor INTEGER,
+        writtenAt INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (ns, slot)
+    )""",
+)
+
+_LEASE_COLUMNS = "ns, slot, ownerKey, incarnation, fence, expiresAt, floor, ceiling, writtenAt"
+
+# A slot is free for :owner when nobody holds it, its lease expired beyond the tolerance, or
+# :owner itself holds it with an expired lease (a live one is returned by the idempotent step).
+_FREE = "(ownerKey IS NULL OR expiresAt + :tol < clk.now OR (ownerKey = :owner AND expiresAt <= clk.now))"
+
+# One take: the owner, incarnation + 1, fence + 1, the store clock's now stamped once.
+_TAKE_SET = (
+    "SET ownerKey = :owner, lastOwnerKey = :owner, incarnation = incarnation + 1, fence = fence + 1, "
+    "writtenAt = clk.now, expiresAt = clk.now + :ttl, ceiling = clk.now + :ttl, "
+    "floor = COALESCE(nextFloor, clk.now), "
+    "nextFloor = MAX(clk.now + :ttl, COALESCE(nextFloor, clk.now)) "
+    f"FROM (SELECT {NOW_MS} AS now) AS clk "
+)
+
+
+def take_sticky_sql() -> str:
+    """The owner's last slot, guarded by the fence it was read with."""
+    return (
+        f"UPDATE cosid_slot {_TAKE_SET}"
+        f"WHERE ns = :ns AND slot = :slot AND fence = :fence AND {_FREE} "
+        f"RETURNING {_LEASE_COLUMNS}"
+    )
+
+
+def take_slot_sql() -> str:
+    """A named slot (the preferred one) when free."""
+    return (
+        f"UPDATE cosid_slot {_TAKE_SET}WHERE ns = :ns AND slot = :slot AND {_FREE} RETURNING {_LEASE_COLUMNS}"
+    )
+
+
+def take_first_free_sql() -> str:
+    """The first free slot of the namespace's range, in slot order."""
+    return (
+        f"UPDATE cosid_slot {_TAKE_SET}"
+        "WHERE ns = :ns AND slot = ("
+        f"  SELECT s.slot FROM cosid_slot AS s, (SELECT {NOW_MS} AS now) AS clk"
+        "   WHERE s.ns = :ns AND s.slot >= :lo AND s.slot < :hi"
+        "     AND (s.ownerKey IS NULL OR s.expiresAt + :tol < clk.now"
+        "          OR (s.ownerKey = :owner AND s.expiresAt <= clk.now))"
+        "   ORDER BY s.slot LIMIT 1"
+        f") AND {_FREE} "
+        f"RETURNING {_LEASE_COLUMNS}"
+    )
+
+
+def owner_slots_sql() -> str:
+    """The slots the owner key holds or held last, newest first, with liveness by the store clock."""
+    return (
+        "SELECT slot, ownerKey, fence, expiresAt > clk.now AS live, "
+        f"{_LEASE_COLUMNS} FROM cosid_slot, (SELECT {NOW_MS} AS now) AS clk "
+        "WHERE ns = :ns AND slot >= :lo AND slot < :hi AND (ownerKey = :owner OR lastOwnerKey = :owner) "
+        "ORDER BY (ownerKey = :owner AND expiresAt > clk.now) DESC, writtenAt DESC, slot"
+    )
+
+
+def renew_sql() -> str:
+    """Extends a matching lease not yet expired by the store clock."""
+    return (
+        "UPDATE cosid_slot SET writtenAt = clk.now, expiresAt = clk.now + :ttl, ceiling = clk.now + :ttl, "
+        "nextFloor = MAX(clk.now + :ttl, floor, COALESCE(nextFloor, 0)) "
+        f"FROM (SELECT {NOW_MS} AS now) AS clk "
+        "WHERE ns = :ns AND slot = :slot AND ownerKey = :owner AND incarnation = :incarnation "
+        "AND fence = :fence AND expiresAt > clk.now "
+        f"RETURNING {_LEASE_COLUMNS}"
+    )
+
+
+def release_sql() -> str:
+    """Clears the owner of a matching lease, keeps lastOwnerKey, stores nextFloor."""
+    return (
+        "UPDATE cosid_slot SET ownerKey = NULL, writtenAt = clk.now, expiresAt = MIN(expiresAt, clk.now), "
+        "nextFloor = MAX(:last_issued + 1, floor) "
+        f"FROM (SELECT {NOW_MS} AS now) AS clk "
+        "WHERE ns = :ns AND slot = :slot AND ownerKey = :owner AND incarnation = :incarnation "
+        "AND fence = :fence"
+    )
+
+
+def _nothing(conn: sqlite3.Connection) -> None:
+    return None
+
+
+def _ms(d: timedelta) -> int:
+    return int(d.total_seconds() * 1000)
+
+
+def _lease(row: sqlite3.Row | tuple[Any, ...]) -> SlotLease:
+    ns, slot, owner, incarnation, fence, expires_at, floor, ceiling, written_at = tuple(row)[-9:]
+    return SlotLease(
+        namespace=ns,
+        slot=slot,
+        owner_key=owner,
+        incarnation=incarnation,
+        fence=fence,
+        expires_at=expires_at,
+        floor=floor,
+        ceiling=ceiling,
+        written_at=written_at,
+    )
+
+
+class EmbeddedSlotLeaseStore:
+    """:class:`~wowd.stores.base.SlotLeaseStore` on a SQLite file shared by several processes.
+
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
+    closes in :meth:`close`). The tables are created on first use.
+    """
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._ready = False
+
+    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            if not self._ready:
+                await self._db.run(self._db.transaction(_create_schema))
+                self._ready = True
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels("leases", operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels("leases", operation).observe(time.perf_counter() - started)
+
+    async def prepare(self) -> None:
+        """Creates the tables when missing (idempotent)."""
+        await self._call("prepare", lambda conn: None)
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        params: dict[str, Any] = {
+            "ns": namespace,
+            "owner": owner.key,
+            "ttl": _ms(ttl),
+            "tol": _ms(tolerance),
+            "lo": slot_offset,
+            "hi": slot_offset + limit,
+            "limit": limit,
+            "offset": slot_offset,
+        }
+
+        def run(conn: sqlite3.Connection) -> AcquireResult:
+            conn.execute(
+                'INSERT INTO cosid_namespace (ns, "limit", toleranceMs, slotOffset) '
+                "VALUES (:ns, :limit, :tol, :offset) ON CONFLICT (ns) DO NOTHING",
+                params,
+            )
+            rec_limit, rec_offset = conn.execute(
+                'SELECT "limit", COALESCE(slotOffset, 0) FROM cosid_namespace WHERE ns = :ns', params
+            ).fetchone()
+            if rec_limit != limit or rec_offset != slot_offset:
+                return AcquireResult(
+                    status="refused",
+                    reason=f"namespace {namespace!r} is recorded with limit {rec_limit} and slot offset "
+                    f"{rec_offset}, not limit {limit} and slot offset {slot_offset}",
+                )
+            conn.executemany(
+                "INSERT INTO cosid_slot (ns, slot) VALUES (?, ?) ON CONFLICT (ns, slot) DO NOTHING",
+                [(namespace, s) for s in range(slot_offset, slot_offset + limit)],
+            )
+            mine = conn.execute(owner_slots_sql(), params).fetchall()
+            for row in mine:
+                if row[1] == owner.key and row[3]:
+                    return AcquireResult(status="acquired", lease=_lease(row))  # idempotent
+            steps: list[tuple[str, dict[str, Any]]] = []
+            if mine:
+                steps.append((take_sticky_sql(), {**params, "slot": mine[0][0], "fence": mine[0][2]}))
+            if preferred_slot is not None and slot_offset <= preferred_slot < slot_offset + limit:
+                steps.append((take_slot_sql(), {**params, "slot": preferred_slot}))
+            steps.append((take_first_free_sql(), params))
+            for sql, p in steps:
+                taken = conn.execute(sql, p).fetchall()
+                if taken:
+                    return AcquireResult(status="acquired", lease=_lease(taken[0]))
+            return AcquireResult(status="exhausted", reason=f"all {limit} slots of {namespace!r} are held")
+
+        result = await self._call("acquire", self._db.transaction(run))
+        if result.lease is not None:
+            log.debug(
+                "acquired slot %s of %s for %s (incarnation %s, fence %s)",
+                result.lease.slot,
+                namespace,
+                owner.key,
+                result.lease.incarnation,
+                result.lease.fence,
+            )
+        return result
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        params = _match(lease) | {"ttl": _ms(ttl)}
+
+        def run(conn: sqlite3.Connection) -> SlotLease | None:
+            rows = conn.execute(renew_sql(), params).fetchall()
+            return _lease(rows[0]) if rows else None
+
+        return await self._call("renew", run)
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        params = _match(lease) | {"last_issued": last_issued}
+
+        def run(conn: sqlite3.Connection) -> bool:
+            return conn.execute(release_sql(), params).rowcount == 1
+
+        return await self._call("release", run)
+
+    async def slots(self, namespace: str) -> list[SlotState]:
+        def run(conn: sqlite3.Connection) -> list[SlotState]:
+            rows = conn.execute(
+                "SELECT ns, slot, ownerKey, lastOwnerKey, incarnation, fence, expiresAt, "
+                f"COALESCE(nextFloor, 0), {NOW_MS} FROM cosid_slot WHERE ns = ? ORDER BY slot",
+                (namespace,),
+            ).fetchall()
+            return [
+                SlotState(
+                    namespace=r[0],
+                    slot=r[1],
+                    owner_key=r[2],
+                    last_owner_key=r[3],
+                    incarnation=r[4],
+                    fence=r[5],
+                    expires_at=r[6],
+                    next_floor=r[7],
+                    store_now=r[8],
+                )
+                for r in rows
+            ]
+
+        return await self._call("slots", run)
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)
+
+
+def _match(lease: SlotLease) -> dict[str, Any]:
+    return {
+        "ns": lease.namespace,
+        "slot": lease.slot,
+        "owner": lease.owner_key,
+        "incarnation": lease.incarnation,
+        "fence": lease.fence,
+    }
+
+
+def _create_schema(conn: sqlite3.Connection) -> None:
+    for statement in SCHEMA:
+        conn.execute(statement)

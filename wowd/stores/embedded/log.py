@@ -1,0 +1,573 @@
+"""The context's log on SQLite (DESIGN.md section 3, embedded).
+
+Tables (shared by the contexts of one file, each row carrying its ``context``):
+
+- ``log``: ``seq`` (INTEGER PRIMARY KEY AUTOINCREMENT: the position, assigned at append, in
+  commit order since SQLite has one writer at a time), ``aggregate``, ``tenant_id``,
+  ``aggregate_id``, ``version``, ``partition``, ``request_id`` and ``doc`` (the commit's document,
+  :func:`~wowd.model.commit_to_doc`, as JSON). Unique ``(context, aggregate, tenant_id,
+  aggregate_id, version)`` and ``(context, aggregate, aggregate_id, request_id)``; index
+  ``(context, partition, seq)``.
+- ``log_checkpoint``: ``(context, consumer, partition)`` -> ``position`` (JSON), ``fence``,
+  ``written_at``; a save is one upsert admitted only when the stored fence is <= the new one.
+- ``log_quarantine``: malformed documents with the reason, unique per ``(context, consumer,
+  aggregate, sha256 of the raw document's canonical JSON)``.
+- ``log_format``: the layout version (:data:`FORMAT`); another one is refused.
+
+A position is ``{"seq": n}``. ``read`` sends one query per batch (``seq > min(positions) AND
+partition IN (...)``) and skips, per partition, what is at or before its own position. When
+caught up it waits for an in-process notification from ``append`` (any store of this process on
+the same file) or, for other processes' appends, a bounded poll that starts at 2 ms and doubles to
+100 ms while nothing comes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from wowd.errors import ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable, WowdError
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import (
+    DEFAULT_TENANT,
+    AggregateType,
+    Checkpoint,
+    Commit,
+    LogBatch,
+    LogEntry,
+    Position,
+    commit_from_doc,
+    commit_to_doc,
+    partition,
+    validate_name,
+)
+from wowd.stores.base import AppendOutcome, Ddl
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+
+__all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FORMAT = 5
+"""The layout version of the embedded log tables, recorded in ``log_format``."""
+
+POLL_MIN_S = 0.002
+POLL_MAX_S = 0.1
+
+TABLES = ("log", "log_checkpoint", "log_quarantine", "log_format")
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS log (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        context TEXT NOT NULL,
+        aggregate TEXT NOT NULL,
+        tenant_id TEXT,
+        aggregate_id TEXT,
+        version INTEGER,
+        partition INTEGER NOT NULL,
+        request_id TEXT,
+        doc TEXT NOT NULL
+    )""",
+    "CREATE UNIQUE INDEX IF NOT EXISTS log_version"
+    " ON log (context, aggregate, tenant_id, aggregate_id, version)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS log_request ON log (context, aggregate, aggregate_id, request_id)",
+    "CREATE INDEX IF NOT EXISTS log_partition ON log (context, partition, seq)",
+    """CREATE TABLE IF NOT EXISTS log_checkpoint (
+        context TEXT NOT NULL,
+        consumer TEXT NOT NULL,
+        partition INTEGER NOT NULL,
+        position TEXT NOT NULL,
+        fence INTEGER NOT NULL,
+        written_at INTEGER NOT NULL,
+        PRIMARY KEY (context, consumer, partition)
+    )""",
+    """CREATE TABLE IF NOT EXISTS log_quarantine (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        context TEXT NOT NULL,
+        consumer TEXT NOT NULL,
+        partition INTEGER NOT NULL,
+        aggregate TEXT NOT NULL,
+        raw TEXT NOT NULL,
+        raw_hash TEXT NOT NULL,
+        reason TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        UNIQUE (context, consumer, aggregate, raw_hash)
+    )""",
+    """CREATE TABLE IF NOT EXISTS log_format (
+        name TEXT PRIMARY KEY,
+        format INTEGER NOT NULL,
+        created_at INTEGER NOT NULL
+    )""",
+)
+
+# --------------------------------------------------------------------------- SQL builders
+
+
+def insert_sql() -> str:
+    return (
+        "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition, request_id, doc) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    )
+
+
+def find_request_sql() -> str:
+    """The commit holding ``(aggregate, aggregate_id, request_id)``: a repeat is a duplicate."""
+    return "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND aggregate_id = ? AND request_id = ?"
+
+
+def read_sql(partitions: int) -> str:
+    """One batch: after the lowest position, only the given partitions, in log order."""
+    marks = ", ".join("?" * partitions)
+    return (
+        "SELECT seq, aggregate, partition, doc FROM log "
+        f"WHERE context = ? AND seq > ? AND partition IN ({marks}) ORDER BY seq LIMIT ?"
+    )
+
+
+def save_checkpoint_sql() -> str:
+    """One upsert, admitted over a stored checkpoint of the same or a lower fence."""
+    return (
+        "INSERT INTO log_checkpoint (context, consumer, partition, position, fence, written_at) "
+        f"VALUES (?, ?, ?, ?, ?, {NOW_MS}) "
+        "ON CONFLICT (context, consumer, partition) DO UPDATE SET position = excluded.position, "
+        "fence = excluded.fence, written_at = excluded.written_at "
+        "WHERE log_checkpoint.fence <= excluded.fence"
+    )
+
+
+def checkpoints_sql(partitions: int) -> str:
+    marks = ", ".join("?" * partitions)
+    return (
+        "SELECT partition, position, fence, written_at FROM log_checkpoint "
+        f"WHERE context = ? AND consumer = ? AND partition IN ({marks})"
+    )
+
+
+def quarantine_sql() -> str:
+    return (
+        "INSERT INTO log_quarantine"
+        " (context, consumer, partition, aggregate, raw, raw_hash, reason, created_at) "
+        f"VALUES (?, ?, ?, ?, ?, ?, ?, {NOW_MS}) "
+        "ON CONFLICT (context, consumer, aggregate, raw_hash) DO NOTHING"
+    )
+
+
+# --------------------------------------------------------------------------- in-process wake-ups
+
+
+class _Notifier:
+    """Wakes the readers of one file in this process when an append commits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[anyio.Event, object] = {}
+
+    def subscribe(self) -> anyio.Event:
+        event = anyio.Event()
+        with self._lock:
+            self._waiters[event] = anyio.lowlevel.current_token()
+        return event
+
+    def unsubscribe(self, event: anyio.Event) -> None:
+        with self._lock:
+            self._waiters.pop(event, None)
+
+    def notify(self) -> None:
+        token = anyio.lowlevel.current_token()
+        with self._lock:
+            mine = [e for e, t in self._waiters.items() if t == token]
+        for event in mine:  # readers on another event loop rely on their poll
+            event.set()
+
+
+_NOTIFIERS: dict[str, _Notifier] = {}
+_NOTIFIERS_LOCK = threading.Lock()
+
+
+def _notifier_for(path: str) -> _Notifier:
+    key = path if path == ":memory:" else os.path.realpath(path)
+    with _NOTIFIERS_LOCK:
+        n = _NOTIFIERS.get(key)
+        if n is None:
+            n = _NOTIFIERS[key] = _Notifier()
+        return n
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _seq(position: Position | None, partition_: int) -> int:
+    if position is None:
+        return 0
+    seq = position.get("seq") if isinstance(position, Mapping) else None
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise InvalidInput(f"not an embedded log position: {position!r}", field=f"positions[{partition_}]")
+    return seq
+
+
+def _reader(sql: str, params: tuple[Any, ...]) -> Callable[[sqlite3.Connection], list[Any]]:
+    return lambda conn: conn.execute(sql, params).fetchall()
+
+
+def _canonical(doc: Mapping[str, Any]) -> str:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
+    seq, aggregate, part, text = row
+    type_ = AggregateType(context=context, aggregate=aggregate)
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        return LogEntry(
+            position={"seq": seq}, partition=part, aggregate=type_, commit=None, raw={}, error=f"doc: {exc}"
+        )
+    if not isinstance(raw, dict):
+        return LogEntry(
+            position={"seq": seq},
+            partition=part,
+            aggregate=type_,
+            commit=None,
+            raw={"doc": raw},
+            error="commit: a commit must be a document",
+        )
+    try:
+        commit: Commit | None = commit_from_doc(type_, raw)
+        error = None
+    except (WowdError, TypeError, ValueError) as exc:
+        commit, error = None, str(exc)
+    return LogEntry(
+        position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error
+    )
+
+
+class EmbeddedLog:
+    """:class:`~wowd.stores.base.Log` on a SQLite file shared by several processes.
+
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
+    closes in :meth:`close`). ``ddl``: ``auto`` creates the tables and records the format,
+    ``validate`` requires them (and the format), ``none`` assumes them.
+    """
+
+    def __init__(
+        self,
+        db_or_path: SqliteDatabase | str | Path,
+        *,
+        context: str,
+        partitions: int,
+        ddl: Ddl = Ddl.AUTO,
+    ) -> None:
+        self.context = validate_name(context, field="context")
+        if partitions < 1:
+            raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
+        self.partitions = partitions
+        self.ddl = Ddl(ddl)
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._notifier = _notifier_for(self._db.path)
+        self._prepared = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            if not self._prepared:
+                await self._prepare()
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels("log", operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels("log", operation).observe(time.perf_counter() - started)
+
+    async def _prepare(self) -> None:
+        if self.ddl is Ddl.AUTO:
+            await self._db.run(self._db.transaction(_create))
+        elif self.ddl is Ddl.VALIDATE:
+            await self._db.run(_validate)
+        self._prepared = True
+
+    async def prepare(self) -> None:
+        """Creates the tables and records :data:`FORMAT` (``auto``), or checks them
+        (``validate``); raises :class:`FormatError` for tables recorded in another format."""
+        started = time.perf_counter()
+        try:
+            await self._prepare()
+        finally:
+            STORE_CALL_SECONDS.labels("log", "prepare").observe(time.perf_counter() - started)
+
+    async def ping(self) -> None:
+        try:
+            await self._db.run(lambda conn: conn.execute("SELECT 1").fetchone())
+        except StorageError as exc:
+            raise StorageUnavailable(f"sqlite {self._db.path}: does not answer: {exc}") from exc
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)
+
+    # ------------------------------------------------------------------ appends
+
+    def _row(self, commit: Commit) -> tuple[Any, ...]:
+        if commit.ref.context != self.context:
+            raise InvalidInput(
+                f"{commit.ref.context!r} is not the log's context {self.context!r}", field="context"
+            )
+        doc = commit_to_doc(commit, self.partitions)
+        try:
+            text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"is not JSON-serialisable: {exc}", field="events") from exc
+        ref = commit.ref
+        return (
+            self.context,
+            ref.aggregate,
+            ref.tenant_id,
+            ref.id,
+            commit.version,
+            doc["partition"],
+            commit.request_id,
+            text,
+        )
+
+    def _append_rows(self, conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[AppendOutcome]:
+        outcomes: list[AppendOutcome] = []
+        for row in rows:
+            if conn.execute(find_request_sql(), (row[0], row[1], row[3], row[6])).fetchone() is not None:
+                outcomes.append("duplicate")
+                continue
+            try:
+                conn.execute(insert_sql(), row)
+            except sqlite3.IntegrityError:
+                outcomes.append("conflict")
+                continue
+            outcomes.append("appended")
+        return outcomes
+
+    async def append(self, commit: Commit) -> AppendOutcome:
+        row = self._row(commit)
+        outcome = (await self._call("append", self._db.transaction(lambda c: self._append_rows(c, [row]))))[0]
+        if outcome == "appended":
+            self._notifier.notify()
+        elif outcome == "conflict":
+            raise ConflictError(
+                f"{commit.ref} already has a commit at version {commit.version} "
+                f"(request id {commit.request_id!r} is another one)"
+            )
+        return outcome
+
+    async def append_many(self, commits: Sequence[Commit]) -> list[AppendOutcome]:
+        if not commits:
+            return []
+        rows = [self._row(c) for c in commits]
+        outcomes = await self._call("append_many", self._db.transaction(lambda c: self._append_rows(c, rows)))
+        if "appended" in outcomes:
+            self._notifier.notify()
+        return outcomes
+
+    async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
+        """Stores ``document`` as is (its JSON). Partition: of ``aggregate_id`` when that is a
+        string, else 0. Raises :class:`ConflictError` when it collides with a stored commit."""
+        validate_name(aggregate.aggregate, field="aggregate")
+
+        def text_or_none(key: str) -> str | None:
+            v = document.get(key)
+            return v if isinstance(v, str) else None
+
+        agg_id = text_or_none("aggregate_id")
+        version = document.get("version")
+        row = (
+            self.context,
+            aggregate.aggregate,
+            document.get("tenant_id", DEFAULT_TENANT)
+            if isinstance(document.get("tenant_id", ""), str)
+            else None,
+            agg_id,
+            version if isinstance(version, int) and not isinstance(version, bool) else None,
+            partition(agg_id, self.partitions) if agg_id is not None else 0,
+            text_or_none("request_id"),
+            json.dumps(dict(document), separators=(",", ":"), default=str),
+        )
+
+        def run(conn: sqlite3.Connection) -> None:
+            try:
+                conn.execute(insert_sql(), row)
+            except sqlite3.IntegrityError as exc:
+                raise ConflictError(f"raw document collides with a stored commit: {exc}") from exc
+
+        await self._call("insert_raw", run)
+        self._notifier.notify()
+
+    # ------------------------------------------------------------------ reads
+
+    async def read(
+        self, positions: Mapping[int, Position | None], *, batch_size: int = 500, follow: bool = True
+    ) -> AsyncIterator[LogBatch]:
+        after = {p: _seq(pos, p) for p, pos in positions.items()}
+        if not after:
+            if follow:
+                await anyio.sleep_forever()
+            return
+        parts = sorted(after)
+        sql = read_sql(len(parts))
+        cursor = min(after.values())
+        delay = POLL_MIN_S
+        event: anyio.Event | None = None
+        try:
+            while True:
+                if follow:
+                    # subscribe before querying: an append committed after the query wakes us
+                    event = self._notifier.subscribe()
+                rows = await self._call("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
+                if rows:
+                    if event is not None:
+                        self._notifier.unsubscribe(event)
+                        event = None
+                    cursor = rows[-1][0]
+                    entries = []
+                    last: dict[int, Position] = {}
+                    for row in rows:
+                        seq, part = row[0], row[2]
+                        if seq <= after[part]:
+                            continue
+                        after[part] = seq
+                        entry = _entry(self.context, row)
+                        entries.append(entry)
+                        last[part] = entry.position
+                    if entries:
+                        yield LogBatch(entries=tuple(entries), positions=last)
+                    delay = POLL_MIN_S
+                    continue
+                if not follow:
+                    return
+                assert event is not None
+                with anyio.move_on_after(delay):
+                    await event.wait()
+                woken = event.is_set()
+                self._notifier.unsubscribe(event)
+                event = None
+                delay = POLL_MIN_S if woken else min(delay * 2, POLL_MAX_S)
+        finally:
+            if event is not None:
+                self._notifier.unsubscribe(event)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
+        parts = list(dict.fromkeys(partitions))
+        if not parts:
+            return {}
+        params = (self.context, consumer, *parts)
+
+        def run(conn: sqlite3.Connection) -> dict[int, Checkpoint]:
+            return {
+                r[0]: Checkpoint(
+                    consumer=consumer, partition=r[0], position=json.loads(r[1]), fence=r[2], written_at=r[3]
+                )
+                for r in conn.execute(checkpoints_sql(len(parts)), params).fetchall()
+            }
+
+        return await self._call("checkpoints", run)
+
+    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
+        params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)
+        saved = await self._call(
+            "save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount
+        )
+        if not saved:
+            log.info(
+                "checkpoint of %s partition %s refused: a higher fence than %s wrote it",
+                consumer,
+                partition,
+                fence,
+            )
+        return saved == 1
+
+    # ------------------------------------------------------------------ quarantine
+
+    async def quarantine(
+        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
+    ) -> None:
+        text = _canonical(raw)
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        params = (self.context, consumer, partition, aggregate.aggregate, text, digest, reason)
+        await self._call("quarantine", lambda c: c.execute(quarantine_sql(), params))
+
+    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
+        def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                "SELECT consumer, partition, aggregate, raw, reason FROM log_quarantine "
+                "WHERE context = ? ORDER BY id LIMIT ?",
+                (self.context, limit),
+            ).fetchall()
+            return [
+                {
+                    "consumer": r[0],
+                    "partition": r[1],
+                    "aggregate": r[2],
+                    "raw": json.loads(r[3]),
+                    "reason": r[4],
+                }
+                for r in rows
+            ]
+
+        return await self._call("quarantined", run)
+
+    async def aggregate_types(self) -> list[AggregateType]:
+        def run(conn: sqlite3.Connection) -> list[AggregateType]:
+            rows = conn.execute(
+                "SELECT DISTINCT aggregate FROM log WHERE context = ? ORDER BY aggregate", (self.context,)
+            ).fetchall()
+            return [AggregateType(context=self.context, aggregate=r[0]) for r in rows]
+
+        return await self._call("aggregate_types", run)
+
+
+def _create(conn: sqlite3.Connection) -> None:
+    for statement in SCHEMA:
+        conn.execute(statement)
+    conn.execute(
+        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) "
+        "ON CONFLICT (name) DO NOTHING",
+        (FORMAT,),
+    )
+    _check_format(conn)
+
+
+def _validate(conn: sqlite3.Connection) -> None:
+    present = {
+        r[0]
+        for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN "
+            f"({', '.join('?' * len(TABLES))})",
+            TABLES,
+        ).fetchall()
+    }
+    missing = [t for t in TABLES if t not in present]
+    if missing:
+        raise FormatError(f"embedded log: tables missing (ddl=validate): {', '.join(missing)}")
+    _check_format(conn)
+
+
+def _check_format(conn: sqlite3.Connection) -> None:
+    row = conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone()
+    if row is None or row[0] != FORMAT:
+        found = "no format" if row is None else f"format {row[0]}"
+        raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")
