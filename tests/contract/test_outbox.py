@@ -51,3 +51,13 @@ async def test_entries_by_insertion_order_with_limit_and_after(outbox: Any) -> N
 async def test_empty_outbox(outbox: Any) -> None:
     assert await outbox.count() == 0
     assert await outbox.entries() == []
+
+
+async def test_put_many_answers_per_entry_and_keeps_the_first_delivery(outbox: Any) -> None:
+    assert await outbox.put(entry("r-1"))
+    batch = [entry("r-2"), entry("r-1", fence=9), entry("r-3"), entry("r-2", fence=9)]
+    # r-1 was there; the second r-2 of the batch is a repeat of the first one
+    assert await outbox.put_many(batch) == [True, False, True, False]
+    assert [e.request_id for e in await outbox.entries()] == ["r-1", "r-2", "r-3"]
+    assert all(e.fence == 3 for e in await outbox.entries())
+    assert await outbox.put_many([]) == []

@@ -1,0 +1,223 @@
+"""SnapshotStore and SnapshotRebuildStore contract (seed 004): every implementation passes these."""
+
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.contract.conftest import CONTEXT
+from wowd.model import AggregateRef, AggregateType, SnapshotRecord
+
+pytestmark = pytest.mark.anyio
+
+TYPE = AggregateType(context=CONTEXT, aggregate="order")
+
+
+def ref(id: str, tenant: str = "t1", aggregate: str = "order") -> AggregateRef:
+    return AggregateRef(context=CONTEXT, aggregate=aggregate, id=id, tenant_id=tenant)
+
+
+def snap(r: AggregateRef, version: int, state_revision: int = 1, **kw: Any) -> SnapshotRecord:
+    values: dict[str, Any] = {"state": {"v": version, "items": [version]}, "event_time": 1_700_000_000_000 + version}
+    values.update(kw)
+    return SnapshotRecord(ref=r, version=version, state_revision=state_revision, **values)
+
+
+async def test_save_then_load_round_trips_every_field(snapshot_store: Any) -> None:
+    s = snap(
+        ref("o-1"),
+        4,
+        state_revision=2,
+        state={"status": "paid", "lines": [{"sku": "a", "qty": 2}], "note": "é", "flag": True, "none": None},
+        owner_id="u-1",
+        space_id="s-1",
+        tags=("vip", "eu"),
+        access_version=3,
+        event_time=1_700_000_000_123,
+    )
+    assert await snapshot_store.save(s) is True
+    assert await snapshot_store.load(s.ref) == s
+    assert await snapshot_store.load(ref("o-1", tenant="t2")) is None
+    assert await snapshot_store.load(ref("o-1", aggregate="cart")) is None
+
+
+async def test_decimals_round_trip_exactly(snapshot_store: Any) -> None:
+    amounts = {
+        "price": Decimal("19.90"),
+        "tiny": Decimal("-0.000001"),
+        "big": Decimal("1234567890123456789012345.678901234"),
+        "nested": [{"tax": Decimal("0.1")}, Decimal("3")],
+        "float": 0.5,
+    }
+    s = snap(ref("o-dec"), 1, state=amounts)
+    assert await snapshot_store.save(s)
+    loaded = await snapshot_store.load(s.ref)
+    assert loaded is not None
+    state = loaded.state
+    assert state == amounts
+    assert isinstance(state["price"], Decimal) and str(state["price"]) == "19.90"
+    assert str(state["big"]) == "1234567890123456789012345.678901234"
+    assert isinstance(state["nested"][0]["tax"], Decimal) and state["nested"][0]["tax"] == Decimal("0.1")
+    assert isinstance(state["float"], float)
+
+
+async def test_save_writes_only_a_higher_version(snapshot_store: Any) -> None:
+    r = ref("o-1")
+    assert await snapshot_store.save(snap(r, 5)) is True
+    assert await snapshot_store.save(snap(r, 3)) is False
+    assert await snapshot_store.save(snap(r, 5, state={"other": 1})) is False
+    loaded = await snapshot_store.load(r)
+    assert loaded is not None and loaded.version == 5 and loaded.state == {"v": 5, "items": [5]}
+    assert await snapshot_store.save(snap(r, 6)) is True
+    assert (await snapshot_store.load(r)).version == 6
+
+
+async def test_concurrent_saves_leave_the_highest_version(snapshot_store: Any) -> None:
+    r = ref("o-race")
+    versions = list(range(1, 41))
+    random.Random(7).shuffle(versions)
+    results: dict[int, bool] = {}
+
+    async def save(v: int) -> None:
+        results[v] = await snapshot_store.save(snap(r, v))
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            for v in versions:
+                tg.start_soon(save, v)
+    loaded = await snapshot_store.load(r)
+    assert loaded is not None and loaded.version == 40 and loaded.state["v"] == 40
+    assert results[40] is True
+
+
+async def test_a_lower_state_revision_is_refused_and_marks_the_snapshot_stale(snapshot_store: Any) -> None:
+    r = ref("o-1")
+    assert await snapshot_store.save(snap(r, 5, state_revision=2))
+    # an old reducer (revision 1) at a later version: refused, the stored snapshot is now behind
+    assert await snapshot_store.save(snap(r, 7, state_revision=1)) is False
+    loaded = await snapshot_store.load(r)
+    assert loaded is not None
+    assert (loaded.version, loaded.state_revision, loaded.stale_version) == (5, 2, 7)
+    # a save of the new revision catching up clears the mark
+    assert await snapshot_store.save(snap(r, 8, state_revision=2)) is True
+    loaded = await snapshot_store.load(r)
+    assert loaded is not None and (loaded.version, loaded.stale_version) == (8, None)
+    # a higher state revision is admitted at a higher version
+    assert await snapshot_store.save(snap(r, 9, state_revision=3)) is True
+
+
+async def test_mark_stale(snapshot_store: Any) -> None:
+    r = ref("o-1")
+    assert await snapshot_store.mark_stale(r) is False
+    await snapshot_store.save(snap(r, 5))
+    assert await snapshot_store.mark_stale(r) is True
+    assert (await snapshot_store.load(r)).stale_version == 6
+    assert await snapshot_store.mark_stale(r) is True
+    assert (await snapshot_store.load(r)).stale_version == 6
+    await snapshot_store.save(snap(r, 9, state_revision=2))
+    await snapshot_store.save(snap(r, 12, state_revision=1))  # refused: stale at 12
+    assert await snapshot_store.mark_stale(r) is True
+    assert (await snapshot_store.load(r)).stale_version == 12  # already later than 9 + 1
+
+
+async def test_save_all_reports_an_outcome_per_snapshot_in_order(snapshot_store: Any) -> None:
+    a, b, c, d, e = (ref(x) for x in "abcde")
+    cart = ref("a", aggregate="cart")
+    await snapshot_store.save(snap(d, 5))
+    await snapshot_store.save(snap(e, 5, state_revision=2))
+    batch = [
+        snap(a, 1),
+        snap(b, 1, state={"bad": {1, 2}}),  # a set: not storable
+        snap(c, 1),
+        snap(a, 2),  # a second snapshot of one aggregate in the batch
+        snap(d, 4),  # the stored one is later
+        snap(cart, 1),  # another aggregate type, same id
+        snap(e, 6, state_revision=1),  # a lower state revision: refused, marks stale
+        snap(a, 3),
+    ]
+    outcomes = await snapshot_store.save_all(batch)
+    assert [(o.ref, o.version, o.status) for o in outcomes] == [
+        (a, 1, "saved"),
+        (b, 1, "failed"),
+        (c, 1, "saved"),
+        (a, 2, "saved"),
+        (d, 4, "unchanged"),
+        (cart, 1, "saved"),
+        (e, 6, "unchanged"),
+        (a, 3, "saved"),
+    ]
+    assert outcomes[1].reason
+    assert (await snapshot_store.load(a)).version == 3
+    assert await snapshot_store.load(b) is None
+    assert (await snapshot_store.load(c)).version == 1
+    assert (await snapshot_store.load(d)).version == 5
+    assert (await snapshot_store.load(cart)).version == 1
+    assert (await snapshot_store.load(e)).stale_version == 6
+    assert await snapshot_store.save_all([]) == []
+
+
+async def test_claim_mark_and_table(snapshot_store: Any) -> None:
+    assert await snapshot_store.table(TYPE) is None
+    t = await snapshot_store.claim(TYPE, 2)
+    assert (t.type, t.revision, t.rebuilding, t.backfilled) == (TYPE, 2, False, False)
+    assert (await snapshot_store.claim(TYPE, 1)).revision == 2  # a lower revision is not claimed
+    assert (await snapshot_store.claim(TYPE, 2)).revision == 2
+    # flags only for the claimed revision
+    assert await snapshot_store.mark(TYPE, 1, rebuilding=True) is None
+    t = await snapshot_store.mark(TYPE, 2, rebuilding=True)
+    assert t is not None and (t.revision, t.rebuilding, t.backfilled) == (2, True, False)
+    t = await snapshot_store.mark(TYPE, 2, backfilled=True)
+    assert t is not None and (t.rebuilding, t.backfilled) == (True, True)
+    t = await snapshot_store.mark(TYPE, 2, rebuilding=False)
+    assert t is not None and (t.rebuilding, t.backfilled) == (False, True)
+    stored = await snapshot_store.table(TYPE)
+    assert stored is not None and (stored.revision, stored.rebuilding, stored.backfilled) == (2, False, True)
+    # a new revision is claimed afresh
+    t = await snapshot_store.claim(TYPE, 3)
+    assert (t.revision, t.rebuilding, t.backfilled) == (3, False, False)
+    assert (await snapshot_store.claim(TYPE, 1, lower=True)).revision == 1
+    other = AggregateType(context=CONTEXT, aggregate="cart")
+    assert await snapshot_store.table(other) is None
+
+
+async def test_pending_pages_through_older_state_revisions_in_key_order(snapshot_store: Any) -> None:
+    keys = [("t2", "a"), ("t1", "b"), ("t1", "a"), ("t1", "c"), ("t3", "z"), ("t1", "aa")]
+    for i, (tenant, id) in enumerate(keys):
+        await snapshot_store.save(snap(ref(id, tenant), 1, state_revision=1 if i % 3 else 2))
+    await snapshot_store.save(snap(ref("a", "t1", aggregate="cart"), 1, state_revision=1))  # other type
+    expected = sorted((t, i) for n, (t, i) in enumerate(keys) if n % 3)
+    got = await snapshot_store.pending(TYPE, 2, None, 100)
+    assert [(r.tenant_id, r.id) for r in got] == expected
+    assert all(r.type == TYPE for r in got)
+    paged: list[AggregateRef] = []
+    after = None
+    while page := await snapshot_store.pending(TYPE, 2, after, 1):
+        paged += page
+        after = page[-1]
+    assert paged == got
+    assert len(await snapshot_store.pending(TYPE, 3, None, 100)) == len(keys)
+    assert await snapshot_store.pending(TYPE, 1, None, 100) == []
+
+
+async def test_rewrite_replaces_an_older_state_revision_and_clears_the_stale_mark(snapshot_store: Any) -> None:
+    r = ref("o-1")
+    await snapshot_store.save(snap(r, 5, state_revision=1))
+    await snapshot_store.mark_stale(r)
+    assert await snapshot_store.rewrite(snap(r, 4, state_revision=2)) is False  # behind the stored version
+    assert await snapshot_store.rewrite(snap(r, 5, state_revision=2, state={"rebuilt": True})) is True
+    loaded = await snapshot_store.load(r)
+    assert loaded is not None
+    assert (loaded.version, loaded.state_revision, loaded.state, loaded.stale_version) == (
+        5,
+        2,
+        {"rebuilt": True},
+        None,
+    )
+    assert await snapshot_store.rewrite(snap(r, 5, state_revision=2)) is False  # same revision, same version
+    assert await snapshot_store.rewrite(snap(r, 9, state_revision=1)) is False  # lower revision
+    assert await snapshot_store.rewrite(snap(r, 6, state_revision=2)) is True  # same revision, later version
+    assert (await snapshot_store.load(r)).version == 6

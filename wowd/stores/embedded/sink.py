@@ -1,0 +1,303 @@
+"""The event sink of one aggregate type on SQLite (seed 002, DESIGN.md section 7).
+
+Table ``events``, shared by every type of every context on the file: one row per commit, keyed
+``(context, aggregate, tenant_id, aggregate_id, version)``, with ``id`` the commit's stream id
+(:func:`wowd.model.stream_id`), ``document`` the commit's fields as JSON text, and the access
+attributes (``access``, canonical JSON text) with the version they are of (``access_version``)
+in their own columns, which stamps rewrite.
+
+A write is one transaction: ``INSERT OR IGNORE`` of every record (a record written before is
+ignored and counts as written: "409"), then the access stamps of seed 002: per aggregate, the
+last record whose attributes differ from the record before it (in the write, else the last one
+this sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest
+stored document) stamps its attributes over the aggregate's earlier documents under the guard of
+:meth:`EmbeddedEventSink.stamp`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio.to_thread
+
+from wowd.errors import InvalidInput, SinkWriteError, StorageUnavailable
+from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, stream_id
+from wowd.stores.embedded.db import SqliteDatabase
+
+__all__ = ["TABLE", "EmbeddedEventSink"]
+
+T = TypeVar("T")
+
+TABLE = "events"
+_STREAM = "context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
+
+
+# --------------------------------------------------------------------------- pure SQL builders
+
+
+def ddl_sql() -> list[str]:
+    return [
+        f"CREATE TABLE IF NOT EXISTS {TABLE} ("
+        " context TEXT NOT NULL, aggregate TEXT NOT NULL, tenant_id TEXT NOT NULL,"
+        " aggregate_id TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL,"
+        " document TEXT NOT NULL, access TEXT, access_version INTEGER,"
+        " PRIMARY KEY (context, aggregate, tenant_id, aggregate_id, version))",
+    ]
+
+
+def insert_sql() -> str:
+    """Creates a document unless its id (its key) is there: a repeat is ignored."""
+    return (
+        f"INSERT OR IGNORE INTO {TABLE}"
+        " (context, aggregate, tenant_id, aggregate_id, version, id, document, access, access_version)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    )
+
+
+def stamp_sql() -> str:
+    """Writes attributes of an access version over a stream's documents in a version range,
+    guarded: a document without ``access_version``, with one below, or with the same one and
+    other attributes. Parameters: access, as_of, stream (4), from, until, as_of, as_of, access."""
+    return (
+        f"UPDATE {TABLE} SET access = ?, access_version = ? WHERE {_STREAM} AND version BETWEEN ? AND ?"
+        " AND (access_version IS NULL OR access_version < ? OR (access_version = ? AND access IS NOT ?))"
+    )
+
+
+def previous_sql() -> str:
+    """The stream's latest stored document before a version: its attributes."""
+    return f"SELECT access FROM {TABLE} WHERE {_STREAM} AND version < ? ORDER BY version DESC LIMIT 1"
+
+
+def documents_sql() -> str:
+    return f"SELECT document, access, access_version FROM {TABLE} WHERE {_STREAM} ORDER BY version"
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def access_json(access: Mapping[str, Any]) -> str:
+    """Canonical text of access attributes (sorted keys): equal attributes, equal text."""
+    return json.dumps(dict(access), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def commit_document(commit: Commit) -> dict[str, Any]:
+    """The stored document of a commit, without its access attributes (kept in columns)."""
+    ref = commit.ref
+    return {
+        "id": stream_id(ref, commit.version),
+        "context": ref.context,
+        "aggregate": ref.aggregate,
+        "tenant_id": ref.tenant_id,
+        "aggregate_id": ref.id,
+        "version": commit.version,
+        "command_id": commit.command_id,
+        "request_id": commit.request_id,
+        "create_time": commit.create_time,
+        "header": dict(commit.header),
+        "events": [
+            {"id": e.id, "name": e.name, "revision": e.revision, "body_type": e.body_type, "body": dict(e.body)}
+            for e in commit.events
+        ],
+        "deleted": commit.deleted,
+    }
+
+
+def _stamp_params(s: AccessStamp, access: str) -> tuple[Any, ...]:
+    r = s.ref
+    return (access, s.as_of, r.context, r.aggregate, r.tenant_id, r.id, s.from_, s.until, s.as_of, s.as_of, access)
+
+
+class EmbeddedEventSink:
+    """:class:`~wowd.stores.base.EventSink` of ``type`` on SQLite.
+
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this sink opens (and
+    closes in :meth:`close`). ``capacity``: how many aggregates' last written attributes it
+    remembers (an LRU), to tell an access change without reading the stream.
+    """
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path, type: AggregateType, *, capacity: int = 1024) -> None:
+        self.type = type
+        if capacity < 0:
+            raise InvalidInput(f"must be >= 0, got {capacity}", field="capacity")
+        self.capacity = capacity
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._prepared = False
+        self._last: OrderedDict[AggregateRef, tuple[int, str]] = OrderedDict()
+        """Per aggregate, the version and attributes of the last record this sink wrote."""
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEventSink({self._db.path!r}, {self.type})"
+
+    @property
+    def index(self) -> str:
+        """The Elasticsearch index name of the type, ``wow.<context>.<aggregate>.events``."""
+        return f"wow.{self.type.context}.{self.type.aggregate}.events"
+
+    async def prepare(self) -> None:
+        if not self._prepared:
+
+            def work(conn: sqlite3.Connection) -> None:
+                for stmt in ddl_sql():
+                    conn.execute(stmt)
+
+            await self._run("prepare", self._db.transaction(work))
+            self._prepared = True
+
+    def _check(self, ref: AggregateRef) -> None:
+        if ref.context != self.type.context or ref.aggregate != self.type.aggregate:
+            raise InvalidInput(f"{ref} is not of this sink's type {self.type}", field="ref")
+
+    # ---- write
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        if not records:
+            return
+        await self.prepare()
+        rows: list[tuple[Any, ...]] = []
+        good: list[tuple[Commit, str]] = []
+        bad: list[tuple[Commit, str]] = []
+        for c in records:
+            ref = c.ref
+            try:
+                self._check(ref)
+                access = access_json(c.access)
+                doc = json.dumps(commit_document(c), separators=(",", ":"), ensure_ascii=False)
+            except (InvalidInput, TypeError, ValueError) as exc:
+                bad.append((c, str(exc)))
+                continue
+            rows.append(
+                (ref.context, ref.aggregate, ref.tenant_id, ref.id, c.version, stream_id(ref, c.version), doc, access)
+                + (c.access_version,)
+            )
+            good.append((c, access))
+
+        # per aggregate, its records in order (the log's order)
+        streams: dict[AggregateRef, list[tuple[Commit, str]]] = {}
+        for c, access in good:
+            streams.setdefault(c.ref, []).append((c, access))
+        remembered = {ref: self._last.get(ref) for ref in streams}
+
+        def work(conn: sqlite3.Connection) -> tuple[int, int]:
+            before = conn.total_changes
+            conn.executemany(insert_sql(), rows)
+            created = conn.total_changes - before
+            stamps = _stamps(conn, streams, remembered)
+            before = conn.total_changes
+            conn.executemany(stamp_sql(), stamps)
+            return created, conn.total_changes - before
+
+        started = time.perf_counter()
+        created, _stamped = await self._run("write", self._db.transaction(work))
+        SINK_BULK_SECONDS.observe(time.perf_counter() - started)
+        SINK_ITEMS.labels("201").inc(created)
+        SINK_ITEMS.labels("409").inc(len(rows) - created)
+        for ref, items in streams.items():
+            last, access = items[-1]
+            seen = self._last.get(ref)
+            if seen is None or seen[0] <= last.version:
+                self._last[ref] = (last.version, access)
+            self._last.move_to_end(ref)
+        while len(self._last) > self.capacity:
+            self._last.popitem(last=False)
+        if bad:
+            SINK_ITEMS.labels("400").inc(len(bad))
+            c, reason = bad[0]
+            raise SinkWriteError(
+                f"sink {self.type}: {len(bad)} record(s) refused, first {stream_id(c.ref, c.version)}: {reason}"
+            )
+
+    # ---- stamps
+
+    async def stamp(self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int) -> int:
+        return await self.stamp_all([AccessStamp(ref=ref, access=access, as_of=as_of, from_=from_, until=until)])
+
+    async def stamp_all(self, stamps: Sequence[AccessStamp]) -> int:
+        if not stamps:
+            return 0
+        for s in stamps:
+            self._check(s.ref)
+        params = [_stamp_params(s, access_json(s.access)) for s in stamps]
+        await self.prepare()
+
+        def work(conn: sqlite3.Connection) -> int:
+            before = conn.total_changes
+            conn.executemany(stamp_sql(), params)  # in order: stamps of one aggregate one at a time
+            return conn.total_changes - before
+
+        return await self._run("stamp", self._db.transaction(work))
+
+    # ---- reads
+
+    async def documents(self, ref: AggregateRef) -> list[dict[str, Any]]:
+        self._check(ref)
+        await self.prepare()
+        key = (ref.context, ref.aggregate, ref.tenant_id, ref.id)
+        rows = await self._run("documents", lambda conn: conn.execute(documents_sql(), key).fetchall())
+        out = []
+        for document, access, access_version in rows:
+            doc: dict[str, Any] = json.loads(document)
+            attrs = json.loads(access) if access is not None else {}
+            doc["access"] = attrs
+            doc["owner_id"] = str(attrs.get("owner_id", ""))
+            doc["space_id"] = str(attrs.get("space_id", ""))
+            if access_version is not None:
+                doc["access_version"] = access_version
+            out.append(doc)
+        return out
+
+    # ---- plumbing
+
+    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels("sink", operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels("sink", operation).observe(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)
+
+
+def _stamps(
+    conn: sqlite3.Connection,
+    streams: Mapping[AggregateRef, list[tuple[Commit, str]]],
+    remembered: Mapping[AggregateRef, tuple[int, str] | None],
+) -> list[tuple[Any, ...]]:
+    """The stamp of each aggregate of a write: its last record whose attributes differ from
+    the record before it, over the aggregate's documents before that record."""
+    out: list[tuple[Any, ...]] = []
+    for ref, items in streams.items():
+        first = items[0][0]
+        seen = remembered.get(ref)
+        previous: str | None
+        if seen is not None and seen[0] < first.version:
+            previous = seen[1]
+        else:
+            row = conn.execute(previous_sql(), (ref.context, ref.aggregate, ref.tenant_id, ref.id, first.version))
+            found = row.fetchone()
+            previous = None if found is None else (found[0] if found[0] is not None else access_json({}))
+        change: tuple[Commit, str] | None = None
+        for c, access in items:
+            if previous is not None and access != previous:
+                change = (c, access)
+            previous = access
+        if change is not None:
+            c, access = change
+            stamp = AccessStamp(ref=ref, access=c.access, as_of=c.access_version, from_=1, until=c.version - 1)
+            out.append(_stamp_params(stamp, access))
+    return out

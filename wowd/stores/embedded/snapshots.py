@@ -1,0 +1,489 @@
+"""Snapshots of one context on SQLite (seed 004, DESIGN.md section 6).
+
+Layout (format 5):
+
+- ``wow_snapshot__<context>``: one row per aggregate, keyed ``(aggregate, tenant_id,
+  aggregate_id)`` (the aggregate type, then Mongo's ``_id: {t, a}``); the state and tags as JSON
+  text, decimals as the tagged string ``{"$numberDecimal": "<digits>"}`` (exact, never a float,
+  Extended JSON's spelling of Decimal128); two partial indexes ``(aggregate, tenant_id,
+  owner_id)`` and ``(aggregate, tenant_id, space_id)`` over the snapshots not deleted.
+- ``wow_snapshot_aggregate``: the format record of each aggregate type's (virtual) collection
+  ``wow_snapshot__<context>__<aggregate>``; another format is refused (:class:`FormatError`).
+- ``wow_snapshot_tables``: the rebuild control plane, one row per collection name: the claimed
+  state revision and the ``rebuilding`` / ``backfilled`` flags.
+
+A save is one conditional upsert (written when the stored version is below the new one and the
+stored state revision not above it); a save refused for a higher stored state revision then
+marks the stored snapshot stale in the same transaction. The SQL is built by the pure ``*_sql``
+functions next to the methods that send it.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio.to_thread
+
+from wowd.errors import FormatError, InvalidInput, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+
+__all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
+
+T = TypeVar("T")
+
+FORMAT = 5
+REGISTRY = "wow_snapshot_aggregate"
+TABLES = "wow_snapshot_tables"
+DECIMAL_TAG = "$numberDecimal"
+
+COLUMNS = (
+    "aggregate",
+    "tenant_id",
+    "aggregate_id",
+    "version",
+    "state_revision",
+    "state",
+    "owner_id",
+    "space_id",
+    "tags",
+    "access_version",
+    "deleted",
+    "event_time",
+    "stale_version",
+)
+_COLS = ", ".join(COLUMNS)
+_KEY = "aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
+
+
+# --------------------------------------------------------------------------- state encoding
+
+
+def _encode_default(value: Any) -> Any:
+    if isinstance(value, Decimal):
+        return {DECIMAL_TAG: str(value)}
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def encode_state(state: Mapping[str, Any]) -> str:
+    """The state's JSON text; a Decimal becomes ``{"$numberDecimal": "<digits>"}`` (exact).
+    Raises ``TypeError``/``ValueError`` for a value JSON cannot hold (a set, bytes, ...)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"a state must be a mapping, got {type(state).__name__}")
+    return json.dumps(state, default=_encode_default, separators=(",", ":"), ensure_ascii=False)
+
+
+def _decode_hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1:
+        tagged = obj.get(DECIMAL_TAG)
+        if isinstance(tagged, str):
+            return Decimal(tagged)
+    return obj
+
+
+def decode_state(text: str) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads(text, object_hook=_decode_hook)
+    return state
+
+
+# --------------------------------------------------------------------------- pure SQL builders
+
+
+def table_name(context: str) -> str:
+    return f"wow_snapshot__{validate_name(context, field='context')}"
+
+
+def ddl_sql(context: str) -> list[str]:
+    t = table_name(context)
+    return [
+        f"CREATE TABLE IF NOT EXISTS {REGISTRY} ("
+        " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT NOT NULL,"
+        " format INTEGER NOT NULL, created_at INTEGER NOT NULL)",
+        f"CREATE TABLE IF NOT EXISTS {TABLES} ("
+        " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT NOT NULL,"
+        " revision INTEGER NOT NULL, rebuilding INTEGER NOT NULL, backfilled INTEGER NOT NULL,"
+        " updated_at INTEGER NOT NULL)",
+        f"CREATE TABLE IF NOT EXISTS {t} ("
+        " aggregate TEXT NOT NULL, tenant_id TEXT NOT NULL, aggregate_id TEXT NOT NULL,"
+        " version INTEGER NOT NULL, state_revision INTEGER NOT NULL, state TEXT NOT NULL,"
+        " owner_id TEXT NOT NULL, space_id TEXT NOT NULL, tags TEXT NOT NULL,"
+        " access_version INTEGER NOT NULL, deleted INTEGER NOT NULL, event_time INTEGER NOT NULL,"
+        " stale_version INTEGER, written_at INTEGER NOT NULL,"
+        " PRIMARY KEY (aggregate, tenant_id, aggregate_id))",
+        f"CREATE INDEX IF NOT EXISTS {t}__owner ON {t} (aggregate, tenant_id, owner_id) WHERE deleted = 0",
+        f"CREATE INDEX IF NOT EXISTS {t}__space ON {t} (aggregate, tenant_id, space_id) WHERE deleted = 0",
+    ]
+
+
+def format_sql() -> str:
+    """The format recorded for one collection."""
+    return f"SELECT format FROM {REGISTRY} WHERE collection = ?"
+
+
+def register_sql() -> str:
+    return (
+        f"INSERT INTO {REGISTRY} (collection, context, aggregate, format, created_at)"
+        f" VALUES (?, ?, ?, {FORMAT}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
+    )
+
+
+def _stale_after(t: str) -> str:
+    """The stale mark kept by a write of ``excluded.version``: the later of the stored one and
+    the written one when it is above that version, else none."""
+    mark = f"MAX(COALESCE({t}.stale_version, 0), COALESCE(excluded.stale_version, 0))"
+    return f"CASE WHEN {mark} > excluded.version THEN {mark} ELSE NULL END"
+
+
+def _upsert(context: str, guard: str, stale: str) -> str:
+    t = table_name(context)
+    marks = ", ".join("?" for _ in COLUMNS)
+    sets = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[3:-1])
+    return (
+        f"INSERT INTO {t} ({_COLS}, written_at) VALUES ({marks}, {NOW_MS})"
+        f" ON CONFLICT (aggregate, tenant_id, aggregate_id) DO UPDATE SET {sets},"
+        f" stale_version = {stale}, written_at = excluded.written_at WHERE {guard}"
+    )
+
+
+def save_sql(context: str) -> str:
+    """The conditional upsert of a save: written when the stored version is below the new one and
+    the stored state revision is not above the new one; clears a stale mark up to its version."""
+    t = table_name(context)
+    return _upsert(
+        context,
+        f"{t}.version < excluded.version AND {t}.state_revision <= excluded.state_revision",
+        _stale_after(t),
+    )
+
+
+def mark_refused_sql(context: str) -> str:
+    """After a refused save of (version, state revision): a stored snapshot of a higher state
+    revision and a lower version is behind the log; its stale mark becomes at least that version.
+    Parameters: version, key, state revision, version."""
+    return (
+        f"UPDATE {table_name(context)} SET stale_version = MAX(COALESCE(stale_version, 0), ?)"
+        f" WHERE {_KEY} AND state_revision > ? AND version < ?"
+    )
+
+
+def rewrite_sql(context: str) -> str:
+    """A rebuilt snapshot in place: admitted over a lower state revision at the same or a lower
+    version, or the same state revision at a lower version; clears the stale mark."""
+    t = table_name(context)
+    guard = (
+        f"({t}.state_revision < excluded.state_revision AND {t}.version <= excluded.version)"
+        f" OR ({t}.state_revision = excluded.state_revision AND {t}.version < excluded.version)"
+    )
+    return _upsert(context, guard, "excluded.stale_version")
+
+
+def load_sql(context: str) -> str:
+    return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY}"
+
+
+def mark_stale_sql(context: str) -> str:
+    return f"UPDATE {table_name(context)} SET stale_version = MAX(COALESCE(stale_version, 0), version + 1) WHERE {_KEY}"
+
+
+def claim_sql() -> str:
+    """Records a claimed revision when higher than the stored one (or lower, with ``lower``: the
+    last parameter); a new revision starts with both flags cleared."""
+    return (
+        f"INSERT INTO {TABLES} (collection, context, aggregate, revision, rebuilding, backfilled, updated_at)"
+        f" VALUES (?, ?, ?, ?, 0, 0, {NOW_MS}) ON CONFLICT (collection) DO UPDATE SET"
+        " revision = excluded.revision, rebuilding = 0, backfilled = 0, updated_at = excluded.updated_at"
+        f" WHERE excluded.revision > {TABLES}.revision OR (? AND excluded.revision < {TABLES}.revision)"
+    )
+
+
+def mark_sql() -> str:
+    """Sets the flags given (NULL: unchanged) when the claimed revision is the one named."""
+    return (
+        f"UPDATE {TABLES} SET rebuilding = COALESCE(?, rebuilding), backfilled = COALESCE(?, backfilled),"
+        f" updated_at = {NOW_MS} WHERE collection = ? AND revision = ?"
+    )
+
+
+def table_sql() -> str:
+    return f"SELECT context, aggregate, revision, rebuilding, backfilled, updated_at FROM {TABLES} WHERE collection = ?"
+
+
+def pending_sql(context: str, *, after: bool) -> str:
+    """Snapshots of a type below a state revision, in key order, after a key (row values)."""
+    cond = " AND (tenant_id, aggregate_id) > (?, ?)" if after else ""
+    return (
+        f"SELECT tenant_id, aggregate_id FROM {table_name(context)} WHERE aggregate = ? AND state_revision < ?"
+        f"{cond} ORDER BY tenant_id, aggregate_id LIMIT ?"
+    )
+
+
+# --------------------------------------------------------------------------- row mapping
+
+
+def snapshot_params(s: SnapshotRecord) -> tuple[Any, ...]:
+    """The row of a snapshot (``COLUMNS``); raises ``TypeError``/``ValueError`` for a state JSON
+    cannot hold."""
+    r = s.ref
+    stale = s.stale_version if s.stale_version is not None and s.stale_version > s.version else None
+    return (
+        r.aggregate,
+        r.tenant_id,
+        r.id,
+        s.version,
+        s.state_revision,
+        encode_state(s.state),
+        s.owner_id,
+        s.space_id,
+        json.dumps(list(s.tags), separators=(",", ":"), ensure_ascii=False),
+        s.access_version,
+        1 if s.deleted else 0,
+        s.event_time,
+        stale,
+    )
+
+
+def snapshot_from_row(context: str, r: Sequence[Any]) -> SnapshotRecord:
+    return SnapshotRecord(
+        ref=AggregateRef(context=context, aggregate=r[0], tenant_id=r[1], id=r[2]),
+        version=r[3],
+        state_revision=r[4],
+        state=decode_state(r[5]),
+        owner_id=r[6],
+        space_id=r[7],
+        tags=tuple(json.loads(r[8])),
+        access_version=r[9],
+        deleted=bool(r[10]),
+        event_time=r[11],
+        stale_version=r[12],
+    )
+
+
+def _table(row: Sequence[Any]) -> SnapshotTable:
+    return SnapshotTable(
+        type=AggregateType(context=row[0], aggregate=row[1]),
+        revision=row[2],
+        rebuilding=bool(row[3]),
+        backfilled=bool(row[4]),
+        updated_at=row[5],
+    )
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class EmbeddedSnapshotStore:
+    """:class:`~wowd.stores.base.SnapshotStore` and its own
+    :class:`~wowd.stores.base.SnapshotRebuildStore` on SQLite.
+
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
+    closes in :meth:`close`).
+    """
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str) -> None:
+        self.context = validate_name(context, field="context")
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._prepared = False
+        self._known: set[str] = set()
+        self._save_sql = save_sql(context)
+        self._mark_refused_sql = mark_refused_sql(context)
+
+    def __repr__(self) -> str:
+        return f"EmbeddedSnapshotStore({self._db.path!r}, context={self.context!r})"
+
+    @property
+    def rebuilds(self) -> EmbeddedSnapshotStore:
+        """This store rewrites its snapshots in place: it is its own rebuild control plane."""
+        return self
+
+    def collection_name(self, aggregate: str) -> str:
+        return f"wow_snapshot__{self.context}__{validate_name(aggregate, field='aggregate')}"
+
+    # ---- DDL
+
+    async def prepare(self) -> None:
+        if not self._prepared:
+
+            def work(conn: sqlite3.Connection) -> None:
+                for stmt in ddl_sql(self.context):
+                    conn.execute(stmt)
+
+            await self._run("prepare", self._db.transaction(work))
+            self._prepared = True
+
+    async def create_collection(self, aggregate: str) -> None:
+        name = self.collection_name(aggregate)
+        await self.prepare()
+        if aggregate in self._known:
+            return
+
+        def work(conn: sqlite3.Connection) -> int:
+            conn.execute(register_sql(), (name, self.context, aggregate))
+            row = conn.execute(format_sql(), (name,)).fetchone()
+            return int(row[0])
+
+        fmt = await self._run("create_collection", work)
+        if fmt != FORMAT:
+            raise FormatError(f"snapshot collection {name} is recorded in format {fmt}, this store writes {FORMAT}")
+        self._known.add(aggregate)
+
+    def _check(self, ref: AggregateRef | AggregateType) -> None:
+        if ref.context != self.context:
+            raise InvalidInput(f"{ref} is not of this store's context {self.context!r}", field="context")
+
+    # ---- snapshots
+
+    async def load(self, ref: AggregateRef) -> SnapshotRecord | None:
+        self._check(ref)
+        await self.create_collection(ref.aggregate)
+        sql, key = load_sql(self.context), (ref.aggregate, ref.tenant_id, ref.id)
+        row = await self._run("load", lambda conn: conn.execute(sql, key).fetchone())
+        return snapshot_from_row(self.context, row) if row is not None else None
+
+    def _save_one(self, conn: sqlite3.Connection, s: SnapshotRecord, params: tuple[Any, ...]) -> bool:
+        """The conditional upsert; when refused, the stale mark of a higher state revision."""
+        if conn.execute(self._save_sql, params).rowcount == 1:
+            return True
+        r = s.ref
+        conn.execute(self._mark_refused_sql, (s.version, r.aggregate, r.tenant_id, r.id, s.state_revision, s.version))
+        return False
+
+    async def save(self, snapshot: SnapshotRecord) -> bool:
+        self._check(snapshot.ref)
+        try:
+            params = snapshot_params(snapshot)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"the state of {snapshot.ref} cannot be stored: {exc}", field="state") from exc
+        await self.create_collection(snapshot.ref.aggregate)
+        return await self._run("save", self._db.transaction(lambda conn: self._save_one(conn, snapshot, params)))
+
+    async def save_all(self, snapshots: Sequence[SnapshotRecord]) -> list[SnapshotSaveOutcome]:
+        outcomes: dict[int, SnapshotSaveOutcome] = {}
+        # the k-th snapshot of a ref is in round k: each ref's indices in order
+        indices: dict[AggregateRef, deque[int]] = {}
+        for i, s in enumerate(snapshots):
+            self._check(s.ref)
+            indices.setdefault(s.ref, deque()).append(i)
+        for aggregate in sorted({s.ref.aggregate for s in snapshots}):
+            await self.create_collection(aggregate)
+        for round_ in SnapshotSaveOutcome.rounds(snapshots):
+            by_type: dict[str, list[tuple[int, SnapshotRecord, tuple[Any, ...]]]] = {}
+            for s in round_:
+                i = indices[s.ref].popleft()
+                try:
+                    params = snapshot_params(s)
+                except (TypeError, ValueError) as exc:
+                    outcomes[i] = SnapshotSaveOutcome(
+                        ref=s.ref, version=s.version, status="failed", reason=f"state cannot be stored: {exc}"
+                    )
+                    continue
+                by_type.setdefault(s.ref.aggregate, []).append((i, s, params))
+            for items in by_type.values():
+                outcomes.update(await self._run("save_all", self._db.transaction(self._save_round(items))))
+        return [outcomes[i] for i in range(len(snapshots))]
+
+    def _save_round(
+        self, items: list[tuple[int, SnapshotRecord, tuple[Any, ...]]]
+    ) -> Callable[[sqlite3.Connection], dict[int, SnapshotSaveOutcome]]:
+        def work(conn: sqlite3.Connection) -> dict[int, SnapshotSaveOutcome]:
+            out: dict[int, SnapshotSaveOutcome] = {}
+            for i, s, params in items:
+                try:
+                    saved = self._save_one(conn, s, params)
+                except (sqlite3.IntegrityError, sqlite3.InterfaceError, sqlite3.DataError, OverflowError) as exc:
+                    out[i] = SnapshotSaveOutcome(ref=s.ref, version=s.version, status="failed", reason=str(exc))
+                    continue
+                out[i] = SnapshotSaveOutcome(ref=s.ref, version=s.version, status="saved" if saved else "unchanged")
+            return out
+
+        return work
+
+    async def mark_stale(self, ref: AggregateRef) -> bool:
+        self._check(ref)
+        await self.create_collection(ref.aggregate)
+        sql, key = mark_stale_sql(self.context), (ref.aggregate, ref.tenant_id, ref.id)
+        return await self._run("mark_stale", lambda conn: conn.execute(sql, key).rowcount == 1)
+
+    # ---- rebuild control plane
+
+    async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
+        self._check(type)
+        await self.prepare()
+        name = self.collection_name(type.aggregate)
+
+        def work(conn: sqlite3.Connection) -> SnapshotTable:
+            conn.execute(claim_sql(), (name, type.context, type.aggregate, revision, 1 if lower else 0))
+            return _table(conn.execute(table_sql(), (name,)).fetchone())
+
+        return await self._run("claim", self._db.transaction(work))
+
+    async def mark(
+        self, type: AggregateType, revision: int, rebuilding: bool | None = None, backfilled: bool | None = None
+    ) -> SnapshotTable | None:
+        self._check(type)
+        await self.prepare()
+        name = self.collection_name(type.aggregate)
+        flags = (None if rebuilding is None else int(rebuilding), None if backfilled is None else int(backfilled))
+
+        def work(conn: sqlite3.Connection) -> SnapshotTable | None:
+            if conn.execute(mark_sql(), (*flags, name, revision)).rowcount != 1:
+                return None
+            return _table(conn.execute(table_sql(), (name,)).fetchone())
+
+        return await self._run("mark", self._db.transaction(work))
+
+    async def table(self, type: AggregateType) -> SnapshotTable | None:
+        self._check(type)
+        await self.prepare()
+        name = self.collection_name(type.aggregate)
+        row = await self._run("table", lambda conn: conn.execute(table_sql(), (name,)).fetchone())
+        return _table(row) if row is not None else None
+
+    async def pending(
+        self, type: AggregateType, revision: int, after: AggregateRef | None, limit: int
+    ) -> list[AggregateRef]:
+        self._check(type)
+        await self.create_collection(type.aggregate)
+        params: tuple[Any, ...] = (type.aggregate, revision)
+        if after is not None:
+            params += (after.tenant_id, after.id)
+        params += (limit,)
+        sql = pending_sql(self.context, after=after is not None)
+        rows = await self._run("pending", lambda conn: conn.execute(sql, params).fetchall())
+        return [AggregateRef(context=type.context, aggregate=type.aggregate, tenant_id=t, id=i) for t, i in rows]
+
+    async def rewrite(self, snapshot: SnapshotRecord) -> bool:
+        self._check(snapshot.ref)
+        try:
+            params = (*snapshot_params(snapshot)[:-1], None)  # a rewrite clears the stale mark
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"the state of {snapshot.ref} cannot be stored: {exc}", field="state") from exc
+        await self.create_collection(snapshot.ref.aggregate)
+        sql = rewrite_sql(self.context)
+        return await self._run("rewrite", lambda conn: conn.execute(sql, params).rowcount == 1)
+
+    # ---- plumbing
+
+    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels("snapshots", operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels("snapshots", operation).observe(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)

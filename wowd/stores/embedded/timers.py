@@ -1,0 +1,534 @@
+"""The timers of one context on SQLite (seed 000, DESIGN.md section 5).
+
+Layout (format 5):
+
+- ``wow_timer_aggregate``: the registry, one row per aggregate type's (virtual) collection
+  ``wow_timer__<context>__<aggregate>`` with its ``format``; prepare records the context's own
+  row. A row of another format is refused (:class:`FormatError`): the view is then dropped and
+  rebuilt from the log by the daemon.
+- ``wow_timer__<context>``: one table for every aggregate type of the context (column
+  ``aggregate`` for the owner's type), unique on ``(partition, aggregate, owner_tenant, owner_id,
+  key)``, with a partial index ``(partition, due_at, timer_id) WHERE status IN ('PENDING',
+  'FIRING')`` for ``due`` and a partial index over PARKED timers by target for ``parked``.
+
+The rule is kept as its JSON text (``{type, ...}``), the claim as flat columns. Every write is
+one statement or one short ``BEGIN IMMEDIATE`` transaction (``settle``), batched with
+``executemany``: no per-row round trips on the hot path (due, claim, fired).
+
+The SQL each method sends is built by the pure ``*_sql`` functions next to it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
+from itertools import islice
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio.to_thread
+
+from wowd.errors import FormatError, InvalidInput, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import (
+    AggregateRef,
+    Claim,
+    Rule,
+    Timer,
+    TimerChange,
+    TimerStatus,
+    parse_rule,
+    partition,
+    validate_name,
+)
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+
+__all__ = ["FORMAT", "REGISTRY", "EmbeddedTimerStore"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FORMAT = 5
+"""The layout version recorded in the registry."""
+
+REGISTRY = "wow_timer_aggregate"
+
+COLUMNS = (
+    "timer_id",
+    "partition",
+    "aggregate",
+    "owner_tenant",
+    "owner_id",
+    "key",
+    "version",
+    "status",
+    "due_at",
+    "scheduled_at",
+    "target_context",
+    "target_aggregate",
+    "target_tenant",
+    "target_id",
+    "body",
+    "rule",
+    "attempts",
+    "fired",
+    "claim_owner_key",
+    "claim_fence",
+    "claim_until",
+    "last_error",
+    "revision",
+)
+_COLS = ", ".join(f'"{c}"' for c in COLUMNS)
+_KEY = '"partition" = ? AND aggregate = ? AND owner_tenant = ? AND owner_id = ? AND "key" = ?'
+_OWNER = '"partition" = ? AND aggregate = ? AND owner_tenant = ? AND owner_id = ?'
+
+
+# --------------------------------------------------------------------------- pure SQL builders
+
+
+def table_name(context: str) -> str:
+    """The context's timers table (every aggregate type's timers, by column ``aggregate``)."""
+    return f"wow_timer__{validate_name(context, field='context')}"
+
+
+def ddl_sql(context: str) -> list[str]:
+    """The statements that create the registry, the timers table and its indexes."""
+    t = table_name(context)
+    return [
+        f"CREATE TABLE IF NOT EXISTS {REGISTRY} ("
+        " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT,"
+        " format INTEGER NOT NULL, created_at INTEGER NOT NULL)",
+        f"CREATE TABLE IF NOT EXISTS {t} ("
+        ' timer_id TEXT NOT NULL, "partition" INTEGER NOT NULL, aggregate TEXT NOT NULL,'
+        ' owner_tenant TEXT NOT NULL, owner_id TEXT NOT NULL, "key" TEXT NOT NULL,'
+        " version INTEGER NOT NULL, status TEXT NOT NULL, due_at INTEGER NOT NULL,"
+        " scheduled_at INTEGER NOT NULL, target_context TEXT NOT NULL, target_aggregate TEXT NOT NULL,"
+        " target_tenant TEXT NOT NULL, target_id TEXT NOT NULL, body TEXT NOT NULL, rule TEXT NOT NULL,"
+        " attempts INTEGER NOT NULL, fired INTEGER NOT NULL, claim_owner_key TEXT, claim_fence INTEGER,"
+        " claim_until INTEGER, last_error TEXT, revision INTEGER NOT NULL,"
+        ' UNIQUE ("partition", aggregate, owner_tenant, owner_id, "key"))',
+        f'CREATE INDEX IF NOT EXISTS {t}__due ON {t} ("partition", due_at, timer_id)'
+        " WHERE status IN ('PENDING', 'FIRING')",
+        f"CREATE INDEX IF NOT EXISTS {t}__parked ON {t}"
+        " (target_id, target_aggregate, target_tenant, target_context) WHERE status = 'PARKED'",
+    ]
+
+
+def format_sql() -> str:
+    """The format recorded for one collection."""
+    return f"SELECT format FROM {REGISTRY} WHERE collection = ?"
+
+
+def register_sql() -> str:
+    """Records a collection in the registry at format 5 unless recorded already."""
+    return (
+        f"INSERT INTO {REGISTRY} (collection, context, aggregate, format, created_at)"
+        f" VALUES (?, ?, ?, {FORMAT}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
+    )
+
+
+def registry_formats_sql() -> str:
+    """The recorded format of each of a context's collections."""
+    return f"SELECT collection, format FROM {REGISTRY} WHERE context = ?"
+
+
+def put_sql(context: str) -> str:
+    """The conditional upsert of ``put``: replaces a stored timer of the same or an earlier
+    version (bumping its revision so that a change made against the old one is skipped)."""
+    t = table_name(context)
+    placeholders = ", ".join("?" for _ in COLUMNS)
+    updates = ", ".join(f'"{c}" = excluded."{c}"' for c in COLUMNS if c != "revision")
+    return (
+        f"INSERT INTO {t} ({_COLS}) VALUES ({placeholders})"
+        f' ON CONFLICT ("partition", aggregate, owner_tenant, owner_id, "key") DO UPDATE SET {updates},'
+        f" revision = MAX({t}.revision + 1, excluded.revision)"
+        f" WHERE {t}.version <= excluded.version"
+    )
+
+
+def cancel_sql(context: str) -> str:
+    return f"DELETE FROM {table_name(context)} WHERE {_KEY} AND version <= ?"
+
+
+def cancel_all_sql(context: str) -> str:
+    return f"DELETE FROM {table_name(context)} WHERE {_OWNER} AND version <= ?"
+
+
+def find_sql(context: str) -> str:
+    return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY}"
+
+
+def parked_sql(context: str) -> str:
+    return (
+        f"SELECT {_COLS} FROM {table_name(context)} WHERE status = 'PARKED'"
+        " AND target_id = ? AND target_aggregate = ? AND target_tenant = ? AND target_context = ?"
+        " ORDER BY due_at, timer_id"
+    )
+
+
+_NO_CLAIM = "claim_owner_key = NULL, claim_fence = NULL, claim_until = NULL"
+_SETTLE_SET = {
+    "claim": "status = 'FIRING', due_at = ?, claim_owner_key = ?, claim_fence = ?, claim_until = ?",
+    "fired": f"status = 'PENDING', due_at = ?, scheduled_at = ?, attempts = 0, fired = fired + 1, {_NO_CLAIM},"
+    " last_error = NULL",
+    "retry": f"status = 'PENDING', due_at = ?, attempts = attempts + 1, {_NO_CLAIM}, last_error = ?",
+    "park": f"status = 'PARKED', {_NO_CLAIM}, last_error = ?",
+    "resume": f"status = 'PENDING', due_at = ?, attempts = 0, {_NO_CLAIM}",
+    "fail": f"status = 'FAILED', {_NO_CLAIM}, last_error = ?",
+}
+"""What each :class:`TimerChange` kind writes: exactly the columns its ``applied()`` changes
+(revision + 1 in every case), over the row as loaded."""
+
+
+def settle_sql(context: str, kind: str) -> str:
+    """The statement of one change kind (``delete``: a fired timer with no next occurrence),
+    filtered on the timer as loaded (its key, ``timer_id`` and ``revision``)."""
+    t = table_name(context)
+    where = f"WHERE {_KEY} AND timer_id = ? AND revision = ?"
+    if kind == "delete":
+        return f"DELETE FROM {t} {where}"
+    return f"UPDATE {t} SET {_SETTLE_SET[kind]}, revision = revision + 1 {where}"
+
+
+def due_sql(context: str) -> str:
+    """One partition's due timers (``partition``, ``until``) in ``(due_at, timer_id)`` order, read
+    over the partial index ``(partition, due_at, timer_id)``; ``due`` merges these, stepping
+    each lazily, so it reads about ``limit`` index entries plus one per partition."""
+    return (
+        f'SELECT {_COLS} FROM {table_name(context)} WHERE "partition" = ?'
+        " AND status IN ('PENDING', 'FIRING') AND due_at <= ? ORDER BY due_at, timer_id"
+    )
+
+
+def _due_key(row: Sequence[Any]) -> tuple[Any, Any]:
+    return (row[8], row[0])
+
+
+def merge_due(cursors: Sequence[Iterable[Sequence[Any]]], limit: int) -> list[Sequence[Any]]:
+    """The first ``limit`` rows of per-partition row streams sorted by ``(due_at, timer_id)``."""
+    return list(islice(heapq.merge(*cursors, key=_due_key), limit))
+
+
+def scan_sql(context: str, *, status: bool, partitions: int | None) -> str:
+    where = []
+    if status:
+        where.append("status = ?")
+    if partitions is not None:
+        where.append('"partition" IN (' + ", ".join("?" for _ in range(partitions)) + ")")
+    clause = (" WHERE " + " AND ".join(where)) if where else ""
+    return f"SELECT {_COLS} FROM {table_name(context)}{clause} ORDER BY due_at, timer_id LIMIT ?"
+
+
+# --------------------------------------------------------------------------- row mapping
+
+
+@lru_cache(maxsize=1024)
+def _rule_json(rule: Rule) -> str:
+    return json.dumps(rule.to_doc(), separators=(",", ":"), sort_keys=True)
+
+
+@lru_cache(maxsize=1024)
+def _rule_from_json(text: str) -> Rule:
+    return parse_rule(json.loads(text))
+
+
+def timer_params(timer: Timer) -> tuple[Any, ...]:
+    """A timer as the row ``COLUMNS`` describes."""
+    c = timer.claim
+    o = timer.owner
+    g = timer.target
+    return (
+        timer.timer_id,
+        timer.partition,
+        o.aggregate,
+        o.tenant_id,
+        o.id,
+        timer.key,
+        timer.version,
+        timer.status.value,
+        timer.due_at,
+        timer.scheduled_at,
+        g.context,
+        g.aggregate,
+        g.tenant_id,
+        g.id,
+        timer.body,
+        _rule_json(timer.rule),
+        timer.attempts,
+        timer.fired,
+        c.owner_key if c else None,
+        c.fence if c else None,
+        c.until if c else None,
+        timer.last_error,
+        timer.revision,
+    )
+
+
+_STATUS = {s.value: s for s in TimerStatus}
+_VALID_TYPES: set[tuple[str, str]] = set()
+"""(context, aggregate) pairs that passed :func:`validate_name` (refs read back are rebuilt
+without validating the same names again: the hot path reads thousands per second)."""
+
+
+def _ref(context: str, aggregate: str, tenant_id: str, id: str) -> AggregateRef:
+    """An :class:`AggregateRef` read from a row; the names are validated once per pair."""
+    if (context, aggregate) not in _VALID_TYPES or not tenant_id or not isinstance(id, str):
+        ref = AggregateRef(context=context, aggregate=aggregate, tenant_id=tenant_id, id=id)
+        _VALID_TYPES.add((context, aggregate))
+        return ref
+    ref = object.__new__(AggregateRef)
+    object.__setattr__(ref, "context", context)
+    object.__setattr__(ref, "aggregate", aggregate)
+    object.__setattr__(ref, "tenant_id", tenant_id)
+    object.__setattr__(ref, "id", id)
+    return ref
+
+
+def timer_from_row(context: str, r: Sequence[Any]) -> Timer:
+    return Timer(
+        timer_id=r[0],
+        partition=r[1],
+        owner=_ref(context, r[2], r[3], r[4]),
+        key=r[5],
+        version=r[6],
+        status=_STATUS[r[7]],
+        due_at=r[8],
+        scheduled_at=r[9],
+        target=_ref(r[10], r[11], r[12], r[13]),
+        body=r[14],
+        rule=_rule_from_json(r[15]),
+        attempts=r[16],
+        fired=r[17],
+        claim=Claim(owner_key=r[18], fence=r[19], until=r[20]) if r[18] is not None else None,
+        last_error=r[21],
+        revision=r[22],
+    )
+
+
+def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
+    """``(statement kind, params)`` of one change for :func:`settle_sql`: the values its kind
+    sets (as ``applied()`` computes them) followed by the row as loaded."""
+    t = change.timer
+    o = t.owner
+    loaded = (t.partition, o.aggregate, o.tenant_id, o.id, t.key, t.timer_id, t.revision)
+    kind = change.kind
+    if kind == "claim":
+        return kind, (change.due_at, change.owner_key, change.fence, change.due_at, *loaded)
+    if kind == "fired":
+        if change.next_due is None:
+            return "delete", loaded
+        return kind, (change.next_due, change.next_due, *loaded)
+    if kind == "retry":
+        return kind, (change.due_at, change.error, *loaded)
+    if kind == "resume":
+        return kind, (change.due_at, *loaded)
+    return kind, (change.error, *loaded)  # park, fail
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class EmbeddedTimerStore:
+    """:class:`~wowd.stores.base.TimerStore` on SQLite.
+
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
+    closes in :meth:`close`). The tables are created on first use (or by :meth:`prepare`).
+    """
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str, partitions: int) -> None:
+        self.context = validate_name(context, field="context")
+        if partitions < 1:
+            raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
+        self.partitions = partitions
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._prepared = False
+        self._known: set[str] = set()
+        t = context
+        self._put_sql = put_sql(t)
+        self._settle_sql = {k: settle_sql(t, k) for k in (*_SETTLE_SET, "delete")}
+        self._due_sql = due_sql(t)
+
+    def __repr__(self) -> str:
+        return f"EmbeddedTimerStore({self._db.path!r}, context={self.context!r})"
+
+    def collection_name(self, aggregate: str) -> str:
+        return f"wow_timer__{self.context}__{validate_name(aggregate, field='aggregate')}"
+
+    # ---- DDL
+
+    async def prepare(self) -> None:
+        if not self._prepared:
+            await self._run("prepare", self._db.transaction(self._prepare_sync))
+            self._prepared = True
+
+    def _prepare_sync(self, conn: sqlite3.Connection) -> None:
+        for stmt in ddl_sql(self.context):
+            conn.execute(stmt)
+        conn.execute(register_sql(), (table_name(self.context), self.context, None))
+        for collection, fmt in conn.execute(registry_formats_sql(), (self.context,)):
+            if fmt != FORMAT:
+                raise FormatError(
+                    f"timer collection {collection} is recorded in format {fmt}, this store writes {FORMAT}"
+                )
+
+    async def _register(self, aggregate: str) -> None:
+        """Records an aggregate type's collection on its first use; refuses another format."""
+        await self.prepare()
+        if aggregate in self._known:
+            return
+        name = self.collection_name(aggregate)
+
+        def work(conn: sqlite3.Connection) -> int:
+            conn.execute(register_sql(), (name, self.context, aggregate))
+            row = conn.execute(format_sql(), (name,)).fetchone()
+            return int(row[0])
+
+        fmt = await self._run("prepare", work)
+        if fmt != FORMAT:
+            raise FormatError(f"timer collection {name} is recorded in format {fmt}, this store writes {FORMAT}")
+        self._known.add(aggregate)
+
+    # ---- validation
+
+    def _owner_key(self, owner: AggregateRef) -> tuple[Any, ...]:
+        self._check_owner(owner)
+        return (partition(owner.id, self.partitions), owner.aggregate, owner.tenant_id, owner.id)
+
+    def _check_owner(self, owner: AggregateRef) -> None:
+        if owner.context != self.context:
+            raise InvalidInput(f"owner {owner} is not of this store's context {self.context!r}", field="owner.context")
+
+    # ---- writes
+
+    async def put(self, timer: Timer) -> bool:
+        self._check_owner(timer.owner)
+        expected = partition(timer.owner.id, self.partitions)
+        if timer.partition != expected:
+            raise InvalidInput(
+                f"{timer.partition} is not the owner's partition {expected} of {self.partitions}",
+                field="partition",
+            )
+        await self._register(timer.owner.aggregate)
+        params = timer_params(timer)
+        sql = self._put_sql
+        return await self._run("put", lambda conn: conn.execute(sql, params).rowcount == 1)
+
+    async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
+        params = (*self._owner_key(owner), key, version)
+        await self.prepare()
+        sql = cancel_sql(self.context)
+        return await self._run("cancel", lambda conn: conn.execute(sql, params).rowcount > 0)
+
+    async def cancel_all(self, owner: AggregateRef, version: int) -> int:
+        params = (*self._owner_key(owner), version)
+        await self.prepare()
+        sql = cancel_all_sql(self.context)
+        return await self._run("cancel_all", lambda conn: int(conn.execute(sql, params).rowcount))
+
+    async def settle(self, changes: Sequence[TimerChange]) -> int:
+        if not changes:
+            return 0
+        # one executemany per change kind, kinds in the order they first appear
+        groups: dict[str, list[tuple[Any, ...]]] = {}
+        for ch in changes:
+            if ch.timer.owner.context != self.context:
+                self._check_owner(ch.timer.owner)
+            kind, params = settle_params(ch)
+            groups.setdefault(kind, []).append(params)
+        await self.prepare()
+        statements = self._settle_sql
+
+        def work(conn: sqlite3.Connection) -> int:
+            before = conn.total_changes
+            for kind, rows in groups.items():
+                conn.executemany(statements[kind], rows)
+            return conn.total_changes - before
+
+        written: int = await self._run("settle", self._db.transaction(work))
+        if written < len(changes):
+            log.debug("settle: %d of %d changes skipped (timer moved on)", len(changes) - written, len(changes))
+        return written
+
+    # ---- reads
+
+    async def find(self, owner: AggregateRef, key: str) -> Timer | None:
+        params = (*self._owner_key(owner), key)
+        await self.prepare()
+        sql = find_sql(self.context)
+        row = await self._run("find", lambda conn: conn.execute(sql, params).fetchone())
+        return timer_from_row(self.context, row) if row is not None else None
+
+    async def parked(self, target: AggregateRef) -> list[Timer]:
+        params = (target.id, target.aggregate, target.tenant_id, target.context)
+        await self.prepare()
+        return await self._select("parked", parked_sql(self.context), params)
+
+    async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
+        if not partitions or limit <= 0:
+            return []
+        await self.prepare()
+        parts = sorted(partitions)
+        sql = self._due_sql
+
+        def work(conn: sqlite3.Connection) -> list[Sequence[Any]]:
+            # one read transaction: every partition's scan reads the same snapshot
+            cursors = [conn.execute(sql, (p, until)) for p in parts]
+            try:
+                return merge_due(cursors, limit)
+            finally:
+                for c in cursors:
+                    c.close()
+
+        def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
+            conn.execute("BEGIN")
+            try:
+                return work(conn)
+            finally:
+                conn.execute("COMMIT")
+
+        rows = await self._run("due", read)
+        ctx = self.context
+        return [timer_from_row(ctx, r) for r in rows]
+
+    async def scan(
+        self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
+    ) -> list[Timer]:
+        await self.prepare()
+        params: list[Any] = []
+        if status is not None:
+            params.append(status.value)
+        if partitions is not None:
+            params += sorted(partitions)
+        params.append(limit)
+        sql = scan_sql(
+            self.context, status=status is not None, partitions=None if partitions is None else len(partitions)
+        )
+        return await self._select("scan", sql, params)
+
+    async def _select(self, operation: str, sql: str, params: Sequence[Any]) -> list[Timer]:
+        rows = await self._run(operation, lambda conn: conn.execute(sql, params).fetchall())
+        ctx = self.context
+        return [timer_from_row(ctx, r) for r in rows]
+
+    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels("timers", operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels("timers", operation).observe(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)
