@@ -1,0 +1,730 @@
+"""Black-pipe tests of MongoSnapshotStore: the commands on the wire and the answers it reads.
+
+The real PyMongo async driver talks to MockupDB (``tests/mongo/conftest.py``); each test starts
+a store call in a task group, receives each command, asserts its document and scripts the reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from decimal import Decimal
+from typing import Any
+
+import anyio
+import pytest
+from bson.decimal128 import Decimal128
+from mockupdb import MockupDB
+from prometheus_client import REGISTRY
+from pymongo import AsyncMongoClient
+
+from tests.mongo.conftest import Wire
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
+from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
+from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.snapshots import (
+    TABLES,
+    MongoSnapshotStore,
+    conditional_upsert_filter,
+    index_specs,
+    snapshot_pipeline,
+)
+
+pytestmark = pytest.mark.anyio
+
+DB = "wowd_wire"
+CTX = "ctx"
+ORDERS = "wow_snapshot__ctx__order"
+CARTS = "wow_snapshot__ctx__cart"
+E11000 = {
+    "index": 0,
+    "code": 11000,
+    "errmsg": "E11000 duplicate key error collection: wowd_wire.x index: _id_",
+}
+
+
+def ref(id: str, aggregate: str = "order", tenant: str = "(0)") -> AggregateRef:
+    return AggregateRef(context=CTX, aggregate=aggregate, tenant_id=tenant, id=id)
+
+
+def snap(id: str, version: int = 3, revision: int = 2, aggregate: str = "order", **kw: Any) -> SnapshotRecord:
+    state = kw.pop("state", {"total": Decimal("12.50"), "note": "$not-a-path", "lines": [{"qty": 2}]})
+    return SnapshotRecord(ref=ref(id, aggregate), version=version, state_revision=revision, state=state, **kw)
+
+
+class Call:
+    """A store call running in the background while the test plays the server."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = anyio.Event()
+
+    async def run(self, awaitable: Awaitable[Any]) -> None:
+        try:
+            self.value = await awaitable
+        except Exception as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    async def result(self) -> Any:
+        with anyio.fail_after(10):
+            await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+@pytest.fixture(scope="module")
+def mock_server() -> Iterator[MockupDB]:
+    """One MockupDB for the module (stopping one takes a second: its accept loop polls at 1 s);
+    each test still gets its own client, and consumes every command its call sends."""
+    server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
+    server.autoresponds("endSessions")
+    server.run()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(mock_server: MockupDB) -> Iterator[None]:
+    """After each test (its client closed), hang up on any request it left unanswered, so a
+    failing test does not hand its commands to the next one on the shared server."""
+    yield
+    while True:
+        try:
+            leftover = mock_server.receives(timeout=0)
+        except AssertionError:
+            return
+        leftover.hangup()
+
+
+@pytest.fixture
+async def store(mongo_client: AsyncMongoClient[Any]) -> AsyncIterator[MongoSnapshotStore]:
+    """DDL off: each test sees only the commands of the call it makes."""
+    s = MongoSnapshotStore(mongo_client, DB, context=CTX, ddl=Ddl.NONE, sharding=MongoSharding.OFF)
+    yield s
+    await s.close()
+
+
+def upsert_reply(n: int = 1) -> dict[str, Any]:
+    return {
+        "n": n,
+        "nModified": 0,
+        "upserted": [{"index": i, "_id": {"t": "(0)", "a": str(i)}} for i in range(n)],
+    }
+
+
+def updates(req: Any) -> list[dict[str, Any]]:
+    return [dict(u) for u in req.doc["updates"]]
+
+
+async def test_store_implements_both_protocols(store: MongoSnapshotStore) -> None:
+    assert isinstance(store, SnapshotStore)
+    assert isinstance(store, SnapshotRebuildStore)
+    assert store.rebuilds is store
+
+
+async def test_save_is_one_guarded_upsert_with_a_pipeline(store: MongoSnapshotStore, wire: Wire) -> None:
+    s = snap("o-1", version=3, revision=2, owner_id="u1", space_id="s1", tags=("a",), access_version=2)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save(s))
+        req = await wire.command("update")
+        assert req.doc["update"] == ORDERS
+        [u] = updates(req)
+        assert u["q"] == {
+            "_id": {"t": "(0)", "a": "o-1"},
+            "tenant_id": "(0)",
+            "aggregate_id": "o-1",
+            "version": {"$lt": 3},
+            "state_revision": {"$lte": 2},
+        }
+        assert u["upsert"] is True
+        assert not u.get("multi")
+        [stage] = u["u"]
+        doc = stage["$replaceWith"]
+        assert doc["_id"] == {"$literal": {"t": "(0)", "a": "o-1"}}
+        assert doc["tenant_id"] == {"$literal": "(0)"} and doc["aggregate_id"] == {"$literal": "o-1"}
+        assert doc["version"] == {"$literal": 3} and doc["state_revision"] == {"$literal": 2}
+        # the state is data (a "$..." string is not a field path) and its decimal is Decimal128
+        state = doc["state"]["$literal"]
+        assert state["note"] == "$not-a-path"
+        assert state["total"] == Decimal128("12.50")
+        assert doc["owner_id"] == {"$literal": "u1"} and doc["space_id"] == {"$literal": "s1"}
+        assert doc["access"] == {"$literal": {"owner_id": "u1", "space_id": "s1", "tags": ["a"]}}
+        assert doc["deleted"] == {"$literal": False}
+        # a stale mark of a version up to its own is cleared in the same write
+        assert doc["stale_version"] == {
+            "$cond": [{"$gt": ["$stale_version", 3]}, "$stale_version", "$$REMOVE"]
+        }
+        req.replies(upsert_reply())
+        assert await call.result() is True
+
+
+async def test_save_refused_by_a_higher_state_revision_marks_it_stale(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    s = snap("o-1", version=5, revision=1)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save(s))
+        (await wire.command("update")).replies({"n": 0, "writeErrors": [E11000]})
+        req = await wire.command("update")
+        [u] = updates(req)
+        assert u["q"] == {
+            "_id": {"t": "(0)", "a": "o-1"},
+            "tenant_id": "(0)",
+            "aggregate_id": "o-1",
+            "state_revision": {"$gt": 1},
+            "version": {"$lt": 5},
+        }
+        assert u["u"] == {"$max": {"stale_version": 5}}
+        assert not u.get("upsert")
+        req.replies({"n": 1, "nModified": 1})
+        assert await call.result() is False
+
+
+async def test_save_refused_by_a_later_version_answers_false(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save(snap("o-1", version=2, revision=2)))
+        (await wire.command("update")).replies({"n": 0, "writeErrors": [E11000]})
+        (await wire.command("update")).replies({"n": 0, "nModified": 0})  # not a higher revision
+        req = await wire.command("find")
+        assert req.doc["filter"] == {
+            "_id": {"t": "(0)", "a": "o-1"},
+            "tenant_id": "(0)",
+            "aggregate_id": "o-1",
+        }
+        req.replies(
+            {"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 7, "state_revision": 2}]}}
+        )
+        assert await call.result() is False
+
+
+async def test_save_tries_again_when_a_concurrent_insert_of_a_lower_version_won(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    s = snap("o-1", version=4, revision=2)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save(s))
+        (await wire.command("update")).replies({"n": 0, "writeErrors": [E11000]})
+        (await wire.command("update")).replies({"n": 0, "nModified": 0})
+        (await wire.command("find")).replies(
+            {"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 1, "state_revision": 2}]}}
+        )
+        req = await wire.command("update")
+        assert updates(req)[0]["q"] == conditional_upsert_filter(s)
+        req.replies({"n": 1, "nModified": 1})
+        assert await call.result() is True
+
+
+async def test_save_all_of_one_type_is_one_unordered_update(store: MongoSnapshotStore, wire: Wire) -> None:
+    batch = [snap("o-1"), snap("o-2", version=9), snap("o-3")]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all(batch))
+        req = await wire.command("update")
+        assert req.doc["update"] == ORDERS
+        assert req.doc["ordered"] is False
+        sent = updates(req)
+        assert [u["q"] for u in sent] == [conditional_upsert_filter(s) for s in batch]
+        assert all(u["upsert"] is True for u in sent)
+        assert sent[1]["u"][0]["$replaceWith"]["version"] == {"$literal": 9}
+        req.replies({"n": 3, "nModified": 1, "upserted": [{"index": 0, "_id": 1}, {"index": 2, "_id": 3}]})
+        outcomes = await call.result()
+    assert [(o.ref.id, o.version, o.status) for o in outcomes] == [
+        ("o-1", 3, "saved"),
+        ("o-2", 9, "saved"),
+        ("o-3", 3, "saved"),
+    ]
+
+
+async def test_save_all_sends_one_update_per_type_and_one_per_round(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    batch = [snap("o-1", version=1), snap("c-1", aggregate="cart"), snap("o-1", version=2), snap("o-2")]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all(batch))
+        first = await wire.command("update")
+        assert (first.doc["update"], first.doc["ordered"]) == (ORDERS, False)
+        assert [u["q"]["_id"]["a"] for u in updates(first)] == ["o-1", "o-2"]
+        assert updates(first)[0]["q"]["version"] == {"$lt": 1}
+        first.replies(upsert_reply(2))
+        second = await wire.command("update")
+        assert (second.doc["update"], second.doc["ordered"]) == (CARTS, False)
+        second.replies(upsert_reply(1))
+        third = await wire.command("update")  # the second round: o-1 at version 2
+        assert (third.doc["update"], third.doc["ordered"]) == (ORDERS, False)
+        assert [u["q"]["version"] for u in updates(third)] == [{"$lt": 2}]
+        third.replies({"n": 1, "nModified": 1})
+        outcomes = await call.result()
+    assert [(o.ref.aggregate, o.ref.id, o.version, o.status) for o in outcomes] == [
+        ("order", "o-1", 1, "saved"),
+        ("cart", "c-1", 3, "saved"),
+        ("order", "o-1", 2, "saved"),
+        ("order", "o-2", 3, "saved"),
+    ]
+
+
+async def test_save_all_saves_an_item_that_met_the_key_again_alone(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    batch = [snap("o-1"), snap("o-2", version=6, revision=1), snap("o-3")]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all(batch))
+        bulk = await wire.command("update")
+        assert len(updates(bulk)) == 3
+        bulk.replies({"n": 2, "nModified": 0, "writeErrors": [{**E11000, "index": 1}]})
+        alone = await wire.command("update")  # o-2 again, alone, as save would
+        assert [u["q"] for u in updates(alone)] == [conditional_upsert_filter(batch[1])]
+        assert updates(alone)[0]["upsert"] is True
+        alone.replies({"n": 0, "writeErrors": [E11000]})
+        stale = await wire.command("update")  # a higher state revision is stored: marked stale
+        assert updates(stale)[0]["u"] == {"$max": {"stale_version": 6}}
+        stale.replies({"n": 1, "nModified": 1})
+        outcomes = await call.result()
+    assert [(o.ref.id, o.status) for o in outcomes] == [
+        ("o-1", "saved"),
+        ("o-2", "unchanged"),
+        ("o-3", "saved"),
+    ]
+
+
+async def test_save_all_fails_an_item_the_server_refused_and_saves_the_rest(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    batch = [snap("o-1"), snap("o-2"), snap("o-3")]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all(batch))
+        bulk = await wire.command("update")
+        bulk.replies(
+            {
+                "n": 2,
+                "nModified": 0,
+                "upserted": [{"index": 0, "_id": 1}, {"index": 2, "_id": 3}],
+                "writeErrors": [
+                    {"index": 1, "code": 17419, "errmsg": "Resulting document after update is larger"}
+                ],
+            }
+        )
+        outcomes = await call.result()
+    assert [(o.ref.id, o.status) for o in outcomes] == [("o-1", "saved"), ("o-2", "failed"), ("o-3", "saved")]
+    assert outcomes[1].reason is not None and "17419" in outcomes[1].reason
+    assert "larger" in outcomes[1].reason
+
+
+async def test_save_all_fails_a_state_bson_cannot_hold_and_sends_the_rest(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    batch = [snap("o-1"), snap("o-2", state={"n": 2**70}), snap("o-3", state={"d": Decimal("1" * 35)})]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all([*batch, snap("o-4")]))
+        bulk = await wire.command("update")
+        assert [u["q"]["_id"]["a"] for u in updates(bulk)] == ["o-1", "o-4"]
+        bulk.replies(upsert_reply(2))
+        outcomes = await call.result()
+    assert [o.status for o in outcomes] == ["saved", "failed", "failed", "saved"]
+    assert all(o.reason and "not BSON" in o.reason for o in outcomes[1:3])
+
+
+async def test_save_of_a_state_bson_cannot_hold_raises_invalid_input(store: MongoSnapshotStore) -> None:
+    with pytest.raises(InvalidInput, match="not BSON"):
+        await store.save(snap("o-1", state={"x": object()}))
+
+
+async def test_pending_filter_sort_and_limit(store: MongoSnapshotStore, wire: Wire) -> None:
+    type = AggregateType(context=CTX, aggregate="order")
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.pending(type, 3, ref("o-5", tenant="t1"), 2))
+        req = await wire.command("find")
+        assert req.doc["find"] == ORDERS
+        assert req.doc["filter"] == {"state_revision": {"$lt": 3}, "_id": {"$gt": {"t": "t1", "a": "o-5"}}}
+        assert list(req.doc["filter"]["_id"]["$gt"]) == ["t", "a"]  # key order: tenant, then id
+        assert req.doc["sort"] == {"_id": 1}
+        assert req.doc["limit"] == 2
+        assert req.doc["projection"] == {"_id": 1}
+        req.replies(
+            {
+                "cursor": {
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [{"_id": {"t": "t1", "a": "o-6"}}, {"_id": {"t": "t2", "a": "a"}}],
+                }
+            }
+        )
+        assert await call.result() == [ref("o-6", tenant="t1"), ref("a", tenant="t2")]
+
+
+async def test_pending_from_the_start_has_no_key_bound(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.pending(AggregateType(context=CTX, aggregate="order"), 1, None, 10))
+        req = await wire.command("find")
+        assert req.doc["filter"] == {"state_revision": {"$lt": 1}}
+        req.replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
+        assert await call.result() == []
+
+
+async def test_first_touch_records_the_format_and_creates_the_indexes(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.OFF)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.load(ref("o-1")))
+        fam = await wire.command("findAndModify")
+        assert fam.doc["findAndModify"] == TABLES
+        assert fam.doc["query"] == {"_id": ORDERS}
+        assert fam.doc["upsert"] is True and fam.doc["new"] is True
+        [stage] = fam.doc["update"]
+        assert stage["$set"]["format"] == {"$ifNull": ["$format", 5]}
+        assert stage["$set"]["context"] == {"$literal": CTX}
+        assert stage["$set"]["aggregate"] == {"$literal": "order"}
+        fam.replies({"value": {"_id": ORDERS, "format": 5}})
+        create = await wire.command("create")
+        assert create.doc["create"] == ORDERS
+        create.replies({})
+        indexes = await wire.command("createIndexes")
+        assert indexes.doc["createIndexes"] == ORDERS
+        assert [dict(i) for i in indexes.doc["indexes"]] == [
+            {
+                "key": {"tenant_id": 1, "owner_id": 1},
+                "name": "tenant_id_1_owner_id_1",
+                "partialFilterExpression": {"deleted": False},
+            },
+            {
+                "key": {"tenant_id": 1, "space_id": 1},
+                "name": "tenant_id_1_space_id_1",
+                "partialFilterExpression": {"deleted": False},
+            },
+        ]
+        assert [dict(i) for i in indexes.doc["indexes"]] == index_specs()
+        indexes.replies({})
+        (await wire.command("find")).replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
+        assert await call.result() is None
+        # once per store: the next call goes straight to its own command
+        call = Call()
+        tg.start_soon(call.run, store.load(ref("o-2")))
+        (await wire.command("find")).replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
+        assert await call.result() is None
+
+
+async def test_concurrent_first_touches_create_the_collection_once(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.OFF)
+    empty = {"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}}
+    async with anyio.create_task_group() as tg:
+        first, second = Call(), Call()
+        tg.start_soon(first.run, store.load(ref("o-1")))
+        tg.start_soon(second.run, store.load(ref("o-2")))
+        (await wire.command("findAndModify")).replies({"value": {"_id": ORDERS, "format": 5}})
+        (await wire.command("create")).replies({})
+        (await wire.command("createIndexes")).replies({})
+        (await wire.command("find")).replies(empty)
+        (await wire.command("find")).replies(empty)
+        assert (await first.result(), await second.result()) == (None, None)
+
+
+async def test_an_existing_collection_is_not_an_error(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.OFF)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.create_collection("order"))
+        (await wire.command("findAndModify")).replies({"value": {"_id": ORDERS, "format": 5}})
+        (await wire.command("create")).command_err(48, "Collection already exists. NS: wowd_wire.x")
+        (await wire.command("createIndexes")).replies({})
+        await call.result()
+
+
+async def test_a_collection_recorded_in_another_format_is_refused(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.OFF)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.create_collection("order"))
+        (await wire.command("findAndModify")).replies({"value": {"_id": ORDERS, "format": 4}})
+        with pytest.raises(FormatError, match="format 4"):
+            await call.result()
+
+
+async def test_validate_requires_the_record_and_the_indexes(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, ddl=Ddl.VALIDATE, sharding=MongoSharding.OFF)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.create_collection("order"))
+        req = await wire.command("find")
+        assert (req.doc["find"], req.doc["filter"]) == (TABLES, {"_id": ORDERS})
+        req.replies(
+            {"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": [{"_id": ORDERS, "format": 5}]}}
+        )
+        listed = await wire.command("listIndexes")
+        assert listed.doc["listIndexes"] == ORDERS
+        owner = {**index_specs()[0], "v": 2}
+        listed.replies(
+            {
+                "cursor": {
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [{"key": {"_id": 1}, "name": "_id_"}, owner],
+                }
+            }
+        )
+        with pytest.raises(FormatError, match="tenant_id_1_space_id_1"):
+            await call.result()
+        # nothing is created under validate: no record is a refusal
+        call = Call()
+        tg.start_soon(call.run, store.create_collection("order"))
+        (await wire.command("find")).replies({"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": []}})
+        with pytest.raises(FormatError, match="no format record"):
+            await call.result()
+
+
+async def test_a_sharded_collection_is_sharded_on_tenant_and_hashed_id(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.ON)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.create_collection("order"))
+        (await wire.command("findAndModify")).replies({"value": {"_id": ORDERS, "format": 5}})
+        (await wire.command("create")).replies({})
+        indexes = await wire.command("createIndexes")
+        assert [dict(i) for i in indexes.doc["indexes"]][2:] == [
+            {"key": {"tenant_id": 1, "aggregate_id": "hashed"}, "name": "tenant_id_1_aggregate_id_hashed"}
+        ]
+        indexes.replies({})
+        shard = await wire.command("shardCollection")
+        assert shard.doc["shardCollection"] == f"{DB}.{ORDERS}"
+        assert shard.doc["key"] == {"tenant_id": 1, "aggregate_id": "hashed"}
+        assert shard.doc["$db"] == "admin"
+        shard.replies({})
+        await call.result()
+
+
+async def test_claim_is_one_atomic_upsert_answering_the_table(store: MongoSnapshotStore, wire: Wire) -> None:
+    type = AggregateType(context=CTX, aggregate="order")
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.claim(type, 4))
+        req = await wire.command("findAndModify")
+        assert req.doc["findAndModify"] == TABLES
+        assert req.doc["query"] == {"_id": ORDERS}
+        assert req.doc["upsert"] is True and req.doc["new"] is True
+        stages = req.doc["update"]
+        assert stages[0] == {
+            "$set": {
+                "_claim": {
+                    "$or": [
+                        {"$eq": [{"$ifNull": ["$revision", None]}, None]},
+                        {"$lt": [{"$ifNull": ["$revision", None]}, 4]},
+                    ]
+                }
+            }
+        }
+        assert stages[1]["$set"]["revision"] == {"$cond": ["$_claim", 4, "$revision"]}
+        assert stages[-1] == {"$unset": "_claim"}
+        req.replies(
+            {
+                "value": {
+                    "_id": ORDERS,
+                    "revision": 4,
+                    "rebuilding": False,
+                    "backfilled": False,
+                    "updated_at": 1700000000000,
+                }
+            }
+        )
+        assert await call.result() == SnapshotTable(type=type, revision=4, updated_at=1700000000000)
+
+
+async def test_mark_sets_the_flags_given_at_the_claimed_revision(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    type = AggregateType(context=CTX, aggregate="order")
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.mark(type, 4, backfilled=True))
+        req = await wire.command("findAndModify")
+        assert req.doc["query"] == {"_id": ORDERS, "revision": 4}
+        assert not req.doc.get("upsert")
+        assert req.doc["update"] == [{"$set": {"updated_at": {"$toLong": "$$NOW"}, "backfilled": True}}]
+        req.replies({"value": None})
+        assert await call.result() is None
+
+
+async def test_mark_stale_sets_version_plus_one_unless_later(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.mark_stale(ref("o-1")))
+        req = await wire.command("update")
+        [u] = updates(req)
+        assert u["q"] == {"_id": {"t": "(0)", "a": "o-1"}, "tenant_id": "(0)", "aggregate_id": "o-1"}
+        assert u["u"] == [
+            {
+                "$set": {
+                    "stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}
+                }
+            }
+        ]
+        req.replies({"n": 0, "nModified": 0})
+        assert await call.result() is False
+
+
+async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    s = snap("o-1", version=5, revision=3)
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.rewrite(s))
+        req = await wire.command("update")
+        [u] = updates(req)
+        assert u["q"] == {
+            "_id": {"t": "(0)", "a": "o-1"},
+            "tenant_id": "(0)",
+            "aggregate_id": "o-1",
+            "$or": [
+                {"state_revision": {"$lt": 3}, "version": {"$lte": 5}},
+                {"state_revision": 3, "version": {"$lt": 5}},
+            ],
+        }
+        assert u["upsert"] is True
+        doc = u["u"][0]["$replaceWith"]
+        assert doc["version"] == {"$literal": 5} and doc["state_revision"] == {"$literal": 3}
+        assert doc["stale_version"] == "$$REMOVE"
+        req.replies({"n": 1, "nModified": 1})
+        assert await call.result() is True
+        # refused by the guard: the upsert meets the key
+        call = Call()
+        tg.start_soon(call.run, store.rewrite(s))
+        (await wire.command("update")).replies({"n": 0, "writeErrors": [E11000]})
+        assert await call.result() is False
+
+
+def test_a_save_keeps_a_later_stale_mark_of_its_own_record() -> None:
+    s = snap("o-1", version=5, stale_version=8)
+    mark = {"$max": ["$stale_version", 8]}
+    assert snapshot_pipeline(s)[0]["$replaceWith"]["stale_version"] == {
+        "$cond": [{"$gt": [mark, 5]}, mark, "$$REMOVE"]
+    }
+
+
+async def test_load_reads_decimals_back_exactly(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.load(ref("o-1")))
+        req = await wire.command("find")
+        req.replies(
+            {
+                "cursor": {
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [
+                        {
+                            "_id": {"t": "(0)", "a": "o-1"},
+                            "tenant_id": "(0)",
+                            "aggregate_id": "o-1",
+                            "version": 4,
+                            "state_revision": 2,
+                            "state": {"total": Decimal128("-0.10"), "n": 1},
+                            "owner_id": "u1",
+                            "space_id": "",
+                            "access": {"owner_id": "u1", "space_id": "", "tags": ["x"]},
+                            "access_version": 3,
+                            "deleted": False,
+                            "event_time": 17,
+                            "stale_version": 6,
+                        }
+                    ],
+                }
+            }
+        )
+        record = await call.result()
+    assert record == SnapshotRecord(
+        ref=ref("o-1"),
+        version=4,
+        state_revision=2,
+        state={"total": Decimal("-0.10"), "n": 1},
+        owner_id="u1",
+        tags=("x",),
+        access_version=3,
+        event_time=17,
+        stale_version=6,
+    )
+    assert str(record.state["total"]) == "-0.10"
+
+
+def unavailable(operation: str) -> float:
+    labels = {"store": "snapshots", "operation": operation}
+    return REGISTRY.get_sample_value("wowd_store_unavailable_total", labels) or 0.0
+
+
+async def test_a_network_error_is_storage_unavailable_and_counted(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    before = unavailable("save")
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save(snap("o-1")))
+        (await wire.command("update")).hangup()
+        with pytest.raises(StorageUnavailable):
+            await call.result()
+    assert unavailable("save") == before + 1
+
+
+async def test_a_write_concern_error_of_a_bulk_raises_storage_unavailable(
+    store: MongoSnapshotStore, wire: Wire
+) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all([snap("o-1"), snap("o-2")]))
+        (await wire.command("update")).replies(
+            {
+                "n": 2,
+                "nModified": 2,
+                "writeConcernError": {"code": 64, "errmsg": "waiting for replication timed out"},
+            }
+        )
+        with pytest.raises(StorageUnavailable, match="replication"):
+            await call.result()
+
+
+async def test_save_all_fails_an_item_of_another_context_alone(store: MongoSnapshotStore, wire: Wire) -> None:
+    other = SnapshotRecord(
+        ref=AggregateRef(context="other", aggregate="order", id="o-9"), version=1, state_revision=1, state={}
+    )
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all([other, snap("o-1")]))
+        bulk = await wire.command("update")
+        assert [u["q"]["_id"]["a"] for u in updates(bulk)] == ["o-1"]
+        bulk.replies(upsert_reply(1))
+        outcomes = await call.result()
+    assert [o.status for o in outcomes] == ["failed", "saved"]
+
+
+async def test_another_server_error_is_a_storage_error(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.table(AggregateType(context=CTX, aggregate="order")))
+        (await wire.command("find")).command_err(13, "not authorized on wowd_wire")
+        with pytest.raises(StorageError, match="not authorized") as info:
+            await call.result()
+        assert not isinstance(info.value, StorageUnavailable)

@@ -1,0 +1,801 @@
+"""The snapshots of one bounded context on MongoDB (seed 004, DESIGN.md section 6).
+
+Layout:
+
+- one collection per aggregate type, ``wow_snapshot__<context>__<aggregate>``, one document per
+  aggregate: ``{_id: {t: tenant_id, a: aggregate_id}, tenant_id, aggregate_id, version,
+  state_revision, state {}, owner_id, space_id, access {owner_id, space_id, tags},
+  access_version, deleted, event_time, stale_version?}``. ``_id`` is the only unique index; its
+  order is the tenant's, then the aggregate id's. ``tenant_id`` and ``aggregate_id`` are in every
+  document and every write's filter (the shard key of a sharded collection).
+- two partial indexes ``{tenant_id, owner_id}`` and ``{tenant_id, space_id}`` over
+  ``{deleted: false}``: the predicates the query side adds to every query.
+- ``wow_snapshot_tables``: one document per snapshot collection, keyed by the collection name,
+  ``{_id, context, aggregate, format, created_at, revision?, rebuilding, backfilled,
+  updated_at}``: the format record (written on first touch) and the rebuild control plane's
+  claimed state revision (``revision``, absent until the first ``claim``).
+
+The state and the access attributes are BSON documents (queryable in place); a
+:class:`decimal.Decimal` is stored as ``Decimal128`` exactly and read back as the same
+``Decimal`` (:data:`CODEC_OPTIONS`). A value BSON cannot hold is refused before anything is sent.
+
+Every document this module sends is built by a pure function next to the method sending it,
+so the black-pipe tests (``tests/mongo/test_snapshots_wire.py``) assert them.
+"""
+
+from __future__ import annotations
+
+import decimal
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import anyio
+import bson
+import pymongo
+from bson.codec_options import CodecOptions, TypeCodec, TypeRegistry
+from bson.decimal128 import Decimal128
+from bson.errors import BSONError
+from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import BulkWriteError, OperationFailure
+
+from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    SnapshotRecord,
+    SnapshotSaveOutcome,
+    SnapshotTable,
+    validate_name,
+)
+from wowd.stores.mongo._common import (
+    DUPLICATE_KEY,
+    FORMAT,
+    Ddl,
+    MongoSharding,
+    collection_name,
+    is_duplicate_key,
+    is_transient,
+    translate_errors,
+)
+
+__all__ = [
+    "CODEC_OPTIONS",
+    "DEFAULT_OPERATION_TIMEOUT",
+    "MAX_DOCUMENT_BYTES",
+    "TABLES",
+    "DecimalCodec",
+    "MongoSnapshotStore",
+    "claim_update",
+    "conditional_upsert_filter",
+    "index_specs",
+    "mark_filter",
+    "mark_stale_update",
+    "mark_update",
+    "pending_filter",
+    "pending_sort",
+    "record_from_doc",
+    "rewrite_filter",
+    "shard_key",
+    "snapshot_filter",
+    "snapshot_pipeline",
+    "stale_filter",
+    "stale_update",
+    "table_format_update",
+]
+
+log = logging.getLogger(__name__)
+
+TABLES = "wow_snapshot_tables"
+"""The control-plane collection: format record and claimed state revision per snapshot collection."""
+
+DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
+"""Client-side operation timeout (PyMongo's ``pymongo.timeout``) of each store call."""
+
+MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
+"""BSON's document limit: a snapshot whose write is larger is refused before it is sent."""
+
+_STORE = "snapshots"
+"""The ``store`` label of the store metrics (the same as the embedded store's)."""
+_MAX_RETRIES = 5
+"""How often a conditional upsert that met the key of a lower version (a concurrent insert won)
+is tried again before the store gives up (raises)."""
+
+
+# --------------------------------------------------------------------------- exact decimals
+
+
+class DecimalCodec(TypeCodec):
+    """``decimal.Decimal`` <-> ``Decimal128``, exact: a decimal that needs more than 34 digits
+    or an exponent out of Decimal128's range is refused (``decimal.Inexact``), never rounded."""
+
+    python_type = decimal.Decimal
+    bson_type = Decimal128
+
+    def transform_python(self, value: Any) -> Any:
+        return Decimal128(value)
+
+    def transform_bson(self, value: Any) -> Any:
+        return value.to_decimal()
+
+
+CODEC_OPTIONS: CodecOptions[dict[str, Any]] = CodecOptions(
+    document_class=dict, tz_aware=True, type_registry=TypeRegistry([DecimalCodec()])
+)
+"""The codec options of every snapshot collection (Decimal <-> Decimal128)."""
+
+_UNENCODABLE = (BSONError, OverflowError, ArithmeticError, TypeError, ValueError)
+"""What encoding a value BSON cannot hold raises (``decimal.Inexact`` is an ArithmeticError)."""
+
+
+def _lit(value: Any) -> dict[str, Any]:
+    """A value given to an update pipeline as data: a string starting with ``$`` or a key
+    starting with ``$`` in the state is not read as a field path or an operator."""
+    return {"$literal": value}
+
+
+def _now_ms() -> dict[str, Any]:
+    return {"$toLong": "$$NOW"}
+
+
+# --------------------------------------------------------------------------- query builders
+
+
+def _key(ref: AggregateRef) -> dict[str, Any]:
+    return {"t": ref.tenant_id, "a": ref.id}
+
+
+def snapshot_filter(ref: AggregateRef) -> dict[str, Any]:
+    """The document of ``ref``: its key and the shard key fields."""
+    return {"_id": _key(ref), "tenant_id": ref.tenant_id, "aggregate_id": ref.id}
+
+
+def conditional_upsert_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
+    """The guard of a save: the stored version below the new one and the stored state revision
+    not above it. On no match the upsert inserts, which meets the key when a document exists."""
+    return {
+        **snapshot_filter(snapshot.ref),
+        "version": {"$lt": snapshot.version},
+        "state_revision": {"$lte": snapshot.state_revision},
+    }
+
+
+def snapshot_pipeline(snapshot: SnapshotRecord, *, rewrite: bool = False) -> list[dict[str, Any]]:
+    """The update pipeline of a save: the whole document replaced by the snapshot, and a stored
+    stale mark of a version up to the snapshot's own cleared in the same write (a later mark, the
+    stored one or the record's own, is kept: the snapshot is still behind the log). A rewrite
+    (``rewrite=True``) clears the stale mark."""
+    ref = snapshot.ref
+    access = {"owner_id": snapshot.owner_id, "space_id": snapshot.space_id, "tags": list(snapshot.tags)}
+    v = snapshot.version
+    mark: Any = "$stale_version"
+    if snapshot.stale_version is not None and snapshot.stale_version > v:
+        mark = {"$max": ["$stale_version", snapshot.stale_version]}
+    stale: Any = "$$REMOVE" if rewrite else {"$cond": [{"$gt": [mark, v]}, mark, "$$REMOVE"]}
+    return [
+        {
+            "$replaceWith": {
+                "_id": _lit(_key(ref)),
+                "tenant_id": _lit(ref.tenant_id),
+                "aggregate_id": _lit(ref.id),
+                "version": _lit(v),
+                "state_revision": _lit(snapshot.state_revision),
+                "state": _lit(dict(snapshot.state)),
+                "owner_id": _lit(snapshot.owner_id),
+                "space_id": _lit(snapshot.space_id),
+                "access": _lit(access),
+                "access_version": _lit(snapshot.access_version),
+                "deleted": _lit(snapshot.deleted),
+                "event_time": _lit(snapshot.event_time),
+                "stale_version": stale,
+            }
+        }
+    ]
+
+
+def stale_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
+    """After a save refused: the stored snapshot of a higher state revision that is behind the
+    refused one's version (so the log is ahead of it)."""
+    return {
+        **snapshot_filter(snapshot.ref),
+        "state_revision": {"$gt": snapshot.state_revision},
+        "version": {"$lt": snapshot.version},
+    }
+
+
+def stale_update(snapshot: SnapshotRecord) -> dict[str, Any]:
+    """Marks it stale as of the refused snapshot's version, unless already marked later."""
+    return {"$max": {"stale_version": snapshot.version}}
+
+
+def mark_stale_update() -> list[dict[str, Any]]:
+    """``stale_version`` = its version + 1, unless already later."""
+    return [
+        {"$set": {"stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}}}
+    ]
+
+
+def rewrite_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
+    """The guard of a rewrite in place: a lower stored state revision at a version not above the
+    new one, or the same state revision at a lower version."""
+    return {
+        **snapshot_filter(snapshot.ref),
+        "$or": [
+            {"state_revision": {"$lt": snapshot.state_revision}, "version": {"$lte": snapshot.version}},
+            {"state_revision": snapshot.state_revision, "version": {"$lt": snapshot.version}},
+        ],
+    }
+
+
+def pending_filter(revision: int, after: AggregateRef | None) -> dict[str, Any]:
+    """Snapshots below ``revision``, after the key of ``after`` (documents compare field by
+    field, ``t`` then ``a``: the key order)."""
+    query: dict[str, Any] = {"state_revision": {"$lt": revision}}
+    if after is not None:
+        query["_id"] = {"$gt": _key(after)}
+    return query
+
+
+def pending_sort() -> dict[str, int]:
+    return {"_id": 1}
+
+
+def index_specs(*, sharded: bool = False) -> list[dict[str, Any]]:
+    """The indexes of a snapshot collection (createIndexes' ``indexes``): the two partial ones,
+    and on a sharded collection the shard key's (not unique: ``_id`` alone keeps it unique)."""
+    partial = {"deleted": False}
+    specs: list[dict[str, Any]] = [
+        {
+            "key": {"tenant_id": 1, "owner_id": 1},
+            "name": "tenant_id_1_owner_id_1",
+            "partialFilterExpression": partial,
+        },
+        {
+            "key": {"tenant_id": 1, "space_id": 1},
+            "name": "tenant_id_1_space_id_1",
+            "partialFilterExpression": partial,
+        },
+    ]
+    if sharded:
+        specs.append({"key": shard_key(), "name": "tenant_id_1_aggregate_id_hashed"})
+    return specs
+
+
+def shard_key() -> dict[str, Any]:
+    """The shard key of a sharded snapshot collection: the tenant, then the hashed aggregate id
+    (every write's filter names both)."""
+    return {"tenant_id": 1, "aggregate_id": "hashed"}
+
+
+def table_format_update(type: AggregateType) -> list[dict[str, Any]]:
+    """The format record of a type's collection (upsert): recorded when missing, kept otherwise,
+    so the answer tells which format the collection holds."""
+    return [
+        {
+            "$set": {
+                "context": _lit(type.context),
+                "aggregate": _lit(type.aggregate),
+                "format": {"$ifNull": ["$format", FORMAT]},
+                "created_at": {"$ifNull": ["$created_at", _now_ms()]},
+            }
+        }
+    ]
+
+
+def claim_update(type: AggregateType, revision: int, lower: bool) -> list[dict[str, Any]]:
+    """Records ``revision`` when higher than the stored one (or different, with ``lower``);
+    a new claim starts neither rebuilding nor backfilled. Same revision: unchanged."""
+    stored = {"$ifNull": ["$revision", None]}
+    takes: dict[str, Any] = (
+        {"$ne": [stored, revision]}
+        if lower
+        else {"$or": [{"$eq": [stored, None]}, {"$lt": [stored, revision]}]}
+    )
+    return [
+        {"$set": {"_claim": takes}},
+        {
+            "$set": {
+                "context": _lit(type.context),
+                "aggregate": _lit(type.aggregate),
+                "format": {"$ifNull": ["$format", FORMAT]},
+                "created_at": {"$ifNull": ["$created_at", _now_ms()]},
+                "revision": {"$cond": ["$_claim", revision, "$revision"]},
+                "rebuilding": {"$cond": ["$_claim", False, {"$ifNull": ["$rebuilding", False]}]},
+                "backfilled": {"$cond": ["$_claim", False, {"$ifNull": ["$backfilled", False]}]},
+                "updated_at": {"$cond": ["$_claim", _now_ms(), {"$ifNull": ["$updated_at", _now_ms()]}]},
+            }
+        },
+        {"$unset": "_claim"},
+    ]
+
+
+def mark_filter(name: str, revision: int) -> dict[str, Any]:
+    return {"_id": name, "revision": revision}
+
+
+def mark_update(rebuilding: bool | None, backfilled: bool | None) -> list[dict[str, Any]]:
+    fields: dict[str, Any] = {"updated_at": _now_ms()}
+    if rebuilding is not None:
+        fields["rebuilding"] = rebuilding
+    if backfilled is not None:
+        fields["backfilled"] = backfilled
+    return [{"$set": fields}]
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def record_from_doc(type: AggregateType, doc: Mapping[str, Any]) -> SnapshotRecord:
+    """Reads a snapshot document; a malformed one raises :class:`StorageError` naming the field."""
+    try:
+        access = doc.get("access") or {}
+        stale = doc.get("stale_version")
+        return SnapshotRecord(
+            ref=AggregateRef(
+                context=type.context,
+                aggregate=type.aggregate,
+                tenant_id=doc["tenant_id"],
+                id=doc["aggregate_id"],
+            ),
+            version=int(doc["version"]),
+            state_revision=int(doc["state_revision"]),
+            state=dict(doc.get("state") or {}),
+            owner_id=str(doc.get("owner_id", access.get("owner_id", ""))),
+            space_id=str(doc.get("space_id", access.get("space_id", ""))),
+            tags=tuple(str(t) for t in access.get("tags") or ()),
+            access_version=int(doc.get("access_version", 0)),
+            deleted=bool(doc.get("deleted", False)),
+            event_time=int(doc.get("event_time", 0)),
+            stale_version=None if stale is None else int(stale),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise StorageError(f"mongodb snapshot {doc.get('_id')!r} of {type}: malformed ({exc!r})") from exc
+
+
+def _table_from_doc(type: AggregateType, doc: Mapping[str, Any] | None) -> SnapshotTable | None:
+    if doc is None or doc.get("revision") is None:
+        return None
+    return SnapshotTable(
+        type=type,
+        revision=int(doc["revision"]),
+        rebuilding=bool(doc.get("rebuilding", False)),
+        backfilled=bool(doc.get("backfilled", False)),
+        updated_at=int(doc.get("updated_at", 0)),
+    )
+
+
+def _encodable(statement: Mapping[str, Any]) -> str | None:
+    """Why ``statement`` cannot be sent as BSON, or None when it can."""
+    try:
+        size = len(bson.encode(statement, codec_options=CODEC_OPTIONS))
+    except _UNENCODABLE as exc:
+        return f"not BSON: {type(exc).__name__}: {exc}"
+    if size > MAX_DOCUMENT_BYTES:
+        return f"not BSON: the write is {size} bytes, over the document limit of {MAX_DOCUMENT_BYTES}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    index: int
+    snapshot: SnapshotRecord
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class MongoSnapshotStore:
+    """The :class:`~wowd.stores.base.SnapshotStore` of one context on MongoDB, and its own
+    :class:`~wowd.stores.base.SnapshotRebuildStore` (it rewrites snapshots in place).
+
+    The client is the caller's (not closed here). Nothing happens in the constructor; a type's
+    collection is created (with its format record and indexes, as ``ddl`` says) the first time
+    the store touches the type, or by :meth:`create_collection`. A failure of the database is
+    raised: network and election errors as :class:`~wowd.errors.StorageUnavailable`, others as
+    :class:`~wowd.errors.StorageError` (a snapshot is a cache; the caller may drop it).
+    """
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Any],
+        database_name: str,
+        *,
+        context: str,
+        ddl: Ddl = Ddl.AUTO,
+        sharding: MongoSharding = MongoSharding.AUTO,
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
+    ) -> None:
+        self.context = validate_name(context, field="context")
+        self._client = client
+        self._db: AsyncDatabase[dict[str, Any]] = client.get_database(
+            database_name, codec_options=CODEC_OPTIONS
+        )
+        self._ddl = Ddl(ddl)
+        self._sharding = MongoSharding(sharding)
+        self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
+        self._ready: set[str] = set()
+        self._sharded: bool | None = None
+        self._ddl_lock: anyio.Lock | None = None
+
+    @property
+    def rebuilds(self) -> MongoSnapshotStore:
+        """This store rewrites its snapshots in place: it is its own rebuild control plane."""
+        return self
+
+    # ------------------------------------------------------------------ plumbing
+
+    def collection_name(self, aggregate: str) -> str:
+        """``wow_snapshot__<context>__<aggregate>``."""
+        return collection_name("snapshot", self.context, aggregate)
+
+    def _collection(self, aggregate: str) -> AsyncCollection[dict[str, Any]]:
+        return self._db.get_collection(self.collection_name(aggregate))
+
+    @property
+    def _tables(self) -> AsyncCollection[dict[str, Any]]:
+        return self._db.get_collection(TABLES)
+
+    @contextmanager
+    def _call(self, operation: str) -> Iterator[None]:
+        """Times a store call, bounds it by the operation timeout, translates driver errors."""
+        start = time.perf_counter()
+        try:
+            with translate_errors(f"snapshots {operation}"):
+                if self._timeout is None:
+                    yield
+                else:
+                    with pymongo.timeout(self._timeout):
+                        yield
+        except StorageError as exc:
+            if is_transient(exc.__cause__ or exc):
+                STORE_UNAVAILABLE.labels(_STORE, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - start)
+
+    def _type(self, aggregate: str) -> AggregateType:
+        return AggregateType(context=self.context, aggregate=aggregate)
+
+    def _check_ref(self, ref: AggregateRef) -> None:
+        if ref.context != self.context:
+            raise InvalidInput(f"{ref} is not of context {self.context!r}", field="ref.context")
+
+    async def _ensure(self, aggregate: str) -> None:
+        if self._ddl is Ddl.NONE or self.collection_name(aggregate) in self._ready:
+            return
+        await self.create_collection(aggregate)
+
+    # ------------------------------------------------------------------ DDL
+
+    async def prepare(self) -> None:
+        """Nothing to create up front: a type's collection is created on its first use, since
+        the store does not know the context's aggregate types (kept for the host)."""
+
+    async def create_collection(self, aggregate: str) -> None:
+        """Creates the type's collection, format record and indexes when missing, once per store
+        (``ddl=auto``), or checks them (``ddl=validate``). A collection recorded in another
+        format is refused with :class:`~wowd.errors.FormatError`."""
+        name = self.collection_name(aggregate)
+        if name in self._ready:
+            return
+        if self._ddl_lock is None:
+            self._ddl_lock = anyio.Lock()
+        async with self._ddl_lock:  # concurrent first touches of a type: one creates, the others wait
+            if name not in self._ready:
+                await self._create_collection(name, self._type(aggregate))
+
+    async def _create_collection(self, name: str, type: AggregateType) -> None:
+        with self._call("create_collection"):
+            if self._ddl is Ddl.AUTO:
+                record = await self._tables.find_one_and_update(
+                    {"_id": name},
+                    table_format_update(type),
+                    upsert=True,
+                    return_document=ReturnDocument.AFTER,
+                )
+            else:
+                record = await self._tables.find_one({"_id": name})
+            if record is None or record.get("format") is None:
+                if self._ddl is Ddl.VALIDATE:
+                    raise FormatError(f"mongodb {name}: no format record in {TABLES} (ddl=validate)")
+            elif record.get("format") != FORMAT:
+                raise FormatError(
+                    f"mongodb {name}: recorded in format {record.get('format')!r}, this wowd writes format "
+                    f"{FORMAT}; drop the collection and its {TABLES} record to rebuild the snapshots"
+                )
+            if self._ddl is Ddl.AUTO:
+                await self._create(name)
+            elif self._ddl is Ddl.VALIDATE:
+                await self._validate(name)
+        self._ready.add(name)
+        log.info("snapshot collection %s ready (format %s, ddl %s)", name, FORMAT, self._ddl.value)
+
+    async def _create(self, name: str) -> None:
+        try:
+            await self._db.command("create", name)
+        except OperationFailure as exc:
+            if exc.code != 48:  # NamespaceExists
+                raise
+        sharded = await self._is_sharded()
+        await self._db.command("createIndexes", name, indexes=index_specs(sharded=sharded))
+        if sharded:
+            # the shard key's index exists first, so a collection that already holds snapshots
+            # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0
+            full = f"{self._db.name}.{name}"
+            await self._client.admin.command("shardCollection", full, key=shard_key())
+
+    async def _validate(self, name: str) -> None:
+        found = {ix["name"]: ix async for ix in await self._db.get_collection(name).list_indexes()}
+        for spec in index_specs():
+            ix = found.get(spec["name"])
+            if (
+                ix is None
+                or dict(ix["key"]) != spec["key"]
+                or dict(ix.get("partialFilterExpression") or {}) != spec["partialFilterExpression"]
+            ):
+                raise FormatError(
+                    f"mongodb {name}: index {spec['name']} is missing or differs (ddl=validate)"
+                )
+
+    async def _is_sharded(self) -> bool:
+        if self._sharding is MongoSharding.ON:
+            return True
+        if self._sharding is MongoSharding.OFF:
+            return False
+        if self._sharded is None:
+            hello = await self._client.admin.command("hello")
+            self._sharded = hello.get("msg") == "isdbgrid"
+        return self._sharded
+
+    # ------------------------------------------------------------------ SnapshotStore
+
+    async def load(self, ref: AggregateRef) -> SnapshotRecord | None:
+        self._check_ref(ref)
+        await self._ensure(ref.aggregate)
+        with self._call("load"):
+            doc = await self._collection(ref.aggregate).find_one(snapshot_filter(ref))
+        return None if doc is None else record_from_doc(ref.type, doc)
+
+    async def save(self, snapshot: SnapshotRecord) -> bool:
+        """One conditional upsert (see :meth:`_conditional_upsert`). A state BSON cannot hold
+        raises :class:`~wowd.errors.InvalidInput` naming the snapshot."""
+        self._check_ref(snapshot.ref)
+        reason = _encodable({"q": conditional_upsert_filter(snapshot), "u": snapshot_pipeline(snapshot)})
+        if reason is not None:
+            raise InvalidInput(
+                f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state"
+            )
+        await self._ensure(snapshot.ref.aggregate)
+        with self._call("save"):
+            return await self._conditional_upsert(snapshot)
+
+    async def _conditional_upsert(self, snapshot: SnapshotRecord) -> bool:
+        """The guarded upsert. When it meets the key (E11000: the guard refused it, or a
+        concurrent insert won the key) the stored document decides: a higher state revision is
+        marked stale (the log is at this version) and the save is refused; the same or a higher
+        version is kept (refused); a lower version (a concurrent insert won) is tried again."""
+        coll = self._collection(snapshot.ref.aggregate)
+        for _ in range(_MAX_RETRIES):
+            try:
+                await coll.update_one(
+                    conditional_upsert_filter(snapshot), snapshot_pipeline(snapshot), upsert=True
+                )
+                return True
+            except OperationFailure as exc:
+                if not is_duplicate_key(exc):
+                    raise
+            if await self._refused(coll, snapshot):
+                return False
+        raise StorageError(
+            f"mongodb snapshots save: {snapshot.ref} at version {snapshot.version} met the key "
+            f"{_MAX_RETRIES} times with a lower version stored"
+        )
+
+    async def _refused(self, coll: AsyncCollection[dict[str, Any]], snapshot: SnapshotRecord) -> bool:
+        """After E11000: True when the stored snapshot refuses this one (marking it stale when it
+        has a higher state revision and a lower version); False when the upsert may be retried."""
+        stale = await coll.update_one(stale_filter(snapshot), stale_update(snapshot))
+        if stale.matched_count:
+            log.info(
+                "snapshot %s: save at version %s, state revision %s refused by a higher state revision; "
+                "marked stale",
+                snapshot.ref,
+                snapshot.version,
+                snapshot.state_revision,
+            )
+            return True
+        stored = await coll.find_one(
+            snapshot_filter(snapshot.ref), projection={"_id": 0, "version": 1, "state_revision": 1}
+        )
+        if stored is None:
+            return False  # gone meanwhile: insert again
+        return not (
+            stored.get("version", 0) < snapshot.version
+            and stored.get("state_revision", 0) <= snapshot.state_revision
+        )
+
+    async def save_all(self, snapshots: Sequence[SnapshotRecord]) -> list[SnapshotSaveOutcome]:
+        """Saves in :meth:`SnapshotSaveOutcome.rounds`: each round's snapshots of one type in one
+        unordered bulk write of conditional upserts. An item that met the key is saved again
+        alone as :meth:`save` would; one refused with another error, or whose state cannot be
+        BSON, is ``failed`` alone."""
+        outcomes: dict[int, SnapshotSaveOutcome] = {}
+        # the k-th snapshot of a ref is in round k: each ref's positions in the batch, in order
+        positions: dict[AggregateRef, deque[int]] = {}
+        for i, s in enumerate(snapshots):
+            positions.setdefault(s.ref, deque()).append(i)
+        for round_ in SnapshotSaveOutcome.rounds(snapshots):
+            by_type: dict[str, list[_Item]] = {}
+            for s in round_:
+                i = positions[s.ref].popleft()
+                if s.ref.context != self.context:
+                    outcomes[i] = _failed(s, f"not of context {self.context!r}")
+                    continue
+                by_type.setdefault(s.ref.aggregate, []).append(_Item(i, s))
+            for aggregate, items in by_type.items():
+                outcomes.update(await self._save_round(aggregate, items))
+        return [outcomes[i] for i in range(len(snapshots))]
+
+    async def _save_round(self, aggregate: str, items: list[_Item]) -> list[tuple[int, SnapshotSaveOutcome]]:
+        done: list[tuple[int, SnapshotSaveOutcome]] = []
+        sendable: list[_Item] = []
+        requests: list[UpdateOne] = []
+        for item in items:
+            q, u = conditional_upsert_filter(item.snapshot), snapshot_pipeline(item.snapshot)
+            reason = _encodable({"q": q, "u": u})
+            if reason is not None:
+                log.warning(
+                    "snapshot %s at version %s not saved: %s",
+                    item.snapshot.ref,
+                    item.snapshot.version,
+                    reason,
+                )
+                done.append((item.index, _failed(item.snapshot, reason)))
+                continue
+            sendable.append(item)
+            requests.append(UpdateOne(q, u, upsert=True))
+        if not sendable:
+            return done
+        await self._ensure(aggregate)
+        coll = self._collection(aggregate)
+        errors: dict[int, Mapping[str, Any]] = {}
+        with self._call("save_all"):
+            try:
+                await coll.bulk_write(requests, ordered=False)
+            except BulkWriteError as exc:
+                if exc.details.get("writeConcernErrors"):
+                    raise
+                errors = {int(e["index"]): e for e in exc.details.get("writeErrors") or ()}
+            for k, item in enumerate(sendable):
+                err = errors.get(k)
+                if err is None:
+                    done.append((item.index, _outcome(item.snapshot, "saved")))
+                elif err.get("code") == DUPLICATE_KEY:
+                    saved = await self._conditional_upsert(item.snapshot)
+                    done.append((item.index, _outcome(item.snapshot, "saved" if saved else "unchanged")))
+                else:
+                    reason = f"mongodb error {err.get('code')}: {err.get('errmsg', '')}"
+                    log.warning(
+                        "snapshot %s at version %s not saved: %s",
+                        item.snapshot.ref,
+                        item.snapshot.version,
+                        reason,
+                    )
+                    done.append((item.index, _failed(item.snapshot, reason)))
+        return done
+
+    async def mark_stale(self, ref: AggregateRef) -> bool:
+        self._check_ref(ref)
+        await self._ensure(ref.aggregate)
+        with self._call("mark_stale"):
+            result = await self._collection(ref.aggregate).update_one(
+                snapshot_filter(ref), mark_stale_update()
+            )
+        return result.matched_count > 0
+
+    async def close(self) -> None:
+        """The client is the caller's: nothing to close."""
+
+    # ------------------------------------------------------------------ SnapshotRebuildStore
+
+    async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
+        self._check_type(type)
+        await self._ensure(type.aggregate)
+        name = self.collection_name(type.aggregate)
+        with self._call("claim"):
+            doc = await self._tables.find_one_and_update(
+                {"_id": name},
+                claim_update(type, revision, lower),
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+            )
+        table = _table_from_doc(type, doc)
+        if table is None:  # pragma: no cover - the upsert always answers the document
+            raise StorageError(f"mongodb snapshots claim: no table document for {name}")
+        return table
+
+    async def mark(
+        self,
+        type: AggregateType,
+        revision: int,
+        rebuilding: bool | None = None,
+        backfilled: bool | None = None,
+    ) -> SnapshotTable | None:
+        self._check_type(type)
+        name = self.collection_name(type.aggregate)
+        with self._call("mark"):
+            doc = await self._tables.find_one_and_update(
+                mark_filter(name, revision),
+                mark_update(rebuilding, backfilled),
+                return_document=ReturnDocument.AFTER,
+            )
+        return _table_from_doc(type, doc)
+
+    async def table(self, type: AggregateType) -> SnapshotTable | None:
+        self._check_type(type)
+        with self._call("table"):
+            doc = await self._tables.find_one({"_id": self.collection_name(type.aggregate)})
+        return _table_from_doc(type, doc)
+
+    async def pending(
+        self, type: AggregateType, revision: int, after: AggregateRef | None, limit: int
+    ) -> list[AggregateRef]:
+        self._check_type(type)
+        if limit <= 0:
+            return []
+        await self._ensure(type.aggregate)
+        with self._call("pending"):
+            cursor = self._collection(type.aggregate).find(
+                pending_filter(revision, after),
+                projection={"_id": 1},
+                sort=pending_sort(),
+                limit=limit,
+            )
+            docs = await cursor.to_list()
+        return [
+            AggregateRef(
+                context=type.context, aggregate=type.aggregate, tenant_id=d["_id"]["t"], id=d["_id"]["a"]
+            )
+            for d in docs
+        ]
+
+    async def rewrite(self, snapshot: SnapshotRecord) -> bool:
+        """Writes a rebuilt snapshot in place under :func:`rewrite_filter` (one conditional
+        upsert, like the embedded store: a missing snapshot is written; E11000 means the guard
+        refused it); clears the stale mark."""
+        self._check_ref(snapshot.ref)
+        q, u = rewrite_filter(snapshot), snapshot_pipeline(snapshot, rewrite=True)
+        reason = _encodable({"q": q, "u": u})
+        if reason is not None:
+            raise InvalidInput(
+                f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state"
+            )
+        await self._ensure(snapshot.ref.aggregate)
+        with self._call("rewrite"):
+            try:
+                await self._collection(snapshot.ref.aggregate).update_one(q, u, upsert=True)
+            except OperationFailure as exc:
+                if is_duplicate_key(exc):
+                    return False
+                raise
+        return True
+
+    def _check_type(self, type: AggregateType) -> None:
+        if type.context != self.context:
+            raise InvalidInput(f"{type} is not of context {self.context!r}", field="type.context")
+
+
+def _outcome(snapshot: SnapshotRecord, status: Literal["saved", "unchanged"]) -> SnapshotSaveOutcome:
+    return SnapshotSaveOutcome(ref=snapshot.ref, version=snapshot.version, status=status)
+
+
+def _failed(snapshot: SnapshotRecord, reason: str) -> SnapshotSaveOutcome:
+    return SnapshotSaveOutcome(ref=snapshot.ref, version=snapshot.version, status="failed", reason=reason)
