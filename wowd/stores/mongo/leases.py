@@ -1,0 +1,640 @@
+"""CosId-style slot leases on MongoDB (seed 001, DESIGN.md section 4), decided on the store clock.
+
+Collections:
+
+- ``cosid_slot``: one document per slot, ``{ns, slot, ownerKey, incarnation, lastOwnerKey, fence,
+  expiresAt, floor, ceiling, nextFloor, writtenAt}``, unique on ``(ns, slot)``; every slot of a
+  namespace is created on its first use. Times are BSON dates of the store clock (``$$NOW``).
+- ``cosid_namespace``: ``{_id: ns, limit, toleranceMs, slotOffset}``. A document written by an
+  older version has no ``slotOffset``: it reads as 0 and is never rewritten.
+
+An acquire reads the namespace, then runs one aggregation over the namespace's slots that
+answers the idempotent case (the owner key holds a live slot: decided by ``$$NOW`` on the
+server), names the sticky candidates and lists the slot documents that exist (so only the
+missing ones are inserted). Each step that takes a slot is then one ``findAndModify`` on one
+document whose filter holds the whole condition and whose pipeline update stamps
+``writtenAt = $$NOW`` first and derives the rest from it. No client clock is ever compared.
+
+Every filter, pipeline and index spec is built by a pure function of this module; the
+black-pipe tests (``tests/mongo/test_leases_wire.py``) assert them on the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pymongo
+from bson.codec_options import CodecOptions, DatetimeConversion
+from bson.datetime_ms import DatetimeMS
+from bson.int64 import Int64
+from pymongo import IndexModel, ReadPreference, ReturnDocument
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import BulkWriteError, OperationFailure
+from pymongo.write_concern import WriteConcern
+
+from wowd.errors import ConfigError, StorageError, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import AcquireResult, Owner, SlotLease, SlotState
+from wowd.stores.mongo._common import DUPLICATE_KEY, is_duplicate_key, translate_errors
+
+__all__ = [
+    "NAMESPACE_COLLECTION",
+    "SLOT_COLLECTION",
+    "SLOT_INDEX_NAME",
+    "TAKE_SORT",
+    "LEASE_PROJECTION",
+    "MongoSlotLeaseStore",
+    "free_expr",
+    "free_filter",
+    "namespace_doc",
+    "namespace_filter",
+    "namespace_mismatch",
+    "new_slot_docs",
+    "owner_pipeline",
+    "preferred_filter",
+    "release_filter",
+    "release_update",
+    "renew_filter",
+    "renew_update",
+    "slot_indexes",
+    "slots_pipeline",
+    "sticky_filter",
+    "take_update",
+]
+
+log = logging.getLogger(__name__)
+
+SLOT_COLLECTION = "cosid_slot"
+NAMESPACE_COLLECTION = "cosid_namespace"
+SLOT_INDEX_NAME = "ns_1_slot_1"
+STORE_LABEL = "leases"
+
+TAKE_SORT: dict[str, int] = {"slot": 1}
+"""The free step takes the first free slot in slot order."""
+
+LEASE_PROJECTION: dict[str, int] = {
+    "_id": 0,
+    "ns": 1,
+    "slot": 1,
+    "ownerKey": 1,
+    "incarnation": 1,
+    "fence": 1,
+    "expiresAt": 1,
+    "floor": 1,
+    "ceiling": 1,
+    "writtenAt": 1,
+}
+"""What a take or a renewal returns (the document after the write)."""
+
+_CODEC: CodecOptions[dict[str, Any]] = CodecOptions(
+    tz_aware=True, tzinfo=UTC, datetime_conversion=DatetimeConversion.DATETIME_MS
+)
+"""Dates come back as ``DatetimeMS``: exact milliseconds, any range."""
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+# --------------------------------------------------------------------------- pure builders
+
+
+def slot_indexes() -> list[IndexModel]:
+    """The one index of ``cosid_slot``: unique ``(ns, slot)``."""
+    return [IndexModel([("ns", 1), ("slot", 1)], name=SLOT_INDEX_NAME, unique=True)]
+
+
+def namespace_filter(namespace: str) -> dict[str, Any]:
+    return {"_id": namespace}
+
+
+def namespace_doc(namespace: str, limit: int, tolerance_ms: int, slot_offset: int) -> dict[str, Any]:
+    """The namespace document the first user of a namespace inserts."""
+    return {"_id": namespace, "limit": limit, "toleranceMs": tolerance_ms, "slotOffset": slot_offset}
+
+
+def namespace_mismatch(doc: Mapping[str, Any], limit: int, slot_offset: int) -> str | None:
+    """Why ``doc`` refuses these parameters, or ``None``. A missing ``slotOffset`` reads as 0."""
+    recorded_limit = doc.get("limit")
+    recorded_offset = doc.get("slotOffset", 0)
+    if recorded_limit != limit or recorded_offset != slot_offset:
+        return (
+            f"namespace {doc.get('_id')!r} is recorded with limit={recorded_limit}, "
+            f"slotOffset={recorded_offset}; asked limit={limit}, slotOffset={slot_offset}"
+        )
+    return None
+
+
+def _slot_range(slot_offset: int, limit: int) -> dict[str, int]:
+    return {"$gte": slot_offset, "$lt": slot_offset + limit}
+
+
+def owner_pipeline(namespace: str, owner_key: str, slot_offset: int, limit: int) -> list[dict[str, Any]]:
+    """The acquire's read: one document ``{mine: [...], present: [slot, ...]}``.
+
+    ``mine`` holds the slots the owner key holds or held last, most recently written first
+    (then by slot), each with ``live`` (``expiresAt > $$NOW`` with the owner key on it, decided
+    by the store clock); ``present`` lists the slot numbers whose documents exist. ``$facet``
+    answers one document even when the namespace has no slot yet.
+    """
+    return [
+        {"$match": {"ns": namespace, "slot": _slot_range(slot_offset, limit)}},
+        {
+            "$facet": {
+                "mine": [
+                    {"$match": {"$or": [{"ownerKey": owner_key}, {"lastOwnerKey": owner_key}]}},
+                    {"$sort": {"writtenAt": -1, "slot": 1}},
+                    {
+                        "$set": {
+                            "live": {
+                                "$and": [
+                                    {"$eq": ["$ownerKey", {"$literal": owner_key}]},
+                                    {"$gt": ["$expiresAt", "$$NOW"]},
+                                ]
+                            }
+                        }
+                    },
+                    {"$project": {"_id": 0}},
+                ],
+                "present": [{"$project": {"_id": 0, "slot": 1}}],
+            }
+        },
+        {"$project": {"mine": 1, "present": "$present.slot"}},
+    ]
+
+
+def new_slot_docs(namespace: str, slots: Sequence[int]) -> list[dict[str, Any]]:
+    """Slot documents of a namespace's first use: free, never held."""
+    return [
+        {
+            "ns": namespace,
+            "slot": slot,
+            "ownerKey": None,
+            "incarnation": 0,
+            "lastOwnerKey": None,
+            "fence": 0,
+            "expiresAt": None,
+            "floor": None,
+            "ceiling": None,
+            "nextFloor": None,
+            "writtenAt": None,
+        }
+        for slot in slots
+    ]
+
+
+def free_expr(tolerance_ms: int) -> dict[str, Any]:
+    """A slot is free when it has no owner or ``expiresAt + tolerance < $$NOW`` (store clock)."""
+    return {
+        "$or": [
+            {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
+            {"$lt": [{"$add": ["$expiresAt", tolerance_ms]}, "$$NOW"]},
+        ]
+    }
+
+
+def sticky_filter(namespace: str, slot: int, fence: int, owner_key: str, tolerance_ms: int) -> dict[str, Any]:
+    """The owner's last slot, unchanged since it was read (same fence), and free or its own
+    expired lease (the previous process of this owner key stopped at its ``ttl - tolerance``)."""
+    return {
+        "ns": namespace,
+        "slot": slot,
+        "fence": fence,
+        "$expr": {
+            "$or": [
+                free_expr(tolerance_ms),
+                {
+                    "$and": [
+                        {"$eq": ["$ownerKey", {"$literal": owner_key}]},
+                        {"$lte": ["$expiresAt", "$$NOW"]},
+                    ]
+                },
+            ]
+        },
+    }
+
+
+def preferred_filter(namespace: str, slot: int, tolerance_ms: int) -> dict[str, Any]:
+    return {"ns": namespace, "slot": slot, "$expr": free_expr(tolerance_ms)}
+
+
+def free_filter(namespace: str, slot_offset: int, limit: int, tolerance_ms: int) -> dict[str, Any]:
+    """Any free slot of the namespace's range; sent with :data:`TAKE_SORT`."""
+    return {"ns": namespace, "slot": _slot_range(slot_offset, limit), "$expr": free_expr(tolerance_ms)}
+
+
+def take_update(owner_key: str, ttl_ms: int) -> list[dict[str, Any]]:
+    """The pipeline update of a take: ``writtenAt = $$NOW`` first, then expiry and bounds from it.
+
+    ``fence`` and ``incarnation`` +1, ``ownerKey = lastOwnerKey = owner``, ``expiresAt =
+    writtenAt + ttl``, ``floor = nextFloor`` (``writtenAt`` when none), ``ceiling = expiresAt``,
+    ``nextFloor = max(ceiling, floor)``. Each ``$set`` sees the fields of the one before.
+    """
+    return [
+        {
+            "$set": {
+                "writtenAt": "$$NOW",
+                "ownerKey": {"$literal": owner_key},
+                "lastOwnerKey": {"$literal": owner_key},
+                "fence": {"$add": [{"$ifNull": ["$fence", 0]}, 1]},
+                "incarnation": {"$add": [{"$ifNull": ["$incarnation", 0]}, 1]},
+            }
+        },
+        {
+            "$set": {
+                "expiresAt": {"$add": ["$writtenAt", ttl_ms]},
+                "floor": {"$ifNull": ["$nextFloor", "$writtenAt"]},
+            }
+        },
+        {"$set": {"ceiling": "$expiresAt", "nextFloor": {"$max": ["$expiresAt", "$floor"]}}},
+    ]
+
+
+def _tenure(lease: SlotLease) -> dict[str, Any]:
+    """The lease's tenure: nobody took the slot since (fence) and no newer process of the same
+    owner key did either (incarnation)."""
+    return {
+        "ns": lease.namespace,
+        "slot": lease.slot,
+        "ownerKey": lease.owner_key,
+        "incarnation": lease.incarnation,
+        "fence": lease.fence,
+    }
+
+
+def renew_filter(lease: SlotLease) -> dict[str, Any]:
+    """The lease as held: same owner key, incarnation and fence, not expired by ``$$NOW``."""
+    return {**_tenure(lease), "$expr": {"$gt": ["$expiresAt", "$$NOW"]}}
+
+
+def renew_update(ttl_ms: int) -> list[dict[str, Any]]:
+    """``writtenAt = $$NOW``, ``expiresAt = writtenAt + ttl``, ``ceiling = expiresAt``,
+    ``nextFloor = max(ceiling, floor, nextFloor)`` (never lower, should the store clock step
+    back across a failover)."""
+    return [
+        {"$set": {"writtenAt": "$$NOW"}},
+        {"$set": {"expiresAt": {"$add": ["$writtenAt", ttl_ms]}}},
+        {"$set": {"ceiling": "$expiresAt", "nextFloor": {"$max": ["$expiresAt", "$floor", "$nextFloor"]}}},
+    ]
+
+
+def release_filter(lease: SlotLease) -> dict[str, Any]:
+    """The lease's tenure (as :func:`renew_filter`, without the expiry: a holder whose lease
+    expired with nobody taking the slot over may still hand it back and record its floor)."""
+    return _tenure(lease)
+
+
+def release_update(last_issued: int) -> list[dict[str, Any]]:
+    """Clears ``ownerKey`` (``lastOwnerKey`` stays: the slot is sticky to it), ends the lease
+    now (``expiresAt = min(expiresAt, $$NOW)``, ``writtenAt = $$NOW``) and sets ``nextFloor =
+    max(last_issued + 1, floor)`` (``$toDate`` takes a long, never an int). One ``$set``: every
+    expression reads the document as it was."""
+    return [
+        {
+            "$set": {
+                "ownerKey": None,
+                "writtenAt": "$$NOW",
+                "expiresAt": {"$min": ["$expiresAt", "$$NOW"]},
+                "nextFloor": {"$max": [{"$toDate": Int64(last_issued + 1)}, "$floor"]},
+            }
+        }
+    ]
+
+
+def slots_pipeline(namespace: str) -> list[dict[str, Any]]:
+    """Every slot document of the namespace, in slot order, with the store's now."""
+    return [
+        {"$match": {"ns": namespace}},
+        {"$sort": {"slot": 1}},
+        {"$set": {"storeNow": "$$NOW"}},
+        {"$project": {"_id": 0}},
+    ]
+
+
+# --------------------------------------------------------------------------- documents -> model
+
+
+def _ms(value: Any, field: str) -> int:
+    if isinstance(value, DatetimeMS):
+        return int(value)
+    if isinstance(value, datetime):
+        aware = value if value.tzinfo else value.replace(tzinfo=UTC)
+        return (aware - _EPOCH) // timedelta(milliseconds=1)
+    raise StorageError(f"mongodb {SLOT_COLLECTION}: {field} is not a date: {value!r}")
+
+
+def _ms_or_zero(value: Any, field: str) -> int:
+    return 0 if value is None else _ms(value, field)
+
+
+def _int(doc: Mapping[str, Any], field: str) -> int:
+    value = doc.get(field, 0)
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise StorageError(f"mongodb {SLOT_COLLECTION}: {field} is not an integer: {value!r}")
+    return value
+
+
+def _lease(doc: Mapping[str, Any]) -> SlotLease:
+    owner = doc.get("ownerKey")
+    if not isinstance(owner, str):
+        raise StorageError(f"mongodb {SLOT_COLLECTION}: a held slot without ownerKey: {doc!r}")
+    return SlotLease(
+        namespace=str(doc.get("ns")),
+        slot=_int(doc, "slot"),
+        owner_key=owner,
+        incarnation=_int(doc, "incarnation"),
+        fence=_int(doc, "fence"),
+        expires_at=_ms(doc.get("expiresAt"), "expiresAt"),
+        floor=_ms(doc.get("floor"), "floor"),
+        ceiling=_ms(doc.get("ceiling"), "ceiling"),
+        written_at=_ms(doc.get("writtenAt"), "writtenAt"),
+    )
+
+
+def _state(doc: Mapping[str, Any]) -> SlotState:
+    owner = doc.get("ownerKey")
+    last = doc.get("lastOwnerKey")
+    return SlotState(
+        namespace=str(doc.get("ns")),
+        slot=_int(doc, "slot"),
+        owner_key=owner if isinstance(owner, str) else None,
+        last_owner_key=last if isinstance(last, str) else None,
+        incarnation=_int(doc, "incarnation"),
+        fence=_int(doc, "fence"),
+        expires_at=_ms_or_zero(doc.get("expiresAt"), "expiresAt"),
+        next_floor=_ms_or_zero(doc.get("nextFloor"), "nextFloor"),
+        store_now=_ms(doc.get("storeNow"), "storeNow"),
+    )
+
+
+def _whole_ms(value: timedelta) -> int:
+    return value // timedelta(milliseconds=1)
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class MongoSlotLeaseStore:
+    """:class:`~wowd.stores.base.SlotLeaseStore` on ``cosid_slot`` / ``cosid_namespace``.
+
+    ``database``: a database whose client the caller owns (``close`` leaves it open).
+    ``timeout``: the deadline of each store call (PyMongo's ``timeoutMS``, sent as
+    ``maxTimeMS``); ``None`` or zero means the client's own setting. ``write_concern``: the
+    concern of every write (acknowledged; ``majority`` keeps leases across a failover); ``None``
+    means the database's. Reads and writes always go to the primary.
+
+    The unique index on ``(ns, slot)`` is created by :meth:`prepare`, which the first
+    :meth:`acquire` calls when nobody did before (the constructor does no I/O).
+    """
+
+    def __init__(
+        self,
+        database: AsyncDatabase[Any],
+        timeout: timedelta | None = None,
+        write_concern: WriteConcern | None = None,
+    ) -> None:
+        if timeout is not None and timeout < timedelta(0):
+            raise ConfigError(f"lease store timeout: must be >= 0, got {timeout}")
+        if write_concern is not None and not write_concern.acknowledged:
+            raise ConfigError("lease store write concern: must be acknowledged (w >= 1 or 'majority')")
+        self._database = database
+        self._timeout_s = timeout.total_seconds() if timeout else None
+        options: dict[str, Any] = {"codec_options": _CODEC, "read_preference": ReadPreference.PRIMARY}
+        if write_concern is not None:
+            options["write_concern"] = write_concern
+        self._slots: AsyncCollection[dict[str, Any]] = database.get_collection(SLOT_COLLECTION, **options)
+        self._namespaces: AsyncCollection[dict[str, Any]] = database.get_collection(
+            NAMESPACE_COLLECTION, **options
+        )
+        self._prepared = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _call(self, operation: str) -> Iterator[None]:
+        """One store call: its deadline, error translation and metrics."""
+        started = time.perf_counter()
+        deadline = pymongo.timeout(self._timeout_s) if self._timeout_s else nullcontext()
+        try:
+            with translate_errors(f"{SLOT_COLLECTION} {operation}"), deadline:
+                yield
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels(STORE_LABEL, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(STORE_LABEL, operation).observe(time.perf_counter() - started)
+
+    async def _prepare(self) -> None:
+        if not self._prepared:
+            await self._slots.create_indexes(slot_indexes())
+            self._prepared = True
+
+    async def prepare(self) -> None:
+        """Creates the unique index on ``(ns, slot)`` (idempotent)."""
+        with self._call("prepare"):
+            await self._prepare()
+
+    # ------------------------------------------------------------------ acquire
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        if limit < 1:
+            raise ConfigError(f"lease limit: must be >= 1, got {limit}")
+        if slot_offset < 0:
+            raise ConfigError(f"lease slot offset: must be >= 0, got {slot_offset}")
+        ttl_ms = _whole_ms(ttl)
+        tolerance_ms = _whole_ms(tolerance)
+        if ttl_ms < 1:
+            raise ConfigError(f"lease ttl: must be at least 1 ms, got {ttl}")
+        if tolerance_ms < 0:
+            raise ConfigError(f"lease tolerance: must be >= 0, got {tolerance}")
+        with self._call("acquire"):
+            await self._prepare()
+            refused = await self._check_namespace(namespace, limit, tolerance_ms, slot_offset)
+            if refused is not None:
+                log.warning("lease namespace %s refused: %s", namespace, refused)
+                return AcquireResult(status="refused", reason=refused)
+            return await self._acquire(
+                namespace, owner.key, limit, ttl_ms, tolerance_ms, slot_offset, preferred_slot
+            )
+
+    async def _check_namespace(
+        self, namespace: str, limit: int, tolerance_ms: int, slot_offset: int
+    ) -> str | None:
+        doc = await self._namespaces.find_one(namespace_filter(namespace))
+        if doc is None:
+            try:
+                await self._namespaces.insert_one(namespace_doc(namespace, limit, tolerance_ms, slot_offset))
+                return None
+            except OperationFailure as exc:
+                if not is_duplicate_key(exc):
+                    raise
+            doc = await self._namespaces.find_one(namespace_filter(namespace))  # lost the race
+            if doc is None:
+                raise StorageError(f"mongodb {NAMESPACE_COLLECTION}: {namespace!r} vanished after E11000")
+        return namespace_mismatch(doc, limit, slot_offset)
+
+    async def _acquire(
+        self,
+        namespace: str,
+        owner_key: str,
+        limit: int,
+        ttl_ms: int,
+        tolerance_ms: int,
+        slot_offset: int,
+        preferred_slot: int | None,
+    ) -> AcquireResult:
+        read = await self._read_owner(namespace, owner_key, slot_offset, limit)
+        mine: list[dict[str, Any]] = list(read.get("mine") or [])
+        for doc in mine:
+            if doc.get("live") is True:
+                lease = _lease(doc)
+                log.debug("lease %s/%d: %s holds it already", namespace, lease.slot, owner_key)
+                return AcquireResult(status="acquired", lease=lease)
+
+        present = set(read.get("present") or [])
+        missing = [s for s in range(slot_offset, slot_offset + limit) if s not in present]
+        if missing:
+            await self._create_slots(namespace, missing)
+
+        take = take_update(owner_key, ttl_ms)
+        tried: set[int] = set()
+        for doc in mine:
+            slot, fence = _int(doc, "slot"), _int(doc, "fence")
+            tried.add(slot)
+            taken = await self._take(sticky_filter(namespace, slot, fence, owner_key, tolerance_ms), take)
+            if taken is not None:
+                return self._acquired(taken, "sticky")
+        if preferred_slot is not None and preferred_slot not in tried:
+            if slot_offset <= preferred_slot < slot_offset + limit:
+                taken = await self._take(preferred_filter(namespace, preferred_slot, tolerance_ms), take)
+                if taken is not None:
+                    return self._acquired(taken, "preferred")
+            else:
+                log.warning(
+                    "lease namespace %s: preferred slot %d is outside [%d, %d), ignored",
+                    namespace,
+                    preferred_slot,
+                    slot_offset,
+                    slot_offset + limit,
+                )
+        taken = await self._take(
+            free_filter(namespace, slot_offset, limit, tolerance_ms), take, sort=TAKE_SORT
+        )
+        if taken is not None:
+            return self._acquired(taken, "free")
+        return AcquireResult(
+            status="exhausted", reason=f"all {limit} slots of namespace {namespace!r} are held"
+        )
+
+    @staticmethod
+    def _acquired(doc: Mapping[str, Any], step: str) -> AcquireResult:
+        lease = _lease(doc)
+        log.info(
+            "lease %s/%d taken (%s) by %s: fence %d, incarnation %d",
+            lease.namespace,
+            lease.slot,
+            step,
+            lease.owner_key,
+            lease.fence,
+            lease.incarnation,
+        )
+        return AcquireResult(status="acquired", lease=lease)
+
+    async def _read_owner(
+        self, namespace: str, owner_key: str, slot_offset: int, limit: int
+    ) -> dict[str, Any]:
+        cursor = await self._slots.aggregate(owner_pipeline(namespace, owner_key, slot_offset, limit))
+        docs = await cursor.to_list()
+        if len(docs) > 1:
+            raise StorageError(f"mongodb {SLOT_COLLECTION}: the owner read answered {len(docs)} documents")
+        return docs[0] if docs else {}  # $facet answers one document, also over no input
+
+    async def _create_slots(self, namespace: str, slots: Sequence[int]) -> None:
+        """Inserts the missing slot documents, unordered; a duplicate key is another process
+        creating the same slot at the same time (a race, not an error)."""
+        try:
+            await self._slots.insert_many(new_slot_docs(namespace, slots), ordered=False)
+        except BulkWriteError as exc:
+            errors = exc.details.get("writeErrors") or []
+            if exc.details.get("writeConcernErrors") or any(e.get("code") != DUPLICATE_KEY for e in errors):
+                raise
+            log.debug(
+                "lease namespace %s: %d slot documents created by another process", namespace, len(errors)
+            )
+
+    async def _take(
+        self, query: dict[str, Any], update: list[dict[str, Any]], sort: Mapping[str, int] | None = None
+    ) -> dict[str, Any] | None:
+        return await self._slots.find_one_and_update(
+            query,
+            update,
+            projection=LEASE_PROJECTION,
+            sort=list(sort.items()) if sort else None,
+            return_document=ReturnDocument.AFTER,
+        )
+
+    # ------------------------------------------------------------------ renew / release
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        """Extends the lease when it is still held as is (``tolerance`` plays no part: an
+        expired lease is lost to its holder even while others must still wait for it)."""
+        ttl_ms = _whole_ms(ttl)
+        if ttl_ms < 1:
+            raise ConfigError(f"lease ttl: must be at least 1 ms, got {ttl}")
+        with self._call("renew"):
+            doc = await self._slots.find_one_and_update(
+                renew_filter(lease),
+                renew_update(ttl_ms),
+                projection=LEASE_PROJECTION,
+                return_document=ReturnDocument.AFTER,
+            )
+        if doc is None:
+            log.warning(
+                "lease %s/%d lost: renewal of fence %d, incarnation %d matched nothing",
+                lease.namespace,
+                lease.slot,
+                lease.fence,
+                lease.incarnation,
+            )
+            return None
+        return _lease(doc)
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        with self._call("release"):
+            result = await self._slots.update_one(release_filter(lease), release_update(last_issued))
+        if result.matched_count == 0:
+            log.warning(
+                "lease %s/%d: release of fence %d, incarnation %d matched nothing",
+                lease.namespace,
+                lease.slot,
+                lease.fence,
+                lease.incarnation,
+            )
+            return False
+        return True
+
+    # ------------------------------------------------------------------ status
+
+    async def slots(self, namespace: str) -> list[SlotState]:
+        with self._call("slots"):
+            cursor = await self._slots.aggregate(slots_pipeline(namespace))
+            docs = await cursor.to_list()
+        return [_state(doc) for doc in docs]
+
+    async def close(self) -> None:
+        """Nothing to close: the caller owns the client."""
