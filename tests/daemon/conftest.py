@@ -1,0 +1,166 @@
+"""Real ``python -m wowd run`` processes on one SQLite file (tmp_path), HTTP on port 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from wowd.model import AggregateRef, Commit, DomainEvent
+
+CONTEXT = "demo"
+PARTITIONS = 8
+SECRET_TOKEN = "planted-gw-secret-7781"
+SECRET_MONGO_PW = "planted-mongo-pw-9931"
+
+
+def base_env(db: Path, **extra: Any) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k != "NOTIFY_SOCKET"}
+    env.update(
+        {
+            "WOWD_CONTEXT": CONTEXT,
+            "WOWD_PARTITIONS": str(PARTITIONS),
+            "WOWD_EMBEDDED__PATH": str(db),
+            "WOWD_HTTP__HOST": "127.0.0.1",
+            "WOWD_HTTP__PORT": "0",
+            "WOWD_LEASE__LIMIT": "2",
+            "WOWD_LEASE__TTL_S": "2",
+            "WOWD_LEASE__TOLERANCE_S": "0.5",
+            "WOWD_SHUTDOWN__GRACE_S": "5",
+            "WOWD_LOG_FORMAT": "json",
+            "WOWD_GATEWAY__TOKEN": SECRET_TOKEN,
+            "WOWD_MONGODB__URI": f"mongodb://wowd:{SECRET_MONGO_PW}@127.0.0.1:1/?authSource=admin",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Replica:
+    def __init__(self, tmp_path: Path, name: str, env: dict[str, str]) -> None:
+        self.name = name
+        self.port_file = tmp_path / f"{name}.port"
+        self.log_path = tmp_path / f"{name}.log"
+        self.port_file.unlink(missing_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "wowd", "run", "--port-file", str(self.port_file)],
+            env={**env, "WOWD_LEASE__OWNER_KEY": name},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+        self.port: int | None = None
+
+    async def wait_port(self, within: float = 15) -> int:
+        with anyio.fail_after(within):
+            while True:
+                if self.port_file.exists() and self.port_file.read_text().strip():
+                    self.port = int(self.port_file.read_text())
+                    return self.port
+                assert self.proc.poll() is None, f"{self.name} exited: {self.log()}"
+                await anyio.sleep(0.05)
+
+    async def get(self, path: str) -> httpx.Response:
+        port = self.port or await self.wait_port()
+        async with httpx.AsyncClient(timeout=5) as client:
+            return await client.get(f"http://127.0.0.1:{port}{path}")
+
+    async def wait_ready(self, within: float = 15) -> None:
+        await self.wait_port()
+        await eventually(lambda: self._status("/readyz", 200), within, f"{self.name} not ready")
+
+    async def _status(self, path: str, code: int) -> bool:
+        return (await self.get(path)).status_code == code
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    async def wait_exit(self, within: float) -> int:
+        with anyio.fail_after(within):
+            while True:
+                rc = self.proc.poll()
+                if rc is not None:
+                    return rc
+                await anyio.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within: float, what: str = "condition") -> None:
+    """Polls ``check`` until it holds, inside ``fail_after`` (never a bare sleep as a sync)."""
+    try:
+        with anyio.fail_after(within):
+            while True:
+                if await check():
+                    return
+                await anyio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within}s waiting for: {what}") from None
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
+    started: list[Replica] = []
+
+    def _spawn(name: str, env: dict[str, str]) -> Replica:
+        r = Replica(tmp_path, name, env)
+        started.append(r)
+        return r
+
+    yield _spawn
+    for r in started:
+        r.close()
+
+
+def timer_commit(agg_id: str, version: int, keys: list[str], due_at: int | None = None) -> Commit:
+    due = int(time.time() * 1000) if due_at is None else due_at
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+    events = [DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version})]
+    for key in keys:
+        events.append(
+            DomainEvent(
+                id=uuid.uuid4().hex,
+                name="TimerScheduled",
+                body={
+                    "key": key,
+                    "due_at": due,
+                    "rule": {"type": "once"},
+                    "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
+                    "command": {"name": "expire-order", "body": {"key": key}},
+                },
+            )
+        )
+    return Commit(
+        ref=ref,
+        version=version,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=due,
+        events=tuple(events),
+    )
+
+
+async def run_wowd(*args: str, env: dict[str, str], cwd: Path | None = None) -> tuple[int, str, str]:
+    """``python -m wowd ARGS``; answers (exit code, stdout, stderr)."""
+    with anyio.fail_after(60):
+        out = await anyio.run_process([sys.executable, "-m", "wowd", *args], env=env, cwd=cwd, check=False)
+    return out.returncode, out.stdout.decode(), out.stderr.decode()

@@ -1,0 +1,79 @@
+"""The health/metrics listener and sd_notify, in-process."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import wowd.metrics  # noqa: F401  (registers every metric)
+from wowd.daemon.http import HttpServer
+from wowd.daemon.systemd import SystemdNotifier
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_endpoints_on_port_zero(tmp_path: Path) -> None:
+    ready = False
+    server = HttpServer("127.0.0.1", 0, lambda: ready, port_file=tmp_path / "port")
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        assert port > 0 and (tmp_path / "port").read_text().strip() == str(port)
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/readyz")).status_code == 503
+            ready = True
+            assert (await client.get("/readyz")).status_code == 200
+            r = await client.get("/metrics")
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+            names = {f.name for f in text_string_to_metric_families(r.text)}
+            assert {"wowd_timers_fired", "wowd_feed_commits", "wowd_fire_lag_seconds"} <= names
+            assert (await client.get("/nope")).status_code == 404
+            assert (await client.post("/metrics")).status_code == 405
+            # garbage on the wire: answered 400 (or dropped), the listener keeps serving
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+            async with stream:
+                await stream.send(b"\x00\x01 not http\r\n\r\n")
+                try:
+                    answer = await stream.receive()
+                except anyio.EndOfStream:
+                    answer = b""
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 400")
+            assert (await client.get("/healthz")).status_code == 200
+        tg.cancel_scope.cancel()
+
+
+async def test_sd_notify_datagrams(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.settimeout(2)
+        n = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())})
+        assert n.enabled and n.watchdog_interval == 2.0
+        assert n.ready("holding slot 0")
+        assert sock.recv(4096) == b"READY=1\nSTATUS=holding slot 0"
+        assert n.watchdog()
+        assert sock.recv(4096) == b"WATCHDOG=1"
+        assert n.stopping()
+        assert sock.recv(4096).startswith(b"STOPPING=1")
+
+
+async def test_sd_notify_abstract_namespace() -> None:
+    name = f"wowd-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.settimeout(2)
+        assert SystemdNotifier({"NOTIFY_SOCKET": "@" + name}).status("standby")
+        assert sock.recv(4096) == b"STATUS=standby"
+
+
+def test_sd_notify_absent_or_other_pid_is_a_noop() -> None:
+    n = SystemdNotifier({"WATCHDOG_USEC": "1000000", "WATCHDOG_PID": "1"})
+    assert not n.enabled and n.watchdog_interval is None and not n.ready("x")
+    assert not SystemdNotifier({"NOTIFY_SOCKET": "/nonexistent/socket"}).watchdog()

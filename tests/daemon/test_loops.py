@@ -1,0 +1,266 @@
+"""The feed and the timer loop of one held slot, in-process on the embedded backend."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+
+from wowd import metrics
+from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
+from wowd.demo import reducer
+from wowd.errors import LeaseLost
+from wowd.model import (
+    AggregateRef,
+    Command,
+    IntervalRule,
+    OnceRule,
+    Owner,
+    Timer,
+    TimerChange,
+    TimerStatus,
+    deterministic_timer_id,
+    partition,
+)
+from wowd.stores.backend import Backend
+
+from .conftest import CONTEXT, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings(tmp_path))
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+def settings(tmp_path: Path) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1),
+        reducers={"order": "wowd.demo:reducer"},
+    )
+
+
+async def hold(b: Backend, valid_for: float = 60.0) -> HeldSlot:
+    res = await b.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease,
+        partitions=frozenset(range(PARTS)),
+        valid_until=anyio.current_time() + valid_for,
+        owner_key="me",
+    )
+
+
+def ref(agg_id: str) -> AggregateRef:
+    return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+
+
+async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(
+    tmp_path: Path, backend: Backend
+) -> None:
+    far = int(time.time() * 1000) + 3_600_000
+    c1 = timer_commit("o-1", 1, ["k1", "k2"], due_at=far)
+    c2 = timer_commit("o-1", 2, [], due_at=far)
+    c2 = replace(c2, events=(*c2.events, replace(c1.events[1], name="TimerCancelled", body={"key": "k1"})))
+    d1 = timer_commit("o-2", 1, ["k"], due_at=far)
+    d2 = replace(timer_commit("o-2", 2, [], due_at=far), deleted=True)
+    # a timer of o-3 parked because its target o-4 did not exist; o-4's first commit resumes it
+    parked = Timer(
+        timer_id="p1", partition=partition("o-3", PARTS), owner=ref("o-3"), key="wait", version=1,
+        due_at=far, scheduled_at=far, target=ref("o-4"), body=Command(name="go").to_json(),
+    )
+    assert await backend.timers.put(parked)
+    await backend.timers.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
+    e1 = timer_commit("o-4", 1, [])
+    await backend.log.append_many([c1, c2, d1, d2, e1])
+    fed_before = metrics.FEED_COMMITS.labels(aggregate="order")._value.get()
+
+    held = await hold(backend)
+    feeder = Feeder(settings(tmp_path), backend, reducers={"order": reducer})
+
+    async def fed() -> None:
+        while True:
+            cps = await backend.log.checkpoints("wowd", list(range(PARTS)))
+            if len(cps) == len({partition(i, PARTS) for i in ("o-1", "o-2", "o-4")}):
+                return
+            await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(feeder.run, held, Waker())
+        with anyio.fail_after(10):
+            await fed()
+        held.request_stop()
+
+    t = backend.timers
+    assert await t.find(ref("o-1"), "k1") is None  # cancelled at v2
+    k2 = await t.find(ref("o-1"), "k2")
+    assert k2 is not None and k2.timer_id == deterministic_timer_id(ref("o-1"), "k2", 1)
+    assert k2.partition == partition("o-1", PARTS) and k2.due_at == far and k2.status == TimerStatus.PENDING
+    assert await t.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
+    resumed = await t.find(ref("o-3"), "wait")
+    assert resumed is not None and resumed.status == TimerStatus.PENDING
+    snap = await backend.snapshots.load(ref("o-1"))
+    assert snap is not None and snap.version == 2 and snap.state_revision == reducer.state_revision
+    assert snap.state["timers"] == 2 and snap.state["cancelled"] == 1 and snap.state["events"] == 5
+    assert [d["version"] for d in await backend.sink(ref("o-1").type).documents(ref("o-1"))] == [1, 2]
+    assert metrics.FEED_COMMITS.labels(aggregate="order")._value.get() == fed_before + 5
+
+
+async def test_feed_stops_on_a_refused_checkpoint(tmp_path: Path, backend: Backend) -> None:
+    p = partition("o-9", PARTS)
+    assert await backend.log.save_checkpoint("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
+    await backend.log.append(timer_commit("o-9", 1, ["k"]))
+    held = await hold(backend)
+    with anyio.fail_after(10), pytest.raises(LeaseLost):
+        await Feeder(settings(tmp_path), backend).run(held, Waker())
+
+
+async def test_expired_lease_takes_no_side_effect(tmp_path: Path, backend: Backend) -> None:
+    """A process that wakes (e.g. from SIGSTOP) after its validity acts on nothing."""
+    await backend.log.append(timer_commit("o-5", 1, ["k"]))
+    held = await hold(backend, valid_for=-1.0)
+    with anyio.fail_after(10), pytest.raises(LeaseLost):
+        await Feeder(settings(tmp_path), backend).run(held, Waker())
+    assert await backend.timers.find(ref("o-5"), "k") is None
+    assert await backend.log.checkpoints("wowd", list(range(PARTS))) == {}
+
+
+class ScriptedGateway:
+    """Answers by the target id's prefix; ``gate`` holds deliveries until set."""
+
+    def __init__(self) -> None:
+        self.sent: list[Timer] = []
+        self.gate: anyio.Event | None = None
+        self.entered = anyio.Event()
+
+    async def send(self, timer: Timer) -> Outcome:
+        self.sent.append(timer)
+        kind = timer.target.id.split("-")[0]
+        answers: dict[str, Outcome] = {
+            "ok": Delivered(), "retry": Retry(reason="HTTP 503"), "park": Park(reason="HTTP 404"),
+            "fail": Fail(reason="HTTP 400"),
+        }
+        return answers[kind]
+
+    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        for t in timers:
+            record(t, await self.send(t))
+
+    async def aclose(self) -> None:
+        return None
+
+
+def due_timer(target: str, *, rule: IntervalRule | None = None, attempts: int = 0) -> Timer:
+    now = int(time.time() * 1000) - 50
+    owner = ref(f"owner-{target}")
+    return Timer(
+        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(owner.id, PARTS), owner=owner,
+        key="k", version=1, due_at=now, scheduled_at=now, target=ref(target),
+        body=Command(name="go").to_json(), rule=rule if rule is not None else OnceRule(), attempts=attempts,
+    )
+
+
+async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
+    t = backend.timers
+    timers = [
+        due_timer("ok-1"),
+        due_timer("ok-2", rule=IntervalRule(every_ms=60_000)),
+        due_timer("retry-1"),
+        due_timer("retry-2", attempts=9),
+        due_timer("park-1"),
+        due_timer("fail-1"),
+    ]
+    for x in timers:
+        assert await t.put(x)
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    fired_before = metrics.TIMERS_FIRED.labels(aggregate="order")._value.get()
+    loop = TimerLoop(TimerSettings(max_attempts=10), t, gw)
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run, held, Waker())
+        with anyio.fail_after(10):
+            while len(gw.sent) < len(timers) or await t.scan(status=TimerStatus.FIRING, limit=1):
+                await gw.entered.wait()
+                await anyio.sleep(0.02)
+        held.request_stop()
+    assert len(gw.sent) == len(timers)  # each delivered once
+    assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
+
+    async def get(target: str) -> Timer | None:
+        return await t.find(ref(f"owner-{target}"), "k")
+
+    assert await get("ok-1") is None  # once: deleted
+    nxt = await get("ok-2")
+    assert nxt is not None and nxt.status == TimerStatus.PENDING and nxt.fired == 1
+    assert nxt.scheduled_at == timers[1].scheduled_at + 60_000
+    r1 = await get("retry-1")
+    assert r1 is not None and r1.status == TimerStatus.PENDING and r1.attempts == 1
+    assert r1.due_at >= timers[2].due_at + 500 and r1.last_error == "HTTP 503"
+    r2 = await get("retry-2")
+    assert r2 is not None and r2.status == TimerStatus.FAILED  # retry budget spent
+    p = await get("park-1")
+    assert p is not None and p.status == TimerStatus.PARKED
+    f = await get("fail-1")
+    assert f is not None and f.status == TimerStatus.FAILED and f.last_error == "HTTP 400"
+    assert metrics.TIMERS_FIRED.labels(aggregate="order")._value.get() == fired_before + 2
+
+
+async def test_stop_drains_the_round_in_flight_then_settles(backend: Backend) -> None:
+    t = backend.timers
+    for i in range(5):
+        assert await t.put(due_timer(f"ok-{i}"))
+    gw = ScriptedGateway()
+    gw.gate = anyio.Event()
+    held = await hold(backend)
+    loop = TimerLoop(TimerSettings(), t, gw)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, Waker())
+            await gw.entered.wait()  # claimed, delivering
+            firing = await t.scan(status=TimerStatus.FIRING, limit=10)
+            assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
+            held.request_stop()  # stop claiming; the round in flight finishes
+            gw.gate.set()
+    assert len(gw.sent) == 5
+    assert await t.scan(limit=10) == []  # all settled (fired, deleted)
+
+
+def test_next_occurrence_coalesces_missed_intervals() -> None:
+    t = due_timer("ok-x", rule=IntervalRule(every_ms=1000))
+    assert next_occurrence(t, t.scheduled_at) == t.scheduled_at + 1000
+    assert next_occurrence(t, t.scheduled_at + 5500) == t.scheduled_at + 6000
+    bounded = replace(t, rule=IntervalRule(every_ms=1000, until=t.scheduled_at + 2000))
+    assert next_occurrence(bounded, t.scheduled_at + 5500) is None
+    assert next_occurrence(due_timer("ok-y"), 0) is None
+
+
+def test_retry_backoff_is_exponential_with_jitter() -> None:
+    s = TimerSettings(backoff_base_s=1.0, backoff_max_s=30.0, max_attempts=10)
+    for attempts, lo, hi in ((0, 500, 1000), (3, 4000, 8000), (8, 15_000, 30_000)):
+        t = replace(due_timer("retry-z"), attempts=attempts)
+        (c,) = outcome_changes([(t, Retry(reason="x"), 1_000)], 1, s)
+        assert c.kind == "retry" and c.due_at is not None and lo <= c.due_at - 1_000 <= hi

@@ -1,0 +1,405 @@
+"""The log feed of one held slot (DESIGN.md section 1.3).
+
+Per batch read from the log after the slot's checkpoints: quarantine malformed entries, write the
+commits to each aggregate type's event sink, project timer events into the timer store, fold
+snapshots where a reducer is configured, resume the parked timers of the aggregates that just
+committed, then save each partition's checkpoint under the slot's fence. Every step is
+idempotent, so a transient failure (:class:`StorageUnavailable`) retries the whole batch after a
+backoff and a batch is never half-checkpointed. A refused checkpoint means another holder has the
+slot: the slot's work stops (:class:`LeaseLost`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import re
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+
+from wowd import metrics
+from wowd.config import WowdSettings
+from wowd.errors import ConfigError, InvalidInput, LeaseLost, SinkWriteError, StorageError, StorageUnavailable
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Commit,
+    DomainEvent,
+    LogBatch,
+    LogEntry,
+    Position,
+    SnapshotRecord,
+    Timer,
+    TimerCancelled,
+    TimerChange,
+    TimerScheduled,
+    TimerStatus,
+    commit_to_doc,
+    deterministic_timer_id,
+    partition,
+    timer_event_from,
+)
+from wowd.stores.backend import Backend
+
+from .leases import HeldSlot
+
+__all__ = ["CONSUMER", "Feeder", "Reducer", "Waker", "field_of", "load_reducer", "timer_from_event"]
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "wowd"
+"""The checkpoint consumer name of the daemon's feed."""
+
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+def field_of(error: str | None) -> str:
+    """The field an :class:`InvalidInput` message names (``"field: reason"``), else ``unknown``."""
+    m = _FIELD.match(error or "")
+    return m.group(1) if m else "unknown"
+
+
+class Reducer(Protocol):
+    state_revision: int
+
+    def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]: ...
+
+
+def load_reducer(path: str) -> Reducer:
+    """Imports ``module:attribute``; a missing or incomplete reducer is a :class:`ConfigError`."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"reducer {path!r}: expected 'module:attribute'")
+    try:
+        obj: Any = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"reducer {path!r}: {exc}") from exc
+    if not isinstance(getattr(obj, "state_revision", None), int) or not callable(getattr(obj, "fold", None)):
+        raise ConfigError(f"reducer {path!r}: needs state_revision: int and fold(state, event)")
+    return obj  # type: ignore[no-any-return]
+
+
+class Waker:
+    """Wakes the timer loop early when the feed puts a timer due before its next wake-up, and
+    remembers the earliest due time it was told of (so the loop sleeps until then, not longer)."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+        self.next_wake_ms: float = float("inf")
+        self.earliest_ms: float = float("inf")
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def maybe_wake(self, due_at: int) -> None:
+        if due_at < self.earliest_ms:
+            self.earliest_ms = due_at
+        if due_at < self.next_wake_ms:
+            self._event.set()
+
+    def covered(self, until_ms: int, before: float) -> None:
+        """A due read up to ``until_ms`` saw every timer known (when it started, ``before`` was
+        :attr:`earliest_ms`) to be due by then; one put meanwhile keeps the mark."""
+        if self.earliest_ms == before and before <= until_ms:
+            self.earliest_ms = float("inf")
+
+    async def wait(self, timeout_s: float, next_wake_ms: float) -> None:
+        self.next_wake_ms = next_wake_ms
+        with anyio.move_on_after(max(0.0, timeout_s)):
+            await self._event.wait()
+        self.next_wake_ms = float("inf")
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+
+def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
+    owner = commit.ref
+    return Timer(
+        timer_id=deterministic_timer_id(owner, ev.key, commit.version),
+        partition=partition(owner.id, partitions),
+        owner=owner,
+        key=ev.key,
+        version=commit.version,
+        due_at=ev.due_at,
+        scheduled_at=ev.due_at,
+        target=ev.target,
+        body=ev.command.to_json(),
+        rule=ev.rule,
+    )
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """A batch read into what each step needs (pure: computed once, reused across retries)."""
+
+    malformed: list[LogEntry]
+    rejected: list[tuple[Commit, int, InvalidInput]]
+    by_type: dict[AggregateType, list[Commit]]
+    timer_ops: list[tuple[Commit, TimerScheduled | TimerCancelled | None]]
+
+
+def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int) -> _Prepared:
+    malformed: list[LogEntry] = []
+    rejected: list[tuple[Commit, int, InvalidInput]] = []
+    by_type: dict[AggregateType, list[Commit]] = {}
+    ops: list[tuple[Commit, TimerScheduled | TimerCancelled | None]] = []
+    for e in entries:
+        c = e.commit
+        if c is None:
+            malformed.append(e)
+            continue
+        by_type.setdefault(e.aggregate, []).append(c)
+        for ev in c.events:
+            try:
+                te = timer_event_from(ev, max_body_bytes=max_body_bytes)
+            except InvalidInput as exc:
+                rejected.append((c, e.partition, exc))
+                continue
+            if te is not None:
+                ops.append((c, te))
+        if c.deleted:
+            ops.append((c, None))
+    return _Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_ops=ops)
+
+
+class Feeder:
+    """Feeds the partitions of one held slot until the slot stops (at a batch boundary)."""
+
+    def __init__(
+        self,
+        settings: WowdSettings,
+        backend: Backend,
+        *,
+        reducers: Mapping[str, Reducer] | None = None,
+        batch_size: int = 500,
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._reducers = dict(reducers or {})
+        self._batch_size = batch_size
+        self._prepared_sinks: set[AggregateType] = set()
+        self._processing = False
+        self._stopping = False
+        self._read_scope: anyio.CancelScope | None = None
+        self.fatal: str | None = None
+
+    def _request_stop(self) -> None:
+        self._stopping = True
+        if not self._processing and self._read_scope is not None:
+            self._read_scope.cancel()
+
+    async def run(
+        self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        logx = logging.LoggerAdapter(log, held.log_extra())
+        held.on_stop(self._request_stop)
+        parts = sorted(held.partitions)
+        positions: dict[int, Position | None] = {p: None for p in parts}
+        attempt = 0
+        while True:
+            try:
+                cps = await self._backend.log.checkpoints(CONSUMER, parts)
+                break
+            except StorageUnavailable as exc:
+                logx.warning("reading checkpoints failed (will retry): %s", exc)
+                await self._pause(held, attempt)
+                attempt += 1
+        for p, cp in cps.items():
+            positions[p] = cp.position
+        task_status.started()
+        logx.info("feeding partitions from %d checkpoints", len(cps))
+        while not self._stopping and not held.stopping:
+            try:
+                with anyio.CancelScope() as scope:
+                    self._read_scope = scope
+                    reader = self._backend.log.read(positions, batch_size=self._batch_size, follow=True)
+                    async with aclosing(reader) as batches:  # type: ignore[type-var]
+                        async for batch in batches:
+                            self._processing = True
+                            await self._process(held, batch, waker, logx)
+                            self._processing = False
+                            positions.update(batch.positions)
+                            attempt = 0
+                            if self._stopping:
+                                break
+                self._read_scope = None
+            except StorageUnavailable as exc:
+                self._processing = False
+                metrics.FEED_ERRORS.labels(kind="transient").inc()
+                logx.warning("log read failed (will retry): %s", exc)
+                await self._pause(held, attempt)
+                attempt += 1
+            except (SinkWriteError, StorageError, InvalidInput) as exc:
+                # not transient: this slot's feed stops (its timers still fire) with a metric
+                metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                self.fatal = str(exc)
+                logx.error("feed stopped on a non-transient error: %s", exc)
+                await held.stop_event.wait()
+                return
+        logx.info("feed stopped at a batch boundary")
+
+    async def _pause(self, held: HeldSlot, attempt: int) -> None:
+        delay = min(10.0, 0.1 * 2 ** min(attempt, 10))
+        with anyio.move_on_after(delay):
+            await held.stop_event.wait()
+
+    async def _process(
+        self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
+    ) -> None:
+        prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes)
+        attempt = 0
+        while True:
+            held.check()
+            try:
+                await self._apply(held, batch, prepared, waker, logx)
+                break
+            except StorageUnavailable as exc:
+                metrics.FEED_ERRORS.labels(kind="transient").inc()
+                logx.warning("feed batch failed (retrying the batch): %s", exc)
+                await self._pause(held, attempt)
+                attempt += 1
+        # metrics only once the batch is checkpointed (a retried batch counts once)
+        for e in prepared.malformed:
+            metrics.QUARANTINED.labels(field=field_of(e.error)).inc()
+        for _c, _p, err in prepared.rejected:
+            metrics.TIMER_EVENTS_REJECTED.labels(field=err.field or "unknown").inc()
+            metrics.QUARANTINED.labels(field=err.field or "unknown").inc()
+        last_time = 0
+        for type_, commits in prepared.by_type.items():
+            metrics.FEED_COMMITS.labels(aggregate=type_.aggregate).inc(len(commits))
+            last_time = max(last_time, max(c.create_time for c in commits))
+        if last_time:
+            metrics.FEED_LAG.labels(slot=str(held.slot)).set(max(0.0, time.time() - last_time / 1000))
+
+    async def _apply(
+        self,
+        held: HeldSlot,
+        batch: LogBatch,
+        prepared: _Prepared,
+        waker: Waker,
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        backend = self._backend
+        n = self._settings.partitions
+        # 1. quarantine what cannot be read (the rest is fed)
+        for e in prepared.malformed:
+            held.check()
+            logx.warning("quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error)
+            await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
+        for c, p, exc in prepared.rejected:
+            held.check()
+            logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
+            await backend.log.quarantine(
+                CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
+            )
+        # 2. the event sink, one write per aggregate type
+        for type_, commits in prepared.by_type.items():
+            held.check()
+            sink = backend.sink(type_)
+            if type_ not in self._prepared_sinks:
+                await sink.prepare()
+                self._prepared_sinks.add(type_)
+            await sink.write(commits)
+        # 3. the timer projection
+        timers = backend.timers
+        for c, op in prepared.timer_ops:
+            held.check()
+            if op is None:
+                await timers.cancel_all(c.ref, c.version)
+            elif isinstance(op, TimerCancelled):
+                await timers.cancel(c.ref, op.key, c.version)
+            else:
+                timer = timer_from_event(c, op, n)
+                if await timers.put(timer) and timer.partition in held.partitions:
+                    waker.maybe_wake(timer.due_at)
+        # 4. snapshots where a reducer is configured
+        await self._snapshots(held, prepared, logx)
+        # 5. resume the parked timers of the aggregates that just committed
+        await self._resume_parked(held, prepared)
+        # 6. checkpoints under the slot's fence
+        for p, pos in sorted(batch.positions.items()):
+            held.check()
+            if not await backend.log.save_checkpoint(CONSUMER, p, pos, held.fence):
+                raise LeaseLost(f"checkpoint of partition {p} refused under fence {held.fence}")
+
+    async def _snapshots(
+        self, held: HeldSlot, prepared: _Prepared, logx: logging.LoggerAdapter[logging.Logger]
+    ) -> None:
+        if not self._reducers:
+            return
+        store = self._backend.snapshots
+        latest: dict[AggregateRef, SnapshotRecord | None] = {}
+        changed: dict[AggregateRef, SnapshotRecord] = {}
+        stale: set[AggregateRef] = set()
+        for type_, commits in prepared.by_type.items():
+            reducer = self._reducers.get(type_.aggregate)
+            if reducer is None:
+                continue
+            for c in commits:
+                ref = c.ref
+                if ref in stale:
+                    continue
+                if ref not in latest:
+                    latest[ref] = await store.load(ref)
+                cur = latest[ref]
+                if cur is not None and cur.version >= c.version:
+                    continue  # already folded (a retried or re-read batch)
+                if cur is None and c.version != 1 or cur is not None and (
+                    cur.version != c.version - 1 or cur.state_revision != reducer.state_revision
+                ):
+                    stale.add(ref)  # a gap or another state revision: left to a rebuild
+                    continue
+                state: dict[str, Any] = dict(cur.state) if cur is not None else {}
+                for ev in c.events:
+                    state = reducer.fold(state, ev)
+                access = c.access
+                tags = access.get("tags") or ()
+                snap = SnapshotRecord(
+                    ref=ref,
+                    version=c.version,
+                    state_revision=reducer.state_revision,
+                    state=state,
+                    owner_id=c.owner_id,
+                    space_id=c.space_id,
+                    tags=tuple(str(t) for t in tags) if isinstance(tags, list | tuple) else (),
+                    access_version=c.access_version,
+                    deleted=c.deleted,
+                    event_time=c.create_time,
+                )
+                latest[ref] = snap
+                changed[ref] = snap
+        for ref in stale:
+            if latest.get(ref) is not None:
+                held.check()
+                await store.mark_stale(ref)
+        if changed:
+            held.check()
+            outcomes = await store.save_all(list(changed.values()))
+            for o in outcomes:
+                if o.status == "failed":
+                    logx.warning("snapshot of %s v%d not saved: %s", o.ref, o.version, o.reason)
+
+    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared) -> None:
+        timers = self._backend.timers
+        # cheap guard: one indexed read; the per-aggregate reads only when something is parked
+        if not await timers.scan(status=TimerStatus.PARKED, limit=1):
+            return
+        now = int(time.time() * 1000)
+        changes: list[TimerChange] = []
+        seen: set[AggregateRef] = set()
+        for commits in prepared.by_type.values():
+            for c in commits:
+                if c.ref in seen:
+                    continue
+                seen.add(c.ref)
+                for t in await timers.parked(c.ref):
+                    changes.append(TimerChange.resume(t, due_at=now))
+        if changes:
+            held.check()
+            await timers.settle(changes)

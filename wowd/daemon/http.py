@@ -1,0 +1,133 @@
+"""One HTTP/1.1 listener: ``/metrics``, ``/healthz``, ``/readyz`` (anyio TCP + h11, no framework).
+
+Each connection serves one request and closes. A slow or malformed client is dropped after
+``REQUEST_TIMEOUT_S``; nothing a client sends can stop the listener.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import h11
+from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from wowd.metrics import REGISTRY
+
+__all__ = ["HttpServer"]
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 10.0
+
+
+class HttpServer:
+    """Serves the health and metrics endpoints; ``ready()`` decides ``/readyz``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        ready: Callable[[], bool],
+        *,
+        registry: CollectorRegistry = REGISTRY,
+        port_file: Path | None = None,
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._ready = ready
+        self._registry = registry
+        self._port_file = port_file
+        self.bound_port: int | None = None
+
+    async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Binds, reports the bound port through ``task_status`` (and the port file), serves
+        until cancelled."""
+        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        async with listener:
+            port = int(listener.extra(SocketAttribute.local_port))
+            self.bound_port = port
+            log.info("http listening on %s:%d (/metrics /healthz /readyz)", self._host, port)
+            if self._port_file is not None:
+                tmp = self._port_file.with_name(self._port_file.name + ".tmp")
+                tmp.write_text(f"{port}\n")
+                tmp.replace(self._port_file)
+            task_status.started(port)
+            await listener.serve(self._handle)
+
+    def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return 405, "text/plain; charset=utf-8", b"method not allowed\n"
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
+        if path == "/healthz":
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if path == "/readyz":
+            if self._ready():
+                return 200, "text/plain; charset=utf-8", b"ready\n"
+            return 503, "text/plain; charset=utf-8", b"not ready\n"
+        return 404, "text/plain; charset=utf-8", b"not found\n"
+
+    async def _handle(self, stream: SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            async with stream:
+                request: h11.Request | None = None
+                with anyio.move_on_after(REQUEST_TIMEOUT_S):
+                    request = await self._read_request(conn, stream)
+                if request is None:
+                    return
+                method = request.method.decode("ascii", "replace")
+                path = request.target.decode("ascii", "replace").split("?", 1)[0]
+                status, ctype, body = self._route(method, path)
+                await self._respond(conn, stream, status, ctype, b"" if method == "HEAD" else body, len(body))
+        except h11.RemoteProtocolError:
+            try:
+                await self._respond(conn, stream, 400, "text/plain; charset=utf-8", b"bad request\n", 12)
+            except (h11.LocalProtocolError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+
+    @staticmethod
+    async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Request | None:
+        while True:
+            event: Any = conn.next_event()
+            if event is h11.NEED_DATA:
+                try:
+                    data = await stream.receive(65536)
+                except anyio.EndOfStream:
+                    data = b""
+                conn.receive_data(data)
+                if not data and conn.their_state is h11.MUST_CLOSE:
+                    return None
+                continue
+            if isinstance(event, h11.Request):
+                return event
+            if event is h11.PAUSED or isinstance(event, h11.ConnectionClosed):
+                return None
+
+    @staticmethod
+    async def _respond(
+        conn: h11.Connection, stream: SocketStream, status: int, ctype: str, body: bytes, length: int
+    ) -> None:
+        headers = [
+            ("content-type", ctype),
+            ("content-length", str(length)),
+            ("connection", "close"),
+            ("cache-control", "no-store"),
+        ]
+        data = conn.send(h11.Response(status_code=status, headers=headers))
+        if data:
+            await stream.send(data)
+        if body:
+            chunk = conn.send(h11.Data(data=body))
+            if chunk:
+                await stream.send(chunk)
+        end = conn.send(h11.EndOfMessage())
+        if end:
+            await stream.send(end)

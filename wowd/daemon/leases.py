@@ -1,0 +1,286 @@
+"""Slot leases held by this replica (DESIGN.md section 4): acquire, renew, lose, release.
+
+One :class:`SlotKeeper` per wanted slot (``slots_per_process``). Each keeper:
+
+- acquires a slot; when every slot is held it is a standby and retries with jittered backoff;
+- runs the slot's work (``work(held)``) inside a cancel scope whose deadline is the lease's
+  validity on the monotonic clock, ``sent + ttl - tolerance`` where ``sent`` is when the last
+  successful acquire/renew was *sent*; each successful renew moves the deadline forward, so the
+  work stops at that instant even while a renew is still in flight;
+- renews every ``ttl/3``; a refused renew (``None``) cancels the work at once;
+- after a loss acquires again; on :meth:`stop` the work drains (bounded by the grace period)
+  and the lease is released with ``last_issued`` (shielded, bounded).
+
+Keeper ``i`` uses the owner key ``key`` (``i == 0``) or ``key#i``: an owner key holds one slot
+(acquire is idempotent per key), so a replica holding several slots needs one key per slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import anyio
+from anyio.abc import TaskStatus
+
+from wowd import metrics
+from wowd.config import WowdSettings
+from wowd.errors import ConfigError, LeaseLost, StorageError, StorageUnavailable
+from wowd.model import Owner, SlotLease
+from wowd.stores.base import SlotLeaseStore
+
+__all__ = ["HeldSlot", "SlotKeeper", "owner_key_for"]
+
+log = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 5.0
+
+
+def owner_key_for(base: str, index: int) -> str:
+    return base if index == 0 else f"{base}#{index}"
+
+
+@dataclass(eq=False, kw_only=True)
+class HeldSlot:
+    """A slot this replica holds now, with its partitions and its validity (monotonic clock)."""
+
+    lease: SlotLease
+    partitions: frozenset[int]
+    valid_until: float
+    owner_key: str
+    stop_event: anyio.Event = field(default_factory=anyio.Event)
+    lost: bool = False
+    _listeners: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def slot(self) -> int:
+        return self.lease.slot
+
+    @property
+    def fence(self) -> int:
+        return self.lease.fence
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    @property
+    def valid(self) -> bool:
+        return not self.lost and anyio.current_time() < self.valid_until
+
+    def check(self) -> None:
+        """Raises :class:`LeaseLost` unless the lease is valid now on the monotonic clock: called
+        before every side effect of the slot (deliver, settle, checkpoint)."""
+        if not self.valid:
+            raise LeaseLost(f"slot {self.slot} (fence {self.fence}): lease no longer valid")
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def request_stop(self) -> None:
+        if not self.stop_event.is_set():
+            self.stop_event.set()
+            for cb in self._listeners:
+                cb()
+
+    def log_extra(self) -> dict[str, object]:
+        return {"slot": self.slot, "partitions": ",".join(map(str, sorted(self.partitions)))}
+
+
+Work = Callable[[HeldSlot], Awaitable[None]]
+
+
+def _backoff(attempt: int, base: float, cap: float) -> float:
+    return float(min(cap, base * (2 ** min(attempt, 20))) * random.uniform(0.5, 1.0))
+
+
+class SlotKeeper:
+    """Holds one slot at a time for this replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        index: int,
+        settings: WowdSettings,
+        store: SlotLeaseStore,
+        work: Work,
+        *,
+        owner_key: str,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.index = index
+        self._settings = settings
+        self._store = store
+        self._work = work
+        self._owner = Owner(key=owner_key)
+        self._on_change = on_change
+        ls = settings.lease
+        self._ns = settings.lease_namespace
+        self._ttl = timedelta(seconds=ls.ttl_s)
+        self._tolerance = timedelta(seconds=ls.tolerance_s)
+        self._validity_s = ls.ttl_s - ls.tolerance_s
+        self._renew_every = ls.ttl_s / 3
+        self._stop = anyio.Event()
+        self._grace_scope: anyio.CancelScope | None = None
+        self._grace_deadline = math.inf
+        self.held: HeldSlot | None = None
+        self.standby = False
+        self.acquired_once = False
+
+    @property
+    def owner_key(self) -> str:
+        return self._owner.key
+
+    def stop(self, grace_s: float) -> None:
+        """Stops acquiring; the held slot's work is asked to stop and cancelled after ``grace_s``."""
+        self._stop.set()
+        self._grace_deadline = min(self._grace_deadline, anyio.current_time() + grace_s)
+        if self.held is not None:
+            self.held.request_stop()
+        if self._grace_scope is not None:
+            self._grace_scope.deadline = self._grace_deadline
+
+    async def _acquire(self) -> tuple[float, SlotLease | None]:
+        ls = self._settings.lease
+        sent = anyio.current_time()
+        try:
+            res = await self._store.acquire(
+                self._ns, self._owner, ls.limit, self._ttl, self._tolerance, slot_offset=ls.slot_offset
+            )
+        except StorageUnavailable as exc:
+            log.warning("lease acquire failed (will retry): %s", exc)
+            return sent, None
+        if res.status == "refused":
+            raise ConfigError(f"lease namespace {self._ns!r} refused this configuration: {res.reason}")
+        return sent, res.lease if res.acquired else None
+
+    async def run(self, *, task_status: TaskStatus[HeldSlot | None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Acquires and holds slots until stopped. ``started`` after the first acquire attempt
+        with the held slot or ``None`` (standby)."""
+        started = False
+        attempt = 0
+        while not self._stop.is_set():
+            sent, lease = await self._acquire()
+            if lease is None:
+                if not self.standby:
+                    self.standby = True
+                    log.info("no free slot in %s: standing by", self._ns)
+                    self._on_change()
+                if not started:
+                    started = True
+                    task_status.started(None)
+                with anyio.move_on_after(_backoff(attempt, 0.1, max(0.2, self._renew_every))):
+                    await self._stop.wait()
+                attempt += 1
+                continue
+            attempt = 0
+            self.standby = False
+            held = HeldSlot(
+                lease=lease,
+                partitions=frozenset(self._settings.partitions_of_slot(lease.slot)),
+                valid_until=sent + self._validity_s,
+                owner_key=self._owner.key,
+            )
+            if not started:
+                started = True
+                task_status.started(held)
+            await self._hold(held)
+        self.standby = False
+
+    async def _hold(self, held: HeldSlot) -> None:
+        extra = held.log_extra()
+        log.info(
+            "acquired slot %d (fence %d, incarnation %d) of %s",
+            held.slot,
+            held.fence,
+            held.lease.incarnation,
+            self._ns,
+            extra=extra,
+        )
+        self.held = held
+        self.acquired_once = True
+        metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(held.fence)
+        self._on_change()
+        work_scope = anyio.CancelScope(deadline=held.valid_until)
+        grace_scope = anyio.CancelScope(deadline=self._grace_deadline)
+        self._grace_scope = grace_scope
+        if self._stop.is_set():
+            held.request_stop()
+        graceful = False
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._renew_loop, held, work_scope)
+                with work_scope, grace_scope:
+                    try:
+                        await self._work(held)
+                        graceful = not held.lost
+                    except* LeaseLost as eg:
+                        held.lost = True
+                        log.warning("slot %d: %s", held.slot, eg.exceptions[0], extra=extra)
+                tg.cancel_scope.cancel()
+        finally:
+            self.held = None
+            self._grace_scope = None
+            if work_scope.cancelled_caught and not grace_scope.cancelled_caught:
+                held.lost = True
+            metrics.LEASE_FENCE.remove(str(held.slot))
+            if held.lost or not held.valid:
+                metrics.LEASE_LOST.inc()
+                log.warning("lost slot %d (fence %d): its work stopped", held.slot, held.fence, extra=extra)
+            else:
+                await self._release(held, graceful)
+            self._on_change()
+
+    async def _release(self, held: HeldSlot, graceful: bool) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_S):
+            try:
+                ok = await self._store.release(held.lease, last_issued=held.lease.written_at)
+            except StorageError as exc:
+                log.warning("release of slot %d failed: %s", held.slot, exc, extra=held.log_extra())
+                return
+            log.info(
+                "released slot %d (fence %d)%s",
+                held.slot,
+                held.fence,
+                "" if ok else ": it was no longer ours",
+                extra=held.log_extra(),
+            )
+
+    async def _renew_loop(self, held: HeldSlot, work_scope: anyio.CancelScope) -> None:
+        last_sent = held.valid_until - self._validity_s
+        next_at = last_sent + self._renew_every
+        while True:
+            await anyio.sleep_until(next_at)
+            sent = anyio.current_time()
+            try:
+                with metrics.LEASE_RENEW_SECONDS.time():
+                    renewed = await self._store.renew(held.lease, self._ttl, self._tolerance)
+            except StorageError as exc:
+                reason = "unavailable" if isinstance(exc, StorageUnavailable) else "error"
+                metrics.LEASE_RENEW_FAILURES.labels(reason=reason).inc()
+                log.warning("renew of slot %d failed (will retry): %s", held.slot, exc, extra=held.log_extra())
+                next_at = anyio.current_time() + max(0.05, self._renew_every / 4)
+                continue
+            if renewed is None:
+                metrics.LEASE_RENEW_FAILURES.labels(reason="lost").inc()
+                held.lost = True
+                log.warning("renew of slot %d refused: the lease is lost", held.slot, extra=held.log_extra())
+                work_scope.cancel()
+                return
+            valid_until = sent + self._validity_s
+            if anyio.current_time() >= held.valid_until:
+                # the work is already stopped (deadline passed while the renew was in flight)
+                return
+            held.lease = renewed
+            held.valid_until = valid_until
+            work_scope.deadline = valid_until
+            metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
+            next_at = sent + self._renew_every
+
+
+def jitter(seconds: float) -> float:
+    """``seconds`` scaled by a factor in [0.5, 1)."""
+    return seconds * random.uniform(0.5, 1.0) if math.isfinite(seconds) else seconds

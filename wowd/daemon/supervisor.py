@@ -1,0 +1,220 @@
+"""The supervisor: one task group holding the slot keepers (each running a feed and a timer loop
+per held slot), the HTTP listener, the health loop and the systemd watchdog.
+
+It never touches signals: the composition root calls :meth:`Supervisor.stop` (graceful: stop
+claiming, drain deliveries within the grace period, settle, stop the feed at a batch boundary,
+release the leases) or :meth:`Supervisor.cancel` (at once). A side loop that dies takes the whole
+group down and :meth:`run` raises, so the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskStatus
+
+from wowd import metrics
+from wowd.config import WowdSettings
+from wowd.errors import StorageError, StorageUnavailable
+from wowd.stores.backend import Backend
+
+from .feed import Feeder, Reducer, Waker, load_reducer
+from .gateway import CommandGateway
+from .http import HttpServer
+from .leases import HeldSlot, SlotKeeper, owner_key_for
+from .systemd import SystemdNotifier
+from .timers import TimerLoop
+
+__all__ = ["Supervisor"]
+
+log = logging.getLogger(__name__)
+
+HEALTH_EVERY_S = 2.0
+PING_TIMEOUT_S = 5.0
+
+
+class Supervisor:
+    """Runs one replica (DESIGN.md section 1) until stopped. Constructing it has no side effect."""
+
+    def __init__(
+        self,
+        settings: WowdSettings,
+        backend: Backend,
+        gateway: CommandGateway,
+        *,
+        notifier: SystemdNotifier | None = None,
+        port_file: Path | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.gateway = gateway
+        self.notifier = notifier or SystemdNotifier()
+        self._port_file = port_file
+        self._keepers: list[SlotKeeper] = []
+        self._stop = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
+        self._cancelled = False
+        self.stores_ok = False
+        self.http: HttpServer | None = None
+        self._reducers: dict[str, Reducer] = {}
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def held(self) -> list[HeldSlot]:
+        return [k.held for k in self._keepers if k.held is not None]
+
+    def ready(self) -> bool:
+        """Holds a lease and its stores answer (``/readyz``)."""
+        return self.stores_ok and any(h.valid for h in self.held)
+
+    def _status_line(self) -> str:
+        held = self.held
+        if not held:
+            return f"standby: no free slot in {self.settings.lease_namespace}"
+        slots = ", ".join(f"{h.slot} (fence {h.fence})" for h in sorted(held, key=lambda h: h.slot))
+        return f"holding slot(s) {slots} of {self.settings.lease_namespace}"
+
+    def _on_lease_change(self) -> None:
+        held = self.held
+        metrics.LEASES_HELD.set(len(held))
+        metrics.PARTITIONS_OWNED.set(sum(len(h.partitions) for h in held))
+        metrics.READY.set(1 if self.ready() else 0)
+        if not self._stop.is_set():
+            self.notifier.status(self._status_line())
+
+    # ------------------------------------------------------------------ control
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Graceful stop (idempotent)."""
+        if self._stop.is_set():
+            return
+        log.info("stopping: draining within %.1fs", self.settings.shutdown.grace_s)
+        self._stop.set()
+        self.notifier.stopping()
+        for k in self._keepers:
+            k.stop(self.settings.shutdown.grace_s)
+
+    def cancel(self) -> None:
+        """Stops at once (a second signal): leases are still released, shielded and bounded."""
+        self._cancelled = True
+        self.stop()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Runs until stopped; ``started`` with the HTTP port once every keeper made its first
+        acquire attempt."""
+        s = self.settings
+        for agg, path in s.reducers.items():
+            self._reducers[agg] = load_reducer(path)
+        base_key = s.owner_key
+        self._keepers = [
+            SlotKeeper(
+                i,
+                s,
+                self.backend.leases,
+                self._slot_work,
+                owner_key=owner_key_for(base_key, i),
+                on_change=self._on_lease_change,
+            )
+            for i in range(s.lease.slots_per_process)
+        ]
+        self.http = HttpServer(s.http.host, s.http.port, self.ready, port_file=self._port_file)
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            async with anyio.create_task_group() as tg:
+                port = await tg.start(self.http.serve)
+                if not await self._prepare():
+                    tg.cancel_scope.cancel()
+                    return
+                await self._ping()
+                tg.start_soon(self._health_loop)
+                if self.notifier.watchdog_interval:
+                    tg.start_soon(self._watchdog_loop, self.notifier.watchdog_interval)
+                async with anyio.create_task_group() as slots:
+                    for k in self._keepers:
+                        await slots.start(k.run)
+                    if self._stop.is_set():
+                        for k in self._keepers:
+                            k.stop(s.shutdown.grace_s)
+                    self._on_lease_change()
+                    self.notifier.ready(self._status_line())
+                    log.info("replica %s started: %s", base_key, self._status_line())
+                    task_status.started(port)
+                tg.cancel_scope.cancel()
+        self._scope = None
+        metrics.READY.set(0)
+        log.info("replica stopped%s", " (cancelled)" if self._cancelled else "")
+
+    async def _prepare(self) -> bool:
+        """Prepares the stores, retrying while they do not answer (``/healthz`` is served
+        meanwhile, ``/readyz`` says 503). False when stopped first."""
+        b = self.backend
+        attempt = 0
+        while not self._stop.is_set():
+            try:
+                await b.log.prepare()
+                await b.timers.prepare()
+                await b.snapshots.prepare()
+                for agg in self._reducers:
+                    await b.snapshots.create_collection(agg)
+                return True
+            except StorageUnavailable as exc:
+                log.warning("stores not ready (will retry): %s", exc)
+                with anyio.move_on_after(min(10.0, 0.2 * 2 ** min(attempt, 6))):
+                    await self._stop.wait()
+                attempt += 1
+        return False
+
+    async def _slot_work(self, held: HeldSlot) -> None:
+        waker = Waker()
+        feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
+        loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway)
+        self._on_lease_change()
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, waker)
+            await tg.start(loop.run, held, waker)
+
+    async def _ping(self) -> None:
+        ok = False
+        with anyio.move_on_after(PING_TIMEOUT_S):
+            try:
+                await self.backend.log.ping()
+                ok = True
+            except StorageError as exc:
+                log.warning("stores do not answer: %s", exc)
+        if ok != self.stores_ok:
+            self.stores_ok = ok
+        metrics.READY.set(1 if self.ready() else 0)
+
+    async def _health_loop(self) -> None:
+        s = self.settings
+        ns = s.lease_namespace
+        while True:
+            await self._ping()
+            try:
+                with anyio.fail_after(PING_TIMEOUT_S):
+                    states = await self.backend.leases.slots(ns)
+                live = {st.slot for st in states if st.live}
+                unowned = 0
+                for slot in range(s.lease.slot_offset, s.lease.slot_offset + s.lease.limit):
+                    if slot not in live:
+                        unowned += len(s.partitions_of_slot(slot))
+                metrics.PARTITIONS_UNOWNED.set(unowned)
+            except (StorageError, TimeoutError) as exc:
+                log.debug("slot table not read: %s", exc)
+            await anyio.sleep(min(HEALTH_EVERY_S, s.lease.ttl_s / 2))
+
+    async def _watchdog_loop(self, every_s: float) -> None:
+        while True:
+            self.notifier.watchdog()
+            await anyio.sleep(every_s)

@@ -1,0 +1,289 @@
+"""The timer loop of one held slot (DESIGN.md section 5, "Firing").
+
+Per round: ``due(partitions, now + lookahead, batch)`` -> one ``settle`` claiming them all
+(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key) -> delivery through the
+gateway (a batch at a time; a timer slightly ahead is delivered at its scheduled time) -> one
+``settle`` of the outcomes (fired: next occurrence or delete; retry: exponential backoff with
+jitter; park; fail after ``max_attempts``). Between rounds it sleeps until a wake-up from the feed
+or at most ``MAX_IDLE_S`` (for timers other processes put), never a fixed busy poll.
+
+On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
+period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
+shielded, bounded, and only while the lease is valid: otherwise the claims expire by themselves
+and the timers are fired again with the same request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from wowd import metrics
+from wowd.config import TimerSettings
+from wowd.errors import StorageError, StorageUnavailable
+from wowd.model import CronRule, IntervalRule, Timer, TimerChange
+from wowd.stores.base import TimerStore
+
+from .feed import Waker
+from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry
+from .leases import HeldSlot
+
+__all__ = ["MAX_IDLE_S", "TimerLoop", "next_occurrence", "outcome_changes", "retry_delay_s"]
+
+log = logging.getLogger(__name__)
+
+MAX_IDLE_S = 1.0
+SETTLE_TIMEOUT_S = 10.0
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def next_occurrence(timer: Timer, now: int) -> int | None:
+    """The next due time of a recurring timer after a fire; occurrences already in the past are
+    coalesced into the first one after ``now`` (``None``: the rule has no more)."""
+    rule = timer.rule
+    nxt = rule.next_after(timer.scheduled_at)
+    if nxt is None or nxt > now:
+        return nxt
+    if isinstance(rule, IntervalRule):
+        missed = (now - timer.scheduled_at) // rule.every_ms
+        cand = timer.scheduled_at + missed * rule.every_ms
+        while cand <= now:
+            cand += rule.every_ms
+        return cand if rule.until is None or cand <= rule.until else None
+    if isinstance(rule, CronRule):
+        return rule.next_after(now)
+    return None
+
+
+def retry_delay_s(attempts: int, settings: TimerSettings, hint_s: float = 0.0) -> float:
+    """Exponential backoff with jitter: ``base * 2**attempts`` capped, scaled by [0.5, 1]; at least
+    the target's hint."""
+    raw = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** min(attempts, 30))
+    return float(max(hint_s, raw * random.uniform(0.5, 1.0)))
+
+
+def outcome_changes(
+    results: Sequence[tuple[Timer, Outcome, int]], fence: int, settings: TimerSettings
+) -> list[TimerChange]:
+    """The settle changes of a round's outcomes (``(timer as claimed, outcome, fire time ms)``)."""
+    changes: list[TimerChange] = []
+    for t, outcome, at in results:
+        if isinstance(outcome, Delivered):
+            changes.append(TimerChange.fired(t, fence=fence, next_due=next_occurrence(t, at)))
+        elif isinstance(outcome, Retry):
+            if t.attempts + 1 >= settings.max_attempts:
+                changes.append(
+                    TimerChange.fail(t, fence=fence, reason=f"retry budget spent: {outcome.reason}")
+                )
+            else:
+                delay = retry_delay_s(t.attempts, settings, outcome.after_s)
+                changes.append(
+                    TimerChange.retry(t, fence=fence, due_at=at + int(delay * 1000), error=outcome.reason)
+                )
+        elif isinstance(outcome, Park):
+            changes.append(TimerChange.park(t, fence=fence, reason=outcome.reason))
+        elif isinstance(outcome, Fail):
+            changes.append(TimerChange.fail(t, fence=fence, reason=outcome.reason))
+    return changes
+
+
+class TimerLoop:
+    """Fires the due timers of one held slot until the slot stops."""
+
+    def __init__(self, settings: TimerSettings, store: TimerStore, gateway: CommandGateway) -> None:
+        self._settings = settings
+        self._store = store
+        self._gateway = gateway
+
+    async def run(
+        self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Rounds are pipelined: while one claimed batch is delivered and settled (in the task group
+        below), the next is read and claimed; a round delivers only after the previous one is done,
+        and at most two rounds are outstanding. A claimed batch is handed to its round at once, so
+        whatever stops the loop, every claimed timer is settled by the round that owns it."""
+        logx = logging.LoggerAdapter(log, held.log_extra())
+        held.on_stop(waker.wake)
+        parts = frozenset(held.partitions)
+        s = self._settings
+        task_status.started()
+        attempt = 0
+        async with anyio.create_task_group() as rounds:
+            outstanding: deque[anyio.Event] = deque()
+            while not held.stopping:
+                while len(outstanding) >= 2:
+                    await outstanding.popleft().wait()
+                if held.stopping:
+                    break
+                held.check()
+                now = now_ms()
+                try:
+                    until = now + s.lookahead_ms
+                    mark = waker.earliest_ms
+                    due = await self._store.due(parts, until, s.batch)
+                    metrics.TIMERS_DUE_BACKLOG.set(len(due))
+                    if len(due) < s.batch:
+                        waker.covered(until, mark)
+                    claimed = await self._claim(held, due) if due else []
+                    attempt = 0
+                except StorageUnavailable as exc:
+                    logx.warning("timer round failed (will retry): %s", exc)
+                    with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                        await held.stop_event.wait()
+                    attempt += 1
+                    continue
+                if claimed:
+                    previous = outstanding[-1] if outstanding else None
+                    done = anyio.Event()
+                    outstanding.append(done)
+                    rounds.start_soon(self._finish, held, claimed, waker, logx, previous, done)
+                if len(due) < s.batch and not held.stopping:
+                    now = now_ms()
+                    wake_at = min(now + MAX_IDLE_S * 1000, waker.earliest_ms - s.lookahead_ms)
+                    await waker.wait((wake_at - now) / 1000, wake_at)
+        logx.info("timer loop stopped")
+
+    async def _claim(self, held: HeldSlot, due: list[Timer]) -> list[Timer]:
+        """One settle claiming ``due``; answers the timers as claimed (this slot's claim stored)."""
+        until = now_ms() + int(self._settings.claim_ttl_s * 1000)
+        claims = [TimerChange.claim(t, owner_key=held.owner_key, fence=held.fence, until=until) for t in due]
+        held.check()
+        written = await self._store.settle(claims)
+        metrics.SETTLE_BATCH.observe(len(claims))
+        claimed = [t for c in claims if (t := c.applied()) is not None]
+        if written < len(claims):
+            metrics.SETTLE_SKIPPED.inc(len(claims) - written)
+            claimed = await self._confirm(claimed, held, until) if written else []
+        return claimed
+
+    async def _finish(
+        self,
+        held: HeldSlot,
+        claimed: list[Timer],
+        waker: Waker,
+        logx: logging.LoggerAdapter[logging.Logger],
+        previous: anyio.Event | None,
+        done: anyio.Event,
+    ) -> None:
+        """Delivers a claimed batch once the previous round is done, then settles the outcomes
+        (shielded, bounded, lease permitting), also when cancelled before or while delivering."""
+        results: list[tuple[Timer, Outcome, int]] = []
+
+        def record(t: Timer, outcome: Outcome) -> None:
+            results.append((t, outcome, now_ms()))
+
+        changes: list[TimerChange] = []
+        try:
+            if previous is not None:
+                await previous.wait()
+            await self._deliver(held, claimed, record)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
+                changes = await self._settle_outcomes(held, claimed, results, logx)
+            done.set()
+        for c in changes:
+            if c.kind == "retry" and c.due_at is not None:
+                waker.maybe_wake(c.due_at)
+            elif c.kind == "fired" and c.next_due is not None:
+                waker.maybe_wake(c.next_due)
+
+    async def _confirm(self, claimed: list[Timer], held: HeldSlot, until: int) -> list[Timer]:
+        """After a partial claim: the timers whose stored document is our claim."""
+        mine: list[Timer] = []
+        for t in claimed:
+            stored = await self._store.find(t.owner, t.key)
+            c = stored.claim if stored is not None else None
+            if (
+                stored is not None
+                and c is not None
+                and stored.timer_id == t.timer_id
+                and c.owner_key == held.owner_key
+                and c.fence == held.fence
+                and c.until == until
+            ):
+                mine.append(stored)
+        return mine
+
+    async def _deliver(self, held: HeldSlot, claimed: list[Timer], record: Any) -> None:
+        pending = sorted(claimed, key=lambda t: (t.scheduled_at, t.timer_id))
+        i = 0
+        while i < len(pending):
+            now = now_ms()
+            j = i
+            while j < len(pending) and pending[j].scheduled_at <= now:
+                j += 1
+            if j == i:
+                # slightly ahead (lookahead): deliver at its scheduled time
+                await anyio.sleep(min((pending[i].scheduled_at - now) / 1000, 60.0))
+                continue
+            held.check()
+            await self._gateway.deliver(pending[i:j], record)
+            i = j
+
+    async def _settle_outcomes(
+        self,
+        held: HeldSlot,
+        claimed: list[Timer],
+        results: list[tuple[Timer, Outcome, int]],
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> list[TimerChange]:
+        """Settles the round; answers the changes written (empty when none could be)."""
+        s = self._settings
+        changes = outcome_changes(results, held.fence, s)
+        done = {t.timer_id for t, _o, _a in results}
+        now = now_ms()
+        for t in claimed:
+            if t.timer_id not in done:  # claimed, not delivered (stop or cancellation): back to PENDING
+                changes.append(TimerChange.retry(t, fence=held.fence, due_at=now, error="not delivered: stopped"))
+        if not changes:
+            return []
+        self._count(results, changes)
+        attempt = 0
+        while True:
+            if not held.valid:
+                logx.warning("lease expired before settling %d timers: their claims will expire", len(changes))
+                return []
+            try:
+                written = await self._store.settle(changes)
+                break
+            except StorageUnavailable as exc:
+                logx.warning("settle failed (will retry): %s", exc)
+                await anyio.sleep(min(2.0, 0.05 * 2**attempt))
+                attempt += 1
+            except StorageError as exc:
+                logx.error("settle failed: %s (claims will expire and re-fire)", exc)
+                return []
+        metrics.SETTLE_BATCH.observe(len(changes))
+        if written < len(changes):
+            metrics.SETTLE_SKIPPED.inc(len(changes) - written)
+        return changes
+
+    @staticmethod
+    def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
+        fired: Counter[str] = Counter()
+        for t, outcome, at in results:
+            agg = t.owner.aggregate
+            if isinstance(outcome, Delivered):
+                fired[agg] += 1
+                metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
+        for agg, n in fired.items():
+            metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
+        for c in changes:
+            agg = c.timer.owner.aggregate
+            if c.kind == "retry" and c.error != "not delivered: stopped":
+                metrics.TIMERS_RETRIED.labels(aggregate=agg).inc()
+            elif c.kind == "park":
+                metrics.TIMERS_PARKED.labels(aggregate=agg).inc()
+            elif c.kind == "fail":
+                metrics.TIMERS_FAILED.labels(aggregate=agg).inc()
+
