@@ -1,7 +1,7 @@
 """Operations artefacts: the systemd unit, the image, the alert rules and the dashboard.
 
 Tools that may be absent on a developer machine (systemd-analyze, promtool) are looked up on
-PATH and in ``.ci/tools`` (where ``.ci/run`` puts them); with ``WOWD_REQUIRE_OPS_TOOLS=1`` (set by
+PATH and in ``.ci/tools`` (where ``.ci/run`` puts them); with ``WOWD_TEST_REQUIRE_OPS_TOOLS=1`` (set by
 ``.ci/run``) a missing tool fails the test instead of skipping it.
 """
 
@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import wowd.metrics  # noqa: F401  (registers every metric)
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRE = os.environ.get("WOWD_REQUIRE_OPS_TOOLS") == "1"
+REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_OPS_TOOLS") == "1"
 
 
 def _tool(name: str) -> str:
@@ -31,7 +31,7 @@ def _tool(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path=search)
     if path is None:
         if REQUIRE:
-            pytest.fail(f"{name} is required (WOWD_REQUIRE_OPS_TOOLS=1) but not installed")
+            pytest.fail(f"{name} is required (WOWD_TEST_REQUIRE_OPS_TOOLS=1) but not installed")
         pytest.skip(f"{name} not installed")
     return path
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +36,7 @@ __all__ = [
     "TimerSettings",
     "WowdSettings",
     "load_settings",
+    "unknown_environment_keys",
 ]
 
 
@@ -183,7 +186,7 @@ class WowdSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        path = os.environ.get("WOWD_CONFIG")
+        path = _CONFIG_FILE.get() or os.environ.get("WOWD_CONFIG")
         if path:
             sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
         return tuple(sources)
@@ -214,14 +217,43 @@ def _default_owner_key() -> str:
     return _OWNER_KEY
 
 
+_CONFIG_FILE: ContextVar[str | None] = ContextVar("wowd_config_file", default=None)
+
+_NOT_SETTINGS = ("WOWD_TEST_",)
+"""Prefixes of WOWD_ variables that are not settings (the test suite's own)."""
+
+
+def unknown_environment_keys(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``WOWD_*`` variables whose first segment names no setting (pydantic-settings would
+    silently ignore them: a misspelled variable must be an error instead)."""
+    env = os.environ if environ is None else environ
+    fields = {name.lower() for name in WowdSettings.model_fields}
+    unknown = []
+    for key in env:
+        upper = key.upper()
+        if not upper.startswith("WOWD_") or upper.startswith(_NOT_SETTINGS):
+            continue
+        head = upper[len("WOWD_") :].split("__", 1)[0].lower()
+        if head not in fields:
+            unknown.append(key)
+    return sorted(unknown)
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:
     """Reads the settings; every error (misspelling, range, consistency) is a :class:`ConfigError`
     whose message names the key (without echoing a secret value)."""
+    token = None
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        os.environ["WOWD_CONFIG"] = str(path)
+        token = _CONFIG_FILE.set(str(path))
+    unknown = unknown_environment_keys()
+    if unknown:
+        raise ConfigError(
+            "invalid configuration:\n  "
+            + "\n  ".join(f"{key}: not a wowd setting (misspelled?)" for key in unknown)
+        )
     try:
         return WowdSettings(**overrides)
     except ValidationError as exc:
@@ -230,3 +262,6 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Wo
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
             lines.append(f"{loc}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    finally:
+        if token is not None:
+            _CONFIG_FILE.reset(token)

@@ -406,10 +406,10 @@ class CronRule:
         before year 9999 (an expression such as ``0 0 30 2 *`` never fires)."""
         from croniter import CroniterBadDateError, croniter
 
-        start = datetime.fromtimestamp(scheduled_at / 1000, tz=ZoneInfo(self.zone))
         try:
+            start = datetime.fromtimestamp(scheduled_at / 1000, tz=ZoneInfo(self.zone))
             nxt = croniter(self.expression, start, max_years_between_matches=50).get_next(datetime)
-        except (CroniterBadDateError, OverflowError, ValueError):
+        except (CroniterBadDateError, OverflowError, ValueError, OSError):
             return None
         ms = int(nxt.astimezone(UTC).timestamp() * 1000)
         return ms if ms <= _MAX_MS else None
@@ -667,8 +667,15 @@ def timer_event_from(
     cbody = c.get("body", {})
     if not isinstance(cbody, Mapping):
         raise InvalidInput("must be a document", field="body.command.body")
-    command = Command(name=c["name"], body=cbody, body_type=c.get("body_type"))
-    size = len(command.to_json().encode())
+    body_type = c.get("body_type")
+    if body_type is not None and not isinstance(body_type, str):
+        raise InvalidInput("must be a string or absent", field="body.command.body_type")
+    command = Command(name=c["name"], body=cbody, body_type=body_type)
+    try:
+        text = command.to_json()
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"cannot be written as JSON: {exc}", field="body.command.body") from exc
+    size = len(text.encode())
     if size > max_body_bytes:
         raise InvalidInput(f"is {size} bytes, over the limit of {max_body_bytes}", field="body.command")
     return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command)
