@@ -6,7 +6,7 @@ batch and reports each outcome through a callback as soon as it is known, so a c
 mid-batch (shutdown grace, lost lease) still settles what was delivered.
 
 - :class:`OutboxGateway` inserts into the backend's outbox (unique on the request id); it has a
-  batch path (one ``put_many`` call per batch when the outbox offers one).
+  batch path (one ``put_many`` call per batch).
 - :class:`HttpGateway` POSTs to a Wow-style command endpoint with ``Command-Request-Id``.
 """
 
@@ -16,9 +16,8 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote
 
@@ -133,8 +132,8 @@ def outbox_entry(timer: Timer, now_ms: int) -> OutboxEntry:
 class OutboxGateway:
     """Delivers into the backend's outbox, unique on the request id (a re-fire is a no-op).
 
-    The fence and owner key written with each entry are those of the timer's claim. When the outbox
-    has ``put_many(entries) -> list[bool]`` a batch is one call; otherwise one ``put`` per entry.
+    The fence and owner key written with each entry are those of the timer's claim; a batch is
+    one ``put_many`` call.
     """
 
     def __init__(self, outbox: Outbox) -> None:
@@ -150,15 +149,11 @@ class OutboxGateway:
         return Delivered()
 
     async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
-        put_many = _batch_put(self._outbox)
-        if put_many is None:
-            for t in timers:
-                record(t, await self.send(t))
-            return
+        """One ``put_many`` for the batch: a re-fire of a request id is not a second delivery."""
         now = _now_ms()
         outcome: Outcome
         try:
-            await put_many([outbox_entry(t, now) for t in timers])
+            await self._outbox.put_many([outbox_entry(t, now) for t in timers])
             outcome = Delivered()
         except StorageUnavailable as exc:
             outcome = Retry(reason=f"outbox unavailable: {exc}")
@@ -169,41 +164,6 @@ class OutboxGateway:
 
     async def aclose(self) -> None:
         return None
-
-
-def _batch_put(outbox: Outbox) -> Callable[[list[OutboxEntry]], Awaitable[object]] | None:
-    """The outbox's batch insert: its ``put_many`` when it has one; for the embedded outbox (whose
-    protocol has no batch method) one ``executemany`` in one transaction on its own connection."""
-    put_many = getattr(outbox, "put_many", None)
-    if callable(put_many):
-        return put_many  # type: ignore[no-any-return]
-    if type(outbox).__module__ == "wowd.stores.embedded.outbox" and hasattr(outbox, "_call"):
-        return partial(_embedded_put_many, outbox)
-    return None
-
-
-async def _embedded_put_many(outbox: Any, entries: list[OutboxEntry]) -> int:
-    from wowd.stores.embedded import outbox as embedded
-
-    rows = [
-        (
-            e.request_id,
-            e.timer_id,
-            embedded._target_json(e.target),
-            e.command,
-            e.scheduled_at,
-            e.fence,
-            e.owner_key,
-            e.created_at,
-        )
-        for e in entries
-    ]
-    sql = embedded.put_sql()
-
-    def run(conn: Any) -> int:
-        return int(conn.executemany(sql, rows).rowcount)
-
-    return int(await outbox._call("put_many", outbox._db.transaction(run)))
 
 
 def command_url(base: str, timer: Timer) -> str:

@@ -1,0 +1,152 @@
+"""Helpers of the log's black-pipe tests: a MockupDB that looks like a replica-set primary
+(change streams need one), change events, resume tokens and a way to run a store call while
+the test scripts the server's answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+import pytest
+from bson.timestamp import Timestamp
+from mockupdb import MockupDB
+from pymongo import AsyncMongoClient
+
+from tests.mongo.conftest import Wire
+from wowd.model import AggregateRef, Commit, DomainEvent, commit_to_doc
+
+T = TypeVar("T")
+
+CONTEXT = "ctx"
+PARTITIONS = 8
+DB = "wowd"
+ORDERS = "wow_log__ctx__order"
+ID_P3 = "order-2"
+"""An aggregate id of partition 3 (of 8)."""
+ID_P5 = "order-4"
+"""An aggregate id of partition 5 (of 8)."""
+
+
+def housekeeping(request: Any) -> bool | None:
+    """Answers the driver's cursor and session clean-up (whatever its arguments)."""
+    if request.command_name in ("killCursors", "endSessions"):
+        return bool(request.ok())
+    return None
+
+
+@pytest.fixture
+def rs_server() -> Iterator[MockupDB]:
+    """A MockupDB answering ``hello``/``isMaster`` as the primary of replica set ``rs0``."""
+    server = MockupDB(verbose=False)
+    port = server.run()
+    addr = f"localhost:{port}"
+    server.autoresponds(
+        "ismaster",
+        {
+            "ismaster": True,
+            "setName": "rs0",
+            "hosts": [addr],
+            "primary": addr,
+            "me": addr,
+            "minWireVersion": 0,
+            "maxWireVersion": 21,
+            "logicalSessionTimeoutMinutes": 30,
+        },
+    )
+    server.autoresponds(housekeeping)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def rs_wire(rs_server: MockupDB) -> Wire:
+    return Wire(rs_server)
+
+
+@pytest.fixture
+async def rs_client(rs_server: MockupDB) -> AsyncIterator[AsyncMongoClient[Any]]:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        rs_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False
+    )
+    try:
+        yield client
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await client.close()
+
+
+def token(ct: tuple[int, int], n: int = 0) -> dict[str, str]:
+    """A resume token shaped like the server's: KeyString hex starting with the cluster time."""
+    return {"_data": f"82{ct[0]:08X}{ct[1]:08X}2B02{n:04X}04"}
+
+
+def commit(agg_id: str, version: int = 1, request_id: str | None = None) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
+        version=version,
+        command_id=f"cmd-{agg_id}-{version}",
+        request_id=request_id or f"req-{agg_id}-{version}",
+        create_time=1_700_000_000_000 + version,
+        events=(DomainEvent(id=f"e-{agg_id}-{version}", name="OrderPlaced", body={"n": version}),),
+    )
+
+
+def log_doc(agg_id: str, version: int = 1) -> dict[str, Any]:
+    return commit_to_doc(commit(agg_id, version), PARTITIONS)
+
+
+def change(doc: dict[str, Any], ct: tuple[int, int], n: int = 0, coll: str = ORDERS) -> dict[str, Any]:
+    """An insert change event of ``doc`` at cluster time ``ct``."""
+    return {
+        "_id": token(ct, n),
+        "operationType": "insert",
+        "clusterTime": Timestamp(*ct),
+        "ns": {"db": DB, "coll": coll},
+        "documentKey": {"_id": doc["_id"]},
+        "fullDocument": doc,
+    }
+
+
+def cursor(batch: list[dict[str, Any]], *, first: bool, cursor_id: int = 42, pbrt: Any = None) -> dict[str, Any]:
+    c: dict[str, Any] = {"id": cursor_id, "ns": f"{DB}.$cmd.aggregate", "firstBatch" if first else "nextBatch": batch}
+    if pbrt is not None:
+        c["postBatchResumeToken"] = pbrt
+    return {"cursor": c}
+
+
+@dataclass
+class Call(Generic[T]):
+    """The outcome of a store call run in the background."""
+
+    done: anyio.Event = field(default_factory=anyio.Event)
+    value: T | None = None
+    error: BaseException | None = None
+
+    def result(self) -> T:
+        assert self.done.is_set(), "the call has not finished"
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+def start(tg: anyio.abc.TaskGroup, fn: Callable[[], Awaitable[T]]) -> Call[T]:
+    call: Call[T] = Call()
+
+    async def run() -> None:
+        try:
+            call.value = await fn()
+        except Exception as exc:  # handed to the test through result()
+            call.error = exc
+        finally:
+            call.done.set()
+
+    tg.start_soon(run)
+    return call
+
+
+async def collect(it: AsyncIterator[T]) -> list[T]:
+    return [x async for x in it]

@@ -1,0 +1,584 @@
+"""Black-pipe tests of the MongoDB log, outbox and replica-set check: the real PyMongo driver
+talks to MockupDB and each test asserts the commands on the wire and scripts the answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from bson.timestamp import Timestamp
+from mockupdb import MockupDB
+from pydantic import SecretStr
+from pymongo import AsyncMongoClient
+
+from tests.mongo.conftest import Wire
+from tests.mongo.log_support import (
+    CONTEXT,
+    DB,
+    ID_P3,
+    ID_P5,
+    ORDERS,
+    PARTITIONS,
+    change,
+    collect,
+    commit,
+    cursor,
+    housekeeping,
+    log_doc,
+    rs_client,
+    rs_server,
+    rs_wire,
+    start,
+    token,
+)
+from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
+from wowd.errors import ConfigError, ConflictError
+from wowd.model import AggregateRef, AggregateType, LogBatch, OutboxEntry
+from wowd.stores.base import Ddl, Log, Outbox
+from wowd.stores.mongo import (
+    MongoLog,
+    MongoOutbox,
+    check_replica_set,
+    elasticsearch_client_options,
+    mongo_client_options,
+    open_mongo,
+)
+
+__all__ = ["rs_client", "rs_server", "rs_wire"]  # fixtures re-exported for pytest
+
+ORDER = AggregateType(context=CONTEXT, aggregate="order")
+
+pytestmark = pytest.mark.anyio
+
+
+def make_log(client: AsyncMongoClient[Any], ddl: Ddl = Ddl.NONE) -> MongoLog:
+    return MongoLog(client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=ddl, operation_timeout=None)
+
+
+def pos(ct: tuple[int, int], n: int = 0) -> dict[str, Any]:
+    return {"token": token(ct, n), "cluster_time": list(ct)}
+
+
+def entries_of(batches: list[LogBatch]) -> list[tuple[int, str, int]]:
+    out = []
+    for b in batches:
+        for e in b.entries:
+            assert e.commit is not None, e.error
+            out.append((e.partition, e.commit.ref.id, e.commit.version))
+    return out
+
+
+def dup(index: int, key_pattern: dict[str, int]) -> dict[str, Any]:
+    return {"index": index, "code": 11000, "errmsg": "E11000 duplicate key error", "keyPattern": key_pattern}
+
+
+def expected_match(partitions: list[int]) -> dict[str, Any]:
+    return {
+        "ns.coll": {"$regex": "^wow_log__ctx__"},
+        "operationType": "insert",
+        "fullDocument.partition": {"$in": partitions},
+    }
+
+
+# --------------------------------------------------------------------------- tailing
+
+
+async def test_one_change_stream_from_the_oldest_checkpoint_skips_per_partition(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    assert isinstance(log, Log)
+    # partition 3 is checkpointed at (100, 1), partition 5 later at (105, 2)
+    positions = {5: pos((105, 2)), 3: pos((100, 1))}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read(positions, batch_size=50, follow=False)))
+
+            agg = await rs_wire.command("aggregate")
+            assert agg["aggregate"] == 1
+            assert agg["$db"] == DB
+            stages = agg["pipeline"]
+            # one stream over the database, from the OLDEST checkpoint, server-side $match
+            assert stages[0] == {"$changeStream": {"startAfter": token((100, 1))}}
+            assert stages[1:] == [{"$match": expected_match([3, 5])}]
+            assert agg["cursor"] == {"batchSize": 50}
+            agg.ok(
+                cursor(
+                    [
+                        change(log_doc(ID_P5, 1), (103, 1)),  # partition 5 saw it already: skipped
+                        change(log_doc(ID_P3, 1), (104, 1)),
+                        change(log_doc(ID_P5, 2), (105, 2), n=0),  # its own checkpoint: skipped
+                    ],
+                    first=True,
+                )
+            )
+            # the getMore loop: more changes, then an empty answer ends a non-following read
+            more = await rs_wire.command("getMore")
+            assert more["getMore"] == 42
+            assert more["collection"] == "$cmd.aggregate"
+            assert more["batchSize"] == 50
+            more.ok(cursor([change(log_doc(ID_P5, 3), (106, 1)), change(log_doc(ID_P3, 2), (106, 2))], first=False))
+            last = await rs_wire.command("getMore")
+            last.ok(cursor([], first=False, pbrt=token((107, 0))))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 1), (5, ID_P5, 3), (3, ID_P3, 2)]
+    # each batch names every partition's last position: a resume token and its cluster time
+    assert batches[0].positions == {3: pos((104, 1))}
+    assert batches[-1].positions == {5: pos((106, 1)), 3: pos((106, 2))}
+
+
+async def test_changes_of_one_transaction_share_a_cluster_time_and_are_ordered_by_token(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            # checkpointed at the 2nd change of a transaction committed at (100, 1)
+            call = start(tg, lambda: collect(log.read({3: pos((100, 1), n=1)}, follow=False)))
+            (await rs_wire.command("aggregate")).ok(cursor([
+                change(log_doc(ID_P3, 1), (100, 1), n=0),
+                change(log_doc(ID_P3, 2), (100, 1), n=1),
+                change(log_doc(ID_P3, 3), (100, 1), n=2),
+            ], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 3)]
+    assert batches[0].positions == {3: pos((100, 1), n=2)}
+
+
+async def test_a_partition_without_checkpoint_is_read_from_its_collections_first(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: None}, batch_size=10, follow=False)))
+            # 1. the cluster time, taken BEFORE the scan
+            ping = await rs_wire.command("ping")
+            ping.ok(operationTime=Timestamp(200, 3))
+            # 2. the context's log collections
+            lc = await rs_wire.command("listCollections")
+            assert lc["filter"] == {"name": {"$regex": "^wow_log__ctx__"}}
+            lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
+                          "firstBatch": [{"name": ORDERS, "type": "collection"}]})
+            # 3. the partition's history in (aggregate_id, version) order
+            find = await rs_wire.command("find")
+            assert find["find"] == ORDERS
+            assert find["filter"] == {"partition": 3}
+            assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
+            # it reads at or after that cluster time (causally consistent), so it sees all before
+            assert find["readConcern"] == {"afterClusterTime": Timestamp(200, 3)}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
+            # 4. the stream starts at that cluster time, not "now"; what is AT it the scan read
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 3)}}
+            agg.ok(cursor([change(log_doc(ID_P3, 2), (200, 3)), change(log_doc(ID_P3, 3), (200, 4))], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 1), (3, ID_P3, 2), (3, ID_P3, 3)]
+    scanned = batches[0].positions[3]
+    assert scanned["cluster_time"] == [200, 3]
+    assert scanned["scan"]["c"] == ORDERS and scanned["scan"]["v"] == 2
+    assert batches[-1].positions == {3: pos((200, 4))}
+
+
+async def test_a_scan_position_resumes_the_scan_after_its_document(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    last = {"c": "wow_log__ctx__cart", "a": ID_P3, "v": 2, "id": {"t": "(0)", "a": ID_P3, "v": 2}}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: {"cluster_time": [70, 1], "scan": last}}, follow=False)))
+            (await rs_wire.command("ping")).ok(operationTime=Timestamp(90, 1))
+            (await rs_wire.command("listCollections")).ok(cursor={
+                "id": 0, "ns": f"{DB}.$cmd.listCollections",
+                "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
+            })
+            # "account" sorts before the scan's collection: done already; "cart" after the document
+            find = await rs_wire.command("find")
+            assert find["find"] == "wow_log__ctx__cart"
+            assert find["filter"] == {
+                "partition": 3,
+                "$or": [
+                    {"aggregate_id": {"$gt": ID_P3}},
+                    {"aggregate_id": ID_P3, "version": {"$gt": 2}},
+                    {"aggregate_id": ID_P3, "version": 2, "_id": {"$gt": last["id"]}},
+                ],
+            }
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
+            find = await rs_wire.command("find")  # "order" from its start
+            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            # the stream starts at the cluster time the ORIGINAL scan took
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(70, 1)}}
+            agg.ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    assert call.result() == []
+
+
+async def test_following_waits_on_the_server_and_moves_quiet_partitions_to_the_resume_token(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    got = anyio.Event()
+    batches: list[LogBatch] = []
+
+    async def tail() -> None:
+        async for batch in log.read({3: pos((1000, 1)), 5: pos((1070, 1))}, follow=True):
+            batches.append(batch)
+            got.set()
+
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tail)
+            (await rs_wire.command("aggregate")).ok(cursor([], first=True, pbrt=token((1000, 1))))
+            more = await rs_wire.command("getMore")
+            assert more["maxTimeMS"] == 1000  # the server waits for changes: no busy poll
+            # nothing for partition 3 for over a minute: it moves to the post-batch resume token
+            more.ok(cursor([], first=False, pbrt=token((1090, 0))))
+            await got.wait()
+            (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((1091, 0))))
+            tg.cancel_scope.cancel()
+    assert batches == [LogBatch(entries=(), positions={3: pos((1090, 0))})]
+
+
+async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_time_before(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((10, 1))}, follow=False)))
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
+            agg.command_err(
+                code=286,
+                errmsg="Resume of change stream was not possible, as the resume point may no longer be in the oplog.",
+            )
+            ping = await rs_wire.command("ping")  # cluster time before the re-read
+            ping.ok(operationTime=Timestamp(500, 7))
+            lc = await rs_wire.command("listCollections")
+            lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
+                          "firstBatch": [{"name": ORDERS, "type": "collection"}]})
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"partition": 3}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(500, 7)}}
+            assert agg["pipeline"][1] == {"$match": expected_match([3])}
+            agg.ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 1)]
+    assert batches[0].positions[3]["cluster_time"] == [500, 7]
+
+
+async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
+            (await rs_wire.command("getMore")).command_err(code=286, errmsg="history lost")
+            (await rs_wire.command("ping")).ok(operationTime=Timestamp(600, 1))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
+            )
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(600, 1)}}
+            agg.ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    assert entries_of(call.result()) == [(5, ID_P5, 1)]
+
+
+async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    bad = {"_id": {"t": "(0)", "a": ID_P3, "v": 2}, "aggregate_id": ID_P3, "partition": 3, "version": "two"}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((1, 1))}, follow=False)))
+            (await rs_wire.command("aggregate")).ok(
+                cursor([change(log_doc(ID_P3, 1), (2, 1)), change(bad, (2, 2))], first=True)
+            )
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+        entries = [e for b in call.result() for e in b.entries]
+        assert entries[0].commit is not None
+        assert entries[1].commit is None and entries[1].raw == bad
+        assert entries[1].error is not None and entries[1].error.startswith("events:")
+
+        async with anyio.create_task_group() as tg:
+            q = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, entries[1].error or ""))
+            insert = await rs_wire.command("insert")
+            assert insert["insert"] == f"wow_quarantine__{CONTEXT}"
+            doc = insert.docs[0]["documents"][0]
+            assert doc["_id"] == {"consumer": "feed", "aggregate": "order", "key": bad["_id"]}
+            assert (doc["consumer"], doc["partition"], doc["aggregate"], doc["raw"]) == ("feed", 3, "order", bad)
+            assert doc["reason"] == entries[1].error
+            insert.ok(n=1)
+            await q.done.wait()
+            q.result()
+            # quarantining it again is idempotent: the duplicate key is not an error
+            again = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, "again"))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            await again.done.wait()
+            again.result()
+
+
+async def test_a_standalone_server_refusing_the_change_stream_is_a_config_error(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((1, 1))}, follow=False)))
+            (await rs_wire.command("aggregate")).command_err(
+                code=40573, errmsg="The $changeStream stage is only supported on replica sets"
+            )
+            await call.done.wait()
+    with pytest.raises(ConfigError, match="replica set"):
+        call.result()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+async def test_checkpoint_save_is_one_upsert_guarded_by_the_fence(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    position = pos((300, 4))
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            saved = start(tg, lambda: log.save_checkpoint("feed", 3, position, 7))
+            upd = await rs_wire.command("update")
+            assert upd["update"] == f"wow_checkpoint__{CONTEXT}"
+            (u,) = upd.docs[0]["updates"]
+            assert u["q"] == {"_id": {"consumer": "feed", "partition": 3}, "fence": {"$lte": 7}}
+            assert u["upsert"] is True
+            assert u["u"] == [
+                {"$set": {"position": {"$literal": position}, "fence": 7, "written_at": {"$toLong": "$$NOW"}}}
+            ]
+            upd.ok(n=1, nModified=1)
+            await saved.done.wait()
+            assert saved.result() is True
+
+            # a higher fence holds it: the upsert's insert meets the _id -> refused, not raised
+            refused = start(tg, lambda: log.save_checkpoint("feed", 3, position, 6))
+            upd = await rs_wire.command("update")
+            assert upd.docs[0]["updates"][0]["q"]["fence"] == {"$lte": 6}
+            upd.ok(n=0, nModified=0, writeErrors=[dup(0, {"_id": 1})])
+            await refused.done.wait()
+            assert refused.result() is False
+
+            loaded = start(tg, lambda: log.checkpoints("feed", [3, 5]))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {
+                "_id": {"$in": [{"consumer": "feed", "partition": 3}, {"consumer": "feed", "partition": 5}]}
+            }
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__ctx", "firstBatch": [
+                {"_id": {"consumer": "feed", "partition": 3}, "position": position, "fence": 7, "written_at": 123}
+            ]})
+            await loaded.done.wait()
+    cps = loaded.result()
+    assert list(cps) == [3]
+    assert (cps[3].position, cps[3].fence, cps[3].written_at) == (position, 7, 123)
+
+
+# --------------------------------------------------------------------------- appends
+
+
+async def test_append_e11000_on_request_id_is_duplicate_and_on_id_with_another_request_is_conflict(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    c = commit(ID_P3, 4)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            ok = start(tg, lambda: log.append(c))
+            insert = await rs_wire.command("insert")
+            assert insert["insert"] == ORDERS
+            assert insert.docs[0]["documents"][0] == log_doc(ID_P3, 4)
+            insert.ok(n=1)
+            await ok.done.wait()
+            assert ok.result() == "appended"
+
+            repeat = start(tg, lambda: log.append(c))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"aggregate_id": 1, "request_id": 1})])
+            await repeat.done.wait()
+            assert repeat.result() == "duplicate"
+
+            other = commit(ID_P3, 4, request_id="someone-else")
+            conflict = start(tg, lambda: log.append(other))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"_id": {"$in": [{"t": "(0)", "a": ID_P3, "v": 4}]}}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}",
+                            "firstBatch": [{"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}]})
+            await conflict.done.wait()
+            with pytest.raises(ConflictError):
+                conflict.result()
+
+            # the same commit meeting its own _id (retried insert) is a duplicate, not a conflict
+            same = start(tg, lambda: log.append(c))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [
+                {"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}]})
+            await same.done.wait()
+            assert same.result() == "duplicate"
+
+
+async def test_append_many_is_one_unordered_insert_with_an_outcome_per_commit(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    commits = [commit(ID_P3, 1), commit(ID_P3, 2), commit(ID_P5, 1, request_id="new")]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: log.append_many(commits))
+            insert = await rs_wire.command("insert")
+            assert insert["ordered"] is False
+            assert len(insert.docs[0]["documents"]) == 3
+            insert.ok(n=1, writeErrors=[dup(1, {"aggregate_id": 1, "request_id": 1}), dup(2, {"_id": 1})])
+            find = await rs_wire.command("find")
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [
+                {"_id": {"t": "(0)", "a": ID_P5, "v": 1}, "request_id": "older"}]})
+            await call.done.wait()
+    assert call.result() == ["appended", "duplicate", "conflict"]
+
+
+async def test_auto_ddl_creates_the_log_indexes_before_the_first_append(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client, Ddl.AUTO)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: log.append(commit(ID_P3, 1)))
+            ci = await rs_wire.command("createIndexes")
+            assert ci["createIndexes"] == ORDERS
+            indexes = {i["name"]: i for i in ci["indexes"]}
+            assert indexes["aggregate_request"]["key"] == {"aggregate_id": 1, "request_id": 1}
+            assert indexes["aggregate_request"]["unique"] is True
+            assert indexes["partition_order"]["key"] == {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}
+            ci.ok()
+            (await rs_wire.command("insert")).ok(n=1)
+            await call.done.wait()
+    assert call.result() == "appended"
+
+
+# --------------------------------------------------------------------------- outbox, replica-set check
+
+
+async def test_outbox_is_unique_on_the_request_id(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT)
+    assert isinstance(outbox, Outbox)
+    entry = OutboxEntry(
+        request_id="r1", timer_id="t1", target=AggregateRef(context="ctx", aggregate="order", id="o1"),
+        command='{"body":{},"name":"Pay"}', scheduled_at=5, fence=2, owner_key="host:1", created_at=6,
+    )
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            put = start(tg, lambda: outbox.put(entry))
+            ci = await rs_wire.command("createIndexes")
+            assert ci["createIndexes"] == f"wow_outbox__{CONTEXT}"
+            assert ci["indexes"] == [{"key": {"request_id": 1}, "name": "request_id", "unique": True}]
+            ci.ok()
+            insert = await rs_wire.command("insert")
+            assert insert.docs[0]["documents"][0]["request_id"] == "r1"
+            insert.ok(n=1)
+            await put.done.wait()
+            assert put.result() is True
+
+            refire = start(tg, lambda: outbox.put(entry))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"request_id": 1})])
+            await refire.done.wait()
+            assert refire.result() is False
+
+
+async def test_outbox_put_many_is_one_unordered_insert(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    target = AggregateRef(context="ctx", aggregate="order", id="o1")
+    batch = [
+        OutboxEntry(request_id=r, timer_id="t", target=target, command="{}", scheduled_at=1, fence=1,
+                    owner_key="k", created_at=2)
+        for r in ("r1", "r2", "r1")
+    ]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: outbox.put_many(batch))
+            insert = await rs_wire.command("insert")
+            assert insert["ordered"] is False
+            assert [d["request_id"] for d in insert.docs[0]["documents"]] == ["r1", "r2", "r1"]
+            insert.ok(n=2, writeErrors=[dup(2, {"request_id": 1})])
+            await call.done.wait()
+    assert call.result() == [True, True, False]
+
+
+async def test_check_replica_set_refuses_a_standalone(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: check_replica_set(mongo_client))
+            (await wire.command("hello")).ok(isWritablePrimary=True, maxWireVersion=21)
+            await call.done.wait()
+    with pytest.raises(ConfigError, match="standalone.*replica set"):
+        call.result()
+
+
+async def test_check_replica_set_accepts_a_replica_set_member(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: check_replica_set(rs_client))
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0")
+            await call.done.wait()
+    call.result()
+
+
+async def test_open_mongo_on_a_standalone_says_so_and_closes_what_it_opened(
+    mock_server: MockupDB, wire: Wire
+) -> None:
+    mock_server.autoresponds(housekeeping)
+    settings = WowdSettings(
+        backend="mongo",
+        mongodb=MongoSettings(uri=SecretStr(mock_server.uri), timeout_ms=5000),
+        elasticsearch=ElasticsearchSettings(url="http://127.0.0.1:9"),
+    )
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: open_mongo(settings))
+            (await wire.command("hello")).ok(isWritablePrimary=True, maxWireVersion=21)
+            await call.done.wait()
+    with pytest.raises(ConfigError, match="standalone"):
+        call.result()
+
+
+def test_client_options_from_the_settings() -> None:
+    mongo = MongoSettings(uri=SecretStr("mongodb://db/?replicaSet=rs0"), timeout_ms=2500, write_concern="1")
+    assert mongo_client_options(mongo) == {"w": 1, "timeoutMS": 2500}
+    basic = elasticsearch_client_options(
+        ElasticsearchSettings(
+            url="https://es:9200", username="elastic", password=SecretStr("pw"), ca_certs=Path("/ca.pem")
+        )
+    )
+    assert basic["basic_auth"] == ("elastic", "pw")
+    assert basic["verify_certs"] is True  # TLS verification stays on unless switched off
+    assert basic["ca_certs"] == "/ca.pem"
+    keyed = elasticsearch_client_options(
+        ElasticsearchSettings(url="https://es:9200", api_key=SecretStr("k"), verify_certs=False)
+    )
+    assert (keyed["api_key"], keyed["verify_certs"], "basic_auth" in keyed) == ("k", False, False)
+    with pytest.raises(ConfigError, match="password"):
+        elasticsearch_client_options(ElasticsearchSettings(url="https://es:9200", username="u"))

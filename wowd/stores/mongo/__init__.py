@@ -1,0 +1,149 @@
+"""The MongoDB backend: log, leases, timers, snapshots and outbox on MongoDB, the event sink on
+Elasticsearch (DESIGN.md sections 3-7).
+
+MongoDB must be a replica set or a sharded cluster: the log is tailed with change streams.
+:func:`open_mongo` checks that first and refuses a standalone server with a clear
+:class:`~wowd.errors.ConfigError` (there is no polling fallback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from wowd.errors import ConfigError
+from wowd.stores.backend import Backend
+from wowd.stores.mongo._common import translate_errors
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.outbox import MongoOutbox
+
+if TYPE_CHECKING:
+    from elasticsearch import AsyncElasticsearch
+    from pymongo import AsyncMongoClient
+
+    from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
+
+__all__ = [
+    "MongoLog",
+    "MongoOutbox",
+    "check_replica_set",
+    "elasticsearch_client_options",
+    "mongo_client_options",
+    "open_mongo",
+]
+
+
+async def check_replica_set(client: AsyncMongoClient[Any]) -> None:
+    """Raises :class:`ConfigError` unless the server is a replica-set member or a ``mongos``:
+    the log is tailed with change streams, which a standalone server does not have."""
+    with translate_errors("hello"):
+        hello: Mapping[str, Any] = await client.admin.command("hello")
+    if hello.get("setName") or hello.get("msg") == "isdbgrid":
+        return
+    raise ConfigError(
+        "MongoDB is a standalone server: wowd tails the log with change streams, which need a "
+        "replica set or a sharded cluster. Start mongod with --replSet and run rs.initiate() "
+        "(a one-node replica set will do; the compose file runs one)."
+    )
+
+
+def mongo_client_options(settings: MongoSettings) -> dict[str, Any]:
+    """The keyword arguments of the ``AsyncMongoClient`` (besides the URI)."""
+    options: dict[str, Any] = {"w": "majority" if settings.write_concern == "majority" else 1}
+    if settings.timeout_ms > 0:
+        options["timeoutMS"] = settings.timeout_ms
+    return options
+
+
+def elasticsearch_client_options(settings: ElasticsearchSettings) -> dict[str, Any]:
+    """The keyword arguments of the ``AsyncElasticsearch`` (besides the URL): API key or basic
+    auth from the secrets, CA file, certificate verification (on unless switched off)."""
+    options: dict[str, Any] = {
+        "request_timeout": settings.request_timeout_s,
+        "verify_certs": settings.verify_certs,
+    }
+    if settings.api_key is not None:
+        options["api_key"] = settings.api_key.get_secret_value()
+    elif settings.username:
+        if settings.password is None:
+            raise ConfigError("elasticsearch.password is required with elasticsearch.username")
+        options["basic_auth"] = (settings.username, settings.password.get_secret_value())
+    elif settings.password is not None:
+        raise ConfigError("elasticsearch.username is required with elasticsearch.password")
+    if settings.ca_certs is not None:
+        options["ca_certs"] = str(settings.ca_certs)
+    return options
+
+
+async def open_mongo(settings: WowdSettings) -> Backend:
+    """Every MongoDB store of ``settings.context`` plus the Elasticsearch sink, prepared.
+
+    Opens one ``AsyncMongoClient`` (``settings.mongodb.uri``, ``timeoutMS``, the write concern)
+    and one ``AsyncElasticsearch``; the backend's ``close`` closes both. Raises
+    :class:`ConfigError` on a standalone MongoDB server."""
+    from elasticsearch import AsyncElasticsearch
+    from pymongo import AsyncMongoClient
+    from pymongo.write_concern import WriteConcern
+
+    from wowd.model import AggregateType
+    from wowd.stores.base import Ddl
+    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+    from wowd.stores.mongo.leases import MongoSlotLeaseStore
+    from wowd.stores.mongo.snapshots import MongoSnapshotStore
+    from wowd.stores.mongo.timers import MongoTimerStore
+
+    mongo = settings.mongodb
+    es_settings = settings.elasticsearch
+    if mongo.uri is None or not es_settings.url:
+        raise ConfigError("the mongo backend needs mongodb.uri and elasticsearch.url")
+    es_options = elasticsearch_client_options(es_settings)  # before opening anything
+    context, partitions, database = settings.context, settings.partitions, mongo.database
+    timeout = timedelta(milliseconds=mongo.timeout_ms) if mongo.timeout_ms > 0 else None
+
+    async with AsyncExitStack() as stack:
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            mongo.uri.get_secret_value(), **mongo_client_options(mongo)
+        )
+        stack.push_async_callback(client.close)
+        es: AsyncElasticsearch = AsyncElasticsearch(es_settings.url, **es_options)
+        stack.push_async_callback(es.close)
+
+        await check_replica_set(client)
+
+        write_concern = WriteConcern(w="majority" if mongo.write_concern == "majority" else 1)
+        leases = MongoSlotLeaseStore(client[database], timeout=timeout, write_concern=write_concern)
+        # a change stream's getMore waits at most max_await on the server: below the client's timeoutMS
+        max_await = min(timedelta(seconds=1), timeout / 2) if timeout else timedelta(seconds=1)
+        log = MongoLog(
+            client, database, context=context, partitions=partitions, operation_timeout=timeout, max_await=max_await
+        )
+        timers = MongoTimerStore(client, database, context=context, partitions=partitions)
+        snapshots = MongoSnapshotStore(client, database, context=context)
+        outbox = MongoOutbox(client, database, context=context)
+        stores = (leases, log, timers, snapshots, outbox)
+        for store in stores:
+            stack.push_async_callback(store.close)
+        for store in stores:
+            await store.prepare()
+
+        sink_ddl = Ddl(es_settings.ddl)
+
+        def sink_factory(type: AggregateType) -> ElasticsearchEventSink:
+            return ElasticsearchEventSink(es, type, ddl=sink_ddl, owns_client=False)
+
+        backend = Backend(
+            name="mongo",
+            log=log,
+            leases=leases,
+            timers=timers,
+            snapshots=snapshots,
+            rebuilds=snapshots,
+            outbox=outbox,
+            sink_factory=sink_factory,
+            # closed in reverse: the stores first, the clients last
+            closers=[client.close, es.close, *(s.close for s in stores)],
+        )
+        stack.pop_all()  # success: the backend owns the clients and stores now
+    return backend

@@ -1,0 +1,791 @@
+"""The log on MongoDB (DESIGN.md section 3): commit collections, change-stream tailing,
+fenced checkpoints and the quarantine.
+
+Collections (``<ctx>`` the context):
+
+- ``wow_log__<ctx>__<aggregate>``: one document per commit (:func:`wowd.model.commit_to_doc`),
+  ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}`` (idempotent appends) and
+  ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
+- ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
+- ``wow_quarantine__<ctx>``: malformed documents with the reason.
+
+Positions. A position read from the change stream is ``{"token": <resume token>,
+"cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
+the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, a, v,
+id}}``: the cluster time taken *before* the scan, which reads with ``afterClusterTime`` of it (so
+it sees every commit at or before it; the stream starts there), and the last document read (a
+later read resumes the scan after it). The stream is one ``watch`` on the database from the
+oldest position of the partitions read; each partition skips what is at or before its own
+position (cluster time, then the resume token's ``_data``). A partition that sees nothing for
+``idle_advance`` is moved to the stream's post-batch resume token (a batch without entries), so
+a quiet partition's checkpoint does not fall off the oplog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import aclosing, contextmanager, suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import anyio
+import pymongo
+from bson.objectid import ObjectId
+from bson.timestamp import Timestamp
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
+from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
+
+from wowd.errors import ConfigError, ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.model import (
+    AggregateType,
+    Checkpoint,
+    Commit,
+    LogBatch,
+    LogEntry,
+    Position,
+    commit_from_doc,
+    commit_to_doc,
+    partition,
+    validate_name,
+)
+from wowd.stores.base import AppendOutcome, Ddl
+from wowd.stores.mongo._common import DUPLICATE_KEY, collection_name, translate_errors
+
+__all__ = [
+    "CHANGE_STREAM_UNSUPPORTED",
+    "HISTORY_LOST",
+    "MongoLog",
+    "change_stream_match",
+    "change_stream_pipeline",
+    "checkpoint_filter",
+    "checkpoint_ids_filter",
+    "checkpoint_update",
+    "cluster_time_of",
+    "log_collection_prefix",
+    "log_indexes",
+    "quarantine_doc",
+    "scan_filter",
+    "SCAN_SORT",
+    "token_cluster_time",
+]
+
+logger = logging.getLogger(__name__)
+
+Doc = dict[str, Any]
+ClusterTime = tuple[int, int]
+
+HISTORY_LOST = 286
+"""ChangeStreamHistoryLost: the resume point is no longer in the oplog."""
+CHANGE_STREAM_UNSUPPORTED = 40573
+"""``$changeStream`` on a standalone server."""
+
+_STORE = "mongo_log"
+
+# --------------------------------------------------------------------------- names and indexes
+
+
+def log_collection_prefix(context: str) -> str:
+    """``wow_log__<context>__``: every log collection of the context starts so."""
+    validate_name(context, field="context")
+    return f"wow_log__{context}__"
+
+
+def log_indexes() -> list[Doc]:
+    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``."""
+    return [
+        {"key": {"aggregate_id": 1, "request_id": 1}, "name": "aggregate_request", "unique": True},
+        {"key": {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}, "name": "partition_order"},
+    ]
+
+
+def quarantine_indexes() -> list[Doc]:
+    return [{"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"}]
+
+
+# --------------------------------------------------------------------------- cluster times
+
+
+def cluster_time_of(value: Any) -> ClusterTime | None:
+    """A cluster time from a BSON ``Timestamp``, ``[time, inc]`` or ``{"t", "i"}``; else None."""
+    if isinstance(value, Timestamp):
+        return (value.time, value.inc)
+    if isinstance(value, list | tuple) and len(value) == 2 and all(_is_int(v) for v in value):
+        return (int(value[0]), int(value[1]))
+    if isinstance(value, Mapping) and _is_int(value.get("t")) and _is_int(value.get("i")):
+        return (int(value["t"]), int(value["i"]))
+    return None
+
+
+def token_cluster_time(token: Any) -> ClusterTime | None:
+    """The cluster time a resume token starts with (its ``_data`` is KeyString hex whose first
+    value is the event's cluster time: type byte ``82`` then 4 bytes time, 4 bytes increment)."""
+    data = token.get("_data") if isinstance(token, Mapping) else None
+    if not isinstance(data, str) or len(data) < 18 or not data[:2].lower() == "82":
+        return None
+    try:
+        return (int(data[2:10], 16), int(data[10:18], 16))
+    except ValueError:
+        return None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _token_data(token: Any) -> str | None:
+    data = token.get("_data") if isinstance(token, Mapping) else None
+    return data if isinstance(data, str) else None
+
+
+# --------------------------------------------------------------------------- query builders
+
+
+def change_stream_match(context: str, partitions: Sequence[int]) -> Doc:
+    """The server-side filter: the context's log collections, inserts, the given partitions."""
+    return {
+        "ns.coll": {"$regex": "^" + re.escape(log_collection_prefix(context))},
+        "operationType": "insert",
+        "fullDocument.partition": {"$in": sorted(partitions)},
+    }
+
+
+def change_stream_pipeline(context: str, partitions: Sequence[int]) -> list[Doc]:
+    """The pipeline after ``$changeStream`` (the driver adds that stage with the start point)."""
+    return [{"$match": change_stream_match(context, partitions)}]
+
+
+SCAN_SORT: list[tuple[str, int]] = [("aggregate_id", 1), ("version", 1), ("_id", 1)]
+"""The order of a partition re-read: per aggregate by version (the ``partition_order`` index)."""
+
+
+def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
+    """A partition's documents of one collection, after the scan key ``{a, v, id}`` if given."""
+    if not after:
+        return {"partition": partition_}
+    a, v, id_ = after.get("a"), after.get("v"), after.get("id")
+    return {
+        "partition": partition_,
+        "$or": [
+            {"aggregate_id": {"$gt": a}},
+            {"aggregate_id": a, "version": {"$gt": v}},
+            {"aggregate_id": a, "version": v, "_id": {"$gt": id_}},
+        ],
+    }
+
+
+def checkpoint_id(consumer: str, partition_: int) -> Doc:
+    return {"consumer": consumer, "partition": partition_}
+
+
+def checkpoint_filter(consumer: str, partition_: int, fence: int) -> Doc:
+    """Matches the stored checkpoint only at the same or a lower fence (the fence guard)."""
+    return {"_id": checkpoint_id(consumer, partition_), "fence": {"$lte": fence}}
+
+
+def checkpoint_update(position: Position, fence: int) -> list[Doc]:
+    """A pipeline update (the store clock stamps ``written_at``); the position as a literal."""
+    return [
+        {
+            "$set": {
+                "position": {"$literal": position},
+                "fence": fence,
+                "written_at": {"$toLong": "$$NOW"},
+            }
+        }
+    ]
+
+
+def checkpoint_ids_filter(consumer: str, partitions: Sequence[int]) -> Doc:
+    return {"_id": {"$in": [checkpoint_id(consumer, p) for p in partitions]}}
+
+
+def quarantine_doc(
+    consumer: str, partition_: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str, now: datetime
+) -> Doc:
+    """The quarantine document: ``_id`` from the consumer, the type and the raw document's id
+    (a digest of the document when it has none), so quarantining twice is idempotent."""
+    key: Any = raw.get("_id") if "_id" in raw else _digest(raw)
+    return {
+        "_id": {"consumer": consumer, "aggregate": aggregate.aggregate, "key": key},
+        "consumer": consumer,
+        "partition": partition_,
+        "aggregate": aggregate.aggregate,
+        "raw": dict(raw),
+        "reason": reason,
+        "quarantined_at": now,
+        "seq": ObjectId(),
+    }
+
+
+def _digest(raw: Mapping[str, Any]) -> str:
+    text = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------- per-partition reading state
+
+
+@dataclass(slots=True)
+class _Part:
+    """What one partition of a read has seen (mutable, internal to :meth:`MongoLog.read`).
+
+    With a ``token``, the partition saw the stream up to that change (at ``ct``). Without one,
+    ``ct`` is a cluster time taken before a scan of the collections, which read everything at
+    or before it (the scan reads with ``afterClusterTime: ct``)."""
+
+    ct: ClusterTime | None = None
+    token: Mapping[str, Any] | None = None
+    scan: Mapping[str, Any] | None = None
+    """A scan still to run: ``{}`` from the start, ``{c, a, v, id}`` after that document."""
+
+    @staticmethod
+    def from_position(position: Position | None) -> _Part:
+        if position is None:
+            return _Part(scan={})
+        if not isinstance(position, Mapping):
+            raise InvalidInput(f"not a MongoDB log position: {position!r}", field="position")
+        ct = cluster_time_of(position.get("cluster_time"))
+        scan = position.get("scan")
+        if isinstance(scan, Mapping) and ct is not None:
+            return _Part(ct=ct, scan=scan)
+        token = position.get("token")
+        if isinstance(token, Mapping):
+            return _Part(ct=ct or token_cluster_time(token), token=token)
+        raise InvalidInput(f"not a MongoDB log position: {position!r}", field="position")
+
+    def skips(self, ct: ClusterTime | None, token: Any) -> bool:
+        """Whether a stream event is at or before this partition's position."""
+        if self.ct is None or ct is None:
+            return False
+        if ct != self.ct:
+            return ct < self.ct
+        if self.token is None:
+            return True  # the scan read everything at this cluster time
+        mine, theirs = _token_data(self.token), _token_data(token)
+        # Equal cluster times (one transaction): order by the token; unknown order: deliver.
+        return mine is not None and theirs is not None and theirs <= mine
+
+    def stream_start(self) -> tuple[ClusterTime, int]:
+        """Sort key of where this partition needs the stream to start: a cluster time (the
+        stream starts AT it) sorts before a token at the same time (the stream starts after)."""
+        return (self.ct or (0, 0), 0 if self.token is None else 1)
+
+
+class _HistoryLost(Exception):
+    """The change stream's resume point is gone (code 286)."""
+
+
+class MongoLog:
+    """The :class:`~wowd.stores.base.Log` of one context on MongoDB.
+
+    ``client`` is not owned (the caller closes it). A change stream needs a replica set or a
+    sharded cluster; on a standalone server :meth:`read` raises :class:`ConfigError`.
+    """
+
+    def __init__(
+        self,
+        client: AsyncMongoClient[Doc],
+        database_name: str,
+        *,
+        context: str,
+        partitions: int,
+        ddl: Ddl = Ddl.AUTO,
+        operation_timeout: timedelta | None = timedelta(seconds=30),
+        max_await: timedelta = timedelta(seconds=1),
+        idle_advance: timedelta | None = timedelta(minutes=1),
+    ) -> None:
+        self.context = validate_name(context, field="context")
+        if partitions < 1:
+            raise ConfigError(f"partitions: must be >= 1, got {partitions}")
+        self.partitions = partitions
+        self._client = client
+        self._db: AsyncDatabase[Doc] = client[database_name]
+        self._ddl = Ddl(ddl)
+        self._timeout = operation_timeout.total_seconds() if operation_timeout is not None else None
+        self._max_await_ms = max(1, int(max_await.total_seconds() * 1000))
+        self._idle_advance_s = int(idle_advance.total_seconds()) if idle_advance is not None else None
+        self._prefix = log_collection_prefix(context)
+        self._checkpoints: AsyncCollection[Doc] = self._db[f"wow_checkpoint__{context}"]
+        self._quarantine: AsyncCollection[Doc] = self._db[f"wow_quarantine__{context}"]
+        self._ensured: set[str] = set()
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextmanager
+    def _op(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
+        """Translates driver errors, applies the operation timeout and records the latency."""
+        started = time.perf_counter()
+        try:
+            with translate_errors(f"log {operation}"):
+                if bounded and self._timeout is not None:
+                    with pymongo.timeout(self._timeout):
+                        yield
+                else:
+                    yield
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - started)
+
+    def collection_name(self, aggregate: str) -> str:
+        """``wow_log__<context>__<aggregate>``."""
+        return collection_name("log", self.context, aggregate)
+
+    def _aggregate_of(self, coll: str) -> AggregateType | None:
+        if not coll.startswith(self._prefix):
+            return None
+        try:
+            return AggregateType(context=self.context, aggregate=coll[len(self._prefix) :])
+        except (ConfigError, InvalidInput):
+            logger.warning("ignoring collection %s: not a valid aggregate name", coll)
+            return None
+
+    async def _collection(self, aggregate: AggregateType) -> AsyncCollection[Doc]:
+        if aggregate.context != self.context:
+            raise ConfigError(f"aggregate type {aggregate} is not of context {self.context!r}")
+        name = self.collection_name(aggregate.aggregate)
+        if name not in self._ensured:
+            await self._ensure(name)
+        return self._db[name]
+
+    async def _ensure(self, name: str) -> None:
+        if self._ddl is Ddl.AUTO:
+            with self._op("prepare"):
+                await self._db.command({"createIndexes": name, "indexes": log_indexes()})
+        elif self._ddl is Ddl.VALIDATE:
+            with self._op("prepare"):
+                info = await self._db[name].index_information()
+            for spec in log_indexes():
+                found = info.get(spec["name"])
+                if found is None or dict(found.get("key", [])) != spec["key"]:
+                    raise FormatError(f"mongodb {name}: index {spec['name']} {spec['key']} is missing")
+        self._ensured.add(name)
+
+    async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
+        with self._op("list"):
+            names = await self._db.list_collection_names(
+                session=session, filter={"name": {"$regex": "^" + re.escape(self._prefix)}}
+            )
+        return sorted(n for n in names if self._aggregate_of(n) is not None)
+
+    # ------------------------------------------------------------------ DDL, health
+
+    async def prepare(self) -> None:
+        """Creates (AUTO) or checks (VALIDATE) the indexes of the existing log collections and
+        of the quarantine. Idempotent."""
+        if self._ddl is Ddl.NONE:
+            return
+        for name in await self._log_collections():
+            await self._ensure(name)
+        if self._ddl is Ddl.AUTO:
+            with self._op("prepare"):
+                await self._db.command(
+                    {"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()}
+                )
+
+    async def ping(self) -> None:
+        with self._op("ping"):
+            await self._db.command("ping")
+
+    async def close(self) -> None:
+        """The client belongs to the caller: nothing to close here."""
+
+    async def aggregate_types(self) -> list[AggregateType]:
+        types = (self._aggregate_of(n) for n in await self._log_collections())
+        return [t for t in types if t is not None]
+
+    # ------------------------------------------------------------------ appends
+
+    async def append(self, commit: Commit) -> AppendOutcome:
+        """One insert. E11000 on the request-id index: ``duplicate``; on ``_id``: ``duplicate``
+        when the stored commit has this request id, else :class:`ConflictError`."""
+        doc = commit_to_doc(commit, self.partitions)
+        coll = await self._collection(commit.ref.type)
+        with self._op("append"):
+            try:
+                await coll.insert_one(doc)
+                return "appended"
+            except DuplicateKeyError as exc:
+                outcome = (await self._duplicates(coll, [(doc, exc.details or {})]))[0]
+        if outcome == "conflict":
+            raise ConflictError(
+                f"{commit.ref} version {commit.version} is held by another commit "
+                f"(request id {commit.request_id!r} differs)"
+            )
+        return outcome
+
+    async def append_many(self, commits: Sequence[Commit]) -> list[AppendOutcome]:
+        """One unordered ``insert_many`` per aggregate type; one outcome per commit in order."""
+        outcomes: list[AppendOutcome] = ["appended"] * len(commits)
+        groups: dict[AggregateType, list[int]] = {}
+        for i, c in enumerate(commits):
+            groups.setdefault(c.ref.type, []).append(i)
+        for type_, indexes in groups.items():
+            coll = await self._collection(type_)
+            docs = [commit_to_doc(commits[i], self.partitions) for i in indexes]
+            with self._op("append_many"):
+                try:
+                    await coll.insert_many(docs, ordered=False)
+                    continue
+                except BulkWriteError as exc:
+                    details = exc.details
+                    if details.get("writeConcernErrors"):
+                        raise StorageUnavailable(
+                            f"mongodb log append_many: write concern not satisfied: {details['writeConcernErrors']}"
+                        ) from exc
+                    errors = details.get("writeErrors") or []
+                    if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
+                        raise
+                    dups = [(docs[e["index"]], e) for e in errors]
+                    resolved = await self._duplicates(coll, dups)
+                    for e, outcome in zip(errors, resolved, strict=True):
+                        outcomes[indexes[e["index"]]] = outcome
+        return outcomes
+
+    async def _duplicates(
+        self, coll: AsyncCollection[Doc], dups: Sequence[tuple[Doc, Mapping[str, Any]]]
+    ) -> list[AppendOutcome]:
+        """Classifies E11000 errors: the request-id index means ``duplicate``; ``_id`` means
+        ``duplicate`` when the stored commit has the same request id, else ``conflict``."""
+        on_id = [doc["_id"] for doc, err in dups if _duplicate_index(err) == "_id"]
+        stored: dict[tuple[Any, ...], Any] = {}
+        if on_id:
+            async for d in coll.find({"_id": {"$in": on_id}}, {"request_id": 1}):
+                stored[_id_key(d["_id"])] = d.get("request_id")
+        out: list[AppendOutcome] = []
+        for doc, err in dups:
+            index = _duplicate_index(err)
+            if index == "aggregate_request":
+                out.append("duplicate")
+            elif index == "_id":
+                same = stored.get(_id_key(doc["_id"])) == doc["request_id"]
+                out.append("duplicate" if same else "conflict")
+            else:
+                raise StorageError(f"mongodb log append: unexpected duplicate key: {err.get('errmsg')}")
+        return out
+
+    async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
+        coll = await self._collection(aggregate)
+        with self._op("insert_raw"):
+            await coll.insert_one(dict(document))
+
+    # ------------------------------------------------------------------ reading
+
+    def read(
+        self, positions: Mapping[int, Position | None], *, batch_size: int = 500, follow: bool = True
+    ) -> AsyncIterator[LogBatch]:
+        """Partitions without a position are first re-read from the collections (by
+        ``partition``, ``(aggregate_id, version)``), then one change stream on the database
+        serves every partition from the oldest position. A lost resume point (code 286)
+        re-reads every partition and restarts the stream at the cluster time taken before."""
+        for p in positions:
+            if not 0 <= p < self.partitions:
+                raise ConfigError(f"partition {p} is outside [0, {self.partitions})")
+        return self._read(dict(positions), max(1, batch_size), follow)
+
+    async def _read(
+        self, positions: dict[int, Position | None], batch_size: int, follow: bool
+    ) -> AsyncIterator[LogBatch]:
+        if not positions:
+            if follow:
+                await anyio.sleep_forever()  # nothing to tail, but a follower never ends by itself
+            return
+        parts = {p: _Part.from_position(pos) for p, pos in positions.items()}
+        while True:
+            if any(s.scan is not None for s in parts.values()):
+                # the scan reads at or after a cluster time taken first (a causally consistent
+                # session): the stream then starts there and skips what the scan read
+                async with self._client.start_session(causal_consistency=True) as session:
+                    t0 = await self._cluster_time(session)
+                    session.advance_operation_time(Timestamp(*t0))
+                    for s in parts.values():
+                        if s.scan is not None and s.ct is None:
+                            s.ct, s.token = t0, None
+                    async with aclosing(self._scan(parts, batch_size, session)) as scanned:
+                        async for batch in scanned:
+                            yield batch
+            try:
+                async with aclosing(self._stream(parts, batch_size, follow)) as streamed:
+                    async for batch in streamed:
+                        yield batch
+                return
+            except _HistoryLost:
+                logger.warning(
+                    "log %s: change stream history lost; re-reading partitions %s from the collections",
+                    self.context,
+                    sorted(parts),
+                )
+                for p in parts:
+                    parts[p] = _Part(scan={})
+
+    async def _cluster_time(self, session: AsyncClientSession) -> ClusterTime:
+        """A cluster time from the server (the ``operationTime`` of a ``ping``)."""
+        with self._op("cluster_time"):
+            reply = await self._db.command("ping", session=session)
+        ct = cluster_time_of(reply.get("operationTime"))
+        if ct is None:
+            ct = cluster_time_of((reply.get("$clusterTime") or {}).get("clusterTime"))
+        if ct is None:
+            raise ConfigError(
+                "MongoDB gave no cluster time: the log needs a replica set or a sharded cluster "
+                "(change streams); a one-node replica set will do"
+            )
+        return ct
+
+    async def _scan(
+        self, parts: dict[int, _Part], batch_size: int, session: AsyncClientSession
+    ) -> AsyncGenerator[LogBatch, None]:
+        names = await self._log_collections(session)
+        entries: list[LogEntry] = []
+        for p in sorted(parts):
+            s = parts[p]
+            if s.scan is None:
+                continue
+            assert s.ct is not None
+            after = s.scan
+            for name in names:
+                if after and name < str(after.get("c", "")):
+                    continue
+                aggregate = self._aggregate_of(name)
+                assert aggregate is not None
+                key = after if after and name == after.get("c") else None
+                cursor = self._db[name].find(
+                    scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session
+                )
+                try:
+                    while True:
+                        with self._op("scan"):
+                            docs = await cursor.to_list(batch_size - len(entries))
+                        if not docs:
+                            break
+                        for doc in docs:
+                            scan_key = {"c": name, "a": doc.get("aggregate_id"), "v": doc.get("version"),
+                                        "id": doc.get("_id")}
+                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
+                            entries.append(self._entry(position, p, aggregate, doc))
+                        if len(entries) >= batch_size:
+                            yield _batch(entries)
+                            entries = []
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+                        await cursor.close()
+            s.scan = None
+        if entries:
+            yield _batch(entries)
+
+    async def _stream(
+        self, parts: dict[int, _Part], batch_size: int, follow: bool
+    ) -> AsyncGenerator[LogBatch, None]:
+        start = min(parts.values(), key=_Part.stream_start)
+        kwargs: dict[str, Any] = {}
+        if start.token is None:
+            assert start.ct is not None
+            kwargs["start_at_operation_time"] = Timestamp(*start.ct)
+        else:
+            kwargs["start_after"] = start.token
+        pipeline = change_stream_pipeline(self.context, list(parts))
+        with self._stream_errors("watch"):
+            stream = await self._db.watch(
+                pipeline, batch_size=batch_size, max_await_time_ms=self._max_await_ms, **kwargs
+            )
+        try:
+            entries: list[LogEntry] = []
+            while True:
+                with self._stream_errors("getMore"):
+                    change = await stream.try_next()
+                if change is not None:
+                    entry = self._change_entry(change, parts)
+                    if entry is not None:
+                        entries.append(entry)
+                    if len(entries) < batch_size and _buffered(stream):
+                        continue  # the rest of the server's batch is here already
+                if entries:
+                    yield _batch(entries)
+                    entries = []
+                idle = self._idle_positions(parts, stream.resume_token)
+                if idle:
+                    yield LogBatch(entries=(), positions=idle)
+                if change is None and not follow:
+                    return  # caught up: a getMore came back empty
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+                await stream.close()
+
+    @contextmanager
+    def _stream_errors(self, operation: str) -> Iterator[None]:
+        """Code 286 becomes :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a
+        :class:`ConfigError`; the rest as :meth:`_op` translates it."""
+        with self._op(operation, bounded=False):
+            try:
+                yield
+            except OperationFailure as exc:
+                if exc.code == HISTORY_LOST:
+                    raise _HistoryLost(str(exc)) from exc
+                if exc.code == CHANGE_STREAM_UNSUPPORTED:
+                    raise ConfigError(
+                        "MongoDB refused a change stream: the log needs a replica set or a "
+                        f"sharded cluster, not a standalone server ({exc})"
+                    ) from exc
+                raise
+
+    def _idle_positions(self, parts: dict[int, _Part], token: Mapping[str, Any] | None) -> dict[int, Position]:
+        """Moves partitions that saw nothing for ``idle_advance`` to the stream's resume token,
+        so a quiet partition's checkpoint does not fall off the oplog."""
+        if self._idle_advance_s is None or token is None:
+            return {}
+        ct = token_cluster_time(token)
+        if ct is None:
+            return {}
+        moved: dict[int, Position] = {}
+        for p, s in parts.items():
+            if s.scan is None and s.ct is not None and ct[0] - s.ct[0] >= self._idle_advance_s:
+                s.ct, s.token = ct, dict(token)
+                moved[p] = {"token": dict(token), "cluster_time": list(ct)}
+        return moved
+
+    def _change_entry(self, change: Mapping[str, Any], parts: dict[int, _Part]) -> LogEntry | None:
+        ns = change.get("ns") or {}
+        aggregate = self._aggregate_of(str(ns.get("coll", "")))
+        doc = change.get("fullDocument")
+        if aggregate is None or not isinstance(doc, Mapping):
+            return None
+        p = doc.get("partition")
+        if not _is_int(p) or p not in parts:
+            return None
+        s = parts[p]
+        token = change.get("_id")
+        ct = cluster_time_of(change.get("clusterTime")) or token_cluster_time(token)
+        if s.skips(ct, token):
+            return None
+        s.ct, s.token = ct, token
+        position: Position = {"token": token, "cluster_time": list(ct) if ct else None}
+        return self._entry(position, p, aggregate, doc)
+
+    def _entry(self, position: Position, p: int, aggregate: AggregateType, doc: Mapping[str, Any]) -> LogEntry:
+        try:
+            commit = commit_from_doc(aggregate, doc)
+            expected = partition(commit.ref.id, self.partitions)
+            if expected != p:
+                raise InvalidInput(
+                    f"is {p}, but the aggregate id belongs to partition {expected} of {self.partitions}",
+                    field="partition",
+                )
+        except (InvalidInput, ConfigError) as exc:
+            return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc,
+                            error=str(exc))
+        return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)
+
+    # ------------------------------------------------------------------ checkpoints, quarantine
+
+    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
+        if not partitions:
+            return {}
+        out: dict[int, Checkpoint] = {}
+        with self._op("checkpoints"):
+            async for d in self._checkpoints.find(checkpoint_ids_filter(consumer, partitions)):
+                p = d["_id"]["partition"]
+                out[p] = Checkpoint(
+                    consumer=consumer,
+                    partition=p,
+                    position=dict(d.get("position") or {}),
+                    fence=int(d.get("fence", 0)),
+                    written_at=int(d.get("written_at", 0)),
+                )
+        return out
+
+    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
+        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False."""
+        with self._op("save_checkpoint"):
+            try:
+                await self._checkpoints.update_one(
+                    checkpoint_filter(consumer, partition, fence),
+                    checkpoint_update(_bson_position(position), fence),
+                    upsert=True,
+                )
+            except DuplicateKeyError:
+                return False
+        return True
+
+    async def quarantine(
+        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
+    ) -> None:
+        doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
+        with self._op("quarantine"):
+            try:
+                await self._quarantine.insert_one(doc)
+            except DuplicateKeyError:
+                return
+        logger.warning(
+            "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
+            self.context, aggregate, partition, consumer, reason,
+        )
+
+    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if limit <= 0:
+            return out
+        with self._op("quarantined"):
+            cursor = self._quarantine.find({}, sort=[("quarantined_at", 1), ("seq", 1)], limit=limit)
+            async for d in cursor:
+                out.append({k: d.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})
+        return out
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _batch(entries: list[LogEntry]) -> LogBatch:
+    positions: dict[int, Position] = {}
+    for e in entries:
+        positions[e.partition] = e.position
+    return LogBatch(entries=tuple(entries), positions=positions)
+
+
+def _buffered(stream: AsyncDatabaseChangeStream[Doc]) -> bool:
+    """Whether the stream holds more changes of the batch it received (no round trip needed).
+    PyMongo has no public API for it; without one, every change ends a batch (still correct)."""
+    cursor = getattr(stream, "_cursor", None)
+    has_next = getattr(cursor, "_has_next", None)
+    return bool(has_next()) if callable(has_next) else False
+
+
+def _duplicate_index(err: Mapping[str, Any]) -> str:
+    """The index an E11000 names: from ``keyPattern`` when the server sent it, else the message."""
+    pattern = err.get("keyPattern")
+    if isinstance(pattern, Mapping):
+        if "_id" in pattern:
+            return "_id"
+        if "request_id" in pattern:
+            return "aggregate_request"
+    msg = str(err.get("errmsg", ""))
+    m = re.search(r"index: (\S+)", msg)
+    name = m.group(1) if m else ""
+    return "_id" if name == "_id_" else name
+
+
+def _id_key(id_: Any) -> tuple[Any, ...]:
+    if isinstance(id_, Mapping):
+        return tuple(sorted((k, repr(v)) for k, v in id_.items()))
+    return (repr(id_),)
+
+
+def _bson_position(position: Position) -> Position:
+    """A position as stored: a cluster time as ``[time, inc]`` (JSON- and BSON-friendly)."""
+    out = dict(position)
+    ct = cluster_time_of(out.get("cluster_time"))
+    if ct is not None:
+        out["cluster_time"] = list(ct)
+    return out
+

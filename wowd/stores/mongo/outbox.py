@@ -1,0 +1,131 @@
+"""The outbox on MongoDB: where the ``outbox`` gateway delivers fired commands.
+
+Collection ``wow_outbox__<context>``, unique on ``request_id`` (a re-fire carries the same
+request id, so a second put is refused and answers False). Entries are kept in insertion order
+by their ``_id`` (an ObjectId); ``entries(limit, after)`` pages by offset in that order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import BulkWriteError, DuplicateKeyError
+
+from wowd.errors import StorageError
+from wowd.model import AggregateRef, OutboxEntry, validate_name
+from wowd.stores.base import Ddl
+from wowd.stores.mongo._common import DUPLICATE_KEY, translate_errors
+
+__all__ = ["MongoOutbox", "outbox_doc", "outbox_entry", "outbox_indexes"]
+
+Doc = dict[str, Any]
+
+
+def outbox_indexes() -> list[Doc]:
+    return [{"key": {"request_id": 1}, "name": "request_id", "unique": True}]
+
+
+def outbox_doc(entry: OutboxEntry) -> Doc:
+    t = entry.target
+    return {
+        "request_id": entry.request_id,
+        "timer_id": entry.timer_id,
+        "target": {"context": t.context, "aggregate": t.aggregate, "tenant_id": t.tenant_id, "id": t.id},
+        "command": entry.command,
+        "scheduled_at": entry.scheduled_at,
+        "fence": entry.fence,
+        "owner_key": entry.owner_key,
+        "created_at": entry.created_at,
+    }
+
+
+def outbox_entry(doc: Doc) -> OutboxEntry:
+    t = doc.get("target") or {}
+    try:
+        return OutboxEntry(
+            request_id=doc["request_id"],
+            timer_id=doc["timer_id"],
+            target=AggregateRef(
+                context=t["context"], aggregate=t["aggregate"], tenant_id=t["tenant_id"], id=t["id"]
+            ),
+            command=doc["command"],
+            scheduled_at=int(doc["scheduled_at"]),
+            fence=int(doc.get("fence", 0)),
+            owner_key=str(doc.get("owner_key", "")),
+            created_at=int(doc.get("created_at", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StorageError(f"mongodb outbox: unreadable entry {doc.get('_id')!r}: {exc!r}") from exc
+
+
+class MongoOutbox:
+    """:class:`~wowd.stores.base.Outbox` on MongoDB; the client belongs to the caller."""
+
+    def __init__(
+        self, client: AsyncMongoClient[Doc], database_name: str, *, context: str, ddl: Ddl = Ddl.AUTO
+    ) -> None:
+        self.context = validate_name(context, field="context")
+        self._db = client[database_name]
+        self._coll: AsyncCollection[Doc] = self._db[f"wow_outbox__{context}"]
+        self._ddl = Ddl(ddl)
+        self._prepared = self._ddl is not Ddl.AUTO
+
+    @contextmanager
+    def _op(self, operation: str) -> Iterator[None]:
+        with translate_errors(f"outbox {operation}"):
+            yield
+
+    async def prepare(self) -> None:
+        """Creates the unique request-id index (AUTO mode; idempotent)."""
+        if self._ddl is Ddl.AUTO:
+            with self._op("prepare"):
+                await self._db.command({"createIndexes": self._coll.name, "indexes": outbox_indexes()})
+        self._prepared = True
+
+    async def put(self, entry: OutboxEntry) -> bool:
+        if not self._prepared:
+            await self.prepare()
+        with self._op("put"):
+            try:
+                await self._coll.insert_one(outbox_doc(entry))
+            except DuplicateKeyError:
+                return False
+        return True
+
+    async def put_many(self, entries: Sequence[OutboxEntry]) -> list[bool]:
+        """One unordered ``insert_many``; per entry, False when its request id was there (before,
+        or earlier in the batch: the first of the batch is kept)."""
+        if not entries:
+            return []
+        if not self._prepared:
+            await self.prepare()
+        written = [True] * len(entries)
+        with self._op("put_many"):
+            try:
+                await self._coll.insert_many([outbox_doc(e) for e in entries], ordered=False)
+            except BulkWriteError as exc:
+                errors = exc.details.get("writeErrors") or []
+                if any(e.get("code") != DUPLICATE_KEY for e in errors) or not errors:
+                    raise
+                for e in errors:
+                    written[e["index"]] = False
+        return written
+
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
+        """Up to ``limit`` entries in insertion order, skipping the first ``after``."""
+        if limit <= 0:
+            return []
+        with self._op("entries"):
+            docs = await self._coll.find({}, sort=[("_id", 1)], skip=max(0, after), limit=limit).to_list()
+        return [outbox_entry(d) for d in docs]
+
+    async def count(self) -> int:
+        with self._op("count"):
+            return await self._coll.count_documents({})
+
+    async def close(self) -> None:
+        """The client belongs to the caller: nothing to close here."""
