@@ -167,6 +167,9 @@ class FakeOutbox:
         self.entries[entry.request_id] = entry
         return True
 
+    async def put_many(self, entries: list[OutboxEntry]) -> list[bool]:
+        return [await self.put(e) for e in entries]
+
 
 async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -> None:
     box = FakeOutbox()

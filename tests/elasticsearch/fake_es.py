@@ -7,15 +7,18 @@ client talks to it over a socket. Every answer carries ``X-Elastic-Product: Elas
 
 A test queues answers (``fake.on(method, path, status, body)``: FIFO, each used once; ``body``
 may be a function of the request), calls the store, then reads ``fake.requests``. A request with
-no answer queued is answered 400 and kept in ``fake.unexpected`` (the fixture asserts it empty).
+no answer queued is answered 400 and kept in ``fake.unexpected`` (the fixture asserts it empty),
+unless ``fake.model`` is set: an :class:`EsModel`, a stateful Elasticsearch 9 for the APIs the
+sink uses (see the section at the end), answers it then.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -56,6 +59,8 @@ class _Answer:
 class FakeElasticsearch:
     requests: list[Recorded] = field(default_factory=list)
     unexpected: list[Recorded] = field(default_factory=list)
+    model: EsModel | None = None
+    """When set, answers every request no queued answer matched (a stateful Elasticsearch)."""
     _answers: list[_Answer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
@@ -92,6 +97,8 @@ class FakeElasticsearch:
                     del self._answers[i]
                     body = a.body(req) if callable(a.body) else a.body
                     return a.status, body
+            if self.model is not None:
+                return self.model.answer(req)
             self.unexpected.append(req)
         return 400, error(400, "illegal_argument_exception", f"fake: no answer for {req.method} {req.path}")
 
@@ -115,13 +122,16 @@ class FakeElasticsearch:
                 )
                 status, body = fake._answer(req)
                 data = b"" if body is None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("X-Elastic-Product", "Elasticsearch")
-                self.send_header("Content-Type", CONTENT_TYPE)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("X-Elastic-Product", "Elasticsearch")
+                    self.send_header("Content-Type", CONTENT_TYPE)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client gave up (a timeout test)
 
             do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
 
@@ -281,3 +291,728 @@ def created(index: str) -> dict[str, Any]:
 
 def refreshed() -> dict[str, Any]:
     return {"_shards": {"total": 2, "successful": 1, "failed": 0}}
+
+
+def ubq_status(answer: dict[str, Any]) -> int:
+    """The HTTP status Elasticsearch sends an ``_update_by_query`` answer with
+    (``BulkIndexByScrollResponseContentListener``): 200, 408 when it timed out, else the highest
+    status of its failures."""
+    status = 408 if answer.get("timed_out") else 200
+    return max([status, *(int(f["status"]) for f in answer.get("failures", []))])
+
+
+def bulk_failure(index: str, _id: str, status: int, type: str, reason: str) -> dict[str, Any]:
+    """A bulk failure of an ``_update_by_query`` answer."""
+    return {"index": index, "id": _id, "cause": {"type": type, "reason": reason, "index": index}, "status": status}
+
+
+def search_failure(index: str, status: int, type: str, reason: str) -> dict[str, Any]:
+    """A search (shard) failure of an ``_update_by_query`` answer."""
+    return {"index": index, "shard": 0, "node": "n1", "status": status, "reason": {"type": type, "reason": reason}}
+
+
+def script_error(reason: str, cause_type: str, cause_reason: str) -> dict[str, Any]:
+    """The 400 error body of a painless script that failed at run time."""
+    return {
+        "error": {
+            "root_cause": [{"type": "script_exception", "reason": reason}],
+            "type": "script_exception",
+            "reason": reason,
+            "script_stack": ["..."],
+            "script": "...",
+            "lang": "painless",
+            "position": {"offset": 0, "start": 0, "end": 1},
+            "caused_by": {"type": cause_type, "reason": cause_reason},
+        },
+        "status": 400,
+    }
+
+
+def stored_mapping(mapping: dict[str, Any]) -> dict[str, Any]:
+    """A mapping as ``GET <index>/_mapping`` shows it: ``dynamic`` as a string, ``"type":
+    "object"`` only on objects without properties, properties in name order."""
+
+    def field_(spec: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        kind = spec.get("type", "object")
+        if "properties" in spec:
+            if kind != "object":
+                out["type"] = kind
+        else:
+            out["type"] = kind
+        for k, v in spec.items():
+            if k in ("type", "properties"):
+                continue
+            out[k] = str(v).lower() if k == "dynamic" else v
+        if "properties" in spec:
+            out["properties"] = {k: field_(v) for k, v in sorted(spec["properties"].items())}
+        return out
+
+    out: dict[str, Any] = {}
+    for k, v in mapping.items():
+        if k == "properties":
+            continue
+        out[k] = str(v).lower() if k == "dynamic" else v
+    out["properties"] = {k: field_(v) for k, v in sorted(mapping.get("properties", {}).items())}
+    return out
+
+
+# --------------------------------------------------------------------------- a stateful ES 9
+#
+# ``EsModel`` answers as one Elasticsearch 9 node with one shard per index would, for the APIs
+# the sink uses: index creation (mapping kept and enforced: strict/false dynamic, disabled
+# objects, routing required), bulk creates (201/409 by id), refresh visibility (a search sees
+# documents as of the last refresh), search/msearch (bool/term/range/exists, sort, size,
+# search_after, _source filtering, routing), update_by_query (over the last refresh, a
+# document changed since is a version conflict; the script run by the painless subset below;
+# failures and status as ES gives them) and cluster health. It refuses unknown parameters and
+# body keys with ES's 400s, so a request only this model accepts does not pass unnoticed.
+
+
+class _ApiFailure(Exception):
+    def __init__(self, status: int, type: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.type, self.reason = status, type, reason
+
+
+class ScriptError(Exception):
+    """A painless run-time error (``caused_by`` type and reason)."""
+
+    def __init__(self, type: str, reason: str) -> None:
+        super().__init__(reason)
+        self.type, self.reason = type, reason
+
+
+_TOKEN = re.compile(
+    r"\s*(?:(?P<num>\d+)|(?P<str>'(?:[^'\\]|\\.)*')|(?P<id>[A-Za-z_][A-Za-z0-9_]*)"
+    r"|(?P<op>==|!=|<=|>=|\|\||&&|[<>!?:;=.(){}\[\]]))"
+)
+
+
+class Painless:
+    """The subset of painless the sink's scripts use: ``def`` locals, ``if``/``else`` blocks,
+    assignments to map members, ``== != < > <= >= || && !``, ``?:``, ``.`` and ``[]`` on maps
+    (a missing key is null; either on null is a NullPointerException), ``null``/``true``/
+    ``false``, integers and single-quoted strings. Numbers compare by value across int/long
+    (painless ``DefMath``); ordering a null or a non-number is an error, as in painless."""
+
+    def __init__(self, source: str) -> None:
+        self.tokens: list[tuple[str, str]] = []
+        pos = 0
+        text = source.rstrip()
+        while pos < len(text):
+            m = _TOKEN.match(text, pos)
+            if m is None or m.end() == pos:
+                raise ValueError(f"painless: cannot read {text[pos : pos + 20]!r}")
+            kind = m.lastgroup
+            assert kind is not None
+            self.tokens.append((kind, m.group(kind)))
+            pos = m.end()
+        self.i = 0
+        self.program = self._statements(until=None)
+
+    # ---- parsing (into nested tuples)
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.i][1] if self.i < len(self.tokens) else None
+
+    def _next(self, expect: str | None = None) -> tuple[str, str]:
+        if self.i >= len(self.tokens):
+            raise ValueError(f"painless: unexpected end, expected {expect}")
+        tok = self.tokens[self.i]
+        if expect is not None and tok[1] != expect:
+            raise ValueError(f"painless: expected {expect!r}, got {tok[1]!r}")
+        self.i += 1
+        return tok
+
+    def _statements(self, until: str | None) -> list[Any]:
+        out = []
+        while self._peek() != until:
+            out.append(self._statement())
+        return out
+
+    def _block(self) -> list[Any]:
+        if self._peek() == "{":
+            self._next("{")
+            body = self._statements(until="}")
+            self._next("}")
+            return body
+        return [self._statement()]
+
+    def _statement(self) -> Any:
+        if self._peek() == "def":
+            self._next()
+            kind, name = self._next()
+            if kind != "id":
+                raise ValueError(f"painless: a name must follow def, got {name!r}")
+            self._next("=")
+            value = self._expr()
+            self._next(";")
+            return ("def", name, value)
+        if self._peek() == "if":
+            self._next()
+            self._next("(")
+            cond = self._expr()
+            self._next(")")
+            then = self._block()
+            other: list[Any] = []
+            if self._peek() == "else":
+                self._next()
+                other = self._block()
+            return ("if", cond, then, other)
+        target = self._postfix()
+        if target[0] not in ("member", "index", "var"):
+            raise ValueError("painless: not an assignable expression")
+        self._next("=")
+        value = self._expr()
+        self._next(";")
+        return ("set", target, value)
+
+    def _expr(self) -> Any:
+        cond = self._binary(0)
+        if self._peek() == "?":
+            self._next()
+            a = self._expr()
+            self._next(":")
+            b = self._expr()
+            return ("?:", cond, a, b)
+        return cond
+
+    _LEVELS = (("||",), ("&&",), ("==", "!="), ("<", ">", "<=", ">="))
+
+    def _binary(self, level: int) -> Any:
+        if level == len(self._LEVELS):
+            return self._unary()
+        left = self._binary(level + 1)
+        while self._peek() in self._LEVELS[level] and self.tokens[self.i][0] == "op":
+            op = self._next()[1]
+            left = (op, left, self._binary(level + 1))
+        return left
+
+    def _unary(self) -> Any:
+        if self._peek() == "!":
+            self._next()
+            return ("!", self._unary())
+        return self._postfix()
+
+    def _postfix(self) -> Any:
+        node = self._primary()
+        while self._peek() in (".", "["):
+            if self._next()[1] == ".":
+                kind, name = self._next()
+                if kind != "id":
+                    raise ValueError(f"painless: a name must follow '.', got {name!r}")
+                node = ("member", node, name)
+            else:
+                key = self._expr()
+                self._next("]")
+                node = ("index", node, key)
+        return node
+
+    def _primary(self) -> Any:
+        kind, text = self._next()
+        if kind == "num":
+            return ("const", int(text))
+        if kind == "str":
+            return ("const", text[1:-1].replace("\\'", "'"))
+        if text == "(":
+            e = self._expr()
+            self._next(")")
+            return e
+        if kind == "id":
+            if text in ("null", "true", "false"):
+                return ("const", {"null": None, "true": True, "false": False}[text])
+            return ("var", text)
+        raise ValueError(f"painless: unexpected {text!r}")
+
+    # ---- running
+
+    def run(self, params: dict[str, Any], ctx: dict[str, Any]) -> None:
+        scope: dict[str, Any] = {"params": params, "ctx": ctx}
+        self._run(self.program, scope)
+
+    def _run(self, stmts: list[Any], scope: dict[str, Any]) -> None:
+        for st in stmts:
+            if st[0] == "def":
+                if st[1] in scope:
+                    raise ScriptError("illegal_argument_exception", f"variable [{st[1]}] is already defined")
+                scope[st[1]] = self._eval(st[2], scope)
+            elif st[0] == "if":
+                self._run(st[2] if self._bool(self._eval(st[1], scope)) else st[3], dict(scope))
+            else:
+                target, value = st[1], self._eval(st[2], scope)
+                if target[0] == "var":
+                    if target[1] not in scope or target[1] in ("params", "ctx"):
+                        raise ScriptError("illegal_argument_exception", f"cannot assign [{target[1]}]")
+                    scope[target[1]] = value
+                    continue
+                container = self._eval(target[1], scope)
+                key = target[2] if target[0] == "member" else self._eval(target[2], scope)
+                if not isinstance(container, dict):
+                    raise ScriptError("null_pointer_exception", f"cannot set [{key}] on {container!r}")
+                container[key] = copy.deepcopy(value)
+
+    @staticmethod
+    def _bool(v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise ScriptError("class_cast_exception", f"cannot cast {type(v).__name__} to boolean")
+        return v
+
+    @staticmethod
+    def _num(v: Any) -> int | float:
+        if v is None:
+            raise ScriptError("null_pointer_exception", "cannot compare null")
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ScriptError("class_cast_exception", f"cannot compare {type(v).__name__}")
+        return v
+
+    def _eval(self, e: Any, scope: dict[str, Any]) -> Any:
+        op = e[0]
+        if op == "const":
+            return e[1]
+        if op == "var":
+            if e[1] not in scope:
+                raise ValueError(f"painless: cannot resolve symbol [{e[1]}]")
+            return scope[e[1]]
+        if op in ("member", "index"):
+            container = self._eval(e[1], scope)
+            key = e[2] if op == "member" else self._eval(e[2], scope)
+            if container is None:
+                raise ScriptError("null_pointer_exception", f"cannot access [{key}] of null")
+            if isinstance(container, dict):
+                return container.get(key)
+            if isinstance(container, list) and isinstance(key, int):
+                return container[key]
+            raise ScriptError("illegal_argument_exception", f"cannot access [{key}] of {type(container).__name__}")
+        if op == "!":
+            return not self._bool(self._eval(e[1], scope))
+        if op == "||":
+            return self._bool(self._eval(e[1], scope)) or self._bool(self._eval(e[2], scope))
+        if op == "&&":
+            return self._bool(self._eval(e[1], scope)) and self._bool(self._eval(e[2], scope))
+        if op == "?:":
+            return self._eval(e[2] if self._bool(self._eval(e[1], scope)) else e[3], scope)
+        a, b = self._eval(e[1], scope), self._eval(e[2], scope)
+        if op in ("==", "!="):
+            num = isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool)
+            equal = (a == b) if num or type(a) is type(b) or a is None or b is None else False
+            return equal if op == "==" else not equal
+        x, y = self._num(a), self._num(b)
+        return {"<": x < y, ">": x > y, "<=": x <= y, ">=": x >= y}[op]
+
+
+def _values(source: Mapping[str, Any], path: str) -> list[Any]:
+    """The values of a (dotted) field in a source, arrays flattened."""
+    current: list[Any] = [source]
+    for part in path.split("."):
+        nxt: list[Any] = []
+        for c in current:
+            if isinstance(c, Mapping) and part in c:
+                v = c[part]
+                nxt.extend(v if isinstance(v, list) else [v])
+        current = nxt
+    return [v for v in current if v is not None]
+
+
+def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
+    """Whether a document matches a query (the query DSL the sink sends)."""
+    ((kind, spec),) = query.items()
+    if kind == "match_all":
+        return True
+    if kind == "bool":
+        unknown = set(spec) - {"filter", "must", "should", "must_not", "minimum_should_match"}
+        if unknown:
+            raise _ApiFailure(400, "x_content_parse_exception", f"[bool] unknown field {sorted(unknown)}")
+
+        def clauses(k: str) -> list[Mapping[str, Any]]:
+            v = spec.get(k, [])
+            return v if isinstance(v, list) else [v]
+
+        if not all(matches(q, source) for q in clauses("filter") + clauses("must")):
+            return False
+        if any(matches(q, source) for q in clauses("must_not")):
+            return False
+        should = clauses("should")
+        default = 0 if clauses("filter") or clauses("must") else 1
+        minimum = int(spec.get("minimum_should_match", default if should else 0))
+        return sum(matches(q, source) for q in should) >= minimum
+    if kind == "term":
+        ((name, value),) = spec.items()
+        if isinstance(value, Mapping):
+            value = value["value"]
+        return any(v == value and type(v) is type(value) or _num_eq(v, value) for v in _values(source, name))
+    if kind == "range":
+        ((name, bounds),) = spec.items()
+        ops: dict[str, Callable[[Any, Any], bool]] = {
+            "gt": lambda a, b: a > b,
+            "gte": lambda a, b: a >= b,
+            "lt": lambda a, b: a < b,
+            "lte": lambda a, b: a <= b,
+        }
+        if set(bounds) - set(ops):
+            raise _ApiFailure(400, "parsing_exception", f"[range] unknown bound {sorted(set(bounds) - set(ops))}")
+        return any(
+            isinstance(v, int | float) and all(ops[k](v, b) for k, b in bounds.items()) for v in _values(source, name)
+        )
+    if kind == "exists":
+        return bool(_values(source, spec["field"]))
+    raise _ApiFailure(400, "parsing_exception", f"unknown query [{kind}]")
+
+
+def _num_eq(a: Any, b: Any) -> bool:
+    def num(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    return num(a) and num(b) and a == b
+
+
+@dataclass
+class _Doc:
+    source: dict[str, Any]
+    routing: str
+    seq_no: int
+
+
+@dataclass
+class _Index:
+    mapping: dict[str, Any]
+    live: dict[str, _Doc] = field(default_factory=dict)
+    visible: dict[str, _Doc] = field(default_factory=dict)
+
+    def refresh(self) -> None:
+        self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no) for k, d in self.live.items()}
+
+
+_PARAMS = {
+    "bulk": {"refresh", "routing", "timeout", "pipeline", "wait_for_active_shards", "require_alias"},
+    "search": {"routing", "preference", "timeout", "request_cache", "allow_partial_search_results"},
+    "msearch": {"routing", "max_concurrent_searches", "search_type"},
+    "update_by_query": {
+        "routing",
+        "refresh",
+        "conflicts",
+        "wait_for_completion",
+        "slices",
+        "scroll_size",
+        "timeout",
+        "requests_per_second",
+        "max_docs",
+        "wait_for_active_shards",
+    },
+    "refresh": set(),
+    "create": {"timeout", "master_timeout", "wait_for_active_shards"},
+    "mapping": {"master_timeout", "local"},
+    "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
+}
+_SEARCH_BODY = {"query", "sort", "size", "from", "search_after", "_source", "track_total_hits"}
+_UBQ_BODY = {"conflicts", "max_docs", "query", "script", "slice"}
+
+
+@dataclass
+class EsModel:
+    """One Elasticsearch 9 node, one shard per index, for the APIs the sink uses."""
+
+    indices: dict[str, _Index] = field(default_factory=dict)
+    seq: int = 0
+    before_update: Callable[[EsModel, str, str], None] | None = None
+    """Called with (model, index, id) as update_by_query is about to write a document: a test
+    changes the document meanwhile (a concurrent stamp) to make a version conflict."""
+    requests: list[str] = field(default_factory=list)
+    """``"<api> <index>"`` of each request answered (in order)."""
+
+    def answer(self, req: Recorded) -> tuple[int, Any]:
+        parts = [p for p in req.path.split("/") if p]
+        try:
+            if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
+                return self._health(parts[2], req)
+            if len(parts) == 1 and req.method == "PUT":
+                return self._create(parts[0], req)
+            if len(parts) == 2:
+                name, api = parts
+                routes: dict[tuple[str, str], Callable[[str, Recorded], tuple[int, Any]]] = {
+                    ("PUT", "_bulk"): self._bulk,
+                    ("POST", "_bulk"): self._bulk,
+                    ("POST", "_search"): self._search_api,
+                    ("GET", "_search"): self._search_api,
+                    ("POST", "_msearch"): self._msearch,
+                    ("POST", "_update_by_query"): self._ubq,
+                    ("POST", "_refresh"): self._refresh,
+                    ("GET", "_mapping"): self._get_mapping,
+                }
+                route = routes.get((req.method, api))
+                if route is not None:
+                    return route(name, req)
+            raise _ApiFailure(400, "illegal_argument_exception", f"no handler for [{req.method} {req.path}]")
+        except _ApiFailure as exc:
+            return exc.status, error(exc.status, exc.type, exc.reason)
+
+    # ---- helpers
+
+    def _log(self, api: str, index: str, req: Recorded) -> None:
+        self.requests.append(f"{api} {index}")
+        unknown = set(req.params) - _PARAMS[api]
+        if unknown:
+            raise _ApiFailure(
+                400, "illegal_argument_exception", f"request [{req.path}] contains unrecognized parameters {unknown}"
+            )
+
+    def _index(self, name: str) -> _Index:
+        if name not in self.indices:
+            raise _ApiFailure(404, "index_not_found_exception", f"no such index [{name}]")
+        return self.indices[name]
+
+    @staticmethod
+    def _flag(req: Recorded, name: str) -> bool:
+        v = req.params.get(name)
+        if v in (None, "false"):
+            return False
+        if v in ("", "true"):
+            return True
+        raise _ApiFailure(400, "illegal_argument_exception", f"Failed to parse value [{v}] for [{name}]")
+
+    def _check_doc(self, index: _Index, doc: Any) -> None:
+        mapping = index.mapping
+
+        def obj(value: Any, props: Mapping[str, Any], dynamic: str, path: str) -> None:
+            if not isinstance(value, Mapping):
+                raise _ApiFailure(400, "document_parsing_exception", f"[{path}] expected an object")
+            for k, v in value.items():
+                spec = props.get(k)
+                full = f"{path}.{k}" if path else k
+                if spec is None:
+                    if dynamic == "strict":
+                        raise _ApiFailure(
+                            400,
+                            "strict_dynamic_mapping_exception",
+                            f"[1:2] mapping set to strict, dynamic introduction of [{k}] within "
+                            f"[{path or '_doc'}] is not allowed",
+                        )
+                    continue
+                val(v, spec, dynamic, full)
+
+        def val(v: Any, spec: Mapping[str, Any], dynamic: str, path: str) -> None:
+            if v is None:
+                return
+            if isinstance(v, list):
+                for x in v:
+                    val(x, spec, dynamic, path)
+                return
+            kind = spec.get("type", "object")
+            if kind in ("object", "nested"):
+                if spec.get("enabled") is False:
+                    if not isinstance(v, Mapping):
+                        raise _ApiFailure(400, "document_parsing_exception", f"[{path}] expected an object")
+                    return
+                obj(v, spec.get("properties", {}), str(spec.get("dynamic", dynamic)).lower(), path)
+                return
+            ok = {
+                "keyword": isinstance(v, str | int | float) and not isinstance(v, Mapping),
+                "long": isinstance(v, int) and not isinstance(v, bool),
+                "date": isinstance(v, int | str) and not isinstance(v, bool),
+                "boolean": isinstance(v, bool),
+            }.get(kind)
+            if ok is None:
+                raise _ApiFailure(400, "mapper_parsing_exception", f"fake: no support for type [{kind}]")
+            if not ok:
+                raise _ApiFailure(400, "document_parsing_exception", f"failed to parse field [{path}] of type [{kind}]")
+
+        obj(doc, mapping.get("properties", {}), str(mapping.get("dynamic", "true")).lower(), "")
+
+    # ---- APIs
+
+    def _health(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("health", name, req)
+        if name not in self.indices:
+            body = health(name, "red", timed_out=True)
+            return (408 if "wait_for_status" in req.params else 200), body
+        return 200, health(name, "yellow")
+
+    def _create(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("create", name, req)
+        body = req.json() if req.body else {}
+        if set(body) - {"mappings", "settings", "aliases"}:
+            raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
+        if name in self.indices:
+            raise _ApiFailure(400, "resource_already_exists_exception", f"index [{name}/xyz] already exists")
+        mapping = body.get("mappings", {})
+        if str(mapping.get("dynamic", "true")).lower() not in ("true", "false", "strict", "runtime"):
+            raise _ApiFailure(400, "mapper_parsing_exception", "bad dynamic")
+        self.indices[name] = _Index(mapping=mapping)
+        return 200, created(name)
+
+    def _get_mapping(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("mapping", name, req)
+        return 200, {name: {"mappings": stored_mapping(self._index(name).mapping)}}
+
+    def _refresh(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("refresh", name, req)
+        self._index(name).refresh()
+        return 200, refreshed()
+
+    def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("bulk", name, req)
+        lines = req.ndjson()
+        index = self._index(name)  # the sink never relies on an index created by a write
+        items = []
+        i = 0
+        while i < len(lines):
+            ((action, meta),) = lines[i].items()
+            if action != "create" or set(meta) - {"_id", "routing", "_index"}:
+                raise _ApiFailure(400, "illegal_argument_exception", f"fake: unexpected action {lines[i]}")
+            doc, i = lines[i + 1], i + 2
+            _id = meta.get("_id")
+            item: dict[str, Any] = {"_index": name, "_id": _id}
+            try:
+                if not isinstance(_id, str) or len(_id.encode()) > 512:
+                    raise _ApiFailure(400, "illegal_argument_exception", f"id [{_id}] is too long or missing")
+                routing = meta.get("routing")
+                if index.mapping.get("_routing", {}).get("required") and not routing:
+                    raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{name}]/[{_id}]")
+                self._check_doc(index, doc)
+                if _id in index.live:
+                    raise _ApiFailure(
+                        409,
+                        "version_conflict_engine_exception",
+                        f"[{_id}]: version conflict, document already exists (current version [1])",
+                    )
+                self.seq += 1
+                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, self.seq)
+                item.update(status=201, result="created", _version=1, _seq_no=self.seq, _primary_term=1)
+            except _ApiFailure as exc:
+                item.update(status=exc.status, error={"type": exc.type, "reason": exc.reason})
+            items.append({"create": item})
+        if self._flag(req, "refresh"):
+            index.refresh()
+        return 200, {"errors": any(it["create"]["status"] >= 300 for it in items), "took": 1, "items": items}
+
+    def _select(self, index: _Index, query: Mapping[str, Any], routing: str | None) -> list[tuple[str, _Doc]]:
+        routes = None if routing is None else set(routing.split(","))
+        return [
+            (k, d)
+            for k, d in index.visible.items()
+            if (routes is None or d.routing in routes) and matches(query, d.source)
+        ]
+
+    def _search(self, name: str, body: Mapping[str, Any], routing: str | None) -> dict[str, Any]:
+        if set(body) - _SEARCH_BODY:
+            raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(set(body) - _SEARCH_BODY)}")
+        index = self._index(name)
+        found = self._select(index, body.get("query", {"match_all": {}}), routing)
+        sort = body.get("sort", [])
+        keys: list[tuple[str, bool]] = []
+        for s in sort:
+            ((f, spec),) = s.items()
+            keys.append((f, spec.get("order", "asc") == "desc"))
+        for f, desc in reversed(keys):
+
+            def key(kd: tuple[str, _Doc], f: str = f) -> Any:
+                return _values(kd[1].source, f)[0]
+
+            found.sort(key=key, reverse=desc)
+        after = body.get("search_after")
+        if after is not None:
+            (f, desc), (a,) = keys[0], after
+            found = [(k, d) for k, d in found if (_values(d.source, f)[0] < a if desc else _values(d.source, f)[0] > a)]
+        size = int(body.get("size", 10))
+        includes = body.get("_source")
+        hits_ = []
+        for k, d in found[:size]:
+            src = d.source if includes is None else {f: d.source[f] for f in includes if f in d.source}
+            hit: dict[str, Any] = {"_index": name, "_id": k, "_score": None, "_routing": d.routing, "_source": src}
+            if keys:
+                hit["sort"] = [_values(d.source, f)[0] for f, _ in keys]
+            hits_.append(hit)
+        return {
+            "took": 1,
+            "timed_out": False,
+            "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+            "hits": {"total": {"value": len(found), "relation": "eq"}, "max_score": None, "hits": hits_},
+        }
+
+    def _search_api(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("search", name, req)
+        return 200, self._search(name, req.json() if req.body else {}, req.params.get("routing"))
+
+    def _msearch(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("msearch", name, req)
+        lines = req.ndjson()
+        responses = []
+        for header, body in zip(lines[0::2], lines[1::2], strict=True):
+            if set(header) - {"index", "routing", "preference"}:
+                raise _ApiFailure(400, "illegal_argument_exception", f"key [{sorted(header)}] is not supported")
+            try:
+                found = self._search(header.get("index", name), body, header.get("routing"))
+                responses.append({**found, "status": 200})
+            except _ApiFailure as exc:
+                responses.append(error(exc.status, exc.type, exc.reason))
+        return 200, {"took": 1, "responses": responses}
+
+    def _ubq(self, name: str, req: Recorded) -> tuple[int, Any]:
+        self._log("update_by_query", name, req)
+        body = req.json() if req.body else {}
+        if set(body) - _UBQ_BODY:
+            raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(set(body) - _UBQ_BODY)}")
+        conflicts = body.get("conflicts", req.params.get("conflicts", "abort"))
+        if conflicts not in ("abort", "proceed"):
+            raise _ApiFailure(400, "illegal_argument_exception", f"conflicts may only be abort or proceed: {conflicts}")
+        index = self._index(name)
+        script = body.get("script") or {}
+        if script.get("lang", "painless") != "painless" or not isinstance(script.get("source"), str):
+            raise _ApiFailure(400, "illegal_argument_exception", "fake: a painless source script is expected")
+        try:
+            program = Painless(script["source"])
+        except ValueError as exc:
+            raise _ApiFailure(400, "script_exception", f"compile error: {exc}") from exc
+        params = script.get("params", {})
+        answer = ubq_answer()
+        for _id, seen in self._select(index, body.get("query", {"match_all": {}}), req.params.get("routing")):
+            if self.before_update is not None:
+                self.before_update(self, name, _id)
+            ctx: dict[str, Any] = {"_source": copy.deepcopy(seen.source), "op": "index", "_id": _id}
+            try:
+                program.run(copy.deepcopy(params), ctx)
+            except ScriptError as exc:
+                err = script_error("runtime error", exc.type, exc.reason)
+                return 400, err
+            answer["total"] += 1
+            if ctx["op"] == "noop":
+                answer["noops"] += 1
+                continue
+            if ctx["op"] != "index":
+                raise _ApiFailure(400, "illegal_argument_exception", f"fake: op [{ctx['op']}] not supported")
+            live = index.live[_id]
+            if live.seq_no != seen.seq_no:  # changed since the search read it
+                answer["version_conflicts"] += 1
+                if conflicts == "abort":
+                    answer["failures"].append(
+                        bulk_failure(name, _id, 409, "version_conflict_engine_exception", f"[{_id}]: version conflict")
+                    )
+                    break
+                continue
+            try:
+                self._check_doc(index, ctx["_source"])
+            except _ApiFailure as exc:
+                answer["failures"].append(bulk_failure(name, _id, exc.status, exc.type, exc.reason))
+                continue
+            self.seq += 1
+            index.live[_id] = _Doc(ctx["_source"], live.routing, self.seq)
+            answer["updated"] += 1
+        if self._flag(req, "refresh"):
+            index.refresh()
+        return ubq_status(answer), answer
+
+    # ---- for tests
+
+    def stamp_now(self, index: str, _id: str, access: Mapping[str, Any], as_of: int, digest: str) -> None:
+        """Changes a document's access attributes (another stamp writing it meanwhile)."""
+        live = self.indices[index].live[_id]
+        source = copy.deepcopy(live.source)
+        source.update(
+            access=dict(access),
+            owner_id=access.get("owner_id", ""),
+            space_id=access.get("space_id", ""),
+            access_version=as_of,
+            access_digest=digest,
+        )
+        self.seq += 1
+        self.indices[index].live[_id] = _Doc(source, live.routing, self.seq)

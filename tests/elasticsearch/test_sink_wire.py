@@ -6,20 +6,29 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 from elasticsearch import AsyncElasticsearch
 
+from tests.contract import test_sink as contract
 from tests.elasticsearch import fake_es
-from tests.elasticsearch.fake_es import FakeElasticsearch
+from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch
 from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
 from wowd.stores.base import Ddl, EventSink
 from wowd.stores.elasticsearch import ElasticsearchEventSink, events_mapping, index_name
-from wowd.stores.elasticsearch.sink import MAX_CONFLICT_ROUNDS, STAMP_SCRIPT, access_digest
+from wowd.stores.elasticsearch.sink import (
+    MAX_CONFLICT_ROUNDS,
+    STAMP_CLAUSE_LEAVES,
+    STAMP_PAGE,
+    STAMP_SCRIPT,
+    access_digest,
+    stamp_clause,
+    stamp_query,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -197,6 +206,14 @@ async def test_request_level_answers_are_classified(client: AsyncElasticsearch, 
     fake.on("PUT", f"{P}/_bulk", 400, fake_es.error(400, "illegal_argument_exception", "bad bulk"))
     with pytest.raises(SinkWriteError, match="bad bulk.*%280%29:a:1"):
         await sink.write([commit("a", 1)])
+    # seed 002: only 429, 502, 503, 504 are transient; a 500 is not
+    fake.on("PUT", f"{P}/_bulk", 502, fake_es.error(502, "bad_gateway", "proxy"))
+    with pytest.raises(StorageUnavailable, match="502"):
+        await sink.write([commit("a", 1)])
+    fake.on("PUT", f"{P}/_bulk", 500, fake_es.error(500, "null_pointer_exception", "a defect"))
+    with pytest.raises(SinkWriteError, match=r"\[500\] null_pointer_exception") as info:
+        await sink.write([commit("a", 1)])
+    assert not isinstance(info.value, StorageUnavailable)
 
 
 async def test_a_timeout_is_transient(fake: FakeElasticsearch) -> None:
@@ -344,15 +361,63 @@ async def test_version_conflicts_without_end_are_transient(client: AsyncElastics
 
 
 async def test_stamp_failures_are_classified(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    """Elasticsearch sends an update_by_query answer holding failures with the highest failure's
+    status (408 when it timed out), so the client raises; the sink reads the answer from it."""
     sink = sink_of(client)
-    failure = {"index": INDEX, "id": "x", "cause": {"type": "script_exception", "reason": "boom"}, "status": 400}
-    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(failures=[failure]))
-    with pytest.raises(StorageError, match="script_exception") as info:
+
+    def answer(**kwargs: Any) -> None:
+        body = fake_es.ubq_answer(**kwargs)
+        fake.on("POST", f"{P}/_update_by_query", fake_es.ubq_status(body), body)
+
+    mapping = fake_es.bulk_failure(INDEX, "x", 400, "strict_dynamic_mapping_exception", "strict")
+    answer(updated=1, failures=[mapping])
+    with pytest.raises(StorageError, match=r"id x: \[400\] strict_dynamic_mapping_exception") as info:
         await sink.stamp(ref("a"), B, 4, 1, 3)
     assert not isinstance(info.value, StorageUnavailable)
-    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(failures=[{**failure, "status": 429}]))
-    with pytest.raises(StorageUnavailable):
+    rejected = fake_es.bulk_failure(INDEX, "y", 429, "es_rejected_execution_exception", "queue full")
+    answer(failures=[rejected])
+    with pytest.raises(StorageUnavailable, match="es_rejected_execution_exception"):
         await sink.stamp(ref("a"), B, 4, 1, 3)
+    # answered 429 (the highest status), yet one failure is not transient: not transient
+    answer(failures=[rejected, mapping])
+    with pytest.raises(StorageError, match=r"id x: \[400\]") as info:
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+    assert not isinstance(info.value, StorageUnavailable)
+    answer(failures=[fake_es.search_failure(INDEX, 503, "no_shard_available_action_exception", "gone")])
+    with pytest.raises(StorageUnavailable, match=r"shard 0: \[503\] no_shard_available_action_exception"):
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+    timed_out = {**fake_es.ubq_answer(updated=1), "timed_out": True}
+    fake.on("POST", f"{P}/_update_by_query", fake_es.ubq_status(timed_out), timed_out)
+    with pytest.raises(StorageUnavailable, match="timed out"):
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+    answer(updated=2)
+    assert await sink.stamp(ref("a"), B, 4, 1, 3) == 2
+    # a script that fails at run time fails the whole request (an error body)
+    fake.on("POST", f"{P}/_update_by_query", 400, fake_es.script_error("runtime error", "null_pointer_exception", "x"))
+    with pytest.raises(StorageError, match="script_exception: runtime error .caused by null_pointer_exception"):
+        await sink.stamp(ref("a"), B, 4, 1, 3)
+
+
+def _leaves(query: Any) -> int:
+    """Leaf queries as Lucene counts them against the max clause count."""
+    ((kind, spec),) = query.items()
+    if kind != "bool":
+        return 1
+    return sum(_leaves(q) for k in ("filter", "must", "should", "must_not") for q in spec.get(k, []))
+
+
+async def test_stamp_pages_stay_under_the_clause_limit(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+    # Lucene counts every leaf of a query against maxClauseCount, which ES 9 sizes from the heap
+    # and the search threads with a floor of 1024: a full page must stay under the floor
+    stamps = [AccessStamp(ref=ref(f"a{i}"), access=B, as_of=3, from_=1, until=2) for i in range(STAMP_PAGE + 1)]
+    assert _leaves(stamp_clause(stamps[0])) == STAMP_CLAUSE_LEAVES
+    assert _leaves(stamp_query(stamps[:STAMP_PAGE])) <= 1024
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2 * STAMP_PAGE))
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2))
+    assert await sink_of(client).stamp_all(stamps) == 2 * STAMP_PAGE + 2
+    first, second = fake.take()
+    assert len(first.json()["query"]["bool"]["should"]) == STAMP_PAGE
+    assert second.json()["query"] == _clause(ref(f"a{STAMP_PAGE}"), 1, 2, 3, B)
 
 
 # --------------------------------------------------------------------------- access changes in writes
@@ -453,7 +518,7 @@ async def test_a_failed_stamp_is_stamped_again_by_the_retry(
 # --------------------------------------------------------------------------- prepare
 
 
-MAPPING_ANSWER = {INDEX: {"mappings": events_mapping()}}
+MAPPING_ANSWER = {INDEX: {"mappings": fake_es.stored_mapping(events_mapping())}}
 
 
 async def test_prepare_auto_creates_the_index_and_waits_for_its_primary_once(
@@ -496,7 +561,7 @@ async def test_prepare_validate_requires_the_index_with_its_key_fields(
         await sink_of(client, ddl=Ddl.VALIDATE).prepare()
     wrong = events_mapping()
     wrong["properties"]["version"] = {"type": "keyword"}
-    fake.on("GET", f"{P}/_mapping", body={INDEX: {"mappings": wrong}})
+    fake.on("GET", f"{P}/_mapping", body={INDEX: {"mappings": fake_es.stored_mapping(wrong)}})
     with pytest.raises(FormatError, match="version is keyword, expected long"):
         await sink_of(client, ddl=Ddl.VALIDATE).prepare()
     fake.on("GET", f"{P}/_mapping", body=MAPPING_ANSWER)
@@ -533,3 +598,98 @@ async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> Non
         await sink_of(es).write([commit("a", 1)])  # still open
     finally:
         await sink_of(es, owns_client=True).close()
+
+
+# --------------------------------------------------------------------------- against a stateful ES 9
+#
+# ``EsModel`` keeps documents, refresh visibility, the mapping and sequence numbers as one ES 9
+# node does, evaluates the queries and runs the painless script the sink sends (a subset
+# interpreter), and refuses unknown parameters and body keys: the sink's requests are checked
+# for what they do, not only for their text.
+
+CONTRACT: list[Callable[[Any], Awaitable[None]]] = [
+    getattr(contract, name) for name in sorted(dir(contract)) if name.startswith("test_")
+]
+
+
+@pytest.fixture
+def model(fake: FakeElasticsearch) -> EsModel:
+    fake.model = EsModel()
+    return fake.model
+
+
+@pytest.mark.parametrize("case", CONTRACT, ids=lambda case: str(case.__name__))
+async def test_the_sink_contract_against_a_stateful_es(
+    case: Callable[[Any], Awaitable[None]], client: AsyncElasticsearch, model: EsModel
+) -> None:
+    """tests/contract/test_sink.py as its fixture runs it against a real server: ddl auto,
+    refresh on."""
+    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
+    await sink.prepare()
+    await case(sink)
+    assert model.requests[:2] == [f"create {INDEX}", f"health {INDEX}"]
+
+
+async def _access(sink: ElasticsearchEventSink, id: str) -> list[tuple[int, Any, Any]]:
+    return [(d["version"], d["access"], d["access_version"]) for d in await sink.documents(ref(id))]
+
+
+async def test_a_write_refreshes_before_it_looks_back_or_stamps(client: AsyncElasticsearch, model: EsModel) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO)  # no refresh: a search sees what the last refresh saw
+    await sink.write([commit("a", 1, A, 1), commit("a", 2, B, 2)])  # a change inside one write
+    await sink.write([commit("a", 3, C, 3)])  # a change known from the LRU
+    restarted = sink_of(client, ddl=Ddl.AUTO)  # nothing remembered: the stream is searched
+    await restarted.write([commit("a", 4, A, 4)])
+    await restarted.write([commit("a", 5, A, 4)])  # no change: no stamp
+    ops = [r.split()[0] for r in model.requests]
+    assert ops == [
+        *("create", "health", "bulk", "refresh", "update_by_query", "bulk", "refresh", "update_by_query"),
+        *("create", "mapping", "health", "bulk", "refresh", "msearch", "update_by_query", "bulk"),
+    ]
+    await client.indices.refresh(index=INDEX)
+    assert await _access(sink, "a") == [(v, A, 4) for v in (1, 2, 3, 4, 5)]
+
+
+async def test_a_stamp_meeting_another_searches_again_and_the_later_wins(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
+    await sink.write([commit(id, v, A, 1) for id in ("a", "b") for v in (1, 2, 3)])
+    meanwhile: list[tuple[Any, int]] = []
+
+    def concurrent(m: EsModel, index: str, _id: str) -> None:
+        if meanwhile:
+            access, as_of = meanwhile.pop()
+            m.stamp_now(index, _id, access, as_of, access_digest(access))
+
+    model.before_update = concurrent
+    # a later stamp meets an earlier one on version 1: a version conflict, searched again, written
+    meanwhile.append((B, 4))
+    model.requests.clear()
+    assert await sink.stamp(ref("a"), C, 5, 1, 3) == 3
+    assert model.requests == [f"update_by_query {INDEX}", f"refresh {INDEX}", f"update_by_query {INDEX}"]
+    assert await _access(sink, "a") == [(v, C, 5) for v in (1, 2, 3)]
+    # an earlier stamp meets a later one: searched again, the guard keeps the later
+    meanwhile.append((C, 5))
+    assert await sink.stamp(ref("b"), B, 4, 1, 3) == 2
+    assert await _access(sink, "b") == [(1, C, 5), (2, B, 4), (3, B, 4)]
+
+
+async def test_prepare_against_a_stateful_es(client: AsyncElasticsearch, model: EsModel) -> None:
+    with pytest.raises(FormatError, match="does not exist"):
+        await sink_of(client, ddl=Ddl.VALIDATE).prepare()
+    await sink_of(client, ddl=Ddl.AUTO).prepare()
+    await sink_of(client, ddl=Ddl.AUTO).prepare()  # there already: its mapping is checked instead
+    await sink_of(client, ddl=Ddl.VALIDATE).prepare()
+    ops = [r.split()[0] for r in model.requests]
+    assert ops == ["mapping", "create", "health", "create", "mapping", "health", "mapping", "health"]
+
+
+async def test_an_item_the_mapping_refuses_fails_the_write_naming_it(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
+    bad = commit("b", 1, {"owner_id": {"nested": "object"}, "space_id": "s1"}, 1)
+    with pytest.raises(SinkWriteError, match=r"1 of 2 items.*%280%29:b:1: \[400\] document_parsing_exception"):
+        await sink.write([commit("a", 1), bad])
+    assert [d["version"] for d in await sink.documents(ref("a"))] == [1]  # the item written stays

@@ -6,7 +6,9 @@ its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregat
 - ``write`` sends one ``_bulk`` of ``create``s. A ``409`` item is a document written before
   (a retry, a replay, an old owner of the partition): it counts as written. Any other failed
   item fails the write: :class:`StorageUnavailable` when every failure is transient (429, 502,
-  503, 504), else :class:`SinkWriteError` naming the item. The items written stay.
+  503, 504; a 500 is not), else :class:`SinkWriteError` naming the item. The items written
+  stay. A failed request is classified the same way; connection failures and timeouts are
+  transient.
 - Access stamps: after a write, the last record of each aggregate whose access attributes
   differ from the stream's before it (the previous record of the write, else an LRU of the last
   record written per aggregate when it is the version just before, else a search of the
@@ -16,7 +18,11 @@ its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregat
 - ``stamp``/``stamp_all`` are ``_update_by_query`` requests guarded twice, in the query and in
   the painless script: a document is written when it has no ``access_version``, one below the
   stamp's, or the same one with other attributes (compared by ``access_digest``, a digest of the
-  attributes kept beside them). Version conflicts are passed over and searched again.
+  attributes kept beside them). Version conflicts are passed over (``conflicts: proceed``:
+  counted in ``version_conflicts``, not failures) and searched again after a refresh. An
+  answer holding failures comes with the highest failure's status (408 when it timed out), so
+  it is read from the client's error and classified per failure. A page holds at most
+  :data:`STAMP_PAGE` stamps, so the query stays under Lucene's clause limit.
 
 The request bodies are built by the pure functions below, next to the method that sends them,
 so the black-pipe tests in ``tests/elasticsearch`` assert them. Client errors stop here: an
@@ -47,6 +53,7 @@ from wowd.stores.base import Ddl
 
 __all__ = [
     "MAX_CONFLICT_ROUNDS",
+    "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
     "TRANSIENT_STATUSES",
@@ -73,8 +80,17 @@ TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 MAX_CONFLICT_ROUNDS = 8
 """How many times a stamp is searched again after version conflicts before giving up (transient)."""
 
-STAMP_PAGE = 512
-"""At most this many stamps go into one ``_update_by_query`` (one ``should`` clause each)."""
+STAMP_PAGE = 128
+"""At most this many stamps go into one ``_update_by_query`` (one ``should`` clause each).
+
+Each stamp's clause holds :data:`STAMP_CLAUSE_LEAVES` leaf queries, and Lucene counts every leaf
+of the whole query against ``IndexSearcher.maxClauseCount``, which Elasticsearch 9 sizes from the
+heap and the search thread pool with a floor of 1024 (``SearchUtils.calculateMaxClauseValue``:
+a 1 GB heap on 32 cores gives about 1300). 128 stamps are 896 leaves, under the floor on any
+node; more would fail with ``too_many_nested_clauses`` on a small heap with many cores."""
+
+STAMP_CLAUSE_LEAVES = 7
+"""Leaf queries in one :func:`stamp_clause` (tenant, aggregate, versions, and the guard's four)."""
 
 _DOCUMENTS_PAGE = 1000
 _STORE = "elasticsearch"
@@ -343,14 +359,27 @@ def _api_reason(exc: ApiError) -> str:
     if isinstance(body, Mapping):
         err = body.get("error")
         if isinstance(err, Mapping):
-            return f"{err.get('type', 'error')}: {err.get('reason', '')}"
+            reason = f"{err.get('type', 'error')}: {err.get('reason', '')}"
+            cause = err.get("caused_by")
+            if isinstance(cause, Mapping):
+                reason += f" (caused by {cause.get('type', 'error')}: {cause.get('reason', '')})"
+            return reason
         if err is not None:
             return str(err)
     return str(exc.message)
 
 
 def _is_transient(status: int) -> bool:
-    return status in TRANSIENT_STATUSES or status >= 500
+    """Seed 002: 429, 502, 503 and 504 are transient; any other status is not (a 500 is a
+    defect or a refused request that a retry repeats)."""
+    return status in TRANSIENT_STATUSES
+
+
+def _is_update_by_query_answer(body: object) -> bool:
+    """An ``_update_by_query`` answer (as opposed to an ``{"error": ...}`` body): Elasticsearch
+    sends it with a non-2xx status when it holds failures (the highest failure's status) or
+    timed out (408)."""
+    return isinstance(body, Mapping) and "error" not in body and ("failures" in body or "timed_out" in body)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -673,13 +702,26 @@ class ElasticsearchEventSink:
             extra["refresh"] = True
         updated = 0
         for _ in range(MAX_CONFLICT_ROUNDS):
+            body: Mapping[str, Any]
             with self._translate("update_by_query"):
-                resp = await self._client.update_by_query(
-                    index=self.index, query=query, script=script, conflicts="proceed", **extra
-                )
-            body = resp.body
+                try:
+                    resp = await self._client.update_by_query(
+                        index=self.index, query=query, script=script, conflicts="proceed", **extra
+                    )
+                    body = resp.body
+                except ApiError as exc:
+                    # failures or a timeout come as the answer itself with the highest failure's
+                    # status (408 for a timeout); read them as such, classified per failure
+                    if not _is_update_by_query_answer(exc.body):
+                        raise
+                    body = exc.body
             self._check_failures(body.get("failures") or [])
             updated += int(body.get("updated", 0))
+            if body.get("timed_out"):
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
+                raise StorageUnavailable(
+                    f"elasticsearch update_by_query on {self.index}: timed out after {updated} updates"
+                )
             conflicts = int(body.get("version_conflicts", 0))
             if conflicts == 0:
                 return updated
@@ -693,13 +735,17 @@ class ElasticsearchEventSink:
     def _check_failures(self, failures: Sequence[Mapping[str, Any]]) -> None:
         if not failures:
             return
+        # bulk failures: {index, id, cause {type, reason}, status}; search (shard) failures:
+        # {index, shard, node, status, reason {type, reason}}
         statuses = [int(f.get("status", 500)) for f in failures]
-        first = failures[0]
+        n = next((i for i, st in enumerate(statuses) if not _is_transient(st)), 0)
+        first = failures[n]
         cause = first.get("cause") or first.get("reason") or {}
         reason = f"{cause.get('type')}: {cause.get('reason')}" if isinstance(cause, Mapping) else str(cause)
+        where = f"id {first['id']}" if first.get("id") is not None else f"shard {first.get('shard')}"
         msg = (
             f"elasticsearch update_by_query on {self.index}: {len(failures)} failures; "
-            f"the first (id {first.get('id')}): [{statuses[0]}] {reason}"
+            f"{where}: [{statuses[n]}] {reason}"
         )
         if all(_is_transient(s) for s in statuses):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
