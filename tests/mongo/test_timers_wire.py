@@ -25,6 +25,7 @@ from tests.mongo.timers_support import (
     ref,
     registry_doc,
 )
+from wowd import metrics
 from wowd.errors import FormatError, InvalidInput, StorageUnavailable
 from wowd.model import CronRule, Timer, TimerChange, TimerStatus
 from wowd.stores.base import Ddl
@@ -37,6 +38,7 @@ from wowd.stores.mongo.timers import (
     settle_filter,
     timer_from_doc,
     timer_to_doc,
+    union_batch_size,
     union_pipeline,
 )
 
@@ -241,6 +243,88 @@ async def test_ddl_none_registers_the_type_and_creates_nothing(mongo_client: Any
     assert out.error is None and out.value is True
 
 
+async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
+    mongo_client: Any, wire: Wire
+) -> None:
+    """With ``ddl=none`` a type read from the registry by ``prepare`` (format 5) is assumed to
+    exist: its first put is the upsert alone. A type the registry does not record still
+    registers first (another replica's due read must see it)."""
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    await prepare(store, wire, "order")
+    async with calling(lambda: store.put(make_timer())) as out:
+        update = await answer_update(wire)
+    assert out.error is None and out.value is True
+    assert update["update"] == "wow_timer__ctx__order"
+    async with calling(lambda: store.put(make_timer(aggregate="cart", id="c1"))) as cart:
+        fam = await wire.command("findAndModify")
+        assert fam.doc["query"] == {"_id": "wow_timer__ctx__cart"}
+        fam.ok(value=registry_doc("cart"))
+        await answer_update(wire)
+    assert cart.value is True, cart.error
+
+
+async def test_ddl_auto_still_makes_sure_of_the_indexes_of_a_registered_type(mongo_client: Any, wire: Wire) -> None:
+    """A replica may register a type and die before indexing it: with ``ddl=auto`` the first put of
+    a type the registry records still runs the idempotent ``create`` + ``createIndexes``, else
+    puts would land in a collection without its unique key."""
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order")
+    async with calling(lambda: store.put(make_timer())) as out:
+        await answer_first_use(wire, "order")
+        await answer_update(wire)
+    assert out.value is True, out.error
+
+
+async def test_ddl_validate_refuses_the_due_keys_in_another_order(mongo_client: Any, wire: Wire) -> None:
+    """``(due_at, partition, timer_id)`` is another index: it cannot serve a due read of a few
+    partitions (no equality prefix). The key order is compared, not the set of keys."""
+    swapped = [dict(s) for s in index_specs()]
+    [due] = [s for s in swapped if s["name"] == "due"]
+    due["key"] = {"due_at": 1, "partition": 1, "timer_id": 1}
+    assert due["key"] == index_specs()[1]["key"]  # equal as dicts: only the order differs
+    store = store_on(mongo_client, ddl=Ddl.VALIDATE)
+    async with calling(lambda: store.put(make_timer())) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listIndexes")).ok(**cursor(f"{DB}.wow_timer__ctx__order", swapped))
+    assert isinstance(out.error, FormatError) and "due" in str(out.error)
+
+
+async def test_ddl_validate_refuses_a_registered_collection_that_does_not_exist(
+    mongo_client: Any, wire: Wire
+) -> None:
+    store = store_on(mongo_client, ddl=Ddl.VALIDATE)
+    async with calling(lambda: store.put(make_timer())) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listIndexes")).command_err(code=26, errmsg="ns does not exist")
+    assert isinstance(out.error, FormatError), out.error  # not a StorageError to retry forever
+    assert "lacks the index" in str(out.error)
+
+
+async def test_ddl_commands_are_bounded_one_by_one_not_by_the_puts_timeout(mongo_client: Any, wire: Wire) -> None:
+    """The DDL of a type's first put (on a sharded cluster: ``split`` and ``moveRange`` per
+    partition) takes longer than one operation's timeout. Each DDL command gets the timeout of its
+    own, and the upsert a fresh one after them. The answers here are held for real time on
+    purpose (time has to pass; nothing is synchronised by it)."""
+    from datetime import timedelta
+
+    import anyio
+
+    store = store_on(mongo_client, operation_timeout=timedelta(milliseconds=1500))
+    async with calling(lambda: store.put(make_timer())) as out:
+        for name in ("findAndModify", "create", "createIndexes"):
+            req = await wire.command(name)
+            assert 0 < req.doc["maxTimeMS"] <= 1500
+            await anyio.sleep(0.6)  # 1.8 s of DDL in all: more than one operation's 1.5 s
+            if name == "findAndModify":
+                req.ok(value=registry_doc("order"))
+            else:
+                req.ok()
+        update = await answer_update(wire)
+        assert 0 < update["maxTimeMS"] <= 1500
+    assert out.error is None, out.error
+    assert out.value is True
+
+
 async def test_prepare_refuses_a_collection_of_another_format(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     async with calling(store.prepare) as out:
@@ -309,13 +393,39 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
 # --------------------------------------------------------------------------- put's guard
 
 
-async def test_put_answers_false_on_duplicate_key(mongo_client: Any, wire: Wire) -> None:
+def duplicate_key(req: Any) -> None:
+    req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 duplicate key"}])
+
+
+async def test_put_answers_false_when_its_upsert_meets_the_unique_key_twice(mongo_client: Any, wire: Wire) -> None:
+    """A later version is stored: the upsert inserts, meets the unique key, and the same upsert
+    sent again (in case the first lost an insert race) meets it again: False, no error."""
     store = store_on(mongo_client)
     await first_put(store, wire)
-    async with calling(lambda: store.put(make_timer(version=3))) as out:
-        req = await wire.command("update")
-        req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 duplicate key"}])
+    timer = make_timer(version=3)
+    async with calling(lambda: store.put(timer)) as out:
+        first = await wire.command("update")
+        duplicate_key(first)
+        again = await wire.command("update")
+        assert again.doc["updates"] == first.doc["updates"]
+        assert again.doc["updates"][0]["q"] == put_filter(timer)
+        duplicate_key(again)
     assert out.error is None and out.value is False
+
+
+async def test_put_that_lost_an_insert_race_is_admitted_over_the_winner(mongo_client: Any, wire: Wire) -> None:
+    """Two puts of one new (owner, key), versions 5 and 7: the 5 inserts first, the 7's upsert
+    matched nothing and met the unique key. The 7 must still win (it is the later version): its
+    second upsert matches the stored 5 and replaces it."""
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    won = timer_to_doc(make_timer(version=5))
+    async with calling(lambda: store.put(make_timer(version=7))) as out:
+        duplicate_key(await wire.command("update"))  # the 5 was inserted meanwhile
+        req = await wire.command("update")
+        assert matches(req.doc["updates"][0]["q"], won)
+        req.ok(n=1, nModified=1)
+    assert out.error is None and out.value is True
 
 
 @pytest.mark.parametrize(("new", "stored_version", "admitted"), [(3, 5, False), (5, 5, True), (6, 5, True)])
@@ -327,15 +437,18 @@ async def test_put_version_guard(
     store = store_on(mongo_client)
     await first_put(store, wire)
     existing = timer_to_doc(make_timer(version=stored_version))
+    sent = 0
     async with calling(lambda: store.put(make_timer(version=new))) as out:
-        req = await wire.command("update")
-        q = req.doc["updates"][0]["q"]
-        if matches(q, existing):
-            req.ok(n=1, nModified=1)
-        else:
-            req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 dup key"}])
+        for _ in range(1 if admitted else 2):  # a refusal is confirmed by a second upsert
+            req = await wire.command("update")
+            sent += 1
+            if matches(req.doc["updates"][0]["q"], existing):
+                req.ok(n=1, nModified=1)
+            else:
+                duplicate_key(req)
     assert out.error is None
     assert out.value is admitted
+    assert sent == (1 if admitted else 2)
 
 
 async def test_put_refuses_a_timer_of_another_context_or_partition(idle_client: Any) -> None:
@@ -461,7 +574,9 @@ async def test_due_is_one_aggregate_with_a_union_per_collection(mongo_client: An
     async with calling(lambda: store.due({3, 1}, 500, 10)) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["aggregate"] == REGISTRY
-        assert agg.doc["cursor"] == {"batchSize": 11}  # the whole answer in the first batch
+        # the count document and at most 10 timers, with room for the server to meet EOF in the
+        # first batch (a batch filled exactly stays open and costs a getMore)
+        assert agg.doc["cursor"] == {"batchSize": 12}
         pipeline = agg.doc["pipeline"]
         assert pipeline[:2] == [{"$match": {"context": CONTEXT}}, {"$count": "registered"}]
         unions = [s["$unionWith"] for s in pipeline[2:5]]
@@ -542,6 +657,31 @@ async def test_due_reloads_the_registry_when_its_count_differs(mongo_client: Any
     assert out.value == [c1, o1]
 
 
+def test_union_batch_size_leaves_room_to_meet_eof() -> None:
+    """The server closes the first batch's cursor only when it met EOF while filling it (a batch
+    filled exactly stays open): at most ``limit + 1`` documents (the count and ``limit`` timers),
+    so ``limit + 2``. No limit (the parked read): the server's default, read on by getMore."""
+    assert union_batch_size(1) == 3
+    assert union_batch_size(1000) == 1002
+    assert union_batch_size(None) is None
+
+
+async def test_due_reads_on_when_the_server_splits_its_answer(mongo_client: Any, wire: Wire) -> None:
+    """A first batch cut at 16 MiB leaves the cursor open: the store reads the rest (getMore)
+    before it compares the count, so no due timer is dropped."""
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order")
+    t1, t2 = make_timer(id="o1", due_at=100), make_timer(id="o2", due_at=200)
+    async with calling(lambda: store.due({0, 1, 2, 3, 4, 5, 6, 7}, 500, 10)) as out:
+        agg = await wire.command("aggregate")
+        agg.ok(cursor={"id": 42, "ns": f"{DB}.{REGISTRY}", "firstBatch": [{"registered": 1}, stored(t1)]})
+        more = await wire.command("getMore")
+        assert more.doc["getMore"] == 42 and more.doc["collection"] == REGISTRY
+        more.ok(cursor={"id": 0, "ns": f"{DB}.{REGISTRY}", "nextBatch": [stored(t2)]})
+    assert out.error is None, out.error
+    assert out.value == [t1, t2]
+
+
 async def test_due_with_no_collection_counts_zero(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     async with calling(lambda: store.due({0}, 500, 10)) as out:
@@ -584,10 +724,14 @@ async def test_parked_reads_every_collection_by_target(mongo_client: Any, wire: 
 async def test_not_writable_primary_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     await first_put(store, wire)
+    counted = metrics.STORE_UNAVAILABLE.labels("timers", "put")
+    before = counted._value.get()
     async with calling(lambda: store.put(make_timer(version=6))) as out:
         (await wire.command("update")).command_err(code=10107, errmsg="not primary")
     assert isinstance(out.error, StorageUnavailable)
     assert "timers.put" in str(out.error)
+    # counted under the same store label as the embedded twin (one dashboard for both backends)
+    assert counted._value.get() == before + 1
 
 
 async def test_hangup_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -71,7 +71,7 @@ async def calling(fn: Callable[[], Awaitable[T]]) -> AsyncIterator[Outcome[T]]:
             yield outcome
 
 
-def cursor(ns: str, docs: list[Mapping[str, Any]]) -> dict[str, Any]:
+def cursor(ns: str, docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"cursor": {"id": 0, "ns": ns, "firstBatch": list(docs)}}
 
 

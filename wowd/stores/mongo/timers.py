@@ -67,6 +67,7 @@ __all__ = [
     "settle_operations",
     "timer_from_doc",
     "timer_to_doc",
+    "union_batch_size",
     "union_pipeline",
 ]
 
@@ -86,8 +87,10 @@ PARKED_INDEX = "parked_target"
 
 _NAMESPACE_EXISTS = 48
 _INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
-_STORE = "mongo_timers"
+_STORE = "timers"  # the same label as the embedded twin: one dashboard for both backends
 _MAX_RELOADS = 3
+_PUT_ATTEMPTS = 2
+"""A put's E11000 is confirmed once: the first may be a concurrent insert of the same key."""
 
 
 # --------------------------------------------------------------------------- documents
@@ -228,8 +231,10 @@ def owner_filter(owner: AggregateRef, partition: int) -> dict[str, Any]:
 def put_filter(timer: Timer) -> dict[str, Any]:
     """The put's conditional upsert: matches the stored timer of (owner, key) only at the same or
     an earlier version. A later stored version does not match, so the upsert inserts and meets
-    the unique index: E11000, answered False. (The server's own retry of a duplicate-key upsert
-    needs a filter of equalities only; the ``$lte`` keeps the error ours.)"""
+    the unique index: E11000. (The server retries a duplicate-key upsert by itself only when the
+    filter is equalities on the unique index's fields (manual, "Upsert with Duplicate Values"); the
+    ``$lte`` keeps the error ours.) The filter carries the whole unique key and the partition (the
+    shard key, which an upsert on a sharded collection must match by equality)."""
     return {**key_filter(timer.owner, timer.partition, timer.key), "version": {"$lte": timer.version}}
 
 
@@ -321,6 +326,17 @@ def scan_match(status: TimerStatus | None, partitions: Iterable[int] | None) -> 
     return match
 
 
+def union_batch_size(limit: int | None) -> int | None:
+    """The aggregation's ``cursor.batchSize``: one more than the most documents the pipeline can
+    answer (the count document and ``limit`` timers), so the first batch ends at EOF.
+
+    The server fills the first batch with up to ``batchSize`` documents and closes the cursor
+    only when it met EOF while filling it; a batch filled exactly leaves the cursor open (id != 0)
+    and the driver pays a ``getMore`` round trip that answers nothing. ``None`` (no limit: the
+    parked read) keeps the server's default and reads on with ``getMore``."""
+    return None if limit is None else limit + 2
+
+
 def union_pipeline(
     context: str,
     collections: Mapping[str, str],
@@ -397,12 +413,13 @@ class MongoTimerStore:
         return collection_name("timer", self.context, aggregate)
 
     @contextmanager
-    def _op(self, operation: str) -> Iterator[None]:
+    def _op(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
         """Times a call, counts transient failures, applies the operation timeout (CSOT) and
-        translates driver errors."""
+        translates driver errors. ``bounded=False``: no timeout over the whole call (the DDL,
+        whose commands are bounded one by one with :meth:`_deadline`)."""
         started = time.perf_counter()
         try:
-            if self._timeout is None:
+            if self._timeout is None or not bounded:
                 with translate_errors(f"timers.{operation}"):
                     yield
             else:
@@ -413,6 +430,15 @@ class MongoTimerStore:
             raise
         finally:
             STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - started)
+
+    @contextmanager
+    def _deadline(self) -> Iterator[None]:
+        """The operation timeout over one DDL command (CSOT nests: an outer deadline would cap it)."""
+        if self._timeout is None:
+            yield
+        else:
+            with pymongo.timeout(self._timeout):
+                yield
 
     def _collection(self, owner: AggregateRef) -> AsyncCollection[Any]:
         if owner.context != self.context:
@@ -439,6 +465,11 @@ class MongoTimerStore:
                 continue
             known[name] = aggregate
         self._known = known
+        if self.ddl is Ddl.NONE:
+            # registered in format 5 and assumed to exist: a put goes straight to its upsert. (AUTO
+            # still makes sure of the indexes once: a replica may have registered the type and died
+            # before creating them; VALIDATE checks them.)
+            self._ready.update(known)
 
     async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
         if not self.drop_other_format:
@@ -447,8 +478,10 @@ class MongoTimerStore:
                 "(start with drop_other_format to drop it and rebuild the timer view from the log)"
             )
         log.warning("dropping timer collection %s of format %r (rebuilt from the log)", name, found)
-        await self._db.drop_collection(name)
-        await self._registry.delete_one({"_id": name, "format": found})
+        with self._deadline():
+            await self._db.drop_collection(name)
+        with self._deadline():
+            await self._registry.delete_one({"_id": name, "format": found})
         self._ready.discard(name)
         self._known.pop(name, None)
 
@@ -459,7 +492,8 @@ class MongoTimerStore:
         if name in self._ready:
             return
         if self.ddl is Ddl.VALIDATE:
-            doc = await self._registry.find_one({"_id": name})
+            with self._deadline():
+                doc = await self._registry.find_one({"_id": name})
             if doc is None:
                 raise FormatError(f"mongodb timers: {name} is not registered in {REGISTRY} (ddl=validate)")
             if doc.get("format") != FORMAT:
@@ -478,25 +512,30 @@ class MongoTimerStore:
         self._ready.add(name)
 
     async def _register(self, name: str, aggregate: str) -> dict[str, Any]:
-        doc = await self._registry.find_one_and_update(
-            {"_id": name},
-            registry_claim(self.context, aggregate, int(time.time() * 1000)),
-            upsert=True,
-            return_document=pymongo.ReturnDocument.AFTER,
-        )
+        """``findAndModify`` upsert on ``_id`` (concurrent first uses: the server retries the
+        duplicate-key upsert of an ``_id`` equality itself), answering the document after it."""
+        with self._deadline():
+            doc = await self._registry.find_one_and_update(
+                {"_id": name},
+                registry_claim(self.context, aggregate, int(time.time() * 1000)),
+                upsert=True,
+                return_document=pymongo.ReturnDocument.AFTER,
+            )
         assert doc is not None  # an upsert answers the document after it
         return dict(doc)
 
     async def _create(self, name: str) -> None:
         created = True
         try:
-            await self._db.command("create", name)
+            with self._deadline():
+                await self._db.command("create", name)
         except OperationFailure as exc:
             if exc.code != _NAMESPACE_EXISTS:
                 raise
             created = False
         try:
-            await self._db.command("createIndexes", name, indexes=index_specs())
+            with self._deadline():
+                await self._db.command("createIndexes", name, indexes=index_specs())
         except OperationFailure as exc:
             if exc.code in _INDEX_CONFLICT_CODES:
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
@@ -505,12 +544,15 @@ class MongoTimerStore:
             await self._shard(name, spread=created)
 
     async def _validate_indexes(self, name: str) -> None:
-        indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
+        """Each index of :func:`index_specs` by name, with its keys *in order* (a compound index
+        on the same keys in another order serves other queries), filter and uniqueness."""
+        with self._deadline():  # a missing collection lists no index (PyMongo answers code 26 so)
+            indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
         for spec in index_specs():
             found = indexes.get(spec["name"])
             if (
                 found is None
-                or dict(found["key"]) != spec["key"]
+                or list(found["key"].items()) != list(spec["key"].items())
                 or found.get("partialFilterExpression") != spec.get("partialFilterExpression")
                 or bool(found.get("unique", False)) != bool(spec.get("unique", False))
             ):
@@ -522,31 +564,39 @@ class MongoTimerStore:
         if self.sharding is MongoSharding.ON:
             return True
         if self._sharded is None:
-            hello = await self._client.admin.command("hello")
+            with self._deadline():
+                hello = await self._client.admin.command("hello")
             self._sharded = hello.get("msg") == "isdbgrid"
         return self._sharded
 
     async def _shard(self, name: str, *, spread: bool) -> None:
         """Shards by ``{partition: 1}``; a new collection gets one chunk per partition spread over
-        the shards (``split`` at each partition, ``moveRange`` round robin: MongoDB 6.0+). The
-        spread is best effort: a refused split or move is logged, the collection stays usable."""
+        the shards (``split`` at each partition, ``moveRange`` round robin: MongoDB 6.0+; no
+        ``enableSharding`` needed since 6.0). ``moveRange`` with ``min`` alone moves the whole
+        chunk starting there when it holds less than the chunk size (a new collection's are
+        empty). Each command has its own operation timeout (moves take a while each). The spread
+        is best effort: a refused split or move is logged, the collection stays usable."""
         ns = f"{self._db.name}.{name}"
         admin = self._client.admin
-        await admin.command("shardCollection", ns, key={"partition": 1})
+        with self._deadline():
+            await admin.command("shardCollection", ns, key={"partition": 1})
         if not spread or self.partitions < 2:
             return
-        shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
+        with self._deadline():
+            shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
         for middle in split_points(self.partitions):
             try:
-                await admin.command("split", ns, middle=middle)
-            except OperationFailure as exc:
+                with self._deadline():
+                    await admin.command("split", ns, middle=middle)
+            except PyMongoError as exc:  # best effort, a client-side timeout included
                 log.warning("split of %s at %s refused: %s", ns, middle, exc)
         if len(shards) < 2:
             return
         for p, lower in enumerate(chunk_mins(self.partitions)):
             try:
-                await admin.command("moveRange", ns, min=lower, toShard=shards[p % len(shards)])
-            except OperationFailure as exc:
+                with self._deadline():
+                    await admin.command("moveRange", ns, min=lower, toShard=shards[p % len(shards)])
+            except PyMongoError as exc:  # best effort: the server may still complete a timed-out move
                 log.warning("moveRange of %s partition %d refused: %s", ns, p, exc)
 
     # ------------------------------------------------------------------ writes
@@ -558,15 +608,24 @@ class MongoTimerStore:
                 f"is {timer.partition}, the owner's partition is {self._partition(timer.owner)}",
                 field="partition",
             )
+        if self.collection_name(timer.owner.aggregate) not in self._ready:
+            with self._op("ddl", bounded=False):
+                await self._ensure(timer.owner.aggregate)
+        flt, update = put_filter(timer), put_update(timer)
         with self._op("put"):
-            await self._ensure(timer.owner.aggregate)
-            try:
-                res = await coll.update_one(put_filter(timer), put_update(timer), upsert=True)
-            except PyMongoError as exc:
-                if is_duplicate_key(exc):
-                    return False
-                raise
-        return res.upserted_id is not None or res.matched_count == 1
+            for _ in range(_PUT_ATTEMPTS):
+                try:
+                    res = await coll.update_one(flt, update, upsert=True)
+                except PyMongoError as exc:
+                    if not is_duplicate_key(exc):
+                        raise
+                    # E11000: nothing at or below this version matched and the insert met the
+                    # unique key. Either a later version is stored, or a concurrent put inserted
+                    # this key between our match and our insert: the same upsert again matches
+                    # that one (admitted) or meets the later version again (refused).
+                    continue
+                return res.upserted_id is not None or res.matched_count == 1
+        return False
 
     async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
         coll = self._collection(owner)
@@ -624,7 +683,8 @@ class MongoTimerStore:
         for attempt in range(_MAX_RELOADS + 1):
             known = dict(self._known)
             pipeline = union_pipeline(self.context, known, match, limit)
-            kwargs: dict[str, Any] = {} if limit is None else {"batchSize": limit + 1}
+            batch = union_batch_size(limit)
+            kwargs: dict[str, Any] = {} if batch is None else {"batchSize": batch}
             cursor = await self._registry.aggregate(pipeline, **kwargs)
             docs = await cursor.to_list(None)
             registered = 0
