@@ -109,6 +109,33 @@ def test_a_decimal_decimal128_cannot_hold_exactly_is_refused_not_rounded(value: 
         bson.encode({"v": value}, codec_options=CODEC_OPTIONS)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        Decimal("12345678901234567890123456789012340"),  # 35 digits, the last a zero: same value
+        Decimal("1.0000000000000000000000000000000000"),  # 35 digits of scale: would read as 34
+        Decimal("1E+6144"),  # clamp=1 pads it to 1.000...000E+6144 (34 digits)
+        Decimal("0E-6200"),  # a zero's exponent below Decimal128's: clamped to 0E-6176
+        Decimal("0E+7000"),  # above: clamped to 0E+6111
+    ],
+)
+def test_a_decimal_whose_digits_or_scale_would_change_is_refused(value: Decimal) -> None:
+    """Decimal128(value) is exact in value for these, but reads back with other digits or another
+    exponent (scale): refused as well, so what is stored always reads back unchanged."""
+    back = bson.decode(
+        bson.encode({"v": Decimal128(value)}), codec_options=DEFAULT_CODEC_OPTIONS
+    )["v"].to_decimal()
+    assert back == value and back.as_tuple() != value.as_tuple()  # what plain Decimal128 does
+    with pytest.raises(ArithmeticError, match="same digits and exponent"):
+        bson.encode({"v": value}, codec_options=CODEC_OPTIONS)
+
+
+@pytest.mark.parametrize("text", ["NaN", "-NaN", "sNaN", "Infinity", "-Infinity"])
+def test_special_decimals_round_trip(text: str) -> None:
+    value = Decimal(text)
+    assert str(round_trip(value)) == str(value)
+
+
 @pytest.fixture
 async def offline_store() -> AsyncIterator[MongoSnapshotStore]:
     """A store whose client never connects: a call that sends nothing must not need a server."""
@@ -130,8 +157,9 @@ async def offline_store() -> AsyncIterator[MongoSnapshotStore]:
         {"obj": object()},
         {1: "non-string key"},
         {"nested": {"deep": [Decimal("NaN"), Decimal("1E-7000")]}},
+        {"scale": [Decimal("1"), Decimal("1.0000000000000000000000000000000000")]},
     ],
-    ids=["35-digits", "int-overflow", "object", "int-key", "nested-tiny"],
+    ids=["35-digits", "int-overflow", "object", "int-key", "nested-tiny", "scale-35"],
 )
 async def test_a_state_bson_cannot_hold_is_failed_not_a_crash(
     offline_store: MongoSnapshotStore, state: dict[Any, Any]

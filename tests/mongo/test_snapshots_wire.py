@@ -148,6 +148,10 @@ async def test_save_is_one_guarded_upsert_with_a_pipeline(store: MongoSnapshotSt
         [stage] = u["u"]
         doc = stage["$replaceWith"]
         assert doc["_id"] == {"$literal": {"t": "(0)", "a": "o-1"}}
+        # the replacement keeps the filter's _id to the field order: on an update another _id
+        # (documents compare field by field, so {a, t} is another one) is error 66 ImmutableField,
+        # and t before a is the key order pending pages by
+        assert list(u["q"]["_id"]) == list(doc["_id"]["$literal"]) == ["t", "a"]
         assert doc["tenant_id"] == {"$literal": "(0)"} and doc["aggregate_id"] == {"$literal": "o-1"}
         assert doc["version"] == {"$literal": 3} and doc["state_revision"] == {"$literal": 2}
         # the state is data (a "$..." string is not a field path) and its decimal is Decimal128
@@ -704,6 +708,38 @@ async def test_a_write_concern_error_of_a_bulk_raises_storage_unavailable(
         )
         with pytest.raises(StorageUnavailable, match="replication"):
             await call.result()
+
+
+@pytest.mark.parametrize(
+    ("code", "errmsg"),
+    [
+        (10107, "Not-primary error while processing 'update' operation on 'wowd_wire' database"),
+        (11602, "operation was interrupted because of a replica set state change"),
+        (50, "operation exceeded time limit"),
+    ],
+    ids=["NotWritablePrimary", "InterruptedDueToReplStateChange", "MaxTimeMSExpired"],
+)
+async def test_an_election_or_timeout_in_a_bulks_write_errors_is_storage_unavailable(
+    store: MongoSnapshotStore, wire: Wire, code: int, errmsg: str
+) -> None:
+    """A stepdown or the operation timeout met part way through an unordered bulk comes back per
+    item in writeErrors (PyMongo does not retry those): the batch is retried whole by the caller,
+    not its snapshots reported failed (and dropped)."""
+    before = unavailable("save_all")
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.save_all([snap("o-1"), snap("o-2"), snap("o-3")]))
+        (await wire.command("update")).replies(
+            {
+                "n": 1,
+                "nModified": 0,
+                "upserted": [{"index": 0, "_id": {"t": "(0)", "a": "o-1"}}],
+                "writeErrors": [{"index": 1, "code": code, "errmsg": errmsg}, {**E11000, "index": 2}],
+            }
+        )
+        with pytest.raises(StorageUnavailable, match=f"error {code}"):
+            await call.result()
+    assert unavailable("save_all") == before + 1
 
 
 async def test_save_all_fails_an_item_of_another_context_alone(store: MongoSnapshotStore, wire: Wire) -> None:

@@ -46,7 +46,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import (
     AggregateRef,
@@ -59,11 +59,11 @@ from wowd.model import (
 from wowd.stores.mongo._common import (
     DUPLICATE_KEY,
     FORMAT,
+    TRANSIENT_CODES,
     Ddl,
     MongoSharding,
     collection_name,
     is_duplicate_key,
-    is_transient,
     translate_errors,
 )
 
@@ -115,13 +115,26 @@ is tried again before the store gives up (raises)."""
 
 class DecimalCodec(TypeCodec):
     """``decimal.Decimal`` <-> ``Decimal128``, exact: a decimal that needs more than 34 digits
-    or an exponent out of Decimal128's range is refused (``decimal.Inexact``), never rounded."""
+    or an exponent out of Decimal128's range is refused (``decimal.Inexact``), never rounded.
+
+    ``Decimal128(value)`` alone is exact in *value* only: its context (34 digits, clamp=1)
+    silently drops trailing zeros past 34 digits (``1234…340E+10``), clamps the exponent of a
+    zero (``0E-6200`` -> ``0E-6176``) and pads a large exponent (``1E+6144`` ->
+    ``1.000…000E+6144``), each read back with other digits or another scale. Those are refused
+    too (``decimal.Rounded``): what is stored reads back with the same sign, digits and exponent.
+    """
 
     python_type = decimal.Decimal
     bson_type = Decimal128
 
     def transform_python(self, value: Any) -> Any:
-        return Decimal128(value)
+        encoded = Decimal128(value)
+        if encoded.to_decimal().as_tuple() != value.as_tuple():
+            raise decimal.Rounded(
+                f"Decimal {value} has no Decimal128 of the same digits and exponent "
+                f"(it would read back as {encoded.to_decimal()})"
+            )
+        return encoded
 
     def transform_bson(self, value: Any) -> Any:
         return value.to_decimal()
@@ -454,9 +467,10 @@ class MongoSnapshotStore:
                 else:
                     with pymongo.timeout(self._timeout):
                         yield
-        except StorageError as exc:
-            if is_transient(exc.__cause__ or exc):
-                STORE_UNAVAILABLE.labels(_STORE, operation).inc()
+        except StorageUnavailable:
+            # translate_errors' transient driver errors, and the store's own (a bulk's item
+            # refused by an election, see _save_round)
+            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
             raise
         finally:
             STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - start)
@@ -533,6 +547,7 @@ class MongoSnapshotStore:
             await self._client.admin.command("shardCollection", full, key=shard_key())
 
     async def _validate(self, name: str) -> None:
+        # a missing collection lists no indexes (PyMongo answers NamespaceNotFound as empty)
         found = {ix["name"]: ix async for ix in await self._db.get_collection(name).list_indexes()}
         for spec in index_specs():
             ix = found.get(spec["name"])
@@ -674,6 +689,15 @@ class MongoSnapshotStore:
                 if exc.details.get("writeConcernErrors"):
                     raise
                 errors = {int(e["index"]): e for e in exc.details.get("writeErrors") or ()}
+                transient = next((e for e in errors.values() if e.get("code") in TRANSIENT_CODES), None)
+                if transient is not None:
+                    # an election or a timeout met the bulk part way (NotWritablePrimary and
+                    # MaxTimeMSExpired come back per item in writeErrors, and PyMongo does not
+                    # retry those): the batch is retried whole, not its items dropped as failed
+                    raise StorageUnavailable(
+                        f"mongodb snapshots save_all: {len(errors)} of {len(requests)} writes refused, "
+                        f"e.g. error {transient.get('code')}: {transient.get('errmsg', '')}"
+                    ) from exc
             for k, item in enumerate(sendable):
                 err = errors.get(k)
                 if err is None:
