@@ -1,9 +1,9 @@
 """The ``wowd`` command line: the one composition root (settings -> stores -> daemon).
 
 ``wowd run [--demo] [--config FILE]``, ``wowd check``, ``wowd version``, ``wowd status [--json]``,
-``wowd timers list|retry|resume``, ``wowd demo``. A configuration error exits 2 with its message;
-a store that does not answer exits 1. Signals are handled here only: the first SIGTERM/SIGINT
-stops the replica gracefully, a second one cancels it at once.
+``wowd timers list|retry|resume``, ``wowd snapshots status|rebuild``, ``wowd demo``. A configuration
+error exits 2 with its message; a store that does not answer exits 1. Signals are handled here
+only: the first SIGTERM/SIGINT stops the replica gracefully, a second one cancels it at once.
 """
 
 from __future__ import annotations
@@ -152,6 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     tm = tsub.add_parser("resume", help="PARKED -> PENDING")
     tm.add_argument("timer_ids", nargs="+", metavar="TIMER_ID")
 
+    snaps = sub.add_parser("snapshots", help="snapshot tables and rebuilds of the configured reducers")
+    snaps.add_argument("--config", dest="sub_config", help=argparse.SUPPRESS)
+    ssub = snaps.add_subparsers(dest="snapshots_command", required=True)
+    ss = ssub.add_parser("status", help="per reducer type: the claimed revision, flags and pending snapshots")
+    ss.add_argument("--json", action="store_true")
+    sr = ssub.add_parser("rebuild", help="claim the reducers' revisions and rebuild snapshots from the log")
+    sr.add_argument("--aggregate", action="append", help="only this aggregate type (repeatable)")
+    sr.add_argument("--partitions", nargs="+", metavar="P", help="only these partitions (default: all)")
+    sr.add_argument(
+        "--force", action="store_true", help="also partitions a live replica owns, and backfilled types"
+    )
+    sr.add_argument("--json", action="store_true")
+
     demo = sub.add_parser("demo", help="append demo commits with timer events to the log")
     demo.add_argument("--config", dest="sub_config", help=argparse.SUPPRESS)
     demo.add_argument("--commits", type=int, default=1000)
@@ -189,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": cmd_check,
         "status": cmd_status,
         "timers": cmd_timers,
+        "snapshots": cmd_snapshots,
         "demo": cmd_demo,
     }
     try:
@@ -450,6 +464,63 @@ async def cmd_timers(settings: WowdSettings, args: argparse.Namespace) -> int:
         for tid in sorted(missing):
             _err(f"not {wanted_status.value}: {tid}")
         return 0 if not missing and written == len(candidates) else 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await backend.close()
+
+
+async def cmd_snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
+    from wowd.daemon.feed import load_reducer
+    from wowd.daemon.rebuild import Rebuilder, live_partitions, report_doc, status_doc
+    from wowd.stores import open_backend
+
+    reducers = {agg: load_reducer(path) for agg, path in settings.reducers.items()}
+    if not reducers:
+        _err("wowd: no reducers configured (WOWD_REDUCERS): no snapshots are kept")
+        return 2
+    unknown = sorted(set(getattr(args, "aggregate", None) or ()) - set(reducers))
+    if unknown:
+        _err(f"wowd: no reducer configured for {', '.join(unknown)} (reducers: {', '.join(sorted(reducers))})")
+        return 2
+    given: list[str] = getattr(args, "partitions", None) or []
+    try:
+        parts = sorted({int(x) for arg in given for x in arg.split(",") if x.strip()})
+    except ValueError:
+        _err(f"wowd: --partitions: integers expected, got {' '.join(given)}")
+        return 2
+    backend = await open_backend(settings)
+    try:
+        rebuilder = Rebuilder(settings, backend, reducers)
+        if args.snapshots_command == "status":
+            docs = [status_doc(s) for s in await rebuilder.status()]
+            if args.json:
+                _out(json.dumps(docs, indent=2))
+                return 0
+            _out(f"{'aggregate':<20} {'reducer':>7} {'table':>5}  {'flags':<20} {'pending':>8}  rebuilt")
+            for d in docs:
+                t = d["table"]
+                flags = ",".join(k for k in ("rebuilding", "backfilled") if t and t[k]) or "-"
+                _out(f"{d['aggregate']:<20} {d['reducer_revision']:>7} {t['revision'] if t else '-':>5}  "
+                     f"{flags:<20} {d['pending']:>8}  {d['partitions_done']}/{d['partitions']}")
+            return 0
+        wanted = parts if given else list(range(settings.partitions))
+        states = await backend.leases.slots(settings.lease_namespace)
+        busy = sorted(set(wanted) & live_partitions(settings, states))
+        if busy and not args.force:
+            _err(f"wowd: partitions {', '.join(map(str, busy))} have a live holder, which rebuilds them itself "
+                 "(--partitions to choose others, --force to rebuild them anyway)")
+            return 1
+        reports = await rebuilder.rebuild(wanted, aggregates=args.aggregate, force=args.force)
+        docs = [report_doc(r) for r in reports]
+        if args.json:
+            _out(json.dumps(docs, indent=2))
+        else:
+            for d in docs:
+                _out(f"{d['aggregate']} revision {d['revision']}: {d['outcome']}, "
+                     f"{len(d['partitions'])} partition(s), "
+                     f"{d['aggregates']} aggregate(s), {d['rewritten']} rewritten, {d['unchanged']} unchanged, "
+                     f"{d['skipped']} skipped, {d['failed']} failed" + (", backfilled" if d["backfilled"] else ""))
+        return 1 if any(d["outcome"] == "superseded" or d["failed"] for d in docs) else 0
     finally:
         with anyio.CancelScope(shield=True):
             await backend.close()

@@ -24,6 +24,7 @@ from .feed import Feeder, Reducer, Waker, load_reducer
 from .gateway import CommandGateway
 from .http import HttpServer
 from .leases import HeldSlot, SlotKeeper, owner_key_for
+from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
 from .timers import TimerLoop
 
@@ -181,8 +182,10 @@ class Supervisor:
         loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway)
         self._on_lease_change()
         async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, held, waker)
             await tg.start(loop.run, held, waker)
+            # snapshots of a raised state revision: this slot's partitions, before its feed
+            await Rebuilder(self.settings, self.backend, self._reducers).rebuild_slot(held)
+            await tg.start(feeder.run, held, waker)
 
     async def _ping(self) -> None:
         ok = False

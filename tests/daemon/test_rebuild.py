@@ -1,0 +1,353 @@
+"""Snapshot rebuilds: claim, rebuild each partition by its owner, backfilled; status; the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
+from wowd.daemon.gateway import OutboxGateway
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.rebuild import Rebuilder, RebuildReport, fold_commit, progress_consumer
+from wowd.daemon.supervisor import Supervisor
+from wowd.demo import reducer as reducer_v1
+from wowd.errors import LeaseLost, StorageUnavailable
+from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition
+from wowd.stores.backend import Backend
+
+from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+ORDER = AggregateType(context=CONTEXT, aggregate="order")
+IDS = [f"o-{i}" for i in range(8)]  # two aggregates in each of the 4 partitions
+VERSIONS = 3
+ROOT = Path(__file__).resolve().parents[2]
+TTL = timedelta(seconds=60)
+
+
+class CountingReducer:
+    """State revision 2: a state the demo reducer (revision 1) does not write."""
+
+    state_revision = 2
+
+    def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]:
+        return {"seen": int(state.get("seen", 0)) + 1, "last": event.name}
+
+
+reducer_v2 = CountingReducer()
+
+
+def settings(tmp_path: Path, *, partitions: int = PARTS, **extra: Any) -> WowdSettings:
+    extra.setdefault("lease", LeaseSettings(limit=2, ttl_s=30, tolerance_s=1))
+    return WowdSettings(
+        context=CONTEXT, partitions=partitions, embedded=EmbeddedSettings(path=tmp_path / "wowd.db"), **extra
+    )
+
+
+def ref(agg_id: str) -> AggregateRef:
+    return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings(tmp_path))
+    try:
+        await b.log.append_many([timer_commit(i, v, []) for v in range(1, VERSIONS + 1) for i in IDS])
+        yield b
+    finally:
+        await b.close()
+
+
+async def hold(b: Backend, slot_parts: set[int], *, owner: str = "me", valid_for: float = 60.0) -> HeldSlot:
+    res = await b.leases.acquire(f"ns-{owner}", Owner(key=owner), 2, TTL, timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease,
+        partitions=frozenset(slot_parts),
+        valid_until=anyio.current_time() + valid_for,
+        owner_key=owner,
+    )
+
+
+async def expected(b: Backend, agg_id: str, reducer: Any) -> SnapshotRecord:
+    """The snapshot folded from the log, commit by commit, as the feed would fold it."""
+    snap: SnapshotRecord | None = None
+    async for batch in b.log.read({partition(agg_id, PARTS): None}, follow=False):
+        for e in batch.entries:
+            if e.commit is not None and e.commit.ref == ref(agg_id):
+                snap = fold_commit(reducer, snap, e.commit)
+    assert snap is not None
+    return snap
+
+
+async def backfill_v1(tmp_path: Path, b: Backend) -> None:
+    [r] = await Rebuilder(settings(tmp_path), b, {"order": reducer_v1}).rebuild(range(PARTS))
+    assert r.outcome == "rebuilt" and r.backfilled and r.rewritten == len(IDS)
+
+
+async def rebuild_slot(
+    s: WowdSettings, b: Backend, reducer: Any, slot_parts: set[int], owner: str
+) -> list[RebuildReport]:
+    """What a replica holding ``slot_parts`` (as ``owner``) does before feeding them."""
+    return await Rebuilder(s, b, {"order": reducer}).rebuild_slot(await hold(b, slot_parts, owner=owner))
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch, b: Backend) -> list[dict[int, Any]]:
+    calls: list[dict[int, Any]] = []
+    read = b.log.read
+
+    def spy(positions: Any, **kw: Any) -> Any:
+        calls.append(dict(positions))
+        return read(positions, **kw)
+
+    monkeypatch.setattr(b.log, "read", spy)
+    return calls
+
+
+async def test_a_new_reducer_backfills_every_aggregate_and_marks_the_table(
+    tmp_path: Path, backend: Backend
+) -> None:
+    rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v1})
+    [before] = await rebuilder.status()
+    assert before.table is None and before.pending == 0 and before.partitions_done == 0
+
+    await backfill_v1(tmp_path, backend)
+
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and table.revision == 1 and table.backfilled and not table.rebuilding
+    for agg_id in IDS:
+        assert await backend.snapshots.load(ref(agg_id)) == await expected(backend, agg_id, reducer_v1)
+    [after] = await rebuilder.status()
+    assert (after.pending, after.partitions_done, after.partitions, after.target) == (0, PARTS, PARTS, 1)
+
+
+async def test_a_raised_revision_is_rebuilt_each_partition_by_its_owner(
+    tmp_path: Path, backend: Backend
+) -> None:
+    await backfill_v1(tmp_path, backend)
+    assert await backend.snapshots.mark_stale(ref("o-2"))  # partition 0: the feed found it behind
+    rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2})
+    slot0, slot1 = {0, 2}, {1, 3}
+
+    [r0] = await rebuilder.rebuild_slot(await hold(backend, slot0, owner="a"))
+
+    assert r0.outcome == "rebuilt" and sorted(r0.partitions) == [0, 2] and not r0.backfilled
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and table.revision == 2 and table.rebuilding and not table.backfilled
+    for agg_id in IDS:
+        snap = await backend.snapshots.load(ref(agg_id))
+        assert snap is not None
+        if partition(agg_id, PARTS) in slot0:
+            assert snap == await expected(backend, agg_id, reducer_v2)  # stale mark cleared too
+            assert snap.state == {"seen": VERSIONS, "last": "ItemAdded"}
+        else:
+            assert snap.state_revision == 1  # another owner's partition: untouched
+    [st] = await rebuilder.status()
+    assert (st.target, st.pending, st.partitions_done) == (2, 4, 2)
+    assert sorted(await backend.rebuilds.pending(ORDER, 2, None, 100)) == sorted(
+        ref(i) for i in IDS if partition(i, PARTS) in slot1
+    )
+
+    [r1] = await rebuilder.rebuild_slot(await hold(backend, slot1, owner="b"))
+
+    assert sorted(r1.partitions) == [1, 3] and r1.backfilled and r1.rewritten == 4
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and table.revision == 2 and table.backfilled and not table.rebuilding
+    [st] = await rebuilder.status()
+    assert (st.pending, st.partitions_done) == (0, PARTS)
+
+
+async def test_a_takeover_skips_rebuilt_partitions_and_an_older_reducer_writes_nothing(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await backfill_v1(tmp_path, backend)
+    s = settings(tmp_path)
+    await rebuild_slot(s, backend, reducer_v2, {0, 2}, "a")
+    reads = count_reads(monkeypatch, backend)
+
+    # the slot changes hands before the other slot was rebuilt: its partitions are not read again
+    [again] = await rebuild_slot(s, backend, reducer_v2, {0, 2}, "c")
+    assert again.outcome == "rebuilt" and again.partitions == [] and reads == []
+
+    # a replica still running revision 1 (a rolling upgrade) leaves the snapshots to revision 2
+    [old] = await rebuild_slot(s, backend, reducer_v1, {1, 3}, "d")
+    assert old.outcome == "superseded" and reads == []
+    snap = await backend.snapshots.load(ref("o-2"))
+    assert snap is not None and snap.state_revision == 2
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and table.revision == 2 and not table.backfilled
+
+    # once backfilled, a new holder reads nothing
+    await rebuild_slot(s, backend, reducer_v2, {1, 3}, "b")
+    reads.clear()
+    [done] = await rebuild_slot(s, backend, reducer_v2, {0, 2}, "e")
+    assert done.outcome == "current" and done.backfilled and reads == []
+
+
+async def test_the_fence_is_checked_before_each_rewrite_batch(tmp_path: Path, backend: Backend) -> None:
+    await backfill_v1(tmp_path, backend)
+    rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, rewrite_batch=1)
+    checks = 0
+
+    def check() -> None:
+        nonlocal checks
+        checks += 1
+        if checks > 1:
+            raise LeaseLost("lease no longer valid")
+
+    with pytest.raises(LeaseLost):
+        await rebuilder.rebuild([0], check=check, fence=7)
+
+    states = [await backend.snapshots.load(ref(i)) for i in IDS if partition(i, PARTS) == 0]
+    assert sorted(s.state_revision for s in states if s is not None) == [1, 2]  # one batch, then stopped
+    assert await backend.log.checkpoints(progress_consumer("order", 2), [0]) == {}
+
+
+async def test_an_expired_slot_rewrites_nothing(tmp_path: Path, backend: Backend) -> None:
+    await backfill_v1(tmp_path, backend)
+    held = await hold(backend, {0, 2}, valid_for=-1.0)
+    with pytest.raises(LeaseLost):
+        await Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}).rebuild_slot(held)
+    assert await backend.rebuilds.pending(ORDER, 2, None, 100) == sorted(ref(i) for i in IDS)
+
+
+async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(
+    tmp_path: Path, backend: Backend
+) -> None:
+    await backfill_v1(tmp_path, backend)
+    rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, batch_size=1)
+    asked = 0
+
+    def stopping() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked > 1
+
+    [r] = await rebuilder.rebuild(range(PARTS), stopping=stopping)
+    assert r.outcome == "stopped" and r.partitions == [] and r.rewritten == 0
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and table.revision == 2 and table.rebuilding and not table.backfilled
+    assert await backend.log.checkpoints(progress_consumer("order", 2), list(range(PARTS))) == {}
+
+
+async def test_a_gap_in_the_log_leaves_the_aggregate_pending(tmp_path: Path, backend: Backend) -> None:
+    await backfill_v1(tmp_path, backend)
+    # o-0 gets a malformed v4 and a valid v5; "late" starts at version 2 (its v1 is missing)
+    doc = {"tenant_id": "(0)", "aggregate_id": "o-0", "version": 4, "request_id": "bad", "events": "no"}
+    await backend.log.insert_raw(ORDER, doc)
+    await backend.log.append_many([timer_commit("o-0", 5, []), timer_commit("late", 2, [])])
+
+    [r] = await Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}).rebuild(range(PARTS))
+
+    assert r.skipped == 2 and r.rewritten == len(IDS) - 1 and r.failed == 0 and r.backfilled
+    o0 = await backend.snapshots.load(ref("o-0"))
+    assert o0 is not None and o0.state_revision == 1 and o0.version == VERSIONS
+    assert await backend.snapshots.load(ref("late")) is None
+    assert await backend.rebuilds.pending(ORDER, 2, None, 100) == [ref("o-0")]
+
+
+async def test_a_transient_failure_is_retried(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await backfill_v1(tmp_path, backend)
+    rewrite = backend.rebuilds.rewrite
+    failures = [StorageUnavailable("database is locked")]
+
+    async def flaky(snapshot: SnapshotRecord) -> bool:
+        if failures:
+            raise failures.pop()
+        return await rewrite(snapshot)
+
+    monkeypatch.setattr(backend.rebuilds, "rewrite", flaky)
+    s = settings(tmp_path)
+    with anyio.fail_after(10):
+        [r] = await rebuild_slot(s, backend, reducer_v2, set(range(PARTS)), "me")
+    assert r.backfilled and sorted(r.partitions) == list(range(PARTS))
+    assert await backend.rebuilds.pending(ORDER, 2, None, 100) == []
+
+
+async def test_a_replica_rebuilds_its_slot_then_feeds_on_top(tmp_path: Path, backend: Backend) -> None:
+    await backfill_v1(tmp_path, backend)
+    s = settings(
+        tmp_path,
+        lease=LeaseSettings(limit=1, ttl_s=30, tolerance_s=1),
+        http=HttpSettings(host="127.0.0.1", port=0),
+        reducers={"order": "tests.daemon.test_rebuild:reducer_v2"},
+    )
+    sup = Supervisor(s, backend, OutboxGateway(backend.outbox))
+
+    async def backfilled() -> bool:
+        t = await backend.rebuilds.table(ORDER)
+        return t is not None and t.revision == 2 and t.backfilled
+
+    async def fed() -> bool:
+        snap = await backend.snapshots.load(ref("o-1"))
+        return snap is not None and snap.version == VERSIONS + 1
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(sup.run)
+        await eventually(backfilled, 10, "the table backfilled at revision 2")
+        await backend.log.append(timer_commit("o-1", VERSIONS + 1, []))
+        await eventually(fed, 10, "the feed folding a new commit on the rebuilt snapshot")
+        sup.stop()
+
+    snap = await backend.snapshots.load(ref("o-1"))
+    assert snap is not None and snap.state_revision == 2
+    assert snap.state == {"seen": VERSIONS + 1, "last": "ItemAdded"}
+    assert await backend.rebuilds.pending(ORDER, 2, None, 100) == []
+
+
+async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
+    from wowd.stores.embedded import open_embedded
+
+    db = tmp_path / "wowd.db"
+    parts = 8  # the processes' settings (conftest.base_env): 8 partitions, 2 slots
+    b = await open_embedded(settings(tmp_path, partitions=parts))
+    try:
+        await b.log.append_many([timer_commit(f"c-{i}", 1, []) for i in range(16)])
+        held = await b.leases.acquire("wowd.demo", Owner(key="live"), 2, TTL, timedelta(seconds=1))
+        assert held.lease is not None and held.lease.slot == 0  # a live replica holds partitions 0, 2, 4, 6
+    finally:
+        await b.close()
+    env = base_env(
+        db,
+        WOWD_REDUCERS=json.dumps({"order": "tests.daemon.test_rebuild:reducer_v2"}),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+
+    code, out, err = await run_wowd("snapshots", "status", "--json", env=env, cwd=tmp_path)
+    assert code == 0, err
+    assert json.loads(out) == [
+        {"aggregate": "order", "reducer_revision": 2, "table": None, "target_revision": 2, "pending": 0,
+         "partitions_done": 0, "partitions": parts}
+    ]
+
+    code, out, err = await run_wowd("snapshots", "rebuild", env=env, cwd=tmp_path)
+    assert code == 1 and "partitions 0, 2, 4, 6 have a live holder" in err
+
+    args = ("snapshots", "rebuild", "--partitions", "1,3", "5", "7", "--json")
+    code, out, err = await run_wowd(*args, env=env, cwd=tmp_path)
+    assert code == 0, err
+    [r] = json.loads(out)
+    expected = sum(1 for i in range(16) if partition(f"c-{i}", parts) % 2 == 1)
+    assert (r["outcome"], r["partitions"], r["rewritten"]) == ("rebuilt", [1, 3, 5, 7], expected)
+    assert not r["backfilled"]
+    assert r["table"]["revision"] == 2 and r["table"]["rebuilding"]
+
+    code, out, err = await run_wowd("snapshots", "status", env=env, cwd=tmp_path)
+    assert code == 0, err
+    assert out.splitlines()[1].split() == ["order", "2", "2", "rebuilding", "0", f"4/{parts}"]
+
+    code, out, err = await run_wowd("snapshots", "rebuild", "--aggregate", "nope", env=env, cwd=tmp_path)
+    assert code == 2 and "no reducer configured for nope" in err
