@@ -150,6 +150,7 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
         store: Any = EmbeddedEventSink(db_path, SINK_TYPE)
     else:
         from elasticsearch import AsyncElasticsearch
+
         from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
         assert ES_URL
