@@ -1,0 +1,288 @@
+"""The replica's life cycle as a process: a crashed loop, the systemd watchdog, ``make run``'s
+command, and a second signal during a long drain (issue 8, CONVENTIONS.md "processes are tested
+as processes"). Every wait reads the process's output, socket or stores inside ``fail_after``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import SocketStream
+
+from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
+from wowd.model import Owner, TimerStatus
+from wowd.stores.backend import Backend
+
+from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_commit
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process]
+
+NS = f"wowd.{CONTEXT}"
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "wowd.db"
+
+
+@pytest.fixture
+async def stores(db: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    settings = WowdSettings(
+        context=CONTEXT,
+        partitions=PARTITIONS,
+        embedded=EmbeddedSettings(path=db),
+        lease=LeaseSettings(limit=1),
+    )
+    backend = await open_embedded(settings)
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    out = []
+    for line in text.splitlines():
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
+
+
+# --------------------------------------------------------------------------- 1. a crashed side loop
+
+
+CRASHING_REDUCER = """
+class Reducer:
+    state_revision = 1
+
+    def fold(self, state, event):
+        raise RuntimeError("reducer exploded on " + event.name)
+
+
+reducer = Reducer()
+"""
+
+
+async def test_a_crashed_feed_stops_the_process_non_zero_and_says_why(
+    spawn: Callable[..., Replica], db: Path, stores: Backend, tmp_path: Path
+) -> None:
+    """A bug in user code (a reducer raising a non-wowd exception) kills the feed for real: the
+    replica must not stay up looking alive (ready, renewing its lease) while doing nothing."""
+    (tmp_path / "crashing_reducer.py").write_text(textwrap.dedent(CRASHING_REDUCER))
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    env = base_env(
+        db,
+        WOWD_LEASE__LIMIT=1,
+        WOWD_REDUCERS=json.dumps({"order": "crashing_reducer:reducer"}),
+        PYTHONPATH=pythonpath,
+    )
+    r = spawn("crashy", env)
+    await r.wait_ready()
+    assert r.proc.poll() is None  # nothing to fold yet: up and ready
+    await stores.log.append(timer_commit("boom-1", 1, ["k"]))
+
+    rc = await r.wait_exit(15)
+    assert rc != 0
+    log = r.log()
+    crash = [d for d in _json_lines(log) if d.get("level") == "CRITICAL"]
+    assert crash, log
+    msg, exc = str(crash[-1]["msg"]), str(crash[-1].get("exc", ""))
+    assert "RuntimeError" in msg and "reducer exploded on ItemAdded" in msg
+    assert "crashing_reducer.py" in exc  # the traceback points at the bug
+    # the commit was not checkpointed (a replacement replica feeds it again) ...
+    assert await stores.log.checkpoints("wowd", list(range(PARTITIONS))) == {}
+    # ... and the lease is not left held by a dead process: it is free at once (released on the way out)
+    (state,) = await stores.leases.slots(NS)
+    assert not state.live and state.last_owner_key == "crashy"
+
+
+# --------------------------------------------------------------------------- 2. systemd watchdog
+
+
+async def test_systemd_ready_watchdog_cadence_status_and_stopping(
+    spawn: Callable[..., Replica], db: Path
+) -> None:
+    watchdog_usec = 200_000
+    with tempfile.TemporaryDirectory(prefix="wowd-") as d:  # short: AF_UNIX paths are <= 107 bytes
+        path = str(Path(d) / "notify")
+        async with await anyio.create_unix_datagram_socket(local_path=path) as sock:
+            env = base_env(db, WOWD_LEASE__LIMIT=1, NOTIFY_SOCKET=path, WATCHDOG_USEC=watchdog_usec)
+            r = spawn("sd", env)
+            received: list[tuple[float, str]] = []
+
+            async def until(pred: Callable[[str], bool], within: float, what: str) -> str:
+                try:
+                    with anyio.fail_after(within):
+                        while True:
+                            data, _ = await sock.receive()
+                            msg = data.decode()
+                            received.append((time.monotonic(), msg))
+                            if pred(msg):
+                                return msg
+                except TimeoutError:
+                    raise AssertionError(f"no {what} within {within}s; got {received!r}: {r.log()}") from None
+
+            ready = await until(lambda m: "READY=1" in m, 15, "READY=1")
+            assert ready.split("\n") == ["READY=1", "STATUS=holding slot(s) 0 (fence 1) of wowd.demo"]
+
+            # WATCHDOG=1 every WATCHDOG_USEC/2: 10 pings after READY, systemd's deadline kept on
+            # average with room to spare, and no busy loop either
+            pings: list[float] = []
+            for _ in range(10):
+                await until(lambda m: m == "WATCHDOG=1", 2, "WATCHDOG=1")
+                pings.append(received[-1][0])
+            mean_gap = (pings[-1] - pings[0]) / (len(pings) - 1)
+            assert 0.05 <= mean_gap <= watchdog_usec / 1e6, pings
+
+            r.signal(signal.SIGTERM)
+            stopping = await until(lambda m: "STOPPING=1" in m, 10, "STOPPING=1")
+            assert stopping.startswith("STOPPING=1\nSTATUS=")
+            assert await r.wait_exit(10) == 0
+            # every datagram is a valid sd_notify assignment list
+            for _, msg in received:
+                for line in msg.split("\n"):
+                    assert re.fullmatch(r"(READY|WATCHDOG|STOPPING)=1|STATUS=[^\n]+", line), msg
+
+
+# --------------------------------------------------------------------------- 3. make run
+
+
+PROGRESS = re.compile(
+    r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers"
+)
+
+
+async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(tmp_path: Path) -> None:
+    """``make run`` is ``.venv/bin/wowd run --demo`` with no configuration, from a fresh directory:
+    progress lines on stdout show commits fed and timers fired within seconds; SIGTERM exits 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k not in ("NOTIFY_SOCKET",)}
+    env.update({"WOWD_HTTP__PORT": "0", "PYTHONUNBUFFERED": "1"})
+    err_path = tmp_path / "stderr.log"
+    with err_path.open("wb") as err:
+        proc = await anyio.open_process(
+            [*_wowd_command(), "run", "--demo"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
+        try:
+            assert proc.stdout is not None
+            buf = b""
+            lines: list[str] = []
+            try:
+                with anyio.fail_after(15):
+                    while True:
+                        buf += await proc.stdout.receive()
+                        *done, buf = buf.split(b"\n")
+                        lines += [line.decode() for line in done]
+                        counts = [
+                            tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))
+                        ]
+                        if counts and counts[-1][2] > 0 and counts[-1][3] > 0:
+                            break
+            except (TimeoutError, anyio.EndOfStream):
+                what = f"no progress with fed > 0 and fired > 0: {lines!r}\n{err_path.read_text()}"
+                raise AssertionError(what) from None
+            appended, timers, fed, fired = counts[-1]
+            assert appended >= fed > 0 and timers >= fired > 0
+            assert (tmp_path / "wowd.db").exists()  # the embedded default: ./wowd.db
+
+            proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(15):
+                rc = await proc.wait()
+            assert rc == 0, err_path.read_text()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                with anyio.CancelScope(shield=True):
+                    await proc.wait()
+            await proc.aclose()
+    assert "received SIGTERM: stopping gracefully" in err_path.read_text()
+
+
+def _wowd_command() -> list[str]:
+    """The console script ``make run`` calls (beside this interpreter), else ``python -m wowd``."""
+    script = Path(sys.executable).with_name("wowd")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "wowd"]
+
+
+# --------------------------------------------------------------------------- 4. a second signal
+
+
+async def test_second_sigterm_during_a_long_drain_cancels_at_once(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """The target never answers, so the graceful drain would last the whole grace period; a second
+    SIGTERM ends it at once (exit 1), still settling the claim and releasing the lease."""
+    requests = anyio.Event()
+
+    async def hang(stream: SocketStream) -> None:
+        async with stream:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive()
+            requests.set()
+            await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    env = base_env(
+        db,
+        WOWD_LEASE__LIMIT=1,
+        WOWD_GATEWAY__KIND="http",
+        WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        WOWD_GATEWAY__TIMEOUT_S=60,
+        WOWD_SHUTDOWN__GRACE_S=60,
+    )
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hang)
+        r = spawn("drainer", env)
+        await r.wait_ready()
+        await stores.log.append(timer_commit("slow-1", 1, ["k"]))
+        with anyio.fail_after(15):
+            await requests.wait()  # the delivery is in flight and will not finish by itself
+
+        r.signal(signal.SIGTERM)
+        await eventually(lambda: _logged(r, "stopping: draining within 60.0s"), 10, "graceful stop begun")
+        assert r.proc.poll() is None  # draining: waits for the delivery in flight
+        (timer,) = await stores.timers.scan(limit=10)
+        assert timer.status is TimerStatus.FIRING
+
+        r.signal(signal.SIGTERM)
+        second = time.monotonic()
+        assert await r.wait_exit(10) == 1
+        assert time.monotonic() - second < 5  # not the 60 s grace nor the 60 s delivery timeout
+        tg.cancel_scope.cancel()
+
+    assert "again: cancelling" in r.log()
+    # cancelled, yet the claim is settled (back to PENDING, due again at once) and the lease released
+    (timer,) = await stores.timers.scan(limit=10)
+    assert timer.status is TimerStatus.PENDING and timer.claim is None, timer
+    assert timer.last_error == "not delivered: stopped" and timer.due_at <= int(time.time() * 1000)
+    (state,) = await stores.leases.slots(NS)
+    assert state.owner_key is None and state.last_owner_key == "drainer"
+    res = await stores.leases.acquire(NS, Owner(key="next"), 1, timedelta(seconds=2), timedelta(seconds=0.5))
+    assert res.acquired
+
+
+async def _logged(r: Replica, text: str) -> bool:
+    return text in r.log()
