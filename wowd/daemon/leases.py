@@ -219,7 +219,10 @@ class SlotKeeper:
                         graceful = not held.lost
                     except* LeaseLost as eg:
                         held.lost = True
-                        log.warning("slot %d: %s", held.slot, eg.exceptions[0], extra=extra)
+                        first: BaseException = eg
+                        while isinstance(first, BaseExceptionGroup):
+                            first = first.exceptions[0]
+                        log.warning("slot %d: %s", held.slot, first, extra=extra)
                 tg.cancel_scope.cancel()
         finally:
             self.held = None

@@ -1,0 +1,767 @@
+"""The chaos harness: K ``python -m wowd run`` replicas on one SQLite file, a producer, faults.
+
+:func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl, the outbox
+gateway) on one SQLite file, and in this process a producer that appends commits carrying timer
+events (``append_many`` on the embedded log), a few of them malformed on purpose (``insert_raw``
+documents that are not commits, and commits whose timer event is refused). Meanwhile a seeded
+schedule of faults hits the replicas:
+
+- ``kill``: SIGKILL of a random replica, restarted (same owner key) a moment later;
+- ``stop``: SIGSTOP of a slot holder for longer than the ttl, then SIGCONT; the paused holder must
+  find its lease gone and stop its slot's work (its log says ``lost slot``);
+- ``restart``: SIGTERM (graceful: exit 0), then a start under the same owner key;
+- ``join``: a new replica (a standby while every slot is held) joins.
+
+When the producer stops, the harness waits (polling the stores inside ``fail_after``) for the
+replicas to catch up, stops them with SIGTERM and checks, from the stores only:
+
+- every timer scheduled fired at least once (its request id is in the outbox), none FAILED or
+  PARKED, every cancelled timer gone from the timer store;
+- no request id delivered by two different fences, and no (slot, fence) used by two owner keys;
+- every commit is in the sink exactly once (versions 1..n of each aggregate, no more);
+- no checkpoint went backwards: sampled during the run, a partition's fence never decreases and
+  its position never decreases under one fence (nor does a slot's fence in the lease table);
+- the quarantine holds exactly the malformed documents injected, each reason naming its field;
+- no replica exited unless the harness made it (no crash), and each graceful stop exited 0.
+
+:class:`ChaosReport` holds the counts and :meth:`ChaosReport.violations` the broken promises.
+``tests/chaos/test_chaos.py`` runs a short schedule; ``tests/chaos/soak.py`` a long one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+from anyio.abc import Process
+
+from wowd.daemon.feed import CONSUMER
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Commit,
+    DomainEvent,
+    Timer,
+    TimerStatus,
+    deterministic_timer_id,
+    partition,
+    request_id_for,
+)
+
+__all__ = ["CONTEXT", "ChaosConfig", "ChaosReport", "run_chaos"]
+
+log = logging.getLogger(__name__)
+
+CONTEXT = "chaos"
+AGGREGATE = "order"
+TYPE = AggregateType(context=CONTEXT, aggregate=AGGREGATE)
+MAX_BODY_BYTES = 1024
+FAULTS = ("kill", "stop", "restart", "join")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChaosConfig:
+    seed: int = 1
+    replicas: int = 3
+    """Replicas started at once (more than ``limit``: the others are standbys)."""
+    max_replicas: int = 5
+    limit: int = 2
+    partitions: int = 8
+    ttl_s: float = 2.0
+    tolerance_s: float = 0.5
+    claim_ttl_s: float = 3.0
+    duration_s: float = 20.0
+    """How long the producer writes and faults are applied."""
+    rate_per_s: float = 20.0
+    aggregates: int = 24
+    malformed_every: int = 30
+    """One malformed input per this many commits."""
+    fault_gap_s: tuple[float, float] = (1.0, 2.5)
+    drain_s: float = 60.0
+    """How long the replicas get to catch up once the producer stopped."""
+    sample_every_s: float = 0.25
+
+
+# --------------------------------------------------------------------------- the report
+
+
+@dataclass
+class ChaosReport:
+    config: ChaosConfig
+    faults: Counter[str] = field(default_factory=Counter)
+    commits_fed: int = 0
+    commits_expected: int = 0
+    timers_expected: int = 0
+    timers_fired: int = 0
+    cancelled: int = 0
+    malformed_injected: int = 0
+    quarantined: int = 0
+    lost_timers: list[str] = field(default_factory=list)
+    lost_commits: list[str] = field(default_factory=list)
+    extra_documents: list[str] = field(default_factory=list)
+    dead_timers: list[str] = field(default_factory=list)
+    cancelled_left: list[str] = field(default_factory=list)
+    duplicate_fences: list[str] = field(default_factory=list)
+    fence_owner_conflicts: list[str] = field(default_factory=list)
+    checkpoint_regressions: list[str] = field(default_factory=list)
+    checkpoint_samples: int = 0
+    handover_rewinds: int = 0
+    quarantine_mismatch: list[str] = field(default_factory=list)
+    paused_holders_kept_acting: list[str] = field(default_factory=list)
+    paused_holders: int = 0
+    crashes: list[str] = field(default_factory=list)
+    unclean_exits: list[str] = field(default_factory=list)
+    rss_start_kib: int = 0
+    rss_end_kib: int = 0
+    oldest_rss_start_kib: int = 0
+    oldest_rss_end_kib: int = 0
+    oldest_uptime_s: float = 0.0
+    elapsed_s: float = 0.0
+    drain_s: float = 0.0
+    drained: bool = False
+
+    def violations(self) -> list[str]:
+        out: list[str] = []
+        if not self.drained:
+            out.append(f"the replicas did not catch up within {self.config.drain_s}s")
+        for name, items in (
+            ("timers never fired", self.lost_timers),
+            ("commits missing from the sink", self.lost_commits),
+            ("documents in the sink more than once or not in the log", self.extra_documents),
+            ("timers FAILED/PARKED", self.dead_timers),
+            ("cancelled timers still stored", self.cancelled_left),
+            ("request ids delivered under two fences", self.duplicate_fences),
+            ("(slot, fence) used by two owner keys", self.fence_owner_conflicts),
+            ("checkpoints that went backwards", self.checkpoint_regressions),
+            ("quarantine differs from the malformed input", self.quarantine_mismatch),
+            ("paused holders that did not stop after their lease ran out", self.paused_holders_kept_acting),
+            ("replicas that exited on their own", self.crashes),
+            ("graceful stops that did not exit 0", self.unclean_exits),
+        ):
+            if items:
+                out.append(f"{name} ({len(items)}): {items[:5]}")
+        return out
+
+    @property
+    def lost(self) -> int:
+        return len(self.lost_timers) + len(self.lost_commits)
+
+    def summary(self) -> str:
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
+        return (
+            f"seed {self.config.seed}, {self.config.replicas} replicas (limit {self.config.limit}, "
+            f"ttl {self.config.ttl_s}s), {self.elapsed_s:.0f}s: faults survived {sum(self.faults.values())} "
+            f"({faults}); commits fed {self.commits_fed}/{self.commits_expected}; timers fired "
+            f"{self.timers_fired}/{self.timers_expected}; cancelled {self.cancelled}; malformed injected "
+            f"{self.malformed_injected}, quarantined {self.quarantined}; lost {self.lost}; duplicate "
+            f"deliveries with distinct fences {len(self.duplicate_fences)}; checkpoint samples "
+            f"{self.checkpoint_samples}, regressions {len(self.checkpoint_regressions)} (handover rewinds "
+            f"{self.handover_rewinds}); paused holders {self.paused_holders}; crashes {len(self.crashes)}; "
+            f"RSS max start {self.rss_start_kib // 1024} MiB, end {self.rss_end_kib // 1024} MiB, "
+            f"longest-lived replica ({self.oldest_uptime_s:.0f}s) {self.oldest_rss_start_kib // 1024} -> "
+            f"{self.oldest_rss_end_kib // 1024} MiB; "
+            f"drained in {self.drain_s:.1f}s"
+        )
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def _rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+@dataclass(eq=False)
+class Replica:
+    name: str
+    proc: Process
+    log_path: Path
+    port_file: Path
+    out: IO[bytes]
+    started_at: float = 0.0
+    rss_first_kib: int = 0
+    expected_exit: bool = False
+    stopped: bool = False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 15) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def replica_env(config: ChaosConfig, db: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k != "NOTIFY_SOCKET"}
+    env.update(
+        {
+            "WOWD_CONTEXT": CONTEXT,
+            "WOWD_PARTITIONS": str(config.partitions),
+            "WOWD_BACKEND": "embedded",
+            "WOWD_EMBEDDED__PATH": str(db),
+            "WOWD_HTTP__HOST": "127.0.0.1",
+            "WOWD_HTTP__PORT": "0",
+            "WOWD_LEASE__LIMIT": str(config.limit),
+            "WOWD_LEASE__TTL_S": str(config.ttl_s),
+            "WOWD_LEASE__TOLERANCE_S": str(config.tolerance_s),
+            "WOWD_TIMERS__CLAIM_TTL_S": str(config.claim_ttl_s),
+            "WOWD_TIMERS__BACKOFF_BASE_S": "0.2",
+            "WOWD_TIMERS__BACKOFF_MAX_S": "2",
+            "WOWD_TIMERS__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
+            "WOWD_GATEWAY__KIND": "outbox",
+            "WOWD_SHUTDOWN__GRACE_S": "3",
+            "WOWD_LOG_FORMAT": "json",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+# --------------------------------------------------------------------------- the producer
+
+
+@dataclass
+class Expected:
+    """What the producer wrote: what the stores must show at the end."""
+
+    versions: dict[str, int] = field(default_factory=dict)
+    timers: dict[str, str] = field(default_factory=dict)
+    """request id -> "owner/key" of each timer that must fire."""
+    later: dict[str, tuple[AggregateRef, str]] = field(default_factory=dict)
+    """Aggregate id -> (owner, key) of a far-future timer its next commit cancels."""
+    cancelled: list[tuple[AggregateRef, str]] = field(default_factory=list)
+    malformed: dict[str, str] = field(default_factory=dict)
+    """Aggregate id -> the field its quarantine reason must name."""
+
+
+RAW_DEFECTS: list[tuple[str, dict[str, Any]]] = [
+    ("request_id", {"request_id": None}),
+    ("version", {"version": "seven"}),
+    ("events", {"events": {"not": "a list"}}),
+    ("create_time", {"create_time": 1.5}),
+]
+EVENT_DEFECTS: list[tuple[str, dict[str, Any]]] = [
+    ("rule.type", {"rule": {"type": "fortnightly"}}),
+    ("body.command", {"command": {"name": "c", "body": {"pad": "x" * (MAX_BODY_BYTES + 1)}}}),
+    ("body.target", {"target": {"context": "Not.A.Name", "aggregate": AGGREGATE, "id": "x"}}),
+    ("body.due_at", {"due_at": -1}),
+]
+
+
+def _ref(agg_id: str) -> AggregateRef:
+    return AggregateRef(context=CONTEXT, aggregate=AGGREGATE, id=agg_id)
+
+
+def _scheduled(agg_id: str, key: str, due: int, **override: Any) -> DomainEvent:
+    body: dict[str, Any] = {
+        "key": key,
+        "due_at": due,
+        "rule": {"type": "once"},
+        "target": {"context": CONTEXT, "aggregate": AGGREGATE, "id": agg_id},
+        "command": {"name": "expire-order", "body": {"order_id": agg_id, "key": key}},
+    }
+    body.update(override)
+    return DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=body)
+
+
+class Producer:
+    def __init__(self, config: ChaosConfig, log_store: Any, rng: random.Random) -> None:
+        self._config = config
+        self._log = log_store
+        self._rng = rng
+        self.expected = Expected()
+        self._n = 0
+        self._bad = 0
+
+    def _commit(self, agg_id: str, events: list[DomainEvent], now: int) -> Commit:
+        version = self.expected.versions.get(agg_id, 0) + 1
+        self.expected.versions[agg_id] = version
+        return Commit(
+            ref=_ref(agg_id),
+            version=version,
+            command_id=uuid.uuid4().hex,
+            request_id=uuid.uuid4().hex,
+            create_time=now,
+            events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}), *events),
+            access={"owner_id": "chaos", "space_id": "", "tags": []},
+        )
+
+    def _good(self, now: int) -> Commit:
+        rng, exp = self._rng, self.expected
+        agg_id = f"order-{rng.randrange(self._config.aggregates)}"
+        version = exp.versions.get(agg_id, 0) + 1
+        due = now + rng.randint(100, 2500)
+        key = f"t{version}"
+        events = [_scheduled(agg_id, key, due)]
+        pending = exp.later.pop(agg_id, None)
+        if pending is not None:
+            events.append(DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": pending[1]}))
+            exp.cancelled.append(pending)
+        elif rng.random() < 0.15:
+            later = f"later{version}"
+            events.append(_scheduled(agg_id, later, now + 3_600_000))
+            exp.later[agg_id] = (_ref(agg_id), later)
+        commit = self._commit(agg_id, events, now)
+        owner = commit.ref
+        exp.timers[request_id_for(deterministic_timer_id(owner, key, version), due)] = f"{agg_id}/{key}"
+        return commit
+
+    async def _append(self, commits: list[Commit]) -> None:
+        from wowd.errors import StorageUnavailable
+
+        for attempt in range(50):
+            try:
+                outcomes = await self._log.append_many(commits)
+                break
+            except StorageUnavailable:
+                await anyio.sleep(min(1.0, 0.05 * 2**attempt))
+        else:
+            raise RuntimeError("the producer could not append for 50 attempts")
+        assert all(o in ("appended", "duplicate") for o in outcomes), outcomes
+
+    async def _malformed(self, now: int) -> Commit | None:
+        """One malformed input: a raw document that is no commit, or a commit (returned, to be
+        appended) whose timer event is refused."""
+        self._bad += 1
+        n = self._bad
+        if n % 2:
+            fieldname, defect = RAW_DEFECTS[(n // 2) % len(RAW_DEFECTS)]
+            agg_id = f"bad-{n}"
+            doc = {
+                "tenant_id": "(0)",
+                "aggregate_id": agg_id,
+                "version": 1,
+                "command_id": "c",
+                "request_id": uuid.uuid4().hex,
+                "create_time": now,
+                "events": [],
+                **defect,
+            }
+            from wowd.errors import StorageUnavailable
+
+            for attempt in range(50):
+                try:
+                    await self._log.insert_raw(TYPE, doc)
+                    break
+                except StorageUnavailable:
+                    await anyio.sleep(min(1.0, 0.05 * 2**attempt))
+            self.expected.malformed[agg_id] = fieldname
+            return None
+        fieldname, override = EVENT_DEFECTS[(n // 2) % len(EVENT_DEFECTS)]
+        agg_id = f"rej-{n}"
+        self.expected.malformed[agg_id] = fieldname
+        return self._commit(agg_id, [_scheduled(agg_id, "bad", now + 1000, **override)], now)
+
+    async def run(self, until: float) -> None:
+        tick = 0.2
+        per_tick = max(1, round(self._config.rate_per_s * tick))
+        while anyio.current_time() < until:
+            now = int(time.time() * 1000)
+            batch: list[Commit] = []
+            for _ in range(per_tick):
+                self._n += 1
+                if self._n % self._config.malformed_every == 0:
+                    bad = await self._malformed(now)
+                    if bad is not None:
+                        batch.append(bad)
+                else:
+                    batch.append(self._good(now))
+            await self._append(batch)
+            await anyio.sleep(tick)  # the producer's pace (not a synchronisation)
+
+
+# --------------------------------------------------------------------------- the harness
+
+
+class Harness:
+    def __init__(self, config: ChaosConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.db = workdir / "wowd.db"
+        self.env = replica_env(config, self.db)
+        self.rng = random.Random(config.seed)
+        self.replicas: dict[str, Replica] = {}
+        self.report = ChaosReport(config=config)
+        self._joined = 0
+        self._checkpoints: dict[int, tuple[int, int]] = {}
+        self._fences: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ processes
+
+    async def start(self, name: str) -> Replica:
+        log_path = self.workdir / f"{name}.log"
+        port_file = self.workdir / f"{name}.port"
+        port_file.unlink(missing_ok=True)  # written again once this process listens
+        out = log_path.open("ab")
+        proc = await anyio.open_process(
+            [sys.executable, "-m", "wowd", "run", "--port-file", str(port_file)],
+            stdin=None,
+            stdout=out,
+            stderr=out,
+            cwd=self.workdir,
+            env={**self.env, "WOWD_LEASE__OWNER_KEY": name},
+        )
+        old = self.replicas.get(name)
+        if old is not None:
+            old.out.close()
+        replica = Replica(
+            name=name,
+            proc=proc,
+            log_path=log_path,
+            port_file=port_file,
+            out=out,
+            started_at=anyio.current_time(),
+        )
+        self.replicas[name] = replica
+        log.info("started %s (pid %d)", name, proc.pid)
+        return replica
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.alive]
+
+    def check_crashes(self) -> None:
+        for r in self.replicas.values():
+            if not r.alive and not r.expected_exit:
+                r.expected_exit = True  # reported once
+                self.report.crashes.append(f"{r.name} exited {r.proc.returncode}: {r.tail()}")
+
+    async def kill(self, r: Replica) -> None:
+        r.expected_exit = True
+        if r.stopped:
+            r.proc.send_signal(signal.SIGCONT)
+            r.stopped = False
+        r.proc.kill()
+        await r.proc.wait()
+
+    async def wait_started(self, r: Replica, within: float = 15.0) -> bool:
+        """Polls until the replica listens (its port file is written: its signal handling is in
+        place), inside ``move_on_after``; False when it exited or did not start in time."""
+        with anyio.move_on_after(within):
+            while r.alive:
+                if r.port_file.exists() and r.port_file.read_text().strip():
+                    return True
+                await anyio.sleep(0.05)
+        return False
+
+    async def is_ready(self, r: Replica) -> bool:
+        """``/readyz`` of this very process answers 200: it holds a valid lease now."""
+        import httpx
+
+        if not r.alive or r.stopped or not r.port_file.exists():
+            return False
+        try:
+            port = int(r.port_file.read_text())
+            async with httpx.AsyncClient(timeout=1.0) as client:
+                return (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
+        except (httpx.HTTPError, ValueError, OSError):
+            return False
+
+    async def terminate(self, r: Replica, within: float = 15.0) -> None:
+        """SIGTERM once the replica is up (a SIGTERM during its start-up imports would find
+        Python's default action, not the daemon's graceful stop)."""
+        if not await self.wait_started(r):
+            self.report.unclean_exits.append(f"{r.name} did not start: {r.tail()}")
+        r.expected_exit = True
+        if r.stopped:
+            r.proc.send_signal(signal.SIGCONT)
+            r.stopped = False
+        r.proc.send_signal(signal.SIGTERM)
+        with anyio.move_on_after(within):
+            await r.proc.wait()
+        if r.alive:
+            self.report.unclean_exits.append(f"{r.name} did not exit within {within}s of SIGTERM")
+            await self.kill(r)
+        elif r.proc.returncode != 0:
+            self.report.unclean_exits.append(f"{r.name} exited {r.proc.returncode}: {r.tail()}")
+
+    # ------------------------------------------------------------------ faults
+
+    def _schedule(self) -> list[str]:
+        first = list(FAULTS)
+        self.rng.shuffle(first)
+        return first
+
+    async def fault(self, kind: str) -> None:
+        live = [r for r in self.live() if not r.stopped]
+        if kind == "join" and len(self.live()) >= self.config.max_replicas:
+            kind = "restart"
+        if not live and kind != "join":
+            kind = "join"
+        if kind == "kill":
+            r = self.rng.choice(live)
+            log.info("fault: SIGKILL %s", r.name)
+            await self.kill(r)
+            await anyio.sleep(self.rng.uniform(0.2, 1.5))  # down for a while, then restarted
+            await self.start(r.name)
+        elif kind == "restart":
+            r = self.rng.choice(live)
+            log.info("fault: SIGTERM + restart %s", r.name)
+            await self.terminate(r)
+            await self.start(r.name)
+        elif kind == "join":
+            self._joined += 1
+            log.info("fault: standby joins")
+            await self.start(f"joined-{self._joined}")
+        elif kind == "stop":
+            await self._pause(live)
+        self.report.faults[kind] += 1
+
+    async def _pause(self, live: list[Replica]) -> None:
+        held = [r for r in live if await self.is_ready(r)]
+        r = self.rng.choice(held or live)
+        was_holder = r in held
+        mark = len(r.log_text())
+        pause = self.config.ttl_s + self.config.tolerance_s + self.rng.uniform(0.5, 1.5)
+        log.info("fault: SIGSTOP %s for %.1fs (holder: %s)", r.name, pause, was_holder)
+        r.proc.send_signal(signal.SIGSTOP)
+        r.stopped = True
+        await anyio.sleep(pause)  # the fault itself: paused longer than the ttl
+        r.proc.send_signal(signal.SIGCONT)
+        r.stopped = False
+        if not was_holder:
+            return
+        self.report.paused_holders += 1
+        try:
+            with anyio.fail_after(10):
+                while "lost slot" not in r.log_text()[mark:]:
+                    if not r.alive:
+                        return
+                    await anyio.sleep(0.05)
+        except TimeoutError:
+            self.report.paused_holders_kept_acting.append(f"{r.name}: {r.tail(5)}")
+
+    async def _faults(self, until: float) -> None:
+        lo, hi = self.config.fault_gap_s
+        queue = self._schedule()
+        while True:
+            await anyio.sleep(self.rng.uniform(lo, hi))  # the schedule's pace
+            if anyio.current_time() >= until and not queue:  # every kind of fault at least once
+                return
+            self.check_crashes()
+            kind = queue.pop(0) if queue else self.rng.choices(FAULTS, weights=(3, 3, 2, 1))[0]
+            await self.fault(kind)
+
+    # ------------------------------------------------------------------ sampling and checks
+
+    async def _sample_checkpoints(self) -> None:
+        parts = list(range(self.config.partitions))
+        while True:
+            try:
+                cps = await self._log.checkpoints(CONSUMER, parts)
+            except Exception as exc:  # a busy file: the next sample will do
+                log.debug("checkpoint sample failed: %s", exc)
+                cps = {}
+            for p, cp in cps.items():
+                seq, fence = int(cp.position.get("seq", 0)), cp.fence
+                last = self._checkpoints.get(p)
+                if last is not None:
+                    last_seq, last_fence = last
+                    if fence < last_fence:
+                        self.report.checkpoint_regressions.append(
+                            f"partition {p}: fence {last_fence} -> {fence}"
+                        )
+                    elif fence == last_fence and seq < last_seq:
+                        self.report.checkpoint_regressions.append(
+                            f"partition {p}: seq {last_seq} -> {seq} under fence {fence}"
+                        )
+                    elif fence > last_fence and seq < last_seq:
+                        self.report.handover_rewinds += 1
+                self._checkpoints[p] = (seq, fence)
+            try:
+                slots = await self._leases.slots(f"wowd.{CONTEXT}")
+            except Exception as exc:  # a busy file: the next sample will do
+                log.debug("slot sample failed: %s", exc)
+                slots = []
+            for st in slots:
+                last_fence = self._fences.get(st.slot, 0)
+                if st.fence < last_fence:
+                    self.report.checkpoint_regressions.append(
+                        f"slot {st.slot}: fence {last_fence} -> {st.fence}"
+                    )
+                self._fences[st.slot] = max(last_fence, st.fence)
+            self.report.checkpoint_samples += 1
+            now = anyio.current_time()
+            for r in self.live():
+                if not r.rss_first_kib and now - r.started_at >= 3.0:
+                    r.rss_first_kib = _rss_kib(r.proc.pid)  # settled in: the replica's starting RSS
+            await anyio.sleep(self.config.sample_every_s)
+
+    async def _outbox(self) -> list[Any]:
+        entries: list[Any] = []
+        while True:
+            page = await self._outbox_store.entries(limit=5000, after=len(entries))
+            entries += page
+            if len(page) < 5000:
+                return entries
+
+    async def _sink_state(self, producer: Producer) -> tuple[list[str], list[str]]:
+        sink = self._sink
+        missing: list[str] = []
+        extra: list[str] = []
+        for agg_id, version in sorted(producer.expected.versions.items()):
+            docs = await sink.documents(_ref(agg_id))
+            got = [int(d["version"]) for d in docs]
+            want = list(range(1, version + 1))
+            if got != want:
+                missing += [f"{agg_id} v{v}" for v in sorted(set(want) - set(got))]
+                counts = Counter(got)
+                extra += [f"{agg_id} v{v} x{n}" for v, n in counts.items() if n > 1 or v not in want]
+        return missing, extra
+
+    async def _caught_up(self, producer: Producer) -> bool:
+        delivered = {e.request_id for e in await self._outbox()}
+        if not set(producer.expected.timers) <= delivered:
+            return False
+        if len(await self._log.quarantined(limit=100_000)) < len(producer.expected.malformed):
+            return False
+        missing, _extra = await self._sink_state(producer)
+        return not missing
+
+    async def _final_checks(self, producer: Producer) -> None:
+        rep, exp, cfg = self.report, producer.expected, self.config
+        entries = await self._outbox()
+        by_request: dict[str, set[int]] = {}
+        owners: dict[tuple[int, int], set[str]] = {}
+        for e in entries:
+            by_request.setdefault(e.request_id, set()).add(e.fence)
+            slot = partition(e.target.id, cfg.partitions) % cfg.limit
+            owners.setdefault((slot, e.fence), set()).add(e.owner_key)
+        rep.duplicate_fences = [f"{rid}: fences {sorted(f)}" for rid, f in by_request.items() if len(f) > 1]
+        if len(entries) != len(by_request):
+            rep.duplicate_fences.append(f"{len(entries) - len(by_request)} repeated request ids")
+        rep.fence_owner_conflicts = [
+            f"slot {s} fence {f}: {sorted(o)}" for (s, f), o in owners.items() if len(o) > 1
+        ]
+        rep.timers_expected = len(exp.timers)
+        rep.timers_fired = len(set(exp.timers) & set(by_request))
+        rep.lost_timers = [exp.timers[rid] for rid in sorted(set(exp.timers) - set(by_request))]
+
+        stored: list[Timer] = await self._timers.scan(limit=100_000)
+        rep.dead_timers = [
+            f"{t.owner.id}/{t.key} {t.status.value}: {t.last_error}"
+            for t in stored
+            if t.status in (TimerStatus.FAILED, TimerStatus.PARKED)
+        ]
+        rep.cancelled = len(exp.cancelled)
+        gone = {(t.owner.id, t.key) for t in stored}
+        rep.cancelled_left = [f"{o.id}/{k}" for o, k in exp.cancelled if (o.id, k) in gone]
+
+        good = {a: v for a, v in exp.versions.items() if not a.startswith("bad-")}
+        rep.commits_expected = sum(good.values())
+        missing, extra = await self._sink_state(producer)
+        rep.lost_commits, rep.extra_documents = missing, extra
+        rep.commits_fed = rep.commits_expected - len(missing)
+
+        quarantined = await self._log.quarantined(limit=100_000)
+        rep.quarantined = len(quarantined)
+        rep.malformed_injected = len(exp.malformed)
+        seen: dict[str, str] = {}
+        for q in quarantined:
+            agg_id = str(q["raw"].get("aggregate_id"))
+            if agg_id in seen:
+                rep.quarantine_mismatch.append(f"{agg_id} quarantined twice")
+            seen[agg_id] = str(q["reason"])
+        for agg_id, fieldname in exp.malformed.items():
+            reason = seen.get(agg_id)
+            if reason is None:
+                rep.quarantine_mismatch.append(f"{agg_id} ({fieldname}) not quarantined")
+            elif f"{fieldname}: " not in reason:
+                rep.quarantine_mismatch.append(f"{agg_id}: reason {reason!r} does not name {fieldname}")
+        rep.quarantine_mismatch += [f"{a} quarantined, not injected" for a in seen if a not in exp.malformed]
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> ChaosReport:
+        from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+        from wowd.stores.embedded.log import EmbeddedLog
+        from wowd.stores.embedded.outbox import EmbeddedOutbox
+        from wowd.stores.embedded.sink import EmbeddedEventSink
+        from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+        cfg, rep = self.config, self.report
+        started = anyio.current_time()
+        self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
+        await self._log.prepare()
+        self._leases = EmbeddedSlotLeaseStore(self.db)
+        await self._leases.prepare()
+        self._timers = EmbeddedTimerStore(self.db, context=CONTEXT, partitions=cfg.partitions)
+        await self._timers.prepare()
+        self._outbox_store = EmbeddedOutbox(self.db)
+        await self._outbox_store.prepare()
+        self._sink = EmbeddedEventSink(self.db, TYPE)
+        await self._sink.prepare()
+        producer = Producer(cfg, self._log, random.Random(cfg.seed + 1))
+        try:
+            for i in range(cfg.replicas):
+                await self.start(f"r{i}")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._sample_checkpoints)
+                until = anyio.current_time() + cfg.duration_s
+                async with anyio.create_task_group() as work:
+                    work.start_soon(producer.run, until)
+                    work.start_soon(self._faults, until)
+                    await anyio.sleep(min(5.0, cfg.duration_s / 2))  # replicas settled in
+                    rep.rss_start_kib = max((_rss_kib(r.proc.pid) for r in self.live()), default=0)
+                # drain: every replica running, then poll the stores until caught up
+                self.check_crashes()
+                if not any(r.alive for r in self.replicas.values()):
+                    await self.start("drain")
+                drain_started = anyio.current_time()
+                with anyio.move_on_after(cfg.drain_s):
+                    while True:
+                        if await self._caught_up(producer):
+                            rep.drained = True
+                            break
+                        self.check_crashes()
+                        await anyio.sleep(0.25)
+                rep.drain_s = anyio.current_time() - drain_started
+                self.check_crashes()
+                rep.rss_end_kib = max((_rss_kib(r.proc.pid) for r in self.live()), default=0)
+                oldest = min(self.live(), key=lambda r: r.started_at, default=None)
+                if oldest is not None:
+                    rep.oldest_uptime_s = anyio.current_time() - oldest.started_at
+                    rep.oldest_rss_start_kib = oldest.rss_first_kib
+                    rep.oldest_rss_end_kib = _rss_kib(oldest.proc.pid)
+                tg.cancel_scope.cancel()
+            for r in self.live():
+                await self.terminate(r)
+            await self._final_checks(producer)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for r in self.replicas.values():
+                    if r.alive:
+                        r.expected_exit = True
+                        r.proc.send_signal(signal.SIGCONT)
+                        r.proc.kill()
+                        await r.proc.wait()
+                    r.out.close()
+                    await r.proc.aclose()
+                for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):
+                    await store.close()
+        rep.elapsed_s = anyio.current_time() - started
+        return rep
+
+
+async def run_chaos(config: ChaosConfig, workdir: Path) -> ChaosReport:
+    """Runs one chaos schedule in ``workdir`` (the SQLite file and the replicas' logs)."""
+    await anyio.Path(workdir).mkdir(parents=True, exist_ok=True)
+    return await Harness(config, workdir).run()

@@ -1,0 +1,99 @@
+"""The soak mode of the chaos harness: ``python -m tests.chaos.soak --minutes 30`` (``make soak``).
+
+Runs one long chaos schedule (faults every few seconds, the producer writing all along), prints the
+summary and appends it to ``bench/RESULTS.md``: faults survived, timers fired, commits fed,
+lost (must be 0), duplicate deliveries with distinct fences (must be 0), RSS at start and end.
+Exits 1 when a promise was broken (the violations are printed and recorded too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+
+from tests.chaos.harness import ChaosConfig, ChaosReport, run_chaos
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
+
+
+def markdown(report: ChaosReport, minutes: float, label: str) -> str:
+    c = report.config
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"
+    violations = report.violations()
+    faults_line = f"{sum(report.faults.values())} ({faults}); paused slot holders {report.paused_holders}"
+    setup = (
+        f"{c.replicas} replicas (max {c.max_replicas}), {c.limit} slots, {c.partitions} partitions, "
+        f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, {c.rate_per_s:g} commits/s, embedded SQLite"
+    )
+    rss = (
+        f"largest replica: start {report.rss_start_kib / 1024:.0f} MiB, "
+        f"end {report.rss_end_kib / 1024:.0f} MiB; "
+        f"longest-lived replica ({report.oldest_uptime_s / 60:.1f} min up): "
+        f"{report.oldest_rss_start_kib / 1024:.0f} -> {report.oldest_rss_end_kib / 1024:.0f} MiB"
+    )
+    rows = [
+        ("run", f"{label}: {minutes:g} min schedule, seed {c.seed}, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC"),
+        ("setup", setup),
+        ("host", f"{platform.system()} {platform.machine()}, Python {platform.python_version()}"),
+        ("faults survived", faults_line),
+        ("timers fired", f"{report.timers_fired} of {report.timers_expected} (cancelled {report.cancelled})"),
+        ("commits fed", f"{report.commits_fed} of {report.commits_expected}"),
+        ("malformed", f"{report.malformed_injected} injected, {report.quarantined} quarantined"),
+        ("lost", str(report.lost)),
+        ("duplicate deliveries with distinct fences", str(len(report.duplicate_fences))),
+        (
+            "checkpoints",
+            f"{report.checkpoint_samples} samples, {len(report.checkpoint_regressions)} went backwards, "
+            f"{report.handover_rewinds} rewinds at a handover",
+        ),
+        ("crashes", str(len(report.crashes))),
+        ("RSS", rss),
+        ("drain", f"caught up {report.drain_s:.1f}s after the producer stopped"),
+        ("verdict", "PASS" if not violations else "FAIL: " + "; ".join(violations)),
+    ]
+    lines = [f"## Chaos soak ({label}, {minutes:g} min)", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=int(datetime.now(UTC).timestamp()))
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--rate", type=float, default=20.0, help="commits per second")
+    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file the summary is appended to")
+    p.add_argument("--label", default="make soak")
+    p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wowd-soak-"))
+    config = ChaosConfig(
+        seed=args.seed,
+        replicas=args.replicas,
+        duration_s=args.minutes * 60,
+        rate_per_s=args.rate,
+        fault_gap_s=(2.0, 6.0),
+        drain_s=120.0,
+    )
+    report = anyio.run(run_chaos, config, workdir)
+    text = markdown(report, args.minutes, args.label)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with args.results.open("a") as f:
+        f.write(text)
+    sys.stdout.write(report.summary() + "\n")
+    sys.stdout.write(f"appended to {args.results}; logs and database in {workdir}\n")
+    for v in report.violations():
+        sys.stdout.write(f"VIOLATION: {v}\n")
+    return 1 if report.violations() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

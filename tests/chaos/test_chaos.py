@@ -1,0 +1,23 @@
+"""A short chaos schedule in ``make test``: every fault kind at least once, nothing lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.chaos.harness import ChaosConfig, run_chaos
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.timeout(180)]
+
+
+async def test_replicas_under_kills_pauses_and_restarts_lose_nothing(tmp_path: Path) -> None:
+    config = ChaosConfig(seed=20261129, duration_s=20.0, drain_s=60.0)
+    report = await run_chaos(config, tmp_path)
+    assert not report.violations(), report.summary() + "\n" + "\n".join(report.violations())
+    assert set(report.faults) == {"kill", "stop", "restart", "join"}, report.faults
+    assert report.paused_holders >= 1, "a slot holder was paused longer than the ttl"
+    assert report.timers_fired == report.timers_expected > 100
+    assert report.commits_fed == report.commits_expected > 100
+    assert report.malformed_injected >= 8 and report.quarantined == report.malformed_injected
+    assert report.checkpoint_samples > 20
