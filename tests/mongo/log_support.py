@@ -79,6 +79,21 @@ async def rs_client(rs_server: MockupDB) -> AsyncIterator[AsyncMongoClient[Any]]
             await client.close()
 
 
+async def majority_point(wire: Wire, ct: tuple[int, int]) -> None:
+    """Answers the read that takes the cluster time before a scan: a ``find`` that matches
+    nothing, with ``majority`` read concern, whose ``operationTime`` is the majority commit point
+    (no write still in flight below it, unlike a ``ping``'s last applied time)."""
+    req = await wire.command("find")
+    assert req["find"] == f"wow_checkpoint__{CONTEXT}"
+    assert req["filter"] == {"_id": None}
+    assert (req["limit"], req["singleBatch"]) == (1, True)
+    assert req["readConcern"] == {"level": "majority"}
+    req.ok(
+        cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__{CONTEXT}", "firstBatch": []},
+        operationTime=Timestamp(*ct),
+    )
+
+
 def token(ct: tuple[int, int], n: int = 0) -> dict[str, str]:
     """A resume token shaped like the server's: KeyString hex starting with the cluster time."""
     return {"_data": f"82{ct[0]:08X}{ct[1]:08X}2B02{n:04X}04"}

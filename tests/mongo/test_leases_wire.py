@@ -235,6 +235,18 @@ async def test_prepare_creates_the_unique_index_on_ns_and_slot(
         await call.result()
 
 
+async def test_concurrent_first_calls_send_one_create_indexes(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
+    s = MongoSlotLeaseStore(mongo_client["wowd"])
+    async with anyio.create_task_group() as tg:
+        calls = [Call.start(tg, s.prepare) for _ in range(3)]
+        (await wire.command("createIndexes")).ok()
+        for call in calls:
+            await call.result()
+    await next_command_is_slots_read(wire, s)
+
+
 async def test_first_acquire_creates_index_namespace_and_slots_then_takes_the_first_free(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:

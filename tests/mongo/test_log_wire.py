@@ -27,6 +27,7 @@ from tests.mongo.log_support import (
     cursor,
     housekeeping,
     log_doc,
+    majority_point,
     rs_client,
     rs_server,
     rs_wire,
@@ -34,7 +35,7 @@ from tests.mongo.log_support import (
     token,
 )
 from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
-from wowd.errors import ConfigError, ConflictError
+from wowd.errors import ConfigError, ConflictError, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, LogBatch, OutboxEntry
 from wowd.stores.base import Ddl, Log, Outbox
 from wowd.stores.mongo import (
@@ -157,9 +158,8 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: None}, batch_size=10, follow=False)))
-            # 1. the cluster time, taken BEFORE the scan
-            ping = await rs_wire.command("ping")
-            ping.ok(operationTime=Timestamp(200, 3))
+            # 1. the cluster time, taken BEFORE the scan: the majority commit point
+            await majority_point(rs_wire, (200, 3))
             # 2. the context's log collections
             lc = await rs_wire.command("listCollections")
             assert lc["filter"] == {"name": {"$regex": "^wow_log__ctx__"}}
@@ -195,7 +195,7 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: {"cluster_time": [70, 1], "scan": last}}, follow=False)))
-            (await rs_wire.command("ping")).ok(operationTime=Timestamp(90, 1))
+            await majority_point(rs_wire, (90, 1))
             (await rs_wire.command("listCollections")).ok(cursor={
                 "id": 0, "ns": f"{DB}.$cmd.listCollections",
                 "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
@@ -203,14 +203,20 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
             # "account" sorts before the scan's collection: done already; "cart" after the document
             find = await rs_wire.command("find")
             assert find["find"] == "wow_log__ctx__cart"
+            # BSON order of aggregation comparisons (as the sort), not type-bracketed operators
+            agg, ver = {"$ifNull": ["$aggregate_id", None]}, {"$ifNull": ["$version", None]}
+            a, v, id_ = {"$literal": ID_P3}, {"$literal": 2}, {"$literal": last["id"]}
             assert find["filter"] == {
                 "partition": 3,
-                "$or": [
-                    {"aggregate_id": {"$gt": ID_P3}},
-                    {"aggregate_id": ID_P3, "version": {"$gt": 2}},
-                    {"aggregate_id": ID_P3, "version": 2, "_id": {"$gt": last["id"]}},
-                ],
+                "$expr": {
+                    "$or": [
+                        {"$gt": [agg, a]},
+                        {"$and": [{"$eq": [agg, a]}, {"$gt": [ver, v]}]},
+                        {"$and": [{"$eq": [agg, a]}, {"$eq": [ver, v]}, {"$gt": ["$_id", id_]}]},
+                    ]
+                },
             }
+            assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
             find = await rs_wire.command("find")  # "order" from its start
             assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
@@ -250,6 +256,22 @@ async def test_following_waits_on_the_server_and_moves_quiet_partitions_to_the_r
     assert batches == [LogBatch(entries=(), positions={3: pos((1090, 0))})]
 
 
+async def test_a_stream_the_server_closed_is_an_error_not_a_busy_loop(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """After an invalidate (dropDatabase) the server closes the cursor (id 0); PyMongo's
+    try_next then answers None at once forever: a follower must stop, not spin."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((10, 1))}, follow=True)))
+            (await rs_wire.command("aggregate")).ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False, cursor_id=0))
+            await call.done.wait()
+    with pytest.raises(StorageError, match="closed by the server"):
+        call.result()
+
+
 async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_time_before(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
@@ -263,8 +285,7 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
                 code=286,
                 errmsg="Resume of change stream was not possible, as the resume point may no longer be in the oplog.",
             )
-            ping = await rs_wire.command("ping")  # cluster time before the re-read
-            ping.ok(operationTime=Timestamp(500, 7))
+            await majority_point(rs_wire, (500, 7))  # the cluster time before the re-read
             lc = await rs_wire.command("listCollections")
             lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
                           "firstBatch": [{"name": ORDERS, "type": "collection"}]})
@@ -282,6 +303,35 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
     assert batches[0].positions[3]["cluster_time"] == [500, 7]
 
 
+async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Partition 3's checkpoint fell off the oplog, partition 5's did not: only 3 is re-read, and
+    the stream restarts after 5's checkpoint (older than the re-read's cluster time)."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((10, 1)), 5: pos((500, 1))}, follow=False)))
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
+            agg.command_err(code=286, errmsg="history lost")
+            await majority_point(rs_wire, (600, 1))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
+            )
+            find = await rs_wire.command("find")
+            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((500, 1))}}
+            assert agg["pipeline"][1] == {"$match": expected_match([3, 5])}
+            agg.ok(cursor([change(log_doc(ID_P3, 2), (550, 1)), change(log_doc(ID_P5, 2), (601, 1))], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    # partition 3 skips what its re-read (at 600,1) covered; partition 5 goes on after (500, 1)
+    assert entries_of(call.result()) == [(3, ID_P3, 1), (3, ID_P3, 2), (5, ID_P5, 2)]
+
+
 async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
     log = make_log(rs_client)
     with anyio.fail_after(15):
@@ -289,12 +339,37 @@ async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClien
             call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
             (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
             (await rs_wire.command("getMore")).command_err(code=286, errmsg="history lost")
-            (await rs_wire.command("ping")).ok(operationTime=Timestamp(600, 1))
+            await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
             )
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(600, 1)}}
+            agg.ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    assert entries_of(call.result()) == [(5, ID_P5, 1)]
+
+
+async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    """Code 280 (the oplog covers the token's time but not its event: a rolled-back write, a
+    token of another deployment) cannot resume either: the partition is re-read."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
+            (await rs_wire.command("aggregate")).command_err(
+                code=280, errmsg="cannot resume stream; the resume token was not found"
+            )
+            await majority_point(rs_wire, (700, 2))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
+            )
+            find = await rs_wire.command("find")
+            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 5})
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1)]})
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(700, 2)}}
             agg.ok(cursor([], first=True))
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
@@ -524,6 +599,31 @@ async def test_outbox_put_many_is_one_unordered_insert(rs_client: AsyncMongoClie
             insert.ok(n=2, writeErrors=[dup(2, {"request_id": 1})])
             await call.done.wait()
     assert call.result() == [True, True, False]
+
+
+async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Duplicates plus a write concern error: the batch is not known durable, so it is not
+    answered as if it were (the retry answers the written ones as repeats)."""
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    target = AggregateRef(context="ctx", aggregate="order", id="o1")
+    batch = [
+        OutboxEntry(request_id=r, timer_id="t", target=target, command="{}", scheduled_at=1, fence=1,
+                    owner_key="k", created_at=2)
+        for r in ("r1", "r1")
+    ]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: outbox.put_many(batch))
+            (await rs_wire.command("insert")).ok(
+                n=1,
+                writeErrors=[dup(1, {"request_id": 1})],
+                writeConcernError={"code": 64, "errmsg": "waiting for replication timed out"},
+            )
+            await call.done.wait()
+    with pytest.raises(StorageUnavailable, match="write concern"):
+        call.result()
 
 
 async def test_check_replica_set_refuses_a_standalone(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:

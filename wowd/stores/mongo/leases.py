@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import pymongo
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.datetime_ms import DatetimeMS
@@ -413,6 +414,7 @@ class MongoSlotLeaseStore:
             NAMESPACE_COLLECTION, **options
         )
         self._prepared = False
+        self._prepare_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ plumbing
 
@@ -431,9 +433,13 @@ class MongoSlotLeaseStore:
             STORE_CALL_SECONDS.labels(STORE_LABEL, operation).observe(time.perf_counter() - started)
 
     async def _prepare(self) -> None:
-        if not self._prepared:
-            await self._slots.create_indexes(slot_indexes())
-            self._prepared = True
+        """One ``createIndexes`` per store, also when the first acquires run concurrently."""
+        if self._prepared:
+            return
+        async with self._prepare_lock:
+            if not self._prepared:
+                await self._slots.create_indexes(slot_indexes())
+                self._prepared = True
 
     async def prepare(self) -> None:
         """Creates the unique index on ``(ns, slot)`` (idempotent)."""

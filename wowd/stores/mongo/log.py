@@ -12,9 +12,10 @@ Collections (``<ctx>`` the context):
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
 the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, a, v,
-id}}``: the cluster time taken *before* the scan, which reads with ``afterClusterTime`` of it (so
-it sees every commit at or before it; the stream starts there), and the last document read (a
-later read resumes the scan after it). The stream is one ``watch`` on the database from the
+id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
+write is still in flight: :func:`cluster_time_command`), which reads with ``afterClusterTime``
+of it (so it sees every commit at or before it; the stream starts there), and the last document
+read (a later read resumes the scan after it). The stream is one ``watch`` on the database from the
 oldest position of the partitions read; each partition skips what is at or before its own
 position (cluster time, then the resume token's ``_data``). A partition that sees nothing for
 ``idle_advance`` is moved to the stream's post-batch resume token (a batch without entries), so
@@ -65,12 +66,15 @@ from wowd.stores.mongo._common import DUPLICATE_KEY, collection_name, translate_
 __all__ = [
     "CHANGE_STREAM_UNSUPPORTED",
     "HISTORY_LOST",
+    "RESUME_POINT_GONE",
+    "RESUME_TOKEN_NOT_FOUND",
     "MongoLog",
     "change_stream_match",
     "change_stream_pipeline",
     "checkpoint_filter",
     "checkpoint_ids_filter",
     "checkpoint_update",
+    "cluster_time_command",
     "cluster_time_of",
     "log_collection_prefix",
     "log_indexes",
@@ -87,10 +91,15 @@ ClusterTime = tuple[int, int]
 
 HISTORY_LOST = 286
 """ChangeStreamHistoryLost: the resume point is no longer in the oplog."""
+RESUME_TOKEN_NOT_FOUND = 280
+"""ChangeStreamFatalError: the oplog covers the token's time but not its event (a token of a
+rolled-back write or of another deployment); the stream cannot resume there either."""
+RESUME_POINT_GONE = frozenset({HISTORY_LOST, RESUME_TOKEN_NOT_FOUND})
+"""The answers that make the log re-read the partitions from the collections."""
 CHANGE_STREAM_UNSUPPORTED = 40573
 """``$changeStream`` on a standalone server."""
 
-_STORE = "mongo_log"
+_STORE = "log"
 
 # --------------------------------------------------------------------------- names and indexes
 
@@ -169,18 +178,31 @@ SCAN_SORT: list[tuple[str, int]] = [("aggregate_id", 1), ("version", 1), ("_id",
 """The order of a partition re-read: per aggregate by version (the ``partition_order`` index)."""
 
 
+def _sort_key(field: str) -> Doc:
+    """A field as the index orders it: missing reads as null."""
+    return {"$ifNull": [f"${field}", None]}
+
+
 def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
-    """A partition's documents of one collection, after the scan key ``{a, v, id}`` if given."""
+    """A partition's documents of one collection, after the scan key ``{a, v, id}`` if given.
+
+    The "after" test is an ``$expr`` of aggregation comparisons, which order values of different
+    types as the sort does (BSON order). A query operator such as ``{version: {$gt: 2}}`` would
+    only match numbers (type bracketing), so a resumed scan would silently skip a malformed
+    document (a string ``version``, a missing ``aggregate_id``) sorted after the key."""
     if not after:
         return {"partition": partition_}
-    a, v, id_ = after.get("a"), after.get("v"), after.get("id")
+    a, v, id_ = ({"$literal": after.get(k)} for k in ("a", "v", "id"))
+    agg, ver = _sort_key("aggregate_id"), _sort_key("version")
     return {
         "partition": partition_,
-        "$or": [
-            {"aggregate_id": {"$gt": a}},
-            {"aggregate_id": a, "version": {"$gt": v}},
-            {"aggregate_id": a, "version": v, "_id": {"$gt": id_}},
-        ],
+        "$expr": {
+            "$or": [
+                {"$gt": [agg, a]},
+                {"$and": [{"$eq": [agg, a]}, {"$gt": [ver, v]}]},
+                {"$and": [{"$eq": [agg, a]}, {"$eq": [ver, v]}, {"$gt": ["$_id", id_]}]},
+            ]
+        },
     }
 
 
@@ -204,6 +226,21 @@ def checkpoint_update(position: Position, fence: int) -> list[Doc]:
             }
         }
     ]
+
+
+def cluster_time_command(collection: str) -> Doc:
+    """A read that finds nothing, with ``majority`` read concern: its ``operationTime`` is the
+    majority commit point. Every write at or before that point is committed (no oplog hole
+    below it), so a scan at or after it plus a stream from it miss nothing. (A ``ping``'s
+    ``operationTime`` is the last applied write, which may have an earlier write still in flight
+    below it: that write would be neither in the scan nor in a stream started after it.)"""
+    return {
+        "find": collection,
+        "filter": {"_id": None},
+        "limit": 1,
+        "singleBatch": True,
+        "readConcern": {"level": "majority"},
+    }
 
 
 def checkpoint_ids_filter(consumer: str, partitions: Sequence[int]) -> Doc:
@@ -488,8 +525,9 @@ class MongoLog:
     ) -> AsyncIterator[LogBatch]:
         """Partitions without a position are first re-read from the collections (by
         ``partition``, ``(aggregate_id, version)``), then one change stream on the database
-        serves every partition from the oldest position. A lost resume point (code 286)
-        re-reads every partition and restarts the stream at the cluster time taken before."""
+        serves every partition from the oldest position. A lost resume point (code 286 or 280)
+        re-reads the partitions at that oldest position and restarts the stream at the cluster
+        time taken before the re-read (or at the next oldest position, should that be older)."""
         for p in positions:
             if not 0 <= p < self.partitions:
                 raise ConfigError(f"partition {p} is outside [0, {self.partitions})")
@@ -522,21 +560,24 @@ class MongoLog:
                         yield batch
                 return
             except _HistoryLost:
+                # the stream started from the oldest position: those partitions are re-read (a
+                # partition whose checkpoint is still in the oplog keeps it; should the next
+                # oldest be gone too, the next attempt says so and re-reads that one)
+                oldest = min(s.stream_start() for s in parts.values())
+                lost = sorted(p for p, s in parts.items() if s.stream_start() == oldest)
                 logger.warning(
                     "log %s: change stream history lost; re-reading partitions %s from the collections",
                     self.context,
-                    sorted(parts),
+                    lost,
                 )
-                for p in parts:
+                for p in lost:
                     parts[p] = _Part(scan={})
 
     async def _cluster_time(self, session: AsyncClientSession) -> ClusterTime:
-        """A cluster time from the server (the ``operationTime`` of a ``ping``)."""
+        """The majority commit point (the ``operationTime`` of :func:`cluster_time_command`)."""
         with self._op("cluster_time"):
-            reply = await self._db.command("ping", session=session)
+            reply = await self._db.command(cluster_time_command(self._checkpoints.name), session=session)
         ct = cluster_time_of(reply.get("operationTime"))
-        if ct is None:
-            ct = cluster_time_of((reply.get("$clusterTime") or {}).get("clusterTime"))
         if ct is None:
             raise ConfigError(
                 "MongoDB gave no cluster time: the log needs a replica set or a sharded cluster "
@@ -617,6 +658,13 @@ class MongoLog:
                 idle = self._idle_positions(parts, stream.resume_token)
                 if idle:
                     yield LogBatch(entries=(), positions=idle)
+                if change is None and not stream.alive:
+                    # the server closed the cursor (an invalidate: the database was dropped);
+                    # try_next would answer None at once from now on, a busy loop
+                    raise StorageError(
+                        f"mongodb log {self.context}: the change stream was closed by the server "
+                        "(invalidated: was the database dropped?)"
+                    )
                 if change is None and not follow:
                     return  # caught up: a getMore came back empty
         finally:
@@ -625,13 +673,13 @@ class MongoLog:
 
     @contextmanager
     def _stream_errors(self, operation: str) -> Iterator[None]:
-        """Code 286 becomes :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a
+        """Codes 286 and 280 become :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a
         :class:`ConfigError`; the rest as :meth:`_op` translates it."""
         with self._op(operation, bounded=False):
             try:
                 yield
             except OperationFailure as exc:
-                if exc.code == HISTORY_LOST:
+                if exc.code in RESUME_POINT_GONE:
                     raise _HistoryLost(str(exc)) from exc
                 if exc.code == CHANGE_STREAM_UNSUPPORTED:
                     raise ConfigError(

@@ -15,7 +15,7 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from wowd.errors import StorageError
+from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import AggregateRef, OutboxEntry, validate_name
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import DUPLICATE_KEY, translate_errors
@@ -108,6 +108,12 @@ class MongoOutbox:
             try:
                 await self._coll.insert_many([outbox_doc(e) for e in entries], ordered=False)
             except BulkWriteError as exc:
+                if exc.details.get("writeConcernErrors"):
+                    # written, but not as durably as asked: a retry answers them False (repeats)
+                    raise StorageUnavailable(
+                        f"mongodb outbox put_many: write concern not satisfied: "
+                        f"{exc.details['writeConcernErrors']}"
+                    ) from exc
                 errors = exc.details.get("writeErrors") or []
                 if any(e.get("code") != DUPLICATE_KEY for e in errors) or not errors:
                     raise
