@@ -1,7 +1,8 @@
 """The timer loop of one held slot (DESIGN.md section 5, "Firing").
 
 Per round: ``due(partitions, now + lookahead, batch)`` -> one ``settle`` claiming them all
-(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key) -> delivery through the
+(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key; a store whose class has
+``claim_due``, see :class:`ClaimsDue`, does both in one call) -> delivery through the
 gateway (a batch at a time; a timer slightly ahead is delivered at its scheduled time) -> one
 ``settle`` of the outcomes (fired: next occurrence or delete; retry: exponential backoff with
 jitter; park; fail after ``max_attempts``). Between rounds it sleeps until a wake-up from the feed
@@ -18,12 +19,15 @@ from __future__ import annotations
 import logging
 import random
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Sequence
-from typing import Any
+from operator import attrgetter
+from typing import Any, Protocol, cast
 
 import anyio
 from anyio.abc import TaskStatus
+from prometheus_client import Histogram
 
 from wowd import metrics
 from wowd.config import TimerSettings
@@ -35,7 +39,15 @@ from .feed import Waker
 from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry
 from .leases import HeldSlot
 
-__all__ = ["MAX_IDLE_S", "TimerLoop", "next_occurrence", "outcome_changes", "retry_delay_s"]
+__all__ = [
+    "MAX_IDLE_S",
+    "ClaimsDue",
+    "TimerLoop",
+    "next_occurrence",
+    "observe_many",
+    "outcome_changes",
+    "retry_delay_s",
+]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +57,56 @@ SETTLE_TIMEOUT_S = 10.0
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+class ClaimsDue(Protocol):
+    """A timer store that reads and claims a batch in one call (the embedded store does)."""
+
+    async def claim_due(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        owner_key: str,
+        fence: int,
+        claim_until: int,
+    ) -> list[Timer]:
+        """``due(partitions, until, limit)`` and a ``settle`` claiming each timer it answers
+        (``TimerChange.claim(t, owner_key=owner_key, fence=fence, until=claim_until)``), atomically:
+        the timers as claimed, in due order."""
+        ...
+
+
+def _claims_due(store: TimerStore) -> ClaimsDue | None:
+    """``store`` when its class defines ``claim_due`` (a wrapper that only forwards attributes to
+    a store, e.g. one intercepting ``due``/``settle``, gets the two calls)."""
+    if callable(getattr(type(store), "claim_due", None)):
+        return cast(ClaimsDue, store)
+    return None
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """Observes each of ``values`` into ``histogram`` as ``observe`` would, with one increment per
+    bucket hit and one of the sum (not two locked increments per value)."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if not values:
+        return
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:  # another prometheus_client layout: the public way
+            histogram.observe(v)
+        return
+    check = getattr(histogram, "_raise_if_not_observable", None)
+    if check is not None:
+        check()  # a labelled parent is not observable, as with observe
+    # the first bound >= v, where observe's scan stops; a NaN (no bound >= it) only adds to the sum
+    hits = Counter(bisect_left(bounds, v) for v in values if v == v)
+    total.inc(sum(values))
+    for i, n in hits.items():
+        if i < len(buckets):
+            buckets[i].inc(n)
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -82,19 +144,18 @@ def outcome_changes(
             changes.append(TimerChange.fired(t, fence=fence, next_due=next_occurrence(t, at)))
         elif isinstance(outcome, Retry):
             if t.attempts + 1 >= settings.max_attempts:
-                changes.append(
-                    TimerChange.fail(t, fence=fence, reason=f"retry budget spent: {outcome.reason}")
-                )
+                changes.append(TimerChange.fail(t, fence=fence, reason=f"retry budget spent: {outcome.reason}"))
             else:
                 delay = retry_delay_s(t.attempts, settings, outcome.after_s)
-                changes.append(
-                    TimerChange.retry(t, fence=fence, due_at=at + int(delay * 1000), error=outcome.reason)
-                )
+                changes.append(TimerChange.retry(t, fence=fence, due_at=at + int(delay * 1000), error=outcome.reason))
         elif isinstance(outcome, Park):
             changes.append(TimerChange.park(t, fence=fence, reason=outcome.reason))
         elif isinstance(outcome, Fail):
             changes.append(TimerChange.fail(t, fence=fence, reason=outcome.reason))
     return changes
+
+
+_DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
 
 
 class TimerLoop:
@@ -116,6 +177,7 @@ class TimerLoop:
         held.on_stop(waker.wake)
         parts = frozenset(held.partitions)
         s = self._settings
+        claims_due = _claims_due(self._store)
         task_status.started()
         attempt = 0
         async with anyio.create_task_group() as rounds:
@@ -130,11 +192,27 @@ class TimerLoop:
                 try:
                     until = now + s.lookahead_ms
                     mark = waker.earliest_ms
-                    due = await self._store.due(parts, until, s.batch)
-                    metrics.TIMERS_DUE_BACKLOG.set(len(due))
-                    if len(due) < s.batch:
+                    if claims_due is not None:
+                        held.check()
+                        claimed = await claims_due.claim_due(
+                            parts,
+                            until,
+                            s.batch,
+                            owner_key=held.owner_key,
+                            fence=held.fence,
+                            claim_until=now_ms() + int(s.claim_ttl_s * 1000),
+                        )
+                        n_due = len(claimed)
+                        if claimed:
+                            metrics.SETTLE_BATCH.observe(n_due)
+                    else:
+                        due = await self._store.due(parts, until, s.batch)
+                        n_due = len(due)
+                    metrics.TIMERS_DUE_BACKLOG.set(n_due)
+                    if n_due < s.batch:
                         waker.covered(until, mark)
-                    claimed = await self._claim(held, due) if due else []
+                    if claims_due is None:
+                        claimed = await self._claim(held, due) if due else []
                     attempt = 0
                 except StorageUnavailable as exc:
                     logx.warning("timer round failed (will retry): %s", exc)
@@ -147,7 +225,7 @@ class TimerLoop:
                     done = anyio.Event()
                     outstanding.append(done)
                     rounds.start_soon(self._finish, held, claimed, waker, logx, previous, done)
-                if len(due) < s.batch and not held.stopping:
+                if n_due < s.batch and not held.stopping:
                     now = now_ms()
                     wake_at = min(now + MAX_IDLE_S * 1000, waker.earliest_ms - s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at)
@@ -215,7 +293,7 @@ class TimerLoop:
         return mine
 
     async def _deliver(self, held: HeldSlot, claimed: list[Timer], record: Any) -> None:
-        pending = sorted(claimed, key=lambda t: (t.scheduled_at, t.timer_id))
+        pending = sorted(claimed, key=_DELIVERY_ORDER)
         i = 0
         while i < len(pending):
             now = now_ms()
@@ -271,11 +349,12 @@ class TimerLoop:
     @staticmethod
     def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
         fired: Counter[str] = Counter()
+        lags: list[float] = []
         for t, outcome, at in results:
-            agg = t.owner.aggregate
             if isinstance(outcome, Delivered):
-                fired[agg] += 1
-                metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
+                fired[t.owner.aggregate] += 1
+                lags.append(max(0.0, (at - t.scheduled_at) / 1000))
+        observe_many(metrics.FIRE_LAG, lags)
         for agg, n in fired.items():
             metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
         for c in changes:
@@ -286,4 +365,3 @@ class TimerLoop:
                 metrics.TIMERS_PARKED.labels(aggregate=agg).inc()
             elif c.kind == "fail":
                 metrics.TIMERS_FAILED.labels(aggregate=agg).inc()
-

@@ -3,14 +3,23 @@
 Table ``outbox``: ``seq`` (insertion order, AUTOINCREMENT), ``request_id`` unique, the timer,
 target (JSON ``{context, aggregate, tenant_id, id}``), the command's JSON text, the occurrence's
 ``scheduled_at``, the writer's fence and owner key, ``created_at``.
+
+``put_many`` (the gateway's batch path) inserts the batch in one transaction, one ``executemany``
+of the row statement (no savepoint, no multi-row statement: either makes SQLite journal every
+index page the random request ids touch). Only when some request id was there already is that
+transaction rolled back and the batch sorted out, per entry, in another: new ones inserted,
+repeats recorded as re-deliveries.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Sequence
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +30,7 @@ from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import AggregateRef, OutboxEntry
 from wowd.stores.embedded.db import SqliteDatabase
 
-__all__ = ["EmbeddedOutbox"]
+__all__ = ["EmbeddedOutbox", "file_write_lock", "under_lock"]
 
 T = TypeVar("T")
 
@@ -50,10 +59,48 @@ SCHEMA = (
 _COLUMNS = "request_id, timer_id, target, command, scheduled_at, fence, owner_key, created_at"
 
 
+_WRITE_LOCKS: dict[str, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
+def file_write_lock(db: SqliteDatabase) -> threading.Lock:
+    """The lock this process's writers on ``db``'s file (the outbox and the timer store: the
+    firing path's two writers, each on its own connection) hold around a write transaction.
+
+    SQLite lets one connection write at a time; another one asking meanwhile is refused and
+    retried by its busy handler, which sleeps 1, 2, 5, 10 ms ... between tries: a claim of the
+    next round meeting the outbox insert of the current one lost several ms each time. Queued on
+    this lock, the second writer starts when the first commits. Writers of other processes (and
+    other stores) still meet the busy handler, as before."""
+    key = f":memory:{id(db)}" if db.path == ":memory:" else os.path.realpath(db.path)
+    with _WRITE_LOCKS_GUARD:
+        lock = _WRITE_LOCKS.get(key)
+        if lock is None:
+            lock = _WRITE_LOCKS[key] = threading.Lock()
+        return lock
+
+
+def under_lock(lock: threading.Lock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
+    """``fn`` run holding ``lock`` (in the worker thread, around the whole transaction)."""
+
+    def locked(conn: sqlite3.Connection) -> T:
+        with lock:
+            return fn(conn)
+
+    return locked
+
+
 def put_sql() -> str:
-    return (
-        f"INSERT INTO outbox ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
-    )
+    return f"INSERT INTO outbox ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
+
+
+def existing_sql(n: int) -> str:
+    """The request ids among ``n`` given ones that are in the outbox."""
+    return f"SELECT request_id FROM outbox WHERE request_id IN ({', '.join('?' * n)})"
+
+
+def redelivery_sql() -> str:
+    return "INSERT INTO outbox_redelivery (request_id, fence, owner_key, created_at) VALUES (?, ?, ?, ?)"
 
 
 def entries_sql() -> str:
@@ -62,9 +109,11 @@ def entries_sql() -> str:
 
 
 def _target_json(ref: AggregateRef) -> str:
-    return json.dumps(
-        {"context": ref.context, "aggregate": ref.aggregate, "tenant_id": ref.tenant_id, "id": ref.id},
-        separators=(",", ":"),
+    """``{"context":..,"aggregate":..,"tenant_id":..,"id":..}``: the text ``json.dumps`` writes
+    with ``separators=(",", ":")`` (each string escaped by the encoder json uses for it)."""
+    e = encode_basestring_ascii
+    return (
+        f'{{"context":{e(ref.context)},"aggregate":{e(ref.aggregate)},"tenant_id":{e(ref.tenant_id)},"id":{e(ref.id)}}}'
     )
 
 
@@ -73,9 +122,7 @@ def _entry(row: tuple[Any, ...]) -> OutboxEntry:
     return OutboxEntry(
         request_id=row[0],
         timer_id=row[1],
-        target=AggregateRef(
-            context=t["context"], aggregate=t["aggregate"], tenant_id=t["tenant_id"], id=t["id"]
-        ),
+        target=AggregateRef(context=t["context"], aggregate=t["aggregate"], tenant_id=t["tenant_id"], id=t["id"]),
         command=row[3],
         scheduled_at=row[4],
         fence=row[5],
@@ -92,6 +139,7 @@ class EmbeddedOutbox:
             self._db, self._owns = db_or_path, False
         else:
             self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._write_lock = file_write_lock(self._db)
         self._ready = False
 
     async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -122,7 +170,10 @@ class EmbeddedOutbox:
             entry.owner_key,
             entry.created_at,
         )
-        return await self._call("put", lambda conn: conn.execute(put_sql(), values).rowcount == 1)
+        sql = put_sql()
+        return await self._call(
+            "put", under_lock(self._write_lock, lambda conn: conn.execute(sql, values).rowcount == 1)
+        )
 
     async def put_many(self, entries: Sequence[OutboxEntry]) -> list[bool]:
         """Inserts a batch in one transaction; per entry, False when its request id was there
@@ -140,38 +191,15 @@ class EmbeddedOutbox:
             )
             for e in entries
         ]
-
-        def run(conn: sqlite3.Connection) -> list[bool]:
-            existing: set[str] = set()
-            ids = [r[0] for r in rows]
-            for i in range(0, len(ids), 500):
-                chunk = ids[i : i + 500]
-                marks = ",".join("?" * len(chunk))
-                existing.update(
-                    r[0] for r in conn.execute(f"SELECT request_id FROM outbox WHERE request_id IN ({marks})", chunk)
-                )
-            answers: list[bool] = []
-            fresh: list[tuple[Any, ...]] = []
-            again: list[tuple[Any, ...]] = []
-            for r in rows:
-                new = r[0] not in existing
-                answers.append(new)
-                if new:
-                    existing.add(r[0])
-                    fresh.append(r)
-                else:
-                    again.append((r[0], r[5], r[6], r[7]))
-            conn.executemany(put_sql(), fresh)
-            if again:
-                conn.executemany(
-                    "INSERT INTO outbox_redelivery (request_id, fence, owner_key, created_at) VALUES (?, ?, ?, ?)",
-                    again,
-                )
-            return answers
-
         if not rows:
             return []
-        return await self._call("put_many", self._db.transaction(run))
+        fresh = under_lock(self._write_lock, self._db.transaction(lambda conn: _insert_new(conn, rows)))
+        try:
+            return await self._call("put_many", fresh)
+        except _Repeated:
+            pass  # rolled back: sort the batch out
+        sort_out = under_lock(self._write_lock, self._db.transaction(lambda conn: _sort_out(conn, rows)))
+        return await self._call("put_many", sort_out)
 
     async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
         """At most ``limit`` entries in insertion order, after the first ``after`` ones."""
@@ -190,6 +218,44 @@ class EmbeddedOutbox:
     async def close(self) -> None:
         if self._owns:
             await anyio.to_thread.run_sync(self._db.close)
+
+
+class _Repeated(Exception):
+    """A request id of the batch was in the outbox already (or twice in the batch)."""
+
+
+def _insert_new(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
+    """Inserts ``rows`` (in a write transaction) when every request id is new, the usual case;
+    raises :class:`_Repeated` (the caller's transaction rolls back) otherwise."""
+    before = conn.total_changes
+    conn.executemany(put_sql(), rows)
+    if conn.total_changes - before != len(rows):
+        raise _Repeated
+    return [True] * len(rows)
+
+
+def _sort_out(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
+    """Inserts the first of each new request id, records the others as re-deliveries."""
+    existing: set[str] = set()
+    ids = [r[0] for r in rows]
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        existing.update(r[0] for r in conn.execute(existing_sql(len(chunk)), chunk))
+    answers: list[bool] = []
+    fresh: list[tuple[Any, ...]] = []
+    again: list[tuple[Any, ...]] = []
+    for r in rows:
+        new = r[0] not in existing
+        answers.append(new)
+        if new:
+            existing.add(r[0])
+            fresh.append(r)
+        else:
+            again.append((r[0], r[5], r[6], r[7]))
+    conn.executemany(put_sql(), fresh)
+    if again:
+        conn.executemany(redelivery_sql(), again)
+    return answers
 
 
 def _create_schema(conn: sqlite3.Connection) -> None:
