@@ -37,8 +37,8 @@ from wowd.model import (
     deterministic_timer_id,
     partition,
 )
-from wowd.stores.embedded.db import SqliteDatabase
-from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json, file_write_lock
+from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
+from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
 from wowd.stores.embedded.timers import (
     DUE_ARMS,
     EmbeddedTimerStore,

@@ -10,18 +10,20 @@ The store clock is SQLite's own ``now`` evaluated in the statement that decides 
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 import anyio.to_thread
 
 from wowd.errors import StorageError, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 
-__all__ = ["NOW_MS", "SqliteDatabase"]
+__all__ = ["NOW_MS", "SqliteDatabase", "SqliteStore", "file_write_lock", "under_lock"]
 
 T = TypeVar("T")
 
@@ -116,3 +118,73 @@ class SqliteDatabase:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+_WRITE_LOCKS: dict[str, threading.Lock] = {}
+_WRITE_LOCKS_GUARD = threading.Lock()
+
+
+def file_write_lock(db: SqliteDatabase) -> threading.Lock:
+    """The lock this process's writers on ``db``'s file (the outbox and the timer store: the
+    firing path's two writers, each on its own connection) hold around a write transaction.
+
+    SQLite lets one connection write at a time; another one asking meanwhile is refused and
+    retried by its busy handler, which sleeps 1, 2, 5, 10 ms ... between tries: a claim of the
+    next round meeting the outbox insert of the current one lost several ms each time. Queued on
+    this lock, the second writer starts when the first commits. Writers of other processes (and
+    other stores) still meet the busy handler, as before."""
+    key = f":memory:{id(db)}" if db.path == ":memory:" else os.path.realpath(db.path)
+    with _WRITE_LOCKS_GUARD:
+        lock = _WRITE_LOCKS.get(key)
+        if lock is None:
+            lock = _WRITE_LOCKS[key] = threading.Lock()
+        return lock
+
+
+def under_lock(lock: threading.Lock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
+    """``fn`` run holding ``lock`` (in the worker thread, around the whole transaction)."""
+
+    def locked(conn: sqlite3.Connection) -> T:
+        with lock:
+            return fn(conn)
+
+    return locked
+
+
+class SqliteStore:
+    """Base of the embedded stores: the client-or-path rule and the metered call.
+
+    A store given a :class:`SqliteDatabase` uses it and never closes it (the caller owns it);
+    given a path it opens its own and closes it in :meth:`close`. Every call goes through
+    :meth:`_run`, which first runs :meth:`_ensure_ready` (a store's lazy schema step), then times
+    the call in ``wowd_store_call_seconds{store=STORE}`` and counts a transient failure in
+    ``wowd_store_unavailable_total``.
+    """
+
+    STORE: ClassVar[str] = "sqlite"
+    """The ``store`` label of this store's metrics."""
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
+        if isinstance(db_or_path, SqliteDatabase):
+            self._db, self._owns = db_or_path, False
+        else:
+            self._db, self._owns = SqliteDatabase(db_or_path), True
+        self._write_lock = file_write_lock(self._db)
+
+    async def _ensure_ready(self) -> None:
+        """Creates or checks what the store needs before its first call (default: nothing)."""
+
+    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+        started = time.perf_counter()
+        try:
+            await self._ensure_ready()
+            return await self._db.run(fn)
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels(self.STORE, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(self.STORE, operation).observe(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        if self._owns:
+            await anyio.to_thread.run_sync(self._db.close)

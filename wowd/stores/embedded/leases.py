@@ -24,19 +24,12 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
-import anyio.to_thread
-
-from wowd.errors import StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 
 __all__ = ["EmbeddedSlotLeaseStore"]
 
@@ -170,36 +163,27 @@ def _lease(row: sqlite3.Row | tuple[Any, ...]) -> SlotLease:
     )
 
 
-class EmbeddedSlotLeaseStore:
+class EmbeddedSlotLeaseStore(SqliteStore):
     """:class:`~wowd.stores.base.SlotLeaseStore` on a SQLite file shared by several processes.
 
     ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
     closes in :meth:`close`). The tables are created on first use.
     """
 
+    STORE = "leases"
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
+        super().__init__(db_or_path)
         self._ready = False
 
-    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            if not self._ready:
-                await self._db.run(self._db.transaction(_create_schema))
-                self._ready = True
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("leases", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("leases", operation).observe(time.perf_counter() - started)
+    async def _ensure_ready(self) -> None:
+        if not self._ready:
+            await self._db.run(self._db.transaction(_create_schema))
+            self._ready = True
 
     async def prepare(self) -> None:
         """Creates the tables when missing (idempotent)."""
-        await self._call("prepare", lambda conn: None)
+        await self._run("prepare", lambda conn: None)
 
     async def acquire(
         self,
@@ -257,7 +241,7 @@ class EmbeddedSlotLeaseStore:
                     return AcquireResult(status="acquired", lease=_lease(taken[0]))
             return AcquireResult(status="exhausted", reason=f"all {limit} slots of {namespace!r} are held")
 
-        result = await self._call("acquire", self._db.transaction(run))
+        result = await self._run("acquire", self._db.transaction(run))
         if result.lease is not None:
             log.debug(
                 "acquired slot %s of %s for %s (incarnation %s, fence %s)",
@@ -276,7 +260,7 @@ class EmbeddedSlotLeaseStore:
             rows = conn.execute(renew_sql(), params).fetchall()
             return _lease(rows[0]) if rows else None
 
-        return await self._call("renew", run)
+        return await self._run("renew", run)
 
     async def release(self, lease: SlotLease, last_issued: int) -> bool:
         params = _match(lease) | {"last_issued": last_issued}
@@ -284,7 +268,7 @@ class EmbeddedSlotLeaseStore:
         def run(conn: sqlite3.Connection) -> bool:
             return conn.execute(release_sql(), params).rowcount == 1
 
-        return await self._call("release", run)
+        return await self._run("release", run)
 
     async def slots(self, namespace: str) -> list[SlotState]:
         def run(conn: sqlite3.Connection) -> list[SlotState]:
@@ -308,11 +292,8 @@ class EmbeddedSlotLeaseStore:
                 for r in rows
             ]
 
-        return await self._call("slots", run)
+        return await self._run("slots", run)
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)
 
 
 def _match(lease: SlotLease) -> dict[str, Any]:

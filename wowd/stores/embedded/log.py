@@ -39,7 +39,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from wowd.errors import ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable, WowdError
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.metrics import STORE_CALL_SECONDS
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateType,
@@ -54,7 +54,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
 
@@ -255,13 +255,15 @@ def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
     )
 
 
-class EmbeddedLog:
+class EmbeddedLog(SqliteStore):
     """:class:`~wowd.stores.base.Log` on a SQLite file shared by several processes.
 
     ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
     closes in :meth:`close`). ``ddl``: ``auto`` creates the tables and records the format,
     ``validate`` requires them (and the format), ``none`` assumes them.
     """
+
+    STORE = "log"
 
     def __init__(
         self,
@@ -276,26 +278,15 @@ class EmbeddedLog:
             raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
         self.partitions = partitions
         self.ddl = Ddl(ddl)
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
+        super().__init__(db_or_path)
         self._notifier = _notifier_for(self._db.path)
         self._prepared = False
 
     # ------------------------------------------------------------------ plumbing
 
-    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            if not self._prepared:
-                await self._prepare()
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("log", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("log", operation).observe(time.perf_counter() - started)
+    async def _ensure_ready(self) -> None:
+        if not self._prepared:
+            await self._prepare()
 
     async def _prepare(self) -> None:
         if self.ddl is Ddl.AUTO:
@@ -319,9 +310,6 @@ class EmbeddedLog:
         except StorageError as exc:
             raise StorageUnavailable(f"sqlite {self._db.path}: does not answer: {exc}") from exc
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)
 
     # ------------------------------------------------------------------ appends
 
@@ -363,7 +351,7 @@ class EmbeddedLog:
 
     async def append(self, commit: Commit) -> AppendOutcome:
         row = self._row(commit)
-        outcome = (await self._call("append", self._db.transaction(lambda c: self._append_rows(c, [row]))))[0]
+        outcome = (await self._run("append", self._db.transaction(lambda c: self._append_rows(c, [row]))))[0]
         if outcome == "appended":
             self._notifier.notify()
         elif outcome == "conflict":
@@ -377,7 +365,7 @@ class EmbeddedLog:
         if not commits:
             return []
         rows = [self._row(c) for c in commits]
-        outcomes = await self._call("append_many", self._db.transaction(lambda c: self._append_rows(c, rows)))
+        outcomes = await self._run("append_many", self._db.transaction(lambda c: self._append_rows(c, rows)))
         if "appended" in outcomes:
             self._notifier.notify()
         return outcomes
@@ -412,7 +400,7 @@ class EmbeddedLog:
             except sqlite3.IntegrityError as exc:
                 raise ConflictError(f"raw document collides with a stored commit: {exc}") from exc
 
-        await self._call("insert_raw", run)
+        await self._run("insert_raw", run)
         self._notifier.notify()
 
     # ------------------------------------------------------------------ reads
@@ -435,7 +423,7 @@ class EmbeddedLog:
                 if follow:
                     # subscribe before querying: an append committed after the query wakes us
                     event = self._notifier.subscribe()
-                rows = await self._call("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
+                rows = await self._run("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
                 if rows:
                     if event is not None:
                         self._notifier.unsubscribe(event)
@@ -484,11 +472,11 @@ class EmbeddedLog:
                 for r in conn.execute(checkpoints_sql(len(parts)), params).fetchall()
             }
 
-        return await self._call("checkpoints", run)
+        return await self._run("checkpoints", run)
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)
-        saved = await self._call(
+        saved = await self._run(
             "save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount
         )
         if not saved:
@@ -508,7 +496,7 @@ class EmbeddedLog:
         text = _canonical(raw)
         digest = hashlib.sha256(text.encode()).hexdigest()
         params = (self.context, consumer, partition, aggregate.aggregate, text, digest, reason)
-        await self._call("quarantine", lambda c: c.execute(quarantine_sql(), params))
+        await self._run("quarantine", lambda c: c.execute(quarantine_sql(), params))
 
     async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
         def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -528,7 +516,7 @@ class EmbeddedLog:
                 for r in rows
             ]
 
-        return await self._call("quarantined", run)
+        return await self._run("quarantined", run)
 
     async def aggregate_types(self) -> list[AggregateType]:
         def run(conn: sqlite3.Connection) -> list[AggregateType]:
@@ -537,7 +525,7 @@ class EmbeddedLog:
             ).fetchall()
             return [AggregateType(context=self.context, aggregate=r[0]) for r in rows]
 
-        return await self._call("aggregate_types", run)
+        return await self._run("aggregate_types", run)
 
 
 def _create(conn: sqlite3.Connection) -> None:

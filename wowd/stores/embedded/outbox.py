@@ -14,23 +14,16 @@ repeats recorded as re-deliveries.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
-from wowd.errors import StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import AggregateRef, OutboxEntry
-from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, under_lock
 
-__all__ = ["EmbeddedOutbox", "file_write_lock", "under_lock"]
+__all__ = ["EmbeddedOutbox"]
 
 T = TypeVar("T")
 
@@ -57,37 +50,6 @@ SCHEMA = (
 )
 
 _COLUMNS = "request_id, timer_id, target, command, scheduled_at, fence, owner_key, created_at"
-
-
-_WRITE_LOCKS: dict[str, threading.Lock] = {}
-_WRITE_LOCKS_GUARD = threading.Lock()
-
-
-def file_write_lock(db: SqliteDatabase) -> threading.Lock:
-    """The lock this process's writers on ``db``'s file (the outbox and the timer store: the
-    firing path's two writers, each on its own connection) hold around a write transaction.
-
-    SQLite lets one connection write at a time; another one asking meanwhile is refused and
-    retried by its busy handler, which sleeps 1, 2, 5, 10 ms ... between tries: a claim of the
-    next round meeting the outbox insert of the current one lost several ms each time. Queued on
-    this lock, the second writer starts when the first commits. Writers of other processes (and
-    other stores) still meet the busy handler, as before."""
-    key = f":memory:{id(db)}" if db.path == ":memory:" else os.path.realpath(db.path)
-    with _WRITE_LOCKS_GUARD:
-        lock = _WRITE_LOCKS.get(key)
-        if lock is None:
-            lock = _WRITE_LOCKS[key] = threading.Lock()
-        return lock
-
-
-def under_lock(lock: threading.Lock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
-    """``fn`` run holding ``lock`` (in the worker thread, around the whole transaction)."""
-
-    def locked(conn: sqlite3.Connection) -> T:
-        with lock:
-            return fn(conn)
-
-    return locked
 
 
 def put_sql() -> str:
@@ -131,33 +93,23 @@ def _entry(row: tuple[Any, ...]) -> OutboxEntry:
     )
 
 
-class EmbeddedOutbox:
+class EmbeddedOutbox(SqliteStore):
     """:class:`~wowd.stores.base.Outbox` on SQLite; ``db_or_path`` as the other embedded stores."""
 
+    STORE = "outbox"
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
-        self._write_lock = file_write_lock(self._db)
+        super().__init__(db_or_path)
         self._ready = False
 
-    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            if not self._ready:
-                await self._db.run(self._db.transaction(_create_schema))
-                self._ready = True
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("outbox", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("outbox", operation).observe(time.perf_counter() - started)
+    async def _ensure_ready(self) -> None:
+        if not self._ready:
+            await self._db.run(self._db.transaction(_create_schema))
+            self._ready = True
 
     async def prepare(self) -> None:
         """Creates the table when missing (idempotent)."""
-        await self._call("prepare", lambda conn: None)
+        await self._run("prepare", lambda conn: None)
 
     async def put(self, entry: OutboxEntry) -> bool:
         values = (
@@ -171,7 +123,7 @@ class EmbeddedOutbox:
             entry.created_at,
         )
         sql = put_sql()
-        return await self._call(
+        return await self._run(
             "put", under_lock(self._write_lock, lambda conn: conn.execute(sql, values).rowcount == 1)
         )
 
@@ -195,11 +147,11 @@ class EmbeddedOutbox:
             return []
         fresh = under_lock(self._write_lock, self._db.transaction(lambda conn: _insert_new(conn, rows)))
         try:
-            return await self._call("put_many", fresh)
+            return await self._run("put_many", fresh)
         except _Repeated:
             pass  # rolled back: sort the batch out
         sort_out = under_lock(self._write_lock, self._db.transaction(lambda conn: _sort_out(conn, rows)))
-        return await self._call("put_many", sort_out)
+        return await self._run("put_many", sort_out)
 
     async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
         """At most ``limit`` entries in insertion order, after the first ``after`` ones."""
@@ -207,17 +159,14 @@ class EmbeddedOutbox:
         def run(conn: sqlite3.Connection) -> list[OutboxEntry]:
             return [_entry(r) for r in conn.execute(entries_sql(), (limit, max(after, 0))).fetchall()]
 
-        return await self._call("entries", run)
+        return await self._run("entries", run)
 
     async def count(self) -> int:
         def run(conn: sqlite3.Connection) -> int:
             return int(conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
 
-        return await self._call("count", run)
+        return await self._run("count", run)
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)
 
 
 class _Repeated(Exception):

@@ -20,16 +20,14 @@ import json
 import sqlite3
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
-from wowd.errors import InvalidInput, SinkWriteError, StorageUnavailable
-from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import InvalidInput, SinkWriteError
+from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, stream_id
-from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 
 __all__ = ["TABLE", "EmbeddedEventSink"]
 
@@ -115,7 +113,7 @@ def _stamp_params(s: AccessStamp, access: str) -> tuple[Any, ...]:
     return (access, s.as_of, r.context, r.aggregate, r.tenant_id, r.id, s.from_, s.until, s.as_of, s.as_of, access)
 
 
-class EmbeddedEventSink:
+class EmbeddedEventSink(SqliteStore):
     """:class:`~wowd.stores.base.EventSink` of ``type`` on SQLite.
 
     ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this sink opens (and
@@ -123,15 +121,14 @@ class EmbeddedEventSink:
     remembers (an LRU), to tell an access change without reading the stream.
     """
 
+    STORE = "sink"
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path, type: AggregateType, *, capacity: int = 1024) -> None:
         self.type = type
         if capacity < 0:
             raise InvalidInput(f"must be >= 0, got {capacity}", field="capacity")
         self.capacity = capacity
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
+        super().__init__(db_or_path)
         self._prepared = False
         self._last: OrderedDict[AggregateRef, tuple[int, str]] = OrderedDict()
         """Per aggregate, the version and attributes of the last record this sink wrote."""
@@ -258,19 +255,7 @@ class EmbeddedEventSink:
 
     # ---- plumbing
 
-    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("sink", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("sink", operation).observe(time.perf_counter() - started)
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)
 
 
 def _stamps(

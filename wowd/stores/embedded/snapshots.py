@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
-from wowd.errors import FormatError, InvalidInput, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import FormatError, InvalidInput
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 
 __all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
@@ -279,7 +275,7 @@ def _table(row: Sequence[Any]) -> SnapshotTable:
 # --------------------------------------------------------------------------- the store
 
 
-class EmbeddedSnapshotStore:
+class EmbeddedSnapshotStore(SqliteStore):
     """:class:`~wowd.stores.base.SnapshotStore` and its own
     :class:`~wowd.stores.base.SnapshotRebuildStore` on SQLite.
 
@@ -287,12 +283,11 @@ class EmbeddedSnapshotStore:
     closes in :meth:`close`).
     """
 
+    STORE = "snapshots"
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str) -> None:
         self.context = validate_name(context, field="context")
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
+        super().__init__(db_or_path)
         self._prepared = False
         self._known: set[str] = set()
         self._save_sql = save_sql(context)
@@ -474,16 +469,4 @@ class EmbeddedSnapshotStore:
 
     # ---- plumbing
 
-    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("snapshots", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("snapshots", operation).observe(time.perf_counter() - started)
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)

@@ -32,17 +32,13 @@ import heapq
 import json
 import logging
 import sqlite3
-import time
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio.to_thread
-
-from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import FormatError, InvalidInput, StorageError
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -54,8 +50,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase
-from wowd.stores.embedded.outbox import file_write_lock, under_lock
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore"]
 
@@ -470,23 +465,21 @@ def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
 # --------------------------------------------------------------------------- the store
 
 
-class EmbeddedTimerStore:
+class EmbeddedTimerStore(SqliteStore):
     """:class:`~wowd.stores.base.TimerStore` on SQLite.
 
     ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
     closes in :meth:`close`). The tables are created on first use (or by :meth:`prepare`).
     """
 
+    STORE = "timers"
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str, partitions: int) -> None:
         self.context = validate_name(context, field="context")
         if partitions < 1:
             raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
         self.partitions = partitions
-        if isinstance(db_or_path, SqliteDatabase):
-            self._db, self._owns = db_or_path, False
-        else:
-            self._db, self._owns = SqliteDatabase(db_or_path), True
-        self._write_lock = file_write_lock(self._db)
+        super().__init__(db_or_path)
         self._prepared = False
         self._known: set[str] = set()
         t = context
@@ -708,16 +701,4 @@ class EmbeddedTimerStore:
         """A write: run holding the file's write lock (see :func:`file_write_lock`)."""
         return await self._run(operation, under_lock(self._write_lock, fn))
 
-    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        started = time.perf_counter()
-        try:
-            return await self._db.run(fn)
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels("timers", operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels("timers", operation).observe(time.perf_counter() - started)
 
-    async def close(self) -> None:
-        if self._owns:
-            await anyio.to_thread.run_sync(self._db.close)
