@@ -525,13 +525,15 @@ class TimerChange:
       - ``fired``: delivered; deleted when ``next_due`` is None, else PENDING at ``next_due``
         (``scheduled_at = due_at = next_due``, ``fired + 1``, attempts reset).
       - ``retry``: PENDING at ``due_at``, ``attempts + 1``, ``last_error``.
+      - ``release``: claimed but never sent (the replica stopped): PENDING at ``due_at``, the
+        attempts unchanged, ``last_error``.
       - ``park``: PARKED (out of the due index), ``last_error``.
       - ``resume``: PENDING at ``due_at`` (attempts reset), from PARKED or FAILED.
       - ``fail``: FAILED, ``last_error``.
     Every change bumps ``revision``; ``fence`` is the slot fence of the writer.
     """
 
-    kind: Literal["claim", "fired", "retry", "park", "resume", "fail"]
+    kind: Literal["claim", "fired", "retry", "release", "park", "resume", "fail"]
     timer: Timer
     fence: int = 0
     owner_key: str = ""
@@ -552,6 +554,10 @@ class TimerChange:
     @staticmethod
     def retry(timer: Timer, *, fence: int, due_at: int, error: str) -> TimerChange:
         return TimerChange(kind="retry", timer=timer, fence=fence, due_at=due_at, error=error)
+
+    @staticmethod
+    def release(timer: Timer, *, fence: int, due_at: int, reason: str) -> TimerChange:
+        return TimerChange(kind="release", timer=timer, fence=fence, due_at=due_at, error=reason)
 
     @staticmethod
     def park(timer: Timer, *, fence: int, reason: str) -> TimerChange:
@@ -602,6 +608,11 @@ class TimerChange:
                 claim=None,
                 last_error=self.error,
                 revision=rev,
+            )
+        if self.kind == "release":
+            assert self.due_at is not None
+            return replace(
+                t, status=TimerStatus.PENDING, due_at=self.due_at, claim=None, last_error=self.error, revision=rev
             )
         if self.kind == "park":
             return replace(t, status=TimerStatus.PARKED, claim=None, last_error=self.error, revision=rev)

@@ -140,13 +140,16 @@ def _changes(t: Timer) -> dict[str, TimerChange]:
         "fired-next": TimerChange.fired(t, fence=4, next_due=T0 + 60_000),
         "fired-last": TimerChange.fired(t, fence=4, next_due=None),
         "retry": TimerChange.retry(t, fence=4, due_at=T0 + 5_000, error="503 from target"),
+        "release": TimerChange.release(t, fence=4, due_at=T0 + 6_000, reason="not delivered: stopped"),
         "park": TimerChange.park(t, fence=4, reason="404: no such aggregate"),
         "resume": TimerChange.resume(t, due_at=T0 + 7_000),
         "fail": TimerChange.fail(t, fence=4, reason="400: bad command"),
     }
 
 
-@pytest.mark.parametrize("kind", ["claim", "fired-next", "fired-last", "retry", "park", "resume", "fail"])
+@pytest.mark.parametrize(
+    "kind", ["claim", "fired-next", "fired-last", "retry", "release", "park", "resume", "fail"]
+)
 async def test_settle_writes_exactly_what_each_change_applies(timer_store: Any, kind: str) -> None:
     t = timer(owner("o-1"), rule=IntervalRule(every_ms=60_000))
     await timer_store.put(t)
@@ -167,6 +170,8 @@ async def test_settle_writes_exactly_what_each_change_applies(timer_store: Any, 
     change = _changes(current)[kind]
     assert await timer_store.settle([change]) == 1
     assert await timer_store.find(t.owner, t.key) == change.applied()
+    if kind == "release":  # a claim never sent spends no attempt
+        assert change.applied().attempts == current.attempts == 1  # type: ignore[union-attr]
 
 
 async def test_settle_skips_a_change_whose_timer_moved_on_and_counts_what_it_wrote(timer_store: Any) -> None:

@@ -322,7 +322,7 @@ class TimerLoop:
         now = now_ms()
         for t in claimed:
             if t.timer_id not in done:  # claimed, not delivered (stop or cancellation): back to PENDING
-                changes.append(TimerChange.retry(t, fence=held.fence, due_at=now, error="not delivered: stopped"))
+                changes.append(TimerChange.release(t, fence=held.fence, due_at=now, reason="not delivered: stopped"))
         if not changes:
             return []
         self._count(results, changes)
@@ -359,7 +359,7 @@ class TimerLoop:
             metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
         for c in changes:
             agg = c.timer.owner.aggregate
-            if c.kind == "retry" and c.error != "not delivered: stopped":
+            if c.kind == "retry":
                 metrics.TIMERS_RETRIED.labels(aggregate=agg).inc()
             elif c.kind == "park":
                 metrics.TIMERS_PARKED.labels(aggregate=agg).inc()

@@ -182,6 +182,7 @@ _SETTLE_SET = {
     "fired": f"status = 'PENDING', due_at = ?, scheduled_at = ?, attempts = 0, fired = fired + 1, {_NO_CLAIM},"
     " last_error = NULL",
     "retry": f"status = 'PENDING', due_at = ?, attempts = attempts + 1, {_NO_CLAIM}, last_error = ?",
+    "release": f"status = 'PENDING', due_at = ?, {_NO_CLAIM}, last_error = ?",
     "park": f"status = 'PARKED', {_NO_CLAIM}, last_error = ?",
     "resume": f"status = 'PENDING', due_at = ?, attempts = 0, {_NO_CLAIM}",
     "fail": f"status = 'FAILED', {_NO_CLAIM}, last_error = ?",
@@ -455,7 +456,7 @@ def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
         if change.next_due is None:
             return "delete", loaded
         return kind, (change.next_due, change.next_due, *loaded)
-    if kind == "retry":
+    if kind in ("retry", "release"):
         return kind, (change.due_at, change.error, *loaded)
     if kind == "resume":
         return kind, (change.due_at, *loaded)
