@@ -145,11 +145,19 @@ class AggregateRef:
         return f"{self.context}.{self.aggregate}/{self.tenant_id}/{self.id}"
 
 
-def stream_id(ref: AggregateRef, version: int) -> str:
-    """The event document id: tenant, aggregate id and version, each percent-encoded, joined by ``:``."""
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*")
+
+
+def _percent_encoded(part: str) -> str:
     from urllib.parse import quote
 
-    return ":".join(quote(part, safe="") for part in (ref.tenant_id, ref.id, str(version)))
+    # quote(safe="") leaves exactly the unreserved characters alone: skip it when that is all
+    return part if _UNRESERVED.fullmatch(part) else quote(part, safe="")
+
+
+def stream_id(ref: AggregateRef, version: int) -> str:
+    """The event document id: tenant, aggregate id and version, each percent-encoded, joined by ``:``."""
+    return f"{_percent_encoded(ref.tenant_id)}:{_percent_encoded(ref.id)}:{version}"
 
 
 # --------------------------------------------------------------------------- commits (the log)

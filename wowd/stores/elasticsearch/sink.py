@@ -35,7 +35,7 @@ import hashlib
 import json
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -180,8 +180,9 @@ def access_digest(access: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def event_document(commit: Commit) -> dict[str, Any]:
-    """The stream document of a commit (the log's fields; the partition is not the sink's)."""
+def event_document(commit: Commit, digest: str | None = None) -> dict[str, Any]:
+    """The stream document of a commit (the log's fields; the partition is not the sink's);
+    ``digest`` is its ``access_digest`` when the caller has it already."""
     ref = commit.ref
     return {
         "tenant_id": ref.tenant_id,
@@ -199,18 +200,20 @@ def event_document(commit: Commit) -> dict[str, Any]:
         "space_id": commit.space_id,
         "access": dict(commit.access),
         "access_version": commit.access_version,
-        "access_digest": access_digest(commit.access),
+        "access_digest": digest if digest is not None else access_digest(commit.access),
         "deleted": commit.deleted,
     }
 
 
-def bulk_operations(records: Sequence[Commit]) -> list[dict[str, Any]]:
+def bulk_operations(records: Sequence[Commit], digests: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """The NDJSON lines of one bulk: a ``create`` (id = stream id, routing = aggregate id) and
-    the document, per record."""
+    the document, per record (``digests``: the records' access digests, when known)."""
+    if digests is None:
+        digests = [access_digest(c.access) for c in records]
     ops: list[dict[str, Any]] = []
-    for c in records:
+    for c, digest in zip(records, digests, strict=True):
         ops.append({"create": {"_id": stream_id(c.ref, c.version), "routing": c.ref.id}})
-        ops.append(event_document(c))
+        ops.append(event_document(c, digest))
     return ops
 
 
@@ -533,7 +536,9 @@ class ElasticsearchEventSink:
         if not records:
             return
         await self.prepare()
-        await self._bulk(records)
+        digests = [access_digest(c.access) for c in records]
+        digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
+        await self._bulk(records, digests)
         refreshed = self._refresh
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
@@ -546,7 +551,7 @@ class ElasticsearchEventSink:
                 (
                     group[i]
                     for i in range(len(group) - 1, 0, -1)
-                    if access_digest(group[i].access) != access_digest(group[i - 1].access)
+                    if digest_of[id(group[i])] != digest_of[id(group[i - 1])]
                 ),
                 None,
             )
@@ -557,7 +562,7 @@ class ElasticsearchEventSink:
             known = self._known.get(key)
             if known is not None and known.version == first.version - 1:
                 self._known.move_to_end(key)
-                if known.digest != access_digest(first.access):
+                if known.digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
             elif first.version > 1:
                 unknown.append((key, first))
@@ -567,7 +572,7 @@ class ElasticsearchEventSink:
                 refreshed = True
             before = await self._latest_digests([c for _, c in unknown])
             for (_, first), digest in zip(unknown, before, strict=True):
-                if digest is not None and digest != access_digest(first.access):
+                if digest is not None and digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
         if stamps:
             if not refreshed:
@@ -578,7 +583,7 @@ class ElasticsearchEventSink:
             last = group[-1]
             known = self._known.get(key)
             if known is None or known.version < last.version:
-                self._remember(key, _Known(version=last.version, digest=access_digest(last.access)))
+                self._remember(key, _Known(version=last.version, digest=digest_of[id(last)]))
 
     @staticmethod
     def _stamp_of(record: Commit) -> AccessStamp:
@@ -594,8 +599,8 @@ class ElasticsearchEventSink:
         while len(self._known) > self._capacity:
             self._known.popitem(last=False)
 
-    async def _bulk(self, records: Sequence[Commit]) -> None:
-        ops = bulk_operations(records)
+    async def _bulk(self, records: Sequence[Commit], digests: Sequence[str]) -> None:
+        ops = bulk_operations(records, digests)
         extra: dict[str, Any] = {"refresh": True} if self._refresh else {}
         started = time.perf_counter()
         try:
@@ -615,15 +620,18 @@ class ElasticsearchEventSink:
                 f"{len(items) if isinstance(items, list) else 'no'} items"
             )
         failed: list[tuple[str, int, str]] = []
+        statuses: Counter[int] = Counter()
         for record, item in zip(records, items, strict=True):
             result: Mapping[str, Any] = item.get("create") or next(iter(item.values()), {})
             status = int(result.get("status", 0))
-            SINK_ITEMS.labels(status=str(status)).inc()
+            statuses[status] += 1
             if status in (200, 201, 409):
                 continue
             err = result.get("error")
             reason = f"{err.get('type', 'error')}: {err.get('reason', '')}" if isinstance(err, Mapping) else str(err)
             failed.append((result.get("_id") or stream_id(record.ref, record.version), status, reason))
+        for code, n in statuses.items():
+            SINK_ITEMS.labels(status=str(code)).inc(n)
         if not failed:
             return
         _id, status, reason = next((f for f in failed if f[1] not in TRANSIENT_STATUSES), failed[0])
