@@ -11,6 +11,7 @@ slot: the slot's work stops (:class:`LeaseLost`).
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import logging
 import re
@@ -56,6 +57,11 @@ log = logging.getLogger(__name__)
 CONSUMER = "wowd"
 """The checkpoint consumer name of the daemon's feed."""
 
+WAKER_HORIZON_MS = 60_000
+"""A :class:`Waker` keeps the due times of puts due within this (the loop's reads find later ones)."""
+WAKER_MAX_SIZE = 50_000
+"""At most this many due times kept by a :class:`Waker` (about 4 MB)."""
+
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
 
@@ -86,34 +92,75 @@ def load_reducer(path: str) -> Reducer:
 
 
 class Waker:
-    """Wakes the timer loop early when the feed puts a timer due before its next wake-up, and
-    remembers the earliest due time it was told of (so the loop sleeps until then, not longer)."""
+    """What the timer loop of one slot knows of the timers this process put: the due times the
+    feed put (and the loop's own retries and next occurrences) that no round has covered yet, in a
+    small heap, and an early wake-up when one is put due before the loop's planned wake-up.
 
-    def __init__(self) -> None:
+    A round that read every timer due by ``until`` (fewer than its batch) covers the heap's
+    entries due by then that were pushed before the read began (:meth:`mark` before the read,
+    :meth:`covered` after it); an entry pushed meanwhile may have been stored after the read's
+    snapshot and is kept. Entries due more than ``horizon_ms`` ahead are not kept (nor any past
+    ``max_size``): the loop's next read finds them with ``TimerStore.next_due``, long before they
+    are due, as it reads at least once per idle period.
+    """
+
+    def __init__(self, *, horizon_ms: int = WAKER_HORIZON_MS, max_size: int = WAKER_MAX_SIZE) -> None:
         self._event = anyio.Event()
-        self.next_wake_ms: float = float("inf")
-        self.earliest_ms: float = float("inf")
+        self._heap: list[tuple[int, int]] = []
+        """``(due_at, sequence)`` of each put not yet covered by a round."""
+        self._seq = 0
+        self._horizon_ms = horizon_ms
+        self._max_size = max_size
+        self._wake_before: float = float("-inf")
+        """While the loop waits: a put due before this wakes it (``-inf`` when it is not waiting:
+        the heap is read when it is about to wait)."""
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
     def wake(self) -> None:
+        """Wakes the loop now (a stop)."""
         self._event.set()
 
     def maybe_wake(self, due_at: int) -> None:
-        if due_at < self.earliest_ms:
-            self.earliest_ms = due_at
-        if due_at < self.next_wake_ms:
+        """A timer due at ``due_at`` was stored (put, retried, or its next occurrence): kept until
+        a round covers it; wakes the waiting loop when it is due before the loop's wake-up."""
+        if due_at < self._wake_before:
             self._event.set()
+        if len(self._heap) < self._max_size and due_at <= time.time() * 1000 + self._horizon_ms:
+            heapq.heappush(self._heap, (due_at, self._seq))
+            self._seq += 1
 
-    def covered(self, until_ms: int, before: float) -> None:
-        """A due read up to ``until_ms`` saw every timer known (when it started, ``before`` was
-        :attr:`earliest_ms`) to be due by then; one put meanwhile keeps the mark."""
-        if self.earliest_ms == before and before <= until_ms:
-            self.earliest_ms = float("inf")
+    def mark(self) -> int:
+        """Taken just before a due read: the entries pushed before it are stored."""
+        return self._seq
 
-    async def wait(self, timeout_s: float, next_wake_ms: float) -> None:
-        self.next_wake_ms = next_wake_ms
-        with anyio.move_on_after(max(0.0, timeout_s)):
-            await self._event.wait()
-        self.next_wake_ms = float("inf")
+    def covered(self, until_ms: int, mark: int) -> None:
+        """A due read that began at ``mark`` read every timer due by ``until_ms``: drops the
+        entries due by then pushed before ``mark``."""
+        heap = self._heap
+        kept: list[tuple[int, int]] = []
+        while heap and heap[0][0] <= until_ms:
+            entry = heapq.heappop(heap)
+            if entry[1] >= mark:
+                kept.append(entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+
+    def earliest(self) -> int | None:
+        """The earliest due time kept (``None``: none)."""
+        return self._heap[0][0] if self._heap else None
+
+    async def wait(self, timeout_s: float, wake_before: float) -> None:
+        """Sleeps ``timeout_s`` at most; returns early on :meth:`wake` or when a timer due before
+        ``wake_before`` is put (stored) meanwhile."""
+        if timeout_s > 0 and not self._event.is_set():
+            self._wake_before = wake_before
+            try:
+                with anyio.move_on_after(timeout_s):
+                    await self._event.wait()
+            finally:
+                self._wake_before = float("-inf")
         if self._event.is_set():
             self._event = anyio.Event()
 
@@ -321,7 +368,7 @@ class Feeder:
         # 4. snapshots where a reducer is configured
         await self._snapshots(held, prepared, logx)
         # 5. resume the parked timers of the aggregates that just committed
-        await self._resume_parked(held, prepared)
+        await self._resume_parked(held, prepared, waker)
         # 6. checkpoints under the slot's fence
         for p, pos in sorted(batch.positions.items()):
             held.check()
@@ -385,7 +432,7 @@ class Feeder:
                 if o.status == "failed":
                     logx.warning("snapshot of %s v%d not saved: %s", o.ref, o.version, o.reason)
 
-    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared) -> None:
+    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
         timers = self._backend.timers
         # cheap guard: one indexed read; the per-aggregate reads only when something is parked
         if not await timers.scan(status=TimerStatus.PARKED, limit=1):
@@ -403,3 +450,4 @@ class Feeder:
         if changes:
             held.check()
             await timers.settle(changes)
+            waker.maybe_wake(now)  # a resumed timer is due at once

@@ -5,8 +5,10 @@ Per round: ``due(partitions, now + lookahead, batch)`` -> one ``settle`` claimin
 ``claim_due``, see :class:`ClaimsDue`, does both in one call) -> delivery through the
 gateway (a batch at a time; a timer slightly ahead is delivered at its scheduled time) -> one
 ``settle`` of the outcomes (fired: next occurrence or delete; retry: exponential backoff with
-jitter; park; fail after ``max_attempts``). Between rounds it sleeps until a wake-up from the feed
-or at most ``MAX_IDLE_S`` (for timers other processes put), never a fixed busy poll.
+jitter; park; fail after ``max_attempts``). After a round that claimed every timer due, it reads
+the store's next due time (``next_due``) and sleeps until that time or the earliest one this
+process put since (:class:`~wowd.daemon.feed.Waker`) comes within the lookahead, at most
+``MAX_IDLE_S`` (for timers other processes put); a put due sooner wakes it at once.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
@@ -21,7 +23,7 @@ import random
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import Any, Protocol, cast
 
@@ -47,11 +49,18 @@ __all__ = [
     "observe_many",
     "outcome_changes",
     "retry_delay_s",
+    "wake_time",
 ]
 
 log = logging.getLogger(__name__)
 
-MAX_IDLE_S = 1.0
+MAX_IDLE_S = 0.5
+"""The longest sleep between two due reads. The loop wakes for the timers it knows of (the store's
+next due time read after each round, the puts of this process since: :class:`Waker`); this
+period is only the safety net for timers of the slot's partitions the Waker is not told of (stored
+by another process: ``wowd timers retry``, a tool writing the store; or a parked timer resumed by
+a feed, which settles it without telling the Waker): they fire at most this late. An idle read is
+two indexed reads."""
 SETTLE_TIMEOUT_S = 10.0
 
 
@@ -127,6 +136,21 @@ def next_occurrence(timer: Timer, now: int) -> int | None:
     return None
 
 
+def wake_time(
+    now: int, next_due: Iterable[int | None], lookahead_ms: int, max_idle_s: float | None = None
+) -> int:
+    """When the loop wakes after a round that claimed every timer due by ``now + lookahead``: when
+    the earliest of ``next_due`` (the store's next due time, the earliest put since) comes within
+    the lookahead, and at the latest after ``max_idle_s`` (default :data:`MAX_IDLE_S`), the
+    safety net for timers of these partitions stored by another process."""
+    idle_ms = int((MAX_IDLE_S if max_idle_s is None else max_idle_s) * 1000)
+    wake = now + idle_ms
+    for due in next_due:
+        if due is not None and due - lookahead_ms < wake:
+            wake = due - lookahead_ms
+    return wake
+
+
 def retry_delay_s(attempts: int, settings: TimerSettings, hint_s: float = 0.0) -> float:
     """Exponential backoff with jitter: ``base * 2**attempts`` capped, scaled by [0.5, 1]; at least
     the target's hint."""
@@ -191,7 +215,7 @@ class TimerLoop:
                 now = now_ms()
                 try:
                     until = now + s.lookahead_ms
-                    mark = waker.earliest_ms
+                    mark = waker.mark()
                     if claims_due is not None:
                         held.check()
                         claimed = await claims_due.claim_due(
@@ -226,10 +250,24 @@ class TimerLoop:
                     outstanding.append(done)
                     rounds.start_soon(self._finish, held, claimed, waker, logx, previous, done)
                 if n_due < s.batch and not held.stopping:
+                    # every timer due by `until` is claimed: sleep until the next one (the store's,
+                    # or one put since) comes within the lookahead, an idle period at most
+                    stored_next = await self._next_due(parts, until, logx)
                     now = now_ms()
-                    wake_at = min(now + MAX_IDLE_S * 1000, waker.earliest_ms - s.lookahead_ms)
-                    await waker.wait((wake_at - now) / 1000, wake_at)
+                    wake_at = wake_time(now, (stored_next, waker.earliest()), s.lookahead_ms)
+                    await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
+
+    async def _next_due(
+        self, parts: frozenset[int], after: int, logx: logging.LoggerAdapter[logging.Logger]
+    ) -> int | None:
+        """The store's next due time after ``after``; ``None`` when it does not answer (the loop
+        then reads again after an idle period)."""
+        try:
+            return await self._store.next_due(parts, after)
+        except StorageUnavailable as exc:
+            logx.warning("next due time not read (polling instead): %s", exc)
+            return None
 
     async def _claim(self, held: HeldSlot, due: list[Timer]) -> list[Timer]:
         """One settle claiming ``due``; answers the timers as claimed (this slot's claim stored)."""

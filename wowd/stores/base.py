@@ -217,6 +217,13 @@ class TimerStore(Protocol):
         claim expired is due again."""
         ...
 
+    async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
+        """The earliest ``due_at`` above ``after`` of the PENDING or FIRING timers of
+        ``partitions``, across every aggregate type (a FIRING timer counts at its claim's expiry,
+        when it is due again); ``None`` when there is none. One read over the due index, whatever
+        the number of timers stored: the timer loop sleeps until then. Read-only."""
+        ...
+
     async def scan(
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
     ) -> list[Timer]:

@@ -19,8 +19,9 @@ The hot path (DESIGN.md section 5, "Firing"): ``due`` is one compound statement 
 :data:`DUE_ARMS` partitions (one arm per partition over the partial index; SQLite merges the arms
 in ``(due_at, timer_id)`` order and stops at the limit), and :meth:`EmbeddedTimerStore.claim_due`
 reads and claims a batch in one write transaction (the claim by ``rowid``), answering the
-timers as claimed. Rows are decoded into :class:`Timer` objects without re-validating what the
-store wrote itself.
+timers as claimed. ``next_due`` (the timer loop's sleep) is one compound statement of a
+``MIN(due_at)`` per partition over the same partial index. Rows are decoded into
+:class:`Timer` objects without re-validating what the store wrote itself.
 
 The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 """
@@ -52,7 +53,7 @@ from wowd.model import (
 )
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 
-__all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore"]
+__all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore", "next_due_sql"]
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +242,25 @@ def due_union_sql(context: str, arms: int, *, rowid: bool = False) -> str:
     arm = f"SELECT {cols} FROM {t} WHERE \"partition\" = ?{{}} AND status IN ('PENDING', 'FIRING') AND due_at <= ?1"
     union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
     return f"{union} ORDER BY due_at, timer_id LIMIT ?{arms + 2}"
+
+
+@lru_cache(maxsize=64)
+def next_due_sql(context: str, arms: int) -> str:
+    """The earliest ``due_at`` above ``?1`` of the PENDING and FIRING timers of ``arms``
+    partitions (``?2 .. ?(arms + 1)``), NULL when there is none: one arm per partition, each a
+    ``MIN(due_at)`` with an equality on ``partition`` and a range on ``due_at`` over the partial
+    index ``(partition, due_at, timer_id)``, which SQLite answers with one index seek (its min/max
+    optimisation), then the least of the arms. About one index entry read per partition (each
+    with its row, for the ``status`` term the partial index implies), however many are stored."""
+    if arms < 1:
+        raise ValueError("arms must be >= 1")
+    t = table_name(context)
+    arm = (
+        f"SELECT MIN(due_at) AS m FROM {t} WHERE \"partition\" = ?{{}}"
+        " AND status IN ('PENDING', 'FIRING') AND due_at > ?1"
+    )
+    union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
+    return f"SELECT MIN(m) FROM ({union})"
 
 
 def claim_rowid_sql(context: str) -> str:
@@ -647,6 +667,18 @@ class EmbeddedTimerStore(SqliteStore):
         rows = await self._write("claim_due", self._db.transaction(work))
         ctx = self.context
         return [claimed_from_row(ctx, r, claim) for r in rows]
+
+    async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
+        if not partitions:
+            return None
+        await self.prepare()
+        statements = [(next_due_sql(self.context, len(g)), (after, *g)) for g in due_plan(partitions)]
+
+        def read(conn: sqlite3.Connection) -> int | None:
+            found = [row[0] for sql, params in statements for row in conn.execute(sql, params)]
+            return min((x for x in found if x is not None), default=None)
+
+        return await self._run("next_due", read)
 
     def _due_reader(
         self, partitions: Iterable[int], until: int, limit: int, *, rowid: bool

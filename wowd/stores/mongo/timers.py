@@ -59,6 +59,8 @@ __all__ = [
     "cancel_all_filter",
     "due_match",
     "index_specs",
+    "next_due_match",
+    "next_due_pipeline",
     "owner_filter",
     "put_filter",
     "put_update",
@@ -365,6 +367,45 @@ def union_pipeline(
     return pipeline
 
 
+def next_due_match(partitions: Iterable[int], after: int) -> dict[str, Any]:
+    """The PENDING and FIRING timers of ``partitions`` due after ``after``: the due index's
+    partial filter, point intervals on ``partition`` and a range ``(after, +inf]`` on ``due_at``
+    (as :func:`due_match`, with ``$gt``)."""
+    return {
+        "partition": {"$in": sorted(set(partitions))},
+        "status": {"$in": list(DUE_STATUSES)},
+        "due_at": {"$gt": after},
+    }
+
+
+def next_due_pipeline(
+    context: str, collections: Iterable[str], partitions: Iterable[int], after: int
+) -> list[dict[str, Any]]:
+    """ONE aggregation on the registry answering at most one document ``{_id: null, registered,
+    next_due}``: the count of ``context``'s collections (as :func:`union_pipeline`), then through
+    ``$unionWith`` each known collection's first due time after ``after`` (``$match``, ``$sort
+    {due_at: 1}``, ``$limit: 1``: over the partial index ``(partition, due_at, timer_id)``, one
+    index scan per partition merged in ``due_at`` order, stopped at the first key; ``$project``
+    keeps ``due_at`` alone), then ``$group`` by ``null``: ``$sum`` of the count and ``$min`` of the
+    due times (``$min`` ignores the count document, which has no ``due_at``; ``null`` when no
+    timer matched). No input at all (no collection registered, none known) answers no document.
+    """
+    match = next_due_match(partitions, after)
+    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    for name in sorted(collections):
+        sub: list[dict[str, Any]] = [
+            {"$match": dict(match)},
+            {"$sort": {"due_at": 1}},
+            {"$limit": 1},
+            {"$project": {"_id": 0, "due_at": 1}},
+        ]
+        pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    pipeline.append(
+        {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}}
+    )
+    return pipeline
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -664,6 +705,37 @@ class MongoTimerStore:
             return []
         with self._op("due"):
             return await self._union("due", due_match(partitions, until), limit)
+
+    async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
+        """One :func:`next_due_pipeline` aggregation; when the registry counts another number of
+        the context's collections than the known ones, reloads the registry and reads again."""
+        if not partitions:
+            return None
+        with self._op("next_due"):
+            for attempt in range(_MAX_RELOADS + 1):
+                known = dict(self._known)
+                pipeline = next_due_pipeline(self.context, known, partitions, after)
+                cursor = await self._registry.aggregate(pipeline)
+                docs = await cursor.to_list(None)
+                registered = int(docs[0].get("registered") or 0) if docs else 0
+                found = docs[0].get("next_due") if docs else None
+                if registered == len(known) or attempt == _MAX_RELOADS:
+                    if registered != len(known):
+                        log.warning(
+                            "timers next_due: the registry still counts %d collections of %s, %d read",
+                            registered,
+                            self.context,
+                            len(known),
+                        )
+                    return None if found is None else int(found)
+                log.info(
+                    "timers next_due: registry counts %d collections of %s, %d known: reloading",
+                    registered,
+                    self.context,
+                    len(known),
+                )
+                await self._load_registry()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def parked(self, target: AggregateRef) -> list[Timer]:
         with self._op("parked"):

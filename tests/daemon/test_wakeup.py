@@ -1,0 +1,309 @@
+"""When the timer loop wakes: the Waker's heap of the due times this process put, the store's
+next due time, and the idle period as a safety net only (bench/LEARNED.md item 1).
+
+The loop tests set the idle period to 30 s: a timer that fires within a few seconds was woken
+for, not found by the idle poll."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.daemon import timers as timer_loop
+from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.gateway import Delivered, Record
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop, wake_time
+from wowd.errors import StorageUnavailable
+from wowd.model import (
+    AggregateRef,
+    Command,
+    IntervalRule,
+    Rule,
+    SlotLease,
+    Timer,
+    deterministic_timer_id,
+    partition,
+)
+from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+from .conftest import CONTEXT, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------- the Waker
+
+
+def test_a_round_covers_only_the_puts_made_before_its_read() -> None:
+    w = Waker()
+    t = now_ms()
+    w.maybe_wake(t + 100)
+    w.maybe_wake(t + 300)
+    mark = w.mark()  # a due read up to t + 200 begins
+    w.maybe_wake(t + 50)  # stored while it reads: perhaps after its snapshot
+    w.covered(t + 200, mark)
+    assert w.earliest() == t + 50 and len(w) == 2  # t + 100 dropped, t + 300 is later
+    w.covered(t + 200, w.mark())  # the next round read it
+    assert w.earliest() == t + 300 and len(w) == 1
+    w.covered(t + 300, w.mark())
+    assert w.earliest() is None
+
+
+def test_the_waker_leaves_far_and_overflowing_puts_to_the_store_read() -> None:
+    t = now_ms()
+    far = Waker(horizon_ms=1_000)
+    far.maybe_wake(t + 60_000)
+    assert far.earliest() is None  # the loop's reads meanwhile find it (next_due)
+    small = Waker(max_size=2)
+    for d in (t + 300, t + 100, t + 200):
+        small.maybe_wake(d)
+    assert len(small) == 2 and small.earliest() == t + 100
+
+
+async def test_a_put_due_before_the_wake_up_wakes_the_waiting_loop() -> None:
+    w = Waker()
+    woke = anyio.Event()
+
+    async def wait() -> None:
+        await w.wait(30, now_ms() + 1_000)
+        woke.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            await anyio.wait_all_tasks_blocked()
+            w.maybe_wake(now_ms() + 5_000)  # due after the planned wake-up: sleeps on
+            await anyio.wait_all_tasks_blocked()
+            assert not woke.is_set()
+            w.maybe_wake(now_ms() + 500)
+            await woke.wait()
+    assert w.earliest() is not None  # kept for the next round
+
+
+async def test_a_put_while_the_loop_is_busy_does_not_cut_its_next_sleep_short() -> None:
+    """Between waits the loop reads the heap itself: a put then costs no extra round."""
+    w = Waker()
+    w.maybe_wake(now_ms() - 10)  # not waiting: remembered, no wake-up pending
+    started = anyio.current_time()
+    with anyio.fail_after(5):
+        await w.wait(0.05, float("inf"))
+    assert anyio.current_time() - started >= 0.04
+
+
+async def test_wake_ends_a_wait_at_once() -> None:
+    w = Waker()
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.wait, 30, 0.0)
+            await anyio.wait_all_tasks_blocked()
+            w.wake()
+
+
+def test_wake_time_is_the_next_due_less_the_lookahead_within_the_idle_period() -> None:
+    assert wake_time(1_000, (None, None), 200, 0.25) == 1_250
+    assert wake_time(1_000, (5_000, None), 200, 0.25) == 1_250
+    assert wake_time(1_000, (1_300, 2_000), 200, 0.25) == 1_100
+    assert wake_time(1_000, (None, 1_150), 200, 0.25) == 950  # already within the lookahead: now
+    assert wake_time(1_000, (), 0, 30) == 31_000
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class Recorder:
+    """A gateway that delivers every timer and records when."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[Timer, int]] = []
+        self.changed = anyio.Event()
+
+    async def send(self, timer: Timer) -> Delivered:
+        return Delivered()
+
+    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+        for t in timers:
+            self.fired.append((t, now_ms()))
+            record(t, Delivered())
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    async def until_fired(self, n: int) -> None:
+        while len(self.fired) < n:
+            await self.changed.wait()
+
+    async def aclose(self) -> None:
+        return None
+
+
+class NoNextDue(EmbeddedTimerStore):
+    """A store whose ``next_due`` knows nothing (or fails): only the Waker tells the loop."""
+
+    fail = False
+    calls = 0
+
+    async def next_due(self, partitions: Any, after: int) -> int | None:
+        self.calls += 1
+        if self.fail:
+            raise StorageUnavailable("sqlite timers.next_due: busy (injected)")
+        return None
+
+
+def held_slot() -> HeldSlot:
+    lease = SlotLease(
+        namespace="t", slot=0, owner_key="me", incarnation=1, fence=1, expires_at=0, floor=0, ceiling=0,
+        written_at=0,
+    )  # fmt: skip
+    return HeldSlot(
+        lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
+    )
+
+
+def timer(id: str, due_at: int, rule: Rule | None = None) -> Timer:
+    owner = AggregateRef(context=CONTEXT, aggregate="order", id=id)
+    kwargs: dict[str, Any] = {} if rule is None else {"rule": rule}
+    return Timer(
+        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(id, PARTS), owner=owner, key="k",
+        version=1, due_at=due_at, scheduled_at=due_at, target=owner, body=Command(name="go").to_json(), **kwargs,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timer_loop, "MAX_IDLE_S", 30.0)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
+    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+@pytest.fixture
+async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
+    s = NoNextDue(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
+    gw = Recorder()
+    held = held_slot()
+    loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw)
+    with anyio.fail_after(8):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await body(gw)
+            held.request_stop()
+    return gw
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTimerStore) -> None:
+    """Stored before the loop runs (no Waker involved): found by the first round's ``next_due``."""
+    due = [now_ms() + 400, now_ms() + 700]
+    for i, d in enumerate(due):
+        assert await store.put(timer(f"s-{i}", d))
+
+    async def body(gw: Recorder) -> None:
+        await gw.until_fired(2)
+
+    gw = await run_loop(store, Waker(), body)
+    assert [t.scheduled_at for t, _at in gw.fired] == due
+    assert all(at >= t.scheduled_at for t, at in gw.fired)  # never before its time
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one(blind: NoNextDue) -> None:
+    """The regression of bench/LEARNED.md item 1: with a single mark, the round that covered the
+    first put forgot the second and slept the idle period."""
+    waker = Waker()
+
+    async def body(gw: Recorder) -> None:
+        await anyio.wait_all_tasks_blocked()  # the loop read nothing and sleeps (30 s)
+        base = now_ms()
+        for i, d in enumerate((base + 300, base + 600, base + 900)):
+            assert await blind.put(timer(f"w-{i}", d))
+            waker.maybe_wake(d)  # as the feed does after a put
+        await gw.until_fired(3)
+
+    gw = await run_loop(blind, waker, body)
+    assert len({t.timer_id for t, _at in gw.fired}) == 3
+    assert waker.earliest() is None  # every put covered
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDue) -> None:
+    assert await blind.put(timer("r-1", now_ms(), IntervalRule(every_ms=300)))
+
+    async def body(gw: Recorder) -> None:
+        await gw.until_fired(3)
+
+    gw = await run_loop(blind, Waker(), body)
+    first = gw.fired[0][0].scheduled_at
+    assert [t.scheduled_at for t, _at in gw.fired[:3]] == [first, first + 300, first + 600]
+
+
+async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNextDue) -> None:
+    """A failing ``next_due`` only leaves the loop to the idle poll (the default period)."""
+    blind.fail = True
+
+    async def body(gw: Recorder) -> None:
+        await anyio.wait_all_tasks_blocked()
+        assert await blind.put(timer("p-1", now_ms()))  # no Waker: another process's put
+        await gw.until_fired(1)
+
+    await run_loop(blind, Waker(), body)
+    assert blind.calls >= 1
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: Path) -> None:
+    """End to end in one process: commits appended while the loop sleeps are fed, put, and fired
+    at their due times, each after the round that fired the one before."""
+    from wowd.stores.embedded import open_embedded
+
+    settings = WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1),
+    )
+    backend = await open_embedded(settings)
+    try:
+        waker = Waker()
+        held = held_slot()
+        gw = Recorder()
+        loop = TimerLoop(TimerSettings(lookahead_ms=100), backend.timers, gw)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, waker)
+                await tg.start(Feeder(settings, backend).run, held, waker)
+                base = now_ms() + 300
+                due = [base, base + 250, base + 500]
+                await backend.log.append_many(
+                    [timer_commit(f"f-{i}", 1, ["k"], due_at=d) for i, d in enumerate(due)]
+                )
+                await gw.until_fired(3)
+                held.request_stop()
+        assert sorted(t.scheduled_at for t, _at in gw.fired) == due
+        assert all(at >= t.scheduled_at for t, at in gw.fired)
+    finally:
+        await backend.close()

@@ -1,0 +1,75 @@
+"""The embedded ``next_due``: its statement reads the partial due index (EXPLAIN QUERY PLAN) one
+seek per partition, and partitions beyond one statement's arms are read too."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from wowd.model import AggregateRef, Command, Timer, deterministic_timer_id, partition
+from wowd.stores.embedded.timers import DUE_ARMS, EmbeddedTimerStore, ddl_sql, next_due_sql, table_name
+
+CTX = "ctx"
+
+
+def timer(id: str, partitions: int, due_at: int) -> Timer:
+    owner = AggregateRef(context=CTX, aggregate="order", id=id)
+    return Timer(
+        timer_id=deterministic_timer_id(owner, "k", 1),
+        partition=partition(id, partitions),
+        owner=owner,
+        key="k",
+        version=1,
+        due_at=due_at,
+        scheduled_at=due_at,
+        target=owner,
+        body=Command(name="go").to_json(),
+    )
+
+
+def test_next_due_sql_seeks_the_partial_due_index_in_each_arm() -> None:
+    conn = sqlite3.connect(":memory:")
+    try:
+        for stmt in ddl_sql(CTX):
+            conn.execute(stmt)
+        sql = next_due_sql(CTX, 3)
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, (0, 1, 2, 3))]
+        index = f"{table_name(CTX)}__due"
+        searches = [p for p in plan if p.startswith("SEARCH ") and table_name(CTX) in p]
+        assert len(searches) == 3, plan  # one per partition
+        for p in searches:
+            # equality on partition, range on due_at, over the partial index: no scan, no sort
+            assert f"USING INDEX {index} (partition=? AND due_at>?)" in p, plan
+        assert not any(p.startswith("SCAN ") and table_name(CTX) in p for p in plan), plan
+        assert not any("TEMP B-TREE" in p for p in plan), plan
+    finally:
+        conn.close()
+    with pytest.raises(ValueError):
+        next_due_sql(CTX, 0)
+
+
+@pytest.mark.anyio
+async def test_next_due_reads_every_statement_of_many_partitions(tmp_path: Path) -> None:
+    parts = DUE_ARMS * 2 + 5  # three statements
+    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=parts)
+    try:
+        ids: dict[int, str] = {}
+        for i in range(20_000):
+            p = partition(f"o-{i}", parts)
+            ids.setdefault(p, f"o-{i}")
+            if len(ids) == parts:
+                break
+        # the earliest in the last statement's partitions, later ones in the first statements'
+        last = max(ids)
+        assert await store.put(timer(ids[last], parts, 5_000))
+        assert await store.put(timer(ids[0], parts, 9_000))
+        assert await store.put(timer(ids[DUE_ARMS], parts, 7_000))
+        everything = frozenset(range(parts))
+        assert await store.next_due(everything, 0) == 5_000
+        assert await store.next_due(everything, 5_000) == 7_000
+        assert await store.next_due(everything - {last}, 0) == 7_000
+        assert await store.next_due(everything, 9_000) is None
+    finally:
+        await store.close()
