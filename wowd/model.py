@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any, Literal, TypeAlias
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -148,6 +149,7 @@ class AggregateRef:
 _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*")
 
 
+@lru_cache(maxsize=4096)
 def _percent_encoded(part: str) -> str:
     from urllib.parse import quote
 
