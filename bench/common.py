@@ -1,0 +1,297 @@
+"""What the benchmarks share: timer rows for the embedded store, statistics, process accounting,
+the worker subprocess runner and Markdown tables."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import resource
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from wowd.model import partition
+from wowd.stores.embedded.timers import COLUMNS, ddl_sql, put_sql, register_sql, table_name
+
+__all__ = [
+    "BENCH_CONTEXT",
+    "Lags",
+    "WorkerError",
+    "cpu_seconds",
+    "fmt",
+    "fmt_ms",
+    "insert_timer_rows",
+    "lag_stats",
+    "machine",
+    "median",
+    "now_ms",
+    "outbox_lags",
+    "peak_rss_mb",
+    "proc_stats",
+    "run_worker",
+    "table",
+    "timer_rows",
+]
+
+BENCH_CONTEXT = "bench"
+AGGREGATES = ("order", "cart", "invoice")
+BODY = '{"body":{"n":1},"name":"remind"}'
+RULE_ONCE = '{"type":"once"}'
+REPO = Path(__file__).resolve().parent.parent
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------- timer rows
+
+
+def timer_rows(
+    n: int, *, due_at: int | Callable[[int], int], partitions: int = 64, start: int = 0, prefix: str = "agg"
+) -> Iterator[tuple[Any, ...]]:
+    """``n`` PENDING one-shot timers as rows of the embedded timer table (``COLUMNS`` order),
+    one per aggregate ``{prefix}-{i}``, over three aggregate types; ``due_at`` a constant or a
+    function of ``i``."""
+    due = due_at if callable(due_at) else (lambda _i, d=due_at: d)
+    for i in range(start, start + n):
+        agg_id = f"{prefix}-{i}"
+        at = due(i)
+        yield (
+            hashlib.blake2b(agg_id.encode(), digest_size=16).hexdigest(),
+            partition(agg_id, partitions),
+            AGGREGATES[i % 3],
+            "(0)",
+            agg_id,
+            "remind",
+            1,
+            "PENDING",
+            at,
+            at,
+            "billing",
+            "invoice",
+            "(0)",
+            f"inv-{i}",
+            BODY,
+            RULE_ONCE,
+            0,
+            0,
+            None,
+            None,
+            None,
+            None,
+            0,
+        )
+
+
+def _connect(path: Path | str) -> sqlite3.Connection:
+    conn = sqlite3.connect(str(path), isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    return conn
+
+
+def create_timer_tables(path: Path | str, context: str = BENCH_CONTEXT) -> None:
+    """The embedded timer store's tables and indexes (its own DDL statements) and the registry
+    rows of the three aggregate types."""
+    conn = _connect(path)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        for stmt in ddl_sql(context):
+            conn.execute(stmt)
+        conn.execute(register_sql(), (table_name(context), context, None))
+        for agg in AGGREGATES:
+            conn.execute(register_sql(), (f"wow_timer__{context}__{agg}", context, agg))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def insert_timer_rows(
+    path: Path | str,
+    rows: Iterator[tuple[Any, ...]] | Sequence[tuple[Any, ...]],
+    context: str = BENCH_CONTEXT,
+) -> int:
+    """Inserts rows with the store's own ``put`` statement, in transactions of 50,000."""
+    assert len(COLUMNS) == 23
+    conn = _connect(path)
+    sql = put_sql(context)
+    total = 0
+    try:
+        it = iter(rows)
+        while True:
+            chunk = [r for _, r in zip(range(50_000), it, strict=False)]
+            if not chunk:
+                break
+            conn.execute("BEGIN IMMEDIATE")
+            conn.executemany(sql, chunk)
+            conn.execute("COMMIT")
+            total += len(chunk)
+    finally:
+        conn.close()
+    return total
+
+
+def outbox_lags(path: Path | str) -> list[int]:
+    """``created_at - scheduled_at`` (ms) of every outbox row."""
+    conn = _connect(path)
+    try:
+        return [int(r[0]) for r in conn.execute("SELECT created_at - scheduled_at FROM outbox")]
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lags:
+    p50: float
+    p99: float
+    max: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"p50_ms": self.p50, "p99_ms": self.p99, "max_ms": self.max}
+
+
+def _pct(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return float(sorted_values[k])
+
+
+def lag_stats(values: Sequence[float]) -> Lags:
+    s = sorted(values)
+    return Lags(p50=_pct(s, 0.5), p99=_pct(s, 0.99), max=float(s[-1]) if s else float("nan"))
+
+
+def median(values: Sequence[float]) -> float:
+    vals = [v for v in values if v == v]  # drop NaN
+    return float(statistics.median(vals)) if vals else float("nan")
+
+
+def median_of(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per numeric key, the median over runs; other keys from the first run."""
+    out: dict[str, Any] = dict(runs[0]) if runs else {}
+    for key, value in out.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = median([float(r[key]) for r in runs if key in r])
+    out["runs"] = len(runs)
+    return out
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (MB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def proc_stats(pid: int) -> tuple[float, float]:
+    """``(peak RSS MB, CPU seconds)`` of a live process, from ``/proc`` (Linux)."""
+    rss = 0.0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                rss = int(line.split()[1]) / 1024
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        cpu = (int(fields[11]) + int(fields[12])) / ticks
+    except (OSError, ValueError, IndexError):
+        return rss, float("nan")
+    return rss, cpu
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def run_worker(
+    name: str,
+    params: Mapping[str, Any],
+    *,
+    python: str | None = None,
+    script: Path | None = None,
+    timeout: float = 900,
+) -> dict[str, Any]:
+    """Runs one measurement in a fresh process (``python -m bench.worker NAME PARAMS`` or a
+    standalone ``script``) and answers the JSON object it prints last."""
+    exe = python or sys.executable
+    cmd = (
+        [exe, str(script), json.dumps(params)]
+        if script
+        else [exe, "-m", "bench.worker", name, json.dumps(params)]
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO), check=False
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise WorkerError(f"{name} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "sqlite": sqlite3.sqlite_version,
+        "system": f"{platform.system()} {platform.release()}",
+    }
+
+
+def fmt(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def fmt_ms(value: Any) -> str:
+    if isinstance(value, int | float) and value == value and abs(value) < 10:
+        return fmt(float(value), 1)
+    return fmt(float(value) if isinstance(value, int | float) else value, 0)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for row in rows:
+        out.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(out)

@@ -1,0 +1,79 @@
+"""A local HTTP endpoint that answers Elasticsearch bulk requests instantly (a separate process,
+so that it does not share the client's CPU).
+
+``python -m bench.es_endpoint PORT_FILE`` listens on 127.0.0.1 (a free port, written to
+``PORT_FILE``). ``POST .../_bulk`` answers every ``create`` with 201 (``errors: false``), counting
+request bodies and their bytes; ``GET /_bench/stats`` answers ``{requests, bytes}``; ``POST
+/_bench/reset`` zeroes them; anything else answers ``{}``. Every answer carries
+``X-Elastic-Product: Elasticsearch`` (the client's product check refuses one without it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+_ITEM = b'{"create":{"_index":"bench","status":201,"result":"created","_version":1}}'
+
+
+class _Stats:
+    requests = 0
+    bytes = 0
+
+
+def _answer(status: str, body: bytes) -> bytes:
+    head = (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Elastic-Product: Elasticsearch\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = lines[0].split(" ", 2)
+            length = 0
+            for line in lines[1:]:
+                if line.lower().startswith("content-length:"):
+                    length = int(line.split(":", 1)[1])
+            body = await reader.readexactly(length) if length else b""
+            path = target.split("?", 1)[0]
+            if path.endswith("/_bulk"):
+                _Stats.requests += 1
+                _Stats.bytes += len(body)
+                items = body.count(b"\n") // 2
+                out = b'{"errors":false,"took":0,"items":[' + b",".join([_ITEM] * items) + b"]}"
+            elif path == "/_bench/stats":
+                out = json.dumps({"requests": _Stats.requests, "bytes": _Stats.bytes}).encode()
+            elif path == "/_bench/reset":
+                _Stats.requests = _Stats.bytes = 0
+                out = b"{}"
+            else:
+                out = b"{}"
+            del method
+            writer.write(_answer("200 OK", out))
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+async def _main(port_file: Path) -> None:
+    server = await asyncio.start_server(_serve, "127.0.0.1", 0, limit=1 << 26)
+    port = server.sockets[0].getsockname()[1]
+    tmp = port_file.with_name(port_file.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(port_file)
+    async with server:
+        await server.serve_forever()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(Path(sys.argv[1])))

@@ -1,0 +1,176 @@
+"""Sink throughput: ``ElasticsearchEventSink.write`` against ``elasticsearch.helpers.async_bulk``
+on the same documents, into a local endpoint that answers bulk requests instantly
+(:mod:`bench.es_endpoint`, its own process).
+
+Commits are version 1 of distinct aggregates (no access stamp to write: the write is its one
+``_bulk``). Variants, each with its own ``AsyncElasticsearch`` client:
+
+- ``wowd sink``: ``sink.write(batch)`` per batch of commits (``ddl=none``: no index request).
+- ``async_bulk (prebuilt)``: the helper over action dicts built before the clock starts (its best
+  case: the sink builds its documents from the commits inside ``write``).
+- ``async_bulk (from commits)``: the helper over actions built from the commits as it goes (the
+  same input as the sink).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from bench.common import REPO, cpu_seconds, median
+
+__all__ = ["make_commits", "run_sink"]
+
+CONTEXT = "bench"
+AGGREGATE = "order"
+
+
+def make_commits(n: int) -> list[Any]:
+    from wowd.model import AggregateRef, Commit, DomainEvent
+
+    out = []
+    for i in range(n):
+        ref = AggregateRef(context=CONTEXT, aggregate=AGGREGATE, id=f"order-{i}")
+        out.append(
+            Commit(
+                ref=ref,
+                version=1,
+                command_id=uuid.uuid4().hex,
+                request_id=uuid.uuid4().hex,
+                create_time=1_700_000_000_000 + i,
+                events=(
+                    DomainEvent(
+                        id=uuid.uuid4().hex,
+                        name="OrderCreated",
+                        body_type="demo.OrderCreated",
+                        body={"order_id": ref.id, "items": [{"sku": "sku-1", "qty": 2}], "total": 42.5},
+                    ),
+                ),
+                access={"owner_id": f"user-{i % 100}", "space_id": "", "tags": []},
+                access_version=1,
+            )
+        )
+    return out
+
+
+def _actions(commits: Sequence[Any], index: str) -> list[dict[str, Any]]:
+    from wowd.model import stream_id
+    from wowd.stores.elasticsearch.sink import event_document
+
+    return [
+        {
+            "_op_type": "create",
+            "_index": index,
+            "_id": stream_id(c.ref, c.version),
+            "routing": c.ref.id,
+            "_source": event_document(c),
+        }
+        for c in commits
+    ]
+
+
+async def _lazy_actions(commits: Sequence[Any], index: str) -> AsyncIterator[dict[str, Any]]:
+    for a in _actions(commits, index):
+        yield a
+
+
+async def _measure(url: str, variant: str, commits: Sequence[Any], batch: int) -> tuple[float, float]:
+    """``(seconds, cpu seconds)`` of one variant over every commit."""
+    from elasticsearch import AsyncElasticsearch
+    from elasticsearch.helpers import async_bulk
+
+    from wowd.model import AggregateType
+    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink, index_name
+
+    client = AsyncElasticsearch(url, request_timeout=60)
+    index = index_name(AggregateType(context=CONTEXT, aggregate=AGGREGATE))
+    try:
+        prebuilt = _actions(commits, index) if variant == "async_bulk (prebuilt)" else []
+        sink = ElasticsearchEventSink(client, AggregateType(context=CONTEXT, aggregate=AGGREGATE), ddl="none")
+        cpu0 = cpu_seconds()
+        started = time.perf_counter()
+        if variant == "wowd sink":
+            for i in range(0, len(commits), batch):
+                await sink.write(commits[i : i + batch])
+        elif variant == "async_bulk (prebuilt)":
+            ok, errors = await async_bulk(client, prebuilt, chunk_size=batch, max_chunk_bytes=1 << 30)
+            assert ok == len(commits) and not errors
+        else:
+            ok, errors = await async_bulk(
+                client, _lazy_actions(commits, index), chunk_size=batch, max_chunk_bytes=1 << 30
+            )
+            assert ok == len(commits) and not errors
+        return time.perf_counter() - started, cpu_seconds() - cpu0
+    finally:
+        await client.close()
+
+
+VARIANTS = ("wowd sink", "async_bulk (prebuilt)", "async_bulk (from commits)")
+
+
+async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as t:
+        port_file = Path(t) / "es.port"
+        proc = await anyio.open_process(
+            [sys.executable, "-m", "bench.es_endpoint", str(port_file)], cwd=str(REPO)
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not port_file.exists():
+                if time.monotonic() > deadline or proc.returncode is not None:
+                    raise RuntimeError("the bulk endpoint did not start")
+                await anyio.sleep(0.02)
+            url = f"http://127.0.0.1:{int(port_file.read_text())}"
+            commits = make_commits(n)
+            rows = []
+            samples: dict[tuple[int, str], list[tuple[float, float, float, int]]] = {}
+            async with httpx.AsyncClient(base_url=url) as http:
+                # runs interleaved: a burst of noise from a neighbour spreads over every variant
+                for _ in range(runs):
+                    for batch in batches:
+                        for variant in VARIANTS:
+                            gc.collect()
+                            await http.post("/_bench/reset")
+                            s, c = await _measure(url, variant, commits, batch)
+                            stats = (await http.get("/_bench/stats")).json()
+                            samples.setdefault((batch, variant), []).append(
+                                (s, c, stats["bytes"] / s, stats["requests"])
+                            )
+            rows = [
+                {
+                    "batch": batch,
+                    "variant": variant,
+                    "commits_per_s": n / median([x[0] for x in xs]),
+                    "bytes_per_s": median([x[2] for x in xs]),
+                    "cpu_s": median([x[1] for x in xs]),
+                    "requests": xs[-1][3],
+                }
+                for (batch, variant), xs in samples.items()
+            ]
+        finally:
+            proc.terminate()
+            with anyio.move_on_after(10):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+            await proc.aclose()
+    return {"n": n, "runs": runs, "rows": rows}
+
+
+def run_sink(params: dict[str, Any]) -> dict[str, Any]:
+    """Worker: every variant at every batch size, ``runs`` times each (medians)."""
+    return anyio.run(
+        _run,
+        int(params.get("n", 20_000)),
+        [int(b) for b in params.get("batches", [100, 1000, 5000])],
+        int(params.get("runs", 3)),
+    )

@@ -1,0 +1,370 @@
+"""wowd's timer side: real ``wowd run`` processes on one SQLite file with the outbox gateway.
+
+- Burst: ``n`` timers put straight into the timer table (the store's own ``put`` statement, by
+  this process) all due at one instant after the insert; one process (``limit=1``) or two
+  (``limit=2``, each owning half of the partitions). fired/s runs from the due time to the last
+  outbox row; lag is each outbox row's ``created_at - scheduled_at``.
+- Steady: one process; this process appends commits with ``TimerScheduled`` events to the log
+  (the demo producer's commits) at a constant rate, each timer due 1 s after its append; the
+  replica feeds them (sink, timers, checkpoints) and fires them.
+- Store path (in-process, no daemon): the loop the daemon's timer loop runs, on the real stores
+  and the real ``OutboxGateway``: ``claim_due`` (or ``due`` + a claim ``settle`` on a store
+  without it) -> ``deliver`` -> fired ``settle``, with no lease, feed or idle wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from bench.common import (
+    BENCH_CONTEXT,
+    REPO,
+    cpu_seconds,
+    create_timer_tables,
+    insert_timer_rows,
+    lag_stats,
+    now_ms,
+    outbox_lags,
+    peak_rss_mb,
+    proc_stats,
+    timer_rows,
+)
+
+__all__ = ["Daemon", "daemons", "run_store_path", "wowd_burst", "wowd_steady"]
+
+PARTITIONS = 64
+
+
+@dataclass(kw_only=True)
+class Daemon:
+    """One ``wowd run`` subprocess."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    port_file: Path
+    log_file: Path
+    port: int = 0
+    cpu_mark: float = field(default=0.0)
+
+    def ready(self) -> bool:
+        """``/readyz`` answers 200 (holds a lease and its stores answer)."""
+        if not self.port:
+            try:
+                self.port = int(self.port_file.read_text().strip())
+            except (OSError, ValueError):
+                return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stats(self) -> tuple[float, float]:
+        return proc_stats(self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def daemon_env(
+    db: Path, *, limit: int, ttl_s: float = 10.0, owner_key: str, extra: dict[str, str] | None = None
+) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_")}
+    env.update(
+        {
+            "WOWD_CONTEXT": BENCH_CONTEXT,
+            "WOWD_PARTITIONS": str(PARTITIONS),
+            "WOWD_EMBEDDED__PATH": str(db),
+            "WOWD_HTTP__HOST": "127.0.0.1",
+            "WOWD_HTTP__PORT": "0",
+            "WOWD_LEASE__LIMIT": str(limit),
+            "WOWD_LEASE__TTL_S": str(ttl_s),
+            "WOWD_LEASE__TOLERANCE_S": str(min(1.0, ttl_s / 5)),
+            "WOWD_LEASE__OWNER_KEY": owner_key,
+            "WOWD_GATEWAY__KIND": "outbox",
+            "WOWD_LOG_LEVEL": "WARNING",
+            "WOWD_LOG_FORMAT": "text",
+            "WOWD_SHUTDOWN__GRACE_S": "2",
+            "PYTHONPATH": str(REPO),
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def wowd_command() -> list[str]:
+    return [sys.executable, "-m", "wowd"]
+
+
+def start_daemon(tmp: Path, db: Path, name: str, *, limit: int, ttl_s: float = 10.0) -> Daemon:
+    port_file = tmp / f"{name}.port"
+    log_file = tmp / f"{name}.log"
+    with log_file.open("wb") as out:
+        proc = subprocess.Popen(
+            [*wowd_command(), "run", "--port-file", str(port_file)],
+            env=daemon_env(db, limit=limit, ttl_s=ttl_s, owner_key=name),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp),
+        )
+    return Daemon(name=name, proc=proc, port_file=port_file, log_file=log_file)
+
+
+def wait_until(predicate: Any, timeout_s: float, what: str, every_s: float = 0.02) -> float:
+    """Polls ``predicate`` (a measurement loop, not a test); answers when it held (monotonic)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(every_s)
+
+
+def stop_daemon(d: Daemon, sig: int = signal.SIGTERM, timeout_s: float = 15) -> None:
+    if d.proc.poll() is None:
+        d.proc.send_signal(sig)
+        try:
+            d.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait(5)
+
+
+@contextmanager
+def daemons(
+    tmp: Path, db: Path, count: int, *, limit: int, ttl_s: float = 10.0, ready: int | None = None
+) -> Iterator[list[Daemon]]:
+    """Starts ``count`` replicas; waits until ``ready`` of them (default: ``min(count, limit)``)
+    hold a lease; stops them all (SIGTERM) on exit."""
+    ds: list[Daemon] = []
+    try:
+        for i in range(count):
+            ds.append(start_daemon(tmp, db, f"bench-{i}", limit=limit, ttl_s=ttl_s))
+            # one at a time: the holder is the first one, the standby the second
+            if i < (ready if ready is not None else min(count, limit)):
+                wait_until(lambda d=ds[-1]: d.ready() or not d.alive(), 60, f"{ds[-1].name} ready")
+            else:
+                wait_until(lambda d=ds[-1]: d.port_file.exists() or not d.alive(), 60, f"{ds[-1].name} up")
+            if not ds[-1].alive():
+                raise RuntimeError(f"{ds[-1].name} exited: {ds[-1].log_tail()}")
+        yield ds
+    finally:
+        for d in ds:
+            stop_daemon(d)
+
+
+def _outbox_count(db: Path) -> int:
+    conn = sqlite3.connect(str(db), timeout=30)
+    try:
+        row = conn.execute("SELECT count(*) FROM outbox").fetchone()
+        return int(row[0])
+    except sqlite3.OperationalError:
+        return 0
+    finally:
+        conn.close()
+
+
+def _outbox_span(db: Path) -> tuple[int, int]:
+    conn = sqlite3.connect(str(db), timeout=30)
+    try:
+        first, last = conn.execute("SELECT min(created_at), max(created_at) FROM outbox").fetchone()
+        return int(first or 0), int(last or 0)
+    finally:
+        conn.close()
+
+
+def _sum_stats(ds: Sequence[Daemon]) -> tuple[float, float]:
+    rss = cpu = 0.0
+    for d in ds:
+        r, c = d.stats()
+        rss += r
+        cpu += c
+    return rss, cpu
+
+
+def wowd_burst(n: int, processes: int, *, timeout_s: float = 600) -> dict[str, Any]:
+    """``n`` timers due at once, fired by ``processes`` replicas (``limit = processes``)."""
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        db = tmp / "wowd.db"
+        create_timer_tables(db)
+        with daemons(tmp, db, processes, limit=processes) as ds:
+            due = now_ms() + 300 + n // 40
+            insert_timer_rows(db, timer_rows(n, due_at=due, partitions=PARTITIONS))
+            overrun = max(0, now_ms() - due)
+            wait_until(lambda: now_ms() >= due, 60, "due time", every_s=0.001)
+            _, cpu0 = _sum_stats(ds)
+            wait_until(
+                lambda: _outbox_count(db) >= n or not all(d.alive() for d in ds), timeout_s, "outbox", 0.05
+            )
+            rss, cpu1 = _sum_stats(ds)
+            dead = [d.name for d in ds if not d.alive()]
+            if dead:
+                raise RuntimeError(f"replicas {dead} exited: {ds[0].log_tail()}")
+        lags = outbox_lags(db)
+        first, last = _outbox_span(db)
+    return {
+        "n": n,
+        "processes": processes,
+        "fired": len(lags),
+        "fired_per_s": len(lags) / max((last - due) / 1000, 1e-3),
+        "drain_per_s": len(lags) / max((last - first) / 1000, 1e-3),
+        **lag_stats(lags).as_dict(),
+        "peak_rss_mb": rss,
+        "cpu_s": cpu1 - cpu0,
+        "insert_overrun_ms": overrun,
+    }
+
+
+def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30) -> dict[str, Any]:
+    """One replica; this process appends ``rate`` commits a second, each scheduling one timer
+    due ``delay_ms`` after its append, for ``seconds``."""
+    from wowd.demo import demo_commits
+    from wowd.stores.embedded.log import EmbeddedLog
+
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        db = tmp / "wowd.db"
+        create_timer_tables(db)
+        with daemons(tmp, db, 1, limit=1) as ds:
+
+            async def produce() -> int:
+                log = EmbeddedLog(db, context=BENCH_CONTEXT, partitions=PARTITIONS)
+                await log.prepare()
+                added = tick = 0
+                start = time.monotonic()
+                try:
+                    while (elapsed := time.monotonic() - start) < seconds:
+                        want = int(rate * elapsed) - added
+                        if want > 0:
+                            commits, _ = demo_commits(
+                                BENCH_CONTEXT,
+                                commits=want,
+                                timers=want,
+                                due_in_ms=delay_ms,
+                                aggregates=want,
+                                run_id=f"s{tick}",
+                            )
+                            await log.append_many(commits)
+                            added += want
+                            tick += 1
+                        await anyio.sleep(0.005)
+                finally:
+                    await log.close()
+                return added
+
+            _, cpu0 = _sum_stats(ds)
+            added = anyio.run(produce)
+            try:
+                wait_until(lambda: _outbox_count(db) >= added, drain_s + delay_ms / 1000, "outbox", 0.05)
+            except TimeoutError:
+                pass
+            rss, cpu1 = _sum_stats(ds)
+        lags = outbox_lags(db)
+    return {
+        "rate": rate,
+        "offered_per_s": added / seconds,
+        "added": added,
+        "fired": len(lags),
+        **lag_stats(lags).as_dict(),
+        "cpu_s": cpu1 - cpu0,
+        "peak_rss_mb": rss,
+    }
+
+
+# --------------------------------------------------------------------------- the store path
+
+
+async def _store_path(n: int, batch: int) -> dict[str, Any]:
+    from wowd.daemon.gateway import Delivered, OutboxGateway, Outcome
+    from wowd.model import Timer, TimerChange
+    from wowd.stores.embedded.db import SqliteDatabase
+    from wowd.stores.embedded.outbox import EmbeddedOutbox
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    with tempfile.TemporaryDirectory() as t:
+        db_path = Path(t) / "wowd.db"
+        create_timer_tables(db_path)
+        db = SqliteDatabase(db_path)
+        store = EmbeddedTimerStore(db, context=BENCH_CONTEXT, partitions=PARTITIONS)
+        outbox = EmbeddedOutbox(db)
+        await store.prepare()
+        await outbox.prepare()
+        gateway = OutboxGateway(outbox)
+        due = now_ms() + 300 + n // 40
+        insert_timer_rows(db_path, timer_rows(n, due_at=due, partitions=PARTITIONS))
+        await anyio.sleep(max(0.0, (due - now_ms()) / 1000))
+        parts = frozenset(range(PARTITIONS))
+        claim_due = getattr(store, "claim_due", None)
+        cpu0 = cpu_seconds()
+        start = time.perf_counter()
+        fired = 0
+        results: list[tuple[Timer, Outcome]] = []
+
+        def record(timer: Timer, outcome: Outcome) -> None:
+            results.append((timer, outcome))
+
+        while True:
+            now = now_ms()
+            claimed: list[Timer]
+            if claim_due is not None:  # what the daemon's loop calls when the store has it
+                claimed = await claim_due(
+                    parts, now, batch, owner_key="bench", fence=1, claim_until=now + 30_000
+                )
+            else:
+                timers = await store.due(parts, now, batch)
+                claims = [
+                    TimerChange.claim(x, owner_key="bench", fence=1, until=now + 30_000) for x in timers
+                ]
+                await store.settle(claims)
+                claimed = [c for ch in claims if (c := ch.applied()) is not None]
+            if not claimed:
+                break
+            results.clear()
+            await gateway.deliver(claimed, record)
+            done = [
+                TimerChange.fired(x, fence=1, next_due=None) for x, o in results if isinstance(o, Delivered)
+            ]
+            await store.settle(done)
+            fired += len(done)
+        elapsed = time.perf_counter() - start
+        cpu = cpu_seconds() - cpu0
+        await store.close()
+        await outbox.close()
+        db.close()
+        lags = outbox_lags(db_path)
+    return {
+        "n": n,
+        "fired": fired,
+        "fired_per_s": fired / elapsed,
+        **lag_stats(lags).as_dict(),
+        "peak_rss_mb": peak_rss_mb(),
+        "cpu_s": cpu,
+    }
+
+
+def run_store_path(params: dict[str, Any]) -> dict[str, Any]:
+    """Worker: the daemon's firing path in-process on the real stores (no leases, no idle wait)."""
+    return anyio.run(_store_path, int(params["n"]), int(params.get("batch", 1000)))

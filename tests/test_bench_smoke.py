@@ -1,0 +1,102 @@
+"""A smoke run of every benchmark in ``bench/`` with tiny sizes, so that they cannot rot.
+
+The numbers are not asserted against targets (that is ``make bench``'s report); asserted is what
+the report relies on: every timer put is fired exactly once into the outbox, the lag and rate
+figures are computed from those rows, the wire counts come from the black-pipe server, and the
+report renders a table per benchmark.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import ceiling, peer_aps3, wowd_timers
+from bench.__main__ import APS4_PYTHON, HERE, Config, render, section_growth, section_sink, targets
+from bench.common import lag_stats, run_worker, timer_rows
+from bench.failover import failover_once
+
+TINY = Config(
+    burst_sizes=(200,),
+    runs=1,
+    aps3_default_n=50,
+    aps4_n=5,
+    steady_rates=(50,),
+    steady_seconds=1.0,
+    growth_sizes=(100, 1000),
+    growth_types=(1, 3),
+    sink_n=300,
+    sink_batches=(100,),
+    failover_ttls=(1.5,),
+)
+
+
+def test_lag_stats_are_nearest_rank_percentiles() -> None:
+    lags = lag_stats(list(range(1, 101)))
+    assert (lags.p50, lags.p99, lags.max) == (51.0, 99.0, 100.0)
+
+
+def test_timer_rows_are_the_stores_partitioning() -> None:
+    from wowd.model import partition
+
+    rows = list(timer_rows(5, due_at=7, partitions=64))
+    assert [r[1] for r in rows] == [partition(r[4], 64) for r in rows]
+    assert len({r[0] for r in rows}) == 5 and all(r[8] == r[9] == 7 for r in rows)
+
+
+def test_bare_loop_fires_every_timer_once() -> None:
+    r = ceiling.run_burst({"n": 300})
+    assert r["fired"] == 300 and r["fired_per_s"] > 0
+    assert 0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+
+
+def test_store_path_fires_every_timer_through_the_outbox_gateway() -> None:
+    r = wowd_timers.run_store_path({"n": 300})
+    assert r["fired"] == 300 and r["max_ms"] >= 0
+
+
+def test_apscheduler3_burst_and_steady() -> None:
+    burst = peer_aps3.run_burst({"n": 50})
+    assert burst["fired"] == 50 and burst["p99_ms"] >= 0
+    steady = peer_aps3.run_steady({"rate": 50, "seconds": 0.5, "drain_s": 10})
+    assert steady["added"] > 0 and steady["fired"] == steady["added"]
+
+
+@pytest.mark.skipif(not Path(APS4_PYTHON).exists(), reason="no APScheduler 4 interpreter")
+def test_apscheduler4_burst() -> None:
+    r = run_worker("aps4", {"n": 5}, python=APS4_PYTHON, script=HERE / "peer_aps4.py", timeout=60)
+    assert r["fired"] == 5
+
+
+@pytest.mark.process
+def test_wowd_run_burst_fires_every_timer_into_the_outbox() -> None:
+    r = wowd_timers.wowd_burst(200, 1, timeout_s=30)
+    assert r["fired"] == 200 and r["peak_rss_mb"] > 0
+
+
+@pytest.mark.process
+def test_wowd_run_steady_fires_what_the_log_schedules() -> None:
+    r = wowd_timers.wowd_steady(50, 1.0, drain_s=10)
+    assert r["added"] > 0 and r["fired"] == r["added"]
+
+
+@pytest.mark.process
+def test_failover_measures_the_standbys_first_fire() -> None:
+    r = failover_once(1.5, warm_s=0.3)
+    assert 0 < r["failover_ms"] < 20_000 and r["bound_ms"] > 1500
+
+
+def test_growth_and_sink_sections_render_with_their_targets(tmp_path: Path) -> None:
+    sections = [section_growth(TINY), section_sink(TINY)]
+    growth, sink = sections
+    assert [r["due_commands"] for r in growth.data["mongo"]["rows"]] == [1, 1]
+    assert all(r["batch_commands"] == 3 for r in growth.data["mongo"]["rows"])
+    assert {r["variant"] for r in sink.data["rows"]} == {
+        "wowd sink",
+        "async_bulk (prebuilt)",
+        "async_bulk (from commits)",
+    }
+    text = render(sections, cfg=TINY, command="python -m bench --quick", quick=True, total_s=1.0)
+    assert "## Growth" in text and "## Sink" in text and "| aggregate types |" in text
+    assert "one MongoDB due-read command per poll" in targets({s.key: s for s in sections})
