@@ -77,6 +77,27 @@ class Reducer(Protocol):
     def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]: ...
 
 
+def fold_commit(reducer: Reducer, current: SnapshotRecord | None, commit: Commit) -> SnapshotRecord:
+    """The snapshot after ``commit`` folded on ``current`` (``None``: before version 1), exactly as
+    the feed folds it: the events in order, then the commit's access attributes and deleted flag."""
+    state: dict[str, Any] = dict(current.state) if current is not None else {}
+    for ev in commit.events:
+        state = reducer.fold(state, ev)
+    tags = commit.access.get("tags") or ()
+    return SnapshotRecord(
+        ref=commit.ref,
+        version=commit.version,
+        state_revision=reducer.state_revision,
+        state=state,
+        owner_id=commit.owner_id,
+        space_id=commit.space_id,
+        tags=tuple(str(t) for t in tags) if isinstance(tags, list | tuple) else (),
+        access_version=commit.access_version,
+        deleted=commit.deleted,
+        event_time=commit.create_time,
+    )
+
+
 def load_reducer(path: str) -> Reducer:
     """Imports ``module:attribute``; a missing or incomplete reducer is a :class:`ConfigError`."""
     module_name, _, attr = path.partition(":")
@@ -402,23 +423,7 @@ class Feeder:
                 ):
                     stale.add(ref)  # a gap or another state revision: left to a rebuild
                     continue
-                state: dict[str, Any] = dict(cur.state) if cur is not None else {}
-                for ev in c.events:
-                    state = reducer.fold(state, ev)
-                access = c.access
-                tags = access.get("tags") or ()
-                snap = SnapshotRecord(
-                    ref=ref,
-                    version=c.version,
-                    state_revision=reducer.state_revision,
-                    state=state,
-                    owner_id=c.owner_id,
-                    space_id=c.space_id,
-                    tags=tuple(str(t) for t in tags) if isinstance(tags, list | tuple) else (),
-                    access_version=c.access_version,
-                    deleted=c.deleted,
-                    event_time=c.create_time,
-                )
+                snap = fold_commit(reducer, cur, c)
                 latest[ref] = snap
                 changed[ref] = snap
         for ref in stale:

@@ -51,7 +51,7 @@ from wowd.model import (
 )
 from wowd.stores.backend import Backend
 
-from .feed import Reducer
+from .feed import Reducer, fold_commit
 from .leases import HeldSlot
 
 __all__ = [
@@ -89,27 +89,6 @@ def _never() -> bool:
 
 
 # --------------------------------------------------------------------------- folding
-
-
-def fold_commit(reducer: Reducer, current: SnapshotRecord | None, commit: Commit) -> SnapshotRecord:
-    """The snapshot after ``commit`` folded on ``current`` (``None``: before version 1), exactly as
-    the feed folds it: the events in order, then the commit's access attributes and deleted flag."""
-    state: dict[str, Any] = dict(current.state) if current is not None else {}
-    for ev in commit.events:
-        state = reducer.fold(state, ev)
-    tags = commit.access.get("tags") or ()
-    return SnapshotRecord(
-        ref=commit.ref,
-        version=commit.version,
-        state_revision=reducer.state_revision,
-        state=state,
-        owner_id=commit.owner_id,
-        space_id=commit.space_id,
-        tags=tuple(str(t) for t in tags) if isinstance(tags, list | tuple) else (),
-        access_version=commit.access_version,
-        deleted=commit.deleted,
-        event_time=commit.create_time,
-    )
 
 
 # --------------------------------------------------------------------------- results
