@@ -164,15 +164,28 @@ class SqliteStore:
     STORE: ClassVar[str] = "sqlite"
     """The ``store`` label of this store's metrics."""
 
+    SCHEMA: ClassVar[tuple[str, ...]] = ()
+    """``CREATE ... IF NOT EXISTS`` statements run once, in one transaction, before the first call."""
+
     def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
         if isinstance(db_or_path, SqliteDatabase):
             self._db, self._owns = db_or_path, False
         else:
             self._db, self._owns = SqliteDatabase(db_or_path), True
         self._write_lock = file_write_lock(self._db)
+        self._schema_ready = not self.SCHEMA
 
     async def _ensure_ready(self) -> None:
-        """Creates or checks what the store needs before its first call (default: nothing)."""
+        """Creates or checks what the store needs before its first call (default: its ``SCHEMA``)."""
+        if not self._schema_ready:
+            statements = self.SCHEMA
+
+            def create(conn: sqlite3.Connection) -> None:
+                for statement in statements:
+                    conn.execute(statement)
+
+            await self._db.run(self._db.transaction(create))
+            self._schema_ready = True
 
     async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         started = time.perf_counter()

@@ -25,11 +25,10 @@ from __future__ import annotations
 import logging
 import sqlite3
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteStore
 
 __all__ = ["EmbeddedSlotLeaseStore"]
 
@@ -171,15 +170,7 @@ class EmbeddedSlotLeaseStore(SqliteStore):
     """
 
     STORE = "leases"
-
-    def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
-        super().__init__(db_or_path)
-        self._ready = False
-
-    async def _ensure_ready(self) -> None:
-        if not self._ready:
-            await self._db.run(self._db.transaction(_create_schema))
-            self._ready = True
+    SCHEMA = SCHEMA
 
     async def prepare(self) -> None:
         """Creates the tables when missing (idempotent)."""
@@ -304,8 +295,3 @@ def _match(lease: SlotLease) -> dict[str, Any]:
         "incarnation": lease.incarnation,
         "fence": lease.fence,
     }
-
-
-def _create_schema(conn: sqlite3.Connection) -> None:
-    for statement in SCHEMA:
-        conn.execute(statement)

@@ -17,11 +17,10 @@ import json
 import sqlite3
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
-from pathlib import Path
 from typing import Any, TypeVar
 
 from wowd.model import AggregateRef, OutboxEntry
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.db import SqliteStore, under_lock
 
 __all__ = ["EmbeddedOutbox"]
 
@@ -97,15 +96,7 @@ class EmbeddedOutbox(SqliteStore):
     """:class:`~wowd.stores.base.Outbox` on SQLite; ``db_or_path`` as the other embedded stores."""
 
     STORE = "outbox"
-
-    def __init__(self, db_or_path: SqliteDatabase | str | Path) -> None:
-        super().__init__(db_or_path)
-        self._ready = False
-
-    async def _ensure_ready(self) -> None:
-        if not self._ready:
-            await self._db.run(self._db.transaction(_create_schema))
-            self._ready = True
+    SCHEMA = SCHEMA
 
     async def prepare(self) -> None:
         """Creates the table when missing (idempotent)."""
@@ -205,8 +196,3 @@ def _sort_out(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list
     if again:
         conn.executemany(redelivery_sql(), again)
     return answers
-
-
-def _create_schema(conn: sqlite3.Connection) -> None:
-    for statement in SCHEMA:
-        conn.execute(statement)
