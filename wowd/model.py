@@ -51,6 +51,7 @@ __all__ = [
     "TimerChange",
     "TimerScheduled",
     "TimerStatus",
+    "commit_fields",
     "commit_from_doc",
     "commit_to_doc",
     "deterministic_timer_id",
@@ -265,6 +266,25 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     if isinstance(kind, tuple):
         return " or ".join(k.__name__ for k in kind)
     return kind.__name__
+
+
+def commit_fields(commit: Commit) -> dict[str, Any]:
+    """The fields of a commit that every view of it stores (the event sinks' stream documents):
+    identity, version, command, request, create time, header and events; no partition, no access."""
+    ref = commit.ref
+    return {
+        "tenant_id": ref.tenant_id,
+        "aggregate_id": ref.id,
+        "version": commit.version,
+        "command_id": commit.command_id,
+        "request_id": commit.request_id,
+        "create_time": commit.create_time,
+        "header": dict(commit.header),
+        "events": [
+            {"id": e.id, "name": e.name, "revision": e.revision, "body_type": e.body_type, "body": dict(e.body)}
+            for e in commit.events
+        ],
+    }
 
 
 def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:

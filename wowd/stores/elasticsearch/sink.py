@@ -48,7 +48,7 @@ from elasticsearch import ApiError, AsyncElasticsearch
 
 from wowd.errors import ConfigError, FormatError, SinkWriteError, StorageError, StorageUnavailable
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_UNAVAILABLE
-from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, stream_id
+from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
 from wowd.stores.base import Ddl
 
 __all__ = [
@@ -183,19 +183,8 @@ def access_digest(access: Mapping[str, Any]) -> str:
 def event_document(commit: Commit, digest: str | None = None) -> dict[str, Any]:
     """The stream document of a commit (the log's fields; the partition is not the sink's);
     ``digest`` is its ``access_digest`` when the caller has it already."""
-    ref = commit.ref
     return {
-        "tenant_id": ref.tenant_id,
-        "aggregate_id": ref.id,
-        "version": commit.version,
-        "command_id": commit.command_id,
-        "request_id": commit.request_id,
-        "create_time": commit.create_time,
-        "header": dict(commit.header),
-        "events": [
-            {"id": e.id, "name": e.name, "revision": e.revision, "body_type": e.body_type, "body": dict(e.body)}
-            for e in commit.events
-        ],
+        **commit_fields(commit),
         "owner_id": commit.owner_id,
         "space_id": commit.space_id,
         "access": dict(commit.access),

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
-from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, stream_id
+from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 
 __all__ = ["TABLE", "EmbeddedEventSink"]
@@ -93,17 +93,7 @@ def commit_document(commit: Commit) -> dict[str, Any]:
         "id": stream_id(ref, commit.version),
         "context": ref.context,
         "aggregate": ref.aggregate,
-        "tenant_id": ref.tenant_id,
-        "aggregate_id": ref.id,
-        "version": commit.version,
-        "command_id": commit.command_id,
-        "request_id": commit.request_id,
-        "create_time": commit.create_time,
-        "header": dict(commit.header),
-        "events": [
-            {"id": e.id, "name": e.name, "revision": e.revision, "body_type": e.body_type, "body": dict(e.body)}
-            for e in commit.events
-        ],
+        **commit_fields(commit),
         "deleted": commit.deleted,
     }
 
