@@ -117,37 +117,6 @@ def test_merge_due_takes_the_first_rows_of_sorted_streams() -> None:
     assert merge_due([], 5) == []
 
 
-async def test_due_matches_a_model_of_the_store(db_path: Path) -> None:
-    rng = random.Random(11)
-    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
-    live: dict[str, Timer] = {}
-    for n in range(300):
-        t = timer(f"m-{n}", aggregate=rng.choice(("order", "cart", "invoice")), due_at=T0 + rng.randrange(100))
-        assert await store.put(t)
-        kind = rng.choice(("pending", "pending", "claim", "park", "fail"))
-        if kind == "pending":
-            live[t.timer_id] = t
-            continue
-        if kind == "claim":
-            change = TimerChange.claim(t, owner_key="o", fence=1, until=T0 + rng.randrange(200))
-        else:
-            change = getattr(TimerChange, kind)(t, fence=1, reason="r")
-        assert await store.settle([change]) == 1
-        after = change.applied()
-        if kind == "claim" and after is not None:
-            live[t.timer_id] = after
-    for _ in range(20):
-        parts = set(rng.sample(range(N), rng.randrange(1, N + 1)))
-        until, limit = T0 + rng.randrange(200), rng.randrange(1, 80)
-        expected = sorted(
-            (t for t in live.values() if t.partition in parts and t.due_at <= until),
-            key=lambda t: (t.due_at, t.timer_id),
-        )[:limit]
-        got = await store.due(parts, until, limit)
-        assert got == expected
-    await store.close()
-
-
 async def test_two_connections_on_one_file_share_timers(db_path: Path) -> None:
     db = SqliteDatabase(db_path)
     a = EmbeddedTimerStore(db, context=CTX, partitions=N)

@@ -31,7 +31,7 @@ from elasticsearch import AsyncElasticsearch
 from pymongo import AsyncMongoClient
 
 from tests.elasticsearch import fake_es
-from tests.elasticsearch.fake_es import FakeElasticsearch
+from tests.elasticsearch.fake_es import FakeElasticsearch, serving
 from tests.mongo import conftest as black_pipe
 from tests.mongo.conftest import Wire
 from wowd import metrics
@@ -469,14 +469,8 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
 
 @pytest.fixture
 def fake() -> Iterator[FakeElasticsearch]:
-    server = FakeElasticsearch()
-    server.start()
-    try:
+    with serving() as server:
         yield server
-        assert not server.unexpected, [f"{r.method} {r.path}" for r in server.unexpected]
-        assert not server.pending(), server.pending()
-    finally:
-        server.stop()
 
 
 @pytest.fixture

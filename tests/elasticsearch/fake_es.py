@@ -19,6 +19,7 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -1016,3 +1017,17 @@ class EsModel:
         )
         self.seq += 1
         self.indices[index].live[_id] = _Doc(source, live.routing, self.seq)
+
+
+@contextmanager
+def serving() -> Iterator[FakeElasticsearch]:
+    """A started fake; on a clean exit it asserts that nothing unscripted came and every
+    scripted answer was used (the tests' fixture)."""
+    server = FakeElasticsearch()
+    server.start()
+    try:
+        yield server
+        assert not server.unexpected, [f"{r.method} {r.path}" for r in server.unexpected]
+        assert not server.pending(), server.pending()
+    finally:
+        server.stop()

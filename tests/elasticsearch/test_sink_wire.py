@@ -14,7 +14,7 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.contract import test_sink as contract
 from tests.elasticsearch import fake_es
-from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch
+from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
@@ -60,14 +60,8 @@ def commit(id: str, version: int, access: dict[str, Any] = A, access_version: in
 
 @pytest.fixture
 def fake() -> Iterator[FakeElasticsearch]:
-    server = FakeElasticsearch()
-    server.start()
-    try:
+    with serving() as server:
         yield server
-        assert not server.unexpected, [f"{r.method} {r.path}" for r in server.unexpected]
-        assert not server.pending(), server.pending()
-    finally:
-        server.stop()
 
 
 @pytest.fixture
