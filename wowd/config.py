@@ -96,6 +96,18 @@ class TimerSettings(_Part):
     max_body_bytes: int = Field(default=64 * 1024, ge=64)
     backoff_base_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=300.0, gt=0)
+    tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60)
+    """How long a fired or cancelled timer is remembered: a replay of the log within it
+    re-delivers nothing."""
+
+    @model_validator(mode="after")
+    def _lookahead_below_claim(self) -> TimerSettings:
+        if self.lookahead_ms >= self.claim_ttl_s * 1000:
+            raise ValueError(
+                f"lookahead_ms ({self.lookahead_ms}) must be below claim_ttl_s ({self.claim_ttl_s} s):"
+                " a timer claimed that early would come due again before it is delivered"
+            )
+        return self
 
 
 class GatewaySettings(_Part):

@@ -49,6 +49,7 @@ __all__ = [
     "Timer",
     "TimerCancelled",
     "TimerChange",
+    "TimerWrite",
     "TimerScheduled",
     "TimerStatus",
     "commit_fields",
@@ -56,6 +57,7 @@ __all__ = [
     "commit_to_doc",
     "deterministic_timer_id",
     "java_string_hash",
+    "net_writes",
     "parse_rule",
     "partition",
     "request_id_for",
@@ -239,6 +241,9 @@ class LogBatch:
 
     entries: tuple[LogEntry, ...]
     positions: Mapping[int, Position]
+    watermark: int | None = None
+    """A store time (ms) such that every commit of the read's partitions appended before it is
+    in this batch or an earlier one of the same read (``None``: not known, the read is behind)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -652,6 +657,77 @@ class TimerChange:
                 t, status=TimerStatus.PENDING, due_at=self.due_at, attempts=0, claim=None, revision=rev
             )
         return replace(t, status=TimerStatus.FAILED, claim=None, last_error=self.error, revision=rev)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerWrite:
+    """One timer event of the log as the timer store writes it (:meth:`TimerStore.write`).
+
+    ``put``: ``timer`` at its owner's ``version``; ``cancel``: the timer ``key`` of ``owner`` at
+    or below ``version``; ``cancel_all``: every timer of ``owner`` at or below ``version``.
+    """
+
+    kind: Literal["put", "cancel", "cancel_all"]
+    owner: AggregateRef
+    version: int
+    key: str = ""
+    timer: Timer | None = None
+
+    @staticmethod
+    def put(timer: Timer) -> TimerWrite:
+        return TimerWrite(kind="put", owner=timer.owner, version=timer.version, key=timer.key, timer=timer)
+
+    @staticmethod
+    def cancel(owner: AggregateRef, key: str, version: int) -> TimerWrite:
+        return TimerWrite(kind="cancel", owner=owner, version=version, key=key)
+
+    @staticmethod
+    def cancel_all(owner: AggregateRef, version: int) -> TimerWrite:
+        return TimerWrite(kind="cancel_all", owner=owner, version=version)
+
+
+def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
+    """The net effect of a batch of timer writes in log order: at most one write per timer key
+    and one ``cancel_all`` per owner, which the store may apply in any order.
+
+    Per key the write that wins in log order stays: the highest version; at one version a cancel
+    over a put, and the first of two puts. A put at or below its owner's ``cancel_all`` becomes a
+    cancel at the ``cancel_all``'s version (it leaves a tombstone: it is never written live).
+    With the store's version rules (a later version replaces, a tombstone refuses a put at or
+    below it) the writes kept commute, so the result is the same as applying the batch in order.
+    """
+    last_all: dict[AggregateRef, int] = {}
+    for w in writes:
+        if w.kind == "cancel_all" and w.version > last_all.get(w.owner, -1):
+            last_all[w.owner] = w.version
+    winners: dict[tuple[AggregateRef, str], TimerWrite] = {}
+    order: list[tuple[AggregateRef, str]] = []
+    for w in writes:
+        if w.kind == "cancel_all":
+            continue
+        k = (w.owner, w.key)
+        cur = winners.get(k)
+        if cur is None:
+            order.append(k)
+            winners[k] = w
+        elif w.version > cur.version or (w.version == cur.version and w.kind == "cancel" and cur.kind == "put"):
+            winners[k] = w
+    out: list[TimerWrite] = []
+    emitted: set[AggregateRef] = set()
+    for w in writes:
+        if w.kind == "cancel_all" and w.owner not in emitted:
+            emitted.add(w.owner)
+            out.append(TimerWrite.cancel_all(w.owner, last_all[w.owner]))
+    for k in order:
+        w = winners[k]
+        ca = last_all.get(w.owner)
+        if ca is not None and w.version <= ca:
+            # never live: a tombstone at the cancel_all's version (a replay of the put with
+            # other batch boundaries is refused by it)
+            out.append(TimerWrite.cancel(w.owner, w.key, ca))
+        else:
+            out.append(w)
+    return out
 
 
 # --------------------------------------------------------------------------- timer events

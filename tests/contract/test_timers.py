@@ -88,16 +88,16 @@ async def test_put_then_find_round_trips_every_field(timer_store: Any) -> None:
     assert await timer_store.find(owner("o-0", tenant="t2"), "k0") is None
 
 
-async def test_put_is_refused_below_the_stored_version_and_admitted_at_it(timer_store: Any) -> None:
+async def test_put_is_refused_below_the_stored_version_and_changes_nothing_at_it(timer_store: Any) -> None:
     ref = owner("o-1")
     assert await timer_store.put(timer(ref, version=5, due_at=T0)) is True
     # a replay of an earlier commit does not overwrite the later timer
     assert await timer_store.put(timer(ref, version=3, due_at=T0 + 1)) is False
     stored = await loaded(timer_store, timer(ref))
     assert (stored.version, stored.due_at) == (5, T0)
-    # the same version is admitted (idempotent replay) and replaces the stored timer
+    # the same version is admitted (an idempotent replay) and changes nothing
     assert await timer_store.put(timer(ref, version=5, due_at=T0 + 2)) is True
-    assert (await loaded(timer_store, timer(ref))).due_at == T0 + 2
+    assert (await loaded(timer_store, timer(ref))).due_at == T0
     assert await timer_store.put(timer(ref, version=7, due_at=T0 + 3)) is True
     stored = await loaded(timer_store, timer(ref))
     assert (stored.version, stored.due_at) == (7, T0 + 3)
@@ -191,9 +191,9 @@ async def test_settle_skips_a_change_whose_timer_moved_on_and_counts_what_it_wro
     again = TimerChange.park(await loaded(timer_store, b), fence=1, reason="r")
     assert await timer_store.settle([again]) == 1
     assert await timer_store.settle([again]) == 0
-    # a put over the same version replaces the timer: a change made against the old one is skipped
+    # a put over a later version replaces the timer: a change made against the old one is skipped
     before_put = await loaded(timer_store, b)
-    assert await timer_store.put(replace(b, due_at=T0 + 99)) is True
+    assert await timer_store.put(replace(b, version=2, due_at=T0 + 99)) is True
     assert await timer_store.settle([TimerChange.fail(before_put, fence=1, reason="r")]) == 0
     assert (await loaded(timer_store, b)).status is TimerStatus.PENDING
     # a cancelled timer: nothing to write

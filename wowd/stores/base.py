@@ -10,7 +10,7 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -34,6 +34,7 @@ from wowd.model import (
     Timer,
     TimerChange,
     TimerStatus,
+    TimerWrite,
 )
 
 __all__ = [
@@ -93,7 +94,17 @@ class Log(Protocol):
         from the start), in log order per aggregate. Malformed documents come as entries with
         ``commit=None`` and ``error`` set, never raised. With ``follow`` it tails forever
         (waiting without a busy poll); otherwise it stops when caught up. The iterator is closed
-        by ``aclose()``/cancellation."""
+        by ``aclose()``/cancellation.
+
+        A batch's ``watermark`` (store time, ms) says that every commit of these partitions
+        appended before it has been yielded; while following and caught up, the read yields an
+        empty batch whenever the watermark moves on (at least once per poll or stream answer),
+        and soon after :meth:`nudge`."""
+        ...
+
+    def nudge(self) -> None:
+        """Asks this process's following reads to look at the log's head now (the timer loop
+        waits for the watermark to pass a due time). Cheap; never blocks."""
         ...
 
     async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
@@ -186,17 +197,59 @@ class TimerStore(Protocol):
         ...
 
     async def put(self, timer: Timer) -> bool:
-        """Upserts ``timer`` unless a later version of it (same owner and key) is stored.
-        Admitted over the same or an earlier version (replacing it); False when a later one
-        is stored. Idempotent."""
+        """Writes ``timer`` unless the same key holds a later version or a tombstone at the same
+        or a later version (False). A later version replaces a stored timer or tombstone; the
+        same version over a stored live timer changes nothing (a replay never resets FIRING,
+        FAILED, PARKED or attempts) and answers True. Idempotent."""
         ...
 
     async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
-        """Removes the timer ``key`` of ``owner`` when its version is at or below ``version``."""
+        """Cancels the timer ``key`` of ``owner`` at or below ``version``: it becomes a CANCELLED
+        tombstone at ``version`` (written also when no timer is stored, so that a later replay of
+        an earlier put is refused). True when a live timer was cancelled. Idempotent."""
         ...
 
     async def cancel_all(self, owner: AggregateRef, version: int) -> int:
-        """Removes every timer of ``owner`` at or below ``version``; answers how many."""
+        """Cancels every live timer of ``owner`` at or below ``version`` (each a CANCELLED
+        tombstone at ``version``); answers how many. Idempotent."""
+        ...
+
+    async def write(self, writes: Sequence[TimerWrite]) -> list[int]:
+        """Applies a batch of timer writes with the semantics of :meth:`put`, :meth:`cancel` and
+        :meth:`cancel_all` each, as if in order (the feed passes the net effect of a log batch,
+        :func:`~wowd.model.net_writes`, whose writes commute). One answer per write: 1/0 for a
+        put (written) or a cancel (a live timer cancelled), the count for a ``cancel_all``.
+        Embedded: one transaction; MongoDB: one unordered bulk write per collection. Idempotent."""
+        ...
+
+    async def sweep(self, before: int, limit: int) -> int:
+        """Deletes at most ``limit`` tombstones made before ``before`` (ms); answers how many
+        (0 where the store expires them itself, e.g. a TTL index)."""
+        ...
+
+    async def claim_due(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        owner_key: str,
+        fence: int,
+        claim_until: int,
+        exclude: Collection[str] = (),
+    ) -> list[Timer]:
+        """Claims the first ``limit`` timers :meth:`due` would answer (timers whose id is in
+        ``exclude``, this holder's deliveries in flight, are neither claimed nor counted), each as
+        ``TimerChange.claim(t, owner_key=owner_key, fence=fence, until=claim_until)`` writes it;
+        answers the timers as claimed, in due order. A stored timer that cannot be decoded (a rule
+        a newer library refuses, a removed time zone) is set FAILED with the reason instead and is
+        not answered; it never fails the call."""
+        ...
+
+    async def reclaim(self, partitions: set[int] | frozenset[int], fence: int) -> int:
+        """Sets back to PENDING, due at their scheduled time, the FIRING timers of ``partitions``
+        claimed under a fence below ``fence`` (a previous holder's claims, expired at once by a
+        takeover); attempts unchanged. Answers how many."""
         ...
 
     async def find(self, owner: AggregateRef, key: str) -> Timer | None: ...
@@ -212,7 +265,7 @@ class TimerStore(Protocol):
         ...
 
     async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
-        """The first ``limit`` PENDING or FIRING timers of ``partitions`` with ``due_at <= until``,
+        """Read-only. The first ``limit`` PENDING or FIRING timers of ``partitions`` with ``due_at <= until``,
         across every aggregate type, ordered by ``(due_at, timer_id)``. A FIRING timer whose
         claim expired is due again."""
         ...

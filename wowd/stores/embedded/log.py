@@ -17,8 +17,10 @@ Tables (shared by the contexts of one file, each row carrying its ``context``):
 A position is ``{"seq": n}``. ``read`` sends one query per batch (``seq > min(positions) AND
 partition IN (...)``) and skips, per partition, what is at or before its own position. When
 caught up it waits for an in-process notification from ``append`` (any store of this process on
-the same file) or, for other processes' appends, a bounded poll that starts at 2 ms and doubles to
-100 ms while nothing comes.
+the same file) or :meth:`EmbeddedLog.nudge`, or, for other processes' appends, a bounded poll
+that starts at 2 ms and doubles to 100 ms while nothing comes. The watermark of a batch that
+reached the head is the wall-clock time taken just before its query: SQLite assigns ``seq`` in
+commit order and a query sees every commit made before it began.
 """
 
 from __future__ import annotations
@@ -423,6 +425,8 @@ class EmbeddedLog(SqliteStore):
                 if follow:
                     # subscribe before querying: an append committed after the query wakes us
                     event = self._notifier.subscribe()
+                # taken before the query starts its read: a commit appended before it is read
+                began = int(time.time() * 1000)
                 rows = await self._run("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
                 if rows:
                     if event is not None:
@@ -439,12 +443,14 @@ class EmbeddedLog(SqliteStore):
                         entry = _entry(self.context, row)
                         entries.append(entry)
                         last[part] = entry.position
-                    if entries:
-                        yield LogBatch(entries=tuple(entries), positions=last)
+                    head = len(rows) < batch_size
+                    if entries or head:
+                        yield LogBatch(entries=tuple(entries), positions=last, watermark=began if head else None)
                     delay = POLL_MIN_S
                     continue
                 if not follow:
                     return
+                yield LogBatch(entries=(), positions={}, watermark=began)
                 assert event is not None
                 with anyio.move_on_after(delay):
                     await event.wait()
@@ -455,6 +461,9 @@ class EmbeddedLog(SqliteStore):
         finally:
             if event is not None:
                 self._notifier.unsubscribe(event)
+
+    def nudge(self) -> None:
+        self._notifier.notify()
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -1,6 +1,6 @@
 """The timers of one context on SQLite (seed 000, DESIGN.md section 5).
 
-Layout (format 5):
+Layout (format 6):
 
 - ``wow_timer_aggregate``: the registry, one row per aggregate type's (virtual) collection
   ``wow_timer__<context>__<aggregate>`` with its ``format``; prepare records the context's own
@@ -9,7 +9,13 @@ Layout (format 5):
 - ``wow_timer__<context>``: one table for every aggregate type of the context (column
   ``aggregate`` for the owner's type), unique on ``(partition, aggregate, owner_tenant, owner_id,
   key)``, with a partial index ``(partition, due_at, timer_id) WHERE status IN ('PENDING',
-  'FIRING')`` for ``due`` and a partial index over PARKED timers by target for ``parked``.
+  'FIRING')`` for ``due``, a partial index over PARKED timers by target for ``parked`` and a
+  partial index ``(due_at)`` over tombstones for their sweep.
+- Tombstones: a fired one-shot timer (``DONE``), a cancelled one (``CANCELLED``) keeps its row with
+  that status, the version it was ended at and ``due_at`` = when; a put at or below that version
+  is refused, so replaying the log re-delivers nothing. They are outside the due and parked
+  indexes and invisible to every read; :meth:`EmbeddedTimerStore.sweep` deletes them after the
+  retention. Format 5 (no tombstones, otherwise the same) is upgraded in place by ``prepare``.
 
 The rule is kept as its JSON text (``{type, ...}``), the claim as flat columns. Every write is
 one statement or one short ``BEGIN IMMEDIATE`` transaction (``settle``), batched with
@@ -33,20 +39,24 @@ import heapq
 import json
 import logging
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
 from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
     AggregateRef,
     Claim,
+    OnceRule,
     Rule,
     Timer,
     TimerChange,
     TimerStatus,
+    TimerWrite,
+    deterministic_timer_id,
     parse_rule,
     partition,
     validate_name,
@@ -59,8 +69,15 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-FORMAT = 5
+FORMAT = 6
 """The layout version recorded in the registry."""
+UPGRADES_FROM = 5
+"""The format ``prepare`` upgrades in place: the same table without tombstones."""
+
+TOMBSTONES = "('DONE', 'CANCELLED')"
+"""The statuses of a tombstone row (SQL list)."""
+_LIVE = f"status NOT IN {TOMBSTONES}"
+_NO_CLAIM = "claim_owner_key = NULL, claim_fence = NULL, claim_until = NULL"
 
 REGISTRY = "wow_timer_aggregate"
 
@@ -122,7 +139,13 @@ def ddl_sql(context: str) -> list[str]:
         " WHERE status IN ('PENDING', 'FIRING')",
         f"CREATE INDEX IF NOT EXISTS {t}__parked ON {t}"
         " (target_id, target_aggregate, target_tenant, target_context) WHERE status = 'PARKED'",
+        f"CREATE INDEX IF NOT EXISTS {t}__tombstones ON {t} (due_at) WHERE status IN {TOMBSTONES}",
     ]
+
+
+def upgrade_sql() -> str:
+    """Records format 6 over the context's format-5 collections (``prepare``, after the DDL)."""
+    return f"UPDATE {REGISTRY} SET format = {FORMAT} WHERE context = ? AND format = {UPGRADES_FROM}"
 
 
 def format_sql() -> str:
@@ -144,8 +167,9 @@ def registry_formats_sql() -> str:
 
 
 def put_sql(context: str) -> str:
-    """The conditional upsert of ``put``: replaces a stored timer of the same or an earlier
-    version (bumping its revision so that a change made against the old one is skipped)."""
+    """The conditional upsert of ``put``: replaces a stored timer or tombstone of an earlier
+    version (bumping its revision so that a change made against the old one is skipped); the
+    same or a later version stored changes nothing."""
     t = table_name(context)
     placeholders = ", ".join("?" for _ in COLUMNS)
     updates = ", ".join(f'"{c}" = excluded."{c}"' for c in COLUMNS if c != "revision")
@@ -153,20 +177,81 @@ def put_sql(context: str) -> str:
         f"INSERT INTO {t} ({_COLS}) VALUES ({placeholders})"
         f' ON CONFLICT ("partition", aggregate, owner_tenant, owner_id, "key") DO UPDATE SET {updates},'
         f" revision = MAX({t}.revision + 1, excluded.revision)"
-        f" WHERE {t}.version <= excluded.version"
+        f" WHERE {t}.version < excluded.version"
     )
 
 
+def live_at_sql(context: str) -> str:
+    """Whether the key holds a live timer at exactly a version (a put that changed nothing)."""
+    return f"SELECT 1 FROM {table_name(context)} WHERE {_KEY} AND version = ? AND {_LIVE}"
+
+
 def cancel_sql(context: str) -> str:
-    return f"DELETE FROM {table_name(context)} WHERE {_KEY} AND version <= ?"
+    """A live timer at or below the version becomes a CANCELLED tombstone at that version."""
+    return (
+        f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
+        f" {_NO_CLAIM}, revision = revision + 1"
+        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND \"key\" = ?6"
+        f" AND version <= ?1 AND {_LIVE}"
+    )
+
+
+def tombstone_sql(context: str) -> str:
+    """A CANCELLED tombstone for a key with no timer, or raising an earlier tombstone's version
+    (parameters as ``COLUMNS``; ``due_at`` is replaced by the store's now)."""
+    t = table_name(context)
+    placeholders = ", ".join(f"{NOW_MS}" if c == "due_at" else "?" for c in COLUMNS)
+    return (
+        f"INSERT INTO {t} ({_COLS}) VALUES ({placeholders})"
+        f' ON CONFLICT ("partition", aggregate, owner_tenant, owner_id, "key") DO UPDATE SET'
+        f" status = 'CANCELLED', version = excluded.version, due_at = excluded.due_at,"
+        f" revision = {t}.revision + 1"
+        f" WHERE {t}.status IN {TOMBSTONES} AND {t}.version < excluded.version"
+    )
 
 
 def cancel_all_sql(context: str) -> str:
-    return f"DELETE FROM {table_name(context)} WHERE {_OWNER} AND version <= ?"
+    """Every live timer of an owner at or below the version becomes a CANCELLED tombstone."""
+    return (
+        f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
+        f" {_NO_CLAIM}, revision = revision + 1"
+        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5"
+        f" AND version <= ?1 AND {_LIVE}"
+    )
+
+
+def sweep_sql(context: str) -> str:
+    """Deletes up to ``?2`` tombstones made before ``?1`` (over the tombstones' partial index)."""
+    t = table_name(context)
+    return (
+        f"DELETE FROM {t} WHERE rowid IN (SELECT rowid FROM {t} WHERE status IN {TOMBSTONES}"
+        " AND due_at < ?1 ORDER BY due_at LIMIT ?2)"
+    )
+
+
+def reclaim_sql(context: str, partitions: int) -> str:
+    """A previous holder's claims (fence below ``?1``) of some partitions back to PENDING."""
+    marks = ", ".join(f"?{i + 2}" for i in range(partitions))
+    return (
+        f"UPDATE {table_name(context)} SET status = 'PENDING', due_at = scheduled_at, {_NO_CLAIM},"
+        " last_error = 'claim of a previous holder (fence ' || claim_fence || ') ended by a takeover',"
+        f" revision = revision + 1"
+        # (the IN term lets SQLite read the due index, whose WHERE it implies)
+        f" WHERE \"partition\" IN ({marks}) AND status IN ('PENDING', 'FIRING') AND status = 'FIRING'"
+        " AND claim_fence < ?1"
+    )
+
+
+def fail_rowid_sql(context: str) -> str:
+    """A stored timer that cannot be decoded: FAILED with the reason, by ``rowid`` at its revision."""
+    return (
+        f"UPDATE {table_name(context)} SET status = 'FAILED', {_NO_CLAIM}, last_error = ?1,"
+        " revision = revision + 1 WHERE rowid = ?2 AND revision = ?3"
+    )
 
 
 def find_sql(context: str) -> str:
-    return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY}"
+    return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY} AND {_LIVE}"
 
 
 def parked_sql(context: str) -> str:
@@ -177,7 +262,6 @@ def parked_sql(context: str) -> str:
     )
 
 
-_NO_CLAIM = "claim_owner_key = NULL, claim_fence = NULL, claim_until = NULL"
 _SETTLE_SET = {
     "claim": "status = 'FIRING', due_at = ?, claim_owner_key = ?, claim_fence = ?, claim_until = ?",
     "fired": f"status = 'PENDING', due_at = ?, scheduled_at = ?, attempts = 0, fired = fired + 1, {_NO_CLAIM},"
@@ -187,18 +271,18 @@ _SETTLE_SET = {
     "park": f"status = 'PARKED', {_NO_CLAIM}, last_error = ?",
     "resume": f"status = 'PENDING', due_at = ?, attempts = 0, {_NO_CLAIM}",
     "fail": f"status = 'FAILED', {_NO_CLAIM}, last_error = ?",
+    "done": f"status = 'DONE', due_at = {NOW_MS}, {_NO_CLAIM}",
 }
 """What each :class:`TimerChange` kind writes: exactly the columns its ``applied()`` changes
-(revision + 1 in every case), over the row as loaded."""
+(revision + 1 in every case), over the row as loaded; ``done`` is a fired timer with no next
+occurrence (``applied()`` is None: it leaves the view as a DONE tombstone)."""
 
 
 def settle_sql(context: str, kind: str) -> str:
-    """The statement of one change kind (``delete``: a fired timer with no next occurrence),
-    filtered on the timer as loaded (its key, ``timer_id`` and ``revision``)."""
+    """The statement of one change kind, filtered on the timer as loaded (its key,
+    ``timer_id`` and ``revision``)."""
     t = table_name(context)
     where = f"WHERE {_KEY} AND timer_id = ? AND revision = ?"
-    if kind == "delete":
-        return f"DELETE FROM {t} {where}"
     return f"UPDATE {t} SET {_SETTLE_SET[kind]}, revision = revision + 1 {where}"
 
 
@@ -287,7 +371,8 @@ def scan_sql(context: str, *, status: bool, partitions: int | None) -> str:
         where.append("status = ?")
     if partitions is not None:
         where.append('"partition" IN (' + ", ".join("?" for _ in range(partitions)) + ")")
-    clause = (" WHERE " + " AND ".join(where)) if where else ""
+    where.append(_LIVE)
+    clause = " WHERE " + " AND ".join(where)
     return f"SELECT {_COLS} FROM {table_name(context)}{clause} ORDER BY due_at, timer_id LIMIT ?"
 
 
@@ -474,13 +559,42 @@ def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
         return kind, (change.due_at, change.owner_key, change.fence, change.due_at, *loaded)
     if kind == "fired":
         if change.next_due is None:
-            return "delete", loaded
+            return "done", loaded
         return kind, (change.next_due, change.next_due, *loaded)
     if kind in ("retry", "release"):
         return kind, (change.due_at, change.error, *loaded)
     if kind == "resume":
         return kind, (change.due_at, *loaded)
     return kind, (change.error, *loaded)  # park, fail
+
+
+def _tombstone_params(owner: AggregateRef, part: int, key: str, version: int) -> tuple[Any, ...]:
+    """A CANCELLED tombstone of a key that holds no timer: the row ``COLUMNS`` describes, less
+    ``due_at`` (the store's now, see :func:`tombstone_sql`)."""
+    return (
+        deterministic_timer_id(owner, key, version),
+        part,
+        owner.aggregate,
+        owner.tenant_id,
+        owner.id,
+        key,
+        version,
+        "CANCELLED",
+        0,
+        owner.context,
+        owner.aggregate,
+        owner.tenant_id,
+        owner.id,
+        "",
+        _rule_json(OnceRule()),
+        0,
+        0,
+        None,
+        None,
+        None,
+        None,
+        0,
+    )
 
 
 # --------------------------------------------------------------------------- the store
@@ -505,8 +619,15 @@ class EmbeddedTimerStore(SqliteStore):
         self._known: set[str] = set()
         t = context
         self._put_sql = put_sql(t)
-        self._settle_sql = {k: settle_sql(t, k) for k in (*_SETTLE_SET, "delete")}
+        self._settle_sql = {k: settle_sql(t, k) for k in _SETTLE_SET}
         self._claim_sql = claim_rowid_sql(t)
+        self._write_sql = {
+            "put": put_sql(t),
+            "live_at": live_at_sql(t),
+            "cancel": cancel_sql(t),
+            "tombstone": tombstone_sql(t),
+            "cancel_all": cancel_all_sql(t),
+        }
 
     def __repr__(self) -> str:
         return f"EmbeddedTimerStore({self._db.path!r}, context={self.context!r})"
@@ -524,6 +645,7 @@ class EmbeddedTimerStore(SqliteStore):
     def _prepare_sync(self, conn: sqlite3.Connection) -> None:
         for stmt in ddl_sql(self.context):
             conn.execute(stmt)
+        conn.execute(upgrade_sql(), (self.context,))
         conn.execute(register_sql(), (table_name(self.context), self.context, None))
         for collection, fmt in conn.execute(registry_formats_sql(), (self.context,)):
             if fmt != FORMAT:
@@ -560,7 +682,7 @@ class EmbeddedTimerStore(SqliteStore):
 
     # ---- writes
 
-    async def put(self, timer: Timer) -> bool:
+    def _check_timer(self, timer: Timer) -> None:
         self._check_owner(timer.owner)
         expected = partition(timer.owner.id, self.partitions)
         if timer.partition != expected:
@@ -568,22 +690,68 @@ class EmbeddedTimerStore(SqliteStore):
                 f"{timer.partition} is not the owner's partition {expected} of {self.partitions}",
                 field="partition",
             )
-        await self._register(timer.owner.aggregate)
-        params = timer_params(timer)
-        sql = self._put_sql
-        return await self._write("put", lambda conn: conn.execute(sql, params).rowcount == 1)
+
+    async def put(self, timer: Timer) -> bool:
+        return bool((await self.write([TimerWrite.put(timer)]))[0])
 
     async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
-        params = (*self._owner_key(owner), key, version)
-        await self.prepare()
-        sql = cancel_sql(self.context)
-        return await self._write("cancel", lambda conn: conn.execute(sql, params).rowcount > 0)
+        return bool((await self.write([TimerWrite.cancel(owner, key, version)]))[0])
 
     async def cancel_all(self, owner: AggregateRef, version: int) -> int:
-        params = (*self._owner_key(owner), version)
+        return (await self.write([TimerWrite.cancel_all(owner, version)]))[0]
+
+    async def write(self, writes: Sequence[TimerWrite]) -> list[int]:
+        if not writes:
+            return []
+        steps: list[tuple[str, tuple[Any, ...]]] = []
+        for w in writes:
+            if w.kind == "put":
+                assert w.timer is not None
+                self._check_timer(w.timer)
+                await self._register(w.owner.aggregate)
+                steps.append(("put", timer_params(w.timer)))
+            elif w.kind == "cancel":
+                steps.append(("cancel", (w.version, *self._owner_key(w.owner), w.key)))
+            else:
+                steps.append(("cancel_all", (w.version, *self._owner_key(w.owner))))
         await self.prepare()
-        sql = cancel_all_sql(self.context)
-        return await self._write("cancel_all", lambda conn: int(conn.execute(sql, params).rowcount))
+        sql = self._write_sql
+        ctx = self.context
+
+        def work(conn: sqlite3.Connection) -> list[int]:
+            out: list[int] = []
+            for kind, params in steps:
+                if kind == "put":
+                    if conn.execute(sql["put"], params).rowcount == 1:
+                        out.append(1)
+                    else:  # the same version stored live: changes nothing, admitted
+                        key = (*params[1:6], params[6])
+                        out.append(1 if conn.execute(sql["live_at"], key).fetchone() else 0)
+                elif kind == "cancel":
+                    n = conn.execute(sql["cancel"], params).rowcount
+                    if n == 0:
+                        version, part, agg, tenant, oid, key_ = params
+                        owner = AggregateRef(context=ctx, aggregate=agg, tenant_id=tenant, id=oid)
+                        conn.execute(sql["tombstone"], _tombstone_params(owner, part, key_, version))
+                    out.append(n)
+                else:
+                    out.append(int(conn.execute(sql["cancel_all"], params).rowcount))
+            return out
+
+        return await self._write("write", self._db.transaction(work))
+
+    async def sweep(self, before: int, limit: int) -> int:
+        await self.prepare()
+        sql = sweep_sql(self.context)
+        return await self._write("sweep", lambda conn: int(conn.execute(sql, (before, limit)).rowcount))
+
+    async def reclaim(self, partitions: set[int] | frozenset[int], fence: int) -> int:
+        if not partitions:
+            return 0
+        await self.prepare()
+        parts = sorted(partitions)
+        sql = reclaim_sql(self.context, len(parts))
+        return await self._write("reclaim", lambda conn: int(conn.execute(sql, (fence, *parts)).rowcount))
 
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         if not changes:
@@ -641,32 +809,52 @@ class EmbeddedTimerStore(SqliteStore):
         owner_key: str,
         fence: int,
         claim_until: int,
+        exclude: Collection[str] = (),
     ) -> list[Timer]:
-        """``due(partitions, until, limit)`` and a ``settle`` claiming every timer it answers
-        (``TimerChange.claim(t, owner_key=owner_key, fence=fence, until=claim_until)``), in one
-        write transaction: the answer is the timers as claimed, in due order. Nothing can move
-        between the read and the claim, so every timer read is claimed (no change is skipped)."""
+        """The due read and the claim of what it read in one write transaction: nothing can
+        move between them, so every timer read is claimed (or, undecodable, failed)."""
         if not partitions or limit <= 0:
             return []
         await self.prepare()
-        read = self._due_reader(partitions, until, limit, rowid=True)
+        skip = frozenset(exclude)
+        read = self._due_reader(partitions, until, limit + len(skip), rowid=True)
         claim = Claim(owner_key=owner_key, fence=fence, until=claim_until)
         claim_sql = self._claim_sql
-
-        def work(conn: sqlite3.Connection) -> list[Sequence[Any]]:
-            rows = read(conn)
-            if not rows:
-                return rows
-            before = conn.total_changes
-            conn.executemany(claim_sql, [(claim_until, owner_key, fence, r[-1], r[22]) for r in rows])
-            claimed = conn.total_changes - before
-            if claimed != len(rows):  # cannot happen: the rows were read in this transaction
-                raise StorageError(f"claim_due: claimed {claimed} of the {len(rows)} timers read")
-            return rows
-
-        rows = await self._write("claim_due", self._db.transaction(work))
+        fail_sql = fail_rowid_sql(self.context)
         ctx = self.context
-        return [claimed_from_row(ctx, r, claim) for r in rows]
+        failed: list[tuple[Sequence[Any], str]] = []
+
+        def work(conn: sqlite3.Connection) -> list[Timer]:
+            rows = read(conn)
+            out: list[Timer] = []
+            params: list[tuple[Any, ...]] = []
+            for r in rows:
+                if r[0] in skip:
+                    continue
+                if len(out) >= limit:
+                    break
+                try:
+                    t = claimed_from_row(ctx, r, claim)
+                except Exception as exc:  # a row this version cannot decode: FAILED, not a crash
+                    reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                    conn.execute(fail_sql, (reason, r[-1], r[22]))
+                    failed.append((r, reason))
+                    continue
+                out.append(t)
+                params.append((claim_until, owner_key, fence, r[-1], r[22]))
+            if params:
+                before = conn.total_changes
+                conn.executemany(claim_sql, params)
+                claimed = conn.total_changes - before
+                if claimed != len(params):  # cannot happen: the rows were read in this transaction
+                    raise StorageError(f"claim_due: claimed {claimed} of the {len(params)} timers read")
+            return out
+
+        timers = await self._write("claim_due", self._db.transaction(work))
+        for r, reason in failed:
+            TIMERS_FAILED.labels(aggregate=r[2]).inc()
+            log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
+        return timers
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
         if not partitions:
