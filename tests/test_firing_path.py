@@ -17,8 +17,8 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
+from tests.helpers import caught_up_waker
 from wowd.config import TimerSettings
-from wowd.daemon.feed import Waker
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, observe_many
@@ -328,7 +328,7 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
     try:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                await tg.start(loop.run, held, Waker())
+                await tg.start(loop.run, held, caught_up_waker())
                 await store.all_fired.wait()
                 held.request_stop()
         assert await store.scan(limit=10) == []  # every timer settled (fired: deleted)

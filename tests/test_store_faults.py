@@ -32,6 +32,7 @@ from pymongo import AsyncMongoClient
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import FakeElasticsearch, serving
+from tests.helpers import caught_up_waker
 from tests.mongo import conftest as black_pipe
 from tests.mongo.conftest import Wire
 from wowd import metrics
@@ -612,15 +613,18 @@ class FlakyTimers:
         self._maybe_fail("settle")
         return await self._store.settle(*args, **kwargs)
 
+    async def claim_due(self, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail("claim_due")
+        return await self._store.claim_due(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
 
 async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_once(tmp_path: Path) -> None:
-    """A due read, a claim and an outcome settle fail transiently: the loop backs off, retries,
-    and every timer is delivered (one outbox entry per request id) and settled (deleted)."""
+    """Two claims and an outcome settle fail transiently: the loop backs off, retries, and every
+    timer is delivered (one outbox entry per request id) and settled (done)."""
     from wowd.config import TimerSettings
-    from wowd.daemon.feed import Waker
     from wowd.daemon.gateway import OutboxGateway
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.timers import TimerLoop
@@ -640,7 +644,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     timers = [replace(t, scheduled_at=now) for t in timers]
     for t in timers:
         assert await store.put(t)
-    flaky = FlakyTimers(store, {"due": {1}, "settle": {1, 3}})  # due, the first claim, the first outcomes
+    flaky = FlakyTimers(store, {"claim_due": {1, 2}, "settle": {1}})  # two claims, the first outcomes
     lease = SlotLease(
         namespace="t", slot=0, owner_key="me", incarnation=1, fence=2, expires_at=0, floor=0, ceiling=0,
         written_at=0,
@@ -656,7 +660,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     try:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
-                await tg.start(loop.run, held, Waker())
+                await tg.start(loop.run, held, caught_up_waker())
                 while True:  # polls the stores (inside fail_after) until every timer is settled
                     if await box.count() == len(timers) and not await store.scan(limit=100):
                         break

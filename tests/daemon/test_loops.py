@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder, Waker
@@ -201,7 +202,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     fired_before = metrics.TIMERS_FIRED.labels(aggregate="order")._value.get()
     loop = TimerLoop(TimerSettings(max_attempts=10), t, gw)
     async with anyio.create_task_group() as tg:
-        await tg.start(loop.run, held, Waker())
+        await tg.start(loop.run, held, caught_up_waker())
         with anyio.fail_after(10):
             while len(gw.sent) < len(timers) or await t.scan(status=TimerStatus.FIRING, limit=1):
                 await gw.entered.wait()
@@ -239,7 +240,7 @@ async def test_stop_drains_the_round_in_flight_then_settles(backend: Backend) ->
     loop = TimerLoop(TimerSettings(), t, gw)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, Waker())
+            await tg.start(loop.run, held, caught_up_waker())
             await gw.entered.wait()  # claimed, delivering
             firing = await t.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.helpers import caught_up_waker
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder, Waker
@@ -225,16 +226,16 @@ async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTim
     async def body(gw: Recorder) -> None:
         await gw.until_fired(2)
 
-    gw = await run_loop(store, Waker(), body)
+    gw = await run_loop(store, caught_up_waker(), body)
     assert [t.scheduled_at for t, _at in gw.fired] == due
     assert all(at >= t.scheduled_at for t, at in gw.fired)  # never before its time
 
 
 @pytest.mark.usefixtures("long_idle")
 async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one(blind: NoNextDue) -> None:
-    """The regression of bench/LEARNED.md item 1: with a single mark, the round that covered the
+    """With a single mark, the round that covered the
     first put forgot the second and slept the idle period."""
-    waker = Waker()
+    waker = caught_up_waker()
 
     async def body(gw: Recorder) -> None:
         await anyio.wait_all_tasks_blocked()  # the loop read nothing and sleeps (30 s)
@@ -256,7 +257,7 @@ async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDu
     async def body(gw: Recorder) -> None:
         await gw.until_fired(3)
 
-    gw = await run_loop(blind, Waker(), body)
+    gw = await run_loop(blind, caught_up_waker(), body)
     first = gw.fired[0][0].scheduled_at
     assert [t.scheduled_at for t, _at in gw.fired[:3]] == [first, first + 300, first + 600]
 
@@ -270,7 +271,7 @@ async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNex
         assert await blind.put(timer("p-1", now_ms()))  # no Waker: another process's put
         await gw.until_fired(1)
 
-    await run_loop(blind, Waker(), body)
+    await run_loop(blind, caught_up_waker(), body)
     assert blind.calls >= 1
 
 
@@ -291,7 +292,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
         waker = Waker()
         held = held_slot()
         gw = Recorder()
-        loop = TimerLoop(TimerSettings(lookahead_ms=100), backend.timers, gw)
+        loop = TimerLoop(TimerSettings(lookahead_ms=100), backend.timers, gw, nudge=backend.log.nudge)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, waker)

@@ -41,8 +41,10 @@ from wowd.model import (
     TimerChange,
     TimerScheduled,
     TimerStatus,
+    TimerWrite,
     commit_to_doc,
     deterministic_timer_id,
+    net_writes,
     partition,
     timer_event_from,
 )
@@ -135,6 +137,20 @@ class Waker:
         self._wake_before: float = float("-inf")
         """While the loop waits: a put due before this wakes it (``-inf`` when it is not waiting:
         the heap is read when it is about to wait)."""
+        self.watermark: int | None = None
+        """The feed's watermark (store time, ms): every commit of the slot's partitions appended
+        before it is applied to the timer view. ``None`` until the feed first reaches the log's
+        head after the slot was taken: nothing of the slot fires before."""
+        self._want_watermark: float = float("inf")
+        """While the loop waits: a watermark at or above this wakes it."""
+
+    def advance(self, watermark: int) -> None:
+        """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
+        the watermark to reach a due time at or below it."""
+        if self.watermark is None or watermark > self.watermark:
+            self.watermark = watermark
+            if watermark >= self._want_watermark:
+                self._event.set()
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -172,16 +188,18 @@ class Waker:
         """The earliest due time kept (``None``: none)."""
         return self._heap[0][0] if self._heap else None
 
-    async def wait(self, timeout_s: float, wake_before: float) -> None:
-        """Sleeps ``timeout_s`` at most; returns early on :meth:`wake` or when a timer due before
-        ``wake_before`` is put (stored) meanwhile."""
+    async def wait(self, timeout_s: float, wake_before: float, want_watermark: float = float("inf")) -> None:
+        """Sleeps ``timeout_s`` at most; returns early on :meth:`wake`, when a timer due before
+        ``wake_before`` is put (stored) meanwhile, or when the watermark reaches ``want_watermark``."""
         if timeout_s > 0 and not self._event.is_set():
             self._wake_before = wake_before
+            self._want_watermark = want_watermark
             try:
                 with anyio.move_on_after(timeout_s):
                     await self._event.wait()
             finally:
                 self._wake_before = float("-inf")
+                self._want_watermark = float("inf")
         if self._event.is_set():
             self._event = anyio.Event()
 
@@ -209,14 +227,15 @@ class _Prepared:
     malformed: list[LogEntry]
     rejected: list[tuple[Commit, int, InvalidInput]]
     by_type: dict[AggregateType, list[Commit]]
-    timer_ops: list[tuple[Commit, TimerScheduled | TimerCancelled | None]]
+    timer_writes: list[TimerWrite]
+    """The net effect of the batch's timer events (:func:`~wowd.model.net_writes`)."""
 
 
-def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int) -> _Prepared:
+def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> _Prepared:
     malformed: list[LogEntry] = []
     rejected: list[tuple[Commit, int, InvalidInput]] = []
     by_type: dict[AggregateType, list[Commit]] = {}
-    ops: list[tuple[Commit, TimerScheduled | TimerCancelled | None]] = []
+    writes: list[TimerWrite] = []
     for e in entries:
         c = e.commit
         if c is None:
@@ -229,11 +248,13 @@ def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int) -> _Prepared
             except InvalidInput as exc:
                 rejected.append((c, e.partition, exc))
                 continue
-            if te is not None:
-                ops.append((c, te))
+            if isinstance(te, TimerScheduled):
+                writes.append(TimerWrite.put(timer_from_event(c, te, partitions)))
+            elif isinstance(te, TimerCancelled):
+                writes.append(TimerWrite.cancel(c.ref, te.key, c.version))
         if c.deleted:
-            ops.append((c, None))
-    return _Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_ops=ops)
+            writes.append(TimerWrite.cancel_all(c.ref, c.version))
+    return _Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_writes=net_writes(writes))
 
 
 class Feeder:
@@ -320,7 +341,12 @@ class Feeder:
     async def _process(
         self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
     ) -> None:
-        prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes)
+        if not batch.entries:  # caught up: the watermark moved on
+            metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
+            if batch.watermark is not None:
+                waker.advance(batch.watermark)
+            return
+        prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes, self._settings.partitions)
         attempt = 0
         while True:
             held.check()
@@ -342,7 +368,10 @@ class Feeder:
         for type_, commits in prepared.by_type.items():
             metrics.FEED_COMMITS.labels(aggregate=type_.aggregate).inc(len(commits))
             last_time = max(last_time, max(c.create_time for c in commits))
-        if last_time:
+        if batch.watermark is not None:  # caught up
+            metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
+            waker.advance(batch.watermark)
+        elif last_time:
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(max(0.0, time.time() - last_time / 1000))
 
     async def _apply(
@@ -374,18 +403,13 @@ class Feeder:
                 await sink.prepare()
                 self._prepared_sinks.add(type_)
             await sink.write(commits)
-        # 3. the timer projection
-        timers = backend.timers
-        for c, op in prepared.timer_ops:
+        # 3. the timer projection: the batch's net effect in one write
+        if prepared.timer_writes:
             held.check()
-            if op is None:
-                await timers.cancel_all(c.ref, c.version)
-            elif isinstance(op, TimerCancelled):
-                await timers.cancel(c.ref, op.key, c.version)
-            else:
-                timer = timer_from_event(c, op, n)
-                if await timers.put(timer) and timer.partition in held.partitions:
-                    waker.maybe_wake(timer.due_at)
+            answers = await backend.timers.write(prepared.timer_writes)
+            for w, written in zip(prepared.timer_writes, answers, strict=True):
+                if w.kind == "put" and written and w.timer is not None and w.timer.partition in held.partitions:
+                    waker.maybe_wake(w.timer.due_at)
         # 4. snapshots where a reducer is configured
         await self._snapshots(held, prepared, logx)
         # 5. resume the parked timers of the aggregates that just committed

@@ -179,7 +179,7 @@ class Supervisor:
     async def _slot_work(self, held: HeldSlot) -> None:
         waker = Waker()
         feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
-        loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway)
+        loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge)
         self._on_lease_change()
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)

@@ -1,14 +1,19 @@
 """The timer loop of one held slot (DESIGN.md section 5, "Firing").
 
-Per round: ``due(partitions, now + lookahead, batch)`` -> one ``settle`` claiming them all
-(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key; a store whose class has
-``claim_due``, see :class:`ClaimsDue`, does both in one call) -> delivery through the
-gateway (a batch at a time; a timer slightly ahead is delivered at its scheduled time) -> one
-``settle`` of the outcomes (fired: next occurrence or delete; retry: exponential backoff with
-jitter; park; fail after ``max_attempts``). After a round that claimed every timer due, it reads
-the store's next due time (``next_due``) and sleeps until that time or the earliest one this
-process put since (:class:`~wowd.daemon.feed.Waker`) comes within the lookahead, at most
-``MAX_IDLE_S`` (for timers other processes put); a put due sooner wakes it at once.
+On start it ends the claims a previous holder of the slot left (``TimerStore.reclaim``: they
+come due at once, not after ``claim_ttl_s``). Per round: ``claim_due(partitions, until, batch)``
+claims the due timers (FIRING, ``due_at`` = claim expiry, the slot's fence and owner key), where
+``until`` is the lower of ``now + lookahead`` and the feed's **watermark** (every commit appended
+before it is applied to the timer view: a timer fires only once its cancel, appended before its
+due time, could have been seen). Timers this loop is still delivering are excluded from the claim,
+however long their delivery takes. Each claimed batch is delivered through the gateway at once
+(a timer slightly ahead at its scheduled time), then its outcomes are settled in one ``settle``
+(fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
+after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
+store's next due time (``next_due``) or the earliest one this process put since
+(:class:`~wowd.daemon.feed.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
+due sooner wakes it at once. A timer due but beyond the watermark makes it ask the log to look
+at its head (``nudge``) and wait for the watermark instead.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
@@ -23,9 +28,9 @@ import random
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
-from typing import Any, Protocol, cast
+from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
@@ -43,7 +48,6 @@ from .leases import HeldSlot
 
 __all__ = [
     "MAX_IDLE_S",
-    "ClaimsDue",
     "TimerLoop",
     "next_occurrence",
     "observe_many",
@@ -62,37 +66,13 @@ by another process: ``wowd timers retry``, a tool writing the store; or a parked
 a feed, which settles it without telling the Waker): they fire at most this late. An idle read is
 two indexed reads."""
 SETTLE_TIMEOUT_S = 10.0
+SWEEP_EVERY_S = 10.0
+"""How often a loop deletes expired tombstones (a small batch each time)."""
+SWEEP_BATCH = 1000
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-class ClaimsDue(Protocol):
-    """A timer store that reads and claims a batch in one call (the embedded store does)."""
-
-    async def claim_due(
-        self,
-        partitions: set[int] | frozenset[int],
-        until: int,
-        limit: int,
-        *,
-        owner_key: str,
-        fence: int,
-        claim_until: int,
-    ) -> list[Timer]:
-        """``due(partitions, until, limit)`` and a ``settle`` claiming each timer it answers
-        (``TimerChange.claim(t, owner_key=owner_key, fence=fence, until=claim_until)``), atomically:
-        the timers as claimed, in due order."""
-        ...
-
-
-def _claims_due(store: TimerStore) -> ClaimsDue | None:
-    """``store`` when its class defines ``claim_due`` (a wrapper that only forwards attributes to
-    a store, e.g. one intercepting ``due``/``settle``, gets the two calls)."""
-    if callable(getattr(type(store), "claim_due", None)):
-        return cast(ClaimsDue, store)
-    return None
 
 
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
@@ -185,24 +165,35 @@ _DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
 class TimerLoop:
     """Fires the due timers of one held slot until the slot stops."""
 
-    def __init__(self, settings: TimerSettings, store: TimerStore, gateway: CommandGateway) -> None:
+    def __init__(
+        self,
+        settings: TimerSettings,
+        store: TimerStore,
+        gateway: CommandGateway,
+        *,
+        nudge: Callable[[], None] = lambda: None,
+    ) -> None:
         self._settings = settings
         self._store = store
         self._gateway = gateway
+        self._nudge = nudge
+        self._in_flight: set[str] = set()
+        """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
+        self._next_sweep = 0.0
 
     async def run(
         self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Rounds are pipelined: while one claimed batch is delivered and settled (in the task group
-        below), the next is read and claimed; a round delivers only after the previous one is done,
-        and at most two rounds are outstanding. A claimed batch is handed to its round at once, so
-        whatever stops the loop, every claimed timer is settled by the round that owns it."""
+        """Rounds overlap: while one claimed batch is delivered and settled (in the task group
+        below), the next is read and claimed (at most two rounds outstanding). A claimed batch
+        is handed to its round at once, so whatever stops the loop, every claimed timer is
+        settled by the round that owns it."""
         logx = logging.LoggerAdapter(log, held.log_extra())
         held.on_stop(waker.wake)
         parts = frozenset(held.partitions)
         s = self._settings
-        claims_due = _claims_due(self._store)
         task_status.started()
+        await self._reclaim(held, parts, logx)
         attempt = 0
         async with anyio.create_task_group() as rounds:
             outstanding: deque[anyio.Event] = deque()
@@ -213,30 +204,31 @@ class TimerLoop:
                     break
                 held.check()
                 now = now_ms()
+                horizon = now + s.lookahead_ms
+                until = horizon if waker.watermark is None else min(horizon, waker.watermark)
+                if waker.watermark is None:
+                    # the feed has not reached the log's head since the slot was taken
+                    self._nudge()
+                    await waker.wait(MAX_IDLE_S, float("-inf"), want_watermark=float("-inf"))
+                    continue
                 try:
-                    until = now + s.lookahead_ms
                     mark = waker.mark()
-                    if claims_due is not None:
-                        held.check()
-                        claimed = await claims_due.claim_due(
-                            parts,
-                            until,
-                            s.batch,
-                            owner_key=held.owner_key,
-                            fence=held.fence,
-                            claim_until=now_ms() + int(s.claim_ttl_s * 1000),
-                        )
-                        n_due = len(claimed)
-                        if claimed:
-                            metrics.SETTLE_BATCH.observe(n_due)
-                    else:
-                        due = await self._store.due(parts, until, s.batch)
-                        n_due = len(due)
+                    held.check()
+                    claimed = await self._store.claim_due(
+                        parts,
+                        until,
+                        s.batch,
+                        owner_key=held.owner_key,
+                        fence=held.fence,
+                        claim_until=now_ms() + int(s.claim_ttl_s * 1000),
+                        exclude=self._in_flight,
+                    )
+                    n_due = len(claimed)
+                    if claimed:
+                        metrics.SETTLE_BATCH.observe(n_due)
                     metrics.TIMERS_DUE_BACKLOG.set(n_due)
                     if n_due < s.batch:
                         waker.covered(until, mark)
-                    if claims_due is None:
-                        claimed = await self._claim(held, due) if due else []
                     attempt = 0
                 except StorageUnavailable as exc:
                     logx.warning("timer round failed (will retry): %s", exc)
@@ -245,18 +237,59 @@ class TimerLoop:
                     attempt += 1
                     continue
                 if claimed:
-                    previous = outstanding[-1] if outstanding else None
+                    self._in_flight.update(t.timer_id for t in claimed)
                     done = anyio.Event()
                     outstanding.append(done)
-                    rounds.start_soon(self._finish, held, claimed, waker, logx, previous, done)
+                    rounds.start_soon(self._finish, held, claimed, waker, logx, done)
                 if n_due < s.batch and not held.stopping:
+                    await self._sweep(logx)
                     # every timer due by `until` is claimed: sleep until the next one (the store's,
                     # or one put since) comes within the lookahead, an idle period at most
                     stored_next = await self._next_due(parts, until, logx)
                     now = now_ms()
-                    wake_at = wake_time(now, (stored_next, waker.earliest()), s.lookahead_ms)
+                    nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
+                    blocked = min(nexts) if nexts and until < horizon and min(nexts) <= horizon else None
+                    if blocked is not None:
+                        # due (or nearly) but beyond the watermark: wait for the feed to pass it
+                        if blocked <= now:
+                            self._nudge()
+                            timeout = MAX_IDLE_S
+                        else:
+                            timeout = min(MAX_IDLE_S, (blocked - now) / 1000)
+                        await waker.wait(timeout, blocked, want_watermark=blocked)
+                        continue
+                    wake_at = wake_time(now, nexts, s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
+
+    async def _reclaim(
+        self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]
+    ) -> None:
+        """Ends the claims a previous holder of the slot (a lower fence) left."""
+        attempt = 0
+        while not held.stopping:
+            try:
+                held.check()
+                n = await self._store.reclaim(parts, held.fence)
+                if n:
+                    logx.info("%d timers claimed by a previous holder of the slot are due again", n)
+                return
+            except StorageUnavailable as exc:
+                logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
+                with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                    await held.stop_event.wait()
+                attempt += 1
+
+    async def _sweep(self, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """Deletes a small batch of expired tombstones, at most every :data:`SWEEP_EVERY_S`."""
+        t = time.monotonic()
+        if t < self._next_sweep:
+            return
+        self._next_sweep = t + SWEEP_EVERY_S
+        try:
+            await self._store.sweep(now_ms() - self._settings.tombstone_retention_s * 1000, SWEEP_BATCH)
+        except StorageUnavailable as exc:
+            logx.warning("tombstone sweep failed (will retry): %s", exc)
 
     async def _next_due(
         self, parts: frozenset[int], after: int, logx: logging.LoggerAdapter[logging.Logger]
@@ -269,30 +302,16 @@ class TimerLoop:
             logx.warning("next due time not read (polling instead): %s", exc)
             return None
 
-    async def _claim(self, held: HeldSlot, due: list[Timer]) -> list[Timer]:
-        """One settle claiming ``due``; answers the timers as claimed (this slot's claim stored)."""
-        until = now_ms() + int(self._settings.claim_ttl_s * 1000)
-        claims = [TimerChange.claim(t, owner_key=held.owner_key, fence=held.fence, until=until) for t in due]
-        held.check()
-        written = await self._store.settle(claims)
-        metrics.SETTLE_BATCH.observe(len(claims))
-        claimed = [t for c in claims if (t := c.applied()) is not None]
-        if written < len(claims):
-            metrics.SETTLE_SKIPPED.inc(len(claims) - written)
-            claimed = await self._confirm(claimed, held, until) if written else []
-        return claimed
-
     async def _finish(
         self,
         held: HeldSlot,
         claimed: list[Timer],
         waker: Waker,
         logx: logging.LoggerAdapter[logging.Logger],
-        previous: anyio.Event | None,
         done: anyio.Event,
     ) -> None:
-        """Delivers a claimed batch once the previous round is done, then settles the outcomes
-        (shielded, bounded, lease permitting), also when cancelled before or while delivering."""
+        """Delivers a claimed batch, then settles the outcomes (shielded, bounded, lease
+        permitting), also when cancelled before or while delivering."""
         results: list[tuple[Timer, Outcome, int]] = []
 
         def record(t: Timer, outcome: Outcome) -> None:
@@ -300,35 +319,17 @@ class TimerLoop:
 
         changes: list[TimerChange] = []
         try:
-            if previous is not None:
-                await previous.wait()
             await self._deliver(held, claimed, record)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
                 changes = await self._settle_outcomes(held, claimed, results, logx)
+            self._in_flight.difference_update(t.timer_id for t in claimed)
             done.set()
         for c in changes:
             if c.kind == "retry" and c.due_at is not None:
                 waker.maybe_wake(c.due_at)
             elif c.kind == "fired" and c.next_due is not None:
                 waker.maybe_wake(c.next_due)
-
-    async def _confirm(self, claimed: list[Timer], held: HeldSlot, until: int) -> list[Timer]:
-        """After a partial claim: the timers whose stored document is our claim."""
-        mine: list[Timer] = []
-        for t in claimed:
-            stored = await self._store.find(t.owner, t.key)
-            c = stored.claim if stored is not None else None
-            if (
-                stored is not None
-                and c is not None
-                and stored.timer_id == t.timer_id
-                and c.owner_key == held.owner_key
-                and c.fence == held.fence
-                and c.until == until
-            ):
-                mine.append(stored)
-        return mine
 
     async def _deliver(self, held: HeldSlot, claimed: list[Timer], record: Any) -> None:
         pending = sorted(claimed, key=_DELIVERY_ORDER)

@@ -432,6 +432,9 @@ class MongoLog:
                     {"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()}
                 )
 
+    def nudge(self) -> None:
+        """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
+
     async def ping(self) -> None:
         with self._op("ping"):
             await self._db.command("ping")
