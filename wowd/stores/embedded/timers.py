@@ -389,6 +389,15 @@ def _rule_from_json(text: str) -> Rule:
     return parse_rule(json.loads(text))
 
 
+def _listed_rule(text: str) -> Rule:
+    """The rule of a row for the reads that list timers: one this version cannot decode (a
+    FAILED timer, see ``claim_due``) reads as a one-shot rule, its text kept in the row."""
+    try:
+        return _rule_from_json(text)
+    except Exception:
+        return OnceRule()
+
+
 def timer_params(timer: Timer) -> tuple[Any, ...]:
     """A timer as the row ``COLUMNS`` describes."""
     c = timer.claim
@@ -512,7 +521,7 @@ def timer_from_row(context: str, r: Sequence[Any]) -> Timer:
             r[9],
             _ref(r[10], r[11], r[12], r[13]),
             r[14],
-            _rule_from_json(r[15]),
+            _listed_rule(r[15]),
             _STATUS[r[7]],
             r[16],
             r[17],

@@ -1,0 +1,198 @@
+"""The timer view follows the log (DESIGN.md section 5): the feed and the timer loop of a slot
+together, in-process on the embedded backend. A cancel appended before a timer's due time is
+never delivered whatever the feed's lag; a takeover re-delivers nothing already fired and ends
+the previous holder's claims at once; a replay from no checkpoint changes nothing."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+
+from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.gateway import OutboxGateway
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop
+from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
+from wowd.stores.backend import Backend
+
+from .conftest import CONTEXT, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+def settings(tmp_path: Path) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1),
+    )
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings(tmp_path))
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def hold(b: Backend, key: str) -> HeldSlot:
+    """The slot, taken by ``key`` (after the previous holder's lease was released)."""
+    res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key=key
+    )
+
+
+def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+    ev = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
+    return Commit(
+        ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000), events=(ev,),
+    )  # fmt: skip
+
+
+async def run_slot(
+    tmp_path: Path, backend: Backend, held: HeldSlot, *, until_outbox: int, feed_batch: int = 500
+) -> None:
+    """Runs the slot's feed and timer loop until the outbox holds ``until_outbox`` entries and
+    every checkpoint is at the log's end, then stops them."""
+    s = settings(tmp_path)
+    waker = Waker()
+    loop = TimerLoop(TimerSettings(batch=100), backend.timers, OutboxGateway(backend.outbox), nudge=backend.log.nudge)
+    feeder = Feeder(s, backend, batch_size=feed_batch)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await tg.start(feeder.run, held, waker)
+            while await backend.outbox.count() < until_outbox or waker.watermark is None:
+                await waker_advanced(waker)
+            held.request_stop()
+
+
+async def waker_advanced(waker: Waker) -> None:
+    """Returns once the feed moved the watermark on (or after a short wait)."""
+    before = waker.watermark
+    with anyio.move_on_after(0.05):
+        while waker.watermark == before:
+            await anyio.sleep(0.005)
+
+
+async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever_the_feeds_lag(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """Appended with no replica running (the feed starts after every due time): puts and their
+    cancels land in different feed batches, and none of the cancelled timers is delivered."""
+    due = int(time.time() * 1000)
+    commits: list[Commit] = []
+    for i in range(20):
+        commits.append(timer_commit(f"o-{i}", 1, ["k"], due_at=due))
+        if i % 2 == 0:
+            commits.append(cancel_commit(f"o-{i}", 2, "k"))
+    await backend.log.append_many(commits)
+    held = await hold(backend, "a")
+    await run_slot(tmp_path, backend, held, until_outbox=10, feed_batch=3)
+    delivered = {e.target.id for e in await backend.outbox.entries()}
+    assert delivered == {f"o-{i}" for i in range(1, 20, 2)}
+
+
+async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(
+    tmp_path: Path, backend: Backend
+) -> None:
+    due = int(time.time() * 1000)
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(30)])
+    first = await hold(backend, "a")
+    await run_slot(tmp_path, backend, first, until_outbox=30)
+    assert await backend.leases.release(first.lease, 0)
+    # the successor's feed starts from the start of the log (as after a checkpoint lost)
+    second = await hold(backend, "b")
+    assert second.fence > first.fence
+    for p in range(PARTS):
+        assert await backend.log.save_checkpoint(CONSUMER, p, {"seq": 0}, second.fence)
+    await backend.log.append_many([timer_commit("late", 1, ["k"], due_at=due)])
+    await run_slot(tmp_path, backend, second, until_outbox=31)
+    entries = await backend.outbox.entries()
+    assert len(entries) == 31 and len({e.request_id for e in entries}) == 31
+    assert await backend.timers.scan(limit=100) == []
+
+
+async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, backend: Backend) -> None:
+    """The dead replica claimed (claim_ttl 30 s) and never delivered: the successor fires them
+    within its first rounds, not after the claims expire."""
+    due = int(time.time() * 1000)
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(5)])
+    first = await hold(backend, "a")
+    feeder = Feeder(settings(tmp_path), backend)
+    waker = Waker()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, first, waker)
+            while len(await backend.timers.scan(limit=10)) < 5:
+                await waker_advanced(waker)
+            first.request_stop()
+    claimed = await backend.timers.claim_due(
+        frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
+    )
+    assert len(claimed) == 5  # the dead replica's claims, live for 30 s
+    await backend.leases.release(first.lease, 0)
+    second = await hold(backend, "b")
+    started = time.monotonic()
+    await run_slot(tmp_path, backend, second, until_outbox=5)
+    assert time.monotonic() - started < 5
+    assert {e.fence for e in await backend.outbox.entries()} == {second.fence}
+
+
+async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivered(
+    tmp_path: Path, backend: Backend
+) -> None:
+    import sqlite3
+
+    due = int(time.time() * 1000)
+    commits = [
+        timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)
+    ]
+    bad = timer_commit("bad", 1, [], due_at=due)
+    ev = DomainEvent(
+        id="e", name="TimerScheduled",
+        body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
+              "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
+    )  # fmt: skip
+    await backend.log.append_many([*commits, replace(bad, events=(ev,))])
+    held = await hold(backend, "a")
+    feeder = Feeder(settings(tmp_path), backend)
+    waker = Waker()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, waker)
+            while len(await backend.timers.scan(limit=10)) < 5:
+                await waker_advanced(waker)
+            held.request_stop()
+    # the zone disappears from the time zone database the replica runs with
+    conn = sqlite3.connect(tmp_path / "wowd.db")
+    with conn:
+        conn.execute(
+            f"UPDATE wow_timer__{CONTEXT} SET rule = ? WHERE owner_id = 'bad'",
+            ('{"expression":"* * * * *","type":"cron","zone":"Europe/Gone"}',),
+        )
+    conn.close()
+    await run_slot(tmp_path, backend, await hold(backend, "a"), until_outbox=4)
+    assert {e.target.id for e in await backend.outbox.entries()} == {f"o-{i}" for i in range(4)}
+    [failed] = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+    assert failed.owner.id == "bad"
+    assert failed.last_error is not None and "undecodable" in failed.last_error and "Europe/Gone" in failed.last_error
