@@ -14,12 +14,17 @@ RUN /opt/wowd/bin/pip install --constraint requirements.lock . \
  && find /opt/wowd -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}
+# VERSION, SOURCE and REVISION are passed by `make image` (from pyproject.toml and git); a build
+# without them labels the image with what is known and leaves the others empty, never invented.
 ARG VERSION=0.1.0
+ARG SOURCE=""
+ARG REVISION=""
 LABEL org.opencontainers.image.title="wowd" \
       org.opencontainers.image.description="Worker daemon for Wow-style event-sourced bounded contexts" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      org.opencontainers.image.source="https://github.com/wowd/wowd"
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.revision="${REVISION}"
 RUN groupadd --system --gid 10001 wowd \
  && useradd --system --uid 10001 --gid wowd --home-dir /var/lib/wowd --create-home --shell /usr/sbin/nologin wowd
 COPY --from=build /opt/wowd /opt/wowd
@@ -32,7 +37,10 @@ USER 10001:10001
 WORKDIR /var/lib/wowd
 VOLUME ["/var/lib/wowd"]
 EXPOSE 9180
+# Liveness only: /readyz (functioning) is for orchestrators and the compose file.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
   CMD ["python", "-c", "import os,sys,urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('WOWD_HTTP__PORT', '9180'), timeout=2); sys.exit(0)"]
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["wowd", "run"]
+# `docker run IMAGE` runs a replica; `docker run IMAGE status` (or check, timers list ...) any command.
+ENTRYPOINT ["wowd"]
+CMD ["run"]

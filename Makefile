@@ -4,26 +4,37 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# `make run` needs the runtime dependencies only (pinned by requirements.lock used as constraints);
+# `make test` and the other targets add the test and bench extras.
+RUNTIME_STAMP := $(VENV)/.runtime-stamp
 STAMP := $(VENV)/.installed-stamp
+# Files held to `ruff format`; the rest of the tree joins as it is reformatted.
+FORMATTED := tests/test_docs.py deploy/grafana/generate.py
+IMAGE ?= wowd:local
 
-.PHONY: venv run test lint unit bench soak lock clean
+.PHONY: venv run test lint unit bench soak lock image clean
 
-$(STAMP): pyproject.toml requirements.lock
+$(RUNTIME_STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --constraint requirements.lock -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
 	$(BIN)/python -m pip install -q -r requirements.lock
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-run: venv
+run: $(RUNTIME_STAMP)
 	$(BIN)/wowd run --demo
 
 lint: venv
 	$(BIN)/ruff check wowd tests bench
+	$(BIN)/ruff format --check $(FORMATTED)
 	$(BIN)/mypy wowd
-	@if docker compose version >/dev/null 2>&1; then docker compose -f deploy/compose.yaml config -q; \
+	@if docker compose version >/dev/null 2>&1; then GRAFANA_ADMIN_PASSWORD=lint docker compose -f deploy/compose.yaml config -q; \
 	else echo "lint: docker compose plugin not installed, deploy/compose.yaml not validated by it"; fi
 
 unit: venv
@@ -42,5 +53,13 @@ lock: venv
 	$(BIN)/python -m pip install -q uv
 	$(BIN)/uv pip compile pyproject.toml --extra test --extra bench --python-version 3.11 -o requirements.lock
 
+# The container image, labelled with its version, source repository and revision.
+image:
+	docker build -t $(IMAGE) \
+	  --build-arg VERSION=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) \
+	  --build-arg SOURCE=$$(git remote get-url origin 2>/dev/null | sed 's/\.git$$//') \
+	  --build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null) .
+
+# Removes the virtualenv and tool caches; ./wowd.db (your data) is kept: delete it yourself.
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache wowd.db wowd.db-wal wowd.db-shm
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -41,9 +41,9 @@ def exported_names(exposition: str) -> set[str]:
     names: set[str] = set()
     for fam in text_string_to_metric_families(exposition):
         if fam.type == "counter":
-            names |= {fam.name + "_total", fam.name + "_created"}
+            names.add(fam.name + "_total")
         elif fam.type == "histogram":
-            names |= {fam.name + s for s in ("_bucket", "_sum", "_count", "_created")}
+            names |= {fam.name + s for s in ("_bucket", "_sum", "_count")}
         else:
             names.add(fam.name)
         names |= {s.name for s in fam.samples}
@@ -67,6 +67,49 @@ def test_dashboard_and_alerts_use_only_exported_metric_names() -> None:
     assert {"wowd_timers_fired_total", "wowd_feed_commits_total", "wowd_fire_lag_seconds_bucket"} <= exported
 
 
+def test_exposition_has_build_info_and_no_created_series() -> None:
+    text = generate_latest().decode()
+    assert "_created" not in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    (sample,) = families["wowd_build_info"].samples
+    assert sample.value == 1 and sample.labels["version"]
+    # counters with known label values start at 0, so increase() sees their first event
+    kinds = {s.labels["kind"] for s in families["wowd_feed_errors"].samples if s.name.endswith("_total")}
+    assert {"transient", "fatal"} <= kinds
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads((ROOT / "deploy/grafana/wowd.json").read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_dashboard_filters_by_job_instance_context_and_shows_the_operator_signals() -> None:
+    dashboard = json.loads((ROOT / "deploy/grafana/wowd.json").read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"job", "instance", "context"} <= variables
+    exprs = _dashboard_exprs()
+    for expr in exprs:
+        for name in referenced_names(expr):
+            # every metric selector of every query is narrowed by the three variables
+            for m in re.finditer(rf"\b{name}\{{([^}}]*)\}}", expr):
+                assert all(f'{v}=~"${v}"' in m.group(1) for v in ("job", "instance", "context")), expr
+            assert re.search(rf"\b{name}\{{", expr), f"{name} without the variables' selector: {expr}"
+    used = set().union(*(referenced_names(e) for e in exprs))
+    assert {
+        "wowd_ready",
+        "wowd_lease_lost_total",
+        "wowd_feed_errors_total",
+        "wowd_store_unavailable_total",
+        "wowd_feed_stalled",
+        "wowd_feed_watermark_lag_seconds",
+        "wowd_gateway_circuit_open",
+        "wowd_slot_held",
+        "wowd_quarantined_total",
+        "wowd_feed_poison_total",
+    } <= used
+    assert any("sum by (step)" in e and "wowd_feed_poison_total" in e for e in exprs)
+
+
 def test_dashboard_is_generated_from_its_source() -> None:
     sys.path.insert(0, str(ROOT / "deploy/grafana"))
     try:
@@ -88,13 +131,59 @@ def test_fire_lag_buckets_span_1ms_to_60s() -> None:
     assert min(les) == 0.001 and max(x for x in les if x != float("inf")) == 60.0
 
 
-def test_alert_rules_cover_the_operators_cases() -> None:
+def _alert_rules() -> dict[str, dict[str, object]]:
     rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yaml").read_text())
-    by_name = {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+    return {r["alert"]: r for g in rules["groups"] for r in g["rules"]}
+
+
+def test_alert_rules_cover_the_operators_cases() -> None:
+    by_name = _alert_rules()
     assert by_name["WowdUnownedPartitions"]["for"] == "2m"
-    assert "> 30" in by_name["WowdFireLagHigh"]["expr"]
-    assert "> 60" in by_name["WowdFeedLagHigh"]["expr"]
+    assert "> 30" in str(by_name["WowdFireLagHigh"]["expr"])
+    assert "> 60" in str(by_name["WowdFeedLagHigh"]["expr"])
     assert {"WowdQuarantine", "WowdLeaseRenewFailures", "WowdReplicaDown"} <= set(by_name)
+    stalled = by_name["WowdFeedStalled"]
+    assert "wowd_feed_stalled" in str(stalled["expr"]) and "== 1" in str(stalled["expr"])
+    assert stalled["for"] == "1m" and stalled["labels"] == {"severity": "page"}
+    assert 'kind="fatal"' in str(by_name["WowdFeedFatalErrors"]["expr"])
+    assert "wowd_timers_failed_total" in str(by_name["WowdTimersFailed"]["expr"])
+    assert "wowd_timers_parked_total" in str(by_name["WowdTimersParked"]["expr"])
+    not_ready = by_name["WowdReplicaNotReady"]
+    assert "wowd_ready" in str(not_ready["expr"]) and "== 0" in str(not_ready["expr"]) and not_ready["for"] == "2m"
+    circuit = by_name["WowdGatewayCircuitOpen"]
+    assert "wowd_gateway_circuit_open" in str(circuit["expr"]) and circuit["for"] == "5m"
+    assert "wowd_feed_watermark_lag_seconds" in str(by_name["WowdWatermarkLagHigh"]["expr"])
+    for name, rule in by_name.items():
+        assert rule["labels"] in ({"severity": "page"}, {"severity": "ticket"}), name
+
+
+def test_every_alert_has_a_unit_test_that_fires_it() -> None:
+    tests = yaml.safe_load((ROOT / "deploy/prometheus/alerts.test.yaml").read_text())
+    assert tests["rule_files"] == ["alerts.yaml"]
+    fired = {
+        case["alertname"]
+        for t in tests["tests"]
+        for case in t.get("alert_rule_test", [])
+        if case.get("exp_alerts")
+    }
+    silent = {
+        case["alertname"]
+        for t in tests["tests"]
+        for case in t.get("alert_rule_test", [])
+        if not case.get("exp_alerts")
+    }
+    assert set(_alert_rules()) == fired == silent
+
+
+def test_promtool_runs_the_alert_unit_tests() -> None:
+    promtool = _tool("promtool")
+    out = subprocess.run(
+        [promtool, "test", "rules", str(ROOT / "deploy/prometheus/alerts.test.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_promtool_checks_the_alert_rules() -> None:
@@ -153,7 +242,11 @@ def test_dockerfile_runs_unprivileged_with_healthcheck() -> None:
     assert text.count("FROM ") >= 2
     assert re.search(r"^USER (?!root|0)", text, re.M)
     assert "HEALTHCHECK" in text and "/healthz" in text
-    assert re.search(r'^ENTRYPOINT \["wowd", "run"\]', text, re.M)
+    # `docker run IMAGE` runs a replica, `docker run IMAGE status` runs that command
+    assert re.search(r'^ENTRYPOINT \["wowd"\]$', text, re.M)
+    assert re.search(r'^CMD \["run"\]$', text, re.M)
+    assert re.search(r'org\.opencontainers\.image\.source="\$\{SOURCE\}"', text)
+    assert "github.com/wowd/wowd" not in text
     assert "STOPSIGNAL SIGTERM" in text
 
 
@@ -165,3 +258,37 @@ def test_compose_stack_has_replicas_standby_and_monitoring() -> None:
     assert services["elasticsearch"]["image"].rsplit(":", 1)[1].startswith("9.")
     assert {"wowd-1", "wowd-2", "wowd-3", "wowd-standby", "prometheus", "grafana"} <= set(services)
     assert compose["x-wowd"]["environment"]["WOWD_LEASE__LIMIT"] == "3"
+
+
+def test_compose_mongo_healthcheck_exits_non_zero_without_a_primary() -> None:
+    services = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())["services"]
+    test = services["mongo"]["healthcheck"]["test"]
+    script = test[test.index("--eval") + 1]
+    # mongosh exits 0 whatever --eval prints: the exit code must come from quit(...)
+    assert re.search(r"quit\(db\.hello\(\)\.isWritablePrimary \? 0 : 1\)\s*$", script), script
+
+
+def test_compose_publishes_ports_on_loopback_only() -> None:
+    services = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())["services"]
+    published = [(name, p) for name, svc in services.items() for p in svc.get("ports", [])]
+    assert published
+    for name, port in published:
+        assert str(port).startswith("127.0.0.1:"), (name, port)
+
+
+def test_compose_takes_the_grafana_password_from_the_environment() -> None:
+    services = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())["services"]
+    password = services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert re.fullmatch(r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]+\}", password), password
+
+
+def test_compose_builds_the_wowd_image_once_and_checks_readiness() -> None:
+    services = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())["services"]
+    wowd = {name: svc for name, svc in services.items() if svc.get("image") == "wowd:local"}
+    assert {"wowd-1", "wowd-2", "wowd-3", "wowd-standby", "demo-producer"} <= set(wowd)
+    assert [name for name, svc in wowd.items() if "build" in svc] == ["wowd-1"]
+    assert all(svc["pull_policy"] == "never" for svc in wowd.values())
+    for name in ("wowd-1", "wowd-2", "wowd-3", "wowd-standby"):
+        assert "/readyz" in " ".join(wowd[name]["healthcheck"]["test"]), name
+    # the image's entrypoint is `wowd`: a one-off service gives the subcommand only
+    assert wowd["demo-producer"]["command"][0] == "demo" and "entrypoint" not in wowd["demo-producer"]

@@ -7,18 +7,27 @@ these names (``tests/test_ops.py`` checks that against a live ``/metrics``).
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from importlib.metadata import PackageNotFoundError, version
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 __all__ = [
+    "BUILD_INFO",
     "FEED_COMMITS",
     "FEED_ERRORS",
     "FEED_LAG",
+    "FEED_POISON",
+    "FEED_STALLED",
+    "FEED_WATERMARK_LAG",
     "FIRE_LAG",
+    "GATEWAY_CIRCUIT_OPEN",
+    "GATEWAY_SHORT_CIRCUITED",
     "LEASES_HELD",
     "LEASE_FENCE",
     "LEASE_LOST",
     "LEASE_RENEW_FAILURES",
     "LEASE_RENEW_SECONDS",
+    "OUTBOX_DEPTH",
     "PARTITIONS_OWNED",
     "PARTITIONS_UNOWNED",
     "QUARANTINED",
@@ -28,6 +37,7 @@ __all__ = [
     "SETTLE_SKIPPED",
     "SINK_BULK_SECONDS",
     "SINK_ITEMS",
+    "SLOT_HELD",
     "STORE_CALL_SECONDS",
     "STORE_UNAVAILABLE",
     "TIMERS_DUE_BACKLOG",
@@ -38,6 +48,7 @@ __all__ = [
     "TIMER_EVENTS_REJECTED",
     "CollectorRegistry",
 ]
+
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -92,3 +103,48 @@ STORE_CALL_SECONDS = Histogram(
 STORE_UNAVAILABLE = Counter(
     "wowd_store_unavailable_total", "Transient store failures met (retried with backoff)", ["store", "operation"]
 )
+
+# ------------------------------------------------------------------ operator signals
+# Feed stall and watermark, slot holding, delivery circuits, poison commits, outbox depth and the
+# build. Counters whose label values are known start at 0, so ``increase()`` sees their first event.
+
+# No ``*_created`` series: nothing reads them, and they double the series of every counter.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+FEED_STALLED = Gauge(
+    "wowd_feed_stalled", "1 while the slot's feed cannot progress (the store refuses every record)", ["slot"]
+)
+FEED_WATERMARK_LAG = Gauge(
+    "wowd_feed_watermark_lag_seconds",
+    "Now minus the slot's oldest partition watermark (every commit appended before it is in the timer view)",
+    ["slot"],
+)
+FEED_POISON = Counter(
+    "wowd_feed_poison_total",
+    "Commits quarantined because a feed step refused them, by step and error class",
+    ["step", "error"],
+)
+SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
+GATEWAY_CIRCUIT_OPEN = Gauge(
+    "wowd_gateway_circuit_open", "1 while deliveries to the target are short-circuited", ["target"]
+)
+GATEWAY_SHORT_CIRCUITED = Counter(
+    "wowd_gateway_short_circuited_total", "Deliveries retried later without a request (circuit open)", ["target"]
+)
+OUTBOX_DEPTH = Gauge("wowd_outbox_depth", "Outbox entries not acknowledged yet")
+
+
+def _version() -> str:
+    try:
+        return version("wowd")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])
+BUILD_INFO.labels(version=_version()).set(1)
+
+for _kind in ("transient", "fatal"):
+    FEED_ERRORS.labels(kind=_kind)
+for _reason in ("unavailable", "error", "lost"):
+    LEASE_RENEW_FAILURES.labels(reason=_reason)

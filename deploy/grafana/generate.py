@@ -1,4 +1,8 @@
-"""Writes deploy/grafana/wowd.json (run: python deploy/grafana/generate.py). Edit here, not the JSON."""
+"""Writes deploy/grafana/wowd.json (run: python deploy/grafana/generate.py). Edit here, not the JSON.
+
+Every query is narrowed by the dashboard's variables: job, instance and context (a label the
+Prometheus scrape configuration gives each context's targets; see docs/operations.md).
+"""
 
 from __future__ import annotations
 
@@ -7,56 +11,166 @@ from pathlib import Path
 
 DS = {"type": "prometheus", "uid": "prometheus"}
 
+SELECTOR = '{job=~"$job", instance=~"$instance", context=~"$context"}'
+"""Replaces ``{S}`` in every query below."""
+
+VARIABLES: list[tuple[str, str]] = [
+    ("job", "label_values(wowd_build_info, job)"),
+    ("instance", 'label_values(wowd_build_info{job=~"$job"}, instance)'),
+    ("context", 'label_values(wowd_build_info{job=~"$job"}, context)'),
+]
+
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("Slots held per replica", "short", [("sum by (instance) (wowd_leases_held)", "{{instance}}")]),
-    ("Unowned partitions", "short", [("max(wowd_partitions_unowned)", "unowned")]),
+    ("Ready (1) per replica", "short", [("min by (instance) (wowd_ready{S})", "{{instance}}")]),
+    ("Slots held", "short", [("max by (instance, slot) (wowd_slot_held{S})", "{{instance}} slot {{slot}}")]),
+    ("Unowned partitions", "short", [("max(wowd_partitions_unowned{S})", "unowned")]),
+    (
+        "Leases lost and renew failures",
+        "short",
+        [
+            ("sum by (instance) (increase(wowd_lease_lost_total{S}[5m]))", "lost {{instance}}"),
+            (
+                "sum by (instance, reason) (increase(wowd_lease_renew_failures_total{S}[5m]))",
+                "renew {{reason}} {{instance}}",
+            ),
+        ],
+    ),
+    (
+        "Errors per second",
+        "ops",
+        [
+            ("sum by (kind) (rate(wowd_feed_errors_total{S}[5m]))", "feed {{kind}}"),
+            ("sum by (step, error) (rate(wowd_feed_poison_total{S}[5m]))", "poison {{step}} {{error}}"),
+            ('sum by (status) (rate(wowd_sink_items_total{S, status!~"2..|409"}[5m]))', "sink item {{status}}"),
+            ("sum(rate(wowd_settle_skipped_total{S}[5m]))", "settle skipped"),
+        ],
+    ),
+    (
+        "Store unavailable per second",
+        "ops",
+        [("sum by (store, operation) (rate(wowd_store_unavailable_total{S}[5m]))", "{{store}} {{operation}}")],
+    ),
+    ("Feed stalled (1)", "short", [("max by (instance, slot) (wowd_feed_stalled{S})", "{{instance}} slot {{slot}}")]),
+    (
+        "Feed lag and watermark lag",
+        "s",
+        [
+            ("max by (instance, slot) (wowd_feed_lag_seconds{S})", "feed {{instance}} slot {{slot}}"),
+            ("max by (instance, slot) (wowd_feed_watermark_lag_seconds{S})", "watermark {{instance}} slot {{slot}}"),
+        ],
+    ),
     (
         "Fire lag p50 / p99 per replica",
         "s",
         [
-            ("histogram_quantile(0.5, sum by (instance, le) (rate(wowd_fire_lag_seconds_bucket[5m])))", "p50 {{instance}}"),
-            ("histogram_quantile(0.99, sum by (instance, le) (rate(wowd_fire_lag_seconds_bucket[5m])))", "p99 {{instance}}"),
+            (
+                "histogram_quantile(0.5, sum by (instance, le) (rate(wowd_fire_lag_seconds_bucket{S}[5m])))",
+                "p50 {{instance}}",
+            ),
+            (
+                "histogram_quantile(0.99, sum by (instance, le) (rate(wowd_fire_lag_seconds_bucket{S}[5m])))",
+                "p99 {{instance}}",
+            ),
         ],
     ),
     (
         "Timers fired / retried / parked / failed per second",
         "ops",
         [
-            ("sum(rate(wowd_timers_fired_total[1m]))", "fired"),
-            ("sum(rate(wowd_timers_retried_total[1m]))", "retried"),
-            ("sum(rate(wowd_timers_parked_total[1m]))", "parked"),
-            ("sum(rate(wowd_timers_failed_total[1m]))", "failed"),
+            ("sum(rate(wowd_timers_fired_total{S}[1m]))", "fired"),
+            ("sum(rate(wowd_timers_retried_total{S}[1m]))", "retried"),
+            ("sum(rate(wowd_timers_parked_total{S}[1m]))", "parked"),
+            ("sum(rate(wowd_timers_failed_total{S}[1m]))", "failed"),
         ],
     ),
-    ("Due backlog", "short", [("sum by (instance) (wowd_timers_due_backlog)", "{{instance}}")]),
-    ("Feed lag per partition group", "s", [("max by (instance, slot) (wowd_feed_lag_seconds)", "{{instance}} slot {{slot}}")]),
-    ("Feed commits per second", "ops", [("sum by (instance, aggregate) (rate(wowd_feed_commits_total[1m]))", "{{instance}} {{aggregate}}")]),
+    (
+        "Circuit open per target",
+        "short",
+        [
+            ("max by (target) (wowd_gateway_circuit_open{S})", "open {{target}}"),
+            ("sum by (target) (rate(wowd_gateway_short_circuited_total{S}[5m]))", "short-circuited/s {{target}}"),
+        ],
+    ),
+    (
+        "Due backlog and outbox depth",
+        "short",
+        [
+            ("sum by (instance) (wowd_timers_due_backlog{S})", "due {{instance}}"),
+            ("max(wowd_outbox_depth{S})", "outbox"),
+        ],
+    ),
+    (
+        "Quarantined per second (malformed by field, refused by step)",
+        "ops",
+        [
+            ("sum by (field) (rate(wowd_quarantined_total{S}[5m]))", "field {{field}}"),
+            ("sum by (step) (rate(wowd_feed_poison_total{S}[5m]))", "step {{step}}"),
+        ],
+    ),
+    (
+        "Feed commits per second",
+        "ops",
+        [("sum by (instance, aggregate) (rate(wowd_feed_commits_total{S}[1m]))", "{{instance}} {{aggregate}}")],
+    ),
     (
         "Sink bulk latency p50 / p99",
         "s",
         [
-            ("histogram_quantile(0.5, sum by (le) (rate(wowd_sink_bulk_seconds_bucket[5m])))", "p50"),
-            ("histogram_quantile(0.99, sum by (le) (rate(wowd_sink_bulk_seconds_bucket[5m])))", "p99"),
+            ("histogram_quantile(0.5, sum by (le) (rate(wowd_sink_bulk_seconds_bucket{S}[5m])))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) (rate(wowd_sink_bulk_seconds_bucket{S}[5m])))", "p99"),
         ],
     ),
-    ("Sink items by status", "ops", [("sum by (status) (rate(wowd_sink_items_total[1m]))", "{{status}}")]),
+    ("Sink items by status", "ops", [("sum by (status) (rate(wowd_sink_items_total{S}[1m]))", "{{status}}")]),
     (
         "Store latency p99 by operation",
         "s",
-        [("histogram_quantile(0.99, sum by (store, operation, le) (rate(wowd_store_call_seconds_bucket[5m])))", "{{store}} {{operation}}")],
-    ),
-    (
-        "Lease renew latency p99 and failures",
-        "s",
         [
-            ("histogram_quantile(0.99, sum by (instance, le) (rate(wowd_lease_renew_seconds_bucket[5m])))", "p99 {{instance}}"),
-            ("sum by (instance) (increase(wowd_lease_renew_failures_total[5m]))", "failures {{instance}}"),
+            (
+                "histogram_quantile(0.99, sum by (store, operation, le) (rate(wowd_store_call_seconds_bucket{S}[5m])))",
+                "{{store}} {{operation}}",
+            )
         ],
     ),
-    ("Slot fences", "short", [("max by (instance, slot) (wowd_lease_fence)", "{{instance}} slot {{slot}}")]),
-    ("Quarantined commits per second", "ops", [("sum by (field) (rate(wowd_quarantined_total[5m]))", "{{field}}")]),
-    ("Settle batch size p50", "short", [("histogram_quantile(0.5, sum by (le) (rate(wowd_settle_batch_size_bucket[5m])))", "p50")]),
+    (
+        "Lease renew latency p99",
+        "s",
+        [
+            (
+                "histogram_quantile(0.99, sum by (instance, le) (rate(wowd_lease_renew_seconds_bucket{S}[5m])))",
+                "p99 {{instance}}",
+            )
+        ],
+    ),
+    ("Slot fences", "short", [("max by (instance, slot) (wowd_lease_fence{S})", "{{instance}} slot {{slot}}")]),
+    (
+        "Settle batch size p50",
+        "short",
+        [("histogram_quantile(0.5, sum by (le) (rate(wowd_settle_batch_size_bucket{S}[5m])))", "p50")],
+    ),
+    ("Versions running", "short", [("count by (version) (wowd_build_info{S})", "{{version}}")]),
 ]
+
+
+def query(expr: str) -> str:
+    """``{S}`` becomes the variables' selector; ``{S, more}`` keeps the extra matchers."""
+    return expr.replace("{S}", SELECTOR).replace("{S, ", SELECTOR[:-1] + ", ")
+
+
+def variable(name: str, definition: str) -> dict[str, object]:
+    return {
+        "name": name,
+        "label": name,
+        "type": "query",
+        "datasource": DS,
+        "definition": definition,
+        "query": {"query": definition, "refId": name},
+        "refresh": 2,
+        "includeAll": True,
+        "allValue": ".*",
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
 
 
 def build() -> dict[str, object]:
@@ -72,7 +186,7 @@ def build() -> dict[str, object]:
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
                 "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
                 "targets": [
-                    {"refId": chr(ord("A") + j), "datasource": DS, "expr": expr, "legendFormat": legend}
+                    {"refId": chr(ord("A") + j), "datasource": DS, "expr": query(expr), "legendFormat": legend}
                     for j, (expr, legend) in enumerate(targets)
                 ],
             }
@@ -87,7 +201,7 @@ def build() -> dict[str, object]:
         "refresh": "15s",
         "time": {"from": "now-1h", "to": "now"},
         "panels": panels,
-        "templating": {"list": []},
+        "templating": {"list": [variable(name, definition) for name, definition in VARIABLES]},
     }
 
 
