@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeGuard
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from wowd.errors import ConfigError, InvalidInput
@@ -75,18 +75,27 @@ MAX_BODY_BYTES = 64 * 1024
 _NAME = re.compile(r"^[a-z0-9_-]+$")
 
 
+_VALID_NAMES: set[str] = set()
+"""Names already found valid (a context has a handful; every commit read names them again)."""
+
+
 def validate_name(value: str, *, field: str = "name") -> str:
     """A context or aggregate name: ``[a-z0-9_-]+``, lower case, at most 64 characters.
 
     It becomes part of collection and index names, so anything else is refused.
     """
+    if value.__class__ is str and value in _VALID_NAMES:
+        return value
     if not isinstance(value, str) or not _NAME.match(value) or len(value) > 64:
         raise ConfigError(
             f"{field}: {value!r} is not a valid name (lower-case [a-z0-9_-], 1..64 characters)"
         )
+    if len(_VALID_NAMES) < 10_000:
+        _VALID_NAMES.add(value)
     return value
 
 
+@lru_cache(maxsize=65_536)
 def java_string_hash(s: str) -> int:
     """Java's ``String.hashCode`` over the UTF-16 code units of ``s``, as a signed 32-bit int."""
     data = s.encode("utf-16-be", "surrogatepass")
@@ -255,6 +264,11 @@ class Checkpoint:
     written_at: int
 
 
+def _is_doc(value: object) -> TypeGuard[Mapping[str, Any]]:
+    """A document: a dict (checked first, the common case) or another Mapping."""
+    return value.__class__ is dict or isinstance(value, Mapping)
+
+
 def _require(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: str = "") -> Any:
     name = f"{path}{key}"
     if key not in doc:
@@ -325,7 +339,7 @@ def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:
 
 def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     """Reads a log document; raises :class:`InvalidInput` naming the first bad field."""
-    if not isinstance(doc, Mapping):
+    if not _is_doc(doc):
         raise InvalidInput("a commit must be a document", field="commit")
     tenant = doc.get("tenant_id", DEFAULT_TENANT)
     if not isinstance(tenant, str) or not tenant:
@@ -335,10 +349,10 @@ def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     events: list[DomainEvent] = []
     for i, e in enumerate(events_raw):
         path = f"events[{i}]."
-        if not isinstance(e, Mapping):
+        if not _is_doc(e):
             raise InvalidInput("must be a document", field=f"events[{i}]")
         body = e.get("body", {})
-        if not isinstance(body, Mapping):
+        if not _is_doc(body):
             raise InvalidInput("must be a document", field=f"{path}body")
         events.append(
             DomainEvent(
@@ -350,10 +364,10 @@ def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
             )
         )
     access = doc.get("access") or {}
-    if not isinstance(access, Mapping):
+    if not _is_doc(access):
         raise InvalidInput("must be a document", field="access")
     header = doc.get("header") or {}
-    if not isinstance(header, Mapping):
+    if not _is_doc(header):
         raise InvalidInput("must be a document", field="header")
     access_version = doc.get("access_version", 0)
     if not isinstance(access_version, int) or isinstance(access_version, bool):
@@ -458,7 +472,7 @@ Rule: TypeAlias = OnceRule | IntervalRule | CronRule
 
 def parse_rule(doc: Any) -> Rule:
     """Reads ``{type, ...}``; an unknown type or bad field raises :class:`InvalidInput`."""
-    if not isinstance(doc, Mapping):
+    if not _is_doc(doc):
         raise InvalidInput("must be a document {type, ...}", field="rule")
     kind = doc.get("type")
     if kind == "once":
@@ -767,7 +781,7 @@ def timer_event_from(
         raise InvalidInput(f"must be an integer in [0, {_MAX_MS}] (ms), got {due_at!r}", field="body.due_at")
     rule = parse_rule(body.get("rule", {"type": "once"}))
     t = body.get("target")
-    if not isinstance(t, Mapping):
+    if not _is_doc(t):
         raise InvalidInput("must be a document {context, aggregate, tenant_id, id}", field="body.target")
     try:
         target = AggregateRef(
@@ -779,10 +793,10 @@ def timer_event_from(
     except (ConfigError, InvalidInput) as exc:
         raise InvalidInput(str(exc), field="body.target") from exc
     c = body.get("command")
-    if not isinstance(c, Mapping) or not isinstance(c.get("name"), str) or not c.get("name"):
+    if not _is_doc(c) or not isinstance(c.get("name"), str) or not c.get("name"):
         raise InvalidInput("must be a document {name, body_type?, body}", field="body.command")
     cbody = c.get("body", {})
-    if not isinstance(cbody, Mapping):
+    if not _is_doc(cbody):
         raise InvalidInput("must be a document", field="body.command.body")
     body_type = c.get("body_type")
     if body_type is not None and not isinstance(body_type, str):

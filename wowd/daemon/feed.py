@@ -414,11 +414,10 @@ class Feeder:
         await self._snapshots(held, prepared, logx)
         # 5. resume the parked timers of the aggregates that just committed
         await self._resume_parked(held, prepared, waker)
-        # 6. checkpoints under the slot's fence
-        for p, pos in sorted(batch.positions.items()):
-            held.check()
-            if not await backend.log.save_checkpoint(CONSUMER, p, pos, held.fence):
-                raise LeaseLost(f"checkpoint of partition {p} refused under fence {held.fence}")
+        # 6. checkpoints under the slot's fence, in one write
+        held.check()
+        if not await backend.log.save_checkpoints(CONSUMER, batch.positions, held.fence):
+            raise LeaseLost(f"checkpoints of partitions {sorted(batch.positions)} refused under fence {held.fence}")
 
     async def _snapshots(
         self, held: HeldSlot, prepared: _Prepared, logx: logging.LoggerAdapter[logging.Logger]

@@ -117,6 +117,11 @@ class Log(Protocol):
         Answers False when refused. Idempotent."""
         ...
 
+    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
+        """:meth:`save_checkpoint` of several partitions in one write (a feed batch's). False when
+        any was refused (the others may be written: each is fenced on its own)."""
+        ...
+
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:

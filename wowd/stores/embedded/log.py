@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import orjson
 
 from wowd.errors import ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable, WowdError
 from wowd.metrics import STORE_CALL_SECONDS
@@ -233,7 +234,7 @@ def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
     seq, aggregate, part, text = row
     type_ = AggregateType(context=context, aggregate=aggregate)
     try:
-        raw = json.loads(text)
+        raw = orjson.loads(text)
     except ValueError as exc:
         return LogEntry(
             position={"seq": seq}, partition=part, aggregate=type_, commit=None, raw={}, error=f"doc: {exc}"
@@ -482,6 +483,25 @@ class EmbeddedLog(SqliteStore):
             }
 
         return await self._run("checkpoints", run)
+
+    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
+        if not positions:
+            return True
+        rows = [
+            (self.context, consumer, p, json.dumps(pos, separators=(",", ":")), fence)
+            for p, pos in sorted(positions.items())
+        ]
+
+        def run(conn: sqlite3.Connection) -> int:
+            before = conn.total_changes
+            conn.executemany(save_checkpoint_sql(), rows)
+            return conn.total_changes - before
+
+        saved = await self._run("save_checkpoint", self._db.transaction(run))
+        if saved != len(rows):
+            log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
+            return False
+        return True
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)

@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
+
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
@@ -79,6 +81,14 @@ def documents_sql() -> str:
 
 
 # --------------------------------------------------------------------------- documents
+
+
+def _document_json(doc: Mapping[str, Any]) -> str:
+    """A stored document's JSON text (orjson; the standard encoder for what orjson refuses)."""
+    try:
+        return orjson.dumps(doc).decode()
+    except TypeError:
+        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
 def access_json(access: Mapping[str, Any]) -> str:
@@ -159,7 +169,7 @@ class EmbeddedEventSink(SqliteStore):
             try:
                 self._check(ref)
                 access = access_json(c.access)
-                doc = json.dumps(commit_document(c), separators=(",", ":"), ensure_ascii=False)
+                doc = _document_json(commit_document(c))
             except (InvalidInput, TypeError, ValueError) as exc:
                 bad.append((c, str(exc)))
                 continue

@@ -727,24 +727,41 @@ class EmbeddedTimerStore(SqliteStore):
         sql = self._write_sql
         ctx = self.context
 
+        def one(conn: sqlite3.Connection, kind: str, params: tuple[Any, ...]) -> int:
+            if kind == "put":
+                if conn.execute(sql["put"], params).rowcount == 1:
+                    return 1
+                # the same version stored live: changes nothing, admitted
+                return 1 if conn.execute(sql["live_at"], (*params[1:6], params[6])).fetchone() else 0
+            if kind == "cancel":
+                n = int(conn.execute(sql["cancel"], params).rowcount)
+                if n == 0:
+                    version, part, agg, tenant, oid, key = params
+                    owner = AggregateRef(context=ctx, aggregate=agg, tenant_id=tenant, id=oid)
+                    conn.execute(sql["tombstone"], _tombstone_params(owner, part, key, version))
+                return n
+            return int(conn.execute(sql["cancel_all"], params).rowcount)
+
         def work(conn: sqlite3.Connection) -> list[int]:
             out: list[int] = []
-            for kind, params in steps:
-                if kind == "put":
-                    if conn.execute(sql["put"], params).rowcount == 1:
-                        out.append(1)
-                    else:  # the same version stored live: changes nothing, admitted
-                        key = (*params[1:6], params[6])
-                        out.append(1 if conn.execute(sql["live_at"], key).fetchone() else 0)
-                elif kind == "cancel":
-                    n = conn.execute(sql["cancel"], params).rowcount
-                    if n == 0:
-                        version, part, agg, tenant, oid, key_ = params
-                        owner = AggregateRef(context=ctx, aggregate=agg, tenant_id=tenant, id=oid)
-                        conn.execute(sql["tombstone"], _tombstone_params(owner, part, key_, version))
-                    out.append(n)
+            i = 0
+            while i < len(steps):
+                kind = steps[i][0]
+                j = i
+                while j < len(steps) and steps[j][0] == kind:
+                    j += 1
+                if kind == "put" and j - i > 1:
+                    # a run of puts in one executemany; when one of them changed nothing (a
+                    # replay), the run is answered one by one (a repeat of a put is harmless)
+                    before = conn.total_changes
+                    conn.executemany(sql["put"], [p for _k, p in steps[i:j]])
+                    if conn.total_changes - before == j - i:
+                        out += [1] * (j - i)
+                    else:
+                        out += [one(conn, kind, p) for _k, p in steps[i:j]]
                 else:
-                    out.append(int(conn.execute(sql["cancel_all"], params).rowcount))
+                    out += [one(conn, kind, p) for _k, p in steps[i:j]]
+                i = j
             return out
 
         return await self._write("write", self._db.transaction(work))
