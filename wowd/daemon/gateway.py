@@ -272,6 +272,19 @@ class HttpGateway:
         except (ValueError, UnicodeError) as exc:
             return Fail(reason=f"request refused: {type(exc).__name__}")
 
+    async def probe(self) -> int:
+        """One ``HEAD`` of the base URL with the credentials and TLS settings of a delivery;
+        answers the HTTP status (any status: the endpoint answers). Raises
+        :class:`~wowd.errors.StorageUnavailable` when nothing answers (connection, TLS, timeout)."""
+        try:
+            with anyio.fail_after(self._timeout):
+                resp = await self._client.head(self._base, headers=self._headers)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise StorageUnavailable(f"gateway {self._base}: no answer within {self._timeout}s") from exc
+        except httpx.HTTPError as exc:
+            raise StorageUnavailable(f"gateway {self._base}: {type(exc).__name__}: {exc}") from exc
+        return resp.status_code
+
     @staticmethod
     async def _read_detail(resp: httpx.Response) -> str:
         buf = b""

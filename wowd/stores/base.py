@@ -10,7 +10,8 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -38,6 +39,7 @@ from wowd.model import (
 
 __all__ = [
     "AppendOutcome",
+    "Backend",
     "Ddl",
     "EventSink",
     "Log",
@@ -353,3 +355,32 @@ class Outbox(Protocol):
     async def count(self) -> int: ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
+class Backend:
+    """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
+    the event sink of a type. ``close`` closes the sinks, then ``closers`` in reverse order."""
+
+    name: str
+    log: Log
+    leases: SlotLeaseStore
+    timers: TimerStore
+    snapshots: SnapshotStore
+    rebuilds: SnapshotRebuildStore
+    outbox: Outbox
+    sink_factory: Callable[[AggregateType], EventSink]
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
+
+    def sink(self, type: AggregateType) -> EventSink:
+        s = self._sinks.get(type)
+        if s is None:
+            s = self._sinks[type] = self.sink_factory(type)
+        return s
+
+    async def close(self) -> None:
+        for s in self._sinks.values():
+            await s.close()
+        for close in reversed(self.closers):
+            await close()
