@@ -19,6 +19,7 @@ __all__ = [
     "LEASE_LOST",
     "LEASE_RENEW_FAILURES",
     "LEASE_RENEW_SECONDS",
+    "OUTBOX_DEPTH",
     "PARTITIONS_OWNED",
     "PARTITIONS_UNOWNED",
     "QUARANTINED",
@@ -73,6 +74,10 @@ SETTLE_BATCH = Histogram(
 SETTLE_SKIPPED = Counter("wowd_settle_skipped_total", "Settle changes skipped: the timer moved on meanwhile")
 TIMER_EVENTS_REJECTED = Counter(
     "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
+)
+
+OUTBOX_DEPTH = Gauge(
+    "wowd_outbox_depth", "Entries in the outbox (delivered, not yet acknowledged or trimmed), as last counted"
 )
 
 # feed

@@ -43,7 +43,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     if settings.gateway.kind == "http":
         gateway = HttpGateway(settings.gateway, concurrency=settings.timers.concurrency)
     else:
-        gateway = OutboxGateway(backend.outbox)
+        gateway = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s)
     sup = Supervisor(settings, backend, gateway, port_file=args.port_file)
     forced = False
 

@@ -1,9 +1,12 @@
-"""``wowd timers list|show|retry|resume``: the timer view, for operators."""
+"""``wowd timers list|show|schedule|cancel|retry|resume``: the timer view, for operators, and
+the application API (:mod:`wowd.client`) on the command line."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from datetime import datetime
 from typing import Any
 
 from wowd.cli.backend import opened_backend
@@ -11,7 +14,8 @@ from wowd.cli.output import err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms
-from wowd.model import DEFAULT_TENANT, AggregateRef, Timer, TimerChange, TimerStatus
+from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerChange, TimerStatus
+from wowd.stores.base import Log
 
 __all__ = ["SCAN_LIMIT", "deliveries", "parse_ref", "register", "timer_doc", "timers"]
 
@@ -36,6 +40,28 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object {...} is expected")
+    return value
+
+
+def _instant(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: ISO 8601 (with a zone) or epoch milliseconds expected") from None
+    if at.tzinfo is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: give the time zone (e.g. +00:00 or Z)")
+    return int(at.timestamp() * 1000)
 
 
 def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
@@ -68,6 +94,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     ts.add_argument("key", help="the timer's key")
     ts.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     ts.add_argument("--json", action="store_true", help="print JSON instead of lines")
+
+    tsc = tsub.add_parser("schedule", help="append a commit of the owner scheduling a timer (the application API)")
+    tsc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
+    tsc.add_argument("key", help="the timer's key (a later schedule of the same key replaces it)")
+    tsc.add_argument("--command", required=True, metavar="NAME", help="the command sent to the target when due")
+    tsc.add_argument("--body", type=_json_object, default={}, help="the command's body, a JSON object (default {})")
+    tsc.add_argument("--body-type", help="the command's body type (sent as Command-Type)")
+    when = tsc.add_mutually_exclusive_group()
+    when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
+    when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
+    rule = tsc.add_mutually_exclusive_group()
+    rule.add_argument("--every-ms", type=_positive, help="recurring: every this many milliseconds")
+    rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
+    tsc.add_argument("--zone", default="UTC", help="the time zone of --cron (default UTC)")
+    tsc.add_argument("--target", metavar="AGGREGATE/ID", help="where the command goes (default: the owner)")
+    tsc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
+    tsc.add_argument("--target-tenant", help="the target's tenant id (default: the owner's)")
+
+    tc = tsub.add_parser("cancel", help="append a commit of the owner cancelling a timer")
+    tc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
+    tc.add_argument("key", help="the timer's key")
+    tc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
 
     tr = tsub.add_parser("retry", help="FAILED timers back to PENDING, due now")
     tr.add_argument("timer_ids", nargs="+", metavar="TIMER_ID", help="ids as 'timers list' shows them")
@@ -133,6 +181,8 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
             found = await store.scan(status=args.status, limit=args.limit + 1)
             _print_list(found[: args.limit], cut=len(found) > args.limit, json=args.json)
             return 0
+        if args.timers_command in ("schedule", "cancel"):
+            return await _write(settings, backend.log, args)
         if args.timers_command == "show":
             owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
             t = await store.find(owner, args.key)
@@ -156,6 +206,40 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
         else:
             err(f"wowd: timer {tid} is {other.status.value}, not {wanted_status.value}")
     return 0 if not missing and written == len(candidates) else 1
+
+
+async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> int:
+    from wowd.client import WowdClient
+
+    client = WowdClient(log, max_body_bytes=settings.timers.max_body_bytes)
+    owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
+    if args.timers_command == "cancel":
+        commit = await client.cancel(owner, args.key)
+        out(f"cancel of timer {args.key!r} of {owner} appended at version {commit.version}")
+        return 0
+    target = (
+        parse_ref(args.target, context=settings.context, tenant=args.target_tenant or owner.tenant_id)
+        if (args.target)
+        else owner
+    )
+    rule: dict[str, Any] | None = None
+    if args.every_ms is not None:
+        rule = {"type": "interval", "every_ms": args.every_ms}
+    elif args.cron is not None:
+        rule = {"type": "cron", "expression": args.cron, "zone": args.zone}
+    due_at = args.at if args.at is not None else None
+    if args.in_s is not None:
+        due_at = int(time.time() * 1000 + args.in_s * 1000)
+    if due_at is None and rule is None:
+        due_at = int(time.time() * 1000)  # a one-shot timer without a time: due now
+    command = Command(name=args.command, body=args.body, body_type=args.body_type)
+    commit = await client.schedule(owner, args.key, command=command, due_at=due_at, rule=rule, target=target)
+    (event,) = commit.events
+    out(
+        f"timer {args.key!r} of {owner} scheduled at version {commit.version}: {args.command} to {target} "
+        f"due {iso_ms(event.body['due_at'])}"
+    )
+    return 0
 
 
 def _print_list(found: list[Timer], *, cut: bool, json: bool) -> None:

@@ -24,6 +24,7 @@ from wowd.model import (
     Checkpoint,
     Commit,
     LogBatch,
+    OutboxBatch,
     OutboxEntry,
     Owner,
     Position,
@@ -82,6 +83,12 @@ class Log(Protocol):
 
     async def append_many(self, commits: Sequence[Commit]) -> list[AppendOutcome]:
         """Appends unordered; one outcome per commit, in order (no exception for a conflict)."""
+        ...
+
+    async def last_version(self, ref: AggregateRef) -> int:
+        """The highest version stored for the aggregate ``ref``; 0 when it has no commit.
+        Read-only; one indexed read. A writer appends at this version + 1 and reads again on
+        :class:`~wowd.errors.ConflictError` (another writer took it)."""
         ...
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
@@ -350,9 +357,30 @@ class Outbox(Protocol):
         """Inserts a batch (one round trip); per entry, False when its request id was there."""
         ...
 
-    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]: ...
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
+        """At most ``limit`` entries in insertion order, skipping the first ``after`` (tools)."""
+        ...
 
-    async def count(self) -> int: ...
+    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
+        """The consumer's read: at most ``limit`` entries in insertion order after the cursor
+        ``after`` (``None``: from the oldest), with the cursor to pass next. Read-only: an
+        entry stays until acknowledged or trimmed. Raises :class:`~wowd.errors.InvalidInput`
+        (field ``cursor``) for a cursor this outbox did not give."""
+        ...
+
+    async def ack(self, request_ids: Sequence[str]) -> int:
+        """Removes the entries of ``request_ids`` (consumed); answers how many were there.
+        Idempotent. A request id fired again after its ack is a new entry (at-least-once)."""
+        ...
+
+    async def trim(self, before: int) -> int:
+        """Removes the entries created before ``before`` (ms), acknowledged or not (the
+        retention); answers how many."""
+        ...
+
+    async def count(self) -> int:
+        """The entries in the outbox (its depth)."""
+        ...
 
     async def close(self) -> None: ...
 
