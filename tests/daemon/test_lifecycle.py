@@ -229,6 +229,46 @@ def _wowd_command() -> list[str]:
 # --------------------------------------------------------------------------- 4. a second signal
 
 
+async def test_two_sigterms_within_a_second_count_once(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """``timeout`` and ``make`` forwarding one stop together: the drain of a delivery in flight
+    runs its grace period and the replica exits 0, not cancelled."""
+    requests = anyio.Event()
+
+    async def hang(stream: SocketStream) -> None:
+        async with stream:
+            requests.set()
+            await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    env = base_env(
+        db,
+        WOWD_LEASE__LIMIT=1,
+        WOWD_GATEWAY__KIND="http",
+        WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        WOWD_GATEWAY__TIMEOUT_S=60,
+        WOWD_SHUTDOWN__GRACE_S=3,
+    )
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hang)
+        r = spawn("twice", env)
+        await r.wait_ready()
+        await stores.log.append(timer_commit("slow-2", 1, ["k"]))
+        with anyio.fail_after(15):
+            await requests.wait()
+        r.signal(signal.SIGTERM)
+        first = time.monotonic()
+        await eventually(lambda: _logged(r, "received SIGTERM: stopping gracefully"), 10, "the first signal taken")
+        r.signal(signal.SIGTERM)
+        assert time.monotonic() - first < ESCALATE_AFTER_S  # else this test says nothing
+        assert await r.wait_exit(20) == 0
+        assert time.monotonic() - first >= 2.5  # the grace period ran
+        assert await _logged(r, "again within 1 s of the first: still stopping gracefully")
+        tg.cancel_scope.cancel()
+
+
 async def test_second_sigterm_during_a_long_drain_cancels_at_once(
     spawn: Callable[..., Replica], db: Path, stores: Backend
 ) -> None:

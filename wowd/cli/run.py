@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -47,39 +48,38 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     sup = Supervisor(settings, backend, gateway, port_file=args.port_file)
     forced = False
 
-    async def signals(scope: anyio.CancelScope) -> None:
+    async def signals(received: AsyncIterator[int], scope: anyio.CancelScope) -> None:
         nonlocal forced
         first: float | None = None
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-            async for signum in received:
-                name = signal.Signals(signum).name
-                if first is None:
-                    first = time.monotonic()
-                    log.info("received %s: stopping gracefully", name)
-                    sup.stop()
-                elif time.monotonic() - first < ESCALATE_AFTER_S:
-                    log.info(
-                        "received %s again within %.0f s of the first: still stopping gracefully",
-                        name,
-                        ESCALATE_AFTER_S,
-                    )
-                else:
-                    log.warning("received %s again: cancelling", name)
-                    forced = True
-                    sup.cancel()
-                    scope.cancel()
+        async for signum in received:
+            name = signal.Signals(signum).name
+            if first is None:
+                first = time.monotonic()
+                log.info("received %s: stopping gracefully", name)
+                sup.stop()
+            elif time.monotonic() - first < ESCALATE_AFTER_S:
+                log.info(
+                    "received %s again within %.0f s of the first: still stopping gracefully", name, ESCALATE_AFTER_S
+                )
+            else:
+                log.warning("received %s again: cancelling", name)
+                forced = True
+                sup.cancel()
+                scope.cancel()
 
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(signals, tg.cancel_scope)
-            if settings.demo:
-                tg.start_soon(_demo_in_process, backend, sup)
-            await sup.run()
-            tg.cancel_scope.cancel()
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT_S):
-            await gateway.aclose()
-            await backend.close()
+    # the signals are ours until the stores are closed: a late one does not kill the close
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(signals, received, tg.cancel_scope)
+                if settings.demo:
+                    tg.start_soon(_demo_in_process, backend, sup)
+                await sup.run()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT_S):
+                await gateway.aclose()
+                await backend.close()
     return 1 if forced else 0
 
 
