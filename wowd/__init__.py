@@ -1,6 +1,6 @@
 """wowd: a worker daemon for Wow-style event-sourced bounded contexts.
 
-Public names only; the daemon is started by the ``wowd`` console script (``wowd.__main__``).
+Public names only; the daemon is started by the ``wowd`` console script (``wowd.cli``).
 """
 
 from importlib.metadata import PackageNotFoundError, version

@@ -9,16 +9,19 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import tomllib
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -32,12 +35,16 @@ __all__ = [
     "HttpSettings",
     "LeaseSettings",
     "MongoSettings",
+    "OutboxSettings",
     "ShutdownSettings",
     "TimerSettings",
     "WowdSettings",
     "load_settings",
     "unknown_environment_keys",
 ]
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 class _Part(BaseModel):
@@ -120,11 +127,29 @@ class GatewaySettings(_Part):
     ca_certs: Path | None = None
     verify_certs: bool = True
 
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            parts = urlsplit(v)
+        except ValueError as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return v
+
     @model_validator(mode="after")
     def _url_for_http(self) -> GatewaySettings:
         if self.kind == "http" and not self.url:
             raise ValueError("url is required when kind is 'http'")
         return self
+
+
+class OutboxSettings(_Part):
+    retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    """Entries older than this are trimmed by the outbox gateway, acknowledged or not (0: kept)."""
 
 
 class HttpSettings(_Part):
@@ -158,6 +183,7 @@ class WowdSettings(BaseSettings):
     lease: LeaseSettings = LeaseSettings()
     timers: TimerSettings = TimerSettings()
     gateway: GatewaySettings = GatewaySettings()
+    outbox: OutboxSettings = OutboxSettings()
     http: HttpSettings = HttpSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
     reducers: dict[str, str] = {}
@@ -165,6 +191,23 @@ class WowdSettings(BaseSettings):
     and ``fold(state, event) -> state``: snapshots of that type are kept from the log."""
     demo: bool = False
     """Run the demo producer in-process (``wowd run --demo``)."""
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        level = v.upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{v!r} is not a log level ({', '.join(LOG_LEVELS)})")
+        return level
+
+    @field_validator("reducers")
+    @classmethod
+    def _reducer_paths(cls, v: dict[str, str]) -> dict[str, str]:
+        for aggregate, path in v.items():
+            module, sep, attribute = path.partition(":")
+            if not sep or not module or not attribute:
+                raise ValueError(f"{aggregate}: {path!r} is not an import path module:attribute")
+        return v
 
     @field_validator("context")
     @classmethod
@@ -251,6 +294,19 @@ def unknown_environment_keys(environ: Mapping[str, str] | None = None) -> list[s
     return sorted(unknown)
 
 
+def _settings_error(exc: SettingsError) -> str:
+    """pydantic-settings says ``error parsing value for field "reducers" from source ...``: a
+    nested or dict setting from the environment must be JSON."""
+    text = str(exc)
+    if '"' in text and "EnvSettingsSource" in text:
+        name = text.split('"')[1]
+        return (
+            f"WOWD_{name.upper()}: not JSON (a dict setting from the environment is a JSON object, "
+            f'e.g. WOWD_REDUCERS=\'{{"order": "module:attribute"}}\')'
+        )
+    return text
+
+
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:
     """Reads the settings; every error (misspelling, range, consistency) is a :class:`ConfigError`
     whose message names the key (without echoing a secret value)."""
@@ -263,11 +319,16 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Wo
     unknown = unknown_environment_keys()
     if unknown:
         raise ConfigError(
-            "invalid configuration:\n  "
-            + "\n  ".join(f"{key}: not a wowd setting (misspelled?)" for key in unknown)
+            "invalid configuration:\n  " + "\n  ".join(f"{key}: not a wowd setting (misspelled?)" for key in unknown)
         )
     try:
         return WowdSettings(**overrides)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            f"config file {_CONFIG_FILE.get() or os.environ.get('WOWD_CONFIG')!r}: not TOML: {exc}"
+        ) from None
+    except SettingsError as exc:
+        raise ConfigError(f"invalid configuration: {_settings_error(exc)}") from None
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_input=False, include_url=False):

@@ -3,7 +3,8 @@
 ``wowd demo`` appends a fixed number of commits once; ``wowd run --demo`` runs :func:`produce_forever`
 in-process. Each commit carries an ``OrderCreated``/``ItemAdded`` event; timers are spread over the
 commits (``TimerScheduled``, due ``due_in_ms`` after the append, target the order itself) and every
-fifth aggregate's second commit cancels the timer its first one scheduled (``TimerCancelled``).
+fifth aggregate's second commit cancels the timer its first one scheduled (``TimerCancelled``);
+the timer events are built by :mod:`wowd.client`'s builders, the schema the application API writes.
 :data:`reducer` folds the events into a small state for the snapshot projection
 (``WOWD_REDUCERS='{"order": "wowd.demo:reducer"}'``).
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import anyio
 
+from wowd.client import cancelled_event, scheduled_event
 from wowd.model import AggregateRef, Commit, DomainEvent
 from wowd.stores.base import Log
 
@@ -85,28 +87,22 @@ def demo_commits(
         version = versions.get(agg_id, 0) + 1
         versions[agg_id] = version
         ref = AggregateRef(context=context, aggregate=AGGREGATE, id=agg_id)
-        events = [
-            _event("OrderCreated" if version == 1 else "ItemAdded", {"order_id": agg_id, "n": version})
-        ]
+        events = [_event("OrderCreated" if version == 1 else "ItemAdded", {"order_id": agg_id, "n": version})]
         for k in range(per_commit + (1 if i < extra else 0)):
             key = f"expire-{version}-{k}"
             timer_no += 1
             events.append(
-                _event(
-                    "TimerScheduled",
-                    {
-                        "key": key,
-                        "due_at": now + due_in_ms,
-                        "rule": {"type": "once"},
-                        "target": {"context": context, "aggregate": AGGREGATE, "id": agg_id},
-                        "command": {"name": "expire-order", "body": {"order_id": agg_id, "timer": key, "n": timer_no}},
-                    },
+                scheduled_event(
+                    key,
+                    due_at=now + due_in_ms,
+                    target=ref,
+                    command={"name": "expire-order", "body": {"order_id": agg_id, "timer": key, "n": timer_no}},
                 )
             )
             first_key.setdefault(agg_id, key)
             stats.timers += 1
         if version == 2 and agg_id in first_key and (i % aggregates) % 5 == 4:
-            events.append(_event("TimerCancelled", {"key": first_key[agg_id]}))
+            events.append(cancelled_event(first_key[agg_id]))
             stats.cancelled += 1
         out.append(
             Commit(

@@ -86,6 +86,10 @@ TIMER_EVENTS_REJECTED = Counter(
     "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
 )
 
+OUTBOX_DEPTH = Gauge(
+    "wowd_outbox_depth", "Entries in the outbox (delivered, not yet acknowledged or trimmed), as last counted"
+)
+
 # feed
 FEED_COMMITS = Counter("wowd_feed_commits_total", "Commits fed to the sink and views", ["aggregate"])
 FEED_LAG = Gauge("wowd_feed_lag_seconds", "Now minus create time of the last commit fed", ["slot"])

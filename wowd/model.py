@@ -37,6 +37,7 @@ __all__ = [
     "LogBatch",
     "LogEntry",
     "OnceRule",
+    "OutboxBatch",
     "OutboxEntry",
     "Owner",
     "Position",
@@ -957,3 +958,12 @@ class OutboxEntry:
     fence: int
     owner_key: str
     created_at: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OutboxBatch:
+    """Entries taken from the outbox in insertion order, and the cursor to take the next ones
+    after (the cursor given when the batch is empty)."""
+
+    entries: tuple[OutboxEntry, ...]
+    cursor: str | None

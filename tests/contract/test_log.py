@@ -98,6 +98,19 @@ async def test_append_many_answers_per_commit(log: Any) -> None:
     assert await log.append_many([]) == []
 
 
+async def test_last_version_is_the_highest_of_that_aggregate_alone(log: Any) -> None:
+    ref = commit("o-1").ref
+    assert await log.last_version(ref) == 0
+    assert (
+        await log.append_many([commit("o-1", 1), commit("o-1", 2), commit("o-1", 3), commit("o-2", 7)])
+        == ["appended"] * 4
+    )
+    assert await log.last_version(ref) == 3
+    assert await log.last_version(commit("o-2").ref) == 7
+    assert await log.last_version(AggregateRef(context=CONTEXT, aggregate="order", id="o-1", tenant_id="t2")) == 0
+    assert await log.last_version(commit("o-1", type=CART).ref) == 0
+
+
 async def test_aggregate_types_lists_the_types_with_commits(log: Any) -> None:
     await log.append(commit("o-1"))
     await log.append(commit("c-1", type=CART))
@@ -139,16 +152,10 @@ async def test_read_after_a_position_per_partition(log: Any) -> None:
         await log.append(commit(a, v))
         await log.append(commit(b, v))
     everything = entries(await read_all(log, {1: None, 2: None}))
-    pos_a2 = next(
-        e.position for e in everything if e.commit and e.commit.ref.id == a and e.commit.version == 2
-    )
-    pos_b1 = next(
-        e.position for e in everything if e.commit and e.commit.ref.id == b and e.commit.version == 1
-    )
+    pos_a2 = next(e.position for e in everything if e.commit and e.commit.ref.id == a and e.commit.version == 2)
+    pos_b1 = next(e.position for e in everything if e.commit and e.commit.ref.id == b and e.commit.version == 1)
     found = entries(await read_all(log, {1: pos_a2, 2: pos_b1}))
-    assert [(e.commit.ref.id, e.commit.version) for e in found if e.commit and e.commit.ref.id == a] == [
-        (a, 3)
-    ]
+    assert [(e.commit.ref.id, e.commit.version) for e in found if e.commit and e.commit.ref.id == a] == [(a, 3)]
     assert [(e.commit.ref.id, e.commit.version) for e in found if e.commit and e.commit.ref.id == b] == [
         (b, 2),
         (b, 3),
@@ -245,9 +252,7 @@ async def test_checkpoint_fence_guard(log: Any) -> None:
     assert await log.save_checkpoint("feed", 2, pos1, 5) is True
     assert await log.save_checkpoint("feed", 2, pos2, 4) is False  # lower fence refused
     stored = (await log.checkpoints("feed", [2]))[2]
-    assert (
-        stored.position == pos1 and stored.fence == 5 and stored.consumer == "feed" and stored.partition == 2
-    )
+    assert stored.position == pos1 and stored.fence == 5 and stored.consumer == "feed" and stored.partition == 2
     assert await log.save_checkpoint("feed", 2, pos2, 5) is True  # same fence admitted
     assert (await log.checkpoints("feed", [2]))[2].position == pos2
     assert await log.save_checkpoint("feed", 2, pos1, 6) is True  # higher fence admitted

@@ -61,3 +61,39 @@ async def test_put_many_answers_per_entry_and_keeps_the_first_delivery(outbox: A
     assert [e.request_id for e in await outbox.entries()] == ["r-1", "r-2", "r-3"]
     assert all(e.fence == 3 for e in await outbox.entries())
     assert await outbox.put_many([]) == []
+
+
+async def test_take_pages_after_a_cursor_and_ack_removes(outbox: Any) -> None:
+    puts = [entry(f"r-{n}") for n in (5, 1, 4, 2, 3)]
+    assert await outbox.put_many(puts) == [True] * 5
+    first = await outbox.take(limit=2)
+    assert list(first.entries) == puts[:2] and first.cursor is not None
+    rest = await outbox.take(first.cursor, limit=10)
+    assert list(rest.entries) == puts[2:]
+    end = await outbox.take(rest.cursor, limit=10)
+    assert end.entries == () and end.cursor == rest.cursor  # nothing new: the same cursor
+    assert await outbox.ack(["r-5", "r-1", "r-9"]) == 2  # r-9 is not there
+    assert await outbox.ack(["r-5"]) == 0  # idempotent
+    assert list((await outbox.take()).entries) == puts[2:]
+    assert await outbox.count() == 3
+    assert await outbox.put(entry("r-6"))  # later than the cursor: taken next
+    assert [e.request_id for e in (await outbox.take(rest.cursor)).entries] == ["r-6"]
+
+
+async def test_take_refuses_a_cursor_it_did_not_give(outbox: Any) -> None:
+    from wowd.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="cursor"):
+        await outbox.take("not-a-cursor")
+
+
+async def test_trim_removes_the_entries_created_before(outbox: Any) -> None:
+    old, edge, new = (
+        entry("r-old", created_at=1_000),
+        entry("r-edge", created_at=2_000),
+        entry("r-new", created_at=3_000),
+    )
+    await outbox.put_many([old, edge, new])
+    assert await outbox.trim(2_000) == 1
+    assert await outbox.entries() == [edge, new]
+    assert await outbox.trim(2_000) == 0

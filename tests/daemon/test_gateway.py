@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,6 +22,7 @@ from wowd.daemon.gateway import (
     Park,
     Retry,
     command_url,
+    outbox_entry,
     outcome_for_status,
 )
 from wowd.errors import StorageUnavailable
@@ -170,6 +173,19 @@ class FakeOutbox:
     async def put_many(self, entries: list[OutboxEntry]) -> list[bool]:
         return [await self.put(e) for e in entries]
 
+    async def count(self) -> int:
+        if self.fail:
+            raise StorageUnavailable("busy")
+        return len(self.entries)
+
+    async def trim(self, before: int) -> int:
+        if self.fail:
+            raise StorageUnavailable("busy")
+        old = [k for k, e in self.entries.items() if e.created_at < before]
+        for k in old:
+            del self.entries[k]
+        return len(old)
+
 
 async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -> None:
     box = FakeOutbox()
@@ -187,3 +203,33 @@ async def test_outbox_gateway_unavailable_is_retry() -> None:
     got: list[Outcome] = []
     await gw.deliver([make_timer()], lambda t, o: got.append(o))
     assert isinstance(got[0], Retry)
+
+
+async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth(tmp_path: Path) -> None:
+    from wowd.metrics import REGISTRY
+    from wowd.stores.embedded import EmbeddedOutbox
+
+    box = EmbeddedOutbox(tmp_path / "o.db")
+    try:
+        await box.prepare()
+        old = replace(make_timer(agg_id="old"), timer_id="t-old")
+        await box.put(outbox_entry(old, 1_000))  # created long before the retention
+        gw = OutboxGateway(box, retention_s=3600)
+        got: list[Outcome] = []
+        fresh = [replace(make_timer(agg_id=i), timer_id=f"t-{i}") for i in ("a", "b")]
+        await gw.deliver(fresh, lambda t, o: got.append(o))
+        assert all(isinstance(o, Delivered) for o in got)
+        assert {e.target.id for e in await box.entries()} == {"a", "b"}
+        assert REGISTRY.get_sample_value("wowd_outbox_depth") == 2
+    finally:
+        await box.close()
+
+
+async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:
+    box = FakeOutbox()
+    gw = OutboxGateway(box, retention_s=60)  # type: ignore[arg-type]
+    got: list[Outcome] = []
+    await gw.deliver([make_timer()], lambda t, o: got.append(o))
+    box.fail = True
+    await gw.housekeep()  # logged, not raised
+    assert isinstance(got[0], Delivered) and len(box.entries) == 1

@@ -21,9 +21,10 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
+from wowd.cli.run import ESCALATE_AFTER_S
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import Owner, TimerStatus
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_commit
 
@@ -228,11 +229,52 @@ def _wowd_command() -> list[str]:
 # --------------------------------------------------------------------------- 4. a second signal
 
 
+async def test_two_sigterms_within_a_second_count_once(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """``timeout`` and ``make`` forwarding one stop together: the drain of a delivery in flight
+    runs its grace period and the replica exits 0, not cancelled."""
+    requests = anyio.Event()
+
+    async def hang(stream: SocketStream) -> None:
+        async with stream:
+            requests.set()
+            await anyio.sleep_forever()
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    env = base_env(
+        db,
+        WOWD_LEASE__LIMIT=1,
+        WOWD_GATEWAY__KIND="http",
+        WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        WOWD_GATEWAY__TIMEOUT_S=60,
+        WOWD_SHUTDOWN__GRACE_S=3,
+    )
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, hang)
+        r = spawn("twice", env)
+        await r.wait_ready()
+        await stores.log.append(timer_commit("slow-2", 1, ["k"]))
+        with anyio.fail_after(15):
+            await requests.wait()
+        r.signal(signal.SIGTERM)
+        first = time.monotonic()
+        await eventually(lambda: _logged(r, "received SIGTERM: stopping gracefully"), 10, "the first signal taken")
+        r.signal(signal.SIGTERM)
+        assert time.monotonic() - first < ESCALATE_AFTER_S  # else this test says nothing
+        assert await r.wait_exit(20) == 0
+        assert time.monotonic() - first >= 2.5  # the grace period ran
+        assert await _logged(r, "again within 1 s of the first: still stopping gracefully")
+        tg.cancel_scope.cancel()
+
+
 async def test_second_sigterm_during_a_long_drain_cancels_at_once(
     spawn: Callable[..., Replica], db: Path, stores: Backend
 ) -> None:
     """The target never answers, so the graceful drain would last the whole grace period; a second
-    SIGTERM ends it at once (exit 1), still settling the claim and releasing the lease."""
+    SIGTERM (a second or more after the first) ends it at once (exit 1), still settling the claim
+    and releasing the lease."""
     requests = anyio.Event()
 
     async def hang(stream: SocketStream) -> None:
@@ -262,11 +304,14 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
             await requests.wait()  # the delivery is in flight and will not finish by itself
 
         r.signal(signal.SIGTERM)
+        first = time.monotonic()
         await eventually(lambda: _logged(r, "stopping: draining within 60.0s"), 10, "graceful stop begun")
         assert r.proc.poll() is None  # draining: waits for the delivery in flight
         (timer,) = await stores.timers.scan(limit=10)
         assert timer.status is TimerStatus.FIRING
 
+        # a repeat within ESCALATE_AFTER_S of the first counts as the same signal
+        await anyio.sleep(max(0.0, ESCALATE_AFTER_S + 0.1 - (time.monotonic() - first)))
         r.signal(signal.SIGTERM)
         second = time.monotonic()
         assert await r.wait_exit(10) == 1

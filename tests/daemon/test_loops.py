@@ -32,7 +32,7 @@ from wowd.model import (
     deterministic_timer_id,
     partition,
 )
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, timer_commit
 

@@ -25,7 +25,7 @@ from wowd.model import (
     partition,
     request_id_for,
 )
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .conftest import (
     CONTEXT,

@@ -20,7 +20,7 @@ from wowd.daemon.supervisor import Supervisor
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit
 
@@ -334,7 +334,7 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
     ]
 
     code, out, err = await run_wowd("snapshots", "rebuild", env=env, cwd=tmp_path)
-    assert code == 1 and "partitions 0, 2, 4, 6 have a live holder" in err
+    assert code == 1 and "partitions 0,2..6 (4 partitions) have a live holder" in err
 
     args = ("snapshots", "rebuild", "--partitions", "1,3", "5", "7", "--json")
     code, out, err = await run_wowd(*args, env=env, cwd=tmp_path)

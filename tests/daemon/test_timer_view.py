@@ -21,7 +21,7 @@ from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, timer_commit
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import pytest
+from bson import ObjectId
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr
@@ -568,7 +569,10 @@ async def test_outbox_is_unique_on_the_request_id(rs_client: AsyncMongoClient[An
             put = start(tg, lambda: outbox.put(entry))
             ci = await rs_wire.command("createIndexes")
             assert ci["createIndexes"] == f"wow_outbox__{CONTEXT}"
-            assert ci["indexes"] == [{"key": {"request_id": 1}, "name": "request_id", "unique": True}]
+            assert ci["indexes"] == [
+                {"key": {"request_id": 1}, "name": "request_id", "unique": True},
+                {"key": {"created_at": 1}, "name": "created_at"},  # the retention's trim
+            ]
             ci.ok()
             insert = await rs_wire.command("insert")
             assert insert.docs[0]["documents"][0]["request_id"] == "r1"
@@ -624,6 +628,76 @@ async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
             await call.done.wait()
     with pytest.raises(StorageUnavailable, match="write concern"):
         call.result()
+
+
+def _outbox_doc(oid: ObjectId, request_id: str) -> dict[str, Any]:
+    return {
+        "_id": oid, "request_id": request_id, "timer_id": "t",
+        "target": {"context": "ctx", "aggregate": "order", "tenant_id": "(0)", "id": "o1"},
+        "command": "{}", "scheduled_at": 1, "fence": 1, "owner_key": "k", "created_at": 2,
+    }
+
+
+async def test_outbox_take_is_one_find_after_the_cursor_in_id_order(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    after, a, b = ObjectId(), ObjectId(), ObjectId()
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: outbox.take(str(after), limit=2))
+            find = await rs_wire.command("find")
+            assert find["find"] == f"wow_outbox__{CONTEXT}"
+            assert find["filter"] == {"_id": {"$gt": after}}
+            assert find["sort"] == {"_id": 1} and find["limit"] == 2
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_outbox__{CONTEXT}",
+                            "firstBatch": [_outbox_doc(a, "r1"), _outbox_doc(b, "r2")]})
+            await call.done.wait()
+    batch = call.result()
+    assert [e.request_id for e in batch.entries] == ["r1", "r2"] and batch.cursor == str(b)
+
+
+async def test_outbox_ack_and_trim_are_one_delete_many_each(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            ack = start(tg, lambda: outbox.ack(["r1", "r2"]))
+            delete = await rs_wire.command("delete")
+            assert delete["delete"] == f"wow_outbox__{CONTEXT}"
+            assert delete.docs[0]["deletes"] == [{"q": {"request_id": {"$in": ["r1", "r2"]}}, "limit": 0}]
+            delete.ok(n=1)
+            await ack.done.wait()
+            assert ack.result() == 1
+
+            trim = start(tg, lambda: outbox.trim(2_000))
+            delete = await rs_wire.command("delete")
+            assert delete.docs[0]["deletes"] == [{"q": {"created_at": {"$lt": 2_000}}, "limit": 0}]
+            delete.ok(n=7)
+            await trim.done.wait()
+            assert trim.result() == 7
+
+
+async def test_last_version_reads_one_version_over_the_partition_order_index(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=ID_P3, tenant_id="t1")
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: log.last_version(ref))
+            find = await rs_wire.command("find")
+            assert find["find"] == ORDERS
+            assert find["filter"] == {"partition": 3, "aggregate_id": ID_P3, "tenant_id": "t1"}
+            assert find["sort"] == {"version": -1} and find["limit"] == 1
+            assert find["projection"] == {"_id": 0, "version": 1}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 4}]})
+            await call.done.wait()
+            assert call.result() == 4
+
+            none = start(tg, lambda: log.last_version(ref))
+            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            await none.done.wait()
+            assert none.result() == 0
 
 
 async def test_check_replica_set_refuses_a_standalone(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:

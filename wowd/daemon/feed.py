@@ -48,7 +48,7 @@ from wowd.model import (
     partition,
     timer_event_from,
 )
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .leases import HeldSlot
 

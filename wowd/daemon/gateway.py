@@ -24,6 +24,7 @@ from urllib.parse import quote
 import anyio
 import httpx
 
+from wowd import metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, OutboxEntry, Timer
@@ -45,6 +46,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+OUTBOX_HOUSEKEEPING_S = 60.0
+"""How often (at most) the outbox gateway trims the outbox and counts its depth."""
 
 MAX_ANSWER_BYTES = 4096
 """How much of an answer's body is read (for an error reason); the rest is discarded."""
@@ -133,11 +137,33 @@ class OutboxGateway:
     """Delivers into the backend's outbox, unique on the request id (a re-fire is a no-op).
 
     The fence and owner key written with each entry are those of the timer's claim; a batch is
-    one ``put_many`` call.
+    one ``put_many`` call. At most every :data:`OUTBOX_HOUSEKEEPING_S`, after a delivery, it
+    trims the entries older than ``retention_s`` (0: none) and counts the outbox into
+    ``wowd_outbox_depth``.
     """
 
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(self, outbox: Outbox, *, retention_s: float = 0.0) -> None:
         self._outbox = outbox
+        self._retention_ms = int(retention_s * 1000)
+        self._housekept_at: float | None = None
+
+    async def housekeep(self) -> None:
+        """Trims past the retention and updates ``wowd_outbox_depth``; a store failure is
+        logged and left for the next time (deliveries do not depend on it)."""
+        self._housekept_at = time.monotonic()
+        try:
+            if self._retention_ms > 0:
+                trimmed = await self._outbox.trim(_now_ms() - self._retention_ms)
+                if trimmed:
+                    log.info("outbox: trimmed %d entries older than the retention", trimmed)
+            metrics.OUTBOX_DEPTH.set(await self._outbox.count())
+        except StorageError as exc:
+            log.warning("outbox housekeeping failed (will retry): %s", exc)
+
+    async def _maybe_housekeep(self) -> None:
+        last = self._housekept_at
+        if last is None or time.monotonic() - last >= OUTBOX_HOUSEKEEPING_S:
+            await self.housekeep()
 
     async def send(self, timer: Timer) -> Outcome:
         try:
@@ -161,6 +187,7 @@ class OutboxGateway:
             outcome = Retry(reason=f"outbox error: {exc}")
         for t in timers:
             record(t, outcome)
+        await self._maybe_housekeep()
 
     async def aclose(self) -> None:
         return None
@@ -271,6 +298,19 @@ class HttpGateway:
             return Retry(reason=f"http error: {type(exc).__name__}")
         except (ValueError, UnicodeError) as exc:
             return Fail(reason=f"request refused: {type(exc).__name__}")
+
+    async def probe(self) -> int:
+        """One ``HEAD`` of the base URL with the credentials and TLS settings of a delivery;
+        answers the HTTP status (any status: the endpoint answers). Raises
+        :class:`~wowd.errors.StorageUnavailable` when nothing answers (connection, TLS, timeout)."""
+        try:
+            with anyio.fail_after(self._timeout):
+                resp = await self._client.head(self._base, headers=self._headers)
+        except (TimeoutError, httpx.TimeoutException) as exc:
+            raise StorageUnavailable(f"gateway {self._base}: no answer within {self._timeout}s") from exc
+        except httpx.HTTPError as exc:
+            raise StorageUnavailable(f"gateway {self._base}: {type(exc).__name__}: {exc}") from exc
+        return resp.status_code
 
     @staticmethod
     async def _read_detail(resp: httpx.Response) -> str:

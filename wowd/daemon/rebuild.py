@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 
@@ -45,11 +45,10 @@ from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
-    SlotState,
     SnapshotRecord,
     SnapshotTable,
 )
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .feed import Reducer, fold_commit
 from .leases import HeldSlot
@@ -60,10 +59,7 @@ __all__ = [
     "RebuildReport",
     "RebuildStatus",
     "fold_commit",
-    "live_partitions",
     "progress_consumer",
-    "report_doc",
-    "status_doc",
 ]
 
 log = logging.getLogger(__name__)
@@ -460,55 +456,3 @@ class Rebuilder:
                     )
             return reports
         return []
-
-
-# --------------------------------------------------------------------------- CLI helpers
-
-
-def live_partitions(settings: WowdSettings, states: Iterable[SlotState]) -> set[int]:
-    """The partitions whose slot has a live holder now (by the store's clock)."""
-    out: set[int] = set()
-    lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
-    for st in states:
-        if st.live and lo <= st.slot < hi:
-            out.update(settings.partitions_of_slot(st.slot))
-    return out
-
-
-def _table_doc(t: SnapshotTable | None) -> dict[str, Any] | None:
-    if t is None:
-        return None
-    return {
-        "revision": t.revision,
-        "rebuilding": t.rebuilding,
-        "backfilled": t.backfilled,
-        "updated_at": t.updated_at,
-    }
-
-
-def status_doc(s: RebuildStatus) -> dict[str, Any]:
-    return {
-        "aggregate": s.type.aggregate,
-        "reducer_revision": s.reducer_revision,
-        "table": _table_doc(s.table),
-        "target_revision": s.target,
-        "pending": s.pending,
-        "partitions_done": s.partitions_done,
-        "partitions": s.partitions,
-    }
-
-
-def report_doc(r: RebuildReport) -> dict[str, Any]:
-    return {
-        "aggregate": r.type.aggregate,
-        "revision": r.revision,
-        "outcome": r.outcome,
-        "partitions": sorted(r.partitions),
-        "aggregates": r.aggregates,
-        "rewritten": r.rewritten,
-        "unchanged": r.unchanged,
-        "skipped": r.skipped,
-        "failed": r.failed,
-        "backfilled": r.backfilled,
-        "table": _table_doc(r.table),
-    }

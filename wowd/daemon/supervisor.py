@@ -18,7 +18,7 @@ from anyio.abc import TaskStatus
 from wowd import metrics
 from wowd.config import WowdSettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 
 from .feed import Feeder, Reducer, Waker, load_reducer
 from .gateway import CommandGateway

@@ -1,8 +1,10 @@
-"""Stores: the protocols in :mod:`wowd.stores.base`, one subpackage per backend.
+"""Stores: the protocols and :class:`~wowd.stores.base.Backend` in :mod:`wowd.stores.base`, one
+subpackage per backend (``embedded``, ``mongo``, ``elasticsearch``).
 
-Backends are imported only when used: a user of the embedded default never imports pymongo.
+Nothing here imports a backend: the composition root (:mod:`wowd.cli.backend`) opens one, so a
+user of the embedded default never imports pymongo.
 """
 
-from wowd.stores.backend import Backend, open_backend
+from wowd.stores.base import Backend
 
-__all__ = ["Backend", "open_backend"]
+__all__ = ["Backend"]

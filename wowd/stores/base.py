@@ -10,7 +10,8 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -23,6 +24,7 @@ from wowd.model import (
     Checkpoint,
     Commit,
     LogBatch,
+    OutboxBatch,
     OutboxEntry,
     Owner,
     Position,
@@ -39,6 +41,7 @@ from wowd.model import (
 
 __all__ = [
     "AppendOutcome",
+    "Backend",
     "Ddl",
     "EventSink",
     "Log",
@@ -81,6 +84,12 @@ class Log(Protocol):
 
     async def append_many(self, commits: Sequence[Commit]) -> list[AppendOutcome]:
         """Appends unordered; one outcome per commit, in order (no exception for a conflict)."""
+        ...
+
+    async def last_version(self, ref: AggregateRef) -> int:
+        """The highest version stored for the aggregate ``ref``; 0 when it has no commit.
+        Read-only; one indexed read. A writer appends at this version + 1 and reads again on
+        :class:`~wowd.errors.ConflictError` (another writer took it)."""
         ...
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
@@ -406,8 +415,58 @@ class Outbox(Protocol):
         """Inserts a batch (one round trip); per entry, False when its request id was there."""
         ...
 
-    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]: ...
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
+        """At most ``limit`` entries in insertion order, skipping the first ``after`` (tools)."""
+        ...
 
-    async def count(self) -> int: ...
+    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
+        """The consumer's read: at most ``limit`` entries in insertion order after the cursor
+        ``after`` (``None``: from the oldest), with the cursor to pass next. Read-only: an
+        entry stays until acknowledged or trimmed. Raises :class:`~wowd.errors.InvalidInput`
+        (field ``cursor``) for a cursor this outbox did not give."""
+        ...
+
+    async def ack(self, request_ids: Sequence[str]) -> int:
+        """Removes the entries of ``request_ids`` (consumed); answers how many were there.
+        Idempotent. A request id fired again after its ack is a new entry (at-least-once)."""
+        ...
+
+    async def trim(self, before: int) -> int:
+        """Removes the entries created before ``before`` (ms), acknowledged or not (the
+        retention); answers how many."""
+        ...
+
+    async def count(self) -> int:
+        """The entries in the outbox (its depth)."""
+        ...
 
     async def close(self) -> None: ...
+
+
+@dataclass(kw_only=True)
+class Backend:
+    """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
+    the event sink of a type. ``close`` closes the sinks, then ``closers`` in reverse order."""
+
+    name: str
+    log: Log
+    leases: SlotLeaseStore
+    timers: TimerStore
+    snapshots: SnapshotStore
+    rebuilds: SnapshotRebuildStore
+    outbox: Outbox
+    sink_factory: Callable[[AggregateType], EventSink]
+    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
+
+    def sink(self, type: AggregateType) -> EventSink:
+        s = self._sinks.get(type)
+        if s is None:
+            s = self._sinks[type] = self.sink_factory(type)
+        return s
+
+    async def close(self) -> None:
+        for s in self._sinks.values():
+            await s.close()
+        for close in reversed(self.closers):
+            await close()

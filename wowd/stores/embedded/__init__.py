@@ -11,7 +11,7 @@ import importlib
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 from wowd.stores.embedded.log import EmbeddedLog

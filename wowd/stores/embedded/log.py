@@ -45,6 +45,7 @@ from wowd.errors import ConflictError, FormatError, InvalidInput, StorageError, 
 from wowd.metrics import STORE_CALL_SECONDS
 from wowd.model import (
     DEFAULT_TENANT,
+    AggregateRef,
     AggregateType,
     Checkpoint,
     Commit,
@@ -130,6 +131,14 @@ def insert_sql() -> str:
 def find_request_sql() -> str:
     """The commit holding ``(aggregate, aggregate_id, request_id)``: a repeat is a duplicate."""
     return "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND aggregate_id = ? AND request_id = ?"
+
+
+def last_version_sql() -> str:
+    """The highest version of one aggregate (over the ``log_version`` index)."""
+    return (
+        "SELECT MAX(version) FROM log"
+        " WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
+    )
 
 
 def read_sql(partitions: int) -> str:
@@ -372,6 +381,15 @@ class EmbeddedLog(SqliteStore):
         if "appended" in outcomes:
             self._notifier.notify()
         return outcomes
+
+    async def last_version(self, ref: AggregateRef) -> int:
+        params = (self.context, ref.aggregate, ref.tenant_id, ref.id)
+
+        def run(conn: sqlite3.Connection) -> int:
+            found = conn.execute(last_version_sql(), params).fetchone()[0]
+            return int(found) if found is not None else 0
+
+        return await self._run("last_version", run)
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         """Stores ``document`` as is (its JSON). Partition: of ``aggregate_id`` when that is a

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar
 
-from wowd.model import AggregateRef, OutboxEntry
+from wowd.errors import InvalidInput
+from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.embedded.db import SqliteStore, under_lock
 
 __all__ = ["EmbeddedOutbox"]
@@ -38,6 +39,7 @@ SCHEMA = (
         owner_key TEXT NOT NULL,
         created_at INTEGER NOT NULL
     )""",
+    "CREATE INDEX IF NOT EXISTS outbox_created ON outbox (created_at)",
     # A re-delivery of a request id already in the outbox (a re-fire after a crash between send
     # and settle, or by a new slot holder): kept so that tests and operators can see who re-fired.
     """CREATE TABLE IF NOT EXISTS outbox_redelivery (
@@ -67,6 +69,31 @@ def redelivery_sql() -> str:
 def entries_sql() -> str:
     """Entries in insertion order, skipping the first ``after`` ones."""
     return f"SELECT {_COLUMNS} FROM outbox ORDER BY seq LIMIT ? OFFSET ?"
+
+
+def take_sql() -> str:
+    """Entries after a ``seq``, in insertion order."""
+    return f"SELECT seq, {_COLUMNS} FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?"
+
+
+def ack_sql(n: int) -> str:
+    return f"DELETE FROM outbox WHERE request_id IN ({', '.join('?' * n)})"
+
+
+def trim_sql() -> str:
+    return "DELETE FROM outbox WHERE created_at < ?"
+
+
+def _seq_of(cursor: str | None) -> int:
+    if cursor is None:
+        return 0
+    try:
+        seq = int(cursor)
+    except ValueError:
+        seq = -1
+    if seq < 0:
+        raise InvalidInput(f"{cursor!r} is not a cursor of this outbox", field="cursor")
+    return seq
 
 
 def _target_json(ref: AggregateRef) -> str:
@@ -158,6 +185,36 @@ class EmbeddedOutbox(SqliteStore):
 
         return await self._run("count", run)
 
+    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
+        """Entries after the cursor (a ``seq``) in insertion order."""
+        seq = _seq_of(after)
+
+        def run(conn: sqlite3.Connection) -> OutboxBatch:
+            rows = conn.execute(take_sql(), (seq, max(limit, 0))).fetchall()
+            cursor = str(rows[-1][0]) if rows else after
+            return OutboxBatch(entries=tuple(_entry(r[1:]) for r in rows), cursor=cursor)
+
+        return await self._run("take", run)
+
+    async def ack(self, request_ids: Sequence[str]) -> int:
+        ids = list(dict.fromkeys(request_ids))
+
+        def run(conn: sqlite3.Connection) -> int:
+            removed = 0
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                removed += conn.execute(ack_sql(len(chunk)), chunk).rowcount
+            return removed
+
+        if not ids:
+            return 0
+        return await self._run("ack", under_lock(self._write_lock, self._db.transaction(run)))
+
+    async def trim(self, before: int) -> int:
+        def run(conn: sqlite3.Connection) -> int:
+            return int(conn.execute(trim_sql(), (before,)).rowcount)
+
+        return await self._run("trim", under_lock(self._write_lock, self._db.transaction(run)))
 
 
 class _Repeated(Exception):

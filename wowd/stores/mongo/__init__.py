@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from wowd.errors import ConfigError
-from wowd.stores.backend import Backend
+from wowd.stores.base import Backend
 from wowd.stores.mongo._common import translate_errors
 from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.outbox import MongoOutbox

@@ -49,6 +49,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, 
 from wowd.errors import ConfigError, ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import (
+    AggregateRef,
     AggregateType,
     Checkpoint,
     Commit,
@@ -76,6 +77,7 @@ __all__ = [
     "checkpoint_update",
     "cluster_time_command",
     "cluster_time_of",
+    "last_version_query",
     "log_collection_prefix",
     "log_indexes",
     "quarantine_doc",
@@ -204,6 +206,15 @@ def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
             ]
         },
     }
+
+
+def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
+    """``(filter, sort)`` of the read of one aggregate's highest version: equality on the
+    ``partition_order`` index's first two keys, sorted on its third."""
+    return (
+        {"partition": partition(ref.id, partitions), "aggregate_id": ref.id, "tenant_id": ref.tenant_id},
+        {"version": -1},
+    )
 
 
 def checkpoint_id(consumer: str, partition_: int) -> Doc:
@@ -515,6 +526,15 @@ class MongoLog:
             else:
                 raise StorageError(f"mongodb log append: unexpected duplicate key: {err.get('errmsg')}")
         return out
+
+    async def last_version(self, ref: AggregateRef) -> int:
+        """One ``find`` (limit 1, the version only) on the aggregate's log collection."""
+        coll = await self._collection(ref.type)
+        query, sort = last_version_query(ref, self.partitions)
+        with self._op("last_version"):
+            doc = await coll.find_one(query, {"_id": 0, "version": 1}, sort=list(sort.items()))
+        version = doc.get("version") if doc is not None else 0
+        return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         coll = await self._collection(aggregate)

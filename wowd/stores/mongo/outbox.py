@@ -11,22 +11,43 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from bson import ObjectId
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import AggregateRef, OutboxEntry, validate_name
+from wowd.errors import InvalidInput, StorageError, StorageUnavailable
+from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import DUPLICATE_KEY, translate_errors
 
-__all__ = ["MongoOutbox", "outbox_doc", "outbox_entry", "outbox_indexes"]
+__all__ = ["MongoOutbox", "ack_filter", "outbox_doc", "outbox_entry", "outbox_indexes", "take_filter", "trim_filter"]
 
 Doc = dict[str, Any]
 
 
 def outbox_indexes() -> list[Doc]:
-    return [{"key": {"request_id": 1}, "name": "request_id", "unique": True}]
+    return [
+        {"key": {"request_id": 1}, "name": "request_id", "unique": True},
+        {"key": {"created_at": 1}, "name": "created_at"},
+    ]
+
+
+def take_filter(after: str | None) -> Doc:
+    """Entries after the cursor (an ``_id``); a cursor that is no ObjectId is refused."""
+    if after is None:
+        return {}
+    if not ObjectId.is_valid(after):
+        raise InvalidInput(f"{after!r} is not a cursor of this outbox", field="cursor")
+    return {"_id": {"$gt": ObjectId(after)}}
+
+
+def ack_filter(request_ids: Sequence[str]) -> Doc:
+    return {"request_id": {"$in": list(request_ids)}}
+
+
+def trim_filter(before: int) -> Doc:
+    return {"created_at": {"$lt": before}}
 
 
 def outbox_doc(entry: OutboxEntry) -> Doc:
@@ -132,6 +153,30 @@ class MongoOutbox:
     async def count(self) -> int:
         with self._op("count"):
             return await self._coll.count_documents({})
+
+    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
+        """One ``find`` after the cursor (an ``_id``) in ``_id`` order."""
+        query = take_filter(after)
+        if limit <= 0:
+            return OutboxBatch(entries=(), cursor=after)
+        with self._op("take"):
+            docs = await self._coll.find(query, sort=[("_id", 1)], limit=limit).to_list()
+        cursor = str(docs[-1]["_id"]) if docs else after
+        return OutboxBatch(entries=tuple(outbox_entry(d) for d in docs), cursor=cursor)
+
+    async def ack(self, request_ids: Sequence[str]) -> int:
+        """One ``deleteMany`` of the request ids."""
+        if not request_ids:
+            return 0
+        with self._op("ack"):
+            result = await self._coll.delete_many(ack_filter(request_ids))
+        return int(result.deleted_count)
+
+    async def trim(self, before: int) -> int:
+        """One ``deleteMany`` of the entries created before ``before`` (over the ``created_at`` index)."""
+        with self._op("trim"):
+            result = await self._coll.delete_many(trim_filter(before))
+        return int(result.deleted_count)
 
     async def close(self) -> None:
         """The client belongs to the caller: nothing to close here."""

@@ -1,0 +1,47 @@
+"""The command line in-process (``main(argv)`` with captured output) on a fresh SQLite file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from wowd.cli import main
+
+CONTEXT = "demo"
+PARTITIONS = 8
+
+
+@pytest.fixture
+def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A clean ``WOWD_*`` environment naming a database in ``tmp_path``."""
+    for key in list(os.environ):
+        if key.upper().startswith("WOWD_"):
+            monkeypatch.delenv(key)
+    path = tmp_path / "wowd.db"
+    monkeypatch.setenv("WOWD_EMBEDDED__PATH", str(path))
+    monkeypatch.setenv("WOWD_CONTEXT", CONTEXT)
+    monkeypatch.setenv("WOWD_PARTITIONS", str(PARTITIONS))
+    monkeypatch.setenv("WOWD_LOG_FORMAT", "text")
+    yield path
+
+
+Run = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def wowd(capsys: pytest.CaptureFixture[str], db: Path) -> Run:
+    """``wowd ARGS`` in-process: (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's refusals and --version
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    return run

@@ -1,0 +1,225 @@
+"""The command line in a terminal and a pipe: exit codes, one-line errors, no stray files."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.cli.conftest import Run
+from wowd import __version__
+from wowd.cli.backend import opened_backend
+from wowd.config import load_settings
+from wowd.model import AggregateRef, OutboxEntry, Owner
+
+
+def test_version(wowd: Run) -> None:
+    assert wowd("--version")[:2] == (0, f"wowd {__version__}\n")
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WOWD_REDUCERS": "order=x"}, "WOWD_REDUCERS: not JSON"),
+        ({"WOWD_REDUCERS": '{"order": "x"}'}, "'x' is not an import path module:attribute"),
+        ({"WOWD_GATEWAY__URL": "notaurl"}, "gateway.url: Value error, must be an http:// or https:// URL"),
+        ({"WOWD_GATEWAY__URL": "ftp://files.example/x"}, "gateway.url: Value error, must be an http:// or https://"),
+        ({"WOWD_LOG_LEVEL": "verbose"}, "'verbose' is not a log level"),
+    ],
+)
+def test_bad_settings_are_refused_at_start_with_one_clean_message(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and says in err and "Traceback" not in err
+
+
+def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: Path) -> None:
+    bad = tmp_path / "wowd.toml"
+    bad.write_text('context = "demo\n')
+    code, _, err = wowd("status", "--config", str(bad))
+    assert code == 2 and err.startswith(f"wowd: config file '{bad}': not TOML: ") and "Traceback" not in err
+
+
+def test_the_log_level_is_taken_in_any_case(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WOWD_LOG_LEVEL", "debug")
+    assert load_settings().log_level == "DEBUG"
+
+
+def test_check_creates_no_database_and_says_so(wowd: Run, db: Path) -> None:
+    code, out, err = wowd("check")
+    assert code == 0, err
+    assert f"embedded: {db} does not exist yet (not created by check" in out
+    assert not db.exists() and not list(db.parent.glob("wowd.db*"))
+
+
+def test_check_fails_for_a_database_in_a_missing_directory(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("WOWD_EMBEDDED__PATH", str(tmp_path / "nowhere" / "wowd.db"))
+    code, _, err = wowd("check")
+    assert code == 1 and "does not exist and its directory" in err and not (tmp_path / "nowhere").exists()
+
+
+@pytest.fixture
+def http_endpoint() -> Iterator[str]:
+    """A local HTTP server (it answers HEAD with 501: an answer all the same)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/commands"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatch, http_endpoint: str) -> None:
+    monkeypatch.setenv("WOWD_GATEWAY__KIND", "http")
+    monkeypatch.setenv("WOWD_GATEWAY__URL", http_endpoint)
+    code, out, err = wowd("check")
+    assert code == 0, err
+    assert f"ok   gateway {http_endpoint} (HEAD answered 501)" in out
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://127.0.0.1:{closed}/")
+    code, out, err = wowd("check")
+    assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: ConnectError" in err
+
+
+def test_status_lists_holders_and_says_where_standbys_are(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WOWD_LEASE__LIMIT", "2")
+
+    async def hold() -> None:
+        s = load_settings()
+        async with opened_backend(s) as backend:
+            got = await backend.leases.acquire(
+                s.lease_namespace, Owner(key="replica-a"), 2, timedelta(seconds=60), timedelta(seconds=1)
+            )
+            assert got.acquired
+
+    anyio.run(hold)
+    code, out, _ = wowd("status")
+    lines = out.splitlines()
+    assert code == 0 and lines[1].split() == [
+        "slot",
+        "fence",
+        "live",
+        "expires",
+        "(store",
+        "time)",
+        "partitions",
+        "holder",
+    ]
+    assert "replicas holding a slot: 1 (replica-a)" in lines
+    assert any(line.startswith("standbys (replicas waiting for a free slot) hold no lease") for line in lines)
+    assert lines[-1] == "partitions without a live holder: 1,3..7 (4 partitions)"
+    code, out, _ = wowd("status", "--json")
+    assert '"holders": [\n    "replica-a"\n  ]' in out
+
+
+def test_outbox_list_ack_trim(wowd: Run) -> None:
+    target = AggregateRef(context="demo", aggregate="order", id="o-1")
+
+    async def fill() -> None:
+        async with opened_backend(load_settings()) as backend:
+            for n, created in ((1, 1_000), (2, 2_000), (3, 4_102_444_800_000)):
+                e = OutboxEntry(
+                    request_id=f"r{n}",
+                    timer_id="t",
+                    target=target,
+                    command='{"name":"x"}',
+                    scheduled_at=1,
+                    fence=1,
+                    owner_key="k",
+                    created_at=created,
+                )
+                assert await backend.outbox.put(e)
+
+    anyio.run(fill)
+    code, out, _ = wowd("outbox", "list", "--limit", "2")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["request_id", "created", "target", "command"]
+    assert [line.split()[0] for line in lines[1:3]] == ["r1", "r2"]
+    assert lines[-1].startswith("2 of 3 entries; next: --after ")
+    cursor = lines[-1].rsplit(" ", 1)[1]
+    code, out, _ = wowd("outbox", "list", "--after", cursor)
+    assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["r3"]
+    assert wowd("outbox", "ack", "r1", "r9")[:2] == (0, "1 of 2 entries acknowledged (removed)\n")
+    code, out, _ = wowd("outbox", "trim", "--older-than-s", "0")
+    assert code == 0 and out.startswith("1 entries created before ")  # r2; r3 is from the future
+    code, _, err = wowd("outbox", "list", "--after", "nope")
+    assert code == 1 and "cursor" in err
+
+
+# --------------------------------------------------------------------------- as processes
+
+
+def _env(db: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("WOWD_")}
+    env.update({"WOWD_EMBEDDED__PATH": str(db), "WOWD_PARTITIONS": "8", "WOWD_LOG_FORMAT": "json", **extra})
+    return env
+
+
+def test_a_closed_pipe_ends_the_listing_quietly(wowd: Run, db: Path) -> None:
+    assert wowd("demo", "--commits", "100", "--timers", "2000", "--aggregates", "10")[0] == 0
+
+    async def feed() -> None:
+        from wowd.daemon.feed import timer_from_event
+        from wowd.model import TimerScheduled, timer_event_from
+
+        async with opened_backend(load_settings()) as backend:
+            async for batch in backend.log.read(dict.fromkeys(range(8)), follow=False):
+                for entry in batch.entries:
+                    assert entry.commit is not None
+                    for ev in entry.commit.events:
+                        te = timer_event_from(ev)
+                        if isinstance(te, TimerScheduled):
+                            await backend.timers.put(timer_from_event(entry.commit, te, 8))
+
+    anyio.run(feed)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wowd", "timers", "list", "--limit", "2000"],
+        env=_env(db),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().startswith(b"timer_id")  # what `head -1` reads
+    proc.stdout.close()  # ... and then `head` exits
+    code = proc.wait(60)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert (code, err) == (0, "")
+
+
+def test_a_port_in_use_is_one_line_naming_the_setting(db: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "wowd", "run"],
+            env=_env(db, WOWD_HTTP__HOST="127.0.0.1", WOWD_HTTP__PORT=str(port), WOWD_LOG_LEVEL="ERROR"),
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+    err = out.stderr.decode().strip()
+    assert out.returncode == 2
+    assert err == (
+        f"wowd: HTTP port {port} on 127.0.0.1 is in use (choose another with WOWD_HTTP__PORT, 0 for any free port)"
+    )

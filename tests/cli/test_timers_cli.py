@@ -1,0 +1,150 @@
+"""``wowd timers``: schedule, show, list (what each status needs), cancel, resume."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.cli.conftest import CONTEXT, PARTITIONS, Run
+from wowd.cli.backend import opened_backend
+from wowd.config import TimerSettings, load_settings
+from wowd.daemon.feed import timer_from_event
+from wowd.daemon.gateway import Park, Retry
+from wowd.daemon.timers import outcome_changes
+from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from
+
+ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
+
+
+def _settle(kind: str, key: str) -> None:
+    """Claims the timer ``key`` of o-1 and settles one delivery outcome, as the timer loop does."""
+
+    async def go() -> None:
+        async with opened_backend(load_settings()) as backend:
+            store = backend.timers
+            t = await store.find(ORDER, key)
+            assert t is not None
+            now = int(time.time() * 1000)
+            claim = TimerChange.claim(t, owner_key="replica-a", fence=1, until=now + 30_000)
+            assert await store.settle([claim]) == 1
+            claimed = claim.applied()
+            assert claimed is not None
+            if kind == "claim":
+                return
+            outcome = Retry(reason="HTTP 503") if kind == "retry" else Park(reason="HTTP 404: no such order")
+            changes = outcome_changes([(claimed, outcome, now)], 1, TimerSettings(max_attempts=3))
+            assert await store.settle(changes) == 1
+
+    anyio.run(go)
+
+
+def _find(key: str) -> Timer:
+    async def go() -> Timer | None:
+        async with opened_backend(load_settings()) as backend:
+            return await backend.timers.find(ORDER, key)
+
+    t = anyio.run(go)
+    assert t is not None
+    return t
+
+
+def test_schedule_show_list_and_cancel(wowd: Run) -> None:
+    code, out, err = wowd(
+        "timers",
+        "schedule",
+        "order/o-1",
+        "expire",
+        "--command",
+        "expire-order",
+        "--body",
+        '{"why": "late"}',
+        "--in",
+        "60",
+    )
+    assert code == 0, err
+    assert "timer 'expire' of demo.order/(0)/o-1 scheduled at version 1: expire-order" in out
+    code, out, err = wowd("timers", "cancel", "order/o-1", "expire")
+    assert code == 0 and "appended at version 2" in out
+
+
+def test_schedule_refuses_bad_input_naming_the_field(wowd: Run) -> None:
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
+    assert code == 1 and "body.due_at" in err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
+    assert code == 1 and "rule.expression" in err
+    code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
+    assert code == 2 and "AGGREGATE/ID expected" in err
+
+
+def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Run, feed_once: None) -> None:
+    code, out, _ = wowd("timers", "list")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["timer_id", "status", "partition"]
+    assert lines[-1] == "3 timer(s)"
+    code, out, _ = wowd("timers", "list", "--status", "pending", "--limit", "2")
+    assert code == 0 and len(out.splitlines()) == 1 + 2 + 1
+    assert out.splitlines()[-1] == "2 timer(s) shown; more exist (--limit to list more)"
+    code, _, err = wowd("timers", "list", "--limit", "-5")
+    assert code == 2 and "--limit: must be >= 1, got -5" in err
+    code, _, err = wowd("timers", "list", "--status", "asleep")
+    assert code == 2 and "'asleep' is not a timer status" in err
+
+
+def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wowd: Run, feed_once: None) -> None:
+    for _ in range(3):  # three deliveries answered 503 with max_attempts=3: the third fails it
+        _settle("retry", "k1")
+    assert _find("k1").status is TimerStatus.FAILED
+    _settle("park", "k2")
+    _settle("claim", "k3")
+    code, out, _ = wowd("timers", "list")
+    assert code == 0
+    rows = {line.split()[1]: line for line in out.splitlines()[1:-1]}
+    assert set(rows) == {"FAILED", "PARKED", "FIRING"}
+    failed, parked, firing = rows["FAILED"], rows["PARKED"], rows["FIRING"]
+    assert " 3  failed: retry budget spent: HTTP 503" in failed  # attempts = deliveries = 3
+    assert " 1  parked by the delivery claimed until " in parked and parked.endswith(": HTTP 404: no such order")
+    assert " 0  claimed by replica-a until " in firing
+    code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")
+    assert '"attempts": 3' in out
+
+
+def test_resume_and_retry_name_an_unknown_timer(wowd: Run, feed_once: None) -> None:
+    _settle("park", "k2")
+    parked = _find("k2")
+    code, out, err = wowd("timers", "resume", "no-such-id")
+    assert code == 1 and "wowd: no such timer: no-such-id" in err
+    code, out, err = wowd("timers", "retry", parked.timer_id)
+    assert code == 1 and f"timer {parked.timer_id} is PARKED, not FAILED" in err
+    code, out, err = wowd("timers", "resume", parked.timer_id)
+    assert code == 0 and out.startswith("1 timer(s) back to PENDING")
+    assert _find("k2").status is TimerStatus.PENDING
+
+
+def test_show_prints_one_timer_or_says_there_is_none(wowd: Run, feed_once: None) -> None:
+    code, out, _ = wowd("timers", "show", "order/o-1", "k1")
+    assert code == 0 and "status:       PENDING" in out and "detail:       due " in out
+    code, _, err = wowd("timers", "show", "order/o-1", "nope")
+    assert code == 1 and "no timer 'nope' of demo.order/(0)/o-1" in err
+
+
+@pytest.fixture
+def feed_once(wowd: Run, db: Path) -> None:
+    """Three timers of o-1 scheduled with the CLI, put into the timer view as the feed does."""
+    for key in ("k1", "k2", "k3"):
+        code, _, err = wowd("timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1")
+        assert code == 0, err
+
+    async def feed() -> None:
+        async with opened_backend(load_settings()) as backend:
+            async for batch in backend.log.read({ORDER.partition(PARTITIONS): None}, follow=False):
+                for entry in batch.entries:
+                    assert entry.commit is not None
+                    for ev in entry.commit.events:
+                        te = timer_event_from(ev)
+                        assert isinstance(te, TimerScheduled)
+                        assert await backend.timers.put(timer_from_event(entry.commit, te, PARTITIONS))
+
+    anyio.run(feed)

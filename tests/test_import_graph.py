@@ -1,0 +1,109 @@
+"""The modules of ``wowd`` import one another without a circle.
+
+Every ``import``/``from ... import`` of a ``wowd`` module counts, at module level or inside a
+function (a deferred import is still a dependency), except under ``if TYPE_CHECKING:``.
+``from pkg import name`` depends on ``pkg.name`` when that is a module, else on ``pkg``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "wowd"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in MODULES else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _cycle() -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (found := dfs(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(GRAPH):
+        if start not in state and (found := dfs(start)) is not None:
+            return found
+    return None
+
+
+def test_the_walk_sees_the_package() -> None:
+    assert "wowd.cli.main" in GRAPH and "wowd.stores.base" in GRAPH
+    assert "wowd.stores.base" in GRAPH["wowd.stores.embedded"]  # an import the walk must see
+    assert "wowd.stores.embedded" in GRAPH["wowd.cli.backend"]  # a deferred one too
+
+
+def test_no_module_of_wowd_imports_itself_back() -> None:
+    cycle = _cycle()
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_protocol_layer_names_no_backend() -> None:
+    for name, deps in GRAPH.items():
+        if name in ("wowd.stores", "wowd.stores.base"):
+            assert not {d for d in deps if d.startswith(("wowd.stores.", "wowd.cli", "wowd.daemon"))} - {
+                "wowd.stores.base"
+            }, name
+
+
+@pytest.mark.parametrize("layer", ["wowd.stores", "wowd.daemon"])
+def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
+    offenders = {n for n, deps in GRAPH.items() if n.startswith(layer) and any(d.startswith("wowd.cli") for d in deps)}
+    assert not offenders

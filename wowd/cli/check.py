@@ -1,0 +1,139 @@
+"""``wowd check``: the configuration is valid and every store and the gateway answer."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from functools import partial
+from typing import Any
+
+import anyio
+
+from wowd.cli.backend import opened_backend
+from wowd.cli.logs import redact, secret_values
+from wowd.cli.output import err, out
+from wowd.config import WowdSettings
+from wowd.errors import ConfigError, WowdError
+from wowd.model import AggregateRef
+from wowd.stores.base import Backend
+
+__all__ = ["check", "register"]
+
+OPEN_TIMEOUT_S = 30.0
+PROBE_TIMEOUT_S = 15.0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "check",
+        parents=[common],
+        help="validate the configuration and reach every store and the gateway (creates nothing)",
+    )
+    p.set_defaults(handler=check)
+
+
+async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
+    """Exit 0 when everything answers, 1 otherwise (one ``FAIL`` line per problem)."""
+    secrets = secret_values(settings)
+    out(
+        f"configuration ok: context {settings.context!r}, backend {settings.backend}, "
+        f"{settings.partitions} partitions, lease namespace {settings.lease_namespace!r} "
+        f"(limit {settings.lease.limit}, ttl {settings.lease.ttl_s}s), gateway {settings.gateway.kind}"
+    )
+    failures = _check_reducers(settings)
+    failures += await _check_gateway(settings, secrets)
+    if settings.backend == "embedded" and not settings.embedded.path.exists():
+        failures += _check_new_embedded_path(settings)
+    else:
+        failures += await _check_stores(settings, secrets)
+    if failures:
+        err(f"wowd check: {failures} problem(s)")
+        return 1
+    out("wowd check: all stores answer")
+    return 0
+
+
+def _check_reducers(settings: WowdSettings) -> int:
+    from wowd.daemon.feed import load_reducer
+
+    failures = 0
+    for agg, path in settings.reducers.items():
+        try:
+            load_reducer(path)
+            out(f"ok   reducer {agg} -> {path}")
+        except ConfigError as exc:
+            err(f"FAIL reducer {agg}: {exc}")
+            failures += 1
+    return failures
+
+
+def _check_new_embedded_path(settings: WowdSettings) -> int:
+    """The database file does not exist: it is not created here; its directory must allow it."""
+    path = settings.embedded.path
+    parent = path.parent if str(path.parent) else path.cwd()
+    if not parent.is_dir():
+        err(f"FAIL embedded: {path} does not exist and its directory {parent} does not either")
+        return 1
+    if not os.access(parent, os.W_OK | os.X_OK):
+        err(f"FAIL embedded: {path} does not exist and its directory {parent} is not writable")
+        return 1
+    out(f"ok   embedded: {path} does not exist yet (not created by check; wowd run creates it)")
+    return 0
+
+
+async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
+    if settings.gateway.kind != "http":
+        return 0  # the outbox is probed with the stores
+    from wowd.daemon.gateway import HttpGateway
+
+    gateway = HttpGateway(settings.gateway, concurrency=1)
+    try:
+        status = await gateway.probe()
+    except WowdError as exc:
+        err(redact(f"FAIL gateway: {exc}", secrets))
+        return 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await gateway.aclose()
+    out(f"ok   gateway {settings.gateway.url} (HEAD answered {status})")
+    return 0
+
+
+async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
+    async with AsyncExitStack() as stack:
+        try:
+            with anyio.fail_after(OPEN_TIMEOUT_S):
+                backend = await stack.enter_async_context(opened_backend(settings))
+        except (WowdError, TimeoutError) as exc:
+            err(redact(f"FAIL open {settings.backend} backend: {type(exc).__name__}: {exc}", secrets))
+            return 1
+        failures = 0
+        for name, probe in await _probes(settings, backend):
+            try:
+                with anyio.fail_after(PROBE_TIMEOUT_S):
+                    await probe()
+                out(f"ok   {name}")
+            except (WowdError, TimeoutError) as exc:
+                err(redact(f"FAIL {name}: {type(exc).__name__}: {exc}", secrets))
+                failures += 1
+        return failures
+
+
+async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, Callable[[], Awaitable[Any]]]]:
+    probes: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
+        ("log", backend.log.ping),
+        ("leases", partial(backend.leases.slots, settings.lease_namespace)),
+        ("timers", partial(backend.timers.scan, limit=1)),
+        ("outbox", backend.outbox.count),
+    ]
+    try:
+        types = await backend.log.aggregate_types()
+    except WowdError:
+        types = []
+    for t in types:
+        probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
+        probes.append((f"sink {t}", partial(backend.sink(t).documents, probe_ref)))
+        probes.append((f"snapshots {t}", partial(backend.rebuilds.table, t)))
+    return probes

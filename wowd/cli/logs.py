@@ -1,0 +1,87 @@
+"""Log lines of the process: text on a terminal, JSON lines otherwise, every secret masked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any, TextIO
+from urllib.parse import unquote, urlsplit
+
+from wowd.config import WowdSettings
+
+__all__ = ["LogFormatter", "redact", "secret_values", "setup_logging"]
+
+MASK = "**********"
+
+
+def secret_values(settings: WowdSettings) -> list[str]:
+    """Every credential in the settings (and the password inside the MongoDB URI), longest first."""
+    out: list[str] = []
+    for s in (settings.gateway.token, settings.elasticsearch.api_key, settings.elasticsearch.password):
+        if s is not None and s.get_secret_value():
+            out.append(s.get_secret_value())
+    if settings.mongodb.uri is not None:
+        uri = settings.mongodb.uri.get_secret_value()
+        out.append(uri)
+        try:
+            parts = urlsplit(uri)
+            if parts.password:
+                out += [parts.password, unquote(parts.password)]
+        except ValueError:
+            pass
+    return sorted({v for v in out if len(v) >= 3}, key=len, reverse=True)
+
+
+def redact(text: str, secrets: Iterable[str]) -> str:
+    for s in secrets:
+        if s in text:
+            text = text.replace(s, MASK)
+    return text
+
+
+_STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+
+class LogFormatter(logging.Formatter):
+    """Text or JSON lines; a record's extra fields are appended; every secret value is masked."""
+
+    def __init__(self, json_lines: bool, secrets: list[str]) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self._json = json_lines
+        self._secrets = secrets
+
+    def format(self, record: logging.LogRecord) -> str:
+        extras = {k: v for k, v in vars(record).items() if k not in _STD_ATTRS and not k.startswith("_")}
+        if self._json:
+            doc: dict[str, Any] = {
+                "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+                "level": record.levelname,
+                "logger": record.name,
+                "msg": record.getMessage(),
+            }
+            doc.update({k: v if isinstance(v, int | float | str | bool) else str(v) for k, v in extras.items()})
+            if record.exc_info:
+                doc["exc"] = self.formatException(record.exc_info)
+            line = json.dumps(doc, ensure_ascii=False)
+        else:
+            line = super().format(record)
+            if extras:
+                line += " [" + " ".join(f"{k}={v}" for k, v in extras.items()) + "]"
+        return redact(line, self._secrets)
+
+
+def setup_logging(settings: WowdSettings, stream: TextIO | None = None) -> None:
+    """One handler on the root logger, at ``settings.log_level``; drivers' chatter at WARNING."""
+    stream = stream or sys.stderr
+    fmt = settings.log_format
+    json_lines = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LogFormatter(json_lines, secret_values(settings)))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.log_level)
+    for noisy in ("httpx", "httpcore", "pymongo", "elastic_transport"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

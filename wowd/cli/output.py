@@ -1,0 +1,40 @@
+"""What the commands print: lines on stdout/stderr, tables, JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+__all__ = ["err", "out", "print_json", "print_table"]
+
+
+def out(text: str = "") -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def print_json(doc: Any) -> None:
+    out(json.dumps(doc, indent=2))
+
+
+def print_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, right: Collection[int] = ()) -> None:
+    """A header line and one line per row, columns padded to their widest cell (``right``: the
+    indexes of right-aligned columns); the last column is not padded."""
+    cells = [[str(c) for c in header], *([("-" if c is None else str(c)) for c in row] for row in rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    last = len(header) - 1
+    for r in cells:
+        parts = []
+        for i, c in enumerate(r):
+            if i == last:
+                parts.append(c.rjust(widths[i]) if i in right else c)
+            else:
+                parts.append(c.rjust(widths[i]) if i in right else c.ljust(widths[i]))
+        out("  ".join(parts).rstrip())

@@ -1,0 +1,107 @@
+"""``wowd run``: one replica until SIGTERM/SIGINT. Signals are received here only."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+from prometheus_client import Counter
+
+from wowd import metrics
+from wowd.cli.backend import CLOSE_TIMEOUT_S, open_backend
+from wowd.cli.output import out
+from wowd.config import WowdSettings
+from wowd.daemon.gateway import CommandGateway, HttpGateway, OutboxGateway
+from wowd.daemon.supervisor import Supervisor
+from wowd.stores.base import Backend
+
+__all__ = ["ESCALATE_AFTER_S", "register", "run"]
+
+log = logging.getLogger("wowd")
+
+ESCALATE_AFTER_S = 1.0
+"""A second signal cancels at once only this long after the first: ``timeout`` and ``make``
+forwarding one Ctrl-C or SIGTERM together count as one."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("run", parents=[common], help="run a replica until SIGTERM/SIGINT")
+    p.add_argument("--demo", action="store_true", help="also run the demo producer in-process")
+    p.add_argument("--port-file", type=Path, help="write the bound HTTP port to this file once listening")
+    p.set_defaults(handler=run)
+
+
+async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
+    """Runs the supervisor; the first signal stops gracefully, a later one (at least
+    :data:`ESCALATE_AFTER_S` after the first) cancels. Exit 1 when cancelled."""
+    backend = await open_backend(settings)
+    gateway: CommandGateway
+    if settings.gateway.kind == "http":
+        gateway = HttpGateway(settings.gateway, concurrency=settings.timers.concurrency)
+    else:
+        gateway = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s)
+    sup = Supervisor(settings, backend, gateway, port_file=args.port_file)
+    forced = False
+
+    async def signals(received: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+        nonlocal forced
+        first: float | None = None
+        async for signum in received:
+            name = signal.Signals(signum).name
+            if first is None:
+                first = time.monotonic()
+                log.info("received %s: stopping gracefully", name)
+                sup.stop()
+            elif time.monotonic() - first < ESCALATE_AFTER_S:
+                log.info(
+                    "received %s again within %.0f s of the first: still stopping gracefully", name, ESCALATE_AFTER_S
+                )
+            else:
+                log.warning("received %s again: cancelling", name)
+                forced = True
+                sup.cancel()
+                scope.cancel()
+
+    # the signals are ours until the stores are closed: a late one does not kill the close
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(signals, received, tg.cancel_scope)
+                if settings.demo:
+                    tg.start_soon(_demo_in_process, backend, sup)
+                await sup.run()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT_S):
+                await gateway.aclose()
+                await backend.close()
+    return 1 if forced else 0
+
+
+def _total(counter: Counter) -> int:
+    return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+
+
+async def _demo_in_process(backend: Backend, sup: Supervisor) -> None:
+    from wowd.demo import DemoStats, produce_forever
+
+    stats = DemoStats()
+
+    async def progress() -> None:
+        start = time.monotonic()
+        while True:
+            await anyio.sleep(1.0)
+            out(
+                f"[{time.monotonic() - start:6.1f}s] demo: appended {stats.commits} commits "
+                f"({stats.timers} timers) | fed {_total(metrics.FEED_COMMITS)} commits | "
+                f"fired {_total(metrics.TIMERS_FIRED)} timers | leases held {len(sup.held)}"
+            )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(progress)
+        await produce_forever(backend.log, stats, due_in_ms=1500)

@@ -1,0 +1,132 @@
+"""``wowd snapshots status|rebuild``: the snapshot tables of the configured reducers."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from wowd.cli.backend import opened_backend
+from wowd.cli.output import err, out, print_json, print_table
+from wowd.cli.status import live_partitions
+from wowd.config import WowdSettings
+from wowd.daemon.rebuild import Rebuilder, RebuildReport, RebuildStatus
+from wowd.fmt import compact_partitions
+from wowd.model import SnapshotTable
+
+__all__ = ["register", "report_doc", "snapshots", "status_doc"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("snapshots", parents=[common], help="snapshot tables and rebuilds of the configured reducers")
+    ssub = p.add_subparsers(dest="snapshots_command", required=True, metavar="COMMAND")
+    ss = ssub.add_parser("status", help="per reducer type: the claimed revision, flags and pending snapshots")
+    ss.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sr = ssub.add_parser("rebuild", help="claim the reducers' revisions and rebuild snapshots from the log")
+    sr.add_argument("--aggregate", action="append", help="only this aggregate type (repeatable)")
+    sr.add_argument(
+        "--partitions", nargs="+", metavar="P", help="only these partitions, space or comma separated (default: all)"
+    )
+    sr.add_argument("--force", action="store_true", help="also partitions a live replica owns, and backfilled types")
+    sr.add_argument("--json", action="store_true", help="print JSON instead of a summary line per type")
+    p.set_defaults(handler=snapshots)
+
+
+def _table_doc(t: SnapshotTable | None) -> dict[str, Any] | None:
+    if t is None:
+        return None
+    return {"revision": t.revision, "rebuilding": t.rebuilding, "backfilled": t.backfilled, "updated_at": t.updated_at}
+
+
+def status_doc(s: RebuildStatus) -> dict[str, Any]:
+    return {
+        "aggregate": s.type.aggregate,
+        "reducer_revision": s.reducer_revision,
+        "table": _table_doc(s.table),
+        "target_revision": s.target,
+        "pending": s.pending,
+        "partitions_done": s.partitions_done,
+        "partitions": s.partitions,
+    }
+
+
+def report_doc(r: RebuildReport) -> dict[str, Any]:
+    return {
+        "aggregate": r.type.aggregate,
+        "revision": r.revision,
+        "outcome": r.outcome,
+        "partitions": sorted(r.partitions),
+        "aggregates": r.aggregates,
+        "rewritten": r.rewritten,
+        "unchanged": r.unchanged,
+        "skipped": r.skipped,
+        "failed": r.failed,
+        "backfilled": r.backfilled,
+        "table": _table_doc(r.table),
+    }
+
+
+async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
+    from wowd.daemon.feed import load_reducer
+
+    reducers = {agg: load_reducer(path) for agg, path in settings.reducers.items()}
+    if not reducers:
+        err("wowd: no reducers configured (WOWD_REDUCERS): no snapshots are kept")
+        return 2
+    unknown = sorted(set(getattr(args, "aggregate", None) or ()) - set(reducers))
+    if unknown:
+        err(f"wowd: no reducer configured for {', '.join(unknown)} (reducers: {', '.join(sorted(reducers))})")
+        return 2
+    given: list[str] = getattr(args, "partitions", None) or []
+    try:
+        parts = sorted({int(x) for arg in given for x in arg.split(",") if x.strip()})
+    except ValueError:
+        err(f"wowd: --partitions: integers expected, got {' '.join(given)}")
+        return 2
+    async with opened_backend(settings) as backend:
+        rebuilder = Rebuilder(settings, backend, reducers)
+        if args.snapshots_command == "status":
+            return _print_status([status_doc(s) for s in await rebuilder.status()], json=args.json)
+        wanted = parts if given else list(range(settings.partitions))
+        states = await backend.leases.slots(settings.lease_namespace)
+        busy = sorted(set(wanted) & live_partitions(settings, states))
+        if busy and not args.force:
+            err(
+                f"wowd: partitions {compact_partitions(busy)} have a live holder, which rebuilds them itself "
+                "(--partitions to choose others, --force to rebuild them anyway)"
+            )
+            return 1
+        reports = await rebuilder.rebuild(wanted, aggregates=args.aggregate, force=args.force)
+    docs = [report_doc(r) for r in reports]
+    if args.json:
+        print_json(docs)
+    else:
+        for d in docs:
+            out(
+                f"{d['aggregate']} revision {d['revision']}: {d['outcome']}, "
+                f"partitions {compact_partitions(d['partitions'])}, "
+                f"{d['aggregates']} aggregate(s), {d['rewritten']} rewritten, {d['unchanged']} unchanged, "
+                f"{d['skipped']} skipped, {d['failed']} failed" + (", backfilled" if d["backfilled"] else "")
+            )
+    return 1 if any(d["outcome"] == "superseded" or d["failed"] for d in docs) else 0
+
+
+def _print_status(docs: list[dict[str, Any]], *, json: bool) -> int:
+    if json:
+        print_json(docs)
+        return 0
+    rows = []
+    for d in docs:
+        t = d["table"]
+        flags = ",".join(k for k in ("rebuilding", "backfilled") if t and t[k]) or "-"
+        rows.append(
+            [
+                d["aggregate"],
+                d["reducer_revision"],
+                t["revision"] if t else "-",
+                flags,
+                d["pending"],
+                f"{d['partitions_done']}/{d['partitions']}",
+            ]
+        )
+    print_table(["aggregate", "reducer", "table", "flags", "pending", "rebuilt"], rows, right={1, 2, 4})
+    return 0

@@ -1,0 +1,233 @@
+"""The application API: schedule and cancel timers by appending commits to the context's log.
+
+A timer is owned by an aggregate: :meth:`WowdClient.schedule` appends a commit of the owner
+carrying one ``TimerScheduled`` event, :meth:`WowdClient.cancel` one carrying ``TimerCancelled``
+(the schema the daemon's feed reads, DESIGN.md "Timer events in the log"); the daemon turns them
+into timers and fires each one's command at its target when due.
+
+Each commit takes the owner's next version: the log's last version of the owner + 1, read again
+and retried when another writer took that version meanwhile (:class:`~wowd.errors.ConflictError`).
+A call given the same ``request_id`` twice appends once (the log is idempotent on it).
+
+    async with WowdClient.connect() as client:  # the settings of the environment (WOWD_*)
+        await client.schedule(order, "expire", due_at=due, command=Command(name="expire-order"))
+
+:class:`SyncWowdClient` offers the same calls to code without an event loop.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from datetime import datetime
+from typing import Any
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from wowd.config import WowdSettings
+from wowd.errors import ConflictError, InvalidInput
+from wowd.model import (
+    MAX_BODY_BYTES,
+    AggregateRef,
+    Command,
+    Commit,
+    DomainEvent,
+    OnceRule,
+    Rule,
+    parse_rule,
+    timer_event_from,
+)
+from wowd.stores.base import Log
+
+__all__ = [
+    "MAX_VERSION_RETRIES",
+    "SyncWowdClient",
+    "WowdClient",
+    "cancelled_event",
+    "scheduled_event",
+]
+
+MAX_VERSION_RETRIES = 10
+"""Appends tried at successive versions before a :class:`ConflictError` reaches the caller."""
+
+
+def _ms(value: int | datetime, field: str) -> int:
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise InvalidInput("must be an aware datetime (with a time zone)", field=field)
+        return int(value.timestamp() * 1000)
+    return value
+
+
+def _rule(rule: Rule | Mapping[str, Any] | None) -> Rule:
+    if rule is None:
+        return OnceRule()
+    if isinstance(rule, Mapping):
+        return parse_rule(rule)
+    return rule
+
+
+def scheduled_event(
+    key: str,
+    *,
+    target: AggregateRef,
+    command: Command | Mapping[str, Any],
+    due_at: int | datetime | None = None,
+    rule: Rule | Mapping[str, Any] | None = None,
+    now_ms: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> DomainEvent:
+    """A ``TimerScheduled`` event, checked as the feed checks it (an error names the field,
+    ``body.due_at``, ``body.command`` ...). Without ``due_at``, the first occurrence is the
+    rule's first after now; a once rule needs ``due_at``."""
+    parsed = _rule(rule)
+    if due_at is None:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        first = parsed.next_after(now) if not isinstance(parsed, OnceRule) else None
+        if first is None:
+            raise InvalidInput("is required with a once rule (or a rule with no next occurrence)", field="body.due_at")
+        due = first
+    else:
+        due = _ms(due_at, "body.due_at")
+    if isinstance(command, Command):
+        cmd: dict[str, Any] = {"name": command.name, "body": dict(command.body)}
+        if command.body_type is not None:
+            cmd["body_type"] = command.body_type
+    else:
+        cmd = dict(command)
+    body = {
+        "key": key,
+        "due_at": due,
+        "rule": parsed.to_doc(),
+        "target": {
+            "context": target.context,
+            "aggregate": target.aggregate,
+            "tenant_id": target.tenant_id,
+            "id": target.id,
+        },
+        "command": cmd,
+    }
+    event = DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body_type="wowd.TimerScheduled", body=body)
+    timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+    return event
+
+
+def cancelled_event(key: str) -> DomainEvent:
+    """A ``TimerCancelled`` event of ``key`` (checked as the feed checks it)."""
+    event = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body_type="wowd.TimerCancelled", body={"key": key})
+    timer_event_from(event)
+    return event
+
+
+class WowdClient:
+    """Schedules and cancels timers on ``log`` (the caller's; :meth:`connect` opens one)."""
+
+    def __init__(self, log: Log, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.log = log
+        self._max_body_bytes = max_body_bytes
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, settings: WowdSettings | None = None) -> AsyncIterator[WowdClient]:
+        """A client on the configured backend's log (``settings``, else the environment's
+        ``WOWD_*`` and ``WOWD_CONFIG``), closed on exit."""
+        from wowd.cli.backend import opened_backend
+        from wowd.config import load_settings
+
+        s = settings if settings is not None else load_settings()
+        async with opened_backend(s) as backend:
+            yield cls(backend.log, max_body_bytes=s.timers.max_body_bytes)
+
+    async def schedule(
+        self,
+        owner: AggregateRef,
+        key: str,
+        *,
+        command: Command | Mapping[str, Any],
+        due_at: int | datetime | None = None,
+        rule: Rule | Mapping[str, Any] | None = None,
+        target: AggregateRef | None = None,
+        request_id: str | None = None,
+    ) -> Commit:
+        """Puts the timer ``key`` of ``owner`` (replacing one of the same key): its ``command``
+        goes to ``target`` (default: the owner) at ``due_at`` (epoch ms or an aware datetime)
+        and then as ``rule`` says (default once). Answers the commit appended. Raises
+        :class:`~wowd.errors.InvalidInput` naming the field, :class:`ConflictError` when
+        :data:`MAX_VERSION_RETRIES` versions were taken by other writers meanwhile."""
+        event = scheduled_event(
+            key,
+            target=target or owner,
+            command=command,
+            due_at=due_at,
+            rule=rule,
+            max_body_bytes=self._max_body_bytes,
+        )
+        return await self._append(owner, event, request_id)
+
+    async def cancel(self, owner: AggregateRef, key: str, *, request_id: str | None = None) -> Commit:
+        """Cancels the timer ``key`` of ``owner`` (nothing happens when there is none)."""
+        return await self._append(owner, cancelled_event(key), request_id)
+
+    async def _append(self, owner: AggregateRef, event: DomainEvent, request_id: str | None) -> Commit:
+        if owner.context != self.log.context:
+            raise InvalidInput(f"{owner.context!r} is not the log's context {self.log.context!r}", field="owner")
+        rid = request_id or uuid.uuid4().hex
+        for _ in range(MAX_VERSION_RETRIES):
+            commit = Commit(
+                ref=owner,
+                version=await self.log.last_version(owner) + 1,
+                command_id=uuid.uuid4().hex,
+                request_id=rid,
+                create_time=int(time.time() * 1000),
+                events=(event,),
+            )
+            try:
+                await self.log.append(commit)  # "duplicate": this request id was appended before
+            except ConflictError:
+                continue  # another writer took this version: read the last one again
+            return commit
+        raise ConflictError(f"{owner}: no free version after {MAX_VERSION_RETRIES} attempts (busy writers)")
+
+
+class SyncWowdClient:
+    """:class:`WowdClient` for code without an event loop: the calls run on a loop of their own
+    in a thread (an anyio blocking portal)."""
+
+    def __init__(self, portal: BlockingPortal, client: WowdClient) -> None:
+        self._portal = portal
+        self._client = client
+
+    @classmethod
+    @contextmanager
+    def connect(cls, settings: WowdSettings | None = None) -> Iterator[SyncWowdClient]:
+        with (
+            start_blocking_portal() as portal,
+            portal.wrap_async_context_manager(WowdClient.connect(settings)) as client,
+        ):
+            yield cls(portal, client)
+
+    def schedule(
+        self,
+        owner: AggregateRef,
+        key: str,
+        *,
+        command: Command | Mapping[str, Any],
+        due_at: int | datetime | None = None,
+        rule: Rule | Mapping[str, Any] | None = None,
+        target: AggregateRef | None = None,
+        request_id: str | None = None,
+    ) -> Commit:
+        async def call() -> Commit:
+            return await self._client.schedule(
+                owner, key, command=command, due_at=due_at, rule=rule, target=target, request_id=request_id
+            )
+
+        return self._portal.call(call)
+
+    def cancel(self, owner: AggregateRef, key: str, *, request_id: str | None = None) -> Commit:
+        async def call() -> Commit:
+            return await self._client.cancel(owner, key, request_id=request_id)
+
+        return self._portal.call(call)

@@ -1,0 +1,47 @@
+"""Short human forms for log lines and the command line."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+__all__ = ["compact_partitions", "iso_ms"]
+
+
+def iso_ms(ms: int) -> str:
+    """``2024-05-01T12:00:00.000+00:00`` for epoch milliseconds."""
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+def compact_partitions(parts: Iterable[int], *, max_chars: int = 120) -> str:
+    """A set of partitions in a few characters, with its size: ``0..7 (8 partitions)``,
+    ``1,5..61 (16 partitions)`` (arithmetic runs as ``first,second..last``), ``3,9,12 (3
+    partitions)``. Runs beyond ``max_chars`` characters are elided with ``...``, so a line
+    carrying it stays short whatever the number of partitions."""
+    ps = sorted(set(parts))
+    n = len(ps)
+    if n == 0:
+        return "none (0 partitions)"
+    pieces: list[str] = []
+    i = 0
+    while i < n:
+        j = i + 1
+        if j < n:
+            step = ps[j] - ps[i]
+            while j + 1 < n and ps[j + 1] - ps[j] == step:
+                j += 1
+            if j - i >= 2:  # three or more in one arithmetic run
+                first, last = ps[i], ps[j]
+                pieces.append(f"{first}..{last}" if step == 1 else f"{first},{first + step}..{last}")
+                i = j + 1
+                continue
+        pieces.append(str(ps[i]))
+        i += 1
+    text = ""
+    for k, piece in enumerate(pieces):
+        candidate = piece if k == 0 else f"{text},{piece}"
+        if len(candidate) > max_chars and k > 0:
+            text += ",..."
+            break
+        text = candidate
+    return f"{text} ({n} partition{'s' if n != 1 else ''})"
