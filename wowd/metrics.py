@@ -135,7 +135,6 @@ GATEWAY_CIRCUIT_OPEN = Gauge(
 GATEWAY_SHORT_CIRCUITED = Counter(
     "wowd_gateway_short_circuited_total", "Deliveries retried later without a request (circuit open)", ["target"]
 )
-OUTBOX_DEPTH = Gauge("wowd_outbox_depth", "Outbox entries not acknowledged yet")
 
 
 def _version() -> str:
