@@ -104,7 +104,7 @@ def setup_logging(settings: WowdSettings, stream: TextIO | None = None) -> None:
         root.setLevel(settings.log_level.upper())
     except ValueError:
         root.setLevel(logging.INFO)
-    for noisy in ("httpx", "httpcore", "pymongo", "elastic_transport"):
+    for noisy in ("aiohttp", "pymongo", "elastic_transport"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
 
 

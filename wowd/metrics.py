@@ -14,6 +14,8 @@ __all__ = [
     "FEED_ERRORS",
     "FEED_LAG",
     "FIRE_LAG",
+    "GATEWAY_CIRCUIT_OPEN",
+    "GATEWAY_SHORT_CIRCUITED",
     "LEASES_HELD",
     "LEASE_FENCE",
     "LEASE_LOST",
@@ -73,6 +75,16 @@ SETTLE_BATCH = Histogram(
 SETTLE_SKIPPED = Counter("wowd_settle_skipped_total", "Settle changes skipped: the timer moved on meanwhile")
 TIMER_EVENTS_REJECTED = Counter(
     "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
+)
+
+# http gateway
+GATEWAY_CIRCUIT_OPEN = Gauge(
+    "wowd_gateway_circuit_open", "1 while a delivery target's circuit is open (sends answer Retry unsent)", ["target"]
+)
+GATEWAY_SHORT_CIRCUITED = Counter(
+    "wowd_gateway_short_circuited_total",
+    "Sends answered Retry without a request: the target's circuit is open",
+    ["target"],
 )
 
 # feed
