@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import json
 import logging
 import ssl
@@ -33,11 +34,12 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import anyio
+import yarl
 
 from wowd import metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import DEFAULT_TENANT, OutboxEntry, Timer
+from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
 from wowd.stores.base import Outbox
 
 __all__ = [
@@ -181,15 +183,20 @@ class OutboxGateway:
         return None
 
 
-def command_url(base: str, timer: Timer) -> str:
+def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
     """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
-    part percent-encoded; the tenant part only for a tenant other than the default."""
+    part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
+    the timer's, when already read."""
     t = timer.target
-    parts: list[str] = []
-    if t.tenant_id != DEFAULT_TENANT:
-        parts += ["tenant", t.tenant_id]
-    parts += [t.aggregate, t.id, timer.command.name]
-    return base.rstrip("/") + "/" + "/".join(quote(p, safe="") for p in parts)
+    name = (command or timer.command).name
+    return _url_prefix(base, t.tenant_id, t.aggregate) + quote(t.id, safe="") + "/" + quote(name, safe="")
+
+
+@functools.lru_cache(maxsize=1024)
+def _url_prefix(base: str, tenant_id: str, aggregate: str) -> str:
+    parts = ["tenant", tenant_id] if tenant_id != DEFAULT_TENANT else []
+    parts.append(aggregate)
+    return base.rstrip("/") + "/" + "".join(quote(p, safe="") + "/" for p in parts)
 
 
 def _retry_after(value: str | None) -> float:
@@ -376,9 +383,9 @@ class CircuitBreaker:
 
 
 def _ssl_context(settings: GatewaySettings) -> ssl.SSLContext | bool:
-    """``False`` without verification; else a verifying context on ``ca_certs`` or the system's
-    CAs (OpenSSL's default paths, ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
-    if not settings.verify_certs:
+    """``False`` without verification or for a plain-HTTP url; else a verifying context on
+    ``ca_certs`` or the system's CAs (OpenSSL's default paths, ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
+    if not settings.verify_certs or urlsplit(settings.url or "").scheme != "https":
         return False
     return ssl.create_default_context(cafile=str(settings.ca_certs) if settings.ca_certs is not None else None)
 
@@ -487,7 +494,7 @@ class HttpGateway:
             return outcome
         try:
             command = timer.command
-            url = command_url(self._base, timer)
+            url = yarl.URL(command_url(self._base, timer, command), encoded=True)
             body = json.dumps(dict(command.body), separators=(",", ":")).encode()
         except (ValueError, KeyError, TypeError) as exc:
             outcome = Fail(reason=f"unreadable command: {exc}")
@@ -516,7 +523,7 @@ class HttpGateway:
         self._outcomes.outcome(target, outcome, timer.request_id)
         return outcome
 
-    async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
+    async def _post(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
         """One exchange: the outcome and whether it counts against the target's circuit."""
         session = self._session or self._open_session()
         try:
