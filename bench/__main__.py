@@ -43,6 +43,9 @@ class Config:
     sink_n: int = 50_000
     sink_batches: tuple[int, ...] = (100, 1000, 5000)
     failover_ttls: tuple[float, ...] = (5.0, 15.0)
+    http_n: int = 20_000
+    http_concurrency: tuple[int, ...] = (1, 8, 64)
+    http_steady_rate: int = 1000
     timeout_s: float = 900.0
 
 
@@ -58,6 +61,7 @@ QUICK = Config(
     sink_n=2_000,
     sink_batches=(100, 1000),
     failover_ttls=(3.0,),
+    http_n=2_000,
 )
 
 
@@ -385,12 +389,84 @@ def section_failover(cfg: Config) -> Section:
     )
 
 
+# --------------------------------------------------------------------------- http delivery
+
+HTTP_DEFAULT_PER_TARGET = 16
+"""``WOWD_GATEWAY__PER_TARGET_CONCURRENCY``'s default (the bench's timers all go to one target)."""
+
+
+def section_http(cfg: Config) -> Section:
+    import tempfile
+
+    from bench.http_delivery import http_bare, http_burst, http_steady, target_server
+    from bench.wowd_timers import wowd_burst
+
+    n = cfg.http_n
+    top = max(cfg.http_concurrency)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as t, target_server(Path(t)) as target:
+        for c in cfg.http_concurrency:
+            bare = _repeat(partial(http_bare, target, n, c), cfg.runs)
+            wowd = _repeat(partial(http_burst, target, n, c), cfg.runs)
+            rows.append({**bare, "system": "bare aiohttp loop", "concurrency": c, "per_target": "-"})
+            rows.append({**wowd, "system": "wowd run, http gateway", "concurrency": c, "per_target": c})
+        if HTTP_DEFAULT_PER_TARGET < top:
+            x = _repeat(partial(http_burst, target, n, top, per_target=HTTP_DEFAULT_PER_TARGET), cfg.runs)
+            rows.append(
+                {**x, "system": "wowd run, http gateway", "concurrency": top, "per_target": HTTP_DEFAULT_PER_TARGET}
+            )
+        steady = http_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
+    outbox = _repeat(partial(wowd_burst, n, 1), cfg.runs)
+    rows.append({**outbox, "system": "wowd run, outbox gateway (reference)", "concurrency": "-", "per_target": "-"})
+    body = f"{fmt(n)} commands due at once, one target (`billing.invoice`), medians of {cfg.runs} run(s):\n\n"
+    body += table(
+        ["system", "concurrency", "per target", "fired/s", "lag p50 ms", "lag p99 ms", "lag max ms", "CPU s",
+         "target CPU s"],
+        [
+            [r["system"], fmt(r["concurrency"]), fmt(r.get("per_target")), fmt(r["fired_per_s"]),
+             fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), fmt_ms(r["max_ms"]), fmt(r["cpu_s"], 2),
+             fmt(r.get("target_cpu_s"), 2)]
+            for r in rows
+        ],
+    )
+    ratios = []
+    for c in cfg.http_concurrency:
+        b = next(r for r in rows if r["system"] == "bare aiohttp loop" and r["concurrency"] == c)
+        w = next(r for r in rows if r["system"] == "wowd run, http gateway" and r["per_target"] == c)
+        ratios.append([fmt(c), fmt(w["fired_per_s"] / b["fired_per_s"], 2), fmt(w["cpu_s"] / n * 1e6),
+                       fmt(b["cpu_s"] / n * 1e6)])
+    body += "\n\nwowd / bare loop, same concurrency, same run:\n\n"
+    body += table(["concurrency", "fired/s ratio", "wowd CPU µs per command", "bare CPU µs per command"], ratios)
+    body += (
+        f"\n\nSteady {fmt(steady['rate'])}/s over HTTP for {fmt(cfg.steady_seconds)} s (concurrency {top}, "
+        f"due 1 s after the append): fired {fmt(steady['fired'])} / {fmt(steady['added'])}, lag p50 "
+        f"{fmt_ms(steady['p50_ms'])} ms, p99 {fmt_ms(steady['p99_ms'])} ms, max {fmt_ms(steady['max_ms'])} ms, "
+        f"CPU {fmt(steady['cpu_s'], 2)} s."
+    )
+    notes = [
+        "The target: `python -m bench.http_delivery serve`, a raw asyncio protocol on uvloop (keep-alive "
+        "HTTP/1.1, 200 `{}`), its own process; lag = arrival at the target - due time.",
+        "Bare loop: `concurrency` tasks on one aiohttp session (connector limit = concurrency), its own process "
+        "(uvloop), the same paths, headers and body; its lag counts from its start.",
+        f"wowd rows set `WOWD_GATEWAY__PER_TARGET_CONCURRENCY` to the concurrency (like for like); the row with "
+        f"per target {HTTP_DEFAULT_PER_TARGET} is the default, which caps one target's requests in flight.",
+    ]
+    return Section(
+        key="http",
+        title="HTTP delivery: wowd run's http gateway against a bare aiohttp loop",
+        body=body,
+        data={"rows": rows, "steady": steady, "n": n},
+        notes=notes,
+    )
+
+
 SECTIONS: dict[str, Callable[[Config], Section]] = {
     "timers": section_timers,
     "steady": section_steady,
     "growth": section_growth,
     "sink": section_sink,
     "failover": section_failover,
+    "http": section_http,
 }
 
 
@@ -491,6 +567,26 @@ def targets(sections: dict[str, Section]) -> str:
                 f"max {fmt(max(d['failover_ms']))} ms of {fmt(d['bound_ms'])} ms",
                 max(d["failover_ms"]) <= d["bound_ms"],
             )
+    h = sections.get("http")
+    if h is not None:
+        hrows = h.data["rows"]
+        top = max((r["concurrency"] for r in hrows if isinstance(r["concurrency"], int)), default=None)
+        w = next((r for r in hrows if r["system"] == "wowd run, http gateway" and r["per_target"] == top), None)
+        b = next((r for r in hrows if r["system"] == "bare aiohttp loop" and r["concurrency"] == top), None)
+        if w is not None and b is not None:
+            add(
+                f"http gateway >= 5,000 deliveries/s at concurrency {top} (N={fmt(h.data['n'])})",
+                fmt(w["fired_per_s"]),
+                w["fired_per_s"] >= 5000,
+            )
+            ratio = w["fired_per_s"] / b["fired_per_s"]
+            add(f"http gateway >= 0.5x the bare aiohttp loop (concurrency {top})", f"{fmt(ratio, 2)}x", ratio >= 0.5)
+        st = h.data["steady"]
+        add(
+            f"steady {fmt(st['rate'])}/s over HTTP: p99 lag <= 20 ms",
+            f"p99 {fmt_ms(st['p99_ms'])} ms ({fmt(st['fired'])} / {fmt(st['added'])} fired)",
+            st["p99_ms"] <= 20 and st["fired"] == st["added"],
+        )
     return table(["target (issue 11)", "measured", "met"], rows)
 
 

@@ -43,14 +43,14 @@ def bare_loop(
     fused: bool = False,
 ) -> int:
     """Fires every due timer; answers how many. Each batch: the per-partition due reads merged
-    (one read transaction), one claim ``executemany``, one outbox ``executemany``, one delete
-    ``executemany``, each write in its own ``BEGIN IMMEDIATE`` transaction as the store does.
+    (one read transaction), one claim ``executemany``, one outbox ``executemany``, one
+    ``executemany`` ending each fired timer (a DONE tombstone, as the store writes it), each write in its own ``BEGIN IMMEDIATE`` transaction as the store does.
 
     ``fused`` (an experiment, not wowd's path): read, outbox insert and delete in one write
     transaction and no claim, which an outbox in the timers' own SQLite file would allow."""
     select = due_sql(context)
     claim = settle_sql(context, "claim")
-    delete = settle_sql(context, "delete")
+    delete = settle_sql(context, "done")
     insert = outbox_put_sql()
     parts = range(partitions)
     fired = 0

@@ -17,6 +17,7 @@ WORKERS = {
     "growth_embedded": "bench.growth:run_embedded",
     "growth_mongo": "bench.growth:run_mongo_wire",
     "sink": "bench.sink:run_sink",
+    "http_bare": "bench.http_delivery:run_bare",
 }
 
 

@@ -117,13 +117,15 @@ def wowd_command() -> list[str]:
     return [sys.executable, "-m", "wowd"]
 
 
-def start_daemon(tmp: Path, db: Path, name: str, *, limit: int, ttl_s: float = 10.0) -> Daemon:
+def start_daemon(
+    tmp: Path, db: Path, name: str, *, limit: int, ttl_s: float = 10.0, extra_env: dict[str, str] | None = None
+) -> Daemon:
     port_file = tmp / f"{name}.port"
     log_file = tmp / f"{name}.log"
     with log_file.open("wb") as out:
         proc = subprocess.Popen(
             [*wowd_command(), "run", "--port-file", str(port_file)],
-            env=daemon_env(db, limit=limit, ttl_s=ttl_s, owner_key=name),
+            env=daemon_env(db, limit=limit, ttl_s=ttl_s, owner_key=name, extra=extra_env),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=str(tmp),
@@ -154,14 +156,22 @@ def stop_daemon(d: Daemon, sig: int = signal.SIGTERM, timeout_s: float = 15) -> 
 
 @contextmanager
 def daemons(
-    tmp: Path, db: Path, count: int, *, limit: int, ttl_s: float = 10.0, ready: int | None = None
+    tmp: Path,
+    db: Path,
+    count: int,
+    *,
+    limit: int,
+    ttl_s: float = 10.0,
+    ready: int | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[list[Daemon]]:
-    """Starts ``count`` replicas; waits until ``ready`` of them (default: ``min(count, limit)``)
-    hold a lease; stops them all (SIGTERM) on exit."""
+    """Starts ``count`` replicas (``extra_env``: settings over the outbox defaults); waits until
+    ``ready`` of them (default: ``min(count, limit)``) hold a lease; stops them all (SIGTERM) on
+    exit."""
     ds: list[Daemon] = []
     try:
         for i in range(count):
-            ds.append(start_daemon(tmp, db, f"bench-{i}", limit=limit, ttl_s=ttl_s))
+            ds.append(start_daemon(tmp, db, f"bench-{i}", limit=limit, ttl_s=ttl_s, extra_env=extra_env))
             # one at a time: the holder is the first one, the standby the second
             if i < (ready if ready is not None else min(count, limit)):
                 wait_until(lambda d=ds[-1]: d.ready() or not d.alive(), 60, f"{ds[-1].name} ready")

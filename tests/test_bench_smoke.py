@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench import ceiling, peer_aps3, wowd_timers
-from bench.__main__ import APS4_PYTHON, HERE, Config, render, section_growth, section_sink, targets
+from bench.__main__ import APS4_PYTHON, HERE, Config, render, section_growth, section_http, section_sink, targets
 from bench.common import lag_stats, run_worker, timer_rows
 from bench.failover import failover_once
 
@@ -29,6 +29,9 @@ TINY = Config(
     sink_n=300,
     sink_batches=(100,),
     failover_ttls=(1.5,),
+    http_n=200,
+    http_concurrency=(1, 4),
+    http_steady_rate=50,
 )
 
 
@@ -85,6 +88,22 @@ def test_wowd_run_steady_fires_what_the_log_schedules() -> None:
 def test_failover_measures_the_standbys_first_fire() -> None:
     r = failover_once(1.5, warm_s=0.3)
     assert 0 < r["failover_ms"] < 20_000 and r["bound_ms"] > 1500
+
+
+@pytest.mark.process
+def test_http_delivery_fires_every_timer_over_http_beside_the_bare_loop() -> None:
+    section = section_http(TINY)
+    rows = section.data["rows"]
+    systems = {(r["system"], r["concurrency"]) for r in rows}
+    assert {("bare aiohttp loop", 1), ("bare aiohttp loop", 4), ("wowd run, http gateway", 1),
+            ("wowd run, http gateway", 4)} <= systems
+    assert all(r["fired"] == 200 for r in rows), "every command reached the target (or the outbox) once"
+    assert all(0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] and r["fired_per_s"] > 0 for r in rows)
+    steady = section.data["steady"]
+    assert steady["added"] > 0 and steady["fired"] == steady["added"]
+    text = render([section], cfg=TINY, command="python -m bench --quick --only http", quick=True, total_s=1.0)
+    assert "## HTTP delivery" in text and "| bare aiohttp loop | 4 |" in text
+    assert "http gateway >= 0.5x the bare aiohttp loop (concurrency 4)" in targets({"http": section})
 
 
 def test_growth_and_sink_sections_render_with_their_targets(tmp_path: Path) -> None:

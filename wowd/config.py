@@ -126,6 +126,12 @@ class GatewaySettings(_Part):
     timeout_s: float = Field(default=10.0, gt=0)
     ca_certs: Path | None = None
     verify_certs: bool = True
+    per_target_concurrency: int = Field(default=16, ge=1)
+    """At most this many requests in flight to one target (``context.aggregate``) of the http gateway."""
+    breaker_failures: int = Field(default=5, ge=1)
+    """Consecutive failures (timeout, transport error, 408, 429, 5xx) of a target that open its circuit."""
+    breaker_open_s: float = Field(default=30.0, gt=0)
+    """How long an open circuit answers Retry without a request before one trial request."""
 
     @field_validator("url")
     @classmethod

@@ -90,6 +90,16 @@ OUTBOX_DEPTH = Gauge(
     "wowd_outbox_depth", "Entries in the outbox (delivered, not yet acknowledged or trimmed), as last counted"
 )
 
+# http gateway
+GATEWAY_CIRCUIT_OPEN = Gauge(
+    "wowd_gateway_circuit_open", "1 while a delivery target's circuit is open (sends answer Retry unsent)", ["target"]
+)
+GATEWAY_SHORT_CIRCUITED = Counter(
+    "wowd_gateway_short_circuited_total",
+    "Sends answered Retry without a request: the target's circuit is open",
+    ["target"],
+)
+
 # feed
 FEED_COMMITS = Counter("wowd_feed_commits_total", "Commits fed to the sink and views", ["aggregate"])
 FEED_LAG = Gauge("wowd_feed_lag_seconds", "Now minus create time of the last commit fed", ["slot"])
@@ -129,12 +139,6 @@ FEED_POISON = Counter(
     ["step", "error"],
 )
 SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
-GATEWAY_CIRCUIT_OPEN = Gauge(
-    "wowd_gateway_circuit_open", "1 while deliveries to the target are short-circuited", ["target"]
-)
-GATEWAY_SHORT_CIRCUITED = Counter(
-    "wowd_gateway_short_circuited_total", "Deliveries retried later without a request (circuit open)", ["target"]
-)
 
 
 def _version() -> str:

@@ -97,7 +97,7 @@ def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatc
         closed = s.getsockname()[1]
     monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://127.0.0.1:{closed}/")
     code, out, err = wowd("check")
-    assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: ConnectError" in err
+    assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
 
 
 def test_status_lists_holders_and_says_where_standbys_are(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,20 +1,30 @@
-"""The command gateways: outcome mapping, the Wow REST shape, credentials, bad answers."""
+"""The command gateways: outcome mapping, the Wow REST shape, credentials, TLS, bad answers, the
+per-target limit, the circuit breaker and the outcome log. The http gateway talks to a real local
+HTTP server (aiohttp.web) over sockets."""
 
 from __future__ import annotations
 
 import json
+import logging
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import pytest
+from aiohttp import web
+from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from wowd.config import GatewaySettings
 from wowd.daemon.gateway import (
+    CircuitBreaker,
     Delivered,
+    DeliveryLog,
     Fail,
     HttpGateway,
     OutboxGateway,
@@ -24,6 +34,7 @@ from wowd.daemon.gateway import (
     command_url,
     outbox_entry,
     outcome_for_status,
+    target_of,
 )
 from wowd.errors import StorageUnavailable
 from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerStatus
@@ -31,8 +42,10 @@ from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerSt
 pytestmark = pytest.mark.anyio
 
 
-def make_timer(tenant: str = "(0)", agg_id: str = "order-1", name: str = "expire-order") -> Timer:
-    owner = AggregateRef(context="demo", aggregate="order", id=agg_id, tenant_id=tenant)
+def make_timer(
+    tenant: str = "(0)", agg_id: str = "order-1", name: str = "expire-order", aggregate: str = "order"
+) -> Timer:
+    owner = AggregateRef(context="demo", aggregate=aggregate, id=agg_id, tenant_id=tenant)
     return Timer(
         timer_id="t1",
         partition=3,
@@ -50,8 +63,9 @@ def make_timer(tenant: str = "(0)", agg_id: str = "order-1", name: str = "expire
 
 @pytest.mark.parametrize(
     ("status", "kind"),
-    [(200, Delivered), (201, Delivered), (204, Delivered), (404, Park), (409, Retry), (429, Retry),
-     (500, Retry), (503, Retry), (400, Fail), (401, Fail), (403, Fail), (422, Fail), (302, Fail)],
+    [(200, Delivered), (201, Delivered), (204, Delivered), (404, Park), (408, Retry), (409, Retry),
+     (425, Retry), (429, Retry), (500, Retry), (503, Retry), (400, Fail), (401, Fail), (403, Fail),
+     (422, Fail), (302, Fail)],
 )
 def test_status_mapping(status: int, kind: type) -> None:
     assert isinstance(outcome_for_status(status), kind)
@@ -72,89 +86,402 @@ def test_command_url_follows_wow_rest_shape() -> None:
     )
 
 
-def _gateway(handler: Any, **kw: Any) -> HttpGateway:
-    settings = GatewaySettings(kind="http", url="https://cmd.example/api", timeout_s=kw.pop("timeout_s", 2.0), **kw)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    return HttpGateway(settings, client=client, concurrency=4)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-async def test_http_gateway_posts_the_command_with_request_id_and_bearer() -> None:
-    seen: list[httpx.Request] = []
+class Target:
+    """A local HTTP server (aiohttp.web on 127.0.0.1) answering every path with ``handler``;
+    ``gate`` holds the handlers that wait on it (set before the server stops)."""
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, json={"ok": True})
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.gate = anyio.Event()
 
-    gw = _gateway(handler, token=SecretStr("s3cr3t-token"))
-    t = make_timer()
-    assert isinstance(await gw.send(t), Delivered)
-    req = seen[0]
-    assert req.method == "POST"
-    assert str(req.url) == "https://cmd.example/api/order/order-1/expire-order"
-    assert req.headers["command-request-id"] == t.request_id
-    assert req.headers["authorization"] == "Bearer s3cr3t-token"
-    assert json.loads(req.content) == {"reason": "late"}
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.seen.append((request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
+        return await self.handler(request)
+
+
+@asynccontextmanager
+async def serving(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[tuple[Target, str]]:
+    target = Target(handler)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", target.handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    port = runner.addresses[0][1]
+    scheme = "https" if ssl_context else "http"
+    try:
+        yield target, f"{scheme}://127.0.0.1:{port}/api"
+    finally:
+        target.gate.set()
+        await runner.cleanup()
+
+
+def gateway(url: str, **kw: Any) -> HttpGateway:
+    concurrency = kw.pop("concurrency", 4)
+    outcomes = kw.pop("outcomes", None)
+    clock = kw.pop("clock", None)
+    settings = GatewaySettings(kind="http", url=url, timeout_s=kw.pop("timeout_s", 2.0), **kw)
+    extra: dict[str, Any] = {"clock": clock} if clock else {}
+    return HttpGateway(settings, concurrency=concurrency, outcomes=outcomes, **extra)
+
+
+def status(code: int, **kw: Any) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=code, **kw)
+
+    return handler
+
+
+async def test_http_gateway_posts_the_command_with_request_id_type_and_bearer() -> None:
+    async with serving(status(200, text='{"ok": true}', content_type="application/json")) as (srv, url):
+        gw = gateway(url, token=SecretStr("s3cr3t-token"))
+        try:
+            t = make_timer()
+            assert isinstance(await gw.send(t), Delivered)
+        finally:
+            await gw.aclose()
+    method, path, headers, body = srv.seen[0]
+    assert method == "POST"
+    assert path == "/api/order/order-1/expire-order"
+    assert headers["command-request-id"] == t.request_id
+    assert headers["command-type"] == "demo.Expire"
+    assert headers["authorization"] == "Bearer s3cr3t-token"
+    assert headers["content-type"] == "application/json"
+    assert json.loads(body) == {"reason": "late"}
 
 
 async def test_http_gateway_api_key_header() -> None:
-    seen: list[httpx.Request] = []
+    async with serving(status(202)) as (srv, url):
+        gw = gateway(url, token=SecretStr("k3y"), api_key_header="X-Api-Key")
+        try:
+            assert isinstance(await gw.send(make_timer()), Delivered)
+        finally:
+            await gw.aclose()
+    headers = srv.seen[0][2]
+    assert headers["x-api-key"] == "k3y" and "authorization" not in headers
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(202)
 
-    gw = _gateway(handler, token=SecretStr("k3y"), api_key_header="X-Api-Key")
-    assert isinstance(await gw.send(make_timer()), Delivered)
-    assert seen[0].headers["x-api-key"] == "k3y" and "authorization" not in seen[0].headers
+async def test_http_gateway_keeps_one_connection_alive() -> None:
+    peers: set[Any] = set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        peers.add(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(status=200)
+
+    async with serving(handler) as (_srv, url):
+        gw = gateway(url, concurrency=1)
+        try:
+            for i in range(5):
+                assert isinstance(await gw.send(make_timer(agg_id=f"a{i}")), Delivered)
+        finally:
+            await gw.aclose()
+    assert len(peers) == 1, "five sequential sends on one kept-alive connection"
 
 
 async def test_http_gateway_bad_answers_never_raise() -> None:
-    def huge(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(400, content=b"<html>" + b"x" * 5_000_000)
-
-    out = await _gateway(huge).send(make_timer())
+    async with serving(status(400, body=b"<html>" + b"x" * 5_000_000)) as (_srv, url):
+        gw = gateway(url)
+        try:
+            out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
     assert isinstance(out, Fail) and len(out.reason) < 300
 
-    def notfound(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(404, json={"errorMsg": "aggregate not found"})
-
-    out = await _gateway(notfound).send(make_timer())
+    async with serving(status(404, text='{"errorMsg": "aggregate not found"}')) as (_srv, url):
+        gw = gateway(url)
+        try:
+            out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
     assert isinstance(out, Park) and "aggregate not found" in out.reason
 
-    def refused(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("connection refused", request=request)
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await srv.gate.wait()  # a target that does not answer within the gateway's timeout
+        return web.Response(status=200)
 
-    assert isinstance(await _gateway(refused).send(make_timer()), Retry)
-
-    async def slow(request: httpx.Request) -> httpx.Response:
-        await anyio.sleep(5)  # a target that does not answer within the gateway's timeout
-        return httpx.Response(200)
-
-    with anyio.fail_after(3):
-        out = await _gateway(slow, timeout_s=0.1).send(make_timer())
+    async with serving(slow) as (srv, url):
+        gw = gateway(url, timeout_s=0.1)
+        try:
+            with anyio.fail_after(3):
+                out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
     assert isinstance(out, Retry) and "timeout" in out.reason
 
 
 async def test_http_gateway_secret_not_in_reasons() -> None:
-    def echo(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(500, text=str(request.headers))
+    async def echo(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=500, text=str(dict(request.headers)))
 
-    out = await _gateway(echo, token=SecretStr("planted-secret-xyz")).send(make_timer())
-    assert isinstance(out, Retry)
-    # the reason carries the answer's text only as the target wrote it; the gateway adds nothing
-    assert out.reason.startswith("HTTP 500")
+    async with serving(echo) as (_srv, url):
+        gw = gateway(url, token=SecretStr("planted-secret-xyz"))
+        try:
+            out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
+    assert isinstance(out, Retry) and out.reason.startswith("HTTP 500")
+    assert "planted-secret-xyz" not in out.reason and "***" in out.reason
 
 
 async def test_http_gateway_deliver_reports_each_timer() -> None:
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200 if request.url.path.endswith("/ok") else 404)
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200 if request.path.endswith("/ok") else 404)
 
-    gw = _gateway(handler)
-    timers = [make_timer(agg_id=f"a{i}", name="ok" if i % 2 else "nope") for i in range(10)]
-    got: list[tuple[str, Outcome]] = []
-    await gw.deliver(timers, lambda t, o: got.append((t.target.id, o)))
+    async with serving(handler) as (_srv, url):
+        gw = gateway(url)
+        timers = [make_timer(agg_id=f"a{i}", name="ok" if i % 2 else "nope") for i in range(10)]
+        got: list[tuple[str, Outcome]] = []
+        try:
+            await gw.deliver(timers, lambda t, o: got.append((t.target.id, o)))
+        finally:
+            await gw.aclose()
     assert len(got) == 10
     assert {i for i, o in got if isinstance(o, Delivered)} == {f"a{i}" for i in range(1, 10, 2)}
+
+
+# --------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (openssl's command line) and its key."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_http_gateway_tls_verifies_against_the_given_cas_or_not_at_all(self_signed: tuple[Path, Path]) -> None:
+    cert, key = self_signed
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    async with serving(status(200), ssl_context=server_ctx) as (srv, url):
+        outcomes = {}
+        for name, kw in {
+            "system CAs": {},
+            "given CA": {"ca_certs": cert},
+            "verify off": {"verify_certs": False},
+        }.items():
+            gw = gateway(url, **kw)
+            try:
+                outcomes[name] = await gw.send(make_timer())
+            finally:
+                await gw.aclose()
+    assert isinstance(outcomes["system CAs"], Retry), "a certificate no system CA signed is refused"
+    assert "certificate" in outcomes["system CAs"].reason.lower()
+    assert isinstance(outcomes["given CA"], Delivered) and isinstance(outcomes["verify off"], Delivered)
+    assert len(srv.seen) == 2
+
+
+# --------------------------------------------------------------------------- per-target limit
+
+
+async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> None:
+    in_flight = {"order": 0, "cart": 0}
+    most = {"order": 0, "cart": 0}
+    three_waiting = anyio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        agg = request.path.split("/")[2]
+        in_flight[agg] += 1
+        most[agg] = max(most[agg], in_flight[agg])
+        try:
+            if agg == "order":
+                if in_flight["order"] == 3:
+                    three_waiting.set()
+                await srv.gate.wait()
+            return web.Response(status=200)
+        finally:
+            in_flight[agg] -= 1
+
+    timers = [make_timer(agg_id=f"o{i}") for i in range(10)] + [make_timer(agg_id="c1", aggregate="cart")]
+    got: dict[str, Outcome] = {}
+    cart_done = anyio.Event()
+
+    def record(t: Timer, o: Outcome) -> None:
+        got[t.target.id] = o
+        if t.target.aggregate == "cart":
+            cart_done.set()
+
+    async with serving(handler) as (srv, url):
+        gw = gateway(url, concurrency=8, per_target_concurrency=3)
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(gw.deliver, timers, record)
+                    await three_waiting.wait()
+                    await cart_done.wait()  # not held up behind the order target's slots
+                    assert in_flight["order"] == 3 and len(got) == 1
+                    srv.gate.set()
+        finally:
+            await gw.aclose()
+    assert len(got) == 11 and all(isinstance(o, Delivered) for o in got.values())
+    assert most["order"] == 3
+
+
+# --------------------------------------------------------------------------- circuit breaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _metric(name: str, target: str) -> float:
+    return REGISTRY.get_sample_value(name, {"target": target}) or 0.0
+
+
+async def test_breaker_opens_short_circuits_then_a_trial_closes_it(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    answers = [503, 503, 503, 503, 503, 200, 200]  # order x3, cart, the failed trial, then healthy
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=answers.pop(0))
+
+    clock = Clock()
+    short0 = _metric("wowd_gateway_short_circuited_total", "demo.order")
+    async with serving(handler) as (srv, url):
+        gw = gateway(url, breaker_failures=3, breaker_open_s=30, clock=clock, outcomes=DeliveryLog(clock=clock))
+        try:
+            for _ in range(3):
+                assert isinstance(await gw.send(make_timer()), Retry)
+            assert len(srv.seen) == 3
+            assert _metric("wowd_gateway_circuit_open", "demo.order") == 1
+            assert any(r.levelno == logging.WARNING and "circuit of demo.order opened" in r.getMessage()
+                       for r in caplog.records)
+            # open: answered without a request, with the time left as the retry hint
+            clock.now += 10
+            out = await gw.send(make_timer())
+            assert isinstance(out, Retry) and "circuit open" in out.reason and out.after_s == pytest.approx(20)
+            assert len(srv.seen) == 3
+            assert _metric("wowd_gateway_short_circuited_total", "demo.order") == short0 + 1
+            # another target is not affected
+            assert isinstance(await gw.send(make_timer(aggregate="cart")), Retry)
+            assert len(srv.seen) == 4
+            # half-open: one trial; it fails (503): open again for the whole period
+            clock.now += 20
+            assert isinstance(await gw.send(make_timer()), Retry)
+            assert len(srv.seen) == 5
+            assert isinstance(await gw.send(make_timer()), Retry) and len(srv.seen) == 5
+            # the next trial succeeds: closed
+            clock.now += 30
+            assert isinstance(await gw.send(make_timer()), Delivered)
+            assert isinstance(await gw.send(make_timer()), Delivered)
+            assert len(srv.seen) == 7
+        finally:
+            await gw.aclose()
+    assert _metric("wowd_gateway_circuit_open", "demo.order") == 0
+    assert any(r.levelno == logging.INFO and "circuit of demo.order closed" in r.getMessage() for r in caplog.records)
+
+
+async def test_half_open_sends_one_trial_at_a_time() -> None:
+    answered = anyio.Event()
+    arrived = anyio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        arrived.set()
+        await answered.wait()
+        return web.Response(status=200)
+
+    clock = Clock()
+    async with serving(handler) as (srv, url):
+        gw = gateway(url, breaker_failures=1, breaker_open_s=5, clock=clock)
+        breaker = gw.breaker("demo.order")
+        breaker.record(False)  # one failure opens it (breaker_failures=1)
+        assert breaker.is_open
+        clock.now += 5
+        results: list[Outcome] = []
+        try:
+            with anyio.fail_after(5):
+                async with anyio.create_task_group() as tg:
+
+                    async def trial() -> None:
+                        results.append(await gw.send(make_timer()))
+
+                    tg.start_soon(trial)
+                    await arrived.wait()
+                    other = await gw.send(make_timer(agg_id="o2"))  # while the trial is in flight
+                    assert isinstance(other, Retry) and "circuit open" in other.reason
+                    answered.set()
+        finally:
+            await gw.aclose()
+    assert isinstance(results[0], Delivered) and not breaker.is_open and len(srv.seen) == 1
+
+
+def test_breaker_counts_consecutive_failures_only() -> None:
+    clock = Clock()
+    b = CircuitBreaker("x.y", failures=3, open_s=10, clock=clock)
+    for ok in (False, False, True, False, False):
+        b.record(ok)
+    assert not b.is_open, "a success in between resets the count"
+    b.record(False)
+    assert b.is_open and b.refusing() == 10
+    b.record(True)  # a request sent before it opened, answering late: the circuit stays open
+    assert b.is_open
+
+
+# --------------------------------------------------------------------------- the outcome log
+
+
+def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wowd.test")
+    clock = Clock()
+    dl = DeliveryLog(logging.getLogger("wowd.test"), every_s=10, clock=clock)
+    for i in range(5):
+        dl.outcome("demo.order", Retry(reason="HTTP 503"), f"r{i}")
+    dl.outcome("demo.order", Fail(reason="HTTP 400"), "f1")
+    dl.outcome("demo.order", Park(reason="HTTP 404"), "p1")
+    dl.outcome("demo.cart", Retry(reason="timeout after 10s"), "c1")
+    dl.outcome("demo.cart", Delivered(), "c2")
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert lines == [
+        (logging.WARNING, "delivery to demo.order will be retried: HTTP 503 (request id r0)"),
+        (logging.ERROR, "delivery to demo.order failed for good: HTTP 400 (request id f1)"),
+        (logging.INFO, "delivery to demo.order parked: HTTP 404 (request id p1)"),
+        (logging.WARNING, "delivery to demo.cart will be retried: timeout after 10s (request id c1)"),
+    ]
+    caplog.clear()
+    clock.now += 9.9
+    dl.outcome("demo.order", Retry(reason="HTTP 503"), "r5")
+    assert not caplog.records
+    clock.now += 0.1
+    dl.outcome("demo.order", Retry(reason="HTTP 502"), "r6")
+    assert [r.getMessage() for r in caplog.records] == [
+        "delivery to demo.order will be retried: HTTP 502 (request id r6); "
+        "5 more like it left out of the log in the last 10s"
+    ]
+
+
+async def test_http_gateway_logs_its_outcomes_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    async with serving(status(503)) as (_srv, url):
+        gw = gateway(url, outcomes=DeliveryLog(clock=Clock()), breaker_failures=100)
+        try:
+            timers = [make_timer(agg_id=f"a{i}") for i in range(20)]
+            await gw.deliver(timers, lambda t, o: None)
+        finally:
+            await gw.aclose()
+    retries = [r for r in caplog.records if "will be retried" in r.getMessage()]
+    assert len(retries) == 1 and retries[0].levelno == logging.WARNING
+    assert "demo.order" in retries[0].getMessage() and "HTTP 503" in retries[0].getMessage()
+
+
+def test_target_is_context_and_aggregate() -> None:
+    assert target_of(make_timer(tenant="t1", agg_id="x")) == "demo.order"
 
 
 class FakeOutbox:

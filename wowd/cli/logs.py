@@ -83,5 +83,5 @@ def setup_logging(settings: WowdSettings, stream: TextIO | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.log_level)
-    for noisy in ("httpx", "httpcore", "pymongo", "elastic_transport"):
+    for noisy in ("aiohttp", "pymongo", "elastic_transport"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -7,32 +7,46 @@ mid-batch (shutdown grace, lost lease) still settles what was delivered.
 
 - :class:`OutboxGateway` inserts into the backend's outbox (unique on the request id); it has a
   batch path (one ``put_many`` call per batch).
-- :class:`HttpGateway` POSTs to a Wow-style command endpoint with ``Command-Request-Id``.
+- :class:`HttpGateway` POSTs to a Wow-style command endpoint with ``Command-Request-Id`` (aiohttp,
+  one keep-alive connection pool), at most ``per_target_concurrency`` requests in flight per
+  target and a :class:`CircuitBreaker` per target.
+
+A *target* (:func:`target_of`) is the timer's target context and aggregate type,
+``context.aggregate``: the endpoint path prefix ``{url}/[tenant/{tenant}/]{aggregate}/`` of the
+service owning that aggregate. :class:`DeliveryLog` logs the outcomes other than Delivered, at
+most one line per target and kind every 10 s.
 """
 
 from __future__ import annotations
 
+import asyncio
+import enum
+import functools
 import json
 import logging
 import ssl
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
+import aiohttp
 import anyio
-import httpx
+import yarl
 
 from wowd import metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import DEFAULT_TENANT, OutboxEntry, Timer
+from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
 from wowd.stores.base import Outbox
 
 __all__ = [
+    "CircuitBreaker",
     "CommandGateway",
     "Delivered",
+    "DeliveryLog",
     "Fail",
     "HttpGateway",
     "Outcome",
@@ -42,7 +56,9 @@ __all__ = [
     "Retry",
     "command_url",
     "deliver_concurrently",
+    "delivery_log",
     "outcome_for_status",
+    "target_of",
 ]
 
 log = logging.getLogger(__name__)
@@ -193,15 +209,20 @@ class OutboxGateway:
         return None
 
 
-def command_url(base: str, timer: Timer) -> str:
+def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
     """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
-    part percent-encoded; the tenant part only for a tenant other than the default."""
+    part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
+    the timer's, when already read."""
     t = timer.target
-    parts: list[str] = []
-    if t.tenant_id != DEFAULT_TENANT:
-        parts += ["tenant", t.tenant_id]
-    parts += [t.aggregate, t.id, timer.command.name]
-    return base.rstrip("/") + "/" + "/".join(quote(p, safe="") for p in parts)
+    name = (command or timer.command).name
+    return _url_prefix(base, t.tenant_id, t.aggregate) + quote(t.id, safe="") + "/" + quote(name, safe="")
+
+
+@functools.lru_cache(maxsize=1024)
+def _url_prefix(base: str, tenant_id: str, aggregate: str) -> str:
+    parts = ["tenant", tenant_id] if tenant_id != DEFAULT_TENANT else []
+    parts.append(aggregate)
+    return base.rstrip("/") + "/" + "".join(quote(p, safe="") + "/" for p in parts)
 
 
 def _retry_after(value: str | None) -> float:
@@ -214,7 +235,8 @@ def _retry_after(value: str | None) -> float:
 
 
 def outcome_for_status(status: int, retry_after: str | None = None, detail: str = "") -> Outcome:
-    """2xx delivered; 404 park; 409, 429, 5xx retry; any other status fails."""
+    """2xx delivered; 404 park; 408, 409, 425, 429 and 5xx retry (``Retry-After`` in seconds is
+    the hint); any other status (3xx, the other 4xx) fails."""
     reason = f"HTTP {status}" + (f": {detail}" if detail else "")
     if 200 <= status < 300:
         return Delivered()
@@ -225,21 +247,206 @@ def outcome_for_status(status: int, retry_after: str | None = None, detail: str 
     return Fail(reason=reason)
 
 
-def _ssl_verify(settings: GatewaySettings) -> ssl.SSLContext | bool:
-    if not settings.verify_certs:
+def _is_target_failure(status: int) -> bool:
+    """A status that counts against the target's circuit: it is overloaded or broken (a 409 or
+    425 is an answer about the command, the target works)."""
+    return status >= 500 or status in (408, 429)
+
+
+def target_of(timer: Timer) -> str:
+    """The delivery target of ``timer``: ``context.aggregate`` of its target aggregate."""
+    t = timer.target
+    return f"{t.context}.{t.aggregate}"
+
+
+# --------------------------------------------------------------------------- outcome log
+
+
+class DeliveryLog:
+    """Logs delivery outcomes other than Delivered: WARNING for a Retry, ERROR for a Fail, INFO
+    for a Park, with the target, the reason (status or error) and the request id.
+
+    At most one line per target and kind every ``every_s``; the next line written says how many
+    were left out since the previous one. A Fail is never hidden by a burst of Retries of the same
+    target (each kind has its own window). The http gateway logs through :data:`delivery_log`;
+    a caller deciding an outcome itself (e.g. a spent retry budget) can log it there too.
+    """
+
+    _LEVELS: dict[type[Any], tuple[int, str]] = {
+        Retry: (logging.WARNING, "delivery to %s will be retried: %s (request id %s)%s"),
+        Fail: (logging.ERROR, "delivery to %s failed for good: %s (request id %s)%s"),
+        Park: (logging.INFO, "delivery to %s parked: %s (request id %s)%s"),
+    }
+
+    def __init__(
+        self,
+        logger: logging.Logger | None = None,
+        *,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger or log
+        self._every = every_s
+        self._clock = clock
+        self._windows: dict[tuple[str, type[Any]], list[float]] = {}  # [last line at, left out since]
+
+    def outcome(self, target: str, outcome: Outcome, request_id: str) -> None:
+        """Logs ``outcome`` of a delivery to ``target`` (nothing for Delivered), rate-limited."""
+        kind = type(outcome)
+        spec = self._LEVELS.get(kind)
+        if spec is None or not self._log.isEnabledFor(spec[0]):
+            return
+        now = self._clock()
+        window = self._windows.get((target, kind))
+        if window is not None and now - window[0] < self._every:
+            window[1] += 1
+            return
+        left_out = int(window[1]) if window is not None else 0
+        self._windows[(target, kind)] = [now, 0]
+        more = f"; {left_out} more like it left out of the log in the last {self._every:g}s" if left_out else ""
+        level, msg = spec
+        self._log.log(level, msg, target, getattr(outcome, "reason", ""), request_id, more)
+
+
+delivery_log = DeliveryLog()
+"""The process's delivery log (one window per target and kind for every caller)."""
+
+
+# --------------------------------------------------------------------------- circuit breaker
+
+
+class Admission(enum.Enum):
+    SEND = "send"
+    TRIAL = "trial"
+    REFUSE = "refuse"
+
+
+class CircuitBreaker:
+    """One target's circuit: closed (requests go out) -> open after ``failures`` consecutive
+    failures (each send answers Retry without a request for ``open_s``) -> half-open (one trial
+    request; the others still answer Retry) -> closed when the trial succeeds, open again for
+    ``open_s`` when it fails. Outcomes of requests sent before the circuit opened do not change
+    an open circuit. One event loop: no locks."""
+
+    def __init__(
+        self, target: str, *, failures: int, open_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.target = target
+        self._limit = failures
+        self._open_s = open_s
+        self._clock = clock
+        self._consecutive = 0
+        self._open_until: float | None = None
+        self._trial = False
+
+    @property
+    def is_open(self) -> bool:
+        """Open or half-open (not every send goes out)."""
+        return self._open_until is not None
+
+    def refusing(self) -> float | None:
+        """Without changing the state: ``None`` when a send may go out now, else the seconds
+        until a trial may (0 while a trial is in flight)."""
+        if self._open_until is None:
+            return None
+        if self._trial:
+            return 0.0
+        left = self._open_until - self._clock()
+        return left if left > 0 else None
+
+    def admit(self) -> Admission:
+        """Whether a send goes out now: SEND (closed), TRIAL (this send is the half-open trial;
+        report it with ``trial=True``) or REFUSE."""
+        if self._open_until is None:
+            return Admission.SEND
+        if self._trial or self._clock() < self._open_until:
+            return Admission.REFUSE
+        self._trial = True
+        return Admission.TRIAL
+
+    def record(self, ok: bool, *, trial: bool = False) -> None:
+        """The outcome of an admitted send: ``ok`` unless it timed out, met a transport error or
+        a status counting against the target (408, 429, 5xx)."""
+        if trial:
+            self._trial = False
+            if ok:
+                self._close()
+            else:
+                self._open("its trial request failed")
+            return
+        if self._open_until is not None:
+            return
+        if ok:
+            self._consecutive = 0
+            return
+        self._consecutive += 1
+        if self._consecutive >= self._limit:
+            self._open(f"{self._consecutive} consecutive failures")
+
+    def abandon_trial(self) -> None:
+        """The trial request was cancelled: the next send after this one may be the trial."""
+        self._trial = False
+
+    def _open(self, why: str) -> None:
+        self._open_until = self._clock() + self._open_s
+        self._consecutive = 0
+        metrics.GATEWAY_CIRCUIT_OPEN.labels(target=self.target).set(1)
+        log.warning(
+            "circuit of %s opened (%s): its deliveries answer Retry without a request for %gs",
+            self.target,
+            why,
+            self._open_s,
+        )
+
+    def _close(self) -> None:
+        self._open_until = None
+        self._consecutive = 0
+        metrics.GATEWAY_CIRCUIT_OPEN.labels(target=self.target).set(0)
+        log.info("circuit of %s closed: its trial request succeeded", self.target)
+
+
+# --------------------------------------------------------------------------- http
+
+
+def _ssl_context(settings: GatewaySettings) -> ssl.SSLContext | bool:
+    """``False`` without verification or for a plain-HTTP url; else a verifying context on
+    ``ca_certs`` or the system's CAs (OpenSSL's default paths, ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
+    if not settings.verify_certs or urlsplit(settings.url or "").scheme != "https":
         return False
-    if settings.ca_certs is not None:
-        return ssl.create_default_context(cafile=str(settings.ca_certs))
-    return True
+    return ssl.create_default_context(cafile=str(settings.ca_certs) if settings.ca_certs is not None else None)
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url`` (``HTTP_PROXY``/``HTTPS_PROXY``, ``NO_PROXY``),
+    read once: the gateway has one base URL."""
+    parts = urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    if not proxies or urllib.request.proxy_bypass(parts.hostname or ""):
+        return None
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
+def _transport_reason(exc: BaseException) -> str:
+    """The error's kind and, for a socket error, the OS's word for it (never a URL or a header)."""
+    name = type(exc).__name__
+    os_error = getattr(exc, "os_error", None)
+    err = os_error if isinstance(os_error, OSError) else exc if isinstance(exc, OSError) else None
+    if err is not None and err.strerror:
+        return f"transport error: {name} ({err.strerror})"
+    return f"transport error: {name}"
 
 
 class HttpGateway:
     """POSTs each command to its target's endpoint, ``Command-Request-Id: timer.request_id``.
 
     The credential (``token``) goes as ``Authorization: Bearer`` or, with ``api_key_header``, in
-    that header; it is never logged nor put in a reason. TLS verification is on unless disabled;
-    ``ca_certs`` names a CA bundle. The whole exchange is bounded by ``timeout_s``; at most
-    :data:`MAX_ANSWER_BYTES` of an answer are read.
+    that header; it is never logged nor put in a reason (a target echoing it has it masked). TLS
+    verification is on unless disabled; ``ca_certs`` names a CA bundle, else the system's CAs.
+    Each exchange is bounded by ``timeout_s``; at most :data:`MAX_ANSWER_BYTES` of an answer are
+    read (an answer left unread closes its connection). One connection pool, keep-alive, at most
+    ``concurrency`` connections and requests in flight, at most ``per_target_concurrency`` per
+    target; a :class:`CircuitBreaker` per target. The session is opened on the first send (in the
+    running loop) and closed by :meth:`aclose` unless it was given.
     """
 
     def __init__(
@@ -247,85 +454,153 @@ class HttpGateway:
         settings: GatewaySettings,
         *,
         concurrency: int = 64,
-        client: httpx.AsyncClient | None = None,
+        session: aiohttp.ClientSession | None = None,
+        outcomes: DeliveryLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not settings.url:
             raise ValueError("gateway url is required for the http gateway")
+        self._settings = settings
         self._base = settings.url
         self._timeout = settings.timeout_s
         self._concurrency = concurrency
+        self._per_target = settings.per_target_concurrency
+        self._secret = settings.token.get_secret_value() if settings.token is not None else ""
         headers = {"content-type": "application/json", "accept": "application/json"}
-        if settings.token is not None:
-            secret = settings.token.get_secret_value()
+        if self._secret:
             if settings.api_key_header:
-                headers[settings.api_key_header] = secret
+                headers[settings.api_key_header] = self._secret
             else:
-                headers["authorization"] = f"Bearer {secret}"
-        self._owns = client is None
-        self._client = client or httpx.AsyncClient(
-            verify=_ssl_verify(settings),
-            timeout=httpx.Timeout(settings.timeout_s),
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
-            follow_redirects=False,
-        )
+                headers["authorization"] = f"Bearer {self._secret}"
         self._headers = headers
+        self._owns = session is None
+        self._session = session
+        self._proxy = _env_proxy(settings.url)
+        self._outcomes = outcomes or delivery_log
+        self._clock = clock
+        self._in_flight = asyncio.Semaphore(concurrency)
+        self._target_slots: dict[str, asyncio.Semaphore] = {}
+        self._breakers: dict[str, CircuitBreaker] = {}
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=_ssl_context(self._settings))
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self._timeout),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=("accept-encoding",),
+            trust_env=False,
+        )
+        return self._session
+
+    def breaker(self, target: str) -> CircuitBreaker:
+        """The circuit of ``target`` (created closed)."""
+        b = self._breakers.get(target)
+        if b is None:
+            b = self._breakers[target] = CircuitBreaker(
+                target,
+                failures=self._settings.breaker_failures,
+                open_s=self._settings.breaker_open_s,
+                clock=self._clock,
+            )
+        return b
+
+    def _short_circuit(self, target: str, after_s: float) -> Outcome:
+        metrics.GATEWAY_SHORT_CIRCUITED.labels(target=target).inc()
+        return Retry(reason=f"circuit open for {target}", after_s=after_s)
 
     async def send(self, timer: Timer) -> Outcome:
+        target = target_of(timer)
+        breaker = self.breaker(target)
+        refusing = breaker.refusing()
+        if refusing is not None:
+            outcome = self._short_circuit(target, refusing)
+            self._outcomes.outcome(target, outcome, timer.request_id)
+            return outcome
         try:
             command = timer.command
-            url = command_url(self._base, timer)
+            url = yarl.URL(command_url(self._base, timer, command), encoded=True)
             body = json.dumps(dict(command.body), separators=(",", ":")).encode()
         except (ValueError, KeyError, TypeError) as exc:
-            return Fail(reason=f"unreadable command: {exc}")
-        headers = dict(self._headers)
-        headers["command-request-id"] = timer.request_id
+            outcome = Fail(reason=f"unreadable command: {exc}")
+            self._outcomes.outcome(target, outcome, timer.request_id)
+            return outcome
+        headers = {"command-request-id": timer.request_id}
         if command.body_type:
             headers["command-type"] = command.body_type
-        try:
-            with anyio.fail_after(self._timeout):
-                async with self._client.stream("POST", url, content=body, headers=headers) as resp:
-                    detail = ""
-                    if not 200 <= resp.status_code < 300:
-                        detail = await self._read_detail(resp)
-                    return outcome_for_status(resp.status_code, resp.headers.get("retry-after"), detail)
-        except TimeoutError:
-            return Retry(reason=f"timeout after {self._timeout}s")
-        except httpx.TimeoutException:
-            return Retry(reason="timeout")
-        except httpx.TransportError as exc:
-            return Retry(reason=f"transport error: {type(exc).__name__}")
-        except httpx.HTTPError as exc:
-            return Retry(reason=f"http error: {type(exc).__name__}")
-        except (ValueError, UnicodeError) as exc:
-            return Fail(reason=f"request refused: {type(exc).__name__}")
+        slots = self._target_slots.get(target)
+        if slots is None:
+            slots = self._target_slots[target] = asyncio.Semaphore(self._per_target)
+        async with slots:
+            admission = breaker.admit()  # the circuit may have opened while this send waited
+            if admission is Admission.REFUSE:
+                outcome = self._short_circuit(target, breaker.refusing() or 0.0)
+            else:
+                trial = admission is Admission.TRIAL
+                try:
+                    async with self._in_flight:
+                        outcome, failed = await self._post(url, body, headers)
+                except BaseException:
+                    if trial:
+                        breaker.abandon_trial()
+                    raise
+                breaker.record(not failed, trial=trial)
+        self._outcomes.outcome(target, outcome, timer.request_id)
+        return outcome
 
     async def probe(self) -> int:
         """One ``HEAD`` of the base URL with the credentials and TLS settings of a delivery;
         answers the HTTP status (any status: the endpoint answers). Raises
         :class:`~wowd.errors.StorageUnavailable` when nothing answers (connection, TLS, timeout)."""
+        session = self._session or self._open_session()
         try:
-            with anyio.fail_after(self._timeout):
-                resp = await self._client.head(self._base, headers=self._headers)
-        except (TimeoutError, httpx.TimeoutException) as exc:
-            raise StorageUnavailable(f"gateway {self._base}: no answer within {self._timeout}s") from exc
-        except httpx.HTTPError as exc:
-            raise StorageUnavailable(f"gateway {self._base}: {type(exc).__name__}: {exc}") from exc
-        return resp.status_code
+            async with session.head(
+                self._base, headers=self._headers, allow_redirects=False, proxy=self._proxy
+            ) as resp:
+                return resp.status
+        except TimeoutError as exc:
+            raise StorageUnavailable(f"gateway {self._base}: no answer within {self._timeout:g}s") from exc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise StorageUnavailable(f"gateway {self._base}: {_transport_reason(exc)}") from exc
 
-    @staticmethod
-    async def _read_detail(resp: httpx.Response) -> str:
+    async def _post(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
+        """One exchange: the outcome and whether it counts against the target's circuit."""
+        session = self._session or self._open_session()
+        try:
+            async with session.post(
+                url, data=body, headers={**self._headers, **headers}, allow_redirects=False, proxy=self._proxy
+            ) as resp:
+                status = resp.status
+                detail = ""
+                if not 200 <= status < 300:
+                    detail = await self._read_detail(resp)
+                outcome = outcome_for_status(status, resp.headers.get("retry-after"), detail)
+                return outcome, _is_target_failure(status)
+        except TimeoutError:
+            return Retry(reason=f"timeout after {self._timeout:g}s"), True
+        except aiohttp.InvalidURL:
+            return Fail(reason="request refused: invalid URL"), False
+        except (aiohttp.ClientError, OSError) as exc:
+            return Retry(reason=_transport_reason(exc)), True
+        except (ValueError, UnicodeError) as exc:
+            return Fail(reason=f"request refused: {type(exc).__name__}"), False
+
+    async def _read_detail(self, resp: aiohttp.ClientResponse) -> str:
+        """The reason an answer gives, from at most :data:`MAX_ANSWER_BYTES` of its body; what
+        arrived when the body ends early, stalls past the timeout or breaks."""
         buf = b""
         try:
-            if resp.is_stream_consumed:
-                buf = resp.content[:MAX_ANSWER_BYTES]
-            else:
-                async for chunk in resp.aiter_bytes():
-                    buf += chunk
-                    if len(buf) >= MAX_ANSWER_BYTES:
-                        break
-        except httpx.HTTPError:
-            return ""
-        text = buf[:MAX_ANSWER_BYTES].decode("utf-8", "replace")
+            while len(buf) < MAX_ANSWER_BYTES:
+                chunk = await resp.content.read(MAX_ANSWER_BYTES - len(buf))
+                if not chunk:
+                    break
+                buf += chunk
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+        text = buf.decode("utf-8", "replace")
+        if self._secret:
+            text = text.replace(self._secret, "***")
         try:
             doc = json.loads(text)
         except ValueError:
@@ -336,8 +611,25 @@ class HttpGateway:
         return ""
 
     async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
-        await deliver_concurrently(self.send, timers, record, self._concurrency)
+        """Per target, up to ``per_target_concurrency`` workers (a slow target's timers do not
+        hold up the other targets'); at most ``concurrency`` requests in flight in all."""
+        if not timers:
+            return
+        groups: dict[str, list[Timer]] = {}
+        for t in timers:
+            groups.setdefault(target_of(t), []).append(t)
+
+        async def worker(group: Any) -> None:
+            for t in group:
+                record(t, await self.send(t))
+
+        async with anyio.create_task_group() as tg:
+            for group in groups.values():
+                it = iter(group)
+                for _ in range(min(len(group), self._per_target, self._concurrency)):
+                    tg.start_soon(worker, it)
 
     async def aclose(self) -> None:
-        if self._owns:
-            await self._client.aclose()
+        if self._owns and self._session is not None:
+            await self._session.close()
+            self._session = None
