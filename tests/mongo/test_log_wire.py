@@ -101,9 +101,10 @@ async def test_one_change_stream_from_the_oldest_checkpoint_skips_per_partition(
             assert agg["aggregate"] == 1
             assert agg["$db"] == DB
             stages = agg["pipeline"]
-            # one stream over the database, from the OLDEST checkpoint, server-side $match
-            assert stages[0] == {"$changeStream": {"startAfter": token((100, 1))}}
-            assert stages[1:] == [{"$match": expected_match([3, 5])}]
+            # one stream over the database, from the OLDEST checkpoint's cluster time (each
+            # partition skips what it saw), server-side $match, large events split
+            assert stages[0] == {"$changeStream": {"startAtOperationTime": Timestamp(100, 1)}}
+            assert stages[1:] == [{"$match": expected_match([3, 5])}, {"$changeStreamSplitLargeEvent": {}}]
             assert agg["cursor"] == {"batchSize": 50}
             agg.ok(
                 cursor(
@@ -170,8 +171,9 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             assert find["find"] == ORDERS
             assert find["filter"] == {"partition": 3}
             assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
-            # it reads at or after that cluster time (causally consistent), so it sees all before
-            assert find["readConcern"] == {"afterClusterTime": Timestamp(200, 3)}
+            # it reads majority-committed data at or after that cluster time (causally
+            # consistent): on every shard it sees each commit at or before the cut
+            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 3)}
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
             # 4. the stream starts at that cluster time, not "now"; what is AT it the scan read
             agg = await rs_wire.command("aggregate")
@@ -280,7 +282,7 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((10, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
             agg.command_err(
                 code=286,
                 errmsg="Resume of change stream was not possible, as the resume point may no longer be in the oplog.",
@@ -313,7 +315,7 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((10, 1)), 5: pos((500, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
             agg.command_err(code=286, errmsg="history lost")
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
@@ -323,7 +325,7 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
             assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((500, 1))}}
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(500, 1)}}
             assert agg["pipeline"][1] == {"$match": expected_match([3, 5])}
             agg.ok(cursor([change(log_doc(ID_P3, 2), (550, 1)), change(log_doc(ID_P5, 2), (601, 1))], first=True))
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
