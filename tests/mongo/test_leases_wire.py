@@ -19,7 +19,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error
 from tests.mongo.leases_support import (
     NS,
     T0,
@@ -358,8 +358,19 @@ async def test_namespace_insert_race_reads_the_winner(store: MongoSlotLeaseStore
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         reply_cursor(await wire.command("find"), "cosid_namespace", [])
-        (await wire.command("insert")).command_err(
-            11000, "E11000 duplicate key error collection: cosid_namespace"
+        # a duplicate key is a write error of an ok answer, not a command error
+        (await wire.command("insert")).ok(
+            n=0,
+            writeErrors=[
+                {
+                    "index": 0,
+                    "code": 11000,
+                    "errmsg": f"E11000 duplicate key error collection: wowd.cosid_namespace index: _id_ dup key: "
+                    f'{{ _id: "{NS}" }}',
+                    "keyPattern": {"_id": 1},
+                    "keyValue": {"_id": NS},
+                }
+            ],
         )
         req = await wire.command("find")
         assert body(req)["filter"] == {"_id": NS}
@@ -808,7 +819,7 @@ async def test_not_writable_primary_is_storage_unavailable(store: MongoSlotLease
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
         await owner_read_answered(wire, A, [])
-        (await wire.command("findAndModify")).command_err(10107, "not primary")
+        server_error(await wire.command("findAndModify"), 10107, "not primary")
         err = await call.error()
     assert isinstance(err, StorageUnavailable)
     assert "not primary" in str(err)
@@ -844,7 +855,19 @@ async def test_another_server_error_is_a_storage_error_with_its_message(
 ) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.release, LEASE, 0)
-        (await wire.command("update")).command_err(14, "Unsupported conversion from int to date")
+        # an update's failure is a write error of an ok answer (241 ConversionFailure)
+        (await wire.command("update")).ok(
+            n=0,
+            nModified=0,
+            writeErrors=[
+                {
+                    "index": 0,
+                    "code": 241,
+                    "errmsg": "Failed to optimize pipeline :: caused by :: Unsupported conversion from int "
+                    "to date in $convert with no onError value",
+                }
+            ],
+        )
         err = await call.error()
     assert type(err) is StorageError
     assert "Unsupported conversion from int to date" in str(err)

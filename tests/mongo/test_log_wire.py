@@ -13,7 +13,7 @@ from mockupdb import MockupDB
 from pydantic import SecretStr
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from tests.mongo.log_support import (
     CONTEXT,
     DB,
@@ -50,6 +50,7 @@ from wowd.stores.mongo import (
 __all__ = ["rs_client", "rs_server", "rs_wire"]  # fixtures re-exported for pytest
 
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
+HISTORY_LOST_MSG = "Resume of change stream was not possible, as the resume point may no longer be in the oplog."
 
 pytestmark = pytest.mark.anyio
 
@@ -283,10 +284,7 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
             call = start(tg, lambda: collect(log.read({3: pos((10, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
-            agg.command_err(
-                code=286,
-                errmsg="Resume of change stream was not possible, as the resume point may no longer be in the oplog.",
-            )
+            server_error(agg, 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (500, 7))  # the cluster time before the re-read
             lc = await rs_wire.command("listCollections")
             lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
@@ -316,7 +314,7 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
             call = start(tg, lambda: collect(log.read({3: pos((10, 1)), 5: pos((500, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
-            agg.command_err(code=286, errmsg="history lost")
+            server_error(agg, 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
@@ -340,7 +338,7 @@ async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClien
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
             (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
-            (await rs_wire.command("getMore")).command_err(code=286, errmsg="history lost")
+            server_error(await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
@@ -360,8 +358,10 @@ async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
-            (await rs_wire.command("aggregate")).command_err(
-                code=280, errmsg="cannot resume stream; the resume token was not found"
+            server_error(
+                await rs_wire.command("aggregate"),
+                280,
+                "cannot resume stream; the resume token was not found. {_data: \"8200000064000000012B02000004\"}",
             )
             await majority_point(rs_wire, (700, 2))
             (await rs_wire.command("listCollections")).ok(
@@ -421,8 +421,8 @@ async def test_a_standalone_server_refusing_the_change_stream_is_a_config_error(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((1, 1))}, follow=False)))
-            (await rs_wire.command("aggregate")).command_err(
-                code=40573, errmsg="The $changeStream stage is only supported on replica sets"
+            server_error(
+                await rs_wire.command("aggregate"), 40573, "The $changeStream stage is only supported on replica sets"
             )
             await call.done.wait()
     with pytest.raises(ConfigError, match="replica set"):
@@ -621,7 +621,7 @@ async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
             (await rs_wire.command("insert")).ok(
                 n=1,
                 writeErrors=[dup(1, {"request_id": 1})],
-                writeConcernError={"code": 64, "errmsg": "waiting for replication timed out"},
+                writeConcernError=write_concern_timeout(),
             )
             await call.done.wait()
     with pytest.raises(StorageUnavailable, match="write concern"):
