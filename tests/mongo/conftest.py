@@ -32,6 +32,10 @@ CODE_NAMES = {
     286: "ChangeStreamHistoryLost",
     10107: "NotWritablePrimary",
     10334: "BSONObjectTooLarge",
+    11000: "DuplicateKey",
+    11601: "Interrupted",
+    112: "WriteConflict",
+    13388: "StaleConfig",
     11602: "InterruptedDueToReplStateChange",
     40573: "Location40573",
 }
