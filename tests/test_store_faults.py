@@ -34,7 +34,7 @@ from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import FakeElasticsearch, serving
 from tests.helpers import caught_up_waker
 from tests.mongo import conftest as black_pipe
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error
 from wowd import metrics
 from wowd.errors import StorageUnavailable
 from wowd.model import (
@@ -285,7 +285,7 @@ async def test_a_put_refused_by_a_not_writable_primary_is_retried_unchanged(
             call = Call.start(tg, lambda: timers_store.put(t))
             req = await put_update(wire)
             first = copy.deepcopy(dict(req.doc))
-            req.command_err(code=10107, errmsg="not primary")
+            server_error(req, 10107, "not primary")
             with pytest.raises(StorageUnavailable, match="not primary"):
                 await call.result()
 
@@ -436,7 +436,7 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
             req = await wire.command("update")
             first = copy.deepcopy(req.doc["updates"])
             assert first[0]["q"] == {"_id": {"consumer": "wowd", "partition": 3}, "fence": {"$lte": 4}}
-            req.command_err(code=10107, errmsg="not primary")
+            server_error(req, 10107, "not primary")
             with pytest.raises(StorageUnavailable):
                 await call.result()
 

@@ -60,7 +60,12 @@ class MongoSettings(_Part):
     """May hold credentials, hence secret."""
     database: str = "wowd"
     timeout_ms: int = Field(default=10_000, ge=0)
+    """The deadline of each store call (0: none); the change stream is never cut by it."""
     write_concern: Literal["majority", "1"] = "majority"
+    ddl: Literal["auto", "validate", "none"] = "auto"
+    """auto: create the collections and indexes; validate: check them; none: assume them."""
+    sharding: Literal["auto", "on", "off"] = "auto"
+    """auto: shard on a sharded cluster when the user may (else logged, left unsharded)."""
 
 
 class ElasticsearchSettings(_Part):

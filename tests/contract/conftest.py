@@ -69,7 +69,8 @@ async def lease_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIte
     else:
         from wowd.stores.mongo.leases import MongoSlotLeaseStore
 
-        store = MongoSlotLeaseStore(request.getfixturevalue("mongo_db"))
+        db = request.getfixturevalue("mongo_db")
+        store = MongoSlotLeaseStore(db.client, db.name)
     async for s in _closing(store):
         yield s
 

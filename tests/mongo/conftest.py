@@ -16,6 +16,51 @@ import pytest
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
+CODE_NAMES = {
+    13: "Unauthorized",
+    14: "TypeMismatch",
+    26: "NamespaceNotFound",
+    43: "CursorNotFound",
+    48: "NamespaceExists",
+    50: "MaxTimeMSExpired",
+    64: "WriteConcernFailed",
+    133: "FailedToSatisfyReadPreference",
+    134: "ReadConcernMajorityNotAvailableYet",
+    136: "CappedPositionLost",
+    175: "QueryPlanKilled",
+    280: "ChangeStreamFatalError",
+    286: "ChangeStreamHistoryLost",
+    10107: "NotWritablePrimary",
+    10334: "BSONObjectTooLarge",
+    11000: "DuplicateKey",
+    11601: "Interrupted",
+    112: "WriteConflict",
+    13388: "StaleConfig",
+    11602: "InterruptedDueToReplStateChange",
+    40573: "Location40573",
+}
+"""The ``codeName`` a 7.0 server sends with each code the tests script (src/mongo/base/error_codes.yml;
+a ``uassert`` code without a name there is ``Location<code>``; 64 is ``WriteConcernTimeout`` from 8.1)."""
+
+
+def server_error(request: Request, code: int, errmsg: str, *, labels: tuple[str, ...] = ()) -> None:
+    """Answers ``request`` with a command error shaped as a 7.0+ server sends it: ``ok: 0``, the
+    code, its ``codeName``, the message and, when the server attaches them, ``errorLabels``."""
+    reply: dict[str, Any] = {"ok": 0, "errmsg": errmsg, "code": code, "codeName": CODE_NAMES[code]}
+    if labels:
+        reply["errorLabels"] = list(labels)
+    request.replies(reply)
+
+
+def write_concern_timeout(w: str = "majority", wtimeout: int = 5000) -> dict[str, Any]:
+    """A ``writeConcernError`` as 7.0 sends it when replication did not reach ``w`` in time."""
+    return {
+        "code": 64,
+        "codeName": "WriteConcernFailed",
+        "errmsg": "waiting for replication timed out",
+        "errInfo": {"wtimeout": True, "writeConcern": {"w": w, "wtimeout": wtimeout, "provenance": "clientSupplied"}},
+    }
+
 
 class Wire:
     def __init__(self, server: MockupDB) -> None:

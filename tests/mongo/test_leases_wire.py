@@ -19,7 +19,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error
 from tests.mongo.leases_support import (
     NS,
     T0,
@@ -178,7 +178,7 @@ def mock_server() -> Iterator[MockupDB]:
 @pytest.fixture
 async def store(mongo_client: AsyncMongoClient[Any], wire: Wire) -> AsyncIterator[MongoSlotLeaseStore]:
     """A store whose unique index is in place (prepare answered on the wire)."""
-    s = MongoSlotLeaseStore(mongo_client["wowd"])
+    s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.prepare)
         (await wire.command("createIndexes")).ok()
@@ -217,13 +217,13 @@ async def next_command_is_slots_read(wire: Wire, store: MongoSlotLeaseStore) -> 
 
 
 async def test_store_implements_the_protocol(mongo_client: AsyncMongoClient[Any]) -> None:
-    assert isinstance(MongoSlotLeaseStore(mongo_client["wowd"]), SlotLeaseStore)
+    assert isinstance(MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None), SlotLeaseStore)
 
 
 async def test_prepare_creates_the_unique_index_on_ns_and_slot(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    s = MongoSlotLeaseStore(mongo_client["wowd"])
+    s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.prepare)
         req = await wire.command("createIndexes")
@@ -238,7 +238,7 @@ async def test_prepare_creates_the_unique_index_on_ns_and_slot(
 async def test_concurrent_first_calls_send_one_create_indexes(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    s = MongoSlotLeaseStore(mongo_client["wowd"])
+    s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         calls = [Call.start(tg, s.prepare) for _ in range(3)]
         (await wire.command("createIndexes")).ok()
@@ -250,7 +250,7 @@ async def test_concurrent_first_calls_send_one_create_indexes(
 async def test_first_acquire_creates_index_namespace_and_slots_then_takes_the_first_free(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    s = MongoSlotLeaseStore(mongo_client["wowd"])
+    s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.acquire, NS, A, 2, TTL, TOL)
         (await wire.command("createIndexes")).ok()
@@ -358,8 +358,19 @@ async def test_namespace_insert_race_reads_the_winner(store: MongoSlotLeaseStore
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         reply_cursor(await wire.command("find"), "cosid_namespace", [])
-        (await wire.command("insert")).command_err(
-            11000, "E11000 duplicate key error collection: cosid_namespace"
+        # a duplicate key is a write error of an ok answer, not a command error
+        (await wire.command("insert")).ok(
+            n=0,
+            writeErrors=[
+                {
+                    "index": 0,
+                    "code": 11000,
+                    "errmsg": f"E11000 duplicate key error collection: wowd.cosid_namespace index: _id_ dup key: "
+                    f'{{ _id: "{NS}" }}',
+                    "keyPattern": {"_id": 1},
+                    "keyValue": {"_id": NS},
+                }
+            ],
         )
         req = await wire.command("find")
         assert body(req)["filter"] == {"_id": NS}
@@ -758,7 +769,7 @@ async def test_write_concern_and_max_time_ms_on_the_wire_when_configured(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
     s = MongoSlotLeaseStore(
-        mongo_client["wowd"], timeout=timedelta(seconds=4), write_concern=WriteConcern("majority")
+        mongo_client, "wowd", operation_timeout=timedelta(seconds=4), write_concern=WriteConcern("majority")
     )
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.acquire, NS, A, 2, TTL, TOL)
@@ -800,7 +811,7 @@ async def test_no_write_concern_or_max_time_ms_unless_configured(
 
 async def test_unacknowledged_write_concern_is_refused(mongo_client: AsyncMongoClient[Any]) -> None:
     with pytest.raises(ConfigError):
-        MongoSlotLeaseStore(mongo_client["wowd"], write_concern=WriteConcern(w=0))
+        MongoSlotLeaseStore(mongo_client, "wowd", write_concern=WriteConcern(w=0))
 
 
 async def test_not_writable_primary_is_storage_unavailable(store: MongoSlotLeaseStore, wire: Wire) -> None:
@@ -808,7 +819,7 @@ async def test_not_writable_primary_is_storage_unavailable(store: MongoSlotLease
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
         await owner_read_answered(wire, A, [])
-        (await wire.command("findAndModify")).command_err(10107, "not primary")
+        server_error(await wire.command("findAndModify"), 10107, "not primary")
         err = await call.error()
     assert isinstance(err, StorageUnavailable)
     assert "not primary" in str(err)
@@ -830,7 +841,7 @@ async def test_a_dropped_connection_is_storage_unavailable_and_counted(
 async def test_a_call_past_its_timeout_is_storage_unavailable(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    s = MongoSlotLeaseStore(mongo_client["wowd"], timeout=timedelta(milliseconds=300))
+    s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=timedelta(milliseconds=300))
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.renew, LEASE, TTL, TOL)
         req = await wire.command("findAndModify")
@@ -844,7 +855,19 @@ async def test_another_server_error_is_a_storage_error_with_its_message(
 ) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.release, LEASE, 0)
-        (await wire.command("update")).command_err(14, "Unsupported conversion from int to date")
+        # an update's failure is a write error of an ok answer (241 ConversionFailure)
+        (await wire.command("update")).ok(
+            n=0,
+            nModified=0,
+            writeErrors=[
+                {
+                    "index": 0,
+                    "code": 241,
+                    "errmsg": "Failed to optimize pipeline :: caused by :: Unsupported conversion from int "
+                    "to date in $convert with no onError value",
+                }
+            ],
+        )
         err = await call.error()
     assert type(err) is StorageError
     assert "Unsupported conversion from int to date" in str(err)

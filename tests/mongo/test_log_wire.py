@@ -14,7 +14,7 @@ from mockupdb import MockupDB
 from pydantic import SecretStr
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from tests.mongo.log_support import (
     CONTEXT,
     DB,
@@ -51,6 +51,7 @@ from wowd.stores.mongo import (
 __all__ = ["rs_client", "rs_server", "rs_wire"]  # fixtures re-exported for pytest
 
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
+HISTORY_LOST_MSG = "Resume of change stream was not possible, as the resume point may no longer be in the oplog."
 
 pytestmark = pytest.mark.anyio
 
@@ -102,9 +103,10 @@ async def test_one_change_stream_from_the_oldest_checkpoint_skips_per_partition(
             assert agg["aggregate"] == 1
             assert agg["$db"] == DB
             stages = agg["pipeline"]
-            # one stream over the database, from the OLDEST checkpoint, server-side $match
-            assert stages[0] == {"$changeStream": {"startAfter": token((100, 1))}}
-            assert stages[1:] == [{"$match": expected_match([3, 5])}]
+            # one stream over the database, from the OLDEST checkpoint's cluster time (each
+            # partition skips what it saw), server-side $match, large events split
+            assert stages[0] == {"$changeStream": {"startAtOperationTime": Timestamp(100, 1)}}
+            assert stages[1:] == [{"$match": expected_match([3, 5])}, {"$changeStreamSplitLargeEvent": {}}]
             assert agg["cursor"] == {"batchSize": 50}
             agg.ok(
                 cursor(
@@ -171,8 +173,9 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             assert find["find"] == ORDERS
             assert find["filter"] == {"partition": 3}
             assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
-            # it reads at or after that cluster time (causally consistent), so it sees all before
-            assert find["readConcern"] == {"afterClusterTime": Timestamp(200, 3)}
+            # it reads majority-committed data at or after that cluster time (causally
+            # consistent): on every shard it sees each commit at or before the cut
+            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 3)}
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
             # 4. the stream starts at that cluster time, not "now"; what is AT it the scan read
             agg = await rs_wire.command("aggregate")
@@ -281,11 +284,8 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((10, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
-            agg.command_err(
-                code=286,
-                errmsg="Resume of change stream was not possible, as the resume point may no longer be in the oplog.",
-            )
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
+            server_error(agg, 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (500, 7))  # the cluster time before the re-read
             lc = await rs_wire.command("listCollections")
             lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
@@ -314,8 +314,8 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((10, 1)), 5: pos((500, 1))}, follow=False)))
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((10, 1))}}
-            agg.command_err(code=286, errmsg="history lost")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(10, 1)}}
+            server_error(agg, 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
@@ -324,7 +324,7 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
             assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
             agg = await rs_wire.command("aggregate")
-            assert agg["pipeline"][0] == {"$changeStream": {"startAfter": token((500, 1))}}
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(500, 1)}}
             assert agg["pipeline"][1] == {"$match": expected_match([3, 5])}
             agg.ok(cursor([change(log_doc(ID_P3, 2), (550, 1)), change(log_doc(ID_P5, 2), (601, 1))], first=True))
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
@@ -339,7 +339,7 @@ async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClien
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
             (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
-            (await rs_wire.command("getMore")).command_err(code=286, errmsg="history lost")
+            server_error(await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
@@ -359,8 +359,10 @@ async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
-            (await rs_wire.command("aggregate")).command_err(
-                code=280, errmsg="cannot resume stream; the resume token was not found"
+            server_error(
+                await rs_wire.command("aggregate"),
+                280,
+                "cannot resume stream; the resume token was not found. {_data: \"8200000064000000012B02000004\"}",
             )
             await majority_point(rs_wire, (700, 2))
             (await rs_wire.command("listCollections")).ok(
@@ -420,8 +422,8 @@ async def test_a_standalone_server_refusing_the_change_stream_is_a_config_error(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((1, 1))}, follow=False)))
-            (await rs_wire.command("aggregate")).command_err(
-                code=40573, errmsg="The $changeStream stage is only supported on replica sets"
+            server_error(
+                await rs_wire.command("aggregate"), 40573, "The $changeStream stage is only supported on replica sets"
             )
             await call.done.wait()
     with pytest.raises(ConfigError, match="replica set"):
@@ -623,7 +625,7 @@ async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
             (await rs_wire.command("insert")).ok(
                 n=1,
                 writeErrors=[dup(1, {"request_id": 1})],
-                writeConcernError={"code": 64, "errmsg": "waiting for replication timed out"},
+                writeConcernError=write_concern_timeout(),
             )
             await call.done.wait()
     with pytest.raises(StorageUnavailable, match="write concern"):

@@ -17,7 +17,7 @@ from mockupdb import MockupDB
 from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
@@ -449,7 +449,13 @@ async def test_an_existing_collection_is_not_an_error(
         call = Call()
         tg.start_soon(call.run, store.create_collection("order"))
         (await wire.command("findAndModify")).replies({"value": {"_id": ORDERS, "format": 5}})
-        (await wire.command("create")).command_err(48, "Collection already exists. NS: wowd_wire.x")
+        # 7.0+ answers 48 only when the existing collection has other options (a validator, ...)
+        server_error(
+            await wire.command("create"),
+            48,
+            f"namespace {DB}.{ORDERS} already exists, but with different options: "
+            "{ validator: { tenant_id: { $exists: true } } }",
+        )
         (await wire.command("createIndexes")).replies({})
         await call.result()
 
@@ -703,7 +709,7 @@ async def test_a_write_concern_error_of_a_bulk_raises_storage_unavailable(
             {
                 "n": 2,
                 "nModified": 2,
-                "writeConcernError": {"code": 64, "errmsg": "waiting for replication timed out"},
+                "writeConcernError": write_concern_timeout(),
             }
         )
         with pytest.raises(StorageUnavailable, match="replication"):
@@ -760,7 +766,11 @@ async def test_another_server_error_is_a_storage_error(store: MongoSnapshotStore
     async with anyio.create_task_group() as tg:
         call = Call()
         tg.start_soon(call.run, store.table(AggregateType(context=CTX, aggregate="order")))
-        (await wire.command("find")).command_err(13, "not authorized on wowd_wire")
+        server_error(
+            await wire.command("find"),
+            13,
+            f"not authorized on {DB} to execute command {{ find: \"{TABLES}\", filter: {{ _id: \"{ORDERS}\" }} }}",
+        )
         with pytest.raises(StorageError, match="not authorized") as info:
             await call.result()
         assert not isinstance(info.value, StorageUnavailable)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, server_error
 from tests.mongo.timers_support import CONTEXT, PARTITIONS, REGISTRY, calling, cursor, registry_doc
 from wowd.errors import StorageUnavailable
 from wowd.stores.mongo._common import MongoSharding
@@ -140,6 +140,6 @@ async def test_next_due_of_no_partition_sends_nothing() -> None:
 async def test_next_due_not_writable_primary_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     async with calling(lambda: store.next_due({0}, 0)) as out:
-        (await wire.command("aggregate")).command_err(code=10107, errmsg="not primary")
+        server_error(await wire.command("aggregate"), 10107, "not primary")
     assert isinstance(out.error, StorageUnavailable), out.error
     assert "timers.next_due" in str(out.error)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from wowd.errors import ConfigError
 from wowd.stores.base import Backend
-from wowd.stores.mongo._common import translate_errors
+from wowd.stores.mongo._common import MongoSharding, translate_errors
 from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.outbox import MongoOutbox
 
@@ -81,8 +81,9 @@ async def open_mongo(settings: WowdSettings) -> Backend:
     """Every MongoDB store of ``settings.context`` plus the Elasticsearch sink, prepared.
 
     Opens one ``AsyncMongoClient`` (``settings.mongodb.uri``, ``timeoutMS``, the write concern)
-    and one ``AsyncElasticsearch``; the backend's ``close`` closes both. Raises
-    :class:`ConfigError` on a standalone MongoDB server."""
+    and one ``AsyncElasticsearch``; the backend's ``close`` closes both. Every store gets the
+    operation timeout (``timeout_ms``; 0: none), the DDL mode and the sharding mode of
+    ``settings.mongodb``. Raises :class:`ConfigError` on a standalone MongoDB server."""
     from elasticsearch import AsyncElasticsearch
     from pymongo import AsyncMongoClient
     from pymongo.write_concern import WriteConcern
@@ -112,16 +113,17 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
         await check_replica_set(client)
 
+        # every store gets every setting: the operation timeout, the DDL mode, the sharding mode
+        common: dict[str, Any] = {"operation_timeout": timeout}
+        ddl, sharding = Ddl(mongo.ddl), MongoSharding(mongo.sharding)
         write_concern = WriteConcern(w="majority" if mongo.write_concern == "majority" else 1)
-        leases = MongoSlotLeaseStore(client[database], timeout=timeout, write_concern=write_concern)
-        # a change stream's getMore waits at most max_await on the server: below the client's timeoutMS
-        max_await = min(timedelta(seconds=1), timeout / 2) if timeout else timedelta(seconds=1)
-        log = MongoLog(
-            client, database, context=context, partitions=partitions, operation_timeout=timeout, max_await=max_await
+        leases = MongoSlotLeaseStore(client, database, write_concern=write_concern, ddl=ddl, **common)
+        log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, **common)
+        timers = MongoTimerStore(
+            client, database, context=context, partitions=partitions, ddl=ddl, sharding=sharding, **common
         )
-        timers = MongoTimerStore(client, database, context=context, partitions=partitions)
-        snapshots = MongoSnapshotStore(client, database, context=context)
-        outbox = MongoOutbox(client, database, context=context)
+        snapshots = MongoSnapshotStore(client, database, context=context, ddl=ddl, sharding=sharding, **common)
+        outbox = MongoOutbox(client, database, context=context, ddl=ddl, **common)
         stores = (leases, log, timers, snapshots, outbox)
         for store in stores:
             stack.push_async_callback(store.close)

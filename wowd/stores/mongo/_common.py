@@ -1,18 +1,29 @@
-"""Naming, DDL and error translation shared by the MongoDB stores.
+"""What the MongoDB stores share: names and format numbers, error translation, one store base.
 
 Vendor errors stop here (httpx's ``map_httpcore_exceptions`` habit): inside
 ``with translate_errors("op"):`` a PyMongo error becomes :class:`StorageUnavailable` when
-retrying can help (network, timeout, election, ``RetryableWriteError`` label) and
+retrying can help (network, timeout, election, a transient code or error label) and
 :class:`StorageError` (with the server's message) otherwise. Callers that must inspect a
 specific server error (E11000 on an upsert, ``BulkWriteError`` details) catch it first.
+
+:class:`MongoStore` is the one base of the stores: a client it does not own or a URI it opens
+itself (and closes), the database, the operation timeout, and :meth:`MongoStore._call`, the one
+metered call (deadline, error translation, latency and unavailability metrics).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 from enum import StrEnum
+from typing import Any
 
+import pymongo
+from bson.codec_options import CodecOptions
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import (
     BulkWriteError,
     ConnectionFailure,
@@ -23,33 +34,104 @@ from pymongo.errors import (
     WTimeoutError,
 )
 
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import ConfigError, StorageError, StorageUnavailable
+from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import validate_name
 from wowd.stores.base import Ddl
 
 __all__ = [
+    "CHANGE_STREAM_UNSUPPORTED",
+    "DEFAULT_OPERATION_TIMEOUT",
     "DUPLICATE_KEY",
     "FORMAT",
+    "HISTORY_LOST_CODES",
+    "NAMESPACE_COLLECTION",
+    "NAMESPACE_EXISTS",
+    "SLOT_COLLECTION",
+    "SNAPSHOT_TABLES",
+    "TIMER_REGISTRY",
     "TRANSIENT_CODES",
+    "TRANSIENT_LABELS",
+    "UNAUTHORIZED",
     "Ddl",
     "MongoSharding",
+    "MongoStore",
+    "checkpoint_collection",
     "collection_name",
     "is_duplicate_key",
+    "is_transient",
+    "is_unauthorized",
+    "outbox_collection",
+    "quarantine_collection",
     "translate_errors",
 ]
+
+# --------------------------------------------------------------------------- formats and names
 
 FORMAT = 5
 """The layout version of wowd's collections (``format`` in the registries)."""
 
+TIMER_REGISTRY = "wow_timer_aggregate"
+"""The registry of the timer collections of every context."""
+SNAPSHOT_TABLES = "wow_snapshot_tables"
+"""The snapshots' control plane: format record and claimed state revision per collection."""
+SLOT_COLLECTION = "cosid_slot"
+"""The lease slots (one document per slot of every namespace)."""
+NAMESPACE_COLLECTION = "cosid_namespace"
+"""The lease namespaces (limit, tolerance, slot offset)."""
+
+
+def collection_name(kind: str, context: str, aggregate: str) -> str:
+    """``wow_<kind>__<context>__<aggregate>``: the rule of the per-type collections."""
+    validate_name(context, field="context")
+    validate_name(aggregate, field="aggregate")
+    return f"wow_{kind}__{context}__{aggregate}"
+
+
+def checkpoint_collection(context: str) -> str:
+    return f"wow_checkpoint__{validate_name(context, field='context')}"
+
+
+def quarantine_collection(context: str) -> str:
+    return f"wow_quarantine__{validate_name(context, field='context')}"
+
+
+def outbox_collection(context: str) -> str:
+    return f"wow_outbox__{validate_name(context, field='context')}"
+
+
+DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
+"""The deadline of one store call (PyMongo's ``pymongo.timeout``) unless told otherwise."""
+
+# --------------------------------------------------------------------------- server errors
+
 DUPLICATE_KEY = 11000
+NAMESPACE_EXISTS = 48
+UNAUTHORIZED = 13
+CHANGE_STREAM_UNSUPPORTED = 40573
+"""``$changeStream`` on a standalone server."""
+
+HISTORY_LOST_CODES = frozenset(
+    {
+        286,  # ChangeStreamHistoryLost: the resume point is no longer in the oplog
+        136,  # CappedPositionLost: the oplog was truncated under the stream's position
+        280,  # ChangeStreamFatalError: the oplog covers the token's time but not its event
+    }
+)
+"""The change stream's answers that mean its start point is gone: the log re-reads."""
 
 TRANSIENT_CODES = frozenset(
     {
         6,  # HostUnreachable
         7,  # HostNotFound
+        43,  # CursorNotFound (a cursor killed by a failover or an idle timeout)
         50,  # MaxTimeMSExpired
+        64,  # WriteConcernFailed / WriteConcernTimeout (wtimeout)
         89,  # NetworkTimeout
         91,  # ShutdownInProgress
+        133,  # FailedToSatisfyReadPreference (no primary for the moment: an election)
+        134,  # ReadConcernMajorityNotAvailableYet
+        175,  # QueryPlanKilled (a yield met a dropped index or a moved chunk)
         189,  # PrimarySteppedDown
         202,  # NetworkInterfaceExceededTimeLimit
         262,  # ExceededTimeLimit
@@ -59,38 +141,45 @@ TRANSIENT_CODES = frozenset(
         11602,  # InterruptedDueToReplStateChange
         13435,  # NotPrimaryNoSecondaryOk
         13436,  # NotPrimaryOrSecondary
-        64,  # WriteConcernFailed (wtimeout)
     }
 )
 
+TRANSIENT_LABELS = ("RetryableWriteError", "ResumableChangeStreamError", "TransientTransactionError")
+"""The server's own word that a retry can succeed (4.4+ sends them with the error)."""
+
 
 class MongoSharding(StrEnum):
-    """Whether a store shards its collections: ``auto`` when the deployment is a sharded cluster."""
+    """Whether a store shards its collections: ``auto`` when the deployment is a sharded
+    cluster, as far as the user may (best effort: refused sharding leaves it unsharded)."""
 
     AUTO = "auto"
     ON = "on"
     OFF = "off"
 
 
-def collection_name(kind: str, context: str, aggregate: str) -> str:
-    """``wow_<kind>__<context>__<aggregate>``: the rule of the log's collections."""
-    validate_name(context, field="context")
-    validate_name(aggregate, field="aggregate")
-    return f"wow_{kind}__{context}__{aggregate}"
-
-
 def is_duplicate_key(exc: BaseException) -> bool:
     return isinstance(exc, OperationFailure) and exc.code == DUPLICATE_KEY
 
 
+def is_unauthorized(exc: BaseException) -> bool:
+    return isinstance(exc, OperationFailure) and exc.code == UNAUTHORIZED
+
+
 def is_transient(exc: BaseException) -> bool:
+    """Whether retrying the same (idempotent) call can succeed.
+
+    A bulk write that met a write-concern error is transient whatever its write errors: the
+    writes are idempotent (E11000 items are routine on a replay) and the retry answers what
+    landed as repeats. A bulk whose write errors include a transient code (an election part way)
+    is transient too."""
     if isinstance(exc, ConnectionFailure | ExecutionTimeout | WTimeoutError | NotPrimaryError):
         return True
-    if isinstance(exc, PyMongoError) and exc.has_error_label("RetryableWriteError"):
+    if isinstance(exc, PyMongoError) and any(exc.has_error_label(label) for label in TRANSIENT_LABELS):
         return True
     if isinstance(exc, BulkWriteError):
-        wce = exc.details.get("writeConcernErrors") or []
-        return bool(wce) and not exc.details.get("writeErrors")
+        if exc.details.get("writeConcernErrors"):
+            return True
+        return any(e.get("code") in TRANSIENT_CODES for e in exc.details.get("writeErrors") or ())
     return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
 
 
@@ -105,5 +194,60 @@ def translate_errors(operation: str) -> Iterator[None]:
         raise StorageError(f"mongodb {operation}: {exc}") from exc
 
 
-__all__ += ["is_transient"]
-_ = Ddl  # re-exported for the stores
+# --------------------------------------------------------------------------- the store base
+
+
+class MongoStore:
+    """The base of every MongoDB store.
+
+    ``client_or_uri``: an ``AsyncMongoClient`` the caller owns (never closed here) or a URI the
+    store opens a client for and closes in :meth:`close`. ``operation_timeout``: the deadline of
+    each store call (PyMongo's ``pymongo.timeout``, sent as ``maxTimeMS``); ``None`` leaves the
+    client's own ``timeoutMS``. ``label`` names the store in the metrics.
+    """
+
+    _label = "mongo"
+
+    def __init__(
+        self,
+        client_or_uri: AsyncMongoClient[Any] | str,
+        database_name: str,
+        *,
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
+        codec_options: CodecOptions[Any] | None = None,
+    ) -> None:
+        if operation_timeout is not None and operation_timeout <= timedelta(0):
+            raise ConfigError(f"operation_timeout: must be > 0 or None, got {operation_timeout}")
+        if isinstance(client_or_uri, str):
+            self._client: AsyncMongoClient[Any] = AsyncMongoClient(client_or_uri)
+            self._owns_client = True
+        else:
+            self._client = client_or_uri
+            self._owns_client = False
+        self._db: AsyncDatabase[Any] = self._client.get_database(database_name, codec_options=codec_options)
+        self.operation_timeout = operation_timeout
+        self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
+
+    @contextmanager
+    def _call(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
+        """One store call: the operation timeout over it (``bounded=False``: none, for calls
+        whose commands are bounded one by one with :meth:`_deadline`), error translation, the
+        latency histogram and the unavailability counter."""
+        started = time.perf_counter()
+        try:
+            with translate_errors(f"{self._label}.{operation}"), self._deadline() if bounded else nullcontext():
+                yield
+        except StorageUnavailable:
+            STORE_UNAVAILABLE.labels(self._label, operation).inc()
+            raise
+        finally:
+            STORE_CALL_SECONDS.labels(self._label, operation).observe(time.perf_counter() - started)
+
+    def _deadline(self) -> Any:
+        """The operation timeout over one command or call (CSOT nests: an outer deadline caps it)."""
+        return nullcontext() if self._timeout is None else pymongo.timeout(self._timeout)
+
+    async def close(self) -> None:
+        """Closes the client when the store opened it from a URI (never the caller's)."""
+        if self._owns_client:
+            await self._client.close()

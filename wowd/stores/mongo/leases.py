@@ -22,27 +22,30 @@ black-pipe tests (``tests/mongo/test_leases_wire.py``) assert them on the wire.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
-import pymongo
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.datetime_ms import DatetimeMS
 from bson.int64 import Int64
-from pymongo import IndexModel, ReadPreference, ReturnDocument
+from pymongo import AsyncMongoClient, IndexModel, ReadPreference, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError, OperationFailure
 from pymongo.write_concern import WriteConcern
 
-from wowd.errors import ConfigError, StorageError, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import ConfigError, FormatError, StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.mongo._common import DUPLICATE_KEY, is_duplicate_key, translate_errors
+from wowd.stores.base import Ddl
+from wowd.stores.mongo._common import (
+    DEFAULT_OPERATION_TIMEOUT,
+    DUPLICATE_KEY,
+    NAMESPACE_COLLECTION,
+    SLOT_COLLECTION,
+    MongoStore,
+    is_duplicate_key,
+)
 
 __all__ = [
     "NAMESPACE_COLLECTION",
@@ -71,10 +74,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SLOT_COLLECTION = "cosid_slot"
-NAMESPACE_COLLECTION = "cosid_namespace"
 SLOT_INDEX_NAME = "ns_1_slot_1"
-STORE_LABEL = "leases"
 
 TAKE_SORT: dict[str, int] = {"slot": 1}
 """The free step takes the first free slot in slot order."""
@@ -381,68 +381,65 @@ def _whole_ms(value: timedelta) -> int:
 # --------------------------------------------------------------------------- the store
 
 
-class MongoSlotLeaseStore:
+class MongoSlotLeaseStore(MongoStore):
     """:class:`~wowd.stores.base.SlotLeaseStore` on ``cosid_slot`` / ``cosid_namespace``.
 
-    ``database``: a database whose client the caller owns (``close`` leaves it open).
-    ``timeout``: the deadline of each store call (PyMongo's ``timeoutMS``, sent as
-    ``maxTimeMS``); ``None`` or zero means the client's own setting. ``write_concern``: the
-    concern of every write (acknowledged; ``majority`` keeps leases across a failover); ``None``
-    means the database's. Reads and writes always go to the primary.
-
-    The unique index on ``(ns, slot)`` is created by :meth:`prepare`, which the first
-    :meth:`acquire` calls when nobody did before (the constructor does no I/O).
+    The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
+    ``operation_timeout``). ``write_concern``: the concern of every write (acknowledged;
+    ``majority`` keeps leases across a failover); ``None`` means the client's. Reads and writes
+    always go to the primary. ``ddl``: the unique index on ``(ns, slot)`` is created (AUTO),
+    checked (VALIDATE) or assumed (NONE) by :meth:`prepare`, which the first :meth:`acquire`
+    calls when nobody did before (the constructor does no I/O).
     """
+
+    _label = "leases"
 
     def __init__(
         self,
-        database: AsyncDatabase[Any],
-        timeout: timedelta | None = None,
+        client_or_uri: AsyncMongoClient[Any] | str,
+        database_name: str,
+        *,
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         write_concern: WriteConcern | None = None,
+        ddl: Ddl = Ddl.AUTO,
     ) -> None:
-        if timeout is not None and timeout < timedelta(0):
-            raise ConfigError(f"lease store timeout: must be >= 0, got {timeout}")
         if write_concern is not None and not write_concern.acknowledged:
             raise ConfigError("lease store write concern: must be acknowledged (w >= 1 or 'majority')")
-        self._database = database
-        self._timeout_s = timeout.total_seconds() if timeout else None
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
+        self._ddl = Ddl(ddl)
         options: dict[str, Any] = {"codec_options": _CODEC, "read_preference": ReadPreference.PRIMARY}
         if write_concern is not None:
             options["write_concern"] = write_concern
-        self._slots: AsyncCollection[dict[str, Any]] = database.get_collection(SLOT_COLLECTION, **options)
-        self._namespaces: AsyncCollection[dict[str, Any]] = database.get_collection(
+        self._slots: AsyncCollection[dict[str, Any]] = self._db.get_collection(SLOT_COLLECTION, **options)
+        self._namespaces: AsyncCollection[dict[str, Any]] = self._db.get_collection(
             NAMESPACE_COLLECTION, **options
         )
-        self._prepared = False
+        self._prepared = self._ddl is Ddl.NONE
         self._prepare_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ plumbing
 
-    @contextmanager
-    def _call(self, operation: str) -> Iterator[None]:
-        """One store call: its deadline, error translation and metrics."""
-        started = time.perf_counter()
-        deadline = pymongo.timeout(self._timeout_s) if self._timeout_s else nullcontext()
-        try:
-            with translate_errors(f"{SLOT_COLLECTION} {operation}"), deadline:
-                yield
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels(STORE_LABEL, operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels(STORE_LABEL, operation).observe(time.perf_counter() - started)
-
     async def _prepare(self) -> None:
-        """One ``createIndexes`` per store, also when the first acquires run concurrently."""
+        """One ``createIndexes`` (or ``listIndexes``) per store, also when the first acquires
+        run concurrently."""
         if self._prepared:
             return
         async with self._prepare_lock:
-            if not self._prepared:
+            if self._prepared:
+                return
+            if self._ddl is Ddl.AUTO:
                 await self._slots.create_indexes(slot_indexes())
-                self._prepared = True
+            elif self._ddl is Ddl.VALIDATE:
+                found = {ix["name"]: ix async for ix in await self._slots.list_indexes()}
+                ix = found.get(SLOT_INDEX_NAME)
+                if ix is None or list(ix["key"].items()) != [("ns", 1), ("slot", 1)] or not ix.get("unique"):
+                    raise FormatError(
+                        f"mongodb {SLOT_COLLECTION}: the unique index {SLOT_INDEX_NAME} is missing (ddl=validate)"
+                    )
+            self._prepared = True
 
     async def prepare(self) -> None:
-        """Creates the unique index on ``(ns, slot)`` (idempotent)."""
+        """Creates (AUTO) or checks (VALIDATE) the unique index on ``(ns, slot)`` (idempotent)."""
         with self._call("prepare"):
             await self._prepare()
 
@@ -642,5 +639,3 @@ class MongoSlotLeaseStore:
             docs = await cursor.to_list()
         return [_state(doc) for doc in docs]
 
-    async def close(self) -> None:
-        """Nothing to close: the caller owns the client."""

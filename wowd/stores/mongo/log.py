@@ -13,13 +13,22 @@ Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
 the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, a, v,
 id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
-write is still in flight: :func:`cluster_time_command`), which reads with ``afterClusterTime``
-of it (so it sees every commit at or before it; the stream starts there), and the last document
-read (a later read resumes the scan after it). The stream is one ``watch`` on the database from the
-oldest position of the partitions read; each partition skips what is at or before its own
-position (cluster time, then the resume token's ``_data``). A partition that sees nothing for
-``idle_advance`` is moved to the stream's post-batch resume token (a batch without entries), so
-a quiet partition's checkpoint does not fall off the oplog.
+write is still in flight: :func:`cluster_time_command`), which reads with ``majority`` read
+concern and ``afterClusterTime`` of it (so it sees every commit at or before it, on every shard;
+the stream starts there), and the last document read (a later read resumes the scan after it).
+Each partition takes its own cut just before its scan; when the scans run longer than
+``scan_catch_up``, the partitions scanned so far are caught up by a stream before the next cut,
+so no cut ages out of the oplog while the others are scanned.
+
+The stream is one ``watch`` on the database from the oldest position of the partitions read,
+started at that position's cluster time (``startAtOperationTime``: a token of any partition,
+of any ``$match``, resumes); each partition skips what is at or before its own position (cluster
+time, then the resume token's ``_data``). A partition that sees nothing for ``idle_advance`` is
+moved to the stream's post-batch resume token (a high-water mark, never another partition's
+event). The stream runs without the client's ``timeoutMS`` (``pymongo.timeout(0)``): a first
+``aggregate`` scanning a long stretch of oplog may take longer than any call deadline; the server
+bounds each empty ``getMore`` by ``maxAwaitTimeMS``. Events over 16 MiB come split
+(``$changeStreamSplitLargeEvent``, 7.0+) and are joined again.
 """
 
 from __future__ import annotations
@@ -39,15 +48,14 @@ import anyio
 import pymongo
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.read_concern import ReadConcern
 
 from wowd.errors import ConfigError, ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -62,7 +70,16 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.mongo._common import DUPLICATE_KEY, collection_name, translate_errors
+from wowd.stores.mongo._common import (
+    CHANGE_STREAM_UNSUPPORTED,
+    DEFAULT_OPERATION_TIMEOUT,
+    DUPLICATE_KEY,
+    HISTORY_LOST_CODES,
+    MongoStore,
+    checkpoint_collection,
+    collection_name,
+    quarantine_collection,
+)
 
 __all__ = [
     "CHANGE_STREAM_UNSUPPORTED",
@@ -96,12 +113,9 @@ HISTORY_LOST = 286
 RESUME_TOKEN_NOT_FOUND = 280
 """ChangeStreamFatalError: the oplog covers the token's time but not its event (a token of a
 rolled-back write or of another deployment); the stream cannot resume there either."""
-RESUME_POINT_GONE = frozenset({HISTORY_LOST, RESUME_TOKEN_NOT_FOUND})
-"""The answers that make the log re-read the partitions from the collections."""
-CHANGE_STREAM_UNSUPPORTED = 40573
-"""``$changeStream`` on a standalone server."""
-
-_STORE = "log"
+RESUME_POINT_GONE = HISTORY_LOST_CODES
+"""The answers that make the log re-read the partitions from the collections (286, 280 and 136
+CappedPositionLost: the oplog was truncated under the stream's position)."""
 
 # --------------------------------------------------------------------------- names and indexes
 
@@ -172,8 +186,21 @@ def change_stream_match(context: str, partitions: Sequence[int]) -> Doc:
 
 
 def change_stream_pipeline(context: str, partitions: Sequence[int]) -> list[Doc]:
-    """The pipeline after ``$changeStream`` (the driver adds that stage with the start point)."""
-    return [{"$match": change_stream_match(context, partitions)}]
+    """The pipeline after ``$changeStream`` (the driver adds that stage with the start point):
+    the filter, then ``$changeStreamSplitLargeEvent`` (last, as it must be), which splits an
+    event over 16 MiB (a commit near the document limit plus the event's own fields) into
+    fragments instead of failing every ``getMore`` with BSONObjectTooLarge (10334)."""
+    return [{"$match": change_stream_match(context, partitions)}, {"$changeStreamSplitLargeEvent": {}}]
+
+
+def join_fragments(fragments: Sequence[Mapping[str, Any]]) -> Doc:
+    """One change event from its ``splitEvent`` fragments (each holds some of the event's
+    top-level fields); its resume token is the last fragment's."""
+    event: Doc = {}
+    for fragment in fragments:
+        event.update((k, v) for k, v in fragment.items() if k not in ("_id", "splitEvent"))
+    event["_id"] = fragments[-1]["_id"]
+    return event
 
 
 SCAN_SORT: list[tuple[str, int]] = [("aggregate_id", 1), ("version", 1), ("_id", 1)]
@@ -296,6 +323,8 @@ class _Part:
     token: Mapping[str, Any] | None = None
     scan: Mapping[str, Any] | None = None
     """A scan still to run: ``{}`` from the start, ``{c, a, v, id}`` after that document."""
+    cut: bool = False
+    """``ct`` is the cut this read took before scanning the partition, not streamed past yet."""
 
     @staticmethod
     def from_position(position: Position | None) -> _Part:
@@ -331,61 +360,55 @@ class _Part:
 
 
 class _HistoryLost(Exception):
-    """The change stream's resume point is gone (code 286)."""
+    """The change stream's start point is gone (:data:`RESUME_POINT_GONE`); ``answered``: the
+    stream had answered before (the start point was in the oplog when it opened)."""
+
+    def __init__(self, message: str, *, answered: bool) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
-class MongoLog:
+class MongoLog(MongoStore):
     """The :class:`~wowd.stores.base.Log` of one context on MongoDB.
 
-    ``client`` is not owned (the caller closes it). A change stream needs a replica set or a
-    sharded cluster; on a standalone server :meth:`read` raises :class:`ConfigError`.
+    The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
+    ``operation_timeout``: each call but the change stream). A change stream needs a replica set
+    or a sharded cluster; on a standalone server :meth:`read` raises :class:`ConfigError`.
+    ``max_await``: how long the server holds an empty ``getMore``. ``idle_advance``: after how
+    long a quiet partition moves to the stream's high-water mark. ``scan_catch_up``: after how
+    long of scanning the partitions scanned so far are caught up by a stream before the next.
     """
+
+    _label = "log"
 
     def __init__(
         self,
-        client: AsyncMongoClient[Doc],
+        client_or_uri: AsyncMongoClient[Doc] | str,
         database_name: str,
         *,
         context: str,
         partitions: int,
         ddl: Ddl = Ddl.AUTO,
-        operation_timeout: timedelta | None = timedelta(seconds=30),
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         max_await: timedelta = timedelta(seconds=1),
         idle_advance: timedelta | None = timedelta(minutes=1),
+        scan_catch_up: timedelta = timedelta(minutes=1),
     ) -> None:
         self.context = validate_name(context, field="context")
         if partitions < 1:
             raise ConfigError(f"partitions: must be >= 1, got {partitions}")
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self.partitions = partitions
-        self._client = client
-        self._db: AsyncDatabase[Doc] = client[database_name]
         self._ddl = Ddl(ddl)
-        self._timeout = operation_timeout.total_seconds() if operation_timeout is not None else None
         self._max_await_ms = max(1, int(max_await.total_seconds() * 1000))
         self._idle_advance_s = int(idle_advance.total_seconds()) if idle_advance is not None else None
+        self._catch_up_s = scan_catch_up.total_seconds()
         self._prefix = log_collection_prefix(context)
-        self._checkpoints: AsyncCollection[Doc] = self._db[f"wow_checkpoint__{context}"]
-        self._quarantine: AsyncCollection[Doc] = self._db[f"wow_quarantine__{context}"]
+        self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
+        self._quarantine: AsyncCollection[Doc] = self._db[quarantine_collection(context)]
         self._ensured: set[str] = set()
 
     # ------------------------------------------------------------------ plumbing
-
-    @contextmanager
-    def _op(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
-        """Translates driver errors, applies the operation timeout and records the latency."""
-        started = time.perf_counter()
-        try:
-            with translate_errors(f"log {operation}"):
-                if bounded and self._timeout is not None:
-                    with pymongo.timeout(self._timeout):
-                        yield
-                else:
-                    yield
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - started)
 
     def collection_name(self, aggregate: str) -> str:
         """``wow_log__<context>__<aggregate>``."""
@@ -410,10 +433,10 @@ class MongoLog:
 
     async def _ensure(self, name: str) -> None:
         if self._ddl is Ddl.AUTO:
-            with self._op("prepare"):
+            with self._call("prepare"):
                 await self._db.command({"createIndexes": name, "indexes": log_indexes()})
         elif self._ddl is Ddl.VALIDATE:
-            with self._op("prepare"):
+            with self._call("prepare"):
                 info = await self._db[name].index_information()
             for spec in log_indexes():
                 found = info.get(spec["name"])
@@ -422,7 +445,7 @@ class MongoLog:
         self._ensured.add(name)
 
     async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
-        with self._op("list"):
+        with self._call("list"):
             names = await self._db.list_collection_names(
                 session=session, filter={"name": {"$regex": "^" + re.escape(self._prefix)}}
             )
@@ -438,7 +461,7 @@ class MongoLog:
         for name in await self._log_collections():
             await self._ensure(name)
         if self._ddl is Ddl.AUTO:
-            with self._op("prepare"):
+            with self._call("prepare"):
                 await self._db.command(
                     {"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()}
                 )
@@ -447,11 +470,8 @@ class MongoLog:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
 
     async def ping(self) -> None:
-        with self._op("ping"):
+        with self._call("ping"):
             await self._db.command("ping")
-
-    async def close(self) -> None:
-        """The client belongs to the caller: nothing to close here."""
 
     async def aggregate_types(self) -> list[AggregateType]:
         types = (self._aggregate_of(n) for n in await self._log_collections())
@@ -464,7 +484,7 @@ class MongoLog:
         when the stored commit has this request id, else :class:`ConflictError`."""
         doc = commit_to_doc(commit, self.partitions)
         coll = await self._collection(commit.ref.type)
-        with self._op("append"):
+        with self._call("append"):
             try:
                 await coll.insert_one(doc)
                 return "appended"
@@ -486,7 +506,7 @@ class MongoLog:
         for type_, indexes in groups.items():
             coll = await self._collection(type_)
             docs = [commit_to_doc(commits[i], self.partitions) for i in indexes]
-            with self._op("append_many"):
+            with self._call("append_many"):
                 try:
                     await coll.insert_many(docs, ordered=False)
                     continue
@@ -531,14 +551,14 @@ class MongoLog:
         """One ``find`` (limit 1, the version only) on the aggregate's log collection."""
         coll = await self._collection(ref.type)
         query, sort = last_version_query(ref, self.partitions)
-        with self._op("last_version"):
+        with self._call("last_version"):
             doc = await coll.find_one(query, {"_id": 0, "version": 1}, sort=list(sort.items()))
         version = doc.get("version") if doc is not None else 0
         return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         coll = await self._collection(aggregate)
-        with self._op("insert_raw"):
+        with self._call("insert_raw"):
             await coll.insert_one(dict(document))
 
     # ------------------------------------------------------------------ reading
@@ -565,29 +585,29 @@ class MongoLog:
             return
         parts = {p: _Part.from_position(pos) for p, pos in positions.items()}
         while True:
-            if any(s.scan is not None for s in parts.values()):
-                # the scan reads at or after a cluster time taken first (a causally consistent
-                # session): the stream then starts there and skips what the scan read
-                async with self._client.start_session(causal_consistency=True) as session:
-                    t0 = await self._cluster_time(session)
-                    session.advance_operation_time(Timestamp(*t0))
-                    for s in parts.values():
-                        if s.scan is not None and s.ct is None:
-                            s.ct, s.token = t0, None
-                    async with aclosing(self._scan(parts, batch_size, session)) as scanned:
-                        async for batch in scanned:
-                            yield batch
             try:
+                async with aclosing(self._scan(parts, batch_size)) as scanned:
+                    async for batch in scanned:
+                        yield batch
                 async with aclosing(self._stream(parts, batch_size, follow)) as streamed:
                     async for batch in streamed:
                         yield batch
                 return
-            except _HistoryLost:
+            except _HistoryLost as exc:
                 # the stream started from the oldest position: those partitions are re-read (a
                 # partition whose checkpoint is still in the oplog keeps it; should the next
                 # oldest be gone too, the next attempt says so and re-reads that one)
                 oldest = min(s.stream_start() for s in parts.values())
                 lost = sorted(p for p, s in parts.items() if s.stream_start() == oldest)
+                if not exc.answered and any(parts[p].cut for p in lost):
+                    # the cut this read took before scanning left the oplog while it scanned:
+                    # scanning again would only lose it again
+                    raise StorageError(
+                        f"mongodb log {self.context}: the scan of partitions {lost} took longer than "
+                        "the oplog window (the change stream cannot start at the cut taken before "
+                        f"it: {exc}); keep more oplog: raise the replica set's oplogMinRetentionHours "
+                        "or oplog size (replSetResizeOplog)"
+                    ) from exc
                 logger.warning(
                     "log %s: change stream history lost; re-reading partitions %s from the collections",
                     self.context,
@@ -598,7 +618,7 @@ class MongoLog:
 
     async def _cluster_time(self, session: AsyncClientSession) -> ClusterTime:
         """The majority commit point (the ``operationTime`` of :func:`cluster_time_command`)."""
-        with self._op("cluster_time"):
+        with self._call("cluster_time"):
             reply = await self._db.command(cluster_time_command(self._checkpoints.name), session=session)
         ct = cluster_time_of(reply.get("operationTime"))
         if ct is None:
@@ -608,68 +628,104 @@ class MongoLog:
             )
         return ct
 
-    async def _scan(
-        self, parts: dict[int, _Part], batch_size: int, session: AsyncClientSession
-    ) -> AsyncGenerator[LogBatch, None]:
-        names = await self._log_collections(session)
-        entries: list[LogEntry] = []
-        for p in sorted(parts):
-            s = parts[p]
-            if s.scan is None:
-                continue
-            assert s.ct is not None
-            after = s.scan
-            for name in names:
-                if after and name < str(after.get("c", "")):
-                    continue
-                aggregate = self._aggregate_of(name)
-                assert aggregate is not None
-                key = after if after and name == after.get("c") else None
-                cursor = self._db[name].find(
-                    scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session
-                )
-                try:
-                    while True:
-                        with self._op("scan"):
-                            docs = await cursor.to_list(batch_size - len(entries))
-                        if not docs:
-                            break
-                        for doc in docs:
-                            scan_key = {"c": name, "a": doc.get("aggregate_id"), "v": doc.get("version"),
-                                        "id": doc.get("_id")}
-                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
-                            entries.append(self._entry(position, p, aggregate, doc))
-                        if len(entries) >= batch_size:
-                            yield _batch(entries)
-                            entries = []
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                        await cursor.close()
+    async def _scan(self, parts: dict[int, _Part], batch_size: int) -> AsyncGenerator[LogBatch, None]:
+        """Scans the partitions that need it, one after another, each after its own cut; once
+        the scans have run for ``scan_catch_up`` since the oldest cut not streamed past, the
+        partitions done so far are caught up by a stream before the next cut."""
+        pending = sorted(p for p, s in parts.items() if s.scan is not None)
+        oldest_cut: float | None = None
+        for p in pending:
+            if oldest_cut is not None and time.monotonic() - oldest_cut >= self._catch_up_s:
+                done = {q: s for q, s in parts.items() if s.scan is None}
+                async with aclosing(self._stream(done, batch_size, follow=False)) as streamed:
+                    async for batch in streamed:
+                        yield batch
+                oldest_cut = None
+            # a causally consistent session: the scan reads at or after the cut (afterClusterTime)
+            # with majority read concern, so on every shard it sees each commit at or before it
+            async with self._client.start_session(causal_consistency=True) as session:
+                t0 = await self._cluster_time(session)
+                session.advance_operation_time(Timestamp(*t0))
+                s = parts[p]
+                if s.ct is None:  # a resumed scan keeps its original cut: the stream starts there
+                    s.ct, s.token, s.cut = t0, None, True
+                if oldest_cut is None:
+                    oldest_cut = time.monotonic()
+                async with aclosing(self._scan_partition(p, s, batch_size, session)) as scanned:
+                    async for batch in scanned:
+                        yield batch
             s.scan = None
+
+    async def _scan_partition(
+        self, p: int, s: _Part, batch_size: int, session: AsyncClientSession
+    ) -> AsyncGenerator[LogBatch, None]:
+        assert s.ct is not None and s.scan is not None
+        names = await self._log_collections(session)
+        after = s.scan
+        entries: list[LogEntry] = []
+        for name in names:
+            if after and name < str(after.get("c", "")):
+                continue
+            aggregate = self._aggregate_of(name)
+            assert aggregate is not None
+            key = after if after and name == after.get("c") else None
+            coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
+            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session)
+            try:
+                while True:
+                    with self._call("scan"):
+                        docs = await cursor.to_list(batch_size - len(entries))
+                    if not docs:
+                        break
+                    for doc in docs:
+                        scan_key = {"c": name, "a": doc.get("aggregate_id"), "v": doc.get("version"),
+                                    "id": doc.get("_id")}
+                        position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
+                        entries.append(self._entry(position, p, aggregate, doc))
+                    if len(entries) >= batch_size:
+                        yield _batch(entries)
+                        entries = []
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+                    await cursor.close()
         if entries:
             yield _batch(entries)
 
     async def _stream(
         self, parts: dict[int, _Part], batch_size: int, follow: bool
     ) -> AsyncGenerator[LogBatch, None]:
+        if not parts:
+            return
         start = min(parts.values(), key=_Part.stream_start)
         kwargs: dict[str, Any] = {}
-        if start.token is None:
-            assert start.ct is not None
+        if start.ct is not None:
+            # at the position's cluster time (each partition skips what it saw): a token of
+            # another partition or of another $match resumes too, where startAfter would not (280)
             kwargs["start_at_operation_time"] = Timestamp(*start.ct)
         else:
             kwargs["start_after"] = start.token
         pipeline = change_stream_pipeline(self.context, list(parts))
-        with self._stream_errors("watch"):
+        answered = False
+        with self._stream_errors("watch", answered=False):
             stream = await self._db.watch(
                 pipeline, batch_size=batch_size, max_await_time_ms=self._max_await_ms, **kwargs
             )
         try:
             entries: list[LogEntry] = []
+            fragments: list[Mapping[str, Any]] = []
+            last_event: Any = None
             while True:
-                with self._stream_errors("getMore"):
+                with self._stream_errors("getMore", answered=answered):
                     change = await stream.try_next()
+                answered = True
+                if change is not None and isinstance(change.get("splitEvent"), Mapping):
+                    fragments.append(change)
+                    split = change["splitEvent"]
+                    if split.get("fragment") != split.get("of"):
+                        continue  # the rest of the event is in the next fragments
+                    change, fragments = join_fragments(fragments), []
                 if change is not None:
+                    last_event = change.get("_id")
                     entry = self._change_entry(change, parts)
                     if entry is not None:
                         entries.append(entry)
@@ -678,7 +734,7 @@ class MongoLog:
                 if entries:
                     yield _batch(entries)
                     entries = []
-                idle = self._idle_positions(parts, stream.resume_token)
+                idle = self._idle_positions(parts, stream.resume_token, last_event)
                 if idle:
                     yield LogBatch(entries=(), positions=idle)
                 if change is None and not stream.alive:
@@ -695,15 +751,18 @@ class MongoLog:
                 await stream.close()
 
     @contextmanager
-    def _stream_errors(self, operation: str) -> Iterator[None]:
-        """Codes 286 and 280 become :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a
-        :class:`ConfigError`; the rest as :meth:`_op` translates it."""
-        with self._op(operation, bounded=False):
+    def _stream_errors(self, operation: str, *, answered: bool) -> Iterator[None]:
+        """The stream's calls without the client's ``timeoutMS`` (``pymongo.timeout(0)``: a
+        first ``aggregate`` over a long stretch of oplog may take longer than any call deadline;
+        ``timeout(None)`` would fall back to the client's). :data:`RESUME_POINT_GONE` becomes
+        :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a :class:`ConfigError`; the rest
+        as :meth:`_call` translates it."""
+        with self._call(operation, bounded=False), pymongo.timeout(0):
             try:
                 yield
             except OperationFailure as exc:
                 if exc.code in RESUME_POINT_GONE:
-                    raise _HistoryLost(str(exc)) from exc
+                    raise _HistoryLost(str(exc), answered=answered) from exc
                 if exc.code == CHANGE_STREAM_UNSUPPORTED:
                     raise ConfigError(
                         "MongoDB refused a change stream: the log needs a replica set or a "
@@ -711,10 +770,14 @@ class MongoLog:
                     ) from exc
                 raise
 
-    def _idle_positions(self, parts: dict[int, _Part], token: Mapping[str, Any] | None) -> dict[int, Position]:
+    def _idle_positions(
+        self, parts: dict[int, _Part], token: Mapping[str, Any] | None, last_event: Any
+    ) -> dict[int, Position]:
         """Moves partitions that saw nothing for ``idle_advance`` to the stream's resume token,
-        so a quiet partition's checkpoint does not fall off the oplog."""
-        if self._idle_advance_s is None or token is None:
+        so a quiet partition's checkpoint does not fall off the oplog. Only a high-water-mark
+        token (the post-batch resume token past the last event): the token of an event of
+        another partition is never stored as this partition's position."""
+        if self._idle_advance_s is None or token is None or token == last_event:
             return {}
         ct = token_cluster_time(token)
         if ct is None:
@@ -722,7 +785,7 @@ class MongoLog:
         moved: dict[int, Position] = {}
         for p, s in parts.items():
             if s.scan is None and s.ct is not None and ct[0] - s.ct[0] >= self._idle_advance_s:
-                s.ct, s.token = ct, dict(token)
+                s.ct, s.token, s.cut = ct, dict(token), False
                 moved[p] = {"token": dict(token), "cluster_time": list(ct)}
         return moved
 
@@ -740,7 +803,7 @@ class MongoLog:
         ct = cluster_time_of(change.get("clusterTime")) or token_cluster_time(token)
         if s.skips(ct, token):
             return None
-        s.ct, s.token = ct, token
+        s.ct, s.token, s.cut = ct, token, False
         position: Position = {"token": token, "cluster_time": list(ct) if ct else None}
         return self._entry(position, p, aggregate, doc)
 
@@ -764,7 +827,7 @@ class MongoLog:
         if not partitions:
             return {}
         out: dict[int, Checkpoint] = {}
-        with self._op("checkpoints"):
+        with self._call("checkpoints"):
             async for d in self._checkpoints.find(checkpoint_ids_filter(consumer, partitions)):
                 p = d["_id"]["partition"]
                 out[p] = Checkpoint(
@@ -776,9 +839,33 @@ class MongoLog:
                 )
         return out
 
+    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
+        """One unordered bulk of the upserts :meth:`save_checkpoint` sends; an E11000 item (a
+        higher fence holds that partition) makes the answer False."""
+        if not positions:
+            return True
+        ops = [
+            UpdateOne(
+                checkpoint_filter(consumer, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True
+            )
+            for p, pos in sorted(positions.items())
+        ]
+        with self._call("save_checkpoint"):
+            try:
+                await self._checkpoints.bulk_write(ops, ordered=False)
+            except BulkWriteError as exc:
+                details = exc.details or {}
+                errors = details.get("writeErrors") or []
+                if errors and not details.get("writeConcernErrors") and all(
+                    e.get("code") == DUPLICATE_KEY for e in errors
+                ):
+                    return False
+                raise
+        return True
+
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False."""
-        with self._op("save_checkpoint"):
+        with self._call("save_checkpoint"):
             try:
                 await self._checkpoints.update_one(
                     checkpoint_filter(consumer, partition, fence),
@@ -793,7 +880,7 @@ class MongoLog:
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
-        with self._op("quarantine"):
+        with self._call("quarantine"):
             try:
                 await self._quarantine.insert_one(doc)
             except DuplicateKeyError:
@@ -807,7 +894,7 @@ class MongoLog:
         out: list[dict[str, Any]] = []
         if limit <= 0:
             return out
-        with self._op("quarantined"):
+        with self._call("quarantined"):
             cursor = self._quarantine.find({}, sort=[("quarantined_at", 1), ("seq", 1)], limit=limit)
             async for d in cursor:
                 out.append({k: d.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})

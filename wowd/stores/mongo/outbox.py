@@ -7,8 +7,8 @@ by their ``_id`` (an ObjectId); ``entries(limit, after)`` pages by offset in tha
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from bson import ObjectId
@@ -16,10 +16,10 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from wowd.errors import InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
 from wowd.stores.base import Ddl
-from wowd.stores.mongo._common import DUPLICATE_KEY, translate_errors
+from wowd.stores.mongo._common import DEFAULT_OPERATION_TIMEOUT, DUPLICATE_KEY, MongoStore, outbox_collection
 
 __all__ = ["MongoOutbox", "ack_filter", "outbox_doc", "outbox_entry", "outbox_indexes", "take_filter", "trim_filter"]
 
@@ -83,34 +83,46 @@ def outbox_entry(doc: Doc) -> OutboxEntry:
         raise StorageError(f"mongodb outbox: unreadable entry {doc.get('_id')!r}: {exc!r}") from exc
 
 
-class MongoOutbox:
-    """:class:`~wowd.stores.base.Outbox` on MongoDB; the client belongs to the caller."""
+class MongoOutbox(MongoStore):
+    """:class:`~wowd.stores.base.Outbox` on MongoDB (the :class:`MongoStore` constructor)."""
+
+    _label = "outbox"
 
     def __init__(
-        self, client: AsyncMongoClient[Doc], database_name: str, *, context: str, ddl: Ddl = Ddl.AUTO
+        self,
+        client_or_uri: AsyncMongoClient[Doc] | str,
+        database_name: str,
+        *,
+        context: str,
+        ddl: Ddl = Ddl.AUTO,
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
         self.context = validate_name(context, field="context")
-        self._db = client[database_name]
-        self._coll: AsyncCollection[Doc] = self._db[f"wow_outbox__{context}"]
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
+        self._coll: AsyncCollection[Doc] = self._db[outbox_collection(context)]
         self._ddl = Ddl(ddl)
-        self._prepared = self._ddl is not Ddl.AUTO
-
-    @contextmanager
-    def _op(self, operation: str) -> Iterator[None]:
-        with translate_errors(f"outbox {operation}"):
-            yield
+        self._prepared = self._ddl is Ddl.NONE
 
     async def prepare(self) -> None:
-        """Creates the unique request-id index (AUTO mode; idempotent)."""
+        """Creates (AUTO) or checks (VALIDATE) the unique request-id index; idempotent."""
         if self._ddl is Ddl.AUTO:
-            with self._op("prepare"):
+            with self._call("prepare"):
                 await self._db.command({"createIndexes": self._coll.name, "indexes": outbox_indexes()})
+        elif self._ddl is Ddl.VALIDATE:
+            with self._call("prepare"):
+                found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}
+            (spec,) = outbox_indexes()
+            ix = found.get(spec["name"])
+            if ix is None or dict(ix["key"]) != spec["key"] or not ix.get("unique"):
+                raise FormatError(
+                    f"mongodb {self._coll.name}: the unique index {spec['key']} is missing (ddl=validate)"
+                )
         self._prepared = True
 
     async def put(self, entry: OutboxEntry) -> bool:
         if not self._prepared:
             await self.prepare()
-        with self._op("put"):
+        with self._call("put"):
             try:
                 await self._coll.insert_one(outbox_doc(entry))
             except DuplicateKeyError:
@@ -125,7 +137,7 @@ class MongoOutbox:
         if not self._prepared:
             await self.prepare()
         written = [True] * len(entries)
-        with self._op("put_many"):
+        with self._call("put_many"):
             try:
                 await self._coll.insert_many([outbox_doc(e) for e in entries], ordered=False)
             except BulkWriteError as exc:
@@ -146,12 +158,12 @@ class MongoOutbox:
         """Up to ``limit`` entries in insertion order, skipping the first ``after``."""
         if limit <= 0:
             return []
-        with self._op("entries"):
+        with self._call("entries"):
             docs = await self._coll.find({}, sort=[("_id", 1)], skip=max(0, after), limit=limit).to_list()
         return [outbox_entry(d) for d in docs]
 
     async def count(self) -> int:
-        with self._op("count"):
+        with self._call("count"):
             return await self._coll.count_documents({})
 
     async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
@@ -159,7 +171,7 @@ class MongoOutbox:
         query = take_filter(after)
         if limit <= 0:
             return OutboxBatch(entries=(), cursor=after)
-        with self._op("take"):
+        with self._call("take"):
             docs = await self._coll.find(query, sort=[("_id", 1)], limit=limit).to_list()
         cursor = str(docs[-1]["_id"]) if docs else after
         return OutboxBatch(entries=tuple(outbox_entry(d) for d in docs), cursor=cursor)
@@ -168,15 +180,12 @@ class MongoOutbox:
         """One ``deleteMany`` of the request ids."""
         if not request_ids:
             return 0
-        with self._op("ack"):
+        with self._call("ack"):
             result = await self._coll.delete_many(ack_filter(request_ids))
         return int(result.deleted_count)
 
     async def trim(self, before: int) -> int:
         """One ``deleteMany`` of the entries created before ``before`` (over the ``created_at`` index)."""
-        with self._op("trim"):
+        with self._call("trim"):
             result = await self._coll.delete_many(trim_filter(before))
         return int(result.deleted_count)
-
-    async def close(self) -> None:
-        """The client belongs to the caller: nothing to close here."""

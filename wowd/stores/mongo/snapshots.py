@@ -27,27 +27,22 @@ from __future__ import annotations
 
 import decimal
 import logging
-import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
 import anyio
 import bson
-import pymongo
 from bson.codec_options import CodecOptions, TypeCodec, TypeRegistry
 from bson.decimal128 import Decimal128
 from bson.errors import BSONError
 from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -57,14 +52,18 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.mongo._common import (
+    DEFAULT_OPERATION_TIMEOUT,
     DUPLICATE_KEY,
     FORMAT,
+    NAMESPACE_EXISTS,
+    SNAPSHOT_TABLES,
     TRANSIENT_CODES,
     Ddl,
     MongoSharding,
+    MongoStore,
     collection_name,
     is_duplicate_key,
-    translate_errors,
+    is_unauthorized,
 )
 
 __all__ = [
@@ -94,17 +93,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TABLES = "wow_snapshot_tables"
+TABLES = SNAPSHOT_TABLES
 """The control-plane collection: format record and claimed state revision per snapshot collection."""
-
-DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
-"""Client-side operation timeout (PyMongo's ``pymongo.timeout``) of each store call."""
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 """BSON's document limit: a snapshot whose write is larger is refused before it is sent."""
 
-_STORE = "snapshots"
-"""The ``store`` label of the store metrics (the same as the embedded store's)."""
 _MAX_RETRIES = 5
 """How often a conditional upsert that met the key of a lower version (a concurrent insert won)
 is tried again before the store gives up (raises)."""
@@ -405,20 +399,23 @@ class _Item:
 # --------------------------------------------------------------------------- the store
 
 
-class MongoSnapshotStore:
+class MongoSnapshotStore(MongoStore):
     """The :class:`~wowd.stores.base.SnapshotStore` of one context on MongoDB, and its own
     :class:`~wowd.stores.base.SnapshotRebuildStore` (it rewrites snapshots in place).
 
-    The client is the caller's (not closed here). Nothing happens in the constructor; a type's
-    collection is created (with its format record and indexes, as ``ddl`` says) the first time
-    the store touches the type, or by :meth:`create_collection`. A failure of the database is
-    raised: network and election errors as :class:`~wowd.errors.StorageUnavailable`, others as
+    The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
+    ``operation_timeout``). Nothing happens in the constructor; a type's collection is created
+    (with its format record and indexes, as ``ddl`` says) the first time the store touches the
+    type, or by :meth:`create_collection`. A failure of the database is raised: network and
+    election errors as :class:`~wowd.errors.StorageUnavailable`, others as
     :class:`~wowd.errors.StorageError` (a snapshot is a cache; the caller may drop it).
     """
 
+    _label = "snapshots"  # the same as the embedded store's: one dashboard for both backends
+
     def __init__(
         self,
-        client: AsyncMongoClient[Any],
+        client_or_uri: AsyncMongoClient[Any] | str,
         database_name: str,
         *,
         context: str,
@@ -427,13 +424,11 @@ class MongoSnapshotStore:
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
         self.context = validate_name(context, field="context")
-        self._client = client
-        self._db: AsyncDatabase[dict[str, Any]] = client.get_database(
-            database_name, codec_options=CODEC_OPTIONS
+        super().__init__(
+            client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS
         )
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
-        self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
         self._ready: set[str] = set()
         self._sharded: bool | None = None
         self._ddl_lock: anyio.Lock | None = None
@@ -455,25 +450,6 @@ class MongoSnapshotStore:
     @property
     def _tables(self) -> AsyncCollection[dict[str, Any]]:
         return self._db.get_collection(TABLES)
-
-    @contextmanager
-    def _call(self, operation: str) -> Iterator[None]:
-        """Times a store call, bounds it by the operation timeout, translates driver errors."""
-        start = time.perf_counter()
-        try:
-            with translate_errors(f"snapshots {operation}"):
-                if self._timeout is None:
-                    yield
-                else:
-                    with pymongo.timeout(self._timeout):
-                        yield
-        except StorageUnavailable:
-            # translate_errors' transient driver errors, and the store's own (a bulk's item
-            # refused by an election, see _save_round)
-            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - start)
 
     def _type(self, aggregate: str) -> AggregateType:
         return AggregateType(context=self.context, aggregate=aggregate)
@@ -536,7 +512,8 @@ class MongoSnapshotStore:
         try:
             await self._db.command("create", name)
         except OperationFailure as exc:
-            if exc.code != 48:  # NamespaceExists
+            # 7.0+ answers ok on an existing collection of the same options; 48 means other options
+            if exc.code != NAMESPACE_EXISTS:
                 raise
         sharded = await self._is_sharded()
         await self._db.command("createIndexes", name, indexes=index_specs(sharded=sharded))
@@ -544,7 +521,22 @@ class MongoSnapshotStore:
             # the shard key's index exists first, so a collection that already holds snapshots
             # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0
             full = f"{self._db.name}.{name}"
-            await self._client.admin.command("shardCollection", full, key=shard_key())
+            try:
+                await self._client.admin.command("shardCollection", full, key=shard_key())
+            except OperationFailure as exc:
+                if not is_unauthorized(exc):
+                    raise
+                if self._sharding is MongoSharding.ON:
+                    raise ConfigError(
+                        f"mongodb {name}: sharding=on, but the user may not shard collections ({exc}); "
+                        "grant enableSharding on the database, or set WOWD_MONGODB__SHARDING=off"
+                    ) from exc
+                log.warning(
+                    "snapshot collection %s left unsharded: the user may not run shardCollection (%s); "
+                    "grant enableSharding on the database or set WOWD_MONGODB__SHARDING=off",
+                    name,
+                    exc,
+                )
 
     async def _validate(self, name: str) -> None:
         # a missing collection lists no indexes (PyMongo answers NamespaceNotFound as empty)
@@ -687,7 +679,12 @@ class MongoSnapshotStore:
                 await coll.bulk_write(requests, ordered=False)
             except BulkWriteError as exc:
                 if exc.details.get("writeConcernErrors"):
-                    raise
+                    # applied, but not as durably as asked: the writes are idempotent, so the
+                    # caller retries the batch whole (what landed answers unchanged)
+                    raise StorageUnavailable(
+                        f"mongodb snapshots save_all: write concern not satisfied: "
+                        f"{exc.details['writeConcernErrors']}"
+                    ) from exc
                 errors = {int(e["index"]): e for e in exc.details.get("writeErrors") or ()}
                 transient = next((e for e in errors.values() if e.get("code") in TRANSIENT_CODES), None)
                 if transient is not None:
@@ -724,9 +721,6 @@ class MongoSnapshotStore:
                 snapshot_filter(ref), mark_stale_update()
             )
         return result.matched_count > 0
-
-    async def close(self) -> None:
-        """The client is the caller's: nothing to close."""
 
     # ------------------------------------------------------------------ SnapshotRebuildStore
 

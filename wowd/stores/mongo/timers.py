@@ -20,20 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import pymongo
 from bson.min_key import MinKey
 from pymongo import AsyncMongoClient, DeleteOne, ReplaceOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import OperationFailure, PyMongoError
 
-from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
-from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
@@ -46,11 +42,15 @@ from wowd.model import (
 )
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import (
+    DEFAULT_OPERATION_TIMEOUT,
     FORMAT,
+    NAMESPACE_EXISTS,
+    TIMER_REGISTRY,
     MongoSharding,
+    MongoStore,
     collection_name,
     is_duplicate_key,
-    translate_errors,
+    is_unauthorized,
 )
 
 __all__ = [
@@ -75,7 +75,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-REGISTRY = "wow_timer_aggregate"
+REGISTRY = TIMER_REGISTRY
 """The registry of the timer collections of every context."""
 
 DUE_STATUSES = [TimerStatus.PENDING.value, TimerStatus.FIRING.value]
@@ -87,9 +87,11 @@ UNIQUE_INDEX = "partition_owner_key"
 DUE_INDEX = "due"
 PARKED_INDEX = "parked_target"
 
-_NAMESPACE_EXISTS = 48
 _INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
-_STORE = "timers"  # the same label as the embedded twin: one dashboard for both backends
+MAX_SCANS_TO_EXPLODE = 200
+"""The server's ``internalQueryMaxScansToExplode``: above this many point intervals (partitions
+of one ``$in``) the planner stops merging one index scan per partition and sorts the whole
+match instead; the due reads split the partitions into groups of at most this many."""
 _MAX_RELOADS = 3
 _PUT_ATTEMPTS = 2
 """A put's E11000 is confirmed once: the first may be a concurrent insert of the same key."""
@@ -300,12 +302,20 @@ def due_match(partitions: Iterable[int], until: int) -> dict[str, Any]:
       (at most ``internalQueryMaxScansToExplode`` = 200 scans, our partitions are fewer) into one
       index scan per partition merged by a SORT_MERGE stage, so there is no blocking SORT and the
       ``$limit`` stops the scans after ``limit`` keys. With a single partition it is a plain scan.
+      More partitions than that are split by :func:`partition_groups`, one match per group.
     """
     return {
         "partition": {"$in": sorted(set(partitions))},
         "status": {"$in": list(DUE_STATUSES)},
         "due_at": {"$lte": until},
     }
+
+
+def partition_groups(partitions: Iterable[int]) -> list[list[int]]:
+    """The partitions, sorted, in groups of at most :data:`MAX_SCANS_TO_EXPLODE`: each group's
+    ``$in`` stays within the planner's merge of one index scan per partition."""
+    ordered = sorted(set(partitions))
+    return [ordered[i : i + MAX_SCANS_TO_EXPLODE] for i in range(0, len(ordered), MAX_SCANS_TO_EXPLODE)]
 
 
 def parked_match(target: AggregateRef) -> dict[str, Any]:
@@ -342,7 +352,7 @@ def union_batch_size(limit: int | None) -> int | None:
 def union_pipeline(
     context: str,
     collections: Mapping[str, str],
-    match: Mapping[str, Any],
+    match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     limit: int | None,
 ) -> list[dict[str, Any]]:
     """ONE aggregation on the registry: the count of ``context``'s collections (``{registered:
@@ -351,16 +361,19 @@ def union_pipeline(
     the document leaves to its collection), merged by ``(due_at, timer_id)``.
 
     The count document has no ``due_at`` and sorts first (a missing field sorts as null, before
-    numbers); the final ``$limit`` keeps it with ``limit`` timers after it.
+    numbers); the final ``$limit`` keeps it with ``limit`` timers after it. A list of matches (the
+    groups of :func:`partition_groups`) gives one ``$unionWith`` per collection and match.
     """
+    matches = [match] if isinstance(match, Mapping) else list(match)
     pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
     for name in sorted(collections):
-        sub: list[dict[str, Any]] = [{"$match": dict(match)}, {"$sort": dict(SORT)}]
-        if limit is not None:
-            sub.append({"$limit": limit})
-        sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
-        sub.append({"$unset": "_id"})
-        pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+        for m in matches:
+            sub: list[dict[str, Any]] = [{"$match": dict(m)}, {"$sort": dict(SORT)}]
+            if limit is not None:
+                sub.append({"$limit": limit})
+            sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
+            sub.append({"$unset": "_id"})
+            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
     pipeline.append({"$sort": dict(SORT)})
     if limit is not None:
         pipeline.append({"$limit": limit + 1})
@@ -389,17 +402,19 @@ def next_due_pipeline(
     keeps ``due_at`` alone), then ``$group`` by ``null``: ``$sum`` of the count and ``$min`` of the
     due times (``$min`` ignores the count document, which has no ``due_at``; ``null`` when no
     timer matched). No input at all (no collection registered, none known) answers no document.
+    More partitions than :data:`MAX_SCANS_TO_EXPLODE`: one ``$unionWith`` per collection and group.
     """
-    match = next_due_match(partitions, after)
+    matches = [next_due_match(group, after) for group in partition_groups(partitions)]
     pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
     for name in sorted(collections):
-        sub: list[dict[str, Any]] = [
-            {"$match": dict(match)},
-            {"$sort": {"due_at": 1}},
-            {"$limit": 1},
-            {"$project": {"_id": 0, "due_at": 1}},
-        ]
-        pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+        for match in matches:
+            sub: list[dict[str, Any]] = [
+                {"$match": match},
+                {"$sort": {"due_at": 1}},
+                {"$limit": 1},
+                {"$project": {"_id": 0, "due_at": 1}},
+            ]
+            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
     pipeline.append(
         {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}}
     )
@@ -409,38 +424,39 @@ def next_due_pipeline(
 # --------------------------------------------------------------------------- the store
 
 
-class MongoTimerStore:
+class MongoTimerStore(MongoStore):
     """The :class:`~wowd.stores.base.TimerStore` of one context on MongoDB.
 
-    ``client`` is not owned (``close`` leaves it open). No I/O in the constructor; ``prepare``
-    reads the registry, each type's collection is created (``ddl``) on its first put.
-    ``drop_other_format``: a collection recorded in another format is dropped and re-registered
-    (the timers are a view of the log: the caller resets the timer view's checkpoints) instead of
-    refused with :class:`~wowd.errors.FormatError`.
+    The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
+    ``operation_timeout``). No I/O in the constructor; ``prepare`` reads the registry, each
+    type's collection is created (``ddl``) on its first put. ``drop_other_format``: a collection
+    recorded in another format is dropped and re-registered (the timers are a view of the log:
+    the caller resets the timer view's checkpoints) instead of refused with
+    :class:`~wowd.errors.FormatError`.
     """
+
+    _label = "timers"  # the same label as the embedded twin: one dashboard for both backends
 
     def __init__(
         self,
-        client: AsyncMongoClient[Any],
+        client_or_uri: AsyncMongoClient[Any] | str,
         database_name: str,
         *,
         context: str,
         partitions: int,
         ddl: Ddl = Ddl.AUTO,
         sharding: MongoSharding = MongoSharding.AUTO,
-        operation_timeout: timedelta | None = timedelta(seconds=10),
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         drop_other_format: bool = False,
     ) -> None:
         self.context = validate_name(context, field="context")
         if partitions < 1:
             raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self.partitions = partitions
         self.ddl = Ddl(ddl)
         self.sharding = MongoSharding(sharding)
         self.drop_other_format = drop_other_format
-        self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
-        self._client = client
-        self._db: AsyncDatabase[Any] = client[database_name]
         self._registry: AsyncCollection[Any] = self._db[REGISTRY]
         self._known: dict[str, str] = {}
         """Collections read by the union reads: name -> aggregate."""
@@ -452,34 +468,6 @@ class MongoTimerStore:
 
     def collection_name(self, aggregate: str) -> str:
         return collection_name("timer", self.context, aggregate)
-
-    @contextmanager
-    def _op(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
-        """Times a call, counts transient failures, applies the operation timeout (CSOT) and
-        translates driver errors. ``bounded=False``: no timeout over the whole call (the DDL,
-        whose commands are bounded one by one with :meth:`_deadline`)."""
-        started = time.perf_counter()
-        try:
-            if self._timeout is None or not bounded:
-                with translate_errors(f"timers.{operation}"):
-                    yield
-            else:
-                with pymongo.timeout(self._timeout), translate_errors(f"timers.{operation}"):
-                    yield
-        except StorageUnavailable:
-            STORE_UNAVAILABLE.labels(_STORE, operation).inc()
-            raise
-        finally:
-            STORE_CALL_SECONDS.labels(_STORE, operation).observe(time.perf_counter() - started)
-
-    @contextmanager
-    def _deadline(self) -> Iterator[None]:
-        """The operation timeout over one DDL command (CSOT nests: an outer deadline would cap it)."""
-        if self._timeout is None:
-            yield
-        else:
-            with pymongo.timeout(self._timeout):
-                yield
 
     def _collection(self, owner: AggregateRef) -> AsyncCollection[Any]:
         if owner.context != self.context:
@@ -494,7 +482,7 @@ class MongoTimerStore:
     async def prepare(self) -> None:
         """Reads the registry of the context and claims its format: a collection recorded in
         another format is refused (:class:`FormatError`) or, with ``drop_other_format``, dropped."""
-        with self._op("prepare"):
+        with self._call("prepare"):
             await self._load_registry()
 
     async def _load_registry(self) -> None:
@@ -543,37 +531,47 @@ class MongoTimerStore:
                 )
             await self._validate_indexes(name)
         else:
-            doc = await self._register(name, aggregate)
+            doc, inserted = await self._register(name, aggregate)
             if doc.get("format") != FORMAT:
                 await self._other_format(name, aggregate, doc.get("format"))
-                doc = await self._register(name, aggregate)
+                doc, inserted = await self._register(name, aggregate)
             if self.ddl is Ddl.AUTO:
-                await self._create(name)
+                await self._create(name, registered=inserted)
         self._known[name] = aggregate
         self._ready.add(name)
 
-    async def _register(self, name: str, aggregate: str) -> dict[str, Any]:
+    async def _register(self, name: str, aggregate: str) -> tuple[dict[str, Any], bool]:
         """``findAndModify`` upsert on ``_id`` (concurrent first uses: the server retries the
-        duplicate-key upsert of an ``_id`` equality itself), answering the document after it."""
+        duplicate-key upsert of an ``_id`` equality itself), answering the document after it and
+        whether this call inserted it (``lastErrorObject.upserted``: the type's very first use)."""
+        command: dict[str, Any] = {
+            "findAndModify": REGISTRY,
+            "query": {"_id": name},
+            "update": registry_claim(self.context, aggregate, int(time.time() * 1000)),
+            "upsert": True,
+            "new": True,
+        }
+        write_concern = self._registry.write_concern
+        if not write_concern.is_server_default:
+            command["writeConcern"] = write_concern.document
         with self._deadline():
-            doc = await self._registry.find_one_and_update(
-                {"_id": name},
-                registry_claim(self.context, aggregate, int(time.time() * 1000)),
-                upsert=True,
-                return_document=pymongo.ReturnDocument.AFTER,
-            )
+            reply = await self._db.command(command)
+        doc = reply.get("value")
         assert doc is not None  # an upsert answers the document after it
-        return dict(doc)
+        inserted = "upserted" in (reply.get("lastErrorObject") or {})
+        return dict(doc), inserted
 
-    async def _create(self, name: str) -> None:
-        created = True
+    async def _create(self, name: str, *, registered: bool) -> None:
+        """``create`` (7.0+ answers ok on an existing collection of the same options, so its answer
+        cannot tell a new collection) and ``createIndexes``; on a sharded cluster, the chunks are
+        spread only on the type's first registration (``registered``) or while the collection
+        still has one chunk: never again over populated chunks the balancer has moved since."""
         try:
             with self._deadline():
                 await self._db.command("create", name)
         except OperationFailure as exc:
-            if exc.code != _NAMESPACE_EXISTS:
+            if exc.code != NAMESPACE_EXISTS:  # another layout (options) than a plain collection
                 raise
-            created = False
         try:
             with self._deadline():
                 await self._db.command("createIndexes", name, indexes=index_specs())
@@ -582,7 +580,7 @@ class MongoTimerStore:
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
             raise
         if await self._is_sharded():
-            await self._shard(name, spread=created)
+            await self._shard(name, registered=registered)
 
     async def _validate_indexes(self, name: str) -> None:
         """Each index of :func:`index_specs` by name, with its keys *in order* (a compound index
@@ -610,18 +608,36 @@ class MongoTimerStore:
             self._sharded = hello.get("msg") == "isdbgrid"
         return self._sharded
 
-    async def _shard(self, name: str, *, spread: bool) -> None:
-        """Shards by ``{partition: 1}``; a new collection gets one chunk per partition spread over
-        the shards (``split`` at each partition, ``moveRange`` round robin: MongoDB 6.0+; no
-        ``enableSharding`` needed since 6.0). ``moveRange`` with ``min`` alone moves the whole
-        chunk starting there when it holds less than the chunk size (a new collection's are
-        empty). Each command has its own operation timeout (moves take a while each). The spread
-        is best effort: a refused split or move is logged, the collection stays usable."""
+    async def _shard(self, name: str, *, registered: bool) -> None:
+        """Shards by ``{partition: 1}`` (idempotent); a new collection gets one chunk per
+        partition spread over the shards (``split`` at each partition, ``moveRange`` round robin:
+        MongoDB 6.0+; no ``enableSharding`` needed since 6.0). ``moveRange`` with ``min`` alone
+        moves the whole chunk starting there when it holds less than the chunk size (a new
+        collection's are empty). Each command has its own operation timeout (moves take a while
+        each). The spread is best effort: a refused split or move is logged, the collection stays
+        usable. With ``sharding=auto`` a user who may not shard (Unauthorized) leaves the
+        collection unsharded, logged; with ``sharding=on`` that is a :class:`ConfigError`."""
         ns = f"{self._db.name}.{name}"
         admin = self._client.admin
-        with self._deadline():
-            await admin.command("shardCollection", ns, key={"partition": 1})
-        if not spread or self.partitions < 2:
+        try:
+            with self._deadline():
+                await admin.command("shardCollection", ns, key={"partition": 1})
+        except OperationFailure as exc:
+            if not is_unauthorized(exc):
+                raise
+            if self.sharding is MongoSharding.ON:
+                raise ConfigError(
+                    f"mongodb timers: sharding=on, but the user may not shard {ns} ({exc}); grant "
+                    "enableSharding on the database, or set WOWD_MONGODB__SHARDING=off"
+                ) from exc
+            log.warning(
+                "timer collection %s left unsharded: the user may not run shardCollection (%s); grant "
+                "enableSharding on the database or set WOWD_MONGODB__SHARDING=off",
+                ns,
+                exc,
+            )
+            return
+        if self.partitions < 2 or not (registered or await self._one_chunk(ns)):
             return
         with self._deadline():
             shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
@@ -640,6 +656,22 @@ class MongoTimerStore:
             except PyMongoError as exc:  # best effort: the server may still complete a timed-out move
                 log.warning("moveRange of %s partition %d refused: %s", ns, p, exc)
 
+    async def _one_chunk(self, ns: str) -> bool:
+        """Whether the sharded collection ``ns`` still has a single chunk (``config.chunks`` by
+        the collection's uuid). Best effort: a user who may not read ``config`` answers False
+        (the spread is skipped, logged)."""
+        config = self._client.config
+        try:
+            with self._deadline():
+                coll = await config.collections.find_one({"_id": ns}, {"uuid": 1})
+                if coll is None:
+                    return False
+                chunks = await config.chunks.count_documents({"uuid": coll["uuid"]}, limit=2)
+        except OperationFailure as exc:
+            log.warning("chunks of %s not counted (%s): their spread is skipped", ns, exc)
+            return False
+        return bool(chunks == 1)
+
     # ------------------------------------------------------------------ writes
 
     async def put(self, timer: Timer) -> bool:
@@ -650,10 +682,10 @@ class MongoTimerStore:
                 field="partition",
             )
         if self.collection_name(timer.owner.aggregate) not in self._ready:
-            with self._op("ddl", bounded=False):
+            with self._call("ddl", bounded=False):
                 await self._ensure(timer.owner.aggregate)
         flt, update = put_filter(timer), put_update(timer)
-        with self._op("put"):
+        with self._call("put"):
             for _ in range(_PUT_ATTEMPTS):
                 try:
                     res = await coll.update_one(flt, update, upsert=True)
@@ -670,13 +702,13 @@ class MongoTimerStore:
 
     async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
         coll = self._collection(owner)
-        with self._op("cancel"):
+        with self._call("cancel"):
             res = await coll.delete_one(cancel_filter(owner, self._partition(owner), key, version))
         return res.deleted_count == 1
 
     async def cancel_all(self, owner: AggregateRef, version: int) -> int:
         coll = self._collection(owner)
-        with self._op("cancel_all"):
+        with self._call("cancel_all"):
             res = await coll.delete_many(cancel_all_filter(owner, self._partition(owner), version))
         return res.deleted_count
 
@@ -686,7 +718,7 @@ class MongoTimerStore:
             self._collection(change.timer.owner)  # checks the context
             by_collection.setdefault(self.collection_name(change.timer.owner.aggregate), []).append(change)
         written = 0
-        with self._op("settle"):
+        with self._call("settle"):
             for name, group in by_collection.items():
                 res = await self._db[name].bulk_write(settle_operations(group), ordered=False)
                 written += res.matched_count + res.deleted_count
@@ -696,22 +728,23 @@ class MongoTimerStore:
 
     async def find(self, owner: AggregateRef, key: str) -> Timer | None:
         coll = self._collection(owner)
-        with self._op("find"):
+        with self._call("find"):
             doc = await coll.find_one(key_filter(owner, self._partition(owner), key))
         return None if doc is None else timer_from_doc(doc, context=self.context, aggregate=owner.aggregate)
 
     async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
         if not partitions or limit < 1:
             return []
-        with self._op("due"):
-            return await self._union("due", due_match(partitions, until), limit)
+        with self._call("due"):
+            matches = [due_match(group, until) for group in partition_groups(partitions)]
+            return await self._union("due", matches, limit)
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
         """One :func:`next_due_pipeline` aggregation; when the registry counts another number of
         the context's collections than the known ones, reloads the registry and reads again."""
         if not partitions:
             return None
-        with self._op("next_due"):
+        with self._call("next_due"):
             for attempt in range(_MAX_RELOADS + 1):
                 known = dict(self._known)
                 pipeline = next_due_pipeline(self.context, known, partitions, after)
@@ -738,7 +771,7 @@ class MongoTimerStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def parked(self, target: AggregateRef) -> list[Timer]:
-        with self._op("parked"):
+        with self._call("parked"):
             return await self._union("parked", parked_match(target), None)
 
     async def scan(
@@ -746,10 +779,12 @@ class MongoTimerStore:
     ) -> list[Timer]:
         if limit < 1:
             return []
-        with self._op("scan"):
+        with self._call("scan"):
             return await self._union("scan", scan_match(status, partitions), limit)
 
-    async def _union(self, operation: str, match: Mapping[str, Any], limit: int | None) -> list[Timer]:
+    async def _union(
+        self, operation: str, match: Mapping[str, Any] | Sequence[Mapping[str, Any]], limit: int | None
+    ) -> list[Timer]:
         """Runs :func:`union_pipeline` over the known collections; when the registry counts
         another number of the context's collections, reloads the registry and reads again."""
         for attempt in range(_MAX_RELOADS + 1):
@@ -788,5 +823,3 @@ class MongoTimerStore:
             await self._load_registry()
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def close(self) -> None:
-        """The client is the caller's: nothing to close."""

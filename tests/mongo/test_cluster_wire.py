@@ -1,0 +1,588 @@
+"""The MongoDB stores against the answers of a real 7.0/8.0 replica set or sharded cluster: the
+change stream outside the call deadline, errors classified by code and label, the cut and the
+catch-up of a long first scan, idle partitions on high-water marks only, split large events,
+chunk spreading and best-effort sharding, partition groups of the due reads, and the settings
+reaching every store. One MockupDB (a replica-set primary) serves the module."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import pytest
+from bson.timestamp import Timestamp
+from mockupdb import MockupDB
+from pydantic import SecretStr
+from pymongo import AsyncMongoClient
+from pymongo.errors import BulkWriteError, OperationFailure
+
+from tests.mongo.conftest import CODE_NAMES, Wire, server_error, write_concern_timeout
+from tests.mongo.log_support import (
+    CONTEXT,
+    DB,
+    ID_P3,
+    ID_P5,
+    ORDERS,
+    PARTITIONS,
+    change,
+    collect,
+    cursor,
+    housekeeping,
+    log_doc,
+    majority_point,
+    start,
+    token,
+)
+from tests.mongo.timers_support import calling, make_timer, registry_doc
+from tests.mongo.timers_support import cursor as timers_cursor
+from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings, load_settings
+from wowd.errors import ConfigError, StorageError, StorageUnavailable
+from wowd.model import AggregateRef, LogBatch, SnapshotRecord
+from wowd.stores.base import Ddl
+from wowd.stores.mongo import open_mongo
+from wowd.stores.mongo._common import MongoSharding, is_transient
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.snapshots import MongoSnapshotStore
+from wowd.stores.mongo.timers import MAX_SCANS_TO_EXPLODE, MongoTimerStore, next_due_pipeline
+
+pytestmark = pytest.mark.anyio
+
+HISTORY_LOST_MSG = "Resume of change stream was not possible, as the resume point may no longer be in the oplog."
+TIMERS = f"wow_timer__{CONTEXT}__order"
+NO_PRIMARY = 'Could not find host matching read preference { mode: "primary" } for set shard01'
+
+
+@pytest.fixture(scope="module")
+def rs_server() -> Iterator[MockupDB]:
+    """One replica-set primary for the module (stopping a MockupDB takes a second)."""
+    server = MockupDB(verbose=False)
+    port = server.run()
+    addr = f"localhost:{port}"
+    server.autoresponds(
+        "ismaster",
+        {
+            "ismaster": True,
+            "setName": "rs0",
+            "hosts": [addr],
+            "primary": addr,
+            "me": addr,
+            "minWireVersion": 0,
+            "maxWireVersion": 21,
+            "logicalSessionTimeoutMinutes": 30,
+        },
+    )
+    server.autoresponds(housekeeping)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(rs_server: MockupDB) -> Iterator[None]:
+    """After each test, hang up on what it left unanswered: the next test starts clean."""
+    yield
+    while True:
+        try:
+            leftover = rs_server.receives(timeout=0)
+            leftover.hangup()
+        except AssertionError:
+            return
+        except OSError:  # a request of a connection the test's client closed already: dropped
+            continue
+
+
+@pytest.fixture
+def rs_wire(rs_server: MockupDB) -> Wire:
+    return Wire(rs_server)
+
+
+@pytest.fixture
+async def rs_client(rs_server: MockupDB) -> AsyncIterator[AsyncMongoClient[Any]]:
+    """A client as ``open_mongo`` makes it: ``timeoutMS`` set (5 s)."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        rs_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=5000
+    )
+    try:
+        yield client
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            await client.close()
+
+
+def make_log(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoLog:
+    return MongoLog(
+        client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=timedelta(seconds=5),
+        **kwargs,
+    )  # fmt: skip
+
+
+def pos(ct: tuple[int, int], n: int = 0) -> dict[str, Any]:
+    return {"token": token(ct, n), "cluster_time": list(ct)}
+
+
+def entries_of(batches: list[LogBatch]) -> list[tuple[int, str, int]]:
+    return [(e.partition, e.commit.ref.id, e.commit.version) for b in batches for e in b.entries if e.commit]
+
+
+def collections_answer(*names: str) -> dict[str, Any]:
+    return {"cursor": {"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": n} for n in names]}}
+
+
+# --------------------------------------------------------------------------- the change stream's deadline
+
+
+async def test_the_change_stream_runs_without_the_clients_timeout_but_keeps_max_await(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """With ``timeoutMS`` on the client (and an operation timeout on the store), the stream's
+    ``aggregate`` goes out without ``maxTimeMS`` (a first batch over a long stretch of oplog may
+    take longer) and its ``getMore`` waits ``maxAwaitTimeMS`` on the server; the other calls
+    keep their deadline."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((100, 1))}, follow=False)))
+            agg = await rs_wire.command("aggregate")
+            assert "maxTimeMS" not in agg.doc
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(100, 1)}}
+            agg.ok(cursor([], first=True))
+            more = await rs_wire.command("getMore")
+            assert more["maxTimeMS"] == 1000  # maxAwaitTimeMS: the server's wait for new changes
+            more.ok(cursor([], first=False, pbrt=token((101, 0))))
+            await call.done.wait()
+            assert call.result() == []
+
+            saved = start(tg, lambda: log.checkpoints("feed", [3]))
+            find = await rs_wire.command("find")
+            assert 0 < find["maxTimeMS"] <= 5000
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__{CONTEXT}", "firstBatch": []})
+            await saved.done.wait()
+            assert saved.result() == {}
+
+
+# --------------------------------------------------------------------------- classification
+
+
+def failure(code: int, labels: tuple[str, ...] = ()) -> OperationFailure:
+    details: dict[str, Any] = {"ok": 0, "code": code, "codeName": CODE_NAMES[code], "errmsg": "x"}
+    if labels:
+        details["errorLabels"] = list(labels)
+    return OperationFailure("x", code, details)
+
+
+@pytest.mark.parametrize(
+    ("error", "transient"),
+    [
+        (failure(43), True),  # CursorNotFound: a cursor killed by a failover
+        (failure(133), True),  # FailedToSatisfyReadPreference: no primary during an election
+        (failure(134), True),  # ReadConcernMajorityNotAvailableYet
+        (failure(175), True),  # QueryPlanKilled
+        (failure(64), True),  # WriteConcernFailed
+        # the server's labels say so whatever the code (a mongos relaying a shard's failure)
+        (failure(13388, ("ResumableChangeStreamError",)), True),
+        (failure(112, ("TransientTransactionError",)), True),
+        (failure(11601, ("RetryableWriteError",)), True),
+        (failure(13), False),  # Unauthorized
+        (failure(26), False),  # NamespaceNotFound
+        (
+            BulkWriteError(
+                {
+                    "writeErrors": [{"index": 0, "code": 11000, "errmsg": "E11000 duplicate key error"}],
+                    "writeConcernErrors": [write_concern_timeout()],
+                    "nInserted": 1,
+                }
+            ),
+            True,
+        ),
+        (
+            BulkWriteError(
+                {"writeErrors": [{"index": 0, "code": 11000, "errmsg": "E11000"}], "writeConcernErrors": []}
+            ),
+            False,
+        ),
+    ],
+    ids=[
+        "43", "133", "134", "175", "64", "label-resumable", "label-transaction", "label-retryable-write",
+        "13", "26", "bulk-dup-and-wce", "bulk-dup-only",
+    ],
+)  # fmt: skip
+def test_errors_are_transient_by_code_and_by_label(error: Exception, transient: bool) -> None:
+    assert is_transient(error) is transient
+
+
+async def test_a_bulk_with_duplicates_and_a_write_concern_error_is_retried_whole(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """E11000 items are routine on a replay; with a write-concern error (code 64) beside them the
+    bulk is unavailable (retried whole), not a permanent failure."""
+    store = MongoSnapshotStore(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE, sharding=MongoSharding.OFF)
+    snaps = [
+        SnapshotRecord(
+            ref=AggregateRef(context=CONTEXT, aggregate="order", id=i), version=2, state_revision=1, state={}
+        )
+        for i in ("o-1", "o-2")
+    ]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: store.save_all(snaps))
+            (await rs_wire.command("update")).ok(
+                n=1,
+                nModified=1,
+                writeErrors=[
+                    {
+                        "index": 1,
+                        "code": 11000,
+                        "errmsg": f"E11000 duplicate key error collection: {DB}.wow_snapshot__ctx__order "
+                        "index: _id_ dup key: { _id: { t: \"(0)\", a: \"o-2\" } }",
+                        "keyPattern": {"_id": 1},
+                        "keyValue": {"_id": {"t": "(0)", "a": "o-2"}},
+                    }
+                ],
+                writeConcernError=write_concern_timeout(),
+            )
+            await call.done.wait()
+    with pytest.raises(StorageUnavailable, match="write concern"):
+        call.result()
+
+
+async def test_a_resumable_getmore_error_is_resumed_then_transient(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A mongos answers a getMore with 133 and the ResumableChangeStreamError label: the driver
+    resumes once; its resume fails with 133 too (an aggregate carries no such label): the read
+    is unavailable (retried), not a permanent error."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((100, 1))}, follow=True)))
+            (await rs_wire.command("aggregate")).ok(cursor([], first=True, pbrt=token((100, 1))))
+            server_error(
+                await rs_wire.command("getMore"), 133, NO_PRIMARY, labels=("ResumableChangeStreamError",)
+            )
+            resumed = await rs_wire.command("aggregate")
+            assert "maxTimeMS" not in resumed.doc
+            server_error(resumed, 133, NO_PRIMARY)
+            await call.done.wait()
+    with pytest.raises(StorageUnavailable, match="read preference"):
+        call.result()
+
+
+async def test_capped_position_lost_on_a_getmore_rereads_like_history_lost(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=False)))
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
+            server_error(
+                await rs_wire.command("getMore"),
+                136,
+                "CollectionScan died due to position in capped collection being deleted. "
+                "Last seen record id: RecordId(7318321345425588225)",
+            )
+            await majority_point(rs_wire, (600, 1))
+            (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"partition": 5}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1), log_doc(ID_P5, 2)]})
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(600, 1)}}
+            agg.ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    assert entries_of(call.result()) == [(5, ID_P5, 1), (5, ID_P5, 1), (5, ID_P5, 2)]
+
+
+# --------------------------------------------------------------------------- the first scan
+
+
+async def test_each_partition_is_cut_then_scanned_and_caught_up_before_the_next(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Scans that run longer than ``scan_catch_up`` (here at once) catch the partitions done so
+    far up with a stream before the next cut: no cut waits for all the others' scans."""
+    log = make_log(rs_client, scan_catch_up=timedelta(0))
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: None, 5: None}, follow=False)))
+            await majority_point(rs_wire, (200, 1))  # partition 3's own cut
+            (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"partition": 3}
+            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 1)}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
+            # partition 3 caught up from its cut before partition 5 is cut
+            catch_up = await rs_wire.command("aggregate")
+            assert catch_up["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 1)}}
+            assert catch_up["pipeline"][1]["$match"]["fullDocument.partition"] == {"$in": [3]}
+            catch_up.ok(cursor([change(log_doc(ID_P3, 2), (250, 1))], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((260, 0))))
+            await majority_point(rs_wire, (300, 1))  # partition 5's own cut, later
+            (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"partition": 5}
+            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(300, 1)}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1)]})
+            agg = await rs_wire.command("aggregate")  # from partition 3's caught-up position
+            assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(250, 1)}}
+            assert agg["pipeline"][1]["$match"]["fullDocument.partition"] == {"$in": [3, 5]}
+            agg.ok(cursor([change(log_doc(ID_P5, 1), (290, 1)), change(log_doc(ID_P5, 2), (310, 1))], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 1), (3, ID_P3, 2), (5, ID_P5, 1), (5, ID_P5, 2)]
+    assert batches[2].positions[5]["cluster_time"] == [300, 1]  # partition 5 scanned at its own cut
+
+
+async def test_history_lost_right_after_a_scan_names_the_oplog_window(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """The cut taken before the scan left the oplog while the scan ran: scanning again would
+    lose it again, forever. The read stops with an error that says what to change."""
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: None}, follow=False)))
+            await majority_point(rs_wire, (200, 1))
+            (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
+            (await rs_wire.command("find")).ok(
+                cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]}
+            )
+            server_error(await rs_wire.command("aggregate"), 286, HISTORY_LOST_MSG)
+            await call.done.wait()
+    with pytest.raises(StorageError, match="oplogMinRetentionHours"):
+        call.result()
+
+
+# --------------------------------------------------------------------------- idle partitions, large events
+
+
+async def test_an_idle_partition_moves_only_to_a_high_water_mark_never_another_partitions_event(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Partition 3 is quiet, partition 5 busy. A batch whose post-batch resume token is the token
+    of partition 5's last event does not move partition 3 (a stream filtered on partition 3 would
+    never meet that event: 280); the next high-water mark does."""
+    log = make_log(rs_client)
+    got = anyio.Event()
+    batches: list[LogBatch] = []
+
+    async def tail() -> None:
+        async for batch in log.read({3: pos((1000, 1)), 5: pos((1000, 2))}, follow=True):
+            batches.append(batch)
+            if not batch.entries:
+                got.set()
+
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tail)
+            (await rs_wire.command("aggregate")).ok(cursor([], first=True, pbrt=token((1000, 2))))
+            event = change(log_doc(ID_P5, 1), (1090, 1))
+            (await rs_wire.command("getMore")).ok(cursor([event], first=False, pbrt=event["_id"]))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((1091, 0))))
+            await got.wait()
+            tg.cancel_scope.cancel()
+    assert entries_of(batches) == [(5, ID_P5, 1)]
+    moved = [b.positions for b in batches if not b.entries]
+    assert moved == [{3: pos((1091, 0))}]
+
+
+async def test_an_event_over_16_mib_comes_split_and_is_joined(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    whole = change(log_doc(ID_P3, 1), (50, 1))
+    first = {k: whole[k] for k in ("operationType", "clusterTime", "ns", "documentKey")}
+    fragments = [
+        {"_id": token((50, 1), 1), "splitEvent": {"fragment": 1, "of": 2}, **first},
+        {"_id": token((50, 1), 2), "splitEvent": {"fragment": 2, "of": 2}, "fullDocument": whole["fullDocument"]},
+    ]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: pos((40, 1))}, follow=False)))
+            agg = await rs_wire.command("aggregate")
+            assert agg["pipeline"][-1] == {"$changeStreamSplitLargeEvent": {}}
+            agg.ok(cursor(fragments[:1], first=True))
+            (await rs_wire.command("getMore")).ok(cursor(fragments[1:], first=False))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    batches = call.result()
+    assert entries_of(batches) == [(3, ID_P3, 1)]
+    assert batches[0].positions[3] == {"token": token((50, 1), 2), "cluster_time": [50, 1]}
+
+
+# --------------------------------------------------------------------------- timers on a sharded cluster
+
+
+def sharded_timers(client: AsyncMongoClient[Any], sharding: MongoSharding = MongoSharding.AUTO) -> MongoTimerStore:
+    return MongoTimerStore(
+        client, DB, context=CONTEXT, partitions=3, sharding=sharding, operation_timeout=timedelta(seconds=5)
+    )
+
+
+def timer3() -> Any:
+    from dataclasses import replace
+
+    t = make_timer(id="a")
+    return replace(t, partition=t.owner.partition(3))
+
+
+async def answer_put(rs_wire: Wire) -> None:
+    from bson import ObjectId
+
+    (await rs_wire.command("update")).ok(n=1, nModified=0, upserted=[{"index": 0, "_id": ObjectId()}])
+
+
+async def test_a_restart_does_not_split_or_move_the_chunks_of_a_registered_type(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """``create`` answers ok on an existing collection (mongos since 4.0, mongod since 7.0): only
+    the registry upsert tells a first registration. A registered type whose collection has
+    chunks already (the balancer's work) is sharded again (idempotent) and left as it is."""
+    store = sharded_timers(rs_client)
+    async with calling(lambda: store.put(timer3())) as out:
+        (await rs_wire.command("findAndModify")).ok(
+            value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": True}
+        )
+        (await rs_wire.command("create")).ok()
+        (await rs_wire.command("createIndexes")).ok(
+            numIndexesBefore=4, numIndexesAfter=4, note="all indexes already exist"
+        )
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        (await rs_wire.command("shardCollection")).ok(collectionsharded=f"{DB}.{TIMERS}")
+        coll = await rs_wire.command("find")
+        assert (coll["find"], coll["$db"], coll["filter"]) == ("collections", "config", {"_id": f"{DB}.{TIMERS}"})
+        from uuid import UUID
+
+        from bson.binary import Binary, UuidRepresentation
+
+        uuid = Binary.from_uuid(UUID(int=7), UuidRepresentation.STANDARD)
+        coll.ok(**timers_cursor("config.collections", [{"_id": f"{DB}.{TIMERS}", "uuid": uuid}]))
+        count = await rs_wire.command("aggregate")
+        assert (count["aggregate"], count["$db"]) == ("chunks", "config")
+        assert count["pipeline"][0] == {"$match": {"uuid": uuid}}
+        count.ok(**timers_cursor("config.chunks", [{"_id": 1, "n": 2}]))
+        await answer_put(rs_wire)  # no split, no moveRange: straight to the put
+    assert out.error is None and out.value is True
+
+
+async def test_auto_sharding_without_the_privilege_leaves_the_collection_unsharded(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = sharded_timers(rs_client)
+    ns = f"{DB}.{TIMERS}"
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+        async with calling(lambda: store.put(timer3())) as out:
+            (await rs_wire.command("findAndModify")).ok(
+                value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
+            )
+            (await rs_wire.command("create")).ok()
+            (await rs_wire.command("createIndexes")).ok(numIndexesBefore=1, numIndexesAfter=4)
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+            server_error(
+                await rs_wire.command("shardCollection"),
+                13,
+                f'not authorized on admin to execute command {{ shardCollection: "{ns}", key: {{ partition: 1 }} }}',
+            )
+            await answer_put(rs_wire)  # the feed goes on
+    assert out.error is None and out.value is True
+    assert "left unsharded" in caplog.text and "enableSharding" in caplog.text
+
+
+async def test_sharding_on_without_the_privilege_is_a_config_error(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    store = sharded_timers(rs_client, MongoSharding.ON)
+    async with calling(lambda: store.put(timer3())) as out:
+        (await rs_wire.command("findAndModify")).ok(
+            value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
+        )
+        (await rs_wire.command("create")).ok()
+        (await rs_wire.command("createIndexes")).ok(numIndexesBefore=1, numIndexesAfter=4)
+        server_error(await rs_wire.command("shardCollection"), 13, "not authorized on admin to execute command")
+    assert isinstance(out.error, ConfigError) and "WOWD_MONGODB__SHARDING" in str(out.error)
+
+
+async def test_snapshots_auto_sharding_without_the_privilege_is_best_effort(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    store = MongoSnapshotStore(rs_client, DB, context=CONTEXT, sharding=MongoSharding.AUTO)
+    name = f"wow_snapshot__{CONTEXT}__order"
+    async with calling(lambda: store.create_collection("order")) as out:
+        (await rs_wire.command("findAndModify")).ok(
+            value={"_id": name, "format": 5}, lastErrorObject={"n": 1, "updatedExisting": True}
+        )
+        (await rs_wire.command("create")).ok()
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        (await rs_wire.command("createIndexes")).ok(numIndexesBefore=1, numIndexesAfter=4)
+        server_error(await rs_wire.command("shardCollection"), 13, "not authorized on admin to execute command")
+    assert out.error is None
+
+
+async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Above ``internalQueryMaxScansToExplode`` (200) point intervals the planner sorts the whole
+    match: the due read sends one ``$unionWith`` per collection and group of at most 200."""
+    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    async with calling(store.prepare) as out:
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+    assert out.error is None
+    partitions = set(range(450))
+    async with calling(lambda: store.due(partitions, 10, 5)) as due:
+        agg = await rs_wire.command("aggregate")
+        unions = [s["$unionWith"] for s in agg["pipeline"] if "$unionWith" in s]
+        groups = [u["pipeline"][0]["$match"]["partition"]["$in"] for u in unions]
+        assert [u["coll"] for u in unions] == [TIMERS] * 3
+        assert groups == [list(range(200)), list(range(200, 400)), list(range(400, 450))]
+        assert agg["pipeline"][-2:] == [{"$sort": {"due_at": 1, "timer_id": 1}}, {"$limit": 6}]
+        agg.ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [{"registered": 1}]))
+    assert due.value == []
+    pipeline = next_due_pipeline(CONTEXT, [TIMERS], range(MAX_SCANS_TO_EXPLODE + 1), 0)
+    assert [len(s["$unionWith"]["pipeline"][0]["$match"]["partition"]["$in"]) for s in pipeline[2:-1]] == [200, 1]
+
+
+# --------------------------------------------------------------------------- settings
+
+
+def test_ddl_and_sharding_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WOWD_MONGODB__DDL", "validate")
+    monkeypatch.setenv("WOWD_MONGODB__SHARDING", "off")
+    settings = load_settings()
+    assert (settings.mongodb.ddl, settings.mongodb.sharding) == ("validate", "off")
+    monkeypatch.setenv("WOWD_MONGODB__DDL", "sometimes")
+    with pytest.raises(ConfigError, match="mongodb.ddl"):
+        load_settings()
+
+
+async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(
+    rs_server: MockupDB, rs_wire: Wire
+) -> None:
+    """``ddl=none``: no store creates anything (a user with ``readWrite`` only); the timer store
+    reads its registry. Every store runs its calls under ``timeout_ms``."""
+    settings = WowdSettings(
+        backend="mongo",
+        mongodb=MongoSettings(uri=SecretStr(rs_server.uri), timeout_ms=2500, ddl="none", sharding="off"),
+        elasticsearch=ElasticsearchSettings(url="http://127.0.0.1:9"),
+    )
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: open_mongo(settings))
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            registry = await rs_wire.command("find")  # the one command of ddl=none
+            assert registry["find"] == "wow_timer_aggregate"
+            assert 0 < registry["maxTimeMS"] <= 2500
+            registry.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": []})
+            await call.done.wait()
+    backend = call.result()
+    try:
+        stores = [backend.log, backend.leases, backend.timers, backend.snapshots, backend.outbox]
+        assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
+        assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
+    finally:
+        await backend.close()
