@@ -3,9 +3,9 @@ so that it does not share the client's CPU).
 
 ``python -m bench.es_endpoint PORT_FILE`` listens on 127.0.0.1 (a free port, written to
 ``PORT_FILE``). ``POST .../_bulk`` answers every ``create`` with 201 and its ``_id`` (``errors:
-false``), as Elasticsearch does, counting request bodies and their bytes; ``GET /_bench/stats`` answers ``{requests, bytes}``; ``POST
-/_bench/reset`` zeroes them; ``GET <index>/_mapping`` answers the events mapping; anything else
-answers ``{}``. Every answer carries
+false``), as Elasticsearch does, counting request bodies and their bytes; ``GET /_bench/stats``
+answers ``{requests, bytes}``; ``POST /_bench/reset`` zeroes them; ``GET <index>/_mapping``
+answers the events mapping; anything else answers ``{}``. Every answer carries
 ``X-Elastic-Product: Elasticsearch`` (the client's product check refuses one without it).
 """
 
@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+
 
 def _item(action: bytes) -> bytes:
     _id = json.dumps(json.loads(action)["create"]["_id"]).encode()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 from elasticsearch import AsyncElasticsearch
 
-from tests.contract import test_sink as contract
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable
@@ -655,29 +654,13 @@ async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> Non
 # ``EsModel`` keeps documents, refresh visibility, the mapping and sequence numbers as one ES 9
 # node does, evaluates the queries and runs the painless script the sink sends (a subset
 # interpreter), and refuses unknown parameters and body keys: the sink's requests are checked
-# for what they do, not only for their text.
-
-CONTRACT: list[Callable[[Any], Awaitable[None]]] = [
-    getattr(contract, name) for name in sorted(dir(contract)) if name.startswith("test_")
-]
-
+# for what they do, not only for their text. tests/contract/test_sink.py runs against it too
+# (the ``fake-elasticsearch`` implementation of its fixture).
 
 @pytest.fixture
 def model(fake: FakeElasticsearch) -> EsModel:
     fake.model = EsModel()
     return fake.model
-
-
-@pytest.mark.parametrize("case", CONTRACT, ids=lambda case: str(case.__name__))
-async def test_the_sink_contract_against_a_stateful_es(
-    case: Callable[[Any], Awaitable[None]], client: AsyncElasticsearch, model: EsModel
-) -> None:
-    """tests/contract/test_sink.py as its fixture runs it against a real server: ddl auto,
-    refresh on."""
-    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
-    await sink.prepare()
-    await case(sink)
-    assert model.requests[:2] == [f"create {INDEX}", f"health {INDEX}"]
 
 
 async def _access(sink: ElasticsearchEventSink, id: str) -> list[tuple[int, Any, Any]]:
