@@ -323,8 +323,8 @@ def _record_lines(record: Commit, digest: str) -> tuple[str, bytes]:
         )
     try:
         action = orjson.dumps({"create": {"_id": _id, "routing": routing_of(record.ref.id)}})
-        doc = orjson.dumps(event_document(record, digest), default=_json_default, option=_OPTIONS)
-    except (TypeError, ValueError) as exc:  # orjson.JSONEncodeError is a TypeError
+        doc = orjson.dumps(event_document(record, digest), default=_json_default)
+    except (TypeError, ValueError) as exc:  # orjson.JSONEncodeError: a type JSON has not, a key not a string
         raise InvalidInput(f"cannot be written as JSON: {exc}", ref=record.ref, version=record.version) from exc
     return _id, b"%b\n%b\n" % (action, doc)
 
@@ -601,6 +601,10 @@ def _tolerate_non_json(client: AsyncElasticsearch) -> None:
         collection.default_serializer = _TextOnFailure(collection.default_serializer)
 
 
+def _version(record: Commit) -> int:
+    return record.version
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Known:
     """What the sink knows of a stream: its latest version written and its attributes."""
@@ -827,22 +831,28 @@ class ElasticsearchEventSink:
         refreshed = self._refresh
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
-            groups.setdefault((c.ref.tenant_id, c.ref.id), []).append(c)
+            key = (c.ref.tenant_id, c.ref.id)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [c]
+            else:
+                group.append(c)
         stamps: list[AccessStamp] = []
         unknown: list[Commit] = []
         for key, group in groups.items():
-            group.sort(key=lambda c: c.version)
-            last_change = next(
-                (
-                    group[i]
-                    for i in range(len(group) - 1, 0, -1)
-                    if digest_of[id(group[i])] != digest_of[id(group[i - 1])]
-                ),
-                None,
-            )
-            if last_change is not None:
-                stamps.append(self._stamp_of(last_change))
-                continue
+            if len(group) > 1:
+                group.sort(key=_version)
+                last_change = next(
+                    (
+                        group[i]
+                        for i in range(len(group) - 1, 0, -1)
+                        if digest_of[id(group[i])] != digest_of[id(group[i - 1])]
+                    ),
+                    None,
+                )
+                if last_change is not None:
+                    stamps.append(self._stamp_of(last_change))
+                    continue
             first = group[0]
             known = self._known.get(key)
             if known is not None and known.version == first.version - 1:
