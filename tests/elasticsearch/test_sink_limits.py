@@ -3,9 +3,11 @@ request line, body size, id length, clause count, immense terms, dynamic auto-cr
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio
 import pytest
 from elasticsearch import AsyncElasticsearch
 
@@ -285,10 +287,10 @@ async def test_each_bulk_item_must_be_the_create_of_its_id(client: AsyncElastics
     assert first.params["filter_path"] == "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
 
 
-async def test_stamp_rounds_are_refreshed_between_and_each_has_its_own_timeout(
+async def test_stamp_rounds_are_refreshed_between(
     client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
 ) -> None:
-    sink = sink_of(client, stamp_timeout_s=0.5)
+    sink = sink_of(client)
     await sink.write([commit("a", v) for v in (1, 2, 3)])
     await client.indices.refresh(index=INDEX)
     model.requests.clear()
@@ -299,3 +301,23 @@ async def test_stamp_rounds_are_refreshed_between_and_each_has_its_own_timeout(
     assert await sink.stamp_all(stamps) == 5
     # the second round sees the first's writes: no version conflict, no search again
     assert [r.split()[0] for r in model.requests] == ["update_by_query", "refresh", "update_by_query"]
+
+
+async def test_an_update_by_query_has_its_own_client_timeout_and_is_not_retried(fake: FakeElasticsearch) -> None:
+    release = threading.Event()
+
+    def slow(req: fake_es.Recorded) -> Any:
+        release.wait(10)
+        return fake_es.ubq_answer(updated=1)
+
+    fake.on("POST", f"{P}/_update_by_query", body=slow)
+    es = AsyncElasticsearch(fake.url, request_timeout=30)  # the client's own timeout is longer
+    try:
+        sink = ElasticsearchEventSink(es, TYPE, ddl=Ddl.NONE, stamp_timeout_s=0.3)
+        with anyio.fail_after(5), pytest.raises(StorageUnavailable, match="update_by_query"):
+            await sink.stamp(ref("a"), B, 2, 1, 1)
+        release.set()  # the fake answers under its lock
+        assert len(fake.take()) == 1  # a timed-out update may still run on the cluster: no second one
+    finally:
+        release.set()
+        await es.close()
