@@ -620,7 +620,9 @@ class ElasticsearchEventSink:
     """The event sink of one aggregate type (:class:`wowd.stores.base.EventSink`).
 
     ``client`` is an ``AsyncElasticsearch`` the caller owns (closed by :meth:`close` only with
-    ``owns_client``); the sink uses it without retries on status or timeout. ``refresh`` makes
+    ``owns_client``); the sink uses it without retries on status or timeout, and has its
+    transport hand back a body that is not JSON as text (:class:`_TextOnFailure`, for every user
+    of that client: such a body is an error either way). ``refresh`` makes
     every write and stamp refresh the index (tests). ``capacity`` is how many aggregates the
     access-attribute LRU remembers. ``bulk_bytes`` is the size a write is split at,
     ``max_request_bytes`` the cluster's ``http.max_content_length``. ``stamp_timeout_s`` is the
