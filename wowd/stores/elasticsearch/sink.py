@@ -36,7 +36,7 @@ aggregate id by :data:`EMPTY_ID_ROUTING`: Elasticsearch reads an empty routing a
   answer holding failures comes with the highest failure's status (408 when it timed out), so
   it is read from the client's error and classified per failure. A page holds at most
   :data:`STAMP_PAGE` stamps, so that the query stays under Lucene's clause limit counted as
-  Lucene counts (:func:`lucene_leaves`), and is routed only while the routing keeps the request
+  Lucene counts (:data:`STAMP_CLAUSE_LEAVES`), and is routed only while the routing keeps the request
   line short (:data:`MAX_ROUTING_CHARS`). Each request has its own client timeout
   (``stamp_timeout_s``).
 
@@ -106,7 +106,6 @@ __all__ = [
     "events_mapping",
     "index_name",
     "latest_search",
-    "lucene_leaves",
     "previous_docs",
     "routing_of",
     "stamp_clause",
@@ -131,7 +130,9 @@ search thread pool with a floor of 1024 (``indices.query.bool.max_clause_count``
 and ignored); the margin leaves room for a filter Elasticsearch adds to the query."""
 
 STAMP_CLAUSE_LEAVES = 10
-"""Leaf queries in one :func:`stamp_clause` as Lucene counts them (:func:`lucene_leaves`)."""
+"""Leaf queries in one :func:`stamp_clause` as Lucene counts them: a ``term`` is one, a ``range``
+on a ``long`` two (``IndexOrDocValuesQuery``), a ``bool`` of ``must_not`` clauses only gains a
+match-all; so tenant 1, aggregate 1, versions 2, and the guard's 2 + 2 + 2."""
 
 STAMP_PAGE = MAX_QUERY_LEAVES // STAMP_CLAUSE_LEAVES
 """At most this many stamps go into one ``_update_by_query`` (one ``should`` clause each)."""
@@ -164,7 +165,6 @@ BULK_FILTER_PATH = "items.*._id,items.*.status,items.*.error.type,items.*.error.
 
 _DOCUMENTS_PAGE = 1000
 _STORE = "elasticsearch"
-_NUMERIC = frozenset({"version", "access_version", "create_time"})
 _DIGEST_CACHE = 4096
 
 
@@ -419,25 +419,6 @@ def documents_search(ref: AggregateRef, after: int | None, size: int = _DOCUMENT
     return body
 
 
-def lucene_leaves(query: Mapping[str, Any]) -> int:
-    """The leaf queries of a query as Lucene counts them against its clause limit: a ``range``
-    on a numeric or date field is two (points or doc values, ``IndexOrDocValuesQuery``), a
-    ``bool`` of ``must_not`` clauses only gains a match-all, ``terms`` is one whatever its
-    values, any other leaf one."""
-    ((kind, spec),) = query.items()
-    if kind == "bool":
-        groups = {k: spec.get(k, []) for k in ("filter", "must", "should", "must_not")}
-        groups = {k: v if isinstance(v, list) else [v] for k, v in groups.items()}
-        n = sum(lucene_leaves(q) for qs in groups.values() for q in qs)
-        if groups["must_not"] and not (groups["filter"] or groups["must"] or groups["should"]):
-            n += 1
-        return n
-    if kind == "range":
-        ((field, _),) = spec.items()
-        return 2 if field in _NUMERIC else 1
-    return 1
-
-
 # --------------------------------------------------------------------------- stamps
 
 STAMP_SCRIPT = (
@@ -558,7 +539,7 @@ def _api_reason(exc: ApiError) -> str:
     if isinstance(body, str | bytes) and body:
         text = body if isinstance(body, str) else body.decode("utf-8", "replace")
         return " ".join(text.split())[:200]
-    return str(exc.message)
+    return "(no body)" if body in (None, "", b"") else str(exc.message)
 
 
 def _is_transient(status: int) -> bool:
