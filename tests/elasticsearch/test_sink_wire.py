@@ -117,6 +117,12 @@ def test_index_name_and_mapping() -> None:
     assert p["header"] == {"type": "object", "enabled": False}
 
 
+def test_the_access_digest_stays_what_documents_hold() -> None:
+    # documents written before hold these digests: another digest would re-stamp every stream
+    assert access_digest(A) == "5f0e2663b0f254e857edd739753c5fce"
+    assert access_digest({"owner_id": "ü", "tags": [], "n": 1.5}) == "27c374efd97bb57106ba0abd6f5378c3"
+
+
 async def test_is_an_event_sink_named_by_index_and_hosts(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
     sink = sink_of(client)
     assert isinstance(sink, EventSink)
