@@ -784,6 +784,8 @@ class ElasticsearchEventSink:
         """:func:`access_digest`, remembered by the attributes' sorted JSON (most records share
         a few attribute sets)."""
         key = orjson.dumps(access, option=orjson.OPT_SORT_KEYS | _OPTIONS, default=str)
+        if b"null" in key:  # orjson writes NaN as null too: not a key then
+            return access_digest(access)
         digest = self._digests.get(key)
         if digest is None:
             if len(self._digests) >= _DIGEST_CACHE:
