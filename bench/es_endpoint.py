@@ -2,9 +2,10 @@
 so that it does not share the client's CPU).
 
 ``python -m bench.es_endpoint PORT_FILE`` listens on 127.0.0.1 (a free port, written to
-``PORT_FILE``). ``POST .../_bulk`` answers every ``create`` with 201 (``errors: false``), counting
-request bodies and their bytes; ``GET /_bench/stats`` answers ``{requests, bytes}``; ``POST
-/_bench/reset`` zeroes them; anything else answers ``{}``. Every answer carries
+``PORT_FILE``). ``POST .../_bulk`` answers every ``create`` with 201 and its ``_id`` (``errors:
+false``), as Elasticsearch does, counting request bodies and their bytes; ``GET /_bench/stats``
+answers ``{requests, bytes}``; ``POST /_bench/reset`` zeroes them; ``GET <index>/_mapping``
+answers the events mapping; anything else answers ``{}``. Every answer carries
 ``X-Elastic-Product: Elasticsearch`` (the client's product check refuses one without it).
 """
 
@@ -15,7 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-_ITEM = b'{"create":{"_index":"bench","status":201,"result":"created","_version":1}}'
+
+def _item(action: bytes) -> bytes:
+    _id = json.dumps(json.loads(action)["create"]["_id"]).encode()
+    return b'{"create":{"_index":"bench","_id":%b,"status":201,"result":"created","_version":1}}' % _id
 
 
 class _Stats:
@@ -49,8 +53,12 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             if path.endswith("/_bulk"):
                 _Stats.requests += 1
                 _Stats.bytes += len(body)
-                items = body.count(b"\n") // 2
-                out = b'{"errors":false,"took":0,"items":[' + b",".join([_ITEM] * items) + b"]}"
+                actions = body.split(b"\n")[0:-1:2]
+                out = b'{"errors":false,"took":0,"items":[' + b",".join(_item(a) for a in actions) + b"]}"
+            elif path.endswith("/_mapping"):  # the sink's check of the index (ddl none)
+                from wowd.stores.elasticsearch.sink import events_mapping
+
+                out = json.dumps({path.strip("/").split("/")[0]: {"mappings": events_mapping()}}).encode()
             elif path == "/_bench/stats":
                 out = json.dumps({"requests": _Stats.requests, "bytes": _Stats.bytes}).encode()
             elif path == "/_bench/reset":

@@ -485,6 +485,14 @@ async def es(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
 
 SINK_TYPE = AggregateType(context=CONTEXT, aggregate="order")
 BULK = "/wow.ctx.order.events/_bulk"
+MAPPING = "/wow.ctx.order.events/_mapping"
+
+
+def mapping_answer() -> dict[str, Any]:
+    """The index as the sink made it (``ddl none`` checks the mapping of an existing index)."""
+    from wowd.stores.elasticsearch import events_mapping
+
+    return {"wow.ctx.order.events": {"mappings": fake_es.stored_mapping(events_mapping())}}
 
 
 def items(status: str) -> float:
@@ -504,6 +512,7 @@ async def test_the_sink_retried_after_429s_and_mixed_items_counts_409s_as_writte
 
     sink = ElasticsearchEventSink(es, SINK_TYPE, ddl=Ddl.NONE)
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]
+    fake.on("GET", MAPPING, body=mapping_answer())
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, body=fake_es.bulk_answer(201, 409, 429))  # written, written before, rejected
@@ -552,6 +561,7 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     settings, backend = feed_backend
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]
     assert await backend.log.append_many(commits) == ["appended"] * 3
+    fake.on("GET", MAPPING, body=mapping_answer())
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, body=fake_es.bulk_answer(201, 429, 201))
     fake.on("PUT", BULK, body=fake_es.bulk_answer(409, 201, 409))

@@ -30,13 +30,22 @@ class ConfigError(WowdError, ValueError):
 class InvalidInput(WowdError, ValueError):
     """Input from outside (a commit, a timer event, an answer) cannot be read.
 
-    ``field`` names the offending field (dotted path) so the message and the metric can say it.
+    ``field`` names the offending field (dotted path) so the message and the metric can say it;
+    ``ref`` and ``version`` name the record (a commit: its aggregate and version) when a store
+    refused one record of a batch for what it holds, so that the caller can set it aside.
     """
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(f"{field}: {message}" if field else message)
+    def __init__(
+        self, message: str, *, field: str | None = None, ref: object | None = None, version: int | None = None
+    ) -> None:
+        text = f"{field}: {message}" if field else message
+        if ref is not None:
+            text += f" (record {ref}" + (f" version {version})" if version is not None else ")")
+        super().__init__(text)
         self.field = field
         self.reason = message
+        self.ref = ref
+        self.version = version
 
 
 class StorageError(WowdError):

@@ -1,8 +1,11 @@
 """Contract suites: every implementation of a protocol runs the same tests.
 
 ``embedded`` always; ``mongo`` when ``WOWD_TEST_MONGODB_URI`` is set and ``elasticsearch`` (the
-sink) when ``WOWD_TEST_ELASTICSEARCH_URL`` is set. With the variable set and the server absent
-the fixture fails (it never skips). Each test gets a fresh database / file / index prefix.
+sink) when ``WOWD_TEST_ELASTICSEARCH_URL`` is set. The sink suite also runs against
+``fake-elasticsearch`` (``tests/elasticsearch/fake_es.py``, the stateful model the black-pipe
+tests rely on), so that the fake is held to the same contract as a real server. With the
+variable set and the server absent the fixture fails (it never skips). Each test gets a fresh
+database / file / index prefix.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ CONTEXT = "ctx"
 PARTITIONS = 8
 
 MONGO_IMPLS = ["embedded"] + (["mongo"] if MONGO_URI else [])
-SINK_IMPLS = ["embedded"] + (["elasticsearch"] if ES_URL else [])
+SINK_IMPLS = ["embedded", "fake-elasticsearch"] + (["elasticsearch"] if ES_URL else [])
 
 
 @pytest.fixture
@@ -149,6 +152,20 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
         from wowd.stores.embedded.sink import EmbeddedEventSink
 
         store: Any = EmbeddedEventSink(db_path, SINK_TYPE)
+    elif request.param == "fake-elasticsearch":
+        from elasticsearch import AsyncElasticsearch
+
+        from tests.elasticsearch.fake_es import EsModel, serving
+        from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+
+        with serving() as fake:
+            fake.model = EsModel()
+            client = AsyncElasticsearch(fake.url, request_timeout=5)
+            store = ElasticsearchEventSink(client, SINK_TYPE, refresh=True, owns_client=True)
+            await store.prepare()
+            async for s in _closing(store):
+                yield s
+        return
     else:
         from elasticsearch import AsyncElasticsearch
 

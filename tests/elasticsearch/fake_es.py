@@ -10,11 +10,17 @@ may be a function of the request), calls the store, then reads ``fake.requests``
 no answer queued is answered 400 and kept in ``fake.unexpected`` (the fixture asserts it empty),
 unless ``fake.model`` is set: an :class:`EsModel`, a stateful Elasticsearch 9 for the APIs the
 sink uses (see the section at the end), answers it then.
+
+Before any answer, the server enforces the HTTP limits of a node with default settings: a
+request line over ``http.max_initial_line_length`` (4 KB) is a 400
+``too_long_http_line_exception``, a body over ``http.max_content_length`` (100 MB;
+``max_content_length`` here) a 413 with no body.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import re
 import threading
@@ -26,6 +32,19 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 CONTENT_TYPE = "application/vnd.elasticsearch+json;compatible-with=9"
+MAX_INITIAL_LINE = 4096
+MAX_CONTENT_LENGTH = 100 * 1024 * 1024
+MAX_CLAUSE_COUNT = 1024
+"""The floor of the clause limit ES 9 computes from the heap and the search threads."""
+MAX_KEYWORD_BYTES = 32766
+
+
+@dataclass(frozen=True)
+class Raw:
+    """An answer body sent as it is (a proxy's page, an empty body), with its content type."""
+
+    data: bytes
+    content_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +81,7 @@ class FakeElasticsearch:
     unexpected: list[Recorded] = field(default_factory=list)
     model: EsModel | None = None
     """When set, answers every request no queued answer matched (a stateful Elasticsearch)."""
+    max_content_length: int = MAX_CONTENT_LENGTH
     _answers: list[_Answer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
@@ -91,6 +111,12 @@ class FakeElasticsearch:
             return out
 
     def _answer(self, req: Recorded) -> tuple[int, Any]:
+        status, body = self._answer_unfiltered(req)
+        if "filter_path" in req.params and isinstance(body, dict) and "error" not in body:
+            body = filter_path(body, req.params["filter_path"])  # an error answer is never filtered
+        return status, body
+
+    def _answer_unfiltered(self, req: Recorded) -> tuple[int, Any]:
         with self._lock:
             self.requests.append(req)
             for i, a in enumerate(self._answers):
@@ -121,12 +147,28 @@ class FakeElasticsearch:
                     headers={k.lower(): v for k, v in self.headers.items()},
                     body=raw,
                 )
-                status, body = fake._answer(req)
-                data = b"" if body is None else json.dumps(body).encode()
+                body: Any
+                if len(self.requestline.encode("latin-1")) > MAX_INITIAL_LINE:
+                    with fake._lock:
+                        fake.requests.append(req)
+                    reason = f"An HTTP line is larger than {MAX_INITIAL_LINE} bytes."
+                    status, body = 400, error(400, "too_long_http_line_exception", reason)
+                elif length > fake.max_content_length:
+                    with fake._lock:
+                        fake.requests.append(req)
+                    status, body = 413, Raw(b"")
+                else:
+                    status, body = fake._answer(req)
+                content_type: str | None = CONTENT_TYPE
+                if isinstance(body, Raw):
+                    data, content_type = body.data, body.content_type
+                else:
+                    data = b"" if body is None else json.dumps(body).encode()
                 try:
                     self.send_response(status)
                     self.send_header("X-Elastic-Product", "Elasticsearch")
-                    self.send_header("Content-Type", CONTENT_TYPE)
+                    if content_type is not None:
+                        self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
@@ -163,6 +205,35 @@ def running() -> Iterator[FakeElasticsearch]:
 
 
 # --------------------------------------------------------------------------- ES 9 answers
+
+_DROP = object()
+
+
+def filter_path(body: dict[str, Any], spec: str) -> dict[str, Any]:
+    """``filter_path`` as ES applies it to an answer: comma-separated dotted paths, ``*`` for any
+    one key, arrays crossed as if absent, and objects left empty dropped."""
+    patterns = [p.split(".") for p in spec.split(",") if p]
+
+    def keep(value: Any, pats: list[list[str]]) -> Any:
+        if isinstance(value, list):
+            kept = [x for x in (keep(v, pats) for v in value) if x is not _DROP]
+            return kept if kept else _DROP
+        if not isinstance(value, dict):
+            return _DROP
+        out = {}
+        for k, v in value.items():
+            sub = [p[1:] for p in pats if p and fnmatch.fnmatchcase(k, p[0])]
+            if any(not p for p in sub):
+                out[k] = v
+            elif sub:
+                r = keep(v, sub)
+                if r is not _DROP:
+                    out[k] = r
+        return out if out else _DROP
+
+    kept = keep(body, patterns)
+    return {} if kept is _DROP else kept
+
 
 
 def error(status: int, type: str, reason: str, **extra: Any) -> dict[str, Any]:
@@ -371,9 +442,9 @@ def stored_mapping(mapping: dict[str, Any]) -> dict[str, Any]:
 
 
 class _ApiFailure(Exception):
-    def __init__(self, status: int, type: str, reason: str) -> None:
+    def __init__(self, status: int, type: str, reason: str, **extra: Any) -> None:
         super().__init__(reason)
-        self.status, self.type, self.reason = status, type, reason
+        self.status, self.type, self.reason, self.extra = status, type, reason, extra
 
 
 class ScriptError(Exception):
@@ -655,9 +726,57 @@ def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
         return any(
             isinstance(v, int | float) and all(ops[k](v, b) for k, b in bounds.items()) for v in _values(source, name)
         )
+    if kind == "terms":
+        ((name, wanted),) = spec.items()
+        return any(v == w and type(v) is type(w) or _num_eq(v, w) for v in _values(source, name) for w in wanted)
     if kind == "exists":
         return bool(_values(source, spec["field"]))
     raise _ApiFailure(400, "parsing_exception", f"unknown query [{kind}]")
+
+
+_DATE = re.compile(r"\d{4}[-/]\d{2}[-/]\d{2}([T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?(Z|[+-]\d{2}:?\d{2})?)?")
+
+
+def dynamic_field(value: Any) -> dict[str, Any] | None:
+    """The mapping ES 9's default dynamic mapping gives a new field from its first value: a
+    string a ``date`` when it looks like one, else ``text`` with a ``keyword`` sub-field
+    (``ignore_above`` 256), an integer a ``long``, a fraction a ``float``, an object an
+    ``object`` (never ``nested``), an array its first value's; a null maps nothing."""
+    if isinstance(value, list):
+        return next((f for f in (dynamic_field(v) for v in value) if f is not None), None)
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return {"type": "boolean"}
+    if isinstance(value, int):
+        return {"type": "long"}
+    if isinstance(value, float):
+        return {"type": "float"}
+    if isinstance(value, Mapping):
+        return {"type": "object", "properties": {}}
+    if isinstance(value, str) and _DATE.fullmatch(value):
+        return {"type": "date"}
+    return {"type": "text", "fields": {"keyword": {"type": "keyword", "ignore_above": 256}}}
+
+
+def lucene_clauses(query: Mapping[str, Any], mapping: Mapping[str, Any]) -> int:
+    """The clauses Lucene's ``IndexSearcher`` counts in a query against ``maxClauseCount``: each
+    leaf; a ``range`` on a numeric or date field is an ``IndexOrDocValuesQuery`` of two; a
+    ``bool`` of ``must_not`` clauses only gains a ``MatchAllDocsQuery``; ``terms`` is one
+    ``TermInSetQuery``."""
+    ((kind, spec),) = query.items()
+    if kind == "bool":
+        groups = {k: spec.get(k, []) for k in ("filter", "must", "should", "must_not")}
+        groups = {k: v if isinstance(v, list) else [v] for k, v in groups.items()}
+        n = sum(lucene_clauses(q, mapping) for qs in groups.values() for q in qs)
+        if groups["must_not"] and not (groups["filter"] or groups["must"] or groups["should"]):
+            n += 1
+        return n
+    if kind == "range":
+        ((name, _),) = spec.items()
+        field = mapping.get("properties", {}).get(name, {})
+        return 2 if field.get("type") in ("long", "integer", "float", "double", "date") else 1
+    return 1
 
 
 def _num_eq(a: Any, b: Any) -> bool:
@@ -700,11 +819,13 @@ _PARAMS = {
         "max_docs",
         "wait_for_active_shards",
     },
+    "mget": {"realtime", "refresh", "routing", "preference", "_source", "_source_includes", "_source_excludes"},
     "refresh": set(),
     "create": {"timeout", "master_timeout", "wait_for_active_shards"},
     "mapping": {"master_timeout", "local"},
     "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
 }
+_COMMON_PARAMS = {"filter_path", "error_trace", "human", "pretty"}
 _SEARCH_BODY = {"query", "sort", "size", "from", "search_after", "_source", "track_total_hits"}
 _UBQ_BODY = {"conflicts", "max_docs", "query", "script", "slice"}
 
@@ -720,6 +841,9 @@ class EsModel:
     changes the document meanwhile (a concurrent stamp) to make a version conflict."""
     requests: list[str] = field(default_factory=list)
     """``"<api> <index>"`` of each request answered (in order)."""
+    auto_create_index: bool = True
+    """``action.auto_create_index``: a bulk into a missing index creates it with a dynamic
+    mapping (ES's default), else its items fail with 404 ``index_not_found_exception``."""
 
     def answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
@@ -736,6 +860,8 @@ class EsModel:
                     ("POST", "_search"): self._search_api,
                     ("GET", "_search"): self._search_api,
                     ("POST", "_msearch"): self._msearch,
+                    ("POST", "_mget"): self._mget,
+                    ("GET", "_mget"): self._mget,
                     ("POST", "_update_by_query"): self._ubq,
                     ("POST", "_refresh"): self._refresh,
                     ("GET", "_mapping"): self._get_mapping,
@@ -745,13 +871,13 @@ class EsModel:
                     return route(name, req)
             raise _ApiFailure(400, "illegal_argument_exception", f"no handler for [{req.method} {req.path}]")
         except _ApiFailure as exc:
-            return exc.status, error(exc.status, exc.type, exc.reason)
+            return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
 
     # ---- helpers
 
     def _log(self, api: str, index: str, req: Recorded) -> None:
         self.requests.append(f"{api} {index}")
-        unknown = set(req.params) - _PARAMS[api]
+        unknown = set(req.params) - _PARAMS[api] - _COMMON_PARAMS
         if unknown:
             raise _ApiFailure(
                 400, "illegal_argument_exception", f"request [{req.path}] contains unrecognized parameters {unknown}"
@@ -788,7 +914,12 @@ class EsModel:
                             f"[1:2] mapping set to strict, dynamic introduction of [{k}] within "
                             f"[{path or '_doc'}] is not allowed",
                         )
-                    continue
+                    if dynamic != "true":
+                        continue
+                    spec = dynamic_field(v)
+                    if spec is None:
+                        continue
+                    props[k] = spec  # type: ignore[index]
                 val(v, spec, dynamic, full)
 
         def val(v: Any, spec: Mapping[str, Any], dynamic: str, path: str) -> None:
@@ -804,10 +935,21 @@ class EsModel:
                     if not isinstance(v, Mapping):
                         raise _ApiFailure(400, "document_parsing_exception", f"[{path}] expected an object")
                     return
-                obj(v, spec.get("properties", {}), str(spec.get("dynamic", dynamic)).lower(), path)
+                obj(v, spec.setdefault("properties", {}), str(spec.get("dynamic", dynamic)).lower(), path)  # type: ignore[attr-defined]
                 return
+            if kind == "keyword" and isinstance(v, str):
+                above = spec.get("ignore_above")
+                if (above is None or len(v) <= int(above)) and len(v.encode()) > MAX_KEYWORD_BYTES:
+                    raise _ApiFailure(
+                        400,
+                        "document_parsing_exception",
+                        f"[1:2] failed to parse: Document contains at least one immense term in field=\"{path}\" "
+                        f"(whose UTF8 encoding is longer than the max length {MAX_KEYWORD_BYTES})",
+                    )
             ok = {
                 "keyword": isinstance(v, str | int | float) and not isinstance(v, Mapping),
+                "text": isinstance(v, str | int | float) and not isinstance(v, Mapping),
+                "float": isinstance(v, int | float) and not isinstance(v, bool),
                 "long": isinstance(v, int) and not isinstance(v, bool),
                 "date": isinstance(v, int | str) and not isinstance(v, bool),
                 "boolean": isinstance(v, bool),
@@ -817,7 +959,7 @@ class EsModel:
             if not ok:
                 raise _ApiFailure(400, "document_parsing_exception", f"failed to parse field [{path}] of type [{kind}]")
 
-        obj(doc, mapping.get("properties", {}), str(mapping.get("dynamic", "true")).lower(), "")
+        obj(doc, mapping.setdefault("properties", {}), str(mapping.get("dynamic", "true")).lower(), "")
 
     # ---- APIs
 
@@ -853,21 +995,45 @@ class EsModel:
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("bulk", name, req)
         lines = req.ndjson()
-        index = self._index(name)  # the sink never relies on an index created by a write
-        items = []
-        i = 0
-        while i < len(lines):
-            ((action, meta),) = lines[i].items()
+        pairs = list(zip(lines[0::2], lines[1::2], strict=True))
+        # the whole request is validated before any item runs (BulkRequest.validate)
+        problems = []
+        for action_line, _ in pairs:
+            ((action, meta),) = action_line.items()
             if action != "create" or set(meta) - {"_id", "routing", "_index"}:
-                raise _ApiFailure(400, "illegal_argument_exception", f"fake: unexpected action {lines[i]}")
-            doc, i = lines[i + 1], i + 2
+                raise _ApiFailure(400, "illegal_argument_exception", f"fake: unexpected action {action_line}")
+            _id = meta.get("_id")
+            if isinstance(_id, str) and len(_id.encode()) > 512:
+                size = len(_id.encode())
+                problems.append(f"id [{_id}] is too long, must be no longer than 512 bytes but was: {size}")
+        if problems:
+            reason = "Validation Failed: " + "".join(f"{n}: {p};" for n, p in enumerate(problems, 1))
+            raise _ApiFailure(400, "action_request_validation_exception", reason)
+        if name not in self.indices:
+            if not self.auto_create_index:
+                items = [
+                    {
+                        "create": {
+                            "_index": name,
+                            "_id": a["create"].get("_id"),
+                            "status": 404,
+                            "error": {"type": "index_not_found_exception", "reason": f"no such index [{name}]"},
+                        }
+                    }
+                    for a, _ in pairs
+                ]
+                return 200, {"errors": True, "took": 1, "items": items}
+            self.requests.append(f"auto_create {name}")
+            self.indices[name] = _Index(mapping={})  # dynamic mapping: ES's defaults
+        index = self.indices[name]
+        items = []
+        for action_line, doc in pairs:
+            meta = action_line["create"]
             _id = meta.get("_id")
             item: dict[str, Any] = {"_index": name, "_id": _id}
             try:
-                if not isinstance(_id, str) or len(_id.encode()) > 512:
-                    raise _ApiFailure(400, "illegal_argument_exception", f"id [{_id}] is too long or missing")
-                routing = meta.get("routing")
-                if index.mapping.get("_routing", {}).get("required") and not routing:
+                routing = meta.get("routing") or None  # an empty routing is none
+                if index.mapping.get("_routing", {}).get("required") and routing is None:
                     raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{name}]/[{_id}]")
                 self._check_doc(index, doc)
                 if _id in index.live:
@@ -886,7 +1052,58 @@ class EsModel:
             index.refresh()
         return 200, {"errors": any(it["create"]["status"] >= 300 for it in items), "took": 1, "items": items}
 
+    def _mget(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """Realtime by default: a document is read as written, refreshed or not."""
+        self._log("mget", name, req)
+        body = req.json() if req.body else {}
+        if set(body) - {"docs", "ids"}:
+            raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(body)} for mget")
+        docs = []
+        for spec in body.get("docs", []):
+            if set(spec) - {"_id", "_index", "routing", "_source"}:
+                raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(spec)} in a doc")
+            target = spec.get("_index", name)
+            _id = spec["_id"]
+            if target not in self.indices:
+                err = {"type": "index_not_found_exception", "reason": f"no such index [{target}]"}
+                docs.append({"_index": target, "_id": _id, "error": err})
+                continue
+            index = self.indices[target]
+            if index.mapping.get("_routing", {}).get("required") and not spec.get("routing"):
+                err = {"type": "routing_missing_exception", "reason": f"routing is required for [{target}]/[{_id}]"}
+                docs.append({"_index": target, "_id": _id, "error": err})
+                continue
+            realtime = req.params.get("realtime") in (None, "", "true")
+            d = (index.live if realtime else index.visible).get(_id)
+            if d is None:
+                docs.append({"_index": target, "_id": _id, "found": False})
+                continue
+            includes = spec.get("_source")
+            source = d.source if includes is None else {f: d.source[f] for f in includes if f in d.source}
+            docs.append(
+                {
+                    "_index": target,
+                    "_id": _id,
+                    "_version": 1,
+                    "_seq_no": d.seq_no,
+                    "_primary_term": 1,
+                    "_routing": d.routing,
+                    "found": True,
+                    "_source": copy.deepcopy(source),
+                }
+            )
+        return 200, {"docs": docs}
+
+    @staticmethod
+    def _check_clauses(index: _Index, query: Mapping[str, Any]) -> None:
+        n = lucene_clauses(query, index.mapping)
+        if n > MAX_CLAUSE_COUNT:
+            reason = f"Query contains too many nested clauses; maxClauseCount is set to {MAX_CLAUSE_COUNT}"
+            cause = {"type": "too_many_nested_clauses", "reason": reason}
+            raise _ApiFailure(400, "search_phase_execution_exception", "all shards failed", caused_by=cause)
+
     def _select(self, index: _Index, query: Mapping[str, Any], routing: str | None) -> list[tuple[str, _Doc]]:
+        self._check_clauses(index, query)
         routes = None if routing is None else set(routing.split(","))
         return [
             (k, d)
@@ -939,7 +1156,7 @@ class EsModel:
         lines = req.ndjson()
         responses = []
         for header, body in zip(lines[0::2], lines[1::2], strict=True):
-            if set(header) - {"index", "routing", "preference"}:
+            if set(header) - {"index", "routing", "preference", "allow_partial_search_results"}:
                 raise _ApiFailure(400, "illegal_argument_exception", f"key [{sorted(header)}] is not supported")
             try:
                 found = self._search(header.get("index", name), body, header.get("routing"))

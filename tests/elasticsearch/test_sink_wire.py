@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 from elasticsearch import AsyncElasticsearch
 
-from tests.contract import test_sink as contract
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable
@@ -74,8 +73,14 @@ async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
 
 
 def sink_of(client: AsyncElasticsearch, **kwargs: Any) -> ElasticsearchEventSink:
+    """A sink; by default ``ddl none`` and prepared already (its mapping check is tested on its own),
+    so that a test's requests are the write's."""
+    ready = "ddl" not in kwargs
     kwargs.setdefault("ddl", Ddl.NONE)
-    return ElasticsearchEventSink(client, TYPE, **kwargs)
+    sink = ElasticsearchEventSink(client, TYPE, **kwargs)
+    if ready:
+        sink._prepared = True
+    return sink
 
 
 def count(status: str) -> float:
@@ -100,11 +105,22 @@ def test_index_name_and_mapping() -> None:
     m = events_mapping()
     assert m["dynamic"] == "strict"
     p = m["properties"]
-    assert p["tenant_id"] == p["aggregate_id"] == p["request_id"] == {"type": "keyword"}
+    assert p["tenant_id"] == p["aggregate_id"] == p["access_digest"] == {"type": "keyword"}
+    # free-form keywords: a value over ignore_above is kept in _source, not indexed (no immense term)
+    free = {"type": "keyword", "ignore_above": 8191}
+    assert p["request_id"] == p["command_id"] == p["owner_id"] == p["space_id"] == free
+    assert all(p["events"]["properties"][k] == free for k in ("id", "name", "revision", "body_type"))
+    assert all(p["access"]["properties"][k] == free for k in ("owner_id", "space_id", "tags"))
     assert p["create_time"]["type"] == "date"
     assert p["events"]["type"] == "nested"
     assert p["events"]["properties"]["body"] == {"type": "object", "enabled": False}
     assert p["header"] == {"type": "object", "enabled": False}
+
+
+def test_the_access_digest_stays_what_documents_hold() -> None:
+    # documents written before hold these digests: another digest would re-stamp every stream
+    assert access_digest(A) == "5f0e2663b0f254e857edd739753c5fce"
+    assert access_digest({"owner_id": "ü", "tags": [], "n": 1.5}) == "27c374efd97bb57106ba0abd6f5378c3"
 
 
 async def test_is_an_event_sink_named_by_index_and_hosts(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
@@ -234,7 +250,7 @@ async def test_connection_refused_is_transient() -> None:
     es = AsyncElasticsearch(f"http://127.0.0.1:{port}", request_timeout=2)
     sink = ElasticsearchEventSink(es, TYPE, ddl=Ddl.NONE, owns_client=True)
     try:
-        with pytest.raises(StorageUnavailable, match="bulk"):
+        with pytest.raises(StorageUnavailable, match="Connection error"):
             await sink.write([commit("a", 1)])
     finally:
         await sink.close()
@@ -392,20 +408,16 @@ async def test_stamp_failures_are_classified(client: AsyncElasticsearch, fake: F
         await sink.stamp(ref("a"), B, 4, 1, 3)
 
 
-def _leaves(query: Any) -> int:
-    """Leaf queries as Lucene counts them against the max clause count."""
-    ((kind, spec),) = query.items()
-    if kind != "bool":
-        return 1
-    return sum(_leaves(q) for k in ("filter", "must", "should", "must_not") for q in spec.get(k, []))
-
-
 async def test_stamp_pages_stay_under_the_clause_limit(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
-    # Lucene counts every leaf of a query against maxClauseCount, which ES 9 sizes from the heap
-    # and the search threads with a floor of 1024: a full page must stay under the floor
+    # Lucene counts every leaf of a query against maxClauseCount (a range on a long is two, a
+    # must_not-only bool gains a match-all), which ES 9 sizes with a floor of 1024: a full page
+    # stays under the floor, counted as the fake counts it
     stamps = [AccessStamp(ref=ref(f"a{i}"), access=B, as_of=3, from_=1, until=2) for i in range(STAMP_PAGE + 1)]
-    assert _leaves(stamp_clause(stamps[0])) == STAMP_CLAUSE_LEAVES
-    assert _leaves(stamp_query(stamps[:STAMP_PAGE])) <= 1024
+    mapping = events_mapping()
+    assert fake_es.lucene_clauses(stamp_clause(stamps[0]), mapping) == STAMP_CLAUSE_LEAVES == 10
+    assert fake_es.lucene_clauses(stamp_query(stamps[:STAMP_PAGE]), mapping) <= 1000
+    longer = [AccessStamp(ref=ref(f"a{i}"), access=B, as_of=3, from_=1, until=2) for i in range(103)]
+    assert fake_es.lucene_clauses(stamp_query(longer), mapping) > 1024  # a page this long would fail
     fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2 * STAMP_PAGE))
     fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=2))
     assert await sink_of(client).stamp_all(stamps) == 2 * STAMP_PAGE + 2
@@ -418,7 +430,8 @@ async def test_stamp_pages_stay_under_the_clause_limit(client: AsyncElasticsearc
 
 
 def _latest(version: int, access: dict[str, Any]) -> dict[str, Any]:
-    return fake_es.hits(INDEX, [{"version": version, "access": access, "access_version": version}])
+    source = {"version": version, "access": access, "access_version": version, "access_digest": access_digest(access)}
+    return fake_es.hits(INDEX, [source])
 
 
 async def test_a_change_inside_one_write_stamps_without_a_search(
@@ -450,18 +463,71 @@ async def test_the_lru_detects_a_change_without_a_search(client: AsyncElasticsea
     assert reqs[2].json()["query"] == _clause(ref("a"), 1, 2, 3, B)
 
 
-async def test_an_aggregate_not_in_the_lru_is_searched(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+def _mget(*found: tuple[str, dict[str, Any]] | None) -> Callable[[fake_es.Recorded], dict[str, Any]]:
+    """An ``_mget`` answer: per doc asked, its source (found) or None (not found)."""
+
+    def answer(req: fake_es.Recorded) -> dict[str, Any]:
+        docs = []
+        for spec, hit in zip(req.json()["docs"], found, strict=True):
+            doc: dict[str, Any] = {"_index": INDEX, "_id": spec["_id"], "found": hit is not None}
+            if hit is not None:
+                doc.update(_version=1, _seq_no=1, _primary_term=1, _routing=spec["routing"], _source=hit[1])
+            docs.append(doc)
+        return {"docs": docs}
+
+    return answer
+
+
+def _stored(access: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    return ("", {"access_digest": access_digest(access), "access": access})
+
+
+async def test_an_aggregate_not_in_the_lru_reads_its_previous_document(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
     sink = sink_of(client, capacity=1)
-    # b is not known: its latest document before version 5 is searched (after a refresh)
+    # b and c are not known: the documents of their previous versions are read in real time, no refresh
     fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 201))
+    fake.on("POST", f"{P}/_mget", body=_mget(_stored(B), _stored(A)))
     fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
-    fake.on("POST", f"{P}/_msearch", body=fake_es.msearch_answer(_latest(4, B), _latest(2, A)))
     fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=4))
     await sink.write([commit("b", 5, C, 5), commit("c", 3, A, 1)])
-    bulk, refresh, msearch, ubq = fake.take()
-    assert refresh.path == f"{P}/_refresh"
+    bulk, mget, refresh, ubq = fake.take()
+    assert mget.json() == {
+        "docs": [
+            {"_id": "%280%29:b:4", "routing": "b", "_source": ["access_digest", "access"]},
+            {"_id": "%280%29:c:2", "routing": "c", "_source": ["access_digest", "access"]},
+        ]
+    }
+    assert mget.params == {}  # realtime (the default): a document not refreshed yet is read
+    assert refresh.path == f"{P}/_refresh"  # before the stamp only
+    # b changed (B -> C) and is stamped; c did not (A -> A)
+    assert ubq.json()["query"] == _clause(ref("b"), 1, 4, 5, C)
+    # capacity 1: only c is remembered, so b is read again (same attributes: no stamp)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    fake.on("POST", f"{P}/_mget", body=_mget(_stored(C)))
+    await sink.write([commit("b", 6, C, 5)])
+    assert [r.path for r in fake.take()] == [f"{P}/_bulk", f"{P}/_mget"]
+    # b is remembered now (and c forgotten): no read
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
+    await sink.write([commit("b", 7, C, 5)])
+    assert [r.path for r in fake.take()] == [f"{P}/_bulk"]
+
+
+async def test_a_previous_document_not_found_is_searched_on_every_shard(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    sink = sink_of(client)
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 201))
+    fake.on("POST", f"{P}/_mget", body=_mget(None, _stored(A)))
+    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
+    fake.on("POST", f"{P}/_msearch", body=fake_es.msearch_answer(_latest(3, B)))
+    fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=3))
+    await sink.write([commit("b", 5, C, 5), commit("c", 3, A, 1)])
+    bulk, mget, refresh, msearch, ubq = fake.take()
     lines = msearch.ndjson()
-    assert lines[0] == {"routing": "b"}
+    assert len(lines) == 2  # only the miss
+    assert lines[0] == {"allow_partial_search_results": False, "routing": "b"}  # a missed shard is a missed stamp
     assert lines[1] == {
         "query": {
             "bool": {
@@ -474,21 +540,9 @@ async def test_an_aggregate_not_in_the_lru_is_searched(client: AsyncElasticsearc
         },
         "sort": [{"version": {"order": "desc"}}],
         "size": 1,
-        "_source": ["version", "access", "access_version"],
+        "_source": ["version", "access", "access_version", "access_digest"],
     }
-    assert lines[3]["query"]["bool"]["filter"][1] == {"term": {"aggregate_id": "c"}}
-    # b changed (B -> C) and is stamped; c did not (A -> A)
     assert ubq.json()["query"] == _clause(ref("b"), 1, 4, 5, C)
-    # capacity 1: only c is remembered, so b is searched again (same attributes: no stamp)
-    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
-    fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
-    fake.on("POST", f"{P}/_msearch", body=fake_es.msearch_answer(_latest(5, C)))
-    await sink.write([commit("b", 6, C, 5)])
-    assert [r.path for r in fake.take()] == [f"{P}/_bulk", f"{P}/_refresh", f"{P}/_msearch"]
-    # b is remembered now (and c forgotten): no search
-    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
-    await sink.write([commit("b", 7, C, 5)])
-    assert [r.path for r in fake.take()] == [f"{P}/_bulk"]
 
 
 async def test_a_failed_stamp_is_stamped_again_by_the_retry(
@@ -564,9 +618,16 @@ async def test_prepare_validate_requires_the_index_with_its_key_fields(
     assert not [r for r in fake.take() if r.method != "GET"]
 
 
-async def test_prepare_none_sends_nothing(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
+async def test_prepare_none_creates_nothing_and_checks_an_existing_mapping(
+    client: AsyncElasticsearch, fake: FakeElasticsearch
+) -> None:
+    fake.on("GET", f"{P}/_mapping", body=MAPPING_ANSWER)
     await sink_of(client, ddl=Ddl.NONE).prepare()
-    assert fake.take() == []
+    assert [(r.method, r.path) for r in fake.take()] == [("GET", f"{P}/_mapping")]
+    dynamic = {INDEX: {"mappings": {"properties": {"tenant_id": {"type": "text"}}}}}
+    fake.on("GET", f"{P}/_mapping", body=dynamic)
+    with pytest.raises(FormatError, match="tenant_id is text, expected keyword"):
+        await sink_of(client, ddl=Ddl.NONE).prepare()
 
 
 # --------------------------------------------------------------------------- reads, close
@@ -577,7 +638,7 @@ async def test_documents_are_searched_by_version(client: AsyncElasticsearch, fak
     fake.on("POST", f"{P}/_search", body=fake_es.hits(INDEX, docs))
     assert await sink_of(client).documents(ref("a")) == [{"aggregate_id": "a", "version": v} for v in (1, 2)]
     (req,) = fake.take()
-    assert req.params == {"routing": "a"}
+    assert req.params == {"routing": "a", "allow_partial_search_results": "false"}
     assert req.json()["sort"] == [{"version": {"order": "asc"}}]
     assert req.json()["query"] == {
         "bool": {"filter": [{"term": {"tenant_id": "(0)"}}, {"term": {"aggregate_id": "a"}}]}
@@ -599,29 +660,13 @@ async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> Non
 # ``EsModel`` keeps documents, refresh visibility, the mapping and sequence numbers as one ES 9
 # node does, evaluates the queries and runs the painless script the sink sends (a subset
 # interpreter), and refuses unknown parameters and body keys: the sink's requests are checked
-# for what they do, not only for their text.
-
-CONTRACT: list[Callable[[Any], Awaitable[None]]] = [
-    getattr(contract, name) for name in sorted(dir(contract)) if name.startswith("test_")
-]
-
+# for what they do, not only for their text. tests/contract/test_sink.py runs against it too
+# (the ``fake-elasticsearch`` implementation of its fixture).
 
 @pytest.fixture
 def model(fake: FakeElasticsearch) -> EsModel:
     fake.model = EsModel()
     return fake.model
-
-
-@pytest.mark.parametrize("case", CONTRACT, ids=lambda case: str(case.__name__))
-async def test_the_sink_contract_against_a_stateful_es(
-    case: Callable[[Any], Awaitable[None]], client: AsyncElasticsearch, model: EsModel
-) -> None:
-    """tests/contract/test_sink.py as its fixture runs it against a real server: ddl auto,
-    refresh on."""
-    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
-    await sink.prepare()
-    await case(sink)
-    assert model.requests[:2] == [f"create {INDEX}", f"health {INDEX}"]
 
 
 async def _access(sink: ElasticsearchEventSink, id: str) -> list[tuple[int, Any, Any]]:
@@ -638,7 +683,7 @@ async def test_a_write_refreshes_before_it_looks_back_or_stamps(client: AsyncEla
     ops = [r.split()[0] for r in model.requests]
     assert ops == [
         *("create", "health", "bulk", "refresh", "update_by_query", "bulk", "refresh", "update_by_query"),
-        *("create", "mapping", "health", "bulk", "refresh", "msearch", "update_by_query", "bulk"),
+        *("create", "mapping", "health", "bulk", "mget", "refresh", "update_by_query", "bulk"),
     ]
     await client.indices.refresh(index=INDEX)
     assert await _access(sink, "a") == [(v, A, 4) for v in (1, 2, 3, 4, 5)]

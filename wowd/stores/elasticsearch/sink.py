@@ -1,20 +1,33 @@
 """The event sink of one aggregate type on Elasticsearch 9 (seed 002, DESIGN.md section 7).
 
 One index per aggregate type, ``wow.<context>.<aggregate>.events``; one document per commit,
-its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregate id.
+its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregate id (an empty
+aggregate id by :data:`EMPTY_ID_ROUTING`: Elasticsearch reads an empty routing as none).
 
-- ``write`` sends one ``_bulk`` of ``create``s. A ``409`` item is a document written before
-  (a retry, a replay, an old owner of the partition): it counts as written. Any other failed
-  item fails the write: :class:`StorageUnavailable` when every failure is transient (429, 502,
-  503, 504; a 500 is not), else :class:`SinkWriteError` naming the item. The items written
-  stay. A failed request is classified the same way; connection failures and timeouts are
-  transient.
+- ``write`` sends the records as ``create``s in one ``_bulk`` (NDJSON built as bytes with
+  orjson), split into bulks of about :data:`BULK_BYTES` when larger. A record that cannot be sent
+  (its id over :data:`MAX_ID_BYTES`, its lines over the request cap, a value JSON cannot hold) is
+  refused before anything is sent with :class:`InvalidInput` naming it. A ``409`` item is a
+  document written before (a retry, a replay, an old owner of the partition): it counts as
+  written. Any other failed item fails the write: :class:`StorageUnavailable` when every
+  failure is transient (429, 502, 503, 504; a 500 is not), else :class:`SinkWriteError` naming
+  the item. The items written stay. A failed request is classified the same way, by its status
+  whatever its body (a proxy's HTML page included); connection failures and timeouts are
+  transient. The bulk answer is asked for with ``filter_path`` (each item's id, status and
+  error), and each item is checked to be the ``create`` of the id sent in its place.
+- A missing index: an item answered ``index_not_found_exception`` (``action.auto_create_index``
+  refuses events indices) makes the write transient under ``ddl auto`` (the next write creates
+  the index again) and a :class:`FormatError` otherwise. When the sink saw the index missing and
+  a bulk then succeeded, Elasticsearch created it with a dynamic mapping: the mapping is
+  checked, and a layout the sink cannot work with is a :class:`FormatError`.
 - Access stamps: after a write, the last record of each aggregate whose access attributes
   differ from the stream's before it (the previous record of the write, else an LRU of the last
-  record written per aggregate when it is the version just before, else a search of the
-  stream's latest document below it) stamps its attributes over the aggregate's earlier
-  documents, after a refresh of the index. The LRU is updated only once the stamps succeeded,
-  so the retry of a failed write stamps again.
+  record written per aggregate when it is the version just before, else the stored
+  ``access_digest`` of the document of the version just before, read by a realtime ``_mget``
+  with routing, else of the stream's latest document below it, by a search after a refresh)
+  stamps its attributes over the aggregate's earlier documents, after a refresh of the index.
+  The LRU is updated only once the stamps succeeded, so the retry of a failed write stamps
+  again.
 - ``stamp``/``stamp_all`` are ``_update_by_query`` requests guarded twice, in the query and in
   the painless script: a document is written when it has no ``access_version``, one below the
   stamp's, or the same one with other attributes (compared by ``access_digest``, a digest of the
@@ -22,7 +35,14 @@ its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregat
   counted in ``version_conflicts``, not failures) and searched again after a refresh. An
   answer holding failures comes with the highest failure's status (408 when it timed out), so
   it is read from the client's error and classified per failure. A page holds at most
-  :data:`STAMP_PAGE` stamps, so the query stays under Lucene's clause limit.
+  :data:`STAMP_PAGE` stamps, so that the query stays under Lucene's clause limit counted as
+  Lucene counts (:data:`STAMP_CLAUSE_LEAVES`), and is routed only while the routing keeps the request
+  line short (:data:`MAX_ROUTING_CHARS`). Each request has its own client timeout
+  (``stamp_timeout_s``).
+
+The client given is used with ``retry_on_status=()`` and ``retry_on_timeout=False``: a 429 or
+a 503 is the feed's to retry with backoff, not the client's at once, and a timed-out bulk or
+update-by-query may still be running on the cluster.
 
 The request bodies are built by the pure functions below, next to the method that sends them,
 so the black-pipe tests in ``tests/elasticsearch`` assert them. Client errors stop here: an
@@ -39,37 +59,60 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from datetime import date, datetime
+from decimal import Decimal
+from typing import Any, cast
+from urllib.parse import quote
 
 import anyio
+import orjson
 from elastic_transport import ConnectionError as TransportConnectionError
-from elastic_transport import ConnectionTimeout, SerializationError, TlsError, TransportError
+from elastic_transport import ConnectionTimeout, SerializationError, Serializer, TlsError, TransportError
 from elasticsearch import ApiError, AsyncElasticsearch
 
-from wowd.errors import ConfigError, FormatError, SinkWriteError, StorageError, StorageUnavailable
+from wowd.errors import (
+    ConfigError,
+    FormatError,
+    InvalidInput,
+    SinkWriteError,
+    StorageError,
+    StorageUnavailable,
+)
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_UNAVAILABLE
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
 from wowd.stores.base import Ddl
 
 __all__ = [
+    "BULK_BYTES",
+    "BULK_FILTER_PATH",
+    "EMPTY_ID_ROUTING",
+    "KEYWORD_IGNORE_ABOVE",
     "MAX_CONFLICT_ROUNDS",
+    "MAX_ID_BYTES",
+    "MAX_QUERY_LEAVES",
+    "MAX_REQUEST_BYTES",
+    "MAX_ROUTING_CHARS",
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
     "TRANSIENT_STATUSES",
     "ElasticsearchEventSink",
     "access_digest",
-    "bulk_operations",
+    "bulk_bodies",
+    "bulk_lines",
     "check_mapping",
     "documents_search",
     "event_document",
     "events_mapping",
     "index_name",
     "latest_search",
+    "previous_docs",
+    "routing_of",
     "stamp_clause",
     "stamp_query",
     "stamp_rounds",
     "stamp_script",
+    "unbounded_keywords",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,20 +123,49 @@ TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
 MAX_CONFLICT_ROUNDS = 8
 """How many times a stamp is searched again after version conflicts before giving up (transient)."""
 
-STAMP_PAGE = 128
-"""At most this many stamps go into one ``_update_by_query`` (one ``should`` clause each).
+MAX_QUERY_LEAVES = 1000
+"""The most leaf queries one stamp query holds. Lucene counts every leaf of the whole query
+against ``IndexSearcher.maxClauseCount``, which Elasticsearch 9 sizes from the heap and the
+search thread pool with a floor of 1024 (``indices.query.bool.max_clause_count`` is deprecated
+and ignored); the margin leaves room for a filter Elasticsearch adds to the query."""
 
-Each stamp's clause holds :data:`STAMP_CLAUSE_LEAVES` leaf queries, and Lucene counts every leaf
-of the whole query against ``IndexSearcher.maxClauseCount``, which Elasticsearch 9 sizes from the
-heap and the search thread pool with a floor of 1024 (``SearchUtils.calculateMaxClauseValue``:
-a 1 GB heap on 32 cores gives about 1300). 128 stamps are 896 leaves, under the floor on any
-node; more would fail with ``too_many_nested_clauses`` on a small heap with many cores."""
+STAMP_CLAUSE_LEAVES = 10
+"""Leaf queries in one :func:`stamp_clause` as Lucene counts them: a ``term`` is one, a ``range``
+on a ``long`` two (``IndexOrDocValuesQuery``), a ``bool`` of ``must_not`` clauses only gains a
+match-all; so tenant 1, aggregate 1, versions 2, and the guard's 2 + 2 + 2."""
 
-STAMP_CLAUSE_LEAVES = 7
-"""Leaf queries in one :func:`stamp_clause` (tenant, aggregate, versions, and the guard's four)."""
+STAMP_PAGE = MAX_QUERY_LEAVES // STAMP_CLAUSE_LEAVES
+"""At most this many stamps go into one ``_update_by_query`` (one ``should`` clause each)."""
+
+MAX_ROUTING_CHARS = 2048
+"""A request is routed only while its encoded ``routing`` stays this short: the whole request
+line must fit ``http.max_initial_line_length`` (4 KB by default; longer is a 400
+``too_long_http_line_exception``). Without routing the request goes to every shard."""
+
+MAX_ID_BYTES = 512
+"""Elasticsearch refuses a document id over 512 bytes, and fails the whole bulk for it (request
+validation, ``action_request_validation_exception``)."""
+
+BULK_BYTES = 10 * 1024 * 1024
+"""A write is split into bulks of about this many bytes."""
+
+MAX_REQUEST_BYTES = 100 * 1024 * 1024
+"""``http.max_content_length`` (100 MB by default): a record whose lines are longer cannot be sent."""
+
+KEYWORD_IGNORE_ABOVE = 8191
+"""``ignore_above`` of the free-form keywords: Lucene refuses a term over 32,766 bytes (an
+"immense term" fails the item) and ``ignore_above`` counts characters, up to 4 bytes each."""
+
+EMPTY_ID_ROUTING = "-"
+"""The routing of an empty aggregate id (Elasticsearch reads an empty routing as none, refused
+where routing is required). It only picks a shard: searches filter by aggregate id."""
+
+BULK_FILTER_PATH = "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
+"""What a bulk answer is asked to hold: per item its operation, id, status and error."""
 
 _DOCUMENTS_PAGE = 1000
 _STORE = "elasticsearch"
+_DIGEST_CACHE = 4096
 
 
 # --------------------------------------------------------------------------- names and mapping
@@ -105,11 +177,13 @@ def index_name(type: AggregateType) -> str:
 
 
 def events_mapping() -> dict[str, Any]:
-    """The index's mapping: strict at the top (a layout mistake fails loudly), ids as keywords,
-    ``create_time`` a date (epoch ms), events nested with their bodies stored, not indexed,
-    ``header`` stored only, ``access`` indexed for its known attributes (others stored only),
-    and routing required (every document is routed by its aggregate id)."""
+    """The index's mapping: strict at the top (a layout mistake fails loudly), ids as keywords
+    (the free-form ones with ``ignore_above``), ``create_time`` a date (epoch ms), events nested
+    with their bodies stored, not indexed, ``header`` stored only, ``access`` indexed for its
+    known attributes (others stored only), and routing required (every document is routed by
+    its aggregate id)."""
     keyword: dict[str, Any] = {"type": "keyword"}
+    free: dict[str, Any] = {"type": "keyword", "ignore_above": KEYWORD_IGNORE_ABOVE}
     return {
         "dynamic": "strict",
         "_routing": {"required": True},
@@ -117,26 +191,26 @@ def events_mapping() -> dict[str, Any]:
             "tenant_id": keyword,
             "aggregate_id": keyword,
             "version": {"type": "long"},
-            "command_id": keyword,
-            "request_id": keyword,
+            "command_id": free,
+            "request_id": free,
             "create_time": {"type": "date", "format": "epoch_millis"},
             "header": {"type": "object", "enabled": False},
             "events": {
                 "type": "nested",
                 "properties": {
-                    "id": keyword,
-                    "name": keyword,
-                    "revision": keyword,
-                    "body_type": keyword,
+                    "id": free,
+                    "name": free,
+                    "revision": free,
+                    "body_type": free,
                     "body": {"type": "object", "enabled": False},
                 },
             },
-            "owner_id": keyword,
-            "space_id": keyword,
+            "owner_id": free,
+            "space_id": free,
             "access": {
                 "type": "object",
                 "dynamic": False,
-                "properties": {"owner_id": keyword, "space_id": keyword, "tags": keyword},
+                "properties": {"owner_id": free, "space_id": free, "tags": free},
             },
             "access_version": {"type": "long"},
             "access_digest": keyword,
@@ -171,6 +245,26 @@ def check_mapping(mapping: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def unbounded_keywords(mapping: Mapping[str, Any]) -> list[str]:
+    """The free-form keyword fields of a stored mapping without ``ignore_above`` (an index made
+    by an earlier layout): a value over 32,766 bytes fails its item there."""
+    wanted = events_mapping()
+    out: list[str] = []
+
+    def walk(want: Mapping[str, Any], got: Mapping[str, Any], prefix: str) -> None:
+        for name, spec in want.get("properties", {}).items():
+            field = got.get("properties", {}).get(name)
+            if not isinstance(field, Mapping):
+                continue
+            if "ignore_above" in spec and field.get("type") == "keyword" and "ignore_above" not in field:
+                out.append(prefix + name)
+            if "properties" in spec:
+                walk(spec, field, f"{prefix}{name}.")
+
+    walk(wanted, mapping, "")
+    return out
+
+
 # --------------------------------------------------------------------------- documents
 
 
@@ -194,29 +288,113 @@ def event_document(commit: Commit, digest: str | None = None) -> dict[str, Any]:
     }
 
 
-def bulk_operations(records: Sequence[Commit], digests: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """The NDJSON lines of one bulk: a ``create`` (id = stream id, routing = aggregate id) and
-    the document, per record (``digests``: the records' access digests, when known)."""
-    if digests is None:
-        digests = [access_digest(c.access) for c in records]
-    ops: list[dict[str, Any]] = []
-    for c, digest in zip(records, digests, strict=True):
-        ops.append({"create": {"_id": stream_id(c.ref, c.version), "routing": c.ref.id}})
-        ops.append(event_document(c, digest))
-    return ops
+def routing_of(aggregate_id: str) -> str:
+    """The routing of an aggregate's documents: its id, :data:`EMPTY_ID_ROUTING` for an empty one."""
+    return aggregate_id or EMPTY_ID_ROUTING
+
+
+def _json_default(value: Any) -> Any:
+    # what the client's own serializer accepts beyond JSON, the same way
+    if isinstance(value, Decimal):
+        return float(value)
+    if isinstance(value, date | datetime):
+        return value.isoformat()
+    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
+
+
+_OPTIONS = orjson.OPT_NON_STR_KEYS
+
+
+def bulk_lines(record: Commit, digest: str) -> bytes:
+    """The NDJSON lines of one record in a bulk: a ``create`` (id = stream id, routing =
+    :func:`routing_of` the aggregate id) and the document. Raises :class:`InvalidInput` naming
+    the record when its id is over :data:`MAX_ID_BYTES` or a value is not JSON."""
+    return _record_lines(record, digest)[1]
+
+
+def _record_lines(record: Commit, digest: str) -> tuple[str, bytes]:
+    _id = stream_id(record.ref, record.version)
+    if len(_id.encode()) > MAX_ID_BYTES:
+        raise InvalidInput(
+            f"the document id is {len(_id.encode())} bytes, Elasticsearch takes at most {MAX_ID_BYTES}",
+            field="aggregate_id",
+            ref=record.ref,
+            version=record.version,
+        )
+    try:
+        action = orjson.dumps({"create": {"_id": _id, "routing": routing_of(record.ref.id)}})
+        doc = orjson.dumps(event_document(record, digest), default=_json_default)
+    except (TypeError, ValueError) as exc:  # orjson.JSONEncodeError: a type JSON has not, a key not a string
+        raise InvalidInput(f"cannot be written as JSON: {exc}", ref=record.ref, version=record.version) from exc
+    return _id, b"%b\n%b\n" % (action, doc)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BulkBody:
+    """One ``_bulk`` request: its NDJSON, the records in it and their document ids, in order."""
+
+    body: bytes
+    records: Sequence[Commit]
+    ids: Sequence[str]
+
+
+def bulk_bodies(
+    records: Sequence[Commit],
+    digests: Sequence[str],
+    *,
+    bulk_bytes: int = BULK_BYTES,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
+) -> list[BulkBody]:
+    """The bulks of one write: every record's :func:`bulk_lines`, in order, in bodies of at most
+    ``bulk_bytes`` (one body in the common case; a record longer than that alone). Raises
+    :class:`InvalidInput` naming a record that cannot be sent (over ``max_request_bytes``)
+    before any is."""
+    out: list[BulkBody] = []
+    parts: list[bytes] = []
+    ids: list[str] = []
+    start = size = 0
+    for i, (record, digest) in enumerate(zip(records, digests, strict=True)):
+        _id, lines = _record_lines(record, digest)
+        if len(lines) > max_request_bytes:
+            raise InvalidInput(
+                f"the document is {len(lines)} bytes, over the request limit of {max_request_bytes}",
+                ref=record.ref,
+                version=record.version,
+            )
+        if parts and size + len(lines) > bulk_bytes:
+            out.append(BulkBody(body=b"".join(parts), records=records[start:i], ids=ids))
+            parts, ids, start, size = [], [], i, 0
+        parts.append(lines)
+        ids.append(_id)
+        size += len(lines)
+    if parts:
+        out.append(BulkBody(body=b"".join(parts), records=records[start:], ids=ids))
+    return out
 
 
 def _routing(ids: Sequence[str]) -> str | None:
-    """A search's ``routing`` for these aggregate ids; None (every shard) when one holds a comma,
-    which the routing parameter would split."""
-    unique = sorted(set(ids))
+    """A request's ``routing`` for these aggregate ids; None (every shard) when one holds a comma,
+    which the routing parameter would split, or when the encoded list is over
+    :data:`MAX_ROUTING_CHARS` (the request line has a limit)."""
+    unique = sorted({routing_of(i) for i in ids})
     if not unique or any("," in i for i in unique):
         return None
-    return ",".join(unique)
+    routing = ",".join(unique)
+    if len(quote(routing, safe=",")) > MAX_ROUTING_CHARS:
+        return None
+    return routing
 
 
 def _stream_filter(ref: AggregateRef) -> list[dict[str, Any]]:
     return [{"term": {"tenant_id": ref.tenant_id}}, {"term": {"aggregate_id": ref.id}}]
+
+
+def previous_docs(records: Sequence[Commit]) -> list[dict[str, Any]]:
+    """The ``_mget`` docs of the document just before each record (version - 1, with routing)."""
+    source = ["access_digest", "access"]
+    return [
+        {"_id": stream_id(c.ref, c.version - 1), "routing": routing_of(c.ref.id), "_source": source} for c in records
+    ]
 
 
 def latest_search(ref: AggregateRef, before: int) -> dict[str, Any]:
@@ -225,7 +403,7 @@ def latest_search(ref: AggregateRef, before: int) -> dict[str, Any]:
         "query": {"bool": {"filter": [*_stream_filter(ref), {"range": {"version": {"lt": before}}}]}},
         "sort": [{"version": {"order": "desc"}}],
         "size": 1,
-        "_source": ["version", "access", "access_version"],
+        "_source": ["version", "access", "access_version", "access_digest"],
     }
 
 
@@ -358,7 +536,10 @@ def _api_reason(exc: ApiError) -> str:
             return reason
         if err is not None:
             return str(err)
-    return str(exc.message)
+    if isinstance(body, str | bytes) and body:
+        text = body if isinstance(body, str) else body.decode("utf-8", "replace")
+        return " ".join(text.split())[:200]
+    return "(no body)" if body in (None, "", b"") else str(exc.message)
 
 
 def _is_transient(status: int) -> bool:
@@ -372,6 +553,37 @@ def _is_update_by_query_answer(body: object) -> bool:
     sends it with a non-2xx status when it holds failures (the highest failure's status) or
     timed out (408)."""
     return isinstance(body, Mapping) and "error" not in body and ("failures" in body or "timed_out" in body)
+
+
+class _TextOnFailure(Serializer):
+    """A JSON deserializer that hands back the text of a body that is not JSON (a proxy's error
+    page sent as JSON), so that the answer keeps its status and is classified by it."""
+
+    def __init__(self, inner: Serializer) -> None:
+        self.inner = inner
+        self.mimetype = inner.mimetype  # type: ignore[misc]
+
+    def loads(self, data: bytes) -> Any:
+        try:
+            return self.inner.loads(data)
+        except SerializationError:
+            return bytes(data).decode("utf-8", "replace")
+
+    def dumps(self, data: Any) -> bytes:
+        return self.inner.dumps(data)
+
+
+def _tolerate_non_json(client: AsyncElasticsearch) -> None:
+    collection = client.transport.serializers
+    for mimetype, serializer in list(collection.serializers.items()):
+        if "json" in mimetype and not isinstance(serializer, _TextOnFailure):
+            collection.serializers[mimetype] = _TextOnFailure(serializer)
+    if not isinstance(collection.default_serializer, _TextOnFailure):
+        collection.default_serializer = _TextOnFailure(collection.default_serializer)
+
+
+def _version(record: Commit) -> int:
+    return record.version
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -389,8 +601,13 @@ class ElasticsearchEventSink:
     """The event sink of one aggregate type (:class:`wowd.stores.base.EventSink`).
 
     ``client`` is an ``AsyncElasticsearch`` the caller owns (closed by :meth:`close` only with
-    ``owns_client``). ``refresh`` makes every write and stamp refresh the index (tests).
-    ``capacity`` is how many aggregates the access-attribute LRU remembers.
+    ``owns_client``); the sink uses it without retries on status or timeout, and has its
+    transport hand back a body that is not JSON as text (:class:`_TextOnFailure`, for every user
+    of that client: such a body is an error either way). ``refresh`` makes
+    every write and stamp refresh the index (tests). ``capacity`` is how many aggregates the
+    access-attribute LRU remembers. ``bulk_bytes`` is the size a write is split at,
+    ``max_request_bytes`` the cluster's ``http.max_content_length``. ``stamp_timeout_s`` is the
+    client timeout of one ``_update_by_query``.
     """
 
     def __init__(
@@ -401,18 +618,30 @@ class ElasticsearchEventSink:
         ddl: Ddl | str = Ddl.AUTO,
         refresh: bool = False,
         capacity: int = 10_000,
+        bulk_bytes: int = BULK_BYTES,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        stamp_timeout_s: float = 300.0,
         owns_client: bool = False,
     ) -> None:
         if capacity < 0:
             raise ConfigError(f"sink capacity: must be >= 0, got {capacity}")
+        if not 0 < bulk_bytes <= max_request_bytes:
+            raise ConfigError(f"sink bulk_bytes: must be in (0, {max_request_bytes}], got {bulk_bytes}")
         self.type = type
         self.index = index_name(type)
-        self._client = client
+        self._own = client
+        _tolerate_non_json(client)
+        self._client = client.options(retry_on_status=(), retry_on_timeout=False)
         self._ddl = Ddl(ddl)
         self._refresh = refresh
         self._capacity = capacity
+        self._bulk_bytes = bulk_bytes
+        self._max_request_bytes = max_request_bytes
+        self._stamp_timeout_s = stamp_timeout_s
         self._owns_client = owns_client
         self._known: OrderedDict[tuple[str, str], _Known] = OrderedDict()
+        self._digests: dict[bytes, str] = {}
+        self._index_missing = False
         self._prepared = False
         self._prepare_lock: anyio.Lock | None = None
 
@@ -447,13 +676,20 @@ class ElasticsearchEventSink:
             STORE_UNAVAILABLE.labels(store=_STORE, operation=op).inc()
             raise StorageUnavailable(f"elasticsearch {op} on {self.index}: {exc}") from exc
 
+    def _answer(self, op: str, body: object) -> Mapping[str, Any]:
+        """A 2xx answer's body, which must be a JSON object."""
+        if not isinstance(body, Mapping):
+            raise StorageError(f"elasticsearch {op} on {self.index}: bad answer: {str(body)[:200]!r}")
+        return body
+
     # ------------------------------------------------------------------ DDL
 
     async def prepare(self) -> None:
         """Makes sure of the events index, once, as the DDL mode says: ``auto`` creates it with
         :func:`events_mapping` (an existing one is checked instead) and waits for its primary,
         ``validate`` requires it and checks its key fields (:class:`FormatError`), ``none``
-        assumes it (no request)."""
+        creates nothing and checks the mapping of an index that is there (one that is not is
+        checked after the first write that creates it)."""
         if self._prepared:
             return
         if self._prepare_lock is None:
@@ -468,6 +704,13 @@ class ElasticsearchEventSink:
             elif self._ddl is Ddl.VALIDATE:
                 await self._validate_mapping()
                 await self._wait_for_primary()
+            elif not await self._validate_mapping(missing_ok=True):
+                self._index_missing = True
+                log.warning(
+                    "the events index %s does not exist (ddl none): a write would create it with a dynamic mapping "
+                    "unless action.auto_create_index refuses it",
+                    self.index,
+                )
             self._prepared = True
 
     async def _create_index(self) -> bool:
@@ -485,31 +728,50 @@ class ElasticsearchEventSink:
                 return False
             raise
         log.info("created the events index %s", self.index)
+        self._index_missing = False
         return True
 
-    async def _validate_mapping(self) -> None:
+    async def _validate_mapping(self, *, missing_ok: bool = False) -> bool:
+        """Checks the stored mapping's key fields (:class:`FormatError`); False when the index
+        is missing and ``missing_ok``."""
         try:
             with self._translate("get_mapping"):
                 resp = await self._client.indices.get_mapping(index=self.index)
         except StorageError as exc:
             cause = exc.__cause__
             if isinstance(cause, ApiError) and cause.meta.status == 404:
+                if missing_ok:
+                    return False
                 raise FormatError(f"the events index {self.index} does not exist (ddl {self._ddl})") from exc
             raise
-        body = resp.body
-        if not isinstance(body, Mapping) or len(body) != 1:
+        body = self._answer("get_mapping", resp.body)
+        if len(body) != 1:
             raise FormatError(f"the events index {self.index}: unexpected mapping answer {body!r}")
         mappings = next(iter(body.values())).get("mappings") or {}
         problems = check_mapping(mappings)
         if problems:
-            raise FormatError(f"the events index {self.index} has another layout: " + "; ".join(problems))
+            raise FormatError(
+                f"the events index {self.index} has another layout (created by a write with a dynamic mapping?): "
+                + "; ".join(problems)
+            )
+        unbounded = unbounded_keywords(mappings)
+        if unbounded:
+            log.warning(
+                "the events index %s has keywords without ignore_above (%s): a value over 32766 bytes fails its "
+                "record; add ignore_above %d with the update mapping API",
+                self.index,
+                ", ".join(unbounded),
+                KEYWORD_IGNORE_ABOVE,
+            )
+        self._index_missing = False
+        return True
 
     async def _wait_for_primary(self) -> None:
         with self._translate("cluster_health"):
             resp = await self._client.options(ignore_status=408, request_timeout=45).cluster.health(
                 index=self.index, wait_for_status="yellow", timeout="30s"
             )
-        body = resp.body
+        body = self._answer("cluster_health", resp.body)
         if body.get("timed_out") or body.get("status") not in ("yellow", "green"):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="cluster_health").inc()
             raise StorageUnavailable(
@@ -518,35 +780,64 @@ class ElasticsearchEventSink:
 
     # ------------------------------------------------------------------ write
 
+    def _digest(self, access: Mapping[str, Any]) -> str:
+        """:func:`access_digest`, remembered by the attributes' sorted JSON (most records share
+        a few attribute sets)."""
+        key = orjson.dumps(access, option=orjson.OPT_SORT_KEYS | _OPTIONS, default=str)
+        if b"null" in key:  # orjson writes NaN as null too: not a key then
+            return access_digest(access)
+        digest = self._digests.get(key)
+        if digest is None:
+            if len(self._digests) >= _DIGEST_CACHE:
+                self._digests.clear()
+            digest = self._digests[key] = access_digest(access)
+        return digest
+
     async def write(self, records: Sequence[Commit]) -> None:
-        """One bulk of creates; then the access stamps of the aggregates whose attributes changed
-        (see the module's docstring). Raises :class:`StorageUnavailable` (transient) or
+        """The bulks of the records; then the access stamps of the aggregates whose attributes
+        changed (see the module's docstring). Raises :class:`InvalidInput` naming a record that
+        cannot be sent (nothing is sent then), :class:`StorageUnavailable` (transient) or
         :class:`SinkWriteError` naming the item; the items written stay."""
         if not records:
             return
         await self.prepare()
-        digests = [access_digest(c.access) for c in records]
+        try:
+            digests = [self._digest(c.access) for c in records]
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
-        await self._bulk(records, digests)
+        bodies = bulk_bodies(
+            records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes
+        )
+        for body in bodies:
+            await self._bulk(body)
+        if self._index_missing:
+            await self._check_created()
         refreshed = self._refresh
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
-            groups.setdefault((c.ref.tenant_id, c.ref.id), []).append(c)
+            key = (c.ref.tenant_id, c.ref.id)
+            group = groups.get(key)
+            if group is None:
+                groups[key] = [c]
+            else:
+                group.append(c)
         stamps: list[AccessStamp] = []
-        unknown: list[tuple[tuple[str, str], Commit]] = []
+        unknown: list[Commit] = []
         for key, group in groups.items():
-            group.sort(key=lambda c: c.version)
-            last_change = next(
-                (
-                    group[i]
-                    for i in range(len(group) - 1, 0, -1)
-                    if digest_of[id(group[i])] != digest_of[id(group[i - 1])]
-                ),
-                None,
-            )
-            if last_change is not None:
-                stamps.append(self._stamp_of(last_change))
-                continue
+            if len(group) > 1:
+                group.sort(key=_version)
+                last_change = next(
+                    (
+                        group[i]
+                        for i in range(len(group) - 1, 0, -1)
+                        if digest_of[id(group[i])] != digest_of[id(group[i - 1])]
+                    ),
+                    None,
+                )
+                if last_change is not None:
+                    stamps.append(self._stamp_of(last_change))
+                    continue
             first = group[0]
             known = self._known.get(key)
             if known is not None and known.version == first.version - 1:
@@ -554,13 +845,17 @@ class ElasticsearchEventSink:
                 if known.digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
             elif first.version > 1:
-                unknown.append((key, first))
+                unknown.append(first)
         if unknown:
-            if not refreshed:
-                await self._refresh_index()
-                refreshed = True
-            before = await self._latest_digests([c for _, c in unknown])
-            for (_, first), digest in zip(unknown, before, strict=True):
+            before = await self._previous_digests(unknown)
+            missed = [c for c, d in zip(unknown, before, strict=True) if d is None]
+            if missed:
+                if not refreshed:
+                    await self._refresh_index()
+                    refreshed = True
+                found = iter(await self._latest_digests(missed))
+                before = [d if d is not None else next(found) for d in before]
+            for first, digest in zip(unknown, before, strict=True):
                 if digest is not None and digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
         if stamps:
@@ -588,43 +883,68 @@ class ElasticsearchEventSink:
         while len(self._known) > self._capacity:
             self._known.popitem(last=False)
 
-    async def _bulk(self, records: Sequence[Commit], digests: Sequence[str]) -> None:
-        ops = bulk_operations(records, digests)
+    async def _check_created(self) -> None:
+        """The index was missing and a write went through: Elasticsearch created it; its
+        mapping must be one the sink can work with."""
+        log.warning("the events index %s was missing and a write created it: checking its mapping", self.index)
+        await self._validate_mapping()
+
+    async def _bulk(self, bulk: BulkBody) -> None:
+        records = bulk.records
         extra: dict[str, Any] = {"refresh": True} if self._refresh else {}
         started = time.perf_counter()
         try:
             with self._translate("bulk"):
-                resp = await self._client.bulk(operations=ops, index=self.index, **extra)
+                resp = await self._client.bulk(
+                    operations=cast("Sequence[Mapping[str, Any]]", bulk.body),
+                    index=self.index,
+                    filter_path=BULK_FILTER_PATH,
+                    **extra,
+                )
         except StorageUnavailable:
             raise
         except StorageError as exc:
-            first = stream_id(records[0].ref, records[0].version)
+            first = bulk.ids[0]
             raise SinkWriteError(f"{exc} (bulk of {len(records)} items, the first {first})") from exc.__cause__
         finally:
             SINK_BULK_SECONDS.observe(time.perf_counter() - started)
-        items = resp.body.get("items")
+        items = self._answer("bulk", resp.body).get("items")
         if not isinstance(items, list) or len(items) != len(records):
             raise StorageError(
                 f"elasticsearch bulk on {self.index}: {len(records)} creates answered with "
                 f"{len(items) if isinstance(items, list) else 'no'} items"
             )
         failed: list[tuple[str, int, str]] = []
+        missing_index = False
         statuses: Counter[int] = Counter()
-        for record, item in zip(records, items, strict=True):
-            result: Mapping[str, Any] = item.get("create") or next(iter(item.values()), {})
+        for _id, item in zip(bulk.ids, items, strict=True):
+            result = item.get("create") if isinstance(item, Mapping) and len(item) == 1 else None
+            if not isinstance(result, Mapping) or result.get("_id") != _id:
+                raise StorageError(
+                    f"elasticsearch bulk on {self.index}: the create of {_id} answered with {str(item)[:200]}"
+                )
             status = int(result.get("status", 0))
             statuses[status] += 1
             if status in (200, 201, 409):
                 continue
             err = result.get("error")
-            reason = f"{err.get('type', 'error')}: {err.get('reason', '')}" if isinstance(err, Mapping) else str(err)
-            failed.append((result.get("_id") or stream_id(record.ref, record.version), status, reason))
+            kind = err.get("type", "error") if isinstance(err, Mapping) else "error"
+            reason = f"{kind}: {err.get('reason', '')}" if isinstance(err, Mapping) else str(err)
+            missing_index = missing_index or (status == 404 and kind == "index_not_found_exception")
+            failed.append((_id, status, reason))
         for code, n in statuses.items():
             SINK_ITEMS.labels(status=str(code)).inc(n)
         if not failed:
             return
         _id, status, reason = next((f for f in failed if f[1] not in TRANSIENT_STATUSES), failed[0])
         summary = f"{len(failed)} of {len(records)} items not written to {self.index}; item {_id}: [{status}] {reason}"
+        if missing_index:
+            self._index_missing = True
+            if self._ddl is Ddl.AUTO:
+                self._prepared = False  # the next write creates it again
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+                raise StorageUnavailable(f"the events index is missing; creating it again: {summary}")
+            raise FormatError(f"the events index {self.index} does not exist (ddl {self._ddl}): {summary}")
         if all(f[1] in TRANSIENT_STATUSES for f in failed):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
             raise StorageUnavailable(summary)
@@ -635,12 +955,42 @@ class ElasticsearchEventSink:
         with self._translate("refresh"):
             await self._client.indices.refresh(index=self.index)
 
+    async def _previous_digests(self, firsts: Sequence[Commit]) -> list[str | None]:
+        """For each record, the ``access_digest`` of its stream's document of the version just
+        before it, by one realtime ``_mget`` (None: not found)."""
+        with self._translate("mget"):
+            resp = await self._client.mget(index=self.index, docs=previous_docs(firsts))
+        docs = self._answer("mget", resp.body).get("docs")
+        if not isinstance(docs, list) or len(docs) != len(firsts):
+            raise StorageError(f"elasticsearch mget on {self.index}: unexpected answer")
+        digests: list[str | None] = []
+        for c, d in zip(firsts, docs, strict=True):
+            err = d.get("error")
+            if err is not None:
+                kind = err.get("type") if isinstance(err, Mapping) else None
+                if kind == "index_not_found_exception":
+                    digests.append(None)
+                    continue
+                reason = f"{kind}: {err.get('reason')}" if isinstance(err, Mapping) else str(err)
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="mget").inc()
+                raise StorageUnavailable(f"elasticsearch mget of {c.ref} in {self.index}: {reason}")
+            digests.append(self._stored_digest(d.get("_source")) if d.get("found") else None)
+        return digests
+
+    def _stored_digest(self, source: object) -> str | None:
+        if not isinstance(source, Mapping):
+            return None
+        digest = source.get("access_digest")
+        if isinstance(digest, str):
+            return digest
+        return self._digest(source.get("access") or {})
+
     async def _latest_digests(self, firsts: Sequence[Commit]) -> list[str | None]:
         """For each record, the attributes' digest of its stream's latest document before it
-        (None: no such document), by one ``_msearch``."""
+        (None: no such document), by one ``_msearch`` over every shard's answer."""
         searches: list[dict[str, Any]] = []
         for c in firsts:
-            header: dict[str, Any] = {}
+            header: dict[str, Any] = {"allow_partial_search_results": False}
             routing = _routing([c.ref.id])
             if routing is not None:
                 header["routing"] = routing
@@ -648,7 +998,7 @@ class ElasticsearchEventSink:
             searches.append(latest_search(c.ref, c.version))
         with self._translate("msearch"):
             resp = await self._client.msearch(index=self.index, searches=searches)
-        responses = resp.body.get("responses")
+        responses = self._answer("msearch", resp.body).get("responses")
         if not isinstance(responses, list) or len(responses) != len(firsts):
             raise StorageError(f"elasticsearch msearch on {self.index}: unexpected answer")
         digests: list[str | None] = []
@@ -665,11 +1015,7 @@ class ElasticsearchEventSink:
                     raise StorageUnavailable(msg)
                 raise StorageError(msg)
             hits = r.get("hits", {}).get("hits", [])
-            if not hits:
-                digests.append(None)
-                continue
-            source = hits[0].get("_source", {})
-            digests.append(access_digest(source.get("access") or {}))
+            digests.append(self._stored_digest(hits[0].get("_source")) if hits else None)
         return digests
 
     # ------------------------------------------------------------------ stamps
@@ -681,11 +1027,16 @@ class ElasticsearchEventSink:
 
     async def stamp_all(self, stamps: Sequence[AccessStamp]) -> int:
         """One ``_update_by_query`` per round of :func:`stamp_rounds` (per :data:`STAMP_PAGE`
-        stamps); answers how many documents changed."""
+        stamps); answers how many documents changed. A round that changed documents is made
+        visible (a refresh) before the next round searches them."""
         updated = 0
-        for round_ in stamp_rounds(stamps):
+        rounds = stamp_rounds(stamps)
+        for n, round_ in enumerate(rounds):
+            before = updated
             for i in range(0, len(round_), STAMP_PAGE):
                 updated += await self._update_by_query(round_[i : i + STAMP_PAGE])
+            if updated > before and n + 1 < len(rounds) and not self._refresh:
+                await self._refresh_index()
         return updated
 
     async def _update_by_query(self, stamps: Sequence[AccessStamp]) -> int:
@@ -697,15 +1048,16 @@ class ElasticsearchEventSink:
             extra["routing"] = routing
         if self._refresh:
             extra["refresh"] = True
+        client = self._client.options(request_timeout=self._stamp_timeout_s)
         updated = 0
         for _ in range(MAX_CONFLICT_ROUNDS):
             body: Mapping[str, Any]
             with self._translate("update_by_query"):
                 try:
-                    resp = await self._client.update_by_query(
+                    resp = await client.update_by_query(
                         index=self.index, query=query, script=script, conflicts="proceed", **extra
                     )
-                    body = resp.body
+                    body = self._answer("update_by_query", resp.body)
                 except ApiError as exc:
                     # failures or a timeout come as the answer itself with the highest failure's
                     # status (408 for a timeout); read them as such, classified per failure
@@ -756,7 +1108,7 @@ class ElasticsearchEventSink:
         A missing index holds none."""
         docs: list[dict[str, Any]] = []
         after: int | None = None
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"allow_partial_search_results": False}
         routing = _routing([ref.id])
         if routing is not None:
             extra["routing"] = routing
@@ -769,7 +1121,7 @@ class ElasticsearchEventSink:
                 if isinstance(cause, ApiError) and cause.meta.status == 404:
                     return docs
                 raise
-            hits = resp.body.get("hits", {}).get("hits", [])
+            hits = self._answer("search", resp.body).get("hits", {}).get("hits", [])
             for h in hits:
                 source = dict(h.get("_source", {}))
                 source.pop("access_digest", None)
@@ -782,4 +1134,4 @@ class ElasticsearchEventSink:
         """Closes the client when this sink owns it."""
         if self._owns_client:
             with self._translate("close"):
-                await self._client.close()
+                await self._own.close()
