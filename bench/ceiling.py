@@ -44,7 +44,8 @@ def bare_loop(
 ) -> int:
     """Fires every due timer; answers how many. Each batch: the per-partition due reads merged
     (one read transaction), one claim ``executemany``, one outbox ``executemany``, one
-    ``executemany`` ending each fired timer (a DONE tombstone, as the store writes it), each write in its own ``BEGIN IMMEDIATE`` transaction as the store does.
+    ``executemany`` ending each fired timer (a DONE tombstone, as the store writes it), each
+    write in its own ``BEGIN IMMEDIATE`` transaction as the store does.
 
     ``fused`` (an experiment, not wowd's path): read, outbox insert and delete in one write
     transaction and no claim, which an outbox in the timers' own SQLite file would allow."""
