@@ -131,7 +131,11 @@ async def test_one_change_stream_from_the_oldest_checkpoint_skips_per_partition(
     assert entries_of(batches) == [(3, ID_P3, 1), (5, ID_P5, 3), (3, ID_P3, 2)]
     # each batch names every partition's last position: a resume token and its cluster time
     assert batches[0].positions == {3: pos((104, 1))}
-    assert batches[-1].positions == {5: pos((106, 1)), 3: pos((106, 2))}
+    # the server's whole batch was read: the resume token's second is the watermark
+    assert batches[0].watermark == 105_000
+    assert batches[-2].positions == {5: pos((106, 1)), 3: pos((106, 2))}
+    # caught up: the empty answer's post-batch resume token is the watermark (its second)
+    assert batches[-1] == LogBatch(entries=(), positions={}, watermark=107_000)
 
 
 async def test_changes_of_one_transaction_share_a_cluster_time_and_are_ordered_by_token(
@@ -188,7 +192,7 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
     scanned = batches[0].positions[3]
     assert scanned["cluster_time"] == [200, 3]
     assert scanned["scan"]["c"] == ORDERS and scanned["scan"]["v"] == 2
-    assert batches[-1].positions == {3: pos((200, 4))}
+    assert [b for b in batches if b.entries][-1].positions == {3: pos((200, 4))}
 
 
 async def test_a_scan_position_resumes_the_scan_after_its_document(
@@ -257,7 +261,8 @@ async def test_following_waits_on_the_server_and_moves_quiet_partitions_to_the_r
             await got.wait()
             (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((1091, 0))))
             tg.cancel_scope.cancel()
-    assert batches == [LogBatch(entries=(), positions={3: pos((1090, 0))})]
+    # the quiet partition moves on, and the post-batch token's second is the watermark
+    assert batches == [LogBatch(entries=(), positions={3: pos((1090, 0))}, watermark=1_090_000)]
 
 
 async def test_a_stream_the_server_closed_is_an_error_not_a_busy_loop(
@@ -473,6 +478,35 @@ async def test_checkpoint_save_is_one_upsert_guarded_by_the_fence(
     cps = loaded.result()
     assert list(cps) == [3]
     assert (cps[3].position, cps[3].fence, cps[3].written_at) == (position, 7, 123)
+
+
+async def test_a_batchs_checkpoints_are_one_unordered_bulk_and_one_refused_item_is_false(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    positions = {5: pos((300, 4)), 3: pos((300, 2))}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            saved = start(tg, lambda: log.save_checkpoints("feed", positions, 7))
+            upd = await rs_wire.command("update")
+            assert upd["ordered"] is False
+            qs = [u["q"] for u in upd.docs[0]["updates"]]
+            assert qs == [
+                {"_id": {"consumer": "feed", "partition": 3}, "fence": {"$lte": 7}},
+                {"_id": {"consumer": "feed", "partition": 5}, "fence": {"$lte": 7}},
+            ]
+            assert all(u["upsert"] is True for u in upd.docs[0]["updates"])
+            upd.ok(n=2, nModified=2)
+            await saved.done.wait()
+            assert saved.result() is True
+
+            # partition 5 is held under a higher fence: its upsert meets the _id
+            refused = start(tg, lambda: log.save_checkpoints("feed", positions, 6))
+            upd = await rs_wire.command("update")
+            upd.ok(n=1, nModified=1, writeErrors=[dup(1, {"_id": 1})])
+            await refused.done.wait()
+            assert refused.result() is False
+    assert await log.save_checkpoints("feed", {}, 6) is True
 
 
 # --------------------------------------------------------------------------- appends

@@ -731,12 +731,14 @@ class MongoLog(MongoStore):
                         entries.append(entry)
                     if len(entries) < batch_size and _buffered(stream):
                         continue  # the rest of the server's batch is here already
+                # the server's batch is all here: its post-batch resume token's time is the watermark
+                watermark = _watermark(stream.resume_token) if change is None or not _buffered(stream) else None
                 if entries:
-                    yield _batch(entries)
+                    yield _batch(entries, watermark)
                     entries = []
                 idle = self._idle_positions(parts, stream.resume_token, last_event)
-                if idle:
-                    yield LogBatch(entries=(), positions=idle)
+                if idle or (change is None and watermark is not None):
+                    yield LogBatch(entries=(), positions=idle, watermark=watermark)
                 if change is None and not stream.alive:
                     # the server closed the cursor (an invalidate: the database was dropped);
                     # try_next would answer None at once from now on, a busy loop
@@ -904,11 +906,22 @@ class MongoLog(MongoStore):
 # --------------------------------------------------------------------------- helpers
 
 
-def _batch(entries: list[LogEntry]) -> LogBatch:
+def _batch(entries: list[LogEntry], watermark: int | None = None) -> LogBatch:
     positions: dict[int, Position] = {}
     for e in entries:
         positions[e.partition] = e.position
-    return LogBatch(entries=tuple(entries), positions=positions)
+    return LogBatch(entries=tuple(entries), positions=positions, watermark=watermark)
+
+
+def _watermark(token: Mapping[str, Any] | None) -> int | None:
+    """The watermark of a change stream's post-batch resume token: the start (ms) of its cluster
+    time's second. Every event of the stream's partitions with an earlier cluster time has been
+    returned; a commit appended before it by the primary's clock has such a cluster time while
+    the cluster time follows that clock (it runs ahead only after the clock stepped back).
+    Second-grained: a timer fires up to about a second after its due time, plus the stream's
+    wait (``maxAwaitTimeMS``) when the log is quiet."""
+    ct = token_cluster_time(token) if token is not None else None
+    return ct[0] * 1000 if ct is not None else None
 
 
 def _buffered(stream: AsyncDatabaseChangeStream[Doc]) -> bool:
