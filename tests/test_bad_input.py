@@ -638,7 +638,7 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
                         break
                     await anyio.sleep(0.02)
                 held.request_stop()
-        assert feeder.fatal is None
+        assert feeder.stalled is None
 
         quarantined = await log.quarantined()
         reasons = {q["raw"]["aggregate_id"]: q["reason"] for q in quarantined}

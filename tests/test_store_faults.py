@@ -587,7 +587,7 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
                     break
                 await anyio.sleep(0.02)
             held.request_stop()
-    assert feeder.fatal is None
+    assert feeder.stalled is None
     cps = await backend.log.checkpoints(CONSUMER, parts)
     assert {cp.fence for cp in cps.values()} == {5}
     bulks = [r for r in fake.take() if r.path == BULK]

@@ -158,6 +158,11 @@ class GatewaySettings(_Part):
         return self
 
 
+class FeedSettings(_Part):
+    stall_release_s: float = Field(default=300.0, ge=1)
+    """A slot whose feed has been stalled this long is released (another replica may try it)."""
+
+
 class OutboxSettings(_Part):
     retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
     """Entries older than this are trimmed by the outbox gateway, acknowledged or not (0: kept)."""
@@ -195,6 +200,7 @@ class WowdSettings(BaseSettings):
     timers: TimerSettings = TimerSettings()
     gateway: GatewaySettings = GatewaySettings()
     outbox: OutboxSettings = OutboxSettings()
+    feed: FeedSettings = FeedSettings()
     http: HttpSettings = HttpSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
     reducers: dict[str, str] = {}

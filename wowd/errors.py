@@ -13,6 +13,7 @@ __all__ = [
     "InvalidInput",
     "LeaseLost",
     "SinkWriteError",
+    "SlotStalled",
     "StorageError",
     "StorageUnavailable",
     "WowdError",
@@ -69,6 +70,11 @@ class FormatError(StorageError):
 
 class SinkWriteError(StorageError):
     """The event sink refused an item for a reason that is not transient; names the item."""
+
+
+class SlotStalled(WowdError):
+    """A slot's feed could not progress for ``feed.stall_release_s``: the slot is given up so
+    that another replica can try it."""
 
 
 class LeaseLost(WowdError):

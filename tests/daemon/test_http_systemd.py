@@ -20,16 +20,30 @@ pytestmark = pytest.mark.anyio
 
 async def test_endpoints_on_port_zero(tmp_path: Path) -> None:
     ready = False
-    server = HttpServer("127.0.0.1", 0, lambda: ready, port_file=tmp_path / "port")
+    holds = False
+
+    def readiness(holding: bool) -> tuple[bool, str]:
+        if not ready:
+            return False, "slot 0 stalled: sink: disk full"
+        if holding and not holds:
+            return False, "standby"
+        return True, "holding slot 0" if holds else "standby"
+
+    server = HttpServer("127.0.0.1", 0, readiness, port_file=tmp_path / "port")
     async with anyio.create_task_group() as tg:
         port = await tg.start(server.serve)
         assert port > 0 and (tmp_path / "port").read_text().strip() == str(port)
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base) as client:
             assert (await client.get("/healthz")).status_code == 200
-            assert (await client.get("/readyz")).status_code == 503
+            r = await client.get("/readyz")
+            assert r.status_code == 503 and r.text == "not ready: slot 0 stalled: sink: disk full\n"
             ready = True
-            assert (await client.get("/readyz")).status_code == 200
+            assert (await client.get("/readyz")).status_code == 200  # a healthy standby
+            assert (await client.get("/readyz?holding=1")).status_code == 503
+            holds = True
+            r = await client.get("/readyz?holding=1")
+            assert r.status_code == 200 and r.text == "ready: holding slot 0\n"
             r = await client.get("/metrics")
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
             names = {f.name for f in text_string_to_metric_families(r.text)}

@@ -16,8 +16,8 @@ import importlib
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,7 +26,16 @@ from anyio.abc import TaskStatus
 
 from wowd import metrics
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, InvalidInput, LeaseLost, SinkWriteError, StorageError, StorageUnavailable
+from wowd.errors import (
+    ConfigError,
+    InvalidInput,
+    LeaseLost,
+    SinkWriteError,
+    SlotStalled,
+    StorageError,
+    StorageUnavailable,
+    WowdError,
+)
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -71,6 +80,36 @@ def field_of(error: str | None) -> str:
     """The field an :class:`InvalidInput` message names (``"field: reason"``), else ``unknown``."""
     m = _FIELD.match(error or "")
     return m.group(1) if m else "unknown"
+
+
+STALL_BACKOFF_MAX_S = 60.0
+"""The longest pause between two tries of a stalled slot's batch."""
+STALL_LOG_EVERY_S = 60.0
+"""A stalled slot's ERROR line comes at most this often."""
+STALL_AFTER_UNAVAILABLE_S = 60.0
+"""A store unavailable this long stalls the slot (its feed does nothing meanwhile)."""
+
+
+class _StepFailed(Exception):
+    """A feed step's non-transient failure (``error``); ``record_level`` when the error is about
+    the record itself (this document cannot be written), not the store."""
+
+    def __init__(self, step: str, error: WowdError) -> None:
+        super().__init__(f"{step}: {error}")
+        self.step = step
+        self.error = error
+        self.record_level = isinstance(error, InvalidInput | SinkWriteError)
+
+
+@contextmanager
+def _step(name: str) -> Iterator[None]:
+    """Names the step of a non-transient failure; transient ones and a lost lease pass."""
+    try:
+        yield
+    except (StorageUnavailable, LeaseLost, SlotStalled):
+        raise
+    except WowdError as exc:
+        raise _StepFailed(name, exc) from exc
 
 
 class Reducer(Protocol):
@@ -143,6 +182,7 @@ class Waker:
         head after the slot was taken: nothing of the slot fires before."""
         self._want_watermark: float = float("inf")
         """While the loop waits: a watermark at or above this wakes it."""
+        self.created_ms = int(time.time() * 1000)
 
     def advance(self, watermark: int) -> None:
         """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
@@ -276,7 +316,11 @@ class Feeder:
         self._processing = False
         self._stopping = False
         self._read_scope: anyio.CancelScope | None = None
-        self.fatal: str | None = None
+        self.stalled: str | None = None
+        """Why the slot's feed cannot progress now (``None``: it does)."""
+        self.stalled_since = 0.0
+        self._stall_logged_at = float("-inf")
+        self._unavailable_since: float | None = None
 
     def _request_stop(self) -> None:
         self._stopping = True
@@ -322,21 +366,58 @@ class Feeder:
                 self._processing = False
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
                 logx.warning("log read failed (will retry): %s", exc)
+                self._unavailable(held, f"log read: {exc}", logx)
                 await self._pause(held, attempt)
                 attempt += 1
-            except (SinkWriteError, StorageError, InvalidInput) as exc:
-                # not transient: this slot's feed stops (its timers still fire) with a metric
+            except (StorageError, InvalidInput) as exc:
+                # the log itself refuses (a corrupted file, no privilege): nothing can be fed
+                self._processing = False
+                self._read_scope = None
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                self.fatal = str(exc)
-                logx.error("feed stopped on a non-transient error: %s", exc)
-                await held.stop_event.wait()
-                return
+                self._stall(held, f"log read: {type(exc).__name__}: {exc}", logx)
+                await self._pause(held, attempt, cap=STALL_BACKOFF_MAX_S)
+                attempt += 1
         logx.info("feed stopped at a batch boundary")
 
-    async def _pause(self, held: HeldSlot, attempt: int) -> None:
-        delay = min(10.0, 0.1 * 2 ** min(attempt, 10))
+    async def _pause(self, held: HeldSlot, attempt: int, cap: float = 10.0) -> None:
+        delay = min(cap, 0.1 * 2 ** min(attempt, 10))
         with anyio.move_on_after(delay):
             await held.stop_event.wait()
+
+    # ---- stalled: the slot's feed cannot progress
+
+    def _unavailable(self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """A transient failure: the slot is stalled once the store has been unavailable for
+        :data:`STALL_AFTER_UNAVAILABLE_S`."""
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+        elif now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
+            self._stall(held, reason, logx)
+
+    def _stall(self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """Records that the slot's feed cannot progress (readiness 503, ``wowd_feed_stalled`` 1,
+        an ERROR line at most once a minute); after ``feed.stall_release_s`` raises
+        :class:`SlotStalled` so that the slot is given up for another replica to try."""
+        now = time.monotonic()
+        if self.stalled is None:
+            self.stalled_since = now
+        self.stalled = reason
+        metrics.FEED_STALLED.labels(slot=str(held.slot)).set(1)
+        if now - self._stall_logged_at >= STALL_LOG_EVERY_S:
+            self._stall_logged_at = now
+            logx.error("feed of slot %d stalled (retrying): %s", held.slot, reason)
+        if now - self.stalled_since >= self._settings.feed.stall_release_s:
+            raise SlotStalled(f"slot {held.slot}: feed stalled for {now - self.stalled_since:.0f} s: {reason}")
+
+    def _progressed(self, held: HeldSlot, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        self._unavailable_since = None
+        if self.stalled is not None:
+            stalled_s = time.monotonic() - self.stalled_since
+            logx.info("feed of slot %d progresses again (stalled %.0f s)", held.slot, stalled_s)
+            self.stalled = None
+            self._stall_logged_at = float("-inf")
+        metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
 
     async def _process(
         self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
@@ -351,13 +432,23 @@ class Feeder:
         while True:
             held.check()
             try:
-                await self._apply(held, batch, prepared, waker, logx)
+                await self._apply(held, batch.positions, prepared, waker, logx)
                 break
             except StorageUnavailable as exc:
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
                 logx.warning("feed batch failed (retrying the batch): %s", exc)
+                self._unavailable(held, str(exc), logx)
                 await self._pause(held, attempt)
                 attempt += 1
+            except _StepFailed as failed:
+                metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                if await self._isolate(held, batch, waker, logx):
+                    break
+                # every record fails for the store's own reasons: nothing to quarantine
+                self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
+                await self._pause(held, attempt, cap=STALL_BACKOFF_MAX_S)
+                attempt += 1
+        self._progressed(held, logx)
         # metrics only once the batch is checkpointed (a retried batch counts once)
         for e in prepared.malformed:
             metrics.QUARANTINED.labels(field=field_of(e.error)).inc()
@@ -377,47 +468,99 @@ class Feeder:
     async def _apply(
         self,
         held: HeldSlot,
-        batch: LogBatch,
+        positions: Mapping[int, Position],
         prepared: _Prepared,
         waker: Waker,
         logx: logging.LoggerAdapter[logging.Logger],
     ) -> None:
+        """Applies a batch (or, with no ``positions``, some of its commits without a checkpoint).
+        A step's non-transient failure is a :class:`_StepFailed` naming the step."""
         backend = self._backend
         n = self._settings.partitions
         # 1. quarantine what cannot be read (the rest is fed)
-        for e in prepared.malformed:
-            held.check()
-            logx.warning("quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error)
-            await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
-        for c, p, exc in prepared.rejected:
-            held.check()
-            logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
-            await backend.log.quarantine(
-                CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
-            )
+        with _step("quarantine"):
+            for e in prepared.malformed:
+                held.check()
+                logx.warning(
+                    "quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error
+                )
+                await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
+            for c, p, exc in prepared.rejected:
+                held.check()
+                logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
+                await backend.log.quarantine(
+                    CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
+                )
         # 2. the event sink, one write per aggregate type
-        for type_, commits in prepared.by_type.items():
-            held.check()
-            sink = backend.sink(type_)
-            if type_ not in self._prepared_sinks:
-                await sink.prepare()
-                self._prepared_sinks.add(type_)
-            await sink.write(commits)
+        with _step("sink"):
+            for type_, commits in prepared.by_type.items():
+                held.check()
+                sink = backend.sink(type_)
+                if type_ not in self._prepared_sinks:
+                    await sink.prepare()
+                    self._prepared_sinks.add(type_)
+                await sink.write(commits)
         # 3. the timer projection: the batch's net effect in one write
         if prepared.timer_writes:
             held.check()
-            answers = await backend.timers.write(prepared.timer_writes)
+            with _step("timers"):
+                answers = await backend.timers.write(prepared.timer_writes)
             for w, written in zip(prepared.timer_writes, answers, strict=True):
                 if w.kind == "put" and written and w.timer is not None and w.timer.partition in held.partitions:
                     waker.maybe_wake(w.timer.due_at)
         # 4. snapshots where a reducer is configured
-        await self._snapshots(held, prepared, logx)
+        with _step("snapshots"):
+            await self._snapshots(held, prepared, logx)
         # 5. resume the parked timers of the aggregates that just committed
-        await self._resume_parked(held, prepared, waker)
+        with _step("parked"):
+            await self._resume_parked(held, prepared, waker)
         # 6. checkpoints under the slot's fence, in one write
+        if positions:
+            held.check()
+            with _step("checkpoint"):
+                saved = await backend.log.save_checkpoints(CONSUMER, positions, held.fence)
+            if not saved:
+                raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
+
+    async def _isolate(
+        self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
+    ) -> bool:
+        """After a step refused the batch: applies its commits one at a time, in log order, and
+        quarantines each one a step refuses (with the step and the error), then checkpoints the
+        batch. False (nothing quarantined, no checkpoint) when every commit fails for the store's
+        own reasons: the store refuses everything, which is a stall, not bad input.
+
+        A record-level refusal (:class:`InvalidInput`, :class:`SinkWriteError`: this document
+        cannot be written) is quarantined even when it is the only commit."""
+        s = self._settings
+        failed: list[tuple[LogEntry, _StepFailed]] = []
+        applied = 0
+        for e in batch.entries:
+            held.check()
+            single = prepare_batch((e,), s.timers.max_body_bytes, s.partitions)
+            try:
+                await self._apply(held, {}, single, waker, logx)
+                applied += 1
+            except _StepFailed as refused:
+                failed.append((e, refused))
+        if not applied and not any(f.record_level for _e, f in failed):
+            return False
+        n = s.partitions
+        with _step("quarantine"):
+            for e, f in failed:
+                held.check()
+                reason = f"{f.step} refused it: {type(f.error).__name__}: {f.error}"
+                raw = e.raw if e.commit is None else commit_to_doc(e.commit, n)
+                await self._backend.log.quarantine(CONSUMER, e.partition, e.aggregate, raw, reason)
+                metrics.FEED_POISON.labels(step=f.step, error=type(f.error).__name__).inc()
+                where = f"{e.commit.ref} v{e.commit.version}" if e.commit is not None else f"of {e.aggregate}"
+                logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
         held.check()
-        if not await backend.log.save_checkpoints(CONSUMER, batch.positions, held.fence):
+        with _step("checkpoint"):
+            saved = await self._backend.log.save_checkpoints(CONSUMER, batch.positions, held.fence)
+        if not saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(batch.positions)} refused under fence {held.fence}")
+        return True
 
     async def _snapshots(
         self, held: HeldSlot, prepared: _Prepared, logx: logging.LoggerAdapter[logging.Logger]
@@ -456,9 +599,12 @@ class Feeder:
         if changed:
             held.check()
             outcomes = await store.save_all(list(changed.values()))
-            for o in outcomes:
-                if o.status == "failed":
-                    logx.warning("snapshot of %s v%d not saved: %s", o.ref, o.version, o.reason)
+            refused = [o for o in outcomes if o.status == "failed"]
+            if refused:
+                o = refused[0]
+                raise StorageError(
+                    f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}"
+                )
 
     async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
         timers = self._backend.timers

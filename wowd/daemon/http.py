@@ -26,13 +26,15 @@ REQUEST_TIMEOUT_S = 10.0
 
 
 class HttpServer:
-    """Serves the health and metrics endpoints; ``ready()`` decides ``/readyz``."""
+    """Serves the health and metrics endpoints. ``ready(holding)`` decides ``/readyz``: it answers
+    ``(ok, why)``; ``/readyz`` asks whether the replica functions (holder or standby),
+    ``/readyz?holding=1`` whether it also holds a slot. A 503's body says why."""
 
     def __init__(
         self,
         host: str,
         port: int,
-        ready: Callable[[], bool],
+        ready: Callable[[bool], tuple[bool, str]],
         *,
         registry: CollectorRegistry = REGISTRY,
         port_file: Path | None = None,
@@ -66,10 +68,13 @@ class HttpServer:
             return 200, CONTENT_TYPE_LATEST, generate_latest(self._registry)
         if path == "/healthz":
             return 200, "text/plain; charset=utf-8", b"ok\n"
-        if path == "/readyz":
-            if self._ready():
-                return 200, "text/plain; charset=utf-8", b"ready\n"
-            return 503, "text/plain; charset=utf-8", b"not ready\n"
+        route, _, query = path.partition("?")
+        if route == "/readyz":
+            holding = "holding=1" in query.split("&")
+            ok, why = self._ready(holding)
+            if ok:
+                return 200, "text/plain; charset=utf-8", f"ready: {why}\n".encode()
+            return 503, "text/plain; charset=utf-8", f"not ready: {why}\n".encode()
         return 404, "text/plain; charset=utf-8", b"not found\n"
 
     async def _handle(self, stream: SocketStream) -> None:
@@ -82,7 +87,7 @@ class HttpServer:
                 if request is None:
                     return
                 method = request.method.decode("ascii", "replace")
-                path = request.target.decode("ascii", "replace").split("?", 1)[0]
+                path = request.target.decode("ascii", "replace")
                 status, ctype, body = self._route(method, path)
                 await self._respond(conn, stream, status, ctype, b"" if method == "HEAD" else body, len(body))
         except h11.RemoteProtocolError:

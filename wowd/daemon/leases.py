@@ -29,7 +29,7 @@ from anyio.abc import TaskStatus
 
 from wowd import metrics
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, LeaseLost, StorageError, StorageUnavailable
+from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
 from wowd.model import Owner, SlotLease
 from wowd.stores.base import SlotLeaseStore
 
@@ -94,6 +94,15 @@ class HeldSlot:
 Work = Callable[[HeldSlot], Awaitable[None]]
 
 
+STALL_COOLDOWN_MIN_S = 10.0
+
+
+def _first(group: BaseException) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
 def _backoff(attempt: int, base: float, cap: float) -> float:
     return float(min(cap, base * (2 ** min(attempt, 20))) * random.uniform(0.5, 1.0))
 
@@ -127,6 +136,8 @@ class SlotKeeper:
         self._grace_scope: anyio.CancelScope | None = None
         self._grace_deadline = math.inf
         self.held: HeldSlot | None = None
+        self._cooldown_s = 0.0
+        """After a stalled slot was given up: how long to stand by before acquiring again."""
         self.standby = False
         self.acquired_once = False
 
@@ -188,6 +199,12 @@ class SlotKeeper:
                 started = True
                 task_status.started(held)
             await self._hold(held)
+            if self._cooldown_s:
+                self.standby = True
+                self._on_change()
+                with anyio.move_on_after(self._cooldown_s):
+                    await self._stop.wait()
+                self._cooldown_s = 0.0
         self.standby = False
 
     async def _hold(self, held: HeldSlot) -> None:
@@ -219,10 +236,15 @@ class SlotKeeper:
                         graceful = not held.lost
                     except* LeaseLost as eg:
                         held.lost = True
-                        first: BaseException = eg
-                        while isinstance(first, BaseExceptionGroup):
-                            first = first.exceptions[0]
-                        log.warning("slot %d: %s", held.slot, first, extra=extra)
+                        log.warning("slot %d: %s", held.slot, _first(eg), extra=extra)
+                    except* SlotStalled as eg:
+                        # given up for another replica to try: released, then a standby for a while
+                        graceful = True
+                        self._cooldown_s = max(2 * self._settings.lease.ttl_s, STALL_COOLDOWN_MIN_S)
+                        log.error(
+                            "giving up slot %d for another replica to try (standby for %.0f s): %s",
+                            held.slot, self._cooldown_s, _first(eg), extra=extra,
+                        )  # fmt: skip
                 tg.cancel_scope.cancel()
         finally:
             self.held = None

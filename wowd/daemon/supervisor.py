@@ -10,6 +10,7 @@ group down and :meth:`run` raises, so the process exits non-zero.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import anyio
@@ -60,6 +61,10 @@ class Supervisor:
         self.stores_ok = False
         self.http: HttpServer | None = None
         self._reducers: dict[str, Reducer] = {}
+        self._feeders: dict[int, Feeder] = {}
+        """The feed of each slot held now (its ``stalled`` state decides readiness)."""
+        self._wakers: dict[int, Waker] = {}
+        self._slots_seen: set[int] = set()
 
     # ------------------------------------------------------------------ state
 
@@ -67,9 +72,28 @@ class Supervisor:
     def held(self) -> list[HeldSlot]:
         return [k.held for k in self._keepers if k.held is not None]
 
+    def functioning(self) -> tuple[bool, str]:
+        """Whether this replica does its job (``/readyz``, ``wowd_ready``), holder or standby:
+        its stores answer and no slot it holds is stalled; ``why`` says which or what."""
+        if not self.stores_ok:
+            return False, "the stores do not answer"
+        stalled = [(slot, f.stalled) for slot, f in sorted(self._feeders.items()) if f.stalled is not None]
+        if stalled:
+            return False, "; ".join(f"slot {slot} stalled: {why}" for slot, why in stalled)
+        held = [h for h in self.held if h.valid]
+        if not held:
+            return True, f"standby: no free slot in {self.settings.lease_namespace}"
+        return True, "holding slot(s) " + ", ".join(str(h.slot) for h in sorted(held, key=lambda h: h.slot))
+
+    def readiness(self, holding: bool) -> tuple[bool, str]:
+        """``/readyz`` (functioning) or ``/readyz?holding=1`` (functioning and holding a slot)."""
+        ok, why = self.functioning()
+        if ok and holding and not any(h.valid for h in self.held):
+            return False, why
+        return ok, why
+
     def ready(self) -> bool:
-        """Holds a lease and its stores answer (``/readyz``)."""
-        return self.stores_ok and any(h.valid for h in self.held)
+        return self.functioning()[0]
 
     def _status_line(self) -> str:
         held = self.held
@@ -80,6 +104,12 @@ class Supervisor:
 
     def _on_lease_change(self) -> None:
         held = self.held
+        slots = {h.slot for h in held}
+        for slot in self._slots_seen - slots:
+            metrics.SLOT_HELD.labels(slot=str(slot)).set(0)
+        for slot in slots:
+            metrics.SLOT_HELD.labels(slot=str(slot)).set(1)
+        self._slots_seen |= slots
         metrics.LEASES_HELD.set(len(held))
         metrics.PARTITIONS_OWNED.set(sum(len(h.partitions) for h in held))
         metrics.READY.set(1 if self.ready() else 0)
@@ -129,7 +159,7 @@ class Supervisor:
             )
             for i in range(s.lease.slots_per_process)
         ]
-        self.http = HttpServer(s.http.host, s.http.port, self.ready, port_file=self._port_file)
+        self.http = HttpServer(s.http.host, s.http.port, self.readiness, port_file=self._port_file)
         with anyio.CancelScope() as scope:
             self._scope = scope
             async with anyio.create_task_group() as tg:
@@ -180,12 +210,19 @@ class Supervisor:
         waker = Waker()
         feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
         loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge)
+        self._feeders[held.slot] = feeder
+        self._wakers[held.slot] = waker
         self._on_lease_change()
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, waker)
-            # snapshots of a raised state revision: this slot's partitions, before its feed
-            await Rebuilder(self.settings, self.backend, self._reducers).rebuild_slot(held)
-            await tg.start(feeder.run, held, waker)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, waker)
+                # snapshots of a raised state revision: this slot's partitions, before its feed
+                await Rebuilder(self.settings, self.backend, self._reducers).rebuild_slot(held)
+                await tg.start(feeder.run, held, waker)
+        finally:
+            self._feeders.pop(held.slot, None)
+            self._wakers.pop(held.slot, None)
+            metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
 
     async def _ping(self) -> None:
         ok = False
@@ -198,6 +235,11 @@ class Supervisor:
         if ok != self.stores_ok:
             self.stores_ok = ok
         metrics.READY.set(1 if self.ready() else 0)
+        now_ms = time.time() * 1000
+        for slot, waker in list(self._wakers.items()):
+            # before the feed first reaches the head: since the slot was taken
+            mark = waker.watermark if waker.watermark is not None else waker.created_ms
+            metrics.FEED_WATERMARK_LAG.labels(slot=str(slot)).set(max(0.0, (now_ms - mark) / 1000))
 
     async def _health_loop(self) -> None:
         s = self.settings

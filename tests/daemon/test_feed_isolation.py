@@ -1,0 +1,159 @@
+"""Nothing stops for good (DESIGN.md sections 7 and 9): a commit a step refuses is quarantined
+with its step and error while the rest of its batch and partition is fed; a store that refuses
+everything stalls the slot (not ready, ``wowd_feed_stalled`` 1) and, after
+``feed.stall_release_s``, the slot is given up."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd import metrics
+from wowd.config import EmbeddedSettings, FeedSettings, LeaseSettings, WowdSettings
+from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.leases import HeldSlot
+from wowd.errors import InvalidInput, SlotStalled, StorageError
+from wowd.model import AggregateType, Commit, Owner, partition
+from wowd.stores.base import Backend, EventSink
+
+from .conftest import CONTEXT, eventually, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+def settings(tmp_path: Path, **feed: Any) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1),
+        feed=FeedSettings(**feed),
+    )
+
+
+class RefusingSink:
+    """An event sink that refuses the commits of some aggregates (or every commit)."""
+
+    def __init__(self, inner: EventSink, *, refuse: set[str] | None = None, broken: bool = False) -> None:
+        self._inner = inner
+        self.type = inner.type
+        self.refuse = refuse or set()
+        self.broken = broken
+
+    async def prepare(self) -> None:
+        await self._inner.prepare()
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        if self.broken:
+            raise StorageError("sqlite wowd.db: database disk image is malformed")
+        for r in records:
+            if r.ref.id in self.refuse:
+                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
+        await self._inner.write(records)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings(tmp_path))
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:
+    inner = backend.sink_factory
+    sink = RefusingSink(inner(AggregateType(context=CONTEXT, aggregate="order")), **kwargs)
+    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
+    backend._sinks.clear()
+    return sink
+
+
+def caught_up(waker: Waker) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return waker.watermark is not None
+
+    return check
+
+
+async def hold(b: Backend) -> HeldSlot:
+    res = await b.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
+    )
+
+
+async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(
+    tmp_path: Path, backend: Backend
+) -> None:
+    sink = refusing(backend, refuse={"bad"})
+    commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=10**13) for i in range(6)]
+    commits.insert(3, timer_commit("bad", 1, ["k"], due_at=10**13))
+    await backend.log.append_many(commits)
+    poisoned = metrics.FEED_POISON.labels(step="sink", error="InvalidInput")._value.get()
+    held = await hold(backend)
+    feeder = Feeder(settings(tmp_path), backend)
+    waker = Waker()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, waker)
+            await eventually(caught_up(waker), 10, "the feed at the log's head")
+            held.request_stop()
+    assert feeder.stalled is None
+    fed = {d["aggregate_id"] for c in commits for d in await sink.documents(c.ref)}
+    assert fed == {f"o-{i}" for i in range(6)}
+    # the good commits' timers are in the view; the refused commit is kept with its step and error
+    assert len(await backend.timers.scan(limit=20)) == 6
+    [q] = await backend.log.quarantined()
+    assert q["raw"]["aggregate_id"] == "bad" and q["partition"] == partition("bad", PARTS)
+    assert q["reason"].startswith("sink refused it: InvalidInput:") and "mapper_parsing_exception" in q["reason"]
+    assert metrics.FEED_POISON.labels(step="sink", error="InvalidInput")._value.get() == poisoned + 1
+    cps = await backend.log.checkpoints(CONSUMER, list(range(PARTS)))
+    assert {p for p in cps} == {partition(c.ref.id, PARTS) for c in commits}
+
+
+async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
+    tmp_path: Path, backend: Backend
+) -> None:
+    sink = refusing(backend, broken=True)
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, []) for i in range(3)])
+    held = await hold(backend)
+    s = settings(tmp_path, stall_release_s=1.5)
+    feeder = Feeder(s, backend)
+    started = time.monotonic()
+    with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, Waker())
+    assert info.group_contains(SlotStalled, match="database disk image is malformed")
+    assert time.monotonic() - started >= 1.5
+    # stalled, nothing quarantined (the records are fine: the store is not), nothing checkpointed
+    assert feeder.stalled is not None and "sink: StorageError" in feeder.stalled
+    assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 1
+    assert await backend.log.quarantined() == []
+    assert await backend.log.checkpoints(CONSUMER, list(range(PARTS))) == {}
+    # once the store answers again the same batch is fed
+    sink.broken = False
+    waker = Waker()
+    feeder = Feeder(s, backend)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, waker)
+            await eventually(caught_up(waker), 10, "the feed at the log's head")
+            held.request_stop()
+    assert feeder.stalled is None
+    assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 0
+    assert len(await backend.log.checkpoints(CONSUMER, list(range(PARTS)))) >= 1
