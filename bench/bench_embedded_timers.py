@@ -191,7 +191,7 @@ def daemon_run(n: int, batch: int, partitions: int) -> dict[str, float]:
                     raise RuntimeError(f"wowd exited {proc.returncode}: {(Path(tmp) / 'wowd.log').read_text()}")
                 try:
                     port = int(port_file.read_text().strip())
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as resp:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz?holding=1", timeout=2) as resp:
                         return bool(resp.status == 200)
                 except (OSError, ValueError, urllib.error.URLError):
                     return False

@@ -69,7 +69,7 @@ class Daemon:
             except (OSError, ValueError):
                 return False
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz?holding=1", timeout=2) as resp:
                 return bool(resp.status == 200)
         except (urllib.error.URLError, OSError):
             return False

@@ -471,7 +471,7 @@ class Harness:
         try:
             port = int(r.port_file.read_text())
             async with httpx.AsyncClient(timeout=1.0) as client:
-                return (await client.get(f"http://127.0.0.1:{port}/readyz")).status_code == 200
+                return (await client.get(f"http://127.0.0.1:{port}/readyz?holding=1")).status_code == 200
         except (httpx.HTTPError, ValueError, OSError):
             return False
 

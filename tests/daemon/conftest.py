@@ -79,7 +79,7 @@ class Replica:
 
     async def wait_ready(self, within: float = 15) -> None:
         await self.wait_port()
-        await eventually(lambda: self._status("/readyz", 200), within, f"{self.name} not ready")
+        await eventually(lambda: self._status("/readyz?holding=1", 200), within, f"{self.name} holds no slot")
 
     async def _status(self, path: str, code: int) -> bool:
         return (await self.get(path)).status_code == code

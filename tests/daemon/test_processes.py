@@ -83,6 +83,10 @@ def assert_no_secret(text: str) -> None:
     assert SECRET_MONGO_PW not in text
 
 
+async def _status_is(r: Replica, path: str, code: int) -> bool:
+    return (await r.get(path)).status_code == code
+
+
 async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
     spawn: Callable[..., Replica], db: Path, stores: Backend
 ) -> None:
@@ -98,8 +102,10 @@ async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
 
     c = spawn("c", env)
     await c.wait_port()
-    assert (await c.get("/readyz")).status_code == 503  # standby: no lease
+    assert (await c.get("/readyz?holding=1")).status_code == 503  # standby: no lease
     await eventually(lambda: _contains(c, "standing by"), 10, "c standing by")
+    # a healthy standby is ready (it functions: its stores answer, it holds nothing to stall)
+    await eventually(lambda: _status_is(c, "/readyz", 200), 10, "c ready as a standby")
 
     # round 1: timers over every partition, fired by a and b
     round1 = [timer_commit(f"order-{i}", 1, [f"k1-{i}"]) for i in range(32)]
@@ -187,7 +193,7 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     spawn: Callable[..., Replica], db: Path, stores: Backend, tmp_path: Path
 ) -> None:
     env = base_env(db, WOWD_LEASE__LIMIT=1)
-    # hold the only slot so the replica starts as a standby: /readyz 503 before its first lease
+    # hold the only slot so the replica starts as a standby: /readyz?holding=1 503 before its first lease
     blocker = await stores.leases.acquire(NS, Owner(key="blocker"), 1, timedelta(seconds=60), timedelta(seconds=1))
     assert blocker.acquired and blocker.lease is not None
     good_before = timer_commit("g-1", 1, ["a"])
@@ -216,7 +222,7 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     r = spawn("r", {**env, "NOTIFY_SOCKET": "@" + notify_name})
     await r.wait_port()
     assert (await r.get("/healthz")).status_code == 200
-    assert (await r.get("/readyz")).status_code == 503
+    assert (await r.get("/readyz?holding=1")).status_code == 503
     # sd_notify: READY at once as a standby, with a STATUS saying so
     await eventually(lambda: notified("READY=1"), 10, "READY=1")
     assert any("READY=1" in m and "STATUS=standby" in m for m in messages), messages
