@@ -119,7 +119,13 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         log = MongoLog(
             client, database, context=context, partitions=partitions, operation_timeout=timeout, max_await=max_await
         )
-        timers = MongoTimerStore(client, database, context=context, partitions=partitions)
+        timers = MongoTimerStore(
+            client,
+            database,
+            context=context,
+            partitions=partitions,
+            tombstone_retention=timedelta(seconds=settings.timers.tombstone_retention_s),
+        )
         snapshots = MongoSnapshotStore(client, database, context=context)
         outbox = MongoOutbox(client, database, context=context)
         stores = (leases, log, timers, snapshots, outbox)
