@@ -420,3 +420,39 @@ async def test_sweep_and_empty_calls_send_nothing(idle_client: AsyncMongoClient[
     assert await store.reclaim(set(), 5) == 0
     assert await store.claim_due(set(), 1, 1, owner_key="k", fence=1, claim_until=2) == []
     assert await store.write([]) == []
+
+
+async def test_a_replayed_batch_costs_one_bulk_and_one_read_per_collection(mongo_client: Any, wire: Wire) -> None:
+    """A log batch replayed after a takeover: 400 puts over two types, half of them fired since
+    (DONE tombstones: refused), half still live at the same version (matched, kept). Whatever the
+    number of timers, each collection costs one bulk and one read of its refused keys."""
+    store = store_on(mongo_client)
+    await ready(store, wire, "order", "cart")
+    timers = [make_timer(aggregate=agg, id=f"{agg}-{i}", version=2) for agg in ("order", "cart") for i in range(200)]
+    fired = {t.timer_id for t in timers[::2]}
+    commands: list[str] = []
+    async with calling(lambda: store.write([TimerWrite.put(t) for t in timers])) as out:
+        for _ in range(2):
+            bulk = await wire.command("update")
+            commands.append("update")
+            name = bulk.doc["update"]
+            mine = [t for t in timers if f"wow_timer__ctx__{t.owner.aggregate}" == name]
+            assert len(bulk.doc["updates"]) == 200
+            refused = [
+                dup_key_error(i, tombstone(timer_to_doc(t), "DONE"), ns=f"{DB}.{name}")
+                for i, t in enumerate(mine)
+                if t.timer_id in fired
+            ]
+            bulk.ok(n=100, nModified=0, writeErrors=refused)
+            read = await wire.command("find")
+            commands.append("find")
+            assert len(read.doc["filter"]["$or"]) == 100
+            read.ok(
+                **cursor(
+                    f"{DB}.{name}",
+                    [key_doc(tombstone(timer_to_doc(t), "DONE")) for t in mine if t.timer_id in fired],
+                )
+            )
+    assert out.error is None, out.error
+    assert commands == ["update", "find", "update", "find"]
+    assert out.value == [0 if t.timer_id in fired else 1 for t in timers]
