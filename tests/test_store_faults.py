@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,6 +52,7 @@ from wowd.model import (
 )
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.timers import timer_to_doc
 
 pytestmark = pytest.mark.anyio
 
@@ -131,6 +132,29 @@ def _get(doc: Mapping[str, Any], path: str) -> Any:
     return value
 
 
+def _tombstone(doc: Mapping[str, Any], pipeline: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """The one update pipeline a settle sends (a fired one-shot timer's DONE tombstone): literal
+    ``status``, ``expires_at`` from the server's clock, revision + 1, the claim unset."""
+    [set_stage, unset_stage] = pipeline
+    fields = set_stage["$set"]
+    out = {k: v for k, v in doc.items() if k != unset_stage["$unset"]}
+    out["status"] = fields["status"]
+    out["expires_at"] = datetime.now(UTC)
+    out["revision"] = doc["revision"] + 1
+    return out
+
+
+def _admits(put_filter: Mapping[str, Any], doc: Mapping[str, Any]) -> bool:
+    """Whether a put's conditional upsert matches ``doc``: its key equalities and one clause of
+    its ``$or`` (an earlier version, or the same version not a tombstone)."""
+    key = {k: v for k, v in put_filter.items() if k != "$or"}
+    earlier, same = put_filter["$or"]
+    return _matches(key, doc) and (
+        doc["version"] < earlier["version"]["$lt"]
+        or (doc["version"] == same["version"] and doc["status"] not in same["status"]["$nin"])
+    )
+
+
 def _matches(flt: Mapping[str, Any], doc: Mapping[str, Any]) -> bool:
     """Equality filters on dotted paths (what the settle and the outbox send)."""
     return all(_get(doc, k) == v for k, v in flt.items())
@@ -147,7 +171,8 @@ class Collection:
         for st in statements:
             for i, d in enumerate(self.docs):
                 if _matches(st["q"], d):
-                    self.docs[i] = {"_id": d.get("_id"), **st["u"]}
+                    u = st["u"]
+                    self.docs[i] = _tombstone(d, u) if isinstance(u, list) else {"_id": d.get("_id"), **u}
                     n += 1
                     break
         return n
@@ -198,7 +223,7 @@ async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_
         ddl=Ddl.NONE,
         operation_timeout=operation_timeout,
     )
-    registry = {"_id": "wow_timer__ctx__order", "context": CONTEXT, "aggregate": "order", "format": 5}
+    registry = {"_id": "wow_timer__ctx__order", "context": CONTEXT, "aggregate": "order", "format": 6}
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             call = Call.start(tg, store.prepare)
@@ -213,7 +238,7 @@ async def put_update(wire: Wire) -> Any:
     one (a store that read the type in ``prepare`` does not)."""
     req = await wire.receives()
     if req.command_name == "findAndModify":
-        registry = {"_id": "wow_timer__ctx__order", "context": CONTEXT, "aggregate": "order", "format": 5}
+        registry = {"_id": "wow_timer__ctx__order", "context": CONTEXT, "aggregate": "order", "format": 6}
         req.ok(value=registry, lastErrorObject={"n": 1, "updatedExisting": True})
         req = await wire.receives()
     assert req.command_name == "update", req.doc
@@ -236,12 +261,11 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
     """The connection drops after the server applied the first replace of the bulk. The retry
     sends the same statements; the one already applied no longer matches (its revision moved on)
     and is skipped, the others apply: each change lands exactly once."""
-    from wowd.stores.mongo.timers import timer_to_doc
 
     timers = [claimed_timer(f"order-{i}") for i in range(3)]
     server = Collection([{"_id": ObjectId(), **timer_to_doc(t)} for t in timers])
     changes = [
-        TimerChange.fired(timers[0], fence=3, next_due=None),  # a delete
+        TimerChange.fired(timers[0], fence=3, next_due=None),  # its DONE tombstone (an update)
         TimerChange.fired(timers[1], fence=3, next_due=5_000),  # a replace (recurring)
         TimerChange.retry(timers[2], fence=3, due_at=9_000, error="HTTP 503"),  # a replace
     ]
@@ -261,13 +285,11 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
             assert req.doc["updates"] == first["updates"], "the retry sends the same guarded statements"
             n = server.update(req.doc["updates"])
             req.ok(n=n, nModified=n)
-            req = await wire.command("delete")
-            d = server.delete(req.doc["deletes"])
-            req.ok(n=d)
             written = await call.result()
     assert written == 2, "the statement applied before the drop is skipped, not written twice"
     by_id = {doc["timer_id"]: doc for doc in server.docs}
-    assert timers[0].timer_id not in by_id
+    done = by_id[timers[0].timer_id]
+    assert (done["status"], done["revision"], "claim" in done) == ("DONE", timers[0].revision + 1, False)
     assert by_id[timers[1].timer_id]["due_at"] == 5_000 and by_id[timers[1].timer_id]["fired"] == 1
     assert by_id[timers[1].timer_id]["revision"] == timers[1].revision + 1
     retried = by_id[timers[2].timer_id]
@@ -318,8 +340,9 @@ async def test_a_put_past_its_timeout_is_retried_and_the_landed_write_matches(
             call = Call.start(tg, lambda: with_backoff(lambda: store.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first
-            assert first[0]["q"]["version"] == {"$lte": t.version}, "admits the timer it wrote itself"
-            req.ok(n=1, nModified=1)
+            landed = {"_id": ObjectId(), **timer_to_doc(t)}
+            assert _admits(first[0]["q"], landed), "admits the timer it wrote itself"
+            req.ok(n=1, nModified=0)  # matched, kept as it is
             assert await call.result() is True
     await store.close()
 

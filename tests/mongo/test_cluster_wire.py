@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from bson import ObjectId
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr
@@ -38,15 +39,22 @@ from tests.mongo.log_support import (
 )
 from tests.mongo.timers_support import calling, make_timer, registry_doc
 from tests.mongo.timers_support import cursor as timers_cursor
-from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings, load_settings
+from wowd.config import ElasticsearchSettings, MongoSettings, TimerSettings, WowdSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
-from wowd.model import AggregateRef, LogBatch, SnapshotRecord
+from wowd.model import AggregateRef, Claim, LogBatch, SnapshotRecord
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
 from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timers import MAX_SCANS_TO_EXPLODE, MongoTimerStore, next_due_pipeline
+from wowd.stores.mongo.timers import (
+    MAX_SCANS_TO_EXPLODE,
+    MongoTimerStore,
+    due_match,
+    next_due_pipeline,
+    settle_filter,
+    timer_to_doc,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -435,8 +443,6 @@ def timer3() -> Any:
 
 
 async def answer_put(rs_wire: Wire) -> None:
-    from bson import ObjectId
-
     (await rs_wire.command("update")).ok(n=1, nModified=0, upserted=[{"index": 0, "_id": ObjectId()}])
 
 
@@ -549,6 +555,43 @@ async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
     assert [len(s["$unionWith"]["pipeline"][0]["$match"]["partition"]["$in"]) for s in pipeline[2:-1]] == [200, 1]
 
 
+async def test_claim_due_reads_more_partitions_than_the_planner_explodes_in_groups(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """The claim's due read is grouped as the due read is (at most 200 partitions per
+    ``$unionWith``), keeps each ``_id`` and over-reads by the excluded ids; the timers it answers
+    are claimed in one settle."""
+    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    async with calling(store.prepare) as out:
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+    assert out.error is None
+    due = make_timer(id="o1", due_at=5)
+    stored = {"_id": ObjectId(), **timer_to_doc(due), "owner": {**timer_to_doc(due)["owner"], "aggregate": "order"}}
+    call = lambda: store.claim_due(  # noqa: E731
+        set(range(450)), 10, 2, owner_key="me", fence=4, claim_until=9_000, exclude={"in-flight"}
+    )
+    async with calling(call) as claimed:
+        agg = await rs_wire.command("aggregate")
+        unions = [s["$unionWith"] for s in agg["pipeline"] if "$unionWith" in s]
+        assert [u["coll"] for u in unions] == [TIMERS] * 3
+        assert [u["pipeline"][0]["$match"] for u in unions] == [
+            due_match(range(200), 10),
+            due_match(range(200, 400), 10),
+            due_match(range(400, 450), 10),
+        ]
+        assert all({"$limit": 3} in u["pipeline"] and {"$unset": "_id"} not in u["pipeline"] for u in unions)
+        assert agg["pipeline"][-2:] == [{"$sort": {"due_at": 1, "timer_id": 1}}, {"$limit": 4}]
+        agg.ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [{"registered": 1}, stored]))
+        settle = await rs_wire.command("update")
+        assert settle["update"] == TIMERS
+        assert [u["q"] for u in settle["updates"]] == [settle_filter(due)]
+        settle.ok(n=1, nModified=1)
+    assert claimed.error is None, claimed.error
+    assert [(t.timer_id, t.claim) for t in claimed.value or []] == [
+        (due.timer_id, Claim(owner_key="me", fence=4, until=9_000))
+    ]
+
+
 # --------------------------------------------------------------------------- settings
 
 
@@ -571,6 +614,7 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(
         backend="mongo",
         mongodb=MongoSettings(uri=SecretStr(rs_server.uri), timeout_ms=2500, ddl="none", sharding="off"),
         elasticsearch=ElasticsearchSettings(url="http://127.0.0.1:9"),
+        timers=TimerSettings(tombstone_retention_s=3600),
     )
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -586,5 +630,6 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(
         stores = [backend.log, backend.leases, backend.timers, backend.snapshots, backend.outbox]
         assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
+        assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:
         await backend.close()

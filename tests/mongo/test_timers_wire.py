@@ -20,10 +20,13 @@ from tests.mongo.timers_support import (
     answer_update,
     calling,
     cursor,
+    dup_key_error,
+    key_doc,
     make_timer,
     matches,
     ref,
     registry_doc,
+    tombstone,
 )
 from wowd import metrics
 from wowd.errors import FormatError, InvalidInput, StorageUnavailable
@@ -38,6 +41,7 @@ from wowd.stores.mongo.timers import (
     settle_filter,
     timer_from_doc,
     timer_to_doc,
+    tombstone_update,
     union_batch_size,
     union_pipeline,
 )
@@ -54,7 +58,7 @@ def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimerStore:
 
 
 async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
-    """``prepare`` reading a registry that records ``aggregates`` (format 5)."""
+    """``prepare`` reading a registry that records ``aggregates`` (format 6)."""
     async with calling(store.prepare) as out:
         req = await wire.command("find")
         assert req.doc["find"] == REGISTRY
@@ -150,7 +154,7 @@ async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: An
         assert {k: insert[k] for k in ("context", "aggregate", "format")} == {
             "context": CONTEXT,
             "aggregate": "order",
-            "format": 5,
+            "format": 6,
         }
         assert isinstance(insert["created_at"], int)
         fam.ok(value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False})
@@ -170,7 +174,9 @@ async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: An
     assert op["q"]["partition"] == timer.partition  # the shard key is in every filter by owner
     assert op["upsert"] is True and not op.get("multi", False)
     [stage] = op["u"]
-    merged = stage["$replaceWith"]["$mergeObjects"]
+    same, kept, replaced = stage["$replaceWith"]["$cond"]
+    assert (same, kept) == ({"$eq": ["$version", timer.version]}, "$$ROOT")  # a replay changes nothing
+    merged = replaced["$mergeObjects"]
     assert merged[0] == {"_id": "$_id"}
     literal = timer_to_doc(timer)
     del literal["revision"]
@@ -200,7 +206,7 @@ async def test_first_put_drops_and_rebuilds_another_format_when_told(mongo_clien
         delete = await wire.command("delete")
         assert delete.doc["deletes"][0]["q"] == {"_id": "wow_timer__ctx__order", "format": 4}
         delete.ok(n=1)
-        await answer_first_use(wire, "order")  # registered anew at format 5, created, indexed
+        await answer_first_use(wire, "order")  # registered anew at format 6, created, indexed
         await answer_update(wire)
     assert out.error is None and out.value is True
 
@@ -246,7 +252,7 @@ async def test_ddl_none_registers_the_type_and_creates_nothing(mongo_client: Any
 async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
     mongo_client: Any, wire: Wire
 ) -> None:
-    """With ``ddl=none`` a type read from the registry by ``prepare`` (format 5) is assumed to
+    """With ``ddl=none`` a type read from the registry by ``prepare`` (format 6) is assumed to
     exist: its first put is the upsert alone. A type the registry does not record still
     registers first (another replica's due read must see it)."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
@@ -348,7 +354,7 @@ async def test_prepare_drops_another_format_when_told(mongo_client: Any, wire: W
         assert [d["q"] for d in delete.doc["deletes"]] == [{"_id": "wow_timer__ctx__cart", "format": 4}]
         delete.ok(n=1)
     assert out.error is None, out.error
-    # only the format-5 collection is read by due
+    # only the format-6 collection is read by due
     async with calling(lambda: store.due({0}, 10, 5)) as due:
         agg = await wire.command("aggregate")
         unions = [s["$unionWith"]["coll"] for s in agg.doc["pipeline"] if "$unionWith" in s]
@@ -397,62 +403,85 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
 # --------------------------------------------------------------------------- put's guard
 
 
-def duplicate_key(req: Any) -> None:
-    req.ok(n=0, nModified=0, writeErrors=[{"index": 0, "code": 11000, "errmsg": "E11000 duplicate key"}])
+def stored_doc(version: int, status: str = "PENDING") -> dict[str, Any]:
+    doc = timer_to_doc(make_timer(version=version))
+    return doc if status in ("PENDING", "FIRING", "PARKED", "FAILED") else tombstone(doc, status)
 
 
-async def test_put_answers_false_when_its_upsert_meets_the_unique_key_twice(mongo_client: Any, wire: Wire) -> None:
-    """A later version is stored: the upsert inserts, meets the unique key, and the same upsert
-    sent again (in case the first lost an insert race) meets it again: False, no error."""
+async def test_put_refused_by_the_unique_key_is_decided_by_one_read(mongo_client: Any, wire: Wire) -> None:
+    """A later version is stored: the upsert matches nothing, its insert meets the unique key
+    (E11000, as a 7.0 server answers it in the ``update`` command's ``writeErrors``), and one read
+    of the key tells the refusal from a racing insert: False, no error, no second upsert."""
     store = store_on(mongo_client)
     await first_put(store, wire)
     timer = make_timer(version=3)
+    later = stored_doc(5)
     async with calling(lambda: store.put(timer)) as out:
         first = await wire.command("update")
-        duplicate_key(first)
-        again = await wire.command("update")
-        assert again.doc["updates"] == first.doc["updates"]
-        assert again.doc["updates"][0]["q"] == put_filter(timer)
-        duplicate_key(again)
+        assert first.doc["updates"][0]["q"] == put_filter(timer)
+        first.ok(n=0, nModified=0, writeErrors=[dup_key_error(0, later)])
+        read = await wire.command("find")
+        assert read.doc["find"] == "wow_timer__ctx__order"
+        assert read.doc["filter"] == {
+            "$or": [{"partition": timer.partition, "owner.tenant_id": "(0)", "owner.id": "order-1", "key": "remind"}]
+        }
+        assert read.doc["projection"] == {
+            "_id": 0,
+            "partition": 1,
+            "owner": 1,
+            "key": 1,
+            "version": 1,
+            "status": 1,
+        }
+        read.ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(later)]))
     assert out.error is None and out.value is False
 
 
 async def test_put_that_lost_an_insert_race_is_admitted_over_the_winner(mongo_client: Any, wire: Wire) -> None:
     """Two puts of one new (owner, key), versions 5 and 7: the 5 inserts first, the 7's upsert
-    matched nothing and met the unique key. The 7 must still win (it is the later version): its
-    second upsert matches the stored 5 and replaces it."""
+    matched nothing and met the unique key. The read finds the 5 (earlier: a race, not a refusal),
+    so the 7 is sent again alone; it matches the stored 5 and replaces it."""
     store = store_on(mongo_client)
     await first_put(store, wire)
-    won = timer_to_doc(make_timer(version=5))
+    won = stored_doc(5)
     async with calling(lambda: store.put(make_timer(version=7))) as out:
-        duplicate_key(await wire.command("update"))  # the 5 was inserted meanwhile
+        (await wire.command("update")).ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)])
+        (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(won)]))
         req = await wire.command("update")
         assert matches(req.doc["updates"][0]["q"], won)
         req.ok(n=1, nModified=1)
     assert out.error is None and out.value is True
 
 
-@pytest.mark.parametrize(("new", "stored_version", "admitted"), [(3, 5, False), (5, 5, True), (6, 5, True)])
+@pytest.mark.parametrize(
+    ("stored_version", "status", "new", "admitted"),
+    [
+        (5, "PENDING", 3, False),
+        (5, "PENDING", 5, True),  # the same version stored live: matched, kept as it is
+        (5, "FAILED", 5, True),
+        (5, "PENDING", 6, True),
+        (5, "DONE", 5, False),  # a fired one-shot timer is not put again by a replay
+        (5, "CANCELLED", 4, False),
+        (5, "CANCELLED", 6, True),  # a later version replaces a tombstone
+    ],
+)
 async def test_put_version_guard(
-    mongo_client: Any, wire: Wire, new: int, stored_version: int, admitted: bool
+    mongo_client: Any, wire: Wire, stored_version: int, status: str, new: int, admitted: bool
 ) -> None:
-    """The filter sent is judged against a stored timer the way the server does: a match is
-    replaced, no match is an insert that meets the unique key (E11000)."""
+    """The filter sent is judged against the stored document the way the server does: a match is
+    updated, no match is an insert that meets the unique key (E11000), then read."""
     store = store_on(mongo_client)
     await first_put(store, wire)
-    existing = timer_to_doc(make_timer(version=stored_version))
-    sent = 0
+    existing = stored_doc(stored_version, status)
     async with calling(lambda: store.put(make_timer(version=new))) as out:
-        for _ in range(1 if admitted else 2):  # a refusal is confirmed by a second upsert
-            req = await wire.command("update")
-            sent += 1
-            if matches(req.doc["updates"][0]["q"], existing):
-                req.ok(n=1, nModified=1)
-            else:
-                duplicate_key(req)
+        req = await wire.command("update")
+        if matches(req.doc["updates"][0]["q"], existing):
+            req.ok(n=1, nModified=0 if new == stored_version else 1)
+        else:
+            req.ok(n=0, nModified=0, writeErrors=[dup_key_error(0, existing)])
+            (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(existing)]))
     assert out.error is None
     assert out.value is admitted
-    assert sent == (1 if admitted else 2)
 
 
 async def test_put_refuses_a_timer_of_another_context_or_partition(idle_client: Any) -> None:
@@ -475,43 +504,37 @@ async def test_find_cancel_cancel_all_filter_on_partition_and_owner(mongo_client
     owner = ref()
     p = owner.partition(PARTITIONS)
     t = make_timer()
+    key = {"partition": p, "owner.tenant_id": "(0)", "owner.id": "order-1", "key": "remind"}
     async with calling(lambda: store.find(owner, "remind")) as found:
         req = await wire.command("find")
         assert req.doc["find"] == "wow_timer__ctx__order"
-        assert req.doc["filter"] == {
-            "partition": p,
-            "owner.tenant_id": "(0)",
-            "owner.id": "order-1",
-            "key": "remind",
-        }
+        assert req.doc["filter"] == {**key, "status": {"$nin": ["DONE", "CANCELLED"]}}  # no tombstone
         req.ok(**cursor(f"{DB}.wow_timer__ctx__order", [{"_id": ObjectId(), **timer_to_doc(t)}]))
     assert found.value == t
 
+    # a cancel may upsert a tombstone: the type's first use makes sure of its collection first
     async with calling(lambda: store.cancel(owner, "remind", 7)) as cancelled:
-        req = await wire.command("delete")
-        [d] = req.doc["deletes"]
-        assert d["q"] == {
-            "partition": p,
-            "owner.tenant_id": "(0)",
-            "owner.id": "order-1",
-            "key": "remind",
-            "version": {"$lte": 7},
-        }
-        assert d["limit"] == 1
-        req.ok(n=1)
-    assert cancelled.value is True
+        await answer_first_use(wire, "order")
+        req = await wire.command("update")
+        [u] = req.doc["updates"]
+        assert u["q"] == {**key, "version": {"$lte": 7}, "status": {"$nin": ["DONE", "CANCELLED"]}}
+        assert u["upsert"] is True and not u.get("multi", False)
+        assert u["u"] == tombstone_update("CANCELLED", 7, 7 * 24 * 3600 * 1000)
+        req.ok(n=1, nModified=1)  # matched: a live timer cancelled
+    assert cancelled.value is True, cancelled.error
 
     async with calling(lambda: store.cancel_all(owner, 9)) as all_:
-        req = await wire.command("delete")
-        [d] = req.doc["deletes"]
-        assert d["q"] == {
+        req = await wire.command("update")
+        [u] = req.doc["updates"]
+        assert u["q"] == {
             "partition": p,
             "owner.tenant_id": "(0)",
             "owner.id": "order-1",
             "version": {"$lte": 9},
+            "status": {"$nin": ["DONE", "CANCELLED"]},
         }
-        assert d["limit"] == 0
-        req.ok(n=2)
+        assert u["multi"] is True and not u.get("upsert", False)
+        req.ok(n=2, nModified=2)
     assert all_.value == 2
 
 
@@ -529,36 +552,31 @@ async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_cli
         TimerChange.fired(gone, fence=3, next_due=None),
         TimerChange.retry(a2, fence=3, due_at=7_000, error="503"),
     ]
-    seen: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: dict[str, dict[str, Any]] = {}
     async with calling(lambda: store.settle(changes)) as out:
-        for _ in range(3):
-            req = await wire.receives()
-            name = req.command_name
-            assert name in ("update", "delete")
-            seen[(name, req.doc[name])] = dict(req.doc)
-            if (name, req.doc[name]) == ("update", "wow_timer__ctx__order"):
-                req.ok(n=1, nModified=1)  # one of the two moved on meanwhile
+        for _ in range(2):
+            req = await wire.command("update")
+            seen[req.doc["update"]] = dict(req.doc)
+            if req.doc["update"] == "wow_timer__ctx__order":
+                req.ok(n=2, nModified=2)  # one of the three moved on meanwhile
             else:
-                req.ok(n=1, nModified=1) if name == "update" else req.ok(n=1)
+                req.ok(n=1, nModified=1)
     assert out.error is None
     assert out.value == 3
-    assert set(seen) == {
-        ("update", "wow_timer__ctx__order"),
-        ("delete", "wow_timer__ctx__order"),
-        ("update", "wow_timer__ctx__cart"),
-    }
+    assert set(seen) == {"wow_timer__ctx__order", "wow_timer__ctx__cart"}
     assert all(doc["ordered"] is False for doc in seen.values())
-    updates = seen[("update", "wow_timer__ctx__order")]["updates"]
-    assert [u["q"] for u in updates] == [settle_filter(a1), settle_filter(a2)]
+    updates = seen["wow_timer__ctx__order"]["updates"]
+    assert [u["q"] for u in updates] == [settle_filter(a1), settle_filter(gone), settle_filter(a2)]
     assert updates[0]["q"]["timer_id"] == a1.timer_id and updates[0]["q"]["revision"] == 2
     assert updates[0]["q"]["partition"] == a1.partition
     claimed = changes[0].applied()
     assert claimed is not None
     assert dict(updates[0]["u"]) == timer_to_doc(claimed)  # exactly the applied document
     assert not any(u.get("upsert") for u in updates)
-    [delete] = seen[("delete", "wow_timer__ctx__order")]["deletes"]
-    assert delete["q"] == settle_filter(gone) and delete["limit"] == 1
-    [cart] = seen[("update", "wow_timer__ctx__cart")]["updates"]
+    # a fired one-shot timer is not deleted: it becomes a DONE tombstone at its version
+    assert updates[1]["u"] == tombstone_update("DONE", None, 7 * 24 * 3600 * 1000)
+    assert not updates[1].get("multi", False)
+    [cart] = seen["wow_timer__ctx__cart"]["updates"]
     assert cart["q"] == settle_filter(b1)
 
 

@@ -75,7 +75,7 @@ def cursor(ns: str, docs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {"cursor": {"id": 0, "ns": ns, "firstBatch": list(docs)}}
 
 
-def registry_doc(aggregate: str, fmt: int = 5) -> dict[str, Any]:
+def registry_doc(aggregate: str, fmt: int = 6) -> dict[str, Any]:
     return {
         "_id": f"wow_timer__{CONTEXT}__{aggregate}",
         "context": CONTEXT,
@@ -85,14 +85,14 @@ def registry_doc(aggregate: str, fmt: int = 5) -> dict[str, Any]:
     }
 
 
-async def answer_first_use(wire: Wire, aggregate: str, *, fmt: int = 5) -> None:
+async def answer_first_use(wire: Wire, aggregate: str, *, fmt: int = 6) -> None:
     """Answers the registry upsert, ``create`` and ``createIndexes`` of a type's first put."""
     req = await wire.command("findAndModify")
     req.ok(value=registry_doc(aggregate, fmt), lastErrorObject={"n": 1, "updatedExisting": True})
-    if fmt != 5:
+    if fmt != 6:
         return
     (await wire.command("create")).ok()
-    (await wire.command("createIndexes")).ok(numIndexesBefore=1, numIndexesAfter=4)
+    (await wire.command("createIndexes")).ok(numIndexesBefore=1, numIndexesAfter=5)
 
 
 async def answer_update(wire: Wire, *, upserted: bool = True) -> dict[str, Any]:
@@ -105,8 +105,13 @@ async def answer_update(wire: Wire, *, upserted: bool = True) -> dict[str, Any]:
 
 
 def matches(flt: Mapping[str, Any], doc: Mapping[str, Any]) -> bool:
-    """MongoDB's match of the equality / ``$lte`` / ``$in`` filters the store sends (dotted paths)."""
+    """MongoDB's match of the filters the store sends (dotted paths; equality, ``$lt``, ``$lte``,
+    ``$in``, ``$nin``, ``$eq``, top-level ``$or``). A missing field is null: ``$nin`` matches it."""
     for path, cond in flt.items():
+        if path == "$or":
+            if not any(matches(clause, doc) for clause in cond):
+                return False
+            continue
         value: Any = doc
         for part in path.split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
@@ -114,8 +119,54 @@ def matches(flt: Mapping[str, Any], doc: Mapping[str, Any]) -> bool:
             for op, arg in cond.items():
                 if op == "$lte" and not (value is not None and value <= arg):
                     return False
+                if op == "$lt" and not (value is not None and value < arg):
+                    return False
                 if op == "$in" and value not in arg:
+                    return False
+                if op == "$nin" and value in arg:
+                    return False
+                if op == "$eq" and value != arg:
                     return False
         elif value != cond:
             return False
     return True
+
+
+def dup_key_error(index: int, doc: Mapping[str, Any], ns: str = "wowd.wow_timer__ctx__order") -> dict[str, Any]:
+    """The write error MongoDB 7.0 answers for an insert (an upsert's) that met the unique index
+    ``partition_owner_key``: code 11000, the server's errmsg, ``keyPattern`` and ``keyValue``."""
+    owner = doc["owner"]
+    return {
+        "index": index,
+        "code": 11000,
+        "errmsg": (
+            f"E11000 duplicate key error collection: {ns} index: partition_owner_key dup key: "
+            f'{{ partition: {doc["partition"]}, owner.tenant_id: "{owner["tenant_id"]}", '
+            f'owner.id: "{owner["id"]}", key: "{doc["key"]}" }}'
+        ),
+        "keyPattern": {"partition": 1, "owner.tenant_id": 1, "owner.id": 1, "key": 1},
+        "keyValue": {
+            "partition": doc["partition"],
+            "owner.tenant_id": owner["tenant_id"],
+            "owner.id": owner["id"],
+            "key": doc["key"],
+        },
+    }
+
+
+def key_doc(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored document as the read of an E11000's keys answers it (its projection)."""
+    return {k: doc[k] for k in ("partition", "owner", "key", "version", "status")}
+
+
+def tombstone(timer_doc: Mapping[str, Any], status: str, version: int | None = None) -> dict[str, Any]:
+    """A stored timer made a tombstone (as the store's pipeline leaves it)."""
+    import datetime
+
+    doc = dict(timer_doc)
+    doc.pop("claim", None)
+    doc["status"] = status
+    if version is not None:
+        doc["version"] = version
+    doc["expires_at"] = datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC)
+    return doc

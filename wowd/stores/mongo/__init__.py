@@ -120,7 +120,14 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         leases = MongoSlotLeaseStore(client, database, write_concern=write_concern, ddl=ddl, **common)
         log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, **common)
         timers = MongoTimerStore(
-            client, database, context=context, partitions=partitions, ddl=ddl, sharding=sharding, **common
+            client,
+            database,
+            context=context,
+            partitions=partitions,
+            ddl=ddl,
+            sharding=sharding,
+            tombstone_retention=timedelta(seconds=settings.timers.tombstone_retention_s),
+            **common,
         )
         snapshots = MongoSnapshotStore(client, database, context=context, ddl=ddl, sharding=sharding, **common)
         outbox = MongoOutbox(client, database, context=context, ddl=ddl, **common)

@@ -49,7 +49,9 @@ __all__ = [
     "NAMESPACE_EXISTS",
     "SLOT_COLLECTION",
     "SNAPSHOT_TABLES",
+    "TIMER_FORMAT",
     "TIMER_REGISTRY",
+    "TIMER_UPGRADES_FROM",
     "TRANSIENT_CODES",
     "TRANSIENT_LABELS",
     "UNAUTHORIZED",
@@ -69,7 +71,14 @@ __all__ = [
 # --------------------------------------------------------------------------- formats and names
 
 FORMAT = 5
-"""The layout version of wowd's collections (``format`` in the registries)."""
+"""The layout version of wowd's collections (``format`` in the registries), the timer
+collections' aside (:data:`TIMER_FORMAT`)."""
+TIMER_FORMAT = 6
+"""The layout version of the timer collections (``format`` in :data:`TIMER_REGISTRY`): with
+tombstones (DONE/CANCELLED documents and their TTL index)."""
+TIMER_UPGRADES_FROM = 5
+"""The timer collections' format upgraded in place to :data:`TIMER_FORMAT` (the same layout
+without tombstones: the TTL index is created, then the registry records the new format)."""
 
 TIMER_REGISTRY = "wow_timer_aggregate"
 """The registry of the timer collections of every context."""

@@ -1,12 +1,21 @@
 """The timers of one context on MongoDB (seed 000, DESIGN.md section 5).
 
 One collection per owner aggregate type, ``wow_timer__<context>__<aggregate>``, recorded in the
-registry ``wow_timer_aggregate`` (``{_id: collection, context, aggregate, format: 5, created_at}``).
+registry ``wow_timer_aggregate`` (``{_id: collection, context, aggregate, format: 6, created_at}``).
 One document per timer::
 
     {timer_id, partition, owner {tenant_id, id}, key, version, status, due_at, scheduled_at,
      target {context, aggregate, tenant_id, id}, body, rule {type, ...}, attempts, fired,
      claim {owner_key, fence, until}?, last_error?, revision}
+
+Tombstones: a fired one-shot timer (``DONE``) or a cancelled one (``CANCELLED``) stays the same
+document (one per key, so the conditional upserts stay atomic) with that status, the version it
+ended at and ``expires_at``, a Date (server time + the retention) that the partial TTL index
+``tombstones_ttl`` (``expireAfterSeconds: 0``) expires. A cancel of a key that holds nothing
+upserts a bare tombstone ``{partition, owner, key, version, status, expires_at, revision}``. A put
+at or below a tombstone's version is refused, so replaying the log re-delivers nothing. Tombstones
+are outside the due and parked indexes and every read filters them out. Format 5 (no tombstones,
+otherwise the same) is upgraded in place: the TTL index is created, then the registry records 6.
 
 Times (``due_at``, ``scheduled_at``, ``claim.until``) are int64 milliseconds since the epoch.
 ``body`` is the command's JSON text; ``rule`` the subdocument Wow's JSON writes.
@@ -20,16 +29,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from bson.min_key import MinKey
-from pymongo import AsyncMongoClient, DeleteOne, ReplaceOne
+from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 
-from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError
+from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
@@ -37,15 +47,18 @@ from wowd.model import (
     Timer,
     TimerChange,
     TimerStatus,
+    TimerWrite,
     parse_rule,
     validate_name,
 )
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
-    FORMAT,
+    DUPLICATE_KEY,
     NAMESPACE_EXISTS,
+    TIMER_FORMAT,
     TIMER_REGISTRY,
+    TIMER_UPGRADES_FROM,
     MongoSharding,
     MongoStore,
     collection_name,
@@ -57,20 +70,31 @@ __all__ = [
     "REGISTRY",
     "MongoTimerStore",
     "cancel_all_filter",
+    "cancel_filter",
     "due_match",
+    "fail_operation",
     "index_specs",
     "next_due_match",
     "next_due_pipeline",
     "owner_filter",
     "put_filter",
     "put_update",
+    "reclaim_filter",
+    "reclaim_update",
     "registry_claim",
+    "registry_upgrade",
     "settle_filter",
     "settle_operations",
     "timer_from_doc",
     "timer_to_doc",
+    "tombstone_raise_filter",
+    "tombstone_update",
+    "ttl_index_spec",
     "union_batch_size",
     "union_pipeline",
+    "write_operation",
+    "write_update",
+    "write_verdict",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,12 +104,15 @@ REGISTRY = TIMER_REGISTRY
 
 DUE_STATUSES = [TimerStatus.PENDING.value, TimerStatus.FIRING.value]
 """The statuses the due index holds (its ``partialFilterExpression``)."""
+TOMBSTONES = ["DONE", "CANCELLED"]
+"""The statuses of a tombstone (the TTL index's ``partialFilterExpression``)."""
 
 SORT = {"due_at": 1, "timer_id": 1}
 
 UNIQUE_INDEX = "partition_owner_key"
 DUE_INDEX = "due"
 PARKED_INDEX = "parked_target"
+TTL_INDEX = "tombstones_ttl"
 
 _INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
 MAX_SCANS_TO_EXPLODE = 200
@@ -93,8 +120,10 @@ MAX_SCANS_TO_EXPLODE = 200
 of one ``$in``) the planner stops merging one index scan per partition and sorts the whole
 match instead; the due reads split the partitions into groups of at most this many."""
 _MAX_RELOADS = 3
-_PUT_ATTEMPTS = 2
-"""A put's E11000 is confirmed once: the first may be a concurrent insert of the same key."""
+_WRITE_ATTEMPTS = 3
+"""Upserts of one put or cancel whose E11000 met a key that moved (a racing insert, an expiry)."""
+_KEY_FIELDS = {"_id": 0, "partition": 1, "owner": 1, "key": 1, "version": 1, "status": 1}
+"""The projection of the read that decides an upsert that met the unique key."""
 
 
 # --------------------------------------------------------------------------- documents
@@ -185,7 +214,8 @@ def index_specs() -> list[dict[str, Any]]:
     - partial ``(partition, due_at, timer_id)`` over PENDING and FIRING: the due read (needs
       MongoDB 6.0+ for ``$in`` in a ``partialFilterExpression``);
     - partial ``(target.id, target.tenant_id, target.aggregate, target.context)`` over PARKED: the
-      parked read, which runs whenever a target commits (a small index: parked timers are few).
+      parked read, which runs whenever a target commits (a small index: parked timers are few);
+    - the tombstones' TTL index (:func:`ttl_index_spec`).
     """
     return [
         {
@@ -203,14 +233,34 @@ def index_specs() -> list[dict[str, Any]]:
             "name": PARKED_INDEX,
             "partialFilterExpression": {"status": TimerStatus.PARKED.value},
         },
+        ttl_index_spec(),
     ]
+
+
+def ttl_index_spec() -> dict[str, Any]:
+    """The tombstones' expiry: a TTL index is a single-field index on a Date (manual, "TTL
+    Indexes"); ``expireAfterSeconds: 0`` removes a document once its ``expires_at`` has passed
+    (the retention is in the value, so changing it needs no ``collMod``). Partial over the
+    tombstone statuses: live timers have no ``expires_at`` and are not in the index at all."""
+    return {
+        "key": {"expires_at": 1},
+        "name": TTL_INDEX,
+        "expireAfterSeconds": 0,
+        "partialFilterExpression": {"status": {"$in": list(TOMBSTONES)}},
+    }
+
+
+def registry_upgrade(name: str, now_ms: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The guarded registry update of an in-place upgrade: records format 6 only over format 5
+    (a concurrent upgrade, drop or re-registration is not overwritten)."""
+    return {"_id": name, "format": TIMER_UPGRADES_FROM}, {"$set": {"format": TIMER_FORMAT, "upgraded_at": now_ms}}
 
 
 def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
     """The registry upsert's update: writes the format only when the document is new, so the
     answer (the document after the upsert) tells which format is recorded."""
     return {
-        "$setOnInsert": {"context": context, "aggregate": aggregate, "format": FORMAT, "created_at": now_ms}
+        "$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}
     }
 
 
@@ -233,36 +283,119 @@ def owner_filter(owner: AggregateRef, partition: int) -> dict[str, Any]:
 
 
 def put_filter(timer: Timer) -> dict[str, Any]:
-    """The put's conditional upsert: matches the stored timer of (owner, key) only at the same or
-    an earlier version. A later stored version does not match, so the upsert inserts and meets
-    the unique index: E11000. (The server retries a duplicate-key upsert by itself only when the
-    filter is equalities on the unique index's fields (manual, "Upsert with Duplicate Values"); the
-    ``$lte`` keeps the error ours.) The filter carries the whole unique key and the partition (the
-    shard key, which an upsert on a sharded collection must match by equality)."""
-    return {**key_filter(timer.owner, timer.partition, timer.key), "version": {"$lte": timer.version}}
+    """The put's conditional upsert: matches the stored document of (owner, key) when it is of an
+    earlier version (a timer or a tombstone: replaced) or a live timer of the same version (kept
+    as it is: a replay changes nothing). Anything else stored, a later version or a tombstone at
+    the same or a later one, does not match, so the upsert inserts and meets the unique index:
+    E11000, the refusal (a read then tells it from a racing insert). The server retries a
+    duplicate-key upsert by itself only when the filter is equalities on the unique index's fields
+    (manual, "Upsert with Duplicate Values"); the version terms keep the error ours. The filter
+    carries the whole unique key and the partition (the shard key, which an upsert on a sharded
+    collection must match by equality); an upsert's insert starts from its equality fields only
+    (the ``$or`` is not copied), which the replacement overwrites anyway."""
+    return {
+        **key_filter(timer.owner, timer.partition, timer.key),
+        "$or": [
+            {"version": {"$lt": timer.version}},
+            {"version": timer.version, "status": {"$nin": list(TOMBSTONES)}},
+        ],
+    }
 
 
 def put_update(timer: Timer) -> list[dict[str, Any]]:
-    """The put's update (a pipeline): the whole new timer (``$literal``: a body or key starting
-    with ``$`` stays text), keeping the stored ``_id``, with the revision bumped over the stored
-    one (``max(stored + 1, new)``, as the embedded store does) so that a settle made against the
-    replaced timer is skipped. On insert there is no stored revision: the new one is kept."""
+    """The put's update (a pipeline): a stored live timer of the same version stays as it is
+    (``$$ROOT``: a replay never resets FIRING, FAILED, PARKED or attempts); otherwise the whole new
+    timer (``$literal``: a body or key starting with ``$`` stays text), keeping the stored ``_id``,
+    with the revision bumped over the stored one (``max(stored + 1, new)``, as the embedded store
+    does) so that a settle made against the replaced timer is skipped. On insert there is no
+    stored version or revision: the new timer as it is."""
     doc = timer_to_doc(timer)
     del doc["revision"]
     revision = {"$max": [{"$add": [{"$ifNull": ["$revision", timer.revision - 1]}, 1]}, timer.revision]}
-    return [{"$replaceWith": {"$mergeObjects": [{"_id": "$_id"}, {"$literal": doc}, {"revision": revision}]}}]
+    replaced = {"$mergeObjects": [{"_id": "$_id"}, {"$literal": doc}, {"revision": revision}]}
+    return [{"$replaceWith": {"$cond": [{"$eq": ["$version", timer.version]}, "$$ROOT", replaced]}}]
 
 
 def key_filter(owner: AggregateRef, partition: int, key: str) -> dict[str, Any]:
     return {**owner_filter(owner, partition), "key": key}
 
 
+def live_filter(owner: AggregateRef, partition: int, key: str) -> dict[str, Any]:
+    """The live timer of (owner, key): its key, not a tombstone (``find``)."""
+    return {**key_filter(owner, partition, key), "status": {"$nin": list(TOMBSTONES)}}
+
+
 def cancel_filter(owner: AggregateRef, partition: int, key: str, version: int) -> dict[str, Any]:
-    return {**key_filter(owner, partition, key), "version": {"$lte": version}}
+    """The cancel's conditional upsert: matches a live timer of (owner, key) at or below
+    ``version`` (cancelled). Nothing stored: the upsert inserts a tombstone. A tombstone or a later
+    live version stored: the insert meets the unique index (E11000), a read then decides."""
+    return {**key_filter(owner, partition, key), "version": {"$lte": version}, "status": {"$nin": list(TOMBSTONES)}}
 
 
 def cancel_all_filter(owner: AggregateRef, partition: int, version: int) -> dict[str, Any]:
-    return {**owner_filter(owner, partition), "version": {"$lte": version}}
+    """Every live timer of an owner at or below ``version`` (an ``updateMany``, no upsert)."""
+    return {**owner_filter(owner, partition), "version": {"$lte": version}, "status": {"$nin": list(TOMBSTONES)}}
+
+
+def tombstone_raise_filter(owner: AggregateRef, partition: int, key: str, version: int) -> dict[str, Any]:
+    """A tombstone of (owner, key) below ``version``: a cancel at ``version`` raises it."""
+    return {**key_filter(owner, partition, key), "version": {"$lt": version}, "status": {"$in": list(TOMBSTONES)}}
+
+
+def tombstone_update(status: str, version: int | None, retention_ms: int) -> list[dict[str, Any]]:
+    """The update (a pipeline) that makes the matched or upserted document a tombstone: ``status``,
+    at ``version`` (``None``: the version it has), ``expires_at`` = the server's ``$$NOW`` + the
+    retention (``$add`` of a Date and milliseconds is a Date: what a TTL index reads), no claim,
+    revision + 1 (0 for an inserted tombstone)."""
+    fields: dict[str, Any] = {"status": status}
+    if version is not None:
+        fields["version"] = {"$literal": version}
+    fields["expires_at"] = {"$add": ["$$NOW", retention_ms]}
+    fields["revision"] = {"$add": [{"$ifNull": ["$revision", -1]}, 1]}
+    return [{"$set": fields}, {"$unset": "claim"}]
+
+
+def write_update(w: TimerWrite, partition: int, retention_ms: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The filter and update (a pipeline) of one timer write: a put's or a cancel's conditional
+    upsert, or a ``cancel_all``'s ``updateMany``."""
+    if w.kind == "put":
+        assert w.timer is not None
+        return put_filter(w.timer), put_update(w.timer)
+    update = tombstone_update("CANCELLED", w.version, retention_ms)
+    if w.kind == "cancel":
+        return cancel_filter(w.owner, partition, w.key, w.version), update
+    return cancel_all_filter(w.owner, partition, w.version), update
+
+
+def write_operation(w: TimerWrite, partition: int, retention_ms: int) -> UpdateOne | UpdateMany:
+    """The bulk operation of one timer write: an ``UpdateOne`` upsert (put, cancel) or an
+    ``UpdateMany`` (``cancel_all``)."""
+    flt, update = write_update(w, partition, retention_ms)
+    return UpdateMany(flt, update) if w.kind == "cancel_all" else UpdateOne(flt, update, upsert=True)
+
+
+RETRY = "retry"
+"""A write whose key moved between its upsert's match and insert: its upsert is sent again."""
+RAISE = "raise"
+"""A cancel that met an earlier tombstone: the tombstone's version is raised."""
+
+
+def write_verdict(w: TimerWrite, stored: Mapping[str, Any] | None) -> int | str:
+    """What a put or cancel whose upsert met the unique key answers, given the document read
+    after it (:data:`_KEY_FIELDS`): 1/0 as :meth:`MongoTimerStore.write` answers, or
+    :data:`RETRY` when the document read would have matched (a racing insert, or it expired),
+    or :data:`RAISE` (a cancel over an earlier tombstone)."""
+    if stored is None:
+        return RETRY
+    version = int(stored.get("version", 0))
+    tombstone = stored.get("status") in TOMBSTONES
+    if w.kind == "put":
+        if version > w.version or (tombstone and version == w.version):
+            return 0
+        return 1 if version == w.version else RETRY
+    if tombstone:
+        return 0 if version >= w.version else RAISE
+    return 0 if version > w.version else RETRY
 
 
 def settle_filter(timer: Timer) -> dict[str, Any]:
@@ -276,14 +409,58 @@ def settle_filter(timer: Timer) -> dict[str, Any]:
     }
 
 
-def settle_operations(changes: Iterable[TimerChange]) -> list[ReplaceOne[Any] | DeleteOne]:
-    """One operation per change: the document :meth:`TimerChange.applied` gives, or a delete."""
-    ops: list[ReplaceOne[Any] | DeleteOne] = []
+def settle_operations(changes: Iterable[TimerChange], retention_ms: int) -> list[ReplaceOne[Any] | UpdateOne]:
+    """One operation per change: the document :meth:`TimerChange.applied` gives, or (a fired
+    timer with no next occurrence) its DONE tombstone at its version."""
+    ops: list[ReplaceOne[Any] | UpdateOne] = []
     for change in changes:
         after = change.applied()
         flt = settle_filter(change.timer)
-        ops.append(DeleteOne(flt) if after is None else ReplaceOne(flt, timer_to_doc(after)))
+        if after is None:
+            ops.append(UpdateOne(flt, tombstone_update("DONE", None, retention_ms)))
+        else:
+            ops.append(ReplaceOne(flt, timer_to_doc(after)))
     return ops
+
+
+def fail_operation(doc: Mapping[str, Any], reason: str) -> UpdateOne:
+    """A stored document that cannot be decoded: FAILED with ``reason``, by ``_id`` (with its
+    partition, the shard key) at the revision read (absent: still absent). The new revision is
+    computed here, so a malformed ``revision`` cannot fail the update."""
+    flt: dict[str, Any] = {"_id": doc["_id"], "partition": doc.get("partition")}
+    rev = doc.get("revision")
+    flt["revision"] = rev if "revision" in doc else {"$exists": False}
+    new_rev = rev + 1 if isinstance(rev, int) and not isinstance(rev, bool) else 1
+    update = {"$set": {"status": TimerStatus.FAILED.value, "last_error": reason, "revision": new_rev}}
+    return UpdateOne(flt, {**update, "$unset": {"claim": ""}})
+
+
+def reclaim_filter(partitions: Iterable[int], fence: int) -> dict[str, Any]:
+    """The FIRING timers of ``partitions`` claimed under a fence below ``fence``: the partition
+    points (the shard key, so a sharded cluster asks only the partitions' shards) and the due
+    index's own partial filter with FIRING (the index serves it), then the fence."""
+    return {
+        "partition": {"$in": sorted(set(partitions))},
+        "status": {"$in": list(DUE_STATUSES), "$eq": TimerStatus.FIRING.value},
+        "claim.fence": {"$lt": fence},
+    }
+
+
+def reclaim_update() -> list[dict[str, Any]]:
+    """Back to PENDING due at its scheduled time, the old claim's fence named in ``last_error``,
+    the claim removed, revision + 1 (attempts unchanged)."""
+    error = {"$concat": ["claim of a previous holder (fence ", {"$toString": "$claim.fence"}, ") ended by a takeover"]}
+    return [
+        {
+            "$set": {
+                "status": TimerStatus.PENDING.value,
+                "due_at": "$scheduled_at",
+                "last_error": error,
+                "revision": {"$add": ["$revision", 1]},
+            }
+        },
+        {"$unset": "claim"},
+    ]
 
 
 def due_match(partitions: Iterable[int], until: int) -> dict[str, Any]:
@@ -330,11 +507,11 @@ def parked_match(target: AggregateRef) -> dict[str, Any]:
 
 
 def scan_match(status: TimerStatus | None, partitions: Iterable[int] | None) -> dict[str, Any]:
+    """Timers of a status (a live one) or, without, every live timer (no tombstone)."""
     match: dict[str, Any] = {}
     if partitions is not None:
         match["partition"] = {"$in": sorted(set(partitions))}
-    if status is not None:
-        match["status"] = status.value
+    match["status"] = {"$nin": list(TOMBSTONES)} if status is None else status.value
     return match
 
 
@@ -354,6 +531,8 @@ def union_pipeline(
     collections: Mapping[str, str],
     match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     limit: int | None,
+    *,
+    keep_id: bool = False,
 ) -> list[dict[str, Any]]:
     """ONE aggregation on the registry: the count of ``context``'s collections (``{registered:
     n}``, absent when there are none), then each known collection's matching timers through
@@ -363,6 +542,8 @@ def union_pipeline(
     The count document has no ``due_at`` and sorts first (a missing field sorts as null, before
     numbers); the final ``$limit`` keeps it with ``limit`` timers after it. A list of matches (the
     groups of :func:`partition_groups`) gives one ``$unionWith`` per collection and match.
+    ``keep_id``: each timer keeps its ``_id`` (a document that cannot be decoded is then written
+    back by it).
     """
     matches = [match] if isinstance(match, Mapping) else list(match)
     pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
@@ -372,7 +553,8 @@ def union_pipeline(
             if limit is not None:
                 sub.append({"$limit": limit})
             sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
-            sub.append({"$unset": "_id"})
+            if not keep_id:
+                sub.append({"$unset": "_id"})
             pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
     pipeline.append({"$sort": dict(SORT)})
     if limit is not None:
@@ -432,7 +614,8 @@ class MongoTimerStore(MongoStore):
     type's collection is created (``ddl``) on its first put. ``drop_other_format``: a collection
     recorded in another format is dropped and re-registered (the timers are a view of the log:
     the caller resets the timer view's checkpoints) instead of refused with
-    :class:`~wowd.errors.FormatError`.
+    :class:`~wowd.errors.FormatError`; format 5 is upgraded in place instead.
+    ``tombstone_retention``: how long a fired or cancelled timer is remembered (its ``expires_at``).
     """
 
     _label = "timers"  # the same label as the embedded twin: one dashboard for both backends
@@ -448,6 +631,7 @@ class MongoTimerStore(MongoStore):
         sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         drop_other_format: bool = False,
+        tombstone_retention: timedelta = timedelta(days=7),
     ) -> None:
         self.context = validate_name(context, field="context")
         if partitions < 1:
@@ -457,6 +641,8 @@ class MongoTimerStore(MongoStore):
         self.ddl = Ddl(ddl)
         self.sharding = MongoSharding(sharding)
         self.drop_other_format = drop_other_format
+        self.tombstone_retention = tombstone_retention
+        self._retention_ms = int(tombstone_retention.total_seconds() * 1000)
         self._registry: AsyncCollection[Any] = self._db[REGISTRY]
         self._known: dict[str, str] = {}
         """Collections read by the union reads: name -> aggregate."""
@@ -481,29 +667,67 @@ class MongoTimerStore(MongoStore):
 
     async def prepare(self) -> None:
         """Reads the registry of the context and claims its format: a collection recorded in
-        another format is refused (:class:`FormatError`) or, with ``drop_other_format``, dropped."""
-        with self._call("prepare"):
+        another format is refused (:class:`FormatError`) or, with ``drop_other_format``, dropped;
+        format 5 is upgraded in place (:meth:`_upgrade`). Not bounded by one operation timeout as
+        a whole: an upgrade's index build takes as long as the collection is large."""
+        with self._call("prepare", bounded=False):
             await self._load_registry()
 
     async def _load_registry(self) -> None:
         known: dict[str, str] = {}
-        async for doc in self._registry.find({"context": self.context}):
+        with self._deadline():
+            docs = await self._registry.find({"context": self.context}).to_list(None)
+        for doc in docs:
             name, aggregate = str(doc["_id"]), str(doc.get("aggregate", ""))
-            if doc.get("format") != FORMAT:
+            if doc.get("format") == TIMER_UPGRADES_FROM:
+                await self._upgrade(name)
+            elif doc.get("format") != TIMER_FORMAT:
                 await self._other_format(name, aggregate, doc.get("format"))
                 continue
             known[name] = aggregate
         self._known = known
         if self.ddl is Ddl.NONE:
-            # registered in format 5 and assumed to exist: a put goes straight to its upsert. (AUTO
+            # registered in format 6 and assumed to exist: a put goes straight to its upsert. (AUTO
             # still makes sure of the indexes once: a replica may have registered the type and died
             # before creating them; VALIDATE checks them.)
             self._ready.update(known)
 
+    async def _upgrade(self, name: str) -> None:
+        """Format 5 -> 6 in place (the layout without tombstones): with ``ddl=auto`` creates the
+        TTL index (no operation timeout: the build reads the whole collection), then records 6
+        with a guarded update (``ddl=none``: the index is assumed, the record is still made).
+        ``ddl=validate`` changes nothing and refuses. A record that moved meanwhile (another
+        replica upgraded, dropped or re-registered it) is read again and checked."""
+        if self.ddl is Ddl.VALIDATE:
+            raise FormatError(
+                f"mongodb timers: {name} is recorded in format {TIMER_UPGRADES_FROM}, this wowd needs {TIMER_FORMAT}"
+                " (start once with ddl=auto to upgrade it in place)"
+            )
+        if self.ddl is Ddl.AUTO:
+            try:
+                await self._db.command("createIndexes", name, indexes=[ttl_index_spec()])
+            except OperationFailure as exc:
+                if exc.code in _INDEX_CONFLICT_CODES:
+                    raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
+                raise
+        flt, update = registry_upgrade(name, int(time.time() * 1000))
+        with self._deadline():
+            res = await self._registry.update_one(flt, update)
+        if res.matched_count == 1:
+            log.info("timer collection %s upgraded in place to format %d", name, TIMER_FORMAT)
+            return
+        with self._deadline():
+            doc = await self._registry.find_one({"_id": name})
+        if doc is None or doc.get("format") != TIMER_FORMAT:
+            found = None if doc is None else doc.get("format")
+            raise FormatError(
+                f"mongodb timers: {name} moved to format {found!r} while being upgraded to {TIMER_FORMAT}"
+            )
+
     async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
         if not self.drop_other_format:
             raise FormatError(
-                f"mongodb timers: {name} is recorded in format {found!r}, this wowd needs {FORMAT} "
+                f"mongodb timers: {name} is recorded in format {found!r}, this wowd needs {TIMER_FORMAT} "
                 "(start with drop_other_format to drop it and rebuild the timer view from the log)"
             )
         log.warning("dropping timer collection %s of format %r (rebuilt from the log)", name, found)
@@ -525,14 +749,18 @@ class MongoTimerStore(MongoStore):
                 doc = await self._registry.find_one({"_id": name})
             if doc is None:
                 raise FormatError(f"mongodb timers: {name} is not registered in {REGISTRY} (ddl=validate)")
-            if doc.get("format") != FORMAT:
+            if doc.get("format") == TIMER_UPGRADES_FROM:
+                await self._upgrade(name)  # refuses
+            if doc.get("format") != TIMER_FORMAT:
                 raise FormatError(
-                    f"mongodb timers: {name} is recorded in format {doc.get('format')!r}, not {FORMAT}"
+                    f"mongodb timers: {name} is recorded in format {doc.get('format')!r}, not {TIMER_FORMAT}"
                 )
             await self._validate_indexes(name)
         else:
             doc, inserted = await self._register(name, aggregate)
-            if doc.get("format") != FORMAT:
+            if doc.get("format") == TIMER_UPGRADES_FROM:
+                await self._upgrade(name)
+            elif doc.get("format") != TIMER_FORMAT:
                 await self._other_format(name, aggregate, doc.get("format"))
                 doc, inserted = await self._register(name, aggregate)
             if self.ddl is Ddl.AUTO:
@@ -594,6 +822,7 @@ class MongoTimerStore(MongoStore):
                 or list(found["key"].items()) != list(spec["key"].items())
                 or found.get("partialFilterExpression") != spec.get("partialFilterExpression")
                 or bool(found.get("unique", False)) != bool(spec.get("unique", False))
+                or found.get("expireAfterSeconds") != spec.get("expireAfterSeconds")
             ):
                 raise FormatError(f"mongodb timers: {name} lacks the index {spec} (ddl=validate)")
 
@@ -674,62 +903,257 @@ class MongoTimerStore(MongoStore):
 
     # ------------------------------------------------------------------ writes
 
-    async def put(self, timer: Timer) -> bool:
-        coll = self._collection(timer.owner)
+    def _check_partition(self, timer: Timer) -> None:
         if timer.partition != self._partition(timer.owner):
             raise InvalidInput(
                 f"is {timer.partition}, the owner's partition is {self._partition(timer.owner)}",
                 field="partition",
             )
-        if self.collection_name(timer.owner.aggregate) not in self._ready:
-            with self._call("ddl", bounded=False):
-                await self._ensure(timer.owner.aggregate)
-        flt, update = put_filter(timer), put_update(timer)
-        with self._call("put"):
-            for _ in range(_PUT_ATTEMPTS):
+
+    async def put(self, timer: Timer) -> bool:
+        return bool((await self._write([TimerWrite.put(timer)], "put"))[0])
+
+    async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
+        return bool((await self._write([TimerWrite.cancel(owner, key, version)], "cancel"))[0])
+
+    async def cancel_all(self, owner: AggregateRef, version: int) -> int:
+        return (await self._write([TimerWrite.cancel_all(owner, version)], "cancel_all"))[0]
+
+    async def write(self, writes: Sequence[TimerWrite]) -> list[int]:
+        """One unordered bulk write per collection touched (:func:`write_operation` each). The
+        answers come from the bulk's result: a put or cancel is upserted, met the unique key
+        (E11000, decided by one read of those keys, :func:`write_verdict`; a key that moved is
+        written again alone) or else matched (a put admitted, a live timer cancelled). A
+        collection's ``cancel_all`` counts what the bulk matched beyond its single-document
+        operations; with several in one collection, a count per owner is read before the bulk."""
+        return await self._write(writes, "write")
+
+    async def _write(self, writes: Sequence[TimerWrite], operation: str) -> list[int]:
+        if not writes:
+            return []
+        groups: dict[str, list[int]] = {}
+        inserting: dict[str, str] = {}
+        for i, w in enumerate(writes):
+            self._collection(w.owner)  # checks the context
+            if w.kind == "put":
+                assert w.timer is not None
+                self._check_partition(w.timer)
+            name = self.collection_name(w.owner.aggregate)
+            groups.setdefault(name, []).append(i)
+            if w.kind != "cancel_all":  # an upsert may create the collection: its DDL first
+                inserting[name] = w.owner.aggregate
+        for name, aggregate in inserting.items():
+            if name not in self._ready:
+                with self._call("ddl", bounded=False):
+                    await self._ensure(aggregate)
+        out = [0] * len(writes)
+        with self._call(operation):
+            for name, indexes in groups.items():
+                answers = await self._write_collection(self._db[name], [writes[i] for i in indexes])
+                for i, answer in zip(indexes, answers, strict=True):
+                    out[i] = answer
+        return out
+
+    async def _write_collection(self, coll: AsyncCollection[Any], writes: list[TimerWrite]) -> list[int]:
+        ops = [write_operation(w, self._partition(w.owner), self._retention_ms) for w in writes]
+        alls = [j for j, w in enumerate(writes) if w.kind == "cancel_all"]
+        counted = await self._count_live(coll, [writes[j] for j in alls]) if len(alls) > 1 else None
+        result: Mapping[str, Any]
+        try:
+            result = (await coll.bulk_write(ops, ordered=False)).bulk_api_result
+        except BulkWriteError as exc:
+            result = exc.details
+            if result.get("writeConcernErrors"):
+                raise StorageUnavailable(f"mongodb timers.write: {exc}") from exc
+            if any(e.get("code") != DUPLICATE_KEY for e in result.get("writeErrors", [])):
+                raise
+        refused = {int(e["index"]) for e in result.get("writeErrors", [])}
+        upserted = {int(u["index"]) for u in result.get("upserted", [])}
+        answers = [0] * len(writes)
+        matched_one = 0
+        conflicts: list[int] = []
+        for j, w in enumerate(writes):
+            if w.kind == "cancel_all":
+                continue
+            if j in refused:
+                conflicts.append(j)
+            elif j in upserted:
+                answers[j] = 1 if w.kind == "put" else 0  # a cancel of nothing stored leaves a tombstone
+            else:  # matched: a put admitted, a live timer cancelled
+                answers[j] = 1
+                matched_one += 1
+        if counted is not None:
+            for j in alls:
+                answers[j] = counted.get((writes[j].owner.tenant_id, writes[j].owner.id), 0)
+        elif alls:
+            answers[alls[0]] = int(result.get("nMatched", 0)) - matched_one
+        if conflicts:
+            verdicts = await self._decide(coll, [writes[j] for j in conflicts])
+            for j, verdict in zip(conflicts, verdicts, strict=True):
+                answers[j] = verdict
+        return answers
+
+    async def _count_live(self, coll: AsyncCollection[Any], alls: list[TimerWrite]) -> dict[tuple[str, str], int]:
+        """Per owner, the live timers its ``cancel_all`` is about to cancel (one aggregation)."""
+        match = {"$or": [cancel_all_filter(w.owner, self._partition(w.owner), w.version) for w in alls]}
+        group = {"_id": {"tenant_id": "$owner.tenant_id", "id": "$owner.id"}, "n": {"$sum": 1}}
+        cursor = await coll.aggregate([{"$match": match}, {"$group": group}])
+        return {(d["_id"]["tenant_id"], d["_id"]["id"]): int(d["n"]) async for d in cursor}
+
+    async def _decide(self, coll: AsyncCollection[Any], writes: list[TimerWrite]) -> list[int]:
+        """The answers of puts and cancels whose upsert met the unique key: one read of their keys,
+        then, for a key that moved, the write again alone."""
+        flt = {"$or": [key_filter(w.owner, self._partition(w.owner), w.key) for w in writes]}
+        stored = {(d["owner"]["tenant_id"], d["owner"]["id"], d["key"]): d async for d in coll.find(flt, _KEY_FIELDS)}
+        out: list[int] = []
+        for w in writes:
+            verdict = write_verdict(w, stored.get((w.owner.tenant_id, w.owner.id, w.key)))
+            out.append(verdict if isinstance(verdict, int) else await self._write_alone(coll, w, verdict))
+        return out
+
+    async def _write_alone(self, coll: AsyncCollection[Any], w: TimerWrite, verdict: str) -> int:
+        part = self._partition(w.owner)
+        for _ in range(_WRITE_ATTEMPTS):
+            if verdict == RAISE:
+                update = tombstone_update("CANCELLED", w.version, self._retention_ms)
+                res = await coll.update_one(tombstone_raise_filter(w.owner, part, w.key, w.version), update)
+                if res.matched_count == 1:
+                    return 0
+            else:
+                flt, upsert = write_update(w, part, self._retention_ms)
                 try:
-                    res = await coll.update_one(flt, update, upsert=True)
+                    res = await coll.update_one(flt, upsert, upsert=True)
                 except PyMongoError as exc:
                     if not is_duplicate_key(exc):
                         raise
-                    # E11000: nothing at or below this version matched and the insert met the
-                    # unique key. Either a later version is stored, or a concurrent put inserted
-                    # this key between our match and our insert: the same upsert again matches
-                    # that one (admitted) or meets the later version again (refused).
-                    continue
-                return res.upserted_id is not None or res.matched_count == 1
-        return False
+                else:
+                    return 1 if w.kind == "put" or res.upserted_id is None else 0
+            doc = await coll.find_one(key_filter(w.owner, part, w.key), _KEY_FIELDS)
+            decided = write_verdict(w, doc)
+            if isinstance(decided, int):
+                return decided
+            verdict = decided
+        raise StorageUnavailable(
+            f"mongodb timers.write: the timer {w.key!r} of {w.owner} kept changing under {_WRITE_ATTEMPTS} writes"
+        )
 
-    async def cancel(self, owner: AggregateRef, key: str, version: int) -> bool:
-        coll = self._collection(owner)
-        with self._call("cancel"):
-            res = await coll.delete_one(cancel_filter(owner, self._partition(owner), key, version))
-        return res.deleted_count == 1
-
-    async def cancel_all(self, owner: AggregateRef, version: int) -> int:
-        coll = self._collection(owner)
-        with self._call("cancel_all"):
-            res = await coll.delete_many(cancel_all_filter(owner, self._partition(owner), version))
-        return res.deleted_count
+    async def sweep(self, before: int, limit: int) -> int:
+        """Tombstones expire by the TTL index: nothing to sweep."""
+        return 0
 
     async def settle(self, changes: Sequence[TimerChange]) -> int:
+        with self._call("settle"):
+            return await self._settle(changes)
+
+    async def _settle(self, changes: Sequence[TimerChange]) -> int:
         by_collection: dict[str, list[TimerChange]] = {}
         for change in changes:
             self._collection(change.timer.owner)  # checks the context
             by_collection.setdefault(self.collection_name(change.timer.owner.aggregate), []).append(change)
         written = 0
-        with self._call("settle"):
-            for name, group in by_collection.items():
-                res = await self._db[name].bulk_write(settle_operations(group), ordered=False)
-                written += res.matched_count + res.deleted_count
+        for name, group in by_collection.items():
+            res = await self._db[name].bulk_write(settle_operations(group, self._retention_ms), ordered=False)
+            written += res.matched_count
         return written
+
+    async def claim_due(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        owner_key: str,
+        fence: int,
+        claim_until: int,
+        exclude: Collection[str] = (),
+    ) -> list[Timer]:
+        """The due read (as :meth:`due`: one match per group of :func:`partition_groups`; over-read
+        by ``len(exclude)``, the excluded ids skipped), then one claim settle; when a timer moved
+        between the two, the claims are confirmed by reading them back. A document the read
+        cannot decode is set FAILED (:func:`fail_operation`), counted in
+        ``wowd_timers_failed_total`` and logged, never raised."""
+        if not partitions or limit < 1:
+            return []
+        skip = frozenset(exclude)
+        bad: list[tuple[dict[str, Any], Exception]] = []
+        with self._call("claim_due"):
+            read = await self._union(
+                "claim_due",
+                [due_match(group, until) for group in partition_groups(partitions)],
+                limit + len(skip),
+                keep_id=True,
+                undecodable=lambda doc, exc: bad.append((doc, exc)),
+            )
+            if bad:
+                await self._fail_undecodable(bad)
+            due = [t for t in read if t.timer_id not in skip][:limit]
+            if not due:
+                return []
+            claims = [TimerChange.claim(t, owner_key=owner_key, fence=fence, until=claim_until) for t in due]
+            written = await self._settle(claims)
+            claimed = [t for c in claims if (t := c.applied()) is not None]
+            if written < len(claims):
+                claimed = await self._confirm(claimed) if written else []
+        return claimed
+
+    async def _confirm(self, claimed: list[Timer]) -> list[Timer]:
+        """After a partial claim: the timers whose stored document is the claim written."""
+        mine: list[Timer] = []
+        for t in claimed:
+            coll = self._collection(t.owner)
+            doc = await coll.find_one(settle_filter(t))  # the claim's timer at its revision
+            if doc is not None:
+                stored = timer_from_doc(doc, context=self.context, aggregate=t.owner.aggregate)
+                if stored.status is TimerStatus.FIRING and stored.claim == t.claim:
+                    mine.append(stored)
+        return mine
+
+    async def _fail_undecodable(self, bad: list[tuple[dict[str, Any], Exception]]) -> None:
+        by_collection: dict[str, list[tuple[dict[str, Any], str]]] = {}
+        for doc, error in bad:
+            owner = doc.get("owner")
+            aggregate = str(owner.get("aggregate", "")) if isinstance(owner, Mapping) else ""
+            reason = f"undecodable timer: {type(error).__name__}: {error}"
+            by_collection.setdefault(aggregate, []).append((doc, reason))
+        for aggregate, group in by_collection.items():
+            try:
+                await self._db[self.collection_name(aggregate)].bulk_write(
+                    [fail_operation(doc, reason) for doc, reason in group], ordered=False
+                )
+            except BulkWriteError as exc:
+                if exc.details.get("writeConcernErrors"):
+                    raise StorageUnavailable(f"mongodb timers.claim_due: {exc}") from exc
+                log.error("timers of %s not set FAILED: %s", aggregate, exc.details.get("writeErrors"))
+            for doc, reason in group:
+                TIMERS_FAILED.labels(aggregate=aggregate).inc()
+                log.error(
+                    "timer %s of %s (partition %s, _id %s) set FAILED: %s",
+                    doc.get("key"),
+                    aggregate,
+                    doc.get("partition"),
+                    doc.get("_id"),
+                    reason,
+                )
+
+    async def reclaim(self, partitions: set[int] | frozenset[int], fence: int) -> int:
+        """One ``updateMany`` per collection of the context (the registry read first: a type
+        another replica registered is reclaimed too)."""
+        if not partitions:
+            return 0
+        n = 0
+        with self._call("reclaim"):
+            await self._load_registry()
+            for name in sorted(self._known):
+                res = await self._db[name].update_many(reclaim_filter(partitions, fence), reclaim_update())
+                n += res.modified_count
+        return n
 
     # ------------------------------------------------------------------ reads
 
     async def find(self, owner: AggregateRef, key: str) -> Timer | None:
         coll = self._collection(owner)
         with self._call("find"):
-            doc = await coll.find_one(key_filter(owner, self._partition(owner), key))
+            doc = await coll.find_one(live_filter(owner, self._partition(owner), key))
         return None if doc is None else timer_from_doc(doc, context=self.context, aggregate=owner.aggregate)
 
     async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
@@ -783,13 +1207,22 @@ class MongoTimerStore(MongoStore):
             return await self._union("scan", scan_match(status, partitions), limit)
 
     async def _union(
-        self, operation: str, match: Mapping[str, Any] | Sequence[Mapping[str, Any]], limit: int | None
+        self,
+        operation: str,
+        match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+        limit: int | None,
+        *,
+        keep_id: bool = False,
+        undecodable: Callable[[dict[str, Any], Exception], None] | None = None,
     ) -> list[Timer]:
         """Runs :func:`union_pipeline` over the known collections; when the registry counts
-        another number of the context's collections, reloads the registry and reads again."""
+        another number of the context's collections, reloads the registry and reads again.
+        ``undecodable``: a document that cannot be decoded is given to it and skipped (else the
+        read raises)."""
         for attempt in range(_MAX_RELOADS + 1):
             known = dict(self._known)
-            pipeline = union_pipeline(self.context, known, match, limit)
+            bad: list[tuple[dict[str, Any], Exception]] = []
+            pipeline = union_pipeline(self.context, known, match, limit, keep_id=keep_id)
             batch = union_batch_size(limit)
             kwargs: dict[str, Any] = {} if batch is None else {"batchSize": batch}
             cursor = await self._registry.aggregate(pipeline, **kwargs)
@@ -800,9 +1233,19 @@ class MongoTimerStore(MongoStore):
                 if "registered" in doc and "timer_id" not in doc:
                     registered = int(doc["registered"])
                     continue
-                aggregate = str(doc.get("owner", {}).get("aggregate", ""))
-                timers.append(timer_from_doc(doc, context=self.context, aggregate=aggregate))
+                if undecodable is None:
+                    aggregate = str(doc.get("owner", {}).get("aggregate", ""))
+                    timers.append(timer_from_doc(doc, context=self.context, aggregate=aggregate))
+                    continue
+                try:
+                    aggregate = str(doc["owner"]["aggregate"])
+                    timers.append(timer_from_doc(doc, context=self.context, aggregate=aggregate))
+                except Exception as exc:  # a document this version cannot read: the caller fails it
+                    bad.append((doc, exc))
             if registered == len(known) or attempt == _MAX_RELOADS:
+                if undecodable is not None:
+                    for doc, error in bad:
+                        undecodable(doc, error)
                 if registered != len(known):
                     log.warning(
                         "timers %s: the registry still counts %d collections of %s, %d read",
