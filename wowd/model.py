@@ -887,7 +887,13 @@ class Owner:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotLease:
-    """A held slot. Times are store-clock milliseconds since the epoch."""
+    """A held slot. Times are store-clock milliseconds since the epoch.
+
+    ``store_now``: the store's now when it answered with this lease; ``None`` means the answer
+    is the write that stamped ``written_at`` (a take or a renewal). An idempotent acquire
+    answers the stored lease unchanged, read at a later ``store_now``. Not part of equality: it
+    says when the lease was seen, not what it is.
+    """
 
     namespace: str
     slot: int
@@ -898,6 +904,13 @@ class SlotLease:
     floor: int
     ceiling: int
     written_at: int
+    store_now: int | None = field(default=None, compare=False)
+
+    @property
+    def remaining_ms(self) -> int:
+        """The lease's remaining time on the store clock when the store answered:
+        ``expires_at - store_now`` (``written_at`` for the answer of a write)."""
+        return self.expires_at - (self.written_at if self.store_now is None else self.store_now)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

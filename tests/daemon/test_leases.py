@@ -42,7 +42,8 @@ class ScriptedLeases:
         self._changed.set()
         self._changed = anyio.Event()
         lease = SlotLease(namespace=namespace, slot=1, owner_key=owner.key, incarnation=self.acquires,
-                          fence=self.acquires, expires_at=0, floor=0, ceiling=0, written_at=123)
+                          fence=self.acquires, expires_at=123 + ttl // timedelta(milliseconds=1), floor=0,
+                          ceiling=0, written_at=123)
         return AcquireResult(status="acquired", lease=lease)
 
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
