@@ -10,10 +10,11 @@ Collections:
 
 An acquire reads the namespace, then runs one aggregation over the namespace's slots that
 answers the idempotent case (the owner key holds a live slot: decided by ``$$NOW`` on the
-server, which the answer carries as the lease's ``store_now``), names the sticky candidates and lists the slot documents that exist (so only the
-missing ones are inserted). Each step that takes a slot is then one ``findAndModify`` on one
-document whose filter holds the whole condition and whose pipeline update stamps
-``writtenAt = $$NOW`` first and derives the rest from it. No client clock is ever compared.
+server, which the answer carries as the lease's ``store_now``), names the sticky candidates
+and lists the slot documents that exist (so only the missing ones are inserted). Each step
+that takes a slot is then one ``findAndModify`` on one document whose filter holds the whole
+condition and whose pipeline update stamps ``writtenAt = $$NOW`` first and derives the rest
+from it. No client clock is ever compared.
 
 Every filter, pipeline and index spec is built by a pure function of this module; the
 black-pipe tests (``tests/mongo/test_leases_wire.py``) assert them on the wire.
