@@ -451,18 +451,40 @@ class CronRule:
         except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
             raise InvalidInput(f"{self.zone!r} is not a known time zone", field="rule.zone") from exc
 
+    @property
+    def fixed_time(self) -> bool:
+        """Whether the rule names its hours and minutes (neither field starts with ``*``, nor
+        is it ``@hourly``): such a rule fires at given wall-clock times of the day."""
+        fields = self.expression.split()
+        if fields and fields[0].startswith("@"):
+            return fields[0].lower() != "@hourly"
+        return len(fields) >= 2 and not fields[0].startswith("*") and not fields[1].startswith("*")
+
     def next_after(self, scheduled_at: int) -> int | None:
         """The first occurrence strictly after ``scheduled_at``; ``None`` when there is none
-        before year 9999 (an expression such as ``0 0 30 2 *`` never fires)."""
+        before year 9999 (an expression such as ``0 0 30 2 *`` never fires).
+
+        Daylight saving time, as cron (Vixie cron, cronie) does it: a :attr:`fixed_time` rule
+        fires once per wall-clock time, so a time repeated when the clocks go back fires on its
+        first pass only, and a time skipped when they go forward fires at the first valid time
+        after the gap (a daily 02:30 in New York fires at 03:00 EDT that day). A rule with a
+        ``*`` in its minute or hour field follows the clock: it fires in the repeated hour again
+        and the times of the gap do not exist."""
         from croniter import CroniterBadDateError, croniter
 
+        zone = ZoneInfo(self.zone)
         try:
-            start = datetime.fromtimestamp(scheduled_at / 1000, tz=ZoneInfo(self.zone))
-            nxt = croniter(self.expression, start, max_years_between_matches=50).get_next(datetime)
+            start = datetime.fromtimestamp(scheduled_at / 1000, tz=zone)
+            it = croniter(self.expression, start, max_years_between_matches=50)
+            while True:
+                ms = int(it.get_next(datetime).astimezone(UTC).timestamp() * 1000)
+                if ms > _MAX_MS:
+                    return None
+                if self.fixed_time and datetime.fromtimestamp(ms / 1000, tz=zone).fold == 1:
+                    continue  # the second pass of a wall-clock time: it fired on the first
+                return ms
         except (CroniterBadDateError, OverflowError, ValueError, OSError):
             return None
-        ms = int(nxt.astimezone(UTC).timestamp() * 1000)
-        return ms if ms <= _MAX_MS else None
 
     def to_doc(self) -> dict[str, Any]:
         return {"type": "cron", "expression": self.expression, "zone": self.zone}
