@@ -143,6 +143,59 @@ def test_cron_rule_follows_its_zone_across_daylight_saving() -> None:
     assert rule.next_after(ms("2026-07-15T12:00:00+00:00")) == ms("2026-07-16T07:00:00+00:00")  # CEST
 
 
+def occurrences(rule: CronRule, start: str, until: str) -> list[int]:
+    out: list[int] = []
+    t = rule.next_after(ms(start))
+    while t is not None and t <= ms(until):
+        out.append(t)
+        t = rule.next_after(t)
+    return out
+
+
+def test_a_daily_cron_fires_once_on_the_fall_back_day() -> None:
+    """New York, 2026-11-01: 01:00-02:00 happens twice (EDT, then EST). A daily 01:30 fires at
+    the first 01:30 only, then at 01:30 EST the next day."""
+    rule = CronRule(expression="30 1 * * *", zone="America/New_York")
+    assert occurrences(rule, "2026-10-31T12:00:00-04:00", "2026-11-02T12:00:00-05:00") == [
+        ms("2026-11-01T01:30:00-04:00"),
+        ms("2026-11-02T01:30:00-05:00"),
+    ]
+    # a timer whose last fire was the first 01:30 is not fired again an hour later
+    assert rule.next_after(ms("2026-11-01T01:30:00-04:00")) == ms("2026-11-02T01:30:00-05:00")
+
+
+def test_a_daily_cron_in_the_skipped_hour_fires_at_the_first_valid_time() -> None:
+    """New York, 2026-03-08: 02:00-03:00 does not exist. A daily 02:30 fires at 03:00 EDT, as
+    cron runs the jobs of a skipped interval right after the change; then at 02:30 again."""
+    rule = CronRule(expression="30 2 * * *", zone="America/New_York")
+    assert occurrences(rule, "2026-03-07T12:00:00-05:00", "2026-03-09T12:00:00-04:00") == [
+        ms("2026-03-08T03:00:00-04:00"),
+        ms("2026-03-09T02:30:00-04:00"),
+    ]
+
+
+def test_a_cron_with_a_wildcard_hour_or_minute_follows_the_clock_across_daylight_saving() -> None:
+    """Hourly and every-30-minute rules fire in the repeated hour again: every real hour (half
+    hour), as cron runs its wildcard jobs."""
+    hourly = CronRule(expression="0 * * * *", zone="America/New_York")
+    assert occurrences(hourly, "2026-11-01T00:30:00-04:00", "2026-11-01T02:00:00-05:00") == [
+        ms("2026-11-01T01:00:00-04:00"),
+        ms("2026-11-01T01:00:00-05:00"),
+        ms("2026-11-01T02:00:00-05:00"),
+    ]
+    half = CronRule(expression="*/30 1 * * *", zone="America/New_York")
+    assert occurrences(half, "2026-11-01T00:30:00-04:00", "2026-11-01T03:00:00-05:00") == [
+        ms("2026-11-01T01:00:00-04:00"),
+        ms("2026-11-01T01:30:00-04:00"),
+        ms("2026-11-01T01:00:00-05:00"),
+        ms("2026-11-01T01:30:00-05:00"),
+    ]
+    assert hourly.fixed_time is False and half.fixed_time is False
+    assert CronRule(expression="@hourly").fixed_time is False
+    assert CronRule(expression="@daily").fixed_time is True
+    assert CronRule(expression="0,30 1-3 * * 1-5").fixed_time is True
+
+
 def test_a_never_firing_cron_has_no_next_occurrence() -> None:
     assert CronRule(expression="0 0 30 2 *").next_after(ms("2026-01-01T00:00:00+00:00")) is None
 

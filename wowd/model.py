@@ -451,18 +451,40 @@ class CronRule:
         except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
             raise InvalidInput(f"{self.zone!r} is not a known time zone", field="rule.zone") from exc
 
+    @property
+    def fixed_time(self) -> bool:
+        """Whether the rule names its hours and minutes (neither field starts with ``*``, nor
+        is it ``@hourly``): such a rule fires at given wall-clock times of the day."""
+        fields = self.expression.split()
+        if fields and fields[0].startswith("@"):
+            return fields[0].lower() != "@hourly"
+        return len(fields) >= 2 and not fields[0].startswith("*") and not fields[1].startswith("*")
+
     def next_after(self, scheduled_at: int) -> int | None:
         """The first occurrence strictly after ``scheduled_at``; ``None`` when there is none
-        before year 9999 (an expression such as ``0 0 30 2 *`` never fires)."""
+        before year 9999 (an expression such as ``0 0 30 2 *`` never fires).
+
+        Daylight saving time, as cron (Vixie cron, cronie) does it: a :attr:`fixed_time` rule
+        fires once per wall-clock time, so a time repeated when the clocks go back fires on its
+        first pass only, and a time skipped when they go forward fires at the first valid time
+        after the gap (a daily 02:30 in New York fires at 03:00 EDT that day). A rule with a
+        ``*`` in its minute or hour field follows the clock: it fires in the repeated hour again
+        and the times of the gap do not exist."""
         from croniter import CroniterBadDateError, croniter
 
+        zone = ZoneInfo(self.zone)
         try:
-            start = datetime.fromtimestamp(scheduled_at / 1000, tz=ZoneInfo(self.zone))
-            nxt = croniter(self.expression, start, max_years_between_matches=50).get_next(datetime)
+            start = datetime.fromtimestamp(scheduled_at / 1000, tz=zone)
+            it = croniter(self.expression, start, max_years_between_matches=50)
+            while True:
+                ms = int(it.get_next(datetime).astimezone(UTC).timestamp() * 1000)
+                if ms > _MAX_MS:
+                    return None
+                if self.fixed_time and datetime.fromtimestamp(ms / 1000, tz=zone).fold == 1:
+                    continue  # the second pass of a wall-clock time: it fired on the first
+                return ms
         except (CroniterBadDateError, OverflowError, ValueError, OSError):
             return None
-        ms = int(nxt.astimezone(UTC).timestamp() * 1000)
-        return ms if ms <= _MAX_MS else None
 
     def to_doc(self) -> dict[str, Any]:
         return {"type": "cron", "expression": self.expression, "zone": self.zone}
@@ -887,7 +909,13 @@ class Owner:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SlotLease:
-    """A held slot. Times are store-clock milliseconds since the epoch."""
+    """A held slot. Times are store-clock milliseconds since the epoch.
+
+    ``store_now``: the store's now when it answered with this lease; ``None`` means the answer
+    is the write that stamped ``written_at`` (a take or a renewal). An idempotent acquire
+    answers the stored lease unchanged, read at a later ``store_now``. Not part of equality: it
+    says when the lease was seen, not what it is.
+    """
 
     namespace: str
     slot: int
@@ -898,6 +926,13 @@ class SlotLease:
     floor: int
     ceiling: int
     written_at: int
+    store_now: int | None = field(default=None, compare=False)
+
+    @property
+    def remaining_ms(self) -> int:
+        """The lease's remaining time on the store clock when the store answered:
+        ``expires_at - store_now`` (``written_at`` for the answer of a write)."""
+        return self.expires_at - (self.written_at if self.store_now is None else self.store_now)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

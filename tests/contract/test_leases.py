@@ -76,6 +76,33 @@ async def test_acquire_is_idempotent_for_the_same_owner_key(lease_store: Any) ->
     assert again == first  # unchanged: same slot, incarnation, fence, expiry
 
 
+async def test_a_take_counts_the_whole_ttl_from_its_own_write(lease_store: Any) -> None:
+    lease = await held(lease_store, A, ttl=timedelta(seconds=30))
+    assert lease.store_now is None and lease.remaining_ms == 30_000
+
+
+async def test_idempotent_acquire_answers_the_time_left_on_the_store_clock(lease_store: Any) -> None:
+    """The lease handed back unchanged is seen at the store's now of the read: its holder
+    counts what is left of it, never a fresh ttl."""
+    first = await held(lease_store, A, ttl=timedelta(seconds=30))
+
+    async def moved_on() -> bool:
+        states = await lease_store.slots(NS)
+        return bool(states[0].store_now >= first.written_at + 20)
+
+    await eventually(moved_on)
+    again = await held(lease_store, A, ttl=timedelta(seconds=30))
+    assert again == first
+    assert again.store_now is not None and again.store_now >= first.written_at + 20
+    assert again.remaining_ms == first.expires_at - again.store_now <= 30_000 - 20
+
+
+async def test_renew_counts_the_whole_ttl_from_its_own_write(lease_store: Any) -> None:
+    lease = await held(lease_store, A, ttl=timedelta(seconds=30))
+    renewed = await lease_store.renew(lease, timedelta(seconds=20), TOL)
+    assert renewed is not None and renewed.store_now is None and renewed.remaining_ms == 20_000
+
+
 async def test_slots_lists_every_slot_of_the_namespace(lease_store: Any) -> None:
     lease = await held(lease_store, A, limit=3)
     states = await lease_store.slots(NS)

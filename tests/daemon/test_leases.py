@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +44,8 @@ class ScriptedLeases:
         self._changed.set()
         self._changed = anyio.Event()
         lease = SlotLease(namespace=namespace, slot=1, owner_key=owner.key, incarnation=self.acquires,
-                          fence=self.acquires, expires_at=0, floor=0, ceiling=0, written_at=123)
+                          fence=self.acquires, expires_at=123 + ttl // timedelta(milliseconds=1), floor=0,
+                          ceiling=0, written_at=123)
         return AcquireResult(status="acquired", lease=lease)
 
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
@@ -178,4 +181,119 @@ async def test_exhausted_is_standby_then_takes_a_freed_slot() -> None:
         with anyio.fail_after(3):
             await got.wait()
         assert not keeper.standby
+        keeper.stop(1.0)
+
+
+class WallClockLeases:
+    """One slot whose expiry is decided on a wall clock the test can step, as the embedded store
+    decides it on SQLite's ``now``."""
+
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+        self.lease: SlotLease | None = None
+        self.renews: list[SlotLease | None] = []
+        self.changed = anyio.Event()
+
+    def wall(self) -> float:
+        return time.time() + self.offset_s
+
+    def now_ms(self) -> int:
+        return int(self.wall() * 1000)
+
+    async def acquire(
+        self, namespace: str, owner: Owner, limit: int, ttl: timedelta, tolerance: timedelta,
+        slot_offset: int = 0, preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        now = self.now_ms()
+        fence = self.lease.fence if self.lease else 0
+        self.lease = SlotLease(namespace=namespace, slot=0, owner_key=owner.key, incarnation=fence + 1,
+                               fence=fence + 1, expires_at=now + ttl // timedelta(milliseconds=1),
+                               floor=now, ceiling=now, written_at=now)
+        return AcquireResult(status="acquired", lease=self.lease)
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        now = self.now_ms()
+        renewed = None
+        if self.lease == lease and lease.expires_at > now:
+            renewed = self.lease = replace(lease, written_at=now, expires_at=now + ttl // timedelta(milliseconds=1))
+        self.renews.append(renewed)
+        self.changed.set()
+        self.changed = anyio.Event()
+        return renewed
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        return self.lease == lease
+
+
+async def test_a_wall_clock_step_forward_renews_at_once_and_a_refused_renew_stops_the_work() -> None:
+    """The store decides expiry on the wall clock: a step forward past the lease's expiry ends
+    it in the store. The keeper notices the step within half the tolerance, renews at once, is
+    refused and stops the work, long before its next renew (ttl/3) or its validity."""
+    store = WallClockLeases()
+    stopped = anyio.Event()
+    times: dict[str, float] = {}
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence > 1:
+            await anyio.sleep_forever()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            times["stopped"] = anyio.current_time()
+            stopped.set()
+
+    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
+                        wall_clock=store.wall)
+    async with anyio.create_task_group() as tg:
+        held = await tg.start(keeper.run)
+        assert held is not None and held.fence == 1
+        store.offset_s += 10.0  # an NTP step forward past the 6 s lease
+        stepped = anyio.current_time()
+        with anyio.fail_after(3):
+            await stopped.wait()
+        assert store.renews[0] is None
+        assert times["stopped"] - stepped < 1.0  # next renew was due at 2 s, validity at 5.5 s
+        keeper.stop(1.0)
+
+
+async def test_a_wall_clock_step_back_renews_at_once_and_the_work_goes_on() -> None:
+    store = WallClockLeases()
+
+    async def work(held: HeldSlot) -> None:
+        await held.stop_event.wait()
+        held.check()
+
+    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
+                        wall_clock=store.wall)
+    async with anyio.create_task_group() as tg:
+        held = await tg.start(keeper.run)
+        assert held is not None
+        store.offset_s -= 3600.0
+        stepped = anyio.current_time()
+        with anyio.fail_after(3):
+            while not store.renews:
+                await store.changed.wait()
+        assert anyio.current_time() - stepped < 1.0  # not at the scheduled 2 s
+        renewed = store.renews[0]
+        assert renewed is not None and held.lease == renewed and held.valid
+        assert keeper.held is held
+        keeper.stop(1.0)
+    assert len(store.renews) == 1  # one step, one re-validation: the new offset is the baseline
+
+
+async def test_a_slewing_wall_clock_is_no_step() -> None:
+    """Drift below the tolerance (NTP slewing, reading two clocks) triggers nothing."""
+    store = WallClockLeases()
+
+    async def work(held: HeldSlot) -> None:
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
+                        wall_clock=store.wall)
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.offset_s += 0.4
+        with anyio.move_on_after(0.6):  # more than two clock checks (every 0.25 s)
+            await store.changed.wait()
+        assert store.renews == []
         keeper.stop(1.0)

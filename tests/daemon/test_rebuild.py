@@ -214,6 +214,33 @@ async def test_the_fence_is_checked_before_each_rewrite_batch(tmp_path: Path, ba
     assert await backend.log.checkpoints(progress_consumer("order", 2), [0]) == {}
 
 
+async def test_a_refused_progress_checkpoint_is_not_recorded_as_rebuilt(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slot changes hands while partition 1 is being rebuilt: the new holder (fence 4)
+    records it first, so this holder's checkpoint (fence 3) is refused. The rebuild stops there
+    as a lost lease; partition 1 is the new holder's, 2 and 3 are left to it."""
+    await backfill_v1(tmp_path, backend)
+    consumer = progress_consumer("order", 2)
+    theirs = {"revision": 2, "aggregates": 0, "skipped": 0, "holder": "the next"}
+    save = backend.log.save_checkpoint
+
+    async def racing(c: str, p: int, position: Any, fence: int) -> bool:
+        if c == consumer and p == 1:
+            assert await save(c, p, theirs, fence + 1)
+        return await save(c, p, position, fence)
+
+    monkeypatch.setattr(backend.log, "save_checkpoint", racing)
+    rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2})
+    with pytest.raises(LeaseLost, match="partition 1 was refused under fence 3"):
+        await rebuilder.rebuild(range(PARTS), fence=3)
+    recorded = await backend.log.checkpoints(consumer, list(range(PARTS)))
+    assert sorted(recorded) == [0, 1]
+    assert (recorded[0].fence, recorded[1].fence, recorded[1].position) == (3, 4, theirs)
+    table = await backend.rebuilds.table(ORDER)
+    assert table is not None and not table.backfilled
+
+
 async def test_an_expired_slot_rewrites_nothing(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     held = await hold(backend, {0, 2}, valid_for=-1.0)

@@ -120,7 +120,8 @@ def owner_read(owner: str, offset: int = 0, limit: int = 2) -> dict[str, Any]:
                                         {"$eq": ["$ownerKey", {"$literal": owner}]},
                                         {"$gt": ["$expiresAt", "$$NOW"]},
                                     ]
-                                }
+                                },
+                                "storeNow": "$$NOW",
                             }
                         },
                         {"$project": {"_id": 0}},
@@ -421,14 +422,36 @@ async def test_namespace_without_slot_offset_reads_as_0_and_is_never_rewritten(
 async def test_idempotent_acquire_returns_the_live_lease_unchanged_without_a_write(
     store: MongoSlotLeaseStore, wire: Wire
 ) -> None:
+    """The answer is the stored lease, unchanged, seen at the read's ``$$NOW``: 9.6 s into a
+    10 s lease the holder has 0.4 s left, not a fresh ttl."""
     mine = slot_doc(1, owner=A.key, incarnation=3, fence=5)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
-        await owner_read_answered(wire, A, [{**mine, "live": True}])
+        await owner_read_answered(wire, A, [{**mine, "live": True, "storeNow": at(9.6)}])
         result = await call.result()
     assert result == AcquireResult(status="acquired", lease=lease_of(mine))
+    assert result.lease is not None
+    assert result.lease.store_now == ms(at(9.6)) and result.lease.remaining_ms == 400
     await next_command_is_slots_read(wire, store)
+
+
+async def test_a_take_answers_its_own_write_time_as_the_store_now(
+    store: MongoSlotLeaseStore, wire: Wire
+) -> None:
+    """A take's ``writtenAt`` is its ``$$NOW``: the holder counts the whole ttl from it."""
+    async with anyio.create_task_group() as tg:
+        call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
+        await namespace_known(wire)
+        await owner_read_answered(wire, A, [])
+        req = await wire.command("findAndModify")
+        assert body(req) == find_and_modify(
+            {"ns": NS, "slot": {"$gte": 0, "$lt": 2}, "$expr": FREE}, take(A.key), sort={"slot": 1}
+        )
+        taken = slot_doc(0, owner=A.key, written=at(3))
+        reply_value(req, projected(taken))
+        result = await call.result()
+    assert result.lease is not None and result.lease.remaining_ms == 10_000
 
 
 async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(
@@ -438,7 +461,7 @@ async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL, 0, 0)  # preferred 0 comes after sticky
         await namespace_known(wire)
-        await owner_read_answered(wire, A, [{**released, "live": False}])
+        await owner_read_answered(wire, A, [{**released, "live": False, "storeNow": at(20)}])
         req = await wire.command("findAndModify")
         assert body(req) == find_and_modify(
             {
@@ -474,7 +497,7 @@ async def test_lost_races_fall_through_sticky_preferred_then_free(
         await namespace_known(wire, limit=3)
         req = await wire.command("aggregate")
         assert body(req) == owner_read(A.key, limit=3)
-        reply_cursor(req, "cosid_slot", [{"mine": [{**mine, "live": False}], "present": [0, 1, 2]}])
+        reply_cursor(req, "cosid_slot", [{"mine": [{**mine, "live": False, "storeNow": at(20)}], "present": [0, 1, 2]}])
 
         req = await wire.command("findAndModify")
         assert (body(req)["query"]["slot"], body(req)["query"]["fence"]) == (0, 2)
@@ -673,7 +696,7 @@ async def test_expiry_is_decided_by_the_store_clock_never_a_client_clock(
         await namespace_known(wire)
         req = await wire.command("aggregate")
         sent.append(body(req))
-        reply_cursor(req, "cosid_slot", [{"mine": [{**mine, "live": False}], "present": [0, 1]}])
+        reply_cursor(req, "cosid_slot", [{"mine": [{**mine, "live": False, "storeNow": at(20)}], "present": [0, 1]}])
         for _ in ("sticky", "preferred", "free"):
             req = await wire.command("findAndModify")
             sent.append(body(req))
@@ -718,7 +741,7 @@ async def test_a_restarted_owner_gets_a_new_incarnation_and_the_old_renewal_fail
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
-        await owner_read_answered(wire, A, [{**old, "live": False}])
+        await owner_read_answered(wire, A, [{**old, "live": False, "storeNow": at(11)}])
         req = await wire.command("findAndModify")
         assert body(req)["query"]["fence"] == 5
         assert body(req)["update"][0]["$set"]["incarnation"] == {

@@ -4,10 +4,21 @@ One :class:`SlotKeeper` per wanted slot (``slots_per_process``). Each keeper:
 
 - acquires a slot; when every slot is held it is a standby and retries with jittered backoff;
 - runs the slot's work (``work(held)``) inside a cancel scope whose deadline is the lease's
-  validity on the monotonic clock, ``sent + ttl - tolerance`` where ``sent`` is when the last
-  successful acquire/renew was *sent*; each successful renew moves the deadline forward, so the
-  work stops at that instant even while a renew is still in flight;
-- renews every ``ttl/3``; a refused renew (``None``) cancels the work at once;
+  validity on the monotonic clock: ``sent + remaining - tolerance``, where ``sent`` is when the
+  last successful acquire/renew was *sent* and ``remaining`` is the store's word, the stored
+  lease's ``expires_at`` less the store's now when it answered (a take or a renewal: the ttl;
+  an idempotent re-acquire: what is left of the lease it hands back unchanged). Each successful
+  renew moves the deadline forward, so the work stops at that instant even while a renew is
+  still in flight;
+- renews when the validity left drops to ``ttl - tolerance - ttl/3`` (every ``ttl/3`` after a
+  take or a renewal, at once after a re-acquire that handed back a worn lease); a refused renew
+  (``None``) cancels the work at once;
+- works only under a lease this keeper took itself: the stored live lease of its owner key
+  written by another process (a predecessor with the same fixed owner key, maybe hung) is never
+  worked under; the keeper stands by until that lease expires and then takes the slot with a new
+  incarnation and fence, so the predecessor's renew fails and its tenure ended before;
+- watches the wall clock against the monotonic clock: a step beyond the tolerance (the embedded
+  store decides expiry on the wall clock) renews at once, and a refused renew stops the work;
 - after a loss acquires again; on :meth:`stop` the work drains (bounded by the grace period)
   and the lease is released with ``last_issued`` (shielded, bounded).
 
@@ -20,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +50,9 @@ __all__ = ["HeldSlot", "SlotKeeper", "owner_key_for"]
 log = logging.getLogger(__name__)
 
 RELEASE_TIMEOUT_S = 5.0
+MIN_CLOCK_STEP_S = 0.05
+"""The smallest wall-clock step reported, whatever the tolerance (jitter of reading two clocks
+and a slewing NTP stay well below it)."""
 
 
 def owner_key_for(base: str, index: int) -> str:
@@ -119,6 +134,7 @@ class SlotKeeper:
         *,
         owner_key: str,
         on_change: Callable[[], None] = lambda: None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.index = index
         self._settings = settings
@@ -130,8 +146,17 @@ class SlotKeeper:
         self._ns = settings.lease_namespace
         self._ttl = timedelta(seconds=ls.ttl_s)
         self._tolerance = timedelta(seconds=ls.tolerance_s)
+        self._ttl_s = ls.ttl_s
+        self._tolerance_s = ls.tolerance_s
         self._validity_s = ls.ttl_s - ls.tolerance_s
         self._renew_every = ls.ttl_s / 3
+        self._wall = wall_clock
+        self._step_s = max(MIN_CLOCK_STEP_S, ls.tolerance_s)
+        self._clock_base = self._clock_offset()
+        self._revalidate = anyio.Event()
+        self._tenures: set[tuple[int, int, int]] = set()
+        """(slot, incarnation, fence) of every lease this keeper took: the only ones it works under."""
+        self._waiting_for: tuple[int, int, int] | None = None
         self._stop = anyio.Event()
         self._grace_scope: anyio.CancelScope | None = None
         self._grace_deadline = math.inf
@@ -154,6 +179,47 @@ class SlotKeeper:
         if self._grace_scope is not None:
             self._grace_scope.deadline = self._grace_deadline
 
+    def _clock_offset(self) -> float:
+        return self._wall() - anyio.current_time()
+
+    def validity_s(self, lease: SlotLease) -> float:
+        """How long after sending the request that answered ``lease`` the holder may work: the
+        lease's remaining time on the store clock (never more than the ttl) less the tolerance."""
+        return min(lease.remaining_ms / 1000, self._ttl_s) - self._tolerance_s
+
+    def _usable(self, lease: SlotLease) -> bool:
+        """Takes note of a lease this keeper took; False for a live lease of its owner key that
+        another process took (or one with no validity left): the keeper waits for it to expire."""
+        tenure = (lease.slot, lease.incarnation, lease.fence)
+        if lease.store_now is None:  # answered by the write that took it: ours
+            self._tenures.add(tenure)
+        if tenure not in self._tenures:
+            if self._waiting_for != tenure:
+                self._waiting_for = tenure
+                log.warning(
+                    "owner key %s holds slot %d (fence %d, incarnation %d) under another process: "
+                    "waiting %.1f s for that lease to expire before taking the slot",
+                    self._owner.key,
+                    lease.slot,
+                    lease.fence,
+                    lease.incarnation,
+                    lease.remaining_ms / 1000,
+                )
+            return False
+        if self.validity_s(lease) <= 0:
+            if self._waiting_for != tenure:
+                self._waiting_for = tenure
+                log.warning(
+                    "slot %d (fence %d): the lease has %.3f s left, within the tolerance: "
+                    "not working under it",
+                    lease.slot,
+                    lease.fence,
+                    lease.remaining_ms / 1000,
+                )
+            return False
+        self._waiting_for = None
+        return True
+
     async def _acquire(self) -> tuple[float, SlotLease | None]:
         ls = self._settings.lease
         sent = anyio.current_time()
@@ -166,7 +232,9 @@ class SlotKeeper:
             return sent, None
         if res.status == "refused":
             raise ConfigError(f"lease namespace {self._ns!r} refused this configuration: {res.reason}")
-        return sent, res.lease if res.acquired else None
+        if res.lease is None or not res.acquired or not self._usable(res.lease):
+            return sent, None
+        return sent, res.lease
 
     async def run(self, *, task_status: TaskStatus[HeldSlot | None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Acquires and holds slots until stopped. ``started`` after the first acquire attempt
@@ -192,7 +260,7 @@ class SlotKeeper:
             held = HeldSlot(
                 lease=lease,
                 partitions=frozenset(self._settings.partitions_of_slot(lease.slot)),
-                valid_until=sent + self._validity_s,
+                valid_until=sent + self.validity_s(lease),
                 owner_key=self._owner.key,
             )
             if not started:
@@ -229,7 +297,10 @@ class SlotKeeper:
         graceful = False
         try:
             async with anyio.create_task_group() as tg:
+                self._clock_base = self._clock_offset()
+                self._revalidate = anyio.Event()
                 tg.start_soon(self._renew_loop, held, work_scope)
+                tg.start_soon(self._watch_clock)
                 with work_scope, grace_scope:
                     try:
                         await self._work(held)
@@ -274,12 +345,34 @@ class SlotKeeper:
                 extra=held.log_extra(),
             )
 
-    async def _renew_loop(self, held: HeldSlot, work_scope: anyio.CancelScope) -> None:
-        last_sent = held.valid_until - self._validity_s
-        next_at = last_sent + self._renew_every
+    def _next_renew(self, held: HeldSlot) -> float:
+        """When the validity left drops to ``ttl - tolerance - ttl/3``: ``ttl/3`` after a take or
+        a renewal, sooner after a re-acquire that handed back a worn lease."""
+        return held.valid_until - self._validity_s + self._renew_every
+
+    async def _watch_clock(self) -> None:
+        """Compares the wall clock with the monotonic clock every half step: a step beyond the
+        tolerance (an NTP step, a manual change) wakes the renew loop at once."""
         while True:
-            await anyio.sleep_until(next_at)
+            await anyio.sleep(self._step_s / 2)
+            offset = self._clock_offset()
+            step = offset - self._clock_base
+            if abs(step) > self._step_s:
+                self._clock_base = offset
+                log.warning(
+                    "the wall clock stepped %+.3f s against the monotonic clock: renewing the lease now", step
+                )
+                self._revalidate.set()
+
+    async def _renew_loop(self, held: HeldSlot, work_scope: anyio.CancelScope) -> None:
+        next_at = self._next_renew(held)
+        while True:
+            with anyio.CancelScope(deadline=next_at):
+                await self._revalidate.wait()
+            if self._revalidate.is_set():
+                self._revalidate = anyio.Event()
             sent = anyio.current_time()
+            base = self._clock_offset()
             try:
                 with metrics.LEASE_RENEW_SECONDS.time():
                     renewed = await self._store.renew(held.lease, self._ttl, self._tolerance)
@@ -295,15 +388,17 @@ class SlotKeeper:
                 log.warning("renew of slot %d refused: the lease is lost", held.slot, extra=held.log_extra())
                 work_scope.cancel()
                 return
-            valid_until = sent + self._validity_s
             if anyio.current_time() >= held.valid_until:
                 # the work is already stopped (deadline passed while the renew was in flight)
                 return
+            if abs(base - self._clock_base) <= self._step_s:
+                self._clock_base = base  # a slewing clock's drift never adds up to a step
+            valid_until = sent + self.validity_s(renewed)
             held.lease = renewed
             held.valid_until = valid_until
             work_scope.deadline = valid_until
             metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
-            next_at = sent + self._renew_every
+            next_at = self._next_renew(held)
 
 
 def jitter(seconds: float) -> float:

@@ -39,7 +39,7 @@ from typing import Literal
 import anyio
 
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError, StorageUnavailable
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
@@ -239,6 +239,8 @@ class Rebuilder:
         ends the rebuild at the next batch boundary (the partition in progress is not recorded).
         ``fence`` guards the progress checkpoints. ``skip_done`` skips partitions already
         recorded rebuilt at the revision; ``force`` rebuilds a type whose table is backfilled.
+        A refused progress checkpoint (a holder with a higher fence has the partition) raises
+        :class:`~wowd.errors.LeaseLost`: that partition is not recorded as rebuilt by this call.
         Raises :class:`~wowd.errors.StorageUnavailable` (retry: every write is idempotent) and
         other :class:`~wowd.errors.StorageError`; a :class:`~wowd.errors.ConfigError` for an
         aggregate without a reducer or a partition out of range."""
@@ -376,7 +378,11 @@ class Rebuilder:
             job = f.job
             position = {"revision": job.revision, "aggregates": len(f.snapshots), "skipped": len(f.broken)}
             consumer = progress_consumer(job.type.aggregate, job.revision)
-            await self._backend.log.save_checkpoint(consumer, p, position, fence)
+            if not await self._backend.log.save_checkpoint(consumer, p, position, fence):
+                raise LeaseLost(
+                    f"snapshots of {job.type}: the progress checkpoint of partition {p} was refused under "
+                    f"fence {fence} (a holder with a higher fence has the partition): not recorded as rebuilt"
+                )
             job.todo.discard(p)
             job.report.partitions.append(p)
         log.info("snapshots rebuilt in partition %d for %s", p, ", ".join(str(j.type) for j in jobs))

@@ -172,7 +172,9 @@ class SlotLeaseStore(Protocol):
     ) -> AcquireResult:
         """Acquires a slot in ``[slot_offset, slot_offset + limit)``.
 
-        Idempotent: an owner key holding a live slot gets that lease back unchanged. Otherwise,
+        Idempotent: an owner key holding a live slot gets that lease back unchanged, with the
+        store's now of the read as ``store_now`` (the holder counts only ``remaining_ms``; a take
+        answers ``store_now=None``: its own ``written_at``). Otherwise,
         in order: its last slot (sticky), ``preferred_slot``, then the first free slot, where free
         means no owner or ``expires_at + tolerance < store now``. Each take increments
         ``incarnation``; ``fence`` increments when the slot changes hands. ``exhausted`` when all

@@ -14,6 +14,10 @@ the file serialise on SQLite's write lock), and each step that takes a slot is o
 ``UPDATE ... RETURNING`` whose ``WHERE`` holds the whole condition (free by the store clock, the
 fence read for the sticky step), so it stays right even without the transaction.
 
+The idempotent step (the owner key holds a live slot) writes nothing: it answers the stored
+lease with the store's now of the read (``SlotLease.store_now``), so the holder counts only the
+lease's remaining time.
+
 Fence: +1 on every take, i.e. on every acquire that is not the holder's idempotent re-acquire of
 its live lease. That includes the same owner key taking back the slot it released (or let expire):
 anything written under the earlier fence belongs to a finished tenure. Incarnation: +1 on every
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -107,9 +112,10 @@ def take_first_free_sql() -> str:
 
 
 def owner_slots_sql() -> str:
-    """The slots the owner key holds or held last, newest first, with liveness by the store clock."""
+    """The slots the owner key holds or held last, newest first, with liveness and the store's
+    now (``clk.now``) by the store clock."""
     return (
-        "SELECT slot, ownerKey, fence, expiresAt > clk.now AS live, "
+        "SELECT slot, ownerKey, fence, expiresAt > clk.now AS live, clk.now, "
         f"{_LEASE_COLUMNS} FROM cosid_slot, (SELECT {NOW_MS} AS now) AS clk "
         "WHERE ns = :ns AND slot >= :lo AND slot < :hi AND (ownerKey = :owner OR lastOwnerKey = :owner) "
         "ORDER BY (ownerKey = :owner AND expiresAt > clk.now) DESC, writtenAt DESC, slot"
@@ -218,8 +224,8 @@ class EmbeddedSlotLeaseStore(SqliteStore):
             )
             mine = conn.execute(owner_slots_sql(), params).fetchall()
             for row in mine:
-                if row[1] == owner.key and row[3]:
-                    return AcquireResult(status="acquired", lease=_lease(row))  # idempotent
+                if row[1] == owner.key and row[3]:  # idempotent: the stored lease, seen now
+                    return AcquireResult(status="acquired", lease=replace(_lease(row), store_now=row[4]))
             steps: list[tuple[str, dict[str, Any]]] = []
             if mine:
                 steps.append((take_sticky_sql(), {**params, "slot": mine[0][0], "fence": mine[0][2]}))

@@ -10,10 +10,11 @@ Collections:
 
 An acquire reads the namespace, then runs one aggregation over the namespace's slots that
 answers the idempotent case (the owner key holds a live slot: decided by ``$$NOW`` on the
-server), names the sticky candidates and lists the slot documents that exist (so only the
-missing ones are inserted). Each step that takes a slot is then one ``findAndModify`` on one
-document whose filter holds the whole condition and whose pipeline update stamps
-``writtenAt = $$NOW`` first and derives the rest from it. No client clock is ever compared.
+server, which the answer carries as the lease's ``store_now``), names the sticky candidates
+and lists the slot documents that exist (so only the missing ones are inserted). Each step
+that takes a slot is then one ``findAndModify`` on one document whose filter holds the whole
+condition and whose pipeline update stamps ``writtenAt = $$NOW`` first and derives the rest
+from it. No client clock is ever compared.
 
 Every filter, pipeline and index spec is built by a pure function of this module; the
 black-pipe tests (``tests/mongo/test_leases_wire.py``) assert them on the wire.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -139,7 +141,8 @@ def owner_pipeline(namespace: str, owner_key: str, slot_offset: int, limit: int)
 
     ``mine`` holds the slots the owner key holds or held last, most recently written first
     (then by slot), each with ``live`` (``expiresAt > $$NOW`` with the owner key on it, decided
-    by the store clock); ``present`` lists the slot numbers whose documents exist. ``$facet``
+    by the store clock) and ``storeNow`` (``$$NOW``: the idempotent answer's lease counts its
+    remaining time from it); ``present`` lists the slot numbers whose documents exist. ``$facet``
     answers one document even when the namespace has no slot yet.
     """
     return [
@@ -156,7 +159,8 @@ def owner_pipeline(namespace: str, owner_key: str, slot_offset: int, limit: int)
                                     {"$eq": ["$ownerKey", {"$literal": owner_key}]},
                                     {"$gt": ["$expiresAt", "$$NOW"]},
                                 ]
-                            }
+                            },
+                            "storeNow": "$$NOW",
                         }
                     },
                     {"$project": {"_id": 0}},
@@ -505,7 +509,7 @@ class MongoSlotLeaseStore(MongoStore):
         mine: list[dict[str, Any]] = list(read.get("mine") or [])
         for doc in mine:
             if doc.get("live") is True:
-                lease = _lease(doc)
+                lease = replace(_lease(doc), store_now=_ms(doc.get("storeNow"), "storeNow"))
                 log.debug("lease %s/%d: %s holds it already", namespace, lease.slot, owner_key)
                 return AcquireResult(status="acquired", lease=lease)
 
