@@ -104,7 +104,7 @@ def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wo
     rows = {line.split()[1]: line for line in out.splitlines()[1:-1]}
     assert set(rows) == {"FAILED", "PARKED", "FIRING"}
     failed, parked, firing = rows["FAILED"], rows["PARKED"], rows["FIRING"]
-    assert " 3  failed: retry budget spent: HTTP 503" in failed  # attempts = deliveries = 3
+    assert " 3  failed: retry budget spent after 3 attempts: HTTP 503" in failed  # attempts = deliveries = 3
     assert " 1  parked by the delivery claimed until " in parked and parked.endswith(": HTTP 404: no such order")
     assert " 0  claimed by replica-a until " in firing
     code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")

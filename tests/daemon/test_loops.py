@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -15,7 +16,7 @@ from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder, Waker
-from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry
+from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
 from wowd.demo import reducer
@@ -164,11 +165,13 @@ class ScriptedGateway:
         }
         return answers[kind]
 
-    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
         self.entered.set()
         if self.gate is not None:
             await self.gate.wait()
         for t in timers:
+            if stopped():
+                return
             record(t, await self.send(t))
 
     async def aclose(self) -> None:
@@ -230,7 +233,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     assert metrics.TIMERS_FIRED.labels(aggregate="order")._value.get() == fired_before + 2
 
 
-async def test_stop_drains_the_round_in_flight_then_settles(backend: Backend) -> None:
+async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(backend: Backend) -> None:
     t = backend.timers
     for i in range(5):
         assert await t.put(due_timer(f"ok-{i}"))
@@ -241,13 +244,17 @@ async def test_stop_drains_the_round_in_flight_then_settles(backend: Backend) ->
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await gw.entered.wait()  # claimed, delivering
+            await gw.entered.wait()  # claimed, about to deliver
             firing = await t.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
-            held.request_stop()  # stop claiming; the round in flight finishes
+            held.request_stop()  # the signal: nothing more is sent
             gw.gate.set()
-    assert len(gw.sent) == 5
-    assert await t.scan(limit=10) == []  # all settled (fired, deleted)
+    assert gw.sent == []
+    # released at once, due again, no attempt spent
+    released = await t.scan(limit=10)
+    assert len(released) == 5
+    assert all(x.status is TimerStatus.PENDING and x.attempts == 0 and x.claim is None for x in released)
+    assert all(x.last_error == "not delivered: stopped" for x in released)
 
 
 def test_next_occurrence_coalesces_missed_intervals() -> None:
@@ -265,3 +272,48 @@ def test_retry_backoff_is_exponential_with_jitter() -> None:
         t = replace(due_timer("retry-z"), attempts=attempts)
         (c,) = outcome_changes([(t, Retry(reason="x"), 1_000)], 1, s)
         assert c.kind == "retry" and c.due_at is not None and lo <= c.due_at - 1_000 <= hi
+
+
+async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_the_lookahead(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claimed, then the wall clock steps back ten minutes: the timer now looks ten minutes
+    ahead, yet it is delivered after at most the lookahead (on the monotonic clock)."""
+    from wowd.daemon import timers as timer_loop
+
+    t = backend.timers
+    assert await t.put(due_timer("ok-step"))
+    real = timer_loop.now_ms
+    step = {"ms": 0}
+    monkeypatch.setattr(timer_loop, "now_ms", lambda: real() - step["ms"])
+
+    class SteppingStore:
+        async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
+            claimed = await t.claim_due(*args, **kwargs)
+            if claimed:
+                step["ms"] = 600_000  # the clock steps back right after the claim
+            return claimed
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(t, name)
+
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    loop = TimerLoop(TimerSettings(lookahead_ms=200), SteppingStore(), gw)  # type: ignore[arg-type]
+    started = anyio.current_time()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually_sent(gw)
+            delivered_after = anyio.current_time() - started
+            held.request_stop()
+    assert [x.target.id for x in gw.sent] == ["ok-step"]
+    assert delivered_after < 2.0
+
+
+async def eventually_sent(gw: ScriptedGateway) -> None:
+    for _ in range(400):
+        if gw.sent:
+            return
+        await anyio.sleep(0.01)
+    raise AssertionError("nothing delivered")

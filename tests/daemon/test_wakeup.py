@@ -18,7 +18,7 @@ from tests.helpers import caught_up_waker
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder, Waker
-from wowd.daemon.gateway import Delivered, Record
+from wowd.daemon.gateway import Delivered, Record, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, wake_time
 from wowd.errors import StorageUnavailable
@@ -134,7 +134,7 @@ class Recorder:
     async def send(self, timer: Timer) -> Delivered:
         return Delivered()
 
-    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
         for t in timers:
             self.fired.append((t, now_ms()))
             record(t, Delivered())

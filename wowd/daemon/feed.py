@@ -625,3 +625,5 @@ class Feeder:
             held.check()
             await timers.settle(changes)
             waker.maybe_wake(now)  # a resumed timer is due at once
+            for target in sorted({str(c.timer.target) for c in changes}):
+                log.info("resumed the parked timers of %s: it committed", target, extra=held.log_extra())

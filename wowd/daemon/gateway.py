@@ -53,6 +53,7 @@ __all__ = [
     "OutboxGateway",
     "Park",
     "Record",
+    "Stopped",
     "Retry",
     "command_url",
     "deliver_concurrently",
@@ -98,6 +99,11 @@ class Fail:
 
 
 Outcome: TypeAlias = Delivered | Retry | Park | Fail
+Stopped: TypeAlias = Callable[[], bool]
+
+
+def _running() -> bool:
+    return False
 Record: TypeAlias = Callable[[Timer, Outcome], None]
 
 
@@ -106,24 +112,32 @@ class CommandGateway(Protocol):
         """Delivers one timer's command; never raises for a target or transport failure."""
         ...
 
-    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
-        """Delivers a batch, calling ``record(timer, outcome)`` for each as soon as it is known."""
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = _running) -> None:
+        """Delivers a batch, calling ``record(timer, outcome)`` for each as soon as it is known.
+        Once ``stopped()`` answers True no further delivery starts (those not started are not
+        recorded: the caller releases them)."""
         ...
 
     async def aclose(self) -> None: ...
 
 
 async def deliver_concurrently(
-    send: Callable[[Timer], Any], timers: Sequence[Timer], record: Record, concurrency: int
+    send: Callable[[Timer], Any],
+    timers: Sequence[Timer],
+    record: Record,
+    concurrency: int,
+    stopped: Stopped = _running,
 ) -> None:
     """Runs ``send`` over ``timers`` with at most ``concurrency`` in flight (worker tasks, not one
-    task per timer)."""
+    task per timer); none starts once ``stopped()``."""
     if not timers:
         return
     it = iter(timers)
 
     async def worker() -> None:
         for t in it:
+            if stopped():
+                return
             record(t, await send(t))
 
     async with anyio.create_task_group() as tg:
@@ -190,8 +204,10 @@ class OutboxGateway:
             return Retry(reason=f"outbox error: {exc}")
         return Delivered()
 
-    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = _running) -> None:
         """One ``put_many`` for the batch: a re-fire of a request id is not a second delivery."""
+        if stopped():
+            return
         now = _now_ms()
         outcome: Outcome
         try:
@@ -610,9 +626,10 @@ class HttpGateway:
             return str(msg)[:200]
         return ""
 
-    async def deliver(self, timers: Sequence[Timer], record: Record) -> None:
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = _running) -> None:
         """Per target, up to ``per_target_concurrency`` workers (a slow target's timers do not
-        hold up the other targets'); at most ``concurrency`` requests in flight in all."""
+        hold up the other targets'); at most ``concurrency`` requests in flight in all; none
+        starts once ``stopped()``."""
         if not timers:
             return
         groups: dict[str, list[Timer]] = {}
@@ -621,6 +638,8 @@ class HttpGateway:
 
         async def worker(group: Any) -> None:
             for t in group:
+                if stopped():
+                    return
                 record(t, await self.send(t))
 
         async with anyio.create_task_group() as tg:

@@ -43,7 +43,7 @@ from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import TimerStore
 
 from .feed import Waker
-from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry
+from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
 
 __all__ = [
@@ -66,6 +66,7 @@ by another process: ``wowd timers retry``, a tool writing the store; or a parked
 a feed, which settles it without telling the Waker): they fire at most this late. An idle read is
 two indexed reads."""
 SETTLE_TIMEOUT_S = 10.0
+BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
@@ -148,7 +149,8 @@ def outcome_changes(
             changes.append(TimerChange.fired(t, fence=fence, next_due=next_occurrence(t, at)))
         elif isinstance(outcome, Retry):
             if t.attempts + 1 >= settings.max_attempts:
-                changes.append(TimerChange.fail(t, fence=fence, reason=f"retry budget spent: {outcome.reason}"))
+                reason = f"{BUDGET_SPENT} after {t.attempts + 1} attempts: {outcome.reason}"
+                changes.append(TimerChange.fail(t, fence=fence, reason=reason))
             else:
                 delay = retry_delay_s(t.attempts, settings, outcome.after_s)
                 changes.append(TimerChange.retry(t, fence=fence, due_at=at + int(delay * 1000), error=outcome.reason))
@@ -332,19 +334,31 @@ class TimerLoop:
                 waker.maybe_wake(c.next_due)
 
     async def _deliver(self, held: HeldSlot, claimed: list[Timer], record: Any) -> None:
+        """Delivers a claimed batch in scheduled order, each timer not before its scheduled time
+        (claimed up to the lookahead early), and none once the slot stops. The wait for a
+        scheduled time is bounded by the lookahead on the monotonic clock: a wall clock stepped
+        back never holds a claimed round."""
         pending = sorted(claimed, key=_DELIVERY_ORDER)
+        latest = anyio.current_time() + self._settings.lookahead_ms / 1000
+
+        def stopped() -> bool:
+            return held.stopping
+
         i = 0
-        while i < len(pending):
+        while i < len(pending) and not held.stopping:
             now = now_ms()
+            late = anyio.current_time() >= latest
             j = i
-            while j < len(pending) and pending[j].scheduled_at <= now:
+            while j < len(pending) and (late or pending[j].scheduled_at <= now):
                 j += 1
             if j == i:
                 # slightly ahead (lookahead): deliver at its scheduled time
-                await anyio.sleep(min((pending[i].scheduled_at - now) / 1000, 60.0))
+                wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
+                with anyio.move_on_after(max(0.0, wait_s)):
+                    await held.stop_event.wait()
                 continue
             held.check()
-            await self._gateway.deliver(pending[i:j], record)
+            await self._gateway.deliver(pending[i:j], record, stopped)
             i = j
 
     async def _settle_outcomes(
@@ -404,3 +418,6 @@ class TimerLoop:
                 metrics.TIMERS_PARKED.labels(aggregate=agg).inc()
             elif c.kind == "fail":
                 metrics.TIMERS_FAILED.labels(aggregate=agg).inc()
+                if c.error is not None and c.error.startswith(BUDGET_SPENT):
+                    # the gateway logged a Retry; that it is given up is the loop's decision
+                    delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
