@@ -1,10 +1,14 @@
 """The chaos harness: K ``python -m wowd run`` replicas on one SQLite file, a producer, faults.
 
-:func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl, the outbox
-gateway) on one SQLite file, and in this process a producer that appends commits carrying timer
-events (``append_many`` on the embedded log), a few of them malformed on purpose (``insert_raw``
-documents that are not commits, and commits whose timer event is refused). Meanwhile a seeded
-schedule of faults hits the replicas:
+:func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl) on one SQLite
+file, and in this process a command target (:class:`~tests.chaos.target.CommandTarget`, counting
+deliveries per ``Command-Request-Id``, some targets slower than a claim lives) and a producer that
+appends commits carrying timer events (``append_many`` on the embedded log), a few of them
+malformed on purpose (``insert_raw`` documents that are not commits, and commits whose timer event
+is refused), and cancels of some timers appended before, around or after their due time (the
+producer records which cancels were in the log before the due time). Each start of a replica
+delivers to the target (``http`` gateway, its own URL tag) or to the outbox, in turn (``gateway``).
+Meanwhile a seeded schedule of faults hits the replicas:
 
 - ``kill``: SIGKILL of a random replica, restarted (same owner key) a moment later;
 - ``stop``: SIGSTOP of a slot holder for longer than the ttl, then SIGCONT; the paused holder must
@@ -15,8 +19,13 @@ schedule of faults hits the replicas:
 When the producer stops, the harness waits (polling the stores inside ``fail_after``) for the
 replicas to catch up, stops them with SIGTERM and checks, from the stores only:
 
-- every timer scheduled fired at least once (its request id is in the outbox), none FAILED or
-  PARKED, every cancelled timer gone from the timer store;
+- every timer scheduled and not cancelled fired at least once (its request id reached the target
+  or the outbox), none FAILED or PARKED, every cancelled timer gone from the timer store;
+- no timer whose cancel was appended before its due time was delivered;
+- a request id delivered more than once only for a delivery in flight at a fault: at each kill,
+  and at each pause, the replica's claimed and unsettled timers are read from the timer store
+  (the process cannot move them); each such fault allows its timers one more delivery. A replica
+  sending one request id twice, or any other repeat, is a duplicate beyond the allowance;
 - no request id delivered by two different fences, and no (slot, fence) used by two owner keys;
 - every commit is in the sink exactly once (versions 1..n of each aggregate, no more);
 - no checkpoint went backwards: sampled during the run, a partition's fence never decreases and
