@@ -173,9 +173,9 @@ async def run_burst(workdir: Path, *, timers: int = 20_000, aggregates: int = 5,
             due_mono = time.monotonic() + (now + 8_000 - time.time() * 1000) / 1000
             with anyio.fail_after(180):
                 await kill_done.wait()
-                r, kill_at = killed[0]
-                await h.kill(r)
-                await h.mark("kill", r)
+                victim, kill_at = killed[0]
+                await h.kill(victim)
+                await h.mark("kill", victim)
                 while not set(rids) <= set(h.target.by_request):
                     h.check_crashes()
                     await anyio.sleep(0.1)
@@ -194,6 +194,7 @@ async def run_burst(workdir: Path, *, timers: int = 20_000, aggregates: int = 5,
             await h._timers.close()
     by = h.target.by_request
     unsettled = h.marks[0].unsettled
+    r = victim  # the replica killed (not a loop variable above)
     rep.killed = r.tag
     rep.delivered = len(set(rids) & set(by))
     rep.lost = timers - rep.delivered
