@@ -1,10 +1,14 @@
 """The chaos harness: K ``python -m wowd run`` replicas on one SQLite file, a producer, faults.
 
-:func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl, the outbox
-gateway) on one SQLite file, and in this process a producer that appends commits carrying timer
-events (``append_many`` on the embedded log), a few of them malformed on purpose (``insert_raw``
-documents that are not commits, and commits whose timer event is refused). Meanwhile a seeded
-schedule of faults hits the replicas:
+:func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl) on one SQLite
+file, and in this process a command target (:class:`~tests.chaos.target.CommandTarget`, counting
+deliveries per ``Command-Request-Id``, some targets slower than a claim lives) and a producer that
+appends commits carrying timer events (``append_many`` on the embedded log), a few of them
+malformed on purpose (``insert_raw`` documents that are not commits, and commits whose timer event
+is refused), and cancels of some timers appended before, around or after their due time (the
+producer records which cancels were in the log before the due time). Each start of a replica
+delivers to the target (``http`` gateway, its own URL tag) or to the outbox, in turn (``gateway``).
+Meanwhile a seeded schedule of faults hits the replicas:
 
 - ``kill``: SIGKILL of a random replica, restarted (same owner key) a moment later;
 - ``stop``: SIGSTOP of a slot holder for longer than the ttl, then SIGCONT; the paused holder must
@@ -15,8 +19,13 @@ schedule of faults hits the replicas:
 When the producer stops, the harness waits (polling the stores inside ``fail_after``) for the
 replicas to catch up, stops them with SIGTERM and checks, from the stores only:
 
-- every timer scheduled fired at least once (its request id is in the outbox), none FAILED or
-  PARKED, every cancelled timer gone from the timer store;
+- every timer scheduled and not cancelled fired at least once (its request id reached the target
+  or the outbox), none FAILED or PARKED, every cancelled timer gone from the timer store;
+- no timer whose cancel was appended before its due time was delivered;
+- a request id delivered more than once only for a delivery in flight at a fault: at each kill,
+  and at each pause, the replica's claimed and unsettled timers are read from the timer store
+  (the process cannot move them); each such fault allows its timers one more delivery. A replica
+  sending one request id twice, or any other repeat, is a duplicate beyond the allowance;
 - no request id delivered by two different fences, and no (slot, fence) used by two owner keys;
 - every commit is in the sink exactly once (versions 1..n of each aggregate, no more);
 - no checkpoint went backwards: sampled during the run, a partition's fence never decreases and
@@ -40,12 +49,14 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import anyio
 from anyio.abc import Process
 
+from tests.chaos.target import CommandTarget
 from wowd.daemon.feed import CONSUMER
+from wowd.errors import StorageUnavailable
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -79,7 +90,16 @@ class ChaosConfig:
     partitions: int = 8
     ttl_s: float = 2.0
     tolerance_s: float = 0.5
-    claim_ttl_s: float = 3.0
+    claim_ttl_s: float = 1.5
+    gateway: Literal["http", "outbox", "mixed"] = "mixed"
+    """Where the replicas deliver: the HTTP command target, the outbox, or each start in turn
+    (the first ``http``)."""
+    slow_share: float = 0.125
+    """The share of aggregates whose commands the target answers only after ``slow_s``."""
+    slow_s: float | None = None
+    """The slow target's latency; default ``claim_ttl_s + 0.5`` (longer than a claim lives)."""
+    cancel_share: float = 0.2
+    """The share of timers cancelled by a later commit appended around their due time."""
     duration_s: float = 20.0
     """How long the producer writes and faults are applied."""
     rate_per_s: float = 20.0
@@ -90,6 +110,15 @@ class ChaosConfig:
     drain_s: float = 60.0
     """How long the replicas get to catch up once the producer stopped."""
     sample_every_s: float = 0.25
+
+    @property
+    def slow_latency_s(self) -> float:
+        return self.claim_ttl_s + 0.5 if self.slow_s is None else self.slow_s
+
+    @property
+    def grace_s(self) -> float:
+        """The replicas' shutdown grace: a graceful stop lets a slow delivery finish."""
+        return self.slow_latency_s + 3.0
 
 
 # --------------------------------------------------------------------------- the report
@@ -104,6 +133,27 @@ class ChaosReport:
     timers_expected: int = 0
     timers_fired: int = 0
     cancelled: int = 0
+    cancelled_in_time: int = 0
+    """Timers whose cancel was appended (the append returned) before their due time."""
+    cancelled_raced: int = 0
+    """Timers whose cancel was appended around or after their due time (delivery optional)."""
+    cancelled_delivered: list[str] = field(default_factory=list)
+    deliveries: int = 0
+    """Every delivery seen: the target's requests plus the outbox's entries."""
+    http_deliveries: int = 0
+    slow_targets: int = 0
+    slow_deliveries: int = 0
+    duplicates: int = 0
+    """Deliveries beyond the first of their request id."""
+    duplicates_allowed: int = 0
+    """Of those, the ones of a timer claimed and unsettled by a replica when it was killed (or
+    paused past its lease): a delivery in flight at the fault, sent again by the next holder."""
+    duplicates_beyond: list[str] = field(default_factory=list)
+    duplicates_beyond_n: int = 0
+    unsettled_at_faults: int = 0
+    """Timers claimed and unsettled by the killed or paused replicas at the fault (the allowance)."""
+    claims_left_by_graceful_stops: int = 0
+    target_refused: list[str] = field(default_factory=list)
     malformed_injected: int = 0
     quarantined: int = 0
     lost_timers: list[str] = field(default_factory=list)
@@ -139,6 +189,9 @@ class ChaosReport:
             ("commits missing from the sink", self.lost_commits),
             ("documents in the sink more than once or not in the log", self.extra_documents),
             ("timers FAILED/PARKED", self.dead_timers),
+            ("cancelled timers delivered", self.cancelled_delivered),
+            ("duplicate deliveries beyond the in-flight allowance", self.duplicates_beyond),
+            ("requests the command target refused", self.target_refused),
             ("cancelled timers still stored", self.cancelled_left),
             ("request ids delivered under two fences", self.duplicate_fences),
             ("(slot, fence) used by two owner keys", self.fence_owner_conflicts),
@@ -162,7 +215,11 @@ class ChaosReport:
             f"seed {self.config.seed}, {self.config.replicas} replicas (limit {self.config.limit}, "
             f"ttl {self.config.ttl_s}s), {self.elapsed_s:.0f}s: faults survived {sum(self.faults.values())} "
             f"({faults}); commits fed {self.commits_fed}/{self.commits_expected}; timers fired "
-            f"{self.timers_fired}/{self.timers_expected}; cancelled {self.cancelled}; malformed injected "
+            f"{self.timers_fired}/{self.timers_expected}; cancelled {self.cancelled} (before due "
+            f"{self.cancelled_in_time}, delivered {len(self.cancelled_delivered)}; raced {self.cancelled_raced}); "
+            f"deliveries {self.deliveries} (http {self.http_deliveries}, slow {self.slow_deliveries}); "
+            f"duplicates {self.duplicates} (allowed {self.duplicates_allowed} of {self.unsettled_at_faults} "
+            f"unsettled at kills/pauses, beyond {self.duplicates_beyond_n}); malformed injected "
             f"{self.malformed_injected}, quarantined {self.quarantined}; lost {self.lost}; duplicate "
             f"deliveries with distinct fences {len(self.duplicate_fences)}; checkpoint samples "
             f"{self.checkpoint_samples}, regressions {len(self.checkpoint_regressions)} (handover rewinds "
@@ -194,6 +251,9 @@ class Replica:
     log_path: Path
     port_file: Path
     out: IO[bytes]
+    tag: str = ""
+    """This process's tag in its gateway URL (one per start)."""
+    gateway: str = "outbox"
     started_at: float = 0.0
     rss_first_kib: int = 0
     expected_exit: bool = False
@@ -228,12 +288,26 @@ def replica_env(config: ChaosConfig, db: Path) -> dict[str, str]:
             "WOWD_TIMERS__BACKOFF_MAX_S": "2",
             "WOWD_TIMERS__MAX_BODY_BYTES": str(MAX_BODY_BYTES),
             "WOWD_GATEWAY__KIND": "outbox",
-            "WOWD_SHUTDOWN__GRACE_S": "3",
+            "WOWD_SHUTDOWN__GRACE_S": str(config.grace_s),
             "WOWD_LOG_FORMAT": "json",
             "PYTHONUNBUFFERED": "1",
         }
     )
     return env
+
+
+@dataclass(frozen=True)
+class FaultMark:
+    """A kill, or a pause of a slot holder, with the timers the replica had claimed and not
+    settled at that moment (read from the timer store while the process could not move)."""
+
+    kind: str
+    replica: str
+    tag: str
+    at: float
+    """``time.monotonic()``, the target's clock."""
+    unsettled: frozenset[str]
+    """Request ids of the replica's FIRING claims."""
 
 
 # --------------------------------------------------------------------------- the producer
@@ -245,12 +319,22 @@ class Expected:
 
     versions: dict[str, int] = field(default_factory=dict)
     timers: dict[str, str] = field(default_factory=dict)
-    """request id -> "owner/key" of each timer that must fire."""
+    """request id -> "owner/key" of each timer scheduled to fire during the run."""
+    racing: list[tuple[int, str, str, int, str]] = field(default_factory=list)
+    """(cancel at ms, aggregate id, key, due ms, request id) of the cancels still to append."""
+    cancel_in_time: dict[str, str] = field(default_factory=dict)
+    """request id -> "owner/key" of the timers whose cancel was appended before their due time:
+    never to be delivered."""
+    cancel_raced: dict[str, str] = field(default_factory=dict)
+    """The same for cancels appended around or after the due time: delivered or not."""
     later: dict[str, tuple[AggregateRef, str]] = field(default_factory=dict)
     """Aggregate id -> (owner, key) of a far-future timer its next commit cancels."""
     cancelled: list[tuple[AggregateRef, str]] = field(default_factory=list)
     malformed: dict[str, str] = field(default_factory=dict)
     """Aggregate id -> the field its quarantine reason must name."""
+
+    def must_fire(self) -> set[str]:
+        return set(self.timers) - set(self.cancel_in_time) - set(self.cancel_raced)
 
 
 RAW_DEFECTS: list[tuple[str, dict[str, Any]]] = [
@@ -322,12 +406,31 @@ class Producer:
             exp.later[agg_id] = (_ref(agg_id), later)
         commit = self._commit(agg_id, events, now)
         owner = commit.ref
-        exp.timers[request_id_for(deterministic_timer_id(owner, key, version), due)] = f"{agg_id}/{key}"
+        rid = request_id_for(deterministic_timer_id(owner, key, version), due)
+        exp.timers[rid] = f"{agg_id}/{key}"
+        if rng.random() < self._config.cancel_share:
+            # cancelled by a later commit: in the same batch, before, around or after the due time
+            at = now if rng.random() < 0.15 else now + rng.randint(0, due - now + 300)
+            exp.racing.append((at, agg_id, key, due, rid))
         return commit
 
-    async def _append(self, commits: list[Commit]) -> None:
-        from wowd.errors import StorageUnavailable
+    def _cancels(self, now: int) -> list[tuple[Commit, int, str, str]]:
+        """The cancel commits due by ``now``: (commit, timer due ms, request id, "owner/key")."""
+        exp = self.expected
+        out: list[tuple[Commit, int, str, str]] = []
+        keep: list[tuple[int, str, str, int, str]] = []
+        for item in exp.racing:
+            at, agg_id, key, due, rid = item
+            if at > now:
+                keep.append(item)
+                continue
+            event = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
+            out.append((self._commit(agg_id, [event], now), due, rid, f"{agg_id}/{key}"))
+            exp.cancelled.append((_ref(agg_id), key))
+        exp.racing = keep
+        return out
 
+    async def _append(self, commits: list[Commit]) -> None:
         for attempt in range(50):
             try:
                 outcomes = await self._log.append_many(commits)
@@ -356,8 +459,6 @@ class Producer:
                 "events": [],
                 **defect,
             }
-            from wowd.errors import StorageUnavailable
-
             for attempt in range(50):
                 try:
                     await self._log.insert_raw(TYPE, doc)
@@ -385,7 +486,15 @@ class Producer:
                         batch.append(bad)
                 else:
                     batch.append(self._good(now))
+            cancels = self._cancels(now)
+            batch += [c for c, _due, _rid, _name in cancels]
             await self._append(batch)
+            appended = time.time() * 1000  # every cancel of the batch is in the log by now
+            for _c, due, rid, name in cancels:
+                if appended < due:
+                    self.expected.cancel_in_time[rid] = name
+                else:
+                    self.expected.cancel_raced[rid] = name
             await anyio.sleep(tick)  # the producer's pace (not a synchronisation)
 
 
@@ -404,6 +513,14 @@ class Harness:
         self._joined = 0
         self._checkpoints: dict[int, tuple[int, int]] = {}
         self._fences: dict[int, int] = {}
+        self._starts = 0
+        self.marks: list[FaultMark] = []
+        pick = random.Random(config.seed + 2)
+        aggs = [f"order-{i}" for i in range(config.aggregates)]
+        slow = {a for a in aggs if pick.random() < config.slow_share}
+        if config.slow_share > 0 and not slow:
+            slow = {pick.choice(aggs)}
+        self.target = CommandTarget(slow=slow, slow_s=config.slow_latency_s)
 
     # ------------------------------------------------------------------ processes
 
@@ -412,13 +529,21 @@ class Harness:
         port_file = self.workdir / f"{name}.port"
         port_file.unlink(missing_ok=True)  # written again once this process listens
         out = log_path.open("ab")
+        self._starts += 1
+        tag = f"{name}.{self._starts}"
+        kind: str = self.config.gateway
+        if kind == "mixed":
+            kind = "http" if self._starts % 2 else "outbox"
+        gateway = {"WOWD_GATEWAY__KIND": kind}
+        if kind == "http":
+            gateway["WOWD_GATEWAY__URL"] = self.target.url(tag)
         proc = await anyio.open_process(
             [sys.executable, "-m", "wowd", "run", "--port-file", str(port_file)],
             stdin=None,
             stdout=out,
             stderr=out,
             cwd=self.workdir,
-            env={**self.env, "WOWD_LEASE__OWNER_KEY": name},
+            env={**self.env, **gateway, "WOWD_LEASE__OWNER_KEY": name},
         )
         old = self.replicas.get(name)
         if old is not None:
@@ -429,10 +554,12 @@ class Harness:
             log_path=log_path,
             port_file=port_file,
             out=out,
+            tag=tag,
+            gateway=kind,
             started_at=anyio.current_time(),
         )
         self.replicas[name] = replica
-        log.info("started %s (pid %d)", name, proc.pid)
+        log.info("started %s (pid %d, %s gateway, tag %s)", name, proc.pid, kind, tag)
         return replica
 
     def live(self) -> list[Replica]:
@@ -451,6 +578,30 @@ class Harness:
             r.stopped = False
         r.proc.kill()
         await r.proc.wait()
+
+    async def _claims_of(self, name: str) -> set[str]:
+        """Request ids of the FIRING timers claimed under ``name`` (any of its slot keys)."""
+        for attempt in range(50):
+            try:
+                firing = await self._timers.scan(status=TimerStatus.FIRING, limit=1_000_000)
+                break
+            except StorageUnavailable:
+                await anyio.sleep(min(1.0, 0.05 * 2**attempt))
+        else:
+            raise RuntimeError("the timer store did not answer for 50 attempts")
+        return {
+            t.request_id
+            for t in firing
+            if t.claim is not None and (t.claim.owner_key == name or t.claim.owner_key.startswith(name + "#"))
+        }
+
+    async def mark(self, kind: str, r: Replica) -> None:
+        """Records a fault of ``r`` (dead or paused: its claims cannot move) with its claimed and
+        unsettled timers, the deliveries the next holder may send again."""
+        at = time.monotonic()
+        unsettled = frozenset(await self._claims_of(r.name))
+        self.marks.append(FaultMark(kind=kind, replica=r.name, tag=r.tag, at=at, unsettled=unsettled))
+        self.report.unsettled_at_faults += len(unsettled)
 
     async def wait_started(self, r: Replica, within: float = 15.0) -> bool:
         """Polls until the replica listens (its port file is written: its signal handling is in
@@ -510,12 +661,14 @@ class Harness:
             r = self.rng.choice(live)
             log.info("fault: SIGKILL %s", r.name)
             await self.kill(r)
+            await self.mark("kill", r)
             await anyio.sleep(self.rng.uniform(0.2, 1.5))  # down for a while, then restarted
             await self.start(r.name)
         elif kind == "restart":
             r = self.rng.choice(live)
             log.info("fault: SIGTERM + restart %s", r.name)
             await self.terminate(r)
+            self.report.claims_left_by_graceful_stops += len(await self._claims_of(r.name))
             await self.start(r.name)
         elif kind == "join":
             self._joined += 1
@@ -534,6 +687,7 @@ class Harness:
         log.info("fault: SIGSTOP %s for %.1fs (holder: %s)", r.name, pause, was_holder)
         r.proc.send_signal(signal.SIGSTOP)
         r.stopped = True
+        await self.mark("stop", r)
         await anyio.sleep(pause)  # the fault itself: paused longer than the ttl
         r.proc.send_signal(signal.SIGCONT)
         r.stopped = False
@@ -628,8 +782,8 @@ class Harness:
         return missing, extra
 
     async def _caught_up(self, producer: Producer) -> bool:
-        delivered = {e.request_id for e in await self._outbox()}
-        if not set(producer.expected.timers) <= delivered:
+        delivered = {e.request_id for e in await self._outbox()} | set(self.target.by_request)
+        if not producer.expected.must_fire() <= delivered:
             return False
         if len(await self._log.quarantined(limit=100_000)) < len(producer.expected.malformed):
             return False
@@ -651,9 +805,25 @@ class Harness:
         rep.fence_owner_conflicts = [
             f"slot {s} fence {f}: {sorted(o)}" for (s, f), o in owners.items() if len(o) > 1
         ]
-        rep.timers_expected = len(exp.timers)
-        rep.timers_fired = len(set(exp.timers) & set(by_request))
-        rep.lost_timers = [exp.timers[rid] for rid in sorted(set(exp.timers) - set(by_request))]
+        target = self.target
+        delivered = set(by_request) | set(target.by_request)
+        must = exp.must_fire()
+        rep.timers_expected = len(must)
+        rep.timers_fired = len(must & delivered)
+        rep.lost_timers = [exp.timers[rid] for rid in sorted(must - delivered)]
+        rep.cancelled_in_time = len(exp.cancel_in_time)
+        rep.cancelled_raced = len(exp.cancel_raced)
+        rep.cancelled_delivered = [
+            f"{name} ({rid}): {self._deliveries_text(rid)}"
+            for rid, name in sorted(exp.cancel_in_time.items())
+            if rid in delivered
+        ]
+        rep.http_deliveries = len(target.deliveries)
+        rep.deliveries = len(target.deliveries) + len(entries)
+        rep.slow_targets = len(target.slow)
+        rep.slow_deliveries = sum(1 for d in target.deliveries if d.target_id in target.slow)
+        rep.target_refused = list(target.refused)
+        self._duplicates({e.request_id for e in entries})
 
         stored: list[Timer] = await self._timers.scan(limit=100_000)
         rep.dead_timers = [
@@ -688,6 +858,39 @@ class Harness:
                 rep.quarantine_mismatch.append(f"{agg_id}: reason {reason!r} does not name {fieldname}")
         rep.quarantine_mismatch += [f"{a} quarantined, not injected" for a in seen if a not in exp.malformed]
 
+    def _deliveries_text(self, rid: str) -> str:
+        t0 = self._t0
+        ds = self.target.by_request.get(rid, [])
+        return ", ".join(f"{d.tag} at {d.at - t0:.3f}s" for d in ds) or "in the outbox"
+
+    def _duplicates(self, in_outbox: set[str]) -> None:
+        """Counts the deliveries beyond the first of each request id (the target's requests and
+        the outbox's entry), and which of them a fault allows: one per kill or pause of a replica
+        that held the timer claimed and unsettled at that moment. Any other repeat (a replica
+        sending a request id twice, a re-fire of a settled timer) is beyond the allowance."""
+        rep = self.report
+        allowance: Counter[str] = Counter()
+        for m in self.marks:
+            allowance.update(m.unsettled)
+        counts: Counter[str] = Counter({rid: len(ds) for rid, ds in self.target.by_request.items()})
+        counts.update(in_outbox)
+        for rid, n in sorted(counts.items()):
+            extra = n - 1
+            if extra <= 0:
+                continue
+            rep.duplicates += extra
+            per_tag = Counter(d.tag for d in self.target.by_request.get(rid, []))
+            same_process = sum(c - 1 for c in per_tag.values())  # one process sending it twice
+            beyond = max(extra - allowance[rid], same_process)
+            rep.duplicates_allowed += extra - beyond
+            if beyond > 0:
+                rep.duplicates_beyond_n += beyond
+                faults = [f"{m.kind} {m.tag} at {m.at - self._t0:.3f}s" for m in self.marks if rid in m.unsettled]
+                rep.duplicates_beyond.append(
+                    f"{rid} x{n} ({self._deliveries_text(rid)}; outbox {rid in in_outbox}; "
+                    f"faults with it unsettled: {faults or 'none'})"
+                )
+
     # ------------------------------------------------------------------ run
 
     async def run(self) -> ChaosReport:
@@ -699,6 +902,7 @@ class Harness:
 
         cfg, rep = self.config, self.report
         started = anyio.current_time()
+        self._t0 = time.monotonic()
         self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
         await self._log.prepare()
         self._leases = EmbeddedSlotLeaseStore(self.db)
@@ -711,9 +915,10 @@ class Harness:
         await self._sink.prepare()
         producer = Producer(cfg, self._log, random.Random(cfg.seed + 1))
         try:
-            for i in range(cfg.replicas):
-                await self.start(f"r{i}")
             async with anyio.create_task_group() as tg:
+                await tg.start(self.target.serve)
+                for i in range(cfg.replicas):
+                    await self.start(f"r{i}")
                 tg.start_soon(self._sample_checkpoints)
                 until = anyio.current_time() + cfg.duration_s
                 async with anyio.create_task_group() as work:
@@ -741,9 +946,9 @@ class Harness:
                     rep.oldest_uptime_s = anyio.current_time() - oldest.started_at
                     rep.oldest_rss_start_kib = oldest.rss_first_kib
                     rep.oldest_rss_end_kib = _rss_kib(oldest.proc.pid)
+                for r in self.live():
+                    await self.terminate(r)  # the target answers until the replicas are gone
                 tg.cancel_scope.cancel()
-            for r in self.live():
-                await self.terminate(r)
             await self._final_checks(producer)
         finally:
             with anyio.CancelScope(shield=True):

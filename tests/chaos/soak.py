@@ -2,7 +2,9 @@
 
 Runs one long chaos schedule (faults every few seconds, the producer writing all along), prints the
 summary and appends it to ``bench/RESULTS.md``: faults survived, timers fired, commits fed,
-lost (must be 0), duplicate deliveries with distinct fences (must be 0), RSS at start and end.
+lost (must be 0), cancelled timers delivered (must be 0), duplicate deliveries beyond the ones in
+flight at a kill or a pause (must be 0), duplicate deliveries with distinct fences (must be 0), RSS
+at start and end.
 Exits 1 when a promise was broken (the violations are printed and recorded too).
 """
 
@@ -30,7 +32,9 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
     faults_line = f"{sum(report.faults.values())} ({faults}); paused slot holders {report.paused_holders}"
     setup = (
         f"{c.replicas} replicas (max {c.max_replicas}), {c.limit} slots, {c.partitions} partitions, "
-        f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, {c.rate_per_s:g} commits/s, embedded SQLite"
+        f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, claim ttl {c.claim_ttl_s}s, {c.rate_per_s:g} commits/s, "
+        f"embedded SQLite; gateway {c.gateway}"
+        + (" (each start in turn: HTTP target, outbox)" if c.gateway == "mixed" else "")
     )
     rss = (
         f"largest replica: start {report.rss_start_kib / 1024:.0f} MiB, "
@@ -47,6 +51,22 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
         ("commits fed", f"{report.commits_fed} of {report.commits_expected}"),
         ("malformed", f"{report.malformed_injected} injected, {report.quarantined} quarantined"),
         ("lost", str(report.lost)),
+        (
+            "cancelled delivered",
+            f"{len(report.cancelled_delivered)} of {report.cancelled_in_time} timers cancelled before their due "
+            f"time ({report.cancelled_raced} more cancels appended around or after it)",
+        ),
+        (
+            "duplicates beyond allowance",
+            f"{report.duplicates_beyond_n} (duplicates {report.duplicates}, of which allowed "
+            f"{report.duplicates_allowed}: sent again after a kill or pause of the replica that had them "
+            f"claimed and unsettled, {report.unsettled_at_faults} such claims at the faults)",
+        ),
+        (
+            "deliveries",
+            f"{report.deliveries} ({report.http_deliveries} to the HTTP target, {report.slow_deliveries} of them "
+            f"to {report.slow_targets} slow targets answering after {c.slow_latency_s:g}s)",
+        ),
         ("duplicate deliveries with distinct fences", str(len(report.duplicate_fences))),
         (
             "checkpoints",
@@ -74,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the harness's readiness probes
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wowd-soak-"))
     config = ChaosConfig(
         seed=args.seed,
