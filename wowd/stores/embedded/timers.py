@@ -35,6 +35,7 @@ The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import json
 import logging
@@ -304,6 +305,9 @@ def merge_due(cursors: Sequence[Iterable[Sequence[Any]]], limit: int) -> list[Se
     """The first ``limit`` rows of per-partition row streams sorted by ``(due_at, timer_id)``."""
     return list(islice(heapq.merge(*cursors, key=_due_key), limit))
 
+
+WRITE_CHUNK = 2000
+"""Timer writes per transaction of :meth:`EmbeddedTimerStore.write`."""
 
 DUE_ARMS = 64
 """Partitions read by one compound ``due`` statement; more are read in several, merged here."""
@@ -742,29 +746,35 @@ class EmbeddedTimerStore(SqliteStore):
                 return n
             return int(conn.execute(sql["cancel_all"], params).rowcount)
 
-        def work(conn: sqlite3.Connection) -> list[int]:
+        def work(chunk: Sequence[tuple[str, tuple[Any, ...]]], conn: sqlite3.Connection) -> list[int]:
             out: list[int] = []
             i = 0
-            while i < len(steps):
-                kind = steps[i][0]
+            while i < len(chunk):
+                kind = chunk[i][0]
                 j = i
-                while j < len(steps) and steps[j][0] == kind:
+                while j < len(chunk) and chunk[j][0] == kind:
                     j += 1
                 if kind == "put" and j - i > 1:
                     # a run of puts in one executemany; when one of them changed nothing (a
                     # replay), the run is answered one by one (a repeat of a put is harmless)
                     before = conn.total_changes
-                    conn.executemany(sql["put"], [p for _k, p in steps[i:j]])
+                    conn.executemany(sql["put"], [p for _k, p in chunk[i:j]])
                     if conn.total_changes - before == j - i:
                         out += [1] * (j - i)
                     else:
-                        out += [one(conn, kind, p) for _k, p in steps[i:j]]
+                        out += [one(conn, kind, p) for _k, p in chunk[i:j]]
                 else:
-                    out += [one(conn, kind, p) for _k, p in steps[i:j]]
+                    out += [one(conn, kind, p) for _k, p in chunk[i:j]]
                 i = j
             return out
 
-        return await self._write("write", self._db.transaction(work))
+        # a transaction per chunk: the file's write lock is not held for a long batch (a lease
+        # renewal waits for it); the writes commute, so a batch applied in parts is the same
+        answers: list[int] = []
+        for k in range(0, len(steps), WRITE_CHUNK):
+            chunk = steps[k : k + WRITE_CHUNK]
+            answers += await self._write("write", self._db.transaction(functools.partial(work, chunk)))
+        return answers
 
     async def sweep(self, before: int, limit: int) -> int:
         await self.prepare()
