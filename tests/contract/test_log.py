@@ -5,6 +5,7 @@ Positions are opaque here: a test only passes back positions the log gave it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -274,13 +275,17 @@ async def test_checkpoints_are_per_consumer_and_partition(log: Any) -> None:
 # --------------------------------------------------------------------------- quarantine
 
 
+def _content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in i.items() if k not in ("id", "created_at")} for i in items]
+
+
 async def test_quarantine_keeps_raw_and_reason_once(log: Any) -> None:
     raw = {"aggregate_id": "x", "version": "one"}
     await log.quarantine("feed", 3, ORDER, raw, "version: must be int")
     await log.quarantine("feed", 3, ORDER, dict(raw), "version: must be int")  # idempotent
     await log.quarantine("feed", 3, ORDER, {"aggregate_id": "y"}, "events: is missing")
     items = await log.quarantined()
-    assert items == [
+    assert _content(items) == [
         {
             "consumer": "feed",
             "partition": 3,
@@ -297,3 +302,45 @@ async def test_quarantine_keeps_raw_and_reason_once(log: Any) -> None:
         },
     ]
     assert len(await log.quarantined(limit=1)) == 1
+
+
+async def test_quarantined_items_have_stable_ids_pages_and_a_reason_replaced_in_place(log: Any) -> None:
+    before = int(time.time() * 1000) - 1000
+    for i in range(5):
+        await log.quarantine("feed", i % PARTITIONS, ORDER, {"aggregate_id": f"q-{i}"}, f"reason {i}")
+    items = await log.quarantined()
+    assert [i["raw"]["aggregate_id"] for i in items] == [f"q-{i}" for i in range(5)]
+    ids = [i["id"] for i in items]
+    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 5
+    assert all(before <= i["created_at"] <= time.time() * 1000 + 1000 for i in items)
+    # pages: after the last id of the previous page
+    first = await log.quarantined(limit=2)
+    second = await log.quarantined(limit=2, after=first[-1]["id"])
+    third = await log.quarantined(limit=2, after=second[-1]["id"])
+    assert [i["id"] for i in first + second + third] == ids
+    assert await log.quarantined(limit=2, after=ids[-1]) == []
+    # by id (an id naming nothing is skipped)
+    picked = await log.quarantined(ids=[ids[3], ids[1], "0" * 24, "999999999", "not-an-id"])
+    assert [i["id"] for i in picked] == [ids[1], ids[3]]
+    assert await log.quarantined(ids=[]) == []
+    # quarantined again: same id, the new reason
+    await log.quarantine("feed", 2, ORDER, {"aggregate_id": "q-2"}, "sink refused it: SinkWriteError: boom")
+    [again] = await log.quarantined(ids=[ids[2]])
+    assert again["reason"] == "sink refused it: SinkWriteError: boom"
+    assert again["created_at"] == items[2]["created_at"]
+    assert [i["id"] for i in await log.quarantined()] == ids
+
+
+async def test_release_quarantined_deletes_those_ids_once(log: Any) -> None:
+    for i in range(3):
+        await log.quarantine("feed", 1, ORDER, {"aggregate_id": f"r-{i}"}, "events: is missing")
+    ids = [i["id"] for i in await log.quarantined()]
+    assert await log.release_quarantined([ids[0], ids[2], "0" * 24, "999999999", "nope"]) == 2
+    assert [i["id"] for i in await log.quarantined()] == [ids[1]]
+    assert await log.release_quarantined([ids[0], ids[2]]) == 0  # idempotent
+    assert await log.release_quarantined([]) == 0
+    # a document released and quarantined again is a new item
+    await log.quarantine("feed", 1, ORDER, {"aggregate_id": "r-0"}, "events: is missing")
+    items = await log.quarantined()
+    assert [i["raw"]["aggregate_id"] for i in items] == ["r-1", "r-0"]
+    assert items[1]["id"] not in ids

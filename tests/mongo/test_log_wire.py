@@ -3,6 +3,7 @@ talks to MockupDB and each test asserts the commands on the wire and scripts the
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from tests.mongo.log_support import (
     token,
 )
 from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
-from wowd.errors import ConfigError, ConflictError, StorageError, StorageUnavailable
+from wowd.errors import ConfigError, ConflictError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, LogBatch, OutboxEntry
 from wowd.stores.base import Ddl, Log, Outbox
 from wowd.stores.mongo import (
@@ -413,11 +414,100 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
             insert.ok(n=1)
             await q.done.wait()
             q.result()
-            # quarantining it again is idempotent: the duplicate key is not an error
+            # quarantining it again is idempotent: the duplicate key is not an error, the stored
+            # item gets the new reason
             again = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, "again"))
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            update = await rs_wire.command("update")
+            assert update["update"] == f"wow_quarantine__{CONTEXT}"
+            assert update["updates"] == [
+                {"q": {"_id": doc["_id"]}, "u": {"$set": {"reason": "again"}}, "multi": False, "upsert": False}
+            ]
+            update.ok(n=1, nModified=1)
             await again.done.wait()
             again.result()
+
+
+def quarantine_stored(seq: ObjectId, agg_id: str, reason: str) -> dict[str, Any]:
+    """A quarantine document as the server returns it (dates come back naive, in UTC)."""
+    raw = {"_id": {"t": "(0)", "a": agg_id, "v": 1}, "aggregate_id": agg_id, "partition": 3}
+    return {
+        "_id": {"consumer": "wowd", "aggregate": "order", "key": raw["_id"]},
+        "consumer": "wowd",
+        "partition": 3,
+        "aggregate": "order",
+        "raw": raw,
+        "reason": reason,
+        "quarantined_at": datetime(2025, 3, 1, 12, 0, 0, 250_000),
+        "seq": seq,
+    }
+
+
+async def test_quarantined_pages_by_seq_and_release_deletes_by_seq(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    log = make_log(rs_client)
+    a, b = ObjectId("67c2f8a0aaaaaaaaaaaaaaa1"), ObjectId("67c2f8a0aaaaaaaaaaaaaaa2")
+    ns = f"{DB}.wow_quarantine__{CONTEXT}"
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            page = start(tg, lambda: log.quarantined(limit=2, after=str(a)))
+            find = await rs_wire.command("find")
+            assert find["find"] == f"wow_quarantine__{CONTEXT}"
+            assert find["filter"] == {"seq": {"$gt": a}}
+            assert find["sort"] == {"seq": 1}
+            assert find["limit"] == 2
+            find.ok(cursor={"id": 0, "ns": ns, "firstBatch": [quarantine_stored(b, ID_P3, "sink refused it: x")]})
+            await page.done.wait()
+            [item] = page.result()
+            assert item["id"] == str(b)
+            assert item["created_at"] == int(datetime(2025, 3, 1, 12, 0, 0, 250_000, tzinfo=UTC).timestamp() * 1000)
+            assert (item["consumer"], item["partition"], item["aggregate"], item["reason"]) == (
+                "wowd",
+                3,
+                "order",
+                "sink refused it: x",
+            )
+            assert item["raw"]["aggregate_id"] == ID_P3
+
+            # by ids: an id that is not an ObjectId names nothing and is not sent
+            picked = start(tg, lambda: log.quarantined(ids=[str(b), "nope", str(a)]))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"seq": {"$in": [a, b]}}
+            find.ok(cursor={"id": 0, "ns": ns, "firstBatch": []})
+            await picked.done.wait()
+            assert picked.result() == []
+
+            released = start(tg, lambda: log.release_quarantined([str(a), str(b), "12"]))
+            delete = await rs_wire.command("delete")
+            assert delete["delete"] == f"wow_quarantine__{CONTEXT}"
+            assert delete["deletes"] == [{"q": {"seq": {"$in": [a, b]}}, "limit": 0}]
+            delete.ok(n=1)
+            await released.done.wait()
+            assert released.result() == 1
+    # nothing to send: no id is an ObjectId; an unreadable cursor is refused before any command
+    assert await log.release_quarantined(["12", "x"]) == 0
+    assert await log.quarantined(ids=["x"]) == []
+    with pytest.raises(InvalidInput, match="after"):
+        await log.quarantined(after="12")
+
+
+async def test_prepare_creates_the_quarantine_seq_index(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    log = make_log(rs_client, ddl=Ddl.AUTO)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, log.prepare)
+            listing = await rs_wire.command("listCollections")
+            listing.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []})
+            create = await rs_wire.command("createIndexes")
+            assert create["createIndexes"] == f"wow_quarantine__{CONTEXT}"
+            assert create["indexes"] == [
+                {"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"},
+                {"key": {"seq": 1}, "name": "seq"},
+            ]
+            create.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)
+            await call.done.wait()
+            call.result()
 
 
 async def test_a_standalone_server_refusing_the_change_stream_is_a_config_error(

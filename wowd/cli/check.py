@@ -1,4 +1,5 @@
-"""``wowd check``: the configuration is valid and every store and the gateway answer."""
+"""``wowd check``: the configuration is valid, the embedded file is sound (SQLite's
+``quick_check``) and every store and the gateway answer."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
     if settings.backend == "embedded" and not settings.embedded.path.exists():
         failures += _check_new_embedded_path(settings)
     else:
+        if settings.backend == "embedded":
+            failures += await _check_embedded_file(settings)
         failures += await _check_stores(settings, secrets)
     if failures:
         err(f"wowd check: {failures} problem(s)")
@@ -80,6 +83,27 @@ def _check_new_embedded_path(settings: WowdSettings) -> int:
         err(f"FAIL embedded: {path} does not exist and its directory {parent} is not writable")
         return 1
     out(f"ok   embedded: {path} does not exist yet (not created by check; wowd run creates it)")
+    return 0
+
+
+async def _check_embedded_file(settings: WowdSettings) -> int:
+    """SQLite's ``quick_check`` of the embedded file: a corrupted page is a failure even when
+    every store still answers its probe (the probes read a few pages)."""
+    from wowd.stores.embedded.db import SqliteDatabase
+
+    path = settings.embedded.path
+    db = SqliteDatabase(path)
+    try:
+        problem = await db.quick_check()
+    except WowdError as exc:
+        err(f"FAIL embedded file {path}: {type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        db.close()
+    if problem is not None:
+        err(f"FAIL embedded file {path}: quick_check: {problem}")
+        return 1
+    out(f"ok   embedded file {path} (quick_check)")
     return 0
 
 

@@ -134,11 +134,25 @@ class Log(Protocol):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
-        """Keeps a malformed document with the reason (idempotent per document)."""
+        """Keeps a document the feed cannot read or apply, with the reason. Idempotent per
+        document (``consumer``, ``aggregate`` and the document): quarantining it again keeps its
+        id and replaces its reason with ``reason``."""
         ...
 
-    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
-        """The quarantined items, oldest first: ``{consumer, partition, aggregate, raw, reason}``."""
+    async def quarantined(
+        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """The quarantined items, oldest first (in the order of their ids): ``{id, created_at,
+        consumer, partition, aggregate, raw, reason}``. ``id`` is a string that names the item
+        for as long as it is kept (embedded: the row id; MongoDB: the hex of the document's
+        ``seq`` ObjectId), ``created_at`` when it was first quarantined (ms since the epoch).
+        ``after``: only items after this id (the last id of a previous page); ``ids``: only
+        these (ids that name nothing are skipped). Read-only."""
+        ...
+
+    async def release_quarantined(self, ids: Collection[str]) -> int:
+        """Deletes the quarantined items ``ids`` (ids that name nothing are skipped); answers how
+        many were deleted. Idempotent."""
         ...
 
     async def aggregate_types(self) -> list[AggregateType]:

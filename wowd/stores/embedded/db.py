@@ -98,6 +98,23 @@ class SqliteDatabase:
         """Runs ``fn(conn)`` in a worker thread, one call at a time on this connection."""
         return await anyio.to_thread.run_sync(self.run_sync, fn, limiter=self._limiter)
 
+    async def quick_check(self) -> str | None:
+        """SQLite's ``PRAGMA quick_check`` of the file (every page of every table and index read,
+        without comparing indexes to their tables): ``None`` when it answers ``ok``, else its first
+        message. Raises :class:`StorageError` when the file cannot be read that far (a corrupted
+        header or schema). Read-only; it reads the whole file."""
+
+        def run(conn: sqlite3.Connection) -> str | None:
+            rows = conn.execute("PRAGMA quick_check(1)").fetchall()
+            first = str(rows[0][0]) if rows else "quick_check answered nothing"
+            if first == "ok":
+                return None
+            # one line, without the "*** in database main ***" heading
+            lines = [x.strip() for x in first.splitlines() if x.strip() and not x.startswith("***")]
+            return "; ".join(lines) or first
+
+        return await self.run(run)
+
     def transaction(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
         """Wraps ``fn`` in ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on error)."""
 

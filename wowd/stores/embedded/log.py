@@ -10,8 +10,9 @@ Tables (shared by the contexts of one file, each row carrying its ``context``):
   ``(context, partition, seq)``.
 - ``log_checkpoint``: ``(context, consumer, partition)`` -> ``position`` (JSON), ``fence``,
   ``written_at``; a save is one upsert admitted only when the stored fence is <= the new one.
-- ``log_quarantine``: malformed documents with the reason, unique per ``(context, consumer,
-  aggregate, sha256 of the raw document's canonical JSON)``.
+- ``log_quarantine``: documents the feed cannot read or apply, with the reason; ``id`` (INTEGER
+  PRIMARY KEY AUTOINCREMENT) names an item; unique per ``(context, consumer, aggregate, sha256 of
+  the raw document's canonical JSON)`` (quarantining a document again replaces its reason).
 - ``log_format``: the layout version (:data:`FORMAT`); another one is refused.
 
 A position is ``{"seq": n}``. ``read`` sends one query per batch (``seq > min(positions) AND
@@ -32,7 +33,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -174,8 +175,36 @@ def quarantine_sql() -> str:
         "INSERT INTO log_quarantine"
         " (context, consumer, partition, aggregate, raw, raw_hash, reason, created_at) "
         f"VALUES (?, ?, ?, ?, ?, ?, ?, {NOW_MS}) "
-        "ON CONFLICT (context, consumer, aggregate, raw_hash) DO NOTHING"
+        "ON CONFLICT (context, consumer, aggregate, raw_hash) DO UPDATE SET reason = excluded.reason"
     )
+
+
+QUARANTINE_COLUMNS = ("id", "created_at", "consumer", "partition", "aggregate", "raw", "reason")
+RELEASE_CHUNK = 500
+"""Ids per statement of :meth:`EmbeddedLog.release_quarantined` and of an ``ids`` read (far
+below SQLite's limit of bound parameters)."""
+
+
+def quarantined_sql(*, after: bool, ids: int | None) -> str:
+    """The quarantined items of a context in id order: after an id and/or among ``ids`` ids."""
+    where = "context = ?" + (" AND id > ?" if after else "")
+    if ids is not None:
+        where += f" AND id IN ({', '.join('?' * ids)})"
+    return f"SELECT {', '.join(QUARANTINE_COLUMNS)} FROM log_quarantine WHERE {where} ORDER BY id LIMIT ?"
+
+
+def release_quarantined_sql(ids: int) -> str:
+    return f"DELETE FROM log_quarantine WHERE context = ? AND id IN ({', '.join('?' * ids)})"
+
+
+def _row_ids(ids: Collection[str]) -> list[int]:
+    """The row ids among ``ids`` (a string that is not one names nothing)."""
+    out: set[int] = set()
+    for i in ids:
+        text = str(i).strip()
+        if text.isascii() and text.isdigit():
+            out.add(int(text))
+    return sorted(out)
 
 
 # --------------------------------------------------------------------------- in-process wake-ups
@@ -545,25 +574,54 @@ class EmbeddedLog(SqliteStore):
         params = (self.context, consumer, partition, aggregate.aggregate, text, digest, reason)
         await self._run("quarantine", lambda c: c.execute(quarantine_sql(), params))
 
-    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
+    async def quarantined(
+        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+    ) -> list[dict[str, Any]]:
+        if limit <= 0:
+            return []
+        after_ids = _row_ids([after]) if after is not None else []
+        if after is not None and not after_ids:
+            raise InvalidInput(f"is not a quarantine id of the embedded log: {after!r}", field="after")
+        wanted = _row_ids(ids) if ids is not None else None
+
         def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            rows = conn.execute(
-                "SELECT consumer, partition, aggregate, raw, reason FROM log_quarantine "
-                "WHERE context = ? ORDER BY id LIMIT ?",
-                (self.context, limit),
-            ).fetchall()
+            chunks = [None] if wanted is None else [
+                wanted[i : i + RELEASE_CHUNK] for i in range(0, len(wanted), RELEASE_CHUNK)
+            ]
+            rows: list[tuple[Any, ...]] = []
+            for chunk in chunks:
+                sql = quarantined_sql(after=bool(after_ids), ids=None if chunk is None else len(chunk))
+                params = (self.context, *after_ids, *(chunk or ()), limit)
+                rows += conn.execute(sql, params).fetchall()
+            rows.sort(key=lambda r: int(r[0]))
             return [
                 {
-                    "consumer": r[0],
-                    "partition": r[1],
-                    "aggregate": r[2],
-                    "raw": json.loads(r[3]),
-                    "reason": r[4],
+                    "id": str(r[0]),
+                    "created_at": r[1],
+                    "consumer": r[2],
+                    "partition": r[3],
+                    "aggregate": r[4],
+                    "raw": json.loads(r[5]),
+                    "reason": r[6],
                 }
-                for r in rows
+                for r in rows[:limit]
             ]
 
         return await self._run("quarantined", run)
+
+    async def release_quarantined(self, ids: Collection[str]) -> int:
+        wanted = _row_ids(ids)
+        if not wanted:
+            return 0
+
+        def run(conn: sqlite3.Connection) -> int:
+            deleted = 0
+            for i in range(0, len(wanted), RELEASE_CHUNK):
+                chunk = wanted[i : i + RELEASE_CHUNK]
+                deleted += conn.execute(release_quarantined_sql(len(chunk)), (self.context, *chunk)).rowcount
+            return deleted
+
+        return await self._run("release_quarantined", self._db.transaction(run))
 
     async def aggregate_types(self) -> list[AggregateType]:
         def run(conn: sqlite3.Connection) -> list[AggregateType]:

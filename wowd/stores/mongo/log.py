@@ -7,7 +7,9 @@ Collections (``<ctx>`` the context):
   ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}`` (idempotent appends) and
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
-- ``wow_quarantine__<ctx>``: malformed documents with the reason.
+- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
+  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId made when it is
+  first quarantined, indexed) names an item: its hex is the item's id.
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
@@ -38,7 +40,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -98,6 +100,8 @@ __all__ = [
     "log_collection_prefix",
     "log_indexes",
     "quarantine_doc",
+    "quarantine_item",
+    "quarantined_filter",
     "scan_filter",
     "SCAN_SORT",
     "token_cluster_time",
@@ -135,7 +139,10 @@ def log_indexes() -> list[Doc]:
 
 
 def quarantine_indexes() -> list[Doc]:
-    return [{"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"}]
+    return [
+        {"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"},
+        {"key": {"seq": 1}, "name": "seq"},
+    ]
 
 
 # --------------------------------------------------------------------------- cluster times
@@ -301,6 +308,33 @@ def quarantine_doc(
         "quarantined_at": now,
         "seq": ObjectId(),
     }
+
+
+def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -> Doc:
+    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing)."""
+    seq: Doc = {}
+    if after is not None:
+        seq["$gt"] = after
+    if ids is not None:
+        seq["$in"] = list(ids)
+    return {"seq": seq} if seq else {}
+
+
+def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A quarantine document as :meth:`~wowd.stores.base.Log.quarantined` answers it."""
+    at = doc.get("quarantined_at")
+    if isinstance(at, datetime):
+        created_at = int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+    else:
+        created_at = 0
+    item = {"id": str(doc.get("seq")), "created_at": created_at}
+    item.update({k: doc.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})
+    return item
+
+
+def _object_ids(ids: Iterable[str]) -> list[ObjectId]:
+    """The ObjectIds among ``ids`` (a string that is not one names nothing)."""
+    return sorted({ObjectId(i) for i in ids if ObjectId.is_valid(i)})
 
 
 def _digest(raw: Mapping[str, Any]) -> str:
@@ -881,26 +915,45 @@ class MongoLog(MongoStore):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
+        """One insert; E11000 on ``_id`` (quarantined before) sets the stored item's reason."""
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
         with self._call("quarantine"):
             try:
                 await self._quarantine.insert_one(doc)
             except DuplicateKeyError:
+                await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
                 return
         logger.warning(
             "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
             self.context, aggregate, partition, consumer, reason,
         )
 
-    async def quarantined(self, limit: int = 1000) -> list[dict[str, Any]]:
+    async def quarantined(
+        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """One ``find`` in ``seq`` order (the ``seq`` index)."""
         out: list[dict[str, Any]] = []
         if limit <= 0:
             return out
+        if after is not None and not ObjectId.is_valid(after):
+            raise InvalidInput(f"is not a quarantine id of the MongoDB log: {after!r}", field="after")
+        wanted = _object_ids(ids) if ids is not None else None
+        if wanted == []:
+            return out
+        filter_ = quarantined_filter(ObjectId(after) if after is not None else None, wanted)
         with self._call("quarantined"):
-            cursor = self._quarantine.find({}, sort=[("quarantined_at", 1), ("seq", 1)], limit=limit)
-            async for d in cursor:
-                out.append({k: d.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})
+            async for d in self._quarantine.find(filter_, sort=[("seq", 1)], limit=limit):
+                out.append(quarantine_item(d))
         return out
+
+    async def release_quarantined(self, ids: Collection[str]) -> int:
+        """One ``delete`` of the items by ``seq``."""
+        wanted = _object_ids(ids)
+        if not wanted:
+            return 0
+        with self._call("release_quarantined"):
+            result = await self._quarantine.delete_many(quarantined_filter(None, wanted))
+        return int(result.deleted_count)
 
 
 # --------------------------------------------------------------------------- helpers

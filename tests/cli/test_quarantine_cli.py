@@ -1,0 +1,267 @@
+"""``wowd quarantine list|show|retry``: what the feed set aside is listed, shown and, once the
+cause is fixed, fed by a retry (idempotent steps from its reason); what still fails stays."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, closing
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.cli.conftest import CONTEXT, PARTITIONS, Run
+from tests.daemon.conftest import eventually
+from wowd.cli import quarantine as quarantine_cli
+from wowd.cli.backend import opened_backend
+from wowd.config import WowdSettings, load_settings
+from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.leases import HeldSlot
+from wowd.errors import InvalidInput
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Commit,
+    DomainEvent,
+    Owner,
+    SnapshotRecord,
+    commit_to_doc,
+    partition,
+)
+from wowd.stores.base import Backend, EventSink
+
+ORDER = AggregateType(context=CONTEXT, aggregate="order")
+DUE = 10**13
+
+
+def order_commit(agg_id: str, version: int = 1, *, rule: dict[str, Any] | None = None) -> Commit:
+    """A commit of ``order/agg_id`` scheduling the timer ``expire`` (``rule``: once)."""
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+    timer = {
+        "key": "expire",
+        "due_at": DUE,
+        "rule": rule or {"type": "once"},
+        "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
+        "command": {"name": "expire-order", "body": {}},
+    }
+    return Commit(
+        ref=ref,
+        version=version,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=1_700_000_000_000 + version,
+        events=(
+            DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}),
+            DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=timer),
+        ),
+    )
+
+
+class RefusingSink:
+    """The event sink refusing the commits of some aggregates, as Elasticsearch refuses one
+    document (a 400 on its item: a mapping conflict)."""
+
+    def __init__(self, inner: EventSink, refuse: set[str]) -> None:
+        self._inner = inner
+        self.refuse = refuse
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        for r in records:
+            if r.ref.id in self.refuse:
+                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
+        await self._inner.write(records)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def refuse_in_sink(backend: Backend, refuse: set[str]) -> None:
+    inner = backend.sink_factory
+    backend.sink_factory = lambda type_: RefusingSink(inner(type_), refuse)  # type: ignore[assignment,return-value]
+    backend._sinks.clear()
+
+
+async def feed_until_caught_up(settings: WowdSettings, backend: Backend) -> None:
+    """The daemon's feed over every partition until it reaches the log's head."""
+    res = await backend.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    held = HeldSlot(
+        lease=res.lease,
+        partitions=frozenset(range(PARTITIONS)),
+        valid_until=anyio.current_time() + 60,
+        owner_key="me",
+    )
+    waker = Waker()
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            await tg.start(Feeder(settings, backend).run, held, waker)
+
+            async def caught_up() -> bool:
+                return waker.watermark is not None
+
+            await eventually(caught_up, 10, "the feed at the log's head")
+            held.request_stop()
+
+
+def events_rows(db: Path, agg_id: str) -> list[tuple[int, str]]:
+    """The event sink's documents of ``order/agg_id`` (none while no sink has made its table)."""
+    with closing(sqlite3.connect(db)) as conn:
+        if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'events'").fetchall():
+            return []
+        return conn.execute(
+            "SELECT version, id FROM events WHERE aggregate = 'order' AND aggregate_id = ?", (agg_id,)
+        ).fetchall()
+
+
+async def timer_of(agg_id: str) -> Any:
+    async with opened_backend(load_settings()) as backend:
+        return await backend.timers.find(AggregateRef(context=CONTEXT, aggregate="order", id=agg_id), "expire")
+
+
+async def quarantine_directly(*items: tuple[dict[str, Any], str]) -> list[str]:
+    async with opened_backend(load_settings()) as backend:
+        for raw, reason in items:
+            p = partition(str(raw.get("aggregate_id", "")), PARTITIONS)
+            await backend.log.quarantine(CONSUMER, p, ORDER, raw, reason)
+        return [i["id"] for i in await backend.log.quarantined()]
+
+
+def listed(wowd: Run) -> list[dict[str, Any]]:
+    code, out, err = wowd("quarantine", "list", "--json")
+    assert code == 0, err
+    items: list[dict[str, Any]] = json.loads(out)["items"]
+    return items
+
+
+def test_a_commit_the_sink_refused_is_listed_shown_then_fed_by_retry(wowd: Run, db: Path) -> None:
+    commits = [order_commit("o-1"), order_commit("bad"), order_commit("o-2")]
+
+    async def feed_with_a_refusing_sink() -> None:
+        settings = load_settings()
+        async with opened_backend(settings) as backend:
+            await backend.log.append_many(commits)
+            refuse_in_sink(backend, {"bad"})
+            await feed_until_caught_up(settings, backend)
+
+    anyio.run(feed_with_a_refusing_sink)
+    assert events_rows(db, "o-1") and events_rows(db, "o-2")
+    assert events_rows(db, "bad") == [] and anyio.run(timer_of, "bad") is None
+
+    # listed and shown
+    code, out, err = wowd("quarantine", "list")
+    assert code == 0, err
+    [item] = listed(wowd)
+    assert item["reason"].startswith("sink refused it: InvalidInput: events:")
+    assert item["raw"]["aggregate_id"] == "bad" and item["partition"] == partition("bad", PARTITIONS)
+    assert item["id"] in out and "bad v1" in out and "sink refused it" in out and "1 items" in out
+    code, out, err = wowd("quarantine", "show", item["id"])
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["id"] == item["id"] and shown["raw"]["aggregate_id"] == "bad" and shown["reason"] == item["reason"]
+
+    # the cause fixed (the plain sink): fed, its timer projected, released
+    code, out, err = wowd("quarantine", "retry", item["id"])
+    assert code == 0, err
+    assert f"fed {item['id']} (demo.order/(0)/bad v1): sink, timers, snapshots, parked; released" in out
+    assert [v for v, _ in events_rows(db, "bad")] == [1]
+    timer = anyio.run(timer_of, "bad")
+    assert timer is not None and timer.due_at == DUE and timer.version == 1
+    assert listed(wowd) == []
+    # released: a second retry finds nothing
+    code, _, err = wowd("quarantine", "retry", item["id"])
+    assert code == 1 and f"no quarantined item {item['id']}" in err
+    code, out, _ = wowd("quarantine", "show", item["id"])
+    assert code == 1
+
+
+def test_what_still_fails_stays_quarantined_under_its_id_with_the_new_reason(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    malformed = {**commit_to_doc(order_commit("m-1"), PARTITIONS), "version": "one"}
+    bad_rule = commit_to_doc(order_commit("r-1", rule={"type": "weekly"}), PARTITIONS)
+    refused = commit_to_doc(order_commit("s-1"), PARTITIONS)
+    ids = anyio.run(
+        quarantine_directly,
+        (malformed, "version: must be an int"),
+        (bad_rule, "rejected timer event: rule.type: unknown rule type 'weekly'"),
+        (refused, "sink refused it: InvalidInput: events: mapper_parsing_exception"),
+    )
+
+    # the sink still refuses s-1
+    real = quarantine_cli.opened_backend
+
+    @asynccontextmanager
+    async def refusing_backend(settings: WowdSettings) -> AsyncIterator[Backend]:
+        async with real(settings) as backend:
+            refuse_in_sink(backend, {"s-1"})
+            yield backend
+
+    monkeypatch.setattr(quarantine_cli, "opened_backend", refusing_backend)
+    code, out, err = wowd("quarantine", "retry", "--all")
+    assert code == 1
+    assert f"FAIL {ids[0]} (m-1 vone) stays quarantined: version:" in err
+    assert f"FAIL {ids[1]} (demo.order/(0)/r-1 v1) stays quarantined: rejected timer event: " in err
+    assert "rule.type" in err
+    assert f"FAIL {ids[2]} (demo.order/(0)/s-1 v1) stays quarantined: sink refused it: InvalidInput: " in err
+    assert "0 fed and released, 3 still quarantined" in out
+    items = listed(wowd)
+    assert [i["id"] for i in items] == ids
+    assert items[2]["reason"].startswith("sink refused it: InvalidInput: events: ")
+    assert "mapper_parsing_exception" in items[2]["reason"]
+    assert "rule.type" in items[1]["reason"]
+
+    # the sink fixed: s-1 is fed; the others still fail
+    monkeypatch.setattr(quarantine_cli, "opened_backend", real)
+    code, out, err = wowd("quarantine", "retry", *ids)
+    assert code == 1
+    assert f"fed {ids[2]} (demo.order/(0)/s-1 v1): sink, timers, snapshots, parked; released" in out
+    assert [i["id"] for i in listed(wowd)] == ids[:2]
+    assert anyio.run(timer_of, "s-1") is not None
+
+
+def test_retry_runs_the_steps_the_reason_names_and_marks_a_snapshot_behind_stale(
+    wowd: Run, db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WOWD_REDUCERS", '{"order": "wowd.demo:reducer"}')
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id="o-9")
+
+    async def snapshot_at_1_then_quarantine_2() -> list[str]:
+        async with opened_backend(load_settings()) as backend:
+            await backend.snapshots.save(SnapshotRecord(ref=ref, version=1, state_revision=1, state={"n": 1}))
+        return await quarantine_directly(
+            (commit_to_doc(order_commit("o-9", 2), PARTITIONS), "snapshots refused it: StorageError: disk full")
+        )
+
+    [item_id] = anyio.run(snapshot_at_1_then_quarantine_2)
+    code, out, err = wowd("quarantine", "retry", item_id)
+    assert code == 0, err
+    assert f"fed {item_id} (demo.order/(0)/o-9 v2): snapshots, parked; released" in out
+
+    async def stored() -> SnapshotRecord | None:
+        async with opened_backend(load_settings()) as backend:
+            return await backend.snapshots.load(ref)
+
+    snap = anyio.run(stored)
+    assert snap is not None and snap.version == 1 and snap.stale_version == 2
+    # the steps before the one that refused it are not run again
+    assert events_rows(db, "o-9") == [] and anyio.run(timer_of, "o-9") is None
+
+
+def test_list_pages_and_retry_needs_ids_or_all(wowd: Run) -> None:
+    ids = anyio.run(
+        quarantine_directly, *[({"aggregate_id": f"x-{i}", "version": "one"}, "version: x") for i in range(3)]
+    )
+    code, out, err = wowd("quarantine", "list", "--limit", "2")
+    assert code == 0, err
+    assert f"2 items; next: --after {ids[1]}" in out
+    code, out, err = wowd("quarantine", "list", "--limit", "2", "--after", ids[1])
+    assert code == 0 and ids[2] in out and "1 items" in out and "next" not in out
+    code, _, err = wowd("quarantine", "retry")
+    assert code == 2 and "ids or --all" in err
+    code, _, err = wowd("quarantine", "retry", ids[0], "--all")
+    assert code == 2
