@@ -65,13 +65,15 @@ async def database(tmp_path: Path) -> AsyncIterator[SqliteDatabase]:
         db.close()
 
 
-async def limited(database: SqliteDatabase) -> list[str]:
-    """Sets the connection's variable limit to 9 (at most 4 refs or 2 targets a statement: the
-    writes before need more) and answers the list of the SELECTs it runs from now on."""
+async def limited(database: SqliteDatabase, variables: int | None = 9) -> list[str]:
+    """Sets the connection's variable limit to ``variables`` (9 by default: at most 4 refs or 2
+    targets a statement; the writes before need more; ``None``: unchanged) and answers the list
+    of the SELECTs it runs from now on."""
     selects: list[str] = []
 
     def limit(conn: sqlite3.Connection) -> None:
-        conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 9)
+        if variables is not None:
+            conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, variables)
         conn.set_trace_callback(lambda sql: selects.append(sql) if sql.lstrip().startswith("SELECT") else None)
 
     await database.run(limit)
@@ -120,3 +122,16 @@ async def test_parked_many_splits_only_under_the_variable_limit(database: Sqlite
     assert got == sorted(parked, key=lambda t: (t.due_at, t.timer_id))  # type: ignore[union-attr]
     reads = [s for s in selects if timer_table(CTX) in s]
     assert len(reads) == 3, reads  # 5 targets by 2 a statement
+
+
+async def test_a_feed_batch_is_one_statement_per_type_and_one_for_its_targets(database: SqliteDatabase) -> None:
+    snapshots = EmbeddedSnapshotStore(database, context=CTX)
+    timers = EmbeddedTimerStore(database, context=CTX, partitions=PARTITIONS)
+    refs = [AggregateRef(context=CTX, aggregate=("order", "cart")[i % 2], id=f"a-{i}") for i in range(500)]
+    await snapshots.save_all([SnapshotRecord(ref=r, version=1, state_revision=1, state={}) for r in refs[::3]])
+    await timers.prepare()
+    selects = await limited(database, None)
+    assert len(await snapshots.load_many(refs)) == len(refs[::3])
+    assert await timers.parked_many(refs) == []
+    assert len([s for s in selects if snapshot_table(CTX) in s]) == 2  # one per type
+    assert len([s for s in selects if timer_table(CTX) in s]) == 1
