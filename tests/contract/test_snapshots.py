@@ -160,6 +160,46 @@ async def test_save_all_reports_an_outcome_per_snapshot_in_order(snapshot_store:
     assert await snapshot_store.save_all([]) == []
 
 
+async def test_load_many_answers_what_load_answers_for_each_stored_ref(snapshot_store: Any) -> None:
+    order, same_id_other_tenant, cart_same_id = ref("o-1"), ref("o-1", tenant="t2"), ref("o-1", aggregate="cart")
+    stale, deleted = ref("o-stale"), ref("o-gone")
+    await snapshot_store.save_all(
+        [
+            snap(order, 4, state_revision=2, owner_id="u1", space_id="s1", tags=("a", "b"), access_version=3),
+            snap(same_id_other_tenant, 2, state={"price": Decimal("19.90")}),
+            snap(cart_same_id, 7),
+            snap(stale, 3),
+            snap(deleted, 5, deleted=True),
+        ]
+    )
+    await snapshot_store.mark_stale(stale)
+    missing = [ref("o-none"), ref("o-1", tenant="t9"), ref("o-1", aggregate="user")]
+    asked = [order, *missing, same_id_other_tenant, cart_same_id, stale, deleted, order]  # order twice
+    got = await snapshot_store.load_many(asked)
+    stored = [order, same_id_other_tenant, cart_same_id, stale, deleted]
+    assert got == {r: await snapshot_store.load(r) for r in stored}
+    assert got[same_id_other_tenant].state == {"price": Decimal("19.90")}
+    assert got[stale].stale_version == 4 and got[deleted].deleted is True
+    assert await snapshot_store.load_many([]) == {}
+    assert await snapshot_store.load_many(missing) == {}
+
+
+async def test_load_many_reads_a_whole_feed_batch(snapshot_store: Any) -> None:
+    refs = [ref(f"o-{i}", tenant=f"t{i % 3}") for i in range(600)]
+    await snapshot_store.save_all([snap(r, 1 + i % 5) for i, r in enumerate(refs) if i % 4])
+    got = await snapshot_store.load_many([*refs, *refs[:50]])
+    assert set(got) == {r for i, r in enumerate(refs) if i % 4}
+    assert all(got[r].version == 1 + i % 5 for i, r in enumerate(refs) if i % 4)
+
+
+async def test_load_many_refuses_a_ref_of_another_context(snapshot_store: Any) -> None:
+    from wowd.errors import InvalidInput
+
+    other = AggregateRef(context="other", aggregate="order", id="o-1", tenant_id="t1")
+    with pytest.raises(InvalidInput):
+        await snapshot_store.load_many([ref("o-1"), other])
+
+
 async def test_claim_mark_and_table(snapshot_store: Any) -> None:
     assert await snapshot_store.table(TYPE) is None
     t = await snapshot_store.claim(TYPE, 2)

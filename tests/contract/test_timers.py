@@ -296,6 +296,47 @@ async def test_parked_answers_the_parked_timers_of_a_target_in_every_partition(t
     assert {t.timer_id for t in await timer_store.parked(TARGET)} == parked_ids - {first.timer_id}
 
 
+async def test_parked_many_answers_the_parked_timers_of_any_target_once_in_due_order(timer_store: Any) -> None:
+    other_id, other_tenant = replace(TARGET, id="inv-2"), replace(TARGET, tenant_id="t2")
+    other_type, other_context = replace(TARGET, aggregate="receipt"), replace(TARGET, context="shipping")
+    targets = (TARGET, other_id, other_tenant, other_type, other_context)
+    parked: dict[AggregateRef, set[str]] = {t: set() for t in targets}
+    due = T0
+    for p in (0, 3, 7):
+        for aggregate in ("order", "cart"):
+            for n, target in enumerate(targets):
+                due -= 1  # later puts due earlier: the answer's order is not the put order
+                t = timer(owner(id_in(p, f"{aggregate}{n}"), aggregate=aggregate), target=target, due_at=due)
+                await timer_store.put(t)
+                assert await timer_store.settle([TimerChange.park(await loaded(timer_store, t), fence=1, reason="404")])
+                parked[target].add(t.timer_id)
+    await timer_store.put(timer(owner("pending-one"), target=TARGET))  # not parked
+    asked = [TARGET, other_tenant, other_context, TARGET, replace(TARGET, id="inv-9")]
+    got = await timer_store.parked_many(asked)
+    each = [t for target in (TARGET, other_tenant, other_context) for t in await timer_store.parked(target)]
+    assert got == sorted(each, key=lambda t: (t.due_at, t.timer_id))
+    assert {t.timer_id for t in got} == parked[TARGET] | parked[other_tenant] | parked[other_context]
+    assert all(t.status is TimerStatus.PARKED for t in got)
+    assert await timer_store.parked_many([]) == []
+    assert await timer_store.parked_many([replace(TARGET, id="inv-9")]) == []
+    # resumed: no longer parked
+    first = got[0]
+    assert await timer_store.settle([TimerChange.resume(first, due_at=T0)]) == 1
+    assert {t.timer_id for t in await timer_store.parked_many(asked)} == {t.timer_id for t in got[1:]}
+
+
+async def test_parked_many_reads_a_whole_feed_batch_of_targets(timer_store: Any) -> None:
+    targets = [replace(TARGET, id=f"inv-{i}", tenant_id=f"t{i % 3}") for i in range(600)]
+    want = set()
+    for i in range(0, 600, 37):
+        t = timer(owner(f"o-{i}"), target=targets[i], due_at=T0 + i)
+        await timer_store.put(t)
+        assert await timer_store.settle([TimerChange.park(await loaded(timer_store, t), fence=1, reason="404")])
+        want.add(t.timer_id)
+    got = await timer_store.parked_many(targets)
+    assert {t.timer_id for t in got} == want and len(got) == len(want)
+
+
 async def test_scan_filters_by_status_and_partitions_in_due_order(timer_store: Any) -> None:
     ts = [timer(owner(id_in(p, f"s{i}")), due_at=T0 + 10 - i) for i, p in enumerate((0, 1, 2, 3))]
     for t in ts:

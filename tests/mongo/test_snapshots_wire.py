@@ -11,6 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 import anyio
+import bson
 import pytest
 from bson.decimal128 import Decimal128
 from mockupdb import MockupDB
@@ -21,12 +22,13 @@ from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
-from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo._common import MongoSharding, split_to_fit
 from wowd.stores.mongo.snapshots import (
     TABLES,
     MongoSnapshotStore,
     conditional_upsert_filter,
     index_specs,
+    load_many_filter,
     snapshot_pipeline,
 )
 
@@ -774,3 +776,131 @@ async def test_another_server_error_is_a_storage_error(store: MongoSnapshotStore
         with pytest.raises(StorageError, match="not authorized") as info:
             await call.result()
         assert not isinstance(info.value, StorageUnavailable)
+
+
+# --------------------------------------------------------------------------- load_many
+
+
+def stored_doc(s: SnapshotRecord) -> dict[str, Any]:
+    """A snapshot document as a save leaves it (what a find answers)."""
+    r = s.ref
+    return {
+        "_id": {"t": r.tenant_id, "a": r.id},
+        "tenant_id": r.tenant_id,
+        "aggregate_id": r.id,
+        "version": s.version,
+        "state_revision": s.state_revision,
+        "state": {k: Decimal128(v) if isinstance(v, Decimal) else v for k, v in s.state.items()},
+        "owner_id": s.owner_id,
+        "space_id": s.space_id,
+        "access": {"owner_id": s.owner_id, "space_id": s.space_id, "tags": list(s.tags)},
+        "access_version": s.access_version,
+        "deleted": s.deleted,
+        "event_time": s.event_time,
+    }
+
+
+DRIVER_FIELDS = {"$db", "lsid", "$clusterTime", "maxTimeMS", "$readPreference"}
+"""What the driver adds to every command beside what the store asks for."""
+
+
+async def test_load_many_is_one_find_per_type_with_in_on_the_key(store: MongoSnapshotStore, wire: Wire) -> None:
+    o1, o2, o3 = snap("o-1", state={"total": Decimal("1.10")}), snap("o-2", version=9), snap("o-3")
+    other_tenant = SnapshotRecord(ref=ref("o-1", tenant="t2"), version=2, state_revision=2, state={})
+    cart = snap("c-1", aggregate="cart", owner_id="u1", tags=("a",))
+    asked = [o1.ref, o2.ref, cart.ref, o3.ref, other_tenant.ref, o1.ref, ref("c-2", aggregate="cart")]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.load_many(asked))
+        orders = await wire.command("find")
+        assert {k: v for k, v in orders.doc.items() if k not in DRIVER_FIELDS} == {
+            "find": ORDERS,
+            "filter": {
+                "_id": {
+                    "$in": [
+                        {"t": "(0)", "a": "o-1"},
+                        {"t": "(0)", "a": "o-2"},
+                        {"t": "(0)", "a": "o-3"},
+                        {"t": "t2", "a": "o-1"},
+                    ]
+                },
+                "tenant_id": {"$in": ["(0)", "t2"]},
+                "aggregate_id": {"$in": ["o-1", "o-2", "o-3"]},
+            },
+            # the limit is the refs asked; the driver asks one more in the batch so that the
+            # server meets the end inside the first batch and closes the cursor there
+            "limit": 4,
+            "batchSize": 5,
+        }
+        assert all(list(k) == ["t", "a"] for k in orders.doc["filter"]["_id"]["$in"])  # the key's field order
+        # o-3 has no snapshot: the server answers the others, in the index's order, and closes the cursor
+        orders.replies(
+            {
+                "cursor": {
+                    "firstBatch": [stored_doc(o1), stored_doc(o2), stored_doc(other_tenant)],
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                },
+                "ok": 1.0,
+            }
+        )
+        carts = await wire.command("find")
+        assert carts.doc["find"] == CARTS
+        assert carts.doc["filter"] == {
+            "_id": {"$in": [{"t": "(0)", "a": "c-1"}, {"t": "(0)", "a": "c-2"}]},
+            "tenant_id": {"$in": ["(0)"]},
+            "aggregate_id": {"$in": ["c-1", "c-2"]},
+        }
+        assert (carts.doc["limit"], carts.doc["batchSize"]) == (2, 3)
+        carts.replies({"cursor": {"firstBatch": [stored_doc(cart)], "id": 0, "ns": f"{DB}.{CARTS}"}, "ok": 1.0})
+        got = await call.result()
+    assert got == {o1.ref: o1, o2.ref: o2, other_tenant.ref: other_tenant, cart.ref: cart}
+    assert got[o1.ref].state == {"total": Decimal("1.10")}
+
+
+async def test_load_many_reads_on_when_the_server_cuts_its_first_batch(store: MongoSnapshotStore, wire: Wire) -> None:
+    """A server answers at most 16 MiB a batch: a first batch cut there leaves the cursor open
+    (its id), and the store reads the rest with getMore."""
+    snaps = [snap(f"o-{i}") for i in range(3)]
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.load_many([s.ref for s in snaps]))
+        find = await wire.command("find")
+        first = {"firstBatch": [stored_doc(snaps[0])], "id": 7_431_862_091, "ns": f"{DB}.{ORDERS}"}
+        find.replies({"cursor": first, "ok": 1.0})
+        more = await wire.command("getMore")
+        assert more.doc["getMore"] == 7_431_862_091 and more.doc["collection"] == ORDERS
+        assert more.doc["batchSize"] == 2  # what the limit leaves
+        more.replies(
+            {"cursor": {"nextBatch": [stored_doc(s) for s in snaps[1:]], "id": 0, "ns": f"{DB}.{ORDERS}"}, "ok": 1.0}
+        )
+        got = await call.result()
+    assert got == {s.ref: s for s in snaps}
+
+
+async def test_load_many_of_nothing_sends_nothing(store: MongoSnapshotStore, mock_server: MockupDB) -> None:
+    assert await store.load_many([]) == {}
+    with pytest.raises(InvalidInput):
+        await store.load_many([ref("o-1"), AggregateRef(context="other", aggregate="order", id="o-1")])
+    with pytest.raises(AssertionError):  # nothing came: receives() finds no request
+        mock_server.receives(timeout=0)
+
+
+async def test_load_many_network_error_is_storage_unavailable(store: MongoSnapshotStore, wire: Wire) -> None:
+    async with anyio.create_task_group() as tg:
+        call = Call()
+        tg.start_soon(call.run, store.load_many([ref("o-1")]))
+        (await wire.command("find")).hangup()
+        with pytest.raises(StorageUnavailable, match="load_many"):
+            await call.result()
+
+
+def test_load_many_filters_are_split_to_fit_one_command() -> None:
+    refs = [ref(f"order-{i:06d}", tenant=f"tenant-{i % 7}") for i in range(5_000)]
+    whole = split_to_fit(refs, load_many_filter)
+    assert whole == [refs]  # a feed batch and far more: one command
+    limit = 64 * 1024
+    parts = split_to_fit(refs, load_many_filter, limit)
+    assert len(parts) > 1 and [r for p in parts for r in p] == refs
+    assert all(len(bson.encode(load_many_filter(p))) <= limit for p in parts)
+    assert split_to_fit([], load_many_filter) == []

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import bson
 import pytest
 from bson import ObjectId
 from bson.min_key import MinKey
@@ -32,11 +33,12 @@ from wowd import metrics
 from wowd.errors import FormatError, InvalidInput, StorageUnavailable
 from wowd.model import CronRule, Timer, TimerChange, TimerStatus
 from wowd.stores.base import Ddl
-from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo._common import MongoSharding, split_to_fit
 from wowd.stores.mongo.timers import (
     MongoTimerStore,
     due_match,
     index_specs,
+    parked_many_match,
     put_filter,
     settle_filter,
     timer_from_doc,
@@ -772,3 +774,126 @@ async def test_operation_timeout_bounds_each_command(mongo_client: Any, wire: Wi
         assert 0 < req.doc["maxTimeMS"] <= 5_000
         req.ok(**cursor(f"{DB}.wow_timer__ctx__order", []))
     assert out.error is None and out.value is None
+
+
+# --------------------------------------------------------------------------- parked_many
+
+DRIVER_FIELDS = {"$db", "lsid", "$clusterTime", "maxTimeMS", "$readPreference"}
+"""What the driver adds to every command beside what the store asks for."""
+
+
+def parked_clause(ids: list[str], tenant: str = "(0)", context: str = "billing") -> dict[str, Any]:
+    return {
+        "target.id": {"$in": ids},
+        "target.tenant_id": tenant,
+        "target.aggregate": "invoice",
+        "target.context": context,
+        "status": "PARKED",
+    }
+
+
+async def test_parked_many_is_one_aggregation_over_every_collection(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order", "cart")
+    target = make_timer().target
+    t1 = replace(make_timer(id="o1", due_at=300), status=TimerStatus.PARKED, last_error="404")
+    t2 = replace(make_timer(aggregate="cart", id="c1", due_at=100), status=TimerStatus.PARKED, last_error="503")
+    t3 = replace(t1, timer_id="other-tenant", target=replace(target, tenant_id="t2"), due_at=200)
+    asked = [
+        target,
+        replace(target, id="inv-1"),
+        replace(target, tenant_id="t2"),
+        replace(target, context="shipping"),
+        target,
+    ]
+    match = {
+        "$or": [
+            parked_clause(["inv-1", "inv-9"]),
+            parked_clause(["inv-9"], tenant="t2"),
+            parked_clause(["inv-9"], context="shipping"),
+        ]
+    }
+    async with calling(lambda: store.parked_many(asked)) as out:
+        agg = await wire.command("aggregate")
+        assert {k: v for k, v in agg.doc.items() if k not in DRIVER_FIELDS} == {
+            "aggregate": REGISTRY,
+            "pipeline": [
+                {"$match": {"context": CONTEXT}},
+                {"$count": "registered"},
+                *(
+                    {
+                        "$unionWith": {
+                            "coll": f"wow_timer__{CONTEXT}__{aggregate}",
+                            "pipeline": [
+                                {"$match": match},
+                                {"$sort": {"due_at": 1, "timer_id": 1}},
+                                {"$set": {"owner.aggregate": {"$literal": aggregate}}},
+                                {"$unset": "_id"},
+                            ],
+                        }
+                    }
+                    for aggregate in ("cart", "order")
+                ),
+                {"$sort": {"due_at": 1, "timer_id": 1}},
+            ],
+            "cursor": {},  # no limit: the server's default first batch, then getMore
+        }
+        docs = [{"registered": 2}, stored(t2), stored(t3), stored(t1)]
+        agg.ok(cursor={"firstBatch": docs, "id": 0, "ns": f"{DB}.{REGISTRY}"})
+    assert out.error is None, out.error
+    assert out.value == [t2, t3, t1]
+
+
+async def test_parked_many_reads_on_past_the_first_batch(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order")
+    t1 = replace(make_timer(id="o1", due_at=100), status=TimerStatus.PARKED)
+    t2 = replace(make_timer(id="o2", due_at=200), status=TimerStatus.PARKED)
+    async with calling(lambda: store.parked_many([t1.target])) as out:
+        agg = await wire.command("aggregate")
+        agg.ok(cursor={"firstBatch": [{"registered": 1}, stored(t1)], "id": 5_120_447_110, "ns": f"{DB}.{REGISTRY}"})
+        more = await wire.command("getMore")
+        assert more.doc["getMore"] == 5_120_447_110 and more.doc["collection"] == REGISTRY
+        more.ok(cursor={"nextBatch": [stored(t2)], "id": 0, "ns": f"{DB}.{REGISTRY}"})
+    assert out.error is None, out.error
+    assert out.value == [t1, t2]
+
+
+async def test_parked_many_reloads_the_registry_when_it_counts_another_number(mongo_client: Any, wire: Wire) -> None:
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order")
+    t = replace(make_timer(aggregate="cart", id="c1"), status=TimerStatus.PARKED)
+    async with calling(lambda: store.parked_many([t.target])) as out:
+        first = await wire.command("aggregate")
+        assert len(first.doc["pipeline"]) == 4  # match, count, the order collection, sort
+        first.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}]))
+        reload = await wire.command("find")
+        assert reload.doc["find"] == REGISTRY
+        reload.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
+        second = await wire.command("aggregate")
+        assert [s["$unionWith"]["coll"] for s in second.doc["pipeline"][2:4]] == [
+            "wow_timer__ctx__cart",
+            "wow_timer__ctx__order",
+        ]
+        second.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(t)]))
+    assert out.error is None, out.error
+    assert out.value == [t]
+
+
+async def test_parked_many_of_no_target_sends_nothing(idle_client: AsyncMongoClient[Any]) -> None:
+    assert await store_on(idle_client).parked_many([]) == []
+
+
+def test_parked_many_targets_are_split_to_fit_one_command() -> None:
+    target = make_timer().target
+    targets = [replace(target, id=f"invoice-{i:06d}", tenant_id=f"tenant-{i % 5}") for i in range(5_000)]
+    known = {f"wow_timer__ctx__type{i}": f"type{i}" for i in range(3)}
+
+    def command(part: Any) -> dict[str, Any]:
+        return {"pipeline": union_pipeline(CONTEXT, known, parked_many_match(part), None)}
+
+    assert split_to_fit(targets, command) == [targets]  # a feed batch and far more: one command
+    limit = 256 * 1024
+    parts = split_to_fit(targets, command, limit)
+    assert len(parts) > 1 and [t for p in parts for t in p] == targets
+    assert all(len(bson.encode(command(p))) <= limit for p in parts)

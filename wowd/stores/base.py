@@ -288,6 +288,17 @@ class TimerStore(Protocol):
         """The PARKED timers whose target is ``target`` (every partition)."""
         ...
 
+    async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
+        """The PARKED timers whose target is any of ``targets`` (every partition, every owner
+        type), each once, ordered by ``(due_at, timer_id)``: what :meth:`parked` answers for each
+        target, together. ``[]`` for no targets. Read-only.
+
+        One read over the parked index whatever the number of targets (a feed batch's committed
+        aggregates): embedded one statement, split only where the targets exceed SQLite's
+        variable limit (the statements in one read transaction); MongoDB one aggregation on the
+        registry, split only where its command would exceed 16 MiB."""
+        ...
+
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         """Applies each change (see :class:`~wowd.model.TimerChange`) to the document as loaded
         (``timer_id`` + ``revision``), one unordered bulk write per collection. A change whose
@@ -328,6 +339,17 @@ class SnapshotStore(Protocol):
         ...
 
     async def load(self, ref: AggregateRef) -> SnapshotRecord | None: ...
+
+    async def load_many(self, refs: Sequence[AggregateRef]) -> dict[AggregateRef, SnapshotRecord]:
+        """The stored snapshots of ``refs``, each as :meth:`load` answers it, by ref; a ref with
+        no snapshot is absent, a ref given twice is read once. ``{}`` for no refs. Read-only.
+        Raises :class:`~wowd.errors.InvalidInput` for a ref of another context (nothing read).
+
+        One read per aggregate type whatever the number of refs (a feed batch's aggregates):
+        embedded one ``SELECT`` per type, split only where the refs exceed SQLite's variable
+        limit; MongoDB one ``find`` per type with ``$in`` on ``_id``, split only where its
+        command would exceed 16 MiB, its cursor read to the end."""
+        ...
 
     async def save(self, snapshot: SnapshotRecord) -> bool:
         """One conditional upsert: written when the stored version is below the new one and the

@@ -185,6 +185,19 @@ def load_sql(context: str) -> str:
     return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY}"
 
 
+def load_many_sql(context: str, refs: int) -> str:
+    """The snapshots of ``refs`` aggregates of one type (the type, then ``tenant_id``,
+    ``aggregate_id`` per ref): a ``VALUES`` list of the keys ``CROSS JOIN``ed to the table
+    (SQLite keeps that loop order), so each ref is one search of the primary key. (A row value
+    ``IN (VALUES ...)`` is planned as a scan of the type's rows instead.)"""
+    rows = ", ".join(["(?, ?)"] * refs)
+    cols = ", ".join(f"s.{c}" for c in COLUMNS)
+    return (
+        f"SELECT {cols} FROM (VALUES {rows}) AS k CROSS JOIN {table_name(context)} AS s"
+        " ON s.aggregate = ? AND s.tenant_id = k.column1 AND s.aggregate_id = k.column2"
+    )
+
+
 def mark_stale_sql(context: str) -> str:
     return f"UPDATE {table_name(context)} SET stale_version = MAX(COALESCE(stale_version, 0), version + 1) WHERE {_KEY}"
 
@@ -344,6 +357,32 @@ class EmbeddedSnapshotStore(SqliteStore):
         sql, key = load_sql(self.context), (ref.aggregate, ref.tenant_id, ref.id)
         row = await self._run("load", lambda conn: conn.execute(sql, key).fetchone())
         return snapshot_from_row(self.context, row) if row is not None else None
+
+    async def load_many(self, refs: Sequence[AggregateRef]) -> dict[AggregateRef, SnapshotRecord]:
+        """One :func:`load_many_sql` statement per type, split only where its refs exceed
+        SQLite's variable limit; all of them in one call."""
+        by_type: dict[str, list[AggregateRef]] = {}
+        for r in dict.fromkeys(refs):
+            self._check(r)
+            by_type.setdefault(r.aggregate, []).append(r)
+        if not by_type:
+            return {}
+        for aggregate in by_type:
+            await self.create_collection(aggregate)
+        ctx = self.context
+
+        def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
+            per = max(1, (conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) - 1) // 2)
+            rows: list[Sequence[Any]] = []
+            for aggregate, group in by_type.items():
+                for i in range(0, len(group), per):
+                    chunk = group[i : i + per]
+                    params = [v for r in chunk for v in (r.tenant_id, r.id)]
+                    rows += conn.execute(load_many_sql(ctx, len(chunk)), (*params, aggregate)).fetchall()
+            return rows
+
+        found = (snapshot_from_row(ctx, row) for row in await self._run("load_many", read))
+        return {s.ref: s for s in found}
 
     def _save_one(self, conn: sqlite3.Connection, s: SnapshotRecord, params: tuple[Any, ...]) -> bool:
         """The conditional upsert; when refused, the stale mark of a higher state revision."""

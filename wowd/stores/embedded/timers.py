@@ -263,6 +263,24 @@ def parked_sql(context: str) -> str:
     )
 
 
+PARKED_TARGET = ("target_id", "target_aggregate", "target_tenant", "target_context")
+"""A target's columns in the parked index's order (the parameters of one target, in order)."""
+
+
+def parked_many_sql(context: str, targets: int) -> str:
+    """The PARKED timers of ``targets`` targets (:data:`PARKED_TARGET` parameters each): a
+    ``VALUES`` list of the targets ``CROSS JOIN``ed to the table (SQLite keeps that loop order),
+    so each target is one search of the parked index (its partial filter and its four keys).
+    (A row value ``IN (VALUES ...)`` is planned as a scan of the whole index instead.)"""
+    rows = ", ".join(["(?, ?, ?, ?)"] * targets)
+    on = " AND ".join(f"t.{c} = k.column{i}" for i, c in enumerate(PARKED_TARGET, start=1))
+    cols = ", ".join(f't."{c}"' for c in COLUMNS)
+    return (
+        f"SELECT {cols} FROM (VALUES {rows}) AS k CROSS JOIN {table_name(context)} AS t"
+        f" ON t.status = 'PARKED' AND {on} ORDER BY t.due_at, t.timer_id"
+    )
+
+
 _SETTLE_SET = {
     "claim": "status = 'FIRING', due_at = ?, claim_owner_key = ?, claim_fence = ?, claim_until = ?",
     "fired": f"status = 'PENDING', due_at = ?, scheduled_at = ?, attempts = 0, fired = fired + 1, {_NO_CLAIM},"
@@ -826,6 +844,38 @@ class EmbeddedTimerStore(SqliteStore):
         params = (target.id, target.aggregate, target.tenant_id, target.context)
         await self.prepare()
         return await self._select("parked", parked_sql(self.context), params)
+
+    async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
+        """One :func:`parked_many_sql` statement per as many targets as SQLite's variable limit
+        allows (all of a feed batch's in one), read in one transaction."""
+        params = [(t.id, t.aggregate, t.tenant_id, t.context) for t in dict.fromkeys(targets)]
+        if not params:
+            return []
+        await self.prepare()
+        ctx = self.context
+
+        def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
+            per = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(PARKED_TARGET))
+            chunks = [params[i : i + per] for i in range(0, len(params), per)]
+            if len(chunks) == 1:
+                return conn.execute(parked_many_sql(ctx, len(params)), [v for p in params for v in p]).fetchall()
+            began = not conn.in_transaction
+            if began:
+                conn.execute("BEGIN")
+            try:
+                rows = [
+                    r
+                    for chunk in chunks
+                    for r in conn.execute(parked_many_sql(ctx, len(chunk)), [v for p in chunk for v in p])
+                ]
+            finally:
+                if began:
+                    conn.execute("COMMIT")
+            rows.sort(key=_due_key)
+            return rows
+
+        rows = await self._run("parked_many", read)
+        return [timer_from_row(ctx, r) for r in rows]
 
     async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
         if not partitions or limit <= 0:

@@ -14,12 +14,13 @@ metered call (deadline, error translation, latency and unavailability metrics).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
+import bson
 import pymongo
 from bson.codec_options import CodecOptions
 from pymongo import AsyncMongoClient
@@ -43,6 +44,7 @@ __all__ = [
     "CHANGE_STREAM_UNSUPPORTED",
     "DEFAULT_OPERATION_TIMEOUT",
     "DUPLICATE_KEY",
+    "COMMAND_PART_BYTES",
     "FORMAT",
     "HISTORY_LOST_CODES",
     "NAMESPACE_COLLECTION",
@@ -65,6 +67,7 @@ __all__ = [
     "is_unauthorized",
     "outbox_collection",
     "quarantine_collection",
+    "split_to_fit",
     "translate_errors",
 ]
 
@@ -111,6 +114,28 @@ def outbox_collection(context: str) -> str:
 
 DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
 """The deadline of one store call (PyMongo's ``pymongo.timeout``) unless told otherwise."""
+
+COMMAND_PART_BYTES = 15 * 1024 * 1024
+"""What the part of one command a store builds (a filter, a pipeline) may encode to: the server's
+16 MiB ``maxBsonObjectSize`` for the whole command, less room for what the driver adds beside it
+(``$db``, ``lsid``, ``$clusterTime``, ``maxTimeMS``, the cursor options)."""
+
+T = TypeVar("T")
+
+
+def split_to_fit(
+    items: Sequence[T], build: Callable[[Sequence[T]], Mapping[str, Any]], limit: int = COMMAND_PART_BYTES
+) -> list[Sequence[T]]:
+    """``items``, in order, in as few runs as keep the document ``build`` makes of each run
+    within ``limit`` bytes of BSON: all of them in one run when they fit, else halved as often
+    as needed. A single item over ``limit`` stays a run of its own (the driver refuses it)."""
+    if not items:
+        return []
+    if len(items) == 1 or len(bson.encode(build(items))) <= limit:
+        return [items]
+    half = len(items) // 2
+    return split_to_fit(items[:half], build, limit) + split_to_fit(items[half:], build, limit)
+
 
 # --------------------------------------------------------------------------- server errors
 

@@ -64,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     is_duplicate_key,
     is_unauthorized,
+    split_to_fit,
 )
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "claim_update",
     "conditional_upsert_filter",
     "index_specs",
+    "load_many_filter",
     "mark_filter",
     "mark_stale_update",
     "mark_update",
@@ -163,6 +165,17 @@ def _key(ref: AggregateRef) -> dict[str, Any]:
 def snapshot_filter(ref: AggregateRef) -> dict[str, Any]:
     """The document of ``ref``: its key and the shard key fields."""
     return {"_id": _key(ref), "tenant_id": ref.tenant_id, "aggregate_id": ref.id}
+
+
+def load_many_filter(refs: Sequence[AggregateRef]) -> dict[str, Any]:
+    """The documents of ``refs`` (of one type): ``$in`` on ``_id`` (the key's index gives one
+    point per ref), with the shard key fields' ``$in`` beside it, so that on a sharded collection
+    ``mongos`` asks only the shards owning those keys (as :func:`snapshot_filter` for one)."""
+    return {
+        "_id": {"$in": [_key(r) for r in refs]},
+        "tenant_id": {"$in": sorted({r.tenant_id for r in refs})},
+        "aggregate_id": {"$in": sorted({r.id for r in refs})},
+    }
 
 
 def conditional_upsert_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
@@ -570,6 +583,28 @@ class MongoSnapshotStore(MongoStore):
         with self._call("load"):
             doc = await self._collection(ref.aggregate).find_one(snapshot_filter(ref))
         return None if doc is None else record_from_doc(ref.type, doc)
+
+    async def load_many(self, refs: Sequence[AggregateRef]) -> dict[AggregateRef, SnapshotRecord]:
+        """One ``find`` per type (:func:`load_many_filter`), split only where its filter would
+        not fit in one command, with ``limit`` and ``batchSize`` the number of refs: the server
+        closes the cursor in its first answer unless the documents exceed its 16 MiB batch, and
+        then the rest is read with ``getMore``."""
+        by_type: dict[str, list[AggregateRef]] = {}
+        for r in dict.fromkeys(refs):
+            self._check_ref(r)
+            by_type.setdefault(r.aggregate, []).append(r)
+        for aggregate in by_type:
+            await self._ensure(aggregate)
+        out: dict[AggregateRef, SnapshotRecord] = {}
+        with self._call("load_many"):
+            for aggregate, group in by_type.items():
+                coll, type_ = self._collection(aggregate), self._type(aggregate)
+                for part in split_to_fit(group, load_many_filter):
+                    cursor = coll.find(load_many_filter(part), limit=len(part), batch_size=len(part))
+                    for doc in await cursor.to_list():
+                        record = record_from_doc(type_, doc)
+                        out[record.ref] = record
+        return out
 
     async def save(self, snapshot: SnapshotRecord) -> bool:
         """One conditional upsert (see :meth:`_conditional_upsert`). A state BSON cannot hold

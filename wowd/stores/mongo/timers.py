@@ -64,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     is_duplicate_key,
     is_unauthorized,
+    split_to_fit,
 )
 
 __all__ = [
@@ -77,6 +78,7 @@ __all__ = [
     "next_due_match",
     "next_due_pipeline",
     "owner_filter",
+    "parked_many_match",
     "put_filter",
     "put_update",
     "reclaim_filter",
@@ -503,6 +505,32 @@ def parked_match(target: AggregateRef) -> dict[str, Any]:
         "target.aggregate": target.aggregate,
         "target.context": target.context,
         "status": TimerStatus.PARKED.value,
+    }
+
+
+def parked_many_match(targets: Iterable[AggregateRef]) -> dict[str, Any]:
+    """PARKED timers of any of ``targets``: one ``$or`` clause per (context, aggregate, tenant)
+    of the targets, with their ids by ``$in``, over the parked partial index's keys.
+
+    Each clause carries the index's partial filter (``status: PARKED``) itself: the manual has an
+    ``$or`` use indexes only when every clause is supported by one, and a partial index only
+    when the query's predicate contains its filter expression; within a clause the ids are point
+    intervals on the index's first key and the other keys are equalities (a one-clause ``$or``
+    is planned as its clause)."""
+    groups: dict[tuple[str, str, str], set[str]] = {}
+    for t in targets:
+        groups.setdefault((t.context, t.aggregate, t.tenant_id), set()).add(t.id)
+    return {
+        "$or": [
+            {
+                "target.id": {"$in": sorted(ids)},
+                "target.tenant_id": tenant,
+                "target.aggregate": aggregate,
+                "target.context": context,
+                "status": TimerStatus.PARKED.value,
+            }
+            for (context, aggregate, tenant), ids in sorted(groups.items())
+        ]
     }
 
 
@@ -1197,6 +1225,24 @@ class MongoTimerStore(MongoStore):
     async def parked(self, target: AggregateRef) -> list[Timer]:
         with self._call("parked"):
             return await self._union("parked", parked_match(target), None)
+
+    async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
+        """One :func:`union_pipeline` aggregation of :func:`parked_many_match` (as :meth:`parked`,
+        the server's default first batch, read on by ``getMore``), split only where the pipeline
+        (the match once per collection) would not fit in one command."""
+        unique = list(dict.fromkeys(targets))
+        if not unique:
+            return []
+        with self._call("parked_many"):
+
+            def command(part: Sequence[AggregateRef]) -> dict[str, Any]:
+                return {"pipeline": union_pipeline(self.context, self._known, parked_many_match(part), None)}
+
+            parts = split_to_fit(unique, command)
+            timers = [t for part in parts for t in await self._union("parked", parked_many_match(part), None)]
+        if len(parts) > 1:  # each part in order; a timer has one target, so it is in one part
+            timers.sort(key=lambda t: (t.due_at, t.timer_id))
+        return timers
 
     async def scan(
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
