@@ -1,0 +1,152 @@
+"""Claims and poison rows, black-box (DESIGN.md section 5): real ``wowd run`` processes with the
+http gateway against a local target.
+
+- A target slower than ``claim_ttl_s``: the replica never re-sends a timer it is still delivering;
+  each request id is sent once before its backoff.
+- A stored timer whose rule no longer decodes: set FAILED with its reason; the replica stays up and
+  its batch-mates are delivered.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+from aiohttp import web
+
+from wowd.model import DomainEvent, TimerStatus
+
+from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process]
+
+
+class Target:
+    """Answers every command after ``delay_s`` with ``status``; counts each request id."""
+
+    def __init__(self, status: int, delay_s: float) -> None:
+        self.status = status
+        self.delay_s = delay_s
+        self.sent: Counter[str] = Counter()
+        self.times: dict[str, list[float]] = {}
+
+    async def handle(self, request: web.Request) -> web.Response:
+        rid = request.headers["Command-Request-Id"]
+        self.sent[rid] += 1
+        self.times.setdefault(rid, []).append(time.monotonic())
+        await anyio.sleep(self.delay_s)
+        return web.Response(status=self.status)
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Target], anyio.abc.ObjectReceiveStream[int] | int]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(target: Target) -> int:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", target.handle)
+        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    yield start  # type: ignore[misc]
+    for r in runners:
+        await r.cleanup()
+
+
+async def test_a_target_slower_than_the_claim_gets_each_request_once_before_its_backoff(
+    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+) -> None:
+    target = Target(status=503, delay_s=0.7)
+    port = await serve(target)  # type: ignore[misc]
+    db = tmp_path / "wowd.db"
+    env = base_env(
+        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        WOWD_TIMERS__CLAIM_TTL_S=1, WOWD_TIMERS__BATCH=2, WOWD_TIMERS__BACKOFF_BASE_S=30,
+        WOWD_TIMERS__CONCURRENCY=1, WOWD_TIMERS__LOOKAHEAD_MS=0, WOWD_GATEWAY__BREAKER_FAILURES=100,
+    )  # fmt: skip
+    from wowd.config import EmbeddedSettings, WowdSettings
+    from wowd.stores.embedded import open_embedded
+
+    backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
+    try:
+        await backend.log.append_many([timer_commit(f"s-{i}", 1, ["k"]) for i in range(6)])
+    finally:
+        await backend.close()
+    # (the breaker is set out of reach: every answer is a 503, and this test is about the claims)
+    r = spawn("slow", env)
+    # six timers, one at a time, 0.7 s each: all sent once within ~4.2 s; claims of 1 s expire
+    # meanwhile and the next retry is 15-30 s away (backoff 30 s, jitter [0.5, 1])
+    await eventually(lambda: _all_sent(target, 6), 20, "six timers sent")
+    settled_by = time.monotonic() + 3.0
+    while time.monotonic() < settled_by:
+        assert r.proc.poll() is None
+        await anyio.sleep(0.2)
+    assert len(target.sent) == 6
+    assert all(n == 1 for n in target.sent.values()), target.sent
+
+
+async def _all_sent(target: Target, n: int) -> bool:
+    return len(target.sent) >= n
+
+
+async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
+    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+) -> None:
+    target = Target(status=200, delay_s=0.0)
+    port = await serve(target)  # type: ignore[misc]
+    db = tmp_path / "wowd.db"
+    from wowd.config import EmbeddedSettings, WowdSettings
+    from wowd.stores.embedded import open_embedded
+
+    due = int(time.time() * 1000) + 4_000  # a few seconds: the replica starts, the row is edited
+    backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
+    try:
+        commits = [timer_commit(f"g-{i}", 1, ["k"], due_at=due) for i in range(4)]
+        cron = timer_commit("bad", 1, [], due_at=due)
+        ev = DomainEvent(
+            id="cron", name="TimerScheduled",
+            body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
+                  "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
+        )  # fmt: skip
+        from dataclasses import replace
+
+        await backend.log.append_many([*commits, replace(cron, events=(ev,))])
+    finally:
+        await backend.close()
+    env = base_env(
+        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}"
+    )
+    r = spawn("poison", env)
+    await r.wait_ready()
+
+    async def fed() -> bool:
+        with sqlite3.connect(db) as conn:
+            return bool(conn.execute(f"SELECT COUNT(*) FROM wow_timer__{CONTEXT}").fetchone()[0] == 5)
+
+    await eventually(fed, 10, "five timers in the view")
+    with sqlite3.connect(db) as conn:  # the zone disappears from the replica's time zone database
+        conn.execute(
+            f"UPDATE wow_timer__{CONTEXT} SET rule = ? WHERE owner_id = 'bad'",
+            ('{"expression":"* * * * *","type":"cron","zone":"Europe/Gone"}',),
+        )
+    await eventually(lambda: _all_sent(target, 4), 20, "the four good timers delivered")
+
+    async def failed() -> bool:
+        with sqlite3.connect(db) as conn:
+            row = conn.execute(
+                f"SELECT status, last_error FROM wow_timer__{CONTEXT} WHERE owner_id = 'bad'"
+            ).fetchone()
+        return bool(row and row[0] == TimerStatus.FAILED.value and "Europe/Gone" in row[1])
+
+    await eventually(failed, 10, "the undecodable timer FAILED with its reason")
+    assert r.proc.poll() is None  # alive
+    assert "undecodable timer" in r.log()
