@@ -406,7 +406,9 @@ def section_e2e(cfg: Config) -> Section:
     raw: dict[str, list[dict[str, Any]]] = {}
 
     def measure(key: str, fn: Callable[[], dict[str, Any]]) -> None:
-        raw.setdefault(key, []).append(fn())
+        result = fn()
+        raw.setdefault(key, []).append(result)
+        log.info("bench: e2e %s run %d: %s", key, len(raw[key]), json.dumps(result))
 
     for _ in range(max(1, cfg.runs)):
         measure("catch_up", lambda: e2e.catch_up(c.catch_up_commits, timeout_s=cfg.timeout_s))
