@@ -1,4 +1,4 @@
-"""``python -m bench.profile_feed [--commits N] [--threads] [--no-profile] [--top K] [--out FILE]``:
+"""``python -m bench.profile_feed [--commits N] [--threads] [--checkpoint] [--no-profile] [--out FILE]``:
 the feed on the catch-up case, in-process, under cProfile.
 
 The demo producer (``wowd.demo.produce``, as ``wowd demo --commits N --timers N --aggregates N
@@ -49,7 +49,7 @@ STEPS = (
 """The feed's steps: (label, file name, function) as cProfile names them."""
 
 
-async def _feed(path: Path, commits: int, *, inline: bool, profile: bool) -> dict[str, Any]:
+async def _feed(path: Path, commits: int, *, inline: bool, profile: bool, checkpoint: bool) -> dict[str, Any]:
     from wowd.config import WowdSettings
     from wowd.daemon.feed import Feeder, Waker
     from wowd.daemon.leases import HeldSlot
@@ -62,6 +62,9 @@ async def _feed(path: Path, commits: int, *, inline: bool, profile: bool) -> dic
     backend = await open_embedded(settings)
     try:
         await produce(backend.log, commits=commits, timers=commits, due_in_ms=0, aggregates=commits)
+        if checkpoint:  # as after `wowd demo` exits: the log in the main file, not in the WAL
+            with closing(sqlite3.connect(str(path))) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         lease = SlotLease(
             namespace="bench",
             slot=0,
@@ -122,11 +125,15 @@ async def _feed(path: Path, commits: int, *, inline: bool, profile: bool) -> dic
     }
 
 
-def feed_once(commits: int, *, inline: bool = True, profile: bool = True) -> dict[str, Any]:
+def feed_once(commits: int, *, inline: bool = True, profile: bool = True, checkpoint: bool = False) -> dict[str, Any]:
     """Appends ``commits`` demo commits to a fresh embedded log and feeds them; answers the
-    timings (and, with ``profile``, the ``cProfile.Profile``)."""
+    timings (and, with ``profile``, the ``cProfile.Profile``). ``checkpoint``: the WAL is written
+    back into the main file before the feed starts (as when ``wowd demo`` exited), else the feed
+    reads the log from the WAL (as when the producer runs alongside)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return anyio.run(lambda: _feed(Path(tmp) / "wowd.db", commits, inline=inline, profile=profile))
+        return anyio.run(
+            lambda: _feed(Path(tmp) / "wowd.db", commits, inline=inline, profile=profile, checkpoint=checkpoint)
+        )
 
 
 def report(result: dict[str, Any], top: int) -> str:
@@ -166,13 +173,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commits", type=int, default=20_000)
     ap.add_argument("--threads", action="store_true", help="keep the stores' worker threads (profile: loop thread)")
     ap.add_argument("--no-profile", action="store_true", help="time the feed without cProfile")
+    ap.add_argument(
+        "--checkpoint", action="store_true", help="checkpoint the WAL before feeding (as after `wowd demo`)"
+    )
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--runs", type=int, default=1, help="with --no-profile: runs (the median is printed)")
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     profile = not args.no_profile
     results = [
-        feed_once(args.commits, inline=not args.threads, profile=profile) for _ in range(1 if profile else args.runs)
+        feed_once(args.commits, inline=not args.threads, profile=profile, checkpoint=args.checkpoint)
+        for _ in range(1 if profile else args.runs)
     ]
     results.sort(key=lambda r: r["commits_per_s"])
     result = results[len(results) // 2]
