@@ -1,4 +1,4 @@
-"""``python -m bench.profile_feed [--commits N] [--threads] [--checkpoint] [--no-profile] [--out FILE]``:
+"""``python -m bench.profile_feed [--commits N] [--timers M] [--threads] [--checkpoint] [--no-profile]``:
 the feed on the catch-up case, in-process, under cProfile.
 
 The demo producer (``wowd.demo.produce``, as ``wowd demo --commits N --timers N --aggregates N
@@ -49,7 +49,9 @@ STEPS = (
 """The feed's steps: (label, file name, function) as cProfile names them."""
 
 
-async def _feed(path: Path, commits: int, *, inline: bool, profile: bool, checkpoint: bool) -> dict[str, Any]:
+async def _feed(
+    path: Path, commits: int, timers: int, *, inline: bool, profile: bool, checkpoint: bool
+) -> dict[str, Any]:
     from wowd.config import WowdSettings
     from wowd.daemon.feed import Feeder, Waker
     from wowd.daemon.leases import HeldSlot
@@ -61,7 +63,7 @@ async def _feed(path: Path, commits: int, *, inline: bool, profile: bool, checkp
     settings = WowdSettings(context="bench", partitions=64, embedded={"path": path})  # type: ignore[arg-type]
     backend = await open_embedded(settings)
     try:
-        await produce(backend.log, commits=commits, timers=commits, due_in_ms=0, aggregates=commits)
+        await produce(backend.log, commits=commits, timers=timers, due_in_ms=0, aggregates=commits)
         if checkpoint:  # as after `wowd demo` exits: the log in the main file, not in the WAL
             with closing(sqlite3.connect(str(path))) as conn:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -114,6 +116,7 @@ async def _feed(path: Path, commits: int, *, inline: bool, profile: bool, checkp
         await backend.close()
     return {
         "commits": commits,
+        "timers": timers,
         "partitions_checkpointed": fed,
         "partitions_in_log": in_log,
         "wall_s": elapsed,
@@ -125,14 +128,24 @@ async def _feed(path: Path, commits: int, *, inline: bool, profile: bool, checkp
     }
 
 
-def feed_once(commits: int, *, inline: bool = True, profile: bool = True, checkpoint: bool = False) -> dict[str, Any]:
-    """Appends ``commits`` demo commits to a fresh embedded log and feeds them; answers the
+def feed_once(
+    commits: int, *, timers: int | None = None, inline: bool = True, profile: bool = True, checkpoint: bool = False
+) -> dict[str, Any]:
+    """Appends ``commits`` demo commits (``timers`` timers over them, default one each) to a fresh
+    embedded log and feeds them; answers the
     timings (and, with ``profile``, the ``cProfile.Profile``). ``checkpoint``: the WAL is written
     back into the main file before the feed starts (as when ``wowd demo`` exited), else the feed
     reads the log from the WAL (as when the producer runs alongside)."""
     with tempfile.TemporaryDirectory() as tmp:
         return anyio.run(
-            lambda: _feed(Path(tmp) / "wowd.db", commits, inline=inline, profile=profile, checkpoint=checkpoint)
+            lambda: _feed(
+                Path(tmp) / "wowd.db",
+                commits,
+                commits if timers is None else timers,
+                inline=inline,
+                profile=profile,
+                checkpoint=checkpoint,
+            )
         )
 
 
@@ -171,6 +184,7 @@ def report(result: dict[str, Any], top: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_feed", description=__doc__)
     ap.add_argument("--commits", type=int, default=20_000)
+    ap.add_argument("--timers", type=int, help="timers over the commits (default: one per commit)")
     ap.add_argument("--threads", action="store_true", help="keep the stores' worker threads (profile: loop thread)")
     ap.add_argument("--no-profile", action="store_true", help="time the feed without cProfile")
     ap.add_argument(
@@ -182,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     profile = not args.no_profile
     results = [
-        feed_once(args.commits, inline=not args.threads, profile=profile, checkpoint=args.checkpoint)
+        feed_once(
+            args.commits, timers=args.timers, inline=not args.threads, profile=profile, checkpoint=args.checkpoint
+        )
         for _ in range(1 if profile else args.runs)
     ]
     results.sort(key=lambda r: r["commits_per_s"])
