@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import WorkerError, fmt, fmt_ms, machine, median, median_of, run_worker, table
+from bench.e2e import E2E_QUICK, E2eConfig
 
 log = logging.getLogger("bench")
 
@@ -47,6 +48,7 @@ class Config:
     http_concurrency: tuple[int, ...] = (1, 8, 64)
     http_steady_rate: int = 1000
     timeout_s: float = 900.0
+    e2e: E2eConfig = field(default_factory=E2eConfig)
 
 
 QUICK = Config(
@@ -62,6 +64,7 @@ QUICK = Config(
     sink_batches=(100, 1000),
     failover_ttls=(3.0,),
     http_n=2_000,
+    e2e=E2E_QUICK,
 )
 
 
@@ -460,6 +463,205 @@ def section_http(cfg: Config) -> Section:
     )
 
 
+# --------------------------------------------------------------------------- end to end through the log
+
+
+def _runs_of(runs: Sequence[dict[str, Any]], name: str) -> str:
+    """Each run's value of ``name``."""
+    return ", ".join(fmt_ms(float(r[name])) for r in runs)
+
+
+def section_e2e(cfg: Config) -> Section:
+    """The user's path (commits appended to the log, ``wowd run`` feeds and fires them) against
+    the firing path alone (timers inserted directly) and the bare loop, interleaved run by run."""
+    from bench import e2e
+    from bench.wowd_timers import wowd_burst
+
+    c = cfg.e2e
+    raw: dict[str, list[dict[str, Any]]] = {}
+
+    def measure(key: str, fn: Callable[[], dict[str, Any]]) -> None:
+        result = fn()
+        raw.setdefault(key, []).append(result)
+        log.info("bench: e2e %s run %d: %s", key, len(raw[key]), json.dumps(result))
+
+    for _ in range(max(1, cfg.runs)):
+        measure("catch_up", lambda: e2e.catch_up(c.catch_up_commits, timeout_s=cfg.timeout_s))
+        measure(
+            "scheduled",
+            lambda: e2e.scheduled(
+                c.scheduled_timers, c.scheduled_commits, due_in_ms=c.scheduled_due_in_ms, timeout_s=cfg.timeout_s
+            ),
+        )
+        for n in c.firing_sizes:
+            measure(f"alone {n}", partial(wowd_burst, n, 1, timeout_s=cfg.timeout_s))
+            measure(f"bare {n}", partial(run_worker, "ceiling", {"n": n}, timeout=cfg.timeout_s))
+        for rate in c.steady_rates:
+            measure(f"log steady {rate}", partial(e2e.log_steady, rate, c.steady_seconds, delay_ms=c.steady_delay_ms))
+            measure(
+                f"alone steady {rate}", partial(e2e.direct_steady, rate, c.steady_seconds, delay_ms=c.steady_delay_ms)
+            )
+    med = {k: median_of(v) for k, v in raw.items()}
+    loads = [x[k] for runs in raw.values() for x in runs for k in ("load_before", "load_after") if k in x]
+
+    cu, sc = med["catch_up"], med["scheduled"]
+    burst_rows = [
+        [
+            "through the log: catch-up (`wowd demo`, then `wowd run`)",
+            f"{fmt(cu['commits'])} commits, 1 timer each",
+            f"{fmt(cu['commits_per_s'])} commits/s start to settled ({_runs_of(raw['catch_up'], 'commits_per_s')})",
+            f"feed {fmt(cu['feed_commits_per_s_after_up'])} commits/s once up; up {fmt(cu['up_s'], 1)} s, "
+            f"fed {fmt(cu['feed_s'], 1)} s, settled {fmt(cu['total_s'], 1)} s; fired {fmt(cu['fired'])} of "
+            f"{fmt(cu['expected'])}",
+            "-",
+            "-",
+            fmt(cu["cpu_s"], 2),
+            fmt(cu["peak_rss_mb"]),
+        ],
+        [
+            f"through the log: scheduled {fmt(c.scheduled_due_in_ms / 1000, 0)} s ahead",
+            f"{fmt(sc['timers'])} timers in {fmt(sc['commits'])} commits",
+            f"{fmt(sc['fired_per_s'])} timers/s from the due time ({_runs_of(raw['scheduled'], 'fired_per_s')})",
+            f"append {fmt(sc['append_s'], 1)} s; feed at the head {fmt(sc['feed_done_after_append_s'], 1)} s after "
+            f"the append began, {fmt(sc['feed_margin_s'], 1)} s before the due time (fed before due in "
+            f"{sum(1 for x in raw['scheduled'] if x['fed_before_due'])} of {len(raw['scheduled'])} runs); "
+            f"fired {fmt(sc['fired'])} of {fmt(sc['expected'])}",
+            fmt_ms(sc["p50_ms"]),
+            fmt_ms(sc["p99_ms"]),
+            fmt(sc["cpu_s"], 2),
+            fmt(sc["peak_rss_mb"]),
+        ],
+    ]
+    for n in c.firing_sizes:
+        a, b = med[f"alone {n}"], med[f"bare {n}"]
+        burst_rows += [
+            [
+                "firing path alone (timers inserted directly, `wowd run`)",
+                f"{fmt(n)} timers",
+                f"{fmt(a['fired_per_s'])} timers/s from the due time ({_runs_of(raw[f'alone {n}'], 'fired_per_s')})",
+                "-",
+                fmt_ms(a["p50_ms"]),
+                fmt_ms(a["p99_ms"]),
+                fmt(a["cpu_s"], 2),
+                fmt(a["peak_rss_mb"]),
+            ],
+            [
+                "bare loop (`bench/ceiling.py`, same statements, no daemon)",
+                f"{fmt(n)} timers",
+                f"{fmt(b['fired_per_s'])} timers/s ({_runs_of(raw[f'bare {n}'], 'fired_per_s')})",
+                "-",
+                fmt_ms(b["p50_ms"]),
+                fmt_ms(b["p99_ms"]),
+                fmt(b["cpu_s"], 2),
+                fmt(b["peak_rss_mb"]),
+            ],
+        ]
+    body = "Bursts (medians of the runs; each run's value in brackets):\n\n" + table(
+        ["path", "work", "rate", "details", "lag p50 ms", "lag p99 ms", "replica CPU s", "peak RSS MB"],
+        burst_rows,
+    )
+    steady_rows = []
+    for rate in c.steady_rates:
+        for name, key in (("through the log", f"log steady {rate}"), ("firing path alone", f"alone steady {rate}")):
+            x = med[key]
+            steady_rows.append(
+                [
+                    name,
+                    fmt(rate),
+                    fmt(x["offered_per_s"]),
+                    f"{fmt(x['fired'])} / {fmt(x['added'])}",
+                    fmt_ms(x["p50_ms"]),
+                    fmt_ms(x["p99_ms"]),
+                    _runs_of(raw[key], "p99_ms"),
+                    fmt_ms(x["max_ms"]),
+                    fmt(x["cpu_s"], 2),
+                    fmt(x["peak_rss_mb"]),
+                ]
+            )
+    body += (
+        f"\n\nSteady load, {fmt(c.steady_seconds)} s per rate, every timer due {fmt(c.steady_delay_ms)} ms after "
+        "its append (through the log) or its insert (firing path alone):\n\n"
+    )
+    body += table(
+        [
+            "path",
+            "rate /s",
+            "achieved /s",
+            "fired / added",
+            "lag p50 ms",
+            "lag p99 ms",
+            "p99 of each run",
+            "lag max ms",
+            "replica CPU s",
+            "peak RSS MB",
+        ],
+        steady_rows,
+    )
+    body += "\n\n" + table(["target (issue 15, issue 14)", "measured", "met"], e2e_target_rows(med, c))
+    load = f"{fmt(min(loads), 2)} to {fmt(max(loads), 2)}" if loads else "not read"
+    notes = [
+        f"Machine load (1-minute load average, read before and after each measurement): {load} on "
+        f"{os.cpu_count()} vCPUs, shared with other engineers' test runs.",
+        "Catch-up: the rate counts from the `wowd run` process start (interpreter start-up, lease, checkpoints "
+        "included) to every timer delivered into the outbox and settled (no PENDING or FIRING timer left); the "
+        "feed rate counts from the moment its HTTP port is bound to every partition's checkpoint at its head. "
+        "`wowd demo --aggregates N` spreads its commits over at most 500 orders (a chunk's), so the log holds "
+        "several versions per order and every fifth order's second commit cancels a timer: those are expected "
+        "not to fire.",
+        "Scheduled: the append is this process's `Log.append_many` of the demo's commits (`wowd.demo.demo_commits`, "
+        "500 commits per call) with one due time for every timer; the replica was already running. The fire rate "
+        "counts from that due time to the last outbox row.",
+        "The replica's CPU seconds: catch-up, its whole life; the others, over the measured window. Peak RSS: "
+        "its `VmHWM`.",
+    ]
+    return Section(
+        key="e2e",
+        title="End to end through the log: commits appended, fed and fired, against the firing path alone",
+        body=body,
+        data={"config": asdict(c), "medians": med, "runs": raw},
+        notes=notes,
+    )
+
+
+def e2e_target_rows(med: dict[str, dict[str, Any]], c: E2eConfig) -> list[list[str]]:
+    """The end-to-end targets against the medians of :func:`section_e2e`."""
+    rows: list[list[str]] = []
+
+    def add(target: str, measured: str, met: bool) -> None:
+        rows.append([target, measured, "yes" if met else "no"])
+
+    cu, sc = med["catch_up"], med["scheduled"]
+    add(
+        f"catch-up >= 10,000 commits/s ({fmt(cu['commits'])} commits)",
+        f"{fmt(cu['commits_per_s'])} (feed alone {fmt(cu['feed_commits_per_s_after_up'])})",
+        cu["commits_per_s"] >= 10_000,
+    )
+    add(
+        f"{fmt(sc['timers'])} timers through the log: >= 20,000 timers/s from the due time, fed before it",
+        f"{fmt(sc['fired_per_s'])}/s; feed done {fmt(sc['feed_margin_s'], 1)} s before the due time",
+        sc["fired_per_s"] >= 20_000 and sc["feed_margin_s"] >= 0,
+    )
+    biggest = max(c.firing_sizes)
+    a = med[f"alone {biggest}"]
+    add(
+        f"firing path alone at {fmt(biggest)}: >= 25,000 timers/s",
+        fmt(a["fired_per_s"]),
+        a["fired_per_s"] >= 25_000,
+    )
+    for rate, bound in ((5_000, 100.0), (1_000, 10.0)):
+        x = med.get(f"log steady {rate}")
+        if x is None:
+            continue
+        kept = x["fired"] >= x["added"] > 0 and x["offered_per_s"] >= 0.95 * rate
+        add(
+            f"steady {fmt(rate)} commits/s through the log: all fired, p99 <= {fmt(bound, 0)} ms",
+            f"p50 {fmt_ms(x['p50_ms'])} ms, p99 {fmt_ms(x['p99_ms'])} ms, {fmt(x['fired'])} of {fmt(x['added'])} "
+            f"fired, offered {fmt(x['offered_per_s'])}/s",
+            kept and x["p99_ms"] <= bound,
+        )
+    return rows
+
+
 SECTIONS: dict[str, Callable[[Config], Section]] = {
     "timers": section_timers,
     "steady": section_steady,
@@ -467,6 +669,7 @@ SECTIONS: dict[str, Callable[[Config], Section]] = {
     "sink": section_sink,
     "failover": section_failover,
     "http": section_http,
+    "e2e": section_e2e,
 }
 
 

@@ -1,6 +1,8 @@
 """The ceiling: a bare synchronous loop doing the embedded store's own SQLite statements in
-batches of 1,000 on one connection (select due, update claim, insert outbox, delete), with no
-async hop, no Python objects per timer and no daemon. wowd's firing path is compared with it."""
+batches of 1,000 on one connection (the due read and the claim by ``rowid`` in one write
+transaction, as ``claim_due``; the outbox insert; the DONE tombstone of each fired timer, as a
+fired ``settle``), with no async hop, no Python objects per timer and no daemon. wowd's firing
+path is compared with it."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from bench.common import (
 )
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_sql as outbox_put_sql
-from wowd.stores.embedded.timers import due_sql, merge_due, settle_sql
+from wowd.stores.embedded.timers import claim_rowid_sql, due_plan, due_union_sql, settle_sql
 
 __all__ = ["bare_loop", "run_burst"]
 
@@ -42,62 +44,43 @@ def bare_loop(
     context: str = BENCH_CONTEXT,
     fused: bool = False,
 ) -> int:
-    """Fires every due timer; answers how many. Each batch: the per-partition due reads merged
-    (one read transaction), one claim ``executemany``, one outbox ``executemany``, one
-    ``executemany`` ending each fired timer (a DONE tombstone, as the store writes it), each
-    write in its own ``BEGIN IMMEDIATE`` transaction as the store does.
+    """Fires every due timer; answers how many. Each batch, each step in its own ``BEGIN
+    IMMEDIATE`` transaction as the store and the outbox gateway do: the due read (the store's
+    compound statement over the partial index) and the claim ``executemany`` by ``rowid``; one
+    outbox ``executemany``; one ``executemany`` of the DONE tombstones.
 
-    ``fused`` (an experiment, not wowd's path): read, outbox insert and delete in one write
+    ``fused`` (an experiment, not wowd's path): read, outbox insert and tombstone in one write
     transaction and no claim, which an outbox in the timers' own SQLite file would allow."""
-    select = due_sql(context)
-    claim = settle_sql(context, "claim")
-    delete = settle_sql(context, "done")
+    (group,) = due_plan(range(partitions))  # one compound statement (up to DUE_ARMS partitions)
+    select = due_union_sql(context, len(group), rowid=True)
+    claim = claim_rowid_sql(context)
+    done = settle_sql(context, "done")
     insert = outbox_put_sql()
-    parts = range(partitions)
     fired = 0
     while True:
         now = now_ms()
-        conn.execute("BEGIN IMMEDIATE" if fused else "BEGIN")
-        cursors = [conn.execute(select, (p, now)) for p in parts]
-        rows = merge_due(cursors, batch)
-        for c in cursors:
-            c.close()
-        if fused:
-            if not rows:
-                conn.execute("COMMIT")
-                return fired
-            created = now_ms()
-            conn.executemany(
-                insert,
-                [
-                    (_request_id(r[0], r[9]), r[0], _TARGET % r[13], r[14], r[9], 1, "bare", created)
-                    for r in rows
-                ],
-            )
-            conn.executemany(delete, [(r[1], r[2], r[3], r[4], r[5], r[0], r[22]) for r in rows])
-            conn.execute("COMMIT")
-            fired += len(rows)
-            continue
-        conn.execute("COMMIT")
-        if not rows:
-            return fired
         until = now + 30_000
-        # row: timer_id 0, partition 1, aggregate 2, owner_tenant 3, owner_id 4, key 5, revision 22
+        conn.execute("BEGIN IMMEDIATE")
+        rows = conn.execute(select, (now, *group, batch)).fetchall()
+        if not rows:
+            conn.execute("COMMIT")
+            return fired
+        # row: timer_id 0, partition 1, aggregate 2, owner_tenant 3, owner_id 4, key 5, revision 22, rowid 23
         keys = [(r[1], r[2], r[3], r[4], r[5], r[0]) for r in rows]
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(
-            claim, [(until, "bare", 1, until, *k, r[22]) for k, r in zip(keys, rows, strict=True)]
-        )
-        conn.execute("COMMIT")
+        if not fused:
+            conn.executemany(claim, [(until, "bare", 1, r[23], r[22]) for r in rows])
+            conn.execute("COMMIT")
+            conn.execute("BEGIN IMMEDIATE")
         created = now_ms()
-        conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
             insert,
             [(_request_id(r[0], r[9]), r[0], _TARGET % r[13], r[14], r[9], 1, "bare", created) for r in rows],
         )
-        conn.execute("COMMIT")
-        conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(delete, [(*k, r[22] + 1) for k, r in zip(keys, rows, strict=True)])
+        if not fused:
+            conn.execute("COMMIT")
+            conn.execute("BEGIN IMMEDIATE")
+        revision = 0 if fused else 1  # the claim bumped it
+        conn.executemany(done, [(*k, r[22] + revision) for k, r in zip(keys, rows, strict=True)])
         conn.execute("COMMIT")
         fired += len(rows)
 

@@ -119,3 +119,46 @@ def test_growth_and_sink_sections_render_with_their_targets(tmp_path: Path) -> N
     text = render(sections, cfg=TINY, command="python -m bench --quick", quick=True, total_s=1.0)
     assert "## Growth" in text and "## Sink" in text and "| aggregate types |" in text
     assert "one MongoDB due-read command per poll" in targets({s.key: s for s in sections})
+
+
+@pytest.mark.process
+def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
+    from dataclasses import replace
+
+    from bench.__main__ import section_e2e
+    from bench.e2e import E2eConfig
+
+    cfg = replace(
+        TINY,
+        e2e=E2eConfig(
+            catch_up_commits=200,
+            scheduled_timers=1_000,
+            scheduled_commits=10,
+            scheduled_due_in_ms=3_000,
+            firing_sizes=(300,),
+            steady_rates=(50,),
+            steady_seconds=1.0,
+        ),
+    )
+    section = section_e2e(cfg)
+    med = section.data["medians"]
+    # every live timer the log scheduled fires once; the demo's cancelled ones never do
+    assert med["catch_up"]["commits"] == 200 and med["catch_up"]["fired"] == med["catch_up"]["expected"] > 0
+    scheduled = med["scheduled"]
+    assert scheduled["fired"] == scheduled["expected"] == 1_000 and scheduled["fed_before_due"]
+    assert 0 <= scheduled["p50_ms"] <= scheduled["p99_ms"] <= scheduled["max_ms"]
+    assert med["alone 300"]["fired"] == med["bare 300"]["fired"] == 300
+    for key in ("log steady 50", "alone steady 50"):
+        assert med[key]["added"] > 0 and med[key]["fired"] == med[key]["added"]
+    assert med["catch_up"]["cpu_s"] > 0 and med["catch_up"]["peak_rss_mb"] > 0
+    text = render([section], cfg=cfg, command="python -m bench --quick --only e2e", quick=True, total_s=1.0)
+    assert "## End to end through the log" in text and "catch-up >= 10,000 commits/s" in text
+
+
+def test_feed_profile_reports_the_feed_steps() -> None:
+    from bench.profile_feed import feed_once, report
+
+    result = feed_once(300)
+    assert result["partitions_checkpointed"] == result["partitions_in_log"] > 0
+    text = report(result, top=5)
+    assert "| sink write |" in text and "| timer view write |" in text and "| checkpoints |" in text

@@ -1,0 +1,217 @@
+"""``python -m bench.profile_feed [--commits N] [--timers M] [--threads] [--checkpoint] [--no-profile]``:
+the feed on the catch-up case, in-process, under cProfile.
+
+The demo producer (``wowd.demo.produce``, as ``wowd demo --commits N --timers N --aggregates N
+--due-in-ms 0`` appends) fills an embedded log of 64 partitions; then one :class:`Feeder` on the
+embedded backend feeds every partition (sink, timer view, snapshots when configured, parked-timer
+check, checkpoints) from no checkpoint to the log's head, and stops there. No timer loop runs.
+
+By default the stores' SQLite calls run inline on the event loop's thread (``SqliteDatabase.run``
+calls ``run_sync`` directly) so that the profile sees their cost where it is spent (cProfile
+follows one thread); ``--threads`` keeps the worker threads as the daemon has them (the profile
+then shows the loop thread only, and the hop's cost). ``--no-profile`` times the feed without the
+profiler's overhead (the numbers to compare a change with). Reported: commits/s, CPU per commit,
+the feed's steps (cumulative time per commit) and the top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sqlite3
+import sys
+import tempfile
+import time
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from bench.common import cpu_seconds, peak_rss_mb
+
+__all__ = ["STEPS", "feed_once", "main"]
+
+STEPS = (
+    ("read: the log query", "log.py", "<lambda>"),
+    ("read: documents decoded (_entry)", "log.py", "_entry"),
+    ("prepare_batch (timer events, net effect)", "feed.py", "prepare_batch"),
+    ("sink write", "sink.py", "write"),
+    ("timer view write", "timers.py", "write"),
+    ("parked-timer check", "feed.py", "_resume_parked"),
+    ("checkpoints", "log.py", "save_checkpoints"),
+    ("one batch applied (_apply)", "feed.py", "_apply"),
+    ("one batch processed (_process)", "feed.py", "_process"),
+)
+"""The feed's steps: (label, file name, function) as cProfile names them."""
+
+
+async def _feed(
+    path: Path, commits: int, timers: int, *, inline: bool, profile: bool, checkpoint: bool
+) -> dict[str, Any]:
+    from wowd.config import WowdSettings
+    from wowd.daemon.feed import Feeder, Waker
+    from wowd.daemon.leases import HeldSlot
+    from wowd.demo import produce
+    from wowd.model import SlotLease
+    from wowd.stores.embedded import open_embedded
+    from wowd.stores.embedded.db import SqliteDatabase
+
+    settings = WowdSettings(context="bench", partitions=64, embedded={"path": path})  # type: ignore[arg-type]
+    backend = await open_embedded(settings)
+    try:
+        await produce(backend.log, commits=commits, timers=timers, due_in_ms=0, aggregates=commits)
+        if checkpoint:  # as after `wowd demo` exits: the log in the main file, not in the WAL
+            with closing(sqlite3.connect(str(path))) as conn:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        lease = SlotLease(
+            namespace="bench",
+            slot=0,
+            owner_key="profile",
+            incarnation=1,
+            fence=1,
+            expires_at=2**62,
+            floor=0,
+            ceiling=63,
+            written_at=0,
+        )
+        held = HeldSlot(lease=lease, partitions=frozenset(range(64)), valid_until=float("inf"), owner_key="profile")
+
+        class StopAtHead(Waker):
+            """Stops the feed once it reached the log's head (the watermark moves)."""
+
+            def advance(self, watermark: int) -> None:
+                super().advance(watermark)
+                held.request_stop()
+
+        run_sync = SqliteDatabase.run_sync
+
+        async def inline_run(self: SqliteDatabase, fn: Any) -> Any:
+            return run_sync(self, fn)
+
+        saved = SqliteDatabase.run
+        if inline:
+            SqliteDatabase.run = inline_run  # type: ignore[method-assign]
+        profiler = cProfile.Profile() if profile else None
+        cpu0 = cpu_seconds()
+        started = time.perf_counter()
+        try:
+            if profiler is not None:
+                profiler.enable()
+            await Feeder(settings, backend).run(held, StopAtHead())
+            if profiler is not None:
+                profiler.disable()
+        finally:
+            SqliteDatabase.run = saved  # type: ignore[method-assign]
+        elapsed = time.perf_counter() - started
+        cpu = cpu_seconds() - cpu0
+        checkpoints = await backend.log.checkpoints("wowd", list(range(64)))
+        fed = sum(int(cp.position["seq"]) > 0 for cp in checkpoints.values())
+        with closing(sqlite3.connect(str(path))) as conn:
+            in_log = int(conn.execute("SELECT count(DISTINCT partition) FROM log").fetchone()[0])
+    finally:
+        await backend.close()
+    return {
+        "commits": commits,
+        "timers": timers,
+        "partitions_checkpointed": fed,
+        "partitions_in_log": in_log,
+        "wall_s": elapsed,
+        "cpu_s": cpu,
+        "commits_per_s": commits / elapsed,
+        "cpu_us_per_commit": cpu / commits * 1e6,
+        "peak_rss_mb": peak_rss_mb(),
+        "profiler": profiler,
+    }
+
+
+def feed_once(
+    commits: int, *, timers: int | None = None, inline: bool = True, profile: bool = True, checkpoint: bool = False
+) -> dict[str, Any]:
+    """Appends ``commits`` demo commits (``timers`` timers over them, default one each) to a fresh
+    embedded log and feeds them; answers the
+    timings (and, with ``profile``, the ``cProfile.Profile``). ``checkpoint``: the WAL is written
+    back into the main file before the feed starts (as when ``wowd demo`` exited), else the feed
+    reads the log from the WAL (as when the producer runs alongside)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return anyio.run(
+            lambda: _feed(
+                Path(tmp) / "wowd.db",
+                commits,
+                commits if timers is None else timers,
+                inline=inline,
+                profile=profile,
+                checkpoint=checkpoint,
+            )
+        )
+
+
+def report(result: dict[str, Any], top: int) -> str:
+    n = result["commits"]
+    lines = [
+        f"{n:,} commits fed in {result['wall_s']:.2f} s: {result['commits_per_s']:,.0f} commits/s, "
+        f"{result['cpu_us_per_commit']:.0f} us CPU per commit, peak RSS {result['peak_rss_mb']:.0f} MB",
+    ]
+    profiler = result.get("profiler")
+    if profiler is None:
+        return "\n".join(lines)
+    stats = pstats.Stats(profiler)
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
+    lines += ["", "Steps (cumulative, per commit; the profiler's overhead included):", ""]
+    lines += ["| step | us per commit | calls |", "|---|---|---|"]
+    for label, file, func in STEPS:
+        hits = [(v[1], v[3]) for (f, _l, name), v in raw.items() if f.endswith(file) and name == func]
+        if hits:
+            calls = sum(c for c, _ in hits)
+            cum = max(t for _, t in hits) if func == "<lambda>" else sum(t for _, t in hits)
+            lines.append(f"| {label} | {cum / n * 1e6:,.1f} | {calls:,} |")
+    total = sum(v[2] for v in raw.values())
+    lines += ["", f"Top {top} functions by own time (of {total:.2f} s profiled):", ""]
+    lines += ["| function | own us per commit | share | calls per commit |", "|---|---|---|---|"]
+    ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (f, line, name), v in ranked:
+        where = f"{Path(f).parent.name}/{Path(f).name}:{line}" if line else f
+        lines.append(f"| `{name}` ({where}) | {v[2] / n * 1e6:,.1f} | {v[2] / total:.0%} | {v[1] / n:,.2f} |")
+    buf = io.StringIO()
+    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(40)
+    lines += ["", "```", buf.getvalue().strip(), "```"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_feed", description=__doc__)
+    ap.add_argument("--commits", type=int, default=20_000)
+    ap.add_argument("--timers", type=int, help="timers over the commits (default: one per commit)")
+    ap.add_argument("--threads", action="store_true", help="keep the stores' worker threads (profile: loop thread)")
+    ap.add_argument("--no-profile", action="store_true", help="time the feed without cProfile")
+    ap.add_argument(
+        "--checkpoint", action="store_true", help="checkpoint the WAL before feeding (as after `wowd demo`)"
+    )
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--runs", type=int, default=1, help="with --no-profile: runs (the median is printed)")
+    ap.add_argument("--out", type=Path, help="also write the report here")
+    args = ap.parse_args(argv)
+    profile = not args.no_profile
+    results = [
+        feed_once(
+            args.commits, timers=args.timers, inline=not args.threads, profile=profile, checkpoint=args.checkpoint
+        )
+        for _ in range(1 if profile else args.runs)
+    ]
+    results.sort(key=lambda r: r["commits_per_s"])
+    result = results[len(results) // 2]
+    text = report(result, args.top)
+    if len(results) > 1:
+        text += "\nruns (commits/s): " + ", ".join(f"{r['commits_per_s']:,.0f}" for r in results)
+    sys.stdout.write(text + "\n")
+    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "profiler"}) + "\n")
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
