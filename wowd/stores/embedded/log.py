@@ -260,6 +260,22 @@ def _seq(position: Position | None, partition_: int) -> int:
     return seq
 
 
+BATCH_BYTES = 4 * 1024 * 1024
+"""A batch ends after the commit that brings its documents' text past this (commits carrying many
+timer events make large batches: what a batch holds decoded is bounded by this, not only by the
+number of commits)."""
+
+
+def _within_bytes(rows: list[Any], limit: int) -> list[Any]:
+    """The first rows whose documents (``row[3]``) add up to ``limit`` bytes, at least one."""
+    total = 0
+    for i, row in enumerate(rows):
+        total += len(row[3])
+        if total >= limit:
+            return rows[: i + 1]
+    return rows
+
+
 def _reader(sql: str, params: tuple[Any, ...]) -> Callable[[sqlite3.Connection], list[Any]]:
     return lambda conn: conn.execute(sql, params).fetchall()
 
@@ -476,6 +492,8 @@ class EmbeddedLog(SqliteStore):
                 # taken before the query starts its read: a commit appended before it is read
                 began = int(time.time() * 1000)
                 rows = await self._run("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
+                read = len(rows)
+                rows = _within_bytes(rows, BATCH_BYTES)
                 if rows:
                     if event is not None:
                         self._notifier.unsubscribe(event)
@@ -491,7 +509,7 @@ class EmbeddedLog(SqliteStore):
                         entry = _entry(self.context, row)
                         entries.append(entry)
                         last[part] = entry.position
-                    head = len(rows) < batch_size
+                    head = read < batch_size and len(rows) == read
                     if entries or head:
                         yield LogBatch(entries=tuple(entries), positions=last, watermark=began if head else None)
                     delay = POLL_MIN_S
