@@ -603,8 +603,9 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
     """Malformed documents and rejected timer events are quarantined with the field named in the
     reason and counted by field; the good commits around them (same partitions) are fed to the sink
     and the timer store, and every partition's checkpoint passes them all."""
-    from wowd.daemon.feed import CONSUMER, Feeder, Waker
+    from wowd.daemon.feed import CONSUMER, Feeder
     from wowd.daemon.leases import HeldSlot
+    from wowd.daemon.waker import Waker
     from wowd.stores.embedded import open_embedded
 
     backend = await open_embedded(feed_settings)

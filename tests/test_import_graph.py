@@ -107,3 +107,37 @@ def test_the_protocol_layer_names_no_backend() -> None:
 def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
     offenders = {n for n, deps in GRAPH.items() if n.startswith(layer) and any(d.startswith("wowd.cli") for d in deps)}
     assert not offenders
+
+
+DAEMON_WORK = {
+    "wowd.daemon.supervisor": {"Supervisor"},
+    "wowd.daemon.gateway": {"CommandGateway", "HttpGateway", "OutboxGateway"},
+    "wowd.daemon.rebuild": {"Rebuilder", "RebuildReport", "RebuildStatus"},
+}
+"""What the CLI may take from the daemon: the daemon, its gateways and the rebuild (daemon work
+it runs or probes); a helper it needs beside them lives outside ``wowd.daemon``."""
+
+
+def _names_from_daemon(path: Path) -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update((a.name, "*") for a in node.names if a.name.startswith("wowd.daemon"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wowd.daemon"):
+            found.update((node.module or "", a.name) for a in node.names)
+    return found
+
+
+def test_only_the_cli_imports_the_daemon() -> None:
+    offenders = {
+        n
+        for n, deps in GRAPH.items()
+        if not n.startswith(("wowd.daemon", "wowd.cli")) and any(d.startswith("wowd.daemon") for d in deps)
+    }
+    assert not offenders
+
+
+def test_the_cli_takes_only_daemon_work_from_the_daemon() -> None:
+    taken = {(n, m, name) for n, p in MODULES.items() if n.startswith("wowd.cli") for m, name in _names_from_daemon(p)}
+    assert taken, "the walk must see the CLI start the daemon"
+    assert {(n, m, name) for n, m, name in taken if name not in DAEMON_WORK.get(m, set())} == set()

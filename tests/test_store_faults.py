@@ -578,8 +578,9 @@ async def feed_backend(tmp_path: Path, es: AsyncElasticsearch) -> AsyncIterator[
 async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_once(
     feed_backend: tuple[Any, Any], fake: FakeElasticsearch
 ) -> None:
-    from wowd.daemon.feed import CONSUMER, Feeder, Waker
+    from wowd.daemon.feed import CONSUMER, Feeder
     from wowd.daemon.leases import HeldSlot
+    from wowd.daemon.waker import Waker
 
     settings, backend = feed_backend
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]

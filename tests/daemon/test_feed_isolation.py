@@ -16,8 +16,9 @@ import pytest
 
 from wowd import metrics
 from wowd.config import EmbeddedSettings, FeedSettings, LeaseSettings, WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
+from wowd.daemon.waker import Waker
 from wowd.errors import InvalidInput, SlotStalled, StorageError
 from wowd.model import AggregateType, Commit, Owner, partition
 from wowd.stores.base import Backend, EventSink

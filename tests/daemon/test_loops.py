@@ -15,10 +15,11 @@ import pytest
 from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
+from wowd.daemon.waker import Waker
 from wowd.demo import reducer
 from wowd.errors import LeaseLost
 from wowd.model import (

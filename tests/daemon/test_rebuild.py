@@ -15,11 +15,12 @@ import pytest
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.rebuild import Rebuilder, RebuildReport, fold_commit, progress_consumer
+from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
 from wowd.daemon.supervisor import Supervisor
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition
+from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit

@@ -16,10 +16,11 @@ import anyio
 import pytest
 
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
+from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
 from wowd.stores.base import Backend
 

@@ -17,10 +17,11 @@ import pytest
 from tests.helpers import caught_up_waker
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
-from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Record, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, wake_time
+from wowd.daemon.waker import Waker
 from wowd.errors import StorageUnavailable
 from wowd.model import (
     AggregateRef,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from wowd import metrics
+from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
 from wowd.model import Owner, SlotLease
@@ -118,10 +118,6 @@ def _first(group: BaseException) -> BaseException:
     return group
 
 
-def _backoff(attempt: int, base: float, cap: float) -> float:
-    return float(min(cap, base * (2 ** min(attempt, 20))) * random.uniform(0.5, 1.0))
-
-
 class SlotKeeper:
     """Holds one slot at a time for this replica (see the module docstring)."""
 
@@ -150,6 +146,7 @@ class SlotKeeper:
         self._tolerance_s = ls.tolerance_s
         self._validity_s = ls.ttl_s - ls.tolerance_s
         self._renew_every = ls.ttl_s / 3
+        self._standby_backoff = Backoff(0.1, max(0.2, self._renew_every), jitter=True)
         self._wall = wall_clock
         self._step_s = max(MIN_CLOCK_STEP_S, ls.tolerance_s)
         self._clock_base = self._clock_offset()
@@ -251,7 +248,7 @@ class SlotKeeper:
                 if not started:
                     started = True
                     task_status.started(None)
-                with anyio.move_on_after(_backoff(attempt, 0.1, max(0.2, self._renew_every))):
+                with anyio.move_on_after(self._standby_backoff(attempt)):
                     await self._stop.wait()
                 attempt += 1
                 continue
@@ -399,8 +396,3 @@ class SlotKeeper:
             work_scope.deadline = valid_until
             metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
             next_at = self._next_renew(held)
-
-
-def jitter(seconds: float) -> float:
-    """``seconds`` scaled by a factor in [0.5, 1)."""
-    return seconds * random.uniform(0.5, 1.0) if math.isfinite(seconds) else seconds

@@ -38,6 +38,7 @@ from typing import Literal
 
 import anyio
 
+from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError, StorageUnavailable
 from wowd.model import (
@@ -48,9 +49,9 @@ from wowd.model import (
     SnapshotRecord,
     SnapshotTable,
 )
+from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend
 
-from .feed import Reducer, fold_commit
 from .leases import HeldSlot
 
 __all__ = [
@@ -69,6 +70,8 @@ PROGRESS_PREFIX = "wowd.rebuild"
 
 PAGE = 1000
 """Page size of ``pending`` when counting."""
+RETRY_BACKOFF = Backoff(0.1, 10.0)
+"""The pause before retrying a rebuild the stores could not answer."""
 
 
 def progress_consumer(aggregate: str, revision: int) -> str:
@@ -437,7 +440,7 @@ class Rebuilder:
                 )
             except StorageUnavailable as exc:
                 log.warning("snapshot rebuild failed (will retry): %s", exc, extra=extra)
-                with anyio.move_on_after(min(10.0, 0.1 * 2 ** min(attempt, 10))):
+                with anyio.move_on_after(RETRY_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
                 continue

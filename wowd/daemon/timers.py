@@ -11,7 +11,7 @@ however long their delivery takes. Each claimed batch is delivered through the g
 (fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
 after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
 store's next due time (``next_due``) or the earliest one this process put since
-(:class:`~wowd.daemon.feed.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
+(:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
 due sooner wakes it at once. A timer due but beyond the watermark makes it ask the log to look
 at its head (``nudge``) and wait for the watermark instead.
 
@@ -24,7 +24,6 @@ and the timers are fired again with the same request id.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from bisect import bisect_left
 from collections import Counter, deque
@@ -37,14 +36,16 @@ from anyio.abc import TaskStatus
 from prometheus_client import Histogram
 
 from wowd import metrics
+from wowd.backoff import Backoff
+from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import TimerStore
 
-from .feed import Waker
 from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
+from .waker import Waker
 
 __all__ = [
     "MAX_IDLE_S",
@@ -70,10 +71,10 @@ BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
+ROUND_BACKOFF = Backoff(0.1, 5.0)
+"""The pause before retrying a due read or a reclaim the store could not answer."""
+SETTLE_BACKOFF = Backoff(0.05, 2.0)
+"""The pause before retrying a settle the store could not take (the lease bounds the tries)."""
 
 
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
@@ -135,8 +136,7 @@ def wake_time(
 def retry_delay_s(attempts: int, settings: TimerSettings, hint_s: float = 0.0) -> float:
     """Exponential backoff with jitter: ``base * 2**attempts`` capped, scaled by [0.5, 1]; at least
     the target's hint."""
-    raw = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** min(attempts, 30))
-    return float(max(hint_s, raw * random.uniform(0.5, 1.0)))
+    return max(hint_s, Backoff(settings.backoff_base_s, settings.backoff_max_s, jitter=True)(attempts))
 
 
 def outcome_changes(
@@ -234,7 +234,7 @@ class TimerLoop:
                     attempt = 0
                 except StorageUnavailable as exc:
                     logx.warning("timer round failed (will retry): %s", exc)
-                    with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
                     continue
@@ -278,7 +278,7 @@ class TimerLoop:
                 return
             except StorageUnavailable as exc:
                 logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
-                with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
 
@@ -389,7 +389,7 @@ class TimerLoop:
                 break
             except StorageUnavailable as exc:
                 logx.warning("settle failed (will retry): %s", exc)
-                await anyio.sleep(min(2.0, 0.05 * 2**attempt))
+                await anyio.sleep(SETTLE_BACKOFF(attempt))
                 attempt += 1
             except StorageError as exc:
                 logx.error("settle failed: %s (claims will expire and re-fire)", exc)

@@ -28,7 +28,6 @@ functions next to it (the black-pipe tests assert them on the wire).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,6 +37,7 @@ from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 
+from wowd import clock
 from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
@@ -710,7 +710,7 @@ class MongoTimerStore(MongoStore):
                 if exc.code in _INDEX_CONFLICT_CODES:
                     raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
                 raise
-        flt, update = registry_upgrade(name, int(time.time() * 1000))
+        flt, update = registry_upgrade(name, clock.now_ms())
         with self._deadline():
             res = await self._registry.update_one(flt, update)
         if res.matched_count == 1:
@@ -775,7 +775,7 @@ class MongoTimerStore(MongoStore):
         command: dict[str, Any] = {
             "findAndModify": REGISTRY,
             "query": {"_id": name},
-            "update": registry_claim(self.context, aggregate, int(time.time() * 1000)),
+            "update": registry_claim(self.context, aggregate, clock.now_ms()),
             "upsert": True,
             "new": True,
         }
