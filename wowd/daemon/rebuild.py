@@ -59,7 +59,6 @@ __all__ = [
     "Rebuilder",
     "RebuildReport",
     "RebuildStatus",
-    "fold_commit",
     "progress_consumer",
 ]
 
@@ -85,9 +84,6 @@ def _no_check() -> None:
 
 def _never() -> bool:
     return False
-
-
-# --------------------------------------------------------------------------- folding
 
 
 # --------------------------------------------------------------------------- results
