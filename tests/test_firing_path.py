@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import anyio
 import pytest
@@ -40,9 +40,11 @@ from wowd.model import (
 from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
 from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
 from wowd.stores.embedded.timers import (
+    _SETTLE_SET,
     DUE_ARMS,
     EmbeddedTimerStore,
     due_union_sql,
+    table_name,
     timer_from_row,
     timer_params,
 )
@@ -150,6 +152,54 @@ async def test_a_claimed_timer_settles_as_one_claimed_by_settle(tmp_path: Path) 
     for ch in changes:
         stored = await store.find(ch.timer.owner, ch.timer.key)
         assert stored == ch.applied()
+    await store.close()
+
+
+SETTLES: dict[str, Any] = {
+    "claim": lambda t: TimerChange.claim(t, owner_key="me", fence=3, until=T0 + 900),
+    "fired": lambda t: TimerChange.fired(t, fence=3, next_due=T0 + 5_000),
+    "done": lambda t: TimerChange.fired(t, fence=3, next_due=None),
+    "retry": lambda t: TimerChange.retry(t, fence=3, due_at=T0 + 70, error="HTTP 503"),
+    "release": lambda t: TimerChange.release(t, fence=3, due_at=T0 + 80, reason="stopped"),
+    "park": lambda t: TimerChange.park(t, fence=3, reason="HTTP 404"),
+    "resume": lambda t: TimerChange.resume(t, due_at=T0 + 90),
+    "fail": lambda t: TimerChange.fail(t, fence=3, reason="HTTP 400"),
+}
+"""One change of each kind the settle statements know (``done``: fired with no next occurrence)."""
+
+
+async def test_each_settle_statement_stores_what_applied_answers(tmp_path: Path) -> None:
+    """The settle statement of every change kind writes exactly the timer ``applied()`` answers
+    (every field read back), on a timer with attempts, an error and a claim to carry or reset;
+    ``done`` leaves a DONE tombstone out of the view. ``claim_due`` stores what a claim's
+    ``applied()`` answers too."""
+    assert set(SETTLES) == set(get_args(get_type_hints(TimerChange)["kind"])) | {"done"} == set(_SETTLE_SET)
+    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=4)
+    revisions: dict[str, int] = {}
+    for kind, make in SETTLES.items():
+        t = replace(timer(f"k-{kind}", 4, due_at=T0), rule=IntervalRule(every_ms=1000))
+        assert await store.put(t)
+        claimed = TimerChange.claim(t, owner_key="me", fence=2, until=T0 + 10)
+        assert (firing := claimed.applied()) is not None
+        failed_once = TimerChange.retry(firing, fence=2, due_at=T0, error="HTTP 502")
+        assert (pending := failed_once.applied()) is not None
+        assert await store.settle([claimed]) == 1 and await store.settle([failed_once]) == 1
+        (loaded,) = await store.claim_due({t.partition}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 20)
+        assert loaded == TimerChange.claim(pending, owner_key="me", fence=2, until=T0 + 20).applied()
+        assert loaded.attempts == 1 and loaded.last_error == "HTTP 502" and loaded.claim is not None
+        if kind == "resume":
+            assert await store.settle([TimerChange.park(loaded, fence=2, reason="HTTP 404")]) == 1
+            (loaded,) = await store.scan(status=TimerStatus.PARKED, partitions={t.partition})
+        change = make(loaded)
+        assert await store.settle([change]) == 1
+        assert await store.find(t.owner, t.key) == change.applied(), kind
+        revisions[kind] = loaded.revision
+    with sqlite3.connect(tmp_path / "wowd.db") as conn:
+        row = conn.execute(
+            f"SELECT status, claim_owner_key, claim_fence, claim_until, revision FROM {table_name(CTX)}"
+            " WHERE \"key\" = 'k' AND owner_id = 'k-done'"
+        ).fetchone()
+    assert row == ("DONE", None, None, None, revisions["done"] + 1)
     await store.close()
 
 
