@@ -131,6 +131,7 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
     from pymongo import AsyncMongoClient
 
     from wowd.model import AggregateRef, Timer, TimerChange, deterministic_timer_id, partition
+    from wowd.stores.mongo._common import TIMER_FORMAT
     from wowd.stores.mongo.timers import MongoTimerStore, timer_to_doc
 
     wire = _Wire()
@@ -148,7 +149,7 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
                     "_id": f"wow_timer__{BENCH_CONTEXT}__t{i}",
                     "context": BENCH_CONTEXT,
                     "aggregate": f"t{i}",
-                    "format": 5,
+                    "format": TIMER_FORMAT,
                     "created_at": 1,
                 }
                 for i in range(k)
