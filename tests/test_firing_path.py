@@ -1,10 +1,9 @@
-"""The firing path on the embedded store (issue 11): the combined claim, the compound due read,
-the outbox batch insert, batched metrics. Each fast path is held to what the plain one does."""
+"""The firing path on the embedded store: the combined claim, the compound due read, the outbox
+batch insert. Each fast path is held to what the plain one does."""
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import sqlite3
 import time
@@ -15,13 +14,12 @@ from typing import Any, get_args, get_type_hints
 
 import anyio
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
 
 from tests.helpers import caught_up_waker
 from wowd.config import TimerSettings
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop, observe_many
+from wowd.daemon.timers import TimerLoop
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -222,7 +220,8 @@ async def test_the_due_read_is_one_merge_over_the_partial_index(tmp_path: Path) 
 
 
 def test_rows_decode_into_the_timers_written() -> None:
-    """The slot-setting decoder builds timers equal to the constructor's, every field read back."""
+    """The row decoder (its refs validated once per type) builds timers equal to the constructor's,
+    every field read back."""
     base = timer("d-1", 8, due_at=T0, tenant="tenant-ü")
     variants = [
         base,
@@ -297,34 +296,6 @@ def test_writers_of_one_file_share_one_write_lock(tmp_path: Path) -> None:
     assert file_write_lock(a) is file_write_lock(b)
     assert file_write_lock(a) is not file_write_lock(SqliteDatabase(tmp_path / "other.db"))
     assert file_write_lock(SqliteDatabase(":memory:")) is not file_write_lock(SqliteDatabase(":memory:"))
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def test_observe_many_counts_as_observe_does() -> None:
-    buckets = (0.001, 0.01, 0.1, 1.0, 10.0)
-    values = [0.0, 0.001, 0.0010001, 0.01, 0.05, 0.1, 1.0, 9.99, 10.0, 11.0, 1e9, 0.1, 0.1]
-    one, many = CollectorRegistry(), CollectorRegistry()
-    h1 = Histogram("lag_seconds", "x", buckets=buckets, registry=one)
-    h2 = Histogram("lag_seconds", "x", buckets=buckets, registry=many)
-    for v in values:
-        h1.observe(v)
-    observe_many(h2, values)
-    observe_many(h2, [])
-
-    def samples(reg: CollectorRegistry) -> dict[tuple[str, str], float]:
-        out = {}
-        for metric in reg.collect():
-            for s in metric.samples:
-                if not s.name.endswith("_created"):
-                    out[(s.name, s.labels.get("le", ""))] = s.value
-        return out
-
-    got, expected = samples(many), samples(one)
-    assert got.keys() == expected.keys()
-    for k, v in expected.items():
-        assert math.isclose(got[k], v), k
 
 
 # --------------------------------------------------------------------------- the loop

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
@@ -33,7 +32,6 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from prometheus_client import Histogram
 
 from wowd import metrics
 from wowd.backoff import Backoff
@@ -51,7 +49,6 @@ __all__ = [
     "MAX_IDLE_S",
     "TimerLoop",
     "next_occurrence",
-    "observe_many",
     "outcome_changes",
     "retry_delay_s",
     "wake_time",
@@ -75,29 +72,6 @@ ROUND_BACKOFF = Backoff(0.1, 5.0)
 """The pause before retrying a due read or a reclaim the store could not answer."""
 SETTLE_BACKOFF = Backoff(0.05, 2.0)
 """The pause before retrying a settle the store could not take (the lease bounds the tries)."""
-
-
-def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """Observes each of ``values`` into ``histogram`` as ``observe`` would, with one increment per
-    bucket hit and one of the sum (not two locked increments per value)."""
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if not values:
-        return
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for v in values:  # another prometheus_client layout: the public way
-            histogram.observe(v)
-        return
-    check = getattr(histogram, "_raise_if_not_observable", None)
-    if check is not None:
-        check()  # a labelled parent is not observable, as with observe
-    # the first bound >= v, where observe's scan stops; a NaN (no bound >= it) only adds to the sum
-    hits = Counter(bisect_left(bounds, v) for v in values if v == v)
-    total.inc(sum(values))
-    for i, n in hits.items():
-        if i < len(buckets):
-            buckets[i].inc(n)
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -402,12 +376,10 @@ class TimerLoop:
     @staticmethod
     def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
         fired: Counter[str] = Counter()
-        lags: list[float] = []
         for t, outcome, at in results:
             if isinstance(outcome, Delivered):
                 fired[t.owner.aggregate] += 1
-                lags.append(max(0.0, (at - t.scheduled_at) / 1000))
-        observe_many(metrics.FIRE_LAG, lags)
+                metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
         for agg, n in fired.items():
             metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
         for c in changes:
