@@ -19,7 +19,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire, server_error
+from tests.mongo.conftest import Wire, server_error, serving
 from tests.mongo.leases_support import (
     NS,
     T0,
@@ -165,15 +165,10 @@ def lease_of(doc: dict[str, Any]) -> SlotLease:
 
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[MockupDB]:
-    """One MockupDB for the module, overriding the conftest's per-test one: stopping a MockupDB
-    waits out its accept loop's 1 s poll (and can race it). Each test still gets its own client
-    (``mongo_client``) and reads every command it causes, so nothing carries over."""
-    server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
-    server.run()
-    try:
+    """One MockupDB for the module, overriding the conftest's per-test one. Each test still gets
+    its own client (``mongo_client``) and reads every command it causes, so nothing carries over."""
+    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

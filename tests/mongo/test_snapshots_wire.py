@@ -17,7 +17,7 @@ from mockupdb import MockupDB
 from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, server_error, write_concern_timeout
+from tests.mongo.conftest import Wire, server_error, serving, write_concern_timeout
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
@@ -78,15 +78,12 @@ class Call:
 
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[MockupDB]:
-    """One MockupDB for the module (stopping one takes a second: its accept loop polls at 1 s);
-    each test still gets its own client, and consumes every command its call sends."""
+    """One MockupDB for the module; each test still gets its own client, and consumes every
+    command its call sends."""
     server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
     server.autoresponds("endSessions")
-    server.run()
-    try:
+    with serving(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
