@@ -112,6 +112,8 @@ async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
     assert {partition(c_.ref.id, PARTITIONS) % 2 for c_ in round1} == {0, 1}
     await stores.log.append_many(round1)
     await eventually(lambda: _outbox_has(stores, 32), 15, "round 1 fired")
+    # settled too: a timer a delivered but had not settled when killed is fired again by c
+    await eventually(lambda: _no_timer_left(stores), 15, "round 1 settled")
 
     a.signal(signal.SIGKILL)
     await a.wait_exit(5)
@@ -282,6 +284,10 @@ async def _contains(r: Replica, text: str) -> bool:
 
 async def _outbox_has(b: Backend, n: int) -> bool:
     return await b.outbox.count() >= n
+
+
+async def _no_timer_left(b: Backend) -> bool:
+    return await b.timers.scan(limit=1) == []
 
 
 def _sample_sum(text: str, name: str) -> float:
