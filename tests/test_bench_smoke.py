@@ -17,6 +17,8 @@ from bench.__main__ import APS4_PYTHON, HERE, Config, render, section_growth, se
 from bench.common import lag_stats, run_worker, timer_rows
 from bench.failover import failover_once
 
+pytestmark = pytest.mark.slow
+
 TINY = Config(
     burst_sizes=(200,),
     runs=1,

@@ -8,6 +8,10 @@ function (a deferred import is still a dependency), except under ``if TYPE_CHECK
 from __future__ import annotations
 
 import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -141,3 +145,27 @@ def test_the_cli_takes_only_daemon_work_from_the_daemon() -> None:
     taken = {(n, m, name) for n, p in MODULES.items() if n.startswith("wowd.cli") for m, name in _names_from_daemon(p)}
     assert taken, "the walk must see the CLI start the daemon"
     assert {(n, m, name) for n, m, name in taken if name not in DAEMON_WORK.get(m, set())} == set()
+
+
+LOADED_BY_NAME = {"uvloop"}
+"""Declared, never imported by name: anyio loads it (``use_uvloop``)."""
+
+
+def _distribution(requirement: str) -> str:
+    return re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_dependencies_declared_are_the_ones_imported() -> None:
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    declared = {_distribution(r) for r in project["dependencies"]}
+    top_level: set[str] = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                top_level.update(a.name.partition(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                top_level.add(node.module.partition(".")[0])
+    third_party = {m for m in top_level if m != "wowd" and m not in sys.stdlib_module_names}
+    providers = packages_distributions()
+    imported = {_distribution(d) for m in third_party for d in providers.get(m, [m])}
+    assert imported | LOADED_BY_NAME == declared
