@@ -42,6 +42,7 @@ from wowd import metrics
 from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
+from wowd.fmt import compact_partitions
 from wowd.model import Owner, SlotLease
 from wowd.stores.base import SlotLeaseStore
 
@@ -103,13 +104,17 @@ class HeldSlot:
                 cb()
 
     def log_extra(self) -> dict[str, object]:
-        return {"slot": self.slot, "partitions": ",".join(map(str, sorted(self.partitions)))}
+        """What every log line of the slot carries: the slot and its partitions in a compact form."""
+        return {"slot": self.slot, "partitions": compact_partitions(self.partitions)}
 
 
 Work = Callable[[HeldSlot], Awaitable[None]]
 
 
 STALL_COOLDOWN_MIN_S = 10.0
+FULL_LIST_INFO_MAX_CHARS = 900
+"""A slot's full partition list is logged at acquisition at INFO up to this length (the line stays
+under 1 KB), at DEBUG beyond; every other line carries the compact form."""
 
 
 def _first(group: BaseException) -> BaseException:
@@ -282,6 +287,9 @@ class SlotKeeper:
             self._ns,
             extra=extra,
         )
+        listed = ",".join(map(str, sorted(held.partitions)))
+        level = logging.INFO if len(listed) <= FULL_LIST_INFO_MAX_CHARS else logging.DEBUG
+        log.log(level, "slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
         self.held = held
         self.acquired_once = True
         metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(held.fence)

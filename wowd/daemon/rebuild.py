@@ -149,6 +149,13 @@ class _Fold:
     broken: set[AggregateRef] = field(default_factory=set)
 
 
+def _summary(r: RebuildReport) -> str:
+    return (
+        f"{r.type} at revision {r.revision}: {r.outcome}, {len(r.partitions)} partition(s), {r.rewritten} rewritten,"
+        f" {r.unchanged} unchanged, {r.skipped} skipped, {r.failed} failed{', backfilled' if r.backfilled else ''}"
+    )
+
+
 # --------------------------------------------------------------------------- the rebuilder
 
 
@@ -384,7 +391,7 @@ class Rebuilder:
                 )
             job.todo.discard(p)
             job.report.partitions.append(p)
-        log.info("snapshots rebuilt in partition %d for %s", p, ", ".join(str(j.type) for j in jobs))
+        log.debug("snapshots rebuilt in partition %d for %s", p, ", ".join(str(j.type) for j in jobs))
         return True
 
     @staticmethod
@@ -443,21 +450,8 @@ class Rebuilder:
             except StorageError as exc:
                 log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
                 return []
-            for r in reports:
-                if r.partitions or r.outcome == "stopped":
-                    log.info(
-                        "snapshot rebuild of %s at revision %d: %s, %d partition(s), %d rewritten,"
-                        " %d unchanged, %d skipped, %d failed%s",
-                        r.type,
-                        r.revision,
-                        r.outcome,
-                        len(r.partitions),
-                        r.rewritten,
-                        r.unchanged,
-                        r.skipped,
-                        r.failed,
-                        ", backfilled" if r.backfilled else "",
-                        extra=extra,
-                    )
+            done = [_summary(r) for r in reports if r.partitions or r.outcome == "stopped"]
+            if done:
+                log.info("snapshots rebuilt for slot %d: %s", held.slot, "; ".join(done), extra=extra)
             return reports
         return []
