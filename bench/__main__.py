@@ -587,7 +587,7 @@ def targets(sections: dict[str, Section]) -> str:
             f"p99 {fmt_ms(st['p99_ms'])} ms ({fmt(st['fired'])} / {fmt(st['added'])} fired)",
             st["p99_ms"] <= 20 and st["fired"] == st["added"],
         )
-    return table(["target (issue 11)", "measured", "met"], rows)
+    return table(["target", "measured", "met"], rows)
 
 
 def render(
@@ -603,7 +603,7 @@ def render(
     m = machine()
     by_key = {s.key: s for s in sections}
     out = [
-        "# wowd benchmarks (issue 11)",
+        "# wowd benchmarks",
         "",
         f"Run {when or datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}"
         f"{' (quick: small sizes, one run)' if quick else ''}, {fmt(total_s)} s in all.",

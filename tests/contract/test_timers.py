@@ -1,4 +1,4 @@
-"""TimerStore contract (seed 000, DESIGN.md section 5): every implementation passes these."""
+"""TimerStore contract (DESIGN.md section 5): every implementation passes these."""
 
 from __future__ import annotations
 

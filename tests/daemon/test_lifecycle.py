@@ -1,6 +1,6 @@
 """The replica's life cycle as a process: a crashed loop, the systemd watchdog, ``make run``'s
-command, and a second signal during a long drain (issue 8, CONVENTIONS.md "processes are tested
-as processes"). Every wait reads the process's output, socket or stores inside ``fail_after``."""
+command, its log lines, and a second signal during a long drain, tested as processes. Every wait
+reads the process's output, socket or stores inside ``fail_after``."""
 
 from __future__ import annotations
 

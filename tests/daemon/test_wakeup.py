@@ -1,5 +1,5 @@
 """When the timer loop wakes: the Waker's heap of the due times this process put, the store's
-next due time, and the idle period as a safety net only (bench/LEARNED.md item 1).
+next due time, and the idle period as a safety net only.
 
 The loop tests set the idle period to 30 s: a timer that fires within a few seconds was woken
 for, not found by the idle poll."""

@@ -57,12 +57,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_IDLE_S = 0.5
-"""The longest sleep between two due reads. The loop wakes for the timers it knows of (the store's
-next due time read after each round, the puts of this process since: :class:`Waker`); this
-period is only the safety net for timers of the slot's partitions the Waker is not told of (stored
-by another process: ``wowd timers retry``, a tool writing the store; or a parked timer resumed by
-a feed, which settles it without telling the Waker): they fire at most this late. An idle read is
-two indexed reads."""
+"""The longest sleep between two due reads: how late a timer the :class:`Waker` is not told of
+fires (one stored by another process, or a parked timer a feed resumed)."""
 SETTLE_TIMEOUT_S = 10.0
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0

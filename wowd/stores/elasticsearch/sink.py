@@ -1,4 +1,4 @@
-"""The event sink of one aggregate type on Elasticsearch 9 (seed 002, DESIGN.md section 7).
+"""The event sink of one aggregate type on Elasticsearch 9 (DESIGN.md section 7).
 
 One index per aggregate type, ``wow.<context>.<aggregate>.events``; one document per commit,
 its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregate id (an empty

@@ -1,4 +1,4 @@
-"""CosId-style slot leases on SQLite (seed 001, DESIGN.md section 4).
+"""CosId-style slot leases on SQLite (DESIGN.md section 4).
 
 Tables (the seed's documents as rows, the seed's field names as columns):
 

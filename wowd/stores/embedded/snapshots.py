@@ -1,4 +1,4 @@
-"""Snapshots of one context on SQLite (seed 004, DESIGN.md section 6).
+"""Snapshots of one context on SQLite (DESIGN.md section 6).
 
 Layout (format 5):
 

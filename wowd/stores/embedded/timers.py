@@ -1,4 +1,4 @@
-"""The timers of one context on SQLite (seed 000, DESIGN.md section 5).
+"""The timers of one context on SQLite (DESIGN.md section 5).
 
 Layout (format 6):
 

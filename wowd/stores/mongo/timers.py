@@ -1,4 +1,4 @@
-"""The timers of one context on MongoDB (seed 000, DESIGN.md section 5).
+"""The timers of one context on MongoDB (DESIGN.md section 5).
 
 One collection per owner aggregate type, ``wow_timer__<context>__<aggregate>``, recorded in the
 registry ``wow_timer_aggregate`` (``{_id: collection, context, aggregate, format: 6, created_at}``).
