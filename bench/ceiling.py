@@ -69,10 +69,7 @@ def bare_loop(
             created = now_ms()
             conn.executemany(
                 insert,
-                [
-                    (_request_id(r[0], r[9]), r[0], _TARGET % r[13], r[14], r[9], 1, "bare", created)
-                    for r in rows
-                ],
+                [(_request_id(r[0], r[9]), r[0], _TARGET % r[13], r[14], r[9], 1, "bare", created) for r in rows],
             )
             conn.executemany(delete, [(r[1], r[2], r[3], r[4], r[5], r[0], r[22]) for r in rows])
             conn.execute("COMMIT")
@@ -85,9 +82,7 @@ def bare_loop(
         # row: timer_id 0, partition 1, aggregate 2, owner_tenant 3, owner_id 4, key 5, revision 22
         keys = [(r[1], r[2], r[3], r[4], r[5], r[0]) for r in rows]
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(
-            claim, [(until, "bare", 1, until, *k, r[22]) for k, r in zip(keys, rows, strict=True)]
-        )
+        conn.executemany(claim, [(until, "bare", 1, until, *k, r[22]) for k, r in zip(keys, rows, strict=True)])
         conn.execute("COMMIT")
         created = now_ms()
         conn.execute("BEGIN IMMEDIATE")

@@ -122,9 +122,7 @@ def test_any_document_is_a_commit_or_names_a_field(doc: dict[str, Any]) -> None:
 
 @FAST
 @given(data=st.data(), key=st.sampled_from(COMMIT_KEYS), value=any_value)
-def test_one_bad_field_of_a_valid_commit_is_the_field_named(
-    data: st.DataObject, key: str, value: Any
-) -> None:
+def test_one_bad_field_of_a_valid_commit_is_the_field_named(data: st.DataObject, key: str, value: Any) -> None:
     doc = valid_doc()
     if data.draw(st.booleans(), label="delete instead"):
         del doc[key]
@@ -662,4 +660,3 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
         assert owners == {c.ref for c in goods}, "a rejected timer event puts no timer"
     finally:
         await backend.close()
-

@@ -50,5 +50,3 @@ def load_reducer(path: str) -> Reducer:
     if not isinstance(getattr(obj, "state_revision", None), int) or not callable(getattr(obj, "fold", None)):
         raise ConfigError(f"reducer {path!r}: needs state_revision: int and fold(state, event)")
     return obj  # type: ignore[no-any-return]
-
-

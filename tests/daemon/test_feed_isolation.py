@@ -98,9 +98,7 @@ async def hold(b: Backend) -> HeldSlot:
     )
 
 
-async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_path: Path, backend: Backend) -> None:
     sink = refusing(backend, refuse={"bad"})
     commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=10**13) for i in range(6)]
     commits.insert(3, timer_commit("bad", 1, ["k"], due_at=10**13))

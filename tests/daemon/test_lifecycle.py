@@ -118,9 +118,7 @@ async def test_a_crashed_feed_stops_the_process_non_zero_and_says_why(
 # --------------------------------------------------------------------------- 2. systemd watchdog
 
 
-async def test_systemd_ready_watchdog_cadence_status_and_stopping(
-    spawn: Callable[..., Replica], db: Path
-) -> None:
+async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callable[..., Replica], db: Path) -> None:
     watchdog_usec = 200_000
     with tempfile.TemporaryDirectory(prefix="wowd-") as d:  # short: AF_UNIX paths are <= 107 bytes
         path = str(Path(d) / "notify")
@@ -166,9 +164,7 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(
 # --------------------------------------------------------------------------- 3. make run
 
 
-PROGRESS = re.compile(
-    r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers"
-)
+PROGRESS = re.compile(r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers")
 
 
 async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(tmp_path: Path) -> None:
@@ -195,9 +191,7 @@ async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(
                         buf += await proc.stdout.receive()
                         *done, buf = buf.split(b"\n")
                         lines += [line.decode() for line in done]
-                        counts = [
-                            tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))
-                        ]
+                        counts = [tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))]
                         if counts and counts[-1][2] > 0 and counts[-1][3] > 0:
                             break
             except (TimeoutError, anyio.EndOfStream):

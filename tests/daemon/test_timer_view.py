@@ -162,9 +162,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     import sqlite3
 
     due = int(time.time() * 1000)
-    commits = [
-        timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)
-    ]
+    commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)]
     bad = timer_commit("bad", 1, [], due_at=due)
     ev = DomainEvent(
         id="e", name="TimerScheduled",

@@ -300,9 +300,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
                 await tg.start(Feeder(settings, backend).run, held, waker)
                 base = now_ms() + 300
                 due = [base, base + 250, base + 500]
-                await backend.log.append_many(
-                    [timer_commit(f"f-{i}", 1, ["k"], due_at=d) for i, d in enumerate(due)]
-                )
+                await backend.log.append_many([timer_commit(f"f-{i}", 1, ["k"], due_at=d) for i, d in enumerate(due)])
                 await gw.until_fired(3)
                 held.request_stop()
         assert sorted(t.scheduled_at for t, _at in gw.fired) == due

@@ -663,6 +663,7 @@ async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> Non
 # for what they do, not only for their text. tests/contract/test_sink.py runs against it too
 # (the ``fake-elasticsearch`` implementation of its fixture).
 
+
 @pytest.fixture
 def model(fake: FakeElasticsearch) -> EsModel:
     fake.model = EsModel()

@@ -447,8 +447,11 @@ class Feeder:
                 cur = latest[ref]
                 if cur is not None and cur.version >= c.version:
                     continue  # already folded (a retried or re-read batch)
-                if cur is None and c.version != 1 or cur is not None and (
-                    cur.version != c.version - 1 or cur.state_revision != reducer.state_revision
+                if (
+                    cur is None
+                    and c.version != 1
+                    or cur is not None
+                    and (cur.version != c.version - 1 or cur.state_revision != reducer.state_revision)
                 ):
                     stale.add(ref)  # a gap or another state revision: left to a rebuild
                     continue
@@ -465,9 +468,7 @@ class Feeder:
             refused = [o for o in outcomes if o.status == "failed"]
             if refused:
                 o = refused[0]
-                raise StorageError(
-                    f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}"
-                )
+                raise StorageError(f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}")
 
     async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
         timers = self._backend.timers

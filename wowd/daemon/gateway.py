@@ -104,6 +104,8 @@ Stopped: TypeAlias = Callable[[], bool]
 
 def _running() -> bool:
     return False
+
+
 Record: TypeAlias = Callable[[Timer, Outcome], None]
 
 

@@ -212,8 +212,7 @@ class SlotKeeper:
             if self._waiting_for != tenure:
                 self._waiting_for = tenure
                 log.warning(
-                    "slot %d (fence %d): the lease has %.3f s left, within the tolerance: "
-                    "not working under it",
+                    "slot %d (fence %d): the lease has %.3f s left, within the tolerance: not working under it",
                     lease.slot,
                     lease.fence,
                     lease.remaining_ms / 1000,
@@ -364,9 +363,7 @@ class SlotKeeper:
             step = offset - self._clock_base
             if abs(step) > self._step_s:
                 self._clock_base = offset
-                log.warning(
-                    "the wall clock stepped %+.3f s against the monotonic clock: renewing the lease now", step
-                )
+                log.warning("the wall clock stepped %+.3f s against the monotonic clock: renewing the lease now", step)
                 self._revalidate.set()
 
     async def _renew_loop(self, held: HeldSlot, work_scope: anyio.CancelScope) -> None:

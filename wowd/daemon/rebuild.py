@@ -409,9 +409,7 @@ class Rebuilder:
 
     async def _finish(self, job: _Job) -> None:
         n = self._settings.partitions
-        done = await self._backend.log.checkpoints(
-            progress_consumer(job.type.aggregate, job.revision), list(range(n))
-        )
+        done = await self._backend.log.checkpoints(progress_consumer(job.type.aggregate, job.revision), list(range(n)))
         if len(done) < n:
             return
         marked = await self._backend.rebuilds.mark(job.type, job.revision, rebuilding=False, backfilled=True)

@@ -88,9 +88,7 @@ def next_occurrence(timer: Timer, now: int) -> int | None:
     return None
 
 
-def wake_time(
-    now: int, next_due: Iterable[int | None], lookahead_ms: int, max_idle_s: float | None = None
-) -> int:
+def wake_time(now: int, next_due: Iterable[int | None], lookahead_ms: int, max_idle_s: float | None = None) -> int:
     """When the loop wakes after a round that claimed every timer due by ``now + lookahead``: when
     the earliest of ``next_due`` (the store's next due time, the earliest put since) comes within
     the lookahead, and at the latest after ``max_idle_s`` (default :data:`MAX_IDLE_S`), the

@@ -15,6 +15,7 @@ WAKER_HORIZON_MS = 60_000
 WAKER_MAX_SIZE = 50_000
 """At most this many due times kept by a :class:`Waker` (about 4 MB)."""
 
+
 class Waker:
     """What the timer loop of one slot knows of the timers this process put: the due times the
     feed put (and the loop's own retries and next occurrences) that no round has covered yet, in a
@@ -104,5 +105,3 @@ class Waker:
                 self._want_watermark = float("inf")
         if self._event.is_set():
             self._event = anyio.Event()
-
-

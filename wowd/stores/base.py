@@ -386,9 +386,7 @@ class EventSink(Protocol):
         documents (see :meth:`stamp`)."""
         ...
 
-    async def stamp(
-        self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int
-    ) -> int:
+    async def stamp(self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int) -> int:
         """Writes ``access`` over the documents of ``ref`` with versions in ``[from_, until]`` whose
         ``access_version`` is absent, below ``as_of``, or ``as_of`` with other attributes. The
         later of two stamps wins whatever their order. Answers how many documents changed."""

@@ -806,9 +806,7 @@ class ElasticsearchEventSink:
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
-        bodies = bulk_bodies(
-            records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes
-        )
+        bodies = bulk_bodies(records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes)
         for body in bodies:
             await self._bulk(body)
         if self._index_missing:

@@ -86,8 +86,7 @@ SCHEMA = (
         request_id TEXT,
         doc TEXT NOT NULL
     )""",
-    "CREATE UNIQUE INDEX IF NOT EXISTS log_version"
-    " ON log (context, aggregate, tenant_id, aggregate_id, version)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS log_version ON log (context, aggregate, tenant_id, aggregate_id, version)",
     "CREATE UNIQUE INDEX IF NOT EXISTS log_request ON log (context, aggregate, aggregate_id, request_id)",
     "CREATE INDEX IF NOT EXISTS log_partition ON log (context, partition, seq)",
     """CREATE TABLE IF NOT EXISTS log_checkpoint (
@@ -135,10 +134,7 @@ def find_request_sql() -> str:
 
 def last_version_sql() -> str:
     """The highest version of one aggregate (over the ``log_version`` index)."""
-    return (
-        "SELECT MAX(version) FROM log"
-        " WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
-    )
+    return "SELECT MAX(version) FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
 
 
 def read_sql(partitions: int) -> str:
@@ -262,9 +258,7 @@ def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
         error = None
     except (WowdError, TypeError, ValueError) as exc:
         commit, error = None, str(exc)
-    return LogEntry(
-        position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error
-    )
+    return LogEntry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
 
 
 class EmbeddedLog(SqliteStore):
@@ -322,14 +316,11 @@ class EmbeddedLog(SqliteStore):
         except StorageError as exc:
             raise StorageUnavailable(f"sqlite {self._db.path}: does not answer: {exc}") from exc
 
-
     # ------------------------------------------------------------------ appends
 
     def _row(self, commit: Commit) -> tuple[Any, ...]:
         if commit.ref.context != self.context:
-            raise InvalidInput(
-                f"{commit.ref.context!r} is not the log's context {self.context!r}", field="context"
-            )
+            raise InvalidInput(f"{commit.ref.context!r} is not the log's context {self.context!r}", field="context")
         doc = commit_to_doc(commit, self.partitions)
         try:
             text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -405,9 +396,7 @@ class EmbeddedLog(SqliteStore):
         row = (
             self.context,
             aggregate.aggregate,
-            document.get("tenant_id", DEFAULT_TENANT)
-            if isinstance(document.get("tenant_id", ""), str)
-            else None,
+            document.get("tenant_id", DEFAULT_TENANT) if isinstance(document.get("tenant_id", ""), str) else None,
             agg_id,
             version if isinstance(version, int) and not isinstance(version, bool) else None,
             partition(agg_id, self.partitions) if agg_id is not None else 0,
@@ -523,9 +512,7 @@ class EmbeddedLog(SqliteStore):
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)
-        saved = await self._run(
-            "save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount
-        )
+        saved = await self._run("save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount)
         if not saved:
             log.info(
                 "checkpoint of %s partition %s refused: a higher fence than %s wrote it",
@@ -579,8 +566,7 @@ def _create(conn: sqlite3.Connection) -> None:
     for statement in SCHEMA:
         conn.execute(statement)
     conn.execute(
-        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) "
-        "ON CONFLICT (name) DO NOTHING",
+        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) ON CONFLICT (name) DO NOTHING",
         (FORMAT,),
     )
     _check_format(conn)
@@ -590,8 +576,7 @@ def _validate(conn: sqlite3.Connection) -> None:
     present = {
         r[0]
         for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN "
-            f"({', '.join('?' * len(TABLES))})",
+            f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ({', '.join('?' * len(TABLES))})",
             TABLES,
         ).fetchall()
     }

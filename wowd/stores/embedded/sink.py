@@ -256,8 +256,6 @@ class EmbeddedEventSink(SqliteStore):
     # ---- plumbing
 
 
-
-
 def _stamps(
     conn: sqlite3.Connection,
     streams: Mapping[AggregateRef, list[tuple[Commit, str]]],

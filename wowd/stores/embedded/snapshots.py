@@ -468,5 +468,3 @@ class EmbeddedSnapshotStore(SqliteStore):
         return await self._run("rewrite", lambda conn: conn.execute(sql, params).rowcount == 1)
 
     # ---- plumbing
-
-

@@ -190,7 +190,7 @@ def cancel_sql(context: str) -> str:
     return (
         f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
-        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND \"key\" = ?6"
+        f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND "key" = ?6'
         f" AND version <= ?1 AND {_LIVE}"
     )
 
@@ -214,7 +214,7 @@ def cancel_all_sql(context: str) -> str:
     return (
         f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
-        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5"
+        f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5'
         f" AND version <= ?1 AND {_LIVE}"
     )
 
@@ -339,7 +339,7 @@ def next_due_sql(context: str, arms: int) -> str:
         raise ValueError("arms must be >= 1")
     t = table_name(context)
     arm = (
-        f"SELECT MIN(due_at) AS m FROM {t} WHERE \"partition\" = ?{{}}"
+        f'SELECT MIN(due_at) AS m FROM {t} WHERE "partition" = ?{{}}'
         " AND status IN ('PENDING', 'FIRING') AND due_at > ?1"
     )
     union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
@@ -913,5 +913,3 @@ class EmbeddedTimerStore(SqliteStore):
     async def _write(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """A write: run holding the file's write lock (see :func:`file_write_lock`)."""
         return await self._run(operation, under_lock(self._write_lock, fn))
-
-

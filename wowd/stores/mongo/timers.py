@@ -198,9 +198,7 @@ def timer_from_doc(doc: Mapping[str, Any], *, context: str, aggregate: str) -> T
             revision=int(doc.get("revision", 0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError, InvalidInput) as exc:
-        raise StorageError(
-            f"mongodb timers: malformed timer document in {context}.{aggregate}: {exc!r}"
-        ) from exc
+        raise StorageError(f"mongodb timers: malformed timer document in {context}.{aggregate}: {exc!r}") from exc
 
 
 # --------------------------------------------------------------------------- DDL builders
@@ -259,9 +257,7 @@ def registry_upgrade(name: str, now_ms: int) -> tuple[dict[str, Any], dict[str, 
 def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
     """The registry upsert's update: writes the format only when the document is new, so the
     answer (the document after the upsert) tells which format is recorded."""
-    return {
-        "$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}
-    }
+    return {"$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}}
 
 
 def split_points(partitions: int) -> list[dict[str, Any]]:
@@ -597,9 +593,7 @@ def next_due_pipeline(
                 {"$project": {"_id": 0, "due_at": 1}},
             ]
             pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
-    pipeline.append(
-        {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}}
-    )
+    pipeline.append({"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}})
     return pipeline
 
 
@@ -1265,4 +1259,3 @@ class MongoTimerStore(MongoStore):
             )
             await self._load_registry()
         raise AssertionError("unreachable")  # pragma: no cover
-
