@@ -8,8 +8,8 @@ BIN := $(VENV)/bin
 # `make test` and the other targets add the test and bench extras.
 RUNTIME_STAMP := $(VENV)/.runtime-stamp
 STAMP := $(VENV)/.installed-stamp
-# Files held to `ruff format`; the rest of the tree joins as it is reformatted.
-FORMATTED := tests/test_docs.py deploy/grafana/generate.py
+# Every Python file of the tree is held to `ruff format`.
+FORMATTED := wowd tests bench deploy
 IMAGE ?= wowd:local
 
 .PHONY: venv run test lint unit bench soak lock image clean
