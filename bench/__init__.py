@@ -1,4 +1,4 @@
-"""wowd's benchmarks (issue 11): ``python -m bench [--quick]`` runs them all and writes
+"""wowd's benchmarks: ``python -m bench [--quick]`` runs them all and writes
 ``bench/RESULTS.md``.
 
 Modules, one per benchmark:

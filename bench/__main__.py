@@ -108,9 +108,7 @@ def section_timers(cfg: Config) -> Section:
         results[n] = r
     # APScheduler 3 out of the box (rollback journal, fsync per job) and APScheduler 4: one size each
     n3 = cfg.aps3_default_n
-    default = _repeat(
-        lambda: run_worker("aps3_burst", {"n": n3, "wal": False}, timeout=cfg.timeout_s), cfg.runs
-    )
+    default = _repeat(lambda: run_worker("aps3_burst", {"n": n3, "wal": False}, timeout=cfg.timeout_s), cfg.runs)
     results.setdefault(n3, {})["APScheduler 3 (SQLite default)"] = default
     notes.append(
         f"APScheduler 3 at N={fmt(largest)}: {cfg.aps3_max_runs_large} run (about a minute each); "
@@ -228,9 +226,7 @@ def section_steady(cfg: Config) -> Section:
     data: dict[str, list[dict[str, Any]]] = {"wowd": [], "aps3": []}
     for rate in cfg.steady_rates:
         w = wowd_steady(rate, cfg.steady_seconds)
-        a = run_worker(
-            "aps3_steady", {"rate": rate, "seconds": cfg.steady_seconds, "wal": True}, timeout=cfg.timeout_s
-        )
+        a = run_worker("aps3_steady", {"rate": rate, "seconds": cfg.steady_seconds, "wal": True}, timeout=cfg.timeout_s)
         data["wowd"].append(w)
         data["aps3"].append(a)
         for name, x in (("wowd run, 1 process", w), ("APScheduler 3 (SQLite WAL)", a)):
@@ -356,9 +352,7 @@ def section_sink(cfg: Config) -> Section:
             )
     body = f"{fmt(cfg.sink_n)} commits (version 1 of distinct aggregates), medians of {res['runs']} runs:\n\n"
     body += table(["batch", "writer", "commits/s", "MB/s", "CPU s", "wowd / this"], rows)
-    return Section(
-        key="sink", title="Sink: ElasticsearchEventSink.write against async_bulk", body=body, data=res
-    )
+    return Section(key="sink", title="Sink: ElasticsearchEventSink.write against async_bulk", body=body, data=res)
 
 
 # --------------------------------------------------------------------------- failover
@@ -423,12 +417,29 @@ def section_http(cfg: Config) -> Section:
     rows.append({**outbox, "system": "wowd run, outbox gateway (reference)", "concurrency": "-", "per_target": "-"})
     body = f"{fmt(n)} commands due at once, one target (`billing.invoice`), medians of {cfg.runs} run(s):\n\n"
     body += table(
-        ["system", "concurrency", "per target", "fired/s", "lag p50 ms", "lag p99 ms", "lag max ms", "CPU s",
-         "target CPU s"],
         [
-            [r["system"], fmt(r["concurrency"]), fmt(r.get("per_target")), fmt(r["fired_per_s"]),
-             fmt_ms(r["p50_ms"]), fmt_ms(r["p99_ms"]), fmt_ms(r["max_ms"]), fmt(r["cpu_s"], 2),
-             fmt(r.get("target_cpu_s"), 2)]
+            "system",
+            "concurrency",
+            "per target",
+            "fired/s",
+            "lag p50 ms",
+            "lag p99 ms",
+            "lag max ms",
+            "CPU s",
+            "target CPU s",
+        ],
+        [
+            [
+                r["system"],
+                fmt(r["concurrency"]),
+                fmt(r.get("per_target")),
+                fmt(r["fired_per_s"]),
+                fmt_ms(r["p50_ms"]),
+                fmt_ms(r["p99_ms"]),
+                fmt_ms(r["max_ms"]),
+                fmt(r["cpu_s"], 2),
+                fmt(r.get("target_cpu_s"), 2),
+            ]
             for r in rows
         ],
     )
@@ -436,8 +447,9 @@ def section_http(cfg: Config) -> Section:
     for c in cfg.http_concurrency:
         b = next(r for r in rows if r["system"] == "bare aiohttp loop" and r["concurrency"] == c)
         w = next(r for r in rows if r["system"] == "wowd run, http gateway" and r["per_target"] == c)
-        ratios.append([fmt(c), fmt(w["fired_per_s"] / b["fired_per_s"], 2), fmt(w["cpu_s"] / n * 1e6),
-                       fmt(b["cpu_s"] / n * 1e6)])
+        ratios.append(
+            [fmt(c), fmt(w["fired_per_s"] / b["fired_per_s"], 2), fmt(w["cpu_s"] / n * 1e6), fmt(b["cpu_s"] / n * 1e6)]
+        )
     body += "\n\nwowd / bare loop, same concurrency, same run:\n\n"
     body += table(["concurrency", "fired/s ratio", "wowd CPU µs per command", "bare CPU µs per command"], ratios)
     body += (
@@ -752,9 +764,7 @@ def targets(sections: dict[str, Section]) -> str:
             for r in k.data["rows"]:
                 if r["variant"] != variant:
                     continue
-                sink = next(
-                    x for x in k.data["rows"] if x["batch"] == r["batch"] and x["variant"] == "wowd sink"
-                )
+                sink = next(x for x in k.data["rows"] if x["batch"] == r["batch"] and x["variant"] == "wowd sink")
                 ratios.append((sink["commits_per_s"] / r["commits_per_s"], r["batch"]))
             if ratios:
                 add(
@@ -790,7 +800,7 @@ def targets(sections: dict[str, Section]) -> str:
             f"p99 {fmt_ms(st['p99_ms'])} ms ({fmt(st['fired'])} / {fmt(st['added'])} fired)",
             st["p99_ms"] <= 20 and st["fired"] == st["added"],
         )
-    return table(["target (issue 11)", "measured", "met"], rows)
+    return table(["target", "measured", "met"], rows)
 
 
 def render(
@@ -806,15 +816,14 @@ def render(
     m = machine()
     by_key = {s.key: s for s in sections}
     out = [
-        "# wowd benchmarks (issue 11)",
+        "# wowd benchmarks",
         "",
         f"Run {when or datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}"
         f"{' (quick: small sizes, one run)' if quick else ''}, {fmt(total_s)} s in all.",
         "",
         f"- Machine: {m['cores']} cores ({m['cpu']}), {m['system']}; Python {m['python']} "
         f"({m['implementation']}), SQLite {m['sqlite']}.",
-        f"- Command: `{command}` (the `make bench` target). Medians of {cfg.runs} run(s) unless a row "
-        "says otherwise.",
+        f"- Command: `{command}` (the `make bench` target). Medians of {cfg.runs} run(s) unless a row says otherwise.",
         "- Every measured system runs in its own process (peak RSS and CPU seconds are its own; CPU over the "
         "measured window only; for `wowd run` the sum over its processes).",
         "- APScheduler 4 runs under its own interpreter (`WOWD_BENCH_APS4_PYTHON`, default "
@@ -908,9 +917,7 @@ def main(argv: list[str] | None = None) -> int:
     kept = _load_kept(args.keep) if args.keep else {}
     sections = [fresh.get(k) or kept[k] for k in SECTIONS if k in fresh or k in kept]
     command = (
-        "python -m bench"
-        + (" --quick" if args.quick else "")
-        + (" --only " + " ".join(args.only) if args.only else "")
+        "python -m bench" + (" --quick" if args.quick else "") + (" --only " + " ".join(args.only) if args.only else "")
     )
     kept_keys = sorted(set(kept) - set(fresh))
     if kept_keys:

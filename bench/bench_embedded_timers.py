@@ -16,7 +16,7 @@ holds all N and the timer table is empty. fired/s runs from the first outbox ent
 that saw the last one settled. ``PYTHONPATH`` chooses the wowd the daemon runs (to compare two
 trees on one machine).
 
-The daemon needs >= 25,000 timers/s on this store (issue 11).
+The daemon's target: >= 25,000 timers/s on this store.
 """
 
 from __future__ import annotations

@@ -233,16 +233,10 @@ def run_worker(
     """Runs one measurement in a fresh process (``python -m bench.worker NAME PARAMS`` or a
     standalone ``script``) and answers the JSON object it prints last."""
     exe = python or sys.executable
-    cmd = (
-        [exe, str(script), json.dumps(params)]
-        if script
-        else [exe, "-m", "bench.worker", name, json.dumps(params)]
-    )
+    cmd = [exe, str(script), json.dumps(params)] if script else [exe, "-m", "bench.worker", name, json.dumps(params)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO), check=False
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO), check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise WorkerError(f"{name} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")

@@ -45,9 +45,7 @@ def failover_once(ttl_s: float, *, warm_s: float = 1.0) -> dict[str, Any]:
             start = now_ms() + 300
             span_ms = int((warm_s + ttl_s * 3 + 10) * 1000)
             count = span_ms // EVERY_MS
-            insert_timer_rows(
-                db, timer_rows(count, due_at=lambda i: start + i * EVERY_MS, partitions=PARTITIONS)
-            )
+            insert_timer_rows(db, timer_rows(count, due_at=lambda i: start + i * EVERY_MS, partitions=PARTITIONS))
             wait_until(lambda: _first_fire_by(db, holder.name) is not None, 30, "the holder's first fire")
             wait_until(lambda: now_ms() >= start + warm_s * 1000, 30, "warm-up", every_s=0.005)
             killed = now_ms()

@@ -49,9 +49,7 @@ async def _embedded(sizes: list[int], reads: int) -> dict[str, Any]:
             if add > 0:
                 insert_timer_rows(
                     path,
-                    timer_rows(
-                        add, due_at=lambda i: FAR + i, partitions=PARTITIONS, start=stored, prefix="later"
-                    ),
+                    timer_rows(add, due_at=lambda i: FAR + i, partitions=PARTITIONS, start=stored, prefix="later"),
                 )
                 stored = size
             for _ in range(3):  # warm the page cache and the worker thread
@@ -213,6 +211,4 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
 
 def run_mongo_wire(params: dict[str, Any]) -> dict[str, Any]:
     """Worker: commands on the wire per due read and per batch, by number of aggregate types."""
-    return anyio.run(
-        _mongo, [int(k) for k in params.get("types", [1, 10, 100])], int(params.get("batch", 1000))
-    )
+    return anyio.run(_mongo, [int(k) for k in params.get("types", [1, 10, 100])], int(params.get("batch", 1000)))

@@ -134,9 +134,7 @@ async def _burst(n: int, timeout_s: float, wal: bool) -> dict[str, Any]:
 
 def run_burst(params: dict[str, Any]) -> dict[str, Any]:
     """Worker: ``n`` date jobs all due at one instant; fired/s from the due time to the last fire."""
-    return asyncio.run(
-        _burst(int(params["n"]), float(params.get("timeout_s", 600)), bool(params.get("wal", True)))
-    )
+    return asyncio.run(_burst(int(params["n"]), float(params.get("timeout_s", 600)), bool(params.get("wal", True))))
 
 
 async def _steady(rate: float, seconds: float, delay_ms: int, drain_s: float, wal: bool) -> dict[str, Any]:

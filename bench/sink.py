@@ -120,9 +120,7 @@ VARIANTS = ("wowd sink", "async_bulk (prebuilt)", "async_bulk (from commits)")
 async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as t:
         port_file = Path(t) / "es.port"
-        proc = await anyio.open_process(
-            [sys.executable, "-m", "bench.es_endpoint", str(port_file)], cwd=str(REPO)
-        )
+        proc = await anyio.open_process([sys.executable, "-m", "bench.es_endpoint", str(port_file)], cwd=str(REPO))
         try:
             deadline = time.monotonic() + 30
             while not port_file.exists():

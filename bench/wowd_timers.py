@@ -226,9 +226,7 @@ def wowd_burst(n: int, processes: int, *, timeout_s: float = 600) -> dict[str, A
             overrun = max(0, now_ms() - due)
             wait_until(lambda: now_ms() >= due, 60, "due time", every_s=0.001)
             _, cpu0 = _sum_stats(ds)
-            wait_until(
-                lambda: _outbox_count(db) >= n or not all(d.alive() for d in ds), timeout_s, "outbox", 0.05
-            )
+            wait_until(lambda: _outbox_count(db) >= n or not all(d.alive() for d in ds), timeout_s, "outbox", 0.05)
             rss, cpu1 = _sum_stats(ds)
             dead = [d.name for d in ds if not d.alive()]
             if dead:
@@ -340,23 +338,17 @@ async def _store_path(n: int, batch: int) -> dict[str, Any]:
             now = now_ms()
             claimed: list[Timer]
             if claim_due is not None:  # what the daemon's loop calls when the store has it
-                claimed = await claim_due(
-                    parts, now, batch, owner_key="bench", fence=1, claim_until=now + 30_000
-                )
+                claimed = await claim_due(parts, now, batch, owner_key="bench", fence=1, claim_until=now + 30_000)
             else:
                 timers = await store.due(parts, now, batch)
-                claims = [
-                    TimerChange.claim(x, owner_key="bench", fence=1, until=now + 30_000) for x in timers
-                ]
+                claims = [TimerChange.claim(x, owner_key="bench", fence=1, until=now + 30_000) for x in timers]
                 await store.settle(claims)
                 claimed = [c for ch in claims if (c := ch.applied()) is not None]
             if not claimed:
                 break
             results.clear()
             await gateway.deliver(claimed, record)
-            done = [
-                TimerChange.fired(x, fence=1, next_due=None) for x, o in results if isinstance(o, Delivered)
-            ]
+            done = [TimerChange.fired(x, fence=1, next_due=None) for x, o in results if isinstance(o, Delivered)]
             await store.settle(done)
             fired += len(done)
         elapsed = time.perf_counter() - start

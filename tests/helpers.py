@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wowd.daemon.feed import Waker
+from wowd.daemon.waker import Waker
 
 FAR_FUTURE_MS = 2**62
 

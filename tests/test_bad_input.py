@@ -122,9 +122,7 @@ def test_any_document_is_a_commit_or_names_a_field(doc: dict[str, Any]) -> None:
 
 @FAST
 @given(data=st.data(), key=st.sampled_from(COMMIT_KEYS), value=any_value)
-def test_one_bad_field_of_a_valid_commit_is_the_field_named(
-    data: st.DataObject, key: str, value: Any
-) -> None:
+def test_one_bad_field_of_a_valid_commit_is_the_field_named(data: st.DataObject, key: str, value: Any) -> None:
     doc = valid_doc()
     if data.draw(st.booleans(), label="delete instead"):
         del doc[key]
@@ -603,8 +601,9 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
     """Malformed documents and rejected timer events are quarantined with the field named in the
     reason and counted by field; the good commits around them (same partitions) are fed to the sink
     and the timer store, and every partition's checkpoint passes them all."""
-    from wowd.daemon.feed import CONSUMER, Feeder, Waker
+    from wowd.daemon.feed import CONSUMER, Feeder
     from wowd.daemon.leases import HeldSlot
+    from wowd.daemon.waker import Waker
     from wowd.stores.embedded import open_embedded
 
     backend = await open_embedded(feed_settings)
@@ -661,4 +660,3 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
         assert owners == {c.ref for c in goods}, "a rejected timer event puts no timer"
     finally:
         await backend.close()
-

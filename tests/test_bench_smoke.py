@@ -17,6 +17,8 @@ from bench.__main__ import APS4_PYTHON, HERE, Config, render, section_growth, se
 from bench.common import lag_stats, run_worker, timer_rows
 from bench.failover import failover_once
 
+pytestmark = pytest.mark.slow
+
 TINY = Config(
     burst_sizes=(200,),
     runs=1,
@@ -95,8 +97,12 @@ def test_http_delivery_fires_every_timer_over_http_beside_the_bare_loop() -> Non
     section = section_http(TINY)
     rows = section.data["rows"]
     systems = {(r["system"], r["concurrency"]) for r in rows}
-    assert {("bare aiohttp loop", 1), ("bare aiohttp loop", 4), ("wowd run, http gateway", 1),
-            ("wowd run, http gateway", 4)} <= systems
+    assert {
+        ("bare aiohttp loop", 1),
+        ("bare aiohttp loop", 4),
+        ("wowd run, http gateway", 1),
+        ("wowd run, http gateway", 4),
+    } <= systems
     assert all(r["fired"] == 200 for r in rows), "every command reached the target (or the outbox) once"
     assert all(0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] and r["fired_per_s"] > 0 for r in rows)
     steady = section.data["steady"]

@@ -41,9 +41,7 @@ EXACT = [
 
 
 def round_trip(value: Any) -> Any:
-    return bson.decode(bson.encode({"v": value}, codec_options=CODEC_OPTIONS), codec_options=CODEC_OPTIONS)[
-        "v"
-    ]
+    return bson.decode(bson.encode({"v": value}, codec_options=CODEC_OPTIONS), codec_options=CODEC_OPTIONS)["v"]
 
 
 @pytest.mark.parametrize("text", EXACT)
@@ -57,9 +55,7 @@ def test_a_decimal_round_trips_unchanged(text: str) -> None:
 
 def test_a_decimal_is_stored_as_decimal128_never_a_float() -> None:
     raw = bson.decode(
-        bson.encode(
-            {"state": {"price": Decimal("19.90"), "lines": [Decimal("-0.5")]}}, codec_options=CODEC_OPTIONS
-        ),
+        bson.encode({"state": {"price": Decimal("19.90"), "lines": [Decimal("-0.5")]}}, codec_options=CODEC_OPTIONS),
         codec_options=DEFAULT_CODEC_OPTIONS,
     )
     assert raw["state"]["price"] == Decimal128("19.90")
@@ -89,9 +85,7 @@ def test_a_snapshot_document_reads_back_with_exact_decimals() -> None:
         state={"total": Decimal("100.00"), "tax": Decimal("-0.015")},
     )
     # what the pipeline stores, as the server would store it, read back through the codec
-    stored = {
-        k: v["$literal"] for k, v in snapshot_pipeline(record)[0]["$replaceWith"].items() if "$literal" in v
-    }
+    stored = {k: v["$literal"] for k, v in snapshot_pipeline(record)[0]["$replaceWith"].items() if "$literal" in v}
     decoded = bson.decode(bson.encode(stored, codec_options=CODEC_OPTIONS), codec_options=CODEC_OPTIONS)
     assert record_from_doc(TYPE, decoded) == record
 
@@ -122,9 +116,7 @@ def test_a_decimal_decimal128_cannot_hold_exactly_is_refused_not_rounded(value: 
 def test_a_decimal_whose_digits_or_scale_would_change_is_refused(value: Decimal) -> None:
     """Decimal128(value) is exact in value for these, but reads back with other digits or another
     exponent (scale): refused as well, so what is stored always reads back unchanged."""
-    back = bson.decode(
-        bson.encode({"v": Decimal128(value)}), codec_options=DEFAULT_CODEC_OPTIONS
-    )["v"].to_decimal()
+    back = bson.decode(bson.encode({"v": Decimal128(value)}), codec_options=DEFAULT_CODEC_OPTIONS)["v"].to_decimal()
     assert back == value and back.as_tuple() != value.as_tuple()  # what plain Decimal128 does
     with pytest.raises(ArithmeticError, match="same digits and exponent"):
         bson.encode({"v": value}, codec_options=CODEC_OPTIONS)

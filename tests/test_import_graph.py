@@ -8,6 +8,10 @@ function (a deferred import is still a dependency), except under ``if TYPE_CHECK
 from __future__ import annotations
 
 import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
@@ -107,3 +111,61 @@ def test_the_protocol_layer_names_no_backend() -> None:
 def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
     offenders = {n for n, deps in GRAPH.items() if n.startswith(layer) and any(d.startswith("wowd.cli") for d in deps)}
     assert not offenders
+
+
+DAEMON_WORK = {
+    "wowd.daemon.supervisor": {"Supervisor"},
+    "wowd.daemon.gateway": {"CommandGateway", "HttpGateway", "OutboxGateway"},
+    "wowd.daemon.rebuild": {"Rebuilder", "RebuildReport", "RebuildStatus"},
+}
+"""What the CLI may take from the daemon: the daemon, its gateways and the rebuild (daemon work
+it runs or probes); a helper it needs beside them lives outside ``wowd.daemon``."""
+
+
+def _names_from_daemon(path: Path) -> set[tuple[str, str]]:
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update((a.name, "*") for a in node.names if a.name.startswith("wowd.daemon"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wowd.daemon"):
+            found.update((node.module or "", a.name) for a in node.names)
+    return found
+
+
+def test_only_the_cli_imports_the_daemon() -> None:
+    offenders = {
+        n
+        for n, deps in GRAPH.items()
+        if not n.startswith(("wowd.daemon", "wowd.cli")) and any(d.startswith("wowd.daemon") for d in deps)
+    }
+    assert not offenders
+
+
+def test_the_cli_takes_only_daemon_work_from_the_daemon() -> None:
+    taken = {(n, m, name) for n, p in MODULES.items() if n.startswith("wowd.cli") for m, name in _names_from_daemon(p)}
+    assert taken, "the walk must see the CLI start the daemon"
+    assert {(n, m, name) for n, m, name in taken if name not in DAEMON_WORK.get(m, set())} == set()
+
+
+LOADED_BY_NAME = {"uvloop"}
+"""Declared, never imported by name: anyio loads it (``use_uvloop``)."""
+
+
+def _distribution(requirement: str) -> str:
+    return re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_the_dependencies_declared_are_the_ones_imported() -> None:
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    declared = {_distribution(r) for r in project["dependencies"]}
+    top_level: set[str] = set()
+    for path in MODULES.values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                top_level.update(a.name.partition(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                top_level.add(node.module.partition(".")[0])
+    third_party = {m for m in top_level if m != "wowd" and m not in sys.stdlib_module_names}
+    providers = packages_distributions()
+    imported = {_distribution(d) for m in third_party for d in providers.get(m, [m])}
+    assert imported | LOADED_BY_NAME == declared

@@ -268,9 +268,7 @@ def test_timer_scheduled_defaults_to_once() -> None:
 
 
 def test_timer_cancelled_and_other_events() -> None:
-    assert timer_event_from(DomainEvent(id="e", name="TimerCancelled", body={"key": "k"})) == TimerCancelled(
-        key="k"
-    )
+    assert timer_event_from(DomainEvent(id="e", name="TimerCancelled", body={"key": "k"})) == TimerCancelled(key="k")
     assert timer_event_from(DomainEvent(id="e", name="OrderPaid", body={})) is None
 
 
@@ -374,9 +372,7 @@ def test_fired_applied_deletes_or_reschedules() -> None:
 def test_retry_park_resume_fail_applied() -> None:
     firing = timer(status=TimerStatus.FIRING, claim=Claim(owner_key="a", fence=1, until=9))
     retry = TimerChange.retry(firing, fence=1, due_at=5_000, error="timeout").applied()
-    assert retry == timer(
-        status=TimerStatus.PENDING, due_at=5_000, attempts=3, last_error="timeout", revision=5
-    )
+    assert retry == timer(status=TimerStatus.PENDING, due_at=5_000, attempts=3, last_error="timeout", revision=5)
     park = TimerChange.park(firing, fence=1, reason="404").applied()
     assert park == timer(status=TimerStatus.PARKED, last_error="404", revision=5)
     assert park is not None

@@ -161,16 +161,10 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
     tests = yaml.safe_load((ROOT / "deploy/prometheus/alerts.test.yaml").read_text())
     assert tests["rule_files"] == ["alerts.yaml"]
     fired = {
-        case["alertname"]
-        for t in tests["tests"]
-        for case in t.get("alert_rule_test", [])
-        if case.get("exp_alerts")
+        case["alertname"] for t in tests["tests"] for case in t.get("alert_rule_test", []) if case.get("exp_alerts")
     }
     silent = {
-        case["alertname"]
-        for t in tests["tests"]
-        for case in t.get("alert_rule_test", [])
-        if not case.get("exp_alerts")
+        case["alertname"] for t in tests["tests"] for case in t.get("alert_rule_test", []) if not case.get("exp_alerts")
     }
     assert set(_alert_rules()) == fired == silent
 

@@ -255,9 +255,7 @@ async def timers_store(mongo_client: AsyncMongoClient[Any], wire: Wire) -> Async
 # --------------------------------------------------------------------------- MongoDB: timers
 
 
-async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
-    timers_store: Any, wire: Wire
-) -> None:
+async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(timers_store: Any, wire: Wire) -> None:
     """The connection drops after the server applied the first replace of the bulk. The retry
     sends the same statements; the one already applied no longer matches (its revision moved on)
     and is skipped, the others apply: each change lands exactly once."""
@@ -297,9 +295,7 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
     assert by_id[timers[2].timer_id]["revision"] == timers[2].revision + 1
 
 
-async def test_a_put_refused_by_a_not_writable_primary_is_retried_unchanged(
-    timers_store: Any, wire: Wire
-) -> None:
+async def test_a_put_refused_by_a_not_writable_primary_is_retried_unchanged(timers_store: Any, wire: Wire) -> None:
     before = unavailable("put")
     t = replace(claimed_timer("order-9", revision=0), status=TimerStatus.PENDING, claim=None, due_at=1_000)
     with anyio.fail_after(15):
@@ -381,8 +377,7 @@ async def test_an_outbox_put_that_landed_before_the_drop_is_delivered_once(
                     {
                         "index": 0,
                         "code": 11000,
-                        "errmsg": "E11000 duplicate key error collection: wowd.wow_outbox__ctx "
-                        "index: request_id",
+                        "errmsg": "E11000 duplicate key error collection: wowd.wow_outbox__ctx index: request_id",
                         "keyPattern": {"request_id": 1},
                         "keyValue": {"request_id": t.request_id},
                     }
@@ -411,9 +406,7 @@ async def test_an_append_cut_off_mid_bulk_is_retried_as_duplicates_and_appends(
     writes nothing twice."""
     from wowd.stores.mongo.log import MongoLog
 
-    log = MongoLog(
-        mongo_client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=None
-    )
+    log = MongoLog(mongo_client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=None)
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -449,9 +442,7 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
 ) -> None:
     from wowd.stores.mongo.log import MongoLog
 
-    log = MongoLog(
-        mongo_client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=None
-    )
+    log = MongoLog(mongo_client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=None)
     position = {"token": {"_data": "8263"}, "cluster_time": 7}
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -478,8 +469,7 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
                     {
                         "index": 0,
                         "code": 11000,
-                        "errmsg": "E11000 duplicate key error collection: wowd.wow_checkpoint__ctx "
-                        "index: _id_",
+                        "errmsg": "E11000 duplicate key error collection: wowd.wow_checkpoint__ctx index: _id_",
                         "keyPattern": {"_id": 1},
                         "keyValue": {"_id": {"consumer": "wowd", "partition": 3}},
                     }
@@ -578,8 +568,9 @@ async def feed_backend(tmp_path: Path, es: AsyncElasticsearch) -> AsyncIterator[
 async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_once(
     feed_backend: tuple[Any, Any], fake: FakeElasticsearch
 ) -> None:
-    from wowd.daemon.feed import CONSUMER, Feeder, Waker
+    from wowd.daemon.feed import CONSUMER, Feeder
     from wowd.daemon.leases import HeldSlot
+    from wowd.daemon.waker import Waker
 
     settings, backend = feed_backend
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]
@@ -591,7 +582,14 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     transient = metrics.FEED_ERRORS.labels(kind="transient")._value.get()
     conflicts = items("409")
     lease = SlotLease(
-        namespace="t", slot=0, owner_key="me", incarnation=1, fence=5, expires_at=0, floor=0, ceiling=0,
+        namespace="t",
+        slot=0,
+        owner_key="me",
+        incarnation=1,
+        fence=5,
+        expires_at=0,
+        floor=0,
+        ceiling=0,
         written_at=0,
     )
     held = HeldSlot(

@@ -17,7 +17,6 @@ A call given the same ``request_id`` twice appends once (the log is idempotent o
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -26,6 +25,7 @@ from typing import Any
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from wowd import clock
 from wowd.config import WowdSettings
 from wowd.errors import ConflictError, InvalidInput
 from wowd.model import (
@@ -84,7 +84,7 @@ def scheduled_event(
     rule's first after now; a once rule needs ``due_at``."""
     parsed = _rule(rule)
     if due_at is None:
-        now = int(time.time() * 1000) if now_ms is None else now_ms
+        now = clock.now_ms() if now_ms is None else now_ms
         first = parsed.next_after(now) if not isinstance(parsed, OnceRule) else None
         if first is None:
             raise InvalidInput("is required with a once rule (or a rule with no next occurrence)", field="body.due_at")
@@ -180,7 +180,7 @@ class WowdClient:
                 version=await self.log.last_version(owner) + 1,
                 command_id=uuid.uuid4().hex,
                 request_id=rid,
-                create_time=int(time.time() * 1000),
+                create_time=clock.now_ms(),
                 events=(event,),
             )
             try:

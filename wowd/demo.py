@@ -12,13 +12,13 @@ the timer events are built by :mod:`wowd.client`'s builders, the schema the appl
 from __future__ import annotations
 
 import secrets
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from wowd import clock
 from wowd.client import cancelled_event, scheduled_event
 from wowd.model import AggregateRef, Commit, DomainEvent
 from wowd.stores.base import Log
@@ -74,7 +74,7 @@ def demo_commits(
 
     ``versions`` carries each order's last version across calls (updated in place)."""
     run = run_id or secrets.token_hex(4)
-    now = int(time.time() * 1000) if now_ms is None else now_ms
+    now = clock.now_ms() if now_ms is None else now_ms
     versions = {} if versions is None else versions
     first_key: dict[str, str] = {}
     stats = DemoStats()

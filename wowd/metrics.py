@@ -56,9 +56,7 @@ _LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 # leases
 LEASES_HELD = Gauge("wowd_leases_held", "Slot leases this replica holds now")
 LEASE_FENCE = Gauge("wowd_lease_fence", "Fence of each slot this replica holds", ["slot"])
-LEASE_RENEW_SECONDS = Histogram(
-    "wowd_lease_renew_seconds", "Latency of lease renewals", buckets=_LATENCY_BUCKETS
-)
+LEASE_RENEW_SECONDS = Histogram("wowd_lease_renew_seconds", "Latency of lease renewals", buckets=_LATENCY_BUCKETS)
 LEASE_RENEW_FAILURES = Counter(
     "wowd_lease_renew_failures_total", "Lease renewals that failed (error or lease lost)", ["reason"]
 )

@@ -88,9 +88,7 @@ def validate_name(value: str, *, field: str = "name") -> str:
     if value.__class__ is str and value in _VALID_NAMES:
         return value
     if not isinstance(value, str) or not _NAME.match(value) or len(value) > 64:
-        raise ConfigError(
-            f"{field}: {value!r} is not a valid name (lower-case [a-z0-9_-], 1..64 characters)"
-        )
+        raise ConfigError(f"{field}: {value!r} is not a valid name (lower-case [a-z0-9_-], 1..64 characters)")
     if len(_VALID_NAMES) < 10_000:
         _VALID_NAMES.add(value)
     return value
@@ -377,9 +375,7 @@ def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     if not isinstance(deleted, bool):
         raise InvalidInput("must be a boolean", field="deleted")
     return Commit(
-        ref=AggregateRef(
-            context=aggregate.context, aggregate=aggregate.aggregate, tenant_id=tenant, id=agg_id
-        ),
+        ref=AggregateRef(context=aggregate.context, aggregate=aggregate.aggregate, tenant_id=tenant, id=agg_id),
         version=_require(doc, "version", int),
         command_id=str(doc.get("command_id", "")),
         request_id=_require(doc, "request_id", str),
@@ -690,9 +686,7 @@ class TimerChange:
             return replace(t, status=TimerStatus.PARKED, claim=None, last_error=self.error, revision=rev)
         if self.kind == "resume":
             assert self.due_at is not None
-            return replace(
-                t, status=TimerStatus.PENDING, due_at=self.due_at, attempts=0, claim=None, revision=rev
-            )
+            return replace(t, status=TimerStatus.PENDING, due_at=self.due_at, attempts=0, claim=None, revision=rev)
         return replace(t, status=TimerStatus.FAILED, claim=None, last_error=self.error, revision=rev)
 
 

@@ -730,9 +730,7 @@ class Harness:
                 if last is not None:
                     last_seq, last_fence = last
                     if fence < last_fence:
-                        self.report.checkpoint_regressions.append(
-                            f"partition {p}: fence {last_fence} -> {fence}"
-                        )
+                        self.report.checkpoint_regressions.append(f"partition {p}: fence {last_fence} -> {fence}")
                     elif fence == last_fence and seq < last_seq:
                         self.report.checkpoint_regressions.append(
                             f"partition {p}: seq {last_seq} -> {seq} under fence {fence}"
@@ -748,9 +746,7 @@ class Harness:
             for st in slots:
                 last_fence = self._fences.get(st.slot, 0)
                 if st.fence < last_fence:
-                    self.report.checkpoint_regressions.append(
-                        f"slot {st.slot}: fence {last_fence} -> {st.fence}"
-                    )
+                    self.report.checkpoint_regressions.append(f"slot {st.slot}: fence {last_fence} -> {st.fence}")
                 self._fences[st.slot] = max(last_fence, st.fence)
             self.report.checkpoint_samples += 1
             now = anyio.current_time()
@@ -802,9 +798,7 @@ class Harness:
         rep.duplicate_fences = [f"{rid}: fences {sorted(f)}" for rid, f in by_request.items() if len(f) > 1]
         if len(entries) != len(by_request):
             rep.duplicate_fences.append(f"{len(entries) - len(by_request)} repeated request ids")
-        rep.fence_owner_conflicts = [
-            f"slot {s} fence {f}: {sorted(o)}" for (s, f), o in owners.items() if len(o) > 1
-        ]
+        rep.fence_owner_conflicts = [f"slot {s} fence {f}: {sorted(o)}" for (s, f), o in owners.items() if len(o) > 1]
         target = self.target
         delivered = set(by_request) | set(target.by_request)
         must = exp.must_fire()

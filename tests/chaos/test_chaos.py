@@ -9,7 +9,7 @@ import pytest
 
 from tests.chaos.harness import ChaosConfig, run_chaos
 
-pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 async def test_replicas_under_kills_pauses_and_restarts_lose_nothing(tmp_path: Path) -> None:

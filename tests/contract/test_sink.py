@@ -1,4 +1,4 @@
-"""EventSink contract (seed 002): every implementation passes these.
+"""EventSink contract: every implementation passes these.
 
 Refs are built from ``sink.type`` (the Elasticsearch fixture uses a fresh context per test).
 """

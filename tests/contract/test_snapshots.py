@@ -1,4 +1,4 @@
-"""SnapshotStore and SnapshotRebuildStore contract (seed 004): every implementation passes these."""
+"""SnapshotStore and SnapshotRebuildStore contract: every implementation passes these."""
 
 from __future__ import annotations
 

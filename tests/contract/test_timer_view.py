@@ -17,9 +17,7 @@ ALL = frozenset(range(PARTITIONS))
 
 
 async def claim_all(store: Any, *, fence: int = 1, until: int = T0 + 10**9, owner_key: str = "k") -> list[Timer]:
-    return list(
-        await store.claim_due(ALL, until, 1000, owner_key=owner_key, fence=fence, claim_until=T0 + 10**10)
-    )
+    return list(await store.claim_due(ALL, until, 1000, owner_key=owner_key, fence=fence, claim_until=T0 + 10**10))
 
 
 async def fire(store: Any, t: Timer, *, fence: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""TimerStore contract (seed 000, DESIGN.md section 5): every implementation passes these."""
+"""TimerStore contract (DESIGN.md section 5): every implementation passes these."""
 
 from __future__ import annotations
 
@@ -147,9 +147,7 @@ def _changes(t: Timer) -> dict[str, TimerChange]:
     }
 
 
-@pytest.mark.parametrize(
-    "kind", ["claim", "fired-next", "fired-last", "retry", "release", "park", "resume", "fail"]
-)
+@pytest.mark.parametrize("kind", ["claim", "fired-next", "fired-last", "retry", "release", "park", "resume", "fail"])
 async def test_settle_writes_exactly_what_each_change_applies(timer_store: Any, kind: str) -> None:
     t = timer(owner("o-1"), rule=IntervalRule(every_ms=60_000))
     await timer_store.put(t)

@@ -122,9 +122,7 @@ async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
         await backend.log.append_many([*commits, replace(cron, events=(ev,))])
     finally:
         await backend.close()
-    env = base_env(
-        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}"
-    )
+    env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}")
     r = spawn("poison", env)
     await r.wait_ready()
 
@@ -142,9 +140,7 @@ async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
 
     async def failed() -> bool:
         with sqlite3.connect(db) as conn:
-            row = conn.execute(
-                f"SELECT status, last_error FROM wow_timer__{CONTEXT} WHERE owner_id = 'bad'"
-            ).fetchone()
+            row = conn.execute(f"SELECT status, last_error FROM wow_timer__{CONTEXT} WHERE owner_id = 'bad'").fetchone()
         return bool(row and row[0] == TimerStatus.FAILED.value and "Europe/Gone" in row[1])
 
     await eventually(failed, 10, "the undecodable timer FAILED with its reason")

@@ -16,8 +16,9 @@ import pytest
 
 from wowd import metrics
 from wowd.config import EmbeddedSettings, FeedSettings, LeaseSettings, WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
+from wowd.daemon.waker import Waker
 from wowd.errors import InvalidInput, SlotStalled, StorageError
 from wowd.model import AggregateType, Commit, Owner, partition
 from wowd.stores.base import Backend, EventSink
@@ -97,9 +98,7 @@ async def hold(b: Backend) -> HeldSlot:
     )
 
 
-async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_path: Path, backend: Backend) -> None:
     sink = refusing(backend, refuse={"bad"})
     commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=10**13) for i in range(6)]
     commits.insert(3, timer_commit("bad", 1, ["k"], due_at=10**13))

@@ -63,9 +63,23 @@ def make_timer(
 
 @pytest.mark.parametrize(
     ("status", "kind"),
-    [(200, Delivered), (201, Delivered), (204, Delivered), (404, Park), (408, Retry), (409, Retry),
-     (425, Retry), (429, Retry), (500, Retry), (503, Retry), (400, Fail), (401, Fail), (403, Fail),
-     (422, Fail), (302, Fail)],
+    [
+        (200, Delivered),
+        (201, Delivered),
+        (204, Delivered),
+        (404, Park),
+        (408, Retry),
+        (409, Retry),
+        (425, Retry),
+        (429, Retry),
+        (500, Retry),
+        (503, Retry),
+        (400, Fail),
+        (401, Fail),
+        (403, Fail),
+        (422, Fail),
+        (302, Fail),
+    ],
 )
 def test_status_mapping(status: int, kind: type) -> None:
     assert isinstance(outcome_for_status(status), kind)
@@ -254,8 +268,24 @@ def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
         check=True,
         capture_output=True,
     )
@@ -361,8 +391,10 @@ async def test_breaker_opens_short_circuits_then_a_trial_closes_it(caplog: pytes
                 assert isinstance(await gw.send(make_timer()), Retry)
             assert len(srv.seen) == 3
             assert _metric("wowd_gateway_circuit_open", "demo.order") == 1
-            assert any(r.levelno == logging.WARNING and "circuit of demo.order opened" in r.getMessage()
-                       for r in caplog.records)
+            assert any(
+                r.levelno == logging.WARNING and "circuit of demo.order opened" in r.getMessage()
+                for r in caplog.records
+            )
             # open: answered without a request, with the time left as the retry hint
             clock.now += 10
             out = await gw.send(make_timer())

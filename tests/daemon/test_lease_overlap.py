@@ -152,7 +152,7 @@ async def test_a_re_acquire_near_the_end_of_the_lease_never_overlaps_the_next_ho
             a.stop(1.0)
             b.stop(1.0)
 
-    (reacquire_sent, again), = [(t, r) for t, r in store_a.answers if r.lease and r.lease.store_now]
+    ((reacquire_sent, again),) = [(t, r) for t, r in store_a.answers if r.lease and r.lease.store_now]
     first_take = store_a.answers[0][1].lease
     assert again.lease == first_take  # handed back unchanged: same fence, same expiry
     # what is left: the tolerance plus the few ms between sending the take and its write

@@ -35,17 +35,31 @@ class ScriptedLeases:
             await self._changed.wait()
 
     async def acquire(
-        self, namespace: str, owner: Owner, limit: int, ttl: timedelta, tolerance: timedelta,
-        slot_offset: int = 0, preferred_slot: int | None = None,
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
     ) -> AcquireResult:
         if self.exhausted:
             return AcquireResult(status="exhausted")
         self.acquires += 1
         self._changed.set()
         self._changed = anyio.Event()
-        lease = SlotLease(namespace=namespace, slot=1, owner_key=owner.key, incarnation=self.acquires,
-                          fence=self.acquires, expires_at=123 + ttl // timedelta(milliseconds=1), floor=0,
-                          ceiling=0, written_at=123)
+        lease = SlotLease(
+            namespace=namespace,
+            slot=1,
+            owner_key=owner.key,
+            incarnation=self.acquires,
+            fence=self.acquires,
+            expires_at=123 + ttl // timedelta(milliseconds=1),
+            floor=0,
+            ceiling=0,
+            written_at=123,
+        )
         return AcquireResult(status="acquired", lease=lease)
 
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
@@ -146,7 +160,7 @@ async def test_stop_drains_work_then_releases_with_last_issued() -> None:
         await tg.start(keeper.run)
         keeper.stop(2.0)
     assert drained.is_set()
-    (lease, last_issued), = store.released
+    ((lease, last_issued),) = store.released
     assert lease.fence == 1 and last_issued == 123
 
 
@@ -201,14 +215,28 @@ class WallClockLeases:
         return int(self.wall() * 1000)
 
     async def acquire(
-        self, namespace: str, owner: Owner, limit: int, ttl: timedelta, tolerance: timedelta,
-        slot_offset: int = 0, preferred_slot: int | None = None,
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
     ) -> AcquireResult:
         now = self.now_ms()
         fence = self.lease.fence if self.lease else 0
-        self.lease = SlotLease(namespace=namespace, slot=0, owner_key=owner.key, incarnation=fence + 1,
-                               fence=fence + 1, expires_at=now + ttl // timedelta(milliseconds=1),
-                               floor=now, ceiling=now, written_at=now)
+        self.lease = SlotLease(
+            namespace=namespace,
+            slot=0,
+            owner_key=owner.key,
+            incarnation=fence + 1,
+            fence=fence + 1,
+            expires_at=now + ttl // timedelta(milliseconds=1),
+            floor=now,
+            ceiling=now,
+            written_at=now,
+        )
         return AcquireResult(status="acquired", lease=self.lease)
 
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
@@ -242,8 +270,14 @@ async def test_a_wall_clock_step_forward_renews_at_once_and_a_refused_renew_stop
             times["stopped"] = anyio.current_time()
             stopped.set()
 
-    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
-                        wall_clock=store.wall)
+    keeper = SlotKeeper(
+        0,
+        settings(ttl=6.0, tolerance=0.5),
+        store,
+        work,
+        owner_key="me",  # type: ignore[arg-type]
+        wall_clock=store.wall,
+    )
     async with anyio.create_task_group() as tg:
         held = await tg.start(keeper.run)
         assert held is not None and held.fence == 1
@@ -263,8 +297,14 @@ async def test_a_wall_clock_step_back_renews_at_once_and_the_work_goes_on() -> N
         await held.stop_event.wait()
         held.check()
 
-    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
-                        wall_clock=store.wall)
+    keeper = SlotKeeper(
+        0,
+        settings(ttl=6.0, tolerance=0.5),
+        store,
+        work,
+        owner_key="me",  # type: ignore[arg-type]
+        wall_clock=store.wall,
+    )
     async with anyio.create_task_group() as tg:
         held = await tg.start(keeper.run)
         assert held is not None
@@ -288,8 +328,14 @@ async def test_a_slewing_wall_clock_is_no_step() -> None:
     async def work(held: HeldSlot) -> None:
         await held.stop_event.wait()
 
-    keeper = SlotKeeper(0, settings(ttl=6.0, tolerance=0.5), store, work, owner_key="me",  # type: ignore[arg-type]
-                        wall_clock=store.wall)
+    keeper = SlotKeeper(
+        0,
+        settings(ttl=6.0, tolerance=0.5),
+        store,
+        work,
+        owner_key="me",  # type: ignore[arg-type]
+        wall_clock=store.wall,
+    )
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
         store.offset_s += 0.4

@@ -1,6 +1,6 @@
 """The replica's life cycle as a process: a crashed loop, the systemd watchdog, ``make run``'s
-command, and a second signal during a long drain (issue 8, CONVENTIONS.md "processes are tested
-as processes"). Every wait reads the process's output, socket or stores inside ``fail_after``."""
+command, its log lines, and a second signal during a long drain, tested as processes. Every wait
+reads the process's output, socket or stores inside ``fail_after``."""
 
 from __future__ import annotations
 
@@ -118,9 +118,7 @@ async def test_a_crashed_feed_stops_the_process_non_zero_and_says_why(
 # --------------------------------------------------------------------------- 2. systemd watchdog
 
 
-async def test_systemd_ready_watchdog_cadence_status_and_stopping(
-    spawn: Callable[..., Replica], db: Path
-) -> None:
+async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callable[..., Replica], db: Path) -> None:
     watchdog_usec = 200_000
     with tempfile.TemporaryDirectory(prefix="wowd-") as d:  # short: AF_UNIX paths are <= 107 bytes
         path = str(Path(d) / "notify")
@@ -166,9 +164,7 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(
 # --------------------------------------------------------------------------- 3. make run
 
 
-PROGRESS = re.compile(
-    r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers"
-)
+PROGRESS = re.compile(r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers")
 
 
 async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(tmp_path: Path) -> None:
@@ -195,9 +191,7 @@ async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(
                         buf += await proc.stdout.receive()
                         *done, buf = buf.split(b"\n")
                         lines += [line.decode() for line in done]
-                        counts = [
-                            tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))
-                        ]
+                        counts = [tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))]
                         if counts and counts[-1][2] > 0 and counts[-1][3] > 0:
                             break
             except (TimeoutError, anyio.EndOfStream):
@@ -218,6 +212,59 @@ async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(
                     await proc.wait()
             await proc.aclose()
     assert "received SIGTERM: stopping gracefully" in err_path.read_text()
+
+
+async def _demo_output(tmp_path: Path, **settings: str) -> list[str]:
+    """``wowd run --demo`` from a fresh directory, stdout and stderr in one pipe as a terminal
+    shows them, until a progress line shows timers fired; then SIGTERM. Its lines, in order."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k not in ("NOTIFY_SOCKET",)}
+    env.update({"WOWD_HTTP__PORT": "0", "PYTHONUNBUFFERED": "1", **settings})
+    proc = await anyio.open_process(
+        [*_wowd_command(), "run", "--demo"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    buf = b""
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        with anyio.fail_after(30):
+            while not any((m := PROGRESS.search(line)) and int(m.group(4)) > 0 for line in lines):
+                buf += await proc.stdout.receive()
+                *done, buf = buf.split(b"\n")
+                lines += [line.decode() for line in done]
+        proc.send_signal(signal.SIGTERM)
+        with anyio.fail_after(15):
+            async for chunk in proc.stdout:
+                buf += chunk
+            assert await proc.wait() == 0
+        lines += [line.decode() for line in buf.split(b"\n") if line]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            with anyio.CancelScope(shield=True):
+                await proc.wait()
+        await proc.aclose()
+    return lines
+
+
+async def test_a_first_run_shows_the_progress_line_within_its_first_ten_lines(tmp_path: Path) -> None:
+    """The rebuild of a first run is one summary line per slot (each partition at DEBUG), so the
+    first progress line comes within the first ten lines a terminal shows."""
+    lines = await _demo_output(tmp_path)
+    first = next(i for i, line in enumerate(lines) if PROGRESS.search(line))
+    assert first < 10, "\n".join(lines[: first + 1])
+    rebuilt = [line for line in lines if "snapshots rebuilt" in line]
+    assert len(rebuilt) == 1 and "snapshots rebuilt for slot 0: demo.order" in rebuilt[0], rebuilt
+
+
+async def test_at_4096_partitions_no_log_line_is_over_1_kb(tmp_path: Path) -> None:
+    """Every line of a slot carries the slot and its partitions in a compact form; the full list
+    is logged once at acquisition, at DEBUG when it would make the line longer than 1 KB."""
+    lines = await _demo_output(tmp_path, WOWD_PARTITIONS="4096")
+    assert max(len(line.encode()) for line in lines) <= 1024, max(lines, key=len)[:300]
+    of_slot = [json.loads(line) for line in lines if line.startswith("{") and '"slot": 0' in line]
+    assert {"acquired", "feeding", "released"} <= {doc["msg"].split()[0] for doc in of_slot}
+    assert all(doc["partitions"] == "0..4095 (4096 partitions)" for doc in of_slot), of_slot
+    assert not any("holds partitions" in line for line in lines)  # the 19.5 KB list: DEBUG only
 
 
 def _wowd_command() -> list[str]:

@@ -15,10 +15,11 @@ import pytest
 from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
+from wowd.daemon.waker import Waker
 from wowd.demo import reducer
 from wowd.errors import LeaseLost
 from wowd.model import (
@@ -78,9 +79,7 @@ def ref(agg_id: str) -> AggregateRef:
     return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
 
 
-async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp_path: Path, backend: Backend) -> None:
     far = int(time.time() * 1000) + 3_600_000
     c1 = timer_commit("o-1", 1, ["k1", "k2"], due_at=far)
     c2 = timer_commit("o-1", 2, [], due_at=far)
@@ -89,8 +88,15 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(
     d2 = replace(timer_commit("o-2", 2, [], due_at=far), deleted=True)
     # a timer of o-3 parked because its target o-4 did not exist; o-4's first commit resumes it
     parked = Timer(
-        timer_id="p1", partition=partition("o-3", PARTS), owner=ref("o-3"), key="wait", version=1,
-        due_at=far, scheduled_at=far, target=ref("o-4"), body=Command(name="go").to_json(),
+        timer_id="p1",
+        partition=partition("o-3", PARTS),
+        owner=ref("o-3"),
+        key="wait",
+        version=1,
+        due_at=far,
+        scheduled_at=far,
+        target=ref("o-4"),
+        body=Command(name="go").to_json(),
     )
     assert await backend.timers.put(parked)
     await backend.timers.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
@@ -160,7 +166,9 @@ class ScriptedGateway:
         self.sent.append(timer)
         kind = timer.target.id.split("-")[0]
         answers: dict[str, Outcome] = {
-            "ok": Delivered(), "retry": Retry(reason="HTTP 503"), "park": Park(reason="HTTP 404"),
+            "ok": Delivered(),
+            "retry": Retry(reason="HTTP 503"),
+            "park": Park(reason="HTTP 404"),
             "fail": Fail(reason="HTTP 400"),
         }
         return answers[kind]
@@ -182,9 +190,17 @@ def due_timer(target: str, *, rule: IntervalRule | None = None, attempts: int = 
     now = int(time.time() * 1000) - 50
     owner = ref(f"owner-{target}")
     return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(owner.id, PARTS), owner=owner,
-        key="k", version=1, due_at=now, scheduled_at=now, target=ref(target),
-        body=Command(name="go").to_json(), rule=rule if rule is not None else OnceRule(), attempts=attempts,
+        timer_id=deterministic_timer_id(owner, "k", 1),
+        partition=partition(owner.id, PARTS),
+        owner=owner,
+        key="k",
+        version=1,
+        due_at=now,
+        scheduled_at=now,
+        target=ref(target),
+        body=Command(name="go").to_json(),
+        rule=rule if rule is not None else OnceRule(),
+        attempts=attempts,
     )
 
 

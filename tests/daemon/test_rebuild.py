@@ -15,11 +15,12 @@ import pytest
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.rebuild import Rebuilder, RebuildReport, fold_commit, progress_consumer
+from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
 from wowd.daemon.supervisor import Supervisor
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition
+from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit
@@ -115,9 +116,7 @@ def count_reads(monkeypatch: pytest.MonkeyPatch, b: Backend) -> list[dict[int, A
     return calls
 
 
-async def test_a_new_reducer_backfills_every_aggregate_and_marks_the_table(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_a_new_reducer_backfills_every_aggregate_and_marks_the_table(tmp_path: Path, backend: Backend) -> None:
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v1})
     [before] = await rebuilder.status()
     assert before.table is None and before.pending == 0 and before.partitions_done == 0
@@ -132,9 +131,7 @@ async def test_a_new_reducer_backfills_every_aggregate_and_marks_the_table(
     assert (after.pending, after.partitions_done, after.partitions, after.target) == (0, PARTS, PARTS, 1)
 
 
-async def test_a_raised_revision_is_rebuilt_each_partition_by_its_owner(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_a_raised_revision_is_rebuilt_each_partition_by_its_owner(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     assert await backend.snapshots.mark_stale(ref("o-2"))  # partition 0: the feed found it behind
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2})
@@ -249,9 +246,7 @@ async def test_an_expired_slot_rewrites_nothing(tmp_path: Path, backend: Backend
     assert await backend.rebuilds.pending(ORDER, 2, None, 100) == sorted(ref(i) for i in IDS)
 
 
-async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(
-    tmp_path: Path, backend: Backend
-) -> None:
+async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, batch_size=1)
     asked = 0
@@ -356,8 +351,15 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
     code, out, err = await run_wowd("snapshots", "status", "--json", env=env, cwd=tmp_path)
     assert code == 0, err
     assert json.loads(out) == [
-        {"aggregate": "order", "reducer_revision": 2, "table": None, "target_revision": 2, "pending": 0,
-         "partitions_done": 0, "partitions": parts}
+        {
+            "aggregate": "order",
+            "reducer_revision": 2,
+            "table": None,
+            "target_revision": 2,
+            "pending": 0,
+            "partitions_done": 0,
+            "partitions": parts,
+        }
     ]
 
     code, out, err = await run_wowd("snapshots", "rebuild", env=env, cwd=tmp_path)

@@ -16,10 +16,11 @@ import anyio
 import pytest
 
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder, Waker
+from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
+from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
 from wowd.stores.base import Backend
 
@@ -161,9 +162,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     import sqlite3
 
     due = int(time.time() * 1000)
-    commits = [
-        timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)
-    ]
+    commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)]
     bad = timer_commit("bad", 1, [], due_at=due)
     ev = DomainEvent(
         id="e", name="TimerScheduled",

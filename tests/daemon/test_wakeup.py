@@ -1,5 +1,5 @@
 """When the timer loop wakes: the Waker's heap of the due times this process put, the store's
-next due time, and the idle period as a safety net only (bench/LEARNED.md item 1).
+next due time, and the idle period as a safety net only.
 
 The loop tests set the idle period to 30 s: a timer that fires within a few seconds was woken
 for, not found by the idle poll."""
@@ -17,10 +17,11 @@ import pytest
 from tests.helpers import caught_up_waker
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
-from wowd.daemon.feed import Feeder, Waker
+from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Record, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, wake_time
+from wowd.daemon.waker import Waker
 from wowd.errors import StorageUnavailable
 from wowd.model import (
     AggregateRef,
@@ -299,9 +300,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
                 await tg.start(Feeder(settings, backend).run, held, waker)
                 base = now_ms() + 300
                 due = [base, base + 250, base + 500]
-                await backend.log.append_many(
-                    [timer_commit(f"f-{i}", 1, ["k"], due_at=d) for i, d in enumerate(due)]
-                )
+                await backend.log.append_many([timer_commit(f"f-{i}", 1, ["k"], due_at=d) for i, d in enumerate(due)])
                 await gw.until_fired(3)
                 held.request_stop()
         assert sorted(t.scheduled_at for t, _at in gw.fired) == due

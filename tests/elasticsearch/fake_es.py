@@ -235,7 +235,6 @@ def filter_path(body: dict[str, Any], spec: str) -> dict[str, Any]:
     return {} if kept is _DROP else kept
 
 
-
 def error(status: int, type: str, reason: str, **extra: Any) -> dict[str, Any]:
     """An error answer as ES gives it: ``{"error": {root_cause, type, reason}, "status"}``."""
     cause = {"type": type, "reason": reason, **extra}
@@ -943,7 +942,7 @@ class EsModel:
                     raise _ApiFailure(
                         400,
                         "document_parsing_exception",
-                        f"[1:2] failed to parse: Document contains at least one immense term in field=\"{path}\" "
+                        f'[1:2] failed to parse: Document contains at least one immense term in field="{path}" '
                         f"(whose UTF8 encoding is longer than the max length {MAX_KEYWORD_BYTES})",
                     )
             ok = {

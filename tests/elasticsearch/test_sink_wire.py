@@ -216,7 +216,7 @@ async def test_request_level_answers_are_classified(client: AsyncElasticsearch, 
     fake.on("PUT", f"{P}/_bulk", 400, fake_es.error(400, "illegal_argument_exception", "bad bulk"))
     with pytest.raises(SinkWriteError, match="bad bulk.*%280%29:a:1"):
         await sink.write([commit("a", 1)])
-    # seed 002: only 429, 502, 503, 504 are transient; a 500 is not
+    # only 429, 502, 503, 504 are transient; a 500 is not
     fake.on("PUT", f"{P}/_bulk", 502, fake_es.error(502, "bad_gateway", "proxy"))
     with pytest.raises(StorageUnavailable, match="502"):
         await sink.write([commit("a", 1)])
@@ -662,6 +662,7 @@ async def test_close_closes_only_an_owned_client(fake: FakeElasticsearch) -> Non
 # interpreter), and refuses unknown parameters and body keys: the sink's requests are checked
 # for what they do, not only for their text. tests/contract/test_sink.py runs against it too
 # (the ``fake-elasticsearch`` implementation of its fixture).
+
 
 @pytest.fixture
 def model(fake: FakeElasticsearch) -> EsModel:

@@ -7,7 +7,9 @@ then receives each command, asserts its document, and scripts the answer.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -77,14 +79,31 @@ class Wire:
         return req
 
 
-@pytest.fixture
-def mock_server() -> Iterator[MockupDB]:
-    server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
+_STOPPING: list[threading.Thread] = []
+
+
+@contextmanager
+def serving(server: MockupDB) -> Iterator[MockupDB]:
+    """Runs ``server``; on exit stops it on a thread of its own: ``MockupDB.stop()`` waits out its
+    accept loop's one-second poll, which the next test need not wait for (the session joins it)."""
     server.run()
     try:
         yield server
     finally:
-        server.stop()
+        stop = threading.Thread(target=server.stop, name="mockupdb-stop", daemon=True)
+        stop.start()
+        _STOPPING.append(stop)
+
+
+def pytest_sessionfinish() -> None:
+    for stop in _STOPPING:
+        stop.join(15)
+
+
+@pytest.fixture
+def mock_server() -> Iterator[MockupDB]:
+    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
+        yield server
 
 
 @pytest.fixture

@@ -44,9 +44,7 @@ class Call(Generic[T]):
         tg.start_soon(call._run, fn, args, kwargs)
         return call
 
-    async def _run(
-        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
+    async def _run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
             self._value = await fn(*args, **kwargs)
         except Exception as exc:  # handed to the test by result()
@@ -88,9 +86,7 @@ def reply_cursor(req: Request, collection: str, docs: list[dict[str, Any]]) -> N
 
 def reply_value(req: Request, value: dict[str, Any] | None) -> None:
     """A findAndModify answer: the document after the write, or none matched."""
-    req.ok(
-        value=value, lastErrorObject={"n": 0 if value is None else 1, "updatedExisting": value is not None}
-    )
+    req.ok(value=value, lastErrorObject={"n": 0 if value is None else 1, "updatedExisting": value is not None})
 
 
 def client_times(value: Any, path: str = "") -> list[str]:

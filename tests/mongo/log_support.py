@@ -14,7 +14,7 @@ from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire
+from tests.mongo.conftest import Wire, serving
 from wowd.model import AggregateRef, Commit, DomainEvent, commit_to_doc
 
 T = TypeVar("T")
@@ -39,27 +39,23 @@ def housekeeping(request: Any) -> bool | None:
 @pytest.fixture
 def rs_server() -> Iterator[MockupDB]:
     """A MockupDB answering ``hello``/``isMaster`` as the primary of replica set ``rs0``."""
-    server = MockupDB(verbose=False)
-    port = server.run()
-    addr = f"localhost:{port}"
-    server.autoresponds(
-        "ismaster",
-        {
-            "ismaster": True,
-            "setName": "rs0",
-            "hosts": [addr],
-            "primary": addr,
-            "me": addr,
-            "minWireVersion": 0,
-            "maxWireVersion": 21,
-            "logicalSessionTimeoutMinutes": 30,
-        },
-    )
-    server.autoresponds(housekeeping)
-    try:
+    with serving(MockupDB(verbose=False)) as server:
+        addr = f"localhost:{server.port}"
+        server.autoresponds(
+            "ismaster",
+            {
+                "ismaster": True,
+                "setName": "rs0",
+                "hosts": [addr],
+                "primary": addr,
+                "me": addr,
+                "minWireVersion": 0,
+                "maxWireVersion": 21,
+                "logicalSessionTimeoutMinutes": 30,
+            },
+        )
+        server.autoresponds(housekeeping)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pydantic import SecretStr
 from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from tests.mongo.conftest import CODE_NAMES, Wire, server_error, write_concern_timeout
+from tests.mongo.conftest import CODE_NAMES, Wire, server_error, serving, write_concern_timeout
 from tests.mongo.log_support import (
     CONTEXT,
     DB,
@@ -65,28 +65,24 @@ NO_PRIMARY = 'Could not find host matching read preference { mode: "primary" } f
 
 @pytest.fixture(scope="module")
 def rs_server() -> Iterator[MockupDB]:
-    """One replica-set primary for the module (stopping a MockupDB takes a second)."""
-    server = MockupDB(verbose=False)
-    port = server.run()
-    addr = f"localhost:{port}"
-    server.autoresponds(
-        "ismaster",
-        {
-            "ismaster": True,
-            "setName": "rs0",
-            "hosts": [addr],
-            "primary": addr,
-            "me": addr,
-            "minWireVersion": 0,
-            "maxWireVersion": 21,
-            "logicalSessionTimeoutMinutes": 30,
-        },
-    )
-    server.autoresponds(housekeeping)
-    try:
+    """One replica-set primary for the module."""
+    with serving(MockupDB(verbose=False)) as server:
+        addr = f"localhost:{server.port}"
+        server.autoresponds(
+            "ismaster",
+            {
+                "ismaster": True,
+                "setName": "rs0",
+                "hosts": [addr],
+                "primary": addr,
+                "me": addr,
+                "minWireVersion": 0,
+                "maxWireVersion": 21,
+                "logicalSessionTimeoutMinutes": 30,
+            },
+        )
+        server.autoresponds(housekeeping)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -246,7 +242,7 @@ async def test_a_bulk_with_duplicates_and_a_write_concern_error_is_retried_whole
                         "index": 1,
                         "code": 11000,
                         "errmsg": f"E11000 duplicate key error collection: {DB}.wow_snapshot__ctx__order "
-                        "index: _id_ dup key: { _id: { t: \"(0)\", a: \"o-2\" } }",
+                        'index: _id_ dup key: { _id: { t: "(0)", a: "o-2" } }',
                         "keyPattern": {"_id": 1},
                         "keyValue": {"_id": {"t": "(0)", "a": "o-2"}},
                     }
@@ -269,9 +265,7 @@ async def test_a_resumable_getmore_error_is_resumed_then_transient(
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((100, 1))}, follow=True)))
             (await rs_wire.command("aggregate")).ok(cursor([], first=True, pbrt=token((100, 1))))
-            server_error(
-                await rs_wire.command("getMore"), 133, NO_PRIMARY, labels=("ResumableChangeStreamError",)
-            )
+            server_error(await rs_wire.command("getMore"), 133, NO_PRIMARY, labels=("ResumableChangeStreamError",))
             resumed = await rs_wire.command("aggregate")
             assert "maxTimeMS" not in resumed.doc
             server_error(resumed, 133, NO_PRIMARY)
@@ -402,9 +396,7 @@ async def test_an_idle_partition_moves_only_to_a_high_water_mark_never_another_p
     assert moved == [{3: pos((1091, 0))}]
 
 
-async def test_an_event_over_16_mib_comes_split_and_is_joined(
-    rs_client: AsyncMongoClient[Any], rs_wire: Wire
-) -> None:
+async def test_an_event_over_16_mib_comes_split_and_is_joined(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
     log = make_log(rs_client)
     whole = change(log_doc(ID_P3, 1), (50, 1))
     first = {k: whole[k] for k in ("operationType", "clusterTime", "ns", "documentKey")}
@@ -605,9 +597,7 @@ def test_ddl_and_sharding_settings_from_the_environment(monkeypatch: pytest.Monk
         load_settings()
 
 
-async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(
-    rs_server: MockupDB, rs_wire: Wire
-) -> None:
+async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_server: MockupDB, rs_wire: Wire) -> None:
     """``ddl=none``: no store creates anything (a user with ``readWrite`` only); the timer store
     reads its registry. Every store runs its calls under ``timeout_ms``."""
     settings = WowdSettings(

@@ -19,7 +19,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire, server_error
+from tests.mongo.conftest import Wire, server_error, serving
 from tests.mongo.leases_support import (
     NS,
     T0,
@@ -165,15 +165,10 @@ def lease_of(doc: dict[str, Any]) -> SlotLease:
 
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[MockupDB]:
-    """One MockupDB for the module, overriding the conftest's per-test one: stopping a MockupDB
-    waits out its accept loop's 1 s poll (and can race it). Each test still gets its own client
-    (``mongo_client``) and reads every command it causes, so nothing carries over."""
-    server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
-    server.run()
-    try:
+    """One MockupDB for the module, overriding the conftest's per-test one. Each test still gets
+    its own client (``mongo_client``) and reads every command it causes, so nothing carries over."""
+    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -191,9 +186,7 @@ async def store(mongo_client: AsyncMongoClient[Any], wire: Wire) -> AsyncIterato
 async def namespace_known(wire: Wire, limit: int = 2, offset: int = 0) -> None:
     req = await wire.command("find")
     assert body(req) == {"find": "cosid_namespace", "filter": {"_id": NS}, "limit": 1, "singleBatch": True}
-    reply_cursor(
-        req, "cosid_namespace", [{"_id": NS, "limit": limit, "toleranceMs": 1000, "slotOffset": offset}]
-    )
+    reply_cursor(req, "cosid_namespace", [{"_id": NS, "limit": limit, "toleranceMs": 1000, "slotOffset": offset}])
 
 
 async def owner_read_answered(
@@ -221,9 +214,7 @@ async def test_store_implements_the_protocol(mongo_client: AsyncMongoClient[Any]
     assert isinstance(MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None), SlotLeaseStore)
 
 
-async def test_prepare_creates_the_unique_index_on_ns_and_slot(
-    mongo_client: AsyncMongoClient[Any], wire: Wire
-) -> None:
+async def test_prepare_creates_the_unique_index_on_ns_and_slot(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.prepare)
@@ -236,9 +227,7 @@ async def test_prepare_creates_the_unique_index_on_ns_and_slot(
         await call.result()
 
 
-async def test_concurrent_first_calls_send_one_create_indexes(
-    mongo_client: AsyncMongoClient[Any], wire: Wire
-) -> None:
+async def test_concurrent_first_calls_send_one_create_indexes(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         calls = [Call.start(tg, s.prepare) for _ in range(3)]
@@ -315,9 +304,7 @@ async def test_only_missing_slot_documents_are_created(store: MongoSlotLeaseStor
         assert (await call.result()).status == "exhausted"
 
 
-async def test_duplicate_key_on_slot_creation_is_a_race_not_an_error(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_duplicate_key_on_slot_creation_is_a_race_not_an_error(store: MongoSlotLeaseStore, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
@@ -340,9 +327,7 @@ async def test_duplicate_key_on_slot_creation_is_a_race_not_an_error(
         assert (await call.result()).lease == lease_of(taken)
 
 
-async def test_another_error_on_slot_creation_is_a_storage_error(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_another_error_on_slot_creation_is_a_storage_error(store: MongoSlotLeaseStore, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
         await namespace_known(wire)
@@ -394,9 +379,7 @@ async def test_refused_when_the_namespace_is_recorded_otherwise(
 ) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, limit, TTL, TOL, offset)
-        reply_cursor(
-            await wire.command("find"), "cosid_namespace", [{"_id": NS, "toleranceMs": 1000, **recorded}]
-        )
+        reply_cursor(await wire.command("find"), "cosid_namespace", [{"_id": NS, "toleranceMs": 1000, **recorded}])
         result = await call.result()
     assert result.status == "refused" and result.lease is None
     assert result.reason is not None and NS in result.reason
@@ -408,9 +391,7 @@ async def test_namespace_without_slot_offset_reads_as_0_and_is_never_rewritten(
 ) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
-        reply_cursor(
-            await wire.command("find"), "cosid_namespace", [{"_id": NS, "limit": 2, "toleranceMs": 1000}]
-        )
+        reply_cursor(await wire.command("find"), "cosid_namespace", [{"_id": NS, "limit": 2, "toleranceMs": 1000}])
         await owner_read_answered(wire, A, [])  # straight to the slots: no update of the namespace
         reply_value(await wire.command("findAndModify"), projected(slot_doc(0, owner=A.key)))
         assert (await call.result()).acquired
@@ -436,9 +417,7 @@ async def test_idempotent_acquire_returns_the_live_lease_unchanged_without_a_wri
     await next_command_is_slots_read(wire, store)
 
 
-async def test_a_take_answers_its_own_write_time_as_the_store_now(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_a_take_answers_its_own_write_time_as_the_store_now(store: MongoSlotLeaseStore, wire: Wire) -> None:
     """A take's ``writtenAt`` is its ``$$NOW``: the holder counts the whole ttl from it."""
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL)
@@ -454,9 +433,7 @@ async def test_a_take_answers_its_own_write_time_as_the_store_now(
     assert result.lease is not None and result.lease.remaining_ms == 10_000
 
 
-async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(store: MongoSlotLeaseStore, wire: Wire) -> None:
     released = slot_doc(1, owner=None, last_owner=A.key, incarnation=3, fence=5)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 2, TTL, TOL, 0, 0)  # preferred 0 comes after sticky
@@ -488,9 +465,7 @@ async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(
     assert result.lease == lease_of(taken)
 
 
-async def test_lost_races_fall_through_sticky_preferred_then_free(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_lost_races_fall_through_sticky_preferred_then_free(store: MongoSlotLeaseStore, wire: Wire) -> None:
     mine = slot_doc(0, owner=None, last_owner=A.key, incarnation=2, fence=2)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.acquire, NS, A, 3, TTL, TOL, 0, 2)
@@ -636,9 +611,7 @@ async def test_renew_matches_the_held_lease_and_extends_it_from_the_store_clock(
     assert result is not None and result.expires_at == ms(at(14)) and result.floor == LEASE.floor
 
 
-async def test_release_clears_the_owner_and_records_the_next_floor(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_release_clears_the_owner_and_records_the_next_floor(store: MongoSlotLeaseStore, wire: Wire) -> None:
     last_issued = ms(at(3))
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.release, LEASE, last_issued)
@@ -668,9 +641,7 @@ async def test_release_clears_the_owner_and_records_the_next_floor(
         assert await call.result() is True
 
 
-async def test_release_sends_last_issued_as_a_long_for_to_date(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_release_sends_last_issued_as_a_long_for_to_date(store: MongoSlotLeaseStore, wire: Wire) -> None:
     """``$toDate`` converts a long, not an int: a small ``last_issued`` must still go as int64."""
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.release, LEASE, 0)
@@ -713,9 +684,7 @@ async def test_expiry_is_decided_by_the_store_clock_never_a_client_clock(
         assert "$$NOW" in repr(command)
 
 
-async def test_renew_after_the_slot_changed_hands_matches_nothing(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_renew_after_the_slot_changed_hands_matches_nothing(store: MongoSlotLeaseStore, wire: Wire) -> None:
     """CosId lets a lost owner keep working; here B's take moved the fence on, so A's renewal
     (fence 5) cannot match the document and A learns it lost the slot."""
     now_held_by_b = slot_doc(1, owner=B.key, incarnation=4, fence=6, written=at(12))
@@ -744,9 +713,7 @@ async def test_a_restarted_owner_gets_a_new_incarnation_and_the_old_renewal_fail
         await owner_read_answered(wire, A, [{**old, "live": False, "storeNow": at(11)}])
         req = await wire.command("findAndModify")
         assert body(req)["query"]["fence"] == 5
-        assert body(req)["update"][0]["$set"]["incarnation"] == {
-            "$add": [{"$ifNull": ["$incarnation", 0]}, 1]
-        }
+        assert body(req)["update"][0]["$set"]["incarnation"] == {"$add": [{"$ifNull": ["$incarnation", 0]}, 1]}
         restarted = slot_doc(1, owner=A.key, incarnation=4, fence=6, written=at(11))
         reply_value(req, projected(restarted))
         result = await call.result()
@@ -769,9 +736,7 @@ async def test_a_restarted_owner_gets_a_new_incarnation_and_the_old_renewal_fail
         assert await release.result() is False
 
 
-async def test_a_lost_holder_cannot_renew_an_expired_lease_nobody_took(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_a_lost_holder_cannot_renew_an_expired_lease_nobody_took(store: MongoSlotLeaseStore, wire: Wire) -> None:
     """CosId renews an expired slot silently; here the document is unchanged (every equality
     matches) and only ``expiresAt > $$NOW`` stands between the late renewal and a write."""
     untouched = slot_doc(1, owner=A.key, incarnation=3, fence=5)
@@ -800,9 +765,7 @@ async def test_write_concern_and_max_time_ms_on_the_wire_when_configured(
             req = await wire.command(name)
             assert 0 < req.doc["maxTimeMS"] <= 4000, name
             if name == "find":
-                reply_cursor(
-                    req, "cosid_namespace", [{"_id": NS, "limit": 2, "toleranceMs": 1000, "slotOffset": 0}]
-                )
+                reply_cursor(req, "cosid_namespace", [{"_id": NS, "limit": 2, "toleranceMs": 1000, "slotOffset": 0}])
             elif name == "aggregate":
                 assert "writeConcern" not in req.doc
                 reply_cursor(req, "cosid_slot", [{"mine": [], "present": [0, 1]}])
@@ -821,9 +784,7 @@ async def test_write_concern_and_max_time_ms_on_the_wire_when_configured(
         assert await release.result() is True
 
 
-async def test_no_write_concern_or_max_time_ms_unless_configured(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_no_write_concern_or_max_time_ms_unless_configured(store: MongoSlotLeaseStore, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.renew, LEASE, TTL, TOL)
         req = await wire.command("findAndModify")
@@ -848,9 +809,7 @@ async def test_not_writable_primary_is_storage_unavailable(store: MongoSlotLease
     assert "not primary" in str(err)
 
 
-async def test_a_dropped_connection_is_storage_unavailable_and_counted(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_a_dropped_connection_is_storage_unavailable_and_counted(store: MongoSlotLeaseStore, wire: Wire) -> None:
     labels = {"store": "leases", "operation": "renew"}
     before = REGISTRY.get_sample_value("wowd_store_unavailable_total", labels) or 0.0
     async with anyio.create_task_group() as tg:
@@ -861,9 +820,7 @@ async def test_a_dropped_connection_is_storage_unavailable_and_counted(
     assert REGISTRY.get_sample_value("wowd_store_unavailable_total", labels) == before + 1
 
 
-async def test_a_call_past_its_timeout_is_storage_unavailable(
-    mongo_client: AsyncMongoClient[Any], wire: Wire
-) -> None:
+async def test_a_call_past_its_timeout_is_storage_unavailable(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=timedelta(milliseconds=300))
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.renew, LEASE, TTL, TOL)
@@ -873,9 +830,7 @@ async def test_a_call_past_its_timeout_is_storage_unavailable(
     assert isinstance(err, StorageUnavailable)
 
 
-async def test_another_server_error_is_a_storage_error_with_its_message(
-    store: MongoSlotLeaseStore, wire: Wire
-) -> None:
+async def test_another_server_error_is_a_storage_error_with_its_message(store: MongoSlotLeaseStore, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, store.release, LEASE, 0)
         # an update's failure is a write error of an ok answer (241 ConversionFailure)

@@ -147,11 +147,16 @@ async def test_changes_of_one_transaction_share_a_cluster_time_and_are_ordered_b
         async with anyio.create_task_group() as tg:
             # checkpointed at the 2nd change of a transaction committed at (100, 1)
             call = start(tg, lambda: collect(log.read({3: pos((100, 1), n=1)}, follow=False)))
-            (await rs_wire.command("aggregate")).ok(cursor([
-                change(log_doc(ID_P3, 1), (100, 1), n=0),
-                change(log_doc(ID_P3, 2), (100, 1), n=1),
-                change(log_doc(ID_P3, 3), (100, 1), n=2),
-            ], first=True))
+            (await rs_wire.command("aggregate")).ok(
+                cursor(
+                    [
+                        change(log_doc(ID_P3, 1), (100, 1), n=0),
+                        change(log_doc(ID_P3, 2), (100, 1), n=1),
+                        change(log_doc(ID_P3, 3), (100, 1), n=2),
+                    ],
+                    first=True,
+                )
+            )
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
     batches = call.result()
@@ -171,8 +176,13 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             # 2. the context's log collections
             lc = await rs_wire.command("listCollections")
             assert lc["filter"] == {"name": {"$regex": "^wow_log__ctx__"}}
-            lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
-                          "firstBatch": [{"name": ORDERS, "type": "collection"}]})
+            lc.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.$cmd.listCollections",
+                    "firstBatch": [{"name": ORDERS, "type": "collection"}],
+                }
+            )
             # 3. the partition's history in (aggregate_id, version) order
             find = await rs_wire.command("find")
             assert find["find"] == ORDERS
@@ -205,10 +215,13 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: {"cluster_time": [70, 1], "scan": last}}, follow=False)))
             await majority_point(rs_wire, (90, 1))
-            (await rs_wire.command("listCollections")).ok(cursor={
-                "id": 0, "ns": f"{DB}.$cmd.listCollections",
-                "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
-            })
+            (await rs_wire.command("listCollections")).ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.$cmd.listCollections",
+                    "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
+                }
+            )
             # "account" sorts before the scan's collection: done already; "cart" after the document
             find = await rs_wire.command("find")
             assert find["find"] == "wow_log__ctx__cart"
@@ -294,8 +307,13 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
             server_error(agg, 286, HISTORY_LOST_MSG)
             await majority_point(rs_wire, (500, 7))  # the cluster time before the re-read
             lc = await rs_wire.command("listCollections")
-            lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections",
-                          "firstBatch": [{"name": ORDERS, "type": "collection"}]})
+            lc.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.$cmd.listCollections",
+                    "firstBatch": [{"name": ORDERS, "type": "collection"}],
+                }
+            )
             find = await rs_wire.command("find")
             assert find["filter"] == {"partition": 3}
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
@@ -368,7 +386,7 @@ async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient
             server_error(
                 await rs_wire.command("aggregate"),
                 280,
-                "cannot resume stream; the resume token was not found. {_data: \"8200000064000000012B02000004\"}",
+                'cannot resume stream; the resume token was not found. {_data: "8200000064000000012B02000004"}',
             )
             await majority_point(rs_wire, (700, 2))
             (await rs_wire.command("listCollections")).ok(
@@ -561,9 +579,20 @@ async def test_checkpoint_save_is_one_upsert_guarded_by_the_fence(
             assert find["filter"] == {
                 "_id": {"$in": [{"consumer": "feed", "partition": 3}, {"consumer": "feed", "partition": 5}]}
             }
-            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__ctx", "firstBatch": [
-                {"_id": {"consumer": "feed", "partition": 3}, "position": position, "fence": 7, "written_at": 123}
-            ]})
+            find.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.wow_checkpoint__ctx",
+                    "firstBatch": [
+                        {
+                            "_id": {"consumer": "feed", "partition": 3},
+                            "position": position,
+                            "fence": 7,
+                            "written_at": 123,
+                        }
+                    ],
+                }
+            )
             await loaded.done.wait()
     cps = loaded.result()
     assert list(cps) == [3]
@@ -627,8 +656,13 @@ async def test_append_e11000_on_request_id_is_duplicate_and_on_id_with_another_r
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
             find = await rs_wire.command("find")
             assert find["filter"] == {"_id": {"$in": [{"t": "(0)", "a": ID_P3, "v": 4}]}}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}",
-                            "firstBatch": [{"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}]})
+            find.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [{"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}],
+                }
+            )
             await conflict.done.wait()
             with pytest.raises(ConflictError):
                 conflict.result()
@@ -636,8 +670,13 @@ async def test_append_e11000_on_request_id_is_duplicate_and_on_id_with_another_r
             # the same commit meeting its own _id (retried insert) is a duplicate, not a conflict
             same = start(tg, lambda: log.append(c))
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
-            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [
-                {"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}]})
+            (await rs_wire.command("find")).ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [{"_id": {"t": "(0)", "a": ID_P3, "v": 4}, "request_id": c.request_id}],
+                }
+            )
             await same.done.wait()
             assert same.result() == "duplicate"
 
@@ -655,8 +694,13 @@ async def test_append_many_is_one_unordered_insert_with_an_outcome_per_commit(
             assert len(insert.docs[0]["documents"]) == 3
             insert.ok(n=1, writeErrors=[dup(1, {"aggregate_id": 1, "request_id": 1}), dup(2, {"_id": 1})])
             find = await rs_wire.command("find")
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [
-                {"_id": {"t": "(0)", "a": ID_P5, "v": 1}, "request_id": "older"}]})
+            find.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.{ORDERS}",
+                    "firstBatch": [{"_id": {"t": "(0)", "a": ID_P5, "v": 1}, "request_id": "older"}],
+                }
+            )
             await call.done.wait()
     assert call.result() == ["appended", "duplicate", "conflict"]
 
@@ -687,8 +731,14 @@ async def test_outbox_is_unique_on_the_request_id(rs_client: AsyncMongoClient[An
     outbox = MongoOutbox(rs_client, DB, context=CONTEXT)
     assert isinstance(outbox, Outbox)
     entry = OutboxEntry(
-        request_id="r1", timer_id="t1", target=AggregateRef(context="ctx", aggregate="order", id="o1"),
-        command='{"body":{},"name":"Pay"}', scheduled_at=5, fence=2, owner_key="host:1", created_at=6,
+        request_id="r1",
+        timer_id="t1",
+        target=AggregateRef(context="ctx", aggregate="order", id="o1"),
+        command='{"body":{},"name":"Pay"}',
+        scheduled_at=5,
+        fence=2,
+        owner_key="host:1",
+        created_at=6,
     )
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -716,8 +766,16 @@ async def test_outbox_put_many_is_one_unordered_insert(rs_client: AsyncMongoClie
     outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
     target = AggregateRef(context="ctx", aggregate="order", id="o1")
     batch = [
-        OutboxEntry(request_id=r, timer_id="t", target=target, command="{}", scheduled_at=1, fence=1,
-                    owner_key="k", created_at=2)
+        OutboxEntry(
+            request_id=r,
+            timer_id="t",
+            target=target,
+            command="{}",
+            scheduled_at=1,
+            fence=1,
+            owner_key="k",
+            created_at=2,
+        )
         for r in ("r1", "r2", "r1")
     ]
     with anyio.fail_after(15):
@@ -739,8 +797,16 @@ async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
     outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
     target = AggregateRef(context="ctx", aggregate="order", id="o1")
     batch = [
-        OutboxEntry(request_id=r, timer_id="t", target=target, command="{}", scheduled_at=1, fence=1,
-                    owner_key="k", created_at=2)
+        OutboxEntry(
+            request_id=r,
+            timer_id="t",
+            target=target,
+            command="{}",
+            scheduled_at=1,
+            fence=1,
+            owner_key="k",
+            created_at=2,
+        )
         for r in ("r1", "r1")
     ]
     with anyio.fail_after(15):
@@ -758,9 +824,15 @@ async def test_outbox_put_many_with_a_write_concern_error_is_unavailable(
 
 def _outbox_doc(oid: ObjectId, request_id: str) -> dict[str, Any]:
     return {
-        "_id": oid, "request_id": request_id, "timer_id": "t",
+        "_id": oid,
+        "request_id": request_id,
+        "timer_id": "t",
         "target": {"context": "ctx", "aggregate": "order", "tenant_id": "(0)", "id": "o1"},
-        "command": "{}", "scheduled_at": 1, "fence": 1, "owner_key": "k", "created_at": 2,
+        "command": "{}",
+        "scheduled_at": 1,
+        "fence": 1,
+        "owner_key": "k",
+        "created_at": 2,
     }
 
 
@@ -776,8 +848,13 @@ async def test_outbox_take_is_one_find_after_the_cursor_in_id_order(
             assert find["find"] == f"wow_outbox__{CONTEXT}"
             assert find["filter"] == {"_id": {"$gt": after}}
             assert find["sort"] == {"_id": 1} and find["limit"] == 2
-            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_outbox__{CONTEXT}",
-                            "firstBatch": [_outbox_doc(a, "r1"), _outbox_doc(b, "r2")]})
+            find.ok(
+                cursor={
+                    "id": 0,
+                    "ns": f"{DB}.wow_outbox__{CONTEXT}",
+                    "firstBatch": [_outbox_doc(a, "r1"), _outbox_doc(b, "r2")],
+                }
+            )
             await call.done.wait()
     batch = call.result()
     assert [e.request_id for e in batch.entries] == ["r1", "r2"] and batch.cursor == str(b)
@@ -836,9 +913,7 @@ async def test_check_replica_set_refuses_a_standalone(mongo_client: AsyncMongoCl
         call.result()
 
 
-async def test_check_replica_set_accepts_a_replica_set_member(
-    rs_client: AsyncMongoClient[Any], rs_wire: Wire
-) -> None:
+async def test_check_replica_set_accepts_a_replica_set_member(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: check_replica_set(rs_client))
@@ -847,9 +922,7 @@ async def test_check_replica_set_accepts_a_replica_set_member(
     call.result()
 
 
-async def test_open_mongo_on_a_standalone_says_so_and_closes_what_it_opened(
-    mock_server: MockupDB, wire: Wire
-) -> None:
+async def test_open_mongo_on_a_standalone_says_so_and_closes_what_it_opened(mock_server: MockupDB, wire: Wire) -> None:
     mock_server.autoresponds(housekeeping)
     settings = WowdSettings(
         backend="mongo",

@@ -18,7 +18,7 @@ from mockupdb import MockupDB
 from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, server_error, write_concern_timeout
+from tests.mongo.conftest import Wire, server_error, serving, write_concern_timeout
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
@@ -80,15 +80,12 @@ class Call:
 
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[MockupDB]:
-    """One MockupDB for the module (stopping one takes a second: its accept loop polls at 1 s);
-    each test still gets its own client, and consumes every command its call sends."""
+    """One MockupDB for the module; each test still gets its own client, and consumes every
+    command its call sends."""
     server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
     server.autoresponds("endSessions")
-    server.run()
-    try:
+    with serving(server):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -164,16 +161,12 @@ async def test_save_is_one_guarded_upsert_with_a_pipeline(store: MongoSnapshotSt
         assert doc["access"] == {"$literal": {"owner_id": "u1", "space_id": "s1", "tags": ["a"]}}
         assert doc["deleted"] == {"$literal": False}
         # a stale mark of a version up to its own is cleared in the same write
-        assert doc["stale_version"] == {
-            "$cond": [{"$gt": ["$stale_version", 3]}, "$stale_version", "$$REMOVE"]
-        }
+        assert doc["stale_version"] == {"$cond": [{"$gt": ["$stale_version", 3]}, "$stale_version", "$$REMOVE"]}
         req.replies(upsert_reply())
         assert await call.result() is True
 
 
-async def test_save_refused_by_a_higher_state_revision_marks_it_stale(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_save_refused_by_a_higher_state_revision_marks_it_stale(store: MongoSnapshotStore, wire: Wire) -> None:
     s = snap("o-1", version=5, revision=1)
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -206,9 +199,7 @@ async def test_save_refused_by_a_later_version_answers_false(store: MongoSnapsho
             "tenant_id": "(0)",
             "aggregate_id": "o-1",
         }
-        req.replies(
-            {"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 7, "state_revision": 2}]}}
-        )
+        req.replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 7, "state_revision": 2}]}})
         assert await call.result() is False
 
 
@@ -251,9 +242,7 @@ async def test_save_all_of_one_type_is_one_unordered_update(store: MongoSnapshot
     ]
 
 
-async def test_save_all_sends_one_update_per_type_and_one_per_round(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_save_all_sends_one_update_per_type_and_one_per_round(store: MongoSnapshotStore, wire: Wire) -> None:
     batch = [snap("o-1", version=1), snap("c-1", aggregate="cart"), snap("o-1", version=2), snap("o-2")]
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -279,9 +268,7 @@ async def test_save_all_sends_one_update_per_type_and_one_per_round(
     ]
 
 
-async def test_save_all_saves_an_item_that_met_the_key_again_alone(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_save_all_saves_an_item_that_met_the_key_again_alone(store: MongoSnapshotStore, wire: Wire) -> None:
     batch = [snap("o-1"), snap("o-2", version=6, revision=1), snap("o-3")]
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -317,9 +304,7 @@ async def test_save_all_fails_an_item_the_server_refused_and_saves_the_rest(
                 "n": 2,
                 "nModified": 0,
                 "upserted": [{"index": 0, "_id": 1}, {"index": 2, "_id": 3}],
-                "writeErrors": [
-                    {"index": 1, "code": 17419, "errmsg": "Resulting document after update is larger"}
-                ],
+                "writeErrors": [{"index": 1, "code": 17419, "errmsg": "Resulting document after update is larger"}],
             }
         )
         outcomes = await call.result()
@@ -443,9 +428,7 @@ async def test_concurrent_first_touches_create_the_collection_once(
         assert (await first.result(), await second.result()) == (None, None)
 
 
-async def test_an_existing_collection_is_not_an_error(
-    mongo_client: AsyncMongoClient[Any], wire: Wire
-) -> None:
+async def test_an_existing_collection_is_not_an_error(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
     store = MongoSnapshotStore(mongo_client, DB, context=CTX, sharding=MongoSharding.OFF)
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -474,18 +457,14 @@ async def test_a_collection_recorded_in_another_format_is_refused(
             await call.result()
 
 
-async def test_validate_requires_the_record_and_the_indexes(
-    mongo_client: AsyncMongoClient[Any], wire: Wire
-) -> None:
+async def test_validate_requires_the_record_and_the_indexes(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
     store = MongoSnapshotStore(mongo_client, DB, context=CTX, ddl=Ddl.VALIDATE, sharding=MongoSharding.OFF)
     async with anyio.create_task_group() as tg:
         call = Call()
         tg.start_soon(call.run, store.create_collection("order"))
         req = await wire.command("find")
         assert (req.doc["find"], req.doc["filter"]) == (TABLES, {"_id": ORDERS})
-        req.replies(
-            {"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": [{"_id": ORDERS, "format": 5}]}}
-        )
+        req.replies({"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": [{"_id": ORDERS, "format": 5}]}})
         listed = await wire.command("listIndexes")
         assert listed.doc["listIndexes"] == ORDERS
         owner = {**index_specs()[0], "v": 2}
@@ -566,9 +545,7 @@ async def test_claim_is_one_atomic_upsert_answering_the_table(store: MongoSnapsh
         assert await call.result() == SnapshotTable(type=type, revision=4, updated_at=1700000000000)
 
 
-async def test_mark_sets_the_flags_given_at_the_claimed_revision(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_mark_sets_the_flags_given_at_the_claimed_revision(store: MongoSnapshotStore, wire: Wire) -> None:
     type = AggregateType(context=CTX, aggregate="order")
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -589,19 +566,13 @@ async def test_mark_stale_sets_version_plus_one_unless_later(store: MongoSnapsho
         [u] = updates(req)
         assert u["q"] == {"_id": {"t": "(0)", "a": "o-1"}, "tenant_id": "(0)", "aggregate_id": "o-1"}
         assert u["u"] == [
-            {
-                "$set": {
-                    "stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}
-                }
-            }
+            {"$set": {"stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}}}
         ]
         req.replies({"n": 0, "nModified": 0})
         assert await call.result() is False
 
 
-async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(store: MongoSnapshotStore, wire: Wire) -> None:
     s = snap("o-1", version=5, revision=3)
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -633,9 +604,7 @@ async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(
 def test_a_save_keeps_a_later_stale_mark_of_its_own_record() -> None:
     s = snap("o-1", version=5, stale_version=8)
     mark = {"$max": ["$stale_version", 8]}
-    assert snapshot_pipeline(s)[0]["$replaceWith"]["stale_version"] == {
-        "$cond": [{"$gt": [mark, 5]}, mark, "$$REMOVE"]
-    }
+    assert snapshot_pipeline(s)[0]["$replaceWith"]["stale_version"] == {"$cond": [{"$gt": [mark, 5]}, mark, "$$REMOVE"]}
 
 
 async def test_load_reads_decimals_back_exactly(store: MongoSnapshotStore, wire: Wire) -> None:
@@ -688,9 +657,7 @@ def unavailable(operation: str) -> float:
     return REGISTRY.get_sample_value("wowd_store_unavailable_total", labels) or 0.0
 
 
-async def test_a_network_error_is_storage_unavailable_and_counted(
-    store: MongoSnapshotStore, wire: Wire
-) -> None:
+async def test_a_network_error_is_storage_unavailable_and_counted(store: MongoSnapshotStore, wire: Wire) -> None:
     before = unavailable("save")
     async with anyio.create_task_group() as tg:
         call = Call()
@@ -771,7 +738,7 @@ async def test_another_server_error_is_a_storage_error(store: MongoSnapshotStore
         server_error(
             await wire.command("find"),
             13,
-            f"not authorized on {DB} to execute command {{ find: \"{TABLES}\", filter: {{ _id: \"{ORDERS}\" }} }}",
+            f'not authorized on {DB} to execute command {{ find: "{TABLES}", filter: {{ _id: "{ORDERS}" }} }}',
         )
         with pytest.raises(StorageError, match="not authorized") as info:
             await call.result()

@@ -213,9 +213,7 @@ async def test_first_put_drops_and_rebuilds_another_format_when_told(mongo_clien
     assert out.error is None and out.value is True
 
 
-async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(
-    mongo_client: Any, wire: Wire
-) -> None:
+async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client, ddl=Ddl.VALIDATE)
     async with calling(lambda: store.put(make_timer())) as out:
         reg = await wire.command("find")
@@ -223,11 +221,7 @@ async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(
         reg.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         li = await wire.command("listIndexes")
         assert li.doc["listIndexes"] == "wow_timer__ctx__order"
-        li.ok(
-            **cursor(
-                f"{DB}.wow_timer__ctx__order", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()]
-            )
-        )
+        li.ok(**cursor(f"{DB}.wow_timer__ctx__order", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()]))
         await answer_update(wire)
     assert out.error is None and out.value is True
 
@@ -251,9 +245,7 @@ async def test_ddl_none_registers_the_type_and_creates_nothing(mongo_client: Any
     assert out.error is None and out.value is True
 
 
-async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
-    mongo_client: Any, wire: Wire
-) -> None:
+async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(mongo_client: Any, wire: Wire) -> None:
     """With ``ddl=none`` a type read from the registry by ``prepare`` (format 6) is assumed to
     exist: its first put is the upsert alone. A type the registry does not record still
     registers first (another replica's due read must see it)."""
@@ -297,9 +289,7 @@ async def test_ddl_validate_refuses_the_due_keys_in_another_order(mongo_client: 
     assert isinstance(out.error, FormatError) and "due" in str(out.error)
 
 
-async def test_ddl_validate_refuses_a_registered_collection_that_does_not_exist(
-    mongo_client: Any, wire: Wire
-) -> None:
+async def test_ddl_validate_refuses_a_registered_collection_that_does_not_exist(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client, ddl=Ddl.VALIDATE)
     async with calling(lambda: store.put(make_timer())) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))

@@ -59,7 +59,7 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
 
 
 def _check_reducers(settings: WowdSettings) -> int:
-    from wowd.daemon.feed import load_reducer
+    from wowd.reducers import load_reducer
 
     failures = 0
     for agg, path in settings.reducers.items():

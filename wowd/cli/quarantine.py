@@ -68,9 +68,7 @@ def _positive(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "quarantine", parents=[common], help="list, show and feed again the commits the feed set aside"
-    )
+    p = sub.add_parser("quarantine", parents=[common], help="list, show and feed again the commits the feed set aside")
     qsub = p.add_subparsers(dest="quarantine_command", required=True, metavar="COMMAND")
     ql = qsub.add_parser("list", help="quarantined items, oldest first")
     ql.add_argument("--after", metavar="ID", help="only items after this id (as a previous list printed)")
@@ -192,9 +190,7 @@ async def retry_item(settings: WowdSettings, backend: Backend, item: Mapping[str
         await backend.log.release_quarantined([outcome.item_id])
     else:
         type_ = AggregateType(context=settings.context, aggregate=str(item["aggregate"]))
-        await backend.log.quarantine(
-            str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason
-        )
+        await backend.log.quarantine(str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason)
     return outcome
 
 

@@ -66,7 +66,7 @@ def report_doc(r: RebuildReport) -> dict[str, Any]:
 
 
 async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
-    from wowd.daemon.feed import load_reducer
+    from wowd.reducers import load_reducer
 
     reducers = {agg: load_reducer(path) for agg, path in settings.reducers.items()}
     if not reducers:

@@ -11,23 +11,21 @@ slot: the slot's work stops (:class:`LeaseLost`).
 
 from __future__ import annotations
 
-import heapq
-import importlib
 import logging
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from wowd import metrics
+from wowd.backoff import Backoff
+from wowd.clock import now_ms
 from wowd.config import WowdSettings
 from wowd.errors import (
-    ConfigError,
     InvalidInput,
     LeaseLost,
     SinkWriteError,
@@ -40,7 +38,6 @@ from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
-    DomainEvent,
     LogBatch,
     LogEntry,
     Position,
@@ -57,21 +54,18 @@ from wowd.model import (
     partition,
     timer_event_from,
 )
+from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend
 
 from .leases import HeldSlot
+from .waker import Waker
 
-__all__ = ["CONSUMER", "Feeder", "Reducer", "Waker", "field_of", "load_reducer", "timer_from_event"]
+__all__ = ["CONSUMER", "Feeder", "field_of", "timer_from_event"]
 
 log = logging.getLogger(__name__)
 
 CONSUMER = "wowd"
 """The checkpoint consumer name of the daemon's feed."""
-
-WAKER_HORIZON_MS = 60_000
-"""A :class:`Waker` keeps the due times of puts due within this (the loop's reads find later ones)."""
-WAKER_MAX_SIZE = 50_000
-"""At most this many due times kept by a :class:`Waker` (about 4 MB)."""
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
@@ -82,8 +76,10 @@ def field_of(error: str | None) -> str:
     return m.group(1) if m else "unknown"
 
 
-STALL_BACKOFF_MAX_S = 60.0
-"""The longest pause between two tries of a stalled slot's batch."""
+RETRY_BACKOFF = Backoff(0.1, 10.0)
+"""The pause before retrying a batch the stores could not take."""
+STALL_BACKOFF = Backoff(0.1, 60.0)
+"""The pause before retrying a stalled slot's batch (at most a minute)."""
 STALL_LOG_EVERY_S = 60.0
 """A stalled slot's ERROR line comes at most this often."""
 STALL_AFTER_UNAVAILABLE_S = 60.0
@@ -110,138 +106,6 @@ def _step(name: str) -> Iterator[None]:
         raise
     except WowdError as exc:
         raise _StepFailed(name, exc) from exc
-
-
-class Reducer(Protocol):
-    state_revision: int
-
-    def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]: ...
-
-
-def fold_commit(reducer: Reducer, current: SnapshotRecord | None, commit: Commit) -> SnapshotRecord:
-    """The snapshot after ``commit`` folded on ``current`` (``None``: before version 1), exactly as
-    the feed folds it: the events in order, then the commit's access attributes and deleted flag."""
-    state: dict[str, Any] = dict(current.state) if current is not None else {}
-    for ev in commit.events:
-        state = reducer.fold(state, ev)
-    tags = commit.access.get("tags") or ()
-    return SnapshotRecord(
-        ref=commit.ref,
-        version=commit.version,
-        state_revision=reducer.state_revision,
-        state=state,
-        owner_id=commit.owner_id,
-        space_id=commit.space_id,
-        tags=tuple(str(t) for t in tags) if isinstance(tags, list | tuple) else (),
-        access_version=commit.access_version,
-        deleted=commit.deleted,
-        event_time=commit.create_time,
-    )
-
-
-def load_reducer(path: str) -> Reducer:
-    """Imports ``module:attribute``; a missing or incomplete reducer is a :class:`ConfigError`."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"reducer {path!r}: expected 'module:attribute'")
-    try:
-        obj: Any = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"reducer {path!r}: {exc}") from exc
-    if not isinstance(getattr(obj, "state_revision", None), int) or not callable(getattr(obj, "fold", None)):
-        raise ConfigError(f"reducer {path!r}: needs state_revision: int and fold(state, event)")
-    return obj  # type: ignore[no-any-return]
-
-
-class Waker:
-    """What the timer loop of one slot knows of the timers this process put: the due times the
-    feed put (and the loop's own retries and next occurrences) that no round has covered yet, in a
-    small heap, and an early wake-up when one is put due before the loop's planned wake-up.
-
-    A round that read every timer due by ``until`` (fewer than its batch) covers the heap's
-    entries due by then that were pushed before the read began (:meth:`mark` before the read,
-    :meth:`covered` after it); an entry pushed meanwhile may have been stored after the read's
-    snapshot and is kept. Entries due more than ``horizon_ms`` ahead are not kept (nor any past
-    ``max_size``): the loop's next read finds them with ``TimerStore.next_due``, long before they
-    are due, as it reads at least once per idle period.
-    """
-
-    def __init__(self, *, horizon_ms: int = WAKER_HORIZON_MS, max_size: int = WAKER_MAX_SIZE) -> None:
-        self._event = anyio.Event()
-        self._heap: list[tuple[int, int]] = []
-        """``(due_at, sequence)`` of each put not yet covered by a round."""
-        self._seq = 0
-        self._horizon_ms = horizon_ms
-        self._max_size = max_size
-        self._wake_before: float = float("-inf")
-        """While the loop waits: a put due before this wakes it (``-inf`` when it is not waiting:
-        the heap is read when it is about to wait)."""
-        self.watermark: int | None = None
-        """The feed's watermark (store time, ms): every commit of the slot's partitions appended
-        before it is applied to the timer view. ``None`` until the feed first reaches the log's
-        head after the slot was taken: nothing of the slot fires before."""
-        self._want_watermark: float = float("inf")
-        """While the loop waits: a watermark at or above this wakes it."""
-        self.created_ms = int(time.time() * 1000)
-
-    def advance(self, watermark: int) -> None:
-        """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
-        the watermark to reach a due time at or below it."""
-        if self.watermark is None or watermark > self.watermark:
-            self.watermark = watermark
-            if watermark >= self._want_watermark:
-                self._event.set()
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def wake(self) -> None:
-        """Wakes the loop now (a stop)."""
-        self._event.set()
-
-    def maybe_wake(self, due_at: int) -> None:
-        """A timer due at ``due_at`` was stored (put, retried, or its next occurrence): kept until
-        a round covers it; wakes the waiting loop when it is due before the loop's wake-up."""
-        if due_at < self._wake_before:
-            self._event.set()
-        if len(self._heap) < self._max_size and due_at <= time.time() * 1000 + self._horizon_ms:
-            heapq.heappush(self._heap, (due_at, self._seq))
-            self._seq += 1
-
-    def mark(self) -> int:
-        """Taken just before a due read: the entries pushed before it are stored."""
-        return self._seq
-
-    def covered(self, until_ms: int, mark: int) -> None:
-        """A due read that began at ``mark`` read every timer due by ``until_ms``: drops the
-        entries due by then pushed before ``mark``."""
-        heap = self._heap
-        kept: list[tuple[int, int]] = []
-        while heap and heap[0][0] <= until_ms:
-            entry = heapq.heappop(heap)
-            if entry[1] >= mark:
-                kept.append(entry)
-        for entry in kept:
-            heapq.heappush(heap, entry)
-
-    def earliest(self) -> int | None:
-        """The earliest due time kept (``None``: none)."""
-        return self._heap[0][0] if self._heap else None
-
-    async def wait(self, timeout_s: float, wake_before: float, want_watermark: float = float("inf")) -> None:
-        """Sleeps ``timeout_s`` at most; returns early on :meth:`wake`, when a timer due before
-        ``wake_before`` is put (stored) meanwhile, or when the watermark reaches ``want_watermark``."""
-        if timeout_s > 0 and not self._event.is_set():
-            self._wake_before = wake_before
-            self._want_watermark = want_watermark
-            try:
-                with anyio.move_on_after(timeout_s):
-                    await self._event.wait()
-            finally:
-                self._wake_before = float("-inf")
-                self._want_watermark = float("inf")
-        if self._event.is_set():
-            self._event = anyio.Event()
 
 
 def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
@@ -375,13 +239,12 @@ class Feeder:
                 self._read_scope = None
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
                 self._stall(held, f"log read: {type(exc).__name__}: {exc}", logx)
-                await self._pause(held, attempt, cap=STALL_BACKOFF_MAX_S)
+                await self._pause(held, attempt, STALL_BACKOFF)
                 attempt += 1
         logx.info("feed stopped at a batch boundary")
 
-    async def _pause(self, held: HeldSlot, attempt: int, cap: float = 10.0) -> None:
-        delay = min(cap, 0.1 * 2 ** min(attempt, 10))
-        with anyio.move_on_after(delay):
+    async def _pause(self, held: HeldSlot, attempt: int, backoff: Backoff = RETRY_BACKOFF) -> None:
+        with anyio.move_on_after(backoff(attempt)):
             await held.stop_event.wait()
 
     # ---- stalled: the slot's feed cannot progress
@@ -446,7 +309,7 @@ class Feeder:
                     break
                 # every record fails for the store's own reasons: nothing to quarantine
                 self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
-                await self._pause(held, attempt, cap=STALL_BACKOFF_MAX_S)
+                await self._pause(held, attempt, STALL_BACKOFF)
                 attempt += 1
         self._progressed(held, logx)
         # metrics only once the batch is checkpointed (a retried batch counts once)
@@ -584,8 +447,11 @@ class Feeder:
                 cur = latest[ref]
                 if cur is not None and cur.version >= c.version:
                     continue  # already folded (a retried or re-read batch)
-                if cur is None and c.version != 1 or cur is not None and (
-                    cur.version != c.version - 1 or cur.state_revision != reducer.state_revision
+                if (
+                    cur is None
+                    and c.version != 1
+                    or cur is not None
+                    and (cur.version != c.version - 1 or cur.state_revision != reducer.state_revision)
                 ):
                     stale.add(ref)  # a gap or another state revision: left to a rebuild
                     continue
@@ -602,16 +468,14 @@ class Feeder:
             refused = [o for o in outcomes if o.status == "failed"]
             if refused:
                 o = refused[0]
-                raise StorageError(
-                    f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}"
-                )
+                raise StorageError(f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}")
 
     async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
         timers = self._backend.timers
         # cheap guard: one indexed read; the per-aggregate reads only when something is parked
         if not await timers.scan(status=TimerStatus.PARKED, limit=1):
             return
-        now = int(time.time() * 1000)
+        now = now_ms()
         changes: list[TimerChange] = []
         seen: set[AggregateRef] = set()
         for commits in prepared.by_type.values():

@@ -36,7 +36,7 @@ import aiohttp
 import anyio
 import yarl
 
-from wowd import metrics
+from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
@@ -104,6 +104,8 @@ Stopped: TypeAlias = Callable[[], bool]
 
 def _running() -> bool:
     return False
+
+
 Record: TypeAlias = Callable[[Timer, Outcome], None]
 
 
@@ -145,10 +147,6 @@ async def deliver_concurrently(
             tg.start_soon(worker)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def outbox_entry(timer: Timer, now_ms: int) -> OutboxEntry:
     claim = timer.claim
     return OutboxEntry(
@@ -183,7 +181,7 @@ class OutboxGateway:
         self._housekept_at = time.monotonic()
         try:
             if self._retention_ms > 0:
-                trimmed = await self._outbox.trim(_now_ms() - self._retention_ms)
+                trimmed = await self._outbox.trim(clock.now_ms() - self._retention_ms)
                 if trimmed:
                     log.info("outbox: trimmed %d entries older than the retention", trimmed)
             metrics.OUTBOX_DEPTH.set(await self._outbox.count())
@@ -197,7 +195,7 @@ class OutboxGateway:
 
     async def send(self, timer: Timer) -> Outcome:
         try:
-            await self._outbox.put(outbox_entry(timer, _now_ms()))
+            await self._outbox.put(outbox_entry(timer, clock.now_ms()))
         except StorageUnavailable as exc:
             return Retry(reason=f"outbox unavailable: {exc}")
         except StorageError as exc:
@@ -208,7 +206,7 @@ class OutboxGateway:
         """One ``put_many`` for the batch: a re-fire of a request id is not a second delivery."""
         if stopped():
             return
-        now = _now_ms()
+        now = clock.now_ms()
         outcome: Outcome
         try:
             await self._outbox.put_many([outbox_entry(t, now) for t in timers])

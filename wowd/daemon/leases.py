@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,8 +39,10 @@ import anyio
 from anyio.abc import TaskStatus
 
 from wowd import metrics
+from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
+from wowd.fmt import compact_partitions
 from wowd.model import Owner, SlotLease
 from wowd.stores.base import SlotLeaseStore
 
@@ -103,23 +104,23 @@ class HeldSlot:
                 cb()
 
     def log_extra(self) -> dict[str, object]:
-        return {"slot": self.slot, "partitions": ",".join(map(str, sorted(self.partitions)))}
+        """What every log line of the slot carries: the slot and its partitions in a compact form."""
+        return {"slot": self.slot, "partitions": compact_partitions(self.partitions)}
 
 
 Work = Callable[[HeldSlot], Awaitable[None]]
 
 
 STALL_COOLDOWN_MIN_S = 10.0
+FULL_LIST_INFO_MAX_CHARS = 900
+"""A slot's full partition list is logged at acquisition at INFO up to this length (the line stays
+under 1 KB), at DEBUG beyond; every other line carries the compact form."""
 
 
 def _first(group: BaseException) -> BaseException:
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]
     return group
-
-
-def _backoff(attempt: int, base: float, cap: float) -> float:
-    return float(min(cap, base * (2 ** min(attempt, 20))) * random.uniform(0.5, 1.0))
 
 
 class SlotKeeper:
@@ -150,6 +151,7 @@ class SlotKeeper:
         self._tolerance_s = ls.tolerance_s
         self._validity_s = ls.ttl_s - ls.tolerance_s
         self._renew_every = ls.ttl_s / 3
+        self._standby_backoff = Backoff(0.1, max(0.2, self._renew_every), jitter=True)
         self._wall = wall_clock
         self._step_s = max(MIN_CLOCK_STEP_S, ls.tolerance_s)
         self._clock_base = self._clock_offset()
@@ -210,8 +212,7 @@ class SlotKeeper:
             if self._waiting_for != tenure:
                 self._waiting_for = tenure
                 log.warning(
-                    "slot %d (fence %d): the lease has %.3f s left, within the tolerance: "
-                    "not working under it",
+                    "slot %d (fence %d): the lease has %.3f s left, within the tolerance: not working under it",
                     lease.slot,
                     lease.fence,
                     lease.remaining_ms / 1000,
@@ -251,7 +252,7 @@ class SlotKeeper:
                 if not started:
                     started = True
                     task_status.started(None)
-                with anyio.move_on_after(_backoff(attempt, 0.1, max(0.2, self._renew_every))):
+                with anyio.move_on_after(self._standby_backoff(attempt)):
                     await self._stop.wait()
                 attempt += 1
                 continue
@@ -285,6 +286,9 @@ class SlotKeeper:
             self._ns,
             extra=extra,
         )
+        listed = ",".join(map(str, sorted(held.partitions)))
+        level = logging.INFO if len(listed) <= FULL_LIST_INFO_MAX_CHARS else logging.DEBUG
+        log.log(level, "slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
         self.held = held
         self.acquired_once = True
         metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(held.fence)
@@ -359,9 +363,7 @@ class SlotKeeper:
             step = offset - self._clock_base
             if abs(step) > self._step_s:
                 self._clock_base = offset
-                log.warning(
-                    "the wall clock stepped %+.3f s against the monotonic clock: renewing the lease now", step
-                )
+                log.warning("the wall clock stepped %+.3f s against the monotonic clock: renewing the lease now", step)
                 self._revalidate.set()
 
     async def _renew_loop(self, held: HeldSlot, work_scope: anyio.CancelScope) -> None:
@@ -399,8 +401,3 @@ class SlotKeeper:
             work_scope.deadline = valid_until
             metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
             next_at = self._next_renew(held)
-
-
-def jitter(seconds: float) -> float:
-    """``seconds`` scaled by a factor in [0.5, 1)."""
-    return seconds * random.uniform(0.5, 1.0) if math.isfinite(seconds) else seconds

@@ -1,4 +1,4 @@
-"""Snapshot rebuilds (DESIGN.md section 6, seed 004's rebuild control plane).
+"""Snapshot rebuilds (DESIGN.md section 6).
 
 Raising a reducer's ``state_revision`` makes the replicas claim the new revision and rebuild the
 snapshots of that aggregate type from the log, each partition by its owner:
@@ -38,6 +38,7 @@ from typing import Literal
 
 import anyio
 
+from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError, StorageUnavailable
 from wowd.model import (
@@ -48,9 +49,9 @@ from wowd.model import (
     SnapshotRecord,
     SnapshotTable,
 )
+from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend
 
-from .feed import Reducer, fold_commit
 from .leases import HeldSlot
 
 __all__ = [
@@ -58,7 +59,6 @@ __all__ = [
     "Rebuilder",
     "RebuildReport",
     "RebuildStatus",
-    "fold_commit",
     "progress_consumer",
 ]
 
@@ -69,6 +69,8 @@ PROGRESS_PREFIX = "wowd.rebuild"
 
 PAGE = 1000
 """Page size of ``pending`` when counting."""
+RETRY_BACKOFF = Backoff(0.1, 10.0)
+"""The pause before retrying a rebuild the stores could not answer."""
 
 
 def progress_consumer(aggregate: str, revision: int) -> str:
@@ -82,9 +84,6 @@ def _no_check() -> None:
 
 def _never() -> bool:
     return False
-
-
-# --------------------------------------------------------------------------- folding
 
 
 # --------------------------------------------------------------------------- results
@@ -148,6 +147,13 @@ class _Fold:
     job: _Job
     snapshots: dict[AggregateRef, SnapshotRecord] = field(default_factory=dict)
     broken: set[AggregateRef] = field(default_factory=set)
+
+
+def _summary(r: RebuildReport) -> str:
+    return (
+        f"{r.type} at revision {r.revision}: {r.outcome}, {len(r.partitions)} partition(s), {r.rewritten} rewritten,"
+        f" {r.unchanged} unchanged, {r.skipped} skipped, {r.failed} failed{', backfilled' if r.backfilled else ''}"
+    )
 
 
 # --------------------------------------------------------------------------- the rebuilder
@@ -385,7 +391,7 @@ class Rebuilder:
                 )
             job.todo.discard(p)
             job.report.partitions.append(p)
-        log.info("snapshots rebuilt in partition %d for %s", p, ", ".join(str(j.type) for j in jobs))
+        log.debug("snapshots rebuilt in partition %d for %s", p, ", ".join(str(j.type) for j in jobs))
         return True
 
     @staticmethod
@@ -403,9 +409,7 @@ class Rebuilder:
 
     async def _finish(self, job: _Job) -> None:
         n = self._settings.partitions
-        done = await self._backend.log.checkpoints(
-            progress_consumer(job.type.aggregate, job.revision), list(range(n))
-        )
+        done = await self._backend.log.checkpoints(progress_consumer(job.type.aggregate, job.revision), list(range(n)))
         if len(done) < n:
             return
         marked = await self._backend.rebuilds.mark(job.type, job.revision, rebuilding=False, backfilled=True)
@@ -437,28 +441,15 @@ class Rebuilder:
                 )
             except StorageUnavailable as exc:
                 log.warning("snapshot rebuild failed (will retry): %s", exc, extra=extra)
-                with anyio.move_on_after(min(10.0, 0.1 * 2 ** min(attempt, 10))):
+                with anyio.move_on_after(RETRY_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
                 continue
             except StorageError as exc:
                 log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
                 return []
-            for r in reports:
-                if r.partitions or r.outcome == "stopped":
-                    log.info(
-                        "snapshot rebuild of %s at revision %d: %s, %d partition(s), %d rewritten,"
-                        " %d unchanged, %d skipped, %d failed%s",
-                        r.type,
-                        r.revision,
-                        r.outcome,
-                        len(r.partitions),
-                        r.rewritten,
-                        r.unchanged,
-                        r.skipped,
-                        r.failed,
-                        ", backfilled" if r.backfilled else "",
-                        extra=extra,
-                    )
+            done = [_summary(r) for r in reports if r.partitions or r.outcome == "stopped"]
+            if done:
+                log.info("snapshots rebuilt for slot %d: %s", held.slot, "; ".join(done), extra=extra)
             return reports
         return []

@@ -10,24 +10,27 @@ group down and :meth:`run` raises, so the process exits non-zero.
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
 
 from wowd import metrics
+from wowd.backoff import Backoff
+from wowd.clock import now_ms
 from wowd.config import WowdSettings
 from wowd.errors import StorageError, StorageUnavailable
+from wowd.reducers import Reducer, load_reducer
 from wowd.stores.base import Backend
 
-from .feed import Feeder, Reducer, Waker, load_reducer
+from .feed import Feeder
 from .gateway import CommandGateway
 from .http import HttpServer
 from .leases import HeldSlot, SlotKeeper, owner_key_for
 from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
 from .timers import TimerLoop
+from .waker import Waker
 
 __all__ = ["Supervisor"]
 
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 HEALTH_EVERY_S = 2.0
 PING_TIMEOUT_S = 5.0
+PREPARE_BACKOFF = Backoff(0.2, 10.0)
+"""The pause before retrying to prepare stores that did not answer."""
 
 
 class Supervisor:
@@ -201,7 +206,7 @@ class Supervisor:
                 return True
             except StorageUnavailable as exc:
                 log.warning("stores not ready (will retry): %s", exc)
-                with anyio.move_on_after(min(10.0, 0.2 * 2 ** min(attempt, 6))):
+                with anyio.move_on_after(PREPARE_BACKOFF(attempt)):
                     await self._stop.wait()
                 attempt += 1
         return False
@@ -235,11 +240,11 @@ class Supervisor:
         if ok != self.stores_ok:
             self.stores_ok = ok
         metrics.READY.set(1 if self.ready() else 0)
-        now_ms = time.time() * 1000
+        now = now_ms()
         for slot, waker in list(self._wakers.items()):
             # before the feed first reaches the head: since the slot was taken
             mark = waker.watermark if waker.watermark is not None else waker.created_ms
-            metrics.FEED_WATERMARK_LAG.labels(slot=str(slot)).set(max(0.0, (now_ms - mark) / 1000))
+            metrics.FEED_WATERMARK_LAG.labels(slot=str(slot)).set(max(0.0, (now - mark) / 1000))
 
     async def _health_loop(self) -> None:
         s = self.settings

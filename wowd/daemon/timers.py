@@ -11,7 +11,7 @@ however long their delivery takes. Each claimed batch is delivered through the g
 (fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
 after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
 store's next due time (``next_due``) or the earliest one this process put since
-(:class:`~wowd.daemon.feed.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
+(:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
 due sooner wakes it at once. A timer due but beyond the watermark makes it ask the log to look
 at its head (``nudge``) and wait for the watermark instead.
 
@@ -24,9 +24,7 @@ and the timers are fired again with the same request id.
 from __future__ import annotations
 
 import logging
-import random
 import time
-from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
@@ -34,23 +32,23 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
-from prometheus_client import Histogram
 
 from wowd import metrics
+from wowd.backoff import Backoff
+from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import TimerStore
 
-from .feed import Waker
 from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
+from .waker import Waker
 
 __all__ = [
     "MAX_IDLE_S",
     "TimerLoop",
     "next_occurrence",
-    "observe_many",
     "outcome_changes",
     "retry_delay_s",
     "wake_time",
@@ -59,44 +57,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_IDLE_S = 0.5
-"""The longest sleep between two due reads. The loop wakes for the timers it knows of (the store's
-next due time read after each round, the puts of this process since: :class:`Waker`); this
-period is only the safety net for timers of the slot's partitions the Waker is not told of (stored
-by another process: ``wowd timers retry``, a tool writing the store; or a parked timer resumed by
-a feed, which settles it without telling the Waker): they fire at most this late. An idle read is
-two indexed reads."""
+"""The longest sleep between two due reads: how late a timer the :class:`Waker` is not told of
+fires (one stored by another process, or a parked timer a feed resumed)."""
 SETTLE_TIMEOUT_S = 10.0
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
-    """Observes each of ``values`` into ``histogram`` as ``observe`` would, with one increment per
-    bucket hit and one of the sum (not two locked increments per value)."""
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if not values:
-        return
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for v in values:  # another prometheus_client layout: the public way
-            histogram.observe(v)
-        return
-    check = getattr(histogram, "_raise_if_not_observable", None)
-    if check is not None:
-        check()  # a labelled parent is not observable, as with observe
-    # the first bound >= v, where observe's scan stops; a NaN (no bound >= it) only adds to the sum
-    hits = Counter(bisect_left(bounds, v) for v in values if v == v)
-    total.inc(sum(values))
-    for i, n in hits.items():
-        if i < len(buckets):
-            buckets[i].inc(n)
+ROUND_BACKOFF = Backoff(0.1, 5.0)
+"""The pause before retrying a due read or a reclaim the store could not answer."""
+SETTLE_BACKOFF = Backoff(0.05, 2.0)
+"""The pause before retrying a settle the store could not take (the lease bounds the tries)."""
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -117,9 +88,7 @@ def next_occurrence(timer: Timer, now: int) -> int | None:
     return None
 
 
-def wake_time(
-    now: int, next_due: Iterable[int | None], lookahead_ms: int, max_idle_s: float | None = None
-) -> int:
+def wake_time(now: int, next_due: Iterable[int | None], lookahead_ms: int, max_idle_s: float | None = None) -> int:
     """When the loop wakes after a round that claimed every timer due by ``now + lookahead``: when
     the earliest of ``next_due`` (the store's next due time, the earliest put since) comes within
     the lookahead, and at the latest after ``max_idle_s`` (default :data:`MAX_IDLE_S`), the
@@ -135,8 +104,7 @@ def wake_time(
 def retry_delay_s(attempts: int, settings: TimerSettings, hint_s: float = 0.0) -> float:
     """Exponential backoff with jitter: ``base * 2**attempts`` capped, scaled by [0.5, 1]; at least
     the target's hint."""
-    raw = min(settings.backoff_max_s, settings.backoff_base_s * 2 ** min(attempts, 30))
-    return float(max(hint_s, raw * random.uniform(0.5, 1.0)))
+    return max(hint_s, Backoff(settings.backoff_base_s, settings.backoff_max_s, jitter=True)(attempts))
 
 
 def outcome_changes(
@@ -234,7 +202,7 @@ class TimerLoop:
                     attempt = 0
                 except StorageUnavailable as exc:
                     logx.warning("timer round failed (will retry): %s", exc)
-                    with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
                     continue
@@ -278,7 +246,7 @@ class TimerLoop:
                 return
             except StorageUnavailable as exc:
                 logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
-                with anyio.move_on_after(min(5.0, 0.1 * 2 ** min(attempt, 10))):
+                with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
 
@@ -389,7 +357,7 @@ class TimerLoop:
                 break
             except StorageUnavailable as exc:
                 logx.warning("settle failed (will retry): %s", exc)
-                await anyio.sleep(min(2.0, 0.05 * 2**attempt))
+                await anyio.sleep(SETTLE_BACKOFF(attempt))
                 attempt += 1
             except StorageError as exc:
                 logx.error("settle failed: %s (claims will expire and re-fire)", exc)
@@ -402,12 +370,10 @@ class TimerLoop:
     @staticmethod
     def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
         fired: Counter[str] = Counter()
-        lags: list[float] = []
         for t, outcome, at in results:
             if isinstance(outcome, Delivered):
                 fired[t.owner.aggregate] += 1
-                lags.append(max(0.0, (at - t.scheduled_at) / 1000))
-        observe_many(metrics.FIRE_LAG, lags)
+                metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
         for agg, n in fired.items():
             metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
         for c in changes:

@@ -172,7 +172,7 @@ class Log(Protocol):
 
 @runtime_checkable
 class SlotLeaseStore(Protocol):
-    """CosId-style slot leases (seed 001, DESIGN.md section 4), decided on the store's clock."""
+    """CosId-style slot leases (DESIGN.md section 4), decided on the store's clock."""
 
     async def acquire(
         self,
@@ -216,7 +216,7 @@ class SlotLeaseStore(Protocol):
 
 @runtime_checkable
 class TimerStore(Protocol):
-    """The timers of one context (seed 000, DESIGN.md section 5)."""
+    """The timers of one context (DESIGN.md section 5)."""
 
     async def prepare(self) -> None:
         """Claims the registry's format (refuses another one) as the DDL mode says."""
@@ -329,7 +329,7 @@ class TimerStore(Protocol):
 
 @runtime_checkable
 class SnapshotStore(Protocol):
-    """Snapshots of one context (seed 004)."""
+    """Snapshots of one context."""
 
     async def prepare(self) -> None: ...
 
@@ -374,7 +374,7 @@ class SnapshotStore(Protocol):
 
 @runtime_checkable
 class SnapshotRebuildStore(Protocol):
-    """The rebuild control plane of snapshots (seed 004)."""
+    """The rebuild control plane of snapshots."""
 
     async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
         """Records ``revision`` as the type's claimed state revision when it is higher than the
@@ -405,7 +405,7 @@ class SnapshotRebuildStore(Protocol):
 
 @runtime_checkable
 class EventSink(Protocol):
-    """The event index of one aggregate type (seed 002): one document per commit."""
+    """The event index of one aggregate type: one document per commit."""
 
     type: AggregateType
 
@@ -422,9 +422,7 @@ class EventSink(Protocol):
         documents (see :meth:`stamp`)."""
         ...
 
-    async def stamp(
-        self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int
-    ) -> int:
+    async def stamp(self, ref: AggregateRef, access: Mapping[str, Any], as_of: int, from_: int, until: int) -> int:
         """Writes ``access`` over the documents of ``ref`` with versions in ``[from_, until]`` whose
         ``access_version`` is absent, below ``as_of``, or ``as_of`` with other attributes. The
         later of two stamps wins whatever their order. Answers how many documents changed."""

@@ -1,4 +1,4 @@
-"""The Elasticsearch event sink (seed 002, DESIGN.md section 7).
+"""The Elasticsearch event sink (DESIGN.md section 7).
 
 Imported only when the ``mongo`` backend is configured: the embedded default never imports
 the Elasticsearch client.

@@ -1,4 +1,4 @@
-"""The event sink of one aggregate type on Elasticsearch 9 (seed 002, DESIGN.md section 7).
+"""The event sink of one aggregate type on Elasticsearch 9 (DESIGN.md section 7).
 
 One index per aggregate type, ``wow.<context>.<aggregate>.events``; one document per commit,
 its id the commit's stream id (:func:`wowd.model.stream_id`), routed by aggregate id (an empty
@@ -806,9 +806,7 @@ class ElasticsearchEventSink:
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
-        bodies = bulk_bodies(
-            records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes
-        )
+        bodies = bulk_bodies(records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes)
         for body in bodies:
             await self._bulk(body)
         if self._index_missing:

@@ -1,4 +1,4 @@
-"""CosId-style slot leases on SQLite (seed 001, DESIGN.md section 4).
+"""CosId-style slot leases on SQLite (DESIGN.md section 4).
 
 Tables (the seed's documents as rows, the seed's field names as columns):
 
@@ -91,9 +91,7 @@ def take_sticky_sql() -> str:
 
 def take_slot_sql() -> str:
     """A named slot (the preferred one) when free."""
-    return (
-        f"UPDATE cosid_slot {_TAKE_SET}WHERE ns = :ns AND slot = :slot AND {_FREE} RETURNING {_LEASE_COLUMNS}"
-    )
+    return f"UPDATE cosid_slot {_TAKE_SET}WHERE ns = :ns AND slot = :slot AND {_FREE} RETURNING {_LEASE_COLUMNS}"
 
 
 def take_first_free_sql() -> str:
@@ -290,7 +288,6 @@ class EmbeddedSlotLeaseStore(SqliteStore):
             ]
 
         return await self._run("slots", run)
-
 
 
 def _match(lease: SlotLease) -> dict[str, Any]:

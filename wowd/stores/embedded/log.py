@@ -87,8 +87,7 @@ SCHEMA = (
         request_id TEXT,
         doc TEXT NOT NULL
     )""",
-    "CREATE UNIQUE INDEX IF NOT EXISTS log_version"
-    " ON log (context, aggregate, tenant_id, aggregate_id, version)",
+    "CREATE UNIQUE INDEX IF NOT EXISTS log_version ON log (context, aggregate, tenant_id, aggregate_id, version)",
     "CREATE UNIQUE INDEX IF NOT EXISTS log_request ON log (context, aggregate, aggregate_id, request_id)",
     "CREATE INDEX IF NOT EXISTS log_partition ON log (context, partition, seq)",
     """CREATE TABLE IF NOT EXISTS log_checkpoint (
@@ -136,10 +135,7 @@ def find_request_sql() -> str:
 
 def last_version_sql() -> str:
     """The highest version of one aggregate (over the ``log_version`` index)."""
-    return (
-        "SELECT MAX(version) FROM log"
-        " WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
-    )
+    return "SELECT MAX(version) FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
 
 
 def read_sql(partitions: int) -> str:
@@ -307,9 +303,7 @@ def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
         error = None
     except (WowdError, TypeError, ValueError) as exc:
         commit, error = None, str(exc)
-    return LogEntry(
-        position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error
-    )
+    return LogEntry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
 
 
 class EmbeddedLog(SqliteStore):
@@ -367,14 +361,11 @@ class EmbeddedLog(SqliteStore):
         except StorageError as exc:
             raise StorageUnavailable(f"sqlite {self._db.path}: does not answer: {exc}") from exc
 
-
     # ------------------------------------------------------------------ appends
 
     def _row(self, commit: Commit) -> tuple[Any, ...]:
         if commit.ref.context != self.context:
-            raise InvalidInput(
-                f"{commit.ref.context!r} is not the log's context {self.context!r}", field="context"
-            )
+            raise InvalidInput(f"{commit.ref.context!r} is not the log's context {self.context!r}", field="context")
         doc = commit_to_doc(commit, self.partitions)
         try:
             text = json.dumps(doc, separators=(",", ":"), allow_nan=False)
@@ -450,9 +441,7 @@ class EmbeddedLog(SqliteStore):
         row = (
             self.context,
             aggregate.aggregate,
-            document.get("tenant_id", DEFAULT_TENANT)
-            if isinstance(document.get("tenant_id", ""), str)
-            else None,
+            document.get("tenant_id", DEFAULT_TENANT) if isinstance(document.get("tenant_id", ""), str) else None,
             agg_id,
             version if isinstance(version, int) and not isinstance(version, bool) else None,
             partition(agg_id, self.partitions) if agg_id is not None else 0,
@@ -570,9 +559,7 @@ class EmbeddedLog(SqliteStore):
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)
-        saved = await self._run(
-            "save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount
-        )
+        saved = await self._run("save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount)
         if not saved:
             log.info(
                 "checkpoint of %s partition %s refused: a higher fence than %s wrote it",
@@ -603,9 +590,11 @@ class EmbeddedLog(SqliteStore):
         wanted = _row_ids(ids) if ids is not None else None
 
         def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            chunks = [None] if wanted is None else [
-                wanted[i : i + RELEASE_CHUNK] for i in range(0, len(wanted), RELEASE_CHUNK)
-            ]
+            chunks = (
+                [None]
+                if wanted is None
+                else [wanted[i : i + RELEASE_CHUNK] for i in range(0, len(wanted), RELEASE_CHUNK)]
+            )
             rows: list[tuple[Any, ...]] = []
             for chunk in chunks:
                 sql = quarantined_sql(after=bool(after_ids), ids=None if chunk is None else len(chunk))
@@ -655,8 +644,7 @@ def _create(conn: sqlite3.Connection) -> None:
     for statement in SCHEMA:
         conn.execute(statement)
     conn.execute(
-        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) "
-        "ON CONFLICT (name) DO NOTHING",
+        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) ON CONFLICT (name) DO NOTHING",
         (FORMAT,),
     )
     _check_format(conn)
@@ -666,8 +654,7 @@ def _validate(conn: sqlite3.Connection) -> None:
     present = {
         r[0]
         for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN "
-            f"({', '.join('?' * len(TABLES))})",
+            f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ({', '.join('?' * len(TABLES))})",
             TABLES,
         ).fetchall()
     }

@@ -1,4 +1,4 @@
-"""The event sink of one aggregate type on SQLite (seed 002, DESIGN.md section 7).
+"""The event sink of one aggregate type on SQLite (DESIGN.md section 7).
 
 Table ``events``, shared by every type of every context on the file: one row per commit, keyed
 ``(context, aggregate, tenant_id, aggregate_id, version)``, with ``id`` the commit's stream id
@@ -7,7 +7,7 @@ attributes (``access``, canonical JSON text) with the version they are of (``acc
 in their own columns, which stamps rewrite.
 
 A write is one transaction: ``INSERT OR IGNORE`` of every record (a record written before is
-ignored and counts as written: "409"), then the access stamps of seed 002: per aggregate, the
+ignored and counts as written: "409"), then the access stamps: per aggregate, the
 last record whose attributes differ from the record before it (in the write, else the last one
 this sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest
 stored document) stamps its attributes over the aggregate's earlier documents under the guard of
@@ -254,8 +254,6 @@ class EmbeddedEventSink(SqliteStore):
         return out
 
     # ---- plumbing
-
-
 
 
 def _stamps(

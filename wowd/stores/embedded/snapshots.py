@@ -1,4 +1,4 @@
-"""Snapshots of one context on SQLite (seed 004, DESIGN.md section 6).
+"""Snapshots of one context on SQLite (DESIGN.md section 6).
 
 Layout (format 5):
 
@@ -507,5 +507,3 @@ class EmbeddedSnapshotStore(SqliteStore):
         return await self._run("rewrite", lambda conn: conn.execute(sql, params).rowcount == 1)
 
     # ---- plumbing
-
-

@@ -1,4 +1,4 @@
-"""The timers of one context on SQLite (seed 000, DESIGN.md section 5).
+"""The timers of one context on SQLite (DESIGN.md section 5).
 
 Layout (format 6):
 
@@ -34,7 +34,6 @@ The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import json
@@ -192,7 +191,7 @@ def cancel_sql(context: str) -> str:
     return (
         f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
-        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND \"key\" = ?6"
+        f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND "key" = ?6'
         f" AND version <= ?1 AND {_LIVE}"
     )
 
@@ -216,7 +215,7 @@ def cancel_all_sql(context: str) -> str:
     return (
         f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
-        f" WHERE \"partition\" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5"
+        f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5'
         f" AND version <= ?1 AND {_LIVE}"
     )
 
@@ -362,7 +361,7 @@ def next_due_sql(context: str, arms: int) -> str:
         raise ValueError("arms must be >= 1")
     t = table_name(context)
     arm = (
-        f"SELECT MIN(due_at) AS m FROM {t} WHERE \"partition\" = ?{{}}"
+        f'SELECT MIN(due_at) AS m FROM {t} WHERE "partition" = ?{{}}'
         " AND status IN ('PENDING', 'FIRING') AND due_at > ?1"
     )
     union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
@@ -453,7 +452,6 @@ def timer_params(timer: Timer) -> tuple[Any, ...]:
 
 
 _STATUS = {s.value: s for s in TimerStatus}
-_FIRING = TimerStatus.FIRING
 _new = object.__new__
 _VALID_TYPES: set[tuple[str, str]] = set()
 """(context, aggregate) pairs that passed :func:`validate_name` (refs read back are rebuilt
@@ -479,104 +477,72 @@ def _ref(context: str, aggregate: str, tenant_id: str, id: str) -> AggregateRef:
     return ref
 
 
-_TIMER_FIELDS = (
-    "timer_id",
-    "partition",
-    "owner",
-    "key",
-    "version",
-    "due_at",
-    "scheduled_at",
-    "target",
-    "body",
-    "rule",
-    "status",
-    "attempts",
-    "fired",
-    "claim",
-    "last_error",
-    "revision",
-)
-"""The values :func:`_timer` takes, in this order (checked against :class:`Timer`'s fields)."""
-
-
-def _timer_builder() -> Callable[[tuple[Any, ...]], Timer]:
-    """Builds a :class:`Timer` from its field values in :data:`_TIMER_FIELDS` order.
-
-    ``Timer`` is a frozen slots dataclass with no ``__post_init__``: its ``__init__`` only sets
-    each field through ``object.__setattr__``. Setting the slots directly builds the same object
-    in about a third of the time (``due`` builds thousands per second). Should ``Timer`` change
-    shape (another field order, a ``__post_init__``, no slots), the constructor is used."""
-    names = tuple(f.name for f in dataclasses.fields(Timer))
-    slots = getattr(Timer, "__slots__", ())
-    if names != _TIMER_FIELDS or hasattr(Timer, "__post_init__") or set(slots) != set(names):
-
-        def construct(values: tuple[Any, ...]) -> Timer:
-            return Timer(**dict(zip(_TIMER_FIELDS, values, strict=True)))
-
-        return construct
-    setters = tuple(getattr(Timer, name).__set__ for name in names)
-    new = object.__new__
-
-    def build(values: tuple[Any, ...]) -> Timer:
-        t: Timer = new(Timer)
-        for set_, value in zip(setters, values, strict=True):
-            set_(t, value)
-        return t
-
-    return build
-
-
-_timer = _timer_builder()
+def _timer(context: str, r: Sequence[Any], claimed: Claim | None) -> Timer:
+    """The timer of a row in ``COLUMNS`` order (a trailing ``rowid`` aside); with ``claimed``, as
+    :func:`claim_rowid_sql` leaves it (FIRING under that claim, due at its expiry, revision + 1)."""
+    (
+        timer_id,
+        part,
+        aggregate,
+        owner_tenant,
+        owner_id,
+        key,
+        version,
+        status,
+        due_at,
+        scheduled_at,
+        target_context,
+        target_aggregate,
+        target_tenant,
+        target_id,
+        body,
+        rule,
+        attempts,
+        fired,
+        claim_owner_key,
+        claim_fence,
+        claim_until,
+        last_error,
+        revision,
+        *_rowid,
+    ) = r
+    claim: Claim | None = None
+    if claimed is None:
+        if claim_owner_key is not None:
+            claim = Claim(owner_key=claim_owner_key, fence=claim_fence, until=claim_until)
+        decoded, state = _listed_rule(rule), _STATUS[status]
+    else:
+        claim, due_at, revision = claimed, claimed.until, revision + 1
+        decoded, state = _rule_from_json(rule), TimerStatus.FIRING
+    return Timer(
+        timer_id=timer_id,
+        partition=part,
+        owner=_ref(context, aggregate, owner_tenant, owner_id),
+        key=key,
+        version=version,
+        due_at=due_at,
+        scheduled_at=scheduled_at,
+        target=_ref(target_context, target_aggregate, target_tenant, target_id),
+        body=body,
+        rule=decoded,
+        status=state,
+        attempts=attempts,
+        fired=fired,
+        claim=claim,
+        last_error=last_error,
+        revision=revision,
+    )
 
 
 def timer_from_row(context: str, r: Sequence[Any]) -> Timer:
     """The timer of a row in ``COLUMNS`` order."""
-    return _timer(
-        (
-            r[0],
-            r[1],
-            _ref(context, r[2], r[3], r[4]),
-            r[5],
-            r[6],
-            r[8],
-            r[9],
-            _ref(r[10], r[11], r[12], r[13]),
-            r[14],
-            _listed_rule(r[15]),
-            _STATUS[r[7]],
-            r[16],
-            r[17],
-            Claim(owner_key=r[18], fence=r[19], until=r[20]) if r[18] is not None else None,
-            r[21],
-            r[22],
-        )
-    )
+    return _timer(context, r, None)
 
 
 def claimed_from_row(context: str, r: Sequence[Any], claim: Claim) -> Timer:
     """The timer of a row (``COLUMNS`` order) as :func:`claim_rowid_sql` leaves it: exactly
     ``TimerChange.claim(timer_from_row(context, r), ...).applied()``."""
-    return _timer(
-        (
-            r[0],
-            r[1],
-            _ref(context, r[2], r[3], r[4]),
-            r[5],
-            r[6],
-            claim.until,
-            r[9],
-            _ref(r[10], r[11], r[12], r[13]),
-            r[14],
-            _rule_from_json(r[15]),
-            _FIRING,
-            r[16],
-            r[17],
-            claim,
-            r[21],
-            r[22] + 1,
-        )
-    )
+    return _timer(context, r, claim)
 
 
 def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
@@ -1007,5 +973,3 @@ class EmbeddedTimerStore(SqliteStore):
     async def _write(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
         """A write: run holding the file's write lock (see :func:`file_write_lock`)."""
         return await self._run(operation, under_lock(self._write_lock, fn))
-
-

@@ -1,4 +1,4 @@
-"""CosId-style slot leases on MongoDB (seed 001, DESIGN.md section 4), decided on the store clock.
+"""CosId-style slot leases on MongoDB (DESIGN.md section 4), decided on the store clock.
 
 Collections:
 
@@ -415,9 +415,7 @@ class MongoSlotLeaseStore(MongoStore):
         if write_concern is not None:
             options["write_concern"] = write_concern
         self._slots: AsyncCollection[dict[str, Any]] = self._db.get_collection(SLOT_COLLECTION, **options)
-        self._namespaces: AsyncCollection[dict[str, Any]] = self._db.get_collection(
-            NAMESPACE_COLLECTION, **options
-        )
+        self._namespaces: AsyncCollection[dict[str, Any]] = self._db.get_collection(NAMESPACE_COLLECTION, **options)
         self._prepared = self._ddl is Ddl.NONE
         self._prepare_lock = anyio.Lock()
 
@@ -475,13 +473,9 @@ class MongoSlotLeaseStore(MongoStore):
             if refused is not None:
                 log.warning("lease namespace %s refused: %s", namespace, refused)
                 return AcquireResult(status="refused", reason=refused)
-            return await self._acquire(
-                namespace, owner.key, limit, ttl_ms, tolerance_ms, slot_offset, preferred_slot
-            )
+            return await self._acquire(namespace, owner.key, limit, ttl_ms, tolerance_ms, slot_offset, preferred_slot)
 
-    async def _check_namespace(
-        self, namespace: str, limit: int, tolerance_ms: int, slot_offset: int
-    ) -> str | None:
+    async def _check_namespace(self, namespace: str, limit: int, tolerance_ms: int, slot_offset: int) -> str | None:
         doc = await self._namespaces.find_one(namespace_filter(namespace))
         if doc is None:
             try:
@@ -539,14 +533,10 @@ class MongoSlotLeaseStore(MongoStore):
                     slot_offset,
                     slot_offset + limit,
                 )
-        taken = await self._take(
-            free_filter(namespace, slot_offset, limit, tolerance_ms), take, sort=TAKE_SORT
-        )
+        taken = await self._take(free_filter(namespace, slot_offset, limit, tolerance_ms), take, sort=TAKE_SORT)
         if taken is not None:
             return self._acquired(taken, "free")
-        return AcquireResult(
-            status="exhausted", reason=f"all {limit} slots of namespace {namespace!r} are held"
-        )
+        return AcquireResult(status="exhausted", reason=f"all {limit} slots of namespace {namespace!r} are held")
 
     @staticmethod
     def _acquired(doc: Mapping[str, Any], step: str) -> AcquireResult:
@@ -562,9 +552,7 @@ class MongoSlotLeaseStore(MongoStore):
         )
         return AcquireResult(status="acquired", lease=lease)
 
-    async def _read_owner(
-        self, namespace: str, owner_key: str, slot_offset: int, limit: int
-    ) -> dict[str, Any]:
+    async def _read_owner(self, namespace: str, owner_key: str, slot_offset: int, limit: int) -> dict[str, Any]:
         cursor = await self._slots.aggregate(owner_pipeline(namespace, owner_key, slot_offset, limit))
         docs = await cursor.to_list()
         if len(docs) > 1:
@@ -580,9 +568,7 @@ class MongoSlotLeaseStore(MongoStore):
             errors = exc.details.get("writeErrors") or []
             if exc.details.get("writeConcernErrors") or any(e.get("code") != DUPLICATE_KEY for e in errors):
                 raise
-            log.debug(
-                "lease namespace %s: %d slot documents created by another process", namespace, len(errors)
-            )
+            log.debug("lease namespace %s: %d slot documents created by another process", namespace, len(errors))
 
     async def _take(
         self, query: dict[str, Any], update: list[dict[str, Any]], sort: Mapping[str, int] | None = None
@@ -642,4 +628,3 @@ class MongoSlotLeaseStore(MongoStore):
             cursor = await self._slots.aggregate(slots_pipeline(namespace))
             docs = await cursor.to_list()
         return [_state(doc) for doc in docs]
-

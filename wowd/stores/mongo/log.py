@@ -496,9 +496,7 @@ class MongoLog(MongoStore):
             await self._ensure(name)
         if self._ddl is Ddl.AUTO:
             with self._call("prepare"):
-                await self._db.command(
-                    {"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()}
-                )
+                await self._db.command({"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()})
 
     def nudge(self) -> None:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
@@ -712,8 +710,12 @@ class MongoLog(MongoStore):
                     if not docs:
                         break
                     for doc in docs:
-                        scan_key = {"c": name, "a": doc.get("aggregate_id"), "v": doc.get("version"),
-                                    "id": doc.get("_id")}
+                        scan_key = {
+                            "c": name,
+                            "a": doc.get("aggregate_id"),
+                            "v": doc.get("version"),
+                            "id": doc.get("_id"),
+                        }
                         position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
                         entries.append(self._entry(position, p, aggregate, doc))
                     if len(entries) >= batch_size:
@@ -725,9 +727,7 @@ class MongoLog(MongoStore):
         if entries:
             yield _batch(entries)
 
-    async def _stream(
-        self, parts: dict[int, _Part], batch_size: int, follow: bool
-    ) -> AsyncGenerator[LogBatch, None]:
+    async def _stream(self, parts: dict[int, _Part], batch_size: int, follow: bool) -> AsyncGenerator[LogBatch, None]:
         if not parts:
             return
         start = min(parts.values(), key=_Part.stream_start)
@@ -853,8 +853,7 @@ class MongoLog(MongoStore):
                     field="partition",
                 )
         except (InvalidInput, ConfigError) as exc:
-            return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc,
-                            error=str(exc))
+            return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc, error=str(exc))
         return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)
 
     # ------------------------------------------------------------------ checkpoints, quarantine
@@ -881,9 +880,7 @@ class MongoLog(MongoStore):
         if not positions:
             return True
         ops = [
-            UpdateOne(
-                checkpoint_filter(consumer, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True
-            )
+            UpdateOne(checkpoint_filter(consumer, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True)
             for p, pos in sorted(positions.items())
         ]
         with self._call("save_checkpoint"):
@@ -892,8 +889,10 @@ class MongoLog(MongoStore):
             except BulkWriteError as exc:
                 details = exc.details or {}
                 errors = details.get("writeErrors") or []
-                if errors and not details.get("writeConcernErrors") and all(
-                    e.get("code") == DUPLICATE_KEY for e in errors
+                if (
+                    errors
+                    and not details.get("writeConcernErrors")
+                    and all(e.get("code") == DUPLICATE_KEY for e in errors)
                 ):
                     return False
                 raise
@@ -925,7 +924,11 @@ class MongoLog(MongoStore):
                 return
         logger.warning(
             "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
-            self.context, aggregate, partition, consumer, reason,
+            self.context,
+            aggregate,
+            partition,
+            consumer,
+            reason,
         )
 
     async def quarantined(
@@ -1012,4 +1015,3 @@ def _bson_position(position: Position) -> Position:
     if ct is not None:
         out["cluster_time"] = list(ct)
     return out
-

@@ -70,9 +70,7 @@ def outbox_entry(doc: Doc) -> OutboxEntry:
         return OutboxEntry(
             request_id=doc["request_id"],
             timer_id=doc["timer_id"],
-            target=AggregateRef(
-                context=t["context"], aggregate=t["aggregate"], tenant_id=t["tenant_id"], id=t["id"]
-            ),
+            target=AggregateRef(context=t["context"], aggregate=t["aggregate"], tenant_id=t["tenant_id"], id=t["id"]),
             command=doc["command"],
             scheduled_at=int(doc["scheduled_at"]),
             fence=int(doc.get("fence", 0)),
@@ -144,8 +142,7 @@ class MongoOutbox(MongoStore):
                 if exc.details.get("writeConcernErrors"):
                     # written, but not as durably as asked: a retry answers them False (repeats)
                     raise StorageUnavailable(
-                        f"mongodb outbox put_many: write concern not satisfied: "
-                        f"{exc.details['writeConcernErrors']}"
+                        f"mongodb outbox put_many: write concern not satisfied: {exc.details['writeConcernErrors']}"
                     ) from exc
                 errors = exc.details.get("writeErrors") or []
                 if any(e.get("code") != DUPLICATE_KEY for e in errors) or not errors:

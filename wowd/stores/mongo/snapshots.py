@@ -1,4 +1,4 @@
-"""The snapshots of one bounded context on MongoDB (seed 004, DESIGN.md section 6).
+"""The snapshots of one bounded context on MongoDB (DESIGN.md section 6).
 
 Layout:
 
@@ -238,9 +238,7 @@ def stale_update(snapshot: SnapshotRecord) -> dict[str, Any]:
 
 def mark_stale_update() -> list[dict[str, Any]]:
     """``stale_version`` = its version + 1, unless already later."""
-    return [
-        {"$set": {"stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}}}
-    ]
+    return [{"$set": {"stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}}}]
 
 
 def rewrite_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
@@ -315,9 +313,7 @@ def claim_update(type: AggregateType, revision: int, lower: bool) -> list[dict[s
     a new claim starts neither rebuilding nor backfilled. Same revision: unchanged."""
     stored = {"$ifNull": ["$revision", None]}
     takes: dict[str, Any] = (
-        {"$ne": [stored, revision]}
-        if lower
-        else {"$or": [{"$eq": [stored, None]}, {"$lt": [stored, revision]}]}
+        {"$ne": [stored, revision]} if lower else {"$or": [{"$eq": [stored, None]}, {"$lt": [stored, revision]}]}
     )
     return [
         {"$set": {"_claim": takes}},
@@ -437,9 +433,7 @@ class MongoSnapshotStore(MongoStore):
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
         self.context = validate_name(context, field="context")
-        super().__init__(
-            client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS
-        )
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS)
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
         self._ready: set[str] = set()
@@ -561,9 +555,7 @@ class MongoSnapshotStore(MongoStore):
                 or dict(ix["key"]) != spec["key"]
                 or dict(ix.get("partialFilterExpression") or {}) != spec["partialFilterExpression"]
             ):
-                raise FormatError(
-                    f"mongodb {name}: index {spec['name']} is missing or differs (ddl=validate)"
-                )
+                raise FormatError(f"mongodb {name}: index {spec['name']} is missing or differs (ddl=validate)")
 
     async def _is_sharded(self) -> bool:
         if self._sharding is MongoSharding.ON:
@@ -612,9 +604,7 @@ class MongoSnapshotStore(MongoStore):
         self._check_ref(snapshot.ref)
         reason = _encodable({"q": conditional_upsert_filter(snapshot), "u": snapshot_pipeline(snapshot)})
         if reason is not None:
-            raise InvalidInput(
-                f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state"
-            )
+            raise InvalidInput(f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state")
         await self._ensure(snapshot.ref.aggregate)
         with self._call("save"):
             return await self._conditional_upsert(snapshot)
@@ -627,9 +617,7 @@ class MongoSnapshotStore(MongoStore):
         coll = self._collection(snapshot.ref.aggregate)
         for _ in range(_MAX_RETRIES):
             try:
-                await coll.update_one(
-                    conditional_upsert_filter(snapshot), snapshot_pipeline(snapshot), upsert=True
-                )
+                await coll.update_one(conditional_upsert_filter(snapshot), snapshot_pipeline(snapshot), upsert=True)
                 return True
             except OperationFailure as exc:
                 if not is_duplicate_key(exc):
@@ -647,8 +635,7 @@ class MongoSnapshotStore(MongoStore):
         stale = await coll.update_one(stale_filter(snapshot), stale_update(snapshot))
         if stale.matched_count:
             log.info(
-                "snapshot %s: save at version %s, state revision %s refused by a higher state revision; "
-                "marked stale",
+                "snapshot %s: save at version %s, state revision %s refused by a higher state revision; marked stale",
                 snapshot.ref,
                 snapshot.version,
                 snapshot.state_revision,
@@ -660,8 +647,7 @@ class MongoSnapshotStore(MongoStore):
         if stored is None:
             return False  # gone meanwhile: insert again
         return not (
-            stored.get("version", 0) < snapshot.version
-            and stored.get("state_revision", 0) <= snapshot.state_revision
+            stored.get("version", 0) < snapshot.version and stored.get("state_revision", 0) <= snapshot.state_revision
         )
 
     async def save_all(self, snapshots: Sequence[SnapshotRecord]) -> list[SnapshotSaveOutcome]:
@@ -717,8 +703,7 @@ class MongoSnapshotStore(MongoStore):
                     # applied, but not as durably as asked: the writes are idempotent, so the
                     # caller retries the batch whole (what landed answers unchanged)
                     raise StorageUnavailable(
-                        f"mongodb snapshots save_all: write concern not satisfied: "
-                        f"{exc.details['writeConcernErrors']}"
+                        f"mongodb snapshots save_all: write concern not satisfied: {exc.details['writeConcernErrors']}"
                     ) from exc
                 errors = {int(e["index"]): e for e in exc.details.get("writeErrors") or ()}
                 transient = next((e for e in errors.values() if e.get("code") in TRANSIENT_CODES), None)
@@ -752,9 +737,7 @@ class MongoSnapshotStore(MongoStore):
         self._check_ref(ref)
         await self._ensure(ref.aggregate)
         with self._call("mark_stale"):
-            result = await self._collection(ref.aggregate).update_one(
-                snapshot_filter(ref), mark_stale_update()
-            )
+            result = await self._collection(ref.aggregate).update_one(snapshot_filter(ref), mark_stale_update())
         return result.matched_count > 0
 
     # ------------------------------------------------------------------ SnapshotRebuildStore
@@ -814,9 +797,7 @@ class MongoSnapshotStore(MongoStore):
             )
             docs = await cursor.to_list()
         return [
-            AggregateRef(
-                context=type.context, aggregate=type.aggregate, tenant_id=d["_id"]["t"], id=d["_id"]["a"]
-            )
+            AggregateRef(context=type.context, aggregate=type.aggregate, tenant_id=d["_id"]["t"], id=d["_id"]["a"])
             for d in docs
         ]
 
@@ -828,9 +809,7 @@ class MongoSnapshotStore(MongoStore):
         q, u = rewrite_filter(snapshot), snapshot_pipeline(snapshot, rewrite=True)
         reason = _encodable({"q": q, "u": u})
         if reason is not None:
-            raise InvalidInput(
-                f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state"
-            )
+            raise InvalidInput(f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state")
         await self._ensure(snapshot.ref.aggregate)
         with self._call("rewrite"):
             try:

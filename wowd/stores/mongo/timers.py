@@ -1,4 +1,4 @@
-"""The timers of one context on MongoDB (seed 000, DESIGN.md section 5).
+"""The timers of one context on MongoDB (DESIGN.md section 5).
 
 One collection per owner aggregate type, ``wow_timer__<context>__<aggregate>``, recorded in the
 registry ``wow_timer_aggregate`` (``{_id: collection, context, aggregate, format: 6, created_at}``).
@@ -28,7 +28,6 @@ functions next to it (the black-pipe tests assert them on the wire).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
@@ -38,6 +37,7 @@ from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 
+from wowd import clock
 from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
@@ -200,9 +200,7 @@ def timer_from_doc(doc: Mapping[str, Any], *, context: str, aggregate: str) -> T
             revision=int(doc.get("revision", 0)),
         )
     except (KeyError, TypeError, ValueError, AttributeError, InvalidInput) as exc:
-        raise StorageError(
-            f"mongodb timers: malformed timer document in {context}.{aggregate}: {exc!r}"
-        ) from exc
+        raise StorageError(f"mongodb timers: malformed timer document in {context}.{aggregate}: {exc!r}") from exc
 
 
 # --------------------------------------------------------------------------- DDL builders
@@ -261,9 +259,7 @@ def registry_upgrade(name: str, now_ms: int) -> tuple[dict[str, Any], dict[str, 
 def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
     """The registry upsert's update: writes the format only when the document is new, so the
     answer (the document after the upsert) tells which format is recorded."""
-    return {
-        "$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}
-    }
+    return {"$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}}
 
 
 def split_points(partitions: int) -> list[dict[str, Any]]:
@@ -625,9 +621,7 @@ def next_due_pipeline(
                 {"$project": {"_id": 0, "due_at": 1}},
             ]
             pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
-    pipeline.append(
-        {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}}
-    )
+    pipeline.append({"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}})
     return pipeline
 
 
@@ -738,7 +732,7 @@ class MongoTimerStore(MongoStore):
                 if exc.code in _INDEX_CONFLICT_CODES:
                     raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
                 raise
-        flt, update = registry_upgrade(name, int(time.time() * 1000))
+        flt, update = registry_upgrade(name, clock.now_ms())
         with self._deadline():
             res = await self._registry.update_one(flt, update)
         if res.matched_count == 1:
@@ -803,7 +797,7 @@ class MongoTimerStore(MongoStore):
         command: dict[str, Any] = {
             "findAndModify": REGISTRY,
             "query": {"_id": name},
-            "update": registry_claim(self.context, aggregate, int(time.time() * 1000)),
+            "update": registry_claim(self.context, aggregate, clock.now_ms()),
             "upsert": True,
             "new": True,
         }
@@ -1311,4 +1305,3 @@ class MongoTimerStore(MongoStore):
             )
             await self._load_registry()
         raise AssertionError("unreachable")  # pragma: no cover
-

@@ -1,27 +1,25 @@
-"""The firing path on the embedded store (issue 11): the combined claim, the compound due read,
-the outbox batch insert, batched metrics. Each fast path is held to what the plain one does."""
+"""The firing path on the embedded store: the combined claim, the compound due read, the outbox
+batch insert. Each fast path is held to what the plain one does."""
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import sqlite3
 import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import anyio
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
 
 from tests.helpers import caught_up_waker
 from wowd.config import TimerSettings
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop, observe_many
+from wowd.daemon.timers import TimerLoop
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -40,9 +38,11 @@ from wowd.model import (
 from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
 from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
 from wowd.stores.embedded.timers import (
+    _SETTLE_SET,
     DUE_ARMS,
     EmbeddedTimerStore,
     due_union_sql,
+    table_name,
     timer_from_row,
     timer_params,
 )
@@ -153,6 +153,54 @@ async def test_a_claimed_timer_settles_as_one_claimed_by_settle(tmp_path: Path) 
     await store.close()
 
 
+SETTLES: dict[str, Any] = {
+    "claim": lambda t: TimerChange.claim(t, owner_key="me", fence=3, until=T0 + 900),
+    "fired": lambda t: TimerChange.fired(t, fence=3, next_due=T0 + 5_000),
+    "done": lambda t: TimerChange.fired(t, fence=3, next_due=None),
+    "retry": lambda t: TimerChange.retry(t, fence=3, due_at=T0 + 70, error="HTTP 503"),
+    "release": lambda t: TimerChange.release(t, fence=3, due_at=T0 + 80, reason="stopped"),
+    "park": lambda t: TimerChange.park(t, fence=3, reason="HTTP 404"),
+    "resume": lambda t: TimerChange.resume(t, due_at=T0 + 90),
+    "fail": lambda t: TimerChange.fail(t, fence=3, reason="HTTP 400"),
+}
+"""One change of each kind the settle statements know (``done``: fired with no next occurrence)."""
+
+
+async def test_each_settle_statement_stores_what_applied_answers(tmp_path: Path) -> None:
+    """The settle statement of every change kind writes exactly the timer ``applied()`` answers
+    (every field read back), on a timer with attempts, an error and a claim to carry or reset;
+    ``done`` leaves a DONE tombstone out of the view. ``claim_due`` stores what a claim's
+    ``applied()`` answers too."""
+    assert set(SETTLES) == set(get_args(get_type_hints(TimerChange)["kind"])) | {"done"} == set(_SETTLE_SET)
+    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=4)
+    revisions: dict[str, int] = {}
+    for kind, make in SETTLES.items():
+        t = replace(timer(f"k-{kind}", 4, due_at=T0), rule=IntervalRule(every_ms=1000))
+        assert await store.put(t)
+        claimed = TimerChange.claim(t, owner_key="me", fence=2, until=T0 + 10)
+        assert (firing := claimed.applied()) is not None
+        failed_once = TimerChange.retry(firing, fence=2, due_at=T0, error="HTTP 502")
+        assert (pending := failed_once.applied()) is not None
+        assert await store.settle([claimed]) == 1 and await store.settle([failed_once]) == 1
+        (loaded,) = await store.claim_due({t.partition}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 20)
+        assert loaded == TimerChange.claim(pending, owner_key="me", fence=2, until=T0 + 20).applied()
+        assert loaded.attempts == 1 and loaded.last_error == "HTTP 502" and loaded.claim is not None
+        if kind == "resume":
+            assert await store.settle([TimerChange.park(loaded, fence=2, reason="HTTP 404")]) == 1
+            (loaded,) = await store.scan(status=TimerStatus.PARKED, partitions={t.partition})
+        change = make(loaded)
+        assert await store.settle([change]) == 1
+        assert await store.find(t.owner, t.key) == change.applied(), kind
+        revisions[kind] = loaded.revision
+    with sqlite3.connect(tmp_path / "wowd.db") as conn:
+        row = conn.execute(
+            f"SELECT status, claim_owner_key, claim_fence, claim_until, revision FROM {table_name(CTX)}"
+            " WHERE \"key\" = 'k' AND owner_id = 'k-done'"
+        ).fetchone()
+    assert row == ("DONE", None, None, None, revisions["done"] + 1)
+    await store.close()
+
+
 async def test_the_due_read_is_one_merge_over_the_partial_index(tmp_path: Path) -> None:
     """Each arm of the compound statement reads the partial index in order and SQLite merges
     them (no sort of every due timer): the read costs about ``limit`` rows however many are due."""
@@ -172,7 +220,8 @@ async def test_the_due_read_is_one_merge_over_the_partial_index(tmp_path: Path) 
 
 
 def test_rows_decode_into_the_timers_written() -> None:
-    """The slot-setting decoder builds timers equal to the constructor's, every field read back."""
+    """The row decoder (its refs validated once per type) builds timers equal to the constructor's,
+    every field read back."""
     base = timer("d-1", 8, due_at=T0, tenant="tenant-ü")
     variants = [
         base,
@@ -247,34 +296,6 @@ def test_writers_of_one_file_share_one_write_lock(tmp_path: Path) -> None:
     assert file_write_lock(a) is file_write_lock(b)
     assert file_write_lock(a) is not file_write_lock(SqliteDatabase(tmp_path / "other.db"))
     assert file_write_lock(SqliteDatabase(":memory:")) is not file_write_lock(SqliteDatabase(":memory:"))
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-def test_observe_many_counts_as_observe_does() -> None:
-    buckets = (0.001, 0.01, 0.1, 1.0, 10.0)
-    values = [0.0, 0.001, 0.0010001, 0.01, 0.05, 0.1, 1.0, 9.99, 10.0, 11.0, 1e9, 0.1, 0.1]
-    one, many = CollectorRegistry(), CollectorRegistry()
-    h1 = Histogram("lag_seconds", "x", buckets=buckets, registry=one)
-    h2 = Histogram("lag_seconds", "x", buckets=buckets, registry=many)
-    for v in values:
-        h1.observe(v)
-    observe_many(h2, values)
-    observe_many(h2, [])
-
-    def samples(reg: CollectorRegistry) -> dict[tuple[str, str], float]:
-        out = {}
-        for metric in reg.collect():
-            for s in metric.samples:
-                if not s.name.endswith("_created"):
-                    out[(s.name, s.labels.get("le", ""))] = s.value
-        return out
-
-    got, expected = samples(many), samples(one)
-    assert got.keys() == expected.keys()
-    for k, v in expected.items():
-        assert math.isclose(got[k], v), k
 
 
 # --------------------------------------------------------------------------- the loop

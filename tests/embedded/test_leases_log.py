@@ -86,9 +86,7 @@ async def test_two_stores_on_one_file_racing_never_share_a_slot(tmp_path: Path) 
         results: list[Any] = []
 
         async def one(store: EmbeddedSlotLeaseStore, key: str) -> None:
-            results.append(
-                await store.acquire("wowd.once", Owner(key=key), 3, timedelta(seconds=30), timedelta(0))
-            )
+            results.append(await store.acquire("wowd.once", Owner(key=key), 3, timedelta(seconds=30), timedelta(0)))
 
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
@@ -203,9 +201,9 @@ async def test_lease_tables_follow_the_seed_fields(tmp_path: Path) -> None:
             "nextFloor",
             "writtenAt",
         ]
-        assert conn.execute(
-            'SELECT ns, "limit", toleranceMs, slotOffset FROM cosid_namespace'
-        ).fetchall() == [("ns", 2, 250, 4)]
+        assert conn.execute('SELECT ns, "limit", toleranceMs, slotOffset FROM cosid_namespace').fetchall() == [
+            ("ns", 2, 250, 4)
+        ]
         # a namespace row written without slotOffset (older version) reads as offset 0
         conn.execute("INSERT INTO cosid_namespace (ns, \"limit\", toleranceMs) VALUES ('old', 1, 0)")
     store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
@@ -311,9 +309,7 @@ async def test_follow_polls_for_appends_of_other_processes(elog: EmbeddedLog, tm
     async with anyio.create_task_group() as tg:
         tg.start_soon(tail)
         # another process's append: straight into the file, no in-process notification
-        doc = json.dumps(
-            {"aggregate_id": "o-1", "version": 1, "request_id": "x", "create_time": 1, "events": []}
-        )
+        doc = json.dumps({"aggregate_id": "o-1", "version": 1, "request_id": "x", "create_time": 1, "events": []})
         with sqlite3.connect(tmp_path / "log.db") as conn:
             conn.execute(
                 "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
@@ -331,9 +327,7 @@ async def test_contexts_sharing_a_file_do_not_mix(tmp_path: Path) -> None:
     try:
         await a.append(commit("o-1"))
         assert await b.aggregate_types() == []
-        assert [
-            e async for batch in b.read({p: None for p in range(8)}, follow=False) for e in batch.entries
-        ] == []
+        assert [e async for batch in b.read({p: None for p in range(8)}, follow=False) for e in batch.entries] == []
     finally:
         await a.close()
         await b.close()
@@ -355,26 +349,17 @@ async def test_open_embedded_builds_every_store_on_the_file(tmp_path: Path) -> N
     )
     from wowd.stores.embedded import open_embedded
 
-    settings = WowdSettings(
-        context="shop", partitions=4, embedded=EmbeddedSettings(path=tmp_path / "sub" / "wowd.db")
-    )
+    settings = WowdSettings(context="shop", partitions=4, embedded=EmbeddedSettings(path=tmp_path / "sub" / "wowd.db"))
     backend = await open_embedded(settings)
     try:
         assert backend.name == "embedded"
         assert isinstance(backend.log, Log) and isinstance(backend.leases, SlotLeaseStore)
         assert isinstance(backend.timers, TimerStore) and isinstance(backend.outbox, Outbox)
-        assert isinstance(backend.snapshots, SnapshotStore) and isinstance(
-            backend.rebuilds, SnapshotRebuildStore
-        )
+        assert isinstance(backend.snapshots, SnapshotStore) and isinstance(backend.rebuilds, SnapshotRebuildStore)
         assert backend.log.context == "shop" and backend.log.partitions == 4
         sink = backend.sink(AggregateType(context="shop", aggregate="order"))
-        assert (
-            isinstance(sink, EventSink)
-            and backend.sink(AggregateType(context="shop", aggregate="order")) is sink
-        )
-        lease = await backend.leases.acquire(
-            "wowd.shop", Owner(key="a"), 1, timedelta(seconds=5), timedelta(0)
-        )
+        assert isinstance(sink, EventSink) and backend.sink(AggregateType(context="shop", aggregate="order")) is sink
+        lease = await backend.leases.acquire("wowd.shop", Owner(key="a"), 1, timedelta(seconds=5), timedelta(0))
         assert lease.acquired
         ref = AggregateRef(context="shop", aggregate="order", id="o-1")
         c = Commit(ref=ref, version=1, command_id="c", request_id="r", create_time=1)

@@ -1,0 +1,94 @@
+"""The embedded event sink: access stamps against the stream's latest document, item counts,
+refused items. The protocol behaviour is in tests/contract/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wowd.errors import SinkWriteError
+from wowd.metrics import REGISTRY
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Commit,
+)
+from wowd.stores.embedded.sink import EmbeddedEventSink
+
+pytestmark = pytest.mark.anyio
+
+CTX = "ctx"
+T0 = 1_700_000_000_000
+
+
+TYPE = AggregateType(context=CTX, aggregate="order")
+A = {"owner_id": "u-1"}
+B = {"owner_id": "u-2"}
+
+
+def commit(id: str, version: int, access: dict[str, Any], access_version: int) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=CTX, aggregate="order", id=id),
+        version=version,
+        command_id="c",
+        request_id=f"r-{id}-{version}",
+        create_time=T0,
+        access=access,
+        access_version=access_version,
+    )
+
+
+def items(status: str) -> float:
+    return REGISTRY.get_sample_value("wowd_sink_items_total", {"status": status}) or 0.0
+
+
+@pytest.mark.parametrize("capacity", [0, 1024])
+async def test_a_new_sink_compares_with_the_streams_latest_stored_document(db_path: Path, capacity: int) -> None:
+    first = EmbeddedEventSink(db_path, TYPE)
+    await first.write([commit("o", 1, A, 1), commit("o", 2, A, 1)])
+    await first.close()
+    # a takeover: another sink (no memory of the stream) writes the next commits
+    second = EmbeddedEventSink(db_path, TYPE, capacity=capacity)
+    await second.write([commit("o", 3, B, 3)])
+    await second.write([commit("o", 4, A, 4)])  # remembered (or read) as B: a change again
+    docs = await second.documents(commit("o", 1, A, 1).ref)
+    assert [(d["version"], d["access"], d["access_version"]) for d in docs] == [
+        (1, A, 4),
+        (2, A, 4),
+        (3, A, 4),
+        (4, A, 4),
+    ]
+    assert docs[0]["id"] == "%280%29:o:1" and docs[0]["owner_id"] == "u-1"
+    await second.close()
+
+
+async def test_sink_counts_created_and_existing_items(db_path: Path) -> None:
+    sink = EmbeddedEventSink(db_path, TYPE)
+    created, existing = items("201"), items("409")
+    records = [commit("m", v, A, 1) for v in (1, 2, 3)]
+    await sink.write(records)
+    await sink.write(records[1:])
+    assert (items("201") - created, items("409") - existing) == (3, 2)
+    await sink.close()
+
+
+async def test_sink_write_names_a_refused_item_and_keeps_the_others(db_path: Path) -> None:
+    sink = EmbeddedEventSink(db_path, TYPE)
+    bad = Commit(
+        ref=AggregateRef(context=CTX, aggregate="order", id="x"),
+        version=2,
+        command_id="c",
+        request_id="r",
+        create_time=T0,
+        header={"when": object()},
+    )
+    with pytest.raises(SinkWriteError, match="x:2"):
+        await sink.write([commit("x", 1, A, 1), bad, commit("x", 3, A, 1)])
+    assert [d["version"] for d in await sink.documents(bad.ref)] == [1, 3]
+    other = EmbeddedEventSink(db_path, AggregateType(context=CTX, aggregate="cart"))
+    with pytest.raises(SinkWriteError, match="not of this sink's type"):
+        await other.write([commit("x", 4, A, 1)])
+    await sink.close()
+    await other.close()

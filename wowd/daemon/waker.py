@@ -1,0 +1,107 @@
+"""The timer loop's wake-up channel: what the feed of one slot put and how far it has applied."""
+
+from __future__ import annotations
+
+import heapq
+
+import anyio
+
+from wowd.clock import now_ms
+
+__all__ = ["WAKER_HORIZON_MS", "WAKER_MAX_SIZE", "Waker"]
+
+WAKER_HORIZON_MS = 60_000
+"""A :class:`Waker` keeps the due times of puts due within this (the loop's reads find later ones)."""
+WAKER_MAX_SIZE = 50_000
+"""At most this many due times kept by a :class:`Waker` (about 4 MB)."""
+
+
+class Waker:
+    """What the timer loop of one slot knows of the timers this process put: the due times the
+    feed put (and the loop's own retries and next occurrences) that no round has covered yet, in a
+    small heap, and an early wake-up when one is put due before the loop's planned wake-up.
+
+    A round that read every timer due by ``until`` (fewer than its batch) covers the heap's
+    entries due by then that were pushed before the read began (:meth:`mark` before the read,
+    :meth:`covered` after it); an entry pushed meanwhile may have been stored after the read's
+    snapshot and is kept. Entries due more than ``horizon_ms`` ahead are not kept (nor any past
+    ``max_size``): the loop's next read finds them with ``TimerStore.next_due``, long before they
+    are due, as it reads at least once per idle period.
+    """
+
+    def __init__(self, *, horizon_ms: int = WAKER_HORIZON_MS, max_size: int = WAKER_MAX_SIZE) -> None:
+        self._event = anyio.Event()
+        self._heap: list[tuple[int, int]] = []
+        """``(due_at, sequence)`` of each put not yet covered by a round."""
+        self._seq = 0
+        self._horizon_ms = horizon_ms
+        self._max_size = max_size
+        self._wake_before: float = float("-inf")
+        """While the loop waits: a put due before this wakes it (``-inf`` when it is not waiting:
+        the heap is read when it is about to wait)."""
+        self.watermark: int | None = None
+        """The feed's watermark (store time, ms): every commit of the slot's partitions appended
+        before it is applied to the timer view. ``None`` until the feed first reaches the log's
+        head after the slot was taken: nothing of the slot fires before."""
+        self._want_watermark: float = float("inf")
+        """While the loop waits: a watermark at or above this wakes it."""
+        self.created_ms = now_ms()
+
+    def advance(self, watermark: int) -> None:
+        """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
+        the watermark to reach a due time at or below it."""
+        if self.watermark is None or watermark > self.watermark:
+            self.watermark = watermark
+            if watermark >= self._want_watermark:
+                self._event.set()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def wake(self) -> None:
+        """Wakes the loop now (a stop)."""
+        self._event.set()
+
+    def maybe_wake(self, due_at: int) -> None:
+        """A timer due at ``due_at`` was stored (put, retried, or its next occurrence): kept until
+        a round covers it; wakes the waiting loop when it is due before the loop's wake-up."""
+        if due_at < self._wake_before:
+            self._event.set()
+        if len(self._heap) < self._max_size and due_at <= now_ms() + self._horizon_ms:
+            heapq.heappush(self._heap, (due_at, self._seq))
+            self._seq += 1
+
+    def mark(self) -> int:
+        """Taken just before a due read: the entries pushed before it are stored."""
+        return self._seq
+
+    def covered(self, until_ms: int, mark: int) -> None:
+        """A due read that began at ``mark`` read every timer due by ``until_ms``: drops the
+        entries due by then pushed before ``mark``."""
+        heap = self._heap
+        kept: list[tuple[int, int]] = []
+        while heap and heap[0][0] <= until_ms:
+            entry = heapq.heappop(heap)
+            if entry[1] >= mark:
+                kept.append(entry)
+        for entry in kept:
+            heapq.heappush(heap, entry)
+
+    def earliest(self) -> int | None:
+        """The earliest due time kept (``None``: none)."""
+        return self._heap[0][0] if self._heap else None
+
+    async def wait(self, timeout_s: float, wake_before: float, want_watermark: float = float("inf")) -> None:
+        """Sleeps ``timeout_s`` at most; returns early on :meth:`wake`, when a timer due before
+        ``wake_before`` is put (stored) meanwhile, or when the watermark reaches ``want_watermark``."""
+        if timeout_s > 0 and not self._event.is_set():
+            self._wake_before = wake_before
+            self._want_watermark = want_watermark
+            try:
+                with anyio.move_on_after(timeout_s):
+                    await self._event.wait()
+            finally:
+                self._wake_before = float("-inf")
+                self._want_watermark = float("inf")
+        if self._event.is_set():
+            self._event = anyio.Event()
