@@ -64,6 +64,7 @@ __all__ = [
     "request_id_for",
     "stream_id",
     "timer_event_from",
+    "timer_from_event",
     "validate_name",
 ]
 
@@ -771,6 +772,8 @@ class TimerScheduled:
     rule: Rule
     target: AggregateRef
     command: Command
+    command_json: str = field(default="", compare=False)
+    """The command's JSON text as the timer stores it (written once, when the event is read)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -826,7 +829,25 @@ def timer_event_from(
     size = len(text.encode())
     if size > max_body_bytes:
         raise InvalidInput(f"is {size} bytes, over the limit of {max_body_bytes}", field="body.command")
-    return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command)
+    return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command, command_json=text)
+
+
+def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
+    """The timer a ``TimerScheduled`` event of ``commit`` puts (owned by the commit's aggregate,
+    at its version, with the deterministic id a rebuilt view gives it again)."""
+    owner = commit.ref
+    return Timer(
+        timer_id=deterministic_timer_id(owner, ev.key, commit.version),
+        partition=partition(owner.id, partitions),
+        owner=owner,
+        key=ev.key,
+        version=commit.version,
+        due_at=ev.due_at,
+        scheduled_at=ev.due_at,
+        target=ev.target,
+        body=ev.command_json or ev.command.to_json(),
+        rule=ev.rule,
+    )
 
 
 # --------------------------------------------------------------------------- snapshots

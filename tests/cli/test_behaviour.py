@@ -178,8 +178,7 @@ def test_a_closed_pipe_ends_the_listing_quietly(wowd: Run, db: Path) -> None:
     assert wowd("demo", "--commits", "100", "--timers", "2000", "--aggregates", "10")[0] == 0
 
     async def feed() -> None:
-        from wowd.daemon.feed import timer_from_event
-        from wowd.model import TimerScheduled, timer_event_from
+        from wowd.model import TimerScheduled, timer_event_from, timer_from_event
 
         async with opened_backend(load_settings()) as backend:
             async for batch in backend.log.read(dict.fromkeys(range(8)), follow=False):

@@ -11,10 +11,9 @@ import pytest
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
 from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, load_settings
-from wowd.daemon.feed import timer_from_event
 from wowd.daemon.gateway import Park, Retry
 from wowd.daemon.timers import outcome_changes
-from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from
+from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from, timer_from_event
 
 ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
 

@@ -35,8 +35,9 @@ from tests.mongo.conftest import Wire
 from tests.mongo.log_support import housekeeping, token
 from tests.mongo.timers_support import matches
 from wowd.config import load_settings
-from wowd.daemon.feed import CONSUMER, Feeder, Waker, timer_from_event
+from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
+from wowd.daemon.waker import Waker
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -47,6 +48,7 @@ from wowd.model import (
     TimerStatus,
     commit_to_doc,
     timer_event_from,
+    timer_from_event,
 )
 from wowd.stores.base import Backend, Ddl
 from wowd.stores.elasticsearch import ElasticsearchEventSink

@@ -229,7 +229,7 @@ async def _feed(
 
 def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWrite], InvalidInput | None]:
     """The timer writes of ``commit`` as the feed makes them, and the first event it rejects."""
-    from wowd.daemon.feed import timer_from_event  # the feed's own timer ids
+    from wowd.model import timer_from_event
 
     writes: list[TimerWrite] = []
     rejected: InvalidInput | None = None

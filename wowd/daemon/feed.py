@@ -42,17 +42,15 @@ from wowd.model import (
     LogEntry,
     Position,
     SnapshotRecord,
-    Timer,
     TimerCancelled,
     TimerChange,
     TimerScheduled,
     TimerStatus,
     TimerWrite,
     commit_to_doc,
-    deterministic_timer_id,
     net_writes,
-    partition,
     timer_event_from,
+    timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend
@@ -60,7 +58,7 @@ from wowd.stores.base import Backend
 from .leases import HeldSlot
 from .waker import Waker
 
-__all__ = ["CONSUMER", "Feeder", "field_of", "timer_from_event"]
+__all__ = ["CONSUMER", "Feeder", "field_of"]
 
 log = logging.getLogger(__name__)
 
@@ -106,22 +104,6 @@ def _step(name: str) -> Iterator[None]:
         raise
     except WowdError as exc:
         raise _StepFailed(name, exc) from exc
-
-
-def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
-    owner = commit.ref
-    return Timer(
-        timer_id=deterministic_timer_id(owner, ev.key, commit.version),
-        partition=partition(owner.id, partitions),
-        owner=owner,
-        key=ev.key,
-        version=commit.version,
-        due_at=ev.due_at,
-        scheduled_at=ev.due_at,
-        target=ev.target,
-        body=ev.command.to_json(),
-        rule=ev.rule,
-    )
 
 
 @dataclass(slots=True)
