@@ -452,9 +452,6 @@ async def test_a_batch_writes_the_sink_timers_snapshots_and_checkpoints_in_a_bul
     assert set(m.kinds) <= known, m.kinds
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the feed loads snapshots and parked timers per aggregate: wire it to load_many/parked_many"
-)
 async def test_a_batch_stays_within_its_command_budget_whatever_its_size(
     rs_server: MockupDB, es: AsyncElasticsearch, fake: FakeElasticsearch
 ) -> None:

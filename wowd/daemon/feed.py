@@ -45,7 +45,6 @@ from wowd.model import (
     TimerCancelled,
     TimerChange,
     TimerScheduled,
-    TimerStatus,
     TimerWrite,
     commit_to_doc,
     net_writes,
@@ -413,7 +412,11 @@ class Feeder:
         if not self._reducers:
             return
         store = self._backend.snapshots
-        latest: dict[AggregateRef, SnapshotRecord | None] = {}
+        refs = [c.ref for t, commits in prepared.by_type.items() if t.aggregate in self._reducers for c in commits]
+        if not refs:
+            return
+        stored = await store.load_many(refs)  # one read per reducer type
+        latest: dict[AggregateRef, SnapshotRecord | None] = {ref: stored.get(ref) for ref in refs}
         changed: dict[AggregateRef, SnapshotRecord] = {}
         stale: set[AggregateRef] = set()
         for type_, commits in prepared.by_type.items():
@@ -424,8 +427,6 @@ class Feeder:
                 ref = c.ref
                 if ref in stale:
                     continue
-                if ref not in latest:
-                    latest[ref] = await store.load(ref)
                 cur = latest[ref]
                 if cur is not None and cur.version >= c.version:
                     continue  # already folded (a retried or re-read batch)
@@ -454,19 +455,10 @@ class Feeder:
 
     async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
         timers = self._backend.timers
-        # cheap guard: one indexed read; the per-aggregate reads only when something is parked
-        if not await timers.scan(status=TimerStatus.PARKED, limit=1):
-            return
+        # one read over the parked index for every aggregate of the batch (nothing when none is parked)
+        parked = await timers.parked_many([c.ref for commits in prepared.by_type.values() for c in commits])
         now = now_ms()
-        changes: list[TimerChange] = []
-        seen: set[AggregateRef] = set()
-        for commits in prepared.by_type.values():
-            for c in commits:
-                if c.ref in seen:
-                    continue
-                seen.add(c.ref)
-                for t in await timers.parked(c.ref):
-                    changes.append(TimerChange.resume(t, due_at=now))
+        changes = [TimerChange.resume(t, due_at=now) for t in parked]
         if changes:
             held.check()
             await timers.settle(changes)
