@@ -192,3 +192,51 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     [failed] = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
     assert failed.owner.id == "bad"
     assert failed.last_error is not None and "undecodable" in failed.last_error and "Europe/Gone" in failed.last_error
+
+
+async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_ends_its_own_claims(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """The lease lapses while a round delivers (a slow store under load): the round's outcomes
+    are still settled (guarded by each timer's revision), so a holder that takes the slot back
+    with the same fence re-delivers none of them, and claims of the same fence left over are
+    due again at once, not after ``claim_ttl_s``."""
+    due = int(time.time() * 1000)
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(6)])
+    held = await hold(backend, "a")
+
+    class LapsingOutbox(OutboxGateway):
+        async def deliver(self, timers, record, stopped=lambda: False):  # type: ignore[no-untyped-def]
+            held.valid_until = anyio.current_time() - 1  # the lease lapses while delivering
+            await super().deliver(timers, record, stopped)
+            held.request_stop()  # (the keeper stops a lapsed slot's work)
+
+    waker = Waker()
+    loop = TimerLoop(TimerSettings(batch=100), backend.timers, LapsingOutbox(backend.outbox), nudge=backend.log.nudge)
+    feeder = Feeder(settings(tmp_path), backend)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await tg.start(feeder.run, held, waker)
+    assert await backend.outbox.count() == 6
+    assert await backend.timers.scan(limit=10) == []  # settled: fired one-shots are done
+    # a claim of this fence left over by an earlier holding: fed, then claimed, never delivered
+    await backend.log.append_many([timer_commit("left", 1, ["k"], due_at=due)])
+    again = await hold(backend, "a")
+    assert again.fence == held.fence
+    feeder = Feeder(settings(tmp_path), backend)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, again, Waker())
+            while not await backend.timers.scan(limit=10):
+                await a_moment()
+            again.request_stop()
+    claimed = await backend.timers.claim_due(
+        frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
+    )
+    assert [t.owner.id for t in claimed] == ["left"]
+    started = time.monotonic()
+    await run_slot(tmp_path, backend, await hold(backend, "a"), until_outbox=7)
+    assert time.monotonic() - started < 5
+    entries = await backend.outbox.entries()
+    assert len(entries) == 7 and len({e.request_id for e in entries}) == 7

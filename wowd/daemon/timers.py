@@ -17,8 +17,8 @@ at its head (``nudge``) and wait for the watermark instead.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
-shielded, bounded, and only while the lease is valid: otherwise the claims expire by themselves
-and the timers are fired again with the same request id.
+shielded and bounded, also after the lease lapsed: each change is guarded by the timer's revision
+as claimed, so it is skipped where a new holder has moved the timer on.
 """
 
 from __future__ import annotations
@@ -235,14 +235,18 @@ class TimerLoop:
     async def _reclaim(
         self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]
     ) -> None:
-        """Ends the claims a previous holder of the slot (a lower fence) left."""
+        """Ends the claims an earlier holding of the slot left: a previous holder's (a lower
+        fence), or this holder's own before its lease lapsed and was taken back (this fence)."""
         attempt = 0
         while not held.stopping:
             try:
                 held.check()
-                n = await self._store.reclaim(parts, held.fence)
+                # claims under this very fence too: none is in flight (this slot's work starts
+                # now); they were left by this holder's earlier work on the slot, whose lease
+                # lapsed and was taken back with the same fence
+                n = await self._store.reclaim(parts, held.fence + 1)
                 if n:
-                    logx.info("%d timers claimed by a previous holder of the slot are due again", n)
+                    logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
                 return
             except StorageUnavailable as exc:
                 logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
@@ -347,11 +351,14 @@ class TimerLoop:
         if not changes:
             return []
         self._count(results, changes)
+        # Settled even when the lease has lapsed meanwhile: each change is written over the timer
+        # only as this round claimed it (id and revision), so a timer a new holder claimed or
+        # reclaimed since has moved on and its change is skipped; what is written is the truth
+        # (a delivered timer is not delivered again)
+        if not held.valid:
+            logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(changes))
         attempt = 0
         while True:
-            if not held.valid:
-                logx.warning("lease expired before settling %d timers: their claims will expire", len(changes))
-                return []
             try:
                 written = await self._store.settle(changes)
                 break
