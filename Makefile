@@ -40,7 +40,7 @@ lint: venv
 # Two workers (pytest-xdist); bytecode caches written (__pycache__/, ignored by git) even where
 # PYTHONDONTWRITEBYTECODE is set: the suite starts over a hundred Python processes.
 unit: venv
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 2
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 test: lint unit
 

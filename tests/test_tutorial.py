@@ -22,7 +22,7 @@ TUTORIAL = (ROOT / "docs" / "tutorial.md").read_text()
 README = (ROOT / "README.md").read_text()
 BIN = Path(sys.executable).parent
 
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.slow]
 
 
 def blocks(text: str, lang: str) -> list[str]:

@@ -23,7 +23,7 @@ from wowd.model import DomainEvent, TimerStatus
 
 from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
 
-pytestmark = [pytest.mark.anyio, pytest.mark.process]
+pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
 
 class Target:

@@ -23,7 +23,7 @@ from wowd.daemon.timers import TimerLoop
 from wowd.model import AggregateRef, Command, Owner, Timer, TimerStatus, TimerWrite, deterministic_timer_id, partition
 from wowd.stores.base import Backend
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 CONTEXT = "shop"
 PARTS = 8

@@ -19,7 +19,7 @@ from tests.sqlite_damage import corrupt_table, settled_copy
 
 from .conftest import Replica, base_env, eventually, run_wowd
 
-pytestmark = [pytest.mark.anyio, pytest.mark.process]
+pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
 WITHIN_S = 15.0
 """How soon a replica must say that its slot is stalled, from its start."""
