@@ -37,7 +37,7 @@ lint: venv
 	@if docker compose version >/dev/null 2>&1; then GRAFANA_ADMIN_PASSWORD=lint docker compose -f deploy/compose.yaml config -q; \
 	else echo "lint: docker compose plugin not installed, deploy/compose.yaml not validated by it"; fi
 
-# Two workers (pytest-xdist); bytecode caches written (__pycache__/, ignored by git) even where
+# Two workers (pytest-xdist) stealing work from each other; bytecode caches written (__pycache__/, ignored by git) even where
 # PYTHONDONTWRITEBYTECODE is set: the suite starts over a hundred Python processes.
 unit: venv
 	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n 2 --dist worksteal
