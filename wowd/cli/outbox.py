@@ -5,22 +5,13 @@ from __future__ import annotations
 import argparse
 import time
 
+from wowd.cli.args import positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
 
 __all__ = ["outbox", "register"]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _non_negative_s(text: str) -> float:
@@ -38,7 +29,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     osub = p.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
     ol = osub.add_parser("list", help="entries in delivery order, after a cursor")
     ol.add_argument("--after", metavar="CURSOR", help="only entries after this cursor (as a previous list printed)")
-    ol.add_argument("--limit", type=_positive, default=100, help="list at most this many (default 100)")
+    ol.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
     ol.add_argument("--json", action="store_true", help="print JSON ({entries, cursor}) instead of a table")
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")

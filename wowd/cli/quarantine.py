@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from wowd.cli.args import positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import err, out, print_table
 from wowd.config import WowdSettings
@@ -57,22 +58,12 @@ _REFUSED = re.compile(r"^(\w+) refused it: ")
 _REJECTED_TIMER_EVENT = "rejected timer event: "
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("quarantine", parents=[common], help="list, show and feed again the commits the feed set aside")
     qsub = p.add_subparsers(dest="quarantine_command", required=True, metavar="COMMAND")
     ql = qsub.add_parser("list", help="quarantined items, oldest first")
     ql.add_argument("--after", metavar="ID", help="only items after this id (as a previous list printed)")
-    ql.add_argument("--limit", type=_positive, default=100, help="list at most this many (default 100)")
+    ql.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
     ql.add_argument("--json", action="store_true", help="print JSON ({items, next}) instead of a table")
     qs = qsub.add_parser("show", help="one item: its reason and its document")
     qs.add_argument("id", metavar="ID", help="an id as 'quarantine list' shows it")

@@ -9,6 +9,7 @@ import time
 from datetime import datetime
 from typing import Any
 
+from wowd.cli.args import positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import err, out, print_json, print_table
 from wowd.config import WowdSettings
@@ -30,16 +31,6 @@ def _status(text: str) -> TimerStatus:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a timer status ({', '.join(s.value.lower() for s in TimerStatus)})"
         ) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -86,7 +77,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tl.add_argument(
         "--status", type=_status, help="only timers in this status: pending, firing, parked or failed (any case)"
     )
-    tl.add_argument("--limit", type=_positive, default=100, help="list at most this many (default 100)")
+    tl.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
     tl.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     ts = tsub.add_parser("show", help="one timer, by its owner and key")
@@ -105,7 +96,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
     when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
     rule = tsc.add_mutually_exclusive_group()
-    rule.add_argument("--every-ms", type=_positive, help="recurring: every this many milliseconds")
+    rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
     rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
     tsc.add_argument("--zone", default="UTC", help="the time zone of --cron (default UTC)")
     tsc.add_argument("--target", metavar="AGGREGATE/ID", help="where the command goes (default: the owner)")
