@@ -265,7 +265,7 @@ def section_steady(cfg: Config) -> Section:
         f"APScheduler 3 {best(data['aps3'])}/s."
     )
     notes = [
-        f"{fmt(cfg.steady_seconds)} s per rate instead of the issue's 60 s, to keep `make bench` near "
+        f"{fmt(cfg.steady_seconds)} s per rate instead of 60 s, to keep `make bench` near "
         "12 minutes on 2 vCPU; one run per rate.",
         "wowd: this process appends the commits (`wowd.demo.demo_commits`, one TimerScheduled each) to the "
         "embedded log; the replica feeds and fires them. APScheduler: `add_job` in the scheduler's own "
@@ -609,7 +609,7 @@ def section_e2e(cfg: Config) -> Section:
         ],
         steady_rows,
     )
-    body += "\n\n" + table(["target (issue 15, issue 14)", "measured", "met"], e2e_target_rows(med, c))
+    body += "\n\n" + table(["target", "measured", "met"], e2e_target_rows(med, c))
     load = f"{fmt(min(loads), 2)} to {fmt(max(loads), 2)}" if loads else "not read"
     notes = [
         f"Machine load (1-minute load average, read before and after each measurement): {load} on "
@@ -689,7 +689,7 @@ SECTIONS: dict[str, Callable[[Config], Section]] = {
 
 
 def targets(sections: dict[str, Section]) -> str:
-    """The issue's targets against this run's numbers."""
+    """The targets against this run's numbers."""
     rows: list[list[str]] = []
 
     def add(target: str, measured: str, met: bool | None) -> None:
@@ -722,7 +722,7 @@ def targets(sections: dict[str, Section]) -> str:
             if default and wowd1:
                 ratio = wowd1["fired_per_s"] / default["fired_per_s"]
                 add(
-                    f">= 25x APScheduler 3 out of the box (N={fmt(int(size))}, the issue's 970/s setup)",
+                    f">= 25x APScheduler 3 out of the box (N={fmt(int(size))}, a 970/s setup)",
                     f"{fmt(ratio, 2)}x",
                     ratio >= 25,
                 )

@@ -2,7 +2,7 @@
 Timers come due every 20 ms; the holder is killed with SIGKILL; measured is the time from the
 kill to the first outbox row written by the standby (its owner key), for each lease ttl.
 
-The bound the issue sets: ttl + ttl/3 (the standby's acquire retry is at most a renew interval)
+The bound: ttl + ttl/3 (the standby's acquire retry is at most a renew interval)
 + one poll interval of the timer loop (``MAX_IDLE_S``).
 """
 
