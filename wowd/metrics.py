@@ -40,7 +40,7 @@ __all__ = [
     "SLOT_HELD",
     "STORE_CALL_SECONDS",
     "STORE_UNAVAILABLE",
-    "TIMERS_DUE_BACKLOG",
+    "TIMERS_CLAIMED_LAST_ROUND",
     "TIMERS_FAILED",
     "TIMERS_FIRED",
     "TIMERS_PARKED",
@@ -75,7 +75,10 @@ TIMERS_FAILED = Counter("wowd_timers_failed_total", "Timers failed after the ret
 FIRE_LAG = Histogram(
     "wowd_fire_lag_seconds", "Delivery time minus scheduled time of fired timers", buckets=_LAG_BUCKETS
 )
-TIMERS_DUE_BACKLOG = Gauge("wowd_timers_due_backlog", "Due timers read in the last poll (capped at the batch)")
+TIMERS_CLAIMED_LAST_ROUND = Gauge(
+    "wowd_timers_claimed_last_round",
+    "Timers claimed by the timer loop's last round: at most timers.batch, equal to it while more are due",
+)
 SETTLE_BATCH = Histogram(
     "wowd_settle_batch_size", "Changes per settle call", buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000)
 )

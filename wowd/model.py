@@ -596,7 +596,8 @@ class TimerChange:
       - ``retry``: PENDING at ``due_at``, ``attempts + 1``, ``last_error``.
       - ``release``: claimed but never sent (the replica stopped): PENDING at ``due_at``, the
         attempts unchanged, ``last_error``.
-      - ``park``: PARKED (out of the due index), ``last_error``.
+      - ``park``: PARKED (out of the due index), ``last_error``; ``due_at`` = when it was parked
+        (given ``at``; a PARKED timer is never due, so its ``due_at`` says since when).
       - ``resume``: PENDING at ``due_at`` (attempts reset), from PARKED or FAILED.
       - ``fail``: FAILED, ``last_error``.
     Every change bumps ``revision``; ``fence`` is the slot fence of the writer.
@@ -629,8 +630,8 @@ class TimerChange:
         return TimerChange(kind="release", timer=timer, fence=fence, due_at=due_at, error=reason)
 
     @staticmethod
-    def park(timer: Timer, *, fence: int, reason: str) -> TimerChange:
-        return TimerChange(kind="park", timer=timer, fence=fence, error=reason)
+    def park(timer: Timer, *, fence: int, reason: str, at: int | None = None) -> TimerChange:
+        return TimerChange(kind="park", timer=timer, fence=fence, error=reason, due_at=at)
 
     @staticmethod
     def resume(timer: Timer, *, due_at: int) -> TimerChange:
@@ -684,7 +685,8 @@ class TimerChange:
                 t, status=TimerStatus.PENDING, due_at=self.due_at, claim=None, last_error=self.error, revision=rev
             )
         if self.kind == "park":
-            return replace(t, status=TimerStatus.PARKED, claim=None, last_error=self.error, revision=rev)
+            due = t.due_at if self.due_at is None else self.due_at
+            return replace(t, status=TimerStatus.PARKED, due_at=due, claim=None, last_error=self.error, revision=rev)
         if self.kind == "resume":
             assert self.due_at is not None
             return replace(t, status=TimerStatus.PENDING, due_at=self.due_at, attempts=0, claim=None, revision=rev)

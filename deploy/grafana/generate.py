@@ -95,7 +95,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "Due backlog and outbox depth",
         "short",
         [
-            ("sum by (instance) (wowd_timers_due_backlog{S})", "due {{instance}}"),
+            ("sum by (instance) (wowd_timers_claimed_last_round{S})", "claimed {{instance}}"),
             ("max(wowd_outbox_depth{S})", "outbox"),
         ],
     ),

@@ -13,6 +13,7 @@ from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.gateway import Park, Retry
 from wowd.daemon.timers import outcome_changes
+from wowd.fmt import iso_ms
 from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from, timer_from_event
 
 ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
@@ -104,7 +105,9 @@ def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wo
     assert set(rows) == {"FAILED", "PARKED", "FIRING"}
     failed, parked, firing = rows["FAILED"], rows["PARKED"], rows["FIRING"]
     assert " 3  failed: retry budget spent after 3 attempts: HTTP 503" in failed  # attempts = deliveries = 3
-    assert " 1  parked by the delivery claimed until " in parked and parked.endswith(": HTTP 404: no such order")
+    since = _find("k2").due_at  # a parked timer's due time is when it was parked
+    assert abs(since - time.time() * 1000) < 60_000
+    assert f" 1  parked since {iso_ms(since)}: HTTP 404: no such order" in parked
     assert " 0  claimed by replica-a until " in firing
     code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")
     assert '"attempts": 3' in out

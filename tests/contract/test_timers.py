@@ -141,7 +141,7 @@ def _changes(t: Timer) -> dict[str, TimerChange]:
         "fired-last": TimerChange.fired(t, fence=4, next_due=None),
         "retry": TimerChange.retry(t, fence=4, due_at=T0 + 5_000, error="503 from target"),
         "release": TimerChange.release(t, fence=4, due_at=T0 + 6_000, reason="not delivered: stopped"),
-        "park": TimerChange.park(t, fence=4, reason="404: no such aggregate"),
+        "park": TimerChange.park(t, fence=4, reason="404: no such aggregate", at=T0 + 8_000),
         "resume": TimerChange.resume(t, due_at=T0 + 7_000),
         "fail": TimerChange.fail(t, fence=4, reason="400: bad command"),
     }

@@ -134,7 +134,7 @@ def detail(t: Timer) -> str:
         who = t.claim.owner_key if t.claim is not None else "?"
         return f"claimed by {who} until {iso_ms(t.due_at)}"
     if t.status is TimerStatus.PARKED:
-        return f"parked by the delivery claimed until {iso_ms(t.due_at)}: {t.last_error or '-'}"
+        return f"parked since {iso_ms(t.due_at)}: {t.last_error or '-'}"
     return f"failed: {t.last_error or '-'}"
 
 

@@ -123,7 +123,7 @@ def outcome_changes(
                 delay = retry_delay_s(t.attempts, settings, outcome.after_s)
                 changes.append(TimerChange.retry(t, fence=fence, due_at=at + int(delay * 1000), error=outcome.reason))
         elif isinstance(outcome, Park):
-            changes.append(TimerChange.park(t, fence=fence, reason=outcome.reason))
+            changes.append(TimerChange.park(t, fence=fence, reason=outcome.reason, at=at))
         elif isinstance(outcome, Fail):
             changes.append(TimerChange.fail(t, fence=fence, reason=outcome.reason))
     return changes
@@ -196,7 +196,7 @@ class TimerLoop:
                     n_due = len(claimed)
                     if claimed:
                         metrics.SETTLE_BATCH.observe(n_due)
-                    metrics.TIMERS_DUE_BACKLOG.set(n_due)
+                    metrics.TIMERS_CLAIMED_LAST_ROUND.set(n_due)
                     if n_due < s.batch:
                         waker.covered(until, mark)
                     attempt = 0

@@ -286,7 +286,7 @@ _SETTLE_SET = {
     " last_error = NULL",
     "retry": f"status = 'PENDING', due_at = ?, attempts = attempts + 1, {_NO_CLAIM}, last_error = ?",
     "release": f"status = 'PENDING', due_at = ?, {_NO_CLAIM}, last_error = ?",
-    "park": f"status = 'PARKED', {_NO_CLAIM}, last_error = ?",
+    "park": f"status = 'PARKED', due_at = COALESCE(?, due_at), {_NO_CLAIM}, last_error = ?",
     "resume": f"status = 'PENDING', due_at = ?, attempts = 0, {_NO_CLAIM}",
     "fail": f"status = 'FAILED', {_NO_CLAIM}, last_error = ?",
     "done": f"status = 'DONE', due_at = {NOW_MS}, {_NO_CLAIM}",
@@ -562,7 +562,9 @@ def settle_params(change: TimerChange) -> tuple[str, tuple[Any, ...]]:
         return kind, (change.due_at, change.error, *loaded)
     if kind == "resume":
         return kind, (change.due_at, *loaded)
-    return kind, (change.error, *loaded)  # park, fail
+    if kind == "park":
+        return kind, (change.due_at, change.error, *loaded)
+    return kind, (change.error, *loaded)  # fail
 
 
 def _tombstone_params(owner: AggregateRef, part: int, key: str, version: int) -> tuple[Any, ...]:
