@@ -1,0 +1,64 @@
+"""``/readyz`` means "this replica is functioning" (a holder or a healthy standby);
+``/readyz?holding=1`` also asks for a slot. The supervisor's answers, in-process."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from wowd import metrics
+from wowd.config import EmbeddedSettings, WowdSettings
+from wowd.daemon.feed import Feeder
+from wowd.daemon.gateway import OutboxGateway
+from wowd.daemon.supervisor import Supervisor
+from wowd.errors import StorageUnavailable
+from wowd.stores.base import Backend
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> WowdSettings:
+    return WowdSettings(embedded=EmbeddedSettings(path=tmp_path / "wowd.db"))
+
+
+@pytest.fixture
+async def backend(settings: WowdSettings) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings)
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: WowdSettings, backend: Backend) -> None:
+    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    await sup._ping()
+    assert sup.readiness(False) == (True, "standby: no free slot in wowd.demo")
+    assert sup.readiness(True) == (False, "standby: no free slot in wowd.demo")
+    assert metrics.READY._value.get() == 1
+
+    async def down() -> None:
+        raise StorageUnavailable("sqlite wowd.db: unable to open database file")
+
+    backend.log.ping = down  # type: ignore[method-assign]
+    await sup._ping()
+    assert sup.readiness(False) == (False, "the stores do not answer")
+    assert metrics.READY._value.get() == 0
+
+
+async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
+    settings: WowdSettings, backend: Backend
+) -> None:
+    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    await sup._ping()
+    feeder = Feeder(settings, backend)
+    feeder.stalled = "sink: StorageError: database or disk is full"
+    sup._feeders[3] = feeder
+    assert sup.readiness(False) == (False, "slot 3 stalled: sink: StorageError: database or disk is full")
+    feeder.stalled = None
+    assert sup.readiness(False)[0] is True
