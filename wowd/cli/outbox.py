@@ -5,23 +5,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from wowd.cli.args import positive_int
+from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
 
 __all__ = ["outbox", "register"]
-
-
-def _non_negative_s(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of seconds is expected, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -36,7 +26,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     ot = osub.add_parser("trim", help="remove entries older than an age, acknowledged or not")
     ot.add_argument(
         "--older-than-s",
-        type=_non_negative_s,
+        type=non_negative_seconds,
         help="age in seconds (default: the configured outbox.retention_s)",
     )
     p.set_defaults(handler=outbox)
