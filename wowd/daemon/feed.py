@@ -360,11 +360,7 @@ class Feeder:
             await self._resume_parked(held, prepared, waker)
         # 6. checkpoints under the slot's fence, in one write
         if positions:
-            held.check()
-            with _step("checkpoint"):
-                saved = await backend.log.save_checkpoints(CONSUMER, positions, held.fence)
-            if not saved:
-                raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
+            await self._checkpoint(held, positions)
 
     async def _isolate(
         self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
@@ -399,12 +395,16 @@ class Feeder:
                 metrics.FEED_POISON.labels(step=f.step, error=type(f.error).__name__).inc()
                 where = f"{e.commit.ref} v{e.commit.version}" if e.commit is not None else f"of {e.aggregate}"
                 logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
+        await self._checkpoint(held, batch.positions)
+        return True
+
+    async def _checkpoint(self, held: HeldSlot, positions: Mapping[int, Position]) -> None:
+        """The positions under the slot's fence, in one write; refused: another holder has it."""
         held.check()
         with _step("checkpoint"):
-            saved = await self._backend.log.save_checkpoints(CONSUMER, batch.positions, held.fence)
+            saved = await self._backend.log.save_checkpoints(CONSUMER, positions, held.fence)
         if not saved:
-            raise LeaseLost(f"checkpoints of partitions {sorted(batch.positions)} refused under fence {held.fence}")
-        return True
+            raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
 
     async def _snapshots(
         self, held: HeldSlot, prepared: _Prepared, logx: logging.LoggerAdapter[logging.Logger]
