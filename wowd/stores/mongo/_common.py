@@ -13,6 +13,7 @@ metered call (deadline, error translation, latency and unavailability metrics).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -280,6 +281,42 @@ class MongoStore:
     def _deadline(self) -> Any:
         """The operation timeout over one command or call (CSOT nests: an outer deadline caps it)."""
         return nullcontext() if self._timeout is None else pymongo.timeout(self._timeout)
+
+    async def _shard_collection(
+        self,
+        name: str,
+        key: Mapping[str, Any],
+        sharding: MongoSharding,
+        logger: logging.Logger,
+        *,
+        what: str,
+        bounded: bool,
+    ) -> bool:
+        """``shardCollection`` of ``name`` by ``key`` (idempotent on 7.0); True when sharded. A
+        user who may not shard (Unauthorized): with ``sharding=auto`` the collection stays
+        unsharded, logged (False); with ``sharding=on`` a :class:`ConfigError`. ``bounded``: the
+        command under the operation timeout."""
+        ns = f"{self._db.name}.{name}"
+        try:
+            with self._deadline() if bounded else nullcontext():
+                await self._client.admin.command("shardCollection", ns, key=dict(key))
+        except OperationFailure as exc:
+            if not is_unauthorized(exc):
+                raise
+            if sharding is MongoSharding.ON:
+                raise ConfigError(
+                    f"mongodb {self._label}: sharding=on, but the user may not shard {ns} ({exc}); grant "
+                    "enableSharding on the database, or set WOWD_MONGODB__SHARDING=off"
+                ) from exc
+            logger.warning(
+                "%s collection %s left unsharded: the user may not run shardCollection (%s); grant "
+                "enableSharding on the database or set WOWD_MONGODB__SHARDING=off",
+                what,
+                ns,
+                exc,
+            )
+            return False
+        return True
 
     async def close(self) -> None:
         """Closes the client when the store opened it from a URI (never the caller's)."""

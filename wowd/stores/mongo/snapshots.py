@@ -42,7 +42,7 @@ from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -63,7 +63,6 @@ from wowd.stores.mongo._common import (
     MongoStore,
     collection_name,
     is_duplicate_key,
-    is_unauthorized,
     split_to_fit,
 )
 
@@ -527,23 +526,7 @@ class MongoSnapshotStore(MongoStore):
         if sharded:
             # the shard key's index exists first, so a collection that already holds snapshots
             # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0
-            full = f"{self._db.name}.{name}"
-            try:
-                await self._client.admin.command("shardCollection", full, key=shard_key())
-            except OperationFailure as exc:
-                if not is_unauthorized(exc):
-                    raise
-                if self._sharding is MongoSharding.ON:
-                    raise ConfigError(
-                        f"mongodb {name}: sharding=on, but the user may not shard collections ({exc}); "
-                        "grant enableSharding on the database, or set WOWD_MONGODB__SHARDING=off"
-                    ) from exc
-                log.warning(
-                    "snapshot collection %s left unsharded: the user may not run shardCollection (%s); "
-                    "grant enableSharding on the database or set WOWD_MONGODB__SHARDING=off",
-                    name,
-                    exc,
-                )
+            await self._shard_collection(name, shard_key(), self._sharding, log, what="snapshot", bounded=False)
 
     async def _validate(self, name: str) -> None:
         # a missing collection lists no indexes (PyMongo answers NamespaceNotFound as empty)

@@ -38,7 +38,7 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure, PyMongoError
 
 from wowd import clock
-from wowd.errors import ConfigError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
     DEFAULT_TENANT,
@@ -63,7 +63,6 @@ from wowd.stores.mongo._common import (
     MongoStore,
     collection_name,
     is_duplicate_key,
-    is_unauthorized,
     split_to_fit,
 )
 
@@ -870,23 +869,7 @@ class MongoTimerStore(MongoStore):
         collection unsharded, logged; with ``sharding=on`` that is a :class:`ConfigError`."""
         ns = f"{self._db.name}.{name}"
         admin = self._client.admin
-        try:
-            with self._deadline():
-                await admin.command("shardCollection", ns, key={"partition": 1})
-        except OperationFailure as exc:
-            if not is_unauthorized(exc):
-                raise
-            if self.sharding is MongoSharding.ON:
-                raise ConfigError(
-                    f"mongodb timers: sharding=on, but the user may not shard {ns} ({exc}); grant "
-                    "enableSharding on the database, or set WOWD_MONGODB__SHARDING=off"
-                ) from exc
-            log.warning(
-                "timer collection %s left unsharded: the user may not run shardCollection (%s); grant "
-                "enableSharding on the database or set WOWD_MONGODB__SHARDING=off",
-                ns,
-                exc,
-            )
+        if not await self._shard_collection(name, {"partition": 1}, self.sharding, log, what="timer", bounded=True):
             return
         if self.partitions < 2 or not (registered or await self._one_chunk(ns)):
             return
