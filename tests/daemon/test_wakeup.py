@@ -307,3 +307,51 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
         assert all(at >= t.scheduled_at for t, at in gw.fired)
     finally:
         await backend.close()
+
+
+class CountingClaims(EmbeddedTimerStore):
+    """Records when each due read (``claim_due``) began."""
+
+    claims: list[int]
+
+    async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
+        self.claims.append(now_ms())
+        return await super().claim_due(*args, **kwargs)
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_a_timer_due_beyond_the_watermark_asks_the_log_at_its_due_time_without_another_due_read(
+    tmp_path: Path,
+) -> None:
+    """The watermark adds no poll: at the due time the loop asks the log to look at its head at
+    once (no due read first, which could find nothing new), and fires when the feed's watermark
+    passes the due time."""
+    store = CountingClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+    store.claims = []
+    nudged: list[int] = []
+    asked = anyio.Event()
+
+    def nudge() -> None:
+        nudged.append(now_ms())
+        asked.set()
+
+    try:
+        due = now_ms() + 300
+        assert await store.put(timer("n-1", due))
+        waker = Waker()
+        waker.advance(now_ms())  # the feed is at the head, not yet past the due time
+        gw = Recorder()
+        loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw, nudge=nudge)
+        held = held_slot()
+        with anyio.fail_after(8):
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, waker)
+                await asked.wait()
+                assert nudged[0] >= due and not gw.fired
+                assert not [c for c in store.claims if c >= due]  # no due read at the due time
+                waker.advance(now_ms())  # the feed applied a read of the head that began after it
+                await gw.until_fired(1)
+                held.request_stop()
+        assert gw.fired[0][0].scheduled_at == due
+    finally:
+        await store.close()

@@ -220,17 +220,30 @@ class TimerLoop:
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
                     blocked = min(nexts) if nexts and until < horizon and min(nexts) <= horizon else None
                     if blocked is not None:
-                        # due (or nearly) but beyond the watermark: wait for the feed to pass it
-                        if blocked <= now:
-                            self._nudge()
-                            timeout = MAX_IDLE_S
-                        else:
-                            timeout = min(MAX_IDLE_S, (blocked - now) / 1000)
-                        await waker.wait(timeout, blocked, want_watermark=blocked)
+                        await self._await_watermark(held, waker, blocked)
                         continue
                     wake_at = wake_time(now, nexts, s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
+
+    async def _await_watermark(self, held: HeldSlot, waker: Waker, blocked: int) -> None:
+        """A timer is due at ``blocked`` (or nearly) but beyond the feed's watermark: sleeps until
+        its due time, then asks the log to look at its head and waits for the feed to apply that
+        read, with no due read in between (at the due time a due read would find nothing new).
+        Returns early on a stop or a put due sooner, and after an idle period at most."""
+
+        def passed() -> bool:
+            return waker.watermark is not None and waker.watermark >= blocked
+
+        now = now_ms()
+        if passed():
+            return
+        if blocked > now:
+            await waker.wait(min(MAX_IDLE_S, (blocked - now) / 1000), blocked, want_watermark=blocked)
+            if held.stopping or now_ms() < blocked or passed():
+                return
+        self._nudge()
+        await waker.wait(MAX_IDLE_S, blocked, want_watermark=blocked)
 
     async def _reclaim(
         self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]

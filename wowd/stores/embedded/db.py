@@ -2,8 +2,9 @@
 
 Every call runs in a worker thread (``anyio.to_thread``) on this store's own connection, one
 call at a time. Read-modify-write steps run in ``BEGIN IMMEDIATE`` transactions so that two
-processes on the file serialise on the write lock; ``busy_timeout`` waits for it, and a lock
-still held after that is :class:`StorageUnavailable` (transient).
+processes on the file serialise on SQLite's write lock (the writers of one process first queue on
+:func:`file_write_lock`); a transaction polls for a lock another process holds, and a lock still
+held after the busy timeout is :class:`StorageUnavailable` (transient).
 
 The store clock is SQLite's own ``now`` evaluated in the statement that decides (``NOW_MS``).
 """
@@ -26,6 +27,11 @@ from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 __all__ = ["NOW_MS", "SqliteDatabase", "SqliteStore", "file_write_lock", "under_lock"]
 
 T = TypeVar("T")
+
+BEGIN_POLL_MIN_S = 0.0001
+BEGIN_POLL_MAX_S = 0.001
+"""How often a write transaction tries again for a write lock another process holds (doubling
+from the first to the second)."""
 
 NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
 """SQL expression: the store clock in ms since the epoch (SQLite's ``now``)."""
@@ -116,19 +122,53 @@ class SqliteDatabase:
         return await self.run(run)
 
     def transaction(self, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
-        """Wraps ``fn`` in ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on error)."""
+        """Wraps ``fn`` in ``BEGIN IMMEDIATE`` ... ``COMMIT`` (rolled back on error), holding the
+        file's :func:`file_write_lock` throughout."""
+
+        lock = file_write_lock(self)
 
         def wrapped(conn: sqlite3.Connection) -> T:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(conn)
-            except BaseException:
-                conn.rollback()
-                raise
-            conn.execute("COMMIT")
-            return result
+            with lock:
+                self._begin_immediate(conn)
+                try:
+                    result = fn(conn)
+                except BaseException:
+                    conn.rollback()
+                    raise
+                conn.execute("COMMIT")
+                return result
 
         return wrapped
+
+    def _begin_immediate(self, conn: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE``, waiting for another process's write lock in short polls.
+
+        SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms between its tries, so a
+        writer that meets another process's short transaction often waits tens of ms after the
+        lock was free again (and a steady writer in the other process can keep it waiting over
+        100 ms). Here the busy handler is off for this statement and the lock is tried again
+        every :data:`BEGIN_POLL_MIN_S` to :data:`BEGIN_POLL_MAX_S`, up to the busy timeout."""
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            deadline: float | None = None
+            delay = BEGIN_POLL_MIN_S
+            while True:
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    return
+                except sqlite3.OperationalError as exc:
+                    msg = str(exc)
+                    if "locked" not in msg and "busy" not in msg:
+                        raise
+                    t = time.monotonic()
+                    if deadline is None:
+                        deadline = t + self._busy_timeout_ms / 1000
+                    elif t >= deadline:
+                        raise
+                time.sleep(delay)  # a worker thread's poll of another process's lock
+                delay = min(delay * 2, BEGIN_POLL_MAX_S)
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
     def close(self) -> None:
         with self._lock:
@@ -137,28 +177,29 @@ class SqliteDatabase:
                 self._conn = None
 
 
-_WRITE_LOCKS: dict[str, threading.Lock] = {}
+_WRITE_LOCKS: dict[str, threading.RLock] = {}
 _WRITE_LOCKS_GUARD = threading.Lock()
 
 
-def file_write_lock(db: SqliteDatabase) -> threading.Lock:
-    """The lock this process's writers on ``db``'s file (the outbox and the timer store: the
-    firing path's two writers, each on its own connection) hold around a write transaction.
+def file_write_lock(db: SqliteDatabase) -> threading.RLock:
+    """The lock this process's writers on ``db``'s file (every store, each on its own
+    connection) hold around a write transaction (:meth:`SqliteDatabase.transaction` takes it).
 
     SQLite lets one connection write at a time; another one asking meanwhile is refused and
-    retried by its busy handler, which sleeps 1, 2, 5, 10 ms ... between tries: a claim of the
-    next round meeting the outbox insert of the current one lost several ms each time. Queued on
-    this lock, the second writer starts when the first commits. Writers of other processes (and
-    other stores) still meet the busy handler, as before."""
+    retried by its busy handler, which sleeps 1, 2, 5, 10 ms ... between tries: the timer loop's
+    claim meeting the feed's write would lose several ms each time. Queued on this lock, the
+    second writer starts when the first commits. Writers of other processes meet the short poll
+    of the transaction's ``BEGIN IMMEDIATE``. Reentrant: a caller may hold it around a
+    transaction."""
     key = f":memory:{id(db)}" if db.path == ":memory:" else os.path.realpath(db.path)
     with _WRITE_LOCKS_GUARD:
         lock = _WRITE_LOCKS.get(key)
         if lock is None:
-            lock = _WRITE_LOCKS[key] = threading.Lock()
+            lock = _WRITE_LOCKS[key] = threading.RLock()
         return lock
 
 
-def under_lock(lock: threading.Lock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
+def under_lock(lock: threading.RLock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
     """``fn`` run holding ``lock`` (in the worker thread, around the whole transaction)."""
 
     def locked(conn: sqlite3.Connection) -> T:
