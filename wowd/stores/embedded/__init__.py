@@ -12,7 +12,7 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
 from wowd.stores.base import Backend
-from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer
 from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
@@ -50,7 +50,8 @@ def __getattr__(name: str) -> Any:
 
 async def open_embedded(settings: WowdSettings) -> Backend:
     """Every embedded store of ``settings.context`` on ``settings.embedded.path``, each on its own
-    connection, prepared. The backend's ``close`` closes them all."""
+    connection, prepared, and the file's WAL checkpointed in the background
+    (:class:`~wowd.stores.embedded.db.WalCheckpointer`). The backend's ``close`` closes them all."""
     from wowd.model import AggregateType
     from wowd.stores.embedded.sink import EmbeddedEventSink
     from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
@@ -58,6 +59,9 @@ async def open_embedded(settings: WowdSettings) -> Backend:
 
     path = settings.embedded.path
     async with AsyncExitStack() as stack:
+        checkpointer = WalCheckpointer(path)
+        checkpointer.start()
+        stack.push_async_callback(checkpointer.aclose)
         leases = EmbeddedSlotLeaseStore(path)
         stack.push_async_callback(leases.close)
         log = EmbeddedLog(path, context=settings.context, partitions=settings.partitions)
@@ -87,7 +91,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             rebuilds=snapshots,
             outbox=outbox,
             sink_factory=sink_factory,
-            closers=[leases.close, log.close, timers.close, snapshots.close, outbox.close],
+            closers=[checkpointer.aclose, leases.close, log.close, timers.close, snapshots.close, outbox.close],
         )
         stack.pop_all()  # success: the backend owns the stores now
     return backend

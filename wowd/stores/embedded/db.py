@@ -11,6 +11,7 @@ The store clock is SQLite's own ``now`` evaluated in the statement that decides 
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import threading
@@ -24,10 +25,22 @@ import anyio.to_thread
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 
-__all__ = ["NOW_MS", "SqliteDatabase", "SqliteStore", "file_write_lock", "under_lock"]
+__all__ = [
+    "NOW_MS",
+    "SqliteDatabase",
+    "SqliteStore",
+    "WalCheckpointer",
+    "checkpointed_in_background",
+    "file_write_lock",
+    "under_lock",
+]
 
 T = TypeVar("T")
 
+log = logging.getLogger(__name__)
+
+CHECKPOINT_EVERY_S = 0.2
+"""How often a :class:`WalCheckpointer` checkpoints its file's WAL."""
 BEGIN_POLL_MIN_S = 0.0001
 BEGIN_POLL_MAX_S = 0.001
 """How often a write transaction tries again for a write lock another process holds (doubling
@@ -70,6 +83,8 @@ class SqliteDatabase:
                     time.sleep(delay)  # a worker thread's backoff, not test synchronisation
                     delay = min(delay * 2, 0.2)
             conn.execute("PRAGMA synchronous=NORMAL")
+            if checkpointed_in_background(self.path):
+                conn.execute("PRAGMA wal_autocheckpoint=0")
             conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
             conn.execute("PRAGMA foreign_keys=ON")
             self._conn = conn
@@ -177,6 +192,81 @@ class SqliteDatabase:
                 self._conn = None
 
 
+def _file_key(path: str, db_id: int) -> str:
+    return f":memory:{db_id}" if path == ":memory:" else os.path.realpath(path)
+
+
+_CHECKPOINTERS: dict[str, int] = {}
+_CHECKPOINTERS_GUARD = threading.Lock()
+
+
+def checkpointed_in_background(path: str) -> bool:
+    """Whether a :class:`WalCheckpointer` of this process checkpoints the file at ``path``."""
+    if path == ":memory:":
+        return False
+    with _CHECKPOINTERS_GUARD:
+        return _CHECKPOINTERS.get(os.path.realpath(path), 0) > 0
+
+
+class WalCheckpointer:
+    """Checkpoints the WAL of one file from a thread and a connection of its own, every
+    :data:`CHECKPOINT_EVERY_S`, while this process's connections to the file opened meanwhile do
+    not (``wal_autocheckpoint=0``).
+
+    SQLite otherwise checkpoints in the connection whose commit takes the WAL past 1,000 pages:
+    that commit then copies megabytes into the database file and syncs it, and every writer of
+    the process queued behind it (the timer loop's claim and outbox write among them) waits
+    several ms. A ``PASSIVE`` checkpoint blocks neither readers nor writers. Writers of other
+    processes keep their own setting."""
+
+    def __init__(self, path: str | Path, *, every_s: float | None = None) -> None:
+        self.path = str(path)
+        self._every_s = CHECKPOINT_EVERY_S if every_s is None else every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._key = os.path.realpath(self.path)
+
+    def start(self) -> None:
+        if self.path == ":memory:" or self._thread is not None:
+            return
+        with _CHECKPOINTERS_GUARD:
+            _CHECKPOINTERS[self._key] = _CHECKPOINTERS.get(self._key, 0) + 1
+        self._thread = threading.Thread(target=self._run, name="wowd-wal-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn: sqlite3.Connection | None = None
+        try:
+            while not self._stop.wait(self._every_s):
+                try:
+                    if conn is None:
+                        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:  # another process checkpoints, or the file is gone
+                    log.debug("wal checkpoint of %s not done: %s", self.path, exc)
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def stop(self) -> None:
+        """Stops the thread (after the checkpoint in progress, if any) and lets connections
+        opened later checkpoint themselves again."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join()
+        with _CHECKPOINTERS_GUARD:
+            left = _CHECKPOINTERS.get(self._key, 1) - 1
+            if left > 0:
+                _CHECKPOINTERS[self._key] = left
+            else:
+                _CHECKPOINTERS.pop(self._key, None)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self.stop)
+
+
 _WRITE_LOCKS: dict[str, threading.RLock] = {}
 _WRITE_LOCKS_GUARD = threading.Lock()
 
@@ -191,7 +281,7 @@ def file_write_lock(db: SqliteDatabase) -> threading.RLock:
     second writer starts when the first commits. Writers of other processes meet the short poll
     of the transaction's ``BEGIN IMMEDIATE``. Reentrant: a caller may hold it around a
     transaction."""
-    key = f":memory:{id(db)}" if db.path == ":memory:" else os.path.realpath(db.path)
+    key = _file_key(db.path, id(db))
     with _WRITE_LOCKS_GUARD:
         lock = _WRITE_LOCKS.get(key)
         if lock is None:

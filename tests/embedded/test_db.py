@@ -1,0 +1,118 @@
+"""The SQLite file's write path: the background WAL checkpoint of a backend, and a write
+transaction waiting for another process's write lock."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from wowd.config import EmbeddedSettings, WowdSettings
+from wowd.errors import StorageUnavailable
+from wowd.stores.embedded import open_embedded
+from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer, checkpointed_in_background
+
+pytestmark = pytest.mark.anyio
+
+
+def autocheckpoint(db: SqliteDatabase) -> int:
+    return int(db.run_sync(lambda c: c.execute("PRAGMA wal_autocheckpoint").fetchone()[0]))
+
+
+async def test_a_backends_connections_leave_the_wal_checkpoint_to_its_own_thread(tmp_path: Path) -> None:
+    path = tmp_path / "wowd.db"
+    backend = await open_embedded(WowdSettings(embedded=EmbeddedSettings(path=path)))
+    try:
+        assert checkpointed_in_background(str(path))
+        inside = SqliteDatabase(path)
+        assert autocheckpoint(inside) == 0
+        inside.close()
+    finally:
+        await backend.close()
+    assert not checkpointed_in_background(str(path))
+    after = SqliteDatabase(path)
+    assert autocheckpoint(after) == 1000  # SQLite's default again once the backend is closed
+    after.close()
+
+
+def test_the_checkpointer_copies_committed_pages_into_the_database_file(tmp_path: Path) -> None:
+    path = tmp_path / "wowd.db"
+    checkpointer = WalCheckpointer(path, every_s=0.01)
+    checkpointer.start()
+    db = SqliteDatabase(path)
+    try:
+        db.run_sync(lambda c: c.execute("CREATE TABLE t (v BLOB)"))
+        size_before = path.stat().st_size
+        rows = [()] * 500
+        db.run_sync(db.transaction(lambda c: c.executemany("INSERT INTO t VALUES (randomblob(4000))", rows)))
+        # 2 MB committed to the WAL; the writer did not checkpoint it
+        assert path.stat().st_size < size_before + 1_000_000
+        deadline = time.monotonic() + 10
+        while path.stat().st_size < size_before + 1_000_000:  # the thread's next checkpoint copies it
+            assert time.monotonic() < deadline, "not checkpointed within 10 s"
+            time.sleep(0.01)
+    finally:
+        db.close()
+        checkpointer.stop()
+
+
+HOLD = """
+import sqlite3, sys, time
+c = sqlite3.connect(sys.argv[1], isolation_level=None)
+c.execute("BEGIN IMMEDIATE")
+print("held", flush=True)
+sys.stdin.readline()
+c.execute("COMMIT")
+print("free", flush=True)
+sys.stdin.readline()
+"""
+
+
+def holding(path: Path) -> subprocess.Popen[str]:
+    """Another process, holding the file's write lock until told to commit."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_write_transaction_waits_for_another_processs_write_lock(tmp_path: Path) -> None:
+    """Another process holds the write lock: the transaction waits for it (polling, with the
+    busy handler off) and restores the connection's busy timeout for the other statements."""
+    path = tmp_path / "wowd.db"
+    db = SqliteDatabase(path, busy_timeout_ms=5_000)
+    db.run_sync(lambda c: c.execute("CREATE TABLE t (v INTEGER)"))
+
+    def insert(c: sqlite3.Connection) -> None:
+        c.execute("INSERT INTO t VALUES (1)")
+
+    with holding(path) as holder, ThreadPoolExecutor(1) as pool:
+        assert holder.stdin is not None and holder.stdout is not None
+        waiting = pool.submit(db.run_sync, db.transaction(insert))
+        assert not waiting.done()
+        holder.stdin.write("commit\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "free"
+        waiting.result(timeout=10)
+        holder.kill()
+    assert db.run_sync(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0]) == 5_000
+    assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM t").fetchone()[0]) == 1
+    db.close()
+
+
+def test_a_write_lock_held_past_the_busy_timeout_is_transient(tmp_path: Path) -> None:
+    path = tmp_path / "wowd.db"
+    db = SqliteDatabase(path, busy_timeout_ms=200)
+    db.run_sync(lambda c: c.execute("CREATE TABLE t (v INTEGER)"))
+    with holding(path) as holder:
+        with pytest.raises(StorageUnavailable, match="locked"):
+            db.run_sync(db.transaction(lambda c: c.execute("INSERT INTO t VALUES (1)")))
+        holder.kill()
+    assert db.run_sync(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0]) == 200
+    db.close()
