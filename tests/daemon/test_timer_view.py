@@ -240,3 +240,38 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     assert time.monotonic() - started < 5
     entries = await backend.outbox.entries()
     assert len(entries) == 7 and len({e.request_id for e in entries}) == 7
+
+
+async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tmp_path: Path, backend: Backend) -> None:
+    """The loop claims timers up to its lookahead ahead of their due time; cancels and puts of a
+    later version appended after the claim (before the due time) still win: the claimed copies
+    are dropped, the cancelled timers never delivered, the moved ones delivered at their new
+    time."""
+    s = settings(tmp_path)
+    held = await hold(backend, "a")
+    waker = Waker()
+    loop = TimerLoop(
+        TimerSettings(batch=100, lookahead_ms=2_000), backend.timers, OutboxGateway(backend.outbox),
+        nudge=backend.log.nudge,
+    )  # fmt: skip
+    feeder = Feeder(s, backend)
+    due = int(time.time() * 1000) + 1_500
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await tg.start(feeder.run, held, waker)
+            await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(12)])
+            while len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) < 12:
+                await a_moment()  # every one claimed, 1.5 s ahead of its due time
+            assert int(time.time() * 1000) < due
+            cancels = [cancel_commit(f"o-{i}", 2, "k") for i in range(0, 12, 3)]
+            moves = [timer_commit(f"o-{i}", 2, ["k"], due_at=due + 300) for i in range(1, 12, 3)]
+            await backend.log.append_many([*cancels, *moves])
+            while await backend.outbox.count() < 8:
+                await a_moment()
+            held.request_stop()
+    entries = await backend.outbox.entries()
+    assert sorted(e.target.id for e in entries) == sorted(f"o-{i}" for i in range(12) if i % 3)
+    moved = {f"o-{i}" for i in range(1, 12, 3)}
+    assert all(e.created_at >= due + 300 for e in entries if e.target.id in moved)
+    assert not await backend.timers.scan(status=TimerStatus.FIRING, limit=20)

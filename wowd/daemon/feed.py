@@ -55,7 +55,7 @@ from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend
 
 from .leases import HeldSlot
-from .waker import Waker
+from .waker import Waker, owner_key
 
 __all__ = ["CONSUMER", "Feeder", "field_of"]
 
@@ -271,27 +271,34 @@ class Feeder:
             if batch.watermark is not None:
                 waker.advance(batch.watermark)
             return
+        # the timer loop may deliver what it claimed once the feed has read past its due time,
+        # except timers of the aggregates this batch (not applied yet) commits to
+        read = waker.reading(batch.watermark, {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None})
         prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes, self._settings.partitions)
         attempt = 0
-        while True:
-            held.check()
-            try:
-                await self._apply(held, batch.positions, prepared, waker, logx)
-                break
-            except StorageUnavailable as exc:
-                metrics.FEED_ERRORS.labels(kind="transient").inc()
-                logx.warning("feed batch failed (retrying the batch): %s", exc)
-                self._unavailable(held, str(exc), logx)
-                await self._pause(held, attempt)
-                attempt += 1
-            except _StepFailed as failed:
-                metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                if await self._isolate(held, batch, waker, logx):
+        try:
+            while True:
+                held.check()
+                try:
+                    await self._apply(held, batch.positions, prepared, waker, logx)
                     break
-                # every record fails for the store's own reasons: nothing to quarantine
-                self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
-                await self._pause(held, attempt, STALL_BACKOFF)
-                attempt += 1
+                except StorageUnavailable as exc:
+                    metrics.FEED_ERRORS.labels(kind="transient").inc()
+                    logx.warning("feed batch failed (retrying the batch): %s", exc)
+                    self._unavailable(held, str(exc), logx)
+                    await self._pause(held, attempt)
+                    attempt += 1
+                except _StepFailed as failed:
+                    metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                    if await self._isolate(held, batch, waker, logx):
+                        break
+                    # every record fails for the store's own reasons: nothing to quarantine
+                    self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
+                    await self._pause(held, attempt, STALL_BACKOFF)
+                    attempt += 1
+        finally:
+            # applied, or given up (its commits are read again, as a later batch)
+            waker.applied(read, None)
         self._progressed(held, logx)
         # metrics only once the batch is checkpointed (a retried batch counts once)
         for e in prepared.malformed:

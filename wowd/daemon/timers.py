@@ -1,19 +1,23 @@
 """The timer loop of one held slot (DESIGN.md section 5, "Firing").
 
 On start it ends the claims a previous holder of the slot left (``TimerStore.reclaim``: they
-come due at once, not after ``claim_ttl_s``). Per round: ``claim_due(partitions, until, batch)``
-claims the due timers (FIRING, ``due_at`` = claim expiry, the slot's fence and owner key), where
-``until`` is the lower of ``now + lookahead`` and the feed's **watermark** (every commit appended
-before it is applied to the timer view: a timer fires only once its cancel, appended before its
-due time, could have been seen). Timers this loop is still delivering are excluded from the claim,
-however long their delivery takes. Each claimed batch is delivered through the gateway at once
-(a timer slightly ahead at its scheduled time), then its outcomes are settled in one ``settle``
+come due at once, not after ``claim_ttl_s``), and claims nothing before the feed has applied the
+log up to its head. Per round: ``claim_due(partitions, until, batch)`` claims the due timers
+(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key) up to ``until`` = the
+lookahead past the earlier of now and the feed's last read of the log's head. A claimed timer is
+delivered at its scheduled time once the feed has **read** the log past it (every commit
+appended before the due time read; the loop asks the log to look at its head at the due time,
+:meth:`Waker.read_past`), and only if no batch the feed read after the claim began commits to
+its aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
+appended before the due time always wins, and the claimed copy is settled back (a no-op where the
+feed changed the timer). Timers this loop is still delivering are excluded from the claim,
+however long their delivery takes. Each claimed batch's outcomes are settled in one ``settle``
 (fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
 after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
 store's next due time (``next_due``) or the earliest one this process put since
 (:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
-due sooner wakes it at once. A timer due but beyond the watermark makes it ask the log to look
-at its head (``nudge``) and wait for the watermark instead.
+due sooner wakes it at once. A timer within the lookahead but beyond the feed's last read makes
+it ask the log for a read instead.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
@@ -43,7 +47,7 @@ from wowd.stores.base import TimerStore
 
 from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
-from .waker import Waker
+from .waker import Waker, owner_key
 
 __all__ = [
     "MAX_IDLE_S",
@@ -60,6 +64,10 @@ MAX_IDLE_S = 0.5
 """The longest sleep between two due reads: how late a timer the :class:`Waker` is not told of
 fires (one stored by another process, or a parked timer a feed resumed)."""
 SETTLE_TIMEOUT_S = 10.0
+READ_WAIT_S = 5.0
+"""How long a claimed round waits for the feed to read the log past its timers' due times
+before it settles them back undelivered."""
+CHANGED = "not delivered: changed by the log before its due time"
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
@@ -173,14 +181,15 @@ class TimerLoop:
                 if held.stopping:
                     break
                 held.check()
-                now = now_ms()
-                horizon = now + s.lookahead_ms
-                until = horizon if waker.watermark is None else min(horizon, waker.watermark)
-                if waker.watermark is None:
-                    # the feed has not reached the log's head since the slot was taken
+                if waker.watermark is None or waker.read_mark is None:
+                    # the feed has not applied the log up to its head since the slot was taken
                     self._nudge()
                     await waker.wait(MAX_IDLE_S, float("-inf"), want_watermark=float("-inf"))
                     continue
+                # claimed up to the lookahead ahead of now and of the feed's reads: delivered once
+                # the feed has read past their due time (see _deliver)
+                until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+                batch_mark = waker.hold()
                 try:
                     mark = waker.mark()
                     held.check()
@@ -201,16 +210,22 @@ class TimerLoop:
                         waker.covered(until, mark)
                     attempt = 0
                 except StorageUnavailable as exc:
+                    waker.release(batch_mark)
                     logx.warning("timer round failed (will retry): %s", exc)
                     with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
                     continue
+                except BaseException:
+                    waker.release(batch_mark)
+                    raise
                 if claimed:
                     self._in_flight.update(t.timer_id for t in claimed)
                     done = anyio.Event()
                     outstanding.append(done)
-                    rounds.start_soon(self._finish, held, claimed, waker, logx, done)
+                    rounds.start_soon(self._finish, held, claimed, waker, batch_mark, logx, done)
+                else:
+                    waker.release(batch_mark)
                 if n_due < s.batch and not held.stopping:
                     await self._sweep(logx)
                     # every timer due by `until` is claimed: sleep until the next one (the store's,
@@ -218,32 +233,18 @@ class TimerLoop:
                     stored_next = await self._next_due(parts, until, logx)
                     now = now_ms()
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
-                    blocked = min(nexts) if nexts and until < horizon and min(nexts) <= horizon else None
-                    if blocked is not None:
-                        await self._await_watermark(held, waker, blocked)
+                    first = min(nexts, default=None)
+                    if first is not None and until < first <= now + s.lookahead_ms:
+                        # within the lookahead but beyond the feed's last read of the log's head
+                        # (an idle log is read less often): ask for a read now, claim after it
+                        self._nudge()
+                        want = first - s.lookahead_ms
+                        if waker.watermark is None or waker.watermark < want:
+                            await waker.wait(MAX_IDLE_S, first, want_watermark=want)
                         continue
                     wake_at = wake_time(now, nexts, s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
-
-    async def _await_watermark(self, held: HeldSlot, waker: Waker, blocked: int) -> None:
-        """A timer is due at ``blocked`` (or nearly) but beyond the feed's watermark: sleeps until
-        its due time, then asks the log to look at its head and waits for the feed to apply that
-        read, with no due read in between (at the due time a due read would find nothing new).
-        Returns early on a stop or a put due sooner, and after an idle period at most."""
-
-        def passed() -> bool:
-            return waker.watermark is not None and waker.watermark >= blocked
-
-        now = now_ms()
-        if passed():
-            return
-        if blocked > now:
-            await waker.wait(min(MAX_IDLE_S, (blocked - now) / 1000), blocked, want_watermark=blocked)
-            if held.stopping or now_ms() < blocked or passed():
-                return
-        self._nudge()
-        await waker.wait(MAX_IDLE_S, blocked, want_watermark=blocked)
 
     async def _reclaim(
         self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]
@@ -294,6 +295,7 @@ class TimerLoop:
         held: HeldSlot,
         claimed: list[Timer],
         waker: Waker,
+        batch_mark: int,
         logx: logging.LoggerAdapter[logging.Logger],
         done: anyio.Event,
     ) -> None:
@@ -305,11 +307,12 @@ class TimerLoop:
             results.append((t, outcome, now_ms()))
 
         changes: list[TimerChange] = []
+        dropped: set[str] = set()
         try:
-            await self._deliver(held, claimed, record)
+            await self._deliver(held, claimed, record, waker, batch_mark, dropped)
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
-                changes = await self._settle_outcomes(held, claimed, results, logx)
+                changes = await self._settle_outcomes(held, claimed, results, dropped, logx)
             self._in_flight.difference_update(t.timer_id for t in claimed)
             done.set()
         for c in changes:
@@ -318,39 +321,80 @@ class TimerLoop:
             elif c.kind == "fired" and c.next_due is not None:
                 waker.maybe_wake(c.next_due)
 
-    async def _deliver(self, held: HeldSlot, claimed: list[Timer], record: Any) -> None:
+    async def _deliver(
+        self,
+        held: HeldSlot,
+        claimed: list[Timer],
+        record: Any,
+        waker: Waker,
+        batch_mark: int,
+        dropped: set[str],
+    ) -> None:
         """Delivers a claimed batch in scheduled order, each timer not before its scheduled time
         (claimed up to the lookahead early), and none once the slot stops. The wait for a
         scheduled time is bounded by the lookahead on the monotonic clock: a wall clock stepped
-        back never holds a claimed round."""
+        back never holds a claimed round.
+
+        A timer is delivered only once the feed has read the log past its due time (asking the
+        log to look at its head when it has not), and not when a batch the feed read after the
+        claim began holds a commit of its aggregate: a put, cancel or delete appended before the
+        due time may have changed it (those are added to ``dropped`` and settled back, under
+        their claim). The feed's watermark is waited for at most :data:`READ_WAIT_S`; what is
+        left is settled back undelivered."""
         pending = sorted(claimed, key=_DELIVERY_ORDER)
         latest = anyio.current_time() + self._settings.lookahead_ms / 1000
+        read_deadline = anyio.current_time() + READ_WAIT_S
 
         def stopped() -> bool:
             return held.stopping
 
         i = 0
-        while i < len(pending) and not held.stopping:
-            now = now_ms()
-            late = anyio.current_time() >= latest
-            j = i
-            while j < len(pending) and (late or pending[j].scheduled_at <= now):
-                j += 1
-            if j == i:
-                # slightly ahead (lookahead): deliver at its scheduled time
-                wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
-                with anyio.move_on_after(max(0.0, wait_s)):
-                    await held.stop_event.wait()
-                continue
-            held.check()
-            await self._gateway.deliver(pending[i:j], record, stopped)
-            i = j
+        held_mark = True
+        try:
+            while i < len(pending) and not held.stopping:
+                now = now_ms()
+                late = anyio.current_time() >= latest
+                j = i
+                while j < len(pending) and (late or pending[j].scheduled_at <= now):
+                    j += 1
+                if j == i:
+                    # slightly ahead (lookahead): deliver at its scheduled time
+                    wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
+                    with anyio.move_on_after(max(0.0, wait_s)):
+                        await held.stop_event.wait()
+                    continue
+                # every commit appended before the group's due times (or, on a wall clock stepped
+                # back, before now) read by the feed
+                read_to = min(pending[j - 1].scheduled_at, now)
+                if waker.read_mark is None or waker.read_mark < read_to:
+                    self._nudge()
+                    if not await waker.read_past(read_to, min(MAX_IDLE_S, read_deadline - anyio.current_time())):
+                        if anyio.current_time() >= read_deadline:
+                            break
+                        continue
+                group: list[Timer] = []
+                for t in pending[i:j]:
+                    if waker.changed_since(batch_mark, owner_key(t.owner)):
+                        dropped.add(t.timer_id)
+                    else:
+                        group.append(t)
+                if j == len(pending):
+                    held_mark = False
+                    waker.release(batch_mark)
+                held.check()
+                if group:
+                    await self._gateway.deliver(group, record, stopped)
+                i = j
+        finally:
+            if held_mark:
+                waker.release(batch_mark)
 
     async def _settle_outcomes(
         self,
         held: HeldSlot,
         claimed: list[Timer],
         results: list[tuple[Timer, Outcome, int]],
+        dropped: set[str],
         logx: logging.LoggerAdapter[logging.Logger],
     ) -> list[TimerChange]:
         """Settles the round; answers the changes written (empty when none could be)."""
@@ -359,7 +403,9 @@ class TimerLoop:
         done = {t.timer_id for t, _o, _a in results}
         now = now_ms()
         for t in claimed:
-            if t.timer_id not in done:  # claimed, not delivered (stop or cancellation): back to PENDING
+            if t.timer_id in dropped:  # the log changed it after the claim (the change is skipped if so)
+                changes.append(TimerChange.release(t, fence=held.fence, due_at=now, reason=CHANGED))
+            elif t.timer_id not in done:  # claimed, not delivered (stop, cancellation, feed too late)
                 changes.append(TimerChange.release(t, fence=held.fence, due_at=now, reason="not delivered: stopped"))
         if not changes:
             return []

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import heapq
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import Any
 
 import anyio
 
 from wowd.clock import now_ms
 
-__all__ = ["WAKER_HORIZON_MS", "WAKER_MAX_SIZE", "Waker"]
+__all__ = ["WAKER_HORIZON_MS", "WAKER_MAX_SIZE", "OwnerKey", "Waker", "owner_key"]
+
+OwnerKey = tuple[str, str, str]
+"""An aggregate as the :class:`Waker` remembers it: ``(aggregate, tenant_id, id)``."""
+
+
+def owner_key(ref: Any) -> OwnerKey:
+    """The :data:`OwnerKey` of an :class:`~wowd.model.AggregateRef` (of one context)."""
+    return (ref.aggregate, ref.tenant_id, ref.id)
+
 
 WAKER_HORIZON_MS = 60_000
 """A :class:`Waker` keeps the due times of puts due within this (the loop's reads find later ones)."""
@@ -46,6 +58,18 @@ class Waker:
         self._want_watermark: float = float("inf")
         """While the loop waits: a watermark at or above this wakes it."""
         self.created_ms = now_ms()
+        self.read_mark: int | None = None
+        """Every commit of the slot's partitions appended before it has been read by the feed:
+        applied, or in the batch it is applying (whose aggregates :meth:`changed_since` names)."""
+        self._batches = 0
+        """Batches the feed has read."""
+        self._applied = 0
+        """Batches the feed has applied (the last one read, or the one before)."""
+        self._recent: deque[tuple[int, frozenset[OwnerKey]]] = deque()
+        """``(batch number, aggregates committed)`` of the batches read and not applied, and of
+        those applied since the oldest mark held was taken."""
+        self._held: Counter[int] = Counter()
+        self._readers: list[tuple[int, anyio.Event]] = []
 
     def advance(self, watermark: int) -> None:
         """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
@@ -54,6 +78,78 @@ class Waker:
             self.watermark = watermark
             if watermark >= self._want_watermark:
                 self._event.set()
+        self._read_to(watermark)
+
+    # ---- what the feed is applying: delivering a timer claimed ahead of the watermark
+
+    def reading(self, read_mark: int | None, owners: Iterable[OwnerKey]) -> int:
+        """The feed read a batch (committed by ``owners``) and is about to apply it; with a
+        ``read_mark`` when the read reached the log's head. Answers the batch's number, for
+        :meth:`applied`."""
+        self._batches += 1
+        self._recent.append((self._batches, frozenset(owners)))
+        if read_mark is not None:
+            self._read_to(read_mark)
+        return self._batches
+
+    def _read_to(self, read_mark: int) -> None:
+        if self.read_mark is None or read_mark > self.read_mark:
+            self.read_mark = read_mark
+            if self._readers:
+                waiting = []
+                for at, event in self._readers:
+                    if at <= read_mark:
+                        event.set()
+                    else:
+                        waiting.append((at, event))
+                self._readers = waiting
+
+    def applied(self, batch: int, watermark: int | None) -> None:
+        """The feed applied batch number ``batch`` (and, with a ``watermark``, every commit
+        appended before it)."""
+        self._applied = max(self._applied, batch)
+        self._forget()
+        if watermark is not None:
+            self.advance(watermark)
+
+    def hold(self) -> int:
+        """Taken before a due read that may claim timers ahead of the watermark: every batch
+        not applied when it began may change what it claims (:meth:`changed_since`). Give it
+        back with :meth:`release` once its timers are delivered or dropped."""
+        mark = self._applied
+        self._held[mark] += 1
+        return mark
+
+    def release(self, mark: int) -> None:
+        self._held[mark] -= 1
+        if self._held[mark] <= 0:
+            del self._held[mark]
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drops the batches no mark needs: applied before every mark held was taken."""
+        oldest = min(self._applied, min(self._held, default=self._applied))
+        while self._recent and self._recent[0][0] <= oldest:
+            self._recent.popleft()
+
+    def changed_since(self, mark: int, owner: OwnerKey) -> bool:
+        """Whether a batch the feed read after the batch ``mark`` (applied since, or being
+        applied) holds a commit of ``owner``: a timer of ``owner`` claimed under ``mark`` may
+        have been put again, cancelled, or deleted since."""
+        return any(n > mark and owner in owners for n, owners in self._recent)
+
+    async def read_past(self, at: int, timeout_s: float) -> bool:
+        """Waits until the feed has read every commit appended before ``at`` (at most
+        ``timeout_s``); answers whether it has."""
+        if self.read_mark is not None and self.read_mark >= at:
+            return True
+        event = anyio.Event()
+        self._readers.append((at, event))
+        with anyio.move_on_after(timeout_s):
+            await event.wait()
+        if not event.is_set():
+            self._readers = [(a, e) for a, e in self._readers if e is not event]
+        return self.read_mark is not None and self.read_mark >= at
 
     def __len__(self) -> int:
         return len(self._heap)
