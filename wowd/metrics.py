@@ -24,6 +24,7 @@ __all__ = [
     "GATEWAY_SHORT_CIRCUITED",
     "LEASES_HELD",
     "LEASE_FENCE",
+    "LEASE_HEARTBEAT_FAILURES",
     "LEASE_LOST",
     "LEASE_RENEW_FAILURES",
     "LEASE_RENEW_SECONDS",
@@ -59,6 +60,11 @@ LEASE_FENCE = Gauge("wowd_lease_fence", "Fence of each slot this replica holds",
 LEASE_RENEW_SECONDS = Histogram("wowd_lease_renew_seconds", "Latency of lease renewals", buckets=_LATENCY_BUCKETS)
 LEASE_RENEW_FAILURES = Counter(
     "wowd_lease_renew_failures_total", "Lease renewals that failed (error or lease lost)", ["reason"]
+)
+LEASE_HEARTBEAT_FAILURES = Counter(
+    "wowd_lease_heartbeat_failures_total",
+    "Presence heartbeats that failed (the replica's record for wowd status; leases unaffected)",
+    ["reason"],
 )
 LEASE_LOST = Counter("wowd_lease_lost_total", "Leases lost while held (expired on the holder's clock or refused)")
 PARTITIONS_OWNED = Gauge("wowd_partitions_owned", "Log partitions this replica works on now")
@@ -156,3 +162,5 @@ for _kind in ("transient", "fatal"):
     FEED_ERRORS.labels(kind=_kind)
 for _reason in ("unavailable", "error", "lost"):
     LEASE_RENEW_FAILURES.labels(reason=_reason)
+for _reason in ("unavailable", "error"):
+    LEASE_HEARTBEAT_FAILURES.labels(reason=_reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from wowd import __version__
 from wowd.cli.backend import opened_backend
 from wowd.config import load_settings
 from wowd.model import AggregateRef, OutboxEntry, Owner
+from wowd.stores.base import ReplicaInfo
 
 
 def test_version(wowd: Run) -> None:
@@ -100,7 +102,7 @@ def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatc
     assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
 
 
-def test_status_lists_holders_and_says_where_standbys_are(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WOWD_LEASE__LIMIT", "2")
 
     async def hold() -> None:
@@ -110,6 +112,9 @@ def test_status_lists_holders_and_says_where_standbys_are(wowd: Run, monkeypatch
                 s.lease_namespace, Owner(key="replica-a"), 2, timedelta(seconds=60), timedelta(seconds=1)
             )
             assert got.acquired
+            for key, slots in (("replica-a", (0,)), ("replica-c", ())):
+                info = ReplicaInfo(instance=key, host="node-1", pid=41, version="9.9.9", slots=slots)
+                await backend.leases.heartbeat(s.lease_namespace, key, info, timedelta(seconds=60))
 
     anyio.run(hold)
     code, out, _ = wowd("status")
@@ -125,10 +130,26 @@ def test_status_lists_holders_and_says_where_standbys_are(wowd: Run, monkeypatch
         "holder",
     ]
     assert "replicas holding a slot: 1 (replica-a)" in lines
-    assert any(line.startswith("standbys (replicas waiting for a free slot) hold no lease") for line in lines)
+    at = lines.index("replicas holding a slot: 1 (replica-a)")
+    assert lines[at + 1].split() == ["replica", "state", "slots", "last", "seen", "up", "version", "host/pid"]
+    a, c = (line.split() for line in lines[at + 2 : at + 4])
+    assert a[:3] == ["replica-a", "holding", "0"] and a[-2:] == ["9.9.9", "node-1/41"]
+    assert c[:3] == ["replica-c", "standby", "-"] and c[4:6] == ["s", "ago"]
+    assert lines[at + 4] == "standbys: 1 (replica-c)"
     assert lines[-1] == "partitions without a live holder: 1,3..7 (4 partitions)"
     code, out, _ = wowd("status", "--json")
-    assert '"holders": [\n    "replica-a"\n  ]' in out
+    doc = json.loads(out)
+    assert doc["holders"] == ["replica-a"] and doc["standbys"] == ["replica-c"]
+    assert [(r["owner_key"], r["state"], r["slots"], r["host"], r["pid"]) for r in doc["replicas"]] == [
+        ("replica-a", "holding", [0], "node-1", 41),
+        ("replica-c", "standby", [], "node-1", 41),
+    ]
+
+
+def test_status_says_when_no_replica_is_recorded(wowd: Run) -> None:
+    code, out, _ = wowd("status")
+    assert code == 0 and "replicas: no presence record (no replica is running)" in out.splitlines()
+    assert "standbys: 0" in out.splitlines()
 
 
 def test_outbox_list_ack_trim(wowd: Run) -> None:

@@ -173,11 +173,12 @@ def mock_server() -> Iterator[MockupDB]:
 
 @pytest.fixture
 async def store(mongo_client: AsyncMongoClient[Any], wire: Wire) -> AsyncIterator[MongoSlotLeaseStore]:
-    """A store whose unique index is in place (prepare answered on the wire)."""
+    """A store whose indexes are in place (prepare answered on the wire)."""
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.prepare)
-        (await wire.command("createIndexes")).ok()
+        (await wire.command("createIndexes")).ok()  # cosid_slot
+        (await wire.command("createIndexes")).ok()  # cosid_replica
         await call.result()
     yield s
     await s.close()
@@ -214,7 +215,9 @@ async def test_store_implements_the_protocol(mongo_client: AsyncMongoClient[Any]
     assert isinstance(MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None), SlotLeaseStore)
 
 
-async def test_prepare_creates_the_unique_index_on_ns_and_slot(mongo_client: AsyncMongoClient[Any], wire: Wire) -> None:
+async def test_prepare_creates_the_unique_index_on_ns_and_slot_and_the_presence_ttl_index(
+    mongo_client: AsyncMongoClient[Any], wire: Wire
+) -> None:
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         call = Call.start(tg, s.prepare)
@@ -224,6 +227,12 @@ async def test_prepare_creates_the_unique_index_on_ns_and_slot(mongo_client: Asy
             "indexes": [{"key": {"ns": 1, "slot": 1}, "name": "ns_1_slot_1", "unique": True}],
         }
         req.ok()
+        req = await wire.command("createIndexes")
+        assert body(req) == {
+            "createIndexes": "cosid_replica",
+            "indexes": [{"key": {"expiresAt": 1}, "name": "expiresAt_ttl", "expireAfterSeconds": 300}],
+        }
+        req.ok()
         await call.result()
 
 
@@ -231,7 +240,10 @@ async def test_concurrent_first_calls_send_one_create_indexes(mongo_client: Asyn
     s = MongoSlotLeaseStore(mongo_client, "wowd", operation_timeout=None)
     async with anyio.create_task_group() as tg:
         calls = [Call.start(tg, s.prepare) for _ in range(3)]
-        (await wire.command("createIndexes")).ok()
+        for collection in ("cosid_slot", "cosid_replica"):
+            req = await wire.command("createIndexes")
+            assert body(req)["createIndexes"] == collection
+            req.ok()
         for call in calls:
             await call.result()
     await next_command_is_slots_read(wire, s)

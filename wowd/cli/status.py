@@ -1,4 +1,5 @@
-"""``wowd status``: the slot table of the lease namespace as the lease store holds it."""
+"""``wowd status``: the replicas of the lease namespace (holders and standbys, from their presence
+records) and its slot table, as the lease store holds them."""
 
 from __future__ import annotations
 
@@ -11,20 +12,19 @@ from wowd.cli.output import out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import compact_partitions, iso_ms
 from wowd.model import SlotState
+from wowd.stores.base import ReplicaState
 
-__all__ = ["STANDBYS_NOTE", "live_partitions", "register", "status", "status_doc"]
-
-STANDBYS_NOTE = (
-    "standbys (replicas waiting for a free slot) hold no lease and are not recorded in the stores: "
-    "see each replica's wowd_leases_held (0 on a standby)"
-)
+__all__ = ["live_partitions", "register", "replica_rows", "status", "status_doc"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
-        "status", parents=[common], help="the slot table: holders, fences, and partitions without a live holder"
+        "status",
+        parents=[common],
+        help="the replicas (holders and standbys) and the slot table: holders, fences, and partitions without a "
+        "live holder",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.set_defaults(handler=status)
 
 
@@ -38,7 +38,29 @@ def live_partitions(settings: WowdSettings, states: Iterable[SlotState]) -> set[
     return out_
 
 
-def status_doc(settings: WowdSettings, states: list[SlotState]) -> dict[str, Any]:
+def replica_rows(replicas: Iterable[ReplicaState]) -> list[dict[str, Any]]:
+    """One row per presence record: ``state`` is ``holding``, ``standby``, or ``gone`` (expired
+    without leaving: killed, hung or cut off from the store); times on the store clock."""
+    return [
+        {
+            "owner_key": r.owner_key,
+            "state": r.state if r.live else "gone",
+            "slots": list(r.slots),
+            "host": r.host,
+            "pid": r.pid,
+            "version": r.version,
+            "instance": r.instance,
+            "started_at": r.started_at,
+            "seen_at": r.seen_at,
+            "expires_at": r.expires_at,
+            "seen_ms_ago": r.store_now - r.seen_at,
+            "up_ms": (r.store_now if r.live else r.seen_at) - r.started_at,
+        }
+        for r in replicas
+    ]
+
+
+def status_doc(settings: WowdSettings, states: list[SlotState], replicas: list[ReplicaState]) -> dict[str, Any]:
     lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
     by_slot = {s.slot: s for s in states}
     rows: list[dict[str, Any]] = []
@@ -58,22 +80,37 @@ def status_doc(settings: WowdSettings, states: list[SlotState]) -> dict[str, Any
             }
         )
     live = live_partitions(settings, states)
+    present = replica_rows(replicas)
+    store_now = states[0].store_now if states else (replicas[0].store_now if replicas else None)
     return {
         "namespace": settings.lease_namespace,
         "limit": settings.lease.limit,
-        "store_now": states[0].store_now if states else None,
+        "store_now": store_now,
+        "replicas": present,
         "slots": rows,
         "holders": sorted({r["holder"] for r in rows if r["live"]}),
-        "standbys": None,
-        "standbys_note": STANDBYS_NOTE,
+        "standbys": [r["owner_key"] for r in present if r["state"] == "standby"],
         "partitions_without_live_holder": sorted(set(range(settings.partitions)) - live),
     }
+
+
+def _duration(ms: int) -> str:
+    """``0.4 s``, ``12 min``, ``3.5 h``, ``2.0 d``: a human span (never negative)."""
+    s = max(0, ms) / 1000
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{s // 60:.0f} min"
+    if s < 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
 
 
 async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings) as backend:
         states = await backend.leases.slots(settings.lease_namespace)
-    doc = status_doc(settings, states)
+        replicas = await backend.leases.replicas(settings.lease_namespace)
+    doc = status_doc(settings, states, replicas)
     if args.json:
         print_json(doc)
         return 0
@@ -94,9 +131,30 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
         ],
         right={0, 1, 4},
     )
-    holders = doc["holders"]
+    holders, standbys = doc["holders"], doc["standbys"]
     out(f"replicas holding a slot: {len(holders)}" + (f" ({', '.join(holders)})" if holders else ""))
-    out(STANDBYS_NOTE)
+    if doc["replicas"]:
+        print_table(
+            ["replica", "state", "slots", "last seen", "up", "version", "host/pid"],
+            [
+                [
+                    r["owner_key"],
+                    r["state"],
+                    ",".join(map(str, r["slots"])) or "-",
+                    _duration(r["seen_ms_ago"]) + " ago",
+                    _duration(r["up_ms"]),
+                    r["version"],
+                    f"{r['host']}/{r['pid']}",
+                ]
+                for r in doc["replicas"]
+            ],
+        )
+    else:
+        out("replicas: no presence record (no replica is running)")
+    out(f"standbys: {len(standbys)}" + (f" ({', '.join(standbys)})" if standbys else ""))
+    gone = [r["owner_key"] for r in doc["replicas"] if r["state"] == "gone"]
+    if gone:
+        out(f"gone without leaving (recently): {len(gone)} ({', '.join(gone)})")
     unowned = doc["partitions_without_live_holder"]
     out(f"partitions without a live holder: {compact_partitions(unowned) if unowned else 'none'}")
     return 0

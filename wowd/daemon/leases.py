@@ -24,29 +24,37 @@ One :class:`SlotKeeper` per wanted slot (``slots_per_process``). Each keeper:
 
 Keeper ``i`` uses the owner key ``key`` (``i == 0``) or ``key#i``: an owner key holds one slot
 (acquire is idempotent per key), so a replica holding several slots needs one key per slot.
+
+:class:`Presence` keeps the replica's one presence record (``key``, holder or standby) beside its
+leases for ``wowd status``: a heartbeat at start, every ``ttl/3`` (the renewal period) and after
+each acquire or release, deleted on a graceful stop. A failed heartbeat is logged (WARNING at most
+once a minute) and counted, and changes nothing else: no lease decision reads the record.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import anyio
 from anyio.abc import TaskStatus
 
-from wowd import metrics
+from wowd import __version__, metrics
 from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
 from wowd.fmt import compact_partitions
 from wowd.model import Owner, SlotLease
-from wowd.stores.base import SlotLeaseStore
+from wowd.stores.base import ReplicaInfo, SlotLeaseStore
 
-__all__ = ["HeldSlot", "SlotKeeper", "owner_key_for"]
+__all__ = ["HeldSlot", "Presence", "SlotKeeper", "owner_key_for"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ RELEASE_TIMEOUT_S = 5.0
 MIN_CLOCK_STEP_S = 0.05
 """The smallest wall-clock step reported, whatever the tolerance (jitter of reading two clocks
 and a slewing NTP stay well below it)."""
+HEARTBEAT_WARN_EVERY_S = 60.0
+"""Failed heartbeats are logged at WARNING at most this often (at DEBUG in between)."""
 
 
 def owner_key_for(base: str, index: int) -> str:
@@ -401,3 +411,97 @@ class SlotKeeper:
             work_scope.deadline = valid_until
             metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
             next_at = self._next_renew(held)
+
+
+class Presence:
+    """This replica's presence record (see the module docstring). ``held`` answers the slots the
+    replica holds now; :meth:`changed` asks for a heartbeat at once (after an acquire or a
+    release); :meth:`stop` ends :meth:`run`, which then deletes the record."""
+
+    def __init__(
+        self,
+        settings: WowdSettings,
+        store: SlotLeaseStore,
+        held: Callable[[], Iterable[HeldSlot]],
+        *,
+        owner_key: str,
+        host: str | None = None,
+        pid: int | None = None,
+    ) -> None:
+        self._store = store
+        self._held = held
+        self._ns = settings.lease_namespace
+        self._ttl_s = settings.lease.ttl_s
+        self._ttl = timedelta(seconds=settings.lease.ttl_s)
+        self._every_s = settings.lease.ttl_s / 3
+        self.owner_key = owner_key
+        self._host = socket.gethostname() if host is None else host
+        self._pid = os.getpid() if pid is None else pid
+        self._instance = uuid.uuid4().hex
+        self._poke = anyio.Event()
+        self._stop = anyio.Event()
+        self._warned_at = -math.inf
+        self._failures = 0
+
+    def info(self) -> ReplicaInfo:
+        """What the next heartbeat writes: the slots held with a valid lease now."""
+        return ReplicaInfo(
+            instance=self._instance,
+            host=self._host,
+            pid=self._pid,
+            version=__version__,
+            slots=tuple(sorted(h.slot for h in self._held() if h.valid)),
+        )
+
+    def changed(self) -> None:
+        """A heartbeat at once (the slots held changed)."""
+        self._poke.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._poke.set()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Heartbeats until stopped: at once, then every ``ttl/3`` or sooner after a change;
+        then deletes the record (also when cancelled: shielded, bounded)."""
+        task_status.started()
+        try:
+            while not self._stop.is_set():
+                self._poke = anyio.Event()
+                await self._beat()
+                with anyio.move_on_after(self._every_s):
+                    await self._poke.wait()
+        finally:
+            await self._leave()
+
+    async def _beat(self) -> None:
+        info = self.info()
+        try:
+            with anyio.fail_after(self._ttl_s):  # a hung write is a failed one: the next one is due
+                await self._store.heartbeat(self._ns, self.owner_key, info, self._ttl)
+        except (StorageError, TimeoutError) as exc:
+            unavailable = isinstance(exc, StorageUnavailable | TimeoutError)
+            metrics.LEASE_HEARTBEAT_FAILURES.labels(reason="unavailable" if unavailable else "error").inc()
+            self._failures += 1
+            what = str(exc) or "no answer within the ttl"
+            now = anyio.current_time()
+            if now >= self._warned_at + HEARTBEAT_WARN_EVERY_S:
+                log.warning(
+                    "presence heartbeat of %s failed (%d since the last warning; leases unaffected): %s",
+                    self.owner_key,
+                    self._failures,
+                    what,
+                )
+                self._warned_at = now
+                self._failures = 0
+            else:
+                log.debug("presence heartbeat of %s failed: %s", self.owner_key, what)
+
+    async def _leave(self) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(RELEASE_TIMEOUT_S):
+            try:
+                await self._store.leave(self._ns, self.owner_key)
+            except StorageError as exc:
+                log.warning("presence record of %s not deleted (it expires on its own): %s", self.owner_key, exc)
+                return
+            log.debug("presence record of %s deleted", self.owner_key)

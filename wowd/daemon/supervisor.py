@@ -1,5 +1,6 @@
 """The supervisor: one task group holding the slot keepers (each running a feed and a timer loop
-per held slot), the HTTP listener, the health loop and the systemd watchdog.
+per held slot), the replica's presence heartbeat, the HTTP listener, the health loop and the
+systemd watchdog.
 
 It never touches signals: the composition root calls :meth:`Supervisor.stop` (graceful: stop
 claiming, drain deliveries within the grace period, settle, stop the feed at a batch boundary,
@@ -26,7 +27,7 @@ from wowd.stores.base import Backend
 from .feed import Feeder
 from .gateway import CommandGateway
 from .http import HttpServer
-from .leases import HeldSlot, SlotKeeper, owner_key_for
+from .leases import HeldSlot, Presence, SlotKeeper, owner_key_for
 from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
 from .timers import TimerLoop
@@ -60,6 +61,7 @@ class Supervisor:
         self.notifier = notifier or SystemdNotifier()
         self._port_file = port_file
         self._keepers: list[SlotKeeper] = []
+        self._presence: Presence | None = None
         self._stop = anyio.Event()
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False
@@ -118,6 +120,8 @@ class Supervisor:
         metrics.LEASES_HELD.set(len(held))
         metrics.PARTITIONS_OWNED.set(sum(len(h.partitions) for h in held))
         metrics.READY.set(1 if self.ready() else 0)
+        if self._presence is not None:
+            self._presence.changed()
         if not self._stop.is_set():
             self.notifier.status(self._status_line())
 
@@ -164,6 +168,7 @@ class Supervisor:
             )
             for i in range(s.lease.slots_per_process)
         ]
+        presence = self._presence = Presence(s, self.backend.leases, lambda: self.held, owner_key=base_key)
         self.http = HttpServer(s.http.host, s.http.port, self.readiness, port_file=self._port_file)
         with anyio.CancelScope() as scope:
             self._scope = scope
@@ -176,16 +181,20 @@ class Supervisor:
                 tg.start_soon(self._health_loop)
                 if self.notifier.watchdog_interval:
                     tg.start_soon(self._watchdog_loop, self.notifier.watchdog_interval)
-                async with anyio.create_task_group() as slots:
-                    for k in self._keepers:
-                        await slots.start(k.run)
-                    if self._stop.is_set():
+                async with anyio.create_task_group() as replica:
+                    async with anyio.create_task_group() as slots:
                         for k in self._keepers:
-                            k.stop(s.shutdown.grace_s)
-                    self._on_lease_change()
-                    self.notifier.ready(self._status_line())
-                    log.info("replica %s started: %s", base_key, self._status_line())
-                    task_status.started(port)
+                            await slots.start(k.run)
+                        if self._stop.is_set():
+                            for k in self._keepers:
+                                k.stop(s.shutdown.grace_s)
+                        self._on_lease_change()
+                        # after the first acquire attempts: the first heartbeat says holder or standby
+                        await replica.start(presence.run)
+                        self.notifier.ready(self._status_line())
+                        log.info("replica %s started: %s", base_key, self._status_line())
+                        task_status.started(port)
+                    presence.stop()  # the leases are released: the presence record goes last
                 tg.cancel_scope.cancel()
         self._scope = None
         metrics.READY.set(0)

@@ -46,6 +46,9 @@ __all__ = [
     "EventSink",
     "Log",
     "Outbox",
+    "PRESENCE_RETENTION",
+    "ReplicaInfo",
+    "ReplicaState",
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
@@ -170,9 +173,62 @@ class Log(Protocol):
     async def close(self) -> None: ...
 
 
+PRESENCE_RETENTION = timedelta(minutes=5)
+"""How long a presence record is kept after it expired (listed as gone by
+:meth:`SlotLeaseStore.replicas`), then deleted: by the next heartbeat of the namespace (embedded)
+or by the TTL index (MongoDB)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaInfo:
+    """What a replica says of itself in its presence record (:meth:`SlotLeaseStore.heartbeat`).
+
+    ``instance`` names the process (random at each start): a record written by another instance
+    of the same owner key (a restart) gets a new ``started_at``. ``slots``: the slots it holds
+    now, ascending; none makes it a standby."""
+
+    instance: str
+    host: str
+    pid: int
+    version: str
+    slots: tuple[int, ...] = ()
+
+    @property
+    def state(self) -> Literal["holding", "standby"]:
+        return "holding" if self.slots else "standby"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaState:
+    """One presence record as ``wowd status`` shows it. Times are store-clock milliseconds since
+    the epoch: ``started_at`` the instance's first heartbeat, ``seen_at`` its last one,
+    ``expires_at = seen_at + ttl``, ``store_now`` the store's now when it answered."""
+
+    namespace: str
+    owner_key: str
+    instance: str
+    host: str
+    pid: int
+    version: str
+    state: Literal["holding", "standby"]
+    slots: tuple[int, ...]
+    started_at: int
+    seen_at: int
+    expires_at: int
+    store_now: int
+
+    @property
+    def live(self) -> bool:
+        """False for a replica that stopped heartbeating without leaving (killed, hung, cut off)."""
+        return self.expires_at > self.store_now
+
+
 @runtime_checkable
 class SlotLeaseStore(Protocol):
-    """CosId-style slot leases (DESIGN.md section 4), decided on the store's clock."""
+    """CosId-style slot leases (DESIGN.md section 4), decided on the store's clock, and the
+    presence record of each replica beside them (holders and standbys alike, for ``wowd
+    status``): :meth:`heartbeat`, :meth:`replicas`, :meth:`leave`. Presence is information
+    only: no lease decision reads it."""
 
     async def acquire(
         self,
@@ -209,6 +265,27 @@ class SlotLeaseStore(Protocol):
 
     async def slots(self, namespace: str) -> list[SlotState]:
         """Every slot document of the namespace with the store's now (for ``wowd status``)."""
+        ...
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        """Writes or refreshes the presence record of ``owner_key`` in ``namespace`` (one per
+        replica): ``info``, ``seen_at`` = the store's now and ``expires_at = seen_at + ttl``, both
+        from the store clock in the same write; ``started_at`` = the store's now of the first
+        heartbeat of ``info.instance``, kept while the instance stays the same. One single-record
+        upsert; idempotent (a repeat moves ``seen_at`` and ``expires_at`` on). Touches no slot.
+        Records expired more than :data:`PRESENCE_RETENTION` ago are deleted (embedded: by this
+        write, for the namespace; MongoDB: by the TTL index on ``expiresAt``)."""
+        ...
+
+    async def replicas(self, namespace: str) -> list[ReplicaState]:
+        """The presence records of ``namespace`` by owner key, each with the store's now: the
+        live ones and those expired within :data:`PRESENCE_RETENTION` (``live`` False: a replica
+        that stopped without :meth:`leave`). Read-only."""
+        ...
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        """Deletes the presence record of ``owner_key`` (a graceful stop); False when there was
+        none. Idempotent."""
         ...
 
     async def close(self) -> None: ...

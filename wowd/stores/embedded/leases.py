@@ -5,7 +5,12 @@ Tables (the seed's documents as rows, the seed's field names as columns):
 - ``cosid_slot``: ``(ns, slot)`` primary key, ``ownerKey``, ``incarnation``, ``lastOwnerKey``,
   ``fence``, ``expiresAt``, ``floor``, ``ceiling``, ``nextFloor``, ``writtenAt``;
 - ``cosid_namespace``: ``ns`` primary key, ``limit``, ``toleranceMs``, ``slotOffset`` (NULL reads
-  as 0 and is never rewritten).
+  as 0 and is never rewritten);
+- ``cosid_replica``: the presence record of each replica, ``(ns, ownerKey)`` primary key,
+  ``instance``, ``host``, ``pid``, ``version``, ``state``, ``slots`` (a JSON array),
+  ``startedAt``, ``seenAt``, ``expiresAt`` (store clock). A heartbeat is one upsert stamped with
+  the store's now, and deletes the namespace's records expired more than
+  :data:`~wowd.stores.base.PRESENCE_RETENTION` ago in the same transaction.
 
 The store clock is SQLite's ``now`` (:data:`~wowd.stores.embedded.db.NOW_MS`), evaluated once per
 statement (``UPDATE ... FROM (SELECT now) AS clk``), so ``writtenAt`` and ``expiresAt`` come from
@@ -26,13 +31,16 @@ take as well, so the renew/release of an earlier process with the same owner key
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from wowd.errors import StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
+from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo, ReplicaState
 from wowd.stores.embedded.db import NOW_MS, SqliteStore
 
 __all__ = ["EmbeddedSlotLeaseStore"]
@@ -61,6 +69,20 @@ SCHEMA = (
         nextFloor INTEGER,
         writtenAt INTEGER NOT NULL DEFAULT 0,
         PRIMARY KEY (ns, slot)
+    )""",
+    """CREATE TABLE IF NOT EXISTS cosid_replica (
+        ns TEXT NOT NULL,
+        ownerKey TEXT NOT NULL,
+        instance TEXT NOT NULL,
+        host TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        version TEXT NOT NULL,
+        state TEXT NOT NULL,
+        slots TEXT NOT NULL,
+        startedAt INTEGER NOT NULL,
+        seenAt INTEGER NOT NULL,
+        expiresAt INTEGER NOT NULL,
+        PRIMARY KEY (ns, ownerKey)
     )""",
 )
 
@@ -140,6 +162,58 @@ def release_sql() -> str:
         f"FROM (SELECT {NOW_MS} AS now) AS clk "
         "WHERE ns = :ns AND slot = :slot AND ownerKey = :owner AND incarnation = :incarnation "
         "AND fence = :fence"
+    )
+
+
+def heartbeat_sql() -> str:
+    """The presence upsert: ``seenAt`` and ``expiresAt`` from one store-clock now; ``startedAt``
+    kept while the instance is the same (``SET`` reads the row as it was). The ``WHERE true``
+    lets SQLite parse ``ON CONFLICT`` after ``INSERT ... SELECT``."""
+    return (
+        "INSERT INTO cosid_replica "
+        "(ns, ownerKey, instance, host, pid, version, state, slots, startedAt, seenAt, expiresAt) "
+        "SELECT :ns, :owner, :instance, :host, :pid, :version, :state, :slots, clk.now, clk.now, clk.now + :ttl "
+        f"FROM (SELECT {NOW_MS} AS now) AS clk WHERE true "
+        "ON CONFLICT (ns, ownerKey) DO UPDATE SET "
+        "startedAt = CASE WHEN instance = excluded.instance THEN startedAt ELSE excluded.startedAt END, "
+        "instance = excluded.instance, host = excluded.host, pid = excluded.pid, version = excluded.version, "
+        "state = excluded.state, slots = excluded.slots, seenAt = excluded.seenAt, expiresAt = excluded.expiresAt"
+    )
+
+
+def purge_replicas_sql() -> str:
+    """The namespace's presence records expired more than the retention ago."""
+    return f"DELETE FROM cosid_replica WHERE ns = :ns AND expiresAt + :retention <= {NOW_MS}"
+
+
+def replicas_sql() -> str:
+    """The namespace's presence records, live or expired within the retention, with the store's now."""
+    return (
+        "SELECT ns, ownerKey, instance, host, pid, version, state, slots, startedAt, seenAt, expiresAt, clk.now "
+        f"FROM cosid_replica, (SELECT {NOW_MS} AS now) AS clk "
+        "WHERE ns = :ns AND expiresAt + :retention > clk.now ORDER BY ownerKey"
+    )
+
+
+def _replica(row: sqlite3.Row | tuple[Any, ...]) -> ReplicaState:
+    ns, owner, instance, host, pid, version, state, slots, started_at, seen_at, expires_at, now = tuple(row)
+    try:
+        held = tuple(int(s) for s in json.loads(slots))
+    except (ValueError, TypeError) as exc:
+        raise StorageError(f"sqlite cosid_replica: slots of {owner!r} is not a list of integers: {slots!r}") from exc
+    return ReplicaState(
+        namespace=ns,
+        owner_key=owner,
+        instance=instance,
+        host=host,
+        pid=pid,
+        version=version,
+        state="holding" if state == "holding" else "standby",
+        slots=held,
+        started_at=started_at,
+        seen_at=seen_at,
+        expires_at=expires_at,
+        store_now=now,
     )
 
 
@@ -288,6 +362,43 @@ class EmbeddedSlotLeaseStore(SqliteStore):
             ]
 
         return await self._run("slots", run)
+
+    # ------------------------------------------------------------------ presence
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        params: dict[str, Any] = {
+            "ns": namespace,
+            "owner": owner_key,
+            "instance": info.instance,
+            "host": info.host,
+            "pid": info.pid,
+            "version": info.version,
+            "state": info.state,
+            "slots": json.dumps(sorted(info.slots)),
+            "ttl": _ms(ttl),
+            "retention": _ms(PRESENCE_RETENTION),
+        }
+
+        def run(conn: sqlite3.Connection) -> None:
+            conn.execute(heartbeat_sql(), params)
+            conn.execute(purge_replicas_sql(), params)
+
+        await self._run("heartbeat", self._db.transaction(run))
+
+    async def replicas(self, namespace: str) -> list[ReplicaState]:
+        params = {"ns": namespace, "retention": _ms(PRESENCE_RETENTION)}
+
+        def run(conn: sqlite3.Connection) -> list[ReplicaState]:
+            return [_replica(r) for r in conn.execute(replicas_sql(), params).fetchall()]
+
+        return await self._run("replicas", run)
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        def run(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute("DELETE FROM cosid_replica WHERE ns = ? AND ownerKey = ?", (namespace, owner_key))
+            return cur.rowcount == 1
+
+        return await self._run("leave", run)
 
 
 def _match(lease: SlotLease) -> dict[str, Any]:

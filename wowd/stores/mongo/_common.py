@@ -50,6 +50,7 @@ __all__ = [
     "HISTORY_LOST_CODES",
     "NAMESPACE_COLLECTION",
     "NAMESPACE_EXISTS",
+    "REPLICA_COLLECTION",
     "SLOT_COLLECTION",
     "SNAPSHOT_TABLES",
     "TIMER_FORMAT",
@@ -92,6 +93,8 @@ SLOT_COLLECTION = "cosid_slot"
 """The lease slots (one document per slot of every namespace)."""
 NAMESPACE_COLLECTION = "cosid_namespace"
 """The lease namespaces (limit, tolerance, slot offset)."""
+REPLICA_COLLECTION = "cosid_replica"
+"""The presence records (one document per replica of every namespace, holder or standby)."""
 
 
 def collection_name(kind: str, context: str, aggregate: str) -> str:

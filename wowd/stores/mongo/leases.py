@@ -7,6 +7,11 @@ Collections:
   namespace is created on its first use. Times are BSON dates of the store clock (``$$NOW``).
 - ``cosid_namespace``: ``{_id: ns, limit, toleranceMs, slotOffset}``. A document written by an
   older version has no ``slotOffset``: it reads as 0 and is never rewritten.
+- ``cosid_replica``: the presence record of each replica, holder or standby, ``{_id: {ns,
+  ownerKey}, ns, ownerKey, instance, host, pid, version, state, slots, startedAt, seenAt,
+  expiresAt}``; a heartbeat is one upsert by ``_id`` whose pipeline stamps ``seenAt = $$NOW`` and
+  derives ``expiresAt`` from it. The TTL index on ``expiresAt`` (``expireAfterSeconds`` =
+  :data:`~wowd.stores.base.PRESENCE_RETENTION`) deletes a record that long after it expired.
 
 An acquire reads the namespace, then runs one aggregation over the namespace's slots that
 answers the idempotent case (the owner key holds a live slot: decided by ``$$NOW`` on the
@@ -39,11 +44,12 @@ from pymongo.write_concern import WriteConcern
 
 from wowd.errors import ConfigError, FormatError, StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.base import Ddl
+from wowd.stores.base import PRESENCE_RETENTION, Ddl, ReplicaInfo, ReplicaState
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     DUPLICATE_KEY,
     NAMESPACE_COLLECTION,
+    REPLICA_COLLECTION,
     SLOT_COLLECTION,
     MongoStore,
     is_duplicate_key,
@@ -51,6 +57,8 @@ from wowd.stores.mongo._common import (
 
 __all__ = [
     "NAMESPACE_COLLECTION",
+    "REPLICA_COLLECTION",
+    "REPLICA_TTL_INDEX",
     "SLOT_COLLECTION",
     "SLOT_INDEX_NAME",
     "TAKE_SORT",
@@ -58,6 +66,7 @@ __all__ = [
     "MongoSlotLeaseStore",
     "free_expr",
     "free_filter",
+    "heartbeat_update",
     "namespace_doc",
     "namespace_filter",
     "namespace_mismatch",
@@ -68,6 +77,9 @@ __all__ = [
     "release_update",
     "renew_filter",
     "renew_update",
+    "replica_filter",
+    "replica_indexes",
+    "replicas_pipeline",
     "slot_indexes",
     "slots_pipeline",
     "sticky_filter",
@@ -77,6 +89,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SLOT_INDEX_NAME = "ns_1_slot_1"
+REPLICA_TTL_INDEX = "expiresAt_ttl"
 
 TAKE_SORT: dict[str, int] = {"slot": 1}
 """The free step takes the first free slot in slot order."""
@@ -320,16 +333,69 @@ def slots_pipeline(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
+def replica_indexes() -> list[IndexModel]:
+    """The one index of ``cosid_replica``: a TTL index on ``expiresAt`` that deletes a presence
+    record :data:`~wowd.stores.base.PRESENCE_RETENTION` after it expired (``replicas`` lists it
+    as gone meanwhile). The ``_id`` index serves the heartbeat and the leave; a namespace's read
+    scans the few records of the collection."""
+    return [IndexModel([("expiresAt", 1)], name=REPLICA_TTL_INDEX, expireAfterSeconds=_whole_s(PRESENCE_RETENTION))]
+
+
+def replica_filter(namespace: str, owner_key: str) -> dict[str, Any]:
+    """A presence record by its ``_id``, ``{ns, ownerKey}`` in that order."""
+    return {"_id": {"ns": namespace, "ownerKey": owner_key}}
+
+
+def heartbeat_update(namespace: str, owner_key: str, info: ReplicaInfo, ttl_ms: int) -> list[dict[str, Any]]:
+    """The pipeline update of a heartbeat (an upsert): ``seenAt = $$NOW``, ``startedAt`` kept
+    while ``instance`` is the same (else ``$$NOW``), then ``expiresAt = seenAt + ttl``. Every
+    value the replica gives goes in as a literal; the first ``$set`` reads the document as it
+    was (none on the first heartbeat)."""
+    return [
+        {
+            "$set": {
+                "ns": {"$literal": namespace},
+                "ownerKey": {"$literal": owner_key},
+                "startedAt": {"$cond": [{"$eq": ["$instance", {"$literal": info.instance}]}, "$startedAt", "$$NOW"]},
+                "instance": {"$literal": info.instance},
+                "host": {"$literal": info.host},
+                "pid": {"$literal": info.pid},
+                "version": {"$literal": info.version},
+                "state": {"$literal": info.state},
+                "slots": {"$literal": sorted(info.slots)},
+                "seenAt": "$$NOW",
+            }
+        },
+        {"$set": {"expiresAt": {"$add": ["$seenAt", ttl_ms]}}},
+    ]
+
+
+def replicas_pipeline(namespace: str) -> list[dict[str, Any]]:
+    """The namespace's presence records, live or expired within the retention (decided by
+    ``$$NOW``, whatever the TTL monitor removed yet), by owner key, with the store's now."""
+    return [
+        {
+            "$match": {
+                "ns": namespace,
+                "$expr": {"$gt": [{"$add": ["$expiresAt", _whole_ms(PRESENCE_RETENTION)]}, "$$NOW"]},
+            }
+        },
+        {"$sort": {"ownerKey": 1}},
+        {"$set": {"storeNow": "$$NOW"}},
+        {"$project": {"_id": 0}},
+    ]
+
+
 # --------------------------------------------------------------------------- documents -> model
 
 
-def _ms(value: Any, field: str) -> int:
+def _ms(value: Any, field: str, collection: str = SLOT_COLLECTION) -> int:
     if isinstance(value, DatetimeMS):
         return int(value)
     if isinstance(value, datetime):
         aware = value if value.tzinfo else value.replace(tzinfo=UTC)
         return (aware - _EPOCH) // timedelta(milliseconds=1)
-    raise StorageError(f"mongodb {SLOT_COLLECTION}: {field} is not a date: {value!r}")
+    raise StorageError(f"mongodb {collection}: {field} is not a date: {value!r}")
 
 
 def _ms_or_zero(value: Any, field: str) -> int:
@@ -378,8 +444,44 @@ def _state(doc: Mapping[str, Any]) -> SlotState:
     )
 
 
+def _replica(doc: Mapping[str, Any]) -> ReplicaState:
+    def text(field: str) -> str:
+        value = doc.get(field)
+        if not isinstance(value, str):
+            raise StorageError(f"mongodb {REPLICA_COLLECTION}: {field} is not a string: {doc!r}")
+        return value
+
+    def date(field: str) -> int:
+        return _ms(doc.get(field), field, REPLICA_COLLECTION)
+
+    pid = doc.get("pid")
+    slots = doc.get("slots")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        raise StorageError(f"mongodb {REPLICA_COLLECTION}: pid is not an integer: {doc!r}")
+    if not isinstance(slots, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in slots):
+        raise StorageError(f"mongodb {REPLICA_COLLECTION}: slots is not a list of integers: {doc!r}")
+    return ReplicaState(
+        namespace=text("ns"),
+        owner_key=text("ownerKey"),
+        instance=text("instance"),
+        host=text("host"),
+        pid=pid,
+        version=text("version"),
+        state="holding" if doc.get("state") == "holding" else "standby",
+        slots=tuple(slots),
+        started_at=date("startedAt"),
+        seen_at=date("seenAt"),
+        expires_at=date("expiresAt"),
+        store_now=date("storeNow"),
+    )
+
+
 def _whole_ms(value: timedelta) -> int:
     return value // timedelta(milliseconds=1)
+
+
+def _whole_s(value: timedelta) -> int:
+    return value // timedelta(seconds=1)
 
 
 # --------------------------------------------------------------------------- the store
@@ -391,9 +493,10 @@ class MongoSlotLeaseStore(MongoStore):
     The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
     ``operation_timeout``). ``write_concern``: the concern of every write (acknowledged;
     ``majority`` keeps leases across a failover); ``None`` means the client's. Reads and writes
-    always go to the primary. ``ddl``: the unique index on ``(ns, slot)`` is created (AUTO),
-    checked (VALIDATE) or assumed (NONE) by :meth:`prepare`, which the first :meth:`acquire`
-    calls when nobody did before (the constructor does no I/O).
+    always go to the primary. ``ddl``: the unique index on ``(ns, slot)`` and the TTL index of
+    ``cosid_replica`` are created (AUTO), checked (VALIDATE) or assumed (NONE) by
+    :meth:`prepare`; the first :meth:`acquire` (the slot index) and the first :meth:`heartbeat`
+    (the TTL index) do it when nobody did before (the constructor does no I/O).
     """
 
     _label = "leases"
@@ -416,7 +519,9 @@ class MongoSlotLeaseStore(MongoStore):
             options["write_concern"] = write_concern
         self._slots: AsyncCollection[dict[str, Any]] = self._db.get_collection(SLOT_COLLECTION, **options)
         self._namespaces: AsyncCollection[dict[str, Any]] = self._db.get_collection(NAMESPACE_COLLECTION, **options)
+        self._replicas: AsyncCollection[dict[str, Any]] = self._db.get_collection(REPLICA_COLLECTION, **options)
         self._prepared = self._ddl is Ddl.NONE
+        self._replicas_prepared = self._ddl is Ddl.NONE
         self._prepare_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ plumbing
@@ -440,10 +545,32 @@ class MongoSlotLeaseStore(MongoStore):
                     )
             self._prepared = True
 
+    async def _prepare_replicas(self) -> None:
+        """One ``createIndexes`` (or ``listIndexes``) of ``cosid_replica`` per store."""
+        if self._replicas_prepared:
+            return
+        async with self._prepare_lock:
+            if self._replicas_prepared:
+                return
+            if self._ddl is Ddl.AUTO:
+                await self._replicas.create_indexes(replica_indexes())
+            elif self._ddl is Ddl.VALIDATE:
+                found = {ix["name"]: ix async for ix in await self._replicas.list_indexes()}
+                ix = found.get(REPLICA_TTL_INDEX)
+                want = _whole_s(PRESENCE_RETENTION)
+                if ix is None or list(ix["key"].items()) != [("expiresAt", 1)] or ix.get("expireAfterSeconds") != want:
+                    raise FormatError(
+                        f"mongodb {REPLICA_COLLECTION}: the TTL index {REPLICA_TTL_INDEX} on expiresAt "
+                        f"(expireAfterSeconds {want}) is missing (ddl=validate)"
+                    )
+            self._replicas_prepared = True
+
     async def prepare(self) -> None:
-        """Creates (AUTO) or checks (VALIDATE) the unique index on ``(ns, slot)`` (idempotent)."""
+        """Creates (AUTO) or checks (VALIDATE) the unique index on ``(ns, slot)`` of
+        ``cosid_slot``, then the TTL index of ``cosid_replica`` (idempotent)."""
         with self._call("prepare"):
             await self._prepare()
+            await self._prepare_replicas()
 
     # ------------------------------------------------------------------ acquire
 
@@ -628,3 +755,26 @@ class MongoSlotLeaseStore(MongoStore):
             cursor = await self._slots.aggregate(slots_pipeline(namespace))
             docs = await cursor.to_list()
         return [_state(doc) for doc in docs]
+
+    # ------------------------------------------------------------------ presence
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        ttl_ms = _whole_ms(ttl)
+        if ttl_ms < 1:
+            raise ConfigError(f"heartbeat ttl: must be at least 1 ms, got {ttl}")
+        with self._call("heartbeat"):
+            await self._prepare_replicas()
+            await self._replicas.update_one(
+                replica_filter(namespace, owner_key), heartbeat_update(namespace, owner_key, info, ttl_ms), upsert=True
+            )
+
+    async def replicas(self, namespace: str) -> list[ReplicaState]:
+        with self._call("replicas"):
+            cursor = await self._replicas.aggregate(replicas_pipeline(namespace))
+            docs = await cursor.to_list()
+        return [_replica(doc) for doc in docs]
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        with self._call("leave"):
+            result = await self._replicas.delete_one(replica_filter(namespace, owner_key))
+        return result.deleted_count == 1

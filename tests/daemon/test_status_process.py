@@ -1,0 +1,95 @@
+"""``wowd status`` lists every replica, standbys included, from their presence records: two
+``wowd run`` processes on one SQLite file with one slot, then a graceful stop and a kill."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
+from wowd.stores.base import Backend
+
+from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process]
+
+NS = f"wowd.{CONTEXT}"
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "wowd.db"
+
+
+@pytest.fixture
+async def stores(db: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    settings = WowdSettings(
+        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=1)
+    )
+    backend = await open_embedded(settings)
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+async def states(stores: Backend) -> dict[str, str]:
+    """Owner key -> ``holding``, ``standby`` or ``gone``, as the presence records say."""
+    return {r.owner_key: (r.state if r.live else "gone") for r in await stores.leases.replicas(NS)}
+
+
+async def test_status_shows_the_standby_and_forgets_it_once_it_left(
+    spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
+) -> None:
+    env = base_env(db, WOWD_LEASE__LIMIT="1")
+    a = spawn("a", env)
+    await a.wait_ready()
+    b = spawn("b", env)
+    await b.wait_port()
+
+    async def both() -> bool:
+        return await states(stores) == {"a": "holding", "b": "standby"}
+
+    await eventually(both, 15, "a holding and b standing by in the presence records")
+
+    rc, out, err = await run_wowd("status", env=env, cwd=tmp_path)
+    assert rc == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("replica "))
+    assert lines[header].split() == ["replica", "state", "slots", "last", "seen", "up", "version", "host/pid"]
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
+    assert rows["a"][1:3] == ["holding", "0"] and rows["b"][1:3] == ["standby", "-"]
+    assert rows["b"][-1].endswith(f"/{b.proc.pid}") and rows["a"][-1].endswith(f"/{a.proc.pid}")
+    assert "replicas holding a slot: 1 (a)" in lines and "standbys: 1 (b)" in lines
+
+    rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert doc["holders"] == ["a"] and doc["standbys"] == ["b"]
+    by_key = {r["owner_key"]: r for r in doc["replicas"]}
+    assert (by_key["b"]["state"], by_key["b"]["slots"], by_key["b"]["pid"]) == ("standby", [], b.proc.pid)
+    assert (by_key["a"]["state"], by_key["a"]["slots"]) == ("holding", [0])
+    assert 0 <= by_key["b"]["seen_ms_ago"] < 2000  # heartbeats every ttl/3 (the ttl is 2 s)
+
+    b.signal(signal.SIGTERM)
+    assert await b.wait_exit(10) == 0
+    assert await states(stores) == {"a": "holding"}  # left on its way out
+
+    a.signal(signal.SIGKILL)
+    await a.wait_exit(5)
+
+    async def a_gone() -> bool:
+        return await states(stores) == {"a": "gone"}
+
+    await eventually(a_gone, 10, "a's record expired (killed: it could not leave)")
+    rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+    assert rc == 0, err
+    doc = json.loads(out)
+    assert [(r["owner_key"], r["state"]) for r in doc["replicas"]] == [("a", "gone")]
+    assert doc["holders"] == [] and doc["standbys"] == []
