@@ -71,7 +71,9 @@ PARTITIONS_OWNED = Gauge("wowd_partitions_owned", "Log partitions this replica w
 PARTITIONS_UNOWNED = Gauge(
     "wowd_partitions_unowned", "Partitions of the context whose slot has no live holder (store view)"
 )
-READY = Gauge("wowd_ready", "1 when the replica holds a lease and its stores answer")
+READY = Gauge(
+    "wowd_ready", "1 when the replica is functioning (holder or standby: its stores answer, no held slot stalled)"
+)
 
 # timers
 TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered", ["aggregate"])

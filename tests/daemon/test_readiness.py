@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
-from wowd import metrics
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import OutboxGateway
@@ -17,6 +17,11 @@ from wowd.errors import StorageUnavailable
 from wowd.stores.base import Backend
 
 pytestmark = pytest.mark.anyio
+
+
+def ready_gauge() -> float | None:
+    """``wowd_ready`` as a scrape reads it."""
+    return REGISTRY.get_sample_value("wowd_ready")
 
 
 @pytest.fixture
@@ -40,7 +45,7 @@ async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: Wowd
     await sup._ping()
     assert sup.readiness(False) == (True, "standby: no free slot in wowd.demo")
     assert sup.readiness(True) == (False, "standby: no free slot in wowd.demo")
-    assert metrics.READY._value.get() == 1
+    assert ready_gauge() == 1
 
     async def down() -> None:
         raise StorageUnavailable("sqlite wowd.db: unable to open database file")
@@ -48,7 +53,7 @@ async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: Wowd
     backend.log.ping = down  # type: ignore[method-assign]
     await sup._ping()
     assert sup.readiness(False) == (False, "the stores do not answer")
-    assert metrics.READY._value.get() == 0
+    assert ready_gauge() == 0
 
 
 async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
@@ -60,5 +65,7 @@ async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
     feeder.stalled = "sink: StorageError: database or disk is full"
     sup._feeders[3] = feeder
     assert sup.readiness(False) == (False, "slot 3 stalled: sink: StorageError: database or disk is full")
+    assert ready_gauge() == 0  # at once, not at the next health check
     feeder.stalled = None
     assert sup.readiness(False)[0] is True
+    assert ready_gauge() == 1

@@ -72,6 +72,8 @@ class Supervisor:
         """The feed of each slot held now (its ``stalled`` state decides readiness)."""
         self._wakers: dict[int, Waker] = {}
         self._slots_seen: set[int] = set()
+        # read at each scrape: 1 exactly when /readyz answers 200
+        metrics.READY.set_function(lambda: 1.0 if self.ready() else 0.0)
 
     # ------------------------------------------------------------------ state
 
@@ -119,7 +121,6 @@ class Supervisor:
         self._slots_seen |= slots
         metrics.LEASES_HELD.set(len(held))
         metrics.PARTITIONS_OWNED.set(sum(len(h.partitions) for h in held))
-        metrics.READY.set(1 if self.ready() else 0)
         if self._presence is not None:
             self._presence.changed()
         if not self._stop.is_set():
@@ -197,7 +198,7 @@ class Supervisor:
                     presence.stop()  # the leases are released: the presence record goes last
                 tg.cancel_scope.cancel()
         self._scope = None
-        metrics.READY.set(0)
+        metrics.READY.set_function(lambda: 0.0)
         log.info("replica stopped%s", " (cancelled)" if self._cancelled else "")
 
     async def _prepare(self) -> bool:
@@ -248,7 +249,6 @@ class Supervisor:
                 log.warning("stores do not answer: %s", exc)
         if ok != self.stores_ok:
             self.stores_ok = ok
-        metrics.READY.set(1 if self.ready() else 0)
         now = now_ms()
         for slot, waker in list(self._wakers.items()):
             # before the feed first reaches the head: since the slot was taken
