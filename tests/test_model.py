@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
@@ -31,6 +31,7 @@ from wowd.model import (
     TimerChange,
     TimerScheduled,
     TimerStatus,
+    TimerWrite,
     commit_from_doc,
     commit_to_doc,
     deterministic_timer_id,
@@ -551,3 +552,22 @@ def test_commit_validates_itself() -> None:
         make_commit(version=0)
     with pytest.raises(InvalidInput, match="^request_id"):
         make_commit(request_id="")
+
+
+def test_an_unchecked_constructor_builds_what_the_dataclass_builds() -> None:
+    ref = AggregateRef(context="ctx", aggregate="order", id="o-1")
+    for cls, values in [
+        (AggregateRef, {"context": "ctx", "aggregate": "order", "id": "o-1", "tenant_id": "t"}),
+        (DomainEvent, {"id": "e", "name": "X", "revision": "1", "body_type": "b", "body": {"n": 1}}),
+        (TimerWrite, {"kind": "cancel", "owner": ref, "version": 3, "key": "k", "timer": None}),
+    ]:
+        build = model.unchecked(cls)
+        built = build(**values)
+        assert type(built) is cls
+        assert built == cls(**values)
+        with pytest.raises(FrozenInstanceError):
+            setattr(built, next(iter(values)), "other")
+        missing = dict(values)
+        missing.popitem()
+        with pytest.raises(TypeError):
+            build(**missing)  # every field is required: none is left unset

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any, Literal, TypeAlias, TypeGuard
+from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from wowd.errors import ConfigError, InvalidInput
@@ -65,8 +65,11 @@ __all__ = [
     "stream_id",
     "timer_event_from",
     "timer_from_event",
+    "unchecked",
     "validate_name",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_TENANT = "(0)"
 """Wow's default tenant id."""
@@ -337,6 +340,20 @@ def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:
     }
 
 
+def unchecked(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor of the frozen slotted dataclass ``cls`` taking every field by keyword (none
+    optional) that sets them through the slots, without ``__init__``'s ``object.__setattr__``
+    per field and without ``__post_init__``: for values a reader has checked already. It builds
+    an object equal to ``cls(**fields)``."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    scope.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def build(*, {', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", scope)
+    build: Callable[..., _T] = scope["build"]
+    return build
+
+
 _REFS: dict[tuple[str, str, str, str], AggregateRef] = {}
 _REFS_MAX = 16_384
 """How many refs :func:`_shared_ref` keeps (then it starts again from none)."""
@@ -421,8 +438,8 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
             and body.__class__ is dict
         ):
             return None
-        events.append(DomainEvent(id=event_id, name=name, revision=revision, body_type=body_type, body=body))
-    return Commit(
+        events.append(_event(id=event_id, name=name, revision=revision, body_type=body_type, body=body))
+    return _commit(
         ref=_shared_ref(aggregate.context, aggregate.aggregate, tenant, agg_id),
         version=version,
         command_id=command_id,
@@ -434,6 +451,10 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
         access_version=access_version,
         deleted=deleted,
     )
+
+
+_event = unchecked(DomainEvent)
+_commit = unchecked(Commit)
 
 
 def _checked_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
@@ -811,7 +832,7 @@ class TimerWrite:
 
     @staticmethod
     def put(timer: Timer) -> TimerWrite:
-        return TimerWrite(kind="put", owner=timer.owner, version=timer.version, key=timer.key, timer=timer)
+        return _timer_write(kind="put", owner=timer.owner, version=timer.version, key=timer.key, timer=timer)
 
     @staticmethod
     def cancel(owner: AggregateRef, key: str, version: int) -> TimerWrite:
@@ -820,6 +841,9 @@ class TimerWrite:
     @staticmethod
     def cancel_all(owner: AggregateRef, version: int) -> TimerWrite:
         return TimerWrite(kind="cancel_all", owner=owner, version=version)
+
+
+_timer_write = unchecked(TimerWrite)
 
 
 def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
@@ -930,22 +954,27 @@ def timer_event_from(
     body_type = c.get("body_type")
     if body_type is not None and not isinstance(body_type, str):
         raise InvalidInput("must be a string or absent", field="body.command.body_type")
-    command = Command(name=c["name"], body=cbody, body_type=body_type)
+    command = _command(name=c["name"], body=cbody, body_type=body_type)
     try:
         text = command.to_json()
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"cannot be written as JSON: {exc}", field="body.command.body") from exc
-    size = len(text.encode())
+    size = len(text) if text.isascii() else len(text.encode())
     if size > max_body_bytes:
         raise InvalidInput(f"is {size} bytes, over the limit of {max_body_bytes}", field="body.command")
-    return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command, command_json=text)
+    return _scheduled(key=key, due_at=due_at, rule=rule, target=target, command=command, command_json=text)
+
+
+_command = unchecked(Command)
+_scheduled = unchecked(TimerScheduled)
+_timer = unchecked(Timer)
 
 
 def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
     """The timer a ``TimerScheduled`` event of ``commit`` puts (owned by the commit's aggregate,
     at its version, with the deterministic id a rebuilt view gives it again)."""
     owner = commit.ref
-    return Timer(
+    return _timer(
         timer_id=deterministic_timer_id(owner, ev.key, commit.version),
         partition=partition(owner.id, partitions),
         owner=owner,
@@ -956,6 +985,12 @@ def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Tim
         target=ev.target,
         body=ev.command_json or ev.command.to_json(),
         rule=ev.rule,
+        status=TimerStatus.PENDING,
+        attempts=0,
+        fired=0,
+        claim=None,
+        last_error=None,
+        revision=0,
     )
 
 

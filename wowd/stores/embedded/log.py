@@ -60,6 +60,7 @@ from wowd.model import (
     commit_from_doc,
     commit_to_doc,
     partition,
+    unchecked,
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
@@ -331,6 +332,9 @@ def _canonical(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
 
 
+_log_entry = unchecked(LogEntry)
+
+
 def _entry(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
     seq, _aggregate, part, text = row
     try:
@@ -353,7 +357,7 @@ def _entry(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
         error = None
     except (WowdError, TypeError, ValueError) as exc:
         commit, error = None, str(exc)
-    return LogEntry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
+    return _log_entry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
 
 
 class EmbeddedLog(SqliteStore):
