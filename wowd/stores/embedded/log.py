@@ -64,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
 
@@ -608,7 +608,8 @@ class EmbeddedLog(SqliteStore):
             conn.executemany(save_checkpoint_sql(), rows)
             return conn.total_changes - before
 
-        saved = await self._run("save_checkpoint", self._db.transaction(run))
+        # holding the file's write lock: queued behind this process's other writers, not retried
+        saved = await self._run("save_checkpoint", under_lock(self._write_lock, self._db.transaction(run)))
         if saved != len(rows):
             log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
             return False

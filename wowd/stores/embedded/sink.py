@@ -6,7 +6,9 @@ Table ``events``, shared by every type of every context on the file: one row per
 attributes (``access``, canonical JSON text) with the version they are of (``access_version``)
 in their own columns, which stamps rewrite.
 
-A write is one transaction: ``INSERT OR IGNORE`` of every record (a record written before is
+A write is one transaction, run holding the file's in-process write lock
+(:func:`~wowd.stores.embedded.db.file_write_lock`: queued behind the firing path's writes rather
+than retried by SQLite's busy handler): ``INSERT OR IGNORE`` of every record (a record written before is
 ignored and counts as written: "409"), then the access stamps: per aggregate, the
 last record whose attributes differ from the record before it (in the write, else the last one
 this sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest
@@ -29,7 +31,7 @@ import orjson
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["TABLE", "EmbeddedEventSink"]
 
@@ -201,7 +203,7 @@ class EmbeddedEventSink(SqliteStore):
             return created, conn.total_changes - before
 
         started = time.perf_counter()
-        created, _stamped = await self._run("write", self._db.transaction(work))
+        created, _stamped = await self._run("write", under_lock(self._write_lock, self._db.transaction(work)))
         SINK_BULK_SECONDS.observe(time.perf_counter() - started)
         SINK_ITEMS.labels("201").inc(created)
         SINK_ITEMS.labels("409").inc(len(rows) - created)
@@ -238,7 +240,7 @@ class EmbeddedEventSink(SqliteStore):
             conn.executemany(stamp_sql(), params)  # in order: stamps of one aggregate one at a time
             return conn.total_changes - before
 
-        return await self._run("stamp", self._db.transaction(work))
+        return await self._run("stamp", under_lock(self._write_lock, self._db.transaction(work)))
 
     # ---- reads
 
