@@ -8,12 +8,12 @@ in their own columns, which stamps rewrite.
 
 A write is one transaction, run holding the file's in-process write lock
 (:func:`~wowd.stores.embedded.db.file_write_lock`: queued behind the firing path's writes rather
-than retried by SQLite's busy handler): ``INSERT OR IGNORE`` of every record (a record written before is
-ignored and counts as written: "409"), then the access stamps: per aggregate, the
-last record whose attributes differ from the record before it (in the write, else the last one
-this sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest
-stored document) stamps its attributes over the aggregate's earlier documents under the guard of
-:meth:`EmbeddedEventSink.stamp`.
+than retried by SQLite's busy handler): ``INSERT OR IGNORE`` of every record (a record written
+before is ignored and counts as written: "409"), then the access stamps: per aggregate, the last
+record whose attributes differ from the record before it (in the write, else the last one this
+sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest stored
+document, none before version 1) stamps its attributes over the aggregate's earlier documents
+under the guard of :meth:`EmbeddedEventSink.stamp`.
 """
 
 from __future__ import annotations
