@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import FrozenInstanceError, replace
 from datetime import UTC, datetime
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from wowd import model
 from wowd.errors import ConfigError, InvalidInput
 from wowd.model import (
     AggregateRef,
@@ -28,6 +31,7 @@ from wowd.model import (
     TimerChange,
     TimerScheduled,
     TimerStatus,
+    TimerWrite,
     commit_from_doc,
     commit_to_doc,
     deterministic_timer_id,
@@ -480,6 +484,62 @@ def test_malformed_commit_documents_name_the_field(change: dict[str, Any], field
     assert info.value.field == field
 
 
+@pytest.mark.parametrize(
+    ("change", "plain"),
+    [
+        ({}, True),
+        ({"tenant_id": None}, True),  # removed below: the default tenant
+        ({"command_id": 7}, False),
+        ({"header": None, "access": None}, True),
+        ({"header": {}, "access": {}}, True),
+        ({"access_version": None}, True),  # removed below
+        ({"deleted": None}, True),  # removed below
+        ({"events": []}, True),
+        ({"events": [{"name": "X"}]}, True),
+        ({"events": [{"name": "X", "id": 5, "revision": 2, "body_type": None}]}, False),
+        ({"events": [{"name": "", "body": MappingProxyType({"n": 1})}]}, False),
+        ({"header": MappingProxyType({"a": 1})}, False),
+        ({"version": 2**70}, True),
+    ],
+)
+def test_a_log_document_reads_alike_on_either_reader(change: dict[str, Any], plain: bool) -> None:
+    """The reader of the log's own shape and the checked reader give equal commits; the former
+    leaves to the checked one (answers None) what is not of the JSON types it expects."""
+    doc = commit_to_doc(make_commit(), 64) | change
+    for key, value in change.items():
+        if value is None and key in ("tenant_id", "access_version", "deleted"):
+            del doc[key]
+    t = AggregateType(context="ctx", aggregate="order")
+    checked = model._checked_commit(t, doc)
+    assert commit_from_doc(t, doc) == checked
+    assert commit_from_doc(t, MappingProxyType(doc)) == checked
+    assert model._plain_commit(t, doc) == (checked if plain else None)
+
+
+def test_refs_read_from_the_log_are_shared() -> None:
+    """An aggregate's successive commits and the targets naming it share one ref object."""
+    t = AggregateType(context="ctx", aggregate="order")
+    ref = AggregateRef(context="ctx", aggregate="order", id="order-7", tenant_id="t1")
+    scheduled = DomainEvent(
+        id="e",
+        name="TimerScheduled",
+        body={
+            "key": "k",
+            "due_at": 5,
+            "target": {"context": "ctx", "aggregate": "order", "tenant_id": "t1", "id": "order-7"},
+            "command": {"name": "expire", "body": {}},
+        },
+    )
+    docs = [
+        json.loads(json.dumps(commit_to_doc(make_commit(ref=ref, version=v, events=(scheduled,)), 64))) for v in (1, 2)
+    ]
+    first, second = (commit_from_doc(t, d) for d in docs)
+    assert first.ref == ref and first.ref is second.ref
+    te = timer_event_from(second.events[0])
+    assert isinstance(te, TimerScheduled)
+    assert te.target is first.ref
+
+
 def test_missing_fields_are_named() -> None:
     doc = commit_to_doc(make_commit(), 64)
     del doc["request_id"]
@@ -492,3 +552,22 @@ def test_commit_validates_itself() -> None:
         make_commit(version=0)
     with pytest.raises(InvalidInput, match="^request_id"):
         make_commit(request_id="")
+
+
+def test_an_unchecked_constructor_builds_what_the_dataclass_builds() -> None:
+    ref = AggregateRef(context="ctx", aggregate="order", id="o-1")
+    for cls, values in [
+        (AggregateRef, {"context": "ctx", "aggregate": "order", "id": "o-1", "tenant_id": "t"}),
+        (DomainEvent, {"id": "e", "name": "X", "revision": "1", "body_type": "b", "body": {"n": 1}}),
+        (TimerWrite, {"kind": "cancel", "owner": ref, "version": 3, "key": "k", "timer": None}),
+    ]:
+        build = model.unchecked(cls)
+        built = build(**values)
+        assert type(built) is cls
+        assert built == cls(**values)
+        with pytest.raises(FrozenInstanceError):
+            setattr(built, next(iter(values)), "other")
+        missing = dict(values)
+        missing.popitem()
+        with pytest.raises(TypeError):
+            build(**missing)  # every field is required: none is left unset

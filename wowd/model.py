@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any, Literal, TypeAlias, TypeGuard
+from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from wowd.errors import ConfigError, InvalidInput
@@ -65,8 +65,11 @@ __all__ = [
     "stream_id",
     "timer_event_from",
     "timer_from_event",
+    "unchecked",
     "validate_name",
 ]
+
+_T = TypeVar("_T")
 
 DEFAULT_TENANT = "(0)"
 """Wow's default tenant id."""
@@ -337,8 +340,124 @@ def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:
     }
 
 
+def unchecked(cls: type[_T]) -> Callable[..., _T]:
+    """A constructor of the frozen slotted dataclass ``cls`` taking every field by keyword (none
+    optional) that sets them through the slots, without ``__init__``'s ``object.__setattr__``
+    per field and without ``__post_init__``: for values a reader has checked already. It builds
+    an object equal to ``cls(**fields)``."""
+    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    scope: dict[str, Any] = {"_new": object.__new__, "_cls": cls}
+    scope.update({f"_set_{n}": getattr(cls, n).__set__ for n in names})
+    body = "".join(f"    _set_{n}(o, {n})\n" for n in names)
+    exec(f"def build(*, {', '.join(names)}):\n    o = _new(_cls)\n{body}    return o\n", scope)
+    build: Callable[..., _T] = scope["build"]
+    return build
+
+
+_REFS: dict[tuple[str, str, str, str], AggregateRef] = {}
+_REFS_MAX = 16_384
+"""How many refs :func:`_shared_ref` keeps (then it starts again from none)."""
+
+
+def _shared_ref(context: Any, aggregate: Any, tenant_id: Any, id: Any) -> AggregateRef:
+    """The :class:`AggregateRef` of these fields, one object for equal refs read close together
+    (a commit's own ref and its timers' targets, an aggregate's successive commits): built and
+    validated once, and dictionaries keyed by it find it by identity. Raises as the constructor."""
+    if not (
+        context.__class__ is str and aggregate.__class__ is str and tenant_id.__class__ is str and id.__class__ is str
+    ):
+        return AggregateRef(context=context, aggregate=aggregate, tenant_id=tenant_id, id=id)
+    key = (context, aggregate, tenant_id, id)
+    ref = _REFS.get(key)
+    if ref is None:
+        ref = AggregateRef(context=context, aggregate=aggregate, tenant_id=tenant_id, id=id)
+        if len(_REFS) >= _REFS_MAX:
+            _REFS.clear()
+        _REFS[key] = ref
+    return ref
+
+
 def commit_from_doc(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     """Reads a log document; raises :class:`InvalidInput` naming the first bad field."""
+    if doc.__class__ is dict:
+        commit = _plain_commit(aggregate, doc)
+        if commit is not None:
+            return commit
+    return _checked_commit(aggregate, doc)
+
+
+def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | None:
+    """:func:`commit_from_doc` of a document in the log's own shape, every value of its exact
+    JSON type (as a JSON decoder gives them); ``None`` for anything else, which
+    :func:`_checked_commit` then reads or refuses with the field it names. Both give equal
+    commits for a document both accept."""
+    get = doc.get
+    tenant = get("tenant_id", DEFAULT_TENANT)
+    agg_id = get("aggregate_id")
+    version = get("version")
+    request_id = get("request_id")
+    create_time = get("create_time")
+    command_id = get("command_id", "")
+    events_raw = get("events")
+    header = get("header") or {}
+    access = get("access") or {}
+    access_version = get("access_version", 0)
+    deleted = get("deleted", False)
+    if not (
+        tenant.__class__ is str
+        and tenant
+        and agg_id.__class__ is str
+        and version.__class__ is int
+        and version >= 1
+        and request_id.__class__ is str
+        and request_id
+        and create_time.__class__ is int
+        and command_id.__class__ is str
+        and events_raw.__class__ is list
+        and header.__class__ is dict
+        and access.__class__ is dict
+        and access_version.__class__ is int
+        and deleted.__class__ is bool
+    ):
+        return None
+    events: list[DomainEvent] = []
+    for e in events_raw:
+        if e.__class__ is not dict:
+            return None
+        eget = e.get
+        event_id = eget("id", "")
+        name = eget("name")
+        revision = eget("revision", "0.0.1")
+        body_type = eget("body_type", "")
+        body = eget("body", {})
+        if not (
+            event_id.__class__ is str
+            and name.__class__ is str
+            and revision.__class__ is str
+            and body_type.__class__ is str
+            and body.__class__ is dict
+        ):
+            return None
+        events.append(_event(id=event_id, name=name, revision=revision, body_type=body_type, body=body))
+    return _commit(
+        ref=_shared_ref(aggregate.context, aggregate.aggregate, tenant, agg_id),
+        version=version,
+        command_id=command_id,
+        request_id=request_id,
+        create_time=create_time,
+        events=tuple(events),
+        header=header,
+        access=access,
+        access_version=access_version,
+        deleted=deleted,
+    )
+
+
+_event = unchecked(DomainEvent)
+_commit = unchecked(Commit)
+
+
+def _checked_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     if not _is_doc(doc):
         raise InvalidInput("a commit must be a document", field="commit")
     tenant = doc.get("tenant_id", DEFAULT_TENANT)
@@ -507,6 +626,10 @@ def parse_rule(doc: Any) -> Rule:
 # --------------------------------------------------------------------------- timers
 
 
+_SORTED_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+"""``json.dumps(doc, separators=(",", ":"), sort_keys=True)`` without building an encoder per call."""
+
+
 class TimerStatus(StrEnum):
     PENDING = "PENDING"
     FIRING = "FIRING"
@@ -524,7 +647,7 @@ class Command:
         doc: dict[str, Any] = {"name": self.name, "body": dict(self.body)}
         if self.body_type is not None:
             doc["body_type"] = self.body_type
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+        return _SORTED_JSON.encode(doc)
 
     @staticmethod
     def from_json(text: str) -> Command:
@@ -709,7 +832,7 @@ class TimerWrite:
 
     @staticmethod
     def put(timer: Timer) -> TimerWrite:
-        return TimerWrite(kind="put", owner=timer.owner, version=timer.version, key=timer.key, timer=timer)
+        return _timer_write(kind="put", owner=timer.owner, version=timer.version, key=timer.key, timer=timer)
 
     @staticmethod
     def cancel(owner: AggregateRef, key: str, version: int) -> TimerWrite:
@@ -718,6 +841,9 @@ class TimerWrite:
     @staticmethod
     def cancel_all(owner: AggregateRef, version: int) -> TimerWrite:
         return TimerWrite(kind="cancel_all", owner=owner, version=version)
+
+
+_timer_write = unchecked(TimerWrite)
 
 
 def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
@@ -730,31 +856,36 @@ def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
     With the store's version rules (a later version replaces, a tombstone refuses a put at or
     below it) the writes kept commute, so the result is the same as applying the batch in order.
     """
-    last_all: dict[AggregateRef, int] = {}
+    # keyed by the owner's fields (a tuple hashes in C; the dataclass's hash is Python code)
+    last_all: dict[tuple[str, str, str, str], int] = {}
     for w in writes:
-        if w.kind == "cancel_all" and w.version > last_all.get(w.owner, -1):
-            last_all[w.owner] = w.version
-    winners: dict[tuple[AggregateRef, str], TimerWrite] = {}
-    order: list[tuple[AggregateRef, str]] = []
+        if w.kind == "cancel_all":
+            o = w.owner
+            ok = (o.context, o.aggregate, o.tenant_id, o.id)
+            if w.version > last_all.get(ok, -1):
+                last_all[ok] = w.version
+    winners: dict[tuple[str, str, str, str, str], TimerWrite] = {}
     for w in writes:
         if w.kind == "cancel_all":
             continue
-        k = (w.owner, w.key)
+        o = w.owner
+        k = (o.context, o.aggregate, o.tenant_id, o.id, w.key)
         cur = winners.get(k)
         if cur is None:
-            order.append(k)
-            winners[k] = w
+            winners[k] = w  # a dict keeps the first insertion's place: the order of first writes
         elif w.version > cur.version or (w.version == cur.version and w.kind == "cancel" and cur.kind == "put"):
             winners[k] = w
     out: list[TimerWrite] = []
-    emitted: set[AggregateRef] = set()
+    emitted: set[tuple[str, str, str, str]] = set()
     for w in writes:
-        if w.kind == "cancel_all" and w.owner not in emitted:
-            emitted.add(w.owner)
-            out.append(TimerWrite.cancel_all(w.owner, last_all[w.owner]))
-    for k in order:
-        w = winners[k]
-        ca = last_all.get(w.owner)
+        if w.kind == "cancel_all":
+            o = w.owner
+            ok = (o.context, o.aggregate, o.tenant_id, o.id)
+            if ok not in emitted:
+                emitted.add(ok)
+                out.append(TimerWrite.cancel_all(o, last_all[ok]))
+    for k, w in winners.items():
+        ca = last_all.get(k[:4]) if last_all else None
         if ca is not None and w.version <= ca:
             # never live: a tombstone at the cancel_all's version (a replay of the put with
             # other batch boundaries is refused by it)
@@ -783,6 +914,10 @@ class TimerCancelled:
     key: str
 
 
+_ONCE = OnceRule()
+_ONCE_DOC = {"type": "once"}
+
+
 def timer_event_from(
     event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES
 ) -> TimerScheduled | TimerCancelled | None:
@@ -801,17 +936,13 @@ def timer_event_from(
     due_at = body.get("due_at")
     if not isinstance(due_at, int) or isinstance(due_at, bool) or not 0 <= due_at <= _MAX_MS:
         raise InvalidInput(f"must be an integer in [0, {_MAX_MS}] (ms), got {due_at!r}", field="body.due_at")
-    rule = parse_rule(body.get("rule", {"type": "once"}))
+    rule_doc = body.get("rule", _ONCE_DOC)
+    rule = _ONCE if rule_doc == _ONCE_DOC else parse_rule(rule_doc)
     t = body.get("target")
     if not _is_doc(t):
         raise InvalidInput("must be a document {context, aggregate, tenant_id, id}", field="body.target")
     try:
-        target = AggregateRef(
-            context=t.get("context"),  # type: ignore[arg-type]
-            aggregate=t.get("aggregate"),  # type: ignore[arg-type]
-            tenant_id=t.get("tenant_id", DEFAULT_TENANT),
-            id=t.get("id"),  # type: ignore[arg-type]
-        )
+        target = _shared_ref(t.get("context"), t.get("aggregate"), t.get("tenant_id", DEFAULT_TENANT), t.get("id"))
     except (ConfigError, InvalidInput) as exc:
         raise InvalidInput(str(exc), field="body.target") from exc
     c = body.get("command")
@@ -823,22 +954,27 @@ def timer_event_from(
     body_type = c.get("body_type")
     if body_type is not None and not isinstance(body_type, str):
         raise InvalidInput("must be a string or absent", field="body.command.body_type")
-    command = Command(name=c["name"], body=cbody, body_type=body_type)
+    command = _command(name=c["name"], body=cbody, body_type=body_type)
     try:
         text = command.to_json()
     except (TypeError, ValueError) as exc:
         raise InvalidInput(f"cannot be written as JSON: {exc}", field="body.command.body") from exc
-    size = len(text.encode())
+    size = len(text) if text.isascii() else len(text.encode())
     if size > max_body_bytes:
         raise InvalidInput(f"is {size} bytes, over the limit of {max_body_bytes}", field="body.command")
-    return TimerScheduled(key=key, due_at=due_at, rule=rule, target=target, command=command, command_json=text)
+    return _scheduled(key=key, due_at=due_at, rule=rule, target=target, command=command, command_json=text)
+
+
+_command = unchecked(Command)
+_scheduled = unchecked(TimerScheduled)
+_timer = unchecked(Timer)
 
 
 def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Timer:
     """The timer a ``TimerScheduled`` event of ``commit`` puts (owned by the commit's aggregate,
     at its version, with the deterministic id a rebuilt view gives it again)."""
     owner = commit.ref
-    return Timer(
+    return _timer(
         timer_id=deterministic_timer_id(owner, ev.key, commit.version),
         partition=partition(owner.id, partitions),
         owner=owner,
@@ -849,6 +985,12 @@ def timer_from_event(commit: Commit, ev: TimerScheduled, partitions: int) -> Tim
         target=ev.target,
         body=ev.command_json or ev.command.to_json(),
         rule=ev.rule,
+        status=TimerStatus.PENDING,
+        attempts=0,
+        fired=0,
+        claim=None,
+        last_error=None,
+        revision=0,
     )
 
 

@@ -92,3 +92,30 @@ async def test_sink_write_names_a_refused_item_and_keeps_the_others(db_path: Pat
         await other.write([commit("x", 4, A, 1)])
     await sink.close()
     await other.close()
+
+
+async def test_a_streams_first_document_is_written_without_reading_the_stream(db_path: Path) -> None:
+    """Version 1 has no document before it: the write reads nothing of the stream (a new
+    aggregate costs its insert alone); a later version unknown to the sink reads its latest."""
+    sink = EmbeddedEventSink(db_path, TYPE, capacity=0)
+    await sink.prepare()
+    statements: list[str] = []
+
+    def trace(conn: Any) -> None:
+        conn.set_trace_callback(statements.append)
+
+    await sink._db.run(trace)
+    try:
+        await sink.write([commit("new", 1, A, 1)])
+        assert not [s for s in statements if s.lstrip().upper().startswith("SELECT")], statements
+        await sink.write([commit("new", 2, B, 2)])  # capacity 0: nothing remembered
+        assert [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    finally:
+        await sink._db.run(lambda conn: conn.set_trace_callback(None))
+        await sink.close()
+    reader = EmbeddedEventSink(db_path, TYPE)
+    try:
+        docs = await reader.documents(commit("new", 1, A, 1).ref)
+    finally:
+        await reader.close()
+    assert [(d["version"], d["access"]) for d in docs] == [(1, B), (2, B)]

@@ -121,12 +121,17 @@ def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: 
     rejected: list[tuple[Commit, int, InvalidInput]] = []
     by_type: dict[AggregateType, list[Commit]] = {}
     writes: list[TimerWrite] = []
+    last_type: AggregateType | None = None
+    of_type: list[Commit] = []
     for e in entries:
         c = e.commit
         if c is None:
             malformed.append(e)
             continue
-        by_type.setdefault(e.aggregate, []).append(c)
+        if e.aggregate is not last_type:  # a log read shares one type object per aggregate type
+            last_type = e.aggregate
+            of_type = by_type.setdefault(last_type, [])
+        of_type.append(c)
         for ev in c.events:
             try:
                 te = timer_event_from(ev, max_body_bytes=max_body_bytes)

@@ -15,8 +15,8 @@ Tables (shared by the contexts of one file, each row carrying its ``context``):
   the raw document's canonical JSON)`` (quarantining a document again replaces its reason).
 - ``log_format``: the layout version (:data:`FORMAT`); another one is refused.
 
-A position is ``{"seq": n}``. ``read`` sends one query per batch (``seq > min(positions) AND
-partition IN (...)``) and skips, per partition, what is at or before its own position. When
+A position is ``{"seq": n}``. ``read`` sends one query per batch (per :data:`READ_ARMS`
+partitions: :func:`read_sql`), each partition read after its own position. When
 caught up it waits for an in-process notification from ``append`` (any store of this process on
 the same file) or :meth:`EmbeddedLog.nudge`, or, for other processes' appends, a bounded poll
 that starts at 2 ms and doubles to 100 ms while nothing comes. The watermark of a batch that
@@ -27,13 +27,17 @@ commit order and a query sees every commit made before it began.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from functools import lru_cache
+from itertools import chain, islice
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,10 +60,11 @@ from wowd.model import (
     commit_from_doc,
     commit_to_doc,
     partition,
+    unchecked,
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
 
@@ -138,13 +143,32 @@ def last_version_sql() -> str:
     return "SELECT MAX(version) FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
 
 
-def read_sql(partitions: int) -> str:
-    """One batch: after the lowest position, only the given partitions, in log order."""
-    marks = ", ".join("?" * partitions)
-    return (
-        "SELECT seq, aggregate, partition, doc FROM log "
-        f"WHERE context = ? AND seq > ? AND partition IN ({marks}) ORDER BY seq LIMIT ?"
-    )
+READ_ARMS = 64
+"""Partitions read by one compound statement of a batch (SQLite allows 500 arms); a slot of more
+partitions is read with several, merged here."""
+
+
+@lru_cache(maxsize=64)
+def read_sql(arms: int) -> str:
+    """One batch of ``arms`` partitions in log order, at most a limit: one arm per partition
+    (``partition = ?`` and ``seq > ?``, over the ``log_partition`` index), ``UNION ALL``, ordered
+    and limited as a whole. SQLite runs an ``ORDER BY`` on a compound select as a merge of its
+    arms, each read in index order, and stops at the ``LIMIT``: it reads the rows it answers
+    (and one more per partition), however many are unread, instead of sorting them all.
+
+    Parameters: ``?1`` the context; per arm ``i`` (from 0), ``?(2i + 2)`` its partition and
+    ``?(2i + 3)`` the ``seq`` it reads after; ``?(2 * arms + 2)`` the limit."""
+    if arms < 1:
+        raise ValueError("arms must be >= 1")
+    arm = "SELECT seq, aggregate, partition, doc FROM log WHERE context = ?1 AND partition = ?{} AND seq > ?{}"
+    union = " UNION ALL ".join(arm.format(2 * i + 2, 2 * i + 3) for i in range(arms))
+    return f"{union} ORDER BY seq LIMIT ?{2 * arms + 2}"
+
+
+def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[int, ...]]:
+    """The partitions, sorted, in groups of at most ``arms``: one compound statement each."""
+    parts = sorted(partitions)
+    return [tuple(parts[i : i + arms]) for i in range(0, len(parts), arms)]
 
 
 def save_checkpoint_sql() -> str:
@@ -272,17 +296,47 @@ def _within_bytes(rows: list[Any], limit: int) -> list[Any]:
     return rows
 
 
-def _reader(sql: str, params: tuple[Any, ...]) -> Callable[[sqlite3.Connection], list[Any]]:
-    return lambda conn: conn.execute(sql, params).fetchall()
+def _reader(
+    context: str, groups: Sequence[tuple[int, ...]], after: Mapping[int, int], cursor: int, limit: int
+) -> Callable[[sqlite3.Connection], list[Any]]:
+    """The first ``limit`` rows in log order of the partitions of ``groups``, each after its own
+    position and after ``cursor``: one statement per group (:func:`read_sql`); several groups
+    are read in one transaction (one snapshot of the file) and merged here."""
+    statements = [
+        (read_sql(len(g)), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g), limit))
+        for g in groups
+    ]
+    if len(statements) == 1:
+        sql, params = statements[0]
+        return lambda conn: conn.execute(sql, params).fetchall()
+
+    def read(conn: sqlite3.Connection) -> list[Any]:
+        began = not conn.in_transaction
+        if began:
+            conn.execute("BEGIN")
+        try:
+            cursors = [conn.execute(sql, params) for sql, params in statements]
+            try:
+                return list(islice(heapq.merge(*cursors, key=itemgetter(0)), limit))
+            finally:
+                for c in cursors:
+                    c.close()
+        finally:
+            if began:
+                conn.execute("COMMIT")
+
+    return read
 
 
 def _canonical(doc: Mapping[str, Any]) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
-    seq, aggregate, part, text = row
-    type_ = AggregateType(context=context, aggregate=aggregate)
+_log_entry = unchecked(LogEntry)
+
+
+def _entry(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
+    seq, _aggregate, part, text = row
     try:
         raw = orjson.loads(text)
     except ValueError as exc:
@@ -303,7 +357,7 @@ def _entry(context: str, row: tuple[Any, ...]) -> LogEntry:
         error = None
     except (WowdError, TypeError, ValueError) as exc:
         commit, error = None, str(exc)
-    return LogEntry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
+    return _log_entry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
 
 
 class EmbeddedLog(SqliteStore):
@@ -468,8 +522,8 @@ class EmbeddedLog(SqliteStore):
             if follow:
                 await anyio.sleep_forever()
             return
-        parts = sorted(after)
-        sql = read_sql(len(parts))
+        groups = read_plan(after)
+        types: dict[str, AggregateType] = {}
         cursor = min(after.values())
         delay = POLL_MIN_S
         event: anyio.Event | None = None
@@ -480,7 +534,7 @@ class EmbeddedLog(SqliteStore):
                     event = self._notifier.subscribe()
                 # taken before the query starts its read: a commit appended before it is read
                 began = int(time.time() * 1000)
-                rows = await self._run("read", _reader(sql, (self.context, cursor, *parts, batch_size)))
+                rows = await self._run("read", _reader(self.context, groups, after, cursor, batch_size))
                 read = len(rows)
                 rows = _within_bytes(rows, BATCH_BYTES)
                 if rows:
@@ -495,7 +549,10 @@ class EmbeddedLog(SqliteStore):
                         if seq <= after[part]:
                             continue
                         after[part] = seq
-                        entry = _entry(self.context, row)
+                        type_ = types.get(row[1])
+                        if type_ is None:
+                            type_ = types[row[1]] = AggregateType(context=self.context, aggregate=row[1])
+                        entry = _entry(type_, row)
                         entries.append(entry)
                         last[part] = entry.position
                     head = read < batch_size and len(rows) == read
@@ -551,7 +608,8 @@ class EmbeddedLog(SqliteStore):
             conn.executemany(save_checkpoint_sql(), rows)
             return conn.total_changes - before
 
-        saved = await self._run("save_checkpoint", self._db.transaction(run))
+        # holding the file's write lock: queued behind this process's other writers, not retried
+        saved = await self._run("save_checkpoint", under_lock(self._write_lock, self._db.transaction(run)))
         if saved != len(rows):
             log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
             return False

@@ -6,12 +6,14 @@ Table ``events``, shared by every type of every context on the file: one row per
 attributes (``access``, canonical JSON text) with the version they are of (``access_version``)
 in their own columns, which stamps rewrite.
 
-A write is one transaction: ``INSERT OR IGNORE`` of every record (a record written before is
-ignored and counts as written: "409"), then the access stamps: per aggregate, the
-last record whose attributes differ from the record before it (in the write, else the last one
-this sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest
-stored document) stamps its attributes over the aggregate's earlier documents under the guard of
-:meth:`EmbeddedEventSink.stamp`.
+A write is one transaction, run holding the file's in-process write lock
+(:func:`~wowd.stores.embedded.db.file_write_lock`: queued behind the firing path's writes rather
+than retried by SQLite's busy handler): ``INSERT OR IGNORE`` of every record (a record written
+before is ignored and counts as written: "409"), then the access stamps: per aggregate, the last
+record whose attributes differ from the record before it (in the write, else the last one this
+sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest stored
+document, none before version 1) stamps its attributes over the aggregate's earlier documents
+under the guard of :meth:`EmbeddedEventSink.stamp`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import orjson
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["TABLE", "EmbeddedEventSink"]
 
@@ -91,16 +93,20 @@ def _document_json(doc: Mapping[str, Any]) -> str:
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
+_ACCESS_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def access_json(access: Mapping[str, Any]) -> str:
     """Canonical text of access attributes (sorted keys): equal attributes, equal text."""
-    return json.dumps(dict(access), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return _ACCESS_JSON.encode(dict(access))
 
 
-def commit_document(commit: Commit) -> dict[str, Any]:
-    """The stored document of a commit, without its access attributes (kept in columns)."""
+def commit_document(commit: Commit, id: str | None = None) -> dict[str, Any]:
+    """The stored document of a commit, without its access attributes (kept in columns);
+    ``id``: its stream id when the caller has it."""
     ref = commit.ref
     return {
-        "id": stream_id(ref, commit.version),
+        "id": stream_id(ref, commit.version) if id is None else id,
         "context": ref.context,
         "aggregate": ref.aggregate,
         **commit_fields(commit),
@@ -130,8 +136,9 @@ class EmbeddedEventSink(SqliteStore):
         self.capacity = capacity
         super().__init__(db_or_path)
         self._prepared = False
-        self._last: OrderedDict[AggregateRef, tuple[int, str]] = OrderedDict()
-        """Per aggregate, the version and attributes of the last record this sink wrote."""
+        self._last: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        """Per aggregate (tenant and id), the version and attributes of the last record this sink
+        wrote."""
 
     def __repr__(self) -> str:
         return f"EmbeddedEventSink({self._db.path!r}, {self.type})"
@@ -162,28 +169,29 @@ class EmbeddedEventSink(SqliteStore):
             return
         await self.prepare()
         rows: list[tuple[Any, ...]] = []
-        good: list[tuple[Commit, str]] = []
+        # per aggregate (tenant and id: the sink is of one type), its records in the log's order
+        streams: dict[tuple[str, str], list[tuple[Commit, str]]] = {}
         bad: list[tuple[Commit, str]] = []
+        context, aggregate = self.type.context, self.type.aggregate
         for c in records:
             ref = c.ref
             try:
-                self._check(ref)
+                if ref.context != context or ref.aggregate != aggregate:
+                    self._check(ref)
                 access = access_json(c.access)
-                doc = _document_json(commit_document(c))
+                sid = stream_id(ref, c.version)
+                doc = _document_json(commit_document(c, sid))
             except (InvalidInput, TypeError, ValueError) as exc:
                 bad.append((c, str(exc)))
                 continue
-            rows.append(
-                (ref.context, ref.aggregate, ref.tenant_id, ref.id, c.version, stream_id(ref, c.version), doc, access)
-                + (c.access_version,)
-            )
-            good.append((c, access))
-
-        # per aggregate, its records in order (the log's order)
-        streams: dict[AggregateRef, list[tuple[Commit, str]]] = {}
-        for c, access in good:
-            streams.setdefault(c.ref, []).append((c, access))
-        remembered = {ref: self._last.get(ref) for ref in streams}
+            rows.append((context, aggregate, ref.tenant_id, ref.id, c.version, sid, doc, access, c.access_version))
+            key = (ref.tenant_id, ref.id)
+            items = streams.get(key)
+            if items is None:
+                streams[key] = [(c, access)]
+            else:
+                items.append((c, access))
+        remembered = {key: self._last.get(key) for key in streams}
 
         def work(conn: sqlite3.Connection) -> tuple[int, int]:
             before = conn.total_changes
@@ -195,16 +203,16 @@ class EmbeddedEventSink(SqliteStore):
             return created, conn.total_changes - before
 
         started = time.perf_counter()
-        created, _stamped = await self._run("write", self._db.transaction(work))
+        created, _stamped = await self._run("write", under_lock(self._write_lock, self._db.transaction(work)))
         SINK_BULK_SECONDS.observe(time.perf_counter() - started)
         SINK_ITEMS.labels("201").inc(created)
         SINK_ITEMS.labels("409").inc(len(rows) - created)
-        for ref, items in streams.items():
+        for key, items in streams.items():
             last, access = items[-1]
-            seen = self._last.get(ref)
+            seen = self._last.get(key)
             if seen is None or seen[0] <= last.version:
-                self._last[ref] = (last.version, access)
-            self._last.move_to_end(ref)
+                self._last[key] = (last.version, access)
+            self._last.move_to_end(key)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)
         if bad:
@@ -232,7 +240,7 @@ class EmbeddedEventSink(SqliteStore):
             conn.executemany(stamp_sql(), params)  # in order: stamps of one aggregate one at a time
             return conn.total_changes - before
 
-        return await self._run("stamp", self._db.transaction(work))
+        return await self._run("stamp", under_lock(self._write_lock, self._db.transaction(work)))
 
     # ---- reads
 
@@ -258,18 +266,21 @@ class EmbeddedEventSink(SqliteStore):
 
 def _stamps(
     conn: sqlite3.Connection,
-    streams: Mapping[AggregateRef, list[tuple[Commit, str]]],
-    remembered: Mapping[AggregateRef, tuple[int, str] | None],
+    streams: Mapping[tuple[str, str], list[tuple[Commit, str]]],
+    remembered: Mapping[tuple[str, str], tuple[int, str] | None],
 ) -> list[tuple[Any, ...]]:
     """The stamp of each aggregate of a write: its last record whose attributes differ from
     the record before it, over the aggregate's documents before that record."""
     out: list[tuple[Any, ...]] = []
-    for ref, items in streams.items():
+    for key, items in streams.items():
         first = items[0][0]
-        seen = remembered.get(ref)
+        ref = first.ref
+        seen = remembered.get(key)
         previous: str | None
         if seen is not None and seen[0] < first.version:
             previous = seen[1]
+        elif first.version == 1:
+            previous = None  # no document before the first one: nothing to read
         else:
             row = conn.execute(previous_sql(), (ref.context, ref.aggregate, ref.tenant_id, ref.id, first.version))
             found = row.fetchone()

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 
 __all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
@@ -423,7 +423,9 @@ class EmbeddedSnapshotStore(SqliteStore):
                     continue
                 by_type.setdefault(s.ref.aggregate, []).append((i, s, params))
             for items in by_type.values():
-                outcomes.update(await self._run("save_all", self._db.transaction(self._save_round(items))))
+                # holding the file's write lock: queued behind this process's other writers
+                write = under_lock(self._write_lock, self._db.transaction(self._save_round(items)))
+                outcomes.update(await self._run("save_all", write))
         return [outcomes[i] for i in range(len(snapshots))]
 
     def _save_round(
