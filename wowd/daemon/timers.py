@@ -15,6 +15,11 @@ store's next due time (``next_due``) or the earliest one this process put since
 due sooner wakes it at once. A timer due but beyond the watermark makes it ask the log to look
 at its head (``nudge``) and wait for the watermark instead.
 
+With a gateway's fast path (:class:`~wowd.daemon.gateway.FusedFiring`: the ``outbox`` gateway on
+the embedded backend), a round first fires the timers due by now (and by the watermark) through
+it, read, delivered and settled in one transaction with no claim; while a whole batch comes back
+it does so again, and then claims what the lookahead adds as above.
+
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
 shielded and bounded, also after the lease lapsed: each change is guarded by the timer's revision
@@ -41,7 +46,7 @@ from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import TimerStore
 
-from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
+from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
 from .waker import Waker
 
@@ -130,6 +135,7 @@ def outcome_changes(
 
 
 _DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
+_DELIVERED = Delivered()
 
 
 class TimerLoop:
@@ -142,10 +148,13 @@ class TimerLoop:
         gateway: CommandGateway,
         *,
         nudge: Callable[[], None] = lambda: None,
+        fused: FusedFiring | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
         self._gateway = gateway
+        self._fused = fused
+        """The gateway's fast path for the timers due now (None: claim, deliver, settle)."""
         self._nudge = nudge
         self._in_flight: set[str] = set()
         """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
@@ -184,6 +193,9 @@ class TimerLoop:
                 try:
                     mark = waker.mark()
                     held.check()
+                    if self._fused is not None and await self._fire_fused(held, parts, until, waker) >= s.batch:
+                        attempt = 0
+                        continue  # more are due now
                     claimed = await self._store.claim_due(
                         parts,
                         until,
@@ -231,6 +243,31 @@ class TimerLoop:
                     wake_at = wake_time(now, nexts, s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
+
+    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], until: int, waker: Waker) -> int:
+        """Fires the timers due by now (and by ``until``) through the gateway's fast path, counted
+        and told to the waker as a delivered and settled round is; answers how many."""
+        assert self._fused is not None
+        at = now_ms()
+        changes = await self._fused.fire_due(
+            parts,
+            until,
+            self._settings.batch,
+            at=at,
+            owner_key=held.owner_key,
+            fence=held.fence,
+            next_due=next_occurrence,
+            exclude=self._in_flight,
+            deadline=time.monotonic() + (held.valid_until - anyio.current_time()),
+        )
+        metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(changes))
+        if changes:
+            self._count([(c.timer, _DELIVERED, at) for c in changes], changes)
+            metrics.SETTLE_BATCH.observe(len(changes))
+            for c in changes:
+                if c.next_due is not None:
+                    waker.maybe_wake(c.next_due)
+        return len(changes)
 
     async def _reclaim(
         self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]

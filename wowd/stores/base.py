@@ -46,6 +46,7 @@ __all__ = [
     "EventSink",
     "Log",
     "Outbox",
+    "OutboxFiring",
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
@@ -479,6 +480,37 @@ class Outbox(Protocol):
     async def close(self) -> None: ...
 
 
+class OutboxFiring(Protocol):
+    """A timer store that fires due timers straight into the backend's outbox, in the write
+    transaction that settles them: the outbox on the timers' own database (the embedded
+    backend's one file), so no claim is needed between reading and settling."""
+
+    async def fire_into_outbox(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        fence: int,
+        entry: Callable[[Timer], OutboxEntry],
+        next_due: Callable[[Timer], int | None],
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+    ) -> list[TimerChange]:
+        """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
+        (the first ``limit`` due by ``until`` of ``partitions``, in due order, none of
+        ``exclude``; a timer claimed by anyone is due only once its claim expired), inserts
+        ``entry(timer)`` of each into the outbox (a request id there already is recorded as a
+        re-delivery, as :meth:`Outbox.put_many` does) and settles each as
+        ``TimerChange.fired(timer, fence=fence, next_due=next_due(timer))`` writes it. Answers
+        those changes (each timer as read). All of it is written or nothing: with ``deadline``
+        (``time.monotonic()``), the transaction rolls back and raises
+        :class:`~wowd.errors.LeaseLost` when it would commit after it. An undecodable timer is
+        set FAILED as ``claim_due`` does. Callers pass an ``until`` not after the fire time: a
+        timer is written to the outbox at its due time, not ahead of it."""
+        ...
+
+
 @dataclass(kw_only=True)
 class Backend:
     """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
@@ -492,6 +524,9 @@ class Backend:
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink]
+    outbox_firing: OutboxFiring | None = None
+    """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
+    backend has one: the embedded backend, whose timers and outbox share one file."""
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 
