@@ -4,7 +4,6 @@ claim. Held to what ``claim_due``, the outbox gateway's ``deliver`` and a fired 
 
 from __future__ import annotations
 
-import functools
 import random
 import sqlite3
 import time
@@ -18,9 +17,10 @@ from tests.embedded.test_firing_path import CTX, T0, by_due, populate, timer
 from wowd.daemon.gateway import outbox_entry
 from wowd.daemon.timers import next_occurrence
 from wowd.errors import LeaseLost, StorageError
-from wowd.model import CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
-from wowd.stores.embedded.outbox import EmbeddedOutbox
-from wowd.stores.embedded.timers import EmbeddedTimerStore, table_name
+from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
+from wowd.stores.base import FiredTimer
+from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
+from wowd.stores.embedded.timers import EmbeddedTimerStore, outbox_row, table_name, timer_params
 
 pytestmark = pytest.mark.anyio
 
@@ -58,7 +58,7 @@ async def fire(
     owner_key: str = "me",
     exclude: Collection[str] = (),
     deadline: float | None = None,
-) -> list[TimerChange]:
+) -> list[FiredTimer]:
     """A fused round as the outbox gateway runs it (fire time ``at``, default ``until``)."""
     at = until if at is None else at
     return await store.fire_into_outbox(
@@ -66,7 +66,8 @@ async def fire(
         until,
         limit,
         fence=fence,
-        entry=functools.partial(outbox_entry, now_ms=at, fence=fence, owner_key=owner_key),
+        owner_key=owner_key,
+        created_at=at,
         next_due=lambda t: next_occurrence(t, at),
         exclude=exclude,
         deadline=deadline,
@@ -95,11 +96,10 @@ async def test_it_fires_the_timers_claim_due_would_claim_in_the_same_order(tmp_p
         claimed = await claiming.claim_due(
             parts, until, limit, owner_key="me", fence=5, claim_until=T0 + 10**9, exclude=exclude
         )
-        changes = await fire(firing, until, limit, parts=parts, exclude=exclude)
-        assert [c.timer.timer_id for c in changes] == [t.timer_id for t in claimed]
-        assert [c.timer for c in changes] == [live[t.timer_id] for t in claimed]
-        assert not exclude & {c.timer.timer_id for c in changes}
-        fired.update((c.timer.timer_id, c.timer) for c in changes)
+        answered = await fire(firing, until, limit, parts=parts, exclude=exclude)
+        assert answered == [FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None) for t in claimed]
+        assert not exclude & {f.timer_id for f in answered}
+        fired.update((t.timer_id, t) for t in claimed)
     assert fired, "the rounds fired something"
     rest = by_due(t for t in live.values() if t.due_at <= T0 + 200 and t.timer_id not in fired)
     assert await firing.due(ALL, T0 + 200, 1000) == rest
@@ -114,8 +114,8 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
     ts = [timer(f"o-{i}", PARTS, due_at=T0 + i, aggregate=("order", "cart")[i % 2]) for i in range(30)]
     for t in ts:
         assert await db.timers.put(t)
-    changes = await fire(db.timers, T0 + 100, at=T0 + 200)
-    assert changes == [TimerChange.fired(t, fence=5, next_due=None) for t in by_due(ts)]
+    fired = await fire(db.timers, T0 + 100, at=T0 + 200)
+    assert fired == [FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None) for t in by_due(ts)]
     assert await db.outbox.entries() == [
         OutboxEntry(
             request_id=t.request_id,
@@ -173,10 +173,9 @@ async def test_another_holders_claim_is_respected_until_it_expires(db: File) -> 
         ALL, T0, 1, owner_key="other", fence=9, claim_until=T0 + 30_000, exclude={mine.timer_id}
     )
     assert claimed.timer_id == theirs.timer_id
-    assert [c.timer.timer_id for c in await fire(db.timers, T0 + 29_999)] == [mine.timer_id]
+    assert [f.timer_id for f in await fire(db.timers, T0 + 29_999)] == [mine.timer_id]
     # its claim expired (the other replica died): due again, fired under this fence
-    [late] = await fire(db.timers, T0 + 30_000)
-    assert late.timer == claimed and late.timer.claim is not None and late.timer.claim.owner_key == "other"
+    assert await fire(db.timers, T0 + 30_000) == [FiredTimer(theirs.timer_id, "order", T0, None)]
     entries = {e.timer_id: e for e in await db.outbox.entries()}
     assert (entries[theirs.timer_id].fence, entries[theirs.timer_id].owner_key) == (5, "me")
     assert entries[theirs.timer_id].request_id == theirs.request_id
@@ -200,15 +199,12 @@ async def test_a_recurring_timer_moves_to_its_next_occurrence(db: File) -> None:
     loaded = {t.owner.id: t for t in await db.timers.due(ALL, T0, 10)}
     assert loaded["every"].attempts == 1 and loaded["every"].last_error == "HTTP 503"
     at = T0 + 2_500
-    changes = {c.timer.owner.id: c for c in await fire(db.timers, T0, at=at)}
-    assert {k: c.next_due for k, c in changes.items()} == {
-        "every": T0 + 3_000,
-        "ending": None,
-        "cron": next_occurrence(loaded["cron"], at),
-    }
-    for name, c in changes.items():
-        assert c == TimerChange.fired(loaded[name], fence=5, next_due=c.next_due)
-        assert await db.timers.find(c.timer.owner, c.timer.key) == c.applied()
+    ids = {t.timer_id: name for name, t in loaded.items()}
+    fired = {ids[f.timer_id]: f.next_due for f in await fire(db.timers, T0, at=at)}
+    assert fired == {"every": T0 + 3_000, "ending": None, "cron": next_occurrence(loaded["cron"], at)}
+    for name, nxt in fired.items():
+        t = loaded[name]
+        assert await db.timers.find(t.owner, t.key) == TimerChange.fired(t, fence=5, next_due=nxt).applied()
     after = await db.timers.find(every.owner, every.key)
     assert after is not None and (after.status, after.attempts, after.last_error, after.fired) == (
         TimerStatus.PENDING,
@@ -228,7 +224,7 @@ async def test_a_request_id_in_the_outbox_already_is_a_redelivery(db: File) -> N
     first, second = timer("first", PARTS, due_at=T0), timer("second", PARTS, due_at=T0)
     for t in (first, second):
         assert await db.timers.put(t)
-    old = outbox_entry(first, T0 - 5, fence=4, owner_key="dead")
+    old = outbox_entry(replace(first, claim=Claim(owner_key="dead", fence=4, until=T0)), T0 - 5)
     assert await db.outbox.put(old)
     assert len(await fire(db.timers, T0)) == 2
     entries = {e.request_id: e for e in await db.outbox.entries()}
@@ -246,8 +242,8 @@ async def test_a_timer_that_cannot_be_fired_is_failed_alone(db: File) -> None:
             f"UPDATE {table_name(CTX)} SET rule = ? WHERE owner_id = 'o-2'",
             ('{"expression":"* * * * *","type":"cron","zone":"Europe/Gone"}',),
         )
-    changes = await fire(db.timers, T0)
-    assert sorted(c.timer.owner.id for c in changes) == ["o-0", "o-1", "o-3"]
+    fired = await fire(db.timers, T0)
+    assert sorted(f.timer_id for f in fired) == sorted(t.timer_id for t in ts if t.owner.id != "o-2")
     assert await db.outbox.count() == 3
     [failed] = await db.timers.scan(status=TimerStatus.FAILED, limit=10)
     assert failed.owner.id == "o-2" and failed.last_error is not None and "Europe/Gone" in failed.last_error
@@ -261,3 +257,15 @@ async def test_the_outbox_table_is_created_when_missing(tmp_path: Path) -> None:
     assert [e.timer_id for e in await box.entries()] == [timer("o", PARTS, due_at=T0).timer_id]
     await store.close()
     await box.close()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        AggregateRef(context="billing", aggregate="invoice", id="inv-1"),
+        AggregateRef(context="billing", aggregate="invoice", tenant_id='t\u00e9"n', id='\u805a\u5408\u6839 "\\ 😀'),
+    ],
+)
+def test_an_outbox_row_is_the_row_of_the_gateways_entry(target: AggregateRef) -> None:
+    t = replace(timer("o", PARTS, due_at=T0), target=target, claim=Claim(owner_key="k\u00e9y", fence=8, until=T0))
+    assert outbox_row((*timer_params(t), 17), 8, "k\u00e9y", T0 + 3) == entry_row(outbox_entry(t, T0 + 3))

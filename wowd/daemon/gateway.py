@@ -41,8 +41,8 @@ import yarl
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer, TimerChange
-from wowd.stores.base import Outbox, OutboxFiring
+from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
+from wowd.stores.base import FiredTimer, Outbox, OutboxFiring
 
 __all__ = [
     "CircuitBreaker",
@@ -150,9 +150,7 @@ async def deliver_concurrently(
             tg.start_soon(worker)
 
 
-def outbox_entry(timer: Timer, now_ms: int, *, fence: int | None = None, owner_key: str | None = None) -> OutboxEntry:
-    """The outbox entry of the current occurrence of ``timer`` fired at ``now_ms``, written under
-    ``fence`` and ``owner_key`` (default: the timer's claim's)."""
+def outbox_entry(timer: Timer, now_ms: int) -> OutboxEntry:
     claim = timer.claim
     return OutboxEntry(
         request_id=timer.request_id,
@@ -160,8 +158,8 @@ def outbox_entry(timer: Timer, now_ms: int, *, fence: int | None = None, owner_k
         target=timer.target,
         command=timer.body,
         scheduled_at=timer.scheduled_at,
-        fence=fence if fence is not None else claim.fence if claim else 0,
-        owner_key=owner_key if owner_key is not None else claim.owner_key if claim else "",
+        fence=claim.fence if claim else 0,
+        owner_key=claim.owner_key if claim else "",
         created_at=now_ms,
     )
 
@@ -181,11 +179,11 @@ class FusedFiring(Protocol):
         next_due: Callable[[Timer, int], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
-    ) -> list[TimerChange]:
+    ) -> list[FiredTimer]:
         """Delivers and settles, all or nothing, the first ``limit`` timers of ``partitions``
         due by ``min(until, at)`` (``at``: the fire time, ms), none of ``exclude``, as a claim
         under ``owner_key`` and ``fence`` then a ``deliver`` answering Delivered and a fired
-        ``settle`` (next occurrence ``next_due(timer, at)``) would; answers the fired changes.
+        ``settle`` (next occurrence ``next_due(timer, at)``) would; answers the timers fired.
         Raises :class:`~wowd.errors.StorageUnavailable` (nothing written; retry) and
         :class:`~wowd.errors.LeaseLost` when it could not commit before ``deadline``
         (``time.monotonic()``)."""
@@ -230,24 +228,26 @@ class OutboxGateway:
         next_due: Callable[[Timer, int], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
-    ) -> list[TimerChange]:
-        """:class:`FusedFiring` through the store's ``fire_into_outbox``; housekeeps after it as
-        after a delivery."""
+    ) -> list[FiredTimer]:
+        """:class:`FusedFiring` through the store's ``fire_into_outbox`` (the entries those of
+        :func:`outbox_entry` under this fence and owner key); housekeeps after it as after a
+        delivery."""
         if self._firing is None:
             raise RuntimeError("this outbox gateway has no fast path (no firing given)")
-        changes = await self._firing.fire_into_outbox(
+        fired = await self._firing.fire_into_outbox(
             partitions,
             min(until, at),
             limit,
             fence=fence,
-            entry=functools.partial(outbox_entry, now_ms=at, fence=fence, owner_key=owner_key),
+            owner_key=owner_key,
+            created_at=at,
             next_due=functools.partial(_next_due_at, next_due, at),
             exclude=exclude,
             deadline=deadline,
         )
-        if changes:
+        if fired:
             await self._maybe_housekeep()
-        return changes
+        return fired
 
     async def housekeep(self) -> None:
         """Trims past the retention and updates ``wowd_outbox_depth``; a store failure is

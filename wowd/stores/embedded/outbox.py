@@ -25,7 +25,7 @@ from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.embedded.db import SqliteStore, under_lock
 
-__all__ = ["SCHEMA", "EmbeddedOutbox", "Repeated", "entry_row", "insert_new", "sort_out"]
+__all__ = ["SCHEMA", "EmbeddedOutbox", "Repeated", "entry_row", "insert_new", "sort_out", "target_json"]
 
 T = TypeVar("T")
 
@@ -98,17 +98,20 @@ def _seq_of(cursor: str | None) -> int:
     return seq
 
 
-def _target_json(ref: AggregateRef) -> str:
+def target_json(context: str, aggregate: str, tenant_id: str, id: str) -> str:
     """``{"context":..,"aggregate":..,"tenant_id":..,"id":..}``: the text ``json.dumps`` writes
     with ``separators=(",", ":")`` (each string escaped by the encoder json uses for it)."""
     e = encode_basestring_ascii
-    return (
-        f'{{"context":{e(ref.context)},"aggregate":{e(ref.aggregate)},"tenant_id":{e(ref.tenant_id)},"id":{e(ref.id)}}}'
-    )
+    return f'{{"context":{e(context)},"aggregate":{e(aggregate)},"tenant_id":{e(tenant_id)},"id":{e(id)}}}'
+
+
+def _target_json(ref: AggregateRef) -> str:
+    return target_json(ref.context, ref.aggregate, ref.tenant_id, ref.id)
 
 
 def entry_row(e: OutboxEntry) -> tuple[Any, ...]:
-    """An entry as the row :func:`put_sql` inserts."""
+    """An entry as the row :func:`put_sql` inserts (the timer store's fast path builds the same
+    row from a timer's row: ``outbox_row`` in ``wowd.stores.embedded.timers``)."""
     return (
         e.request_id,
         e.timer_id,

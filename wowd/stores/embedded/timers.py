@@ -57,7 +57,6 @@ from wowd.model import (
     AggregateRef,
     Claim,
     OnceRule,
-    OutboxEntry,
     Rule,
     Timer,
     TimerChange,
@@ -66,11 +65,13 @@ from wowd.model import (
     deterministic_timer_id,
     parse_rule,
     partition,
+    request_id_for,
     validate_name,
 )
+from wowd.stores.base import FiredTimer
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
-from wowd.stores.embedded.outbox import Repeated, entry_row, insert_new, sort_out
+from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
 
 __all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore", "next_due_sql"]
 
@@ -430,6 +431,10 @@ def _rule_from_json(text: str) -> Rule:
     return parse_rule(json.loads(text))
 
 
+_ONCE_JSON = _rule_json(OnceRule())
+"""The rule text of a one-shot timer as this store writes it."""
+
+
 def _listed_rule(text: str) -> Rule:
     """The rule of a row for the reads that list timers: one this version cannot decode (a
     FAILED timer, see ``claim_due``) reads as a one-shot rule, its text kept in the row."""
@@ -564,6 +569,22 @@ def timer_from_row(context: str, r: Sequence[Any]) -> Timer:
 def fired_from_row(context: str, r: Sequence[Any]) -> Timer:
     """The timer of a row (``COLUMNS`` order) as stored, to fire: its rule decoded or raising."""
     return _timer(context, r, None, strict=True)
+
+
+def outbox_row(r: Sequence[Any], fence: int, owner_key: str, created_at: int) -> tuple[Any, ...]:
+    """The outbox row (``wowd.stores.embedded.outbox.entry_row``) of the entry the ``outbox``
+    gateway makes of the timer of row ``r`` (``COLUMNS`` order), written under ``fence`` and
+    ``owner_key`` at ``created_at``: its request id, id, target, command and scheduled time."""
+    return (
+        request_id_for(r[0], r[9]),
+        r[0],
+        target_json(r[10], r[11], r[12], r[13]),
+        r[14],
+        r[9],
+        fence,
+        owner_key,
+        created_at,
+    )
 
 
 def claimed_from_row(context: str, r: Sequence[Any], claim: Claim) -> Timer:
@@ -946,19 +967,21 @@ class EmbeddedTimerStore(SqliteStore):
         limit: int,
         *,
         fence: int,
-        entry: Callable[[Timer], OutboxEntry],
+        owner_key: str,
+        created_at: int,
         next_due: Callable[[Timer], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
-    ) -> list[TimerChange]:
+    ) -> list[FiredTimer]:
         """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
         the due read of ``claim_due`` (a claim another holder made is due only once expired),
-        one ``executemany`` of the outbox rows (:func:`~wowd.stores.embedded.outbox.insert_new`)
-        and one per kind of the fired settle by ``rowid`` (:func:`fired_rowid_sql`), in one
-        ``BEGIN IMMEDIATE`` transaction. When a request id of the batch is in the outbox already
-        (a re-fire), that transaction rolls back and the batch is written again with the
-        re-deliveries sorted out (:func:`~wowd.stores.embedded.outbox.sort_out`). A timer whose
-        rule, next occurrence or entry cannot be computed is set FAILED with the reason."""
+        one ``executemany`` of the outbox rows (:func:`outbox_row`,
+        :func:`~wowd.stores.embedded.outbox.insert_new`) and one per kind of the fired settle by
+        ``rowid`` (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot
+        timer is handled from its row alone; a recurring one is decoded for ``next_due``. When
+        a request id of the batch is in the outbox already (a re-fire), that transaction rolls
+        back and the batch is written again with the re-deliveries sorted out
+        (:func:`~wowd.stores.embedded.outbox.sort_out`)."""
         if not partitions or limit <= 0:
             return []
         await self.prepare()
@@ -966,58 +989,59 @@ class EmbeddedTimerStore(SqliteStore):
         skip = frozenset(exclude)
         read = self._due_reader(partitions, until, limit + len(skip), rowid=True)
         fail_sql = fail_rowid_sql(self.context)
-        statements = self._fired_sql
+        done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
         ctx = self.context
         failed: list[tuple[Sequence[Any], str]] = []
 
         def work(
             insert: Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], object], conn: sqlite3.Connection
-        ) -> list[TimerChange]:
+        ) -> list[FiredTimer]:
             failed.clear()
-            changes: list[TimerChange] = []
+            fired: list[FiredTimer] = []
             rows: list[tuple[Any, ...]] = []
-            settles: dict[str, list[tuple[Any, ...]]] = {"fired": [], "done": []}
+            done: list[tuple[Any, ...]] = []
+            moved: list[tuple[Any, ...]] = []
             for r in read(conn):
                 if r[0] in skip:
                     continue
-                if len(changes) >= limit:
+                if len(fired) >= limit:
                     break
-                try:
-                    t = fired_from_row(ctx, r)
-                    nxt = next_due(t)
-                    row = entry_row(entry(t))
-                except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
-                    reason = f"undecodable timer: {type(exc).__name__}: {exc}"
-                    conn.execute(fail_sql, (reason, r[-1], r[22]))
-                    failed.append((r, reason))
-                    continue
-                changes.append(TimerChange.fired(t, fence=fence, next_due=nxt))
-                rows.append(row)
+                nxt: int | None = None
+                if r[15] != _ONCE_JSON:
+                    try:
+                        nxt = next_due(fired_from_row(ctx, r))
+                    except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
+                        reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                        conn.execute(fail_sql, (reason, r[-1], r[22]))
+                        failed.append((r, reason))
+                        continue
+                fired.append(FiredTimer(r[0], r[2], r[9], nxt))
+                rows.append(outbox_row(r, fence, owner_key, created_at))
                 if nxt is None:
-                    settles["done"].append((r[-1], r[22]))
+                    done.append((r[-1], r[22]))
                 else:
-                    settles["fired"].append((nxt, nxt, r[-1], r[22]))
+                    moved.append((nxt, nxt, r[-1], r[22]))
             if rows:
                 insert(conn, rows)
                 before = conn.total_changes
-                for kind, params in settles.items():
-                    if params:
-                        conn.executemany(statements[kind], params)
+                conn.executemany(done_sql, done)
+                if moved:
+                    conn.executemany(fired_sql, moved)
                 settled = conn.total_changes - before
-                if settled != len(changes):  # cannot happen: the rows were read in this transaction
-                    raise StorageError(f"fire_into_outbox: settled {settled} of the {len(changes)} timers read")
+                if settled != len(fired):  # cannot happen: the rows were read in this transaction
+                    raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
             if deadline is not None and time.monotonic() >= deadline:
                 raise LeaseLost("lease no longer valid: the fired batch is rolled back")
-            return changes
+            return fired
 
         try:
-            changes = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, insert_new)))
+            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, insert_new)))
         except Repeated:  # rolled back: write the batch again, sorting the re-deliveries out
-            changes = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, sort_out)))
+            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, sort_out)))
         for r, reason in failed:
             TIMERS_FAILED.labels(aggregate=r[2]).inc()
             log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
-        return changes
+        return fired
 
     async def _prepare_outbox(self) -> None:
         """Creates the outbox table of this file when missing (once; the outbox store's DDL)."""
