@@ -30,6 +30,7 @@ from wowd.daemon.gateway import HttpGateway, OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.supervisor import Supervisor
 from wowd.daemon.timers import TimerLoop
+from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, SlotLease, Timer, deterministic_timer_id
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend
@@ -239,3 +240,36 @@ async def test_a_replica_fires_a_backlog_through_the_fast_path(tmp_path: Path, b
     entries = await backend.outbox.entries()
     assert len(entries) == 80 and len({e.request_id for e in entries}) == 80
     assert await backend.timers.scan(limit=10) == []
+
+
+async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_to(tmp_path: Path) -> None:
+    """The watermark rule: a timer due after the feed's watermark (a cancel appended before its
+    due time may not be in the view yet) is not fired, however late it is by the clock."""
+    now = int(time.time() * 1000)
+    ts = timers(now, 10)  # due over [now - 1000, now - 991]
+    store = CountingTimers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, expect=10)
+    box = EmbeddedOutbox(tmp_path / "wowd.db")
+    try:
+        for t in ts:
+            assert await store.put(t)
+        lease = SlotLease(
+            namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
+            written_at=0,
+        )  # fmt: skip
+        held = HeldSlot(
+            lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
+        )
+        gateway = OutboxGateway(box, firing=store)
+        loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
+        waker = Waker()
+        parts = frozenset(range(PARTS))
+        assert await loop._fire_fused(held, parts, waker) == 0  # the feed has not reached the head
+        waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
+        assert await loop._fire_fused(held, parts, waker) == 5
+        assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
+        waker.advance(now)
+        assert await loop._fire_fused(held, parts, waker) == 5
+        assert await box.count() == 10
+    finally:
+        await store.close()
+        await box.close()

@@ -16,7 +16,7 @@ due sooner wakes it at once. A timer due but beyond the watermark makes it ask t
 at its head (``nudge``) and wait for the watermark instead.
 
 With a gateway's fast path (:class:`~wowd.daemon.gateway.FusedFiring`: the ``outbox`` gateway on
-the embedded backend), a round first fires the timers due by now (and by the watermark) through
+the embedded backend), a round first fires the timers due by now and by the watermark through
 it, read, delivered and settled in one transaction with no claim; while a whole batch comes back
 it does so again, and then claims what the lookahead adds as above.
 
@@ -192,7 +192,7 @@ class TimerLoop:
                 try:
                     mark = waker.mark()
                     held.check()
-                    if self._fused is not None and await self._fire_fused(held, parts, until, waker) >= s.batch:
+                    if self._fused is not None and await self._fire_fused(held, parts, waker) >= s.batch:
                         attempt = 0
                         continue  # more are due now
                     claimed = await self._store.claim_due(
@@ -243,14 +243,18 @@ class TimerLoop:
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
 
-    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], until: int, waker: Waker) -> int:
-        """Fires the timers due by now (and by ``until``) through the gateway's fast path,
-        counted and told to the waker as a delivered and settled round is; answers how many."""
+    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], waker: Waker) -> int:
+        """Fires the timers due by now and by the feed's watermark (every commit appended before
+        it applied: a cancel appended before a due time is in the view read) through the
+        gateway's fast path, counted and told to the waker as a delivered and settled round is;
+        answers how many."""
         assert self._fused is not None
+        if waker.watermark is None:
+            return 0
         at = now_ms()
         fired = await self._fused.fire_due(
             parts,
-            until,
+            waker.watermark,
             self._settings.batch,
             at=at,
             owner_key=held.owner_key,
