@@ -9,7 +9,8 @@
   replica feeds them (sink, timers, checkpoints) and fires them.
 - Store path (in-process, no daemon): the loop the daemon's timer loop runs, on the real stores
   and the real ``OutboxGateway``: ``claim_due`` (or ``due`` + a claim ``settle`` on a store
-  without it) -> ``deliver`` -> fired ``settle``, with no lease, feed or idle wait.
+  without it) -> ``deliver`` -> fired ``settle``, with no lease, feed or idle wait; ``fused``:
+  the gateway's fast path (``fire_due``, one store call per batch) instead.
 """
 
 from __future__ import annotations
@@ -214,13 +215,16 @@ def _sum_stats(ds: Sequence[Daemon]) -> tuple[float, float]:
     return rss, cpu
 
 
-def wowd_burst(n: int, processes: int, *, timeout_s: float = 600) -> dict[str, Any]:
-    """``n`` timers due at once, fired by ``processes`` replicas (``limit = processes``)."""
+def wowd_burst(
+    n: int, processes: int, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """``n`` timers due at once, fired by ``processes`` replicas (``limit = processes``;
+    ``extra_env``: settings over the defaults, e.g. ``WOWD_OUTBOX__FAST_PATH=false``)."""
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
-        with daemons(tmp, db, processes, limit=processes) as ds:
+        with daemons(tmp, db, processes, limit=processes, extra_env=extra_env) as ds:
             due = now_ms() + 300 + n // 40
             insert_timer_rows(db, timer_rows(n, due_at=due, partitions=PARTITIONS))
             overrun = max(0, now_ms() - due)
@@ -305,8 +309,9 @@ def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: f
 # --------------------------------------------------------------------------- the store path
 
 
-async def _store_path(n: int, batch: int) -> dict[str, Any]:
+async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]:
     from wowd.daemon.gateway import Delivered, OutboxGateway, Outcome
+    from wowd.daemon.timers import next_occurrence
     from wowd.model import Timer, TimerChange
     from wowd.stores.embedded.db import SqliteDatabase
     from wowd.stores.embedded.outbox import EmbeddedOutbox
@@ -320,7 +325,7 @@ async def _store_path(n: int, batch: int) -> dict[str, Any]:
         outbox = EmbeddedOutbox(db)
         await store.prepare()
         await outbox.prepare()
-        gateway = OutboxGateway(outbox)
+        gateway = OutboxGateway(outbox, firing=store if fused else None)
         due = now_ms() + 300 + n // 40
         insert_timer_rows(db_path, timer_rows(n, due_at=due, partitions=PARTITIONS))
         await anyio.sleep(max(0.0, (due - now_ms()) / 1000))
@@ -334,7 +339,15 @@ async def _store_path(n: int, batch: int) -> dict[str, Any]:
         def record(timer: Timer, outcome: Outcome) -> None:
             results.append((timer, outcome))
 
-        while True:
+        while fused:  # the outbox gateway's fast path: fire and settle in one store call
+            now = now_ms()
+            changes = await gateway.fire_due(
+                parts, now, batch, at=now, owner_key="bench", fence=1, next_due=next_occurrence
+            )
+            if not changes:
+                break
+            fired += len(changes)
+        while not fused:
             now = now_ms()
             claimed: list[Timer]
             if claim_due is not None:  # what the daemon's loop calls when the store has it
@@ -368,5 +381,6 @@ async def _store_path(n: int, batch: int) -> dict[str, Any]:
 
 
 def run_store_path(params: dict[str, Any]) -> dict[str, Any]:
-    """Worker: the daemon's firing path in-process on the real stores (no leases, no idle wait)."""
-    return anyio.run(_store_path, int(params["n"]), int(params.get("batch", 1000)))
+    """Worker: the daemon's firing path in-process on the real stores (no leases, no idle wait);
+    ``fused``: the outbox gateway's fast path (``fire_due``) instead of claim, deliver, settle."""
+    return anyio.run(_store_path, int(params["n"]), int(params.get("batch", 1000)), bool(params.get("fused", False)))

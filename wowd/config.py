@@ -166,6 +166,9 @@ class FeedSettings(_Part):
 class OutboxSettings(_Part):
     retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
     """Entries older than this are trimmed by the outbox gateway, acknowledged or not (0: kept)."""
+    fast_path: bool = True
+    """On the embedded backend, the timers due now are read, written to the outbox and settled
+    in one transaction (no claim); False: claim, deliver and settle as with any gateway."""
 
 
 class HttpSettings(_Part):

@@ -40,11 +40,15 @@ def settings(tmp_path: Path) -> WowdSettings:
     )
 
 
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+@pytest.fixture(params=["steps", "fast path"])
+async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """The embedded backend; ``run_slot`` fires with the outbox gateway's claim, deliver and
+    settle steps, or with its fast path."""
     from wowd.stores.embedded import open_embedded
 
     b = await open_embedded(settings(tmp_path))
+    if request.param == "steps":
+        b.outbox_firing = None
     try:
         yield b
     finally:
@@ -76,7 +80,8 @@ async def run_slot(
     every checkpoint is at the log's end, then stops them."""
     s = settings(tmp_path)
     waker = Waker()
-    loop = TimerLoop(TimerSettings(batch=100), backend.timers, OutboxGateway(backend.outbox), nudge=backend.log.nudge)
+    gateway = OutboxGateway(backend.outbox, firing=backend.outbox_firing)
+    loop = TimerLoop(TimerSettings(batch=100), backend.timers, gateway, nudge=backend.log.nudge, fused=gateway.fused)
     feeder = Feeder(s, backend, batch_size=feed_batch)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:

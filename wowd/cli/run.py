@@ -20,7 +20,7 @@ from wowd.daemon.gateway import CommandGateway, HttpGateway, OutboxGateway
 from wowd.daemon.supervisor import Supervisor
 from wowd.stores.base import Backend
 
-__all__ = ["ESCALATE_AFTER_S", "register", "run"]
+__all__ = ["ESCALATE_AFTER_S", "build_gateway", "register", "run"]
 
 log = logging.getLogger("wowd")
 
@@ -40,12 +40,8 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Runs the supervisor; the first signal stops gracefully, a later one (at least
     :data:`ESCALATE_AFTER_S` after the first) cancels. Exit 1 when cancelled."""
     backend = await open_backend(settings)
-    gateway: CommandGateway
-    if settings.gateway.kind == "http":
-        gateway = HttpGateway(settings.gateway, concurrency=settings.timers.concurrency)
-    else:
-        gateway = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s)
-    sup = Supervisor(settings, backend, gateway, port_file=args.port_file)
+    gateway, fused = build_gateway(settings, backend)
+    sup = Supervisor(settings, backend, gateway, port_file=args.port_file, fused=fused)
     forced = False
 
     async def signals(received: AsyncIterator[int], scope: anyio.CancelScope) -> None:
@@ -81,6 +77,17 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
                 await gateway.aclose()
                 await backend.close()
     return 1 if forced else 0
+
+
+def build_gateway(settings: WowdSettings, backend: Backend) -> tuple[CommandGateway, OutboxGateway | None]:
+    """The configured gateway, and the same gateway again when it has a fast path for due
+    timers (``OutboxGateway.fused``): the ``outbox`` gateway on a backend whose timer store
+    writes into the outbox itself (the embedded backend), unless ``outbox.fast_path`` is off."""
+    if settings.gateway.kind == "http":
+        return HttpGateway(settings.gateway, concurrency=settings.timers.concurrency), None
+    firing = backend.outbox_firing if settings.outbox.fast_path else None
+    outbox = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s, firing=firing)
+    return outbox, outbox if outbox.fused is not None else None
 
 
 def _total(counter: Counter) -> int:

@@ -6,7 +6,9 @@ batch and reports each outcome through a callback as soon as it is known, so a c
 mid-batch (shutdown grace, lost lease) still settles what was delivered.
 
 - :class:`OutboxGateway` inserts into the backend's outbox (unique on the request id); it has a
-  batch path (one ``put_many`` call per batch).
+  batch path (one ``put_many`` call per batch) and, on a backend whose timer store writes into
+  the outbox itself (:class:`~wowd.stores.base.OutboxFiring`), a fast path
+  (:class:`FusedFiring`): the due timers fired and settled in one transaction, with no claim.
 - :class:`HttpGateway` POSTs to a Wow-style command endpoint with ``Command-Request-Id`` (aiohttp,
   one keep-alive connection pool), at most ``per_target_concurrency`` requests in flight per
   target and a :class:`CircuitBreaker` per target.
@@ -27,7 +29,7 @@ import logging
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote, urlsplit
@@ -40,7 +42,7 @@ from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
-from wowd.stores.base import Outbox
+from wowd.stores.base import FiredTimer, Outbox, OutboxFiring
 
 __all__ = [
     "CircuitBreaker",
@@ -48,6 +50,7 @@ __all__ = [
     "Delivered",
     "DeliveryLog",
     "Fail",
+    "FusedFiring",
     "HttpGateway",
     "Outcome",
     "OutboxGateway",
@@ -161,6 +164,32 @@ def outbox_entry(timer: Timer, now_ms: int) -> OutboxEntry:
     )
 
 
+class FusedFiring(Protocol):
+    """A gateway's fast path: it fires the due timers itself, delivery and settle in one step."""
+
+    async def fire_due(
+        self,
+        partitions: frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        at: int,
+        owner_key: str,
+        fence: int,
+        next_due: Callable[[Timer, int], int | None],
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+    ) -> list[FiredTimer]:
+        """Delivers and settles, all or nothing, the first ``limit`` timers of ``partitions``
+        due by ``min(until, at)`` (``at``: the fire time, ms), none of ``exclude``, as a claim
+        under ``owner_key`` and ``fence`` then a ``deliver`` answering Delivered and a fired
+        ``settle`` (next occurrence ``next_due(timer, at)``) would; answers the timers fired.
+        Raises :class:`~wowd.errors.StorageUnavailable` (nothing written; retry) and
+        :class:`~wowd.errors.LeaseLost` when it could not commit before ``deadline``
+        (``time.monotonic()``)."""
+        ...
+
+
 class OutboxGateway:
     """Delivers into the backend's outbox, unique on the request id (a re-fire is a no-op).
 
@@ -168,12 +197,57 @@ class OutboxGateway:
     one ``put_many`` call. At most every :data:`OUTBOX_HOUSEKEEPING_S`, after a delivery, it
     trims the entries older than ``retention_s`` (0: none) and counts the outbox into
     ``wowd_outbox_depth``.
+
+    Given ``firing``, the timer store's own writer into this outbox (the embedded backend: one
+    file), it is also a :class:`FusedFiring` (:attr:`fused`): the timers due now are read,
+    written to the outbox under the firer's fence and owner key and settled as fired in one
+    transaction, without a claim. The entries, request ids and settled timers are those of the
+    claim, deliver and settle steps.
     """
 
-    def __init__(self, outbox: Outbox, *, retention_s: float = 0.0) -> None:
+    def __init__(self, outbox: Outbox, *, retention_s: float = 0.0, firing: OutboxFiring | None = None) -> None:
         self._outbox = outbox
         self._retention_ms = int(retention_s * 1000)
         self._housekept_at: float | None = None
+        self._firing = firing
+
+    @property
+    def fused(self) -> FusedFiring | None:
+        """This gateway's fast path (itself) when it was given the store's ``firing``."""
+        return self if self._firing is not None else None
+
+    async def fire_due(
+        self,
+        partitions: frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        at: int,
+        owner_key: str,
+        fence: int,
+        next_due: Callable[[Timer, int], int | None],
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+    ) -> list[FiredTimer]:
+        """:class:`FusedFiring` through the store's ``fire_into_outbox`` (the entries those of
+        :func:`outbox_entry` under this fence and owner key); housekeeps after it as after a
+        delivery."""
+        if self._firing is None:
+            raise RuntimeError("this outbox gateway has no fast path (no firing given)")
+        fired = await self._firing.fire_into_outbox(
+            partitions,
+            min(until, at),
+            limit,
+            fence=fence,
+            owner_key=owner_key,
+            created_at=at,
+            next_due=functools.partial(_next_due_at, next_due, at),
+            exclude=exclude,
+            deadline=deadline,
+        )
+        if fired:
+            await self._maybe_housekeep()
+        return fired
 
     async def housekeep(self) -> None:
         """Trims past the retention and updates ``wowd_outbox_depth``; a store failure is
@@ -221,6 +295,10 @@ class OutboxGateway:
 
     async def aclose(self) -> None:
         return None
+
+
+def _next_due_at(next_due: Callable[[Timer, int], int | None], at: int, timer: Timer) -> int | None:
+    return next_due(timer, at)
 
 
 def command_url(base: str, timer: Timer, command: Command | None = None) -> str:

@@ -25,7 +25,7 @@ from wowd.reducers import Reducer, load_reducer
 from wowd.stores.base import Backend
 
 from .feed import Feeder
-from .gateway import CommandGateway
+from .gateway import CommandGateway, FusedFiring
 from .http import HttpServer
 from .leases import HeldSlot, Presence, SlotKeeper, owner_key_for
 from .rebuild import Rebuilder
@@ -54,10 +54,13 @@ class Supervisor:
         *,
         notifier: SystemdNotifier | None = None,
         port_file: Path | None = None,
+        fused: FusedFiring | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
         self.gateway = gateway
+        self.fused = fused
+        """The gateway's fast path for due timers, when it has one (``OutboxGateway.fused``)."""
         self.notifier = notifier or SystemdNotifier()
         self._port_file = port_file
         self._keepers: list[SlotKeeper] = []
@@ -224,7 +227,9 @@ class Supervisor:
     async def _slot_work(self, held: HeldSlot) -> None:
         waker = Waker()
         feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
-        loop = TimerLoop(self.settings.timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge)
+        loop = TimerLoop(
+            self.settings.timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, fused=self.fused
+        )
         self._feeders[held.slot] = feeder
         self._wakers[held.slot] = waker
         self._on_lease_change()

@@ -19,6 +19,11 @@ store's next due time (``next_due``) or the earliest one this process put since
 due sooner wakes it at once. A timer within the lookahead but beyond the feed's last read makes
 it ask the log for a read instead.
 
+With a gateway's fast path (:class:`~wowd.daemon.gateway.FusedFiring`: the ``outbox`` gateway on
+the embedded backend), a round first fires the timers due by now and by the watermark through
+it, read, delivered and settled in one transaction with no claim; while a whole batch comes back
+it does so again, and then claims what the lookahead adds as above.
+
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
 shielded and bounded, also after the lease lapsed: each change is guarded by the timer's revision
@@ -45,7 +50,7 @@ from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import TimerStore
 
-from .gateway import CommandGateway, Delivered, Fail, Outcome, Park, Retry, delivery_log, target_of
+from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
 from .waker import Waker, owner_key
 
@@ -150,10 +155,13 @@ class TimerLoop:
         gateway: CommandGateway,
         *,
         nudge: Callable[[], None] = lambda: None,
+        fused: FusedFiring | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
         self._gateway = gateway
+        self._fused = fused
+        """The gateway's fast path for the timers due now (None: claim, deliver, settle)."""
         self._nudge = nudge
         self._in_flight: set[str] = set()
         """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
@@ -189,9 +197,20 @@ class TimerLoop:
                 # claimed up to the lookahead ahead of now and of the feed's reads: delivered once
                 # the feed has read past their due time (see _deliver)
                 until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+                mark = waker.mark()
+                try:
+                    held.check()
+                    if self._fused is not None and await self._fire_fused(held, parts, waker) >= s.batch:
+                        attempt = 0
+                        continue  # more are due now
+                except StorageUnavailable as exc:
+                    logx.warning("timer round failed (will retry): %s", exc)
+                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
+                        await held.stop_event.wait()
+                    attempt += 1
+                    continue
                 batch_mark = waker.hold()
                 try:
-                    mark = waker.mark()
                     held.check()
                     claimed = await self._store.claim_due(
                         parts,
@@ -245,6 +264,37 @@ class TimerLoop:
                     wake_at = wake_time(now, nexts, s.lookahead_ms)
                     await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
         logx.info("timer loop stopped")
+
+    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], waker: Waker) -> int:
+        """Fires the timers due by now and by the feed's watermark (every commit appended before
+        it applied: a cancel appended before a due time is in the view read) through the
+        gateway's fast path, counted and told to the waker as a delivered and settled round is;
+        answers how many."""
+        assert self._fused is not None
+        if waker.watermark is None:
+            return 0
+        at = now_ms()
+        fired = await self._fused.fire_due(
+            parts,
+            waker.watermark,
+            self._settings.batch,
+            at=at,
+            owner_key=held.owner_key,
+            fence=held.fence,
+            next_due=next_occurrence,
+            exclude=self._in_flight,
+            deadline=time.monotonic() + (held.valid_until - anyio.current_time()),
+        )
+        metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
+        if fired:
+            metrics.SETTLE_BATCH.observe(len(fired))
+            for agg, n in Counter(f.aggregate for f in fired).items():
+                metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
+            for f in fired:
+                metrics.FIRE_LAG.observe(max(0.0, (at - f.scheduled_at) / 1000))
+                if f.next_due is not None:
+                    waker.maybe_wake(f.next_due)
+        return len(fired)
 
     async def _reclaim(
         self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]

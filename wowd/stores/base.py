@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from wowd.model import (
     AccessStamp,
@@ -44,8 +44,10 @@ __all__ = [
     "Backend",
     "Ddl",
     "EventSink",
+    "FiredTimer",
     "Log",
     "Outbox",
+    "OutboxFiring",
     "PRESENCE_RETENTION",
     "ReplicaInfo",
     "ReplicaState",
@@ -556,6 +558,53 @@ class Outbox(Protocol):
     async def close(self) -> None: ...
 
 
+class FiredTimer(NamedTuple):
+    """A timer :meth:`OutboxFiring.fire_into_outbox` fired (a tuple: one per timer on the hot
+    path, where a frozen dataclass would cost more than the rest of its handling)."""
+
+    timer_id: str
+    aggregate: str
+    """The owner's aggregate type."""
+    scheduled_at: int
+    """The occurrence fired (its outbox entry's)."""
+    next_due: int | None
+    """Its next occurrence, at which it is PENDING now; None: a DONE tombstone."""
+
+
+class OutboxFiring(Protocol):
+    """A timer store that fires due timers straight into the backend's outbox, in the write
+    transaction that settles them: the outbox on the timers' own database (the embedded
+    backend's one file), so no claim is needed between reading and settling."""
+
+    async def fire_into_outbox(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        fence: int,
+        owner_key: str,
+        created_at: int,
+        next_due: Callable[[Timer], int | None],
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+    ) -> list[FiredTimer]:
+        """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
+        (the first ``limit`` due by ``until`` of ``partitions``, in due order, none of
+        ``exclude``; a timer claimed by anyone is due only once its claim expired), inserts the
+        outbox entry of each (request id, timer, target, command, scheduled time, ``fence``,
+        ``owner_key``, ``created_at``; a request id there already is recorded as a re-delivery,
+        as :meth:`Outbox.put_many` does) and settles each as ``TimerChange.fired(timer,
+        fence=fence, next_due=next_due(timer))`` writes it (``next_due`` is asked of recurring
+        timers only: a one-shot timer has no next occurrence). Answers them in due order. All of
+        it is written or nothing: with ``deadline`` (``time.monotonic()``), the transaction
+        rolls back and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A
+        timer whose rule or next occurrence cannot be computed is set FAILED as ``claim_due``
+        does. Callers pass an ``until`` not after ``created_at``: a timer is written to the
+        outbox at its due time, not ahead of it."""
+        ...
+
+
 @dataclass(kw_only=True)
 class Backend:
     """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
@@ -569,6 +618,9 @@ class Backend:
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink]
+    outbox_firing: OutboxFiring | None = None
+    """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
+    backend has one: the embedded backend, whose timers and outbox share one file."""
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 

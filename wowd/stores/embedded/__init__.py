@@ -90,6 +90,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             snapshots=snapshots,
             rebuilds=snapshots,
             outbox=outbox,
+            outbox_firing=timers,  # the outbox table is in the timers' own file
             sink_factory=sink_factory,
             closers=[checkpointer.aclose, leases.close, log.close, timers.close, snapshots.close, outbox.close],
         )

@@ -8,7 +8,9 @@ target (JSON ``{context, aggregate, tenant_id, id}``), the command's JSON text, 
 of the row statement (no savepoint, no multi-row statement: either makes SQLite journal every
 index page the random request ids touch). Only when some request id was there already is that
 transaction rolled back and the batch sorted out, per entry, in another: new ones inserted,
-repeats recorded as re-deliveries.
+repeats recorded as re-deliveries. The timer store's fast path into this table (one transaction
+that fires and settles, see ``EmbeddedTimerStore.fire_into_outbox``) writes the same rows with the
+same two steps (:func:`entry_row`, :func:`insert_new`, :func:`sort_out`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.embedded.db import SqliteStore, under_lock
 
-__all__ = ["EmbeddedOutbox"]
+__all__ = ["SCHEMA", "EmbeddedOutbox", "Repeated", "entry_row", "insert_new", "sort_out", "target_json"]
 
 T = TypeVar("T")
 
@@ -96,12 +98,29 @@ def _seq_of(cursor: str | None) -> int:
     return seq
 
 
-def _target_json(ref: AggregateRef) -> str:
+def target_json(context: str, aggregate: str, tenant_id: str, id: str) -> str:
     """``{"context":..,"aggregate":..,"tenant_id":..,"id":..}``: the text ``json.dumps`` writes
     with ``separators=(",", ":")`` (each string escaped by the encoder json uses for it)."""
     e = encode_basestring_ascii
+    return f'{{"context":{e(context)},"aggregate":{e(aggregate)},"tenant_id":{e(tenant_id)},"id":{e(id)}}}'
+
+
+def _target_json(ref: AggregateRef) -> str:
+    return target_json(ref.context, ref.aggregate, ref.tenant_id, ref.id)
+
+
+def entry_row(e: OutboxEntry) -> tuple[Any, ...]:
+    """An entry as the row :func:`put_sql` inserts (the timer store's fast path builds the same
+    row from a timer's row: ``outbox_row`` in ``wowd.stores.embedded.timers``)."""
     return (
-        f'{{"context":{e(ref.context)},"aggregate":{e(ref.aggregate)},"tenant_id":{e(ref.tenant_id)},"id":{e(ref.id)}}}'
+        e.request_id,
+        e.timer_id,
+        _target_json(e.target),
+        e.command,
+        e.scheduled_at,
+        e.fence,
+        e.owner_key,
+        e.created_at,
     )
 
 
@@ -130,16 +149,7 @@ class EmbeddedOutbox(SqliteStore):
         await self._run("prepare", lambda conn: None)
 
     async def put(self, entry: OutboxEntry) -> bool:
-        values = (
-            entry.request_id,
-            entry.timer_id,
-            _target_json(entry.target),
-            entry.command,
-            entry.scheduled_at,
-            entry.fence,
-            entry.owner_key,
-            entry.created_at,
-        )
+        values = entry_row(entry)
         sql = put_sql()
         return await self._run(
             "put", under_lock(self._write_lock, lambda conn: conn.execute(sql, values).rowcount == 1)
@@ -148,28 +158,16 @@ class EmbeddedOutbox(SqliteStore):
     async def put_many(self, entries: Sequence[OutboxEntry]) -> list[bool]:
         """Inserts a batch in one transaction; per entry, False when its request id was there
         (that re-delivery is recorded in ``outbox_redelivery``)."""
-        rows = [
-            (
-                e.request_id,
-                e.timer_id,
-                _target_json(e.target),
-                e.command,
-                e.scheduled_at,
-                e.fence,
-                e.owner_key,
-                e.created_at,
-            )
-            for e in entries
-        ]
+        rows = [entry_row(e) for e in entries]
         if not rows:
             return []
-        fresh = under_lock(self._write_lock, self._db.transaction(lambda conn: _insert_new(conn, rows)))
+        fresh = under_lock(self._write_lock, self._db.transaction(lambda conn: insert_new(conn, rows)))
         try:
             return await self._run("put_many", fresh)
-        except _Repeated:
+        except Repeated:
             pass  # rolled back: sort the batch out
-        sort_out = under_lock(self._write_lock, self._db.transaction(lambda conn: _sort_out(conn, rows)))
-        return await self._run("put_many", sort_out)
+        again = under_lock(self._write_lock, self._db.transaction(lambda conn: sort_out(conn, rows)))
+        return await self._run("put_many", again)
 
     async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
         """At most ``limit`` entries in insertion order, after the first ``after`` ones."""
@@ -217,21 +215,21 @@ class EmbeddedOutbox(SqliteStore):
         return await self._run("trim", under_lock(self._write_lock, self._db.transaction(run)))
 
 
-class _Repeated(Exception):
+class Repeated(Exception):
     """A request id of the batch was in the outbox already (or twice in the batch)."""
 
 
-def _insert_new(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
+def insert_new(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
     """Inserts ``rows`` (in a write transaction) when every request id is new, the usual case;
-    raises :class:`_Repeated` (the caller's transaction rolls back) otherwise."""
+    raises :class:`Repeated` (the caller's transaction rolls back) otherwise."""
     before = conn.total_changes
     conn.executemany(put_sql(), rows)
     if conn.total_changes - before != len(rows):
-        raise _Repeated
+        raise Repeated
     return [True] * len(rows)
 
 
-def _sort_out(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
+def sort_out(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
     """Inserts the first of each new request id, records the others as re-deliveries."""
     existing: set[str] = set()
     ids = [r[0] for r in rows]

@@ -29,6 +29,11 @@ timers as claimed. ``next_due`` (the timer loop's sleep) is one compound stateme
 ``MIN(due_at)`` per partition over the same partial index. Rows are decoded into
 :class:`Timer` objects without re-validating what the store wrote itself.
 
+The fast path into the outbox table of the same file (:meth:`EmbeddedTimerStore.fire_into_outbox`,
+the ``outbox`` gateway's on the embedded backend): the due read of ``claim_due``, the outbox rows
+and the fired settle of each timer by ``rowid`` in one write transaction, with no claim: nothing
+can move between the read and the settle, and a crash leaves all of it or none.
+
 The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 """
 
@@ -39,13 +44,14 @@ import heapq
 import json
 import logging
 import sqlite3
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
-from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.errors import FormatError, InvalidInput, LeaseLost, StorageError
 from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
     AggregateRef,
@@ -59,9 +65,13 @@ from wowd.model import (
     deterministic_timer_id,
     parse_rule,
     partition,
+    request_id_for,
     validate_name,
 )
+from wowd.stores.base import FiredTimer
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
+from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
 
 __all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore", "next_due_sql"]
 
@@ -380,6 +390,17 @@ def claim_rowid_sql(context: str) -> str:
     )
 
 
+def fired_rowid_sql(context: str, kind: str) -> str:
+    """The settle of a fired timer (``kind`` ``fired``: ``?1`` and ``?2`` its next occurrence;
+    ``done``: a DONE tombstone) by ``rowid`` at its revision as read (the last two parameters),
+    in the transaction that read it (``fire_into_outbox``): the columns :func:`settle_sql` of
+    that kind writes."""
+    return (
+        f"UPDATE {table_name(context)} SET {_SETTLE_SET[kind]}, revision = revision + 1"
+        " WHERE rowid = ? AND revision = ?"
+    )
+
+
 def due_plan(partitions: Iterable[int], arms: int = DUE_ARMS) -> list[tuple[int, ...]]:
     """The partitions, sorted, in groups of at most ``arms``: one compound statement each."""
     parts = sorted(partitions)
@@ -408,6 +429,10 @@ def _rule_json(rule: Rule) -> str:
 @lru_cache(maxsize=1024)
 def _rule_from_json(text: str) -> Rule:
     return parse_rule(json.loads(text))
+
+
+_ONCE_JSON = _rule_json(OnceRule())
+"""The rule text of a one-shot timer as this store writes it."""
 
 
 def _listed_rule(text: str) -> Rule:
@@ -477,9 +502,11 @@ def _ref(context: str, aggregate: str, tenant_id: str, id: str) -> AggregateRef:
     return ref
 
 
-def _timer(context: str, r: Sequence[Any], claimed: Claim | None) -> Timer:
+def _timer(context: str, r: Sequence[Any], claimed: Claim | None, *, strict: bool = False) -> Timer:
     """The timer of a row in ``COLUMNS`` order (a trailing ``rowid`` aside); with ``claimed``, as
-    :func:`claim_rowid_sql` leaves it (FIRING under that claim, due at its expiry, revision + 1)."""
+    :func:`claim_rowid_sql` leaves it (FIRING under that claim, due at its expiry, revision + 1).
+    A rule this version cannot decode raises when ``claimed`` or ``strict``, else reads as a
+    one-shot rule (listing reads)."""
     (
         timer_id,
         part,
@@ -510,7 +537,7 @@ def _timer(context: str, r: Sequence[Any], claimed: Claim | None) -> Timer:
     if claimed is None:
         if claim_owner_key is not None:
             claim = Claim(owner_key=claim_owner_key, fence=claim_fence, until=claim_until)
-        decoded, state = _listed_rule(rule), _STATUS[status]
+        decoded, state = (_rule_from_json(rule) if strict else _listed_rule(rule)), _STATUS[status]
     else:
         claim, due_at, revision = claimed, claimed.until, revision + 1
         decoded, state = _rule_from_json(rule), TimerStatus.FIRING
@@ -537,6 +564,27 @@ def _timer(context: str, r: Sequence[Any], claimed: Claim | None) -> Timer:
 def timer_from_row(context: str, r: Sequence[Any]) -> Timer:
     """The timer of a row in ``COLUMNS`` order."""
     return _timer(context, r, None)
+
+
+def fired_from_row(context: str, r: Sequence[Any]) -> Timer:
+    """The timer of a row (``COLUMNS`` order) as stored, to fire: its rule decoded or raising."""
+    return _timer(context, r, None, strict=True)
+
+
+def outbox_row(r: Sequence[Any], fence: int, owner_key: str, created_at: int) -> tuple[Any, ...]:
+    """The outbox row (``wowd.stores.embedded.outbox.entry_row``) of the entry the ``outbox``
+    gateway makes of the timer of row ``r`` (``COLUMNS`` order), written under ``fence`` and
+    ``owner_key`` at ``created_at``: its request id, id, target, command and scheduled time."""
+    return (
+        request_id_for(r[0], r[9]),
+        r[0],
+        target_json(r[10], r[11], r[12], r[13]),
+        r[14],
+        r[9],
+        fence,
+        owner_key,
+        created_at,
+    )
 
 
 def claimed_from_row(context: str, r: Sequence[Any], claim: Claim) -> Timer:
@@ -620,6 +668,8 @@ class EmbeddedTimerStore(SqliteStore):
         self._put_sql = put_sql(t)
         self._settle_sql = {k: settle_sql(t, k) for k in _SETTLE_SET}
         self._claim_sql = claim_rowid_sql(t)
+        self._fired_sql = {k: fired_rowid_sql(t, k) for k in ("fired", "done")}
+        self._outbox_ready = False
         self._write_sql = {
             "put": put_sql(t),
             "live_at": live_at_sql(t),
@@ -909,6 +959,100 @@ class EmbeddedTimerStore(SqliteStore):
             TIMERS_FAILED.labels(aggregate=r[2]).inc()
             log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
         return timers
+
+    async def fire_into_outbox(
+        self,
+        partitions: set[int] | frozenset[int],
+        until: int,
+        limit: int,
+        *,
+        fence: int,
+        owner_key: str,
+        created_at: int,
+        next_due: Callable[[Timer], int | None],
+        exclude: Collection[str] = (),
+        deadline: float | None = None,
+    ) -> list[FiredTimer]:
+        """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
+        the due read of ``claim_due`` (a claim another holder made is due only once expired),
+        one ``executemany`` of the outbox rows (:func:`outbox_row`,
+        :func:`~wowd.stores.embedded.outbox.insert_new`) and one per kind of the fired settle by
+        ``rowid`` (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot
+        timer is handled from its row alone; a recurring one is decoded for ``next_due``. When
+        a request id of the batch is in the outbox already (a re-fire), that transaction rolls
+        back and the batch is written again with the re-deliveries sorted out
+        (:func:`~wowd.stores.embedded.outbox.sort_out`)."""
+        if not partitions or limit <= 0:
+            return []
+        await self.prepare()
+        await self._prepare_outbox()
+        skip = frozenset(exclude)
+        read = self._due_reader(partitions, until, limit + len(skip), rowid=True)
+        fail_sql = fail_rowid_sql(self.context)
+        done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
+        ctx = self.context
+        failed: list[tuple[Sequence[Any], str]] = []
+
+        def work(
+            insert: Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], object], conn: sqlite3.Connection
+        ) -> list[FiredTimer]:
+            failed.clear()
+            fired: list[FiredTimer] = []
+            rows: list[tuple[Any, ...]] = []
+            done: list[tuple[Any, ...]] = []
+            moved: list[tuple[Any, ...]] = []
+            for r in read(conn):
+                if r[0] in skip:
+                    continue
+                if len(fired) >= limit:
+                    break
+                nxt: int | None = None
+                if r[15] != _ONCE_JSON:
+                    try:
+                        nxt = next_due(fired_from_row(ctx, r))
+                    except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
+                        reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                        conn.execute(fail_sql, (reason, r[-1], r[22]))
+                        failed.append((r, reason))
+                        continue
+                fired.append(FiredTimer(r[0], r[2], r[9], nxt))
+                rows.append(outbox_row(r, fence, owner_key, created_at))
+                if nxt is None:
+                    done.append((r[-1], r[22]))
+                else:
+                    moved.append((nxt, nxt, r[-1], r[22]))
+            if rows:
+                insert(conn, rows)
+                before = conn.total_changes
+                conn.executemany(done_sql, done)
+                if moved:
+                    conn.executemany(fired_sql, moved)
+                settled = conn.total_changes - before
+                if settled != len(fired):  # cannot happen: the rows were read in this transaction
+                    raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise LeaseLost("lease no longer valid: the fired batch is rolled back")
+            return fired
+
+        try:
+            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, insert_new)))
+        except Repeated:  # rolled back: write the batch again, sorting the re-deliveries out
+            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, sort_out)))
+        for r, reason in failed:
+            TIMERS_FAILED.labels(aggregate=r[2]).inc()
+            log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
+        return fired
+
+    async def _prepare_outbox(self) -> None:
+        """Creates the outbox table of this file when missing (once; the outbox store's DDL)."""
+        if not self._outbox_ready:
+
+            def create(conn: sqlite3.Connection) -> None:
+                for statement in OUTBOX_SCHEMA:
+                    conn.execute(statement)
+
+            await self._run("prepare", self._db.transaction(create))
+            self._outbox_ready = True
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
         if not partitions:

@@ -1,0 +1,275 @@
+"""The timer loop with the outbox gateway's fast path (the embedded backend): the timers due now
+are fired and settled in one store call per batch, with no claim, and the outcome is the one the
+claim, deliver and settle steps give: the same outbox entries, the same timer view, the same
+counts in the metrics. ``wowd run`` on the embedded backend uses it unless turned off."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from prometheus_client import REGISTRY
+
+from tests.helpers import caught_up_waker
+from wowd.cli.run import build_gateway
+from wowd.config import (
+    EmbeddedSettings,
+    GatewaySettings,
+    HttpSettings,
+    LeaseSettings,
+    OutboxSettings,
+    TimerSettings,
+    WowdSettings,
+)
+from wowd.daemon.gateway import HttpGateway, OutboxGateway
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.supervisor import Supervisor
+from wowd.daemon.timers import TimerLoop
+from wowd.daemon.waker import Waker
+from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, SlotLease, Timer, deterministic_timer_id
+from wowd.model import partition as partition_of
+from wowd.stores.base import Backend
+from wowd.stores.embedded.outbox import EmbeddedOutbox
+from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+from .conftest import CONTEXT, eventually, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 8
+TYPES = ("order", "cart", "invoice")
+
+
+class CountingTimers(EmbeddedTimerStore):
+    """Counts the firing calls and the timers they fire; ``all_fired`` once ``expect`` did."""
+
+    def __init__(self, *args: Any, expect: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: Counter[str] = Counter()
+        self.claimed = 0
+        self.fired = 0
+        self.expect = expect
+        self.all_fired = anyio.Event()
+
+    def _count_fired(self, n: int) -> None:
+        self.fired += n
+        if self.fired >= self.expect:
+            self.all_fired.set()
+
+    async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
+        self.calls["claim_due"] += 1
+        claimed = await super().claim_due(*args, **kwargs)
+        self.claimed += len(claimed)
+        return claimed
+
+    async def settle(self, *args: Any, **kwargs: Any) -> int:
+        self.calls["settle"] += 1
+        written = await super().settle(*args, **kwargs)
+        self._count_fired(sum(1 for c in args[0] if c.kind == "fired"))
+        return written
+
+    async def fire_into_outbox(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls["fire_into_outbox"] += 1
+        changes = await super().fire_into_outbox(*args, **kwargs)
+        self._count_fired(len(changes))
+        return changes
+
+
+def timers(now: int, n: int) -> list[Timer]:
+    """``n`` timers of three aggregate types due over the last second; every fifth recurring."""
+    out = []
+    for i in range(n):
+        owner = AggregateRef(context=CONTEXT, aggregate=TYPES[i % 3], id=f"o-{i}")
+        t = Timer(
+            timer_id=deterministic_timer_id(owner, "k", 1),
+            partition=partition_of(owner.id, PARTS),
+            owner=owner,
+            key="k",
+            version=1,
+            due_at=now - 1000 + i,
+            scheduled_at=now - 1000 + i,
+            target=AggregateRef(context="billing", aggregate="invoice", id=f"inv-{i}"),
+            body=Command(name="Remind", body={"i": i}).to_json(),
+            rule=IntervalRule(every_ms=3_600_000) if i % 5 == 0 else OnceRule(),
+        )
+        out.append(t)
+    return out
+
+
+def sample(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def fired_metrics() -> dict[str, float]:
+    """What a fired round counts: fired per aggregate, fire lag observations."""
+    out = {agg: sample("wowd_timers_fired_total", aggregate=agg) for agg in TYPES}
+    out["lag"] = sample("wowd_fire_lag_seconds_count")
+    return out
+
+
+async def run_loop(
+    path: Path, ts: list[Timer], *, fast: bool
+) -> tuple[CountingTimers, EmbeddedOutbox, dict[str, float]]:
+    """One slot's timer loop (fence 3, owner key ``me``) until every timer of ``ts`` fired;
+    answers the store, the outbox and the metrics it counted."""
+    store = CountingTimers(path, context=CONTEXT, partitions=PARTS, expect=len(ts))
+    box = EmbeddedOutbox(path)
+    for t in ts:
+        assert await store.put(t)
+    lease = SlotLease(
+        namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
+        written_at=0,
+    )  # fmt: skip
+    held = HeldSlot(
+        lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
+    )
+    gateway = OutboxGateway(box, firing=store if fast else None)
+    assert (gateway.fused is gateway) is fast
+    loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
+    before = fired_metrics()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await store.all_fired.wait()
+            held.request_stop()
+    after = fired_metrics()
+    return store, box, {k: after[k] - before[k] for k in after}
+
+
+async def test_the_loop_fires_due_timers_through_the_fast_path_as_the_steps_would(tmp_path: Path) -> None:
+    now = int(time.time() * 1000)
+    ts = timers(now, 250)
+    steps, steps_box, steps_metrics = await run_loop(tmp_path / "steps.db", ts, fast=False)
+    fast, fast_box, fast_metrics = await run_loop(tmp_path / "fast.db", ts, fast=True)
+    try:
+        # the fast path: one call per batch of 100, no claim, no settle
+        assert fast.calls["fire_into_outbox"] >= 3 and fast.calls["settle"] == 0 and fast.claimed == 0
+        assert steps.calls["fire_into_outbox"] == 0 and steps.claimed == 250
+
+        # the same entries (request id, target, command, occurrence, fence, owner key)
+        def entries(es: Any) -> set[tuple[Any, ...]]:
+            return {(e.request_id, e.timer_id, e.target, e.command, e.scheduled_at, e.fence, e.owner_key) for e in es}
+
+        fast_entries = await fast_box.entries(limit=1000)
+        assert entries(fast_entries) == entries(await steps_box.entries(limit=1000))
+        assert {e.request_id for e in fast_entries} == {t.request_id for t in ts}
+        assert {(e.fence, e.owner_key) for e in fast_entries} == {(3, "me")}
+
+        # the same view: the recurring timers at their next occurrence, the one-shots gone
+        def view(xs: list[Timer]) -> list[tuple[Any, ...]]:
+            return sorted((t.timer_id, t.status, t.due_at, t.scheduled_at, t.fired, t.attempts, t.claim) for t in xs)
+
+        left = await fast.scan(limit=1000)
+        assert view(left) == view(await steps.scan(limit=1000))
+        assert {t.timer_id: t.scheduled_at for t in left} == {
+            t.timer_id: t.scheduled_at + 3_600_000 for t in ts if isinstance(t.rule, IntervalRule)
+        }
+        for t in ts:  # a replay of the log changes nothing: no one-shot back, no occurrence reset
+            await fast.put(t)
+        assert view(await fast.scan(limit=1000)) == view(left)
+        # the same counts
+        assert fast_metrics == steps_metrics == {"order": 84, "cart": 83, "invoice": 83, "lag": 250}
+    finally:
+        for s in (steps, steps_box, fast, fast_box):
+            await s.close()
+
+
+def embedded(tmp_path: Path, **kwargs: Any) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1, ttl_s=30, tolerance_s=1),
+        http=HttpSettings(host="127.0.0.1", port=0),
+        **kwargs,
+    )
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(embedded(tmp_path))
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def test_wowd_run_uses_the_fast_path_with_the_embedded_outbox_unless_turned_off(
+    tmp_path: Path, backend: Backend
+) -> None:
+    gateway, fused = build_gateway(embedded(tmp_path), backend)
+    assert isinstance(gateway, OutboxGateway) and fused is gateway and gateway.fused is gateway
+    gateway, fused = build_gateway(embedded(tmp_path, outbox=OutboxSettings(fast_path=False)), backend)
+    assert isinstance(gateway, OutboxGateway) and fused is None and gateway.fused is None
+    http = embedded(tmp_path, gateway=GatewaySettings(kind="http", url="http://127.0.0.1:9"))
+    gateway, fused = build_gateway(http, backend)
+    assert isinstance(gateway, HttpGateway) and fused is None
+    await gateway.aclose()
+
+
+async def test_a_replica_fires_a_backlog_through_the_fast_path(tmp_path: Path, backend: Backend) -> None:
+    """The supervisor's slot: timers already due when the feed applies them are fired by the
+    fast path (no claim and no settle of the timer store), each once."""
+    due = int(time.time() * 1000) - 5_000
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, ["a", "b"], due_at=due) for i in range(40)])
+    settings = embedded(tmp_path)
+    gateway, fused = build_gateway(settings, backend)
+    sup = Supervisor(settings, backend, gateway, fused=fused)
+
+    def calls(operation: str) -> float:
+        return sample("wowd_store_call_seconds_count", store="timers", operation=operation)
+
+    before = {op: calls(op) for op in ("fire_into_outbox", "settle")}
+
+    async def delivered() -> bool:
+        return await backend.outbox.count() >= 80
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(sup.run)
+        await eventually(delivered, 15, "80 entries in the outbox")
+        sup.stop()
+    assert calls("fire_into_outbox") > before["fire_into_outbox"]
+    assert calls("settle") == before["settle"]
+    entries = await backend.outbox.entries()
+    assert len(entries) == 80 and len({e.request_id for e in entries}) == 80
+    assert await backend.timers.scan(limit=10) == []
+
+
+async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_to(tmp_path: Path) -> None:
+    """The watermark rule: a timer due after the feed's watermark (a cancel appended before its
+    due time may not be in the view yet) is not fired, however late it is by the clock."""
+    now = int(time.time() * 1000)
+    ts = timers(now, 10)  # due over [now - 1000, now - 991]
+    store = CountingTimers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, expect=10)
+    box = EmbeddedOutbox(tmp_path / "wowd.db")
+    try:
+        for t in ts:
+            assert await store.put(t)
+        lease = SlotLease(
+            namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
+            written_at=0,
+        )  # fmt: skip
+        held = HeldSlot(
+            lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
+        )
+        gateway = OutboxGateway(box, firing=store)
+        loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
+        waker = Waker()
+        parts = frozenset(range(PARTS))
+        assert await loop._fire_fused(held, parts, waker) == 0  # the feed has not reached the head
+        waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
+        assert await loop._fire_fused(held, parts, waker) == 5
+        assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
+        waker.advance(now)
+        assert await loop._fire_fused(held, parts, waker) == 5
+        assert await box.count() == 10
+    finally:
+        await store.close()
+        await box.close()
