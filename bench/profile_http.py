@@ -97,7 +97,7 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
 
         async def watch() -> None:
             while await anyio.to_thread.run_sync(target.count) < n:
-                await anyio.sleep(0.02)
+                await anyio.sleep(0.1)
             held.request_stop()
 
         if profiler is not None:
