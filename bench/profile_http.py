@@ -11,8 +11,8 @@ per command (claim, deliver, settle). ``--bare`` times (and profiles) the bare a
 
 By default the store's SQLite calls run inline on the event loop's thread (so that the profile
 sees their cost); ``--threads`` keeps the worker threads. ``--no-profile`` times the path without
-the profiler's overhead (CPU per command to compare a change with). The event loop is uvloop, as
-``wowd run`` has it.
+the profiler's overhead (CPU per command to compare a change with). The event loop is uvloop and
+the garbage collector tuned, as ``wowd run`` has them (``--default-gc``: Python's defaults).
 """
 
 from __future__ import annotations
@@ -25,14 +25,18 @@ import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from bench.common import BENCH_CONTEXT, cpu_seconds, create_timer_tables, insert_timer_rows, now_ms, timer_rows
 from bench.http_delivery import Target, _bare, target_server
 from bench.wowd_timers import PARTITIONS
+
+if TYPE_CHECKING:
+    from wowd.model import Timer
 
 __all__ = ["STEPS", "fire_once", "main"]
 
@@ -51,7 +55,7 @@ STEPS = (
 
 async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
-    from wowd.daemon.gateway import HttpGateway
+    from wowd.daemon.gateway import Delivered, HttpGateway, Outcome, Record, Stopped
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.timers import TimerLoop
     from wowd.daemon.waker import Waker
@@ -60,7 +64,24 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     store = EmbeddedTimerStore(db_path, context=BENCH_CONTEXT, partitions=PARTITIONS)
-    gateway = HttpGateway(
+    all_delivered = anyio.Event()
+    delivered = 0
+
+    class Counting(HttpGateway):
+        """Sets ``all_delivered`` once ``n`` commands were delivered."""
+
+        async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = lambda: False) -> None:
+            def counting(t: Timer, outcome: Outcome) -> None:
+                nonlocal delivered
+                record(t, outcome)
+                if isinstance(outcome, Delivered):
+                    delivered += 1
+                    if delivered >= n:
+                        all_delivered.set()
+
+            await super().deliver(timers, counting, stopped)
+
+    gateway = Counting(
         GatewaySettings(kind="http", url=target.url, per_target_concurrency=concurrency), concurrency=concurrency
     )
     settings = TimerSettings(concurrency=concurrency)
@@ -96,8 +117,7 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
         started = time.perf_counter()
 
         async def watch() -> None:
-            while await anyio.to_thread.run_sync(target.count) < n:
-                await anyio.sleep(0.1)
+            await all_delivered.wait()
             held.request_stop()
 
         if profiler is not None:
@@ -117,11 +137,19 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
 
 
 def fire_once(
-    n: int, concurrency: int, *, inline: bool = True, profile: bool = True, bare: bool = False
+    n: int, concurrency: int, *, inline: bool = True, profile: bool = True, bare: bool = False, tune_gc: bool = True
 ) -> dict[str, Any]:
     """Fires ``n`` timers due at once over HTTP in this process (or, with ``bare``, runs the bare
-    aiohttp loop); answers the timings (and, with ``profile``, the ``cProfile.Profile``)."""
+    aiohttp loop); answers the timings (and, with ``profile``, the ``cProfile.Profile``).
+    ``tune_gc``: the collector as ``wowd run`` sets it (for the bare loop too)."""
     import uvloop
+
+    if tune_gc:
+        import wowd.cli.run
+        import wowd.daemon.timers
+        import wowd.stores.embedded.timers  # noqa: F401  (start-up done before the collector is tuned)
+
+        wowd.cli.run.tune_gc()
 
     with tempfile.TemporaryDirectory() as tmp, target_server(Path(tmp)) as target:
         if bare:
@@ -137,7 +165,8 @@ def fire_once(
                         bare_profiler.disable()
 
             r = uvloop.run(bare_run())
-            return {"n": n, "wall_s": n / r["fired_per_s"], "cpu_s": r["cpu_s"], "profiler": bare_profiler, **_rates(n, r)}
+            wall = n / r["fired_per_s"]
+            return {"n": n, "wall_s": wall, "cpu_s": r["cpu_s"], "profiler": bare_profiler, **_rates(n, r)}
         db_path = Path(tmp) / "wowd.db"
         create_timer_tables(db_path)
         elapsed, cpu, profiler = uvloop.run(_fire(target, db_path, n, concurrency, inline=inline, profile=profile))
@@ -195,11 +224,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", action="store_true", help="keep the store's worker threads (profile: loop thread)")
     ap.add_argument("--no-profile", action="store_true", help="time the path without cProfile")
     ap.add_argument("--bare", action="store_true", help="the bare aiohttp loop instead")
+    ap.add_argument("--default-gc", action="store_true", help="Python's collector settings, not wowd run's")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
     result = fire_once(
-        args.n, args.concurrency, inline=not args.threads, profile=not args.no_profile, bare=args.bare
+        args.n,
+        args.concurrency,
+        inline=not args.threads,
+        profile=not args.no_profile,
+        bare=args.bare,
+        tune_gc=not args.default_gc,
     )
     text = report(result, args.top)
     sys.stdout.write(text + "\n")

@@ -21,7 +21,7 @@ from wowd.daemon.gateway import CommandGateway, HttpGateway, OutboxGateway
 from wowd.daemon.supervisor import Supervisor
 from wowd.stores.base import Backend
 
-__all__ = ["ESCALATE_AFTER_S", "register", "run"]
+__all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "register", "run", "tune_gc"]
 
 log = logging.getLogger("wowd")
 
@@ -51,7 +51,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     else:
         gateway = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s)
     sup = Supervisor(settings, backend, gateway, port_file=args.port_file)
-    _tune_gc()
+    tune_gc()
     forced = False
 
     async def signals(received: AsyncIterator[int], scope: anyio.CancelScope) -> None:
@@ -89,7 +89,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     return 1 if forced else 0
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """The collector of a long-running replica: what start-up made (modules, settings, stores) is
     left out of every later collection, and the youngest generation is collected every
     :data:`GC_GEN0_THRESHOLD` allocations."""
