@@ -539,14 +539,23 @@ class _Slots:
 
 
 class _Target:
-    """What the gateway keeps per target: its circuit and its slots."""
+    """What the gateway keeps per target: its circuit, its slots and its short-circuit counter."""
 
-    __slots__ = ("breaker", "name", "slots")
+    __slots__ = ("_short_circuited", "breaker", "name", "slots")
 
     def __init__(self, name: str, breaker: CircuitBreaker, slots: int) -> None:
         self.name = name
         self.breaker = breaker
         self.slots = _Slots(slots)
+        self._short_circuited: Any = None
+
+    def short_circuit(self, after_s: float) -> Outcome:
+        """Counts a send answered without a request (the series appears at the first)."""
+        counter = self._short_circuited
+        if counter is None:
+            counter = self._short_circuited = metrics.GATEWAY_SHORT_CIRCUITED.labels(target=self.name)
+        counter.inc()
+        return Retry(reason=f"circuit open for {self.name}", after_s=after_s)
 
 
 class HttpGateway:
@@ -625,10 +634,6 @@ class HttpGateway:
         """The circuit of ``target`` (created closed)."""
         return self._target(target).breaker
 
-    def _short_circuit(self, target: str, after_s: float) -> Outcome:
-        metrics.GATEWAY_SHORT_CIRCUITED.labels(target=target).inc()
-        return Retry(reason=f"circuit open for {target}", after_s=after_s)
-
     async def send(self, timer: Timer) -> Outcome:
         return await self._send(timer, self._target(target_of(timer)))
 
@@ -638,7 +643,7 @@ class HttpGateway:
         breaker = target.breaker
         refusing = breaker.refusing()
         if refusing is not None:
-            outcome = self._short_circuit(target.name, refusing)
+            outcome = target.short_circuit(refusing)
             self._outcomes.outcome(target.name, outcome, request_id)
             return outcome
         try:
@@ -660,7 +665,7 @@ class HttpGateway:
         try:
             admission = breaker.admit()  # the circuit may have opened while this send waited
             if admission is Admission.REFUSE:
-                outcome = self._short_circuit(target.name, breaker.refusing() or 0.0)
+                outcome = target.short_circuit(breaker.refusing() or 0.0)
             else:
                 trial = admission is Admission.TRIAL
                 in_flight = self._in_flight
