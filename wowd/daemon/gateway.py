@@ -42,7 +42,7 @@ import yarl
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
+from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
 from wowd.stores.base import Outbox
 
 __all__ = [
@@ -62,6 +62,7 @@ __all__ = [
     "deliver_concurrently",
     "delivery_log",
     "outcome_for_status",
+    "request_parts",
     "target_of",
 ]
 
@@ -102,9 +103,9 @@ class Fail:
 
 
 Outcome: TypeAlias = Delivered | Retry | Park | Fail
+Stopped: TypeAlias = Callable[[], bool]
 
 _DELIVERED = Delivered()
-Stopped: TypeAlias = Callable[[], bool]
 
 
 def _running() -> bool:
@@ -232,9 +233,11 @@ def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
     """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
     part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
     the timer's, when already read."""
-    t = timer.target
-    name = (command or timer.command).name
-    return _url_prefix(base, t.tenant_id, t.aggregate) + _segment(t.id) + "/" + _segment(name)
+    return _command_url(base, timer.target, (command or timer.command).name)
+
+
+def _command_url(base: str, target: AggregateRef, name: str) -> str:
+    return _url_prefix(base, target.tenant_id, target.aggregate) + _segment(target.id) + "/" + _segment(name)
 
 
 _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch
@@ -648,10 +651,7 @@ class HttpGateway:
             return outcome
         try:
             name, body, body_type = request_parts(timer.body)
-            t = timer.target
-            url = yarl.URL(
-                _url_prefix(self._base, t.tenant_id, t.aggregate) + _segment(t.id) + "/" + _segment(name), encoded=True
-            )
+            url = yarl.URL(_command_url(self._base, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
             outcome = Fail(reason=f"unreadable command: {exc}")
             self._outcomes.outcome(target.name, outcome, request_id)
@@ -749,10 +749,10 @@ class HttpGateway:
 
     async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = _running) -> None:
         """Per target, up to ``per_target_concurrency`` workers (a slow target's timers do not
-        hold up the other targets'), each holding one of the target's slots while it sends one
-        timer after the other (a batch delivered while another is does not add requests to the
-        target's, it waits for their slots); at most ``concurrency`` requests in flight in all;
-        none starts once ``stopped()``."""
+        hold up the other targets'), each holding one of the target's slots while it sends its
+        timers one after the other (a batch delivered at the same time as another waits for those
+        slots instead of adding requests); at most ``concurrency`` requests in flight in all; none
+        starts once ``stopped()``."""
         if not timers:
             return
         groups: dict[str, list[Timer]] = {}
