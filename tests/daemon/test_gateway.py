@@ -4,6 +4,7 @@ HTTP server (aiohttp.web) over sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
@@ -13,10 +14,13 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import pytest
 from aiohttp import web
+from hypothesis import example, given
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
@@ -31,9 +35,11 @@ from wowd.daemon.gateway import (
     Outcome,
     Park,
     Retry,
+    _Slots,
     command_url,
     outbox_entry,
     outcome_for_status,
+    request_parts,
     target_of,
 )
 from wowd.errors import StorageUnavailable
@@ -98,6 +104,28 @@ def test_command_url_follows_wow_rest_shape() -> None:
         command_url("http://h", make_timer(tenant="t 1", agg_id="a/b"))
         == "http://h/tenant/t%201/order/a%2Fb/expire-order"
     )
+
+
+@given(agg_id=st.text(max_size=12), name=st.text(min_size=1, max_size=12))
+@example(agg_id="a-b_c.d~e", name="remind")
+@example(agg_id="", name="ä")
+def test_command_url_encodes_each_segment_like_quote(agg_id: str, name: str) -> None:
+    url = command_url("http://h/api", make_timer(agg_id=agg_id, name=name))
+    assert url == f"http://h/api/order/{quote(agg_id, safe='')}/{quote(name, safe='')}"
+
+
+def test_request_parts_keep_the_body_as_json_says_it() -> None:
+    big = 2**70 + 1
+    doc = {"amount": big, "who": "Zoë", "f": 1.5, "l": [1, None]}
+    name, body, body_type = request_parts(Command(name="pay", body=doc, body_type="x.Pay").to_json())
+    assert (name, body_type) == ("pay", "x.Pay")
+    assert json.loads(body) == doc
+    # what the standard encoder writes for what is not JSON (NaN) goes as it was
+    assert request_parts('{"name":"n","body":{"x":NaN}}')[1] == b'{"x":NaN}'
+    assert request_parts('{"name":"n"}') == ("n", b"{}", None)
+    for bad in ("{", '{"body":{}}', "[1]", '{"name":"n","body":3}'):
+        with pytest.raises((ValueError, KeyError, TypeError)):
+            request_parts(bad)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -168,6 +196,34 @@ async def test_http_gateway_posts_the_command_with_request_id_type_and_bearer() 
     assert headers["authorization"] == "Bearer s3cr3t-token"
     assert headers["content-type"] == "application/json"
     assert json.loads(body) == {"reason": "late"}
+
+
+async def test_http_gateway_asks_for_no_compression_and_keeps_no_cookies() -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.Response(status=200)
+        resp.set_cookie("session", "abc")
+        return resp
+
+    async with serving(handler) as (srv, url):
+        gw = gateway(url)
+        try:
+            for i in range(2):
+                assert isinstance(await gw.send(make_timer(agg_id=f"a{i}")), Delivered)
+        finally:
+            await gw.aclose()
+    for _method, _path, headers, _body in srv.seen:
+        assert headers["accept-encoding"] == "identity" and "cookie" not in headers
+
+
+async def test_http_gateway_unreadable_command_fails_without_a_request() -> None:
+    async with serving(status(200)) as (srv, url):
+        gw = gateway(url)
+        try:
+            out = await gw.send(replace(make_timer(), body='{"body": {}}'))
+        finally:
+            await gw.aclose()
+    assert isinstance(out, Fail) and out.reason.startswith("unreadable command")
+    assert srv.seen == []
 
 
 async def test_http_gateway_api_key_header() -> None:
@@ -358,6 +414,103 @@ async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> Non
             await gw.aclose()
     assert len(got) == 11 and all(isinstance(o, Delivered) for o in got.values())
     assert most["order"] == 3
+
+
+async def test_per_target_limit_holds_across_batches_delivered_at_once() -> None:
+    """Two batches for one target delivered at once (two rounds in flight) and a single send:
+    the target never has more than its limit in flight."""
+    in_flight = 0
+    most = 0
+    two_waiting = anyio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            if in_flight == 2:
+                two_waiting.set()
+            await srv.gate.wait()
+            return web.Response(status=200)
+        finally:
+            in_flight -= 1
+
+    first = [make_timer(agg_id=f"a{i}") for i in range(5)]
+    second = [make_timer(agg_id=f"b{i}") for i in range(5)]
+    got: list[Outcome] = []
+    async with serving(handler) as (srv, url):
+        gw = gateway(url, concurrency=8, per_target_concurrency=2)
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(gw.deliver, first, lambda t, o: got.append(o))
+                    tg.start_soon(gw.deliver, second, lambda t, o: got.append(o))
+                    await two_waiting.wait()
+
+                    async def single() -> None:
+                        got.append(await gw.send(make_timer(agg_id="c")))
+
+                    tg.start_soon(single)
+                    await anyio.wait_all_tasks_blocked()
+                    assert in_flight == 2
+                    srv.gate.set()
+        finally:
+            await gw.aclose()
+    assert len(got) == 11 and all(isinstance(o, Delivered) for o in got)
+    assert most == 2
+
+
+async def test_a_batch_cancelled_while_waiting_for_slots_leaves_them_free() -> None:
+    release = anyio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if "held" in request.path:
+            await release.wait()
+        return web.Response(status=200)
+
+    got: list[Outcome] = []
+    async with serving(handler) as (_srv, url):
+        gw = gateway(url, concurrency=8, per_target_concurrency=2)
+        try:
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(gw.deliver, [make_timer(agg_id=f"held{i}") for i in range(2)], lambda t, o: None)
+                    await anyio.wait_all_tasks_blocked()
+                    async with anyio.create_task_group() as waiting:
+                        more = [make_timer(agg_id=f"x{i}") for i in range(3)]
+                        waiting.start_soon(gw.deliver, more, lambda t, o: None)
+                        await anyio.wait_all_tasks_blocked()
+                        waiting.cancel_scope.cancel()  # waiting for the held slots: cancelled
+                    release.set()
+                await gw.deliver([make_timer(agg_id=f"y{i}") for i in range(4)], lambda t, o: got.append(o))
+        finally:
+            await gw.aclose()
+    assert len(got) == 4 and all(isinstance(o, Delivered) for o in got)
+
+
+async def test_slots_pass_on_a_slot_handed_to_a_cancelled_waiter() -> None:
+    """A waiter handed the slot, then cancelled before it resumed (an asyncio task cancelled
+    outright): the slot goes on to the next waiter, none is lost."""
+    slots = _Slots(1)
+    assert slots.take() and not slots.take()
+    order: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await slots.wait()
+        order.append(name)
+        slots.give()
+
+    first = asyncio.ensure_future(waiter("first"))
+    second = asyncio.ensure_future(waiter("second"))
+    await anyio.wait_all_tasks_blocked()
+    slots.give()  # handed to "first", which is cancelled before it resumes
+    first.cancel()
+    with anyio.fail_after(5):
+        await second
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert order == ["second"]
+    assert slots.take() and not slots.take()
 
 
 # --------------------------------------------------------------------------- circuit breaker

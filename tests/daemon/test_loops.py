@@ -218,7 +218,8 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
         assert await t.put(x)
     gw = ScriptedGateway()
     held = await hold(backend)
-    fired_before = metrics.TIMERS_FIRED.labels(aggregate="order")._value.get()
+    counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
+    before = [c.labels(aggregate="order")._value.get() for c in counters]
     loop = TimerLoop(TimerSettings(max_attempts=10), t, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
@@ -246,7 +247,8 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     assert p is not None and p.status == TimerStatus.PARKED
     f = await get("fail-1")
     assert f is not None and f.status == TimerStatus.FAILED and f.last_error == "HTTP 400"
-    assert metrics.TIMERS_FIRED.labels(aggregate="order")._value.get() == fired_before + 2
+    counted = [c.labels(aggregate="order")._value.get() - n for c, n in zip(counters, before, strict=True)]
+    assert counted == [2, 1, 1, 2]  # fired, retried, parked, failed (the spent budget and the 400)
 
 
 async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(backend: Backend) -> None:

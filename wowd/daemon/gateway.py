@@ -26,22 +26,25 @@ import enum
 import functools
 import json
 import logging
+import re
 import ssl
 import time
 import urllib.request
-from collections.abc import Callable, Collection, Sequence
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeAlias
 from urllib.parse import quote, urlsplit
 
 import aiohttp
 import anyio
+import orjson
 import yarl
 
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import DEFAULT_TENANT, Command, OutboxEntry, Timer
+from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
 from wowd.stores.base import FiredTimer, Outbox, OutboxFiring
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
     "deliver_concurrently",
     "delivery_log",
     "outcome_for_status",
+    "request_parts",
     "target_of",
 ]
 
@@ -103,6 +107,8 @@ class Fail:
 
 Outcome: TypeAlias = Delivered | Retry | Park | Fail
 Stopped: TypeAlias = Callable[[], bool]
+
+_DELIVERED = Delivered()
 
 
 def _running() -> bool:
@@ -305,16 +311,59 @@ def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
     """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
     part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
     the timer's, when already read."""
-    t = timer.target
-    name = (command or timer.command).name
-    return _url_prefix(base, t.tenant_id, t.aggregate) + quote(t.id, safe="") + "/" + quote(name, safe="")
+    return _command_url(base, timer.target, (command or timer.command).name)
+
+
+def _command_url(base: str, target: AggregateRef, name: str) -> str:
+    return _url_prefix(base, target.tenant_id, target.aggregate) + _segment(target.id) + "/" + _segment(name)
+
+
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch
+"""A path segment ``quote(..., safe="")`` leaves as it is."""
+
+
+def _segment(part: str) -> str:
+    """``part`` percent-encoded as one path segment."""
+    return part if _UNRESERVED(part) else quote(part, safe="")
 
 
 @functools.lru_cache(maxsize=1024)
 def _url_prefix(base: str, tenant_id: str, aggregate: str) -> str:
     parts = ["tenant", tenant_id] if tenant_id != DEFAULT_TENANT else []
     parts.append(aggregate)
-    return base.rstrip("/") + "/" + "".join(quote(p, safe="") + "/" for p in parts)
+    return base.rstrip("/") + "/" + "".join(_segment(p) + "/" for p in parts)
+
+
+class _NotJson(ValueError):
+    """NaN or an infinity in a command body (the standard encoder writes them as they were)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJson(name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def request_parts(text: str) -> tuple[str, bytes, str | None]:
+    """A timer's command JSON text (``{name, body_type?, body}``) as the request's name, body
+    (compact JSON bytes) and ``Command-Type``; raises ``ValueError``, ``KeyError`` or
+    ``TypeError`` for an unreadable one. Numbers keep their precision (integers of any size)."""
+    try:
+        doc = _DECODER.decode(text)
+    except _NotJson:
+        command = Command.from_json(text)
+        body_text = json.dumps(dict(command.body), separators=(",", ":"))
+        return command.name, body_text.encode(), command.body_type
+    name = doc["name"]
+    body = doc.get("body", {})
+    if type(body) is not dict:
+        body = dict(body)
+    try:
+        payload = orjson.dumps(body)
+    except TypeError:  # an integer beyond 64 bits, a lone surrogate: the standard encoder
+        payload = json.dumps(body, separators=(",", ":")).encode()
+    return name, payload, doc.get("body_type")
 
 
 def _retry_after(value: str | None) -> float:
@@ -329,9 +378,9 @@ def _retry_after(value: str | None) -> float:
 def outcome_for_status(status: int, retry_after: str | None = None, detail: str = "") -> Outcome:
     """2xx delivered; 404 park; 408, 409, 425, 429 and 5xx retry (``Retry-After`` in seconds is
     the hint); any other status (3xx, the other 4xx) fails."""
-    reason = f"HTTP {status}" + (f": {detail}" if detail else "")
     if 200 <= status < 300:
-        return Delivered()
+        return _DELIVERED
+    reason = f"HTTP {status}" + (f": {detail}" if detail else "")
     if status == 404:
         return Park(reason=reason)
     if status in (408, 409, 425, 429) or status >= 500:
@@ -528,6 +577,68 @@ def _transport_reason(exc: BaseException) -> str:
     return f"transport error: {name}"
 
 
+class _Slots:
+    """A counting limit for one event loop: :meth:`take` answers at once whether a slot was free
+    (no coroutine, no task switch), :meth:`wait` queues in order; :meth:`give` hands a slot to the
+    first waiter. A waiter cancelled after it was handed a slot passes it on."""
+
+    __slots__ = ("_free", "_waiters")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def take(self) -> bool:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Until a slot is this caller's (:meth:`take` answered False)."""
+        if self.take():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.give()  # handed a slot, then cancelled before it resumed
+            else:
+                fut.cancel()  # left in the queue: give() skips it
+            raise
+
+    def give(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+
+class _Target:
+    """What the gateway keeps per target: its circuit, its slots and its short-circuit counter."""
+
+    __slots__ = ("_short_circuited", "breaker", "name", "slots")
+
+    def __init__(self, name: str, breaker: CircuitBreaker, slots: int) -> None:
+        self.name = name
+        self.breaker = breaker
+        self.slots = _Slots(slots)
+        self._short_circuited: Any = None
+
+    def short_circuit(self, after_s: float) -> Outcome:
+        """Counts a send answered without a request (the series appears at the first)."""
+        counter = self._short_circuited
+        if counter is None:
+            counter = self._short_circuited = metrics.GATEWAY_SHORT_CIRCUITED.labels(target=self.name)
+        counter.inc()
+        return Retry(reason=f"circuit open for {self.name}", after_s=after_s)
+
+
 class HttpGateway:
     """POSTs each command to its target's endpoint, ``Command-Request-Id: timer.request_id``.
 
@@ -538,7 +649,8 @@ class HttpGateway:
     read (an answer left unread closes its connection). One connection pool, keep-alive, at most
     ``concurrency`` connections and requests in flight, at most ``per_target_concurrency`` per
     target; a :class:`CircuitBreaker` per target. The session is opened on the first send (in the
-    running loop) and closed by :meth:`aclose` unless it was given.
+    running loop) and closed by :meth:`aclose` unless it was given. Its requests ask for no
+    compression (``Accept-Encoding: identity``) and it keeps no cookies.
     """
 
     def __init__(
@@ -558,7 +670,7 @@ class HttpGateway:
         self._concurrency = concurrency
         self._per_target = settings.per_target_concurrency
         self._secret = settings.token.get_secret_value() if settings.token is not None else ""
-        headers = {"content-type": "application/json", "accept": "application/json"}
+        headers = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
         if self._secret:
             if settings.api_key_header:
                 headers[settings.api_key_header] = self._secret
@@ -567,78 +679,91 @@ class HttpGateway:
         self._headers = headers
         self._owns = session is None
         self._session = session
+        # an owned session sends the constant headers itself; a given one has them per request
+        self._request_headers: dict[str, str] = {} if self._owns else headers
         self._proxy = _env_proxy(settings.url)
         self._outcomes = outcomes or delivery_log
         self._clock = clock
-        self._in_flight = asyncio.Semaphore(concurrency)
-        self._target_slots: dict[str, asyncio.Semaphore] = {}
-        self._breakers: dict[str, CircuitBreaker] = {}
+        self._in_flight = _Slots(concurrency)
+        self._targets: dict[str, _Target] = {}
 
     def _open_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=_ssl_context(self._settings))
         self._session = aiohttp.ClientSession(
             connector=connector,
+            headers=self._headers,
             timeout=aiohttp.ClientTimeout(total=self._timeout),
             cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,
-            skip_auto_headers=("accept-encoding",),
             trust_env=False,
         )
         return self._session
 
-    def breaker(self, target: str) -> CircuitBreaker:
-        """The circuit of ``target`` (created closed)."""
-        b = self._breakers.get(target)
-        if b is None:
-            b = self._breakers[target] = CircuitBreaker(
-                target,
+    def _target(self, name: str) -> _Target:
+        t = self._targets.get(name)
+        if t is None:
+            breaker = CircuitBreaker(
+                name,
                 failures=self._settings.breaker_failures,
                 open_s=self._settings.breaker_open_s,
                 clock=self._clock,
             )
-        return b
+            t = self._targets[name] = _Target(name, breaker, self._per_target)
+        return t
 
-    def _short_circuit(self, target: str, after_s: float) -> Outcome:
-        metrics.GATEWAY_SHORT_CIRCUITED.labels(target=target).inc()
-        return Retry(reason=f"circuit open for {target}", after_s=after_s)
+    def breaker(self, target: str) -> CircuitBreaker:
+        """The circuit of ``target`` (created closed)."""
+        return self._target(target).breaker
 
     async def send(self, timer: Timer) -> Outcome:
-        target = target_of(timer)
-        breaker = self.breaker(target)
+        return await self._send(timer, self._target(target_of(timer)))
+
+    async def _send(self, timer: Timer, target: _Target, *, holding: bool = False) -> Outcome:
+        """``holding``: the caller holds one of the target's slots for this send."""
+        request_id = timer.request_id
+        breaker = target.breaker
         refusing = breaker.refusing()
         if refusing is not None:
-            outcome = self._short_circuit(target, refusing)
-            self._outcomes.outcome(target, outcome, timer.request_id)
+            outcome = target.short_circuit(refusing)
+            self._outcomes.outcome(target.name, outcome, request_id)
             return outcome
         try:
-            command = timer.command
-            url = yarl.URL(command_url(self._base, timer, command), encoded=True)
-            body = json.dumps(dict(command.body), separators=(",", ":")).encode()
+            name, body, body_type = request_parts(timer.body)
+            url = yarl.URL(_command_url(self._base, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
             outcome = Fail(reason=f"unreadable command: {exc}")
-            self._outcomes.outcome(target, outcome, timer.request_id)
+            self._outcomes.outcome(target.name, outcome, request_id)
             return outcome
-        headers = {"command-request-id": timer.request_id}
-        if command.body_type:
-            headers["command-type"] = command.body_type
-        slots = self._target_slots.get(target)
-        if slots is None:
-            slots = self._target_slots[target] = asyncio.Semaphore(self._per_target)
-        async with slots:
+        headers = {**self._request_headers, "command-request-id": request_id}
+        if body_type:
+            headers["command-type"] = body_type
+        slots = target.slots
+        if not holding and not slots.take():
+            await slots.wait()
+        try:
             admission = breaker.admit()  # the circuit may have opened while this send waited
             if admission is Admission.REFUSE:
-                outcome = self._short_circuit(target, breaker.refusing() or 0.0)
+                outcome = target.short_circuit(breaker.refusing() or 0.0)
             else:
                 trial = admission is Admission.TRIAL
+                in_flight = self._in_flight
                 try:
-                    async with self._in_flight:
+                    if not in_flight.take():
+                        await in_flight.wait()
+                    try:
                         outcome, failed = await self._post(url, body, headers)
+                    finally:
+                        in_flight.give()
                 except BaseException:
                     if trial:
                         breaker.abandon_trial()
                     raise
                 breaker.record(not failed, trial=trial)
-        self._outcomes.outcome(target, outcome, timer.request_id)
+        finally:
+            if not holding:
+                slots.give()
+        if outcome is not _DELIVERED:
+            self._outcomes.outcome(target.name, outcome, request_id)
         return outcome
 
     async def probe(self) -> int:
@@ -660,13 +785,11 @@ class HttpGateway:
         """One exchange: the outcome and whether it counts against the target's circuit."""
         session = self._session or self._open_session()
         try:
-            async with session.post(
-                url, data=body, headers={**self._headers, **headers}, allow_redirects=False, proxy=self._proxy
-            ) as resp:
+            async with session.post(url, data=body, headers=headers, allow_redirects=False, proxy=self._proxy) as resp:
                 status = resp.status
-                detail = ""
-                if not 200 <= status < 300:
-                    detail = await self._read_detail(resp)
+                if 200 <= status < 300:
+                    return _DELIVERED, False
+                detail = await self._read_detail(resp)
                 outcome = outcome_for_status(status, resp.headers.get("retry-after"), detail)
                 return outcome, _is_target_failure(status)
         except TimeoutError:
@@ -704,25 +827,35 @@ class HttpGateway:
 
     async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = _running) -> None:
         """Per target, up to ``per_target_concurrency`` workers (a slow target's timers do not
-        hold up the other targets'); at most ``concurrency`` requests in flight in all; none
+        hold up the other targets'), each holding one of the target's slots while it sends its
+        timers one after the other (a batch delivered at the same time as another waits for those
+        slots instead of adding requests); at most ``concurrency`` requests in flight in all; none
         starts once ``stopped()``."""
         if not timers:
             return
         groups: dict[str, list[Timer]] = {}
         for t in timers:
             groups.setdefault(target_of(t), []).append(t)
+        send = self._send
 
-        async def worker(group: Any) -> None:
-            for t in group:
-                if stopped():
-                    return
-                record(t, await self.send(t))
+        async def worker(target: _Target, group: Iterator[Timer]) -> None:
+            slots = target.slots
+            if not slots.take():
+                await slots.wait()
+            try:
+                for t in group:
+                    if stopped():
+                        return
+                    record(t, await send(t, target, holding=True))
+            finally:
+                slots.give()
 
         async with anyio.create_task_group() as tg:
-            for group in groups.values():
+            for name, group in groups.items():
+                target = self._target(name)
                 it = iter(group)
                 for _ in range(min(len(group), self._per_target, self._concurrency)):
-                    tg.start_soon(worker, it)
+                    tg.start_soon(worker, target, it)
 
     async def aclose(self) -> None:
         if self._owns and self._session is not None:

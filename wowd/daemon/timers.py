@@ -143,6 +143,8 @@ def outcome_changes(
 
 
 _DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
+_COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fail": metrics.TIMERS_FAILED}
+"""The settle changes counted by kind (besides the fired ones)."""
 
 
 class TimerLoop:
@@ -492,14 +494,12 @@ class TimerLoop:
                 metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
         for agg, n in fired.items():
             metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
+        counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
         for c in changes:
-            agg = c.timer.owner.aggregate
-            if c.kind == "retry":
-                metrics.TIMERS_RETRIED.labels(aggregate=agg).inc()
-            elif c.kind == "park":
-                metrics.TIMERS_PARKED.labels(aggregate=agg).inc()
-            elif c.kind == "fail":
-                metrics.TIMERS_FAILED.labels(aggregate=agg).inc()
-                if c.error is not None and c.error.startswith(BUDGET_SPENT):
-                    # the gateway logged a Retry; that it is given up is the loop's decision
-                    delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
+            if c.kind in _COUNTED:
+                counted[c.kind, c.timer.owner.aggregate] += 1
+            if c.kind == "fail" and c.error is not None and c.error.startswith(BUDGET_SPENT):
+                # the gateway logged a Retry; that it is given up is the loop's decision
+                delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
+        for (kind, agg), n in counted.items():
+            _COUNTED[kind].labels(aggregate=agg).inc(n)
