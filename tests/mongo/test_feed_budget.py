@@ -6,7 +6,8 @@ Elasticsearch sink on the fake Elasticsearch 9 (``tests/elasticsearch/fake_es.py
 stream delivers one batch of ``N`` commits of three aggregate types, each commit with a timer
 event, a reducer configured for one type, parked timers targeting two of the committed
 aggregates. Every command of the batch is counted by kind, from the change stream's answer to
-the checkpoint write.
+the checkpoint write (the stream's ``getMore`` of the next batch, sent meanwhile, is the next
+batch's read).
 
 The budget of a batch (of up to the feed's 500 commits), whatever ``N``: one sink ``_bulk`` per
 aggregate type, one timer bulk per timer collection touched, one snapshot ``find`` and one
@@ -158,6 +159,8 @@ class Deployment:
     """The ``timer_id`` of each timer the batch resumed."""
     in_batch: bool = False
     clock: int = 2_000
+    next_reads: list[Request] = field(default_factory=list)
+    """The change stream's ``getMore`` of the batch after this one (not this batch's)."""
 
     def reply(self, req: Request, **fields: Any) -> None:
         self.clock += 1
@@ -196,6 +199,12 @@ class Deployment:
             self.cursor(req, f"{DB}.{CHECKPOINTS}", docs)
         elif name == "aggregate" and coll == 1:
             kind = self.change_stream(req)
+        elif name == "getMore" and req.doc.get("collection") == "$cmd.aggregate":
+            # the next batch's read, sent while this one is applied (the feed reads ahead): a
+            # primary with no newer event holds it up to its maxTimeMS; left unanswered here
+            assert req.doc["getMore"] == STREAM_ID and req.doc["batchSize"] == BATCH
+            self.next_reads.append(req)
+            return "next read"
         elif name == "find" and str(coll).startswith(f"wow_snapshot__{CONTEXT}__"):
             kind = "snapshot find"
             self.cursor(req, f"{DB}.{coll}", [])  # no aggregate of the batch has a snapshot yet

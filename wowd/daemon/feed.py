@@ -11,15 +11,17 @@ slot: the slot's work stops (:class:`LeaseLost`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
 
 from wowd import metrics
 from wowd.backoff import Backoff
@@ -81,6 +83,11 @@ STALL_LOG_EVERY_S = 60.0
 """A stalled slot's ERROR line comes at most this often."""
 STALL_AFTER_UNAVAILABLE_S = 60.0
 """A store unavailable this long stalls the slot (its feed does nothing meanwhile)."""
+READ_AHEAD = 4
+"""Batches the feed reads ahead of the one it applies."""
+
+_Read = tuple[LogBatch, int, Exception | None]
+"""A batch read ahead, its number (:meth:`Waker.reading`), or the read's failure."""
 
 
 class _StepFailed(Exception):
@@ -202,15 +209,33 @@ class Feeder:
                 with anyio.CancelScope() as scope:
                     self._read_scope = scope
                     reader = self._backend.log.read(positions, batch_size=self._batch_size, follow=True)
-                    async with aclosing(reader) as batches:  # type: ignore[type-var]
-                        async for batch in batches:
-                            self._processing = True
-                            await self._process(held, batch, waker, logx)
-                            self._processing = False
-                            positions.update(batch.positions)
-                            attempt = 0
-                            if self._stopping:
-                                break
+                    send, receive = anyio.create_memory_object_stream[_Read](READ_AHEAD)
+                    registered = [0]
+                    failed: Exception | None = None
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            tg.start_soon(self._read_ahead, reader, waker, send, registered)
+                            async with receive:
+                                try:
+                                    async for batch, number, error in receive:
+                                        if error is not None:
+                                            failed = error
+                                            break
+                                        self._processing = True
+                                        await self._process(held, batch, number, waker, logx)
+                                        self._processing = False
+                                        positions.update(batch.positions)
+                                        attempt = 0
+                                        if self._stopping:
+                                            break
+                                except Exception as exc:  # raised below, outside the task group
+                                    failed = exc
+                                tg.cancel_scope.cancel()  # the reader, before its stream closes
+                    finally:
+                        # batches read ahead and not applied are read again (registered anew)
+                        waker.applied(registered[0], None)
+                    if failed is not None:
+                        raise failed
                 self._read_scope = None
             except StorageUnavailable as exc:
                 self._processing = False
@@ -228,6 +253,29 @@ class Feeder:
                 await self._pause(held, attempt, STALL_BACKOFF)
                 attempt += 1
         logx.info("feed stopped at a batch boundary")
+
+    @staticmethod
+    async def _read_ahead(
+        reader: AsyncIterator[LogBatch],
+        waker: Waker,
+        send: MemoryObjectSendStream[_Read],
+        registered: list[int],
+    ) -> None:
+        """Reads the log while the batches before are applied (at most :data:`READ_AHEAD`
+        ahead), telling the waker of each batch as soon as it is read: the timer loop may then
+        deliver what it claimed once the feed has read past its due time, except timers of the
+        aggregates a batch not applied yet commits to. A read failure is handed on in order."""
+        async with send, aclosing(reader) as batches:  # type: ignore[type-var]
+            try:
+                async for batch in batches:
+                    owners = {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None}
+                    registered[0] = waker.reading(batch.watermark, owners)
+                    await send.send((batch, registered[0], None))
+            except (StorageError, InvalidInput) as exc:
+                with contextlib.suppress(anyio.BrokenResourceError):
+                    await send.send((LogBatch(entries=(), positions={}), 0, exc))
+            except anyio.BrokenResourceError:  # the feed stopped reading
+                return
 
     async def _pause(self, held: HeldSlot, attempt: int, backoff: Backoff = RETRY_BACKOFF) -> None:
         with anyio.move_on_after(backoff(attempt)):
@@ -269,16 +317,18 @@ class Feeder:
         metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
 
     async def _process(
-        self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
+        self,
+        held: HeldSlot,
+        batch: LogBatch,
+        read: int,
+        waker: Waker,
+        logx: logging.LoggerAdapter[logging.Logger],
     ) -> None:
+        """Applies batch number ``read`` (as the waker numbered it when it was read)."""
         if not batch.entries:  # caught up: the watermark moved on
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
-            if batch.watermark is not None:
-                waker.advance(batch.watermark)
+            waker.applied(read, batch.watermark)
             return
-        # the timer loop may deliver what it claimed once the feed has read past its due time,
-        # except timers of the aggregates this batch (not applied yet) commits to
-        read = waker.reading(batch.watermark, {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None})
         prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes, self._settings.partitions)
         attempt = 0
         try:

@@ -87,7 +87,9 @@ class Waker:
         ``read_mark`` when the read reached the log's head. Answers the batch's number, for
         :meth:`applied`."""
         self._batches += 1
-        self._recent.append((self._batches, frozenset(owners)))
+        committed = frozenset(owners)
+        if committed:
+            self._recent.append((self._batches, committed))
         if read_mark is not None:
             self._read_to(read_mark)
         return self._batches

@@ -335,11 +335,14 @@ class SqliteStore:
             await self._db.run(self._db.transaction(create))
             self._schema_ready = True
 
-    async def _run(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+    async def _run(
+        self, operation: str, fn: Callable[[sqlite3.Connection], T], *, db: SqliteDatabase | None = None
+    ) -> T:
+        """``fn`` on this store's connection (or on ``db``, another connection of the store)."""
         started = time.perf_counter()
         try:
             await self._ensure_ready()
-            return await self._db.run(fn)
+            return await (db or self._db).run(fn)
         except StorageUnavailable:
             STORE_UNAVAILABLE.labels(self.STORE, operation).inc()
             raise

@@ -386,8 +386,17 @@ class EmbeddedLog(SqliteStore):
         super().__init__(db_or_path)
         self._notifier = _notifier_for(self._db.path)
         self._prepared = False
+        # the tail is read on a connection of its own: a read of the log's head never queues
+        # behind this store's writes (checkpoints wait for the file's write lock)
+        memory = self._db.path == ":memory:"
+        self._tail_db = self._db if memory else SqliteDatabase(self._db.path)
 
     # ------------------------------------------------------------------ plumbing
+
+    async def close(self) -> None:
+        if self._tail_db is not self._db:
+            await anyio.to_thread.run_sync(self._tail_db.close)
+        await super().close()
 
     async def _ensure_ready(self) -> None:
         if not self._prepared:
@@ -534,7 +543,9 @@ class EmbeddedLog(SqliteStore):
                     event = self._notifier.subscribe()
                 # taken before the query starts its read: a commit appended before it is read
                 began = int(time.time() * 1000)
-                rows = await self._run("read", _reader(self.context, groups, after, cursor, batch_size))
+                rows = await self._run(
+                    "read", _reader(self.context, groups, after, cursor, batch_size), db=self._tail_db
+                )
                 read = len(rows)
                 rows = _within_bytes(rows, BATCH_BYTES)
                 if rows:
