@@ -45,7 +45,8 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
+from contextlib import closing
 from functools import lru_cache
 from itertools import islice
 from pathlib import Path
@@ -921,7 +922,7 @@ class EmbeddedTimerStore(SqliteStore):
             return []
         await self.prepare()
         skip = frozenset(exclude)
-        read = self._due_reader(partitions, until, limit + len(skip), rowid=True)
+        read = self._due_rows(partitions, until, limit + len(skip))
         claim = Claim(owner_key=owner_key, fence=fence, until=claim_until)
         claim_sql = self._claim_sql
         fail_sql = fail_rowid_sql(self.context)
@@ -929,23 +930,26 @@ class EmbeddedTimerStore(SqliteStore):
         failed: list[tuple[Sequence[Any], str]] = []
 
         def work(conn: sqlite3.Connection) -> list[Timer]:
-            rows = read(conn)
             out: list[Timer] = []
             params: list[tuple[Any, ...]] = []
-            for r in rows:
-                if r[0] in skip:
-                    continue
-                if len(out) >= limit:
-                    break
-                try:
-                    t = claimed_from_row(ctx, r, claim)
-                except Exception as exc:  # a row this version cannot decode: FAILED, not a crash
-                    reason = f"undecodable timer: {type(exc).__name__}: {exc}"
-                    conn.execute(fail_sql, (reason, r[-1], r[22]))
-                    failed.append((r, reason))
-                    continue
-                out.append(t)
-                params.append((claim_until, owner_key, fence, r[-1], r[22]))
+            undecodable: list[tuple[str, Any, Any]] = []
+            with closing(read(conn)) as rows:
+                for r in rows:
+                    if r[0] in skip:
+                        continue
+                    if len(out) >= limit:
+                        break
+                    try:
+                        t = claimed_from_row(ctx, r, claim)
+                    except Exception as exc:  # a row this version cannot decode: FAILED, not a crash
+                        reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                        undecodable.append((reason, r[-1], r[22]))
+                        failed.append((r, reason))
+                        continue
+                    out.append(t)
+                    params.append((claim_until, owner_key, fence, r[-1], r[22]))
+            if undecodable:
+                conn.executemany(fail_sql, undecodable)
             if params:
                 before = conn.total_changes
                 conn.executemany(claim_sql, params)
@@ -987,7 +991,7 @@ class EmbeddedTimerStore(SqliteStore):
         await self.prepare()
         await self._prepare_outbox()
         skip = frozenset(exclude)
-        read = self._due_reader(partitions, until, limit + len(skip), rowid=True)
+        read = self._due_rows(partitions, until, limit + len(skip))
         fail_sql = fail_rowid_sql(self.context)
         done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
         ctx = self.context
@@ -1001,26 +1005,30 @@ class EmbeddedTimerStore(SqliteStore):
             rows: list[tuple[Any, ...]] = []
             done: list[tuple[Any, ...]] = []
             moved: list[tuple[Any, ...]] = []
-            for r in read(conn):
-                if r[0] in skip:
-                    continue
-                if len(fired) >= limit:
-                    break
-                nxt: int | None = None
-                if r[15] != _ONCE_JSON:
-                    try:
-                        nxt = next_due(fired_from_row(ctx, r))
-                    except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
-                        reason = f"undecodable timer: {type(exc).__name__}: {exc}"
-                        conn.execute(fail_sql, (reason, r[-1], r[22]))
-                        failed.append((r, reason))
+            undecodable: list[tuple[str, Any, Any]] = []
+            with closing(read(conn)) as due:
+                for r in due:
+                    if r[0] in skip:
                         continue
-                fired.append(FiredTimer(r[0], r[2], r[9], nxt))
-                rows.append(outbox_row(r, fence, owner_key, created_at))
-                if nxt is None:
-                    done.append((r[-1], r[22]))
-                else:
-                    moved.append((nxt, nxt, r[-1], r[22]))
+                    if len(fired) >= limit:
+                        break
+                    nxt: int | None = None
+                    if r[15] != _ONCE_JSON:
+                        try:
+                            nxt = next_due(fired_from_row(ctx, r))
+                        except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
+                            reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                            undecodable.append((reason, r[-1], r[22]))
+                            failed.append((r, reason))
+                            continue
+                    fired.append(FiredTimer(r[0], r[2], r[9], nxt))
+                    rows.append(outbox_row(r, fence, owner_key, created_at))
+                    if nxt is None:
+                        done.append((r[-1], r[22]))
+                    else:
+                        moved.append((nxt, nxt, r[-1], r[22]))
+            if undecodable:
+                conn.executemany(fail_sql, undecodable)
             if rows:
                 insert(conn, rows)
                 before = conn.total_changes
@@ -1065,6 +1073,30 @@ class EmbeddedTimerStore(SqliteStore):
             return min((x for x in found if x is not None), default=None)
 
         return await self._run("next_due", read)
+
+    def _due_rows(
+        self, partitions: Iterable[int], until: int, limit: int
+    ) -> Callable[[sqlite3.Connection], Generator[Sequence[Any], None, None]]:
+        """The due rows (with their ``rowid``) as :meth:`_due_reader` reads them, fetched as they
+        are consumed, in the transaction the caller holds: a claim that skips its timers in
+        flight stops reading once it has its batch (close the generator before writing)."""
+        statements = [
+            (due_union_sql(self.context, len(group), rowid=True), (until, *group, limit))
+            for group in due_plan(partitions)
+        ]
+
+        def rows(conn: sqlite3.Connection) -> Generator[Sequence[Any], None, None]:
+            cursors = [conn.execute(sql, params) for sql, params in statements]
+            try:
+                if len(cursors) == 1:
+                    yield from cursors[0]
+                else:
+                    yield from heapq.merge(*cursors, key=_due_key)
+            finally:
+                for c in cursors:
+                    c.close()
+
+        return rows
 
     def _due_reader(
         self, partitions: Iterable[int], until: int, limit: int, *, rowid: bool
