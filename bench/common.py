@@ -289,3 +289,39 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     for row in rows:
         out.append("| " + " | ".join(str(c) for c in row) + " |")
     return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- profiles
+
+
+def profile_tables(
+    profiler: Any, steps: Sequence[tuple[str, str, str]], n: int, unit: str, top: int, listed: int
+) -> list[str]:
+    """Markdown lines of a cProfile run over ``n`` units (``unit``: "command", "commit"): the
+    cumulative time per unit of each step ``(label, file suffix, function)`` (a ``<lambda>``
+    step counts its largest entry: lambdas of one file share the name), the ``top`` functions by
+    own time, and the ``listed`` first lines of the cumulative listing."""
+    import io
+    import pstats
+
+    stats = pstats.Stats(profiler)
+    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
+    lines = ["", f"Steps (cumulative, per {unit}; the profiler's overhead included):", ""]
+    lines += [f"| step | us per {unit} | calls |", "|---|---|---|"]
+    for label, file, func in steps:
+        hits = [(v[1], v[3]) for (f, _l, name), v in raw.items() if f.endswith(file) and name == func]
+        if hits:
+            calls = sum(c for c, _ in hits)
+            cum = max(t for _, t in hits) if func == "<lambda>" else sum(t for _, t in hits)
+            lines.append(f"| {label} | {cum / n * 1e6:,.1f} | {calls:,} |")
+    total = sum(v[2] for v in raw.values())
+    lines += ["", f"Top {top} functions by own time (of {total:.2f} s profiled):", ""]
+    lines += [f"| function | own us per {unit} | share | calls per {unit} |", "|---|---|---|---|"]
+    ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    for (f, line, name), v in ranked:
+        where = f"{Path(f).parent.name}/{Path(f).name}:{line}" if line else f
+        lines.append(f"| `{name}` ({where}) | {v[2] / n * 1e6:,.1f} | {v[2] / total:.0%} | {v[1] / n:,.2f} |")
+    buf = io.StringIO()
+    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(listed)
+    lines += ["", "```", buf.getvalue().strip(), "```"]
+    return lines

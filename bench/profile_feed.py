@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import sqlite3
 import sys
 import tempfile
@@ -31,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from bench.common import cpu_seconds, peak_rss_mb
+from bench.common import cpu_seconds, peak_rss_mb, profile_tables
 
 __all__ = ["STEPS", "feed_once", "main"]
 
@@ -158,26 +156,7 @@ def report(result: dict[str, Any], top: int) -> str:
     profiler = result.get("profiler")
     if profiler is None:
         return "\n".join(lines)
-    stats = pstats.Stats(profiler)
-    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
-    lines += ["", "Steps (cumulative, per commit; the profiler's overhead included):", ""]
-    lines += ["| step | us per commit | calls |", "|---|---|---|"]
-    for label, file, func in STEPS:
-        hits = [(v[1], v[3]) for (f, _l, name), v in raw.items() if f.endswith(file) and name == func]
-        if hits:
-            calls = sum(c for c, _ in hits)
-            cum = max(t for _, t in hits) if func == "<lambda>" else sum(t for _, t in hits)
-            lines.append(f"| {label} | {cum / n * 1e6:,.1f} | {calls:,} |")
-    total = sum(v[2] for v in raw.values())
-    lines += ["", f"Top {top} functions by own time (of {total:.2f} s profiled):", ""]
-    lines += ["| function | own us per commit | share | calls per commit |", "|---|---|---|---|"]
-    ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    for (f, line, name), v in ranked:
-        where = f"{Path(f).parent.name}/{Path(f).name}:{line}" if line else f
-        lines.append(f"| `{name}` ({where}) | {v[2] / n * 1e6:,.1f} | {v[2] / total:.0%} | {v[1] / n:,.2f} |")
-    buf = io.StringIO()
-    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(40)
-    lines += ["", "```", buf.getvalue().strip(), "```"]
+    lines += profile_tables(profiler, STEPS, n, "commit", top, 40)
     return "\n".join(lines)
 
 

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import json
-import pstats
 import sys
 import tempfile
 import time
@@ -31,7 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from bench.common import BENCH_CONTEXT, cpu_seconds, create_timer_tables, insert_timer_rows, now_ms, timer_rows
+from bench.common import (
+    BENCH_CONTEXT,
+    cpu_seconds,
+    create_timer_tables,
+    insert_timer_rows,
+    now_ms,
+    profile_tables,
+    timer_rows,
+)
 from bench.http_delivery import Target, _bare, target_server
 from bench.wowd_timers import PARTITIONS
 
@@ -194,26 +200,7 @@ def report(result: dict[str, Any], top: int) -> str:
     profiler = result.get("profiler")
     if profiler is None:
         return "\n".join(lines)
-    stats = pstats.Stats(profiler)
-    raw: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
-    lines += ["", "Steps (cumulative, per command; the profiler's overhead included):", ""]
-    lines += ["| step | us per command | calls |", "|---|---|---|"]
-    for label, file, func in STEPS:
-        hits = [(v[1], v[3]) for (f, _l, name), v in raw.items() if f.endswith(file) and name == func]
-        if hits:
-            calls = sum(c for c, _ in hits)
-            cum = sum(t for _, t in hits)
-            lines.append(f"| {label} | {cum / n * 1e6:,.1f} | {calls:,} |")
-    total = sum(v[2] for v in raw.values())
-    lines += ["", f"Top {top} functions by own time (of {total:.2f} s profiled):", ""]
-    lines += ["| function | own us per command | share | calls per command |", "|---|---|---|---|"]
-    ranked = sorted(raw.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
-    for (f, line, name), v in ranked:
-        where = f"{Path(f).parent.name}/{Path(f).name}:{line}" if line else f
-        lines.append(f"| `{name}` ({where}) | {v[2] / n * 1e6:,.1f} | {v[2] / total:.0%} | {v[1] / n:,.2f} |")
-    buf = io.StringIO()
-    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(60)
-    lines += ["", "```", buf.getvalue().strip(), "```"]
+    lines += profile_tables(profiler, STEPS, n, "command", top, 60)
     return "\n".join(lines)
 
 
