@@ -64,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
 
@@ -620,7 +620,7 @@ class EmbeddedLog(SqliteStore):
             return conn.total_changes - before
 
         # holding the file's write lock: queued behind this process's other writers, not retried
-        saved = await self._run("save_checkpoint", under_lock(self._write_lock, self._db.transaction(run)))
+        saved = await self._run("save_checkpoint", self._db.transaction(run))
         if saved != len(rows):
             log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
             return False

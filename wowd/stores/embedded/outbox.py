@@ -161,12 +161,12 @@ class EmbeddedOutbox(SqliteStore):
         rows = [entry_row(e) for e in entries]
         if not rows:
             return []
-        fresh = under_lock(self._write_lock, self._db.transaction(lambda conn: insert_new(conn, rows)))
+        fresh = self._db.transaction(lambda conn: insert_new(conn, rows))
         try:
             return await self._run("put_many", fresh)
         except Repeated:
             pass  # rolled back: sort the batch out
-        again = under_lock(self._write_lock, self._db.transaction(lambda conn: sort_out(conn, rows)))
+        again = self._db.transaction(lambda conn: sort_out(conn, rows))
         return await self._run("put_many", again)
 
     async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
@@ -206,13 +206,13 @@ class EmbeddedOutbox(SqliteStore):
 
         if not ids:
             return 0
-        return await self._run("ack", under_lock(self._write_lock, self._db.transaction(run)))
+        return await self._run("ack", self._db.transaction(run))
 
     async def trim(self, before: int) -> int:
         def run(conn: sqlite3.Connection) -> int:
             return int(conn.execute(trim_sql(), (before,)).rowcount)
 
-        return await self._run("trim", under_lock(self._write_lock, self._db.transaction(run)))
+        return await self._run("trim", self._db.transaction(run))
 
 
 class Repeated(Exception):

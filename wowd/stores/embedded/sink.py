@@ -31,7 +31,7 @@ import orjson
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 
 __all__ = ["TABLE", "EmbeddedEventSink"]
 
@@ -203,7 +203,7 @@ class EmbeddedEventSink(SqliteStore):
             return created, conn.total_changes - before
 
         started = time.perf_counter()
-        created, _stamped = await self._run("write", under_lock(self._write_lock, self._db.transaction(work)))
+        created, _stamped = await self._run("write", self._db.transaction(work))
         SINK_BULK_SECONDS.observe(time.perf_counter() - started)
         SINK_ITEMS.labels("201").inc(created)
         SINK_ITEMS.labels("409").inc(len(rows) - created)
@@ -240,7 +240,7 @@ class EmbeddedEventSink(SqliteStore):
             conn.executemany(stamp_sql(), params)  # in order: stamps of one aggregate one at a time
             return conn.total_changes - before
 
-        return await self._run("stamp", under_lock(self._write_lock, self._db.transaction(work)))
+        return await self._run("stamp", self._db.transaction(work))
 
     # ---- reads
 

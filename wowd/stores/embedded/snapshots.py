@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 
 __all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
@@ -424,7 +424,7 @@ class EmbeddedSnapshotStore(SqliteStore):
                 by_type.setdefault(s.ref.aggregate, []).append((i, s, params))
             for items in by_type.values():
                 # holding the file's write lock: queued behind this process's other writers
-                write = under_lock(self._write_lock, self._db.transaction(self._save_round(items)))
+                write = self._db.transaction(self._save_round(items))
                 outcomes.update(await self._run("save_all", write))
         return [outcomes[i] for i in range(len(snapshots))]
 
