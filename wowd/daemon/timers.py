@@ -142,6 +142,17 @@ def outcome_changes(
     return changes
 
 
+def _count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
+    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
+    time, fire time)`` each."""
+    per_aggregate: Counter[str] = Counter()
+    for aggregate, scheduled_at, at in fired:
+        per_aggregate[aggregate] += 1
+        metrics.FIRE_LAG.observe(max(0.0, (at - scheduled_at) / 1000))
+    for aggregate, n in per_aggregate.items():
+        metrics.TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
+
+
 _DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
 _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fail": metrics.TIMERS_FAILED}
 """The settle changes counted by kind (besides the fired ones)."""
@@ -205,24 +216,20 @@ class TimerLoop:
                     if self._fused is not None and await self._fire_fused(held, parts, waker) >= s.batch:
                         attempt = 0
                         continue  # more are due now
-                except StorageUnavailable as exc:
-                    logx.warning("timer round failed (will retry): %s", exc)
-                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
-                        await held.stop_event.wait()
-                    attempt += 1
-                    continue
-                batch_mark = waker.hold()
-                try:
-                    held.check()
-                    claimed = await self._store.claim_due(
-                        parts,
-                        until,
-                        s.batch,
-                        owner_key=held.owner_key,
-                        fence=held.fence,
-                        claim_until=now_ms() + int(s.claim_ttl_s * 1000),
-                        exclude=self._in_flight,
-                    )
+                    batch_mark = waker.hold()
+                    try:
+                        claimed = await self._store.claim_due(
+                            parts,
+                            until,
+                            s.batch,
+                            owner_key=held.owner_key,
+                            fence=held.fence,
+                            claim_until=now_ms() + int(s.claim_ttl_s * 1000),
+                            exclude=self._in_flight,
+                        )
+                    except BaseException:
+                        waker.release(batch_mark)
+                        raise
                     n_due = len(claimed)
                     if claimed:
                         metrics.SETTLE_BATCH.observe(n_due)
@@ -231,15 +238,11 @@ class TimerLoop:
                         waker.covered(until, mark)
                     attempt = 0
                 except StorageUnavailable as exc:
-                    waker.release(batch_mark)
                     logx.warning("timer round failed (will retry): %s", exc)
                     with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
                     continue
-                except BaseException:
-                    waker.release(batch_mark)
-                    raise
                 if claimed:
                     self._in_flight.update(t.timer_id for t in claimed)
                     done = anyio.Event()
@@ -290,10 +293,8 @@ class TimerLoop:
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))
-            for agg, n in Counter(f.aggregate for f in fired).items():
-                metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
+            _count_fired((f.aggregate, f.scheduled_at, at) for f in fired)
             for f in fired:
-                metrics.FIRE_LAG.observe(max(0.0, (at - f.scheduled_at) / 1000))
                 if f.next_due is not None:
                     waker.maybe_wake(f.next_due)
         return len(fired)
@@ -487,13 +488,9 @@ class TimerLoop:
 
     @staticmethod
     def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
-        fired: Counter[str] = Counter()
-        for t, outcome, at in results:
-            if isinstance(outcome, Delivered):
-                fired[t.owner.aggregate] += 1
-                metrics.FIRE_LAG.observe(max(0.0, (at - t.scheduled_at) / 1000))
-        for agg, n in fired.items():
-            metrics.TIMERS_FIRED.labels(aggregate=agg).inc(n)
+        _count_fired(
+            (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
+        )
         counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
         for c in changes:
             if c.kind in _COUNTED:

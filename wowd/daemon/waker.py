@@ -5,11 +5,11 @@ from __future__ import annotations
 import heapq
 from collections import Counter, deque
 from collections.abc import Iterable
-from typing import Any
 
 import anyio
 
 from wowd.clock import now_ms
+from wowd.model import AggregateRef
 
 __all__ = ["WAKER_HORIZON_MS", "WAKER_MAX_SIZE", "OwnerKey", "Waker", "owner_key"]
 
@@ -17,8 +17,8 @@ OwnerKey = tuple[str, str, str]
 """An aggregate as the :class:`Waker` remembers it: ``(aggregate, tenant_id, id)``."""
 
 
-def owner_key(ref: Any) -> OwnerKey:
-    """The :data:`OwnerKey` of an :class:`~wowd.model.AggregateRef` (of one context)."""
+def owner_key(ref: AggregateRef) -> OwnerKey:
+    """The :data:`OwnerKey` of an aggregate (of one context)."""
     return (ref.aggregate, ref.tenant_id, ref.id)
 
 
