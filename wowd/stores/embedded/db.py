@@ -223,6 +223,8 @@ class WalCheckpointer:
         self.path = str(path)
         self._every_s = CHECKPOINT_EVERY_S if every_s is None else every_s
         self._stop = threading.Event()
+        self.checkpointed = threading.Event()
+        """Set after each checkpoint (clear it to wait for the next one)."""
         self._thread: threading.Thread | None = None
         self._key = os.path.realpath(self.path)
 
@@ -242,6 +244,7 @@ class WalCheckpointer:
                     if conn is None:
                         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                    self.checkpointed.set()
                 except sqlite3.Error as exc:  # another process checkpoints, or the file is gone
                     log.debug("wal checkpoint of %s not done: %s", self.path, exc)
         finally:
