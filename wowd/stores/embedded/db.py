@@ -16,9 +16,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import anyio.to_thread
 
@@ -32,6 +32,7 @@ __all__ = [
     "WalCheckpointer",
     "checkpointed_in_background",
     "file_write_lock",
+    "merged_read",
     "under_lock",
 ]
 
@@ -268,6 +269,36 @@ class WalCheckpointer:
 
     async def aclose(self) -> None:
         await anyio.to_thread.run_sync(self.stop)
+
+
+def merged_read(
+    statements: Sequence[tuple[str, Sequence[Any]]],
+    merge: Callable[[Sequence[Iterable[Any]], int], list[Any]],
+    limit: int,
+) -> Callable[[sqlite3.Connection], list[Any]]:
+    """A read of ``statements`` (each ordered and limited): one statement's rows as they are;
+    several read in one transaction (one snapshot of the file; the caller's, when it holds one)
+    and combined by ``merge(cursors, limit)``."""
+    if len(statements) == 1:
+        sql, params = statements[0]
+        return lambda conn: conn.execute(sql, params).fetchall()
+
+    def read(conn: sqlite3.Connection) -> list[Any]:
+        began = not conn.in_transaction
+        if began:
+            conn.execute("BEGIN")
+        try:
+            cursors = [conn.execute(sql, params) for sql, params in statements]
+            try:
+                return merge(cursors, limit)
+            finally:
+                for c in cursors:
+                    c.close()
+        finally:
+            if began:
+                conn.execute("COMMIT")
+
+    return read
 
 
 _WRITE_LOCKS: dict[str, threading.RLock] = {}

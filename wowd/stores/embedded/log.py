@@ -64,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
 
@@ -306,26 +306,11 @@ def _reader(
         (read_sql(len(g)), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g), limit))
         for g in groups
     ]
-    if len(statements) == 1:
-        sql, params = statements[0]
-        return lambda conn: conn.execute(sql, params).fetchall()
+    return merged_read(statements, _merge_by_seq, limit)
 
-    def read(conn: sqlite3.Connection) -> list[Any]:
-        began = not conn.in_transaction
-        if began:
-            conn.execute("BEGIN")
-        try:
-            cursors = [conn.execute(sql, params) for sql, params in statements]
-            try:
-                return list(islice(heapq.merge(*cursors, key=itemgetter(0)), limit))
-            finally:
-                for c in cursors:
-                    c.close()
-        finally:
-            if began:
-                conn.execute("COMMIT")
 
-    return read
+def _merge_by_seq(cursors: Sequence[Iterable[Any]], limit: int) -> list[Any]:
+    return list(islice(heapq.merge(*cursors, key=itemgetter(0)), limit))
 
 
 def _canonical(doc: Mapping[str, Any]) -> str:

@@ -70,7 +70,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import FiredTimer
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, under_lock
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read, under_lock
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
 
@@ -1107,26 +1107,7 @@ class EmbeddedTimerStore(SqliteStore):
         statements = [
             (due_union_sql(ctx, len(group), rowid=rowid), (until, *group, limit)) for group in due_plan(partitions)
         ]
-        if len(statements) == 1:
-            sql, params = statements[0]
-            return lambda conn: conn.execute(sql, params).fetchall()
-
-        def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
-            began = not conn.in_transaction
-            if began:
-                conn.execute("BEGIN")
-            try:
-                cursors = [conn.execute(sql, params) for sql, params in statements]
-                try:
-                    return merge_due(cursors, limit)
-                finally:
-                    for c in cursors:
-                        c.close()
-            finally:
-                if began:
-                    conn.execute("COMMIT")
-
-        return read
+        return merged_read(statements, merge_due, limit)
 
     async def scan(
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
