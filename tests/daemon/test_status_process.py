@@ -85,9 +85,11 @@ async def test_status_shows_the_standby_and_forgets_it_once_it_left(
     await a.wait_exit(5)
 
     async def a_gone() -> bool:
-        return await states(stores) == {"a": "gone"}
+        # its presence record and its lease expire about together (both renewed every ttl/3)
+        leases_live = any(st.live for st in await stores.leases.slots(NS))
+        return await states(stores) == {"a": "gone"} and not leases_live
 
-    await eventually(a_gone, 10, "a's record expired (killed: it could not leave)")
+    await eventually(a_gone, 10, "a's record and lease expired (killed: it could not leave)")
     rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
     assert rc == 0, err
     doc = json.loads(out)
