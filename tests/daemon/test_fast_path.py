@@ -263,12 +263,12 @@ async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_t
         loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
         waker = Waker()
         parts = frozenset(range(PARTS))
-        assert await loop._fire_fused(held, parts, waker) == 0  # the feed has not reached the head
+        assert await loop._fire_fused(held, parts, waker, None) == 0  # the feed has not reached the head
         waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
-        assert await loop._fire_fused(held, parts, waker) == 5
+        assert await loop._fire_fused(held, parts, waker, None) == 5
         assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
         waker.advance(now)
-        assert await loop._fire_fused(held, parts, waker) == 5
+        assert await loop._fire_fused(held, parts, waker, None) == 5
         assert await box.count() == 10
     finally:
         await store.close()

@@ -43,7 +43,7 @@ def settings(tmp_path: Path) -> WowdSettings:
 @pytest.fixture(params=["steps", "fast path"])
 async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """The embedded backend; ``run_slot`` fires with the outbox gateway's claim, deliver and
-    settle steps, or with its fast path."""
+    settle steps, or with its fast path (checking the log, as ``wowd run`` does)."""
     from wowd.stores.embedded import open_embedded
 
     b = await open_embedded(settings(tmp_path))
@@ -81,7 +81,10 @@ async def run_slot(
     s = settings(tmp_path)
     waker = Waker()
     gateway = OutboxGateway(backend.outbox, firing=backend.outbox_firing)
-    loop = TimerLoop(TimerSettings(batch=100), backend.timers, gateway, nudge=backend.log.nudge, fused=gateway.fused)
+    loop = TimerLoop(
+        TimerSettings(batch=100), backend.timers, gateway, nudge=backend.log.nudge, fused=gateway.fused,
+        check_log=backend.checks_log,
+    )  # fmt: skip
     feeder = Feeder(s, backend, batch_size=feed_batch)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:

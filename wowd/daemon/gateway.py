@@ -45,7 +45,7 @@ from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
-from wowd.stores.base import FiredTimer, Outbox, OutboxFiring
+from wowd.stores.base import FiredTimer, LogCheck, Outbox, OutboxFiring
 
 __all__ = [
     "CircuitBreaker",
@@ -185,6 +185,7 @@ class FusedFiring(Protocol):
         next_due: Callable[[Timer, int], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
+        check: LogCheck | None = None,
     ) -> list[FiredTimer]:
         """Delivers and settles, all or nothing, the first ``limit`` timers of ``partitions``
         due by ``min(until, at)`` (``at``: the fire time, ms), none of ``exclude``, as a claim
@@ -192,7 +193,8 @@ class FusedFiring(Protocol):
         ``settle`` (next occurrence ``next_due(timer, at)``) would; answers the timers fired.
         Raises :class:`~wowd.errors.StorageUnavailable` (nothing written; retry) and
         :class:`~wowd.errors.LeaseLost` when it could not commit before ``deadline``
-        (``time.monotonic()``)."""
+        (``time.monotonic()``). With ``check``, a due timer the log may have changed since the
+        feed's checkpoint is left (:class:`~wowd.stores.base.LogCheck`)."""
         ...
 
 
@@ -234,6 +236,7 @@ class OutboxGateway:
         next_due: Callable[[Timer, int], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
+        check: LogCheck | None = None,
     ) -> list[FiredTimer]:
         """:class:`FusedFiring` through the store's ``fire_into_outbox`` (the entries those of
         :func:`outbox_entry` under this fence and owner key); housekeeps after it as after a
@@ -250,6 +253,7 @@ class OutboxGateway:
             next_due=functools.partial(_next_due_at, next_due, at),
             exclude=exclude,
             deadline=deadline,
+            check=check,
         )
         if fired:
             await self._maybe_housekeep()

@@ -228,7 +228,12 @@ class Supervisor:
         waker = Waker()
         feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
         loop = TimerLoop(
-            self.settings.timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, fused=self.fused
+            self.settings.timers,
+            self.backend.timers,
+            self.gateway,
+            nudge=self.backend.log.nudge,
+            fused=self.fused,
+            check_log=self.backend.checks_log,
         )
         self._feeders[held.slot] = feeder
         self._wakers[held.slot] = waker

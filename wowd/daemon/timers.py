@@ -22,7 +22,12 @@ it ask the log for a read instead.
 With a gateway's fast path (:class:`~wowd.daemon.gateway.FusedFiring`: the ``outbox`` gateway on
 the embedded backend), a round first fires the timers due by now and by the watermark through
 it, read, delivered and settled in one transaction with no claim; while a whole batch comes back
-it does so again, and then claims what the lookahead adds as above.
+it does so again, and then claims what the lookahead adds as above. Where the fast path can check
+the log in its transaction (``check_log``: the embedded backend, whose log, the feed's checkpoints
+and timers share one file; :class:`~wowd.stores.base.LogCheck`), nothing is claimed ahead: the
+loop wakes at each due time and fires every timer due by now whose aggregate has no commit past
+the feed's checkpoint, without waiting for the feed to read past the due time; a timer left so
+is fired once the feed has applied its next batch.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
@@ -48,8 +53,9 @@ from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
-from wowd.stores.base import TimerStore
+from wowd.stores.base import LogCheck, TimerStore
 
+from .feed import CONSUMER
 from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
 from .waker import Waker, owner_key
@@ -169,12 +175,16 @@ class TimerLoop:
         *,
         nudge: Callable[[], None] = lambda: None,
         fused: FusedFiring | None = None,
+        check_log: bool = False,
     ) -> None:
         self._settings = settings
         self._store = store
         self._gateway = gateway
         self._fused = fused
         """The gateway's fast path for the timers due now (None: claim, deliver, settle)."""
+        self._check_log = check_log and fused is not None
+        """Whether the fast path checks the log in its transaction (:class:`LogCheck`): timers are
+        then fired at their due time, none claimed ahead."""
         self._nudge = nudge
         self._in_flight: set[str] = set()
         """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
@@ -207,33 +217,49 @@ class TimerLoop:
                     self._nudge()
                     await waker.wait(MAX_IDLE_S, float("-inf"), want_watermark=float("-inf"))
                     continue
-                # claimed up to the lookahead ahead of now and of the feed's reads: delivered once
-                # the feed has read past their due time (see _deliver)
-                until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+                check: LogCheck | None = None
+                if self._check_log:
+                    # fired at their due time, the log checked in the fast path's transaction
+                    until = now_ms()
+                    check = LogCheck(CONSUMER, waker.watermark)
+                else:
+                    # claimed up to the lookahead ahead of now and of the feed's reads: delivered
+                    # once the feed has read past their due time (see _deliver)
+                    until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+                lookahead_ms = 0 if check is not None else s.lookahead_ms
                 mark = waker.mark()
+                applied = waker.applied_batches
+                batch_mark: int | None = None
                 try:
                     held.check()
-                    if self._fused is not None and await self._fire_fused(held, parts, waker) >= s.batch:
-                        attempt = 0
-                        continue  # more are due now
-                    batch_mark = waker.hold()
-                    try:
-                        claimed = await self._store.claim_due(
-                            parts,
-                            until,
-                            s.batch,
-                            owner_key=held.owner_key,
-                            fence=held.fence,
-                            claim_until=now_ms() + int(s.claim_ttl_s * 1000),
-                            exclude=self._in_flight,
-                        )
-                    except BaseException:
-                        waker.release(batch_mark)
-                        raise
+                    fired = 0
+                    if self._fused is not None:
+                        fired = await self._fire_fused(held, parts, waker, check)
+                        if fired >= s.batch:
+                            attempt = 0
+                            continue  # more are due now
+                    if check is not None:
+                        claimed = []  # the fast path took every timer due
+                    else:
+                        batch_mark = waker.hold()
+                        try:
+                            claimed = await self._store.claim_due(
+                                parts,
+                                until,
+                                s.batch,
+                                owner_key=held.owner_key,
+                                fence=held.fence,
+                                claim_until=now_ms() + int(s.claim_ttl_s * 1000),
+                                exclude=self._in_flight,
+                            )
+                        except BaseException:
+                            waker.release(batch_mark)
+                            raise
                     n_due = len(claimed)
                     if claimed:
                         metrics.SETTLE_BATCH.observe(n_due)
-                    metrics.TIMERS_CLAIMED_LAST_ROUND.set(n_due)
+                    if not fired:
+                        metrics.TIMERS_CLAIMED_LAST_ROUND.set(n_due)
                     if n_due < s.batch:
                         waker.covered(until, mark)
                     attempt = 0
@@ -244,21 +270,28 @@ class TimerLoop:
                     attempt += 1
                     continue
                 if claimed:
+                    assert batch_mark is not None  # claimed by the steps, not the fast path
                     self._in_flight.update(t.timer_id for t in claimed)
                     done = anyio.Event()
                     outstanding.append(done)
                     rounds.start_soon(self._finish, held, claimed, waker, batch_mark, logx, done)
-                else:
+                elif batch_mark is not None:
                     waker.release(batch_mark)
                 if n_due < s.batch and not held.stopping:
                     await self._sweep(logx)
+                    if check is not None and check.skipped:
+                        # due, but the log holds a commit of their aggregate the feed has not
+                        # applied yet: taken again once it has applied its next batch
+                        self._nudge()
+                        await waker.wait_applied(applied, MAX_IDLE_S)
+                        continue
                     # every timer due by `until` is claimed: sleep until the next one (the store's,
                     # or one put since) comes within the lookahead, an idle period at most
                     stored_next = await self._next_due(parts, until, logx)
                     now = now_ms()
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
                     first = min(nexts, default=None)
-                    if first is not None and until < first <= now + s.lookahead_ms:
+                    if check is None and first is not None and until < first <= now + s.lookahead_ms:
                         # within the lookahead but beyond the feed's last read of the log's head
                         # (an idle log is read less often): ask for a read now, claim after it
                         self._nudge()
@@ -266,22 +299,23 @@ class TimerLoop:
                         if waker.watermark is None or waker.watermark < want:
                             await waker.wait(MAX_IDLE_S, first, want_watermark=want)
                         continue
-                    wake_at = wake_time(now, nexts, s.lookahead_ms)
-                    await waker.wait((wake_at - now) / 1000, wake_at + s.lookahead_ms)
+                    wake_at = wake_time(now, nexts, lookahead_ms)
+                    await waker.wait((wake_at - now) / 1000, wake_at + lookahead_ms)
         logx.info("timer loop stopped")
 
-    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], waker: Waker) -> int:
+    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], waker: Waker, check: LogCheck | None) -> int:
         """Fires the timers due by now and by the feed's watermark (every commit appended before
-        it applied: a cancel appended before a due time is in the view read) through the
-        gateway's fast path, counted and told to the waker as a delivered and settled round is;
-        answers how many."""
+        it applied: a cancel appended before a due time is in the view read), or, with
+        ``check``, every timer due by now the log has not changed since the feed's checkpoint,
+        through the gateway's fast path, counted and told to the waker as a delivered and
+        settled round is; answers how many."""
         assert self._fused is not None
         if waker.watermark is None:
             return 0
         at = now_ms()
         fired = await self._fused.fire_due(
             parts,
-            waker.watermark,
+            at if check is not None else waker.watermark,
             self._settings.batch,
             at=at,
             owner_key=held.owner_key,
@@ -289,6 +323,7 @@ class TimerLoop:
             next_due=next_occurrence,
             exclude=self._in_flight,
             deadline=time.monotonic() + (held.valid_until - anyio.current_time()),
+            check=check,
         )
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:

@@ -70,6 +70,7 @@ class Waker:
         those applied since the oldest mark held was taken."""
         self._held: Counter[int] = Counter()
         self._readers: list[tuple[int, anyio.Event]] = []
+        self._appliers: list[tuple[int, anyio.Event]] = []
 
     def advance(self, watermark: int) -> None:
         """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
@@ -111,6 +112,14 @@ class Waker:
         appended before it)."""
         self._applied = max(self._applied, batch)
         self._forget()
+        if self._appliers:
+            waiting = []
+            for after, event in self._appliers:
+                if self._applied > after:
+                    event.set()
+                else:
+                    waiting.append((after, event))
+            self._appliers = waiting
         if watermark is not None:
             self.advance(watermark)
 
@@ -140,6 +149,23 @@ class Waker:
         have been put again, cancelled, or deleted since."""
         return any(n > mark and owner in owners for n, owners in self._recent)
 
+    @property
+    def applied_batches(self) -> int:
+        """The number of the last batch the feed applied (for :meth:`wait_applied`)."""
+        return self._applied
+
+    async def wait_applied(self, after: int, timeout_s: float) -> None:
+        """Waits until the feed has applied a batch numbered above ``after`` (at most
+        ``timeout_s``; a stop wakes it too)."""
+        if self._applied > after:
+            return
+        event = anyio.Event()
+        self._appliers.append((after, event))
+        with anyio.move_on_after(timeout_s):
+            await event.wait()
+        if not event.is_set():
+            self._appliers = [(a, e) for a, e in self._appliers if e is not event]
+
     async def read_past(self, at: int, timeout_s: float) -> bool:
         """Waits until the feed has read every commit appended before ``at`` (at most
         ``timeout_s``); answers whether it has."""
@@ -159,6 +185,9 @@ class Waker:
     def wake(self) -> None:
         """Wakes the loop now (a stop)."""
         self._event.set()
+        for _after, event in self._appliers:
+            event.set()
+        self._appliers = []
 
     def maybe_wake(self, due_at: int) -> None:
         """A timer due at ``due_at`` was stored (put, retried, or its next occurrence): kept until

@@ -46,6 +46,7 @@ __all__ = [
     "EventSink",
     "FiredTimer",
     "Log",
+    "LogCheck",
     "Outbox",
     "OutboxFiring",
     "PRESENCE_RETENTION",
@@ -571,6 +572,25 @@ class FiredTimer(NamedTuple):
     """Its next occurrence, at which it is PENDING now; None: a DONE tombstone."""
 
 
+@dataclass(slots=True)
+class LogCheck:
+    """What a timer store whose log is in its own database checks of the log in the transaction
+    that fires due timers (:meth:`OutboxFiring.fire_into_outbox`):
+    every commit appended before ``watermark`` (store time, ms) is applied to the timer view, so
+    a timer due by then is taken as read; one due after it is taken only when the log, read in
+    that transaction, holds no commit of its aggregate past ``consumer``'s checkpoint of its
+    partition (the feed saves a batch's checkpoints after its timer writes). A transaction that
+    begins at or after a timer's due time therefore sees every commit appended before it: a
+    cancel appended before the due time is applied, or its timer is left for the feed.
+
+    The store counts in ``skipped`` the due timers it left so (the feed has not applied a commit
+    of their aggregate): the caller tries them again once the feed has applied its next batch."""
+
+    consumer: str
+    watermark: int
+    skipped: int = 0
+
+
 class OutboxFiring(Protocol):
     """A timer store that fires due timers straight into the backend's outbox, in the write
     transaction that settles them: the outbox on the timers' own database (the embedded
@@ -588,6 +608,7 @@ class OutboxFiring(Protocol):
         next_due: Callable[[Timer], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
+        check: LogCheck | None = None,
     ) -> list[FiredTimer]:
         """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
         (the first ``limit`` due by ``until`` of ``partitions``, in due order, none of
@@ -601,7 +622,8 @@ class OutboxFiring(Protocol):
         rolls back and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A
         timer whose rule or next occurrence cannot be computed is set FAILED as ``claim_due``
         does. Callers pass an ``until`` not after ``created_at``: a timer is written to the
-        outbox at its due time, not ahead of it."""
+        outbox at its due time, not ahead of it. With ``check``, a due timer the log may have
+        changed since the feed's checkpoint is left as it is (:class:`LogCheck`)."""
         ...
 
 
@@ -621,6 +643,9 @@ class Backend:
     outbox_firing: OutboxFiring | None = None
     """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
     backend has one: the embedded backend, whose timers and outbox share one file."""
+    checks_log: bool = False
+    """Whether ``outbox_firing`` can check the log in its transaction (:class:`LogCheck`): the
+    embedded backend, whose log, the feed's checkpoints and timers share one file."""
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 

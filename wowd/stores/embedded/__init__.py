@@ -91,6 +91,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             rebuilds=snapshots,
             outbox=outbox,
             outbox_firing=timers,  # the outbox table is in the timers' own file
+            checks_log=True,  # so are the log and the feed's checkpoints
             sink_factory=sink_factory,
             closers=[checkpointer.aclose, leases.close, log.close, timers.close, snapshots.close, outbox.close],
         )

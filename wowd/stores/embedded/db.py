@@ -61,6 +61,8 @@ class SqliteDatabase:
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(1)
+        self._file_lock: threading.RLock | None = None
+        """This file's :func:`file_write_lock`, once looked up."""
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -315,12 +317,15 @@ def file_write_lock(db: SqliteDatabase) -> threading.RLock:
     second writer starts when the first commits. Writers of other processes meet the short poll
     of the transaction's ``BEGIN IMMEDIATE``. Reentrant: a caller may hold it around a
     transaction."""
+    if db._file_lock is not None:
+        return db._file_lock
     key = _file_key(db.path, id(db))
     with _WRITE_LOCKS_GUARD:
         lock = _WRITE_LOCKS.get(key)
         if lock is None:
             lock = _WRITE_LOCKS[key] = threading.RLock()
-        return lock
+    db._file_lock = lock
+    return lock
 
 
 def under_lock(lock: threading.RLock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:

@@ -69,7 +69,7 @@ from wowd.model import (
     request_id_for,
     validate_name,
 )
-from wowd.stores.base import FiredTimer
+from wowd.stores.base import FiredTimer, LogCheck
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read, under_lock
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
@@ -400,6 +400,56 @@ def fired_rowid_sql(context: str, kind: str) -> str:
         f"UPDATE {table_name(context)} SET {_SETTLE_SET[kind]}, revision = revision + 1"
         " WHERE rowid = ? AND revision = ?"
     )
+
+
+TAIL_CHECK_LIMIT = 10_000
+"""At most this many commits of a partition past the feed's checkpoint are read by a
+:class:`LogCheck`; a longer tail leaves every timer of the partition due after the watermark."""
+
+
+def log_tail_sql() -> str:
+    """The commits of one partition (``?2``) of the log of context ``?1`` past consumer ``?3``'s
+    checkpoint of it (all of them when it has none), at most ``?4``: their aggregates, over the
+    index ``log_partition`` (the checkpoint is read once, as a constant)."""
+    return (
+        "SELECT aggregate, aggregate_id FROM log WHERE context = ?1 AND partition = ?2 AND seq > COALESCE("
+        "(SELECT json_extract(position, '$.seq') FROM log_checkpoint"
+        " WHERE context = ?1 AND consumer = ?3 AND partition = ?2), 0) LIMIT ?4"
+    )
+
+
+class _TailCheck:
+    """A :class:`LogCheck` in the transaction that takes due rows: whether the log may have
+    changed a row's timer since the feed's checkpoint (a commit of its aggregate past the
+    checkpoint of its partition). Each partition's tail is read once, when a row due after the
+    watermark first needs it. Tenants are not compared: a commit of another tenant's aggregate
+    of the same id only delays a timer."""
+
+    __slots__ = ("_check", "_conn", "_context", "_sql", "_tails")
+
+    def __init__(self, conn: sqlite3.Connection, context: str, check: LogCheck) -> None:
+        self._conn = conn
+        self._context = context
+        self._check = check
+        self._sql = log_tail_sql()
+        self._tails: dict[int, frozenset[tuple[str, str]] | None] = {}
+
+    def stale(self, r: Sequence[Any]) -> bool:
+        """Whether the row (``COLUMNS`` order) is left for the feed (counted in ``skipped``)."""
+        if r[8] <= self._check.watermark:
+            return False
+        part = r[1]
+        if part in self._tails:
+            tail = self._tails[part]
+        else:
+            rows = self._conn.execute(
+                self._sql, (self._context, part, self._check.consumer, TAIL_CHECK_LIMIT)
+            ).fetchall()
+            tail = self._tails[part] = None if len(rows) >= TAIL_CHECK_LIMIT else frozenset(rows)
+        if tail is None or (r[2], r[4]) in tail:
+            self._check.skipped += 1
+            return True
+        return False
 
 
 def due_plan(partitions: Iterable[int], arms: int = DUE_ARMS) -> list[tuple[int, ...]]:
@@ -976,6 +1026,7 @@ class EmbeddedTimerStore(SqliteStore):
         next_due: Callable[[Timer], int | None],
         exclude: Collection[str] = (),
         deadline: float | None = None,
+        check: LogCheck | None = None,
     ) -> list[FiredTimer]:
         """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
         the due read of ``claim_due`` (a claim another holder made is due only once expired),
@@ -1006,12 +1057,17 @@ class EmbeddedTimerStore(SqliteStore):
             done: list[tuple[Any, ...]] = []
             moved: list[tuple[Any, ...]] = []
             undecodable: list[tuple[str, Any, Any]] = []
+            if check is not None:
+                check.skipped = 0  # a transaction written again counts anew
+            tails = None if check is None else _TailCheck(conn, ctx, check)
             with closing(read(conn)) as due:
                 for r in due:
                     if r[0] in skip:
                         continue
                     if len(fired) >= limit:
                         break
+                    if tails is not None and tails.stale(r):
+                        continue
                     nxt: int | None = None
                     if r[15] != _ONCE_JSON:
                         try:

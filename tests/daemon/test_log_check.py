@@ -1,0 +1,261 @@
+"""The fast path's log check (the embedded backend: log, feed checkpoints and timers in one file).
+A timer due after the feed's watermark is fired only when the log, read in the firing
+transaction, holds no commit of its aggregate past the feed's checkpoint of its partition: a
+cancel appended before the due time always wins, and the timers of every other aggregate fire at
+their due time although the feed is behind."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd.cli.run import build_gateway
+from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
+from wowd.daemon.feed import CONSUMER, Feeder
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop
+from wowd.daemon.waker import Waker
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, TimerStatus
+from wowd.model import partition as partition_of
+from wowd.stores.base import Backend, EventSink, LogCheck
+from wowd.stores.embedded import timers as embedded_timers
+
+from .conftest import CONTEXT, eventually, timer_commit
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+ALL = frozenset(range(PARTS))
+
+
+def settings(tmp_path: Path) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTS,
+        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
+        lease=LeaseSettings(limit=1),
+        http=HttpSettings(host="127.0.0.1", port=0),
+    )
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    from wowd.stores.embedded import open_embedded
+
+    b = await open_embedded(settings(tmp_path))
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+async def hold(b: Backend) -> HeldSlot:
+    res = await b.leases.acquire("ns", Owner(key="a"), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(lease=res.lease, partitions=ALL, valid_until=anyio.current_time() + 60, owner_key="a")
+
+
+def cancel_commit(agg_id: str, version: int) -> Commit:
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+    ev = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+    return Commit(
+        ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000), events=(ev,),
+    )  # fmt: skip
+
+
+async def feed_to_head(tmp_path: Path, b: Backend, held: HeldSlot) -> None:
+    """Runs the slot's feed until every partition's checkpoint is at the log's end."""
+    waker = Waker()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(Feeder(settings(tmp_path), b).run, held, waker)
+
+            async def at_head() -> bool:
+                return waker.watermark is not None
+
+            await eventually(at_head, 10, "the feed at the log's head")
+            held.request_stop()
+
+
+async def fire(b: Backend, check: LogCheck | None) -> list[str]:
+    """The fast path over every partition, due by now: the owner ids fired."""
+    firing = b.outbox_firing
+    assert firing is not None
+    now = int(time.time() * 1000)
+    fired = await firing.fire_into_outbox(
+        ALL, now, 100, fence=1, owner_key="a", created_at=now, next_due=lambda t: None, check=check
+    )
+    return sorted(str(f.timer_id) for f in fired)
+
+
+async def owners_fired(b: Backend) -> list[str]:
+    return sorted(e.target.id for e in await b.outbox.entries())
+
+
+async def test_a_timer_whose_aggregate_has_a_commit_past_the_checkpoint_is_left_for_the_feed(
+    tmp_path: Path, backend: Backend
+) -> None:
+    due = int(time.time() * 1000) - 1_000
+    await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(6)])
+    await feed_to_head(tmp_path, backend, await hold(backend))
+    # two cancels appended before the due time's fire, not applied by the feed yet
+    await backend.log.append_many([cancel_commit("o-0", 2), cancel_commit("o-1", 2)])
+    check = LogCheck(CONSUMER, watermark=due - 1)
+    assert len(await fire(backend, check)) == 4
+    assert check.skipped == 2
+    assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
+    left = await backend.timers.scan(limit=10)
+    assert sorted(t.owner.id for t in left) == ["o-0", "o-1"] and {t.status for t in left} == {TimerStatus.PENDING}
+    # the feed applies the cancels: nothing is left to fire
+    await feed_to_head(tmp_path, backend, await hold(backend))
+    check = LogCheck(CONSUMER, watermark=due - 1)
+    assert await fire(backend, check) == [] and check.skipped == 0
+    assert await backend.timers.scan(limit=10) == []
+    assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
+
+
+async def test_timers_due_by_the_watermark_are_fired_without_reading_the_log(tmp_path: Path, backend: Backend) -> None:
+    """The watermark says the feed applied every commit appended before it: a timer due by then
+    is fired as read (a commit appended after its due time does not hold it back)."""
+    due = int(time.time() * 1000) - 1_000
+    await backend.log.append_many([timer_commit("o-0", 1, ["k"], due_at=due)])
+    await feed_to_head(tmp_path, backend, await hold(backend))
+    await backend.log.append_many([timer_commit("o-0", 2, [], due_at=due)])  # after the due time
+    check = LogCheck(CONSUMER, watermark=due)
+    assert len(await fire(backend, check)) == 1 and check.skipped == 0
+
+
+async def test_a_partition_without_a_checkpoint_counts_every_commit_as_not_applied(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """A timer put by another writer than the feed, whose aggregate then commits in a partition
+    the feed never checkpointed: left until the feed has applied that commit."""
+    due = int(time.time() * 1000) - 1_000
+    ts = [embedded_timer(f"x-{i}", due) for i in range(2)]
+    for t in ts:
+        assert await backend.timers.put(t)
+    await backend.log.append_many([cancel_commit("x-0", 1)])
+    check = LogCheck(CONSUMER, watermark=due - 1)
+    assert await owners_after(backend, check) == ["x-1"]
+    assert check.skipped == 1
+
+
+async def test_a_tail_longer_than_the_limit_leaves_every_timer_of_its_partition(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    due = int(time.time() * 1000) - 1_000
+    ids = [f"y-{i}" for i in range(40)]
+    part = partition_of(ids[0], PARTS)
+    same = [i for i in ids if partition_of(i, PARTS) == part]
+    assert len(same) >= 3
+    assert await backend.timers.put(embedded_timer(same[0], due))
+    # two commits of other aggregates of the same partition, none of the timer's own
+    await backend.log.append_many([timer_commit(same[1], 1, []), timer_commit(same[2], 1, [])])
+    monkeypatch.setattr(embedded_timers, "TAIL_CHECK_LIMIT", 2)
+    check = LogCheck(CONSUMER, watermark=due - 1)
+    assert await owners_after(backend, check) == [] and check.skipped == 1
+    monkeypatch.setattr(embedded_timers, "TAIL_CHECK_LIMIT", 3)
+    check = LogCheck(CONSUMER, watermark=due - 1)
+    assert await owners_after(backend, check) == [same[0]] and check.skipped == 0
+
+
+def embedded_timer(agg_id: str, due: int) -> Any:
+    from wowd.model import Command, OnceRule, Timer, deterministic_timer_id
+
+    owner = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+    return Timer(
+        timer_id=deterministic_timer_id(owner, "k", 1),
+        partition=partition_of(agg_id, PARTS),
+        owner=owner,
+        key="k",
+        version=1,
+        due_at=due,
+        scheduled_at=due,
+        target=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
+        body=Command(name="go", body={}).to_json(),
+        rule=OnceRule(),
+    )
+
+
+async def owners_after(b: Backend, check: LogCheck) -> list[str]:
+    await fire(b, check)
+    return await owners_fired(b)
+
+
+class HeldSink:
+    """An event sink whose writes wait while ``hold`` is set (the feed stuck on a slow store)."""
+
+    def __init__(self, inner: EventSink, gate: dict[str, Any]) -> None:
+        self._inner = inner
+        self._gate = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def write(self, commits: Sequence[Commit]) -> Any:
+        if self._gate["hold"]:
+            self._gate["held"].set()
+            await self._gate["release"].wait()
+        return await self._inner.write(commits)
+
+
+async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancelled_timer(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """``wowd run``'s slot on the embedded backend with the outbox fast path: the feed applied
+    six timers due in a second, then sticks on a batch holding a cancel of one of them. At the
+    due time the five others are fired (the loop does not wait for the feed); the cancelled one
+    is not, and is gone once the feed applied the cancel."""
+    s = settings(tmp_path)
+    gateway, fused = build_gateway(s, backend)
+    assert fused is not None and backend.checks_log
+    gate: dict[str, Any] = {"hold": False, "held": anyio.Event(), "release": anyio.Event()}
+    make_sink = backend.sink_factory
+
+    def sink_factory(type_: AggregateType) -> Any:
+        return HeldSink(make_sink(type_), gate)
+
+    backend.sink_factory = sink_factory
+    held = await hold(backend)
+    waker = Waker()
+    loop = TimerLoop(s.timers.model_copy(update={"batch": 100}), backend.timers, gateway,
+                     nudge=backend.log.nudge, fused=fused, check_log=True)  # fmt: skip
+    due = int(time.time() * 1000) + 1_000
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await tg.start(Feeder(s, backend).run, held, waker)
+            await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(6)])
+
+            async def viewed(n: int) -> bool:
+                return len(await backend.timers.scan(limit=10)) == n
+
+            await eventually(lambda: viewed(6), 10, "six timers in the view")
+            gate["hold"] = True
+            await backend.log.append_many([cancel_commit("o-0", 2)])
+            await gate["held"].wait()  # the feed read the cancel and is stuck writing it
+
+            async def delivered() -> bool:
+                return await backend.outbox.count() >= 5
+
+            await eventually(delivered, 10, "five timers fired")
+            assert int(time.time() * 1000) >= due
+            assert waker.watermark is not None and waker.watermark < due
+            assert await owners_fired(backend) == [f"o-{i}" for i in range(1, 6)]
+            [left] = await backend.timers.scan(limit=10)
+            assert left.owner.id == "o-0"
+            gate["hold"] = False
+            gate["release"].set()
+            await eventually(lambda: viewed(0), 10, "the cancel applied")
+            held.request_stop()
+    assert await owners_fired(backend) == [f"o-{i}" for i in range(1, 6)]
+    entries = await backend.outbox.entries()
+    assert all(e.created_at >= due for e in entries)
