@@ -286,3 +286,23 @@ def test_compose_builds_the_wowd_image_once_and_checks_readiness() -> None:
         assert "/readyz" in " ".join(wowd[name]["healthcheck"]["test"]), name
     # the image's entrypoint is `wowd`: a one-off service gives the subcommand only
     assert wowd["demo-producer"]["command"][0] == "demo" and "entrypoint" not in wowd["demo-producer"]
+
+
+def test_a_batch_of_observations_counts_as_each_observed() -> None:
+    """``BatchHistogram.observe_many`` (the fire lag of a round) gives the exposition ``observe``
+    of each value gives: bucket boundaries included, sum, count, and nothing for an empty batch."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from wowd.metrics import BatchHistogram
+
+    values = [0.0, 0.001, 0.0011, 0.005, 0.25, 1.0, 59.9, 60.0, 3600.0, 0.0005]
+    one, many = CollectorRegistry(), CollectorRegistry()
+    each = BatchHistogram("lag_seconds", "h", buckets=(0.001, 0.005, 0.25, 1.0, 60.0), registry=one)
+    batch = BatchHistogram("lag_seconds", "h", buckets=(0.001, 0.005, 0.25, 1.0, 60.0), registry=many)
+    for v in values:
+        each.observe(v)
+    batch.observe_many(values[:4])
+    batch.observe_many([])
+    batch.observe_many(values[4:])
+    assert generate_latest(many) == generate_latest(one)
+    assert b'lag_seconds_bucket{le="0.001"} 3.0' in generate_latest(many)

@@ -152,9 +152,11 @@ def _count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
     """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
     time, fire time)`` each."""
     per_aggregate: Counter[str] = Counter()
+    lags: list[float] = []
     for aggregate, scheduled_at, at in fired:
         per_aggregate[aggregate] += 1
-        metrics.FIRE_LAG.observe(max(0.0, (at - scheduled_at) / 1000))
+        lags.append(max(0.0, (at - scheduled_at) / 1000))
+    metrics.FIRE_LAG.observe_many(lags)
     for aggregate, n in per_aggregate.items():
         metrics.TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
 

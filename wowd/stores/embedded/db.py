@@ -49,6 +49,11 @@ BEGIN_POLL_MAX_S = 0.001
 """How often a write transaction tries again for a write lock another process holds (doubling
 from the first to the second)."""
 
+CACHE_KIB = 65_536
+"""The page cache of each connection (SQLite's default is 2 MiB): a burst of timers due at once
+is read, written to the outbox and settled in random page order (ids are hashes), and with the
+default cache most of those page reads went to the file; filled only as pages are used."""
+
 NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
 """SQL expression: the store clock in ms since the epoch (SQLite's ``now``)."""
 
@@ -90,6 +95,7 @@ class SqliteDatabase:
                     time.sleep(delay)  # a worker thread's backoff, not test synchronisation
                     delay = min(delay * 2, 0.2)
             conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             if checkpointed_in_background(self.path):
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")

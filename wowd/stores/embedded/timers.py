@@ -402,37 +402,48 @@ def fired_rowid_sql(context: str, kind: str) -> str:
     )
 
 
-TAIL_CHECK_LIMIT = 10_000
+TAIL_CHECK_LIMIT = 256
 """At most this many commits of a partition past the feed's checkpoint are read by a
-:class:`LogCheck`; a longer tail leaves every timer of the partition due after the watermark."""
+:class:`LogCheck`; past that (the feed is behind), each timer is checked by its aggregate's last
+commit instead."""
 
-
-def log_tail_sql() -> str:
-    """The commits of one partition (``?2``) of the log of context ``?1`` past consumer ``?3``'s
-    checkpoint of it (all of them when it has none), at most ``?4``: their aggregates, over the
-    index ``log_partition`` (the checkpoint is read once, as a constant)."""
-    return (
-        "SELECT aggregate, aggregate_id FROM log WHERE context = ?1 AND partition = ?2 AND seq > COALESCE("
-        "(SELECT json_extract(position, '$.seq') FROM log_checkpoint"
-        " WHERE context = ?1 AND consumer = ?3 AND partition = ?2), 0) LIMIT ?4"
-    )
+CHECKPOINT_SEQS_SQL = (
+    "SELECT partition, json_extract(position, '$.seq') FROM log_checkpoint WHERE context = ? AND consumer = ?"
+)
+"""The log position (``seq``) of each partition's checkpoint of a consumer."""
+LOG_TAIL_SQL = "SELECT aggregate, aggregate_id FROM log WHERE context = ? AND partition = ? AND seq > ? LIMIT ?"
+"""The aggregates of one partition's commits past a position, at most a limit (index ``log_partition``)."""
+LAST_COMMIT_SQL = (
+    "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
+    " ORDER BY version DESC LIMIT 1"
+)
+"""The position of an aggregate's last commit: one seek of index ``log_version`` (an aggregate's
+versions are appended in order, so its last version is its last commit)."""
 
 
 class _TailCheck:
     """A :class:`LogCheck` in the transaction that takes due rows: whether the log may have
     changed a row's timer since the feed's checkpoint (a commit of its aggregate past the
-    checkpoint of its partition). Each partition's tail is read once, when a row due after the
-    watermark first needs it. Tenants are not compared: a commit of another tenant's aggregate
-    of the same id only delays a timer."""
+    checkpoint of its partition). A partition's commits past its checkpoint are read once, when a
+    row due after the watermark first needs them; a partition with more than
+    :data:`TAIL_CHECK_LIMIT` of them has each row checked by its aggregate's last commit. Tenants
+    are not compared in a tail: a commit of another tenant's aggregate of the same id only delays
+    a timer."""
 
-    __slots__ = ("_check", "_conn", "_context", "_sql", "_tails")
+    __slots__ = ("_check", "_checkpoints", "_conn", "_context", "_tails")
 
     def __init__(self, conn: sqlite3.Connection, context: str, check: LogCheck) -> None:
         self._conn = conn
         self._context = context
         self._check = check
-        self._sql = log_tail_sql()
+        self._checkpoints: dict[int, int] | None = None
         self._tails: dict[int, frozenset[tuple[str, str]] | None] = {}
+
+    def _checkpoint(self, part: int) -> int:
+        if self._checkpoints is None:
+            rows = self._conn.execute(CHECKPOINT_SEQS_SQL, (self._context, self._check.consumer)).fetchall()
+            self._checkpoints = {p: int(seq) for p, seq in rows if seq is not None}
+        return self._checkpoints.get(part, 0)
 
     def stale(self, r: Sequence[Any]) -> bool:
         """Whether the row (``COLUMNS`` order) is left for the feed (counted in ``skipped``)."""
@@ -443,13 +454,17 @@ class _TailCheck:
             tail = self._tails[part]
         else:
             rows = self._conn.execute(
-                self._sql, (self._context, part, self._check.consumer, TAIL_CHECK_LIMIT)
+                LOG_TAIL_SQL, (self._context, part, self._checkpoint(part), TAIL_CHECK_LIMIT)
             ).fetchall()
             tail = self._tails[part] = None if len(rows) >= TAIL_CHECK_LIMIT else frozenset(rows)
-        if tail is None or (r[2], r[4]) in tail:
+        if tail is None:
+            last = self._conn.execute(LAST_COMMIT_SQL, (self._context, r[2], r[3], r[4])).fetchone()
+            stale = last is not None and last[0] > self._checkpoint(part)
+        else:
+            stale = (r[2], r[4]) in tail
+        if stale:
             self._check.skipped += 1
-            return True
-        return False
+        return stale
 
 
 def due_plan(partitions: Iterable[int], arms: int = DUE_ARMS) -> list[tuple[int, ...]]:
