@@ -289,7 +289,15 @@ class TimerLoop:
                         continue
                     # every timer due by `until` is claimed: sleep until the next one (the store's,
                     # or one put since) comes within the lookahead, an idle period at most
-                    stored_next = await self._next_due(parts, until, logx)
+                    soon = waker.earliest()
+                    if check is not None and soon is not None and soon <= until + int(MAX_IDLE_S * 1000):
+                        # a put of this process is due within an idle period: the round at its
+                        # due time reads every timer due by then (the store's next one need not
+                        # be read first: a timer the waker was not told of fires at most an
+                        # idle period late, as with the idle poll)
+                        stored_next = None
+                    else:
+                        stored_next = await self._next_due(parts, until, logx)
                     now = now_ms()
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
                     first = min(nexts, default=None)
