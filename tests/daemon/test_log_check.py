@@ -25,7 +25,6 @@ from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, TimerStatus
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend, EventSink, LogCheck
-from wowd.stores.embedded import timers as embedded_timers
 
 from .conftest import CONTEXT, eventually, timer_commit
 
@@ -148,12 +147,9 @@ async def test_a_partition_without_a_checkpoint_counts_every_commit_as_not_appli
     assert check.skipped == 1
 
 
-async def test_past_a_long_tail_each_timer_is_checked_by_its_aggregates_last_commit(
-    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The feed far behind (more commits of a partition past its checkpoint than a tail read
-    takes): a timer whose aggregate has no commit past the checkpoint is fired, one whose
-    aggregate has is left, as with a short tail."""
+async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: Path, backend: Backend) -> None:
+    """The feed behind on a partition: a timer whose aggregate has no commit past the checkpoint
+    is fired although other aggregates of its partition have; one whose aggregate has is left."""
     due = int(time.time() * 1000) - 1_000
     ids = [f"y-{i}" for i in range(60)]
     part = partition_of(ids[0], PARTS)
@@ -163,7 +159,6 @@ async def test_past_a_long_tail_each_timer_is_checked_by_its_aggregates_last_com
         assert await backend.timers.put(embedded_timer(agg, due))
     # commits of other aggregates of the same partition, and one of the second timer's own
     await backend.log.append_many([timer_commit(agg, 1, []) for agg in same[2:5]] + [cancel_commit(same[1], 1)])
-    monkeypatch.setattr(embedded_timers, "TAIL_CHECK_LIMIT", 2)
     check = LogCheck(CONSUMER, watermark=due - 1)
     assert await owners_after(backend, check) == [same[0]] and check.skipped == 1
     [left] = await backend.timers.scan(limit=10)

@@ -402,17 +402,10 @@ def fired_rowid_sql(context: str, kind: str) -> str:
     )
 
 
-TAIL_CHECK_LIMIT = 256
-"""At most this many commits of a partition past the feed's checkpoint are read by a
-:class:`LogCheck`; past that (the feed is behind), each timer is checked by its aggregate's last
-commit instead."""
-
 CHECKPOINT_SEQS_SQL = (
     "SELECT partition, json_extract(position, '$.seq') FROM log_checkpoint WHERE context = ? AND consumer = ?"
 )
 """The log position (``seq``) of each partition's checkpoint of a consumer."""
-LOG_TAIL_SQL = "SELECT aggregate, aggregate_id FROM log WHERE context = ? AND partition = ? AND seq > ? LIMIT ?"
-"""The aggregates of one partition's commits past a position, at most a limit (index ``log_partition``)."""
 LAST_COMMIT_SQL = (
     "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
     " ORDER BY version DESC LIMIT 1"
@@ -421,50 +414,32 @@ LAST_COMMIT_SQL = (
 versions are appended in order, so its last version is its last commit)."""
 
 
-class _TailCheck:
+class _LogChecker:
     """A :class:`LogCheck` in the transaction that takes due rows: whether the log may have
-    changed a row's timer since the feed's checkpoint (a commit of its aggregate past the
-    checkpoint of its partition). A partition's commits past its checkpoint are read once, when a
-    row due after the watermark first needs them; a partition with more than
-    :data:`TAIL_CHECK_LIMIT` of them has each row checked by its aggregate's last commit. Tenants
-    are not compared in a tail: a commit of another tenant's aggregate of the same id only delays
-    a timer."""
+    changed a row's timer since the feed's checkpoint, i.e. whether its aggregate's last commit
+    is past the checkpoint of its partition (one index seek per row due after the watermark; the
+    checkpoints are read once, when the first row needs them)."""
 
-    __slots__ = ("_check", "_checkpoints", "_conn", "_context", "_tails")
+    __slots__ = ("_check", "_checkpoints", "_conn", "_context")
 
     def __init__(self, conn: sqlite3.Connection, context: str, check: LogCheck) -> None:
         self._conn = conn
         self._context = context
         self._check = check
         self._checkpoints: dict[int, int] | None = None
-        self._tails: dict[int, frozenset[tuple[str, str]] | None] = {}
-
-    def _checkpoint(self, part: int) -> int:
-        if self._checkpoints is None:
-            rows = self._conn.execute(CHECKPOINT_SEQS_SQL, (self._context, self._check.consumer)).fetchall()
-            self._checkpoints = {p: int(seq) for p, seq in rows if seq is not None}
-        return self._checkpoints.get(part, 0)
 
     def stale(self, r: Sequence[Any]) -> bool:
         """Whether the row (``COLUMNS`` order) is left for the feed (counted in ``skipped``)."""
         if r[8] <= self._check.watermark:
             return False
-        part = r[1]
-        if part in self._tails:
-            tail = self._tails[part]
-        else:
-            rows = self._conn.execute(
-                LOG_TAIL_SQL, (self._context, part, self._checkpoint(part), TAIL_CHECK_LIMIT)
-            ).fetchall()
-            tail = self._tails[part] = None if len(rows) >= TAIL_CHECK_LIMIT else frozenset(rows)
-        if tail is None:
-            last = self._conn.execute(LAST_COMMIT_SQL, (self._context, r[2], r[3], r[4])).fetchone()
-            stale = last is not None and last[0] > self._checkpoint(part)
-        else:
-            stale = (r[2], r[4]) in tail
-        if stale:
-            self._check.skipped += 1
-        return stale
+        if self._checkpoints is None:
+            rows = self._conn.execute(CHECKPOINT_SEQS_SQL, (self._context, self._check.consumer)).fetchall()
+            self._checkpoints = {p: int(seq) for p, seq in rows if seq is not None}
+        last = self._conn.execute(LAST_COMMIT_SQL, (self._context, r[2], r[3], r[4])).fetchone()
+        if last is None or last[0] <= self._checkpoints.get(r[1], 0):
+            return False
+        self._check.skipped += 1
+        return True
 
 
 def due_plan(partitions: Iterable[int], arms: int = DUE_ARMS) -> list[tuple[int, ...]]:
@@ -1074,14 +1049,14 @@ class EmbeddedTimerStore(SqliteStore):
             undecodable: list[tuple[str, Any, Any]] = []
             if check is not None:
                 check.skipped = 0  # a transaction written again counts anew
-            tails = None if check is None else _TailCheck(conn, ctx, check)
+            checker = None if check is None else _LogChecker(conn, ctx, check)
             with closing(read(conn)) as due:
                 for r in due:
                     if r[0] in skip:
                         continue
                     if len(fired) >= limit:
                         break
-                    if tails is not None and tails.stale(r):
+                    if checker is not None and checker.stale(r):
                         continue
                     nxt: int | None = None
                     if r[15] != _ONCE_JSON:
