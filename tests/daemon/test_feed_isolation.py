@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from wowd import metrics
+from wowd.cli.backend import opened_backend
 from wowd.config import EmbeddedSettings, FeedSettings, LeaseSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
@@ -66,13 +67,8 @@ class RefusingSink:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    async with opened_backend(settings(tmp_path)) as b:
         yield b
-    finally:
-        await b.close()
 
 
 def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:

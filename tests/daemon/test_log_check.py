@@ -16,13 +16,15 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.helpers import once_timer
+from wowd.cli.backend import opened_backend
 from wowd.cli.run import build_gateway
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, TimerStatus
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, Timer, TimerStatus
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend, EventSink, LogCheck
 
@@ -46,13 +48,8 @@ def settings(tmp_path: Path) -> WowdSettings:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    async with opened_backend(settings(tmp_path)) as b:
         yield b
-    finally:
-        await b.close()
 
 
 async def hold(b: Backend) -> HeldSlot:
@@ -165,22 +162,8 @@ async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: P
     assert left.owner.id == same[1]
 
 
-def embedded_timer(agg_id: str, due: int) -> Any:
-    from wowd.model import Command, OnceRule, Timer, deterministic_timer_id
-
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1),
-        partition=partition_of(agg_id, PARTS),
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=due,
-        scheduled_at=due,
-        target=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
-        body=Command(name="go", body={}).to_json(),
-        rule=OnceRule(),
-    )
+def embedded_timer(agg_id: str, due: int) -> Timer:
+    return once_timer(CONTEXT, agg_id, PARTS, due)
 
 
 async def owners_after(b: Backend, check: LogCheck) -> list[str]:

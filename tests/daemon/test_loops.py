@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers import caught_up_waker
 from wowd import metrics
+from wowd.cli.backend import opened_backend
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
@@ -45,13 +46,8 @@ PARTS = 4
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    async with opened_backend(settings(tmp_path)) as b:
         yield b
-    finally:
-        await b.close()
 
 
 def settings(tmp_path: Path) -> WowdSettings:

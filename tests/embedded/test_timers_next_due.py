@@ -8,25 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from wowd.model import AggregateRef, Command, Timer, deterministic_timer_id, partition
+from tests.helpers import once_timer
+from wowd.model import Timer, partition
 from wowd.stores.embedded.timers import DUE_ARMS, EmbeddedTimerStore, ddl_sql, next_due_sql, table_name
 
 CTX = "ctx"
 
 
 def timer(id: str, partitions: int, due_at: int) -> Timer:
-    owner = AggregateRef(context=CTX, aggregate="order", id=id)
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1),
-        partition=partition(id, partitions),
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=due_at,
-        scheduled_at=due_at,
-        target=owner,
-        body=Command(name="go").to_json(),
-    )
+    return once_timer(CTX, id, partitions, due_at)
 
 
 def test_next_due_sql_seeks_the_partial_due_index_in_each_arm() -> None:

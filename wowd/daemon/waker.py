@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import anyio
 
@@ -98,28 +98,14 @@ class Waker:
     def _read_to(self, read_mark: int) -> None:
         if self.read_mark is None or read_mark > self.read_mark:
             self.read_mark = read_mark
-            if self._readers:
-                waiting = []
-                for at, event in self._readers:
-                    if at <= read_mark:
-                        event.set()
-                    else:
-                        waiting.append((at, event))
-                self._readers = waiting
+            _release(self._readers, lambda at: at <= read_mark)
 
     def applied(self, batch: int, watermark: int | None) -> None:
         """The feed applied batch number ``batch`` (and, with a ``watermark``, every commit
         appended before it)."""
         self._applied = max(self._applied, batch)
         self._forget()
-        if self._appliers:
-            waiting = []
-            for after, event in self._appliers:
-                if self._applied > after:
-                    event.set()
-                else:
-                    waiting.append((after, event))
-            self._appliers = waiting
+        _release(self._appliers, lambda after: self._applied > after)
         if watermark is not None:
             self.advance(watermark)
 
@@ -157,26 +143,14 @@ class Waker:
     async def wait_applied(self, after: int, timeout_s: float) -> None:
         """Waits until the feed has applied a batch numbered above ``after`` (at most
         ``timeout_s``; a stop wakes it too)."""
-        if self._applied > after:
-            return
-        event = anyio.Event()
-        self._appliers.append((after, event))
-        with anyio.move_on_after(timeout_s):
-            await event.wait()
-        if not event.is_set():
-            self._appliers = [(a, e) for a, e in self._appliers if e is not event]
+        if self._applied <= after:
+            await _wait_listed(self._appliers, after, timeout_s)
 
     async def read_past(self, at: int, timeout_s: float) -> bool:
         """Waits until the feed has read every commit appended before ``at`` (at most
         ``timeout_s``); answers whether it has."""
-        if self.read_mark is not None and self.read_mark >= at:
-            return True
-        event = anyio.Event()
-        self._readers.append((at, event))
-        with anyio.move_on_after(timeout_s):
-            await event.wait()
-        if not event.is_set():
-            self._readers = [(a, e) for a, e in self._readers if e is not event]
+        if self.read_mark is None or self.read_mark < at:
+            await _wait_listed(self._readers, at, timeout_s)
         return self.read_mark is not None and self.read_mark >= at
 
     def __len__(self) -> int:
@@ -185,9 +159,7 @@ class Waker:
     def wake(self) -> None:
         """Wakes the loop now (a stop)."""
         self._event.set()
-        for _after, event in self._appliers:
-            event.set()
-        self._appliers = []
+        _release(self._appliers, lambda _after: True)
 
     def maybe_wake(self, due_at: int) -> None:
         """A timer due at ``due_at`` was stored (put, retried, or its next occurrence): kept until
@@ -232,3 +204,24 @@ class Waker:
                 self._want_watermark = float("inf")
         if self._event.is_set():
             self._event = anyio.Event()
+
+
+def _release(waiters: list[tuple[int, anyio.Event]], reached: Callable[[int], bool]) -> None:
+    """Sets the event of each waiter whose mark is ``reached``; keeps the others, in place."""
+    kept = []
+    for mark, event in waiters:
+        if reached(mark):
+            event.set()
+        else:
+            kept.append((mark, event))
+    waiters[:] = kept
+
+
+async def _wait_listed(waiters: list[tuple[int, anyio.Event]], mark: int, timeout_s: float) -> None:
+    """Waits (at most ``timeout_s``) for :func:`_release` to set a waiter added at ``mark``."""
+    entry = (mark, anyio.Event())
+    waiters.append(entry)
+    with anyio.move_on_after(timeout_s):
+        await entry[1].wait()
+    if not entry[1].is_set():
+        waiters.remove(entry)
