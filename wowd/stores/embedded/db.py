@@ -35,7 +35,6 @@ __all__ = [
     "checkpointed_in_background",
     "file_write_lock",
     "merged_read",
-    "under_lock",
 ]
 
 T = TypeVar("T")
@@ -397,16 +396,6 @@ def file_write_lock(db: SqliteDatabase) -> threading.RLock:
     return lock
 
 
-def under_lock(lock: threading.RLock, fn: Callable[[sqlite3.Connection], T]) -> Callable[[sqlite3.Connection], T]:
-    """``fn`` run holding ``lock`` (in the worker thread, around the whole transaction)."""
-
-    def locked(conn: sqlite3.Connection) -> T:
-        with lock:
-            return fn(conn)
-
-    return locked
-
-
 class SqliteStore:
     """Base of the embedded stores: the client-or-path rule and the metered call.
 
@@ -428,7 +417,6 @@ class SqliteStore:
             self._db, self._owns = db_or_path, False
         else:
             self._db, self._owns = SqliteDatabase(db_or_path), True
-        self._write_lock = file_write_lock(self._db)
         self._schema_ready = not self.SCHEMA
 
     async def _ensure_ready(self) -> None:

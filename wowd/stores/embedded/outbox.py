@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
-from wowd.stores.embedded.db import SqliteStore, under_lock
+from wowd.stores.embedded.db import SqliteStore
 
 __all__ = ["SCHEMA", "EmbeddedOutbox", "Repeated", "entry_row", "insert_new", "sort_out", "target_json"]
 
@@ -151,9 +151,7 @@ class EmbeddedOutbox(SqliteStore):
     async def put(self, entry: OutboxEntry) -> bool:
         values = entry_row(entry)
         sql = put_sql()
-        return await self._run(
-            "put", under_lock(self._write_lock, lambda conn: conn.execute(sql, values).rowcount == 1)
-        )
+        return await self._run("put", self._db.transaction(lambda conn: conn.execute(sql, values).rowcount == 1))
 
     async def put_many(self, entries: Sequence[OutboxEntry]) -> list[bool]:
         """Inserts a batch in one transaction; per entry, False when its request id was there

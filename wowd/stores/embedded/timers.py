@@ -70,7 +70,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import FiredTimer, LogCheck
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read, under_lock
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
 
@@ -412,6 +412,13 @@ LAST_COMMIT_SQL = (
 )
 """The position of an aggregate's last commit: one seek of index ``log_version`` (an aggregate's
 versions are appended in order, so its last version is its last commit)."""
+
+
+def _report_failed(failed: Iterable[tuple[Sequence[Any], str]]) -> None:
+    """Counts and logs the rows (``COLUMNS`` order) a claim or a fire set FAILED, with why."""
+    for r, reason in failed:
+        TIMERS_FAILED.labels(aggregate=r[2]).inc()
+        log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
 
 
 class _LogChecker:
@@ -850,7 +857,7 @@ class EmbeddedTimerStore(SqliteStore):
         answers: list[int] = []
         for k in range(0, len(steps), WRITE_CHUNK):
             chunk = steps[k : k + WRITE_CHUNK]
-            answers += await self._write("write", self._db.transaction(functools.partial(work, chunk)))
+            answers += await self._write("write", functools.partial(work, chunk))
         return answers
 
     async def sweep(self, before: int, limit: int) -> int:
@@ -885,7 +892,7 @@ class EmbeddedTimerStore(SqliteStore):
                 conn.executemany(statements[kind], rows)
             return conn.total_changes - before
 
-        written: int = await self._write("settle", self._db.transaction(work))
+        written: int = await self._write("settle", work)
         if written < len(changes):
             log.debug("settle: %d of %d changes skipped (timer moved on)", len(changes) - written, len(changes))
         return written
@@ -998,10 +1005,8 @@ class EmbeddedTimerStore(SqliteStore):
                     raise StorageError(f"claim_due: claimed {claimed} of the {len(params)} timers read")
             return out
 
-        timers = await self._write("claim_due", self._db.transaction(work))
-        for r, reason in failed:
-            TIMERS_FAILED.labels(aggregate=r[2]).inc()
-            log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
+        timers = await self._write("claim_due", work)
+        _report_failed(failed)
         return timers
 
     async def fire_into_outbox(
@@ -1089,12 +1094,10 @@ class EmbeddedTimerStore(SqliteStore):
             return fired
 
         try:
-            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, insert_new)))
+            fired = await self._write("fire_into_outbox", functools.partial(work, insert_new))
         except Repeated:  # rolled back: write the batch again, sorting the re-deliveries out
-            fired = await self._write("fire_into_outbox", self._db.transaction(functools.partial(work, sort_out)))
-        for r, reason in failed:
-            TIMERS_FAILED.labels(aggregate=r[2]).inc()
-            log.error("timer %s of %s %s/%s (partition %d) set FAILED: %s", r[5], r[2], r[3], r[4], r[1], reason)
+            fired = await self._write("fire_into_outbox", functools.partial(work, sort_out))
+        _report_failed(failed)
         return fired
 
     async def _prepare_outbox(self) -> None:
@@ -1176,5 +1179,6 @@ class EmbeddedTimerStore(SqliteStore):
         return [timer_from_row(ctx, r) for r in rows]
 
     async def _write(self, operation: str, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """A write: run holding the file's write lock (see :func:`file_write_lock`)."""
-        return await self._run(operation, under_lock(self._write_lock, fn))
+        """A write: ``fn`` in one write transaction (:meth:`SqliteDatabase.transaction`, which
+        holds the file's write lock)."""
+        return await self._run(operation, self._db.transaction(fn))
