@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import anyio
+
+from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Command, Timer, deterministic_timer_id, partition
+from wowd.model import AggregateRef, Command, SlotLease, Timer, deterministic_timer_id, partition
 
 FAR_FUTURE_MS = 2**62
 
@@ -29,3 +32,16 @@ def once_timer(context: str, id: str, partitions: int, due_at: int) -> Timer:
         target=owner,
         body=Command(name="go").to_json(),
     )
+
+
+def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: float = 60) -> HeldSlot:
+    """Slot ``slot`` of namespace ``t`` held by owner key ``me`` under ``fence``, over partitions
+    ``0 .. partitions - 1``, its lease valid ``valid_for`` seconds more (call it in a task)."""
+    lease = SlotLease(
+        namespace="t", slot=slot, owner_key="me", incarnation=1, fence=fence, expires_at=0, floor=0, ceiling=0,
+        written_at=0,
+    )  # fmt: skip
+    return HeldSlot(
+        lease=lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + valid_for,
+        owner_key="me",
+    )  # fmt: skip

@@ -15,7 +15,7 @@ import anyio
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, held_slot
 from wowd.cli.run import build_gateway
 from wowd.config import (
     EmbeddedSettings,
@@ -27,11 +27,10 @@ from wowd.config import (
     WowdSettings,
 )
 from wowd.daemon.gateway import HttpGateway, OutboxGateway
-from wowd.daemon.leases import HeldSlot
 from wowd.daemon.supervisor import Supervisor
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, SlotLease, Timer, deterministic_timer_id
+from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, Timer, deterministic_timer_id
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend
 from wowd.stores.embedded.outbox import EmbeddedOutbox
@@ -121,13 +120,7 @@ async def run_loop(
     box = EmbeddedOutbox(path)
     for t in ts:
         assert await store.put(t)
-    lease = SlotLease(
-        namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
-        written_at=0,
-    )  # fmt: skip
-    held = HeldSlot(
-        lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
-    )
+    held = held_slot(PARTS, fence=3)
     gateway = OutboxGateway(box, firing=store if fast else None)
     assert (gateway.fused is gateway) is fast
     loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
@@ -252,13 +245,7 @@ async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_t
     try:
         for t in ts:
             assert await store.put(t)
-        lease = SlotLease(
-            namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
-            written_at=0,
-        )  # fmt: skip
-        held = HeldSlot(
-            lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
-        )
+        held = held_slot(PARTS, fence=3)
         gateway = OutboxGateway(box, firing=store)
         loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
         waker = Waker()

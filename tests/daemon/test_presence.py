@@ -12,13 +12,14 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.helpers import held_slot
 from wowd import __version__, metrics
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot, Presence
 from wowd.daemon.supervisor import Supervisor
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import Owner, SlotLease
+from wowd.model import Owner
 from wowd.stores.base import Backend, ReplicaInfo, ReplicaState
 
 pytestmark = pytest.mark.anyio
@@ -60,21 +61,6 @@ def settings(ttl: float = 0.6, tolerance: float = 0.2) -> WowdSettings:
     return WowdSettings(partitions=8, lease=LeaseSettings(limit=2, ttl_s=ttl, tolerance_s=tolerance))
 
 
-def held_slot(slot: int, valid_for: float = 60) -> HeldSlot:
-    lease = SlotLease(
-        namespace="wowd.demo",
-        slot=slot,
-        owner_key="me",
-        incarnation=1,
-        fence=1,
-        expires_at=0,
-        floor=0,
-        ceiling=0,
-        written_at=0,
-    )
-    return HeldSlot(lease=lease, partitions=frozenset(), valid_until=anyio.current_time() + valid_for, owner_key="me")
-
-
 def failures(reason: str) -> float:
     return metrics.REGISTRY.get_sample_value("wowd_lease_heartbeat_failures_total", {"reason": reason}) or 0.0
 
@@ -103,7 +89,9 @@ async def test_a_change_heartbeats_at_once_with_the_slots_held_validly() -> None
     async with anyio.create_task_group() as tg:
         await tg.start(presence.run)
         await store.wait(1)
-        held.extend([held_slot(3), held_slot(1), held_slot(2, valid_for=-1)])  # slot 2: lease no longer valid
+        held.extend(
+            [held_slot(0, slot=3), held_slot(0, slot=1), held_slot(0, slot=2, valid_for=-1)]
+        )  # slot 2: lease no longer valid
         changed = anyio.current_time()
         presence.changed()
         await store.wait(2)

@@ -14,12 +14,11 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, held_slot
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Record, Stopped
-from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, wake_time
 from wowd.daemon.waker import Waker
 from wowd.errors import StorageUnavailable
@@ -28,7 +27,6 @@ from wowd.model import (
     Command,
     IntervalRule,
     Rule,
-    SlotLease,
     Timer,
     deterministic_timer_id,
     partition,
@@ -163,16 +161,6 @@ class NoNextDue(EmbeddedTimerStore):
         return None
 
 
-def held_slot() -> HeldSlot:
-    lease = SlotLease(
-        namespace="t", slot=0, owner_key="me", incarnation=1, fence=1, expires_at=0, floor=0, ceiling=0,
-        written_at=0,
-    )  # fmt: skip
-    return HeldSlot(
-        lease=lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
-    )
-
-
 def timer(id: str, due_at: int, rule: Rule | None = None) -> Timer:
     owner = AggregateRef(context=CONTEXT, aggregate="order", id=id)
     kwargs: dict[str, Any] = {} if rule is None else {"rule": rule}
@@ -207,7 +195,7 @@ async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
 
 async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
     gw = Recorder()
-    held = held_slot()
+    held = held_slot(PARTS)
     loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw)
     with anyio.fail_after(8):
         async with anyio.create_task_group() as tg:
@@ -291,7 +279,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
     backend = await open_embedded(settings)
     try:
         waker = Waker()
-        held = held_slot()
+        held = held_slot(PARTS)
         gw = Recorder()
         loop = TimerLoop(TimerSettings(lookahead_ms=100), backend.timers, gw, nudge=backend.log.nudge)
         with anyio.fail_after(10):
@@ -341,7 +329,7 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
         assert await store.put(timer("n-1", due))
         gw = Recorder()
         loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw, nudge=nudge)
-        held = held_slot()
+        held = held_slot(PARTS)
         with anyio.fail_after(8):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, waker)

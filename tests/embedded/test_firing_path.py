@@ -15,10 +15,9 @@ from typing import Any, get_args, get_type_hints
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
 from wowd.daemon.gateway import OutboxGateway
-from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.model import (
     AggregateRef,
@@ -28,7 +27,6 @@ from wowd.model import (
     IntervalRule,
     OnceRule,
     OutboxEntry,
-    SlotLease,
     Timer,
     TimerChange,
     TimerStatus,
@@ -338,13 +336,7 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
     timers = [timer(f"l-{i}", parts, due_at=now - 1000 + i, aggregate=TYPES[i % 3]) for i in range(n)]
     for t in timers:
         assert await store.put(t)
-    lease = SlotLease(
-        namespace="t", slot=0, owner_key="me", incarnation=1, fence=3, expires_at=0, floor=0, ceiling=0,
-        written_at=0,
-    )  # fmt: skip
-    held = HeldSlot(
-        lease=lease, partitions=frozenset(range(parts)), valid_until=anyio.current_time() + 60, owner_key="me"
-    )
+    held = held_slot(parts, fence=3)
     loop = TimerLoop(TimerSettings(batch=100), store, OutboxGateway(box))
     try:
         with anyio.fail_after(20):
