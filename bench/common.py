@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,29 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 # --------------------------------------------------------------------------- profiles
+
+
+@contextmanager
+def sqlite_inline(enabled: bool = True) -> Iterator[None]:
+    """While it lasts (when ``enabled``), every embedded store's SQLite call runs inline on the
+    calling (event loop's) thread, ``SqliteDatabase.run`` calling ``run_sync`` directly: cProfile
+    follows one thread, so a profile then sees the calls' cost where it is spent."""
+    from wowd.stores.embedded.db import SqliteDatabase
+
+    if not enabled:
+        yield
+        return
+    run_sync = SqliteDatabase.run_sync
+
+    async def inline_run(self: SqliteDatabase, fn: Any) -> Any:
+        return run_sync(self, fn)
+
+    saved = SqliteDatabase.run
+    SqliteDatabase.run = inline_run  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SqliteDatabase.run = saved  # type: ignore[method-assign]
 
 
 def profile_tables(

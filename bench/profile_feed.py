@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from bench.common import cpu_seconds, peak_rss_mb, profile_tables
+from bench.common import cpu_seconds, peak_rss_mb, profile_tables, sqlite_inline
 
 __all__ = ["STEPS", "feed_once", "main"]
 
@@ -56,7 +56,6 @@ async def _feed(
     from wowd.demo import produce
     from wowd.model import SlotLease
     from wowd.stores.embedded import open_embedded
-    from wowd.stores.embedded.db import SqliteDatabase
 
     settings = WowdSettings(context="bench", partitions=64, embedded={"path": path})  # type: ignore[arg-type]
     backend = await open_embedded(settings)
@@ -85,25 +84,15 @@ async def _feed(
                 super().advance(watermark)
                 held.request_stop()
 
-        run_sync = SqliteDatabase.run_sync
-
-        async def inline_run(self: SqliteDatabase, fn: Any) -> Any:
-            return run_sync(self, fn)
-
-        saved = SqliteDatabase.run
-        if inline:
-            SqliteDatabase.run = inline_run  # type: ignore[method-assign]
         profiler = cProfile.Profile() if profile else None
         cpu0 = cpu_seconds()
         started = time.perf_counter()
-        try:
+        with sqlite_inline(inline):
             if profiler is not None:
                 profiler.enable()
             await Feeder(settings, backend).run(held, StopAtHead())
             if profiler is not None:
                 profiler.disable()
-        finally:
-            SqliteDatabase.run = saved  # type: ignore[method-assign]
         elapsed = time.perf_counter() - started
         cpu = cpu_seconds() - cpu0
         checkpoints = await backend.log.checkpoints("wowd", list(range(64)))

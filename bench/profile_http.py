@@ -36,6 +36,7 @@ from bench.common import (
     insert_timer_rows,
     now_ms,
     profile_tables,
+    sqlite_inline,
     timer_rows,
 )
 from bench.http_delivery import Target, _bare, target_server
@@ -66,7 +67,6 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
     from wowd.daemon.timers import TimerLoop
     from wowd.daemon.waker import Waker
     from wowd.model import SlotLease
-    from wowd.stores.embedded.db import SqliteDatabase
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     store = EmbeddedTimerStore(db_path, context=BENCH_CONTEXT, partitions=PARTITIONS)
@@ -108,35 +108,27 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
     due = now_ms() + 300 + n // 40
     insert_timer_rows(db_path, timer_rows(n, due_at=due, partitions=PARTITIONS))
 
-    run_sync = SqliteDatabase.run_sync
-
-    async def inline_run(self: SqliteDatabase, fn: Any) -> Any:
-        return run_sync(self, fn)
-
-    saved = SqliteDatabase.run
-    if inline:
-        SqliteDatabase.run = inline_run  # type: ignore[method-assign]
     profiler = cProfile.Profile() if profile else None
     try:
-        await anyio.sleep(max(0.0, (due - now_ms()) / 1000))
-        cpu0 = cpu_seconds()
-        started = time.perf_counter()
+        with sqlite_inline(inline):
+            await anyio.sleep(max(0.0, (due - now_ms()) / 1000))
+            cpu0 = cpu_seconds()
+            started = time.perf_counter()
 
-        async def watch() -> None:
-            await all_delivered.wait()
-            held.request_stop()
+            async def watch() -> None:
+                await all_delivered.wait()
+                held.request_stop()
 
-        if profiler is not None:
-            profiler.enable()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watch)
-            await TimerLoop(settings, store, gateway).run(held, waker)
-        if profiler is not None:
-            profiler.disable()
-        elapsed = time.perf_counter() - started
-        cpu = cpu_seconds() - cpu0
+            if profiler is not None:
+                profiler.enable()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch)
+                await TimerLoop(settings, store, gateway).run(held, waker)
+            if profiler is not None:
+                profiler.disable()
+            elapsed = time.perf_counter() - started
+            cpu = cpu_seconds() - cpu0
     finally:
-        SqliteDatabase.run = saved  # type: ignore[method-assign]
         await gateway.aclose()
         await store.close()
     return elapsed, cpu, profiler
