@@ -14,7 +14,7 @@ RUN /opt/wowd/bin/pip install --constraint requirements.lock . \
  && find /opt/wowd -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}
-# VERSION, SOURCE and REVISION are passed by `make image` (from pyproject.toml and git); a build
+# VERSION, SOURCE and REVISION are passed by `make image` (from wowd/__init__.py and git); a build
 # without them labels the image with what is known and leaves the others empty, never invented.
 ARG VERSION=0.1.0
 ARG SOURCE=""

@@ -58,7 +58,7 @@ lock: venv
 # The container image, labelled with its version, source repository and revision.
 image:
 	docker build -t $(IMAGE) \
-	  --build-arg VERSION=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) \
+	  --build-arg VERSION=$$(sed -n 's/^__version__ = "\(.*\)"/\1/p' wowd/__init__.py) \
 	  --build-arg SOURCE=$$(git remote get-url origin 2>/dev/null | sed 's/\.git$$//') \
 	  --build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null) .
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 from importlib.metadata import packages_distributions
@@ -169,3 +170,22 @@ def test_the_dependencies_declared_are_the_ones_imported() -> None:
     providers = packages_distributions()
     imported = {_distribution(d) for m in third_party for d in providers.get(m, [m])}
     assert imported | LOADED_BY_NAME == declared
+
+
+def test_every_runtime_dependency_has_its_line_in_the_docs() -> None:
+    # docs/architecture.md, "Dependencies": one table row per declared dependency, saying why
+    project = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["project"]
+    declared = {_distribution(r) for r in project["dependencies"]}
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = doc.split("## Dependencies", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    named = {_distribution(n) for row in rows for n in re.findall(r"`([^`]+)`", row.split("|")[1])}
+    assert declared <= named, f"without a line in docs/architecture.md: {sorted(declared - named)}"
+
+
+def test_the_cli_starts_without_the_http_client() -> None:
+    # aiohttp takes about a third of a second to import (it loads the system's CA bundle): only
+    # a replica with an http gateway pays it, not every `wowd` command nor an outbox replica
+    code = "import sys, wowd.cli, wowd.cli.run; print(sorted(m for m in ('aiohttp', 'yarl') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -79,6 +79,21 @@ def test_partition_is_a_floor_mod_in_range(agg_id: str, n: int) -> None:
     assert (h - p) % n == 0
 
 
+def _hash_unit_by_unit(s: str) -> int:
+    """Java's definition, ``h = 31 * h + unit`` over the UTF-16 code units, in 32 bits."""
+    units = s.encode("utf-16-be", "surrogatepass")
+    h = 0
+    for i in range(0, len(units), 2):
+        h = (31 * h + int.from_bytes(units[i : i + 2], "big")) % 2**32
+    return h - 2**32 if h >= 2**31 else h
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=1500) | st.text())
+def test_string_hash_follows_javas_definition_for_any_length(agg_id: str) -> None:
+    # ASCII ids up to 1,024 characters take the weighed sum; longer or other ids unit by unit
+    assert java_string_hash(agg_id) == _hash_unit_by_unit(agg_id)
+
+
 def test_partition_count_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="partitions"):
         partition("x", 0)

@@ -3,15 +3,10 @@
 Public names only; the daemon is started by the ``wowd`` console script (``wowd.cli``).
 """
 
-from importlib.metadata import PackageNotFoundError, version
+__version__ = "0.1.0"
 
 from wowd.errors import ConfigError, StorageError, StorageUnavailable, WowdError
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, partition
-
-try:
-    __version__ = version("wowd")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
-    __version__ = "0.0.0"
 
 __all__ = [
     "AggregateRef",

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable
-from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from wowd import __version__
 
 __all__ = [
     "BUILD_INFO",
@@ -177,15 +178,8 @@ FEED_POISON = Counter(
 SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
 
 
-def _version() -> str:
-    try:
-        return version("wowd")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])
-BUILD_INFO.labels(version=_version()).set(1)
+BUILD_INFO.labels(version=__version__).set(1)
 
 for _kind in ("transient", "fatal"):
     FEED_ERRORS.labels(kind=_kind)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from functools import lru_cache
+from operator import mul
 from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
+from urllib.parse import quote
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from wowd.errors import ConfigError, InvalidInput
@@ -98,13 +100,25 @@ def validate_name(value: str, *, field: str = "name") -> str:
     return value
 
 
+_HASH_POWERS = [pow(31, i, 1 << 32) for i in range(1024)][::-1]
+"""``31 ** k mod 2 ** 32`` for k = 1023 .. 0: the weights of Java's string hash, last unit last."""
+
+
 @lru_cache(maxsize=65_536)
 def java_string_hash(s: str) -> int:
-    """Java's ``String.hashCode`` over the UTF-16 code units of ``s``, as a signed 32-bit int."""
-    data = s.encode("utf-16-be", "surrogatepass")
-    h = 0
-    for i in range(0, len(data), 2):
-        h = (31 * h + ((data[i] << 8) | data[i + 1])) & 0xFFFFFFFF
+    """Java's ``String.hashCode`` over the UTF-16 code units of ``s``, as a signed 32-bit int.
+
+    ``sum(unit_i * 31 ** (n - 1 - i)) mod 2 ** 32``: an ASCII string's bytes are its code units,
+    weighed in one ``sum`` over the precomputed powers; any other string unit by unit."""
+    if s.isascii() and len(s) <= len(_HASH_POWERS):
+        data = s.encode()
+        weighed: int = sum(map(mul, data, _HASH_POWERS[len(_HASH_POWERS) - len(data) :]))
+        h = weighed & 0xFFFFFFFF
+    else:
+        units = s.encode("utf-16-be", "surrogatepass")
+        h = 0
+        for i in range(0, len(units), 2):
+            h = (31 * h + ((units[i] << 8) | units[i + 1])) & 0xFFFFFFFF
     return h - (1 << 32) if h & 0x80000000 else h
 
 
@@ -166,8 +180,6 @@ _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*")
 
 @lru_cache(maxsize=4096)
 def _percent_encoded(part: str) -> str:
-    from urllib.parse import quote
-
     # quote(safe="") leaves exactly the unreserved characters alone: skip it when that is all
     return part if _UNRESERVED.fullmatch(part) else quote(part, safe="")
 

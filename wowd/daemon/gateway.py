@@ -33,19 +33,21 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 from urllib.parse import quote, urlsplit
 
-import aiohttp
 import anyio
 import orjson
-import yarl
 
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
 from wowd.stores.base import FiredTimer, LogCheck, Outbox, OutboxFiring
+
+if TYPE_CHECKING:
+    import aiohttp
+    import yarl
 
 __all__ = [
     "CircuitBreaker",
@@ -692,6 +694,8 @@ class HttpGateway:
         self._targets: dict[str, _Target] = {}
 
     def _open_session(self) -> aiohttp.ClientSession:
+        import aiohttp  # the http gateway's client, loaded when one is made (the outbox needs none)
+
         connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=_ssl_context(self._settings))
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -731,6 +735,8 @@ class HttpGateway:
             outcome = target.short_circuit(refusing)
             self._outcomes.outcome(target.name, outcome, request_id)
             return outcome
+        import yarl
+
         try:
             name, body, body_type = request_parts(timer.body)
             url = yarl.URL(_command_url(self._base, timer.target, name), encoded=True)
@@ -774,6 +780,8 @@ class HttpGateway:
         """One ``HEAD`` of the base URL with the credentials and TLS settings of a delivery;
         answers the HTTP status (any status: the endpoint answers). Raises
         :class:`~wowd.errors.StorageUnavailable` when nothing answers (connection, TLS, timeout)."""
+        import aiohttp
+
         session = self._session or self._open_session()
         try:
             async with session.head(
@@ -787,6 +795,8 @@ class HttpGateway:
 
     async def _post(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
         """One exchange: the outcome and whether it counts against the target's circuit."""
+        import aiohttp
+
         session = self._session or self._open_session()
         try:
             async with session.post(url, data=body, headers=headers, allow_redirects=False, proxy=self._proxy) as resp:
@@ -808,6 +818,8 @@ class HttpGateway:
     async def _read_detail(self, resp: aiohttp.ClientResponse) -> str:
         """The reason an answer gives, from at most :data:`MAX_ANSWER_BYTES` of its body; what
         arrived when the body ends early, stalls past the timeout or breaks."""
+        import aiohttp
+
         buf = b""
         try:
             while len(buf) < MAX_ANSWER_BYTES:

@@ -98,6 +98,8 @@ _ACCESS_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_as
 
 def access_json(access: Mapping[str, Any]) -> str:
     """Canonical text of access attributes (sorted keys): equal attributes, equal text."""
+    if not access:
+        return "{}"  # what the encoder writes for none, without encoding
     return _ACCESS_JSON.encode(dict(access))
 
 
