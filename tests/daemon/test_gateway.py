@@ -9,6 +9,7 @@ import json
 import logging
 import ssl
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -42,7 +43,7 @@ from wowd.daemon.gateway import (
     request_parts,
     target_of,
 )
-from wowd.errors import StorageUnavailable
+from wowd.errors import ConfigError, StorageUnavailable
 from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerStatus
 
 pytestmark = pytest.mark.anyio
@@ -368,6 +369,27 @@ async def test_http_gateway_tls_verifies_against_the_given_cas_or_not_at_all(sel
     assert "certificate" in outcomes["system CAs"].reason.lower()
     assert isinstance(outcomes["given CA"], Delivered) and isinstance(outcomes["verify off"], Delivered)
     assert len(srv.seen) == 2
+
+
+def test_http_gateway_with_an_unreadable_ca_file_refuses_to_start(tmp_path: Path) -> None:
+    # at start-up, naming the setting: not a Retry on every delivery of a replica reporting ready
+    missing = tmp_path / "no-such-ca.pem"
+    with pytest.raises(ConfigError, match=r"gateway\.ca_certs: cannot load .*no-such-ca\.pem"):
+        gateway("https://127.0.0.1:1/", ca_certs=missing)
+
+
+def test_http_gateway_loads_its_client_when_made_not_at_the_first_delivery() -> None:
+    # importing aiohttp and reading the CA bundle stall the event loop for a tenth of a second or
+    # more: a replica pays it before it is ready, an outbox replica never
+    code = (
+        "import sys\n"
+        "from wowd.config import GatewaySettings\n"
+        "from wowd.daemon.gateway import HttpGateway\n"
+        "assert 'aiohttp' not in sys.modules\n"
+        "HttpGateway(GatewaySettings(kind='http', url='https://127.0.0.1:1/'))\n"
+        "assert 'aiohttp' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --------------------------------------------------------------------------- per-target limit

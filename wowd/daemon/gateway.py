@@ -41,7 +41,7 @@ import orjson
 
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import ConfigError, StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
 from wowd.stores.base import FiredTimer, LogCheck, Outbox, OutboxFiring
 
@@ -692,15 +692,24 @@ class HttpGateway:
         self._clock = clock
         self._in_flight = _Slots(concurrency)
         self._targets: dict[str, _Target] = {}
+        # the client is loaded and the TLS context built (the CA bundle read) here, at start-up:
+        # either takes a tenth of a second or more, which the first delivery would otherwise wait
+        import aiohttp  # an http gateway's own dependency: an outbox replica never loads it
+
+        self._client_timeout = aiohttp.ClientTimeout(total=self._timeout)
+        try:
+            self._ssl = _ssl_context(settings)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"gateway.ca_certs: cannot load {settings.ca_certs}: {exc}") from exc
 
     def _open_session(self) -> aiohttp.ClientSession:
-        import aiohttp  # the http gateway's client, loaded when one is made (the outbox needs none)
+        import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=_ssl_context(self._settings))
+        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=self._ssl)
         self._session = aiohttp.ClientSession(
             connector=connector,
             headers=self._headers,
-            timeout=aiohttp.ClientTimeout(total=self._timeout),
+            timeout=self._client_timeout,
             cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,
             trust_env=False,
