@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import anyio.to_thread
+from prometheus_client import Histogram
 
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
@@ -263,6 +264,18 @@ def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value:
         pass
 
 
+_CALL_SECONDS: dict[tuple[str, str], Histogram] = {}
+
+
+def _call_seconds(store: str, operation: str) -> Histogram:
+    """``wowd_store_call_seconds`` of one store and operation, looked up once (a ``labels()`` per
+    call was a tenth of the cost of a call at a few thousand calls a second)."""
+    child = _CALL_SECONDS.get((store, operation))
+    if child is None:
+        child = _CALL_SECONDS[(store, operation)] = STORE_CALL_SECONDS.labels(store, operation)
+    return child
+
+
 def _file_key(path: str, db_id: int) -> str:
     return f":memory:{db_id}" if path == ":memory:" else os.path.realpath(path)
 
@@ -443,7 +456,7 @@ class SqliteStore:
             STORE_UNAVAILABLE.labels(self.STORE, operation).inc()
             raise
         finally:
-            STORE_CALL_SECONDS.labels(self.STORE, operation).observe(time.perf_counter() - started)
+            _call_seconds(self.STORE, operation).observe(time.perf_counter() - started)
 
     async def close(self) -> None:
         if self._owns:
