@@ -16,12 +16,22 @@ import anyio
 import httpx
 import pytest
 
+from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import AggregateRef, Commit, DomainEvent
 
 CONTEXT = "demo"
 PARTITIONS = 8
 SECRET_TOKEN = "planted-gw-secret-7781"
 SECRET_MONGO_PW = "planted-mongo-pw-9931"
+
+
+def embedded_settings(tmp_path: Path, partitions: int, **extra: Any) -> WowdSettings:
+    """One replica's settings (a lease limit of 1) on the embedded file ``tmp_path/wowd.db``, for
+    the tests that build a backend and loops in-process; ``extra``: more settings."""
+    extra.setdefault("lease", LeaseSettings(limit=1))
+    return WowdSettings(
+        context=CONTEXT, partitions=partitions, embedded=EmbeddedSettings(path=tmp_path / "wowd.db"), **extra
+    )
 
 
 def base_env(db: Path, **extra: Any) -> dict[str, str]:

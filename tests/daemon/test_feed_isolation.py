@@ -16,7 +16,7 @@ import pytest
 
 from wowd import metrics
 from wowd.cli.backend import opened_backend
-from wowd.config import EmbeddedSettings, FeedSettings, LeaseSettings, WowdSettings
+from wowd.config import FeedSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
@@ -24,7 +24,7 @@ from wowd.errors import InvalidInput, SlotStalled, StorageError
 from wowd.model import AggregateType, Commit, Owner, partition
 from wowd.stores.base import Backend, EventSink
 
-from .conftest import CONTEXT, eventually, timer_commit
+from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -32,13 +32,7 @@ PARTS = 4
 
 
 def settings(tmp_path: Path, **feed: Any) -> WowdSettings:
-    return WowdSettings(
-        context=CONTEXT,
-        partitions=PARTS,
-        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
-        lease=LeaseSettings(limit=1),
-        feed=FeedSettings(**feed),
-    )
+    return embedded_settings(tmp_path, PARTS, feed=FeedSettings(**feed))
 
 
 class RefusingSink:

@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import once_timer
 from wowd.cli.backend import opened_backend
 from wowd.cli.run import build_gateway
-from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
+from wowd.config import HttpSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
@@ -28,7 +28,7 @@ from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, 
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend, EventSink, LogCheck
 
-from .conftest import CONTEXT, eventually, timer_commit
+from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -37,13 +37,7 @@ ALL = frozenset(range(PARTS))
 
 
 def settings(tmp_path: Path) -> WowdSettings:
-    return WowdSettings(
-        context=CONTEXT,
-        partitions=PARTS,
-        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
-        lease=LeaseSettings(limit=1),
-        http=HttpSettings(host="127.0.0.1", port=0),
-    )
+    return embedded_settings(tmp_path, PARTS, http=HttpSettings(host="127.0.0.1", port=0))
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.cli.backend import opened_backend
-from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
@@ -37,7 +37,7 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, timer_commit
+from .conftest import CONTEXT, embedded_settings, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -51,13 +51,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
 
 
 def settings(tmp_path: Path) -> WowdSettings:
-    return WowdSettings(
-        context=CONTEXT,
-        partitions=PARTS,
-        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
-        lease=LeaseSettings(limit=1),
-        reducers={"order": "wowd.demo:reducer"},
-    )
+    return embedded_settings(tmp_path, PARTS, reducers={"order": "wowd.demo:reducer"})
 
 
 async def hold(b: Backend, valid_for: float = 60.0) -> HeldSlot:

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
@@ -24,7 +24,7 @@ from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, timer_commit
+from .conftest import CONTEXT, embedded_settings, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -32,12 +32,7 @@ PARTS = 4
 
 
 def settings(tmp_path: Path) -> WowdSettings:
-    return WowdSettings(
-        context=CONTEXT,
-        partitions=PARTS,
-        embedded=EmbeddedSettings(path=tmp_path / "wowd.db"),
-        lease=LeaseSettings(limit=1),
-    )
+    return embedded_settings(tmp_path, PARTS)
 
 
 @pytest.fixture(params=["steps", "fast path"])
