@@ -167,4 +167,4 @@ def test_feed_profile_reports_the_feed_steps() -> None:
     result = feed_once(300)
     assert result["partitions_checkpointed"] == result["partitions_in_log"] > 0
     text = report(result, top=5)
-    assert "| sink write |" in text and "| timer view write |" in text and "| checkpoints |" in text
+    assert "| the batch's transaction |" in text and "| - timer view rows |" in text and "| - checkpoints |" in text

@@ -44,6 +44,7 @@ from wowd.model import (
     LogEntry,
     Position,
     SnapshotRecord,
+    Timer,
     TimerCancelled,
     TimerChange,
     TimerScheduled,
@@ -54,7 +55,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
-from wowd.stores.base import Backend
+from wowd.stores.base import Backend, EventSink, FeedWriter
 
 from .leases import HeldSlot
 from .waker import Waker, owner_key
@@ -86,8 +87,9 @@ STALL_AFTER_UNAVAILABLE_S = 60.0
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
 
-_Read = tuple[LogBatch, int, Exception | None]
-"""A batch read ahead, its number (:meth:`Waker.reading`), or the read's failure."""
+_Read = tuple[LogBatch, int, "_Prepared | None", Exception | None]
+"""A batch read ahead, its number (:meth:`Waker.reading`), what its steps need (``None`` for a
+batch with no commits), or the read's failure."""
 
 
 class _StepFailed(Exception):
@@ -217,12 +219,12 @@ class Feeder:
                             tg.start_soon(self._read_ahead, reader, waker, send, registered)
                             async with receive:
                                 try:
-                                    async for batch, number, error in receive:
+                                    async for batch, number, prepared, error in receive:
                                         if error is not None:
                                             failed = error
                                             break
                                         self._processing = True
-                                        await self._process(held, batch, number, waker, logx)
+                                        await self._process(held, batch, number, prepared, waker, logx)
                                         self._processing = False
                                         positions.update(batch.positions)
                                         attempt = 0
@@ -254,8 +256,8 @@ class Feeder:
                 attempt += 1
         logx.info("feed stopped at a batch boundary")
 
-    @staticmethod
     async def _read_ahead(
+        self,
         reader: AsyncIterator[LogBatch],
         waker: Waker,
         send: MemoryObjectSendStream[_Read],
@@ -264,16 +266,23 @@ class Feeder:
         """Reads the log while the batches before are applied (at most :data:`READ_AHEAD`
         ahead), telling the waker of each batch as soon as it is read: the timer loop may then
         deliver what it claimed once the feed has read past its due time, except timers of the
-        aggregates a batch not applied yet commits to. A read failure is handed on in order."""
+        aggregates a batch not applied yet commits to. A read failure is handed on in order.
+
+        Each batch is also prepared here (:func:`prepare_batch`): that Python runs while the
+        batch before is written, when the stores' calls do not need the interpreter."""
+        s = self._settings
         async with send, aclosing(reader) as batches:  # type: ignore[type-var]
             try:
                 async for batch in batches:
                     owners = {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None}
                     registered[0] = waker.reading(batch.watermark, owners)
-                    await send.send((batch, registered[0], None))
+                    prepared = (
+                        prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions) if batch.entries else None
+                    )
+                    await send.send((batch, registered[0], prepared, None))
             except (StorageError, InvalidInput) as exc:
                 with contextlib.suppress(anyio.BrokenResourceError):
-                    await send.send((LogBatch(entries=(), positions={}), 0, exc))
+                    await send.send((LogBatch(entries=(), positions={}), 0, None, exc))
             except anyio.BrokenResourceError:  # the feed stopped reading
                 return
 
@@ -321,15 +330,16 @@ class Feeder:
         held: HeldSlot,
         batch: LogBatch,
         read: int,
+        prepared: _Prepared | None,
         waker: Waker,
         logx: logging.LoggerAdapter[logging.Logger],
     ) -> None:
-        """Applies batch number ``read`` (as the waker numbered it when it was read)."""
-        if not batch.entries:  # caught up: the watermark moved on
+        """Applies batch number ``read`` (as the waker numbered it when it was read), prepared
+        when it was read."""
+        if prepared is None:  # caught up: the watermark moved on
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
             waker.applied(read, batch.watermark)
             return
-        prepared = prepare_batch(batch.entries, self._settings.timers.max_body_bytes, self._settings.partitions)
         attempt = 0
         try:
             while True:
@@ -399,21 +409,29 @@ class Feeder:
                 )
         # 2. the event sink, one write per aggregate type
         with _step("sink"):
+            sinks = []
             for type_, commits in prepared.by_type.items():
                 held.check()
                 sink = backend.sink(type_)
                 if type_ not in self._prepared_sinks:
                     await sink.prepare()
                     self._prepared_sinks.add(type_)
+                sinks.append((sink, commits))
+        # where the stores share a transaction, a whole batch in one (nothing for the steps below)
+        if positions and backend.feed_writer is not None and not self._folds(prepared):
+            held.check()
+            if await self._apply_at_once(held, backend.feed_writer, sinks, positions, prepared, waker, logx):
+                return
+        with _step("sink"):
+            for sink, commits in sinks:
+                held.check()
                 await sink.write(commits)
         # 3. the timer projection: the batch's net effect in one write
         if prepared.timer_writes:
             held.check()
             with _step("timers"):
                 answers = await backend.timers.write(prepared.timer_writes)
-            for w, written in zip(prepared.timer_writes, answers, strict=True):
-                if w.kind == "put" and written and w.timer is not None and w.timer.partition in held.partitions:
-                    waker.maybe_wake(w.timer.due_at)
+            _wake_for_puts(held, prepared.timer_writes, answers, waker)
         # 4. snapshots where a reducer is configured
         with _step("snapshots"):
             await self._snapshots(held, prepared, logx)
@@ -423,6 +441,40 @@ class Feeder:
         # 6. checkpoints under the slot's fence, in one write
         if positions:
             await self._checkpoint(held, positions)
+
+    def _folds(self, prepared: _Prepared) -> bool:
+        """Whether a reducer folds commits of the batch (the snapshot step has work)."""
+        return bool(self._reducers) and any(t.aggregate in self._reducers for t in prepared.by_type)
+
+    async def _apply_at_once(
+        self,
+        held: HeldSlot,
+        writer: FeedWriter,
+        sinks: Sequence[tuple[EventSink, Sequence[Commit]]],
+        positions: Mapping[int, Position],
+        prepared: _Prepared,
+        waker: Waker,
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> bool:
+        """The batch's sink, timer, parked and checkpoint steps in one transaction
+        (:class:`FeedWriter`); False, having written nothing, when the writer does not take it
+        whole or a step refuses it: the steps one by one then name what is refused."""
+        now = now_ms()
+        try:
+            done = await writer.apply(sinks, prepared.timer_writes, CONSUMER, positions, held.fence, now=now)
+        except (StorageUnavailable, LeaseLost, SlotStalled):
+            raise
+        except WowdError as exc:
+            logx.debug("batch not applied in one transaction (applying it step by step): %s", exc)
+            return False
+        if done is None:
+            return False
+        if not done.saved:
+            raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
+        _wake_for_puts(held, prepared.timer_writes, done.timer_answers, waker)
+        if done.resumed:
+            _resumed(held, done.resumed, now, waker)
+        return True
 
     async def _isolate(
         self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
@@ -524,6 +576,19 @@ class Feeder:
         if changes:
             held.check()
             await timers.settle(changes)
-            waker.maybe_wake(now)  # a resumed timer is due at once
-            for target in sorted({str(c.timer.target) for c in changes}):
-                log.info("resumed the parked timers of %s: it committed", target, extra=held.log_extra())
+            _resumed(held, parked, now, waker)
+
+
+def _wake_for_puts(held: HeldSlot, writes: Sequence[TimerWrite], answers: Sequence[int], waker: Waker) -> None:
+    """Wakes the timer loop for each timer of the slot a write put (it may be due before the
+    loop's next wake-up)."""
+    for w, written in zip(writes, answers, strict=True):
+        if w.kind == "put" and written and w.timer is not None and w.timer.partition in held.partitions:
+            waker.maybe_wake(w.timer.due_at)
+
+
+def _resumed(held: HeldSlot, timers: Sequence[Timer], now: int, waker: Waker) -> None:
+    """After PARKED timers were resumed due at ``now``: the loop woken, a line per target."""
+    waker.maybe_wake(now)  # a resumed timer is due at once
+    for target in sorted({str(t.target) for t in timers}):
+        log.info("resumed the parked timers of %s: it committed", target, extra=held.log_extra())

@@ -44,6 +44,8 @@ __all__ = [
     "Backend",
     "Ddl",
     "EventSink",
+    "FeedApplied",
+    "FeedWriter",
     "FiredTimer",
     "Log",
     "LogCheck",
@@ -627,6 +629,41 @@ class OutboxFiring(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class FeedApplied:
+    """What :meth:`FeedWriter.apply` did: each timer write's answer (as :meth:`TimerStore.write`
+    gives them), the PARKED timers it resumed, and whether the checkpoints were admitted (when
+    not, nothing was written)."""
+
+    timer_answers: list[int]
+    resumed: list[Timer]
+    saved: bool
+
+
+class FeedWriter(Protocol):
+    """A feed batch applied in one transaction, when a backend's stores share one: the event
+    sink's documents, the timer writes, the resumption of the PARKED timers of the batch's
+    aggregates and the checkpoints under the slot's fence, all or nothing. Ours (the seeds name
+    the single steps); the embedded backend has one."""
+
+    async def apply(
+        self,
+        records: Sequence[tuple[EventSink, Sequence[Commit]]],
+        timer_writes: Sequence[TimerWrite],
+        consumer: str,
+        positions: Mapping[int, Position],
+        fence: int,
+        *,
+        now: int,
+    ) -> FeedApplied | None:
+        """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
+        writes in order, the PARKED timers of the records' aggregates resumed due at ``now``;
+        ``None``, having written nothing, when it cannot take this batch whole (a record a step
+        would refuse, more timer writes than a transaction should hold): the caller then
+        applies it step by step, which names what is refused. Raises as the stores do."""
+        ...
+
+
 @dataclass(kw_only=True)
 class Backend:
     """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
@@ -646,6 +683,9 @@ class Backend:
     checks_log: bool = False
     """Whether ``outbox_firing`` can check the log in its transaction (:class:`LogCheck`): the
     embedded backend, whose log, the feed's checkpoints and timers share one file."""
+    feed_writer: FeedWriter | None = None
+    """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
+    (the embedded backend)."""
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 

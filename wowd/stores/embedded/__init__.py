@@ -53,6 +53,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
     connection, prepared, and the file's WAL checkpointed in the background
     (:class:`~wowd.stores.embedded.db.WalCheckpointer`). The backend's ``close`` closes them all."""
     from wowd.model import AggregateType
+    from wowd.stores.embedded.feed import EmbeddedFeedWriter
     from wowd.stores.embedded.sink import EmbeddedEventSink
     from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
     from wowd.stores.embedded.timers import EmbeddedTimerStore
@@ -82,6 +83,9 @@ async def open_embedded(settings: WowdSettings) -> Backend:
         def sink_factory(type: AggregateType) -> EmbeddedEventSink:
             return EmbeddedEventSink(path, type)
 
+        feed_writer = EmbeddedFeedWriter(path, log=log, timers=timers)
+        stack.push_async_callback(feed_writer.close)
+
         backend = Backend(
             name="embedded",
             log=log,
@@ -92,8 +96,17 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             outbox=outbox,
             outbox_firing=timers,  # the outbox table is in the timers' own file
             checks_log=True,  # so are the log and the feed's checkpoints
+            feed_writer=feed_writer,  # and the event sink's documents
             sink_factory=sink_factory,
-            closers=[checkpointer.aclose, leases.close, log.close, timers.close, snapshots.close, outbox.close],
+            closers=[
+                checkpointer.aclose,
+                leases.close,
+                log.close,
+                timers.close,
+                snapshots.close,
+                outbox.close,
+                feed_writer.close,
+            ],
         )
         stack.pop_all()  # success: the backend owns the stores now
     return backend

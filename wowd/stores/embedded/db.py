@@ -432,6 +432,11 @@ class SqliteStore:
             self._db, self._owns = SqliteDatabase(db_or_path), True
         self._schema_ready = not self.SCHEMA
 
+    @property
+    def path(self) -> str:
+        """The file of the store (``:memory:`` for a database in memory)."""
+        return self._db.path
+
     async def _ensure_ready(self) -> None:
         """Creates or checks what the store needs before its first call (default: its ``SCHEMA``)."""
         if not self._schema_ready:

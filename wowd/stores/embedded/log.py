@@ -26,6 +26,7 @@ commit order and a query sees every commit made before it began.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -66,7 +67,7 @@ from wowd.model import (
 from wowd.stores.base import AppendOutcome, Ddl
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
 
-__all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog"]
+__all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,14 @@ def save_checkpoint_sql() -> str:
         "fence = excluded.fence, written_at = excluded.written_at "
         "WHERE log_checkpoint.fence <= excluded.fence"
     )
+
+
+def save_checkpoint_rows(rows: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> int:
+    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` on ``conn`` (in the caller's
+    transaction); how many were admitted (each one refused had a higher fence)."""
+    before = conn.total_changes
+    conn.executemany(save_checkpoint_sql(), rows)
+    return conn.total_changes - before
 
 
 def checkpoints_sql(partitions: int) -> str:
@@ -594,22 +603,20 @@ class EmbeddedLog(SqliteStore):
     async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
         if not positions:
             return True
-        rows = [
-            (self.context, consumer, p, json.dumps(pos, separators=(",", ":")), fence)
-            for p, pos in sorted(positions.items())
-        ]
-
-        def run(conn: sqlite3.Connection) -> int:
-            before = conn.total_changes
-            conn.executemany(save_checkpoint_sql(), rows)
-            return conn.total_changes - before
-
+        rows = self.checkpoint_rows(consumer, positions, fence)
         # holding the file's write lock: queued behind this process's other writers, not retried
-        saved = await self._run("save_checkpoint", self._db.transaction(run))
+        saved = await self._run("save_checkpoint", self._db.transaction(functools.partial(save_checkpoint_rows, rows)))
         if saved != len(rows):
             log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
             return False
         return True
+
+    def checkpoint_rows(self, consumer: str, positions: Mapping[int, Position], fence: int) -> list[tuple[Any, ...]]:
+        """The parameters of :func:`save_checkpoint_rows` for ``positions`` under ``fence``."""
+        return [
+            (self.context, consumer, p, json.dumps(pos, separators=(",", ":")), fence)
+            for p, pos in sorted(positions.items())
+        ]
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)

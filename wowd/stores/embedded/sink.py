@@ -23,6 +23,7 @@ import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,7 +34,7 @@ from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 
-__all__ = ["TABLE", "EmbeddedEventSink"]
+__all__ = ["TABLE", "EmbeddedEventSink", "SinkWrite"]
 
 T = TypeVar("T")
 
@@ -121,6 +122,27 @@ def _stamp_params(s: AccessStamp, access: str) -> tuple[Any, ...]:
     return (access, s.as_of, r.context, r.aggregate, r.tenant_id, r.id, s.from_, s.until, s.as_of, s.as_of, access)
 
 
+@dataclass(slots=True)
+class SinkWrite:
+    """A sink write made ready (:meth:`EmbeddedEventSink.plan_write`): the rows to insert, per
+    aggregate its records and their attributes' text, what the sink remembered of each before,
+    and the records refused (a document that cannot be encoded)."""
+
+    rows: list[tuple[Any, ...]]
+    streams: dict[tuple[str, str], list[tuple[Commit, str]]]
+    remembered: dict[tuple[str, str], tuple[int, str] | None]
+    bad: list[tuple[Commit, str]]
+
+    def work(self, conn: sqlite3.Connection) -> int:
+        """Inserts the rows (an existing document is left as it is) and stamps the attributes
+        that changed over the documents before; the number of documents created."""
+        before = conn.total_changes
+        conn.executemany(insert_sql(), self.rows)
+        created = conn.total_changes - before
+        conn.executemany(stamp_sql(), _stamps(conn, self.streams, self.remembered))
+        return created
+
+
 class EmbeddedEventSink(SqliteStore):
     """:class:`~wowd.stores.base.EventSink` of ``type`` on SQLite.
 
@@ -170,6 +192,15 @@ class EmbeddedEventSink(SqliteStore):
         if not records:
             return
         await self.prepare()
+        plan = self.plan_write(records)
+        started = time.perf_counter()
+        created = await self._run("write", self._db.transaction(plan.work))
+        SINK_BULK_SECONDS.observe(time.perf_counter() - started)
+        self.written(plan, created)
+
+    def plan_write(self, records: Sequence[Commit]) -> SinkWrite:
+        """A write of ``records`` made ready for a transaction (:meth:`SinkWrite.work`); the
+        caller runs it on a connection to this sink's file, then calls :meth:`written`."""
         rows: list[tuple[Any, ...]] = []
         # per aggregate (tenant and id: the sink is of one type), its records in the log's order
         streams: dict[tuple[str, str], list[tuple[Commit, str]]] = {}
@@ -194,22 +225,15 @@ class EmbeddedEventSink(SqliteStore):
             else:
                 items.append((c, access))
         remembered = {key: self._last.get(key) for key in streams}
+        return SinkWrite(rows=rows, streams=streams, remembered=remembered, bad=bad)
 
-        def work(conn: sqlite3.Connection) -> tuple[int, int]:
-            before = conn.total_changes
-            conn.executemany(insert_sql(), rows)
-            created = conn.total_changes - before
-            stamps = _stamps(conn, streams, remembered)
-            before = conn.total_changes
-            conn.executemany(stamp_sql(), stamps)
-            return created, conn.total_changes - before
-
-        started = time.perf_counter()
-        created, _stamped = await self._run("write", self._db.transaction(work))
-        SINK_BULK_SECONDS.observe(time.perf_counter() - started)
+    def written(self, plan: SinkWrite, created: int) -> None:
+        """After the transaction of ``plan`` committed (``created`` documents were new): the
+        counts, the attributes remembered per aggregate; raises :class:`SinkWriteError` when
+        the plan left records out."""
         SINK_ITEMS.labels("201").inc(created)
-        SINK_ITEMS.labels("409").inc(len(rows) - created)
-        for key, items in streams.items():
+        SINK_ITEMS.labels("409").inc(len(plan.rows) - created)
+        for key, items in plan.streams.items():
             last, access = items[-1]
             seen = self._last.get(key)
             if seen is None or seen[0] <= last.version:
@@ -217,11 +241,11 @@ class EmbeddedEventSink(SqliteStore):
             self._last.move_to_end(key)
         while len(self._last) > self.capacity:
             self._last.popitem(last=False)
-        if bad:
-            SINK_ITEMS.labels("400").inc(len(bad))
-            c, reason = bad[0]
+        if plan.bad:
+            SINK_ITEMS.labels("400").inc(len(plan.bad))
+            c, reason = plan.bad[0]
             raise SinkWriteError(
-                f"sink {self.type}: {len(bad)} record(s) refused, first {stream_id(c.ref, c.version)}: {reason}"
+                f"sink {self.type}: {len(plan.bad)} record(s) refused, first {stream_id(c.ref, c.version)}: {reason}"
             )
 
     # ---- stamps

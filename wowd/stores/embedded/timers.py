@@ -74,7 +74,15 @@ from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
 
-__all__ = ["DUE_ARMS", "FORMAT", "REGISTRY", "EmbeddedTimerStore", "next_due_sql"]
+__all__ = [
+    "DUE_ARMS",
+    "FORMAT",
+    "REGISTRY",
+    "EmbeddedTimerStore",
+    "next_due_sql",
+    "parked_params",
+    "timer_from_row",
+]
 
 log = logging.getLogger(__name__)
 
@@ -323,6 +331,11 @@ def due_sql(context: str) -> str:
         f'SELECT {_COLS} FROM {table_name(context)} WHERE "partition" = ?'
         " AND status IN ('PENDING', 'FIRING') AND due_at <= ? ORDER BY due_at, timer_id"
     )
+
+
+def parked_params(targets: Sequence[AggregateRef]) -> list[tuple[Any, ...]]:
+    """The parameters of :func:`parked_many_sql` for ``targets`` (each once)."""
+    return [(t.id, t.aggregate, t.tenant_id, t.context) for t in dict.fromkeys(targets)]
 
 
 def _due_key(row: Sequence[Any]) -> tuple[Any, Any]:
@@ -800,22 +813,40 @@ class EmbeddedTimerStore(SqliteStore):
     async def write(self, writes: Sequence[TimerWrite]) -> list[int]:
         if not writes:
             return []
+        steps = await self.plan_write(writes)
+        # a transaction per chunk: the file's write lock is not held for a long batch (a lease
+        # renewal waits for it); the writes commute, so a batch applied in parts is the same
+        answers: list[int] = []
+        for k in range(0, len(steps), WRITE_CHUNK):
+            chunk = steps[k : k + WRITE_CHUNK]
+            answers += await self._write("write", functools.partial(self.write_steps, chunk))
+        return answers
+
+    async def plan_write(self, writes: Sequence[TimerWrite]) -> list[tuple[str, tuple[Any, ...]]]:
+        """``writes`` checked and made ready for :meth:`write_steps` (an aggregate type's
+        collection recorded on its first use)."""
         steps: list[tuple[str, tuple[Any, ...]]] = []
         for w in writes:
             if w.kind == "put":
                 assert w.timer is not None
                 self._check_timer(w.timer)
-                await self._register(w.owner.aggregate)
+                if w.owner.aggregate not in self._known:
+                    await self._register(w.owner.aggregate)
                 steps.append(("put", timer_params(w.timer)))
             elif w.kind == "cancel":
                 steps.append(("cancel", (w.version, *self._owner_key(w.owner), w.key)))
             else:
                 steps.append(("cancel_all", (w.version, *self._owner_key(w.owner))))
         await self.prepare()
+        return steps
+
+    def write_steps(self, steps: Sequence[tuple[str, tuple[Any, ...]]], conn: sqlite3.Connection) -> list[int]:
+        """The writes of :meth:`plan_write` in the caller's transaction on ``conn``, in order;
+        each one's answer as :meth:`write` gives it."""
         sql = self._write_sql
         ctx = self.context
 
-        def one(conn: sqlite3.Connection, kind: str, params: tuple[Any, ...]) -> int:
+        def one(kind: str, params: tuple[Any, ...]) -> int:
             if kind == "put":
                 if conn.execute(sql["put"], params).rowcount == 1:
                     return 1
@@ -830,35 +861,26 @@ class EmbeddedTimerStore(SqliteStore):
                 return n
             return int(conn.execute(sql["cancel_all"], params).rowcount)
 
-        def work(chunk: Sequence[tuple[str, tuple[Any, ...]]], conn: sqlite3.Connection) -> list[int]:
-            out: list[int] = []
-            i = 0
-            while i < len(chunk):
-                kind = chunk[i][0]
-                j = i
-                while j < len(chunk) and chunk[j][0] == kind:
-                    j += 1
-                if kind == "put" and j - i > 1:
-                    # a run of puts in one executemany; when one of them changed nothing (a
-                    # replay), the run is answered one by one (a repeat of a put is harmless)
-                    before = conn.total_changes
-                    conn.executemany(sql["put"], [p for _k, p in chunk[i:j]])
-                    if conn.total_changes - before == j - i:
-                        out += [1] * (j - i)
-                    else:
-                        out += [one(conn, kind, p) for _k, p in chunk[i:j]]
+        out: list[int] = []
+        i = 0
+        while i < len(steps):
+            kind = steps[i][0]
+            j = i
+            while j < len(steps) and steps[j][0] == kind:
+                j += 1
+            if kind == "put" and j - i > 1:
+                # a run of puts in one executemany; when one of them changed nothing (a
+                # replay), the run is answered one by one (a repeat of a put is harmless)
+                before = conn.total_changes
+                conn.executemany(sql["put"], [p for _k, p in steps[i:j]])
+                if conn.total_changes - before == j - i:
+                    out += [1] * (j - i)
                 else:
-                    out += [one(conn, kind, p) for _k, p in chunk[i:j]]
-                i = j
-            return out
-
-        # a transaction per chunk: the file's write lock is not held for a long batch (a lease
-        # renewal waits for it); the writes commute, so a batch applied in parts is the same
-        answers: list[int] = []
-        for k in range(0, len(steps), WRITE_CHUNK):
-            chunk = steps[k : k + WRITE_CHUNK]
-            answers += await self._write("write", functools.partial(work, chunk))
-        return answers
+                    out += [one(kind, p) for _k, p in steps[i:j]]
+            else:
+                out += [one(kind, p) for _k, p in steps[i:j]]
+            i = j
+        return out
 
     async def sweep(self, before: int, limit: int) -> int:
         await self.prepare()
@@ -876,26 +898,27 @@ class EmbeddedTimerStore(SqliteStore):
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         if not changes:
             return 0
-        # one executemany per change kind, kinds in the order they first appear
-        groups: dict[str, list[tuple[Any, ...]]] = {}
         for ch in changes:
             if ch.timer.owner.context != self.context:
                 self._check_owner(ch.timer.owner)
-            kind, params = settle_params(ch)
-            groups.setdefault(kind, []).append(params)
         await self.prepare()
-        statements = self._settle_sql
-
-        def work(conn: sqlite3.Connection) -> int:
-            before = conn.total_changes
-            for kind, rows in groups.items():
-                conn.executemany(statements[kind], rows)
-            return conn.total_changes - before
-
-        written: int = await self._write("settle", work)
+        written: int = await self._write("settle", functools.partial(self.settle_changes, changes))
         if written < len(changes):
             log.debug("settle: %d of %d changes skipped (timer moved on)", len(changes) - written, len(changes))
         return written
+
+    def settle_changes(self, changes: Sequence[TimerChange], conn: sqlite3.Connection) -> int:
+        """``changes`` (of this store's context) in the caller's transaction on ``conn``: one
+        ``executemany`` per change kind, kinds in the order they first appear; how many rows
+        changed."""
+        groups: dict[str, list[tuple[Any, ...]]] = {}
+        for ch in changes:
+            kind, params = settle_params(ch)
+            groups.setdefault(kind, []).append(params)
+        before = conn.total_changes
+        for kind, rows in groups.items():
+            conn.executemany(self._settle_sql[kind], rows)
+        return conn.total_changes - before
 
     # ---- reads
 
@@ -914,34 +937,35 @@ class EmbeddedTimerStore(SqliteStore):
     async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
         """One :func:`parked_many_sql` statement per as many targets as SQLite's variable limit
         allows (all of a feed batch's in one), read in one transaction."""
-        params = [(t.id, t.aggregate, t.tenant_id, t.context) for t in dict.fromkeys(targets)]
+        params = parked_params(targets)
         if not params:
             return []
         await self.prepare()
+        rows = await self._run("parked_many", functools.partial(self.parked_rows, params))
+        return [timer_from_row(self.context, r) for r in rows]
+
+    def parked_rows(self, params: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> list[Sequence[Any]]:
+        """The rows of the PARKED timers of the targets of :func:`parked_params`, on ``conn`` (in
+        the caller's transaction, or in one of their own)."""
         ctx = self.context
-
-        def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
-            per = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(PARKED_TARGET))
-            chunks = [params[i : i + per] for i in range(0, len(params), per)]
-            if len(chunks) == 1:
-                return conn.execute(parked_many_sql(ctx, len(params)), [v for p in params for v in p]).fetchall()
-            began = not conn.in_transaction
+        per = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(PARKED_TARGET))
+        chunks = [params[i : i + per] for i in range(0, len(params), per)]
+        if len(chunks) == 1:
+            return conn.execute(parked_many_sql(ctx, len(params)), [v for p in params for v in p]).fetchall()
+        began = not conn.in_transaction
+        if began:
+            conn.execute("BEGIN")
+        try:
+            rows = [
+                r
+                for chunk in chunks
+                for r in conn.execute(parked_many_sql(ctx, len(chunk)), [v for p in chunk for v in p])
+            ]
+        finally:
             if began:
-                conn.execute("BEGIN")
-            try:
-                rows = [
-                    r
-                    for chunk in chunks
-                    for r in conn.execute(parked_many_sql(ctx, len(chunk)), [v for p in chunk for v in p])
-                ]
-            finally:
-                if began:
-                    conn.execute("COMMIT")
-            rows.sort(key=_due_key)
-            return rows
-
-        rows = await self._run("parked_many", read)
-        return [timer_from_row(ctx, r) for r in rows]
+                conn.execute("COMMIT")
+        rows.sort(key=_due_key)
+        return rows
 
     async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
         if not partitions or limit <= 0:

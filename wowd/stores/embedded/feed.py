@@ -1,0 +1,117 @@
+"""A feed batch in one transaction on the embedded file (:class:`~wowd.stores.base.FeedWriter`).
+
+The log, the feed's checkpoints, the event sink's documents and the timer view are tables of one
+SQLite file, so a batch's writes need not be four transactions: one connection of its own runs
+the sink's inserts and stamps, the timer writes, the resumption of the batch's PARKED timers and
+the checkpoints under the slot's fence in one ``BEGIN IMMEDIATE`` ... ``COMMIT``. A checkpoint
+refused (another holder's higher fence) rolls the whole batch back. Each step is the store's own
+code (:meth:`EmbeddedEventSink.plan_write`, :meth:`EmbeddedTimerStore.write_steps`, ...), so the
+rows written are those the step-by-step path writes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from wowd.metrics import SINK_BULK_SECONDS
+from wowd.model import Commit, Position, Timer, TimerChange, TimerWrite
+from wowd.stores.base import EventSink, FeedApplied
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
+from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
+from wowd.stores.embedded.timers import WRITE_CHUNK, EmbeddedTimerStore, parked_params, timer_from_row
+
+__all__ = ["EmbeddedFeedWriter"]
+
+
+class _Refused(Exception):
+    """A checkpoint of the batch was refused: the transaction is rolled back."""
+
+
+class EmbeddedFeedWriter(SqliteStore):
+    """:class:`~wowd.stores.base.FeedWriter` of the embedded backend, on a connection of its own
+    to the stores' file (so the timer loop's calls never queue behind a feed batch in one
+    connection's thread; the file's write lock orders the writes)."""
+
+    STORE = "feed"
+
+    def __init__(
+        self,
+        db_or_path: SqliteDatabase | str | Path,
+        *,
+        log: EmbeddedLog,
+        timers: EmbeddedTimerStore,
+    ) -> None:
+        super().__init__(db_or_path)
+        self._log = log
+        self._timers = timers
+
+    def __repr__(self) -> str:
+        return f"EmbeddedFeedWriter({self._db.path!r})"
+
+    async def apply(
+        self,
+        records: Sequence[tuple[EventSink, Sequence[Commit]]],
+        timer_writes: Sequence[TimerWrite],
+        consumer: str,
+        positions: Mapping[int, Position],
+        fence: int,
+        *,
+        now: int,
+    ) -> FeedApplied | None:
+        if len(timer_writes) > WRITE_CHUNK or self.path == ":memory:":
+            # the timer store's chunks keep the write lock short; a database in memory is one
+            # per connection
+            return None
+        plans: list[tuple[EmbeddedEventSink, SinkWrite]] = []
+        for sink, commits in records:
+            if not isinstance(sink, EmbeddedEventSink) or sink.path != self.path:
+                return None
+            plan = sink.plan_write(commits)
+            if plan.bad:
+                return None  # the sink step names what it refuses
+            plans.append((sink, plan))
+        timers = self._timers
+        steps = await timers.plan_write(timer_writes) if timer_writes else []
+        parked = parked_params([c.ref for _sink, commits in records for c in commits])
+        checkpoints = self._log.checkpoint_rows(consumer, positions, fence)
+        work = functools.partial(_apply, plans, timers, steps, parked, checkpoints, now)
+        try:
+            created, sink_s, answers, resumed = await self._run("apply", self._db.transaction(work))
+        except _Refused:
+            return FeedApplied(timer_answers=[], resumed=[], saved=False)
+        if plans:
+            SINK_BULK_SECONDS.observe(sink_s)
+        for (sink, plan), n in zip(plans, created, strict=True):
+            sink.written(plan, n)
+        return FeedApplied(timer_answers=answers, resumed=resumed, saved=True)
+
+
+def _apply(
+    plans: Sequence[tuple[EmbeddedEventSink, SinkWrite]],
+    timers: EmbeddedTimerStore,
+    steps: Sequence[tuple[str, tuple[Any, ...]]],
+    parked: Sequence[tuple[Any, ...]],
+    checkpoints: Sequence[tuple[Any, ...]],
+    now: int,
+    conn: sqlite3.Connection,
+) -> tuple[list[int], float, list[int], list[Timer]]:
+    """The batch in the caller's transaction: documents created per sink, the seconds the sinks
+    took, the timer writes' answers, the PARKED timers resumed."""
+    started = time.perf_counter()
+    created = [plan.work(conn) for _sink, plan in plans]
+    sink_s = time.perf_counter() - started
+    answers = timers.write_steps(steps, conn) if steps else []
+    resumed: list[Timer] = []
+    if parked:
+        resumed = [timer_from_row(timers.context, r) for r in timers.parked_rows(parked, conn)]
+        if resumed:
+            timers.settle_changes([TimerChange.resume(t, due_at=now) for t in resumed], conn)
+    if save_checkpoint_rows(checkpoints, conn) != len(checkpoints):
+        raise _Refused
+    return created, sink_s, answers, resumed
