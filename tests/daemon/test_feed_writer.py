@@ -142,9 +142,7 @@ async def view(b: Backend) -> tuple[Any, ...]:
         (t.owner.id, t.key, t.version, t.status.value, t.scheduled_at, t.attempts, t.command)
         for t in await b.timers.scan(limit=100)
     )
-    docs = {
-        i: await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "abc"
-    }
+    docs = {i: await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "abc"}
     checkpoints = {p: cp.position for p, cp in (await b.log.checkpoints(CONSUMER, list(range(PARTS)))).items()}
     return timers, docs, checkpoints
 
