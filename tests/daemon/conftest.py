@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import httpx
 import pytest
 
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
-from wowd.model import AggregateRef, Commit, DomainEvent
+from wowd.daemon.leases import HeldSlot
+from wowd.model import AggregateRef, Commit, DomainEvent, Owner
+from wowd.stores.base import Backend
 
 CONTEXT = "demo"
 PARTITIONS = 8
@@ -31,6 +34,17 @@ def embedded_settings(tmp_path: Path, partitions: int, **extra: Any) -> WowdSett
     extra.setdefault("lease", LeaseSettings(limit=1))
     return WowdSettings(
         context=CONTEXT, partitions=partitions, embedded=EmbeddedSettings(path=tmp_path / "wowd.db"), **extra
+    )
+
+
+async def hold_slot(b: Backend, partitions: int, key: str = "a") -> HeldSlot:
+    """Slot 0 of namespace ``ns``, taken by ``key`` for a minute (after the previous holder's
+    lease was released), over partitions ``0 .. partitions - 1``: for the tests that run a
+    slot's loops in-process."""
+    res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + 60, owner_key=key
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +20,10 @@ from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.errors import InvalidInput, SlotStalled, StorageError
-from wowd.model import AggregateType, Commit, Owner, partition
+from wowd.model import AggregateType, Commit, partition
 from wowd.stores.base import Backend, EventSink
 
-from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
+from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -81,11 +80,7 @@ def caught_up(waker: Waker) -> Callable[[], Awaitable[bool]]:
 
 
 async def hold(b: Backend) -> HeldSlot:
-    res = await b.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
-    assert res.lease is not None
-    return HeldSlot(
-        lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
-    )
+    return await hold_slot(b, PARTS, "me")
 
 
 async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_path: Path, backend: Backend) -> None:

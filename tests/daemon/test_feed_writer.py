@@ -7,22 +7,22 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from wowd.cli.backend import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, TimerChange, TimerWrite, partition
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, TimerChange, TimerWrite, partition
 from wowd.stores.base import Backend, FeedWriter
 from wowd.stores.embedded.timers import WRITE_CHUNK
 
-from .conftest import CONTEXT, embedded_settings, timer_commit
+from .conftest import CONTEXT, embedded_settings, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -37,13 +37,8 @@ def settings(tmp_path: Path) -> WowdSettings:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    async with opened_backend(settings(tmp_path)) as b:
         yield b
-    finally:
-        await b.close()
 
 
 class CountingWriter:
@@ -60,11 +55,7 @@ class CountingWriter:
 
 
 async def hold(b: Backend) -> HeldSlot:
-    res = await b.leases.acquire("ns", Owner(key="a"), 1, timedelta(seconds=60), timedelta(seconds=1))
-    assert res.lease is not None
-    return HeldSlot(
-        lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="a"
-    )
+    return await hold_slot(b, PARTS)
 
 
 async def feed(s: WowdSettings, b: Backend) -> None:

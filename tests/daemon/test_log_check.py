@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,11 @@ from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, Timer, TimerStatus
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend, EventSink, LogCheck
 
-from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
+from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -47,9 +46,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
 
 
 async def hold(b: Backend) -> HeldSlot:
-    res = await b.leases.acquire("ns", Owner(key="a"), 1, timedelta(seconds=60), timedelta(seconds=1))
-    assert res.lease is not None
-    return HeldSlot(lease=res.lease, partitions=ALL, valid_until=anyio.current_time() + 60, owner_key="a")
+    return await hold_slot(b, PARTS)
 
 
 def cancel_commit(agg_id: str, version: int) -> Commit:

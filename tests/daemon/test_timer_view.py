@@ -9,7 +9,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import anyio
@@ -21,10 +20,10 @@ from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Commit, DomainEvent, Owner, TimerStatus
+from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, embedded_settings, timer_commit
+from .conftest import CONTEXT, embedded_settings, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -52,11 +51,7 @@ async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
 
 async def hold(b: Backend, key: str) -> HeldSlot:
     """The slot, taken by ``key`` (after the previous holder's lease was released)."""
-    res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
-    assert res.lease is not None
-    return HeldSlot(
-        lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key=key
-    )
+    return await hold_slot(b, PARTS, key)
 
 
 def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
