@@ -183,6 +183,11 @@ def save_checkpoint_sql() -> str:
     )
 
 
+_POSITION_JSON = json.JSONEncoder(separators=(",", ":"))
+"""A checkpoint's position as stored (``json.dumps(position, separators=(",", ":"))``, without an
+encoder made per call)."""
+
+
 def save_checkpoint_rows(rows: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> int:
     """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` on ``conn`` (in the caller's
     transaction); how many were admitted (each one refused had a higher fence)."""
@@ -614,12 +619,12 @@ class EmbeddedLog(SqliteStore):
     def checkpoint_rows(self, consumer: str, positions: Mapping[int, Position], fence: int) -> list[tuple[Any, ...]]:
         """The parameters of :func:`save_checkpoint_rows` for ``positions`` under ``fence``."""
         return [
-            (self.context, consumer, p, json.dumps(pos, separators=(",", ":")), fence)
+            (self.context, consumer, p, _POSITION_JSON.encode(pos), fence)
             for p, pos in sorted(positions.items())
         ]
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        params = (self.context, consumer, partition, json.dumps(position, separators=(",", ":")), fence)
+        params = (self.context, consumer, partition, _POSITION_JSON.encode(position), fence)
         saved = await self._run("save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount)
         if not saved:
             log.info(

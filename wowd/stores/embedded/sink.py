@@ -122,6 +122,10 @@ def _stamp_params(s: AccessStamp, access: str) -> tuple[Any, ...]:
     return (access, s.as_of, r.context, r.aggregate, r.tenant_id, r.id, s.from_, s.until, s.as_of, s.as_of, access)
 
 
+_CREATED = SINK_ITEMS.labels("201")
+_EXISTING = SINK_ITEMS.labels("409")
+
+
 @dataclass(slots=True)
 class SinkWrite:
     """A sink write made ready (:meth:`EmbeddedEventSink.plan_write`): the rows to insert, per
@@ -231,8 +235,8 @@ class EmbeddedEventSink(SqliteStore):
         """After the transaction of ``plan`` committed (``created`` documents were new): the
         counts, the attributes remembered per aggregate; raises :class:`SinkWriteError` when
         the plan left records out."""
-        SINK_ITEMS.labels("201").inc(created)
-        SINK_ITEMS.labels("409").inc(len(plan.rows) - created)
+        _CREATED.inc(created)
+        _EXISTING.inc(len(plan.rows) - created)
         for key, items in plan.streams.items():
             last, access = items[-1]
             seen = self._last.get(key)
