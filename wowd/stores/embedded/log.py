@@ -618,10 +618,7 @@ class EmbeddedLog(SqliteStore):
 
     def checkpoint_rows(self, consumer: str, positions: Mapping[int, Position], fence: int) -> list[tuple[Any, ...]]:
         """The parameters of :func:`save_checkpoint_rows` for ``positions`` under ``fence``."""
-        return [
-            (self.context, consumer, p, _POSITION_JSON.encode(pos), fence)
-            for p, pos in sorted(positions.items())
-        ]
+        return [(self.context, consumer, p, _POSITION_JSON.encode(pos), fence) for p, pos in sorted(positions.items())]
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         params = (self.context, consumer, partition, _POSITION_JSON.encode(position), fence)
