@@ -3,9 +3,11 @@
 Per batch read from the log after the slot's checkpoints: quarantine malformed entries, write the
 commits to each aggregate type's event sink, project timer events into the timer store, fold
 snapshots where a reducer is configured, resume the parked timers of the aggregates that just
-committed, then save each partition's checkpoint under the slot's fence. Every step is
-idempotent, so a transient failure (:class:`StorageUnavailable`) retries the whole batch after a
-backoff and a batch is never half-checkpointed. A refused checkpoint means another holder has the
+committed, then save each partition's checkpoint under the slot's fence. Where the stores share
+a transaction (the embedded file's :class:`~wowd.stores.base.FeedWriter`), the sink, timer, parked
+and checkpoint steps of a batch are that one transaction. Every step is idempotent, so a
+transient failure (:class:`StorageUnavailable`) retries the whole batch after a backoff and a
+batch is never half-checkpointed. A refused checkpoint means another holder has the
 slot: the slot's work stops (:class:`LeaseLost`).
 """
 
