@@ -42,7 +42,7 @@ STEPS = (
     ("the batch's transaction", "embedded/feed.py", "apply"),
     ("- sink rows", "sink.py", "work"),
     ("- timer view rows", "timers.py", "write_steps"),
-    ("- parked-timer check", "timers.py", "parked_rows"),
+    ("- parked-timer check", "timers.py", "parked_timers"),
     ("- checkpoints", "log.py", "save_checkpoint_rows"),
     ("one batch applied (_apply)", "feed.py", "_apply"),
     ("one batch processed (_process)", "feed.py", "_process"),

@@ -24,7 +24,7 @@ from wowd.stores.base import EventSink, FeedApplied
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
-from wowd.stores.embedded.timers import WRITE_CHUNK, EmbeddedTimerStore, parked_params, timer_from_row
+from wowd.stores.embedded.timers import WRITE_CHUNK, EmbeddedTimerStore, parked_params
 
 __all__ = ["EmbeddedFeedWriter"]
 
@@ -109,7 +109,7 @@ def _apply(
     answers = timers.write_steps(steps, conn) if steps else []
     resumed: list[Timer] = []
     if parked:
-        resumed = [timer_from_row(timers.context, r) for r in timers.parked_rows(parked, conn)]
+        resumed = timers.parked_timers(parked, conn)
         if resumed:
             timers.settle_changes([TimerChange.resume(t, due_at=now) for t in resumed], conn)
     if save_checkpoint_rows(checkpoints, conn) != len(checkpoints):

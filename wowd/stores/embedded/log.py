@@ -621,7 +621,7 @@ class EmbeddedLog(SqliteStore):
         return [(self.context, consumer, p, _POSITION_JSON.encode(pos), fence) for p, pos in sorted(positions.items())]
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        params = (self.context, consumer, partition, _POSITION_JSON.encode(position), fence)
+        (params,) = self.checkpoint_rows(consumer, {partition: position}, fence)
         saved = await self._run("save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount)
         if not saved:
             log.info(

@@ -81,7 +81,6 @@ __all__ = [
     "EmbeddedTimerStore",
     "next_due_sql",
     "parked_params",
-    "timer_from_row",
 ]
 
 log = logging.getLogger(__name__)
@@ -941,12 +940,14 @@ class EmbeddedTimerStore(SqliteStore):
         if not params:
             return []
         await self.prepare()
-        rows = await self._run("parked_many", functools.partial(self.parked_rows, params))
-        return [timer_from_row(self.context, r) for r in rows]
+        return await self._run("parked_many", functools.partial(self.parked_timers, params))
 
-    def parked_rows(self, params: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> list[Sequence[Any]]:
-        """The rows of the PARKED timers of the targets of :func:`parked_params`, on ``conn`` (in
+    def parked_timers(self, params: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> list[Timer]:
+        """The PARKED timers of the targets of :func:`parked_params`, in due order, on ``conn`` (in
         the caller's transaction, or in one of their own)."""
+        return [timer_from_row(self.context, r) for r in self._parked_rows(params, conn)]
+
+    def _parked_rows(self, params: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> list[Sequence[Any]]:
         ctx = self.context
         per = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(PARKED_TARGET))
         chunks = [params[i : i + per] for i in range(0, len(params), per)]
