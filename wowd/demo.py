@@ -69,10 +69,13 @@ def demo_commits(
     run_id: str | None = None,
     now_ms: int | None = None,
     versions: dict[str, int] | None = None,
+    first: int = 0,
 ) -> tuple[list[Commit], DemoStats]:
     """``commits`` commits over ``aggregates`` orders, scheduling ``timers`` timers in total.
 
-    ``versions`` carries each order's last version across calls (updated in place)."""
+    Commit ``i`` goes to order ``(first + i) % aggregates``: a call continuing an earlier one
+    passes the number of commits made before it as ``first``, and ``versions``, each order's
+    last version (updated in place)."""
     run = run_id or secrets.token_hex(4)
     now = clock.now_ms() if now_ms is None else now_ms
     versions = {} if versions is None else versions
@@ -83,7 +86,8 @@ def demo_commits(
     per_commit, extra = divmod(max(0, timers), max(1, commits))
     timer_no = 0
     for i in range(commits):
-        agg_id = f"{AGGREGATE}-{run}-{i % aggregates}"
+        order = (first + i) % aggregates
+        agg_id = f"{AGGREGATE}-{run}-{order}"
         version = versions.get(agg_id, 0) + 1
         versions[agg_id] = version
         ref = AggregateRef(context=context, aggregate=AGGREGATE, id=agg_id)
@@ -101,7 +105,7 @@ def demo_commits(
             )
             first_key.setdefault(agg_id, key)
             stats.timers += 1
-        if version == 2 and agg_id in first_key and (i % aggregates) % 5 == 4:
+        if version == 2 and agg_id in first_key and order % 5 == 4:
             events.append(cancelled_event(first_key[agg_id]))
             stats.cancelled += 1
         out.append(
@@ -139,8 +143,9 @@ async def produce(
             aggregates=aggregates,
             run_id=run,
             versions=versions,
+            first=done,
         )
-        # a chunk continues the aggregates of the previous one
+        # a chunk continues the orders (and their versions) where the previous one stopped
         await log.append_many(batch)
         done += n
         timers_left -= t

@@ -52,6 +52,7 @@ __all__ = [
     "TIMERS_RETRIED",
     "TIMER_EVENTS_REJECTED",
     "CollectorRegistry",
+    "count_fired",
 ]
 
 
@@ -176,6 +177,19 @@ FEED_POISON = Counter(
     ["step", "error"],
 )
 SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
+
+
+def count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
+    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
+    time, fire time)`` each."""
+    per_aggregate: dict[str, int] = {}
+    lags: list[float] = []
+    for aggregate, scheduled_at, at in fired:
+        per_aggregate[aggregate] = per_aggregate.get(aggregate, 0) + 1
+        lags.append(max(0.0, (at - scheduled_at) / 1000))
+    FIRE_LAG.observe_many(lags)
+    for aggregate, n in per_aggregate.items():
+        TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
 
 
 BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])

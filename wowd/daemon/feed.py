@@ -57,8 +57,9 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
-from wowd.stores.base import Backend, EventSink, FeedWriter
+from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
+from .gateway import FusedFiring
 from .leases import HeldSlot
 from .waker import Waker, owner_key
 
@@ -168,9 +169,13 @@ class Feeder:
         *,
         reducers: Mapping[str, Reducer] | None = None,
         batch_size: int = 500,
+        fused: FusedFiring | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
+        self._fused = fused
+        """The gateway's fast path into the backend's outbox, when a batch applied in one
+        transaction fires the due timers it puts (:class:`~wowd.stores.base.FeedFiring`)."""
         self._reducers = dict(reducers or {})
         self._batch_size = batch_size
         self._prepared_sinks: set[AggregateType] = set()
@@ -462,8 +467,12 @@ class Feeder:
         (:class:`FeedWriter`); False, having written nothing, when the writer does not take it
         whole or a step refuses it: the steps one by one then name what is refused."""
         now = now_ms()
+        fire = None
+        if self._fused is not None:
+            deadline = time.monotonic() + (held.valid_until - anyio.current_time())
+            fire = FeedFiring(held.owner_key, deadline, self._settings.timers.batch)
         try:
-            done = await writer.apply(sinks, prepared.timer_writes, CONSUMER, positions, held.fence, now=now)
+            done = await writer.apply(sinks, prepared.timer_writes, CONSUMER, positions, held.fence, now=now, fire=fire)
         except (StorageUnavailable, LeaseLost, SlotStalled):
             raise
         except WowdError as exc:
@@ -473,9 +482,20 @@ class Feeder:
             return False
         if not done.saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
-        _wake_for_puts(held, prepared.timer_writes, done.timer_answers, waker)
+        answers = done.timer_answers
+        if done.fired:
+            metrics.count_fired((f.aggregate, f.scheduled_at, now) for f in done.fired)
+            fired = {f.timer_id for f in done.fired}
+            # a timer fired here needs no wake-up of the loop
+            answers = [
+                0 if w.timer is not None and w.timer.timer_id in fired else a
+                for w, a in zip(prepared.timer_writes, answers, strict=True)
+            ]
+        _wake_for_puts(held, prepared.timer_writes, answers, waker)
         if done.resumed:
             _resumed(held, done.resumed, now, waker)
+        if done.fired and self._fused is not None:
+            await self._fused.fired_elsewhere()
         return True
 
     async def _isolate(

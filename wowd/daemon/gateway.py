@@ -199,6 +199,11 @@ class FusedFiring(Protocol):
         feed's checkpoint is left (:class:`~wowd.stores.base.LogCheck`)."""
         ...
 
+    async def fired_elsewhere(self) -> None:
+        """Timers were fired into this gateway's outbox by the feed's own transaction
+        (:class:`~wowd.stores.base.FeedFiring`): the housekeeping that follows a delivery."""
+        ...
+
 
 class OutboxGateway:
     """Delivers into the backend's outbox, unique on the request id (a re-fire is a no-op).
@@ -260,6 +265,9 @@ class OutboxGateway:
         if fired:
             await self._maybe_housekeep()
         return fired
+
+    async def fired_elsewhere(self) -> None:
+        await self._maybe_housekeep()
 
     async def housekeep(self) -> None:
         """Trims past the retention and updates ``wowd_outbox_depth``; a store failure is

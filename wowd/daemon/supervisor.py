@@ -226,7 +226,11 @@ class Supervisor:
 
     async def _slot_work(self, held: HeldSlot) -> None:
         waker = Waker()
-        feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
+        # with the gateway's fast path into the backend's outbox, a batch fires the due timers it
+        # puts (those no later commit can cancel) in its own transaction
+        feeder = Feeder(
+            self.settings, self.backend, reducers=self._reducers, fused=self.fused if self.backend.checks_log else None
+        )
         loop = TimerLoop(
             self.settings.timers,
             self.backend.timers,

@@ -148,19 +148,6 @@ def outcome_changes(
     return changes
 
 
-def _count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
-    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
-    time, fire time)`` each."""
-    per_aggregate: Counter[str] = Counter()
-    lags: list[float] = []
-    for aggregate, scheduled_at, at in fired:
-        per_aggregate[aggregate] += 1
-        lags.append(max(0.0, (at - scheduled_at) / 1000))
-    metrics.FIRE_LAG.observe_many(lags)
-    for aggregate, n in per_aggregate.items():
-        metrics.TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
-
-
 _DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
 _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fail": metrics.TIMERS_FAILED}
 """The settle changes counted by kind (besides the fired ones)."""
@@ -338,7 +325,7 @@ class TimerLoop:
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))
-            _count_fired((f.aggregate, f.scheduled_at, at) for f in fired)
+            metrics.count_fired((f.aggregate, f.scheduled_at, at) for f in fired)
             for f in fired:
                 if f.next_due is not None:
                     waker.maybe_wake(f.next_due)
@@ -533,7 +520,7 @@ class TimerLoop:
 
     @staticmethod
     def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
-        _count_fired(
+        metrics.count_fired(
             (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
         )
         counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each

@@ -45,6 +45,7 @@ __all__ = [
     "Ddl",
     "EventSink",
     "FeedApplied",
+    "FeedFiring",
     "FeedWriter",
     "FiredTimer",
     "Log",
@@ -638,6 +639,23 @@ class FeedApplied:
     timer_answers: list[int]
     resumed: list[Timer]
     saved: bool
+    fired: list[FiredTimer] = field(default_factory=list)
+    """The timers of the batch fired into the outbox in its transaction (:class:`FeedFiring`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeedFiring:
+    """A feed batch may fire the one-shot timers it puts that are due already, into the outbox
+    of its own database, in its transaction (the ``outbox`` gateway on the embedded file): each
+    one whose aggregate has no commit in the log past the batch (nothing the feed has not
+    applied can cancel it), as the gateway's fast path would fire it under the batch's fence and
+    ``owner_key``, at most ``limit`` of them (the timer loop's batch: the rest are the loop's).
+    The transaction rolls back with :class:`~wowd.errors.LeaseLost` when it fired and could not
+    commit before ``deadline`` (``time.monotonic()``)."""
+
+    owner_key: str
+    deadline: float
+    limit: int
 
 
 class FeedWriter(Protocol):
@@ -655,9 +673,11 @@ class FeedWriter(Protocol):
         fence: int,
         *,
         now: int,
+        fire: FeedFiring | None = None,
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
-        writes in order, the PARKED timers of the records' aggregates resumed due at ``now``;
+        writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
+        with ``fire`` the due timers it put fired (:class:`FeedFiring`);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
         applies it step by step, which names what is refused. Raises as the stores do."""

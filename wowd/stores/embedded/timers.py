@@ -45,7 +45,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Callable, Collection, Generator, Iterable, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Mapping, Sequence
 from contextlib import closing
 from functools import lru_cache
 from itertools import islice
@@ -881,6 +881,84 @@ class EmbeddedTimerStore(SqliteStore):
             i = j
         return out
 
+    def write_firing(
+        self,
+        writes: Sequence[TimerWrite],
+        steps: Sequence[tuple[str, tuple[Any, ...]]],
+        seqs: Mapping[int, int],
+        conn: sqlite3.Connection,
+        *,
+        fence: int,
+        owner_key: str,
+        created_at: int,
+        limit: int,
+    ) -> tuple[list[int], list[FiredTimer]]:
+        """:meth:`write_steps` of ``writes`` (planned as ``steps``) in the caller's (a feed
+        batch's) transaction on ``conn``, firing into the outbox the one-shot timers they put
+        that are due by ``created_at`` and that no later commit can cancel, at most ``limit``:
+        those whose aggregate has no commit in the log past ``seqs`` (the position the batch
+        applied, per partition). Such a put is written as the DONE tombstone a fire leaves (at
+        ``created_at``) with its outbox entry under ``fence`` and ``owner_key``, as
+        :meth:`fire_into_outbox` fires it; one that changes nothing (the same or a later version
+        is stored) fires nothing. Every other timer is left to the timer loop. Answers each
+        write's answer and the timers fired.
+
+        The fired puts are written after the other steps: a batch holds at most one write per
+        key (:func:`~wowd.model.net_writes`), and a ``cancel_all`` of the batch is at a version
+        below every put of its owner that remains, so the order does not change the view."""
+        firing: list[int] = []
+        applied: dict[AggregateRef, bool] = {}
+        """Whether the batch applied each owner's last commit in the log (one seek each)."""
+        for i, w in enumerate(writes):
+            if len(firing) >= limit:
+                break
+            t = w.timer
+            if w.kind != "put" or t is None or t.due_at > created_at or not isinstance(t.rule, OnceRule):
+                continue
+            o = t.owner
+            done = applied.get(o)
+            if done is None:
+                last = conn.execute(LAST_COMMIT_SQL, (o.context, o.aggregate, o.tenant_id, o.id)).fetchone()
+                done = applied[o] = last is not None and last[0] <= seqs.get(t.partition, 0)
+            if done:
+                firing.append(i)
+        if not firing:
+            return self.write_steps(steps, conn), []
+        chosen = set(firing)
+        answers = self.write_steps([st for i, st in enumerate(steps) if i not in chosen], conn)
+        put = self._write_sql["put"]
+        fired: list[FiredTimer] = []
+        rows: list[tuple[Any, ...]] = []
+        out: dict[int, int] = {}
+        for i in firing:
+            t = writes[i].timer
+            assert t is not None
+            params = steps[i][1]
+            # the row as a fire leaves it: a DONE tombstone since created_at
+            done_params = (*params[:7], "DONE", created_at, *params[9:])
+            if conn.execute(put, done_params).rowcount == 1:
+                out[i] = 1
+                fired.append(FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None))
+                g = t.target
+                rows.append(
+                    (
+                        request_id_for(t.timer_id, t.scheduled_at),
+                        t.timer_id,
+                        target_json(g.context, g.aggregate, g.tenant_id, g.id),
+                        t.body,
+                        t.scheduled_at,
+                        fence,
+                        owner_key,
+                        created_at,
+                    )
+                )
+            else:  # the same version stored live (admitted, changes nothing) or a tombstone
+                out[i] = 1 if conn.execute(self._write_sql["live_at"], (*params[1:6], params[6])).fetchone() else 0
+        if rows:
+            sort_out(conn, rows)
+        rest = iter(answers)
+        return [out[i] if i in out else next(rest) for i in range(len(steps))], fired
+
     async def sweep(self, before: int, limit: int) -> int:
         await self.prepare()
         sql = sweep_sql(self.context)
@@ -1060,7 +1138,7 @@ class EmbeddedTimerStore(SqliteStore):
         if not partitions or limit <= 0:
             return []
         await self.prepare()
-        await self._prepare_outbox()
+        await self.prepare_outbox()
         skip = frozenset(exclude)
         read = self._due_rows(partitions, until, limit + len(skip))
         fail_sql = fail_rowid_sql(self.context)
@@ -1125,7 +1203,7 @@ class EmbeddedTimerStore(SqliteStore):
         _report_failed(failed)
         return fired
 
-    async def _prepare_outbox(self) -> None:
+    async def prepare_outbox(self) -> None:
         """Creates the outbox table of this file when missing (once; the outbox store's DDL)."""
         if not self._outbox_ready:
 
