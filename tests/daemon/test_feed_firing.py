@@ -4,9 +4,11 @@ slot's fence and lease, at most the timer loop's batch; a backlog's timers fire 
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from wowd import metrics
 from wowd.cli.backend import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
-from wowd.daemon.gateway import OutboxGateway
+from wowd.daemon.gateway import OutboxGateway, outbox_entry
 from wowd.daemon.waker import Waker
 from wowd.errors import LeaseLost
 from wowd.model import (
@@ -121,6 +123,24 @@ async def test_a_batch_fires_its_due_timers_that_no_later_commit_can_cancel(back
     assert left == [("b", "k1", "PENDING"), ("c", "k1", "PENDING")]
     # a replay of the batch puts nothing again
     assert await backend.timers.write(puts(a1)) == [0, 0]
+
+
+async def test_a_refire_already_in_the_outbox_is_recorded_as_a_redelivery(backend: Backend, tmp_path: Path) -> None:
+    """The outbox holds the entry of a timer the batch fires (delivered before its tombstone was
+    swept and the log replayed): no second entry; the re-delivery is recorded, the rest fired."""
+    now = int(time.time() * 1000)
+    a1 = timer_commit("a", 1, ["k1", "k2"], due_at=now)
+    first, second = (w.timer for w in puts(a1))
+    assert first is not None and second is not None
+    await backend.outbox.put(outbox_entry(first, now))
+    await backend.log.append_many([a1])
+    done = await apply(backend, [a1], [("a", 1)], FeedFiring("me", FAR, 100), fence=4)
+    assert done is not None and len(done.fired) == 2
+    entries = await backend.outbox.entries(limit=10)
+    assert sorted(e.timer_id for e in entries) == sorted([first.timer_id, second.timer_id])
+    with closing(sqlite3.connect(tmp_path / "wowd.db")) as conn:
+        again = conn.execute("SELECT request_id, fence, owner_key FROM outbox_redelivery").fetchall()
+    assert again == [(request_id_for(first.timer_id, first.scheduled_at), 4, "me")]
 
 
 async def test_a_batch_fires_at_most_the_loops_batch_and_nothing_recurring(backend: Backend) -> None:

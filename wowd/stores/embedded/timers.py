@@ -955,7 +955,14 @@ class EmbeddedTimerStore(SqliteStore):
             else:  # the same version stored live (admitted, changes nothing) or a tombstone
                 out[i] = 1 if conn.execute(self._write_sql["live_at"], (*params[1:6], params[6])).fetchone() else 0
         if rows:
-            sort_out(conn, rows)
+            # new request ids, the usual case, in one statement; a re-fire's rows sorted out
+            conn.execute("SAVEPOINT fire_puts")
+            try:
+                insert_new(conn, rows)
+            except Repeated:
+                conn.execute("ROLLBACK TO fire_puts")
+                sort_out(conn, rows)
+            conn.execute("RELEASE fire_puts")
         rest = iter(answers)
         return [out[i] if i in out else next(rest) for i in range(len(steps))], fired
 
