@@ -395,7 +395,7 @@ HTTP_DEFAULT_PER_TARGET = 16
 def section_http(cfg: Config) -> Section:
     import tempfile
 
-    from bench.http_delivery import http_bare, http_burst, http_steady, target_server
+    from bench.http_delivery import http_bare, http_bare_steady, http_burst, http_steady, target_server
     from bench.wowd_timers import wowd_burst
 
     n = cfg.http_n
@@ -413,6 +413,7 @@ def section_http(cfg: Config) -> Section:
                 {**x, "system": "wowd run, http gateway", "concurrency": top, "per_target": HTTP_DEFAULT_PER_TARGET}
             )
         steady = http_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
+        bare_steady = http_bare_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
     outbox = _repeat(partial(wowd_burst, n, 1), cfg.runs)
     rows.append({**outbox, "system": "wowd run, outbox gateway (reference)", "concurrency": "-", "per_target": "-"})
     body = f"{fmt(n)} commands due at once, one target (`billing.invoice`), medians of {cfg.runs} run(s):\n\n"
@@ -456,13 +457,17 @@ def section_http(cfg: Config) -> Section:
         f"\n\nSteady {fmt(steady['rate'])}/s over HTTP for {fmt(cfg.steady_seconds)} s (concurrency {top}, "
         f"due 1 s after the append): fired {fmt(steady['fired'])} / {fmt(steady['added'])}, lag p50 "
         f"{fmt_ms(steady['p50_ms'])} ms, p99 {fmt_ms(steady['p99_ms'])} ms, max {fmt_ms(steady['max_ms'])} ms, "
-        f"CPU {fmt(steady['cpu_s'], 2)} s."
+        f"CPU {fmt(steady['cpu_s'], 2)} s. The bare steady loop at the same rate, right after it: fired "
+        f"{fmt(bare_steady['fired'])} / {fmt(bare_steady['added'])}, lag p50 {fmt_ms(bare_steady['p50_ms'])} ms, "
+        f"p99 {fmt_ms(bare_steady['p99_ms'])} ms, max {fmt_ms(bare_steady['max_ms'])} ms, "
+        f"CPU {fmt(bare_steady['cpu_s'], 2)} s."
     )
     notes = [
         "The target: `python -m bench.http_delivery serve`, a raw asyncio protocol on uvloop (keep-alive "
         "HTTP/1.1, 200 `{}`), its own process; lag = arrival at the target - due time.",
         "Bare loop: `concurrency` tasks on one aiohttp session (connector limit = concurrency), its own process "
-        "(uvloop), the same paths, headers and body; its lag counts from its start.",
+        "(uvloop), the same paths, headers and body; its lag counts from its start. Bare steady loop: one "
+        "process (uvloop) POSTing each command at its due time on one aiohttp session, no log and no producer.",
         f"wowd rows set `WOWD_GATEWAY__PER_TARGET_CONCURRENCY` to the concurrency (like for like); the row with "
         f"per target {HTTP_DEFAULT_PER_TARGET} is the default, which caps one target's requests in flight.",
     ]
@@ -470,7 +475,7 @@ def section_http(cfg: Config) -> Section:
         key="http",
         title="HTTP delivery: wowd run's http gateway against a bare aiohttp loop",
         body=body,
-        data={"rows": rows, "steady": steady, "n": n},
+        data={"rows": rows, "steady": steady, "bare_steady": bare_steady, "n": n},
         notes=notes,
     )
 
@@ -500,6 +505,10 @@ def section_e2e(cfg: Config) -> Section:
     for _ in range(max(1, cfg.runs)):
         measure("catch_up", lambda: e2e.catch_up(c.catch_up_commits, timeout_s=cfg.timeout_s))
         measure(
+            "catch_up_orders",
+            lambda: e2e.catch_up(c.catch_up_commits, orders=c.catch_up_orders, timeout_s=cfg.timeout_s),
+        )
+        measure(
             "scheduled",
             lambda: e2e.scheduled(
                 c.scheduled_timers, c.scheduled_commits, due_in_ms=c.scheduled_due_in_ms, timeout_s=cfg.timeout_s
@@ -520,16 +529,19 @@ def section_e2e(cfg: Config) -> Section:
     burst_rows = [
         [
             "through the log: catch-up (`wowd demo`, then `wowd run`)",
-            f"{fmt(cu['commits'])} commits, 1 timer each",
-            f"{fmt(cu['commits_per_s'])} commits/s start to settled ({_runs_of(raw['catch_up'], 'commits_per_s')})",
-            f"feed {fmt(cu['feed_commits_per_s_after_up'])} commits/s once up; up {fmt(cu['up_s'], 1)} s, "
-            f"fed {fmt(cu['feed_s'], 1)} s, settled {fmt(cu['total_s'], 1)} s; fired {fmt(cu['fired'])} of "
-            f"{fmt(cu['expected'])}",
+            f"{fmt(x['commits'])} commits, 1 timer each, over {fmt(x['orders'])} orders",
+            f"{fmt(x['commits_per_s'])} commits/s start to settled ({_runs_of(raw[key], 'commits_per_s')})",
+            f"feed {fmt(x['feed_commits_per_s_after_up'])} commits/s once up; up {fmt(x['up_s'], 1)} s, "
+            f"fed {fmt(x['feed_s'], 1)} s, settled {fmt(x['total_s'], 1)} s; fired {fmt(x['fired'])} of "
+            f"{fmt(x['expected'])}",
             "-",
             "-",
-            fmt(cu["cpu_s"], 2),
-            fmt(cu["peak_rss_mb"]),
-        ],
+            fmt(x["cpu_s"], 2),
+            fmt(x["peak_rss_mb"]),
+        ]
+        for key, x in (("catch_up", cu), ("catch_up_orders", med["catch_up_orders"]))
+    ]
+    burst_rows += [
         [
             f"through the log: scheduled {fmt(c.scheduled_due_in_ms / 1000, 0)} s ahead",
             f"{fmt(sc['timers'])} timers in {fmt(sc['commits'])} commits",
@@ -617,9 +629,10 @@ def section_e2e(cfg: Config) -> Section:
         "Catch-up: the rate counts from the `wowd run` process start (interpreter start-up, lease, checkpoints "
         "included) to every timer delivered into the outbox and settled (no PENDING or FIRING timer left); the "
         "feed rate counts from the moment its HTTP port is bound to every partition's checkpoint at its head. "
-        "`wowd demo --aggregates N` spreads its commits over at most 500 orders (a chunk's), so the log holds "
-        "several versions per order and every fifth order's second commit cancels a timer: those are expected "
-        "not to fire.",
+        "Over as many orders as commits, each order has one commit, so its timer is fired by the feed batch "
+        "that applies it (the outbox gateway on the embedded file); over fewer orders an order's timers wait for "
+        "the batch with its last commit (a later one could cancel them), and every fifth order's second commit "
+        "cancels a timer: those are expected not to fire.",
         "Scheduled: the append is this process's `Log.append_many` of the demo's commits (`wowd.demo.demo_commits`, "
         "500 commits per call) with one due time for every timer; the replica was already running. The fire rate "
         "counts from that due time to the last outbox row.",

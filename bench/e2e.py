@@ -172,13 +172,14 @@ def _await_done(d: Daemon, progress: Progress, expected: int, timeout_s: float, 
     return wait_until(done, timeout_s, what, POLL_S)
 
 
-def catch_up(n: int, *, timeout_s: float = 900) -> dict[str, Any]:
-    """``wowd demo`` appends ``n`` commits with one timer each (due at once); then one ``wowd
-    run`` starts and feeds, fires and settles them all."""
+def catch_up(n: int, *, orders: int | None = None, timeout_s: float = 900) -> dict[str, Any]:
+    """``wowd demo`` appends ``n`` commits with one timer each (due at once) over ``orders``
+    orders (default: one commit each); then one ``wowd run`` starts and feeds, fires and settles
+    them all."""
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         db = tmp / "wowd.db"
-        appended = demo_cli(tmp, db, commits=n, timers=n, due_in_ms=0, aggregates=n)
+        appended = demo_cli(tmp, db, commits=n, timers=n, due_in_ms=0, aggregates=orders or n)
         expected = appended["timers"] - appended["cancelled"]
         load0 = loadavg()
         with _progress(db) as progress:
@@ -198,6 +199,7 @@ def catch_up(n: int, *, timeout_s: float = 900) -> dict[str, Any]:
     total_s = done_at - started
     return {
         "n": n,
+        "orders": orders or n,
         "commits": in_log,
         "fired": fired,
         "expected": expected,
@@ -358,6 +360,8 @@ class E2eConfig:
     """The sizes of the end-to-end section."""
 
     catch_up_commits: int = 20_000
+    catch_up_orders: int = 500
+    """The catch-up's second case: its commits over this many orders (several versions each)."""
     scheduled_timers: int = 100_000
     scheduled_commits: int = 1_000
     scheduled_due_in_ms: int = 20_000

@@ -14,6 +14,8 @@ a bare loop of the same client (aiohttp) at the same concurrency.
   target answers; its lag counts from its start (every command "due" then).
 - Steady: this process appends commits scheduling one timer each at a constant rate, due 1 s after
   the append (the command's body carries its due time); the replica feeds and fires them over HTTP.
+  Beside it, the bare steady loop: one process POSTing the same rate of commands, each at its due
+  time, with the same client and no log (the floor of the lag on this machine).
 """
 
 from __future__ import annotations
@@ -233,6 +235,58 @@ def http_bare(target: Target, n: int, concurrency: int) -> dict[str, Any]:
     if target.count() != n:
         raise RuntimeError(f"bare loop: the target saw {target.count()} of {n} requests")
     return r
+
+
+async def _bare_steady(url: str, rate: float, seconds: float, concurrency: int) -> dict[str, Any]:
+    """``rate`` commands a second for ``seconds``, each POSTed at its due time (its body carries
+    it) by its own task on one aiohttp session: the client and the target alone, no log."""
+    import aiohttp
+
+    headers = {"content-type": "application/json", "accept": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    n = int(rate * seconds)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=10)) as session:
+
+        async def post(i: int, due: float) -> None:
+            h = {**headers, "command-request-id": uuid.uuid4().hex}
+            body = json.dumps({"due": due}).encode()
+            async with session.post(f"{url}/invoice/inv-{i}/remind", data=body, headers=h) as resp:
+                await resp.read()
+
+        cpu0 = cpu_seconds()
+        start = time.time() * 1000 + 500
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                due = start + i * 1000 / rate
+                wait_s = (due - time.time() * 1000) / 1000
+                if wait_s > 0:
+                    await anyio.sleep(wait_s)
+                tg.start_soon(post, i, due)
+        cpu = cpu_seconds() - cpu0
+    return {"rate": rate, "added": n, "cpu_s": cpu}
+
+
+def run_bare_steady(params: dict[str, Any]) -> dict[str, Any]:
+    """Worker: the bare steady loop against ``params["url"]`` (uvloop, as ``wowd run``)."""
+    import uvloop
+
+    result: dict[str, Any] = uvloop.run(
+        _bare_steady(str(params["url"]), float(params["rate"]), float(params["seconds"]), int(params["concurrency"]))
+    )
+    return result
+
+
+def http_bare_steady(target: Target, rate: float, seconds: float, concurrency: int = 64) -> dict[str, Any]:
+    """The floor of a steady delivery on this machine: the bare steady loop in its own process,
+    lag = arrival at the target - due time."""
+    from bench.common import run_worker
+
+    target.reset()
+    r = run_worker(
+        "http_bare_steady", {"url": target.url, "rate": rate, "seconds": seconds, "concurrency": concurrency}
+    )
+    lags = [at - json.loads(body)["due"] for at, body in target.dump()]
+    return {**r, "fired": len(lags), **lag_stats(lags).as_dict()}
 
 
 # --------------------------------------------------------------------------- wowd run

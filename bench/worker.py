@@ -18,6 +18,7 @@ WORKERS = {
     "growth_mongo": "bench.growth:run_mongo_wire",
     "sink": "bench.sink:run_sink",
     "http_bare": "bench.http_delivery:run_bare",
+    "http_bare_steady": "bench.http_delivery:run_bare_steady",
 }
 
 

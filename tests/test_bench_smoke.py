@@ -107,6 +107,9 @@ def test_http_delivery_fires_every_timer_over_http_beside_the_bare_loop() -> Non
     assert all(0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] and r["fired_per_s"] > 0 for r in rows)
     steady = section.data["steady"]
     assert steady["added"] > 0 and steady["fired"] == steady["added"]
+    bare_steady = section.data["bare_steady"]
+    assert bare_steady["added"] > 0 and bare_steady["fired"] == bare_steady["added"]
+    assert 0 <= bare_steady["p50_ms"] <= bare_steady["p99_ms"]
     text = render([section], cfg=TINY, command="python -m bench --quick --only http", quick=True, total_s=1.0)
     assert "## HTTP delivery" in text and "| bare aiohttp loop | 4 |" in text
     assert "http gateway >= 0.5x the bare aiohttp loop (concurrency 4)" in targets({"http": section})
@@ -138,6 +141,7 @@ def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
         TINY,
         e2e=E2eConfig(
             catch_up_commits=200,
+            catch_up_orders=20,
             scheduled_timers=1_000,
             scheduled_commits=10,
             scheduled_due_in_ms=3_000,
@@ -149,7 +153,9 @@ def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
     section = section_e2e(cfg)
     med = section.data["medians"]
     # every live timer the log scheduled fires once; the demo's cancelled ones never do
-    assert med["catch_up"]["commits"] == 200 and med["catch_up"]["fired"] == med["catch_up"]["expected"] > 0
+    assert med["catch_up"]["commits"] == 200 and med["catch_up"]["fired"] == med["catch_up"]["expected"] == 200
+    few = med["catch_up_orders"]  # 20 orders of 10 commits: every fifth order's second commit cancels a timer
+    assert few["commits"] == 200 and few["fired"] == few["expected"] == 196
     scheduled = med["scheduled"]
     assert scheduled["fired"] == scheduled["expected"] == 1_000 and scheduled["fed_before_due"]
     assert 0 <= scheduled["p50_ms"] <= scheduled["p99_ms"] <= scheduled["max_ms"]
