@@ -4,12 +4,13 @@ The log, the feed's checkpoints, the event sink's documents and the timer view a
 SQLite file, so a batch's writes need not be four transactions: one connection of its own runs
 the sink's inserts and stamps, the timer writes, the resumption of the batch's PARKED timers and
 the checkpoints under the slot's fence in one ``BEGIN IMMEDIATE`` ... ``COMMIT``. A checkpoint
-refused (another holder's higher fence) rolls the whole batch back. With the ``outbox`` gateway
-(:class:`~wowd.stores.base.FeedFiring`), the same transaction fires the one-shot timers of the
-batch that are due already and that no later commit of the log can cancel
-(:meth:`EmbeddedTimerStore.fire_puts`): a backlog's timers fire as the feed applies it. Each step is the store's own
+refused (another holder's higher fence) rolls the whole batch back. Each step is the store's own
 code (:meth:`EmbeddedEventSink.plan_write`, :meth:`EmbeddedTimerStore.write_steps`, ...), so the
 rows written are those the step-by-step path writes.
+
+With the ``outbox`` gateway (:class:`~wowd.stores.base.FeedFiring`), the same transaction fires
+the one-shot timers of the batch that are due already and that no later commit of the log can
+cancel (:meth:`EmbeddedTimerStore.write_firing`): a backlog's timers fire as the feed applies it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ timers as claimed. ``next_due`` (the timer loop's sleep) is one compound stateme
 The fast path into the outbox table of the same file (:meth:`EmbeddedTimerStore.fire_into_outbox`,
 the ``outbox`` gateway's on the embedded backend): the due read of ``claim_due``, the outbox rows
 and the fired settle of each timer by ``rowid`` in one write transaction, with no claim: nothing
-can move between the read and the settle, and a crash leaves all of it or none.
+can move between the read and the settle, and a crash leaves all of it or none. A feed batch's
+transaction fires the same way the due one-shot timers it puts
+(:meth:`EmbeddedTimerStore.write_firing`), each written once, as the DONE tombstone a fire leaves.
 
 The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 """
