@@ -121,7 +121,10 @@ async def test_a_batch_fires_its_due_timers_that_no_later_commit_can_cancel(back
     # a's timers are DONE tombstones; b's is left for the loop (then cancelled), c's is not due
     left = sorted((t.owner.id, t.key, t.status.value) for t in await backend.timers.scan(limit=10))
     assert left == [("b", "k1", "PENDING"), ("c", "k1", "PENDING")]
-    # a replay of the batch puts nothing again
+    # a replay of the batch (a takeover reading from an older checkpoint) fires nothing again
+    again = await apply(backend, [a1, b1, c1], [("a", 1), ("b", 1), ("c", 1)], FeedFiring("me", FAR, 100), fence=3)
+    assert again is not None and again.saved and again.fired == []
+    assert await backend.outbox.count() == 2
     assert await backend.timers.write(puts(a1)) == [0, 0]
 
 
