@@ -70,16 +70,18 @@ def demo_commits(
     now_ms: int | None = None,
     versions: dict[str, int] | None = None,
     first: int = 0,
+    first_keys: dict[str, str] | None = None,
 ) -> tuple[list[Commit], DemoStats]:
     """``commits`` commits over ``aggregates`` orders, scheduling ``timers`` timers in total.
 
     Commit ``i`` goes to order ``(first + i) % aggregates``: a call continuing an earlier one
-    passes the number of commits made before it as ``first``, and ``versions``, each order's
-    last version (updated in place)."""
+    passes the number of commits made before it as ``first``, ``versions`` (each order's last
+    version) and ``first_keys`` (the key of each order's first timer, which its second commit
+    cancels for every fifth order), both updated in place."""
     run = run_id or secrets.token_hex(4)
     now = clock.now_ms() if now_ms is None else now_ms
     versions = {} if versions is None else versions
-    first_key: dict[str, str] = {}
+    first_key = {} if first_keys is None else first_keys
     stats = DemoStats()
     out: list[Commit] = []
     aggregates = max(1, aggregates)
@@ -129,6 +131,7 @@ async def produce(
     """Appends the demo commits in chunks; answers what was appended."""
     run = secrets.token_hex(4)
     versions: dict[str, int] = {}
+    first_keys: dict[str, str] = {}
     total = DemoStats()
     done = 0
     timers_left = timers
@@ -144,6 +147,7 @@ async def produce(
             run_id=run,
             versions=versions,
             first=done,
+            first_keys=first_keys,
         )
         # a chunk continues the orders (and their versions) where the previous one stopped
         await log.append_many(batch)
@@ -166,6 +170,7 @@ async def produce_forever(
     """Appends ``rate_per_s`` commits a second (each with one timer) until cancelled."""
     run = secrets.token_hex(4)
     versions: dict[str, int] = {}
+    first_keys: dict[str, str] = {}
     tick = 0.2
     per_tick = max(1, int(rate_per_s * tick))
     while True:
@@ -177,6 +182,8 @@ async def produce_forever(
             aggregates=aggregates,
             run_id=f"{run}-{stats.commits // max(1, aggregates * 50)}",
             versions=versions,
+            first=stats.commits,
+            first_keys=first_keys,
         )
         await log.append_many(batch)
         stats.commits += s.commits
