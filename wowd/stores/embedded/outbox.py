@@ -5,12 +5,13 @@ target (JSON ``{context, aggregate, tenant_id, id}``), the command's JSON text, 
 ``scheduled_at``, the writer's fence and owner key, ``created_at``.
 
 ``put_many`` (the gateway's batch path) inserts the batch in one transaction, one ``executemany``
-of the row statement (no savepoint, no multi-row statement: either makes SQLite journal every
-index page the random request ids touch). Only when some request id was there already is that
-transaction rolled back and the batch sorted out, per entry, in another: new ones inserted,
-repeats recorded as re-deliveries. The timer store's fast path into this table (one transaction
-that fires and settles, see ``EmbeddedTimerStore.fire_into_outbox``) writes the same rows with the
-same two steps (:func:`entry_row`, :func:`insert_new`, :func:`sort_out`).
+of the row statement that skips a request id already there (no savepoint, no multi-row
+statement: either makes SQLite journal every index page the random request ids touch). Only when
+some request id was there already are the rows it inserted read back (by ``seq``) and the others
+recorded as re-deliveries (:func:`put_rows`). The timer store's fast path into this table (one
+transaction that fires and settles, see ``EmbeddedTimerStore.fire_into_outbox``) and a feed
+batch that fires (``EmbeddedTimerStore.write_firing``) write the same rows the same way
+(:func:`entry_row`, :func:`put_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.embedded.db import SqliteStore
 
-__all__ = ["SCHEMA", "EmbeddedOutbox", "Repeated", "entry_row", "insert_new", "sort_out", "target_json"]
+__all__ = ["SCHEMA", "EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
 
 T = TypeVar("T")
 
@@ -59,9 +60,14 @@ def put_sql() -> str:
     return f"INSERT INTO outbox ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (request_id) DO NOTHING"
 
 
-def existing_sql(n: int) -> str:
-    """The request ids among ``n`` given ones that are in the outbox."""
-    return f"SELECT request_id FROM outbox WHERE request_id IN ({', '.join('?' * n)})"
+def last_seq_sql() -> str:
+    """The largest ``seq`` in the table (0 when empty): one seek of its key."""
+    return "SELECT COALESCE(MAX(seq), 0) FROM outbox"
+
+
+def inserted_sql() -> str:
+    """The request ids of the rows past a ``seq``."""
+    return "SELECT request_id FROM outbox WHERE seq > ?"
 
 
 def redelivery_sql() -> str:
@@ -159,13 +165,7 @@ class EmbeddedOutbox(SqliteStore):
         rows = [entry_row(e) for e in entries]
         if not rows:
             return []
-        fresh = self._db.transaction(lambda conn: insert_new(conn, rows))
-        try:
-            return await self._run("put_many", fresh)
-        except Repeated:
-            pass  # rolled back: sort the batch out
-        again = self._db.transaction(lambda conn: sort_out(conn, rows))
-        return await self._run("put_many", again)
+        return await self._run("put_many", self._db.transaction(lambda conn: put_rows(conn, rows)))
 
     async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
         """At most ``limit`` entries in insertion order, after the first ``after`` ones."""
@@ -213,39 +213,26 @@ class EmbeddedOutbox(SqliteStore):
         return await self._run("trim", self._db.transaction(run))
 
 
-class Repeated(Exception):
-    """A request id of the batch was in the outbox already (or twice in the batch)."""
-
-
-def insert_new(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
-    """Inserts ``rows`` (in a write transaction) when every request id is new, the usual case;
-    raises :class:`Repeated` (the caller's transaction rolls back) otherwise."""
+def put_rows(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
+    """Inserts ``rows`` (:func:`entry_row`) in the caller's write transaction, one ``executemany``
+    skipping a request id that is there already; per row, False for such a re-delivery (or a
+    request id the batch repeats), recorded in ``outbox_redelivery``. Only then are the rows the
+    statement inserted told apart, by their ``seq`` past the table's largest before it (a new
+    row's ``seq`` is always larger: AUTOINCREMENT)."""
+    top = conn.execute(last_seq_sql()).fetchone()[0]
     before = conn.total_changes
     conn.executemany(put_sql(), rows)
-    if conn.total_changes - before != len(rows):
-        raise Repeated
-    return [True] * len(rows)
-
-
-def sort_out(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[bool]:
-    """Inserts the first of each new request id, records the others as re-deliveries."""
-    existing: set[str] = set()
-    ids = [r[0] for r in rows]
-    for i in range(0, len(ids), 500):
-        chunk = ids[i : i + 500]
-        existing.update(r[0] for r in conn.execute(existing_sql(len(chunk)), chunk))
+    if conn.total_changes - before == len(rows):
+        return [True] * len(rows)
+    inserted = {r[0] for r in conn.execute(inserted_sql(), (top,))}
     answers: list[bool] = []
-    fresh: list[tuple[Any, ...]] = []
     again: list[tuple[Any, ...]] = []
     for r in rows:
-        new = r[0] not in existing
+        new = r[0] in inserted
         answers.append(new)
         if new:
-            existing.add(r[0])
-            fresh.append(r)
+            inserted.discard(r[0])  # a repeat later in the batch is a re-delivery
         else:
             again.append((r[0], r[5], r[6], r[7]))
-    conn.executemany(put_sql(), fresh)
-    if again:
-        conn.executemany(redelivery_sql(), again)
+    conn.executemany(redelivery_sql(), again)
     return answers

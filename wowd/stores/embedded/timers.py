@@ -74,7 +74,7 @@ from wowd.model import (
 from wowd.stores.base import FiredTimer, LogCheck
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
-from wowd.stores.embedded.outbox import Repeated, insert_new, sort_out, target_json
+from wowd.stores.embedded.outbox import put_rows, target_json
 
 __all__ = [
     "DUE_ARMS",
@@ -428,6 +428,13 @@ LAST_COMMIT_SQL = (
 versions are appended in order, so its last version is its last commit)."""
 
 
+def _committed_past(conn: sqlite3.Connection, owner: tuple[str, str, str, str], seq: int) -> bool:
+    """Whether the log holds a commit of ``owner`` (context, aggregate, tenant, id) past ``seq``:
+    its last commit, one seek of :data:`LAST_COMMIT_SQL`."""
+    last = conn.execute(LAST_COMMIT_SQL, owner).fetchone()
+    return last is not None and last[0] > seq
+
+
 def _report_failed(failed: Iterable[tuple[Sequence[Any], str]]) -> None:
     """Counts and logs the rows (``COLUMNS`` order) a claim or a fire set FAILED, with why."""
     for r, reason in failed:
@@ -456,8 +463,7 @@ class _LogChecker:
         if self._checkpoints is None:
             rows = self._conn.execute(CHECKPOINT_SEQS_SQL, (self._context, self._check.consumer)).fetchall()
             self._checkpoints = {p: int(seq) for p, seq in rows if seq is not None}
-        last = self._conn.execute(LAST_COMMIT_SQL, (self._context, r[2], r[3], r[4])).fetchone()
-        if last is None or last[0] <= self._checkpoints.get(r[1], 0):
+        if not _committed_past(self._conn, (self._context, r[2], r[3], r[4]), self._checkpoints.get(r[1], 0)):
             return False
         self._check.skipped += 1
         return True
@@ -920,8 +926,8 @@ class EmbeddedTimerStore(SqliteStore):
             o = t.owner
             done = applied.get(o)
             if done is None:
-                last = conn.execute(LAST_COMMIT_SQL, (o.context, o.aggregate, o.tenant_id, o.id)).fetchone()
-                done = applied[o] = last is not None and last[0] <= seqs.get(t.partition, 0)
+                owner = (o.context, o.aggregate, o.tenant_id, o.id)
+                done = applied[o] = not _committed_past(conn, owner, seqs.get(t.partition, 0))
             if done:
                 firing.append(i)
         if not firing:
@@ -941,30 +947,11 @@ class EmbeddedTimerStore(SqliteStore):
             if conn.execute(put, done_params).rowcount == 1:
                 out[i] = 1
                 fired.append(FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None))
-                g = t.target
-                rows.append(
-                    (
-                        request_id_for(t.timer_id, t.scheduled_at),
-                        t.timer_id,
-                        target_json(g.context, g.aggregate, g.tenant_id, g.id),
-                        t.body,
-                        t.scheduled_at,
-                        fence,
-                        owner_key,
-                        created_at,
-                    )
-                )
+                rows.append(outbox_row(params, fence, owner_key, created_at))
             else:  # the same version stored live (admitted, changes nothing) or a tombstone
                 out[i] = 1 if conn.execute(self._write_sql["live_at"], (*params[1:6], params[6])).fetchone() else 0
         if rows:
-            # new request ids, the usual case, in one statement; a re-fire's rows sorted out
-            conn.execute("SAVEPOINT fire_puts")
-            try:
-                insert_new(conn, rows)
-            except Repeated:
-                conn.execute("ROLLBACK TO fire_puts")
-                sort_out(conn, rows)
-            conn.execute("RELEASE fire_puts")
+            put_rows(conn, rows)
         rest = iter(answers)
         return [out[i] if i in out else next(rest) for i in range(len(steps))], fired
 
@@ -1138,12 +1125,10 @@ class EmbeddedTimerStore(SqliteStore):
         """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
         the due read of ``claim_due`` (a claim another holder made is due only once expired),
         one ``executemany`` of the outbox rows (:func:`outbox_row`,
-        :func:`~wowd.stores.embedded.outbox.insert_new`) and one per kind of the fired settle by
-        ``rowid`` (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot
-        timer is handled from its row alone; a recurring one is decoded for ``next_due``. When
-        a request id of the batch is in the outbox already (a re-fire), that transaction rolls
-        back and the batch is written again with the re-deliveries sorted out
-        (:func:`~wowd.stores.embedded.outbox.sort_out`)."""
+        :func:`~wowd.stores.embedded.outbox.put_rows`: a request id in the outbox already, a
+        re-fire, is recorded as a re-delivery) and one per kind of the fired settle by ``rowid``
+        (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot timer is
+        handled from its row alone; a recurring one is decoded for ``next_due``."""
         if not partitions or limit <= 0:
             return []
         await self.prepare()
@@ -1155,9 +1140,7 @@ class EmbeddedTimerStore(SqliteStore):
         ctx = self.context
         failed: list[tuple[Sequence[Any], str]] = []
 
-        def work(
-            insert: Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], object], conn: sqlite3.Connection
-        ) -> list[FiredTimer]:
+        def work(conn: sqlite3.Connection) -> list[FiredTimer]:
             failed.clear()
             fired: list[FiredTimer] = []
             rows: list[tuple[Any, ...]] = []
@@ -1165,7 +1148,7 @@ class EmbeddedTimerStore(SqliteStore):
             moved: list[tuple[Any, ...]] = []
             undecodable: list[tuple[str, Any, Any]] = []
             if check is not None:
-                check.skipped = 0  # a transaction written again counts anew
+                check.skipped = 0  # a transaction run again (its store busy) counts anew
             checker = None if check is None else _LogChecker(conn, ctx, check)
             with closing(read(conn)) as due:
                 for r in due:
@@ -1193,7 +1176,7 @@ class EmbeddedTimerStore(SqliteStore):
             if undecodable:
                 conn.executemany(fail_sql, undecodable)
             if rows:
-                insert(conn, rows)
+                put_rows(conn, rows)
                 before = conn.total_changes
                 conn.executemany(done_sql, done)
                 if moved:
@@ -1205,10 +1188,7 @@ class EmbeddedTimerStore(SqliteStore):
                 raise LeaseLost("lease no longer valid: the fired batch is rolled back")
             return fired
 
-        try:
-            fired = await self._write("fire_into_outbox", functools.partial(work, insert_new))
-        except Repeated:  # rolled back: write the batch again, sorting the re-deliveries out
-            fired = await self._write("fire_into_outbox", functools.partial(work, sort_out))
+        fired = await self._write("fire_into_outbox", work)
         _report_failed(failed)
         return fired
 
