@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import compileall
+import functools
 import os
 import signal
 import sqlite3
@@ -114,7 +116,16 @@ def daemon_env(
     return env
 
 
+@functools.cache
+def _byte_compiled() -> None:
+    """Byte-compiles wowd's modules once, as installing the package does: a replica started from
+    a checkout without current bytecode (``PYTHONDONTWRITEBYTECODE``, or a module changed since)
+    compiles them at every start, a cost an installed wowd does not pay."""
+    compileall.compile_dir(REPO / "wowd", quiet=1)
+
+
 def wowd_command() -> list[str]:
+    _byte_compiled()
     return [sys.executable, "-m", "wowd"]
 
 
