@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import anyio
 from wowd.model import AggregateRef, OnceRule, Timer, TimerChange, deterministic_timer_id, partition
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.outbox import EmbeddedOutbox
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import EmbeddedTimerStore, put_sql, table_name, timer_params
 
 CONTEXT = "bench"

@@ -7,7 +7,6 @@ path is compared with it."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from bench.common import (
 )
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_sql as outbox_put_sql
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import claim_rowid_sql, due_plan, due_union_sql, settle_sql
 
 __all__ = ["bare_loop", "run_burst"]

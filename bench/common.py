@@ -8,7 +8,6 @@ import json
 import os
 import platform
 import resource
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from wowd.model import partition
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import COLUMNS, ddl_sql, put_sql, register_sql, table_name
 
 __all__ = [

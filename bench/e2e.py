@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import sqlite3
 import subprocess
 import tempfile
 import time
@@ -55,6 +54,7 @@ from bench.wowd_timers import (
     wait_until,
     wowd_command,
 )
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = [
     "E2E_QUICK",

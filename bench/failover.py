@@ -9,13 +9,13 @@ The bound: ttl + ttl/3 (the standby's acquire retry is at most a renew interval)
 from __future__ import annotations
 
 import signal
-import sqlite3
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.common import create_timer_tables, insert_timer_rows, now_ms, timer_rows
 from bench.wowd_timers import PARTITIONS, daemons, wait_until
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["failover_once"]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import sqlite3
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import anyio
 
 from bench.common import cpu_seconds, peak_rss_mb, profile_tables, sqlite_inline
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["STEPS", "feed_once", "main"]
 

@@ -19,7 +19,6 @@ import compileall
 import functools
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from bench.common import (
     proc_stats,
     timer_rows,
 )
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["Daemon", "daemons", "run_store_path", "wowd_burst", "wowd_steady"]
 

@@ -5,7 +5,6 @@ partition after its own position, within the batch size and the batch byte bound
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from wowd.model import AggregateRef, Commit, DomainEvent, LogBatch, Position, partition
 from wowd.stores.embedded import log as embedded_log
 from wowd.stores.embedded.log import READ_ARMS, SCHEMA, EmbeddedLog, read_plan, read_sql
+from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 

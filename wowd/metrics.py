@@ -16,6 +16,7 @@ from wowd import __version__
 
 __all__ = [
     "BUILD_INFO",
+    "EMBEDDED_SQLITE_INFO",
     "BatchHistogram",
     "FEED_COMMITS",
     "FEED_ERRORS",
@@ -194,6 +195,11 @@ def count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
 
 BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])
 BUILD_INFO.labels(version=__version__).set(1)
+EMBEDDED_SQLITE_INFO = Gauge(
+    "wowd_embedded_sqlite_info",
+    "Always 1 once the embedded backend is open; its SQLite library in the labels",
+    ["version", "module", "wal_reset_bug"],
+)
 
 for _kind in ("transient", "fatal"):
     FEED_ERRORS.labels(kind=_kind)

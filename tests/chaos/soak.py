@@ -21,6 +21,7 @@ from pathlib import Path
 import anyio
 
 from tests.chaos.harness import ChaosConfig, ChaosReport, run_chaos
+from wowd.stores.embedded.sqlite import LIBRARY
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "RESULTS.md"
 
@@ -33,7 +34,7 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
     setup = (
         f"{c.replicas} replicas (max {c.max_replicas}), {c.limit} slots, {c.partitions} partitions, "
         f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, claim ttl {c.claim_ttl_s}s, {c.rate_per_s:g} commits/s, "
-        f"embedded SQLite; gateway {c.gateway}"
+        f"embedded {LIBRARY}; gateway {c.gateway}"
         + (" (each start in turn: HTTP target, outbox)" if c.gateway == "mixed" else "")
     )
     rss = (

@@ -4,7 +4,6 @@ cause is fixed, fed by a retry (idempotent steps from its reason); what still fa
 from __future__ import annotations
 
 import json
-import sqlite3
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, closing
@@ -34,6 +33,7 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.base import Backend, EventSink
+from wowd.stores.embedded.sqlite import sqlite3
 
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
 DUE = 10**13

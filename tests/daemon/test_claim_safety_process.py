@@ -9,7 +9,6 @@ http gateway against a local target.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from wowd.model import DomainEvent, TimerStatus
+from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
 

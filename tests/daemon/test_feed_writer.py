@@ -6,7 +6,6 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -41,6 +40,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.stores.base import Backend, FeedFiring, FeedWriter
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import WRITE_CHUNK
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, timer_commit

@@ -5,7 +5,6 @@ answers 200 while its feed does nothing."""
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -16,6 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sqlite_damage import corrupt_table, settled_copy
+from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import Replica, base_env, eventually, run_wowd
 

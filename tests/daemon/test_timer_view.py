@@ -157,7 +157,7 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
 async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivered(
     tmp_path: Path, backend: Backend
 ) -> None:
-    import sqlite3
+    from wowd.stores.embedded.sqlite import sqlite3
 
     due = int(time.time() * 1000)
     commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)]

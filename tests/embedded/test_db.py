@@ -3,7 +3,6 @@ transaction waiting for another process's write lock."""
 
 from __future__ import annotations
 
-import sqlite3
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.errors import StorageUnavailable
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer, checkpointed_in_background
+from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 

@@ -5,7 +5,6 @@ claim. Held to what ``claim_due``, the outbox gateway's ``deliver`` and a fired 
 from __future__ import annotations
 
 import random
-import sqlite3
 import time
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, replace
@@ -20,6 +19,7 @@ from wowd.errors import LeaseLost, StorageError
 from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
 from wowd.stores.base import FiredTimer
 from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import EmbeddedTimerStore, outbox_row, table_name, timer_params
 
 pytestmark = pytest.mark.anyio

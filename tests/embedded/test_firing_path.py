@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import time
 from collections import Counter
 from dataclasses import replace
@@ -35,6 +34,7 @@ from wowd.model import (
 )
 from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
 from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import (
     _SETTLE_SET,
     DUE_ARMS,

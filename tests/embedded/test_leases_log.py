@@ -4,7 +4,6 @@ protocols): several processes on one file, the log's format record and wake-ups,
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, 
 from wowd.stores.base import Ddl
 from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
+from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 

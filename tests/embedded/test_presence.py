@@ -3,7 +3,6 @@ table on a file made without it, and the purge of records expired beyond the ret
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 from wowd.model import Owner
 from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo
 from wowd.stores.embedded import EmbeddedSlotLeaseStore
+from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 

@@ -4,7 +4,6 @@ The protocol behaviour is in tests/contract/."""
 from __future__ import annotations
 
 import random
-import sqlite3
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from wowd.model import (
     SnapshotRecord,
 )
 from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore, encode_state
+from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 

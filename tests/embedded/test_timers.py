@@ -4,7 +4,6 @@ The protocol behaviour is in tests/contract/."""
 from __future__ import annotations
 
 import random
-import sqlite3
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import EmbeddedTimerStore, due_sql, merge_due
 
 pytestmark = pytest.mark.anyio

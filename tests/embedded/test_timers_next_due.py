@@ -3,13 +3,13 @@ seek per partition, and partitions beyond one statement's arms are read too."""
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import once_timer
 from wowd.model import Timer, partition
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import DUE_ARMS, EmbeddedTimerStore, ddl_sql, next_due_sql, table_name
 
 CTX = "ctx"

@@ -104,6 +104,12 @@ async def _check_embedded_file(settings: WowdSettings) -> int:
         err(f"FAIL embedded file {path}: quick_check: {problem}")
         return 1
     out(f"ok   embedded file {path} (quick_check)")
+    from wowd.stores.embedded.sqlite import LIBRARY, WAL_RESET_BUG
+
+    if WAL_RESET_BUG:
+        out(f"ok   {LIBRARY}, which has the WAL-reset bug: its checkpoints are FULL (writers wait for them)")
+    else:
+        out(f"ok   {LIBRARY}")
     return 0
 
 

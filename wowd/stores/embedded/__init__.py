@@ -8,14 +8,17 @@ elasticsearch. The timer, snapshot and sink classes are imported on first use of
 from __future__ import annotations
 
 import importlib
+import logging
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
+from wowd import metrics
 from wowd.stores.base import Backend
 from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer
 from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
+from wowd.stores.embedded.sqlite import LIBRARY, MODULE, WAL_RESET_BUG, sqlite3
 
 if TYPE_CHECKING:
     from wowd.config import WowdSettings
@@ -33,6 +36,8 @@ __all__ = [
     "SqliteDatabase",
     "open_embedded",
 ]
+
+logger = logging.getLogger(__name__)
 
 _LAZY = {
     "EmbeddedTimerStore": "wowd.stores.embedded.timers",
@@ -59,6 +64,15 @@ async def open_embedded(settings: WowdSettings) -> Backend:
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     path = settings.embedded.path
+    if WAL_RESET_BUG:
+        logger.warning(
+            "embedded file %s on %s, which has the WAL-reset bug (https://sqlite.org/wal.html#walresetbug): "
+            "its checkpoints are FULL, and writers wait for them; install pysqlite3 or a SQLite >= 3.51.3",
+            path,
+            LIBRARY,
+        )
+    else:
+        logger.debug("embedded file %s on %s", path, LIBRARY)
     async with AsyncExitStack() as stack:
         checkpointer = WalCheckpointer(path)
         checkpointer.start()
@@ -109,4 +123,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             ],
         )
         stack.pop_all()  # success: the backend owns the stores now
+    metrics.EMBEDDED_SQLITE_INFO.labels(
+        version=sqlite3.sqlite_version, module=MODULE, wal_reset_bug=str(WAL_RESET_BUG).lower()
+    ).set(1)
     return backend

@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import queue
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -27,12 +26,14 @@ from prometheus_client import Histogram
 
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3
 
 __all__ = [
     "NOW_MS",
     "SqliteDatabase",
     "SqliteStore",
     "WalCheckpointer",
+    "checkpoint_mode",
     "checkpointed_in_background",
     "file_write_lock",
     "merged_read",
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY_S = 0.2
 """How often a :class:`WalCheckpointer` checkpoints its file's WAL."""
+FULL_CHECKPOINT_WAIT_MS = 100
+"""How long a ``FULL`` checkpoint (:func:`checkpoint_mode`) waits for the write lock, and then,
+holding it, for readers of older snapshots, before it copies what it can and leaves the rest to
+the next turn (writers wait for it meanwhile)."""
 BEGIN_POLL_MIN_S = 0.0001
 BEGIN_POLL_MAX_S = 0.001
 """How often a write transaction tries again for a write lock another process holds (doubling
@@ -96,7 +101,9 @@ class SqliteDatabase:
                     delay = min(delay * 2, 0.2)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
-            if checkpointed_in_background(self.path):
+            if WAL_RESET_BUG or checkpointed_in_background(self.path):
+                # on a library with the WAL-reset bug no commit checkpoints on its own: only the
+                # background checkpointer's FULL checkpoints, which hold the write lock
                 conn.execute("PRAGMA wal_autocheckpoint=0")
             conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -292,6 +299,13 @@ def checkpointed_in_background(path: str) -> bool:
         return _CHECKPOINTERS.get(os.path.realpath(path), 0) > 0
 
 
+def checkpoint_mode() -> str:
+    """A :class:`WalCheckpointer`'s checkpoint: ``PASSIVE``, which blocks no one; on a SQLite with
+    the WAL-reset bug (:mod:`wowd.stores.embedded.sqlite`) ``FULL``, which waits for the write lock
+    and holds it while it copies, so that no write resets the WAL under it."""
+    return "FULL" if WAL_RESET_BUG else "PASSIVE"
+
+
 class WalCheckpointer:
     """Checkpoints the WAL of one file from a thread and a connection of its own, every
     :data:`CHECKPOINT_EVERY_S`, while this process's connections to the file opened meanwhile do
@@ -300,8 +314,9 @@ class WalCheckpointer:
     SQLite otherwise checkpoints in the connection whose commit takes the WAL past 1,000 pages:
     that commit then copies megabytes into the database file and syncs it, and every writer of
     the process queued behind it (the timer loop's claim and outbox write among them) waits
-    several ms. A ``PASSIVE`` checkpoint blocks neither readers nor writers. Writers of other
-    processes keep their own setting."""
+    several ms. A ``PASSIVE`` checkpoint blocks neither readers nor writers (on a SQLite with the
+    WAL-reset bug the checkpoint is ``FULL``: :func:`checkpoint_mode`). Writers of other processes
+    keep their own setting."""
 
     def __init__(self, path: str | Path, *, every_s: float | None = None) -> None:
         self.path = str(path)
@@ -327,7 +342,8 @@ class WalCheckpointer:
                 try:
                     if conn is None:
                         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                        conn.execute(f"PRAGMA busy_timeout={FULL_CHECKPOINT_WAIT_MS}")
+                    conn.execute(f"PRAGMA wal_checkpoint({checkpoint_mode()})").fetchall()
                     self.checkpointed.set()
                 except sqlite3.Error as exc:  # another process checkpoints, or the file is gone
                     log.debug("wal checkpoint of %s not done: %s", self.path, exc)

@@ -16,7 +16,6 @@ cancel (:meth:`EmbeddedTimerStore.write_firing`): a backlog's timers fire as the
 from __future__ import annotations
 
 import functools
-import sqlite3
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -29,6 +28,7 @@ from wowd.stores.base import EventSink, FeedApplied, FeedFiring, FiredTimer
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
+from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import WRITE_CHUNK, EmbeddedTimerStore, parked_params
 
 __all__ = ["EmbeddedFeedWriter"]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sqlite3
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,6 +41,7 @@ from wowd.errors import StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
 from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo, ReplicaState
 from wowd.stores.embedded.db import NOW_MS, SqliteStore
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["EmbeddedSlotLeaseStore"]
 

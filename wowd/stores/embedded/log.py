@@ -32,7 +32,6 @@ import heapq
 import json
 import logging
 import os
-import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
@@ -66,6 +65,7 @@ from wowd.model import (
 )
 from wowd.stores.base import AppendOutcome, Ddl
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
 

@@ -17,7 +17,6 @@ batch that fires (``EmbeddedTimerStore.write_firing``) write the same rows the s
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.embedded.db import SqliteStore
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["SCHEMA", "EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
 

@@ -19,7 +19,6 @@ under the guard of :meth:`EmbeddedEventSink.stamp`.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["TABLE", "EmbeddedEventSink", "SinkWrite"]
 

@@ -21,7 +21,6 @@ functions next to the methods that send it.
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal
@@ -31,6 +30,7 @@ from typing import Any, TypeVar
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.sqlite import sqlite3, variable_limit
 
 __all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
@@ -372,7 +372,7 @@ class EmbeddedSnapshotStore(SqliteStore):
         ctx = self.context
 
         def read(conn: sqlite3.Connection) -> list[Sequence[Any]]:
-            per = max(1, (conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) - 1) // 2)
+            per = max(1, (variable_limit(conn) - 1) // 2)
             rows: list[Sequence[Any]] = []
             for aggregate, group in by_type.items():
                 for i in range(0, len(group), per):

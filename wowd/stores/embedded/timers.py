@@ -45,7 +45,6 @@ import functools
 import heapq
 import json
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Collection, Generator, Iterable, Mapping, Sequence
 from contextlib import closing
@@ -75,6 +74,7 @@ from wowd.stores.base import FiredTimer, LogCheck
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows, target_json
+from wowd.stores.embedded.sqlite import sqlite3, variable_limit
 
 __all__ = [
     "DUE_ARMS",
@@ -1023,7 +1023,7 @@ class EmbeddedTimerStore(SqliteStore):
 
     def _parked_rows(self, params: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> list[Sequence[Any]]:
         ctx = self.context
-        per = max(1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // len(PARKED_TARGET))
+        per = max(1, variable_limit(conn) // len(PARKED_TARGET))
         chunks = [params[i : i + per] for i in range(0, len(params), per)]
         if len(chunks) == 1:
             return conn.execute(parked_many_sql(ctx, len(params)), [v for p in params for v in p]).fetchall()
