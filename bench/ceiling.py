@@ -52,7 +52,7 @@ def bare_loop(
     ``fused`` (an experiment, not wowd's path): read, outbox insert and tombstone in one write
     transaction and no claim, which an outbox in the timers' own SQLite file would allow."""
     (group,) = due_plan(range(partitions))  # one compound statement (up to DUE_ARMS partitions)
-    select = due_union_sql(context, len(group), rowid=True)
+    select = due_union_sql(context, len(group), batch, rowid=True)
     claim = claim_rowid_sql(context)
     done = settle_sql(context, "done")
     insert = outbox_put_sql()
@@ -61,7 +61,7 @@ def bare_loop(
         now = now_ms()
         until = now + 30_000
         conn.execute("BEGIN IMMEDIATE")
-        rows = conn.execute(select, (now, *group, batch)).fetchall()
+        rows = conn.execute(select, (now, *group)).fetchall()
         if not rows:
             conn.execute("COMMIT")
             return fired

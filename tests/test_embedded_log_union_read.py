@@ -75,8 +75,8 @@ def test_read_sql_merges_the_arms_in_index_order_without_a_sort(arms: int) -> No
     try:
         for statement in SCHEMA:
             conn.execute(statement)
-        params = ("ctx", *(0,) * (2 * arms), 10)
-        steps = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + read_sql(arms), params)]
+        params = ("ctx", *(0,) * (2 * arms))
+        steps = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + read_sql(arms, 10), params)]
     finally:
         conn.close()
     searches = [s for s in steps if s.startswith("SEARCH")]

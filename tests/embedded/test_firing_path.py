@@ -204,10 +204,10 @@ async def test_the_due_read_is_one_merge_over_the_partial_index(tmp_path: Path) 
     them (no sort of every due timer): the read costs about ``limit`` rows however many are due."""
     store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=DUE_ARMS)
     await store.prepare()
-    sql = due_union_sql(CTX, DUE_ARMS)
+    sql = due_union_sql(CTX, DUE_ARMS, 10)
     conn = sqlite3.connect(tmp_path / "wowd.db")
     try:
-        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, (T0, *range(DUE_ARMS), 10)).fetchall()
+        plan = conn.execute("EXPLAIN QUERY PLAN " + sql, (T0, *range(DUE_ARMS))).fetchall()
     finally:
         conn.close()
     detail = [str(r[-1]) for r in plan]

@@ -137,3 +137,16 @@ async def test_an_open_embedded_backend_says_its_library_in_a_metric(tmp_path: P
         assert REGISTRY.get_sample_value("wowd_embedded_sqlite_info", labels) == 1
     finally:
         await backend.close()
+
+
+def test_the_compound_reads_write_their_limit_into_the_statement() -> None:
+    # SQLite 3.47 and later prepare a compound SELECT again at every run when its LIMIT is a
+    # bound parameter (about 0.5-1 ms for 64 arms, ten times the read): the log's and the due
+    # reads write it, rounded up for the due read so that a few texts serve every limit
+    from wowd.stores.embedded.log import read_sql
+    from wowd.stores.embedded.timers import due_union_sql, statement_limit
+
+    assert read_sql(64, 500).endswith("ORDER BY seq LIMIT 500")
+    assert due_union_sql("ctx", 64, 1024).endswith("LIMIT 1024")
+    assert "LIMIT ?" not in read_sql(3, 10) + due_union_sql("ctx", 3, 10, rowid=True)
+    assert [statement_limit(n) for n in (1, 2, 3, 1000, 1024, 1025)] == [1, 2, 4, 1024, 1024, 2048]

@@ -150,20 +150,23 @@ partitions is read with several, merged here."""
 
 
 @lru_cache(maxsize=64)
-def read_sql(arms: int) -> str:
-    """One batch of ``arms`` partitions in log order, at most a limit: one arm per partition
-    (``partition = ?`` and ``seq > ?``, over the ``log_partition`` index), ``UNION ALL``, ordered
-    and limited as a whole. SQLite runs an ``ORDER BY`` on a compound select as a merge of its
-    arms, each read in index order, and stops at the ``LIMIT``: it reads the rows it answers
-    (and one more per partition), however many are unread, instead of sorting them all.
+def read_sql(arms: int, limit: int) -> str:
+    """One batch of ``arms`` partitions in log order, at most ``limit`` rows: one arm per
+    partition (``partition = ?`` and ``seq > ?``, over the ``log_partition`` index), ``UNION
+    ALL``, ordered and limited as a whole. SQLite runs an ``ORDER BY`` on a compound select as a
+    merge of its arms, each read in index order, and stops at the ``LIMIT``: it reads the rows it
+    answers (and one more per partition), however many are unread, instead of sorting them all.
+    The limit is written in the statement: SQLite 3.47 and later prepare a compound select again
+    at every run when its ``LIMIT`` is a bound parameter (the value may change the plan), which
+    costs more than the read.
 
     Parameters: ``?1`` the context; per arm ``i`` (from 0), ``?(2i + 2)`` its partition and
-    ``?(2i + 3)`` the ``seq`` it reads after; ``?(2 * arms + 2)`` the limit."""
+    ``?(2i + 3)`` the ``seq`` it reads after."""
     if arms < 1:
         raise ValueError("arms must be >= 1")
     arm = "SELECT seq, aggregate, partition, doc FROM log WHERE context = ?1 AND partition = ?{} AND seq > ?{}"
     union = " UNION ALL ".join(arm.format(2 * i + 2, 2 * i + 3) for i in range(arms))
-    return f"{union} ORDER BY seq LIMIT ?{2 * arms + 2}"
+    return f"{union} ORDER BY seq LIMIT {int(limit)}"
 
 
 def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[int, ...]]:
@@ -317,7 +320,7 @@ def _reader(
     position and after ``cursor``: one statement per group (:func:`read_sql`); several groups
     are read in one transaction (one snapshot of the file) and merged here."""
     statements = [
-        (read_sql(len(g)), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g), limit))
+        (read_sql(len(g), limit), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g)))
         for g in groups
     ]
     return merged_read(statements, _merge_by_seq, limit)

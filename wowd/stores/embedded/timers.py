@@ -355,23 +355,32 @@ DUE_ARMS = 64
 """Partitions read by one compound ``due`` statement; more are read in several, merged here."""
 
 
+def statement_limit(limit: int) -> int:
+    """The ``LIMIT`` written in a due read for a caller that needs ``limit`` rows: the next power
+    of two, so that a few statement texts (each prepared once per connection) serve every limit,
+    the readers stopping at what they need."""
+    return 1 << max(0, limit - 1).bit_length()
+
+
 @lru_cache(maxsize=64)
-def due_union_sql(context: str, arms: int, *, rowid: bool = False) -> str:
-    """The due timers of ``arms`` partitions in ``(due_at, timer_id)`` order, at most a limit:
+def due_union_sql(context: str, arms: int, limit: int, *, rowid: bool = False) -> str:
+    """The due timers of ``arms`` partitions in ``(due_at, timer_id)`` order, at most ``limit``:
     one arm per partition (as :func:`due_sql`, over the partial index), ``UNION ALL``, ordered
     and limited as a whole. SQLite runs an ``ORDER BY`` on a compound select as a merge of its
     arms, each read in index order, and stops at the ``LIMIT``: about ``limit`` index entries
-    plus one per partition are read, however many timers are due or stored.
+    plus one per partition are read, however many timers are due or stored. The limit is written
+    in the statement, as in :func:`~wowd.stores.embedded.log.read_sql` (a bound one makes SQLite
+    3.47 and later prepare the statement again at every run).
 
-    Parameters: ``?1`` the ``until`` bound, ``?2 .. ?(arms + 1)`` the partitions,
-    ``?(arms + 2)`` the limit. With ``rowid`` each row ends with the row's ``rowid``."""
+    Parameters: ``?1`` the ``until`` bound, ``?2 .. ?(arms + 1)`` the partitions. With ``rowid``
+    each row ends with the row's ``rowid``."""
     if arms < 1:
         raise ValueError("arms must be >= 1")
     cols = f"{_COLS}, rowid" if rowid else _COLS
     t = table_name(context)
     arm = f"SELECT {cols} FROM {t} WHERE \"partition\" = ?{{}} AND status IN ('PENDING', 'FIRING') AND due_at <= ?1"
     union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
-    return f"{union} ORDER BY due_at, timer_id LIMIT ?{arms + 2}"
+    return f"{union} ORDER BY due_at, timer_id LIMIT {int(limit)}"
 
 
 @lru_cache(maxsize=64)
@@ -1222,7 +1231,7 @@ class EmbeddedTimerStore(SqliteStore):
         are consumed, in the transaction the caller holds: a claim that skips its timers in
         flight stops reading once it has its batch (close the generator before writing)."""
         statements = [
-            (due_union_sql(self.context, len(group), rowid=True), (until, *group, limit))
+            (due_union_sql(self.context, len(group), statement_limit(limit), rowid=True), (until, *group))
             for group in due_plan(partitions)
         ]
 
@@ -1245,10 +1254,12 @@ class EmbeddedTimerStore(SqliteStore):
         """Reads the due rows: one compound statement per group of :data:`DUE_ARMS` partitions;
         several groups are merged here, read in one transaction (one snapshot)."""
         ctx = self.context
+        written = statement_limit(limit)
         statements = [
-            (due_union_sql(ctx, len(group), rowid=rowid), (until, *group, limit)) for group in due_plan(partitions)
+            (due_union_sql(ctx, len(group), written, rowid=rowid), (until, *group)) for group in due_plan(partitions)
         ]
-        return merged_read(statements, merge_due, limit)
+        read = merged_read(statements, merge_due, limit)
+        return read if written == limit else lambda conn: read(conn)[:limit]
 
     async def scan(
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
