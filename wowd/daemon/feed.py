@@ -469,8 +469,7 @@ class Feeder:
         now = now_ms()
         fire = None
         if self._fused is not None:
-            deadline = time.monotonic() + (held.valid_until - anyio.current_time())
-            fire = FeedFiring(held.owner_key, deadline, self._settings.timers.batch)
+            fire = FeedFiring(held.owner_key, held.deadline(), self._settings.timers.batch)
         try:
             done = await writer.apply(sinks, prepared.timer_writes, CONSUMER, positions, held.fence, now=now, fire=fire)
         except (StorageUnavailable, LeaseLost, SlotStalled):

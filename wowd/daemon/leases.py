@@ -98,6 +98,11 @@ class HeldSlot:
     def valid(self) -> bool:
         return not self.lost and anyio.current_time() < self.valid_until
 
+    def deadline(self) -> float:
+        """The end of the lease's validity on ``time.monotonic()``'s clock: for a store call
+        that checks it from a thread of its own, where the event loop's clock is not at hand."""
+        return time.monotonic() + (self.valid_until - anyio.current_time())
+
     def check(self) -> None:
         """Raises :class:`LeaseLost` unless the lease is valid now on the monotonic clock: called
         before every side effect of the slot (deliver, settle, checkpoint)."""

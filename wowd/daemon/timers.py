@@ -319,7 +319,7 @@ class TimerLoop:
             fence=held.fence,
             next_due=next_occurrence,
             exclude=self._in_flight,
-            deadline=time.monotonic() + (held.valid_until - anyio.current_time()),
+            deadline=held.deadline(),
             check=check,
         )
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
