@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import closing
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -375,12 +376,17 @@ def merged_read(
     merge: Callable[[Sequence[Iterable[Any]], int], list[Any]],
     limit: int,
 ) -> Callable[[sqlite3.Connection], list[Any]]:
-    """A read of ``statements`` (each ordered and limited): one statement's rows as they are;
+    """A read of ``statements`` (each ordered and limited): one statement's first ``limit`` rows;
     several read in one transaction (one snapshot of the file; the caller's, when it holds one)
     and combined by ``merge(cursors, limit)``."""
     if len(statements) == 1:
         sql, params = statements[0]
-        return lambda conn: conn.execute(sql, params).fetchall()
+
+        def first(conn: sqlite3.Connection) -> list[Any]:
+            with closing(conn.execute(sql, params)) as cursor:
+                return cursor.fetchmany(limit)
+
+        return first
 
     def read(conn: sqlite3.Connection) -> list[Any]:
         began = not conn.in_transaction

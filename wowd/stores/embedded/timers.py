@@ -1258,8 +1258,7 @@ class EmbeddedTimerStore(SqliteStore):
         statements = [
             (due_union_sql(ctx, len(group), written, rowid=rowid), (until, *group)) for group in due_plan(partitions)
         ]
-        read = merged_read(statements, merge_due, limit)
-        return read if written == limit else lambda conn: read(conn)[:limit]
+        return merged_read(statements, merge_due, limit)
 
     async def scan(
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
