@@ -586,3 +586,37 @@ def test_an_unchecked_constructor_builds_what_the_dataclass_builds() -> None:
         missing.popitem()
         with pytest.raises(TypeError):
             build(**missing)  # every field is required: none is left unset
+
+
+_JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(1 << 70), max_value=1 << 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+)
+_JSON_DOCS = st.recursive(
+    _JSON_SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(max_size=8), _JSON_DOCS, max_size=5), st.booleans())
+def test_sorted_json_writes_the_text_of_pythons_encoder(doc: dict[str, Any], ascii: bool) -> None:
+    """Stored texts compared as text (access attributes) stay equal to what Python's encoder
+    writes, whichever encoder wrote them: floats, NaN, integers past 64 bits, any character."""
+    expected = json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=ascii)
+    assert model.sorted_json(doc, ascii=ascii) == expected
+
+
+def test_sorted_json_refuses_what_pythons_encoder_refuses() -> None:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(100):
+        node["d"] = node = {}
+    assert model.sorted_json(deep, ascii=True) == json.dumps(deep, separators=(",", ":"), sort_keys=True)
+    with pytest.raises(TypeError):
+        model.sorted_json({"when": datetime(2026, 1, 1, tzinfo=UTC)}, ascii=True)
+    with pytest.raises(TypeError):
+        model.sorted_json({"tuple key": {(1, 2): 3}}, ascii=False)

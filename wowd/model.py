@@ -20,6 +20,8 @@ from typing import Any, Literal, TypeAlias, TypeGuard, TypeVar
 from urllib.parse import quote
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+import orjson
+
 from wowd.errors import ConfigError, InvalidInput
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "parse_rule",
     "partition",
     "request_id_for",
+    "sorted_json",
     "stream_id",
     "timer_event_from",
     "timer_from_event",
@@ -641,6 +644,47 @@ def parse_rule(doc: Any) -> Rule:
 _SORTED_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 """``json.dumps(doc, separators=(",", ":"), sort_keys=True)`` without building an encoder per call."""
 
+_MAX_PLAIN_DEPTH = 64
+"""How deep :func:`_plain_json` looks (orjson refuses documents nested past 255 levels)."""
+
+
+def _plain_json(value: Any, depth: int = 0) -> bool:
+    """Whether orjson writes ``value`` byte for byte as Python's encoder does (sorted keys,
+    compact, non-ASCII as is): documents of string keys, lists, strings, 64-bit integers,
+    booleans and nulls. Not floats (the two format some differently), subclasses, integers
+    past 64 bits or what is nested past :data:`_MAX_PLAIN_DEPTH`."""
+    cls = value.__class__
+    if cls is dict:
+        if depth >= _MAX_PLAIN_DEPTH:
+            return False
+        for k, v in value.items():
+            c = v.__class__
+            if k.__class__ is not str or not (c is str or (c is int and -(1 << 63) <= v < (1 << 64))):
+                if k.__class__ is not str or not _plain_json(v, depth + 1):
+                    return False
+        return True
+    if cls is str or cls is bool or value is None:
+        return True
+    if cls is int:
+        return bool(-(1 << 63) <= value < (1 << 64))
+    if cls is list:
+        return depth < _MAX_PLAIN_DEPTH and all(_plain_json(v, depth + 1) for v in value)
+    return False
+
+
+def sorted_json(doc: dict[str, Any], *, ascii: bool) -> str:
+    """``json.dumps(doc, separators=(",", ":"), sort_keys=True, ensure_ascii=ascii)``, the same
+    text; written by orjson where it writes the same (:func:`_plain_json`; with ``ascii``, an
+    ASCII text), which is several times faster. Raises as ``json.dumps``."""
+    if _plain_json(doc):
+        out = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+        if not ascii or out.isascii():
+            return out.decode()
+    return (_SORTED_JSON if ascii else _SORTED_UNICODE_JSON).encode(doc)
+
+
+_SORTED_UNICODE_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
 
 class TimerStatus(StrEnum):
     PENDING = "PENDING"
@@ -659,7 +703,7 @@ class Command:
         doc: dict[str, Any] = {"name": self.name, "body": dict(self.body)}
         if self.body_type is not None:
             doc["body_type"] = self.body_type
-        return _SORTED_JSON.encode(doc)
+        return sorted_json(doc, ascii=True)
 
     @staticmethod
     def from_json(text: str) -> Command:

@@ -292,6 +292,24 @@ async def test_a_batch_fires_its_due_timers_that_no_later_commit_can_cancel(back
     assert await backend.timers.write(puts(a1)) == [0, 0]
 
 
+async def test_a_batch_with_replayed_and_new_due_timers_fires_only_the_new(backend: Backend) -> None:
+    """A batch read again after a takeover, with commits past what was applied: the timers fired
+    already change nothing and fire nothing; the new ones fire, once."""
+    now = int(time.time() * 1000)
+    a1 = timer_commit("a", 1, ["k1", "k2"], due_at=now)
+    d1 = timer_commit("d", 1, ["k1", "k2"], due_at=now)
+    await backend.log.append_many([a1, d1])
+    first = await apply_batch(backend, [a1], [("a", 1)], FeedFiring("me", FAR, 100))
+    assert first is not None and len(first.fired) == 2
+    again = await apply_batch(backend, [a1, d1], [("a", 1), ("d", 1)], FeedFiring("me", FAR, 100))
+    assert again is not None and again.saved
+    d_timers = [w.timer for w in puts(d1)]
+    assert {f.timer_id for f in again.fired} == {t.timer_id for t in d_timers if t is not None}
+    assert again.timer_answers == [0, 0, 1, 1]
+    assert await backend.outbox.count() == 4
+    assert await backend.timers.scan(limit=10) == []
+
+
 async def test_a_refire_already_in_the_outbox_is_recorded_as_a_redelivery(backend: Backend, tmp_path: Path) -> None:
     """The outbox holds the entry of a timer the batch fires (delivered before its tombstone was
     swept and the log replayed): no second entry; the re-delivery is recorded, the rest fired."""

@@ -20,6 +20,7 @@ from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, 
 from wowd.stores.base import Ddl
 from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
+from wowd.stores.embedded import timers as timers_module
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
@@ -227,6 +228,31 @@ async def elog(tmp_path: Path) -> AsyncIterator[EmbeddedLog]:
         yield store
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("asked", [1, 3, 256, 257, 600])
+async def test_which_owners_have_a_commit_past_a_position_is_one_seek_each_in_few_statements(
+    tmp_path: Path, asked: int
+) -> None:
+    """What the feed asks before firing a batch's due timers: of many aggregates, which the log
+    holds a commit of past a position, as the single seek answers it, whatever the count (chunks
+    and the padding of the last one)."""
+    path = tmp_path / "log.db"
+    store = EmbeddedLog(path, context="ctx", partitions=8)
+    try:
+        # every third aggregate has a second commit, appended after all the first ones
+        ids = [f"o{i}" for i in range(asked)]
+        await store.append_many([commit(i) for i in ids])
+        await store.append_many([commit(i, 2) for i in ids[::3]])
+    finally:
+        await store.close()
+    with sqlite3.connect(path) as conn:
+        seqs = dict(conn.execute("SELECT aggregate_id, seq FROM log WHERE version = 1"))
+        owners = [("ctx", "order", "(0)", "never-committed", 0), ("ctx", "order", "(0)", ids[0], 10**9)]
+        owners += [("ctx", "order", "(0)", i, seqs[i]) for i in ids]
+        expected = {n for n, o in enumerate(owners) if timers_module._committed_past(conn, o[:4], o[4])}
+        assert expected == {2 + n for n in range(0, asked, 3)}
+        assert timers_module.committed_past_many(conn, owners) == expected
 
 
 async def test_log_refuses_tables_of_another_format(tmp_path: Path) -> None:

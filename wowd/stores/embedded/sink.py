@@ -30,7 +30,7 @@ import orjson
 
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
-from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
+from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, sorted_json, stream_id
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -94,14 +94,11 @@ def _document_json(doc: Mapping[str, Any]) -> str:
         return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
-_ACCESS_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
 def access_json(access: Mapping[str, Any]) -> str:
     """Canonical text of access attributes (sorted keys): equal attributes, equal text."""
     if not access:
         return "{}"  # what the encoder writes for none, without encoding
-    return _ACCESS_JSON.encode(dict(access))
+    return sorted_json(dict(access), ascii=False)
 
 
 def commit_document(commit: Commit, id: str | None = None) -> dict[str, Any]:

@@ -444,6 +444,38 @@ def _committed_past(conn: sqlite3.Connection, owner: tuple[str, str, str, str], 
     return last is not None and last[0] > seq
 
 
+COMMITTED_PAST_CHUNK = 256
+"""Owners asked about in one statement of :func:`committed_past_many`."""
+
+
+@lru_cache(maxsize=16)
+def committed_past_sql(rows: int) -> str:
+    """Which of ``rows`` owners (context, aggregate, tenant, id, seq: five parameters each) the
+    log holds a commit of past their ``seq``: per owner, its last commit (one seek of index
+    ``log_version``, as :data:`LAST_COMMIT_SQL`); answers the owners' row numbers (from 0)."""
+    values = ", ".join(f"({i}, ?, ?, ?, ?, ?)" for i in range(rows))
+    return (
+        f"WITH o(i, c, a, t, d, s) AS (VALUES {values})"
+        " SELECT o.i FROM o WHERE (SELECT seq FROM log WHERE context = o.c AND aggregate = o.a"
+        " AND tenant_id = o.t AND aggregate_id = o.d ORDER BY version DESC LIMIT 1) > o.s"
+    )
+
+
+def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, str, str, str, int]]) -> set[int]:
+    """:func:`_committed_past` of many owners ((context, aggregate, tenant, id, seq) each) in a few
+    statements: the indexes in ``owners`` of those the log holds a commit of past their ``seq``.
+    A statement asks about a power of two of owners (the last padded with repeats of its last
+    owner), so that a few statement texts, each prepared once per connection, serve any count."""
+    past: set[int] = set()
+    for start in range(0, len(owners), COMMITTED_PAST_CHUNK):
+        chunk = owners[start : start + COMMITTED_PAST_CHUNK]
+        rows = statement_limit(len(chunk))
+        padded = [*chunk, *([chunk[-1]] * (rows - len(chunk)))]
+        params = [v for owner in padded for v in owner]
+        past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
+    return past
+
+
 def _report_failed(failed: Iterable[tuple[Sequence[Any], str]]) -> None:
     """Counts and logs the rows (``COLUMNS`` order) a claim or a fire set FAILED, with why."""
     for r, reason in failed:
@@ -914,31 +946,33 @@ class EmbeddedTimerStore(SqliteStore):
         batch's) transaction on ``conn``, firing into the outbox the one-shot timers they put
         that are due by ``created_at`` and that no later commit can cancel, at most ``limit``:
         those whose aggregate has no commit in the log past ``seqs`` (the position the batch
-        applied, per partition). Such a put is written as the DONE tombstone a fire leaves (at
-        ``created_at``) with its outbox entry under ``fence`` and ``owner_key``, as
-        :meth:`fire_into_outbox` fires it; one that changes nothing (the same or a later version
-        is stored) fires nothing. Every other timer is left to the timer loop. Answers each
-        write's answer and the timers fired.
+        applied, per partition; :func:`committed_past_many`). Such a put is written as the DONE
+        tombstone a fire leaves (at ``created_at``) with its outbox entry under ``fence`` and
+        ``owner_key``, as :meth:`fire_into_outbox` fires it; one that changes nothing (the same
+        or a later version is stored) fires nothing. Every other timer is left to the timer
+        loop. Answers each write's answer and the timers fired. The fired puts go in one
+        ``executemany`` (in a savepoint: when one of them changed nothing, they are written
+        again one by one).
 
         The fired puts are written after the other steps: a batch holds at most one write per
         key (:func:`~wowd.model.net_writes`), and a ``cancel_all`` of the batch is at a version
         below every put of its owner that remains, so the order does not change the view."""
-        firing: list[int] = []
-        applied: dict[AggregateRef, bool] = {}
-        """Whether the batch applied each owner's last commit in the log (one seek each)."""
+        candidates: list[tuple[int, int]] = []  # due one-shot puts: index in writes, owner's in asked
+        owners: dict[AggregateRef, int] = {}
+        asked: list[tuple[str, str, str, str, int]] = []
         for i, w in enumerate(writes):
-            if len(firing) >= limit:
-                break
             t = w.timer
             if w.kind != "put" or t is None or t.due_at > created_at or not isinstance(t.rule, OnceRule):
                 continue
             o = t.owner
-            done = applied.get(o)
-            if done is None:
-                owner = (o.context, o.aggregate, o.tenant_id, o.id)
-                done = applied[o] = not _committed_past(conn, owner, seqs.get(t.partition, 0))
-            if done:
-                firing.append(i)
+            n = owners.get(o)
+            if n is None:
+                n = owners[o] = len(asked)
+                asked.append((o.context, o.aggregate, o.tenant_id, o.id, seqs.get(t.partition, 0)))
+            candidates.append((i, n))
+        # fired only where the batch applied the owner's last commit in the log
+        past = committed_past_many(conn, asked) if asked else set()
+        firing = [i for i, n in candidates if n not in past][:limit]
         if not firing:
             return self.write_steps(steps, conn), []
         chosen = set(firing)
@@ -947,13 +981,20 @@ class EmbeddedTimerStore(SqliteStore):
         fired: list[FiredTimer] = []
         rows: list[tuple[Any, ...]] = []
         out: dict[int, int] = {}
-        for i in firing:
+        # each row as a fire leaves it: a DONE tombstone since created_at
+        done_rows = [(*steps[i][1][:7], "DONE", created_at, *steps[i][1][9:]) for i in firing]
+        conn.execute("SAVEPOINT fire")
+        before = conn.total_changes
+        conn.executemany(put, done_rows)
+        every = conn.total_changes - before == len(done_rows)
+        if not every:  # some put changed nothing (a replay): the puts one by one, to tell which
+            conn.execute("ROLLBACK TO fire")
+        conn.execute("RELEASE fire")
+        for i, done_params in zip(firing, done_rows, strict=True):
             t = writes[i].timer
             assert t is not None
             params = steps[i][1]
-            # the row as a fire leaves it: a DONE tombstone since created_at
-            done_params = (*params[:7], "DONE", created_at, *params[9:])
-            if conn.execute(put, done_params).rowcount == 1:
+            if every or conn.execute(put, done_params).rowcount == 1:
                 out[i] = 1
                 fired.append(FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None))
                 rows.append(outbox_row(params, fence, owner_key, created_at))
