@@ -260,6 +260,26 @@ async def test_checkpoint_fence_guard(log: Any) -> None:
     assert (await log.checkpoints("feed", [2]))[2].fence == 6
 
 
+async def test_checkpoints_of_several_partitions_in_one_write_are_each_fenced(log: Any) -> None:
+    parts = [0, 1, 2, 5]
+    for p in parts:
+        (a,) = ids_in(p, 1)
+        await log.append(commit(a, 1))
+    positions = {e.partition: e.position for e in entries(await read_all(log, {p: None for p in parts}))}
+    assert await log.save_checkpoints("feed", positions, 3) is True
+    stored = await log.checkpoints("feed", parts)
+    assert {p: (c.position, c.fence, c.partition) for p, c in stored.items()} == {
+        p: (positions[p], 3, p) for p in parts
+    }
+    assert all(c.written_at > 0 for c in stored.values())
+    # a higher fence wrote partition 1: the others are written, the write answers False
+    assert await log.save_checkpoint("feed", 1, positions[1], 9) is True
+    assert await log.save_checkpoints("feed", positions, 4) is False
+    fences = {p: c.fence for p, c in (await log.checkpoints("feed", parts)).items()}
+    assert fences == {0: 4, 1: 9, 2: 4, 5: 4}
+    assert await log.save_checkpoints("feed", {p: positions[p] for p in (0, 2)}, 4) is True
+
+
 async def test_checkpoints_are_per_consumer_and_partition(log: Any) -> None:
     (a,) = ids_in(0, 1)
     await log.append(commit(a, 1))

@@ -115,3 +115,51 @@ def test_a_write_lock_held_past_the_busy_timeout_is_transient(tmp_path: Path) ->
         holder.kill()
     assert db.run_sync(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0]) == 200
     db.close()
+
+
+# --------------------------------------------------------------------------- rows in few statements
+
+
+def _kv(conn: sqlite3.Connection) -> list[tuple[int, str]]:
+    return conn.execute("SELECT k, v FROM kv ORDER BY k").fetchall()
+
+
+@pytest.mark.parametrize("count", [1, 3, 512, 513, 1200])
+def test_rows_are_inserted_in_few_statements_as_executemany_inserts_them(
+    count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upsert that leaves a row as it is for the same values, with rows that conflict with
+    stored ones and with each other: the rows and the count of rows changed are executemany's;
+    the statements are ceil(rows / their limit), the last padded (a repeat changes nothing)."""
+    from wowd.stores.embedded import db as db_module
+
+    monkeypatch.setattr(db_module, "variable_limit", lambda conn: 1000)  # 500 rows of two a statement
+    sql = "INSERT INTO kv (k, v) VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v = excluded.v WHERE kv.v < excluded.v"
+    stored = [(k, "m") for k in range(0, 2 * count, 7)]
+    rows = [(k % (count // 2 + 1), f"v{k:05d}") for k in range(count)] + [(k, "a") for k in range(0, 2 * count, 14)]
+    results = []
+    for insert in (lambda c: db_module.insert_rows(c, sql, rows), lambda c: c.executemany(sql, rows).rowcount):
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        conn.execute("CREATE TABLE kv (k INTEGER PRIMARY KEY, v TEXT NOT NULL)")
+        conn.executemany("INSERT INTO kv VALUES (?, ?)", stored)
+        statements: list[str] = []
+        conn.set_trace_callback(statements.append)
+        before = conn.total_changes
+        insert(conn)
+        ran = len(statements)
+        results.append((conn.total_changes - before, _kv(conn), ran))
+        conn.close()
+    (changed, kv, statements), (expected_changed, expected_kv, _) = results
+    assert (changed, kv) == (expected_changed, expected_kv)
+    assert statements == -(-len(rows) // 500)
+
+
+def test_a_one_row_insert_becomes_the_same_statement_of_many_rows() -> None:
+    from wowd.stores.embedded.db import NOW_MS, multi_row_sql
+
+    one = f"INSERT INTO t (a, b, c) VALUES (?, {NOW_MS}, ?) ON CONFLICT (a) DO NOTHING"
+    assert multi_row_sql(one, 3) == (
+        f"INSERT INTO t (a, b, c) VALUES (?, {NOW_MS}, ?), (?, {NOW_MS}, ?), (?, {NOW_MS}, ?)"
+        " ON CONFLICT (a) DO NOTHING"
+    )
+    assert multi_row_sql("INSERT OR IGNORE INTO t (a) VALUES (?)", 2) == "INSERT OR IGNORE INTO t (a) VALUES (?), (?)"

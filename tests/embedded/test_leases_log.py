@@ -347,6 +347,44 @@ async def test_follow_polls_for_appends_of_other_processes(elog: EmbeddedLog, tm
         tg.cancel_scope.cancel()
 
 
+async def test_a_batch_is_read_in_one_statement_and_each_document_as_it_was_written(
+    elog: EmbeddedLog, tmp_path: Path
+) -> None:
+    """The batch comes as one value built by SQLite; every document is read back as its own
+    text (any character a JSON string may hold), and a text that is not JSON (written by another
+    program) is an entry naming the error, in its place in the log's order."""
+    p = partition("o-1", 8)
+    odd = ['quote " and \\ backslash', "caf\u00e9 \u4e2d \U0001f600", "line\nbreak\ttab\u2028\u0000", "x" * 5000]
+    texts = [
+        json.dumps({"aggregate_id": "o-1", "version": 1, "request_id": "a", "create_time": 1, "events": []}),
+        "{not json",
+        json.dumps(
+            {"aggregate_id": "o-1", "version": 2, "request_id": "b", "create_time": 1, "events": []}
+            | {"header": {"s": odd}},
+            ensure_ascii=False,
+        ),
+    ]
+    with sqlite3.connect(tmp_path / "log.db") as conn:
+        for version, text in enumerate(texts, 1):
+            conn.execute(
+                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
+                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', ?, ?, ?, ?)",
+                (version, p, f"r{version}", text),
+            )
+    statements: list[str] = []
+    with sqlite3.connect(tmp_path / "log.db") as conn:
+        conn.set_trace_callback(statements.append)
+        rows = log_module._reader("ctx", [(p,)], {p: 0}, 0, 10)(conn)
+    assert len(statements) == 1 and statements[0].startswith("SELECT json_group_array(")
+    assert [r[3] for r in rows] == texts
+    batch = [e async for b in elog.read({p: None}, follow=False) for e in b.entries]
+    assert [e.position["seq"] for e in batch] == [r[0] for r in rows]
+    good, bad, last = batch
+    assert good.commit is not None and last.commit is not None and bad.commit is None
+    assert bad.error is not None and bad.error.startswith("doc: ")
+    assert last.commit.header == {"s": odd}
+
+
 async def test_contexts_sharing_a_file_do_not_mix(tmp_path: Path) -> None:
     a = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
     b = EmbeddedLog(tmp_path / "log.db", context="other", partitions=8)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import closing
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -27,7 +28,7 @@ from prometheus_client import Histogram
 
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
-from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3
+from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3, variable_limit
 
 __all__ = [
     "NOW_MS",
@@ -404,6 +405,50 @@ def merged_read(
                 conn.execute("COMMIT")
 
     return read
+
+
+MULTI_ROW_MAX = 512
+"""Rows in one statement of :func:`insert_rows` (fewer where the variable limit says so)."""
+
+
+@lru_cache(maxsize=128)
+def multi_row_sql(sql: str, rows: int) -> str:
+    """``sql``, an ``INSERT ... VALUES (...)`` of one row (an upsert clause after it or none), as
+    the same statement inserting ``rows`` rows."""
+    start = sql.index(" VALUES (") + len(" VALUES ")
+    depth = 0
+    end = start
+    for end in range(start, len(sql)):
+        if sql[end] == "(":
+            depth += 1
+        elif sql[end] == ")":
+            depth -= 1
+            if depth == 0:
+                break
+    row = sql[start : end + 1]
+    return f"{sql[:start]}{', '.join([row] * rows)}{sql[end + 1 :]}"
+
+
+def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+    """``conn.executemany(sql, rows)`` for ``sql`` an ``INSERT`` of one row (:func:`multi_row_sql`),
+    as a few statements of up to :data:`MULTI_ROW_MAX` rows each; the rows it changed.
+
+    SQLite runs a statement in one call, during which the module lets other threads run Python;
+    ``executemany`` makes that call once per row, and a thread that writes rows while another runs
+    Python waits to be let back in at every row. Each statement's rows are padded to a power of
+    two with repeats of its last row (a few statement texts, each prepared once per connection),
+    so ``sql`` must change nothing for a repeat of a row it inserted: an ``OR IGNORE``, or an
+    upsert that leaves a row as it is for the same values (the rows changed count none of them)."""
+    if not rows:
+        return 0
+    per = max(1, min(MULTI_ROW_MAX, variable_limit(conn) // len(rows[0])))
+    before = conn.total_changes
+    for start in range(0, len(rows), per):
+        chunk = rows[start : start + per]
+        size = min(per, 1 << (len(chunk) - 1).bit_length())
+        padded = [*chunk, *([chunk[-1]] * (size - len(chunk)))]
+        conn.execute(multi_row_sql(sql, size), [v for row in padded for v in row])
+    return int(conn.total_changes - before)
 
 
 _WRITE_LOCKS: dict[str, threading.RLock] = {}

@@ -64,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
@@ -169,6 +169,17 @@ def read_sql(arms: int, limit: int) -> str:
     return f"{union} ORDER BY seq LIMIT {int(limit)}"
 
 
+def batch_sql(arms: int, limit: int) -> str:
+    """:func:`read_sql`'s rows as one value: a JSON array of ``[seq, aggregate, partition, doc]``
+    in log order (``doc`` the document's text, a JSON string). SQLite builds it in one call,
+    during which the module lets other threads run Python; a cursor's rows come one call each,
+    and a reading thread waits to be let back in at every row while another thread runs Python."""
+    return (
+        "SELECT json_group_array(json_array(seq, aggregate, partition, doc))"
+        f" FROM ({read_sql(arms, limit)})"
+    )
+
+
 def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[int, ...]]:
     """The partitions, sorted, in groups of at most ``arms``: one compound statement each."""
     parts = sorted(partitions)
@@ -191,11 +202,31 @@ _POSITION_JSON = json.JSONEncoder(separators=(",", ":"))
 encoder made per call)."""
 
 
+def save_checkpoints_sql() -> str:
+    """:func:`save_checkpoint_sql` of several partitions in one statement. Parameters: context,
+    consumer, fence, and a JSON array of ``[partition, position text]``."""
+    return (
+        "INSERT INTO log_checkpoint (context, consumer, partition, position, fence, written_at) "
+        f"SELECT ?1, ?2, json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'), ?3, {NOW_MS}"
+        " FROM json_each(?4) AS j WHERE true "
+        "ON CONFLICT (context, consumer, partition) DO UPDATE SET position = excluded.position, "
+        "fence = excluded.fence, written_at = excluded.written_at "
+        "WHERE log_checkpoint.fence <= excluded.fence"
+    )
+
+
 def save_checkpoint_rows(rows: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> int:
-    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` on ``conn`` (in the caller's
-    transaction); how many were admitted (each one refused had a higher fence)."""
+    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` (of one consumer, under one
+    fence) on ``conn`` (in the caller's transaction) in one statement; how many were admitted
+    (each one refused had a higher fence)."""
+    if len(rows) == 1:
+        return int(conn.execute(save_checkpoint_sql(), rows[0]).rowcount)
+    if not rows:
+        return 0
+    context, consumer, _partition, _position, fence = rows[0]
+    pairs = orjson.dumps([(r[2], r[3]) for r in rows]).decode()
     before = conn.total_changes
-    conn.executemany(save_checkpoint_sql(), rows)
+    conn.execute(save_checkpoints_sql(), (context, consumer, fence, pairs))
     return conn.total_changes - before
 
 
@@ -320,14 +351,31 @@ def _reader(
     position and after ``cursor``: one statement per group (:func:`read_sql`); several groups
     are read in one transaction (one snapshot of the file) and merged here."""
     statements = [
-        (read_sql(len(g), limit), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g)))
+        (batch_sql(len(g), limit), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g)))
         for g in groups
     ]
-    return merged_read(statements, _merge_by_seq, limit)
+
+    def read(conn: sqlite3.Connection) -> list[Any]:
+        if len(statements) == 1:
+            return _batch_rows(conn, *statements[0])
+        began = not conn.in_transaction
+        if began:
+            conn.execute("BEGIN")  # one snapshot of the file for every group
+        try:
+            batches = [_batch_rows(conn, sql, params) for sql, params in statements]
+        finally:
+            if began:
+                conn.execute("COMMIT")
+        return list(islice(heapq.merge(*batches, key=itemgetter(0)), limit))
+
+    return read
 
 
-def _merge_by_seq(cursors: Sequence[Iterable[Any]], limit: int) -> list[Any]:
-    return list(islice(heapq.merge(*cursors, key=itemgetter(0)), limit))
+def _batch_rows(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
+    """The rows of a :func:`batch_sql` statement, in log order."""
+    (text,) = conn.execute(sql, params).fetchone()
+    rows: list[Any] = orjson.loads(text)
+    return rows
 
 
 def _canonical(doc: Mapping[str, Any]) -> str:

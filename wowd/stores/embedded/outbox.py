@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
-from wowd.stores.embedded.db import SqliteStore
+from wowd.stores.embedded.db import SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["SCHEMA", "EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
@@ -220,9 +220,7 @@ def put_rows(conn: sqlite3.Connection, rows: Sequence[tuple[Any, ...]]) -> list[
     statement inserted told apart, by their ``seq`` past the table's largest before it (a new
     row's ``seq`` is always larger: AUTOINCREMENT)."""
     top = conn.execute(last_seq_sql()).fetchone()[0]
-    before = conn.total_changes
-    conn.executemany(put_sql(), rows)
-    if conn.total_changes - before == len(rows):
+    if insert_rows(conn, put_sql(), rows) == len(rows):
         return [True] * len(rows)
     inserted = {r[0] for r in conn.execute(inserted_sql(), (top,))}
     answers: list[bool] = []

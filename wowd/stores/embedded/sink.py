@@ -31,7 +31,7 @@ import orjson
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, sorted_json, stream_id
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["TABLE", "EmbeddedEventSink", "SinkWrite"]
@@ -137,9 +137,7 @@ class SinkWrite:
     def work(self, conn: sqlite3.Connection) -> int:
         """Inserts the rows (an existing document is left as it is) and stamps the attributes
         that changed over the documents before; the number of documents created."""
-        before = conn.total_changes
-        conn.executemany(insert_sql(), self.rows)
-        created = conn.total_changes - before
+        created = insert_rows(conn, insert_sql(), self.rows)
         conn.executemany(stamp_sql(), _stamps(conn, self.streams, self.remembered))
         return created
 

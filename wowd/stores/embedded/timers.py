@@ -71,7 +71,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import FiredTimer, LogCheck
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, merged_read
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, insert_rows, merged_read
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows, target_json
 from wowd.stores.embedded.sqlite import sqlite3, variable_limit
@@ -919,9 +919,7 @@ class EmbeddedTimerStore(SqliteStore):
             if kind == "put" and j - i > 1:
                 # a run of puts in one executemany; when one of them changed nothing (a
                 # replay), the run is answered one by one (a repeat of a put is harmless)
-                before = conn.total_changes
-                conn.executemany(sql["put"], [p for _k, p in steps[i:j]])
-                if conn.total_changes - before == j - i:
+                if insert_rows(conn, sql["put"], [p for _k, p in steps[i:j]]) == j - i:
                     out += [1] * (j - i)
                 else:
                     out += [one(kind, p) for _k, p in steps[i:j]]
@@ -984,9 +982,7 @@ class EmbeddedTimerStore(SqliteStore):
         # each row as a fire leaves it: a DONE tombstone since created_at
         done_rows = [(*steps[i][1][:7], "DONE", created_at, *steps[i][1][9:]) for i in firing]
         conn.execute("SAVEPOINT fire")
-        before = conn.total_changes
-        conn.executemany(put, done_rows)
-        every = conn.total_changes - before == len(done_rows)
+        every = insert_rows(conn, put, done_rows) == len(done_rows)
         if not every:  # some put changed nothing (a replay): the puts one by one, to tell which
             conn.execute("ROLLBACK TO fire")
         conn.execute("RELEASE fire")
