@@ -174,10 +174,7 @@ def batch_sql(arms: int, limit: int) -> str:
     in log order (``doc`` the document's text, a JSON string). SQLite builds it in one call,
     during which the module lets other threads run Python; a cursor's rows come one call each,
     and a reading thread waits to be let back in at every row while another thread runs Python."""
-    return (
-        "SELECT json_group_array(json_array(seq, aggregate, partition, doc))"
-        f" FROM ({read_sql(arms, limit)})"
-    )
+    return f"SELECT json_group_array(json_array(seq, aggregate, partition, doc)) FROM ({read_sql(arms, limit)})"
 
 
 def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[int, ...]]:
