@@ -126,6 +126,8 @@ class _Prepared:
     by_type: dict[AggregateType, list[Commit]]
     timer_writes: list[TimerWrite]
     """The net effect of the batch's timer events (:func:`~wowd.model.net_writes`)."""
+    planned: object = None
+    """:meth:`FeedWriter.plan` of the batch, when the backend has a feed writer."""
 
 
 def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> _Prepared:
@@ -286,12 +288,24 @@ class Feeder:
                     prepared = (
                         prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions) if batch.entries else None
                     )
+                    if prepared is not None:
+                        await self._plan(prepared)
                     await send.send((batch, registered[0], prepared, None))
             except (StorageError, InvalidInput) as exc:
                 with contextlib.suppress(anyio.BrokenResourceError):
                     await send.send((LogBatch(entries=(), positions={}), 0, None, exc))
             except anyio.BrokenResourceError:  # the feed stopped reading
                 return
+
+    async def _plan(self, prepared: _Prepared) -> None:
+        """The feed writer's :meth:`~FeedWriter.plan` of a batch read ahead, which the batch's
+        transaction then takes ready (a failure leaves it to be made when the batch is applied)."""
+        writer = self._backend.feed_writer
+        if writer is None or self._folds(prepared) or prepared.malformed or prepared.rejected:
+            return
+        sinks = [(self._backend.sink(t), commits) for t, commits in prepared.by_type.items()]
+        with contextlib.suppress(WowdError):
+            prepared.planned = await writer.plan(sinks, prepared.timer_writes)
 
     async def _pause(self, held: HeldSlot, attempt: int, backoff: Backoff = RETRY_BACKOFF) -> None:
         with anyio.move_on_after(backoff(attempt)):
@@ -471,7 +485,16 @@ class Feeder:
         if self._fused is not None:
             fire = FeedFiring(held.owner_key, held.deadline(), self._settings.timers.batch)
         try:
-            done = await writer.apply(sinks, prepared.timer_writes, CONSUMER, positions, held.fence, now=now, fire=fire)
+            done = await writer.apply(
+                sinks,
+                prepared.timer_writes,
+                CONSUMER,
+                positions,
+                held.fence,
+                now=now,
+                fire=fire,
+                planned=prepared.planned,
+            )
         except (StorageUnavailable, LeaseLost, SlotStalled):
             raise
         except WowdError as exc:

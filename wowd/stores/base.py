@@ -664,6 +664,15 @@ class FeedWriter(Protocol):
     aggregates and the checkpoints under the slot's fence, all or nothing. Ours (the seeds name
     the single steps); the embedded backend has one."""
 
+    async def plan(
+        self, records: Sequence[tuple[EventSink, Sequence[Commit]]], timer_writes: Sequence[TimerWrite]
+    ) -> object | None:
+        """What :meth:`apply` of this batch needs made ready (documents encoded, writes checked):
+        pure work the feed does while the batch before is written, given to :meth:`apply` as
+        ``planned`` (and again to a retry of it). ``None`` when this writer does not take the
+        batch whole."""
+        ...
+
     async def apply(
         self,
         records: Sequence[tuple[EventSink, Sequence[Commit]]],
@@ -674,13 +683,15 @@ class FeedWriter(Protocol):
         *,
         now: int,
         fire: FeedFiring | None = None,
+        planned: object = None,
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
         writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
         with ``fire`` the due timers it put fired (:class:`FeedFiring`);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
-        applies it step by step, which names what is refused. Raises as the stores do."""
+        applies it step by step, which names what is refused. ``planned``: :meth:`plan` of these
+        records and writes (made here when not given). Raises as the stores do."""
         ...
 
 

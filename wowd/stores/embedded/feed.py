@@ -59,6 +59,28 @@ class EmbeddedFeedWriter(SqliteStore):
     def __repr__(self) -> str:
         return f"EmbeddedFeedWriter({self._db.path!r})"
 
+    async def plan(
+        self, records: Sequence[tuple[EventSink, Sequence[Commit]]], timer_writes: Sequence[TimerWrite]
+    ) -> _Plan | None:
+        """The batch's rows made ready (documents encoded, timer writes checked), to be given to
+        :meth:`apply`: the feed makes them while the batch before is written. ``None`` when this
+        writer does not take the batch whole."""
+        if len(timer_writes) > WRITE_CHUNK or self.path == ":memory:":
+            # the timer store's chunks keep the write lock short; a database in memory is one
+            # per connection
+            return None
+        plans: list[tuple[EmbeddedEventSink, SinkWrite]] = []
+        for sink, commits in records:
+            if not isinstance(sink, EmbeddedEventSink) or sink.path != self.path:
+                return None
+            plan = sink.plan_rows(commits)
+            if plan.bad:
+                return None  # the sink step names what it refuses
+            plans.append((sink, plan))
+        steps = await self._timers.plan_write(timer_writes) if timer_writes else []
+        parked = parked_params([c.ref for _sink, commits in records for c in commits])
+        return _Plan(plans, steps, parked)
+
     async def apply(
         self,
         records: Sequence[tuple[EventSink, Sequence[Commit]]],
@@ -69,29 +91,20 @@ class EmbeddedFeedWriter(SqliteStore):
         *,
         now: int,
         fire: FeedFiring | None = None,
+        planned: object = None,
     ) -> FeedApplied | None:
-        if len(timer_writes) > WRITE_CHUNK or self.path == ":memory:":
-            # the timer store's chunks keep the write lock short; a database in memory is one
-            # per connection
+        ready = planned if isinstance(planned, _Plan) else await self.plan(records, timer_writes)
+        if ready is None:
             return None
-        plans: list[tuple[EmbeddedEventSink, SinkWrite]] = []
-        for sink, commits in records:
-            if not isinstance(sink, EmbeddedEventSink) or sink.path != self.path:
-                return None
-            plan = sink.plan_write(commits)
-            if plan.bad:
-                return None  # the sink step names what it refuses
-            plans.append((sink, plan))
+        plans = [(sink, sink.remember(plan)) for sink, plan in ready.sinks]
         timers = self._timers
-        steps = await timers.plan_write(timer_writes) if timer_writes else []
-        parked = parked_params([c.ref for _sink, commits in records for c in commits])
         checkpoints = self._log.checkpoint_rows(consumer, positions, fence)
         firing: _Firing | None = None
         if fire is not None and any(w.timer is not None and w.timer.due_at <= now for w in timer_writes):
             await timers.prepare_outbox()
             seqs = {p: int(pos["seq"]) for p, pos in positions.items()}
             firing = _Firing(timer_writes, seqs, fence, fire)
-        work = functools.partial(_apply, plans, timers, steps, parked, checkpoints, firing, now)
+        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, firing, now)
         try:
             created, sink_s, answers, resumed, fired = await self._run("apply", self._db.transaction(work))
         except _Refused:
@@ -101,6 +114,23 @@ class EmbeddedFeedWriter(SqliteStore):
         for (sink, plan), n in zip(plans, created, strict=True):
             sink.written(plan, n)
         return FeedApplied(timer_answers=answers, resumed=resumed, saved=True, fired=fired)
+
+
+class _Plan:
+    """A batch made ready by :meth:`EmbeddedFeedWriter.plan`: per sink its rows (what the sink
+    remembers is read when the batch is applied), the timer writes' steps, the PARKED check."""
+
+    __slots__ = ("parked", "sinks", "steps")
+
+    def __init__(
+        self,
+        sinks: list[tuple[EmbeddedEventSink, SinkWrite]],
+        steps: list[tuple[str, tuple[Any, ...]]],
+        parked: list[tuple[Any, ...]],
+    ) -> None:
+        self.sinks = sinks
+        self.steps = steps
+        self.parked = parked
 
 
 class _Firing:

@@ -200,6 +200,11 @@ class EmbeddedEventSink(SqliteStore):
     def plan_write(self, records: Sequence[Commit]) -> SinkWrite:
         """A write of ``records`` made ready for a transaction (:meth:`SinkWrite.work`); the
         caller runs it on a connection to this sink's file, then calls :meth:`written`."""
+        return self.remember(self.plan_rows(records))
+
+    def plan_rows(self, records: Sequence[Commit]) -> SinkWrite:
+        """:meth:`plan_write` but for what this sink remembers (:meth:`remember`, right before the
+        transaction): the documents, encoded ahead of the writes before them."""
         rows: list[tuple[Any, ...]] = []
         # per aggregate (tenant and id: the sink is of one type), its records in the log's order
         streams: dict[tuple[str, str], list[tuple[Commit, str]]] = {}
@@ -223,8 +228,13 @@ class EmbeddedEventSink(SqliteStore):
                 streams[key] = [(c, access)]
             else:
                 items.append((c, access))
-        remembered = {key: self._last.get(key) for key in streams}
-        return SinkWrite(rows=rows, streams=streams, remembered=remembered, bad=bad)
+        return SinkWrite(rows=rows, streams=streams, remembered={}, bad=bad)
+
+    def remember(self, plan: SinkWrite) -> SinkWrite:
+        """``plan`` with the attributes this sink remembers of its aggregates now."""
+        last = self._last
+        plan.remembered = {key: last.get(key) for key in plan.streams}
+        return plan
 
     def written(self, plan: SinkWrite, created: int) -> None:
         """After the transaction of ``plan`` committed (``created`` documents were new): the
