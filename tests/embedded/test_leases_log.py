@@ -385,6 +385,26 @@ async def test_a_batch_is_read_in_one_statement_and_each_document_as_it_was_writ
     assert last.commit.header == {"s": odd}
 
 
+async def test_documents_another_program_wrote_as_a_blob_or_a_number_are_read_in_their_place(
+    elog: EmbeddedLog, tmp_path: Path
+) -> None:
+    """A document JSON cannot hold in one value (a BLOB) makes the batch read row by row: the
+    BLOB is read as its text, a number is an entry naming the error; nothing stops the read."""
+    p = partition("o-1", 8)
+    doc = {"aggregate_id": "o-1", "request_id": "a", "create_time": 1, "events": []}
+    values: list[Any] = [json.dumps(doc | {"version": 1}), json.dumps(doc | {"version": 2}).encode(), 42]
+    with sqlite3.connect(tmp_path / "log.db") as conn:
+        for version, value in enumerate(values, 1):
+            conn.execute(
+                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
+                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', ?, ?, ?, ?)",
+                (version, p, f"r{version}", value),
+            )
+    batch = [e async for b in elog.read({p: None}, follow=False) for e in b.entries]
+    assert [e.commit.version if e.commit else None for e in batch] == [1, 2, None]
+    assert batch[2].error == "commit: a commit must be a document"
+
+
 async def test_contexts_sharing_a_file_do_not_mix(tmp_path: Path) -> None:
     a = EmbeddedLog(tmp_path / "log.db", context="ctx", partitions=8)
     b = EmbeddedLog(tmp_path / "log.db", context="other", partitions=8)

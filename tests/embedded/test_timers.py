@@ -91,6 +91,31 @@ async def test_due_reads_each_partition_over_the_partial_index(db_path: Path) ->
     await store.close()
 
 
+async def test_due_timers_are_read_in_one_statement_and_a_blob_another_program_wrote_stops_nothing(
+    db_path: Path,
+) -> None:
+    """The due rows come as one value built by SQLite; a row holding a value JSON cannot hold
+    (a BLOB) makes the read go row by row: the claim takes the other due timers and sets that
+    one FAILED."""
+    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    try:
+        ids = [f"o{i}" for i in range(6)]
+        for i in ids:
+            await store.put(timer(i, due_at=T0 + int(i[1:])))
+        statements: list[str] = []
+        store._db.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+        first = await store.claim_due(set(range(N)), T0 + 100, 3, owner_key="me", fence=1, claim_until=T0 + 10_000)
+        assert [t.owner.id for t in first] == ids[:3]
+        assert sum(s.startswith("SELECT json_group_array(") for s in statements) == 1
+        sql(db_path, "UPDATE wow_timer__ctx SET target_id = CAST(target_id AS BLOB) WHERE owner_id = 'o4'")
+        rest = await store.claim_due(set(range(N)), T0 + 100, 10, owner_key="me", fence=1, claim_until=T0 + 10_000)
+        assert sorted(t.owner.id for t in rest) == ["o3", "o5"]  # o4 cannot be decoded: FAILED
+        assert sql(db_path, "SELECT status FROM wow_timer__ctx WHERE owner_id = 'o4'") == [("FAILED",)]
+    finally:
+        store._db.run_sync(lambda conn: conn.set_trace_callback(None))
+        await store.close()
+
+
 def test_merge_due_takes_the_first_rows_of_sorted_streams() -> None:
     rng = random.Random(3)
     rows = [(f"id{n:04d}", 0, 0, 0, 0, 0, 0, 0, rng.randrange(50)) for n in range(500)]

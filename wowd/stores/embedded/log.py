@@ -35,6 +35,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from contextlib import closing
 from functools import lru_cache
 from itertools import chain, islice
 from operator import itemgetter
@@ -347,19 +348,16 @@ def _reader(
     """The first ``limit`` rows in log order of the partitions of ``groups``, each after its own
     position and after ``cursor``: one statement per group (:func:`read_sql`); several groups
     are read in one transaction (one snapshot of the file) and merged here."""
-    statements = [
-        (batch_sql(len(g), limit), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g)))
-        for g in groups
-    ]
+    statements = [(len(g), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g))) for g in groups]
 
     def read(conn: sqlite3.Connection) -> list[Any]:
         if len(statements) == 1:
-            return _batch_rows(conn, *statements[0])
+            return _batch_rows(conn, *statements[0], limit)
         began = not conn.in_transaction
         if began:
             conn.execute("BEGIN")  # one snapshot of the file for every group
         try:
-            batches = [_batch_rows(conn, sql, params) for sql, params in statements]
+            batches = [_batch_rows(conn, arms, params, limit) for arms, params in statements]
         finally:
             if began:
                 conn.execute("COMMIT")
@@ -368,11 +366,16 @@ def _reader(
     return read
 
 
-def _batch_rows(conn: sqlite3.Connection, sql: str, params: Sequence[Any]) -> list[Any]:
-    """The rows of a :func:`batch_sql` statement, in log order."""
-    (text,) = conn.execute(sql, params).fetchone()
-    rows: list[Any] = orjson.loads(text)
-    return rows
+def _batch_rows(conn: sqlite3.Connection, arms: int, params: Sequence[Any], limit: int) -> list[Any]:
+    """The rows of :func:`read_sql` in log order, as one value (:func:`batch_sql`); row by row
+    when a document is a value JSON cannot hold (a BLOB another program wrote)."""
+    try:
+        (text,) = conn.execute(batch_sql(arms, limit), params).fetchone()
+        rows: list[Any] = orjson.loads(text)
+        return rows
+    except (sqlite3.OperationalError, ValueError):
+        with closing(conn.execute(read_sql(arms, limit), params)) as cursor:
+            return cursor.fetchmany(limit)
 
 
 def _canonical(doc: Mapping[str, Any]) -> str:
@@ -386,7 +389,7 @@ def _entry(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
     seq, _aggregate, part, text = row
     try:
         raw = orjson.loads(text)
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # TypeError: not a text (a number another program wrote)
         return LogEntry(
             position={"seq": seq}, partition=part, aggregate=type_, commit=None, raw={}, error=f"doc: {exc}"
         )
