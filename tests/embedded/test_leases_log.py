@@ -347,6 +347,18 @@ async def test_follow_polls_for_appends_of_other_processes(elog: EmbeddedLog, tm
         tg.cancel_scope.cancel()
 
 
+def write_docs(path: Path, p: int, docs: list[Any]) -> None:
+    """``docs`` as the log's rows of order ``o-1`` (versions 1, 2, ...) in partition ``p``, written
+    as another program would, values as they are."""
+    with sqlite3.connect(path) as conn:
+        for version, doc in enumerate(docs, 1):
+            conn.execute(
+                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
+                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', ?, ?, ?, ?)",
+                (version, p, f"r{version}", doc),
+            )
+
+
 async def test_a_batch_is_read_in_one_statement_and_each_document_as_it_was_written(
     elog: EmbeddedLog, tmp_path: Path
 ) -> None:
@@ -364,13 +376,7 @@ async def test_a_batch_is_read_in_one_statement_and_each_document_as_it_was_writ
             ensure_ascii=False,
         ),
     ]
-    with sqlite3.connect(tmp_path / "log.db") as conn:
-        for version, text in enumerate(texts, 1):
-            conn.execute(
-                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
-                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', ?, ?, ?, ?)",
-                (version, p, f"r{version}", text),
-            )
+    write_docs(tmp_path / "log.db", p, texts)
     statements: list[str] = []
     with sqlite3.connect(tmp_path / "log.db") as conn:
         conn.set_trace_callback(statements.append)
@@ -393,13 +399,7 @@ async def test_documents_another_program_wrote_as_a_blob_or_a_number_are_read_in
     p = partition("o-1", 8)
     doc = {"aggregate_id": "o-1", "request_id": "a", "create_time": 1, "events": []}
     values: list[Any] = [json.dumps(doc | {"version": 1}), json.dumps(doc | {"version": 2}).encode(), 42]
-    with sqlite3.connect(tmp_path / "log.db") as conn:
-        for version, value in enumerate(values, 1):
-            conn.execute(
-                "INSERT INTO log (context, aggregate, tenant_id, aggregate_id, version, partition,"
-                " request_id, doc) VALUES ('ctx', 'order', '(0)', 'o-1', ?, ?, ?, ?)",
-                (version, p, f"r{version}", value),
-            )
+    write_docs(tmp_path / "log.db", p, values)
     batch = [e async for b in elog.read({p: None}, follow=False) for e in b.entries]
     assert [e.commit.version if e.commit else None for e in batch] == [1, 2, None]
     assert batch[2].error == "commit: a commit must be a document"
