@@ -643,6 +643,8 @@ def parse_rule(doc: Any) -> Rule:
 
 _SORTED_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 """``json.dumps(doc, separators=(",", ":"), sort_keys=True)`` without building an encoder per call."""
+_SORTED_UNICODE_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+"""The same with ``ensure_ascii=False``."""
 
 _MAX_PLAIN_DEPTH = 64
 """How deep :func:`_plain_json` looks (orjson refuses documents nested past 255 levels)."""
@@ -658,10 +660,8 @@ def _plain_json(value: Any, depth: int = 0) -> bool:
         if depth >= _MAX_PLAIN_DEPTH:
             return False
         for k, v in value.items():
-            c = v.__class__
-            if k.__class__ is not str or not (c is str or (c is int and -(1 << 63) <= v < (1 << 64))):
-                if k.__class__ is not str or not _plain_json(v, depth + 1):
-                    return False
+            if k.__class__ is not str or (v.__class__ is not str and not _plain_json(v, depth + 1)):
+                return False
         return True
     if cls is str or cls is bool or value is None:
         return True
@@ -681,9 +681,6 @@ def sorted_json(doc: dict[str, Any], *, ascii: bool) -> str:
         if not ascii or out.isascii():
             return out.decode()
     return (_SORTED_JSON if ascii else _SORTED_UNICODE_JSON).encode(doc)
-
-
-_SORTED_UNICODE_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
 class TimerStatus(StrEnum):

@@ -301,7 +301,7 @@ class Feeder:
         """The feed writer's :meth:`~FeedWriter.plan` of a batch read ahead, which the batch's
         transaction then takes ready (a failure leaves it to be made when the batch is applied)."""
         writer = self._backend.feed_writer
-        if writer is None or self._folds(prepared) or prepared.malformed or prepared.rejected:
+        if writer is None or self._folds(prepared):
             return
         sinks = [(self._backend.sink(t), commits) for t, commits in prepared.by_type.items()]
         with contextlib.suppress(WowdError):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import anyio.to_thread
+import orjson
 from prometheus_client import Histogram
 
 from wowd.errors import StorageError, StorageUnavailable
@@ -38,6 +39,9 @@ __all__ = [
     "checkpoint_mode",
     "checkpointed_in_background",
     "file_write_lock",
+    "in_snapshot",
+    "insert_rows",
+    "json_rows",
     "merged_read",
 ]
 
@@ -389,22 +393,50 @@ def merged_read(
 
         return first
 
-    def read(conn: sqlite3.Connection) -> list[Any]:
-        began = not conn.in_transaction
-        if began:
-            conn.execute("BEGIN")
+    def merged(conn: sqlite3.Connection) -> list[Any]:
+        cursors = [conn.execute(sql, params) for sql, params in statements]
         try:
-            cursors = [conn.execute(sql, params) for sql, params in statements]
-            try:
-                return merge(cursors, limit)
-            finally:
-                for c in cursors:
-                    c.close()
+            return merge(cursors, limit)
         finally:
-            if began:
-                conn.execute("COMMIT")
+            for c in cursors:
+                c.close()
 
-    return read
+    return lambda conn: in_snapshot(conn, merged)
+
+
+def in_snapshot(conn: sqlite3.Connection, read: Callable[[sqlite3.Connection], T]) -> T:
+    """``read(conn)`` in one read transaction, so that its statements see one snapshot of the
+    file (the caller's transaction, when it holds one)."""
+    began = not conn.in_transaction
+    if began:
+        conn.execute("BEGIN")
+    try:
+        return read(conn)
+    finally:
+        if began:
+            conn.execute("COMMIT")
+
+
+@lru_cache(maxsize=128)
+def json_rows_sql(sql: str, columns: tuple[str, ...]) -> str:
+    """``sql``'s rows (``columns``, its result columns, in its order) as one value: a JSON array
+    of arrays. SQLite builds it in one call, during which the module lets other threads run
+    Python; a cursor's rows come one call each, and a thread reading them waits to be let back in
+    at every row while another thread runs Python."""
+    return f"SELECT json_group_array(json_array({', '.join(columns)})) FROM ({sql})"
+
+
+def json_rows(conn: sqlite3.Connection, sql: str, columns: tuple[str, ...], params: Sequence[Any]) -> list[Any]:
+    """The rows of ``sql`` (ordered and limited), read as one value (:func:`json_rows_sql`) and
+    parsed here; row by row when a row holds a value JSON cannot hold (a BLOB another program
+    wrote)."""
+    try:
+        (text,) = conn.execute(json_rows_sql(sql, columns), params).fetchone()
+        rows: list[Any] = orjson.loads(text)
+        return rows
+    except (sqlite3.OperationalError, ValueError):
+        with closing(conn.execute(sql, params)) as cursor:
+            return cursor.fetchall()
 
 
 MULTI_ROW_MAX = 512
@@ -445,10 +477,20 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]
     before = conn.total_changes
     for start in range(0, len(rows), per):
         chunk = rows[start : start + per]
-        size = min(per, 1 << (len(chunk) - 1).bit_length())
-        padded = [*chunk, *([chunk[-1]] * (size - len(chunk)))]
-        conn.execute(multi_row_sql(sql, size), [v for row in padded for v in row])
+        size = min(per, power_of_two(len(chunk)))
+        conn.execute(multi_row_sql(sql, size), [v for row in padded(chunk, size) for v in row])
     return int(conn.total_changes - before)
+
+
+def power_of_two(n: int) -> int:
+    """The least power of two >= ``n`` (1 for none): the sizes of statements that take a varying
+    number of rows, so that a few statement texts, each prepared once per connection, serve all."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded(rows: Sequence[T], size: int) -> list[T]:
+    """``rows`` (at least one) followed by repeats of its last one, ``size`` in all."""
+    return [*rows, *([rows[-1]] * (size - len(rows)))]
 
 
 _WRITE_LOCKS: dict[str, threading.RLock] = {}

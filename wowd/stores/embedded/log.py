@@ -35,7 +35,6 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
-from contextlib import closing
 from functools import lru_cache
 from itertools import chain, islice
 from operator import itemgetter
@@ -65,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
@@ -170,12 +169,8 @@ def read_sql(arms: int, limit: int) -> str:
     return f"{union} ORDER BY seq LIMIT {int(limit)}"
 
 
-def batch_sql(arms: int, limit: int) -> str:
-    """:func:`read_sql`'s rows as one value: a JSON array of ``[seq, aggregate, partition, doc]``
-    in log order (``doc`` the document's text, a JSON string). SQLite builds it in one call,
-    during which the module lets other threads run Python; a cursor's rows come one call each,
-    and a reading thread waits to be let back in at every row while another thread runs Python."""
-    return f"SELECT json_group_array(json_array(seq, aggregate, partition, doc)) FROM ({read_sql(arms, limit)})"
+READ_COLUMNS = ("seq", "aggregate", "partition", "doc")
+"""The columns of :func:`read_sql`'s rows."""
 
 
 def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[int, ...]]:
@@ -346,36 +341,22 @@ def _reader(
     context: str, groups: Sequence[tuple[int, ...]], after: Mapping[int, int], cursor: int, limit: int
 ) -> Callable[[sqlite3.Connection], list[Any]]:
     """The first ``limit`` rows in log order of the partitions of ``groups``, each after its own
-    position and after ``cursor``: one statement per group (:func:`read_sql`); several groups
-    are read in one transaction (one snapshot of the file) and merged here."""
-    statements = [(len(g), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g))) for g in groups]
+    position and after ``cursor``: one statement per group (:func:`read_sql`), its rows read as
+    one value (:func:`~wowd.stores.embedded.db.json_rows`); several groups are read in one
+    transaction (one snapshot of the file) and merged here."""
+    statements = [
+        (read_sql(len(g), limit), (context, *chain.from_iterable((p, max(after[p], cursor)) for p in g)))
+        for g in groups
+    ]
+    if len(statements) == 1:
+        sql, params = statements[0]
+        return lambda conn: json_rows(conn, sql, READ_COLUMNS, params)
 
-    def read(conn: sqlite3.Connection) -> list[Any]:
-        if len(statements) == 1:
-            return _batch_rows(conn, *statements[0], limit)
-        began = not conn.in_transaction
-        if began:
-            conn.execute("BEGIN")  # one snapshot of the file for every group
-        try:
-            batches = [_batch_rows(conn, arms, params, limit) for arms, params in statements]
-        finally:
-            if began:
-                conn.execute("COMMIT")
+    def merged(conn: sqlite3.Connection) -> list[Any]:
+        batches = [json_rows(conn, sql, READ_COLUMNS, params) for sql, params in statements]
         return list(islice(heapq.merge(*batches, key=itemgetter(0)), limit))
 
-    return read
-
-
-def _batch_rows(conn: sqlite3.Connection, arms: int, params: Sequence[Any], limit: int) -> list[Any]:
-    """The rows of :func:`read_sql` in log order, as one value (:func:`batch_sql`); row by row
-    when a document is a value JSON cannot hold (a BLOB another program wrote)."""
-    try:
-        (text,) = conn.execute(batch_sql(arms, limit), params).fetchone()
-        rows: list[Any] = orjson.loads(text)
-        return rows
-    except (sqlite3.OperationalError, ValueError):
-        with closing(conn.execute(read_sql(arms, limit), params)) as cursor:
-            return cursor.fetchmany(limit)
+    return lambda conn: in_snapshot(conn, merged)
 
 
 def _canonical(doc: Mapping[str, Any]) -> str:

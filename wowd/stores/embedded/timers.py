@@ -53,8 +53,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
-import orjson
-
 from wowd.errors import FormatError, InvalidInput, LeaseLost, StorageError
 from wowd.metrics import TIMERS_FAILED
 from wowd.model import (
@@ -73,7 +71,16 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import FiredTimer, LogCheck
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, insert_rows, merged_read
+from wowd.stores.embedded.db import (
+    NOW_MS,
+    SqliteDatabase,
+    SqliteStore,
+    insert_rows,
+    json_rows,
+    merged_read,
+    padded,
+    power_of_two,
+)
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows, target_json
 from wowd.stores.embedded.sqlite import sqlite3, variable_limit
@@ -361,7 +368,7 @@ def statement_limit(limit: int) -> int:
     """The ``LIMIT`` written in a due read for a caller that needs ``limit`` rows: the next power
     of two, so that a few statement texts (each prepared once per connection) serve every limit,
     the readers stopping at what they need."""
-    return 1 << max(0, limit - 1).bit_length()
+    return power_of_two(limit)
 
 
 @lru_cache(maxsize=64)
@@ -375,24 +382,18 @@ def due_union_sql(context: str, arms: int, limit: int, *, rowid: bool = False) -
     3.47 and later prepare the statement again at every run).
 
     Parameters: ``?1`` the ``until`` bound, ``?2 .. ?(arms + 1)`` the partitions. With ``rowid``
-    each row ends with the row's ``rowid``."""
+    each row ends with the row's ``rowid`` (column ``rid``)."""
     if arms < 1:
         raise ValueError("arms must be >= 1")
-    cols = f"{_COLS}, rowid" if rowid else _COLS
+    cols = f"{_COLS}, rowid AS rid" if rowid else _COLS
     t = table_name(context)
     arm = f"SELECT {cols} FROM {t} WHERE \"partition\" = ?{{}} AND status IN ('PENDING', 'FIRING') AND due_at <= ?1"
     union = " UNION ALL ".join(arm.format(i + 2) for i in range(arms))
     return f"{union} ORDER BY due_at, timer_id LIMIT {int(limit)}"
 
 
-@lru_cache(maxsize=64)
-def due_json_sql(context: str, arms: int, limit: int) -> str:
-    """:func:`due_union_sql`'s rows (with their ``rowid``) as one value, a JSON array of rows:
-    SQLite builds it in one call, where a cursor makes one call per row (and the module lets
-    another thread run Python, and waits to be let back in, at each)."""
-    cols = ", ".join([*(f'"{c}"' for c in COLUMNS), "rid"])
-    union = due_union_sql(context, arms, limit, rowid=True).replace(", rowid FROM", ", rowid AS rid FROM")
-    return f"SELECT json_group_array(json_array({cols})) FROM ({union})"
+ROWID_COLUMNS = (*(f'"{c}"' for c in COLUMNS), "rid")
+"""The columns of :func:`due_union_sql`'s rows with their ``rowid``."""
 
 
 @lru_cache(maxsize=64)
@@ -481,9 +482,8 @@ def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, st
     past: set[int] = set()
     for start in range(0, len(owners), COMMITTED_PAST_CHUNK):
         chunk = owners[start : start + COMMITTED_PAST_CHUNK]
-        rows = statement_limit(len(chunk))
-        padded = [*chunk, *([chunk[-1]] * (rows - len(chunk)))]
-        params = [v for owner in padded for v in owner]
+        rows = power_of_two(len(chunk))
+        params = [v for owner in padded(chunk, rows) for v in owner]
         past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
     return past
 
@@ -1276,24 +1276,18 @@ class EmbeddedTimerStore(SqliteStore):
     def _due_rows(
         self, partitions: Iterable[int], until: int, limit: int
     ) -> Callable[[sqlite3.Connection], Generator[Sequence[Any], None, None]]:
-        """The due rows (with their ``rowid``) as :meth:`_due_reader` reads them, fetched as they
-        are consumed, in the transaction the caller holds: a claim that skips its timers in
-        flight stops reading once it has its batch (close the generator before writing)."""
-        ctx = self.context
+        """The due rows (with their ``rowid``) as :meth:`_due_reader` reads them, in the
+        transaction the caller holds: each statement's rows read as one value (at most the
+        written limit, ``limit`` rounded up), merged as they are consumed (a claim that skips its
+        timers in flight stops once it has its batch)."""
         written = statement_limit(limit)
-        statements = [(len(group), (until, *group)) for group in due_plan(partitions)]
-
-        def read(conn: sqlite3.Connection, arms: int, params: Sequence[Any]) -> Iterable[Sequence[Any]]:
-            try:
-                (text,) = conn.execute(due_json_sql(ctx, arms, written), params).fetchone()
-                rows: list[Sequence[Any]] = orjson.loads(text)
-                return rows
-            except (sqlite3.OperationalError, ValueError):  # a value JSON cannot hold: row by row
-                with closing(conn.execute(due_union_sql(ctx, arms, written, rowid=True), params)) as cursor:
-                    return cursor.fetchall()
+        statements = [
+            (due_union_sql(self.context, len(group), written, rowid=True), (until, *group))
+            for group in due_plan(partitions)
+        ]
 
         def rows(conn: sqlite3.Connection) -> Generator[Sequence[Any], None, None]:
-            batches = [read(conn, arms, params) for arms, params in statements]
+            batches = [json_rows(conn, sql, ROWID_COLUMNS, params) for sql, params in statements]
             if len(batches) == 1:
                 yield from batches[0]
             else:
