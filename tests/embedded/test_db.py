@@ -154,6 +154,59 @@ def test_rows_are_inserted_in_few_statements_as_executemany_inserts_them(
     assert statements == -(-len(rows) // 500)
 
 
+def _revisions(conn: sqlite3.Connection) -> list[tuple[int, str, int]]:
+    return conn.execute("SELECT k, v, revision FROM kv ORDER BY k").fetchall()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 512, 513, 1200])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE kv SET v = ?1 || v, revision = revision + 1 WHERE k = ?2 AND revision = ?3",
+        "UPDATE kv SET v = ? || v, revision = revision + 1 WHERE k = ? AND revision = ?",
+    ],
+)
+def test_rows_are_updated_in_few_statements_as_executemany_updates_them(
+    count: int, sql: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A guarded update of one row each, rows naming a stored row at its revision, at another
+    revision (changes nothing) or no row: the table and the count of rows changed are
+    executemany's; the statements are ceil(rows / their limit), the last padded (a repeat names
+    the same row with the same values and is applied once)."""
+    from wowd.stores.embedded import db as db_module
+
+    monkeypatch.setattr(db_module, "variable_limit", lambda conn: 1500)  # 500 rows of three a statement
+    stored = [(k, f"s{k}", k % 3) for k in range(0, 3 * count, 2)]
+    rows = [(f"u{k}-", k, k % 3 if k % 5 != 3 else 9) for k in range(0, 3 * count, 3)][:count]
+    results = []
+    for update in (lambda c: db_module.update_rows(c, sql, rows), lambda c: c.executemany(sql, rows).rowcount):
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        conn.execute("CREATE TABLE kv (k INTEGER PRIMARY KEY, v TEXT NOT NULL, revision INTEGER NOT NULL)")
+        conn.executemany("INSERT INTO kv VALUES (?, ?, ?)", stored)
+        statements: list[str] = []
+        conn.set_trace_callback(statements.append)
+        before = conn.total_changes
+        update(conn)
+        ran = len(statements)
+        results.append((conn.total_changes - before, _revisions(conn), ran))
+        conn.close()
+    (changed, table, statements), (expected_changed, expected_table, _) = results
+    assert changed > 0
+    assert (changed, table) == (expected_changed, expected_table)
+    assert statements == -(-len(rows) // 500)
+
+
+def test_a_one_row_update_becomes_the_same_update_from_rows() -> None:
+    from wowd.stores.embedded.db import update_values_sql
+
+    assert update_values_sql("UPDATE t SET a = ?1, b = 'x', c = ?1 WHERE id = ?2", 2) == (
+        "UPDATE t SET a = j.column1, b = 'x', c = j.column1 FROM (VALUES (?, ?), (?, ?)) AS j WHERE id = j.column2"
+    )
+    assert update_values_sql("UPDATE t SET a = ? WHERE id = ? AND r = ?", 1) == (
+        "UPDATE t SET a = j.column1 FROM (VALUES (?, ?, ?)) AS j WHERE id = j.column2 AND r = j.column3"
+    )
+
+
 def test_a_one_row_insert_becomes_the_same_statement_of_many_rows() -> None:
     from wowd.stores.embedded.db import NOW_MS, multi_row_sql
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,7 @@ __all__ = [
     "insert_rows",
     "json_rows",
     "merged_read",
+    "update_rows",
 ]
 
 T = TypeVar("T")
@@ -479,6 +481,56 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]
         chunk = rows[start : start + per]
         size = min(per, power_of_two(len(chunk)))
         conn.execute(multi_row_sql(sql, size), [v for row in padded(chunk, size) for v in row])
+    return int(conn.total_changes - before)
+
+
+_PARAMETER = re.compile(r"\?(\d*)")
+
+
+@lru_cache(maxsize=128)
+def update_values_sql(sql: str, rows: int) -> str:
+    """``sql``, an ``UPDATE <table> SET ... WHERE ...`` of one row with ``?`` or ``?N`` parameters
+    (none inside a string literal), as the same update of ``rows`` rows: ``UPDATE <table> SET ...
+    FROM (VALUES (...), ...) AS j WHERE ...``, each parameter read from its column of ``j``."""
+    numbers: list[int] = []
+    implicit = 0
+
+    def column(match: re.Match[str]) -> str:
+        nonlocal implicit
+        if match.group(1):
+            number = int(match.group(1))
+        else:
+            implicit += 1
+            number = implicit
+        numbers.append(number)
+        return f"j.column{number}"
+
+    body = _PARAMETER.sub(column, sql)
+    width = max(numbers)
+    row = f"({', '.join('?' * width)})"
+    where = body.index(" WHERE ")
+    return f"{body[:where]} FROM (VALUES {', '.join([row] * rows)}) AS j{body[where:]}"
+
+
+def update_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]]) -> int:
+    """``conn.executemany(sql, rows)`` for ``sql`` an ``UPDATE`` of the one row its ``WHERE``
+    names (:func:`update_values_sql`), as a few statements of up to :data:`MULTI_ROW_MAX` rows
+    each (each row searched by its key, as ``executemany`` does); the rows it changed.
+
+    One call per statement instead of one per row (:func:`insert_rows` says why that matters). The
+    rows of one call must name distinct rows of the table: SQLite updates a row its ``FROM``
+    matches several times once, with one of them. Each statement's rows are padded to a power of
+    two with repeats of its last row, which name the same row with the same values."""
+    if len(rows) < 2:
+        before = conn.total_changes
+        conn.executemany(sql, rows)
+        return int(conn.total_changes - before)
+    per = max(1, min(MULTI_ROW_MAX, variable_limit(conn) // len(rows[0])))
+    before = conn.total_changes
+    for start in range(0, len(rows), per):
+        chunk = rows[start : start + per]
+        size = min(per, power_of_two(len(chunk)))
+        conn.execute(update_values_sql(sql, size), [v for row in padded(chunk, size) for v in row])
     return int(conn.total_changes - before)
 
 

@@ -18,8 +18,10 @@ Layout (format 6):
   retention. Format 5 (no tombstones, otherwise the same) is upgraded in place by ``prepare``.
 
 The rule is kept as its JSON text (``{type, ...}``), the claim as flat columns. Every write is
-one statement or one short ``BEGIN IMMEDIATE`` transaction (``settle``), batched with
-``executemany``: no per-row round trips on the hot path (due, claim, fired).
+one statement or one short ``BEGIN IMMEDIATE`` transaction (``settle``), its rows written by
+statements of many rows each (:func:`~wowd.stores.embedded.db.insert_rows`,
+:func:`~wowd.stores.embedded.db.update_rows`): no per-row calls on the hot path (due, claim,
+fired, settle).
 
 The hot path (DESIGN.md section 5, "Firing"): ``due`` is one compound statement per up to
 :data:`DUE_ARMS` partitions (one arm per partition over the partial index; SQLite merges the arms
@@ -80,6 +82,7 @@ from wowd.stores.embedded.db import (
     merged_read,
     padded,
     power_of_two,
+    update_rows,
 )
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows, target_json
@@ -418,9 +421,8 @@ def next_due_sql(context: str, arms: int) -> str:
 def claim_rowid_sql(context: str) -> str:
     """The claim of ``claim_due``, one row by ``rowid`` (``?4``) at its loaded revision (``?5``):
     FIRING, ``due_at = claim_until = ?1``, owner key ``?2``, fence ``?3``, revision + 1 (as
-    :func:`settle_sql` ``claim`` writes); run in the transaction that read the row. One row per
-    statement: a statement changing several rows makes SQLite keep a statement journal of every
-    page it touches."""
+    :func:`settle_sql` ``claim`` writes); run in the transaction that read the row, for many rows
+    at once by :func:`~wowd.stores.embedded.db.update_rows`."""
     return (
         f"UPDATE {table_name(context)} SET status = 'FIRING', due_at = ?1, claim_owner_key = ?2,"
         " claim_fence = ?3, claim_until = ?1, revision = revision + 1 WHERE rowid = ?4 AND revision = ?5"
@@ -929,7 +931,7 @@ class EmbeddedTimerStore(SqliteStore):
             while j < len(steps) and steps[j][0] == kind:
                 j += 1
             if kind == "put" and j - i > 1:
-                # a run of puts in one executemany; when one of them changed nothing (a
+                # a run of puts in few statements (insert_rows); when one of them changed nothing (a
                 # replay), the run is answered one by one (a repeat of a put is harmless)
                 if insert_rows(conn, sql["put"], [p for _k, p in steps[i:j]]) == j - i:
                     out += [1] * (j - i)
@@ -960,9 +962,9 @@ class EmbeddedTimerStore(SqliteStore):
         tombstone a fire leaves (at ``created_at``) with its outbox entry under ``fence`` and
         ``owner_key``, as :meth:`fire_into_outbox` fires it; one that changes nothing (the same
         or a later version is stored) fires nothing. Every other timer is left to the timer
-        loop. Answers each write's answer and the timers fired. The fired puts go in one
-        ``executemany`` (in a savepoint: when one of them changed nothing, they are written
-        again one by one).
+        loop. Answers each write's answer and the timers fired. The fired puts go in few
+        statements (:func:`~wowd.stores.embedded.db.insert_rows`, in a savepoint: when one of
+        them changed nothing, they are written again one by one).
 
         The fired puts are written after the other steps: a batch holds at most one write per
         key (:func:`~wowd.model.net_writes`), and a ``cancel_all`` of the batch is at a version
@@ -1039,17 +1041,14 @@ class EmbeddedTimerStore(SqliteStore):
         return written
 
     def settle_changes(self, changes: Sequence[TimerChange], conn: sqlite3.Connection) -> int:
-        """``changes`` (of this store's context) in the caller's transaction on ``conn``: one
-        ``executemany`` per change kind, kinds in the order they first appear; how many rows
-        changed."""
+        """``changes`` (of this store's context, each of another timer) in the caller's transaction
+        on ``conn``: one :func:`~wowd.stores.embedded.db.update_rows` per change kind, kinds in the
+        order they first appear; how many rows changed."""
         groups: dict[str, list[tuple[Any, ...]]] = {}
         for ch in changes:
             kind, params = settle_params(ch)
             groups.setdefault(kind, []).append(params)
-        before = conn.total_changes
-        for kind, rows in groups.items():
-            conn.executemany(self._settle_sql[kind], rows)
-        return conn.total_changes - before
+        return sum(update_rows(conn, self._settle_sql[kind], rows) for kind, rows in groups.items())
 
     # ---- reads
 
@@ -1155,9 +1154,7 @@ class EmbeddedTimerStore(SqliteStore):
             if undecodable:
                 conn.executemany(fail_sql, undecodable)
             if params:
-                before = conn.total_changes
-                conn.executemany(claim_sql, params)
-                claimed = conn.total_changes - before
+                claimed = update_rows(conn, claim_sql, params)
                 if claimed != len(params):  # cannot happen: the rows were read in this transaction
                     raise StorageError(f"claim_due: claimed {claimed} of the {len(params)} timers read")
             return out
@@ -1182,9 +1179,9 @@ class EmbeddedTimerStore(SqliteStore):
     ) -> list[FiredTimer]:
         """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
         the due read of ``claim_due`` (a claim another holder made is due only once expired),
-        one ``executemany`` of the outbox rows (:func:`outbox_row`,
-        :func:`~wowd.stores.embedded.outbox.put_rows`: a request id in the outbox already, a
-        re-fire, is recorded as a re-delivery) and one per kind of the fired settle by ``rowid``
+        the outbox rows (:func:`outbox_row`, :func:`~wowd.stores.embedded.outbox.put_rows`: a
+        request id in the outbox already, a re-fire, is recorded as a re-delivery) and the fired
+        settle by ``rowid``, one :func:`~wowd.stores.embedded.db.update_rows` per kind
         (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot timer is
         handled from its row alone; a recurring one is decoded for ``next_due``."""
         if not partitions or limit <= 0:
@@ -1235,11 +1232,7 @@ class EmbeddedTimerStore(SqliteStore):
                 conn.executemany(fail_sql, undecodable)
             if rows:
                 put_rows(conn, rows)
-                before = conn.total_changes
-                conn.executemany(done_sql, done)
-                if moved:
-                    conn.executemany(fired_sql, moved)
-                settled = conn.total_changes - before
+                settled = update_rows(conn, done_sql, done) + update_rows(conn, fired_sql, moved)
                 if settled != len(fired):  # cannot happen: the rows were read in this transaction
                     raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
             if deadline is not None and time.monotonic() >= deadline:
