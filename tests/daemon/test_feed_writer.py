@@ -20,7 +20,7 @@ import pytest
 from wowd import metrics
 from wowd.cli.backend import opened_backend
 from wowd.config import WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder
+from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
 from wowd.daemon.gateway import OutboxGateway, outbox_entry
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
@@ -433,3 +433,49 @@ async def test_a_backlog_fires_as_it_is_fed_and_a_cancel_further_on_still_wins(t
 def _fired_total() -> float:
     value = metrics.REGISTRY.get_sample_value("wowd_timers_fired_total", {"aggregate": "order"})
     return value or 0.0
+
+
+class StalledWriter:
+    """The backend's feed writer, its transactions held until ``go`` is set (another writer
+    holding the file's write lock)."""
+
+    def __init__(self, inner: FeedWriter) -> None:
+        self.inner = inner
+        self.waiting = anyio.Event()
+        self.go = anyio.Event()
+
+    async def plan(self, *args: Any, **kwargs: Any) -> Any:
+        return await self.inner.plan(*args, **kwargs)
+
+    async def apply(self, *args: Any, **kwargs: Any) -> Any:
+        self.waiting.set()
+        await self.go.wait()
+        return await self.inner.apply(*args, **kwargs)
+
+
+async def test_a_batch_waiting_for_its_transaction_does_not_stop_the_reads_of_the_log_head(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """While a batch waits for its transaction, the feed goes on reading the log's head: every
+    read that began is registered (the timer loop delivers what is due once a read began at its
+    due time), however many more than the batches it reads ahead."""
+    s = settings(tmp_path)
+    assert backend.feed_writer is not None
+    backend.feed_writer = stalled = StalledWriter(backend.feed_writer)
+    held = await hold(backend)
+    waker = Waker()
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await tg.start(Feeder(s, backend).run, held, waker)
+            await backend.log.append_many([commit("a", 1)])
+            await stalled.waiting.wait()
+            for _ in range(READ_AHEAD + 4):
+                assert waker.read_mark is not None
+                at = waker.read_mark + 1  # a read that began after the last one registered
+                backend.log.nudge()
+                assert await waker.read_past(at, 5.0)
+            stalled.go.set()
+            while waker.watermark is None:
+                await waker.wait_applied(waker.applied_batches, 1.0)
+            held.request_stop()
+    await backend.leases.release(held.lease, 0)

@@ -342,3 +342,48 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
         assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
     finally:
         await store.close()
+
+
+class AheadClaims(EmbeddedTimerStore):
+    """Records how long before its first timer's due time each claim that took timers began."""
+
+    ahead: list[int]
+
+    async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
+        began = now_ms()
+        claimed = await super().claim_due(*args, **kwargs)
+        if claimed:
+            self.ahead.append(min(t.scheduled_at for t in claimed) - began)
+        return claimed
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_due(tmp_path: Path) -> None:
+    """One timer every 10 ms, a lookahead of 400 ms: each round takes half a lookahead of timers
+    and is claimed about half a lookahead before its first one is due, not when that one comes due
+    (the claim, and the settle of the round before that it may wait for, would then delay it)."""
+    store = AheadClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+    store.ahead = []
+    waker = Waker()
+
+    def nudge() -> None:  # the feed: an empty read of the log's head, applied at once
+        waker.advance(now_ms())
+
+    try:
+        waker.advance(now_ms())
+        first = now_ms() + 300
+        for i in range(120):
+            assert await store.put(timer(f"s-{i}", first + 10 * i))
+        gw = Recorder()
+        loop = TimerLoop(TimerSettings(lookahead_ms=400), store, gw, nudge=nudge)
+        held = held_slot(PARTS)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, waker)
+                await gw.until_fired(120)
+                held.request_stop()
+        assert all(at >= t.scheduled_at for t, at in gw.fired)
+        assert len(store.ahead) >= 5
+        assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine
+    finally:
+        await store.close()

@@ -285,6 +285,13 @@ class Feeder:
                 async for batch in batches:
                     owners = {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None}
                     registered[0] = waker.reading(batch.watermark, owners)
+                    if not batch.entries and not batch.positions:
+                        # nothing to apply: its read of the log's head is registered above, and a
+                        # later one carries a later watermark, so it does not wait for the batches
+                        # queued before it (a reader waiting here stops the read mark)
+                        with contextlib.suppress(anyio.WouldBlock):
+                            send.send_nowait((batch, registered[0], None, None))
+                        continue
                     prepared = (
                         prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions) if batch.entries else None
                     )

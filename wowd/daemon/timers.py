@@ -15,7 +15,9 @@ however long their delivery takes. Each claimed batch's outcomes are settled in 
 (fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
 after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
 store's next due time (``next_due``) or the earliest one this process put since
-(:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, at most ``MAX_IDLE_S``; a put
+(:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, and not before the round's
+``until`` is half a lookahead away (a steady stream is then claimed in rounds of half a
+lookahead, each half a lookahead before its first timer is due), at most ``MAX_IDLE_S``; a put
 due sooner wakes it at once. A timer within the lookahead but beyond the feed's last read makes
 it ask the log for a read instead.
 
@@ -288,7 +290,13 @@ class TimerLoop:
                     now = now_ms()
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
                     first = min(nexts, default=None)
-                    if check is None and first is not None and until < first <= now + s.lookahead_ms:
+                    # a round takes half a lookahead of timers, claimed half a lookahead before its
+                    # first is due: the next one once half the lookahead has passed, not as soon
+                    # as the next timer comes within it (a whole lookahead claimed when its first
+                    # timer is due: the claim, and the settle of the round before that it may
+                    # wait for, would delay that timer)
+                    halfway = until - s.lookahead_ms // 2
+                    if check is None and first is not None and until < first <= now + s.lookahead_ms and now >= halfway:
                         # within the lookahead but beyond the feed's last read of the log's head
                         # (an idle log is read less often): ask for a read now, claim after it
                         self._nudge()
@@ -297,6 +305,8 @@ class TimerLoop:
                             await waker.wait(MAX_IDLE_S, first, want_watermark=want)
                         continue
                     wake_at = wake_time(now, nexts, lookahead_ms)
+                    if check is None and (first is None or first > until):
+                        wake_at = max(wake_at, halfway)
                     await waker.wait((wake_at - now) / 1000, wake_at + lookahead_ms)
         logx.info("timer loop stopped")
 
