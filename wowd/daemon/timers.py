@@ -305,8 +305,9 @@ class TimerLoop:
                             await waker.wait(MAX_IDLE_S, first, want_watermark=want)
                         continue
                     wake_at = wake_time(now, nexts, lookahead_ms)
-                    if check is None and (first is None or first > until):
-                        wake_at = max(wake_at, halfway)
+                    if check is None and first is not None and first > until:
+                        # an idle period at most, as ever (timers the waker was not told of)
+                        wake_at = max(wake_at, min(halfway, now + int(MAX_IDLE_S * 1000)))
                     await waker.wait((wake_at - now) / 1000, wake_at + lookahead_ms)
         logx.info("timer loop stopped")
 
