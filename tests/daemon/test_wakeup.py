@@ -316,25 +316,10 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
     the feed has read that far. Here the feed is an idle log: each nudge is one empty read."""
     store = CountingClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     store.claims = []
-    waker = Waker()
     reads: list[int] = []
-
-    def nudge() -> None:  # the feed: an empty read of the log's head, applied at once
-        reads.append(now_ms())
-        waker.advance(reads[-1])
-
     try:
-        waker.advance(now_ms())
         due = now_ms() + 300
-        assert await store.put(timer("n-1", due))
-        gw = Recorder()
-        loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw, nudge=nudge)
-        held = held_slot(PARTS)
-        with anyio.fail_after(8):
-            async with anyio.create_task_group() as tg:
-                await tg.start(loop.run, held, waker)
-                await gw.until_fired(1)
-                held.request_stop()
+        gw = await fire_over_an_idle_log(store, [timer("n-1", due)], lookahead_ms=100, reads=reads)
         t, at = gw.fired[0]
         assert t.scheduled_at == due <= at
         assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
@@ -342,6 +327,34 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
         assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
     finally:
         await store.close()
+
+
+async def fire_over_an_idle_log(
+    store: EmbeddedTimerStore, timers: Sequence[Timer], *, lookahead_ms: int, reads: list[int] | None = None
+) -> Recorder:
+    """Puts ``timers`` and runs a timer loop over ``store`` until it has delivered them all; the
+    feed is an idle log: each nudge is one empty read of its head, applied at once (its start
+    added to ``reads``)."""
+    waker = Waker()
+
+    def nudge() -> None:
+        began = now_ms()
+        if reads is not None:
+            reads.append(began)
+        waker.advance(began)
+
+    waker.advance(now_ms())
+    for t in timers:
+        assert await store.put(t)
+    gw = Recorder()
+    loop = TimerLoop(TimerSettings(lookahead_ms=lookahead_ms), store, gw, nudge=nudge)
+    held = held_slot(PARTS)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, waker)
+            await gw.until_fired(len(timers))
+            held.request_stop()
+    return gw
 
 
 class AheadClaims(EmbeddedTimerStore):
@@ -364,24 +377,10 @@ async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_
     (the claim, and the settle of the round before that it may wait for, would then delay it)."""
     store = AheadClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     store.ahead = []
-    waker = Waker()
-
-    def nudge() -> None:  # the feed: an empty read of the log's head, applied at once
-        waker.advance(now_ms())
-
     try:
-        waker.advance(now_ms())
         first = now_ms() + 300
-        for i in range(120):
-            assert await store.put(timer(f"s-{i}", first + 10 * i))
-        gw = Recorder()
-        loop = TimerLoop(TimerSettings(lookahead_ms=400), store, gw, nudge=nudge)
-        held = held_slot(PARTS)
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                await tg.start(loop.run, held, waker)
-                await gw.until_fired(120)
-                held.request_stop()
+        stream = [timer(f"s-{i}", first + 10 * i) for i in range(120)]
+        gw = await fire_over_an_idle_log(store, stream, lookahead_ms=400)
         assert all(at >= t.scheduled_at for t, at in gw.fired)
         assert len(store.ahead) >= 5
         assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine

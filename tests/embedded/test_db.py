@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,8 +122,24 @@ def test_a_write_lock_held_past_the_busy_timeout_is_transient(tmp_path: Path) ->
 # --------------------------------------------------------------------------- rows in few statements
 
 
-def _kv(conn: sqlite3.Connection) -> list[tuple[int, str]]:
-    return conn.execute("SELECT k, v FROM kv ORDER BY k").fetchall()
+def _against_executemany(
+    columns: str, stored: list[tuple[Any, ...]], helper: Callable[..., int], sql: str, rows: list[tuple[Any, ...]]
+) -> tuple[tuple[int, list[Any], int], tuple[int, list[Any], int]]:
+    """``helper(conn, sql, rows)`` and ``conn.executemany(sql, rows)``, each on a table ``kv``
+    (``columns``) holding ``stored``: the rows changed, the table after, the statements run."""
+    results = []
+    for run in (lambda c: helper(c, sql, rows), lambda c: c.executemany(sql, rows)):
+        conn = sqlite3.connect(":memory:", isolation_level=None)
+        conn.execute(f"CREATE TABLE kv ({columns})")
+        conn.executemany(f"INSERT INTO kv VALUES ({', '.join('?' * len(stored[0]))})", stored)
+        statements: list[str] = []
+        conn.set_trace_callback(statements.append)
+        before = conn.total_changes
+        run(conn)
+        ran = len(statements)
+        results.append((conn.total_changes - before, conn.execute("SELECT * FROM kv ORDER BY k").fetchall(), ran))
+        conn.close()
+    return results[0], results[1]
 
 
 @pytest.mark.parametrize("count", [1, 3, 512, 513, 1200])
@@ -135,27 +153,13 @@ def test_rows_are_inserted_in_few_statements_as_executemany_inserts_them(
 
     monkeypatch.setattr(db_module, "variable_limit", lambda conn: 1000)  # 500 rows of two a statement
     sql = "INSERT INTO kv (k, v) VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v = excluded.v WHERE kv.v < excluded.v"
-    stored = [(k, "m") for k in range(0, 2 * count, 7)]
+    stored: list[tuple[Any, ...]] = [(k, "m") for k in range(0, 2 * count, 7)]
     rows = [(k % (count // 2 + 1), f"v{k:05d}") for k in range(count)] + [(k, "a") for k in range(0, 2 * count, 14)]
-    results = []
-    for insert in (lambda c: db_module.insert_rows(c, sql, rows), lambda c: c.executemany(sql, rows).rowcount):
-        conn = sqlite3.connect(":memory:", isolation_level=None)
-        conn.execute("CREATE TABLE kv (k INTEGER PRIMARY KEY, v TEXT NOT NULL)")
-        conn.executemany("INSERT INTO kv VALUES (?, ?)", stored)
-        statements: list[str] = []
-        conn.set_trace_callback(statements.append)
-        before = conn.total_changes
-        insert(conn)
-        ran = len(statements)
-        results.append((conn.total_changes - before, _kv(conn), ran))
-        conn.close()
-    (changed, kv, statements), (expected_changed, expected_kv, _) = results
+    (changed, kv, statements), (expected_changed, expected_kv, _) = _against_executemany(
+        "k INTEGER PRIMARY KEY, v TEXT NOT NULL", stored, db_module.insert_rows, sql, rows
+    )
     assert (changed, kv) == (expected_changed, expected_kv)
     assert statements == -(-len(rows) // 500)
-
-
-def _revisions(conn: sqlite3.Connection) -> list[tuple[int, str, int]]:
-    return conn.execute("SELECT k, v, revision FROM kv ORDER BY k").fetchall()
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 512, 513, 1200])
@@ -176,21 +180,11 @@ def test_rows_are_updated_in_few_statements_as_executemany_updates_them(
     from wowd.stores.embedded import db as db_module
 
     monkeypatch.setattr(db_module, "variable_limit", lambda conn: 1500)  # 500 rows of three a statement
-    stored = [(k, f"s{k}", k % 3) for k in range(0, 3 * count, 2)]
+    stored: list[tuple[Any, ...]] = [(k, f"s{k}", k % 3) for k in range(0, 3 * count, 2)]
     rows = [(f"u{k}-", k, k % 3 if k % 5 != 3 else 9) for k in range(0, 3 * count, 3)][:count]
-    results = []
-    for update in (lambda c: db_module.update_rows(c, sql, rows), lambda c: c.executemany(sql, rows).rowcount):
-        conn = sqlite3.connect(":memory:", isolation_level=None)
-        conn.execute("CREATE TABLE kv (k INTEGER PRIMARY KEY, v TEXT NOT NULL, revision INTEGER NOT NULL)")
-        conn.executemany("INSERT INTO kv VALUES (?, ?, ?)", stored)
-        statements: list[str] = []
-        conn.set_trace_callback(statements.append)
-        before = conn.total_changes
-        update(conn)
-        ran = len(statements)
-        results.append((conn.total_changes - before, _revisions(conn), ran))
-        conn.close()
-    (changed, table, statements), (expected_changed, expected_table, _) = results
+    (changed, table, statements), (expected_changed, expected_table, _) = _against_executemany(
+        "k INTEGER PRIMARY KEY, v TEXT NOT NULL, revision INTEGER NOT NULL", stored, db_module.update_rows, sql, rows
+    )
     assert changed > 0
     assert (changed, table) == (expected_changed, expected_table)
     assert statements == -(-len(rows) // 500)

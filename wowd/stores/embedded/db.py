@@ -475,12 +475,19 @@ def insert_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]
     upsert that leaves a row as it is for the same values (the rows changed count none of them)."""
     if not rows:
         return 0
+    return _in_statements(conn, rows, lambda size: multi_row_sql(sql, size))
+
+
+def _in_statements(conn: sqlite3.Connection, rows: Sequence[Sequence[Any]], statement: Callable[[int], str]) -> int:
+    """``rows`` (at least one) in statements of up to :data:`MULTI_ROW_MAX` rows (fewer where the
+    variable limit says so), ``statement(size)`` taking ``size`` rows, each statement's rows padded
+    to a power of two with repeats of its last row; the rows they changed."""
     per = max(1, min(MULTI_ROW_MAX, variable_limit(conn) // len(rows[0])))
     before = conn.total_changes
     for start in range(0, len(rows), per):
         chunk = rows[start : start + per]
         size = min(per, power_of_two(len(chunk)))
-        conn.execute(multi_row_sql(sql, size), [v for row in padded(chunk, size) for v in row])
+        conn.execute(statement(size), [v for row in padded(chunk, size) for v in row])
     return int(conn.total_changes - before)
 
 
@@ -525,13 +532,7 @@ def update_rows(conn: sqlite3.Connection, sql: str, rows: Sequence[Sequence[Any]
         before = conn.total_changes
         conn.executemany(sql, rows)
         return int(conn.total_changes - before)
-    per = max(1, min(MULTI_ROW_MAX, variable_limit(conn) // len(rows[0])))
-    before = conn.total_changes
-    for start in range(0, len(rows), per):
-        chunk = rows[start : start + per]
-        size = min(per, power_of_two(len(chunk)))
-        conn.execute(update_values_sql(sql, size), [v for row in padded(chunk, size) for v in row])
-    return int(conn.total_changes - before)
+    return _in_statements(conn, rows, lambda size: update_values_sql(sql, size))
 
 
 def power_of_two(n: int) -> int:
