@@ -442,7 +442,8 @@ def json_rows(conn: sqlite3.Connection, sql: str, columns: tuple[str, ...], para
 
 
 MULTI_ROW_MAX = 512
-"""Rows in one statement of :func:`insert_rows` (fewer where the variable limit says so)."""
+"""Rows in one statement of :func:`insert_rows` and :func:`update_rows` (fewer where the variable
+limit says so)."""
 
 
 @lru_cache(maxsize=128)
