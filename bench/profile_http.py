@@ -23,7 +23,6 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +61,7 @@ STEPS = (
 
 async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
-    from wowd.daemon.gateway import Delivered, HttpGateway, Outcome, Record, Stopped
+    from wowd.daemon.gateway import Delivered, HttpGateway, Outcome
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.timers import TimerLoop
     from wowd.daemon.waker import Waker
@@ -76,16 +75,14 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
     class Counting(HttpGateway):
         """Sets ``all_delivered`` once ``n`` commands were delivered."""
 
-        async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = lambda: False) -> None:
-            def counting(t: Timer, outcome: Outcome) -> None:
-                nonlocal delivered
-                record(t, outcome)
-                if isinstance(outcome, Delivered):
-                    delivered += 1
-                    if delivered >= n:
-                        all_delivered.set()
-
-            await super().deliver(timers, counting, stopped)
+        async def send(self, timer: Timer) -> Outcome:
+            nonlocal delivered
+            outcome = await super().send(timer)
+            if isinstance(outcome, Delivered):
+                delivered += 1
+                if delivered >= n:
+                    all_delivered.set()
+            return outcome
 
     gateway = Counting(
         GatewaySettings(kind="http", url=target.url, per_target_concurrency=concurrency), concurrency=concurrency

@@ -39,6 +39,7 @@ __all__ = [
     "QUARANTINED",
     "READY",
     "REGISTRY",
+    "DELIVERIES_QUEUED",
     "SETTLE_BATCH",
     "SETTLE_SKIPPED",
     "SINK_BULK_SECONDS",
@@ -116,6 +117,10 @@ FIRE_LAG = BatchHistogram(
 TIMERS_CLAIMED_LAST_ROUND = Gauge(
     "wowd_timers_claimed_last_round",
     "Timers claimed by the timer loop's last round: at most timers.batch, equal to it while more are due",
+)
+DELIVERIES_QUEUED = Gauge(
+    "wowd_deliveries_queued",
+    "Claimed timers waiting for a delivery slot of their target (a queue per target)",
 )
 SETTLE_BATCH = Histogram(
     "wowd_settle_batch_size", "Changes per settle call", buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000)

@@ -28,7 +28,7 @@ from wowd.config import (
 )
 from wowd.daemon.gateway import HttpGateway, OutboxGateway
 from wowd.daemon.supervisor import Supervisor
-from wowd.daemon.timers import TimerLoop
+from wowd.daemon.timers import FusedFirst, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, Timer, deterministic_timer_id
 from wowd.model import partition as partition_of
@@ -248,14 +248,16 @@ async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_t
         held = held_slot(PARTS, fence=3)
         gateway = OutboxGateway(box, firing=store)
         loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
+        fused = loop.strategy
+        assert isinstance(fused, FusedFirst)
         waker = Waker()
         parts = frozenset(range(PARTS))
-        assert await loop._fire_fused(held, parts, waker, None) == 0  # the feed has not reached the head
+        assert await fused.fire(held, parts, waker, None) == 0  # the feed has not reached the head
         waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
-        assert await loop._fire_fused(held, parts, waker, None) == 5
+        assert await fused.fire(held, parts, waker, None) == 5
         assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
         waker.advance(now)
-        assert await loop._fire_fused(held, parts, waker, None) == 5
+        assert await fused.fire(held, parts, waker, None) == 5
         assert await box.count() == 10
     finally:
         await store.close()

@@ -17,7 +17,7 @@ from wowd import metrics
 from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
-from wowd.daemon.gateway import Delivered, Fail, Outcome, Park, Record, Retry, Stopped
+from wowd.daemon.gateway import Delivered, Fail, Lane, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
 from wowd.daemon.waker import Waker
@@ -151,6 +151,9 @@ class ScriptedGateway:
         self.sent: list[Timer] = []
         self.gate: anyio.Event | None = None
         self.entered = anyio.Event()
+
+    def lane(self, timer: Timer) -> Lane:
+        return Lane("all", limit=64, chunk=1000)  # batches, as they were claimed
 
     async def send(self, timer: Timer) -> Outcome:
         self.sent.append(timer)

@@ -18,7 +18,7 @@ from tests.helpers import caught_up_waker, held_slot
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder
-from wowd.daemon.gateway import Delivered, Record, Stopped
+from wowd.daemon.gateway import Delivered, Lane, Record, Stopped
 from wowd.daemon.timers import TimerLoop, wake_time
 from wowd.daemon.waker import Waker
 from wowd.errors import StorageUnavailable
@@ -129,6 +129,9 @@ class Recorder:
     def __init__(self) -> None:
         self.fired: list[tuple[Timer, int]] = []
         self.changed = anyio.Event()
+
+    def lane(self, timer: Timer) -> Lane:
+        return Lane("all", limit=64, chunk=1000)  # batches, as they were claimed
 
     async def send(self, timer: Timer) -> Delivered:
         return Delivered()

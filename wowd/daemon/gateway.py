@@ -57,6 +57,7 @@ __all__ = [
     "Fail",
     "FusedFiring",
     "HttpGateway",
+    "Lane",
     "Outcome",
     "OutboxGateway",
     "Park",
@@ -75,6 +76,9 @@ log = logging.getLogger(__name__)
 
 OUTBOX_HOUSEKEEPING_S = 60.0
 """How often (at most) the outbox gateway trims the outbox and counts its depth."""
+
+OUTBOX_CHUNK = 500
+"""At most this many timers in one outbox ``put_many`` of the delivery stream."""
 
 MAX_ANSWER_BYTES = 4096
 """How much of an answer's body is read (for an error reason); the rest is discarded."""
@@ -120,7 +124,25 @@ def _running() -> bool:
 Record: TypeAlias = Callable[[Timer, Outcome], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """Where a timer waits for delivery: one queue per ``name`` (a target), at most ``limit``
+    calls of it at once, each carrying up to ``chunk`` timers (1: :meth:`CommandGateway.send`;
+    more: :meth:`CommandGateway.deliver` of a batch)."""
+
+    name: str
+    limit: int
+    chunk: int = 1
+
+
+_OUTBOX_LANE = Lane("outbox", limit=4, chunk=OUTBOX_CHUNK)
+
+
 class CommandGateway(Protocol):
+    def lane(self, timer: Timer) -> Lane:
+        """The lane ``timer`` is delivered on."""
+        ...
+
     async def send(self, timer: Timer) -> Outcome:
         """Delivers one timer's command; never raises for a target or transport failure."""
         ...
@@ -286,6 +308,10 @@ class OutboxGateway:
         last = self._housekept_at
         if last is None or time.monotonic() - last >= OUTBOX_HOUSEKEEPING_S:
             await self.housekeep()
+
+    def lane(self, timer: Timer) -> Lane:
+        """One lane for every timer: batches of :data:`OUTBOX_CHUNK`, a few at once."""
+        return _OUTBOX_LANE
 
     async def send(self, timer: Timer) -> Outcome:
         try:
@@ -700,6 +726,7 @@ class HttpGateway:
         self._clock = clock
         self._in_flight = _Slots(concurrency)
         self._targets: dict[str, _Target] = {}
+        self._lanes: dict[str, Lane] = {}
         # the client is loaded and the TLS context built (the CA bundle read) here, at start-up:
         # either takes a tenth of a second or more, which the first delivery would otherwise wait
         import aiohttp  # an http gateway's own dependency: an outbox replica never loads it
@@ -735,6 +762,14 @@ class HttpGateway:
             )
             t = self._targets[name] = _Target(name, breaker, self._per_target)
         return t
+
+    def lane(self, timer: Timer) -> Lane:
+        """A lane per target, ``per_target_concurrency`` requests of it at once."""
+        name = target_of(timer)
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = Lane(name, self._per_target)
+        return lane
 
     def breaker(self, target: str) -> CircuitBreaker:
         """The circuit of ``target`` (created closed)."""

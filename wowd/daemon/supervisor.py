@@ -30,7 +30,7 @@ from .http import HttpServer
 from .leases import HeldSlot, Presence, SlotKeeper, owner_key_for
 from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
-from .timers import TimerLoop
+from .timers import TimerLoop, round_strategy
 from .waker import Waker
 
 __all__ = ["Supervisor"]
@@ -231,14 +231,16 @@ class Supervisor:
         feeder = Feeder(
             self.settings, self.backend, reducers=self._reducers, fused=self.fused if self.backend.checks_log else None
         )
-        loop = TimerLoop(
-            self.settings.timers,
+        timers = self.settings.timers
+        strategy = round_strategy(
+            timers,
             self.backend.timers,
             self.gateway,
             nudge=self.backend.log.nudge,
             fused=self.fused,
             check_log=self.backend.checks_log,
         )
+        loop = TimerLoop(timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, strategy=strategy)
         self._feeders[held.slot] = feeder
         self._wakers[held.slot] = waker
         self._on_lease_change()

@@ -1,94 +1,106 @@
-"""The timer loop of one held slot (DESIGN.md section 5, "Firing").
+"""The timer loop of one held slot (``docs/architecture.md``, "Firing").
 
 On start it ends the claims a previous holder of the slot left (``TimerStore.reclaim``: they
-come due at once, not after ``claim_ttl_s``), and claims nothing before the feed has applied the
-log up to its head. Per round: ``claim_due(partitions, until, batch)`` claims the due timers
-(FIRING, ``due_at`` = claim expiry, the slot's fence and owner key) up to ``until`` = the
-lookahead past the earlier of now and the feed's last read of the log's head. A claimed timer is
-delivered at its scheduled time once the feed has **read** the log past it (every commit
-appended before the due time read; the loop asks the log to look at its head at the due time,
-:meth:`Waker.read_past`), and only if no batch the feed read after the claim began commits to
-its aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
-appended before the due time always wins, and the claimed copy is settled back (a no-op where the
-feed changed the timer). Timers this loop is still delivering are excluded from the claim,
-however long their delivery takes. Each claimed batch's outcomes are settled in one ``settle``
-(fired: next occurrence or a DONE tombstone; retry: exponential backoff with jitter; park; fail
-after ``max_attempts``). After a round that claimed every timer due, the loop sleeps until the
-store's next due time (``next_due``) or the earliest one this process put since
-(:class:`~wowd.daemon.waker.Waker`) comes within the lookahead, and not before the round's
-``until`` is half a lookahead away (a steady stream is then claimed in rounds of half a
-lookahead, each half a lookahead before its first timer is due), at most ``MAX_IDLE_S``; a put
-due sooner wakes it at once. A timer within the lookahead but beyond the feed's last read makes
-it ask the log for a read instead.
+come due at once, not after ``claim_ttl_s``), and fires nothing before the feed has applied the
+log up to its head. Then it runs *rounds* through a :class:`RoundStrategy`, chosen once where the
+backend is assembled (:func:`round_strategy`):
 
-With a gateway's fast path (:class:`~wowd.daemon.gateway.FusedFiring`: the ``outbox`` gateway on
-the embedded backend), a round first fires the timers due by now and by the watermark through
-it, read, delivered and settled in one transaction with no claim; while a whole batch comes back
-it does so again, and then claims what the lookahead adds as above. Where the fast path can check
-the log in its transaction (``check_log``: the embedded backend, whose log, the feed's checkpoints
-and timers share one file; :class:`~wowd.stores.base.LogCheck`), nothing is claimed ahead: the
-loop wakes at each due time and fires every timer due by now whose aggregate has no commit past
-the feed's checkpoint, without waiting for the feed to read past the due time; a timer left so
-is fired once the feed has applied its next batch.
+- :class:`ClaimDeliverSettle`: ``claim_due(partitions, until, limit)`` claims the due timers
+  (FIRING, ``due_at`` = claim expiry, the slot's fence and owner key) up to ``until`` = the
+  lookahead past the earlier of now and the feed's last read of the log's head. A claimed timer
+  is handed to the delivery stream (:class:`~wowd.daemon.stream.DeliveryStream`: a queue per
+  target, workers, each outcome settled as it comes) at its scheduled time, once the feed has
+  **read** the log past it (the loop asks the log to look at its head at the due time,
+  :meth:`Waker.read_past`), and only if no batch the feed read after the claim began commits to
+  its aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
+  appended before the due time always wins, and the claimed copy is settled back (a no-op where
+  the feed changed the timer). Timers claimed and not yet settled are never claimed again,
+  however long their delivery takes; at most twice ``timers.batch`` are claimed at once.
+- :class:`FusedFiring` (the ``outbox`` gateway on the embedded backend): the timers due by now
+  and by the watermark are read, written to the outbox and settled in one transaction with no
+  claim; with the log check (:class:`~wowd.stores.base.LogCheck`, the embedded backend's log is
+  in the same file) every timer due by now whose aggregate has no commit past the feed's
+  checkpoint fires at its due time, and nothing is claimed ahead; a timer left so fires once the
+  feed has applied its next batch. Without the log check, what the lookahead adds is claimed as
+  above.
 
-On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
-period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
-shielded and bounded, also after the lease lapsed: each change is guarded by the timer's revision
-as claimed, so it is skipped where a new holder has moved the timer on.
+Between rounds the loop sleeps as :func:`plan_wait` decides: until the store's next due time
+(``next_due``) or the earliest one this process put since (:class:`~wowd.daemon.waker.Waker`)
+comes within the lookahead, and not before the round's ``until`` is half a lookahead away (a
+steady stream is then claimed in rounds of half a lookahead, each half a lookahead before its
+first timer is due), at most :data:`MAX_IDLE_S`; a put due sooner wakes it at once.
+
+On stop it claims nothing more; deliveries in flight finish (bounded by the slot's grace period)
+and their outcomes are written; what was claimed and not delivered is settled back to PENDING.
+The last settle runs shielded and bounded, also after the lease lapsed: each change is guarded by
+the timer's revision as claimed, so it is skipped where a new holder has moved the timer on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from operator import attrgetter
-from typing import Any
+from typing import Protocol
 
 import anyio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from wowd import metrics
 from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import TimerSettings
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import LogCheck, TimerStore
 
 from .feed import CONSUMER
 from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
+from .stream import SETTLE_GROUP, DeliveryStream, Settler
 from .waker import Waker, owner_key
 
 __all__ = [
     "MAX_IDLE_S",
+    "ClaimDeliverSettle",
+    "FusedFirst",
+    "ReadFirst",
+    "Round",
+    "RoundStrategy",
+    "Sleep",
     "TimerLoop",
     "next_occurrence",
     "outcome_changes",
+    "plan_wait",
     "retry_delay_s",
+    "round_strategy",
     "wake_time",
 ]
 
 log = logging.getLogger(__name__)
+Logx = logging.LoggerAdapter[logging.Logger]
 
 MAX_IDLE_S = 0.5
 """The longest sleep between two due reads: how late a timer the :class:`Waker` is not told of
 fires (one stored by another process, or a parked timer a feed resumed)."""
 SETTLE_TIMEOUT_S = 10.0
+"""How long the last settle of a stopping loop may take."""
 READ_WAIT_S = 5.0
-"""How long a claimed round waits for the feed to read the log past its timers' due times
-before it settles them back undelivered."""
+"""How long a claimed timer waits for the feed to read the log past its due time before it is
+settled back undelivered."""
 CHANGED = "not delivered: changed by the log before its due time"
+STOPPED = "not delivered: stopped"
+NOT_READ = f"not delivered: the log was not read past its due time within {READ_WAIT_S:g}s"
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
 ROUND_BACKOFF = Backoff(0.1, 5.0)
 """The pause before retrying a due read or a reclaim the store could not answer."""
-SETTLE_BACKOFF = Backoff(0.05, 2.0)
-"""The pause before retrying a settle the store could not take (the lease bounds the tries)."""
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -155,169 +167,347 @@ _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fai
 """The settle changes counted by kind (besides the fired ones)."""
 
 
-class TimerLoop:
-    """Fires the due timers of one held slot until the slot stops."""
+_DELIVERY_ORDER = attrgetter("scheduled_at", "timer_id")
+_COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fail": metrics.TIMERS_FAILED}
+"""The settle changes counted by kind (besides the fired ones)."""
+
+
+def count_outcomes(results: Sequence[tuple[Timer, Outcome, int]], changes: Sequence[TimerChange]) -> None:
+    """Counts what a round's outcomes did: fired (with their fire lag), retried, parked, failed."""
+    metrics.count_fired(
+        (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
+    )
+    counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
+    for c in changes:
+        if c.kind in _COUNTED:
+            counted[c.kind, c.timer.owner.aggregate] += 1
+        if c.kind == "fail" and c.error is not None and c.error.startswith(BUDGET_SPENT):
+            # the gateway logged a Retry; that it is given up is the loop's decision
+            delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
+    for (kind, agg), n in counted.items():
+        _COUNTED[kind].labels(aggregate=agg).inc(n)
+
+
+# --------------------------------------------------------------------------- the sleep decision
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """What a round did: it read every timer due by ``until`` unless ``full``."""
+
+    until: int
+    taken: int = 0
+    full: bool = False
+    claims_ahead: bool = True
+    """Whether its timers were taken up to the lookahead ahead of their due time (else at it)."""
+    skipped: int = 0
+    """Due timers the log check left: the feed has a commit of their aggregate to apply first."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Sleep until ``wake_at`` (ms); a put due before ``wake_before`` wakes the loop earlier."""
+
+    wake_at: int
+    wake_before: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadFirst:
+    """A timer due at ``first`` is within the lookahead but beyond the feed's last read of the
+    log's head: ask the log for a read, then wait until the watermark reaches ``want_watermark``
+    (an idle period at most)."""
+
+    first: int
+    want_watermark: int
+
+
+def wants_next_due(r: Round, put_next: int | None, max_idle_s: float | None = None) -> bool:
+    """Whether the loop reads the store's next due time before it sleeps: not when its rounds
+    fire at the due time and a put of this process is due within an idle period (the round at
+    that time reads every timer due by then; one the waker was not told of fires at most an idle
+    period late, as with the idle poll)."""
+    idle_s = MAX_IDLE_S if max_idle_s is None else max_idle_s
+    return r.claims_ahead or put_next is None or put_next > r.until + int(idle_s * 1000)
+
+
+def plan_wait(
+    now: int,
+    r: Round,
+    next_due: Collection[int | None],
+    lookahead_ms: int,
+    max_idle_s: float | None = None,
+) -> Sleep | ReadFirst:
+    """How the loop waits after a round ``r`` that read every timer due by ``r.until``, given
+    the next due times known (the store's, the earliest put since).
+
+    A round takes half a lookahead of timers, half a lookahead before its first is due: the next
+    one once half the lookahead has passed, not as soon as the next timer comes within it (a
+    whole lookahead claimed when its first timer is due would delay that timer by the claim).
+    An idle period at most between two reads (timers the waker was not told of)."""
+    nexts = [d for d in next_due if d is not None]
+    first = min(nexts, default=None)
+    look = lookahead_ms if r.claims_ahead else 0
+    idle_s = MAX_IDLE_S if max_idle_s is None else max_idle_s
+    idle_ms = int(idle_s * 1000)
+    halfway = r.until - lookahead_ms // 2
+    if r.claims_ahead and first is not None and r.until < first <= now + lookahead_ms and now >= halfway:
+        return ReadFirst(first, first - lookahead_ms)
+    wake_at = wake_time(now, nexts, look, idle_s)
+    if r.claims_ahead and first is not None and first > r.until:
+        wake_at = max(wake_at, min(halfway, now + idle_ms))
+    return Sleep(wake_at, wake_at + look)
+
+
+# --------------------------------------------------------------------------- round strategies
+
+
+class RoundStrategy(Protocol):
+    """How the timers of a held slot are taken, delivered and settled; one per loop, chosen
+    where the backend is assembled."""
+
+    def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AbstractAsyncContextManager[None]:
+        """An async context for the loop's rounds: what the strategy runs beside them (delivery
+        workers, the settler); on exit every timer it took is delivered or settled back."""
+        ...
+
+    async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
+        """Takes the due timers of ``parts`` (and delivers them, or hands them on); raises
+        :class:`~wowd.errors.StorageUnavailable` when the store does not answer."""
+        ...
+
+
+class ClaimDeliverSettle:
+    """Claims due timers ahead, hands each to the delivery stream at its due time once the log is
+    read past it, and settles each outcome as it comes (grouped). At most ``2 * timers.batch``
+    timers are claimed and not yet settled; claiming refills as outcomes are written."""
+
+    def __init__(self, settings: TimerSettings, store: TimerStore, gateway: CommandGateway, nudge: Nudge) -> None:
+        self._settings = settings
+        self._store = store
+        self._gateway = gateway
+        self._nudge = nudge
+        self._capacity = 2 * settings.batch
+        self._claimed: dict[str, Timer] = {}
+        """Claimed, with no outcome or release recorded yet."""
+        self._unsettled: set[str] = set()
+        """Claimed and not settled yet (never claimed again)."""
+        self._room = anyio.Event()
+        self._held: HeldSlot | None = None
+        self._waker: Waker | None = None
+        self._settler: Settler | None = None
+        self._stream: DeliveryStream | None = None
+        self._work: TaskGroup | None = None
+
+    @asynccontextmanager
+    async def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AsyncIterator[None]:
+        s = self._settings
+        self._held, self._waker = held, waker
+        settler = self._settler = Settler(self._store.settle, self._written, logx=logx)
+        stream = self._stream = DeliveryStream(
+            self._gateway,
+            self._record,
+            concurrency=s.concurrency,
+            window=s.concurrency + SETTLE_GROUP,
+            stopped=lambda: held.stopping,
+        )
+        held.on_stop(stream.wake)
+        held.on_stop(self._room.set)
+        async with anyio.create_task_group() as side:
+            side.start_soon(settler.run)
+            try:
+                async with anyio.create_task_group() as work:
+                    stream.bind(work)
+                    self._work = work
+                    yield
+            finally:
+                stream.left()
+                self._release(list(self._claimed.values()), STOPPED)
+                side.cancel_scope.cancel()
+                if len(settler) and not held.valid:
+                    logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(settler))
+                await settler.drain(SETTLE_TIMEOUT_S)
+
+    async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
+        s = self._settings
+        while len(self._unsettled) >= self._capacity and not held.stopping:
+            if self._room.is_set():
+                self._room = anyio.Event()
+            await self._room.wait()
+        assert waker.read_mark is not None
+        until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+        limit = max(1, min(s.batch, self._capacity - len(self._unsettled)))
+        batch_mark = waker.hold()
+        try:
+            held.check()
+            claimed = await self._store.claim_due(
+                parts,
+                until,
+                limit,
+                owner_key=held.owner_key,
+                fence=held.fence,
+                claim_until=now_ms() + int(s.claim_ttl_s * 1000),
+                exclude=self._unsettled,
+            )
+        except BaseException:
+            waker.release(batch_mark)
+            raise
+        metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(claimed))
+        if not claimed:
+            waker.release(batch_mark)
+            return Round(until=until)
+        metrics.SETTLE_BATCH.observe(len(claimed))
+        for t in claimed:
+            self._claimed[t.timer_id] = t
+            self._unsettled.add(t.timer_id)
+        assert self._work is not None
+        self._work.start_soon(self._dispatch, held, claimed, waker, batch_mark)
+        return Round(until=until, taken=len(claimed), full=len(claimed) >= limit)
+
+    async def _dispatch(self, held: HeldSlot, claimed: list[Timer], waker: Waker, batch_mark: int) -> None:
+        """Hands a claimed batch to the stream in scheduled order, each timer not before its
+        scheduled time (claimed up to the lookahead early), none once the slot stops. The wait
+        for a scheduled time is bounded by the lookahead on the monotonic clock: a wall clock
+        stepped back never holds a claimed batch.
+
+        A timer is handed on only once the feed has read the log past its due time (asking the
+        log to look at its head when it has not), and not when a batch the feed read after the
+        claim began holds a commit of its aggregate: a put, cancel or delete appended before the
+        due time may have changed it (settled back, under its claim). The feed's read is waited
+        for at most :data:`READ_WAIT_S`; what is left is settled back undelivered."""
+        assert self._stream is not None
+        pending = sorted(claimed, key=_DELIVERY_ORDER)
+        latest = anyio.current_time() + self._settings.lookahead_ms / 1000
+        read_deadline = anyio.current_time() + READ_WAIT_S
+        i = 0
+        held_mark = True
+        try:
+            while i < len(pending) and not held.stopping:
+                now = now_ms()
+                late = anyio.current_time() >= latest
+                j = i
+                while j < len(pending) and (late or pending[j].scheduled_at <= now):
+                    j += 1
+                if j == i:  # slightly ahead (lookahead): handed on at its scheduled time
+                    wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
+                    with anyio.move_on_after(max(0.0, wait_s)):
+                        await held.stop_event.wait()
+                    continue
+                # every commit appended before the group's due times (or, on a wall clock
+                # stepped back, before now) read by the feed
+                read_to = min(pending[j - 1].scheduled_at, now)
+                if waker.read_mark is None or waker.read_mark < read_to:
+                    self._nudge()
+                    if not await waker.read_past(read_to, min(MAX_IDLE_S, read_deadline - anyio.current_time())):
+                        if anyio.current_time() >= read_deadline:
+                            self._release(pending[i:], NOT_READ)
+                            break
+                        continue
+                group: list[Timer] = []
+                changed: list[Timer] = []
+                for t in pending[i:j]:
+                    (changed if waker.changed_since(batch_mark, owner_key(t.owner)) else group).append(t)
+                if j == len(pending):
+                    held_mark = False
+                    waker.release(batch_mark)
+                held.check()
+                self._release(changed, CHANGED)
+                if group:
+                    self._stream.put(group)
+                i = j
+        finally:
+            if held_mark:
+                waker.release(batch_mark)
+
+    def _record(self, t: Timer, outcome: Outcome) -> None:
+        """An outcome from the stream: its change queued for the settler."""
+        assert self._held is not None and self._settler is not None
+        self._claimed.pop(t.timer_id, None)
+        results = [(t, outcome, now_ms())]
+        changes = outcome_changes(results, self._held.fence, self._settings)
+        count_outcomes(results, changes)
+        self._settler.add(changes)
+
+    def _release(self, timers: Sequence[Timer], reason: str) -> None:
+        """Settles back claimed timers that were not delivered."""
+        if not timers:
+            return
+        assert self._held is not None and self._settler is not None
+        now = now_ms()
+        fence = self._held.fence
+        for t in timers:
+            self._claimed.pop(t.timer_id, None)
+        self._settler.add([TimerChange.release(t, fence=fence, due_at=now, reason=reason) for t in timers])
+
+    def _written(self, changes: list[TimerChange], written: int) -> None:
+        """After a settle call: the timers may be claimed again, the stream has room, and the
+        waker knows the new due times."""
+        assert self._waker is not None and self._stream is not None
+        if written >= 0:
+            metrics.SETTLE_BATCH.observe(len(changes))
+            if written < len(changes):
+                metrics.SETTLE_SKIPPED.inc(len(changes) - written)
+        outcomes = 0
+        waker = self._waker
+        for c in changes:
+            self._unsettled.discard(c.timer.timer_id)
+            if c.kind == "release":
+                continue
+            outcomes += 1
+            if c.kind == "retry" and c.due_at is not None:
+                waker.maybe_wake(c.due_at)
+            elif c.kind == "fired" and c.next_due is not None:
+                waker.maybe_wake(c.next_due)
+        self._stream.settled(outcomes)
+        self._room.set()
+
+
+class FusedFirst:
+    """Fires the due timers through the gateway's fast path (:class:`FusedFiring`): read,
+    delivered and settled in one transaction, with no claim. With ``check_log``, every timer due
+    by now whose aggregate the log has not changed since the feed's checkpoint, at its due time;
+    else the timers due by now and by the watermark, then ``then`` claims what the lookahead
+    adds."""
 
     def __init__(
         self,
         settings: TimerSettings,
-        store: TimerStore,
-        gateway: CommandGateway,
+        fused: FusedFiring,
         *,
-        nudge: Callable[[], None] = lambda: None,
-        fused: FusedFiring | None = None,
-        check_log: bool = False,
+        check_log: bool,
+        then: ClaimDeliverSettle | None = None,
     ) -> None:
+        if not check_log and then is None:
+            raise ValueError("a fast path without the log check needs a claiming strategy after it")
         self._settings = settings
-        self._store = store
-        self._gateway = gateway
         self._fused = fused
-        """The gateway's fast path for the timers due now (None: claim, deliver, settle)."""
-        self._check_log = check_log and fused is not None
-        """Whether the fast path checks the log in its transaction (:class:`LogCheck`): timers are
-        then fired at their due time, none claimed ahead."""
-        self._nudge = nudge
-        self._in_flight: set[str] = set()
-        """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
-        self._next_sweep = 0.0
+        self._check_log = check_log
+        self._then = then
+        self._exclude: Collection[str] = then._unsettled if then is not None else ()
 
-    async def run(
-        self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Rounds overlap: while one claimed batch is delivered and settled (in the task group
-        below), the next is read and claimed (at most two rounds outstanding). A claimed batch
-        is handed to its round at once, so whatever stops the loop, every claimed timer is
-        settled by the round that owns it."""
-        logx = logging.LoggerAdapter(log, held.log_extra())
-        held.on_stop(waker.wake)
-        parts = frozenset(held.partitions)
-        s = self._settings
-        task_status.started()
-        await self._reclaim(held, parts, logx)
-        attempt = 0
-        async with anyio.create_task_group() as rounds:
-            outstanding: deque[anyio.Event] = deque()
-            while not held.stopping:
-                while len(outstanding) >= 2:
-                    await outstanding.popleft().wait()
-                if held.stopping:
-                    break
-                held.check()
-                if waker.watermark is None or waker.read_mark is None:
-                    # the feed has not applied the log up to its head since the slot was taken
-                    self._nudge()
-                    await waker.wait(MAX_IDLE_S, float("-inf"), want_watermark=float("-inf"))
-                    continue
-                check: LogCheck | None = None
-                if self._check_log:
-                    # fired at their due time, the log checked in the fast path's transaction
-                    until = now_ms()
-                    check = LogCheck(CONSUMER, waker.watermark)
-                else:
-                    # claimed up to the lookahead ahead of now and of the feed's reads: delivered
-                    # once the feed has read past their due time (see _deliver)
-                    until = min(now_ms(), waker.read_mark) + s.lookahead_ms
-                lookahead_ms = 0 if check is not None else s.lookahead_ms
-                mark = waker.mark()
-                applied = waker.applied_batches
-                batch_mark: int | None = None
-                try:
-                    held.check()
-                    fired = 0
-                    if self._fused is not None:
-                        fired = await self._fire_fused(held, parts, waker, check)
-                        if fired >= s.batch:
-                            attempt = 0
-                            continue  # more are due now
-                    if check is not None:
-                        claimed = []  # the fast path took every timer due
-                    else:
-                        batch_mark = waker.hold()
-                        try:
-                            claimed = await self._store.claim_due(
-                                parts,
-                                until,
-                                s.batch,
-                                owner_key=held.owner_key,
-                                fence=held.fence,
-                                claim_until=now_ms() + int(s.claim_ttl_s * 1000),
-                                exclude=self._in_flight,
-                            )
-                        except BaseException:
-                            waker.release(batch_mark)
-                            raise
-                    n_due = len(claimed)
-                    if claimed:
-                        metrics.SETTLE_BATCH.observe(n_due)
-                    if not fired:
-                        metrics.TIMERS_CLAIMED_LAST_ROUND.set(n_due)
-                    if n_due < s.batch:
-                        waker.covered(until, mark)
-                    attempt = 0
-                except StorageUnavailable as exc:
-                    logx.warning("timer round failed (will retry): %s", exc)
-                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
-                        await held.stop_event.wait()
-                    attempt += 1
-                    continue
-                if claimed:
-                    assert batch_mark is not None  # claimed by the steps, not the fast path
-                    self._in_flight.update(t.timer_id for t in claimed)
-                    done = anyio.Event()
-                    outstanding.append(done)
-                    rounds.start_soon(self._finish, held, claimed, waker, batch_mark, logx, done)
-                elif batch_mark is not None:
-                    waker.release(batch_mark)
-                if n_due < s.batch and not held.stopping:
-                    await self._sweep(logx)
-                    if check is not None and check.skipped:
-                        # due, but the log holds a commit of their aggregate the feed has not
-                        # applied yet: taken again once it has applied its next batch
-                        self._nudge()
-                        await waker.wait_applied(applied, MAX_IDLE_S)
-                        continue
-                    # every timer due by `until` is claimed: sleep until the next one (the store's,
-                    # or one put since) comes within the lookahead, an idle period at most
-                    soon = waker.earliest()
-                    if check is not None and soon is not None and soon <= until + int(MAX_IDLE_S * 1000):
-                        # a put of this process is due within an idle period: the round at its
-                        # due time reads every timer due by then (the store's next one need not
-                        # be read first: a timer the waker was not told of fires at most an
-                        # idle period late, as with the idle poll)
-                        stored_next = None
-                    else:
-                        stored_next = await self._next_due(parts, until, logx)
-                    now = now_ms()
-                    nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
-                    first = min(nexts, default=None)
-                    # a round takes half a lookahead of timers, claimed half a lookahead before its
-                    # first is due: the next one once half the lookahead has passed, not as soon
-                    # as the next timer comes within it (a whole lookahead claimed when its first
-                    # timer is due: the claim, and the settle of the round before that it may
-                    # wait for, would delay that timer)
-                    halfway = until - s.lookahead_ms // 2
-                    if check is None and first is not None and until < first <= now + s.lookahead_ms and now >= halfway:
-                        # within the lookahead but beyond the feed's last read of the log's head
-                        # (an idle log is read less often): ask for a read now, claim after it
-                        self._nudge()
-                        want = first - s.lookahead_ms
-                        if waker.watermark is None or waker.watermark < want:
-                            await waker.wait(MAX_IDLE_S, first, want_watermark=want)
-                        continue
-                    wake_at = wake_time(now, nexts, lookahead_ms)
-                    if check is None and first is not None and first > until:
-                        # an idle period at most, as ever (timers the waker was not told of)
-                        wake_at = max(wake_at, min(halfway, now + int(MAX_IDLE_S * 1000)))
-                    await waker.wait((wake_at - now) / 1000, wake_at + lookahead_ms)
-        logx.info("timer loop stopped")
+    @asynccontextmanager
+    async def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AsyncIterator[None]:
+        if self._then is None:
+            yield
+            return
+        async with self._then.running(held, waker, logx):
+            yield
 
-    async def _fire_fused(self, held: HeldSlot, parts: frozenset[int], waker: Waker, check: LogCheck | None) -> int:
+    async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
+        check = LogCheck(CONSUMER, waker.watermark) if self._check_log and waker.watermark is not None else None
+        held.check()
+        fired = await self.fire(held, parts, waker, check)
+        if fired >= self._settings.batch:
+            return Round(until=now_ms(), taken=fired, full=True)
+        if self._then is not None:
+            return await self._then.round(held, waker, parts)
+        return Round(until=now_ms(), taken=fired, claims_ahead=False, skipped=check.skipped if check else 0)
+
+    async def fire(self, held: HeldSlot, parts: frozenset[int], waker: Waker, check: LogCheck | None) -> int:
         """Fires the timers due by now and by the feed's watermark (every commit appended before
         it applied: a cancel appended before a due time is in the view read), or, with
-        ``check``, every timer due by now the log has not changed since the feed's checkpoint,
-        through the gateway's fast path, counted and told to the waker as a delivered and
-        settled round is; answers how many."""
-        assert self._fused is not None
+        ``check``, every timer due by now the log has not changed since the feed's checkpoint;
+        counted and told to the waker as a delivered and settled round is; answers how many."""
         if waker.watermark is None:
             return 0
         at = now_ms()
@@ -329,7 +519,7 @@ class TimerLoop:
             owner_key=held.owner_key,
             fence=held.fence,
             next_due=next_occurrence,
-            exclude=self._in_flight,
+            exclude=self._exclude,
             deadline=held.deadline(),
             check=check,
         )
@@ -342,9 +532,113 @@ class TimerLoop:
                     waker.maybe_wake(f.next_due)
         return len(fired)
 
-    async def _reclaim(
-        self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]
+
+class Nudge(Protocol):
+    def __call__(self) -> None: ...
+
+
+def round_strategy(
+    settings: TimerSettings,
+    store: TimerStore,
+    gateway: CommandGateway,
+    *,
+    nudge: Nudge,
+    fused: FusedFiring | None = None,
+    check_log: bool = False,
+) -> RoundStrategy:
+    """The round strategy of a backend and gateway: the fast path with the log check where the
+    gateway has a fast path and the backend's log is checked in its transaction; the fast path
+    then claims where it has no log check; else claim, deliver, settle."""
+    if fused is not None and check_log:
+        return FusedFirst(settings, fused, check_log=True)
+    claims = ClaimDeliverSettle(settings, store, gateway, nudge)
+    if fused is not None:
+        return FusedFirst(settings, fused, check_log=False, then=claims)
+    return claims
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class TimerLoop:
+    """Fires the due timers of one held slot until the slot stops, in rounds of its strategy."""
+
+    def __init__(
+        self,
+        settings: TimerSettings,
+        store: TimerStore,
+        gateway: CommandGateway,
+        *,
+        nudge: Nudge = lambda: None,
+        fused: FusedFiring | None = None,
+        check_log: bool = False,
+        strategy: RoundStrategy | None = None,
     ) -> None:
+        self._settings = settings
+        self._store = store
+        self._nudge = nudge
+        self.strategy = strategy or round_strategy(
+            settings, store, gateway, nudge=nudge, fused=fused, check_log=check_log
+        )
+        self._next_sweep = 0.0
+
+    async def run(
+        self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        logx = logging.LoggerAdapter(log, held.log_extra())
+        held.on_stop(waker.wake)
+        parts = frozenset(held.partitions)
+        task_status.started()
+        await self._reclaim(held, parts, logx)
+        attempt = 0
+        async with self.strategy.running(held, waker, logx):
+            while not held.stopping:
+                held.check()
+                if waker.watermark is None or waker.read_mark is None:
+                    # the feed has not applied the log up to its head since the slot was taken
+                    self._nudge()
+                    await waker.wait(MAX_IDLE_S, float("-inf"), want_watermark=float("-inf"))
+                    continue
+                mark, applied = waker.mark(), waker.applied_batches
+                try:
+                    r = await self.strategy.round(held, waker, parts)
+                except StorageUnavailable as exc:
+                    logx.warning("timer round failed (will retry): %s", exc)
+                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
+                        await held.stop_event.wait()
+                    attempt += 1
+                    continue
+                attempt = 0
+                if r.full:
+                    continue  # more are due now
+                waker.covered(r.until, mark)
+                if not held.stopping:
+                    await self._sweep(logx)
+                    await self._wait(held, waker, parts, r, applied, logx)
+        logx.info("timer loop stopped")
+
+    async def _wait(
+        self, held: HeldSlot, waker: Waker, parts: frozenset[int], r: Round, applied: int, logx: Logx
+    ) -> None:
+        """Sleeps after a round that read every timer due by ``r.until`` (:func:`plan_wait`)."""
+        if r.skipped:
+            # due, but the log holds a commit of their aggregate the feed has not applied yet:
+            # taken again once it has applied its next batch
+            self._nudge()
+            await waker.wait_applied(applied, MAX_IDLE_S)
+            return
+        put_next = waker.earliest()
+        stored_next = await self._next_due(parts, r.until, logx) if wants_next_due(r, put_next) else None
+        now = now_ms()
+        w = plan_wait(now, r, (stored_next, waker.earliest()), self._settings.lookahead_ms)
+        if isinstance(w, ReadFirst):
+            self._nudge()
+            if waker.watermark is None or waker.watermark < w.want_watermark:
+                await waker.wait(MAX_IDLE_S, w.first, want_watermark=w.want_watermark)
+            return
+        await waker.wait((w.wake_at - now) / 1000, w.wake_before)
+
+    async def _reclaim(self, held: HeldSlot, parts: frozenset[int], logx: Logx) -> None:
         """Ends the claims an earlier holding of the slot left: a previous holder's (a lower
         fence), or this holder's own before its lease lapsed and was taken back (this fence)."""
         attempt = 0
@@ -364,7 +658,7 @@ class TimerLoop:
                     await held.stop_event.wait()
                 attempt += 1
 
-    async def _sweep(self, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+    async def _sweep(self, logx: Logx) -> None:
         """Deletes a small batch of expired tombstones, at most every :data:`SWEEP_EVERY_S`."""
         t = time.monotonic()
         if t < self._next_sweep:
@@ -375,9 +669,7 @@ class TimerLoop:
         except StorageUnavailable as exc:
             logx.warning("tombstone sweep failed (will retry): %s", exc)
 
-    async def _next_due(
-        self, parts: frozenset[int], after: int, logx: logging.LoggerAdapter[logging.Logger]
-    ) -> int | None:
+    async def _next_due(self, parts: frozenset[int], after: int, logx: Logx) -> int | None:
         """The store's next due time after ``after``; ``None`` when it does not answer (the loop
         then reads again after an idle period)."""
         try:
@@ -385,161 +677,3 @@ class TimerLoop:
         except StorageUnavailable as exc:
             logx.warning("next due time not read (polling instead): %s", exc)
             return None
-
-    async def _finish(
-        self,
-        held: HeldSlot,
-        claimed: list[Timer],
-        waker: Waker,
-        batch_mark: int,
-        logx: logging.LoggerAdapter[logging.Logger],
-        done: anyio.Event,
-    ) -> None:
-        """Delivers a claimed batch, then settles the outcomes (shielded, bounded, lease
-        permitting), also when cancelled before or while delivering."""
-        results: list[tuple[Timer, Outcome, int]] = []
-
-        def record(t: Timer, outcome: Outcome) -> None:
-            results.append((t, outcome, now_ms()))
-
-        changes: list[TimerChange] = []
-        dropped: set[str] = set()
-        try:
-            await self._deliver(held, claimed, record, waker, batch_mark, dropped)
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(SETTLE_TIMEOUT_S):
-                changes = await self._settle_outcomes(held, claimed, results, dropped, logx)
-            self._in_flight.difference_update(t.timer_id for t in claimed)
-            done.set()
-        for c in changes:
-            if c.kind == "retry" and c.due_at is not None:
-                waker.maybe_wake(c.due_at)
-            elif c.kind == "fired" and c.next_due is not None:
-                waker.maybe_wake(c.next_due)
-
-    async def _deliver(
-        self,
-        held: HeldSlot,
-        claimed: list[Timer],
-        record: Any,
-        waker: Waker,
-        batch_mark: int,
-        dropped: set[str],
-    ) -> None:
-        """Delivers a claimed batch in scheduled order, each timer not before its scheduled time
-        (claimed up to the lookahead early), and none once the slot stops. The wait for a
-        scheduled time is bounded by the lookahead on the monotonic clock: a wall clock stepped
-        back never holds a claimed round.
-
-        A timer is delivered only once the feed has read the log past its due time (asking the
-        log to look at its head when it has not), and not when a batch the feed read after the
-        claim began holds a commit of its aggregate: a put, cancel or delete appended before the
-        due time may have changed it (those are added to ``dropped`` and settled back, under
-        their claim). The feed's watermark is waited for at most :data:`READ_WAIT_S`; what is
-        left is settled back undelivered."""
-        pending = sorted(claimed, key=_DELIVERY_ORDER)
-        latest = anyio.current_time() + self._settings.lookahead_ms / 1000
-        read_deadline = anyio.current_time() + READ_WAIT_S
-
-        def stopped() -> bool:
-            return held.stopping
-
-        i = 0
-        held_mark = True
-        try:
-            while i < len(pending) and not held.stopping:
-                now = now_ms()
-                late = anyio.current_time() >= latest
-                j = i
-                while j < len(pending) and (late or pending[j].scheduled_at <= now):
-                    j += 1
-                if j == i:
-                    # slightly ahead (lookahead): deliver at its scheduled time
-                    wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
-                    with anyio.move_on_after(max(0.0, wait_s)):
-                        await held.stop_event.wait()
-                    continue
-                # every commit appended before the group's due times (or, on a wall clock stepped
-                # back, before now) read by the feed
-                read_to = min(pending[j - 1].scheduled_at, now)
-                if waker.read_mark is None or waker.read_mark < read_to:
-                    self._nudge()
-                    if not await waker.read_past(read_to, min(MAX_IDLE_S, read_deadline - anyio.current_time())):
-                        if anyio.current_time() >= read_deadline:
-                            break
-                        continue
-                group: list[Timer] = []
-                for t in pending[i:j]:
-                    if waker.changed_since(batch_mark, owner_key(t.owner)):
-                        dropped.add(t.timer_id)
-                    else:
-                        group.append(t)
-                if j == len(pending):
-                    held_mark = False
-                    waker.release(batch_mark)
-                held.check()
-                if group:
-                    await self._gateway.deliver(group, record, stopped)
-                i = j
-        finally:
-            if held_mark:
-                waker.release(batch_mark)
-
-    async def _settle_outcomes(
-        self,
-        held: HeldSlot,
-        claimed: list[Timer],
-        results: list[tuple[Timer, Outcome, int]],
-        dropped: set[str],
-        logx: logging.LoggerAdapter[logging.Logger],
-    ) -> list[TimerChange]:
-        """Settles the round; answers the changes written (empty when none could be)."""
-        s = self._settings
-        changes = outcome_changes(results, held.fence, s)
-        done = {t.timer_id for t, _o, _a in results}
-        now = now_ms()
-        for t in claimed:
-            if t.timer_id in dropped:  # the log changed it after the claim (the change is skipped if so)
-                changes.append(TimerChange.release(t, fence=held.fence, due_at=now, reason=CHANGED))
-            elif t.timer_id not in done:  # claimed, not delivered (stop, cancellation, feed too late)
-                changes.append(TimerChange.release(t, fence=held.fence, due_at=now, reason="not delivered: stopped"))
-        if not changes:
-            return []
-        self._count(results, changes)
-        # Settled even when the lease has lapsed meanwhile: each change is written over the timer
-        # only as this round claimed it (id and revision), so a timer a new holder claimed or
-        # reclaimed since has moved on and its change is skipped; what is written is the truth
-        # (a delivered timer is not delivered again)
-        if not held.valid:
-            logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(changes))
-        attempt = 0
-        while True:
-            try:
-                written = await self._store.settle(changes)
-                break
-            except StorageUnavailable as exc:
-                logx.warning("settle failed (will retry): %s", exc)
-                await anyio.sleep(SETTLE_BACKOFF(attempt))
-                attempt += 1
-            except StorageError as exc:
-                logx.error("settle failed: %s (claims will expire and re-fire)", exc)
-                return []
-        metrics.SETTLE_BATCH.observe(len(changes))
-        if written < len(changes):
-            metrics.SETTLE_SKIPPED.inc(len(changes) - written)
-        return changes
-
-    @staticmethod
-    def _count(results: list[tuple[Timer, Outcome, int]], changes: list[TimerChange]) -> None:
-        metrics.count_fired(
-            (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
-        )
-        counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
-        for c in changes:
-            if c.kind in _COUNTED:
-                counted[c.kind, c.timer.owner.aggregate] += 1
-            if c.kind == "fail" and c.error is not None and c.error.startswith(BUDGET_SPENT):
-                # the gateway logged a Retry; that it is given up is the loop's decision
-                delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
-        for (kind, agg), n in counted.items():
-            _COUNTED[kind].labels(aggregate=agg).inc(n)
