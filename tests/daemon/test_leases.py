@@ -343,3 +343,19 @@ async def test_a_slewing_wall_clock_is_no_step() -> None:
             await store.changed.wait()
         assert store.renews == []
         keeper.stop(1.0)
+
+
+async def test_a_keeper_stopped_before_it_runs_starts_as_a_standby_and_ends() -> None:
+    """A SIGTERM during the start stops the keepers before their first acquire: each still
+    reports started (no slot), takes nothing, and ends, so the replica exits 0."""
+    store = ScriptedLeases()
+
+    async def work(held: HeldSlot) -> None:
+        raise AssertionError("no slot is taken after a stop")
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    keeper.stop(1.0)
+    with anyio.fail_after(3):
+        async with anyio.create_task_group() as tg:
+            assert await tg.start(keeper.run) is None
+    assert not store.released

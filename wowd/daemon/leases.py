@@ -290,6 +290,8 @@ class SlotKeeper:
                     await self._stop.wait()
                 self._cooldown_s = 0.0
         self.standby = False
+        if not started:  # stopped before the first acquire (a SIGTERM during the start)
+            task_status.started(None)
 
     async def _hold(self, held: HeldSlot) -> None:
         extra = held.log_extra()
