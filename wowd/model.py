@@ -904,62 +904,60 @@ def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
     and one ``cancel_all`` per owner, which the store may apply in any order.
 
     The writes of one commit are those of one owner at one version (a commit's timer events in
-    order, then its ``cancel_all`` when it deletes the aggregate); they are applied in their
-    order: a later write of a key replaces an earlier one of the same commit, and a write of a
-    commit is cancelled by a ``cancel_all`` of that commit after it, not by one before it. Across
-    commits the higher version wins. So per key the write that is last in that order stays (the
-    highest version, then the last in the batch), and a write before its owner's last
-    ``cancel_all`` becomes a cancel at the ``cancel_all``'s version (it leaves a tombstone: it is
-    never written live). A ``cancel_all`` followed by writes of its own commit is written one
-    version below its commit (every timer of the earlier commits, none of its own): the timers
-    its commit puts after it stay live, whatever order the store applies the writes in, and a
-    replay of the commit leaves them live.
+    order, then its ``cancel_all`` when it deletes the aggregate), and they are applied in their
+    order: a later write of a key replaces an earlier one of the same commit, and a ``cancel_all``
+    cancels the writes of its commit before it, not those after it. Across commits the higher
+    version wins. So per key the write last in that order stays (the highest version, then the
+    last in the batch), and one before its owner's last ``cancel_all`` becomes a cancel at the
+    ``cancel_all``'s version (it leaves a tombstone: it is never written live). A ``cancel_all``
+    whose own commit writes keys after it that stay is written one version below its commit: it
+    cancels every timer of the earlier commits and none of the ones its commit leaves live.
 
     With the store's version rules (a later version replaces, a tombstone refuses a put at or
-    below it) the writes kept commute, so the result is the same as applying the batch in order.
+    below it) the writes kept commute, so the result is the same as applying the batch in order,
+    and a replay of any of its commits changes nothing.
     """
-    # keyed by the owner's fields (a tuple hashes in C; the dataclass's hash is Python code)
-    # per owner, its last cancel_all: (version, index in writes)
+    # keyed by the owner's fields (a tuple hashes in C; the dataclass's hash is Python code):
+    # per owner, its last cancel_all as (version, index in writes); per key, the index of the
+    # write that stays (a dict keeps the first insertion's place: the order of first writes)
     last_all: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+    winners: dict[tuple[str, str, str, str, str], int] = {}
     for i, w in enumerate(writes):
+        o = w.owner
         if w.kind == "cancel_all":
-            o = w.owner
             ok = (o.context, o.aggregate, o.tenant_id, o.id)
             cur = last_all.get(ok)
             if cur is None or w.version >= cur[0]:
                 last_all[ok] = (w.version, i)
-    # per key, the index of the write that stays; the owners whose last cancel_all is followed
-    # by writes of its own commit
-    winners: dict[tuple[str, str, str, str, str], int] = {}
-    followed: set[tuple[str, str, str, str]] = set()
-    for i, w in enumerate(writes):
-        if w.kind == "cancel_all":
             continue
-        o = w.owner
         k = (o.context, o.aggregate, o.tenant_id, o.id, w.key)
         j = winners.get(k)
-        # a dict keeps the first insertion's place: the order of first writes
         if j is None or w.version >= writes[j].version:
             winners[k] = i
-        if last_all:
-            ca = last_all.get(k[:4])
-            if ca is not None and w.version == ca[0] and i > ca[1]:
-                followed.add(k[:4])
+    if not last_all:
+        return [writes[j] for j in winners.values()]
     out: list[TimerWrite] = []
-    for ok, (version, i) in last_all.items():
-        level = version - 1 if ok in followed else version
-        if level >= 1:
-            out.append(TimerWrite.cancel_all(writes[i].owner, level))
+    followed: set[tuple[str, str, str, str]] = set()  # owners with a write after their cancel_all, kept
     for k, j in winners.items():
         w = writes[j]
-        ca = last_all.get(k[:4]) if last_all else None
-        if ca is not None and (w.version, j) < ca:
-            # never live: a tombstone at the cancel_all's version (a replay of the put with
-            # other batch boundaries is refused by it)
-            out.append(TimerWrite.cancel(w.owner, w.key, ca[0]))
-        else:
-            out.append(w)
-    return out
+        ok = k[:4]
+        ca = last_all.get(ok)
+        if ca is not None:
+            v = w.version
+            if v < ca[0] or (v == ca[0] and j < ca[1]):
+                # never live: a tombstone at the cancel_all's version (a replay of the put with
+                # other batch boundaries is refused by it)
+                out.append(TimerWrite.cancel(w.owner, w.key, ca[0]))
+                continue
+            if v == ca[0]:
+                followed.add(ok)
+        out.append(w)
+    alls = [
+        TimerWrite.cancel_all(writes[i].owner, version - 1 if ok in followed else version)
+        for ok, (version, i) in last_all.items()
+        if version > 1 or ok not in followed  # below version 1 there is nothing to cancel
+    ]
+    return alls + out
 
 
 # --------------------------------------------------------------------------- timer events
