@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import FrozenInstanceError, replace
 from datetime import UTC, datetime
@@ -36,6 +37,7 @@ from wowd.model import (
     commit_to_doc,
     deterministic_timer_id,
     java_string_hash,
+    net_writes,
     parse_rule,
     partition,
     request_id_for,
@@ -399,6 +401,158 @@ def test_retry_park_resume_fail_applied() -> None:
     assert resume == timer(status=TimerStatus.PENDING, due_at=7_000, attempts=0, last_error="404", revision=6)
     fail = TimerChange.fail(firing, fence=1, reason="400").applied()
     assert fail == timer(status=TimerStatus.FAILED, last_error="400", revision=5)
+
+
+# --------------------------------------------------------------------------- the net effect of timer writes
+
+
+def put(key: str, version: int, *, due_at: int = 1_000, owner: AggregateRef = OWNER) -> TimerWrite:
+    return TimerWrite.put(
+        timer(
+            timer_id=deterministic_timer_id(owner, key, version), partition=owner.partition(8), owner=owner,
+            key=key, version=version, due_at=due_at, scheduled_at=due_at, revision=0, attempts=0, last_error=None,
+        )
+    )  # fmt: skip
+
+
+def cancel(key: str, version: int, *, owner: AggregateRef = OWNER) -> TimerWrite:
+    return TimerWrite.cancel(owner, key, version)
+
+
+def cancel_all(version: int, *, owner: AggregateRef = OWNER) -> TimerWrite:
+    return TimerWrite.cancel_all(owner, version)
+
+
+def net(*writes: TimerWrite) -> list[tuple[str, str, int, int | None]]:
+    """``net_writes`` of ``writes`` as (kind, key, version, due time of a put)."""
+    return [(w.kind, w.key, w.version, w.timer.due_at if w.timer else None) for w in net_writes(writes)]
+
+
+def test_a_cancel_then_a_schedule_of_one_key_in_one_commit_leaves_the_schedule_live() -> None:
+    # cancel and schedule again in one command handler: the new timer is put
+    assert net(cancel("k", 2), put("k", 2, due_at=5_000)) == [("put", "k", 2, 5_000)]
+    assert net(put("k", 1), cancel("k", 2), put("k", 2, due_at=5_000)) == [("put", "k", 2, 5_000)]
+    # the other order leaves it cancelled
+    assert net(put("k", 2), cancel("k", 2)) == [("cancel", "k", 2, None)]
+    assert net(cancel("k", 2), put("k", 2), cancel("k", 2)) == [("cancel", "k", 2, None)]
+
+
+def test_the_last_of_two_schedules_of_one_key_in_one_commit_wins() -> None:
+    assert net(put("k", 1, due_at=1_000), put("k", 1, due_at=2_000)) == [("put", "k", 1, 2_000)]
+    # across commits the higher version wins, wherever it stands in the batch
+    assert net(put("k", 2, due_at=2_000), put("k", 1, due_at=1_000)) == [("put", "k", 2, 2_000)]
+    assert net(put("k", 2, due_at=2_000), cancel("k", 1)) == [("put", "k", 2, 2_000)]
+
+
+def test_a_schedule_after_a_cancel_all_of_its_commit_stays_live() -> None:
+    # the cancel_all covers every earlier commit's timer (one version below its own), the keys of
+    # its commit written before it are cancelled at its version, the ones written after it stay
+    assert net(put("a", 1), put("b", 1), cancel_all(2), put("a", 2, due_at=5_000)) == [
+        ("cancel_all", "", 1, None),
+        ("put", "a", 2, 5_000),
+        ("cancel", "b", 2, None),
+    ]
+    assert net(put("a", 3), cancel_all(3), put("b", 3), cancel("c", 3)) == [
+        ("cancel_all", "", 2, None),
+        ("cancel", "a", 3, None),
+        ("put", "b", 3, 1_000),
+        ("cancel", "c", 3, None),
+    ]
+    # at version 1 there is nothing below its commit to cancel
+    assert net(cancel_all(1), put("a", 1)) == [("put", "a", 1, 1_000)]
+
+
+def test_a_schedule_before_a_cancel_all_of_its_commit_is_cancelled() -> None:
+    # a deleted aggregate's commit: its timer events, then the cancel_all
+    assert net(put("a", 1), put("b", 2), cancel_all(2)) == [
+        ("cancel_all", "", 2, None),
+        ("cancel", "a", 2, None),
+        ("cancel", "b", 2, None),
+    ]
+    assert net(put("a", 2), cancel_all(2), put("a", 2), cancel_all(2)) == [
+        ("cancel_all", "", 2, None),
+        ("cancel", "a", 2, None),
+    ]
+    # a later commit's schedule is live again
+    assert net(put("a", 2), cancel_all(2), put("a", 3)) == [("cancel_all", "", 2, None), ("put", "a", 3, 1_000)]
+
+
+class StoreModel:
+    """The timer store's version rules over a dict, (owner id, key) -> (version, live due time or
+    None for a tombstone): a put replaces an earlier version; a cancel makes a live timer at or
+    below its version, or nothing, a tombstone at its version, and raises an earlier tombstone;
+    a cancel_all makes every live timer of the owner at or below its version a tombstone."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str], tuple[int, int | None]] = {}
+
+    def write(self, w: TimerWrite) -> None:
+        key = (w.owner.id, w.key)
+        cur = self.rows.get(key)
+        if w.kind == "put":
+            assert w.timer is not None
+            if cur is None or cur[0] < w.version:
+                self.rows[key] = (w.version, w.timer.due_at)
+        elif w.kind == "cancel":
+            if cur is None or cur[0] < w.version or (cur[0] == w.version and cur[1] is not None):
+                self.rows[key] = (w.version, None)
+        else:
+            for k, (v, due) in list(self.rows.items()):
+                if k[0] == w.owner.id and due is not None and v <= w.version:
+                    self.rows[k] = (w.version, None)
+
+    def live(self) -> dict[tuple[str, str], tuple[int, int]]:
+        return {k: (v, due) for k, (v, due) in self.rows.items() if due is not None}
+
+
+_OP = st.one_of(
+    st.tuples(st.just("put"), st.sampled_from("xyz"), st.integers(1, 3)),
+    st.tuples(st.just("cancel"), st.sampled_from("xyz"), st.just(0)),
+    st.just(("cancel_all", "", 0)),
+)
+
+
+@given(st.lists(st.tuples(st.sampled_from("ab"), st.lists(_OP, max_size=4)), max_size=8), st.data())
+def test_the_net_effect_of_batches_is_the_log_applied_in_order(
+    commits: list[tuple[str, list[tuple[str, str, int]]]], data: st.DataObject
+) -> None:
+    """Commits of two owners, each a few timer writes in order: applied in order, event by event,
+    they leave a view; the net effect of the log cut into batches (whole commits), each written in
+    any order under the store's version rules, leaves the same, and so does a replay of any part
+    of the log in other batches."""
+    log: list[list[TimerWrite]] = []
+    expected: dict[tuple[str, str], tuple[int, int]] = {}
+    versions: dict[str, int] = {}
+    for oid, ops in commits:
+        owner = AggregateRef(context="ctx", aggregate="order", id=oid)
+        v = versions[oid] = versions.get(oid, 0) + 1
+        writes = []
+        for kind, key, due in ops:
+            if kind == "put":
+                writes.append(put(key, v, due_at=due, owner=owner))
+                expected[(oid, key)] = (v, due)
+            elif kind == "cancel":
+                writes.append(cancel(key, v, owner=owner))
+                expected.pop((oid, key), None)
+            else:
+                writes.append(cancel_all(v, owner=owner))
+                expected = {k: t for k, t in expected.items() if k[0] != oid}
+        log.append(writes)
+
+    def feed(start: int) -> None:
+        cuts = sorted(data.draw(st.sets(st.integers(start, len(log)))) | {start, len(log)})
+        for lo, hi in itertools.pairwise(cuts):
+            batch = net_writes([w for writes in log[lo:hi] for w in writes])
+            keys = [(w.owner.id, w.key) for w in batch]
+            assert len(keys) == len(set(keys))  # one write per key, one cancel_all per owner
+            for w in data.draw(st.permutations(batch)):
+                store.write(w)
+
+    store = StoreModel()
+    feed(0)
+    assert store.live() == expected
+    feed(data.draw(st.integers(0, len(log))))
+    assert store.live() == expected
 
 
 # --------------------------------------------------------------------------- snapshots

@@ -903,49 +903,61 @@ def net_writes(writes: Sequence[TimerWrite]) -> list[TimerWrite]:
     """The net effect of a batch of timer writes in log order: at most one write per timer key
     and one ``cancel_all`` per owner, which the store may apply in any order.
 
-    Per key the write that wins in log order stays: the highest version; at one version a cancel
-    over a put, and the first of two puts. A put at or below its owner's ``cancel_all`` becomes a
-    cancel at the ``cancel_all``'s version (it leaves a tombstone: it is never written live).
+    The writes of one commit are those of one owner at one version (a commit's timer events in
+    order, then its ``cancel_all`` when it deletes the aggregate), and they are applied in their
+    order: a later write of a key replaces an earlier one of the same commit, and a ``cancel_all``
+    cancels the writes of its commit before it, not those after it. Across commits the higher
+    version wins. So per key the write last in that order stays (the highest version, then the
+    last in the batch), and one before its owner's last ``cancel_all`` becomes a cancel at the
+    ``cancel_all``'s version (it leaves a tombstone: it is never written live). A ``cancel_all``
+    whose own commit writes keys after it that stay is written one version below its commit: it
+    cancels every timer of the earlier commits and none of the ones its commit leaves live.
+
     With the store's version rules (a later version replaces, a tombstone refuses a put at or
-    below it) the writes kept commute, so the result is the same as applying the batch in order.
+    below it) the writes kept commute, so the result is the same as applying the batch in order,
+    and a replay of any of its commits changes nothing.
     """
-    # keyed by the owner's fields (a tuple hashes in C; the dataclass's hash is Python code)
-    last_all: dict[tuple[str, str, str, str], int] = {}
-    for w in writes:
-        if w.kind == "cancel_all":
-            o = w.owner
-            ok = (o.context, o.aggregate, o.tenant_id, o.id)
-            if w.version > last_all.get(ok, -1):
-                last_all[ok] = w.version
-    winners: dict[tuple[str, str, str, str, str], TimerWrite] = {}
-    for w in writes:
-        if w.kind == "cancel_all":
-            continue
+    # keyed by the owner's fields (a tuple hashes in C; the dataclass's hash is Python code):
+    # per owner, its last cancel_all as (version, index in writes); per key, the index of the
+    # write that stays (a dict keeps the first insertion's place: the order of first writes)
+    last_all: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+    winners: dict[tuple[str, str, str, str, str], int] = {}
+    for i, w in enumerate(writes):
         o = w.owner
-        k = (o.context, o.aggregate, o.tenant_id, o.id, w.key)
-        cur = winners.get(k)
-        if cur is None:
-            winners[k] = w  # a dict keeps the first insertion's place: the order of first writes
-        elif w.version > cur.version or (w.version == cur.version and w.kind == "cancel" and cur.kind == "put"):
-            winners[k] = w
-    out: list[TimerWrite] = []
-    emitted: set[tuple[str, str, str, str]] = set()
-    for w in writes:
         if w.kind == "cancel_all":
-            o = w.owner
             ok = (o.context, o.aggregate, o.tenant_id, o.id)
-            if ok not in emitted:
-                emitted.add(ok)
-                out.append(TimerWrite.cancel_all(o, last_all[ok]))
-    for k, w in winners.items():
-        ca = last_all.get(k[:4]) if last_all else None
-        if ca is not None and w.version <= ca:
-            # never live: a tombstone at the cancel_all's version (a replay of the put with
-            # other batch boundaries is refused by it)
-            out.append(TimerWrite.cancel(w.owner, w.key, ca))
-        else:
-            out.append(w)
-    return out
+            cur = last_all.get(ok)
+            if cur is None or w.version >= cur[0]:
+                last_all[ok] = (w.version, i)
+            continue
+        k = (o.context, o.aggregate, o.tenant_id, o.id, w.key)
+        j = winners.get(k)
+        if j is None or w.version >= writes[j].version:
+            winners[k] = i
+    if not last_all:
+        return [writes[j] for j in winners.values()]
+    out: list[TimerWrite] = []
+    followed: set[tuple[str, str, str, str]] = set()  # owners with a write after their cancel_all, kept
+    for k, j in winners.items():
+        w = writes[j]
+        ok = k[:4]
+        ca = last_all.get(ok)
+        if ca is not None:
+            v = w.version
+            if v < ca[0] or (v == ca[0] and j < ca[1]):
+                # never live: a tombstone at the cancel_all's version (a replay of the put with
+                # other batch boundaries is refused by it)
+                out.append(TimerWrite.cancel(w.owner, w.key, ca[0]))
+                continue
+            if v == ca[0]:
+                followed.add(ok)
+        out.append(w)
+    alls = [
+        TimerWrite.cancel_all(writes[i].owner, version - 1 if ok in followed else version)
+        for ok, (version, i) in last_all.items()
+        if version > 1 or ok not in followed  # below version 1 there is nothing to cancel
+    ]
+    return alls + out
 
 
 # --------------------------------------------------------------------------- timer events

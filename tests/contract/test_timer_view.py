@@ -150,6 +150,61 @@ async def test_the_net_effect_of_a_batch_is_what_the_batch_in_order_leaves(timer
     assert [(t.key, t.version) for t in await timer_store.scan(limit=10)] == [("d", 5)]
 
 
+def commits_in_order(prefix: str) -> list[list[TimerWrite]]:
+    """Commits (each the timer writes of one commit, in order) that write one key twice, or
+    cancel every timer of their aggregate before or after a schedule."""
+    o = [owner(f"{prefix}-{i}") for i in range(4)]
+    return [
+        [TimerWrite.put(timer(o[0], version=1, due_at=T0 + 100))],
+        # cancelled and scheduled again in one command handler: the new timer is live
+        [TimerWrite.cancel(o[0], "remind", 2), TimerWrite.put(timer(o[0], version=2, due_at=T0 + 5))],
+        # scheduled twice in one commit: the second stays
+        [
+            TimerWrite.put(timer(o[1], version=1, due_at=T0 + 100)),
+            TimerWrite.put(timer(o[1], version=1, due_at=T0 + 6)),
+        ],
+        [TimerWrite.put(timer(o[2], "a", version=1)), TimerWrite.put(timer(o[2], "b", version=1))],
+        # every timer cancelled, then one scheduled: that one is live
+        [TimerWrite.cancel_all(o[2], 2), TimerWrite.put(timer(o[2], "a", version=2, due_at=T0 + 7))],
+        [TimerWrite.put(timer(o[3], "a", version=1))],
+        # scheduled, then every timer cancelled (a deleted aggregate): none is live
+        [TimerWrite.put(timer(o[3], "b", version=2)), TimerWrite.cancel_all(o[3], 2)],
+    ]
+
+
+def live_view(timers: list[Timer]) -> list[tuple[str, str, int, int, str]]:
+    """The live timers without their owners' prefix: (owner number, key, version, due time, command)."""
+    return sorted((t.owner.id.split("-")[1], t.key, t.version, t.due_at, t.body) for t in timers)
+
+
+async def test_the_writes_of_one_commit_are_applied_in_order(timer_store: Any) -> None:
+    """The log's commits written as one batch, or one commit a batch: the last write of a key in
+    a commit stays, a cancel_all cancels what its commit wrote before it, not after it; a replay
+    in either cut changes nothing."""
+    one = commits_in_order("one")
+    net = net_writes([w for c in one for w in c])
+    answers = await timer_store.write(net)
+    assert [a for w, a in zip(net, answers, strict=True) if w.kind == "put"] == [1, 1, 1]  # the live ones
+    each = commits_in_order("each")
+    for c in each:
+        await timer_store.write(net_writes(c))
+    timers = await timer_store.scan(limit=100)
+    by_prefix = {p: live_view([t for t in timers if t.owner.id.startswith(p)]) for p in ("one", "each")}
+    assert by_prefix["one"] == by_prefix["each"]
+    assert [(i, k, v, due) for i, k, v, due, _body in by_prefix["one"]] == [
+        ("0", "remind", 2, T0 + 5),
+        ("1", "remind", 1, T0 + 6),
+        ("2", "a", 2, T0 + 7),
+    ]
+    # a replay in the other cut: nothing changes
+    for c in one:
+        await timer_store.write(net_writes(c))
+    await timer_store.write(net_writes([w for c in each for w in c]))
+    assert await timer_store.scan(limit=100) == timers
+    due = await timer_store.due(ALL, T0 + 10**9, 10)
+    assert sorted(t.due_at for t in due) == sorted([T0 + 5, T0 + 6, T0 + 7] * 2)
+
+
 async def test_replaying_a_partition_from_its_start_changes_nothing(timer_store: Any) -> None:
     """Fires, cancels, failures, parks and interval occurrences, then the whole log again."""
     ref = [owner(f"o-{i}") for i in range(6)]

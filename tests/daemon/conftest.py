@@ -155,24 +155,27 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Replica]]:
         r.close()
 
 
+def scheduled(agg_id: str, key: str, due_at: int, **command_body: Any) -> DomainEvent:
+    """A ``TimerScheduled`` event of the order ``agg_id`` sending ``expire-order`` to itself
+    (the command's body: ``{"key": key}`` and ``command_body``)."""
+    return DomainEvent(
+        id=uuid.uuid4().hex,
+        name="TimerScheduled",
+        body={
+            "key": key,
+            "due_at": due_at,
+            "rule": {"type": "once"},
+            "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
+            "command": {"name": "expire-order", "body": {"key": key, **command_body}},
+        },
+    )
+
+
 def timer_commit(agg_id: str, version: int, keys: list[str], due_at: int | None = None) -> Commit:
     due = int(time.time() * 1000) if due_at is None else due_at
     ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
     events = [DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version})]
-    for key in keys:
-        events.append(
-            DomainEvent(
-                id=uuid.uuid4().hex,
-                name="TimerScheduled",
-                body={
-                    "key": key,
-                    "due_at": due,
-                    "rule": {"type": "once"},
-                    "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
-                    "command": {"name": "expire-order", "body": {"key": key}},
-                },
-            )
-        )
+    events += [scheduled(agg_id, key, due) for key in keys]
     return Commit(
         ref=ref,
         version=version,

@@ -6,6 +6,7 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +35,7 @@ from wowd.model import (
     TimerChange,
     TimerScheduled,
     TimerWrite,
+    deterministic_timer_id,
     partition,
     request_id_for,
     timer_event_from,
@@ -43,7 +45,7 @@ from wowd.stores.base import Backend, FeedFiring, FeedWriter
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import WRITE_CHUNK
 
-from .conftest import CONTEXT, embedded_settings, hold_slot, timer_commit
+from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -82,13 +84,14 @@ async def hold(b: Backend) -> HeldSlot:
     return await hold_slot(b, PARTS)
 
 
-async def feed(s: WowdSettings, b: Backend) -> None:
-    """The slot's feed until it reached the log's end, then stopped."""
+async def feed(s: WowdSettings, b: Backend, *, batch_size: int = 500, fused: OutboxGateway | None = None) -> None:
+    """The slot's feed (batches of ``batch_size`` commits, firing through ``fused``'s fast path
+    when given) until it reached the log's end, then stopped."""
     held = await hold(b)
     waker = Waker()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            await tg.start(Feeder(s, b).run, held, waker)
+            await tg.start(Feeder(s, b, batch_size=batch_size, fused=fused).run, held, waker)
             while waker.watermark is None:  # the feed read to the log's end and applied it
                 await waker.wait_applied(waker.applied_batches, 1.0)
             held.request_stop()
@@ -188,6 +191,53 @@ async def test_a_batch_in_one_transaction_leaves_the_view_the_steps_leave(tmp_pa
     finally:
         await one.close()
         await steps.close()
+
+
+def rewriting(now: int) -> list[Commit]:
+    """Commits writing one timer key twice in their events, in one order or the other."""
+    return [
+        timer_commit("x", 1, ["k"], due_at=now + HOUR_MS),
+        # cancelled and scheduled again in one command handler: the new timer is live
+        commit("x", 2, cancelled("k"), scheduled("x", "k", now + 2 * HOUR_MS)),
+        # scheduled twice in one commit: the second is live
+        commit("y", 1, scheduled("y", "k", now + HOUR_MS, n="A"), scheduled("y", "k", now + 2 * HOUR_MS, n="B")),
+        # scheduled, then cancelled in one commit: nothing is live
+        commit("w", 1, scheduled("w", "k", now + HOUR_MS), cancelled("k")),
+        # scheduled by the commit that deletes the aggregate: cancelled with every timer of it
+        timer_commit("z", 1, ["k"], due_at=now + HOUR_MS),
+        commit("z", 2, scheduled("z", "j", now + HOUR_MS), deleted=True),
+    ]
+
+
+async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path) -> None:
+    """The last timer event of a key in a commit wins, whether the batch is written in one
+    transaction or step by step, and wherever the batches are cut."""
+    now = int(time.time() * 1000)
+    commits = rewriting(now)
+    views = []
+    for name, at_once, batch_size in (("one", True, 500), ("steps", False, 500), ("each", True, 1)):
+        s = settings(tmp_path / name)
+        async with opened_backend(s) as b:
+            counting = None
+            if at_once:
+                assert b.feed_writer is not None
+                b.feed_writer = counting = CountingWriter(b.feed_writer)
+            else:
+                b.feed_writer = None
+            await b.log.append_many(commits)
+            await feed(s, b, batch_size=batch_size)
+            assert counting is None or counting.applied >= 1
+            views.append(
+                sorted(
+                    (t.owner.id, t.key, t.version, t.status.value, t.due_at, t.command.body.get("n"))
+                    for t in await b.timers.scan(limit=100)
+                )
+            )
+    assert views[0] == [
+        ("x", "k", 2, "PENDING", now + 2 * HOUR_MS, None),
+        ("y", "k", 1, "PENDING", now + 2 * HOUR_MS, "B"),
+    ]
+    assert views[1] == views[0] and views[2] == views[0]
 
 
 async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_steps_stamp_them(
@@ -428,6 +478,27 @@ async def test_a_backlog_fires_as_it_is_fed_and_a_cancel_further_on_still_wins(t
         assert await b.timers.scan(limit=10) == []  # x's timer cancelled, the others DONE
         # housekept as after a delivery (at its first fired batch; at most every few seconds)
         assert (metrics.REGISTRY.get_sample_value("wowd_outbox_depth") or 0) >= 1
+
+
+async def test_a_batch_fires_the_timer_a_commit_cancelled_and_scheduled_again(tmp_path: Path) -> None:
+    """A due timer cancelled and scheduled again by one commit, and one scheduled twice by one
+    commit (first not due, then due): the batch fires the timer each commit left."""
+    s = settings(tmp_path)
+    now = int(time.time() * 1000)
+    x = commit("x", 1, cancelled("k"), scheduled("x", "k", now))
+    y = commit("y", 1, scheduled("y", "k", now + HOUR_MS, n="A"), scheduled("y", "k", now, n="B"))
+    async with opened_backend(s) as b:
+        await b.log.append_many([x, y])
+        await feed(s, b, fused=OutboxGateway(b.outbox, firing=b.outbox_firing))
+        entries = await b.outbox.entries(limit=10)
+        assert sorted((e.target.id, e.request_id) for e in entries) == [
+            (c.ref.id, request_id_for(deterministic_timer_id(c.ref, "k", 1), now)) for c in (x, y)
+        ]
+        assert [json.loads(e.command)["body"].get("n") for e in sorted(entries, key=lambda e: e.target.id)] == [
+            None,
+            "B",
+        ]
+        assert await b.timers.scan(limit=10) == []  # both DONE
 
 
 def _fired_total() -> float:

@@ -20,10 +20,10 @@ from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
+from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, embedded_settings, hold_slot, timer_commit
+from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -54,13 +54,20 @@ async def hold(b: Backend, key: str) -> HeldSlot:
     return await hold_slot(b, PARTS, key)
 
 
-def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
+def cancelled(key: str) -> DomainEvent:
+    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
+
+
+def events_commit(agg_id: str, version: int, *events: DomainEvent) -> Commit:
     ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    ev = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
     return Commit(
         ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000), events=(ev,),
+        create_time=int(time.time() * 1000), events=events,
     )  # fmt: skip
+
+
+def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
+    return events_commit(agg_id, version, cancelled(key))
 
 
 async def run_slot(
@@ -106,6 +113,26 @@ async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever
     await run_slot(tmp_path, backend, held, until_outbox=10, feed_batch=3)
     delivered = {e.target.id for e in await backend.outbox.entries()}
     assert delivered == {f"o-{i}" for i in range(1, 20, 2)}
+
+
+async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """A commit that cancels a timer and schedules it again (one command handler), and one that
+    schedules a key twice, the second time due: fed a commit a batch, the timer each commit left
+    is delivered, once."""
+    due = int(time.time() * 1000)
+    later = due + 3_600_000
+    x2 = events_commit("x", 2, cancelled("k"), scheduled("x", "k", due))
+    y1 = events_commit("y", 1, scheduled("y", "k", later, n="A"), scheduled("y", "k", due, n="B"))
+    await backend.log.append_many([timer_commit("x", 1, ["k"], due_at=later), x2, y1])
+    held = await hold(backend, "a")
+    await run_slot(tmp_path, backend, held, until_outbox=2, feed_batch=1)
+    entries = await backend.outbox.entries()
+    assert sorted((e.target.id, e.request_id) for e in entries) == [
+        (c.ref.id, request_id_for(deterministic_timer_id(c.ref, "k", c.version), due)) for c in (x2, y1)
+    ]
+    assert await backend.timers.scan(limit=10) == []
 
 
 async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(

@@ -131,6 +131,9 @@ class _Prepared:
 
 
 def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> _Prepared:
+    """What the steps need of ``entries``. The timer writes of each commit are its timer events in
+    order, then a ``cancel_all`` when it deletes its aggregate; their net effect applies the writes
+    of a commit in that order (:func:`~wowd.model.net_writes`)."""
     malformed: list[LogEntry] = []
     rejected: list[tuple[Commit, int, InvalidInput]] = []
     by_type: dict[AggregateType, list[Commit]] = {}

@@ -330,7 +330,10 @@ class TimerStore(Protocol):
     async def write(self, writes: Sequence[TimerWrite]) -> list[int]:
         """Applies a batch of timer writes with the semantics of :meth:`put`, :meth:`cancel` and
         :meth:`cancel_all` each, as if in order (the feed passes the net effect of a log batch,
-        :func:`~wowd.model.net_writes`, whose writes commute). One answer per write: 1/0 for a
+        :func:`~wowd.model.net_writes`, whose writes commute). Those per-write rules cannot tell
+        two writes of one commit from a replay (a tombstone at a version refuses a put at it), so
+        the writes of a commit go through :func:`~wowd.model.net_writes`, which applies them in
+        their order, before they come here. One answer per write: 1/0 for a
         put (written) or a cancel (a live timer cancelled), the count for a ``cancel_all``.
         Embedded: one transaction; MongoDB: one unordered bulk write per collection. Idempotent."""
         ...
