@@ -268,6 +268,34 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     notify.close()
 
 
+async def test_the_outbox_depth_scraped_is_the_outbox_at_the_scrape(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """``wowd_outbox_depth`` after two bursts of fired timers is the outbox's 200 entries, and 0
+    at the scrape right after they are all acknowledged."""
+    r = spawn("r", base_env(db, WOWD_LEASE__LIMIT=1))
+    await r.wait_ready()
+    first = [timer_commit(f"o-{i}", 1, ["k"]) for i in range(100)]
+    await stores.log.append_many(first)
+    await eventually(lambda: _outbox_has(stores, 100), 15, "the first burst fired")
+    assert await _depth(r) == 100
+    await stores.log.append_many([timer_commit(f"p-{i}", 1, ["k"]) for i in range(100)])
+    await eventually(lambda: _outbox_has(stores, 200), 15, "the second burst fired")
+    assert await stores.outbox.count() == 200
+    assert await _depth(r) == 200
+    entries = await stores.outbox.entries(limit=1000)
+    assert await stores.outbox.ack([e.request_id for e in entries]) == 200
+    text = (await r.get("/metrics")).text
+    assert _sample_sum(text, "wowd_outbox_depth") == 0
+    assert 0 <= _sample_sum(text, "wowd_outbox_depth_age_seconds") < 5  # counted for this scrape
+    r.signal(signal.SIGTERM)
+    assert await r.wait_exit(10) == 0
+
+
+async def _depth(r: Replica) -> float:
+    return _sample_sum((await r.get("/metrics")).text, "wowd_outbox_depth")
+
+
 async def test_config_error_exits_2_with_message(tmp_path: Path, db: Path) -> None:
     env = base_env(db, WOWD_LEASE__TTL_S="1", WOWD_LEASE__TOLERANCE_S="3", WOWD_TIMERS__BACHT="5")
     rc, out, err = await run_wowd("check", env=env, cwd=tmp_path)

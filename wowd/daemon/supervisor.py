@@ -25,7 +25,7 @@ from wowd.reducers import Reducer, load_reducer
 from wowd.stores.base import Backend
 
 from .feed import Feeder
-from .gateway import CommandGateway, FusedFiring
+from .gateway import CommandGateway, FusedFiring, OutboxGateway
 from .http import HttpServer
 from .leases import HeldSlot, Presence, SlotKeeper, owner_key_for
 from .rebuild import Rebuilder
@@ -173,7 +173,17 @@ class Supervisor:
             for i in range(s.lease.slots_per_process)
         ]
         presence = self._presence = Presence(s, self.backend.leases, lambda: self.held, owner_key=base_key)
-        self.http = HttpServer(s.http.host, s.http.port, self.readiness, port_file=self._port_file)
+        # the outbox depth is counted at each scrape (the store call cannot run inside a collector)
+        outbox = self.gateway if isinstance(self.gateway, OutboxGateway) else None
+        if outbox is not None:
+            metrics.OUTBOX_DEPTH_AGE.set_function(outbox.depth_age)
+        self.http = HttpServer(
+            s.http.host,
+            s.http.port,
+            self.readiness,
+            port_file=self._port_file,
+            refresh=outbox.count_depth if outbox is not None else None,
+        )
         with anyio.CancelScope() as scope:
             self._scope = scope
             async with anyio.create_task_group() as tg:

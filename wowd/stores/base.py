@@ -556,7 +556,8 @@ class Outbox(Protocol):
         ...
 
     async def count(self) -> int:
-        """The entries in the outbox (its depth)."""
+        """The entries in the outbox: those not acknowledged (an ack removes its entries) nor
+        trimmed yet, the outbox's depth. Cheap enough to be called at every metrics scrape."""
         ...
 
     async def close(self) -> None: ...
