@@ -34,6 +34,7 @@ __all__ = [
     "LEASE_RENEW_FAILURES",
     "LEASE_RENEW_SECONDS",
     "OUTBOX_DEPTH",
+    "OUTBOX_DEPTH_AGE",
     "PARTITIONS_OWNED",
     "PARTITIONS_UNOWNED",
     "QUARANTINED",
@@ -131,7 +132,11 @@ TIMER_EVENTS_REJECTED = Counter(
 )
 
 OUTBOX_DEPTH = Gauge(
-    "wowd_outbox_depth", "Entries in the outbox (delivered, not yet acknowledged or trimmed), as last counted"
+    "wowd_outbox_depth", "Outbox entries not acknowledged (nor trimmed) yet, counted when /metrics is scraped"
+)
+OUTBOX_DEPTH_AGE = Gauge(
+    "wowd_outbox_depth_age_seconds",
+    "Seconds since wowd_outbox_depth was counted: about 0, growing while the outbox store does not answer",
 )
 
 # http gateway

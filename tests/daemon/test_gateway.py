@@ -739,7 +739,7 @@ async def test_outbox_gateway_unavailable_is_retry() -> None:
     assert isinstance(got[0], Retry)
 
 
-async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth(tmp_path: Path) -> None:
+async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when_asked(tmp_path: Path) -> None:
     from wowd.metrics import REGISTRY
     from wowd.stores.embedded import EmbeddedOutbox
 
@@ -754,9 +754,33 @@ async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth(tmp_
         await gw.deliver(fresh, lambda t, o: got.append(o))
         assert all(isinstance(o, Delivered) for o in got)
         assert {e.target.id for e in await box.entries()} == {"a", "b"}
+        await gw.count_depth()
         assert REGISTRY.get_sample_value("wowd_outbox_depth") == 2
+        assert await box.ack([fresh[0].request_id]) == 1
+        await gw.count_depth()
+        assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
     finally:
         await box.close()
+
+
+async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: pytest.LogCaptureFixture) -> None:
+    box = FakeOutbox()
+    gw = OutboxGateway(box)  # type: ignore[arg-type]
+    await gw.deliver([make_timer()], lambda t, o: None)
+    await gw.count_depth()
+    assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
+    counted = gw.depth_age()
+    box.fail = True
+    with caplog.at_level(logging.WARNING, logger="wowd.daemon.gateway"):
+        await gw.count_depth()  # logged, not raised
+        await gw.count_depth()
+    assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
+    assert gw.depth_age() >= counted  # the age of the last count tells
+    assert len([r for r in caplog.records if "depth not counted" in r.getMessage()]) == 1  # once a streak
+    box.fail = False
+    box.entries.clear()
+    await gw.count_depth()
+    assert REGISTRY.get_sample_value("wowd_outbox_depth") == 0 and gw.depth_age() < counted + 1
 
 
 async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:

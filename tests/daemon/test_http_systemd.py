@@ -9,9 +9,11 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 import wowd.metrics  # noqa: F401  (registers every metric)
+from wowd.daemon import http
 from wowd.daemon.http import HttpServer
 from wowd.daemon.systemd import SystemdNotifier
 
@@ -60,6 +62,48 @@ async def test_endpoints_on_port_zero(tmp_path: Path) -> None:
                     answer = b""
             assert answer == b"" or answer.startswith(b"HTTP/1.1 400")
             assert (await client.get("/healthz")).status_code == 200
+        tg.cancel_scope.cancel()
+
+
+async def test_metrics_refreshes_before_each_scrape_and_serves_the_last_value_when_it_hangs() -> None:
+    registry = CollectorRegistry()
+    depth = Gauge("depth", "a gauge read from a store", registry=registry)
+    count = 3
+    hang = False
+    go = anyio.Event()
+    started = 0
+
+    async def refresh() -> None:
+        nonlocal started
+        started += 1
+        if hang:
+            await go.wait()
+        depth.set(count)
+
+    def value(text: str) -> float:
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "depth"]
+        return family.samples[0].value
+
+    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), registry=registry, refresh=refresh)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            assert value((await client.get("/metrics")).text) == 3
+            count = 5
+            assert value((await client.get("/metrics")).text) == 5  # counted for this scrape
+            assert started == 2
+            assert (await client.get("/healthz")).status_code == 200 and started == 2
+            hang, count = True, 8
+            begun = anyio.current_time()
+            assert value((await client.get("/metrics")).text) == 5  # the last value, within the bound
+            assert value((await client.get("/metrics")).text) == 5
+            assert anyio.current_time() - begun < 2 * http.REFRESH_TIMEOUT_S + 3
+            assert started == 3  # the second scrape joined the refresh still running
+            go.set()
+            hang = False
+            with anyio.fail_after(5):
+                while value((await client.get("/metrics")).text) != 8:
+                    pass
         tg.cancel_scope.cancel()
 
 

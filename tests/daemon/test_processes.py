@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import closing
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +28,7 @@ from wowd.model import (
     request_id_for,
 )
 from wowd.stores.base import Backend
+from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import (
     CONTEXT,
@@ -266,6 +269,62 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     assert_no_secret(r.log())
     assert await notified("STOPPING=1")
     notify.close()
+
+
+async def test_the_outbox_depth_scraped_is_the_outbox_at_the_scrape(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """``wowd_outbox_depth`` after two bursts of fired timers is the outbox's 200 entries, and 0
+    at the scrape right after they are all acknowledged."""
+    r = spawn("r", base_env(db, WOWD_LEASE__LIMIT=1))
+    await r.wait_ready()
+    first = [timer_commit(f"o-{i}", 1, ["k"]) for i in range(100)]
+    await stores.log.append_many(first)
+    await eventually(lambda: _outbox_has(stores, 100), 15, "the first burst fired")
+    assert await _depth(r) == 100
+    await stores.log.append_many([timer_commit(f"p-{i}", 1, ["k"]) for i in range(100)])
+    await eventually(lambda: _outbox_has(stores, 200), 15, "the second burst fired")
+    assert await stores.outbox.count() == 200
+    assert await _depth(r) == 200
+    entries = await stores.outbox.entries(limit=1000)
+    assert await stores.outbox.ack([e.request_id for e in entries]) == 200
+    text = (await r.get("/metrics")).text
+    assert _sample_sum(text, "wowd_outbox_depth") == 0
+    assert 0 <= _sample_sum(text, "wowd_outbox_depth_age_seconds") < 5  # counted for this scrape
+    r.signal(signal.SIGTERM)
+    assert await r.wait_exit(10) == 0
+
+
+async def _depth(r: Replica) -> float:
+    return _sample_sum((await r.get("/metrics")).text, "wowd_outbox_depth")
+
+
+async def test_a_replica_whose_clock_disagrees_with_the_file_refuses_to_start(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """A slot lease stamped 10 minutes in the future (written by a replica whose clock was that
+    far ahead): a replica starting on the file exits 2 naming the skew and the tolerance, before
+    it takes a slot; with the stamps a clock in agreement writes, it starts as usual."""
+    env = base_env(db, WOWD_LEASE__LIMIT=1)
+    res = await stores.leases.acquire(NS, Owner(key="ahead"), 1, timedelta(seconds=2), timedelta(seconds=0.5))
+    assert res.lease is not None
+    shift = "UPDATE cosid_slot SET writtenAt = writtenAt + ?, expiresAt = expiresAt + ?, ceiling = ceiling + ?"
+    with closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute(shift, (600_000,) * 3)
+    r = spawn("r", env)
+    assert await r.wait_exit(20) == 2
+    log = r.log()
+    assert "refusing to start: the slot lease last written by ahead" in log, log
+    assert re.search(r"stamped 59\d\.\d s after this process's now", log), log  # 10 minutes, less the time since
+    assert "WOWD_LEASE__TOLERANCE_S = 0.5 s" in log
+    assert (await live_slots(stores))[0][0] == "ahead"  # untouched
+    with closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute(shift, (-600_000,) * 3)
+    r2 = spawn("r2", env)
+    await r2.wait_ready()  # the slot taken once ahead's lease expired
+    assert (await live_slots(stores))[0][0] == "r2"
+    r2.signal(signal.SIGTERM)
+    assert await r2.wait_exit(10) == 0
 
 
 async def test_config_error_exits_2_with_message(tmp_path: Path, db: Path) -> None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,11 @@ from typing import Any
 import anyio
 import pytest
 
-from wowd.errors import FormatError
+from wowd import clock
+from wowd.daemon.leases import check_store_clock, clock_disagreement
+from wowd.errors import ConfigError, FormatError
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, SlotLease, partition
-from wowd.stores.base import Ddl
+from wowd.stores.base import ClockReading, Ddl, ReplicaInfo
 from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
 from wowd.stores.embedded import timers as timers_module
@@ -215,6 +218,59 @@ async def test_lease_tables_follow_the_seed_fields(tmp_path: Path) -> None:
         await store.close()
     with sqlite3.connect(tmp_path / "w.db") as conn:
         assert conn.execute("SELECT slotOffset FROM cosid_namespace WHERE ns = 'old'").fetchone() == (None,)
+
+
+# --------------------------------------------------------------------------- the store clock
+
+
+async def test_a_process_whose_clock_agrees_with_the_file_starts(tmp_path: Path) -> None:
+    store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
+    try:
+        assert (await store.acquire(NS, Owner(key="a"), 2, timedelta(seconds=5), timedelta(seconds=1))).acquired
+        await store.heartbeat(NS, "a", ReplicaInfo(instance="i", host="h", pid=1, version="v"), timedelta(seconds=5))
+        reading = await store.clock_reading("b")
+        assert reading.latest is not None and reading.latest <= reading.after
+        assert reading.file_written is not None
+        assert clock_disagreement(reading, 0.0) is None  # even with no tolerance
+        check_store_clock(reading, 1.0)
+        # a second start reads its own probe as the file's latest write: no lease or presence time
+        assert clock_disagreement(await store.clock_reading("c"), 0.0) is None
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize("skew_s", [600, -600, 3, -3])
+async def test_a_process_whose_clock_is_off_by_more_than_the_tolerance_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skew_s: int
+) -> None:
+    """Another replica's lease and presence writes, then this process's reading with its clock
+    ``skew_s`` off: ahead (the file's modification time is in its past) or behind (the lease's
+    write and the file's time are in its future)."""
+    store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
+    try:
+        assert (await store.acquire(NS, Owner(key="a"), 2, timedelta(seconds=5), timedelta(seconds=1))).acquired
+        real_now_ms = clock.now_ms
+        monkeypatch.setattr(clock, "now_ms", lambda: real_now_ms() + skew_s * 1000)
+        reading = await store.clock_reading("b")
+    finally:
+        await store.close()
+    why = clock_disagreement(reading, 1.0)
+    assert why is not None
+    if skew_s > 0:
+        assert f"this process's clock is {skew_s}." in why and "ahead of the host's" in why
+    else:
+        assert "slot lease last written by a" in why and f"stamped {-skew_s}." in why
+    assert clock_disagreement(reading, abs(skew_s) + 1) is None  # within a tolerance that wide
+    with pytest.raises(ConfigError, match=r"refusing to start: .* WOWD_LEASE__TOLERANCE_S = 1 s"):
+        check_store_clock(reading, 1.0)
+
+
+def test_a_file_time_in_whole_seconds_is_given_two_seconds_more() -> None:
+    reading = ClockReading(path="w.db", before=10_500, after=10_510, file_written=9_000, file_coarse=False)
+    assert clock_disagreement(reading, 1.0) is not None
+    assert clock_disagreement(replace(reading, file_coarse=True), 1.0) is None
+    later = replace(reading, file_written=14_000, file_coarse=True)
+    assert "behind the host's" in (clock_disagreement(later, 1.0) or "")
 
 
 # --------------------------------------------------------------------------- log

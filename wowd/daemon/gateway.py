@@ -75,7 +75,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 OUTBOX_HOUSEKEEPING_S = 60.0
-"""How often (at most) the outbox gateway trims the outbox and counts its depth."""
+"""How often (at most) the outbox gateway trims the outbox past its retention."""
 
 OUTBOX_CHUNK = 500
 """At most this many timers in one outbox ``put_many`` of the delivery stream."""
@@ -232,8 +232,8 @@ class OutboxGateway:
 
     The fence and owner key written with each entry are those of the timer's claim; a batch is
     one ``put_many`` call. At most every :data:`OUTBOX_HOUSEKEEPING_S`, after a delivery, it
-    trims the entries older than ``retention_s`` (0: none) and counts the outbox into
-    ``wowd_outbox_depth``.
+    trims the entries older than ``retention_s`` (0: none). :meth:`count_depth` counts the
+    outbox into ``wowd_outbox_depth`` (the HTTP listener calls it before each ``/metrics``).
 
     Given ``firing``, the timer store's own writer into this outbox (the embedded backend: one
     file), it is also a :class:`FusedFiring` (:attr:`fused`): the timers due now are read,
@@ -247,6 +247,8 @@ class OutboxGateway:
         self._retention_ms = int(retention_s * 1000)
         self._housekept_at: float | None = None
         self._firing = firing
+        self._counted_at = time.monotonic()
+        self._count_failed = False
 
     @property
     def fused(self) -> FusedFiring | None:
@@ -292,17 +294,43 @@ class OutboxGateway:
         await self._maybe_housekeep()
 
     async def housekeep(self) -> None:
-        """Trims past the retention and updates ``wowd_outbox_depth``; a store failure is
-        logged and left for the next time (deliveries do not depend on it)."""
+        """Trims past the retention; a store failure is logged and left for the next time
+        (deliveries do not depend on it)."""
         self._housekept_at = time.monotonic()
+        if self._retention_ms <= 0:
+            return
         try:
-            if self._retention_ms > 0:
-                trimmed = await self._outbox.trim(clock.now_ms() - self._retention_ms)
-                if trimmed:
-                    log.info("outbox: trimmed %d entries older than the retention", trimmed)
-            metrics.OUTBOX_DEPTH.set(await self._outbox.count())
+            trimmed = await self._outbox.trim(clock.now_ms() - self._retention_ms)
+            if trimmed:
+                log.info("outbox: trimmed %d entries older than the retention", trimmed)
         except StorageError as exc:
             log.warning("outbox housekeeping failed (will retry): %s", exc)
+
+    async def count_depth(self) -> None:
+        """Counts the outbox (its entries not acknowledged nor trimmed yet) into
+        ``wowd_outbox_depth``. A store failure is logged (once until a count succeeds again) and
+        leaves the last count, whose age :meth:`depth_age` tells."""
+        try:
+            depth = await self._outbox.count()
+        except StorageError as exc:
+            if not self._count_failed:
+                log.warning(
+                    "outbox: depth not counted (wowd_outbox_depth keeps the count of %.0f s ago): %s",
+                    self.depth_age(),
+                    exc,
+                )
+            self._count_failed = True
+            return
+        metrics.OUTBOX_DEPTH.set(depth)
+        self._counted_at = time.monotonic()
+        if self._count_failed:
+            log.info("outbox: depth counted again (%d)", depth)
+        self._count_failed = False
+
+    def depth_age(self) -> float:
+        """Seconds since :meth:`count_depth` last counted (since this gateway was made, before
+        its first count): ``wowd_outbox_depth_age_seconds``."""
+        return time.monotonic() - self._counted_at
 
     async def _maybe_housekeep(self) -> None:
         last = self._housekept_at

@@ -2,18 +2,22 @@
 
 Each connection serves one request and closes. A slow or malformed client is dropped after
 ``REQUEST_TIMEOUT_S``; nothing a client sends can stop the listener.
+
+A gauge that needs a store call (the outbox depth) is refreshed right before each ``/metrics``
+exposition: the listener waits at most ``REFRESH_TIMEOUT_S`` for the refresh and then serves the
+last values; a refresh still running is joined by the next scrape, never started twice.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import h11
-from anyio.abc import SocketAttribute, SocketStream, TaskStatus
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from wowd.metrics import REGISTRY
@@ -23,12 +27,16 @@ __all__ = ["HttpServer"]
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
+REFRESH_TIMEOUT_S = 1.0
+"""How long a scrape waits for the gauges refreshed at scrape time before serving the last values."""
 
 
 class HttpServer:
     """Serves the health and metrics endpoints. ``ready(holding)`` decides ``/readyz``: it answers
     ``(ok, why)``; ``/readyz`` asks whether the replica functions (holder or standby),
-    ``/readyz?holding=1`` whether it also holds a slot. A 503's body says why."""
+    ``/readyz?holding=1`` whether it also holds a slot. A 503's body says why. ``refresh``, when
+    given, is awaited before each ``/metrics`` exposition (at most :data:`REFRESH_TIMEOUT_S`):
+    it updates the gauges read from a store, and handles its own store errors."""
 
     def __init__(
         self,
@@ -38,12 +46,17 @@ class HttpServer:
         *,
         registry: CollectorRegistry = REGISTRY,
         port_file: Path | None = None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._host = host
         self._port = port
         self._ready = ready
         self._registry = registry
         self._port_file = port_file
+        self._refresh = refresh
+        self._refreshing: anyio.Event | None = None
+        self._refresh_late = False
+        self._tasks: TaskGroup | None = None
         self.bound_port: int | None = None
 
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -59,7 +72,37 @@ class HttpServer:
                 tmp.write_text(f"{port}\n")
                 tmp.replace(self._port_file)
             task_status.started(port)
-            await listener.serve(self._handle)
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                await listener.serve(self._handle, task_group=tasks)
+
+    async def _refreshed(self) -> None:
+        """Runs ``refresh`` (or joins the one running) and waits for it, within
+        :data:`REFRESH_TIMEOUT_S`; one that takes longer goes on and serves a later scrape."""
+        if self._refresh is None or self._tasks is None:
+            return
+        done = self._refreshing
+        if done is None:
+            done = self._refreshing = anyio.Event()
+            self._tasks.start_soon(self._run_refresh, self._refresh, done)
+        with anyio.move_on_after(REFRESH_TIMEOUT_S):
+            await done.wait()
+            self._refresh_late = False
+            return
+        if not self._refresh_late:
+            log.warning(
+                "metrics: a store gauge was not refreshed within %.1f s; serving its last value", REFRESH_TIMEOUT_S
+            )
+        self._refresh_late = True
+
+    async def _run_refresh(self, refresh: Callable[[], Awaitable[None]], done: anyio.Event) -> None:
+        try:
+            await refresh()
+        except Exception:
+            log.exception("metrics: refreshing the store gauges failed")
+        finally:
+            self._refreshing = None
+            done.set()
 
     def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
         if method not in ("GET", "HEAD"):
@@ -88,6 +131,8 @@ class HttpServer:
                     return
                 method = request.method.decode("ascii", "replace")
                 path = request.target.decode("ascii", "replace")
+                if path == "/metrics" and method in ("GET", "HEAD"):
+                    await self._refreshed()
                 status, ctype, body = self._route(method, path)
                 await self._respond(conn, stream, status, ctype, b"" if method == "HEAD" else body, len(body))
         except h11.RemoteProtocolError:

@@ -52,9 +52,9 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
 from wowd.fmt import compact_partitions
 from wowd.model import Owner, SlotLease
-from wowd.stores.base import ReplicaInfo, SlotLeaseStore
+from wowd.stores.base import ClockReading, ReplicaInfo, SlotLeaseStore
 
-__all__ = ["HeldSlot", "Presence", "SlotKeeper", "owner_key_for"]
+__all__ = ["HeldSlot", "Presence", "SlotKeeper", "check_store_clock", "clock_disagreement", "owner_key_for"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,57 @@ MIN_CLOCK_STEP_S = 0.05
 and a slewing NTP stay well below it)."""
 HEARTBEAT_WARN_EVERY_S = 60.0
 """Failed heartbeats are logged at WARNING at most this often (at DEBUG in between)."""
+
+
+COARSE_FILE_TIME_MS = 2000
+"""How far a file system that keeps whole seconds (or two) may stamp a write before it happened."""
+
+
+def clock_disagreement(reading: ClockReading, tolerance_s: float) -> str | None:
+    """Why this process's clock disagrees with the file's (:class:`ClockReading`) by more than
+    the lease tolerance (at least :data:`MIN_CLOCK_STEP_S`), or None. Two comparisons:
+
+    - a lease or presence record written at a time later than this process's now: the process
+      that wrote it had a clock ahead of this one (this one behind, or that one ahead);
+    - the file's modification time just after this process wrote it, stamped by the host's clock,
+      outside the span this process's clock gave around the write: this process's clock is ahead
+      of the host's or behind it.
+    """
+    tol_ms = max(tolerance_s, MIN_CLOCK_STEP_S) * 1000
+    if reading.latest is not None and reading.latest > reading.after + tol_ms:
+        by = f" by {reading.latest_by}" if reading.latest_by else ""
+        return (
+            f"the {reading.latest_what} last written{by} in {reading.path} is stamped "
+            f"{(reading.latest - reading.after) / 1000:.1f} s after this process's now: this process's clock is "
+            "behind the clock of the replica that wrote it (or that one was ahead)"
+        )
+    if reading.file_written is not None:
+        slack = tol_ms + (COARSE_FILE_TIME_MS if reading.file_coarse else 0)
+        if reading.file_written > reading.after + slack:
+            return (
+                f"this process's clock is {(reading.file_written - reading.after) / 1000:.1f} s behind the "
+                f"host's ({reading.path} was modified by this process's write at that time)"
+            )
+        if reading.file_written < reading.before - slack:
+            return (
+                f"this process's clock is {(reading.before - reading.file_written) / 1000:.1f} s ahead of the "
+                f"host's ({reading.path} was modified by this process's write at that time)"
+            )
+    return None
+
+
+def check_store_clock(reading: ClockReading, tolerance_s: float) -> None:
+    """Raises :class:`ConfigError` (``wowd run`` exits 2) when :func:`clock_disagreement` finds
+    one: on a backend whose store clock is each replica's own, a clock ahead would take live slots
+    and fire timers early, one behind would never take over an expired slot."""
+    why = clock_disagreement(reading, tolerance_s)
+    if why is None:
+        return
+    raise ConfigError(
+        f"refusing to start: {why}; more than the lease tolerance (lease.tolerance_s, WOWD_LEASE__TOLERANCE_S = "
+        f"{tolerance_s:g} s). The embedded store decides lease expiry by the clock of each replica, so every "
+        "replica sharing the file must keep the host's time: fix the clock (NTP) and start again"
+    )
 
 
 def owner_key_for(base: str, index: int) -> str:

@@ -25,9 +25,9 @@ from wowd.reducers import Reducer, load_reducer
 from wowd.stores.base import Backend
 
 from .feed import Feeder
-from .gateway import CommandGateway, FusedFiring
+from .gateway import CommandGateway, FusedFiring, OutboxGateway
 from .http import HttpServer
-from .leases import HeldSlot, Presence, SlotKeeper, owner_key_for
+from .leases import HeldSlot, Presence, SlotKeeper, check_store_clock, owner_key_for
 from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
 from .timers import TimerLoop, round_strategy
@@ -173,7 +173,17 @@ class Supervisor:
             for i in range(s.lease.slots_per_process)
         ]
         presence = self._presence = Presence(s, self.backend.leases, lambda: self.held, owner_key=base_key)
-        self.http = HttpServer(s.http.host, s.http.port, self.readiness, port_file=self._port_file)
+        # the outbox depth is counted at each scrape (the store call cannot run inside a collector)
+        outbox = self.gateway if isinstance(self.gateway, OutboxGateway) else None
+        if outbox is not None:
+            metrics.OUTBOX_DEPTH_AGE.set_function(outbox.depth_age)
+        self.http = HttpServer(
+            s.http.host,
+            s.http.port,
+            self.readiness,
+            port_file=self._port_file,
+            refresh=outbox.count_depth if outbox is not None else None,
+        )
         with anyio.CancelScope() as scope:
             self._scope = scope
             async with anyio.create_task_group() as tg:
@@ -206,7 +216,9 @@ class Supervisor:
 
     async def _prepare(self) -> bool:
         """Prepares the stores, retrying while they do not answer (``/healthz`` is served
-        meanwhile, ``/readyz`` says 503). False when stopped first."""
+        meanwhile, ``/readyz`` says 503). False when stopped first. Raises
+        :class:`~wowd.errors.ConfigError` when the backend's store clock is this process's own
+        and the store disagrees with it (:func:`~wowd.daemon.leases.check_store_clock`)."""
         b = self.backend
         attempt = 0
         while not self._stop.is_set():
@@ -216,6 +228,10 @@ class Supervisor:
                 await b.snapshots.prepare()
                 for agg in self._reducers:
                     await b.snapshots.create_collection(agg)
+                if b.clock_reading is not None:
+                    # the store clock is this process's own: no slot on a clock the file disagrees with
+                    reading = await b.clock_reading(self.settings.owner_key)
+                    check_store_clock(reading, self.settings.lease.tolerance_s)
                 return True
             except StorageUnavailable as exc:
                 log.warning("stores not ready (will retry): %s", exc)

@@ -42,6 +42,7 @@ from wowd.model import (
 __all__ = [
     "AppendOutcome",
     "Backend",
+    "ClockReading",
     "Ddl",
     "EventSink",
     "FeedApplied",
@@ -183,6 +184,29 @@ PRESENCE_RETENTION = timedelta(minutes=5)
 """How long a presence record is kept after it expired (listed as gone by
 :meth:`SlotLeaseStore.replicas`), then deleted: by the next heartbeat of the namespace (embedded)
 or by the TTL index (MongoDB)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClockReading:
+    """This process's clock set beside the times a store whose clock is each process's own (the
+    embedded backend's file) holds; every time in ms since the epoch.
+
+    ``before`` and ``after`` are this process's clock around a write of the file, and
+    ``file_written`` the file's modification time just after it, stamped by the host the file is
+    on: with this process's clock right, ``before <= file_written <= after``. ``file_coarse``: that
+    time is a whole second (a file system that keeps no finer ones). ``latest``: the latest time a
+    lease or presence record was written at by the clock of the process that wrote it, with
+    ``latest_by`` (its owner key) and ``latest_what``; never later than ``after`` while that
+    process's clock and this one agree."""
+
+    path: str
+    before: int
+    after: int
+    file_written: int | None = None
+    file_coarse: bool = False
+    latest: int | None = None
+    latest_by: str = ""
+    latest_what: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -559,7 +583,8 @@ class Outbox(Protocol):
         ...
 
     async def count(self) -> int:
-        """The entries in the outbox (its depth)."""
+        """The entries in the outbox: those not acknowledged (an ack removes its entries) nor
+        trimmed yet, the outbox's depth. Cheap enough to be called at every metrics scrape."""
         ...
 
     async def close(self) -> None: ...
@@ -720,6 +745,10 @@ class Backend:
     feed_writer: FeedWriter | None = None
     """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
     (the embedded backend)."""
+    clock_reading: Callable[[str], Awaitable[ClockReading]] | None = None
+    """Where the store clock is each replica process's own (the embedded backend), how this
+    process's clock compares with the file's last writes (:class:`ClockReading`; the argument:
+    the replica's owner key): a replica checks it before it takes a slot."""
     closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 

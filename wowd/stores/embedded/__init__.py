@@ -111,6 +111,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             outbox_firing=timers,  # the outbox table is in the timers' own file
             checks_log=True,  # so are the log and the feed's checkpoints
             feed_writer=feed_writer,  # and the event sink's documents
+            clock_reading=leases.clock_reading,  # the store clock: each process's own
             sink_factory=sink_factory,
             closers=[
                 checkpointer.aclose,

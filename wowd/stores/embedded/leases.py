@@ -6,14 +6,19 @@ Tables (the seed's documents as rows, the seed's field names as columns):
   ``fence``, ``expiresAt``, ``floor``, ``ceiling``, ``nextFloor``, ``writtenAt``;
 - ``cosid_namespace``: ``ns`` primary key, ``limit``, ``toleranceMs``, ``slotOffset`` (NULL reads
   as 0 and is never rewritten);
+- ``clock_probe``: one row, the owner key and this process's clock at the last start-up clock
+  check (:meth:`EmbeddedSlotLeaseStore.clock_reading`), written so that the file's modification
+  time can be compared with the process's clock;
 - ``cosid_replica``: the presence record of each replica, ``(ns, ownerKey)`` primary key,
   ``instance``, ``host``, ``pid``, ``version``, ``state``, ``slots`` (a JSON array),
   ``startedAt``, ``seenAt``, ``expiresAt`` (store clock). A heartbeat is one upsert stamped with
   the store's now, and deletes the namespace's records expired more than
   :data:`~wowd.stores.base.PRESENCE_RETENTION` ago in the same transaction.
 
-The store clock is SQLite's ``now`` (:data:`~wowd.stores.embedded.db.NOW_MS`), evaluated once per
-statement (``UPDATE ... FROM (SELECT now) AS clk``), so ``writtenAt`` and ``expiresAt`` come from
+The store clock is SQLite's ``now`` (:data:`~wowd.stores.embedded.db.NOW_MS`): the clock of the
+process that runs the statement, so replicas sharing the file must agree on the time (they share
+the host's clock; :meth:`EmbeddedSlotLeaseStore.clock_reading` lets a replica check at start). It is
+evaluated once per statement (``UPDATE ... FROM (SELECT now) AS clk``), so ``writtenAt`` and ``expiresAt`` come from
 the same write. An acquire runs in one short ``BEGIN IMMEDIATE`` transaction (processes sharing
 the file serialise on SQLite's write lock), and each step that takes a slot is one conditional
 ``UPDATE ... RETURNING`` whose ``WHERE`` holds the whole condition (free by the store clock, the
@@ -33,13 +38,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
+from wowd import clock
 from wowd.errors import StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo, ReplicaState
+from wowd.stores.base import PRESENCE_RETENTION, ClockReading, ReplicaInfo, ReplicaState
 from wowd.stores.embedded.db import NOW_MS, SqliteStore
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -83,6 +90,11 @@ SCHEMA = (
         seenAt INTEGER NOT NULL,
         expiresAt INTEGER NOT NULL,
         PRIMARY KEY (ns, ownerKey)
+    )""",
+    """CREATE TABLE IF NOT EXISTS clock_probe (
+        id INTEGER PRIMARY KEY CHECK (id = 0),
+        ownerKey TEXT NOT NULL,
+        writtenAt INTEGER NOT NULL
     )""",
 )
 
@@ -193,6 +205,37 @@ def replicas_sql() -> str:
         f"FROM cosid_replica, (SELECT {NOW_MS} AS now) AS clk "
         "WHERE ns = :ns AND expiresAt + :retention > clk.now ORDER BY ownerKey"
     )
+
+
+def probe_sql() -> str:
+    """The start-up clock check's write: the one ``clock_probe`` row, stamped with the store clock."""
+    return (
+        "INSERT INTO clock_probe (id, ownerKey, writtenAt) "
+        f"VALUES (0, :owner, {NOW_MS}) "
+        "ON CONFLICT (id) DO UPDATE SET ownerKey = excluded.ownerKey, writtenAt = excluded.writtenAt"
+    )
+
+
+def latest_writes_sql() -> str:
+    """The latest lease and presence writes of the file, any namespace: (time, owner key, what)."""
+    return (
+        "SELECT writtenAt, COALESCE(ownerKey, lastOwnerKey, ''), 'slot lease' FROM cosid_slot "
+        "WHERE writtenAt > 0 "
+        "UNION ALL SELECT seenAt, ownerKey, 'presence record' FROM cosid_replica "
+        "ORDER BY 1 DESC LIMIT 1"
+    )
+
+
+def file_written(path: str) -> tuple[int, bool] | None:
+    """The modification time (ms) of the file's WAL, where a commit writes (of the file itself
+    when it has none), and whether it is a whole second; None when neither is there."""
+    for name in (path + "-wal", path):
+        try:
+            mtime = os.stat(name).st_mtime_ns
+        except FileNotFoundError:
+            continue
+        return mtime // 1_000_000, mtime % 1_000_000_000 == 0
+    return None
 
 
 def _replica(row: sqlite3.Row | tuple[Any, ...]) -> ReplicaState:
@@ -362,6 +405,34 @@ class EmbeddedSlotLeaseStore(SqliteStore):
             ]
 
         return await self._run("slots", run)
+
+    async def clock_reading(self, owner_key: str = "") -> ClockReading:
+        """This process's clock (``wowd.clock``, the clock SQLite's ``now`` reads too) beside the
+        file's: read around a write of the ``clock_probe`` row (under ``owner_key``), then the
+        file's modification time and its latest lease or presence write (:class:`ClockReading`)."""
+        path = self._db.path
+
+        def probe(conn: sqlite3.Connection) -> None:
+            conn.execute(probe_sql(), {"owner": owner_key})
+
+        def run(conn: sqlite3.Connection) -> ClockReading:
+            latest = conn.execute(latest_writes_sql()).fetchone()
+            before = clock.now_ms()
+            self._db.transaction(probe)(conn)
+            written = file_written(path) if path != ":memory:" else None
+            after = clock.now_ms()
+            return ClockReading(
+                path=path,
+                before=before,
+                after=after,
+                file_written=written[0] if written else None,
+                file_coarse=written[1] if written else False,
+                latest=latest[0] if latest else None,
+                latest_by=latest[1] if latest else "",
+                latest_what=latest[2] if latest else "",
+            )
+
+        return await self._run("clock_reading", run)
 
     # ------------------------------------------------------------------ presence
 

@@ -176,6 +176,10 @@ class EmbeddedOutbox(SqliteStore):
         return await self._run("entries", run)
 
     async def count(self) -> int:
+        """``COUNT(*)``, which SQLite answers by scanning the table's smallest index (``outbox_created``,
+        an integer a row), on this store's own connection: a read of the WAL snapshot, which no
+        writer blocks."""
+
         def run(conn: sqlite3.Connection) -> int:
             return int(conn.execute("SELECT COUNT(*) FROM outbox").fetchone()[0])
 
