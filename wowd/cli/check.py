@@ -118,20 +118,19 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
     if settings.gateway.kind != "http":
         return 0  # the outbox is probed with the stores
     from wowd.daemon.gateway import HttpGateway
-    from wowd.daemon.routes import FALLBACK
 
     gateway = HttpGateway(settings.gateway, concurrency=1)
     failures = 0
     try:
         for route in gateway.routes:
-            name = "gateway" if route.name == FALLBACK else f"gateway route {route.name}"
+            name = "gateway" if route.is_fallback else f"gateway route {route.name}"
             try:
                 status = await gateway.probe(route)
             except WowdError as exc:
                 err(redact(f"FAIL {name}: {exc}", secrets))
                 failures += 1
                 continue
-            out(f"ok   {name}{'' if route.name == FALLBACK else ':'} {route.url} (HEAD answered {status})")
+            out(f"ok   {name}{'' if route.is_fallback else ':'} {route.url} (HEAD answered {status})")
     finally:
         with anyio.CancelScope(shield=True):
             await gateway.aclose()

@@ -72,9 +72,9 @@ class Route:
     ``park``, ``fail``)."""
 
     @property
-    def label(self) -> str:
-        """What a log line calls the route."""
-        return f"route {self.name} ({self.url})" if self.name != FALLBACK else self.url
+    def is_fallback(self) -> bool:
+        """The route of ``gateway.url``."""
+        return self.name == FALLBACK
 
     def target_label(self, target: str) -> str:
         """``target`` as the delivery log names it: with its route unless that is the fallback."""
