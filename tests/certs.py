@@ -51,6 +51,8 @@ def _issue(d: Path, name: str, subject: str, ca: Path, ca_key: Path, ext: str) -
 
 
 def make_pki(d: Path, client_cn: str = "wowd-client") -> Pki:
+    """The certificates and keys, written into the directory ``d`` (created)."""
+    d.mkdir(parents=True, exist_ok=True)
     ca, ca_key = d / "ca.pem", d / "ca.key"
     _openssl(
         "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
