@@ -6,6 +6,7 @@ Precedence: init arguments > environment > TOML file (``--config`` / ``WOWD_CONF
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -394,11 +395,29 @@ def _settings_error(exc: SettingsError) -> str:
     text = str(exc)
     if '"' in text and "EnvSettingsSource" in text:
         name = text.split('"')[1]
+        part = WowdSettings.model_fields[name].annotation if name in WowdSettings.model_fields else None
+        if isinstance(part, type) and issubclass(part, BaseModel):
+            # a list setting of a part (WOWD_GATEWAY__ROUTES): name the variable that is not JSON
+            for key, value in sorted(os.environ.items()):
+                head, _, field = key.upper().partition("__")
+                if head == f"WOWD_{name.upper()}" and field.lower() in part.model_fields and not _is_json(value):
+                    return (
+                        f"{key}: not JSON (a list setting from the environment is a JSON array, "
+                        f'e.g. WOWD_GATEWAY__ROUTES=\'[{{"match": "order", "url": "https://orders.internal"}}]\')'
+                    )
         return (
             f"WOWD_{name.upper()}: not JSON (a dict setting from the environment is a JSON object, "
             f'e.g. WOWD_REDUCERS=\'{{"order": "module:attribute"}}\')'
         )
     return text
+
+
+def _is_json(value: str) -> bool:
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:

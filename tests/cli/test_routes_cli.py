@@ -95,3 +95,20 @@ def test_a_bad_global_client_certificate_stops_check(
     monkeypatch.setenv("WOWD_GATEWAY__CLIENT_CERT", str(not_a_cert))
     code, _out, err = wowd("check")
     assert code == 2 and f"wowd: gateway.client_cert: cannot load {not_a_cert}" in err
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"WOWD_GATEWAY__ROUTES": "match=order"}, "WOWD_GATEWAY__ROUTES: not JSON (a list setting"),
+        ({"WOWD_GATEWAY__SIGNING_SECRETS": SECRET}, "WOWD_GATEWAY__SIGNING_SECRETS: not JSON (a list setting"),
+        ({"WOWD_GATEWAY__ROUTES": '{"match": "order"}'}, "gateway.routes: Input should be a valid list"),
+    ],
+)
+def test_a_list_setting_that_is_not_json_is_named(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and says in err and SECRET not in err and SECRET[6:] not in err
