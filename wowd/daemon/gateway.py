@@ -15,7 +15,8 @@ mid-batch (shutdown grace, lost lease) still settles what was delivered.
 
 A *target* (:func:`target_of`) is the timer's target context and aggregate type,
 ``context.aggregate``: the endpoint path prefix ``{url}/[tenant/{tenant}/]{aggregate}/`` of the
-service owning that aggregate. :class:`DeliveryLog` logs the outcomes other than Delivered, at
+service owning that aggregate, ``url`` that of the target's route (:mod:`wowd.daemon.routes`).
+:class:`DeliveryLog` logs the outcomes other than Delivered, at
 most one line per target and kind every 10 s.
 """
 
@@ -772,6 +773,7 @@ class HttpGateway:
                         await in_flight.wait()
                     try:
                         outcome, failed = await self._post(route, url, body, headers)
+                        route.counted[_OUTCOME_NAMES[type(outcome)]].inc()
                     finally:
                         in_flight.give()
                 except BaseException:
@@ -813,13 +815,6 @@ class HttpGateway:
     async def _post(self, route: Route, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
         """One exchange on ``route``: the outcome and whether it counts against the target's
         circuit."""
-        outcome, failed = await self._exchange(route, url, body, headers)
-        route.counted[_OUTCOME_NAMES[type(outcome)]].inc()
-        return outcome, failed
-
-    async def _exchange(
-        self, route: Route, url: yarl.URL, body: bytes, headers: dict[str, str]
-    ) -> tuple[Outcome, bool]:
         import aiohttp
 
         session = self._session or self._open_session()
