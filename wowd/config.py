@@ -6,6 +6,7 @@ Precedence: init arguments > environment > TOML file (``--config`` / ``WOWD_CONF
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -27,6 +28,7 @@ from pydantic_settings import (
 
 from wowd.errors import ConfigError
 from wowd.model import validate_name
+from wowd.signing import secret_key
 
 __all__ = [
     "ElasticsearchSettings",
@@ -36,6 +38,7 @@ __all__ = [
     "LeaseSettings",
     "MongoSettings",
     "OutboxSettings",
+    "RouteSettings",
     "ShutdownSettings",
     "TimerSettings",
     "WowdSettings",
@@ -122,39 +125,111 @@ class TimerSettings(_Part):
         return self
 
 
+def _http_url(v: str | None) -> str | None:
+    if v is None:
+        return v
+    try:
+        parts = urlsplit(v)
+    except ValueError as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return v
+
+
+def _signing_secrets(v: list[SecretStr] | None) -> list[SecretStr] | None:
+    """Each secret is ``whsec_`` and base64 (the message never repeats the value)."""
+    for i, secret in enumerate(v or ()):
+        try:
+            secret_key(secret.get_secret_value())
+        except ValueError as exc:
+            raise ValueError(f"signing_secrets[{i}]: {exc}") from None
+    return v
+
+
+def _client_key_needs_cert(part: GatewaySettings | RouteSettings) -> None:
+    if part.client_key is not None and part.client_cert is None:
+        raise ValueError("client_key is given without client_cert")
+
+
+class RouteSettings(_Part):
+    """Where the timers of one context (or one ``context.aggregate``) go; an unset setting is the
+    gateway's, except the credential (``token``, ``api_key_header``), which is the route's own."""
+
+    match: str
+    """``context`` (every aggregate of it) or ``context.aggregate``."""
+    url: str
+    token: SecretStr | None = None
+    api_key_header: str | None = None
+    timeout_s: float | None = Field(default=None, gt=0)
+    per_target_concurrency: int | None = Field(default=None, ge=1)
+    ca_certs: Path | None = None
+    client_cert: Path | None = None
+    client_key: Path | None = None
+    signing_secrets: list[SecretStr] | None = None
+    """An empty list: this route's requests are not signed even with ``gateway.signing_secrets``."""
+
+    @field_validator("match")
+    @classmethod
+    def _match(cls, v: str) -> str:
+        parts = v.split(".")
+        if len(parts) > 2:
+            raise ValueError(f"{v!r} is not 'context' or 'context.aggregate'")
+        for part in parts:
+            try:
+                validate_name(part, field="match")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    _url = field_validator("url")(_http_url)
+    _secrets = field_validator("signing_secrets")(_signing_secrets)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RouteSettings:
+        _client_key_needs_cert(self)
+        return self
+
+
 class GatewaySettings(_Part):
     kind: Literal["outbox", "http"] = "outbox"
     url: str | None = None
+    """The targets no route matches (without it, their timers fail: no route)."""
     token: SecretStr | None = None
     api_key_header: str | None = None
     """When set, the token is sent in this header instead of ``Authorization: Bearer``."""
     timeout_s: float = Field(default=10.0, gt=0)
     ca_certs: Path | None = None
     verify_certs: bool = True
+    client_cert: Path | None = None
+    """A client certificate (PEM) sent to the targets that ask for one (mutual TLS)."""
+    client_key: Path | None = None
+    """The client certificate's private key (PEM, unencrypted); unset: it is in ``client_cert``."""
+    signing_secrets: list[SecretStr] = []
+    """``whsec_<base64>`` secrets: each request is signed with each (Standard Webhooks)."""
     per_target_concurrency: int = Field(default=16, ge=1)
     """At most this many requests in flight to one target (``context.aggregate``) of the http gateway."""
     breaker_failures: int = Field(default=5, ge=1)
     """Consecutive failures (timeout, transport error, 408, 429, 5xx) of a target that open its circuit."""
     breaker_open_s: float = Field(default=30.0, gt=0)
     """How long an open circuit answers Retry without a request before one trial request."""
+    routes: list[RouteSettings] = []
+    """Per context (or ``context.aggregate``), in order: the first that matches a target is its route."""
 
-    @field_validator("url")
-    @classmethod
-    def _http_url(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        try:
-            parts = urlsplit(v)
-        except ValueError as exc:
-            raise ValueError(f"not a URL: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        return v
+    _url = field_validator("url")(_http_url)
+    _secrets = field_validator("signing_secrets")(_signing_secrets)
 
     @model_validator(mode="after")
     def _url_for_http(self) -> GatewaySettings:
-        if self.kind == "http" and not self.url:
-            raise ValueError("url is required when kind is 'http'")
+        if self.kind == "http" and not self.url and not self.routes:
+            raise ValueError("url or routes is required when kind is 'http'")
+        _client_key_needs_cert(self)
+        for i, route in enumerate(self.routes):
+            for j, earlier in enumerate(self.routes[:i]):
+                if route.match == earlier.match or route.match.startswith(earlier.match + "."):
+                    raise ValueError(
+                        f"routes[{i}] ({route.match}) is never used: routes[{j}] ({earlier.match}) matches first"
+                    )
         return self
 
 
@@ -320,11 +395,29 @@ def _settings_error(exc: SettingsError) -> str:
     text = str(exc)
     if '"' in text and "EnvSettingsSource" in text:
         name = text.split('"')[1]
+        part = WowdSettings.model_fields[name].annotation if name in WowdSettings.model_fields else None
+        if isinstance(part, type) and issubclass(part, BaseModel):
+            # a list setting of a part (WOWD_GATEWAY__ROUTES): name the variable that is not JSON
+            for key, value in sorted(os.environ.items()):
+                head, _, field = key.upper().partition("__")
+                if head == f"WOWD_{name.upper()}" and field.lower() in part.model_fields and not _is_json(value):
+                    return (
+                        f"{key}: not JSON (a list setting from the environment is a JSON array, "
+                        f'e.g. WOWD_GATEWAY__ROUTES=\'[{{"match": "order", "url": "https://orders.internal"}}]\')'
+                    )
         return (
             f"WOWD_{name.upper()}: not JSON (a dict setting from the environment is a JSON object, "
             f'e.g. WOWD_REDUCERS=\'{{"order": "module:attribute"}}\')'
         )
     return text
+
+
+def _is_json(value: str) -> bool:
+    try:
+        json.loads(value)
+    except ValueError:
+        return False
+    return True
 
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:

@@ -26,7 +26,9 @@ __all__ = [
     "FEED_WATERMARK_LAG",
     "FIRE_LAG",
     "GATEWAY_CIRCUIT_OPEN",
+    "GATEWAY_REQUESTS",
     "GATEWAY_SHORT_CIRCUITED",
+    "GATEWAY_UNROUTED",
     "LEASES_HELD",
     "LEASE_FENCE",
     "LEASE_HEARTBEAT_FAILURES",
@@ -146,6 +148,16 @@ GATEWAY_CIRCUIT_OPEN = Gauge(
 GATEWAY_SHORT_CIRCUITED = Counter(
     "wowd_gateway_short_circuited_total",
     "Sends answered Retry without a request: the target's circuit is open",
+    ["target"],
+)
+GATEWAY_REQUESTS = Counter(
+    "wowd_gateway_requests_total",
+    "Requests sent by the http gateway, by route (its match, * for gateway.url) and outcome",
+    ["route", "outcome"],
+)
+GATEWAY_UNROUTED = Counter(
+    "wowd_gateway_unrouted_total",
+    "Timers failed without a request: no route matches their target and gateway.url is unset",
     ["target"],
 )
 

@@ -114,21 +114,27 @@ async def _check_embedded_file(settings: WowdSettings) -> int:
 
 
 async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
+    """A ``HEAD`` of each route's URL (``gateway.url`` last), with its credential and TLS settings."""
     if settings.gateway.kind != "http":
         return 0  # the outbox is probed with the stores
     from wowd.daemon.gateway import HttpGateway
 
     gateway = HttpGateway(settings.gateway, concurrency=1)
+    failures = 0
     try:
-        status = await gateway.probe()
-    except WowdError as exc:
-        err(redact(f"FAIL gateway: {exc}", secrets))
-        return 1
+        for route in gateway.routes:
+            name = "gateway" if route.is_fallback else f"gateway route {route.name}"
+            try:
+                status = await gateway.probe(route)
+            except WowdError as exc:
+                err(redact(f"FAIL {name}: {exc}", secrets))
+                failures += 1
+                continue
+            out(f"ok   {name}{'' if route.is_fallback else ':'} {route.url} (HEAD answered {status})")
     finally:
         with anyio.CancelScope(shield=True):
             await gateway.aclose()
-    out(f"ok   gateway {settings.gateway.url} (HEAD answered {status})")
-    return 0
+    return failures
 
 
 async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:

@@ -11,6 +11,7 @@ from typing import Any, TextIO
 from urllib.parse import unquote, urlsplit
 
 from wowd.config import WowdSettings
+from wowd.signing import SECRET_PREFIX
 
 __all__ = ["LogFormatter", "redact", "secret_values", "setup_logging"]
 
@@ -18,11 +19,20 @@ MASK = "**********"
 
 
 def secret_values(settings: WowdSettings) -> list[str]:
-    """Every credential in the settings (and the password inside the MongoDB URI), longest first."""
+    """Every credential in the settings (tokens and signing secrets of the gateway and of each
+    route, the password inside the MongoDB URI), longest first."""
     out: list[str] = []
-    for s in (settings.gateway.token, settings.elasticsearch.api_key, settings.elasticsearch.password):
+    gateway = settings.gateway
+    candidates = [gateway.token, settings.elasticsearch.api_key, settings.elasticsearch.password]
+    candidates += gateway.signing_secrets
+    for route in gateway.routes:
+        candidates += [route.token, *(route.signing_secrets or ())]
+    for s in candidates:
         if s is not None and s.get_secret_value():
-            out.append(s.get_secret_value())
+            value = s.get_secret_value()
+            out.append(value)
+            if value.startswith(SECRET_PREFIX):
+                out.append(value[len(SECRET_PREFIX) :])  # a signing secret's key, as base64
     if settings.mongodb.uri is not None:
         uri = settings.mongodb.uri.get_secret_value()
         out.append(uri)

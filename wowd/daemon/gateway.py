@@ -15,7 +15,8 @@ mid-batch (shutdown grace, lost lease) still settles what was delivered.
 
 A *target* (:func:`target_of`) is the timer's target context and aggregate type,
 ``context.aggregate``: the endpoint path prefix ``{url}/[tenant/{tenant}/]{aggregate}/`` of the
-service owning that aggregate. :class:`DeliveryLog` logs the outcomes other than Delivered, at
+service owning that aggregate, ``url`` that of the target's route (:mod:`wowd.daemon.routes`).
+:class:`DeliveryLog` logs the outcomes other than Delivered, at
 most one line per target and kind every 10 s.
 """
 
@@ -27,21 +28,20 @@ import functools
 import json
 import logging
 import re
-import ssl
 import time
-import urllib.request
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import anyio
 import orjson
 
 from wowd import clock, metrics
 from wowd.config import GatewaySettings
-from wowd.errors import ConfigError, StorageError, StorageUnavailable
+from wowd.daemon.routes import Route, Routes
+from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
 from wowd.stores.base import FiredTimer, LogCheck, Outbox, OutboxFiring
 
@@ -115,6 +115,7 @@ Outcome: TypeAlias = Delivered | Retry | Park | Fail
 Stopped: TypeAlias = Callable[[], bool]
 
 _DELIVERED = Delivered()
+_OUTCOME_NAMES: dict[type[Any], str] = {Delivered: "delivered", Retry: "retry", Park: "park", Fail: "fail"}
 
 
 def _running() -> bool:
@@ -617,24 +618,6 @@ class CircuitBreaker:
 # --------------------------------------------------------------------------- http
 
 
-def _ssl_context(settings: GatewaySettings) -> ssl.SSLContext | bool:
-    """``False`` without verification or for a plain-HTTP url; else a verifying context on
-    ``ca_certs`` or the system's CAs (OpenSSL's default paths, ``SSL_CERT_FILE``/``SSL_CERT_DIR``)."""
-    if not settings.verify_certs or urlsplit(settings.url or "").scheme != "https":
-        return False
-    return ssl.create_default_context(cafile=str(settings.ca_certs) if settings.ca_certs is not None else None)
-
-
-def _env_proxy(url: str) -> str | None:
-    """The proxy the environment names for ``url`` (``HTTP_PROXY``/``HTTPS_PROXY``, ``NO_PROXY``),
-    read once: the gateway has one base URL."""
-    parts = urlsplit(url)
-    proxies = urllib.request.getproxies_environment()
-    if not proxies or urllib.request.proxy_bypass(parts.hostname or ""):
-        return None
-    return proxies.get(parts.scheme) or proxies.get("all")
-
-
 def _transport_reason(exc: BaseException) -> str:
     """The error's kind and, for a socket error, the OS's word for it (never a URL or a header)."""
     name = type(exc).__name__
@@ -710,13 +693,19 @@ class _Target:
 class HttpGateway:
     """POSTs each command to its target's endpoint, ``Command-Request-Id: timer.request_id``.
 
-    The credential (``token``) goes as ``Authorization: Bearer`` or, with ``api_key_header``, in
-    that header; it is never logged nor put in a reason (a target echoing it has it masked). TLS
-    verification is on unless disabled; ``ca_certs`` names a CA bundle, else the system's CAs.
-    Each exchange is bounded by ``timeout_s``; at most :data:`MAX_ANSWER_BYTES` of an answer are
-    read (an answer left unread closes its connection). One connection pool, keep-alive, at most
-    ``concurrency`` connections and requests in flight, at most ``per_target_concurrency`` per
-    target; a :class:`CircuitBreaker` per target. The session is opened on the first send (in the
+    A target's endpoint, credential, time limit, TLS context and per-target limit are those of
+    its route (:class:`~wowd.daemon.routes.Routes`: the first of ``routes`` matching it, else
+    ``url``); a timer whose target has no route fails without a request ("no route for ...",
+    ``wowd_gateway_unrouted_total``). The credential (``token``) goes as
+    ``Authorization: Bearer`` or, with ``api_key_header``, in that header; it is never logged nor
+    put in a reason (a target echoing it has it masked). With signing secrets, each request is
+    signed (:mod:`wowd.signing`: ``webhook-id`` is the request id). TLS verification is on unless
+    disabled; ``ca_certs`` names a CA bundle, else the system's CAs; ``client_cert`` (and
+    ``client_key``) is presented to a target asking for one. Each exchange is bounded by
+    ``timeout_s``; at most :data:`MAX_ANSWER_BYTES` of an answer are read (an answer left unread
+    closes its connection). One connection pool, keep-alive, at most ``concurrency``
+    connections and requests in flight, at most ``per_target_concurrency`` per target; a
+    :class:`CircuitBreaker` per target. The session is opened on the first send (in the
     running loop) and closed by :meth:`aclose` unless it was given. Its requests ask for no
     compression (``Accept-Encoding: identity``) and it keeps no cookies.
     """
@@ -730,45 +719,35 @@ class HttpGateway:
         outcomes: DeliveryLog | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not settings.url:
-            raise ValueError("gateway url is required for the http gateway")
+        if not settings.url and not settings.routes:
+            raise ValueError("gateway url or routes are required for the http gateway")
         self._settings = settings
-        self._base = settings.url
-        self._timeout = settings.timeout_s
         self._concurrency = concurrency
-        self._per_target = settings.per_target_concurrency
-        self._secret = settings.token.get_secret_value() if settings.token is not None else ""
         headers = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
-        if self._secret:
-            if settings.api_key_header:
-                headers[settings.api_key_header] = self._secret
-            else:
-                headers["authorization"] = f"Bearer {self._secret}"
         self._headers = headers
         self._owns = session is None
         self._session = session
-        # an owned session sends the constant headers itself; a given one has them per request
-        self._request_headers: dict[str, str] = {} if self._owns else headers
-        self._proxy = _env_proxy(settings.url)
         self._outcomes = outcomes or delivery_log
         self._clock = clock
         self._in_flight = _Slots(concurrency)
         self._targets: dict[str, _Target] = {}
         self._lanes: dict[str, Lane] = {}
-        # the client is loaded and the TLS context built (the CA bundle read) here, at start-up:
-        # either takes a tenth of a second or more, which the first delivery would otherwise wait
+        # the client is loaded and the TLS contexts built (CA bundles, client certificates and
+        # keys read) here, at start-up: it takes a tenth of a second or more, which the first
+        # delivery would otherwise wait, and an unreadable file is a ConfigError naming its setting
         import aiohttp  # an http gateway's own dependency: an outbox replica never loads it
 
-        self._client_timeout = aiohttp.ClientTimeout(total=self._timeout)
-        try:
-            self._ssl = _ssl_context(settings)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"gateway.ca_certs: cannot load {settings.ca_certs}: {exc}") from exc
+        self._client_timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+        # an owned session sends the constant headers itself; a given one has them per request
+        self._routes = Routes(settings, base_headers={} if self._owns else headers)
+        self._secrets = sorted({r.secret for r in self._routes.all if r.secret}, key=len, reverse=True)
+        # deliver starts up to this many workers per target; each holds one of the target's slots
+        self._per_target = max(r.per_target_concurrency for r in self._routes.all)
 
     def _open_session(self) -> aiohttp.ClientSession:
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0, ssl=self._ssl)
+        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0)
         self._session = aiohttp.ClientSession(
             connector=connector,
             headers=self._headers,
@@ -779,6 +758,11 @@ class HttpGateway:
         )
         return self._session
 
+    @property
+    def routes(self) -> list[Route]:
+        """Every route, the fallback (``url``) last."""
+        return self._routes.all
+
     def _target(self, name: str) -> _Target:
         t = self._targets.get(name)
         if t is None:
@@ -788,15 +772,19 @@ class HttpGateway:
                 open_s=self._settings.breaker_open_s,
                 clock=self._clock,
             )
-            t = self._targets[name] = _Target(name, breaker, self._per_target)
+            route = self._routes.route(name)
+            slots = route.per_target_concurrency if route is not None else 1
+            t = self._targets[name] = _Target(name, breaker, slots)
         return t
 
     def lane(self, timer: Timer) -> Lane:
-        """A lane per target, ``per_target_concurrency`` requests of it at once."""
+        """A lane per target, its route's ``per_target_concurrency`` requests of it at once."""
         name = target_of(timer)
         lane = self._lanes.get(name)
         if lane is None:
-            lane = self._lanes[name] = Lane(name, self._per_target)
+            route = self._routes.route(name)
+            limit = route.per_target_concurrency if route is not None else 1
+            lane = self._lanes[name] = Lane(name, limit)
         return lane
 
     def breaker(self, target: str) -> CircuitBreaker:
@@ -809,24 +797,32 @@ class HttpGateway:
     async def _send(self, timer: Timer, target: _Target, *, holding: bool = False) -> Outcome:
         """``holding``: the caller holds one of the target's slots for this send."""
         request_id = timer.request_id
+        route = self._routes.route(target.name)
+        if route is None:
+            metrics.GATEWAY_UNROUTED.labels(target=target.name).inc()
+            unrouted = Fail(reason=f"no route for {target.name}")
+            self._outcomes.outcome(target.name, unrouted, request_id)
+            return unrouted
         breaker = target.breaker
         refusing = breaker.refusing()
         if refusing is not None:
             outcome = target.short_circuit(refusing)
-            self._outcomes.outcome(target.name, outcome, request_id)
+            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
             return outcome
         import yarl
 
         try:
             name, body, body_type = request_parts(timer.body)
-            url = yarl.URL(_command_url(self._base, timer.target, name), encoded=True)
+            url = yarl.URL(_command_url(route.url, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
             outcome = Fail(reason=f"unreadable command: {exc}")
-            self._outcomes.outcome(target.name, outcome, request_id)
+            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
             return outcome
-        headers = {**self._request_headers, "command-request-id": request_id}
+        headers = {**route.headers, "command-request-id": request_id}
         if body_type:
             headers["command-type"] = body_type
+        if route.signer is not None:
+            headers.update(route.signer.headers(request_id, body))
         slots = target.slots
         if not holding and not slots.take():
             await slots.wait()
@@ -841,7 +837,8 @@ class HttpGateway:
                     if not in_flight.take():
                         await in_flight.wait()
                     try:
-                        outcome, failed = await self._post(url, body, headers)
+                        outcome, failed = await self._post(route, url, body, headers)
+                        route.counted[_OUTCOME_NAMES[type(outcome)]].inc()
                     finally:
                         in_flight.give()
                 except BaseException:
@@ -853,33 +850,49 @@ class HttpGateway:
             if not holding:
                 slots.give()
         if outcome is not _DELIVERED:
-            self._outcomes.outcome(target.name, outcome, request_id)
+            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
         return outcome
 
-    async def probe(self) -> int:
-        """One ``HEAD`` of the base URL with the credentials and TLS settings of a delivery;
-        answers the HTTP status (any status: the endpoint answers). Raises
-        :class:`~wowd.errors.StorageUnavailable` when nothing answers (connection, TLS, timeout)."""
+    async def probe(self, route: Route | None = None) -> int:
+        """One ``HEAD`` of ``route``'s URL (default: the first of :attr:`routes`) with the
+        credentials and TLS settings of a delivery; answers the HTTP status (any status: the
+        endpoint answers). Raises :class:`~wowd.errors.StorageUnavailable` when nothing answers
+        (connection, TLS, timeout)."""
         import aiohttp
 
+        r = route or self._routes.all[0]
         session = self._session or self._open_session()
         try:
             async with session.head(
-                self._base, headers=self._headers, allow_redirects=False, proxy=self._proxy
+                r.url,
+                headers=r.headers,
+                allow_redirects=False,
+                proxy=r.proxy,
+                ssl=r.ssl,
+                timeout=r.client_timeout,
             ) as resp:
                 return resp.status
         except TimeoutError as exc:
-            raise StorageUnavailable(f"gateway {self._base}: no answer within {self._timeout:g}s") from exc
+            raise StorageUnavailable(f"gateway {r.url}: no answer within {r.timeout_s:g}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise StorageUnavailable(f"gateway {self._base}: {_transport_reason(exc)}") from exc
+            raise StorageUnavailable(f"gateway {r.url}: {_transport_reason(exc)}") from exc
 
-    async def _post(self, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
-        """One exchange: the outcome and whether it counts against the target's circuit."""
+    async def _post(self, route: Route, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
+        """One exchange on ``route``: the outcome and whether it counts against the target's
+        circuit."""
         import aiohttp
 
         session = self._session or self._open_session()
         try:
-            async with session.post(url, data=body, headers=headers, allow_redirects=False, proxy=self._proxy) as resp:
+            async with session.post(
+                url,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                proxy=route.proxy,
+                ssl=route.ssl,
+                timeout=route.client_timeout,
+            ) as resp:
                 status = resp.status
                 if 200 <= status < 300:
                     return _DELIVERED, False
@@ -887,7 +900,7 @@ class HttpGateway:
                 outcome = outcome_for_status(status, resp.headers.get("retry-after"), detail)
                 return outcome, _is_target_failure(status)
         except TimeoutError:
-            return Retry(reason=f"timeout after {self._timeout:g}s"), True
+            return Retry(reason=f"timeout after {route.timeout_s:g}s"), True
         except aiohttp.InvalidURL:
             return Fail(reason="request refused: invalid URL"), False
         except (aiohttp.ClientError, OSError) as exc:
@@ -910,8 +923,8 @@ class HttpGateway:
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
         text = buf.decode("utf-8", "replace")
-        if self._secret:
-            text = text.replace(self._secret, "***")
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
         try:
             doc = json.loads(text)
         except ValueError:
