@@ -324,6 +324,7 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
     from wowd.daemon.gateway import Delivered, OutboxGateway, Outcome
     from wowd.daemon.timers import next_occurrence
     from wowd.model import Timer, TimerChange
+    from wowd.stores.base import FireRequest
     from wowd.stores.embedded.db import SqliteDatabase
     from wowd.stores.embedded.outbox import EmbeddedOutbox
     from wowd.stores.embedded.timers import EmbeddedTimerStore
@@ -352,9 +353,11 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
 
         while fused:  # the outbox gateway's fast path: fire and settle in one store call
             now = now_ms()
-            changes = await gateway.fire_due(
-                parts, now, batch, at=now, owner_key="bench", fence=1, next_due=next_occurrence
-            )
+            request = FireRequest(
+                partitions=frozenset(parts), until=now, limit=batch, at=now, owner_key="bench", fence=1,
+                next_due=next_occurrence,
+            )  # fmt: skip
+            changes = await gateway.fire_due(request)
             if not changes:
                 break
             fired += len(changes)

@@ -25,7 +25,7 @@ from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
 from wowd.model import partition as partition_of
-from wowd.stores.base import Backend, EventSink, LogCheck
+from wowd.stores.base import Backend, EventSink, FireRequest, LogCheck
 
 from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
@@ -77,9 +77,10 @@ async def fire(b: Backend, check: LogCheck | None) -> list[str]:
     firing = b.outbox_firing
     assert firing is not None
     now = int(time.time() * 1000)
-    fired = await firing.fire_into_outbox(
-        ALL, now, 100, fence=1, owner_key="a", created_at=now, next_due=lambda t: None, check=check
+    request = FireRequest(
+        partitions=ALL, until=now, limit=100, at=now, owner_key="a", fence=1, next_due=lambda t, at: None, check=check
     )
+    fired = await firing.fire_into_outbox(request)
     return sorted(str(f.timer_id) for f in fired)
 
 

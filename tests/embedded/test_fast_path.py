@@ -17,7 +17,7 @@ from wowd.daemon.gateway import outbox_entry
 from wowd.daemon.timers import next_occurrence
 from wowd.errors import LeaseLost, StorageError
 from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
-from wowd.stores.base import FiredTimer
+from wowd.stores.base import FiredTimer, FireRequest
 from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timers import EmbeddedTimerStore, outbox_row, table_name, timer_params
@@ -61,17 +61,18 @@ async def fire(
 ) -> list[FiredTimer]:
     """A fused round as the outbox gateway runs it (fire time ``at``, default ``until``)."""
     at = until if at is None else at
-    return await store.fire_into_outbox(
-        parts,
-        until,
-        limit,
-        fence=fence,
+    request = FireRequest(
+        partitions=parts,
+        until=until,
+        limit=limit,
+        at=at,
         owner_key=owner_key,
-        created_at=at,
-        next_due=lambda t: next_occurrence(t, at),
+        fence=fence,
+        next_due=next_occurrence,
         exclude=exclude,
         deadline=deadline,
     )
+    return await store.fire_into_outbox(request)
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:

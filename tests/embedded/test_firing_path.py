@@ -328,7 +328,7 @@ class CountingTimers(EmbeddedTimerStore):
 
 async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once(tmp_path: Path) -> None:
     """On the embedded store a round is ``claim_due`` (no ``due``, no claim ``settle``), the
-    delivery under the slot's fence and owner key, one outcome ``settle``."""
+    delivery under the slot's fence and owner key, the outcomes settled in bulk."""
     n, parts = 250, 8
     store = CountingTimers(tmp_path / "wowd.db", context=CTX, partitions=parts, expect_fired=n)
     box = EmbeddedOutbox(tmp_path / "wowd.db")
@@ -350,7 +350,8 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
         assert {(e.fence, e.owner_key) for e in entries} == {(3, "me")}
         assert store.calls["due"] == 0
         assert store.calls["claim_due"] >= 3  # batches of 100
-        assert store.calls["settle"] == 3  # one per round: the outcomes
+        # the outcomes in bulk (groups as they come), not one write per timer
+        assert 1 <= store.calls["settle"] <= 2 * store.calls["claim_due"]
     finally:
         await store.close()
         await box.close()

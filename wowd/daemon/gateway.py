@@ -30,7 +30,7 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 from urllib.parse import quote
@@ -43,7 +43,7 @@ from wowd.config import GatewaySettings
 from wowd.daemon.routes import Route, Routes
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, OutboxEntry, Timer
-from wowd.stores.base import FiredTimer, LogCheck, Outbox, OutboxFiring
+from wowd.stores.base import FiredTimer, FireRequest, Outbox, OutboxFiring
 
 if TYPE_CHECKING:
     import aiohttp
@@ -198,27 +198,12 @@ def outbox_entry(timer: Timer, now_ms: int) -> OutboxEntry:
 class FusedFiring(Protocol):
     """A gateway's fast path: it fires the due timers itself, delivery and settle in one step."""
 
-    async def fire_due(
-        self,
-        partitions: frozenset[int],
-        until: int,
-        limit: int,
-        *,
-        at: int,
-        owner_key: str,
-        fence: int,
-        next_due: Callable[[Timer, int], int | None],
-        exclude: Collection[str] = (),
-        deadline: float | None = None,
-        check: LogCheck | None = None,
-    ) -> list[FiredTimer]:
-        """Delivers and settles, all or nothing, the first ``limit`` timers of ``partitions``
-        due by ``min(until, at)`` (``at``: the fire time, ms), none of ``exclude``, as a claim
-        under ``owner_key`` and ``fence`` then a ``deliver`` answering Delivered and a fired
-        ``settle`` (next occurrence ``next_due(timer, at)``) would; answers the timers fired.
-        Raises :class:`~wowd.errors.StorageUnavailable` (nothing written; retry) and
-        :class:`~wowd.errors.LeaseLost` when it could not commit before ``deadline``
-        (``time.monotonic()``). With ``check``, a due timer the log may have changed since the
+    async def fire_due(self, request: FireRequest) -> list[FiredTimer]:
+        """Delivers and settles, all or nothing, the timers of ``request`` as a claim under its
+        owner key and fence, then a ``deliver`` answering Delivered and a fired ``settle`` would;
+        answers the timers fired. Raises :class:`~wowd.errors.StorageUnavailable` (nothing
+        written; retry) and :class:`~wowd.errors.LeaseLost` when it could not commit before the
+        request's deadline. With a ``check``, a due timer the log may have changed since the
         feed's checkpoint is left (:class:`~wowd.stores.base.LogCheck`)."""
         ...
 
@@ -256,37 +241,13 @@ class OutboxGateway:
         """This gateway's fast path (itself) when it was given the store's ``firing``."""
         return self if self._firing is not None else None
 
-    async def fire_due(
-        self,
-        partitions: frozenset[int],
-        until: int,
-        limit: int,
-        *,
-        at: int,
-        owner_key: str,
-        fence: int,
-        next_due: Callable[[Timer, int], int | None],
-        exclude: Collection[str] = (),
-        deadline: float | None = None,
-        check: LogCheck | None = None,
-    ) -> list[FiredTimer]:
+    async def fire_due(self, request: FireRequest) -> list[FiredTimer]:
         """:class:`FusedFiring` through the store's ``fire_into_outbox`` (the entries those of
-        :func:`outbox_entry` under this fence and owner key); housekeeps after it as after a
-        delivery."""
+        :func:`outbox_entry` under the request's fence and owner key); housekeeps after it as
+        after a delivery."""
         if self._firing is None:
             raise RuntimeError("this outbox gateway has no fast path (no firing given)")
-        fired = await self._firing.fire_into_outbox(
-            partitions,
-            min(until, at),
-            limit,
-            fence=fence,
-            owner_key=owner_key,
-            created_at=at,
-            next_due=functools.partial(_next_due_at, next_due, at),
-            exclude=exclude,
-            deadline=deadline,
-            check=check,
-        )
+        fired = await self._firing.fire_into_outbox(request)
         if fired:
             await self._maybe_housekeep()
         return fired
@@ -370,10 +331,6 @@ class OutboxGateway:
 
     async def aclose(self) -> None:
         return None
-
-
-def _next_due_at(next_due: Callable[[Timer, int], int | None], at: int, timer: Timer) -> int | None:
-    return next_due(timer, at)
 
 
 def command_url(base: str, timer: Timer, command: Command | None = None) -> str:

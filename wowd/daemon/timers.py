@@ -56,7 +56,7 @@ from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
-from wowd.stores.base import LogCheck, TimerStore
+from wowd.stores.base import FireRequest, LogCheck, TimerStore
 
 from .feed import CONSUMER
 from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
@@ -511,10 +511,10 @@ class FusedFirst:
         if waker.watermark is None:
             return 0
         at = now_ms()
-        fired = await self._fused.fire_due(
-            parts,
-            at if check is not None else waker.watermark,
-            self._settings.batch,
+        request = FireRequest(
+            partitions=parts,
+            until=at if check is not None else waker.watermark,
+            limit=self._settings.batch,
             at=at,
             owner_key=held.owner_key,
             fence=held.fence,
@@ -523,6 +523,7 @@ class FusedFirst:
             deadline=held.deadline(),
             check=check,
         )
+        fired = await self._fused.fire_due(request)
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))

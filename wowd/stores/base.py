@@ -622,39 +622,52 @@ class LogCheck:
     skipped: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FireRequest:
+    """One round of the outbox fast path: fire, under ``fence`` and ``owner_key`` at ``at`` (the
+    fire time, ms), the first ``limit`` timers of ``partitions`` due by ``until`` (and never
+    after ``at``: a timer is written to the outbox at its due time, not ahead of it), none of
+    ``exclude``; ``next_due(timer, at)`` is a recurring timer's next occurrence."""
+
+    partitions: frozenset[int]
+    until: int
+    limit: int
+    at: int
+    owner_key: str
+    fence: int
+    next_due: Callable[[Timer, int], int | None]
+    exclude: Collection[str] = ()
+    deadline: float | None = None
+    """The lease's validity on ``time.monotonic()``'s clock: nothing is committed after it."""
+    check: LogCheck | None = None
+    """With the log check: a due timer the log may have changed since the feed's checkpoint is
+    left (:class:`LogCheck`)."""
+
+    @property
+    def due_by(self) -> int:
+        return min(self.until, self.at)
+
+
 class OutboxFiring(Protocol):
     """A timer store that fires due timers straight into the backend's outbox, in the write
     transaction that settles them: the outbox on the timers' own database (the embedded
     backend's one file), so no claim is needed between reading and settling."""
 
-    async def fire_into_outbox(
-        self,
-        partitions: set[int] | frozenset[int],
-        until: int,
-        limit: int,
-        *,
-        fence: int,
-        owner_key: str,
-        created_at: int,
-        next_due: Callable[[Timer], int | None],
-        exclude: Collection[str] = (),
-        deadline: float | None = None,
-        check: LogCheck | None = None,
-    ) -> list[FiredTimer]:
+    async def fire_into_outbox(self, request: FireRequest) -> list[FiredTimer]:
         """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
-        (the first ``limit`` due by ``until`` of ``partitions``, in due order, none of
-        ``exclude``; a timer claimed by anyone is due only once its claim expired), inserts the
-        outbox entry of each (request id, timer, target, command, scheduled time, ``fence``,
-        ``owner_key``, ``created_at``; a request id there already is recorded as a re-delivery,
-        as :meth:`Outbox.put_many` does) and settles each as ``TimerChange.fired(timer,
-        fence=fence, next_due=next_due(timer))`` writes it (``next_due`` is asked of recurring
-        timers only: a one-shot timer has no next occurrence). Answers them in due order. All of
-        it is written or nothing: with ``deadline`` (``time.monotonic()``), the transaction
-        rolls back and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A
-        timer whose rule or next occurrence cannot be computed is set FAILED as ``claim_due``
-        does. Callers pass an ``until`` not after ``created_at``: a timer is written to the
-        outbox at its due time, not ahead of it. With ``check``, a due timer the log may have
-        changed since the feed's checkpoint is left as it is (:class:`LogCheck`)."""
+        (the first ``request.limit`` due by ``request.due_by`` of its partitions, in due order,
+        none of ``request.exclude``; a timer claimed by anyone is due only once its claim
+        expired), inserts the outbox entry of each (request id, timer, target, command, scheduled
+        time, the request's ``fence`` and ``owner_key``, created ``at``; a request id there
+        already is recorded as a re-delivery, as :meth:`Outbox.put_many` does) and settles each
+        as ``TimerChange.fired(timer, fence=fence, next_due=request.next_due(timer, at))`` writes
+        it (asked of recurring timers only: a one-shot timer has no next occurrence). Answers
+        them in due order. All of it is written or nothing: with a ``deadline``
+        (``time.monotonic()``), the transaction rolls back and raises
+        :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose rule or
+        next occurrence cannot be computed is set FAILED as ``claim_due`` does. With ``check``, a
+        due timer the log may have changed since the feed's checkpoint is left as it is
+        (:class:`LogCheck`)."""
         ...
 
 

@@ -72,7 +72,7 @@ from wowd.model import (
     request_id_for,
     validate_name,
 )
-from wowd.stores.base import FiredTimer, LogCheck
+from wowd.stores.base import FiredTimer, FireRequest, LogCheck
 from wowd.stores.embedded.db import (
     NOW_MS,
     SqliteDatabase,
@@ -1163,20 +1163,7 @@ class EmbeddedTimerStore(SqliteStore):
         _report_failed(failed)
         return timers
 
-    async def fire_into_outbox(
-        self,
-        partitions: set[int] | frozenset[int],
-        until: int,
-        limit: int,
-        *,
-        fence: int,
-        owner_key: str,
-        created_at: int,
-        next_due: Callable[[Timer], int | None],
-        exclude: Collection[str] = (),
-        deadline: float | None = None,
-        check: LogCheck | None = None,
-    ) -> list[FiredTimer]:
+    async def fire_into_outbox(self, request: FireRequest) -> list[FiredTimer]:
         """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
         the due read of ``claim_due`` (a claim another holder made is due only once expired),
         the outbox rows (:func:`outbox_row`, :func:`~wowd.stores.embedded.outbox.put_rows`: a
@@ -1184,12 +1171,15 @@ class EmbeddedTimerStore(SqliteStore):
         settle by ``rowid``, one :func:`~wowd.stores.embedded.db.update_rows` per kind
         (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot timer is
         handled from its row alone; a recurring one is decoded for ``next_due``."""
+        partitions, limit, check, at = request.partitions, request.limit, request.check, request.at
+        fence, owner_key, deadline = request.fence, request.owner_key, request.deadline
+        next_due = request.next_due
         if not partitions or limit <= 0:
             return []
         await self.prepare()
         await self.prepare_outbox()
-        skip = frozenset(exclude)
-        read = self._due_rows(partitions, until, limit + len(skip))
+        skip = frozenset(request.exclude)
+        read = self._due_rows(partitions, request.due_by, limit + len(skip))
         fail_sql = fail_rowid_sql(self.context)
         done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
         ctx = self.context
@@ -1216,14 +1206,14 @@ class EmbeddedTimerStore(SqliteStore):
                     nxt: int | None = None
                     if r[15] != _ONCE_JSON:
                         try:
-                            nxt = next_due(fired_from_row(ctx, r))
+                            nxt = next_due(fired_from_row(ctx, r), at)
                         except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
                             reason = f"undecodable timer: {type(exc).__name__}: {exc}"
                             undecodable.append((reason, r[-1], r[22]))
                             failed.append((r, reason))
                             continue
                     fired.append(FiredTimer(r[0], r[2], r[9], nxt))
-                    rows.append(outbox_row(r, fence, owner_key, created_at))
+                    rows.append(outbox_row(r, fence, owner_key, at))
                     if nxt is None:
                         done.append((r[-1], r[22]))
                     else:
