@@ -80,7 +80,7 @@ async def put_timers(store: EmbeddedTimerStore, db: SqliteDatabase, timers: list
 
 async def main(n: int, batch: int, partitions: int) -> None:
     """The store-level run (see the module's docstring)."""
-    from wowd.daemon.gateway import Delivered, OutboxGateway, Outcome
+    from wowd.delivery import Delivered, OutboxGateway, Outcome
 
     with tempfile.TemporaryDirectory() as tmp:
         db = SqliteDatabase(Path(tmp) / "bench.db")

@@ -3,7 +3,7 @@ timer loop firing over the ``http`` gateway, in-process, under cProfile.
 
 The target is :mod:`bench.http_delivery`'s server in its own process. ``n`` timers due at once are
 put into a fresh embedded timer store; one :class:`~wowd.daemon.timers.TimerLoop` holding every
-partition (the embedded timer store, an :class:`~wowd.daemon.gateway.HttpGateway` of
+partition (the embedded timer store, an :class:`~wowd.delivery.HttpGateway` of
 ``concurrency`` requests in flight, per target too) claims, delivers and settles them until the
 target has seen all of them. No feed and no lease renewals run: what is measured is the firing path
 per command (claim, deliver, settle). ``--bare`` times (and profiles) the bare aiohttp loop of
@@ -61,10 +61,10 @@ STEPS = (
 
 async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
-    from wowd.daemon.gateway import Delivered, HttpGateway, Outcome
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.timers import TimerLoop
     from wowd.daemon.waker import Waker
+    from wowd.delivery import Delivered, HttpGateway, Outcome
     from wowd.model import SlotLease
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 

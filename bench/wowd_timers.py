@@ -321,8 +321,8 @@ def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: f
 
 
 async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]:
-    from wowd.daemon.gateway import Delivered, OutboxGateway, Outcome
     from wowd.daemon.timers import next_occurrence
+    from wowd.delivery import Delivered, OutboxGateway, Outcome
     from wowd.model import Timer, TimerChange
     from wowd.stores.base import FireRequest
     from wowd.stores.embedded.db import SqliteDatabase

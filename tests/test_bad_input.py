@@ -513,7 +513,7 @@ GATEWAY_CASES: list[tuple[str, Any, str]] = [
 async def test_gateway_answers_become_an_outcome_never_a_crash(
     target: Callable[[Any], Awaitable[int]], case: str, behave: Any, expected: str
 ) -> None:
-    from wowd.daemon.gateway import HttpGateway
+    from wowd.delivery import HttpGateway
 
     port = await target(behave)
     gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}/api", timeout_s=0.5))
@@ -529,7 +529,7 @@ async def test_gateway_answers_become_an_outcome_never_a_crash(
 
 @pytest.mark.anyio
 async def test_a_refused_connection_is_a_retry() -> None:
-    from wowd.daemon.gateway import HttpGateway, Retry
+    from wowd.delivery import HttpGateway, Retry
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     port = int(listener.extra(anyio.abc.SocketAttribute.local_port))

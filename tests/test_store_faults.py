@@ -351,7 +351,7 @@ async def test_an_outbox_put_that_landed_before_the_drop_is_delivered_once(
 ) -> None:
     """Through the outbox gateway: the drop is a Retry of the timer; the re-fire carries the same
     request id, meets the unique index, and is Delivered without a second entry."""
-    from wowd.daemon.gateway import Delivered, OutboxGateway, Retry
+    from wowd.delivery import Delivered, OutboxGateway, Retry
     from wowd.stores.mongo.outbox import MongoOutbox
 
     box = MongoOutbox(mongo_client, DB, context=CONTEXT, ddl=Ddl.NONE)
@@ -656,9 +656,9 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     """Two claims and an outcome settle fail transiently: the loop backs off, retries, and every
     timer is delivered (one outbox entry per request id) and settled (done)."""
     from wowd.config import TimerSettings
-    from wowd.daemon.gateway import OutboxGateway
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.timers import TimerLoop
+    from wowd.delivery import OutboxGateway
     from wowd.stores.embedded.outbox import EmbeddedOutbox
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 

@@ -11,8 +11,8 @@ import pytest
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
 from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, load_settings
-from wowd.daemon.gateway import Park, Retry
 from wowd.daemon.timers import outcome_changes
+from wowd.delivery import Park, Retry
 from wowd.fmt import iso_ms
 from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from, timer_from_event
 

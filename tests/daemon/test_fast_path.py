@@ -26,10 +26,10 @@ from wowd.config import (
     TimerSettings,
     WowdSettings,
 )
-from wowd.daemon.gateway import HttpGateway, OutboxGateway
 from wowd.daemon.supervisor import Supervisor
 from wowd.daemon.timers import FusedFirst, TimerLoop
 from wowd.daemon.waker import Waker
+from wowd.delivery import HttpGateway, OutboxGateway
 from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, Timer, deterministic_timer_id
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend

@@ -22,9 +22,9 @@ from wowd import metrics
 from wowd.cli.backend import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
-from wowd.daemon.gateway import OutboxGateway, outbox_entry
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
+from wowd.delivery.outbox import OutboxGateway, outbox_entry
 from wowd.errors import LeaseLost
 from wowd.model import (
     AggregateRef,

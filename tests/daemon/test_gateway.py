@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from wowd.config import GatewaySettings
-from wowd.daemon.gateway import (
+from wowd.delivery import (
     CircuitBreaker,
     Delivered,
     DeliveryLog,
@@ -36,13 +36,13 @@ from wowd.daemon.gateway import (
     Outcome,
     Park,
     Retry,
-    _Slots,
     command_url,
-    outbox_entry,
     outcome_for_status,
     request_parts,
     target_of,
 )
+from wowd.delivery.http import _Slots
+from wowd.delivery.outbox import outbox_entry
 from wowd.errors import ConfigError, StorageUnavailable
 from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerStatus
 
@@ -384,7 +384,7 @@ def test_http_gateway_loads_its_client_when_made_not_at_the_first_delivery() -> 
     code = (
         "import sys\n"
         "from wowd.config import GatewaySettings\n"
-        "from wowd.daemon.gateway import HttpGateway\n"
+        "from wowd.delivery import HttpGateway\n"
         "assert 'aiohttp' not in sys.modules\n"
         "HttpGateway(GatewaySettings(kind='http', url='https://127.0.0.1:1/'))\n"
         "assert 'aiohttp' in sys.modules\n"
@@ -551,7 +551,7 @@ def _metric(name: str, target: str) -> float:
 
 
 async def test_breaker_opens_short_circuits_then_a_trial_closes_it(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    caplog.set_level(logging.INFO, logger="wowd.delivery")
     answers = [503, 503, 503, 503, 503, 200, 200]  # order x3, cart, the failed trial, then healthy
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -674,7 +674,7 @@ def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog:
 
 
 async def test_http_gateway_logs_its_outcomes_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    caplog.set_level(logging.INFO, logger="wowd.delivery")
     async with serving(status(503)) as (_srv, url):
         gw = gateway(url, outcomes=DeliveryLog(clock=Clock()), breaker_failures=100)
         try:
@@ -771,7 +771,7 @@ async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: p
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
     counted = gw.depth_age()
     box.fail = True
-    with caplog.at_level(logging.WARNING, logger="wowd.daemon.gateway"):
+    with caplog.at_level(logging.WARNING, logger="wowd.delivery"):
         await gw.count_depth()  # logged, not raised
         await gw.count_depth()
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1

@@ -17,10 +17,10 @@ from wowd import metrics
 from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
-from wowd.daemon.gateway import Delivered, Fail, Lane, Outcome, Park, Record, Retry, Stopped
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
 from wowd.daemon.waker import Waker
+from wowd.delivery import Delivered, Fail, Lane, Outcome, Park, Record, Retry, Stopped
 from wowd.demo import reducer
 from wowd.errors import LeaseLost
 from wowd.model import (

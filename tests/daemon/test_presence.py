@@ -15,9 +15,9 @@ import pytest
 from tests.helpers import held_slot
 from wowd import __version__, metrics
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
-from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot, Presence
 from wowd.daemon.supervisor import Supervisor
+from wowd.delivery import OutboxGateway
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import Owner
 from wowd.stores.base import Backend, ReplicaInfo, ReplicaState

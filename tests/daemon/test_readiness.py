@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.feed import Feeder
-from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.supervisor import Supervisor
+from wowd.delivery import OutboxGateway
 from wowd.errors import StorageUnavailable
 from wowd.stores.base import Backend
 

@@ -13,10 +13,10 @@ import anyio
 import pytest
 
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
-from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
 from wowd.daemon.supervisor import Supervisor
+from wowd.delivery import OutboxGateway
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
-from wowd.daemon.gateway import Delivered, Lane, Outcome, Record, Stopped
 from wowd.daemon.stream import DeliveryStream, Settler
 from wowd.daemon.timers import ReadFirst, Round, Sleep, plan_wait, wants_next_due
+from wowd.delivery import Delivered, Lane, Outcome, Record, Stopped
 from wowd.model import AggregateRef, Command, Timer, TimerChange, deterministic_timer_id
 
 LOOK = 1_000

@@ -24,8 +24,8 @@ from tests.certs import Pki, make_pki
 from tests.daemon.test_gateway import serving, status
 from wowd.cli.logs import secret_values
 from wowd.config import GatewaySettings, RouteSettings, WowdSettings, load_settings
-from wowd.daemon.gateway import Delivered, DeliveryLog, Fail, HttpGateway, Retry, target_of
-from wowd.daemon.routes import FALLBACK, Routes, matches
+from wowd.delivery import Delivered, DeliveryLog, Fail, HttpGateway, Retry, target_of
+from wowd.delivery.routes import FALLBACK, Routes, matches
 from wowd.errors import ConfigError
 from wowd.model import AggregateRef, Command, Timer, TimerStatus
 
@@ -298,7 +298,7 @@ def test_an_unusable_tls_file_stops_the_gateway_naming_its_setting(pki: Pki, cas
 async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    caplog.set_level(logging.INFO, logger="wowd.delivery")
     async with (
         serving(status(200)) as (orders, orders_url),
         serving(status(401, text='{"errorMsg": "bad signature for pay-token-0042"}')) as (pays, pays_url),
@@ -352,7 +352,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
 
 
 async def test_a_target_without_a_route_fails_at_once_without_a_request(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="wowd.daemon.gateway")
+    caplog.set_level(logging.INFO, logger="wowd.delivery")
     async with serving(status(200)) as (orders, orders_url):
         gw = HttpGateway(
             GatewaySettings(kind="http", routes=[RouteSettings(match="order", url=orders_url)]),

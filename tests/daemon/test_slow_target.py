@@ -17,9 +17,9 @@ from aiohttp import web
 from tests.helpers import caught_up_waker
 from wowd import metrics
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon.gateway import HttpGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
+from wowd.delivery import HttpGateway
 from wowd.model import AggregateRef, Command, Owner, Timer, TimerStatus, TimerWrite, deterministic_timer_id, partition
 from wowd.stores.base import Backend
 

@@ -16,10 +16,10 @@ import pytest
 
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
-from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
+from wowd.delivery import OutboxGateway
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 

@@ -18,9 +18,9 @@ from tests.helpers import caught_up_waker, held_slot
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder
-from wowd.daemon.gateway import Delivered, Lane, Record, Stopped
 from wowd.daemon.timers import TimerLoop, wake_time
 from wowd.daemon.waker import Waker
+from wowd.delivery import Delivered, Lane, Record, Stopped
 from wowd.errors import StorageUnavailable
 from wowd.model import (
     AggregateRef,

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.embedded.test_firing_path import CTX, T0, by_due, populate, timer
-from wowd.daemon.gateway import outbox_entry
 from wowd.daemon.timers import next_occurrence
+from wowd.delivery.outbox import outbox_entry
 from wowd.errors import LeaseLost, StorageError
 from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
 from wowd.stores.base import FiredTimer, FireRequest

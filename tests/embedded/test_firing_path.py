@@ -16,8 +16,8 @@ import pytest
 
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
-from wowd.daemon.gateway import OutboxGateway
 from wowd.daemon.timers import TimerLoop
+from wowd.delivery import OutboxGateway
 from wowd.model import (
     AggregateRef,
     Claim,

@@ -117,7 +117,7 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
     """A ``HEAD`` of each route's URL (``gateway.url`` last), with its credential and TLS settings."""
     if settings.gateway.kind != "http":
         return 0  # the outbox is probed with the stores
-    from wowd.daemon.gateway import HttpGateway
+    from wowd.delivery import HttpGateway
 
     gateway = HttpGateway(settings.gateway, concurrency=1)
     failures = 0

@@ -18,8 +18,8 @@ from wowd import metrics
 from wowd.cli.backend import CLOSE_TIMEOUT_S, open_backend
 from wowd.cli.output import out
 from wowd.config import WowdSettings
-from wowd.daemon.gateway import CommandGateway, HttpGateway, OutboxGateway
 from wowd.daemon.supervisor import Supervisor
+from wowd.delivery import CommandGateway, HttpGateway, OutboxGateway
 from wowd.stores.base import Backend
 
 __all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "SWITCH_INTERVAL_S", "build_gateway", "register", "run", "tune_gc"]

@@ -29,6 +29,7 @@ from wowd import metrics
 from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
+from wowd.delivery import FusedFiring
 from wowd.errors import (
     InvalidInput,
     LeaseLost,
@@ -59,7 +60,6 @@ from wowd.model import (
 from wowd.reducers import Reducer, fold_commit
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
-from .gateway import FusedFiring
 from .leases import HeldSlot
 from .waker import Waker, owner_key
 

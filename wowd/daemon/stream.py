@@ -24,10 +24,9 @@ from anyio.abc import TaskGroup
 
 from wowd import metrics
 from wowd.backoff import Backoff
+from wowd.delivery import CommandGateway, Lane, Outcome
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import Timer, TimerChange
-
-from .gateway import CommandGateway, Lane, Outcome
 
 __all__ = ["SETTLE_GROUP", "SETTLE_LINGER_S", "DeliveryStream", "Settler"]
 

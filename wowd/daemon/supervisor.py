@@ -20,12 +20,12 @@ from wowd import metrics
 from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
+from wowd.delivery import CommandGateway, FusedFiring, OutboxGateway
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.reducers import Reducer, load_reducer
 from wowd.stores.base import Backend
 
 from .feed import Feeder
-from .gateway import CommandGateway, FusedFiring, OutboxGateway
 from .http import HttpServer
 from .leases import HeldSlot, Presence, SlotKeeper, check_store_clock, owner_key_for
 from .rebuild import Rebuilder

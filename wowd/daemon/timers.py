@@ -54,12 +54,12 @@ from wowd import metrics
 from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import TimerSettings
+from wowd.delivery import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from wowd.errors import StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.stores.base import FireRequest, LogCheck, TimerStore
 
 from .feed import CONSUMER
-from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
 from .stream import SETTLE_GROUP, DeliveryStream, Settler
 from .waker import Waker, owner_key

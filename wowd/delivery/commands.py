@@ -1,0 +1,72 @@
+"""A command's request: its URL in Wow's REST shape and its body."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from typing import Any
+from urllib.parse import quote
+
+import orjson
+
+from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer
+
+
+def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
+    """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
+    part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
+    the timer's, when already read."""
+    return target_command_url(base, timer.target, (command or timer.command).name)
+
+
+def target_command_url(base: str, target: AggregateRef, name: str) -> str:
+    return _url_prefix(base, target.tenant_id, target.aggregate) + _segment(target.id) + "/" + _segment(name)
+
+
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch
+"""A path segment ``quote(..., safe="")`` leaves as it is."""
+
+
+def _segment(part: str) -> str:
+    """``part`` percent-encoded as one path segment."""
+    return part if _UNRESERVED(part) else quote(part, safe="")
+
+
+@functools.lru_cache(maxsize=1024)
+def _url_prefix(base: str, tenant_id: str, aggregate: str) -> str:
+    parts = ["tenant", tenant_id] if tenant_id != DEFAULT_TENANT else []
+    parts.append(aggregate)
+    return base.rstrip("/") + "/" + "".join(_segment(p) + "/" for p in parts)
+
+
+class _NotJson(ValueError):
+    """NaN or an infinity in a command body (the standard encoder writes them as they were)."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotJson(name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def request_parts(text: str) -> tuple[str, bytes, str | None]:
+    """A timer's command JSON text (``{name, body_type?, body}``) as the request's name, body
+    (compact JSON bytes) and ``Command-Type``; raises ``ValueError``, ``KeyError`` or
+    ``TypeError`` for an unreadable one. Numbers keep their precision (integers of any size)."""
+    try:
+        doc = _DECODER.decode(text)
+    except _NotJson:
+        command = Command.from_json(text)
+        body_text = json.dumps(dict(command.body), separators=(",", ":"))
+        return command.name, body_text.encode(), command.body_type
+    name = doc["name"]
+    body = doc.get("body", {})
+    if type(body) is not dict:
+        body = dict(body)
+    try:
+        payload = orjson.dumps(body)
+    except TypeError:  # an integer beyond 64 bits, a lone surrogate: the standard encoder
+        payload = json.dumps(body, separators=(",", ":")).encode()
+    return name, payload, doc.get("body_type")
