@@ -106,7 +106,8 @@ def http_env(db: Path, target: CommandTarget, tag: str, **extra: object) -> dict
 
 async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Replica], db: Path) -> None:
     """10 timers of a target that never answers among 400 of a target that answers at once,
-    due over 1.5 s: the healthy timers arrive on time (p99 under 100 ms, none a second late),
+    due over 1.5 s: the healthy timers arrive on time (p99 under 250 ms, none a second late, where
+    a wait behind the hanging target costs its 10 s timeout; the tight figure is the bench's),
     while the hanging target's requests wait for the gateway's timeout (10 s)."""
     hanging = [f"h-{i}" for i in range(10)]
     n = 400 + len(hanging)
@@ -144,7 +145,7 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
     )
     p99, worst = lags[len(lags) * 99 // 100 - 1], lags[-1]  # nearest rank
     print(f"healthy fire lag: p50 {lags[len(lags) // 2]:.3f}s p99 {p99:.3f}s max {worst:.3f}s")
-    assert p99 < 0.1 and worst < 1.0, f"healthy fire lag p99 {p99:.3f}s, max {worst:.3f}s; slowest {lags[-5:]}"
+    assert p99 < 0.25 and worst < 1.0, f"healthy fire lag p99 {p99:.3f}s, max {worst:.3f}s; slowest {lags[-5:]}"
 
 
 async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Replica], db: Path) -> None:

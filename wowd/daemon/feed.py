@@ -26,7 +26,6 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from wowd import metrics
-from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
 from wowd.delivery import FusedFiring
@@ -58,6 +57,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
+from wowd.retry import Backoff
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
 from .leases import HeldSlot

@@ -47,11 +47,11 @@ import anyio
 from anyio.abc import TaskStatus
 
 from wowd import __version__, metrics
-from wowd.backoff import Backoff
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost, SlotStalled, StorageError, StorageUnavailable
 from wowd.fmt import compact_partitions
 from wowd.model import Owner, SlotLease
+from wowd.retry import Backoff, Pauses
 from wowd.stores.base import ClockReading, ReplicaInfo, SlotLeaseStore
 
 __all__ = ["HeldSlot", "Presence", "SlotKeeper", "check_store_clock", "clock_disagreement", "owner_key_for"]
@@ -307,7 +307,7 @@ class SlotKeeper:
         """Acquires and holds slots until stopped. ``started`` after the first acquire attempt
         with the held slot or ``None`` (standby)."""
         started = False
-        attempt = 0
+        standing_by = Pauses(self._standby_backoff, self._stop)
         while not self._stop.is_set():
             sent, lease = await self._acquire()
             if lease is None:
@@ -318,11 +318,9 @@ class SlotKeeper:
                 if not started:
                     started = True
                     task_status.started(None)
-                with anyio.move_on_after(self._standby_backoff(attempt)):
-                    await self._stop.wait()
-                attempt += 1
+                await standing_by.pause()
                 continue
-            attempt = 0
+            standing_by.reset()
             self.standby = False
             held = HeldSlot(
                 lease=lease,

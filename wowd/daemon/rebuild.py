@@ -36,11 +36,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
-import anyio
-
-from wowd.backoff import Backoff
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError, StorageUnavailable
+from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
@@ -50,6 +47,7 @@ from wowd.model import (
     SnapshotTable,
 )
 from wowd.reducers import Reducer, fold_commit
+from wowd.retry import Backoff, RetryStopped, retrying
 from wowd.stores.base import Backend
 
 from .leases import HeldSlot
@@ -429,27 +427,27 @@ class Rebuilder:
         if not self._reducers:
             return []
         extra = held.log_extra()
-        attempt = 0
-        while not held.stopping:
-            try:
-                reports = await self.rebuild(
-                    held.partitions,
-                    check=held.check,
-                    stopping=lambda: held.stopping,
-                    fence=held.fence,
-                    skip_done=True,
-                )
-            except StorageUnavailable as exc:
-                log.warning("snapshot rebuild failed (will retry): %s", exc, extra=extra)
-                with anyio.move_on_after(RETRY_BACKOFF(attempt)):
-                    await held.stop_event.wait()
-                attempt += 1
-                continue
-            except StorageError as exc:
-                log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
-                return []
-            done = [_summary(r) for r in reports if r.partitions or r.outcome == "stopped"]
-            if done:
-                log.info("snapshots rebuilt for slot %d: %s", held.slot, "; ".join(done), extra=extra)
-            return reports
-        return []
+        try:
+            async for attempt in retrying(
+                "snapshot rebuild",
+                backoff=RETRY_BACKOFF,
+                stop=held.stop_event,
+                logger=logging.LoggerAdapter(log, extra),
+            ):
+                with attempt:
+                    reports = await self.rebuild(
+                        held.partitions,
+                        check=held.check,
+                        stopping=lambda: held.stopping,
+                        fence=held.fence,
+                        skip_done=True,
+                    )
+        except RetryStopped:
+            return []
+        except StorageError as exc:
+            log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
+            return []
+        done = [_summary(r) for r in reports if r.partitions or r.outcome == "stopped"]
+        if done:
+            log.info("snapshots rebuilt for slot %d: %s", held.slot, "; ".join(done), extra=extra)
+        return reports

@@ -23,10 +23,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from wowd import metrics
-from wowd.backoff import Backoff
 from wowd.delivery import CommandGateway, Lane, Outcome
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import StorageError
 from wowd.model import Timer, TimerChange
+from wowd.retry import Backoff, retrying
 
 __all__ = ["SETTLE_GROUP", "SETTLE_LINGER_S", "DeliveryStream", "Settler"]
 
@@ -93,7 +93,7 @@ class Settler:
                 with anyio.move_on_after(self._linger_s):
                     await self._full.wait()
             self._full = anyio.Event()
-            await self._write_some(retry=True)
+            await self._write_some()
 
     def close(self) -> None:
         self._closed = True
@@ -104,34 +104,30 @@ class Settler:
         leaves the claims to expire: their timers come due again)."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
             while self._queue:
-                if not await self._write_some(retry=True):
-                    break
+                await self._write_some()
 
-    async def _write_some(self, *, retry: bool) -> bool:
-        """Writes the first group; answers whether it was written or given up (not retried)."""
+    async def _write_some(self) -> None:
+        """Writes the first group (retried while the store is unavailable; an error retrying
+        will not fix gives it up: its claims expire and the timers come due again)."""
         n = min(len(self._queue), SETTLE_MAX)
         batch = self._queue[:n]
-        attempt = 0
-        while True:
-            try:
-                written = await self._write(batch)
-                break
-            except StorageUnavailable as exc:
-                if self.failing is None:
-                    self._log.warning("settle failed (will retry): %s", exc)
-                self.failing = str(exc)
-                if not retry:
-                    return False
-                await anyio.sleep(SETTLE_BACKOFF(attempt))
-                attempt += 1
-            except StorageError as exc:
-                self._log.error("settle failed: %s (claims will expire and re-fire)", exc)
-                written = -1
-                break
+        written = -1
+        try:
+            async for attempt in retrying("settle", backoff=SETTLE_BACKOFF, logger=None, on_failure=self._failed):
+                with attempt:
+                    written = await self._write(batch)
+        except StorageError as exc:
+            self._log.error("settle failed: %s (claims will expire and re-fire)", exc)
+        if self.failing is not None:
+            self._log.info("settle written again after the store's failure: %s", self.failing)
         self.failing = None
         del self._queue[:n]
         self._on_written(batch, written)
-        return True
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.failing is None:
+            self._log.warning("settle failed (will retry): %s", exc)
+        self.failing = str(exc)
 
 
 @dataclass(slots=True, eq=False)

@@ -17,12 +17,12 @@ import anyio
 from anyio.abc import TaskStatus
 
 from wowd import metrics
-from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
 from wowd.delivery import CommandGateway, FusedFiring, OutboxGateway
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import StorageError
 from wowd.reducers import Reducer, load_reducer
+from wowd.retry import Backoff, RetryStopped, retrying
 from wowd.stores.base import Backend
 
 from .feed import Feeder
@@ -220,25 +220,23 @@ class Supervisor:
         :class:`~wowd.errors.ConfigError` when the backend's store clock is this process's own
         and the store disagrees with it (:func:`~wowd.daemon.leases.check_store_clock`)."""
         b = self.backend
-        attempt = 0
-        while not self._stop.is_set():
-            try:
-                await b.log.prepare()
-                await b.timers.prepare()
-                await b.snapshots.prepare()
-                for agg in self._reducers:
-                    await b.snapshots.create_collection(agg)
-                if b.clock_reading is not None:
-                    # the store clock is this process's own: no slot on a clock the file disagrees with
-                    reading = await b.clock_reading(self.settings.owner_key)
-                    check_store_clock(reading, self.settings.lease.tolerance_s)
-                return True
-            except StorageUnavailable as exc:
-                log.warning("stores not ready (will retry): %s", exc)
-                with anyio.move_on_after(PREPARE_BACKOFF(attempt)):
-                    await self._stop.wait()
-                attempt += 1
-        return False
+        if self._stop.is_set():
+            return False
+        try:
+            async for attempt in retrying("preparing the stores", backoff=PREPARE_BACKOFF, stop=self._stop, logger=log):
+                with attempt:
+                    await b.log.prepare()
+                    await b.timers.prepare()
+                    await b.snapshots.prepare()
+                    for agg in self._reducers:
+                        await b.snapshots.create_collection(agg)
+                    if b.clock_reading is not None:
+                        # the store clock is this process's own: no slot on a clock the file disagrees with
+                        reading = await b.clock_reading(self.settings.owner_key)
+                        check_store_clock(reading, self.settings.lease.tolerance_s)
+        except RetryStopped:
+            return False
+        return True
 
     async def _slot_work(self, held: HeldSlot) -> None:
         waker = Waker()

@@ -51,12 +51,12 @@ import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
 from wowd import metrics
-from wowd.backoff import Backoff
 from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.delivery import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from wowd.errors import StorageUnavailable
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
+from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import FireRequest, LogCheck, TimerStore
 
 from .feed import CONSUMER
@@ -591,7 +591,7 @@ class TimerLoop:
         parts = frozenset(held.partitions)
         task_status.started()
         await self._reclaim(held, parts, logx)
-        attempt = 0
+        pauses = Pauses(ROUND_BACKOFF, held.stop_event)
         async with self.strategy.running(held, waker, logx):
             while not held.stopping:
                 held.check()
@@ -605,11 +605,9 @@ class TimerLoop:
                     r = await self.strategy.round(held, waker, parts)
                 except StorageUnavailable as exc:
                     logx.warning("timer round failed (will retry): %s", exc)
-                    with anyio.move_on_after(ROUND_BACKOFF(attempt)):
-                        await held.stop_event.wait()
-                    attempt += 1
+                    await pauses.pause()
                     continue
-                attempt = 0
+                pauses.reset()
                 if r.full:
                     continue  # more are due now
                 waker.covered(r.until, mark)
@@ -642,22 +640,20 @@ class TimerLoop:
     async def _reclaim(self, held: HeldSlot, parts: frozenset[int], logx: Logx) -> None:
         """Ends the claims an earlier holding of the slot left: a previous holder's (a lower
         fence), or this holder's own before its lease lapsed and was taken back (this fence)."""
-        attempt = 0
-        while not held.stopping:
-            try:
-                held.check()
-                # claims under this very fence too: none is in flight (this slot's work starts
-                # now); they were left by this holder's earlier work on the slot, whose lease
-                # lapsed and was taken back with the same fence
-                n = await self._store.reclaim(parts, held.fence + 1)
-                if n:
-                    logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
-                return
-            except StorageUnavailable as exc:
-                logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
-                with anyio.move_on_after(ROUND_BACKOFF(attempt)):
-                    await held.stop_event.wait()
-                attempt += 1
+        # claims under this very fence too: none is in flight (this slot's work starts now);
+        # they were left by this holder's earlier work on the slot, whose lease lapsed and was
+        # taken back with the same fence
+        try:
+            async for attempt in retrying(
+                "ending a previous holder's claims", backoff=ROUND_BACKOFF, stop=held.stop_event, logger=logx
+            ):
+                with attempt:
+                    held.check()
+                    n = await self._store.reclaim(parts, held.fence + 1)
+        except RetryStopped:
+            return
+        if n:
+            logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
 
     async def _sweep(self, logx: Logx) -> None:
         """Deletes a small batch of expired tombstones, at most every :data:`SWEEP_EVERY_S`."""

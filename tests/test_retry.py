@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wowd.backoff import Backoff
+from wowd.retry import Backoff
 
 
 def test_steady_backoff_doubles_from_its_base_up_to_its_cap() -> None:
