@@ -31,6 +31,12 @@ loop wakes at each due time and fires every timer due by now whose aggregate has
 the feed's checkpoint, without waiting for the feed to read past the due time; a timer left so
 is fired once the feed has applied its next batch.
 
+A store that fails a round (or the reclaim) is retried with a capped backoff (:data:`ROUND_BACKOFF`)
+and reported in the loop's :class:`~wowd.daemon.stall.Stall` (:attr:`TimerLoop.stall`): stalled at
+once by a full disk or a store that refuses, after a minute of transient failures; readiness then
+answers 503 and ``wowd_timers_stalled{slot}`` is 1 until a round succeeds again. Nothing is lost
+meanwhile: a timer is fired, or its claim settled, only by a write that succeeded.
+
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
 shielded and bounded, also after the lease lapsed: each change is guarded by the timer's revision
@@ -60,6 +66,7 @@ from wowd.stores.base import LogCheck, TimerStore
 from .feed import CONSUMER
 from .gateway import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
 from .leases import HeldSlot
+from .stall import Stall
 from .waker import Waker, owner_key
 
 __all__ = [
@@ -77,6 +84,9 @@ MAX_IDLE_S = 0.5
 """The longest sleep between two due reads: how late a timer the :class:`Waker` is not told of
 fires (one stored by another process, or a parked timer a feed resumed)."""
 SETTLE_TIMEOUT_S = 10.0
+"""How long a round's settle is tried (shielded, also on stop) before it is given up: its claims
+then expire after ``claim_ttl_s`` and their timers come due again (a re-delivery has the same
+request id)."""
 READ_WAIT_S = 5.0
 """How long a claimed round waits for the feed to read the log past its timers' due times
 before it settles them back undelivered."""
@@ -86,7 +96,8 @@ SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
 ROUND_BACKOFF = Backoff(0.1, 5.0)
-"""The pause before retrying a due read or a reclaim the store could not answer."""
+"""The pause before retrying a round or a reclaim the store failed (also while stalled: a loop
+resumes at most this long after the store answers again)."""
 SETTLE_BACKOFF = Backoff(0.05, 2.0)
 """The pause before retrying a settle the store could not take (the lease bounds the tries)."""
 
@@ -180,6 +191,8 @@ class TimerLoop:
         self._in_flight: set[str] = set()
         """Ids of the timers this loop claimed and has not settled yet (never claimed again)."""
         self._next_sweep = 0.0
+        self.stall: Stall | None = None
+        """Whether the loop's rounds fail (set when it runs, for its slot: readiness reads it)."""
 
     async def run(
         self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -189,11 +202,13 @@ class TimerLoop:
         is handed to its round at once, so whatever stops the loop, every claimed timer is
         settled by the round that owns it."""
         logx = logging.LoggerAdapter(log, held.log_extra())
+        gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
+        stall = self.stall = Stall(f"timer loop of slot {held.slot}", gauge)
         held.on_stop(waker.wake)
         parts = frozenset(held.partitions)
         s = self._settings
         task_status.started()
-        await self._reclaim(held, parts, logx)
+        await self._reclaim(held, parts, stall, logx)
         attempt = 0
         async with anyio.create_task_group() as rounds:
             outstanding: deque[anyio.Event] = deque()
@@ -228,6 +243,7 @@ class TimerLoop:
                         fired = await self._fire_fused(held, parts, waker, check)
                         if fired >= s.batch:
                             attempt = 0
+                            stall.progressed(logx)
                             continue  # more are due now
                     if check is not None:
                         claimed = []  # the fast path took every timer due
@@ -254,8 +270,9 @@ class TimerLoop:
                     if n_due < s.batch:
                         waker.covered(until, mark)
                     attempt = 0
-                except StorageUnavailable as exc:
-                    logx.warning("timer round failed (will retry): %s", exc)
+                    stall.progressed(logx)
+                except StorageError as exc:  # a full disk, a store that refuses: stalled, retried
+                    stall.failed("timer round", exc, logx)
                     with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
@@ -286,7 +303,7 @@ class TimerLoop:
                         # idle period late, as with the idle poll)
                         stored_next = None
                     else:
-                        stored_next = await self._next_due(parts, until, logx)
+                        stored_next = await self._next_due(parts, until, stall, logx)
                     now = now_ms()
                     nexts = [d for d in (stored_next, waker.earliest()) if d is not None]
                     first = min(nexts, default=None)
@@ -343,7 +360,7 @@ class TimerLoop:
         return len(fired)
 
     async def _reclaim(
-        self, held: HeldSlot, parts: frozenset[int], logx: logging.LoggerAdapter[logging.Logger]
+        self, held: HeldSlot, parts: frozenset[int], stall: Stall, logx: logging.LoggerAdapter[logging.Logger]
     ) -> None:
         """Ends the claims an earlier holding of the slot left: a previous holder's (a lower
         fence), or this holder's own before its lease lapsed and was taken back (this fence)."""
@@ -357,9 +374,10 @@ class TimerLoop:
                 n = await self._store.reclaim(parts, held.fence + 1)
                 if n:
                     logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
+                stall.progressed(logx)
                 return
-            except StorageUnavailable as exc:
-                logx.warning("ending a previous holder's claims failed (will retry): %s", exc)
+            except StorageError as exc:
+                stall.failed("ending a previous holder's claims", exc, logx)
                 with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
@@ -372,18 +390,20 @@ class TimerLoop:
         self._next_sweep = t + SWEEP_EVERY_S
         try:
             await self._store.sweep(now_ms() - self._settings.tombstone_retention_s * 1000, SWEEP_BATCH)
-        except StorageUnavailable as exc:
-            logx.warning("tombstone sweep failed (will retry): %s", exc)
+        except StorageError as exc:  # nothing waits for it: retried at the next sweep
+            stalled = self.stall is not None and self.stall.stalled
+            logx.log(logging.DEBUG if stalled else logging.WARNING, "tombstone sweep failed (will retry): %s", exc)
 
     async def _next_due(
-        self, parts: frozenset[int], after: int, logx: logging.LoggerAdapter[logging.Logger]
+        self, parts: frozenset[int], after: int, stall: Stall, logx: logging.LoggerAdapter[logging.Logger]
     ) -> int | None:
         """The store's next due time after ``after``; ``None`` when it does not answer (the loop
-        then reads again after an idle period)."""
+        then reads again after an idle period, whose round reports a store that keeps failing)."""
         try:
             return await self._store.next_due(parts, after)
-        except StorageUnavailable as exc:
-            logx.warning("next due time not read (polling instead): %s", exc)
+        except StorageError as exc:
+            level = logging.DEBUG if stall.stalled else logging.WARNING
+            logx.log(level, "next due time not read (polling instead): %s", exc)
             return None
 
     async def _finish(
@@ -517,8 +537,11 @@ class TimerLoop:
             try:
                 written = await self._store.settle(changes)
                 break
-            except StorageUnavailable as exc:
-                logx.warning("settle failed (will retry): %s", exc)
+            except StorageUnavailable as exc:  # retried until the caller's bound (SETTLE_TIMEOUT_S)
+                if self.stall is not None:
+                    self.stall.failed("settle", exc, logx)
+                else:
+                    logx.warning("settle failed (will retry): %s", exc)
                 await anyio.sleep(SETTLE_BACKOFF(attempt))
                 attempt += 1
             except StorageError as exc:
