@@ -253,11 +253,13 @@ class SlotKeeper:
         except StorageUnavailable as exc:
             self.stall.failed("lease acquire", exc, log)
             return sent, None
-        self.stall.progressed(log)
         if res.status == "refused":
             raise ConfigError(f"lease namespace {self._ns!r} refused this configuration: {res.reason}")
         if res.lease is None or not res.acquired or not self._usable(res.lease):
+            if res.status == "exhausted":  # every slot held by others: a healthy standby
+                self.stall.progressed(log)
             return sent, None
+        self.stall.progressed(log)  # not for a lease of its own handed back unusable: no write yet
         return sent, res.lease
 
     async def run(self, *, task_status: TaskStatus[HeldSlot | None] = anyio.TASK_STATUS_IGNORED) -> None:

@@ -263,7 +263,9 @@ class Supervisor:
             self._loops.pop(held.slot, None)
             self._wakers.pop(held.slot, None)
             metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
-            metrics.TIMERS_STALLED.labels(slot=str(held.slot)).set(0)
+            # the slot's timers still wait while its keeper's lease writes are refused (a full disk)
+            keeper_stalled = any(k.owner_key == held.owner_key and k.stall.stalled for k in self._keepers)
+            metrics.TIMERS_STALLED.labels(slot=str(held.slot)).set(1 if keeper_stalled else 0)
 
     async def _ping(self) -> None:
         ok = False
