@@ -98,8 +98,11 @@ SWEEP_BATCH = 1000
 ROUND_BACKOFF = Backoff(0.1, 5.0)
 """The pause before retrying a round or a reclaim the store failed (also while stalled: a loop
 resumes at most this long after the store answers again)."""
+ROUND = "timer round"
+SETTLE = "settle"
+"""The steps of a loop's :class:`Stall`: a round (or the reclaim before the first), a settle."""
 SETTLE_BACKOFF = Backoff(0.05, 2.0)
-"""The pause before retrying a settle the store could not take (the lease bounds the tries)."""
+"""The pause before retrying a settle the store could not take (for :data:`SETTLE_TIMEOUT_S` at most)."""
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -243,7 +246,7 @@ class TimerLoop:
                         fired = await self._fire_fused(held, parts, waker, check)
                         if fired >= s.batch:
                             attempt = 0
-                            stall.progressed(logx)
+                            stall.progressed(logx, ROUND)
                             continue  # more are due now
                     if check is not None:
                         claimed = []  # the fast path took every timer due
@@ -270,9 +273,9 @@ class TimerLoop:
                     if n_due < s.batch:
                         waker.covered(until, mark)
                     attempt = 0
-                    stall.progressed(logx)
+                    stall.progressed(logx, ROUND)
                 except StorageError as exc:  # a full disk, a store that refuses: stalled, retried
-                    stall.failed("timer round", exc, logx)
+                    stall.failed(ROUND, exc, logx)
                     with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                         await held.stop_event.wait()
                     attempt += 1
@@ -374,10 +377,10 @@ class TimerLoop:
                 n = await self._store.reclaim(parts, held.fence + 1)
                 if n:
                     logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
-                stall.progressed(logx)
+                stall.progressed(logx, ROUND)
                 return
             except StorageError as exc:
-                stall.failed("ending a previous holder's claims", exc, logx)
+                stall.failed(ROUND, exc, logx)
                 with anyio.move_on_after(ROUND_BACKOFF(attempt)):
                     await held.stop_event.wait()
                 attempt += 1
@@ -536,10 +539,12 @@ class TimerLoop:
         while True:
             try:
                 written = await self._store.settle(changes)
+                if self.stall is not None:
+                    self.stall.progressed(logx, SETTLE)
                 break
             except StorageUnavailable as exc:  # retried until the caller's bound (SETTLE_TIMEOUT_S)
-                if self.stall is not None:
-                    self.stall.failed("settle", exc, logx)
+                if self.stall is not None:  # stalled until a settle is written (a round may write nothing)
+                    self.stall.failed(SETTLE, exc, logx)
                 else:
                     logx.warning("settle failed (will retry): %s", exc)
                 await anyio.sleep(SETTLE_BACKOFF(attempt))
