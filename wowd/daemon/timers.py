@@ -34,8 +34,9 @@ is fired once the feed has applied its next batch.
 A store that fails a round (or the reclaim) is retried with a capped backoff (:data:`ROUND_BACKOFF`)
 and reported in the loop's :class:`~wowd.daemon.stall.Stall` (:attr:`TimerLoop.stall`): stalled at
 once by a full disk or a store that refuses, after a minute of transient failures; readiness then
-answers 503 and ``wowd_timers_stalled{slot}`` is 1 until a round succeeds again. Nothing is lost
-meanwhile: a timer is fired, or its claim settled, only by a write that succeeded.
+answers 503 and ``wowd_timers_stalled{slot}`` is 1 until the failing step (a round, a settle)
+succeeds again. Nothing is lost meanwhile: a timer is fired, or its claim settled, only by a write
+that succeeded.
 
 On stop it claims nothing more; a round in flight finishes delivering (bounded by the slot's grace
 period) and settles; what was claimed but not delivered is settled back to PENDING. The settle runs
