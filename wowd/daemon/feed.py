@@ -62,6 +62,7 @@ from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
 from .gateway import FusedFiring
 from .leases import HeldSlot
+from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
 from .waker import Waker, owner_key
 
 __all__ = ["CONSUMER", "Feeder", "field_of"]
@@ -84,10 +85,8 @@ RETRY_BACKOFF = Backoff(0.1, 10.0)
 """The pause before retrying a batch the stores could not take."""
 STALL_BACKOFF = Backoff(0.1, 60.0)
 """The pause before retrying a stalled slot's batch (at most a minute)."""
-STALL_LOG_EVERY_S = 60.0
-"""A stalled slot's ERROR line comes at most this often."""
-STALL_AFTER_UNAVAILABLE_S = 60.0
-"""A store unavailable this long stalls the slot (its feed does nothing meanwhile)."""
+STALL_LOG_EVERY_S = LOG_EVERY_S
+"""A stalled slot's ERROR line comes at most this often (as any stalled work's)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
 

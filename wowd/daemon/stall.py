@@ -1,6 +1,6 @@
-"""Whether a slot's work cannot progress because its store refuses (a full disk, a corrupted file,
-a store unavailable for a minute): the state that readiness, a ``*_stalled`` gauge and a rate-
-limited ERROR line report.
+"""Whether a piece of a replica's work (a slot's timer loop, a slot keeper) cannot progress
+because its store refuses (a full disk, a corrupted file, a store unavailable for a minute): the
+state that readiness, a ``*_stalled`` gauge and a rate-limited ERROR line report.
 
 A work loop tells its :class:`Stall` of each failure of a step (:meth:`Stall.failed`) and of each
 step that succeeded (:meth:`Stall.progressed`), and pauses between tries as it would anyway (a
