@@ -145,6 +145,9 @@ def test_alert_rules_cover_the_operators_cases() -> None:
     stalled = by_name["WowdFeedStalled"]
     assert "wowd_feed_stalled" in str(stalled["expr"]) and "== 1" in str(stalled["expr"])
     assert stalled["for"] == "1m" and stalled["labels"] == {"severity": "page"}
+    timers = by_name["WowdTimersStalled"]
+    assert "wowd_timers_stalled" in str(timers["expr"]) and "== 1" in str(timers["expr"])
+    assert timers["for"] == "1m" and timers["labels"] == {"severity": "page"}
     assert 'kind="fatal"' in str(by_name["WowdFeedFatalErrors"]["expr"])
     assert "wowd_timers_failed_total" in str(by_name["WowdTimersFailed"]["expr"])
     assert "wowd_timers_parked_total" in str(by_name["WowdTimersParked"]["expr"])

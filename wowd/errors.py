@@ -15,6 +15,7 @@ __all__ = [
     "SinkWriteError",
     "SlotStalled",
     "StorageError",
+    "StorageFull",
     "StorageUnavailable",
     "WowdError",
 ]
@@ -58,6 +59,13 @@ class StorageUnavailable(StorageError):
 
     The caller retries with backoff; nothing it wrote before is lost.
     """
+
+
+class StorageFull(StorageUnavailable):
+    """The store has no room for a write (a full disk or quota: SQLite's "database or disk is
+    full"). Transient: nothing is written, reads still answer, and the same write succeeds once
+    space returns; the caller retries with backoff and reports the work stalled at once (it will
+    not resolve by itself within seconds)."""
 
 
 class ConflictError(StorageError):

@@ -55,6 +55,7 @@ __all__ = [
     "TIMERS_FIRED",
     "TIMERS_PARKED",
     "TIMERS_RETRIED",
+    "TIMERS_STALLED",
     "TIMER_EVENTS_REJECTED",
     "CollectorRegistry",
     "count_fired",
@@ -180,14 +181,19 @@ STORE_UNAVAILABLE = Counter(
 )
 
 # ------------------------------------------------------------------ operator signals
-# Feed stall and watermark, slot holding, delivery circuits, poison commits, outbox depth and the
-# build. Counters whose label values are known start at 0, so ``increase()`` sees their first event.
+# Feed and timer-loop stalls, the watermark, slot holding, delivery circuits, poison commits, outbox
+# depth and the build. Counters whose label values are known start at 0, so ``increase()`` sees their first event.
 
 # No ``*_created`` series: nothing reads them, and they double the series of every counter.
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 FEED_STALLED = Gauge(
     "wowd_feed_stalled", "1 while the slot's feed cannot progress (the store refuses every record)", ["slot"]
+)
+TIMERS_STALLED = Gauge(
+    "wowd_timers_stalled",
+    "1 while the slot's timer loop cannot progress (the store refuses its reads or writes: a full disk)",
+    ["slot"],
 )
 FEED_WATERMARK_LAG = Gauge(
     "wowd_feed_watermark_lag_seconds",

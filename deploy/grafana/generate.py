@@ -50,7 +50,14 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "ops",
         [("sum by (store, operation) (rate(wowd_store_unavailable_total{S}[5m]))", "{{store}} {{operation}}")],
     ),
-    ("Feed stalled (1)", "short", [("max by (instance, slot) (wowd_feed_stalled{S})", "{{instance}} slot {{slot}}")]),
+    (
+        "Feed and timers stalled (1)",
+        "short",
+        [
+            ("max by (instance, slot) (wowd_feed_stalled{S})", "feed {{instance}} slot {{slot}}"),
+            ("max by (instance, slot) (wowd_timers_stalled{S})", "timers {{instance}} slot {{slot}}"),
+        ],
+    ),
     (
         "Feed lag and watermark lag",
         "s",

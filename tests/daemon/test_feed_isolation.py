@@ -19,7 +19,7 @@ from wowd.config import FeedSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.errors import InvalidInput, SlotStalled, StorageError
+from wowd.errors import InvalidInput, SlotStalled, StorageError, StorageFull
 from wowd.model import AggregateType, Commit, partition
 from wowd.stores.base import Backend, EventSink
 
@@ -42,6 +42,8 @@ class RefusingSink:
         self.type = inner.type
         self.refuse = refuse or set()
         self.broken = broken
+        self.full_after: int | None = None
+        """Writes taken before the disk is full (``None``: never full)."""
 
     async def prepare(self) -> None:
         await self._inner.prepare()
@@ -49,6 +51,10 @@ class RefusingSink:
     async def write(self, records: Sequence[Commit]) -> None:
         if self.broken:
             raise StorageError("sqlite wowd.db: database disk image is malformed")
+        if self.full_after is not None:
+            if self.full_after <= 0:
+                raise StorageFull("sqlite wowd.db: database or disk is full")
+            self.full_after -= 1
         for r in records:
             if r.ref.id in self.refuse:
                 raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
@@ -141,3 +147,40 @@ async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
     assert feeder.stalled is None
     assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 0
     assert len(await backend.log.checkpoints(CONSUMER, list(range(PARTS)))) >= 1
+
+
+async def test_a_full_disk_stalls_the_slot_at_once_and_quarantines_nothing_for_it(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """The disk fills while a batch's commits are applied one by one (one of them is refused for
+    itself): the commits the full disk refused are not quarantined; the slot is stalled at once
+    and the batch is retried whole until space returns, when only the refused commit is set aside."""
+    sink = refusing(backend, refuse={"bad"})
+    sink.full_after = 2  # the batch's write (refused for "bad"), then the first commit alone
+    commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=10**13) for i in range(4)]
+    commits.insert(2, timer_commit("bad", 1, ["k"], due_at=10**13))
+    await backend.log.append_many(commits)
+    held = await hold(backend)
+    feeder = Feeder(settings(tmp_path), backend)
+    waker = Waker()
+    gauge = metrics.FEED_STALLED.labels(slot=str(held.slot))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, waker)
+
+            async def stalled() -> bool:
+                return feeder.stalled is not None
+
+            await eventually(stalled, 5, "the feed stalled")
+            assert feeder.stalled is not None and "database or disk is full" in feeder.stalled
+            assert gauge._value.get() == 1
+            assert await backend.log.quarantined() == []
+            assert await backend.log.checkpoints(CONSUMER, list(range(PARTS))) == {}
+            sink.full_after = None  # space returns
+            await eventually(caught_up(waker), 10, "the feed at the log's head")
+            held.request_stop()
+    assert feeder.stalled is None and gauge._value.get() == 0
+    [q] = await backend.log.quarantined()
+    assert q["raw"]["aggregate_id"] == "bad" and q["reason"].startswith("sink refused it: InvalidInput:")
+    fed = {d["aggregate_id"] for c in commits for d in await sink.documents(c.ref)}
+    assert fed == {f"o-{i}" for i in range(4)}

@@ -13,8 +13,10 @@ import pytest
 from wowd import metrics
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper
-from wowd.errors import LeaseLost
+from wowd.errors import LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
+
+from .conftest import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -25,6 +27,9 @@ class ScriptedLeases:
     def __init__(self) -> None:
         self.renew_mode = "ok"
         self.exhausted = False
+        self.full = False
+        """Acquires and renewals raise :class:`StorageFull` (counted in ``refused``) while set."""
+        self.refused = 0
         self.acquires = 0
         self.renews = 0
         self.released: list[tuple[SlotLease, int]] = []
@@ -44,6 +49,7 @@ class ScriptedLeases:
         slot_offset: int = 0,
         preferred_slot: int | None = None,
     ) -> AcquireResult:
+        self._refuse_if_full()
         if self.exhausted:
             return AcquireResult(status="exhausted")
         self.acquires += 1
@@ -62,7 +68,13 @@ class ScriptedLeases:
         )
         return AcquireResult(status="acquired", lease=lease)
 
+    def _refuse_if_full(self) -> None:
+        if self.full:
+            self.refused += 1
+            raise StorageFull("sqlite wowd.db: database or disk is full")
+
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        self._refuse_if_full()
         self.renews += 1
         if self.renew_mode == "hang":
             await anyio.sleep_forever()
@@ -359,3 +371,38 @@ async def test_a_keeper_stopped_before_it_runs_starts_as_a_standby_and_ends() ->
         async with anyio.create_task_group() as tg:
             assert await tg.start(keeper.run) is None
     assert not store.released
+
+
+async def test_a_full_disk_stalls_the_keeper_until_a_lease_write_succeeds() -> None:
+    """Renewals refused for a full disk: the keeper is stalled at once (``wowd_timers_stalled`` of
+    its slot 1), its lease lapses, its acquires are refused too and it stays stalled, alive; once
+    space returns it takes the slot back by itself and is no longer stalled."""
+    store = ScriptedLeases()
+    fences: list[int] = []
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        await anyio.sleep_forever()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    gauge = metrics.TIMERS_STALLED.labels(slot="1")
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(keeper.run)
+            store.full = True
+
+            async def lapsed_and_refused() -> bool:
+                return keeper.held is None and store.refused >= 3
+
+            await eventually(lapsed_and_refused, 5, "the lease lapsed, the acquires refused")
+            assert keeper.stall.stalled and "database or disk is full" in (keeper.stall.reason or "")
+            assert gauge._value.get() == 1
+            store.full = False
+
+            async def taken_back() -> bool:
+                return keeper.held is not None
+
+            await eventually(taken_back, 5, "the slot taken back")
+            assert not keeper.stall.stalled and gauge._value.get() == 0
+            keeper.stop(1.0)
+    assert fences == [1, 2]

@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import REGISTRY
 
+from wowd import metrics
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.feed import Feeder
+from wowd.daemon.leases import HeldSlot, SlotKeeper
+from wowd.daemon.stall import Stall
 from wowd.daemon.supervisor import Supervisor
+from wowd.daemon.timers import TimerLoop
 from wowd.delivery import OutboxGateway
-from wowd.errors import StorageUnavailable
+from wowd.errors import StorageFull, StorageUnavailable
 from wowd.stores.base import Backend
 
 pytestmark = pytest.mark.anyio
@@ -69,3 +74,47 @@ async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
     feeder.stalled = None
     assert sup.readiness(False)[0] is True
     assert ready_gauge() == 1
+
+
+FULL = StorageFull("sqlite wowd.db: database or disk is full")
+log = logging.getLogger("test.readiness")
+
+
+async def test_a_stalled_timer_loop_makes_its_replica_not_ready_and_says_which(
+    settings: WowdSettings, backend: Backend
+) -> None:
+    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    await sup._ping()
+    loop = TimerLoop(settings.timers, backend.timers, OutboxGateway(backend.outbox))
+    loop.stall = Stall("timer loop of slot 3", metrics.TIMERS_STALLED.labels(slot="3"))
+    sup._loops[3] = loop
+    assert sup.readiness(False)[0] is True
+    loop.stall.failed("timer round", FULL, log)
+    why = "slot 3 stalled: timer loop: timer round: StorageFull: sqlite wowd.db: database or disk is full"
+    assert sup.readiness(False) == (False, why)
+    assert ready_gauge() == 0
+    loop.stall.progressed(log, "timer round")
+    assert sup.readiness(False)[0] is True
+    assert ready_gauge() == 1
+
+
+async def test_a_keeper_whose_lease_writes_find_the_disk_full_makes_its_replica_not_ready(
+    settings: WowdSettings, backend: Backend
+) -> None:
+    """Between slots too: its lease lapsed and it cannot take one back, which no healthy standby
+    is."""
+    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    await sup._ping()
+
+    async def work(held: HeldSlot) -> None:
+        return None
+
+    keeper = SlotKeeper(0, settings, backend.leases, work, owner_key="a")
+    sup._keepers = [keeper]
+    keeper.stall.failed("lease acquire", FULL, log)
+    assert sup.readiness(False) == (
+        False,
+        "slot keeper a: lease acquire: StorageFull: sqlite wowd.db: database or disk is full",
+    )
+    keeper.stall.progressed(log)
+    assert sup.readiness(False) == (True, "standby: no free slot in wowd.demo")

@@ -1,5 +1,5 @@
-"""The SQLite file's write path: the background WAL checkpoint of a backend, and a write
-transaction waiting for another process's write lock."""
+"""The SQLite file's write path: the background WAL checkpoint of a backend, a write
+transaction waiting for another process's write lock, and a write that finds the disk full."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from wowd.config import EmbeddedSettings, WowdSettings
-from wowd.errors import StorageUnavailable
+from wowd.errors import StorageError, StorageFull, StorageUnavailable
 from wowd.stores.embedded import open_embedded
-from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer, checkpointed_in_background
+from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer, checkpointed_in_background, disk_full
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
@@ -117,6 +117,52 @@ def test_a_write_lock_held_past_the_busy_timeout_is_transient(tmp_path: Path) ->
         holder.kill()
     assert db.run_sync(lambda c: c.execute("PRAGMA busy_timeout").fetchone()[0]) == 200
     db.close()
+
+
+def test_a_write_that_finds_the_disk_full_is_transient_and_succeeds_once_space_returns(tmp_path: Path) -> None:
+    """SQLite's ``database or disk is full`` (here: the file at its ``max_page_count``) is the
+    store unable to write, not the record at fault: :class:`StorageFull`, a
+    :class:`StorageUnavailable`; reads answer meanwhile, and the same write succeeds later."""
+    db = SqliteDatabase(tmp_path / "wowd.db")
+    db.run_sync(db.transaction(lambda c: c.execute("CREATE TABLE t (v BLOB)")))
+    pages = db.run_sync(lambda c: c.execute("PRAGMA page_count").fetchone()[0])
+    db.run_sync(lambda c: c.execute(f"PRAGMA max_page_count={pages}"))
+
+    def write(c: sqlite3.Connection) -> None:
+        c.execute("INSERT INTO t VALUES (zeroblob(100000))")
+
+    with pytest.raises(StorageFull, match="database or disk is full") as info:
+        db.run_sync(db.transaction(write))
+    assert isinstance(info.value, StorageUnavailable)
+    assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM t").fetchone()[0]) == 0
+    db.run_sync(lambda c: c.execute(f"PRAGMA max_page_count={pages * 1000}"))  # space returns
+    db.run_sync(db.transaction(write))
+    assert db.run_sync(lambda c: c.execute("SELECT count(*) FROM t").fetchone()[0]) == 1
+    db.close()
+
+
+def test_other_write_failures_are_not_a_full_disk(tmp_path: Path) -> None:
+    db = SqliteDatabase(tmp_path / "wowd.db")
+    db.run_sync(lambda c: c.execute("CREATE TABLE t (v INTEGER)"))
+    db.run_sync(lambda c: c.execute("PRAGMA query_only=ON"))
+    with pytest.raises(StorageError, match="readonly") as info:
+        db.run_sync(lambda c: c.execute("INSERT INTO t VALUES (1)"))
+    assert not isinstance(info.value, StorageUnavailable)
+    db.close()
+
+
+def _sqlite_error(message: str, code: int) -> sqlite3.Error:
+    exc = sqlite3.OperationalError(message)
+    exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+    return exc
+
+
+def test_a_full_disk_is_told_by_its_result_codes() -> None:
+    assert disk_full(_sqlite_error("database or disk is full", 13))
+    assert disk_full(_sqlite_error("disk I/O error", 10 | (19 << 8)))  # SQLITE_IOERR_SHMSIZE
+    assert not disk_full(_sqlite_error("disk I/O error", 10 | (3 << 8)))  # SQLITE_IOERR_WRITE
+    assert not disk_full(_sqlite_error("attempt to write a readonly database", 8))
+    assert disk_full(sqlite3.OperationalError("database or disk is full"))  # no code: the message
 
 
 # --------------------------------------------------------------------------- rows in few statements

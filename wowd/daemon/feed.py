@@ -6,8 +6,8 @@ snapshots where a reducer is configured, resume the parked timers of the aggrega
 committed, then save each partition's checkpoint under the slot's fence. Where the stores share
 a transaction (the embedded file's :class:`~wowd.stores.base.FeedWriter`), the sink, timer, parked
 and checkpoint steps of a batch are that one transaction. Every step is idempotent, so a
-transient failure (:class:`StorageUnavailable`) retries the whole batch after a backoff and a
-batch is never half-checkpointed. A refused checkpoint means another holder has the
+transient failure (:class:`StorageUnavailable`, a full disk among them) retries the whole batch
+after a backoff and a batch is never half-checkpointed. A refused checkpoint means another holder has the
 slot: the slot's work stops (:class:`LeaseLost`).
 """
 
@@ -35,6 +35,7 @@ from wowd.errors import (
     SinkWriteError,
     SlotStalled,
     StorageError,
+    StorageFull,
     StorageUnavailable,
     WowdError,
 )
@@ -61,6 +62,7 @@ from wowd.retry import Backoff
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
 from .leases import HeldSlot
+from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
 from .waker import Waker, owner_key
 
 __all__ = ["CONSUMER", "Feeder", "field_of"]
@@ -83,10 +85,8 @@ RETRY_BACKOFF = Backoff(0.1, 10.0)
 """The pause before retrying a batch the stores could not take."""
 STALL_BACKOFF = Backoff(0.1, 60.0)
 """The pause before retrying a stalled slot's batch (at most a minute)."""
-STALL_LOG_EVERY_S = 60.0
-"""A stalled slot's ERROR line comes at most this often."""
-STALL_AFTER_UNAVAILABLE_S = 60.0
-"""A store unavailable this long stalls the slot (its feed does nothing meanwhile)."""
+STALL_LOG_EVERY_S = LOG_EVERY_S
+"""A stalled slot's ERROR line comes at most this often (as any stalled work's)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
 
@@ -254,8 +254,8 @@ class Feeder:
             except StorageUnavailable as exc:
                 self._processing = False
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
-                logx.warning("log read failed (will retry): %s", exc)
-                self._unavailable(held, f"log read: {exc}", logx)
+                self._retrying("log read failed (will retry): %s", exc, logx)
+                self._unavailable(held, f"log read: {exc}", logx, full=isinstance(exc, StorageFull))
                 await self._pause(held, attempt)
                 attempt += 1
             except (StorageError, InvalidInput) as exc:
@@ -323,13 +323,21 @@ class Feeder:
 
     # ---- stalled: the slot's feed cannot progress
 
-    def _unavailable(self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+    def _retrying(self, msg: str, exc: StorageError, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """A transient failure's line: WARNING, DEBUG while stalled (the stall's ERROR line says it)."""
+        logx.log(logging.DEBUG if self.stalled is not None else logging.WARNING, msg, exc)
+
+    def _unavailable(
+        self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger], *, full: bool = False
+    ) -> None:
         """A transient failure: the slot is stalled once the store has been unavailable for
-        :data:`STALL_AFTER_UNAVAILABLE_S`."""
+        :data:`STALL_AFTER_UNAVAILABLE_S`, at once when it is ``full`` (:class:`StorageFull`: a
+        full disk is freed by an operator, not in seconds). Nothing is quarantined for it: the
+        batch is retried whole until the store takes it."""
         now = time.monotonic()
         if self._unavailable_since is None:
             self._unavailable_since = now
-        elif now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
+        if full or now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
             self._stall(held, reason, logx)
 
     def _stall(self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
@@ -380,8 +388,8 @@ class Feeder:
                     break
                 except StorageUnavailable as exc:
                     metrics.FEED_ERRORS.labels(kind="transient").inc()
-                    logx.warning("feed batch failed (retrying the batch): %s", exc)
-                    self._unavailable(held, str(exc), logx)
+                    self._retrying("feed batch failed (retrying the batch): %s", exc, logx)
+                    self._unavailable(held, str(exc), logx, full=isinstance(exc, StorageFull))
                     await self._pause(held, attempt)
                     attempt += 1
                 except _StepFailed as failed:

@@ -54,6 +54,8 @@ from wowd.model import Owner, SlotLease
 from wowd.retry import Backoff, Pauses
 from wowd.stores.base import ClockReading, ReplicaInfo, SlotLeaseStore
 
+from .stall import Stall
+
 __all__ = ["HeldSlot", "Presence", "SlotKeeper", "check_store_clock", "clock_disagreement", "owner_key_for"]
 
 log = logging.getLogger(__name__)
@@ -233,6 +235,11 @@ class SlotKeeper:
         """After a stalled slot was given up: how long to stand by before acquiring again."""
         self.standby = False
         self.acquired_once = False
+        self.stall = Stall(f"slot keeper {owner_key}", after_unavailable_s=math.inf)
+        """Stalled while the lease store refuses this keeper's acquires or renewals for a full disk
+        (or a refusal retrying will not fix), until one is answered again: the lease lapses and
+        the keeper cannot take a slot back meanwhile. Readiness reads it; it sets the
+        ``wowd_timers_stalled`` of the slot it holds or last held (whose timers wait)."""
 
     @property
     def owner_key(self) -> str:
@@ -295,12 +302,15 @@ class SlotKeeper:
                 self._ns, self._owner, ls.limit, self._ttl, self._tolerance, slot_offset=ls.slot_offset
             )
         except StorageUnavailable as exc:
-            log.warning("lease acquire failed (will retry): %s", exc)
+            self.stall.failed("lease acquire", exc, log)
             return sent, None
         if res.status == "refused":
             raise ConfigError(f"lease namespace {self._ns!r} refused this configuration: {res.reason}")
         if res.lease is None or not res.acquired or not self._usable(res.lease):
+            if res.status == "exhausted":  # every slot held by others: a healthy standby
+                self.stall.progressed(log)
             return sent, None
+        self.stall.progressed(log)  # not for a lease of its own handed back unusable: no write yet
         return sent, res.lease
 
     async def run(self, *, task_status: TaskStatus[HeldSlot | None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -357,6 +367,7 @@ class SlotKeeper:
         log.log(level, "slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
         self.held = held
         self.acquired_once = True
+        self.stall.gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
         metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(held.fence)
         self._on_change()
         work_scope = anyio.CancelScope(deadline=held.valid_until)
@@ -447,9 +458,10 @@ class SlotKeeper:
             except StorageError as exc:
                 reason = "unavailable" if isinstance(exc, StorageUnavailable) else "error"
                 metrics.LEASE_RENEW_FAILURES.labels(reason=reason).inc()
-                log.warning("renew of slot %d failed (will retry): %s", held.slot, exc, extra=held.log_extra())
+                self.stall.failed(f"renew of slot {held.slot}", exc, logging.LoggerAdapter(log, held.log_extra()))
                 next_at = anyio.current_time() + max(0.05, self._renew_every / 4)
                 continue
+            self.stall.progressed(log)
             if renewed is None:
                 metrics.LEASE_RENEW_FAILURES.labels(reason="lost").inc()
                 held.lost = True

@@ -58,12 +58,16 @@ class Settler:
         group: int = SETTLE_GROUP,
         linger_s: float = SETTLE_LINGER_S,
         logx: logging.Logger | logging.LoggerAdapter[logging.Logger] = log,
+        on_failure: Callable[[StorageError], None] | None = None,
+        on_success: Callable[[], None] | None = None,
     ) -> None:
         self._write = write
         self._on_written = on_written
         self._group = group
         self._linger_s = linger_s
         self._log = logx
+        self._on_failure = on_failure
+        self._on_success = on_success
         self._queue: list[TimerChange] = []
         self._arrived = anyio.Event()
         self._full = anyio.Event()
@@ -118,14 +122,19 @@ class Settler:
                     written = await self._write(batch)
         except StorageError as exc:
             self._log.error("settle failed: %s (claims will expire and re-fire)", exc)
-        if self.failing is not None:
-            self._log.info("settle written again after the store's failure: %s", self.failing)
+            if self._on_failure is not None:
+                self._on_failure(exc)
+        else:
+            if self._on_success is not None:
+                self._on_success()
         self.failing = None
         del self._queue[:n]
         self._on_written(batch, written)
 
     def _failed(self, exc: BaseException) -> None:
-        if self.failing is None:
+        if self._on_failure is not None and isinstance(exc, StorageError):
+            self._on_failure(exc)  # logs it
+        elif self.failing is None:
             self._log.warning("settle failed (will retry): %s", exc)
         self.failing = str(exc)
 

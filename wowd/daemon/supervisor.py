@@ -73,6 +73,8 @@ class Supervisor:
         self._reducers: dict[str, Reducer] = {}
         self._feeders: dict[int, Feeder] = {}
         """The feed of each slot held now (its ``stalled`` state decides readiness)."""
+        self._loops: dict[int, TimerLoop] = {}
+        """The timer loop of each slot held now (its ``stall`` decides readiness too)."""
         self._wakers: dict[int, Waker] = {}
         self._slots_seen: set[int] = set()
         # read at each scrape: 1 exactly when /readyz answers 200
@@ -86,12 +88,19 @@ class Supervisor:
 
     def functioning(self) -> tuple[bool, str]:
         """Whether this replica does its job (``/readyz``, ``wowd_ready``), holder or standby:
-        its stores answer and no slot it holds is stalled; ``why`` says which or what."""
+        its stores answer, no slot it holds is stalled (its feed or its timer loop) and its lease
+        keepers' writes are not refused (a full disk); ``why`` says which or what."""
         if not self.stores_ok:
             return False, "the stores do not answer"
-        stalled = [(slot, f.stalled) for slot, f in sorted(self._feeders.items()) if f.stalled is not None]
-        if stalled:
-            return False, "; ".join(f"slot {slot} stalled: {why}" for slot, why in stalled)
+        stalled = [(slot, f.stalled) for slot, f in self._feeders.items() if f.stalled is not None]
+        stalled += [
+            (slot, f"timer loop: {t.stall.reason}")
+            for slot, t in self._loops.items()
+            if t.stall is not None and t.stall.reason is not None
+        ]
+        refused = [f"{k.stall.what}: {k.stall.reason}" for k in self._keepers if k.stall.reason is not None]
+        if stalled or refused:
+            return False, "; ".join([*(f"slot {slot} stalled: {why}" for slot, why in sorted(stalled)), *refused])
         held = [h for h in self.held if h.valid]
         if not held:
             return True, f"standby: no free slot in {self.settings.lease_namespace}"
@@ -256,6 +265,7 @@ class Supervisor:
         )
         loop = TimerLoop(timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, strategy=strategy)
         self._feeders[held.slot] = feeder
+        self._loops[held.slot] = loop
         self._wakers[held.slot] = waker
         self._on_lease_change()
         try:
@@ -266,8 +276,12 @@ class Supervisor:
                 await tg.start(feeder.run, held, waker)
         finally:
             self._feeders.pop(held.slot, None)
+            self._loops.pop(held.slot, None)
             self._wakers.pop(held.slot, None)
             metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
+            # the slot's timers still wait while its keeper's lease writes are refused (a full disk)
+            keeper_stalled = any(k.owner_key == held.owner_key and k.stall.stalled for k in self._keepers)
+            metrics.TIMERS_STALLED.labels(slot=str(held.slot)).set(1 if keeper_stalled else 0)
 
     async def _ping(self) -> None:
         ok = False

@@ -30,6 +30,13 @@ comes within the lookahead, and not before the round's ``until`` is half a looka
 steady stream is then claimed in rounds of half a lookahead, each half a lookahead before its
 first timer is due), at most :data:`MAX_IDLE_S`; a put due sooner wakes it at once.
 
+A store that fails a round (or the reclaim, or a settle) is retried with a capped backoff and
+reported in the loop's :class:`~wowd.daemon.stall.Stall` (:attr:`TimerLoop.stall`): stalled at
+once by a full disk or a store that refuses, after a minute of transient failures; readiness then
+answers 503 and ``wowd_timers_stalled{slot}`` is 1 until the failing step (a round, a settle)
+succeeds again. Nothing is lost meanwhile: a timer is fired, or its claim settled, only by a write
+that succeeded.
+
 On stop it claims nothing more; deliveries in flight finish (bounded by the slot's grace period)
 and their outcomes are written; what was claimed and not delivered is settled back to PENDING.
 The last settle runs shielded and bounded, also after the lease lapsed: each change is guarded by
@@ -54,13 +61,14 @@ from wowd import metrics
 from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.delivery import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
-from wowd.errors import StorageUnavailable
+from wowd.errors import StorageError
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import FireRequest, LogCheck, TimerStore
 
 from .feed import CONSUMER
 from .leases import HeldSlot
+from .stall import Stall
 from .stream import SETTLE_GROUP, DeliveryStream, Settler
 from .waker import Waker, owner_key
 
@@ -100,7 +108,11 @@ SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
 SWEEP_BATCH = 1000
 ROUND_BACKOFF = Backoff(0.1, 5.0)
-"""The pause before retrying a due read or a reclaim the store could not answer."""
+"""The pause before retrying a round or a reclaim the store failed (also while stalled: a loop
+resumes at most this long after the store answers again)."""
+ROUND = "timer round"
+SETTLE = "settle"
+"""The steps of a loop's :class:`Stall`: a round (or the reclaim before the first), a settle."""
 
 
 def next_occurrence(timer: Timer, now: int) -> int | None:
@@ -266,7 +278,7 @@ class RoundStrategy(Protocol):
     """How the timers of a held slot are taken, delivered and settled; one per loop, chosen
     where the backend is assembled."""
 
-    def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AbstractAsyncContextManager[None]:
+    def running(self, held: HeldSlot, waker: Waker, stall: Stall, logx: Logx) -> AbstractAsyncContextManager[None]:
         """An async context for the loop's rounds: what the strategy runs beside them (delivery
         workers, the settler); on exit every timer it took is delivered or settled back."""
         ...
@@ -300,10 +312,16 @@ class ClaimDeliverSettle:
         self._work: TaskGroup | None = None
 
     @asynccontextmanager
-    async def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AsyncIterator[None]:
+    async def running(self, held: HeldSlot, waker: Waker, stall: Stall, logx: Logx) -> AsyncIterator[None]:
         s = self._settings
         self._held, self._waker = held, waker
-        settler = self._settler = Settler(self._store.settle, self._written, logx=logx)
+        settler = self._settler = Settler(
+            self._store.settle,
+            self._written,
+            logx=logx,
+            on_failure=lambda exc: stall.failed(SETTLE, exc, logx),
+            on_success=lambda: stall.progressed(logx, SETTLE),
+        )
         stream = self._stream = DeliveryStream(
             self._gateway,
             self._record,
@@ -486,11 +504,11 @@ class FusedFirst:
         self._exclude: Collection[str] = then._unsettled if then is not None else ()
 
     @asynccontextmanager
-    async def running(self, held: HeldSlot, waker: Waker, logx: Logx) -> AsyncIterator[None]:
+    async def running(self, held: HeldSlot, waker: Waker, stall: Stall, logx: Logx) -> AsyncIterator[None]:
         if self._then is None:
             yield
             return
-        async with self._then.running(held, waker, logx):
+        async with self._then.running(held, waker, stall, logx):
             yield
 
     async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
@@ -561,6 +579,11 @@ def round_strategy(
 # --------------------------------------------------------------------------- the loop
 
 
+def _storage_error(exc: BaseException) -> StorageError:
+    assert isinstance(exc, StorageError)  # what the retry retries
+    return exc
+
+
 class TimerLoop:
     """Fires the due timers of one held slot until the slot stops, in rounds of its strategy."""
 
@@ -582,17 +605,22 @@ class TimerLoop:
             settings, store, gateway, nudge=nudge, fused=fused, check_log=check_log
         )
         self._next_sweep = 0.0
+        self.stall: Stall | None = None
+        """Whether the loop's rounds fail (set when it runs, for its slot: readiness reads it)."""
 
     async def run(
         self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         logx = logging.LoggerAdapter(log, held.log_extra())
+        stall = self.stall = Stall(
+            f"timer loop of slot {held.slot}", metrics.TIMERS_STALLED.labels(slot=str(held.slot))
+        )
         held.on_stop(waker.wake)
         parts = frozenset(held.partitions)
         task_status.started()
-        await self._reclaim(held, parts, logx)
+        await self._reclaim(held, parts, stall, logx)
         pauses = Pauses(ROUND_BACKOFF, held.stop_event)
-        async with self.strategy.running(held, waker, logx):
+        async with self.strategy.running(held, waker, stall, logx):
             while not held.stopping:
                 held.check()
                 if waker.watermark is None or waker.read_mark is None:
@@ -603,11 +631,12 @@ class TimerLoop:
                 mark, applied = waker.mark(), waker.applied_batches
                 try:
                     r = await self.strategy.round(held, waker, parts)
-                except StorageUnavailable as exc:
-                    logx.warning("timer round failed (will retry): %s", exc)
+                except StorageError as exc:  # a full disk, a store that refuses: stalled, retried
+                    stall.failed(ROUND, exc, logx)
                     await pauses.pause()
                     continue
                 pauses.reset()
+                stall.progressed(logx, ROUND)
                 if r.full:
                     continue  # more are due now
                 waker.covered(r.until, mark)
@@ -637,7 +666,7 @@ class TimerLoop:
             return
         await waker.wait((w.wake_at - now) / 1000, w.wake_before)
 
-    async def _reclaim(self, held: HeldSlot, parts: frozenset[int], logx: Logx) -> None:
+    async def _reclaim(self, held: HeldSlot, parts: frozenset[int], stall: Stall, logx: Logx) -> None:
         """Ends the claims an earlier holding of the slot left: a previous holder's (a lower
         fence), or this holder's own before its lease lapsed and was taken back (this fence)."""
         # claims under this very fence too: none is in flight (this slot's work starts now);
@@ -645,13 +674,19 @@ class TimerLoop:
         # taken back with the same fence
         try:
             async for attempt in retrying(
-                "ending a previous holder's claims", backoff=ROUND_BACKOFF, stop=held.stop_event, logger=logx
+                "ending a previous holder's claims",
+                backoff=ROUND_BACKOFF,
+                stop=held.stop_event,
+                logger=None,  # the stall logs
+                retry_on=StorageError,
+                on_failure=lambda exc: stall.failed(ROUND, _storage_error(exc), logx),
             ):
                 with attempt:
                     held.check()
                     n = await self._store.reclaim(parts, held.fence + 1)
         except RetryStopped:
             return
+        stall.progressed(logx, ROUND)
         if n:
             logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
 
@@ -663,14 +698,16 @@ class TimerLoop:
         self._next_sweep = t + SWEEP_EVERY_S
         try:
             await self._store.sweep(now_ms() - self._settings.tombstone_retention_s * 1000, SWEEP_BATCH)
-        except StorageUnavailable as exc:
-            logx.warning("tombstone sweep failed (will retry): %s", exc)
+        except StorageError as exc:  # nothing waits for it: retried at the next sweep
+            stalled = self.stall is not None and self.stall.stalled
+            logx.log(logging.DEBUG if stalled else logging.WARNING, "tombstone sweep failed (will retry): %s", exc)
 
     async def _next_due(self, parts: frozenset[int], after: int, logx: Logx) -> int | None:
         """The store's next due time after ``after``; ``None`` when it does not answer (the loop
         then reads again after an idle period)."""
         try:
             return await self._store.next_due(parts, after)
-        except StorageUnavailable as exc:
-            logx.warning("next due time not read (polling instead): %s", exc)
+        except StorageError as exc:
+            stalled = self.stall is not None and self.stall.stalled
+            logx.log(logging.DEBUG if stalled else logging.WARNING, "next due time not read (polling instead): %s", exc)
             return None

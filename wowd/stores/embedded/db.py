@@ -4,7 +4,8 @@ Every call runs on the connection's own thread (one per :class:`SqliteDatabase`)
 time. Read-modify-write steps run in ``BEGIN IMMEDIATE`` transactions so that two
 processes on the file serialise on SQLite's write lock (the writers of one process first queue on
 :func:`file_write_lock`); a transaction polls for a lock another process holds, and a lock still
-held after the busy timeout is :class:`StorageUnavailable` (transient).
+held after the busy timeout is :class:`StorageUnavailable` (transient), and so is a write that finds
+the disk full (:class:`StorageFull`: it succeeds once space returns).
 
 The store clock is SQLite's own ``now`` evaluated in the statement that decides (``NOW_MS``).
 """
@@ -28,7 +29,7 @@ import anyio.to_thread
 import orjson
 from prometheus_client import Histogram
 
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import StorageError, StorageFull, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3, variable_limit
 
@@ -39,6 +40,7 @@ __all__ = [
     "WalCheckpointer",
     "checkpoint_mode",
     "checkpointed_in_background",
+    "disk_full",
     "file_write_lock",
     "in_snapshot",
     "insert_rows",
@@ -69,6 +71,23 @@ default cache most of those page reads went to the file; filled only as pages ar
 
 NOW_MS = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
 """SQL expression: the store clock in ms since the epoch (SQLite's ``now``)."""
+
+
+SQLITE_FULL = 13
+"""SQLite's primary result code for a write that found no room (``database or disk is full``)."""
+SQLITE_IOERR_SHMSIZE = 10 | (19 << 8)
+"""SQLite's extended result code for a shared-memory file (``-shm``) it could not grow, which on a
+full file system is the write that found no room."""
+
+
+def disk_full(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` says the file's disk (or quota) has no room for a write: ``SQLITE_FULL``
+    (any extended code of it) or ``SQLITE_IOERR_SHMSIZE``. The store is then unable, not the
+    record at fault: the same write succeeds once space returns (:class:`StorageFull`)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF == SQLITE_FULL or code == SQLITE_IOERR_SHMSIZE
+    return "database or disk is full" in str(exc)
 
 
 class SqliteDatabase:
@@ -131,12 +150,16 @@ class SqliteDatabase:
                 if conn.in_transaction:
                     conn.rollback()
                 msg = str(exc)
+                if disk_full(exc):
+                    raise StorageFull(f"sqlite {self.path}: {msg}") from exc
                 if "locked" in msg or "busy" in msg:
                     raise StorageUnavailable(f"sqlite {self.path}: {msg}") from exc
                 raise StorageError(f"sqlite {self.path}: {msg}") from exc
             except sqlite3.Error as exc:
                 if conn.in_transaction:
                     conn.rollback()
+                if disk_full(exc):
+                    raise StorageFull(f"sqlite {self.path}: {exc}") from exc
                 raise StorageError(f"sqlite {self.path}: {exc}") from exc
             except BaseException:
                 if conn.in_transaction:

@@ -1,0 +1,165 @@
+"""A timer loop whose store fails (a full disk, a damaged file) stalls and retries; it does not end.
+In-process on the embedded backend, its timer store failing on request: the loop is stalled
+(``TimerLoop.stall``, ``wowd_timers_stalled`` 1) while every call fails, fires nothing meanwhile,
+and fires every due timer once by itself when the store answers again; a settle the store refuses
+is retried until it answers, bounded (also on stop)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.helpers import caught_up_waker
+from wowd import metrics
+from wowd.cli.backend import opened_backend
+from wowd.config import TimerSettings
+from wowd.daemon import timers as timers_module
+from wowd.daemon.timers import TimerLoop
+from wowd.errors import StorageError, StorageFull
+from wowd.model import TimerChange, TimerStatus
+from wowd.stores.base import Backend, TimerStore
+
+from .conftest import embedded_settings, eventually
+from .test_loops import PARTS, ScriptedGateway, due_timer, hold
+
+pytestmark = pytest.mark.anyio
+
+FULL = StorageFull("sqlite wowd.db: database or disk is full")
+DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
+
+
+class FailingTimers:
+    """The timer store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
+    settles only)."""
+
+    def __init__(self, inner: TimerStore) -> None:
+        self._inner = inner
+        self.fail: StorageError | None = None
+        self.settle_fail: StorageError | None = None
+        self.settles = 0
+
+    def _check(self) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    async def claim_due(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return await self._inner.claim_due(*args, **kwargs)
+
+    async def reclaim(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return await self._inner.reclaim(*args, **kwargs)
+
+    async def next_due(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return await self._inner.next_due(*args, **kwargs)
+
+    async def sweep(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        return await self._inner.sweep(*args, **kwargs)
+
+    async def settle(self, changes: Sequence[TimerChange]) -> int:
+        self._check()
+        self.settles += 1
+        if self.settle_fail is not None:
+            raise self.settle_fail
+        return await self._inner.settle(changes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    async with opened_backend(embedded_settings(tmp_path, PARTS)) as b:
+        yield b
+
+
+@pytest.mark.parametrize("error", [FULL, DAMAGED], ids=["full-disk", "damaged-file"])
+async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
+    backend: Backend, error: StorageError
+) -> None:
+    for i in range(3):
+        assert await backend.timers.put(due_timer(f"ok-{i}"))
+    store = FailingTimers(backend.timers)
+    store.fail = error
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
+    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+
+    async def stalled() -> bool:
+        return loop.stall is not None and loop.stall.stalled
+
+    async def all_fired() -> bool:
+        return len(gw.sent) == 3 and not await backend.timers.scan(limit=10)
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(stalled, 5, "the loop stalled")  # at once: retrying will not fix it soon
+            assert loop.stall is not None and loop.stall.reason is not None and str(error) in loop.stall.reason
+            assert gauge._value.get() == 1
+            assert gw.sent == []
+            store.fail = None  # space returns, the file is restored
+            await eventually(all_fired, 10, "every due timer fired")
+            assert not loop.stall.stalled and gauge._value.get() == 0
+            held.request_stop()
+    assert sorted(t.target.id for t in gw.sent) == ["ok-0", "ok-1", "ok-2"]  # each once
+
+
+async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(timers_module, "SETTLE_TIMEOUT_S", 2.0)
+    assert await backend.timers.put(due_timer("ok-1"))
+    store = FailingTimers(backend.timers)
+    store.settle_fail = FULL
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+
+    async def tried_twice() -> bool:
+        return store.settles >= 2
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(tried_twice, 5, "the settle retried")
+            assert [t.target.id for t in gw.sent] == ["ok-1"]
+            assert loop.stall is not None and loop.stall.stalled  # the settle's failure stalls the loop
+            held.request_stop()
+            stopped = time.monotonic()
+    # the settle that never succeeded ends within its bound: the claim stays, and expires
+    assert time.monotonic() - stopped < 2.0 + 1.0
+    [claimed] = await backend.timers.scan(limit=10)
+    assert claimed.status is TimerStatus.FIRING and claimed.claim is not None
+
+
+async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
+    assert await backend.timers.put(due_timer("ok-1"))
+    store = FailingTimers(backend.timers)
+    store.settle_fail = FULL
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+
+    async def tried_twice() -> bool:
+        return store.settles >= 2
+
+    async def settled() -> bool:
+        return not await backend.timers.scan(limit=10)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(tried_twice, 5, "the settle retried")
+            store.settle_fail = None
+            await eventually(settled, 5, "the fired timer settled")
+            held.request_stop()
+    assert [t.target.id for t in gw.sent] == ["ok-1"]  # delivered once
