@@ -5,6 +5,7 @@
   ``AsyncRetrying``) retries what raises :class:`~wowd.errors.StorageUnavailable` after the
   backoff, logging each failure, until it succeeds; when the ``stop`` event is set while it waits,
   it raises :class:`RetryStopped`.
+- :func:`retrying_blocking`: the same for a worker thread's blocking call, within a deadline.
 - :class:`Pauses`: the same backoff for a long-running loop that goes on after a failure (the
   feed, the timer loop): ``await pauses.pause()`` after a failure, ``pauses.reset()`` after
   progress.
@@ -19,11 +20,18 @@ import random
 from collections.abc import Callable
 
 import anyio
-from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_delay,
+)
 
 from wowd.errors import StorageUnavailable
 
-__all__ = ["Backoff", "Pauses", "RetryStopped", "retrying"]
+__all__ = ["Backoff", "Pauses", "RetryStopped", "retrying", "retrying_blocking"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +97,18 @@ def retrying(
         wait=backoff.wait,
         sleep=sleep,
         before_sleep=before_sleep,
+        reraise=True,
+    )
+
+
+def retrying_blocking(*, backoff: Backoff, within_s: float, retry_if: Callable[[BaseException], bool]) -> Retrying:
+    """``for attempt in retrying_blocking(...): with attempt: ...`` in a worker thread: retries
+    what raises an error ``retry_if`` accepts after ``backoff`` (``time.sleep``), for
+    ``within_s`` at most, then raises the last error."""
+    return Retrying(
+        retry=retry_if_exception(retry_if),
+        wait=backoff.wait,
+        stop=stop_after_delay(within_s),
         reraise=True,
     )
 

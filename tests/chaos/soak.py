@@ -1,10 +1,10 @@
 """The soak mode of the chaos harness: ``python -m tests.chaos.soak --minutes 30`` (``make soak``).
 
 Runs one long chaos schedule (faults every few seconds, the producer writing all along), prints the
-summary and appends it to ``bench/RESULTS.md``: faults survived, timers fired, commits fed,
-lost (must be 0), cancelled timers delivered (must be 0), duplicate deliveries beyond the ones in
-flight at a kill or a pause (must be 0), duplicate deliveries with distinct fences (must be 0), RSS
-at start and end.
+summary and writes it into ``bench/RESULTS.md`` in place of the previous soak's section: faults
+survived, timers fired, commits fed, lost (must be 0), cancelled timers delivered (must be 0),
+duplicate deliveries beyond the ones in flight at a kill or a pause (must be 0), duplicate
+deliveries with distinct fences (must be 0), RSS at start and end.
 Exits 1 when a promise was broken (the violations are printed and recorded too).
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import platform
+import re
 import sys
 import tempfile
 from datetime import UTC, datetime
@@ -84,13 +85,29 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def replace_soak_section(path: Path, text: str) -> None:
+    """Write the soak's section ``text`` into the Markdown file ``path`` in place of the soak
+    sections there (at the first one's place; at the end when there is none), keeping the rest."""
+    old = path.read_text() if path.exists() else ""
+    head, *sections = re.split(r"(?m)^(?=## )", old)
+    soaks = [i for i, s in enumerate(sections) if s.startswith("## Chaos soak")]
+    at = soaks[0] if soaks else len(sections)
+    kept = [s for i, s in enumerate(sections) if i not in soaks]
+    kept.insert(at, text)
+    parts = [head.rstrip("\n")] if head.strip() else []
+    parts += [s.strip("\n") for s in kept]
+    path.write_text("\n\n".join(parts) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.chaos.soak", description=__doc__)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=int(datetime.now(UTC).timestamp()))
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--rate", type=float, default=20.0, help="commits per second")
-    p.add_argument("--results", type=Path, default=RESULTS, help="markdown file the summary is appended to")
+    p.add_argument(
+        "--results", type=Path, default=RESULTS, help="markdown file whose soak section the summary replaces"
+    )
     p.add_argument("--label", default="make soak")
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
@@ -108,10 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     report = anyio.run(run_chaos, config, workdir)
     text = markdown(report, args.minutes, args.label)
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    with args.results.open("a") as f:
-        f.write(text)
+    replace_soak_section(args.results, text)
     sys.stdout.write(report.summary() + "\n")
-    sys.stdout.write(f"appended to {args.results}; logs and database in {workdir}\n")
+    sys.stdout.write(f"written to {args.results}; logs and database in {workdir}\n")
     for v in report.violations():
         sys.stdout.write(f"VIOLATION: {v}\n")
     return 1 if report.violations() else 0

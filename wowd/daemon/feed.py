@@ -58,7 +58,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
-from wowd.retry import Backoff
+from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
 
 from .leases import HeldSlot
@@ -205,15 +205,16 @@ class Feeder:
         held.on_stop(self._request_stop)
         parts = sorted(held.partitions)
         positions: dict[int, Position | None] = {p: None for p in parts}
-        attempt = 0
-        while True:
-            try:
-                cps = await self._backend.log.checkpoints(CONSUMER, parts)
-                break
-            except StorageUnavailable as exc:
-                logx.warning("reading checkpoints failed (will retry): %s", exc)
-                await self._pause(held, attempt)
-                attempt += 1
+        try:
+            async for attempt in retrying(
+                "reading checkpoints", backoff=RETRY_BACKOFF, stop=held.stop_event, logger=logx
+            ):
+                with attempt:
+                    cps = await self._backend.log.checkpoints(CONSUMER, parts)
+        except RetryStopped:
+            task_status.started()
+            return
+        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
         for p, cp in cps.items():
             positions[p] = cp.position
         task_status.started()
@@ -239,7 +240,7 @@ class Feeder:
                                         await self._process(held, batch, number, prepared, waker, logx)
                                         self._processing = False
                                         positions.update(batch.positions)
-                                        attempt = 0
+                                        pauses.reset()
                                         if self._stopping:
                                             break
                                 except Exception as exc:  # raised below, outside the task group
@@ -256,16 +257,14 @@ class Feeder:
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
                 self._retrying("log read failed (will retry): %s", exc, logx)
                 self._unavailable(held, f"log read: {exc}", logx, full=isinstance(exc, StorageFull))
-                await self._pause(held, attempt)
-                attempt += 1
+                await pauses.pause()
             except (StorageError, InvalidInput) as exc:
                 # the log itself refuses (a corrupted file, no privilege): nothing can be fed
                 self._processing = False
                 self._read_scope = None
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
                 self._stall(held, f"log read: {type(exc).__name__}: {exc}", logx)
-                await self._pause(held, attempt, STALL_BACKOFF)
-                attempt += 1
+                await pauses.pause(STALL_BACKOFF)
         logx.info("feed stopped at a batch boundary")
 
     async def _read_ahead(
@@ -316,10 +315,6 @@ class Feeder:
         sinks = [(self._backend.sink(t), commits) for t, commits in prepared.by_type.items()]
         with contextlib.suppress(WowdError):
             prepared.planned = await writer.plan(sinks, prepared.timer_writes)
-
-    async def _pause(self, held: HeldSlot, attempt: int, backoff: Backoff = RETRY_BACKOFF) -> None:
-        with anyio.move_on_after(backoff(attempt)):
-            await held.stop_event.wait()
 
     # ---- stalled: the slot's feed cannot progress
 
@@ -379,7 +374,7 @@ class Feeder:
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
             waker.applied(read, batch.watermark)
             return
-        attempt = 0
+        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
         try:
             while True:
                 held.check()
@@ -390,16 +385,14 @@ class Feeder:
                     metrics.FEED_ERRORS.labels(kind="transient").inc()
                     self._retrying("feed batch failed (retrying the batch): %s", exc, logx)
                     self._unavailable(held, str(exc), logx, full=isinstance(exc, StorageFull))
-                    await self._pause(held, attempt)
-                    attempt += 1
+                    await pauses.pause()
                 except _StepFailed as failed:
                     metrics.FEED_ERRORS.labels(kind="fatal").inc()
                     if await self._isolate(held, batch, waker, logx):
                         break
                     # every record fails for the store's own reasons: nothing to quarantine
                     self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
-                    await self._pause(held, attempt, STALL_BACKOFF)
-                    attempt += 1
+                    await pauses.pause(STALL_BACKOFF)
         finally:
             # applied, or given up (its commits are read again, as a later batch)
             waker.applied(read, None)

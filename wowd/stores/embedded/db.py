@@ -31,6 +31,7 @@ from prometheus_client import Histogram
 
 from wowd.errors import StorageError, StorageFull, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
+from wowd.retry import Backoff, retrying_blocking
 from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3, variable_limit
 
 __all__ = [
@@ -51,6 +52,15 @@ __all__ = [
 
 T = TypeVar("T")
 
+
+def _locked(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc)
+
+
+def _locked_or_busy(exc: BaseException) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
 log = logging.getLogger(__name__)
 
 CHECKPOINT_EVERY_S = 0.2
@@ -59,11 +69,12 @@ FULL_CHECKPOINT_WAIT_MS = 100
 """How long a ``FULL`` checkpoint (:func:`checkpoint_mode`) waits for the write lock, and then,
 holding it, for readers of older snapshots, before it copies what it can and leaves the rest to
 the next turn (writers wait for it meanwhile)."""
-BEGIN_POLL_MIN_S = 0.0001
-BEGIN_POLL_MAX_S = 0.001
+BEGIN_POLL_BACKOFF = Backoff(0.0001, 0.001)
 """How often a write transaction tries again for a write lock another process holds (doubling
 from the first to the second)."""
 
+WAL_SWITCH_BACKOFF = Backoff(0.005, 0.2)
+"""Between the tries of several processes that open a new file at once to switch it to WAL."""
 CACHE_KIB = 65_536
 """The page cache of each connection (SQLite's default is 2 MiB): a burst of timers due at once
 is read, written to the outbox and settled in random page order (ids are hashes), and with the
@@ -114,18 +125,15 @@ class SqliteDatabase:
             )
             # Switching a new file to WAL takes an exclusive lock that busy_timeout does not wait
             # for: several processes opening a fresh file at once retry it for the busy timeout.
-            deadline = time.monotonic() + self._busy_timeout_ms / 1000
-            delay = 0.005
-            while True:
-                try:
-                    conn.execute("PRAGMA journal_mode=WAL")
-                    break
-                except sqlite3.OperationalError as exc:
-                    if "locked" not in str(exc) or time.monotonic() > deadline:
-                        conn.close()
-                        raise
-                    time.sleep(delay)  # a worker thread's backoff, not test synchronisation
-                    delay = min(delay * 2, 0.2)
+            try:
+                for attempt in retrying_blocking(
+                    backoff=WAL_SWITCH_BACKOFF, within_s=self._busy_timeout_ms / 1000, retry_if=_locked
+                ):
+                    with attempt:
+                        conn.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                conn.close()
+                raise
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             if WAL_RESET_BUG or checkpointed_in_background(self.path):
@@ -246,26 +254,20 @@ class SqliteDatabase:
         writer that meets another process's short transaction often waits tens of ms after the
         lock was free again (and a steady writer in the other process can keep it waiting over
         100 ms). Here the busy handler is off for this statement and the lock is tried again
-        every :data:`BEGIN_POLL_MIN_S` to :data:`BEGIN_POLL_MAX_S`, up to the busy timeout."""
+        as :data:`BEGIN_POLL_BACKOFF` says, up to the busy timeout."""
         conn.execute("PRAGMA busy_timeout=0")
         try:
-            deadline: float | None = None
-            delay = BEGIN_POLL_MIN_S
-            while True:
-                try:
-                    conn.execute("BEGIN IMMEDIATE")
-                    return
-                except sqlite3.OperationalError as exc:
-                    msg = str(exc)
-                    if "locked" not in msg and "busy" not in msg:
-                        raise
-                    t = time.monotonic()
-                    if deadline is None:
-                        deadline = t + self._busy_timeout_ms / 1000
-                    elif t >= deadline:
-                        raise
-                time.sleep(delay)  # a worker thread's poll of another process's lock
-                delay = min(delay * 2, BEGIN_POLL_MAX_S)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if not _locked_or_busy(exc):
+                    raise
+                # a worker thread's poll of another process's lock
+                for attempt in retrying_blocking(
+                    backoff=BEGIN_POLL_BACKOFF, within_s=self._busy_timeout_ms / 1000, retry_if=_locked_or_busy
+                ):
+                    with attempt:
+                        conn.execute("BEGIN IMMEDIATE")
         finally:
             conn.execute(f"PRAGMA busy_timeout={self._busy_timeout_ms}")
 
