@@ -35,6 +35,7 @@ from wowd.model import (
     TimerWrite,
     commit_from_doc,
     commit_to_doc,
+    commits,
     deterministic_timer_id,
     java_string_hash,
     net_writes,
@@ -679,10 +680,10 @@ def test_a_log_document_reads_alike_on_either_reader(change: dict[str, Any], pla
         if value is None and key in ("tenant_id", "access_version", "deleted"):
             del doc[key]
     t = AggregateType(context="ctx", aggregate="order")
-    checked = model._checked_commit(t, doc)
+    checked = commits._checked_commit(t, doc)
     assert commit_from_doc(t, doc) == checked
     assert commit_from_doc(t, MappingProxyType(doc)) == checked
-    assert model._plain_commit(t, doc) == (checked if plain else None)
+    assert commits._plain_commit(t, doc) == (checked if plain else None)
 
 
 def test_refs_read_from_the_log_are_shared() -> None:

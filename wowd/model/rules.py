@@ -1,0 +1,123 @@
+"""Timer rules: once, interval, cron."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeAlias
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from wowd.errors import InvalidInput
+from wowd.model.commits import _is_doc
+
+_MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OnceRule:
+    type: Literal["once"] = "once"
+
+    def next_after(self, fired_at: int) -> int | None:
+        return None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"type": "once"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IntervalRule:
+    every_ms: int
+    until: int | None = None
+    type: Literal["interval"] = "interval"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every_ms, int) or isinstance(self.every_ms, bool) or self.every_ms < 1:
+            raise InvalidInput(f"must be an integer >= 1, got {self.every_ms!r}", field="rule.every_ms")
+        if self.until is not None and (not isinstance(self.until, int) or isinstance(self.until, bool)):
+            raise InvalidInput("must be an integer (ms) or absent", field="rule.until")
+
+    def next_after(self, scheduled_at: int) -> int | None:
+        nxt = scheduled_at + self.every_ms
+        if self.until is not None and nxt > self.until:
+            return None
+        return nxt
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"type": "interval", "every_ms": self.every_ms}
+        if self.until is not None:
+            doc["until"] = self.until
+        return doc
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CronRule:
+    """A cron rule (5 or 6 fields, croniter's syntax) evaluated in ``zone``."""
+
+    expression: str
+    zone: str = "UTC"
+    type: Literal["cron"] = "cron"
+
+    def __post_init__(self) -> None:
+        from croniter import croniter
+
+        if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
+            raise InvalidInput(f"{self.expression!r} is not a valid cron expression", field="rule.expression")
+        try:
+            ZoneInfo(self.zone)
+        except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+            raise InvalidInput(f"{self.zone!r} is not a known time zone", field="rule.zone") from exc
+
+    @property
+    def fixed_time(self) -> bool:
+        """Whether the rule names its hours and minutes (neither field starts with ``*``, nor
+        is it ``@hourly``): such a rule fires at given wall-clock times of the day."""
+        fields = self.expression.split()
+        if fields and fields[0].startswith("@"):
+            return fields[0].lower() != "@hourly"
+        return len(fields) >= 2 and not fields[0].startswith("*") and not fields[1].startswith("*")
+
+    def next_after(self, scheduled_at: int) -> int | None:
+        """The first occurrence strictly after ``scheduled_at``; ``None`` when there is none
+        before year 9999 (an expression such as ``0 0 30 2 *`` never fires).
+
+        Daylight saving time, as cron (Vixie cron, cronie) does it: a :attr:`fixed_time` rule
+        fires once per wall-clock time, so a time repeated when the clocks go back fires on its
+        first pass only, and a time skipped when they go forward fires at the first valid time
+        after the gap (a daily 02:30 in New York fires at 03:00 EDT that day). A rule with a
+        ``*`` in its minute or hour field follows the clock: it fires in the repeated hour again
+        and the times of the gap do not exist."""
+        from croniter import CroniterBadDateError, croniter
+
+        zone = ZoneInfo(self.zone)
+        try:
+            start = datetime.fromtimestamp(scheduled_at / 1000, tz=zone)
+            it = croniter(self.expression, start, max_years_between_matches=50)
+            while True:
+                ms = int(it.get_next(datetime).astimezone(UTC).timestamp() * 1000)
+                if ms > _MAX_MS:
+                    return None
+                if self.fixed_time and datetime.fromtimestamp(ms / 1000, tz=zone).fold == 1:
+                    continue  # the second pass of a wall-clock time: it fired on the first
+                return ms
+        except (CroniterBadDateError, OverflowError, ValueError, OSError):
+            return None
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"type": "cron", "expression": self.expression, "zone": self.zone}
+
+
+Rule: TypeAlias = OnceRule | IntervalRule | CronRule
+
+
+def parse_rule(doc: Any) -> Rule:
+    """Reads ``{type, ...}``; an unknown type or bad field raises :class:`InvalidInput`."""
+    if not _is_doc(doc):
+        raise InvalidInput("must be a document {type, ...}", field="rule")
+    kind = doc.get("type")
+    if kind == "once":
+        return OnceRule()
+    if kind == "interval":
+        return IntervalRule(every_ms=doc.get("every_ms"), until=doc.get("until"))  # type: ignore[arg-type]
+    if kind == "cron":
+        return CronRule(expression=doc.get("expression"), zone=doc.get("zone", "UTC"))  # type: ignore[arg-type]
+    raise InvalidInput(f"unknown rule type {kind!r} (once, interval, cron)", field="rule.type")
