@@ -3,6 +3,13 @@
 
 Each section runs its measurements (every measured system in its own process) and renders a
 Markdown table; the full run takes medians of ``runs`` runs. ``--quick`` runs small sizes once.
+
+The report holds the latest run of each section, with that run's date, command, commit and
+machine. ``bench/results.json`` (``--json``) keeps those runs: ``--only SECTION ...`` re-runs some
+sections, puts them in place of their earlier run there, and writes the report again from every
+section's latest run. ``--render`` runs nothing and writes the report from that file (a
+section's ``remark``, a note on its run, can be edited there). Sections of the report that this
+module does not write (the chaos soak's) are kept as they are.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ import argparse
 import json
 import logging
 import os
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,12 +79,36 @@ QUICK = Config(
 
 @dataclass(kw_only=True)
 class Section:
+    """One section's latest run: what the report shows of it, its raw numbers and how it was run."""
+
     key: str
     title: str
     body: str
     data: Any = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    when: str = ""
+    """When the section ran, ``YYYY-MM-DD HH:MM-HH:MM UTC``."""
+    command: str = ""
+    commit: str = ""
+    """The checkout's commit (``+`` when wowd or bench had uncommitted changes)."""
+    machine: str = ""
+    remark: str = ""
+    """A note on this run (the machine's state, what the code was), written by hand."""
+    targets: list[list[str]] = field(default_factory=list)
+    """The targets against this run: rows of target, measured, met."""
+
+
+TITLES = {
+    "timers": "Timers: a burst due at once, wowd against APScheduler",
+    "steady": "Fire lag at steady load",
+    "growth": "Growth: due-read cost as the work grows",
+    "sink": "Sink: ElasticsearchEventSink.write against async_bulk",
+    "failover": "Failover: SIGKILL of the holder to the first fire by the standby",
+    "http": "HTTP delivery: wowd run's http gateway against a bare aiohttp loop",
+    "e2e": "End to end through the log: commits appended, fed and fired, against the firing path alone",
+}
+"""Each section's title (the steady section's is followed by its rate and duration)."""
 
 
 def _repeat(fn: Callable[[], dict[str, Any]], runs: int) -> dict[str, Any]:
@@ -209,7 +242,7 @@ def section_timers(cfg: Config) -> Section:
     body += table(["N", "ratio", "fired/s", "p99 lag (peer/wowd)", "CPU s (wowd/peer)"], ratio_rows)
     return Section(
         key="timers",
-        title="Timers: a burst due at once, wowd against APScheduler",
+        title=TITLES["timers"],
         body=body,
         data={str(k): v for k, v in results.items()},
         notes=notes,
@@ -274,7 +307,7 @@ def section_steady(cfg: Config) -> Section:
     return Section(
         notes=notes,
         key="steady",
-        title=f"Fire lag at steady load ({fmt(cfg.steady_seconds)} s per rate, timers due now + 1 s)",
+        title=f"{TITLES['steady']} ({fmt(cfg.steady_seconds)} s per rate, timers due now + 1 s)",
         body=body,
         data=data,
     )
@@ -319,7 +352,7 @@ def section_growth(cfg: Config) -> Section:
     )
     return Section(
         key="growth",
-        title="Growth: due-read cost as the work grows",
+        title=TITLES["growth"],
         body=body,
         data={"embedded": emb, "mongo": wire},
     )
@@ -352,7 +385,7 @@ def section_sink(cfg: Config) -> Section:
             )
     body = f"{fmt(cfg.sink_n)} commits (version 1 of distinct aggregates), medians of {res['runs']} runs:\n\n"
     body += table(["batch", "writer", "commits/s", "MB/s", "CPU s", "wowd / this"], rows)
-    return Section(key="sink", title="Sink: ElasticsearchEventSink.write against async_bulk", body=body, data=res)
+    return Section(key="sink", title=TITLES["sink"], body=body, data=res)
 
 
 # --------------------------------------------------------------------------- failover
@@ -380,7 +413,7 @@ def section_failover(cfg: Config) -> Section:
     body = table(["ttl s", "median ms", "runs ms", "bound ttl + ttl/3 + poll ms", "all within"], rows)
     return Section(
         key="failover",
-        title="Failover: SIGKILL of the holder to the first fire by the standby",
+        title=TITLES["failover"],
         body=body,
         data=data,
     )
@@ -473,7 +506,7 @@ def section_http(cfg: Config) -> Section:
     ]
     return Section(
         key="http",
-        title="HTTP delivery: wowd run's http gateway against a bare aiohttp loop",
+        title=TITLES["http"],
         body=body,
         data={"rows": rows, "steady": steady, "bare_steady": bare_steady, "n": n},
         notes=notes,
@@ -641,10 +674,11 @@ def section_e2e(cfg: Config) -> Section:
     ]
     return Section(
         key="e2e",
-        title="End to end through the log: commits appended, fed and fired, against the firing path alone",
+        title=TITLES["e2e"],
         body=body,
         data={"config": asdict(c), "medians": med, "runs": raw},
         notes=notes,
+        targets=e2e_target_rows(med, c),
     )
 
 
@@ -697,20 +731,27 @@ SECTIONS: dict[str, Callable[[Config], Section]] = {
     "e2e": section_e2e,
 }
 
-
 # --------------------------------------------------------------------------- report
 
+RESULTS = HERE / "RESULTS.md"
+STORE = HERE / "results.json"
+"""Every section's latest run, from which ``RESULTS.md`` is written."""
 
-def targets(sections: dict[str, Section]) -> str:
-    """The targets against this run's numbers."""
+
+def section_targets(section: Section) -> list[list[str]]:
+    """The targets against a section's run: those it recorded, or those its raw numbers give."""
+    if section.targets:
+        return section.targets
+    if section.data is None:
+        return []
     rows: list[list[str]] = []
 
     def add(target: str, measured: str, met: bool | None) -> None:
         rows.append([target, measured, "-" if met is None else ("yes" if met else "no")])
 
-    t = sections.get("timers")
-    if t is not None:
-        data: dict[str, dict[str, dict[str, Any]]] = t.data
+    key = section.key
+    if key == "timers":
+        data: dict[str, dict[str, dict[str, Any]]] = section.data
         sizes = sorted(int(k) for k in data if "wowd run, 1 process" in data[k])
         if sizes:
             n = max(sizes)
@@ -742,24 +783,22 @@ def targets(sections: dict[str, Section]) -> str:
         if "10000" in data and "wowd run, 1 process" in data["10000"]:
             p99 = data["10000"]["wowd run, 1 process"]["p99_ms"]
             add("burst of 10,000: p99 lag <= 0.5 s", f"{fmt_ms(p99)} ms", p99 <= 500)
-    s = sections.get("steady")
-    if s is not None:
-        for x in s.data["wowd"]:
+    elif key == "steady":
+        for x in section.data["wowd"]:
             if x["rate"] == 1000:
                 add(
                     "steady 1,000/s: p50 <= 3 ms, p99 <= 10 ms",
                     f"p50 {fmt_ms(x['p50_ms'])} ms, p99 {fmt_ms(x['p99_ms'])} ms",
                     x["p50_ms"] <= 3 and x["p99_ms"] <= 10,
                 )
-    g = sections.get("growth")
-    if g is not None:
-        emb = g.data["embedded"]
+    elif key == "growth":
+        emb = section.data["embedded"]
         add(
             f"due read flat within 2x from {fmt(emb['stored'][0])} to {fmt(emb['stored'][-1])} timers",
             f"{fmt(emb['growth_ratio'], 2)}x",
             emb["growth_ratio"] <= 2,
         )
-        wrows = g.data["mongo"]["rows"]
+        wrows = section.data["mongo"]["rows"]
         add(
             "one MongoDB due-read command per poll, any number of types",
             ", ".join(f"{r['types']} types: {r['due_commands']}" for r in wrows),
@@ -770,14 +809,13 @@ def targets(sections: dict[str, Section]) -> str:
             ", ".join(str(r["batch_commands"]) for r in wrows),
             all(r["batch_commands"] <= 3 for r in wrows),
         )
-    k = sections.get("sink")
-    if k is not None:
+    elif key == "sink":
         for variant in ("async_bulk (prebuilt)", "async_bulk (from commits)"):
             ratios = []
-            for r in k.data["rows"]:
+            for r in section.data["rows"]:
                 if r["variant"] != variant:
                     continue
-                sink = next(x for x in k.data["rows"] if x["batch"] == r["batch"] and x["variant"] == "wowd sink")
+                sink = next(x for x in section.data["rows"] if x["batch"] == r["batch"] and x["variant"] == "wowd sink")
                 ratios.append((sink["commits_per_s"] / r["commits_per_s"], r["batch"]))
             if ratios:
                 add(
@@ -785,58 +823,110 @@ def targets(sections: dict[str, Section]) -> str:
                     ", ".join(f"{fmt(b)}: {fmt(x, 2)}x" for x, b in sorted(ratios, key=lambda t: t[1])),
                     min(x for x, _ in ratios) >= 1,
                 )
-    f = sections.get("failover")
-    if f is not None:
-        for d in f.data:
+    elif key == "failover":
+        for d in section.data:
             add(
                 f"failover within ttl + ttl/3 + poll (ttl {fmt(d['ttl_s'], 0)} s)",
                 f"max {fmt(max(d['failover_ms']))} ms of {fmt(d['bound_ms'])} ms",
                 max(d["failover_ms"]) <= d["bound_ms"],
             )
-    h = sections.get("http")
-    if h is not None:
-        hrows = h.data["rows"]
+    elif key == "http":
+        hrows = section.data["rows"]
         top = max((r["concurrency"] for r in hrows if isinstance(r["concurrency"], int)), default=None)
         w = next((r for r in hrows if r["system"] == "wowd run, http gateway" and r["per_target"] == top), None)
         b = next((r for r in hrows if r["system"] == "bare aiohttp loop" and r["concurrency"] == top), None)
         if w is not None and b is not None:
             add(
-                f"http gateway >= 5,000 deliveries/s at concurrency {top} (N={fmt(h.data['n'])})",
+                f"http gateway >= 5,000 deliveries/s at concurrency {top} (N={fmt(section.data['n'])})",
                 fmt(w["fired_per_s"]),
                 w["fired_per_s"] >= 5000,
             )
             ratio = w["fired_per_s"] / b["fired_per_s"]
             add(f"http gateway >= 0.5x the bare aiohttp loop (concurrency {top})", f"{fmt(ratio, 2)}x", ratio >= 0.5)
-        st = h.data["steady"]
+        st = section.data["steady"]
         add(
             f"steady {fmt(st['rate'])}/s over HTTP: p99 lag <= 20 ms",
             f"p99 {fmt_ms(st['p99_ms'])} ms ({fmt(st['fired'])} / {fmt(st['added'])} fired)",
             st["p99_ms"] <= 20 and st["fired"] == st["added"],
         )
+    return rows
+
+
+def targets(sections: dict[str, Section]) -> str:
+    """The targets against the numbers of these sections' runs, in the report's order of sections."""
+    rows: list[list[str]] = []
+    for key in SECTIONS:
+        if key in sections:
+            rows += section_targets(sections[key])
     return table(["target", "measured", "met"], rows)
+
+
+def _is_ours(title: str) -> bool:
+    """Whether a report's section ``## title`` is one this module writes."""
+    if title in ("Targets", "What we learned") or any(title.startswith(t) for t in TITLES.values()):
+        return True
+    return title.endswith(": FAILED") and title.removesuffix(": FAILED") in SECTIONS
+
+
+def other_sections(report: str) -> str:
+    """The sections of an existing report that this module does not write (the chaos soak's, the
+    takeover's), verbatim and in their order."""
+    parts = re.split(r"(?m)^(?=## )", report)
+    return "".join(p for p in parts[1:] if not _is_ours(p.split("\n", 1)[0].removeprefix("## ").strip()))
+
+
+def machine_line() -> str:
+    m = machine()
+    return (
+        f"{m['cores']} cores ({m['cpu']}), {m['system']}; Python {m['python']} ({m['implementation']}), "
+        f"SQLite {m['sqlite']}"
+    )
+
+
+def checkout_commit() -> str:
+    """The checkout's commit, with ``+`` when wowd or bench has uncommitted changes ("" outside git)."""
+    root = HERE.parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "wowd", "bench"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+" if dirty else "")
 
 
 def render(
     sections: Sequence[Section],
     *,
-    cfg: Config,
-    command: str,
-    quick: bool,
-    total_s: float,
-    learned: str = "",
+    cfg: Config | None = None,
+    command: str = "",
+    quick: bool = False,
+    total_s: float = 0.0,
     when: str | None = None,
+    others: str = "",
 ) -> str:
-    m = machine()
+    """The report: each section's latest run with its date, command, commit and machine, the
+    targets against those runs, then ``others`` (sections another tool wrote, kept verbatim).
+
+    ``command`` and ``when`` stand for a section that does not name its own run; ``cfg``, ``quick``
+    and ``total_s`` are not used: each section names its own run and time."""
     by_key = {s.key: s for s in sections}
+    now = when or datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     out = [
         "# wowd benchmarks",
         "",
-        f"Run {when or datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}"
-        f"{' (quick: small sizes, one run)' if quick else ''}, {fmt(total_s)} s in all.",
+        "The latest run of each section, with its date, command, commit and machine: `python -m bench` "
+        "(`make bench`) runs every section, `python -m bench --only SECTION ...` runs some again in place of "
+        "their earlier run (`bench/results.json` keeps each section's latest run). What the runs taught is in "
+        "[LEARNED.md](LEARNED.md), the changes they measured in [CHANGELOG.md](../CHANGELOG.md).",
         "",
-        f"- Machine: {m['cores']} cores ({m['cpu']}), {m['system']}; Python {m['python']} "
-        f"({m['implementation']}), SQLite {m['sqlite']}.",
-        f"- Command: `{command}` (the `make bench` target). Medians of {cfg.runs} run(s) unless a row says otherwise.",
         "- Every measured system runs in its own process (peak RSS and CPU seconds are its own; CPU over the "
         "measured window only; for `wowd run` the sum over its processes).",
         "- APScheduler 4 runs under its own interpreter (`WOWD_BENCH_APS4_PYTHON`, default "
@@ -851,21 +941,28 @@ def render(
         "",
     ]
     for s in sections:
-        out += [f"## {s.title}", "", s.body, ""]
+        run = f"Run {s.when or now}, `{s.command or command}`"
+        run += f", at {s.commit}" if s.commit else ""
+        out += [f"## {s.title}", "", f"{run}. Machine: {s.machine or machine_line()}.", ""]
+        if s.remark:
+            out += [s.remark.strip(), ""]
+        out += [s.body, ""]
         for note in s.notes:
             out += [f"- {note}"]
         if s.notes:
             out.append("")
         out += [f"_(section took {fmt(s.seconds)} s)_", ""]
-    if learned:
-        out += ["## What we learned", "", learned.strip(), ""]
-    return "\n".join(out)
+    text = "\n".join(out).rstrip("\n") + "\n"
+    if others.strip():
+        text += "\n" + others.strip("\n") + "\n"
+    return text
 
 
-def run_sections(keys: Sequence[str], cfg: Config) -> list[Section]:
+def run_sections(keys: Sequence[str], cfg: Config, command: str = "python -m bench") -> list[Section]:
     done = []
     for key in keys:
         started = time.monotonic()
+        began = datetime.now(UTC)
         log.info("bench: %s ...", key)
         try:
             section = SECTIONS[key](cfg)
@@ -873,89 +970,93 @@ def run_sections(keys: Sequence[str], cfg: Config) -> list[Section]:
             log.exception("bench: %s failed", key)
             section = Section(key=key + "-failed", title=f"{key}: FAILED", body=f"`{_err(exc)}`")
         section.seconds = time.monotonic() - started
+        ended = datetime.now(UTC)
+        start, end = began.strftime("%Y-%m-%d %H:%M"), ended.strftime("%Y-%m-%d %H:%M")
+        if end == start:
+            section.when = f"{start} UTC"
+        elif end[:10] == start[:10]:
+            section.when = f"{start}-{end[11:]} UTC"
+        else:
+            section.when = f"{start} - {end} UTC"
+        section.command = command
+        section.commit = checkout_commit()
+        section.machine = machine_line()
+        section.targets = section_targets(section)
         log.info("bench: %s done in %.0f s", key, section.seconds)
         done.append(section)
     return done
 
 
-def _load_kept(path: Path) -> dict[str, Section]:
-    """The sections of an earlier run's JSON (``--json``), by key."""
+def load_sections(path: Path) -> dict[str, Section]:
+    """The sections of a ``--json`` file, by key (a failed section under its section's key)."""
     doc = json.loads(path.read_text())
-    return {d["key"]: Section(**d) for d in doc.get("sections", [])}
+    sections = {}
+    for d in doc.get("sections", []):
+        s = Section(**d)
+        s.command = s.command or str(doc.get("command", ""))
+        s.when = s.when or str(doc.get("when", ""))
+        sections[s.key.removesuffix("-failed")] = s
+    return sections
+
+
+def write_report(out: Path, sections: Sequence[Section]) -> str:
+    """Write the report of ``sections`` to ``out``, keeping the sections of ``out`` that another tool
+    wrote there."""
+    others = other_sections(out.read_text()) if out.exists() else ""
+    text = render(sections, others=others)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return text
+
+
+def write_store(path: Path, sections: Sequence[Section]) -> None:
+    doc = {"sections": [asdict(s) for s in sections]}
+    path.write_text(json.dumps(doc, indent=1, default=str, ensure_ascii=False) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes, one run each")
     ap.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run only these sections")
-    ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="the report (default bench/RESULTS.md)")
     ap.add_argument(
-        "--learned",
+        "--json",
         type=Path,
-        default=HERE / "LEARNED.md",
-        help="Markdown appended as 'What we learned' (default bench/LEARNED.md, when it exists)",
+        help="every section's latest run (tables and raw numbers): read, updated with the sections run, and "
+        "written again (default bench/results.json with the default --out, else --out's name with .json)",
     )
-    ap.add_argument("--json", type=Path, help="also write every section (tables and raw numbers) here")
     ap.add_argument(
         "--keep",
         type=Path,
-        help="with --only: take the sections not re-run from this earlier --json file",
+        help="with --only: take the sections not run from this --json file instead",
     )
     ap.add_argument(
         "--render",
         type=Path,
-        help="run nothing: write the report again from this earlier --json file (after editing LEARNED.md)",
+        nargs="?",
+        const=Path(),
+        help="run nothing: write the report from this --json file (default: the --json file)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     cfg = QUICK if args.quick else Config()
-    if args.render:
-        doc = json.loads(args.render.read_text())
-        old = [Section(**d) for d in doc["sections"]]
-        command = str(doc.get("command", "python -m bench"))
-        quick = "--quick" in command
-        text = render(
-            old,
-            cfg=QUICK if quick else Config(),
-            command=command,
-            quick=quick,
-            total_s=float(doc.get("total_s", sum(x.seconds for x in old))),
-            learned=args.learned.read_text() if args.learned and args.learned.exists() else "",
-            when=doc.get("when"),
-        )
-        args.out.write_text(text)
+    store: Path = args.json or (STORE if args.out == RESULTS else args.out.with_suffix(".json"))
+    if args.render is not None:
+        source = store if args.render == Path() else args.render
+        kept = load_sections(source)
+        write_report(args.out, [kept[k] for k in SECTIONS if k in kept])
         return 0
-    started = time.monotonic()
-    fresh = {s.key.removesuffix("-failed"): s for s in run_sections(args.only or list(SECTIONS), cfg)}
-    kept = _load_kept(args.keep) if args.keep else {}
-    sections = [fresh.get(k) or kept[k] for k in SECTIONS if k in fresh or k in kept]
     command = (
         "python -m bench" + (" --quick" if args.quick else "") + (" --only " + " ".join(args.only) if args.only else "")
     )
-    kept_keys = sorted(set(kept) - set(fresh))
-    if kept_keys:
-        command += f" --keep {args.keep.name if args.keep else ''}"
-        command += f"`; sections {', '.join(kept_keys)} are those of the earlier full run `python -m bench"
-    learned = args.learned.read_text() if args.learned and args.learned.exists() else ""
-    text = render(
-        sections,
-        cfg=cfg,
-        command=command,
-        quick=args.quick,
-        total_s=time.monotonic() - started + sum(s.seconds for s in sections if s.key not in fresh),
-        learned=learned,
-    )
-    args.out.write_text(text)
-    if args.json:
-        doc = {
-            "command": command,
-            "when": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "total_s": time.monotonic() - started,
-            "sections": [asdict(s) for s in sections],
-        }
-        args.json.write_text(json.dumps(doc, indent=1, default=str))
-    sys.stdout.write(text + "\n")
-    return 0 if all(not s.key.endswith("-failed") for s in sections) else 1
+    fresh = {s.key.removesuffix("-failed"): s for s in run_sections(args.only or list(SECTIONS), cfg, command)}
+    source = args.keep or store
+    kept = load_sections(source) if source.exists() else {}
+    sections = [fresh.get(k) or kept[k] for k in SECTIONS if k in fresh or k in kept]
+    write_store(store, sections)
+    text = write_report(args.out, sections)
+    sys.stdout.write(text)
+    return 0 if all(not s.key.endswith("-failed") for s in fresh.values()) else 1
 
 
 if __name__ == "__main__":

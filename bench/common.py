@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from wowd.model import partition
-from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.sqlite import MODULE, sqlite3
 from wowd.stores.embedded.timers import COLUMNS, ddl_sql, put_sql, register_sql, table_name
 
 __all__ = [
@@ -262,7 +262,7 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "python": platform.python_version(),
         "implementation": platform.python_implementation(),
-        "sqlite": sqlite3.sqlite_version,
+        "sqlite": f"{sqlite3.sqlite_version} ({MODULE})",
         "system": f"{platform.system()} {platform.release()}",
     }
 
