@@ -55,7 +55,7 @@ def ms(text: str) -> int:
 # --------------------------------------------------------------------------- partitioning
 
 
-VECTORS = [  # DESIGN.md section 2, computed with a JVM
+VECTORS = [  # docs/concepts.md, computed with a JVM
     ("", 0, 0, 0),
     ("order-1", -1207111310, 50, 1),
     ("0U9EJ8pEXLA", -1164353479, 57, 5),

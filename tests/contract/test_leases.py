@@ -1,4 +1,4 @@
-"""SlotLeaseStore contract (DESIGN.md section 4): every implementation passes these.
+"""SlotLeaseStore contract (docs/concepts.md): every implementation passes these.
 
 Time-dependent tests use short ttls and wait by polling the store's own answer (its clock)
 inside ``anyio.fail_after``; nothing here reads a client clock.

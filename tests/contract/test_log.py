@@ -1,4 +1,4 @@
-"""Log contract (DESIGN.md section 3): appends, reads per partition, checkpoints, quarantine.
+"""Log contract (docs/schema.md): appends, reads per partition, checkpoints, quarantine.
 
 Positions are opaque here: a test only passes back positions the log gave it.
 """

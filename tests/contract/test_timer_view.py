@@ -1,4 +1,4 @@
-"""TimerStore contract, the view's replay rules (DESIGN.md section 5): tombstones, batched writes,
+"""TimerStore contract, the view's replay rules (docs/concepts.md): tombstones, batched writes,
 claims and takeovers. A replay of the log changes nothing; a cancel is never undone by a replay."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""TimerStore contract (DESIGN.md section 5): every implementation passes these."""
+"""TimerStore contract (docs/concepts.md): every implementation passes these."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Claims and poison rows, black-box (DESIGN.md section 5): real ``wowd run`` processes with the
+"""Claims and poison rows, black-box (docs/concepts.md): real ``wowd run`` processes with the
 http gateway against a local target.
 
 - A target slower than ``claim_ttl_s``: the replica never re-sends a timer it is still delivering;

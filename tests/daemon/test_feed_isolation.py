@@ -1,4 +1,4 @@
-"""Nothing stops for good (DESIGN.md sections 7 and 9): a commit a step refuses is quarantined
+"""Nothing stops for good (docs/reliability.md): a commit a step refuses is quarantined
 with its step and error while the rest of its batch and partition is fed; a store that refuses
 everything stalls the slot (not ready, ``wowd_feed_stalled`` 1) and, after
 ``feed.stall_release_s``, the slot is given up."""

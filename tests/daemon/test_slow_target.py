@@ -1,4 +1,4 @@
-"""One slow target does not delay the others (DESIGN.md section 5, "Deliveries are a pipeline"):
+"""One slow target does not delay the others (docs/delivery.md, "Slow or failing targets"):
 1,000 due timers for 10 targets, one of which never answers. The healthy targets' timers are
 delivered well within the gateway's timeout while the hanging target's circuit opens; a stop
 starts no delivery and the loop is done within the gateway's timeout."""

@@ -1,4 +1,4 @@
-"""The timer view follows the log (DESIGN.md section 5): the feed and the timer loop of a slot
+"""The timer view follows the log (docs/concepts.md): the feed and the timer loop of a slot
 together, in-process on the embedded backend. A cancel appended before a timer's due time is
 never delivered whatever the feed's lag; a takeover re-delivers nothing already fired and ends
 the previous holder's claims at once; a replay from no checkpoint changes nothing."""

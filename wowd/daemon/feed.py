@@ -1,4 +1,4 @@
-"""The log feed of one held slot (DESIGN.md section 1.3).
+"""The log feed of one held slot (docs/architecture.md).
 
 Per batch read from the log after the slot's checkpoints: quarantine malformed entries, write the
 commits to each aggregate type's event sink, project timer events into the timer store, fold

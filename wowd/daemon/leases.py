@@ -1,4 +1,4 @@
-"""Slot leases held by this replica (DESIGN.md section 4): acquire, renew, lose, release.
+"""Slot leases held by this replica (docs/concepts.md): acquire, renew, lose, release.
 
 One :class:`SlotKeeper` per wanted slot (``slots_per_process``). Each keeper:
 

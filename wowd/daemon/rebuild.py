@@ -1,4 +1,4 @@
-"""Snapshot rebuilds (DESIGN.md section 6).
+"""Snapshot rebuilds (docs/stores.md).
 
 Raising a reducer's ``state_revision`` makes the replicas claim the new revision and rebuild the
 snapshots of that aggregate type from the log, each partition by its owner:

@@ -44,7 +44,7 @@ PREPARE_BACKOFF = Backoff(0.2, 10.0)
 
 
 class Supervisor:
-    """Runs one replica (DESIGN.md section 1) until stopped. Constructing it has no side effect."""
+    """Runs one replica (docs/architecture.md) until stopped. Constructing it has no side effect."""
 
     def __init__(
         self,

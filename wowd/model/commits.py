@@ -143,7 +143,7 @@ def commit_fields(commit: Commit) -> dict[str, Any]:
 
 
 def commit_to_doc(commit: Commit, partitions: int) -> dict[str, Any]:
-    """The log document of a commit (DESIGN.md section 3), without storage-specific keys."""
+    """The log document of a commit (docs/schema.md), without storage-specific keys."""
     ref = commit.ref
     return {
         "_id": {"t": ref.tenant_id, "a": ref.id, "v": commit.version},

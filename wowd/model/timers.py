@@ -93,7 +93,7 @@ class Claim:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timer:
-    """A timer as stored (DESIGN.md section 5).
+    """A timer as stored (docs/concepts.md).
 
     ``scheduled_at`` is the nominal due time of the current occurrence; ``due_at`` equals it
     while PENDING and is the claim's expiry while FIRING (an abandoned claim comes due again).
@@ -362,7 +362,7 @@ _ONCE_DOC = {"type": "once"}
 def timer_event_from(
     event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES
 ) -> TimerScheduled | TimerCancelled | None:
-    """Reads a timer event of the log (DESIGN.md section 3); ``None`` for other events.
+    """Reads a timer event of the log (docs/schema.md); ``None`` for other events.
 
     Raises :class:`InvalidInput` naming the field for a malformed timer event.
     """

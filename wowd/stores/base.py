@@ -81,7 +81,7 @@ AppendOutcome = Literal["appended", "duplicate", "conflict"]
 
 @runtime_checkable
 class Log(Protocol):
-    """The context's log of commits (DESIGN.md section 3), checkpoints and quarantine."""
+    """The context's log of commits (docs/schema.md), checkpoints and quarantine."""
 
     context: str
     partitions: int
@@ -255,7 +255,7 @@ class ReplicaState:
 
 @runtime_checkable
 class SlotLeaseStore(Protocol):
-    """CosId-style slot leases (DESIGN.md section 4), decided on the store's clock, and the
+    """CosId-style slot leases (docs/concepts.md), decided on the store's clock, and the
     presence record of each replica beside them (holders and standbys alike, for ``wowd
     status``): :meth:`heartbeat`, :meth:`replicas`, :meth:`leave`. Presence is information
     only: no lease decision reads it."""
@@ -323,7 +323,7 @@ class SlotLeaseStore(Protocol):
 
 @runtime_checkable
 class TimerStore(Protocol):
-    """The timers of one context (DESIGN.md section 5)."""
+    """The timers of one context (docs/concepts.md)."""
 
     async def prepare(self) -> None:
         """Claims the registry's format (refuses another one) as the DDL mode says."""

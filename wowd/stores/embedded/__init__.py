@@ -1,4 +1,4 @@
-"""The embedded backend: every store on one SQLite file in WAL mode (DESIGN.md section 8).
+"""The embedded backend: every store on one SQLite file in WAL mode (docs/stores.md).
 
 Several processes may share the file. Importing this package never imports pymongo or
 elasticsearch. The timer, snapshot and sink classes are imported on first use of their names

@@ -1,4 +1,4 @@
-"""CosId-style slot leases on SQLite (DESIGN.md section 4).
+"""CosId-style slot leases on SQLite (docs/concepts.md).
 
 Tables (the seed's documents as rows, the seed's field names as columns):
 

@@ -1,4 +1,4 @@
-"""The context's log on SQLite (DESIGN.md section 3, embedded).
+"""The context's log on SQLite (docs/schema.md, embedded).
 
 Tables (shared by the contexts of one file, each row carrying its ``context``):
 

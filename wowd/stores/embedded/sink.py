@@ -1,4 +1,4 @@
-"""The event sink of one aggregate type on SQLite (DESIGN.md section 7).
+"""The event sink of one aggregate type on SQLite (docs/stores.md).
 
 Table ``events``, shared by every type of every context on the file: one row per commit, keyed
 ``(context, aggregate, tenant_id, aggregate_id, version)``, with ``id`` the commit's stream id

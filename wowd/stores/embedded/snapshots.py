@@ -1,4 +1,4 @@
-"""Snapshots of one context on SQLite (DESIGN.md section 6).
+"""Snapshots of one context on SQLite (docs/stores.md).
 
 Layout (format 5):
 

@@ -1,4 +1,4 @@
-"""The timers of one context on SQLite (DESIGN.md section 5).
+"""The timers of one context on SQLite (docs/concepts.md).
 
 Layout (format 6):
 
@@ -23,7 +23,7 @@ statements of many rows each (:func:`~wowd.stores.embedded.db.insert_rows`,
 :func:`~wowd.stores.embedded.db.update_rows`): no per-row calls on the hot path (due, claim,
 fired, settle).
 
-The hot path (DESIGN.md section 5, "Firing"): ``due`` is one compound statement per up to
+The hot path (docs/architecture.md, "Timer loop"): ``due`` is one compound statement per up to
 :data:`DUE_ARMS` partitions (one arm per partition over the partial index; SQLite merges the arms
 in ``(due_at, timer_id)`` order and stops at the limit), and :meth:`EmbeddedTimerStore.claim_due`
 reads and claims a batch in one write transaction (the claim by ``rowid``), answering the
