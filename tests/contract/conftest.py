@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from wowd.model import AggregateType
+from wowd.stores.base import Log, Outbox, SlotLeaseStore, SnapshotStore, TimerStore
 
 MONGO_URI = os.environ.get("WOWD_TEST_MONGODB_URI")
 ES_URL = os.environ.get("WOWD_TEST_ELASTICSEARCH_URL")
@@ -63,82 +65,100 @@ async def _closing(store: Any) -> AsyncIterator[Any]:
         await store.close()
 
 
-@pytest.fixture(params=MONGO_IMPLS)
-async def lease_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Any]:
-    if request.param == "embedded":
-        from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where a test's stores live: the embedded file, or a fresh MongoDB database."""
 
-        store: Any = EmbeddedSlotLeaseStore(db_path)
-    else:
-        from wowd.stores.mongo.leases import MongoSlotLeaseStore
+    path: Path
+    mongo: Any = None
+    """The test's ``AsyncDatabase`` (MongoDB only)."""
 
-        db = request.getfixturevalue("mongo_db")
-        store = MongoSlotLeaseStore(db.client, db.name)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoreFactories:
+    """How one backend makes each store of the contract suites (``prepare`` is the fixture's)."""
+
+    lease_store: Callable[[Where], SlotLeaseStore]
+    timer_store: Callable[[Where], TimerStore]
+    snapshot_store: Callable[[Where], SnapshotStore]
+    log: Callable[[Where], Log]
+    outbox: Callable[[Where], Outbox]
+
+
+def _embedded() -> StoreFactories:
+    from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+    from wowd.stores.embedded.log import EmbeddedLog
+    from wowd.stores.embedded.outbox import EmbeddedOutbox
+    from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    return StoreFactories(
+        lease_store=lambda w: EmbeddedSlotLeaseStore(w.path),
+        timer_store=lambda w: EmbeddedTimerStore(w.path, context=CONTEXT, partitions=PARTITIONS),
+        snapshot_store=lambda w: EmbeddedSnapshotStore(w.path, context=CONTEXT),
+        log=lambda w: EmbeddedLog(w.path, context=CONTEXT, partitions=PARTITIONS),
+        outbox=lambda w: EmbeddedOutbox(w.path),
+    )
+
+
+def _mongo() -> StoreFactories:
+    from wowd.stores.mongo.leases import MongoSlotLeaseStore
+    from wowd.stores.mongo.log import MongoLog
+    from wowd.stores.mongo.outbox import MongoOutbox
+    from wowd.stores.mongo.snapshots import MongoSnapshotStore
+    from wowd.stores.mongo.timers import MongoTimerStore
+
+    return StoreFactories(
+        lease_store=lambda w: MongoSlotLeaseStore(w.mongo.client, w.mongo.name),
+        timer_store=lambda w: MongoTimerStore(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS),
+        snapshot_store=lambda w: MongoSnapshotStore(w.mongo.client, w.mongo.name, context=CONTEXT),
+        log=lambda w: MongoLog(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS),
+        outbox=lambda w: MongoOutbox(w.mongo.client, w.mongo.name, context=CONTEXT),
+    )
+
+
+BACKENDS: dict[str, Callable[[], StoreFactories]] = {"embedded": _embedded, "mongo": _mongo}
+"""The store factories of each backend the suites run on (a backend's modules load when used)."""
+
+
+async def _store(request: pytest.FixtureRequest, db_path: Path, kind: str, *, prepare: bool) -> AsyncIterator[Any]:
+    backend = request.param
+    where = Where(db_path, request.getfixturevalue("mongo_db") if backend == "mongo" else None)
+    store = getattr(BACKENDS[backend](), kind)(where)
+    if prepare:
+        await store.prepare()
     async for s in _closing(store):
         yield s
 
 
 @pytest.fixture(params=MONGO_IMPLS)
-async def timer_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Any]:
-    if request.param == "embedded":
-        from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-        store: Any = EmbeddedTimerStore(db_path, context=CONTEXT, partitions=PARTITIONS)
-    else:
-        from wowd.stores.mongo.timers import MongoTimerStore
-
-        db = request.getfixturevalue("mongo_db")
-        store = MongoTimerStore(db.client, db.name, context=CONTEXT, partitions=PARTITIONS)
-    await store.prepare()
-    async for s in _closing(store):
+async def lease_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[SlotLeaseStore]:
+    async for s in _store(request, db_path, "lease_store", prepare=False):
         yield s
 
 
 @pytest.fixture(params=MONGO_IMPLS)
-async def snapshot_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Any]:
+async def timer_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[TimerStore]:
+    async for s in _store(request, db_path, "timer_store", prepare=True):
+        yield s
+
+
+@pytest.fixture(params=MONGO_IMPLS)
+async def snapshot_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[SnapshotStore]:
     """A SnapshotStore that is also its own SnapshotRebuildStore."""
-    if request.param == "embedded":
-        from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
-
-        store: Any = EmbeddedSnapshotStore(db_path, context=CONTEXT)
-    else:
-        from wowd.stores.mongo.snapshots import MongoSnapshotStore
-
-        db = request.getfixturevalue("mongo_db")
-        store = MongoSnapshotStore(db.client, db.name, context=CONTEXT)
-    await store.prepare()
-    async for s in _closing(store):
+    async for s in _store(request, db_path, "snapshot_store", prepare=True):
         yield s
 
 
 @pytest.fixture(params=MONGO_IMPLS)
-async def log(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Any]:
-    if request.param == "embedded":
-        from wowd.stores.embedded.log import EmbeddedLog
-
-        store: Any = EmbeddedLog(db_path, context=CONTEXT, partitions=PARTITIONS)
-    else:
-        from wowd.stores.mongo.log import MongoLog
-
-        db = request.getfixturevalue("mongo_db")
-        store = MongoLog(db.client, db.name, context=CONTEXT, partitions=PARTITIONS)
-    await store.prepare()
-    async for s in _closing(store):
+async def log(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Log]:
+    async for s in _store(request, db_path, "log", prepare=True):
         yield s
 
 
 @pytest.fixture(params=MONGO_IMPLS)
-async def outbox(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Any]:
-    if request.param == "embedded":
-        from wowd.stores.embedded.outbox import EmbeddedOutbox
-
-        store: Any = EmbeddedOutbox(db_path)
-    else:
-        from wowd.stores.mongo.outbox import MongoOutbox
-
-        db = request.getfixturevalue("mongo_db")
-        store = MongoOutbox(db.client, db.name, context=CONTEXT)
-    async for s in _closing(store):
+async def outbox(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Outbox]:
+    async for s in _store(request, db_path, "outbox", prepare=False):
         yield s
 
 
