@@ -40,7 +40,8 @@ from wowd.model import AggregateRef, OnceRule, Timer, TimerChange, deterministic
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import EmbeddedTimerStore, put_sql, table_name, timer_params
+from wowd.stores.embedded.timer_sql import put_sql, table_name, timer_params
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 CONTEXT = "bench"
 AGGREGATES = ("order", "cart", "invoice")

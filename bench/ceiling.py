@@ -25,7 +25,7 @@ from bench.common import (
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_sql as outbox_put_sql
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import claim_rowid_sql, due_plan, due_union_sql, settle_sql
+from wowd.stores.embedded.timer_sql import claim_rowid_sql, due_plan, due_union_sql, settle_sql
 
 __all__ = ["bare_loop", "run_burst"]
 

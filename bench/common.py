@@ -20,7 +20,7 @@ from typing import Any
 
 from wowd.model import partition
 from wowd.stores.embedded.sqlite import MODULE, sqlite3
-from wowd.stores.embedded.timers import COLUMNS, ddl_sql, put_sql, register_sql, table_name
+from wowd.stores.embedded.timer_sql import COLUMNS, ddl_sql, put_sql, register_sql, table_name
 
 __all__ = [
     "BENCH_CONTEXT",

@@ -308,7 +308,7 @@ def direct_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s:
     """The firing path alone at a steady rate: this process inserts ``rate`` timers a second
     straight into the timer table (the store's ``put`` statement), each due ``delay_ms`` after its
     insert, for ``seconds``; one ``wowd run`` fires them."""
-    from wowd.stores.embedded.timers import put_sql
+    from wowd.stores.embedded.timer_sql import put_sql
 
     load0 = loadavg()
     with tempfile.TemporaryDirectory() as t:

@@ -15,9 +15,10 @@ from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore, load_many_sql
 from wowd.stores.embedded.snapshots import ddl_sql as snapshot_ddl
 from wowd.stores.embedded.snapshots import table_name as snapshot_table
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import EmbeddedTimerStore, parked_many_sql
-from wowd.stores.embedded.timers import ddl_sql as timer_ddl
-from wowd.stores.embedded.timers import table_name as timer_table
+from wowd.stores.embedded.timer_sql import ddl_sql as timer_ddl
+from wowd.stores.embedded.timer_sql import parked_many_sql
+from wowd.stores.embedded.timer_sql import table_name as timer_table
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 

@@ -44,7 +44,7 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend, FeedFiring, FeedWriter
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import WRITE_CHUNK
+from wowd.stores.embedded.timer_sql import WRITE_CHUNK
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 

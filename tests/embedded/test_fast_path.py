@@ -20,7 +20,8 @@ from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry,
 from wowd.stores.base import FiredTimer, FireRequest
 from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import EmbeddedTimerStore, outbox_row, table_name, timer_params
+from wowd.stores.embedded.timer_sql import outbox_row, table_name, timer_params
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 

@@ -35,15 +35,15 @@ from wowd.model import (
 from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
 from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import (
+from wowd.stores.embedded.timer_sql import (
     _SETTLE_SET,
     DUE_ARMS,
-    EmbeddedTimerStore,
     due_union_sql,
     table_name,
     timer_from_row,
     timer_params,
 )
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 

@@ -23,7 +23,6 @@ from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, 
 from wowd.stores.base import ClockReading, Ddl, ReplicaInfo
 from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
-from wowd.stores.embedded import timers as timers_module
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
@@ -306,9 +305,9 @@ async def test_which_owners_have_a_commit_past_a_position_is_one_seek_each_in_fe
         seqs = dict(conn.execute("SELECT aggregate_id, seq FROM log WHERE version = 1"))
         owners = [("ctx", "order", "(0)", "never-committed", 0), ("ctx", "order", "(0)", ids[0], 10**9)]
         owners += [("ctx", "order", "(0)", i, seqs[i]) for i in ids]
-        expected = {n for n, o in enumerate(owners) if timers_module._committed_past(conn, o[:4], o[4])}
+        expected = {n for n, o in enumerate(owners) if log_module.committed_past(conn, o[:4], o[4])}
         assert expected == {2 + n for n in range(0, asked, 3)}
-        assert timers_module.committed_past_many(conn, owners) == expected
+        assert log_module.committed_past_many(conn, owners) == expected
 
 
 async def test_log_refuses_tables_of_another_format(tmp_path: Path) -> None:

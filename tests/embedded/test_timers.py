@@ -22,7 +22,8 @@ from wowd.model import (
 )
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import EmbeddedTimerStore, due_sql, merge_due
+from wowd.stores.embedded.timer_sql import due_sql, merge_due
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 

@@ -10,7 +10,8 @@ import pytest
 from tests.helpers import once_timer
 from wowd.model import Timer, partition
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import DUE_ARMS, EmbeddedTimerStore, ddl_sql, next_due_sql, table_name
+from wowd.stores.embedded.timer_sql import DUE_ARMS, ddl_sql, next_due_sql, table_name
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 CTX = "ctx"
 

@@ -29,7 +29,8 @@ from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timers import WRITE_CHUNK, EmbeddedTimerStore, parked_params
+from wowd.stores.embedded.timer_sql import WRITE_CHUNK, parked_params
+from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 __all__ = ["EmbeddedFeedWriter"]
 

@@ -64,7 +64,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows
+from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
@@ -764,3 +764,55 @@ def _check_format(conn: sqlite3.Connection) -> None:
     if row is None or row[0] != FORMAT:
         found = "no format" if row is None else f"format {row[0]}"
         raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")
+
+
+# ---- what the timer store reads of the log in its own transactions (the log check)
+
+CHECKPOINT_SEQS_SQL = (
+    "SELECT partition, json_extract(position, '$.seq') FROM log_checkpoint WHERE context = ? AND consumer = ?"
+)
+"""The log position (``seq``) of each partition's checkpoint of a consumer."""
+LAST_COMMIT_SQL = (
+    "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
+    " ORDER BY version DESC LIMIT 1"
+)
+"""The position of an aggregate's last commit: one seek of index ``log_version`` (an aggregate's
+versions are appended in order, so its last version is its last commit)."""
+
+
+def committed_past(conn: sqlite3.Connection, owner: tuple[str, str, str, str], seq: int) -> bool:
+    """Whether the log holds a commit of ``owner`` (context, aggregate, tenant, id) past ``seq``:
+    its last commit, one seek of :data:`LAST_COMMIT_SQL`."""
+    last = conn.execute(LAST_COMMIT_SQL, owner).fetchone()
+    return last is not None and last[0] > seq
+
+
+COMMITTED_PAST_CHUNK = 256
+"""Owners asked about in one statement of :func:`committed_past_many`."""
+
+
+@lru_cache(maxsize=16)
+def committed_past_sql(rows: int) -> str:
+    """Which of ``rows`` owners (context, aggregate, tenant, id, seq: five parameters each) the
+    log holds a commit of past their ``seq``: per owner, its last commit (one seek of index
+    ``log_version``, as :data:`LAST_COMMIT_SQL`); answers the owners' row numbers (from 0)."""
+    values = ", ".join(f"({i}, ?, ?, ?, ?, ?)" for i in range(rows))
+    return (
+        f"WITH o(i, c, a, t, d, s) AS (VALUES {values})"
+        " SELECT o.i FROM o WHERE (SELECT seq FROM log WHERE context = o.c AND aggregate = o.a"
+        " AND tenant_id = o.t AND aggregate_id = o.d ORDER BY version DESC LIMIT 1) > o.s"
+    )
+
+
+def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, str, str, str, int]]) -> set[int]:
+    """:func:`committed_past` of many owners ((context, aggregate, tenant, id, seq) each) in a few
+    statements: the indexes in ``owners`` of those the log holds a commit of past their ``seq``.
+    A statement asks about a power of two of owners (the last padded with repeats of its last
+    owner), so that a few statement texts, each prepared once per connection, serve any count."""
+    past: set[int] = set()
+    for start in range(0, len(owners), COMMITTED_PAST_CHUNK):
+        chunk = owners[start : start + COMMITTED_PAST_CHUNK]
+        rows = power_of_two(len(chunk))
+        params = [v for owner in padded(chunk, rows) for v in owner]
+        past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
+    return past
