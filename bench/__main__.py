@@ -445,6 +445,8 @@ def section_http(cfg: Config) -> Section:
             rows.append(
                 {**x, "system": "wowd run, http gateway", "concurrency": top, "per_target": HTTP_DEFAULT_PER_TARGET}
             )
+        signed = _repeat(partial(http_burst, target, n, top, signed=True), cfg.runs)
+        rows.append({**signed, "system": "wowd run, http gateway, signed", "concurrency": top, "per_target": top})
         steady = http_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
         bare_steady = http_bare_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
     outbox = _repeat(partial(wowd_burst, n, 1), cfg.runs)
@@ -486,6 +488,16 @@ def section_http(cfg: Config) -> Section:
         )
     body += "\n\nwowd / bare loop, same concurrency, same run:\n\n"
     body += table(["concurrency", "fired/s ratio", "wowd CPU µs per command", "bare CPU µs per command"], ratios)
+    plain = next(
+        r
+        for r in rows
+        if r["system"] == "wowd run, http gateway" and r["concurrency"] == top and r["per_target"] == top
+    )
+    body += (
+        f"\n\nSigned requests (Standard Webhooks, one secret) at concurrency {top}: "
+        f"{fmt(signed['fired_per_s'])}/s, {fmt(signed['fired_per_s'] / plain['fired_per_s'], 2)}x the unsigned row "
+        f"({fmt(signed['cpu_s'] / n * 1e6)} against {fmt(plain['cpu_s'] / n * 1e6)} CPU µs per command)."
+    )
     body += (
         f"\n\nSteady {fmt(steady['rate'])}/s over HTTP for {fmt(cfg.steady_seconds)} s (concurrency {top}, "
         f"due 1 s after the append): fired {fmt(steady['fired'])} / {fmt(steady['added'])}, lag p50 "

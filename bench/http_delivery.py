@@ -21,6 +21,7 @@ a bare loop of the same client (aiohttp) at the same concurrency.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -301,18 +302,30 @@ def _http_env(target: Target, concurrency: int, per_target: int | None) -> dict[
     }
 
 
+SIGNING_SECRET = "whsec_" + base64.b64encode(b"wowd-bench-signing-secret-32-byte").decode()
+"""The secret of the signed rows (each request carries a Standard Webhooks signature)."""
+
+
 def http_burst(
-    target: Target, n: int, concurrency: int, *, per_target: int | None = None, timeout_s: float = 600
+    target: Target,
+    n: int,
+    concurrency: int,
+    *,
+    per_target: int | None = None,
+    signed: bool = False,
+    timeout_s: float = 600,
 ) -> dict[str, Any]:
     """``n`` timers due at once, fired over HTTP by one ``wowd run`` (all to one target,
     ``billing.invoice``); ``per_target`` defaults to ``concurrency`` (like for like with the bare
-    loop)."""
+    loop); ``signed``: every request signed (``WOWD_GATEWAY__SIGNING_SECRETS``)."""
     target.reset()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
         env = _http_env(target, concurrency, per_target)
+        if signed:
+            env["WOWD_GATEWAY__SIGNING_SECRETS"] = json.dumps([SIGNING_SECRET])
         with daemons(tmp, db, 1, limit=1, extra_env=env) as ds:
             (d,) = ds
             due = now_ms() + 300 + n // 40
@@ -331,6 +344,7 @@ def http_burst(
         "n": n,
         "concurrency": concurrency,
         "per_target": per_target if per_target is not None else concurrency,
+        "signed": signed,
         "fired": len(arrivals),
         "fired_per_s": len(arrivals) / max((last - due) / 1000, 1e-3),
         "drain_per_s": len(arrivals) / max((last - first) / 1000, 1e-3),
