@@ -16,6 +16,7 @@ __all__ = [
     "SlotStalled",
     "StorageError",
     "StorageUnavailable",
+    "StoreRefused",
     "WowdError",
 ]
 
@@ -57,6 +58,14 @@ class StorageUnavailable(StorageError):
     """A transient store failure: network error, timeout, election, 429/502/503/504, busy file.
 
     The caller retries with backoff; nothing it wrote before is lost.
+    """
+
+
+class StoreRefused(StorageUnavailable):
+    """The store refuses every write for a reason of its own, not the record's: expired
+    credentials, a missing privilege, a write block, a closed index, a server error. Nothing is
+    set aside: the caller stalls (not ready) and retries until the store takes writes again.
+    The message names the cause (``index wow.x.events is write-blocked (index.blocks.write)``).
     """
 
 

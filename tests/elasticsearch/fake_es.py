@@ -241,6 +241,20 @@ def error(status: int, type: str, reason: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"root_cause": [cause], **cause}, "status": status}
 
 
+ITEM_ERRORS: dict[int, dict[str, str]] = {
+    # a value the mapping cannot take (DocumentParser: DocumentParsingException, 400)
+    400: {"type": "document_parsing_exception", "reason": "[1:2] failed to parse field [version] of type [long]"},
+    # index.blocks.write: the block of IndexMetadata.INDEX_WRITE_BLOCK (id 8, not retryable:
+    # ClusterBlockException.status() 403); reference: index-settings/index-block.md
+    403: {"type": "cluster_block_exception", "reason": "index [{index}] blocked by: [FORBIDDEN/8/index write (api)];"},
+    # action.auto_create_index refusing the index (TransportBulkAction: IndexNotFoundException, 404)
+    404: {"type": "index_not_found_exception", "reason": "no such index [{index}]"},
+    # a primary that is not assigned (ReplicationOperation: UnavailableShardsException, 503)
+    503: {"type": "unavailable_shards_exception", "reason": "[{index}][0] primary shard is not active"},
+}
+"""The error of a failed bulk item per status, as ES 9 gives it (each from the source file named)."""
+
+
 def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
     """A ``_bulk`` answer: one ``create`` item per action line of the request, with the given
     statuses in order (201 created, 409 exists, 429 rejected, 400 mapping error, ...)."""
@@ -274,13 +288,10 @@ def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
                     "type": "es_rejected_execution_exception",
                     "reason": "rejected execution of coordinating operation",
                 }
-            elif status == 400:
-                item["error"] = {
-                    "type": "document_parsing_exception",
-                    "reason": "[1:2] failed to parse field [version] of type [long] in document",
-                }
+            elif status in ITEM_ERRORS:
+                item["error"] = {k: v.format(index=index) for k, v in ITEM_ERRORS[status].items()}
             else:
-                item["error"] = {"type": "unavailable_shards_exception", "reason": "primary shard is not active"}
+                raise AssertionError(f"fake: no item error is scripted for status {status}")
             items.append({"create": item})
         errors = any(s >= 300 for s in statuses)
         return {"errors": errors, "took": 3, "items": items}
@@ -797,6 +808,10 @@ class _Index:
     mapping: dict[str, Any]
     live: dict[str, _Doc] = field(default_factory=dict)
     visible: dict[str, _Doc] = field(default_factory=dict)
+    write_block: bool = False
+    """``index.blocks.write`` (reference: index-settings/index-block.md)."""
+    closed: bool = False
+    """Closed by the close index API (reference: rest-apis/close-index; ``IndexClosedException``)."""
 
     def refresh(self) -> None:
         self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no) for k, d in self.live.items()}
@@ -844,8 +859,29 @@ class EsModel:
     """``action.auto_create_index``: a bulk into a missing index creates it with a dynamic
     mapping (ES's default), else its items fail with 404 ``index_not_found_exception``."""
 
+    api_key_expired: bool = False
+    """Every request is refused 401, as ES 9 refuses an expired API key (``ApiKeyService``: the
+    authentication fails, ``AuthenticatorChain`` answers ``security_exception`` 401)."""
+    index_privileges: set[str] | None = None
+    """The index privileges of the caller on every index (None: a superuser). Each API checks
+    the privileges that grant its action (reference: security-privileges.md, ``IndexPrivilege``)."""
+    cluster_privileges: set[str] | None = None
+    """The caller's cluster privileges (None: a superuser; ``ClusterPrivilegeResolver``)."""
+    user: str = "wowd"
+
     def answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
+        if self.api_key_expired:
+            reason = (
+                "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
+            )
+            body = error(
+                401,
+                "security_exception",
+                reason,
+                additional_unsuccessful_credentials="API key: api key [k1] has expired",
+            )
+            return 401, body
         try:
             if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
                 return self._health(parts[2], req)
@@ -871,6 +907,48 @@ class EsModel:
             raise _ApiFailure(400, "illegal_argument_exception", f"no handler for [{req.method} {req.path}]")
         except _ApiFailure as exc:
             return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
+
+    # ---- blocks, closed indices, privileges
+
+    def block_writes(self, name: str, on: bool = True) -> None:
+        """``PUT <index>/_settings {"index.blocks.write": on}``."""
+        self.indices[name].write_block = on
+
+    def close(self, name: str) -> None:
+        self.indices[name].closed = True
+
+    def open(self, name: str) -> None:
+        self.indices[name].closed = False
+
+    def _authorize(self, action: str, name: str, *granted_by: str) -> None:
+        """403 unless the caller holds one of the index privileges ``granted_by`` (the message of
+        ``AuthorizationService``'s denial)."""
+        if self.index_privileges is None or self.index_privileges & set(granted_by):
+            return
+        raise _ApiFailure(403, "security_exception", self._denied(action, name, granted_by))
+
+    def _authorize_cluster(self, action: str, *granted_by: str) -> None:
+        if self.cluster_privileges is None or self.cluster_privileges & set(granted_by):
+            return
+        reason = (
+            f"action [{action}] is unauthorized for user [{self.user}] with effective roles [{self.user}], "
+            f"this action is granted by the cluster privileges [{','.join(granted_by)}]"
+        )
+        raise _ApiFailure(403, "security_exception", reason)
+
+    def _denied(self, action: str, name: str, granted_by: tuple[str, ...]) -> str:
+        return (
+            f"action [{action}] is unauthorized for user [{self.user}] with effective roles [{self.user}] on indices "
+            f"[{name}], this action is granted by the index privileges [{','.join(granted_by)}]"
+        )
+
+    def _open_index(self, name: str) -> _Index:
+        """The index, which must be open: a closed one fails the request with 400
+        ``index_closed_exception`` (``MetadataIndexStateService``/``IndexClosedException``)."""
+        index = self._index(name)
+        if index.closed:
+            raise _ApiFailure(400, "index_closed_exception", "closed", index=name, index_uuid="aBcD1234")
+        return index
 
     # ---- helpers
 
@@ -964,6 +1042,7 @@ class EsModel:
 
     def _health(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("health", name, req)
+        self._authorize_cluster("cluster:monitor/health", "monitor", "manage", "all")
         if name not in self.indices:
             body = health(name, "red", timed_out=True)
             return (408 if "wait_for_status" in req.params else 200), body
@@ -971,6 +1050,7 @@ class EsModel:
 
     def _create(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("create", name, req)
+        self._authorize("indices:admin/create", name, "create_index", "manage", "all")
         body = req.json() if req.body else {}
         if set(body) - {"mappings", "settings", "aliases"}:
             raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
@@ -984,11 +1064,13 @@ class EsModel:
 
     def _get_mapping(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("mapping", name, req)
+        self._authorize("indices:admin/mappings/get", name, "view_index_metadata", "manage", "all")
         return 200, {name: {"mappings": stored_mapping(self._index(name).mapping)}}
 
     def _refresh(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("refresh", name, req)
-        self._index(name).refresh()
+        self._authorize("indices:admin/refresh", name, "maintenance", "manage", "all")
+        self._open_index(name).refresh()
         return 200, refreshed()
 
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
@@ -1031,6 +1113,19 @@ class EsModel:
             _id = meta.get("_id")
             item: dict[str, Any] = {"_index": name, "_id": _id}
             try:
+                # per item, in the order ES checks them: the privilege (AuthorizationService
+                # authorizes each item of a bulk), a closed index (BulkOperation), a block
+                # (TransportReplicationAction, the bulk shard request)
+                granted = ("create_doc", "create", "index", "write", "all")
+                if self.index_privileges is not None and not self.index_privileges & set(granted):
+                    raise _ApiFailure(
+                        403, "security_exception", self._denied("indices:data/write/bulk[s]", name, granted)
+                    )
+                if index.closed:
+                    raise _ApiFailure(400, "index_closed_exception", "closed")
+                if index.write_block:
+                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
+                    raise _ApiFailure(403, "cluster_block_exception", reason)
                 routing = meta.get("routing") or None  # an empty routing is none
                 if index.mapping.get("_routing", {}).get("required") and routing is None:
                     raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{name}]/[{_id}]")
@@ -1054,6 +1149,7 @@ class EsModel:
     def _mget(self, name: str, req: Recorded) -> tuple[int, Any]:
         """Realtime by default: a document is read as written, refreshed or not."""
         self._log("mget", name, req)
+        self._authorize("indices:data/read/mget", name, "read", "all")
         body = req.json() if req.body else {}
         if set(body) - {"docs", "ids"}:
             raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(body)} for mget")
@@ -1068,6 +1164,11 @@ class EsModel:
                 docs.append({"_index": target, "_id": _id, "error": err})
                 continue
             index = self.indices[target]
+            if index.closed:
+                docs.append(
+                    {"_index": target, "_id": _id, "error": {"type": "index_closed_exception", "reason": "closed"}}
+                )
+                continue
             if index.mapping.get("_routing", {}).get("required") and not spec.get("routing"):
                 err = {"type": "routing_missing_exception", "reason": f"routing is required for [{target}]/[{_id}]"}
                 docs.append({"_index": target, "_id": _id, "error": err})
@@ -1113,7 +1214,8 @@ class EsModel:
     def _search(self, name: str, body: Mapping[str, Any], routing: str | None) -> dict[str, Any]:
         if set(body) - _SEARCH_BODY:
             raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(set(body) - _SEARCH_BODY)}")
-        index = self._index(name)
+        self._authorize("indices:data/read/search", name, "read", "all")
+        index = self._open_index(name)
         found = self._select(index, body.get("query", {"match_all": {}}), routing)
         sort = body.get("sort", [])
         keys: list[tuple[str, bool]] = []
@@ -1172,7 +1274,9 @@ class EsModel:
         conflicts = body.get("conflicts", req.params.get("conflicts", "abort"))
         if conflicts not in ("abort", "proceed"):
             raise _ApiFailure(400, "illegal_argument_exception", f"conflicts may only be abort or proceed: {conflicts}")
-        index = self._index(name)
+        self._authorize("indices:data/read/search", name, "read", "all")
+        self._authorize("indices:data/write/update/byquery", name, "index", "write", "all")
+        index = self._open_index(name)
         script = body.get("script") or {}
         if script.get("lang", "painless") != "painless" or not isinstance(script.get("source"), str):
             raise _ApiFailure(400, "illegal_argument_exception", "fake: a painless source script is expected")
@@ -1207,6 +1311,9 @@ class EsModel:
                     break
                 continue
             try:
+                if index.write_block:  # the bulk of the updates meets the block (see _bulk)
+                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
+                    raise _ApiFailure(403, "cluster_block_exception", reason)
                 self._check_doc(index, ctx["_source"])
             except _ApiFailure as exc:
                 answer["failures"].append(bulk_failure(name, _id, exc.status, exc.type, exc.reason))

@@ -13,7 +13,7 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Raw, serving
-from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent, stream_id
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.sink import MAX_ROUTING_CHARS, STAMP_PAGE, ElasticsearchEventSink
@@ -146,8 +146,13 @@ async def test_a_body_over_the_servers_limit_is_refused_not_retried(
     await sink.prepare()
     fake.take()
     fake.max_content_length = 1_000  # a cluster configured below the sink's cap
-    with pytest.raises(SinkWriteError, match=r"\[413\]"):
+    # a bulk of several records: the cluster's limit is the problem, not a record (a stall)
+    with pytest.raises(StoreRefused, match=r"\(413\).*http.max_content_length"):
         await sink.write([commit(f"o{i}", 1) for i in range(10)])
+    assert len(fake.take()) == 1
+    # one record over it: that record is set aside
+    with pytest.raises(SinkWriteError, match=r"\[413\]"):
+        await sink.write([commit("big", 1, body={"x": "y" * 2_000})])
     assert len(fake.take()) == 1
 
 

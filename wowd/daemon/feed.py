@@ -36,6 +36,7 @@ from wowd.errors import (
     SlotStalled,
     StorageError,
     StorageUnavailable,
+    StoreRefused,
     WowdError,
 )
 from wowd.model import (
@@ -375,6 +376,13 @@ class Feeder:
                 try:
                     await self._apply(held, batch.positions, prepared, waker, logx)
                     break
+                except StoreRefused as exc:
+                    # the store refuses every write (a block, credentials, a privilege): a stall
+                    # at once, nothing set aside; the batch is retried until the store takes it
+                    metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                    self._stall(held, f"{type(exc).__name__}: {exc}", logx)
+                    await self._pause(held, attempt, STALL_BACKOFF)
+                    attempt += 1
                 except StorageUnavailable as exc:
                     metrics.FEED_ERRORS.labels(kind="transient").inc()
                     logx.warning("feed batch failed (retrying the batch): %s", exc)

@@ -9,12 +9,15 @@ aggregate id by :data:`EMPTY_ID_ROUTING`: Elasticsearch reads an empty routing a
   (its id over :data:`MAX_ID_BYTES`, its lines over the request cap, a value JSON cannot hold) is
   refused before anything is sent with :class:`InvalidInput` naming it. A ``409`` item is a
   document written before (a retry, a replay, an old owner of the partition): it counts as
-  written. Any other failed item fails the write: :class:`StorageUnavailable` when every
-  failure is transient (429, 502, 503, 504; a 500 is not), else :class:`SinkWriteError` naming
-  the item. The items written stay. A failed request is classified the same way, by its status
-  whatever its body (a proxy's HTML page included); connection failures and timeouts are
-  transient. The bulk answer is asked for with ``filter_path`` (each item's id, status and
-  error), and each item is checked to be the ``create`` of the id sent in its place.
+  written. Any other failed item fails the write: :class:`StoreRefused` when the store refuses
+  for a reason of its own (:func:`refusal`: credentials, a privilege, a block, a closed or
+  missing index, a 5xx; the feed stalls), else :class:`StorageUnavailable` when every failure is
+  transient (429, 502, 503, 504), else :class:`SinkWriteError` naming the item (what the record
+  causes, :data:`RECORD_ERRORS`: the feed sets it aside). The items written stay. A failed
+  request is classified the same way, by its status and error type (a proxy's HTML page by its
+  status); connection failures and timeouts are transient. The bulk answer is asked for with
+  ``filter_path`` (each item's id, status and error), and each item is checked to be the
+  ``create`` of the id sent in its place.
 - A missing index: an item answered ``index_not_found_exception`` (``action.auto_create_index``
   refuses events indices) makes the write transient under ``ddl auto`` (the next write creates
   the index again) and a :class:`FormatError` otherwise. When the sink saw the index missing and
@@ -77,6 +80,7 @@ from wowd.errors import (
     SinkWriteError,
     StorageError,
     StorageUnavailable,
+    StoreRefused,
 )
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_UNAVAILABLE
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
@@ -92,6 +96,7 @@ __all__ = [
     "MAX_QUERY_LEAVES",
     "MAX_REQUEST_BYTES",
     "MAX_ROUTING_CHARS",
+    "RECORD_ERRORS",
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
@@ -107,6 +112,7 @@ __all__ = [
     "index_name",
     "latest_search",
     "previous_docs",
+    "refusal",
     "routing_of",
     "stamp_clause",
     "stamp_query",
@@ -542,10 +548,71 @@ def _api_reason(exc: ApiError) -> str:
     return "(no body)" if body in (None, "", b"") else str(exc.message)
 
 
+def _api_error(exc: ApiError) -> tuple[str, str]:
+    """The error type and reason of an error answer (``("error", text)`` for another body)."""
+    body = exc.body
+    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+        err = body["error"]
+        return str(err.get("type", "error")), str(err.get("reason", ""))
+    return "error", _api_reason(exc)
+
+
 def _is_transient(status: int) -> bool:
     """Seed 002: 429, 502, 503 and 504 are transient; any other status is not (a 500 is a
     defect or a refused request that a retry repeats)."""
     return status in TRANSIENT_STATUSES
+
+
+RECORD_ERRORS = frozenset(
+    {
+        "document_parsing_exception",
+        "mapper_parsing_exception",
+        "strict_dynamic_mapping_exception",
+        "illegal_argument_exception",
+        "x_content_parse_exception",
+        "routing_missing_exception",
+        "version_conflict_engine_exception",
+    }
+)
+"""Item errors the record causes (the document cannot be written into this index as it is):
+its commit is set aside. Any other non-transient failure is the store's (:func:`refusal`)."""
+
+_STORE_400 = frozenset({"index_closed_exception", "media_type_header_exception", "cluster_block_exception"})
+
+
+def refusal(index: str, status: int, kind: str, reason: str) -> str | None:
+    """What a non-transient failure says when the store refuses the write for a reason of its
+    own (credentials, privileges, a block, a closed or missing index, a server error): a message
+    naming the cause; None when the failure is not a refusal (the request or the record is)."""
+    if status in TRANSIENT_STATUSES:
+        return None
+    detail = f"[{status}] {kind}: {reason}"
+    if status == 401:
+        return f"elasticsearch refuses wowd's credentials (an expired or revoked API key, a wrong password): {detail}"
+    if kind == "cluster_block_exception":
+        # the block's description in IndexMetadata (APIBlock): "index write (api)",
+        # "index read-only (api)", "index metadata (api)"; the reason names it
+        for needle, setting in (
+            ("index write", "index.blocks.write"),
+            ("index read-only (api)", "index.blocks.read_only"),
+            ("read-only / allow delete", "index.blocks.read_only_allow_delete"),
+        ):
+            if needle in reason:
+                return f"index {index} is write-blocked ({setting}): {detail}"
+        return f"elasticsearch blocks writes to {index}: {detail}"
+    if kind == "index_closed_exception":
+        return f"index {index} is closed: {detail}"
+    if kind == "index_not_found_exception":
+        return f"index {index} does not exist: {detail}"
+    if kind == "media_type_header_exception":
+        return f"the cluster does not take the Elasticsearch 9 client's requests (an older server?): {detail}"
+    if status == 403:
+        return f"wowd's Elasticsearch user lacks a privilege on {index}: {detail}"
+    if status >= 500:
+        return f"elasticsearch fails the request on {index}: {detail}"
+    if status == 400 and kind in _STORE_400:
+        return f"elasticsearch refuses the request on {index}: {detail}"
+    return None
 
 
 def _is_update_by_query_answer(body: object) -> bool:
@@ -664,6 +731,11 @@ class ElasticsearchEventSink:
             if _is_transient(status):
                 STORE_UNAVAILABLE.labels(store=_STORE, operation=op).inc()
                 raise StorageUnavailable(msg) from exc
+            kind, reason = _api_error(exc)
+            refused = refusal(self.index, status, kind, reason)
+            if refused is not None:
+                STORE_UNAVAILABLE.labels(store=_STORE, operation=op).inc()
+                raise StoreRefused(f"elasticsearch {op}: {refused}") from exc
             raise StorageError(msg) from exc
         except TlsError as exc:
             raise StorageError(f"elasticsearch {op} on {self.index}: {exc}") from exc
@@ -903,7 +975,15 @@ class ElasticsearchEventSink:
             raise
         except StorageError as exc:
             first = bulk.ids[0]
-            raise SinkWriteError(f"{exc} (bulk of {len(records)} items, the first {first})") from exc.__cause__
+            cause = exc.__cause__
+            if isinstance(cause, ApiError) and cause.meta.status == 413 and len(records) > 1:
+                # bulks are cut under max_request_bytes: the cluster's limit is lower
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+                raise StoreRefused(
+                    f"elasticsearch refuses a bulk of {len(bulk.body)} bytes into {self.index} (413): its "
+                    f"http.max_content_length is below the configured max_request_bytes {self._max_request_bytes}"
+                ) from cause
+            raise SinkWriteError(f"{exc} (bulk of {len(records)} items, the first {first})") from cause
         finally:
             SINK_BULK_SECONDS.observe(time.perf_counter() - started)
         items = self._answer("bulk", resp.body).get("items")
@@ -913,6 +993,7 @@ class ElasticsearchEventSink:
                 f"{len(items) if isinstance(items, list) else 'no'} items"
             )
         failed: list[tuple[str, int, str]] = []
+        refused: str | None = None
         missing_index = False
         statuses: Counter[int] = Counter()
         for _id, item in zip(bulk.ids, items, strict=True):
@@ -929,6 +1010,8 @@ class ElasticsearchEventSink:
             kind = err.get("type", "error") if isinstance(err, Mapping) else "error"
             reason = f"{kind}: {err.get('reason', '')}" if isinstance(err, Mapping) else str(err)
             missing_index = missing_index or (status == 404 and kind == "index_not_found_exception")
+            if refused is None and not missing_index and kind not in RECORD_ERRORS:
+                refused = refusal(self.index, status, kind, err.get("reason", "") if isinstance(err, Mapping) else "")
             failed.append((_id, status, reason))
         for code, n in statuses.items():
             SINK_ITEMS.labels(status=str(code)).inc(n)
@@ -943,6 +1026,10 @@ class ElasticsearchEventSink:
                 STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
                 raise StorageUnavailable(f"the events index is missing; creating it again: {summary}")
             raise FormatError(f"the events index {self.index} does not exist (ddl {self._ddl}): {summary}")
+        if refused is not None:
+            # the store's own reason, not the records': nothing is set aside, the feed stalls
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{refused} ({summary})")
         if all(f[1] in TRANSIENT_STATUSES for f in failed):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
             raise StorageUnavailable(summary)
@@ -971,6 +1058,9 @@ class ElasticsearchEventSink:
                     continue
                 reason = f"{kind}: {err.get('reason')}" if isinstance(err, Mapping) else str(err)
                 STORE_UNAVAILABLE.labels(store=_STORE, operation="mget").inc()
+                refused = refusal(self.index, 400, str(kind), str(err.get("reason"))) if kind in _STORE_400 else None
+                if refused is not None:
+                    raise StoreRefused(f"elasticsearch mget of {c.ref}: {refused}")
                 raise StorageUnavailable(f"elasticsearch mget of {c.ref} in {self.index}: {reason}")
             digests.append(self._stored_digest(d.get("_source")) if d.get("found") else None)
         return digests
@@ -1011,6 +1101,13 @@ class ElasticsearchEventSink:
                 msg = f"elasticsearch search of {c.ref} in {self.index}: [{status}] {reason}"
                 if _is_transient(status):
                     raise StorageUnavailable(msg)
+                refused = (
+                    refusal(self.index, status, str(err.get("type")), str(err.get("reason")))
+                    if isinstance(err, Mapping)
+                    else None
+                )
+                if refused is not None:
+                    raise StoreRefused(f"elasticsearch search of {c.ref}: {refused}")
                 raise StorageError(msg)
             hits = r.get("hits", {}).get("hits", [])
             digests.append(self._stored_digest(hits[0].get("_source")) if hits else None)
@@ -1097,6 +1194,11 @@ class ElasticsearchEventSink:
         if all(_is_transient(s) for s in statuses):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
             raise StorageUnavailable(msg)
+        if isinstance(cause, Mapping):
+            refused = refusal(self.index, statuses[n], str(cause.get("type")), str(cause.get("reason")))
+            if refused is not None:
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
+                raise StoreRefused(f"elasticsearch update_by_query: {refused}")
         raise StorageError(msg)
 
     # ------------------------------------------------------------------ reads
