@@ -839,6 +839,30 @@ _PARAMS = {
     "mapping": {"master_timeout", "local"},
     "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
 }
+_INDEX_IMPLIES: dict[str, set[str]] = {
+    # what an index privilege covers besides itself (reference: security-privileges.md)
+    "all": {
+        "create_doc",
+        "create",
+        "index",
+        "write",
+        "read",
+        "maintenance",
+        "manage",
+        "view_index_metadata",
+        "create_index",
+        "monitor",
+        "delete",
+    },
+    "manage": {"maintenance", "view_index_metadata", "create_index", "monitor"},
+    "write": {"create_doc", "create", "index", "delete"},
+    "index": {"create_doc", "create"},
+    "create": {"create_doc"},
+}
+_CLUSTER_IMPLIES: dict[str, set[str]] = {
+    "all": {"monitor", "manage", "manage_index_templates"},
+    "manage": {"monitor", "manage_index_templates"},
+}
 _COMMON_PARAMS = {"filter_path", "error_trace", "human", "pretty"}
 _SEARCH_BODY = {"query", "sort", "size", "from", "search_after", "_source", "track_total_hits"}
 _UBQ_BODY = {"conflicts", "max_docs", "query", "script", "slice"}
@@ -883,6 +907,8 @@ class EsModel:
             )
             return 401, body
         try:
+            if parts == ["_security", "user", "_has_privileges"] and req.method in ("GET", "POST"):
+                return self._has_privileges(req)
             if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
                 return self._health(parts[2], req)
             if len(parts) == 1 and req.method == "PUT":
@@ -919,6 +945,42 @@ class EsModel:
 
     def open(self, name: str) -> None:
         self.indices[name].closed = False
+
+    security_enabled: bool = True
+    """``xpack.security.enabled``: off, a security API answers 500 (``SecurityActionFilter``)."""
+
+    def _has_privileges(self, req: Recorded) -> tuple[int, Any]:
+        """``_security/user/_has_privileges`` (reference: rest-apis/security-api-has-privileges):
+        whether the caller holds each privilege asked, a privilege held through one that implies
+        it (``all`` every one, ``manage`` the index administration ones, ``write`` ``index`` and
+        ``create_doc``; reference: security-privileges.md)."""
+        self.requests.append("has_privileges")
+        if not self.security_enabled:
+            reason = (
+                "Security must be explicitly enabled when using a [basic] license. Enable security by setting "
+                "[xpack.security.enabled] to [true] in the elasticsearch.yml file and restart the node."
+            )
+            return 500, error(500, "exception", reason)
+        body = req.json() if req.body else {}
+        if set(body) - {"cluster", "index", "application"}:
+            raise _ApiFailure(400, "parsing_exception", f"unknown keys {sorted(body)}")
+
+        def holds(held: set[str] | None, wanted: str, implied: Mapping[str, set[str]]) -> bool:
+            return held is None or any(h == wanted or wanted in implied.get(h, set()) for h in held)
+
+        cluster = {p: holds(self.cluster_privileges, p, _CLUSTER_IMPLIES) for p in body.get("cluster", [])}
+        index: dict[str, dict[str, bool]] = {}
+        for spec in body.get("index", []):
+            for name in spec["names"]:
+                index[name] = {p: holds(self.index_privileges, p, _INDEX_IMPLIES) for p in spec["privileges"]}
+        every = all(cluster.values()) and all(v for held in index.values() for v in held.values())
+        return 200, {
+            "username": self.user,
+            "has_all_requested": every,
+            "cluster": cluster,
+            "index": index,
+            "application": {},
+        }
 
     def _authorize(self, action: str, name: str, *granted_by: str) -> None:
         """403 unless the caller holds one of the index privileges ``granted_by`` (the message of

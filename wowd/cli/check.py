@@ -16,7 +16,7 @@ from wowd.cli.backend import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, WowdError
+from wowd.errors import ConfigError, StorageError, WowdError
 from wowd.model import AggregateRef
 from wowd.stores.base import Backend
 
@@ -164,6 +164,17 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         types = []
     for t in types:
         probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
-        probes.append((f"sink {t}", partial(backend.sink(t).documents, probe_ref)))
+        sink = backend.sink(t)
+        probes.append((f"sink {t}", partial(sink.documents, probe_ref)))
+        if hasattr(sink, "missing_privileges"):
+            probes.append((f"sink privileges {t}", partial(_sink_privileges, sink)))
         probes.append((f"snapshots {t}", partial(backend.rebuilds.table, t)))
     return probes
+
+
+async def _sink_privileges(sink: Any) -> str:
+    """The Elasticsearch sink's privileges, as the cluster answers: each missing one named."""
+    missing = await sink.missing_privileges()
+    if missing:
+        raise StorageError(f"wowd's Elasticsearch user lacks {', '.join(missing)} (see docs/stores.md, Elasticsearch)")
+    return "security off" if missing is None else "every privilege held"

@@ -1201,6 +1201,44 @@ class ElasticsearchEventSink:
                 raise StoreRefused(f"elasticsearch update_by_query: {refused}")
         raise StorageError(msg)
 
+    # ------------------------------------------------------------------ checks
+
+    def required_privileges(self) -> tuple[list[str], list[str]]:
+        """The cluster and index privileges the sink's requests need on its index (DDL mode
+        included): ``monitor`` (cluster health), ``create_doc`` (writes), ``read`` (the look-ups
+        of access stamps), ``index`` (the stamps' ``_update_by_query``), ``maintenance``
+        (``_refresh``), ``view_index_metadata`` (the mapping checks); under ``ddl auto``
+        ``create_index`` and ``manage_index_templates`` (the index template)."""
+        cluster = ["monitor"]
+        index = ["create_doc", "read", "index", "maintenance", "view_index_metadata"]
+        if self._ddl is Ddl.AUTO:
+            cluster.append("manage_index_templates")
+            index.append("create_index")
+        return cluster, index
+
+    async def missing_privileges(self) -> list[str] | None:
+        """The privileges of :meth:`required_privileges` wowd's user does not hold, as the
+        cluster answers ``_security/user/_has_privileges`` (``"cluster monitor"``, ``"index
+        maintenance on <index>"``); None when the cluster has security off (every request is
+        allowed)."""
+        cluster, index = self.required_privileges()
+        try:
+            with self._translate("has_privileges"):
+                resp = await self._client.security.has_privileges(
+                    cluster=cluster, index=[{"names": [self.index], "privileges": index}]
+                )
+        except StorageError as exc:
+            cause = exc.__cause__
+            reason = _api_reason(cause).lower() if isinstance(cause, ApiError) else ""
+            if "must be explicitly enabled" in reason or "security is not enabled" in reason:
+                return None  # a cluster with security off (SecurityActionFilter's 500)
+            raise
+        body = self._answer("has_privileges", resp.body)
+        missing = [f"cluster {p}" for p, held in (body.get("cluster") or {}).items() if not held]
+        for name, held_of in (body.get("index") or {}).items():
+            missing += [f"index {p} on {name}" for p, held in held_of.items() if not held]
+        return missing
+
     # ------------------------------------------------------------------ reads
 
     async def documents(self, ref: AggregateRef) -> list[dict[str, Any]]:
