@@ -255,9 +255,11 @@ ITEM_ERRORS: dict[int, dict[str, str]] = {
 """The error of a failed bulk item per status, as ES 9 gives it (each from the source file named)."""
 
 
-def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
+def bulk_answer(*statuses: int, first_seq_no: int = 100) -> Callable[[Recorded], dict[str, Any]]:
     """A ``_bulk`` answer: one ``create`` item per action line of the request, with the given
-    statuses in order (201 created, 409 exists, 429 rejected, 400 mapping error, ...)."""
+    statuses in order (201 created, 409 exists, 429 rejected, 400 mapping error, ...). The items
+    created are numbered from ``first_seq_no`` (an index holding documents already; 0 is a new
+    shard's first document)."""
 
     def answer(req: Recorded) -> dict[str, Any]:
         index = req.path.strip("/").split("/")[0]
@@ -272,7 +274,7 @@ def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
                     _version=1,
                     result="created",
                     _shards={"total": 2, "successful": 1, "failed": 0},
-                    _seq_no=n,
+                    _seq_no=first_seq_no + n,
                     _primary_term=1,
                 )
             elif status == 409:
@@ -696,8 +698,33 @@ def _values(source: Mapping[str, Any], path: str) -> list[Any]:
     return [v for v in current if v is not None]
 
 
-def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
-    """Whether a document matches a query (the query DSL the sink sends)."""
+def field_type(mapping: Mapping[str, Any] | None, path: str) -> str | None:
+    """The mapped type of a (dotted) field, None when unmapped or no mapping is given."""
+    spec: Any = mapping
+    for part in path.split("."):
+        if not isinstance(spec, Mapping):
+            return None
+        spec = (spec.get("properties") or {}).get(part)
+    return spec.get("type", "object") if isinstance(spec, Mapping) else None
+
+
+def analyzed(value: Any) -> list[str]:
+    """The terms the ``standard`` analyzer indexes for a ``text`` value: lowercased words, split
+    at what is not a letter or digit (Unicode word boundaries, UAX #29; reference:
+    analysis-standard-analyzer.md). A ``term`` query is not analyzed and matches only one of
+    these (reference: query-dsl-term-query.md, "avoid using the term query for text fields")."""
+    return re.findall(r"\w+", str(value).lower())
+
+
+def _term_eq(v: Any, value: Any, kind: str | None) -> bool:
+    if kind == "text":
+        return isinstance(value, str) and value in analyzed(v)
+    return v == value and type(v) is type(value) or _num_eq(v, value)
+
+
+def matches(query: Mapping[str, Any], source: Mapping[str, Any], mapping: Mapping[str, Any] | None = None) -> bool:
+    """Whether a document matches a query (the query DSL the sink sends), under the index's
+    mapping (a ``text`` field is matched on its analyzed terms)."""
     ((kind, spec),) = query.items()
     if kind == "match_all":
         return True
@@ -710,19 +737,20 @@ def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
             v = spec.get(k, [])
             return v if isinstance(v, list) else [v]
 
-        if not all(matches(q, source) for q in clauses("filter") + clauses("must")):
+        if not all(matches(q, source, mapping) for q in clauses("filter") + clauses("must")):
             return False
-        if any(matches(q, source) for q in clauses("must_not")):
+        if any(matches(q, source, mapping) for q in clauses("must_not")):
             return False
         should = clauses("should")
         default = 0 if clauses("filter") or clauses("must") else 1
         minimum = int(spec.get("minimum_should_match", default if should else 0))
-        return sum(matches(q, source) for q in should) >= minimum
+        return sum(matches(q, source, mapping) for q in should) >= minimum
     if kind == "term":
         ((name, value),) = spec.items()
         if isinstance(value, Mapping):
             value = value["value"]
-        return any(v == value and type(v) is type(value) or _num_eq(v, value) for v in _values(source, name))
+        kind_of = field_type(mapping, name)
+        return any(_term_eq(v, value, kind_of) for v in _values(source, name))
     if kind == "range":
         ((name, bounds),) = spec.items()
         ops: dict[str, Callable[[Any, Any], bool]] = {
@@ -738,7 +766,8 @@ def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
         )
     if kind == "terms":
         ((name, wanted),) = spec.items()
-        return any(v == w and type(v) is type(w) or _num_eq(v, w) for v in _values(source, name) for w in wanted)
+        kind_of = field_type(mapping, name)
+        return any(_term_eq(v, w, kind_of) for v in _values(source, name) for w in wanted)
     if kind == "exists":
         return bool(_values(source, spec["field"]))
     raise _ApiFailure(400, "parsing_exception", f"unknown query [{kind}]")
@@ -813,6 +842,14 @@ class _Index:
     closed: bool = False
     """Closed by the close index API (reference: rest-apis/close-index; ``IndexClosedException``)."""
 
+    seq: int = -1
+    """The shard's last sequence number: one shard, its first operation numbered 0 (reference:
+    docs-replication, "sequence numbers"; ``LocalCheckpointTracker``, ``NO_OPS_PERFORMED`` -1)."""
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
     def refresh(self) -> None:
         self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no) for k, d in self.live.items()}
 
@@ -837,6 +874,7 @@ _PARAMS = {
     "refresh": set(),
     "create": {"timeout", "master_timeout", "wait_for_active_shards"},
     "mapping": {"master_timeout", "local"},
+    "put_template": {"create", "master_timeout", "cause"},
     "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
 }
 _INDEX_IMPLIES: dict[str, set[str]] = {
@@ -873,7 +911,8 @@ class EsModel:
     """One Elasticsearch 9 node, one shard per index, for the APIs the sink uses."""
 
     indices: dict[str, _Index] = field(default_factory=dict)
-    seq: int = 0
+    templates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Composable index templates by name (``PUT _index_template/<name>``)."""
     before_update: Callable[[EsModel, str, str], None] | None = None
     """Called with (model, index, id) as update_by_query is about to write a document: a test
     changes the document meanwhile (a concurrent stamp) to make a version conflict."""
@@ -909,6 +948,8 @@ class EsModel:
         try:
             if parts == ["_security", "user", "_has_privileges"] and req.method in ("GET", "POST"):
                 return self._has_privileges(req)
+            if parts[:1] == ["_index_template"] and len(parts) == 2 and req.method in ("PUT", "POST"):
+                return self._put_template(parts[1], req)
             if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
                 return self._health(parts[2], req)
             if len(parts) == 1 and req.method == "PUT":
@@ -1118,11 +1159,64 @@ class EsModel:
             raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
         if name in self.indices:
             raise _ApiFailure(400, "resource_already_exists_exception", f"index [{name}/xyz] already exists")
-        mapping = body.get("mappings", {})
+        mapping = self._template_mapping(name)
+        asked = body.get("mappings", {})
+        mapping = {**mapping, **asked, "properties": {**mapping.get("properties", {}), **asked.get("properties", {})}}
         if str(mapping.get("dynamic", "true")).lower() not in ("true", "false", "strict", "runtime"):
             raise _ApiFailure(400, "mapper_parsing_exception", "bad dynamic")
         self.indices[name] = _Index(mapping=mapping)
         return 200, created(name)
+
+    def _template_mapping(self, name: str) -> dict[str, Any]:
+        """The mappings of the index template with the highest priority whose patterns match the
+        name, which a new index gets, made by the create index API (the request's mappings over
+        them) or by a write (reference: index-templates.md, "the index template with the highest
+        priority is used"; ``MetadataIndexTemplateService.findV2Template``)."""
+        found = [
+            t for t in self.templates.values() if any(fnmatch.fnmatchcase(name, p) for p in t.get("index_patterns", []))
+        ]
+        if not found:
+            return {}
+        best = max(found, key=lambda t: int(t.get("priority", 0)))
+        return copy.deepcopy(best.get("template", {}).get("mappings", {}))
+
+    def _put_template(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """``PUT _index_template/<name>`` (reference: rest-apis/put-index-template): replaces a
+        template of that name; another template matching the same names at the same priority is
+        refused (``MetadataIndexTemplateService.validateV2TemplateRequest``, 400)."""
+        self._log("put_template", name, req)
+        self._authorize_cluster("indices:admin/index_template/put", "manage_index_templates", "manage", "all")
+        body = req.json() if req.body else {}
+        allowed = {
+            "index_patterns",
+            "template",
+            "priority",
+            "composed_of",
+            "version",
+            "_meta",
+            "data_stream",
+            "allow_auto_create",
+            "ignore_missing_component_templates",
+            "deprecated",
+        }
+        if set(body) - allowed:
+            raise _ApiFailure(400, "x_content_parse_exception", f"unknown field(s) {sorted(set(body) - allowed)}")
+        if set(body.get("template", {})) - {"mappings", "settings", "aliases", "lifecycle"}:
+            raise _ApiFailure(400, "x_content_parse_exception", "unknown field in [template]")
+        patterns = body.get("index_patterns") or []
+        for other_name, other in self.templates.items():
+            if other_name == name or int(other.get("priority", 0)) != int(body.get("priority", 0)):
+                continue
+            theirs = other.get("index_patterns", [])
+            if any(fnmatch.fnmatchcase(a, b) or fnmatch.fnmatchcase(b, a) for a in patterns for b in theirs):
+                reason = (
+                    f"index template [{name}] has index patterns {patterns} matching patterns from existing "
+                    f"templates [{other_name}] with patterns ({other_name} => {theirs}) that have the same priority "
+                    f"[{body.get('priority', 0)}]"
+                )
+                raise _ApiFailure(400, "illegal_argument_exception", reason)
+        self.templates[name] = copy.deepcopy(body)
+        return 200, {"acknowledged": True}
 
     def _get_mapping(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("mapping", name, req)
@@ -1167,7 +1261,8 @@ class EsModel:
                 ]
                 return 200, {"errors": True, "took": 1, "items": items}
             self.requests.append(f"auto_create {name}")
-            self.indices[name] = _Index(mapping={})  # dynamic mapping: ES's defaults
+            # the matching index template's mapping, else a dynamic one (ES's defaults)
+            self.indices[name] = _Index(mapping=self._template_mapping(name))
         index = self.indices[name]
         items = []
         for action_line, doc in pairs:
@@ -1198,9 +1293,9 @@ class EsModel:
                         "version_conflict_engine_exception",
                         f"[{_id}]: version conflict, document already exists (current version [1])",
                     )
-                self.seq += 1
-                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, self.seq)
-                item.update(status=201, result="created", _version=1, _seq_no=self.seq, _primary_term=1)
+                seq_no = index.next_seq()
+                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, seq_no)
+                item.update(status=201, result="created", _version=1, _seq_no=seq_no, _primary_term=1)
             except _ApiFailure as exc:
                 item.update(status=exc.status, error={"type": exc.type, "reason": exc.reason})
             items.append({"create": item})
@@ -1270,7 +1365,7 @@ class EsModel:
         return [
             (k, d)
             for k, d in index.visible.items()
-            if (routes is None or d.routing in routes) and matches(query, d.source)
+            if (routes is None or d.routing in routes) and matches(query, d.source, index.mapping)
         ]
 
     def _search(self, name: str, body: Mapping[str, Any], routing: str | None) -> dict[str, Any]:
@@ -1380,8 +1475,7 @@ class EsModel:
             except _ApiFailure as exc:
                 answer["failures"].append(bulk_failure(name, _id, exc.status, exc.type, exc.reason))
                 continue
-            self.seq += 1
-            index.live[_id] = _Doc(ctx["_source"], live.routing, self.seq)
+            index.live[_id] = _Doc(ctx["_source"], live.routing, index.next_seq())
             answer["updated"] += 1
         if self._flag(req, "refresh"):
             index.refresh()
@@ -1400,8 +1494,7 @@ class EsModel:
             access_version=as_of,
             access_digest=digest,
         )
-        self.seq += 1
-        self.indices[index].live[_id] = _Doc(source, live.routing, self.seq)
+        self.indices[index].live[_id] = _Doc(source, live.routing, self.indices[index].next_seq())
 
 
 @contextmanager

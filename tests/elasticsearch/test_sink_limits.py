@@ -194,9 +194,15 @@ async def test_ddl_none_detects_an_index_a_write_created_with_a_dynamic_mapping(
     client: AsyncElasticsearch, model: EsModel
 ) -> None:
     sink = sink_of(client, ddl=Ddl.NONE)
-    with pytest.raises(FormatError, match=r"dynamic mapping.*tenant_id is text, expected keyword"):
+    with pytest.raises(
+        StoreRefused, match=r"wow.ctx.order.events .*dynamic mapping.*tenant_id is text, expected keyword"
+    ):
         await sink.write([commit("a", 1)])
     assert [r.split()[0] for r in model.requests] == ["mapping", "bulk", "auto_create", "mapping"]
+    # every later write stalls too, sending nothing until the mapping is wowd's
+    with pytest.raises(StoreRefused, match="writes stall until the index has wowd's mapping"):
+        await sink.write([commit("a", 2)])
+    assert [r.split()[0] for r in model.requests][4:] == ["mapping"]
 
 
 async def test_an_index_deleted_at_run_time_is_created_again_under_ddl_auto(
@@ -215,6 +221,55 @@ async def test_an_index_deleted_at_run_time_is_created_again_under_ddl_auto(
     del model.indices[INDEX]
     with pytest.raises(FormatError, match="does not exist"):
         await other.write([commit("a", 3)])
+
+
+async def test_an_index_deleted_at_run_time_comes_back_with_wowds_mapping_from_the_template(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    # action.auto_create_index at its default: a write into a missing index creates it
+    sink = sink_of(client)
+    await sink.write([commit("a", 1), commit("a", 2)])
+    del model.indices[INDEX]
+    await sink.write([commit("a", 3, B, 3)])
+    mapping = model.indices[INDEX].mapping
+    assert mapping["dynamic"] == "strict" and mapping["_routing"] == {"required": True}
+    assert mapping["properties"]["tenant_id"]["type"] == "keyword"
+    assert mapping["properties"]["events"]["type"] == "nested"
+    model.indices[INDEX].refresh()
+    assert await versions(sink, "a") == [3]
+
+
+async def test_a_dynamic_mapping_made_at_run_time_stalls_every_write_until_the_index_is_wowds(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    await sink_of(client).prepare()
+    model.templates.clear()  # no template (removed, or wowd runs with ddl validate only)
+    sink = sink_of(client, ddl=Ddl.VALIDATE)
+    await sink.write([commit("a", 1)])
+    del model.indices[INDEX]  # deleted while wowd runs: the next write makes it dynamic
+    with pytest.raises(StoreRefused, match=r"index wow.ctx.order.events .*tenant_id is text, expected keyword"):
+        await sink.write([commit("a", 2)])
+    with pytest.raises(StoreRefused, match=r"wow.ctx.order.events .*events is object, expected nested"):
+        await sink.write([commit("a", 3)])
+    # the operator deletes the wrong index and wowd makes it again: writes go on
+    del model.indices[INDEX]
+    await sink_of(client).prepare()
+    await sink.write([commit("a", 2), commit("a", 3)])
+    model.indices[INDEX].refresh()
+    assert await versions(sink, "a") == [2, 3]
+
+
+async def test_the_fake_matches_a_term_on_a_text_field_against_its_analyzed_terms(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    doc = {"tenant_id": "(0)", "aggregate_id": "order-1"}
+    await client.bulk(index="plain", operations=[{"create": {"_id": "1"}}, doc], refresh=True)
+    mapping = model.indices["plain"].mapping["properties"]
+    assert mapping["tenant_id"]["type"] == "text"
+    found = await client.search(index="plain", query={"term": {"tenant_id": "(0)"}})
+    assert found["hits"]["total"]["value"] == 0
+    found = await client.search(index="plain", query={"term": {"aggregate_id": "order"}})
+    assert found["hits"]["total"]["value"] == 1
 
 
 # --------------------------------------------------------------------------- immense terms
@@ -289,7 +344,9 @@ async def test_each_bulk_item_must_be_the_create_of_its_id(client: AsyncElastics
     with pytest.raises(StorageError, match="answered with"):
         await sink.write([commit("a", 1)])
     (_, first, second) = fake.take()
-    assert first.params["filter_path"] == "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
+    assert first.params["filter_path"] == (
+        "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason"
+    )
 
 
 async def test_stamp_rounds_are_refreshed_between(

@@ -100,6 +100,7 @@ __all__ = [
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
+    "TEMPLATE_NAME",
     "TRANSIENT_STATUSES",
     "ElasticsearchEventSink",
     "access_digest",
@@ -110,6 +111,7 @@ __all__ = [
     "event_document",
     "events_mapping",
     "index_name",
+    "index_template",
     "latest_search",
     "previous_docs",
     "refusal",
@@ -166,8 +168,20 @@ EMPTY_ID_ROUTING = "-"
 """The routing of an empty aggregate id (Elasticsearch reads an empty routing as none, refused
 where routing is required). It only picks a shard: searches filter by aggregate id."""
 
-BULK_FILTER_PATH = "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
-"""What a bulk answer is asked to hold: per item its operation, id, status and error."""
+BULK_FILTER_PATH = "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason"
+"""What a bulk answer is asked to hold: per item its operation, id, status, sequence number and
+error. A sequence number 0 is the first operation of a shard: the index (or that shard) was just
+made, by wowd or by a write that auto-created it, and its mapping is checked."""
+
+TEMPLATE_NAME = "wowd-events"
+"""The composable index template wowd installs under ``ddl auto``: an events index created by a
+write (Elasticsearch's ``action.auto_create_index``, an index deleted at run time) gets wowd's
+mapping, not a dynamic one."""
+
+TEMPLATE_PATTERNS = ("wow.*.events",)
+TEMPLATE_PRIORITY = 200
+"""Above the built-in templates (priority 100 and below); two templates matching one name at the
+same priority are refused."""
 
 _DOCUMENTS_PAGE = 1000
 _STORE = "elasticsearch"
@@ -236,6 +250,16 @@ _KEY_FIELDS: dict[str, str] = {
     "access_version": "long",
     "access_digest": "keyword",
 }
+
+
+def index_template() -> dict[str, Any]:
+    """The body of the ``PUT _index_template/wowd-events`` request (:data:`TEMPLATE_NAME`)."""
+    return {
+        "index_patterns": list(TEMPLATE_PATTERNS),
+        "priority": TEMPLATE_PRIORITY,
+        "template": {"mappings": events_mapping()},
+        "_meta": {"managed_by": "wowd", "description": "the events indexes of wowd's event sink"},
+    }
 
 
 def check_mapping(mapping: Mapping[str, Any]) -> list[str]:
@@ -709,6 +733,11 @@ class ElasticsearchEventSink:
         self._known: OrderedDict[tuple[str, str], _Known] = OrderedDict()
         self._digests: dict[bytes, str] = {}
         self._index_missing = False
+        self._made = False
+        """The sink made the index just now: the first documents of its shards are expected."""
+        self._mapping_problem: str | None = None
+        """Why the index's mapping is not wowd's (found after a write made a new shard): every
+        write is refused (:class:`StoreRefused`) until the mapping is checked again and fits."""
         self._prepared = False
         self._prepare_lock: anyio.Lock | None = None
 
@@ -770,6 +799,7 @@ class ElasticsearchEventSink:
             if self._prepared:
                 return
             if self._ddl is Ddl.AUTO:
+                await self._put_template()
                 if not await self._create_index():
                     await self._validate_mapping()
                 await self._wait_for_primary()
@@ -784,6 +814,18 @@ class ElasticsearchEventSink:
                     self.index,
                 )
             self._prepared = True
+
+    async def _put_template(self) -> None:
+        """Installs (or replaces) the index template :data:`TEMPLATE_NAME`."""
+        body = index_template()
+        with self._translate("put_index_template"):
+            await self._client.indices.put_index_template(
+                name=TEMPLATE_NAME,
+                index_patterns=body["index_patterns"],
+                priority=body["priority"],
+                template=body["template"],
+                meta=body["_meta"],
+            )
 
     async def _create_index(self) -> bool:
         """Creates the index; False when it exists already."""
@@ -801,6 +843,7 @@ class ElasticsearchEventSink:
             raise
         log.info("created the events index %s", self.index)
         self._index_missing = False
+        self._made = True
         return True
 
     async def _validate_mapping(self, *, missing_ok: bool = False) -> bool:
@@ -873,16 +916,20 @@ class ElasticsearchEventSink:
         if not records:
             return
         await self.prepare()
+        if self._mapping_problem is not None:
+            await self._recheck_mapping()
         try:
             digests = [self._digest(c.access) for c in records]
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
         bodies = bulk_bodies(records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes)
+        new_shard = False
         for body in bodies:
-            await self._bulk(body)
-        if self._index_missing:
+            new_shard = await self._bulk(body) or new_shard
+        if self._index_missing or (new_shard and not self._made):
             await self._check_created()
+        self._made = False
         refreshed = self._refresh
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
@@ -954,12 +1001,37 @@ class ElasticsearchEventSink:
             self._known.popitem(last=False)
 
     async def _check_created(self) -> None:
-        """The index was missing and a write went through: Elasticsearch created it; its
-        mapping must be one the sink can work with."""
-        log.warning("the events index %s was missing and a write created it: checking its mapping", self.index)
-        await self._validate_mapping()
+        """A write made a shard's first document (or went through where the index was missing):
+        the index is new, made by wowd or by the write (Elasticsearch's auto-creation, an index
+        deleted at run time); its mapping must be one the sink can work with, else every write
+        is refused (:class:`StoreRefused`) until it is."""
+        try:
+            await self._validate_mapping()
+        except FormatError as exc:
+            self._mapping_problem = str(exc)
+            log.error("%s: writes stall until the index has wowd's mapping", exc)
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{exc}; writes stall until the index has wowd's mapping") from exc
 
-    async def _bulk(self, bulk: BulkBody) -> None:
+    async def _recheck_mapping(self) -> None:
+        """Before a write while the mapping was found wrong: checks it again (the operator may
+        have deleted or reindexed the index; under ``ddl auto`` a missing index is made again)."""
+        try:
+            exists = await self._validate_mapping(missing_ok=True)
+        except FormatError as exc:
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{exc}; writes stall until the index has wowd's mapping") from exc
+        if not exists:
+            self._mapping_problem = None
+            if self._ddl is Ddl.AUTO:
+                self._prepared = False
+                await self.prepare()
+            return
+        self._mapping_problem = None
+
+    async def _bulk(self, bulk: BulkBody) -> bool:
+        """Sends one bulk; True when an item was the first document of a shard (``_seq_no``
+        0: a new index or shard)."""
         records = bulk.records
         extra: dict[str, Any] = {"refresh": True} if self._refresh else {}
         started = time.perf_counter()
@@ -993,6 +1065,7 @@ class ElasticsearchEventSink:
                 f"{len(items) if isinstance(items, list) else 'no'} items"
             )
         failed: list[tuple[str, int, str]] = []
+        new_shard = False
         refused: str | None = None
         missing_index = False
         statuses: Counter[int] = Counter()
@@ -1005,6 +1078,7 @@ class ElasticsearchEventSink:
             status = int(result.get("status", 0))
             statuses[status] += 1
             if status in (200, 201, 409):
+                new_shard = new_shard or (status == 201 and result.get("_seq_no") == 0)
                 continue
             err = result.get("error")
             kind = err.get("type", "error") if isinstance(err, Mapping) else "error"
@@ -1016,7 +1090,7 @@ class ElasticsearchEventSink:
         for code, n in statuses.items():
             SINK_ITEMS.labels(status=str(code)).inc(n)
         if not failed:
-            return
+            return new_shard
         _id, status, reason = next((f for f in failed if f[1] not in TRANSIENT_STATUSES), failed[0])
         summary = f"{len(failed)} of {len(records)} items not written to {self.index}; item {_id}: [{status}] {reason}"
         if missing_index:
