@@ -931,6 +931,11 @@ class EsModel:
     cluster_privileges: set[str] | None = None
     """The caller's cluster privileges (None: a superuser; ``ClusterPrivilegeResolver``)."""
     user: str = "wowd"
+    heap_bytes: int = 1024 * 1024 * 1024
+    """The node's heap: ``indexing_pressure.memory.limit`` is 10 % of it (reference:
+    index-settings/pressure.md); a bulk over the limit is refused 429 (``IndexingPressure``)."""
+    nested_objects_limit: int = 10_000
+    """``index.mapping.nested_objects.limit`` (reference: index-settings/mapping-limit.md)."""
 
     def answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
@@ -1140,6 +1145,19 @@ class EsModel:
                 raise _ApiFailure(400, "document_parsing_exception", f"failed to parse field [{path}] of type [{kind}]")
 
         obj(doc, mapping.setdefault("properties", {}), str(mapping.get("dynamic", "true")).lower(), "")
+        nested = sum(
+            len(v) if isinstance(v, list) else 1
+            for k, v in doc.items()
+            if field_type(mapping, k) == "nested" and v is not None
+        )
+        if nested > self.nested_objects_limit:
+            # DocumentParserContext.addDoc (DocumentParsingException, 400)
+            raise _ApiFailure(
+                400,
+                "document_parsing_exception",
+                f"[1:2] The number of nested documents has exceeded the allowed limit of [{self.nested_objects_limit}]."
+                " This limit can be set by changing the [index.mapping.nested_objects.limit] index level setting.",
+            )
 
     # ---- APIs
 
@@ -1231,6 +1249,15 @@ class EsModel:
 
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("bulk", name, req)
+        limit = self.heap_bytes // 10
+        if len(req.body) > limit:
+            # IndexingPressure.markCoordinatingOperationStarted: the whole request is refused
+            reason = (
+                f"rejected execution of coordinating operation [coordinating_and_primary_bytes=0, replica_bytes=0, "
+                f"all_bytes=0, coordinating_operation_bytes={len(req.body)}, "
+                f"max_coordinating_and_primary_bytes={limit}]"
+            )
+            raise _ApiFailure(429, "es_rejected_execution_exception", reason)
         lines = req.ndjson()
         pairs = list(zip(lines[0::2], lines[1::2], strict=True))
         # the whole request is validated before any item runs (BulkRequest.validate)

@@ -383,3 +383,78 @@ async def test_an_update_by_query_has_its_own_client_timeout_and_is_not_retried(
     finally:
         release.set()
         await es.close()
+
+
+# --------------------------------------------------------------------------- shared refreshes
+
+
+async def test_writes_waiting_for_a_refresh_share_it_and_send_their_stamps_in_one_request(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.write([commit(f"o{i}", 1) for i in range(10)])
+    model.requests.clear()
+    # ten writes at once, each changing an aggregate's attributes (the feed of several slots)
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(sink.write, [commit(f"o{i}", 2, B, 2)])
+    ops = [r.split()[0] for r in model.requests]
+    assert ops.count("bulk") == 10
+    # one refresh for the writes done when it starts, one for those done after: not ten
+    assert ops.count("refresh") <= 2 and sink.refreshes == ops.count("refresh")
+    assert ops.count("update_by_query") <= 2
+    model.indices[INDEX].refresh()
+    for i in range(10):
+        assert [d["owner_id"] for d in await sink.documents(ref(f"o{i}"))] == ["u2", "u2"]
+
+
+async def test_a_refresh_is_sent_at_most_once_per_interval(client: AsyncElasticsearch, model: EsModel) -> None:
+    sink = sink_of(client, refresh_interval_s=0.5)
+    await sink.write([commit("a", 1)])
+    started = anyio.current_time()
+    for v in range(2, 5):  # three writes in a row, each changing the attributes
+        await sink.write([commit("a", v, A if v % 2 else B, v)])
+    assert sink.refreshes == 3
+    assert anyio.current_time() - started >= 2 * 0.5  # the second and third waited for their slot
+
+
+# --------------------------------------------------------------------------- large commits
+
+
+async def test_a_commit_over_the_event_cap_is_refused_naming_the_cap_before_anything_is_sent(
+    client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.prepare()
+    fake.take()
+    events = tuple(DomainEvent(id=f"e{i}", name="ItemAdded", body={"i": i}) for i in range(10_001))
+    many = Commit(ref=ref("many"), version=1, command_id="c", request_id="r", create_time=1, events=events)
+    with pytest.raises(
+        InvalidInput, match=r"events: 10001 events, over the cap of 10000 .*nested_objects.limit"
+    ) as info:
+        await sink.write([commit("a", 1), many])
+    assert info.value.field == "events" and info.value.ref == many.ref
+    assert fake.take() == []
+    # a cap set above the index's limit: the cluster refuses the record itself (set aside)
+    wide = sink_of(client, max_document_events=20_000)
+    with pytest.raises(SinkWriteError, match=r"nested documents has exceeded the allowed limit of \[10000\]"):
+        await wide.write([many])
+
+
+async def test_a_document_over_the_byte_cap_is_refused_naming_the_cap_before_anything_is_sent(
+    client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.prepare()
+    fake.take()
+    big = commit("big", 1, body={"x": "y" * (11 * 1024 * 1024)})
+    with pytest.raises(
+        InvalidInput, match=r"over the cap of 10485760 bytes a document \(elasticsearch.max_document_bytes"
+    ):
+        await sink.write([commit("a", 1), big])
+    assert fake.take() == []
+    # what the cap keeps away: indexing pressure refuses a bulk over 10 % of the heap, 429 each time
+    # (a small heap: the client warns of a body over 1 MB sent as bytes)
+    model.heap_bytes = 8 * 1024 * 1024
+    with pytest.raises(StorageUnavailable, match=r"\[429\] es_rejected_execution_exception.*coordinating"):
+        await sink.write([commit("mid", 1, body={"x": "y" * 900_000})])

@@ -363,7 +363,7 @@ async def test_version_conflicts_make_the_stamp_search_again(
 
 
 async def test_version_conflicts_without_end_are_transient(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
-    sink = sink_of(client)
+    sink = sink_of(client, refresh_interval_s=0.01)
     for _ in range(MAX_CONFLICT_ROUNDS):
         fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(version_conflicts=1))
         fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())

@@ -92,11 +92,14 @@ __all__ = [
     "EMPTY_ID_ROUTING",
     "KEYWORD_IGNORE_ABOVE",
     "MAX_CONFLICT_ROUNDS",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_DOCUMENT_EVENTS",
     "MAX_ID_BYTES",
     "MAX_QUERY_LEAVES",
     "MAX_REQUEST_BYTES",
     "MAX_ROUTING_CHARS",
     "RECORD_ERRORS",
+    "REFRESH_INTERVAL_S",
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
@@ -159,6 +162,20 @@ BULK_BYTES = 10 * 1024 * 1024
 
 MAX_REQUEST_BYTES = 100 * 1024 * 1024
 """``http.max_content_length`` (100 MB by default): a record whose lines are longer cannot be sent."""
+
+REFRESH_INTERVAL_S = 1.0
+"""The sink sends at most one ``_refresh`` per index this often (Elasticsearch's own
+``index.refresh_interval`` default); the writes that need one meanwhile share it."""
+
+MAX_DOCUMENT_BYTES = 10 * 1024 * 1024
+"""The largest document the sink sends (its bulk lines). Elasticsearch's indexing pressure
+(``indexing_pressure.memory.limit``, 10 % of the heap) refuses an operation larger than the
+limit with a 429 that a retry repeats for ever; 10 MB stays under it from a 128 MB heap up, and a
+document fits a bulk of :data:`BULK_BYTES`."""
+
+MAX_DOCUMENT_EVENTS = 10_000
+"""The most events a document holds: each event is a nested document, and
+``index.mapping.nested_objects.limit`` (10,000 by default) fails a document with more (400)."""
 
 KEYWORD_IGNORE_ABOVE = 8191
 """``ignore_above`` of the free-form keywords: Lucene refuses a term over 32,766 bytes (an
@@ -374,20 +391,39 @@ def bulk_bodies(
     *,
     bulk_bytes: int = BULK_BYTES,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
+    max_document_events: int = MAX_DOCUMENT_EVENTS,
 ) -> list[BulkBody]:
     """The bulks of one write: every record's :func:`bulk_lines`, in order, in bodies of at most
     ``bulk_bytes`` (one body in the common case; a record longer than that alone). Raises
-    :class:`InvalidInput` naming a record that cannot be sent (over ``max_request_bytes``)
-    before any is."""
+    :class:`InvalidInput` naming a record that cannot be sent, and the cap, before any is: more
+    events than ``max_document_events`` (``field`` ``events``), lines over
+    ``max_document_bytes`` or ``max_request_bytes``."""
     out: list[BulkBody] = []
     parts: list[bytes] = []
     ids: list[str] = []
     start = size = 0
     for i, (record, digest) in enumerate(zip(records, digests, strict=True)):
+        if len(record.events) > max_document_events:
+            raise InvalidInput(
+                f"{len(record.events)} events, over the cap of {max_document_events} events a document "
+                "(elasticsearch.max_document_events; the index's index.mapping.nested_objects.limit)",
+                field="events",
+                ref=record.ref,
+                version=record.version,
+            )
         _id, lines = _record_lines(record, digest)
         if len(lines) > max_request_bytes:
             raise InvalidInput(
-                f"the document is {len(lines)} bytes, over the request limit of {max_request_bytes}",
+                f"the document is {len(lines)} bytes, over the request limit of {max_request_bytes} "
+                "(elasticsearch.max_request_bytes; the cluster's http.max_content_length)",
+                ref=record.ref,
+                version=record.version,
+            )
+        if len(lines) > max_document_bytes:
+            raise InvalidInput(
+                f"the document is {len(lines)} bytes, over the cap of {max_document_bytes} bytes a document "
+                "(elasticsearch.max_document_bytes; indexing pressure refuses an operation over 10% of the heap)",
                 ref=record.ref,
                 version=record.version,
             )
@@ -677,6 +713,17 @@ def _version(record: Commit) -> int:
     return record.version
 
 
+@dataclass(slots=True, kw_only=True)
+class _Waiting:
+    """The stamps of one write waiting for a refresh (see ``_stamp_after_refresh``)."""
+
+    stamps: list[AccessStamp]
+    since: float
+    done: anyio.Event
+    taken: bool = False
+    error: BaseException | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Known:
     """What the sink knows of a stream: its latest version written and its attributes."""
@@ -698,7 +745,8 @@ class ElasticsearchEventSink:
     every write and stamp refresh the index (tests). ``capacity`` is how many aggregates the
     access-attribute LRU remembers. ``bulk_bytes`` is the size a write is split at,
     ``max_request_bytes`` the cluster's ``http.max_content_length``. ``stamp_timeout_s`` is the
-    client timeout of one ``_update_by_query``.
+    client timeout of one ``_update_by_query``; ``refresh_interval_s`` how often at most the sink
+    sends a ``_refresh`` (the writes needing one share it, and their stamps go in one request).
     """
 
     def __init__(
@@ -711,7 +759,10 @@ class ElasticsearchEventSink:
         capacity: int = 10_000,
         bulk_bytes: int = BULK_BYTES,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_document_bytes: int = MAX_DOCUMENT_BYTES,
+        max_document_events: int = MAX_DOCUMENT_EVENTS,
         stamp_timeout_s: float = 300.0,
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
         owns_client: bool = False,
     ) -> None:
         if capacity < 0:
@@ -728,11 +779,21 @@ class ElasticsearchEventSink:
         self._capacity = capacity
         self._bulk_bytes = bulk_bytes
         self._max_request_bytes = max_request_bytes
+        self._max_document_bytes = max_document_bytes
+        self._max_document_events = max_document_events
         self._stamp_timeout_s = stamp_timeout_s
         self._owns_client = owns_client
         self._known: OrderedDict[tuple[str, str], _Known] = OrderedDict()
         self._digests: dict[bytes, str] = {}
         self._index_missing = False
+        self._refresh_interval_s = refresh_interval_s
+        self._refresh_started = float("-inf")
+        self._refreshed_as_of = float("-inf")
+        """When the last completed refresh started (what it made searchable was written by then)."""
+        self._refresh_running: anyio.Event | None = None
+        self._waiting: list[_Waiting] = []
+        self.refreshes = 0
+        """``_refresh`` requests sent (the bench counts them)."""
         self._made = False
         """The sink made the index just now: the first documents of its shards are expected."""
         self._mapping_problem: str | None = None
@@ -923,14 +984,21 @@ class ElasticsearchEventSink:
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
-        bodies = bulk_bodies(records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes)
+        bodies = bulk_bodies(
+            records,
+            digests,
+            bulk_bytes=self._bulk_bytes,
+            max_request_bytes=self._max_request_bytes,
+            max_document_bytes=self._max_document_bytes,
+            max_document_events=self._max_document_events,
+        )
         new_shard = False
         for body in bodies:
             new_shard = await self._bulk(body) or new_shard
         if self._index_missing or (new_shard and not self._made):
             await self._check_created()
         self._made = False
-        refreshed = self._refresh
+        written = anyio.current_time()  # what a look-up or a stamp must see is written by now
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
             key = (c.ref.tenant_id, c.ref.id)
@@ -967,19 +1035,15 @@ class ElasticsearchEventSink:
             before = await self._previous_digests(unknown)
             missed = [c for c, d in zip(unknown, before, strict=True) if d is None]
             if missed:
-                if not refreshed:
-                    await self._refresh_index()
-                    refreshed = True
+                if not self._refresh:
+                    await self._refresh_index(written)
                 found = iter(await self._latest_digests(missed))
                 before = [d if d is not None else next(found) for d in before]
             for first, digest in zip(unknown, before, strict=True):
                 if digest is not None and digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
         if stamps:
-            if not refreshed:
-                await self._refresh_index()
-            updated = await self.stamp_all(stamps)
-            log.debug("stamped access over %d documents of %d aggregates in %s", updated, len(stamps), self.index)
+            await self._stamp_after_refresh(stamps, written)
         for key, group in groups.items():
             last = group[-1]
             known = self._known.get(key)
@@ -1110,9 +1174,72 @@ class ElasticsearchEventSink:
         log.error("sink write refused: %s", summary)
         raise SinkWriteError(summary)
 
-    async def _refresh_index(self) -> None:
-        with self._translate("refresh"):
-            await self._client.indices.refresh(index=self.index)
+    async def _refresh_index(self, since: float | None = None) -> None:
+        """Returns once a refresh that started at ``since`` or later (default: now) completed, so
+        that every write completed by then is searchable. Refreshes are shared: a caller waits
+        for one under way, and a new one starts at most once per ``refresh_interval_s`` (the
+        callers meanwhile wait for it), so the index sees at most one ``_refresh`` per interval
+        from this sink however many writes need one."""
+        needed = anyio.current_time() if since is None else since
+        while self._refreshed_as_of < needed:
+            running = self._refresh_running
+            if running is not None:
+                await running.wait()
+                continue
+            pause = self._refresh_started + self._refresh_interval_s - anyio.current_time()
+            if pause > 0:
+                await anyio.sleep(pause)
+                continue  # another caller may have started one meanwhile
+            started = self._refresh_started = anyio.current_time()
+            event = self._refresh_running = anyio.Event()
+            try:
+                with self._translate("refresh"):
+                    await self._client.indices.refresh(index=self.index)
+                self.refreshes += 1
+                self._refreshed_as_of = max(self._refreshed_as_of, started)
+            finally:
+                self._refresh_running = None
+                event.set()
+
+    async def _stamp_after_refresh(self, stamps: Sequence[AccessStamp], since: float) -> None:
+        """The stamps of one write, once a refresh since ``since`` made its documents
+        searchable, batched with the stamps of the other writes waiting for that refresh: the
+        first writer to get the refresh sends every waiting stamp in one :meth:`stamp_all`; the
+        others wait for it and fail with it."""
+        me = _Waiting(stamps=list(stamps), since=since, done=anyio.Event())
+        self._waiting.append(me)
+        try:
+            if not self._refresh:  # else each request refreshed
+                await self._refresh_index(since)
+        except BaseException:
+            if not me.taken:
+                self._waiting.remove(me)
+            raise
+        if me.taken:
+            await me.done.wait()
+            if me.error is not None:
+                raise me.error
+            return
+        batch = [w for w in self._waiting if w.since <= self._refreshed_as_of or w is me]
+        for w in batch:
+            w.taken = True
+            self._waiting.remove(w)
+        try:
+            updated = await self.stamp_all([s for w in batch for s in w.stamps])
+            log.debug(
+                "stamped access over %d documents of %d aggregates (%d writes) in %s",
+                updated,
+                sum(len(w.stamps) for w in batch),
+                len(batch),
+                self.index,
+            )
+        except BaseException as exc:
+            for w in batch:
+                w.error = exc if isinstance(exc, StorageError) else StorageUnavailable(f"stamps not sent: {exc!r}")
+            raise
+        finally:
+            for w in batch:
+                w.done.set()
 
     async def _previous_digests(self, firsts: Sequence[Commit]) -> list[str | None]:
         """For each record, the ``access_digest`` of its stream's document of the version just
