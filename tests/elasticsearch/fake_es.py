@@ -159,7 +159,9 @@ class FakeElasticsearch:
                     status, body = 413, Raw(b"")
                 else:
                     status, body = fake._answer(req)
-                content_type: str | None = CONTENT_TYPE
+                # the media type asked for: compatible-with=9 for the client's, else plain JSON
+                compat = "compatible-with" in req.headers.get("accept", "")
+                content_type: str | None = CONTENT_TYPE if compat else "application/json"
                 if isinstance(body, Raw):
                     data, content_type = body.data, body.content_type
                 else:
@@ -937,8 +939,54 @@ class EsModel:
     nested_objects_limit: int = 10_000
     """``index.mapping.nested_objects.limit`` (reference: index-settings/mapping-limit.md)."""
 
+    version: str = "9.1.0"
+    """The node's version (``GET /``); its major decides which compatible versions it accepts."""
+
+    def _compatible(self, req: Recorded) -> None:
+        """A ``compatible-with=N`` Accept or Content-Type must name this major or the one before
+        (``RestCompatibleVersionHelper``: else 400 ``media_type_header_exception``, before any
+        handler or authentication)."""
+        major = int(self.version.split(".")[0])
+        for header in ("accept", "content-type"):
+            m = re.search(r"compatible-with=(\d+)", req.headers.get(header, ""))
+            if m is not None and int(m.group(1)) not in (major, major - 1):
+                cause = {
+                    "type": "status_exception",
+                    "reason": f"{header.title()} version must be either version {major} or {major - 1}, but found "
+                    f"{m.group(1)}. {header.title()}={req.headers[header]}",
+                }
+                raise _ApiFailure(
+                    400,
+                    "media_type_header_exception",
+                    "Invalid media-type value on headers [Accept, Content-Type]",
+                    caused_by=cause,
+                )
+
+    def _info(self, req: Recorded) -> tuple[int, Any]:
+        """``GET /`` (reference: rest-apis/info; cluster privilege ``monitor``)."""
+        self.requests.append("info")
+        self._authorize_cluster("cluster:monitor/main", "monitor", "manage", "all")
+        return 200, {
+            "name": "fake",
+            "cluster_name": "fake",
+            "cluster_uuid": "aBcD1234",
+            "version": {
+                "number": self.version,
+                "build_flavor": "default",
+                "build_type": "docker",
+                "lucene_version": "10.2.2",
+                "minimum_wire_compatibility_version": "8.19.0",
+                "minimum_index_compatibility_version": "8.0.0",
+            },
+            "tagline": "You Know, for Search",
+        }
+
     def answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
+        try:
+            self._compatible(req)
+        except _ApiFailure as exc:
+            return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
         if self.api_key_expired:
             reason = (
                 "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
@@ -951,6 +999,8 @@ class EsModel:
             )
             return 401, body
         try:
+            if not parts and req.method in ("GET", "HEAD"):
+                return self._info(req)
             if parts == ["_security", "user", "_has_privileges"] and req.method in ("GET", "POST"):
                 return self._has_privileges(req)
             if parts[:1] == ["_index_template"] and len(parts) == 2 and req.method in ("PUT", "POST"):

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,9 +13,11 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from wowd.cli.check import _sink_privileges
-from wowd.errors import StorageError, StoreRefused
+from wowd.config import ElasticsearchSettings, load_settings
+from wowd.errors import ConfigError, StorageError, StoreRefused
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent
 from wowd.stores.base import Ddl
+from wowd.stores.elasticsearch.options import client_options, new_client
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
 pytestmark = pytest.mark.anyio
@@ -95,3 +99,53 @@ async def test_without_maintenance_and_monitor_the_stamps_fail_and_check_names_w
         await _sink_privileges(sink)
     model.security_enabled = False
     assert await sink.missing_privileges() is None
+
+
+# --------------------------------------------------------------------------- versions
+
+
+async def test_an_8x_cluster_refuses_the_9x_client_and_the_write_stalls_naming_it(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    model.version = "8.17.0"
+    sink = ElasticsearchEventSink(client, TYPE, ddl=Ddl.AUTO)
+    with pytest.raises(StoreRefused, match=r"an older server.*\[400\] media_type_header_exception"):
+        await sink.write([commit("a", 1)])
+    with pytest.raises(
+        StorageError, match=r"Elasticsearch 8.17.0: wowd supports Elasticsearch 9.x .*compatible-with=9"
+    ):
+        await sink.check_version()
+
+
+async def test_check_reads_the_servers_version_and_says_which_it_supports(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    sink = ElasticsearchEventSink(client, TYPE, ddl=Ddl.AUTO)
+    assert await sink.server_version() == ("9.1.0", "elasticsearch")
+    assert await sink.check_version() == "Elasticsearch 9.1.0 (supported: 9.x)"
+    model.version = "10.0.0"
+    with pytest.raises(StorageError, match=r"Elasticsearch 10.0.0: wowd supports Elasticsearch 9.x"):
+        await sink.check_version()
+
+
+def test_tls_client_certificate_fingerprint_and_cloud_id_are_settings(tmp_path: Path) -> None:
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    settings = ElasticsearchSettings(
+        url="https://es:9200",
+        api_key="k",
+        client_cert=cert,
+        client_key=key,
+        ssl_assert_fingerprint="AB:CD",
+    )
+    options = client_options(settings)
+    assert options["client_cert"] == str(cert) and options["client_key"] == str(key)
+    assert options["ssl_assert_fingerprint"] == "AB:CD"
+    with pytest.raises(ConfigError, match="client_cert is required with elasticsearch.client_key"):
+        client_options(ElasticsearchSettings(url="https://es:9200", client_key=key))
+    # an Elastic Cloud id instead of a URL: <name>:base64(<host>$<es uuid>$<kibana uuid>)
+    cloud_id = "prod:" + base64.b64encode(b"eu-west-1.aws.found.io$abc123$def456").decode()
+    es = new_client(ElasticsearchSettings(cloud_id=cloud_id, api_key="k"))
+    assert [n.base_url for n in es.transport.node_pool.all()] == ["https://abc123.eu-west-1.aws.found.io:443"]
+    with pytest.raises(ValueError, match="give one"):
+        ElasticsearchSettings(url="https://es:9200", cloud_id=cloud_id)
+    load_settings(backend="mongo", mongodb={"uri": "mongodb://m/?replicaSet=rs"}, elasticsearch={"cloud_id": cloud_id})

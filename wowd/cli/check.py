@@ -17,7 +17,7 @@ from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, StorageError, WowdError
-from wowd.model import AggregateRef
+from wowd.model import AggregateRef, AggregateType
 from wowd.stores.base import Backend
 
 __all__ = ["check", "register"]
@@ -143,8 +143,8 @@ async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
         for name, probe in await _probes(settings, backend):
             try:
                 with anyio.fail_after(PROBE_TIMEOUT_S):
-                    await probe()
-                out(f"ok   {name}")
+                    said = await probe()
+                out(f"ok   {name}" + (f": {said}" if isinstance(said, str) else ""))
             except (WowdError, TimeoutError) as exc:
                 err(redact(f"FAIL {name}: {type(exc).__name__}: {exc}", secrets))
                 failures += 1
@@ -162,6 +162,11 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         types = await backend.log.aggregate_types()
     except WowdError:
         types = []
+    if settings.backend == "mongo":  # the Elasticsearch sink: the cluster's version, types or not
+        any_type = types[0] if types else AggregateType(context=settings.context, aggregate="wowd")
+        probe_sink = backend.sink(any_type)
+        if hasattr(probe_sink, "check_version"):
+            probes.append(("elasticsearch version", probe_sink.check_version))
     for t in types:
         probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
         sink = backend.sink(t)

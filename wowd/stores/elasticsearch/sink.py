@@ -103,6 +103,7 @@ __all__ = [
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
+    "SUPPORTED",
     "TEMPLATE_NAME",
     "TRANSIENT_STATUSES",
     "ElasticsearchEventSink",
@@ -162,6 +163,10 @@ BULK_BYTES = 10 * 1024 * 1024
 
 MAX_REQUEST_BYTES = 100 * 1024 * 1024
 """``http.max_content_length`` (100 MB by default): a record whose lines are longer cannot be sent."""
+
+SUPPORTED = "9.x"
+"""The Elasticsearch versions wowd speaks to: its client (elasticsearch-py 9) sends
+``compatible-with=9``."""
 
 REFRESH_INTERVAL_S = 1.0
 """The sink sends at most one ``_refresh`` per index this often (Elasticsearch's own
@@ -1403,6 +1408,41 @@ class ElasticsearchEventSink:
         raise StorageError(msg)
 
     # ------------------------------------------------------------------ checks
+
+    async def server_version(self) -> tuple[str, str]:
+        """The cluster's version number and distribution, as ``GET /`` answers it, asked
+        without the client's ``compatible-with=9`` headers so that a server of another major
+        version answers too (an 8.x server refuses them: 400 ``media_type_header_exception``)."""
+        with self._translate("info"):
+            resp = await self._client.transport.perform_request("GET", "/", headers={"accept": "application/json"})
+        status = resp.meta.status
+        if status >= 300:  # the transport hands back an error answer as it is
+            err = resp.body.get("error") if isinstance(resp.body, Mapping) else None
+            kind = str(err.get("type")) if isinstance(err, Mapping) else "error"
+            reason = str(err.get("reason")) if isinstance(err, Mapping) else str(resp.body)[:200]
+            refused = refusal(self.index, status, kind, reason)
+            raise StorageError(refused or f"elasticsearch info: [{status}] {kind}: {reason}")
+        body = self._answer("info", resp.body)
+        version = body.get("version") or {}
+        if not isinstance(version, Mapping) or not isinstance(version.get("number"), str):
+            raise StorageError(f"elasticsearch info: no version in {str(body)[:200]!r}")
+        return version["number"], str(version.get("distribution") or "elasticsearch")
+
+    async def check_version(self) -> str:
+        """``"<number> (supported)"`` for an Elasticsearch 9.x cluster; a :class:`StorageError`
+        naming the version and the supported ones otherwise."""
+        number, distribution = await self.server_version()
+        major = number.split(".", 1)[0]
+        if distribution != "elasticsearch":
+            raise StorageError(f"the cluster is {distribution} {number}: wowd supports Elasticsearch {SUPPORTED}")
+        if major != SUPPORTED.split(".", 1)[0]:
+            why = (
+                "its client sends compatible-with=9, which an 8.x server refuses (media_type_header_exception)"
+                if major.isdigit() and int(major) < 9
+                else "a later major version is untested"
+            )
+            raise StorageError(f"Elasticsearch {number}: wowd supports Elasticsearch {SUPPORTED} ({why})")
+        return f"Elasticsearch {number} (supported: {SUPPORTED})"
 
     def required_privileges(self) -> tuple[list[str], list[str]]:
         """The cluster and index privileges the sink's requests need on its index (DDL mode
