@@ -21,16 +21,20 @@ aggregate id by :data:`EMPTY_ID_ROUTING`: Elasticsearch reads an empty routing a
 - A missing index: an item answered ``index_not_found_exception`` (``action.auto_create_index``
   refuses events indices) makes the write transient under ``ddl auto`` (the next write creates
   the index again) and a :class:`FormatError` otherwise. When the sink saw the index missing and
-  a bulk then succeeded, Elasticsearch created it with a dynamic mapping: the mapping is
-  checked, and a layout the sink cannot work with is a :class:`FormatError`.
+  a bulk then succeeded, or a bulk made the first document of a shard (``_seq_no`` 0: a new
+  index, made by a write where the sink did not make it), the mapping is checked; a layout the
+  sink cannot work with refuses that write and every later one (:class:`StoreRefused`, naming
+  the index) until the mapping fits. Under ``ddl auto`` the index template
+  :data:`TEMPLATE_NAME` gives an index a write creates wowd's mapping.
 - Access stamps: after a write, the last record of each aggregate whose access attributes
   differ from the stream's before it (the previous record of the write, else an LRU of the last
   record written per aggregate when it is the version just before, else the stored
   ``access_digest`` of the document of the version just before, read by a realtime ``_mget``
   with routing, else of the stream's latest document below it, by a search after a refresh)
-  stamps its attributes over the aggregate's earlier documents, after a refresh of the index.
-  The LRU is updated only once the stamps succeeded, so the retry of a failed write stamps
-  again.
+  stamps its attributes over the aggregate's earlier documents, after a refresh of the index
+  shared with the other writes waiting for one (at most one ``_refresh`` per
+  ``refresh_interval_s``), in one ``stamp_all`` with their stamps. The LRU is updated only once
+  the stamps succeeded, so the retry of a failed write stamps again.
 - ``stamp``/``stamp_all`` are ``_update_by_query`` requests guarded twice, in the query and in
   the painless script: a document is written when it has no ``access_version``, one below the
   stamp's, or the same one with other attributes (compared by ``access_digest``, a digest of the
