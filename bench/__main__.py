@@ -385,6 +385,25 @@ def section_sink(cfg: Config) -> Section:
             )
     body = f"{fmt(cfg.sink_n)} commits (version 1 of distinct aggregates), medians of {res['runs']} runs:\n\n"
     body += table(["batch", "writer", "commits/s", "MB/s", "CPU s", "wowd / this"], rows)
+    refresh_rows = [
+        [
+            "changed in every batch" if r["changes"] else "unchanged",
+            fmt(r["batch"]),
+            fmt(r["commits"]),
+            fmt(r["refreshes_per_1000"], 1),
+            fmt(r["update_by_query_per_1000"], 1),
+            fmt(r["commits"] / r["seconds"]),
+        ]
+        for r in res.get("refresh_rows", [])
+    ]
+    if refresh_rows:
+        body += (
+            "\n\nRefreshes: four writers at once into one index (later versions of their own aggregates), "
+            "requests per 1,000 commits:\n\n"
+        )
+        body += table(
+            ["access attributes", "batch", "commits", "_refresh", "_update_by_query", "commits/s"], refresh_rows
+        )
     return Section(key="sink", title=TITLES["sink"], body=body, data=res)
 
 

@@ -4,8 +4,10 @@ so that it does not share the client's CPU).
 ``python -m bench.es_endpoint PORT_FILE`` listens on 127.0.0.1 (a free port, written to
 ``PORT_FILE``). ``POST .../_bulk`` answers every ``create`` with 201 and its ``_id`` (``errors:
 false``), as Elasticsearch does, counting request bodies and their bytes; ``GET /_bench/stats``
-answers ``{requests, bytes}``; ``POST /_bench/reset`` zeroes them; ``GET <index>/_mapping``
-answers the events mapping; anything else answers ``{}``. Every answer carries
+answers ``{requests, bytes, refreshes, update_by_query}``; ``POST /_bench/reset`` zeroes them;
+``GET <index>/_mapping`` answers the events mapping; ``_refresh`` and ``_update_by_query``
+answer as Elasticsearch does (counted; an update by query changes nothing), ``_mget`` finds no
+document and ``_msearch`` no hit; anything else answers ``{}``. Every answer carries
 ``X-Elastic-Product: Elasticsearch`` (the client's product check refuses one without it).
 """
 
@@ -25,6 +27,8 @@ def _item(action: bytes) -> bytes:
 class _Stats:
     requests = 0
     bytes = 0
+    refreshes = 0
+    update_by_query = 0
 
 
 def _answer(status: str, body: bytes) -> bytes:
@@ -55,14 +59,33 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                 _Stats.bytes += len(body)
                 actions = body.split(b"\n")[0:-1:2]
                 out = b'{"errors":false,"took":0,"items":[' + b",".join(_item(a) for a in actions) + b"]}"
+            elif path.endswith("/_refresh"):
+                _Stats.refreshes += 1
+                out = b'{"_shards":{"total":1,"successful":1,"failed":0}}'
+            elif path.endswith("/_update_by_query"):
+                _Stats.update_by_query += 1
+                out = (
+                    b'{"took":1,"timed_out":false,"total":0,"updated":0,"deleted":0,"batches":0,'
+                    b'"version_conflicts":0,"noops":0,"failures":[]}'
+                )
+            elif path.endswith("/_mget"):
+                docs = json.loads(body).get("docs", [])
+                out = json.dumps(
+                    {"docs": [{"_index": "bench", "_id": d["_id"], "found": False} for d in docs]}
+                ).encode()
+            elif path.endswith("/_msearch"):
+                n = body.count(b"\n") // 2
+                hits = {"total": {"value": 0, "relation": "eq"}, "hits": []}
+                out = json.dumps({"took": 1, "responses": [{"status": 200, "hits": hits}] * n}).encode()
             elif path.endswith("/_mapping"):  # the sink's check of the index (ddl none)
                 from wowd.stores.elasticsearch.sink import events_mapping
 
                 out = json.dumps({path.strip("/").split("/")[0]: {"mappings": events_mapping()}}).encode()
             elif path == "/_bench/stats":
-                out = json.dumps({"requests": _Stats.requests, "bytes": _Stats.bytes}).encode()
+                stats = {"requests": _Stats.requests, "bytes": _Stats.bytes, "refreshes": _Stats.refreshes}
+                out = json.dumps({**stats, "update_by_query": _Stats.update_by_query}).encode()
             elif path == "/_bench/reset":
-                _Stats.requests = _Stats.bytes = 0
+                _Stats.requests = _Stats.bytes = _Stats.refreshes = _Stats.update_by_query = 0
                 out = b"{}"
             else:
                 out = b"{}"

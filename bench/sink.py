@@ -10,6 +10,11 @@ Commits are version 1 of distinct aggregates (no access stamp to write: the writ
   case: the sink builds its documents from the commits inside ``write``).
 - ``async_bulk (from commits)``: the helper over actions built from the commits as it goes (the
   same input as the sink).
+
+Refreshes: ``WRITERS`` writers at once (the feeds of several slots into one index), each writing
+batches of later versions of its own aggregates, with the access attributes the same as before
+(no stamp) or changed in every batch (a refresh before the stamps): ``_refresh`` and
+``_update_by_query`` requests per 1,000 commits, at the sink's default refresh interval.
 """
 
 from __future__ import annotations
@@ -115,6 +120,75 @@ async def _measure(url: str, variant: str, commits: Sequence[Any], batch: int) -
 
 
 VARIANTS = ("wowd sink", "async_bulk (prebuilt)", "async_bulk (from commits)")
+WRITERS = 4
+
+
+def make_versions(writer: int, aggregates: int, versions: int, changes: bool) -> list[list[Any]]:
+    """The batches of one writer: version ``v`` of each of its aggregates in batch ``v - 2``
+    (version 1 is written before the clock starts), the owner changed in every batch when
+    ``changes``."""
+    from wowd.model import AggregateRef, Commit, DomainEvent
+
+    batches = []
+    for v in range(1, versions + 1):
+        batch = []
+        for i in range(aggregates):
+            ref = AggregateRef(context=CONTEXT, aggregate=AGGREGATE, id=f"w{writer}-order-{i}")
+            owner = f"user-{v % 2}" if changes else "user-0"
+            batch.append(
+                Commit(
+                    ref=ref,
+                    version=v,
+                    command_id=uuid.uuid4().hex,
+                    request_id=uuid.uuid4().hex,
+                    create_time=1_700_000_000_000 + v,
+                    events=(DomainEvent(id=uuid.uuid4().hex, name="OrderChanged", body={"v": v}),),
+                    access={"owner_id": owner, "space_id": "", "tags": []},
+                    access_version=v if changes else 1,
+                )
+            )
+        batches.append(batch)
+    return batches
+
+
+async def _measure_refreshes(url: str, http: Any, n: int, batch: int, changes: bool) -> dict[str, Any]:
+    """Refresh and update-by-query requests per 1,000 commits of ``WRITERS`` writers at once."""
+    from elasticsearch import AsyncElasticsearch
+
+    from wowd.model import AggregateType
+    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+
+    versions = max(2, n // (WRITERS * batch) + 1)
+    plans = [make_versions(w, batch, versions, changes) for w in range(WRITERS)]
+    client = AsyncElasticsearch(url, request_timeout=60)
+    try:
+        sink = ElasticsearchEventSink(client, AggregateType(context=CONTEXT, aggregate=AGGREGATE), ddl="none")
+        for plan in plans:  # version 1 of every aggregate: the LRU knows each stream
+            await sink.write(plan[0])
+        await http.post("/_bench/reset")
+        started = time.perf_counter()
+
+        async def feed(plan: list[list[Any]]) -> None:
+            for b in plan[1:]:
+                await sink.write(b)
+
+        async with anyio.create_task_group() as tg:
+            for plan in plans:
+                tg.start_soon(feed, plan)
+        seconds = time.perf_counter() - started
+        stats = (await http.get("/_bench/stats")).json()
+        commits = WRITERS * batch * (versions - 1)
+        return {
+            "changes": changes,
+            "batch": batch,
+            "commits": commits,
+            "seconds": seconds,
+            "refreshes_per_1000": stats["refreshes"] * 1000 / commits,
+            "update_by_query_per_1000": stats["update_by_query"] * 1000 / commits,
+            "bulks_per_1000": stats["requests"] * 1000 / commits,
+        }
+    finally:
+        await client.close()
 
 
 async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
@@ -143,6 +217,11 @@ async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
                             samples.setdefault((batch, variant), []).append(
                                 (s, c, stats["bytes"] / s, stats["requests"])
                             )
+                refresh_rows = [
+                    await _measure_refreshes(url, http, n, batch, changes)
+                    for changes in (False, True)
+                    for batch in batches
+                ]
             rows = [
                 {
                     "batch": batch,
@@ -161,7 +240,7 @@ async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
             if proc.returncode is None:
                 proc.kill()
             await proc.aclose()
-    return {"n": n, "runs": runs, "rows": rows}
+    return {"n": n, "runs": runs, "rows": rows, "refresh_rows": refresh_rows}
 
 
 def run_sink(params: dict[str, Any]) -> dict[str, Any]:

@@ -73,13 +73,41 @@ class MongoSettings(_Part):
 
 class ElasticsearchSettings(_Part):
     url: str | None = None
+    cloud_id: str | None = None
+    """Elastic Cloud's deployment id, instead of ``url``."""
     api_key: SecretStr | None = None
     username: str | None = None
     password: SecretStr | None = None
     ca_certs: Path | None = None
     verify_certs: bool = True
+    client_cert: Path | None = None
+    """A TLS client certificate (PEM), for a cluster that authenticates clients by certificate."""
+    client_key: Path | None = None
+    """The client certificate's private key (PEM), when not in ``client_cert``."""
+    ssl_assert_fingerprint: str | None = None
+    """The SHA-256 fingerprint of the cluster's certificate (hex), pinned instead of a CA."""
     ddl: Literal["auto", "validate", "none"] = "auto"
     request_timeout_s: float = Field(default=30.0, gt=0)
+    refresh_interval_s: float = Field(default=1.0, gt=0)
+    """At most one ``_refresh`` per index this often, shared by the access stamps waiting for it."""
+    bulk_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    """A write is split into bulks of about this many bytes."""
+    max_request_bytes: int = Field(default=100 * 1024 * 1024, gt=0)
+    """The cluster's ``http.max_content_length`` (100 MB by default)."""
+    max_document_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    """A commit's document over this many bytes is refused (quarantined, naming the cap)."""
+    max_document_events: int = Field(default=10_000, gt=0)
+    """A commit with more events is refused: the index's ``index.mapping.nested_objects.limit``."""
+
+    @model_validator(mode="after")
+    def _sizes(self) -> ElasticsearchSettings:
+        if self.bulk_bytes > self.max_request_bytes:
+            raise ValueError("elasticsearch.bulk_bytes must be <= elasticsearch.max_request_bytes")
+        if self.max_document_bytes > self.max_request_bytes:
+            raise ValueError("elasticsearch.max_document_bytes must be <= elasticsearch.max_request_bytes")
+        if self.url and self.cloud_id:
+            raise ValueError("elasticsearch.url and elasticsearch.cloud_id: give one")
+        return self
 
 
 class LeaseSettings(_Part):
@@ -322,8 +350,11 @@ class WowdSettings(BaseSettings):
         if self.backend == "mongo":
             if self.mongodb.uri is None:
                 raise ValueError("mongodb.uri (WOWD_MONGODB__URI) is required when backend is 'mongo'")
-            if not self.elasticsearch.url:
-                raise ValueError("elasticsearch.url (WOWD_ELASTICSEARCH__URL) is required when backend is 'mongo'")
+            if not self.elasticsearch.url and not self.elasticsearch.cloud_id:
+                raise ValueError(
+                    "elasticsearch.url (WOWD_ELASTICSEARCH__URL) or elasticsearch.cloud_id is required when backend "
+                    "is 'mongo'"
+                )
         return self
 
     @classmethod

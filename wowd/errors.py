@@ -17,6 +17,7 @@ __all__ = [
     "StorageError",
     "StorageFull",
     "StorageUnavailable",
+    "StoreRefused",
     "WowdError",
 ]
 
@@ -66,6 +67,14 @@ class StorageFull(StorageUnavailable):
     full"). Transient: nothing is written, reads still answer, and the same write succeeds once
     space returns; the caller retries with backoff and reports the work stalled at once (it will
     not resolve by itself within seconds)."""
+
+
+class StoreRefused(StorageUnavailable):
+    """The store refuses every write for a reason of its own, not the record's: expired
+    credentials, a missing privilege, a write block, a closed index, a server error. Nothing is
+    set aside: the caller stalls (not ready) and retries until the store takes writes again.
+    The message names the cause (``index wow.x.events is write-blocked (index.blocks.write)``).
+    """
 
 
 class ConflictError(StorageError):

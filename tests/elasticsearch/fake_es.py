@@ -159,7 +159,9 @@ class FakeElasticsearch:
                     status, body = 413, Raw(b"")
                 else:
                     status, body = fake._answer(req)
-                content_type: str | None = CONTENT_TYPE
+                # the media type asked for: compatible-with=9 for the client's, else plain JSON
+                compat = "compatible-with" in req.headers.get("accept", "")
+                content_type: str | None = CONTENT_TYPE if compat else "application/json"
                 if isinstance(body, Raw):
                     data, content_type = body.data, body.content_type
                 else:
@@ -241,9 +243,25 @@ def error(status: int, type: str, reason: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"root_cause": [cause], **cause}, "status": status}
 
 
-def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
+ITEM_ERRORS: dict[int, dict[str, str]] = {
+    # a value the mapping cannot take (DocumentParser: DocumentParsingException, 400)
+    400: {"type": "document_parsing_exception", "reason": "[1:2] failed to parse field [version] of type [long]"},
+    # index.blocks.write: the block of IndexMetadata.INDEX_WRITE_BLOCK (id 8, not retryable:
+    # ClusterBlockException.status() 403); reference: index-settings/index-block.md
+    403: {"type": "cluster_block_exception", "reason": "index [{index}] blocked by: [FORBIDDEN/8/index write (api)];"},
+    # action.auto_create_index refusing the index (TransportBulkAction: IndexNotFoundException, 404)
+    404: {"type": "index_not_found_exception", "reason": "no such index [{index}]"},
+    # a primary that is not assigned (ReplicationOperation: UnavailableShardsException, 503)
+    503: {"type": "unavailable_shards_exception", "reason": "[{index}][0] primary shard is not active"},
+}
+"""The error of a failed bulk item per status, as ES 9 gives it (each from the source file named)."""
+
+
+def bulk_answer(*statuses: int, first_seq_no: int = 100) -> Callable[[Recorded], dict[str, Any]]:
     """A ``_bulk`` answer: one ``create`` item per action line of the request, with the given
-    statuses in order (201 created, 409 exists, 429 rejected, 400 mapping error, ...)."""
+    statuses in order (201 created, 409 exists, 429 rejected, 400 mapping error, ...). The items
+    created are numbered from ``first_seq_no`` (an index holding documents already; 0 is a new
+    shard's first document)."""
 
     def answer(req: Recorded) -> dict[str, Any]:
         index = req.path.strip("/").split("/")[0]
@@ -258,7 +276,7 @@ def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
                     _version=1,
                     result="created",
                     _shards={"total": 2, "successful": 1, "failed": 0},
-                    _seq_no=n,
+                    _seq_no=first_seq_no + n,
                     _primary_term=1,
                 )
             elif status == 409:
@@ -274,13 +292,10 @@ def bulk_answer(*statuses: int) -> Callable[[Recorded], dict[str, Any]]:
                     "type": "es_rejected_execution_exception",
                     "reason": "rejected execution of coordinating operation",
                 }
-            elif status == 400:
-                item["error"] = {
-                    "type": "document_parsing_exception",
-                    "reason": "[1:2] failed to parse field [version] of type [long] in document",
-                }
+            elif status in ITEM_ERRORS:
+                item["error"] = {k: v.format(index=index) for k, v in ITEM_ERRORS[status].items()}
             else:
-                item["error"] = {"type": "unavailable_shards_exception", "reason": "primary shard is not active"}
+                raise AssertionError(f"fake: no item error is scripted for status {status}")
             items.append({"create": item})
         errors = any(s >= 300 for s in statuses)
         return {"errors": errors, "took": 3, "items": items}
@@ -685,8 +700,33 @@ def _values(source: Mapping[str, Any], path: str) -> list[Any]:
     return [v for v in current if v is not None]
 
 
-def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
-    """Whether a document matches a query (the query DSL the sink sends)."""
+def field_type(mapping: Mapping[str, Any] | None, path: str) -> str | None:
+    """The mapped type of a (dotted) field, None when unmapped or no mapping is given."""
+    spec: Any = mapping
+    for part in path.split("."):
+        if not isinstance(spec, Mapping):
+            return None
+        spec = (spec.get("properties") or {}).get(part)
+    return spec.get("type", "object") if isinstance(spec, Mapping) else None
+
+
+def analyzed(value: Any) -> list[str]:
+    """The terms the ``standard`` analyzer indexes for a ``text`` value: lowercased words, split
+    at what is not a letter or digit (Unicode word boundaries, UAX #29; reference:
+    analysis-standard-analyzer.md). A ``term`` query is not analyzed and matches only one of
+    these (reference: query-dsl-term-query.md, "avoid using the term query for text fields")."""
+    return re.findall(r"\w+", str(value).lower())
+
+
+def _term_eq(v: Any, value: Any, kind: str | None) -> bool:
+    if kind == "text":
+        return isinstance(value, str) and value in analyzed(v)
+    return v == value and type(v) is type(value) or _num_eq(v, value)
+
+
+def matches(query: Mapping[str, Any], source: Mapping[str, Any], mapping: Mapping[str, Any] | None = None) -> bool:
+    """Whether a document matches a query (the query DSL the sink sends), under the index's
+    mapping (a ``text`` field is matched on its analyzed terms)."""
     ((kind, spec),) = query.items()
     if kind == "match_all":
         return True
@@ -699,19 +739,20 @@ def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
             v = spec.get(k, [])
             return v if isinstance(v, list) else [v]
 
-        if not all(matches(q, source) for q in clauses("filter") + clauses("must")):
+        if not all(matches(q, source, mapping) for q in clauses("filter") + clauses("must")):
             return False
-        if any(matches(q, source) for q in clauses("must_not")):
+        if any(matches(q, source, mapping) for q in clauses("must_not")):
             return False
         should = clauses("should")
         default = 0 if clauses("filter") or clauses("must") else 1
         minimum = int(spec.get("minimum_should_match", default if should else 0))
-        return sum(matches(q, source) for q in should) >= minimum
+        return sum(matches(q, source, mapping) for q in should) >= minimum
     if kind == "term":
         ((name, value),) = spec.items()
         if isinstance(value, Mapping):
             value = value["value"]
-        return any(v == value and type(v) is type(value) or _num_eq(v, value) for v in _values(source, name))
+        kind_of = field_type(mapping, name)
+        return any(_term_eq(v, value, kind_of) for v in _values(source, name))
     if kind == "range":
         ((name, bounds),) = spec.items()
         ops: dict[str, Callable[[Any, Any], bool]] = {
@@ -727,7 +768,8 @@ def matches(query: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
         )
     if kind == "terms":
         ((name, wanted),) = spec.items()
-        return any(v == w and type(v) is type(w) or _num_eq(v, w) for v in _values(source, name) for w in wanted)
+        kind_of = field_type(mapping, name)
+        return any(_term_eq(v, w, kind_of) for v in _values(source, name) for w in wanted)
     if kind == "exists":
         return bool(_values(source, spec["field"]))
     raise _ApiFailure(400, "parsing_exception", f"unknown query [{kind}]")
@@ -797,6 +839,18 @@ class _Index:
     mapping: dict[str, Any]
     live: dict[str, _Doc] = field(default_factory=dict)
     visible: dict[str, _Doc] = field(default_factory=dict)
+    write_block: bool = False
+    """``index.blocks.write`` (reference: index-settings/index-block.md)."""
+    closed: bool = False
+    """Closed by the close index API (reference: rest-apis/close-index; ``IndexClosedException``)."""
+
+    seq: int = -1
+    """The shard's last sequence number: one shard, its first operation numbered 0 (reference:
+    docs-replication, "sequence numbers"; ``LocalCheckpointTracker``, ``NO_OPS_PERFORMED`` -1)."""
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
 
     def refresh(self) -> None:
         self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no) for k, d in self.live.items()}
@@ -822,7 +876,32 @@ _PARAMS = {
     "refresh": set(),
     "create": {"timeout", "master_timeout", "wait_for_active_shards"},
     "mapping": {"master_timeout", "local"},
+    "put_template": {"create", "master_timeout", "cause"},
     "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
+}
+_INDEX_IMPLIES: dict[str, set[str]] = {
+    # what an index privilege covers besides itself (reference: security-privileges.md)
+    "all": {
+        "create_doc",
+        "create",
+        "index",
+        "write",
+        "read",
+        "maintenance",
+        "manage",
+        "view_index_metadata",
+        "create_index",
+        "monitor",
+        "delete",
+    },
+    "manage": {"maintenance", "view_index_metadata", "create_index", "monitor"},
+    "write": {"create_doc", "create", "index", "delete"},
+    "index": {"create_doc", "create"},
+    "create": {"create_doc"},
+}
+_CLUSTER_IMPLIES: dict[str, set[str]] = {
+    "all": {"monitor", "manage", "manage_index_templates"},
+    "manage": {"monitor", "manage_index_templates"},
 }
 _COMMON_PARAMS = {"filter_path", "error_trace", "human", "pretty"}
 _SEARCH_BODY = {"query", "sort", "size", "from", "search_after", "_source", "track_total_hits"}
@@ -834,7 +913,8 @@ class EsModel:
     """One Elasticsearch 9 node, one shard per index, for the APIs the sink uses."""
 
     indices: dict[str, _Index] = field(default_factory=dict)
-    seq: int = 0
+    templates: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Composable index templates by name (``PUT _index_template/<name>``)."""
     before_update: Callable[[EsModel, str, str], None] | None = None
     """Called with (model, index, id) as update_by_query is about to write a document: a test
     changes the document meanwhile (a concurrent stamp) to make a version conflict."""
@@ -844,9 +924,87 @@ class EsModel:
     """``action.auto_create_index``: a bulk into a missing index creates it with a dynamic
     mapping (ES's default), else its items fail with 404 ``index_not_found_exception``."""
 
+    api_key_expired: bool = False
+    """Every request is refused 401, as ES 9 refuses an expired API key (``ApiKeyService``: the
+    authentication fails, ``AuthenticatorChain`` answers ``security_exception`` 401)."""
+    index_privileges: set[str] | None = None
+    """The index privileges of the caller on every index (None: a superuser). Each API checks
+    the privileges that grant its action (reference: security-privileges.md, ``IndexPrivilege``)."""
+    cluster_privileges: set[str] | None = None
+    """The caller's cluster privileges (None: a superuser; ``ClusterPrivilegeResolver``)."""
+    user: str = "wowd"
+    heap_bytes: int = 1024 * 1024 * 1024
+    """The node's heap: ``indexing_pressure.memory.limit`` is 10 % of it (reference:
+    index-settings/pressure.md); a bulk over the limit is refused 429 (``IndexingPressure``)."""
+    nested_objects_limit: int = 10_000
+    """``index.mapping.nested_objects.limit`` (reference: index-settings/mapping-limit.md)."""
+
+    version: str = "9.1.0"
+    """The node's version (``GET /``); its major decides which compatible versions it accepts."""
+
+    def _compatible(self, req: Recorded) -> None:
+        """A ``compatible-with=N`` Accept or Content-Type must name this major or the one before
+        (``RestCompatibleVersionHelper``: else 400 ``media_type_header_exception``, before any
+        handler or authentication)."""
+        major = int(self.version.split(".")[0])
+        for header in ("accept", "content-type"):
+            m = re.search(r"compatible-with=(\d+)", req.headers.get(header, ""))
+            if m is not None and int(m.group(1)) not in (major, major - 1):
+                cause = {
+                    "type": "status_exception",
+                    "reason": f"{header.title()} version must be either version {major} or {major - 1}, but found "
+                    f"{m.group(1)}. {header.title()}={req.headers[header]}",
+                }
+                raise _ApiFailure(
+                    400,
+                    "media_type_header_exception",
+                    "Invalid media-type value on headers [Accept, Content-Type]",
+                    caused_by=cause,
+                )
+
+    def _info(self, req: Recorded) -> tuple[int, Any]:
+        """``GET /`` (reference: rest-apis/info; cluster privilege ``monitor``)."""
+        self.requests.append("info")
+        self._authorize_cluster("cluster:monitor/main", "monitor", "manage", "all")
+        return 200, {
+            "name": "fake",
+            "cluster_name": "fake",
+            "cluster_uuid": "aBcD1234",
+            "version": {
+                "number": self.version,
+                "build_flavor": "default",
+                "build_type": "docker",
+                "lucene_version": "10.2.2",
+                "minimum_wire_compatibility_version": "8.19.0",
+                "minimum_index_compatibility_version": "8.0.0",
+            },
+            "tagline": "You Know, for Search",
+        }
+
     def answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
         try:
+            self._compatible(req)
+        except _ApiFailure as exc:
+            return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
+        if self.api_key_expired:
+            reason = (
+                "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
+            )
+            body = error(
+                401,
+                "security_exception",
+                reason,
+                additional_unsuccessful_credentials="API key: api key [k1] has expired",
+            )
+            return 401, body
+        try:
+            if not parts and req.method in ("GET", "HEAD"):
+                return self._info(req)
+            if parts == ["_security", "user", "_has_privileges"] and req.method in ("GET", "POST"):
+                return self._has_privileges(req)
+            if parts[:1] == ["_index_template"] and len(parts) == 2 and req.method in ("PUT", "POST"):
+                return self._put_template(parts[1], req)
             if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
                 return self._health(parts[2], req)
             if len(parts) == 1 and req.method == "PUT":
@@ -871,6 +1029,84 @@ class EsModel:
             raise _ApiFailure(400, "illegal_argument_exception", f"no handler for [{req.method} {req.path}]")
         except _ApiFailure as exc:
             return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
+
+    # ---- blocks, closed indices, privileges
+
+    def block_writes(self, name: str, on: bool = True) -> None:
+        """``PUT <index>/_settings {"index.blocks.write": on}``."""
+        self.indices[name].write_block = on
+
+    def close(self, name: str) -> None:
+        self.indices[name].closed = True
+
+    def open(self, name: str) -> None:
+        self.indices[name].closed = False
+
+    security_enabled: bool = True
+    """``xpack.security.enabled``: off, a security API answers 500 (``SecurityActionFilter``)."""
+
+    def _has_privileges(self, req: Recorded) -> tuple[int, Any]:
+        """``_security/user/_has_privileges`` (reference: rest-apis/security-api-has-privileges):
+        whether the caller holds each privilege asked, a privilege held through one that implies
+        it (``all`` every one, ``manage`` the index administration ones, ``write`` ``index`` and
+        ``create_doc``; reference: security-privileges.md)."""
+        self.requests.append("has_privileges")
+        if not self.security_enabled:
+            reason = (
+                "Security must be explicitly enabled when using a [basic] license. Enable security by setting "
+                "[xpack.security.enabled] to [true] in the elasticsearch.yml file and restart the node."
+            )
+            return 500, error(500, "exception", reason)
+        body = req.json() if req.body else {}
+        if set(body) - {"cluster", "index", "application"}:
+            raise _ApiFailure(400, "parsing_exception", f"unknown keys {sorted(body)}")
+
+        def holds(held: set[str] | None, wanted: str, implied: Mapping[str, set[str]]) -> bool:
+            return held is None or any(h == wanted or wanted in implied.get(h, set()) for h in held)
+
+        cluster = {p: holds(self.cluster_privileges, p, _CLUSTER_IMPLIES) for p in body.get("cluster", [])}
+        index: dict[str, dict[str, bool]] = {}
+        for spec in body.get("index", []):
+            for name in spec["names"]:
+                index[name] = {p: holds(self.index_privileges, p, _INDEX_IMPLIES) for p in spec["privileges"]}
+        every = all(cluster.values()) and all(v for held in index.values() for v in held.values())
+        return 200, {
+            "username": self.user,
+            "has_all_requested": every,
+            "cluster": cluster,
+            "index": index,
+            "application": {},
+        }
+
+    def _authorize(self, action: str, name: str, *granted_by: str) -> None:
+        """403 unless the caller holds one of the index privileges ``granted_by`` (the message of
+        ``AuthorizationService``'s denial)."""
+        if self.index_privileges is None or self.index_privileges & set(granted_by):
+            return
+        raise _ApiFailure(403, "security_exception", self._denied(action, name, granted_by))
+
+    def _authorize_cluster(self, action: str, *granted_by: str) -> None:
+        if self.cluster_privileges is None or self.cluster_privileges & set(granted_by):
+            return
+        reason = (
+            f"action [{action}] is unauthorized for user [{self.user}] with effective roles [{self.user}], "
+            f"this action is granted by the cluster privileges [{','.join(granted_by)}]"
+        )
+        raise _ApiFailure(403, "security_exception", reason)
+
+    def _denied(self, action: str, name: str, granted_by: tuple[str, ...]) -> str:
+        return (
+            f"action [{action}] is unauthorized for user [{self.user}] with effective roles [{self.user}] on indices "
+            f"[{name}], this action is granted by the index privileges [{','.join(granted_by)}]"
+        )
+
+    def _open_index(self, name: str) -> _Index:
+        """The index, which must be open: a closed one fails the request with 400
+        ``index_closed_exception`` (``MetadataIndexStateService``/``IndexClosedException``)."""
+        index = self._index(name)
+        if index.closed:
+            raise _ApiFailure(400, "index_closed_exception", "closed", index=name, index_uuid="aBcD1234")
+        return index
 
     # ---- helpers
 
@@ -959,11 +1195,25 @@ class EsModel:
                 raise _ApiFailure(400, "document_parsing_exception", f"failed to parse field [{path}] of type [{kind}]")
 
         obj(doc, mapping.setdefault("properties", {}), str(mapping.get("dynamic", "true")).lower(), "")
+        nested = sum(
+            len(v) if isinstance(v, list) else 1
+            for k, v in doc.items()
+            if field_type(mapping, k) == "nested" and v is not None
+        )
+        if nested > self.nested_objects_limit:
+            # DocumentParserContext.addDoc (DocumentParsingException, 400)
+            raise _ApiFailure(
+                400,
+                "document_parsing_exception",
+                f"[1:2] The number of nested documents has exceeded the allowed limit of [{self.nested_objects_limit}]."
+                " This limit can be set by changing the [index.mapping.nested_objects.limit] index level setting.",
+            )
 
     # ---- APIs
 
     def _health(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("health", name, req)
+        self._authorize_cluster("cluster:monitor/health", "monitor", "manage", "all")
         if name not in self.indices:
             body = health(name, "red", timed_out=True)
             return (408 if "wait_for_status" in req.params else 200), body
@@ -971,28 +1221,93 @@ class EsModel:
 
     def _create(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("create", name, req)
+        self._authorize("indices:admin/create", name, "create_index", "manage", "all")
         body = req.json() if req.body else {}
         if set(body) - {"mappings", "settings", "aliases"}:
             raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
         if name in self.indices:
             raise _ApiFailure(400, "resource_already_exists_exception", f"index [{name}/xyz] already exists")
-        mapping = body.get("mappings", {})
+        mapping = self._template_mapping(name)
+        asked = body.get("mappings", {})
+        mapping = {**mapping, **asked, "properties": {**mapping.get("properties", {}), **asked.get("properties", {})}}
         if str(mapping.get("dynamic", "true")).lower() not in ("true", "false", "strict", "runtime"):
             raise _ApiFailure(400, "mapper_parsing_exception", "bad dynamic")
         self.indices[name] = _Index(mapping=mapping)
         return 200, created(name)
 
+    def _template_mapping(self, name: str) -> dict[str, Any]:
+        """The mappings of the index template with the highest priority whose patterns match the
+        name, which a new index gets, made by the create index API (the request's mappings over
+        them) or by a write (reference: index-templates.md, "the index template with the highest
+        priority is used"; ``MetadataIndexTemplateService.findV2Template``)."""
+        found = [
+            t for t in self.templates.values() if any(fnmatch.fnmatchcase(name, p) for p in t.get("index_patterns", []))
+        ]
+        if not found:
+            return {}
+        best = max(found, key=lambda t: int(t.get("priority", 0)))
+        return copy.deepcopy(best.get("template", {}).get("mappings", {}))
+
+    def _put_template(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """``PUT _index_template/<name>`` (reference: rest-apis/put-index-template): replaces a
+        template of that name; another template matching the same names at the same priority is
+        refused (``MetadataIndexTemplateService.validateV2TemplateRequest``, 400)."""
+        self._log("put_template", name, req)
+        self._authorize_cluster("indices:admin/index_template/put", "manage_index_templates", "manage", "all")
+        body = req.json() if req.body else {}
+        allowed = {
+            "index_patterns",
+            "template",
+            "priority",
+            "composed_of",
+            "version",
+            "_meta",
+            "data_stream",
+            "allow_auto_create",
+            "ignore_missing_component_templates",
+            "deprecated",
+        }
+        if set(body) - allowed:
+            raise _ApiFailure(400, "x_content_parse_exception", f"unknown field(s) {sorted(set(body) - allowed)}")
+        if set(body.get("template", {})) - {"mappings", "settings", "aliases", "lifecycle"}:
+            raise _ApiFailure(400, "x_content_parse_exception", "unknown field in [template]")
+        patterns = body.get("index_patterns") or []
+        for other_name, other in self.templates.items():
+            if other_name == name or int(other.get("priority", 0)) != int(body.get("priority", 0)):
+                continue
+            theirs = other.get("index_patterns", [])
+            if any(fnmatch.fnmatchcase(a, b) or fnmatch.fnmatchcase(b, a) for a in patterns for b in theirs):
+                reason = (
+                    f"index template [{name}] has index patterns {patterns} matching patterns from existing "
+                    f"templates [{other_name}] with patterns ({other_name} => {theirs}) that have the same priority "
+                    f"[{body.get('priority', 0)}]"
+                )
+                raise _ApiFailure(400, "illegal_argument_exception", reason)
+        self.templates[name] = copy.deepcopy(body)
+        return 200, {"acknowledged": True}
+
     def _get_mapping(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("mapping", name, req)
+        self._authorize("indices:admin/mappings/get", name, "view_index_metadata", "manage", "all")
         return 200, {name: {"mappings": stored_mapping(self._index(name).mapping)}}
 
     def _refresh(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("refresh", name, req)
-        self._index(name).refresh()
+        self._authorize("indices:admin/refresh", name, "maintenance", "manage", "all")
+        self._open_index(name).refresh()
         return 200, refreshed()
 
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("bulk", name, req)
+        limit = self.heap_bytes // 10
+        if len(req.body) > limit:
+            # IndexingPressure.markCoordinatingOperationStarted: the whole request is refused
+            reason = (
+                f"rejected execution of coordinating operation [coordinating_and_primary_bytes=0, replica_bytes=0, "
+                f"all_bytes=0, coordinating_operation_bytes={len(req.body)}, "
+                f"max_coordinating_and_primary_bytes={limit}]"
+            )
+            raise _ApiFailure(429, "es_rejected_execution_exception", reason)
         lines = req.ndjson()
         pairs = list(zip(lines[0::2], lines[1::2], strict=True))
         # the whole request is validated before any item runs (BulkRequest.validate)
@@ -1023,7 +1338,8 @@ class EsModel:
                 ]
                 return 200, {"errors": True, "took": 1, "items": items}
             self.requests.append(f"auto_create {name}")
-            self.indices[name] = _Index(mapping={})  # dynamic mapping: ES's defaults
+            # the matching index template's mapping, else a dynamic one (ES's defaults)
+            self.indices[name] = _Index(mapping=self._template_mapping(name))
         index = self.indices[name]
         items = []
         for action_line, doc in pairs:
@@ -1031,6 +1347,19 @@ class EsModel:
             _id = meta.get("_id")
             item: dict[str, Any] = {"_index": name, "_id": _id}
             try:
+                # per item, in the order ES checks them: the privilege (AuthorizationService
+                # authorizes each item of a bulk), a closed index (BulkOperation), a block
+                # (TransportReplicationAction, the bulk shard request)
+                granted = ("create_doc", "create", "index", "write", "all")
+                if self.index_privileges is not None and not self.index_privileges & set(granted):
+                    raise _ApiFailure(
+                        403, "security_exception", self._denied("indices:data/write/bulk[s]", name, granted)
+                    )
+                if index.closed:
+                    raise _ApiFailure(400, "index_closed_exception", "closed")
+                if index.write_block:
+                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
+                    raise _ApiFailure(403, "cluster_block_exception", reason)
                 routing = meta.get("routing") or None  # an empty routing is none
                 if index.mapping.get("_routing", {}).get("required") and routing is None:
                     raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{name}]/[{_id}]")
@@ -1041,9 +1370,9 @@ class EsModel:
                         "version_conflict_engine_exception",
                         f"[{_id}]: version conflict, document already exists (current version [1])",
                     )
-                self.seq += 1
-                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, self.seq)
-                item.update(status=201, result="created", _version=1, _seq_no=self.seq, _primary_term=1)
+                seq_no = index.next_seq()
+                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, seq_no)
+                item.update(status=201, result="created", _version=1, _seq_no=seq_no, _primary_term=1)
             except _ApiFailure as exc:
                 item.update(status=exc.status, error={"type": exc.type, "reason": exc.reason})
             items.append({"create": item})
@@ -1054,6 +1383,7 @@ class EsModel:
     def _mget(self, name: str, req: Recorded) -> tuple[int, Any]:
         """Realtime by default: a document is read as written, refreshed or not."""
         self._log("mget", name, req)
+        self._authorize("indices:data/read/mget", name, "read", "all")
         body = req.json() if req.body else {}
         if set(body) - {"docs", "ids"}:
             raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(body)} for mget")
@@ -1068,6 +1398,11 @@ class EsModel:
                 docs.append({"_index": target, "_id": _id, "error": err})
                 continue
             index = self.indices[target]
+            if index.closed:
+                docs.append(
+                    {"_index": target, "_id": _id, "error": {"type": "index_closed_exception", "reason": "closed"}}
+                )
+                continue
             if index.mapping.get("_routing", {}).get("required") and not spec.get("routing"):
                 err = {"type": "routing_missing_exception", "reason": f"routing is required for [{target}]/[{_id}]"}
                 docs.append({"_index": target, "_id": _id, "error": err})
@@ -1107,13 +1442,14 @@ class EsModel:
         return [
             (k, d)
             for k, d in index.visible.items()
-            if (routes is None or d.routing in routes) and matches(query, d.source)
+            if (routes is None or d.routing in routes) and matches(query, d.source, index.mapping)
         ]
 
     def _search(self, name: str, body: Mapping[str, Any], routing: str | None) -> dict[str, Any]:
         if set(body) - _SEARCH_BODY:
             raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(set(body) - _SEARCH_BODY)}")
-        index = self._index(name)
+        self._authorize("indices:data/read/search", name, "read", "all")
+        index = self._open_index(name)
         found = self._select(index, body.get("query", {"match_all": {}}), routing)
         sort = body.get("sort", [])
         keys: list[tuple[str, bool]] = []
@@ -1172,7 +1508,9 @@ class EsModel:
         conflicts = body.get("conflicts", req.params.get("conflicts", "abort"))
         if conflicts not in ("abort", "proceed"):
             raise _ApiFailure(400, "illegal_argument_exception", f"conflicts may only be abort or proceed: {conflicts}")
-        index = self._index(name)
+        self._authorize("indices:data/read/search", name, "read", "all")
+        self._authorize("indices:data/write/update/byquery", name, "index", "write", "all")
+        index = self._open_index(name)
         script = body.get("script") or {}
         if script.get("lang", "painless") != "painless" or not isinstance(script.get("source"), str):
             raise _ApiFailure(400, "illegal_argument_exception", "fake: a painless source script is expected")
@@ -1207,12 +1545,14 @@ class EsModel:
                     break
                 continue
             try:
+                if index.write_block:  # the bulk of the updates meets the block (see _bulk)
+                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
+                    raise _ApiFailure(403, "cluster_block_exception", reason)
                 self._check_doc(index, ctx["_source"])
             except _ApiFailure as exc:
                 answer["failures"].append(bulk_failure(name, _id, exc.status, exc.type, exc.reason))
                 continue
-            self.seq += 1
-            index.live[_id] = _Doc(ctx["_source"], live.routing, self.seq)
+            index.live[_id] = _Doc(ctx["_source"], live.routing, index.next_seq())
             answer["updated"] += 1
         if self._flag(req, "refresh"):
             index.refresh()
@@ -1231,8 +1571,7 @@ class EsModel:
             access_version=as_of,
             access_digest=digest,
         )
-        self.seq += 1
-        self.indices[index].live[_id] = _Doc(source, live.routing, self.seq)
+        self.indices[index].live[_id] = _Doc(source, live.routing, self.indices[index].next_seq())
 
 
 @contextmanager

@@ -13,10 +13,10 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Raw, serving
-from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent, stream_id
 from wowd.stores.base import Ddl
-from wowd.stores.elasticsearch.sink import MAX_ROUTING_CHARS, STAMP_PAGE, ElasticsearchEventSink
+from wowd.stores.elasticsearch.sink import MAX_ROUTING_CHARS, REFRESH_INTERVAL_S, STAMP_PAGE, ElasticsearchEventSink
 
 pytestmark = pytest.mark.anyio
 
@@ -146,8 +146,13 @@ async def test_a_body_over_the_servers_limit_is_refused_not_retried(
     await sink.prepare()
     fake.take()
     fake.max_content_length = 1_000  # a cluster configured below the sink's cap
-    with pytest.raises(SinkWriteError, match=r"\[413\]"):
+    # a bulk of several records: the cluster's limit is the problem, not a record (a stall)
+    with pytest.raises(StoreRefused, match=r"\(413\).*http.max_content_length"):
         await sink.write([commit(f"o{i}", 1) for i in range(10)])
+    assert len(fake.take()) == 1
+    # one record over it: that record is set aside
+    with pytest.raises(SinkWriteError, match=r"\[413\]"):
+        await sink.write([commit("big", 1, body={"x": "y" * 2_000})])
     assert len(fake.take()) == 1
 
 
@@ -189,9 +194,15 @@ async def test_ddl_none_detects_an_index_a_write_created_with_a_dynamic_mapping(
     client: AsyncElasticsearch, model: EsModel
 ) -> None:
     sink = sink_of(client, ddl=Ddl.NONE)
-    with pytest.raises(FormatError, match=r"dynamic mapping.*tenant_id is text, expected keyword"):
+    with pytest.raises(
+        StoreRefused, match=r"wow.ctx.order.events .*dynamic mapping.*tenant_id is text, expected keyword"
+    ):
         await sink.write([commit("a", 1)])
     assert [r.split()[0] for r in model.requests] == ["mapping", "bulk", "auto_create", "mapping"]
+    # every later write stalls too, sending nothing until the mapping is wowd's
+    with pytest.raises(StoreRefused, match="writes stall until the index has wowd's mapping"):
+        await sink.write([commit("a", 2)])
+    assert [r.split()[0] for r in model.requests][4:] == ["mapping"]
 
 
 async def test_an_index_deleted_at_run_time_is_created_again_under_ddl_auto(
@@ -210,6 +221,55 @@ async def test_an_index_deleted_at_run_time_is_created_again_under_ddl_auto(
     del model.indices[INDEX]
     with pytest.raises(FormatError, match="does not exist"):
         await other.write([commit("a", 3)])
+
+
+async def test_an_index_deleted_at_run_time_comes_back_with_wowds_mapping_from_the_template(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    # action.auto_create_index at its default: a write into a missing index creates it
+    sink = sink_of(client)
+    await sink.write([commit("a", 1), commit("a", 2)])
+    del model.indices[INDEX]
+    await sink.write([commit("a", 3, B, 3)])
+    mapping = model.indices[INDEX].mapping
+    assert mapping["dynamic"] == "strict" and mapping["_routing"] == {"required": True}
+    assert mapping["properties"]["tenant_id"]["type"] == "keyword"
+    assert mapping["properties"]["events"]["type"] == "nested"
+    model.indices[INDEX].refresh()
+    assert await versions(sink, "a") == [3]
+
+
+async def test_a_dynamic_mapping_made_at_run_time_stalls_every_write_until_the_index_is_wowds(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    await sink_of(client).prepare()
+    model.templates.clear()  # no template (removed, or wowd runs with ddl validate only)
+    sink = sink_of(client, ddl=Ddl.VALIDATE)
+    await sink.write([commit("a", 1)])
+    del model.indices[INDEX]  # deleted while wowd runs: the next write makes it dynamic
+    with pytest.raises(StoreRefused, match=r"index wow.ctx.order.events .*tenant_id is text, expected keyword"):
+        await sink.write([commit("a", 2)])
+    with pytest.raises(StoreRefused, match=r"wow.ctx.order.events .*events is object, expected nested"):
+        await sink.write([commit("a", 3)])
+    # the operator deletes the wrong index and wowd makes it again: writes go on
+    del model.indices[INDEX]
+    await sink_of(client).prepare()
+    await sink.write([commit("a", 2), commit("a", 3)])
+    model.indices[INDEX].refresh()
+    assert await versions(sink, "a") == [2, 3]
+
+
+async def test_the_fake_matches_a_term_on_a_text_field_against_its_analyzed_terms(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    doc = {"tenant_id": "(0)", "aggregate_id": "order-1"}
+    await client.bulk(index="plain", operations=[{"create": {"_id": "1"}}, doc], refresh=True)
+    mapping = model.indices["plain"].mapping["properties"]
+    assert mapping["tenant_id"]["type"] == "text"
+    found = await client.search(index="plain", query={"term": {"tenant_id": "(0)"}})
+    assert found["hits"]["total"]["value"] == 0
+    found = await client.search(index="plain", query={"term": {"aggregate_id": "order"}})
+    assert found["hits"]["total"]["value"] == 1
 
 
 # --------------------------------------------------------------------------- immense terms
@@ -284,7 +344,9 @@ async def test_each_bulk_item_must_be_the_create_of_its_id(client: AsyncElastics
     with pytest.raises(StorageError, match="answered with"):
         await sink.write([commit("a", 1)])
     (_, first, second) = fake.take()
-    assert first.params["filter_path"] == "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
+    assert first.params["filter_path"] == (
+        "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason"
+    )
 
 
 async def test_stamp_rounds_are_refreshed_between(
@@ -321,3 +383,81 @@ async def test_an_update_by_query_has_its_own_client_timeout_and_is_not_retried(
     finally:
         release.set()
         await es.close()
+
+
+# --------------------------------------------------------------------------- shared refreshes
+
+
+async def test_writes_waiting_for_a_refresh_share_it_and_send_their_stamps_in_one_request(
+    client: AsyncElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.write([commit(f"o{i}", 1) for i in range(10)])
+    model.requests.clear()
+    # ten writes at once, each changing an aggregate's attributes (the feed of several slots)
+    started = anyio.current_time()
+    async with anyio.create_task_group() as tg:
+        for i in range(10):
+            tg.start_soon(sink.write, [commit(f"o{i}", 2, B, 2)])
+    intervals = int((anyio.current_time() - started) // REFRESH_INTERVAL_S)
+    ops = [r.split()[0] for r in model.requests]
+    assert ops.count("bulk") == 10
+    # one refresh for the writes done when it starts, then at most one an interval: not ten
+    assert ops.count("refresh") <= 2 + intervals < 10, (ops, intervals)
+    assert sink.refreshes == ops.count("refresh")
+    assert ops.count("update_by_query") == ops.count("refresh")  # the stamps waiting for one, together
+    model.indices[INDEX].refresh()
+    for i in range(10):
+        assert [d["owner_id"] for d in await sink.documents(ref(f"o{i}"))] == ["u2", "u2"]
+
+
+async def test_a_refresh_is_sent_at_most_once_per_interval(client: AsyncElasticsearch, model: EsModel) -> None:
+    sink = sink_of(client, refresh_interval_s=0.5)
+    await sink.write([commit("a", 1)])
+    started = anyio.current_time()
+    for v in range(2, 5):  # three writes in a row, each changing the attributes
+        await sink.write([commit("a", v, A if v % 2 else B, v)])
+    assert sink.refreshes == 3
+    assert anyio.current_time() - started >= 2 * 0.5  # the second and third waited for their slot
+
+
+# --------------------------------------------------------------------------- large commits
+
+
+async def test_a_commit_over_the_event_cap_is_refused_naming_the_cap_before_anything_is_sent(
+    client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.prepare()
+    fake.take()
+    events = tuple(DomainEvent(id=f"e{i}", name="ItemAdded", body={"i": i}) for i in range(10_001))
+    many = Commit(ref=ref("many"), version=1, command_id="c", request_id="r", create_time=1, events=events)
+    with pytest.raises(
+        InvalidInput, match=r"events: 10001 events, over the cap of 10000 .*nested_objects.limit"
+    ) as info:
+        await sink.write([commit("a", 1), many])
+    assert info.value.field == "events" and info.value.ref == many.ref
+    assert fake.take() == []
+    # a cap set above the index's limit: the cluster refuses the record itself (set aside)
+    wide = sink_of(client, max_document_events=20_000)
+    with pytest.raises(SinkWriteError, match=r"nested documents has exceeded the allowed limit of \[10000\]"):
+        await wide.write([many])
+
+
+async def test_a_document_over_the_byte_cap_is_refused_naming_the_cap_before_anything_is_sent(
+    client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
+) -> None:
+    sink = sink_of(client)
+    await sink.prepare()
+    fake.take()
+    big = commit("big", 1, body={"x": "y" * (11 * 1024 * 1024)})
+    with pytest.raises(
+        InvalidInput, match=r"over the cap of 10485760 bytes a document \(elasticsearch.max_document_bytes"
+    ):
+        await sink.write([commit("a", 1), big])
+    assert fake.take() == []
+    # what the cap keeps away: indexing pressure refuses a bulk over 10 % of the heap, 429 each time
+    # (a small heap: the client warns of a body over 1 MB sent as bytes)
+    model.heap_bytes = 8 * 1024 * 1024
+    with pytest.raises(StorageUnavailable, match=r"\[429\] es_rejected_execution_exception.*coordinating"):
+        await sink.write([commit("mid", 1, body={"x": "y" * 900_000})])

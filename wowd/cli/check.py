@@ -16,8 +16,8 @@ from wowd.cli.backend import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, WowdError
-from wowd.model import AggregateRef
+from wowd.errors import ConfigError, StorageError, WowdError
+from wowd.model import AggregateRef, AggregateType
 from wowd.stores.base import Backend
 
 __all__ = ["check", "register"]
@@ -149,8 +149,8 @@ async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
         for name, probe in await _probes(settings, backend):
             try:
                 with anyio.fail_after(PROBE_TIMEOUT_S):
-                    await probe()
-                out(f"ok   {name}")
+                    said = await probe()
+                out(f"ok   {name}" + (f": {said}" if isinstance(said, str) else ""))
             except (WowdError, TimeoutError) as exc:
                 err(redact(f"FAIL {name}: {type(exc).__name__}: {exc}", secrets))
                 failures += 1
@@ -168,8 +168,24 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         types = await backend.log.aggregate_types()
     except WowdError:
         types = []
+    if settings.backend == "mongo":  # the Elasticsearch sink: the cluster's version, types or not
+        any_type = types[0] if types else AggregateType(context=settings.context, aggregate="wowd")
+        probe_sink = backend.sink(any_type)
+        if hasattr(probe_sink, "check_version"):
+            probes.append(("elasticsearch version", probe_sink.check_version))
     for t in types:
         probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
-        probes.append((f"sink {t}", partial(backend.sink(t).documents, probe_ref)))
+        sink = backend.sink(t)
+        probes.append((f"sink {t}", partial(sink.documents, probe_ref)))
+        if hasattr(sink, "missing_privileges"):
+            probes.append((f"sink privileges {t}", partial(_sink_privileges, sink)))
         probes.append((f"snapshots {t}", partial(backend.rebuilds.table, t)))
     return probes
+
+
+async def _sink_privileges(sink: Any) -> str:
+    """The Elasticsearch sink's privileges, as the cluster answers: each missing one named."""
+    missing = await sink.missing_privileges()
+    if missing:
+        raise StorageError(f"wowd's Elasticsearch user lacks {', '.join(missing)} (see docs/stores.md, Elasticsearch)")
+    return "security off" if missing is None else "every privilege held"

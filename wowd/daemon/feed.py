@@ -37,6 +37,7 @@ from wowd.errors import (
     StorageError,
     StorageFull,
     StorageUnavailable,
+    StoreRefused,
     WowdError,
 )
 from wowd.model import (
@@ -381,6 +382,12 @@ class Feeder:
                 try:
                     await self._apply(held, batch.positions, prepared, waker, logx)
                     break
+                except StoreRefused as exc:
+                    # the store refuses every write (a block, credentials, a privilege): a stall
+                    # at once, nothing set aside; the batch is retried until the store takes it
+                    metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                    self._stall(held, f"{type(exc).__name__}: {exc}", logx)
+                    await pauses.pause(STALL_BACKOFF)
                 except StorageUnavailable as exc:
                     metrics.FEED_ERRORS.labels(kind="transient").inc()
                     self._retrying("feed batch failed (retrying the batch): %s", exc, logx)

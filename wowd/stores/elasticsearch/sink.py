@@ -9,25 +9,32 @@ aggregate id by :data:`EMPTY_ID_ROUTING`: Elasticsearch reads an empty routing a
   (its id over :data:`MAX_ID_BYTES`, its lines over the request cap, a value JSON cannot hold) is
   refused before anything is sent with :class:`InvalidInput` naming it. A ``409`` item is a
   document written before (a retry, a replay, an old owner of the partition): it counts as
-  written. Any other failed item fails the write: :class:`StorageUnavailable` when every
-  failure is transient (429, 502, 503, 504; a 500 is not), else :class:`SinkWriteError` naming
-  the item. The items written stay. A failed request is classified the same way, by its status
-  whatever its body (a proxy's HTML page included); connection failures and timeouts are
-  transient. The bulk answer is asked for with ``filter_path`` (each item's id, status and
-  error), and each item is checked to be the ``create`` of the id sent in its place.
+  written. Any other failed item fails the write: :class:`StoreRefused` when the store refuses
+  for a reason of its own (:func:`refusal`: credentials, a privilege, a block, a closed or
+  missing index, a 5xx; the feed stalls), else :class:`StorageUnavailable` when every failure is
+  transient (429, 502, 503, 504), else :class:`SinkWriteError` naming the item (what the record
+  causes, :data:`RECORD_ERRORS`: the feed sets it aside). The items written stay. A failed
+  request is classified the same way, by its status and error type (a proxy's HTML page by its
+  status); connection failures and timeouts are transient. The bulk answer is asked for with
+  ``filter_path`` (each item's id, status and error), and each item is checked to be the
+  ``create`` of the id sent in its place.
 - A missing index: an item answered ``index_not_found_exception`` (``action.auto_create_index``
   refuses events indices) makes the write transient under ``ddl auto`` (the next write creates
   the index again) and a :class:`FormatError` otherwise. When the sink saw the index missing and
-  a bulk then succeeded, Elasticsearch created it with a dynamic mapping: the mapping is
-  checked, and a layout the sink cannot work with is a :class:`FormatError`.
+  a bulk then succeeded, or a bulk made the first document of a shard (``_seq_no`` 0: a new
+  index, made by a write where the sink did not make it), the mapping is checked; a layout the
+  sink cannot work with refuses that write and every later one (:class:`StoreRefused`, naming
+  the index) until the mapping fits. Under ``ddl auto`` the index template
+  :data:`TEMPLATE_NAME` gives an index a write creates wowd's mapping.
 - Access stamps: after a write, the last record of each aggregate whose access attributes
   differ from the stream's before it (the previous record of the write, else an LRU of the last
   record written per aggregate when it is the version just before, else the stored
   ``access_digest`` of the document of the version just before, read by a realtime ``_mget``
   with routing, else of the stream's latest document below it, by a search after a refresh)
-  stamps its attributes over the aggregate's earlier documents, after a refresh of the index.
-  The LRU is updated only once the stamps succeeded, so the retry of a failed write stamps
-  again.
+  stamps its attributes over the aggregate's earlier documents, after a refresh of the index
+  shared with the other writes waiting for one (at most one ``_refresh`` per
+  ``refresh_interval_s``), in one ``stamp_all`` with their stamps. The LRU is updated only once
+  the stamps succeeded, so the retry of a failed write stamps again.
 - ``stamp``/``stamp_all`` are ``_update_by_query`` requests guarded twice, in the query and in
   the painless script: a document is written when it has no ``access_version``, one below the
   stamp's, or the same one with other attributes (compared by ``access_digest``, a digest of the
@@ -77,6 +84,7 @@ from wowd.errors import (
     SinkWriteError,
     StorageError,
     StorageUnavailable,
+    StoreRefused,
 )
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS, STORE_UNAVAILABLE
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
@@ -88,13 +96,19 @@ __all__ = [
     "EMPTY_ID_ROUTING",
     "KEYWORD_IGNORE_ABOVE",
     "MAX_CONFLICT_ROUNDS",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_DOCUMENT_EVENTS",
     "MAX_ID_BYTES",
     "MAX_QUERY_LEAVES",
     "MAX_REQUEST_BYTES",
     "MAX_ROUTING_CHARS",
+    "RECORD_ERRORS",
+    "REFRESH_INTERVAL_S",
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
+    "SUPPORTED",
+    "TEMPLATE_NAME",
     "TRANSIENT_STATUSES",
     "ElasticsearchEventSink",
     "access_digest",
@@ -105,8 +119,10 @@ __all__ = [
     "event_document",
     "events_mapping",
     "index_name",
+    "index_template",
     "latest_search",
     "previous_docs",
+    "refusal",
     "routing_of",
     "stamp_clause",
     "stamp_query",
@@ -152,6 +168,24 @@ BULK_BYTES = 10 * 1024 * 1024
 MAX_REQUEST_BYTES = 100 * 1024 * 1024
 """``http.max_content_length`` (100 MB by default): a record whose lines are longer cannot be sent."""
 
+SUPPORTED = "9.x"
+"""The Elasticsearch versions wowd speaks to: its client (elasticsearch-py 9) sends
+``compatible-with=9``."""
+
+REFRESH_INTERVAL_S = 1.0
+"""The sink sends at most one ``_refresh`` per index this often (Elasticsearch's own
+``index.refresh_interval`` default); the writes that need one meanwhile share it."""
+
+MAX_DOCUMENT_BYTES = 10 * 1024 * 1024
+"""The largest document the sink sends (its bulk lines). Elasticsearch's indexing pressure
+(``indexing_pressure.memory.limit``, 10 % of the heap) refuses an operation larger than the
+limit with a 429 that a retry repeats for ever; 10 MB stays under it from a 128 MB heap up, and a
+document fits a bulk of :data:`BULK_BYTES`."""
+
+MAX_DOCUMENT_EVENTS = 10_000
+"""The most events a document holds: each event is a nested document, and
+``index.mapping.nested_objects.limit`` (10,000 by default) fails a document with more (400)."""
+
 KEYWORD_IGNORE_ABOVE = 8191
 """``ignore_above`` of the free-form keywords: Lucene refuses a term over 32,766 bytes (an
 "immense term" fails the item) and ``ignore_above`` counts characters, up to 4 bytes each."""
@@ -160,8 +194,20 @@ EMPTY_ID_ROUTING = "-"
 """The routing of an empty aggregate id (Elasticsearch reads an empty routing as none, refused
 where routing is required). It only picks a shard: searches filter by aggregate id."""
 
-BULK_FILTER_PATH = "items.*._id,items.*.status,items.*.error.type,items.*.error.reason"
-"""What a bulk answer is asked to hold: per item its operation, id, status and error."""
+BULK_FILTER_PATH = "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason"
+"""What a bulk answer is asked to hold: per item its operation, id, status, sequence number and
+error. A sequence number 0 is the first operation of a shard: the index (or that shard) was just
+made, by wowd or by a write that auto-created it, and its mapping is checked."""
+
+TEMPLATE_NAME = "wowd-events"
+"""The composable index template wowd installs under ``ddl auto``: an events index created by a
+write (Elasticsearch's ``action.auto_create_index``, an index deleted at run time) gets wowd's
+mapping, not a dynamic one."""
+
+TEMPLATE_PATTERNS = ("wow.*.events",)
+TEMPLATE_PRIORITY = 200
+"""Above the built-in templates (priority 100 and below); two templates matching one name at the
+same priority are refused."""
 
 _DOCUMENTS_PAGE = 1000
 _STORE = "elasticsearch"
@@ -230,6 +276,16 @@ _KEY_FIELDS: dict[str, str] = {
     "access_version": "long",
     "access_digest": "keyword",
 }
+
+
+def index_template() -> dict[str, Any]:
+    """The body of the ``PUT _index_template/wowd-events`` request (:data:`TEMPLATE_NAME`)."""
+    return {
+        "index_patterns": list(TEMPLATE_PATTERNS),
+        "priority": TEMPLATE_PRIORITY,
+        "template": {"mappings": events_mapping()},
+        "_meta": {"managed_by": "wowd", "description": "the events indexes of wowd's event sink"},
+    }
 
 
 def check_mapping(mapping: Mapping[str, Any]) -> list[str]:
@@ -344,20 +400,39 @@ def bulk_bodies(
     *,
     bulk_bytes: int = BULK_BYTES,
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    max_document_bytes: int = MAX_DOCUMENT_BYTES,
+    max_document_events: int = MAX_DOCUMENT_EVENTS,
 ) -> list[BulkBody]:
     """The bulks of one write: every record's :func:`bulk_lines`, in order, in bodies of at most
     ``bulk_bytes`` (one body in the common case; a record longer than that alone). Raises
-    :class:`InvalidInput` naming a record that cannot be sent (over ``max_request_bytes``)
-    before any is."""
+    :class:`InvalidInput` naming a record that cannot be sent, and the cap, before any is: more
+    events than ``max_document_events`` (``field`` ``events``), lines over
+    ``max_document_bytes`` or ``max_request_bytes``."""
     out: list[BulkBody] = []
     parts: list[bytes] = []
     ids: list[str] = []
     start = size = 0
     for i, (record, digest) in enumerate(zip(records, digests, strict=True)):
+        if len(record.events) > max_document_events:
+            raise InvalidInput(
+                f"{len(record.events)} events, over the cap of {max_document_events} events a document "
+                "(elasticsearch.max_document_events; the index's index.mapping.nested_objects.limit)",
+                field="events",
+                ref=record.ref,
+                version=record.version,
+            )
         _id, lines = _record_lines(record, digest)
         if len(lines) > max_request_bytes:
             raise InvalidInput(
-                f"the document is {len(lines)} bytes, over the request limit of {max_request_bytes}",
+                f"the document is {len(lines)} bytes, over the request limit of {max_request_bytes} "
+                "(elasticsearch.max_request_bytes; the cluster's http.max_content_length)",
+                ref=record.ref,
+                version=record.version,
+            )
+        if len(lines) > max_document_bytes:
+            raise InvalidInput(
+                f"the document is {len(lines)} bytes, over the cap of {max_document_bytes} bytes a document "
+                "(elasticsearch.max_document_bytes; indexing pressure refuses an operation over 10% of the heap)",
                 ref=record.ref,
                 version=record.version,
             )
@@ -542,10 +617,71 @@ def _api_reason(exc: ApiError) -> str:
     return "(no body)" if body in (None, "", b"") else str(exc.message)
 
 
+def _api_error(exc: ApiError) -> tuple[str, str]:
+    """The error type and reason of an error answer (``("error", text)`` for another body)."""
+    body = exc.body
+    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+        err = body["error"]
+        return str(err.get("type", "error")), str(err.get("reason", ""))
+    return "error", _api_reason(exc)
+
+
 def _is_transient(status: int) -> bool:
     """Seed 002: 429, 502, 503 and 504 are transient; any other status is not (a 500 is a
     defect or a refused request that a retry repeats)."""
     return status in TRANSIENT_STATUSES
+
+
+RECORD_ERRORS = frozenset(
+    {
+        "document_parsing_exception",
+        "mapper_parsing_exception",
+        "strict_dynamic_mapping_exception",
+        "illegal_argument_exception",
+        "x_content_parse_exception",
+        "routing_missing_exception",
+        "version_conflict_engine_exception",
+    }
+)
+"""Item errors the record causes (the document cannot be written into this index as it is):
+its commit is set aside. Any other non-transient failure is the store's (:func:`refusal`)."""
+
+_STORE_400 = frozenset({"index_closed_exception", "media_type_header_exception", "cluster_block_exception"})
+
+
+def refusal(index: str, status: int, kind: str, reason: str) -> str | None:
+    """What a non-transient failure says when the store refuses the write for a reason of its
+    own (credentials, privileges, a block, a closed or missing index, a server error): a message
+    naming the cause; None when the failure is not a refusal (the request or the record is)."""
+    if status in TRANSIENT_STATUSES:
+        return None
+    detail = f"[{status}] {kind}: {reason}"
+    if status == 401:
+        return f"elasticsearch refuses wowd's credentials (an expired or revoked API key, a wrong password): {detail}"
+    if kind == "cluster_block_exception":
+        # the block's description in IndexMetadata (APIBlock): "index write (api)",
+        # "index read-only (api)", "index metadata (api)"; the reason names it
+        for needle, setting in (
+            ("index write", "index.blocks.write"),
+            ("index read-only (api)", "index.blocks.read_only"),
+            ("read-only / allow delete", "index.blocks.read_only_allow_delete"),
+        ):
+            if needle in reason:
+                return f"index {index} is write-blocked ({setting}): {detail}"
+        return f"elasticsearch blocks writes to {index}: {detail}"
+    if kind == "index_closed_exception":
+        return f"index {index} is closed: {detail}"
+    if kind == "index_not_found_exception":
+        return f"index {index} does not exist: {detail}"
+    if kind == "media_type_header_exception":
+        return f"the cluster does not take the Elasticsearch 9 client's requests (an older server?): {detail}"
+    if status == 403:
+        return f"wowd's Elasticsearch user lacks a privilege on {index}: {detail}"
+    if status >= 500:
+        return f"elasticsearch fails the request on {index}: {detail}"
+    if status == 400 and kind in _STORE_400:
+        return f"elasticsearch refuses the request on {index}: {detail}"
+    return None
 
 
 def _is_update_by_query_answer(body: object) -> bool:
@@ -586,6 +722,17 @@ def _version(record: Commit) -> int:
     return record.version
 
 
+@dataclass(slots=True, kw_only=True)
+class _Waiting:
+    """The stamps of one write waiting for a refresh (see ``_stamp_after_refresh``)."""
+
+    stamps: list[AccessStamp]
+    since: float
+    done: anyio.Event
+    taken: bool = False
+    error: BaseException | None = None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Known:
     """What the sink knows of a stream: its latest version written and its attributes."""
@@ -607,7 +754,8 @@ class ElasticsearchEventSink:
     every write and stamp refresh the index (tests). ``capacity`` is how many aggregates the
     access-attribute LRU remembers. ``bulk_bytes`` is the size a write is split at,
     ``max_request_bytes`` the cluster's ``http.max_content_length``. ``stamp_timeout_s`` is the
-    client timeout of one ``_update_by_query``.
+    client timeout of one ``_update_by_query``; ``refresh_interval_s`` how often at most the sink
+    sends a ``_refresh`` (the writes needing one share it, and their stamps go in one request).
     """
 
     def __init__(
@@ -620,7 +768,10 @@ class ElasticsearchEventSink:
         capacity: int = 10_000,
         bulk_bytes: int = BULK_BYTES,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_document_bytes: int = MAX_DOCUMENT_BYTES,
+        max_document_events: int = MAX_DOCUMENT_EVENTS,
         stamp_timeout_s: float = 300.0,
+        refresh_interval_s: float = REFRESH_INTERVAL_S,
         owns_client: bool = False,
     ) -> None:
         if capacity < 0:
@@ -637,11 +788,26 @@ class ElasticsearchEventSink:
         self._capacity = capacity
         self._bulk_bytes = bulk_bytes
         self._max_request_bytes = max_request_bytes
+        self._max_document_bytes = max_document_bytes
+        self._max_document_events = max_document_events
         self._stamp_timeout_s = stamp_timeout_s
         self._owns_client = owns_client
         self._known: OrderedDict[tuple[str, str], _Known] = OrderedDict()
         self._digests: dict[bytes, str] = {}
         self._index_missing = False
+        self._refresh_interval_s = refresh_interval_s
+        self._refresh_started = float("-inf")
+        self._refreshed_as_of = float("-inf")
+        """When the last completed refresh started (what it made searchable was written by then)."""
+        self._refresh_running: anyio.Event | None = None
+        self._waiting: list[_Waiting] = []
+        self.refreshes = 0
+        """``_refresh`` requests sent (the bench counts them)."""
+        self._made = False
+        """The sink made the index just now: the first documents of its shards are expected."""
+        self._mapping_problem: str | None = None
+        """Why the index's mapping is not wowd's (found after a write made a new shard): every
+        write is refused (:class:`StoreRefused`) until the mapping is checked again and fits."""
         self._prepared = False
         self._prepare_lock: anyio.Lock | None = None
 
@@ -664,6 +830,11 @@ class ElasticsearchEventSink:
             if _is_transient(status):
                 STORE_UNAVAILABLE.labels(store=_STORE, operation=op).inc()
                 raise StorageUnavailable(msg) from exc
+            kind, reason = _api_error(exc)
+            refused = refusal(self.index, status, kind, reason)
+            if refused is not None:
+                STORE_UNAVAILABLE.labels(store=_STORE, operation=op).inc()
+                raise StoreRefused(f"elasticsearch {op}: {refused}") from exc
             raise StorageError(msg) from exc
         except TlsError as exc:
             raise StorageError(f"elasticsearch {op} on {self.index}: {exc}") from exc
@@ -698,6 +869,7 @@ class ElasticsearchEventSink:
             if self._prepared:
                 return
             if self._ddl is Ddl.AUTO:
+                await self._put_template()
                 if not await self._create_index():
                     await self._validate_mapping()
                 await self._wait_for_primary()
@@ -712,6 +884,18 @@ class ElasticsearchEventSink:
                     self.index,
                 )
             self._prepared = True
+
+    async def _put_template(self) -> None:
+        """Installs (or replaces) the index template :data:`TEMPLATE_NAME`."""
+        body = index_template()
+        with self._translate("put_index_template"):
+            await self._client.indices.put_index_template(
+                name=TEMPLATE_NAME,
+                index_patterns=body["index_patterns"],
+                priority=body["priority"],
+                template=body["template"],
+                meta=body["_meta"],
+            )
 
     async def _create_index(self) -> bool:
         """Creates the index; False when it exists already."""
@@ -729,6 +913,7 @@ class ElasticsearchEventSink:
             raise
         log.info("created the events index %s", self.index)
         self._index_missing = False
+        self._made = True
         return True
 
     async def _validate_mapping(self, *, missing_ok: bool = False) -> bool:
@@ -801,17 +986,28 @@ class ElasticsearchEventSink:
         if not records:
             return
         await self.prepare()
+        if self._mapping_problem is not None:
+            await self._recheck_mapping()
         try:
             digests = [self._digest(c.access) for c in records]
         except (TypeError, ValueError) as exc:
             raise InvalidInput(f"access attributes cannot be digested: {exc}", field="access") from exc
         digest_of = {id(c): d for c, d in zip(records, digests, strict=True)}
-        bodies = bulk_bodies(records, digests, bulk_bytes=self._bulk_bytes, max_request_bytes=self._max_request_bytes)
+        bodies = bulk_bodies(
+            records,
+            digests,
+            bulk_bytes=self._bulk_bytes,
+            max_request_bytes=self._max_request_bytes,
+            max_document_bytes=self._max_document_bytes,
+            max_document_events=self._max_document_events,
+        )
+        new_shard = False
         for body in bodies:
-            await self._bulk(body)
-        if self._index_missing:
+            new_shard = await self._bulk(body) or new_shard
+        if self._index_missing or (new_shard and not self._made):
             await self._check_created()
-        refreshed = self._refresh
+        self._made = False
+        written = anyio.current_time()  # what a look-up or a stamp must see is written by now
         groups: dict[tuple[str, str], list[Commit]] = {}
         for c in records:
             key = (c.ref.tenant_id, c.ref.id)
@@ -848,19 +1044,15 @@ class ElasticsearchEventSink:
             before = await self._previous_digests(unknown)
             missed = [c for c, d in zip(unknown, before, strict=True) if d is None]
             if missed:
-                if not refreshed:
-                    await self._refresh_index()
-                    refreshed = True
+                if not self._refresh:
+                    await self._refresh_index(written)
                 found = iter(await self._latest_digests(missed))
                 before = [d if d is not None else next(found) for d in before]
             for first, digest in zip(unknown, before, strict=True):
                 if digest is not None and digest != digest_of[id(first)]:
                     stamps.append(self._stamp_of(first))
         if stamps:
-            if not refreshed:
-                await self._refresh_index()
-            updated = await self.stamp_all(stamps)
-            log.debug("stamped access over %d documents of %d aggregates in %s", updated, len(stamps), self.index)
+            await self._stamp_after_refresh(stamps, written)
         for key, group in groups.items():
             last = group[-1]
             known = self._known.get(key)
@@ -882,12 +1074,37 @@ class ElasticsearchEventSink:
             self._known.popitem(last=False)
 
     async def _check_created(self) -> None:
-        """The index was missing and a write went through: Elasticsearch created it; its
-        mapping must be one the sink can work with."""
-        log.warning("the events index %s was missing and a write created it: checking its mapping", self.index)
-        await self._validate_mapping()
+        """A write made a shard's first document (or went through where the index was missing):
+        the index is new, made by wowd or by the write (Elasticsearch's auto-creation, an index
+        deleted at run time); its mapping must be one the sink can work with, else every write
+        is refused (:class:`StoreRefused`) until it is."""
+        try:
+            await self._validate_mapping()
+        except FormatError as exc:
+            self._mapping_problem = str(exc)
+            log.error("%s: writes stall until the index has wowd's mapping", exc)
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{exc}; writes stall until the index has wowd's mapping") from exc
 
-    async def _bulk(self, bulk: BulkBody) -> None:
+    async def _recheck_mapping(self) -> None:
+        """Before a write while the mapping was found wrong: checks it again (the operator may
+        have deleted or reindexed the index; under ``ddl auto`` a missing index is made again)."""
+        try:
+            exists = await self._validate_mapping(missing_ok=True)
+        except FormatError as exc:
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{exc}; writes stall until the index has wowd's mapping") from exc
+        if not exists:
+            self._mapping_problem = None
+            if self._ddl is Ddl.AUTO:
+                self._prepared = False
+                await self.prepare()
+            return
+        self._mapping_problem = None
+
+    async def _bulk(self, bulk: BulkBody) -> bool:
+        """Sends one bulk; True when an item was the first document of a shard (``_seq_no``
+        0: a new index or shard)."""
         records = bulk.records
         extra: dict[str, Any] = {"refresh": True} if self._refresh else {}
         started = time.perf_counter()
@@ -903,7 +1120,15 @@ class ElasticsearchEventSink:
             raise
         except StorageError as exc:
             first = bulk.ids[0]
-            raise SinkWriteError(f"{exc} (bulk of {len(records)} items, the first {first})") from exc.__cause__
+            cause = exc.__cause__
+            if isinstance(cause, ApiError) and cause.meta.status == 413 and len(records) > 1:
+                # bulks are cut under max_request_bytes: the cluster's limit is lower
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+                raise StoreRefused(
+                    f"elasticsearch refuses a bulk of {len(bulk.body)} bytes into {self.index} (413): its "
+                    f"http.max_content_length is below the configured max_request_bytes {self._max_request_bytes}"
+                ) from cause
+            raise SinkWriteError(f"{exc} (bulk of {len(records)} items, the first {first})") from cause
         finally:
             SINK_BULK_SECONDS.observe(time.perf_counter() - started)
         items = self._answer("bulk", resp.body).get("items")
@@ -913,6 +1138,8 @@ class ElasticsearchEventSink:
                 f"{len(items) if isinstance(items, list) else 'no'} items"
             )
         failed: list[tuple[str, int, str]] = []
+        new_shard = False
+        refused: str | None = None
         missing_index = False
         statuses: Counter[int] = Counter()
         for _id, item in zip(bulk.ids, items, strict=True):
@@ -924,16 +1151,19 @@ class ElasticsearchEventSink:
             status = int(result.get("status", 0))
             statuses[status] += 1
             if status in (200, 201, 409):
+                new_shard = new_shard or (status == 201 and result.get("_seq_no") == 0)
                 continue
             err = result.get("error")
             kind = err.get("type", "error") if isinstance(err, Mapping) else "error"
             reason = f"{kind}: {err.get('reason', '')}" if isinstance(err, Mapping) else str(err)
             missing_index = missing_index or (status == 404 and kind == "index_not_found_exception")
+            if refused is None and not missing_index and kind not in RECORD_ERRORS:
+                refused = refusal(self.index, status, kind, err.get("reason", "") if isinstance(err, Mapping) else "")
             failed.append((_id, status, reason))
         for code, n in statuses.items():
             SINK_ITEMS.labels(status=str(code)).inc(n)
         if not failed:
-            return
+            return new_shard
         _id, status, reason = next((f for f in failed if f[1] not in TRANSIENT_STATUSES), failed[0])
         summary = f"{len(failed)} of {len(records)} items not written to {self.index}; item {_id}: [{status}] {reason}"
         if missing_index:
@@ -943,15 +1173,82 @@ class ElasticsearchEventSink:
                 STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
                 raise StorageUnavailable(f"the events index is missing; creating it again: {summary}")
             raise FormatError(f"the events index {self.index} does not exist (ddl {self._ddl}): {summary}")
+        if refused is not None:
+            # the store's own reason, not the records': nothing is set aside, the feed stalls
+            STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
+            raise StoreRefused(f"{refused} ({summary})")
         if all(f[1] in TRANSIENT_STATUSES for f in failed):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="bulk").inc()
             raise StorageUnavailable(summary)
         log.error("sink write refused: %s", summary)
         raise SinkWriteError(summary)
 
-    async def _refresh_index(self) -> None:
-        with self._translate("refresh"):
-            await self._client.indices.refresh(index=self.index)
+    async def _refresh_index(self, since: float | None = None) -> None:
+        """Returns once a refresh that started at ``since`` or later (default: now) completed, so
+        that every write completed by then is searchable. Refreshes are shared: a caller waits
+        for one under way, and a new one starts at most once per ``refresh_interval_s`` (the
+        callers meanwhile wait for it), so the index sees at most one ``_refresh`` per interval
+        from this sink however many writes need one."""
+        needed = anyio.current_time() if since is None else since
+        while self._refreshed_as_of < needed:
+            running = self._refresh_running
+            if running is not None:
+                await running.wait()
+                continue
+            pause = self._refresh_started + self._refresh_interval_s - anyio.current_time()
+            if pause > 0:
+                await anyio.sleep(pause)
+                continue  # another caller may have started one meanwhile
+            started = self._refresh_started = anyio.current_time()
+            event = self._refresh_running = anyio.Event()
+            try:
+                with self._translate("refresh"):
+                    await self._client.indices.refresh(index=self.index)
+                self.refreshes += 1
+                self._refreshed_as_of = max(self._refreshed_as_of, started)
+            finally:
+                self._refresh_running = None
+                event.set()
+
+    async def _stamp_after_refresh(self, stamps: Sequence[AccessStamp], since: float) -> None:
+        """The stamps of one write, once a refresh since ``since`` made its documents
+        searchable, batched with the stamps of the other writes waiting for that refresh: the
+        first writer to get the refresh sends every waiting stamp in one :meth:`stamp_all`; the
+        others wait for it and fail with it."""
+        me = _Waiting(stamps=list(stamps), since=since, done=anyio.Event())
+        self._waiting.append(me)
+        try:
+            if not self._refresh:  # else each request refreshed
+                await self._refresh_index(since)
+        except BaseException:
+            if not me.taken:
+                self._waiting.remove(me)
+            raise
+        if me.taken:
+            await me.done.wait()
+            if me.error is not None:
+                raise me.error
+            return
+        batch = [w for w in self._waiting if w.since <= self._refreshed_as_of or w is me]
+        for w in batch:
+            w.taken = True
+            self._waiting.remove(w)
+        try:
+            updated = await self.stamp_all([s for w in batch for s in w.stamps])
+            log.debug(
+                "stamped access over %d documents of %d aggregates (%d writes) in %s",
+                updated,
+                sum(len(w.stamps) for w in batch),
+                len(batch),
+                self.index,
+            )
+        except BaseException as exc:
+            for w in batch:
+                w.error = exc if isinstance(exc, StorageError) else StorageUnavailable(f"stamps not sent: {exc!r}")
+            raise
+        finally:
+            for w in batch:
+                w.done.set()
 
     async def _previous_digests(self, firsts: Sequence[Commit]) -> list[str | None]:
         """For each record, the ``access_digest`` of its stream's document of the version just
@@ -971,6 +1268,9 @@ class ElasticsearchEventSink:
                     continue
                 reason = f"{kind}: {err.get('reason')}" if isinstance(err, Mapping) else str(err)
                 STORE_UNAVAILABLE.labels(store=_STORE, operation="mget").inc()
+                refused = refusal(self.index, 400, str(kind), str(err.get("reason"))) if kind in _STORE_400 else None
+                if refused is not None:
+                    raise StoreRefused(f"elasticsearch mget of {c.ref}: {refused}")
                 raise StorageUnavailable(f"elasticsearch mget of {c.ref} in {self.index}: {reason}")
             digests.append(self._stored_digest(d.get("_source")) if d.get("found") else None)
         return digests
@@ -1011,6 +1311,13 @@ class ElasticsearchEventSink:
                 msg = f"elasticsearch search of {c.ref} in {self.index}: [{status}] {reason}"
                 if _is_transient(status):
                     raise StorageUnavailable(msg)
+                refused = (
+                    refusal(self.index, status, str(err.get("type")), str(err.get("reason")))
+                    if isinstance(err, Mapping)
+                    else None
+                )
+                if refused is not None:
+                    raise StoreRefused(f"elasticsearch search of {c.ref}: {refused}")
                 raise StorageError(msg)
             hits = r.get("hits", {}).get("hits", [])
             digests.append(self._stored_digest(hits[0].get("_source")) if hits else None)
@@ -1097,7 +1404,85 @@ class ElasticsearchEventSink:
         if all(_is_transient(s) for s in statuses):
             STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
             raise StorageUnavailable(msg)
+        if isinstance(cause, Mapping):
+            refused = refusal(self.index, statuses[n], str(cause.get("type")), str(cause.get("reason")))
+            if refused is not None:
+                STORE_UNAVAILABLE.labels(store=_STORE, operation="update_by_query").inc()
+                raise StoreRefused(f"elasticsearch update_by_query: {refused}")
         raise StorageError(msg)
+
+    # ------------------------------------------------------------------ checks
+
+    async def server_version(self) -> tuple[str, str]:
+        """The cluster's version number and distribution, as ``GET /`` answers it, asked
+        without the client's ``compatible-with=9`` headers so that a server of another major
+        version answers too (an 8.x server refuses them: 400 ``media_type_header_exception``)."""
+        with self._translate("info"):
+            resp = await self._client.transport.perform_request("GET", "/", headers={"accept": "application/json"})
+        status = resp.meta.status
+        if status >= 300:  # the transport hands back an error answer as it is
+            err = resp.body.get("error") if isinstance(resp.body, Mapping) else None
+            kind = str(err.get("type")) if isinstance(err, Mapping) else "error"
+            reason = str(err.get("reason")) if isinstance(err, Mapping) else str(resp.body)[:200]
+            refused = refusal(self.index, status, kind, reason)
+            raise StorageError(refused or f"elasticsearch info: [{status}] {kind}: {reason}")
+        body = self._answer("info", resp.body)
+        version = body.get("version") or {}
+        if not isinstance(version, Mapping) or not isinstance(version.get("number"), str):
+            raise StorageError(f"elasticsearch info: no version in {str(body)[:200]!r}")
+        return version["number"], str(version.get("distribution") or "elasticsearch")
+
+    async def check_version(self) -> str:
+        """``"<number> (supported)"`` for an Elasticsearch 9.x cluster; a :class:`StorageError`
+        naming the version and the supported ones otherwise."""
+        number, distribution = await self.server_version()
+        major = number.split(".", 1)[0]
+        if distribution != "elasticsearch":
+            raise StorageError(f"the cluster is {distribution} {number}: wowd supports Elasticsearch {SUPPORTED}")
+        if major != SUPPORTED.split(".", 1)[0]:
+            why = (
+                "its client sends compatible-with=9, which an 8.x server refuses (media_type_header_exception)"
+                if major.isdigit() and int(major) < 9
+                else "a later major version is untested"
+            )
+            raise StorageError(f"Elasticsearch {number}: wowd supports Elasticsearch {SUPPORTED} ({why})")
+        return f"Elasticsearch {number} (supported: {SUPPORTED})"
+
+    def required_privileges(self) -> tuple[list[str], list[str]]:
+        """The cluster and index privileges the sink's requests need on its index (DDL mode
+        included): ``monitor`` (cluster health), ``create_doc`` (writes), ``read`` (the look-ups
+        of access stamps), ``index`` (the stamps' ``_update_by_query``), ``maintenance``
+        (``_refresh``), ``view_index_metadata`` (the mapping checks); under ``ddl auto``
+        ``create_index`` and ``manage_index_templates`` (the index template)."""
+        cluster = ["monitor"]
+        index = ["create_doc", "read", "index", "maintenance", "view_index_metadata"]
+        if self._ddl is Ddl.AUTO:
+            cluster.append("manage_index_templates")
+            index.append("create_index")
+        return cluster, index
+
+    async def missing_privileges(self) -> list[str] | None:
+        """The privileges of :meth:`required_privileges` wowd's user does not hold, as the
+        cluster answers ``_security/user/_has_privileges`` (``"cluster monitor"``, ``"index
+        maintenance on <index>"``); None when the cluster has security off (every request is
+        allowed)."""
+        cluster, index = self.required_privileges()
+        try:
+            with self._translate("has_privileges"):
+                resp = await self._client.security.has_privileges(
+                    cluster=cluster, index=[{"names": [self.index], "privileges": index}]
+                )
+        except StorageError as exc:
+            cause = exc.__cause__
+            reason = _api_reason(cause).lower() if isinstance(cause, ApiError) else ""
+            if "must be explicitly enabled" in reason or "security is not enabled" in reason:
+                return None  # a cluster with security off (SecurityActionFilter's 500)
+            raise
+        body = self._answer("has_privileges", resp.body)
+        missing = [f"cluster {p}" for p, held in (body.get("cluster") or {}).items() if not held]
+        for name, held_of in (body.get("index") or {}).items():
+            missing += [f"index {p} on {name}" for p, held in held_of.items() if not held]
+        return missing
 
     # ------------------------------------------------------------------ reads
 

@@ -58,23 +58,11 @@ def mongo_client_options(settings: MongoSettings) -> dict[str, Any]:
 
 
 def elasticsearch_client_options(settings: ElasticsearchSettings) -> dict[str, Any]:
-    """The keyword arguments of the ``AsyncElasticsearch`` (besides the URL): API key or basic
-    auth from the secrets, CA file, certificate verification (on unless switched off)."""
-    options: dict[str, Any] = {
-        "request_timeout": settings.request_timeout_s,
-        "verify_certs": settings.verify_certs,
-    }
-    if settings.api_key is not None:
-        options["api_key"] = settings.api_key.get_secret_value()
-    elif settings.username:
-        if settings.password is None:
-            raise ConfigError("elasticsearch.password is required with elasticsearch.username")
-        options["basic_auth"] = (settings.username, settings.password.get_secret_value())
-    elif settings.password is not None:
-        raise ConfigError("elasticsearch.username is required with elasticsearch.password")
-    if settings.ca_certs is not None:
-        options["ca_certs"] = str(settings.ca_certs)
-    return options
+    """The keyword arguments of the ``AsyncElasticsearch`` (besides the hosts):
+    :func:`wowd.stores.elasticsearch.options.client_options`."""
+    from wowd.stores.elasticsearch.options import client_options
+
+    return client_options(settings)
 
 
 async def open_mongo(settings: WowdSettings) -> Backend:
@@ -84,12 +72,12 @@ async def open_mongo(settings: WowdSettings) -> Backend:
     and one ``AsyncElasticsearch``; the backend's ``close`` closes both. Every store gets the
     operation timeout (``timeout_ms``; 0: none), the DDL mode and the sharding mode of
     ``settings.mongodb``. Raises :class:`ConfigError` on a standalone MongoDB server."""
-    from elasticsearch import AsyncElasticsearch
     from pymongo import AsyncMongoClient
     from pymongo.write_concern import WriteConcern
 
     from wowd.model import AggregateType
     from wowd.stores.base import Ddl
+    from wowd.stores.elasticsearch.options import new_client, sink_options
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
@@ -97,9 +85,9 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
     mongo = settings.mongodb
     es_settings = settings.elasticsearch
-    if mongo.uri is None or not es_settings.url:
-        raise ConfigError("the mongo backend needs mongodb.uri and elasticsearch.url")
-    es_options = elasticsearch_client_options(es_settings)  # before opening anything
+    if mongo.uri is None or not (es_settings.url or es_settings.cloud_id):
+        raise ConfigError("the mongo backend needs mongodb.uri and elasticsearch.url (or cloud_id)")
+    elasticsearch_client_options(es_settings)  # checked before opening anything
     context, partitions, database = settings.context, settings.partitions, mongo.database
     timeout = timedelta(milliseconds=mongo.timeout_ms) if mongo.timeout_ms > 0 else None
 
@@ -108,7 +96,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             mongo.uri.get_secret_value(), **mongo_client_options(mongo)
         )
         stack.push_async_callback(client.close)
-        es: AsyncElasticsearch = AsyncElasticsearch(es_settings.url, **es_options)
+        es: AsyncElasticsearch = new_client(es_settings)
         stack.push_async_callback(es.close)
 
         await check_replica_set(client)
@@ -137,10 +125,10 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         for store in stores:
             await store.prepare()
 
-        sink_ddl = Ddl(es_settings.ddl)
+        sink_kwargs = sink_options(es_settings)
 
         def sink_factory(type: AggregateType) -> ElasticsearchEventSink:
-            return ElasticsearchEventSink(es, type, ddl=sink_ddl, owns_client=False)
+            return ElasticsearchEventSink(es, type, owns_client=False, **sink_kwargs)
 
         backend = Backend(
             name="mongo",
