@@ -78,7 +78,7 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
                 hits = {"total": {"value": 0, "relation": "eq"}, "hits": []}
                 out = json.dumps({"took": 1, "responses": [{"status": 200, "hits": hits}] * n}).encode()
             elif path.endswith("/_mapping"):  # the sink's check of the index (ddl none)
-                from wowd.stores.elasticsearch.sink import events_mapping
+                from wowd.stores.elasticsearch.documents import events_mapping
 
                 out = json.dumps({path.strip("/").split("/")[0]: {"mappings": events_mapping()}}).encode()
             elif path == "/_bench/stats":

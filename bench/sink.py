@@ -69,7 +69,7 @@ def make_commits(n: int) -> list[Any]:
 
 def _actions(commits: Sequence[Any], index: str) -> list[dict[str, Any]]:
     from wowd.model import stream_id
-    from wowd.stores.elasticsearch.sink import event_document
+    from wowd.stores.elasticsearch.documents import event_document
 
     return [
         {
@@ -94,7 +94,8 @@ async def _measure(url: str, variant: str, commits: Sequence[Any], batch: int) -
     from elasticsearch.helpers import async_bulk
 
     from wowd.model import AggregateType
-    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink, index_name
+    from wowd.stores.elasticsearch.documents import index_name
+    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
     client = AsyncElasticsearch(url, request_timeout=60)
     index = index_name(AggregateType(context=CONTEXT, aggregate=AGGREGATE))

@@ -16,7 +16,8 @@ from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Raw, serving
 from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent, stream_id
 from wowd.stores.base import Ddl
-from wowd.stores.elasticsearch.sink import MAX_ROUTING_CHARS, REFRESH_INTERVAL_S, STAMP_PAGE, ElasticsearchEventSink
+from wowd.stores.elasticsearch.documents import MAX_ROUTING_CHARS, REFRESH_INTERVAL_S, STAMP_PAGE
+from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
 pytestmark = pytest.mark.anyio
 
@@ -301,7 +302,7 @@ async def test_a_429_is_one_request_left_to_the_feed(client: AsyncElasticsearch,
 
 
 def _mapping() -> dict[str, Any]:
-    from wowd.stores.elasticsearch.sink import events_mapping
+    from wowd.stores.elasticsearch.documents import events_mapping
 
     return events_mapping()
 

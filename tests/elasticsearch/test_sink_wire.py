@@ -19,7 +19,7 @@ from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
 from wowd.stores.base import Ddl, EventSink
 from wowd.stores.elasticsearch import ElasticsearchEventSink, events_mapping, index_name
-from wowd.stores.elasticsearch.sink import (
+from wowd.stores.elasticsearch.documents import (
     MAX_CONFLICT_ROUNDS,
     STAMP_CLAUSE_LEAVES,
     STAMP_PAGE,

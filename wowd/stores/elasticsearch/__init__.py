@@ -1,9 +1,10 @@
-"""The Elasticsearch event sink (DESIGN.md section 7).
+"""The Elasticsearch event sink (docs/stores.md).
 
 Imported only when the ``mongo`` backend is configured: the embedded default never imports
 the Elasticsearch client.
 """
 
-from wowd.stores.elasticsearch.sink import ElasticsearchEventSink, events_mapping, index_name
+from wowd.stores.elasticsearch.documents import events_mapping, index_name
+from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
 __all__ = ["ElasticsearchEventSink", "events_mapping", "index_name"]
