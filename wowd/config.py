@@ -329,13 +329,18 @@ def _settings_error(exc: SettingsError) -> str:
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:
     """Reads the settings; every error (misspelling, range, consistency) is a :class:`ConfigError`
-    whose message names the key (without echoing a secret value)."""
+    whose message names the key (without echoing a secret value). A named config file
+    (``config_file``, else ``WOWD_CONFIG``) that does not exist is an error, never defaults."""
     token = None
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         token = _CONFIG_FILE.set(str(path))
+    else:
+        named = os.environ.get("WOWD_CONFIG")
+        if named and not Path(named).is_file():
+            raise ConfigError(f"WOWD_CONFIG: config file {named!r} does not exist")
     unknown = unknown_environment_keys()
     if unknown:
         raise ConfigError(
