@@ -143,6 +143,9 @@ def test_the_readme_example_schedules_and_cancels(workdir: Path) -> None:
     (workdir / "example.py").write_text(example)
     env = {**os.environ, "WOWD_EMBEDDED__PATH": str(workdir / "readme.db")}
     env.pop("WOWD_CONFIG", None)
+    # the database `make run` creates (the client opens an existing file only)
+    subprocess.run([sys.executable, "-m", "wowd", "demo", "--commits", "0", "--timers", "0"], cwd=workdir,
+                   env=env, check=True, timeout=60, capture_output=True)  # fmt: skip
     subprocess.run([sys.executable, "example.py"], cwd=workdir, env=env, check=True, timeout=60)
     # two commits of order-42 in the log: the TimerScheduled, then the TimerCancelled
     check = (

@@ -130,13 +130,20 @@ class WowdClient:
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, settings: WowdSettings | None = None) -> AsyncIterator[WowdClient]:
+    async def connect(cls, settings: WowdSettings | None = None, *, create: bool = False) -> AsyncIterator[WowdClient]:
         """A client on the configured backend's log (``settings``, else the environment's
-        ``WOWD_*`` and ``WOWD_CONFIG``), closed on exit."""
-        from wowd.cli.backend import opened_backend
+        ``WOWD_*`` and ``WOWD_CONFIG``), closed on exit. An embedded database file that does
+        not exist is a :class:`~wowd.errors.ConfigError` naming ``WOWD_EMBEDDED__PATH`` and the
+        path (run from the wrong directory, the client would schedule into a file no replica
+        reads), unless ``create`` is true."""
+        from wowd.cli.backend import missing_database, opened_backend
         from wowd.config import load_settings
 
         s = settings if settings is not None else load_settings()
+        if not create:
+            missing = missing_database(s, "connect(create=True) creates it")
+            if missing is not None:
+                raise missing
         async with opened_backend(s) as backend:
             yield cls(backend.log, max_body_bytes=s.timers.max_body_bytes)
 
@@ -201,10 +208,11 @@ class SyncWowdClient:
 
     @classmethod
     @contextmanager
-    def connect(cls, settings: WowdSettings | None = None) -> Iterator[SyncWowdClient]:
+    def connect(cls, settings: WowdSettings | None = None, *, create: bool = False) -> Iterator[SyncWowdClient]:
+        """As :meth:`WowdClient.connect`."""
         with (
             start_blocking_portal() as portal,
-            portal.wrap_async_context_manager(WowdClient.connect(settings)) as client,
+            portal.wrap_async_context_manager(WowdClient.connect(settings, create=create)) as client,
         ):
             yield cls(portal, client)
 

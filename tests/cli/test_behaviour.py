@@ -146,7 +146,7 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
     ]
 
 
-def test_status_says_when_no_replica_is_recorded(wowd: Run) -> None:
+def test_status_says_when_no_replica_is_recorded(wowd: Run, created: Path) -> None:
     code, out, _ = wowd("status")
     assert code == 0 and "replicas: no presence record (no replica is running)" in out.splitlines()
     assert "standbys: 0" in out.splitlines()

@@ -21,7 +21,7 @@ ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
 pytestmark = pytest.mark.anyio
 
 
-async def test_schedule_and_cancel_append_at_successive_versions(db: Path) -> None:
+async def test_schedule_and_cancel_append_at_successive_versions(created: Path) -> None:
     async with WowdClient.connect(load_settings()) as client:
         first = await client.schedule(
             ORDER, "expire", due_at=1_900_000_000_000, command=Command(name="expire-order", body={"n": 1})
@@ -36,7 +36,7 @@ async def test_schedule_and_cancel_append_at_successive_versions(db: Path) -> No
         assert scheduled.command == Command(name="expire-order", body={"n": 1})
 
 
-async def test_a_version_taken_meanwhile_is_read_again(db: Path) -> None:
+async def test_a_version_taken_meanwhile_is_read_again(created: Path) -> None:
     async with opened_backend(load_settings()) as backend:
         log = backend.log
         real = log.last_version
@@ -63,7 +63,7 @@ async def test_a_version_taken_meanwhile_is_read_again(db: Path) -> None:
         assert commit.version == 2 and calls == 2
 
 
-async def test_a_log_that_always_conflicts_ends_in_a_conflict_error(db: Path) -> None:
+async def test_a_log_that_always_conflicts_ends_in_a_conflict_error(created: Path) -> None:
     async with opened_backend(load_settings()) as backend:
         backend.log.last_version = _always_zero  # type: ignore[method-assign]
         await backend.log.append(Commit(ref=ORDER, version=1, command_id="c", request_id="r", create_time=1))
@@ -86,7 +86,7 @@ async def _always_zero(ref: AggregateRef) -> int:
         ({"due_at": 1, "command": {"name": "x", "body": {"big": "x" * 70_000}}}, "body.command"),
     ],
 )
-async def test_bad_input_names_the_field_as_the_feed_does(db: Path, kwargs: dict[str, Any], field: str) -> None:
+async def test_bad_input_names_the_field_as_the_feed_does(created: Path, kwargs: dict[str, Any], field: str) -> None:
     async with WowdClient.connect(load_settings()) as client:
         with pytest.raises(InvalidInput) as caught:
             await client.schedule(ORDER, "k", **kwargs)
@@ -94,7 +94,7 @@ async def test_bad_input_names_the_field_as_the_feed_does(db: Path, kwargs: dict
         assert await client.log.last_version(ORDER) == 0  # nothing appended
 
 
-async def test_a_recurring_rule_without_a_time_starts_at_its_first_occurrence(db: Path) -> None:
+async def test_a_recurring_rule_without_a_time_starts_at_its_first_occurrence(created: Path) -> None:
     async with WowdClient.connect(load_settings()) as client:
         commit = await client.schedule(
             ORDER, "tick", rule={"type": "interval", "every_ms": 60_000}, command={"name": "t"}
@@ -103,14 +103,14 @@ async def test_a_recurring_rule_without_a_time_starts_at_its_first_occurrence(db
     assert isinstance(te, TimerScheduled) and te.due_at > commit.create_time
 
 
-async def test_an_owner_of_another_context_is_refused(db: Path) -> None:
+async def test_an_owner_of_another_context_is_refused(created: Path) -> None:
     async with WowdClient.connect(load_settings()) as client:
         with pytest.raises(InvalidInput) as caught:
             await client.cancel(AggregateRef(context="other", aggregate="order", id="o-1"), "k")
     assert caught.value.field == "owner"
 
 
-def test_the_sync_client_schedules_and_cancels(db: Path) -> None:
+def test_the_sync_client_schedules_and_cancels(created: Path) -> None:
     with SyncWowdClient.connect(load_settings()) as client:
         assert client.schedule(ORDER, "k", due_at=5, command={"name": "x"}).version == 1
         assert client.cancel(ORDER, "k").version == 2

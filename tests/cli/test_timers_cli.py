@@ -51,7 +51,7 @@ def _find(key: str) -> Timer:
     return t
 
 
-def test_schedule_show_list_and_cancel(wowd: Run) -> None:
+def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
     code, out, err = wowd(
         "timers",
         "schedule",
@@ -70,7 +70,7 @@ def test_schedule_show_list_and_cancel(wowd: Run) -> None:
     assert code == 0 and "appended at version 2" in out
 
 
-def test_schedule_refuses_bad_input_naming_the_field(wowd: Run) -> None:
+def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -> None:
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
     assert code == 1 and "body.due_at" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
@@ -133,7 +133,7 @@ def test_show_prints_one_timer_or_says_there_is_none(wowd: Run, feed_once: None)
 
 
 @pytest.fixture
-def feed_once(wowd: Run, db: Path) -> None:
+def feed_once(wowd: Run, created: Path) -> None:
     """Three timers of o-1 scheduled with the CLI, put into the timer view as the feed does."""
     for key in ("k1", "k2", "k3"):
         code, _, err = wowd("timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1")

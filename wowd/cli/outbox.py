@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 
 
 async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         box = backend.outbox
         if args.outbox_command == "list":
             batch = await box.take(args.after, limit=args.limit)

@@ -82,7 +82,7 @@ async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
     except ValueError:
         err(f"wowd: --partitions: integers expected, got {' '.join(given)}")
         return 2
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         rebuilder = Rebuilder(settings, backend, reducers)
         if args.snapshots_command == "status":
             return _print_status([status_doc(s) for s in await rebuilder.status()], json=args.json)

@@ -107,7 +107,7 @@ def _duration(ms: int) -> str:
 
 
 async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         states = await backend.leases.slots(settings.lease_namespace)
         replicas = await backend.leases.replicas(settings.lease_namespace)
     doc = status_doc(settings, states, replicas)

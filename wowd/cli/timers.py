@@ -166,7 +166,7 @@ def timer_doc(t: Timer) -> dict[str, Any]:
 
 
 async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         store = backend.timers
         if args.timers_command == "list":
             found = await store.scan(status=args.status, limit=args.limit + 1)
