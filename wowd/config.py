@@ -51,13 +51,51 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _http_url(v: str | None) -> str | None:
+    if v is None:
+        return v
+    try:
+        parts = urlsplit(v)
+        host = parts.hostname
+    except ValueError as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return v
+
+
 class EmbeddedSettings(_Part):
     path: Path = Path("./wowd.db")
+
+
+def uri_hosts(uri: str) -> str:
+    """The ``host[:port]`` list of a MongoDB URI, without its credentials (``a:1,b:2``)."""
+    rest = uri.partition("://")[2]
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    return authority.rpartition("@")[2]
+
+
+def url_host(url: str) -> str:
+    """The ``host[:port]`` of an HTTP URL, without its credentials."""
+    return urlsplit(url).netloc.rpartition("@")[2]
 
 
 class MongoSettings(_Part):
     uri: SecretStr | None = None
     """May hold credentials, hence secret."""
+
+    @field_validator("uri")
+    @classmethod
+    def _mongodb_uri(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return v
+        uri = v.get_secret_value()
+        scheme = uri.partition("://")[0] if "://" in uri else ""
+        if scheme not in ("mongodb", "mongodb+srv") or not uri_hosts(uri):
+            shown = f"a {scheme}:// URI" if scheme else "no URI"
+            raise ValueError(f"must be a mongodb:// or mongodb+srv:// URI with a host, got {shown}")
+        return v
+
     database: str = "wowd"
     timeout_ms: int = Field(default=10_000, ge=0)
     """The deadline of each store call (0: none); the change stream is never cut by it."""
@@ -70,6 +108,12 @@ class MongoSettings(_Part):
 
 class ElasticsearchSettings(_Part):
     url: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        return _http_url(v)
+
     api_key: SecretStr | None = None
     username: str | None = None
     password: SecretStr | None = None
@@ -141,15 +185,7 @@ class GatewaySettings(_Part):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        try:
-            parts = urlsplit(v)
-        except ValueError as exc:
-            raise ValueError(f"not a URL: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        return v
+        return _http_url(v)
 
     @model_validator(mode="after")
     def _url_for_http(self) -> GatewaySettings:
@@ -314,6 +350,15 @@ def unknown_environment_keys(environ: Mapping[str, str] | None = None) -> list[s
     return sorted(unknown)
 
 
+def variable(loc: tuple[int | str, ...]) -> str:
+    """The environment variable of a setting's location (``("mongodb", "uri")`` ->
+    ``WOWD_MONGODB__URI``); a dict setting's entry is named by the dict's variable."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "reducers":
+        parts = parts[:1]
+    return "WOWD_" + "__".join(parts).upper()
+
+
 def _settings_error(exc: SettingsError) -> str:
     """pydantic-settings says ``error parsing value for field "reducers" from source ...``: a
     nested or dict setting from the environment must be JSON."""
@@ -358,7 +403,8 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Wo
         lines = []
         for err in exc.errors(include_input=False, include_url=False):
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
-            lines.append(f"{loc}: {err['msg']}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc} ({variable(err['loc'])}): {msg}" if err["loc"] else f"{loc}: {msg}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
     finally:
         if token is not None:

@@ -33,8 +33,8 @@ def test_version(wowd: Run) -> None:
     [
         ({"WOWD_REDUCERS": "order=x"}, "WOWD_REDUCERS: not JSON"),
         ({"WOWD_REDUCERS": '{"order": "x"}'}, "'x' is not an import path module:attribute"),
-        ({"WOWD_GATEWAY__URL": "notaurl"}, "gateway.url: Value error, must be an http:// or https:// URL"),
-        ({"WOWD_GATEWAY__URL": "ftp://files.example/x"}, "gateway.url: Value error, must be an http:// or https://"),
+        ({"WOWD_GATEWAY__URL": "notaurl"}, "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https:// URL"),
+        ({"WOWD_GATEWAY__URL": "ftp://files.example/x"}, "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https://"),
         ({"WOWD_LOG_LEVEL": "verbose"}, "'verbose' is not a log level"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,45 @@ def test_the_client_refuses_a_database_that_does_not_exist(db: Path) -> None:
     with SyncWowdClient.connect(create=True) as client:
         client.cancel(AggregateRef(context="demo", aggregate="order", id="o-1"), "k")
     assert db.exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"WOWD_MONGODB__URI": "http://x"},
+            "mongodb.uri (WOWD_MONGODB__URI): must be a mongodb:// or mongodb+srv:// URI with a host, got a http://",
+        ),
+        ({"WOWD_MONGODB__URI": "mongodb://"}, "mongodb.uri (WOWD_MONGODB__URI): must be a mongodb://"),
+        ({"WOWD_ELASTICSEARCH__URL": "notaurl"}, "elasticsearch.url (WOWD_ELASTICSEARCH__URL): must be an http://"),
+    ],
+)
+def test_a_bad_store_url_is_a_settings_error_naming_the_variable(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
+) -> None:
+    monkeypatch.setenv("WOWD_BACKEND", "mongo")
+    monkeypatch.setenv("WOWD_MONGODB__URI", "mongodb://db/?replicaSet=rs0")
+    monkeypatch.setenv("WOWD_ELASTICSEARCH__URL", "http://es:9200")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and says in err and "Traceback" not in err
+
+
+def test_check_names_each_unreachable_server_by_its_setting(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        monkeypatch.setenv("WOWD_BACKEND", "mongo")
+        monkeypatch.setenv("WOWD_MONGODB__URI", f"mongodb://wowd:pw-secret@127.0.0.1:{port}/?replicaSet=rs0")
+        monkeypatch.setenv("WOWD_MONGODB__TIMEOUT_MS", "1000")
+        monkeypatch.setenv("WOWD_ELASTICSEARCH__URL", f"http://127.0.0.1:{port}")
+        code, _, err = wowd("check")
+    lines = err.splitlines()
+    assert code == 1, err
+    assert lines[0].startswith(
+        f"FAIL mongodb: StorageUnavailable: WOWD_MONGODB__URI: no MongoDB server answered at 127.0.0.1:{port}: "
+    )
+    assert lines[1].startswith(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: 127.0.0.1:{port}: ")
+    assert lines[2:] == ["wowd check: 2 problem(s)"]
+    assert "Topology" not in err and "pw-secret" not in err
