@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import io
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.cli.conftest import Run
+from wowd.cli import output
+from wowd.cli.backend import opened_backend
 from wowd.client import SyncWowdClient
+from wowd.config import load_settings
 from wowd.errors import ConfigError
-from wowd.model import AggregateRef
+from wowd.model import AggregateRef, OutboxEntry
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -92,20 +100,69 @@ def test_a_bad_store_url_is_a_settings_error_naming_the_variable(
     assert code == 2 and out == "" and says in err and "Traceback" not in err
 
 
-def test_check_names_each_unreachable_server_by_its_setting(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.process
+def test_check_names_each_unreachable_server_by_its_setting(db: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        monkeypatch.setenv("WOWD_BACKEND", "mongo")
-        monkeypatch.setenv("WOWD_MONGODB__URI", f"mongodb://wowd:pw-secret@127.0.0.1:{port}/?replicaSet=rs0")
-        monkeypatch.setenv("WOWD_MONGODB__TIMEOUT_MS", "1000")
-        monkeypatch.setenv("WOWD_ELASTICSEARCH__URL", f"http://127.0.0.1:{port}")
-        code, _, err = wowd("check")
-    lines = err.splitlines()
-    assert code == 1, err
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("WOWD_")}
+        env.update(
+            WOWD_BACKEND="mongo",
+            WOWD_MONGODB__URI=f"mongodb://wowd:pw-secret@127.0.0.1:{port}/?replicaSet=rs0",
+            WOWD_MONGODB__TIMEOUT_MS="1000",
+            WOWD_ELASTICSEARCH__URL=f"http://127.0.0.1:{port}",
+        )
+        done = subprocess.run(
+            [sys.executable, "-m", "wowd", "check"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1, done.stderr
     assert lines[0].startswith(
         f"FAIL mongodb: StorageUnavailable: WOWD_MONGODB__URI: no MongoDB server answered at 127.0.0.1:{port}: "
     )
     assert lines[1].startswith(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: 127.0.0.1:{port}: ")
     assert lines[2:] == ["wowd check: 2 problem(s)"]
-    assert "Topology" not in err and "pw-secret" not in err
+    assert "Topology" not in done.stderr and "pw-secret" not in done.stderr
+
+
+def _fill_outbox(n: int) -> None:
+    target = AggregateRef(context="demo", aggregate="order", id="o-1")
+
+    async def fill() -> None:
+        async with opened_backend(load_settings()) as backend:
+            for i in range(n):
+                e = OutboxEntry(
+                    request_id=f"r{i}",
+                    timer_id="t",
+                    target=target,
+                    command='{"name":"x"}',
+                    scheduled_at=1,
+                    fence=1,
+                    owner_key="k",
+                    created_at=1_000 + i,
+                )
+                assert await backend.outbox.put(e)
+
+    anyio.run(fill)
+
+
+def test_trimming_unacknowledged_entries_is_deliberate(
+    wowd: Run, created: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fill_outbox(3)
+    code, out, err = wowd("outbox", "trim", "--older-than-s", "0")
+    assert code == 1 and out == ""
+    assert "wowd: 3 unacknowledged entries were created before " in err and "--include-unacked" in err
+    # at a terminal, the operator is asked; anything but yes keeps the entries
+    monkeypatch.setattr(output, "interactive", lambda: True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("n\n"))
+    code, out, err = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked")
+    assert code == 1 and "remove 3 unacknowledged entries created before " in err and "[y/N]" in err
+    assert wowd("outbox", "list")[1].splitlines()[-1].startswith("3 of 3 entries")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked")
+    assert code == 0 and out.startswith("3 unacknowledged entries created before ")
+    _fill_outbox(1)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # --yes asks nothing
+    code, out, err = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked", "--yes")
+    assert code == 0 and out.startswith("1 unacknowledged entries") and err == ""

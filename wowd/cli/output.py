@@ -7,7 +7,7 @@ import sys
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-__all__ = ["err", "out", "print_json", "print_table"]
+__all__ = ["confirm", "err", "interactive", "out", "print_json", "print_table"]
 
 
 def out(text: str = "") -> None:
@@ -38,3 +38,25 @@ def print_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, righ
             else:
                 parts.append(c.rjust(widths[i]) if i in right else c.ljust(widths[i]))
         out("  ".join(parts).rstrip())
+
+
+def interactive() -> bool:
+    """Someone at a terminal answers: standard input and standard error are terminals."""
+    try:
+        return sys.stdin.isatty() and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def confirm(question: str, *, yes: bool) -> bool:
+    """Asks ``question [y/N]`` at a terminal before a destructive change; True when answered
+    yes, when ``yes`` (``--yes``) or when nobody is at a terminal (a script asked for it)."""
+    if yes or not interactive():
+        return True
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    try:
+        answer = sys.stdin.readline()
+    except KeyboardInterrupt:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
