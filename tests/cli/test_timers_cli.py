@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -9,6 +12,7 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
+from wowd.cli import output
 from wowd.cli.backend import opened_backend
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.gateway import Park, Retry
@@ -86,7 +90,7 @@ def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Ru
     assert lines[-1] == "3 timer(s)"
     code, out, _ = wowd("timers", "list", "--status", "pending", "--limit", "2")
     assert code == 0 and len(out.splitlines()) == 1 + 2 + 1
-    assert out.splitlines()[-1] == "2 timer(s) shown; more exist (--limit to list more)"
+    assert out.splitlines()[-1].startswith("2 timer(s) shown; next: --after ")
     code, _, err = wowd("timers", "list", "--limit", "-5")
     assert code == 2 and "--limit: must be >= 1, got -5" in err
     code, _, err = wowd("timers", "list", "--status", "asleep")
@@ -107,7 +111,7 @@ def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wo
     assert " 3  failed: retry budget spent after 3 attempts: HTTP 503" in failed  # attempts = deliveries = 3
     since = _find("k2").due_at  # a parked timer's due time is when it was parked
     assert abs(since - time.time() * 1000) < 60_000
-    assert f" 1  parked since {iso_ms(since)}: HTTP 404: no such order" in parked
+    assert f" 1  parked since {iso_ms(since)} (" in parked and " ago): HTTP 404: no such order" in parked
     assert " 0  claimed by replica-a until " in firing
     code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")
     assert '"attempts": 3' in out
@@ -150,3 +154,68 @@ def feed_once(wowd: Run, created: Path) -> None:
                         assert await backend.timers.put(timer_from_event(entry.commit, te, PARTITIONS))
 
     anyio.run(feed)
+
+
+def test_a_timer_is_named_by_its_id_or_by_owner_and_key_everywhere(wowd: Run, feed_once: None) -> None:
+    _settle("park", "k2")
+    k2 = _find("k2")
+    by_id, by_key = wowd("timers", "show", k2.timer_id, "--json"), wowd("timers", "show", "order/o-1", "k2", "--json")
+    assert by_id[0] == by_key[0] == 0 and by_id[1] == by_key[1] and json.loads(by_id[1])["timer_id"] == k2.timer_id
+    code, _, err = wowd("timers", "show", "nope")
+    assert code == 1 and "wowd: no timer nope" in err
+    code, out, err = wowd("timers", "resume", "order/o-1", "k2")
+    assert code == 0 and out.startswith("1 timer(s) back to PENDING"), err
+    code, _, err = wowd("timers", "retry", "order/o-1", "k1")
+    assert code == 1 and "wowd: timer 'k1' of demo.order/(0)/o-1 is PENDING, not FAILED" in err
+
+
+def test_bulk_resume_counts_confirms_and_filters_by_target(
+    wowd: Run, feed_once: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("k1", "k2", "k3"):
+        _settle("park", key)
+    code, _, err = wowd("timers", "resume")
+    assert code == 2 and "give timer ids (or AGGREGATE/ID KEY), --all or --target" in err
+    monkeypatch.setattr(output, "interactive", lambda: True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("no\n"))
+    code, _, err = wowd("timers", "resume", "--all-parked")
+    assert code == 1 and "resume 3 PARKED timer(s)? [y/N]" in err
+    assert {_find(k).status for k in ("k1", "k2", "k3")} == {TimerStatus.PARKED}
+    code, out, err = wowd("timers", "resume", "--target", "order/o-2", "--yes")
+    assert (code, out) == (0, "0 timer(s) back to PENDING\n"), err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = wowd("timers", "resume", "--target", "order/o-1")
+    assert code == 0 and out == "3 timer(s) back to PENDING\n" and "resume 3 PARKED timer(s) of target" in err
+    assert {_find(k).status for k in ("k1", "k2", "k3")} == {TimerStatus.PENDING}
+
+
+def test_list_pages_with_after_and_filters_by_target(wowd: Run, feed_once: None, tmp_path: Path) -> None:
+    config = tmp_path / "wowd.toml"
+    config.write_text('log_format = "text"\n')
+    seen: list[str] = []
+    after: list[str] = []
+    while True:
+        code, out, err = wowd("timers", "list", "--limit", "2", "--json", *after, "--config", str(config))
+        assert code == 0, err
+        doc = json.loads(out)
+        seen += [t["key"] for t in doc["timers"]]
+        if doc["next"] is None:
+            break
+        after = ["--after", doc["next"]]
+    assert sorted(seen) == ["k1", "k2", "k3"]
+    code, out, _ = wowd("timers", "list", "--target", "order/o-2")
+    assert code == 0 and out.splitlines()[-1] == "0 timer(s)"
+    code, out, _ = wowd("timers", "list", "--target", "order/o-1")
+    assert code == 0 and out.splitlines()[-1] == "3 timer(s)"
+    code, _, err = wowd("timers", "list", "--after", "nope")
+    assert code == 2 and "not a cursor of 'timers list'" in err
+
+
+def test_json_holds_json_and_epoch_ms_while_tables_show_iso_times(wowd: Run, feed_once: None) -> None:
+    code, out, _ = wowd("timers", "show", "order/o-1", "k1", "--json")
+    doc = json.loads(out)
+    assert doc["command"] == {"name": "expire-order", "body": {}} and isinstance(doc["due_at"], int)
+    assert doc["rule"] == {"type": "once"}
+    code, out, _ = wowd("timers", "show", "order/o-1", "k1")
+    due = next(line for line in out.splitlines() if line.startswith("due_at:"))
+    assert due == f"due_at:       {iso_ms(doc['due_at'])} ({due.split('(', 1)[1]}" and due.endswith(" ago)")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.backend import opened_backend
-from wowd.cli.output import confirm, err, out, print_json, print_table
+from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
 from wowd.stores.base import Outbox
@@ -24,7 +25,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     ol = osub.add_parser("list", help="entries in delivery order, after a cursor")
     ol.add_argument("--after", metavar="CURSOR", help="only entries after this cursor (as a previous list printed)")
     ol.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
-    ol.add_argument("--json", action="store_true", help="print JSON ({entries, cursor}) instead of a table")
+    ol.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON ({entries, cursor, depth}; times in epoch ms) instead of a table",
+    )
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")
     ot = osub.add_parser(
@@ -62,7 +67,7 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
                 "request_id": e.request_id,
                 "timer_id": e.timer_id,
                 "target": str(e.target),
-                "command": e.command,
+                "command": json.loads(e.command),
                 "scheduled_at": e.scheduled_at,
                 "created_at": e.created_at,
                 "fence": e.fence,
@@ -72,9 +77,10 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
         ]
         print_json({"entries": entries, "cursor": batch.cursor, "depth": depth})
         return 0
+    now = int(time.time() * 1000)
     print_table(
         ["request_id", "created", "target", "command"],
-        [[e.request_id, iso_ms(e.created_at), e.target, e.command] for e in batch.entries],
+        [[e.request_id, at(e.created_at, now), e.target, e.command] for e in batch.entries],
     )
     out(f"{len(batch.entries)} of {depth} entries" + (f"; next: --after {batch.cursor}" if batch.cursor else ""))
     return 0
