@@ -33,6 +33,7 @@ from wowd.model import (
     AggregateRef,
     Command,
     Commit,
+    CronRule,
     DomainEvent,
     OnceRule,
     Rule,
@@ -84,10 +85,17 @@ def scheduled_event(
     rule's first after now; a once rule needs ``due_at``."""
     parsed = _rule(rule)
     if due_at is None:
+        if isinstance(parsed, OnceRule):
+            raise InvalidInput("is required with a once rule", field="body.due_at")
         now = clock.now_ms() if now_ms is None else now_ms
-        first = parsed.next_after(now) if not isinstance(parsed, OnceRule) else None
+        first = parsed.next_after(now)
         if first is None:
-            raise InvalidInput("is required with a once rule (or a rule with no next occurrence)", field="body.due_at")
+            if isinstance(parsed, CronRule):
+                raise InvalidInput(
+                    f"{parsed.expression!r} has no occurrence after now (in zone {parsed.zone})",
+                    field="rule.expression",
+                )
+            raise InvalidInput("has no occurrence after now", field="rule")
         due = first
     else:
         due = _ms(due_at, "body.due_at")
@@ -110,7 +118,12 @@ def scheduled_event(
         "command": cmd,
     }
     event = DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body_type="wowd.TimerScheduled", body=body)
-    timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+    try:
+        timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+    except InvalidInput as exc:
+        if exc.field == "body.command" and "over the limit" in exc.reason:  # a limit of the settings
+            raise InvalidInput(f"{exc.reason} (WOWD_TIMERS__MAX_BODY_BYTES)", field=exc.field) from None
+        raise
     return event
 
 

@@ -131,3 +131,11 @@ def test_every_option_has_help_text() -> None:
 
     walk(build_parser(), "wowd")
     assert not missing
+
+
+async def test_an_oversize_command_names_the_setting(created: Path) -> None:
+    async with WowdClient.connect(load_settings(timers={"max_body_bytes": 100})) as client:
+        with pytest.raises(InvalidInput, match=r"over the limit of 100 \(WOWD_TIMERS__MAX_BODY_BYTES\)"):
+            await client.schedule(ORDER, "k", due_at=1_900_000_000_000, command={"name": "x", "body": {"n": "y" * 200}})
+        with pytest.raises(InvalidInput, match=r"^rule.expression: '0 0 30 2 \*' has no occurrence after now"):
+            await client.schedule(ORDER, "k", rule={"type": "cron", "expression": "0 0 30 2 *"}, command={"name": "x"})

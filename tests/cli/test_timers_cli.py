@@ -76,9 +76,9 @@ def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
 
 def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -> None:
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
-    assert code == 1 and "body.due_at" in err
+    assert code == 2 and err.startswith("wowd: --at/--in: ") and "(body.due_at)" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
-    assert code == 1 and "rule.expression" in err
+    assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
 
@@ -140,7 +140,9 @@ def test_show_prints_one_timer_or_says_there_is_none(wowd: Run, feed_once: None)
 def feed_once(wowd: Run, created: Path) -> None:
     """Three timers of o-1 scheduled with the CLI, put into the timer view as the feed does."""
     for key in ("k1", "k2", "k3"):
-        code, _, err = wowd("timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1")
+        code, _, err = wowd(
+            "timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1", "--allow-past"
+        )
         assert code == 0, err
 
     async def feed() -> None:
@@ -219,3 +221,31 @@ def test_json_holds_json_and_epoch_ms_while_tables_show_iso_times(wowd: Run, fee
     code, out, _ = wowd("timers", "show", "order/o-1", "k1")
     due = next(line for line in out.splitlines() if line.startswith("due_at:"))
     assert due == f"due_at:       {iso_ms(doc['due_at'])} ({due.split('(', 1)[1]}" and due.endswith(" ago)")
+
+
+def test_schedule_errors_name_the_flag_or_the_setting(
+    wowd: Run, created: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 30 2 *")
+    assert (code, out) == (2, "")
+    assert err == "wowd: --cron: '0 0 30 2 *' has no occurrence after now (in zone UTC) (rule.expression)\n"
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "-3600")
+    assert code == 2 and err.startswith("wowd: --in: the due time ") and "in the past" in err and "--allow-past" in err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "2020-01-01T00:00:00Z")
+    assert code == 2 and err.startswith("wowd: --at: the due time 2020-01-01T00:00:00.000+00:00 is in the past")
+    big = tmp_path / "body.json"
+    big.write_text(json.dumps({"note": "x" * 200}))
+    monkeypatch.setenv("WOWD_TIMERS__MAX_BODY_BYTES", "100")
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "60", "--body", f"@{big}")
+    assert (
+        code == 2
+        and err.startswith("wowd: --body: is ")
+        and "over the limit of 100 (WOWD_TIMERS__MAX_BODY_BYTES)" in err
+    )
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--body", f"@{tmp_path / 'none'}")
+    assert code == 2 and "--body: cannot read" in err
+    monkeypatch.delenv("WOWD_TIMERS__MAX_BODY_BYTES")
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "60", "--body", f"@{big}")
+    assert code == 0, err
+    code, out, _ = wowd("timers", "schedule", "order/o-1", "k2", "--command", "x", "--in", "-5", "--allow-past")
+    assert code == 0 and "scheduled at version" in out

@@ -7,6 +7,7 @@ import argparse
 import json
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from wowd.cli.args import positive_int
@@ -35,12 +36,20 @@ def _status(text: str) -> TimerStatus:
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object, given inline or as ``@FILE`` (read from the file)."""
+    where = ""
+    if text.startswith("@"):
+        where = f"{text[1:]}: "
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {exc}") from None
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(f"{where}not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("a JSON object {...} is expected")
+        raise argparse.ArgumentTypeError(f"{where}a JSON object {{...}} is expected")
     return value
 
 
@@ -54,6 +63,34 @@ def _instant(text: str) -> int:
     if at.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give the time zone (e.g. +00:00 or Z)")
     return int(at.timestamp() * 1000)
+
+
+PAST_TOLERANCE_MS = 1000
+"""A due time at most this far in the past is "now" (the clock moved while the command ran)."""
+
+FLAGS = {
+    "body.due_at": "--at/--in",
+    "rule.expression": "--cron",
+    "rule.zone": "--zone",
+    "rule.every_ms": "--every-ms",
+    "rule": "--cron/--every-ms",
+    "body.command.name": "--command",
+    "body.command.body_type": "--body-type",
+    "body.command": "--body",
+    "body.command.body": "--body",
+    "body.key": "KEY",
+}
+"""The flag of ``wowd timers schedule`` that gave each field of the event."""
+
+
+def _flag(field: str | None) -> str:
+    if field is None:
+        return "wowd timers schedule"
+    if field in FLAGS:
+        return FLAGS[field]
+    if field.startswith("body.target"):
+        return "--target"
+    return next((flag for f, flag in FLAGS.items() if field.startswith(f + ".")), field)
 
 
 def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
@@ -99,11 +136,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
     tsc.add_argument("key", help="the timer's key (a later schedule of the same key replaces it)")
     tsc.add_argument("--command", required=True, metavar="NAME", help="the command sent to the target when due")
-    tsc.add_argument("--body", type=_json_object, default={}, help="the command's body, a JSON object (default {})")
+    tsc.add_argument(
+        "--body",
+        type=_json_object,
+        default={},
+        help="the command's body: a JSON object, or @FILE to read one from a file (default {})",
+    )
     tsc.add_argument("--body-type", help="the command's body type (sent as Command-Type)")
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
     when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
+    tsc.add_argument(
+        "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
+    )
     rule = tsc.add_mutually_exclusive_group()
     rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
     rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
@@ -336,13 +381,23 @@ async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> 
         rule = {"type": "interval", "every_ms": args.every_ms}
     elif args.cron is not None:
         rule = {"type": "cron", "expression": args.cron, "zone": args.zone}
+    now = int(time.time() * 1000)
     due_at = args.at if args.at is not None else None
     if args.in_s is not None:
-        due_at = int(time.time() * 1000 + args.in_s * 1000)
+        due_at = int(now + args.in_s * 1000)
     if due_at is None and rule is None:
-        due_at = int(time.time() * 1000)  # a one-shot timer without a time: due now
+        due_at = now  # a one-shot timer without a time: due now
+    elif due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
+        flag = "--at" if args.at is not None else "--in"
+        raise ConfigError(
+            f"{flag}: the due time {iso_ms(due_at)} is in the past (the timer would fire at once); "
+            "--allow-past to schedule it anyway"
+        )
     command = Command(name=args.command, body=args.body, body_type=args.body_type)
-    commit = await client.schedule(owner, args.key, command=command, due_at=due_at, rule=rule, target=target)
+    try:
+        commit = await client.schedule(owner, args.key, command=command, due_at=due_at, rule=rule, target=target)
+    except InvalidInput as exc:
+        raise ConfigError(f"{_flag(exc.field)}: {exc.reason} ({exc.field})") from exc
     (event,) = commit.events
     out(
         f"timer {args.key!r} of {owner} scheduled at version {commit.version}: {args.command} to {target} "
