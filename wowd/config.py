@@ -6,6 +6,7 @@ Precedence: init arguments > environment > TOML file (``--config`` / ``WOWD_CONF
 
 from __future__ import annotations
 
+import difflib
 import os
 import secrets
 import socket
@@ -335,19 +336,38 @@ _NOT_SETTINGS = ("WOWD_TEST_",)
 
 
 def unknown_environment_keys(environ: Mapping[str, str] | None = None) -> list[str]:
-    """``WOWD_*`` variables whose first segment names no setting (pydantic-settings would
-    silently ignore them: a misspelled variable must be an error instead)."""
+    """``WOWD_*`` variables that name no setting (pydantic-settings would silently ignore an
+    unknown first segment: a misspelled variable must be an error instead): an unknown first
+    segment, or an unknown key of a nested setting (``WOWD_TIMERS__CONCURENCY``)."""
+    return sorted(key for key, _ in _unknown(environ))
+
+
+def _unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The unknown ``WOWD_*`` variables, each with the closest known variable (or None)."""
     env = os.environ if environ is None else environ
-    fields = {name.lower() for name in WowdSettings.model_fields}
-    unknown = []
+    fields = {name.lower(): f for name, f in WowdSettings.model_fields.items()}
+    found: list[tuple[str, str | None]] = []
     for key in env:
         upper = key.upper()
         if not upper.startswith("WOWD_") or upper.startswith(_NOT_SETTINGS):
             continue
-        head = upper[len("WOWD_") :].split("__", 1)[0].lower()
-        if head not in fields:
-            unknown.append(key)
-    return sorted(unknown)
+        head, _, rest = upper[len("WOWD_") :].lower().partition("__")
+        field_ = fields.get(head)
+        if field_ is None:
+            close = _closest(head, fields, "WOWD_")
+            found.append((key, f"{close}__{rest.upper()}" if close and rest else close))
+            continue
+        part = field_.annotation
+        if rest and isinstance(part, type) and issubclass(part, BaseModel):
+            name = rest.split("__", 1)[0]
+            if name not in part.model_fields:
+                found.append((key, _closest(name, part.model_fields, f"WOWD_{head.upper()}__")))
+    return found
+
+
+def _closest(name: str, known: Mapping[str, object], prefix: str) -> str | None:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"{prefix}{close[0].upper()}" if close else None
 
 
 def variable(loc: tuple[int | str, ...]) -> str:
@@ -386,10 +406,14 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Wo
         named = os.environ.get("WOWD_CONFIG")
         if named and not Path(named).is_file():
             raise ConfigError(f"WOWD_CONFIG: config file {named!r} does not exist")
-    unknown = unknown_environment_keys()
+    unknown = sorted(_unknown())
     if unknown:
         raise ConfigError(
-            "invalid configuration:\n  " + "\n  ".join(f"{key}: not a wowd setting (misspelled?)" for key in unknown)
+            "invalid configuration:\n  "
+            + "\n  ".join(
+                f"{key}: not a wowd setting ({f'did you mean {close}?' if close else 'misspelled?'})"
+                for key, close in unknown
+            )
         )
     try:
         return WowdSettings(**overrides)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -166,3 +168,50 @@ def test_trimming_unacknowledged_entries_is_deliberate(
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # --yes asks nothing
     code, out, err = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked", "--yes")
     assert code == 0 and out.startswith("1 unacknowledged entries") and err == ""
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [
+        (
+            "WOWD_TIMERS__CONCURENCY",
+            "WOWD_TIMERS__CONCURENCY: not a wowd setting (did you mean WOWD_TIMERS__CONCURRENCY?)",
+        ),
+        ("WOWD_TIMRS__BATCH", "WOWD_TIMRS__BATCH: not a wowd setting (did you mean WOWD_TIMERS__BATCH?)"),
+        ("WOWD_CONTEXTT", "WOWD_CONTEXTT: not a wowd setting (did you mean WOWD_CONTEXT?)"),
+        ("WOWD_NOTHING_LIKE_IT", "WOWD_NOTHING_LIKE_IT: not a wowd setting (misspelled?)"),
+    ],
+)
+def test_an_unknown_setting_names_the_variable_and_a_close_match(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch, key: str, says: str
+) -> None:
+    monkeypatch.setenv(key, "3")
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and says in err
+
+
+@pytest.mark.process
+def test_the_demo_run_tells_a_newcomer_where_to_look_in_one_format(tmp_path: Path) -> None:
+    """``make run`` in a pipe: stdout is JSON lines as the log is (no progress text among JSON),
+    the first says the replica is up and where to look, and no line lists partitions one by one."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("WOWD_")}
+    env.update(WOWD_HTTP__PORT="0", WOWD_LOG_FORMAT="json")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wowd", "run", "--demo"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first, second = json.loads(proc.stdout.readline()), json.loads(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert first["msg"].startswith("wowd ") and " is up on embedded file wowd.db" in first["msg"]
+    assert "`wowd status`" in first["msg"] and f"http://localhost:{first['port']}/metrics" in first["msg"]
+    assert "demo: appended" in second["msg"] and {"appended", "fed", "fired"} <= set(second)
+    logged = [json.loads(line) for line in err.splitlines()]
+    assert not [d for d in logged if "holds partitions" in d["msg"] or "snapshots" in d["msg"]], logged
