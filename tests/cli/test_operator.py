@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import anyio
@@ -19,8 +20,10 @@ from wowd.cli import output
 from wowd.cli.backend import opened_backend
 from wowd.client import SyncWowdClient
 from wowd.config import load_settings
+from wowd.daemon.rebuild import Rebuilder
 from wowd.errors import ConfigError
-from wowd.model import AggregateRef, OutboxEntry
+from wowd.model import AggregateRef, OutboxEntry, Owner
+from wowd.reducers import load_reducer
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -215,3 +218,37 @@ def test_the_demo_run_tells_a_newcomer_where_to_look_in_one_format(tmp_path: Pat
     assert "demo: appended" in second["msg"] and {"appended", "fed", "fired"} <= set(second)
     logged = [json.loads(line) for line in err.splitlines()]
     assert not [d for d in logged if "holds partitions" in d["msg"] or "snapshots" in d["msg"]], logged
+
+
+def test_an_offline_snapshot_rebuild_takes_the_slots_leases_for_its_duration(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No replica runs, but one did (its slots have fences): the rebuild holds each slot's lease
+    while it writes under its fence, and gives it back."""
+    monkeypatch.setenv("WOWD_REDUCERS", json.dumps({"order": "wowd.demo:reducer"}))
+    monkeypatch.setenv("WOWD_LEASE__LIMIT", "2")
+    assert wowd("demo", "--commits", "40", "--timers", "0", "--aggregates", "8")[0] == 0
+
+    async def a_replica_came_and_went() -> None:
+        s = load_settings()
+        async with opened_backend(s) as backend:
+            rebuilder = Rebuilder(s, backend, {"order": load_reducer("wowd.demo:reducer")})
+            for key in ("replica-a", "replica-b"):
+                got = await backend.leases.acquire(
+                    s.lease_namespace, Owner(key=key), 2, timedelta(seconds=60), timedelta(seconds=1)
+                )
+                assert got.lease is not None
+                await rebuilder.rebuild(s.partitions_of_slot(got.lease.slot), fence=got.lease.fence)
+                assert await backend.leases.release(got.lease, last_issued=got.lease.written_at)
+
+    anyio.run(a_replica_came_and_went)
+    code, out, err = wowd("snapshots", "rebuild", "--force", "--json")
+    assert code == 0, err
+    docs = json.loads(out)
+    assert sorted(p for d in docs for p in d["partitions"]) == list(range(8))
+    assert sum(d["rewritten"] + d["unchanged"] for d in docs) == 8 and any(d["backfilled"] for d in docs)
+    assert all(d["outcome"] == "rebuilt" for d in docs), docs
+    code, out, _ = wowd("status", "--json")
+    assert json.loads(out)["holders"] == []  # the leases were given back
+    code, out, _ = wowd("snapshots", "status", "--json")
+    assert json.loads(out)[0]["table"]["backfilled"] is True
