@@ -11,7 +11,7 @@ import pytest
 from tests.cli.conftest import CONTEXT
 from wowd.cli.backend import opened_backend
 from wowd.cli.main import build_parser
-from wowd.client import SyncWowdClient, WowdClient
+from wowd.client import SCHEDULES, SyncWowdClient, WowdClient, schedule_stream
 from wowd.config import load_settings
 from wowd.errors import ConflictError, InvalidInput
 from wowd.model import AggregateRef, Command, Commit, DomainEvent, TimerCancelled, TimerScheduled, timer_event_from
@@ -21,14 +21,19 @@ ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
 pytestmark = pytest.mark.anyio
 
 
-async def test_schedule_and_cancel_append_at_successive_versions(created: Path) -> None:
+async def test_schedule_and_cancel_append_at_successive_versions_of_wowds_stream(created: Path) -> None:
+    """By default the commits go to wowd's stream of the owner: the application's stream of
+    ``o-1`` gets nothing (its versions stay the application's), the command still goes to o-1."""
     async with WowdClient.connect(load_settings()) as client:
         first = await client.schedule(
             ORDER, "expire", due_at=1_900_000_000_000, command=Command(name="expire-order", body={"n": 1})
         )
         second = await client.cancel(ORDER, "expire")
+        stream = AggregateRef(context=CONTEXT, aggregate=SCHEDULES, id="order/o-1")
+        assert first.ref == second.ref == stream == schedule_stream(ORDER)
         assert (first.version, second.version) == (1, 2)
-        assert await client.log.last_version(ORDER) == 2
+        assert await client.log.last_version(stream) == 2
+        assert await client.log.last_version(ORDER) == 0
         (ev1,), (ev2,) = first.events, second.events
         scheduled, cancelled = timer_event_from(ev1), timer_event_from(ev2)
         assert isinstance(scheduled, TimerScheduled) and isinstance(cancelled, TimerCancelled)
@@ -59,7 +64,7 @@ async def test_a_version_taken_meanwhile_is_read_again(created: Path) -> None:
             return await real(ref)
 
         log.last_version = stale  # type: ignore[method-assign]
-        commit = await WowdClient(log).cancel(ORDER, "k")
+        commit = await WowdClient(log).cancel(ORDER, "k", in_owner_stream=True)
         assert commit.version == 2 and calls == 2
 
 
@@ -68,7 +73,7 @@ async def test_a_log_that_always_conflicts_ends_in_a_conflict_error(created: Pat
         backend.log.last_version = _always_zero  # type: ignore[method-assign]
         await backend.log.append(Commit(ref=ORDER, version=1, command_id="c", request_id="r", create_time=1))
         with pytest.raises(ConflictError, match="no free version"):
-            await WowdClient(backend.log).cancel(ORDER, "k")
+            await WowdClient(backend.log).cancel(ORDER, "k", in_owner_stream=True)
 
 
 async def _always_zero(ref: AggregateRef) -> int:
@@ -91,7 +96,7 @@ async def test_bad_input_names_the_field_as_the_feed_does(created: Path, kwargs:
         with pytest.raises(InvalidInput) as caught:
             await client.schedule(ORDER, "k", **kwargs)
         assert caught.value.field == field
-        assert await client.log.last_version(ORDER) == 0  # nothing appended
+        assert await client.log.last_version(schedule_stream(ORDER)) == 0  # nothing appended
 
 
 async def test_a_recurring_rule_without_a_time_starts_at_its_first_occurrence(created: Path) -> None:
@@ -139,3 +144,15 @@ async def test_an_oversize_command_names_the_setting(created: Path) -> None:
             await client.schedule(ORDER, "k", due_at=1_900_000_000_000, command={"name": "x", "body": {"n": "y" * 200}})
         with pytest.raises(InvalidInput, match=r"^rule.expression: '0 0 30 2 \*' has no occurrence after now"):
             await client.schedule(ORDER, "k", rule={"type": "cron", "expression": "0 0 30 2 *"}, command={"name": "x"})
+
+
+async def test_the_owners_own_stream_only_when_asked(created: Path) -> None:
+    async with WowdClient.connect(load_settings()) as client:
+        await client.log.append(
+            Commit(ref=ORDER, version=1, command_id="c", request_id="r", create_time=1, events=())
+        )  # the application's own commit
+        commit = await client.schedule(ORDER, "k", due_at=5, command={"name": "x"}, in_owner_stream=True)
+        assert commit.ref == ORDER and commit.version == 2
+        cancel = await client.cancel(ORDER, "k", in_owner_stream=True)
+        assert cancel.ref == ORDER and cancel.version == 3
+        assert await client.log.last_version(schedule_stream(ORDER)) == 0

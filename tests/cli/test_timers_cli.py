@@ -14,6 +14,7 @@ import pytest
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
 from wowd.cli import output
 from wowd.cli.backend import opened_backend
+from wowd.client import schedule_stream
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.gateway import Park, Retry
 from wowd.daemon.timers import outcome_changes
@@ -29,7 +30,7 @@ def _settle(kind: str, key: str) -> None:
     async def go() -> None:
         async with opened_backend(load_settings()) as backend:
             store = backend.timers
-            t = await store.find(ORDER, key)
+            t = await store.find(schedule_stream(ORDER), key)
             assert t is not None
             now = int(time.time() * 1000)
             claim = TimerChange.claim(t, owner_key="replica-a", fence=1, until=now + 30_000)
@@ -48,7 +49,7 @@ def _settle(kind: str, key: str) -> None:
 def _find(key: str) -> Timer:
     async def go() -> Timer | None:
         async with opened_backend(load_settings()) as backend:
-            return await backend.timers.find(ORDER, key)
+            return await backend.timers.find(schedule_stream(ORDER), key)
 
     t = anyio.run(go)
     assert t is not None
@@ -69,9 +70,9 @@ def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
         "60",
     )
     assert code == 0, err
-    assert "timer 'expire' of demo.order/(0)/o-1 scheduled at version 1: expire-order" in out
-    code, out, err = wowd("timers", "cancel", "order/o-1", "expire")
-    assert code == 0 and "appended at version 2" in out
+    assert "timer 'expire' of demo.order/(0)/o-1 scheduled in demo.wowd_schedule/(0)/order/o-1 at version 1" in out
+    code, out, err = wowd("timers", "cancel", "order/o-1", "expire", "--force")  # not fed into the view
+    assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 2" in out
 
 
 def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -> None:
@@ -147,7 +148,7 @@ def feed_once(wowd: Run, created: Path) -> None:
 
     async def feed() -> None:
         async with opened_backend(load_settings()) as backend:
-            async for batch in backend.log.read({ORDER.partition(PARTITIONS): None}, follow=False):
+            async for batch in backend.log.read(dict.fromkeys(range(PARTITIONS)), follow=False):
                 for entry in batch.entries:
                     assert entry.commit is not None
                     for ev in entry.commit.events:
@@ -248,4 +249,20 @@ def test_schedule_errors_name_the_flag_or_the_setting(
     code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "60", "--body", f"@{big}")
     assert code == 0, err
     code, out, _ = wowd("timers", "schedule", "order/o-1", "k2", "--command", "x", "--in", "-5", "--allow-past")
-    assert code == 0 and "scheduled at version" in out
+    assert code == 0 and " at version 2: " in out
+
+
+def test_cancel_refuses_a_timer_that_does_not_exist_unless_forced(wowd: Run, feed_once: None) -> None:
+    code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey")
+    assert (code, out) == (1, "") and "wowd: no timer 'nokey' of demo.wowd_schedule/(0)/order/never-existed" in err
+
+    async def versions() -> tuple[int, int]:
+        async with opened_backend(load_settings()) as backend:
+            gone = AggregateRef(context=CONTEXT, aggregate="order", id="never-existed")
+            return await backend.log.last_version(gone), await backend.log.last_version(schedule_stream(gone))
+
+    assert anyio.run(versions) == (0, 0)  # no stream was created
+    code, out, err = wowd("timers", "cancel", "order/o-1", "k1")  # it exists: appended to wowd's stream
+    assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 4" in out, err
+    code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey", "--force", "--in-owner-stream")
+    assert code == 0 and "appended to demo.order/(0)/never-existed at version 1" in out, err

@@ -13,6 +13,7 @@ from typing import Any
 from wowd.cli.args import positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
+from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms
@@ -107,6 +108,12 @@ def parse_ref(text: str, *, context: str, tenant: str | None = None) -> Aggregat
         raise ConfigError(f"{text!r}: {exc}") from exc
 
 
+IN_OWNER_STREAM_HELP = (
+    "append to the owner aggregate's own stream, at its next version (default: wowd's stream of the owner, "
+    f"aggregate {SCHEDULES}, which leaves the application's streams alone)"
+)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("timers", parents=[common], help="list, show, schedule, cancel and repair timers")
     tsub = p.add_subparsers(dest="timers_command", required=True, metavar="COMMAND")
@@ -132,7 +139,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     ts.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     ts.add_argument("--json", action="store_true", help="print JSON instead of lines (times in epoch ms)")
 
-    tsc = tsub.add_parser("schedule", help="append a commit of the owner scheduling a timer (the application API)")
+    tsc = tsub.add_parser("schedule", help="append a commit scheduling a timer of an owner (the application API)")
     tsc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
     tsc.add_argument("key", help="the timer's key (a later schedule of the same key replaces it)")
     tsc.add_argument("--command", required=True, metavar="NAME", help="the command sent to the target when due")
@@ -156,11 +163,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--target", metavar="AGGREGATE/ID", help="where the command goes (default: the owner)")
     tsc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     tsc.add_argument("--target-tenant", help="the target's tenant id (default: the owner's)")
+    tsc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
 
-    tc = tsub.add_parser("cancel", help="append a commit of the owner cancelling a timer")
+    tc = tsub.add_parser("cancel", help="append a commit cancelling a timer (one that exists, unless --force)")
     tc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
     tc.add_argument("key", help="the timer's key")
     tc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
+    tc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
+    tc.add_argument(
+        "--force", action="store_true", help="append the cancel even when the timer view holds no such timer"
+    )
 
     for name, status, text in (("retry", "failed", "FAILED"), ("resume", "parked", "PARKED")):
         tr = tsub.add_parser(name, help=f"{text} timers back to PENDING, due now: by id, owner and key, or in bulk")
@@ -262,7 +274,11 @@ def selected(tokens: list[str], *, context: str, tenant: str | None) -> list[str
 
 
 def _matches(t: Timer, wanted: str | tuple[AggregateRef, str]) -> bool:
-    return t.timer_id == wanted if isinstance(wanted, str) else (t.owner, t.key) == wanted
+    """The timer named by id, or by owner and key (the owner's own stream or wowd's of it)."""
+    if isinstance(wanted, str):
+        return t.timer_id == wanted
+    owner, key = wanted
+    return t.key == key and t.owner in (owner, schedule_stream(owner))
 
 
 def _name(wanted: str | tuple[AggregateRef, str]) -> str:
@@ -275,7 +291,7 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
         if args.timers_command == "list":
             return await _list(settings, store, args)
         if args.timers_command in ("schedule", "cancel"):
-            return await _write(settings, backend.log, args)
+            return await _write(settings, backend.log, store, args)
         if args.timers_command == "show":
             return await _show(settings, store, args)
         return await _repair(settings, store, args)
@@ -312,7 +328,8 @@ async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namesp
 
 async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[AggregateRef, str]) -> Timer | None:
     if isinstance(wanted, tuple):
-        return await store.find(*wanted)
+        owner, key = wanted
+        return await store.find(schedule_stream(owner), key) or await store.find(owner, key)
     return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
 
 
@@ -362,14 +379,22 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
     return 0 if not missing and written == len(candidates) else 1
 
 
-async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> int:
+async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
     from wowd.client import WowdClient
 
     client = WowdClient(log, max_body_bytes=settings.timers.max_body_bytes)
     owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
-        commit = await client.cancel(owner, args.key)
-        out(f"cancel of timer {args.key!r} of {owner} appended at version {commit.version}")
+        stream = owner if args.in_owner_stream else schedule_stream(owner)
+        if not args.force and await timers_store.find(stream, args.key) is None:
+            err(
+                f"wowd: no timer {args.key!r} of {stream} in the timer view (it fired, was cancelled or never "
+                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
+                "appends the cancel anyway"
+            )
+            return 1
+        commit = await client.cancel(owner, args.key, in_owner_stream=args.in_owner_stream)
+        out(f"cancel of timer {args.key!r} of {owner} appended to {commit.ref} at version {commit.version}")
         return 0
     target = (
         parse_ref(args.target, context=settings.context, tenant=args.target_tenant or owner.tenant_id)
@@ -395,13 +420,21 @@ async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> 
         )
     command = Command(name=args.command, body=args.body, body_type=args.body_type)
     try:
-        commit = await client.schedule(owner, args.key, command=command, due_at=due_at, rule=rule, target=target)
+        commit = await client.schedule(
+            owner,
+            args.key,
+            command=command,
+            due_at=due_at,
+            rule=rule,
+            target=target,
+            in_owner_stream=args.in_owner_stream,
+        )
     except InvalidInput as exc:
         raise ConfigError(f"{_flag(exc.field)}: {exc.reason} ({exc.field})") from exc
     (event,) = commit.events
     out(
-        f"timer {args.key!r} of {owner} scheduled at version {commit.version}: {args.command} to {target} "
-        f"due {iso_ms(event.body['due_at'])}"
+        f"timer {args.key!r} of {owner} scheduled in {commit.ref} at version {commit.version}: {args.command} "
+        f"to {target} due {iso_ms(event.body['due_at'])}"
     )
     return 0
 
