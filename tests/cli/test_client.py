@@ -14,7 +14,18 @@ from wowd.cli.main import build_parser
 from wowd.client import SCHEDULES, SyncWowdClient, WowdClient, schedule_stream
 from wowd.config import load_settings
 from wowd.errors import ConflictError, InvalidInput
-from wowd.model import AggregateRef, Command, Commit, DomainEvent, TimerCancelled, TimerScheduled, timer_event_from
+from wowd.model import (
+    MAX_STREAM_KEY_BYTES,
+    AggregateRef,
+    AggregateType,
+    Command,
+    Commit,
+    DomainEvent,
+    TimerCancelled,
+    TimerScheduled,
+    commit_from_doc,
+    timer_event_from,
+)
 
 ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
 
@@ -156,3 +167,21 @@ async def test_the_owners_own_stream_only_when_asked(created: Path) -> None:
         cancel = await client.cancel(ORDER, "k", in_owner_stream=True)
         assert cancel.ref == ORDER and cancel.version == 3
         assert await client.log.last_version(schedule_stream(ORDER)) == 0
+
+
+def test_an_aggregate_id_too_long_for_any_backend_is_refused_the_same_way_everywhere(created: Path) -> None:
+    """Every backend reads a log document with :func:`commit_from_doc` (the feed quarantines what
+    it refuses) and the client builds the same reference: a 600-character id is refused there,
+    not fired on one backend and quarantined by the event index on the other."""
+    long_id = "o" * 600
+    doc = {"aggregate_id": long_id, "version": 1, "request_id": "r", "create_time": 1, "events": []}
+    with pytest.raises(InvalidInput, match=r"^aggregate_id: is too long: 607 bytes .* at most 491"):
+        commit_from_doc(AggregateType(context=CONTEXT, aggregate="order"), doc)
+    at_limit = "o" * (MAX_STREAM_KEY_BYTES - len("%280%29"))  # the default tenant (0), percent-encoded
+    assert commit_from_doc(AggregateType(context=CONTEXT, aggregate="order"), {**doc, "aggregate_id": at_limit})
+    with pytest.raises(InvalidInput, match="^aggregate_id: is too long"):
+        commit_from_doc(AggregateType(context=CONTEXT, aggregate="order"), {**doc, "aggregate_id": at_limit + "é"})
+    with SyncWowdClient.connect(load_settings()) as client, pytest.raises(InvalidInput, match="aggregate_id"):
+        client.schedule(
+            AggregateRef(context=CONTEXT, aggregate="order", id=long_id), "k", due_at=5, command={"name": "x"}
+        )
