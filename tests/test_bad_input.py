@@ -363,7 +363,7 @@ def test_misspelled_keys_in_the_environment_and_in_toml_are_errors(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("WOWD_LEASE__TLL_S", "3")
-    assert "lease.tll_s" in str(config_error())
+    assert "WOWD_LEASE__TLL_S: not a wowd setting (did you mean WOWD_LEASE__TTL_S?)" in str(config_error())
     monkeypatch.delenv("WOWD_LEASE__TLL_S")
     toml = tmp_path / "wowd.toml"
     toml.write_text('context = "demo"\npartitons = 8\n[lease]\nlimit = 2\n')

@@ -236,3 +236,32 @@ def test_the_schema_refuses_what_wowd_refuses(change: str) -> None:
         commit = commit_from_doc(AggregateType(context="demo", aggregate="order"), doc)
         for event in commit.events:
             timer_event_from(event)
+
+
+def test_the_version_in_examples_is_the_packages() -> None:
+    """The version a replica shows in ``wowd status`` and ``wowd --version`` is this package's in
+    every example."""
+    from wowd import __version__
+
+    status = (DOCS / "operations.md").read_text().split("### `wowd status`", 1)[1].split("```", 2)[1]
+    rows = [line.split() for line in status.splitlines() if re.search(r"\b(holding|standby|gone)\b  ", line)]
+    assert rows and {row[-2] for row in rows} == {__version__}, rows
+    for doc in USER_DOCS:
+        for found in re.findall(r"\bwowd (\d+\.\d+\.\d+)\b", doc.read_text()):
+            assert found == __version__, doc.name
+
+
+def test_the_upgrade_notes_name_the_store_formats_of_this_version() -> None:
+    """docs/operations.md says which upgrades are rolling and names the formats the code has."""
+    from wowd.stores.embedded import log as embedded_log
+    from wowd.stores.embedded import snapshots as embedded_snapshots
+    from wowd.stores.embedded import timers as embedded_timers
+    from wowd.stores.mongo import _common as mongo
+
+    text = " ".join((DOCS / "operations.md").read_text().split())
+    assert (
+        f"embedded log and snapshot tables {embedded_log.FORMAT}, timer tables {embedded_timers.FORMAT}" in text
+        and embedded_log.FORMAT == embedded_snapshots.FORMAT
+    )
+    assert f"MongoDB collections {mongo.FORMAT}, timer collections {mongo.TIMER_FORMAT}" in text
+    assert "Such an upgrade is not rolling" in text

@@ -1,13 +1,21 @@
 """The application API: schedule and cancel timers by appending commits to the context's log.
 
-A timer is owned by an aggregate: :meth:`WowdClient.schedule` appends a commit of the owner
-carrying one ``TimerScheduled`` event, :meth:`WowdClient.cancel` one carrying ``TimerCancelled``
-(the schema the daemon's feed reads, DESIGN.md "Timer events in the log"); the daemon turns them
-into timers and fires each one's command at its target when due.
+:meth:`WowdClient.schedule` appends a commit carrying one ``TimerScheduled`` event,
+:meth:`WowdClient.cancel` one carrying ``TimerCancelled`` (the schema the daemon's feed reads,
+docs/schema.md); the daemon turns them into timers and fires each one's command at its target
+when due.
 
-Each commit takes the owner's next version: the log's last version of the owner + 1, read again
-and retried when another writer took that version meanwhile (:class:`~wowd.errors.ConflictError`).
-A call given the same ``request_id`` twice appends once (the log is idempotent on it).
+Where the commit goes: by default into a stream of wowd's own, never the application's: the
+stream of the owner in the reserved aggregate type :data:`SCHEDULES` of the context
+(:func:`schedule_stream`: ``demo.wowd_schedule/order/order-42`` for ``demo.order/order-42``), so
+that wowd adds nothing to the history of ``order-42`` and never races the application's own
+commands for its next version. The timer's key is unique per owner there as well; the command
+still goes to the owner (or ``target``). With ``in_owner_stream=True`` the commit is appended to
+the owner's own stream instead (an application whose aggregates carry their timers themselves).
+
+Each commit takes the stream's next version: the log's last version + 1, read again and retried
+when another writer took that version meanwhile (:class:`~wowd.errors.ConflictError`). A call
+given the same ``request_id`` twice appends once (the log is idempotent on it).
 
     async with WowdClient.connect() as client:  # the settings of the environment (WOWD_*)
         await client.schedule(order, "expire", due_at=due, command=Command(name="expire-order"))
@@ -33,6 +41,7 @@ from wowd.model import (
     AggregateRef,
     Command,
     Commit,
+    CronRule,
     DomainEvent,
     OnceRule,
     Rule,
@@ -43,14 +52,31 @@ from wowd.stores.base import Log
 
 __all__ = [
     "MAX_VERSION_RETRIES",
+    "SCHEDULES",
     "SyncWowdClient",
     "WowdClient",
     "cancelled_event",
+    "schedule_stream",
     "scheduled_event",
 ]
 
 MAX_VERSION_RETRIES = 10
 """Appends tried at successive versions before a :class:`ConflictError` reaches the caller."""
+
+SCHEDULES = "wowd_schedule"
+"""The aggregate type, in the configured context, reserved for the timers scheduled from
+outside an aggregate (the client's and the command line's default): one stream per owner."""
+
+
+def schedule_stream(owner: AggregateRef) -> AggregateRef:
+    """The stream of wowd's own that holds the schedules of ``owner``: aggregate
+    :data:`SCHEDULES`, id ``<aggregate>/<id>``, the owner's context and tenant (``owner`` itself
+    when it is such a stream already)."""
+    if owner.aggregate == SCHEDULES:
+        return owner
+    return AggregateRef(
+        context=owner.context, aggregate=SCHEDULES, id=f"{owner.aggregate}/{owner.id}", tenant_id=owner.tenant_id
+    )
 
 
 def _ms(value: int | datetime, field: str) -> int:
@@ -84,10 +110,17 @@ def scheduled_event(
     rule's first after now; a once rule needs ``due_at``."""
     parsed = _rule(rule)
     if due_at is None:
+        if isinstance(parsed, OnceRule):
+            raise InvalidInput("is required with a once rule", field="body.due_at")
         now = clock.now_ms() if now_ms is None else now_ms
-        first = parsed.next_after(now) if not isinstance(parsed, OnceRule) else None
+        first = parsed.next_after(now)
         if first is None:
-            raise InvalidInput("is required with a once rule (or a rule with no next occurrence)", field="body.due_at")
+            if isinstance(parsed, CronRule):
+                raise InvalidInput(
+                    f"{parsed.expression!r} has no occurrence after now (in zone {parsed.zone})",
+                    field="rule.expression",
+                )
+            raise InvalidInput("has no occurrence after now", field="rule")
         due = first
     else:
         due = _ms(due_at, "body.due_at")
@@ -110,7 +143,12 @@ def scheduled_event(
         "command": cmd,
     }
     event = DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body_type="wowd.TimerScheduled", body=body)
-    timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+    try:
+        timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+    except InvalidInput as exc:
+        if exc.field == "body.command" and "over the limit" in exc.reason:  # a limit of the settings
+            raise InvalidInput(f"{exc.reason} (WOWD_TIMERS__MAX_BODY_BYTES)", field=exc.field) from None
+        raise
     return event
 
 
@@ -130,13 +168,20 @@ class WowdClient:
 
     @classmethod
     @asynccontextmanager
-    async def connect(cls, settings: WowdSettings | None = None) -> AsyncIterator[WowdClient]:
+    async def connect(cls, settings: WowdSettings | None = None, *, create: bool = False) -> AsyncIterator[WowdClient]:
         """A client on the configured backend's log (``settings``, else the environment's
-        ``WOWD_*`` and ``WOWD_CONFIG``), closed on exit."""
-        from wowd.cli.backend import opened_backend
+        ``WOWD_*`` and ``WOWD_CONFIG``), closed on exit. An embedded database file that does
+        not exist is a :class:`~wowd.errors.ConfigError` naming ``WOWD_EMBEDDED__PATH`` and the
+        path (run from the wrong directory, the client would schedule into a file no replica
+        reads), unless ``create`` is true."""
+        from wowd.cli.backend import missing_database, opened_backend
         from wowd.config import load_settings
 
         s = settings if settings is not None else load_settings()
+        if not create:
+            missing = missing_database(s, "connect(create=True) creates it")
+            if missing is not None:
+                raise missing
         async with opened_backend(s) as backend:
             yield cls(backend.log, max_body_bytes=s.timers.max_body_bytes)
 
@@ -150,12 +195,15 @@ class WowdClient:
         rule: Rule | Mapping[str, Any] | None = None,
         target: AggregateRef | None = None,
         request_id: str | None = None,
+        in_owner_stream: bool = False,
     ) -> Commit:
         """Puts the timer ``key`` of ``owner`` (replacing one of the same key): its ``command``
         goes to ``target`` (default: the owner) at ``due_at`` (epoch ms or an aware datetime)
-        and then as ``rule`` says (default once). Answers the commit appended. Raises
-        :class:`~wowd.errors.InvalidInput` naming the field, :class:`ConflictError` when
-        :data:`MAX_VERSION_RETRIES` versions were taken by other writers meanwhile."""
+        and then as ``rule`` says (default once). The commit goes to the owner's stream of
+        wowd's own (:func:`schedule_stream`), or with ``in_owner_stream`` to the owner's own
+        stream. Answers the commit appended. Raises :class:`~wowd.errors.InvalidInput` naming
+        the field, :class:`ConflictError` when :data:`MAX_VERSION_RETRIES` versions were taken
+        by other writers meanwhile."""
         event = scheduled_event(
             key,
             target=target or owner,
@@ -164,11 +212,16 @@ class WowdClient:
             rule=rule,
             max_body_bytes=self._max_body_bytes,
         )
-        return await self._append(owner, event, request_id)
+        return await self._append(owner if in_owner_stream else schedule_stream(owner), event, request_id)
 
-    async def cancel(self, owner: AggregateRef, key: str, *, request_id: str | None = None) -> Commit:
-        """Cancels the timer ``key`` of ``owner`` (nothing happens when there is none)."""
-        return await self._append(owner, cancelled_event(key), request_id)
+    async def cancel(
+        self, owner: AggregateRef, key: str, *, request_id: str | None = None, in_owner_stream: bool = False
+    ) -> Commit:
+        """Cancels the timer ``key`` of ``owner`` (nothing happens when there is none), in the
+        stream :meth:`schedule` wrote it to (``in_owner_stream`` as it was given there)."""
+        return await self._append(
+            owner if in_owner_stream else schedule_stream(owner), cancelled_event(key), request_id
+        )
 
     async def _append(self, owner: AggregateRef, event: DomainEvent, request_id: str | None) -> Commit:
         if owner.context != self.log.context:
@@ -201,10 +254,11 @@ class SyncWowdClient:
 
     @classmethod
     @contextmanager
-    def connect(cls, settings: WowdSettings | None = None) -> Iterator[SyncWowdClient]:
+    def connect(cls, settings: WowdSettings | None = None, *, create: bool = False) -> Iterator[SyncWowdClient]:
+        """As :meth:`WowdClient.connect`."""
         with (
             start_blocking_portal() as portal,
-            portal.wrap_async_context_manager(WowdClient.connect(settings)) as client,
+            portal.wrap_async_context_manager(WowdClient.connect(settings, create=create)) as client,
         ):
             yield cls(portal, client)
 
@@ -218,16 +272,26 @@ class SyncWowdClient:
         rule: Rule | Mapping[str, Any] | None = None,
         target: AggregateRef | None = None,
         request_id: str | None = None,
+        in_owner_stream: bool = False,
     ) -> Commit:
         async def call() -> Commit:
             return await self._client.schedule(
-                owner, key, command=command, due_at=due_at, rule=rule, target=target, request_id=request_id
+                owner,
+                key,
+                command=command,
+                due_at=due_at,
+                rule=rule,
+                target=target,
+                request_id=request_id,
+                in_owner_stream=in_owner_stream,
             )
 
         return self._portal.call(call)
 
-    def cancel(self, owner: AggregateRef, key: str, *, request_id: str | None = None) -> Commit:
+    def cancel(
+        self, owner: AggregateRef, key: str, *, request_id: str | None = None, in_owner_stream: bool = False
+    ) -> Commit:
         async def call() -> Commit:
-            return await self._client.cancel(owner, key, request_id=request_id)
+            return await self._client.cancel(owner, key, request_id=request_id, in_owner_stream=in_owner_stream)
 
         return self._portal.call(call)

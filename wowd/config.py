@@ -6,6 +6,7 @@ Precedence: init arguments > environment > TOML file (``--config`` / ``WOWD_CONF
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import secrets
@@ -54,13 +55,51 @@ class _Part(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _http_url(v: str | None) -> str | None:
+    if v is None:
+        return v
+    try:
+        parts = urlsplit(v)
+        host = parts.hostname
+    except ValueError as exc:
+        raise ValueError(f"not a URL: {exc}") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return v
+
+
 class EmbeddedSettings(_Part):
     path: Path = Path("./wowd.db")
+
+
+def uri_hosts(uri: str) -> str:
+    """The ``host[:port]`` list of a MongoDB URI, without its credentials (``a:1,b:2``)."""
+    rest = uri.partition("://")[2]
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    return authority.rpartition("@")[2]
+
+
+def url_host(url: str) -> str:
+    """The ``host[:port]`` of an HTTP URL, without its credentials."""
+    return urlsplit(url).netloc.rpartition("@")[2]
 
 
 class MongoSettings(_Part):
     uri: SecretStr | None = None
     """May hold credentials, hence secret."""
+
+    @field_validator("uri")
+    @classmethod
+    def _mongodb_uri(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return v
+        uri = v.get_secret_value()
+        scheme = uri.partition("://")[0] if "://" in uri else ""
+        if scheme not in ("mongodb", "mongodb+srv") or not uri_hosts(uri):
+            shown = f"a {scheme}:// URI" if scheme else "no URI"
+            raise ValueError(f"must be a mongodb:// or mongodb+srv:// URI with a host, got {shown}")
+        return v
+
     database: str = "wowd"
     timeout_ms: int = Field(default=10_000, ge=0)
     """The deadline of each store call (0: none); the change stream is never cut by it."""
@@ -75,6 +114,12 @@ class ElasticsearchSettings(_Part):
     url: str | None = None
     cloud_id: str | None = None
     """Elastic Cloud's deployment id, instead of ``url``."""
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        return _http_url(v)
+
     api_key: SecretStr | None = None
     username: str | None = None
     password: SecretStr | None = None
@@ -151,18 +196,6 @@ class TimerSettings(_Part):
                 " a timer claimed that early would come due again before it is delivered"
             )
         return self
-
-
-def _http_url(v: str | None) -> str | None:
-    if v is None:
-        return v
-    try:
-        parts = urlsplit(v)
-    except ValueError as exc:
-        raise ValueError(f"not a URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("must be an http:// or https:// URL with a host")
-    return v
 
 
 def _signing_secrets(v: list[SecretStr] | None) -> list[SecretStr] | None:
@@ -405,19 +438,47 @@ _NOT_SETTINGS = ("WOWD_TEST_",)
 
 
 def unknown_environment_keys(environ: Mapping[str, str] | None = None) -> list[str]:
-    """``WOWD_*`` variables whose first segment names no setting (pydantic-settings would
-    silently ignore them: a misspelled variable must be an error instead)."""
+    """``WOWD_*`` variables that name no setting (pydantic-settings would silently ignore an
+    unknown first segment: a misspelled variable must be an error instead): an unknown first
+    segment, or an unknown key of a nested setting (``WOWD_TIMERS__CONCURENCY``)."""
+    return sorted(key for key, _ in _unknown(environ))
+
+
+def _unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The unknown ``WOWD_*`` variables, each with the closest known variable (or None)."""
     env = os.environ if environ is None else environ
-    fields = {name.lower() for name in WowdSettings.model_fields}
-    unknown = []
+    fields = {name.lower(): f for name, f in WowdSettings.model_fields.items()}
+    found: list[tuple[str, str | None]] = []
     for key in env:
         upper = key.upper()
         if not upper.startswith("WOWD_") or upper.startswith(_NOT_SETTINGS):
             continue
-        head = upper[len("WOWD_") :].split("__", 1)[0].lower()
-        if head not in fields:
-            unknown.append(key)
-    return sorted(unknown)
+        head, _, rest = upper[len("WOWD_") :].lower().partition("__")
+        field_ = fields.get(head)
+        if field_ is None:
+            close = _closest(head, fields, "WOWD_")
+            found.append((key, f"{close}__{rest.upper()}" if close and rest else close))
+            continue
+        part = field_.annotation
+        if rest and isinstance(part, type) and issubclass(part, BaseModel):
+            name = rest.split("__", 1)[0]
+            if name not in part.model_fields:
+                found.append((key, _closest(name, part.model_fields, f"WOWD_{head.upper()}__")))
+    return found
+
+
+def _closest(name: str, known: Mapping[str, object], prefix: str) -> str | None:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"{prefix}{close[0].upper()}" if close else None
+
+
+def variable(loc: tuple[int | str, ...]) -> str:
+    """The environment variable of a setting's location (``("mongodb", "uri")`` ->
+    ``WOWD_MONGODB__URI``); a dict setting's entry is named by the dict's variable."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "reducers":
+        parts = parts[:1]
+    return "WOWD_" + "__".join(parts).upper()
 
 
 def _settings_error(exc: SettingsError) -> str:
@@ -453,17 +514,26 @@ def _is_json(value: str) -> bool:
 
 def load_settings(config_file: str | Path | None = None, **overrides: Any) -> WowdSettings:
     """Reads the settings; every error (misspelling, range, consistency) is a :class:`ConfigError`
-    whose message names the key (without echoing a secret value)."""
+    whose message names the key (without echoing a secret value). A named config file
+    (``config_file``, else ``WOWD_CONFIG``) that does not exist is an error, never defaults."""
     token = None
     if config_file is not None:
         path = Path(config_file)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         token = _CONFIG_FILE.set(str(path))
-    unknown = unknown_environment_keys()
+    else:
+        named = os.environ.get("WOWD_CONFIG")
+        if named and not Path(named).is_file():
+            raise ConfigError(f"WOWD_CONFIG: config file {named!r} does not exist")
+    unknown = sorted(_unknown())
     if unknown:
         raise ConfigError(
-            "invalid configuration:\n  " + "\n  ".join(f"{key}: not a wowd setting (misspelled?)" for key in unknown)
+            "invalid configuration:\n  "
+            + "\n  ".join(
+                f"{key}: not a wowd setting ({f'did you mean {close}?' if close else 'misspelled?'})"
+                for key, close in unknown
+            )
         )
     try:
         return WowdSettings(**overrides)
@@ -477,7 +547,8 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Wo
         lines = []
         for err in exc.errors(include_input=False, include_url=False):
             loc = ".".join(str(p) for p in err["loc"]) or "settings"
-            lines.append(f"{loc}: {err['msg']}")
+            msg = err["msg"].removeprefix("Value error, ")
+            lines.append(f"{loc} ({variable(err['loc'])}): {msg}" if err["loc"] else f"{loc}: {msg}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
     finally:
         if token is not None:

@@ -6,9 +6,12 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from wowd.cli import main
+from wowd.cli.backend import opened_backend
+from wowd.config import load_settings
 
 CONTEXT = "demo"
 PARTITIONS = 8
@@ -26,6 +29,19 @@ def db(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setenv("WOWD_PARTITIONS", str(PARTITIONS))
     monkeypatch.setenv("WOWD_LOG_FORMAT", "text")
     yield path
+
+
+@pytest.fixture
+def created(db: Path) -> Path:
+    """The database of ``db``, created as ``wowd run`` creates it (the other commands and the
+    client open an existing file only)."""
+
+    async def create() -> None:
+        async with opened_backend(load_settings()):
+            pass
+
+    anyio.run(create)
+    return db
 
 
 Run = Callable[..., tuple[int, str, str]]

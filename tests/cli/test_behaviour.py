@@ -33,8 +33,11 @@ def test_version(wowd: Run) -> None:
     [
         ({"WOWD_REDUCERS": "order=x"}, "WOWD_REDUCERS: not JSON"),
         ({"WOWD_REDUCERS": '{"order": "x"}'}, "'x' is not an import path module:attribute"),
-        ({"WOWD_GATEWAY__URL": "notaurl"}, "gateway.url: Value error, must be an http:// or https:// URL"),
-        ({"WOWD_GATEWAY__URL": "ftp://files.example/x"}, "gateway.url: Value error, must be an http:// or https://"),
+        ({"WOWD_GATEWAY__URL": "notaurl"}, "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https:// URL"),
+        (
+            {"WOWD_GATEWAY__URL": "ftp://files.example/x"},
+            "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https://",
+        ),
         ({"WOWD_LOG_LEVEL": "verbose"}, "'verbose' is not a log level"),
     ],
 )
@@ -146,7 +149,7 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
     ]
 
 
-def test_status_says_when_no_replica_is_recorded(wowd: Run) -> None:
+def test_status_says_when_no_replica_is_recorded(wowd: Run, created: Path) -> None:
     code, out, _ = wowd("status")
     assert code == 0 and "replicas: no presence record (no replica is running)" in out.splitlines()
     assert "standbys: 0" in out.splitlines()
@@ -180,8 +183,8 @@ def test_outbox_list_ack_trim(wowd: Run) -> None:
     code, out, _ = wowd("outbox", "list", "--after", cursor)
     assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["r3"]
     assert wowd("outbox", "ack", "r1", "r9")[:2] == (0, "1 of 2 entries acknowledged (removed)\n")
-    code, out, _ = wowd("outbox", "trim", "--older-than-s", "0")
-    assert code == 0 and out.startswith("1 entries created before ")  # r2; r3 is from the future
+    code, out, _ = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked")
+    assert code == 0 and out.startswith("1 unacknowledged entries created before ")  # r2; r3 is from the future
     code, _, err = wowd("outbox", "list", "--after", "nope")
     assert code == 1 and "cursor" in err
 

@@ -196,8 +196,8 @@ def test_what_still_fails_stays_quarantined_under_its_id_with_the_new_reason(
     real = quarantine_cli.opened_backend
 
     @asynccontextmanager
-    async def refusing_backend(settings: WowdSettings) -> AsyncIterator[Backend]:
-        async with real(settings) as backend:
+    async def refusing_backend(settings: WowdSettings, *, create: bool = True) -> AsyncIterator[Backend]:
+        async with real(settings, create=create) as backend:
             refuse_in_sink(backend, {"s-1"})
             yield backend
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+import sys
 import time
 from pathlib import Path
 
@@ -9,7 +12,9 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
+from wowd.cli import output
 from wowd.cli.backend import opened_backend
+from wowd.client import schedule_stream
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.timers import outcome_changes
 from wowd.delivery import Park, Retry
@@ -25,7 +30,7 @@ def _settle(kind: str, key: str) -> None:
     async def go() -> None:
         async with opened_backend(load_settings()) as backend:
             store = backend.timers
-            t = await store.find(ORDER, key)
+            t = await store.find(schedule_stream(ORDER), key)
             assert t is not None
             now = int(time.time() * 1000)
             claim = TimerChange.claim(t, owner_key="replica-a", fence=1, until=now + 30_000)
@@ -44,14 +49,14 @@ def _settle(kind: str, key: str) -> None:
 def _find(key: str) -> Timer:
     async def go() -> Timer | None:
         async with opened_backend(load_settings()) as backend:
-            return await backend.timers.find(ORDER, key)
+            return await backend.timers.find(schedule_stream(ORDER), key)
 
     t = anyio.run(go)
     assert t is not None
     return t
 
 
-def test_schedule_show_list_and_cancel(wowd: Run) -> None:
+def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
     code, out, err = wowd(
         "timers",
         "schedule",
@@ -65,16 +70,16 @@ def test_schedule_show_list_and_cancel(wowd: Run) -> None:
         "60",
     )
     assert code == 0, err
-    assert "timer 'expire' of demo.order/(0)/o-1 scheduled at version 1: expire-order" in out
-    code, out, err = wowd("timers", "cancel", "order/o-1", "expire")
-    assert code == 0 and "appended at version 2" in out
+    assert "timer 'expire' of demo.order/(0)/o-1 scheduled in demo.wowd_schedule/(0)/order/o-1 at version 1" in out
+    code, out, err = wowd("timers", "cancel", "order/o-1", "expire", "--force")  # not fed into the view
+    assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 2" in out
 
 
-def test_schedule_refuses_bad_input_naming_the_field(wowd: Run) -> None:
+def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -> None:
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
-    assert code == 1 and "body.due_at" in err
+    assert code == 2 and err.startswith("wowd: --at/--in: ") and "(body.due_at)" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
-    assert code == 1 and "rule.expression" in err
+    assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
 
@@ -86,7 +91,7 @@ def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Ru
     assert lines[-1] == "3 timer(s)"
     code, out, _ = wowd("timers", "list", "--status", "pending", "--limit", "2")
     assert code == 0 and len(out.splitlines()) == 1 + 2 + 1
-    assert out.splitlines()[-1] == "2 timer(s) shown; more exist (--limit to list more)"
+    assert out.splitlines()[-1].startswith("2 timer(s) shown; next: --after ")
     code, _, err = wowd("timers", "list", "--limit", "-5")
     assert code == 2 and "--limit: must be >= 1, got -5" in err
     code, _, err = wowd("timers", "list", "--status", "asleep")
@@ -107,7 +112,7 @@ def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wo
     assert " 3  failed: retry budget spent after 3 attempts: HTTP 503" in failed  # attempts = deliveries = 3
     since = _find("k2").due_at  # a parked timer's due time is when it was parked
     assert abs(since - time.time() * 1000) < 60_000
-    assert f" 1  parked since {iso_ms(since)}: HTTP 404: no such order" in parked
+    assert f" 1  parked since {iso_ms(since)} (" in parked and " ago): HTTP 404: no such order" in parked
     assert " 0  claimed by replica-a until " in firing
     code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")
     assert '"attempts": 3' in out
@@ -133,15 +138,17 @@ def test_show_prints_one_timer_or_says_there_is_none(wowd: Run, feed_once: None)
 
 
 @pytest.fixture
-def feed_once(wowd: Run, db: Path) -> None:
+def feed_once(wowd: Run, created: Path) -> None:
     """Three timers of o-1 scheduled with the CLI, put into the timer view as the feed does."""
     for key in ("k1", "k2", "k3"):
-        code, _, err = wowd("timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1")
+        code, _, err = wowd(
+            "timers", "schedule", "order/o-1", key, "--command", "expire-order", "--in", "-1", "--allow-past"
+        )
         assert code == 0, err
 
     async def feed() -> None:
         async with opened_backend(load_settings()) as backend:
-            async for batch in backend.log.read({ORDER.partition(PARTITIONS): None}, follow=False):
+            async for batch in backend.log.read(dict.fromkeys(range(PARTITIONS)), follow=False):
                 for entry in batch.entries:
                     assert entry.commit is not None
                     for ev in entry.commit.events:
@@ -150,3 +157,112 @@ def feed_once(wowd: Run, db: Path) -> None:
                         assert await backend.timers.put(timer_from_event(entry.commit, te, PARTITIONS))
 
     anyio.run(feed)
+
+
+def test_a_timer_is_named_by_its_id_or_by_owner_and_key_everywhere(wowd: Run, feed_once: None) -> None:
+    _settle("park", "k2")
+    k2 = _find("k2")
+    by_id, by_key = wowd("timers", "show", k2.timer_id, "--json"), wowd("timers", "show", "order/o-1", "k2", "--json")
+    assert by_id[0] == by_key[0] == 0 and by_id[1] == by_key[1] and json.loads(by_id[1])["timer_id"] == k2.timer_id
+    code, _, err = wowd("timers", "show", "nope")
+    assert code == 1 and "wowd: no timer nope" in err
+    code, out, err = wowd("timers", "resume", "order/o-1", "k2")
+    assert code == 0 and out.startswith("1 timer(s) back to PENDING"), err
+    code, _, err = wowd("timers", "retry", "order/o-1", "k1")
+    assert code == 1 and "wowd: timer 'k1' of demo.order/(0)/o-1 is PENDING, not FAILED" in err
+
+
+def test_bulk_resume_counts_confirms_and_filters_by_target(
+    wowd: Run, feed_once: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("k1", "k2", "k3"):
+        _settle("park", key)
+    code, _, err = wowd("timers", "resume")
+    assert code == 2 and "give timer ids (or AGGREGATE/ID KEY), --all or --target" in err
+    monkeypatch.setattr(output, "interactive", lambda: True)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("no\n"))
+    code, _, err = wowd("timers", "resume", "--all-parked")
+    assert code == 1 and "resume 3 PARKED timer(s)? [y/N]" in err
+    assert {_find(k).status for k in ("k1", "k2", "k3")} == {TimerStatus.PARKED}
+    code, out, err = wowd("timers", "resume", "--target", "order/o-2", "--yes")
+    assert (code, out) == (0, "0 timer(s) back to PENDING\n"), err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = wowd("timers", "resume", "--target", "order/o-1")
+    assert code == 0 and out == "3 timer(s) back to PENDING\n" and "resume 3 PARKED timer(s) of target" in err
+    assert {_find(k).status for k in ("k1", "k2", "k3")} == {TimerStatus.PENDING}
+
+
+def test_list_pages_with_after_and_filters_by_target(wowd: Run, feed_once: None, tmp_path: Path) -> None:
+    config = tmp_path / "wowd.toml"
+    config.write_text('log_format = "text"\n')
+    seen: list[str] = []
+    after: list[str] = []
+    while True:
+        code, out, err = wowd("timers", "list", "--limit", "2", "--json", *after, "--config", str(config))
+        assert code == 0, err
+        doc = json.loads(out)
+        seen += [t["key"] for t in doc["timers"]]
+        if doc["next"] is None:
+            break
+        after = ["--after", doc["next"]]
+    assert sorted(seen) == ["k1", "k2", "k3"]
+    code, out, _ = wowd("timers", "list", "--target", "order/o-2")
+    assert code == 0 and out.splitlines()[-1] == "0 timer(s)"
+    code, out, _ = wowd("timers", "list", "--target", "order/o-1")
+    assert code == 0 and out.splitlines()[-1] == "3 timer(s)"
+    code, _, err = wowd("timers", "list", "--after", "nope")
+    assert code == 2 and "not a cursor of 'timers list'" in err
+
+
+def test_json_holds_json_and_epoch_ms_while_tables_show_iso_times(wowd: Run, feed_once: None) -> None:
+    code, out, _ = wowd("timers", "show", "order/o-1", "k1", "--json")
+    doc = json.loads(out)
+    assert doc["command"] == {"name": "expire-order", "body": {}} and isinstance(doc["due_at"], int)
+    assert doc["rule"] == {"type": "once"}
+    code, out, _ = wowd("timers", "show", "order/o-1", "k1")
+    due = next(line for line in out.splitlines() if line.startswith("due_at:"))
+    assert due == f"due_at:       {iso_ms(doc['due_at'])} ({due.split('(', 1)[1]}" and due.endswith(" ago)")
+
+
+def test_schedule_errors_name_the_flag_or_the_setting(
+    wowd: Run, created: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 30 2 *")
+    assert (code, out) == (2, "")
+    assert err == "wowd: --cron: '0 0 30 2 *' has no occurrence after now (in zone UTC) (rule.expression)\n"
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "-3600")
+    assert code == 2 and err.startswith("wowd: --in: the due time ") and "in the past" in err and "--allow-past" in err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "2020-01-01T00:00:00Z")
+    assert code == 2 and err.startswith("wowd: --at: the due time 2020-01-01T00:00:00.000+00:00 is in the past")
+    big = tmp_path / "body.json"
+    big.write_text(json.dumps({"note": "x" * 200}))
+    monkeypatch.setenv("WOWD_TIMERS__MAX_BODY_BYTES", "100")
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "60", "--body", f"@{big}")
+    assert (
+        code == 2
+        and err.startswith("wowd: --body: is ")
+        and "over the limit of 100 (WOWD_TIMERS__MAX_BODY_BYTES)" in err
+    )
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--body", f"@{tmp_path / 'none'}")
+    assert code == 2 and "--body: cannot read" in err
+    monkeypatch.delenv("WOWD_TIMERS__MAX_BODY_BYTES")
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "60", "--body", f"@{big}")
+    assert code == 0, err
+    code, out, _ = wowd("timers", "schedule", "order/o-1", "k2", "--command", "x", "--in", "-5", "--allow-past")
+    assert code == 0 and " at version 2: " in out
+
+
+def test_cancel_refuses_a_timer_that_does_not_exist_unless_forced(wowd: Run, feed_once: None) -> None:
+    code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey")
+    assert (code, out) == (1, "") and "wowd: no timer 'nokey' of demo.wowd_schedule/(0)/order/never-existed" in err
+
+    async def versions() -> tuple[int, int]:
+        async with opened_backend(load_settings()) as backend:
+            gone = AggregateRef(context=CONTEXT, aggregate="order", id="never-existed")
+            return await backend.log.last_version(gone), await backend.log.last_version(schedule_stream(gone))
+
+    assert anyio.run(versions) == (0, 0)  # no stream was created
+    code, out, err = wowd("timers", "cancel", "order/o-1", "k1")  # it exists: appended to wowd's stream
+    assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 4" in out, err
+    code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey", "--force", "--in-owner-stream")
+    assert code == 0 and "appended to demo.order/(0)/never-existed at version 1" in out, err

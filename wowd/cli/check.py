@@ -1,9 +1,11 @@
 """``wowd check``: the configuration is valid, the embedded file is sound (SQLite's
-``quick_check``) and every store and the gateway answer."""
+``quick_check``) and every store and the gateway answer. Each server (MongoDB, Elasticsearch,
+the gateway) is reached on its own, so that one not answering does not hide another."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -50,7 +52,10 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
     else:
         if settings.backend == "embedded":
             failures += await _check_embedded_file(settings)
-        failures += await _check_stores(settings, secrets)
+            failures += await _check_stores(settings, secrets)
+        else:
+            servers = await _check_mongodb(settings, secrets) + await _check_elasticsearch(settings, secrets)
+            failures += servers or await _check_stores(settings, secrets)
     if failures:
         err(f"wowd check: {failures} problem(s)")
         return 1
@@ -135,6 +140,65 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
         with anyio.CancelScope(shield=True):
             await gateway.aclose()
     return failures
+
+
+async def _check_mongodb(settings: WowdSettings, secrets: list[str]) -> int:
+    """MongoDB answers ``hello`` as a replica-set member or a ``mongos`` (one line either way)."""
+    from pymongo import AsyncMongoClient
+
+    from wowd.config import uri_hosts
+    from wowd.stores.mongo import check_replica_set, mongo_client_options
+
+    assert settings.mongodb.uri is not None  # the settings require it with the mongo backend
+    uri = settings.mongodb.uri.get_secret_value()
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, **mongo_client_options(settings.mongodb))
+    try:
+        with anyio.fail_after(OPEN_TIMEOUT_S):
+            await check_replica_set(client, hosts=uri_hosts(uri))
+    except (WowdError, TimeoutError) as exc:
+        err(redact(f"FAIL mongodb: {type(exc).__name__}: {exc}", secrets))
+        return 1
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.close()
+    out(f"ok   mongodb {uri_hosts(uri)}")
+    return 0
+
+
+async def _check_elasticsearch(settings: WowdSettings, secrets: list[str]) -> int:
+    """Elasticsearch answers its root endpoint (one line naming the setting and the host if not)."""
+    from elasticsearch import AsyncElasticsearch
+
+    from wowd.config import url_host
+    from wowd.stores.mongo import elasticsearch_client_options
+
+    url = settings.elasticsearch.url
+    assert url is not None  # the settings require it with the mongo backend
+    try:
+        es = AsyncElasticsearch(url, **elasticsearch_client_options(settings.elasticsearch), max_retries=0)
+    except (ConfigError, ValueError) as exc:
+        err(redact(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: {exc}", secrets))
+        return 1
+    quiet = logging.getLogger("elastic_transport")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # the transport's warning of the failure this reports in one line
+    try:
+        with anyio.fail_after(OPEN_TIMEOUT_S):
+            info = await es.info()
+    except TimeoutError:
+        err(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: no answer from {url_host(url)} in {OPEN_TIMEOUT_S:.0f} s")
+        return 1
+    except Exception as exc:  # the client's transport and API errors: one line each
+        text = str(getattr(exc, "message", None) or exc)
+        reason = text.splitlines()[0] if text else type(exc).__name__
+        err(redact(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: {url_host(url)}: {reason}", secrets))
+        return 1
+    finally:
+        quiet.setLevel(level)
+        with anyio.CancelScope(shield=True):
+            await es.close()
+    out(f"ok   elasticsearch {url_host(url)} (version {info.get('version', {}).get('number', '?')})")
+    return 0
 
 
 async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:

@@ -13,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 from wowd.config import WowdSettings
 from wowd.signing import SECRET_PREFIX
 
-__all__ = ["LogFormatter", "redact", "secret_values", "setup_logging"]
+__all__ = ["LogFormatter", "json_logs", "redact", "secret_values", "setup_logging"]
 
 MASK = "**********"
 
@@ -83,11 +83,17 @@ class LogFormatter(logging.Formatter):
         return redact(line, self._secrets)
 
 
+def json_logs(settings: WowdSettings, stream: TextIO | None = None) -> bool:
+    """Whether the log lines are JSON: ``log_format`` json, or auto and ``stream`` (standard
+    error) not a terminal."""
+    fmt = settings.log_format
+    return fmt == "json" or (fmt == "auto" and not (stream or sys.stderr).isatty())
+
+
 def setup_logging(settings: WowdSettings, stream: TextIO | None = None) -> None:
     """One handler on the root logger, at ``settings.log_level``; drivers' chatter at WARNING."""
     stream = stream or sys.stderr
-    fmt = settings.log_format
-    json_lines = fmt == "json" or (fmt == "auto" and not stream.isatty())
+    json_lines = json_logs(settings, stream)
     handler = logging.StreamHandler(stream)
     handler.setFormatter(LogFormatter(json_lines, secret_values(settings)))
     root = logging.getLogger()

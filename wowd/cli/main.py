@@ -51,7 +51,44 @@ def build_parser() -> argparse.ArgumentParser:
     quarantine.register(sub, common)
     demo.register(sub, common)
     sub.add_parser("version", help="print the version").set_defaults(handler=None)
+    for name, parser in _children(p):
+        for nested in _descendants(parser):
+            if "--config" not in nested._option_string_actions:
+                nested.add_argument(
+                    "--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML settings file (also WOWD_CONFIG)"
+                )
+        if name in OPEN_EXISTING:
+            for nested in [parser, *_descendants(parser)]:
+                nested.add_argument(
+                    "--create",
+                    action="store_true",
+                    default=argparse.SUPPRESS,
+                    help="create the embedded database file when it does not exist (else: exit 2)",
+                )
     return p
+
+
+OPEN_EXISTING = ("status", "timers", "outbox", "quarantine", "snapshots")
+"""Commands that open the database without creating it (``--create`` does)."""
+
+
+def _children(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.ArgumentParser]]:
+    """The subcommands' parsers of ``parser``, by name (an alias once)."""
+    seen: dict[int, tuple[str, argparse.ArgumentParser]] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                seen.setdefault(id(child), (name, child))
+    return list(seen.values())
+
+
+def _descendants(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``parser`` (``timers`` -> ``timers list``, ...): options given after the
+    subcommand (``wowd timers list --config f.toml``) are taken there too."""
+    out_: list[argparse.ArgumentParser] = []
+    for _, child in _children(parser):
+        out_ += [child, *_descendants(child)]
+    return out_
 
 
 def _settings(args: argparse.Namespace) -> WowdSettings:

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.backend import opened_backend
-from wowd.cli.output import out, print_json, print_table
+from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
+from wowd.stores.base import Outbox
 
-__all__ = ["outbox", "register"]
+__all__ = ["COUNT_PAGE", "outbox", "register"]
+
+COUNT_PAGE = 1000
+"""Entries read a page at a time to count those a trim would remove."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -20,20 +25,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     ol = osub.add_parser("list", help="entries in delivery order, after a cursor")
     ol.add_argument("--after", metavar="CURSOR", help="only entries after this cursor (as a previous list printed)")
     ol.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
-    ol.add_argument("--json", action="store_true", help="print JSON ({entries, cursor}) instead of a table")
+    ol.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON ({entries, cursor, depth}; times in epoch ms) instead of a table",
+    )
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")
-    ot = osub.add_parser("trim", help="remove entries older than an age, acknowledged or not")
+    ot = osub.add_parser(
+        "trim", help="remove entries older than an age (unacknowledged ones only with --include-unacked)"
+    )
     ot.add_argument(
         "--older-than-s",
         type=non_negative_seconds,
         help="age in seconds (default: the configured outbox.retention_s)",
     )
+    ot.add_argument(
+        "--include-unacked",
+        action="store_true",
+        help="remove entries no consumer acknowledged (their commands are lost); without it, trim only counts them",
+    )
+    ot.add_argument("--yes", action="store_true", help="do not ask for confirmation at a terminal")
     p.set_defaults(handler=outbox)
 
 
 async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         box = backend.outbox
         if args.outbox_command == "list":
             batch = await box.take(args.after, limit=args.limit)
@@ -43,18 +60,14 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
             out(f"{removed} of {len(set(args.request_ids))} entries acknowledged (removed)")
             return 0
         else:
-            age = args.older_than_s if args.older_than_s is not None else settings.outbox.retention_s
-            before = int(time.time() * 1000 - age * 1000)
-            removed = await box.trim(before)
-            out(f"{removed} entries created before {iso_ms(before)} removed")
-            return 0
+            return await _trim(settings, box, args)
     if args.json:
         entries = [
             {
                 "request_id": e.request_id,
                 "timer_id": e.timer_id,
                 "target": str(e.target),
-                "command": e.command,
+                "command": json.loads(e.command),
                 "scheduled_at": e.scheduled_at,
                 "created_at": e.created_at,
                 "fence": e.fence,
@@ -64,9 +77,43 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
         ]
         print_json({"entries": entries, "cursor": batch.cursor, "depth": depth})
         return 0
+    now = int(time.time() * 1000)
     print_table(
         ["request_id", "created", "target", "command"],
-        [[e.request_id, iso_ms(e.created_at), e.target, e.command] for e in batch.entries],
+        [[e.request_id, at(e.created_at, now), e.target, e.command] for e in batch.entries],
     )
     out(f"{len(batch.entries)} of {depth} entries" + (f"; next: --after {batch.cursor}" if batch.cursor else ""))
     return 0
+
+
+async def _trim(settings: WowdSettings, box: Outbox, args: argparse.Namespace) -> int:
+    """Every entry still in the outbox is unacknowledged (an ack removes it): trimming one loses
+    a command no consumer took, so it needs ``--include-unacked`` (and a yes at a terminal)."""
+    age = args.older_than_s if args.older_than_s is not None else settings.outbox.retention_s
+    before = int(time.time() * 1000 - age * 1000)
+    old = await _count_created_before(box, before)
+    if old == 0:
+        out(f"0 entries created before {iso_ms(before)}: nothing to remove")
+        return 0
+    if not args.include_unacked:
+        err(
+            f"wowd: {old} unacknowledged entries were created before {iso_ms(before)}: no consumer took their "
+            "commands; --include-unacked removes them (nothing was removed)"
+        )
+        return 1
+    if not confirm(f"remove {old} unacknowledged entries created before {iso_ms(before)}?", yes=args.yes):
+        err("wowd: nothing was removed")
+        return 1
+    removed = await box.trim(before)
+    out(f"{removed} unacknowledged entries created before {iso_ms(before)} removed")
+    return 0
+
+
+async def _count_created_before(box: Outbox, before: int) -> int:
+    count, cursor = 0, None
+    while True:
+        batch = await box.take(cursor, limit=COUNT_PAGE)
+        count += sum(1 for e in batch.entries if e.created_at < before)
+        if len(batch.entries) < COUNT_PAGE or batch.cursor is None:
+            return count
+        cursor = batch.cursor

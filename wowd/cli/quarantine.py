@@ -79,7 +79,7 @@ async def quarantine(settings: WowdSettings, args: argparse.Namespace) -> int:
     if args.quarantine_command == "retry" and bool(args.ids) == bool(args.all):
         err("wowd quarantine retry: give ids or --all (not both)")
         return 2
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         if args.quarantine_command == "list":
             items = await backend.log.quarantined(limit=args.limit, after=args.after)
             _print_list(items, args.limit, as_json=args.json)

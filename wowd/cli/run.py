@@ -8,14 +8,15 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
 from prometheus_client import Counter
 
-from wowd import metrics
+from wowd import __version__, metrics
 from wowd.cli.backend import CLOSE_TIMEOUT_S, open_backend
+from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
 from wowd.config import WowdSettings
 from wowd.daemon.supervisor import Supervisor
@@ -83,7 +84,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(signals, received, tg.cancel_scope)
                 if settings.demo:
-                    tg.start_soon(_demo_in_process, backend, sup)
+                    tg.start_soon(_demo_in_process, backend, sup, settings)
                 await sup.run()
                 tg.cancel_scope.cancel()
         finally:
@@ -118,19 +119,52 @@ def _total(counter: Counter) -> int:
     return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
 
 
-async def _demo_in_process(backend: Backend, sup: Supervisor) -> None:
+def progress_printer(settings: WowdSettings) -> Callable[[str, dict[str, object]], None]:
+    """Prints a line of ``wowd run --demo`` on stdout in the format of the log lines: plain text
+    when they are text, one JSON object a line (the same fields as a log line) when they are
+    JSON, so that a pipe reads one format."""
+    if not json_logs(settings):
+        return lambda text, fields: out(text)
+    formatter = LogFormatter(True, [])
+
+    def emit(text: str, fields: dict[str, object]) -> None:
+        record = logging.makeLogRecord({"name": "wowd.demo", "levelno": logging.INFO, "levelname": "INFO"})
+        record.msg = text
+        record.__dict__.update(fields)
+        out(formatter.format(record))
+
+    return emit
+
+
+def _newcomer(settings: WowdSettings, port: int | None) -> str:
+    """What a first ``make run`` needs to know: it is up, where it writes, where to look."""
+    where = f"embedded file {settings.embedded.path}" if settings.backend == "embedded" else "the MongoDB backend"
+    metrics_url = f"http://localhost:{port}/metrics" if port else "/metrics"
+    return (
+        f"wowd {__version__}: a replica of context {settings.context!r} is up on {where}; a line below every "
+        f"second shows commits fed and timers fired. Look inside with `wowd status`, `wowd timers list` and "
+        f"{metrics_url}; Ctrl-C stops it (details of the replica: WOWD_LOG_LEVEL=DEBUG)."
+    )
+
+
+async def _demo_in_process(backend: Backend, sup: Supervisor, settings: WowdSettings) -> None:
     from wowd.demo import DemoStats, produce_forever
 
     stats = DemoStats()
+    show = progress_printer(settings)
 
     async def progress() -> None:
         start = time.monotonic()
+        await anyio.sleep(0.5)  # the HTTP server has bound its port by now
+        port = sup.http.bound_port if sup.http is not None else None
+        show(_newcomer(settings, port), {"port": port or 0})
         while True:
             await anyio.sleep(1.0)
-            out(
+            fed, fired = _total(metrics.FEED_COMMITS), _total(metrics.TIMERS_FIRED)
+            show(
                 f"[{time.monotonic() - start:6.1f}s] demo: appended {stats.commits} commits "
-                f"({stats.timers} timers) | fed {_total(metrics.FEED_COMMITS)} commits | "
-                f"fired {_total(metrics.TIMERS_FIRED)} timers | leases held {len(sup.held)}"
+                f"({stats.timers} timers) | fed {fed} commits | fired {fired} timers | leases held {len(sup.held)}",
+                {"appended": stats.commits, "fed": fed, "fired": fired, "leases_held": len(sup.held)},
             )
 
     async with anyio.create_task_group() as tg:

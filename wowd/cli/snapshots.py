@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
+
+import anyio
 
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import err, out, print_json, print_table
 from wowd.cli.status import live_partitions
 from wowd.config import WowdSettings
 from wowd.daemon.rebuild import Rebuilder, RebuildReport, RebuildStatus
+from wowd.errors import LeaseLost
 from wowd.fmt import compact_partitions
-from wowd.model import SnapshotTable
+from wowd.model import Owner, SlotState, SnapshotTable
+from wowd.stores.base import Backend
 
 __all__ = ["register", "report_doc", "snapshots", "status_doc"]
 
@@ -82,7 +89,7 @@ async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
     except ValueError:
         err(f"wowd: --partitions: integers expected, got {' '.join(given)}")
         return 2
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         rebuilder = Rebuilder(settings, backend, reducers)
         if args.snapshots_command == "status":
             return _print_status([status_doc(s) for s in await rebuilder.status()], json=args.json)
@@ -95,7 +102,7 @@ async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
                 "(--partitions to choose others, --force to rebuild them anyway)"
             )
             return 1
-        reports = await rebuilder.rebuild(wanted, aggregates=args.aggregate, force=args.force)
+        reports = await _rebuild_holding_leases(settings, backend, rebuilder, wanted, states, args)
     docs = [report_doc(r) for r in reports]
     if args.json:
         print_json(docs)
@@ -108,6 +115,79 @@ async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
                 f"{d['skipped']} skipped, {d['failed']} failed" + (", backfilled" if d["backfilled"] else "")
             )
     return 1 if any(d["outcome"] == "superseded" or d["failed"] for d in docs) else 0
+
+
+async def _rebuild_holding_leases(
+    settings: WowdSettings,
+    backend: Backend,
+    rebuilder: Rebuilder,
+    wanted: list[int],
+    states: list[SlotState],
+    args: argparse.Namespace,
+) -> list[RebuildReport]:
+    """Rebuilds ``wanted`` slot by slot. A slot without a live holder is taken for the duration
+    (its lease renewed meanwhile, released at the end), so that the rebuild writes under the
+    slot's fence as a replica would; a slot with a live holder (``--force``) is rebuilt under
+    no fence, and its holder's progress checkpoints win."""
+    live = {st.slot for st in states if st.live}
+    lo, limit = settings.lease.slot_offset, settings.lease.limit
+    reports: list[RebuildReport] = []
+    for slot in range(lo, lo + limit):
+        parts = sorted(set(wanted) & set(settings.partitions_of_slot(slot)))
+        if not parts:
+            continue
+        if slot in live:
+            reports += await rebuilder.rebuild(parts, aggregates=args.aggregate, force=args.force)
+            continue
+        async with _holding(settings, backend, slot) as (fence, check):
+            reports += await rebuilder.rebuild(
+                parts, aggregates=args.aggregate, force=args.force, fence=fence, check=check
+            )
+    return reports
+
+
+@asynccontextmanager
+async def _holding(
+    settings: WowdSettings, backend: Backend, slot: int
+) -> AsyncIterator[tuple[int, Callable[[], None]]]:
+    """Holds the lease of ``slot`` (its fence, and a check that raises :class:`LeaseLost` once a
+    renewal failed) until the block ends; a slot taken meanwhile by a replica is an error."""
+    store, ns = backend.leases, settings.lease_namespace
+    ttl, tolerance = timedelta(seconds=settings.lease.ttl_s), timedelta(seconds=settings.lease.tolerance_s)
+    owner = Owner(key=f"{settings.owner_key}:snapshots-rebuild:{slot}")
+    got = await store.acquire(
+        ns, owner, settings.lease.limit, ttl, tolerance, slot_offset=settings.lease.slot_offset, preferred_slot=slot
+    )
+    lease = got.lease
+    if lease is None or lease.slot != slot:
+        if lease is not None:
+            await store.release(lease, last_issued=lease.written_at)
+        raise LeaseLost(f"slot {slot}: its lease was taken by a replica meanwhile; run the rebuild again")
+    lost: list[str] = []
+
+    def check() -> None:
+        if lost:
+            raise LeaseLost(f"slot {slot}: {lost[0]}")
+
+    async def renew() -> None:
+        nonlocal lease
+        while True:
+            await anyio.sleep(settings.lease.ttl_s / 3)
+            assert lease is not None
+            renewed = await store.renew(lease, ttl, tolerance)
+            if renewed is None:
+                lost.append("the lease could not be renewed (a replica took the slot)")
+                return
+            lease = renewed
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(renew)
+            yield lease.fence, check
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await store.release(lease, last_issued=lease.written_at)
 
 
 def _print_status(docs: list[dict[str, Any]], *, json: bool) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from wowd.cli.backend import opened_backend
-from wowd.cli.output import out, print_json, print_table
+from wowd.cli.output import out, print_json, print_table, span
 from wowd.config import WowdSettings
 from wowd.fmt import compact_partitions, iso_ms
 from wowd.model import SlotState
@@ -94,20 +94,8 @@ def status_doc(settings: WowdSettings, states: list[SlotState], replicas: list[R
     }
 
 
-def _duration(ms: int) -> str:
-    """``0.4 s``, ``12 min``, ``3.5 h``, ``2.0 d``: a human span (never negative)."""
-    s = max(0, ms) / 1000
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{s // 60:.0f} min"
-    if s < 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
-
-
 async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         states = await backend.leases.slots(settings.lease_namespace)
         replicas = await backend.leases.replicas(settings.lease_namespace)
     doc = status_doc(settings, states, replicas)
@@ -141,8 +129,8 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
                     r["owner_key"],
                     r["state"],
                     ",".join(map(str, r["slots"])) or "-",
-                    _duration(r["seen_ms_ago"]) + " ago",
-                    _duration(r["up_ms"]),
+                    span(r["seen_ms_ago"]) + " ago",
+                    span(r["up_ms"]),
                     r["version"],
                     f"{r['host']}/{r['pid']}",
                 ]

@@ -7,21 +7,24 @@ import argparse
 import json
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from wowd.cli.args import positive_int
 from wowd.cli.backend import opened_backend
-from wowd.cli.output import err, out, print_json, print_table
+from wowd.cli.output import at, confirm, err, out, print_json, print_table
+from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerChange, TimerStatus
-from wowd.stores.base import Log
+from wowd.stores.base import Log, TimerStore
 
-__all__ = ["SCAN_LIMIT", "deliveries", "parse_ref", "register", "timer_doc", "timers"]
+__all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
 
 SCAN_LIMIT = 100_000
-"""Timers read to find the ones named by id (``retry``, ``resume``)."""
+"""Timers read to find the ones named by id, by target or after a cursor (the store lists timers
+from the first due only)."""
 
 
 def _status(text: str) -> TimerStatus:
@@ -34,12 +37,20 @@ def _status(text: str) -> TimerStatus:
 
 
 def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object, given inline or as ``@FILE`` (read from the file)."""
+    where = ""
+    if text.startswith("@"):
+        where = f"{text[1:]}: "
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]!r}: {exc}") from None
     try:
         value = json.loads(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+        raise argparse.ArgumentTypeError(f"{where}not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("a JSON object {...} is expected")
+        raise argparse.ArgumentTypeError(f"{where}a JSON object {{...}} is expected")
     return value
 
 
@@ -53,6 +64,34 @@ def _instant(text: str) -> int:
     if at.tzinfo is None:
         raise argparse.ArgumentTypeError(f"{text!r}: give the time zone (e.g. +00:00 or Z)")
     return int(at.timestamp() * 1000)
+
+
+PAST_TOLERANCE_MS = 1000
+"""A due time at most this far in the past is "now" (the clock moved while the command ran)."""
+
+FLAGS = {
+    "body.due_at": "--at/--in",
+    "rule.expression": "--cron",
+    "rule.zone": "--zone",
+    "rule.every_ms": "--every-ms",
+    "rule": "--cron/--every-ms",
+    "body.command.name": "--command",
+    "body.command.body_type": "--body-type",
+    "body.command": "--body",
+    "body.command.body": "--body",
+    "body.key": "KEY",
+}
+"""The flag of ``wowd timers schedule`` that gave each field of the event."""
+
+
+def _flag(field: str | None) -> str:
+    if field is None:
+        return "wowd timers schedule"
+    if field in FLAGS:
+        return FLAGS[field]
+    if field.startswith("body.target"):
+        return "--target"
+    return next((flag for f, flag in FLAGS.items() if field.startswith(f + ".")), field)
 
 
 def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
@@ -69,6 +108,12 @@ def parse_ref(text: str, *, context: str, tenant: str | None = None) -> Aggregat
         raise ConfigError(f"{text!r}: {exc}") from exc
 
 
+IN_OWNER_STREAM_HELP = (
+    "append to the owner aggregate's own stream, at its next version (default: wowd's stream of the owner, "
+    f"aggregate {SCHEDULES}, which leaves the application's streams alone)"
+)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("timers", parents=[common], help="list, show, schedule, cancel and repair timers")
     tsub = p.add_subparsers(dest="timers_command", required=True, metavar="COMMAND")
@@ -77,24 +122,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tl.add_argument(
         "--status", type=_status, help="only timers in this status: pending, firing, parked or failed (any case)"
     )
+    tl.add_argument("--target", metavar="AGGREGATE/ID", help="only timers whose command goes to this aggregate")
+    tl.add_argument("--tenant", help=f"the target's tenant id (default {DEFAULT_TENANT})")
+    tl.add_argument("--after", metavar="CURSOR", help="only timers after this cursor (as a previous list printed)")
     tl.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
-    tl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    tl.add_argument("--json", action="store_true", help="print JSON ({timers, next}; times in epoch ms)")
 
-    ts = tsub.add_parser("show", help="one timer, by its owner and key")
-    ts.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
-    ts.add_argument("key", help="the timer's key")
+    ts = tsub.add_parser("show", help="one timer, by its id or by its owner and key")
+    ts.add_argument(
+        "timer",
+        nargs="+",
+        metavar="TIMER_ID | AGGREGATE/ID KEY",
+        help="a timer id as 'timers list' shows it, or "
+        "the owner aggregate (CONTEXT.AGGREGATE/ID also taken) and the timer's key",
+    )
     ts.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
-    ts.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    ts.add_argument("--json", action="store_true", help="print JSON instead of lines (times in epoch ms)")
 
-    tsc = tsub.add_parser("schedule", help="append a commit of the owner scheduling a timer (the application API)")
+    tsc = tsub.add_parser("schedule", help="append a commit scheduling a timer of an owner (the application API)")
     tsc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
     tsc.add_argument("key", help="the timer's key (a later schedule of the same key replaces it)")
     tsc.add_argument("--command", required=True, metavar="NAME", help="the command sent to the target when due")
-    tsc.add_argument("--body", type=_json_object, default={}, help="the command's body, a JSON object (default {})")
+    tsc.add_argument(
+        "--body",
+        type=_json_object,
+        default={},
+        help="the command's body: a JSON object, or @FILE to read one from a file (default {})",
+    )
     tsc.add_argument("--body-type", help="the command's body type (sent as Command-Type)")
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
     when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
+    tsc.add_argument(
+        "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
+    )
     rule = tsc.add_mutually_exclusive_group()
     rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
     rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
@@ -102,16 +163,35 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--target", metavar="AGGREGATE/ID", help="where the command goes (default: the owner)")
     tsc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     tsc.add_argument("--target-tenant", help="the target's tenant id (default: the owner's)")
+    tsc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
 
-    tc = tsub.add_parser("cancel", help="append a commit of the owner cancelling a timer")
+    tc = tsub.add_parser("cancel", help="append a commit cancelling a timer (one that exists, unless --force)")
     tc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
     tc.add_argument("key", help="the timer's key")
     tc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
+    tc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
+    tc.add_argument(
+        "--force", action="store_true", help="append the cancel even when the timer view holds no such timer"
+    )
 
-    tr = tsub.add_parser("retry", help="FAILED timers back to PENDING, due now")
-    tr.add_argument("timer_ids", nargs="+", metavar="TIMER_ID", help="ids as 'timers list' shows them")
-    tm = tsub.add_parser("resume", help="PARKED timers back to PENDING, due now")
-    tm.add_argument("timer_ids", nargs="+", metavar="TIMER_ID", help="ids as 'timers list' shows them")
+    for name, status, text in (("retry", "failed", "FAILED"), ("resume", "parked", "PARKED")):
+        tr = tsub.add_parser(name, help=f"{text} timers back to PENDING, due now: by id, owner and key, or in bulk")
+        tr.add_argument(
+            "timers",
+            nargs="*",
+            metavar="TIMER_ID | AGGREGATE/ID KEY",
+            help="timer ids as 'timers list' shows them, or an owner aggregate followed by a key",
+        )
+        tr.add_argument(
+            "--all",
+            f"--all-{status}",
+            dest="all",
+            action="store_true",
+            help=f"every {text} timer (with --target: every one of that target)",
+        )
+        tr.add_argument("--target", metavar="AGGREGATE/ID", help=f"the {text} timers whose command goes there")
+        tr.add_argument("--tenant", help=f"the tenant id of owners and targets named (default {DEFAULT_TENANT})")
+        tr.add_argument("--yes", action="store_true", help="do not ask for confirmation at a terminal")
     p.set_defaults(handler=timers)
 
 
@@ -125,16 +205,16 @@ def deliveries(t: Timer) -> int:
     return t.attempts + (1 if t.status in (TimerStatus.PARKED, TimerStatus.FAILED) else 0)
 
 
-def detail(t: Timer) -> str:
-    """What an operator needs of a timer in its status."""
+def detail(t: Timer, now_ms: int | None = None) -> str:
+    """What an operator needs of a timer in its status (times in ISO 8601, UTC, and relative)."""
     if t.status is TimerStatus.PENDING:
-        text = f"due {iso_ms(t.due_at)}"
+        text = f"due {at(t.due_at, now_ms)}"
         return text + (f" (retry; last error: {t.last_error})" if t.last_error else "")
     if t.status is TimerStatus.FIRING:
         who = t.claim.owner_key if t.claim is not None else "?"
-        return f"claimed by {who} until {iso_ms(t.due_at)}"
+        return f"claimed by {who} until {at(t.due_at, now_ms)}"
     if t.status is TimerStatus.PARKED:
-        return f"parked since {iso_ms(t.due_at)}: {t.last_error or '-'}"
+        return f"parked since {at(t.due_at, now_ms)}: {t.last_error or '-'}"
     return f"failed: {t.last_error or '-'}"
 
 
@@ -150,7 +230,7 @@ def timer_doc(t: Timer) -> dict[str, Any]:
         "scheduled_at": t.scheduled_at,
         "target": str(t.target),
         "rule": t.rule.to_doc(),
-        "command": t.body,
+        "command": json.loads(t.body),
         "attempts": deliveries(t),
         "fired": t.fired,
         "last_error": t.last_error,
@@ -165,48 +245,156 @@ def timer_doc(t: Timer) -> dict[str, Any]:
 # --------------------------------------------------------------------------- commands
 
 
+def cursor_of(t: Timer) -> str:
+    """The ``--after`` cursor of a listed timer: its place in the order of the listing."""
+    return f"{t.due_at}:{t.timer_id}"
+
+
+def _after(text: str) -> tuple[int, str]:
+    due, sep, tid = text.partition(":")
+    if not sep or not due.lstrip("-").isdigit() or not tid:
+        raise ConfigError(f"--after {text!r}: not a cursor of 'timers list' (DUE_AT:TIMER_ID)")
+    return int(due), tid
+
+
+def selected(tokens: list[str], *, context: str, tenant: str | None) -> list[str | tuple[AggregateRef, str]]:
+    """Timer ids and ``AGGREGATE/ID KEY`` pairs, in the order given: a token with a ``/`` is an
+    owner (timer ids have none) and the token after it its key."""
+    found: list[str | tuple[AggregateRef, str]] = []
+    rest = list(tokens)
+    while rest:
+        token = rest.pop(0)
+        if "/" not in token:
+            found.append(token)
+            continue
+        if not rest:
+            raise ConfigError(f"{token!r}: an owner aggregate is followed by the timer's key")
+        found.append((parse_ref(token, context=context, tenant=tenant), rest.pop(0)))
+    return found
+
+
+def _matches(t: Timer, wanted: str | tuple[AggregateRef, str]) -> bool:
+    """The timer named by id, or by owner and key (the owner's own stream or wowd's of it)."""
+    if isinstance(wanted, str):
+        return t.timer_id == wanted
+    owner, key = wanted
+    return t.key == key and t.owner in (owner, schedule_stream(owner))
+
+
+def _name(wanted: str | tuple[AggregateRef, str]) -> str:
+    return wanted if isinstance(wanted, str) else f"{wanted[1]!r} of {wanted[0]}"
+
+
 async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
-    async with opened_backend(settings) as backend:
+    async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         store = backend.timers
         if args.timers_command == "list":
-            found = await store.scan(status=args.status, limit=args.limit + 1)
-            _print_list(found[: args.limit], cut=len(found) > args.limit, json=args.json)
-            return 0
+            return await _list(settings, store, args)
         if args.timers_command in ("schedule", "cancel"):
-            return await _write(settings, backend.log, args)
+            return await _write(settings, backend.log, store, args)
         if args.timers_command == "show":
-            owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
-            t = await store.find(owner, args.key)
-            if t is None:
-                err(f"wowd: no timer {args.key!r} of {owner}")
-                return 1
-            _print_one(t, json=args.json)
-            return 0
-        wanted_status = TimerStatus.FAILED if args.timers_command == "retry" else TimerStatus.PARKED
-        wanted = set(args.timer_ids)
-        candidates = [t for t in await store.scan(status=wanted_status, limit=SCAN_LIMIT) if t.timer_id in wanted]
-        now = int(time.time() * 1000)
-        written = await store.settle([TimerChange.resume(t, due_at=now) for t in candidates]) if candidates else 0
-        missing = wanted - {t.timer_id for t in candidates}
-        others = {t.timer_id: t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id in missing} if missing else {}
+            return await _show(settings, store, args)
+        return await _repair(settings, store, args)
+
+
+async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+    target = parse_ref(args.target, context=settings.context, tenant=args.tenant) if args.target else None
+    after = _after(args.after) if args.after else None
+    if target is None and after is None:
+        found = await store.scan(status=args.status, limit=args.limit + 1)
+    else:  # the store lists from the start: filter a full read
+        found = [
+            t
+            for t in await store.scan(status=args.status, limit=SCAN_LIMIT)
+            if (target is None or t.target == target) and (after is None or (t.due_at, t.timer_id) > after)
+        ][: args.limit + 1]
+    shown = found[: args.limit]
+    nxt = cursor_of(shown[-1]) if len(found) > args.limit else None
+    if args.json:
+        print_json({"timers": [timer_doc(t) for t in shown], "next": nxt})
+        return 0
+    now = int(time.time() * 1000)
+    print_table(
+        ["timer_id", "status", "partition", "owner", "key", "target", "attempts", "detail"],
+        [
+            [t.timer_id, t.status.value, t.partition, t.owner, t.key, t.target, deliveries(t), detail(t, now)]
+            for t in shown
+        ],
+        right={2, 6},
+    )
+    out(f"{len(shown)} timer(s) shown; next: --after {nxt}" if nxt else f"{len(shown)} timer(s)")
+    return 0
+
+
+async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[AggregateRef, str]) -> Timer | None:
+    if isinstance(wanted, tuple):
+        owner, key = wanted
+        return await store.find(schedule_stream(owner), key) or await store.find(owner, key)
+    return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
+
+
+async def _show(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+    picked = selected(args.timer, context=settings.context, tenant=args.tenant)
+    if len(picked) != 1:
+        raise ConfigError("timers show: give one TIMER_ID, or an owner AGGREGATE/ID and a KEY")
+    t = await _find(settings, store, picked[0])
+    if t is None:
+        err(f"wowd: no timer {_name(picked[0])}")
+        return 1
+    _print_one(t, as_json=args.json)
+    return 0
+
+
+async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+    """``retry`` (FAILED) and ``resume`` (PARKED): back to PENDING, due now; by id, by owner and
+    key, or in bulk (``--all``, ``--target``) after a count and a confirmation at a terminal."""
+    wanted_status = TimerStatus.FAILED if args.timers_command == "retry" else TimerStatus.PARKED
+    picked = selected(args.timers, context=settings.context, tenant=args.tenant)
+    target = parse_ref(args.target, context=settings.context, tenant=args.tenant) if args.target else None
+    bulk = args.all or target is not None
+    if not picked and not bulk:
+        raise ConfigError(f"timers {args.timers_command}: give timer ids (or AGGREGATE/ID KEY), --all or --target")
+    if picked and bulk:
+        raise ConfigError(f"timers {args.timers_command}: give timer ids or --all/--target, not both")
+    in_status = await store.scan(status=wanted_status, limit=SCAN_LIMIT)
+    if bulk:
+        candidates = [t for t in in_status if target is None or t.target == target]
+        which = f"{wanted_status.value} timer(s)" + (f" of target {target}" if target is not None else "")
+        if candidates and not confirm(f"{args.timers_command} {len(candidates)} {which}?", yes=args.yes):
+            err("wowd: nothing was changed")
+            return 1
+        missing: list[str | tuple[AggregateRef, str]] = []
+    else:
+        candidates = [t for t in in_status if any(_matches(t, w) for w in picked)]
+        missing = [w for w in picked if not any(_matches(t, w) for t in candidates)]
+    now = int(time.time() * 1000)
+    written = await store.settle([TimerChange.resume(t, due_at=now) for t in candidates]) if candidates else 0
     out(f"{written} timer(s) back to PENDING")
-    for tid in sorted(missing):
-        other = others.get(tid)
+    for w in missing:
+        other = await _find(settings, store, w)
         if other is None:
-            err(f"wowd: no such timer: {tid}")
+            err(f"wowd: no such timer: {_name(w)}")
         else:
-            err(f"wowd: timer {tid} is {other.status.value}, not {wanted_status.value}")
+            err(f"wowd: timer {_name(w)} is {other.status.value}, not {wanted_status.value}")
     return 0 if not missing and written == len(candidates) else 1
 
 
-async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> int:
+async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
     from wowd.client import WowdClient
 
     client = WowdClient(log, max_body_bytes=settings.timers.max_body_bytes)
     owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
-        commit = await client.cancel(owner, args.key)
-        out(f"cancel of timer {args.key!r} of {owner} appended at version {commit.version}")
+        stream = owner if args.in_owner_stream else schedule_stream(owner)
+        if not args.force and await timers_store.find(stream, args.key) is None:
+            err(
+                f"wowd: no timer {args.key!r} of {stream} in the timer view (it fired, was cancelled or never "
+                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
+                "appends the cancel anyway"
+            )
+            return 1
+        commit = await client.cancel(owner, args.key, in_owner_stream=args.in_owner_stream)
+        out(f"cancel of timer {args.key!r} of {owner} appended to {commit.ref} at version {commit.version}")
         return 0
     target = (
         parse_ref(args.target, context=settings.context, tenant=args.target_tenant or owner.tenant_id)
@@ -218,41 +406,48 @@ async def _write(settings: WowdSettings, log: Log, args: argparse.Namespace) -> 
         rule = {"type": "interval", "every_ms": args.every_ms}
     elif args.cron is not None:
         rule = {"type": "cron", "expression": args.cron, "zone": args.zone}
+    now = int(time.time() * 1000)
     due_at = args.at if args.at is not None else None
     if args.in_s is not None:
-        due_at = int(time.time() * 1000 + args.in_s * 1000)
+        due_at = int(now + args.in_s * 1000)
     if due_at is None and rule is None:
-        due_at = int(time.time() * 1000)  # a one-shot timer without a time: due now
+        due_at = now  # a one-shot timer without a time: due now
+    elif due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
+        flag = "--at" if args.at is not None else "--in"
+        raise ConfigError(
+            f"{flag}: the due time {iso_ms(due_at)} is in the past (the timer would fire at once); "
+            "--allow-past to schedule it anyway"
+        )
     command = Command(name=args.command, body=args.body, body_type=args.body_type)
-    commit = await client.schedule(owner, args.key, command=command, due_at=due_at, rule=rule, target=target)
+    try:
+        commit = await client.schedule(
+            owner,
+            args.key,
+            command=command,
+            due_at=due_at,
+            rule=rule,
+            target=target,
+            in_owner_stream=args.in_owner_stream,
+        )
+    except InvalidInput as exc:
+        raise ConfigError(f"{_flag(exc.field)}: {exc.reason} ({exc.field})") from exc
     (event,) = commit.events
     out(
-        f"timer {args.key!r} of {owner} scheduled at version {commit.version}: {args.command} to {target} "
-        f"due {iso_ms(event.body['due_at'])}"
+        f"timer {args.key!r} of {owner} scheduled in {commit.ref} at version {commit.version}: {args.command} "
+        f"to {target} due {iso_ms(event.body['due_at'])}"
     )
     return 0
 
 
-def _print_list(found: list[Timer], *, cut: bool, json: bool) -> None:
-    if json:
-        print_json([timer_doc(t) for t in found])
-        return
-    print_table(
-        ["timer_id", "status", "partition", "owner", "key", "target", "attempts", "detail"],
-        [[t.timer_id, t.status.value, t.partition, t.owner, t.key, t.target, deliveries(t), detail(t)] for t in found],
-        right={2, 6},
-    )
-    if cut:
-        out(f"{len(found)} timer(s) shown; more exist (--limit to list more)")
-    else:
-        out(f"{len(found)} timer(s)")
-
-
-def _print_one(t: Timer, *, json: bool) -> None:
+def _print_one(t: Timer, *, as_json: bool) -> None:
     doc = timer_doc(t)
-    if json:
+    if as_json:
         print_json(doc)
         return
     for k, v in doc.items():
+        if k in ("due_at", "scheduled_at") and isinstance(v, int):
+            v = at(v)
+        elif isinstance(v, dict | list):
+            v = json.dumps(v, separators=(",", ":"))
         out(f"{k + ':':<13} {v if v is not None else '-'}")
     out(f"{'detail:':<13} {detail(t)}")

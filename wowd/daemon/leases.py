@@ -180,9 +180,6 @@ Work = Callable[[HeldSlot], Awaitable[None]]
 
 
 STALL_COOLDOWN_MIN_S = 10.0
-FULL_LIST_INFO_MAX_CHARS = 900
-"""A slot's full partition list is logged at acquisition at INFO up to this length (the line stays
-under 1 KB), at DEBUG beyond; every other line carries the compact form."""
 
 
 def _first(group: BaseException) -> BaseException:
@@ -362,9 +359,9 @@ class SlotKeeper:
             self._ns,
             extra=extra,
         )
-        listed = ",".join(map(str, sorted(held.partitions)))
-        level = logging.INFO if len(listed) <= FULL_LIST_INFO_MAX_CHARS else logging.DEBUG
-        log.log(level, "slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
+        if log.isEnabledFor(logging.DEBUG):  # the acquisition line has them in a compact form
+            listed = ",".join(map(str, sorted(held.partitions)))
+            log.debug("slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
         self.held = held
         self.acquired_once = True
         self.stall.gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))

@@ -127,6 +127,9 @@ class RebuildReport:
     backfilled: bool = False
     """The table is marked backfilled at ``revision`` after this call."""
     table: SnapshotTable | None = None
+    first: bool = False
+    """The type had no snapshot table: the first build, with no earlier revision to replace
+    (logged at DEBUG: every new file has one)."""
 
 
 @dataclass(slots=True)
@@ -280,10 +283,16 @@ class Rebuilder:
         reducer = self._reducers[aggregate]
         revision = reducer.state_revision
         table = await rebuilds.table(type_)
+        first = table is None
         if table is None or table.revision < revision:
             table = await rebuilds.claim(type_, revision)
-            log.info("snapshots of %s: claimed state revision %d", type_, table.revision)
-        report = RebuildReport(type=type_, revision=revision, outcome="rebuilt", table=table)
+            log.log(
+                logging.DEBUG if first else logging.INFO,
+                "snapshots of %s: claimed state revision %d",
+                type_,
+                table.revision,
+            )
+        report = RebuildReport(type=type_, revision=revision, outcome="rebuilt", table=table, first=first)
         job = _Job(type=type_, reducer=reducer, revision=revision, todo=set(), report=report)
         if table.revision > revision:
             report.outcome = "superseded"
@@ -414,7 +423,12 @@ class Rebuilder:
         if marked is not None:
             job.report.table = marked
             job.report.backfilled = True
-            log.info("snapshots of %s: every partition rebuilt at state revision %d", job.type, job.revision)
+            log.log(
+                logging.DEBUG if job.report.first else logging.INFO,
+                "snapshots of %s: every partition rebuilt at state revision %d",
+                job.type,
+                job.revision,
+            )
 
     # ------------------------------------------------------------------ the daemon's
 
@@ -447,7 +461,14 @@ class Rebuilder:
         except StorageError as exc:
             log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
             return []
-        done = [_summary(r) for r in reports if r.partitions or r.outcome == "stopped"]
-        if done:
-            log.info("snapshots rebuilt for slot %d: %s", held.slot, "; ".join(done), extra=extra)
+        shown = [r for r in reports if r.partitions or r.outcome == "stopped"]
+        if shown:
+            routine = all(r.first and r.outcome == "rebuilt" and not (r.skipped or r.failed) for r in shown)
+            log.log(
+                logging.DEBUG if routine else logging.INFO,
+                "snapshots rebuilt for slot %d: %s",
+                held.slot,
+                "; ".join(_summary(r) for r in shown),
+                extra=extra,
+            )
         return reports

@@ -20,6 +20,7 @@ from wowd.model.commits import (
 from wowd.model.ids import (
     DEFAULT_TENANT,
     MAX_BODY_BYTES,
+    MAX_STREAM_KEY_BYTES,
     AggregateRef,
     AggregateType,
     java_string_hash,
@@ -70,6 +71,7 @@ from wowd.model.timers import (
 __all__ = [
     "DEFAULT_TENANT",
     "MAX_BODY_BYTES",
+    "MAX_STREAM_KEY_BYTES",
     "AccessStamp",
     "AcquireResult",
     "AggregateRef",

@@ -16,6 +16,17 @@ DEFAULT_TENANT = "(0)"
 MAX_BODY_BYTES = 64 * 1024
 """Default limit of a timer command's JSON text (configurable in the daemon)."""
 
+MAX_STREAM_KEY_BYTES = 512 - len("::") - len(str(2**63 - 1))
+"""The percent-encoded tenant id and aggregate id of an aggregate, together, at most (491
+bytes): its commits' event-index document id (:func:`stream_id`, with a version of up to 19
+digits) stays within Elasticsearch's 512 bytes. Checked when an :class:`AggregateRef` is made,
+so that a commit gets the same fate on every backend (refused by the client, quarantined by the
+feed), not only on the one whose index would refuse it."""
+
+_FAST_KEY_CHARS = MAX_STREAM_KEY_BYTES // 12
+"""A tenant id and an aggregate id of at most this many characters together are within
+:data:`MAX_STREAM_KEY_BYTES` whatever they hold (a character percent-encodes to 12 bytes at most)."""
+
 _NAME = re.compile(r"^[a-z0-9_-]+$")
 
 
@@ -100,6 +111,14 @@ class AggregateRef:
             raise InvalidInput("must be a string", field="aggregate_id")
         if not isinstance(self.tenant_id, str) or not self.tenant_id:
             raise InvalidInput("must be a non-empty string", field="tenant_id")
+        if len(self.id) + len(self.tenant_id) > _FAST_KEY_CHARS:
+            size = len(_percent_encoded(self.tenant_id)) + len(_percent_encoded(self.id))
+            if size > MAX_STREAM_KEY_BYTES:
+                raise InvalidInput(
+                    f"is too long: {size} bytes percent-encoded with its tenant id, at most {MAX_STREAM_KEY_BYTES}"
+                    " on every backend (the event index's document id)",
+                    field="aggregate_id",
+                )
 
     @property
     def type(self) -> AggregateType:

@@ -13,7 +13,8 @@ from contextlib import AsyncExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from wowd.errors import ConfigError
+from wowd.config import uri_hosts
+from wowd.errors import ConfigError, StorageUnavailable
 from wowd.stores.base import Backend
 from wowd.stores.mongo._common import MongoSharding, translate_errors
 from wowd.stores.mongo.log import MongoLog
@@ -35,11 +36,21 @@ __all__ = [
 ]
 
 
-async def check_replica_set(client: AsyncMongoClient[Any]) -> None:
+async def check_replica_set(client: AsyncMongoClient[Any], *, hosts: str | None = None) -> None:
     """Raises :class:`ConfigError` unless the server is a replica-set member or a ``mongos``:
-    the log is tailed with change streams, which a standalone server does not have."""
-    with translate_errors("hello"):
-        hello: Mapping[str, Any] = await client.admin.command("hello")
+    the log is tailed with change streams, which a standalone server does not have. With
+    ``hosts`` (those of ``WOWD_MONGODB__URI``), a server that does not answer is one
+    :class:`StorageUnavailable` line naming the setting and the hosts, not the driver's
+    topology."""
+    try:
+        with translate_errors("hello"):
+            hello: Mapping[str, Any] = await client.admin.command("hello")
+    except StorageUnavailable as exc:
+        if hosts is None:
+            raise
+        reason = str(exc.__cause__ or exc).split(" (configured timeouts")[0].split(", Timeout: ")[0]
+        reason = reason.removeprefix(f"{hosts}: ")
+        raise StorageUnavailable(f"WOWD_MONGODB__URI: no MongoDB server answered at {hosts}: {reason}") from exc
     if hello.get("setName") or hello.get("msg") == "isdbgrid":
         return
     raise ConfigError(
@@ -99,7 +110,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         es: AsyncElasticsearch = new_client(es_settings)
         stack.push_async_callback(es.close)
 
-        await check_replica_set(client)
+        await check_replica_set(client, hosts=uri_hosts(mongo.uri.get_secret_value()))
 
         # every store gets every setting: the operation timeout, the DDL mode, the sharding mode
         common: dict[str, Any] = {"operation_timeout": timeout}
