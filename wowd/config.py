@@ -474,10 +474,15 @@ def _closest(name: str, known: Mapping[str, object], prefix: str) -> str | None:
 
 def variable(loc: tuple[int | str, ...]) -> str:
     """The environment variable of a setting's location (``("mongodb", "uri")`` ->
-    ``WOWD_MONGODB__URI``); a dict setting's entry is named by the dict's variable."""
+    ``WOWD_MONGODB__URI``); a dict setting's entry is named by the dict's variable, and a list
+    setting's item by the list's (``("gateway", "routes", 0, "url")`` -> ``WOWD_GATEWAY__ROUTES``,
+    a JSON array)."""
     parts = [str(p) for p in loc]
     if parts and parts[0] == "reducers":
         parts = parts[:1]
+    index = next((i for i, p in enumerate(loc) if isinstance(p, int)), None)
+    if index is not None:
+        parts = parts[:index]
     return "WOWD_" + "__".join(parts).upper()
 
 

@@ -102,7 +102,10 @@ def test_a_bad_global_client_certificate_stops_check(
     [
         ({"WOWD_GATEWAY__ROUTES": "match=order"}, "WOWD_GATEWAY__ROUTES: not JSON (a list setting"),
         ({"WOWD_GATEWAY__SIGNING_SECRETS": SECRET}, "WOWD_GATEWAY__SIGNING_SECRETS: not JSON (a list setting"),
-        ({"WOWD_GATEWAY__ROUTES": '{"match": "order"}'}, "gateway.routes: Input should be a valid list"),
+        (
+            {"WOWD_GATEWAY__ROUTES": '{"match": "order"}'},
+            "gateway.routes (WOWD_GATEWAY__ROUTES): Input should be a valid list",
+        ),
     ],
 )
 def test_a_list_setting_that_is_not_json_is_named(

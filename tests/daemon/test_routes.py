@@ -205,7 +205,7 @@ def test_routes_from_toml_and_from_the_environment_are_the_same(tmp_path: Path, 
 @pytest.mark.parametrize(
     ("gateway", "says"),
     [
-        ({"kind": "http"}, "gateway: Value error, url or routes is required when kind is 'http'"),
+        ({"kind": "http"}, "gateway (WOWD_GATEWAY): url or routes is required when kind is 'http'"),
         (
             {
                 "kind": "http",
@@ -225,11 +225,17 @@ def test_routes_from_toml_and_from_the_environment_are_the_same(tmp_path: Path, 
         ),
         ({"routes": [{"match": "order.x.y", "url": "http://a.test"}]}, "is not 'context' or 'context.aggregate'"),
         ({"routes": [{"match": "Order", "url": "http://a.test"}]}, "is not a valid name"),
-        ({"routes": [{"match": "order", "url": "ftp://a.test"}]}, "gateway.routes.0.url: Value error, must be an http"),
-        ({"routes": [{"match": "order"}]}, "gateway.routes.0.url: Field required"),
-        ({"routes": [{"match": "order", "url": "http://a.test", "tokn": "x"}]}, "gateway.routes.0.tokn: Extra"),
+        (
+            {"routes": [{"match": "order", "url": "ftp://a.test"}]},
+            "gateway.routes.0.url (WOWD_GATEWAY__ROUTES): must be an http",
+        ),
+        ({"routes": [{"match": "order"}]}, "gateway.routes.0.url (WOWD_GATEWAY__ROUTES): Field required"),
+        (
+            {"routes": [{"match": "order", "url": "http://a.test", "tokn": "x"}]},
+            "gateway.routes.0.tokn (WOWD_GATEWAY__ROUTES): Extra",
+        ),
         ({"routes": [{"match": "o", "url": "http://a.test", "client_key": "/k"}]}, "client_key is given without"),
-        ({"client_key": "/k"}, "gateway: Value error, client_key is given without client_cert"),
+        ({"client_key": "/k"}, "gateway (WOWD_GATEWAY): client_key is given without client_cert"),
         ({"signing_secrets": ["c2VjcmV0LXdpdGhvdXQtcHJlZml4MDAwMA=="]}, "signing_secrets[0]: a signing secret starts"),
         (
             {"routes": [{"match": "o", "url": "http://a.test", "signing_secrets": [GLOBAL_SECRET, "whsec_!!"]}]},
