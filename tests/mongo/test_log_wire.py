@@ -3,7 +3,7 @@ talks to MockupDB and each test asserts the commands on the wire and scripts the
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -836,28 +836,99 @@ def _outbox_doc(oid: ObjectId, request_id: str) -> dict[str, Any]:
     }
 
 
-async def test_outbox_take_is_one_find_after_the_cursor_in_id_order(
+def _outbox_entry(request_id: str) -> OutboxEntry:
+    target = AggregateRef(context="ctx", aggregate="order", id="o1")
+    return OutboxEntry(
+        request_id=request_id,
+        timer_id="t",
+        target=target,
+        command="{}",
+        scheduled_at=1,
+        fence=1,
+        owner_key="k",
+        created_at=2,
+    )
+
+
+def _first_batch(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": 0, "ns": f"{DB}.wow_outbox__{CONTEXT}", "firstBatch": docs}
+
+
+async def test_outbox_take_skips_no_entry_a_writer_committed_behind_the_taken_ones(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
-    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
-    after, a, b = ObjectId(), ObjectId(), ObjectId()
+    """Writer A makes its entry's ``_id`` first and commits it last; writer B's later ``_id``
+    is taken before A's entry exists. ObjectIds are made by each client and "are not necessarily
+    monotonic" (manual, BSON Types, ObjectId: one-second resolution, clients' own clocks), so a
+    take after B's ``_id`` would never see A's entry: a take reads every entry not acknowledged
+    and not leased, whatever its ``_id``, and leases what it read (``$$NOW``: manual, Aggregation
+    Variables; a pipeline update: manual, Updates with Aggregation Pipeline). Each answer is what
+    a 7.0 server gives: an update whose filter no longer matches (another take leased the entry)
+    answers ``n: 0``."""
+    writer_a = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    writer_b = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    consumer = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    free = {"$expr": {"$lte": ["$lease_until", "$$NOW"]}}
+
+    async def take(found: list[dict[str, Any]], modified: int, held: list[dict[str, Any]]) -> tuple[Any, str | None]:
+        find = await rs_wire.command("find")
+        assert find["find"] == f"wow_outbox__{CONTEXT}"
+        assert find["filter"] == free  # no cursor: an entry behind the taken ones is found
+        assert find["sort"] == {"_id": 1} and find["limit"] == 10 and find["projection"] == {"_id": 1}
+        find.ok(cursor=_first_batch([{"_id": d["_id"]} for d in found]))
+        if not found:
+            return None, None
+        update = await rs_wire.command("update")
+        (u,) = update.docs[0]["updates"]
+        ids = [d["_id"] for d in found]
+        assert u["q"] == {"_id": {"$in": ids}, **free} and u["multi"] is True  # free again, per document
+        lease_id = u["u"][0]["$set"]["lease"]
+        assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
+        update.ok(n=modified, nModified=modified)
+        readback = await rs_wire.command("find")
+        assert readback["filter"] == {"_id": {"$in": ids}, "lease": lease_id}
+        readback.ok(cursor=_first_batch([{**d, "lease": lease_id} for d in held]))
+        return update, lease_id
+
+    lease = timedelta(seconds=30)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = start(tg, lambda: outbox.take(str(after), limit=2))
-            find = await rs_wire.command("find")
-            assert find["find"] == f"wow_outbox__{CONTEXT}"
-            assert find["filter"] == {"_id": {"$gt": after}}
-            assert find["sort"] == {"_id": 1} and find["limit"] == 2
-            find.ok(
-                cursor={
-                    "id": 0,
-                    "ns": f"{DB}.wow_outbox__{CONTEXT}",
-                    "firstBatch": [_outbox_doc(a, "r1"), _outbox_doc(b, "r2")],
-                }
-            )
-            await call.done.wait()
-    batch = call.result()
-    assert [e.request_id for e in batch.entries] == ["r1", "r2"] and batch.cursor == str(b)
+            put_a = start(tg, lambda: writer_a.put_many([_outbox_entry("r-a")]))
+            insert_a = await rs_wire.command("insert")  # held: A commits last
+            put_b = start(tg, lambda: writer_b.put(_outbox_entry("r-b")))
+            insert_b = await rs_wire.command("insert")
+            insert_b.ok(n=1)
+            a, b = insert_a.docs[0]["documents"][0], insert_b.docs[0]["documents"][0]
+            assert a["_id"] < b["_id"]
+            await put_b.done.wait()
+
+            first = start(tg, lambda: consumer.take(10, lease=lease))
+            _, first_lease = await take([b], 1, [b])
+            await first.done.wait()
+            assert [e.request_id for e in first.result().entries] == ["r-b"]
+            assert first.result().cursor == first_lease
+
+            insert_a.ok(n=1)  # A's entry commits now, its _id before the one taken
+            await put_a.done.wait()
+            assert put_a.result() == [True]
+
+            second = start(tg, lambda: consumer.take(10, lease=lease))
+            _, second_lease = await take([a], 1, [a])  # r-b is held: the server does not match it
+            await second.done.wait()
+            assert [e.request_id for e in second.result().entries] == ["r-a"]
+            assert second_lease != first_lease
+
+            # two takes found r-a free at once; the other leased it first: this one gets nothing
+            third = start(tg, lambda: consumer.take(10, lease=lease))
+            await take([a], 0, [])
+            await third.done.wait()
+            assert third.result().entries == () and third.result().cursor is None
+
+            # every entry held: one find, nothing leased
+            fourth = start(tg, lambda: consumer.take(10, lease=lease))
+            await take([], 0, [])
+            await fourth.done.wait()
+            assert fourth.result().entries == ()
 
 
 async def test_outbox_ack_and_trim_are_one_delete_many_each(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:

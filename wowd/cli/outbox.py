@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from datetime import timedelta
 
 from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
+from wowd.stores.base import OUTBOX_TAKE_LEASE
 
 __all__ = ["outbox", "register"]
 
@@ -17,10 +19,16 @@ __all__ = ["outbox", "register"]
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("outbox", parents=[common], help="list, acknowledge and trim the outbox's commands")
     osub = p.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    ol = osub.add_parser("list", help="entries in delivery order, after a cursor")
-    ol.add_argument("--after", metavar="CURSOR", help="only entries after this cursor (as a previous list printed)")
-    ol.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
-    ol.add_argument("--json", action="store_true", help="print JSON ({entries, cursor}) instead of a table")
+    ol = osub.add_parser("list", help="take the oldest entries no other take holds, in delivery order")
+    ol.add_argument("--limit", type=positive_int, default=100, help="take at most this many (default 100)")
+    ol.add_argument(
+        "--lease-s",
+        type=non_negative_seconds,
+        default=OUTBOX_TAKE_LEASE.total_seconds(),
+        help="hold them for this long: no other take gets them meanwhile; ack them within it "
+        f"(default {OUTBOX_TAKE_LEASE.total_seconds():g})",
+    )
+    ol.add_argument("--json", action="store_true", help="print JSON ({entries, take, depth}) instead of a table")
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")
     ot = osub.add_parser("trim", help="remove entries older than an age, acknowledged or not")
@@ -36,7 +44,7 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings) as backend:
         box = backend.outbox
         if args.outbox_command == "list":
-            batch = await box.take(args.after, limit=args.limit)
+            batch = await box.take(args.limit, lease=timedelta(seconds=args.lease_s))
             depth = await box.count()
         elif args.outbox_command == "ack":
             removed = await box.ack(args.request_ids)
@@ -62,11 +70,11 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
             }
             for e in batch.entries
         ]
-        print_json({"entries": entries, "cursor": batch.cursor, "depth": depth})
+        print_json({"entries": entries, "take": batch.cursor, "depth": depth})
         return 0
     print_table(
         ["request_id", "created", "target", "command"],
         [[e.request_id, iso_ms(e.created_at), e.target, e.command] for e in batch.entries],
     )
-    out(f"{len(batch.entries)} of {depth} entries" + (f"; next: --after {batch.cursor}" if batch.cursor else ""))
+    out(f"{len(batch.entries)} of {depth} entries taken for {args.lease_s:g} s")
     return 0

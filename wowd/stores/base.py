@@ -51,6 +51,7 @@ __all__ = [
     "Log",
     "LogCheck",
     "Outbox",
+    "OUTBOX_TAKE_LEASE",
     "OutboxFiring",
     "PRESENCE_RETENTION",
     "ReplicaInfo",
@@ -522,6 +523,10 @@ class EventSink(Protocol):
     async def close(self) -> None: ...
 
 
+OUTBOX_TAKE_LEASE = timedelta(seconds=60)
+"""How long a take holds its entries by default (:meth:`Outbox.take`)."""
+
+
 @runtime_checkable
 class Outbox(Protocol):
     """Where the ``outbox`` gateway delivers commands: unique on the request id."""
@@ -538,11 +543,17 @@ class Outbox(Protocol):
         """At most ``limit`` entries in insertion order, skipping the first ``after`` (tools)."""
         ...
 
-    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
-        """The consumer's read: at most ``limit`` entries in insertion order after the cursor
-        ``after`` (``None``: from the oldest), with the cursor to pass next. Read-only: an
-        entry stays until acknowledged or trimmed. Raises :class:`~wowd.errors.InvalidInput`
-        (field ``cursor``) for a cursor this outbox did not give."""
+    async def take(self, limit: int = 100, *, lease: timedelta = OUTBOX_TAKE_LEASE) -> OutboxBatch:
+        """The consumer's read: the oldest (insertion order) at most ``limit`` entries that are
+        not acknowledged and that no live take holds, each now held by this take for ``lease``
+        (on the store's clock); the batch's ``cursor`` names the take (``None`` when empty).
+
+        No cursor to pass: an entry whose writer committed it late (another replica's, a
+        concurrent batch's, ordered before entries taken already) is taken by the next take all
+        the same. While a take's lease holds, no other take gets its entries; an entry not
+        acknowledged when its lease runs out is taken again (at-least-once: acknowledge within
+        the lease). An entry stays until acknowledged or trimmed. Raises
+        :class:`~wowd.errors.InvalidInput` (field ``lease``) for a lease under 1 ms."""
         ...
 
     async def ack(self, request_ids: Sequence[str]) -> int:
