@@ -724,6 +724,35 @@ async def test_auto_ddl_creates_the_log_indexes_before_the_first_append(
     assert call.result() == "appended"
 
 
+async def test_the_log_indexes_of_an_existing_collection_are_built_with_no_deadline(
+    rs_server: MockupDB, rs_wire: Wire
+) -> None:
+    """``prepare`` makes sure of the indexes of the log collections there already, which may be
+    large: a client with ``timeoutMS`` (the deployment's) sends no ``maxTimeMS`` with their
+    ``createIndexes`` (an interrupted build is aborted: manual, createIndexes; server
+    src/mongo/db/commands/create_indexes_cmd.cpp)."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        rs_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=10_000
+    )
+    try:
+        log = MongoLog(client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.AUTO)
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                call = start(tg, log.prepare)
+                lc = await rs_wire.command("listCollections")
+                lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]})
+                ci = await rs_wire.command("createIndexes")
+                assert ci["createIndexes"] == ORDERS and "maxTimeMS" not in ci
+                ci.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)
+                quarantine = await rs_wire.command("createIndexes")
+                assert quarantine["createIndexes"] == f"wow_quarantine__{CONTEXT}" and "maxTimeMS" not in quarantine
+                quarantine.ok(numIndexesBefore=3, numIndexesAfter=3, note="all indexes already exist")
+                await call.done.wait()
+        assert call.result() is None
+    finally:
+        await client.close()
+
+
 # --------------------------------------------------------------------------- outbox, replica-set check
 
 

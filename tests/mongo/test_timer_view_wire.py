@@ -143,6 +143,48 @@ async def test_prepare_upgrades_a_format_5_collection_in_place(mongo_client: Any
     assert due.value == []
 
 
+async def test_the_upgrades_index_build_has_no_deadline_under_the_clients_timeout(
+    mock_server: Any, wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deployment's client has ``timeoutMS`` and the store an operation timeout (both 10 s):
+    the TTL index of the upgrade is built over the whole collection, and the server aborts a
+    build whose ``createIndexes`` was interrupted (``maxTimeMS`` expired: manual, createIndexes,
+    and "Index Builds on Populated Collections"; src/mongo/db/commands/create_indexes_cmd.cpp
+    aborts the build when the command's operation is interrupted), so the command carries no
+    ``maxTimeMS``. The log names what is built. The answer is a 7.0 server's to a build that
+    added one index (``numIndexesBefore``/``numIndexesAfter``)."""
+    from datetime import timedelta
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        mock_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=10_000
+    )
+    try:
+        store = MongoTimerStore(
+            client,
+            DB,
+            context=CONTEXT,
+            partitions=PARTITIONS,
+            sharding=MongoSharding.OFF,
+            operation_timeout=timedelta(seconds=10),
+        )
+        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.timers"):
+            async with calling(store.prepare) as out:
+                (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+                ci = await wire.command("createIndexes")
+                assert [dict(i) for i in ci.doc["indexes"]] == [ttl_index_spec()]
+                assert "maxTimeMS" not in ci.doc
+                ci.ok(numIndexesBefore=4, numIndexesAfter=5, createdCollectionAutomatically=False)
+                up = await wire.command("update")
+                assert 0 < up.doc["maxTimeMS"] <= 10_000  # the registry's update keeps its deadline
+                up.ok(n=1, nModified=1)
+            assert out.error is None, out.error
+        said = caplog.text
+        assert "tombstones_ttl" in said and ORDER in said and "upgrade to format 6" in said
+        assert f"built 1 index(es) of {ORDER}" in said
+    finally:
+        await client.close()
+
+
 async def test_an_upgrade_another_replica_made_first_is_read_again(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     async with calling(store.prepare) as out:

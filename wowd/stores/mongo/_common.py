@@ -285,6 +285,39 @@ class MongoStore:
         """The operation timeout over one command or call (CSOT nests: an outer deadline caps it)."""
         return nullcontext() if self._timeout is None else pymongo.timeout(self._timeout)
 
+    async def _create_indexes(
+        self, name: str, indexes: Sequence[Mapping[str, Any]], logger: logging.Logger, *, why: str = ""
+    ) -> Mapping[str, Any]:
+        """``createIndexes`` of ``indexes`` on the collection ``name`` with no deadline at all
+        (``pymongo.timeout(0)``: no ``maxTimeMS`` is sent, the client's ``timeoutMS`` does not
+        apply): a build reads the whole collection, and the server aborts a build whose command
+        was interrupted, so under a deadline an index over a large collection would never be
+        built. Logs what it makes sure of before it (an index missing is built then), and what
+        the server built after it. Answers the server's reply. Call it inside ``_call(...,
+        bounded=False)``."""
+        names = ", ".join(str(ix["name"]) for ix in indexes)
+        logger.info(
+            "mongodb %s: making sure of the indexes %s of %s%s (a missing one is built now, over the whole "
+            "collection, with no deadline)",
+            self._label,
+            names,
+            name,
+            f" ({why})" if why else "",
+        )
+        started = time.monotonic()
+        with pymongo.timeout(0):
+            reply: Mapping[str, Any] = await self._db.command({"createIndexes": name, "indexes": list(indexes)})
+        before, after = reply.get("numIndexesBefore"), reply.get("numIndexesAfter")
+        if isinstance(before, int) and isinstance(after, int) and after > before:
+            logger.info(
+                "mongodb %s: built %d index(es) of %s in %.1f s",
+                self._label,
+                after - before,
+                name,
+                time.monotonic() - started,
+            )
+        return reply
+
     async def _shard_collection(
         self,
         name: str,

@@ -467,8 +467,8 @@ class MongoLog(MongoStore):
 
     async def _ensure(self, name: str) -> None:
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": name, "indexes": log_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(name, log_indexes(), logger)
         elif self._ddl is Ddl.VALIDATE:
             with self._call("prepare"):
                 info = await self._db[name].index_information()
@@ -495,8 +495,8 @@ class MongoLog(MongoStore):
         for name in await self._log_collections():
             await self._ensure(name)
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(self._quarantine.name, quarantine_indexes(), logger)
 
     def nudge(self) -> None:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""

@@ -14,6 +14,7 @@ takes never both win one) and reads back what its lease id holds.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 Doc = dict[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 def outbox_indexes() -> list[Doc]:
@@ -121,8 +124,8 @@ class MongoOutbox(MongoStore):
     async def prepare(self) -> None:
         """Creates (AUTO) or checks (VALIDATE) the unique request-id index; idempotent."""
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": self._coll.name, "indexes": outbox_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(self._coll.name, outbox_indexes(), logger)
         elif self._ddl is Ddl.VALIDATE:
             with self._call("prepare"):
                 found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}

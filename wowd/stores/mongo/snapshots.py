@@ -522,7 +522,7 @@ class MongoSnapshotStore(MongoStore):
             if exc.code != NAMESPACE_EXISTS:
                 raise
         sharded = await self._is_sharded()
-        await self._db.command("createIndexes", name, indexes=index_specs(sharded=sharded))
+        await self._create_indexes(name, index_specs(sharded=sharded), log)
         if sharded:
             # the shard key's index exists first, so a collection that already holds snapshots
             # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0

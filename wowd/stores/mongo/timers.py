@@ -715,7 +715,7 @@ class MongoTimerStore(MongoStore):
 
     async def _upgrade(self, name: str) -> None:
         """Format 5 -> 6 in place (the layout without tombstones): with ``ddl=auto`` creates the
-        TTL index (no operation timeout: the build reads the whole collection), then records 6
+        TTL index (no deadline at all: the build reads the whole collection), then records 6
         with a guarded update (``ddl=none``: the index is assumed, the record is still made).
         ``ddl=validate`` changes nothing and refuses. A record that moved meanwhile (another
         replica upgraded, dropped or re-registered it) is read again and checked."""
@@ -726,7 +726,7 @@ class MongoTimerStore(MongoStore):
             )
         if self.ddl is Ddl.AUTO:
             try:
-                await self._db.command("createIndexes", name, indexes=[ttl_index_spec()])
+                await self._create_indexes(name, [ttl_index_spec()], log, why=f"upgrade to format {TIMER_FORMAT}")
             except OperationFailure as exc:
                 if exc.code in _INDEX_CONFLICT_CODES:
                     raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
@@ -822,8 +822,7 @@ class MongoTimerStore(MongoStore):
             if exc.code != NAMESPACE_EXISTS:  # another layout (options) than a plain collection
                 raise
         try:
-            with self._deadline():
-                await self._db.command("createIndexes", name, indexes=index_specs())
+            await self._create_indexes(name, index_specs(), log)
         except OperationFailure as exc:
             if exc.code in _INDEX_CONFLICT_CODES:
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
