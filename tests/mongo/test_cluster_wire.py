@@ -49,6 +49,7 @@ from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
 from wowd.stores.mongo.timers import (
     MAX_SCANS_TO_EXPLODE,
+    PIPELINE_LENGTH_LIMIT,
     MongoTimerStore,
     due_match,
     next_due_pipeline,
@@ -545,6 +546,66 @@ async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
     assert due.value == []
     pipeline = next_due_pipeline(CONTEXT, [TIMERS], range(MAX_SCANS_TO_EXPLODE + 1), 0)
     assert [len(s["$unionWith"]["pipeline"][0]["$match"]["partition"]["$in"]) for s in pipeline[2:-1]] == [200, 1]
+
+
+async def aggregation_within_the_length_limit(wire: Wire) -> Any:
+    """The next ``aggregate``, answered as a 7.0 server does when its pipeline (or one of its
+    ``$unionWith`` sub-pipelines) has more than ``internalPipelineLengthLimit`` (1,000) stages:
+    code 7749501 before parsing (src/mongo/db/pipeline/pipeline.cpp, ``Pipeline::parseCommon``;
+    once parsed, ``validateCommon`` answers FailedToParse with the same message). Answers None
+    then; else the request, for the test to answer."""
+    agg = await wire.command("aggregate")
+    pipelines = [agg["pipeline"]] + [s["$unionWith"]["pipeline"] for s in agg["pipeline"] if "$unionWith" in s]
+    if any(len(p) > PIPELINE_LENGTH_LIMIT for p in pipelines):
+        server_error(agg, 7749501, f"Pipeline length must be no longer than {PIPELINE_LENGTH_LIMIT} stages.")
+        return None
+    return agg
+
+
+async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within_the_pipeline_length(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """65,536 partitions are 328 groups of at most 200 (one ``$unionWith`` each per type): with 10
+    types, 3,280 unions, more than a pipeline of 1,000 stages holds (manual, Aggregation Pipeline
+    Limits: "Number of Stages"; the server's ``internalPipelineLengthLimit``). The reads are split
+    into aggregations that each fit, and their answers merged: the first timers of all, the
+    least next due time."""
+    types = [f"t{n}" for n in range(10)]
+    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
+    async with calling(store.prepare) as out:
+        (await rs_wire.command("find")).ok(
+            **timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc(t) for t in types])
+        )
+    assert out.error is None
+    everything = set(range(65_536))
+
+    def timer_doc(aggregate: str, due_at: int) -> dict[str, Any]:
+        doc = timer_to_doc(make_timer(aggregate=aggregate, id=f"{aggregate}-{due_at}", due_at=due_at))
+        return {**doc, "owner": {**doc["owner"], "aggregate": aggregate}}
+
+    seen: list[str] = []
+    async with calling(lambda: store.due(everything, 10_000, 3)) as due:
+        for n in range(4):  # ceil(3,280 / 990)
+            agg = await aggregation_within_the_length_limit(rs_wire)
+            assert agg is not None, f"aggregation {n} is longer than the server takes"
+            unions = [s["$unionWith"]["coll"] for s in agg["pipeline"] if "$unionWith" in s]
+            seen += unions
+            assert agg["pipeline"][:2] == [{"$match": {"context": CONTEXT}}, {"$count": "registered"}]
+            # each answers its own first timers: later ones come first in the later aggregations
+            agg.ok(
+                **timers_cursor(f"{DB}.wow_timer_aggregate", [{"registered": 10}, timer_doc(unions[-1][-2:], 400 - n)])
+            )
+    assert due.error is None, due.error
+    assert len(seen) == 3_280 and sorted(set(seen)) == [f"wow_timer__{CONTEXT}__{t}" for t in types]
+    assert [t.due_at for t in due.value] == [397, 398, 399]
+
+    async with calling(lambda: store.next_due(everything, 0)) as next_due:
+        for n in range(4):
+            agg = await aggregation_within_the_length_limit(rs_wire)
+            assert agg is not None
+            agg.ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [{"_id": None, "registered": 10, "next_due": 50 - n}]))
+    assert next_due.error is None, next_due.error
+    assert next_due.value == 47
 
 
 async def test_claim_due_reads_more_partitions_than_the_planner_explodes_in_groups(

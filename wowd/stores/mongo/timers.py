@@ -67,6 +67,8 @@ from wowd.stores.mongo._common import (
 )
 
 __all__ = [
+    "MAX_UNIONS",
+    "PIPELINE_LENGTH_LIMIT",
     "REGISTRY",
     "MongoTimerStore",
     "cancel_all_filter",
@@ -76,6 +78,7 @@ __all__ = [
     "index_specs",
     "next_due_match",
     "next_due_pipeline",
+    "next_due_pipelines",
     "owner_filter",
     "parked_many_match",
     "put_filter",
@@ -93,6 +96,7 @@ __all__ = [
     "ttl_index_spec",
     "union_batch_size",
     "union_pipeline",
+    "union_pipelines",
     "write_operation",
     "write_update",
     "write_verdict",
@@ -120,6 +124,14 @@ MAX_SCANS_TO_EXPLODE = 200
 """The server's ``internalQueryMaxScansToExplode``: above this many point intervals (partitions
 of one ``$in``) the planner stops merging one index scan per partition and sorts the whole
 match instead; the due reads split the partitions into groups of at most this many."""
+PIPELINE_LENGTH_LIMIT = 1000
+"""The server's ``internalPipelineLengthLimit``: an aggregation pipeline of more stages is refused
+(``FailedToParse``, code 9, or 7749501 before parsing: src/mongo/db/pipeline/pipeline.cpp) and
+every due, claim and next-due read with it."""
+MAX_UNIONS = PIPELINE_LENGTH_LIMIT - 10
+"""The ``$unionWith`` stages of one union aggregation: the limit less the stages around them
+(``$match``, ``$count``, which the server parses into two, ``$sort``, ``$limit``) and a margin.
+More (collections x partition groups) are read in as many aggregations as needed."""
 _MAX_RELOADS = 3
 _WRITE_ATTEMPTS = 3
 """Upserts of one put or cancel whose E11000 met a key that moved (a racing insert, an expiry)."""
@@ -566,10 +578,39 @@ def union_pipeline(
     numbers); the final ``$limit`` keeps it with ``limit`` timers after it. A list of matches (the
     groups of :func:`partition_groups`) gives one ``$unionWith`` per collection and match.
     ``keep_id``: each timer keeps its ``_id`` (a document that cannot be decoded is then written
-    back by it).
+    back by it). More unions than :data:`MAX_UNIONS`: see :func:`union_pipelines`.
     """
+    return _union_around(context, _unions(collections, match, limit, keep_id=keep_id), limit)
+
+
+def union_pipelines(
+    context: str,
+    collections: Mapping[str, str],
+    match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    limit: int | None,
+    *,
+    keep_id: bool = False,
+) -> list[list[dict[str, Any]]]:
+    """:func:`union_pipeline` in as many aggregations as keep each within the server's pipeline
+    length (:data:`MAX_UNIONS` unions each; one when they fit), each with the count and the final
+    sort and limit: the first ``limit`` timers of all are among the first ``limit`` of each."""
+    unions = _unions(collections, match, limit, keep_id=keep_id)
+    return [_union_around(context, part, limit) for part in _parts(unions)]
+
+
+def _parts(unions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    return [unions[i : i + MAX_UNIONS] for i in range(0, len(unions), MAX_UNIONS)] or [[]]
+
+
+def _unions(
+    collections: Mapping[str, str],
+    match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    limit: int | None,
+    *,
+    keep_id: bool,
+) -> list[dict[str, Any]]:
     matches = [match] if isinstance(match, Mapping) else list(match)
-    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    unions: list[dict[str, Any]] = []
     for name in sorted(collections):
         for m in matches:
             sub: list[dict[str, Any]] = [{"$match": dict(m)}, {"$sort": dict(SORT)}]
@@ -578,7 +619,12 @@ def union_pipeline(
             sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
             if not keep_id:
                 sub.append({"$unset": "_id"})
-            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+            unions.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    return unions
+
+
+def _union_around(context: str, unions: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
+    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}, *unions]
     pipeline.append({"$sort": dict(SORT)})
     if limit is not None:
         pipeline.append({"$limit": limit + 1})
@@ -608,9 +654,23 @@ def next_due_pipeline(
     due times (``$min`` ignores the count document, which has no ``due_at``; ``null`` when no
     timer matched). No input at all (no collection registered, none known) answers no document.
     More partitions than :data:`MAX_SCANS_TO_EXPLODE`: one ``$unionWith`` per collection and group.
+    More unions than :data:`MAX_UNIONS`: see :func:`next_due_pipelines`.
     """
+    return _next_due_around(context, _next_due_unions(collections, partitions, after))
+
+
+def next_due_pipelines(
+    context: str, collections: Iterable[str], partitions: Iterable[int], after: int
+) -> list[list[dict[str, Any]]]:
+    """:func:`next_due_pipeline` in as many aggregations as keep each within the server's
+    pipeline length (:data:`MAX_UNIONS` unions each; one when they fit): the next due time is the
+    least of their answers."""
+    return [_next_due_around(context, part) for part in _parts(_next_due_unions(collections, partitions, after))]
+
+
+def _next_due_unions(collections: Iterable[str], partitions: Iterable[int], after: int) -> list[dict[str, Any]]:
     matches = [next_due_match(group, after) for group in partition_groups(partitions)]
-    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    unions: list[dict[str, Any]] = []
     for name in sorted(collections):
         for match in matches:
             sub: list[dict[str, Any]] = [
@@ -619,9 +679,17 @@ def next_due_pipeline(
                 {"$limit": 1},
                 {"$project": {"_id": 0, "due_at": 1}},
             ]
-            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
-    pipeline.append({"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}})
-    return pipeline
+            unions.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    return unions
+
+
+def _next_due_around(context: str, unions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"$match": {"context": context}},
+        {"$count": "registered"},
+        *unions,
+        {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}},
+    ]
 
 
 # --------------------------------------------------------------------------- the store
@@ -1168,18 +1236,22 @@ class MongoTimerStore(MongoStore):
             return await self._union("due", matches, limit)
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
-        """One :func:`next_due_pipeline` aggregation; when the registry counts another number of
-        the context's collections than the known ones, reloads the registry and reads again."""
+        """One :func:`next_due_pipeline` aggregation (or as many as :func:`next_due_pipelines`
+        needs); when the registry counts another number of the context's collections than the
+        known ones, reloads the registry and reads again."""
         if not partitions:
             return None
         with self._call("next_due"):
             for attempt in range(_MAX_RELOADS + 1):
                 known = dict(self._known)
-                pipeline = next_due_pipeline(self.context, known, partitions, after)
-                cursor = await self._registry.aggregate(pipeline)
-                docs = await cursor.to_list(None)
-                registered = int(docs[0].get("registered") or 0) if docs else 0
-                found = docs[0].get("next_due") if docs else None
+                registered, found = 0, None
+                for pipeline in next_due_pipelines(self.context, known, partitions, after):
+                    cursor = await self._registry.aggregate(pipeline)
+                    docs = await cursor.to_list(None)
+                    registered = max(registered, int(docs[0].get("registered") or 0) if docs else 0)
+                    due = docs[0].get("next_due") if docs else None
+                    if due is not None and (found is None or due < found):
+                        found = due
                 if registered == len(known) or attempt == _MAX_RELOADS:
                     if registered != len(known):
                         log.warning(
@@ -1237,23 +1309,24 @@ class MongoTimerStore(MongoStore):
         keep_id: bool = False,
         undecodable: Callable[[dict[str, Any], Exception], None] | None = None,
     ) -> list[Timer]:
-        """Runs :func:`union_pipeline` over the known collections; when the registry counts
+        """Runs :func:`union_pipelines` over the known collections; when the registry counts
         another number of the context's collections, reloads the registry and reads again.
         ``undecodable``: a document that cannot be decoded is given to it and skipped (else the
         read raises)."""
         for attempt in range(_MAX_RELOADS + 1):
             known = dict(self._known)
             bad: list[tuple[dict[str, Any], Exception]] = []
-            pipeline = union_pipeline(self.context, known, match, limit, keep_id=keep_id)
             batch = union_batch_size(limit)
             kwargs: dict[str, Any] = {} if batch is None else {"batchSize": batch}
-            cursor = await self._registry.aggregate(pipeline, **kwargs)
-            docs = await cursor.to_list(None)
+            docs: list[dict[str, Any]] = []
+            for pipeline in union_pipelines(self.context, known, match, limit, keep_id=keep_id):
+                cursor = await self._registry.aggregate(pipeline, **kwargs)
+                docs.extend(await cursor.to_list(None))
             registered = 0
             timers: list[Timer] = []
             for doc in docs:
                 if "registered" in doc and "timer_id" not in doc:
-                    registered = int(doc["registered"])
+                    registered = max(registered, int(doc["registered"]))
                     continue
                 if undecodable is None:
                     aggregate = str(doc.get("owner", {}).get("aggregate", ""))
