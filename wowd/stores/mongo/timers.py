@@ -117,6 +117,7 @@ SORT = {"due_at": 1, "timer_id": 1}
 UNIQUE_INDEX = "partition_owner_key"
 DUE_INDEX = "due"
 PARKED_INDEX = "parked_target"
+RECLAIM_INDEX = "reclaim"
 TTL_INDEX = "tombstones_ttl"
 
 _INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
@@ -226,6 +227,9 @@ def index_specs() -> list[dict[str, Any]]:
       MongoDB 6.0+ for ``$in`` in a ``partialFilterExpression``);
     - partial ``(target.id, target.tenant_id, target.aggregate, target.context)`` over PARKED: the
       parked read, which runs whenever a target commits (a small index: parked timers are few);
+    - partial ``(partition, claim.fence)`` over FIRING: the takeover's reclaim (:func:`reclaim_filter`)
+      reads the FIRING timers of its partitions under an older fence, not every live timer (a
+      small index: a timer is FIRING only while it is delivered);
     - the tombstones' TTL index (:func:`ttl_index_spec`).
     """
     return [
@@ -243,6 +247,11 @@ def index_specs() -> list[dict[str, Any]]:
             "key": {"target.id": 1, "target.tenant_id": 1, "target.aggregate": 1, "target.context": 1},
             "name": PARKED_INDEX,
             "partialFilterExpression": {"status": TimerStatus.PARKED.value},
+        },
+        {
+            "key": {"partition": 1, "claim.fence": 1},
+            "name": RECLAIM_INDEX,
+            "partialFilterExpression": {"status": TimerStatus.FIRING.value},
         },
         ttl_index_spec(),
     ]
@@ -445,12 +454,14 @@ def fail_operation(doc: Mapping[str, Any], reason: str) -> UpdateOne:
 
 
 def reclaim_filter(partitions: Iterable[int], fence: int) -> dict[str, Any]:
-    """The FIRING timers of ``partitions`` claimed under a fence below ``fence``: the partition
-    points (the shard key, so a sharded cluster asks only the partitions' shards) and the due
-    index's own partial filter with FIRING (the index serves it), then the fence."""
+    """The FIRING timers of ``partitions`` claimed under a fence below ``fence``, over the reclaim
+    index (manual, Partial Indexes: the predicate contains the index's filter ``status: FIRING``):
+    point intervals on ``partition`` (the shard key, so a sharded cluster asks only the
+    partitions' shards), a range ``[MinKey, fence)`` on ``claim.fence``. Only the keys of FIRING
+    timers claimed under an older fence are read, however many PENDING timers a slot holds."""
     return {
         "partition": {"$in": sorted(set(partitions))},
-        "status": {"$in": list(DUE_STATUSES), "$eq": TimerStatus.FIRING.value},
+        "status": TimerStatus.FIRING.value,
         "claim.fence": {"$lt": fence},
     }
 
