@@ -599,6 +599,55 @@ async def test_checkpoint_save_is_one_upsert_guarded_by_the_fence(
     assert (cps[3].position, cps[3].fence, cps[3].written_at) == (position, 7, 123)
 
 
+async def test_a_duplicate_with_a_write_concern_error_is_not_answered_as_there(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """``log.append``, ``save_checkpoint`` and ``outbox.put`` each met a duplicate key and a
+    write concern error in the same reply: the document the key met may roll back, so none
+    answers "duplicate" / "refused" / "already there": each raises StorageUnavailable (retried).
+    A 7.0 server waits for the write concern also when the write failed on a duplicate key
+    (src/mongo/db/ops/write_ops_exec.cpp, ``LastOpFixer``: the client's last optime is set to the
+    system's, so the wait covers the document the key met) and answers both in one reply,
+    ``writeErrors`` and ``writeConcernError`` (manual, Write Concern, "writeConcernError")."""
+    log = make_log(rs_client)
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    log._ensured.add(ORDERS)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            appended = start(tg, lambda: log.append(commit(ID_P3, 1)))
+            insert = await rs_wire.command("insert")
+            assert len(insert.docs[0]["documents"]) == 1  # one document, as insert_one sends it
+            insert.ok(
+                n=0,
+                writeErrors=[dup(0, {"aggregate_id": 1, "request_id": 1})],
+                writeConcernError=write_concern_timeout(),
+            )
+            await appended.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                appended.result()
+
+            saved = start(tg, lambda: log.save_checkpoint("feed", 3, pos((300, 4)), 6))
+            upd = await rs_wire.command("update")
+            assert upd.docs[0]["updates"][0]["upsert"] is True
+            upd.ok(n=0, nModified=0, writeErrors=[dup(0, {"_id": 1})], writeConcernError=write_concern_timeout())
+            await saved.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                saved.result()
+
+            put = start(tg, lambda: outbox.put(_outbox_entry("r1")))
+            insert = await rs_wire.command("insert")
+            insert.ok(n=0, writeErrors=[dup(0, {"request_id": 1})], writeConcernError=write_concern_timeout())
+            await put.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                put.result()
+
+            # the same duplicate without a write concern error: durable as asked, answered so
+            put = start(tg, lambda: outbox.put(_outbox_entry("r1")))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"request_id": 1})])
+            await put.done.wait()
+            assert put.result() is False
+
+
 async def test_a_batchs_checkpoints_are_one_unordered_bulk_and_one_refused_item_is_false(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:

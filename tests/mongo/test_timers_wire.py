@@ -12,7 +12,7 @@ from bson import ObjectId
 from bson.min_key import MinKey
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, server_error
+from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from tests.mongo.timers_support import (
     CONTEXT,
     PARTITIONS,
@@ -446,6 +446,26 @@ async def test_put_that_lost_an_insert_race_is_admitted_over_the_winner(mongo_cl
         assert matches(req.doc["updates"][0]["q"], won)
         req.ok(n=1, nModified=1)
     assert out.error is None and out.value is True
+
+
+async def test_a_put_alone_that_meets_the_key_with_a_write_concern_error_is_unavailable(
+    mongo_client: Any, wire: Wire
+) -> None:
+    """The put sent again alone (a lost insert race) meets the unique key again and the write
+    concern is not satisfied, both in one reply (a 7.0 server waits for the write concern also
+    after a duplicate key: src/mongo/db/ops/write_ops_exec.cpp, ``LastOpFixer``). The stored
+    timer the key met may roll back: StorageUnavailable, not a decision read from it."""
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    won = stored_doc(5)
+    async with calling(lambda: store.put(make_timer(version=7))) as out:
+        (await wire.command("update")).ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)])
+        (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(won)]))
+        alone = await wire.command("update")
+        assert len(alone.doc["updates"]) == 1 and alone.doc["updates"][0]["upsert"] is True
+        alone.ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)], writeConcernError=write_concern_timeout())
+    assert isinstance(out.error, StorageUnavailable), out.error
+    assert "write concern" in str(out.error)
 
 
 @pytest.mark.parametrize(

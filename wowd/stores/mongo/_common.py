@@ -24,17 +24,20 @@ from typing import Any, TypeVar
 import bson
 import pymongo
 from bson.codec_options import CodecOptions
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, InsertOne, UpdateOne
+from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import (
     BulkWriteError,
     ConnectionFailure,
+    DuplicateKeyError,
     ExecutionTimeout,
     NotPrimaryError,
     OperationFailure,
     PyMongoError,
     WTimeoutError,
 )
+from pymongo.results import BulkWriteResult
 
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
@@ -71,6 +74,7 @@ __all__ = [
     "quarantine_collection",
     "split_to_fit",
     "translate_errors",
+    "write_one",
 ]
 
 # --------------------------------------------------------------------------- formats and names
@@ -219,6 +223,34 @@ def is_transient(exc: BaseException) -> bool:
             return True
         return any(e.get("code") in TRANSIENT_CODES for e in exc.details.get("writeErrors") or ())
     return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
+
+
+async def write_one(coll: AsyncCollection[Any], op: InsertOne[Any] | UpdateOne, operation: str) -> BulkWriteResult:
+    """One single-document write, sent as ``insert_one``/``update_one`` send it (one command, one
+    document) but read as a bulk: the server answers a duplicate key together with the write
+    concern error of the same write (it waits for the write concern also when the write failed,
+    so that the document the key met is as durable as asked), and PyMongo's single-document
+    helpers raise the write error alone, dropping the write concern error. Here a write concern
+    error, with or without a write error, raises :class:`StorageUnavailable` (the duplicate is
+    not known durable: the caller retries); a duplicate key alone raises ``DuplicateKeyError``
+    (its ``details`` the server's write error), as ``insert_one`` would; another write error
+    raises ``OperationFailure``."""
+    try:
+        return await coll.bulk_write([op], ordered=True)
+    except BulkWriteError as exc:
+        details = exc.details or {}
+        if details.get("writeConcernErrors"):
+            raise StorageUnavailable(
+                f"mongodb {operation}: write concern not satisfied ({details['writeConcernErrors'][0].get('errmsg')}); "
+                f"the write answered {[e.get('code') for e in details.get('writeErrors') or []]}: not known durable"
+            ) from exc
+        errors = details.get("writeErrors") or []
+        if not errors:
+            raise
+        error = errors[0]
+        if error.get("code") == DUPLICATE_KEY:
+            raise DuplicateKeyError(str(error.get("errmsg")), DUPLICATE_KEY, error) from exc
+        raise OperationFailure(str(error.get("errmsg")), error.get("code"), error) from exc
 
 
 @contextmanager

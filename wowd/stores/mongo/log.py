@@ -50,7 +50,7 @@ import anyio
 import pymongo
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient, UpdateOne
+from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
@@ -81,6 +81,7 @@ from wowd.stores.mongo._common import (
     checkpoint_collection,
     collection_name,
     quarantine_collection,
+    write_one,
 )
 
 __all__ = [
@@ -513,12 +514,14 @@ class MongoLog(MongoStore):
 
     async def append(self, commit: Commit) -> AppendOutcome:
         """One insert. E11000 on the request-id index: ``duplicate``; on ``_id``: ``duplicate``
-        when the stored commit has this request id, else :class:`ConflictError`."""
+        when the stored commit has this request id, else :class:`ConflictError`. E11000 with a
+        write concern error: :class:`StorageUnavailable` (the stored commit is not known durable;
+        :func:`write_one`)."""
         doc = commit_to_doc(commit, self.partitions)
         coll = await self._collection(commit.ref.type)
         with self._call("append"):
             try:
-                await coll.insert_one(doc)
+                await write_one(coll, InsertOne(doc), "log.append")
                 return "appended"
             except DuplicateKeyError as exc:
                 outcome = (await self._duplicates(coll, [(doc, exc.details or {})]))[0]
@@ -899,13 +902,18 @@ class MongoLog(MongoStore):
         return True
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False."""
+        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False, but
+        E11000 with a write concern error :class:`StorageUnavailable` (:func:`write_one`)."""
         with self._call("save_checkpoint"):
             try:
-                await self._checkpoints.update_one(
-                    checkpoint_filter(consumer, partition, fence),
-                    checkpoint_update(_bson_position(position), fence),
-                    upsert=True,
+                await write_one(
+                    self._checkpoints,
+                    UpdateOne(
+                        checkpoint_filter(consumer, partition, fence),
+                        checkpoint_update(_bson_position(position), fence),
+                        upsert=True,
+                    ),
+                    "log.save_checkpoint",
                 )
             except DuplicateKeyError:
                 return False
@@ -918,7 +926,7 @@ class MongoLog(MongoStore):
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
         with self._call("quarantine"):
             try:
-                await self._quarantine.insert_one(doc)
+                await write_one(self._quarantine, InsertOne(doc), "log.quarantine")
             except DuplicateKeyError:
                 await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
                 return

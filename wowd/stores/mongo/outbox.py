@@ -20,14 +20,20 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, InsertOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
-from wowd.stores.mongo._common import DEFAULT_OPERATION_TIMEOUT, DUPLICATE_KEY, MongoStore, outbox_collection
+from wowd.stores.mongo._common import (
+    DEFAULT_OPERATION_TIMEOUT,
+    DUPLICATE_KEY,
+    MongoStore,
+    outbox_collection,
+    write_one,
+)
 
 __all__ = [
     "FREE",
@@ -142,7 +148,7 @@ class MongoOutbox(MongoStore):
             await self.prepare()
         with self._call("put"):
             try:
-                await self._coll.insert_one(outbox_doc(entry))
+                await write_one(self._coll, InsertOne(outbox_doc(entry)), "outbox.put")
             except DuplicateKeyError:
                 return False
         return True

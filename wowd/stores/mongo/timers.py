@@ -64,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     is_duplicate_key,
     split_to_fit,
+    write_one,
 )
 
 __all__ = [
@@ -1105,12 +1106,13 @@ class MongoTimerStore(MongoStore):
             else:
                 flt, upsert = write_update(w, part, self._retention_ms)
                 try:
-                    res = await coll.update_one(flt, upsert, upsert=True)
+                    # E11000 with a write concern error: StorageUnavailable, never decided as refused
+                    written = await write_one(coll, UpdateOne(flt, upsert, upsert=True), "timers.write")
                 except PyMongoError as exc:
                     if not is_duplicate_key(exc):
                         raise
                 else:
-                    return 1 if w.kind == "put" or res.upserted_id is None else 0
+                    return 1 if w.kind == "put" or not written.upserted_ids else 0
             doc = await coll.find_one(key_filter(w.owner, part, w.key), _KEY_FIELDS)
             decided = write_verdict(w, doc)
             if isinstance(decided, int):
