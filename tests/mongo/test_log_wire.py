@@ -376,6 +376,41 @@ async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClien
     assert entries_of(call.result()) == [(5, ID_P5, 1)]
 
 
+async def test_history_lost_again_while_following_stalls_with_log_behind_oplog(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """The stream answered, lost its history on a ``getMore`` (286, as a 7.0 server answers a
+    resume point truncated from the oplog, message and all:
+    src/mongo/db/pipeline/document_source_change_stream_check_resumability.cpp; the
+    ``NonResumableChangeStreamError`` label: src/mongo/db/error_labels.cpp), was re-read,
+    answered again and lost it again: the reader is slower than the oplog window. The read
+    stops with LogBehindOplog (a StorageUnavailable the feed stalls the slot on), naming the
+    oplog window, instead of re-reading the partition for ever."""
+    from wowd.errors import LogBehindOplog
+
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=True)))
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
+            server_error(
+                await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG, labels=("NonResumableChangeStreamError",)
+            )
+            await majority_point(rs_wire, (600, 1))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
+            )
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 2), (601, 1))], first=True))
+            server_error(
+                await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG, labels=("NonResumableChangeStreamError",)
+            )
+            await call.done.wait()
+    with pytest.raises(LogBehindOplog, match="oplog window") as caught:
+        call.result()
+    assert isinstance(caught.value, StorageUnavailable) and caught.value.partitions == (5,)
+    assert "oplogMinRetentionHours" in str(caught.value)
+
+
 async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
     """Code 280 (the oplog covers the token's time but not its event: a rolled-back write, a
     token of another deployment) cannot resume either: the partition is re-read."""

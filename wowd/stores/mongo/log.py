@@ -57,7 +57,15 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.read_concern import ReadConcern
 
-from wowd.errors import ConfigError, ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import (
+    ConfigError,
+    ConflictError,
+    FormatError,
+    InvalidInput,
+    LogBehindOplog,
+    StorageError,
+    StorageUnavailable,
+)
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -605,7 +613,10 @@ class MongoLog(MongoStore):
         ``partition``, ``(aggregate_id, version)``), then one change stream on the database
         serves every partition from the oldest position. A lost resume point (code 286 or 280)
         re-reads the partitions at that oldest position and restarts the stream at the cluster
-        time taken before the re-read (or at the next oldest position, should that be older)."""
+        time taken before the re-read (or at the next oldest position, should that be older).
+        A stream that had answered and loses its history a second time in one read (the reader
+        is slower than the oplog window) raises :class:`~wowd.errors.LogBehindOplog` instead of
+        re-reading again."""
         for p in positions:
             if not 0 <= p < self.partitions:
                 raise ConfigError(f"partition {p} is outside [0, {self.partitions})")
@@ -619,6 +630,7 @@ class MongoLog(MongoStore):
                 await anyio.sleep_forever()  # nothing to tail, but a follower never ends by itself
             return
         parts = {p: _Part.from_position(pos) for p, pos in positions.items()}
+        lost_while_following = 0
         while True:
             try:
                 async with aclosing(self._scan(parts, batch_size)) as scanned:
@@ -643,8 +655,23 @@ class MongoLog(MongoStore):
                         f"it: {exc}); keep more oplog: raise the replica set's oplogMinRetentionHours "
                         "or oplog size (replSetResizeOplog)"
                     ) from exc
+                if exc.answered:
+                    lost_while_following += 1
+                if lost_while_following > 1:
+                    # the stream answered, then fell off the oplog; re-read, it did so again: the
+                    # reader is slower than the oplog window and re-reading would loop for ever
+                    raise LogBehindOplog(
+                        f"mongodb log {self.context}: the change stream of partitions {lost} fell behind "
+                        "the oplog window again after they were re-read (ChangeStreamHistoryLost while "
+                        f"following: {exc}); the feed reads slower than the oplog keeps history: keep more "
+                        "oplog (the replica set's oplogMinRetentionHours, or replSetResizeOplog) or give the "
+                        "feed more replicas",
+                        partitions=tuple(lost),
+                    ) from exc
                 logger.warning(
-                    "log %s: change stream history lost; re-reading partitions %s from the collections",
+                    "log %s: change stream history lost; re-reading partitions %s from the collections "
+                    "(once: should the stream fall behind the oplog window again, the read stops with "
+                    "LogBehindOplog)",
                     self.context,
                     lost,
                 )
