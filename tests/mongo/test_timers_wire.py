@@ -10,6 +10,7 @@ import bson
 import pytest
 from bson import ObjectId
 from bson.min_key import MinKey
+from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient
 
 from tests.mongo.conftest import Wire, server_error, write_concern_timeout
@@ -392,6 +393,33 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
             req.ok()
         assert moves == [(MinKey(), "s0"), (1, "s1"), (2, "s0")]
         await answer_update(wire)
+    assert out.value is True, out.error
+
+
+async def test_a_one_shard_cluster_gets_no_split(mongo_client: Any, wire: Wire) -> None:
+    """A sharded cluster of one shard: the collection is sharded, but its chunk is not split
+    (nothing to spread; 7.0's AutoMerger merges the chunks of a shard back, manual, "Automerger",
+    so the next start would find one chunk and split it again). The answers are a 7.0
+    ``mongos``'s: ``listShards`` lists the one shard."""
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
+    )
+    timer = make_timer(id="a")
+    timer = replace(timer, partition=timer.owner.partition(3))
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(lambda: store.put(timer)) as out:
+        (await wire.command("findAndModify")).ok(
+            value=registry_doc("order"),
+            lastErrorObject={"n": 1, "updatedExisting": False, "upserted": "wow_timer__ctx__order"},
+        )
+        (await wire.command("create")).ok()
+        (await wire.command("createIndexes")).ok()
+        (await wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        (await wire.command("shardCollection")).ok(collectionsharded=ns)
+        (await wire.command("listShards")).ok(
+            shards=[{"_id": "s0", "host": "s0/localhost:27018", "state": 1, "topologyTime": Timestamp(1, 1)}]
+        )
+        await answer_update(wire)  # the put's upsert next: no split, no moveRange
     assert out.value is True, out.error
 
 

@@ -954,14 +954,16 @@ class MongoTimerStore(MongoStore):
             return
         with self._deadline():
             shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
+        if len(shards) < 2:
+            # one shard: nothing to spread, and 7.0's AutoMerger merges the chunks of one shard
+            # back (then this collection has one chunk again and would be split at every start)
+            return
         for middle in split_points(self.partitions):
             try:
                 with self._deadline():
                     await admin.command("split", ns, middle=middle)
             except PyMongoError as exc:  # best effort, a client-side timeout included
                 log.warning("split of %s at %s refused: %s", ns, middle, exc)
-        if len(shards) < 2:
-            return
         for p, lower in enumerate(chunk_mins(self.partitions)):
             try:
                 with self._deadline():
