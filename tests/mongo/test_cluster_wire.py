@@ -439,12 +439,10 @@ async def answer_put(rs_wire: Wire) -> None:
     (await rs_wire.command("update")).ok(n=1, nModified=0, upserted=[{"index": 0, "_id": ObjectId()}])
 
 
-async def test_a_restart_does_not_split_or_move_the_chunks_of_a_registered_type(
-    rs_client: AsyncMongoClient[Any], rs_wire: Wire
-) -> None:
-    """``create`` answers ok on an existing collection (mongos since 4.0, mongod since 7.0): only
-    the registry upsert tells a first registration. A registered type whose collection has
-    chunks already (the balancer's work) is sharded again (idempotent) and left as it is."""
+async def test_a_put_never_splits_or_moves_chunks(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    """``create`` answers ok on an existing collection (mongos since 4.0, mongod since 7.0): the
+    type is sharded again (idempotent) and the put goes on: the chunks are spread off the feed's
+    path (``spread_chunks``), never by a put."""
     store = sharded_timers(rs_client)
     async with calling(lambda: store.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
@@ -456,20 +454,51 @@ async def test_a_restart_does_not_split_or_move_the_chunks_of_a_registered_type(
         )
         (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
         (await rs_wire.command("shardCollection")).ok(collectionsharded=f"{DB}.{TIMERS}")
+        await answer_put(rs_wire)  # no listShards, no split, no moveRange: straight to the put
+    assert out.error is None and out.value is True
+
+
+async def test_spread_chunks_leaves_a_collection_of_several_chunks_to_the_balancer(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A registered collection whose chunks the balancer has split and moved already is left as
+    it is (``config.chunks`` counts two; answers as a 7.0 ``mongos`` gives them)."""
+    from uuid import UUID
+
+    from bson.binary import Binary, UuidRepresentation
+
+    store = sharded_timers(rs_client)
+    async with calling(store.spread_chunks) as out:
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
         coll = await rs_wire.command("find")
         assert (coll["find"], coll["$db"], coll["filter"]) == ("collections", "config", {"_id": f"{DB}.{TIMERS}"})
-        from uuid import UUID
-
-        from bson.binary import Binary, UuidRepresentation
-
         uuid = Binary.from_uuid(UUID(int=7), UuidRepresentation.STANDARD)
         coll.ok(**timers_cursor("config.collections", [{"_id": f"{DB}.{TIMERS}", "uuid": uuid}]))
         count = await rs_wire.command("aggregate")
         assert (count["aggregate"], count["$db"]) == ("chunks", "config")
         assert count["pipeline"][0] == {"$match": {"uuid": uuid}}
         count.ok(**timers_cursor("config.chunks", [{"_id": 1, "n": 2}]))
-        await answer_put(rs_wire)  # no split, no moveRange: straight to the put
-    assert out.error is None and out.value is True
+    assert out.error is None, out.error
+    assert out.value == {TIMERS: "left to the balancer (not a single chunk, or not sharded)"}
+
+
+async def test_check_prepare_runs_the_spread_and_prints_what_it_did(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``wowd check --prepare`` spreads the chunks off the feed's path; here the cluster has one
+    shard (``listShards`` as a 7.0 ``mongos`` answers it), so it says there is nothing to do."""
+    from types import SimpleNamespace
+
+    from wowd.cli.check import _prepare
+
+    store = sharded_timers(rs_client, MongoSharding.ON)
+    async with calling(lambda: _prepare(SimpleNamespace(timers=store), [])) as out:  # type: ignore[arg-type]
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+        (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0", "host": "s0/h:27018", "state": 1}])
+    assert out.value == 0, out.error
+    assert f"ok   prepare {TIMERS}: one shard: nothing to spread" in capsys.readouterr().out
 
 
 async def test_auto_sharding_without_the_privilege_leaves_the_collection_unsharded(

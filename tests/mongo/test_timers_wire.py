@@ -359,15 +359,23 @@ async def test_prepare_drops_another_format_when_told(mongo_client: Any, wire: W
     assert due.value == []
 
 
-async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client: Any, wire: Wire) -> None:
-    store = MongoTimerStore(
-        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
-    )
-    timer = make_timer(id="a")
-    timer = replace(timer, partition=timer.owner.partition(3))
+async def answer_one_chunk(wire: Wire, ns: str) -> None:
+    """``config.collections`` then ``config.chunks`` of ``ns`` as a 7.0 ``mongos`` answers them for
+    a sharded collection of one chunk."""
+    from uuid import UUID
+
+    from bson.binary import Binary, UuidRepresentation
+
+    uuid = Binary.from_uuid(UUID(int=9), UuidRepresentation.STANDARD)
+    (await wire.command("find")).ok(**cursor("config.collections", [{"_id": ns, "uuid": uuid}]))
+    (await wire.command("aggregate")).ok(**cursor("config.chunks", [{"_id": 1, "n": 1}]))
+
+
+async def first_sharded_put(store: MongoTimerStore, wire: Wire, timer: Timer) -> None:
+    """A type's first put on a sharded cluster: registered, created, indexed, sharded, then the
+    upsert; nothing else (no ``listShards``, ``split`` or ``moveRange`` on a feed batch's path)."""
     ns = f"{DB}.wow_timer__ctx__order"
     async with calling(lambda: store.put(timer)) as out:
-        # the type's first registration: the upsert inserted the registry record
         (await wire.command("findAndModify")).ok(
             value=registry_doc("order"),
             lastErrorObject={"n": 1, "updatedExisting": False, "upserted": "wow_timer__ctx__order"},
@@ -378,7 +386,21 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
         shard = await wire.command("shardCollection")
         assert shard.doc["shardCollection"] == ns and shard.doc["key"] == {"partition": 1}
         shard.ok(collectionsharded=ns)
+        await answer_update(wire)
+    assert out.value is True, out.error
+
+
+async def test_sharded_cluster_gets_its_chunks_spread_off_the_put_path(mongo_client: Any, wire: Wire) -> None:
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
+    )
+    timer = make_timer(id="a")
+    await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
         splits = []
         for _ in range(2):
             req = await wire.command("split")
@@ -392,8 +414,42 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
             moves.append((req.doc["min"]["partition"], req.doc["toShard"]))
             req.ok()
         assert moves == [(MinKey(), "s0"), (1, "s1"), (2, "s0")]
-        await answer_update(wire)
-    assert out.value is True, out.error
+    assert out.value == {"wow_timer__ctx__order": "spread: 3 chunks over 2 shards"}, out.error
+
+
+async def test_the_spread_at_the_most_partitions_is_bounded_by_the_shards(mongo_client: Any, wire: Wire) -> None:
+    """65,536 partitions on two shards: 8 contiguous ranges (4 a shard), so 7 ``split`` and 8
+    ``moveRange`` (never 65,535 splits), each a 7.0 ``mongos``'s ``ok``; and a spent budget
+    sends nothing more (the balancer's then)."""
+    from datetime import timedelta
+
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.ON, operation_timeout=None
+    )
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
+        middles = []
+        for _ in range(7):
+            req = await wire.command("split")
+            middles.append(req.doc["middle"]["partition"])
+            req.ok()
+        assert middles == [8192 * n for n in range(1, 8)]
+        targets = []
+        for _ in range(8):
+            req = await wire.command("moveRange")
+            targets.append(req.doc["toShard"])
+            req.ok()
+        assert targets == ["s0", "s1"] * 4
+    assert out.value == {"wow_timer__ctx__order": "spread: 8 chunks over 2 shards"}, out.error
+
+    async with calling(lambda: store.spread_chunks(budget=timedelta(0))) as spent:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
+    assert spent.value == {"wow_timer__ctx__order": "partly spread: 15 of 15 commands left"}, spent.error
 
 
 async def test_a_one_shard_cluster_gets_no_split(mongo_client: Any, wire: Wire) -> None:
@@ -405,22 +461,13 @@ async def test_a_one_shard_cluster_gets_no_split(mongo_client: Any, wire: Wire) 
         mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
     )
     timer = make_timer(id="a")
-    timer = replace(timer, partition=timer.owner.partition(3))
-    ns = f"{DB}.wow_timer__ctx__order"
-    async with calling(lambda: store.put(timer)) as out:
-        (await wire.command("findAndModify")).ok(
-            value=registry_doc("order"),
-            lastErrorObject={"n": 1, "updatedExisting": False, "upserted": "wow_timer__ctx__order"},
-        )
-        (await wire.command("create")).ok()
-        (await wire.command("createIndexes")).ok()
-        (await wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
-        (await wire.command("shardCollection")).ok(collectionsharded=ns)
+    await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(
             shards=[{"_id": "s0", "host": "s0/localhost:27018", "state": 1, "topologyTime": Timestamp(1, 1)}]
         )
-        await answer_update(wire)  # the put's upsert next: no split, no moveRange
-    assert out.value is True, out.error
+    assert out.value == {"wow_timer__ctx__order": "one shard: nothing to spread"}, out.error
 
 
 # --------------------------------------------------------------------------- put's guard

@@ -32,6 +32,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         parents=[common],
         help="validate the configuration and reach every store and the gateway (creates nothing)",
     )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="also do the one-off preparation wowd leaves off the feed's path: on a sharded MongoDB "
+        "cluster, spread the chunks of each new timer collection over the shards (bounded)",
+    )
     p.set_defaults(handler=check)
 
 
@@ -50,7 +56,7 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
     else:
         if settings.backend == "embedded":
             failures += await _check_embedded_file(settings)
-        failures += await _check_stores(settings, secrets)
+        failures += await _check_stores(settings, secrets, args)
     if failures:
         err(f"wowd check: {failures} problem(s)")
         return 1
@@ -131,7 +137,7 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
     return 0
 
 
-async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
+async def _check_stores(settings: WowdSettings, secrets: list[str], args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         try:
             with anyio.fail_after(OPEN_TIMEOUT_S):
@@ -148,7 +154,27 @@ async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
             except (WowdError, TimeoutError) as exc:
                 err(redact(f"FAIL {name}: {type(exc).__name__}: {exc}", secrets))
                 failures += 1
+        if getattr(args, "prepare", False):
+            failures += await _prepare(backend, secrets)
         return failures
+
+
+async def _prepare(backend: Backend, secrets: list[str]) -> int:
+    """``--prepare``: the timer store's chunk spread (MongoDB; nothing to do elsewhere)."""
+    spread = getattr(backend.timers, "spread_chunks", None)
+    if spread is None:
+        out("ok   prepare: nothing to prepare on this backend")
+        return 0
+    try:
+        done: dict[str, str] = await spread()
+    except WowdError as exc:
+        err(redact(f"FAIL prepare timer chunks: {type(exc).__name__}: {exc}", secrets))
+        return 1
+    for name, what in done.items():
+        out(f"ok   prepare {name}: {what}")
+    if not done:
+        out("ok   prepare: no timer chunks to spread (not a sharded cluster, or no timer collection)")
+    return 0
 
 
 async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, Callable[[], Awaitable[Any]]]]:

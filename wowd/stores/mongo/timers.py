@@ -28,10 +28,12 @@ functions next to it (the black-pipe tests assert them on the wire).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import pymongo
 from bson.min_key import MinKey
 from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
@@ -63,6 +65,7 @@ from wowd.stores.mongo._common import (
     MongoStore,
     collection_name,
     is_duplicate_key,
+    is_unauthorized,
     split_to_fit,
     write_one,
 )
@@ -126,6 +129,13 @@ MAX_SCANS_TO_EXPLODE = 200
 """The server's ``internalQueryMaxScansToExplode``: above this many point intervals (partitions
 of one ``$in``) the planner stops merging one index scan per partition and sorts the whole
 match instead; the due reads split the partitions into groups of at most this many."""
+SPREAD_CHUNKS_PER_SHARD = 4
+"""How many chunks :meth:`MongoTimerStore.spread_chunks` gives each shard of a new collection:
+contiguous partition ranges, so the splits and moves are bounded by the shard count, never one
+per partition (up to 65,535 splits at the largest partition count)."""
+SPREAD_BUDGET = timedelta(minutes=5)
+"""How long :meth:`MongoTimerStore.spread_chunks` may take by default, all collections together;
+what is left then is the balancer's."""
 PIPELINE_LENGTH_LIMIT = 1000
 """The server's ``internalPipelineLengthLimit``: an aggregation pipeline of more stages is refused
 (``FailedToParse``, code 9, or 7749501 before parsing: src/mongo/db/pipeline/pipeline.cpp) and
@@ -283,14 +293,23 @@ def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
     return {"$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}}
 
 
-def split_points(partitions: int) -> list[dict[str, Any]]:
-    """``split`` middles: one chunk per partition (``[MinKey, 1), [1, 2) ... [n-1, MaxKey)``)."""
-    return [{"partition": p} for p in range(1, partitions)]
+def spread_lowers(partitions: int, shards: int) -> list[int]:
+    """The lowest partition of each chunk :meth:`MongoTimerStore.spread_chunks` makes:
+    ``min(partitions, shards x SPREAD_CHUNKS_PER_SHARD)`` contiguous ranges of partitions, as even
+    as the division allows; the first starts at 0."""
+    ranges = max(1, min(partitions, shards * SPREAD_CHUNKS_PER_SHARD))
+    return [(i * partitions) // ranges for i in range(ranges)]
 
 
-def chunk_mins(partitions: int) -> list[dict[str, Any]]:
-    """The lower bound of each partition's chunk, for ``moveRange``'s ``min``."""
-    return [{"partition": MinKey() if p == 0 else p} for p in range(partitions)]
+def split_points(lowers: Sequence[int]) -> list[dict[str, Any]]:
+    """``split`` middles: each range's lower bound but the first's (``[MinKey, l1), [l1, l2) ...
+    [ln, MaxKey)``)."""
+    return [{"partition": p} for p in lowers[1:]]
+
+
+def chunk_mins(lowers: Sequence[int]) -> list[dict[str, Any]]:
+    """The lower bound of each range's chunk, for ``moveRange``'s ``min``."""
+    return [{"partition": MinKey() if i == 0 else p} for i, p in enumerate(lowers)]
 
 
 # --------------------------------------------------------------------------- query builders
@@ -858,14 +877,14 @@ class MongoTimerStore(MongoStore):
                 )
             await self._validate_indexes(name)
         else:
-            doc, inserted = await self._register(name, aggregate)
+            doc, _ = await self._register(name, aggregate)
             if doc.get("format") == TIMER_UPGRADES_FROM:
                 await self._upgrade(name)
             elif doc.get("format") != TIMER_FORMAT:
                 await self._other_format(name, aggregate, doc.get("format"))
-                doc, inserted = await self._register(name, aggregate)
+                doc, _ = await self._register(name, aggregate)
             if self.ddl is Ddl.AUTO:
-                await self._create(name, registered=inserted)
+                await self._create(name)
         self._known[name] = aggregate
         self._ready.add(name)
 
@@ -890,11 +909,10 @@ class MongoTimerStore(MongoStore):
         inserted = "upserted" in (reply.get("lastErrorObject") or {})
         return dict(doc), inserted
 
-    async def _create(self, name: str, *, registered: bool) -> None:
+    async def _create(self, name: str) -> None:
         """``create`` (7.0+ answers ok on an existing collection of the same options, so its answer
-        cannot tell a new collection) and ``createIndexes``; on a sharded cluster, the chunks are
-        spread only on the type's first registration (``registered``) or while the collection
-        still has one chunk: never again over populated chunks the balancer has moved since."""
+        cannot tell a new collection) and ``createIndexes``; on a sharded cluster
+        ``shardCollection`` (its chunks are spread off the write path: :meth:`spread_chunks`)."""
         try:
             with self._deadline():
                 await self._db.command("create", name)
@@ -908,7 +926,7 @@ class MongoTimerStore(MongoStore):
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
             raise
         if await self._is_sharded():
-            await self._shard(name, registered=registered)
+            await self._shard(name)
 
     async def _validate_indexes(self, name: str) -> None:
         """Each index of :func:`index_specs` by name, with its keys *in order* (a compound index
@@ -937,39 +955,79 @@ class MongoTimerStore(MongoStore):
             self._sharded = hello.get("msg") == "isdbgrid"
         return self._sharded
 
-    async def _shard(self, name: str, *, registered: bool) -> None:
-        """Shards by ``{partition: 1}`` (idempotent); a new collection gets one chunk per
-        partition spread over the shards (``split`` at each partition, ``moveRange`` round robin:
-        MongoDB 6.0+; no ``enableSharding`` needed since 6.0). ``moveRange`` with ``min`` alone
-        moves the whole chunk starting there when it holds less than the chunk size (a new
-        collection's are empty). Each command has its own operation timeout (moves take a while
-        each). The spread is best effort: a refused split or move is logged, the collection stays
-        usable. With ``sharding=auto`` a user who may not shard (Unauthorized) leaves the
-        collection unsharded, logged; with ``sharding=on`` that is a :class:`ConfigError`."""
-        ns = f"{self._db.name}.{name}"
-        admin = self._client.admin
-        if not await self._shard_collection(name, {"partition": 1}, self.sharding, log, what="timer", bounded=True):
-            return
-        if self.partitions < 2 or not (registered or await self._one_chunk(ns)):
-            return
-        with self._deadline():
-            shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
-        if len(shards) < 2:
-            # one shard: nothing to spread, and 7.0's AutoMerger merges the chunks of one shard
-            # back (then this collection has one chunk again and would be split at every start)
-            return
-        for middle in split_points(self.partitions):
+    async def _shard(self, name: str) -> None:
+        """Shards by ``{partition: 1}`` (idempotent; no ``enableSharding`` needed since 6.0). The
+        collection starts as one chunk: its spread over the shards is :meth:`spread_chunks`'s,
+        never on a feed batch's path. With ``sharding=auto`` a user who may not shard
+        (Unauthorized) leaves the collection unsharded, logged; with ``sharding=on`` that is a
+        :class:`ConfigError`."""
+        await self._shard_collection(name, {"partition": 1}, self.sharding, log, what="timer", bounded=True)
+
+    async def spread_chunks(self, *, budget: timedelta = SPREAD_BUDGET) -> dict[str, str]:
+        """Spreads the chunks of each registered timer collection that still has a single chunk
+        over the shards of a sharded cluster of two shards or more: ``split`` into
+        :func:`spread_lowers` ranges (at most :data:`SPREAD_CHUNKS_PER_SHARD` per shard) and
+        ``moveRange`` of each, round robin (MongoDB 6.0+; ``moveRange`` with ``min`` alone moves
+        the whole chunk starting there while it holds less than the chunk size). A collection
+        with more than one chunk is left to the balancer. All of it within ``budget`` (each
+        command also within the operation timeout); what is left then is logged and left to the
+        balancer. Best effort: a refused command is logged. Answers, per collection, what was
+        done. Run off the feed's path (``wowd check --prepare``, a background task)."""
+        done: dict[str, str] = {}
+        deadline = time.monotonic() + budget.total_seconds()
+        with self._call("spread_chunks", bounded=False):
+            await self._load_registry()
+            if self.partitions < 2 or not self._known or not await self._is_sharded():
+                return done
             try:
                 with self._deadline():
-                    await admin.command("split", ns, middle=middle)
-            except PyMongoError as exc:  # best effort, a client-side timeout included
-                log.warning("split of %s at %s refused: %s", ns, middle, exc)
-        for p, lower in enumerate(chunk_mins(self.partitions)):
+                    listed = await self._client.admin.command("listShards")
+            except OperationFailure as exc:
+                if not is_unauthorized(exc):
+                    raise
+                log.warning(
+                    "timer chunks not spread: the user may not list the shards (%s); grant the listShards "
+                    "action on the cluster resource (the clusterMonitor role has it)",
+                    exc,
+                )
+                return {name: "not spread: listShards not allowed" for name in sorted(self._known)}
+            shards = [str(s["_id"]) for s in listed.get("shards", [])]
+            if len(shards) < 2:
+                return {name: "one shard: nothing to spread" for name in sorted(self._known)}
+            for name in sorted(self._known):
+                ns = f"{self._db.name}.{name}"
+                if not await self._one_chunk(ns):
+                    done[name] = "left to the balancer (not a single chunk, or not sharded)"
+                    continue
+                done[name] = await self._spread(ns, shards, deadline)
+        return done
+
+    async def _spread(self, ns: str, shards: list[str], deadline: float) -> str:
+        lowers = spread_lowers(self.partitions, len(shards))
+        commands: list[tuple[str, dict[str, Any]]] = [("split", {"middle": m}) for m in split_points(lowers)]
+        commands += [
+            ("moveRange", {"min": lower, "toShard": shards[i % len(shards)]})
+            for i, lower in enumerate(chunk_mins(lowers))
+        ]
+        for n, (command, options) in enumerate(commands):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "timer chunks of %s: the spread's budget is spent with %d of %d commands left (the "
+                    "balancer moves chunks on its own)",
+                    ns,
+                    len(commands) - n,
+                    len(commands),
+                )
+                return f"partly spread: {len(commands) - n} of {len(commands)} commands left"
+            timeout = left if self._timeout is None else min(left, self._timeout)
             try:
-                with self._deadline():
-                    await admin.command("moveRange", ns, min=lower, toShard=shards[p % len(shards)])
+                with pymongo.timeout(timeout):
+                    await self._client.admin.command(command, ns, **options)
             except PyMongoError as exc:  # best effort: the server may still complete a timed-out move
-                log.warning("moveRange of %s partition %d refused: %s", ns, p, exc)
+                log.warning("%s of %s %s refused: %s", command, ns, options, exc)
+        log.info("timer chunks of %s spread: %d chunks over %d shards", ns, len(lowers), len(shards))
+        return f"spread: {len(lowers)} chunks over {len(shards)} shards"
 
     async def _one_chunk(self, ns: str) -> bool:
         """Whether the sharded collection ``ns`` still has a single chunk (``config.chunks`` by
