@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import pytest
 from bson import ObjectId
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr
@@ -209,6 +210,11 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
 async def test_a_scan_position_resumes_the_scan_after_its_document(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
+    """The resumed ``find`` is bounded on the ``partition_order`` index from the scan key to the
+    next partition (the find command's ``hint``, ``min`` inclusive and ``max`` exclusive: manual,
+    find command and cursor.min(), "index bounds", a hint required since 4.2): the scan starts
+    at the key instead of reading the partition from its start; the ``$expr`` only leaves the
+    key's own document (and its equals before it) out. The answers are a 7.0 server's."""
     log = make_log(rs_client)
     last = {"c": "wow_log__ctx__cart", "a": ID_P3, "v": 2, "id": {"t": "(0)", "a": ID_P3, "v": 2}}
     with anyio.fail_after(15):
@@ -239,9 +245,23 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
                 },
             }
             assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
+            assert find["hint"] == "partition_order"
+            assert list(find["min"].items()) == [
+                ("partition", 3),
+                ("aggregate_id", ID_P3),
+                ("version", 2),
+                ("_id", last["id"]),
+            ]
+            assert list(find["max"].items()) == [
+                ("partition", 4),
+                ("aggregate_id", MinKey()),
+                ("version", MinKey()),
+                ("_id", MinKey()),
+            ]
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
             find = await rs_wire.command("find")  # "order" from its start
             assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
+            assert "min" not in find and "hint" not in find
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             # the stream starts at the cluster time the ORIGINAL scan took
             agg = await rs_wire.command("aggregate")

@@ -48,6 +48,7 @@ from typing import Any
 
 import anyio
 import pymongo
+from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient, InsertOne, UpdateOne
@@ -249,6 +250,23 @@ def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
             ]
         },
     }
+
+
+SCAN_INDEX = "partition_order"
+"""The index a resumed scan is bounded on (``hint`` with ``min``/``max``)."""
+
+
+def scan_bounds(partition_: int, after: Mapping[str, Any]) -> tuple[Doc, Doc]:
+    """``(min, max)`` of a resumed scan on the ``partition_order`` index: from the scan key
+    ``{a, v, id}`` (inclusive: :func:`scan_filter` leaves the key's own document out) to the
+    next partition (exclusive). Index bounds are compared in the index's own order, BSON order
+    across types as the sort, so no malformed document sorted after the key is skipped, and
+    the scan starts at the key instead of the partition's first document (the ``$expr`` of
+    :func:`scan_filter` has no index bounds: without these each resume re-read the partition
+    from its start)."""
+    lower = {"partition": partition_, "aggregate_id": after.get("a"), "version": after.get("v"), "_id": after.get("id")}
+    upper = {"partition": partition_ + 1, "aggregate_id": MinKey(), "version": MinKey(), "_id": MinKey()}
+    return lower, upper
 
 
 def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
@@ -732,7 +750,11 @@ class MongoLog(MongoStore):
             assert aggregate is not None
             key = after if after and name == after.get("c") else None
             coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session)
+            bounds: dict[str, Any] = {}
+            if key:
+                lower, upper = scan_bounds(p, key)
+                bounds = {"hint": SCAN_INDEX, "min": lower, "max": upper}
+            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session, **bounds)
             try:
                 while True:
                     with self._call("scan"):
