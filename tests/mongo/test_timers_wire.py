@@ -251,7 +251,10 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
     exist: its first put is the upsert alone. A type the registry does not record still
     registers first (another replica's due read must see it)."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
-    await prepare(store, wire, "order")
+    async with calling(store.prepare) as prepared:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+    assert prepared.error is None, prepared.error
     async with calling(lambda: store.put(make_timer())) as out:
         update = await answer_update(wire)
     assert out.error is None and out.value is True
@@ -262,6 +265,74 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
         fam.ok(value=registry_doc("cart"))
         await answer_update(wire)
     assert cart.value is True, cart.error
+
+
+async def answer_indexes(wire: Wire, name: str, specs: list[dict[str, Any]]) -> None:
+    """``listIndexes`` of ``name`` as a 7.0 server answers it: ``_id_`` then ``specs``, each with
+    its index version ``v: 2``."""
+    req = await wire.command("listIndexes")
+    assert req.doc["listIndexes"] == name
+    indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}] + [{"v": 2, **spec} for spec in specs]
+    req.ok(**cursor(f"{DB}.{name}", indexes))
+
+
+async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_expire(
+    mongo_client: Any, wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ddl=none`` creates nothing, and on MongoDB ``sweep`` is the TTL index's: a registered
+    collection without it (manual, TTL Indexes; ``listIndexes`` answered as 7.0 does) is named
+    at start, with the setting and the index to create."""
+    import logging
+
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+        async with calling(store.prepare) as out:
+            (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+            await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert out.error is None, out.error
+    assert "wow_timer__ctx__order has no TTL index tombstones_ttl" in caplog.text
+    assert "never expire" in caplog.text and "WOWD_MONGODB__DDL=auto" in caplog.text
+    async with calling(store.missing_ttl) as missing:  # what wowd check asks
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert missing.value == ["wow_timer__ctx__order"], missing.error
+
+
+async def test_wowd_check_names_the_collections_whose_tombstones_never_expire() -> None:
+    from wowd.cli.check import _ttl_probe
+
+    async def missing() -> list[str]:
+        return ["wow_timer__ctx__order"]
+
+    async def none() -> list[str]:
+        return []
+
+    with pytest.raises(FormatError, match="no TTL index tombstones_ttl on wow_timer__ctx__order") as caught:
+        await _ttl_probe(missing)
+    assert "never expire" in str(caught.value) and "WOWD_MONGODB__DDL=auto" in str(caught.value)
+    await _ttl_probe(none)
+
+
+async def test_ddl_none_refuses_to_upgrade_format_5_without_the_ttl_index(mongo_client: Any, wire: Wire) -> None:
+    """The upgrade to format 6 is the TTL index; ``ddl=none`` would have recorded 6 without it
+    (tombstones never expiring): it is refused at start, naming the index and the setting, and
+    the registry is left at 5. With the index there (an operator made it), 6 is recorded."""
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    async with calling(store.prepare) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+        await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert isinstance(out.error, FormatError), out.error
+    assert "tombstones_ttl" in str(out.error) and "WOWD_MONGODB__DDL=auto" in str(out.error)
+
+    async with calling(store.prepare) as again:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+        up = await wire.command("update")
+        assert up.doc["updates"][0]["q"] == {"_id": "wow_timer__ctx__order", "format": 5}
+        up.ok(n=1, nModified=1)
+    assert again.error is None, again.error
 
 
 async def test_ddl_auto_still_makes_sure_of_the_indexes_of_a_registered_type(mongo_client: Any, wire: Wire) -> None:

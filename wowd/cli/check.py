@@ -16,7 +16,7 @@ from wowd.cli.backend import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, WowdError
+from wowd.errors import ConfigError, FormatError, WowdError
 from wowd.model import AggregateRef
 from wowd.stores.base import Backend
 
@@ -159,6 +159,17 @@ async def _check_stores(settings: WowdSettings, secrets: list[str], args: argpar
         return failures
 
 
+async def _ttl_probe(missing_ttl: Callable[[], Awaitable[list[str]]]) -> None:
+    """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
+    missing = await missing_ttl()
+    if missing:
+        raise FormatError(
+            f"no TTL index tombstones_ttl on {', '.join(missing)}: their tombstones never expire "
+            "(WOWD_MONGODB__DDL=none creates nothing): create it (docs/stores.md), or start once with "
+            "WOWD_MONGODB__DDL=auto"
+        )
+
+
 async def _prepare(backend: Backend, secrets: list[str]) -> int:
     """``--prepare``: the timer store's chunk spread (MongoDB; nothing to do elsewhere)."""
     spread = getattr(backend.timers, "spread_chunks", None)
@@ -184,6 +195,9 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         ("timers", partial(backend.timers.scan, limit=1)),
         ("outbox", backend.outbox.count),
     ]
+    missing_ttl = getattr(backend.timers, "missing_ttl", None)
+    if missing_ttl is not None:
+        probes.append(("timers tombstone expiry (TTL index)", partial(_ttl_probe, missing_ttl)))
     try:
         types = await backend.log.aggregate_types()
     except WowdError:

@@ -769,6 +769,8 @@ class MongoTimerStore(MongoStore):
         self._ready: set[str] = set()
         """Collections whose DDL this store made sure of (first put of the type)."""
         self._sharded: bool | None = None
+        self._ttl_checked: set[str] = set()
+        """Collections whose TTL index ``ddl=none`` looked for (once each)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -810,12 +812,24 @@ class MongoTimerStore(MongoStore):
             # registered in format 6 and assumed to exist: a put goes straight to its upsert. (AUTO
             # still makes sure of the indexes once: a replica may have registered the type and died
             # before creating them; VALIDATE checks them.)
+            for name in sorted(set(known) - self._ready - self._ttl_checked):
+                self._ttl_checked.add(name)
+                if not await self._ttl_present(name):
+                    log.warning(
+                        "timer collection %s has no TTL index %s: its tombstones never expire (ddl=none "
+                        "creates nothing and sweep is the TTL index's on MongoDB); create %s on it, or "
+                        "start once with WOWD_MONGODB__DDL=auto",
+                        name,
+                        TTL_INDEX,
+                        ttl_index_spec(),
+                    )
             self._ready.update(known)
 
     async def _upgrade(self, name: str) -> None:
         """Format 5 -> 6 in place (the layout without tombstones): with ``ddl=auto`` creates the
         TTL index (no deadline at all: the build reads the whole collection), then records 6
-        with a guarded update (``ddl=none``: the index is assumed, the record is still made).
+        with a guarded update (``ddl=none``: the index must be there already, else
+        :class:`FormatError` naming it: the record is not made without it).
         ``ddl=validate`` changes nothing and refuses. A record that moved meanwhile (another
         replica upgraded, dropped or re-registered it) is read again and checked."""
         if self.ddl is Ddl.VALIDATE:
@@ -823,6 +837,15 @@ class MongoTimerStore(MongoStore):
                 f"mongodb timers: {name} is recorded in format {TIMER_UPGRADES_FROM}, this wowd needs {TIMER_FORMAT}"
                 " (start once with ddl=auto to upgrade it in place)"
             )
+        if self.ddl is Ddl.NONE:
+            if not await self._ttl_present(name):
+                raise FormatError(
+                    f"mongodb timers: {name} is recorded in format {TIMER_UPGRADES_FROM}; its upgrade to "
+                    f"{TIMER_FORMAT} needs the TTL index {ttl_index_spec()} (tombstones would never expire "
+                    "without it), and ddl=none creates nothing: create it, or start once with "
+                    "WOWD_MONGODB__DDL=auto"
+                )
+            self._ttl_checked.add(name)
         if self.ddl is Ddl.AUTO:
             try:
                 await self._create_indexes(name, [ttl_index_spec()], log, why=f"upgrade to format {TIMER_FORMAT}")
@@ -843,6 +866,32 @@ class MongoTimerStore(MongoStore):
             raise FormatError(
                 f"mongodb timers: {name} moved to format {found!r} while being upgraded to {TIMER_FORMAT}"
             )
+
+    async def _ttl_present(self, name: str) -> bool:
+        """Whether the collection ``name`` has the tombstones' TTL index (:func:`ttl_index_spec`:
+        its name, key and ``expireAfterSeconds``); a missing collection has none."""
+        try:
+            with self._deadline():
+                indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
+        except OperationFailure as exc:
+            if exc.code == 26:  # NamespaceNotFound
+                return False
+            raise
+        spec, found = ttl_index_spec(), indexes.get(TTL_INDEX)
+        return (
+            found is not None
+            and list(found["key"].items()) == list(spec["key"].items())
+            and found.get("expireAfterSeconds") == spec["expireAfterSeconds"]
+        )
+
+    async def missing_ttl(self) -> list[str]:
+        """The registered timer collections of the context that lack the tombstones' TTL index
+        (their tombstones never expire: ``sweep`` is the index's on MongoDB). ``wowd check``
+        names them. Read-only."""
+        with self._call("missing_ttl", bounded=False):
+            with self._deadline():
+                docs = await self._registry.find({"context": self.context, "format": TIMER_FORMAT}).to_list(None)
+            return [str(d["_id"]) for d in docs if not await self._ttl_present(str(d["_id"]))]
 
     async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
         if not self.drop_other_format:
