@@ -713,3 +713,152 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:
         await backend.close()
+
+
+# --------------------------------------------------------------------------- privileges
+
+READ_WRITE_70 = [
+    "changeStream",
+    "collStats",
+    "compactStructuredEncryptionData",
+    "convertToCapped",
+    "createCollection",
+    "createIndex",
+    "dbHash",
+    "dbStats",
+    "dropCollection",
+    "dropIndex",
+    "find",
+    "insert",
+    "killCursors",
+    "listCollections",
+    "listIndexes",
+    "listSearchIndexes",
+    "planCacheRead",
+    "remove",
+    "renameCollectionSameDB",
+    "update",
+]
+"""The actions of the built-in ``readWrite`` role on its database in 7.0 (manual, Built-In Roles,
+readWrite; src/mongo/db/auth/builtin_roles.yml)."""
+
+
+def connection_status(privileges: list[dict[str, Any]], roles: list[dict[str, str]]) -> dict[str, Any]:
+    """``connectionStatus`` with ``showPrivileges`` as 7.0 answers it for user ``wowd`` of ``admin``."""
+    return {
+        "authInfo": {
+            "authenticatedUsers": [{"user": "wowd", "db": "admin"}],
+            "authenticatedUserRoles": roles,
+            "authenticatedUserPrivileges": privileges,
+        }
+    }
+
+
+async def test_privileges_of_read_write_on_a_mongos_lack_the_sharding_actions_by_name(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A user with ``readWrite`` on the wowd database, on a ``mongos`` (``sharding=auto``): every
+    store's data and DDL actions are there; what sharding and the chunk spread need is not, and
+    each is named with its resource: ``listShards`` on the cluster (``clusterMonitor`` has it),
+    ``enableSharding``, ``splitChunk``, ``moveChunk``, the ``config`` reads."""
+    from wowd.stores.mongo.privileges import check_user
+
+    call = lambda: check_user(rs_client, DB, CONTEXT, ddl=Ddl.AUTO, sharding=MongoSharding.AUTO)  # noqa: E731
+    async with calling(call) as out:
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        status = await rs_wire.command("connectionStatus")
+        assert status["showPrivileges"] is True
+        status.ok(
+            **connection_status(
+                [{"resource": {"db": DB, "collection": ""}, "actions": READ_WRITE_70}],
+                [{"role": "readWrite", "db": DB}],
+            )
+        )
+    assert out.error is None, out.error
+    named = {(action, need.resource) for need, action in out.value}
+    assert named == {
+        ("enableSharding", f"every collection of {DB}"),
+        ("listShards", "the cluster"),
+        ("find", "config.collections"),
+        ("find", "config.chunks"),
+        ("splitChunk", f"every collection of {DB}"),
+        ("moveChunk", f"every collection of {DB}"),
+    }
+
+
+async def test_privileges_of_a_custom_role_name_each_missing_action_and_clusterMonitor_fills_listShards(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A custom role granting collection by collection, without ``remove`` on the outbox (``ack``
+    and ``trim`` would fail), plus ``clusterMonitor`` (``listShards`` on the cluster, ``find``
+    on the ``config`` database's collections): only the outbox's ``remove`` and the DDL of
+    ``ddl=validate`` (``listIndexes``) are missing. Without an authenticated user (no access
+    control) nothing is compared."""
+    from wowd.stores.mongo.privileges import check_user
+
+    data = ["find", "insert", "update", "remove"]
+    privileges = [
+        {
+            "resource": {"db": DB, "collection": ""},
+            "actions": ["find", "insert", "update", "listCollections", "changeStream"],
+        },
+        {"resource": {"db": DB, "collection": f"wow_outbox__{CONTEXT}"}, "actions": ["find", "insert", "update"]},
+        *(
+            {"resource": {"db": DB, "collection": c}, "actions": data}
+            for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
+        ),
+        {"resource": {"db": DB, "collection": ""}, "actions": ["enableSharding", "splitChunk", "moveChunk"]},
+        {"resource": {"cluster": True}, "actions": ["listShards", "serverStatus", "connPoolStats"]},
+        {"resource": {"db": "config", "collection": ""}, "actions": ["find", "collStats", "dbStats"]},
+    ]
+    call = lambda: check_user(rs_client, DB, CONTEXT, ddl=Ddl.VALIDATE, sharding=MongoSharding.ON)  # noqa: E731
+    async with calling(call) as out:
+        (await rs_wire.command("connectionStatus")).ok(
+            **connection_status(
+                privileges, [{"role": "wowd", "db": "admin"}, {"role": "clusterMonitor", "db": "admin"}]
+            )
+        )
+    assert out.error is None, out.error
+    named = sorted((action, need.resource) for need, action in out.value)
+    assert named == [("listIndexes", f"every collection of {DB}"), ("remove", f"{DB}.wow_outbox__{CONTEXT}")]
+
+    async with calling(call) as off:
+        (await rs_wire.command("connectionStatus")).ok(
+            authInfo={"authenticatedUsers": [], "authenticatedUserRoles": [], "authenticatedUserPrivileges": []}
+        )
+    assert off.error is None and off.value is None
+
+
+async def test_wowd_check_names_the_missing_privileges(
+    rs_server: MockupDB, rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """``wowd check``'s probe: one ConfigError naming each action missing, its resource and what
+    it is for. Here a custom role with ``readWrite``'s actions on the database but ``remove``
+    only on some collections, on a replica set with ``ddl=auto``: the outbox's ``remove`` (its
+    ``ack`` and ``trim``) is the one named."""
+    from types import SimpleNamespace
+
+    from wowd.cli.check import _privileges_probe
+
+    settings = WowdSettings(
+        backend="mongo",
+        mongodb=MongoSettings(uri=SecretStr(rs_server.uri), ddl="auto", sharding="off", database=DB),
+        elasticsearch=ElasticsearchSettings(url="http://127.0.0.1:9"),
+        context=CONTEXT,
+    )
+    everything_but_remove = [a for a in READ_WRITE_70 if a != "remove"]
+    privileges = [
+        {"resource": {"db": DB, "collection": ""}, "actions": everything_but_remove},
+        *(
+            {"resource": {"db": DB, "collection": c}, "actions": ["remove"]}
+            for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
+        ),
+    ]
+    backend = SimpleNamespace(log=SimpleNamespace(client=rs_client))
+    async with calling(lambda: _privileges_probe(settings, backend)) as out:  # type: ignore[arg-type]
+        (await rs_wire.command("connectionStatus")).ok(
+            **connection_status(privileges, [{"role": "wowd", "db": "admin"}])
+        )
+    assert isinstance(out.error, ConfigError), out.error
+    assert str(out.error).startswith("the user lacks 1 privilege action(s): remove on ")
+    assert f"remove on {DB}.wow_outbox__{CONTEXT} (outbox: put, take (its leases), ack, trim)" in str(out.error)

@@ -159,6 +159,30 @@ async def _check_stores(settings: WowdSettings, secrets: list[str], args: argpar
         return failures
 
 
+async def _privileges_probe(settings: WowdSettings, backend: Backend) -> None:
+    """The privileges the MongoDB stores need (their modes as configured), asked of the server
+    with ``connectionStatus``; fails naming each action missing and what it is for."""
+    from wowd.stores.base import Ddl
+    from wowd.stores.mongo._common import MongoSharding
+    from wowd.stores.mongo.privileges import check_user
+
+    client = getattr(backend.log, "client", None)
+    if client is None:
+        return
+    mongo = settings.mongodb
+    missing = await check_user(
+        client, mongo.database, settings.context, ddl=Ddl(mongo.ddl), sharding=MongoSharding(mongo.sharding)
+    )
+    if missing is None:
+        out(
+            "ok   mongodb privileges: not checked (no authenticated user: access control is off, or no user in the URI)"
+        )
+        return
+    if missing:
+        lacks = "; ".join(f"{action} on {need.resource} ({need.store}: {need.why})" for need, action in missing)
+        raise ConfigError(f"the user lacks {len(missing)} privilege action(s): {lacks} (docs/stores.md lists them)")
+
+
 async def _ttl_probe(missing_ttl: Callable[[], Awaitable[list[str]]]) -> None:
     """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
     missing = await missing_ttl()
@@ -195,6 +219,8 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         ("timers", partial(backend.timers.scan, limit=1)),
         ("outbox", backend.outbox.count),
     ]
+    if settings.backend == "mongo":
+        probes.append(("mongodb privileges", partial(_privileges_probe, settings, backend)))
     missing_ttl = getattr(backend.timers, "missing_ttl", None)
     if missing_ttl is not None:
         probes.append(("timers tombstone expiry (TTL index)", partial(_ttl_probe, missing_ttl)))

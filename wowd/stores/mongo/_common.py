@@ -298,6 +298,11 @@ class MongoStore:
         self.operation_timeout = operation_timeout
         self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
 
+    @property
+    def client(self) -> AsyncMongoClient[Any]:
+        """The client the store talks through (``wowd check`` asks it for the user's privileges)."""
+        return self._client
+
     @contextmanager
     def _call(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
         """One store call: the operation timeout over it (``bounded=False``: none, for calls
