@@ -32,6 +32,7 @@ CODE_NAMES = {
     136: "CappedPositionLost",
     175: "QueryPlanKilled",
     280: "ChangeStreamFatalError",
+    251: "NoSuchTransaction",
     286: "ChangeStreamHistoryLost",
     10107: "NotWritablePrimary",
     10334: "BSONObjectTooLarge",

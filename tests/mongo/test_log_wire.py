@@ -478,19 +478,31 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
 
         async with anyio.create_task_group() as tg:
             q = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, entries[1].error or ""))
+            counter = await rs_wire.command("findAndModify")
+            counter.ok(value={"_id": "seq", "n": 1}, lastErrorObject={"n": 1, "updatedExisting": True})
             insert = await rs_wire.command("insert")
             assert insert["insert"] == f"wow_quarantine__{CONTEXT}"
             doc = insert.docs[0]["documents"][0]
             assert doc["_id"] == {"consumer": "feed", "aggregate": "order", "key": bad["_id"]}
             assert (doc["consumer"], doc["partition"], doc["aggregate"], doc["raw"]) == ("feed", 3, "order", bad)
             assert doc["reason"] == entries[1].error
+            assert doc["seq"] == ObjectId("ffffffff0000000000000001")
             insert.ok(n=1)
+            (await rs_wire.command("commitTransaction")).ok()
             await q.done.wait()
             q.result()
             # quarantining it again is idempotent: the duplicate key is not an error, the stored
-            # item gets the new reason
+            # item gets the new reason (a 7.0 server aborts the transaction on the write error:
+            # the driver's abortTransaction then meets NoSuchTransaction, which it ignores)
             again = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, "again"))
+            (await rs_wire.command("findAndModify")).ok(value={"_id": "seq", "n": 2})
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            server_error(
+                await rs_wire.command("abortTransaction"),
+                251,
+                "Transaction with { txnNumber: 2 } has been aborted.",
+                labels=("TransientTransactionError",),
+            )
             update = await rs_wire.command("update")
             assert update["update"] == f"wow_quarantine__{CONTEXT}"
             assert update["updates"] == [
@@ -499,6 +511,64 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
             update.ok(n=1, nModified=1)
             await again.done.wait()
             again.result()
+
+
+async def test_quarantine_draws_its_seq_in_the_transaction_that_inserts_the_item(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Two quarantines at once: the first holds the counter document until it commits, so the
+    second's ``findAndModify`` meets a write conflict (code 112 with the
+    ``TransientTransactionError`` label, as a 7.0 server answers a write to a document another
+    open transaction wrote: manual, Transactions, "Transactions and Write Conflicts"), and its
+    transaction is run again (a fresh one: ``startTransaction``, another ``txnNumber``) after the
+    first committed. Its ``seq`` is the next number: ``seq`` order is commit order, so a listing
+    paged by ``seq`` passes no item committed after it. Each pair of commands is one
+    transaction on one session."""
+    log = make_log(rs_client)
+    raw = {"_id": {"t": "(0)", "a": ID_P3, "v": 9}, "aggregate_id": ID_P3, "partition": 3, "version": "x"}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            q = start(tg, lambda: log.quarantine("feed", 3, ORDER, raw, "unreadable"))
+            first = await rs_wire.command("findAndModify")
+            assert first["findAndModify"] == f"wow_quarantine__{CONTEXT}"
+            assert first["query"] == {"_id": "seq"} and first["update"] == {"$inc": {"n": 1}}
+            assert first["upsert"] is True and first["new"] is True
+            assert first["startTransaction"] is True and first["autocommit"] is False
+            server_error(
+                first,
+                112,
+                "Caused by :: Write conflict during plan execution and yielding is disabled. :: Please retry your "
+                "operation or multi-document transaction.",
+                labels=("TransientTransactionError",),
+            )
+            server_error(
+                await rs_wire.command("abortTransaction"),
+                251,
+                f"Transaction with {{ txnNumber: {first['txnNumber']} }} has been aborted.",
+                labels=("TransientTransactionError",),
+            )
+            second = await rs_wire.command("findAndModify")
+            assert second["startTransaction"] is True and second["txnNumber"] > first["txnNumber"]
+            second.ok(value={"_id": "seq", "n": 8}, lastErrorObject={"n": 1, "updatedExisting": True})
+            insert = await rs_wire.command("insert")
+            assert insert["lsid"] == second["lsid"] and insert["txnNumber"] == second["txnNumber"]
+            assert insert["autocommit"] is False and "startTransaction" not in insert
+            assert insert.docs[0]["documents"][0]["seq"] == ObjectId("ffffffff0000000000000008")
+            insert.ok(n=1)
+            commit = await rs_wire.command("commitTransaction")
+            assert commit["txnNumber"] == second["txnNumber"]
+            commit.ok()
+            await q.done.wait()
+    q.result()
+    # the listing without a cursor reads items only (an ObjectId seq), not the counter document
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            page = start(tg, lambda: log.quarantined())
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"seq": {"$gt": ObjectId("000000000000000000000000")}}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_quarantine__{CONTEXT}", "firstBatch": []})
+            await page.done.wait()
+    assert page.result() == []
 
 
 def quarantine_stored(seq: ObjectId, agg_id: str, reason: str) -> dict[str, Any]:

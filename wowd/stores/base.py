@@ -157,7 +157,9 @@ class Log(Protocol):
         for as long as it is kept (embedded: the row id; MongoDB: the hex of the document's
         ``seq`` ObjectId), ``created_at`` when it was first quarantined (ms since the epoch).
         ``after``: only items after this id (the last id of a previous page); ``ids``: only
-        these (ids that name nothing are skipped). Read-only."""
+        these (ids that name nothing are skipped). Read-only. Ids are given in commit order
+        (embedded: one writer at a time; MongoDB: ``seq`` is drawn in the transaction that
+        inserts the item), so paging by ``after`` never passes an item quarantined later."""
         ...
 
     async def release_quarantined(self, ids: Collection[str]) -> int:

@@ -8,8 +8,11 @@ Collections (``<ctx>`` the context):
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
 - ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
-  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId made when it is
-  first quarantined, indexed) names an item: its hex is the item's id.
+  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, indexed) names
+  an item: its hex is the item's id. ``seq`` is drawn from the counter document of the collection
+  (``_id: "seq"``) in the transaction that inserts the item, so items become visible in ``seq``
+  order: a listing paged by ``seq`` never passes an item committed later (a client-made ObjectId
+  would: each writer's clock and counter order them, not their commits).
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
@@ -51,7 +54,7 @@ import pymongo
 from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient, InsertOne, UpdateOne
+from pymongo import AsyncMongoClient, InsertOne, ReturnDocument, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
@@ -333,18 +336,29 @@ def quarantine_doc(
         "raw": dict(raw),
         "reason": reason,
         "quarantined_at": now,
-        "seq": ObjectId(),
     }
 
 
+QUARANTINE_SEQ_ID = "seq"
+"""The ``_id`` of the quarantine's counter document (``{_id: "seq", n}``), which has no ``seq``."""
+SEQ_PREFIX = b"\xff\xff\xff\xff"
+"""The first 4 bytes of a counted ``seq``: above every ObjectId's timestamp until 2106, so items
+counted sort after the items of earlier versions (client-made ObjectIds)."""
+NO_SEQ = ObjectId(b"\x00" * 12)
+
+
+def counted_seq(n: int) -> ObjectId:
+    """The ``seq`` of the ``n``-th quarantined item: :data:`SEQ_PREFIX` then ``n`` (8 bytes)."""
+    return ObjectId(SEQ_PREFIX + n.to_bytes(8, "big"))
+
+
 def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -> Doc:
-    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing)."""
-    seq: Doc = {}
-    if after is not None:
-        seq["$gt"] = after
+    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing);
+    every item at least (an ObjectId ``seq``: the counter document has none)."""
+    seq: Doc = {"$gt": after if after is not None else NO_SEQ} if ids is None or after is not None else {}
     if ids is not None:
         seq["$in"] = list(ids)
-    return {"seq": seq} if seq else {}
+    return {"seq": seq}
 
 
 def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -971,11 +985,29 @@ class MongoLog(MongoStore):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
-        """One insert; E11000 on ``_id`` (quarantined before) sets the stored item's reason."""
+        """One transaction: the counter's next number (``findAndModify`` ``$inc`` of the counter
+        document, upserted) and the insert of the item with its ``seq`` (:func:`counted_seq`).
+        A concurrent quarantine holds the counter until it commits: this one meets a write
+        conflict (a transient transaction error), and the transaction is run again, so ``seq``
+        order is commit order. E11000 on ``_id`` (quarantined before): the stored item's reason
+        is set instead."""
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
+
+        async def insert(session: AsyncClientSession) -> None:
+            counter = await self._quarantine.find_one_and_update(
+                {"_id": QUARANTINE_SEQ_ID},
+                {"$inc": {"n": 1}},
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+                session=session,
+            )
+            assert counter is not None  # an upsert answers the document after it
+            await self._quarantine.insert_one({**doc, "seq": counted_seq(int(counter["n"]))}, session=session)
+
         with self._call("quarantine"):
             try:
-                await write_one(self._quarantine, InsertOne(doc), "log.quarantine")
+                async with self._client.start_session() as session:
+                    await session.with_transaction(insert)
             except DuplicateKeyError:
                 await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
                 return
