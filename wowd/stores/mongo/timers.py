@@ -131,8 +131,8 @@ of one ``$in``) the planner stops merging one index scan per partition and sorts
 match instead; the due reads split the partitions into groups of at most this many."""
 SPREAD_CHUNKS_PER_SHARD = 4
 """How many chunks :meth:`MongoTimerStore.spread_chunks` gives each shard of a new collection:
-contiguous partition ranges, so the splits and moves are bounded by the shard count, never one
-per partition (up to 65,535 splits at the largest partition count)."""
+contiguous partition ranges, so the splits and moves are bounded by the shard count, never by
+the partition count."""
 SPREAD_BUDGET = timedelta(minutes=5)
 """How long :meth:`MongoTimerStore.spread_chunks` may take by default, all collections together;
 what is left then is the balancer's."""
