@@ -212,7 +212,7 @@ def claimed_timer(id: str, revision: int = 1) -> Timer:
 
 async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_timeout: timedelta) -> Any:
     """A MongoTimerStore whose registry records the ``order`` collection (read by ``prepare``)."""
-    from wowd.stores.mongo.timers import MongoTimerStore
+    from wowd.stores.mongo.timers import MongoTimerStore, ttl_index_spec
 
     store = MongoTimerStore(
         client,
@@ -229,6 +229,11 @@ async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_
             call = Call.start(tg, store.prepare)
             req = await wire.command("find")
             req.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": [registry]})
+            # ddl=none looks for the tombstones' TTL index of each registered collection once
+            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, {"v": 2, **ttl_index_spec()}]
+            (await wire.command("listIndexes")).ok(
+                cursor={"id": 0, "ns": f"{DB}.wow_timer__ctx__order", "firstBatch": indexes}
+            )
             await call.result()
     return store
 
@@ -465,6 +470,7 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
             req = await wire.command("update")
             req.ok(
                 n=0,
+                nModified=0,  # a 7.0 server's update reply always counts what it modified
                 writeErrors=[
                     {
                         "index": 0,

@@ -12,6 +12,7 @@ __all__ = [
     "FormatError",
     "InvalidInput",
     "LeaseLost",
+    "LogBehindOplog",
     "SinkWriteError",
     "SlotStalled",
     "StorageError",
@@ -75,6 +76,18 @@ class StoreRefused(StorageUnavailable):
     set aside: the caller stalls (not ready) and retries until the store takes writes again.
     The message names the cause (``index wow.x.events is write-blocked (index.blocks.write)``).
     """
+
+
+class LogBehindOplog(StorageUnavailable):
+    """A log read fell behind the MongoDB oplog window again after re-reading its partitions
+    once: its change stream lost its history (the oplog was truncated past its position) twice
+    in one read. Re-reading would only lose it again: the slot stalls until more oplog is kept
+    (``oplogMinRetentionHours``, ``replSetResizeOplog``) or the feed keeps up. ``partitions``:
+    the partitions the stream lost."""
+
+    def __init__(self, message: str, *, partitions: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.partitions = partitions
 
 
 class ConflictError(StorageError):

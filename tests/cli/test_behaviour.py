@@ -178,15 +178,14 @@ def test_outbox_list_ack_trim(wowd: Run) -> None:
     lines = out.splitlines()
     assert code == 0 and lines[0].split() == ["request_id", "created", "target", "command"]
     assert [line.split()[0] for line in lines[1:3]] == ["r1", "r2"]
-    assert lines[-1].startswith("2 of 3 entries; next: --after ")
-    cursor = lines[-1].rsplit(" ", 1)[1]
-    code, out, _ = wowd("outbox", "list", "--after", cursor)
+    assert lines[-1] == "2 of 3 entries taken for 60 s"
+    code, out, _ = wowd("outbox", "list")  # r1 and r2 are held by the first take
     assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["r3"]
     assert wowd("outbox", "ack", "r1", "r9")[:2] == (0, "1 of 2 entries acknowledged (removed)\n")
     code, out, _ = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked")
     assert code == 0 and out.startswith("1 unacknowledged entries created before ")  # r2; r3 is from the future
-    code, _, err = wowd("outbox", "list", "--after", "nope")
-    assert code == 1 and "cursor" in err
+    code, _, err = wowd("outbox", "list", "--lease-s", "0")
+    assert code == 1 and "lease" in err
 
 
 # --------------------------------------------------------------------------- as processes

@@ -1,7 +1,8 @@
-"""Outbox contract: unique on the request id, entries by insertion order."""
+"""Outbox contract: unique on the request id, entries by insertion order, taken under a lease."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -63,28 +64,44 @@ async def test_put_many_answers_per_entry_and_keeps_the_first_delivery(outbox: A
     assert await outbox.put_many([]) == []
 
 
-async def test_take_pages_after_a_cursor_and_ack_removes(outbox: Any) -> None:
+async def test_take_leases_the_oldest_free_entries_and_ack_removes(outbox: Any) -> None:
     puts = [entry(f"r-{n}") for n in (5, 1, 4, 2, 3)]
     assert await outbox.put_many(puts) == [True] * 5
     first = await outbox.take(limit=2)
     assert list(first.entries) == puts[:2] and first.cursor is not None
-    rest = await outbox.take(first.cursor, limit=10)
-    assert list(rest.entries) == puts[2:]
-    end = await outbox.take(rest.cursor, limit=10)
-    assert end.entries == () and end.cursor == rest.cursor  # nothing new: the same cursor
+    rest = await outbox.take(limit=10)  # the first two are held by the first take's lease
+    assert list(rest.entries) == puts[2:] and rest.cursor not in (None, first.cursor)
+    end = await outbox.take(limit=10)
+    assert end.entries == () and end.cursor is None  # every entry is held
     assert await outbox.ack(["r-5", "r-1", "r-9"]) == 2  # r-9 is not there
     assert await outbox.ack(["r-5"]) == 0  # idempotent
-    assert list((await outbox.take()).entries) == puts[2:]
     assert await outbox.count() == 3
-    assert await outbox.put(entry("r-6"))  # later than the cursor: taken next
-    assert [e.request_id for e in (await outbox.take(rest.cursor)).entries] == ["r-6"]
+    assert await outbox.put(entry("r-6"))  # written after the takes: the next take gets it
+    assert [e.request_id for e in (await outbox.take()).entries] == ["r-6"]
+    assert await outbox.ack(["r-6"]) == 1
+    assert await outbox.put(entry("r-6", fence=4))  # fired again after its ack: a new entry, free
+    assert [e.request_id for e in (await outbox.take()).entries] == ["r-6"]
 
 
-async def test_take_refuses_a_cursor_it_did_not_give(outbox: Any) -> None:
+async def test_an_entry_not_acknowledged_within_its_lease_is_taken_again(outbox: Any) -> None:
+    import anyio
+
+    await outbox.put_many([entry("r-1"), entry("r-2")])
+    held = await outbox.take(limit=1, lease=timedelta(minutes=5))
+    assert [e.request_id for e in held.entries] == ["r-1"]
+    assert [e.request_id for e in (await outbox.take(limit=1, lease=timedelta(milliseconds=1))).entries] == ["r-2"]
+    with anyio.fail_after(5):
+        # nothing to wait on but the store's clock passing the 1 ms lease
+        while not (again := await outbox.take()).entries:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    assert [e.request_id for e in again.entries] == ["r-2"]  # r-1 is still held
+
+
+async def test_take_refuses_a_lease_under_a_millisecond(outbox: Any) -> None:
     from wowd.errors import InvalidInput
 
-    with pytest.raises(InvalidInput, match="cursor"):
-        await outbox.take("not-a-cursor")
+    with pytest.raises(InvalidInput, match="lease"):
+        await outbox.take(lease=timedelta(0))
 
 
 async def test_trim_removes_the_entries_created_before(outbox: Any) -> None:

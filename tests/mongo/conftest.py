@@ -19,6 +19,7 @@ from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
 CODE_NAMES = {
+    9: "FailedToParse",
     13: "Unauthorized",
     14: "TypeMismatch",
     26: "NamespaceNotFound",
@@ -31,6 +32,7 @@ CODE_NAMES = {
     136: "CappedPositionLost",
     175: "QueryPlanKilled",
     280: "ChangeStreamFatalError",
+    251: "NoSuchTransaction",
     286: "ChangeStreamHistoryLost",
     10107: "NotWritablePrimary",
     10334: "BSONObjectTooLarge",
@@ -40,6 +42,7 @@ CODE_NAMES = {
     13388: "StaleConfig",
     11602: "InterruptedDueToReplStateChange",
     40573: "Location40573",
+    7749501: "Location7749501",
 }
 """The ``codeName`` a 7.0 server sends with each code the tests script (src/mongo/base/error_codes.yml;
 a ``uassert`` code without a name there is ``Location<code>``; 64 is ``WriteConcernTimeout`` from 8.1)."""

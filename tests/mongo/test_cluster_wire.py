@@ -49,6 +49,7 @@ from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
 from wowd.stores.mongo.timers import (
     MAX_SCANS_TO_EXPLODE,
+    PIPELINE_LENGTH_LIMIT,
     MongoTimerStore,
     due_match,
     next_due_pipeline,
@@ -438,12 +439,10 @@ async def answer_put(rs_wire: Wire) -> None:
     (await rs_wire.command("update")).ok(n=1, nModified=0, upserted=[{"index": 0, "_id": ObjectId()}])
 
 
-async def test_a_restart_does_not_split_or_move_the_chunks_of_a_registered_type(
-    rs_client: AsyncMongoClient[Any], rs_wire: Wire
-) -> None:
-    """``create`` answers ok on an existing collection (mongos since 4.0, mongod since 7.0): only
-    the registry upsert tells a first registration. A registered type whose collection has
-    chunks already (the balancer's work) is sharded again (idempotent) and left as it is."""
+async def test_a_put_never_splits_or_moves_chunks(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
+    """``create`` answers ok on an existing collection (mongos since 4.0, mongod since 7.0): the
+    type is sharded again (idempotent) and the put goes on: the chunks are spread off the feed's
+    path (``spread_chunks``), never by a put."""
     store = sharded_timers(rs_client)
     async with calling(lambda: store.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
@@ -455,20 +454,51 @@ async def test_a_restart_does_not_split_or_move_the_chunks_of_a_registered_type(
         )
         (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
         (await rs_wire.command("shardCollection")).ok(collectionsharded=f"{DB}.{TIMERS}")
+        await answer_put(rs_wire)  # no listShards, no split, no moveRange: straight to the put
+    assert out.error is None and out.value is True
+
+
+async def test_spread_chunks_leaves_a_collection_of_several_chunks_to_the_balancer(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A registered collection whose chunks the balancer has split and moved already is left as
+    it is (``config.chunks`` counts two; answers as a 7.0 ``mongos`` gives them)."""
+    from uuid import UUID
+
+    from bson.binary import Binary, UuidRepresentation
+
+    store = sharded_timers(rs_client)
+    async with calling(store.spread_chunks) as out:
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
         coll = await rs_wire.command("find")
         assert (coll["find"], coll["$db"], coll["filter"]) == ("collections", "config", {"_id": f"{DB}.{TIMERS}"})
-        from uuid import UUID
-
-        from bson.binary import Binary, UuidRepresentation
-
         uuid = Binary.from_uuid(UUID(int=7), UuidRepresentation.STANDARD)
         coll.ok(**timers_cursor("config.collections", [{"_id": f"{DB}.{TIMERS}", "uuid": uuid}]))
         count = await rs_wire.command("aggregate")
         assert (count["aggregate"], count["$db"]) == ("chunks", "config")
         assert count["pipeline"][0] == {"$match": {"uuid": uuid}}
         count.ok(**timers_cursor("config.chunks", [{"_id": 1, "n": 2}]))
-        await answer_put(rs_wire)  # no split, no moveRange: straight to the put
-    assert out.error is None and out.value is True
+    assert out.error is None, out.error
+    assert out.value == {TIMERS: "left to the balancer (not a single chunk, or not sharded)"}
+
+
+async def test_check_prepare_runs_the_spread_and_prints_what_it_did(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``wowd check --prepare`` spreads the chunks off the feed's path; here the cluster has one
+    shard (``listShards`` as a 7.0 ``mongos`` answers it), so it says there is nothing to do."""
+    from types import SimpleNamespace
+
+    from wowd.cli.check import _prepare
+
+    store = sharded_timers(rs_client, MongoSharding.ON)
+    async with calling(lambda: _prepare(SimpleNamespace(timers=store), [])) as out:  # type: ignore[arg-type]
+        (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
+        (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0", "host": "s0/h:27018", "state": 1}])
+    assert out.value == 0, out.error
+    assert f"ok   prepare {TIMERS}: one shard: nothing to spread" in capsys.readouterr().out
 
 
 async def test_auto_sharding_without_the_privilege_leaves_the_collection_unsharded(
@@ -547,6 +577,66 @@ async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
     assert [len(s["$unionWith"]["pipeline"][0]["$match"]["partition"]["$in"]) for s in pipeline[2:-1]] == [200, 1]
 
 
+async def aggregation_within_the_length_limit(wire: Wire) -> Any:
+    """The next ``aggregate``, answered as a 7.0 server does when its pipeline (or one of its
+    ``$unionWith`` sub-pipelines) has more than ``internalPipelineLengthLimit`` (1,000) stages:
+    code 7749501 before parsing (src/mongo/db/pipeline/pipeline.cpp, ``Pipeline::parseCommon``;
+    once parsed, ``validateCommon`` answers FailedToParse with the same message). Answers None
+    then; else the request, for the test to answer."""
+    agg = await wire.command("aggregate")
+    pipelines = [agg["pipeline"]] + [s["$unionWith"]["pipeline"] for s in agg["pipeline"] if "$unionWith" in s]
+    if any(len(p) > PIPELINE_LENGTH_LIMIT for p in pipelines):
+        server_error(agg, 7749501, f"Pipeline length must be no longer than {PIPELINE_LENGTH_LIMIT} stages.")
+        return None
+    return agg
+
+
+async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within_the_pipeline_length(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """65,536 partitions are 328 groups of at most 200 (one ``$unionWith`` each per type): with 10
+    types, 3,280 unions, more than a pipeline of 1,000 stages holds (manual, Aggregation Pipeline
+    Limits: "Number of Stages"; the server's ``internalPipelineLengthLimit``). The reads are split
+    into aggregations that each fit, and their answers merged: the first timers of all, the
+    least next due time."""
+    types = [f"t{n}" for n in range(10)]
+    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
+    async with calling(store.prepare) as out:
+        (await rs_wire.command("find")).ok(
+            **timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc(t) for t in types])
+        )
+    assert out.error is None
+    everything = set(range(65_536))
+
+    def timer_doc(aggregate: str, due_at: int) -> dict[str, Any]:
+        doc = timer_to_doc(make_timer(aggregate=aggregate, id=f"{aggregate}-{due_at}", due_at=due_at))
+        return {**doc, "owner": {**doc["owner"], "aggregate": aggregate}}
+
+    seen: list[str] = []
+    async with calling(lambda: store.due(everything, 10_000, 3)) as due:
+        for n in range(4):  # ceil(3,280 / 990)
+            agg = await aggregation_within_the_length_limit(rs_wire)
+            assert agg is not None, f"aggregation {n} is longer than the server takes"
+            unions = [s["$unionWith"]["coll"] for s in agg["pipeline"] if "$unionWith" in s]
+            seen += unions
+            assert agg["pipeline"][:2] == [{"$match": {"context": CONTEXT}}, {"$count": "registered"}]
+            # each answers its own first timers: later ones come first in the later aggregations
+            agg.ok(
+                **timers_cursor(f"{DB}.wow_timer_aggregate", [{"registered": 10}, timer_doc(unions[-1][-2:], 400 - n)])
+            )
+    assert due.error is None, due.error
+    assert len(seen) == 3_280 and sorted(set(seen)) == [f"wow_timer__{CONTEXT}__{t}" for t in types]
+    assert [t.due_at for t in due.value] == [397, 398, 399]
+
+    async with calling(lambda: store.next_due(everything, 0)) as next_due:
+        for n in range(4):
+            agg = await aggregation_within_the_length_limit(rs_wire)
+            assert agg is not None
+            agg.ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [{"_id": None, "registered": 10, "next_due": 50 - n}]))
+    assert next_due.error is None, next_due.error
+    assert next_due.value == 47
+
+
 async def test_claim_due_reads_more_partitions_than_the_planner_explodes_in_groups(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
@@ -623,3 +713,152 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:
         await backend.close()
+
+
+# --------------------------------------------------------------------------- privileges
+
+READ_WRITE_70 = [
+    "changeStream",
+    "collStats",
+    "compactStructuredEncryptionData",
+    "convertToCapped",
+    "createCollection",
+    "createIndex",
+    "dbHash",
+    "dbStats",
+    "dropCollection",
+    "dropIndex",
+    "find",
+    "insert",
+    "killCursors",
+    "listCollections",
+    "listIndexes",
+    "listSearchIndexes",
+    "planCacheRead",
+    "remove",
+    "renameCollectionSameDB",
+    "update",
+]
+"""The actions of the built-in ``readWrite`` role on its database in 7.0 (manual, Built-In Roles,
+readWrite; src/mongo/db/auth/builtin_roles.yml)."""
+
+
+def connection_status(privileges: list[dict[str, Any]], roles: list[dict[str, str]]) -> dict[str, Any]:
+    """``connectionStatus`` with ``showPrivileges`` as 7.0 answers it for user ``wowd`` of ``admin``."""
+    return {
+        "authInfo": {
+            "authenticatedUsers": [{"user": "wowd", "db": "admin"}],
+            "authenticatedUserRoles": roles,
+            "authenticatedUserPrivileges": privileges,
+        }
+    }
+
+
+async def test_privileges_of_read_write_on_a_mongos_lack_the_sharding_actions_by_name(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A user with ``readWrite`` on the wowd database, on a ``mongos`` (``sharding=auto``): every
+    store's data and DDL actions are there; what sharding and the chunk spread need is not, and
+    each is named with its resource: ``listShards`` on the cluster (``clusterMonitor`` has it),
+    ``enableSharding``, ``splitChunk``, ``moveChunk``, the ``config`` reads."""
+    from wowd.stores.mongo.privileges import check_user
+
+    call = lambda: check_user(rs_client, DB, CONTEXT, ddl=Ddl.AUTO, sharding=MongoSharding.AUTO)  # noqa: E731
+    async with calling(call) as out:
+        (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
+        status = await rs_wire.command("connectionStatus")
+        assert status["showPrivileges"] is True
+        status.ok(
+            **connection_status(
+                [{"resource": {"db": DB, "collection": ""}, "actions": READ_WRITE_70}],
+                [{"role": "readWrite", "db": DB}],
+            )
+        )
+    assert out.error is None, out.error
+    named = {(action, need.resource) for need, action in out.value}
+    assert named == {
+        ("enableSharding", f"every collection of {DB}"),
+        ("listShards", "the cluster"),
+        ("find", "config.collections"),
+        ("find", "config.chunks"),
+        ("splitChunk", f"every collection of {DB}"),
+        ("moveChunk", f"every collection of {DB}"),
+    }
+
+
+async def test_privileges_of_a_custom_role_name_each_missing_action_and_clusterMonitor_fills_listShards(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A custom role granting collection by collection, without ``remove`` on the outbox (``ack``
+    and ``trim`` would fail), plus ``clusterMonitor`` (``listShards`` on the cluster, ``find``
+    on the ``config`` database's collections): only the outbox's ``remove`` and the DDL of
+    ``ddl=validate`` (``listIndexes``) are missing. Without an authenticated user (no access
+    control) nothing is compared."""
+    from wowd.stores.mongo.privileges import check_user
+
+    data = ["find", "insert", "update", "remove"]
+    privileges = [
+        {
+            "resource": {"db": DB, "collection": ""},
+            "actions": ["find", "insert", "update", "listCollections", "changeStream"],
+        },
+        {"resource": {"db": DB, "collection": f"wow_outbox__{CONTEXT}"}, "actions": ["find", "insert", "update"]},
+        *(
+            {"resource": {"db": DB, "collection": c}, "actions": data}
+            for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
+        ),
+        {"resource": {"db": DB, "collection": ""}, "actions": ["enableSharding", "splitChunk", "moveChunk"]},
+        {"resource": {"cluster": True}, "actions": ["listShards", "serverStatus", "connPoolStats"]},
+        {"resource": {"db": "config", "collection": ""}, "actions": ["find", "collStats", "dbStats"]},
+    ]
+    call = lambda: check_user(rs_client, DB, CONTEXT, ddl=Ddl.VALIDATE, sharding=MongoSharding.ON)  # noqa: E731
+    async with calling(call) as out:
+        (await rs_wire.command("connectionStatus")).ok(
+            **connection_status(
+                privileges, [{"role": "wowd", "db": "admin"}, {"role": "clusterMonitor", "db": "admin"}]
+            )
+        )
+    assert out.error is None, out.error
+    named = sorted((action, need.resource) for need, action in out.value)
+    assert named == [("listIndexes", f"every collection of {DB}"), ("remove", f"{DB}.wow_outbox__{CONTEXT}")]
+
+    async with calling(call) as off:
+        (await rs_wire.command("connectionStatus")).ok(
+            authInfo={"authenticatedUsers": [], "authenticatedUserRoles": [], "authenticatedUserPrivileges": []}
+        )
+    assert off.error is None and off.value is None
+
+
+async def test_wowd_check_names_the_missing_privileges(
+    rs_server: MockupDB, rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """``wowd check``'s probe: one ConfigError naming each action missing, its resource and what
+    it is for. Here a custom role with ``readWrite``'s actions on the database but ``remove``
+    only on some collections, on a replica set with ``ddl=auto``: the outbox's ``remove`` (its
+    ``ack`` and ``trim``) is the one named."""
+    from types import SimpleNamespace
+
+    from wowd.cli.check import _privileges_probe
+
+    settings = WowdSettings(
+        backend="mongo",
+        mongodb=MongoSettings(uri=SecretStr(rs_server.uri), ddl="auto", sharding="off", database=DB),
+        elasticsearch=ElasticsearchSettings(url="http://127.0.0.1:9"),
+        context=CONTEXT,
+    )
+    everything_but_remove = [a for a in READ_WRITE_70 if a != "remove"]
+    privileges = [
+        {"resource": {"db": DB, "collection": ""}, "actions": everything_but_remove},
+        *(
+            {"resource": {"db": DB, "collection": c}, "actions": ["remove"]}
+            for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
+        ),
+    ]
+    backend = SimpleNamespace(log=SimpleNamespace(client=rs_client))
+    async with calling(lambda: _privileges_probe(settings, backend)) as out:  # type: ignore[arg-type]
+        (await rs_wire.command("connectionStatus")).ok(
+            **connection_status(privileges, [{"role": "wowd", "db": "admin"}])
+        )
+    assert isinstance(out.error, ConfigError), out.error
+    assert str(out.error).startswith("the user lacks 1 privilege action(s): remove on ")
+    assert f"remove on {DB}.wow_outbox__{CONTEXT} (outbox: put, take (its leases), ack, trim)" in str(out.error)

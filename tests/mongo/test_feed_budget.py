@@ -57,7 +57,7 @@ from wowd.stores.mongo import MongoLog, MongoOutbox
 from wowd.stores.mongo._common import MongoSharding
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timers import MongoTimerStore, timer_to_doc
+from wowd.stores.mongo.timers import MongoTimerStore, timer_to_doc, ttl_index_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -187,6 +187,11 @@ class Deployment:
                 for a in TYPES
             ]
             self.cursor(req, f"{DB}.{REGISTRY}", docs)
+        elif name == "listIndexes" and str(coll).startswith(f"wow_timer__{CONTEXT}__"):
+            # ddl=none looks for the tombstones' TTL index of each registered type at prepare
+            self.cursor(
+                req, f"{DB}.{coll}", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, {"v": 2, **ttl_index_spec()}]
+            )
         elif name == "find" and coll == CHECKPOINTS:
             assert req.doc["filter"]["_id"]["$in"] == [
                 {"consumer": CONSUMER, "partition": p} for p in range(PARTITIONS)
@@ -412,6 +417,8 @@ async def feed_one_batch(rs_server: MockupDB, es: AsyncElasticsearch, fake: Fake
             async with anyio.create_task_group() as tg:
                 tg.start_soon(timers.prepare)
                 assert deployment.answer(await wire.receives()) == f"find {REGISTRY}"
+                for type_ in sorted(TYPES):
+                    assert deployment.answer(await wire.receives()) == f"listIndexes wow_timer__{CONTEXT}__{type_}"
             for type_ in TYPES:  # the indices made before the batch: its requests are the batch's
                 await backend.sink(AggregateType(context=CONTEXT, aggregate=type_)).prepare()
             fake.take()

@@ -3,13 +3,14 @@ talks to MockupDB and each test asserts the commands on the wire and scripts the
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from bson import ObjectId
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr
@@ -209,6 +210,11 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
 async def test_a_scan_position_resumes_the_scan_after_its_document(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
+    """The resumed ``find`` is bounded on the ``partition_order`` index from the scan key to the
+    next partition (the find command's ``hint``, ``min`` inclusive and ``max`` exclusive: manual,
+    find command and cursor.min(), "index bounds", a hint required since 4.2): the scan starts
+    at the key instead of reading the partition from its start; the ``$expr`` only leaves the
+    key's own document (and its equals before it) out. The answers are a 7.0 server's."""
     log = make_log(rs_client)
     last = {"c": "wow_log__ctx__cart", "a": ID_P3, "v": 2, "id": {"t": "(0)", "a": ID_P3, "v": 2}}
     with anyio.fail_after(15):
@@ -239,9 +245,23 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
                 },
             }
             assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
+            assert find["hint"] == "partition_order"
+            assert list(find["min"].items()) == [
+                ("partition", 3),
+                ("aggregate_id", ID_P3),
+                ("version", 2),
+                ("_id", last["id"]),
+            ]
+            assert list(find["max"].items()) == [
+                ("partition", 4),
+                ("aggregate_id", MinKey()),
+                ("version", MinKey()),
+                ("_id", MinKey()),
+            ]
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
             find = await rs_wire.command("find")  # "order" from its start
             assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
+            assert "min" not in find and "hint" not in find
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             # the stream starts at the cluster time the ORIGINAL scan took
             agg = await rs_wire.command("aggregate")
@@ -376,6 +396,41 @@ async def test_history_lost_on_a_getmore_also_rereads(rs_client: AsyncMongoClien
     assert entries_of(call.result()) == [(5, ID_P5, 1)]
 
 
+async def test_history_lost_again_while_following_stalls_with_log_behind_oplog(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """The stream answered, lost its history on a ``getMore`` (286, as a 7.0 server answers a
+    resume point truncated from the oplog, message and all:
+    src/mongo/db/pipeline/document_source_change_stream_check_resumability.cpp; the
+    ``NonResumableChangeStreamError`` label: src/mongo/db/error_labels.cpp), was re-read,
+    answered again and lost it again: the reader is slower than the oplog window. The read
+    stops with LogBehindOplog (a StorageUnavailable the feed stalls the slot on), naming the
+    oplog window, instead of re-reading the partition for ever."""
+    from wowd.errors import LogBehindOplog
+
+    log = make_log(rs_client)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({5: pos((10, 1))}, follow=True)))
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 1), (11, 1))], first=True))
+            server_error(
+                await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG, labels=("NonResumableChangeStreamError",)
+            )
+            await majority_point(rs_wire, (600, 1))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": []}
+            )
+            (await rs_wire.command("aggregate")).ok(cursor([change(log_doc(ID_P5, 2), (601, 1))], first=True))
+            server_error(
+                await rs_wire.command("getMore"), 286, HISTORY_LOST_MSG, labels=("NonResumableChangeStreamError",)
+            )
+            await call.done.wait()
+    with pytest.raises(LogBehindOplog, match="oplog window") as caught:
+        call.result()
+    assert isinstance(caught.value, StorageUnavailable) and caught.value.partitions == (5,)
+    assert "oplogMinRetentionHours" in str(caught.value)
+
+
 async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:
     """Code 280 (the oplog covers the token's time but not its event: a rolled-back write, a
     token of another deployment) cannot resume either: the partition is re-read."""
@@ -423,19 +478,31 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
 
         async with anyio.create_task_group() as tg:
             q = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, entries[1].error or ""))
+            counter = await rs_wire.command("findAndModify")
+            counter.ok(value={"_id": "seq", "n": 1}, lastErrorObject={"n": 1, "updatedExisting": True})
             insert = await rs_wire.command("insert")
             assert insert["insert"] == f"wow_quarantine__{CONTEXT}"
             doc = insert.docs[0]["documents"][0]
             assert doc["_id"] == {"consumer": "feed", "aggregate": "order", "key": bad["_id"]}
             assert (doc["consumer"], doc["partition"], doc["aggregate"], doc["raw"]) == ("feed", 3, "order", bad)
             assert doc["reason"] == entries[1].error
+            assert doc["seq"] == ObjectId("ffffffff0000000000000001")
             insert.ok(n=1)
+            (await rs_wire.command("commitTransaction")).ok()
             await q.done.wait()
             q.result()
             # quarantining it again is idempotent: the duplicate key is not an error, the stored
-            # item gets the new reason
+            # item gets the new reason (a 7.0 server aborts the transaction on the write error:
+            # the driver's abortTransaction then meets NoSuchTransaction, which it ignores)
             again = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, "again"))
+            (await rs_wire.command("findAndModify")).ok(value={"_id": "seq", "n": 2})
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
+            server_error(
+                await rs_wire.command("abortTransaction"),
+                251,
+                "Transaction with { txnNumber: 2 } has been aborted.",
+                labels=("TransientTransactionError",),
+            )
             update = await rs_wire.command("update")
             assert update["update"] == f"wow_quarantine__{CONTEXT}"
             assert update["updates"] == [
@@ -444,6 +511,64 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
             update.ok(n=1, nModified=1)
             await again.done.wait()
             again.result()
+
+
+async def test_quarantine_draws_its_seq_in_the_transaction_that_inserts_the_item(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """Two quarantines at once: the first holds the counter document until it commits, so the
+    second's ``findAndModify`` meets a write conflict (code 112 with the
+    ``TransientTransactionError`` label, as a 7.0 server answers a write to a document another
+    open transaction wrote: manual, Transactions, "Transactions and Write Conflicts"), and its
+    transaction is run again (a fresh one: ``startTransaction``, another ``txnNumber``) after the
+    first committed. Its ``seq`` is the next number: ``seq`` order is commit order, so a listing
+    paged by ``seq`` passes no item committed after it. Each pair of commands is one
+    transaction on one session."""
+    log = make_log(rs_client)
+    raw = {"_id": {"t": "(0)", "a": ID_P3, "v": 9}, "aggregate_id": ID_P3, "partition": 3, "version": "x"}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            q = start(tg, lambda: log.quarantine("feed", 3, ORDER, raw, "unreadable"))
+            first = await rs_wire.command("findAndModify")
+            assert first["findAndModify"] == f"wow_quarantine__{CONTEXT}"
+            assert first["query"] == {"_id": "seq"} and first["update"] == {"$inc": {"n": 1}}
+            assert first["upsert"] is True and first["new"] is True
+            assert first["startTransaction"] is True and first["autocommit"] is False
+            server_error(
+                first,
+                112,
+                "Caused by :: Write conflict during plan execution and yielding is disabled. :: Please retry your "
+                "operation or multi-document transaction.",
+                labels=("TransientTransactionError",),
+            )
+            server_error(
+                await rs_wire.command("abortTransaction"),
+                251,
+                f"Transaction with {{ txnNumber: {first['txnNumber']} }} has been aborted.",
+                labels=("TransientTransactionError",),
+            )
+            second = await rs_wire.command("findAndModify")
+            assert second["startTransaction"] is True and second["txnNumber"] > first["txnNumber"]
+            second.ok(value={"_id": "seq", "n": 8}, lastErrorObject={"n": 1, "updatedExisting": True})
+            insert = await rs_wire.command("insert")
+            assert insert["lsid"] == second["lsid"] and insert["txnNumber"] == second["txnNumber"]
+            assert insert["autocommit"] is False and "startTransaction" not in insert
+            assert insert.docs[0]["documents"][0]["seq"] == ObjectId("ffffffff0000000000000008")
+            insert.ok(n=1)
+            commit = await rs_wire.command("commitTransaction")
+            assert commit["txnNumber"] == second["txnNumber"]
+            commit.ok()
+            await q.done.wait()
+    q.result()
+    # the listing without a cursor reads items only (an ObjectId seq), not the counter document
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            page = start(tg, lambda: log.quarantined())
+            find = await rs_wire.command("find")
+            assert find["filter"] == {"seq": {"$gt": ObjectId("000000000000000000000000")}}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_quarantine__{CONTEXT}", "firstBatch": []})
+            await page.done.wait()
+    assert page.result() == []
 
 
 def quarantine_stored(seq: ObjectId, agg_id: str, reason: str) -> dict[str, Any]:
@@ -599,6 +724,55 @@ async def test_checkpoint_save_is_one_upsert_guarded_by_the_fence(
     assert (cps[3].position, cps[3].fence, cps[3].written_at) == (position, 7, 123)
 
 
+async def test_a_duplicate_with_a_write_concern_error_is_not_answered_as_there(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """``log.append``, ``save_checkpoint`` and ``outbox.put`` each met a duplicate key and a
+    write concern error in the same reply: the document the key met may roll back, so none
+    answers "duplicate" / "refused" / "already there": each raises StorageUnavailable (retried).
+    A 7.0 server waits for the write concern also when the write failed on a duplicate key
+    (src/mongo/db/ops/write_ops_exec.cpp, ``LastOpFixer``: the client's last optime is set to the
+    system's, so the wait covers the document the key met) and answers both in one reply,
+    ``writeErrors`` and ``writeConcernError`` (manual, Write Concern, "writeConcernError")."""
+    log = make_log(rs_client)
+    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    log._ensured.add(ORDERS)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            appended = start(tg, lambda: log.append(commit(ID_P3, 1)))
+            insert = await rs_wire.command("insert")
+            assert len(insert.docs[0]["documents"]) == 1  # one document, as insert_one sends it
+            insert.ok(
+                n=0,
+                writeErrors=[dup(0, {"aggregate_id": 1, "request_id": 1})],
+                writeConcernError=write_concern_timeout(),
+            )
+            await appended.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                appended.result()
+
+            saved = start(tg, lambda: log.save_checkpoint("feed", 3, pos((300, 4)), 6))
+            upd = await rs_wire.command("update")
+            assert upd.docs[0]["updates"][0]["upsert"] is True
+            upd.ok(n=0, nModified=0, writeErrors=[dup(0, {"_id": 1})], writeConcernError=write_concern_timeout())
+            await saved.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                saved.result()
+
+            put = start(tg, lambda: outbox.put(_outbox_entry("r1")))
+            insert = await rs_wire.command("insert")
+            insert.ok(n=0, writeErrors=[dup(0, {"request_id": 1})], writeConcernError=write_concern_timeout())
+            await put.done.wait()
+            with pytest.raises(StorageUnavailable, match="write concern"):
+                put.result()
+
+            # the same duplicate without a write concern error: durable as asked, answered so
+            put = start(tg, lambda: outbox.put(_outbox_entry("r1")))
+            (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"request_id": 1})])
+            await put.done.wait()
+            assert put.result() is False
+
+
 async def test_a_batchs_checkpoints_are_one_unordered_bulk_and_one_refused_item_is_false(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
@@ -724,6 +898,35 @@ async def test_auto_ddl_creates_the_log_indexes_before_the_first_append(
     assert call.result() == "appended"
 
 
+async def test_the_log_indexes_of_an_existing_collection_are_built_with_no_deadline(
+    rs_server: MockupDB, rs_wire: Wire
+) -> None:
+    """``prepare`` makes sure of the indexes of the log collections there already, which may be
+    large: a client with ``timeoutMS`` (the deployment's) sends no ``maxTimeMS`` with their
+    ``createIndexes`` (an interrupted build is aborted: manual, createIndexes; server
+    src/mongo/db/commands/create_indexes_cmd.cpp)."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        rs_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=10_000
+    )
+    try:
+        log = MongoLog(client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.AUTO)
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                call = start(tg, log.prepare)
+                lc = await rs_wire.command("listCollections")
+                lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]})
+                ci = await rs_wire.command("createIndexes")
+                assert ci["createIndexes"] == ORDERS and "maxTimeMS" not in ci
+                ci.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)
+                quarantine = await rs_wire.command("createIndexes")
+                assert quarantine["createIndexes"] == f"wow_quarantine__{CONTEXT}" and "maxTimeMS" not in quarantine
+                quarantine.ok(numIndexesBefore=3, numIndexesAfter=3, note="all indexes already exist")
+                await call.done.wait()
+        assert call.result() is None
+    finally:
+        await client.close()
+
+
 # --------------------------------------------------------------------------- outbox, replica-set check
 
 
@@ -836,28 +1039,99 @@ def _outbox_doc(oid: ObjectId, request_id: str) -> dict[str, Any]:
     }
 
 
-async def test_outbox_take_is_one_find_after_the_cursor_in_id_order(
+def _outbox_entry(request_id: str) -> OutboxEntry:
+    target = AggregateRef(context="ctx", aggregate="order", id="o1")
+    return OutboxEntry(
+        request_id=request_id,
+        timer_id="t",
+        target=target,
+        command="{}",
+        scheduled_at=1,
+        fence=1,
+        owner_key="k",
+        created_at=2,
+    )
+
+
+def _first_batch(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": 0, "ns": f"{DB}.wow_outbox__{CONTEXT}", "firstBatch": docs}
+
+
+async def test_outbox_take_skips_no_entry_a_writer_committed_behind_the_taken_ones(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
-    outbox = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
-    after, a, b = ObjectId(), ObjectId(), ObjectId()
+    """Writer A makes its entry's ``_id`` first and commits it last; writer B's later ``_id``
+    is taken before A's entry exists. ObjectIds are made by each client and "are not necessarily
+    monotonic" (manual, BSON Types, ObjectId: one-second resolution, clients' own clocks), so a
+    take after B's ``_id`` would never see A's entry: a take reads every entry not acknowledged
+    and not leased, whatever its ``_id``, and leases what it read (``$$NOW``: manual, Aggregation
+    Variables; a pipeline update: manual, Updates with Aggregation Pipeline). Each answer is what
+    a 7.0 server gives: an update whose filter no longer matches (another take leased the entry)
+    answers ``n: 0``."""
+    writer_a = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    writer_b = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    consumer = MongoOutbox(rs_client, DB, context=CONTEXT, ddl=Ddl.NONE)
+    free = {"$expr": {"$lte": ["$lease_until", "$$NOW"]}}
+
+    async def take(found: list[dict[str, Any]], modified: int, held: list[dict[str, Any]]) -> tuple[Any, str | None]:
+        find = await rs_wire.command("find")
+        assert find["find"] == f"wow_outbox__{CONTEXT}"
+        assert find["filter"] == free  # no cursor: an entry behind the taken ones is found
+        assert find["sort"] == {"_id": 1} and find["limit"] == 10 and find["projection"] == {"_id": 1}
+        find.ok(cursor=_first_batch([{"_id": d["_id"]} for d in found]))
+        if not found:
+            return None, None
+        update = await rs_wire.command("update")
+        (u,) = update.docs[0]["updates"]
+        ids = [d["_id"] for d in found]
+        assert u["q"] == {"_id": {"$in": ids}, **free} and u["multi"] is True  # free again, per document
+        lease_id = u["u"][0]["$set"]["lease"]
+        assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
+        update.ok(n=modified, nModified=modified)
+        readback = await rs_wire.command("find")
+        assert readback["filter"] == {"_id": {"$in": ids}, "lease": lease_id}
+        readback.ok(cursor=_first_batch([{**d, "lease": lease_id} for d in held]))
+        return update, lease_id
+
+    lease = timedelta(seconds=30)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = start(tg, lambda: outbox.take(str(after), limit=2))
-            find = await rs_wire.command("find")
-            assert find["find"] == f"wow_outbox__{CONTEXT}"
-            assert find["filter"] == {"_id": {"$gt": after}}
-            assert find["sort"] == {"_id": 1} and find["limit"] == 2
-            find.ok(
-                cursor={
-                    "id": 0,
-                    "ns": f"{DB}.wow_outbox__{CONTEXT}",
-                    "firstBatch": [_outbox_doc(a, "r1"), _outbox_doc(b, "r2")],
-                }
-            )
-            await call.done.wait()
-    batch = call.result()
-    assert [e.request_id for e in batch.entries] == ["r1", "r2"] and batch.cursor == str(b)
+            put_a = start(tg, lambda: writer_a.put_many([_outbox_entry("r-a")]))
+            insert_a = await rs_wire.command("insert")  # held: A commits last
+            put_b = start(tg, lambda: writer_b.put(_outbox_entry("r-b")))
+            insert_b = await rs_wire.command("insert")
+            insert_b.ok(n=1)
+            a, b = insert_a.docs[0]["documents"][0], insert_b.docs[0]["documents"][0]
+            assert a["_id"] < b["_id"]
+            await put_b.done.wait()
+
+            first = start(tg, lambda: consumer.take(10, lease=lease))
+            _, first_lease = await take([b], 1, [b])
+            await first.done.wait()
+            assert [e.request_id for e in first.result().entries] == ["r-b"]
+            assert first.result().cursor == first_lease
+
+            insert_a.ok(n=1)  # A's entry commits now, its _id before the one taken
+            await put_a.done.wait()
+            assert put_a.result() == [True]
+
+            second = start(tg, lambda: consumer.take(10, lease=lease))
+            _, second_lease = await take([a], 1, [a])  # r-b is held: the server does not match it
+            await second.done.wait()
+            assert [e.request_id for e in second.result().entries] == ["r-a"]
+            assert second_lease != first_lease
+
+            # two takes found r-a free at once; the other leased it first: this one gets nothing
+            third = start(tg, lambda: consumer.take(10, lease=lease))
+            await take([a], 0, [])
+            await third.done.wait()
+            assert third.result().entries == () and third.result().cursor is None
+
+            # every entry held: one find, nothing leased
+            fourth = start(tg, lambda: consumer.take(10, lease=lease))
+            await take([], 0, [])
+            await fourth.done.wait()
+            assert fourth.result().entries == ()
 
 
 async def test_outbox_ack_and_trim_are_one_delete_many_each(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:

@@ -143,6 +143,48 @@ async def test_prepare_upgrades_a_format_5_collection_in_place(mongo_client: Any
     assert due.value == []
 
 
+async def test_the_upgrades_index_build_has_no_deadline_under_the_clients_timeout(
+    mock_server: Any, wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The deployment's client has ``timeoutMS`` and the store an operation timeout (both 10 s):
+    the TTL index of the upgrade is built over the whole collection, and the server aborts a
+    build whose ``createIndexes`` was interrupted (``maxTimeMS`` expired: manual, createIndexes,
+    and "Index Builds on Populated Collections"; src/mongo/db/commands/create_indexes_cmd.cpp
+    aborts the build when the command's operation is interrupted), so the command carries no
+    ``maxTimeMS``. The log names what is built. The answer is a 7.0 server's to a build that
+    added one index (``numIndexesBefore``/``numIndexesAfter``)."""
+    from datetime import timedelta
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(
+        mock_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=10_000
+    )
+    try:
+        store = MongoTimerStore(
+            client,
+            DB,
+            context=CONTEXT,
+            partitions=PARTITIONS,
+            sharding=MongoSharding.OFF,
+            operation_timeout=timedelta(seconds=10),
+        )
+        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.timers"):
+            async with calling(store.prepare) as out:
+                (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+                ci = await wire.command("createIndexes")
+                assert [dict(i) for i in ci.doc["indexes"]] == [ttl_index_spec()]
+                assert "maxTimeMS" not in ci.doc
+                ci.ok(numIndexesBefore=4, numIndexesAfter=5, createdCollectionAutomatically=False)
+                up = await wire.command("update")
+                assert 0 < up.doc["maxTimeMS"] <= 10_000  # the registry's update keeps its deadline
+                up.ok(n=1, nModified=1)
+            assert out.error is None, out.error
+        said = caplog.text
+        assert "tombstones_ttl" in said and ORDER in said and "upgrade to format 6" in said
+        assert f"built 1 index(es) of {ORDER}" in said
+    finally:
+        await client.close()
+
+
 async def test_an_upgrade_another_replica_made_first_is_read_again(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     async with calling(store.prepare) as out:
@@ -383,7 +425,7 @@ async def test_reclaim_is_one_update_many_per_collection_of_the_registry(mongo_c
     """A takeover ends the previous holder's claims at once: FIRING under a lower fence -> PENDING
     due at its scheduled time, the old fence named, the claim removed. The registry is read first
     (a type another replica registered has claims too); the filter carries the partitions (the
-    shard key) and the due index's partial filter."""
+    shard key) and the reclaim index's partial filter."""
     store = store_on(mongo_client)
     async with calling(lambda: store.reclaim({3, 1}, 5)) as out:
         reg = await wire.command("find")
@@ -400,7 +442,7 @@ async def test_reclaim_is_one_update_many_per_collection_of_the_registry(mongo_c
                 == reclaim_filter({1, 3}, 5)
                 == {
                     "partition": {"$in": [1, 3]},
-                    "status": {"$in": ["PENDING", "FIRING"], "$eq": "FIRING"},
+                    "status": "FIRING",
                     "claim.fence": {"$lt": 5},
                 }
             )
@@ -412,6 +454,64 @@ async def test_reclaim_is_one_update_many_per_collection_of_the_registry(mongo_c
             req.ok(n=counts[name], nModified=counts[name])
     assert out.error is None, out.error
     assert out.value == 3
+
+
+def ixscan(spec: dict[str, Any], predicate: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``IXSCAN`` of ``explain``'s ``queryPlanner.winningPlan`` that ``spec`` gives
+    ``predicate`` by the manual's rules (Partial Indexes: usable only when the predicate contains
+    the ``partialFilterExpression``; Explain Results: ``indexBounds`` per key, ``filter`` what the
+    ``FETCH`` above it tests): ``$in``/equality point intervals, ``$lt`` a range from MinKey, an
+    unconstrained key ``[MinKey, MaxKey]``; None when the index is not eligible."""
+
+    def values(cond: Any) -> list[Any]:
+        return list(cond["$in"]) if isinstance(cond, dict) and "$in" in cond else [cond]
+
+    for field, want in spec.get("partialFilterExpression", {}).items():
+        got = predicate.get(field)
+        if got is None or not set(values(got)) <= set(values(want)):
+            return None
+    bounds: dict[str, list[str]] = {}
+    for key in spec["key"]:
+        cond = predicate.get(key)
+        if isinstance(cond, dict) and "$in" in cond:
+            bounds[key] = [f"[{v}, {v}]" for v in cond["$in"]]
+        elif isinstance(cond, dict) and "$lt" in cond:
+            bounds[key] = [f"[MinKey, {cond['$lt']})"]
+        elif cond is not None and not isinstance(cond, dict):
+            bounds[key] = [f"[{cond!r}, {cond!r}]"]
+        else:
+            bounds[key] = ["[MinKey, MaxKey]"]
+    partial = set(spec.get("partialFilterExpression", {}))
+    residual = {k: v for k, v in predicate.items() if k not in spec["key"] and k not in partial}
+    return {
+        "stage": "FETCH",
+        "filter": residual,
+        "inputStage": {"stage": "IXSCAN", "indexName": spec["name"], "indexBounds": bounds},
+    }
+
+
+def test_reclaim_reads_only_the_firing_timers_of_an_older_fence_over_the_reclaim_index() -> None:
+    """The explain of the reclaim's filter on a timer collection: the reclaim index (partial on
+    FIRING) bounds the scan by partition and by ``claim.fence`` below the new fence, so a slot
+    with millions of PENDING timers reads only the keys of the FIRING ones it takes back, and the
+    ``FETCH`` tests nothing more. The due index also qualifies (FIRING is one of its statuses)
+    but reads every live timer of the partitions and tests the fence after fetching each: the
+    planner's trial picks the plan that answers with fewer works (manual, Query Plans)."""
+    specs = {s["name"]: s for s in index_specs()}
+    predicate = reclaim_filter({3, 1}, 5)
+    plan = ixscan(specs["reclaim"], predicate)
+    assert plan == {
+        "stage": "FETCH",
+        "filter": {},
+        "inputStage": {
+            "stage": "IXSCAN",
+            "indexName": "reclaim",
+            "indexBounds": {"partition": ["[1, 1]", "[3, 3]"], "claim.fence": ["[MinKey, 5)"]},
+        },
+    }
+    due = ixscan(specs["due"], predicate)
+    assert due is not None and due["filter"] == {"claim.fence": {"$lt": 5}}
+    assert due["inputStage"]["indexBounds"]["due_at"] == ["[MinKey, MaxKey]"]
 
 
 async def test_sweep_and_empty_calls_send_nothing(idle_client: AsyncMongoClient[Any]) -> None:

@@ -10,9 +10,10 @@ import bson
 import pytest
 from bson import ObjectId
 from bson.min_key import MinKey
+from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, server_error
+from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from tests.mongo.timers_support import (
     CONTEXT,
     PARTITIONS,
@@ -250,7 +251,10 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
     exist: its first put is the upsert alone. A type the registry does not record still
     registers first (another replica's due read must see it)."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
-    await prepare(store, wire, "order")
+    async with calling(store.prepare) as prepared:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+    assert prepared.error is None, prepared.error
     async with calling(lambda: store.put(make_timer())) as out:
         update = await answer_update(wire)
     assert out.error is None and out.value is True
@@ -261,6 +265,74 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
         fam.ok(value=registry_doc("cart"))
         await answer_update(wire)
     assert cart.value is True, cart.error
+
+
+async def answer_indexes(wire: Wire, name: str, specs: list[dict[str, Any]]) -> None:
+    """``listIndexes`` of ``name`` as a 7.0 server answers it: ``_id_`` then ``specs``, each with
+    its index version ``v: 2``."""
+    req = await wire.command("listIndexes")
+    assert req.doc["listIndexes"] == name
+    indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}] + [{"v": 2, **spec} for spec in specs]
+    req.ok(**cursor(f"{DB}.{name}", indexes))
+
+
+async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_expire(
+    mongo_client: Any, wire: Wire, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ddl=none`` creates nothing, and on MongoDB ``sweep`` is the TTL index's: a registered
+    collection without it (manual, TTL Indexes; ``listIndexes`` answered as 7.0 does) is named
+    at start, with the setting and the index to create."""
+    import logging
+
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+        async with calling(store.prepare) as out:
+            (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+            await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert out.error is None, out.error
+    assert "wow_timer__ctx__order has no TTL index tombstones_ttl" in caplog.text
+    assert "never expire" in caplog.text and "WOWD_MONGODB__DDL=auto" in caplog.text
+    async with calling(store.missing_ttl) as missing:  # what wowd check asks
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert missing.value == ["wow_timer__ctx__order"], missing.error
+
+
+async def test_wowd_check_names_the_collections_whose_tombstones_never_expire() -> None:
+    from wowd.cli.check import _ttl_probe
+
+    async def missing() -> list[str]:
+        return ["wow_timer__ctx__order"]
+
+    async def none() -> list[str]:
+        return []
+
+    with pytest.raises(FormatError, match="no TTL index tombstones_ttl on wow_timer__ctx__order") as caught:
+        await _ttl_probe(missing)
+    assert "never expire" in str(caught.value) and "WOWD_MONGODB__DDL=auto" in str(caught.value)
+    await _ttl_probe(none)
+
+
+async def test_ddl_none_refuses_to_upgrade_format_5_without_the_ttl_index(mongo_client: Any, wire: Wire) -> None:
+    """The upgrade to format 6 is the TTL index; ``ddl=none`` would have recorded 6 without it
+    (tombstones never expiring): it is refused at start, naming the index and the setting, and
+    the registry is left at 5. With the index there (an operator made it), 6 is recorded."""
+    store = store_on(mongo_client, ddl=Ddl.NONE)
+    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    async with calling(store.prepare) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+        await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
+    assert isinstance(out.error, FormatError), out.error
+    assert "tombstones_ttl" in str(out.error) and "WOWD_MONGODB__DDL=auto" in str(out.error)
+
+    async with calling(store.prepare) as again:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
+        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+        up = await wire.command("update")
+        assert up.doc["updates"][0]["q"] == {"_id": "wow_timer__ctx__order", "format": 5}
+        up.ok(n=1, nModified=1)
+    assert again.error is None, again.error
 
 
 async def test_ddl_auto_still_makes_sure_of_the_indexes_of_a_registered_type(mongo_client: Any, wire: Wire) -> None:
@@ -299,10 +371,10 @@ async def test_ddl_validate_refuses_a_registered_collection_that_does_not_exist(
 
 
 async def test_ddl_commands_are_bounded_one_by_one_not_by_the_puts_timeout(mongo_client: Any, wire: Wire) -> None:
-    """The DDL of a type's first put (on a sharded cluster: ``split`` and ``moveRange`` per
-    partition) takes longer than one operation's timeout. Each DDL command gets the timeout of its
-    own, and the upsert a fresh one after them. The answers here are held for real time on
-    purpose (time has to pass; nothing is synchronised by it)."""
+    """The DDL of a type's first put takes longer than one operation's timeout. Each DDL command
+    gets the timeout of its own, but ``createIndexes`` none (a build is aborted when its command
+    is interrupted), and the upsert a fresh one after them. The answers here are held for real
+    time on purpose (time has to pass; nothing is synchronised by it)."""
     from datetime import timedelta
 
     import anyio
@@ -311,7 +383,10 @@ async def test_ddl_commands_are_bounded_one_by_one_not_by_the_puts_timeout(mongo
     async with calling(lambda: store.put(make_timer())) as out:
         for name in ("findAndModify", "create", "createIndexes"):
             req = await wire.command(name)
-            assert 0 < req.doc["maxTimeMS"] <= 1500
+            if name == "createIndexes":
+                assert "maxTimeMS" not in req.doc
+            else:
+                assert 0 < req.doc["maxTimeMS"] <= 1500
             await anyio.sleep(0.6)  # 1.8 s of DDL in all: more than one operation's 1.5 s
             if name == "findAndModify":
                 req.ok(value=registry_doc("order"))
@@ -355,15 +430,23 @@ async def test_prepare_drops_another_format_when_told(mongo_client: Any, wire: W
     assert due.value == []
 
 
-async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client: Any, wire: Wire) -> None:
-    store = MongoTimerStore(
-        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
-    )
-    timer = make_timer(id="a")
-    timer = replace(timer, partition=timer.owner.partition(3))
+async def answer_one_chunk(wire: Wire, ns: str) -> None:
+    """``config.collections`` then ``config.chunks`` of ``ns`` as a 7.0 ``mongos`` answers them for
+    a sharded collection of one chunk."""
+    from uuid import UUID
+
+    from bson.binary import Binary, UuidRepresentation
+
+    uuid = Binary.from_uuid(UUID(int=9), UuidRepresentation.STANDARD)
+    (await wire.command("find")).ok(**cursor("config.collections", [{"_id": ns, "uuid": uuid}]))
+    (await wire.command("aggregate")).ok(**cursor("config.chunks", [{"_id": 1, "n": 1}]))
+
+
+async def first_sharded_put(store: MongoTimerStore, wire: Wire, timer: Timer) -> None:
+    """A type's first put on a sharded cluster: registered, created, indexed, sharded, then the
+    upsert; nothing else (no ``listShards``, ``split`` or ``moveRange`` on a feed batch's path)."""
     ns = f"{DB}.wow_timer__ctx__order"
     async with calling(lambda: store.put(timer)) as out:
-        # the type's first registration: the upsert inserted the registry record
         (await wire.command("findAndModify")).ok(
             value=registry_doc("order"),
             lastErrorObject={"n": 1, "updatedExisting": False, "upserted": "wow_timer__ctx__order"},
@@ -374,7 +457,21 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
         shard = await wire.command("shardCollection")
         assert shard.doc["shardCollection"] == ns and shard.doc["key"] == {"partition": 1}
         shard.ok(collectionsharded=ns)
+        await answer_update(wire)
+    assert out.value is True, out.error
+
+
+async def test_sharded_cluster_gets_its_chunks_spread_off_the_put_path(mongo_client: Any, wire: Wire) -> None:
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
+    )
+    timer = make_timer(id="a")
+    await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
         splits = []
         for _ in range(2):
             req = await wire.command("split")
@@ -388,8 +485,60 @@ async def test_sharded_cluster_gets_one_chunk_per_partition_spread(mongo_client:
             moves.append((req.doc["min"]["partition"], req.doc["toShard"]))
             req.ok()
         assert moves == [(MinKey(), "s0"), (1, "s1"), (2, "s0")]
-        await answer_update(wire)
-    assert out.value is True, out.error
+    assert out.value == {"wow_timer__ctx__order": "spread: 3 chunks over 2 shards"}, out.error
+
+
+async def test_the_spread_at_the_most_partitions_is_bounded_by_the_shards(mongo_client: Any, wire: Wire) -> None:
+    """65,536 partitions on two shards: 8 contiguous ranges (4 a shard), so 7 ``split`` and 8
+    ``moveRange`` (never 65,535 splits), each a 7.0 ``mongos``'s ``ok``; and a spent budget
+    sends nothing more (the balancer's then)."""
+    from datetime import timedelta
+
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.ON, operation_timeout=None
+    )
+    ns = f"{DB}.wow_timer__ctx__order"
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
+        middles = []
+        for _ in range(7):
+            req = await wire.command("split")
+            middles.append(req.doc["middle"]["partition"])
+            req.ok()
+        assert middles == [8192 * n for n in range(1, 8)]
+        targets = []
+        for _ in range(8):
+            req = await wire.command("moveRange")
+            targets.append(req.doc["toShard"])
+            req.ok()
+        assert targets == ["s0", "s1"] * 4
+    assert out.value == {"wow_timer__ctx__order": "spread: 8 chunks over 2 shards"}, out.error
+
+    async with calling(lambda: store.spread_chunks(budget=timedelta(0))) as spent:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
+        await answer_one_chunk(wire, ns)
+    assert spent.value == {"wow_timer__ctx__order": "partly spread: 15 of 15 commands left"}, spent.error
+
+
+async def test_a_one_shard_cluster_gets_no_split(mongo_client: Any, wire: Wire) -> None:
+    """A sharded cluster of one shard: the collection is sharded, but its chunk is not split
+    (nothing to spread; 7.0's AutoMerger merges the chunks of a shard back, manual, "Automerger",
+    so the next start would find one chunk and split it again). The answers are a 7.0
+    ``mongos``'s: ``listShards`` lists the one shard."""
+    store = MongoTimerStore(
+        mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
+    )
+    timer = make_timer(id="a")
+    await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
+    async with calling(store.spread_chunks) as out:
+        (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
+        (await wire.command("listShards")).ok(
+            shards=[{"_id": "s0", "host": "s0/localhost:27018", "state": 1, "topologyTime": Timestamp(1, 1)}]
+        )
+    assert out.value == {"wow_timer__ctx__order": "one shard: nothing to spread"}, out.error
 
 
 # --------------------------------------------------------------------------- put's guard
@@ -443,6 +592,26 @@ async def test_put_that_lost_an_insert_race_is_admitted_over_the_winner(mongo_cl
         assert matches(req.doc["updates"][0]["q"], won)
         req.ok(n=1, nModified=1)
     assert out.error is None and out.value is True
+
+
+async def test_a_put_alone_that_meets_the_key_with_a_write_concern_error_is_unavailable(
+    mongo_client: Any, wire: Wire
+) -> None:
+    """The put sent again alone (a lost insert race) meets the unique key again and the write
+    concern is not satisfied, both in one reply (a 7.0 server waits for the write concern also
+    after a duplicate key: src/mongo/db/ops/write_ops_exec.cpp, ``LastOpFixer``). The stored
+    timer the key met may roll back: StorageUnavailable, not a decision read from it."""
+    store = store_on(mongo_client)
+    await first_put(store, wire)
+    won = stored_doc(5)
+    async with calling(lambda: store.put(make_timer(version=7))) as out:
+        (await wire.command("update")).ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)])
+        (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(won)]))
+        alone = await wire.command("update")
+        assert len(alone.doc["updates"]) == 1 and alone.doc["updates"][0]["upsert"] is True
+        alone.ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)], writeConcernError=write_concern_timeout())
+    assert isinstance(out.error, StorageUnavailable), out.error
+    assert "write concern" in str(out.error)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from wowd.cli.backend import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, StorageError, WowdError
+from wowd.errors import ConfigError, FormatError, StorageError, WowdError
 from wowd.model import AggregateRef, AggregateType
 from wowd.stores.base import Backend
 
@@ -33,6 +33,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         "check",
         parents=[common],
         help="validate the configuration and reach every store and the gateway (creates nothing)",
+    )
+    p.add_argument(
+        "--prepare",
+        action="store_true",
+        help="also do the one-off preparation wowd leaves off the feed's path: on a sharded MongoDB "
+        "cluster, spread the chunks of each new timer collection over the shards (bounded)",
     )
     p.set_defaults(handler=check)
 
@@ -52,10 +58,10 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
     else:
         if settings.backend == "embedded":
             failures += await _check_embedded_file(settings)
-            failures += await _check_stores(settings, secrets)
+            failures += await _check_stores(settings, secrets, args)
         else:
             servers = await _check_mongodb(settings, secrets) + await _check_elasticsearch(settings, secrets)
-            failures += servers or await _check_stores(settings, secrets)
+            failures += servers or await _check_stores(settings, secrets, args)
     if failures:
         err(f"wowd check: {failures} problem(s)")
         return 1
@@ -201,7 +207,7 @@ async def _check_elasticsearch(settings: WowdSettings, secrets: list[str]) -> in
     return 0
 
 
-async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
+async def _check_stores(settings: WowdSettings, secrets: list[str], args: argparse.Namespace) -> int:
     async with AsyncExitStack() as stack:
         try:
             with anyio.fail_after(OPEN_TIMEOUT_S):
@@ -218,7 +224,62 @@ async def _check_stores(settings: WowdSettings, secrets: list[str]) -> int:
             except (WowdError, TimeoutError) as exc:
                 err(redact(f"FAIL {name}: {type(exc).__name__}: {exc}", secrets))
                 failures += 1
+        if getattr(args, "prepare", False):
+            failures += await _prepare(backend, secrets)
         return failures
+
+
+async def _privileges_probe(settings: WowdSettings, backend: Backend) -> None:
+    """The privileges the MongoDB stores need (their modes as configured), asked of the server
+    with ``connectionStatus``; fails naming each action missing and what it is for."""
+    from wowd.stores.base import Ddl
+    from wowd.stores.mongo._common import MongoSharding
+    from wowd.stores.mongo.privileges import check_user
+
+    client = getattr(backend.log, "client", None)
+    if client is None:
+        return
+    mongo = settings.mongodb
+    missing = await check_user(
+        client, mongo.database, settings.context, ddl=Ddl(mongo.ddl), sharding=MongoSharding(mongo.sharding)
+    )
+    if missing is None:
+        out(
+            "ok   mongodb privileges: not checked (no authenticated user: access control is off, or no user in the URI)"
+        )
+        return
+    if missing:
+        lacks = "; ".join(f"{action} on {need.resource} ({need.store}: {need.why})" for need, action in missing)
+        raise ConfigError(f"the user lacks {len(missing)} privilege action(s): {lacks} (docs/stores.md lists them)")
+
+
+async def _ttl_probe(missing_ttl: Callable[[], Awaitable[list[str]]]) -> None:
+    """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
+    missing = await missing_ttl()
+    if missing:
+        raise FormatError(
+            f"no TTL index tombstones_ttl on {', '.join(missing)}: their tombstones never expire "
+            "(WOWD_MONGODB__DDL=none creates nothing): create it (docs/stores.md), or start once with "
+            "WOWD_MONGODB__DDL=auto"
+        )
+
+
+async def _prepare(backend: Backend, secrets: list[str]) -> int:
+    """``--prepare``: the timer store's chunk spread (MongoDB; nothing to do elsewhere)."""
+    spread = getattr(backend.timers, "spread_chunks", None)
+    if spread is None:
+        out("ok   prepare: nothing to prepare on this backend")
+        return 0
+    try:
+        done: dict[str, str] = await spread()
+    except WowdError as exc:
+        err(redact(f"FAIL prepare timer chunks: {type(exc).__name__}: {exc}", secrets))
+        return 1
+    for name, what in done.items():
+        out(f"ok   prepare {name}: {what}")
+    if not done:
+        out("ok   prepare: no timer chunks to spread (not a sharded cluster, or no timer collection)")
+    return 0
 
 
 async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, Callable[[], Awaitable[Any]]]]:
@@ -228,6 +289,11 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         ("timers", partial(backend.timers.scan, limit=1)),
         ("outbox", backend.outbox.count),
     ]
+    if settings.backend == "mongo":
+        probes.append(("mongodb privileges", partial(_privileges_probe, settings, backend)))
+    missing_ttl = getattr(backend.timers, "missing_ttl", None)
+    if missing_ttl is not None:
+        probes.append(("timers tombstone expiry (TTL index)", partial(_ttl_probe, missing_ttl)))
     try:
         types = await backend.log.aggregate_types()
     except WowdError:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from datetime import timedelta
 
 from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.backend import opened_backend
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
-from wowd.stores.base import Outbox
+from wowd.stores.base import OUTBOX_TAKE_LEASE, Outbox
 
 __all__ = ["COUNT_PAGE", "outbox", "register"]
 
@@ -22,13 +23,19 @@ COUNT_PAGE = 1000
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("outbox", parents=[common], help="list, acknowledge and trim the outbox's commands")
     osub = p.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    ol = osub.add_parser("list", help="entries in delivery order, after a cursor")
-    ol.add_argument("--after", metavar="CURSOR", help="only entries after this cursor (as a previous list printed)")
-    ol.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
+    ol = osub.add_parser("list", help="take the oldest entries no other take holds, in delivery order")
+    ol.add_argument("--limit", type=positive_int, default=100, help="take at most this many (default 100)")
+    ol.add_argument(
+        "--lease-s",
+        type=non_negative_seconds,
+        default=OUTBOX_TAKE_LEASE.total_seconds(),
+        help="hold them for this long: no other take gets them meanwhile; ack them within it "
+        f"(default {OUTBOX_TAKE_LEASE.total_seconds():g})",
+    )
     ol.add_argument(
         "--json",
         action="store_true",
-        help="print JSON ({entries, cursor, depth}; times in epoch ms) instead of a table",
+        help="print JSON ({entries, take, depth}; times in epoch ms) instead of a table",
     )
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")
@@ -53,7 +60,7 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         box = backend.outbox
         if args.outbox_command == "list":
-            batch = await box.take(args.after, limit=args.limit)
+            batch = await box.take(args.limit, lease=timedelta(seconds=args.lease_s))
             depth = await box.count()
         elif args.outbox_command == "ack":
             removed = await box.ack(args.request_ids)
@@ -75,14 +82,14 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
             }
             for e in batch.entries
         ]
-        print_json({"entries": entries, "cursor": batch.cursor, "depth": depth})
+        print_json({"entries": entries, "take": batch.cursor, "depth": depth})
         return 0
     now = int(time.time() * 1000)
     print_table(
         ["request_id", "created", "target", "command"],
         [[e.request_id, at(e.created_at, now), e.target, e.command] for e in batch.entries],
     )
-    out(f"{len(batch.entries)} of {depth} entries" + (f"; next: --after {batch.cursor}" if batch.cursor else ""))
+    out(f"{len(batch.entries)} of {depth} entries taken for {args.lease_s:g} s")
     return 0
 
 
@@ -110,10 +117,11 @@ async def _trim(settings: WowdSettings, box: Outbox, args: argparse.Namespace) -
 
 
 async def _count_created_before(box: Outbox, before: int) -> int:
-    count, cursor = 0, None
+    """The entries created before ``before``, read a page at a time (a read: nothing is taken)."""
+    count, seen = 0, 0
     while True:
-        batch = await box.take(cursor, limit=COUNT_PAGE)
-        count += sum(1 for e in batch.entries if e.created_at < before)
-        if len(batch.entries) < COUNT_PAGE or batch.cursor is None:
+        page = await box.entries(limit=COUNT_PAGE, after=seen)
+        count += sum(1 for e in page if e.created_at < before)
+        seen += len(page)
+        if len(page) < COUNT_PAGE:
             return count
-        cursor = batch.cursor

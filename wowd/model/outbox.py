@@ -38,8 +38,8 @@ class OutboxEntry:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OutboxBatch:
-    """Entries taken from the outbox in insertion order, and the cursor to take the next ones
-    after (the cursor given when the batch is empty)."""
+    """Entries taken from the outbox in insertion order, held by the take for its lease, and the
+    take's name (``None`` when the batch is empty)."""
 
     entries: tuple[OutboxEntry, ...]
     cursor: str | None

@@ -52,6 +52,7 @@ __all__ = [
     "Log",
     "LogCheck",
     "Outbox",
+    "OUTBOX_TAKE_LEASE",
     "OutboxFiring",
     "PRESENCE_RETENTION",
     "ReplicaInfo",
@@ -157,7 +158,9 @@ class Log(Protocol):
         for as long as it is kept (embedded: the row id; MongoDB: the hex of the document's
         ``seq`` ObjectId), ``created_at`` when it was first quarantined (ms since the epoch).
         ``after``: only items after this id (the last id of a previous page); ``ids``: only
-        these (ids that name nothing are skipped). Read-only."""
+        these (ids that name nothing are skipped). Read-only. Ids are given in commit order
+        (embedded: one writer at a time; MongoDB: ``seq`` is drawn in the transaction that
+        inserts the item), so paging by ``after`` never passes an item quarantined later."""
         ...
 
     async def release_quarantined(self, ids: Collection[str]) -> int:
@@ -549,6 +552,10 @@ class EventSink(Protocol):
     async def close(self) -> None: ...
 
 
+OUTBOX_TAKE_LEASE = timedelta(seconds=60)
+"""How long a take holds its entries by default (:meth:`Outbox.take`)."""
+
+
 @runtime_checkable
 class Outbox(Protocol):
     """Where the ``outbox`` gateway delivers commands: unique on the request id."""
@@ -565,11 +572,17 @@ class Outbox(Protocol):
         """At most ``limit`` entries in insertion order, skipping the first ``after`` (tools)."""
         ...
 
-    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
-        """The consumer's read: at most ``limit`` entries in insertion order after the cursor
-        ``after`` (``None``: from the oldest), with the cursor to pass next. Read-only: an
-        entry stays until acknowledged or trimmed. Raises :class:`~wowd.errors.InvalidInput`
-        (field ``cursor``) for a cursor this outbox did not give."""
+    async def take(self, limit: int = 100, *, lease: timedelta = OUTBOX_TAKE_LEASE) -> OutboxBatch:
+        """The consumer's read: the oldest (insertion order) at most ``limit`` entries that are
+        not acknowledged and that no live take holds, each now held by this take for ``lease``
+        (on the store's clock); the batch's ``cursor`` names the take (``None`` when empty).
+
+        No cursor to pass: an entry whose writer committed it late (another replica's, a
+        concurrent batch's, ordered before entries taken already) is taken by the next take all
+        the same. While a take's lease holds, no other take gets its entries; an entry not
+        acknowledged when its lease runs out is taken again (at-least-once: acknowledge within
+        the lease). An entry stays until acknowledged or trimmed. Raises
+        :class:`~wowd.errors.InvalidInput` (field ``lease``) for a lease under 1 ms."""
         ...
 
     async def ack(self, request_ids: Sequence[str]) -> int:

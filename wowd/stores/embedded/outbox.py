@@ -12,18 +12,25 @@ recorded as re-deliveries (:func:`put_rows`). The timer store's fast path into t
 transaction that fires and settles, see ``EmbeddedTimerStore.fire_into_outbox``) and a feed
 batch that fires (``EmbeddedTimerStore.write_firing``) write the same rows the same way
 (:func:`entry_row`, :func:`put_rows`).
+
+A take holds what it read: table ``outbox_lease`` (request id, the take's id, ``until`` on the
+store clock). A take reads the oldest rows no live lease holds and leases them in the same write
+transaction; ``ack`` deletes the rows and their leases.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from json.encoder import encode_basestring_ascii
 from typing import Any, TypeVar
 
 from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
-from wowd.stores.embedded.db import SqliteStore, insert_rows
+from wowd.stores.base import OUTBOX_TAKE_LEASE
+from wowd.stores.embedded.db import NOW_MS, SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["SCHEMA", "EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
@@ -50,6 +57,12 @@ SCHEMA = (
         fence INTEGER NOT NULL,
         owner_key TEXT NOT NULL,
         created_at INTEGER NOT NULL
+    )""",
+    # The take that holds an entry until ``until`` (store clock, ms); a lease that ran out frees it.
+    """CREATE TABLE IF NOT EXISTS outbox_lease (
+        request_id TEXT PRIMARY KEY,
+        lease TEXT NOT NULL,
+        until INTEGER NOT NULL
     )""",
 )
 
@@ -80,28 +93,39 @@ def entries_sql() -> str:
 
 
 def take_sql() -> str:
-    """Entries after a ``seq``, in insertion order."""
-    return f"SELECT seq, {_COLUMNS} FROM outbox WHERE seq > ? ORDER BY seq LIMIT ?"
+    """The oldest entries no live lease holds, in insertion order."""
+    return (
+        f"SELECT {_COLUMNS} FROM outbox o WHERE NOT EXISTS (SELECT 1 FROM outbox_lease l "
+        f"WHERE l.request_id = o.request_id AND l.until > {NOW_MS}) ORDER BY seq LIMIT ?"
+    )
+
+
+def lease_sql() -> str:
+    """Leases one entry to a take for a number of ms from the store's now."""
+    return (
+        f"INSERT INTO outbox_lease (request_id, lease, until) VALUES (?, ?, {NOW_MS} + ?) "
+        "ON CONFLICT (request_id) DO UPDATE SET lease = excluded.lease, until = excluded.until"
+    )
 
 
 def ack_sql(n: int) -> str:
     return f"DELETE FROM outbox WHERE request_id IN ({', '.join('?' * n)})"
 
 
+def ack_lease_sql(n: int) -> str:
+    return f"DELETE FROM outbox_lease WHERE request_id IN ({', '.join('?' * n)})"
+
+
 def trim_sql() -> str:
     return "DELETE FROM outbox WHERE created_at < ?"
 
 
-def _seq_of(cursor: str | None) -> int:
-    if cursor is None:
-        return 0
-    try:
-        seq = int(cursor)
-    except ValueError:
-        seq = -1
-    if seq < 0:
-        raise InvalidInput(f"{cursor!r} is not a cursor of this outbox", field="cursor")
-    return seq
+def trim_lease_sql() -> str:
+    """The leases that ran out on entries no longer there (trimmed)."""
+    return (
+        f"DELETE FROM outbox_lease WHERE until <= {NOW_MS} AND NOT EXISTS "
+        "(SELECT 1 FROM outbox o WHERE o.request_id = outbox_lease.request_id)"
+    )
 
 
 def target_json(context: str, aggregate: str, tenant_id: str, id: str) -> str:
@@ -185,16 +209,24 @@ class EmbeddedOutbox(SqliteStore):
 
         return await self._run("count", run)
 
-    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
-        """Entries after the cursor (a ``seq``) in insertion order."""
-        seq = _seq_of(after)
+    async def take(self, limit: int = 100, *, lease: timedelta = OUTBOX_TAKE_LEASE) -> OutboxBatch:
+        """One write transaction: the oldest rows no live lease holds, each leased to this take
+        (``outbox_lease``) until the store's now + ``lease``."""
+        lease_ms = int(lease.total_seconds() * 1000)
+        if lease_ms <= 0:
+            raise InvalidInput(f"the lease of a take must be at least 1 ms, got {lease}", field="lease")
+        if limit <= 0:
+            return OutboxBatch(entries=(), cursor=None)
+        lease_id = uuid.uuid4().hex
 
         def run(conn: sqlite3.Connection) -> OutboxBatch:
-            rows = conn.execute(take_sql(), (seq, max(limit, 0))).fetchall()
-            cursor = str(rows[-1][0]) if rows else after
-            return OutboxBatch(entries=tuple(_entry(r[1:]) for r in rows), cursor=cursor)
+            rows = conn.execute(take_sql(), (limit,)).fetchall()
+            if not rows:
+                return OutboxBatch(entries=(), cursor=None)
+            conn.executemany(lease_sql(), [(r[0], lease_id, lease_ms) for r in rows])
+            return OutboxBatch(entries=tuple(_entry(r) for r in rows), cursor=lease_id)
 
-        return await self._run("take", run)
+        return await self._run("take", self._db.transaction(run))
 
     async def ack(self, request_ids: Sequence[str]) -> int:
         ids = list(dict.fromkeys(request_ids))
@@ -204,6 +236,7 @@ class EmbeddedOutbox(SqliteStore):
             for i in range(0, len(ids), 500):
                 chunk = ids[i : i + 500]
                 removed += conn.execute(ack_sql(len(chunk)), chunk).rowcount
+                conn.execute(ack_lease_sql(len(chunk)), chunk)
             return removed
 
         if not ids:
@@ -212,7 +245,9 @@ class EmbeddedOutbox(SqliteStore):
 
     async def trim(self, before: int) -> int:
         def run(conn: sqlite3.Connection) -> int:
-            return int(conn.execute(trim_sql(), (before,)).rowcount)
+            removed = int(conn.execute(trim_sql(), (before,)).rowcount)
+            conn.execute(trim_lease_sql())
+            return removed
 
         return await self._run("trim", self._db.transaction(run))
 

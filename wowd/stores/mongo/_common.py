@@ -24,17 +24,20 @@ from typing import Any, TypeVar
 import bson
 import pymongo
 from bson.codec_options import CodecOptions
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, InsertOne, UpdateOne
+from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import (
     BulkWriteError,
     ConnectionFailure,
+    DuplicateKeyError,
     ExecutionTimeout,
     NotPrimaryError,
     OperationFailure,
     PyMongoError,
     WTimeoutError,
 )
+from pymongo.results import BulkWriteResult
 
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
@@ -71,6 +74,7 @@ __all__ = [
     "quarantine_collection",
     "split_to_fit",
     "translate_errors",
+    "write_one",
 ]
 
 # --------------------------------------------------------------------------- formats and names
@@ -221,6 +225,34 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, OperationFailure) and exc.code in TRANSIENT_CODES
 
 
+async def write_one(coll: AsyncCollection[Any], op: InsertOne[Any] | UpdateOne, operation: str) -> BulkWriteResult:
+    """One single-document write, sent as ``insert_one``/``update_one`` send it (one command, one
+    document) but read as a bulk: the server answers a duplicate key together with the write
+    concern error of the same write (it waits for the write concern also when the write failed,
+    so that the document the key met is as durable as asked), and PyMongo's single-document
+    helpers raise the write error alone, dropping the write concern error. Here a write concern
+    error, with or without a write error, raises :class:`StorageUnavailable` (the duplicate is
+    not known durable: the caller retries); a duplicate key alone raises ``DuplicateKeyError``
+    (its ``details`` the server's write error), as ``insert_one`` would; another write error
+    raises ``OperationFailure``."""
+    try:
+        return await coll.bulk_write([op], ordered=True)
+    except BulkWriteError as exc:
+        details = exc.details or {}
+        if details.get("writeConcernErrors"):
+            raise StorageUnavailable(
+                f"mongodb {operation}: write concern not satisfied ({details['writeConcernErrors'][0].get('errmsg')}); "
+                f"the write answered {[e.get('code') for e in details.get('writeErrors') or []]}: not known durable"
+            ) from exc
+        errors = details.get("writeErrors") or []
+        if not errors:
+            raise
+        error = errors[0]
+        if error.get("code") == DUPLICATE_KEY:
+            raise DuplicateKeyError(str(error.get("errmsg")), DUPLICATE_KEY, error) from exc
+        raise OperationFailure(str(error.get("errmsg")), error.get("code"), error) from exc
+
+
 @contextmanager
 def translate_errors(operation: str) -> Iterator[None]:
     """Turns PyMongo errors into wowd's; the message names the operation and the server's reason."""
@@ -266,6 +298,11 @@ class MongoStore:
         self.operation_timeout = operation_timeout
         self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
 
+    @property
+    def client(self) -> AsyncMongoClient[Any]:
+        """The client the store talks through (``wowd check`` asks it for the user's privileges)."""
+        return self._client
+
     @contextmanager
     def _call(self, operation: str, *, bounded: bool = True) -> Iterator[None]:
         """One store call: the operation timeout over it (``bounded=False``: none, for calls
@@ -284,6 +321,39 @@ class MongoStore:
     def _deadline(self) -> Any:
         """The operation timeout over one command or call (CSOT nests: an outer deadline caps it)."""
         return nullcontext() if self._timeout is None else pymongo.timeout(self._timeout)
+
+    async def _create_indexes(
+        self, name: str, indexes: Sequence[Mapping[str, Any]], logger: logging.Logger, *, why: str = ""
+    ) -> Mapping[str, Any]:
+        """``createIndexes`` of ``indexes`` on the collection ``name`` with no deadline at all
+        (``pymongo.timeout(0)``: no ``maxTimeMS`` is sent, the client's ``timeoutMS`` does not
+        apply): a build reads the whole collection, and the server aborts a build whose command
+        was interrupted, so under a deadline an index over a large collection would never be
+        built. Logs what it makes sure of before it (an index missing is built then), and what
+        the server built after it. Answers the server's reply. Call it inside ``_call(...,
+        bounded=False)``."""
+        names = ", ".join(str(ix["name"]) for ix in indexes)
+        logger.info(
+            "mongodb %s: making sure of the indexes %s of %s%s (a missing one is built now, over the whole "
+            "collection, with no deadline)",
+            self._label,
+            names,
+            name,
+            f" ({why})" if why else "",
+        )
+        started = time.monotonic()
+        with pymongo.timeout(0):
+            reply: Mapping[str, Any] = await self._db.command({"createIndexes": name, "indexes": list(indexes)})
+        before, after = reply.get("numIndexesBefore"), reply.get("numIndexesAfter")
+        if isinstance(before, int) and isinstance(after, int) and after > before:
+            logger.info(
+                "mongodb %s: built %d index(es) of %s in %.1f s",
+                self._label,
+                after - before,
+                name,
+                time.monotonic() - started,
+            )
+        return reply
 
     async def _shard_collection(
         self,

@@ -37,7 +37,7 @@ import anyio
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.datetime_ms import DatetimeMS
 from bson.int64 import Int64
-from pymongo import AsyncMongoClient, IndexModel, ReadPreference, ReturnDocument
+from pymongo import AsyncMongoClient, IndexModel, InsertOne, ReadPreference, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure
 from pymongo.write_concern import WriteConcern
@@ -53,6 +53,7 @@ from wowd.stores.mongo._common import (
     SLOT_COLLECTION,
     MongoStore,
     is_duplicate_key,
+    write_one,
 )
 
 __all__ = [
@@ -606,7 +607,8 @@ class MongoSlotLeaseStore(MongoStore):
         doc = await self._namespaces.find_one(namespace_filter(namespace))
         if doc is None:
             try:
-                await self._namespaces.insert_one(namespace_doc(namespace, limit, tolerance_ms, slot_offset))
+                doc = namespace_doc(namespace, limit, tolerance_ms, slot_offset)
+                await write_one(self._namespaces, InsertOne(doc), "leases.namespace")
                 return None
             except OperationFailure as exc:
                 if not is_duplicate_key(exc):

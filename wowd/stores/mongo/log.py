@@ -8,8 +8,11 @@ Collections (``<ctx>`` the context):
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
 - ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
-  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId made when it is
-  first quarantined, indexed) names an item: its hex is the item's id.
+  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, indexed) names
+  an item: its hex is the item's id. ``seq`` is drawn from the counter document of the collection
+  (``_id: "seq"``) in the transaction that inserts the item, so items become visible in ``seq``
+  order: a listing paged by ``seq`` never passes an item committed later (a client-made ObjectId
+  would: each writer's clock and counter order them, not their commits).
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
@@ -48,16 +51,25 @@ from typing import Any
 
 import anyio
 import pymongo
+from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient, UpdateOne
+from pymongo import AsyncMongoClient, InsertOne, ReturnDocument, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.read_concern import ReadConcern
 
-from wowd.errors import ConfigError, ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import (
+    ConfigError,
+    ConflictError,
+    FormatError,
+    InvalidInput,
+    LogBehindOplog,
+    StorageError,
+    StorageUnavailable,
+)
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -81,6 +93,7 @@ from wowd.stores.mongo._common import (
     checkpoint_collection,
     collection_name,
     quarantine_collection,
+    write_one,
 )
 
 __all__ = [
@@ -242,6 +255,23 @@ def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
     }
 
 
+SCAN_INDEX = "partition_order"
+"""The index a resumed scan is bounded on (``hint`` with ``min``/``max``)."""
+
+
+def scan_bounds(partition_: int, after: Mapping[str, Any]) -> tuple[Doc, Doc]:
+    """``(min, max)`` of a resumed scan on the ``partition_order`` index: from the scan key
+    ``{a, v, id}`` (inclusive: :func:`scan_filter` leaves the key's own document out) to the
+    next partition (exclusive). Index bounds are compared in the index's own order, BSON order
+    across types as the sort, so no malformed document sorted after the key is skipped, and
+    the scan starts at the key instead of the partition's first document (the ``$expr`` of
+    :func:`scan_filter` has no index bounds: without these each resume re-read the partition
+    from its start)."""
+    lower = {"partition": partition_, "aggregate_id": after.get("a"), "version": after.get("v"), "_id": after.get("id")}
+    upper = {"partition": partition_ + 1, "aggregate_id": MinKey(), "version": MinKey(), "_id": MinKey()}
+    return lower, upper
+
+
 def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
     """``(filter, sort)`` of the read of one aggregate's highest version: equality on the
     ``partition_order`` index's first two keys, sorted on its third."""
@@ -306,18 +336,29 @@ def quarantine_doc(
         "raw": dict(raw),
         "reason": reason,
         "quarantined_at": now,
-        "seq": ObjectId(),
     }
 
 
+QUARANTINE_SEQ_ID = "seq"
+"""The ``_id`` of the quarantine's counter document (``{_id: "seq", n}``), which has no ``seq``."""
+SEQ_PREFIX = b"\xff\xff\xff\xff"
+"""The first 4 bytes of a counted ``seq``: above every ObjectId's timestamp until 2106, so items
+counted sort after the items of earlier versions (client-made ObjectIds)."""
+NO_SEQ = ObjectId(b"\x00" * 12)
+
+
+def counted_seq(n: int) -> ObjectId:
+    """The ``seq`` of the ``n``-th quarantined item: :data:`SEQ_PREFIX` then ``n`` (8 bytes)."""
+    return ObjectId(SEQ_PREFIX + n.to_bytes(8, "big"))
+
+
 def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -> Doc:
-    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing)."""
-    seq: Doc = {}
-    if after is not None:
-        seq["$gt"] = after
+    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing);
+    every item at least (an ObjectId ``seq``: the counter document has none)."""
+    seq: Doc = {"$gt": after if after is not None else NO_SEQ} if ids is None or after is not None else {}
     if ids is not None:
         seq["$in"] = list(ids)
-    return {"seq": seq} if seq else {}
+    return {"seq": seq}
 
 
 def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -467,8 +508,8 @@ class MongoLog(MongoStore):
 
     async def _ensure(self, name: str) -> None:
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": name, "indexes": log_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(name, log_indexes(), logger)
         elif self._ddl is Ddl.VALIDATE:
             with self._call("prepare"):
                 info = await self._db[name].index_information()
@@ -495,8 +536,8 @@ class MongoLog(MongoStore):
         for name in await self._log_collections():
             await self._ensure(name)
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": self._quarantine.name, "indexes": quarantine_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(self._quarantine.name, quarantine_indexes(), logger)
 
     def nudge(self) -> None:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
@@ -513,12 +554,14 @@ class MongoLog(MongoStore):
 
     async def append(self, commit: Commit) -> AppendOutcome:
         """One insert. E11000 on the request-id index: ``duplicate``; on ``_id``: ``duplicate``
-        when the stored commit has this request id, else :class:`ConflictError`."""
+        when the stored commit has this request id, else :class:`ConflictError`. E11000 with a
+        write concern error: :class:`StorageUnavailable` (the stored commit is not known durable;
+        :func:`write_one`)."""
         doc = commit_to_doc(commit, self.partitions)
         coll = await self._collection(commit.ref.type)
         with self._call("append"):
             try:
-                await coll.insert_one(doc)
+                await write_one(coll, InsertOne(doc), "log.append")
                 return "appended"
             except DuplicateKeyError as exc:
                 outcome = (await self._duplicates(coll, [(doc, exc.details or {})]))[0]
@@ -602,7 +645,10 @@ class MongoLog(MongoStore):
         ``partition``, ``(aggregate_id, version)``), then one change stream on the database
         serves every partition from the oldest position. A lost resume point (code 286 or 280)
         re-reads the partitions at that oldest position and restarts the stream at the cluster
-        time taken before the re-read (or at the next oldest position, should that be older)."""
+        time taken before the re-read (or at the next oldest position, should that be older).
+        A stream that had answered and loses its history a second time in one read (the reader
+        is slower than the oplog window) raises :class:`~wowd.errors.LogBehindOplog` instead of
+        re-reading again."""
         for p in positions:
             if not 0 <= p < self.partitions:
                 raise ConfigError(f"partition {p} is outside [0, {self.partitions})")
@@ -616,6 +662,7 @@ class MongoLog(MongoStore):
                 await anyio.sleep_forever()  # nothing to tail, but a follower never ends by itself
             return
         parts = {p: _Part.from_position(pos) for p, pos in positions.items()}
+        lost_while_following = 0
         while True:
             try:
                 async with aclosing(self._scan(parts, batch_size)) as scanned:
@@ -640,8 +687,23 @@ class MongoLog(MongoStore):
                         f"it: {exc}); keep more oplog: raise the replica set's oplogMinRetentionHours "
                         "or oplog size (replSetResizeOplog)"
                     ) from exc
+                if exc.answered:
+                    lost_while_following += 1
+                if lost_while_following > 1:
+                    # the stream answered, then fell off the oplog; re-read, it did so again: the
+                    # reader is slower than the oplog window and re-reading would loop for ever
+                    raise LogBehindOplog(
+                        f"mongodb log {self.context}: the change stream of partitions {lost} fell behind "
+                        "the oplog window again after they were re-read (ChangeStreamHistoryLost while "
+                        f"following: {exc}); the feed reads slower than the oplog keeps history: keep more "
+                        "oplog (the replica set's oplogMinRetentionHours, or replSetResizeOplog) or give the "
+                        "feed more replicas",
+                        partitions=tuple(lost),
+                    ) from exc
                 logger.warning(
-                    "log %s: change stream history lost; re-reading partitions %s from the collections",
+                    "log %s: change stream history lost; re-reading partitions %s from the collections "
+                    "(once: should the stream fall behind the oplog window again, the read stops with "
+                    "LogBehindOplog)",
                     self.context,
                     lost,
                 )
@@ -702,7 +764,11 @@ class MongoLog(MongoStore):
             assert aggregate is not None
             key = after if after and name == after.get("c") else None
             coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session)
+            bounds: dict[str, Any] = {}
+            if key:
+                lower, upper = scan_bounds(p, key)
+                bounds = {"hint": SCAN_INDEX, "min": lower, "max": upper}
+            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session, **bounds)
             try:
                 while True:
                     with self._call("scan"):
@@ -899,13 +965,18 @@ class MongoLog(MongoStore):
         return True
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False."""
+        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False, but
+        E11000 with a write concern error :class:`StorageUnavailable` (:func:`write_one`)."""
         with self._call("save_checkpoint"):
             try:
-                await self._checkpoints.update_one(
-                    checkpoint_filter(consumer, partition, fence),
-                    checkpoint_update(_bson_position(position), fence),
-                    upsert=True,
+                await write_one(
+                    self._checkpoints,
+                    UpdateOne(
+                        checkpoint_filter(consumer, partition, fence),
+                        checkpoint_update(_bson_position(position), fence),
+                        upsert=True,
+                    ),
+                    "log.save_checkpoint",
                 )
             except DuplicateKeyError:
                 return False
@@ -914,11 +985,29 @@ class MongoLog(MongoStore):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
-        """One insert; E11000 on ``_id`` (quarantined before) sets the stored item's reason."""
+        """One transaction: the counter's next number (``findAndModify`` ``$inc`` of the counter
+        document, upserted) and the insert of the item with its ``seq`` (:func:`counted_seq`).
+        A concurrent quarantine holds the counter until it commits: this one meets a write
+        conflict (a transient transaction error), and the transaction is run again, so ``seq``
+        order is commit order. E11000 on ``_id`` (quarantined before): the stored item's reason
+        is set instead."""
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
+
+        async def insert(session: AsyncClientSession) -> None:
+            counter = await self._quarantine.find_one_and_update(
+                {"_id": QUARANTINE_SEQ_ID},
+                {"$inc": {"n": 1}},
+                upsert=True,
+                return_document=ReturnDocument.AFTER,
+                session=session,
+            )
+            assert counter is not None  # an upsert answers the document after it
+            await self._quarantine.insert_one({**doc, "seq": counted_seq(int(counter["n"]))}, session=session)
+
         with self._call("quarantine"):
             try:
-                await self._quarantine.insert_one(doc)
+                async with self._client.start_session() as session:
+                    await session.with_transaction(insert)
             except DuplicateKeyError:
                 await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
                 return

@@ -1,29 +1,54 @@
 """The outbox on MongoDB: where the ``outbox`` gateway delivers fired commands.
 
 Collection ``wow_outbox__<context>``, unique on ``request_id`` (a re-fire carries the same
-request id, so a second put is refused and answers False). Entries are kept in insertion order
-by their ``_id`` (an ObjectId); ``entries(limit, after)`` pages by offset in that order.
+request id, so a second put is refused and answers False). Entries are listed in ``_id`` order
+(an ObjectId: roughly insertion order); ``entries(limit, after)`` pages by offset in that order.
+
+``take`` pages by no cursor: an ``_id`` is made by each writer's client (one-second resolution,
+its own counter), so an entry committed after a consumer passed its ``_id`` would never be read
+after such a cursor. A take reads the oldest entries not acknowledged and not leased (``lease_until``,
+a date on the server's clock, absent or passed), leases them to itself (``lease_until`` =
+``$$NOW`` + the lease, ``lease`` = a random id, re-checked per document in the update so two
+takes never both win one) and reads back what its lease id holds.
 """
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from bson import ObjectId
-from pymongo import AsyncMongoClient
+from pymongo import AsyncMongoClient, InsertOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
-from wowd.stores.base import Ddl
-from wowd.stores.mongo._common import DEFAULT_OPERATION_TIMEOUT, DUPLICATE_KEY, MongoStore, outbox_collection
+from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
+from wowd.stores.mongo._common import (
+    DEFAULT_OPERATION_TIMEOUT,
+    DUPLICATE_KEY,
+    MongoStore,
+    outbox_collection,
+    write_one,
+)
 
-__all__ = ["MongoOutbox", "ack_filter", "outbox_doc", "outbox_entry", "outbox_indexes", "take_filter", "trim_filter"]
+__all__ = [
+    "FREE",
+    "MongoOutbox",
+    "ack_filter",
+    "lease_update",
+    "outbox_doc",
+    "outbox_entry",
+    "outbox_indexes",
+    "trim_filter",
+]
 
 Doc = dict[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 def outbox_indexes() -> list[Doc]:
@@ -33,13 +58,14 @@ def outbox_indexes() -> list[Doc]:
     ]
 
 
-def take_filter(after: str | None) -> Doc:
-    """Entries after the cursor (an ``_id``); a cursor that is no ObjectId is refused."""
-    if after is None:
-        return {}
-    if not ObjectId.is_valid(after):
-        raise InvalidInput(f"{after!r} is not a cursor of this outbox", field="cursor")
-    return {"_id": {"$gt": ObjectId(after)}}
+FREE: Doc = {"$expr": {"$lte": ["$lease_until", "$$NOW"]}}
+"""An entry no live take holds: ``lease_until`` absent (missing sorts below every date in the
+aggregation comparison) or passed on the server's clock."""
+
+
+def lease_update(lease_id: str, lease_ms: int) -> list[Doc]:
+    """The pipeline update that leases an entry to one take until the server's now + the lease."""
+    return [{"$set": {"lease_until": {"$add": ["$$NOW", lease_ms]}, "lease": lease_id}}]
 
 
 def ack_filter(request_ids: Sequence[str]) -> Doc:
@@ -104,8 +130,8 @@ class MongoOutbox(MongoStore):
     async def prepare(self) -> None:
         """Creates (AUTO) or checks (VALIDATE) the unique request-id index; idempotent."""
         if self._ddl is Ddl.AUTO:
-            with self._call("prepare"):
-                await self._db.command({"createIndexes": self._coll.name, "indexes": outbox_indexes()})
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(self._coll.name, outbox_indexes(), logger)
         elif self._ddl is Ddl.VALIDATE:
             with self._call("prepare"):
                 found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}
@@ -122,7 +148,7 @@ class MongoOutbox(MongoStore):
             await self.prepare()
         with self._call("put"):
             try:
-                await self._coll.insert_one(outbox_doc(entry))
+                await write_one(self._coll, InsertOne(outbox_doc(entry)), "outbox.put")
             except DuplicateKeyError:
                 return False
         return True
@@ -169,15 +195,26 @@ class MongoOutbox(MongoStore):
         with self._call("count"):
             return await self._coll.estimated_document_count()
 
-    async def take(self, after: str | None = None, limit: int = 100) -> OutboxBatch:
-        """One ``find`` after the cursor (an ``_id``) in ``_id`` order."""
-        query = take_filter(after)
+    async def take(self, limit: int = 100, *, lease: timedelta = OUTBOX_TAKE_LEASE) -> OutboxBatch:
+        """Three commands: a ``find`` of the ``_id`` of the oldest ``limit`` free entries
+        (:data:`FREE`), an ``update`` of those ids still free that leases them to this take
+        (:func:`lease_update`), a ``find`` of what the lease id holds, in ``_id`` order."""
+        lease_ms = int(lease.total_seconds() * 1000)
+        if lease_ms <= 0:
+            raise InvalidInput(f"the lease of a take must be at least 1 ms, got {lease}", field="lease")
         if limit <= 0:
-            return OutboxBatch(entries=(), cursor=after)
+            return OutboxBatch(entries=(), cursor=None)
+        lease_id = uuid.uuid4().hex
         with self._call("take"):
-            docs = await self._coll.find(query, sort=[("_id", 1)], limit=limit).to_list()
-        cursor = str(docs[-1]["_id"]) if docs else after
-        return OutboxBatch(entries=tuple(outbox_entry(d) for d in docs), cursor=cursor)
+            free = await self._coll.find(FREE, {"_id": 1}, sort=[("_id", 1)], limit=limit).to_list()
+            if not free:
+                return OutboxBatch(entries=(), cursor=None)
+            ids = [d["_id"] for d in free]
+            await self._coll.update_many({"_id": {"$in": ids}, **FREE}, lease_update(lease_id, lease_ms))
+            docs = await self._coll.find({"_id": {"$in": ids}, "lease": lease_id}, sort=[("_id", 1)]).to_list()
+        if not docs:
+            return OutboxBatch(entries=(), cursor=None)
+        return OutboxBatch(entries=tuple(outbox_entry(d) for d in docs), cursor=lease_id)
 
     async def ack(self, request_ids: Sequence[str]) -> int:
         """One ``deleteMany`` of the request ids."""

@@ -64,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     is_duplicate_key,
     split_to_fit,
+    write_one,
 )
 
 __all__ = [
@@ -522,7 +523,7 @@ class MongoSnapshotStore(MongoStore):
             if exc.code != NAMESPACE_EXISTS:
                 raise
         sharded = await self._is_sharded()
-        await self._db.command("createIndexes", name, indexes=index_specs(sharded=sharded))
+        await self._create_indexes(name, index_specs(sharded=sharded), log)
         if sharded:
             # the shard key's index exists first, so a collection that already holds snapshots
             # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0
@@ -600,7 +601,9 @@ class MongoSnapshotStore(MongoStore):
         coll = self._collection(snapshot.ref.aggregate)
         for _ in range(_MAX_RETRIES):
             try:
-                await coll.update_one(conditional_upsert_filter(snapshot), snapshot_pipeline(snapshot), upsert=True)
+                # E11000 with a write concern error: StorageUnavailable, never decided as refused
+                op = UpdateOne(conditional_upsert_filter(snapshot), snapshot_pipeline(snapshot), upsert=True)
+                await write_one(coll, op, "snapshots.save")
                 return True
             except OperationFailure as exc:
                 if not is_duplicate_key(exc):
@@ -796,7 +799,9 @@ class MongoSnapshotStore(MongoStore):
         await self._ensure(snapshot.ref.aggregate)
         with self._call("rewrite"):
             try:
-                await self._collection(snapshot.ref.aggregate).update_one(q, u, upsert=True)
+                await write_one(
+                    self._collection(snapshot.ref.aggregate), UpdateOne(q, u, upsert=True), "snapshots.rewrite"
+                )
             except OperationFailure as exc:
                 if is_duplicate_key(exc):
                     return False

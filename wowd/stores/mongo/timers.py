@@ -28,10 +28,12 @@ functions next to it (the black-pipe tests assert them on the wire).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+import pymongo
 from bson.min_key import MinKey
 from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
@@ -63,10 +65,14 @@ from wowd.stores.mongo._common import (
     MongoStore,
     collection_name,
     is_duplicate_key,
+    is_unauthorized,
     split_to_fit,
+    write_one,
 )
 
 __all__ = [
+    "MAX_UNIONS",
+    "PIPELINE_LENGTH_LIMIT",
     "REGISTRY",
     "MongoTimerStore",
     "cancel_all_filter",
@@ -76,6 +82,7 @@ __all__ = [
     "index_specs",
     "next_due_match",
     "next_due_pipeline",
+    "next_due_pipelines",
     "owner_filter",
     "parked_many_match",
     "put_filter",
@@ -93,6 +100,7 @@ __all__ = [
     "ttl_index_spec",
     "union_batch_size",
     "union_pipeline",
+    "union_pipelines",
     "write_operation",
     "write_update",
     "write_verdict",
@@ -113,6 +121,7 @@ SORT = {"due_at": 1, "timer_id": 1}
 UNIQUE_INDEX = "partition_owner_key"
 DUE_INDEX = "due"
 PARKED_INDEX = "parked_target"
+RECLAIM_INDEX = "reclaim"
 TTL_INDEX = "tombstones_ttl"
 
 _INDEX_CONFLICT_CODES = frozenset({85, 86})  # IndexOptionsConflict, IndexKeySpecsConflict
@@ -120,6 +129,21 @@ MAX_SCANS_TO_EXPLODE = 200
 """The server's ``internalQueryMaxScansToExplode``: above this many point intervals (partitions
 of one ``$in``) the planner stops merging one index scan per partition and sorts the whole
 match instead; the due reads split the partitions into groups of at most this many."""
+SPREAD_CHUNKS_PER_SHARD = 4
+"""How many chunks :meth:`MongoTimerStore.spread_chunks` gives each shard of a new collection:
+contiguous partition ranges, so the splits and moves are bounded by the shard count, never by
+the partition count."""
+SPREAD_BUDGET = timedelta(minutes=5)
+"""How long :meth:`MongoTimerStore.spread_chunks` may take by default, all collections together;
+what is left then is the balancer's."""
+PIPELINE_LENGTH_LIMIT = 1000
+"""The server's ``internalPipelineLengthLimit``: an aggregation pipeline of more stages is refused
+(``FailedToParse``, code 9, or 7749501 before parsing: src/mongo/db/pipeline/pipeline.cpp) and
+every due, claim and next-due read with it."""
+MAX_UNIONS = PIPELINE_LENGTH_LIMIT - 10
+"""The ``$unionWith`` stages of one union aggregation: the limit less the stages around them
+(``$match``, ``$count``, which the server parses into two, ``$sort``, ``$limit``) and a margin.
+More (collections x partition groups) are read in as many aggregations as needed."""
 _MAX_RELOADS = 3
 _WRITE_ATTEMPTS = 3
 """Upserts of one put or cancel whose E11000 met a key that moved (a racing insert, an expiry)."""
@@ -214,6 +238,9 @@ def index_specs() -> list[dict[str, Any]]:
       MongoDB 6.0+ for ``$in`` in a ``partialFilterExpression``);
     - partial ``(target.id, target.tenant_id, target.aggregate, target.context)`` over PARKED: the
       parked read, which runs whenever a target commits (a small index: parked timers are few);
+    - partial ``(partition, claim.fence)`` over FIRING: the takeover's reclaim (:func:`reclaim_filter`)
+      reads the FIRING timers of its partitions under an older fence, not every live timer (a
+      small index: a timer is FIRING only while it is delivered);
     - the tombstones' TTL index (:func:`ttl_index_spec`).
     """
     return [
@@ -231,6 +258,11 @@ def index_specs() -> list[dict[str, Any]]:
             "key": {"target.id": 1, "target.tenant_id": 1, "target.aggregate": 1, "target.context": 1},
             "name": PARKED_INDEX,
             "partialFilterExpression": {"status": TimerStatus.PARKED.value},
+        },
+        {
+            "key": {"partition": 1, "claim.fence": 1},
+            "name": RECLAIM_INDEX,
+            "partialFilterExpression": {"status": TimerStatus.FIRING.value},
         },
         ttl_index_spec(),
     ]
@@ -261,14 +293,23 @@ def registry_claim(context: str, aggregate: str, now_ms: int) -> dict[str, Any]:
     return {"$setOnInsert": {"context": context, "aggregate": aggregate, "format": TIMER_FORMAT, "created_at": now_ms}}
 
 
-def split_points(partitions: int) -> list[dict[str, Any]]:
-    """``split`` middles: one chunk per partition (``[MinKey, 1), [1, 2) ... [n-1, MaxKey)``)."""
-    return [{"partition": p} for p in range(1, partitions)]
+def spread_lowers(partitions: int, shards: int) -> list[int]:
+    """The lowest partition of each chunk :meth:`MongoTimerStore.spread_chunks` makes:
+    ``min(partitions, shards x SPREAD_CHUNKS_PER_SHARD)`` contiguous ranges of partitions, as even
+    as the division allows; the first starts at 0."""
+    ranges = max(1, min(partitions, shards * SPREAD_CHUNKS_PER_SHARD))
+    return [(i * partitions) // ranges for i in range(ranges)]
 
 
-def chunk_mins(partitions: int) -> list[dict[str, Any]]:
-    """The lower bound of each partition's chunk, for ``moveRange``'s ``min``."""
-    return [{"partition": MinKey() if p == 0 else p} for p in range(partitions)]
+def split_points(lowers: Sequence[int]) -> list[dict[str, Any]]:
+    """``split`` middles: each range's lower bound but the first's (``[MinKey, l1), [l1, l2) ...
+    [ln, MaxKey)``)."""
+    return [{"partition": p} for p in lowers[1:]]
+
+
+def chunk_mins(lowers: Sequence[int]) -> list[dict[str, Any]]:
+    """The lower bound of each range's chunk, for ``moveRange``'s ``min``."""
+    return [{"partition": MinKey() if i == 0 else p} for i, p in enumerate(lowers)]
 
 
 # --------------------------------------------------------------------------- query builders
@@ -433,12 +474,14 @@ def fail_operation(doc: Mapping[str, Any], reason: str) -> UpdateOne:
 
 
 def reclaim_filter(partitions: Iterable[int], fence: int) -> dict[str, Any]:
-    """The FIRING timers of ``partitions`` claimed under a fence below ``fence``: the partition
-    points (the shard key, so a sharded cluster asks only the partitions' shards) and the due
-    index's own partial filter with FIRING (the index serves it), then the fence."""
+    """The FIRING timers of ``partitions`` claimed under a fence below ``fence``, over the reclaim
+    index (manual, Partial Indexes: the predicate contains the index's filter ``status: FIRING``):
+    point intervals on ``partition`` (the shard key, so a sharded cluster asks only the
+    partitions' shards), a range ``[MinKey, fence)`` on ``claim.fence``. Only the keys of FIRING
+    timers claimed under an older fence are read, however many PENDING timers a slot holds."""
     return {
         "partition": {"$in": sorted(set(partitions))},
-        "status": {"$in": list(DUE_STATUSES), "$eq": TimerStatus.FIRING.value},
+        "status": TimerStatus.FIRING.value,
         "claim.fence": {"$lt": fence},
     }
 
@@ -566,10 +609,39 @@ def union_pipeline(
     numbers); the final ``$limit`` keeps it with ``limit`` timers after it. A list of matches (the
     groups of :func:`partition_groups`) gives one ``$unionWith`` per collection and match.
     ``keep_id``: each timer keeps its ``_id`` (a document that cannot be decoded is then written
-    back by it).
+    back by it). More unions than :data:`MAX_UNIONS`: see :func:`union_pipelines`.
     """
+    return _union_around(context, _unions(collections, match, limit, keep_id=keep_id), limit)
+
+
+def union_pipelines(
+    context: str,
+    collections: Mapping[str, str],
+    match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    limit: int | None,
+    *,
+    keep_id: bool = False,
+) -> list[list[dict[str, Any]]]:
+    """:func:`union_pipeline` in as many aggregations as keep each within the server's pipeline
+    length (:data:`MAX_UNIONS` unions each; one when they fit), each with the count and the final
+    sort and limit: the first ``limit`` timers of all are among the first ``limit`` of each."""
+    unions = _unions(collections, match, limit, keep_id=keep_id)
+    return [_union_around(context, part, limit) for part in _parts(unions)]
+
+
+def _parts(unions: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    return [unions[i : i + MAX_UNIONS] for i in range(0, len(unions), MAX_UNIONS)] or [[]]
+
+
+def _unions(
+    collections: Mapping[str, str],
+    match: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    limit: int | None,
+    *,
+    keep_id: bool,
+) -> list[dict[str, Any]]:
     matches = [match] if isinstance(match, Mapping) else list(match)
-    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    unions: list[dict[str, Any]] = []
     for name in sorted(collections):
         for m in matches:
             sub: list[dict[str, Any]] = [{"$match": dict(m)}, {"$sort": dict(SORT)}]
@@ -578,7 +650,12 @@ def union_pipeline(
             sub.append({"$set": {"owner.aggregate": {"$literal": collections[name]}}})
             if not keep_id:
                 sub.append({"$unset": "_id"})
-            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
+            unions.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    return unions
+
+
+def _union_around(context: str, unions: list[dict[str, Any]], limit: int | None) -> list[dict[str, Any]]:
+    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}, *unions]
     pipeline.append({"$sort": dict(SORT)})
     if limit is not None:
         pipeline.append({"$limit": limit + 1})
@@ -608,9 +685,23 @@ def next_due_pipeline(
     due times (``$min`` ignores the count document, which has no ``due_at``; ``null`` when no
     timer matched). No input at all (no collection registered, none known) answers no document.
     More partitions than :data:`MAX_SCANS_TO_EXPLODE`: one ``$unionWith`` per collection and group.
+    More unions than :data:`MAX_UNIONS`: see :func:`next_due_pipelines`.
     """
+    return _next_due_around(context, _next_due_unions(collections, partitions, after))
+
+
+def next_due_pipelines(
+    context: str, collections: Iterable[str], partitions: Iterable[int], after: int
+) -> list[list[dict[str, Any]]]:
+    """:func:`next_due_pipeline` in as many aggregations as keep each within the server's
+    pipeline length (:data:`MAX_UNIONS` unions each; one when they fit): the next due time is the
+    least of their answers."""
+    return [_next_due_around(context, part) for part in _parts(_next_due_unions(collections, partitions, after))]
+
+
+def _next_due_unions(collections: Iterable[str], partitions: Iterable[int], after: int) -> list[dict[str, Any]]:
     matches = [next_due_match(group, after) for group in partition_groups(partitions)]
-    pipeline: list[dict[str, Any]] = [{"$match": {"context": context}}, {"$count": "registered"}]
+    unions: list[dict[str, Any]] = []
     for name in sorted(collections):
         for match in matches:
             sub: list[dict[str, Any]] = [
@@ -619,9 +710,17 @@ def next_due_pipeline(
                 {"$limit": 1},
                 {"$project": {"_id": 0, "due_at": 1}},
             ]
-            pipeline.append({"$unionWith": {"coll": name, "pipeline": sub}})
-    pipeline.append({"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}})
-    return pipeline
+            unions.append({"$unionWith": {"coll": name, "pipeline": sub}})
+    return unions
+
+
+def _next_due_around(context: str, unions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"$match": {"context": context}},
+        {"$count": "registered"},
+        *unions,
+        {"$group": {"_id": None, "registered": {"$sum": "$registered"}, "next_due": {"$min": "$due_at"}}},
+    ]
 
 
 # --------------------------------------------------------------------------- the store
@@ -670,6 +769,8 @@ class MongoTimerStore(MongoStore):
         self._ready: set[str] = set()
         """Collections whose DDL this store made sure of (first put of the type)."""
         self._sharded: bool | None = None
+        self._ttl_checked: set[str] = set()
+        """Collections whose TTL index ``ddl=none`` looked for (once each)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -711,12 +812,24 @@ class MongoTimerStore(MongoStore):
             # registered in format 6 and assumed to exist: a put goes straight to its upsert. (AUTO
             # still makes sure of the indexes once: a replica may have registered the type and died
             # before creating them; VALIDATE checks them.)
+            for name in sorted(set(known) - self._ready - self._ttl_checked):
+                self._ttl_checked.add(name)
+                if not await self._ttl_present(name):
+                    log.warning(
+                        "timer collection %s has no TTL index %s: its tombstones never expire (ddl=none "
+                        "creates nothing and sweep is the TTL index's on MongoDB); create %s on it, or "
+                        "start once with WOWD_MONGODB__DDL=auto",
+                        name,
+                        TTL_INDEX,
+                        ttl_index_spec(),
+                    )
             self._ready.update(known)
 
     async def _upgrade(self, name: str) -> None:
         """Format 5 -> 6 in place (the layout without tombstones): with ``ddl=auto`` creates the
-        TTL index (no operation timeout: the build reads the whole collection), then records 6
-        with a guarded update (``ddl=none``: the index is assumed, the record is still made).
+        TTL index (no deadline at all: the build reads the whole collection), then records 6
+        with a guarded update (``ddl=none``: the index must be there already, else
+        :class:`FormatError` naming it: the record is not made without it).
         ``ddl=validate`` changes nothing and refuses. A record that moved meanwhile (another
         replica upgraded, dropped or re-registered it) is read again and checked."""
         if self.ddl is Ddl.VALIDATE:
@@ -724,9 +837,18 @@ class MongoTimerStore(MongoStore):
                 f"mongodb timers: {name} is recorded in format {TIMER_UPGRADES_FROM}, this wowd needs {TIMER_FORMAT}"
                 " (start once with ddl=auto to upgrade it in place)"
             )
+        if self.ddl is Ddl.NONE:
+            if not await self._ttl_present(name):
+                raise FormatError(
+                    f"mongodb timers: {name} is recorded in format {TIMER_UPGRADES_FROM}; its upgrade to "
+                    f"{TIMER_FORMAT} needs the TTL index {ttl_index_spec()} (tombstones would never expire "
+                    "without it), and ddl=none creates nothing: create it, or start once with "
+                    "WOWD_MONGODB__DDL=auto"
+                )
+            self._ttl_checked.add(name)
         if self.ddl is Ddl.AUTO:
             try:
-                await self._db.command("createIndexes", name, indexes=[ttl_index_spec()])
+                await self._create_indexes(name, [ttl_index_spec()], log, why=f"upgrade to format {TIMER_FORMAT}")
             except OperationFailure as exc:
                 if exc.code in _INDEX_CONFLICT_CODES:
                     raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
@@ -744,6 +866,32 @@ class MongoTimerStore(MongoStore):
             raise FormatError(
                 f"mongodb timers: {name} moved to format {found!r} while being upgraded to {TIMER_FORMAT}"
             )
+
+    async def _ttl_present(self, name: str) -> bool:
+        """Whether the collection ``name`` has the tombstones' TTL index (:func:`ttl_index_spec`:
+        its name, key and ``expireAfterSeconds``); a missing collection has none."""
+        try:
+            with self._deadline():
+                indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
+        except OperationFailure as exc:
+            if exc.code == 26:  # NamespaceNotFound
+                return False
+            raise
+        spec, found = ttl_index_spec(), indexes.get(TTL_INDEX)
+        return (
+            found is not None
+            and list(found["key"].items()) == list(spec["key"].items())
+            and found.get("expireAfterSeconds") == spec["expireAfterSeconds"]
+        )
+
+    async def missing_ttl(self) -> list[str]:
+        """The registered timer collections of the context that lack the tombstones' TTL index
+        (their tombstones never expire: ``sweep`` is the index's on MongoDB). ``wowd check``
+        names them. Read-only."""
+        with self._call("missing_ttl", bounded=False):
+            with self._deadline():
+                docs = await self._registry.find({"context": self.context, "format": TIMER_FORMAT}).to_list(None)
+            return [str(d["_id"]) for d in docs if not await self._ttl_present(str(d["_id"]))]
 
     async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
         if not self.drop_other_format:
@@ -778,14 +926,14 @@ class MongoTimerStore(MongoStore):
                 )
             await self._validate_indexes(name)
         else:
-            doc, inserted = await self._register(name, aggregate)
+            doc, _ = await self._register(name, aggregate)
             if doc.get("format") == TIMER_UPGRADES_FROM:
                 await self._upgrade(name)
             elif doc.get("format") != TIMER_FORMAT:
                 await self._other_format(name, aggregate, doc.get("format"))
-                doc, inserted = await self._register(name, aggregate)
+                doc, _ = await self._register(name, aggregate)
             if self.ddl is Ddl.AUTO:
-                await self._create(name, registered=inserted)
+                await self._create(name)
         self._known[name] = aggregate
         self._ready.add(name)
 
@@ -810,11 +958,10 @@ class MongoTimerStore(MongoStore):
         inserted = "upserted" in (reply.get("lastErrorObject") or {})
         return dict(doc), inserted
 
-    async def _create(self, name: str, *, registered: bool) -> None:
+    async def _create(self, name: str) -> None:
         """``create`` (7.0+ answers ok on an existing collection of the same options, so its answer
-        cannot tell a new collection) and ``createIndexes``; on a sharded cluster, the chunks are
-        spread only on the type's first registration (``registered``) or while the collection
-        still has one chunk: never again over populated chunks the balancer has moved since."""
+        cannot tell a new collection) and ``createIndexes``; on a sharded cluster
+        ``shardCollection`` (its chunks are spread off the write path: :meth:`spread_chunks`)."""
         try:
             with self._deadline():
                 await self._db.command("create", name)
@@ -822,14 +969,13 @@ class MongoTimerStore(MongoStore):
             if exc.code != NAMESPACE_EXISTS:  # another layout (options) than a plain collection
                 raise
         try:
-            with self._deadline():
-                await self._db.command("createIndexes", name, indexes=index_specs())
+            await self._create_indexes(name, index_specs(), log)
         except OperationFailure as exc:
             if exc.code in _INDEX_CONFLICT_CODES:
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
             raise
         if await self._is_sharded():
-            await self._shard(name, registered=registered)
+            await self._shard(name)
 
     async def _validate_indexes(self, name: str) -> None:
         """Each index of :func:`index_specs` by name, with its keys *in order* (a compound index
@@ -858,37 +1004,79 @@ class MongoTimerStore(MongoStore):
             self._sharded = hello.get("msg") == "isdbgrid"
         return self._sharded
 
-    async def _shard(self, name: str, *, registered: bool) -> None:
-        """Shards by ``{partition: 1}`` (idempotent); a new collection gets one chunk per
-        partition spread over the shards (``split`` at each partition, ``moveRange`` round robin:
-        MongoDB 6.0+; no ``enableSharding`` needed since 6.0). ``moveRange`` with ``min`` alone
-        moves the whole chunk starting there when it holds less than the chunk size (a new
-        collection's are empty). Each command has its own operation timeout (moves take a while
-        each). The spread is best effort: a refused split or move is logged, the collection stays
-        usable. With ``sharding=auto`` a user who may not shard (Unauthorized) leaves the
-        collection unsharded, logged; with ``sharding=on`` that is a :class:`ConfigError`."""
-        ns = f"{self._db.name}.{name}"
-        admin = self._client.admin
-        if not await self._shard_collection(name, {"partition": 1}, self.sharding, log, what="timer", bounded=True):
-            return
-        if self.partitions < 2 or not (registered or await self._one_chunk(ns)):
-            return
-        with self._deadline():
-            shards = [str(s["_id"]) for s in (await admin.command("listShards")).get("shards", [])]
-        for middle in split_points(self.partitions):
+    async def _shard(self, name: str) -> None:
+        """Shards by ``{partition: 1}`` (idempotent; no ``enableSharding`` needed since 6.0). The
+        collection starts as one chunk: its spread over the shards is :meth:`spread_chunks`'s,
+        never on a feed batch's path. With ``sharding=auto`` a user who may not shard
+        (Unauthorized) leaves the collection unsharded, logged; with ``sharding=on`` that is a
+        :class:`ConfigError`."""
+        await self._shard_collection(name, {"partition": 1}, self.sharding, log, what="timer", bounded=True)
+
+    async def spread_chunks(self, *, budget: timedelta = SPREAD_BUDGET) -> dict[str, str]:
+        """Spreads the chunks of each registered timer collection that still has a single chunk
+        over the shards of a sharded cluster of two shards or more: ``split`` into
+        :func:`spread_lowers` ranges (at most :data:`SPREAD_CHUNKS_PER_SHARD` per shard) and
+        ``moveRange`` of each, round robin (MongoDB 6.0+; ``moveRange`` with ``min`` alone moves
+        the whole chunk starting there while it holds less than the chunk size). A collection
+        with more than one chunk is left to the balancer. All of it within ``budget`` (each
+        command also within the operation timeout); what is left then is logged and left to the
+        balancer. Best effort: a refused command is logged. Answers, per collection, what was
+        done. Run off the feed's path (``wowd check --prepare``, a background task)."""
+        done: dict[str, str] = {}
+        deadline = time.monotonic() + budget.total_seconds()
+        with self._call("spread_chunks", bounded=False):
+            await self._load_registry()
+            if self.partitions < 2 or not self._known or not await self._is_sharded():
+                return done
             try:
                 with self._deadline():
-                    await admin.command("split", ns, middle=middle)
-            except PyMongoError as exc:  # best effort, a client-side timeout included
-                log.warning("split of %s at %s refused: %s", ns, middle, exc)
-        if len(shards) < 2:
-            return
-        for p, lower in enumerate(chunk_mins(self.partitions)):
+                    listed = await self._client.admin.command("listShards")
+            except OperationFailure as exc:
+                if not is_unauthorized(exc):
+                    raise
+                log.warning(
+                    "timer chunks not spread: the user may not list the shards (%s); grant the listShards "
+                    "action on the cluster resource (the clusterMonitor role has it)",
+                    exc,
+                )
+                return {name: "not spread: listShards not allowed" for name in sorted(self._known)}
+            shards = [str(s["_id"]) for s in listed.get("shards", [])]
+            if len(shards) < 2:
+                return {name: "one shard: nothing to spread" for name in sorted(self._known)}
+            for name in sorted(self._known):
+                ns = f"{self._db.name}.{name}"
+                if not await self._one_chunk(ns):
+                    done[name] = "left to the balancer (not a single chunk, or not sharded)"
+                    continue
+                done[name] = await self._spread(ns, shards, deadline)
+        return done
+
+    async def _spread(self, ns: str, shards: list[str], deadline: float) -> str:
+        lowers = spread_lowers(self.partitions, len(shards))
+        commands: list[tuple[str, dict[str, Any]]] = [("split", {"middle": m}) for m in split_points(lowers)]
+        commands += [
+            ("moveRange", {"min": lower, "toShard": shards[i % len(shards)]})
+            for i, lower in enumerate(chunk_mins(lowers))
+        ]
+        for n, (command, options) in enumerate(commands):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "timer chunks of %s: the spread's budget is spent with %d of %d commands left (the "
+                    "balancer moves chunks on its own)",
+                    ns,
+                    len(commands) - n,
+                    len(commands),
+                )
+                return f"partly spread: {len(commands) - n} of {len(commands)} commands left"
+            timeout = left if self._timeout is None else min(left, self._timeout)
             try:
-                with self._deadline():
-                    await admin.command("moveRange", ns, min=lower, toShard=shards[p % len(shards)])
+                with pymongo.timeout(timeout):
+                    await self._client.admin.command(command, ns, **options)
             except PyMongoError as exc:  # best effort: the server may still complete a timed-out move
-                log.warning("moveRange of %s partition %d refused: %s", ns, p, exc)
+                log.warning("%s of %s %s refused: %s", command, ns, options, exc)
+        log.info("timer chunks of %s spread: %d chunks over %d shards", ns, len(lowers), len(shards))
+        return f"spread: {len(lowers)} chunks over {len(shards)} shards"
 
     async def _one_chunk(self, ns: str) -> bool:
         """Whether the sharded collection ``ns`` still has a single chunk (``config.chunks`` by
@@ -1027,12 +1215,13 @@ class MongoTimerStore(MongoStore):
             else:
                 flt, upsert = write_update(w, part, self._retention_ms)
                 try:
-                    res = await coll.update_one(flt, upsert, upsert=True)
+                    # E11000 with a write concern error: StorageUnavailable, never decided as refused
+                    written = await write_one(coll, UpdateOne(flt, upsert, upsert=True), "timers.write")
                 except PyMongoError as exc:
                     if not is_duplicate_key(exc):
                         raise
                 else:
-                    return 1 if w.kind == "put" or res.upserted_id is None else 0
+                    return 1 if w.kind == "put" or not written.upserted_ids else 0
             doc = await coll.find_one(key_filter(w.owner, part, w.key), _KEY_FIELDS)
             decided = write_verdict(w, doc)
             if isinstance(decided, int):
@@ -1169,18 +1358,22 @@ class MongoTimerStore(MongoStore):
             return await self._union("due", matches, limit)
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
-        """One :func:`next_due_pipeline` aggregation; when the registry counts another number of
-        the context's collections than the known ones, reloads the registry and reads again."""
+        """One :func:`next_due_pipeline` aggregation (or as many as :func:`next_due_pipelines`
+        needs); when the registry counts another number of the context's collections than the
+        known ones, reloads the registry and reads again."""
         if not partitions:
             return None
         with self._call("next_due"):
             for attempt in range(_MAX_RELOADS + 1):
                 known = dict(self._known)
-                pipeline = next_due_pipeline(self.context, known, partitions, after)
-                cursor = await self._registry.aggregate(pipeline)
-                docs = await cursor.to_list(None)
-                registered = int(docs[0].get("registered") or 0) if docs else 0
-                found = docs[0].get("next_due") if docs else None
+                registered, found = 0, None
+                for pipeline in next_due_pipelines(self.context, known, partitions, after):
+                    cursor = await self._registry.aggregate(pipeline)
+                    docs = await cursor.to_list(None)
+                    registered = max(registered, int(docs[0].get("registered") or 0) if docs else 0)
+                    due = docs[0].get("next_due") if docs else None
+                    if due is not None and (found is None or due < found):
+                        found = due
                 if registered == len(known) or attempt == _MAX_RELOADS:
                     if registered != len(known):
                         log.warning(
@@ -1238,23 +1431,24 @@ class MongoTimerStore(MongoStore):
         keep_id: bool = False,
         undecodable: Callable[[dict[str, Any], Exception], None] | None = None,
     ) -> list[Timer]:
-        """Runs :func:`union_pipeline` over the known collections; when the registry counts
+        """Runs :func:`union_pipelines` over the known collections; when the registry counts
         another number of the context's collections, reloads the registry and reads again.
         ``undecodable``: a document that cannot be decoded is given to it and skipped (else the
         read raises)."""
         for attempt in range(_MAX_RELOADS + 1):
             known = dict(self._known)
             bad: list[tuple[dict[str, Any], Exception]] = []
-            pipeline = union_pipeline(self.context, known, match, limit, keep_id=keep_id)
             batch = union_batch_size(limit)
             kwargs: dict[str, Any] = {} if batch is None else {"batchSize": batch}
-            cursor = await self._registry.aggregate(pipeline, **kwargs)
-            docs = await cursor.to_list(None)
+            docs: list[dict[str, Any]] = []
+            for pipeline in union_pipelines(self.context, known, match, limit, keep_id=keep_id):
+                cursor = await self._registry.aggregate(pipeline, **kwargs)
+                docs.extend(await cursor.to_list(None))
             registered = 0
             timers: list[Timer] = []
             for doc in docs:
                 if "registered" in doc and "timer_id" not in doc:
-                    registered = int(doc["registered"])
+                    registered = max(registered, int(doc["registered"]))
                     continue
                 if undecodable is None:
                     aggregate = str(doc.get("owner", {}).get("aggregate", ""))
