@@ -37,7 +37,7 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, embedded_settings, timer_commit
+from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -328,3 +328,41 @@ async def eventually_sent(gw: ScriptedGateway) -> None:
             return
         await anyio.sleep(0.01)
     raise AssertionError("nothing delivered")
+
+
+async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_read_in_a_loop(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log whose history was lost twice in one read (the feed slower than the oplog window)
+    stalls the slot at once, naming it, and is not read again on the short retry backoff."""
+    from wowd.errors import LogBehindOplog
+
+    reads = 0
+
+    def read(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async def lost() -> AsyncIterator[Any]:
+            nonlocal reads
+            reads += 1
+            raise LogBehindOplog("history lost twice: keep more oplog (oplogMinRetentionHours)", partitions=(0,))
+            yield  # an async generator
+
+        return lost()
+
+    monkeypatch.setattr(backend.log, "read", read)
+    held = await hold(backend)
+    feeder = Feeder(settings(tmp_path), backend)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            await tg.start(feeder.run, held, Waker())
+
+            async def stalled() -> bool:
+                return feeder.stalled is not None
+
+            await eventually(stalled, 5, "the feed stalled")
+            assert feeder.stalled is not None and "oplog" in feeder.stalled
+            assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 1
+            first = reads
+            with anyio.move_on_after(0.3):
+                await held.stop_event.wait()  # the stall's backoff, not a hot loop of re-reads
+            assert reads - first <= 2
+            held.request_stop()

@@ -32,6 +32,7 @@ from wowd.delivery import FusedFiring
 from wowd.errors import (
     InvalidInput,
     LeaseLost,
+    LogBehindOplog,
     SinkWriteError,
     SlotStalled,
     StorageError,
@@ -253,6 +254,14 @@ class Feeder:
                     if failed is not None:
                         raise failed
                 self._read_scope = None
+            except LogBehindOplog as exc:
+                # the log's history was lost again after a re-read: re-reading at once would only
+                # lose it again; stalled (not ready, an ERROR a minute) until the oplog keeps more
+                self._processing = False
+                self._read_scope = None
+                metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                self._stall(held, f"log read: {exc}", logx)
+                await pauses.pause(STALL_BACKOFF)
             except StorageUnavailable as exc:
                 self._processing = False
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
