@@ -130,7 +130,8 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
 
     from wowd.model import AggregateRef, Timer, TimerChange, deterministic_timer_id, partition
     from wowd.stores.mongo._common import TIMER_FORMAT
-    from wowd.stores.mongo.timers import MongoTimerStore, timer_to_doc
+    from wowd.stores.mongo.timer_queries import timer_to_doc
+    from wowd.stores.mongo.timers import MongoTimerStore
 
     wire = _Wire()
     server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)

@@ -52,7 +52,7 @@ from wowd.model import (
 )
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timers import timer_to_doc
+from wowd.stores.mongo.timer_queries import timer_to_doc
 
 pytestmark = pytest.mark.anyio
 
@@ -212,7 +212,8 @@ def claimed_timer(id: str, revision: int = 1) -> Timer:
 
 async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_timeout: timedelta) -> Any:
     """A MongoTimerStore whose registry records the ``order`` collection (read by ``prepare``)."""
-    from wowd.stores.mongo.timers import MongoTimerStore, ttl_index_spec
+    from wowd.stores.mongo.timer_queries import ttl_index_spec
+    from wowd.stores.mongo.timers import MongoTimerStore
 
     store = MongoTimerStore(
         client,

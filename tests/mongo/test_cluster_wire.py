@@ -47,15 +47,15 @@ from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
 from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timers import (
+from wowd.stores.mongo.timer_queries import (
     MAX_SCANS_TO_EXPLODE,
     PIPELINE_LENGTH_LIMIT,
-    MongoTimerStore,
     due_match,
     next_due_pipeline,
     settle_filter,
     timer_to_doc,
 )
+from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 

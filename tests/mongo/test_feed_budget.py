@@ -57,7 +57,8 @@ from wowd.stores.mongo import MongoLog, MongoOutbox
 from wowd.stores.mongo._common import MongoSharding
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timers import MongoTimerStore, timer_to_doc, ttl_index_spec
+from wowd.stores.mongo.timer_queries import timer_to_doc, ttl_index_spec
+from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 

@@ -33,8 +33,7 @@ from wowd.errors import FormatError
 from wowd.model import Claim, TimerChange, TimerStatus, TimerWrite
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timers import (
-    MongoTimerStore,
+from wowd.stores.mongo.timer_queries import (
     cancel_all_filter,
     cancel_filter,
     index_specs,
@@ -46,6 +45,7 @@ from wowd.stores.mongo.timers import (
     tombstone_update,
     ttl_index_spec,
 )
+from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 

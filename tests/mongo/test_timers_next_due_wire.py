@@ -12,7 +12,8 @@ from tests.mongo.conftest import Wire, server_error
 from tests.mongo.timers_support import CONTEXT, PARTITIONS, REGISTRY, calling, cursor, registry_doc
 from wowd.errors import StorageUnavailable
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timers import MongoTimerStore, index_specs, next_due_match, next_due_pipeline
+from wowd.stores.mongo.timer_queries import index_specs, next_due_match, next_due_pipeline
+from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 

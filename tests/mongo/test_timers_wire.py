@@ -35,8 +35,7 @@ from wowd.errors import FormatError, InvalidInput, StorageUnavailable
 from wowd.model import CronRule, Timer, TimerChange, TimerStatus
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding, split_to_fit
-from wowd.stores.mongo.timers import (
-    MongoTimerStore,
+from wowd.stores.mongo.timer_queries import (
     due_match,
     index_specs,
     parked_many_match,
@@ -48,6 +47,7 @@ from wowd.stores.mongo.timers import (
     union_batch_size,
     union_pipeline,
 )
+from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 

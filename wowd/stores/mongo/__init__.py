@@ -1,5 +1,5 @@
 """The MongoDB backend: log, leases, timers, snapshots and outbox on MongoDB, the event sink on
-Elasticsearch (DESIGN.md sections 3-7).
+Elasticsearch (docs/stores.md).
 
 MongoDB must be a replica set or a sharded cluster: the log is tailed with change streams.
 :func:`open_mongo` checks that first and refuses a standalone server with a clear

@@ -1,4 +1,4 @@
-"""CosId-style slot leases on MongoDB (DESIGN.md section 4), decided on the store clock.
+"""CosId-style slot leases on MongoDB (docs/concepts.md), decided on the store clock.
 
 Collections:
 

@@ -1,4 +1,4 @@
-"""The log on MongoDB (DESIGN.md section 3): commit collections, change-stream tailing,
+"""The log on MongoDB (docs/schema.md): commit collections, change-stream tailing,
 fenced checkpoints and the quarantine.
 
 Collections (``<ctx>`` the context):
@@ -38,20 +38,16 @@ bounds each empty ``getMore`` by ``maxAwaitTimeMS``. Events over 16 MiB come spl
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager, suppress
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 import pymongo
-from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient, InsertOne, ReturnDocument, UpdateOne
@@ -88,359 +84,47 @@ from wowd.stores.mongo._common import (
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
     DUPLICATE_KEY,
-    HISTORY_LOST_CODES,
     MongoStore,
     checkpoint_collection,
     collection_name,
     quarantine_collection,
     write_one,
 )
-
-__all__ = [
-    "CHANGE_STREAM_UNSUPPORTED",
-    "HISTORY_LOST",
-    "RESUME_POINT_GONE",
-    "RESUME_TOKEN_NOT_FOUND",
-    "MongoLog",
-    "change_stream_match",
-    "change_stream_pipeline",
-    "checkpoint_filter",
-    "checkpoint_ids_filter",
-    "checkpoint_update",
-    "cluster_time_command",
-    "cluster_time_of",
-    "last_version_query",
-    "log_collection_prefix",
-    "log_indexes",
-    "quarantine_doc",
-    "quarantine_item",
-    "quarantined_filter",
-    "scan_filter",
-    "SCAN_SORT",
-    "token_cluster_time",
-]
-
-logger = logging.getLogger(__name__)
-
-Doc = dict[str, Any]
-ClusterTime = tuple[int, int]
-
-HISTORY_LOST = 286
-"""ChangeStreamHistoryLost: the resume point is no longer in the oplog."""
-RESUME_TOKEN_NOT_FOUND = 280
-"""ChangeStreamFatalError: the oplog covers the token's time but not its event (a token of a
-rolled-back write or of another deployment); the stream cannot resume there either."""
-RESUME_POINT_GONE = HISTORY_LOST_CODES
-"""The answers that make the log re-read the partitions from the collections (286, 280 and 136
-CappedPositionLost: the oplog was truncated under the stream's position)."""
-
-# --------------------------------------------------------------------------- names and indexes
-
-
-def log_collection_prefix(context: str) -> str:
-    """``wow_log__<context>__``: every log collection of the context starts so."""
-    validate_name(context, field="context")
-    return f"wow_log__{context}__"
-
-
-def log_indexes() -> list[Doc]:
-    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``."""
-    return [
-        {"key": {"aggregate_id": 1, "request_id": 1}, "name": "aggregate_request", "unique": True},
-        {"key": {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}, "name": "partition_order"},
-    ]
-
-
-def quarantine_indexes() -> list[Doc]:
-    return [
-        {"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"},
-        {"key": {"seq": 1}, "name": "seq"},
-    ]
-
-
-# --------------------------------------------------------------------------- cluster times
-
-
-def cluster_time_of(value: Any) -> ClusterTime | None:
-    """A cluster time from a BSON ``Timestamp``, ``[time, inc]`` or ``{"t", "i"}``; else None."""
-    if isinstance(value, Timestamp):
-        return (value.time, value.inc)
-    if isinstance(value, list | tuple) and len(value) == 2 and all(_is_int(v) for v in value):
-        return (int(value[0]), int(value[1]))
-    if isinstance(value, Mapping) and _is_int(value.get("t")) and _is_int(value.get("i")):
-        return (int(value["t"]), int(value["i"]))
-    return None
-
-
-def token_cluster_time(token: Any) -> ClusterTime | None:
-    """The cluster time a resume token starts with (its ``_data`` is KeyString hex whose first
-    value is the event's cluster time: type byte ``82`` then 4 bytes time, 4 bytes increment)."""
-    data = token.get("_data") if isinstance(token, Mapping) else None
-    if not isinstance(data, str) or len(data) < 18 or not data[:2].lower() == "82":
-        return None
-    try:
-        return (int(data[2:10], 16), int(data[10:18], 16))
-    except ValueError:
-        return None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _token_data(token: Any) -> str | None:
-    data = token.get("_data") if isinstance(token, Mapping) else None
-    return data if isinstance(data, str) else None
-
-
-# --------------------------------------------------------------------------- query builders
-
-
-def change_stream_match(context: str, partitions: Sequence[int]) -> Doc:
-    """The server-side filter: the context's log collections, inserts, the given partitions."""
-    return {
-        "ns.coll": {"$regex": "^" + re.escape(log_collection_prefix(context))},
-        "operationType": "insert",
-        "fullDocument.partition": {"$in": sorted(partitions)},
-    }
-
-
-def change_stream_pipeline(context: str, partitions: Sequence[int]) -> list[Doc]:
-    """The pipeline after ``$changeStream`` (the driver adds that stage with the start point):
-    the filter, then ``$changeStreamSplitLargeEvent`` (last, as it must be), which splits an
-    event over 16 MiB (a commit near the document limit plus the event's own fields) into
-    fragments instead of failing every ``getMore`` with BSONObjectTooLarge (10334)."""
-    return [{"$match": change_stream_match(context, partitions)}, {"$changeStreamSplitLargeEvent": {}}]
-
-
-def join_fragments(fragments: Sequence[Mapping[str, Any]]) -> Doc:
-    """One change event from its ``splitEvent`` fragments (each holds some of the event's
-    top-level fields); its resume token is the last fragment's."""
-    event: Doc = {}
-    for fragment in fragments:
-        event.update((k, v) for k, v in fragment.items() if k not in ("_id", "splitEvent"))
-    event["_id"] = fragments[-1]["_id"]
-    return event
-
-
-SCAN_SORT: list[tuple[str, int]] = [("aggregate_id", 1), ("version", 1), ("_id", 1)]
-"""The order of a partition re-read: per aggregate by version (the ``partition_order`` index)."""
-
-
-def _sort_key(field: str) -> Doc:
-    """A field as the index orders it: missing reads as null."""
-    return {"$ifNull": [f"${field}", None]}
-
-
-def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
-    """A partition's documents of one collection, after the scan key ``{a, v, id}`` if given.
-
-    The "after" test is an ``$expr`` of aggregation comparisons, which order values of different
-    types as the sort does (BSON order). A query operator such as ``{version: {$gt: 2}}`` would
-    only match numbers (type bracketing), so a resumed scan would silently skip a malformed
-    document (a string ``version``, a missing ``aggregate_id``) sorted after the key."""
-    if not after:
-        return {"partition": partition_}
-    a, v, id_ = ({"$literal": after.get(k)} for k in ("a", "v", "id"))
-    agg, ver = _sort_key("aggregate_id"), _sort_key("version")
-    return {
-        "partition": partition_,
-        "$expr": {
-            "$or": [
-                {"$gt": [agg, a]},
-                {"$and": [{"$eq": [agg, a]}, {"$gt": [ver, v]}]},
-                {"$and": [{"$eq": [agg, a]}, {"$eq": [ver, v]}, {"$gt": ["$_id", id_]}]},
-            ]
-        },
-    }
-
-
-SCAN_INDEX = "partition_order"
-"""The index a resumed scan is bounded on (``hint`` with ``min``/``max``)."""
-
-
-def scan_bounds(partition_: int, after: Mapping[str, Any]) -> tuple[Doc, Doc]:
-    """``(min, max)`` of a resumed scan on the ``partition_order`` index: from the scan key
-    ``{a, v, id}`` (inclusive: :func:`scan_filter` leaves the key's own document out) to the
-    next partition (exclusive). Index bounds are compared in the index's own order, BSON order
-    across types as the sort, so no malformed document sorted after the key is skipped, and
-    the scan starts at the key instead of the partition's first document (the ``$expr`` of
-    :func:`scan_filter` has no index bounds: without these each resume re-read the partition
-    from its start)."""
-    lower = {"partition": partition_, "aggregate_id": after.get("a"), "version": after.get("v"), "_id": after.get("id")}
-    upper = {"partition": partition_ + 1, "aggregate_id": MinKey(), "version": MinKey(), "_id": MinKey()}
-    return lower, upper
-
-
-def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
-    """``(filter, sort)`` of the read of one aggregate's highest version: equality on the
-    ``partition_order`` index's first two keys, sorted on its third."""
-    return (
-        {"partition": partition(ref.id, partitions), "aggregate_id": ref.id, "tenant_id": ref.tenant_id},
-        {"version": -1},
-    )
-
-
-def checkpoint_id(consumer: str, partition_: int) -> Doc:
-    return {"consumer": consumer, "partition": partition_}
-
-
-def checkpoint_filter(consumer: str, partition_: int, fence: int) -> Doc:
-    """Matches the stored checkpoint only at the same or a lower fence (the fence guard)."""
-    return {"_id": checkpoint_id(consumer, partition_), "fence": {"$lte": fence}}
-
-
-def checkpoint_update(position: Position, fence: int) -> list[Doc]:
-    """A pipeline update (the store clock stamps ``written_at``); the position as a literal."""
-    return [
-        {
-            "$set": {
-                "position": {"$literal": position},
-                "fence": fence,
-                "written_at": {"$toLong": "$$NOW"},
-            }
-        }
-    ]
-
-
-def cluster_time_command(collection: str) -> Doc:
-    """A read that finds nothing, with ``majority`` read concern: its ``operationTime`` is the
-    majority commit point. Every write at or before that point is committed (no oplog hole
-    below it), so a scan at or after it plus a stream from it miss nothing. (A ``ping``'s
-    ``operationTime`` is the last applied write, which may have an earlier write still in flight
-    below it: that write would be neither in the scan nor in a stream started after it.)"""
-    return {
-        "find": collection,
-        "filter": {"_id": None},
-        "limit": 1,
-        "singleBatch": True,
-        "readConcern": {"level": "majority"},
-    }
-
-
-def checkpoint_ids_filter(consumer: str, partitions: Sequence[int]) -> Doc:
-    return {"_id": {"$in": [checkpoint_id(consumer, p) for p in partitions]}}
-
-
-def quarantine_doc(
-    consumer: str, partition_: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str, now: datetime
-) -> Doc:
-    """The quarantine document: ``_id`` from the consumer, the type and the raw document's id
-    (a digest of the document when it has none), so quarantining twice is idempotent."""
-    key: Any = raw.get("_id") if "_id" in raw else _digest(raw)
-    return {
-        "_id": {"consumer": consumer, "aggregate": aggregate.aggregate, "key": key},
-        "consumer": consumer,
-        "partition": partition_,
-        "aggregate": aggregate.aggregate,
-        "raw": dict(raw),
-        "reason": reason,
-        "quarantined_at": now,
-    }
-
-
-QUARANTINE_SEQ_ID = "seq"
-"""The ``_id`` of the quarantine's counter document (``{_id: "seq", n}``), which has no ``seq``."""
-SEQ_PREFIX = b"\xff\xff\xff\xff"
-"""The first 4 bytes of a counted ``seq``: above every ObjectId's timestamp until 2106, so items
-counted sort after the items of earlier versions (client-made ObjectIds)."""
-NO_SEQ = ObjectId(b"\x00" * 12)
-
-
-def counted_seq(n: int) -> ObjectId:
-    """The ``seq`` of the ``n``-th quarantined item: :data:`SEQ_PREFIX` then ``n`` (8 bytes)."""
-    return ObjectId(SEQ_PREFIX + n.to_bytes(8, "big"))
-
-
-def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -> Doc:
-    """The items after ``after`` and/or among ``ids``, by their ``seq`` (the order of a listing);
-    every item at least (an ObjectId ``seq``: the counter document has none)."""
-    seq: Doc = {"$gt": after if after is not None else NO_SEQ} if ids is None or after is not None else {}
-    if ids is not None:
-        seq["$in"] = list(ids)
-    return {"seq": seq}
-
-
-def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A quarantine document as :meth:`~wowd.stores.base.Log.quarantined` answers it."""
-    at = doc.get("quarantined_at")
-    if isinstance(at, datetime):
-        created_at = int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
-    else:
-        created_at = 0
-    item = {"id": str(doc.get("seq")), "created_at": created_at}
-    item.update({k: doc.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})
-    return item
-
-
-def _object_ids(ids: Iterable[str]) -> list[ObjectId]:
-    """The ObjectIds among ``ids`` (a string that is not one names nothing)."""
-    return sorted({ObjectId(i) for i in ids if ObjectId.is_valid(i)})
-
-
-def _digest(raw: Mapping[str, Any]) -> str:
-    text = json.dumps(raw, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-# --------------------------------------------------------------------------- per-partition reading state
-
-
-@dataclass(slots=True)
-class _Part:
-    """What one partition of a read has seen (mutable, internal to :meth:`MongoLog.read`).
-
-    With a ``token``, the partition saw the stream up to that change (at ``ct``). Without one,
-    ``ct`` is a cluster time taken before a scan of the collections, which read everything at
-    or before it (the scan reads with ``afterClusterTime: ct``)."""
-
-    ct: ClusterTime | None = None
-    token: Mapping[str, Any] | None = None
-    scan: Mapping[str, Any] | None = None
-    """A scan still to run: ``{}`` from the start, ``{c, a, v, id}`` after that document."""
-    cut: bool = False
-    """``ct`` is the cut this read took before scanning the partition, not streamed past yet."""
-
-    @staticmethod
-    def from_position(position: Position | None) -> _Part:
-        if position is None:
-            return _Part(scan={})
-        if not isinstance(position, Mapping):
-            raise InvalidInput(f"not a MongoDB log position: {position!r}", field="position")
-        ct = cluster_time_of(position.get("cluster_time"))
-        scan = position.get("scan")
-        if isinstance(scan, Mapping) and ct is not None:
-            return _Part(ct=ct, scan=scan)
-        token = position.get("token")
-        if isinstance(token, Mapping):
-            return _Part(ct=ct or token_cluster_time(token), token=token)
-        raise InvalidInput(f"not a MongoDB log position: {position!r}", field="position")
-
-    def skips(self, ct: ClusterTime | None, token: Any) -> bool:
-        """Whether a stream event is at or before this partition's position."""
-        if self.ct is None or ct is None:
-            return False
-        if ct != self.ct:
-            return ct < self.ct
-        if self.token is None:
-            return True  # the scan read everything at this cluster time
-        mine, theirs = _token_data(self.token), _token_data(token)
-        # Equal cluster times (one transaction): order by the token; unknown order: deliver.
-        return mine is not None and theirs is not None and theirs <= mine
-
-    def stream_start(self) -> tuple[ClusterTime, int]:
-        """Sort key of where this partition needs the stream to start: a cluster time (the
-        stream starts AT it) sorts before a token at the same time (the stream starts after)."""
-        return (self.ct or (0, 0), 0 if self.token is None else 1)
-
-
-class _HistoryLost(Exception):
-    """The change stream's start point is gone (:data:`RESUME_POINT_GONE`); ``answered``: the
-    stream had answered before (the start point was in the oplog when it opened)."""
-
-    def __init__(self, message: str, *, answered: bool) -> None:
-        super().__init__(message)
-        self.answered = answered
+from wowd.stores.mongo.log_queries import (
+    QUARANTINE_SEQ_ID,
+    RESUME_POINT_GONE,
+    SCAN_INDEX,
+    SCAN_SORT,
+    ClusterTime,
+    Doc,
+    _HistoryLost,
+    _is_int,
+    _object_ids,
+    _Part,
+    change_stream_pipeline,
+    checkpoint_filter,
+    checkpoint_ids_filter,
+    checkpoint_update,
+    cluster_time_command,
+    cluster_time_of,
+    counted_seq,
+    join_fragments,
+    last_version_query,
+    log_collection_prefix,
+    log_indexes,
+    logger,
+    quarantine_doc,
+    quarantine_indexes,
+    quarantine_item,
+    quarantined_filter,
+    scan_bounds,
+    scan_filter,
+    token_cluster_time,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MongoLog"]
 
 
 class MongoLog(MongoStore):

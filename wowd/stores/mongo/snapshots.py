@@ -1,4 +1,4 @@
-"""The snapshots of one bounded context on MongoDB (DESIGN.md section 6).
+"""The snapshots of one bounded context on MongoDB (docs/stores.md).
 
 Layout:
 
