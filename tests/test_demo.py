@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.demo import DemoStats, produce, produce_forever
 from wowd.model import Commit

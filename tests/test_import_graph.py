@@ -92,12 +92,41 @@ def _cycle() -> list[str] | None:
 def test_the_walk_sees_the_package() -> None:
     assert "wowd.cli.main" in GRAPH and "wowd.stores.base" in GRAPH
     assert "wowd.stores.base" in GRAPH["wowd.stores.embedded"]  # an import the walk must see
-    assert "wowd.stores.embedded" in GRAPH["wowd.cli.backend"]  # a deferred one too
+    assert "wowd.stores.embedded" in GRAPH["wowd.backends"]  # a deferred one too
 
 
 def test_no_module_of_wowd_imports_itself_back() -> None:
     cycle = _cycle()
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("wowd.model", ("wowd.stores", "wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client", "wowd.backends")),
+    ("wowd.stores", ("wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client", "wowd.backends")),
+    ("wowd.delivery", ("wowd.daemon", "wowd.cli", "wowd.client", "wowd.backends")),
+    ("wowd.daemon", ("wowd.cli", "wowd.client", "wowd.backends")),
+    ("wowd.backends", ("wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client")),
+    ("wowd.client", ("wowd.daemon", "wowd.delivery", "wowd.cli")),
+]
+"""Which way imports go: each layer and the layers above it that it never imports (the model
+below the stores, the stores below delivery, delivery below the daemon; the command line on top;
+assembly and the application client beside the daemon, never reaching into it or the CLI)."""
+
+
+def _in(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
+
+
+@pytest.mark.parametrize(("layer", "above"), LAYERS, ids=[layer for layer, _ in LAYERS])
+def test_imports_go_one_way(layer: str, above: tuple[str, ...]) -> None:
+    offenders = sorted(
+        f"{name} -> {dep}"
+        for name, deps in GRAPH.items()
+        if _in(name, layer)
+        for dep in deps
+        if any(_in(dep, a) for a in above)
+    )
+    assert not offenders
 
 
 def test_the_protocol_layer_names_no_backend() -> None:

@@ -174,7 +174,7 @@ class WowdClient:
         not exist is a :class:`~wowd.errors.ConfigError` naming ``WOWD_EMBEDDED__PATH`` and the
         path (run from the wrong directory, the client would schedule into a file no replica
         reads), unless ``create`` is true."""
-        from wowd.cli.backend import missing_database, opened_backend
+        from wowd.backends import missing_database, opened_backend
         from wowd.config import load_settings
 
         s = settings if settings is not None else load_settings()

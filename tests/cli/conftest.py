@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from wowd.cli import main
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import load_settings
 
 CONTEXT = "demo"

@@ -18,7 +18,7 @@ import pytest
 
 from tests.cli.conftest import Run
 from wowd import __version__
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import load_settings
 from wowd.model import AggregateRef, OutboxEntry, Owner
 from wowd.stores.base import ReplicaInfo

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.cli.conftest import CONTEXT
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.main import build_parser
 from wowd.client import SCHEDULES, SyncWowdClient, WowdClient, schedule_stream
 from wowd.config import load_settings

@@ -17,7 +17,7 @@ import pytest
 
 from tests.cli.conftest import Run
 from wowd.cli import output
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.client import SyncWowdClient
 from wowd.config import load_settings
 from wowd.daemon.rebuild import Rebuilder

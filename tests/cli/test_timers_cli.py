@@ -13,7 +13,7 @@ import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
 from wowd.cli import output
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.client import schedule_stream
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.timers import outcome_changes

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from wowd import metrics
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import FeedSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot

@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from wowd import metrics
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
 from wowd.daemon.leases import HeldSlot

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from tests.helpers import once_timer
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.run import build_gateway
 from wowd.config import HttpSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import caught_up_waker
 from wowd import metrics
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.leases import HeldSlot

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import caught_up_waker
 from wowd import metrics
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.config import TimerSettings
 from wowd.daemon import timers as timers_module
 from wowd.daemon.timers import TimerLoop

@@ -1,7 +1,7 @@
 """The command line and the one composition root (settings -> backend -> daemon).
 
 One module per command group (``run``, ``check``, ``status``, ``timers``, ``outbox``, ``snapshots``,
-``demo``); :mod:`wowd.cli.backend` opens the configured stores; :mod:`wowd.cli.logs` formats the
+``demo``); :mod:`wowd.backends` opens the configured stores; :mod:`wowd.cli.logs` formats the
 log lines and masks secrets; :mod:`wowd.cli.output` prints lines and tables.
 """
 

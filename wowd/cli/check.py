@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings

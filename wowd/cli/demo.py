@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.output import out
 from wowd.config import WowdSettings
 

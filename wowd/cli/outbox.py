@@ -7,8 +7,8 @@ import json
 import time
 from datetime import timedelta
 
+from wowd.backends import opened_backend
 from wowd.cli.args import non_negative_seconds, positive_int
-from wowd.cli.backend import opened_backend
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms

@@ -26,8 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from wowd.backends import opened_backend
 from wowd.cli.args import positive_int
-from wowd.cli.backend import opened_backend
 from wowd.cli.output import err, out, print_table
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError

@@ -15,7 +15,7 @@ import anyio
 from prometheus_client import Counter
 
 from wowd import __version__, metrics
-from wowd.cli.backend import CLOSE_TIMEOUT_S, open_backend
+from wowd.backends import CLOSE_TIMEOUT_S, open_backend
 from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
 from wowd.config import WowdSettings

@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.output import err, out, print_json, print_table
 from wowd.cli.status import live_partitions
 from wowd.config import WowdSettings

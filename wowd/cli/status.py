@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Iterable
 from typing import Any
 
-from wowd.cli.backend import opened_backend
+from wowd.backends import opened_backend
 from wowd.cli.output import out, print_json, print_table, span
 from wowd.config import WowdSettings
 from wowd.fmt import compact_partitions, iso_ms

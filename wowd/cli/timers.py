@@ -10,8 +10,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from wowd.backends import opened_backend
 from wowd.cli.args import positive_int
-from wowd.cli.backend import opened_backend
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings

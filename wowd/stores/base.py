@@ -11,6 +11,7 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
@@ -752,7 +753,8 @@ class FeedWriter(Protocol):
 @dataclass(kw_only=True)
 class Backend:
     """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
-    the event sink of a type. ``close`` closes the sinks, then ``closers`` in reverse order."""
+    the event sink of a type. ``close`` closes the sinks, then ``resources`` (the stores and
+    clients the backend opened, in reverse order of opening)."""
 
     name: str
     log: Log
@@ -775,7 +777,7 @@ class Backend:
     """Where the store clock is each replica process's own (the embedded backend), how this
     process's clock compares with the file's last writes (:class:`ClockReading`; the argument:
     the replica's owner key): a replica checks it before it takes a slot."""
-    closers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 
     def sink(self, type: AggregateType) -> EventSink:
@@ -787,5 +789,4 @@ class Backend:
     async def close(self) -> None:
         for s in self._sinks.values():
             await s.close()
-        for close in reversed(self.closers):
-            await close()
+        await self.resources.aclose()

@@ -113,17 +113,8 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             feed_writer=feed_writer,  # and the event sink's documents
             clock_reading=leases.clock_reading,  # the store clock: each process's own
             sink_factory=sink_factory,
-            closers=[
-                checkpointer.aclose,
-                leases.close,
-                log.close,
-                timers.close,
-                snapshots.close,
-                outbox.close,
-                feed_writer.close,
-            ],
+            resources=stack.pop_all(),  # success: the backend owns the stores now
         )
-        stack.pop_all()  # success: the backend owns the stores now
     metrics.EMBEDDED_SQLITE_INFO.labels(
         version=sqlite3.sqlite_version, module=MODULE, wal_reset_bug=str(WAL_RESET_BUG).lower()
     ).set(1)

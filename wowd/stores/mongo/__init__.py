@@ -151,7 +151,6 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             outbox=outbox,
             sink_factory=sink_factory,
             # closed in reverse: the stores first, the clients last
-            closers=[client.close, es.close, *(s.close for s in stores)],
+            resources=stack.pop_all(),  # success: the backend owns the clients and stores now
         )
-        stack.pop_all()  # success: the backend owns the clients and stores now
     return backend

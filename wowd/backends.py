@@ -1,4 +1,5 @@
-"""The composition root's stores: open the configured backend, and close it whatever happens."""
+"""Backend assembly: settings -> the configured backend's stores (opened, prepared), closed whatever
+happens. Used by the command line and by the application client (:mod:`wowd.client`)."""
 
 from __future__ import annotations
 
