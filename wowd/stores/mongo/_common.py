@@ -67,6 +67,8 @@ __all__ = [
     "MongoStore",
     "checkpoint_collection",
     "collection_name",
+    "duplicate_keys",
+    "durable_or_raise",
     "is_duplicate_key",
     "is_transient",
     "is_unauthorized",
@@ -197,6 +199,29 @@ class MongoSharding(StrEnum):
     AUTO = "auto"
     ON = "on"
     OFF = "off"
+
+
+def durable_or_raise(exc: BulkWriteError, operation: str) -> None:
+    """An unordered bulk that met a write-concern error raises :class:`StorageUnavailable`: what
+    it wrote landed, but not as durably as asked; the writes are idempotent, so the caller
+    retries the bulk whole (what landed answers as repeats)."""
+    concern = (exc.details or {}).get("writeConcernErrors")
+    if concern:
+        raise StorageUnavailable(
+            f"mongodb {operation}: write concern not satisfied ({concern[0].get('errmsg')})"
+        ) from exc
+
+
+def duplicate_keys(exc: BulkWriteError, operation: str) -> list[Mapping[str, Any]]:
+    """The write errors of an unordered bulk that met only duplicate keys (E11000: documents
+    another writer, or an earlier try, wrote already: routine, not failures), each with the
+    ``index`` of its write. A write-concern error raises :class:`StorageUnavailable`
+    (:func:`durable_or_raise`); any other write error re-raises ``exc``."""
+    durable_or_raise(exc, operation)
+    errors = (exc.details or {}).get("writeErrors") or []
+    if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
+        raise exc
+    return list(errors)
 
 
 def is_duplicate_key(exc: BaseException) -> bool:

@@ -47,11 +47,11 @@ from wowd.model import AcquireResult, Owner, SlotLease, SlotState
 from wowd.stores.base import PRESENCE_RETENTION, Ddl, ReplicaInfo, ReplicaState
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
-    DUPLICATE_KEY,
     NAMESPACE_COLLECTION,
     REPLICA_COLLECTION,
     SLOT_COLLECTION,
     MongoStore,
+    duplicate_keys,
     is_duplicate_key,
     write_one,
 )
@@ -694,9 +694,7 @@ class MongoSlotLeaseStore(MongoStore):
         try:
             await self._slots.insert_many(new_slot_docs(namespace, slots), ordered=False)
         except BulkWriteError as exc:
-            errors = exc.details.get("writeErrors") or []
-            if exc.details.get("writeConcernErrors") or any(e.get("code") != DUPLICATE_KEY for e in errors):
-                raise
+            errors = duplicate_keys(exc, "lease namespace slots")
             log.debug("lease namespace %s: %d slot documents created by another process", namespace, len(errors))
 
     async def _take(

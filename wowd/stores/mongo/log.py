@@ -64,7 +64,6 @@ from wowd.errors import (
     InvalidInput,
     LogBehindOplog,
     StorageError,
-    StorageUnavailable,
 )
 from wowd.model import (
     AggregateRef,
@@ -83,10 +82,10 @@ from wowd.stores.base import AppendOutcome, Ddl
 from wowd.stores.mongo._common import (
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
-    DUPLICATE_KEY,
     MongoStore,
     checkpoint_collection,
     collection_name,
+    duplicate_keys,
     quarantine_collection,
     write_one,
 )
@@ -270,14 +269,7 @@ class MongoLog(MongoStore):
                     await coll.insert_many(docs, ordered=False)
                     continue
                 except BulkWriteError as exc:
-                    details = exc.details
-                    if details.get("writeConcernErrors"):
-                        raise StorageUnavailable(
-                            f"mongodb log append_many: write concern not satisfied: {details['writeConcernErrors']}"
-                        ) from exc
-                    errors = details.get("writeErrors") or []
-                    if not errors or any(e.get("code") != DUPLICATE_KEY for e in errors):
-                        raise
+                    errors = duplicate_keys(exc, "log append_many")
                     dups = [(docs[e["index"]], e) for e in errors]
                     resolved = await self._duplicates(coll, dups)
                     for e, outcome in zip(errors, resolved, strict=True):
@@ -637,15 +629,8 @@ class MongoLog(MongoStore):
             try:
                 await self._checkpoints.bulk_write(ops, ordered=False)
             except BulkWriteError as exc:
-                details = exc.details or {}
-                errors = details.get("writeErrors") or []
-                if (
-                    errors
-                    and not details.get("writeConcernErrors")
-                    and all(e.get("code") == DUPLICATE_KEY for e in errors)
-                ):
-                    return False
-                raise
+                duplicate_keys(exc, "log save_checkpoints")  # a higher fence holds one
+                return False
         return True
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:

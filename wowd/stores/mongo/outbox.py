@@ -24,13 +24,13 @@ from pymongo import AsyncMongoClient, InsertOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
+from wowd.errors import FormatError, InvalidInput, StorageError
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
-    DUPLICATE_KEY,
     MongoStore,
+    duplicate_keys,
     outbox_collection,
     write_one,
 )
@@ -165,15 +165,9 @@ class MongoOutbox(MongoStore):
             try:
                 await self._coll.insert_many([outbox_doc(e) for e in entries], ordered=False)
             except BulkWriteError as exc:
-                if exc.details.get("writeConcernErrors"):
-                    # written, but not as durably as asked: a retry answers them False (repeats)
-                    raise StorageUnavailable(
-                        f"mongodb outbox put_many: write concern not satisfied: {exc.details['writeConcernErrors']}"
-                    ) from exc
-                errors = exc.details.get("writeErrors") or []
-                if any(e.get("code") != DUPLICATE_KEY for e in errors) or not errors:
-                    raise
-                for e in errors:
+                # a write concern error: written, not as durably as asked; a retry answers them
+                # False (repeats)
+                for e in duplicate_keys(exc, "outbox put_many"):
                     written[e["index"]] = False
         return written
 

@@ -62,6 +62,7 @@ from wowd.stores.mongo._common import (
     MongoSharding,
     MongoStore,
     collection_name,
+    durable_or_raise,
     is_duplicate_key,
     split_to_fit,
     write_one,
@@ -685,12 +686,7 @@ class MongoSnapshotStore(MongoStore):
             try:
                 await coll.bulk_write(requests, ordered=False)
             except BulkWriteError as exc:
-                if exc.details.get("writeConcernErrors"):
-                    # applied, but not as durably as asked: the writes are idempotent, so the
-                    # caller retries the batch whole (what landed answers unchanged)
-                    raise StorageUnavailable(
-                        f"mongodb snapshots save_all: write concern not satisfied: {exc.details['writeConcernErrors']}"
-                    ) from exc
+                durable_or_raise(exc, "snapshots save_all")  # idempotent: retried whole
                 errors = {int(e["index"]): e for e in exc.details.get("writeErrors") or ()}
                 transient = next((e for e in errors.values() if e.get("code") in TRANSIENT_CODES), None)
                 if transient is not None:

@@ -52,13 +52,14 @@ from wowd.model import (
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
-    DUPLICATE_KEY,
     NAMESPACE_EXISTS,
     TIMER_FORMAT,
     TIMER_UPGRADES_FROM,
     MongoSharding,
     MongoStore,
     collection_name,
+    duplicate_keys,
+    durable_or_raise,
     is_duplicate_key,
     is_unauthorized,
     split_to_fit,
@@ -539,11 +540,8 @@ class MongoTimerStore(MongoStore):
         try:
             result = (await coll.bulk_write(ops, ordered=False)).bulk_api_result
         except BulkWriteError as exc:
+            duplicate_keys(exc, "timers.write")  # a put refused by a later version or a tombstone
             result = exc.details
-            if result.get("writeConcernErrors"):
-                raise StorageUnavailable(f"mongodb timers.write: {exc}") from exc
-            if any(e.get("code") != DUPLICATE_KEY for e in result.get("writeErrors", [])):
-                raise
         refused = {int(e["index"]) for e in result.get("writeErrors", [])}
         upserted = {int(u["index"]) for u in result.get("upserted", [])}
         answers = [0] * len(writes)
@@ -699,8 +697,7 @@ class MongoTimerStore(MongoStore):
                     [fail_operation(doc, reason) for doc, reason in group], ordered=False
                 )
             except BulkWriteError as exc:
-                if exc.details.get("writeConcernErrors"):
-                    raise StorageUnavailable(f"mongodb timers.claim_due: {exc}") from exc
+                durable_or_raise(exc, "timers.claim_due")
                 log.error("timers of %s not set FAILED: %s", aggregate, exc.details.get("writeErrors"))
             for doc, reason in group:
                 TIMERS_FAILED.labels(aggregate=aggregate).inc()
