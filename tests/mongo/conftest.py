@@ -103,9 +103,35 @@ def pytest_sessionfinish() -> None:
         stop.join(15)
 
 
+@contextmanager
+def primary(replica_set: str | None = None) -> Iterator[MockupDB]:
+    """A MockupDB answering ``hello``/``isMaster`` as a MongoDB 7.0 primary (wire version 21):
+    standalone, or the primary of ``replica_set`` (the one member of its host list)."""
+    if replica_set is None:
+        with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
+            yield server
+        return
+    with serving(MockupDB(verbose=False)) as server:
+        addr = f"localhost:{server.port}"
+        server.autoresponds(
+            "ismaster",
+            {
+                "ismaster": True,
+                "setName": replica_set,
+                "hosts": [addr],
+                "primary": addr,
+                "me": addr,
+                "minWireVersion": 0,
+                "maxWireVersion": 21,
+                "logicalSessionTimeoutMinutes": 30,
+            },
+        )
+        yield server
+
+
 @pytest.fixture
 def mock_server() -> Iterator[MockupDB]:
-    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
+    with primary() as server:
         yield server
 
 

@@ -14,7 +14,7 @@ from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, serving
+from tests.mongo.conftest import Wire, primary
 from wowd.model import AggregateRef, Commit, DomainEvent, commit_to_doc
 
 T = TypeVar("T")
@@ -39,21 +39,7 @@ def housekeeping(request: Any) -> bool | None:
 @pytest.fixture
 def rs_server() -> Iterator[MockupDB]:
     """A MockupDB answering ``hello``/``isMaster`` as the primary of replica set ``rs0``."""
-    with serving(MockupDB(verbose=False)) as server:
-        addr = f"localhost:{server.port}"
-        server.autoresponds(
-            "ismaster",
-            {
-                "ismaster": True,
-                "setName": "rs0",
-                "hosts": [addr],
-                "primary": addr,
-                "me": addr,
-                "minWireVersion": 0,
-                "maxWireVersion": 21,
-                "logicalSessionTimeoutMinutes": 30,
-            },
-        )
+    with primary("rs0") as server:
         server.autoresponds(housekeeping)
         yield server
 

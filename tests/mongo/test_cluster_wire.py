@@ -20,7 +20,7 @@ from pydantic import SecretStr
 from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from tests.mongo.conftest import CODE_NAMES, Wire, server_error, serving, write_concern_timeout
+from tests.mongo.conftest import CODE_NAMES, Wire, primary, server_error, write_concern_timeout
 from tests.mongo.log_support import (
     CONTEXT,
     DB,
@@ -67,21 +67,7 @@ NO_PRIMARY = 'Could not find host matching read preference { mode: "primary" } f
 @pytest.fixture(scope="module")
 def rs_server() -> Iterator[MockupDB]:
     """One replica-set primary for the module."""
-    with serving(MockupDB(verbose=False)) as server:
-        addr = f"localhost:{server.port}"
-        server.autoresponds(
-            "ismaster",
-            {
-                "ismaster": True,
-                "setName": "rs0",
-                "hosts": [addr],
-                "primary": addr,
-                "me": addr,
-                "minWireVersion": 0,
-                "maxWireVersion": 21,
-                "logicalSessionTimeoutMinutes": 30,
-            },
-        )
+    with primary("rs0") as server:
         server.autoresponds(housekeeping)
         yield server
 

@@ -19,7 +19,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire, server_error, serving
+from tests.mongo.conftest import Wire, primary, server_error
 from tests.mongo.leases_support import (
     NS,
     T0,
@@ -167,7 +167,7 @@ def lease_of(doc: dict[str, Any]) -> SlotLease:
 def mock_server() -> Iterator[MockupDB]:
     """One MockupDB for the module, overriding the conftest's per-test one. Each test still gets
     its own client (``mongo_client``) and reads every command it causes, so nothing carries over."""
-    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
+    with primary() as server:
         yield server
 
 

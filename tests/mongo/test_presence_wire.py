@@ -14,7 +14,7 @@ from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
 from pymongo.write_concern import WriteConcern
 
-from tests.mongo.conftest import Wire, server_error, serving
+from tests.mongo.conftest import Wire, primary, server_error
 from tests.mongo.leases_support import NS, Call, at, body, client_times, ms, reply_cursor
 from wowd.errors import FormatError, StorageError, StorageUnavailable
 from wowd.metrics import REGISTRY
@@ -98,7 +98,7 @@ def record(
 @pytest.fixture(scope="module")
 def mock_server() -> Iterator[MockupDB]:
     """One MockupDB for the module; each test reads every command it causes."""
-    with serving(MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)) as server:
+    with primary() as server:
         yield server
 
 
