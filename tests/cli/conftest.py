@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
-from wowd.cli import main
 from wowd.backends import opened_backend
+from wowd.cli import main
 from wowd.config import load_settings
+from wowd.model import AggregateRef, OutboxEntry
 
 CONTEXT = "demo"
 PARTITIONS = 8
@@ -61,3 +64,39 @@ def wowd(capsys: pytest.CaptureFixture[str], db: Path) -> Run:
         return code, captured.out, captured.err
 
     return run
+
+
+@pytest.fixture
+def http_endpoint() -> Iterator[str]:
+    """A local HTTP server (it answers HEAD with 501: an answer all the same)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/commands"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def fill_outbox(created_at: dict[str, int]) -> None:
+    """Puts an outbox entry per request id, created at the time given (of ``demo.order`` o-1)."""
+    target = AggregateRef(context="demo", aggregate="order", id="o-1")
+
+    async def fill() -> None:
+        async with opened_backend(load_settings()) as backend:
+            for request_id, created in created_at.items():
+                e = OutboxEntry(
+                    request_id=request_id,
+                    timer_id="t",
+                    target=target,
+                    command='{"name":"x"}',
+                    scheduled_at=1,
+                    fence=1,
+                    owner_key="k",
+                    created_at=created,
+                )
+                assert await backend.outbox.put(e)
+
+    anyio.run(fill)

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import anyio
 import pytest
 
-from tests.cli.conftest import Run
+from tests.cli.conftest import Run, fill_outbox
 from wowd import __version__
 from wowd.backends import opened_backend
 from wowd.config import load_settings
-from wowd.model import AggregateRef, OutboxEntry, Owner
+from wowd.model import Owner
 from wowd.stores.base import ReplicaInfo
 
 
@@ -75,20 +72,6 @@ def test_check_fails_for_a_database_in_a_missing_directory(
     monkeypatch.setenv("WOWD_EMBEDDED__PATH", str(tmp_path / "nowhere" / "wowd.db"))
     code, _, err = wowd("check")
     assert code == 1 and "does not exist and its directory" in err and not (tmp_path / "nowhere").exists()
-
-
-@pytest.fixture
-def http_endpoint() -> Iterator[str]:
-    """A local HTTP server (it answers HEAD with 501: an answer all the same)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/commands"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatch, http_endpoint: str) -> None:
@@ -156,24 +139,7 @@ def test_status_says_when_no_replica_is_recorded(wowd: Run, created: Path) -> No
 
 
 def test_outbox_list_ack_trim(wowd: Run) -> None:
-    target = AggregateRef(context="demo", aggregate="order", id="o-1")
-
-    async def fill() -> None:
-        async with opened_backend(load_settings()) as backend:
-            for n, created in ((1, 1_000), (2, 2_000), (3, 4_102_444_800_000)):
-                e = OutboxEntry(
-                    request_id=f"r{n}",
-                    timer_id="t",
-                    target=target,
-                    command='{"name":"x"}',
-                    scheduled_at=1,
-                    fence=1,
-                    owner_key="k",
-                    created_at=created,
-                )
-                assert await backend.outbox.put(e)
-
-    anyio.run(fill)
+    fill_outbox({"r1": 1_000, "r2": 2_000, "r3": 4_102_444_800_000})
     code, out, _ = wowd("outbox", "list", "--limit", "2")
     lines = out.splitlines()
     assert code == 0 and lines[0].split() == ["request_id", "created", "target", "command"]

@@ -15,14 +15,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.cli.conftest import Run
-from wowd.cli import output
+from tests.cli.conftest import Run, fill_outbox
 from wowd.backends import opened_backend
+from wowd.cli import output
 from wowd.client import SyncWowdClient
 from wowd.config import load_settings
 from wowd.daemon.rebuild import Rebuilder
 from wowd.errors import ConfigError
-from wowd.model import AggregateRef, OutboxEntry, Owner
+from wowd.model import AggregateRef, Owner
 from wowd.reducers import load_reducer
 
 
@@ -131,24 +131,7 @@ def test_check_names_each_unreachable_server_by_its_setting(db: Path) -> None:
 
 
 def _fill_outbox(n: int) -> None:
-    target = AggregateRef(context="demo", aggregate="order", id="o-1")
-
-    async def fill() -> None:
-        async with opened_backend(load_settings()) as backend:
-            for i in range(n):
-                e = OutboxEntry(
-                    request_id=f"r{i}",
-                    timer_id="t",
-                    target=target,
-                    command='{"name":"x"}',
-                    scheduled_at=1,
-                    fence=1,
-                    owner_key="k",
-                    created_at=1_000 + i,
-                )
-                assert await backend.outbox.put(e)
-
-    anyio.run(fill)
+    fill_outbox({f"r{i}": 1_000 + i for i in range(n)})
 
 
 def test_trimming_unacknowledged_entries_is_deliberate(

@@ -16,8 +16,8 @@ import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
 from tests.daemon.conftest import eventually
-from wowd.cli import quarantine as quarantine_cli
 from wowd.backends import opened_backend
+from wowd.cli import quarantine as quarantine_cli
 from wowd.config import WowdSettings, load_settings
 from wowd.daemon.feed import CONSUMER, Feeder, Waker
 from wowd.daemon.leases import HeldSlot

@@ -4,11 +4,8 @@ signing secret is printed."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,20 +15,6 @@ from tests.cli.conftest import Run
 
 TOKEN = "route-token-planted-5512"
 SECRET = "whsec_cm91dGUtc2lnbmluZy1zZWNyZXQtcGxhbnRlZA=="
-
-
-@pytest.fixture
-def http_endpoint() -> Iterator[str]:
-    """A local HTTP server (it answers HEAD with 501: an answer all the same)."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/commands"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
 
 
 @pytest.fixture(scope="module")

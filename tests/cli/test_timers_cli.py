@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
-from wowd.cli import output
 from wowd.backends import opened_backend
+from wowd.cli import output
 from wowd.client import schedule_stream
 from wowd.config import TimerSettings, load_settings
 from wowd.daemon.timers import outcome_changes

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -191,3 +191,25 @@ async def run_wowd(*args: str, env: dict[str, str], cwd: Path | None = None) -> 
     with anyio.fail_after(60):
         out = await anyio.run_process([sys.executable, "-m", "wowd", *args], env=env, cwd=cwd, check=False)
     return out.returncode, out.stdout.decode(), out.stderr.decode()
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    """The embedded file the process tests' replicas share."""
+    return tmp_path / "wowd.db"
+
+
+@pytest.fixture
+async def stores(db: Path, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """The test's own view of ``db`` (the module's ``LEASE_LIMIT`` slots, 1 by default)."""
+    from wowd.stores.embedded import open_embedded
+
+    limit = getattr(request.module, "LEASE_LIMIT", 1)
+    settings = WowdSettings(
+        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=limit)
+    )
+    backend = await open_embedded(settings)
+    try:
+        yield backend
+    finally:
+        await backend.close()

@@ -43,11 +43,6 @@ class Spec:
     target_id: str
 
 
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "wowd.db"
-
-
 async def append(db: Path, commits: Sequence[Commit]) -> None:
     """Appends ``commits`` to the log of the file ``db`` through a backend opened for that alone
     (nothing of this process works on the file while the replicas deliver)."""

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,7 +22,6 @@ import pytest
 from anyio.abc import SocketStream
 
 from wowd.cli.run import ESCALATE_AFTER_S
-from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import Owner, TimerStatus
 from wowd.stores.base import Backend
 
@@ -31,28 +30,6 @@ from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
 NS = f"wowd.{CONTEXT}"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "wowd.db"
-
-
-@pytest.fixture
-async def stores(db: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    settings = WowdSettings(
-        context=CONTEXT,
-        partitions=PARTITIONS,
-        embedded=EmbeddedSettings(path=db),
-        lease=LeaseSettings(limit=1),
-    )
-    backend = await open_embedded(settings)
-    try:
-        yield backend
-    finally:
-        await backend.close()
 
 
 def _json_lines(text: str) -> list[dict[str, object]]:

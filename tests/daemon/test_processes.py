@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import replace
 from datetime import timedelta
@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import (
     AggregateType,
     Commit,
@@ -44,27 +43,11 @@ from .conftest import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
+LEASE_LIMIT = 2
+"""Slots of this module's replicas (the ``stores`` fixture's view)."""
+
 NS = f"wowd.{CONTEXT}"
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "wowd.db"
-
-
-@pytest.fixture
-async def stores(db: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    settings = WowdSettings(
-        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=2)
-    )
-    backend = await open_embedded(settings)
-    try:
-        yield backend
-    finally:
-        await backend.close()
 
 
 def expected_request_ids(commits: list[Commit]) -> set[str]:

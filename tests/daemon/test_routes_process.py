@@ -23,11 +23,10 @@ import pytest
 from aiohttp import web
 
 from tests.certs import Pki, make_pki
-from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, PARTITIONS, SECRET_TOKEN, Replica, base_env, eventually
+from .conftest import CONTEXT, SECRET_TOKEN, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -115,25 +114,6 @@ async def serving(service: Service, ssl_context: object = None) -> AsyncIterator
         yield f"{scheme}://127.0.0.1:{runner.addresses[0][1]}/svc"
     finally:
         await runner.cleanup()
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "wowd.db"
-
-
-@pytest.fixture
-async def stores(db: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    settings = WowdSettings(
-        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=1)
-    )
-    backend = await open_embedded(settings)
-    try:
-        yield backend
-    finally:
-        await backend.close()
 
 
 def _commit(owner_id: str, targets: list[tuple[str, str, str]]) -> Commit:

@@ -5,38 +5,18 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd
+from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
 NS = f"wowd.{CONTEXT}"
-
-
-@pytest.fixture
-def db(tmp_path: Path) -> Path:
-    return tmp_path / "wowd.db"
-
-
-@pytest.fixture
-async def stores(db: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    settings = WowdSettings(
-        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=1)
-    )
-    backend = await open_embedded(settings)
-    try:
-        yield backend
-    finally:
-        await backend.close()
 
 
 async def states(stores: Backend) -> dict[str, str]:

@@ -4,31 +4,18 @@ nested-object and indexing-pressure limits, the compatibility header, and no mad
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from elasticsearch import ApiError, AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
-from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Recorded, serving
+from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Recorded
 
 pytestmark = pytest.mark.anyio
 
 INDEX = "idx"
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeElasticsearch]:
-    with serving() as server:
-        server.model = EsModel()
-        yield server
-
-
-@pytest.fixture
-def model(fake: FakeElasticsearch) -> EsModel:
-    assert fake.model is not None
-    return fake.model
 
 
 @pytest.fixture

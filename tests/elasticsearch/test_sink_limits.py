@@ -4,7 +4,7 @@ request line, body size, id length, clause count, immense terms, dynamic auto-cr
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -55,16 +55,6 @@ def fake() -> Iterator[FakeElasticsearch]:
 def model(fake: FakeElasticsearch) -> EsModel:
     fake.model = EsModel()
     return fake.model
-
-
-@pytest.fixture
-async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
-    # the client's defaults (max_retries 3, retry_on_status 429/502/503/504), as in production
-    es = AsyncElasticsearch(fake.url, request_timeout=5)
-    try:
-        yield es
-    finally:
-        await es.close()
 
 
 def sink_of(client: AsyncElasticsearch, **kwargs: Any) -> ElasticsearchEventSink:

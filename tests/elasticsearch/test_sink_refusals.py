@@ -5,7 +5,7 @@ aside. Against the stateful fake (``fake_es.EsModel``), the sink and then the wh
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,11 +14,12 @@ import anyio
 import pytest
 from elasticsearch import AsyncElasticsearch
 
-from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
+from tests.elasticsearch.conftest import order_commit
+from tests.elasticsearch.fake_es import EsModel
 from tests.helpers import held_slot
 from wowd import metrics
 from wowd.errors import SinkWriteError, StoreRefused
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, stream_id
+from wowd.model import AggregateRef, AggregateType, Commit, stream_id
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
@@ -35,36 +36,7 @@ def ref(id: str) -> AggregateRef:
 
 
 def commit(id: str, version: int = 1, body: Any = None) -> Commit:
-    return Commit(
-        ref=ref(id),
-        version=version,
-        command_id=f"cmd-{id}-{version}",
-        request_id=f"req-{id}-{version}",
-        create_time=1_700_000_000_000 + version,
-        events=(DomainEvent(id=f"ev-{id}-{version}", name="OrderChanged", body=body or {"n": version}),),
-    )
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeElasticsearch]:
-    with serving() as server:
-        server.model = EsModel()
-        yield server
-
-
-@pytest.fixture
-def model(fake: FakeElasticsearch) -> EsModel:
-    assert fake.model is not None
-    return fake.model
-
-
-@pytest.fixture
-async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
-    es = AsyncElasticsearch(fake.url, request_timeout=5)
-    try:
-        yield es
-    finally:
-        await es.close()
+    return order_commit(id, version, body=body, context=CONTEXT)
 
 
 REFUSALS: dict[str, tuple[Callable[[EsModel], None], Callable[[EsModel], None], str]] = {

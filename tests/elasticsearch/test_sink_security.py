@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from elasticsearch import AsyncElasticsearch
 
-from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
+from tests.elasticsearch.conftest import order_commit
+from tests.elasticsearch.fake_es import EsModel
 from wowd.cli.check import _sink_privileges
 from wowd.config import ElasticsearchSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StoreRefused
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent
+from wowd.model import AggregateType, Commit
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.options import client_options, new_client
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
@@ -33,38 +33,7 @@ DOCUMENTED_CLUSTER = {"monitor", "manage_index_templates"}
 
 
 def commit(id: str, version: int, access: dict[str, Any] = A, access_version: int = 1) -> Commit:
-    return Commit(
-        ref=AggregateRef(context="ctx", aggregate="order", id=id),
-        version=version,
-        command_id=f"cmd-{version}",
-        request_id=f"req-{id}-{version}",
-        create_time=1_700_000_000_000 + version,
-        events=(DomainEvent(id=f"ev-{version}", name="OrderChanged", body={"n": version}),),
-        access=access,
-        access_version=access_version,
-    )
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeElasticsearch]:
-    with serving() as server:
-        server.model = EsModel()
-        yield server
-
-
-@pytest.fixture
-def model(fake: FakeElasticsearch) -> EsModel:
-    assert fake.model is not None
-    return fake.model
-
-
-@pytest.fixture
-async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
-    es = AsyncElasticsearch(fake.url, request_timeout=5)
-    try:
-        yield es
-    finally:
-        await es.close()
+    return order_commit(id, version, access=access, access_version=access_version)
 
 
 async def test_the_documented_privileges_run_writes_stamps_and_checks(
