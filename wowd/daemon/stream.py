@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 SETTLE_GROUP = 64
 """A group of outcomes is settled once this many are waiting (one ``settle`` call)."""
-SETTLE_LINGER_S = 0.005
+SETTLE_LINGER_S = 0.02
 """...or this long after the first of a group was recorded."""
 SETTLE_MAX = 1000
 """At most this many changes in one ``settle`` call."""
@@ -46,9 +46,12 @@ class Settler:
     """Writes timer changes in groups (:data:`SETTLE_GROUP`, :data:`SETTLE_LINGER_S`), retrying
     a store that is unavailable; ``on_written(changes, written)`` follows each write.
 
-    A group is removed from the queue only once it is written, so :meth:`drain` (shielded, at a
-    stop or a cancellation) writes whatever a cancelled write left: each change is guarded by the
-    timer's revision as claimed, so a change written twice is skipped the second time."""
+    Changes are queued with :meth:`add`, or counted with :meth:`note` and made in bulk by
+    ``collect`` when a group is taken (the outcomes of deliveries: one conversion per group, not
+    per outcome). A group is removed from the queue only once it is written, so :meth:`drain`
+    (shielded, at a stop or a cancellation) writes whatever a cancelled write left: each change is
+    guarded by the timer's revision as claimed, so a change written twice is skipped the second
+    time."""
 
     def __init__(
         self,
@@ -60,8 +63,11 @@ class Settler:
         logx: logging.Logger | logging.LoggerAdapter[logging.Logger] = log,
         on_failure: Callable[[StorageError], None] | None = None,
         on_success: Callable[[], None] | None = None,
+        collect: Callable[[], list[TimerChange]] | None = None,
     ) -> None:
         self._write = write
+        self._collect = collect
+        self._noted = 0
         self._on_written = on_written
         self._group = group
         self._linger_s = linger_s
@@ -76,24 +82,36 @@ class Settler:
         """The store's answer while settles fail (``None`` once one is written)."""
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + self._noted
 
     def add(self, changes: Sequence[TimerChange]) -> None:
         if not changes:
             return
         self._queue.extend(changes)
         self._arrived.set()
-        if len(self._queue) >= self._group:
+        if len(self) >= self._group:
             self._full.set()
+
+    def note(self) -> None:
+        """One more change for ``collect`` to make when the group is taken."""
+        self._noted += 1
+        self._arrived.set()
+        if len(self) >= self._group:
+            self._full.set()
+
+    def _take_noted(self) -> None:
+        if self._noted and self._collect is not None:
+            self._noted = 0
+            self._queue.extend(self._collect())
 
     async def run(self) -> None:
         """Writes groups until :meth:`close`; what is left then is for :meth:`drain`."""
         while not self._closed:
-            if not self._queue:
+            if not len(self):
                 await self._arrived.wait()
                 self._arrived = anyio.Event()
                 continue
-            if len(self._queue) < self._group:
+            if len(self) < self._group:
                 with anyio.move_on_after(self._linger_s):
                     await self._full.wait()
             self._full = anyio.Event()
@@ -107,12 +125,13 @@ class Settler:
         """Writes everything queued, shielded, within ``timeout_s`` (a store that does not answer
         leaves the claims to expire: their timers come due again)."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
-            while self._queue:
+            while len(self):
                 await self._write_some()
 
     async def _write_some(self) -> None:
         """Writes the first group (retried while the store is unavailable; an error retrying
         will not fix gives it up: its claims expire and the timers come due again)."""
+        self._take_noted()
         n = min(len(self._queue), SETTLE_MAX)
         batch = self._queue[:n]
         written = -1

@@ -292,7 +292,8 @@ class RoundStrategy(Protocol):
 class ClaimDeliverSettle:
     """Claims due timers ahead, hands each to the delivery stream at its due time once the log is
     read past it, and settles each outcome as it comes (grouped). At most ``2 * timers.batch``
-    timers are claimed and not yet settled; claiming refills as outcomes are written."""
+    timers are claimed and not yet settled; claiming refills a batch at a time as outcomes are
+    written."""
 
     def __init__(self, settings: TimerSettings, store: TimerStore, gateway: CommandGateway, nudge: Nudge) -> None:
         self._settings = settings
@@ -304,6 +305,8 @@ class ClaimDeliverSettle:
         """Claimed, with no outcome or release recorded yet."""
         self._unsettled: set[str] = set()
         """Claimed and not settled yet (never claimed again)."""
+        self._results: list[tuple[Timer, Outcome, int]] = []
+        """Outcomes recorded, not yet made into changes (:meth:`_outcome_changes`)."""
         self._room = anyio.Event()
         self._held: HeldSlot | None = None
         self._waker: Waker | None = None
@@ -321,6 +324,7 @@ class ClaimDeliverSettle:
             logx=logx,
             on_failure=lambda exc: stall.failed(SETTLE, exc, logx),
             on_success=lambda: stall.progressed(logx, SETTLE),
+            collect=self._outcome_changes,
         )
         stream = self._stream = DeliveryStream(
             self._gateway,
@@ -348,13 +352,16 @@ class ClaimDeliverSettle:
 
     async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
         s = self._settings
-        while len(self._unsettled) >= self._capacity and not held.stopping:
+        # a whole batch at a time, once at most one batch is claimed and unsettled: a claim reads
+        # past the timers it excludes, so claims of a few timers each would read the unsettled
+        # ones again and again
+        while len(self._unsettled) > self._capacity - s.batch and not held.stopping:
             if self._room.is_set():
                 self._room = anyio.Event()
             await self._room.wait()
         assert waker.read_mark is not None
         until = min(now_ms(), waker.read_mark) + s.lookahead_ms
-        limit = max(1, min(s.batch, self._capacity - len(self._unsettled)))
+        limit = s.batch
         batch_mark = waker.hold()
         try:
             held.check()
@@ -438,13 +445,18 @@ class ClaimDeliverSettle:
                 waker.release(batch_mark)
 
     def _record(self, t: Timer, outcome: Outcome) -> None:
-        """An outcome from the stream: its change queued for the settler."""
-        assert self._held is not None and self._settler is not None
+        """An outcome from the stream, kept for the settler's next group."""
         self._claimed.pop(t.timer_id, None)
-        results = [(t, outcome, now_ms())]
+        self._results.append((t, outcome, now_ms()))
+        self._settler.note()  # type: ignore[union-attr]
+
+    def _outcome_changes(self) -> list[TimerChange]:
+        """The settle changes of the outcomes recorded since the last group, counted."""
+        assert self._held is not None
+        results, self._results = self._results, []
         changes = outcome_changes(results, self._held.fence, self._settings)
         count_outcomes(results, changes)
-        self._settler.add(changes)
+        return changes
 
     def _release(self, timers: Sequence[Timer], reason: str) -> None:
         """Settles back claimed timers that were not delivered."""

@@ -162,6 +162,7 @@ class HttpGateway:
         self._in_flight = _Slots(concurrency)
         self._targets: dict[str, _Target] = {}
         self._lanes: dict[str, Lane] = {}
+        self._options: dict[str, dict[str, Any]] = {}
         # the client is loaded and the TLS contexts built (CA bundles, client certificates and
         # keys read) here, at start-up: it takes a tenth of a second or more, which the first
         # delivery would otherwise wait, and an unreadable file is a ConfigError naming its setting
@@ -315,13 +316,7 @@ class HttpGateway:
         session = self._session or self._open_session()
         try:
             async with session.post(
-                url,
-                data=body,
-                headers=headers,
-                allow_redirects=False,
-                proxy=route.proxy,
-                ssl=route.ssl,
-                timeout=route.client_timeout,
+                url, data=body, headers=headers, allow_redirects=False, **self._request_options(route)
             ) as resp:
                 status = resp.status
                 if 200 <= status < 300:
@@ -337,6 +332,22 @@ class HttpGateway:
             return Retry(reason=_transport_reason(exc)), True
         except (ValueError, UnicodeError) as exc:
             return Fail(reason=f"request refused: {type(exc).__name__}"), False
+
+    def _request_options(self, route: Route) -> dict[str, Any]:
+        """What a request of ``route`` sets beyond the session's defaults (its proxy, its TLS
+        context on an https URL, its own time limit): each option given costs aiohttp work per
+        request, so only what differs is given."""
+        options = self._options.get(route.name)
+        if options is None:
+            options = {}
+            if route.proxy is not None:
+                options["proxy"] = route.proxy
+            if route.ssl is not False:
+                options["ssl"] = route.ssl
+            if route.timeout_s != self._settings.timeout_s:
+                options["timeout"] = route.client_timeout
+            self._options[route.name] = options
+        return options
 
     async def _read_detail(self, resp: aiohttp.ClientResponse) -> str:
         """The reason an answer gives, from at most :data:`MAX_ANSWER_BYTES` of its body; what
