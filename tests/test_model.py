@@ -38,6 +38,7 @@ from wowd.model import (
     commits,
     deterministic_timer_id,
     java_string_hash,
+    misfired,
     net_writes,
     parse_rule,
     partition,
@@ -233,6 +234,8 @@ def test_a_never_firing_cron_has_no_next_occurrence() -> None:
         ({"type": "interval", "every_ms": 10, "until": "later"}, "rule.until"),
         ({"type": "cron", "expression": "every minute"}, "rule.expression"),
         ({"type": "cron", "expression": "* * * * *", "zone": "Mars/Olympus"}, "rule.zone"),
+        ({"type": "once", "misfire_grace_ms": -1}, "rule.misfire_grace_ms"),
+        ({"type": "interval", "every_ms": 10, "misfire_grace_ms": "1m"}, "rule.misfire_grace_ms"),
     ],
 )
 def test_bad_rules_name_the_field(doc: Any, field: str) -> None:
@@ -775,3 +778,19 @@ def test_sorted_json_refuses_what_pythons_encoder_refuses() -> None:
         model.sorted_json({"when": datetime(2026, 1, 1, tzinfo=UTC)}, ascii=True)
     with pytest.raises(TypeError):
         model.sorted_json({"tuple key": {(1, 2): 3}}, ascii=False)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"type": "once", "misfire_grace_ms": 0},
+        {"type": "interval", "every_ms": 1000, "misfire_grace_ms": 60_000},
+        {"type": "cron", "expression": "0 6 * * *", "zone": "UTC", "misfire_grace_ms": 3_600_000},
+    ],
+)
+def test_a_rule_keeps_its_misfire_grace_through_its_document(doc: dict[str, Any]) -> None:
+    rule = parse_rule(doc)
+    assert rule.misfire_grace_ms == doc["misfire_grace_ms"] and rule.to_doc() == doc
+    assert not misfired(rule, 1_000, 1_000 + doc["misfire_grace_ms"])  # at its grace: delivered
+    assert misfired(rule, 1_000, 1_001 + doc["misfire_grace_ms"])
+    assert not misfired(parse_rule({"type": "once"}), 0, 10**12)  # no grace: however late

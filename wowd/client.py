@@ -25,6 +25,7 @@ given the same ``request_id`` twice appends once (the log is idempotent on it).
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -196,14 +197,19 @@ class WowdClient:
         target: AggregateRef | None = None,
         request_id: str | None = None,
         in_owner_stream: bool = False,
+        misfire_grace_ms: int | None = None,
     ) -> Commit:
         """Puts the timer ``key`` of ``owner`` (replacing one of the same key): its ``command``
         goes to ``target`` (default: the owner) at ``due_at`` (epoch ms or an aware datetime)
-        and then as ``rule`` says (default once). The commit goes to the owner's stream of
+        and then as ``rule`` says (default once). With ``misfire_grace_ms``, an occurrence that
+        would be delivered later than that after its due time is skipped instead (the rule's
+        ``misfire_grace_ms``; default: delivered however late). The commit goes to the owner's stream of
         wowd's own (:func:`schedule_stream`), or with ``in_owner_stream`` to the owner's own
         stream. Answers the commit appended. Raises :class:`~wowd.errors.InvalidInput` naming
         the field, :class:`ConflictError` when :data:`MAX_VERSION_RETRIES` versions were taken
         by other writers meanwhile."""
+        if misfire_grace_ms is not None:
+            rule = dataclasses.replace(_rule(rule), misfire_grace_ms=misfire_grace_ms)
         event = scheduled_event(
             key,
             target=target or owner,

@@ -53,6 +53,7 @@ __all__ = [
     "TIMERS_CLAIMED_LAST_ROUND",
     "TIMERS_FAILED",
     "TIMERS_FIRED",
+    "TIMERS_MISFIRED",
     "TIMERS_PARKED",
     "TIMERS_RETRIED",
     "TIMERS_STALLED",
@@ -91,6 +92,11 @@ TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered",
 TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later", ["aggregate"])
 TIMERS_PARKED = Counter("wowd_timers_parked_total", "Timers parked (target could not take the command)", ["aggregate"])
 TIMERS_FAILED = Counter("wowd_timers_failed_total", "Timers failed after the retry budget or refused", ["aggregate"])
+TIMERS_MISFIRED = Counter(
+    "wowd_timers_misfired_total",
+    "Occurrences skipped, not delivered: they would have fired later than their rule's misfire_grace_ms",
+    ["aggregate"],
+)
 
 
 class BatchHistogram(Histogram):

@@ -52,6 +52,20 @@ async def test_schedule_and_cancel_append_at_successive_versions_of_wowds_stream
         assert scheduled.command == Command(name="expire-order", body={"n": 1})
 
 
+async def test_a_schedule_carries_its_misfire_grace_in_its_rule(created: Path) -> None:
+    async with WowdClient.connect(load_settings()) as client:
+        commit = await client.schedule(
+            ORDER,
+            "daily",
+            rule={"type": "cron", "expression": "0 6 * * *"},
+            command=Command(name="remind"),
+            misfire_grace_ms=600_000,
+        )
+    (ev,) = commit.events
+    scheduled = timer_event_from(ev)
+    assert isinstance(scheduled, TimerScheduled) and scheduled.rule.misfire_grace_ms == 600_000
+
+
 async def test_a_version_taken_meanwhile_is_read_again(created: Path) -> None:
     async with opened_backend(load_settings()) as backend:
         log = backend.log

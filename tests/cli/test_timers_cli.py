@@ -75,6 +75,16 @@ def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
     assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 2" in out
 
 
+def test_schedule_takes_a_misfire_grace(wowd: Run, created: Path) -> None:
+    code, out, err = wowd(
+        "timers", "schedule", "order/o-1", "remind", "--command", "remind", "--every-ms", "60000",
+        "--misfire-grace-ms", "5000",
+    )  # fmt: skip
+    assert code == 0, err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "x", "--command", "x", "--misfire-grace-ms", "-1")
+    assert code == 2 and "--misfire-grace-ms" in err
+
+
 def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -> None:
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
     assert code == 2 and err.startswith("wowd: --at/--in: ") and "(body.due_at)" in err

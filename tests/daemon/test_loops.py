@@ -179,7 +179,7 @@ class ScriptedGateway:
         return None
 
 
-def due_timer(target: str, *, rule: IntervalRule | None = None, attempts: int = 0) -> Timer:
+def due_timer(target: str, *, rule: IntervalRule | OnceRule | None = None, attempts: int = 0) -> Timer:
     now = int(time.time() * 1000) - 50
     owner = ref(f"owner-{target}")
     return Timer(
@@ -366,3 +366,43 @@ async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_re
                 await held.stop_event.wait()  # the stall's backoff, not a hot loop of re-reads
             assert reads - first <= 2
             held.request_stop()
+
+
+async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(backend: Backend) -> None:
+    """Claimed late (a replica was down), an occurrence later than its rule's misfire grace is
+    settled as passed, not sent: a one-shot timer is done, a recurring one moves to its next
+    occurrence after now; one within its grace, and one without a grace, are delivered."""
+    t = backend.timers
+    hour_ago = int(time.time() * 1000) - 3_600_000
+    late = [
+        replace(due_timer("ok-once"), rule=OnceRule(misfire_grace_ms=60_000), due_at=hour_ago, scheduled_at=hour_ago),
+        replace(
+            due_timer("ok-every"),
+            rule=IntervalRule(every_ms=600_000, misfire_grace_ms=60_000),
+            due_at=hour_ago,
+            scheduled_at=hour_ago,
+        ),
+    ]
+    on_time = [
+        due_timer("ok-graced", rule=OnceRule(misfire_grace_ms=600_000)),
+        replace(due_timer("ok-plain"), due_at=hour_ago, scheduled_at=hour_ago),
+    ]
+    for x in late + on_time:
+        assert await t.put(x)
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    skipped_before = metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get()
+    loop = TimerLoop(TimerSettings(), t, gw)
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run, held, caught_up_waker())
+        with anyio.fail_after(10):
+            while len(gw.sent) < len(on_time) or await t.scan(status=TimerStatus.FIRING, limit=1):
+                await gw.entered.wait()
+                await anyio.sleep(0.02)
+        held.request_stop()
+    assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
+    assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
+    every = await t.find(ref("owner-ok-every"), "k")
+    assert every is not None and every.status is TimerStatus.PENDING
+    assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
+    assert metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get() - skipped_before == 2

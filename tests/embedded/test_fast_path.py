@@ -16,7 +16,17 @@ from tests.embedded.test_firing_path import CTX, T0, by_due, populate, timer
 from wowd.daemon.timers import next_occurrence
 from wowd.delivery.outbox import outbox_entry
 from wowd.errors import LeaseLost, StorageError
-from wowd.model import AggregateRef, Claim, CronRule, IntervalRule, OutboxEntry, Timer, TimerChange, TimerStatus
+from wowd.model import (
+    AggregateRef,
+    Claim,
+    CronRule,
+    IntervalRule,
+    OnceRule,
+    OutboxEntry,
+    Timer,
+    TimerChange,
+    TimerStatus,
+)
 from wowd.stores.base import FiredTimer, FireRequest
 from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
 from wowd.stores.embedded.sqlite import sqlite3
@@ -271,3 +281,28 @@ async def test_the_outbox_table_is_created_when_missing(tmp_path: Path) -> None:
 def test_an_outbox_row_is_the_row_of_the_gateways_entry(target: AggregateRef) -> None:
     t = replace(timer("o", PARTS, due_at=T0), target=target, claim=Claim(owner_key="k\u00e9y", fence=8, until=T0))
     assert outbox_row((*timer_params(t), 17), 8, "k\u00e9y", T0 + 3) == entry_row(outbox_entry(t, T0 + 3))
+
+
+async def test_an_occurrence_past_its_misfire_grace_is_settled_with_no_outbox_entry(db: File) -> None:
+    """The fast path fires late (a backlog after a restart): an occurrence later than its rule's
+    misfire grace is settled as passed (a one-shot timer done, a recurring one at its next
+    occurrence) in the same transaction, with no outbox entry; the others are delivered."""
+    graced_once = replace(timer("graced-once", PARTS, due_at=T0), rule=OnceRule(misfire_grace_ms=1_000))
+    graced_every = replace(
+        timer("graced-every", PARTS, due_at=T0), rule=IntervalRule(every_ms=10_000, misfire_grace_ms=1_000)
+    )
+    within = replace(timer("within", PARTS, due_at=T0), rule=OnceRule(misfire_grace_ms=60_000))
+    plain = timer("plain", PARTS, due_at=T0)
+    for t in (graced_once, graced_every, within, plain):
+        assert await db.timers.put(t)
+    fired = {f.timer_id: f for f in await fire(db.timers, T0, at=T0 + 5_000)}
+    assert {t.owner.id for t in (graced_once, graced_every) if fired[t.timer_id].misfired} == {
+        "graced-once",
+        "graced-every",
+    }
+    assert not fired[within.timer_id].misfired and not fired[plain.timer_id].misfired
+    delivered = {e.timer_id for e in await db.outbox.entries()}
+    assert delivered == {within.timer_id, plain.timer_id}
+    assert await db.timers.find(graced_once.owner, graced_once.key) is None  # done
+    moved = await db.timers.find(graced_every.owner, graced_every.key)
+    assert moved is not None and moved.status is TimerStatus.PENDING and moved.scheduled_at == T0 + 10_000

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["non_negative_seconds", "positive_int"]
+__all__ = ["non_negative_int", "non_negative_seconds", "positive_int"]
 
 
-def positive_int(text: str) -> int:
-    """An integer of at least 1 (``--limit``)."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"an integer is expected, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (``--limit``)."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (``--misfire-grace-ms``)."""
+    return _int_at_least(text, 0)
 
 
 def non_negative_seconds(text: str) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from wowd.backends import opened_backend
-from wowd.cli.args import positive_int
+from wowd.cli.args import non_negative_int, positive_int
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
@@ -74,6 +74,7 @@ FLAGS = {
     "rule.expression": "--cron",
     "rule.zone": "--zone",
     "rule.every_ms": "--every-ms",
+    "rule.misfire_grace_ms": "--misfire-grace-ms",
     "rule": "--cron/--every-ms",
     "body.command.name": "--command",
     "body.command.body_type": "--body-type",
@@ -160,6 +161,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
     rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
     tsc.add_argument("--zone", default="UTC", help="the time zone of --cron (default UTC)")
+    tsc.add_argument(
+        "--misfire-grace-ms",
+        type=non_negative_int,
+        help="skip an occurrence instead of delivering it later than this after its due time "
+        "(default: delivered however late)",
+    )
     tsc.add_argument("--target", metavar="AGGREGATE/ID", help="where the command goes (default: the owner)")
     tsc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     tsc.add_argument("--target-tenant", help="the target's tenant id (default: the owner's)")
@@ -428,6 +435,7 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
             rule=rule,
             target=target,
             in_owner_stream=args.in_owner_stream,
+            misfire_grace_ms=args.misfire_grace_ms,
         )
     except InvalidInput as exc:
         raise ConfigError(f"{_flag(exc.field)}: {exc.reason} ({exc.field})") from exc

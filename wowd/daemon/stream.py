@@ -179,7 +179,9 @@ class DeliveryStream:
     Before each call a worker waits for room in the window: calls in flight plus outcomes
     recorded and not yet written (:meth:`settled` says when they are) stay within ``window``.
     No delivery starts once ``stopped()``; the timers still queued then are the caller's to
-    release (:meth:`left`), and so is a call cancelled in flight (it records nothing)."""
+    release (:meth:`left`), and so is a call cancelled in flight (it records nothing). A timer
+    ``skip`` answers True for when its turn comes is not sent (``skip`` settles it itself: an
+    occurrence past its misfire grace)."""
 
     def __init__(
         self,
@@ -189,8 +191,10 @@ class DeliveryStream:
         concurrency: int,
         window: int,
         stopped: Callable[[], bool],
+        skip: Callable[[Timer], bool] | None = None,
     ) -> None:
         self._gateway = gateway
+        self._skip = skip
         self._record = record
         self._concurrency = concurrency
         self._window = window
@@ -297,20 +301,29 @@ class DeliveryStream:
                     return
                 lane, batch = taken
                 metrics.DELIVERIES_QUEUED.set(self.queued)
+                if self._skip is not None:
+                    batch = [t for t in batch if not self._skip(t)]
+                    if not batch:
+                        self._done(lane)
+                        continue
                 self._calls += 1
                 try:
                     await self._call(lane.spec, batch)
                 finally:
                     self._calls -= 1
-                    lane.active -= 1
-                    if lane.queue and not lane.ready:
-                        lane.ready = True
-                        self._ready.append(lane)
-                        self._spawn()
+                    self._done(lane)
         finally:
             if starting:
                 self._starting -= 1
             self._workers -= 1
+
+    def _done(self, lane: _LaneState) -> None:
+        """A call of ``lane`` ended: its slot is free for the next of its queue."""
+        lane.active -= 1
+        if lane.queue and not lane.ready:
+            lane.ready = True
+            self._ready.append(lane)
+            self._spawn()
 
     async def _call(self, lane: Lane, batch: list[Timer]) -> None:
         """One request (a lane of chunks: one batch call); outcomes are recorded as they come."""

@@ -60,9 +60,20 @@ from anyio.abc import TaskGroup, TaskStatus
 from wowd import metrics
 from wowd.clock import now_ms
 from wowd.config import TimerSettings
-from wowd.delivery import CommandGateway, Delivered, Fail, FusedFiring, Outcome, Park, Retry, delivery_log, target_of
+from wowd.delivery import (
+    CommandGateway,
+    Delivered,
+    DeliveryLog,
+    Fail,
+    FusedFiring,
+    Outcome,
+    Park,
+    Retry,
+    delivery_log,
+    target_of,
+)
 from wowd.errors import StorageError
-from wowd.model import CronRule, IntervalRule, Timer, TimerChange
+from wowd.model import CronRule, IntervalRule, Timer, TimerChange, misfired
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import FireRequest, LogCheck, TimerStore
 
@@ -200,6 +211,26 @@ def count_outcomes(results: Sequence[tuple[Timer, Outcome, int]], changes: Seque
         _COUNTED[kind].labels(aggregate=agg).inc(n)
 
 
+@dataclass(frozen=True, slots=True)
+class _Skipped:
+    reason: str
+
+
+class _MisfireLog(DeliveryLog):
+    _LEVELS = {_Skipped: (logging.INFO, "an occurrence of a timer for %s was skipped: %s (request id %s)%s")}
+
+
+_MISFIRE_LOG = _MisfireLog(log)
+"""At most one line per target every 10 s for the occurrences skipped past their grace."""
+
+
+def count_misfired(t: Timer, at: int) -> None:
+    """Counts (and logs, rate-limited) an occurrence skipped past its misfire grace."""
+    metrics.TIMERS_MISFIRED.labels(aggregate=t.owner.aggregate).inc()
+    why = f"{at - t.scheduled_at} ms late, past its misfire grace of {t.rule.misfire_grace_ms} ms"
+    _MISFIRE_LOG.outcome(target_of(t), _Skipped(why), t.request_id)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- the sleep decision
 
 
@@ -307,6 +338,8 @@ class ClaimDeliverSettle:
         """Claimed and not settled yet (never claimed again)."""
         self._results: list[tuple[Timer, Outcome, int]] = []
         """Outcomes recorded, not yet made into changes (:meth:`_outcome_changes`)."""
+        self._skipped: set[str] = set()
+        """Skipped past their misfire grace: settled without a delivery (not in the window)."""
         self._room = anyio.Event()
         self._held: HeldSlot | None = None
         self._waker: Waker | None = None
@@ -332,6 +365,7 @@ class ClaimDeliverSettle:
             concurrency=s.concurrency,
             window=s.concurrency + SETTLE_GROUP,
             stopped=lambda: held.stopping,
+            skip=self._misfired,
         )
         held.on_stop(stream.wake)
         held.on_stop(self._room.set)
@@ -458,6 +492,20 @@ class ClaimDeliverSettle:
         count_outcomes(results, changes)
         return changes
 
+    def _misfired(self, t: Timer) -> bool:
+        """Whether ``t``, its turn come, is past its rule's misfire grace: then it is settled as
+        an occurrence that passed (a one-shot timer done, a recurring one at its next occurrence
+        after now), not delivered, and counted."""
+        at = now_ms()
+        if not misfired(t.rule, t.scheduled_at, at):
+            return False
+        assert self._held is not None and self._settler is not None
+        self._claimed.pop(t.timer_id, None)
+        self._skipped.add(t.timer_id)
+        count_misfired(t, at)
+        self._settler.add([TimerChange.fired(t, fence=self._held.fence, next_due=next_occurrence(t, at))])
+        return True
+
     def _release(self, timers: Sequence[Timer], reason: str) -> None:
         """Settles back claimed timers that were not delivered."""
         if not timers:
@@ -479,9 +527,15 @@ class ClaimDeliverSettle:
                 metrics.SETTLE_SKIPPED.inc(len(changes) - written)
         outcomes = 0
         waker = self._waker
+        skipped = self._skipped
         for c in changes:
             self._unsettled.discard(c.timer.timer_id)
             if c.kind == "release":
+                continue
+            if skipped and c.timer.timer_id in skipped:
+                skipped.discard(c.timer.timer_id)
+                if c.next_due is not None:
+                    waker.maybe_wake(c.next_due)
                 continue
             outcomes += 1
             if c.kind == "retry" and c.due_at is not None:
@@ -557,10 +611,12 @@ class FusedFirst:
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))
-            metrics.count_fired((f.aggregate, f.scheduled_at, at) for f in fired)
+            metrics.count_fired((f.aggregate, f.scheduled_at, at) for f in fired if not f.misfired)
             for f in fired:
                 if f.next_due is not None:
                     waker.maybe_wake(f.next_due)
+                if f.misfired:
+                    metrics.TIMERS_MISFIRED.labels(aggregate=f.aggregate).inc()
         return len(fired)
 
 

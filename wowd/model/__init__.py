@@ -44,6 +44,7 @@ from wowd.model.rules import (
     IntervalRule,
     OnceRule,
     Rule,
+    misfired,
     parse_rule,
 )
 from wowd.model.snapshots import (
@@ -107,6 +108,7 @@ __all__ = [
     "commit_to_doc",
     "deterministic_timer_id",
     "java_string_hash",
+    "misfired",
     "net_writes",
     "parse_rule",
     "partition",

@@ -13,24 +13,51 @@ from wowd.model.commits import _is_doc
 _MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z
 
 
+def _check_grace(grace: int | None) -> None:
+    if grace is not None and (not isinstance(grace, int) or isinstance(grace, bool) or grace < 0):
+        raise InvalidInput(f"must be an integer >= 0 (ms) or absent, got {grace!r}", field="rule.misfire_grace_ms")
+
+
+def _with_grace(doc: dict[str, Any], grace: int | None) -> dict[str, Any]:
+    if grace is not None:
+        doc["misfire_grace_ms"] = grace
+    return doc
+
+
+def misfired(rule: Rule, scheduled_at: int, at: int) -> bool:
+    """Whether an occurrence due at ``scheduled_at`` fired at ``at`` would be later than the
+    rule's ``misfire_grace_ms`` (then it is skipped, not delivered); never without one."""
+    grace = rule.misfire_grace_ms
+    return grace is not None and at - scheduled_at > grace
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnceRule:
+    misfire_grace_ms: int | None = None
+    """Skip the timer instead of delivering it later than this after its due time (ms); ``None``:
+    it is delivered however late (the default)."""
     type: Literal["once"] = "once"
+
+    def __post_init__(self) -> None:
+        _check_grace(self.misfire_grace_ms)
 
     def next_after(self, fired_at: int) -> int | None:
         return None
 
     def to_doc(self) -> dict[str, Any]:
-        return {"type": "once"}
+        return _with_grace({"type": "once"}, self.misfire_grace_ms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class IntervalRule:
     every_ms: int
     until: int | None = None
+    misfire_grace_ms: int | None = None
+    """Skip an occurrence instead of delivering it later than this after its due time (ms)."""
     type: Literal["interval"] = "interval"
 
     def __post_init__(self) -> None:
+        _check_grace(self.misfire_grace_ms)
         if not isinstance(self.every_ms, int) or isinstance(self.every_ms, bool) or self.every_ms < 1:
             raise InvalidInput(f"must be an integer >= 1, got {self.every_ms!r}", field="rule.every_ms")
         if self.until is not None and (not isinstance(self.until, int) or isinstance(self.until, bool)):
@@ -46,7 +73,7 @@ class IntervalRule:
         doc: dict[str, Any] = {"type": "interval", "every_ms": self.every_ms}
         if self.until is not None:
             doc["until"] = self.until
-        return doc
+        return _with_grace(doc, self.misfire_grace_ms)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,11 +82,14 @@ class CronRule:
 
     expression: str
     zone: str = "UTC"
+    misfire_grace_ms: int | None = None
+    """Skip an occurrence instead of delivering it later than this after its due time (ms)."""
     type: Literal["cron"] = "cron"
 
     def __post_init__(self) -> None:
         from croniter import croniter
 
+        _check_grace(self.misfire_grace_ms)
         if not isinstance(self.expression, str) or not croniter.is_valid(self.expression):
             raise InvalidInput(f"{self.expression!r} is not a valid cron expression", field="rule.expression")
         try:
@@ -103,7 +133,7 @@ class CronRule:
             return None
 
     def to_doc(self) -> dict[str, Any]:
-        return {"type": "cron", "expression": self.expression, "zone": self.zone}
+        return _with_grace({"type": "cron", "expression": self.expression, "zone": self.zone}, self.misfire_grace_ms)
 
 
 Rule: TypeAlias = OnceRule | IntervalRule | CronRule
@@ -114,10 +144,11 @@ def parse_rule(doc: Any) -> Rule:
     if not _is_doc(doc):
         raise InvalidInput("must be a document {type, ...}", field="rule")
     kind = doc.get("type")
+    grace = doc.get("misfire_grace_ms")
     if kind == "once":
-        return OnceRule()
+        return OnceRule(misfire_grace_ms=grace)
     if kind == "interval":
-        return IntervalRule(every_ms=doc.get("every_ms"), until=doc.get("until"))  # type: ignore[arg-type]
+        return IntervalRule(every_ms=doc.get("every_ms"), until=doc.get("until"), misfire_grace_ms=grace)  # type: ignore[arg-type]
     if kind == "cron":
-        return CronRule(expression=doc.get("expression"), zone=doc.get("zone", "UTC"))  # type: ignore[arg-type]
+        return CronRule(expression=doc.get("expression"), zone=doc.get("zone", "UTC"), misfire_grace_ms=grace)  # type: ignore[arg-type]
     raise InvalidInput(f"unknown rule type {kind!r} (once, interval, cron)", field="rule.type")

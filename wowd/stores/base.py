@@ -615,6 +615,8 @@ class FiredTimer(NamedTuple):
     """The occurrence fired (its outbox entry's)."""
     next_due: int | None
     """Its next occurrence, at which it is PENDING now; None: a DONE tombstone."""
+    misfired: bool = False
+    """Past its rule's misfire grace: settled, not delivered (no outbox entry)."""
 
 
 @dataclass(slots=True)
@@ -675,7 +677,9 @@ class OutboxFiring(Protocol):
         time, the request's ``fence`` and ``owner_key``, created ``at``; a request id there
         already is recorded as a re-delivery, as :meth:`Outbox.put_many` does) and settles each
         as ``TimerChange.fired(timer, fence=fence, next_due=request.next_due(timer, at))`` writes
-        it (asked of recurring timers only: a one-shot timer has no next occurrence). Answers
+        it (asked of recurring timers only: a one-shot timer has no next occurrence); an
+        occurrence past its rule's ``misfire_grace_ms`` at ``at`` is settled the same way with no
+        outbox entry (``FiredTimer.misfired``). Answers
         them in due order. All of it is written or nothing: with a ``deadline``
         (``time.monotonic()``), the transaction rolls back and raises
         :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose rule or

@@ -61,6 +61,7 @@ from wowd.model import (
     TimerChange,
     TimerStatus,
     TimerWrite,
+    misfired,
     partition,
     validate_name,
 )
@@ -350,6 +351,8 @@ class EmbeddedTimerStore(SqliteStore):
             t = w.timer
             if w.kind != "put" or t is None or t.due_at > created_at or not isinstance(t.rule, OnceRule):
                 continue
+            if t.rule.misfire_grace_ms is not None:  # the timer loop skips it if it is too late
+                continue
             o = t.owner
             n = owners.get(o)
             if n is None:
@@ -578,24 +581,29 @@ class EmbeddedTimerStore(SqliteStore):
                     if checker is not None and checker.stale(r):
                         continue
                     nxt: int | None = None
+                    late = False
                     if r[C_RULE] != _ONCE_JSON:
                         try:
-                            nxt = next_due(fired_from_row(ctx, r), at)
+                            timer = fired_from_row(ctx, r)
+                            nxt = next_due(timer, at)
+                            late = misfired(timer.rule, timer.scheduled_at, at)
                         except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
                             reason = f"undecodable timer: {type(exc).__name__}: {exc}"
                             undecodable.append((reason, r[C_ROWID], r[C_REVISION]))
                             failed.append((r, reason))
                             continue
-                    fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt))
-                    rows.append(outbox_row(r, fence, owner_key, at))
+                    fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt, late))
+                    if not late:  # past its misfire grace: settled, not delivered
+                        rows.append(outbox_row(r, fence, owner_key, at))
                     if nxt is None:
                         done.append((r[C_ROWID], r[C_REVISION]))
                     else:
                         moved.append((nxt, nxt, r[C_ROWID], r[C_REVISION]))
             if undecodable:
                 conn.executemany(fail_sql, undecodable)
-            if rows:
-                put_rows(conn, rows)
+            if fired:
+                if rows:
+                    put_rows(conn, rows)
                 settled = update_rows(conn, done_sql, done) + update_rows(conn, fired_sql, moved)
                 if settled != len(fired):  # cannot happen: the rows were read in this transaction
                     raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
