@@ -6,11 +6,13 @@ Refs are built from ``sink.type`` (the Elasticsearch fixture uses a fresh contex
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from wowd.model import AccessStamp, AggregateRef, Commit, DomainEvent
+from wowd.errors import InvalidInput, SinkWriteError
+from wowd.model import MAX_COMMIT_DOCUMENT_BYTES, MAX_COMMIT_EVENTS, AccessStamp, AggregateRef, Commit, DomainEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -142,3 +144,19 @@ async def test_write_stamps_the_last_change_of_each_aggregate_in_one_write(sink:
     assert await access_of(sink, r1) == [(v, C, 3) for v in (1, 2, 3, 4)]
     assert await access_of(sink, r2) == [(1, A, 1), (2, A, 1)]  # no change, no stamp
     assert await access_of(sink, r3) == [(1, A, 1)]
+
+
+@pytest.mark.parametrize("over", ["events", "bytes"])
+async def test_a_commit_over_the_event_index_caps_is_refused_on_every_backend(sink: Any, over: str) -> None:
+    """The same commit has the same fate on every backend: over the events or the bytes an
+    event-index document may hold, each sink refuses it, naming the cap (the feed quarantines it)."""
+    r = ref(sink, "o-big")
+    base = commit(r, 1)
+    if over == "events":
+        events = tuple(DomainEvent(id=f"e-{i}", name="OrderChanged", body={}) for i in range(MAX_COMMIT_EVENTS + 1))
+    else:
+        events = (DomainEvent(id="e-1", name="OrderChanged", body={"blob": "x" * MAX_COMMIT_DOCUMENT_BYTES}),)
+    with pytest.raises((InvalidInput, SinkWriteError)) as info:
+        await sink.write([replace(base, events=events)])
+    assert "cap" in str(info.value)
+    assert await sink.documents(r) == []

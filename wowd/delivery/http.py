@@ -342,7 +342,7 @@ class HttpGateway:
             options = {}
             if route.proxy is not None:
                 options["proxy"] = route.proxy
-            if route.ssl is not False:
+            if route.url.startswith("https:"):  # the connector's default verifies: give ours, also False
                 options["ssl"] = route.ssl
             if route.timeout_s != self._settings.timeout_s:
                 options["timeout"] = route.client_timeout

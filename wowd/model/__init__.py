@@ -20,6 +20,8 @@ from wowd.model.commits import (
 from wowd.model.ids import (
     DEFAULT_TENANT,
     MAX_BODY_BYTES,
+    MAX_COMMIT_DOCUMENT_BYTES,
+    MAX_COMMIT_EVENTS,
     MAX_STREAM_KEY_BYTES,
     AggregateRef,
     AggregateType,
@@ -72,6 +74,8 @@ from wowd.model.timers import (
 __all__ = [
     "DEFAULT_TENANT",
     "MAX_BODY_BYTES",
+    "MAX_COMMIT_DOCUMENT_BYTES",
+    "MAX_COMMIT_EVENTS",
     "MAX_STREAM_KEY_BYTES",
     "AccessStamp",
     "AcquireResult",

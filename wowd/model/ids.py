@@ -16,6 +16,15 @@ DEFAULT_TENANT = "(0)"
 MAX_BODY_BYTES = 64 * 1024
 """Default limit of a timer command's JSON text (configurable in the daemon)."""
 
+MAX_COMMIT_EVENTS = 10_000
+"""Events of one commit, at most, on every backend: its event-index document holds them as nested
+documents, and Elasticsearch refuses more than ``index.mapping.nested_objects.limit`` (10,000)."""
+
+MAX_COMMIT_DOCUMENT_BYTES = 10 * 1024 * 1024
+"""The event-index document of one commit, at most, on every backend (10 MiB): Elasticsearch's
+indexing pressure refuses an operation over 10 % of a node's heap (a 100 MiB heap's worth here),
+and it stays under MongoDB's 16 MiB document."""
+
 MAX_STREAM_KEY_BYTES = 512 - len("::") - len(str(2**63 - 1))
 """The percent-encoded tenant id and aggregate id of an aggregate, together, at most (491
 bytes): its commits' event-index document id (:func:`stream_id`, with a version of up to 19

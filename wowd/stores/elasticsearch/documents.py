@@ -23,7 +23,16 @@ from wowd.errors import (
     InvalidInput,
     StorageError,
 )
-from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, stream_id
+from wowd.model import (
+    MAX_COMMIT_DOCUMENT_BYTES,
+    MAX_COMMIT_EVENTS,
+    AccessStamp,
+    AggregateRef,
+    AggregateType,
+    Commit,
+    commit_fields,
+    stream_id,
+)
 
 __all__ = [
     "supported_version",
@@ -99,12 +108,12 @@ SUPPORTED = "9.x"
 REFRESH_INTERVAL_S = 1.0
 """The sink sends at most one ``_refresh`` per index this often (Elasticsearch's own
 ``index.refresh_interval`` default); the writes that need one meanwhile share it."""
-MAX_DOCUMENT_BYTES = 10 * 1024 * 1024
+MAX_DOCUMENT_BYTES = MAX_COMMIT_DOCUMENT_BYTES
 """The largest document the sink sends (its bulk lines). Elasticsearch's indexing pressure
 (``indexing_pressure.memory.limit``, 10 % of the heap) refuses an operation larger than the
 limit with a 429 that a retry repeats for ever; 10 MB stays under it from a 128 MB heap up, and a
 document fits a bulk of :data:`BULK_BYTES`."""
-MAX_DOCUMENT_EVENTS = 10_000
+MAX_DOCUMENT_EVENTS = MAX_COMMIT_EVENTS
 """The most events a document holds: each event is a nested document, and
 ``index.mapping.nested_objects.limit`` (10,000 by default) fails a document with more (400)."""
 KEYWORD_IGNORE_ABOVE = 8191

@@ -30,7 +30,17 @@ import orjson
 
 from wowd.errors import InvalidInput, SinkWriteError
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
-from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, commit_fields, sorted_json, stream_id
+from wowd.model import (
+    MAX_COMMIT_DOCUMENT_BYTES,
+    MAX_COMMIT_EVENTS,
+    AccessStamp,
+    AggregateRef,
+    AggregateType,
+    Commit,
+    commit_fields,
+    sorted_json,
+    stream_id,
+)
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -87,11 +97,20 @@ def documents_sql() -> str:
 
 
 def _document_json(doc: Mapping[str, Any]) -> str:
-    """A stored document's JSON text (orjson; the standard encoder for what orjson refuses)."""
+    """A stored document's JSON text (orjson; the standard encoder for what orjson refuses);
+    :class:`InvalidInput` over :data:`~wowd.model.MAX_COMMIT_DOCUMENT_BYTES`, as the event index
+    of the other backend refuses it."""
     try:
-        return orjson.dumps(doc).decode()
+        data = orjson.dumps(doc)
     except TypeError:
-        return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+        data = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(data) > MAX_COMMIT_DOCUMENT_BYTES:
+        raise InvalidInput(
+            f"the document is {len(data)} bytes, over the cap of {MAX_COMMIT_DOCUMENT_BYTES} bytes a document "
+            "of the event index (the same on every backend)",
+            field="commit",
+        )
+    return data.decode()
 
 
 def access_json(access: Mapping[str, Any]) -> str:
@@ -215,6 +234,12 @@ class EmbeddedEventSink(SqliteStore):
             try:
                 if ref.context != context or ref.aggregate != aggregate:
                     self._check(ref)
+                if len(c.events) > MAX_COMMIT_EVENTS:
+                    raise InvalidInput(
+                        f"{len(c.events)} events, over the cap of {MAX_COMMIT_EVENTS} events a document of the "
+                        "event index (the same on every backend)",
+                        field="events",
+                    )
                 access = access_json(c.access)
                 sid = stream_id(ref, c.version)
                 doc = _document_json(commit_document(c, sid))
