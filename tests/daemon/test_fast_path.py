@@ -252,12 +252,12 @@ async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_t
         assert isinstance(fused, FusedFirst)
         waker = Waker()
         parts = frozenset(range(PARTS))
-        assert await fused.fire(held, parts, waker, None) == 0  # the feed has not reached the head
+        assert (await fused.fire(held, parts, waker, None))[0] == 0  # the feed has not reached the head
         waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
-        assert await fused.fire(held, parts, waker, None) == 5
+        assert (await fused.fire(held, parts, waker, None))[0] == 5
         assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
         waker.advance(now)
-        assert await fused.fire(held, parts, waker, None) == 5
+        assert (await fused.fire(held, parts, waker, None))[0] == 5
         assert await box.count() == 10
     finally:
         await store.close()

@@ -8,10 +8,13 @@ from collections.abc import Sequence
 import anyio
 import pytest
 
+from tests.helpers import caught_up_waker, held_slot
+from wowd.config import TimerSettings
 from wowd.daemon.stream import DeliveryStream, Settler
-from wowd.daemon.timers import ReadFirst, Round, Sleep, plan_wait, wants_next_due
+from wowd.daemon.timers import FusedFirst, ReadFirst, Round, Sleep, plan_wait, wants_next_due
 from wowd.delivery import Delivered, Lane, Outcome, Record, Stopped
 from wowd.model import AggregateRef, Command, Timer, TimerChange, deterministic_timer_id
+from wowd.stores.base import FiredTimer, FireRequest
 
 LOOK = 1_000
 IDLE_S = 0.5
@@ -160,3 +163,30 @@ async def test_the_settler_writes_a_full_group_at_once_and_a_partial_one_after_i
             tg.cancel_scope.cancel()
     await settler.drain(1.0)
     assert writes == [10, 3]
+
+
+class SlowFast:
+    """A fast path that takes a while: timers come due during its transaction."""
+
+    def __init__(self) -> None:
+        self.requests: list[FireRequest] = []
+
+    async def fire_due(self, request: FireRequest) -> list[FiredTimer]:
+        self.requests.append(request)
+        await anyio.sleep(0.05)  # the transaction's time, not a synchronisation
+        return []
+
+    async def fired_elsewhere(self) -> None:
+        return None
+
+
+@pytest.mark.anyio
+async def test_a_fast_path_round_reads_up_to_its_fire_time_not_past_it() -> None:
+    """What a round read is what was due at its fire time: a timer that came due while the
+    transaction ran is not taken as read (the waker keeps it, and the loop wakes for it)."""
+    fast = SlowFast()
+    strategy = FusedFirst(TimerSettings(), fast, check_log=True)
+    waker = caught_up_waker()
+    r = await strategy.round(held_slot(8), waker, frozenset(range(8)))
+    (request,) = fast.requests
+    assert r.until == request.at and not r.claims_ahead

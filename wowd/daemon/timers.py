@@ -580,20 +580,24 @@ class FusedFirst:
     async def round(self, held: HeldSlot, waker: Waker, parts: frozenset[int]) -> Round:
         check = LogCheck(CONSUMER, waker.watermark) if self._check_log and waker.watermark is not None else None
         held.check()
-        fired = await self.fire(held, parts, waker, check)
+        fired, at = await self.fire(held, parts, waker, check)
         if fired >= self._settings.batch:
-            return Round(until=now_ms(), taken=fired, full=True)
+            return Round(until=at, taken=fired, full=True)
         if self._then is not None:
             return await self._then.round(held, waker, parts)
-        return Round(until=now_ms(), taken=fired, claims_ahead=False, skipped=check.skipped if check else 0)
+        # read every timer due by its fire time ``at`` (not by now: one due since is still to fire)
+        return Round(until=at, taken=fired, claims_ahead=False, skipped=check.skipped if check else 0)
 
-    async def fire(self, held: HeldSlot, parts: frozenset[int], waker: Waker, check: LogCheck | None) -> int:
+    async def fire(
+        self, held: HeldSlot, parts: frozenset[int], waker: Waker, check: LogCheck | None
+    ) -> tuple[int, int]:
         """Fires the timers due by now and by the feed's watermark (every commit appended before
         it applied: a cancel appended before a due time is in the view read), or, with
         ``check``, every timer due by now the log has not changed since the feed's checkpoint;
-        counted and told to the waker as a delivered and settled round is; answers how many."""
+        counted and told to the waker as a delivered and settled round is; answers how many, and
+        the fire time."""
         if waker.watermark is None:
-            return 0
+            return 0, now_ms()
         at = now_ms()
         request = FireRequest(
             partitions=parts,
@@ -617,7 +621,7 @@ class FusedFirst:
                     waker.maybe_wake(f.next_due)
                 if f.misfired:
                     metrics.TIMERS_MISFIRED.labels(aggregate=f.aggregate).inc()
-        return len(fired)
+        return len(fired), at
 
 
 class Nudge(Protocol):
