@@ -406,3 +406,31 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(bac
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
     assert metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get() - skipped_before == 2
+
+
+async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:
+    """With a batch claimed and unsettled, the next round waits for room; a stop ends that wait
+    even after earlier settles (each of which renewed what the round waits on)."""
+    t = backend.timers
+    assert await t.put(due_timer("ok-first"))
+    gw = ScriptedGateway()
+    held = await hold(backend)
+    loop = TimerLoop(TimerSettings(batch=1), t, gw)
+
+    async def first_settled() -> bool:
+        return await t.find(ref("owner-ok-first"), "k") is None
+
+    async def two_claimed() -> bool:
+        return len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 2
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(first_settled, 5, "the first timer settled")
+            gw.gate = anyio.Event()  # from now on deliveries wait
+            for i in range(3):
+                assert await t.put(due_timer(f"ok-{i}"))
+            await eventually(two_claimed, 5, "two batches claimed and unsettled")
+            held.request_stop()
+            gw.gate.set()  # the requests in flight end (the grace period's work)
+    assert len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released

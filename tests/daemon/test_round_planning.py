@@ -159,7 +159,6 @@ async def test_the_settler_writes_a_full_group_at_once_and_a_partial_one_after_i
             settler.add([change(i) for i in range(3)])
             await anyio.wait_all_tasks_blocked()
             assert writes == [10]  # a partial one waits (30 s here)
-            settler.close()
             tg.cancel_scope.cancel()
     await settler.drain(1.0)
     assert writes == [10, 3]

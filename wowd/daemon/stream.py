@@ -77,7 +77,6 @@ class Settler:
         self._queue: list[TimerChange] = []
         self._arrived = anyio.Event()
         self._full = anyio.Event()
-        self._closed = False
         self.failing: str | None = None
         """The store's answer while settles fail (``None`` once one is written)."""
 
@@ -105,8 +104,8 @@ class Settler:
             self._queue.extend(self._collect())
 
     async def run(self) -> None:
-        """Writes groups until :meth:`close`; what is left then is for :meth:`drain`."""
-        while not self._closed:
+        """Writes groups until cancelled; what is left then is for :meth:`drain`."""
+        while True:
             if not len(self):
                 await self._arrived.wait()
                 self._arrived = anyio.Event()
@@ -116,10 +115,6 @@ class Settler:
                     await self._full.wait()
             self._full = anyio.Event()
             await self._write_some()
-
-    def close(self) -> None:
-        self._closed = True
-        self._arrived.set()
 
     async def drain(self, timeout_s: float) -> None:
         """Writes everything queued, shielded, within ``timeout_s`` (a store that does not answer
@@ -180,8 +175,9 @@ class DeliveryStream:
     recorded and not yet written (:meth:`settled` says when they are) stay within ``window``.
     No delivery starts once ``stopped()``; the timers still queued then are the caller's to
     release (:meth:`left`), and so is a call cancelled in flight (it records nothing). A timer
-    ``skip`` answers True for when its turn comes is not sent (``skip`` settles it itself: an
-    occurrence past its misfire grace)."""
+    ``skip`` answers True for when its turn comes is not sent: ``skip`` queues its change itself
+    (an occurrence past its misfire grace), which holds a place in the window as an outcome does
+    until :meth:`settled`."""
 
     def __init__(
         self,
@@ -302,7 +298,9 @@ class DeliveryStream:
                 lane, batch = taken
                 metrics.DELIVERIES_QUEUED.set(self.queued)
                 if self._skip is not None:
-                    batch = [t for t in batch if not self._skip(t)]
+                    kept = [t for t in batch if not self._skip(t)]
+                    self._unsettled += len(batch) - len(kept)  # settled by ``skip``: their changes are queued
+                    batch = kept
                     if not batch:
                         self._done(lane)
                         continue

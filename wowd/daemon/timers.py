@@ -338,8 +338,6 @@ class ClaimDeliverSettle:
         """Claimed and not settled yet (never claimed again)."""
         self._results: list[tuple[Timer, Outcome, int]] = []
         """Outcomes recorded, not yet made into changes (:meth:`_outcome_changes`)."""
-        self._skipped: set[str] = set()
-        """Skipped past their misfire grace: settled without a delivery (not in the window)."""
         self._room = anyio.Event()
         self._held: HeldSlot | None = None
         self._waker: Waker | None = None
@@ -368,7 +366,7 @@ class ClaimDeliverSettle:
             skip=self._misfired,
         )
         held.on_stop(stream.wake)
-        held.on_stop(self._room.set)
+        held.on_stop(lambda: self._room.set())  # the event of the moment: round() replaces it
         async with anyio.create_task_group() as side:
             side.start_soon(settler.run)
             try:
@@ -501,7 +499,6 @@ class ClaimDeliverSettle:
             return False
         assert self._held is not None and self._settler is not None
         self._claimed.pop(t.timer_id, None)
-        self._skipped.add(t.timer_id)
         count_misfired(t, at)
         self._settler.add([TimerChange.fired(t, fence=self._held.fence, next_due=next_occurrence(t, at))])
         return True
@@ -527,17 +524,11 @@ class ClaimDeliverSettle:
                 metrics.SETTLE_SKIPPED.inc(len(changes) - written)
         outcomes = 0
         waker = self._waker
-        skipped = self._skipped
         for c in changes:
             self._unsettled.discard(c.timer.timer_id)
             if c.kind == "release":
                 continue
-            if skipped and c.timer.timer_id in skipped:
-                skipped.discard(c.timer.timer_id)
-                if c.next_due is not None:
-                    waker.maybe_wake(c.next_due)
-                continue
-            outcomes += 1
+            outcomes += 1  # recorded or skipped by the stream: its place in the window is free
             if c.kind == "retry" and c.due_at is not None:
                 waker.maybe_wake(c.due_at)
             elif c.kind == "fired" and c.next_due is not None:
