@@ -13,6 +13,7 @@ from wowd.config import WowdSettings
 from wowd.fmt import compact_partitions, iso_ms
 from wowd.model import SlotState
 from wowd.stores.base import ReplicaState
+from wowd.views import views_status
 
 __all__ = ["live_partitions", "register", "replica_rows", "status", "status_doc"]
 
@@ -98,7 +99,9 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         states = await backend.leases.slots(settings.lease_namespace)
         replicas = await backend.leases.replicas(settings.lease_namespace)
+        views = await views_status(settings, backend.log, settings.reducers)
     doc = status_doc(settings, states, replicas)
+    doc["views"] = views
     if args.json:
         print_json(doc)
         return 0
@@ -145,4 +148,8 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
         out(f"gone without leaving (recently): {len(gone)} ({', '.join(gone)})")
     unowned = doc["partitions_without_live_holder"]
     out(f"partitions without a live holder: {compact_partitions(unowned) if unowned else 'none'}")
+    for v in views:
+        behind = v["partitions_behind"]
+        state = f"behind the timer view in partitions {compact_partitions(behind)}" if behind else "current"
+        out(f"view {v['view']}: {state}")
     return 0
