@@ -24,7 +24,7 @@ from wowd.daemon.waker import Waker
 from wowd.delivery import Delivered, Lane, Outcome
 from wowd.model import AggregateType, Commit, Timer, TimerWrite, partition
 from wowd.stores.base import Backend
-from wowd.views import FROM_START, reset_view, view_named
+from wowd.views import FROM_START, reset_view, view_named, views_status
 
 from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 from .test_feed_isolation import RefusingSink
@@ -230,6 +230,10 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     assert await reset_view(backend.log, view_named("index"), parts, first.fence)
     cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
     assert len(cps) == PARTS and all(cp.position == FROM_START for cp in cps.values())
+    # what `wowd status` reports: the index behind the timer view where the log has commits
+    fed = sorted({c.partition(PARTS) for c in commits})
+    status = {v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.log, ())}
+    assert status == {"timers": [], "index": fed}
     assert backend.sink_factory is not None
     counting = CountingSink(backend.sink_factory(TYPE))
     backend.sink_factory = lambda _type: counting  # type: ignore[assignment,return-value]
