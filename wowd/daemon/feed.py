@@ -91,6 +91,8 @@ STALL_LOG_EVERY_S = LOG_EVERY_S
 """A stalled slot's ERROR line comes at most this often (as any stalled work's)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
+IDLE_CHECKPOINT_EVERY_S = 5.0
+"""A quiet partition's checkpoint is saved at most this often (the read moves it on)."""
 
 _Read = tuple[LogBatch, int, "_Prepared | None", Exception | None]
 """A batch read ahead, its number (:meth:`Waker.reading`), what its steps need (``None`` for a
@@ -194,6 +196,8 @@ class Feeder:
         self.stalled_since = 0.0
         self._stall_logged_at = float("-inf")
         self._unavailable_since: float | None = None
+        self._idle_saved: dict[int, float] = {}
+        """When (``time.monotonic()``) each quiet partition's checkpoint was last saved."""
 
     def _request_stop(self) -> None:
         self._stopping = True
@@ -296,7 +300,7 @@ class Feeder:
             try:
                 async for batch in batches:
                     owners = {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None}
-                    registered[0] = waker.reading(batch.watermark, owners)
+                    registered[0] = waker.reading(batch.watermark, owners, batch.covers)
                     if not batch.entries and not batch.positions:
                         # nothing to apply: its read of the log's head is registered above, and a
                         # later one carries a later watermark, so it does not wait for the batches
@@ -381,8 +385,14 @@ class Feeder:
         """Applies batch number ``read`` (as the waker numbered it when it was read), prepared
         when it was read."""
         if prepared is None:  # caught up: the watermark moved on
+            if batch.positions:  # quiet partitions moved on: their checkpoints follow
+                try:
+                    await self._idle_checkpoint(held, batch.positions, logx)
+                finally:
+                    waker.applied(read, batch.watermark, batch.covers)
+            else:
+                waker.applied(read, batch.watermark, batch.covers)
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
-            waker.applied(read, batch.watermark)
             return
         pauses = Pauses(RETRY_BACKOFF, held.stop_event)
         try:
@@ -425,7 +435,7 @@ class Feeder:
             last_time = max(last_time, max(c.create_time for c in commits))
         if batch.watermark is not None:  # caught up
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
-            waker.advance(batch.watermark)
+            waker.advance(batch.watermark, batch.covers)
         elif last_time:
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(max(0.0, time.time() - last_time / 1000))
 
@@ -582,6 +592,34 @@ class Feeder:
                 logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
         await self._checkpoint(held, batch.positions)
         return True
+
+    async def _idle_checkpoint(
+        self, held: HeldSlot, positions: Mapping[int, Position], logx: logging.LoggerAdapter[logging.Logger]
+    ) -> None:
+        """Saves the positions a read moved quiet partitions to (no commits), each partition's at
+        most every :data:`IDLE_CHECKPOINT_EVERY_S`, so that its checkpoint stays in the log's
+        history (the oplog) however long it is quiet. Fenced as any checkpoint; one the store does
+        not take now is left to the partition's next move (a refused one: the slot is lost)."""
+        t = time.monotonic()
+        due = {
+            p: pos
+            for p, pos in positions.items()
+            if t - self._idle_saved.get(p, float("-inf")) >= IDLE_CHECKPOINT_EVERY_S
+        }
+        if not due:
+            return
+        try:
+            await self._checkpoint(held, due)
+        except _StepFailed as exc:
+            logx.warning(
+                "checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc
+            )
+            return
+        except StorageUnavailable as exc:
+            logx.debug("checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc)
+            return
+        for p in due:
+            self._idle_saved[p] = t
 
     async def _checkpoint(self, held: HeldSlot, positions: Mapping[int, Position]) -> None:
         """The positions under the slot's fence, in one write; refused: another holder has it."""
