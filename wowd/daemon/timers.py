@@ -123,9 +123,15 @@ FEED_BEHIND_S = 2.0
 long: a feed further behind is waited for (its watermark), as is a log with no check."""
 WAITING_FEED = "feed_behind"
 WAITING_CHECK = "log_check"
+WAITING_LIMIT = "target_limit"
+WAITING_CIRCUIT = "circuit_open"
 """The reasons of ``wowd_timers_waiting``: due timers held for the feed to read the log past
-their due time, and held for the log check (asked, or a commit of their aggregate it found,
-until the feed reads it)."""
+their due time; held for the log check (asked, or a commit of their aggregate it found, until the
+feed reads it); queued for a delivery slot of their target; to be retried because their
+target's circuit was open (no request sent)."""
+CIRCUIT_WAIT_FORGET_S = 600.0
+"""A timer counted as waiting for an open circuit is forgotten this long after it was (its retry
+outcome not followed by another: cancelled or taken over meanwhile)."""
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
@@ -364,6 +370,9 @@ class ClaimDeliverSettle:
         instead of waiting for the feed to read past it; ``None``: the feed is waited for."""
         self._waiting: Counter[str] = Counter()
         """Due timers held, by reason (``wowd_timers_waiting``)."""
+        self._short_circuited: dict[str, float] = {}
+        """Timers whose last outcome was a retry without a request (the circuit open), with when
+        (``anyio.current_time()``)."""
         self._capacity = 2 * settings.batch
         self._claimed: dict[str, Timer] = {}
         """Claimed, with no outcome or release recorded yet."""
@@ -410,6 +419,8 @@ class ClaimDeliverSettle:
             finally:
                 stream.left()
                 self._release(list(self._claimed.values()), STOPPED)
+                for reason in (WAITING_FEED, WAITING_CHECK, WAITING_LIMIT, WAITING_CIRCUIT):
+                    metrics.TIMERS_WAITING.labels(slot=str(held.slot), reason=reason).set(0)
                 side.cancel_scope.cancel()
                 if len(settler) and not held.valid:
                     logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(settler))
@@ -601,6 +612,7 @@ class ClaimDeliverSettle:
         self._release(changed, CHANGED)
         if ready:
             self._stream.put(ready)
+            self._count_queued()
 
     def _wait_count(self, reason: str, n: int) -> None:
         """``wowd_timers_waiting{slot, reason}`` moved by ``n``."""
@@ -613,6 +625,25 @@ class ClaimDeliverSettle:
         self._claimed.pop(t.timer_id, None)
         self._results.append((t, outcome, now_ms()))
         self._settler.note()  # type: ignore[union-attr]
+        short = self._short_circuited
+        if isinstance(outcome, Retry) and outcome.circuit_open:
+            short[t.timer_id] = anyio.current_time()
+        elif short:
+            short.pop(t.timer_id, None)
+        self._count_queued()
+
+    def _count_queued(self) -> None:
+        """``wowd_timers_waiting`` of the timers queued for a delivery slot of their target and
+        of those to be retried because their target's circuit was open."""
+        assert self._held is not None and self._stream is not None
+        slot = str(self._held.slot)
+        short = self._short_circuited
+        if short:
+            forget = anyio.current_time() - CIRCUIT_WAIT_FORGET_S
+            for timer_id in [i for i, at in short.items() if at < forget]:
+                del short[timer_id]
+        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_LIMIT).set(self._stream.queued)
+        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_CIRCUIT).set(len(short))
 
     def _outcome_changes(self) -> list[TimerChange]:
         """The settle changes of the outcomes recorded since the last group, counted."""
