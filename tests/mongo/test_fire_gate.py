@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +28,6 @@ from bson.timestamp import Timestamp
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
-from tests.daemon.test_wakeup import Recorder
 from tests.helpers import held_slot
 from tests.mongo.conftest import Wire, primary, serving
 from tests.mongo.log_support import CONTEXT, DB, ORDERS, housekeeping, token
@@ -38,6 +37,8 @@ from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
+from wowd.delivery import Delivered, Lane, Record, Stopped
+from wowd.metrics import REGISTRY
 from wowd.model import (
     AggregateRef,
     Command,
@@ -124,6 +125,34 @@ def insert_event(doc: dict[str, Any], ct: tuple[int, int]) -> dict[str, Any]:
 
 def position(ct: tuple[int, int]) -> dict[str, Any]:
     return {"token": token(ct), "cluster_time": list(ct)}
+
+
+class Recorder:
+    """A gateway that delivers every timer and records when (ms)."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[Timer, int]] = []
+        self.changed = anyio.Event()
+
+    def lane(self, timer: Timer) -> Lane:
+        return Lane("all", limit=64, chunk=1000)
+
+    async def send(self, timer: Timer) -> Delivered:
+        return Delivered()
+
+    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
+        for t in timers:
+            self.fired.append((t, now_ms()))
+            record(t, Delivered())
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    async def until_fired(self, n: int) -> None:
+        while len(self.fired) < n:
+            await self.changed.wait()
+
+    async def aclose(self) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------- the server
@@ -315,6 +344,12 @@ async def stop(slot: Slot) -> None:
     slot.held.request_stop()
 
 
+def waiting(reason: str) -> float:
+    """``wowd_timers_waiting`` of slot 0 for ``reason``."""
+    value = REGISTRY.get_sample_value("wowd_timers_waiting", {"slot": "0", "reason": reason})
+    return value or 0.0
+
+
 # --------------------------------------------------------------------------- a due timer, idle log
 
 
@@ -390,9 +425,11 @@ async def test_a_cancel_committed_before_the_due_time_wins_on_an_idle_cluster(
                 async with anyio.create_task_group() as tg:
                     await tg.start(slot.run)
                     await fake.until(lambda: len(fake.checks) == 1)
-                    # the feed reads the cancel after the check: it held the timer meanwhile
+                    await fake.until(lambda: waiting("log_check") == 1)  # held for the feed, claimed
+                    # the feed reads the cancel after the check: the timer is settled back
                     fake.events = [insert_event(cancel, ((due - 300) // 1000, 7))]
                     await fake.until(lambda: len(fake.saved) >= 1)  # the cancel applied, then checkpointed
+                    await fake.until(lambda: waiting("log_check") == 0)
                     # cancelled: the view holds no live timer of the key (a tombstone)
                     assert await backend.timers.find(ref(agg), "k") is None
                     await stop(slot)
