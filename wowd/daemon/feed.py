@@ -385,12 +385,10 @@ class Feeder:
         """Applies batch number ``read`` (as the waker numbered it when it was read), prepared
         when it was read."""
         if prepared is None:  # caught up: the watermark moved on
-            if batch.positions:  # quiet partitions moved on: their checkpoints follow
-                try:
+            try:
+                if batch.positions:  # quiet partitions moved on: their checkpoints follow
                     await self._idle_checkpoint(held, batch.positions, logx)
-                finally:
-                    waker.applied(read, batch.watermark, batch.covers)
-            else:
+            finally:
                 waker.applied(read, batch.watermark, batch.covers)
             metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
             return
@@ -611,11 +609,13 @@ class Feeder:
         try:
             await self._checkpoint(held, due)
         except _StepFailed as exc:
+            metrics.FEED_ERRORS.labels(kind="fatal").inc()
             logx.warning(
                 "checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc
             )
             return
         except StorageUnavailable as exc:
+            metrics.FEED_ERRORS.labels(kind="transient").inc()
             logx.debug("checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc)
             return
         for p in due:
