@@ -11,10 +11,14 @@ backend is assembled (:func:`round_strategy`):
   is handed to the delivery stream (:class:`~wowd.daemon.stream.DeliveryStream`: a queue per
   target, workers, each outcome settled as it comes) at its scheduled time, once the feed has
   **read** the log past it (the loop asks the log to look at its head at the due time,
-  :meth:`Waker.read_past`), and only if no batch the feed read after the claim began commits to
-  its aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
+  :meth:`Waker.read_past`) or, while the feed reads the log's head, once the log asked after the
+  due time holds no commit of its aggregate that may change it (the log check,
+  :meth:`~wowd.stores.base.Log.committed_after`: what a quiet MongoDB log's watermark would make
+  wait for seconds), and only if no batch the feed read after the claim began commits to its
+  aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
   appended before the due time always wins, and the claimed copy is settled back (a no-op where
-  the feed changed the timer). Timers claimed and not yet settled are never claimed again,
+  the feed changed the timer). With the log check, the claims reach the lookahead past now, not
+  past the feed's last read of the log's head. Timers claimed and not yet settled are never claimed again,
   however long their delivery takes; at most twice ``timers.batch`` are claimed at once.
 - :class:`FusedFiring` (the ``outbox`` gateway on the embedded backend): the timers due by now
   and by the watermark are read, written to the outbox and settled in one transaction with no
