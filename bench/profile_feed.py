@@ -83,8 +83,8 @@ async def _feed(
         class StopAtHead(Waker):
             """Stops the feed once it reached the log's head (the watermark moves)."""
 
-            def advance(self, watermark: int) -> None:
-                super().advance(watermark)
+            def advance(self, watermark: int, covers: frozenset[int] | None = None) -> None:
+                super().advance(watermark, covers)
                 held.request_stop()
 
         profiler = cProfile.Profile() if profile else None

@@ -57,6 +57,7 @@ __all__ = [
     "TIMERS_PARKED",
     "TIMERS_RETRIED",
     "TIMERS_STALLED",
+    "TIMERS_WAITING",
     "TIMER_EVENTS_REJECTED",
     "CollectorRegistry",
     "count_fired",
@@ -204,6 +205,13 @@ TIMERS_STALLED = Gauge(
     "wowd_timers_stalled",
     "1 while the slot's timer loop cannot progress (the store refuses its reads or writes: a full disk)",
     ["slot"],
+)
+TIMERS_WAITING = Gauge(
+    "wowd_timers_waiting",
+    "Due timers held back now, by why: feed_behind (the feed has not read the log past their due time),"
+    " log_check (the log asked at their due time, or a commit of their aggregate it found not read yet),"
+    " target_limit (queued for a delivery slot of their target), circuit_open (their target's circuit is open)",
+    ["slot", "reason"],
 )
 FEED_WATERMARK_LAG = Gauge(
     "wowd_feed_watermark_lag_seconds",

@@ -103,6 +103,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "short",
         [
             ("sum by (instance) (wowd_timers_claimed_last_round{S})", "claimed {{instance}}"),
+            ("sum by (reason) (wowd_timers_waiting{S})", "due, waiting: {{reason}}"),
             ("max(wowd_outbox_depth{S})", "outbox"),
         ],
     ),

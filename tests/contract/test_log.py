@@ -24,6 +24,7 @@ from wowd.model import (
     Position,
     partition,
 )
+from wowd.stores.base import OwnerProbe
 
 pytestmark = pytest.mark.anyio
 
@@ -52,7 +53,7 @@ def commit(
         command_id=f"cmd-{agg_id}-{version}",
         request_id=request_id or f"req-{agg_id}-{version}",
         create_time=1_700_000_000_000 + version,
-        events=(DomainEvent(id=f"ev-{agg_id}-{version}", name="OrderChanged", body={"n": version}),),
+        events=kw.pop("events", (DomainEvent(id=f"ev-{agg_id}-{version}", name="OrderChanged", body={"n": version}),)),
         header={"source": "test"},
         access={"owner_id": "u1", "space_id": "s1", "tags": ["a"]},
         access_version=version,
@@ -110,6 +111,47 @@ async def test_last_version_is_the_highest_of_that_aggregate_alone(log: Any) -> 
     assert await log.last_version(commit("o-2").ref) == 7
     assert await log.last_version(AggregateRef(context=CONTEXT, aggregate="order", id="o-1", tenant_id="t2")) == 0
     assert await log.last_version(commit("o-1", type=CART).ref) == 0
+
+
+async def test_committed_after_answers_the_probes_a_later_commit_may_change(log: Any) -> None:
+    """The log check at a due time: a probe whose aggregate has a commit above its version that
+    cancels or schedules its key, or deletes the aggregate, is answered; one with no commit above
+    its version never is (a backend may also answer one whose later commits touch other keys)."""
+    cancel = DomainEvent(id="ev-cancel", name="TimerCancelled", body={"key": "k"})
+    put_other = DomainEvent(id="ev-put", name="TimerScheduled", body={"key": "other", "due_at": 1})
+    await log.append_many(
+        [
+            commit("o-1", 1),
+            commit("o-1", 2, events=(cancel,)),  # cancels k of o-1 at version 2
+            commit("o-2", 1),
+            commit("o-3", 1),
+            commit("o-3", 2, deleted=True),
+            commit("o-4", 1),
+            commit("o-4", 2, events=(put_other,)),
+            commit("c-1", 1, type=CART),
+            commit("c-1", 2, type=CART, events=(cancel,)),
+        ]
+    )
+
+    def probe(agg_id: str, version: int, key: str | None = "k", type: AggregateType = ORDER) -> OwnerProbe:
+        return OwnerProbe(
+            AggregateRef(context=CONTEXT, aggregate=type.aggregate, id=agg_id, tenant_id="t1"), version, key
+        )
+
+    probes = [
+        probe("o-1", 1),  # 0: the cancel of v2
+        probe("o-1", 2),  # 1: nothing above v2
+        probe("o-2", 1),  # 2: nothing above v1
+        probe("o-3", 1),  # 3: deleted at v2
+        probe("o-9", 0),  # 4: no commit at all
+        probe("c-1", 1, type=CART),  # 5: another type, its own collection
+        probe("o-2", 0, key=None),  # 6: any commit above v0
+        probe("o-1", 1, key="other"),  # 7: the cancel of k does not change "other" (a backend may answer it)
+        probe("o-4", 1),  # 8: v2 schedules another key (a backend may answer it)
+    ]
+    found = await log.committed_after(probes)
+    assert found - {7, 8} == {0, 3, 5, 6}
+    assert await log.committed_after([]) == set()
 
 
 async def test_aggregate_types_lists_the_types_with_commits(log: Any) -> None:

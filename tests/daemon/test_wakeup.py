@@ -73,6 +73,25 @@ def test_the_waker_leaves_far_and_overflowing_puts_to_the_store_read() -> None:
     assert len(small) == 2 and small.earliest() == t + 100
 
 
+async def test_a_slots_watermark_is_the_lowest_of_its_partitions() -> None:
+    """A read that reached the head of some partitions only (a catch-up stream while the others
+    are still re-read) moves theirs: the slot has a watermark once every partition has one, the
+    lowest; a read of every partition moves them all."""
+    w = Waker(partitions={0, 1, 2})
+    w.reading(1_000, (), frozenset({0, 1}))
+    w.advance(1_000, frozenset({0, 1}))
+    assert (w.read_mark, w.watermark) == (None, None)
+    w.reading(900, (), frozenset({2}))
+    w.applied(w.applied_batches + 1, 900, frozenset({2}))
+    assert (w.read_mark, w.watermark) == (900, 900)
+    w.advance(2_000)
+    assert w.watermark == 2_000
+    blind = Waker()  # the slot's partitions unknown: a read of some of them moves nothing
+    blind.reading(1_000, (), frozenset({0}))
+    blind.advance(1_000, frozenset({0}))
+    assert (blind.read_mark, blind.watermark) == (None, None)
+
+
 async def test_a_put_due_before_the_wake_up_wakes_the_waiting_loop() -> None:
     w = Waker()
     woke = anyio.Event()

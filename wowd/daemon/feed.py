@@ -98,6 +98,8 @@ READ_AHEAD = 4
 JOIN_WITHIN_S = 1.0
 """A view that caught up joins the shared read if it can read what it still lacks within this
 (the shared read waits for it meanwhile); else it tries again when it next catches up."""
+IDLE_CHECKPOINT_EVERY_S = 5.0
+"""A quiet partition's checkpoint is saved at most this often (the read moves it on)."""
 
 _Read = tuple[LogBatch, int, "_Prepared | None", Exception | None]
 """A batch read ahead, its number (:meth:`Waker.reading`), what its steps need (``None`` for a
@@ -279,6 +281,8 @@ class Feeder:
         self._positions: dict[int, Position | None] = {}
         """Where the shared read is (the lead view's positions)."""
         self._tg: anyio.abc.TaskGroup | None = None
+        self._idle_saved: dict[int, float] = {}
+        """When (``time.monotonic()``) each quiet partition's checkpoint was last saved."""
 
     # ---- state for readiness, status and tests
 
@@ -444,7 +448,7 @@ class Feeder:
             try:
                 async for batch in batches:
                     owners = {owner_key(e.commit.ref) for e in batch.entries if e.commit is not None}
-                    registered[0] = waker.reading(batch.watermark, owners)
+                    registered[0] = waker.reading(batch.watermark, owners, batch.covers)
                     if not batch.entries and not batch.positions:
                         # nothing to apply: its read of the log's head is registered above, and a
                         # later one carries a later watermark, so it does not wait for the batches
@@ -493,9 +497,15 @@ class Feeder:
         """Applies batch number ``read`` (as the waker numbered it when it was read), prepared
         when it was read, to the views following the shared read."""
         if prepared is None:  # caught up: the watermark moved on
+            if batch.positions:  # quiet partitions moved on: their checkpoints follow
+                try:
+                    await self._idle_checkpoint(held, batch.positions, logx)
+                finally:
+                    waker.applied(read, batch.watermark, batch.covers)
+            else:
+                waker.applied(read, batch.watermark, batch.covers)
             for v in self._current:
                 self._stalls[v].lag(0.0)
-            waker.applied(read, batch.watermark)
             return
         before = dict(self._positions)
         try:
@@ -519,7 +529,7 @@ class Feeder:
             for v in applied:
                 self._stalls[v].lag(lag)
         if batch.watermark is not None:  # caught up
-            waker.advance(batch.watermark)
+            waker.advance(batch.watermark, batch.covers)
 
     async def _apply_until_done(
         self,
@@ -876,6 +886,37 @@ class Feeder:
                 logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
         await self._checkpoint(held, batch.positions, live)
         return live
+
+    async def _idle_checkpoint(
+        self, held: HeldSlot, positions: Mapping[int, Position], logx: logging.LoggerAdapter[logging.Logger]
+    ) -> None:
+        """Saves, for the views following the shared read, the positions a read moved quiet
+        partitions to (no commits), each partition's at most every :data:`IDLE_CHECKPOINT_EVERY_S`,
+        so that its checkpoint stays in the log's history (the oplog) however long it is quiet.
+        Fenced as any checkpoint; one the store does not take now is left to the partition's next
+        move (a refused one: the slot is lost)."""
+        t = time.monotonic()
+        due = {
+            p: pos
+            for p, pos in positions.items()
+            if t - self._idle_saved.get(p, float("-inf")) >= IDLE_CHECKPOINT_EVERY_S
+        }
+        if not due:
+            return
+        try:
+            await self._checkpoint(held, due, self._current)
+        except _StepFailed as exc:
+            metrics.FEED_ERRORS.labels(kind="fatal").inc()
+            logx.warning(
+                "checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc
+            )
+            return
+        except StorageUnavailable as exc:
+            metrics.FEED_ERRORS.labels(kind="transient").inc()
+            logx.debug("checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc)
+            return
+        for p in due:
+            self._idle_saved[p] = t
 
     async def _checkpoint(self, held: HeldSlot, positions: Mapping[int, Position], views: Sequence[View]) -> None:
         """The positions of ``views`` under the slot's fence, in one write; refused: another

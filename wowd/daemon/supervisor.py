@@ -258,7 +258,7 @@ class Supervisor:
         return True
 
     async def _slot_work(self, held: HeldSlot) -> None:
-        waker = Waker()
+        waker = Waker(partitions=held.partitions)
         # with the gateway's fast path into the backend's outbox, a batch fires the due timers it
         # puts (those no later commit can cancel) in its own transaction
         feeder = Feeder(
@@ -272,6 +272,7 @@ class Supervisor:
             nudge=self.backend.log.nudge,
             fused=self.fused,
             check_log=self.backend.checks_log,
+            gate=self.backend.log.committed_after,
         )
         loop = TimerLoop(timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, strategy=strategy)
         self._feeders[held.slot] = feeder

@@ -11,10 +11,14 @@ backend is assembled (:func:`round_strategy`):
   is handed to the delivery stream (:class:`~wowd.daemon.stream.DeliveryStream`: a queue per
   target, workers, each outcome settled as it comes) at its scheduled time, once the feed has
   **read** the log past it (the loop asks the log to look at its head at the due time,
-  :meth:`Waker.read_past`), and only if no batch the feed read after the claim began commits to
-  its aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
+  :meth:`Waker.read_past`) or, while the feed reads the log's head, once the log asked after the
+  due time holds no commit of its aggregate that may change it (the log check,
+  :meth:`~wowd.stores.base.Log.committed_after`: what a quiet MongoDB log's watermark would make
+  wait for seconds), and only if no batch the feed read after the claim began commits to its
+  aggregate (:meth:`Waker.changed_since`): a cancel, a put of a later version or a delete
   appended before the due time always wins, and the claimed copy is settled back (a no-op where
-  the feed changed the timer). Timers claimed and not yet settled are never claimed again,
+  the feed changed the timer). With the log check, the claims reach the lookahead past now, not
+  past the feed's last read of the log's head. Timers claimed and not yet settled are never claimed again,
   however long their delivery takes; at most twice ``timers.batch`` are claimed at once.
 - :class:`FusedFiring` (the ``outbox`` gateway on the embedded backend): the timers due by now
   and by the watermark are read, written to the outbox and settled in one transaction with no
@@ -48,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from operator import attrgetter
@@ -75,7 +79,7 @@ from wowd.delivery import (
 from wowd.errors import StorageError
 from wowd.model import CronRule, IntervalRule, Timer, TimerChange, misfired
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import FireRequest, LogCheck, TimerStore
+from wowd.stores.base import FireRequest, LogCheck, OwnerProbe, TimerStore
 
 from .feed import CONSUMER
 from .leases import HeldSlot
@@ -87,6 +91,7 @@ __all__ = [
     "MAX_IDLE_S",
     "ClaimDeliverSettle",
     "FusedFirst",
+    "LogGate",
     "ReadFirst",
     "Round",
     "RoundStrategy",
@@ -114,6 +119,23 @@ settled back undelivered."""
 CHANGED = "not delivered: changed by the log before its due time"
 STOPPED = "not delivered: stopped"
 NOT_READ = f"not delivered: the log was not read past its due time within {READ_WAIT_S:g}s"
+GATE_GRACE_S = 0.02
+"""How long a due group waits for the feed to read the log past it (having asked the log to
+look at its head) before the log is asked directly (:class:`LogGate`)."""
+FEED_BEHIND_S = 2.0
+"""The log is asked directly only while the feed has read the log up to its head within this
+long: a feed further behind is waited for (its watermark), as is a log with no check."""
+WAITING_FEED = "feed_behind"
+WAITING_CHECK = "log_check"
+WAITING_LIMIT = "target_limit"
+WAITING_CIRCUIT = "circuit_open"
+"""The reasons of ``wowd_timers_waiting``: due timers held for the feed to read the log past
+their due time; held for the log check (asked, or a commit of their aggregate it found, until the
+feed reads it); queued for a delivery slot of their target; to be retried because their
+target's circuit was open (no request sent)."""
+CIRCUIT_WAIT_FORGET_S = 600.0
+"""A timer counted as waiting for an open circuit is forgotten this long after it was (its retry
+outcome not followed by another: cancelled or taken over meanwhile)."""
 BUDGET_SPENT = "retry budget spent"
 SWEEP_EVERY_S = 10.0
 """How often a loop deletes expired tombstones (a small batch each time)."""
@@ -245,6 +267,9 @@ class Round:
     """Whether its timers were taken up to the lookahead ahead of their due time (else at it)."""
     skipped: int = 0
     """Due timers the log check left: the feed has a commit of their aggregate to apply first."""
+    read_bound: bool = True
+    """Whether ``until`` was bounded by the feed's last read of the log's head (a round that asks
+    the log directly at the due times claims up to the lookahead past now)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +319,13 @@ def plan_wait(
     idle_s = MAX_IDLE_S if max_idle_s is None else max_idle_s
     idle_ms = int(idle_s * 1000)
     halfway = r.until - lookahead_ms // 2
-    if r.claims_ahead and first is not None and r.until < first <= now + lookahead_ms and now >= halfway:
+    if (
+        r.claims_ahead
+        and r.read_bound
+        and first is not None
+        and r.until < first <= now + lookahead_ms
+        and now >= halfway
+    ):
         return ReadFirst(first, first - lookahead_ms)
     wake_at = wake_time(now, nexts, look, idle_s)
     if r.claims_ahead and first is not None and first > r.until:
@@ -326,11 +357,26 @@ class ClaimDeliverSettle:
     timers are claimed and not yet settled; claiming refills a batch at a time as outcomes are
     written."""
 
-    def __init__(self, settings: TimerSettings, store: TimerStore, gateway: CommandGateway, nudge: Nudge) -> None:
+    def __init__(
+        self,
+        settings: TimerSettings,
+        store: TimerStore,
+        gateway: CommandGateway,
+        nudge: Nudge,
+        gate: LogGate | None = None,
+    ) -> None:
         self._settings = settings
         self._store = store
         self._gateway = gateway
         self._nudge = nudge
+        self._gate = gate
+        """The log's own check at a due time (:meth:`~wowd.stores.base.Log.committed_after`),
+        instead of waiting for the feed to read past it; ``None``: the feed is waited for."""
+        self._waiting: Counter[str] = Counter()
+        """Due timers held, by reason (``wowd_timers_waiting``)."""
+        self._short_circuited: dict[str, float] = {}
+        """Timers whose last outcome was a retry without a request (the circuit open), with when
+        (``anyio.current_time()``)."""
         self._capacity = 2 * settings.batch
         self._claimed: dict[str, Timer] = {}
         """Claimed, with no outcome or release recorded yet."""
@@ -377,6 +423,8 @@ class ClaimDeliverSettle:
             finally:
                 stream.left()
                 self._release(list(self._claimed.values()), STOPPED)
+                for reason in (WAITING_FEED, WAITING_CHECK, WAITING_LIMIT, WAITING_CIRCUIT):
+                    metrics.TIMERS_WAITING.labels(slot=str(held.slot), reason=reason).set(0)
                 side.cancel_scope.cancel()
                 if len(settler) and not held.valid:
                     logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(settler))
@@ -392,7 +440,11 @@ class ClaimDeliverSettle:
                 self._room = anyio.Event()
             await self._room.wait()
         assert waker.read_mark is not None
-        until = min(now_ms(), waker.read_mark) + s.lookahead_ms
+        now = now_ms()
+        # claimed up to the lookahead past the feed's read of the log's head; past now when the
+        # log is asked at the due times (the feed has read it lately)
+        read_bound = not self._gated(waker)
+        until = (min(now, waker.read_mark) if read_bound else now) + s.lookahead_ms
         limit = s.batch
         batch_mark = waker.hold()
         try:
@@ -412,14 +464,19 @@ class ClaimDeliverSettle:
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(claimed))
         if not claimed:
             waker.release(batch_mark)
-            return Round(until=until)
+            return Round(until=until, read_bound=read_bound)
         metrics.SETTLE_BATCH.observe(len(claimed))
         for t in claimed:
             self._claimed[t.timer_id] = t
             self._unsettled.add(t.timer_id)
         assert self._work is not None
         self._work.start_soon(self._dispatch, held, claimed, waker, batch_mark)
-        return Round(until=until, taken=len(claimed), full=len(claimed) >= limit)
+        return Round(until=until, taken=len(claimed), full=len(claimed) >= limit, read_bound=read_bound)
+
+    def _gated(self, waker: Waker) -> bool:
+        """Whether the log is asked directly at the due times: it has a check, and the feed has
+        read it up to its head within :data:`FEED_BEHIND_S`."""
+        return self._gate is not None and anyio.current_time() - waker.read_at <= FEED_BEHIND_S
 
     async def _dispatch(self, held: HeldSlot, claimed: list[Timer], waker: Waker, batch_mark: int) -> None:
         """Hands a claimed batch to the stream in scheduled order, each timer not before its
@@ -427,60 +484,170 @@ class ClaimDeliverSettle:
         for a scheduled time is bounded by the lookahead on the monotonic clock: a wall clock
         stepped back never holds a claimed batch.
 
-        A timer is handed on only once the feed has read the log past its due time (asking the
-        log to look at its head when it has not), and not when a batch the feed read after the
-        claim began holds a commit of its aggregate: a put, cancel or delete appended before the
-        due time may have changed it (settled back, under its claim). The feed's read is waited
-        for at most :data:`READ_WAIT_S`; what is left is settled back undelivered."""
+        A due timer is handed on once the feed has read the log past its due time, or, when the
+        feed has not (asking the log to look at its head, :data:`GATE_GRACE_S`), once the log
+        itself, asked after the due time (:meth:`_check`), holds no commit of its aggregate that
+        may change it; and never when a batch the feed read after the claim began holds a commit
+        of its aggregate: a put, cancel or delete appended before the due time may have changed
+        it (settled back, under its claim). A timer the log check holds back waits for the feed
+        to read that commit (then settled back) or past its due time; the feed's read is waited
+        for at most :data:`READ_WAIT_S` (a commit the check found: half the claim's time to
+        live, at least that), then it is settled back undelivered."""
         assert self._stream is not None
         pending = sorted(claimed, key=_DELIVERY_ORDER)
         latest = anyio.current_time() + self._settings.lookahead_ms / 1000
-        read_deadline = anyio.current_time() + READ_WAIT_S
+        held_back_s = max(READ_WAIT_S, self._settings.claim_ttl_s / 2)
+        waiting: list[tuple[Timer, float, str]] = []
+        """Due timers held for the feed: ``(timer, until when, reason)``."""
         i = 0
-        held_mark = True
         try:
-            while i < len(pending) and not held.stopping:
+            while not held.stopping:
                 now = now_ms()
+                if waiting:
+                    waiting = self._resolve(held, waiting, waker, batch_mark, now)
+                if i == len(pending) and not waiting:
+                    break
                 late = anyio.current_time() >= latest
                 j = i
                 while j < len(pending) and (late or pending[j].scheduled_at <= now):
                     j += 1
-                if j == i:  # slightly ahead (lookahead): handed on at its scheduled time
-                    wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
-                    with anyio.move_on_after(max(0.0, wait_s)):
-                        await held.stop_event.wait()
+                if j == i:
+                    wait_s = float("inf")
+                    if i < len(pending):  # slightly ahead (lookahead): handed on at its scheduled time
+                        wait_s = min((pending[i].scheduled_at - now) / 1000, latest - anyio.current_time())
+                    if waiting:  # the feed's next read, or a due time, whichever first
+                        self._nudge()
+                        until = min(w[1] for w in waiting)
+                        await waker.next_read(min(wait_s, MAX_IDLE_S, until - anyio.current_time()))
+                    else:
+                        with anyio.move_on_after(max(0.0, wait_s)):
+                            await held.stop_event.wait()
                     continue
-                # every commit appended before the group's due times (or, on a wall clock
-                # stepped back, before now) read by the feed
-                read_to = min(pending[j - 1].scheduled_at, now)
-                if waker.read_mark is None or waker.read_mark < read_to:
-                    self._nudge()
-                    if not await waker.read_past(read_to, min(MAX_IDLE_S, read_deadline - anyio.current_time())):
-                        if anyio.current_time() >= read_deadline:
-                            self._release(pending[i:], NOT_READ)
-                            break
-                        continue
-                group: list[Timer] = []
-                changed: list[Timer] = []
-                for t in pending[i:j]:
-                    (changed if waker.changed_since(batch_mark, owner_key(t.owner)) else group).append(t)
-                if j == len(pending):
-                    held_mark = False
-                    waker.release(batch_mark)
-                held.check()
-                self._release(changed, CHANGED)
-                if group:
-                    self._stream.put(group)
+                group = pending[i:j]
                 i = j
+                # every commit appended before the group's due times (or, on a wall clock stepped
+                # back, before now) read by the feed, or the log asked after them
+                read_to = min(group[-1].scheduled_at, now)
+                if waker.read_mark is None or waker.read_mark < read_to:
+                    group, held_back = await self._read_or_check(group, waker, read_to)
+                    t0 = anyio.current_time()
+                    for t, reason in held_back:
+                        waiting.append((t, t0 + (held_back_s if reason == WAITING_CHECK else READ_WAIT_S), reason))
+                        self._wait_count(reason, 1)
+                self._hand_on(held, group, waker, batch_mark)
         finally:
-            if held_mark:
-                waker.release(batch_mark)
+            for _t, _until, reason in waiting:
+                self._wait_count(reason, -1)
+            waker.release(batch_mark)
+
+    async def _read_or_check(
+        self, group: list[Timer], waker: Waker, read_to: int
+    ) -> tuple[list[Timer], list[tuple[Timer, str]]]:
+        """A due group the feed has not read the log past: the timers to hand on now, and those
+        held for the feed with the reason. Asks the log to look at its head and waits a moment
+        (:data:`GATE_GRACE_S`); then, with the log check and a feed that read the log's head
+        lately, asks the log (:meth:`_check`); else holds them all for the feed."""
+        self._nudge()
+        if await waker.read_past(read_to, GATE_GRACE_S if self._gate is not None else 0.0):
+            return group, []
+        if not self._gated(waker):
+            return [], [(t, WAITING_FEED) for t in group]
+        found = await self._check(group)
+        if found is None:
+            return [], [(t, WAITING_FEED) for t in group]
+        return [t for n, t in enumerate(group) if n not in found], [
+            (t, WAITING_CHECK) for n, t in enumerate(group) if n in found
+        ]
+
+    async def _check(self, group: Sequence[Timer]) -> set[int] | None:
+        """The log check of a due group, asked after their due times: the indexes of the timers
+        whose aggregate the log holds a commit of past the timer's version that may change it
+        (:meth:`~wowd.stores.base.Log.committed_after`); ``None`` when the log does not answer
+        (the feed is waited for instead)."""
+        assert self._gate is not None and self._held is not None
+        self._wait_count(WAITING_CHECK, len(group))
+        try:
+            return await self._gate([OwnerProbe(t.owner, t.version, t.key) for t in group])
+        except StorageError as exc:
+            log.warning("log check of %d due timers failed (waiting for the feed instead): %s", len(group), exc,
+                        extra=self._held.log_extra())  # fmt: skip
+            return None
+        finally:
+            self._wait_count(WAITING_CHECK, -len(group))
+
+    def _resolve(
+        self, held: HeldSlot, waiting: list[tuple[Timer, float, str]], waker: Waker, batch_mark: int, now: int
+    ) -> list[tuple[Timer, float, str]]:
+        """The timers held for the feed: settled back once a batch the feed read after the claim
+        holds a commit of their aggregate, handed on once the feed read the log past their due
+        time, settled back undelivered once held too long; answers those still held."""
+        kept: list[tuple[Timer, float, str]] = []
+        ready: list[Timer] = []
+        expired: list[Timer] = []
+        t_now = anyio.current_time()
+        read_mark = waker.read_mark
+        for entry in waiting:
+            t, until, reason = entry
+            if waker.changed_since(batch_mark, owner_key(t.owner)) or (
+                read_mark is not None and read_mark >= min(t.scheduled_at, now)
+            ):
+                ready.append(t)
+            elif t_now >= until:
+                expired.append(t)
+            else:
+                kept.append(entry)
+                continue
+            self._wait_count(reason, -1)
+        self._release(expired, NOT_READ)
+        self._hand_on(held, ready, waker, batch_mark)
+        return kept
+
+    def _hand_on(self, held: HeldSlot, group: Sequence[Timer], waker: Waker, batch_mark: int) -> None:
+        """Hands ``group`` to the stream but the timers a batch the feed read after the claim
+        commits to (settled back: the log changed them)."""
+        if not group:
+            return
+        assert self._stream is not None
+        ready: list[Timer] = []
+        changed: list[Timer] = []
+        for t in group:
+            (changed if waker.changed_since(batch_mark, owner_key(t.owner)) else ready).append(t)
+        held.check()
+        self._release(changed, CHANGED)
+        if ready:
+            self._stream.put(ready)
+            self._count_queued()
+
+    def _wait_count(self, reason: str, n: int) -> None:
+        """``wowd_timers_waiting{slot, reason}`` moved by ``n``."""
+        assert self._held is not None
+        self._waiting[reason] += n
+        metrics.TIMERS_WAITING.labels(slot=str(self._held.slot), reason=reason).set(self._waiting[reason])
 
     def _record(self, t: Timer, outcome: Outcome) -> None:
         """An outcome from the stream, kept for the settler's next group."""
         self._claimed.pop(t.timer_id, None)
         self._results.append((t, outcome, now_ms()))
         self._settler.note()  # type: ignore[union-attr]
+        short = self._short_circuited
+        if isinstance(outcome, Retry) and outcome.circuit_open:
+            short[t.timer_id] = anyio.current_time()
+        elif short:
+            short.pop(t.timer_id, None)
+        self._count_queued()
+
+    def _count_queued(self) -> None:
+        """``wowd_timers_waiting`` of the timers queued for a delivery slot of their target and
+        of those to be retried because their target's circuit was open."""
+        assert self._held is not None and self._stream is not None
+        slot = str(self._held.slot)
+        short = self._short_circuited
+        if short:
+            forget = anyio.current_time() - CIRCUIT_WAIT_FORGET_S
+            for timer_id in [i for i, at in short.items() if at < forget]:
+                del short[timer_id]
+        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_LIMIT).set(self._stream.queued)
+        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_CIRCUIT).set(len(short))
 
     def _outcome_changes(self) -> list[TimerChange]:
         """The settle changes of the outcomes recorded since the last group, counted."""
@@ -619,6 +786,10 @@ class Nudge(Protocol):
     def __call__(self) -> None: ...
 
 
+LogGate = Callable[[Sequence[OwnerProbe]], Awaitable[set[int]]]
+"""The log's check at a due time (:meth:`~wowd.stores.base.Log.committed_after`)."""
+
+
 def round_strategy(
     settings: TimerSettings,
     store: TimerStore,
@@ -627,13 +798,15 @@ def round_strategy(
     nudge: Nudge,
     fused: FusedFiring | None = None,
     check_log: bool = False,
+    gate: LogGate | None = None,
 ) -> RoundStrategy:
     """The round strategy of a backend and gateway: the fast path with the log check where the
     gateway has a fast path and the backend's log is checked in its transaction; the fast path
-    then claims where it has no log check; else claim, deliver, settle."""
+    then claims where it has no log check; else claim, deliver, settle (with ``gate``, the log
+    asked at the due times: :class:`ClaimDeliverSettle`)."""
     if fused is not None and check_log:
         return FusedFirst(settings, fused, check_log=True)
-    claims = ClaimDeliverSettle(settings, store, gateway, nudge)
+    claims = ClaimDeliverSettle(settings, store, gateway, nudge, gate)
     if fused is not None:
         return FusedFirst(settings, fused, check_log=False, then=claims)
     return claims
@@ -659,13 +832,14 @@ class TimerLoop:
         nudge: Nudge = lambda: None,
         fused: FusedFiring | None = None,
         check_log: bool = False,
+        gate: LogGate | None = None,
         strategy: RoundStrategy | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
         self._nudge = nudge
         self.strategy = strategy or round_strategy(
-            settings, store, gateway, nudge=nudge, fused=fused, check_log=check_log
+            settings, store, gateway, nudge=nudge, fused=fused, check_log=check_log, gate=gate
         )
         self._next_sweep = 0.0
         self.stall: Stall | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import anyio
 
@@ -41,7 +41,22 @@ class Waker:
     are due, as it reads at least once per idle period.
     """
 
-    def __init__(self, *, horizon_ms: int = WAKER_HORIZON_MS, max_size: int = WAKER_MAX_SIZE) -> None:
+    def __init__(
+        self,
+        *,
+        horizon_ms: int = WAKER_HORIZON_MS,
+        max_size: int = WAKER_MAX_SIZE,
+        partitions: Collection[int] | None = None,
+    ) -> None:
+        self._partitions = frozenset(partitions) if partitions is not None else None
+        """The slot's partitions: a watermark that holds for some of them only counts once each
+        has one (``None``: not known, such a watermark is not taken)."""
+        self._watermarks: dict[int, int] = {}
+        self._read_marks: dict[int, int] = {}
+        """Per partition, the watermark and read mark of reads that covered some partitions only."""
+        self.read_at = float("-inf")
+        """When (``anyio.current_time()``) the feed last read the log up to its head."""
+        self._read_event = anyio.Event()
         self._event = anyio.Event()
         self._heap: list[tuple[int, int]] = []
         """``(due_at, sequence)`` of each put not yet covered by a round."""
@@ -72,9 +87,28 @@ class Waker:
         self._readers: list[tuple[int, anyio.Event]] = []
         self._appliers: list[tuple[int, anyio.Event]] = []
 
-    def advance(self, watermark: int) -> None:
-        """The feed applied every commit appended before ``watermark``: wakes a loop waiting for
-        the watermark to reach a due time at or below it."""
+    def _slot_mark(self, marks: dict[int, int], mark: int, covers: frozenset[int] | None) -> int | None:
+        """The slot's mark implied by a ``mark`` that holds for ``covers`` (``None``: every
+        partition): the lowest over the slot's partitions, ``None`` while one has none."""
+        if covers is None:
+            return mark
+        if self._partitions is None:
+            return None
+        for p in covers & self._partitions:
+            if marks.get(p, mark - 1) < mark:
+                marks[p] = mark
+        if not self._partitions <= marks.keys():
+            return None
+        return min(marks[p] for p in self._partitions)
+
+    def advance(self, watermark: int, covers: frozenset[int] | None = None) -> None:
+        """The feed applied every commit of ``covers`` (``None``: of every partition of the
+        slot) appended before ``watermark``: the slot's watermark is the lowest of its
+        partitions'; wakes a loop waiting for it to reach a due time at or below it."""
+        slot_mark = self._slot_mark(self._watermarks, watermark, covers)
+        if slot_mark is None:
+            return
+        watermark = slot_mark
         if self.watermark is None or watermark > self.watermark:
             self.watermark = watermark
             if watermark >= self._want_watermark:
@@ -83,31 +117,48 @@ class Waker:
 
     # ---- what the feed is applying: delivering a timer claimed ahead of the watermark
 
-    def reading(self, read_mark: int | None, owners: Iterable[OwnerKey]) -> int:
+    def reading(self, read_mark: int | None, owners: Iterable[OwnerKey], covers: frozenset[int] | None = None) -> int:
         """The feed read a batch (committed by ``owners``) and is about to apply it; with a
-        ``read_mark`` when the read reached the log's head. Answers the batch's number, for
-        :meth:`applied`."""
+        ``read_mark`` when the read reached the head of the partitions ``covers`` (``None``:
+        every partition). Answers the batch's number, for :meth:`applied`."""
         self._batches += 1
         committed = frozenset(owners)
         if committed:
             self._recent.append((self._batches, committed))
         if read_mark is not None:
-            self._read_to(read_mark)
+            slot_mark = self._slot_mark(self._read_marks, read_mark, covers)
+            if slot_mark is not None:
+                self.read_at = anyio.current_time()
+                self._read_to(slot_mark)
+        self._kick()
         return self._batches
+
+    def _kick(self) -> None:
+        """Wakes the waiters of :meth:`next_read`."""
+        self._read_event.set()
+        self._read_event = anyio.Event()
+
+    async def next_read(self, timeout_s: float) -> None:
+        """Waits until the feed reads its next batch or its read mark moves (at most
+        ``timeout_s``; a stop wakes it)."""
+        event = self._read_event
+        with anyio.move_on_after(max(0.0, timeout_s)):
+            await event.wait()
 
     def _read_to(self, read_mark: int) -> None:
         if self.read_mark is None or read_mark > self.read_mark:
             self.read_mark = read_mark
             _release(self._readers, lambda at: at <= read_mark)
+            self._kick()
 
-    def applied(self, batch: int, watermark: int | None) -> None:
-        """The feed applied batch number ``batch`` (and, with a ``watermark``, every commit
-        appended before it)."""
+    def applied(self, batch: int, watermark: int | None, covers: frozenset[int] | None = None) -> None:
+        """The feed applied batch number ``batch`` (and, with a ``watermark``, every commit of
+        ``covers`` appended before it, as :meth:`advance` takes it)."""
         self._applied = max(self._applied, batch)
         self._forget()
         _release(self._appliers, lambda after: self._applied > after)
         if watermark is not None:
-            self.advance(watermark)
+            self.advance(watermark, covers)
 
     def hold(self) -> int:
         """Taken before a due read that may claim timers ahead of the watermark: every batch
@@ -159,6 +210,7 @@ class Waker:
     def wake(self) -> None:
         """Wakes the loop now (a stop)."""
         self._event.set()
+        self._read_event.set()
         _release(self._appliers, lambda _after: True)
 
     def maybe_wake(self, due_at: int) -> None:

@@ -30,6 +30,7 @@ from wowd.delivery.breaker import Admission, CircuitBreaker
 from wowd.delivery.commands import request_parts, target_command_url
 from wowd.delivery.log import DeliveryLog, delivery_log
 from wowd.delivery.outcomes import (
+    CIRCUIT_OPEN,
     DELIVERED,
     OUTCOME_NAMES,
     Fail,
@@ -117,7 +118,7 @@ class _Target:
         if counter is None:
             counter = self._short_circuited = metrics.GATEWAY_SHORT_CIRCUITED.labels(target=self.name)
         counter.inc()
-        return Retry(reason=f"circuit open for {self.name}", after_s=after_s)
+        return Retry(reason=f"{CIRCUIT_OPEN}{self.name}", after_s=after_s)
 
 
 class HttpGateway:

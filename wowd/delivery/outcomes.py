@@ -31,6 +31,16 @@ class Retry:
     reason: str
     after_s: float = 0.0
 
+    @property
+    def circuit_open(self) -> bool:
+        """Whether no request was sent: the target's circuit is open (:data:`CIRCUIT_OPEN`)."""
+        return self.reason.startswith(CIRCUIT_OPEN)
+
+
+CIRCUIT_OPEN = "circuit open for "
+"""The reason of a :class:`Retry` a gateway answers without a request: the target's circuit is
+open (followed by the target)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Park:

@@ -89,6 +89,10 @@ class LogBatch:
     watermark: int | None = None
     """A store time (ms) such that every commit of the read's partitions appended before it is
     in this batch or an earlier one of the same read (``None``: not known, the read is behind)."""
+    covers: frozenset[int] | None = None
+    """The partitions ``watermark`` holds for (``None``: every partition of the read): a read
+    that has not reached every partition's head yet (MongoDB's catch-up stream of the partitions
+    scanned so far, while the others are scanned) says which."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

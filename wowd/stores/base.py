@@ -56,6 +56,7 @@ __all__ = [
     "Outbox",
     "OUTBOX_TAKE_LEASE",
     "OutboxFiring",
+    "OwnerProbe",
     "PRESENCE_RETENTION",
     "ReplicaInfo",
     "ReplicaState",
@@ -83,6 +84,15 @@ AppendOutcome = Literal["appended", "duplicate", "conflict"]
 (idempotent success); ``conflict``: another commit holds this version."""
 
 
+class OwnerProbe(NamedTuple):
+    """What :meth:`Log.committed_after` asks of one aggregate: a commit above ``version`` that
+    may change its timer ``key`` (``None``: any commit above ``version``)."""
+
+    ref: AggregateRef
+    version: int
+    key: str | None = None
+
+
 @runtime_checkable
 class Log(Protocol):
     """The context's log of commits (docs/schema.md), checkpoints and quarantine."""
@@ -106,6 +116,19 @@ class Log(Protocol):
         :class:`~wowd.errors.ConflictError` (another writer took it)."""
         ...
 
+    async def committed_after(self, probes: Sequence[OwnerProbe]) -> set[int]:
+        """The indexes in ``probes`` of those whose aggregate the log holds a commit of above
+        the probe's ``version`` that may change the timer ``key``: one that schedules or cancels
+        that key, or deletes the aggregate (with ``key`` ``None``: any commit). A backend may
+        answer more (any commit above the version), never fewer.
+
+        Every commit acknowledged before the call began is seen: the embedded file's last
+        committed state; on MongoDB one read per aggregate type on the primary with ``majority``
+        read concern, filtered by partition (a commit acknowledged with ``w: majority`` is in
+        the majority-committed state such a read returns). The timer loop asks it at a due time
+        instead of waiting for the feed's watermark. Read-only."""
+        ...
+
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         """Writes ``document`` as is, without validation (tools and tests inject bad input)."""
         ...
@@ -122,7 +145,8 @@ class Log(Protocol):
         A batch's ``watermark`` (store time, ms) says that every commit of these partitions
         appended before it has been yielded; while following and caught up, the read yields an
         empty batch whenever the watermark moves on (at least once per poll or stream answer),
-        and soon after :meth:`nudge`."""
+        and soon after :meth:`nudge`. A batch whose ``covers`` is set holds its watermark for
+        those partitions only (the others have not been read up to their head yet)."""
         ...
 
     def nudge(self) -> None:

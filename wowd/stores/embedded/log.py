@@ -63,7 +63,7 @@ from wowd.model import (
     unchecked,
     validate_name,
 )
-from wowd.stores.base import AppendOutcome, Ddl, consumers_of
+from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -521,6 +521,27 @@ class EmbeddedLog(SqliteStore):
             return int(found) if found is not None else 0
 
         return await self._run("last_version", run)
+
+    async def committed_after(self, probes: Sequence[OwnerProbe]) -> set[int]:
+        """Per aggregate asked, its highest version (one seek of index ``log_version`` each, in
+        one read of the file): any commit above a probe's version answers it, whatever its key."""
+        if not probes:
+            return set()
+        owners = {(p.ref.aggregate, p.ref.tenant_id, p.ref.id) for p in probes}
+        context = self.context
+
+        def run(conn: sqlite3.Connection) -> dict[tuple[str, str, str], int]:
+            sql = last_version_sql()
+            last: dict[tuple[str, str, str], int] = {}
+            for owner in owners:
+                found = conn.execute(sql, (context, *owner)).fetchone()[0]
+                last[owner] = int(found) if found is not None else 0
+            return last
+
+        last = await self._run("committed_after", run)
+        return {
+            i for i, p in enumerate(probes) if last.get((p.ref.aggregate, p.ref.tenant_id, p.ref.id), 0) > p.version
+        }
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         """Stores ``document`` as is (its JSON). Partition: of ``aggregate_id`` when that is a

@@ -38,6 +38,7 @@ bounds each empty ``getMore`` by ``maxAwaitTimeMS``. Events over 16 MiB come spl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -56,6 +57,7 @@ from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
 from pymongo.read_concern import ReadConcern
+from pymongo.read_preferences import ReadPreference
 
 from wowd.errors import (
     ConfigError,
@@ -78,7 +80,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.base import AppendOutcome, Ddl, consumers_of
+from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.mongo._common import (
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
@@ -90,6 +92,7 @@ from wowd.stores.mongo._common import (
     write_one,
 )
 from wowd.stores.mongo.log_queries import (
+    COMMITTED_AFTER_PROJECTION,
     QUARANTINE_SEQ_ID,
     RESUME_POINT_GONE,
     SCAN_INDEX,
@@ -101,11 +104,13 @@ from wowd.stores.mongo.log_queries import (
     _object_ids,
     _Part,
     change_stream_pipeline,
+    changes_timer,
     checkpoint_filter,
     checkpoint_ids_filter,
     checkpoint_update,
     cluster_time_command,
     cluster_time_of,
+    committed_after_filter,
     counted_seq,
     join_fragments,
     last_version_query,
@@ -307,6 +312,46 @@ class MongoLog(MongoStore):
         version = doc.get("version") if doc is not None else 0
         return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
+    async def committed_after(self, probes: Sequence[OwnerProbe]) -> set[int]:
+        """One ``find`` per log collection asked about, on the primary with ``majority`` read
+        concern: the commits of the probes' aggregates above their versions that schedule or
+        cancel their keys or delete them (:func:`committed_after_filter`, the partitions listed),
+        the version and timer events' names and keys only. A majority read on the primary returns
+        the majority-committed state as of its start: every commit acknowledged with ``w:
+        majority`` before it began (docs/concepts.md, "Firing on MongoDB")."""
+        by_type: dict[str, list[int]] = {}
+        for i, probe in enumerate(probes):
+            if probe.ref.context != self.context:
+                raise ConfigError(f"aggregate type {probe.ref.type} is not of context {self.context!r}")
+            by_type.setdefault(probe.ref.aggregate, []).append(i)
+        found: set[int] = set()
+        for aggregate, indexes in sorted(by_type.items()):
+            asked = {
+                (partition(probes[i].ref.id, self.partitions), probes[i].ref.tenant_id, probes[i].ref.id,
+                 probes[i].version, probes[i].key)
+                for i in indexes
+            }  # fmt: skip
+            coll = self._db.get_collection(
+                self.collection_name(aggregate),
+                read_concern=ReadConcern("majority"),
+                read_preference=ReadPreference.PRIMARY,
+            )
+            with self._call("committed_after"):
+                docs = await coll.find(
+                    committed_after_filter(sorted(asked, key=_probe_order)), COMMITTED_AFTER_PROJECTION
+                ).to_list(None)
+            commits: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
+            for d in docs:
+                commits.setdefault((d.get("tenant_id"), d.get("aggregate_id")), []).append(d)
+            for i in indexes:
+                p = probes[i]
+                for d in commits.get((p.ref.tenant_id, p.ref.id), ()):
+                    v = d.get("version")
+                    if isinstance(v, int) and not isinstance(v, bool) and v > p.version and changes_timer(d, p.key):
+                        found.add(i)
+                        break
+        return found
+
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         coll = await self._collection(aggregate)
         with self._call("insert_raw"):
@@ -407,9 +452,11 @@ class MongoLog(MongoStore):
         for p in pending:
             if oldest_cut is not None and time.monotonic() - oldest_cut >= self._catch_up_s:
                 done = {q: s for q, s in parts.items() if s.scan is None}
+                covers = frozenset(done)
                 async with aclosing(self._stream(done, batch_size, follow=False)) as streamed:
                     async for batch in streamed:
-                        yield batch
+                        # its watermark holds for the partitions it reads, not those still to scan
+                        yield dataclasses.replace(batch, covers=covers) if batch.watermark is not None else batch
                 oldest_cut = None
             # a causally consistent session: the scan reads at or after the cut (afterClusterTime)
             # with majority read concern, so on every shard it sees each commit at or before it
@@ -739,6 +786,12 @@ def _watermark(token: Mapping[str, Any] | None) -> int | None:
     wait (``maxAwaitTimeMS``) when the log is quiet."""
     ct = token_cluster_time(token) if token is not None else None
     return ct[0] * 1000 if ct is not None else None
+
+
+def _probe_order(probe: tuple[int, str, str, int, str | None]) -> tuple[int, str, str, int, str]:
+    """The order of the log check's branches (a stable filter for a stable set of probes)."""
+    p, tenant, agg_id, version, key = probe
+    return (p, tenant, agg_id, version, key if key is not None else "")
 
 
 def _buffered(stream: AsyncDatabaseChangeStream[Doc]) -> bool:

@@ -205,6 +205,54 @@ def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
     )
 
 
+TIMER_EVENTS = ("TimerScheduled", "TimerCancelled")
+"""The events that write a timer of the view by its key (docs/schema.md)."""
+COMMITTED_AFTER_PROJECTION: Doc = {
+    "_id": 0,
+    "tenant_id": 1,
+    "aggregate_id": 1,
+    "version": 1,
+    "deleted": 1,
+    "events.name": 1,
+    "events.body.key": 1,
+}
+"""What the log check reads of a commit it finds: its aggregate, version and what it does to
+timers (no event bodies)."""
+
+
+def committed_after_filter(probes: Sequence[tuple[int, str, str, int, str | None]]) -> Doc:
+    """The filter of the log check of one log collection: per probe ``(partition, tenant, id,
+    version, key)``, the aggregate's commits above ``version`` that schedule or cancel ``key`` or
+    delete the aggregate (any commit with ``key`` ``None``); each branch an equality on the
+    ``partition_order`` index's first two keys and a range on its third, and the partitions
+    listed at the top (on a sharded cluster by ``partition``, only their shards are read)."""
+    branches: list[Doc] = []
+    for p, tenant, agg_id, version, key in probes:
+        branch: Doc = {"partition": p, "aggregate_id": agg_id, "tenant_id": tenant, "version": {"$gt": version}}
+        if key is not None:
+            branch["$or"] = [
+                {"deleted": True},
+                {"events": {"$elemMatch": {"name": {"$in": list(TIMER_EVENTS)}, "body.key": key}}},
+            ]
+        branches.append(branch)
+    return {"partition": {"$in": sorted({b[0] for b in probes})}, "$or": branches}
+
+
+def changes_timer(doc: Mapping[str, Any], key: str | None) -> bool:
+    """Whether a commit the log check found may change the timer ``key`` of its aggregate."""
+    if key is None or doc.get("deleted") is True:
+        return True
+    events = doc.get("events")
+    if not isinstance(events, list):
+        return False
+    for e in events:
+        if isinstance(e, Mapping) and e.get("name") in TIMER_EVENTS:
+            body = e.get("body")
+            if isinstance(body, Mapping) and body.get("key") == key:
+                return True
+    return False
+
+
 def checkpoint_id(consumer: str, partition_: int) -> Doc:
     return {"consumer": consumer, "partition": partition_}
 
