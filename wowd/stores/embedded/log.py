@@ -66,6 +66,7 @@ from wowd.model import (
 from wowd.stores.base import AppendOutcome, Ddl
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
 from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.formats import too_new
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
 
@@ -761,6 +762,8 @@ def _validate(conn: sqlite3.Connection) -> None:
 
 def _check_format(conn: sqlite3.Connection) -> None:
     row = conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone()
+    if row is not None and isinstance(row[0], int) and row[0] > FORMAT:
+        raise too_new("embedded log", row[0], FORMAT)
     if row is None or row[0] != FORMAT:
         found = "no format" if row is None else f"format {row[0]}"
         raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")

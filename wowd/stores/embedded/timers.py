@@ -52,7 +52,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from wowd.errors import FormatError, InvalidInput, LeaseLost, StorageError
+from wowd.errors import InvalidInput, LeaseLost, StorageError
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -132,6 +132,7 @@ from wowd.stores.embedded.timer_sql import (
     tombstone_sql,
     upgrade_sql,
 )
+from wowd.stores.formats import other_format
 
 __all__ = [
     "DUE_ARMS",
@@ -196,9 +197,7 @@ class EmbeddedTimerStore(SqliteStore):
         conn.execute(register_sql(), (table_name(self.context), self.context, None))
         for collection, fmt in conn.execute(registry_formats_sql(), (self.context,)):
             if fmt != FORMAT:
-                raise FormatError(
-                    f"timer collection {collection} is recorded in format {fmt}, this store writes {FORMAT}"
-                )
+                raise other_format(f"timer collection {collection}", fmt, FORMAT)
 
     async def _register(self, aggregate: str) -> None:
         """Records an aggregate type's collection on its first use; refuses another format."""
@@ -214,7 +213,7 @@ class EmbeddedTimerStore(SqliteStore):
 
         fmt = await self._run("prepare", work)
         if fmt != FORMAT:
-            raise FormatError(f"timer collection {name} is recorded in format {fmt}, this store writes {FORMAT}")
+            raise other_format(f"timer collection {name}", fmt, FORMAT)
         self._known.add(aggregate)
 
     # ---- validation
