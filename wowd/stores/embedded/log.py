@@ -819,3 +819,24 @@ def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, st
         params = [v for owner in padded(chunk, rows) for v in owner]
         past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
     return past
+
+
+ENTRIES_BETWEEN_SQL = (
+    "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND partition = ? AND seq > ? AND seq <= ?"
+    " ORDER BY seq"
+)
+"""One partition's commits after a position, up to another (over the ``log_partition`` index)."""
+
+
+def entries_between(conn: sqlite3.Connection, context: str, partition_: int, after: int, until: int) -> list[LogEntry]:
+    """The log entries of one partition with ``after < seq <= until``, in log order, read in the
+    caller's transaction on ``conn`` (a rebuild of the timer view catching up to the feed's
+    checkpoint while it holds the file's write lock)."""
+    types: dict[str, AggregateType] = {}
+    out: list[LogEntry] = []
+    for row in conn.execute(ENTRIES_BETWEEN_SQL, (context, partition_, after, until)):
+        type_ = types.get(row[1])
+        if type_ is None:
+            type_ = types[row[1]] = AggregateType(context=context, aggregate=row[1])
+        out.append(_entry(type_, tuple(row)))
+    return out
