@@ -3,10 +3,11 @@ run (``wowd timers rebuild``; docs/operations.md, "Recovery").
 
 1. **Lock.** The backend's rebuild lock of the context (one rebuild at a time; another one is
    refused naming the holder), renewed at every progress line.
-2. **Replay.** Every partition's log from its start, in batches, into a shadow of the view beside
-   the live one, through the feed's own projection of commits into timer writes
+2. **Replay.** The context's log from its start, in log order and in batches, into a shadow of
+   the view beside the live one, through the feed's own projection of commits into timer writes
    (:func:`~wowd.daemon.feed.prepare_batch`), written with the timer store's own writes: the
-   shadow is the view the feed would have built (cancels leave their tombstones).
+   shadow is the view the feed would have built (cancels leave their tombstones). Commits whose
+   text shows they write nothing to the view are skipped undecoded.
 3. **Finish.** In one write transaction of the backend: the shadow catches up to the timer view's
    checkpoint of each partition (:func:`timer_view_consumer`), fired one-shot timers the outbox
    knows of become tombstones, one-shot timers due before the tombstone retention with no
@@ -24,7 +25,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ import anyio
 
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError
-from wowd.model import LogEntry, Position, TimerWrite
+from wowd.model import LogEntry, TimerWrite
 from wowd.stores.base import Backend
 
 from .feed import CONSUMER, prepare_batch
@@ -173,22 +173,21 @@ class TimerRebuilder:
             + (f", aggregate {aggregate!r}" if aggregate else "")
             + f": replaying {report.total} commits into {engine.shadow}"
         )
-        read: dict[int, int] = {}
         shown = time.monotonic()
-        positions: dict[int, Position | None] = {p: None for p in range(s.partitions)}
-        reader = self._backend.log.read(positions, batch_size=self._batch_size, follow=False)
-        async with aclosing(reader) as batches:  # type: ignore[type-var]
-            async for batch in batches:
-                report.commits += len(batch.entries)
-                await engine.write(project(batch.entries))
-                for p, pos in batch.positions.items():
-                    read[p] = int(pos["seq"])
-                now = time.monotonic()
-                if now - shown >= self._every_s:
-                    shown = now
-                    await engine.renew(LOCK_TTL_S)
-                    await self._line(engine, report)
+        last = 0
+        while True:  # the log in its order, to its end
+            n, last, entries = await engine.read(last, self._batch_size)
+            if not n:
+                break
+            report.commits += n
+            await engine.write(project(entries))
+            now = time.monotonic()
+            if now - shown >= self._every_s:
+                shown = now
+                await engine.renew(LOCK_TTL_S)
+                await self._line(engine, report)
         await self._line(engine, report)
+        read = dict.fromkeys(range(s.partitions), last)  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
         started = time.monotonic()

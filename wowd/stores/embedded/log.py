@@ -840,3 +840,8 @@ def entries_between(conn: sqlite3.Connection, context: str, partition_: int, aft
             type_ = types[row[1]] = AggregateType(context=context, aggregate=row[1])
         out.append(_entry(type_, tuple(row)))
     return out
+
+
+def entry_of(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
+    """A log row (:data:`READ_COLUMNS`) decoded as :meth:`EmbeddedLog.read` answers it."""
+    return _entry(type_, row)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wowd.errors import LeaseLost, StorageError
-from wowd.model import LogEntry, TimerWrite
+from wowd.model import AggregateType, LogEntry, TimerWrite
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
-from wowd.stores.embedded.log import CHECKPOINT_SEQS_SQL, entries_between
+from wowd.stores.embedded.log import CHECKPOINT_SEQS_SQL, entries_between, entry_of
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timer_sql import (
     COLUMNS,
@@ -62,6 +62,16 @@ _LOCK_DDL = (
 )
 _COLS = ", ".join(f'"{c}"' for c in COLUMNS)
 _KEY = '"partition", aggregate, owner_tenant, owner_id, "key"'
+
+
+def may_write_timers(doc: str) -> bool:
+    """Whether a commit's document (its text in the log) may hold a write of the timer view: it
+    names a timer event, or it is not plainly "not deleted" (every ``"deleted"`` in it followed by
+    ``:false``), or it holds escapes (``\\u``: a name could be spelled with them). False only for
+    a commit whose projection writes nothing: a replay skips it without decoding it."""
+    if "TimerScheduled" in doc or "TimerCancelled" in doc or "\\u" in doc:
+        return True
+    return doc.count('"deleted"') != doc.count('"deleted":false')
 
 
 class RebuildRunning(StorageError):
@@ -208,6 +218,35 @@ class EmbeddedTimerRebuild(SqliteStore):
         steps = await self._timers.plan_write(writes)
         timers, shadow = self._timers, self.shadow
         await self._run("write", self._db.transaction(lambda conn: timers.write_steps(steps, conn, table=shadow)))
+
+    async def read(self, after: int, limit: int) -> tuple[int, int, list[LogEntry]]:
+        """The next ``limit`` commits of the context's log after ``seq`` ``after``, in log order:
+        how many were read, the last one's ``seq`` (``after`` when none) and the entries of those
+        that may hold a write of the timer view, decoded (:func:`may_write_timers`; the others
+        are skipped undecoded)."""
+        ctx = self.context
+        sql = (
+            "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND seq > ?"
+            f" ORDER BY seq LIMIT {int(limit)}"
+        )
+
+        def work(conn: sqlite3.Connection) -> list[Any]:
+            return conn.execute(sql, (ctx, after)).fetchall()
+
+        rows = await self._run("read", work)
+        if not rows:
+            return 0, after, []
+        types: dict[str, AggregateType] = {}
+        entries: list[LogEntry] = []
+        for row in rows:
+            doc = row[3]
+            if isinstance(doc, str) and not may_write_timers(doc):
+                continue
+            type_ = types.get(row[1])
+            if type_ is None:
+                type_ = types[row[1]] = AggregateType(context=ctx, aggregate=row[1])
+            entries.append(entry_of(type_, tuple(row)))
+        return len(rows), int(rows[-1][0]), entries
 
     async def log_commits(self) -> int:
         """The commits of the context's log (the replay's total, for the progress lines)."""

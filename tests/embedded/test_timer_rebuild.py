@@ -1,0 +1,89 @@
+"""The timer view rebuilt from the log in-process (the embedded engine and the rebuilder): one
+aggregate type alone, the commits a replay may skip undecoded."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from wowd.config import EmbeddedSettings, WowdSettings
+from wowd.daemon.timer_rebuild import TimerRebuilder
+from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.stores.embedded import open_embedded
+from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.timer_rebuild import may_write_timers
+
+pytestmark = pytest.mark.anyio
+
+CTX = "shop"
+
+
+def _commit(aggregate: str, agg_id: str, *events: DomainEvent, deleted: bool = False, version: int = 1) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=CTX, aggregate=aggregate, id=agg_id),
+        version=version,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000),
+        events=events or (DomainEvent(id=uuid.uuid4().hex, name="Noted", body={}),),
+        deleted=deleted,
+    )
+
+
+def _scheduled(aggregate: str, agg_id: str, key: str) -> DomainEvent:
+    return DomainEvent(
+        id=uuid.uuid4().hex,
+        name="TimerScheduled",
+        body={
+            "key": key,
+            "due_at": int(time.time() * 1000) + 3_600_000,
+            "target": {"context": CTX, "aggregate": aggregate, "id": agg_id},
+            "command": {"name": "expire", "body": {}},
+        },
+    )
+
+
+async def test_only_the_aggregate_asked_is_rebuilt_the_others_kept_as_they_are(tmp_path: Path) -> None:
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [
+                _commit("order", "o-1", _scheduled("order", "o-1", "k")),
+                _commit("cart", "c-1", _scheduled("cart", "c-1", "k")),
+                _commit("order", "o-2", _scheduled("order", "o-2", "k")),
+                _commit("order", "o-2", deleted=True, version=2),  # its timers cancelled
+            ]
+        )
+        lines: list[str] = []
+        report = await TimerRebuilder(settings, backend, progress=lines.append).run()
+        assert report.swapped and report.statuses == {"PENDING": 2, "CANCELLED": 1}
+        assert lines[0].startswith(f"rebuild of the timer view of context {CTX!r}: replaying 4 commits")
+        (cart,) = [t for t in await backend.timers.scan(limit=10) if t.owner.aggregate == "cart"]
+        assert await backend.timers.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
+        with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
+            conn.execute(f"DELETE FROM wow_timer__{CTX} WHERE aggregate = 'order'")
+
+        report = await TimerRebuilder(settings, backend).run(aggregate="order")
+        assert report.swapped and report.statuses == {"PENDING": 1, "CANCELLED": 1}  # the order type's
+        by_owner = {t.owner.id: t for t in await backend.timers.scan(limit=10)}
+        assert set(by_owner) == {"o-1", "c-1"}
+        assert by_owner["o-1"].status is TimerStatus.PENDING
+        assert by_owner["c-1"].status is TimerStatus.PARKED and by_owner["c-1"].last_error == "kept"
+    finally:
+        await backend.close()
+
+
+def test_a_replay_skips_undecoded_only_commits_that_write_nothing_to_the_view() -> None:
+    assert not may_write_timers('{"events":[{"name":"Noted"}],"deleted":false}')
+    assert not may_write_timers('{"events":[{"name":"Noted","body":{"deleted":false}}],"deleted":false}')
+    assert may_write_timers('{"events":[{"name":"TimerScheduled"}],"deleted":false}')
+    assert may_write_timers('{"events":[{"name":"TimerCancelled"}],"deleted":false}')
+    assert may_write_timers('{"events":[],"deleted":true}')
+    assert may_write_timers('{"events":[],"deleted": true}')
+    assert may_write_timers('{"events":[{"body":{"deleted":false}}],"deleted":true}')
+    assert may_write_timers('{"events":[{"name":"\\u0054imerScheduled"}],"deleted":false}')
