@@ -18,9 +18,11 @@ __all__ = ["rebuild"]
 async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Exit 0 when rebuilt (or counted, ``--dry-run``); 1 when another rebuild runs or took the
     lock meanwhile (the live view is left as it was); 2 for bad arguments."""
-    from wowd.daemon.timer_rebuild import TimerRebuilder
+    from wowd.daemon.timer_rebuild import NOT_ON_MONGO, TimerRebuilder
     from wowd.stores.embedded.timer_rebuild import RebuildRunning
 
+    if settings.backend != "embedded":
+        raise ConfigError(NOT_ON_MONGO)
     if args.context and args.context != settings.context:
         try:
             validate_name(args.context, field="context")
