@@ -12,13 +12,20 @@ from wowd.errors import ConfigError, LeaseLost
 from wowd.fmt import iso_ms
 from wowd.model import validate_name
 
-__all__ = ["rebuild"]
+__all__ = ["NOT_ON_MONGO", "rebuild"]
+
+NOT_ON_MONGO = (
+    "wowd timers rebuild runs on the embedded backend; on MongoDB stop every replica, drop the context's timer "
+    "collections and their wow_timer_aggregate records and reset the feed's checkpoints (docs/operations.md, "
+    "Recovery)"
+)
+"""The refusal of a rebuild on the MongoDB backend, with what to do instead."""
 
 
 async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Exit 0 when rebuilt (or counted, ``--dry-run``); 1 when another rebuild runs or took the
     lock meanwhile (the live view is left as it was); 2 for bad arguments."""
-    from wowd.daemon.timer_rebuild import NOT_ON_MONGO, TimerRebuilder
+    from wowd.daemon.timer_rebuild import TimerRebuilder
     from wowd.stores.embedded.timer_rebuild import RebuildRunning
 
     if settings.backend != "embedded":

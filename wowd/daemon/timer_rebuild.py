@@ -40,7 +40,7 @@ from .feed import CONSUMER, prepare_batch
 if TYPE_CHECKING:  # the embedded backend's engine (imported where that backend is used)
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild as EmbeddedEngine
 
-__all__ = ["NOT_ON_MONGO", "TimerRebuildReport", "TimerRebuilder", "timer_view_consumer"]
+__all__ = ["TimerRebuildReport", "TimerRebuilder", "timer_view_consumer"]
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,6 @@ LOCK_TTL_S = 60.0
 """How long the rebuild lock holds without a renewal (renewed at every progress line)."""
 PROGRESS_EVERY_S = 1.0
 """A progress line at most this often."""
-
-
-NOT_ON_MONGO = (
-    "wowd timers rebuild runs on the embedded backend; on MongoDB stop every replica, drop the context's timer "
-    "collections and their wow_timer_aggregate records and reset the feed's checkpoints (docs/operations.md, "
-    "Recovery)"
-)
-"""The refusal of a rebuild on the MongoDB backend, with what to do instead."""
 
 
 def timer_view_consumer() -> str:
@@ -129,7 +121,7 @@ class TimerRebuilder:
 
     def _engine(self) -> EmbeddedEngine:
         if self._backend.name != "embedded":
-            raise ConfigError(NOT_ON_MONGO)
+            raise ConfigError(f"the timer view rebuild runs on the embedded backend, not on {self._backend.name}")
         from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild
         from wowd.stores.embedded.timers import EmbeddedTimerStore
 
