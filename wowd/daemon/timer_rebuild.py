@@ -186,14 +186,18 @@ class TimerRebuilder:
         read = dict.fromkeys(range(s.partitions), last)  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
+        from wowd.stores.embedded.timer_rebuild import Finished
+
+        finished = Finished()
+        await engine.carry_over(expired_before=expired_before, result=finished)
         started = time.monotonic()
-        finished = await engine.finish(
+        await engine.finish(
             read,
             consumer=timer_view_consumer(),
             project=project,
             aggregate=aggregate,
-            expired_before=expired_before,
             swap=not dry_run,
+            result=finished,
         )
         report.finish_s = time.monotonic() - started
         report.caught_up = finished.caught_up

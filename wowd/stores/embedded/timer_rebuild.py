@@ -9,19 +9,24 @@ in by one write transaction (``wowd timers rebuild``; the replay itself is the c
   the live table's columns and unique key, no other index; dropped and created anew by
   :meth:`EmbeddedTimerRebuild.begin`. The replay writes into it with the timer store's own
   writes (:meth:`~wowd.stores.embedded.timers.EmbeddedTimerStore.write_steps`).
+- **Carry-over.** Before the finish, in short write transactions (the replicas' writes go on
+  between them): one-shot timers the outbox holds an entry of become DONE tombstones; one-shot
+  timers due before the tombstone retention become FAILED as "expired, state unknown" (unless
+  asked to fire them); then, one partition per transaction, every row of the old view that can be
+  read replaces the shadow's row of its key when its version is the same or later (tombstones,
+  attempts, PARKED and FAILED and their reasons, claims, revisions, recurring timers'
+  occurrences).
 - **Finish.** One ``BEGIN IMMEDIATE`` transaction (the file's write lock: the feeds and timer
   loops of every replica wait for it): the shadow catches up to the timer view's checkpoint of
-  each partition (the commits the feed applied since the replay read them); one-shot timers the
-  outbox holds an entry of are DONE tombstones; one-shot timers due before the tombstone
-  retention are FAILED as "expired, state unknown" (unless asked to fire them); then every row of
-  the old view that can be read replaces the shadow's row of its key when its version is the same
-  or later (tombstones, attempts, PARKED and FAILED and their reasons, claims, revisions,
-  recurring timers' occurrences); the live table is dropped, the shadow renamed in its place and
-  its indexes created. A rebuild killed at any point leaves the live view as it was.
+  each partition (the commits the feed applied since the replay read them), the outbox is looked
+  at again for those, the old view's rows changed since the carry-over are carried (their
+  revision moves with every write), the live table is dropped, the shadow renamed in its place
+  and its indexes created. A rebuild killed at any point leaves the live view as it was.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import uuid
@@ -267,6 +272,26 @@ class EmbeddedTimerRebuild(SqliteStore):
 
         await self._run("abort", self._db.transaction(work))
 
+    async def carry_over(self, *, expired_before: int | None, result: Finished) -> None:
+        """What can be done before the finishing transaction, in short write transactions of its
+        own (the replicas' writes go on between them): one-shot timers the outbox holds become
+        DONE tombstones, one-shot timers due before ``expired_before`` (epoch ms; ``None``: none)
+        FAILED as expired, then the old view's rows are carried over, one partition per
+        transaction (the finishing transaction carries only the rows changed since)."""
+
+        def marks(conn: sqlite3.Connection) -> None:
+            self._check_lock(conn)
+            self._outbox_fired(conn, result)
+            if expired_before is not None:
+                self._expire(conn, expired_before)
+
+        await self._run("carry_over", self._db.transaction(marks))
+        if not await self._run("carry_over", lambda conn: _exists(conn, self.live)):
+            result.old_view = False
+            return
+        for p in await self._run("carry_over", self._partitions):
+            await self._run("carry_over", self._db.transaction(functools.partial(self._carry_one, p, result)))
+
     async def finish(
         self,
         read: Mapping[int, int],
@@ -274,25 +299,25 @@ class EmbeddedTimerRebuild(SqliteStore):
         consumer: str,
         project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
         aggregate: str | None,
-        expired_before: int | None,
         swap: bool,
+        result: Finished,
     ) -> Finished:
         """The finishing transaction (module docstring). ``read``: the ``seq`` the replay read to
         in each partition; ``consumer``: whose checkpoints the view follows; ``project``: the
         feed's projection of log entries into timer writes; ``aggregate``: only this type's
-        timers were rebuilt (the old view's other rows are kept as they are); ``expired_before``:
-        one-shot timers due before this (epoch ms) with no tombstone are FAILED as expired
-        (``None``: they fire). ``swap`` false (a dry run): everything is counted, nothing is
-        changed (the transaction is rolled back and the shadow dropped)."""
-        result = Finished()
+        timers were rebuilt (the old view's other rows are kept as they are); ``result``: what
+        :meth:`carry_over` found, completed here. ``swap`` false (a dry run): everything is
+        counted, nothing is changed (the transaction is rolled back and the shadow dropped)."""
 
         def work(conn: sqlite3.Connection) -> None:
             self._check_lock(conn)
             self._catch_up(conn, read, consumer, project, aggregate, result)
             self._outbox_fired(conn, result)
-            if expired_before is not None:
-                self._expire(conn, expired_before)
-            self._carry_over(conn, result)
+            if result.old_view and _exists(conn, self.live):
+                for p in self._partitions(conn):
+                    self._carry(conn, p, result, changed=True)
+            else:
+                result.old_view = False
             self._count(conn, aggregate, result)
             if not swap:
                 raise _DryRun
@@ -339,7 +364,7 @@ class EmbeddedTimerRebuild(SqliteStore):
         """One-shot timers of the shadow the outbox holds an entry of fired: DONE tombstones."""
         if not _exists(conn, "outbox"):
             return
-        result.fired_in_outbox = int(
+        result.fired_in_outbox += int(
             conn.execute(
                 f"UPDATE {self.shadow} SET status = 'DONE', due_at = {NOW_MS}, revision = revision + 1"
                 " WHERE status = 'PENDING' AND json_extract(rule, '$.type') = 'once'"
@@ -354,33 +379,47 @@ class EmbeddedTimerRebuild(SqliteStore):
             (EXPIRED_REASON, before),
         )
 
-    def _carry_over(self, conn: sqlite3.Connection, result: Finished) -> None:
-        """Every readable row of the old view replaces the shadow's row of its key when its version
-        is the same or later; a key the shadow does not hold is copied (the rows of the types not
-        rebuilt, and what the feed applied past the checkpoint read)."""
-        if not _exists(conn, self.live):
-            result.old_view = False
-            return
-        updates = ", ".join(f'"{c}" = excluded."{c}"' for c in COLUMNS)
-        sql = (
-            f'INSERT INTO {self.shadow} ({_COLS}) SELECT {_COLS} FROM {self.live} WHERE "partition" = ? AND true'
-            f" ON CONFLICT ({_KEY}) DO UPDATE SET {updates} WHERE {self.shadow}.version <= excluded.version"
-        )
-        partitions = [int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.shadow}').fetchall()]
+    def _partitions(self, conn: sqlite3.Connection) -> list[int]:
+        """The partitions of the shadow and of the old view (every partition of the context when
+        the old view cannot be read that far)."""
+        found = {int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.shadow}')}
         try:
-            partitions = sorted(
-                set(partitions) | {int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.live}')}
-            )
+            found |= {int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.live}')}
         except sqlite3.DatabaseError:
-            partitions = sorted(set(partitions) | set(range(self._timers.partitions)))
-        for p in partitions:
-            conn.execute("SAVEPOINT carry")
-            try:
-                result.carried += int(conn.execute(sql, (p,)).rowcount)
-            except sqlite3.DatabaseError:
-                conn.execute("ROLLBACK TO carry")
+            found |= set(range(self._timers.partitions))
+        return sorted(found)
+
+    def _carry_one(self, p: int, result: Finished, conn: sqlite3.Connection) -> None:
+        self._check_lock(conn)
+        self._carry(conn, p, result)
+
+    def _carry(self, conn: sqlite3.Connection, p: int, result: Finished, *, changed: bool = False) -> None:
+        """The old view's rows of partition ``p`` replace the shadow's rows of their keys where
+        their version is the same or later; a key the shadow does not hold is copied (the rows of
+        the types not rebuilt, and what the feed applied past the replay's read). ``changed``:
+        only the rows that differ from the shadow's (their revision moves with every write). A
+        partition that cannot be read is recorded in ``result.unreadable``."""
+        updates = ", ".join(f'"{c}" = excluded."{c}"' for c in COLUMNS)
+        live_cols = ", ".join(f'l."{c}"' for c in COLUMNS)
+        same = " AND ".join(f's."{c}" = l."{c}"' for c in ("partition", "aggregate", "owner_tenant", "owner_id", "key"))
+        unchanged = (
+            f" AND NOT EXISTS (SELECT 1 FROM {self.shadow} AS s WHERE {same} AND s.revision = l.revision"
+            " AND s.version = l.version AND s.status = l.status)"
+            if changed
+            else ""
+        )
+        sql = (
+            f'INSERT INTO {self.shadow} ({_COLS}) SELECT {live_cols} FROM {self.live} AS l WHERE l."partition" = ?'
+            f"{unchanged} ON CONFLICT ({_KEY}) DO UPDATE SET {updates} WHERE {self.shadow}.version <= excluded.version"
+        )
+        conn.execute("SAVEPOINT carry")
+        try:
+            result.carried += int(conn.execute(sql, (p,)).rowcount)
+        except sqlite3.DatabaseError:
+            conn.execute("ROLLBACK TO carry")
+            if p not in result.unreadable:
                 result.unreadable.append(p)
-            conn.execute("RELEASE carry")
+        conn.execute("RELEASE carry")
 
     def _count(self, conn: sqlite3.Connection, aggregate: str | None, result: Finished) -> None:
         where, params = ("WHERE aggregate = ?", (aggregate,)) if aggregate is not None else ("", ())
