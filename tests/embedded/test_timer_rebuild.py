@@ -87,3 +87,24 @@ def test_a_replay_skips_undecoded_only_commits_that_write_nothing_to_the_view() 
     assert may_write_timers('{"events":[],"deleted": true}')
     assert may_write_timers('{"events":[{"body":{"deleted":false}}],"deleted":true}')
     assert may_write_timers('{"events":[{"name":"\\u0054imerScheduled"}],"deleted":false}')
+
+
+async def test_expired_timers_are_failed_not_fired_unless_asked(tmp_path: Path) -> None:
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        old = _scheduled("order", "o-1", "k")
+        old.body["due_at"] = int(time.time() * 1000) - 8 * 86_400_000  # before the 7-day retention
+        await backend.log.append_many(
+            [_commit("order", "o-1", old), _commit("order", "o-2", _scheduled("order", "o-2", "k"))]
+        )
+        report = await TimerRebuilder(settings, backend).run(dry_run=True, fire_expired=True)
+        assert (report.expired, report.statuses, report.swapped) == (0, {"PENDING": 2}, False)
+        assert await backend.timers.scan(limit=10) == []  # a dry run changes nothing
+        report = await TimerRebuilder(settings, backend).run()
+        assert (report.expired, report.statuses) == (1, {"PENDING": 1, "FAILED": 1})
+        assert [(e[1], e[2]) for e in report.expired_listed] == [(f"{CTX}.order/o-1 (tenant (0))", "k")]
+        (failed,) = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+        assert failed.owner.id == "o-1" and (failed.last_error or "").startswith("expired, state unknown")
+    finally:
+        await backend.close()
