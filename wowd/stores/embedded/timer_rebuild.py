@@ -265,9 +265,14 @@ class EmbeddedTimerRebuild(SqliteStore):
         return int(await self._run("count", lambda conn: conn.execute(sql).fetchone()[0]))
 
     async def abort(self) -> None:
-        """Drops the shadow (the live view is left as it is)."""
+        """Drops the shadow (the live view is left as it is), unless another rebuild holds the
+        lock now (the shadow is its own then)."""
 
         def work(conn: sqlite3.Connection) -> None:
+            conn.execute(_LOCK_DDL)
+            row = conn.execute(f"SELECT owner FROM {LOCK_TABLE} WHERE context = ?", (self.context,)).fetchone()
+            if row is not None and row[0] != self.owner:
+                return
             conn.execute(f"DROP TABLE IF EXISTS {self.shadow}")
 
         await self._run("abort", self._db.transaction(work))
