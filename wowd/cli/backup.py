@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         "--step-pages",
         type=positive_int,
         default=STEP_PAGES,
-        help=f"pages copied per step (default {STEP_PAGES}); the replicas write between the steps either way",
+        help=f"pages copied per step (default {STEP_PAGES}); progress is shown between steps",
     )
     p.set_defaults(handler=backup)
 
