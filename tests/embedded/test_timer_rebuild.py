@@ -108,3 +108,45 @@ async def test_expired_timers_are_failed_not_fired_unless_asked(tmp_path: Path) 
         assert failed.owner.id == "o-1" and (failed.last_error or "").startswith("expired, state unknown")
     finally:
         await backend.close()
+
+
+async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further(tmp_path: Path) -> None:
+    """What the feed applied after the replay read the log is read again in the finishing
+    transaction, up to the timer view's checkpoint of each partition: the view swapped in is
+    where the feed continues (a commit past the checkpoint is left to the feed)."""
+    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many([_commit("order", "o-1", _scheduled("order", "o-1", "k"))])
+        timers = backend.timers
+        assert isinstance(timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
+        await engine.acquire(60)
+        await engine.begin()
+        n, last, entries = await engine.read(0, 100)
+        assert n == 1
+        project = _project(settings, None)
+        await engine.write(project(entries))
+        # meanwhile: two more commits, the feed applied (checkpointed) the first of them only
+        await backend.log.append_many(
+            [
+                _commit("order", "o-2", _scheduled("order", "o-2", "k")),
+                _commit("order", "o-3", _scheduled("order", "o-3", "k")),
+            ]
+        )
+        await backend.log.save_checkpoints(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        await engine.finish(
+            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
+        )
+        assert result.swapped and result.caught_up == 1 and result.checkpoints == {0: last + 1}
+        assert sorted(t.owner.id for t in await backend.timers.scan(limit=10)) == ["o-1", "o-2"]
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()
