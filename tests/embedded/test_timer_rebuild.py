@@ -150,3 +150,39 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
         await engine.close()
     finally:
         await backend.close()
+
+
+async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_swap(tmp_path: Path) -> None:
+    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(3)]
+        )
+        await TimerRebuilder(settings, backend).run()  # the live view
+        timers = backend.timers
+        assert isinstance(timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
+        await engine.acquire(60)
+        await engine.begin()
+        n, last, entries = await engine.read(0, 100)
+        project = _project(settings, None)
+        await engine.write(project(entries))
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        # the timer loop parks one after the carry-over, before the swap
+        (t,) = [t for t in await timers.scan(limit=10) if t.owner.id == "o-1"]
+        assert await timers.settle([TimerChange.park(t, fence=0, reason="late change")]) == 1
+        await engine.finish(
+            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
+        )
+        (parked,) = await timers.scan(status=TimerStatus.PARKED, limit=10)
+        assert parked.owner.id == "o-1" and parked.last_error == "late change"
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()
