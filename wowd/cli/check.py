@@ -137,10 +137,13 @@ async def _embedded_formats(settings: WowdSettings) -> list[StoreFormat] | None:
     """The formats recorded in the embedded file (``None``, with a ``FAIL`` line, when they
     cannot be read)."""
     from wowd.stores.embedded.db import SqliteDatabase
-    from wowd.stores.embedded.formats import embedded_formats
+    from wowd.stores.embedded.formats import embedded_formats, rebuild_state
 
     db = SqliteDatabase(settings.embedded.path)
     try:
+        rebuild = await db.run(partial(_read_only, rebuild_state, context=settings.context))
+        if rebuild is not None:
+            out(f"ok   timer view rebuild: {rebuild}")
         return await db.run(partial(_read_only, embedded_formats, context=settings.context))
     except WowdError as exc:
         err(f"FAIL formats: {type(exc).__name__}: {exc}")

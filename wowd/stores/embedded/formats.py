@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from wowd.stores.embedded import log as log_tables
 from wowd.stores.embedded import snapshots as snapshot_tables
 from wowd.stores.embedded import timer_sql
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.formats import StoreFormat
 
-__all__ = ["embedded_formats"]
+__all__ = ["embedded_formats", "rebuild_state"]
 
 
 def _tables(conn: sqlite3.Connection) -> set[str]:
@@ -37,3 +39,26 @@ def embedded_formats(conn: sqlite3.Connection, context: str) -> list[StoreFormat
     for name, fmt in sorted(snapshots):
         found.append(StoreFormat(f"snapshot collection {name}", fmt, snapshot_tables.FORMAT))
     return found
+
+
+def rebuild_state(conn: sqlite3.Connection, context: str) -> str | None:
+    """A rebuild of the context's timer view that runs or was interrupted (``wowd timers
+    rebuild``): its lock row and its shadow table, in one line; ``None`` when there is neither."""
+    from wowd.fmt import iso_ms
+    from wowd.stores.embedded.timer_rebuild import LOCK_TABLE
+
+    tables = _tables(conn)
+    shadow = timer_sql.shadow_table_name(context)
+    row = None
+    if LOCK_TABLE in tables:
+        row = conn.execute(
+            f"SELECT owner, started_at, expires_at FROM {LOCK_TABLE} WHERE context = ?", (context,)
+        ).fetchone()
+    if row is None and shadow not in tables:
+        return None
+    if row is not None and row[2] > time.time() * 1000:
+        return f"runs: lock held by {row[0]} since {iso_ms(row[1])}, until {iso_ms(row[2])} unless renewed"
+    return (
+        f"an interrupted rebuild left {shadow if shadow in tables else 'its lock'}: the live view is as it was; "
+        "wowd timers rebuild runs it again (and drops what it left)"
+    )
