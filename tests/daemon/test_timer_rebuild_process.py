@@ -106,8 +106,10 @@ async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_th
     assert code == 0, err
     counts = _summary(out)
     assert counts["commits"] == N + fifth
-    assert (counts["PENDING"], counts["PARKED"], counts["FAILED"], counts["expired"]) == (fifth, fifth, fifth, 0)
-    assert (counts["DONE"], counts["CANCELLED"], counts["live"]) == (fifth, fifth, 3 * fifth)
+    assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
+    # the pending ones are due 6 s after they were scheduled: on a slow machine a few may fire first
+    assert counts["PENDING"] + counts["DONE"] == 2 * fifth and counts["DONE"] >= fifth
+    assert counts["live"] == counts["PENDING"] + 2 * fifth
     assert "swapped in" in out and "rebuild: 0 of" not in out
 
     async def pending_fired() -> bool:
