@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
+from anyio.streams.memory import MemoryObjectSendStream
 
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError
@@ -48,6 +49,8 @@ LOCK_TTL_S = 60.0
 """How long the rebuild lock holds without a renewal (renewed at every progress line)."""
 PROGRESS_EVERY_S = 1.0
 """A progress line at most this often."""
+READ_AHEAD = 2
+"""Batches of the log read and projected ahead of the one written."""
 
 
 def timer_view_consumer() -> str:
@@ -170,20 +173,21 @@ class TimerRebuilder:
             + f": replaying {report.total} commits into {engine.shadow}"
         )
         shown = time.monotonic()
-        last = 0
-        while True:  # the log in its order, to its end
-            n, last, entries = await engine.read(last, self._batch_size)
-            if not n:
-                break
-            report.commits += n
-            await engine.write(project(entries))
-            now = time.monotonic()
-            if now - shown >= self._every_s:
-                shown = now
-                await engine.renew(LOCK_TTL_S)
-                await self._line(engine, report)
+        last = [0]
+        send, receive = anyio.create_memory_object_stream[tuple[int, list[TimerWrite]]](READ_AHEAD)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_ahead, engine, project, send, last)
+            async with receive:
+                async for n, writes in receive:
+                    report.commits += n
+                    await engine.write(writes)
+                    now = time.monotonic()
+                    if now - shown >= self._every_s:
+                        shown = now
+                        await engine.renew(LOCK_TTL_S)
+                        await self._line(engine, report)
         await self._line(engine, report)
-        read = dict.fromkeys(range(s.partitions), last)  # every partition read to the same point
+        read = dict.fromkeys(range(s.partitions), last[0])  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
         from wowd.stores.embedded.timer_rebuild import Finished
@@ -218,6 +222,24 @@ class TimerRebuilder:
             report.expired,
             report.swapped,
         )
+
+    async def _read_ahead(
+        self,
+        engine: EmbeddedEngine,
+        project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
+        send: MemoryObjectSendStream[tuple[int, list[TimerWrite]]],
+        last: list[int],
+    ) -> None:
+        """Reads the log in its order to its end and projects each batch while the batch before
+        is written (the decoding is Python; the write runs on the connection's thread), handing
+        on (commits read, timer writes); ``last[0]``: the ``seq`` read to."""
+        async with send:
+            while True:
+                n, seq, entries = await engine.read(last[0], self._batch_size)
+                if not n:
+                    return
+                last[0] = seq
+                await send.send((n, project(entries)))
 
     async def _line(self, engine: EmbeddedEngine, report: TimerRebuildReport) -> None:
         live = await engine.live_count()
