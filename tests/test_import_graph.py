@@ -146,6 +146,7 @@ def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
 DAEMON_WORK = {
     "wowd.daemon.supervisor": {"Supervisor"},
     "wowd.daemon.rebuild": {"Rebuilder", "RebuildReport", "RebuildStatus"},
+    "wowd.daemon.timer_rebuild": {"TimerRebuilder"},
 }
 """What the CLI may take from the daemon: the daemon and the rebuild (daemon work it runs); a
 helper it needs beside them lives outside ``wowd.daemon`` (the gateways in ``wowd.delivery``)."""

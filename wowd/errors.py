@@ -10,6 +10,7 @@ __all__ = [
     "ConfigError",
     "ConflictError",
     "FormatError",
+    "FormatTooNew",
     "InvalidInput",
     "LeaseLost",
     "LogBehindOplog",
@@ -97,6 +98,11 @@ class ConflictError(StorageError):
 
 class FormatError(StorageError):
     """A collection, table or index was recorded in another layout version (``MongoFormat``)."""
+
+
+class FormatTooNew(FormatError, ConfigError):
+    """A store is recorded in a format newer than this version knows (a newer wowd upgraded it):
+    refused at start like a configuration error (exit 2), naming both formats."""
 
 
 class SinkWriteError(StorageError):

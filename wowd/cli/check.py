@@ -10,7 +10,7 @@ import os
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -21,6 +21,9 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, FormatError, StorageError, WowdError
 from wowd.model import AggregateRef, AggregateType
 from wowd.stores.base import Backend
+from wowd.stores.formats import StoreFormat
+
+T = TypeVar("T")
 
 __all__ = ["check", "register"]
 
@@ -58,12 +61,18 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
     else:
         if settings.backend == "embedded":
             failures += await _check_embedded_file(settings)
-            failures += await _check_stores(settings, secrets, args)
+            formats = await _embedded_formats(settings)
         else:
             servers = await _check_mongodb(settings, secrets)
             if settings.sink != "none":
                 servers += await _check_elasticsearch(settings, secrets)
-            failures += servers or await _check_stores(settings, secrets, args)
+            formats = await _mongo_formats(settings, secrets) if not servers else None
+            failures += servers
+        if formats is not None:
+            failed, opens = _report_formats(formats)
+            failures += failed
+            if opens:
+                failures += await _check_stores(settings, secrets, args)
     if failures:
         err(f"wowd check: {failures} problem(s)")
         return 1
@@ -124,6 +133,76 @@ async def _check_embedded_file(settings: WowdSettings) -> int:
     else:
         out(f"ok   {LIBRARY}")
     return 0
+
+
+async def _embedded_formats(settings: WowdSettings) -> list[StoreFormat] | None:
+    """The formats recorded in the embedded file (``None``, with a ``FAIL`` line, when they
+    cannot be read)."""
+    from wowd.stores.embedded.db import SqliteDatabase
+    from wowd.stores.embedded.formats import embedded_formats, rebuild_state
+
+    db = SqliteDatabase(settings.embedded.path)
+    try:
+        rebuild = await db.run(partial(_read_only, rebuild_state, context=settings.context))
+        if rebuild is not None:
+            out(f"ok   timer view rebuild: {rebuild}")
+        return await db.run(partial(_read_only, embedded_formats, context=settings.context))
+    except WowdError as exc:
+        err(f"FAIL formats: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        db.close()
+
+
+def _read_only(read: Callable[..., T], conn: Any, *, context: str) -> T:
+    return read(conn, context)
+
+
+async def _mongo_formats(settings: WowdSettings, secrets: list[str]) -> list[StoreFormat] | None:
+    """The formats recorded in the MongoDB database (``None``, with a ``FAIL`` line, when they
+    cannot be read)."""
+    from pymongo import AsyncMongoClient
+    from pymongo.errors import PyMongoError
+
+    from wowd.stores.mongo import mongo_client_options
+    from wowd.stores.mongo.formats import mongo_formats
+
+    assert settings.mongodb.uri is not None  # the settings require it with the mongo backend
+    client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+        settings.mongodb.uri.get_secret_value(), **mongo_client_options(settings.mongodb)
+    )
+    try:
+        with anyio.fail_after(OPEN_TIMEOUT_S):
+            return await mongo_formats(client[settings.mongodb.database], settings.context)
+    except (PyMongoError, TimeoutError) as exc:
+        err(redact(f"FAIL formats: {type(exc).__name__}: {exc}", secrets))
+        return None
+    finally:
+        with anyio.CancelScope(shield=True):
+            await client.close()
+
+
+def _report_formats(formats: list[StoreFormat]) -> tuple[int, bool]:
+    """One line per store: its format and what this version would do to it. Answers the
+    failures (formats this version refuses) and whether the stores may be opened to probe them:
+    not when opening them would upgrade one (``wowd check`` changes nothing) or be refused."""
+    failures = 0
+    upgrades = []
+    for f in formats:
+        if f.action == "refuse":
+            err(f"FAIL format {f.describe()}")
+            failures += 1
+        else:
+            out(f"ok   format {f.describe()}")
+            if f.action == "upgrade":
+                upgrades.append(f.store)
+    if failures:
+        err("     stores not probed: this wowd refuses a format they hold")
+        return failures, False
+    if upgrades:
+        out(f"ok   stores not probed: opening them would upgrade {', '.join(upgrades)} in place (wowd run does it)")
+        return 0, False
+    return 0, True
 
 
 async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from wowd import __version__
-from wowd.cli import check, demo, outbox, quarantine, run, snapshots, status, timers
+from wowd.cli import backup, check, demo, outbox, quarantine, run, snapshots, status, timers
 from wowd.cli.logs import redact, secret_values, setup_logging
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings, load_settings
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     snapshots.register(sub, common)
     quarantine.register(sub, common)
     demo.register(sub, common)
+    backup.register(sub, common)
     sub.add_parser("version", help="print the version").set_defaults(handler=None)
     for name, parser in _children(p):
         for nested in _descendants(parser):

@@ -1,5 +1,5 @@
-"""``wowd timers list|show|schedule|cancel|retry|resume``: the timer view, for operators, and
-the application API (:mod:`wowd.client`) on the command line."""
+"""``wowd timers list|show|schedule|cancel|retry|resume|rebuild``: the timer view, for operators,
+and the application API (:mod:`wowd.client`) on the command line."""
 
 from __future__ import annotations
 
@@ -199,6 +199,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         tr.add_argument("--target", metavar="AGGREGATE/ID", help=f"the {text} timers whose command goes there")
         tr.add_argument("--tenant", help=f"the tenant id of owners and targets named (default {DEFAULT_TENANT})")
         tr.add_argument("--yes", action="store_true", help="do not ask for confirmation at a terminal")
+    rb = tsub.add_parser(
+        "rebuild",
+        help="rebuild the timer view from the log beside the live one and swap it in (replicas may run)",
+    )
+    rb.add_argument("--context", help="the context whose timer view is rebuilt (default: the configured one)")
+    rb.add_argument("--aggregate", help="only the timers owned by this aggregate type (the others are kept)")
+    rb.add_argument("--dry-run", action="store_true", help="build and count, change nothing")
+    rb.add_argument(
+        "--fire-expired",
+        action="store_true",
+        help="fire one-shot timers due before the tombstone retention that have no tombstone "
+        "(default: FAILED as 'expired, state unknown', listed, not fired)",
+    )
     p.set_defaults(handler=timers)
 
 
@@ -293,6 +306,10 @@ def _name(wanted: str | tuple[AggregateRef, str]) -> str:
 
 
 async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
+    if args.timers_command == "rebuild":
+        from wowd.cli.timer_rebuild import rebuild
+
+        return await rebuild(settings, args)
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         store = backend.timers
         if args.timers_command == "list":

@@ -66,6 +66,7 @@ from wowd.model import (
 from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
 from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.formats import too_new
 
 __all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
 
@@ -789,6 +790,8 @@ def _validate(conn: sqlite3.Connection) -> None:
 
 def _check_format(conn: sqlite3.Connection) -> None:
     row = conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone()
+    if row is not None and isinstance(row[0], int) and row[0] > FORMAT:
+        raise too_new("embedded log", row[0], FORMAT)
     if row is None or row[0] != FORMAT:
         found = "no format" if row is None else f"format {row[0]}"
         raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")
@@ -844,3 +847,29 @@ def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, st
         params = [v for owner in padded(chunk, rows) for v in owner]
         past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
     return past
+
+
+ENTRIES_BETWEEN_SQL = (
+    "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND partition = ? AND seq > ? AND seq <= ?"
+    " ORDER BY seq"
+)
+"""One partition's commits after a position, up to another (over the ``log_partition`` index)."""
+
+
+def entries_between(conn: sqlite3.Connection, context: str, partition_: int, after: int, until: int) -> list[LogEntry]:
+    """The log entries of one partition with ``after < seq <= until``, in log order, read in the
+    caller's transaction on ``conn`` (a rebuild of the timer view catching up to the feed's
+    checkpoint while it holds the file's write lock)."""
+    types: dict[str, AggregateType] = {}
+    out: list[LogEntry] = []
+    for row in conn.execute(ENTRIES_BETWEEN_SQL, (context, partition_, after, until)):
+        type_ = types.get(row[1])
+        if type_ is None:
+            type_ = types[row[1]] = AggregateType(context=context, aggregate=row[1])
+        out.append(_entry(type_, tuple(row)))
+    return out
+
+
+def entry_of(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
+    """A log row (:data:`READ_COLUMNS`) decoded as :meth:`EmbeddedLog.read` answers it."""
+    return _entry(type_, row)

@@ -27,10 +27,11 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, TypeVar
 
-from wowd.errors import FormatError, InvalidInput
+from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 from wowd.stores.embedded.sqlite import sqlite3, variable_limit
+from wowd.stores.formats import other_format, too_new
 
 __all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
@@ -122,6 +123,11 @@ def ddl_sql(context: str) -> list[str]:
 def format_sql() -> str:
     """The format recorded for one collection."""
     return f"SELECT format FROM {REGISTRY} WHERE collection = ?"
+
+
+def formats_sql() -> str:
+    """The recorded format of each of a context's collections."""
+    return f"SELECT collection, format FROM {REGISTRY} WHERE context = ?"
 
 
 def register_sql() -> str:
@@ -325,6 +331,9 @@ class EmbeddedSnapshotStore(SqliteStore):
             def work(conn: sqlite3.Connection) -> None:
                 for stmt in ddl_sql(self.context):
                     conn.execute(stmt)
+                for name, fmt in conn.execute(formats_sql(), (self.context,)):
+                    if isinstance(fmt, int) and fmt > FORMAT:  # a newer wowd's: refused at start
+                        raise too_new(f"snapshot collection {name}", fmt, FORMAT)
 
             await self._run("prepare", self._db.transaction(work))
             self._prepared = True
@@ -342,7 +351,7 @@ class EmbeddedSnapshotStore(SqliteStore):
 
         fmt = await self._run("create_collection", work)
         if fmt != FORMAT:
-            raise FormatError(f"snapshot collection {name} is recorded in format {fmt}, this store writes {FORMAT}")
+            raise other_format(f"snapshot collection {name}", fmt, FORMAT)
         self._known.add(aggregate)
 
     def _check(self, ref: AggregateRef | AggregateType) -> None:

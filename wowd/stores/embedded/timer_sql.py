@@ -115,6 +115,12 @@ def table_name(context: str) -> str:
     return f"wow_timer__{validate_name(context, field='context')}"
 
 
+def shadow_table_name(context: str) -> str:
+    """The table a rebuild of the context's timer view fills beside the live one (``wowd timers
+    rebuild``), then renames in its place."""
+    return f"{table_name(context)}__rebuild"
+
+
 def ddl_sql(context: str) -> list[str]:
     """The statements that create the registry, the timers table and its indexes."""
     t = table_name(context)
@@ -122,6 +128,14 @@ def ddl_sql(context: str) -> list[str]:
         f"CREATE TABLE IF NOT EXISTS {REGISTRY} ("
         " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT,"
         " format INTEGER NOT NULL, created_at INTEGER NOT NULL)",
+        table_sql(t),
+        *index_sql(context),
+    ]
+
+
+def table_sql(t: str) -> str:
+    """The ``CREATE TABLE`` of a timers table named ``t`` (its unique key; no other index)."""
+    return (
         f"CREATE TABLE IF NOT EXISTS {t} ("
         ' timer_id TEXT NOT NULL, "partition" INTEGER NOT NULL, aggregate TEXT NOT NULL,'
         ' owner_tenant TEXT NOT NULL, owner_id TEXT NOT NULL, "key" TEXT NOT NULL,'
@@ -130,7 +144,14 @@ def ddl_sql(context: str) -> list[str]:
         " target_tenant TEXT NOT NULL, target_id TEXT NOT NULL, body TEXT NOT NULL, rule TEXT NOT NULL,"
         " attempts INTEGER NOT NULL, fired INTEGER NOT NULL, claim_owner_key TEXT, claim_fence INTEGER,"
         " claim_until INTEGER, last_error TEXT, revision INTEGER NOT NULL,"
-        ' UNIQUE ("partition", aggregate, owner_tenant, owner_id, "key"))',
+        ' UNIQUE ("partition", aggregate, owner_tenant, owner_id, "key"))'
+    )
+
+
+def index_sql(context: str) -> list[str]:
+    """The ``CREATE INDEX`` statements of the context's timers table."""
+    t = table_name(context)
+    return [
         f'CREATE INDEX IF NOT EXISTS {t}__due ON {t} ("partition", due_at, timer_id)'
         " WHERE status IN ('PENDING', 'FIRING')",
         f"CREATE INDEX IF NOT EXISTS {t}__parked ON {t}"
@@ -162,11 +183,12 @@ def registry_formats_sql() -> str:
     return f"SELECT collection, format FROM {REGISTRY} WHERE context = ?"
 
 
-def put_sql(context: str) -> str:
+def put_sql(context: str, table: str | None = None) -> str:
     """The conditional upsert of ``put``: replaces a stored timer or tombstone of an earlier
     version (bumping its revision so that a change made against the old one is skipped); the
-    same or a later version stored changes nothing."""
-    t = table_name(context)
+    same or a later version stored changes nothing. ``table``: another table than the
+    context's (as the write builders below take it)."""
+    t = table or table_name(context)
     placeholders = ", ".join("?" for _ in COLUMNS)
     updates = ", ".join(f'"{c}" = excluded."{c}"' for c in COLUMNS if c != "revision")
     return (
@@ -177,25 +199,25 @@ def put_sql(context: str) -> str:
     )
 
 
-def live_at_sql(context: str) -> str:
+def live_at_sql(context: str, table: str | None = None) -> str:
     """Whether the key holds a live timer at exactly a version (a put that changed nothing)."""
-    return f"SELECT 1 FROM {table_name(context)} WHERE {_KEY} AND version = ? AND {_LIVE}"
+    return f"SELECT 1 FROM {table or table_name(context)} WHERE {_KEY} AND version = ? AND {_LIVE}"
 
 
-def cancel_sql(context: str) -> str:
+def cancel_sql(context: str, table: str | None = None) -> str:
     """A live timer at or below the version becomes a CANCELLED tombstone at that version."""
     return (
-        f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
+        f"UPDATE {table or table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
         f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5 AND "key" = ?6'
         f" AND version <= ?1 AND {_LIVE}"
     )
 
 
-def tombstone_sql(context: str) -> str:
+def tombstone_sql(context: str, table: str | None = None) -> str:
     """A CANCELLED tombstone for a key with no timer, or raising an earlier tombstone's version
     (parameters as ``COLUMNS``; ``due_at`` is replaced by the store's now)."""
-    t = table_name(context)
+    t = table or table_name(context)
     placeholders = ", ".join(f"{NOW_MS}" if c == "due_at" else "?" for c in COLUMNS)
     return (
         f"INSERT INTO {t} ({_COLS}) VALUES ({placeholders})"
@@ -206,10 +228,10 @@ def tombstone_sql(context: str) -> str:
     )
 
 
-def cancel_all_sql(context: str) -> str:
+def cancel_all_sql(context: str, table: str | None = None) -> str:
     """Every live timer of an owner at or below the version becomes a CANCELLED tombstone."""
     return (
-        f"UPDATE {table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
+        f"UPDATE {table or table_name(context)} SET status = 'CANCELLED', version = ?1, due_at = {NOW_MS},"
         f" {_NO_CLAIM}, revision = revision + 1"
         f' WHERE "partition" = ?2 AND aggregate = ?3 AND owner_tenant = ?4 AND owner_id = ?5'
         f" AND version <= ?1 AND {_LIVE}"

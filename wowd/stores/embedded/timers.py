@@ -52,7 +52,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from wowd.errors import FormatError, InvalidInput, LeaseLost, StorageError
+from wowd.errors import InvalidInput, LeaseLost, StorageError
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -132,6 +132,7 @@ from wowd.stores.embedded.timer_sql import (
     tombstone_sql,
     upgrade_sql,
 )
+from wowd.stores.formats import other_format
 
 __all__ = [
     "DUE_ARMS",
@@ -196,9 +197,7 @@ class EmbeddedTimerStore(SqliteStore):
         conn.execute(register_sql(), (table_name(self.context), self.context, None))
         for collection, fmt in conn.execute(registry_formats_sql(), (self.context,)):
             if fmt != FORMAT:
-                raise FormatError(
-                    f"timer collection {collection} is recorded in format {fmt}, this store writes {FORMAT}"
-                )
+                raise other_format(f"timer collection {collection}", fmt, FORMAT)
 
     async def _register(self, aggregate: str) -> None:
         """Records an aggregate type's collection on its first use; refuses another format."""
@@ -214,7 +213,7 @@ class EmbeddedTimerStore(SqliteStore):
 
         fmt = await self._run("prepare", work)
         if fmt != FORMAT:
-            raise FormatError(f"timer collection {name} is recorded in format {fmt}, this store writes {FORMAT}")
+            raise other_format(f"timer collection {name}", fmt, FORMAT)
         self._known.add(aggregate)
 
     # ---- validation
@@ -277,10 +276,49 @@ class EmbeddedTimerStore(SqliteStore):
         await self.prepare()
         return steps
 
-    def write_steps(self, steps: Sequence[tuple[str, tuple[Any, ...]]], conn: sqlite3.Connection) -> list[int]:
+    def plan_write_in(
+        self, writes: Sequence[TimerWrite], conn: sqlite3.Connection
+    ) -> list[tuple[str, tuple[Any, ...]]]:
+        """:meth:`plan_write` in the caller's transaction on ``conn`` (a type's collection
+        recorded on its first use there; its format checked)."""
+        steps: list[tuple[str, tuple[Any, ...]]] = []
+        for w in writes:
+            if w.kind == "put":
+                assert w.timer is not None
+                self._check_timer(w.timer)
+                aggregate = w.owner.aggregate
+                if aggregate not in self._known:
+                    name = self.collection_name(aggregate)
+                    conn.execute(register_sql(), (name, self.context, aggregate))
+                    (fmt,) = conn.execute(format_sql(), (name,)).fetchone()
+                    if fmt != FORMAT:
+                        raise other_format(f"timer collection {name}", fmt, FORMAT)
+                    self._known.add(aggregate)
+                steps.append(("put", timer_params(w.timer)))
+            elif w.kind == "cancel":
+                steps.append(("cancel", (w.version, *self._owner_key(w.owner), w.key)))
+            else:
+                steps.append(("cancel_all", (w.version, *self._owner_key(w.owner))))
+        return steps
+
+    def _write_sql_for(self, table: str) -> dict[str, str]:
+        t = self.context
+        return {
+            "put": put_sql(t, table),
+            "live_at": live_at_sql(t, table),
+            "cancel": cancel_sql(t, table),
+            "tombstone": tombstone_sql(t, table),
+            "cancel_all": cancel_all_sql(t, table),
+        }
+
+    def write_steps(
+        self, steps: Sequence[tuple[str, tuple[Any, ...]]], conn: sqlite3.Connection, *, table: str | None = None
+    ) -> list[int]:
         """The writes of :meth:`plan_write` in the caller's transaction on ``conn``, in order;
-        each one's answer as :meth:`write` gives it."""
-        sql = self._write_sql
+        each one's answer as :meth:`write` gives it. ``table``: written into that table (a
+        rebuild's shadow of the view, :func:`~wowd.stores.embedded.timer_sql.table_sql`) instead
+        of the view."""
+        sql = self._write_sql if table is None else self._write_sql_for(table)
         ctx = self.context
 
         def one(kind: str, params: tuple[Any, ...]) -> int:

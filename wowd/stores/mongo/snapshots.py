@@ -51,6 +51,7 @@ from wowd.model import (
     SnapshotTable,
     validate_name,
 )
+from wowd.stores.formats import too_new
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     DUPLICATE_KEY,
@@ -504,6 +505,8 @@ class MongoSnapshotStore(MongoStore):
             if record is None or record.get("format") is None:
                 if self._ddl is Ddl.VALIDATE:
                     raise FormatError(f"mongodb {name}: no format record in {TABLES} (ddl=validate)")
+            elif isinstance(record.get("format"), int) and record["format"] > FORMAT:
+                raise too_new(f"mongodb {name}", record["format"], FORMAT)
             elif record.get("format") != FORMAT:
                 raise FormatError(
                     f"mongodb {name}: recorded in format {record.get('format')!r}, this wowd writes format "

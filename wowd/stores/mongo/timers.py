@@ -50,6 +50,7 @@ from wowd.model import (
     validate_name,
 )
 from wowd.stores.base import Ddl
+from wowd.stores.formats import other_format, too_new
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     NAMESPACE_EXISTS,
@@ -279,6 +280,9 @@ class MongoTimerStore(MongoStore):
             return [str(d["_id"]) for d in docs if not await self._ttl_present(str(d["_id"]))]
 
     async def _other_format(self, name: str, aggregate: str, found: Any) -> None:
+        if isinstance(found, int) and found > TIMER_FORMAT:
+            # a newer wowd's collection: never dropped by an older one
+            raise too_new(f"mongodb timers: {name}", found, TIMER_FORMAT)
         if not self.drop_other_format:
             raise FormatError(
                 f"mongodb timers: {name} is recorded in format {found!r}, this wowd needs {TIMER_FORMAT} "
@@ -306,9 +310,7 @@ class MongoTimerStore(MongoStore):
             if doc.get("format") == TIMER_UPGRADES_FROM:
                 await self._upgrade(name)  # refuses
             if doc.get("format") != TIMER_FORMAT:
-                raise FormatError(
-                    f"mongodb timers: {name} is recorded in format {doc.get('format')!r}, not {TIMER_FORMAT}"
-                )
+                raise other_format(f"mongodb timers: {name}", doc.get("format"), TIMER_FORMAT)
             await self._validate_indexes(name)
         else:
             doc, _ = await self._register(name, aggregate)

@@ -1,0 +1,228 @@
+"""``wowd timers rebuild`` on the embedded file while a replica runs: pending timers fire once,
+nothing that fired or was cancelled fires again, PARKED and FAILED come back where the old view
+could be read, the counts match the summary; a rebuild killed leaves the live view as it was."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+
+import anyio
+import pytest
+
+from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.stores.base import Backend
+from wowd.stores.embedded.sqlite import sqlite3
+
+from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process]
+
+N = 2000
+"""Timers scheduled: a fifth each fired, cancelled, parked, failed and pending at the rebuild."""
+DAY_MS = 86_400_000
+TABLE = f"wow_timer__{CONTEXT}"
+
+
+def _cancel(agg_id: str, version: int, key: str) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
+        version=version,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000),
+        events=(DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key}),),
+    )
+
+
+def _sql(db: Path, statement: str, *params: object) -> list[tuple[object, ...]]:
+    with closing(sqlite3.connect(db, isolation_level=None, timeout=10)) as conn:
+        return conn.execute(statement, params).fetchall()
+
+
+async def _outbox_timer_ids(b: Backend) -> list[str]:
+    return [e.timer_id for e in await b.outbox.entries(limit=100_000)]
+
+
+def _summary(out: str) -> dict[str, int]:
+    line = next(x for x in out.splitlines() if x.startswith("summary: "))
+    found = {k: int(v) for v, k in re.findall(r"(\d+) (PENDING|FIRING|PARKED|FAILED|DONE|CANCELLED|expired)", line)}
+    found["commits"] = int(re.search(r"(\d+) commits read", line).group(1))  # type: ignore[union-attr]
+    found["live"] = int(re.search(r"(\d+) timers live", line).group(1))  # type: ignore[union-attr]
+    return found
+
+
+async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: int) -> dict[str, set[str]]:
+    """Schedules :data:`N` timers (one per order) through the replica ``a``: fired (due now and
+    delivered into the outbox), cancelled, parked and failed (due in an hour, then settled so by
+    the test as a replica would), and pending (due ``pending_in_ms`` from now). Answers the timer
+    ids of each kind."""
+    now = int(time.time() * 1000)
+    fifth = N // 5
+    kinds = ["fired", "cancelled", "parked", "failed", "pending"]
+    due = {"fired": now, "cancelled": now + 3_600_000, "parked": now + 3_600_000, "failed": now + 3_600_000}
+    due["pending"] = now + pending_in_ms
+    commits = []
+    for i in range(N):
+        kind = kinds[i // fifth]
+        commits.append(timer_commit(f"o-{kind}-{i}", 1, [f"k-{i}"], due_at=due[kind]))
+    await stores.log.append_many(commits)
+    cancels = [_cancel(f"o-cancelled-{i}", 2, f"k-{i}") for i in range(fifth, 2 * fifth)]
+    await stores.log.append_many(cancels)
+
+    ids: dict[str, set[str]] = {k: set() for k in kinds}
+
+    async def settled() -> bool:
+        return await stores.outbox.count() >= fifth and len(await stores.timers.scan(limit=100_000)) == 3 * fifth
+
+    await eventually(settled, 20, "the replica fed every commit and fired the due timers")
+    for t in await stores.timers.scan(limit=100_000):
+        ids[t.owner.id.split("-")[1]].add(t.timer_id)
+    ids["fired"] = set(await _outbox_timer_ids(stores))
+    assert len(ids["fired"]) == fifth
+    if park:
+        by_id = {t.timer_id: t for t in await stores.timers.scan(limit=100_000)}
+        changes = [TimerChange.park(by_id[i], fence=0, reason="target answered 409") for i in ids["parked"]]
+        changes += [TimerChange.fail(by_id[i], fence=0, reason="target answered 400") for i in ids["failed"]]
+        assert await stores.timers.settle(changes) == 2 * fifth
+    return ids
+
+
+async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_the_log_does_not_hold(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
+    await a.wait_ready()
+    ids = await _scheduled(stores, a, park=True, pending_in_ms=6_000)
+    fifth = N // 5
+
+    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    assert code == 0, err
+    counts = _summary(out)
+    assert counts["commits"] == N + fifth
+    assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
+    # the pending ones are due 6 s after they were scheduled: on a slow machine a few may fire first
+    assert counts["PENDING"] + counts["DONE"] == 2 * fifth and counts["DONE"] >= fifth
+    assert counts["live"] == counts["PENDING"] + 2 * fifth
+    assert "swapped in" in out and "rebuild: 0 of" not in out
+
+    async def pending_fired() -> bool:
+        return set(await _outbox_timer_ids(stores)) >= ids["pending"]
+
+    await eventually(pending_fired, 20, "every pending timer fired after the rebuild")
+    fired = await _outbox_timer_ids(stores)
+    assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each, nothing else
+    assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]  # nothing fired twice
+    parked = await stores.timers.scan(status=TimerStatus.PARKED, limit=100_000)
+    failed = await stores.timers.scan(status=TimerStatus.FAILED, limit=100_000)
+    assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
+    assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
+    assert a.proc.poll() is None
+
+
+async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_the_expired(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
+    await a.wait_ready()
+    ids = await _scheduled(stores, a, park=False, pending_in_ms=3_000)
+    # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
+    old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
+    await stores.log.append_many(old)
+
+    async def old_fired() -> bool:
+        return await stores.outbox.count() == len(ids["fired"]) + len(old)
+
+    await eventually(old_fired, 20, "the old timers fired")
+    _sql(db, f"DELETE FROM outbox WHERE timer_id NOT IN ({', '.join('?' * len(ids['fired']))})", *ids["fired"])
+    a.signal(signal.SIGTERM)
+    assert await a.wait_exit(10) == 0
+    _sql(db, f"DROP TABLE {TABLE}")
+    b = spawn("b", base_env(db, WOWD_LEASE__LIMIT=1))  # starts on an empty view
+    await b.wait_ready()
+
+    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    assert code == 0, err
+    counts = _summary(out)
+    fifth = N // 5
+    assert counts["expired"] == counts["FAILED"] == len(old)
+    assert "expired, state unknown: 5 one-shot timer(s)" in out
+    assert counts["DONE"] == fifth and counts["CANCELLED"] == fifth  # from the outbox and the log
+    assert counts["PENDING"] == 3 * fifth  # (the parked and failed kinds are due in an hour here)
+    assert f"{fifth} one-shot timer(s) found fired in the outbox" in out
+
+    async def pending_fired() -> bool:
+        return set(await _outbox_timer_ids(stores)) >= ids["pending"]
+
+    await eventually(pending_fired, 20, "the pending timers fired")
+    fired = await _outbox_timer_ids(stores)
+    assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each; no old one, no cancelled one
+    assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]
+    expired = await stores.timers.scan(status=TimerStatus.FAILED, limit=100)
+    assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
+    assert all(t.last_error and t.last_error.startswith("expired, state unknown") for t in expired)
+
+
+async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
+    await a.wait_ready()
+    await stores.log.append_many(
+        [timer_commit(f"o-{i}", 1, [f"k-{i}"], due_at=int(time.time() * 1000) + 3_600_000) for i in range(N)]
+    )
+
+    async def fed() -> bool:
+        return len(await stores.timers.scan(limit=100_000)) == N
+
+    await eventually(fed, 20, "fed")
+    before = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")
+    proc = await anyio.open_process([sys.executable, "-m", "wowd", "timers", "rebuild"], env=base_env(db))
+    try:
+        assert proc.stdout is not None
+        first = b""
+        with anyio.fail_after(15):
+            while b"\n" not in first:
+                first += await proc.stdout.receive()
+        assert first.startswith(b"rebuild of the timer view"), first
+        proc.send_signal(signal.SIGKILL)  # the shadow made, the lock held, the replay started
+        with anyio.fail_after(10):
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.aclose()
+    assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
+    assert _sql(db, "SELECT count(*) FROM wow_timer_rebuild") == [(1,)]  # its lock, left behind
+
+    code, out, err = await run_wowd("timers", "rebuild", "--dry-run", env=base_env(db))
+    assert code == 0, err
+    assert _summary(out)["PENDING"] == N and "dry run: nothing changed" in out
+    assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
+    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    assert code == 0, err
+    assert _summary(out)["PENDING"] == N
+    after = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")
+    assert after == before  # the same view, rebuilt
+    assert _sql(db, "SELECT name FROM sqlite_schema WHERE name LIKE '%rebuild%' AND type = 'table'") == [
+        ("wow_timer_rebuild",)
+    ]
+
+
+async def test_a_second_rebuild_is_refused_naming_the_first(db: Path, stores: Backend) -> None:
+    _sql(
+        db,
+        "CREATE TABLE IF NOT EXISTS wow_timer_rebuild (context TEXT PRIMARY KEY, owner TEXT NOT NULL,"
+        " started_at INTEGER NOT NULL, expires_at INTEGER NOT NULL)",
+    )
+    now = int(time.time() * 1000)
+    _sql(db, "INSERT INTO wow_timer_rebuild VALUES (?, 'elsewhere:4242:abcd', ?, ?)", CONTEXT, now, now + 60_000)
+    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    assert code == 1
+    assert "a rebuild of the timer view of context 'demo' runs: lock held by elsewhere:4242:abcd" in err

@@ -1,0 +1,188 @@
+"""The timer view rebuilt from the log in-process (the embedded engine and the rebuilder): one
+aggregate type alone, the commits a replay may skip undecoded."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from wowd.config import EmbeddedSettings, WowdSettings
+from wowd.daemon.timer_rebuild import TimerRebuilder
+from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.stores.embedded import open_embedded
+from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.timer_rebuild import may_write_timers
+
+pytestmark = pytest.mark.anyio
+
+CTX = "shop"
+
+
+def _commit(aggregate: str, agg_id: str, *events: DomainEvent, deleted: bool = False, version: int = 1) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=CTX, aggregate=aggregate, id=agg_id),
+        version=version,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000),
+        events=events or (DomainEvent(id=uuid.uuid4().hex, name="Noted", body={}),),
+        deleted=deleted,
+    )
+
+
+def _scheduled(aggregate: str, agg_id: str, key: str) -> DomainEvent:
+    return DomainEvent(
+        id=uuid.uuid4().hex,
+        name="TimerScheduled",
+        body={
+            "key": key,
+            "due_at": int(time.time() * 1000) + 3_600_000,
+            "target": {"context": CTX, "aggregate": aggregate, "id": agg_id},
+            "command": {"name": "expire", "body": {}},
+        },
+    )
+
+
+async def test_only_the_aggregate_asked_is_rebuilt_the_others_kept_as_they_are(tmp_path: Path) -> None:
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [
+                _commit("order", "o-1", _scheduled("order", "o-1", "k")),
+                _commit("cart", "c-1", _scheduled("cart", "c-1", "k")),
+                _commit("order", "o-2", _scheduled("order", "o-2", "k")),
+                _commit("order", "o-2", deleted=True, version=2),  # its timers cancelled
+            ]
+        )
+        lines: list[str] = []
+        report = await TimerRebuilder(settings, backend, progress=lines.append).run()
+        assert report.swapped and report.statuses == {"PENDING": 2, "CANCELLED": 1}
+        assert lines[0].startswith(f"rebuild of the timer view of context {CTX!r}: replaying 4 commits")
+        (cart,) = [t for t in await backend.timers.scan(limit=10) if t.owner.aggregate == "cart"]
+        assert await backend.timers.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
+        with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
+            conn.execute(f"DELETE FROM wow_timer__{CTX} WHERE aggregate = 'order'")
+
+        report = await TimerRebuilder(settings, backend).run(aggregate="order")
+        assert report.swapped and report.statuses == {"PENDING": 1, "CANCELLED": 1}  # the order type's
+        by_owner = {t.owner.id: t for t in await backend.timers.scan(limit=10)}
+        assert set(by_owner) == {"o-1", "c-1"}
+        assert by_owner["o-1"].status is TimerStatus.PENDING
+        assert by_owner["c-1"].status is TimerStatus.PARKED and by_owner["c-1"].last_error == "kept"
+    finally:
+        await backend.close()
+
+
+def test_a_replay_skips_undecoded_only_commits_that_write_nothing_to_the_view() -> None:
+    assert not may_write_timers('{"events":[{"name":"Noted"}],"deleted":false}')
+    assert not may_write_timers('{"events":[{"name":"Noted","body":{"deleted":false}}],"deleted":false}')
+    assert may_write_timers('{"events":[{"name":"TimerScheduled"}],"deleted":false}')
+    assert may_write_timers('{"events":[{"name":"TimerCancelled"}],"deleted":false}')
+    assert may_write_timers('{"events":[],"deleted":true}')
+    assert may_write_timers('{"events":[],"deleted": true}')
+    assert may_write_timers('{"events":[{"body":{"deleted":false}}],"deleted":true}')
+    assert may_write_timers('{"events":[{"name":"\\u0054imerScheduled"}],"deleted":false}')
+
+
+async def test_expired_timers_are_failed_not_fired_unless_asked(tmp_path: Path) -> None:
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        old = _scheduled("order", "o-1", "k")
+        old.body["due_at"] = int(time.time() * 1000) - 8 * 86_400_000  # before the 7-day retention
+        await backend.log.append_many(
+            [_commit("order", "o-1", old), _commit("order", "o-2", _scheduled("order", "o-2", "k"))]
+        )
+        report = await TimerRebuilder(settings, backend).run(dry_run=True, fire_expired=True)
+        assert (report.expired, report.statuses, report.swapped) == (0, {"PENDING": 2}, False)
+        assert await backend.timers.scan(limit=10) == []  # a dry run changes nothing
+        report = await TimerRebuilder(settings, backend).run()
+        assert (report.expired, report.statuses) == (1, {"PENDING": 1, "FAILED": 1})
+        assert [(e[1], e[2]) for e in report.expired_listed] == [(f"{CTX}.order/o-1 (tenant (0))", "k")]
+        (failed,) = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+        assert failed.owner.id == "o-1" and (failed.last_error or "").startswith("expired, state unknown")
+    finally:
+        await backend.close()
+
+
+async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further(tmp_path: Path) -> None:
+    """What the feed applied after the replay read the log is read again in the finishing
+    transaction, up to the timer view's checkpoint of each partition: the view swapped in is
+    where the feed continues (a commit past the checkpoint is left to the feed)."""
+    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many([_commit("order", "o-1", _scheduled("order", "o-1", "k"))])
+        timers = backend.timers
+        assert isinstance(timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
+        await engine.acquire(60)
+        await engine.begin()
+        n, last, entries = await engine.read(0, 100)
+        assert n == 1
+        project = _project(settings, None)
+        await engine.write(project(entries))
+        # meanwhile: two more commits, the feed applied (checkpointed) the first of them only
+        await backend.log.append_many(
+            [
+                _commit("order", "o-2", _scheduled("order", "o-2", "k")),
+                _commit("order", "o-3", _scheduled("order", "o-3", "k")),
+            ]
+        )
+        await backend.log.save_checkpoints(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        await engine.finish(
+            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
+        )
+        assert result.swapped and result.caught_up == 1 and result.checkpoints == {0: last + 1}
+        assert sorted(t.owner.id for t in await backend.timers.scan(limit=10)) == ["o-1", "o-2"]
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()
+
+
+async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_swap(tmp_path: Path) -> None:
+    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(3)]
+        )
+        await TimerRebuilder(settings, backend).run()  # the live view
+        timers = backend.timers
+        assert isinstance(timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
+        await engine.acquire(60)
+        await engine.begin()
+        n, last, entries = await engine.read(0, 100)
+        project = _project(settings, None)
+        await engine.write(project(entries))
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        # the timer loop parks one after the carry-over, before the swap
+        (t,) = [t for t in await timers.scan(limit=10) if t.owner.id == "o-1"]
+        assert await timers.settle([TimerChange.park(t, fence=0, reason="late change")]) == 1
+        await engine.finish(
+            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
+        )
+        (parked,) = await timers.scan(status=TimerStatus.PARKED, limit=10)
+        assert parked.owner.id == "o-1" and parked.last_error == "late change"
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()
