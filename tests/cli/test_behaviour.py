@@ -113,6 +113,8 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
         "(store",
         "time)",
         "partitions",
+        "due",
+        "now",
         "holder",
     ]
     assert "replicas holding a slot: 1 (replica-a)" in lines
@@ -122,7 +124,11 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
     assert a[:3] == ["replica-a", "holding", "0"] and a[-2:] == ["9.9.9", "node-1/41"]
     assert c[:3] == ["replica-c", "standby", "-"] and c[4:6] == ["s", "ago"]
     assert lines[at + 4] == "standbys: 1 (replica-c)"
-    assert lines[-1] == "partitions without a live holder: 1,3..7 (4 partitions)"
+    assert lines[-3:] == [
+        "partitions without a live holder: 1,3..7 (4 partitions)",
+        "quarantined commits: 0",
+        "outbox: 0 entries",
+    ]
     code, out, _ = wowd("status", "--json")
     doc = json.loads(out)
     assert doc["holders"] == ["replica-a"] and doc["standbys"] == ["replica-c"]
