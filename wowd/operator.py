@@ -28,11 +28,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wowd.cli.output import at
 from wowd.client import schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
+from wowd.fmt import at
 from wowd.model import (
+    DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
     Commit,
@@ -66,6 +67,7 @@ __all__ = [
     "outbox_entry_doc",
     "outbox_page",
     "parse_cursor",
+    "parse_ref",
     "quarantine_page",
     "quarantined_item",
     "read_commit",
@@ -265,6 +267,20 @@ def parse_cursor(text: str) -> tuple[int, str]:
     if not sep or not due.lstrip("-").isdigit() or not tid:
         raise InvalidInput(f"{text!r} is not a cursor of a timer list (DUE_AT:TIMER_ID)", field="after")
     return int(due), tid
+
+
+def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
+    """``AGGREGATE/ID`` or ``CONTEXT.AGGREGATE/ID`` (the id may hold ``/``) in ``tenant``."""
+    head, sep, agg_id = text.partition("/")
+    if not sep or not head or not agg_id:
+        raise ConfigError(f"{text!r}: AGGREGATE/ID expected (e.g. order/o-1)")
+    ctx, dot, aggregate = head.rpartition(".")
+    try:
+        return AggregateRef(
+            context=ctx if dot else context, aggregate=aggregate, id=agg_id, tenant_id=tenant or DEFAULT_TENANT
+        )
+    except InvalidInput as exc:
+        raise ConfigError(f"{text!r}: {exc}") from exc
 
 
 def owner_streams(owner: AggregateRef) -> tuple[AggregateRef, ...]:

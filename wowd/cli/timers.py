@@ -18,7 +18,7 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
-from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, repair_timers, timer_doc
+from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
 from wowd.stores.base import Log, TimerSearch, TimerStore
 
 __all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
@@ -94,20 +94,6 @@ def _flag(field: str | None) -> str:
     if field.startswith("body.target"):
         return "--target"
     return next((flag for f, flag in FLAGS.items() if field.startswith(f + ".")), field)
-
-
-def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
-    """``AGGREGATE/ID`` or ``CONTEXT.AGGREGATE/ID`` (the id may hold ``/``) in ``tenant``."""
-    head, sep, agg_id = text.partition("/")
-    if not sep or not head or not agg_id:
-        raise ConfigError(f"{text!r}: AGGREGATE/ID expected (e.g. order/o-1)")
-    ctx, dot, aggregate = head.rpartition(".")
-    try:
-        return AggregateRef(
-            context=ctx if dot else context, aggregate=aggregate, id=agg_id, tenant_id=tenant or DEFAULT_TENANT
-        )
-    except InvalidInput as exc:
-        raise ConfigError(f"{text!r}: {exc}") from exc
 
 
 IN_OWNER_STREAM_HELP = (
