@@ -269,6 +269,10 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert failed["request_id"] and failed["rule"] == {"type": "once"}
     later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
     assert "due " in later and "(in 59 min)" in later or "(in 1.0 h)" in later
+    slot = failed["partition"] % 2
+    stalled = "feed: disk full" if slot == 1 else None  # as this process says of its slot 1
+    assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
+    assert "has no live holder: nothing feeds or fires its partitions" in later
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
     assert "no live timer" in gone
 
@@ -383,3 +387,33 @@ async def test_unknown_pages_and_methods(page: Page) -> None:
     assert (await page.client.put("/ui")).status_code == 405
     assert (await page.client.post("/api/v1/nope", headers={"authorization": f"Bearer {UI_TOKEN}"})).status_code == 405
     assert (await page.client.get("/metrics")).status_code == 200
+
+
+# --------------------------------------------------------------------------- this process's window
+
+
+def test_a_quantile_is_interpolated_within_its_bucket_as_prometheus_does() -> None:
+    from wowd.ui.window import quantile
+
+    inf = float("inf")
+    assert quantile(0.5, [(0.1, 0.0), (0.25, 10.0), (inf, 10.0)]) == pytest.approx(0.175)
+    assert quantile(0.99, [(1.0, 5.0), (inf, 10.0)]) == 1.0, "in +Inf: the largest finite bound"
+    assert quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None
+
+
+def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -> None:
+    from wowd.metrics import FIRE_LAG, TIMERS_FIRED, TIMERS_PARKED
+    from wowd.ui.window import MetricWindow
+
+    now = [0.0]
+    window = MetricWindow(clock=lambda: now[0], window_s=60)
+    FIRE_LAG.observe_many([0.02] * 98 + [4.0] * 2)
+    TIMERS_FIRED.labels(aggregate="window-test").inc(98)
+    TIMERS_PARKED.labels(aggregate="window-test").inc(2)
+    now[0] = 10.0
+    doc = window.read()
+    assert doc["deliveries"]["fired"] == 98 and doc["deliveries"]["parked"] == 2 and doc["window_s"] == 10.0
+    assert 0.01 < doc["fire_lag_p50_s"] <= 0.025 and 2.5 < doc["fire_lag_p99_s"] <= 5.0
+    now[0] = 100.0
+    later = window.read()
+    assert later["deliveries"]["fired"] == 0 and later["fire_lag_p50_s"] is None, "older than the window"

@@ -390,8 +390,22 @@ class StatusPage:
         doc["detail"] = detail(t)
         doc["owner_ref"] = _ref_params(t.owner)
         doc["scheduled_by"] = f"{t.owner} v{t.version}"
+        doc["slot"] = await self._slot_of(t.partition)
         done = _one(params, "done")
         return _Out({"timer": doc, "done": done}, "timer.html", json=doc)
+
+    async def _slot_of(self, part: int) -> dict[str, Any]:
+        """The slot of a partition, whether it has a live holder and, held here, its stall."""
+        s = self._settings
+        slot = s.lease.slot_offset + part % s.lease.limit
+        state = next((st for st in await self._backend.leases.slots(s.lease_namespace) if st.slot == slot), None)
+        held = dict(self._local()) if self._local is not None else {}
+        return {
+            "slot": slot,
+            "holder": state.owner_key if state is not None and state.live else None,
+            "fence": state.fence if state is not None else 0,
+            "stalled": held.get(slot),
+        }
 
     async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus) -> _Out:
         owner, key, t = await self._load(params)
