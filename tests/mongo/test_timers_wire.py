@@ -1056,3 +1056,37 @@ def test_parked_many_targets_are_split_to_fit_one_command() -> None:
     parts = split_to_fit(targets, command, limit)
     assert len(parts) > 1 and [t for p in parts for t in p] == targets
     assert all(len(bson.encode(command(p))) <= limit for p in parts)
+
+
+def test_a_search_matches_on_the_index_keys_of_what_it_names() -> None:
+    from wowd.model import AggregateRef, partition
+    from wowd.stores.base import TimerSearch
+    from wowd.stores.mongo.timer_queries import search_match
+
+    owner = AggregateRef(context="ctx", aggregate="order", id="o-1", tenant_id="t1")
+    target = AggregateRef(context="ctx", aggregate="order", id="o-2")
+    p = partition("o-1", 8)
+    assert search_match(TimerSearch(owners=(owner,), key="k"), 8) == {
+        "$and": [
+            {"$or": [{"partition": p, "owner.tenant_id": "t1", "owner.id": "o-1"}]},
+            {"key": "k"},
+            {"status": {"$in": ["PENDING", "FIRING", "PARKED", "FAILED"]}},
+        ]
+    }
+    assert search_match(TimerSearch(status=TimerStatus.FAILED), 8) == {"status": "FAILED"}
+    assert search_match(TimerSearch(target=target, due_from=5, due_until=9, after=(6, "x")), 8) == {
+        "$and": [
+            {"status": {"$in": ["PARKED", "FAILED"]}},
+            {
+                "target.id": "o-2",
+                "target.tenant_id": target.tenant_id,
+                "target.aggregate": "order",
+                "target.context": "ctx",
+            },
+            {"due_at": {"$gte": 5, "$lte": 9}},
+            {"$or": [{"due_at": {"$gt": 6}}, {"due_at": 6, "timer_id": {"$gt": "x"}}]},
+        ]
+    }
+    with pytest.raises(InvalidInput) as refused:
+        search_match(TimerSearch(target=target, status=TimerStatus.PENDING), 8)
+    assert refused.value.field == "target"
