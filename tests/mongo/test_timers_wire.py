@@ -901,6 +901,28 @@ async def test_parked_reads_every_collection_by_target(mongo_client: Any, wire: 
     assert out.value == [t]
 
 
+async def test_a_search_of_an_owner_is_one_union_and_keeps_the_owners_aggregate_only(
+    mongo_client: Any, wire: Wire
+) -> None:
+    """An owner's timers: the union matches the owner keys in every collection; a timer of the
+    same id in another aggregate type's collection is not the owner's and is left out."""
+    from wowd.stores.base import TimerSearch
+
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order", "cart")
+    mine = make_timer(key="a", due_at=10)
+    other = make_timer(aggregate="cart", key="b", due_at=5)
+    async with calling(lambda: store.search(TimerSearch(owners=(mine.owner,)), 10)) as out:
+        agg = await wire.command("aggregate")
+        sub = agg.doc["pipeline"][2]["$unionWith"]["pipeline"]
+        assert sub[0]["$match"]["$and"][0] == {
+            "$or": [{"partition": mine.partition, "owner.tenant_id": "(0)", "owner.id": "order-1"}]
+        }
+        assert {"$limit": 10} in sub
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(other), stored(mine)]))
+    assert out.error is None and out.value == [mine]
+
+
 # --------------------------------------------------------------------------- errors and timeouts
 
 
@@ -1074,6 +1096,12 @@ def test_a_search_matches_on_the_index_keys_of_what_it_names() -> None:
         ]
     }
     assert search_match(TimerSearch(status=TimerStatus.FAILED), 8) == {"status": "FAILED"}
+    assert search_match(TimerSearch(status=TimerStatus.PENDING), 4) == {
+        "$and": [
+            {"partition": {"$in": [0, 1, 2, 3]}, "status": {"$in": ["PENDING", "FIRING"]}},
+            {"status": "PENDING"},
+        ]
+    }
     assert search_match(TimerSearch(target=target, due_from=5, due_until=9, after=(6, "x")), 8) == {
         "$and": [
             {"status": {"$in": ["PARKED", "FAILED"]}},

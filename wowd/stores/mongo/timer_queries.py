@@ -527,16 +527,25 @@ def scan_match(status: TimerStatus | None, partitions: Iterable[int] | None) -> 
     return match
 
 
+MAX_EXPLODED_SCANS = 200
+"""The planner's ``internalQueryMaxScansToExplode``: the most point intervals it merges in order."""
+
+
 def search_match(query: TimerSearch, partitions: int) -> dict[str, Any]:
     """The live timers of a :class:`~wowd.stores.base.TimerSearch` (its cursor included): the
-    owners' unique-index keys, the status (PARKED and FAILED ones for a target search), the target
-    (the parked index's keys), the due range."""
+    owners' unique-index keys, the status (PARKED and FAILED ones for a target search; PENDING and
+    FIRING ones with every partition as the due index's points), the target (the parked index's
+    keys), the due range."""
     clauses: list[dict[str, Any]] = []
     if query.owners:
         clauses.append({"$or": [owner_filter(o, o.partition(partitions)) for o in query.owners]})
     if query.key is not None:
         clauses.append({"key": query.key})
     statuses = [s.value for s in query.statuses()]
+    if not query.owners and set(statuses) <= set(DUE_STATUSES) and partitions <= MAX_EXPLODED_SCANS:
+        # the due index's partial filter and its first key by points: one scan per partition,
+        # merged in due order (as :func:`due_match` explains)
+        clauses.append({"partition": {"$in": list(range(partitions))}, "status": {"$in": list(DUE_STATUSES)}})
     clauses.append({"status": statuses[0] if len(statuses) == 1 else {"$in": statuses}})
     if query.target is not None:
         t = query.target
