@@ -84,8 +84,8 @@ __all__ = [
 
 BACKLOG_CAP = 1000
 """Due timers counted per slot for the status (a larger backlog shows as this many)."""
-QUARANTINE_CAP = 1000
-"""Quarantined items counted for the status (more show as this many)."""
+QUARANTINE_CAP = 100
+"""Quarantined items counted for the status (more show as this many): each is read whole."""
 
 
 def _now_ms() -> int:

@@ -144,6 +144,43 @@ def test_status_says_when_no_replica_is_recorded(wowd: Run, created: Path) -> No
     assert "standbys: 0" in out.splitlines()
 
 
+def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) -> None:
+    fill_outbox({"r1": 1_000, "r2": 2_000})
+
+    async def fill() -> None:
+        from wowd.model import AggregateRef, AggregateType, Command, Timer, deterministic_timer_id, partition
+
+        s = load_settings()
+        async with opened_backend(s) as backend:
+            owner = AggregateRef(context=s.context, aggregate="order", id="o-1")
+            due = Timer(
+                timer_id=deterministic_timer_id(owner, "k", 1),
+                partition=partition("o-1", s.partitions),
+                owner=owner,
+                key="k",
+                version=1,
+                due_at=1_000,
+                scheduled_at=1_000,
+                target=owner,
+                body=Command(name="x").to_json(),
+            )
+            assert await backend.timers.put(due)
+            order = AggregateType(context=s.context, aggregate="order")
+            await backend.log.quarantine("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
+
+    anyio.run(fill)
+    code, out, _ = wowd("status", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [r["due_backlog"] for r in doc["slots"]] == [1]
+    assert doc["quarantined"] == 1
+    assert doc["outbox"]["depth"] == 2 and doc["outbox"]["oldest"]["request_id"] == "r1"
+    assert doc["outbox"]["oldest"]["created_at"] == 1_000
+    code, out, _ = wowd("status")
+    lines = out.splitlines()
+    assert lines[-2] == "quarantined commits: 1"
+    assert lines[-1].startswith("outbox: 2 entries, oldest created 1970-01-01T00:00:01.000+00:00 (")
+
+
 def test_outbox_list_ack_trim(wowd: Run) -> None:
     fill_outbox({"r1": 1_000, "r2": 2_000, "r3": 4_102_444_800_000})
     code, out, _ = wowd("outbox", "list", "--limit", "2")
