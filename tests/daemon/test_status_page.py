@@ -258,7 +258,9 @@ async def test_a_bad_search_is_answered_400_with_the_reason_and_counted(page: Pa
     assert "a target search lists PARKED and FAILED timers" in doc["error"]
     html = await page.html("/ui/timers?after=nope", 400)
     assert "is not a cursor" in html
-    assert UI_REFUSED.labels(reason="bad input")._value.get() == before + 3
+    doc = await page.api("/api/v1/timers?key=expire", 400)
+    assert "give the owner too" in doc["error"]
+    assert UI_REFUSED.labels(reason="bad input")._value.get() == before + 4
 
 
 async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:

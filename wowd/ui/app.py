@@ -350,6 +350,8 @@ class StatusPage:
     async def _timers(self, params: dict[str, list[str]]) -> _Out:
         form = {k: _one(params, k) for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until")}
         owner = self._owner(params)
+        if form["key"] is not None and owner is None:
+            raise InvalidInput("a key names a timer of an owner: give the owner too", field="key")
         status_text = form["status"]
         try:
             status = TimerStatus(status_text.upper()) if status_text else None
