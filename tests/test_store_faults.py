@@ -578,6 +578,9 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     from wowd.daemon.feed import CONSUMER, Feeder
     from wowd.daemon.leases import HeldSlot
     from wowd.daemon.waker import Waker
+    from wowd.views import view_named
+
+    INDEX_CONSUMER = view_named("index").consumer
 
     settings, backend = feed_backend
     commits = [log_commit("order-1"), log_commit("order-2"), log_commit("order-3")]
@@ -610,13 +613,14 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, Waker())
-            while True:  # polls the store (inside fail_after) until every partition is checkpointed
-                if len(await backend.log.checkpoints(CONSUMER, parts)) == len(parts):
+            while True:  # polls the store (inside fail_after) until the index checkpointed each partition
+                if len(await backend.log.checkpoints(INDEX_CONSUMER, parts)) == len(parts):
                     break
                 await anyio.sleep(0.02)
             held.request_stop()
     assert feeder.stalled is None
-    cps = await backend.log.checkpoints(CONSUMER, parts)
+    assert len(await backend.log.checkpoints(CONSUMER, parts)) == len(parts)
+    cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
     assert {cp.fence for cp in cps.values()} == {5}
     bulks = [r for r in fake.take() if r.path == BULK]
     assert len(bulks) == 3 and all(b.ndjson() == bulks[0].ndjson() for b in bulks)

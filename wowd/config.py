@@ -297,7 +297,21 @@ class GatewaySettings(_Part):
 
 class FeedSettings(_Part):
     stall_release_s: float = Field(default=300.0, ge=1)
-    """A slot whose feed has been stalled this long is released (another replica may try it)."""
+    """A slot whose timer view has been stalled this long is released (another replica may try
+    it). Another view's stall never releases the slot: it retries until its store takes it."""
+    views_off: list[str] = []
+    """Views the feed does not keep: ``timers``, ``index``, ``snapshots`` (every snapshot view)
+    or ``snapshots.<aggregate>``. With ``timers`` off nothing is projected or fired."""
+
+    @field_validator("views_off")
+    @classmethod
+    def _view_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if name not in ("timers", "index", "snapshots") and not (
+                name.startswith("snapshots.") and len(name) > len("snapshots.")
+            ):
+                raise ValueError(f"{name!r} is not a view: timers, index, snapshots or snapshots.<aggregate>")
+        return v
 
 
 class OutboxSettings(_Part):
@@ -335,6 +349,9 @@ class WowdSettings(BaseSettings):
     context: str = "demo"
     partitions: int = Field(default=64, ge=1, le=65536)
     backend: Literal["embedded", "mongo"] = "embedded"
+    sink: Literal["default", "none"] = "default"
+    """The event index: ``default`` keeps one (the embedded file's, or Elasticsearch with the
+    ``mongo`` backend); ``none`` keeps none (the log stays the source of truth)."""
     config: Path | None = None
     """The TOML file these settings were read from (``WOWD_CONFIG``)."""
     log_level: str = "INFO"
@@ -391,10 +408,10 @@ class WowdSettings(BaseSettings):
         if self.backend == "mongo":
             if self.mongodb.uri is None:
                 raise ValueError("mongodb.uri (WOWD_MONGODB__URI) is required when backend is 'mongo'")
-            if not self.elasticsearch.url and not self.elasticsearch.cloud_id:
+            if self.sink != "none" and not self.elasticsearch.url and not self.elasticsearch.cloud_id:
                 raise ValueError(
                     "elasticsearch.url (WOWD_ELASTICSEARCH__URL) or elasticsearch.cloud_id is required when backend "
-                    "is 'mongo'"
+                    "is 'mongo' (or sink = 'none': no event index)"
                 )
         return self
 

@@ -13,6 +13,7 @@ __all__ = [
     "InvalidInput",
     "LeaseLost",
     "LogBehindOplog",
+    "ReducerFailed",
     "SinkWriteError",
     "SlotStalled",
     "StorageError",
@@ -100,6 +101,11 @@ class FormatError(StorageError):
 
 class SinkWriteError(StorageError):
     """The event sink refused an item for a reason that is not transient; names the item."""
+
+
+class ReducerFailed(WowdError):
+    """A reducer raised folding a commit: its snapshot view stalls and retries the batch (a
+    reducer's bug is fixed by a new release, not by setting commits aside); the other views go on."""
 
 
 class SlotStalled(WowdError):

@@ -170,7 +170,9 @@ GATEWAY_UNROUTED = Counter(
 
 # feed
 FEED_COMMITS = Counter("wowd_feed_commits_total", "Commits fed to the sink and views", ["aggregate"])
-FEED_LAG = Gauge("wowd_feed_lag_seconds", "Now minus create time of the last commit fed", ["slot"])
+FEED_LAG = Gauge(
+    "wowd_feed_lag_seconds", "Now minus create time of the last commit the view applied; 0 caught up", ["slot", "view"]
+)
 FEED_ERRORS = Counter("wowd_feed_errors_total", "Feed batches that failed, by kind (transient, fatal)", ["kind"])
 QUARANTINED = Counter("wowd_quarantined_total", "Malformed commits quarantined, by field", ["field"])
 
@@ -194,7 +196,9 @@ STORE_UNAVAILABLE = Counter(
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
 FEED_STALLED = Gauge(
-    "wowd_feed_stalled", "1 while the slot's feed cannot progress (the store refuses every record)", ["slot"]
+    "wowd_feed_stalled",
+    "1 while the view of the slot cannot progress (its store refuses or is unavailable, a reducer raises)",
+    ["slot", "view"],
 )
 TIMERS_STALLED = Gauge(
     "wowd_timers_stalled",

@@ -52,6 +52,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerSearch, TimerStore
+from wowd.views import views_status
 
 __all__ = [
     "BACKLOG_CAP",
@@ -180,7 +181,9 @@ def status_doc(
 
 async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any]:
     """:func:`status_doc` of the stores now: the lease store's slots and presence records, each
-    slot's due backlog (one read of the due index per slot), the quarantine and the outbox."""
+    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; and
+    ``views``: each view kept and the partitions where it is behind the timer view
+    (:func:`~wowd.views.views_status`)."""
     states = await backend.leases.slots(settings.lease_namespace)
     replicas = await backend.leases.replicas(settings.lease_namespace)
     now = states[0].store_now if states else _now_ms()
@@ -201,9 +204,11 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
             "target": str(e.target),
             "created_at": e.created_at,
         }
-    return status_doc(
+    doc = status_doc(
         settings, states, replicas, backlog=backlog, quarantined=quarantined, outbox={"depth": depth, "oldest": oldest}
     )
+    doc["views"] = await views_status(settings, backend.log, settings.reducers)
+    return doc
 
 
 # --------------------------------------------------------------------------- timers
@@ -420,6 +425,9 @@ async def _feed(
     for step in steps:
         try:
             if step == "sink":
+                if not backend.has_sink:  # no event index kept: nothing to write
+                    outcome.done.append(step)
+                    continue
                 sink = backend.sink(commit.ref.type)
                 await sink.prepare()
                 await sink.write([commit])

@@ -54,7 +54,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "Feed and timers stalled (1)",
         "short",
         [
-            ("max by (instance, slot) (wowd_feed_stalled{S})", "feed {{instance}} slot {{slot}}"),
+            ("max by (instance, slot, view) (wowd_feed_stalled{S})", "{{view}} view {{instance}} slot {{slot}}"),
             ("max by (instance, slot) (wowd_timers_stalled{S})", "timers {{instance}} slot {{slot}}"),
         ],
     ),
@@ -62,7 +62,7 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         "Feed lag and watermark lag",
         "s",
         [
-            ("max by (instance, slot) (wowd_feed_lag_seconds{S})", "feed {{instance}} slot {{slot}}"),
+            ("max by (instance, slot, view) (wowd_feed_lag_seconds{S})", "{{view}} view {{instance}} slot {{slot}}"),
             ("max by (instance, slot) (wowd_feed_watermark_lag_seconds{S})", "watermark {{instance}} slot {{slot}}"),
         ],
     ),

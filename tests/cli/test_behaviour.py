@@ -124,13 +124,16 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
     assert a[:3] == ["replica-a", "holding", "0"] and a[-2:] == ["9.9.9", "node-1/41"]
     assert c[:3] == ["replica-c", "standby", "-"] and c[4:6] == ["s", "ago"]
     assert lines[at + 4] == "standbys: 1 (replica-c)"
-    assert lines[-3:] == [
+    assert lines[-5:] == [
         "partitions without a live holder: 1,3..7 (4 partitions)",
+        "view timers: current",  # nothing fed yet: nothing behind
+        "view index: current",
         "quarantined commits: 0",
         "outbox: 0 entries",
     ]
     code, out, _ = wowd("status", "--json")
     doc = json.loads(out)
+    assert [(v["view"], v["partitions_behind"]) for v in doc["views"]] == [("timers", []), ("index", [])]
     assert doc["holders"] == ["replica-a"] and doc["standbys"] == ["replica-c"]
     assert [(r["owner_key"], r["state"], r["slots"], r["host"], r["pid"]) for r in doc["replicas"]] == [
         ("replica-a", "holding", [0], "node-1", 41),

@@ -1,7 +1,8 @@
 """Nothing stops for good (docs/reliability.md): a commit a step refuses is quarantined
 with its step and error while the rest of its batch and partition is fed; a store that refuses
-everything stalls the slot (not ready, ``wowd_feed_stalled`` 1) and, after
-``feed.stall_release_s``, the slot is given up."""
+everything stalls the view (``wowd_feed_stalled{view}`` 1) and, when that view is the slot's lead
+(the timer view; here the event index fed alone), makes the slot not ready and, after
+``feed.stall_release_s``, gives the slot up."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ from wowd.daemon.waker import Waker
 from wowd.errors import InvalidInput, SlotStalled, StorageError, StorageFull
 from wowd.model import AggregateType, Commit, partition
 from wowd.stores.base import Backend, EventSink
+from wowd.views import view_named
 
 from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
 PARTS = 4
+
+
+INDEX_ALONE = (view_named("index"),)
+INDEX_CONSUMER = INDEX_ALONE[0].consumer
+"""The event index as the slot's only view: its stall is the slot's."""
 
 
 def settings(tmp_path: Path, **feed: Any) -> WowdSettings:
@@ -102,18 +109,25 @@ async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, waker)
             await eventually(caught_up(waker), 10, "the feed at the log's head")
+
+            async def index_joined() -> bool:
+                return feeder.following() == ["timers", "index"]
+
+            await eventually(index_joined, 10, "the index view caught up and joined the shared read")
             held.request_stop()
-    assert feeder.stalled is None
+    assert feeder.stalled is None and feeder.view_stalls() == {}
     fed = {d["aggregate_id"] for c in commits for d in await sink.documents(c.ref)}
     assert fed == {f"o-{i}" for i in range(6)}
-    # the good commits' timers are in the view; the refused commit is kept with its step and error
-    assert len(await backend.timers.scan(limit=20)) == 6
+    # every commit's timers are in the timer view (only the index refused one); the refused
+    # commit is kept with its step and error
+    assert len(await backend.timers.scan(limit=20)) == 7
     [q] = await backend.log.quarantined()
     assert q["raw"]["aggregate_id"] == "bad" and q["partition"] == partition("bad", PARTS)
     assert q["reason"].startswith("sink refused it: InvalidInput:") and "mapper_parsing_exception" in q["reason"]
     assert metrics.FEED_POISON.labels(step="sink", error="InvalidInput")._value.get() == poisoned + 1
-    cps = await backend.log.checkpoints(CONSUMER, list(range(PARTS)))
-    assert {p for p in cps} == {partition(c.ref.id, PARTS) for c in commits}
+    for consumer in (CONSUMER, "wowd.index"):
+        cps = await backend.log.checkpoints(consumer, list(range(PARTS)))
+        assert {p for p in cps} == {partition(c.ref.id, PARTS) for c in commits}
 
 
 async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
@@ -123,7 +137,7 @@ async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
     await backend.log.append_many([timer_commit(f"o-{i}", 1, []) for i in range(3)])
     held = await hold(backend)
     s = settings(tmp_path, stall_release_s=1.5)
-    feeder = Feeder(s, backend)
+    feeder = Feeder(s, backend, views=INDEX_ALONE)
     started = time.monotonic()
     with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
         async with anyio.create_task_group() as tg:
@@ -132,21 +146,21 @@ async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
     assert time.monotonic() - started >= 1.5
     # stalled, nothing quarantined (the records are fine: the store is not), nothing checkpointed
     assert feeder.stalled is not None and "sink: StorageError" in feeder.stalled
-    assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 1
+    assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 1
     assert await backend.log.quarantined() == []
-    assert await backend.log.checkpoints(CONSUMER, list(range(PARTS))) == {}
+    assert await backend.log.checkpoints(INDEX_CONSUMER, list(range(PARTS))) == {}
     # once the store answers again the same batch is fed
     sink.broken = False
     waker = Waker()
-    feeder = Feeder(s, backend)
+    feeder = Feeder(s, backend, views=INDEX_ALONE)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, waker)
             await eventually(caught_up(waker), 10, "the feed at the log's head")
             held.request_stop()
     assert feeder.stalled is None
-    assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 0
-    assert len(await backend.log.checkpoints(CONSUMER, list(range(PARTS)))) >= 1
+    assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 0
+    assert len(await backend.log.checkpoints(INDEX_CONSUMER, list(range(PARTS)))) >= 1
 
 
 async def test_a_full_disk_stalls_the_slot_at_once_and_quarantines_nothing_for_it(
@@ -161,9 +175,9 @@ async def test_a_full_disk_stalls_the_slot_at_once_and_quarantines_nothing_for_i
     commits.insert(2, timer_commit("bad", 1, ["k"], due_at=10**13))
     await backend.log.append_many(commits)
     held = await hold(backend)
-    feeder = Feeder(settings(tmp_path), backend)
+    feeder = Feeder(settings(tmp_path), backend, views=INDEX_ALONE)
     waker = Waker()
-    gauge = metrics.FEED_STALLED.labels(slot=str(held.slot))
+    gauge = metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, waker)
@@ -175,7 +189,7 @@ async def test_a_full_disk_stalls_the_slot_at_once_and_quarantines_nothing_for_i
             assert feeder.stalled is not None and "database or disk is full" in feeder.stalled
             assert gauge._value.get() == 1
             assert await backend.log.quarantined() == []
-            assert await backend.log.checkpoints(CONSUMER, list(range(PARTS))) == {}
+            assert await backend.log.checkpoints(INDEX_CONSUMER, list(range(PARTS))) == {}
             sink.full_after = None  # space returns
             await eventually(caught_up(waker), 10, "the feed at the log's head")
             held.request_stop()

@@ -360,7 +360,7 @@ async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_re
 
             await eventually(stalled, 5, "the feed stalled")
             assert feeder.stalled is not None and "oplog" in feeder.stalled
-            assert metrics.FEED_STALLED.labels(slot=str(held.slot))._value.get() == 1
+            assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="timers")._value.get() == 1
             first = reads
             with anyio.move_on_after(0.3):
                 await held.stop_event.wait()  # the stall's backoff, not a hot loop of re-reads

@@ -20,6 +20,7 @@ from wowd.daemon.timers import TimerLoop
 from wowd.delivery import OutboxGateway
 from wowd.errors import StorageFull, StorageUnavailable
 from wowd.stores.base import Backend
+from wowd.views import view_named
 
 pytestmark = pytest.mark.anyio
 
@@ -67,11 +68,19 @@ async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
     sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
     await sup._ping()
     feeder = Feeder(settings, backend)
-    feeder.stalled = "sink: StorageError: database or disk is full"
+    stalls = feeder.stalls_of(3)
     sup._feeders[3] = feeder
-    assert sup.readiness(False) == (False, "slot 3 stalled: sink: StorageError: database or disk is full")
+    logx = logging.LoggerAdapter(log)
+    # another view's stall: still ready (it fires timers), and it says which view
+    stalls[view_named("index")].stall("sink: StoreRefused: index_closed_exception", logx)
+    ok, why = sup.readiness(False)
+    assert ok and why.endswith("; index view of slot 3 stalled: sink: StoreRefused: index_closed_exception")
+    assert ready_gauge() == 1
+    # the timer view's stall: not ready, at once
+    stalls[view_named("timers")].stall("sink: StorageError: database or disk is full", logx)
+    assert sup.readiness(False) == (False, "slot 3 stalled: timers view: sink: StorageError: database or disk is full")
     assert ready_gauge() == 0  # at once, not at the next health check
-    feeder.stalled = None
+    stalls[view_named("timers")].progressed(logx)
     assert sup.readiness(False)[0] is True
     assert ready_gauge() == 1
 

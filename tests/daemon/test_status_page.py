@@ -107,7 +107,7 @@ async def _serve(db: Path, token: str | None) -> AsyncIterator[Page]:
 
     s = settings(db, token)
     backend = await open_embedded(s)
-    app = StatusPage(s, backend, local=lambda: {0: None, 1: "feed: disk full"})
+    app = StatusPage(s, backend, local=lambda: {0: None, 1: "timers view: disk full"})
     server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), app=app)
     try:
         async with anyio.create_task_group() as tg:
@@ -208,11 +208,11 @@ async def test_the_overview_shows_the_stores_and_this_process_and_refreshes_itse
     assert re.search(r'id="quarantined"><a href="/ui/quarantine">1</a>', html)
     assert re.search(r'id="outbox-depth"><a href="/ui/outbox">2</a>', html)
     assert re.search(r'id="due-backlog">1<', html)
-    assert "stalled: feed: disk full" in html, "the slot this process holds stalled says why"
+    assert "stalled: timers view: disk full" in html, "the slot this process holds stalled says why"
     assert "<script" not in html
     doc = await page.api("/api/v1/overview")
     slots = doc["process"]["slots"]
-    assert {k: v["stalled"] for k, v in slots.items()} == {"0": None, "1": "feed: disk full"}
+    assert {k: v["stalled"] for k, v in slots.items()} == {"0": None, "1": "timers view: disk full"}
     assert set(slots["0"]) == {"feed_lag_s", "watermark_age_s", "stalled"}
     assert set(doc["process"]["deliveries"]) == {"fired", "retried", "parked", "failed", "misfired"}
     assert (await page.client.get("/ui/static/style.css")).status_code == 200
@@ -272,7 +272,7 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
     assert "due " in later and "(in 59 min)" in later or "(in 1.0 h)" in later
     slot = failed["partition"] % 2
-    stalled = "feed: disk full" if slot == 1 else None  # as this process says of its slot 1
+    stalled = "timers view: disk full" if slot == 1 else None  # as this process says of its slot 1
     assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
     assert "has no live holder: nothing feeds or fires its partitions" in later
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)

@@ -16,7 +16,7 @@ import pytest
 from bson import ObjectId
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure
 
@@ -41,7 +41,7 @@ from tests.mongo.timers_support import calling, make_timer, registry_doc
 from tests.mongo.timers_support import cursor as timers_cursor
 from wowd.config import ElasticsearchSettings, MongoSettings, TimerSettings, WowdSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
-from wowd.model import AggregateRef, Claim, LogBatch, SnapshotRecord
+from wowd.model import AggregateRef, AggregateType, Claim, LogBatch, SnapshotRecord
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
@@ -697,6 +697,35 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
         assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
+    finally:
+        await backend.close()
+
+
+async def test_the_mongo_backend_runs_without_elasticsearch_when_it_keeps_no_index(
+    rs_server: MockupDB, rs_wire: Wire
+) -> None:
+    """``sink = "none"``: no Elasticsearch setting is needed and no client is made; the backend
+    has no sink, and the feed keeps no index view."""
+    from wowd.views import enabled_views
+
+    with pytest.raises(ValidationError, match="elasticsearch.url"):
+        WowdSettings(backend="mongo", mongodb=MongoSettings(uri=SecretStr(rs_server.uri)))
+    settings = WowdSettings(
+        backend="mongo", sink="none", mongodb=MongoSettings(uri=SecretStr(rs_server.uri), ddl="none", sharding="off")
+    )
+    assert [v.name for v in enabled_views(settings, ())] == ["timers"]
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: open_mongo(settings))
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            registry = await rs_wire.command("find")
+            registry.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": []})
+            await call.done.wait()
+    backend = call.result()
+    try:
+        assert not backend.has_sink
+        with pytest.raises(ConfigError, match="no event index"):
+            backend.sink(AggregateType(context="demo", aggregate="order"))
     finally:
         await backend.close()
 

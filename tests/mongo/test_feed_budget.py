@@ -194,15 +194,18 @@ class Deployment:
                 req, f"{DB}.{coll}", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, {"v": 2, **ttl_index_spec()}]
             )
         elif name == "find" and coll == CHECKPOINTS:
+            # each view's checkpoints: the timer view's (``wowd``), where the others, which have
+            # none of their own yet, start too
+            [consumer] = {i["consumer"] for i in req.doc["filter"]["_id"]["$in"]}
             assert req.doc["filter"]["_id"]["$in"] == [
-                {"consumer": CONSUMER, "partition": p} for p in range(PARTITIONS)
+                {"consumer": consumer, "partition": p} for p in range(PARTITIONS)
             ]
             position = {"token": token((1_000, 0)), "cluster_time": [1_000, 0]}
             docs = [
                 {"_id": {"consumer": CONSUMER, "partition": p}, "position": position, "fence": FENCE, "written_at": T0}
                 for p in range(PARTITIONS)
             ]
-            self.cursor(req, f"{DB}.{CHECKPOINTS}", docs)
+            self.cursor(req, f"{DB}.{CHECKPOINTS}", docs if consumer == CONSUMER else [])
         elif name == "aggregate" and coll == 1:
             kind = self.change_stream(req)
         elif name == "getMore" and req.doc.get("collection") == "$cmd.aggregate":
@@ -234,6 +237,8 @@ class Deployment:
             kind = "checkpoint write"
             updates = req.doc["updates"]
             assert all(u["q"]["fence"] == {"$lte": FENCE} for u in updates)
+            # every view's checkpoints, in the one write
+            assert {u["q"]["_id"]["consumer"] for u in updates} == {CONSUMER, "wowd.index", "wowd.snapshots.order"}
             self.write_reply(req, n=len(updates), nModified=len(updates))
         else:
             raise AssertionError(f"unexpected command: {req.doc}")

@@ -60,7 +60,9 @@ async def check(settings: WowdSettings, args: argparse.Namespace) -> int:
             failures += await _check_embedded_file(settings)
             failures += await _check_stores(settings, secrets, args)
         else:
-            servers = await _check_mongodb(settings, secrets) + await _check_elasticsearch(settings, secrets)
+            servers = await _check_mongodb(settings, secrets)
+            if settings.sink != "none":
+                servers += await _check_elasticsearch(settings, secrets)
             failures += servers or await _check_stores(settings, secrets, args)
     if failures:
         err(f"wowd check: {failures} problem(s)")
@@ -298,17 +300,18 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
         types = await backend.log.aggregate_types()
     except WowdError:
         types = []
-    if settings.backend == "mongo":  # the Elasticsearch sink: the cluster's version, types or not
+    if settings.backend == "mongo" and backend.has_sink:  # the Elasticsearch sink: its version, types or not
         any_type = types[0] if types else AggregateType(context=settings.context, aggregate="wowd")
         probe_sink = backend.sink(any_type)
         if hasattr(probe_sink, "check_version"):
             probes.append(("elasticsearch version", probe_sink.check_version))
     for t in types:
-        probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
-        sink = backend.sink(t)
-        probes.append((f"sink {t}", partial(sink.documents, probe_ref)))
-        if hasattr(sink, "missing_privileges"):
-            probes.append((f"sink privileges {t}", partial(_sink_privileges, sink)))
+        if backend.has_sink:
+            probe_ref = AggregateRef(context=t.context, aggregate=t.aggregate, id="wowd-check")
+            sink = backend.sink(t)
+            probes.append((f"sink {t}", partial(sink.documents, probe_ref)))
+            if hasattr(sink, "missing_privileges"):
+                probes.append((f"sink privileges {t}", partial(_sink_privileges, sink)))
         probes.append((f"snapshots {t}", partial(backend.rebuilds.table, t)))
     return probes
 

@@ -1,7 +1,7 @@
 """``wowd status``: the replicas of the lease namespace (holders and standbys, from their presence
 records) and its slot table, as the lease store holds them, with each slot's due backlog, the
-quarantine's count and the outbox's depth (:func:`wowd.operator.read_status`, which the status
-page's ``/api/v1/status`` answers too)."""
+views behind the timer view, the quarantine's count and the outbox's depth
+(:func:`wowd.operator.read_status`, which the status page's ``/api/v1/status`` answers too)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,10 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
         out(f"gone without leaving (recently): {len(gone)} ({', '.join(gone)})")
     unowned = doc["partitions_without_live_holder"]
     out(f"partitions without a live holder: {compact_partitions(unowned) if unowned else 'none'}")
+    for v in doc["views"]:
+        behind = v["partitions_behind"]
+        state = f"behind the timer view in partitions {compact_partitions(behind)}" if behind else "current"
+        out(f"view {v['view']}: {state}")
     out(f"quarantined commits: {_capped(doc['quarantined'], doc['quarantine_cap'])}")
     box, oldest = doc["outbox"], doc["outbox"]["oldest"]
     out(f"outbox: {box['depth']} entries" + (f", oldest created {at(oldest['created_at'])}" if oldest else ""))

@@ -1,9 +1,10 @@
 """The log feed of one held slot (docs/architecture.md).
 
-Per batch read from the log after the slot's checkpoints: quarantine malformed entries, write the
-commits to each aggregate type's event sink, project timer events into the timer store, fold
-snapshots where a reducer is configured, resume the parked timers of the aggregates that just
-committed, then save each partition's checkpoint under the slot's fence. Where the stores share
+Per batch read from the log after the views' checkpoints (:mod:`wowd.views`): quarantine
+malformed entries, write the commits to each aggregate type's event sink (the index view),
+project timer events into the timer store and resume the parked timers of the aggregates that
+just committed (the timer view), fold snapshots where a reducer is configured (a snapshot view
+per type), then save each partition's checkpoint of each view under the slot's fence. Where the stores share
 a transaction (the embedded file's :class:`~wowd.stores.base.FeedWriter`), the sink, timer, parked
 and checkpoint steps of a batch are that one transaction. Every step is idempotent, so a
 transient failure (:class:`StorageUnavailable`, a full disk among them) retries the whole batch
@@ -30,9 +31,11 @@ from wowd.clock import now_ms
 from wowd.config import WowdSettings
 from wowd.delivery import FusedFiring
 from wowd.errors import (
+    ConfigError,
     InvalidInput,
     LeaseLost,
     LogBehindOplog,
+    ReducerFailed,
     SinkWriteError,
     SlotStalled,
     StorageError,
@@ -62,6 +65,7 @@ from wowd.model import (
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
+from wowd.views import INDEX, LEGACY_CONSUMER, TIMERS, View, enabled_views, start_positions
 
 from .leases import HeldSlot
 from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
@@ -71,8 +75,8 @@ __all__ = ["CONSUMER", "Feeder", "field_of"]
 
 log = logging.getLogger(__name__)
 
-CONSUMER = "wowd"
-"""The checkpoint consumer name of the daemon's feed."""
+CONSUMER = LEGACY_CONSUMER
+"""The timer view's checkpoint consumer (and the one quarantined items name)."""
 
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
 
@@ -91,6 +95,9 @@ STALL_LOG_EVERY_S = LOG_EVERY_S
 """A stalled slot's ERROR line comes at most this often (as any stalled work's)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
+JOIN_WITHIN_S = 1.0
+"""A view that caught up joins the shared read if it can read what it still lacks within this
+(the shared read waits for it meanwhile); else it tries again when it next catches up."""
 
 _Read = tuple[LogBatch, int, "_Prepared | None", Exception | None]
 """A batch read ahead, its number (:meth:`Waker.reading`), what its steps need (``None`` for a
@@ -130,6 +137,9 @@ class _Prepared:
     """The net effect of the batch's timer events (:func:`~wowd.model.net_writes`)."""
     planned: object = None
     """:meth:`FeedWriter.plan` of the batch, when the backend has a feed writer."""
+    planned_for: tuple[bool, bool] | None = None
+    """What ``planned`` holds: the sinks' documents, the timer writes (a plan made for other
+    views is made again)."""
 
 
 def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> _Prepared:
@@ -166,8 +176,75 @@ def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: 
     return _Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_writes=net_writes(writes))
 
 
+class _ViewStall:
+    """Whether one view of a slot can progress: ``reason`` is ``None`` while it does.
+    ``wowd_feed_stalled{slot,view}`` is 1 while it cannot; an ERROR line comes at most once a
+    minute. Only the slot's lead view (the timer view) gives the slot up after
+    ``feed.stall_release_s`` (:class:`SlotStalled`): the others retry until their store takes
+    their batch, each from its own checkpoint."""
+
+    def __init__(self, slot: int, view: View, *, release_s: float | None) -> None:
+        self.view = view
+        self.reason: str | None = None
+        self.since = 0.0
+        self._release_s = release_s
+        self._logged_at = float("-inf")
+        self._unavailable_since: float | None = None
+        self._gauge = metrics.FEED_STALLED.labels(slot=str(slot), view=view.name)
+        self._lag = metrics.FEED_LAG.labels(slot=str(slot), view=view.name)
+
+    def lag(self, seconds: float) -> None:
+        self._lag.set(seconds)
+
+    def unavailable(self, reason: str, logx: logging.LoggerAdapter[logging.Logger], *, full: bool = False) -> None:
+        """A transient failure: stalled once the store has been unavailable for
+        :data:`STALL_AFTER_UNAVAILABLE_S`, at once when it is ``full`` (:class:`StorageFull`: a
+        full disk is freed by an operator, not in seconds). Nothing is quarantined for it: the
+        batch is retried whole until the store takes it."""
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+        if full or now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
+            self.stall(reason, logx)
+
+    def stall(self, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        now = time.monotonic()
+        if self.reason is None:
+            self.since = now
+        self.reason = reason
+        self._gauge.set(1)
+        if now - self._logged_at >= STALL_LOG_EVERY_S:
+            self._logged_at = now
+            logx.error("%s view stalled (retrying): %s", self.view.name, reason)
+        if self._release_s is not None and now - self.since >= self._release_s:
+            raise SlotStalled(f"{self.view.name} view stalled for {now - self.since:.0f} s: {reason}")
+
+    def retrying(self, msg: str, exc: Exception, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """A transient failure's line: WARNING, DEBUG while stalled (the stall's ERROR line says it)."""
+        logx.log(logging.DEBUG if self.reason is not None else logging.WARNING, msg, exc)
+
+    def progressed(self, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        self._unavailable_since = None
+        if self.reason is not None:
+            logx.info("%s view progresses again (stalled %.0f s)", self.view.name, time.monotonic() - self.since)
+            self.reason = None
+            self._logged_at = float("-inf")
+        self._gauge.set(0)
+
+
 class Feeder:
-    """Feeds the partitions of one held slot until the slot stops (at a batch boundary)."""
+    """Feeds the views of one held slot (:mod:`wowd.views`) until the slot stops, at a
+    batch boundary.
+
+    The views whose checkpoints are where the lead view's are (the timer view, or the first view
+    kept) share one read of the log and one write per batch where the stores share a transaction
+    (the embedded file's :class:`~wowd.stores.base.FeedWriter`); each keeps its own checkpoints,
+    saved together. A view other than the lead that fails a batch (its store unavailable or
+    refusing, a reducer that raises) leaves the shared read: it follows the log on its own from
+    its own checkpoint, stalled and retried with a backoff while its store does not take it,
+    and joins the shared read again once it has caught up with it, while the lead and the other
+    views go on. A lead view's failure stops the shared read (it is retried, quarantined record
+    by record, or stalls the slot as a feed's failure does)."""
 
     def __init__(
         self,
@@ -177,6 +254,7 @@ class Feeder:
         reducers: Mapping[str, Reducer] | None = None,
         batch_size: int = 500,
         fused: FusedFiring | None = None,
+        views: Sequence[View] | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -185,20 +263,57 @@ class Feeder:
         transaction fires the due timers it puts (:class:`~wowd.stores.base.FeedFiring`)."""
         self._reducers = dict(reducers or {})
         self._batch_size = batch_size
+        self.views = tuple(views) if views is not None else enabled_views(settings, self._reducers)
+        if not self.views:
+            raise ConfigError("feed.views_off leaves no view to feed")
+        self.lead = self.views[0]
+        self._current: list[View] = list(self.views)
+        """The views following the shared read, in the order of :attr:`views`."""
+        self._stalls: dict[View, _ViewStall] = {}
         self._prepared_sinks: set[AggregateType] = set()
         self._processing = False
         self._stopping = False
         self._read_scope: anyio.CancelScope | None = None
-        self.stalled: str | None = None
-        """Why the slot's feed cannot progress now (``None``: it does)."""
-        self.stalled_since = 0.0
-        self._stall_logged_at = float("-inf")
-        self._unavailable_since: float | None = None
+        self._boundary = anyio.Lock()
+        """Held while the shared read applies a batch: a view joining it does so between two."""
+        self._positions: dict[int, Position | None] = {}
+        """Where the shared read is (the lead view's positions)."""
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ---- state for readiness, status and tests
+
+    @property
+    def stalled(self) -> str | None:
+        """Why the slot's lead view cannot progress now (``None``: it does): the slot is not
+        ready while it cannot."""
+        st = self._stalls.get(self.lead)
+        return None if st is None or st.reason is None else f"{self.lead.name} view: {st.reason}"
+
+    @property
+    def stalled_since(self) -> float:
+        st = self._stalls.get(self.lead)
+        return st.since if st is not None else 0.0
+
+    def view_stalls(self) -> dict[str, str]:
+        """Each stalled view's reason, by view name (the lead's among them)."""
+        return {v.name: st.reason for v, st in self._stalls.items() if st.reason is not None}
+
+    def stalls_of(self, slot: int) -> dict[View, _ViewStall]:
+        """The stall state of each view, for ``slot``: only the lead's stall gives the slot up."""
+        release_s = self._settings.feed.stall_release_s
+        self._stalls = {v: _ViewStall(slot, v, release_s=release_s if v is self.lead else None) for v in self.views}
+        return self._stalls
+
+    def following(self) -> list[str]:
+        """The views following the shared read now (the others follow on their own)."""
+        return [v.name for v in self._current]
 
     def _request_stop(self) -> None:
         self._stopping = True
         if not self._processing and self._read_scope is not None:
             self._read_scope.cancel()
+
+    # ---- the shared read
 
     async def run(
         self, held: HeldSlot, waker: Waker, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -206,26 +321,59 @@ class Feeder:
         logx = logging.LoggerAdapter(log, held.log_extra())
         held.on_stop(self._request_stop)
         parts = sorted(held.partitions)
-        positions: dict[int, Position | None] = {p: None for p in parts}
+        self.stalls_of(held.slot)
         try:
             async for attempt in retrying(
                 "reading checkpoints", backoff=RETRY_BACKOFF, stop=held.stop_event, logger=logx
             ):
                 with attempt:
-                    cps = await self._backend.log.checkpoints(CONSUMER, parts)
+                    starts = await self._starts(parts)
         except RetryStopped:
             task_status.started()
             return
-        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
-        for p, cp in cps.items():
-            positions[p] = cp.position
+        self._positions = starts[self.lead]
+        self._current = [v for v in self.views if starts[v] == self._positions]
+        lagging = [v for v in self.views if v not in self._current]
         task_status.started()
-        logx.info("feeding partitions from %d checkpoints", len(cps))
+        logx.info("feeding %d partitions into %d view(s) from their checkpoints", len(parts), len(self.views))
+        logx.debug("views: %s", ", ".join(v.name for v in self.views))
+        if lagging:
+            logx.info("views %s are behind: they catch up on their own", ", ".join(v.name for v in lagging))
+        failure: Exception | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                for v in lagging:
+                    tg.start_soon(self._follow, held, v, starts[v], logx)
+                try:
+                    await self._shared(held, waker, logx)
+                except Exception as exc:  # raised as it is, not in a group, once the followers stopped
+                    failure = exc
+                tg.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
+        finally:
+            self._tg = None
+        logx.info("feed stopped at a batch boundary")
+
+    async def _starts(self, parts: Sequence[int]) -> dict[View, dict[int, Position | None]]:
+        """Where each view reads each partition from (:func:`~wowd.views.start_positions`)."""
+        log_ = self._backend.log
+        legacy = await log_.checkpoints(LEGACY_CONSUMER, parts)
+        out: dict[View, dict[int, Position | None]] = {}
+        for v in self.views:
+            own = legacy if v.consumer == LEGACY_CONSUMER else await log_.checkpoints(v.consumer, parts)
+            out[v] = start_positions(v, own, legacy, parts)
+        return out
+
+    async def _shared(self, held: HeldSlot, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        lead = self._stalls[self.lead]
+        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
         while not self._stopping and not held.stopping:
             try:
                 with anyio.CancelScope() as scope:
                     self._read_scope = scope
-                    reader = self._backend.log.read(positions, batch_size=self._batch_size, follow=True)
+                    reader = self._backend.log.read(self._positions, batch_size=self._batch_size, follow=True)
                     send, receive = anyio.create_memory_object_stream[_Read](READ_AHEAD)
                     registered = [0]
                     failed: Exception | None = None
@@ -239,9 +387,10 @@ class Feeder:
                                             failed = error
                                             break
                                         self._processing = True
-                                        await self._process(held, batch, number, prepared, waker, logx)
+                                        async with self._boundary:
+                                            await self._process(held, batch, number, prepared, waker, logx)
+                                            self._positions.update(batch.positions)
                                         self._processing = False
-                                        positions.update(batch.positions)
                                         pauses.reset()
                                         if self._stopping:
                                             break
@@ -260,22 +409,21 @@ class Feeder:
                 self._processing = False
                 self._read_scope = None
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                self._stall(held, f"log read: {exc}", logx)
+                lead.stall(f"log read: {exc}", logx)
                 await pauses.pause(STALL_BACKOFF)
             except StorageUnavailable as exc:
                 self._processing = False
                 metrics.FEED_ERRORS.labels(kind="transient").inc()
-                self._retrying("log read failed (will retry): %s", exc, logx)
-                self._unavailable(held, f"log read: {exc}", logx, full=isinstance(exc, StorageFull))
+                lead.retrying("log read failed (will retry): %s", exc, logx)
+                lead.unavailable(f"log read: {exc}", logx, full=isinstance(exc, StorageFull))
                 await pauses.pause()
             except (StorageError, InvalidInput) as exc:
                 # the log itself refuses (a corrupted file, no privilege): nothing can be fed
                 self._processing = False
                 self._read_scope = None
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                self._stall(held, f"log read: {type(exc).__name__}: {exc}", logx)
+                lead.stall(f"log read: {type(exc).__name__}: {exc}", logx)
                 await pauses.pause(STALL_BACKOFF)
-        logx.info("feed stopped at a batch boundary")
 
     async def _read_ahead(
         self,
@@ -316,58 +464,22 @@ class Feeder:
             except anyio.BrokenResourceError:  # the feed stopped reading
                 return
 
+    def _indexed(self, views: Sequence[View]) -> bool:
+        return any(v.name == INDEX for v in views)
+
     async def _plan(self, prepared: _Prepared) -> None:
         """The feed writer's :meth:`~FeedWriter.plan` of a batch read ahead, which the batch's
         transaction then takes ready (a failure leaves it to be made when the batch is applied)."""
         writer = self._backend.feed_writer
-        if writer is None or self._folds(prepared):
+        views = self._current
+        if writer is None or self._folds(prepared, views):
             return
-        sinks = [(self._backend.sink(t), commits) for t, commits in prepared.by_type.items()]
+        indexed = self._indexed(views)
+        sinks = [(self._backend.sink(t), commits) for t, commits in prepared.by_type.items()] if indexed else []
+        writes = prepared.timer_writes if any(v.name == TIMERS for v in views) else []
         with contextlib.suppress(WowdError):
-            prepared.planned = await writer.plan(sinks, prepared.timer_writes)
-
-    # ---- stalled: the slot's feed cannot progress
-
-    def _retrying(self, msg: str, exc: StorageError, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        """A transient failure's line: WARNING, DEBUG while stalled (the stall's ERROR line says it)."""
-        logx.log(logging.DEBUG if self.stalled is not None else logging.WARNING, msg, exc)
-
-    def _unavailable(
-        self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger], *, full: bool = False
-    ) -> None:
-        """A transient failure: the slot is stalled once the store has been unavailable for
-        :data:`STALL_AFTER_UNAVAILABLE_S`, at once when it is ``full`` (:class:`StorageFull`: a
-        full disk is freed by an operator, not in seconds). Nothing is quarantined for it: the
-        batch is retried whole until the store takes it."""
-        now = time.monotonic()
-        if self._unavailable_since is None:
-            self._unavailable_since = now
-        if full or now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
-            self._stall(held, reason, logx)
-
-    def _stall(self, held: HeldSlot, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        """Records that the slot's feed cannot progress (readiness 503, ``wowd_feed_stalled`` 1,
-        an ERROR line at most once a minute); after ``feed.stall_release_s`` raises
-        :class:`SlotStalled` so that the slot is given up for another replica to try."""
-        now = time.monotonic()
-        if self.stalled is None:
-            self.stalled_since = now
-        self.stalled = reason
-        metrics.FEED_STALLED.labels(slot=str(held.slot)).set(1)
-        if now - self._stall_logged_at >= STALL_LOG_EVERY_S:
-            self._stall_logged_at = now
-            logx.error("feed of slot %d stalled (retrying): %s", held.slot, reason)
-        if now - self.stalled_since >= self._settings.feed.stall_release_s:
-            raise SlotStalled(f"slot {held.slot}: feed stalled for {now - self.stalled_since:.0f} s: {reason}")
-
-    def _progressed(self, held: HeldSlot, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        self._unavailable_since = None
-        if self.stalled is not None:
-            stalled_s = time.monotonic() - self.stalled_since
-            logx.info("feed of slot %d progresses again (stalled %.0f s)", held.slot, stalled_s)
-            self.stalled = None
-            self._stall_logged_at = float("-inf")
-        metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
+            prepared.planned = await writer.plan(sinks, writes)
+            prepared.planned_for = (indexed, bool(writes))
 
     async def _process(
         self,
@@ -379,40 +491,19 @@ class Feeder:
         logx: logging.LoggerAdapter[logging.Logger],
     ) -> None:
         """Applies batch number ``read`` (as the waker numbered it when it was read), prepared
-        when it was read."""
+        when it was read, to the views following the shared read."""
         if prepared is None:  # caught up: the watermark moved on
-            metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
+            for v in self._current:
+                self._stalls[v].lag(0.0)
             waker.applied(read, batch.watermark)
             return
-        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
+        before = dict(self._positions)
         try:
-            while True:
-                held.check()
-                try:
-                    await self._apply(held, batch.positions, prepared, waker, logx)
-                    break
-                except StoreRefused as exc:
-                    # the store refuses every write (a block, credentials, a privilege): a stall
-                    # at once, nothing set aside; the batch is retried until the store takes it
-                    metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                    self._stall(held, f"{type(exc).__name__}: {exc}", logx)
-                    await pauses.pause(STALL_BACKOFF)
-                except StorageUnavailable as exc:
-                    metrics.FEED_ERRORS.labels(kind="transient").inc()
-                    self._retrying("feed batch failed (retrying the batch): %s", exc, logx)
-                    self._unavailable(held, str(exc), logx, full=isinstance(exc, StorageFull))
-                    await pauses.pause()
-                except _StepFailed as failed:
-                    metrics.FEED_ERRORS.labels(kind="fatal").inc()
-                    if await self._isolate(held, batch, waker, logx):
-                        break
-                    # every record fails for the store's own reasons: nothing to quarantine
-                    self._stall(held, f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
-                    await pauses.pause(STALL_BACKOFF)
+            applied = await self._apply_until_done(held, batch, prepared, waker, logx, self.lead, self._current)
         finally:
             # applied, or given up (its commits are read again, as a later batch)
             waker.applied(read, None)
-        self._progressed(held, logx)
+        self._leave(held, [v for v in self._current if v not in applied], before, logx)
         # metrics only once the batch is checkpointed (a retried batch counts once)
         for e in prepared.malformed:
             metrics.QUARANTINED.labels(field=field_of(e.error)).inc()
@@ -423,76 +514,265 @@ class Feeder:
         for type_, commits in prepared.by_type.items():
             metrics.FEED_COMMITS.labels(aggregate=type_.aggregate).inc(len(commits))
             last_time = max(last_time, max(c.create_time for c in commits))
+        lag = 0.0 if batch.watermark is not None else max(0.0, time.time() - last_time / 1000) if last_time else None
+        if lag is not None:
+            for v in applied:
+                self._stalls[v].lag(lag)
         if batch.watermark is not None:  # caught up
-            metrics.FEED_LAG.labels(slot=str(held.slot)).set(0.0)
             waker.advance(batch.watermark)
-        elif last_time:
-            metrics.FEED_LAG.labels(slot=str(held.slot)).set(max(0.0, time.time() - last_time / 1000))
+
+    async def _apply_until_done(
+        self,
+        held: HeldSlot,
+        batch: LogBatch,
+        prepared: _Prepared,
+        waker: Waker | None,
+        logx: logging.LoggerAdapter[logging.Logger],
+        lead: View,
+        views: Sequence[View],
+    ) -> list[View]:
+        """Applies a batch to ``views`` until the ``lead`` view has taken it: retried after a
+        transient failure, quarantined commit by commit after a refusal of some of its
+        commits, stalled while the store refuses all of them. The views it was applied to
+        (those of ``views`` that did not fail it: the lead among them)."""
+        st = self._stalls[lead]
+        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
+        while True:
+            held.check()
+            try:
+                applied = await self._apply(held, batch.positions, prepared, waker, logx, lead, views)
+                break
+            except StoreRefused as exc:
+                # the store refuses every write (a block, credentials, a privilege): a stall
+                # at once, nothing set aside; the batch is retried until the store takes it
+                metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                st.stall(f"{type(exc).__name__}: {exc}", logx)
+                await pauses.pause(STALL_BACKOFF)
+            except StorageUnavailable as exc:
+                metrics.FEED_ERRORS.labels(kind="transient").inc()
+                st.retrying("feed batch failed (retrying the batch): %s", exc, logx)
+                st.unavailable(str(exc), logx, full=isinstance(exc, StorageFull))
+                await pauses.pause()
+            except _StepFailed as failed:
+                metrics.FEED_ERRORS.labels(kind="fatal").inc()
+                if isinstance(failed.error, ReducerFailed):
+                    # the reducer's code, not the commit: nothing set aside; retried until fixed
+                    st.stall(f"{failed.step}: {failed.error}", logx)
+                    await pauses.pause(STALL_BACKOFF)
+                    continue
+                isolated = await self._isolate(held, batch, waker, logx, lead, views)
+                if isolated is not None:
+                    applied = isolated
+                    break
+                # every record fails for the store's own reasons: nothing to quarantine
+                st.stall(f"{failed.step}: {type(failed.error).__name__}: {failed.error}", logx)
+                await pauses.pause(STALL_BACKOFF)
+        st.progressed(logx)
+        return applied
+
+    def _leave(
+        self,
+        held: HeldSlot,
+        failed: Sequence[View],
+        positions: Mapping[int, Position | None],
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        """Views that failed a batch of the shared read leave it: each follows the log on its own
+        from ``positions`` (where the shared read was before the batch: its checkpoints)."""
+        for v in failed:
+            if v in self._current and v is not self.lead:
+                self._current.remove(v)
+                logx.warning("%s view falls behind: it follows the log on its own until it catches up", v.name)
+                if self._tg is not None:
+                    self._tg.start_soon(self._follow, held, v, dict(positions), logx)
+
+    # ---- a view behind the shared read
+
+    async def _follow(
+        self,
+        held: HeldSlot,
+        view: View,
+        positions: dict[int, Position | None],
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        """Feeds ``view`` alone from ``positions`` until it has caught up with the shared read
+        (:meth:`_join`), retrying while its store does not take a batch (stalled after a while:
+        ``wowd_feed_stalled{view}``, never the slot's readiness)."""
+        st = self._stalls[view]
+        s = self._settings
+        pauses = Pauses(RETRY_BACKOFF, held.stop_event)
+        while not self._stopping and not held.stopping:
+            try:
+                reader = self._backend.log.read(positions, batch_size=self._batch_size, follow=True)
+                async with aclosing(reader) as batches:  # type: ignore[type-var]
+                    async for batch in batches:
+                        if batch.entries:
+                            prepared = prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions)
+                            await self._apply_until_done(held, batch, prepared, None, logx, view, (view,))
+                            last = max(e.commit.create_time for e in batch.entries if e.commit is not None) or 0
+                            st.lag(max(0.0, time.time() - last / 1000) if last else 0.0)
+                        positions.update(batch.positions)
+                        pauses.reset()
+                        if (
+                            batch.watermark is not None
+                            and not batch.entries
+                            and await self._join(held, view, positions, logx)
+                        ):
+                            st.lag(0.0)
+                            return
+                        if self._stopping or held.stopping:
+                            return
+            except LeaseLost:
+                return  # the shared read meets it too, and stops the slot's work
+            except StorageUnavailable as exc:
+                st.retrying(f"{view.name} view: log read failed (will retry): %s", exc, logx)
+                st.unavailable(f"log read: {exc}", logx, full=isinstance(exc, StorageFull))
+                await pauses.pause()
+            except (StorageError, InvalidInput) as exc:
+                st.stall(f"log read: {type(exc).__name__}: {exc}", logx)
+                await pauses.pause(STALL_BACKOFF)
+
+    async def _join(
+        self,
+        held: HeldSlot,
+        view: View,
+        positions: dict[int, Position | None],
+        logx: logging.LoggerAdapter[logging.Logger],
+    ) -> bool:
+        """Between two batches of the shared read, reads what ``view`` still lacks up to the log's
+        head (at or past the shared read's position) and joins the shared read; False when that
+        fails or takes longer than :data:`JOIN_WITHIN_S` (it keeps following on its own). A
+        joined view may be ahead of the shared read: the batches it applies again are written
+        again as they were (every view's write is idempotent)."""
+        s = self._settings
+        with anyio.move_on_after(JOIN_WITHIN_S):
+            async with self._boundary:
+                try:
+                    reader = self._backend.log.read(dict(positions), batch_size=self._batch_size, follow=False)
+                    async with aclosing(reader) as batches:  # type: ignore[type-var]
+                        async for batch in batches:
+                            if batch.entries:
+                                prepared = prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions)
+                                await self._apply(held, batch.positions, prepared, None, logx, view, (view,))
+                            positions.update(batch.positions)
+                except (LeaseLost, SlotStalled):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the view keeps following on its own
+                    logx.debug("%s view did not join the shared read yet: %s", view.name, exc)
+                    return False
+                self._current = [v for v in self.views if v in self._current or v is view]
+                logx.info("%s view caught up: it follows the shared read again", view.name)
+                return True
+        return False
+
+    # ---- one batch
 
     async def _apply(
         self,
         held: HeldSlot,
         positions: Mapping[int, Position],
         prepared: _Prepared,
-        waker: Waker,
+        waker: Waker | None,
         logx: logging.LoggerAdapter[logging.Logger],
-    ) -> None:
-        """Applies a batch (or, with no ``positions``, some of its commits without a checkpoint).
-        A step's non-transient failure is a :class:`_StepFailed` naming the step."""
+        lead: View,
+        views: Sequence[View],
+    ) -> list[View]:
+        """Applies a batch to ``views`` (or, with no ``positions``, some of its commits without a
+        checkpoint). A non-transient failure of a ``lead`` step is a :class:`_StepFailed` naming
+        the step, and any failure of the lead is raised; another view that fails is left out
+        (its checkpoints are not saved). The views the batch was applied to."""
         backend = self._backend
         n = self._settings.partitions
-        # 1. quarantine what cannot be read (the rest is fed)
-        with _step("quarantine"):
-            for e in prepared.malformed:
-                held.check()
-                logx.warning(
-                    "quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error
-                )
-                await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
-            for c, p, exc in prepared.rejected:
-                held.check()
-                logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
-                await backend.log.quarantine(
-                    CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
-                )
+        names = {v.name for v in views}
+        failed: set[View] = set()
+        by_name = {v.name: v for v in views}
+        # 1. quarantine what cannot be read (the rest is fed): once, by the shared read's lead
+        if lead is self.lead:
+            with _step("quarantine"):
+                for e in prepared.malformed:
+                    held.check()
+                    logx.warning(
+                        "quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error
+                    )
+                    await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
+        if TIMERS in names:
+            with _step("quarantine"):
+                for c, p, exc in prepared.rejected:
+                    held.check()
+                    logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
+                    await backend.log.quarantine(
+                        CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
+                    )
         # 2. the event sink, one write per aggregate type
-        with _step("sink"):
-            sinks = []
-            for type_, commits in prepared.by_type.items():
-                held.check()
-                sink = backend.sink(type_)
-                if type_ not in self._prepared_sinks:
-                    await sink.prepare()
-                    self._prepared_sinks.add(type_)
-                sinks.append((sink, commits))
+        sinks: list[tuple[EventSink, Sequence[Commit]]] = []
+        if INDEX in names:
+            index = by_name[INDEX]
+            async with self._view_step(index, lead, "sink", failed, logx):
+                for type_, commits in prepared.by_type.items():
+                    held.check()
+                    sink = backend.sink(type_)
+                    if type_ not in self._prepared_sinks:
+                        await sink.prepare()
+                        self._prepared_sinks.add(type_)
+                    sinks.append((sink, commits))
+        live = [v for v in views if v not in failed]
         # where the stores share a transaction, a whole batch in one (nothing for the steps below)
-        if positions and backend.feed_writer is not None and not self._folds(prepared):
+        if positions and backend.feed_writer is not None and not self._folds(prepared, live):
             held.check()
-            if await self._apply_at_once(held, backend.feed_writer, sinks, positions, prepared, waker, logx):
-                return
-        with _step("sink"):
-            for sink, commits in sinks:
+            if await self._apply_at_once(held, backend.feed_writer, sinks, positions, prepared, waker, logx, live):
+                return live
+        if INDEX in names and by_name[INDEX] not in failed:
+            async with self._view_step(by_name[INDEX], lead, "sink", failed, logx):
+                for sink, of_type in sinks:
+                    held.check()
+                    await sink.write(of_type)
+        if TIMERS in names:
+            # 3. the timer projection: the batch's net effect in one write
+            if prepared.timer_writes:
                 held.check()
-                await sink.write(commits)
-        # 3. the timer projection: the batch's net effect in one write
-        if prepared.timer_writes:
-            held.check()
-            with _step("timers"):
-                answers = await backend.timers.write(prepared.timer_writes)
-            _wake_for_puts(held, prepared.timer_writes, answers, waker)
-        # 4. snapshots where a reducer is configured
-        with _step("snapshots"):
-            await self._snapshots(held, prepared, logx)
-        # 5. resume the parked timers of the aggregates that just committed
-        with _step("parked"):
-            await self._resume_parked(held, prepared, waker)
+                with _step("timers"):
+                    answers = await backend.timers.write(prepared.timer_writes)
+                if waker is not None:
+                    _wake_for_puts(held, prepared.timer_writes, answers, waker)
+            # 4. resume the parked timers of the aggregates that just committed
+            with _step("parked"):
+                await self._resume_parked(held, prepared, waker)
+        # 5. snapshots where a reducer is configured, a view per aggregate type
+        for v in views:
+            if v.aggregate is not None:
+                async with self._view_step(v, lead, "snapshots", failed, logx):
+                    await self._snapshots(held, prepared, v.aggregate)
         # 6. checkpoints under the slot's fence, in one write
+        live = [v for v in views if v not in failed]
         if positions:
-            await self._checkpoint(held, positions)
+            await self._checkpoint(held, positions, live)
+        return live
 
-    def _folds(self, prepared: _Prepared) -> bool:
-        """Whether a reducer folds commits of the batch (the snapshot step has work)."""
-        return bool(self._reducers) and any(t.aggregate in self._reducers for t in prepared.by_type)
+    @contextlib.asynccontextmanager
+    async def _view_step(
+        self, view: View, lead: View, step: str, failed: set[View], logx: logging.LoggerAdapter[logging.Logger]
+    ) -> AsyncIterator[None]:
+        """A step of ``view``: the lead's failures are raised (named, :func:`_step`); another
+        view's failure puts it in ``failed`` (it leaves the shared read) and the batch goes on."""
+        if view is lead:
+            with _step(step):
+                yield
+            return
+        try:
+            with _step(step):
+                yield
+        except (LeaseLost, SlotStalled):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a store or a reducer: the view falls behind
+            error = exc.error if isinstance(exc, _StepFailed) else exc
+            metrics.FEED_ERRORS.labels(kind="transient" if isinstance(error, StorageUnavailable) else "fatal").inc()
+            self._stalls[view].retrying(f"{view.name} view: batch failed (it falls behind): %s", exc, logx)
+            failed.add(view)
+
+    def _folds(self, prepared: _Prepared, views: Sequence[View]) -> bool:
+        """Whether a snapshot view of ``views`` folds commits of the batch (the snapshot step has work)."""
+        folded = {v.aggregate for v in views if v.aggregate is not None}
+        return bool(folded) and any(t.aggregate in folded for t in prepared.by_type)
 
     async def _apply_at_once(
         self,
@@ -501,26 +781,31 @@ class Feeder:
         sinks: Sequence[tuple[EventSink, Sequence[Commit]]],
         positions: Mapping[int, Position],
         prepared: _Prepared,
-        waker: Waker,
+        waker: Waker | None,
         logx: logging.LoggerAdapter[logging.Logger],
+        views: Sequence[View],
     ) -> bool:
-        """The batch's sink, timer, parked and checkpoint steps in one transaction
+        """The batch's sink, timer, parked and checkpoint steps of ``views`` in one transaction
         (:class:`FeedWriter`); False, having written nothing, when the writer does not take it
         whole or a step refuses it: the steps one by one then name what is refused."""
         now = now_ms()
+        timers = any(v.name == TIMERS for v in views)
+        indexed = self._indexed(views)
+        writes = prepared.timer_writes if timers else []
         fire = None
-        if self._fused is not None:
+        if self._fused is not None and timers:
             fire = FeedFiring(held.owner_key, held.deadline(), self._settings.timers.batch)
+        planned = prepared.planned if prepared.planned_for == (indexed, bool(writes)) else None
         try:
             done = await writer.apply(
-                sinks,
-                prepared.timer_writes,
-                CONSUMER,
+                sinks if indexed else [],
+                writes,
+                [v.consumer for v in views],
                 positions,
                 held.fence,
                 now=now,
                 fire=fire,
-                planned=prepared.planned,
+                planned=planned,
             )
         except (StorageUnavailable, LeaseLost, SlotStalled):
             raise
@@ -538,38 +823,47 @@ class Feeder:
             # a timer fired here needs no wake-up of the loop
             answers = [
                 0 if w.timer is not None and w.timer.timer_id in fired else a
-                for w, a in zip(prepared.timer_writes, answers, strict=True)
+                for w, a in zip(writes, answers, strict=True)
             ]
-        _wake_for_puts(held, prepared.timer_writes, answers, waker)
-        if done.resumed:
-            _resumed(held, done.resumed, now, waker)
+        if waker is not None:
+            _wake_for_puts(held, writes, answers, waker)
+            if done.resumed:
+                _resumed(held, done.resumed, now, waker)
         if done.fired and self._fused is not None:
             await self._fused.fired_elsewhere()
         return True
 
     async def _isolate(
-        self, held: HeldSlot, batch: LogBatch, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]
-    ) -> bool:
-        """After a step refused the batch: applies its commits one at a time, in log order, and
-        quarantines each one a step refuses (with the step and the error), then checkpoints the
-        batch. False (nothing quarantined, no checkpoint) when every commit fails for the store's
-        own reasons: the store refuses everything, which is a stall, not bad input.
+        self,
+        held: HeldSlot,
+        batch: LogBatch,
+        waker: Waker | None,
+        logx: logging.LoggerAdapter[logging.Logger],
+        lead: View,
+        views: Sequence[View],
+    ) -> list[View] | None:
+        """After a step of the ``lead`` refused the batch: applies its commits one at a time, in
+        log order, and quarantines each one a step refuses (with the step and the error), then
+        checkpoints the batch; the views it was applied to. ``None`` (nothing quarantined, no
+        checkpoint) when every commit fails for the store's own reasons: the store refuses
+        everything, which is a stall, not bad input.
 
         A record-level refusal (:class:`InvalidInput`, :class:`SinkWriteError`: this document
         cannot be written) is quarantined even when it is the only commit."""
         s = self._settings
         failed: list[tuple[LogEntry, _StepFailed]] = []
         applied = 0
+        live = list(views)
         for e in batch.entries:
             held.check()
             single = prepare_batch((e,), s.timers.max_body_bytes, s.partitions)
             try:
-                await self._apply(held, {}, single, waker, logx)
+                live = [v for v in await self._apply(held, {}, single, waker, logx, lead, live)]
                 applied += 1
             except _StepFailed as refused:
                 failed.append((e, refused))
         if not applied and not any(f.record_level for _e, f in failed):
-            return False
+            return None
         n = s.partitions
         with _step("quarantine"):
             for e, f in failed:
@@ -580,34 +874,33 @@ class Feeder:
                 metrics.FEED_POISON.labels(step=f.step, error=type(f.error).__name__).inc()
                 where = f"{e.commit.ref} v{e.commit.version}" if e.commit is not None else f"of {e.aggregate}"
                 logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
-        await self._checkpoint(held, batch.positions)
-        return True
+        await self._checkpoint(held, batch.positions, live)
+        return live
 
-    async def _checkpoint(self, held: HeldSlot, positions: Mapping[int, Position]) -> None:
-        """The positions under the slot's fence, in one write; refused: another holder has it."""
+    async def _checkpoint(self, held: HeldSlot, positions: Mapping[int, Position], views: Sequence[View]) -> None:
+        """The positions of ``views`` under the slot's fence, in one write; refused: another
+        holder has the slot."""
         held.check()
         with _step("checkpoint"):
-            saved = await self._backend.log.save_checkpoints(CONSUMER, positions, held.fence)
+            saved = await self._backend.log.save_checkpoints([v.consumer for v in views], positions, held.fence)
         if not saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
 
-    async def _snapshots(
-        self, held: HeldSlot, prepared: _Prepared, logx: logging.LoggerAdapter[logging.Logger]
-    ) -> None:
-        if not self._reducers:
+    async def _snapshots(self, held: HeldSlot, prepared: _Prepared, aggregate: str) -> None:
+        """Folds the batch's commits of ``aggregate`` into its snapshots."""
+        reducer = self._reducers.get(aggregate)
+        if reducer is None:
             return
         store = self._backend.snapshots
-        refs = [c.ref for t, commits in prepared.by_type.items() if t.aggregate in self._reducers for c in commits]
+        typed = [(t, commits) for t, commits in prepared.by_type.items() if t.aggregate == aggregate]
+        refs = [c.ref for _t, commits in typed for c in commits]
         if not refs:
             return
-        stored = await store.load_many(refs)  # one read per reducer type
+        stored = await store.load_many(refs)  # one read
         latest: dict[AggregateRef, SnapshotRecord | None] = {ref: stored.get(ref) for ref in refs}
         changed: dict[AggregateRef, SnapshotRecord] = {}
         stale: set[AggregateRef] = set()
-        for type_, commits in prepared.by_type.items():
-            reducer = self._reducers.get(type_.aggregate)
-            if reducer is None:
-                continue
+        for _type, commits in typed:
             for c in commits:
                 ref = c.ref
                 if ref in stale:
@@ -623,7 +916,10 @@ class Feeder:
                 ):
                     stale.add(ref)  # a gap or another state revision: left to a rebuild
                     continue
-                snap = fold_commit(reducer, cur, c)
+                try:
+                    snap = fold_commit(reducer, cur, c)
+                except Exception as exc:  # the reducer's own code: its failure is the view's
+                    raise ReducerFailed(f"reducer of {aggregate} raised on {ref} v{c.version}: {exc!r}") from exc
                 latest[ref] = snap
                 changed[ref] = snap
         for ref in stale:
@@ -638,7 +934,7 @@ class Feeder:
                 o = refused[0]
                 raise StorageError(f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}")
 
-    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker) -> None:
+    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker | None) -> None:
         timers = self._backend.timers
         # one read over the parked index for every aggregate of the batch (nothing when none is parked)
         parked = await timers.parked_many([c.ref for commits in prepared.by_type.values() for c in commits])
@@ -647,7 +943,8 @@ class Feeder:
         if changes:
             held.check()
             await timers.settle(changes)
-            _resumed(held, parked, now, waker)
+            if waker is not None:
+                _resumed(held, parked, now, waker)
 
 
 def _wake_for_puts(held: HeldSlot, writes: Sequence[TimerWrite], answers: Sequence[int], waker: Waker) -> None:

@@ -89,7 +89,7 @@ class Supervisor:
 
     def functioning(self) -> tuple[bool, str]:
         """Whether this replica does its job (``/readyz``, ``wowd_ready``), holder or standby:
-        its stores answer, no slot it holds is stalled (its feed or its timer loop) and its lease
+        its stores answer, no slot it holds is stalled (its timer view, or its timer loop) and its lease
         keepers' writes are not refused (a full disk); ``why`` says which or what."""
         if not self.stores_ok:
             return False, "the stores do not answer"
@@ -103,9 +103,19 @@ class Supervisor:
         if stalled or refused:
             return False, "; ".join([*(f"slot {slot} stalled: {why}" for slot, why in sorted(stalled)), *refused])
         held = [h for h in self.held if h.valid]
-        if not held:
-            return True, f"standby: no free slot in {self.settings.lease_namespace}"
-        return True, "holding slot(s) " + ", ".join(str(h.slot) for h in sorted(held, key=lambda h: h.slot))
+        why = (
+            "holding slot(s) " + ", ".join(str(h.slot) for h in sorted(held, key=lambda h: h.slot))
+            if held
+            else f"standby: no free slot in {self.settings.lease_namespace}"
+        )
+        # another view's stall is not the replica's: it still fires timers (named, still ready)
+        behind = [
+            f"{view} view of slot {slot} stalled: {reason}"
+            for slot, f in sorted(self._feeders.items())
+            for view, reason in f.view_stalls().items()
+            if view != f.lead.name
+        ]
+        return True, "; ".join([why, *behind])
 
     def readiness(self, holding: bool) -> tuple[bool, str]:
         """``/readyz`` (functioning) or ``/readyz?holding=1`` (functioning and holding a slot)."""
@@ -118,11 +128,12 @@ class Supervisor:
         return self.functioning()[0]
 
     def slot_stalls(self) -> dict[int, str | None]:
-        """The slots held now, each with why its feed or timer loop is stalled (``None``: not)."""
+        """The slots held now, each with why a view or the timer loop is stalled (``None``: none is)."""
         out: dict[int, str | None] = {}
         for h in self.held:
             feeder, loop = self._feeders.get(h.slot), self._loops.get(h.slot)
-            why = [f"feed: {feeder.stalled}"] if feeder is not None and feeder.stalled is not None else []
+            stalls = feeder.view_stalls() if feeder is not None else {}
+            why = [f"{view} view: {reason}" for view, reason in sorted(stalls.items())]
             if loop is not None and loop.stall is not None and loop.stall.reason is not None:
                 why.append(f"timer loop: {loop.stall.reason}")
             out[h.slot] = "; ".join(why) or None
@@ -291,7 +302,8 @@ class Supervisor:
             self._feeders.pop(held.slot, None)
             self._loops.pop(held.slot, None)
             self._wakers.pop(held.slot, None)
-            metrics.FEED_STALLED.labels(slot=str(held.slot)).set(0)
+            for view in feeder.views:  # the slot's work ended: none of its views is stalled here
+                metrics.FEED_STALLED.labels(slot=str(held.slot), view=view.name).set(0)
             # the slot's timers still wait while its keeper's lease writes are refused (a full disk)
             keeper_stalled = any(k.owner_key == held.owner_key and k.stall.stalled for k in self._keepers)
             metrics.TIMERS_STALLED.labels(slot=str(held.slot)).set(1 if keeper_stalled else 0)

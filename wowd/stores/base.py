@@ -17,7 +17,7 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from wowd.errors import InvalidInput
+from wowd.errors import ConfigError, InvalidInput
 from wowd.model import (
     AccessStamp,
     AcquireResult,
@@ -64,6 +64,7 @@ __all__ = [
     "SnapshotStore",
     "TimerSearch",
     "TimerStore",
+    "consumers_of",
 ]
 
 
@@ -140,9 +141,12 @@ class Log(Protocol):
         Answers False when refused. Idempotent."""
         ...
 
-    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
-        """:meth:`save_checkpoint` of several partitions in one write (a feed batch's). False when
-        any was refused (the others may be written: each is fenced on its own)."""
+    async def save_checkpoints(
+        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
+    ) -> bool:
+        """:meth:`save_checkpoint` of several partitions, for one consumer or several (the views
+        a feed batch was applied to), in one write. False when any was refused (the others may
+        be written: each is fenced on its own)."""
         ...
 
     async def quarantine(
@@ -781,7 +785,7 @@ class FeedWriter(Protocol):
         self,
         records: Sequence[tuple[EventSink, Sequence[Commit]]],
         timer_writes: Sequence[TimerWrite],
-        consumer: str,
+        consumer: str | Sequence[str],
         positions: Mapping[int, Position],
         fence: int,
         *,
@@ -791,7 +795,8 @@ class FeedWriter(Protocol):
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
         writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
-        with ``fire`` the due timers it put fired (:class:`FeedFiring`);
+        with ``fire`` the due timers it put fired (:class:`FeedFiring`), and the checkpoints of
+        ``consumer`` (one, or each of several);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
         applies it step by step, which names what is refused. ``planned``: :meth:`plan` of these
@@ -812,7 +817,8 @@ class Backend:
     snapshots: SnapshotStore
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
-    sink_factory: Callable[[AggregateType], EventSink]
+    sink_factory: Callable[[AggregateType], EventSink] | None
+    """``None``: no event index (``sink = "none"``)."""
     outbox_firing: OutboxFiring | None = None
     """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
     backend has one: the embedded backend, whose timers and outbox share one file."""
@@ -829,9 +835,16 @@ class Backend:
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
 
+    @property
+    def has_sink(self) -> bool:
+        return self.sink_factory is not None
+
     def sink(self, type: AggregateType) -> EventSink:
+        """The event sink of ``type``; a :class:`ConfigError` when there is no event index."""
         s = self._sinks.get(type)
         if s is None:
+            if self.sink_factory is None:
+                raise ConfigError('no event index: sink = "none"')
             s = self._sinks[type] = self.sink_factory(type)
         return s
 
@@ -839,3 +852,8 @@ class Backend:
         for s in self._sinks.values():
             await s.close()
         await self.resources.aclose()
+
+
+def consumers_of(consumer: str | Sequence[str]) -> tuple[str, ...]:
+    """The consumers a checkpoint write names (one, or several)."""
+    return (consumer,) if isinstance(consumer, str) else tuple(consumer)

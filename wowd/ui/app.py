@@ -318,16 +318,19 @@ class StatusPage:
         return _Out(await read_status(self._settings, self._backend))
 
     def _process(self) -> dict[str, Any]:
-        """This process's part: the slots it holds (feed lag, watermark age, stall) and its
-        delivery metrics over the window."""
+        """This process's part: the slots it holds (each view's feed lag, the watermark's age,
+        the stalls) and its delivery metrics over the window."""
         from wowd import metrics
 
-        lag = _gauge(metrics.FEED_LAG)
+        lag: dict[str, dict[str, float]] = {}
+        for family in metrics.FEED_LAG.collect():
+            for sample in family.samples:
+                lag.setdefault(sample.labels["slot"], {})[sample.labels["view"]] = sample.value
         watermark = _gauge(metrics.FEED_WATERMARK_LAG)
         held = dict(self._local()) if self._local is not None else {}
         slots = {
             str(slot): {
-                "feed_lag_s": lag.get(str(slot)),
+                "feed_lag_s": lag.get(str(slot), {}),
                 "watermark_age_s": watermark.get(str(slot)),
                 "stalled": why,
             }

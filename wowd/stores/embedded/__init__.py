@@ -112,7 +112,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             checks_log=True,  # so are the log and the feed's checkpoints
             feed_writer=feed_writer,  # and the event sink's documents
             clock_reading=leases.clock_reading,  # the store clock: each process's own
-            sink_factory=sink_factory,
+            sink_factory=sink_factory if settings.sink != "none" else None,
             resources=stack.pop_all(),  # success: the backend owns the stores now
         )
     metrics.EMBEDDED_SQLITE_INFO.labels(

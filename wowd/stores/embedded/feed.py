@@ -86,7 +86,7 @@ class EmbeddedFeedWriter(SqliteStore):
         self,
         records: Sequence[tuple[EventSink, Sequence[Commit]]],
         timer_writes: Sequence[TimerWrite],
-        consumer: str,
+        consumer: str | Sequence[str],
         positions: Mapping[int, Position],
         fence: int,
         *,

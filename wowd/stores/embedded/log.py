@@ -63,7 +63,7 @@ from wowd.model import (
     unchecked,
     validate_name,
 )
-from wowd.stores.base import AppendOutcome, Ddl
+from wowd.stores.base import AppendOutcome, Ddl, consumers_of
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -209,17 +209,18 @@ def save_checkpoints_sql() -> str:
 
 
 def save_checkpoint_rows(rows: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> int:
-    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` (of one consumer, under one
-    fence) on ``conn`` (in the caller's transaction) in one statement; how many were admitted
-    (each one refused had a higher fence)."""
+    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` (under one fence) on ``conn``
+    (in the caller's transaction), one statement per consumer; how many were admitted (each one
+    refused had a higher fence)."""
     if len(rows) == 1:
         return int(conn.execute(save_checkpoint_sql(), rows[0]).rowcount)
     if not rows:
         return 0
-    context, consumer, _partition, _position, fence = rows[0]
-    pairs = orjson.dumps([(r[2], r[3]) for r in rows]).decode()
     before = conn.total_changes
-    conn.execute(save_checkpoints_sql(), (context, consumer, fence, pairs))
+    context, _consumer, _partition, _position, fence = rows[0]
+    for consumer in dict.fromkeys(r[1] for r in rows):
+        pairs = orjson.dumps([(r[2], r[3]) for r in rows if r[1] == consumer]).decode()
+        conn.execute(save_checkpoints_sql(), (context, consumer, fence, pairs))
     return conn.total_changes - before
 
 
@@ -637,7 +638,9 @@ class EmbeddedLog(SqliteStore):
 
         return await self._run("checkpoints", run)
 
-    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
+    async def save_checkpoints(
+        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
+    ) -> bool:
         if not positions:
             return True
         rows = self.checkpoint_rows(consumer, positions, fence)
@@ -648,9 +651,13 @@ class EmbeddedLog(SqliteStore):
             return False
         return True
 
-    def checkpoint_rows(self, consumer: str, positions: Mapping[int, Position], fence: int) -> list[tuple[Any, ...]]:
-        """The parameters of :func:`save_checkpoint_rows` for ``positions`` under ``fence``."""
-        return [(self.context, consumer, p, _POSITION_JSON.encode(pos), fence) for p, pos in sorted(positions.items())]
+    def checkpoint_rows(
+        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
+    ) -> list[tuple[Any, ...]]:
+        """The parameters of :func:`save_checkpoint_rows` for ``positions`` of ``consumer`` (each
+        of several) under ``fence``."""
+        encoded = [(p, _POSITION_JSON.encode(pos)) for p, pos in sorted(positions.items())]
+        return [(self.context, c, p, text, fence) for c in consumers_of(consumer) for p, text in encoded]
 
     async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         (params,) = self.checkpoint_rows(consumer, {partition: position}, fence)

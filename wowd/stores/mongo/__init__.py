@@ -8,7 +8,7 @@ MongoDB must be a replica set or a sharded cluster: the log is tailed with chang
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -96,9 +96,11 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
     mongo = settings.mongodb
     es_settings = settings.elasticsearch
-    if mongo.uri is None or not (es_settings.url or es_settings.cloud_id):
-        raise ConfigError("the mongo backend needs mongodb.uri and elasticsearch.url (or cloud_id)")
-    elasticsearch_client_options(es_settings)  # checked before opening anything
+    indexed = settings.sink != "none"
+    if mongo.uri is None or indexed and not (es_settings.url or es_settings.cloud_id):
+        raise ConfigError("the mongo backend needs mongodb.uri and elasticsearch.url (or cloud_id, or sink = 'none')")
+    if indexed:
+        elasticsearch_client_options(es_settings)  # checked before opening anything
     context, partitions, database = settings.context, settings.partitions, mongo.database
     timeout = timedelta(milliseconds=mongo.timeout_ms) if mongo.timeout_ms > 0 else None
 
@@ -107,8 +109,10 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             mongo.uri.get_secret_value(), **mongo_client_options(mongo)
         )
         stack.push_async_callback(client.close)
-        es: AsyncElasticsearch = new_client(es_settings)
-        stack.push_async_callback(es.close)
+        es: AsyncElasticsearch | None = None
+        if indexed:
+            es = new_client(es_settings)
+            stack.push_async_callback(es.close)
 
         await check_replica_set(client, hosts=uri_hosts(mongo.uri.get_secret_value()))
 
@@ -136,10 +140,12 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         for store in stores:
             await store.prepare()
 
-        sink_kwargs = sink_options(es_settings)
+        sink_factory: Callable[[AggregateType], ElasticsearchEventSink] | None = None
+        if es is not None:
+            sink_kwargs, client_es = sink_options(es_settings), es
 
-        def sink_factory(type: AggregateType) -> ElasticsearchEventSink:
-            return ElasticsearchEventSink(es, type, owns_client=False, **sink_kwargs)
+            def sink_factory(type: AggregateType) -> ElasticsearchEventSink:
+                return ElasticsearchEventSink(client_es, type, owns_client=False, **sink_kwargs)
 
         backend = Backend(
             name="mongo",

@@ -78,7 +78,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.base import AppendOutcome, Ddl
+from wowd.stores.base import AppendOutcome, Ddl, consumers_of
 from wowd.stores.mongo._common import (
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
@@ -616,13 +616,16 @@ class MongoLog(MongoStore):
                 )
         return out
 
-    async def save_checkpoints(self, consumer: str, positions: Mapping[int, Position], fence: int) -> bool:
+    async def save_checkpoints(
+        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
+    ) -> bool:
         """One unordered bulk of the upserts :meth:`save_checkpoint` sends; an E11000 item (a
         higher fence holds that partition) makes the answer False."""
         if not positions:
             return True
         ops = [
-            UpdateOne(checkpoint_filter(consumer, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True)
+            UpdateOne(checkpoint_filter(c, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True)
+            for c in consumers_of(consumer)
             for p, pos in sorted(positions.items())
         ]
         with self._call("save_checkpoint"):
