@@ -210,6 +210,7 @@ async def test_the_overview_shows_the_stores_and_this_process_and_refreshes_itse
     assert re.search(r'id="due-backlog">1<', html)
     assert "stalled: timers view: disk full" in html, "the slot this process holds stalled says why"
     assert "<script" not in html
+    assert re.search(r'<span class="ok">timers current</span>', html)
     doc = await page.api("/api/v1/overview")
     slots = doc["process"]["slots"]
     assert {k: v["stalled"] for k, v in slots.items()} == {"0": None, "1": "timers view: disk full"}
