@@ -42,7 +42,6 @@ from wowd.ui import StatusPage
 pytestmark = pytest.mark.anyio
 
 UI_TOKEN = "ui-token-5521"
-NOW = int(time.time() * 1000)
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
 
 
@@ -82,6 +81,8 @@ class Page:
     client: httpx.AsyncClient
     backend: Backend
     settings: WowdSettings
+    now: int = 0
+    """When the store was filled (ms): the timers' due times are relative to it."""
 
     async def html(self, path: str, status: int = 200) -> str:
         r = await self.client.get(path)
@@ -124,25 +125,27 @@ async def page(db: Path) -> AsyncIterator[Page]:
     """The page with actions (the token set) over a store holding: a FAILED, a PARKED and two
     PENDING timers of order o-1, one PENDING of o-2, a quarantined commit, two outbox entries."""
     async for p in _serve(db, UI_TOKEN):
-        await _fill(p.backend)
+        p.now = await _fill(p.backend)
         yield p
 
 
 @pytest.fixture
 async def read_only(db: Path) -> AsyncIterator[Page]:
     async for p in _serve(db, None):
-        await _fill(p.backend)
+        p.now = await _fill(p.backend)
         yield p
 
 
-async def _fill(b: Backend) -> None:
+async def _fill(b: Backend) -> int:
+    """Fills the store; answers its now (ms)."""
+    now = int(time.time() * 1000)
     await b.timers.prepare()
     ts = [
-        timer("o-1", "failed", NOW - 3000),
-        timer("o-1", "parked", NOW - 2000),
-        timer("o-1", "later", NOW + 3_600_000),
-        timer("o-1", "due", NOW - 1000),
-        timer("o-2", "expire", NOW + 60_000),
+        timer("o-1", "failed", now - 3000),
+        timer("o-1", "parked", now - 2000),
+        timer("o-1", "later", now + 3_600_000),
+        timer("o-1", "due", now - 1000),
+        timer("o-2", "expire", now + 60_000),
     ]
     for t in ts:
         assert await b.timers.put(t)
@@ -157,7 +160,7 @@ async def _fill(b: Backend) -> None:
         version=1,
         command_id=uuid.uuid4().hex,
         request_id=uuid.uuid4().hex,
-        create_time=NOW,
+        create_time=now,
         events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": 1}),),
     )
     raw = commit_to_doc(commit, PARTITIONS)
@@ -170,12 +173,13 @@ async def _fill(b: Backend) -> None:
             timer_id=f"t-{i}",
             target=order("o-1"),
             command='{"name":"expire-order","body":{}}',
-            scheduled_at=NOW,
+            scheduled_at=now,
             fence=1,
             owner_key="a",
-            created_at=NOW - 10_000 + i,
+            created_at=now - 10_000 + i,
         )
         assert await b.outbox.put(entry)
+    return now
 
 
 def _stable(doc: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +235,7 @@ async def test_the_timer_search_filters_pages_and_links_each_timer(page: Page) -
     assert [t["key"] for t in mine["timers"]] == ["expire"]
     stuck = await page.api("/api/v1/timers?target=order/o-1")
     assert [t["key"] for t in stuck["timers"]] == ["failed", "parked"]
-    window = await page.api(f"/api/v1/timers?due_from={NOW - 1500}&due_until={NOW + 120_000}")
+    window = await page.api(f"/api/v1/timers?due_from={page.now - 1500}&due_until={page.now + 120_000}")
     assert [t["key"] for t in window["timers"]] == ["due", "expire"]
     html = await page.html("/ui/timers?status=PARKED")
     assert "http 404: order o-1 not found" in html
@@ -242,7 +246,7 @@ async def test_the_timer_list_pages_by_cursor(page: Page) -> None:
     from wowd.ui import app
 
     for i in range(app.PAGE + 5):
-        await page.backend.timers.put(timer(f"bulk-{i}", "k", NOW + 10_000_000 + i))
+        await page.backend.timers.put(timer(f"bulk-{i}", "k", page.now + 10_000_000 + i))
     first = await page.api("/api/v1/timers")
     assert len(first["timers"]) == app.PAGE and first["next"]
     second = await page.api(f"/api/v1/timers?after={first['next']}")
@@ -271,7 +275,7 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert failed["status"] == "FAILED" and failed["attempts"] == 1
     assert failed["request_id"] and failed["rule"] == {"type": "once"}
     later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
-    assert "due " in later and "(in 59 min)" in later or "(in 1.0 h)" in later
+    assert "due " in later and ("(in 59 min)" in later or "(in 1.0 h)" in later)
     slot = failed["partition"] % 2
     stalled = "timers view: disk full" if slot == 1 else None  # as this process says of its slot 1
     assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
@@ -301,7 +305,7 @@ async def test_a_failed_timer_is_retried_with_the_token_from_its_page(page: Page
     html = await page.html(r.headers["location"])
     assert "retried: back to PENDING, due now" in html and 'id="timer-status">PENDING' in html
     t = await page.backend.timers.find(order("o-1"), "failed")
-    assert t is not None and t.status is TimerStatus.PENDING and t.due_at >= NOW
+    assert t is not None and t.status is TimerStatus.PENDING and t.due_at >= page.now
 
 
 async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(page: Page) -> None:
