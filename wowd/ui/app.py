@@ -25,7 +25,6 @@ refused (cross-site request forgery). Every answer has each secret of the settin
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -152,7 +151,7 @@ class StatusPage:
         self._local = local
         self._window = window or MetricWindow()
         self._token = settings.ui.token.get_secret_value() if settings.ui.token is not None else None
-        self._form_key = hmac.new(secrets.token_bytes(32), b"wowd ui forms", hashlib.sha256).hexdigest()
+        self._form_key = secrets.token_hex(32)
         self._secrets = secret_values(settings)
         self._css = files("wowd.ui").joinpath("static/style.css").read_bytes()
         env = jinja2.Environment(
@@ -229,7 +228,6 @@ class StatusPage:
             form_key=self._form_key,
             refresh=REFRESH_S if name == "overview" else None,
             statuses=[s.value for s in TimerStatus],
-            detail=detail,
         )
         return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), SECURITY_HEADERS)
 
@@ -374,8 +372,10 @@ class StatusPage:
         )
         page = await search_timers(self._backend.timers, query, PAGE)
         now = int(time.time() * 1000)
-        rows = [{**timer_doc(t), "owner_ref": _ref_params(t.owner), "detail": detail(t, now)} for t in page.timers]
-        return _Out({"timers": rows, "next": page.next, "search": form}, "timers.html")
+        docs = [{**timer_doc(t), "detail": detail(t, now)} for t in page.timers]
+        rows = [{**d, "owner_ref": _ref_params(t.owner)} for d, t in zip(docs, page.timers, strict=True)]
+        data = {"timers": rows, "next": page.next, "search": form}
+        return _Out(data, "timers.html", json={"timers": docs, "next": page.next})
 
     async def _load(self, params: Mapping[str, list[str]]) -> Any:
         owner = self._owner(params)
