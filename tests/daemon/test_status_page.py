@@ -424,3 +424,20 @@ def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -
     now[0] = 100.0
     later = window.read()
     assert later["deliveries"]["fired"] == 0 and later["fire_lag_p50_s"] is None, "older than the window"
+
+
+async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(page: Page) -> None:
+    bearer = {"authorization": f"Bearer {UI_TOKEN}"}
+    (item,) = (await page.api("/api/v1/quarantine"))["items"]
+    r = await page.client.post(f"/api/v1/quarantine/{item['id']}/refeed", headers=bearer)
+    assert r.status_code == 200 and r.json()["reason"] is None
+    assert r.json()["done"] == ["timers", "snapshots", "parked"]
+    entry = await page.api("/api/v1/outbox/entry?request_id=req-1&offset=0")
+    assert entry["timer_id"] == "t-1" and entry["offset"] == 1
+    r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0", "req-1"]}, headers=bearer)
+    assert r.status_code == 200 and r.json()["removed"] == 2
+    assert await page.backend.outbox.count() == 0
+    r = await page.client.post(
+        "/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers={"authorization": "Bearer x"}
+    )
+    assert r.status_code == 403 and r.json()["error"] == "refused: wrong or missing token"

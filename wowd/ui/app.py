@@ -487,7 +487,7 @@ class StatusPage:
         raise _NotFound(f"no outbox entry {wanted} near offset {offset} (acknowledged, or trimmed)")
 
     async def _ack(self, params: dict[str, list[str]]) -> _Out:
-        ids = [i for i in params.get("request_id", []) if i.strip()]
+        ids = [i for i in [*params.get("request_id", []), *params.get("request_ids", [])] if i.strip()]
         if not ids:
             raise InvalidInput("no entry chosen (request_id)", field="request_id")
         removed = await self._backend.outbox.ack(ids)
