@@ -18,7 +18,8 @@ Every page and its JSON come from one function (:mod:`wowd.operator` for the sto
 
 Actions are POSTs, refused unless ``ui.token`` is set: ``/ui/timer/retry|resume`` and
 ``/ui/quarantine/ID/refeed`` and ``/ui/outbox/ack`` (forms: the token and the form key of the
-page), ``/api/v1/...`` likewise (``Authorization: Bearer TOKEN``). A POST whose ``Origin`` is
+page), ``/api/v1/...`` likewise (``Authorization: Bearer TOKEN``; the acknowledge takes
+``{"request_ids": [...]}``). A POST whose ``Origin`` is
 not this listener's own or whose ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` is
 refused (cross-site request forgery). Every answer has each secret of the settings masked.
 """
