@@ -42,6 +42,7 @@ __all__ = [
     "RouteSettings",
     "ShutdownSettings",
     "TimerSettings",
+    "UiSettings",
     "WowdSettings",
     "load_settings",
     "unknown_environment_keys",
@@ -326,6 +327,12 @@ class HttpSettings(_Part):
     port: int = Field(default=9180, ge=0, le=65535)
 
 
+class UiSettings(_Part):
+    token: SecretStr | None = None
+    """Enables the status page's actions (retry, resume, re-feed, acknowledge), each a POST that
+    carries it; unset: the page is read-only."""
+
+
 class ShutdownSettings(_Part):
     grace_s: float = Field(default=20.0, ge=0)
 
@@ -358,6 +365,7 @@ class WowdSettings(BaseSettings):
     outbox: OutboxSettings = OutboxSettings()
     feed: FeedSettings = FeedSettings()
     http: HttpSettings = HttpSettings()
+    ui: UiSettings = UiSettings()
     shutdown: ShutdownSettings = ShutdownSettings()
     reducers: dict[str, str] = {}
     """Aggregate name -> import path (``module:attribute``) of a reducer with ``state_revision``

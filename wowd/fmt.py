@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-__all__ = ["compact_partitions", "iso_ms"]
+__all__ = ["at", "compact_partitions", "iso_ms", "span"]
 
 
 def iso_ms(ms: int) -> str:
@@ -45,3 +46,23 @@ def compact_partitions(parts: Iterable[int], *, max_chars: int = 120) -> str:
             break
         text = candidate
     return f"{text} ({n} partition{'s' if n != 1 else ''})"
+
+
+def span(ms: int) -> str:
+    """``0.4 s``, ``12 min``, ``3.5 h``, ``2.0 d``: a human span (never negative)."""
+    s = max(0, ms) / 1000
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{s // 60:.0f} min"
+    if s < 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def at(ms: int, now_ms: int | None = None) -> str:
+    """An instant for a table: ISO 8601 in UTC and how far from now (``... (in 5.0 s)``,
+    ``... (3 min ago)``); ``--json`` gives epoch milliseconds instead."""
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    rel = f"in {span(ms - now)}" if ms > now else f"{span(now - ms)} ago"
+    return f"{iso_ms(ms)} ({rel})"

@@ -225,6 +225,13 @@ FEED_POISON = Counter(
 )
 SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
 
+# status page
+UI_REFUSED = Counter(
+    "wowd_ui_refused_total",
+    "Status page requests refused: bad input, or an action read-only, cross-site, without the token or the form key",
+    ["reason"],
+)
+
 
 def count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
     """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled

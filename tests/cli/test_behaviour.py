@@ -113,6 +113,8 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
         "(store",
         "time)",
         "partitions",
+        "due",
+        "now",
         "holder",
     ]
     assert "replicas holding a slot: 1 (replica-a)" in lines
@@ -122,8 +124,13 @@ def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.Monkey
     assert a[:3] == ["replica-a", "holding", "0"] and a[-2:] == ["9.9.9", "node-1/41"]
     assert c[:3] == ["replica-c", "standby", "-"] and c[4:6] == ["s", "ago"]
     assert lines[at + 4] == "standbys: 1 (replica-c)"
-    assert lines[-3] == "partitions without a live holder: 1,3..7 (4 partitions)"
-    assert lines[-2:] == ["view timers: current", "view index: current"]  # nothing fed yet: nothing behind
+    assert lines[-5:] == [
+        "partitions without a live holder: 1,3..7 (4 partitions)",
+        "view timers: current",  # nothing fed yet: nothing behind
+        "view index: current",
+        "quarantined commits: 0",
+        "outbox: 0 entries",
+    ]
     code, out, _ = wowd("status", "--json")
     doc = json.loads(out)
     assert [(v["view"], v["partitions_behind"]) for v in doc["views"]] == [("timers", []), ("index", [])]
@@ -138,6 +145,43 @@ def test_status_says_when_no_replica_is_recorded(wowd: Run, created: Path) -> No
     code, out, _ = wowd("status")
     assert code == 0 and "replicas: no presence record (no replica is running)" in out.splitlines()
     assert "standbys: 0" in out.splitlines()
+
+
+def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) -> None:
+    fill_outbox({"r1": 1_000, "r2": 2_000})
+
+    async def fill() -> None:
+        from wowd.model import AggregateRef, AggregateType, Command, Timer, deterministic_timer_id, partition
+
+        s = load_settings()
+        async with opened_backend(s) as backend:
+            owner = AggregateRef(context=s.context, aggregate="order", id="o-1")
+            due = Timer(
+                timer_id=deterministic_timer_id(owner, "k", 1),
+                partition=partition("o-1", s.partitions),
+                owner=owner,
+                key="k",
+                version=1,
+                due_at=1_000,
+                scheduled_at=1_000,
+                target=owner,
+                body=Command(name="x").to_json(),
+            )
+            assert await backend.timers.put(due)
+            order = AggregateType(context=s.context, aggregate="order")
+            await backend.log.quarantine("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
+
+    anyio.run(fill)
+    code, out, _ = wowd("status", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [r["due_backlog"] for r in doc["slots"]] == [1]
+    assert doc["quarantined"] == 1
+    assert doc["outbox"]["depth"] == 2 and doc["outbox"]["oldest"]["request_id"] == "r1"
+    assert doc["outbox"]["oldest"]["created_at"] == 1_000
+    code, out, _ = wowd("status")
+    lines = out.splitlines()
+    assert lines[-2] == "quarantined commits: 1"
+    assert lines[-1].startswith("outbox: 2 entries, oldest created 1970-01-01T00:00:01.000+00:00 (")
 
 
 def test_outbox_list_ack_trim(wowd: Run) -> None:

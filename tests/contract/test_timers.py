@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tests.contract.conftest import CONTEXT, PARTITIONS
+from wowd.errors import InvalidInput
 from wowd.model import (
     AggregateRef,
     Command,
@@ -21,6 +22,7 @@ from wowd.model import (
     deterministic_timer_id,
     partition,
 )
+from wowd.stores.base import TimerSearch
 
 pytestmark = pytest.mark.anyio
 
@@ -344,3 +346,38 @@ async def test_scan_filters_by_status_and_partitions_in_due_order(timer_store: A
     assert [t.timer_id for t in await timer_store.scan(limit=2)] == [ts[3].timer_id, ts[2].timer_id]
     assert [t.timer_id for t in await timer_store.scan(status=TimerStatus.FAILED)] == [ts[0].timer_id]
     assert [t.timer_id for t in await timer_store.scan(partitions={ts[1].partition})] == [ts[1].timer_id]
+
+
+async def test_search_filters_by_owner_status_target_and_due_time_and_pages_in_due_order(timer_store: Any) -> None:
+    other = AggregateRef(context="billing", aggregate="invoice", id="inv-2", tenant_id="t1")
+    ts = [
+        timer(owner(id_in(p, f"q{i}")), due_at=T0 + 10 * i, target=other if i == 4 else TARGET)
+        for i, p in enumerate((0, 1, 2, 3, 4, 5))
+    ]
+    second = timer(ts[0].owner, "second", due_at=T0 + 5)
+    for t in [*ts, second]:
+        await timer_store.put(t)
+    await timer_store.settle([TimerChange.fail(await loaded(timer_store, ts[1]), fence=1, reason="refused")])
+    await timer_store.settle([TimerChange.park(await loaded(timer_store, ts[3]), fence=1, reason="404")])
+    await timer_store.settle([TimerChange.park(await loaded(timer_store, ts[4]), fence=1, reason="404")])
+
+    def ids(found: list[Timer]) -> list[str]:
+        return [t.timer_id for t in found]
+
+    every = await timer_store.search(TimerSearch(), 10)
+    assert ids(every) == ids([ts[0], second, *ts[1:]])
+    assert ids(await timer_store.search(TimerSearch(status=TimerStatus.PENDING), 10)) == ids(
+        [ts[0], second, ts[2], ts[5]]
+    )
+    assert ids(await timer_store.search(TimerSearch(status=TimerStatus.FAILED), 10)) == [ts[1].timer_id]
+    assert ids(await timer_store.search(TimerSearch(target=TARGET), 10)) == ids([ts[1], ts[3]])
+    assert ids(await timer_store.search(TimerSearch(target=other, status=TimerStatus.PARKED), 10)) == [ts[4].timer_id]
+    assert ids(await timer_store.search(TimerSearch(owners=(ts[0].owner,)), 10)) == ids([ts[0], second])
+    assert ids(await timer_store.search(TimerSearch(owners=(ts[0].owner,), key="second"), 10)) == [second.timer_id]
+    assert ids(await timer_store.search(TimerSearch(due_from=T0 + 10, due_until=T0 + 30), 10)) == ids(ts[1:4])
+    first = await timer_store.search(TimerSearch(), 3)
+    after = (first[-1].due_at, first[-1].timer_id)
+    assert ids(first) + ids(await timer_store.search(TimerSearch(after=after), 10)) == ids(every)
+    with pytest.raises(InvalidInput) as refused:
+        await timer_store.search(TimerSearch(target=TARGET, status=TimerStatus.PENDING), 10)
+    assert refused.value.field == "target"

@@ -901,6 +901,28 @@ async def test_parked_reads_every_collection_by_target(mongo_client: Any, wire: 
     assert out.value == [t]
 
 
+async def test_a_search_of_an_owner_is_one_union_and_keeps_the_owners_aggregate_only(
+    mongo_client: Any, wire: Wire
+) -> None:
+    """An owner's timers: the union matches the owner keys in every collection; a timer of the
+    same id in another aggregate type's collection is not the owner's and is left out."""
+    from wowd.stores.base import TimerSearch
+
+    store = store_on(mongo_client)
+    await prepare(store, wire, "order", "cart")
+    mine = make_timer(key="a", due_at=10)
+    other = make_timer(aggregate="cart", key="b", due_at=5)
+    async with calling(lambda: store.search(TimerSearch(owners=(mine.owner,)), 10)) as out:
+        agg = await wire.command("aggregate")
+        sub = agg.doc["pipeline"][2]["$unionWith"]["pipeline"]
+        assert sub[0]["$match"]["$and"][0] == {
+            "$or": [{"partition": mine.partition, "owner.tenant_id": "(0)", "owner.id": "order-1"}]
+        }
+        assert {"$limit": 10} in sub
+        agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(other), stored(mine)]))
+    assert out.error is None and out.value == [mine]
+
+
 # --------------------------------------------------------------------------- errors and timeouts
 
 
@@ -1056,3 +1078,43 @@ def test_parked_many_targets_are_split_to_fit_one_command() -> None:
     parts = split_to_fit(targets, command, limit)
     assert len(parts) > 1 and [t for p in parts for t in p] == targets
     assert all(len(bson.encode(command(p))) <= limit for p in parts)
+
+
+def test_a_search_matches_on_the_index_keys_of_what_it_names() -> None:
+    from wowd.model import AggregateRef, partition
+    from wowd.stores.base import TimerSearch
+    from wowd.stores.mongo.timer_queries import search_match
+
+    owner = AggregateRef(context="ctx", aggregate="order", id="o-1", tenant_id="t1")
+    target = AggregateRef(context="ctx", aggregate="order", id="o-2")
+    p = partition("o-1", 8)
+    assert search_match(TimerSearch(owners=(owner,), key="k"), 8) == {
+        "$and": [
+            {"$or": [{"partition": p, "owner.tenant_id": "t1", "owner.id": "o-1"}]},
+            {"key": "k"},
+            {"status": {"$in": ["PENDING", "FIRING", "PARKED", "FAILED"]}},
+        ]
+    }
+    assert search_match(TimerSearch(status=TimerStatus.FAILED), 8) == {"status": "FAILED"}
+    assert search_match(TimerSearch(status=TimerStatus.PENDING), 4) == {
+        "$and": [
+            {"partition": {"$in": [0, 1, 2, 3]}, "status": {"$in": ["PENDING", "FIRING"]}},
+            {"status": "PENDING"},
+        ]
+    }
+    assert search_match(TimerSearch(target=target, due_from=5, due_until=9, after=(6, "x")), 8) == {
+        "$and": [
+            {"status": {"$in": ["PARKED", "FAILED"]}},
+            {
+                "target.id": "o-2",
+                "target.tenant_id": target.tenant_id,
+                "target.aggregate": "order",
+                "target.context": "ctx",
+            },
+            {"due_at": {"$gte": 5, "$lte": 9}},
+            {"$or": [{"due_at": {"$gt": 6}}, {"due_at": 6, "timer_id": {"$gt": "x"}}]},
+        ]
+    }
+    with pytest.raises(InvalidInput) as refused:
+        search_match(TimerSearch(target=target, status=TimerStatus.PENDING), 8)
+    assert refused.value.field == "target"

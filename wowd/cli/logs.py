@@ -5,52 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any, TextIO
-from urllib.parse import unquote, urlsplit
 
 from wowd.config import WowdSettings
-from wowd.signing import SECRET_PREFIX
+from wowd.redaction import redact, secret_values
 
 __all__ = ["LogFormatter", "json_logs", "redact", "secret_values", "setup_logging"]
-
-MASK = "**********"
-
-
-def secret_values(settings: WowdSettings) -> list[str]:
-    """Every credential in the settings (tokens and signing secrets of the gateway and of each
-    route, the password inside the MongoDB URI), longest first."""
-    out: list[str] = []
-    gateway = settings.gateway
-    candidates = [gateway.token, settings.elasticsearch.api_key, settings.elasticsearch.password]
-    candidates += gateway.signing_secrets
-    for route in gateway.routes:
-        candidates += [route.token, *(route.signing_secrets or ())]
-    for s in candidates:
-        if s is not None and s.get_secret_value():
-            value = s.get_secret_value()
-            out.append(value)
-            if value.startswith(SECRET_PREFIX):
-                out.append(value[len(SECRET_PREFIX) :])  # a signing secret's key, as base64
-    if settings.mongodb.uri is not None:
-        uri = settings.mongodb.uri.get_secret_value()
-        out.append(uri)
-        try:
-            parts = urlsplit(uri)
-            if parts.password:
-                out += [parts.password, unquote(parts.password)]
-        except ValueError:
-            pass
-    return sorted({v for v in out if len(v) >= 3}, key=len, reverse=True)
-
-
-def redact(text: str, secrets: Iterable[str]) -> str:
-    for s in secrets:
-        if s in text:
-            text = text.replace(s, MASK)
-    return text
-
 
 _STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from datetime import timedelta
 
@@ -12,6 +11,7 @@ from wowd.cli.args import non_negative_seconds, positive_int
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
+from wowd.operator import outbox_entry_doc
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Outbox
 
 __all__ = ["COUNT_PAGE", "outbox", "register"]
@@ -69,19 +69,7 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
         else:
             return await _trim(settings, box, args)
     if args.json:
-        entries = [
-            {
-                "request_id": e.request_id,
-                "timer_id": e.timer_id,
-                "target": str(e.target),
-                "command": json.loads(e.command),
-                "scheduled_at": e.scheduled_at,
-                "created_at": e.created_at,
-                "fence": e.fence,
-                "owner_key": e.owner_key,
-            }
-            for e in batch.entries
-        ]
+        entries = [outbox_entry_doc(e) for e in batch.entries]
         print_json({"entries": entries, "take": batch.cursor, "depth": depth})
         return 0
     now = int(time.time() * 1000)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from wowd.fmt import iso_ms
+from wowd.fmt import at, span
 
 __all__ = ["at", "confirm", "err", "interactive", "out", "print_json", "print_table", "span"]
 
@@ -21,26 +20,6 @@ def out(text: str = "") -> None:
 def err(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
-
-
-def span(ms: int) -> str:
-    """``0.4 s``, ``12 min``, ``3.5 h``, ``2.0 d``: a human span (never negative)."""
-    s = max(0, ms) / 1000
-    if s < 60:
-        return f"{s:.1f} s"
-    if s < 3600:
-        return f"{s // 60:.0f} min"
-    if s < 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} d"
-
-
-def at(ms: int, now_ms: int | None = None) -> str:
-    """An instant for a table: ISO 8601 in UTC and how far from now (``... (in 5.0 s)``,
-    ``... (3 min ago)``); ``--json`` gives epoch milliseconds instead."""
-    now = int(time.time() * 1000) if now_ms is None else now_ms
-    rel = f"in {span(ms - now)}" if ms > now else f"{span(now - ms)} ago"
-    return f"{iso_ms(ms)} ({rel})"
 
 
 def print_json(doc: Any) -> None:

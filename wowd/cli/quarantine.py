@@ -1,16 +1,5 @@
-"""``wowd quarantine list|show|retry``: the commits the feed set aside, and feeding them again.
-
-The feed quarantines a document it cannot read (the reason names the field), a commit with a
-timer event it rejects (``rejected timer event: ...``) and a commit a step refuses (``<step>
-refused it: <error class>: <message>``). ``retry`` reads the document again and re-runs the
-steps its reason says it still needs, each idempotent (what was done before counts as done):
-
-- ``sink``: the commit written to its type's event sink;
-- ``timers``: its timer events projected into the timer store (the net effect of the commit, as
-  the feed writes it; a later version already stored wins);
-- ``snapshots``: where a reducer is configured for its type and the stored snapshot is behind
-  the commit, the snapshot marked stale (a rebuild folds it again);
-- ``parked``: the parked timers whose target is its aggregate resumed (it committed).
+"""``wowd quarantine list|show|retry``: the commits the feed set aside, and feeding them again
+(the steps a retry re-runs: :mod:`wowd.operator`, which the status page's re-feed runs too).
 
 A document that still does not read, or a step that still refuses, keeps the item quarantined
 under its id with the new reason (exit 1); otherwise the item is released (deleted).
@@ -20,42 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from wowd.backends import opened_backend
 from wowd.cli.args import positive_int
 from wowd.cli.output import err, out, print_table
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
 from wowd.fmt import iso_ms
-from wowd.model import (
-    AggregateType,
-    Commit,
-    TimerCancelled,
-    TimerChange,
-    TimerScheduled,
-    TimerWrite,
-    commit_from_doc,
-    net_writes,
-    partition,
-    timer_event_from,
-)
+from wowd.operator import STEPS, RetryOutcome, read_commit, record_of, retry_item, steps_needed
 from wowd.stores.base import Backend
 
 __all__ = ["STEPS", "RetryOutcome", "quarantine", "read_commit", "register", "retry_item", "steps_needed"]
 
-STEPS = ("sink", "timers", "snapshots", "parked")
-"""The feed's steps a quarantined commit may still need, in the order the feed runs them."""
-
 PAGE = 100
 """Items read per page by ``retry --all``."""
-
-_REFUSED = re.compile(r"^(\w+) refused it: ")
-_REJECTED_TIMER_EVENT = "rejected timer event: "
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -94,14 +61,6 @@ async def quarantine(settings: WowdSettings, args: argparse.Namespace) -> int:
         return await _retry(settings, backend, args)
 
 
-def _record(item: Mapping[str, Any]) -> str:
-    raw = item.get("raw")
-    if not isinstance(raw, Mapping):
-        return "-"
-    agg_id, version = raw.get("aggregate_id"), raw.get("version")
-    return f"{agg_id} v{version}" if agg_id is not None else "-"
-
-
 def _print_json(doc: Any) -> None:
     out(json.dumps(doc, indent=2, default=str))
 
@@ -113,133 +72,13 @@ def _print_list(items: list[dict[str, Any]], limit: int, *, as_json: bool) -> No
         return
     print_table(
         ["id", "created", "partition", "aggregate", "record", "reason"],
-        [[i["id"], iso_ms(i["created_at"]), i["partition"], i["aggregate"], _record(i), i["reason"]] for i in items],
+        [[i["id"], iso_ms(i["created_at"]), i["partition"], i["aggregate"], record_of(i), i["reason"]] for i in items],
         right={2},
     )
     out(f"{len(items)} items" + (f"; next: --after {after}" if after else ""))
 
 
 # --------------------------------------------------------------------------- retry
-
-
-def steps_needed(reason: str) -> tuple[str, ...]:
-    """The steps a quarantined commit still needs, from its reason: a step that refused it and
-    the ones after it; the timer projection for a rejected timer event; every step otherwise (a
-    document that did not read, a quarantine or checkpoint step that refused it)."""
-    m = _REFUSED.match(reason)
-    if m is not None and m.group(1) in STEPS:
-        return STEPS[STEPS.index(m.group(1)) :]
-    if reason.startswith(_REJECTED_TIMER_EVENT):
-        return ("timers",)
-    return STEPS
-
-
-def read_commit(item: Mapping[str, Any], context: str, partitions: int) -> Commit:
-    """The quarantined document read as a commit, as the log reads it; :class:`InvalidInput`
-    naming the field when it still does not read."""
-    raw = item.get("raw")
-    if not isinstance(raw, Mapping):
-        raise InvalidInput("a commit must be a document", field="commit")
-    try:
-        type_ = AggregateType(context=context, aggregate=str(item.get("aggregate")))
-    except ConfigError as exc:
-        raise InvalidInput(str(exc), field="aggregate") from exc
-    commit = commit_from_doc(type_, raw)
-    expected = partition(commit.ref.id, partitions)
-    stored = raw.get("partition", expected)
-    if stored != expected:
-        raise InvalidInput(
-            f"is {stored}, but the aggregate id belongs to partition {expected} of {partitions}", field="partition"
-        )
-    return commit
-
-
-@dataclass(slots=True)
-class RetryOutcome:
-    """What a retry did to one item: ``done`` the steps run, ``reason`` why it stays (``None``:
-    fed and released)."""
-
-    item_id: str
-    record: str
-    done: list[str] = field(default_factory=list)
-    reason: str | None = None
-
-
-async def retry_item(settings: WowdSettings, backend: Backend, item: Mapping[str, Any]) -> RetryOutcome:
-    """Re-runs the steps ``item`` still needs; releases it when they all pass, else quarantines it
-    again (same id) with the new reason. A transient failure (:class:`StorageUnavailable`) is
-    raised and leaves the item as it was."""
-    outcome = RetryOutcome(item_id=str(item["id"]), record=_record(item))
-    try:
-        commit = read_commit(item, settings.context, settings.partitions)
-    except (InvalidInput, ConfigError) as exc:
-        outcome.reason = str(exc)
-    else:
-        outcome.record = f"{commit.ref} v{commit.version}"
-        outcome.reason = await _feed(settings, backend, commit, steps_needed(str(item.get("reason", ""))), outcome)
-    if outcome.reason is None:
-        await backend.log.release_quarantined([outcome.item_id])
-    else:
-        type_ = AggregateType(context=settings.context, aggregate=str(item["aggregate"]))
-        await backend.log.quarantine(str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason)
-    return outcome
-
-
-async def _feed(
-    settings: WowdSettings, backend: Backend, commit: Commit, steps: tuple[str, ...], outcome: RetryOutcome
-) -> str | None:
-    """Runs ``steps`` for ``commit`` in order; the reason it stays quarantined (``None``: fed)."""
-    rejected: InvalidInput | None = None
-    for step in steps:
-        try:
-            if step == "sink":
-                if not backend.has_sink:  # no event index kept: nothing to write
-                    outcome.done.append(step)
-                    continue
-                sink = backend.sink(commit.ref.type)
-                await sink.prepare()
-                await sink.write([commit])
-            elif step == "timers":
-                writes, rejected = _timer_writes(settings, commit)
-                if writes:
-                    await backend.timers.write(net_writes(writes))
-            elif step == "snapshots":
-                if commit.ref.aggregate in settings.reducers:
-                    current = await backend.snapshots.load(commit.ref)
-                    if current is not None and current.version < commit.version:
-                        await backend.snapshots.mark_stale(commit.ref)
-            elif step == "parked":
-                parked = await backend.timers.parked(commit.ref)
-                if parked:
-                    now = int(time.time() * 1000)
-                    await backend.timers.settle([TimerChange.resume(t, due_at=now) for t in parked])
-        except StorageUnavailable:
-            raise
-        except WowdError as exc:
-            return f"{step} refused it: {type(exc).__name__}: {exc}"
-        outcome.done.append(step)
-    return f"{_REJECTED_TIMER_EVENT}{rejected}" if rejected is not None else None
-
-
-def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWrite], InvalidInput | None]:
-    """The timer writes of ``commit`` as the feed makes them, and the first event it rejects."""
-    from wowd.model import timer_from_event
-
-    writes: list[TimerWrite] = []
-    rejected: InvalidInput | None = None
-    for ev in commit.events:
-        try:
-            te = timer_event_from(ev, max_body_bytes=settings.timers.max_body_bytes)
-        except InvalidInput as exc:
-            rejected = rejected or exc
-            continue
-        if isinstance(te, TimerScheduled):
-            writes.append(TimerWrite.put(timer_from_event(commit, te, settings.partitions)))
-        elif isinstance(te, TimerCancelled):
-            writes.append(TimerWrite.cancel(commit.ref, te.key, commit.version))
-    if commit.deleted:
-        writes.append(TimerWrite.cancel_all(commit.ref, commit.version))
-    return writes, rejected
 
 
 async def _retry(settings: WowdSettings, backend: Backend, args: argparse.Namespace) -> int:

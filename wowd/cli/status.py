@@ -1,19 +1,17 @@
 """``wowd status``: the replicas of the lease namespace (holders and standbys, from their presence
-records) and its slot table, as the lease store holds them."""
+records) and its slot table, as the lease store holds them, with each slot's due backlog, the
+views behind the timer view, the quarantine's count and the outbox's depth
+(:func:`wowd.operator.read_status`, which the status page's ``/api/v1/status`` answers too)."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
-from typing import Any
 
 from wowd.backends import opened_backend
-from wowd.cli.output import out, print_json, print_table, span
+from wowd.cli.output import at, out, print_json, print_table, span
 from wowd.config import WowdSettings
 from wowd.fmt import compact_partitions, iso_ms
-from wowd.model import SlotState
-from wowd.stores.base import ReplicaState
-from wowd.views import views_status
+from wowd.operator import live_partitions, read_status, replica_rows, status_doc
 
 __all__ = ["live_partitions", "register", "replica_rows", "status", "status_doc"]
 
@@ -29,86 +27,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     p.set_defaults(handler=status)
 
 
-def live_partitions(settings: WowdSettings, states: Iterable[SlotState]) -> set[int]:
-    """The partitions whose slot has a live holder now (by the store's clock)."""
-    out_: set[int] = set()
-    lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
-    for st in states:
-        if st.live and lo <= st.slot < hi:
-            out_.update(settings.partitions_of_slot(st.slot))
-    return out_
-
-
-def replica_rows(replicas: Iterable[ReplicaState]) -> list[dict[str, Any]]:
-    """One row per presence record: ``state`` is ``holding``, ``standby``, or ``gone`` (expired
-    without leaving: killed, hung or cut off from the store); times on the store clock."""
-    return [
-        {
-            "owner_key": r.owner_key,
-            "state": r.state if r.live else "gone",
-            "slots": list(r.slots),
-            "host": r.host,
-            "pid": r.pid,
-            "version": r.version,
-            "instance": r.instance,
-            "started_at": r.started_at,
-            "seen_at": r.seen_at,
-            "expires_at": r.expires_at,
-            "seen_ms_ago": r.store_now - r.seen_at,
-            "up_ms": (r.store_now if r.live else r.seen_at) - r.started_at,
-        }
-        for r in replicas
-    ]
-
-
-def status_doc(settings: WowdSettings, states: list[SlotState], replicas: list[ReplicaState]) -> dict[str, Any]:
-    lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
-    by_slot = {s.slot: s for s in states}
-    rows: list[dict[str, Any]] = []
-    for slot in range(lo, hi):
-        st = by_slot.get(slot)
-        rows.append(
-            {
-                "slot": slot,
-                "holder": st.owner_key if st is not None else None,
-                "last_holder": st.last_owner_key if st is not None else None,
-                "fence": st.fence if st is not None else 0,
-                "incarnation": st.incarnation if st is not None else 0,
-                "expires_at": st.expires_at if st is not None else None,
-                "expires_in_ms": (st.expires_at - st.store_now) if st is not None else None,
-                "live": st is not None and st.live,
-                "partitions": len(settings.partitions_of_slot(slot)),
-            }
-        )
-    live = live_partitions(settings, states)
-    present = replica_rows(replicas)
-    store_now = states[0].store_now if states else (replicas[0].store_now if replicas else None)
-    return {
-        "namespace": settings.lease_namespace,
-        "limit": settings.lease.limit,
-        "store_now": store_now,
-        "replicas": present,
-        "slots": rows,
-        "holders": sorted({r["holder"] for r in rows if r["live"]}),
-        "standbys": [r["owner_key"] for r in present if r["state"] == "standby"],
-        "partitions_without_live_holder": sorted(set(range(settings.partitions)) - live),
-    }
-
-
 async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
-        states = await backend.leases.slots(settings.lease_namespace)
-        replicas = await backend.leases.replicas(settings.lease_namespace)
-        views = await views_status(settings, backend.log, settings.reducers)
-    doc = status_doc(settings, states, replicas)
-    doc["views"] = views
+        doc = await read_status(settings, backend)
     if args.json:
         print_json(doc)
         return 0
     now = doc["store_now"]
     out(f"namespace {doc['namespace']} (limit {doc['limit']})" + (f", store now {iso_ms(now)}" if now else ""))
     print_table(
-        ["slot", "fence", "live", "expires (store time)", "partitions", "holder"],
+        ["slot", "fence", "live", "expires (store time)", "partitions", "due now", "holder"],
         [
             [
                 r["slot"],
@@ -116,11 +44,12 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
                 "yes" if r["live"] else "no",
                 iso_ms(r["expires_at"]) if r["expires_at"] else "-",
                 r["partitions"],
+                _capped(r["due_backlog"], doc["backlog_cap"]),
                 r["holder"] if r["live"] else f"- (last: {r['last_holder'] or r['holder'] or '-'})",
             ]
             for r in doc["slots"]
         ],
-        right={0, 1, 4},
+        right={0, 1, 4, 5},
     )
     holders, standbys = doc["holders"], doc["standbys"]
     out(f"replicas holding a slot: {len(holders)}" + (f" ({', '.join(holders)})" if holders else ""))
@@ -148,8 +77,15 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
         out(f"gone without leaving (recently): {len(gone)} ({', '.join(gone)})")
     unowned = doc["partitions_without_live_holder"]
     out(f"partitions without a live holder: {compact_partitions(unowned) if unowned else 'none'}")
-    for v in views:
+    for v in doc["views"]:
         behind = v["partitions_behind"]
         state = f"behind the timer view in partitions {compact_partitions(behind)}" if behind else "current"
         out(f"view {v['view']}: {state}")
+    out(f"quarantined commits: {_capped(doc['quarantined'], doc['quarantine_cap'])}")
+    box, oldest = doc["outbox"], doc["outbox"]["oldest"]
+    out(f"outbox: {box['depth']} entries" + (f", oldest created {at(oldest['created_at'])}" if oldest else ""))
     return 0
+
+
+def _capped(n: int, cap: int) -> str:
+    return f"{n}+" if n >= cap else str(n)

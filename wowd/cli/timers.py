@@ -17,8 +17,9 @@ from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms
-from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerChange, TimerStatus
-from wowd.stores.base import Log, TimerStore
+from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
+from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
+from wowd.stores.base import Log, TimerSearch, TimerStore
 
 __all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
 
@@ -93,20 +94,6 @@ def _flag(field: str | None) -> str:
     if field.startswith("body.target"):
         return "--target"
     return next((flag for f, flag in FLAGS.items() if field.startswith(f + ".")), field)
-
-
-def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
-    """``AGGREGATE/ID`` or ``CONTEXT.AGGREGATE/ID`` (the id may hold ``/``) in ``tenant``."""
-    head, sep, agg_id = text.partition("/")
-    if not sep or not head or not agg_id:
-        raise ConfigError(f"{text!r}: AGGREGATE/ID expected (e.g. order/o-1)")
-    ctx, dot, aggregate = head.rpartition(".")
-    try:
-        return AggregateRef(
-            context=ctx if dot else context, aggregate=aggregate, id=agg_id, tenant_id=tenant or DEFAULT_TENANT
-        )
-    except InvalidInput as exc:
-        raise ConfigError(f"{text!r}: {exc}") from exc
 
 
 IN_OWNER_STREAM_HELP = (
@@ -215,66 +202,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     p.set_defaults(handler=timers)
 
 
-# --------------------------------------------------------------------------- what a timer shows
-
-
-def deliveries(t: Timer) -> int:
-    """Deliveries made of the current occurrence, as the metrics count them (each delivery is one
-    of fired, retried, parked or failed): the store's ``attempts`` counts the retries, and a
-    PARKED or FAILED timer also had the delivery that parked or failed it."""
-    return t.attempts + (1 if t.status in (TimerStatus.PARKED, TimerStatus.FAILED) else 0)
-
-
-def detail(t: Timer, now_ms: int | None = None) -> str:
-    """What an operator needs of a timer in its status (times in ISO 8601, UTC, and relative)."""
-    if t.status is TimerStatus.PENDING:
-        text = f"due {at(t.due_at, now_ms)}"
-        return text + (f" (retry; last error: {t.last_error})" if t.last_error else "")
-    if t.status is TimerStatus.FIRING:
-        who = t.claim.owner_key if t.claim is not None else "?"
-        return f"claimed by {who} until {at(t.due_at, now_ms)}"
-    if t.status is TimerStatus.PARKED:
-        return f"parked since {at(t.due_at, now_ms)}: {t.last_error or '-'}"
-    return f"failed: {t.last_error or '-'}"
-
-
-def timer_doc(t: Timer) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "timer_id": t.timer_id,
-        "status": t.status.value,
-        "partition": t.partition,
-        "owner": str(t.owner),
-        "key": t.key,
-        "version": t.version,
-        "due_at": t.due_at,
-        "scheduled_at": t.scheduled_at,
-        "target": str(t.target),
-        "rule": t.rule.to_doc(),
-        "command": json.loads(t.body),
-        "attempts": deliveries(t),
-        "fired": t.fired,
-        "last_error": t.last_error,
-        "request_id": t.request_id,
-        "claim": None,
-    }
-    if t.claim is not None:
-        doc["claim"] = {"owner_key": t.claim.owner_key, "fence": t.claim.fence, "until": t.claim.until}
-    return doc
-
-
 # --------------------------------------------------------------------------- commands
 
 
-def cursor_of(t: Timer) -> str:
-    """The ``--after`` cursor of a listed timer: its place in the order of the listing."""
-    return f"{t.due_at}:{t.timer_id}"
-
-
 def _after(text: str) -> tuple[int, str]:
-    due, sep, tid = text.partition(":")
-    if not sep or not due.lstrip("-").isdigit() or not tid:
-        raise ConfigError(f"--after {text!r}: not a cursor of 'timers list' (DUE_AT:TIMER_ID)")
-    return int(due), tid
+    try:
+        return parse_cursor(text)
+    except InvalidInput:
+        raise ConfigError(f"--after {text!r}: not a cursor of 'timers list' (DUE_AT:TIMER_ID)") from None
 
 
 def selected(tokens: list[str], *, context: str, tenant: str | None) -> list[str | tuple[AggregateRef, str]]:
@@ -324,13 +259,14 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
 async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
     target = parse_ref(args.target, context=settings.context, tenant=args.tenant) if args.target else None
     after = _after(args.after) if args.after else None
-    if target is None and after is None:
-        found = await store.scan(status=args.status, limit=args.limit + 1)
-    else:  # the store lists from the start: filter a full read
+    stuck = (TimerStatus.PARKED, TimerStatus.FAILED)
+    if target is None or args.status in stuck:  # the store's search, over its indexes
+        found = await store.search(TimerSearch(status=args.status, target=target, after=after), args.limit + 1)
+    else:  # no index lists the PENDING or FIRING timers of a target: filter a full read
         found = [
             t
             for t in await store.scan(status=args.status, limit=SCAN_LIMIT)
-            if (target is None or t.target == target) and (after is None or (t.due_at, t.timer_id) > after)
+            if t.target == target and (after is None or (t.due_at, t.timer_id) > after)
         ][: args.limit + 1]
     shown = found[: args.limit]
     nxt = cursor_of(shown[-1]) if len(found) > args.limit else None
@@ -352,8 +288,7 @@ async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namesp
 
 async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[AggregateRef, str]) -> Timer | None:
     if isinstance(wanted, tuple):
-        owner, key = wanted
-        return await store.find(schedule_stream(owner), key) or await store.find(owner, key)
+        return await find_timer(store, *wanted)
     return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
 
 
@@ -391,8 +326,7 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
     else:
         candidates = [t for t in in_status if any(_matches(t, w) for w in picked)]
         missing = [w for w in picked if not any(_matches(t, w) for t in candidates)]
-    now = int(time.time() * 1000)
-    written = await store.settle([TimerChange.resume(t, due_at=now) for t in candidates]) if candidates else 0
+    written = await repair_timers(store, candidates)
     out(f"{written} timer(s) back to PENDING")
     for w in missing:
         other = await _find(settings, store, w)

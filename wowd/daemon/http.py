@@ -1,4 +1,5 @@
-"""One HTTP/1.1 listener: ``/metrics``, ``/healthz``, ``/readyz`` (anyio TCP + h11, no framework).
+"""One HTTP/1.1 listener: ``/metrics``, ``/healthz``, ``/readyz`` (anyio TCP + h11, no framework),
+and the paths of an ``app`` (the status page: ``/ui``, ``/api/``) handed to it whole.
 
 Each connection serves one request and closes. A slow or malformed client is dropped after
 ``REQUEST_TIMEOUT_S``; nothing a client sends can stop the listener.
@@ -21,14 +22,22 @@ from anyio.abc import SocketAttribute, SocketStream, TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from wowd.metrics import REGISTRY
+from wowd.ui.http import HttpRequest, HttpResponse
 
-__all__ = ["HttpServer"]
+__all__ = ["APP_PREFIXES", "HttpRequest", "HttpResponse", "HttpServer", "MAX_BODY_BYTES"]
 
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 10.0
 REFRESH_TIMEOUT_S = 1.0
 """How long a scrape waits for the gauges refreshed at scrape time before serving the last values."""
+APP_PREFIXES = ("/ui", "/api/")
+"""The paths given to the ``app`` (when one is set)."""
+MAX_BODY_BYTES = 64 * 1024
+"""The largest request body the ``app`` is given (a form); a larger one is answered 413."""
+
+
+App = Callable[[HttpRequest], Awaitable[HttpResponse]]
 
 
 class HttpServer:
@@ -36,7 +45,9 @@ class HttpServer:
     ``(ok, why)``; ``/readyz`` asks whether the replica functions (holder or standby),
     ``/readyz?holding=1`` whether it also holds a slot. A 503's body says why. ``refresh``, when
     given, is awaited before each ``/metrics`` exposition (at most :data:`REFRESH_TIMEOUT_S`):
-    it updates the gauges read from a store, and handles its own store errors."""
+    it updates the gauges read from a store, and handles its own store errors. ``app``, when
+    given, answers every request under :data:`APP_PREFIXES` (its body read first, at most
+    :data:`MAX_BODY_BYTES`); an exception it raises is logged and answered 500."""
 
     def __init__(
         self,
@@ -47,6 +58,7 @@ class HttpServer:
         registry: CollectorRegistry = REGISTRY,
         port_file: Path | None = None,
         refresh: Callable[[], Awaitable[None]] | None = None,
+        app: App | None = None,
     ) -> None:
         self._host = host
         self._port = port
@@ -54,6 +66,7 @@ class HttpServer:
         self._registry = registry
         self._port_file = port_file
         self._refresh = refresh
+        self._app = app
         self._refreshing: anyio.Event | None = None
         self._refresh_late = False
         self._tasks: TaskGroup | None = None
@@ -131,6 +144,18 @@ class HttpServer:
                     return
                 method = request.method.decode("ascii", "replace")
                 path = request.target.decode("ascii", "replace")
+                if self._app is not None and path.startswith(APP_PREFIXES):
+                    answer = await self._call_app(conn, stream, request, method, path)
+                    await self._respond(
+                        conn,
+                        stream,
+                        answer.status,
+                        answer.content_type,
+                        b"" if method == "HEAD" else answer.body,
+                        len(answer.body),
+                        answer.headers,
+                    )
+                    return
                 if path == "/metrics" and method in ("GET", "HEAD"):
                     await self._refreshed()
                 status, ctype, body = self._route(method, path)
@@ -142,6 +167,33 @@ class HttpServer:
                 pass
         except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass
+
+    async def _call_app(
+        self, conn: h11.Connection, stream: SocketStream, request: h11.Request, method: str, path: str
+    ) -> HttpResponse:
+        assert self._app is not None
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers}
+        body = bytearray()
+        with anyio.move_on_after(REQUEST_TIMEOUT_S) as scope:
+            while True:
+                event: Any = conn.next_event()
+                if event is h11.NEED_DATA:
+                    data = await stream.receive(65536)
+                    conn.receive_data(data)
+                    continue
+                if isinstance(event, h11.Data):
+                    body += event.data
+                    if len(body) > MAX_BODY_BYTES:
+                        return HttpResponse(413, "text/plain; charset=utf-8", b"request body too large\n")
+                    continue
+                break
+        if scope.cancelled_caught:
+            return HttpResponse(408, "text/plain; charset=utf-8", b"request timeout\n")
+        try:
+            return await self._app(HttpRequest(method, path, headers, bytes(body)))
+        except Exception:
+            log.exception("http: %s %s failed", method, path.partition("?")[0])
+            return HttpResponse(500, "text/plain; charset=utf-8", b"internal error (logged)\n")
 
     @staticmethod
     async def _read_request(conn: h11.Connection, stream: SocketStream) -> h11.Request | None:
@@ -163,13 +215,20 @@ class HttpServer:
 
     @staticmethod
     async def _respond(
-        conn: h11.Connection, stream: SocketStream, status: int, ctype: str, body: bytes, length: int
+        conn: h11.Connection,
+        stream: SocketStream,
+        status: int,
+        ctype: str,
+        body: bytes,
+        length: int,
+        extra: tuple[tuple[str, str], ...] = (),
     ) -> None:
         headers = [
             ("content-type", ctype),
             ("content-length", str(length)),
             ("connection", "close"),
             ("cache-control", "no-store"),
+            *extra,
         ]
         data = conn.send(h11.Response(status_code=status, headers=headers))
         if data:

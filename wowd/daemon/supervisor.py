@@ -24,6 +24,7 @@ from wowd.errors import StorageError
 from wowd.reducers import Reducer, load_reducer
 from wowd.retry import Backoff, RetryStopped, retrying
 from wowd.stores.base import Backend
+from wowd.ui import StatusPage
 
 from .feed import Feeder
 from .http import HttpServer
@@ -126,6 +127,18 @@ class Supervisor:
     def ready(self) -> bool:
         return self.functioning()[0]
 
+    def slot_stalls(self) -> dict[int, str | None]:
+        """The slots held now, each with why a view or the timer loop is stalled (``None``: none is)."""
+        out: dict[int, str | None] = {}
+        for h in self.held:
+            feeder, loop = self._feeders.get(h.slot), self._loops.get(h.slot)
+            stalls = feeder.view_stalls() if feeder is not None else {}
+            why = [f"{view} view: {reason}" for view, reason in sorted(stalls.items())]
+            if loop is not None and loop.stall is not None and loop.stall.reason is not None:
+                why.append(f"timer loop: {loop.stall.reason}")
+            out[h.slot] = "; ".join(why) or None
+        return out
+
     def _status_line(self) -> str:
         held = self.held
         if not held:
@@ -202,6 +215,7 @@ class Supervisor:
             self.readiness,
             port_file=self._port_file,
             refresh=outbox.count_depth if outbox is not None else None,
+            app=StatusPage(s, self.backend, local=self.slot_stalls),
         )
         with anyio.CancelScope() as scope:
             self._scope = scope

@@ -17,7 +17,7 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from wowd.errors import ConfigError
+from wowd.errors import ConfigError, InvalidInput
 from wowd.model import (
     AccessStamp,
     AcquireResult,
@@ -63,6 +63,7 @@ __all__ = [
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
+    "TimerSearch",
     "TimerStore",
     "consumers_of",
 ]
@@ -354,6 +355,40 @@ class SlotLeaseStore(Protocol):
     async def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimerSearch:
+    """What :meth:`TimerStore.search` lists: the live timers matching every field given.
+
+    ``owners``: of any of these owners (an owner's own stream and wowd's stream of it), with
+    ``key`` only that key; ``status``: in that status; ``target``: whose command goes there, a
+    search of the PARKED and FAILED timers only (``status`` one of those or unset), as the
+    indexes serve it; ``due_from``/``due_until``: ``due_at`` in that range (inclusive);
+    ``after``: after this ``(due_at, timer_id)`` (the last of a previous page)."""
+
+    owners: tuple[AggregateRef, ...] = ()
+    key: str | None = None
+    status: TimerStatus | None = None
+    target: AggregateRef | None = None
+    due_from: int | None = None
+    due_until: int | None = None
+    after: tuple[int, str] | None = None
+
+    def statuses(self) -> tuple[TimerStatus, ...]:
+        """The statuses searched; raises :class:`~wowd.errors.InvalidInput` (field ``target``)
+        for a target search of PENDING or FIRING timers."""
+        if self.target is None:
+            return (self.status,) if self.status is not None else tuple(TimerStatus)
+        stuck = (TimerStatus.PARKED, TimerStatus.FAILED)
+        if self.status is None:
+            return stuck
+        if self.status not in stuck:
+            raise InvalidInput(
+                f"a target search lists PARKED and FAILED timers, not {self.status.value} ones (search those by owner)",
+                field="target",
+            )
+        return (self.status,)
+
+
 @runtime_checkable
 class TimerStore(Protocol):
     """The timers of one context (docs/concepts.md)."""
@@ -465,6 +500,15 @@ class TimerStore(Protocol):
         self, *, status: TimerStatus | None = None, limit: int = 100, partitions: set[int] | None = None
     ) -> list[Timer]:
         """Timers for the operator's tools, by ``(due_at, timer_id)`` (not on a hot path)."""
+        ...
+
+    async def search(self, query: TimerSearch, limit: int) -> list[Timer]:
+        """The first ``limit`` live timers matching ``query``, by ``(due_at, timer_id)``, for the
+        operator's tools (the status page, ``wowd timers list``). Read-only. Served by indexes:
+        an owner's by the owner key, PENDING and FIRING ones by the due index (a read per
+        partition, merged), PARKED and FAILED ones by the index of those statuses; raises
+        :class:`~wowd.errors.InvalidInput` (field ``target``) for a target search of PENDING or
+        FIRING timers, which no index serves."""
         ...
 
     async def close(self) -> None: ...

@@ -25,7 +25,7 @@ from wowd.model import (
     request_id_for,
     validate_name,
 )
-from wowd.stores.base import LogCheck
+from wowd.stores.base import LogCheck, TimerSearch
 from wowd.stores.embedded.db import (
     NOW_MS,
     power_of_two,
@@ -45,6 +45,8 @@ UPGRADES_FROM = 5
 
 TOMBSTONES = "('DONE', 'CANCELLED')"
 """The statuses of a tombstone row (SQL list)."""
+STUCK = "('PARKED', 'FAILED')"
+"""The statuses an operator repairs (SQL list): the partial index ``__stuck`` lists them."""
 _LIVE = f"status NOT IN {TOMBSTONES}"
 _NO_CLAIM = "claim_owner_key = NULL, claim_fence = NULL, claim_until = NULL"
 
@@ -157,6 +159,7 @@ def index_sql(context: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {t}__parked ON {t}"
         " (target_id, target_aggregate, target_tenant, target_context) WHERE status = 'PARKED'",
         f"CREATE INDEX IF NOT EXISTS {t}__tombstones ON {t} (due_at) WHERE status IN {TOMBSTONES}",
+        f"CREATE INDEX IF NOT EXISTS {t}__stuck ON {t} (status, due_at, timer_id) WHERE status IN {STUCK}",
     ]
 
 
@@ -487,6 +490,60 @@ def scan_sql(context: str, *, status: bool, partitions: int | None) -> str:
     where.append(_LIVE)
     clause = " WHERE " + " AND ".join(where)
     return f"SELECT {_COLS} FROM {table_name(context)}{clause} ORDER BY due_at, timer_id LIMIT ?"
+
+
+def search_statements(
+    context: str, query: TimerSearch, partitions: int, owner_keys: Sequence[tuple[Any, ...]], limit: int
+) -> list[tuple[str, list[Any]]]:
+    """The statements of ``search``, each in ``(due_at, timer_id)`` order over an index, merged
+    by the caller: one per owner (``owner_keys``, over the unique index's owner prefix), else one
+    per partition for PENDING and FIRING timers (the due index) and one for PARKED and FAILED
+    timers (the ``__stuck`` index); the filters of ``query`` on each."""
+    statuses = query.statuses()
+    common: list[str] = []
+    params: list[Any] = []
+    if query.key is not None:
+        common.append('"key" = ?')
+        params.append(query.key)
+    if query.target is not None:
+        common.append("target_id = ? AND target_aggregate = ? AND target_tenant = ? AND target_context = ?")
+        tg = query.target
+        params += [tg.id, tg.aggregate, tg.tenant_id, tg.context]
+    if query.due_from is not None:
+        common.append("due_at >= ?")
+        params.append(query.due_from)
+    if query.due_until is not None:
+        common.append("due_at <= ?")
+        params.append(query.due_until)
+    if query.after is not None:
+        common.append("due_at >= ? AND (due_at, timer_id) > (?, ?)")
+        params += [query.after[0], query.after[0], query.after[1]]
+    marks = ", ".join("?" for _ in statuses)
+    values = [s.value for s in statuses]
+    head = f"SELECT {_COLS} FROM {table_name(context)} WHERE "
+    tail = " ORDER BY due_at, timer_id LIMIT ?"
+
+    def statement(first: list[str], first_params: list[Any]) -> tuple[str, list[Any]]:
+        return head + " AND ".join([*first, *common]) + tail, [*first_params, *params, limit]
+
+    if owner_keys:
+        return [statement([_OWNER, f"status IN ({marks})"], [*key, *values]) for key in owner_keys]
+    out: list[tuple[str, list[Any]]] = []
+    due = [s for s in values if s in ("PENDING", "FIRING")]
+    stuck = [s for s in values if s in ("PARKED", "FAILED")]
+    if due:
+        # the IN term is the due index's WHERE: SQLite reads the index only when the query repeats it
+        narrow = ["status = ?"] if len(due) == 1 else []
+        for p in range(partitions):
+            out.append(
+                statement(
+                    ['"partition" = ?', "status IN ('PENDING', 'FIRING')", *narrow], [p, *due[:1]] if narrow else [p]
+                )
+            )
+    if stuck:
+        narrow = ["status = ?"] if len(stuck) == 1 else []
+        out.append(statement([f"status IN {STUCK}", *narrow], stuck[:1] if narrow else []))
+    return out
 
 
 # --------------------------------------------------------------------------- row mapping

@@ -65,7 +65,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.base import FiredTimer, FireRequest
+from wowd.stores.base import FiredTimer, FireRequest, TimerSearch
 from wowd.stores.embedded.db import (
     SqliteDatabase,
     SqliteStore,
@@ -122,6 +122,7 @@ from wowd.stores.embedded.timer_sql import (
     register_sql,
     registry_formats_sql,
     scan_sql,
+    search_statements,
     settle_params,
     settle_sql,
     statement_limit,
@@ -724,6 +725,19 @@ class EmbeddedTimerStore(SqliteStore):
             self.context, status=status is not None, partitions=None if partitions is None else len(partitions)
         )
         return await self._select("scan", sql, params)
+
+    async def search(self, query: TimerSearch, limit: int) -> list[Timer]:
+        """The statements of :func:`search_statements` read in one transaction, merged."""
+        owners = [o for o in dict.fromkeys(query.owners) if o.context == self.context]
+        if limit < 1 or (query.owners and not owners):
+            query.statuses()
+            return []
+        keys = [self._owner_key(o) for o in owners]
+        statements = search_statements(self.context, query, self.partitions, keys, limit)
+        await self.prepare()
+        rows = await self._run("search", merged_read(statements, merge_due, limit))
+        ctx = self.context
+        return [timer_from_row(ctx, r) for r in rows]
 
     async def _select(self, operation: str, sql: str, params: Sequence[Any]) -> list[Timer]:
         rows = await self._run(operation, lambda conn: conn.execute(sql, params).fetchall())

@@ -23,6 +23,7 @@ from wowd.model import (
     TimerWrite,
     parse_rule,
 )
+from wowd.stores.base import TimerSearch
 from wowd.stores.mongo._common import (
     TIMER_FORMAT,
     TIMER_REGISTRY,
@@ -38,6 +39,7 @@ __all__ = [
     "due_match",
     "fail_operation",
     "index_specs",
+    "search_match",
     "next_due_match",
     "next_due_pipeline",
     "next_due_pipelines",
@@ -523,6 +525,49 @@ def scan_match(status: TimerStatus | None, partitions: Iterable[int] | None) -> 
         match["partition"] = {"$in": sorted(set(partitions))}
     match["status"] = {"$nin": list(TOMBSTONES)} if status is None else status.value
     return match
+
+
+MAX_EXPLODED_SCANS = 200
+"""The planner's ``internalQueryMaxScansToExplode``: the most point intervals it merges in order."""
+
+
+def search_match(query: TimerSearch, partitions: int) -> dict[str, Any]:
+    """The live timers of a :class:`~wowd.stores.base.TimerSearch` (its cursor included): the
+    owners' unique-index keys, the status (PARKED and FAILED ones for a target search; PENDING and
+    FIRING ones with every partition as the due index's points), the target (the parked index's
+    keys), the due range."""
+    clauses: list[dict[str, Any]] = []
+    if query.owners:
+        clauses.append({"$or": [owner_filter(o, o.partition(partitions)) for o in query.owners]})
+    if query.key is not None:
+        clauses.append({"key": query.key})
+    statuses = [s.value for s in query.statuses()]
+    if not query.owners and set(statuses) <= set(DUE_STATUSES) and partitions <= MAX_EXPLODED_SCANS:
+        # the due index's partial filter and its first key by points: one scan per partition,
+        # merged in due order (as :func:`due_match` explains)
+        clauses.append({"partition": {"$in": list(range(partitions))}, "status": {"$in": list(DUE_STATUSES)}})
+    clauses.append({"status": statuses[0] if len(statuses) == 1 else {"$in": statuses}})
+    if query.target is not None:
+        t = query.target
+        clauses.append(
+            {
+                "target.id": t.id,
+                "target.tenant_id": t.tenant_id,
+                "target.aggregate": t.aggregate,
+                "target.context": t.context,
+            }
+        )
+    due: dict[str, int] = {}
+    if query.due_from is not None:
+        due["$gte"] = query.due_from
+    if query.due_until is not None:
+        due["$lte"] = query.due_until
+    if due:
+        clauses.append({"due_at": due})
+    if query.after is not None:
+        at, tid = query.after
+        clauses.append({"$or": [{"due_at": {"$gt": at}}, {"due_at": at, "timer_id": {"$gt": tid}}]})
+    return clauses[0] if len(clauses) == 1 else {"$and": clauses}
 
 
 def union_batch_size(limit: int | None) -> int | None:

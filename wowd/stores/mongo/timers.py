@@ -49,7 +49,7 @@ from wowd.model import (
     TimerWrite,
     validate_name,
 )
-from wowd.stores.base import Ddl
+from wowd.stores.base import Ddl, TimerSearch
 from wowd.stores.formats import other_format, too_new
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
@@ -91,6 +91,7 @@ from wowd.stores.mongo.timer_queries import (
     registry_claim,
     registry_upgrade,
     scan_match,
+    search_match,
     settle_filter,
     settle_operations,
     split_points,
@@ -804,6 +805,18 @@ class MongoTimerStore(MongoStore):
             return []
         with self._call("scan"):
             return await self._union("scan", scan_match(status, partitions), limit)
+
+    async def search(self, query: TimerSearch, limit: int) -> list[Timer]:
+        """One union read of :func:`search_match`; an owner's timers are those of its aggregate's
+        collection (the documents leave the aggregate to it)."""
+        match = search_match(query, self.partitions)
+        if limit < 1:
+            return []
+        with self._call("search"):
+            found = await self._union("search", match, limit)
+        if query.owners:
+            found = [t for t in found if t.owner in query.owners]
+        return found
 
     async def _union(
         self,

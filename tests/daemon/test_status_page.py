@@ -1,0 +1,443 @@
+"""The status page (``/ui``) and its JSON (``/api/v1``) on the embedded backend, served by the
+HTTP listener in-process: every page and route, the search over the timer indexes, the actions
+behind the token and the cross-site checks, and no secret in any answer."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from tests.daemon.conftest import CONTEXT, PARTITIONS, SECRET_MONGO_PW, SECRET_TOKEN
+from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
+from wowd.daemon.http import HttpServer
+from wowd.metrics import UI_REFUSED
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Command,
+    Commit,
+    DomainEvent,
+    OutboxEntry,
+    Timer,
+    TimerChange,
+    TimerStatus,
+    commit_to_doc,
+    deterministic_timer_id,
+    partition,
+)
+from wowd.operator import read_status
+from wowd.stores.base import Backend
+from wowd.ui import StatusPage
+
+pytestmark = pytest.mark.anyio
+
+UI_TOKEN = "ui-token-5521"
+ORDER = AggregateType(context=CONTEXT, aggregate="order")
+
+
+def order(agg_id: str) -> AggregateRef:
+    return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+
+
+def timer(agg_id: str, key: str, due_at: int) -> Timer:
+    owner = order(agg_id)
+    return Timer(
+        timer_id=deterministic_timer_id(owner, key, 1),
+        partition=partition(agg_id, PARTITIONS),
+        owner=owner,
+        key=key,
+        version=1,
+        due_at=due_at,
+        scheduled_at=due_at,
+        target=owner,
+        body=Command(name="expire-order", body={"key": key}).to_json(),
+    )
+
+
+def settings(db: Path, token: str | None) -> WowdSettings:
+    return WowdSettings(
+        context=CONTEXT,
+        partitions=PARTITIONS,
+        embedded=EmbeddedSettings(path=db),
+        lease=LeaseSettings(limit=2),
+        ui={"token": token},
+        gateway={"token": SECRET_TOKEN},
+        mongodb={"uri": f"mongodb://wowd:{SECRET_MONGO_PW}@127.0.0.1:1/"},
+    )
+
+
+@dataclass
+class Page:
+    client: httpx.AsyncClient
+    backend: Backend
+    settings: WowdSettings
+    now: int = 0
+    """When the store was filled (ms): the timers' due times are relative to it."""
+
+    async def html(self, path: str, status: int = 200) -> str:
+        r = await self.client.get(path)
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"].startswith("text/html")
+        assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+        return r.text
+
+    async def api(self, path: str, status: int = 200) -> Any:
+        r = await self.client.get(path)
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"] == "application/json"
+        return r.json()
+
+    async def form_key(self, path: str) -> str:
+        m = re.search(r'name="form_key" value="([0-9a-f]+)"', await self.html(path))
+        assert m is not None, "the page has no action form"
+        return m.group(1)
+
+
+async def _serve(db: Path, token: str | None) -> AsyncIterator[Page]:
+    from wowd.stores.embedded import open_embedded
+
+    s = settings(db, token)
+    backend = await open_embedded(s)
+    app = StatusPage(s, backend, local=lambda: {0: None, 1: "timers view: disk full"})
+    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), app=app)
+    try:
+        async with anyio.create_task_group() as tg:
+            port = await tg.start(server.serve)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                yield Page(client, backend, s)
+            tg.cancel_scope.cancel()
+    finally:
+        await backend.close()
+
+
+@pytest.fixture
+async def page(db: Path) -> AsyncIterator[Page]:
+    """The page with actions (the token set) over a store holding: a FAILED, a PARKED and two
+    PENDING timers of order o-1, one PENDING of o-2, a quarantined commit, two outbox entries."""
+    async for p in _serve(db, UI_TOKEN):
+        p.now = await _fill(p.backend)
+        yield p
+
+
+@pytest.fixture
+async def read_only(db: Path) -> AsyncIterator[Page]:
+    async for p in _serve(db, None):
+        p.now = await _fill(p.backend)
+        yield p
+
+
+async def _fill(b: Backend) -> int:
+    """Fills the store; answers its now (ms)."""
+    now = int(time.time() * 1000)
+    await b.timers.prepare()
+    ts = [
+        timer("o-1", "failed", now - 3000),
+        timer("o-1", "parked", now - 2000),
+        timer("o-1", "later", now + 3_600_000),
+        timer("o-1", "due", now - 1000),
+        timer("o-2", "expire", now + 60_000),
+    ]
+    for t in ts:
+        assert await b.timers.put(t)
+    failed = await b.timers.find(order("o-1"), "failed")
+    parked = await b.timers.find(order("o-1"), "parked")
+    assert failed is not None and parked is not None
+    reason = f"http 400 from the target (token {SECRET_TOKEN} refused)"
+    await b.timers.settle([TimerChange.fail(failed, fence=1, reason=reason)])
+    await b.timers.settle([TimerChange.park(parked, fence=1, reason="http 404: order o-1 not found")])
+    commit = Commit(
+        ref=order("o-9"),
+        version=1,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=now,
+        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": 1}),),
+    )
+    raw = commit_to_doc(commit, PARTITIONS)
+    await b.log.quarantine(
+        "wowd", partition("o-9", PARTITIONS), ORDER, raw, "timers refused it: StorageFull: disk full"
+    )
+    for i in range(2):
+        entry = OutboxEntry(
+            request_id=f"req-{i}",
+            timer_id=f"t-{i}",
+            target=order("o-1"),
+            command='{"name":"expire-order","body":{}}',
+            scheduled_at=now,
+            fence=1,
+            owner_key="a",
+            created_at=now - 10_000 + i,
+        )
+        assert await b.outbox.put(entry)
+    return now
+
+
+def _stable(doc: dict[str, Any]) -> dict[str, Any]:
+    """A status document without the fields that move with the clock."""
+    out = json.loads(json.dumps(doc))
+    out.pop("store_now", None)
+    for r in out["slots"]:
+        r.pop("expires_in_ms", None)
+    for r in out["replicas"]:
+        r.pop("seen_ms_ago", None)
+        r.pop("up_ms", None)
+    return out
+
+
+# --------------------------------------------------------------------------- overview
+
+
+async def test_the_status_route_answers_what_wowd_status_json_prints(page: Page) -> None:
+    doc = await page.api("/api/v1/status")
+    assert _stable(doc) == _stable(await read_status(page.settings, page.backend))
+    assert doc["quarantined"] == 1 and doc["outbox"]["depth"] == 2
+    assert doc["outbox"]["oldest"]["request_id"] == "req-0"
+    due = {r["slot"]: r["due_backlog"] for r in doc["slots"]}
+    assert sum(due.values()) == 1, "one PENDING timer is due now (the failed and parked ones are not due)"
+
+
+async def test_the_overview_shows_the_stores_and_this_process_and_refreshes_itself(page: Page) -> None:
+    html = await page.html("/ui")
+    assert '<meta http-equiv="refresh" content="10">' in html
+    assert re.search(r'id="quarantined"><a href="/ui/quarantine">1</a>', html)
+    assert re.search(r'id="outbox-depth"><a href="/ui/outbox">2</a>', html)
+    assert re.search(r'id="due-backlog">1<', html)
+    assert "stalled: timers view: disk full" in html, "the slot this process holds stalled says why"
+    assert "<script" not in html
+    assert re.search(r'<span class="ok">timers current</span>', html)
+    doc = await page.api("/api/v1/overview")
+    slots = doc["process"]["slots"]
+    assert {k: v["stalled"] for k, v in slots.items()} == {"0": None, "1": "timers view: disk full"}
+    assert set(slots["0"]) == {"feed_lag_s", "watermark_age_s", "stalled"}
+    assert set(doc["process"]["deliveries"]) == {"fired", "retried", "parked", "failed", "misfired"}
+    assert (await page.client.get("/ui/static/style.css")).status_code == 200
+
+
+# --------------------------------------------------------------------------- timers
+
+
+async def test_the_timer_search_filters_pages_and_links_each_timer(page: Page) -> None:
+    every = await page.api("/api/v1/timers")
+    assert [t["key"] for t in every["timers"]] == ["failed", "parked", "due", "expire", "later"]
+    failed = await page.api("/api/v1/timers?status=failed")
+    assert [t["key"] for t in failed["timers"]] == ["failed"]
+    mine = await page.api("/api/v1/timers?owner=order/o-2")
+    assert [t["key"] for t in mine["timers"]] == ["expire"]
+    stuck = await page.api("/api/v1/timers?target=order/o-1")
+    assert [t["key"] for t in stuck["timers"]] == ["failed", "parked"]
+    window = await page.api(f"/api/v1/timers?due_from={page.now - 1500}&due_until={page.now + 120_000}")
+    assert [t["key"] for t in window["timers"]] == ["due", "expire"]
+    html = await page.html("/ui/timers?status=PARKED")
+    assert "http 404: order o-1 not found" in html
+    assert 'href="/ui/timer?owner=demo.order%2Fo-1&amp;key=parked"' in html
+
+
+async def test_the_timer_list_pages_by_cursor(page: Page) -> None:
+    from wowd.ui import app
+
+    for i in range(app.PAGE + 5):
+        await page.backend.timers.put(timer(f"bulk-{i}", "k", page.now + 10_000_000 + i))
+    first = await page.api("/api/v1/timers")
+    assert len(first["timers"]) == app.PAGE and first["next"]
+    second = await page.api(f"/api/v1/timers?after={first['next']}")
+    assert len(second["timers"]) == 10 and second["next"] is None
+    html = await page.html("/ui/timers")
+    assert 'id="next"' in html
+
+
+async def test_a_bad_search_is_answered_400_with_the_reason_and_counted(page: Page) -> None:
+    before = UI_REFUSED.labels(reason="bad input")._value.get()
+    doc = await page.api("/api/v1/timers?status=asleep", 400)
+    assert "'asleep' is not a timer status" in doc["error"]
+    doc = await page.api("/api/v1/timers?target=order/o-1&status=pending", 400)
+    assert "a target search lists PARKED and FAILED timers" in doc["error"]
+    html = await page.html("/ui/timers?after=nope", 400)
+    assert "is not a cursor" in html
+    doc = await page.api("/api/v1/timers?key=expire", 400)
+    assert "give the owner too" in doc["error"]
+    assert UI_REFUSED.labels(reason="bad input")._value.get() == before + 4
+
+
+async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
+    parked = await page.html("/ui/timer?owner=order/o-1&key=parked")
+    assert "PARKED" in parked and "http 404: order o-1 not found" in parked
+    failed = await page.api("/api/v1/timer?owner=order/o-1&key=failed")
+    assert failed["status"] == "FAILED" and failed["attempts"] == 1
+    assert failed["request_id"] and failed["rule"] == {"type": "once"}
+    later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
+    assert "due " in later and ("(in 59 min)" in later or "(in 1.0 h)" in later)
+    slot = failed["partition"] % 2
+    stalled = "timers view: disk full" if slot == 1 else None  # as this process says of its slot 1
+    assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
+    assert "has no live holder: nothing feeds or fires its partitions" in later
+    gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
+    assert "no live timer" in gone
+
+
+async def test_no_secret_is_ever_shown(page: Page) -> None:
+    for path in ("/ui/timer?owner=order/o-1&key=failed", "/api/v1/timer?owner=order/o-1&key=failed", "/ui/timers"):
+        text = (await page.client.get(path)).text
+        assert "token **********" in text
+        assert SECRET_TOKEN not in text and SECRET_MONGO_PW not in text and UI_TOKEN not in text
+
+
+# --------------------------------------------------------------------------- actions
+
+
+async def test_a_failed_timer_is_retried_with_the_token_from_its_page(page: Page) -> None:
+    key = await page.form_key("/ui/timer?owner=order/o-1&key=failed")
+    r = await page.client.post(
+        "/ui/timer/retry",
+        data={"owner": "demo.order/o-1", "tenant": "", "key": "failed", "token": UI_TOKEN, "form_key": key},
+        headers={"origin": str(page.client.base_url).rstrip("/"), "sec-fetch-site": "same-origin"},
+    )
+    assert r.status_code == 303
+    html = await page.html(r.headers["location"])
+    assert "retried: back to PENDING, due now" in html and 'id="timer-status">PENDING' in html
+    t = await page.backend.timers.find(order("o-1"), "failed")
+    assert t is not None and t.status is TimerStatus.PENDING and t.due_at >= page.now
+
+
+async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(page: Page) -> None:
+    r = await page.client.post(
+        "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
+    )
+    assert r.status_code == 200 and r.json()["written"] == 1
+    t = await page.backend.timers.find(order("o-1"), "parked")
+    assert t is not None and t.status is TimerStatus.PENDING
+    wrong = await page.client.post(
+        "/api/v1/timer/retry?owner=order/o-1&key=due", headers={"authorization": f"Bearer {UI_TOKEN}"}
+    )
+    assert wrong.status_code == 400 and "is PENDING, not FAILED" in wrong.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"token": "wrong"}, "token"),
+        ({"form_key": "0" * 64}, "form key"),
+        ({"headers": {"origin": "http://evil.example"}}, "cross-site"),
+        ({"headers": {"sec-fetch-site": "cross-site"}}, "cross-site"),
+        ({"headers": {"origin": "null"}}, "cross-site"),
+    ],
+)
+async def test_an_action_without_the_token_form_key_or_from_another_site_is_refused(
+    page: Page, change: dict[str, Any], reason: str
+) -> None:
+    key = await page.form_key("/ui/timer?owner=order/o-1&key=failed")
+    data = {"owner": "order/o-1", "key": "failed", "token": UI_TOKEN, "form_key": key}
+    data.update({k: v for k, v in change.items() if k != "headers"})
+    before = UI_REFUSED.labels(reason=reason)._value.get()
+    r = await page.client.post("/ui/timer/retry", data=data, headers=change.get("headers", {}))
+    assert r.status_code == 403 and "refused" in r.text
+    assert UI_REFUSED.labels(reason=reason)._value.get() == before + 1
+    t = await page.backend.timers.find(order("o-1"), "failed")
+    assert t is not None and t.status is TimerStatus.FAILED
+
+
+async def test_without_a_token_the_page_is_read_only(read_only: Page) -> None:
+    html = await read_only.html("/ui/timer?owner=order/o-1&key=failed")
+    assert '<form class="action"' not in html and "Read-only: set WOWD_UI__TOKEN" in html
+    r = await read_only.client.post("/ui/timer/retry", data={"owner": "order/o-1", "key": "failed", "token": ""})
+    assert r.status_code == 403 and "read-only" in r.text
+    r = await read_only.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0"]})
+    assert r.status_code == 403
+    assert await read_only.backend.outbox.count() == 2
+    t = await read_only.backend.timers.find(order("o-1"), "failed")
+    assert t is not None and t.status is TimerStatus.FAILED
+
+
+# --------------------------------------------------------------------------- quarantine and outbox
+
+
+async def test_the_quarantine_lists_shows_and_refeeds_an_item(page: Page) -> None:
+    listed = await page.api("/api/v1/quarantine")
+    (item,) = listed["items"]
+    html = await page.html("/ui/quarantine")
+    assert "timers refused it: StorageFull: disk full" in html and "o-9 v1" in html
+    shown = await page.html(f"/ui/quarantine/{item['id']}")
+    assert "timers, snapshots, parked" in shown and "ItemAdded" in shown
+    assert (await page.api(f"/api/v1/quarantine/{item['id']}"))["reason"].startswith("timers refused it")
+    key = await page.form_key(f"/ui/quarantine/{item['id']}")
+    r = await page.client.post(f"/ui/quarantine/{item['id']}/refeed", data={"token": UI_TOKEN, "form_key": key})
+    assert r.status_code == 303 and "released" in (await page.html(r.headers["location"]))
+    assert (await page.api("/api/v1/quarantine"))["items"] == []
+    await page.api(f"/api/v1/quarantine/{item['id']}", 404)
+
+
+async def test_the_outbox_lists_shows_and_acknowledges_entries_without_taking_them(page: Page) -> None:
+    doc = await page.api("/api/v1/outbox")
+    assert [e["request_id"] for e in doc["entries"]] == ["req-0", "req-1"] and doc["depth"] == 2
+    entry = await page.html("/ui/outbox/entry?request_id=req-1&offset=1")
+    assert "expire-order" in entry and "t-1" in entry
+    taken = await page.backend.outbox.take(10)
+    assert len(taken.entries) == 2, "listing took nothing from the consumer"
+    key = await page.form_key("/ui/outbox")
+    r = await page.client.post("/ui/outbox/ack", data={"request_id": ["req-0"], "token": UI_TOKEN, "form_key": key})
+    assert r.status_code == 303
+    assert "1 of 1 entries acknowledged" in await page.html(r.headers["location"])
+    assert [e.request_id for e in await page.backend.outbox.entries()] == ["req-1"]
+
+
+async def test_unknown_pages_and_methods(page: Page) -> None:
+    await page.html("/ui/nope", 404)
+    assert (await page.client.put("/ui")).status_code == 405
+    assert (await page.client.post("/api/v1/nope", headers={"authorization": f"Bearer {UI_TOKEN}"})).status_code == 405
+    assert (await page.client.get("/metrics")).status_code == 200
+
+
+# --------------------------------------------------------------------------- this process's window
+
+
+def test_a_quantile_is_interpolated_within_its_bucket_as_prometheus_does() -> None:
+    from wowd.ui.window import quantile
+
+    inf = float("inf")
+    assert quantile(0.5, [(0.1, 0.0), (0.25, 10.0), (inf, 10.0)]) == pytest.approx(0.175)
+    assert quantile(0.99, [(1.0, 5.0), (inf, 10.0)]) == 1.0, "in +Inf: the largest finite bound"
+    assert quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None
+
+
+def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -> None:
+    from wowd.metrics import FIRE_LAG, TIMERS_FIRED, TIMERS_PARKED
+    from wowd.ui.window import MetricWindow
+
+    now = [0.0]
+    window = MetricWindow(clock=lambda: now[0], window_s=60)
+    FIRE_LAG.observe_many([0.02] * 98 + [4.0] * 2)
+    TIMERS_FIRED.labels(aggregate="window-test").inc(98)
+    TIMERS_PARKED.labels(aggregate="window-test").inc(2)
+    now[0] = 10.0
+    doc = window.read()
+    assert doc["deliveries"]["fired"] == 98 and doc["deliveries"]["parked"] == 2 and doc["window_s"] == 10.0
+    assert 0.01 < doc["fire_lag_p50_s"] <= 0.025 and 2.5 < doc["fire_lag_p99_s"] <= 5.0
+    now[0] = 100.0
+    later = window.read()
+    assert later["deliveries"]["fired"] == 0 and later["fire_lag_p50_s"] is None, "older than the window"
+
+
+async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(page: Page) -> None:
+    bearer = {"authorization": f"Bearer {UI_TOKEN}"}
+    (item,) = (await page.api("/api/v1/quarantine"))["items"]
+    r = await page.client.post(f"/api/v1/quarantine/{item['id']}/refeed", headers=bearer)
+    assert r.status_code == 200 and r.json()["reason"] is None
+    assert r.json()["done"] == ["timers", "snapshots", "parked"]
+    entry = await page.api("/api/v1/outbox/entry?request_id=req-1&offset=0")
+    assert entry["timer_id"] == "t-1" and entry["offset"] == 1
+    r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0", "req-1"]}, headers=bearer)
+    assert r.status_code == 200 and r.json()["removed"] == 2
+    assert await page.backend.outbox.count() == 0
+    r = await page.client.post(
+        "/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers={"authorization": "Bearer x"}
+    )
+    assert r.status_code == 403 and r.json()["error"] == "refused: wrong or missing token"

@@ -1,0 +1,211 @@
+"""The status page in a real browser: Debian's headless Chromium (``/usr/bin/chromium``) driven
+through ``/usr/bin/chromedriver`` by Selenium (nothing downloads a browser or a driver) opens
+``/ui`` of a running ``wowd run`` with demo data, finds the overview's numbers equal to ``wowd
+status --json``, goes to a failed timer, retries it with the token and sees it delivered (its
+command in the outbox). A screenshot of each page goes to ``docs/img/`` (docs/operations.md).
+
+Without the browser the test is skipped, and fails instead with ``WOWD_TEST_REQUIRE_BROWSER=1``
+(``.ci/run`` sets it where it installed ``chromium`` and ``chromium-driver``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from wowd.model import (
+    AggregateRef,
+    AggregateType,
+    Command,
+    Commit,
+    DomainEvent,
+    Timer,
+    TimerChange,
+    commit_to_doc,
+    deterministic_timer_id,
+    partition,
+)
+from wowd.stores.base import Backend
+
+from .conftest import CONTEXT, PARTITIONS, Replica, base_env, run_wowd
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_BROWSER") == "1"
+SHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
+TOKEN = "ui-browser-token-3317"
+WAIT_S = 20
+
+
+@pytest.fixture
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A headless Chromium session (a laptop's window, 1366x860)."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    if missing:
+        why = f"no browser: {', '.join(missing)} missing (apt-get install chromium chromium-driver)"
+        if REQUIRE:
+            pytest.fail(f"{why} (WOWD_TEST_REQUIRE_BROWSER=1)")
+        pytest.skip(why)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    monkeypatch.setenv("SE_OFFLINE", "true")  # Selenium Manager never fetches a browser or a driver
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,860"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def _seed(stores: Backend) -> None:
+    """The order o-7's timer ``expire``, FAILED (the target refused it), and a quarantined commit."""
+    owner = AggregateRef(context=CONTEXT, aggregate="order", id="o-7")
+    t = Timer(
+        timer_id=deterministic_timer_id(owner, "expire", 1),
+        partition=partition(owner.id, PARTITIONS),
+        owner=owner,
+        key="expire",
+        version=1,
+        due_at=int(time.time() * 1000) - 60_000,
+        scheduled_at=int(time.time() * 1000) - 60_000,
+        target=owner,
+        body=Command(name="expire-order", body={"order": "o-7"}).to_json(),
+    )
+    await stores.timers.prepare()
+    assert await stores.timers.put(t)
+    loaded = await stores.timers.find(owner, "expire")
+    assert loaded is not None
+    reason = "http 422 from the target: order o-7 is closed"
+    assert await stores.timers.settle([TimerChange.fail(loaded, fence=1, reason=reason)])
+    bad = Commit(
+        ref=AggregateRef(context=CONTEXT, aggregate="order", id="o-8"),
+        version=3,
+        command_id=uuid.uuid4().hex,
+        request_id=uuid.uuid4().hex,
+        create_time=int(time.time() * 1000),
+        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": 3}),),
+    )
+    raw = commit_to_doc(bad, PARTITIONS)
+    order = AggregateType(context=CONTEXT, aggregate="order")
+    reason = "sink refused it: InvalidInput: events: mapper_parsing_exception"
+    await stores.log.quarantine("wowd", partition("o-8", PARTITIONS), order, raw, reason)
+
+
+def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> None:
+    """The operator's path: overview, failed timers, the timer, retry, the outbox."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+
+    def text(css: str) -> str:
+        return str(driver.find_element(By.CSS_SELECTOR, css).text).strip()
+
+    driver.get(f"{base}/ui")
+    shown = {
+        "holding": int(text("#replicas-holding")),
+        "standby": int(text("#replicas-standby")),
+        "quarantined": int(text("#quarantined")),
+        "outbox": int(text("#outbox-depth")),
+        "due": int(text("#due-backlog")),
+        "slots": [
+            (int(row.get_attribute("data-slot")), row.find_elements(By.TAG_NAME, "td")[2].text)
+            for row in driver.find_elements(By.CSS_SELECTOR, "#slots tbody tr")
+        ],
+        "holders": [
+            row.find_elements(By.TAG_NAME, "td")[1].text
+            for row in driver.find_elements(By.CSS_SELECTOR, "#slots tbody tr")
+        ],
+    }
+    doc = status()
+    assert shown == {
+        "holding": sum(1 for r in doc["replicas"] if r["state"] == "holding"),
+        "standby": len(doc["standbys"]),
+        "quarantined": doc["quarantined"],
+        "outbox": doc["outbox"]["depth"],
+        "due": sum(r["due_backlog"] for r in doc["slots"]),
+        "slots": [(r["slot"], str(r["fence"])) for r in doc["slots"]],
+        "holders": [r["holder"] for r in doc["slots"]],
+    }
+    assert shown["quarantined"] == 1 and shown["holding"] == 1
+    driver.save_screenshot(str(SHOTS / "ui-overview.png"))
+
+    driver.find_element(By.LINK_TEXT, "Timers").click()
+    Select(driver.find_element(By.NAME, "status")).select_by_value("FAILED")
+    driver.find_element(By.CSS_SELECTOR, "form.search button").click()
+    rows = driver.find_elements(By.CSS_SELECTOR, "#timers tbody tr")
+    assert len(rows) == 1 and "order o-7 is closed" in rows[0].text
+    driver.save_screenshot(str(SHOTS / "ui-timers.png"))
+
+    rows[0].find_element(By.LINK_TEXT, "expire").click()
+    assert text("#timer-status") == "FAILED"
+    assert "http 422 from the target: order o-7 is closed" in text("#timer-last-error")
+    timer_id = driver.find_element(By.CSS_SELECTOR, "#timer dd:last-of-type code").text
+    driver.save_screenshot(str(SHOTS / "ui-timer.png"))
+
+    driver.find_element(By.NAME, "token").send_keys(TOKEN)
+    driver.find_element(By.CSS_SELECTOR, "form.action button").click()
+    assert "retried: back to PENDING, due now" in text("#done")
+
+    def delivered(d: Any) -> bool:
+        d.get(f"{base}/ui/outbox")
+        return bool(d.find_elements(By.CSS_SELECTOR, f'#outbox tr[data-timer-id="{timer_id}"]'))
+
+    WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(delivered, "the retried timer's command in the outbox")
+    driver.save_screenshot(str(SHOTS / "ui-outbox.png"))
+
+    driver.get(f"{base}/ui/timers?status=FAILED")
+    assert "no live timer matches" in text("#timers")
+
+    driver.get(f"{base}/ui/quarantine")
+    driver.save_screenshot(str(SHOTS / "ui-quarantine.png"))
+    driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a").click()
+    assert "mapper_parsing_exception" in text("#reason")
+    driver.save_screenshot(str(SHOTS / "ui-quarantine-item.png"))
+
+
+async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
+    browser: Any, spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
+) -> None:
+    env = base_env(db, WOWD_LEASE__LIMIT="1", WOWD_UI__TOKEN=TOKEN)
+    rc, out, err = await run_wowd(
+        "demo",
+        "--commits",
+        "40",
+        "--timers",
+        "40",
+        "--due-in-ms",
+        "600000",
+        "--aggregates",
+        "10",
+        env=env,
+        cwd=tmp_path,
+    )
+    assert rc == 0, err
+    await _seed(stores)
+    replica = spawn("a", env)
+    await replica.wait_ready()
+
+    async def status_now() -> dict[str, Any]:
+        code, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+        assert code == 0, err
+        return json.loads(out)  # type: ignore[no-any-return]
+
+    # the browser runs in a worker thread; wowd status --json runs in this loop, through the portal
+    async with anyio.from_thread.BlockingPortal() as portal:
+        await anyio.to_thread.run_sync(
+            _browse, browser, f"http://127.0.0.1:{replica.port}", lambda: portal.call(status_now)
+        )

@@ -1,0 +1,496 @@
+"""The operator's reads and repairs of the stores, one source for the command line (``wowd
+status``, ``wowd timers``, ``wowd quarantine``, ``wowd outbox``) and the status page (``/ui``
+and ``/api/v1``): the documents both show and the changes both make.
+
+The quarantine's re-feed: the feed quarantines a document it cannot read (the reason names the
+field), a commit with a timer event it rejects (``rejected timer event: ...``) and a commit a
+step refuses (``<step> refused it: <error class>: <message>``). :func:`retry_item` reads the
+document again and re-runs the steps its reason says it still needs, each idempotent (what was
+done before counts as done):
+
+- ``sink``: the commit written to its type's event sink;
+- ``timers``: its timer events projected into the timer store (the net effect of the commit, as
+  the feed writes it; a later version already stored wins);
+- ``snapshots``: where a reducer is configured for its type and the stored snapshot is behind
+  the commit, the snapshot marked stale (a rebuild folds it again);
+- ``parked``: the parked timers whose target is its aggregate resumed (it committed).
+
+A document that still does not read, or a step that still refuses, keeps the item quarantined
+under its id with the new reason; otherwise the item is released (deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from wowd.client import schedule_stream
+from wowd.config import WowdSettings
+from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
+from wowd.fmt import at
+from wowd.model import (
+    DEFAULT_TENANT,
+    AggregateRef,
+    AggregateType,
+    Commit,
+    OutboxEntry,
+    SlotState,
+    Timer,
+    TimerCancelled,
+    TimerChange,
+    TimerScheduled,
+    TimerStatus,
+    TimerWrite,
+    commit_from_doc,
+    net_writes,
+    partition,
+    timer_event_from,
+    timer_from_event,
+)
+from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerSearch, TimerStore
+from wowd.views import views_status
+
+__all__ = [
+    "BACKLOG_CAP",
+    "QUARANTINE_CAP",
+    "STEPS",
+    "RetryOutcome",
+    "TimerPage",
+    "cursor_of",
+    "deliveries",
+    "detail",
+    "find_timer",
+    "live_partitions",
+    "outbox_entry_doc",
+    "outbox_page",
+    "parse_cursor",
+    "parse_ref",
+    "quarantine_page",
+    "quarantined_item",
+    "read_commit",
+    "read_status",
+    "record_of",
+    "repair_timers",
+    "replica_rows",
+    "retry_item",
+    "search_timers",
+    "status_doc",
+    "steps_needed",
+    "timer_doc",
+]
+
+BACKLOG_CAP = 1000
+"""Due timers counted per slot for the status (a larger backlog shows as this many)."""
+QUARANTINE_CAP = 100
+"""Quarantined items counted for the status (more show as this many): each is read whole."""
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def live_partitions(settings: WowdSettings, states: Iterable[SlotState]) -> set[int]:
+    """The partitions whose slot has a live holder now (by the store's clock)."""
+    out_: set[int] = set()
+    lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
+    for st in states:
+        if st.live and lo <= st.slot < hi:
+            out_.update(settings.partitions_of_slot(st.slot))
+    return out_
+
+
+def replica_rows(replicas: Iterable[ReplicaState]) -> list[dict[str, Any]]:
+    """One row per presence record: ``state`` is ``holding``, ``standby``, or ``gone`` (expired
+    without leaving: killed, hung or cut off from the store); times on the store clock."""
+    return [
+        {
+            "owner_key": r.owner_key,
+            "state": r.state if r.live else "gone",
+            "slots": list(r.slots),
+            "host": r.host,
+            "pid": r.pid,
+            "version": r.version,
+            "instance": r.instance,
+            "started_at": r.started_at,
+            "seen_at": r.seen_at,
+            "expires_at": r.expires_at,
+            "seen_ms_ago": r.store_now - r.seen_at,
+            "up_ms": (r.store_now if r.live else r.seen_at) - r.started_at,
+        }
+        for r in replicas
+    ]
+
+
+def status_doc(
+    settings: WowdSettings,
+    states: list[SlotState],
+    replicas: list[ReplicaState],
+    *,
+    backlog: Mapping[int, int] | None = None,
+    quarantined: int | None = None,
+    outbox: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What ``wowd status --json`` prints and ``/api/v1/status`` answers: the replicas, the slot
+    table (with each slot's ``due_backlog``: PENDING or FIRING timers due now, at most
+    :data:`BACKLOG_CAP`), the quarantine's count (at most :data:`QUARANTINE_CAP`) and the
+    outbox's depth and oldest entry (``None`` when empty)."""
+    lo, hi = settings.lease.slot_offset, settings.lease.slot_offset + settings.lease.limit
+    by_slot = {s.slot: s for s in states}
+    rows: list[dict[str, Any]] = []
+    for slot in range(lo, hi):
+        st = by_slot.get(slot)
+        rows.append(
+            {
+                "slot": slot,
+                "holder": st.owner_key if st is not None else None,
+                "last_holder": st.last_owner_key if st is not None else None,
+                "fence": st.fence if st is not None else 0,
+                "incarnation": st.incarnation if st is not None else 0,
+                "expires_at": st.expires_at if st is not None else None,
+                "expires_in_ms": (st.expires_at - st.store_now) if st is not None else None,
+                "live": st is not None and st.live,
+                "partitions": len(settings.partitions_of_slot(slot)),
+                "due_backlog": (backlog or {}).get(slot, 0),
+            }
+        )
+    live = live_partitions(settings, states)
+    present = replica_rows(replicas)
+    store_now = states[0].store_now if states else (replicas[0].store_now if replicas else None)
+    return {
+        "namespace": settings.lease_namespace,
+        "limit": settings.lease.limit,
+        "store_now": store_now,
+        "replicas": present,
+        "slots": rows,
+        "holders": sorted({r["holder"] for r in rows if r["live"]}),
+        "standbys": [r["owner_key"] for r in present if r["state"] == "standby"],
+        "partitions_without_live_holder": sorted(set(range(settings.partitions)) - live),
+        "backlog_cap": BACKLOG_CAP,
+        "quarantined": quarantined or 0,
+        "quarantine_cap": QUARANTINE_CAP,
+        "outbox": dict(outbox) if outbox is not None else {"depth": 0, "oldest": None},
+    }
+
+
+async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any]:
+    """:func:`status_doc` of the stores now: the lease store's slots and presence records, each
+    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; and
+    ``views``: each view kept and the partitions where it is behind the timer view
+    (:func:`~wowd.views.views_status`)."""
+    states = await backend.leases.slots(settings.lease_namespace)
+    replicas = await backend.leases.replicas(settings.lease_namespace)
+    now = states[0].store_now if states else _now_ms()
+    lo = settings.lease.slot_offset
+    backlog: dict[int, int] = {}
+    for slot in range(lo, lo + settings.lease.limit):
+        parts = frozenset(settings.partitions_of_slot(slot))
+        backlog[slot] = len(await backend.timers.due(parts, now, BACKLOG_CAP)) if parts else 0
+    quarantined = len(await backend.log.quarantined(limit=QUARANTINE_CAP))
+    depth = await backend.outbox.count()
+    first = await backend.outbox.entries(limit=1) if depth else []
+    oldest = None
+    if first:
+        e = first[0]
+        oldest = {
+            "request_id": e.request_id,
+            "timer_id": e.timer_id,
+            "target": str(e.target),
+            "created_at": e.created_at,
+        }
+    doc = status_doc(
+        settings, states, replicas, backlog=backlog, quarantined=quarantined, outbox={"depth": depth, "oldest": oldest}
+    )
+    doc["views"] = await views_status(settings, backend.log, settings.reducers)
+    return doc
+
+
+# --------------------------------------------------------------------------- timers
+
+
+def deliveries(t: Timer) -> int:
+    """Deliveries made of the current occurrence, as the metrics count them (each delivery is one
+    of fired, retried, parked or failed): the store's ``attempts`` counts the retries, and a
+    PARKED or FAILED timer also had the delivery that parked or failed it."""
+    return t.attempts + (1 if t.status in (TimerStatus.PARKED, TimerStatus.FAILED) else 0)
+
+
+def detail(t: Timer, now_ms: int | None = None) -> str:
+    """What an operator needs of a timer in its status (times in ISO 8601, UTC, and relative)."""
+    now = _now_ms() if now_ms is None else now_ms
+    if t.status is TimerStatus.PENDING:
+        text = f"due {at(t.due_at, now)}"
+        return text + (f" (retry; last error: {t.last_error})" if t.last_error else "")
+    if t.status is TimerStatus.FIRING:
+        who = t.claim.owner_key if t.claim is not None else "?"
+        return f"claimed by {who} until {at(t.due_at, now)}"
+    if t.status is TimerStatus.PARKED:
+        return f"parked since {at(t.due_at, now)}: {t.last_error or '-'}"
+    return f"failed: {t.last_error or '-'}"
+
+
+def timer_doc(t: Timer) -> dict[str, Any]:
+    """A timer as ``wowd timers show --json`` prints it and ``/api/v1/timer`` answers it
+    (``version``: the owner's commit that scheduled it; ``request_id``: the next delivery's)."""
+    doc: dict[str, Any] = {
+        "timer_id": t.timer_id,
+        "status": t.status.value,
+        "partition": t.partition,
+        "owner": str(t.owner),
+        "key": t.key,
+        "version": t.version,
+        "due_at": t.due_at,
+        "scheduled_at": t.scheduled_at,
+        "target": str(t.target),
+        "rule": t.rule.to_doc(),
+        "command": json.loads(t.body),
+        "attempts": deliveries(t),
+        "fired": t.fired,
+        "last_error": t.last_error,
+        "request_id": t.request_id,
+        "claim": None,
+    }
+    if t.claim is not None:
+        doc["claim"] = {"owner_key": t.claim.owner_key, "fence": t.claim.fence, "until": t.claim.until}
+    return doc
+
+
+def cursor_of(t: Timer) -> str:
+    """The cursor after a listed timer: its place in the order of the listing."""
+    return f"{t.due_at}:{t.timer_id}"
+
+
+def parse_cursor(text: str) -> tuple[int, str]:
+    """A cursor of :func:`cursor_of`; :class:`InvalidInput` (field ``after``) otherwise."""
+    due, sep, tid = text.partition(":")
+    if not sep or not due.lstrip("-").isdigit() or not tid:
+        raise InvalidInput(f"{text!r} is not a cursor of a timer list (DUE_AT:TIMER_ID)", field="after")
+    return int(due), tid
+
+
+def parse_ref(text: str, *, context: str, tenant: str | None = None) -> AggregateRef:
+    """``AGGREGATE/ID`` or ``CONTEXT.AGGREGATE/ID`` (the id may hold ``/``) in ``tenant``."""
+    head, sep, agg_id = text.partition("/")
+    if not sep or not head or not agg_id:
+        raise ConfigError(f"{text!r}: AGGREGATE/ID expected (e.g. order/o-1)")
+    ctx, dot, aggregate = head.rpartition(".")
+    try:
+        return AggregateRef(
+            context=ctx if dot else context, aggregate=aggregate, id=agg_id, tenant_id=tenant or DEFAULT_TENANT
+        )
+    except InvalidInput as exc:
+        raise ConfigError(f"{text!r}: {exc}") from exc
+
+
+def owner_streams(owner: AggregateRef) -> tuple[AggregateRef, ...]:
+    """Where an owner's timers are kept: wowd's stream of it and its own stream."""
+    stream = schedule_stream(owner)
+    return (stream,) if stream == owner else (stream, owner)
+
+
+@dataclass(frozen=True, slots=True)
+class TimerPage:
+    """One page of a timer search; ``next`` the cursor of the page after it (``None``: last)."""
+
+    timers: list[Timer]
+    next: str | None
+
+
+async def search_timers(store: TimerStore, query: TimerSearch, limit: int) -> TimerPage:
+    """A page of :meth:`TimerStore.search` (one more read to know whether a next page exists)."""
+    found = await store.search(query, limit + 1)
+    shown = found[:limit]
+    return TimerPage(shown, cursor_of(shown[-1]) if len(found) > limit else None)
+
+
+async def find_timer(store: TimerStore, owner: AggregateRef, key: str) -> Timer | None:
+    """The live timer ``key`` of ``owner`` (in wowd's stream of the owner, else its own)."""
+    for stream in owner_streams(owner):
+        found = await store.find(stream, key)
+        if found is not None:
+            return found
+    return None
+
+
+async def repair_timers(store: TimerStore, timers: Sequence[Timer], now_ms: int | None = None) -> int:
+    """FAILED or PARKED timers (as loaded) back to PENDING, due now; answers how many were
+    written (a timer that moved on since it was loaded is skipped)."""
+    now = _now_ms() if now_ms is None else now_ms
+    return await store.settle([TimerChange.resume(t, due_at=now) for t in timers]) if timers else 0
+
+
+# --------------------------------------------------------------------------- quarantine
+
+STEPS = ("sink", "timers", "snapshots", "parked")
+"""The feed's steps a quarantined commit may still need, in the order the feed runs them."""
+
+_REFUSED = re.compile(r"^(\w+) refused it: ")
+_REJECTED_TIMER_EVENT = "rejected timer event: "
+
+
+async def quarantine_page(log: Log, after: str | None, limit: int) -> tuple[list[dict[str, Any]], str | None]:
+    """A page of quarantined items, oldest first, and the id to page on from (``None``: last)."""
+    items = await log.quarantined(limit=limit, after=after)
+    return items, (items[-1]["id"] if len(items) == limit else None)
+
+
+async def quarantined_item(log: Log, item_id: str) -> dict[str, Any] | None:
+    found = await log.quarantined(limit=1, ids=[item_id])
+    return found[0] if found else None
+
+
+def record_of(item: Mapping[str, Any]) -> str:
+    """``<aggregate id> v<version>`` of a quarantined document, ``-`` when it does not say."""
+    raw = item.get("raw")
+    if not isinstance(raw, Mapping):
+        return "-"
+    agg_id, version = raw.get("aggregate_id"), raw.get("version")
+    return f"{agg_id} v{version}" if agg_id is not None else "-"
+
+
+def steps_needed(reason: str) -> tuple[str, ...]:
+    """The steps a quarantined commit still needs, from its reason: a step that refused it and
+    the ones after it; the timer projection for a rejected timer event; every step otherwise (a
+    document that did not read, a quarantine or checkpoint step that refused it)."""
+    m = _REFUSED.match(reason)
+    if m is not None and m.group(1) in STEPS:
+        return STEPS[STEPS.index(m.group(1)) :]
+    if reason.startswith(_REJECTED_TIMER_EVENT):
+        return ("timers",)
+    return STEPS
+
+
+def read_commit(item: Mapping[str, Any], context: str, partitions: int) -> Commit:
+    """The quarantined document read as a commit, as the log reads it; :class:`InvalidInput`
+    naming the field when it still does not read."""
+    raw = item.get("raw")
+    if not isinstance(raw, Mapping):
+        raise InvalidInput("a commit must be a document", field="commit")
+    try:
+        type_ = AggregateType(context=context, aggregate=str(item.get("aggregate")))
+    except ConfigError as exc:
+        raise InvalidInput(str(exc), field="aggregate") from exc
+    commit = commit_from_doc(type_, raw)
+    expected = partition(commit.ref.id, partitions)
+    stored = raw.get("partition", expected)
+    if stored != expected:
+        raise InvalidInput(
+            f"is {stored}, but the aggregate id belongs to partition {expected} of {partitions}", field="partition"
+        )
+    return commit
+
+
+@dataclass(slots=True)
+class RetryOutcome:
+    """What a retry did to one item: ``done`` the steps run, ``reason`` why it stays (``None``:
+    fed and released)."""
+
+    item_id: str
+    record: str
+    done: list[str] = field(default_factory=list)
+    reason: str | None = None
+
+
+async def retry_item(settings: WowdSettings, backend: Backend, item: Mapping[str, Any]) -> RetryOutcome:
+    """Re-runs the steps ``item`` still needs; releases it when they all pass, else quarantines it
+    again (same id) with the new reason. A transient failure (:class:`StorageUnavailable`) is
+    raised and leaves the item as it was."""
+    outcome = RetryOutcome(item_id=str(item["id"]), record=record_of(item))
+    try:
+        commit = read_commit(item, settings.context, settings.partitions)
+    except (InvalidInput, ConfigError) as exc:
+        outcome.reason = str(exc)
+    else:
+        outcome.record = f"{commit.ref} v{commit.version}"
+        outcome.reason = await _feed(settings, backend, commit, steps_needed(str(item.get("reason", ""))), outcome)
+    if outcome.reason is None:
+        await backend.log.release_quarantined([outcome.item_id])
+    else:
+        type_ = AggregateType(context=settings.context, aggregate=str(item["aggregate"]))
+        await backend.log.quarantine(str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason)
+    return outcome
+
+
+async def _feed(
+    settings: WowdSettings, backend: Backend, commit: Commit, steps: tuple[str, ...], outcome: RetryOutcome
+) -> str | None:
+    """Runs ``steps`` for ``commit`` in order; the reason it stays quarantined (``None``: fed)."""
+    rejected: InvalidInput | None = None
+    for step in steps:
+        try:
+            if step == "sink":
+                if not backend.has_sink:  # no event index kept: nothing to write
+                    outcome.done.append(step)
+                    continue
+                sink = backend.sink(commit.ref.type)
+                await sink.prepare()
+                await sink.write([commit])
+            elif step == "timers":
+                writes, rejected = _timer_writes(settings, commit)
+                if writes:
+                    await backend.timers.write(net_writes(writes))
+            elif step == "snapshots":
+                if commit.ref.aggregate in settings.reducers:
+                    current = await backend.snapshots.load(commit.ref)
+                    if current is not None and current.version < commit.version:
+                        await backend.snapshots.mark_stale(commit.ref)
+            elif step == "parked":
+                parked = await backend.timers.parked(commit.ref)
+                if parked:
+                    now = int(time.time() * 1000)
+                    await backend.timers.settle([TimerChange.resume(t, due_at=now) for t in parked])
+        except StorageUnavailable:
+            raise
+        except WowdError as exc:
+            return f"{step} refused it: {type(exc).__name__}: {exc}"
+        outcome.done.append(step)
+    return f"{_REJECTED_TIMER_EVENT}{rejected}" if rejected is not None else None
+
+
+def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWrite], InvalidInput | None]:
+    """The timer writes of ``commit`` as the feed makes them, and the first event it rejects."""
+    writes: list[TimerWrite] = []
+    rejected: InvalidInput | None = None
+    for ev in commit.events:
+        try:
+            te = timer_event_from(ev, max_body_bytes=settings.timers.max_body_bytes)
+        except InvalidInput as exc:
+            rejected = rejected or exc
+            continue
+        if isinstance(te, TimerScheduled):
+            writes.append(TimerWrite.put(timer_from_event(commit, te, settings.partitions)))
+        elif isinstance(te, TimerCancelled):
+            writes.append(TimerWrite.cancel(commit.ref, te.key, commit.version))
+    if commit.deleted:
+        writes.append(TimerWrite.cancel_all(commit.ref, commit.version))
+    return writes, rejected
+
+
+# --------------------------------------------------------------------------- outbox
+
+
+def outbox_entry_doc(e: OutboxEntry) -> dict[str, Any]:
+    """An outbox entry as ``wowd outbox list --json`` prints it and ``/api/v1/outbox`` answers."""
+    return {
+        "request_id": e.request_id,
+        "timer_id": e.timer_id,
+        "target": str(e.target),
+        "command": json.loads(e.command),
+        "scheduled_at": e.scheduled_at,
+        "created_at": e.created_at,
+        "fence": e.fence,
+        "owner_key": e.owner_key,
+    }
+
+
+async def outbox_page(box: Outbox, offset: int, limit: int) -> tuple[list[OutboxEntry], int | None]:
+    """A page of the outbox in insertion order, read without taking anything (a consumer's
+    takes are unaffected), and the offset of the next page (``None``: last)."""
+    entries = await box.entries(limit=limit + 1, after=offset)
+    return entries[:limit], (offset + limit if len(entries) > limit else None)

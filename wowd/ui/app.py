@@ -1,0 +1,510 @@
+"""The status page of a replica: ``/ui`` (HTML rendered on the server, no script) and the same
+data as JSON under ``/api/v1``, read from the stores (the whole deployment) and from this
+process's metrics (its delivery outcomes, fire lag and circuits; the slots it holds).
+
+Every page and its JSON come from one function (:mod:`wowd.operator` for the stores):
+
+======================================  =====================================================
+``/ui``, ``/api/v1/overview``           status (``/api/v1/status``: ``wowd status --json``)
+                                        and this process's view
+``/ui/timers``, ``/api/v1/timers``      search: ``owner`` (``[CONTEXT.]AGGREGATE/ID``),
+                                        ``tenant``, ``key``, ``status``, ``target``,
+                                        ``due_from``/``due_until`` (ISO 8601 or epoch ms),
+                                        ``after`` (the cursor of the next page)
+``/ui/timer``, ``/api/v1/timer``        one timer: ``owner``, ``tenant``, ``key``
+``/ui/quarantine[/ID]``                 the quarantined commits (``after``), one item
+``/ui/outbox[/entry]``                  the outbox in insertion order (``offset``), one entry
+======================================  =====================================================
+
+Actions are POSTs, refused unless ``ui.token`` is set: ``/ui/timer/retry|resume`` and
+``/ui/quarantine/ID/refeed`` and ``/ui/outbox/ack`` (forms: the token and the form key of the
+page), ``/api/v1/...`` likewise (``Authorization: Bearer TOKEN``; the acknowledge takes
+``{"request_ids": [...]}``). A POST whose ``Origin`` is
+not this listener's own or whose ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` is
+refused (cross-site request forgery). Every answer has each secret of the settings masked.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from importlib.resources import files
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import jinja2
+
+from wowd import __version__
+from wowd.config import WowdSettings
+from wowd.errors import ConfigError, InvalidInput, StorageError, StorageUnavailable
+from wowd.fmt import at, iso_ms, span
+from wowd.metrics import UI_REFUSED
+from wowd.model import DEFAULT_TENANT, TimerStatus
+from wowd.operator import (
+    detail,
+    find_timer,
+    outbox_entry_doc,
+    outbox_page,
+    owner_streams,
+    parse_cursor,
+    parse_ref,
+    quarantine_page,
+    quarantined_item,
+    read_status,
+    record_of,
+    repair_timers,
+    retry_item,
+    search_timers,
+    steps_needed,
+    timer_doc,
+)
+from wowd.redaction import redact, secret_values
+from wowd.stores.base import Backend, TimerSearch
+from wowd.ui.http import HttpRequest, HttpResponse
+from wowd.ui.window import MetricWindow
+
+__all__ = ["PAGE", "REFRESH_S", "StatusPage"]
+
+log = logging.getLogger(__name__)
+
+PAGE = 50
+"""Rows per page of a list."""
+REFRESH_S = 10
+"""The overview reloads itself this often (``<meta http-equiv=refresh>``)."""
+HTML = "text/html; charset=utf-8"
+JSON = "application/json"
+SECURITY_HEADERS = (
+    (
+        "content-security-policy",
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; frame-ancestors 'none'; "
+        "base-uri 'none'",
+    ),
+    ("x-content-type-options", "nosniff"),
+    ("x-frame-options", "DENY"),
+    ("referrer-policy", "same-origin"),
+)
+
+LocalSlots = Callable[[], Mapping[int, str | None]]
+"""The slots this process holds now, each with why its work is stalled (``None``: progressing)."""
+
+
+class _Refused(Exception):
+    """An action refused: ``status`` 403 or 405 and why (the reason label of the metric)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class _NotFound(Exception):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """What a view answers: its data (the JSON), the template that shows it, a status."""
+
+    data: dict[str, Any]
+    template: str | None = None
+    status: int = 200
+    json: dict[str, Any] | None = None
+    """The JSON when it is not ``data`` (a record's page: the record alone)."""
+
+
+def _one(params: Mapping[str, list[str]], name: str) -> str | None:
+    values = params.get(name)
+    return values[-1].strip() or None if values else None
+
+
+def _instant(text: str, name: str) -> int:
+    """Epoch milliseconds or ISO 8601 (a time without a zone is UTC)."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise InvalidInput(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time", field=name) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp() * 1000)
+
+
+class StatusPage:
+    """The ``app`` of :class:`~wowd.daemon.http.HttpServer`: answers ``/ui`` and ``/api/v1``."""
+
+    def __init__(
+        self,
+        settings: WowdSettings,
+        backend: Backend,
+        *,
+        local: LocalSlots | None = None,
+        window: MetricWindow | None = None,
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._local = local
+        self._window = window or MetricWindow()
+        self._token = settings.ui.token.get_secret_value() if settings.ui.token is not None else None
+        self._form_key = secrets.token_hex(32)
+        self._secrets = secret_values(settings)
+        self._css = files("wowd.ui").joinpath("static/style.css").read_bytes()
+        env = jinja2.Environment(
+            loader=jinja2.PackageLoader("wowd.ui", "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        env.filters["iso"] = lambda ms: iso_ms(ms) if isinstance(ms, int) else "-"
+        env.filters["at"] = lambda ms: at(ms) if isinstance(ms, int) else "-"
+        env.filters["span"] = lambda ms: span(int(ms)) if isinstance(ms, int | float) else "-"
+        env.filters["seconds"] = lambda s: "-" if s is None else (f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s")
+        env.filters["json"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
+        env.filters["query"] = lambda d: urlencode({k: v for k, v in d.items() if v not in (None, "")})
+        self._env = env
+        self._get: dict[str, Callable[[dict[str, list[str]]], Awaitable[_Out]]] = {
+            "overview": self._overview,
+            "status": self._status,
+            "timers": self._timers,
+            "timer": self._timer,
+            "quarantine": self._quarantine,
+            "outbox": self._outbox,
+            "outbox/entry": self._outbox_entry,
+        }
+
+    # ------------------------------------------------------------------ dispatch
+
+    async def __call__(self, request: HttpRequest) -> HttpResponse:
+        path, _, query = request.target.partition("?")
+        api = path.startswith("/api/v1")
+        name = path.removeprefix("/api/v1" if api else "/ui").strip("/")
+        if not api and not path.startswith("/ui"):
+            return self._text(404, "not found\n")
+        if not api and path == "/ui/static/style.css":
+            return HttpResponse(200, "text/css; charset=utf-8", self._css, SECURITY_HEADERS)
+        if not api and name == "":
+            name = "overview"
+        params = parse_qs(query)
+        try:
+            if request.method in ("GET", "HEAD"):
+                out = await self._read(name, params)
+            elif request.method == "POST":
+                form = self._form(request, api)
+                self._authorize(request, form, api)
+                out = await self._act(name, params, form)
+                if not api:
+                    return HttpResponse(303, HTML, b"", (("location", self._back(name, out)), *SECURITY_HEADERS))
+            else:
+                return self._text(405, "method not allowed\n")
+        except _NotFound as exc:
+            out = _Out({"error": str(exc)}, "error.html", 404)
+        except _Refused as exc:
+            UI_REFUSED.labels(reason=exc.reason).inc()
+            log.warning("ui: %s %s refused: %s", request.method, path, exc)
+            out = _Out({"error": str(exc)}, "error.html", exc.status)
+        except (InvalidInput, ConfigError) as exc:
+            UI_REFUSED.labels(reason="bad input").inc()
+            out = _Out({"error": str(exc)}, "error.html", 400)
+        except StorageUnavailable as exc:
+            out = _Out({"error": f"the store does not answer: {exc}"}, "error.html", 503)
+        except StorageError as exc:
+            out = _Out({"error": f"the store refused: {type(exc).__name__}: {exc}"}, "error.html", 500)
+        if api or out.template is None:
+            body = json.dumps(out.json if out.json is not None else out.data, indent=2, default=str) + "\n"
+            return HttpResponse(out.status, JSON, redact(body, self._secrets).encode(), SECURITY_HEADERS)
+        page = self._env.get_template(out.template).render(
+            **out.data,
+            page=name,
+            version=__version__,
+            namespace=self._settings.lease_namespace,
+            context=self._settings.context,
+            actions=self._token is not None,
+            form_key=self._form_key,
+            refresh=REFRESH_S if name == "overview" else None,
+            statuses=[s.value for s in TimerStatus],
+        )
+        return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), SECURITY_HEADERS)
+
+    async def _read(self, name: str, params: dict[str, list[str]]) -> _Out:
+        if name in self._get:
+            return await self._get[name](params)
+        head, _, item = name.partition("/")
+        if head == "quarantine" and item:
+            return await self._quarantine_item(item)
+        raise _NotFound(f"no page {name!r}")
+
+    async def _act(self, name: str, params: dict[str, list[str]], form: dict[str, list[str]]) -> _Out:
+        both = {**params, **form}
+        if name in ("timer/retry", "timer/resume"):
+            return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED)
+        if name == "outbox/ack":
+            return await self._ack(both)
+        head, _, rest = name.partition("/")
+        item, _, verb = rest.rpartition("/")
+        if head == "quarantine" and item and verb == "refeed":
+            return await self._refeed(item)
+        raise _Refused(405, "unknown action", f"no action {name!r}")
+
+    @staticmethod
+    def _back(name: str, out: _Out) -> str:
+        """Where a form's POST leads: the page of what it changed, saying what was done."""
+        back = out.data.get("back")
+        return str(back) if back else "/ui/" + name.rpartition("/")[0]
+
+    @staticmethod
+    def _text(status: int, text: str) -> HttpResponse:
+        return HttpResponse(status, "text/plain; charset=utf-8", text.encode(), SECURITY_HEADERS)
+
+    # ------------------------------------------------------------------ protection of the actions
+
+    @staticmethod
+    def _form(request: HttpRequest, api: bool) -> dict[str, list[str]]:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "application/x-www-form-urlencoded":
+            try:
+                return parse_qs(request.body.decode("utf-8"), strict_parsing=bool(request.body))
+            except (UnicodeDecodeError, ValueError):
+                raise InvalidInput(
+                    "the form does not read as application/x-www-form-urlencoded", field="body"
+                ) from None
+        if api and ctype == "application/json" and request.body:
+            try:
+                doc = json.loads(request.body)
+            except ValueError as exc:
+                raise InvalidInput(f"not JSON: {exc}", field="body") from None
+            if not isinstance(doc, dict):
+                raise InvalidInput("a JSON object is expected", field="body")
+            return {k: [str(x) for x in v] if isinstance(v, list) else [str(v)] for k, v in doc.items()}
+        if request.body:
+            raise InvalidInput(f"content type {ctype or '(none)'} is not a form", field="content-type")
+        return {}
+
+    def _authorize(self, request: HttpRequest, form: dict[str, list[str]], api: bool) -> None:
+        """Refuses a POST without the token, from another site, or (a form) without the page's key."""
+        if self._token is None:
+            raise _Refused(403, "read-only", "the status page is read-only: ui.token (WOWD_UI__TOKEN) is not set")
+        fetch_site = request.headers.get("sec-fetch-site")
+        if fetch_site is not None and fetch_site not in ("same-origin", "none"):
+            raise _Refused(403, "cross-site", f"refused: a {fetch_site} request (Sec-Fetch-Site)")
+        origin = request.headers.get("origin")
+        if origin is not None:
+            host = request.headers.get("host", "")
+            parts = urlsplit(origin)
+            if origin == "null" or parts.netloc != host:
+                raise _Refused(403, "cross-site", f"refused: Origin {origin} is not this listener ({host})")
+        if api:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer":
+                given = ""
+        else:
+            given = (form.get("token") or [""])[-1]
+            key = (form.get("form_key") or [""])[-1]
+            if not hmac.compare_digest(key.encode(), self._form_key.encode()):
+                raise _Refused(403, "form key", "refused: the form's key is not this page's (reload the page)")
+        if not hmac.compare_digest(given.encode(), self._token.encode()):
+            raise _Refused(403, "token", "refused: wrong or missing token")
+
+    # ------------------------------------------------------------------ overview
+
+    async def _status(self, params: dict[str, list[str]]) -> _Out:
+        return _Out(await read_status(self._settings, self._backend))
+
+    def _process(self) -> dict[str, Any]:
+        """This process's part: the slots it holds (each view's feed lag, the watermark's age,
+        the stalls) and its delivery metrics over the window."""
+        from wowd import metrics
+
+        lag: dict[str, dict[str, float]] = {}
+        for family in metrics.FEED_LAG.collect():
+            for sample in family.samples:
+                lag.setdefault(sample.labels["slot"], {})[sample.labels["view"]] = sample.value
+        watermark = _gauge(metrics.FEED_WATERMARK_LAG)
+        held = dict(self._local()) if self._local is not None else {}
+        slots = {
+            str(slot): {
+                "feed_lag_s": lag.get(str(slot), {}),
+                "watermark_age_s": watermark.get(str(slot)),
+                "stalled": why,
+            }
+            for slot, why in sorted(held.items())
+        }
+        return {"owner_key": self._settings.owner_key, "slots": slots, **self._window.read()}
+
+    async def _overview(self, params: dict[str, list[str]]) -> _Out:
+        status = await read_status(self._settings, self._backend)
+        return _Out({"status": status, "process": self._process()}, "overview.html")
+
+    # ------------------------------------------------------------------ timers
+
+    def _owner(self, params: Mapping[str, list[str]]) -> Any:
+        text = _one(params, "owner")
+        if text is None:
+            return None
+        return parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
+
+    async def _timers(self, params: dict[str, list[str]]) -> _Out:
+        form = {k: _one(params, k) for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until")}
+        owner = self._owner(params)
+        if form["key"] is not None and owner is None:
+            raise InvalidInput("a key names a timer of an owner: give the owner too", field="key")
+        status_text = form["status"]
+        try:
+            status = TimerStatus(status_text.upper()) if status_text else None
+        except ValueError:
+            raise InvalidInput(f"{status_text!r} is not a timer status", field="status") from None
+        target_text = form["target"]
+        target = parse_ref(target_text, context=self._settings.context, tenant=form["tenant"]) if target_text else None
+        after_text = _one(params, "after")
+        query = TimerSearch(
+            owners=owner_streams(owner) if owner is not None else (),
+            key=form["key"] if owner is not None else None,
+            status=status,
+            target=target,
+            due_from=_instant(form["due_from"], "due_from") if form["due_from"] else None,
+            due_until=_instant(form["due_until"], "due_until") if form["due_until"] else None,
+            after=parse_cursor(after_text) if after_text else None,
+        )
+        page = await search_timers(self._backend.timers, query, PAGE)
+        now = int(time.time() * 1000)
+        docs = [{**timer_doc(t), "detail": detail(t, now)} for t in page.timers]
+        rows = [{**d, "owner_ref": _ref_params(t.owner)} for d, t in zip(docs, page.timers, strict=True)]
+        data = {"timers": rows, "next": page.next, "search": form}
+        return _Out(data, "timers.html", json={"timers": docs, "next": page.next})
+
+    async def _load(self, params: Mapping[str, list[str]]) -> Any:
+        owner = self._owner(params)
+        key = _one(params, "key")
+        if owner is None or key is None:
+            raise InvalidInput("a timer is named by its owner (AGGREGATE/ID) and its key", field="owner")
+        return owner, key, await find_timer(self._backend.timers, owner, key)
+
+    async def _timer(self, params: dict[str, list[str]]) -> _Out:
+        owner, key, t = await self._load(params)
+        if t is None:
+            raise _NotFound(
+                f"no live timer {key!r} of {owner}: it fired (a one-shot timer goes once delivered), was "
+                "cancelled, or its schedule is not fed yet"
+            )
+        doc = timer_doc(t)
+        doc["detail"] = detail(t)
+        doc["owner_ref"] = _ref_params(t.owner)
+        doc["scheduled_by"] = f"{t.owner} v{t.version}"
+        doc["slot"] = await self._slot_of(t.partition)
+        done = _one(params, "done")
+        return _Out({"timer": doc, "done": done}, "timer.html", json=doc)
+
+    async def _slot_of(self, part: int) -> dict[str, Any]:
+        """The slot of a partition, whether it has a live holder and, held here, its stall."""
+        s = self._settings
+        slot = s.lease.slot_offset + part % s.lease.limit
+        state = next((st for st in await self._backend.leases.slots(s.lease_namespace) if st.slot == slot), None)
+        held = dict(self._local()) if self._local is not None else {}
+        return {
+            "slot": slot,
+            "holder": state.owner_key if state is not None and state.live else None,
+            "fence": state.fence if state is not None else 0,
+            "stalled": held.get(slot),
+        }
+
+    async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus) -> _Out:
+        owner, key, t = await self._load(params)
+        if t is None:
+            raise _NotFound(f"no live timer {key!r} of {owner}")
+        if t.status is not wanted:
+            raise InvalidInput(f"the timer is {t.status.value}, not {wanted.value}", field="status")
+        written = await repair_timers(self._backend.timers, [t])
+        verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
+        log.info("ui: timer %r of %s %s (%s -> PENDING, due now)", t.key, t.owner, verb, wanted.value)
+        done = f"{verb}: back to PENDING, due now" if written else "not changed: the timer moved on meanwhile"
+        back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, "done": done})
+        return _Out({"written": written, "timer": timer_doc(t), "back": back})
+
+    # ------------------------------------------------------------------ quarantine
+
+    async def _quarantine(self, params: dict[str, list[str]]) -> _Out:
+        items, nxt = await quarantine_page(self._backend.log, _one(params, "after"), PAGE)
+        rows = [{**i, "record": record_of(i)} for i in items]
+        data = {"items": rows, "next": nxt, "done": _one(params, "done")}
+        return _Out(data, "quarantine.html", json={"items": items, "next": nxt})
+
+    async def _quarantine_item(self, item_id: str) -> _Out:
+        item = await quarantined_item(self._backend.log, item_id)
+        if item is None:
+            raise _NotFound(f"no quarantined item {item_id} (released, or never quarantined)")
+        steps = list(steps_needed(str(item.get("reason", ""))))
+        return _Out({"item": item, "record": record_of(item), "steps": steps}, "quarantine_item.html", json=item)
+
+    async def _refeed(self, item_id: str) -> _Out:
+        item = await quarantined_item(self._backend.log, item_id)
+        if item is None:
+            raise _NotFound(f"no quarantined item {item_id}")
+        outcome = await retry_item(self._settings, self._backend, item)
+        log.info("ui: quarantined item %s re-fed: %s", item_id, outcome.reason or "released")
+        doc = {"item_id": outcome.item_id, "record": outcome.record, "done": outcome.done, "reason": outcome.reason}
+        if outcome.reason is None:
+            doc["back"] = "/ui/quarantine?" + urlencode(
+                {"done": f"{item_id} fed ({', '.join(outcome.done)}) and released"}
+            )
+        else:
+            doc["back"] = f"/ui/quarantine/{item_id}"
+        return _Out(doc)
+
+    # ------------------------------------------------------------------ outbox
+
+    def _offset(self, params: Mapping[str, list[str]]) -> int:
+        text = _one(params, "offset") or "0"
+        if not text.isdigit():
+            raise InvalidInput(f"{text!r} is not an offset (0, 1, ...)", field="offset")
+        return int(text)
+
+    async def _outbox(self, params: dict[str, list[str]]) -> _Out:
+        offset = self._offset(params)
+        entries, nxt = await outbox_page(self._backend.outbox, offset, PAGE)
+        depth = await self._backend.outbox.count()
+        docs = [{**outbox_entry_doc(e), "offset": offset + i} for i, e in enumerate(entries)]
+        doc = {"entries": docs, "next": nxt, "offset": offset, "depth": depth}
+        return _Out({**doc, "done": _one(params, "done")}, "outbox.html", json=doc)
+
+    async def _outbox_entry(self, params: dict[str, list[str]]) -> _Out:
+        """The entry of ``request_id``, looked for around ``offset`` (where the list showed it;
+        entries acknowledged since move it up)."""
+        wanted = _one(params, "request_id")
+        if wanted is None:
+            raise InvalidInput("which entry: request_id", field="request_id")
+        offset = self._offset(params)
+        start = max(0, offset - PAGE)
+        entries, _ = await outbox_page(self._backend.outbox, start, 2 * PAGE)
+        for i, e in enumerate(entries):
+            if e.request_id == wanted:
+                doc = {**outbox_entry_doc(e), "offset": start + i}
+                return _Out({"entry": doc}, "outbox_entry.html", json=doc)
+        raise _NotFound(f"no outbox entry {wanted} near offset {offset} (acknowledged, or trimmed)")
+
+    async def _ack(self, params: dict[str, list[str]]) -> _Out:
+        ids = [i for i in [*params.get("request_id", []), *params.get("request_ids", [])] if i.strip()]
+        if not ids:
+            raise InvalidInput("no entry chosen (request_id)", field="request_id")
+        removed = await self._backend.outbox.ack(ids)
+        log.info("ui: %d outbox entries acknowledged", removed)
+        done = f"{removed} of {len(set(ids))} entries acknowledged (removed)"
+        return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode({"done": done})})
+
+
+def _ref_params(ref: Any) -> dict[str, str]:
+    """The query parameters that name an aggregate (``owner``, ``tenant``: empty for the default)."""
+    return {
+        "owner": f"{ref.context}.{ref.aggregate}/{ref.id}",
+        "tenant": "" if ref.tenant_id == DEFAULT_TENANT else ref.tenant_id,
+    }
+
+
+def _gauge(metric: Any) -> dict[str, float]:
+    """A gauge's values by its ``slot`` label."""
+    return {s.labels["slot"]: s.value for family in metric.collect() for s in family.samples if "slot" in s.labels}

@@ -1,0 +1,25 @@
+"""A request and an answer of the status page, as the HTTP listener hands them over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["HttpRequest", "HttpResponse"]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    """A request for the ``app``: header names in lower case (a repeated header's last value)."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    content_type: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
