@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 FORMATTED := wowd tests bench deploy
 IMAGE ?= wowd:local
 
-.PHONY: venv run test lint unit bench soak lock image clean
+.PHONY: venv run test lint unit bench screenshots soak lock image clean
 
 $(RUNTIME_STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,10 @@ test: lint unit
 
 bench: venv
 	$(BIN)/python -m bench
+
+# The status page's screenshots in docs/img (the browser test, Debian's chromium and chromium-driver).
+screenshots: venv
+	WOWD_TEST_SCREENSHOTS=$(CURDIR)/docs/img WOWD_TEST_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -n 0 tests/daemon/test_status_page_browser.py
 
 soak: venv
 	$(BIN)/python -m tests.chaos.soak --minutes 30

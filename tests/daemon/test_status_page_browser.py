@@ -2,7 +2,8 @@
 through ``/usr/bin/chromedriver`` by Selenium (nothing downloads a browser or a driver) opens
 ``/ui`` of a running ``wowd run`` with demo data, finds the overview's numbers equal to ``wowd
 status --json``, goes to a failed timer, retries it with the token and sees it delivered (its
-command in the outbox). A screenshot of each page goes to ``docs/img/`` (docs/operations.md).
+command in the outbox). A screenshot of each page is saved (``make screenshots``: to ``docs/img/``,
+which docs/operations.md shows).
 
 Without the browser the test is skipped, and fails instead with ``WOWD_TEST_REQUIRE_BROWSER=1``
 (``.ci/run`` sets it where it installed ``chromium`` and ``chromium-driver``)."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -41,7 +43,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_BROWSER") == "1"
-SHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
+SHOTS = Path(os.environ.get("WOWD_TEST_SCREENSHOTS") or tempfile.mkdtemp(prefix="wowd-ui-shots-"))
+"""Where the screenshots go: ``make screenshots`` points it at docs/img (used by docs/operations.md);
+a plain test run writes them to a temporary directory (the tree is left as it was)."""
 TOKEN = "ui-browser-token-3317"
 WAIT_S = 20
 
