@@ -357,9 +357,10 @@ async def test_a_timer_on_an_idle_cluster_fires_at_its_due_time_after_one_log_ch
     server: MockupDB, backend: Backend, tmp_path: Path
 ) -> None:
     """The post-batch resume token never moves (an idle replica set between its no-op writes, or
-    an idle shard holding the merged stream back): the timer is delivered within 200 ms of its
-    due time, after one majority read of its log collection on the primary, filtered by its
-    partition."""
+    an idle shard holding the merged stream back): the timer is delivered at its due time (here
+    within a second, a margin for a loaded machine: the wait it replaces is 5 to 22 s; the bench
+    measures the lag), after one majority read of its log collection on the primary, filtered by
+    its partition."""
     agg = id_in(1)
     idle_since = (int(time.time()) - 5, 1)
     fake = FakeCluster(Wire(server), idle_since)
@@ -383,7 +384,7 @@ async def test_a_timer_on_an_idle_cluster_fires_at_its_due_time_after_one_log_ch
         await client.close()
     (fired, at), = slot.gateway.fired  # fmt: skip
     assert fired.owner.id == agg
-    assert due <= at <= due + 200, f"delivered {at - due} ms after its due time"
+    assert due <= at <= due + 1000, f"delivered {at - due} ms after its due time"
     assert len(fake.checks) == 1
     checked_at, check = fake.checks[0]
     assert checked_at >= due  # asked after the due time: every commit acknowledged before it is seen

@@ -65,7 +65,7 @@ from wowd.model import (
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
-from wowd.views import INDEX, LEGACY_CONSUMER, TIMERS, View, enabled_views, start_positions
+from wowd.views import FROM_START, INDEX, LEGACY_CONSUMER, TIMERS, View, enabled_views, start_positions
 
 from .leases import HeldSlot
 from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
@@ -331,7 +331,7 @@ class Feeder:
                 "reading checkpoints", backoff=RETRY_BACKOFF, stop=held.stop_event, logger=logx
             ):
                 with attempt:
-                    starts = await self._starts(parts)
+                    starts = await self._starts(held, parts)
         except RetryStopped:
             task_status.started()
             return
@@ -360,14 +360,30 @@ class Feeder:
             self._tg = None
         logx.info("feed stopped at a batch boundary")
 
-    async def _starts(self, parts: Sequence[int]) -> dict[View, dict[int, Position | None]]:
-        """Where each view reads each partition from (:func:`~wowd.views.start_positions`)."""
+    async def _starts(self, held: HeldSlot, parts: Sequence[int]) -> dict[View, dict[int, Position | None]]:
+        """Where each view reads each partition from (:func:`~wowd.views.start_positions`). A
+        view without a checkpoint of its own for a partition is given one at once, where it
+        starts (the ``wowd`` checkpoint, or the log's start), under the slot's fence: a view that
+        then falls behind keeps its place, however far the timer view's checkpoint moves on."""
         log_ = self._backend.log
         legacy = await log_.checkpoints(LEGACY_CONSUMER, parts)
         out: dict[View, dict[int, Position | None]] = {}
+        carried: dict[int, tuple[str, ...]] = {}
         for v in self.views:
             own = legacy if v.consumer == LEGACY_CONSUMER else await log_.checkpoints(v.consumer, parts)
             out[v] = start_positions(v, own, legacy, parts)
+            if v.consumer != LEGACY_CONSUMER:
+                for p in parts:
+                    if p not in own:
+                        carried[p] = (*carried.get(p, ()), v.consumer)
+        by_consumers: dict[tuple[str, ...], dict[int, Position]] = {}
+        for p, consumers in carried.items():
+            cp = legacy.get(p)
+            by_consumers.setdefault(consumers, {})[p] = cp.position if cp is not None else FROM_START
+        for consumers, positions in by_consumers.items():
+            held.check()
+            if not await log_.save_checkpoints(list(consumers), positions, held.fence):
+                raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
         return out
 
     async def _shared(self, held: HeldSlot, waker: Waker, logx: logging.LoggerAdapter[logging.Logger]) -> None:
