@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +244,46 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     assert CountingSink.written == len(commits)  # the index replayed from the first commit ...
     assert set((await index_count(backend, commits)).values()) == {1}  # ... each commit still once
     assert await backend.timers.find(gone.ref, "k") is None  # the timer view was not replayed
+
+
+async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tmp_path: Path, backend: Backend) -> None:
+    """Upgraded (only the ``wowd`` checkpoint), the index down from the first batch, the replica
+    restarted while the timer view moved on: the index still starts where it fell behind, so
+    every commit since reaches it once the cluster is back."""
+    old = [timer_commit(f"old-{i}", 1, [], due_at=10**13) for i in range(4)]
+    await backend.log.append_many(old)
+    first = await hold_slot(backend, PARTS, "me")
+    head = {}
+    async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
+        head.update(batch.positions)
+    assert await backend.log.save_checkpoints(CONSUMER, head, first.fence)  # as the earlier version left it
+    sink = refusing(backend)
+    new = [timer_commit(f"new-{i}", 1, ["k"], due_at=10**13) for i in range(8)]
+
+    async def run_until(check: Callable[[Feeder], Awaitable[bool]], what: str) -> None:
+        held = dataclasses.replace(first, stop_event=anyio.Event(), _listeners=[])
+        feeder = Feeder(settings(tmp_path), backend)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(feeder.run, held, Waker())
+                await eventually(lambda: check(feeder), 10, what)
+                held.request_stop()
+
+    async def timers_fed(count: int) -> Callable[[Feeder], Awaitable[bool]]:
+        async def check(_feeder: Feeder) -> bool:
+            return len(await backend.timers.scan(limit=50)) == count
+
+        return check
+
+    await backend.log.append_many(new[:4])
+    await run_until(await timers_fed(4), "the timer view fed the first commits, the index down")
+    await backend.log.append_many(new[4:])
+    await run_until(await timers_fed(8), "the timer view fed the rest after a restart, the index down")
+    sink.broken = False
+
+    async def joined(feeder: Feeder) -> bool:
+        return feeder.following() == ["timers", "index"]
+
+    await run_until(joined, "the index caught up")
+    assert set((await index_count(backend, new)).values()) == {1}  # none skipped, none twice
+    assert set((await index_count(backend, old)).values()) == {0}  # carried over: not re-indexed
