@@ -635,7 +635,7 @@ class Feeder:
                         if batch.entries:
                             prepared = prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions)
                             await self._apply_until_done(held, batch, prepared, None, logx, view, (view,))
-                            last = max(e.commit.create_time for e in batch.entries if e.commit is not None) or 0
+                            last = max((e.commit.create_time for e in batch.entries if e.commit is not None), default=0)
                             st.lag(max(0.0, time.time() - last / 1000) if last else 0.0)
                         positions.update(batch.positions)
                         pauses.reset()
