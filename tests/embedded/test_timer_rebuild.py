@@ -225,3 +225,37 @@ async def test_a_replay_by_a_pool_of_processes_builds_the_view_a_replay_in_proce
             await backend.close()
     assert found[2] == found[0]
     assert found[0][:2] == (len(commits), {"PENDING": 8, "CANCELLED": 8})
+
+
+async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_context(tmp_path: Path) -> None:
+    """Each read of a replay starts where the last one ended on the log's primary key: a read
+    through an index of the context would go over all of its commits, every batch."""
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, rows_between
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(5)]
+        )
+        assert isinstance(backend.timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(settings.embedded.path, timers=backend.timers)
+        statements: list[str] = []
+        engine._reader.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+        try:
+            n, last, entries = await engine.read(0, 3)
+            assert (n, last, len(entries)) == (3, 3, 3)
+        finally:
+            await engine.close()
+        with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
+            conn.set_trace_callback(statements.append)
+            assert [r[0] for r in rows_between(conn, CTX, 3, 5)] == [4, 5]
+            conn.set_trace_callback(None)
+            reads = [s for s in statements if s.startswith("SELECT") and "FROM log" in s]
+            assert len(reads) == 2
+            for statement in reads:
+                plan = " ".join(str(r[3]) for r in conn.execute(f"EXPLAIN QUERY PLAN {statement}"))
+                assert "USING INTEGER PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
+    finally:
+        await backend.close()

@@ -90,6 +90,13 @@ def may_write_timers(doc: str) -> bool:
     return doc.count('"deleted"') != doc.count('"deleted":false')
 
 
+_IN_SEQ_ORDER = "+context = ?"
+"""The context's condition of a replay's reads, kept off the indexes (``+``): the reads walk the
+log by ``seq``, its primary key, from where the last one ended; through the index of
+``(context, partition, seq)`` each read would go over every commit of the context and sort what it
+keeps, a cost growing with the log."""
+
+
 def replay_entries(context: str, rows: Sequence[Sequence[Any]]) -> list[LogEntry]:
     """The log rows ``rows`` (``seq, aggregate, partition, doc``) of ``context`` that may hold a
     write of the timer view (:func:`may_write_timers`), decoded as the log's reads decode them;
@@ -110,7 +117,7 @@ def replay_entries(context: str, rows: Sequence[Sequence[Any]]) -> list[LogEntry
 def rows_between(conn: sqlite3.Connection, context: str, after: int, upto: int) -> list[Any]:
     """The log rows of ``context`` with ``after < seq <= upto``, in log order (``seq, aggregate,
     partition, doc``)."""
-    sql = "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND seq > ? AND seq <= ? ORDER BY seq"
+    sql = f"SELECT seq, aggregate, partition, doc FROM log WHERE {_IN_SEQ_ORDER} AND seq > ? AND seq <= ? ORDER BY seq"
     return conn.execute(sql, (context, after, upto)).fetchall()
 
 
@@ -260,7 +267,7 @@ class EmbeddedTimerRebuild(SqliteStore):
         that may hold a write of the timer view, decoded (:func:`replay_entries`)."""
         ctx = self.context
         sql = (
-            "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND seq > ?"
+            f"SELECT seq, aggregate, partition, doc FROM log WHERE {_IN_SEQ_ORDER} AND seq > ?"
             f" ORDER BY seq LIMIT {int(limit)}"
         )
 
