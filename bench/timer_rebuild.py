@@ -2,11 +2,11 @@
 ``wowd timers rebuild --dry-run`` replays a log.
 
 Makes an embedded file of ``N`` commits with ``wowd demo`` (half of them schedule a timer, due a
-day later, over 10,000 orders) unless ``PATH`` exists, then times the dry run on a copy of it
-(the dry run changes nothing, but a copy keeps the file as it was even when a run is killed), as
-a subprocess, ``R`` times, and prints the wall time, the CPU time of the run and of its pool,
-and the commits replayed per second. The file of a million commits takes a few minutes to make
-and about 1.3 GB: keep it (``--file``) for later runs.
+day later, over 10,000 orders) unless ``PATH`` exists, then times the dry run, as a subprocess,
+``R`` times, on a copy of the file in the temporary directory (the dry run changes nothing, but a
+copy keeps the file as it was even when a run is killed), and prints the wall time, the CPU time
+of the run and of its pool, and the commits replayed per second. The file of a million commits
+takes a few minutes to make and about 1.3 GB: keep it (``--file``) for later runs.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def make_log(path: Path, commits: int) -> None:
 def dry_run(path: Path) -> tuple[float, int]:
     """One timed ``wowd timers rebuild --dry-run`` on a copy of ``path``: its wall time and the
     commits it read."""
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
