@@ -7,7 +7,8 @@ run (``wowd timers rebuild``; docs/operations.md, "Recovery").
    the view beside the live one, through the feed's own projection of commits into timer writes
    (:func:`~wowd.daemon.feed.prepare_batch`), written with the timer store's own writes: the
    shadow is the view the feed would have built (cancels leave their tombstones). Commits whose
-   text shows they write nothing to the view are skipped undecoded.
+   text shows they write nothing to the view are skipped undecoded. A large log is read, decoded
+   and projected in ranges by a pool of processes (:func:`pool_size`), written in log order.
 3. **Finish.** In one write transaction of the backend: the shadow catches up to the timer view's
    checkpoint of each partition (:func:`timer_view_consumer`), fired one-shot timers the outbox
    knows of become tombstones, one-shot timers due before the tombstone retention with no
