@@ -186,3 +186,76 @@ async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_
         await engine.close()
     finally:
         await backend.close()
+
+
+def _rows(path: Path) -> list[tuple[object, ...]]:
+    """The view's rows as a replay writes them (a tombstone's ``due_at`` is the time it was
+    written: left out)."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        return conn.execute(
+            f'SELECT timer_id, "partition", aggregate, owner_id, "key", version, status,'
+            f" CASE WHEN status = 'PENDING' THEN due_at END, body, rule FROM wow_timer__{CTX} ORDER BY timer_id"
+        ).fetchall()
+
+
+@pytest.mark.process
+async def test_a_replay_by_a_pool_of_processes_builds_the_view_a_replay_in_process_builds(tmp_path: Path) -> None:
+    """The pool reads the log in ranges, each decoded and projected by the feed's projection in
+    a process of its own, and the ranges are written in log order: the view is the same, down
+    to the order of a cancel and a schedule of one key in ranges of two processes."""
+    commits = []
+    for i in range(12):
+        commits.append(_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")))
+    for i in range(0, 12, 3):  # cancelled, scheduled again and cancelled by a deletion, in later ranges
+        cancel = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+        commits.append(_commit("order", f"o-{i}", cancel, version=2))
+        commits.append(_commit("order", f"o-{i + 1}", _scheduled("order", f"o-{i + 1}", "k"), version=2))
+        commits.append(_commit("order", f"o-{i + 2}", deleted=True, version=2))
+        commits.append(_commit("cart", f"c-{i}", _scheduled("cart", f"c-{i}", "k")))
+    paths = {workers: tmp_path / f"w{workers}.db" for workers in (0, 2)}
+    found = {}
+    for workers, path in paths.items():
+        settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=path))
+        backend = await open_embedded(settings)
+        try:
+            await backend.log.append_many(commits)
+            report = await TimerRebuilder(settings, backend, batch_size=3, workers=workers).run()
+            found[workers] = (report.commits, report.statuses, _rows(path))
+        finally:
+            await backend.close()
+    assert found[2] == found[0]
+    assert found[0][:2] == (len(commits), {"PENDING": 8, "CANCELLED": 8})
+
+
+async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_context(tmp_path: Path) -> None:
+    """Each read of a replay starts where the last one ended on the log's primary key: a read
+    through an index of the context would go over all of its commits, every batch."""
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, rows_between
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(5)]
+        )
+        assert isinstance(backend.timers, EmbeddedTimerStore)
+        engine = EmbeddedTimerRebuild(settings.embedded.path, timers=backend.timers)
+        statements: list[str] = []
+        engine._reader.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+        try:
+            n, last, entries = await engine.read(0, 3)
+            assert (n, last, len(entries)) == (3, 3, 3)
+        finally:
+            await engine.close()
+        with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
+            conn.set_trace_callback(statements.append)
+            assert [r[0] for r in rows_between(conn, CTX, 3, 5)] == [4, 5]
+            conn.set_trace_callback(None)
+            reads = [s for s in statements if s.startswith("SELECT") and "FROM log" in s]
+            assert len(reads) == 2
+            for statement in reads:
+                plan = " ".join(str(r[3]) for r in conn.execute(f"EXPLAIN QUERY PLAN {statement}"))
+                assert "USING INTEGER PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
+    finally:
+        await backend.close()

@@ -30,9 +30,11 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio.to_thread
 
 from wowd.errors import LeaseLost, StorageError
 from wowd.model import AggregateType, LogEntry, TimerWrite
@@ -47,9 +49,18 @@ from wowd.stores.embedded.timer_sql import (
     table_name,
     table_sql,
 )
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timers import EmbeddedTimerStore, put_types
 
-__all__ = ["EXPIRED_REASON", "LOCK_TABLE", "EmbeddedTimerRebuild", "Expired", "Finished", "RebuildRunning"]
+__all__ = [
+    "EXPIRED_REASON",
+    "LOCK_TABLE",
+    "EmbeddedTimerRebuild",
+    "Expired",
+    "Finished",
+    "RebuildRunning",
+    "replay_entries",
+    "rows_between",
+]
 
 LOCK_TABLE = "wow_timer_rebuild"
 """One row per context whose timer view is being rebuilt."""
@@ -77,6 +88,37 @@ def may_write_timers(doc: str) -> bool:
     if "TimerScheduled" in doc or "TimerCancelled" in doc or "\\u" in doc:
         return True
     return doc.count('"deleted"') != doc.count('"deleted":false')
+
+
+_IN_SEQ_ORDER = "+context = ?"
+"""The context's condition of a replay's reads, kept off the indexes (``+``): the reads walk the
+log by ``seq``, its primary key, from where the last one ended; through the index of
+``(context, partition, seq)`` each read would go over every commit of the context and sort what it
+keeps, a cost growing with the log."""
+
+
+def replay_entries(context: str, rows: Sequence[Sequence[Any]]) -> list[LogEntry]:
+    """The log rows ``rows`` (``seq, aggregate, partition, doc``) of ``context`` that may hold a
+    write of the timer view (:func:`may_write_timers`), decoded as the log's reads decode them;
+    the others are skipped undecoded."""
+    types: dict[str, AggregateType] = {}
+    entries: list[LogEntry] = []
+    for row in rows:
+        doc = row[3]
+        if isinstance(doc, str) and not may_write_timers(doc):
+            continue
+        type_ = types.get(row[1])
+        if type_ is None:
+            type_ = types[row[1]] = AggregateType(context=context, aggregate=row[1])
+        entries.append(entry_of(type_, tuple(row)))
+    return entries
+
+
+def rows_between(conn: sqlite3.Connection, context: str, after: int, upto: int) -> list[Any]:
+    """The log rows of ``context`` with ``after < seq <= upto``, in log order (``seq, aggregate,
+    partition, doc``)."""
+    sql = f"SELECT seq, aggregate, partition, doc FROM log WHERE {_IN_SEQ_ORDER} AND seq > ? AND seq <= ? ORDER BY seq"
+    return conn.execute(sql, (context, after, upto)).fetchall()
 
 
 class RebuildRunning(StorageError):
@@ -150,6 +192,9 @@ class EmbeddedTimerRebuild(SqliteStore):
         self.owner = owner or lock_owner()
         self.live = table_name(self.context)
         self.shadow = shadow_table_name(self.context)
+        self._reader = SqliteDatabase(self.path)
+        """A connection of its own for the replay's reads of the log: they run while the batch
+        before is written on the store's connection (SQLite runs each on its own thread)."""
 
     # ---- the lock
 
@@ -216,42 +261,46 @@ class EmbeddedTimerRebuild(SqliteStore):
         await self._timers.prepare()
         await self._run("begin", self._db.transaction(work))
 
-    async def write(self, writes: Sequence[TimerWrite]) -> None:
-        """The net effect of a batch of the log (the feed's projection) into the shadow."""
-        if not writes:
-            return
-        steps = await self._timers.plan_write(writes)
-        timers, shadow = self._timers, self.shadow
-        await self._run("write", self._db.transaction(lambda conn: timers.write_steps(steps, conn, table=shadow)))
-
     async def read(self, after: int, limit: int) -> tuple[int, int, list[LogEntry]]:
         """The next ``limit`` commits of the context's log after ``seq`` ``after``, in log order:
         how many were read, the last one's ``seq`` (``after`` when none) and the entries of those
-        that may hold a write of the timer view, decoded (:func:`may_write_timers`; the others
-        are skipped undecoded)."""
+        that may hold a write of the timer view, decoded (:func:`replay_entries`)."""
         ctx = self.context
         sql = (
-            "SELECT seq, aggregate, partition, doc FROM log WHERE context = ? AND seq > ?"
+            f"SELECT seq, aggregate, partition, doc FROM log WHERE {_IN_SEQ_ORDER} AND seq > ?"
             f" ORDER BY seq LIMIT {int(limit)}"
         )
 
         def work(conn: sqlite3.Connection) -> list[Any]:
             return conn.execute(sql, (ctx, after)).fetchall()
 
-        rows = await self._run("read", work)
+        rows = await self._run("read", work, db=self._reader)
         if not rows:
             return 0, after, []
-        types: dict[str, AggregateType] = {}
-        entries: list[LogEntry] = []
-        for row in rows:
-            doc = row[3]
-            if isinstance(doc, str) and not may_write_timers(doc):
-                continue
-            type_ = types.get(row[1])
-            if type_ is None:
-                type_ = types[row[1]] = AggregateType(context=ctx, aggregate=row[1])
-            entries.append(entry_of(type_, tuple(row)))
-        return len(rows), int(rows[-1][0]), entries
+        return len(rows), int(rows[-1][0]), replay_entries(ctx, rows)
+
+    async def write(self, writes: Sequence[TimerWrite]) -> None:
+        """The net effect of a batch of the log (the feed's projection) into the shadow."""
+        await self.write_steps(self.steps_of(writes), put_types(writes))
+
+    async def last_seq(self) -> int:
+        """The ``seq`` of the context's last commit (0 when none)."""
+        ctx = self.context
+        sql = "SELECT coalesce(max(seq), 0) FROM log WHERE context = ?"
+        return int(await self._run("read", lambda conn: conn.execute(sql, (ctx,)).fetchone()[0], db=self._reader))
+
+    def steps_of(self, writes: Sequence[TimerWrite]) -> list[tuple[str, tuple[Any, ...]]]:
+        """The timer store's steps of ``writes`` (:meth:`~wowd.stores.embedded.timers.EmbeddedTimerStore.steps_of`)."""
+        return self._timers.steps_of(writes)
+
+    async def write_steps(self, steps: Sequence[tuple[str, tuple[Any, ...]]], types: Iterable[str]) -> None:
+        """Planned writes (:meth:`steps_of`) into the shadow; ``types``: the aggregate types of
+        the timers they put (their collections recorded first)."""
+        await self._timers.record_types(types)
+        if not steps:
+            return
+        timers, shadow = self._timers, self.shadow
+        await self._run("write", self._db.transaction(lambda conn: timers.write_steps(steps, conn, table=shadow)))
 
     async def log_commits(self) -> int:
         """The commits of the context's log (the replay's total, for the progress lines)."""
@@ -260,9 +309,15 @@ class EmbeddedTimerRebuild(SqliteStore):
         return int(await self._run("count", lambda conn: conn.execute(sql, (ctx,)).fetchone()[0]))
 
     async def live_count(self) -> int:
-        """Live timers in the shadow so far (for the progress lines)."""
+        """Live timers in the shadow so far, as its writes committed them (for the progress lines;
+        read on the reads' connection, beside the writes). It reads the whole shadow."""
         sql = f"SELECT count(*) FROM {self.shadow} WHERE status NOT IN {TOMBSTONES}"
-        return int(await self._run("count", lambda conn: conn.execute(sql).fetchone()[0]))
+        return int(await self._run("count", lambda conn: conn.execute(sql).fetchone()[0], db=self._reader))
+
+    async def close(self) -> None:
+        """Closes the reads' connection, and the store's own when it opened it."""
+        await anyio.to_thread.run_sync(self._reader.close)
+        await super().close()
 
     async def abort(self) -> None:
         """Drops the shadow (the live view is left as it is), unless another rebuild holds the

@@ -142,6 +142,7 @@ __all__ = [
     "EmbeddedTimerStore",
     "next_due_sql",
     "parked_params",
+    "put_types",
 ]
 
 log = logging.getLogger(__name__)
@@ -262,20 +263,33 @@ class EmbeddedTimerStore(SqliteStore):
     async def plan_write(self, writes: Sequence[TimerWrite]) -> list[tuple[str, tuple[Any, ...]]]:
         """``writes`` checked and made ready for :meth:`write_steps` (an aggregate type's
         collection recorded on its first use)."""
+        steps = self.steps_of(writes)
+        await self.record_types(put_types(writes))
+        return steps
+
+    def steps_of(self, writes: Sequence[TimerWrite]) -> list[tuple[str, tuple[Any, ...]]]:
+        """``writes`` checked and made ready for :meth:`write_steps`, without recording the
+        collections of their types (:meth:`plan_write` does, or :meth:`record_types`); touches
+        no file (a process of its own may plan them)."""
         steps: list[tuple[str, tuple[Any, ...]]] = []
         for w in writes:
             if w.kind == "put":
                 assert w.timer is not None
                 self._check_timer(w.timer)
-                if w.owner.aggregate not in self._known:
-                    await self._register(w.owner.aggregate)
                 steps.append(("put", timer_params(w.timer)))
             elif w.kind == "cancel":
                 steps.append(("cancel", (w.version, *self._owner_key(w.owner), w.key)))
             else:
                 steps.append(("cancel_all", (w.version, *self._owner_key(w.owner))))
-        await self.prepare()
         return steps
+
+    async def record_types(self, aggregates: Iterable[str]) -> None:
+        """Records the collections of the aggregate types ``aggregates`` not recorded yet (those
+        whose timers :meth:`write_steps` is to put); refuses another format."""
+        for aggregate in aggregates:
+            if aggregate not in self._known:
+                await self._register(aggregate)
+        await self.prepare()
 
     def plan_write_in(
         self, writes: Sequence[TimerWrite], conn: sqlite3.Connection
@@ -748,3 +762,8 @@ class EmbeddedTimerStore(SqliteStore):
         """A write: ``fn`` in one write transaction (:meth:`SqliteDatabase.transaction`, which
         holds the file's write lock)."""
         return await self._run(operation, self._db.transaction(fn))
+
+
+def put_types(writes: Iterable[TimerWrite]) -> set[str]:
+    """The aggregate types of the timers ``writes`` put (their collections are recorded)."""
+    return {w.owner.aggregate for w in writes if w.kind == "put"}
