@@ -92,7 +92,8 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
     assert r.proc.poll() is None
     assert len(await stores.log.checkpoints("wowd", parts)) == 1
     # the snapshot view's position stays before the commit (it is folded once the reducer is fixed)
-    assert await stores.log.checkpoints("wowd.snapshots.order", parts) == {}
+    snapshot_cps = await stores.log.checkpoints("wowd.snapshots.order", parts)
+    assert not any(cp.position for cp in snapshot_cps.values())
     assert await stores.snapshots.load(commit.ref) is None
     log = r.log()
     errors = [str(d["msg"]) for d in _json_lines(log) if d.get("level") == "ERROR"]
