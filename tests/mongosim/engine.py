@@ -14,6 +14,7 @@ import datetime
 import itertools
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -26,6 +27,7 @@ import bson
 import mongomock
 from bson.int64 import Int64
 from bson.objectid import ObjectId
+from bson.regex import Regex
 from bson.timestamp import Timestamp
 from mongomock import helpers
 
@@ -216,8 +218,24 @@ def key_of_token(token: Any) -> tuple[int, int, int, int]:
         raise Failure(2, f"KeyString format error: invalid resume token {token!r}") from None
 
 
-def _hashable(value: Any) -> Any:
-    return bson.encode({"v": value})
+def _hashable(value: Any) -> bytes:
+    """A key of ``value`` equal for BSON-equal values: numbers of one value (1, 1.0, Int64(1)) as
+    one (Decimal128 is not folded), documents field order included as BSON compares them."""
+    return bson.encode({"v": _canonical(value)})
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return Int64(int(value))
+    if isinstance(value, int):
+        return Int64(value) if -(2**63) <= value < 2**63 else float(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
 
 
 def _bson_size(doc: Mapping[str, Any]) -> int:
@@ -233,7 +251,11 @@ class Engine:
         self.address = "127.0.0.1:27017"
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
-        self.client = mongomock.MongoClient()
+        self.data: dict[tuple[str, str], dict[bytes, dict[str, Any]]] = {}
+        self.uniques: dict[tuple[str, str], dict[str, dict[bytes, bytes]]] = {}
+        """The unique indexes' maps: (db, coll) -> index name -> key -> the holder's store key."""
+        self._mm = mongomock.MongoClient()["mongosim"]["updates"]
+        """A mongomock collection whose update-operator code the updates run (it stores nothing)."""
         self.catalog: dict[tuple[str, str], dict[str, Any]] = {}
         """(db, coll) -> {"uuid", "indexes": [spec...]}"""
         self.ct = Timestamp(int(time.time()), 1)
@@ -367,13 +389,14 @@ class Engine:
 
     # ------------------------------------------------------------------ storage
 
-    def _coll(self, db: str, coll: str) -> Any:
-        return self.client[db][coll]
+    def _coll(self, db: str, coll: str) -> dict[bytes, dict[str, Any]]:
+        """The documents of a collection by :func:`_key` of their ``_id``, in insertion order."""
+        return self.data.setdefault((db, coll), {})
 
     def _docs(self, db: str, coll: str) -> list[dict[str, Any]]:
         if (db, coll) not in self.catalog:
             return []
-        return list(self._coll(db, coll)._store.documents)
+        return list(self._coll(db, coll).values())
 
     def _ensure(self, db: str, coll: str, *, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         meta = self.catalog.get((db, coll))
@@ -390,32 +413,61 @@ class Engine:
             self._append([Event(Timestamp(0, 0), 0, "create", db, coll)])
         return meta
 
-    def _store_key(self, _id: Any) -> Any:
-        return helpers.hashdict(_id) if isinstance(_id, dict) else _id
+    def _store_key(self, _id: Any) -> bytes:
+        return _hashable(_id)
+
+    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any]) -> bytes | None:
+        """The key of ``doc`` in the unique index ``spec`` (None: outside its partial filter)."""
+        pfe = spec.get("partialFilterExpression")
+        if pfe is not None and not matches(pfe, doc):
+            return None
+        return _hashable([get_path(doc, p) for p in spec["key"]])
+
+    def _unique_specs(self, db: str, coll: str) -> list[dict[str, Any]]:
+        return [ix for ix in self.catalog[(db, coll)]["indexes"] if ix.get("unique")]
+
+    def _put(self, db: str, coll: str, key: bytes, new: dict[str, Any] | None) -> None:
+        """Stores ``new`` under ``key`` (None: removes it), keeping the unique indexes' maps."""
+        store = self._coll(db, coll)
+        old = store.get(key)
+        maps = self.uniques.setdefault((db, coll), {})
+        if (db, coll) in self.catalog:
+            for spec in self._unique_specs(db, coll):
+                m = maps.setdefault(spec["name"], {})
+                if old is not None:
+                    k = self._unique_entry(spec, old)
+                    if k is not None and m.get(k) == key:
+                        del m[k]
+                if new is not None:
+                    k = self._unique_entry(spec, new)
+                    if k is not None:
+                        m[k] = key
+        if new is None:
+            store.pop(key, None)
+        else:
+            store[key] = new
 
     def _check_unique(self, db: str, coll: str, doc: dict[str, Any], self_key: Any) -> None:
-        for spec in self.catalog[(db, coll)]["indexes"]:
-            if not spec.get("unique") and spec["name"] != "_id_":
-                continue
-            pfe = spec.get("partialFilterExpression")
-            if pfe is not None and not matches(pfe, doc):
-                continue
+        """E11000 when another document has ``doc``'s key in a unique index (``_id`` included)."""
+        other = self._coll(db, coll).get(self._store_key(doc["_id"]))
+        specs: list[tuple[dict[str, Any], Any]] = []
+        if other is not None and self._store_key(other["_id"]) != self_key:
+            specs.append(({"key": {"_id": 1}, "name": "_id_"}, other))
+        maps = self.uniques.get((db, coll), {})
+        for spec in self._unique_specs(db, coll):
+            k = self._unique_entry(spec, doc)
+            holder = None if k is None else maps.get(spec["name"], {}).get(k)
+            if holder is not None and holder != self_key:
+                specs.append((spec, holder))
+        for spec, _ in specs[:1]:
             paths = list(spec["key"])
-            mine = [_hashable(get_path(doc, p)) for p in paths]
-            for other in self._docs(db, coll):
-                if self._store_key(other["_id"]) == self_key:
-                    continue
-                if pfe is not None and not matches(pfe, other):
-                    continue
-                if [_hashable(get_path(other, p)) for p in paths] == mine:
-                    values = {p: get_path(doc, p) for p in paths}
-                    shown = ", ".join(f"{p}: {v!r}" for p, v in values.items())
-                    raise Failure(
-                        11000,
-                        f"E11000 duplicate key error collection: "
-                        f"{db}.{coll} index: {spec['name']} dup key: {{ {shown} }}",
-                        extra={"keyPattern": dict(spec["key"]), "keyValue": values},
-                    )
+            values = {p: get_path(doc, p) for p in paths}
+            shown = ", ".join(f"{p}: {v!r}" for p, v in values.items())
+            raise Failure(
+                11000,
+                f"E11000 duplicate key error collection: {db}.{coll} index: {spec['name']} dup key: {{ {shown} }}",
+                extra={"keyPattern": dict(spec["key"]), "keyValue": values},
+            )
 
     def _check_size(self, doc: Mapping[str, Any], *, update: bool) -> None:
         size = _bson_size(doc)
@@ -439,8 +491,7 @@ class Engine:
         self._check_size(doc, update=False)
         key = self._store_key(doc["_id"])
         self._check_unique(db, coll, doc, object())
-        store = self._coll(db, coll)._store
-        store[key] = copy.deepcopy(doc)
+        self._put(db, coll, key, copy.deepcopy(doc))
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, None))
         self._append([Event(Timestamp(0, 0), 0, "insert", db, coll, key={"_id": doc["_id"]}, doc=copy.deepcopy(doc))])
@@ -460,10 +511,9 @@ class Engine:
         self._check_size(new, update=True)
         key = self._store_key(old["_id"])
         self._check_unique(db, coll, new, key)
-        store = self._coll(db, coll)._store
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(old)))
-        store[key] = copy.deepcopy(new)
+        self._put(db, coll, key, copy.deepcopy(new))
         op = "replace" if update is None else "update"
         self._append(
             [Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=copy.deepcopy(new), update=update)]
@@ -471,16 +521,49 @@ class Engine:
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
         key = self._store_key(doc["_id"])
-        store = self._coll(db, coll)._store
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
-        del store[key]
+        self._put(db, coll, key, None)
         self._append([Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]})])
+
+    def _id_lookup(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        """The candidates of an ``_id`` equality or ``$in`` of plain values through the ``_id``
+        index (the full match still decides); None when the filter is not such."""
+        if "_id" not in flt:
+            return None
+        _id = flt["_id"]
+        if isinstance(_id, dict) and any(k.startswith("$") for k in _id):
+            if set(_id) != {"$in"} or not isinstance(_id["$in"], list):
+                return None
+            values = _id["$in"]
+        else:
+            values = [_id]
+        if any(
+            isinstance(v, list | re.Pattern | Regex) or isinstance(v, dict) and any(str(k).startswith("$") for k in v)
+            for v in values
+        ):
+            return None
+        store = self._coll(db, coll) if (db, coll) in self.catalog else {}
+        hits = {}
+        for v in values:
+            k = _hashable(v)
+            if k in store:
+                hits[k] = store[k]
+        return list(hits.values())
 
     def _find(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]]:
         check_filter(flt)
+        docs = self._id_lookup(db, coll, flt)
+        if docs is None:
+            docs = self._docs(db, coll)
+        # a cheap pass first: a top-level equality on a string or ObjectId keeps only the
+        # documents whose value there is that very value (or holds an array on the way, left to
+        # the full match); then mongomock's match decides
+        for path, want in flt.items():
+            if not path.startswith("$") and type(want) in (str, ObjectId):
+                docs = [d for d in docs if _maybe_equal(d, path, want)]
         with _evaluating():
-            return [d for d in self._docs(db, coll) if matches(flt, d)]
+            return [d for d in docs if matches(flt, d)]
 
     # ------------------------------------------------------------------ running a command
 
@@ -635,14 +718,12 @@ class Engine:
         if txn is None:
             return
         for db, coll, key, old in reversed(txn.undo):
-            store = self._coll(db, coll)._store
-            if old is None:
-                if key in store:
-                    del store[key]
-            else:
-                store[key] = old
+            if (db, coll) in self.catalog:
+                self._put(db, coll, key, old)
         for ns in txn.created:
             self.catalog.pop(ns, None)
+            self.data.pop(ns, None)
+            self.uniques.pop(ns, None)
         self.changed.notify_all()
 
     # ------------------------------------------------------------------ handshake, admin
@@ -785,7 +866,8 @@ class Engine:
 
     def _drop(self, db: str, coll: str) -> None:
         meta = self.catalog.pop((db, coll))
-        self._coll(db, coll)._store.drop()
+        self.data.pop((db, coll), None)
+        self.uniques.pop((db, coll), None)
         self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
         self._kill_streams(db, coll)
         del meta
@@ -861,6 +943,11 @@ class Engine:
                 raise Failure(67, f"add index fails, too many indexes for {db}.{coll} key:{new['key']}")
             if new.get("unique"):
                 self._check_existing_unique(db, coll, new)
+                m = self.uniques.setdefault((db, coll), {}).setdefault(new["name"], {})
+                for key, doc in self._coll(db, coll).items():
+                    k = self._unique_entry(new, doc)
+                    if k is not None:
+                        m[k] = key
             meta["indexes"].append(new)
         return {
             "numIndexesBefore": before,
@@ -1291,7 +1378,7 @@ class Engine:
                         f"Unknown modifier: {op}. Expected a valid update "
                         f"modifier or pipeline-style update specified as an array",
                     )
-            self._coll(db, coll)._apply_update_document(new, flt, update, insert)
+            self._mm._apply_update_document(new, flt, update, insert)
             return new
 
     def cmd_findandmodify(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -1606,6 +1693,28 @@ class _evaluating:
         if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
             raise Failure(exc.code or 2, str(exc)) from exc
         return False
+
+
+_PLAIN = (str, ObjectId, type(None), int, Int64, float, bool)
+_COMPLEX = object()
+"""A path through an array, or a value whose equality Python does not decide as BSON does."""
+
+
+def _fast_get(doc: Mapping[str, Any], path: str) -> Any:
+    cur: Any = doc
+    for p in path.split("."):
+        if isinstance(cur, list):
+            return _COMPLEX
+        if not isinstance(cur, Mapping):
+            return None
+        cur = cur.get(p)
+    # these types' Python inequality implies BSON inequality; any other value is left to the full match
+    return cur if type(cur) in _PLAIN else _COMPLEX
+
+
+def _maybe_equal(doc: Mapping[str, Any], path: str, want: Any) -> bool:
+    got = _fast_get(doc, path)
+    return got is _COMPLEX or got == want
 
 
 def _update_kind(update: Any, multi: bool) -> str:
