@@ -29,7 +29,6 @@ from bson.int64 import Int64
 from bson.objectid import ObjectId
 from bson.regex import Regex
 from bson.timestamp import Timestamp
-from mongomock import helpers
 
 from tests.mongosim import evaluate
 from tests.mongosim.evaluate import Failure, _Ordered, check_filter, get_path, matches, run_pipeline, sort_docs
@@ -332,11 +331,12 @@ class Engine:
         self._truncate()
         self.changed.notify_all()
 
-    def _truncate(self) -> None:
+    def _truncate(self, now: float | None = None) -> None:
+        """Drops the entries older than the oplog window (the newest entry is always kept)."""
         window = self.settings.oplog_window
         if window is None or not self.oplog:
             return
-        cutoff = time.time() - window
+        cutoff = (time.time() if now is None else now) - window
         n = 0
         while n < len(self.oplog) - 1 and self.oplog[n].ts.time < cutoff:
             n += 1

@@ -174,7 +174,7 @@ class WireServer:
         self.host = host
         self.port = int(self._server.server_address[1])
         engine.address = f"{host}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="mongosim", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="mongosim", daemon=True)
 
     @property
     def uri(self) -> str:
