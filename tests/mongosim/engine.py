@@ -79,6 +79,7 @@ CODE_NAMES = {
     112: "WriteConflict",
     136: "CappedPositionLost",
     189: "PrimarySteppedDown",
+    197: "InvalidIndexSpecificationOption",
     251: "NoSuchTransaction",
     256: "TransactionCommitted",
     263: "OperationNotSupportedInTransaction",

@@ -415,3 +415,42 @@ def test_an_unknown_fail_point_or_data_field_is_refused(client: Client) -> None:
         client.admin.command({"configureFailPoint": "failCommand", "mode": "alwaysOn", "data": {"frob": 1}})
     with pytest.raises(OperationFailure):
         client.t.command({"configureFailPoint": "failCommand", "mode": "off"})  # admin only
+
+
+# --------------------------------------------------------------------------- as a process
+
+
+@pytest.mark.process
+def test_python_m_tests_mongosim_serves_until_sigterm() -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.mongosim", "--port", "0", "--noop-interval", "0"],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mongosim listening: mongodb://127.0.0.1:"), line
+        uri = line.split(": ", 1)[1].strip()
+        c: Client = MongoClient(uri, serverSelectionTimeoutMS=5000)
+        try:
+            assert c.admin.command("hello")["setName"] == "wowdsim"
+            c.t.c.insert_one({"_id": 1})
+            assert c.t.c.find_one() == {"_id": 1}
+        finally:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
