@@ -80,6 +80,8 @@ TYPE = AggregateType(context=CONTEXT, aggregate=AGGREGATE)
 MAX_BODY_BYTES = 1024
 FAULTS = ("kill", "stop", "restart", "join")
 MONGO_DATABASE = "wowd_chaos"
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository (``python -m tests.mongosim`` runs from it)."""
 
 
 def progress(position: Any) -> tuple[int, ...]:
@@ -959,7 +961,7 @@ class Harness:
             [sys.executable, "-m", "tests.mongosim", "--port", "0"],
             stdin=None,
             stderr=out,
-            cwd=Path(__file__).resolve().parents[2],
+            cwd=ROOT,
         )
 
         async def stop() -> None:

@@ -636,6 +636,7 @@ class Engine:
                 fp["times"] -= 1
                 if fp["times"] <= 0:
                     del self.failpoints["failCommand"]
+            self.changed.notify_all()  # a test may wait for the fail point to be met
         if data.get("blockConnection"):
             time.sleep(int(data.get("blockTimeMS", 0)) / 1000)
         return dict(data)

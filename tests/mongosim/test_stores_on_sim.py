@@ -61,8 +61,13 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(claim)
-                while "failCommand" in server.engine.failpoints:  # the claim's settle is held from now
-                    await anyio.sleep(0.01)
+                engine = server.engine
+
+                def held() -> bool:  # the claim's settle met the fail point: it is held from now
+                    with engine.changed:
+                        return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
+
+                assert await anyio.to_thread.run_sync(held)
                 assert await cancels.cancel(t.owner, t.key, t.version)
         assert [c.timer_id for c in claimed] == [kept.timer_id]
         assert await claims.find(t.owner, t.key) is None
