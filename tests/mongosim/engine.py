@@ -187,6 +187,8 @@ class Txn:
     number: int
     started: float
     undo: list[tuple[str, str, Any, dict[str, Any] | None]] = field(default_factory=list)
+    touched: set[tuple[str, str, bytes]] = field(default_factory=set)
+    """The documents it wrote: another writer of one of them meets a write conflict."""
     events: list[Event] = field(default_factory=list)
     created: list[tuple[str, str]] = field(default_factory=list)
 
@@ -265,7 +267,12 @@ class Engine:
         self.truncated_before: tuple[int, int] = (0, 0)
         self.cursors: dict[int, Cursor] = {}
         self.failpoints: dict[str, dict[str, Any]] = {}
+        self.txns: dict[bytes, Txn] = {}
+        """The open transactions by session."""
         self.txn: Txn | None = None
+        """The transaction of the command being run (None: not in one)."""
+        self._deadline: float | None = None
+        """The ``maxTimeMS`` deadline of the command being run."""
         self.commands: dict[str, int] = {}
         """How many of each command were run (the wire counts)."""
         self._ids = itertools.count(1)
@@ -384,8 +391,11 @@ class Engine:
                             and min(d.replace(tzinfo=None) for d in dates) <= limit
                             and (pfe is None or matches(pfe, doc))
                         ):
-                            self._remove(db, coll, doc)
-                            removed += 1
+                            try:
+                                self._remove(db, coll, doc)
+                                removed += 1
+                            except _Retry:
+                                pass  # a transaction held it: the next pass decides
         return removed
 
     # ------------------------------------------------------------------ storage
@@ -491,6 +501,7 @@ class Engine:
         _check_field_names(doc)
         self._check_size(doc, update=False)
         key = self._store_key(doc["_id"])
+        self._claim_doc(db, coll, key)
         self._check_unique(db, coll, doc, object())
         self._put(db, coll, key, copy.deepcopy(doc))
         if self.txn is not None:
@@ -511,6 +522,7 @@ class Engine:
         _check_field_names(new)
         self._check_size(new, update=True)
         key = self._store_key(old["_id"])
+        self._claim_doc(db, coll, key)
         self._check_unique(db, coll, new, key)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(old)))
@@ -522,6 +534,7 @@ class Engine:
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
         key = self._store_key(doc["_id"])
+        self._claim_doc(db, coll, key)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
         self._put(db, coll, key, None)
@@ -648,77 +661,76 @@ class Engine:
             return handler(conn, cmd)
         if name == "getMore":
             return self.cmd_getmore(conn, cmd)
-        deadline = _deadline(cmd)
         with self.changed:
-            lsid = _lsid(cmd)
-            while self.txn is not None and self.txn.lsid != lsid:
-                if time.monotonic() - self.txn.started > TRANSACTION_LIFETIME_S:
-                    self._abort()
-                    break
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise Failure(50, "operation exceeded time limit")
-                self.changed.wait(0.05 if left is None else min(left, 0.05))
+            self._expire_transactions()
+            self._deadline = _deadline(cmd)
             if cmd.get("$clusterTime") and isinstance(cmd["$clusterTime"].get("clusterTime"), Timestamp):
                 gossip = cmd["$clusterTime"]["clusterTime"]
                 if _ts_key(gossip) > _ts_key(self.ct):
                     self.ct = gossip  # a valid gossiped time advances the clock (logical_clock.cpp)
-            txn_reply = self._transaction_state(cmd, name)
-            if txn_reply is not None:
-                return txn_reply
-            token = evaluate.NOW.set(datetime.datetime.now(datetime.UTC).replace(tzinfo=None, microsecond=0))
             try:
-                reply = handler(conn, cmd)
-            except Failure:
-                if self.txn is not None and self.txn.lsid == lsid:
-                    self._abort()
-                raise
+                txn_reply = self._transaction_state(cmd, name)
+                if txn_reply is not None:
+                    return txn_reply
+                token = evaluate.NOW.set(datetime.datetime.now(datetime.UTC).replace(tzinfo=None, microsecond=0))
+                try:
+                    return handler(conn, cmd)
+                except Failure:
+                    if self.txn is not None:
+                        self._abort(self.txn)  # an error in a transaction aborts it
+                    raise
+                finally:
+                    evaluate.NOW.reset(token)
             finally:
-                evaluate.NOW.reset(token)
-            return reply
+                self.txn = None
 
     # ------------------------------------------------------------------ transactions
 
     def _transaction_state(self, cmd: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """Sets :attr:`txn` for a command of a transaction; answers ``commitTransaction`` and
+        ``abortTransaction`` (manual, "Transactions"; the driver's transactions specification)."""
         lsid = _lsid(cmd)
+        number = cmd.get("txnNumber")
+        open_txn = self.txns.get(lsid)
+        aborted = Failure(
+            251, f"Transaction with {{ txnNumber: {number} }} has been aborted.", labels=["TransientTransactionError"]
+        )
         if name in ("commitTransaction", "abortTransaction"):
-            if self.txn is None or self.txn.lsid != lsid or self.txn.number != cmd.get("txnNumber"):
-                if name == "abortTransaction":
-                    raise Failure(
-                        251,
-                        f"Transaction with {{ txnNumber: {cmd.get('txnNumber')} }} has been aborted.",
-                        labels=["TransientTransactionError"],
-                    )
-                raise Failure(
-                    251,
-                    f"Transaction with {{ txnNumber: {cmd.get('txnNumber')} }} has been aborted.",
-                    labels=["TransientTransactionError"],
-                )
+            if open_txn is None or open_txn.number != number:
+                raise aborted
             if name == "commitTransaction":
-                txn, self.txn = self.txn, None
-                if txn.events:
-                    self._append(txn.events)
+                del self.txns[lsid]
+                if open_txn.events:
+                    self._append(open_txn.events)  # one oplog entry, one cluster time
+                self.changed.notify_all()
             else:
-                self._abort()
+                self._abort(open_txn)
             return {"ok": 1.0}
         if cmd.get("startTransaction"):
             if cmd.get("autocommit") is not False:
                 raise Failure(72, "autocommit must be false to start a transaction")
             if name not in ("find", "insert", "update", "delete", "findAndModify", "aggregate", "count", "distinct"):
                 raise Failure(263, f"Cannot run '{name}' in a multi-document transaction.")
-            self.txn = Txn(lsid=lsid, number=int(cmd.get("txnNumber", 0)), started=time.monotonic())
-        elif cmd.get("autocommit") is False and (self.txn is None or self.txn.lsid != lsid):
-            raise Failure(
-                251,
-                f"Transaction with {{ txnNumber: {cmd.get('txnNumber')} }} has been aborted.",
-                labels=["TransientTransactionError"],
-            )
+            if open_txn is not None:
+                self._abort(open_txn)  # a newer transaction number ends the session's older one
+            self.txn = self.txns[lsid] = Txn(lsid=lsid, number=int(number or 0), started=time.monotonic())
+        elif cmd.get("autocommit") is False:
+            if open_txn is None or open_txn.number != number:
+                raise aborted
+            self.txn = open_txn
         return None
 
-    def _abort(self) -> None:
-        txn, self.txn = self.txn, None
-        if txn is None:
-            return
+    def _expire_transactions(self) -> None:
+        for txn in list(self.txns.values()):
+            if time.monotonic() - txn.started > TRANSACTION_LIFETIME_S:
+                logger.warning(
+                    "mongosim: transaction of session %s aborted after %ds", txn.lsid.hex(), TRANSACTION_LIFETIME_S
+                )
+                self._abort(txn)
+
+    def _abort(self, txn: Txn) -> None:
+        self.txns.pop(txn.lsid, None)
+        current, self.txn = self.txn, None  # the undo writes are no transaction's
         for db, coll, key, old in reversed(txn.undo):
             if (db, coll) in self.catalog:
                 self._put(db, coll, key, old)
@@ -726,7 +738,38 @@ class Engine:
             self.catalog.pop(ns, None)
             self.data.pop(ns, None)
             self.uniques.pop(ns, None)
+        self.txn = None if current is txn else current
         self.changed.notify_all()
+
+    def _claim_doc(self, db: str, coll: str, key: bytes) -> None:
+        """Before a write of the document ``key``: a document another open transaction wrote is
+        a write conflict. In a transaction: 112 WriteConflict with TransientTransactionError (the
+        driver runs the transaction again). Outside one: the write waits until that transaction
+        ends (its ``maxTimeMS``, 50, when it runs out), then raises :class:`_Retry`: the caller
+        reads the document again (the server retries a conflicting single write internally)."""
+        ident = (db, coll, key)
+        waited = False
+        while True:
+            holder = next((t for t in self.txns.values() if t is not self.txn and ident in t.touched), None)
+            if holder is None:
+                break
+            if self.txn is not None:
+                raise Failure(
+                    112,
+                    "WriteConflict error: this operation conflicted with another operation. Please retry your "
+                    "operation or multi-document transaction.",
+                    labels=["TransientTransactionError"],
+                )
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Failure(50, "operation exceeded time limit")
+            waited = True
+            self.changed.wait(0.05 if left is None else min(left, 0.05))
+            self._expire_transactions()
+        if waited:
+            raise _Retry
+        if self.txn is not None:
+            self.txn.touched.add(ident)
 
     # ------------------------------------------------------------------ handshake, admin
 
@@ -1248,7 +1291,12 @@ class Engine:
         errors: list[dict[str, Any]] = []
         for i, item in enumerate(items):
             try:
-                r = one(item)
+                while True:
+                    try:
+                        r = one(item)
+                        break
+                    except _Retry:
+                        continue  # the statement waited for a transaction: run it again
             except Failure as exc:
                 if self.txn is not None:
                     raise
@@ -1293,9 +1341,21 @@ class Engine:
             matched = self._find(db, coll, spec["q"])
             if spec.get("limit") == 1:
                 matched = matched[:1]
+            n = 0
             for d in matched:
-                self._remove(db, coll, d)
-            return {"n": len(matched)}
+                current: dict[str, Any] | None = d
+                while current is not None:
+                    try:
+                        self._remove(db, coll, current)
+                        n += 1
+                        break
+                    except _Retry:
+                        if spec.get("limit") == 1:
+                            raise  # nothing removed yet: the statement runs again from its match
+                        current = self._coll(db, coll).get(self._store_key(d["_id"]))
+                        if current is not None and not matches(spec["q"], current):
+                            current = None
+            return {"n": n}
 
         return self._writes(cmd, self._batch(cmd, "deletes"), one)
 
@@ -1339,15 +1399,27 @@ class Engine:
         if not multi:
             matched = matched[:1]
         before = after = None
-        modified = 0
+        modified = n = 0
         for doc in matched:
-            new = self._apply(db, coll, doc, flt, update, kind, insert=False)
-            before, after = copy.deepcopy(doc), new
-            if new != doc:
-                self._replace_stored(db, coll, doc, new, None if kind == "replacement" else _diff(doc, new))
-                modified += 1
+            current: dict[str, Any] | None = doc
+            while current is not None:
+                try:
+                    new = self._apply(db, coll, current, flt, update, kind, insert=False)
+                    if new != current:
+                        diff = None if kind == "replacement" else _diff(current, new)
+                        self._replace_stored(db, coll, current, new, diff)
+                        modified += 1
+                    before, after = copy.deepcopy(current), new
+                    n += 1
+                    break
+                except _Retry:
+                    if not multi:
+                        raise  # nothing written yet: the statement runs again from its match
+                    current = self._coll(db, coll).get(self._store_key(doc["_id"]))
+                    if current is not None and not matches(flt, current):
+                        current = None  # it moved out of the filter while the write waited
         if matched or not upsert:
-            return len(matched), modified, None, before, after
+            return n, modified, None, before, after
         base = _upsert_base(flt) if kind != "replacement" else {}
         if kind == "replacement" and "_id" in flt:
             base["_id"] = flt["_id"]
@@ -1384,6 +1456,13 @@ class Engine:
             return new
 
     def cmd_findandmodify(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        while True:
+            try:
+                return self._find_and_modify(cmd)
+            except _Retry:
+                continue  # the write waited for a transaction: the command runs again
+
+    def _find_and_modify(self, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(
             cmd,
             "findAndModify",
@@ -1676,6 +1755,10 @@ _UPDATE_OPERATORS = {
     "$currentDate",
     "$pullAll",
 }
+
+
+class _Retry(Exception):
+    """A write waited for a transaction: the document is read again before it is written."""
 
 
 class _evaluating:

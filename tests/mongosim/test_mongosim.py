@@ -367,6 +367,39 @@ def test_a_transaction_commits_as_one_entry_and_an_abort_undoes(client: Client) 
     assert coll.find_one({"_id": 0}) == {"_id": 0, "x": 1}
 
 
+def test_an_open_transaction_holds_only_the_documents_it_wrote(client: Client) -> None:
+    """Another session reads and writes other documents at once; another transaction writing one
+    of its documents meets a write conflict (112, TransientTransactionError); a write outside
+    a transaction waits for it to end, then applies to what it left."""
+    coll = client.t.c
+    coll.insert_many([{"_id": 1, "n": 0}, {"_id": 2, "n": 0}])
+    with client.start_session() as s1:
+        s1.start_transaction()
+        coll.update_one({"_id": 1}, {"$inc": {"n": 1}}, session=s1)
+        started = time.monotonic()
+        coll.update_one({"_id": 2}, {"$inc": {"n": 1}})  # another document: not held
+        assert coll.find_one({"_id": 2}) == {"_id": 2, "n": 1}
+        assert time.monotonic() - started < 1
+        with client.start_session() as s2:
+            s2.start_transaction()
+            with pytest.raises(OperationFailure) as exc:
+                coll.update_one({"_id": 1}, {"$inc": {"n": 10}}, session=s2)
+            assert exc.value.code == 112 and exc.value.has_error_label("TransientTransactionError")
+        done = threading.Event()
+
+        def write_outside() -> None:
+            coll.update_one({"_id": 1}, {"$inc": {"n": 100}})
+            done.set()
+
+        writer = threading.Thread(target=write_outside)
+        writer.start()
+        assert not done.wait(0.3)  # held by the open transaction
+        s1.commit_transaction()
+        writer.join(5)
+    assert done.is_set()
+    assert coll.find_one({"_id": 1}) == {"_id": 1, "n": 101}
+
+
 def test_fail_command_error_code_labels_and_times(client: Client) -> None:
     client.admin.command(
         {
