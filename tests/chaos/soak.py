@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--label", default="make soak")
     p.add_argument(
+        "--malformed-every", type=int, default=30, help="one malformed input per this many commits (0: none)"
+    )
+    p.add_argument(
         "--backend",
         choices=["embedded", "mongo-sim"],
         default="embedded",
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         fault_gap_s=(2.0, 6.0),
         drain_s=120.0,
         backend=args.backend,
+        malformed_every=args.malformed_every or 10**9,
     )
     report = anyio.run(run_chaos, config, workdir)
     text = markdown(report, args.minutes, args.label)

@@ -9,6 +9,7 @@ lists every behaviour modelled and every limit with its source.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import datetime
 import itertools
@@ -1613,10 +1614,10 @@ class Engine:
             return batch
         limit = _ts_key(self.majority_point())
         scanned: tuple[int, int] | None = None
-        for e in self.oplog:
+        start = bisect.bisect_right(self.oplog, s.after, key=_event_key)  # the oplog is in key order
+        for i in range(start, len(self.oplog)):
+            e = self.oplog[i]
             k = _event_key(e)
-            if k <= s.after:
-                continue
             if _ts_key(e.ts) > limit or len(batch) >= size:
                 break
             s.after = k
