@@ -840,6 +840,11 @@ class Engine:
         }
 
     def cmd_endsessions(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Ends the sessions and aborts their open transactions (manual, "endSessions")."""
+        for lsid in cmd.get("endSessions") or []:
+            txn = self.txns.get(_lsid({"lsid": lsid}))
+            if txn is not None:
+                self._abort(txn)
         return {}
 
     def cmd_connectionstatus(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
