@@ -14,7 +14,6 @@ import copy
 import datetime
 import itertools
 import logging
-import os
 import re
 import socket
 import threading
@@ -920,14 +919,7 @@ class Engine:
         self.data.pop((db, coll), None)
         self.uniques.pop((db, coll), None)
         self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
-        self._kill_streams(db, coll)
         del meta
-
-    def _kill_streams(self, db: str, coll: str | None) -> None:
-        for c in self.cursors.values():
-            s = c.stream
-            if s is not None and s.db == db and (coll is None or s.coll in (None, coll)):
-                pass  # the stream answers an invalidate when it reaches the drop
 
     def cmd_dropdatabase(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         db = cmd["$db"]
@@ -2001,13 +1993,3 @@ def _labels_for(name: str, cmd: Mapping[str, Any], code: int) -> list[str]:
     if cmd.get("autocommit") is False and name not in ("commitTransaction", "abortTransaction"):
         labels.append("TransientTransactionError")
     return labels
-
-
-def env_settings() -> Settings:
-    """Settings from ``MONGOSIM_*`` variables (the process entry point's defaults)."""
-    s = Settings()
-    if os.environ.get("MONGOSIM_NOOP_INTERVAL"):
-        s.noop_interval = float(os.environ["MONGOSIM_NOOP_INTERVAL"])
-    if os.environ.get("MONGOSIM_OPLOG_WINDOW"):
-        s.oplog_window = float(os.environ["MONGOSIM_OPLOG_WINDOW"])
-    return s

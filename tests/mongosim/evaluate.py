@@ -13,9 +13,10 @@ Additions (mongomock 4.3 lacks them):
   (aggregation)"), ``$unionWith`` (manual, "$unionWith": the sub-pipeline's documents after the
   input's, a missing collection reads as empty);
 - update pipelines (manual, "Updates with Aggregation Pipeline"): only ``$addFields``/``$set``,
-  ``$project``/``$unset``, ``$replaceRoot``/``$replaceWith`` are allowed (others: code 72
-  InvalidOptions... the server answers "$<stage> is not allowed to be used within an update",
-  code 72).
+  ``$project``/``$unset``, ``$replaceRoot``/``$replaceWith`` (another stage: code 72, "... is not
+  allowed to be used within an update");
+- comparison expressions in BSON order across types, a missing field below null (manual,
+  "Comparison/Sort Order"); ``$add`` of a Date and milliseconds (manual, "$add").
 
 Everything else is mongomock's; what it does not implement raises, and the engine answers an
 error (never a silent success).
@@ -302,8 +303,6 @@ def _stage(docs: list[dict[str, Any]], name: str, spec: Any, lookup: Lookup) -> 
                 raise Failure(2, f"unknown operator: {key}")
     handler = mm_aggregate._PIPELINE_HANDLERS[name]
     result = list(handler(docs, _NoDatabase(lookup), spec))
-    if name in ("$addFields", "$set", "$project", "$group"):
-        result = [_drop_remove(d) for d in result]
     return result
 
 
@@ -315,10 +314,6 @@ class _NoDatabase:
 
     def get_collection(self, name: str) -> Any:
         raise Failure(2, "mongosim: $lookup/$out are not implemented")
-
-
-def _drop_remove(doc: Any) -> Any:
-    return doc
 
 
 def _unset(doc: Any, path: list[str]) -> None:
