@@ -570,12 +570,7 @@ class Engine:
         docs = self._id_lookup(db, coll, flt)
         if docs is None:
             docs = self._docs(db, coll)
-        # a cheap pass first: a top-level equality on a string or ObjectId keeps only the
-        # documents whose value there is that very value (or holds an array on the way, left to
-        # the full match); then mongomock's match decides
-        for path, want in flt.items():
-            if not path.startswith("$") and type(want) in (str, ObjectId):
-                docs = [d for d in docs if _maybe_equal(d, path, want)]
+        docs = evaluate.prefilter(flt, docs)
         with _evaluating():
             return [d for d in docs if matches(flt, d)]
 
@@ -1776,28 +1771,6 @@ class _evaluating:
         if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
             raise Failure(exc.code or 2, str(exc)) from exc
         return False
-
-
-_PLAIN = (str, ObjectId, type(None), int, Int64, float, bool)
-_COMPLEX = object()
-"""A path through an array, or a value whose equality Python does not decide as BSON does."""
-
-
-def _fast_get(doc: Mapping[str, Any], path: str) -> Any:
-    cur: Any = doc
-    for p in path.split("."):
-        if isinstance(cur, list):
-            return _COMPLEX
-        if not isinstance(cur, Mapping):
-            return None
-        cur = cur.get(p)
-    # these types' Python inequality implies BSON inequality; any other value is left to the full match
-    return cur if type(cur) in _PLAIN else _COMPLEX
-
-
-def _maybe_equal(doc: Mapping[str, Any], path: str, want: Any) -> bool:
-    got = _fast_get(doc, path)
-    return got is _COMPLEX or got == want
 
 
 def _update_kind(update: Any, multi: bool) -> str:

@@ -32,8 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import mongomock
+from bson.int64 import Int64
 from bson.max_key import MaxKey
 from bson.min_key import MinKey
+from bson.objectid import ObjectId
 from mongomock import aggregate as mm_aggregate
 from mongomock import filtering, helpers
 from sentinels import NOTHING
@@ -262,7 +264,13 @@ def check_stage(stage: Any) -> tuple[str, Any]:
 
 
 def run_pipeline(docs: list[dict[str, Any]], pipeline: Sequence[Any], lookup: Lookup) -> list[dict[str, Any]]:
-    """``pipeline`` over ``docs`` (deep copies): the additions here, every other stage mongomock's."""
+    """``pipeline`` over ``docs`` (deep copies; a leading ``$match`` picks them first): the
+    additions here, every other stage mongomock's."""
+    if pipeline and isinstance(pipeline[0], dict) and set(pipeline[0]) == {"$match"}:
+        flt = pipeline[0]["$match"]
+        check_filter(flt)
+        docs = [d for d in prefilter(flt, docs) if matches(flt, d)]
+        pipeline = pipeline[1:]
     out = [copy.deepcopy(d) for d in docs]
     for stage in pipeline:
         name, spec = check_stage(stage)
@@ -389,3 +397,66 @@ def get_path(doc: Mapping[str, Any], path: str) -> Any:
     except (KeyError, IndexError, TypeError):
         return None
     return value
+
+
+_PLAIN = (str, ObjectId, type(None), int, Int64, float, bool)
+_COMPLEX = object()
+"""A path through an array, or a value whose comparison Python does not decide as BSON does."""
+
+
+def _fast_get(doc: Mapping[str, Any], path: str) -> Any:
+    cur: Any = doc
+    for p in path.split("."):
+        if isinstance(cur, list):
+            return _COMPLEX
+        if not isinstance(cur, Mapping):
+            return None
+        cur = cur.get(p)
+    # these types' Python comparison agrees with BSON's within their own kind; any other value
+    # is left to the full match
+    return cur if type(cur) in _PLAIN else _COMPLEX
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, Int64, float)
+
+
+_RANGES: dict[str, Callable[[Any, Any], bool]] = {
+    "$lt": operator.lt,
+    "$lte": operator.le,
+    "$gt": operator.gt,
+    "$gte": operator.ge,
+}
+
+
+def _may_match(doc: Mapping[str, Any], path: str, cond: Any) -> bool:
+    """False only when the top-level condition ``path: cond`` surely fails on ``doc``: an
+    equality to a string or ObjectId, an ``$in`` of such or of numbers, a number range, each
+    against a plain value at ``path`` (an array on the way, or any other type: True)."""
+    got = _fast_get(doc, path)
+    if got is _COMPLEX:
+        return True
+    if type(cond) in (str, ObjectId):
+        return bool(got == cond)
+    if not isinstance(cond, dict):
+        return True
+    for op, want in cond.items():
+        if op == "$in" and isinstance(want, list) and all(type(w) in (str, ObjectId) or _number(w) for w in want):
+            if got is None or type(got) is bool:
+                return False
+            if not any(got == w and (_number(got) == _number(w)) for w in want):
+                return False
+        elif op in _RANGES and _number(want) and _number(got):
+            if not _RANGES[op](got, want):
+                return False
+    return True
+
+
+def prefilter(flt: Mapping[str, Any], docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A cheap pass before mongomock's match (which decides): drops the documents a top-level
+    condition surely excludes (see :func:`_may_match`)."""
+    for path, cond in flt.items():
+        if path.startswith("$"):
+            continue
+        docs = [d for d in docs if _may_match(d, path, cond)]
+    return docs
