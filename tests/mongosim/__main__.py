@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
+from typing import Any
 
 from tests.mongosim.engine import Engine, Settings
 from tests.mongosim.wire import WireServer
@@ -31,10 +33,27 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    profile = os.environ.get("MONGOSIM_PROFILE")
+    if profile:  # where the simulator's time goes under a load (pstats file written at exit)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        engine_run = server.engine.run
+
+        def run(conn: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+            profiler.enable()
+            try:
+                return engine_run(conn, cmd)
+            finally:
+                profiler.disable()
+
+        server.engine.run = run  # type: ignore[method-assign]
     server.start()
     print(f"mongosim listening: {server.uri}", flush=True)
     stop.wait()
     server.stop()
+    if profile:
+        profiler.dump_stats(profile)
     return 0
 
 
