@@ -254,6 +254,9 @@ class Engine:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.data: dict[tuple[str, str], dict[bytes, dict[str, Any]]] = {}
+        self.fields: dict[tuple[str, str], dict[str, dict[Any, set[bytes]]]] = {}
+        """Field indexes built as queries use the fields: (db, coll) -> path -> value key -> the
+        documents' store keys (the value key ``_COMPLEX``: documents every query considers)."""
         self.uniques: dict[tuple[str, str], dict[str, dict[bytes, bytes]]] = {}
         """The unique indexes' maps: (db, coll) -> index name -> key -> the holder's store key."""
         self._mm = mongomock.MongoClient()["mongosim"]["updates"]
@@ -453,6 +456,11 @@ class Engine:
                     k = self._unique_entry(spec, new)
                     if k is not None:
                         m[k] = key
+        for path, index in self.fields.get((db, coll), {}).items():
+            if old is not None:
+                index.setdefault(evaluate.field_value(old, path), set()).discard(key)
+            if new is not None:
+                index.setdefault(evaluate.field_value(new, path), set()).add(key)
         if new is None:
             store.pop(key, None)
         else:
@@ -503,10 +511,11 @@ class Engine:
         key = self._store_key(doc["_id"])
         self._claim_doc(db, coll, key)
         self._check_unique(db, coll, doc, object())
-        self._put(db, coll, key, copy.deepcopy(doc))
+        doc = copy.deepcopy(doc)
+        self._put(db, coll, key, doc)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, None))
-        self._append([Event(Timestamp(0, 0), 0, "insert", db, coll, key={"_id": doc["_id"]}, doc=copy.deepcopy(doc))])
+        self._append([Event(Timestamp(0, 0), 0, "insert", db, coll, key={"_id": doc["_id"]}, doc=doc)])
         return doc["_id"]
 
     def _replace_stored(
@@ -526,11 +535,10 @@ class Engine:
         self._check_unique(db, coll, new, key)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(old)))
-        self._put(db, coll, key, copy.deepcopy(new))
+        new = copy.deepcopy(new)
+        self._put(db, coll, key, new)
         op = "replace" if update is None else "update"
-        self._append(
-            [Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=copy.deepcopy(new), update=update)]
-        )
+        self._append([Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=new, update=update)])
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
         key = self._store_key(doc["_id"])
@@ -565,11 +573,38 @@ class Engine:
                 hits[k] = store[k]
         return list(hits.values())
 
+    def _candidates(self, db: str, coll: str, flt: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The documents that may match ``flt``: through a field index (built at the first
+        query on the field, kept by every write) for each top-level equality or ``$in`` of
+        strings or integral numbers, all of them otherwise. Never copies."""
+        if (db, coll) not in self.catalog:
+            return []
+        store = self._coll(db, coll)
+        keys: set[bytes] | None = None
+        for path, cond in (flt or {}).items():
+            if path.startswith("$"):
+                continue
+            wanted = evaluate.indexable(cond)
+            if wanted is None:
+                continue
+            index = self.fields.setdefault((db, coll), {}).get(path)
+            if index is None:
+                index = self.fields[(db, coll)][path] = {}
+                for k, d in store.items():
+                    index.setdefault(evaluate.field_value(d, path), set()).add(k)
+            found: set[bytes] = set(index.get(evaluate._COMPLEX, ()))
+            for w in wanted:
+                found |= index.get(w, set())
+            keys = found if keys is None else keys & found
+        if keys is None:
+            return list(store.values())
+        return [d for k, d in store.items() if k in keys]  # in natural (insertion) order
+
     def _find(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]]:
         check_filter(flt)
         docs = self._id_lookup(db, coll, flt)
         if docs is None:
-            docs = self._docs(db, coll)
+            docs = self._candidates(db, coll, flt)
         docs = evaluate.prefilter(flt, docs)
         with _evaluating():
             return [d for d in docs if matches(flt, d)]
@@ -733,6 +768,7 @@ class Engine:
             self.catalog.pop(ns, None)
             self.data.pop(ns, None)
             self.uniques.pop(ns, None)
+            self.fields.pop(ns, None)
         self.txn = None if current is txn else current
         self.changed.notify_all()
 
@@ -913,6 +949,7 @@ class Engine:
         meta = self.catalog.pop((db, coll))
         self.data.pop((db, coll), None)
         self.uniques.pop((db, coll), None)
+        self.fields.pop((db, coll), None)
         self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
         del meta
 
@@ -1104,7 +1141,7 @@ class Engine:
             docs = docs[:limit]
         if cmd.get("projection"):
             docs = _project(docs, cmd["projection"])
-        docs = [copy.deepcopy(d) for d in docs]
+        # stored documents are never changed in place (a write stores a new one): answered as they are
         single = bool(cmd.get("singleBatch")) or (
             limit > 0 and len(docs) <= int(cmd.get("batchSize", DEFAULT_BATCH) or DEFAULT_BATCH)
         )
@@ -1184,9 +1221,10 @@ class Engine:
         if target == 1:
             raise Failure(2, "mongosim: collection-less aggregate not modelled")
         self._read_concern(cmd)
-        docs = self._docs(db, target)
         with _evaluating():
-            out = run_pipeline(docs, pipeline, lambda c: self._docs(db, c))
+            out = run_pipeline(
+                lambda f: self._candidates(db, target, f), pipeline, lambda c, f: self._candidates(db, c, f)
+            )
         return self._first_batch(f"{db}.{target}", out, cmd["cursor"], cmd)
 
     def cmd_count(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
@@ -1435,7 +1473,7 @@ class Engine:
                     name, _ = evaluate.check_stage(stage)
                     if name not in evaluate.UPDATE_STAGES:
                         raise Failure(72, f"{name} is not allowed to be used within an update")
-                (new,) = run_pipeline([doc], update, lambda c: self._docs(db, c))
+                (new,) = run_pipeline([doc], update, lambda c, f: self._candidates(db, c, f))
                 return new
             new = copy.deepcopy(doc)
             for op in update:
@@ -1620,7 +1658,7 @@ class Engine:
                 continue
             doc = self._change_doc(s, e)
             with _evaluating():
-                out = run_pipeline([doc], s.pipeline, lambda c: []) if s.pipeline else [doc]
+                out = run_pipeline([doc], s.pipeline, lambda c, f: []) if s.pipeline else [doc]
             for d in out:
                 fragments = _split_event(d) if s.split else [d]
                 if not s.split and _bson_size(d) > MAX_BSON_OBJECT:
@@ -1652,7 +1690,7 @@ class Engine:
         if e.op == "drop":
             return doc
         if e.op in ("insert", "replace"):
-            doc["fullDocument"] = copy.deepcopy(e.doc)
+            doc["fullDocument"] = e.doc  # never changed in place: the pipeline copies what it keeps
         doc["documentKey"] = copy.deepcopy(e.key)
         if e.op == "update":
             doc["updateDescription"] = copy.deepcopy(e.update)

@@ -201,8 +201,10 @@ def sort_docs(docs: list[dict[str, Any]], spec: Mapping[str, Any]) -> list[dict[
     return out
 
 
-Lookup = Callable[[str], list[dict[str, Any]]]
-"""The documents of a collection of the command's database (``[]`` when it does not exist)."""
+Lookup = Callable[[str, Mapping[str, Any] | None], list[dict[str, Any]]]
+"""The documents of a collection of the command's database that may match a filter (all of them
+for None; ``[]`` when it does not exist): never copies, never modified."""
+Source = list[dict[str, Any]] | Callable[[Mapping[str, Any] | None], list[dict[str, Any]]]
 
 STAGES = {
     "$match",
@@ -263,14 +265,18 @@ def check_stage(stage: Any) -> tuple[str, Any]:
     return name, spec
 
 
-def run_pipeline(docs: list[dict[str, Any]], pipeline: Sequence[Any], lookup: Lookup) -> list[dict[str, Any]]:
-    """``pipeline`` over ``docs`` (deep copies; a leading ``$match`` picks them first): the
-    additions here, every other stage mongomock's."""
+def run_pipeline(source: Source, pipeline: Sequence[Any], lookup: Lookup) -> list[dict[str, Any]]:
+    """``pipeline`` over the documents of ``source`` (a list, or a function answering those that
+    may match a leading ``$match``), deep-copied after that ``$match``: the additions here, every
+    other stage mongomock's."""
     if pipeline and isinstance(pipeline[0], dict) and set(pipeline[0]) == {"$match"}:
         flt = pipeline[0]["$match"]
         check_filter(flt)
-        docs = [d for d in prefilter(flt, docs) if matches(flt, d)]
+        candidates = source if isinstance(source, list) else source(flt)
+        docs = [d for d in prefilter(flt, candidates) if matches(flt, d)]
         pipeline = pipeline[1:]
+    else:
+        docs = source if isinstance(source, list) else source(None)
     out = [copy.deepcopy(d) for d in docs]
     for stage in pipeline:
         name, spec = check_stage(stage)
@@ -286,7 +292,7 @@ def _stage(docs: list[dict[str, Any]], name: str, spec: Any, lookup: Lookup) -> 
             coll, sub = spec["coll"], spec.get("pipeline", [])
         else:
             raise Failure(40415, f"BSON field '$unionWith' is invalid: {spec!r}")
-        return docs + run_pipeline(lookup(coll), sub, lookup)
+        return docs + run_pipeline(lambda f: lookup(coll, f), sub, lookup)
     if name == "$replaceWith":
         return _stage(docs, "$replaceRoot", {"newRoot": spec}, lookup)
     if name == "$unset":
@@ -460,3 +466,46 @@ def prefilter(flt: Mapping[str, Any], docs: list[dict[str, Any]]) -> list[dict[s
             continue
         docs = [d for d in docs if _may_match(d, path, cond)]
     return docs
+
+
+def index_key(value: Any) -> tuple[str, Any] | None:
+    """The key of a plain value in a field index (strings, integral numbers as one; None:
+    missing or null); anything else is not indexed (None is answered as ``("null", None)``)."""
+    t = type(value)
+    if value is None:
+        return ("null", None)
+    if t is str:
+        return ("s", value)
+    if t in (int, Int64):
+        return ("n", int(value))
+    if t is float and value.is_integer():
+        return ("n", int(value))
+    return None
+
+
+def indexable(cond: Any) -> list[tuple[str, Any]] | None:
+    """The index keys a top-level condition can only match among (an equality to a string or
+    integral number, an ``$in`` of those); None when it is not such a condition."""
+    if isinstance(cond, dict):
+        if set(cond) != {"$in"} or not isinstance(cond["$in"], list):
+            return None
+        values = cond["$in"]
+    else:
+        values = [cond]
+    keys = []
+    for v in values:
+        k = index_key(v)
+        if k is None or k[0] == "null" or type(v) is bool:
+            return None
+        keys.append(k)
+    return keys
+
+
+def field_value(doc: Mapping[str, Any], path: str) -> Any:
+    """The plain value at ``path`` for a field index, or :data:`_COMPLEX` (an array on the way or
+    a value not indexed: always a candidate)."""
+    got = _fast_get(doc, path)
+    if got is _COMPLEX:
+        return _COMPLEX
+    k = index_key(got)
+    return _COMPLEX if k is None else k

@@ -158,6 +158,23 @@ def test_min_max_bound_the_hinted_index_in_bson_order(client: Client) -> None:
     assert _code(exc) == 51173
 
 
+def test_field_indexes_follow_every_write(client: Client) -> None:
+    """The simulator's field indexes (built at a field's first query) answer as a scan would
+    after updates, deletes, arrays, numbers of one value and an aborted transaction."""
+    coll = client.t.c
+    coll.insert_many([{"_id": i, "s": "a", "n": i % 3} for i in range(6)])
+    assert sorted(d["_id"] for d in coll.find({"s": "a", "n": {"$in": [0, 2]}})) == [0, 2, 3, 5]
+    coll.update_one({"_id": 0}, {"$set": {"s": "b"}})
+    coll.delete_one({"_id": 5})
+    coll.insert_one({"_id": 6, "s": ["x", "a"], "n": 2.0})
+    with client.start_session() as session:
+        session.start_transaction()
+        coll.update_one({"_id": 2}, {"$set": {"s": "z"}}, session=session)
+        session.abort_transaction()
+    assert sorted(d["_id"] for d in coll.find({"s": "a", "n": {"$in": [0, 2]}})) == [2, 3, 6]
+    assert [d["_id"] for d in coll.aggregate([{"$match": {"s": "b"}}])] == [0]
+
+
 # --------------------------------------------------------------------------- strictness and limits
 
 
