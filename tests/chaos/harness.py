@@ -1,4 +1,6 @@
-"""The chaos harness: K ``python -m wowd run`` replicas on one SQLite file, a producer, faults.
+"""The chaos harness: K ``python -m wowd run`` replicas on one SQLite file (or, with
+``backend="mongo-sim"``, on the MongoDB simulator of ``tests/mongosim`` with the sink on the
+Elasticsearch fake), a producer, faults.
 
 :func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl) on one SQLite
 file, and in this process a command target (:class:`~tests.chaos.target.CommandTarget`, counting
