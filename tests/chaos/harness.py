@@ -1,4 +1,6 @@
-"""The chaos harness: K ``python -m wowd run`` replicas on one SQLite file, a producer, faults.
+"""The chaos harness: K ``python -m wowd run`` replicas on one SQLite file (or, with
+``backend="mongo-sim"``, on the MongoDB simulator of ``tests/mongosim`` with the sink on the
+Elasticsearch fake), a producer, faults.
 
 :func:`run_chaos` starts ``replicas`` processes (HTTP on port 0, short lease ttl) on one SQLite
 file, and in this process a command target (:class:`~tests.chaos.target.CommandTarget`, counting
@@ -47,6 +49,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -78,6 +81,18 @@ AGGREGATE = "order"
 TYPE = AggregateType(context=CONTEXT, aggregate=AGGREGATE)
 MAX_BODY_BYTES = 1024
 FAULTS = ("kill", "stop", "restart", "join")
+MONGO_DATABASE = "wowd_chaos"
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository (``python -m tests.mongosim`` runs from it)."""
+
+
+def progress(position: Any) -> tuple[int, ...]:
+    """A checkpoint position as an ordered key: the embedded log's ``seq``, the MongoDB log's
+    cluster time."""
+    if isinstance(position, dict) and "seq" in position:
+        return (int(position["seq"]),)
+    ct = position.get("cluster_time") if isinstance(position, dict) else None
+    return tuple(int(v) for v in ct) if isinstance(ct, list | tuple) else (0, 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +125,9 @@ class ChaosConfig:
     drain_s: float = 60.0
     """How long the replicas get to catch up once the producer stopped."""
     sample_every_s: float = 0.25
+    backend: Literal["embedded", "mongo-sim"] = "embedded"
+    """The replicas' stores: the embedded file, or MongoDB on the simulator (``tests/mongosim``,
+    a process) with the sink on the Elasticsearch fake (``tests/elasticsearch``, in this process)."""
 
     @property
     def slow_latency_s(self) -> float:
@@ -270,14 +288,23 @@ class Replica:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
 
-def replica_env(config: ChaosConfig, db: Path) -> dict[str, str]:
+def replica_env(config: ChaosConfig, db: Path, *, mongo_uri: str = "", es_url: str = "") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k != "NOTIFY_SOCKET"}
+    if config.backend == "mongo-sim":
+        env.update(
+            {
+                "WOWD_BACKEND": "mongo",
+                "WOWD_MONGODB__URI": mongo_uri,
+                "WOWD_MONGODB__DATABASE": MONGO_DATABASE,
+                "WOWD_ELASTICSEARCH__URL": es_url,
+            }
+        )
+    else:
+        env.update({"WOWD_BACKEND": "embedded", "WOWD_EMBEDDED__PATH": str(db)})
     env.update(
         {
             "WOWD_CONTEXT": CONTEXT,
             "WOWD_PARTITIONS": str(config.partitions),
-            "WOWD_BACKEND": "embedded",
-            "WOWD_EMBEDDED__PATH": str(db),
             "WOWD_HTTP__HOST": "127.0.0.1",
             "WOWD_HTTP__PORT": "0",
             "WOWD_LEASE__LIMIT": str(config.limit),
@@ -459,6 +486,10 @@ class Producer:
                 "events": [],
                 **defect,
             }
+            if self._config.backend == "mongo-sim":
+                # on MongoDB the log writer writes the partition (docs/schema.md): a producer's
+                # malformed document still has one, or no partition would ever read it
+                doc["partition"] = partition(agg_id, self._config.partitions)
             for attempt in range(50):
                 try:
                     await self._log.insert_raw(TYPE, doc)
@@ -511,7 +542,7 @@ class Harness:
         self.replicas: dict[str, Replica] = {}
         self.report = ChaosReport(config=config)
         self._joined = 0
-        self._checkpoints: dict[int, tuple[int, int]] = {}
+        self._checkpoints: dict[int, tuple[tuple[int, ...], int]] = {}
         self._fences: dict[int, int] = {}
         self._starts = 0
         self.marks: list[FaultMark] = []
@@ -725,7 +756,7 @@ class Harness:
                 log.debug("checkpoint sample failed: %s", exc)
                 cps = {}
             for p, cp in cps.items():
-                seq, fence = int(cp.position.get("seq", 0)), cp.fence
+                seq, fence = progress(cp.position), cp.fence
                 last = self._checkpoints.get(p)
                 if last is not None:
                     last_seq, last_fence = last
@@ -765,6 +796,10 @@ class Harness:
 
     async def _sink_state(self, producer: Producer) -> tuple[list[str], list[str]]:
         sink = self._sink
+        if self.config.backend == "mongo-sim":
+            # a search sees what the last refresh made visible (the replicas write without one;
+            # a server refreshes each second, the fake on request)
+            await self._es.indices.refresh(index=sink.index)
         missing: list[str] = []
         extra: list[str] = []
         for agg_id, version in sorted(producer.expected.versions.items()):
@@ -887,26 +922,89 @@ class Harness:
 
     # ------------------------------------------------------------------ run
 
-    async def run(self) -> ChaosReport:
-        from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
-        from wowd.stores.embedded.log import EmbeddedLog
-        from wowd.stores.embedded.outbox import EmbeddedOutbox
-        from wowd.stores.embedded.sink import EmbeddedEventSink
-        from wowd.stores.embedded.timers import EmbeddedTimerStore
+    async def _open_stores(self, stack: AsyncExitStack) -> None:
+        """The harness's own stores of the replicas' backend (the simulator and the
+        Elasticsearch fake started first for ``mongo-sim``)."""
+        cfg = self.config
+        if cfg.backend == "mongo-sim":
+            from elasticsearch import AsyncElasticsearch
 
+            from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch
+            from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+            from wowd.stores.mongo.leases import MongoSlotLeaseStore
+            from wowd.stores.mongo.log import MongoLog
+            from wowd.stores.mongo.outbox import MongoOutbox
+            from wowd.stores.mongo.timers import MongoTimerStore
+
+            uri = await self._start_simulator(stack)
+            fake = FakeElasticsearch()
+            fake.model = EsModel()
+            fake.start()
+            stack.callback(fake.stop)
+            self.env = replica_env(cfg, self.db, mongo_uri=uri, es_url=fake.url)
+            self._log = MongoLog(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._leases = MongoSlotLeaseStore(uri, MONGO_DATABASE)
+            self._timers = MongoTimerStore(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._outbox_store = MongoOutbox(uri, MONGO_DATABASE, context=CONTEXT)
+            self._es = AsyncElasticsearch(fake.url)
+            self._sink = ElasticsearchEventSink(self._es, TYPE, refresh=True, owns_client=True)
+        else:
+            from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+            from wowd.stores.embedded.log import EmbeddedLog
+            from wowd.stores.embedded.outbox import EmbeddedOutbox
+            from wowd.stores.embedded.sink import EmbeddedEventSink
+            from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+            self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._leases = EmbeddedSlotLeaseStore(self.db)
+            self._timers = EmbeddedTimerStore(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._outbox_store = EmbeddedOutbox(self.db)
+            self._sink = EmbeddedEventSink(self.db, TYPE)
+        for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):
+            stack.push_async_callback(store.close)
+            await store.prepare()
+
+    async def _start_simulator(self, stack: AsyncExitStack) -> str:
+        """``python -m tests.mongosim`` on a free port (its own process, as a server is); its URI."""
+        out = (self.workdir / "mongosim.log").open("ab")
+        stack.callback(out.close)
+        proc = await anyio.open_process(
+            [sys.executable, "-m", "tests.mongosim", "--port", "0"],
+            stdin=None,
+            stderr=out,
+            cwd=ROOT,
+        )
+
+        async def stop() -> None:
+            with anyio.CancelScope(shield=True):
+                proc.terminate()
+                with anyio.move_on_after(10):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                await proc.aclose()
+
+        stack.push_async_callback(stop)
+        assert proc.stdout is not None
+        line = b""
+        with anyio.fail_after(30):
+            while not line.endswith(b"\n"):
+                line += await proc.stdout.receive(1)
+        text = line.decode().strip()
+        if not text.startswith("mongosim listening: "):
+            raise RuntimeError(f"the MongoDB simulator did not start: {text!r}")
+        return text.split(": ", 1)[1]
+
+    async def run(self) -> ChaosReport:
+        async with AsyncExitStack() as stack:
+            await self._open_stores(stack)
+            return await self._run()
+
+    async def _run(self) -> ChaosReport:
         cfg, rep = self.config, self.report
         started = anyio.current_time()
         self._t0 = time.monotonic()
-        self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
-        await self._log.prepare()
-        self._leases = EmbeddedSlotLeaseStore(self.db)
-        await self._leases.prepare()
-        self._timers = EmbeddedTimerStore(self.db, context=CONTEXT, partitions=cfg.partitions)
-        await self._timers.prepare()
-        self._outbox_store = EmbeddedOutbox(self.db)
-        await self._outbox_store.prepare()
-        self._sink = EmbeddedEventSink(self.db, TYPE)
-        await self._sink.prepare()
         producer = Producer(cfg, self._log, random.Random(cfg.seed + 1))
         try:
             async with anyio.create_task_group() as tg:
@@ -954,8 +1052,6 @@ class Harness:
                         await r.proc.wait()
                     r.out.close()
                     await r.proc.aclose()
-                for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):
-                    await store.close()
         rep.elapsed_s = anyio.current_time() - started
         return rep
 

@@ -35,7 +35,12 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
     setup = (
         f"{c.replicas} replicas (max {c.max_replicas}), {c.limit} slots, {c.partitions} partitions, "
         f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, claim ttl {c.claim_ttl_s}s, {c.rate_per_s:g} commits/s, "
-        f"embedded {LIBRARY}; gateway {c.gateway}"
+        + (
+            f"embedded {LIBRARY}"
+            if c.backend == "embedded"
+            else "MongoDB simulator (tests/mongosim), sink on the Elasticsearch fake"
+        )
+        + f"; gateway {c.gateway}"
         + (" (each start in turn: HTTP target, outbox)" if c.gateway == "mixed" else "")
     )
     rss = (
@@ -109,6 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         "--results", type=Path, default=RESULTS, help="markdown file whose soak section the summary replaces"
     )
     p.add_argument("--label", default="make soak")
+    p.add_argument(
+        "--malformed-every", type=int, default=30, help="one malformed input per this many commits (0: none)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["embedded", "mongo-sim"],
+        default="embedded",
+        help="the replicas' stores: the embedded file, or MongoDB on the simulator (tests/mongosim)",
+    )
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -121,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         rate_per_s=args.rate,
         fault_gap_s=(2.0, 6.0),
         drain_s=120.0,
+        backend=args.backend,
+        malformed_every=args.malformed_every or 10**9,
     )
     report = anyio.run(run_chaos, config, workdir)
     text = markdown(report, args.minutes, args.label)

@@ -1,7 +1,8 @@
 """Contract suites: every implementation of a protocol runs the same tests.
 
-``embedded`` always; ``mongo`` when ``WOWD_TEST_MONGODB_URI`` is set and ``elasticsearch`` (the
-sink) when ``WOWD_TEST_ELASTICSEARCH_URL`` is set. The sink suite also runs against
+``embedded`` and ``mongo-sim`` (the MongoDB stores on the simulator of ``tests/mongosim``, one
+per test session, a fresh database per test) always; ``mongo`` when ``WOWD_TEST_MONGODB_URI`` is
+set and ``elasticsearch`` (the sink) when ``WOWD_TEST_ELASTICSEARCH_URL`` is set. The sink suite also runs against
 ``fake-elasticsearch`` (``tests/elasticsearch/fake_es.py``, the stateful model the black-pipe
 tests rely on), so that the fake is held to the same contract as a real server. With the
 variable set and the server absent the fixture fails (it never skips). Each test gets a fresh
@@ -12,7 +13,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ ES_URL = os.environ.get("WOWD_TEST_ELASTICSEARCH_URL")
 CONTEXT = "ctx"
 PARTITIONS = 8
 
-MONGO_IMPLS = ["embedded"] + (["mongo"] if MONGO_URI else [])
+MONGO_IMPLS = ["embedded", "mongo-sim"] + (["mongo"] if MONGO_URI else [])
 SINK_IMPLS = ["embedded", "fake-elasticsearch"] + (["elasticsearch"] if ES_URL else [])
 
 
@@ -42,13 +44,21 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "wowd.db"
 
 
-@pytest.fixture
-async def mongo_db() -> AsyncIterator[Any]:
-    """A fresh database on the server of WOWD_TEST_MONGODB_URI; fails if it does not answer."""
-    assert MONGO_URI, "WOWD_TEST_MONGODB_URI is not set"
+@pytest.fixture(scope="session")
+def mongosim_uri() -> Iterator[str]:
+    """The URI of a MongoDB simulator serving the whole test session."""
+    from tests.mongosim import serving
+
+    with serving() as server:
+        yield server.uri
+
+
+@asynccontextmanager
+async def _fresh_database(uri: str) -> AsyncIterator[Any]:
+    """A fresh database on the server of ``uri``; fails if it does not answer."""
     from pymongo import AsyncMongoClient
 
-    client: AsyncMongoClient[Any] = AsyncMongoClient(MONGO_URI, serverSelectionTimeoutMS=5000)
+    client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=5000)
     await client.admin.command("ping")  # raises (fails the test) when the server is absent
     name = f"wowd_test_{uuid.uuid4().hex[:12]}"
     try:
@@ -56,6 +66,14 @@ async def mongo_db() -> AsyncIterator[Any]:
     finally:
         await client.drop_database(name)
         await client.close()
+
+
+@pytest.fixture
+async def mongo_db() -> AsyncIterator[Any]:
+    """A fresh database on the server of WOWD_TEST_MONGODB_URI; fails if it does not answer."""
+    assert MONGO_URI, "WOWD_TEST_MONGODB_URI is not set"
+    async with _fresh_database(MONGO_URI) as db:
+        yield db
 
 
 async def _closing(store: Any) -> AsyncIterator[Any]:
@@ -117,14 +135,44 @@ def _mongo() -> StoreFactories:
     )
 
 
-BACKENDS: dict[str, Callable[[], StoreFactories]] = {"embedded": _embedded, "mongo": _mongo}
+def _mongo_sim() -> StoreFactories:
+    """The MongoDB stores, the log's empty ``getMore`` held 50 ms (not 1 s): a read that is
+    caught up ends after one empty wait, and the suite waits less on the simulator."""
+    from datetime import timedelta
+
+    from wowd.stores.mongo.log import MongoLog
+
+    mongo = _mongo()
+    return StoreFactories(
+        lease_store=mongo.lease_store,
+        timer_store=mongo.timer_store,
+        snapshot_store=mongo.snapshot_store,
+        log=lambda w: MongoLog(
+            w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS, max_await=timedelta(milliseconds=50)
+        ),
+        outbox=mongo.outbox,
+    )
+
+
+BACKENDS: dict[str, Callable[[], StoreFactories]] = {"embedded": _embedded, "mongo": _mongo, "mongo-sim": _mongo_sim}
 """The store factories of each backend the suites run on (a backend's modules load when used)."""
 
 
 async def _store(request: pytest.FixtureRequest, db_path: Path, kind: str, *, prepare: bool) -> AsyncIterator[Any]:
     backend = request.param
-    where = Where(db_path, request.getfixturevalue("mongo_db") if backend == "mongo" else None)
-    store = getattr(BACKENDS[backend](), kind)(where)
+    uri = {"mongo": MONGO_URI, "mongo-sim": request.getfixturevalue("mongosim_uri") if backend == "mongo-sim" else None}
+    if backend in uri:
+        assert uri[backend], "WOWD_TEST_MONGODB_URI is not set"
+        async with _fresh_database(str(uri[backend])) as db:
+            async for s in _opened(BACKENDS[backend](), kind, Where(db_path, db), prepare=prepare):
+                yield s
+        return
+    async for s in _opened(BACKENDS[backend](), kind, Where(db_path), prepare=prepare):
+        yield s
+
+
+async def _opened(factories: StoreFactories, kind: str, where: Where, *, prepare: bool) -> AsyncIterator[Any]:
+    store = getattr(factories, kind)(where)
     if prepare:
         await store.prepare()
     async for s in _closing(store):

@@ -676,14 +676,16 @@ class MongoTimerStore(MongoStore):
         return claimed
 
     async def _confirm(self, claimed: list[Timer]) -> list[Timer]:
-        """After a partial claim: the timers whose stored document is the claim written."""
+        """After a partial claim: the timers whose stored document is the claim written. A
+        tombstone at the claim's revision (a cancel that won the race raised the revision as the
+        claim would have) is not a claim: skipped, not decoded."""
         mine: list[Timer] = []
         for t in claimed:
             coll = self._collection(t.owner)
             doc = await coll.find_one(settle_filter(t))  # the claim's timer at its revision
-            if doc is not None:
+            if doc is not None and doc.get("status") == TimerStatus.FIRING.value:
                 stored = timer_from_doc(doc, context=self.context, aggregate=t.owner.aggregate)
-                if stored.status is TimerStatus.FIRING and stored.claim == t.claim:
+                if stored.claim == t.claim:
                     mine.append(stored)
         return mine
 

@@ -1,0 +1,2006 @@
+"""The simulated replica-set primary: commands, storage, cluster time, oplog, change streams,
+transactions, fail points. One lock serialises every command (each runs atomically); waits
+(``maxAwaitTimeMS``, ``blockTimeMS``, a transaction in progress) happen outside it.
+
+Documents live in a ``mongomock`` client; filters, update operators, sorts and aggregation
+stages are mongomock's (:mod:`tests.mongosim.evaluate` adds what it lacks). docs/mongosim.md
+lists every behaviour modelled and every limit with its source.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import datetime
+import itertools
+import logging
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import bson
+import mongomock
+from bson.int64 import Int64
+from bson.objectid import ObjectId
+from bson.regex import Regex
+from bson.timestamp import Timestamp
+
+from tests.mongosim import evaluate
+from tests.mongosim.evaluate import Failure, _Ordered, check_filter, get_path, matches, run_pipeline, sort_docs
+
+__all__ = ["Connection", "Engine", "Settings"]
+
+logger = logging.getLogger(__name__)
+
+MAX_BSON_OBJECT = 16 * 1024 * 1024
+"""``maxBsonObjectSize`` (src/mongo/bson/util/builder.h: BSONObjMaxUserSize)."""
+MAX_WRITE_BATCH = 100_000
+"""``maxWriteBatchSize`` (src/mongo/s/write_ops/batched_command_request.h, write_ops::kMaxWriteBatchSize)."""
+MAX_PIPELINE_STAGES = 1000
+"""``internalPipelineLengthLimit`` (src/mongo/db/query/query_knobs.idl)."""
+MAX_DB_NAME = 63
+"""Database names are at most 64 bytes less one (manual, "MongoDB Limits and Thresholds")."""
+MAX_NAMESPACE = 255
+"""A namespace ``<db>.<coll>`` is at most 255 bytes (same page, 4.4+)."""
+MAX_INDEXES = 64
+"""Indexes per collection (same page)."""
+DEFAULT_BATCH = 101
+"""The first batch of a ``find``/``aggregate`` without ``batchSize`` (manual, "Cursors")."""
+TRANSACTION_LIFETIME_S = 60
+"""``transactionLifetimeLimitSeconds``: a transaction older is aborted (manual, "Production
+Considerations" of transactions)."""
+
+CODE_NAMES = {
+    2: "BadValue",
+    9: "FailedToParse",
+    11: "UserNotFound",
+    13: "Unauthorized",
+    14: "TypeMismatch",
+    16: "InvalidLength",
+    20: "IllegalOperation",
+    26: "NamespaceNotFound",
+    27: "IndexNotFound",
+    43: "CursorNotFound",
+    48: "NamespaceExists",
+    50: "MaxTimeMSExpired",
+    59: "CommandNotFound",
+    64: "WriteConcernFailed",
+    67: "CannotCreateIndex",
+    72: "InvalidOptions",
+    73: "InvalidNamespace",
+    85: "IndexOptionsConflict",
+    86: "IndexKeySpecsConflict",
+    91: "ShutdownInProgress",
+    112: "WriteConflict",
+    136: "CappedPositionLost",
+    189: "PrimarySteppedDown",
+    197: "InvalidIndexSpecificationOption",
+    251: "NoSuchTransaction",
+    256: "TransactionCommitted",
+    263: "OperationNotSupportedInTransaction",
+    280: "ChangeStreamFatalError",
+    286: "ChangeStreamHistoryLost",
+    10107: "NotWritablePrimary",
+    10334: "BSONObjectTooLarge",
+    11000: "DuplicateKey",
+    11600: "InterruptedAtShutdown",
+    11602: "InterruptedDueToReplStateChange",
+    13435: "NotPrimaryNoSecondaryOk",
+    17419: "Location17419",
+    40415: "Location40415",
+    40324: "Location40324",
+    40573: "Location40573",
+}
+RETRYABLE_CODES = {6, 7, 89, 91, 189, 262, 9001, 10107, 11600, 11602, 13435, 13436}
+"""The codes a 4.4+ server labels ``RetryableWriteError`` on a retryable write (retryable
+writes specification, "Determining Retryable Errors")."""
+GENERIC_FIELDS = {
+    "$db",
+    "lsid",
+    "$clusterTime",
+    "txnNumber",
+    "autocommit",
+    "startTransaction",
+    "$readPreference",
+    "comment",
+    "apiVersion",
+    "apiStrict",
+    "apiDeprecationErrors",
+    "maxTimeMS",
+    "readConcern",
+    "writeConcern",
+}
+"""Fields every command takes (the generic arguments of src/mongo/idl/generic_argument.idl)."""
+
+
+@dataclass
+class Settings:
+    """What the simulated deployment does (all times in seconds)."""
+
+    set_name: str = "wowdsim"
+    noop_interval: float = 10.0
+    """``periodicNoopIntervalSecs``: a no-op oplog entry when nothing else was written for it."""
+    oplog_window: float | None = None
+    """History older than this is truncated (None: kept); a change stream starting before the
+    oldest entry left answers 286 ChangeStreamHistoryLost."""
+    ttl_interval: float = 60.0
+    """``ttlMonitorSleepSecs``: how often the TTL monitor deletes expired documents."""
+    max_wire_version: int = 21
+    """7.0."""
+
+
+@dataclass
+class Connection:
+    """One client connection (its socket, its handshake's ``appName``)."""
+
+    sock: socket.socket | None
+    id: int
+    app_name: str | None = None
+
+
+@dataclass
+class Event:
+    """One oplog entry's operation as a change stream shows it (``op`` ``n`` is a no-op)."""
+
+    ts: Timestamp
+    index: int
+    op: str
+    db: str
+    coll: str
+    key: Any = None
+    doc: dict[str, Any] | None = None
+    update: dict[str, Any] | None = None
+    wall: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).replace(tzinfo=None))
+    txn: dict[str, Any] | None = None
+
+
+@dataclass
+class Cursor:
+    id: int
+    ns: str
+    docs: list[dict[str, Any]] = field(default_factory=list)
+    stream: ChangeStream | None = None
+    lsid: Any = None
+
+
+@dataclass
+class ChangeStream:
+    db: str
+    coll: str | None
+    after: tuple[int, int, int, int]
+    """Events with a key above this are returned (see :func:`_event_key`)."""
+    pipeline: list[dict[str, Any]]
+    split: bool
+    full_document: str
+    last_token: dict[str, Any]
+    pending: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Txn:
+    lsid: bytes
+    number: int
+    started: float
+    undo: list[tuple[str, str, Any, dict[str, Any] | None]] = field(default_factory=list)
+    touched: set[tuple[str, str, bytes]] = field(default_factory=set)
+    """The documents it wrote: another writer of one of them meets a write conflict."""
+    events: list[Event] = field(default_factory=list)
+    created: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _ts_key(ts: Timestamp) -> tuple[int, int]:
+    return (ts.time, ts.inc)
+
+
+def _event_key(e: Event) -> tuple[int, int, int, int]:
+    return (e.ts.time, e.ts.inc, 128, e.index)
+
+
+def token_of(key: tuple[int, int, int, int], fragment: int | None = None) -> dict[str, Any]:
+    """A resume token: hex ``_data`` ordered like the server's KeyString (``82``, the cluster
+    time, the token type: 00 high-water mark, 80 event; the operation's index in its entry)."""
+    data = f"82{key[0]:08X}{key[1]:08X}{key[2]:02X}{key[3]:08X}"
+    if fragment is not None:
+        data += f"{fragment:08X}"
+    return {"_data": data}
+
+
+def key_of_token(token: Any) -> tuple[int, int, int, int]:
+    data = token.get("_data") if isinstance(token, Mapping) else None
+    if not isinstance(data, str) or len(data) < 28 or not data.startswith("82"):
+        raise Failure(2, f"KeyString format error: invalid resume token {token!r}")
+    try:
+        return (int(data[2:10], 16), int(data[10:18], 16), int(data[18:20], 16), int(data[20:28], 16))
+    except ValueError:
+        raise Failure(2, f"KeyString format error: invalid resume token {token!r}") from None
+
+
+def _hashable(value: Any) -> bytes:
+    """A key of ``value`` equal for BSON-equal values: numbers of one value (1, 1.0, Int64(1)) as
+    one (Decimal128 is not folded), documents field order included as BSON compares them."""
+    return bson.encode({"v": _canonical(value)})
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return Int64(int(value))
+    if isinstance(value, int):
+        return Int64(value) if -(2**63) <= value < 2**63 else float(value)
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def _bson_size(doc: Mapping[str, Any]) -> int:
+    return len(bson.encode(doc))
+
+
+class Engine:
+    """The state of the simulated primary and the commands it runs."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or Settings()
+        self.set_name = self.settings.set_name
+        self.address = "127.0.0.1:27017"
+        self.lock = threading.RLock()
+        self.changed = threading.Condition(self.lock)
+        self.data: dict[tuple[str, str], dict[bytes, dict[str, Any]]] = {}
+        self.fields: dict[tuple[str, str], dict[str, dict[Any, set[bytes]]]] = {}
+        """Field indexes built as queries use the fields: (db, coll) -> path -> value key -> the
+        documents' store keys (the value key ``_COMPLEX``: documents every query considers)."""
+        self.uniques: dict[tuple[str, str], dict[str, dict[bytes, bytes]]] = {}
+        """The unique indexes' maps: (db, coll) -> index name -> key -> the holder's store key."""
+        self._mm = mongomock.MongoClient()["mongosim"]["updates"]
+        """A mongomock collection whose update-operator code the updates run (it stores nothing)."""
+        self.catalog: dict[tuple[str, str], dict[str, Any]] = {}
+        """(db, coll) -> {"uuid", "indexes": [spec...]}"""
+        self.ct = Timestamp(int(time.time()), 1)
+        self.majority: Timestamp | None = None
+        """The majority commit point when held back (None: it follows every write)."""
+        self.oplog: list[Event] = []
+        self.truncated_before: tuple[int, int] = (0, 0)
+        self.cursors: dict[int, Cursor] = {}
+        self.failpoints: dict[str, dict[str, Any]] = {}
+        self.txns: dict[bytes, Txn] = {}
+        """The open transactions by session."""
+        self.txn: Txn | None = None
+        """The transaction of the command being run (None: not in one)."""
+        self._deadline: float | None = None
+        """The ``maxTimeMS`` deadline of the command being run."""
+        self.commands: dict[str, int] = {}
+        """How many of each command were run (the wire counts)."""
+        self._ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._cursor_ids = itertools.count(1000)
+        self._stop = threading.Event()
+        self._last_write = time.monotonic()
+        self._process_id = ObjectId()
+        self._election_id = ObjectId("7fffffff0000000000000001")
+        self._threads = [
+            threading.Thread(target=self._noop_writer, name="mongosim-noop", daemon=True),
+            threading.Thread(target=self._ttl_monitor, name="mongosim-ttl", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ connections
+
+    def connect(self, sock: socket.socket | None) -> Connection:
+        return Connection(sock=sock, id=next(self._ids))
+
+    def disconnect(self, conn: Connection) -> None:
+        pass
+
+    def next_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        with self.changed:
+            self.changed.notify_all()
+
+    # ------------------------------------------------------------------ time
+
+    def _tick(self) -> Timestamp:
+        """The cluster time of a new oplog entry: the wall clock's second, or one increment past
+        the last entry when the clock has not moved on (src/mongo/db/logical_clock.cpp)."""
+        now = int(time.time())
+        self.ct = Timestamp(now, 1) if now > self.ct.time else Timestamp(self.ct.time, self.ct.inc + 1)
+        self._last_write = time.monotonic()
+        return self.ct
+
+    def majority_point(self) -> Timestamp:
+        return self.ct if self.majority is None else self.majority
+
+    def hold_majority(self) -> None:
+        """The majority commit point stops at the current cluster time (secondaries lag)."""
+        with self.lock:
+            self.majority = self.ct
+
+    def release_majority(self) -> None:
+        with self.changed:
+            self.majority = None
+            self.changed.notify_all()
+
+    def _append(self, events: list[Event]) -> None:
+        if self.txn is not None:
+            self.txn.events.extend(events)
+            return
+        ts = self._tick()
+        for i, e in enumerate(events):
+            e.ts, e.index = ts, i
+        self.oplog.extend(events)
+        self._truncate()
+        self.changed.notify_all()
+
+    def _truncate(self, now: float | None = None) -> None:
+        """Drops the entries older than the oplog window (the newest entry is always kept)."""
+        window = self.settings.oplog_window
+        if window is None or not self.oplog:
+            return
+        cutoff = (time.time() if now is None else now) - window
+        n = 0
+        while n < len(self.oplog) - 1 and self.oplog[n].ts.time < cutoff:
+            n += 1
+        if n:
+            self.truncated_before = _ts_key(self.oplog[n].ts)
+            del self.oplog[:n]
+
+    def _noop_writer(self) -> None:
+        """The primary's periodic no-op (``periodicNoopIntervalSecs``, src/mongo/db/repl/
+        noop_writer.cpp): an entry only when nothing else was written for an interval."""
+        interval = self.settings.noop_interval
+        while not self._stop.wait(interval / 4 if interval > 0 else 1):
+            with self.changed:
+                if interval > 0 and time.monotonic() - self._last_write >= interval:
+                    self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop")])
+
+    def _ttl_monitor(self) -> None:
+        while not self._stop.wait(self.settings.ttl_interval):
+            self.expire()
+
+    def expire(self) -> int:
+        """One pass of the TTL monitor (manual, "TTL Indexes"): deletes every document whose
+        indexed Date (or earliest Date of an array) is ``expireAfterSeconds`` past, within the
+        index's partial filter; each delete is an oplog entry. Answers how many."""
+        removed = 0
+        with self.changed:
+            now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+            for (db, coll), meta in list(self.catalog.items()):
+                for spec in meta["indexes"]:
+                    if "expireAfterSeconds" not in spec or len(spec["key"]) != 1:
+                        continue
+                    (path,) = spec["key"]
+                    limit = now - datetime.timedelta(seconds=int(spec["expireAfterSeconds"]))
+                    pfe = spec.get("partialFilterExpression")
+                    for doc in list(self._docs(db, coll)):
+                        value = get_path(doc, path)
+                        dates = [
+                            v
+                            for v in (value if isinstance(value, list) else [value])
+                            if isinstance(v, datetime.datetime)
+                        ]
+                        if (
+                            dates
+                            and min(d.replace(tzinfo=None) for d in dates) <= limit
+                            and (pfe is None or matches(pfe, doc))
+                        ):
+                            try:
+                                self._remove(db, coll, doc)
+                                removed += 1
+                            except _Retry:
+                                pass  # a transaction held it: the next pass decides
+        return removed
+
+    # ------------------------------------------------------------------ storage
+
+    def _coll(self, db: str, coll: str) -> dict[bytes, dict[str, Any]]:
+        """The documents of a collection by :func:`_key` of their ``_id``, in insertion order."""
+        return self.data.setdefault((db, coll), {})
+
+    def _docs(self, db: str, coll: str) -> list[dict[str, Any]]:
+        if (db, coll) not in self.catalog:
+            return []
+        return list(self._coll(db, coll).values())
+
+    def _ensure(self, db: str, coll: str, *, options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        meta = self.catalog.get((db, coll))
+        if meta is None:
+            _check_namespace(db, coll)
+            meta = {
+                "uuid": uuid.uuid4(),
+                "indexes": [{"v": 2, "key": {"_id": 1}, "name": "_id_"}],
+                "options": dict(options or {}),
+            }
+            self.catalog[(db, coll)] = meta
+            if self.txn is not None:
+                self.txn.created.append((db, coll))
+            self._append([Event(Timestamp(0, 0), 0, "create", db, coll)])
+        return meta
+
+    def _store_key(self, _id: Any) -> bytes:
+        return _hashable(_id)
+
+    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any]) -> bytes | None:
+        """The key of ``doc`` in the unique index ``spec`` (None: outside its partial filter)."""
+        pfe = spec.get("partialFilterExpression")
+        if pfe is not None and not matches(pfe, doc):
+            return None
+        return _hashable([get_path(doc, p) for p in spec["key"]])
+
+    def _unique_specs(self, db: str, coll: str) -> list[dict[str, Any]]:
+        return [ix for ix in self.catalog[(db, coll)]["indexes"] if ix.get("unique")]
+
+    def _put(self, db: str, coll: str, key: bytes, new: dict[str, Any] | None) -> None:
+        """Stores ``new`` under ``key`` (None: removes it), keeping the unique indexes' maps."""
+        store = self._coll(db, coll)
+        old = store.get(key)
+        maps = self.uniques.setdefault((db, coll), {})
+        if (db, coll) in self.catalog:
+            for spec in self._unique_specs(db, coll):
+                m = maps.setdefault(spec["name"], {})
+                if old is not None:
+                    k = self._unique_entry(spec, old)
+                    if k is not None and m.get(k) == key:
+                        del m[k]
+                if new is not None:
+                    k = self._unique_entry(spec, new)
+                    if k is not None:
+                        m[k] = key
+        for path, index in self.fields.get((db, coll), {}).items():
+            if old is not None:
+                index.setdefault(evaluate.field_value(old, path), set()).discard(key)
+            if new is not None:
+                index.setdefault(evaluate.field_value(new, path), set()).add(key)
+        if new is None:
+            store.pop(key, None)
+        else:
+            store[key] = new
+
+    def _check_unique(self, db: str, coll: str, doc: dict[str, Any], self_key: Any) -> None:
+        """E11000 when another document has ``doc``'s key in a unique index (``_id`` included)."""
+        other = self._coll(db, coll).get(self._store_key(doc["_id"]))
+        specs: list[tuple[dict[str, Any], Any]] = []
+        if other is not None and self._store_key(other["_id"]) != self_key:
+            specs.append(({"key": {"_id": 1}, "name": "_id_"}, other))
+        maps = self.uniques.get((db, coll), {})
+        for spec in self._unique_specs(db, coll):
+            k = self._unique_entry(spec, doc)
+            holder = None if k is None else maps.get(spec["name"], {}).get(k)
+            if holder is not None and holder != self_key:
+                specs.append((spec, holder))
+        for spec, _ in specs[:1]:
+            paths = list(spec["key"])
+            values = {p: get_path(doc, p) for p in paths}
+            shown = ", ".join(f"{p}: {v!r}" for p, v in values.items())
+            raise Failure(
+                11000,
+                f"E11000 duplicate key error collection: {db}.{coll} index: {spec['name']} dup key: {{ {shown} }}",
+                extra={"keyPattern": dict(spec["key"]), "keyValue": values},
+            )
+
+    def _check_size(self, doc: Mapping[str, Any], *, update: bool) -> None:
+        size = _bson_size(doc)
+        if size > MAX_BSON_OBJECT:
+            if update:
+                raise Failure(17419, f"Resulting document after update is larger than {MAX_BSON_OBJECT}")
+            raise Failure(
+                10334,
+                f"BSONObj size: {size} (0x{size:X}) is invalid. Size must be between 0 and {MAX_BSON_OBJECT}(16MB)",
+            )
+
+    def _insert(self, db: str, coll: str, doc: dict[str, Any]) -> Any:
+        self._ensure(db, coll)
+        if "_id" not in doc:
+            doc = {"_id": ObjectId(), **doc}
+        elif next(iter(doc)) != "_id":
+            doc = {"_id": doc["_id"], **{k: v for k, v in doc.items() if k != "_id"}}
+        if isinstance(doc["_id"], list):
+            raise Failure(2, "can't use an array for _id")
+        _check_field_names(doc)
+        self._check_size(doc, update=False)
+        key = self._store_key(doc["_id"])
+        self._claim_doc(db, coll, key)
+        self._check_unique(db, coll, doc, object())
+        doc = copy.deepcopy(doc)
+        self._put(db, coll, key, doc)
+        if self.txn is not None:
+            self.txn.undo.append((db, coll, key, None))
+        self._append([Event(Timestamp(0, 0), 0, "insert", db, coll, key={"_id": doc["_id"]}, doc=doc)])
+        return doc["_id"]
+
+    def _replace_stored(
+        self, db: str, coll: str, old: dict[str, Any], new: dict[str, Any], update: dict[str, Any] | None
+    ) -> None:
+        if new.get("_id", old["_id"]) != old["_id"]:
+            raise Failure(
+                66,
+                f"After applying the update, the (immutable) field "
+                f"'_id' was found to have been altered to _id: {new.get('_id')!r}",
+            )
+        new = {"_id": old["_id"], **{k: v for k, v in new.items() if k != "_id"}}
+        _check_field_names(new)
+        self._check_size(new, update=True)
+        key = self._store_key(old["_id"])
+        self._claim_doc(db, coll, key)
+        self._check_unique(db, coll, new, key)
+        if self.txn is not None:
+            self.txn.undo.append((db, coll, key, copy.deepcopy(old)))
+        new = copy.deepcopy(new)
+        self._put(db, coll, key, new)
+        op = "replace" if update is None else "update"
+        self._append([Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=new, update=update)])
+
+    def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
+        key = self._store_key(doc["_id"])
+        self._claim_doc(db, coll, key)
+        if self.txn is not None:
+            self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
+        self._put(db, coll, key, None)
+        self._append([Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]})])
+
+    def _id_lookup(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        """The candidates of an ``_id`` equality or ``$in`` of plain values through the ``_id``
+        index (the full match still decides); None when the filter is not such."""
+        if "_id" not in flt:
+            return None
+        _id = flt["_id"]
+        if isinstance(_id, dict) and any(k.startswith("$") for k in _id):
+            if set(_id) != {"$in"} or not isinstance(_id["$in"], list):
+                return None
+            values = _id["$in"]
+        else:
+            values = [_id]
+        if any(
+            isinstance(v, list | re.Pattern | Regex) or isinstance(v, dict) and any(str(k).startswith("$") for k in v)
+            for v in values
+        ):
+            return None
+        store = self._coll(db, coll) if (db, coll) in self.catalog else {}
+        hits = {}
+        for v in values:
+            k = _hashable(v)
+            if k in store:
+                hits[k] = store[k]
+        return list(hits.values())
+
+    def _candidates(self, db: str, coll: str, flt: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+        """The documents that may match ``flt``: through a field index (built at the first
+        query on the field, kept by every write) for each top-level equality or ``$in`` of
+        strings or integral numbers, all of them otherwise. Never copies."""
+        if (db, coll) not in self.catalog:
+            return []
+        store = self._coll(db, coll)
+        keys: set[bytes] | None = None
+        for path, cond in (flt or {}).items():
+            if path.startswith("$"):
+                continue
+            wanted = evaluate.indexable(cond)
+            if wanted is None:
+                continue
+            index = self.fields.setdefault((db, coll), {}).get(path)
+            if index is None:
+                index = self.fields[(db, coll)][path] = {}
+                for k, d in store.items():
+                    index.setdefault(evaluate.field_value(d, path), set()).add(k)
+            found: set[bytes] = set(index.get(evaluate._COMPLEX, ()))
+            for w in wanted:
+                found |= index.get(w, set())
+            keys = found if keys is None else keys & found
+        if keys is None:
+            return list(store.values())
+        return [d for k, d in store.items() if k in keys]  # in natural (insertion) order
+
+    def _find(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]]:
+        check_filter(flt)
+        docs = self._id_lookup(db, coll, flt)
+        if docs is None:
+            docs = self._candidates(db, coll, flt)
+        docs = evaluate.prefilter(flt, docs)
+        with _evaluating():
+            return [d for d in docs if matches(flt, d)]
+
+    # ------------------------------------------------------------------ running a command
+
+    def run(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The reply document of ``cmd`` (errors as ``ok: 0`` documents, never raised)."""
+        name = next(iter(cmd), "")
+        self.commands[name] = self.commands.get(name, 0) + 1
+        try:
+            fail = self._failpoint(conn, name)
+            if fail is not None and fail.get("closeConnection"):
+                if conn.sock is not None:
+                    conn.sock.close()
+                raise ConnectionError("failCommand: closeConnection")
+            if fail is not None and fail.get("errorCode") is not None:
+                raise Failure(
+                    int(fail["errorCode"]),
+                    f"Failing command {name} via 'failCommand' failpoint",
+                    labels=fail.get("errorLabels", _labels_for(name, cmd, int(fail["errorCode"]))),
+                )
+            method = COMMANDS.get(name)
+            if method is None:
+                raise Failure(59, f"no such command: '{name}'")
+            reply = self._run_locked(conn, name, cmd, getattr(self, method))
+            if (cmd.get("readConcern") or {}).get("level") == "majority":
+                with self.lock:
+                    reply["operationTime"] = self.majority_point()
+            if fail is not None and "writeConcernError" in fail:
+                reply["writeConcernError"] = dict(fail["writeConcernError"])
+                labels = fail.get("errorLabels")
+                if labels:
+                    reply["errorLabels"] = list(labels)
+        except Failure as exc:
+            reply = {
+                "ok": 0.0,
+                "errmsg": exc.message,
+                "code": exc.code,
+                "codeName": CODE_NAMES.get(exc.code, f"Location{exc.code}"),
+            }
+            reply.update(exc.extra)
+            if exc.labels:
+                reply["errorLabels"] = exc.labels
+        except (ConnectionError, OSError):
+            raise
+        except Exception as exc:  # a gap of the simulator: an error answer naming it, never a hang
+            logger.exception("mongosim: %s failed", name)
+            reply = {"ok": 0.0, "errmsg": f"mongosim internal error: {exc!r}", "code": 1, "codeName": "InternalError"}
+        reply.setdefault("ok", 1.0)
+        with self.lock:
+            signature = {"hash": b"\x00" * 20, "keyId": Int64(0)}
+            reply["$clusterTime"] = {"clusterTime": self.ct, "signature": signature}
+            reply.setdefault("operationTime", self.ct)
+        return reply
+
+    def _failpoint(self, conn: Connection, name: str) -> dict[str, Any] | None:
+        with self.lock:
+            fp = self.failpoints.get("failCommand")
+            if fp is None or name in ("hello", "isMaster", "ismaster", "configureFailPoint", "buildInfo", "buildinfo"):
+                return None
+            data = fp["data"]
+            if name not in data.get("failCommands", []):
+                return None
+            if data.get("appName") is not None and data["appName"] != conn.app_name:
+                return None
+            if fp["skip"] > 0:
+                fp["skip"] -= 1
+                return None
+            fp["count"] += 1
+            if fp["times"] is not None:
+                fp["times"] -= 1
+                if fp["times"] <= 0:
+                    del self.failpoints["failCommand"]
+            self.changed.notify_all()  # a test may wait for the fail point to be met
+        if data.get("blockConnection"):
+            time.sleep(int(data.get("blockTimeMS", 0)) / 1000)
+        return dict(data)
+
+    def _run_locked(
+        self, conn: Connection, name: str, cmd: dict[str, Any], handler: Callable[..., dict[str, Any]]
+    ) -> dict[str, Any]:
+        if name in ("hello", "isMaster", "ismaster"):
+            return handler(conn, cmd)
+        if name == "getMore":
+            return self.cmd_getmore(conn, cmd)
+        with self.changed:
+            self._expire_transactions()
+            self._deadline = _deadline(cmd)
+            if cmd.get("$clusterTime") and isinstance(cmd["$clusterTime"].get("clusterTime"), Timestamp):
+                gossip = cmd["$clusterTime"]["clusterTime"]
+                if _ts_key(gossip) > _ts_key(self.ct):
+                    self.ct = gossip  # a valid gossiped time advances the clock (logical_clock.cpp)
+            try:
+                txn_reply = self._transaction_state(cmd, name)
+                if txn_reply is not None:
+                    return txn_reply
+                token = evaluate.NOW.set(datetime.datetime.now(datetime.UTC).replace(tzinfo=None, microsecond=0))
+                try:
+                    return handler(conn, cmd)
+                except Failure:
+                    if self.txn is not None:
+                        self._abort(self.txn)  # an error in a transaction aborts it
+                    raise
+                finally:
+                    evaluate.NOW.reset(token)
+            finally:
+                self.txn = None
+
+    # ------------------------------------------------------------------ transactions
+
+    def _transaction_state(self, cmd: dict[str, Any], name: str) -> dict[str, Any] | None:
+        """Sets :attr:`txn` for a command of a transaction; answers ``commitTransaction`` and
+        ``abortTransaction`` (manual, "Transactions"; the driver's transactions specification)."""
+        lsid = _lsid(cmd)
+        number = cmd.get("txnNumber")
+        open_txn = self.txns.get(lsid)
+        aborted = Failure(
+            251, f"Transaction with {{ txnNumber: {number} }} has been aborted.", labels=["TransientTransactionError"]
+        )
+        if name in ("commitTransaction", "abortTransaction"):
+            if open_txn is None or open_txn.number != number:
+                raise aborted
+            if name == "commitTransaction":
+                del self.txns[lsid]
+                if open_txn.events:
+                    self._append(open_txn.events)  # one oplog entry, one cluster time
+                self.changed.notify_all()
+            else:
+                self._abort(open_txn)
+            return {"ok": 1.0}
+        if cmd.get("startTransaction"):
+            if cmd.get("autocommit") is not False:
+                raise Failure(72, "autocommit must be false to start a transaction")
+            if name not in ("find", "insert", "update", "delete", "findAndModify", "aggregate", "count", "distinct"):
+                raise Failure(263, f"Cannot run '{name}' in a multi-document transaction.")
+            if open_txn is not None:
+                self._abort(open_txn)  # a newer transaction number ends the session's older one
+            self.txn = self.txns[lsid] = Txn(lsid=lsid, number=int(number or 0), started=time.monotonic())
+        elif cmd.get("autocommit") is False:
+            if open_txn is None or open_txn.number != number:
+                raise aborted
+            self.txn = open_txn
+        return None
+
+    def _expire_transactions(self) -> None:
+        for txn in list(self.txns.values()):
+            if time.monotonic() - txn.started > TRANSACTION_LIFETIME_S:
+                logger.warning(
+                    "mongosim: transaction of session %s aborted after %ds", txn.lsid.hex(), TRANSACTION_LIFETIME_S
+                )
+                self._abort(txn)
+
+    def _abort(self, txn: Txn) -> None:
+        self.txns.pop(txn.lsid, None)
+        current, self.txn = self.txn, None  # the undo writes are no transaction's
+        for db, coll, key, old in reversed(txn.undo):
+            if (db, coll) in self.catalog:
+                self._put(db, coll, key, old)
+        for ns in txn.created:
+            self.catalog.pop(ns, None)
+            self.data.pop(ns, None)
+            self.uniques.pop(ns, None)
+            self.fields.pop(ns, None)
+        self.txn = None if current is txn else current
+        self.changed.notify_all()
+
+    def _claim_doc(self, db: str, coll: str, key: bytes) -> None:
+        """Before a write of the document ``key``: a document another open transaction wrote is
+        a write conflict. In a transaction: 112 WriteConflict with TransientTransactionError (the
+        driver runs the transaction again). Outside one: the write waits until that transaction
+        ends (its ``maxTimeMS``, 50, when it runs out), then raises :class:`_Retry`: the caller
+        reads the document again (the server retries a conflicting single write internally)."""
+        ident = (db, coll, key)
+        waited = False
+        while True:
+            holder = next((t for t in self.txns.values() if t is not self.txn and ident in t.touched), None)
+            if holder is None:
+                break
+            if self.txn is not None:
+                raise Failure(
+                    112,
+                    "WriteConflict error: this operation conflicted with another operation. Please retry your "
+                    "operation or multi-document transaction.",
+                    labels=["TransientTransactionError"],
+                )
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise Failure(50, "operation exceeded time limit")
+            waited = True
+            self.changed.wait(0.05 if left is None else min(left, 0.05))
+            self._expire_transactions()
+        if waited:
+            raise _Retry
+        if self.txn is not None:
+            self.txn.touched.add(ident)
+
+    # ------------------------------------------------------------------ handshake, admin
+
+    def _hello(self) -> dict[str, Any]:
+        now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        optime = {"ts": self.ct, "t": Int64(1)}
+        return {
+            "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
+            "hosts": [self.address],
+            "setName": self.set_name,
+            "setVersion": 1,
+            "isWritablePrimary": True,
+            "secondary": False,
+            "primary": self.address,
+            "me": self.address,
+            "electionId": self._election_id,
+            "lastWrite": {
+                "opTime": optime,
+                "lastWriteDate": now,
+                "majorityOpTime": {"ts": self.majority_point(), "t": Int64(1)},
+                "majorityWriteDate": now,
+            },
+            "maxBsonObjectSize": MAX_BSON_OBJECT,
+            "maxMessageSizeBytes": 48_000_000,
+            "maxWriteBatchSize": MAX_WRITE_BATCH,
+            "localTime": now,
+            "logicalSessionTimeoutMinutes": 30,
+            "connectionId": 1,
+            "minWireVersion": 0,
+            "maxWireVersion": self.settings.max_wire_version,
+            "readOnly": False,
+        }
+
+    def cmd_hello(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        app = ((cmd.get("client") or {}).get("application") or {}).get("name")
+        if app:
+            conn.app_name = app
+        if "topologyVersion" in cmd and "maxAwaitTimeMS" in cmd:
+            # an awaitable hello: answered when the topology changes or the wait is over
+            # (the server's streaming protocol); the topology never changes here
+            self._stop.wait(min(int(cmd["maxAwaitTimeMS"]), 10_000) / 1000)
+        with self.lock:
+            reply = self._hello()
+        if "isMaster" in cmd or "ismaster" in cmd:
+            reply["ismaster"] = reply.pop("isWritablePrimary")
+        if cmd.get("helloOk"):
+            reply["helloOk"] = True
+        reply["connectionId"] = conn.id
+        return reply
+
+    cmd_ismaster = cmd_hello
+
+    def cmd_committransaction(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        raise AssertionError("answered by _transaction_state")
+
+    cmd_aborttransaction = cmd_committransaction
+
+    def cmd_ping(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def cmd_buildinfo(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "version": "7.0.0",
+            "versionArray": [7, 0, 0, 0],
+            "maxBsonObjectSize": MAX_BSON_OBJECT,
+            "gitVersion": "mongosim",
+        }
+
+    def cmd_endsessions(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Ends the sessions and aborts their open transactions (manual, "endSessions")."""
+        for lsid in cmd.get("endSessions") or []:
+            txn = self.txns.get(_lsid({"lsid": lsid}))
+            if txn is not None:
+                self._abort(txn)
+        return {}
+
+    def cmd_connectionstatus(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        info: dict[str, Any] = {"authenticatedUsers": [], "authenticatedUserRoles": []}
+        if cmd.get("showPrivileges"):
+            info["authenticatedUserPrivileges"] = []
+        return {"authInfo": info}
+
+    def cmd_configurefailpoint(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``configureFailPoint`` of ``failCommand`` (as a server started with
+        ``enableTestCommands=1`` takes it: mode ``alwaysOn``/``off``/``{times}``/``{skip}``)."""
+        if cmd.get("$db") != "admin":
+            raise Failure(13, "configureFailPoint may only be run against the admin database.")
+        name, mode = cmd["configureFailPoint"], cmd.get("mode")
+        if name != "failCommand":
+            raise Failure(2, f"mongosim: unknown fail point {name!r} (only failCommand is modelled)")
+        previous = self.failpoints.pop(name, None)
+        count = previous["count"] if previous else 0
+        if mode == "off":
+            return {"count": count}
+        data = dict(cmd.get("data") or {})
+        known = {
+            "failCommands",
+            "errorCode",
+            "errorLabels",
+            "writeConcernError",
+            "blockConnection",
+            "blockTimeMS",
+            "closeConnection",
+            "appName",
+            "failInternalCommands",
+        }
+        unknown = set(data) - known
+        if unknown:
+            raise Failure(2, f"mongosim: failCommand data {sorted(unknown)} not modelled")
+        times = skip = None
+        if mode == "alwaysOn":
+            pass
+        elif isinstance(mode, dict) and set(mode) == {"times"}:
+            times = int(mode["times"])
+        elif isinstance(mode, dict) and set(mode) == {"skip"}:
+            skip = int(mode["skip"])
+        else:
+            raise Failure(2, f"mode {mode!r} is not a known fail point mode")
+        self.failpoints[name] = {"data": data, "times": times, "skip": skip or 0, "count": 0}
+        return {"count": count}
+
+    def cmd_listshards(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        raise Failure(59, "no such command: 'listShards'")
+
+    def cmd_shardcollection(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        raise Failure(59, "no such command: 'shardCollection'")
+
+    # ------------------------------------------------------------------ DDL
+
+    def cmd_create(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "create", set())
+        db, coll = cmd["$db"], cmd["create"]
+        if (db, coll) in self.catalog:
+            return {}  # 7.0: the same options again answer ok
+        self._ensure(db, coll)
+        return {}
+
+    def cmd_drop(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        db, coll = cmd["$db"], cmd["drop"]
+        if (db, coll) not in self.catalog:
+            return {}  # 7.0: dropping a missing collection answers ok
+        self._drop(db, coll)
+        return {"ns": f"{db}.{coll}", "nIndexesWas": 1}
+
+    def _drop(self, db: str, coll: str) -> None:
+        meta = self.catalog.pop((db, coll))
+        self.data.pop((db, coll), None)
+        self.uniques.pop((db, coll), None)
+        self.fields.pop((db, coll), None)
+        self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
+        del meta
+
+    def cmd_dropdatabase(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        db = cmd["$db"]
+        for d, c in [k for k in self.catalog if k[0] == db]:
+            self._drop(d, c)
+        self._append([Event(Timestamp(0, 0), 0, "dropDatabase", db, "$cmd")])
+        return {"dropped": db}
+
+    def cmd_createindexes(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "createIndexes", {"indexes", "commitQuorum"})
+        db, coll = cmd["$db"], cmd["createIndexes"]
+        created_collection = (db, coll) not in self.catalog
+        meta = self._ensure(db, coll)
+        before = len(meta["indexes"])
+        for spec in cmd["indexes"]:
+            allowed = {"key", "name", "unique", "partialFilterExpression", "expireAfterSeconds", "sparse", "background"}
+            unknown = set(spec) - allowed
+            if unknown:
+                raise Failure(
+                    197,
+                    f"The field '{sorted(unknown)[0]}' is not valid for an index specification. Specification: {spec}",
+                )
+            if "key" not in spec or "name" not in spec or not spec["key"]:
+                raise Failure(9, f"Error in specification {spec}: the 'key' and 'name' fields are required")
+            for v in spec["key"].values():
+                if v not in (1, -1):
+                    raise Failure(67, f"mongosim: index key type {v!r} not modelled (only 1/-1)")
+            if "partialFilterExpression" in spec:
+                _check_partial(spec["partialFilterExpression"])
+            if "expireAfterSeconds" in spec and len(spec["key"]) != 1:
+                raise Failure(67, "TTL indexes are single-field indexes, compound indexes do not support TTL.")
+            new = {"v": 2, "key": dict(spec["key"]), "name": spec["name"]}
+            for k in ("unique", "partialFilterExpression", "expireAfterSeconds", "sparse"):
+                if k in spec and not (k in ("unique", "sparse") and not spec[k]):
+                    new[k] = spec[k]
+            same_name = next((ix for ix in meta["indexes"] if ix["name"] == new["name"]), None)
+            same_key = next(
+                (
+                    ix
+                    for ix in meta["indexes"]
+                    if list(ix["key"].items()) == list(new["key"].items())
+                    and ix.get("partialFilterExpression") == new.get("partialFilterExpression")
+                ),
+                None,
+            )
+            if same_name is not None:
+                if list(same_name["key"].items()) != list(new["key"].items()):
+                    raise Failure(
+                        86,
+                        "An existing index has the same name as the requested index. When index names are not "
+                        "specified, they are auto generated and can cause conflicts. Please refer to our "
+                        f"documentation. Requested index: {new}, existing index: {same_name}",
+                    )
+                if _index_options(same_name) != _index_options(new):
+                    raise Failure(
+                        85,
+                        f"An equivalent index already exists with the same name but "
+                        f"different options. Requested index: {new}, existing index: {same_name}",
+                    )
+                continue
+            if same_key is not None:
+                raise Failure(85, f"Index already exists with a different name: {same_key['name']}")
+            if len(meta["indexes"]) >= MAX_INDEXES:
+                raise Failure(67, f"add index fails, too many indexes for {db}.{coll} key:{new['key']}")
+            if new.get("unique"):
+                self._check_existing_unique(db, coll, new)
+                m = self.uniques.setdefault((db, coll), {}).setdefault(new["name"], {})
+                for key, doc in self._coll(db, coll).items():
+                    k = self._unique_entry(new, doc)
+                    if k is not None:
+                        m[k] = key
+            meta["indexes"].append(new)
+        return {
+            "numIndexesBefore": before,
+            "numIndexesAfter": len(meta["indexes"]),
+            "createdCollectionAutomatically": created_collection,
+        }
+
+    def _check_existing_unique(self, db: str, coll: str, spec: dict[str, Any]) -> None:
+        seen: set[bytes] = set()
+        pfe = spec.get("partialFilterExpression")
+        for doc in self._docs(db, coll):
+            if pfe is not None and not matches(pfe, doc):
+                continue
+            k = _hashable([get_path(doc, p) for p in spec["key"]])
+            if k in seen:
+                raise Failure(
+                    11000,
+                    f"Index build failed: E11000 duplicate key error collection: {db}.{coll} index: {spec['name']}",
+                )
+            seen.add(k)
+
+    def cmd_listindexes(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        db, coll = cmd["$db"], cmd["listIndexes"]
+        meta = self.catalog.get((db, coll))
+        if meta is None:
+            raise Failure(26, f"ns does not exist: {db}.{coll}")
+        return self._first_batch(f"{db}.{coll}", copy.deepcopy(meta["indexes"]), cmd.get("cursor", {}), cmd)
+
+    def cmd_listcollections(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        db = cmd["$db"]
+        docs = [
+            {
+                "name": c,
+                "type": "collection",
+                "options": {},
+                "info": {"readOnly": False, "uuid": meta["uuid"]},
+                "idIndex": {"v": 2, "key": {"_id": 1}, "name": "_id_"},
+            }
+            for (d, c), meta in sorted(self.catalog.items())
+            if d == db
+        ]
+        flt = cmd.get("filter") or {}
+        docs = [d for d in docs if matches(flt, d)]
+        if cmd.get("nameOnly"):
+            docs = [{"name": d["name"], "type": d["type"]} for d in docs]
+        return self._first_batch(f"{db}.$cmd.listCollections", docs, cmd.get("cursor", {}), cmd)
+
+    def cmd_listdatabases(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        names = sorted({d for d, _ in self.catalog})
+        return {"databases": [{"name": n, "sizeOnDisk": 0, "empty": False} for n in names], "totalSize": 0}
+
+    # ------------------------------------------------------------------ reads
+
+    def _first_batch(
+        self,
+        ns: str,
+        docs: list[dict[str, Any]],
+        cursor_opts: Mapping[str, Any],
+        cmd: Mapping[str, Any],
+        *,
+        single: bool = False,
+    ) -> dict[str, Any]:
+        size = cursor_opts.get("batchSize", cmd.get("batchSize"))
+        size = DEFAULT_BATCH if size is None else int(size)
+        if size < 0:
+            raise Failure(2, "BatchSize value must be non-negative")
+        batch, rest = _cut(docs, size if size else 0)
+        cid = 0
+        if rest and not single:
+            cid = next(self._cursor_ids)
+            self.cursors[cid] = Cursor(cid, ns, rest, lsid=_lsid(cmd))
+        return {"cursor": {"firstBatch": batch, "id": Int64(cid), "ns": ns}}
+
+    def cmd_find(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        allowed = {
+            "filter",
+            "sort",
+            "projection",
+            "limit",
+            "skip",
+            "batchSize",
+            "singleBatch",
+            "hint",
+            "min",
+            "max",
+            "allowDiskUse",
+            "noCursorTimeout",
+            "let",
+            "showRecordId",
+            "returnKey",
+            "tailable",
+            "awaitData",
+            "allowPartialResults",
+            "collation",
+        }
+        _check_fields(cmd, "find", allowed)
+        for f in ("collation", "let", "showRecordId", "returnKey", "tailable", "awaitData"):
+            if f in cmd:
+                raise Failure(2, f"mongosim: find option {f!r} not modelled")
+        db, coll = cmd["$db"], cmd["find"]
+        self._read_concern(cmd)
+        flt = cmd.get("filter") or {}
+        docs = self._find(db, coll, flt)
+        if "min" in cmd or "max" in cmd:
+            docs = self._bounded(db, coll, docs, cmd)
+        if cmd.get("sort"):
+            docs = sort_docs(docs, cmd["sort"])
+        skip = int(cmd.get("skip") or 0)
+        if skip < 0:
+            raise Failure(2, "skip value must be non-negative")
+        docs = docs[skip:]
+        limit = int(cmd.get("limit") or 0)
+        if limit < 0:
+            raise Failure(2, "limit value must be non-negative")
+        if limit:
+            docs = docs[:limit]
+        if cmd.get("projection"):
+            docs = _project(docs, cmd["projection"])
+        # stored documents are never changed in place (a write stores a new one): answered as they are
+        single = bool(cmd.get("singleBatch")) or (
+            limit > 0 and len(docs) <= int(cmd.get("batchSize", DEFAULT_BATCH) or DEFAULT_BATCH)
+        )
+        return self._first_batch(f"{db}.{coll}", docs, {}, cmd, single=single)
+
+    def _bounded(self, db: str, coll: str, docs: list[dict[str, Any]], cmd: dict[str, Any]) -> list[dict[str, Any]]:
+        """``min``/``max`` (manual, "cursor.min()"): index bounds of the hinted index, ``min``
+        inclusive, ``max`` exclusive, compared in the index's key order (BSON order across
+        types; MinKey/MaxKey)."""
+        hint = cmd.get("hint")
+        meta = self.catalog.get((db, coll))
+        if hint is None:
+            raise Failure(51173, "When using min()/max() a hint of which index to use must be provided")
+        index = None
+        if meta is not None:
+            for ix in meta["indexes"]:
+                if ix["name"] == hint or (isinstance(hint, dict) and list(ix["key"].items()) == list(hint.items())):
+                    index = ix
+        if index is None:
+            raise Failure(
+                2,
+                "error processing query: planner returned error :: "
+                "caused by :: hint provided does not correspond to an existing index",
+            )
+        paths = list(index["key"])
+        for bound in ("min", "max"):
+            if bound in cmd and list(cmd[bound]) != paths:
+                raise Failure(51174, "The index key pattern and the min/max objects must match")
+
+        def key(d: Mapping[str, Any]) -> list[_Ordered]:
+            return [_Ordered(get_path(d, p)) for p in paths]
+
+        lo = [_Ordered(v) for v in cmd["min"].values()] if "min" in cmd else None
+        hi = [_Ordered(v) for v in cmd["max"].values()] if "max" in cmd else None
+        out = []
+        for d in docs:
+            k = key(d)
+            if lo is not None and k < lo:
+                continue
+            if hi is not None and not k < hi:
+                continue
+            out.append(d)
+        return out
+
+    def _read_concern(self, cmd: dict[str, Any]) -> None:
+        rc = cmd.get("readConcern")
+        if rc is None:
+            return
+        level = rc.get("level", "local")
+        if level not in ("local", "majority", "available", "linearizable", "snapshot"):
+            raise Failure(2, f"'{level}' is not a valid readConcern level")
+        unknown = set(rc) - {"level", "afterClusterTime", "atClusterTime"}
+        if unknown:
+            raise Failure(40415, f"BSON field 'readConcern.{sorted(unknown)[0]}' is an unknown field.")
+        after = rc.get("afterClusterTime")
+        if isinstance(after, Timestamp) and _ts_key(after) > _ts_key(self.ct):
+            self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop")])
+
+    def cmd_aggregate(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(
+            cmd,
+            "aggregate",
+            {"pipeline", "cursor", "allowDiskUse", "hint", "let", "explain", "bypassDocumentValidation", "collation"},
+        )
+        for f in ("let", "explain", "collation"):
+            if f in cmd:
+                raise Failure(2, f"mongosim: aggregate option {f!r} not modelled")
+        if "cursor" not in cmd:
+            raise Failure(9, "The 'cursor' option is required, except for aggregate with the explain argument")
+        db, target = cmd["$db"], cmd["aggregate"]
+        pipeline = cmd.get("pipeline")
+        if not isinstance(pipeline, list):
+            raise Failure(14, "'pipeline' option must be specified as an array")
+        _check_length(pipeline)
+        if pipeline and isinstance(pipeline[0], dict) and "$changeStream" in pipeline[0]:
+            return self._open_stream(conn, cmd, db, None if target == 1 else target, pipeline)
+        if target == 1:
+            raise Failure(2, "mongosim: collection-less aggregate not modelled")
+        self._read_concern(cmd)
+        with _evaluating():
+            out = run_pipeline(
+                lambda f: self._candidates(db, target, f), pipeline, lambda c, f: self._candidates(db, c, f)
+            )
+        return self._first_batch(f"{db}.{target}", out, cmd["cursor"], cmd)
+
+    def cmd_count(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "count", {"query", "limit", "skip", "hint"})
+        db, coll = cmd["$db"], cmd["count"]
+        n = len(self._find(db, coll, cmd.get("query") or {}))
+        n = max(0, n - int(cmd.get("skip") or 0))
+        if cmd.get("limit"):
+            n = min(n, abs(int(cmd["limit"])))
+        return {"n": n}
+
+    def cmd_distinct(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "distinct", {"key", "query", "hint"})
+        db, coll = cmd["$db"], cmd["distinct"]
+        values: list[Any] = []
+        seen: set[bytes] = set()
+        for d in self._find(db, coll, cmd.get("query") or {}):
+            v = get_path(d, cmd["key"])
+            for x in v if isinstance(v, list) else [v]:
+                h = _hashable(x)
+                if x is not None and h not in seen:
+                    seen.add(h)
+                    values.append(x)
+        return {"values": values}
+
+    def cmd_getmore(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "getMore", {"collection", "batchSize", "maxTimeMS"})
+        cid = int(cmd["getMore"])
+        with self.changed:
+            cursor = self.cursors.get(cid)
+            if cursor is None or cursor.ns.split(".", 1)[1] != cmd.get("collection") and cursor.stream is None:
+                raise Failure(43, f"cursor id {cid} not found")
+            size = int(cmd.get("batchSize") or 0)
+            if cursor.stream is None:
+                batch, cursor.docs = _cut(cursor.docs, size)
+                if not cursor.docs:
+                    del self.cursors[cid]
+                    cid = 0
+                return {"cursor": {"nextBatch": batch, "id": Int64(cid), "ns": cursor.ns}}
+        return self._stream_more(cursor, size or DEFAULT_BATCH, cmd.get("maxTimeMS"))
+
+    def cmd_killcursors(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        killed, missing = [], []
+        for cid in cmd.get("cursors", []):
+            if self.cursors.pop(int(cid), None) is not None:
+                killed.append(cid)
+            else:
+                missing.append(cid)
+        return {"cursorsKilled": killed, "cursorsNotFound": missing, "cursorsAlive": [], "cursorsUnknown": []}
+
+    # ------------------------------------------------------------------ writes
+
+    def _write_concern(self, cmd: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
+        """``w: majority`` waits for the majority commit point to pass the write (its
+        ``wtimeout``, else for ever); held back past ``wtimeout``: a writeConcernError 64."""
+        wc = cmd.get("writeConcern") or {}
+        unknown = set(wc) - {"w", "j", "wtimeout", "provenance"}
+        if unknown:
+            raise Failure(40415, f"BSON field 'writeConcern.{sorted(unknown)[0]}' is an unknown field.")
+        w = wc.get("w", 1)
+        if w == "majority" and self.majority is not None and _ts_key(self.majority) < _ts_key(self.ct):
+            wtimeout = wc.get("wtimeout")
+            deadline = None if not wtimeout else time.monotonic() + int(wtimeout) / 1000
+            target = _ts_key(self.ct)
+            while self.majority is not None and _ts_key(self.majority) < target:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    reply["writeConcernError"] = {
+                        "code": 64,
+                        "codeName": "WriteConcernFailed",
+                        "errmsg": "waiting for replication timed out",
+                        "errInfo": {"wtimeout": True},
+                    }
+                    break
+                self.changed.wait(0.05 if left is None else min(left, 0.05))
+        elif isinstance(w, int) and w > 1:
+            raise Failure(100, f"Not enough data-bearing nodes to satisfy write concern w: {w}")
+        return reply
+
+    def _batch(self, cmd: dict[str, Any], field_name: str) -> list[Any]:
+        items = cmd.get(field_name)
+        if not isinstance(items, list) or not items:
+            raise Failure(2, f"Write batch sizes must be between 1 and {MAX_WRITE_BATCH}. Got 0 operations.")
+        if len(items) > MAX_WRITE_BATCH:
+            raise Failure(
+                16, f"Write batch sizes must be between 1 and {MAX_WRITE_BATCH}. Got {len(items)} operations."
+            )
+        return items
+
+    def _writes(self, cmd: dict[str, Any], items: list[Any], one: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        ordered = cmd.get("ordered", True)
+        n = 0
+        modified = 0
+        upserted: list[dict[str, Any]] = []
+        errors: list[dict[str, Any]] = []
+        for i, item in enumerate(items):
+            try:
+                while True:
+                    try:
+                        r = one(item)
+                        break
+                    except _Retry:
+                        continue  # the statement waited for a transaction: run it again
+            except Failure as exc:
+                if self.txn is not None:
+                    raise
+                err = {"index": i, "code": exc.code, "errmsg": exc.message}
+                err.update(exc.extra)
+                errors.append(err)
+                if ordered:
+                    break
+                continue
+            n += r.get("n", 0)
+            modified += r.get("nModified", 0)
+            if "upserted" in r:
+                upserted.append({"index": i, "_id": r["upserted"]})
+        reply: dict[str, Any] = {"n": n}
+        if cmd.get("update") is not None and "updates" in cmd:
+            reply["nModified"] = modified
+            if upserted:
+                reply["upserted"] = upserted
+        if errors:
+            reply["writeErrors"] = errors
+        return self._write_concern(cmd, reply)
+
+    def cmd_insert(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "insert", {"documents", "ordered", "bypassDocumentValidation"})
+        db, coll = cmd["$db"], cmd["insert"]
+        docs = self._batch(cmd, "documents")
+
+        def one(doc: Any) -> dict[str, Any]:
+            self._insert(db, coll, doc)
+            return {"n": 1}
+
+        return self._writes(cmd, docs, one)
+
+    def cmd_delete(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "delete", {"deletes", "ordered", "let"})
+        db, coll = cmd["$db"], cmd["delete"]
+
+        def one(spec: Any) -> dict[str, Any]:
+            unknown = set(spec) - {"q", "limit", "hint", "collation"}
+            if unknown:
+                raise Failure(40415, f"BSON field 'delete.deletes.{sorted(unknown)[0]}' is an unknown field.")
+            matched = self._find(db, coll, spec["q"])
+            if spec.get("limit") == 1:
+                matched = matched[:1]
+            n = 0
+            for d in matched:
+                current: dict[str, Any] | None = d
+                while current is not None:
+                    try:
+                        self._remove(db, coll, current)
+                        n += 1
+                        break
+                    except _Retry:
+                        if spec.get("limit") == 1:
+                            raise  # nothing removed yet: the statement runs again from its match
+                        current = self._coll(db, coll).get(self._store_key(d["_id"]))
+                        if current is not None and not matches(spec["q"], current):
+                            current = None
+            return {"n": n}
+
+        return self._writes(cmd, self._batch(cmd, "deletes"), one)
+
+    def cmd_update(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(cmd, "update", {"updates", "ordered", "bypassDocumentValidation", "let"})
+        db, coll = cmd["$db"], cmd["update"]
+
+        def one(spec: Any) -> dict[str, Any]:
+            unknown = set(spec) - {"q", "u", "upsert", "multi", "hint", "arrayFilters", "collation"}
+            if unknown:
+                raise Failure(40415, f"BSON field 'update.updates.{sorted(unknown)[0]}' is an unknown field.")
+            if "arrayFilters" in spec or "collation" in spec:
+                raise Failure(2, "mongosim: arrayFilters/collation not modelled")
+            n, modified, upserted, _, _ = self._update(
+                db, coll, spec["q"], spec["u"], upsert=bool(spec.get("upsert")), multi=bool(spec.get("multi"))
+            )
+            r: dict[str, Any] = {"n": n, "nModified": modified}
+            if upserted is not None:
+                r["upserted"] = upserted
+            return r
+
+        return self._writes(cmd, self._batch(cmd, "updates"), one)
+
+    def _update(
+        self,
+        db: str,
+        coll: str,
+        flt: dict[str, Any],
+        update: Any,
+        *,
+        upsert: bool,
+        multi: bool,
+        sort: Mapping[str, Any] | None = None,
+    ) -> tuple[int, int, Any, dict[str, Any] | None, dict[str, Any] | None]:
+        """Runs one update statement: ``(n, nModified, upserted _id, before, after)`` (the
+        before and after of the last document written)."""
+        kind = _update_kind(update, multi)
+        matched = self._find(db, coll, flt)
+        if sort:
+            matched = sort_docs(matched, sort)
+        if not multi:
+            matched = matched[:1]
+        before = after = None
+        modified = n = 0
+        for doc in matched:
+            current: dict[str, Any] | None = doc
+            while current is not None:
+                try:
+                    new = self._apply(db, coll, current, flt, update, kind, insert=False)
+                    if new != current:
+                        diff = None if kind == "replacement" else _diff(current, new)
+                        self._replace_stored(db, coll, current, new, diff)
+                        modified += 1
+                    before, after = copy.deepcopy(current), new
+                    n += 1
+                    break
+                except _Retry:
+                    if not multi:
+                        raise  # nothing written yet: the statement runs again from its match
+                    current = self._coll(db, coll).get(self._store_key(doc["_id"]))
+                    if current is not None and not matches(flt, current):
+                        current = None  # it moved out of the filter while the write waited
+        if matched or not upsert:
+            return n, modified, None, before, after
+        base = _upsert_base(flt) if kind != "replacement" else {}
+        if kind == "replacement" and "_id" in flt:
+            base["_id"] = flt["_id"]
+        new = self._apply(db, coll, base, flt, update, kind, insert=True)
+        if "_id" not in new:
+            new = {"_id": ObjectId(), **new}
+        self._insert(db, coll, new)
+        return 1, 0, new["_id"], None, new
+
+    def _apply(
+        self, db: str, coll: str, doc: dict[str, Any], flt: dict[str, Any], update: Any, kind: str, *, insert: bool
+    ) -> dict[str, Any]:
+        with _evaluating():
+            if kind == "replacement":
+                _check_field_names(update)
+                return {**({"_id": doc["_id"]} if "_id" in doc else {}), **copy.deepcopy(update)}
+            if kind == "pipeline":
+                _check_length(update)
+                for stage in update:
+                    name, _ = evaluate.check_stage(stage)
+                    if name not in evaluate.UPDATE_STAGES:
+                        raise Failure(72, f"{name} is not allowed to be used within an update")
+                (new,) = run_pipeline([doc], update, lambda c, f: self._candidates(db, c, f))
+                return new
+            new = copy.deepcopy(doc)
+            for op in update:
+                if op not in _UPDATE_OPERATORS:
+                    raise Failure(
+                        9,
+                        f"Unknown modifier: {op}. Expected a valid update "
+                        f"modifier or pipeline-style update specified as an array",
+                    )
+            self._mm._apply_update_document(new, flt, update, insert)
+            return new
+
+    def cmd_findandmodify(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        while True:
+            try:
+                return self._find_and_modify(cmd)
+            except _Retry:
+                continue  # the write waited for a transaction: the command runs again
+
+    def _find_and_modify(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        _check_fields(
+            cmd,
+            "findAndModify",
+            {
+                "query",
+                "sort",
+                "update",
+                "remove",
+                "new",
+                "fields",
+                "upsert",
+                "bypassDocumentValidation",
+                "hint",
+                "let",
+                "arrayFilters",
+                "collation",
+            },
+        )
+        for f in ("let", "arrayFilters", "collation"):
+            if f in cmd:
+                raise Failure(2, f"mongosim: findAndModify option {f!r} not modelled")
+        db, coll = cmd["$db"], cmd["findAndModify"]
+        flt = cmd.get("query") or {}
+        if cmd.get("remove"):
+            if "update" in cmd or cmd.get("upsert") or cmd.get("new"):
+                raise Failure(9, "Cannot specify both an update and remove=true")
+            matched = self._find(db, coll, flt)
+            if cmd.get("sort"):
+                matched = sort_docs(matched, cmd["sort"])
+            value = None
+            if matched:
+                value = copy.deepcopy(matched[0])
+                self._remove(db, coll, matched[0])
+            reply = {
+                "lastErrorObject": {"n": 1 if value else 0},
+                "value": _project([value], cmd["fields"])[0] if value and cmd.get("fields") else value,
+            }
+            return self._write_concern(cmd, reply)
+        if "update" not in cmd:
+            raise Failure(9, "Either an update or remove=true must be specified")
+        n, _, upserted, before, after = self._update(
+            db, coll, flt, cmd["update"], upsert=bool(cmd.get("upsert")), multi=False, sort=cmd.get("sort")
+        )
+        value = after if cmd.get("new") else before
+        if value is not None and cmd.get("fields"):
+            value = _project([value], cmd["fields"])[0]
+        leo: dict[str, Any] = {"n": n, "updatedExisting": bool(n and upserted is None)}
+        if upserted is not None:
+            leo["upserted"] = upserted
+        return self._write_concern(cmd, {"lastErrorObject": leo, "value": copy.deepcopy(value)})
+
+    # ------------------------------------------------------------------ change streams
+
+    def _open_stream(
+        self, conn: Connection, cmd: dict[str, Any], db: str, coll: str | None, pipeline: list[Any]
+    ) -> dict[str, Any]:
+        """``aggregate`` with ``$changeStream`` (manual, "Change Streams"; "Resume a Change
+        Stream"): the start point, history lost, the pipeline allowed after the stage."""
+        spec = pipeline[0]["$changeStream"]
+        allowed = {
+            "resumeAfter",
+            "startAfter",
+            "startAtOperationTime",
+            "fullDocument",
+            "fullDocumentBeforeChange",
+            "allChangesForCluster",
+            "showExpandedEvents",
+        }
+        unknown = set(spec) - allowed
+        if unknown:
+            raise Failure(40415, f"BSON field '$changeStream.{sorted(unknown)[0]}' is an unknown field.")
+        if (
+            spec.get("fullDocumentBeforeChange", "off") != "off"
+            or spec.get("showExpandedEvents")
+            or spec.get("allChangesForCluster")
+        ):
+            raise Failure(2, "mongosim: this $changeStream option is not modelled")
+        full = spec.get("fullDocument", "default")
+        if full not in ("default", "updateLookup"):
+            raise Failure(2, f"mongosim: fullDocument {full!r} not modelled")
+        starts = [k for k in ("resumeAfter", "startAfter", "startAtOperationTime") if k in spec]
+        if len(starts) > 1:
+            raise Failure(40674, "Only one type of resume option is allowed, but multiple were found.")
+        rest = pipeline[1:]
+        split = False
+        for i, stage in enumerate(rest):
+            name, _ = (
+                evaluate.check_stage(stage)
+                if "$changeStreamSplitLargeEvent" not in stage
+                else ("$changeStreamSplitLargeEvent", None)
+            )
+            if name == "$changeStreamSplitLargeEvent":
+                if i != len(rest) - 1:
+                    raise Failure(7182802, "$changeStreamSplitLargeEvent must be the last stage in the pipeline")
+                split = True
+                continue
+            if name not in ("$match", "$project", "$addFields", "$set", "$unset", "$replaceRoot", "$replaceWith"):
+                raise Failure(ErrorIllegalInChangeStream, f"{name} is not permitted in a $changeStream pipeline")
+        if split:
+            rest = rest[:-1]
+        oldest = (self.oplog[0].ts.time, self.oplog[0].ts.inc) if self.oplog else _ts_key(self.ct)
+        if "startAtOperationTime" in spec:
+            ts = spec["startAtOperationTime"]
+            if not isinstance(ts, Timestamp):
+                raise Failure(
+                    14, "BSON field '$changeStream.startAtOperationTime' is the wrong type, expected type 'timestamp'"
+                )
+            after = (ts.time, ts.inc, -1, 0)
+            start = _ts_key(ts)
+        elif starts:
+            after = key_of_token(spec[starts[0]])
+            start = after[:2]
+            if after[2] == 128 and start >= oldest and not any(_event_key(e) == after for e in self.oplog):
+                raise Failure(280, "cannot resume stream; the resume token was not found.")
+        else:
+            after = (self.ct.time, self.ct.inc, 255, 0)
+            start = _ts_key(self.ct)
+        if self.truncated_before > (0, 0) and start < self.truncated_before:
+            raise Failure(
+                286, "Resume of change stream was not possible, as the resume point may no longer be in the oplog."
+            )
+        stream = ChangeStream(
+            db, coll, after, rest, split, full, token_of(after[:2] + (0, 0)) if after[2] < 128 else token_of(after)
+        )
+        cid = next(self._cursor_ids)
+        cursor = Cursor(cid, f"{db}.{coll or '$cmd.aggregate'}", stream=stream, lsid=_lsid(cmd))
+        size = int(cmd["cursor"].get("batchSize", DEFAULT_BATCH))
+        batch = self._collect(stream, size)
+        self.cursors[cid] = cursor
+        return {
+            "cursor": {
+                "firstBatch": batch,
+                "postBatchResumeToken": stream.last_token,
+                "id": Int64(cid),
+                "ns": cursor.ns,
+            }
+        }
+
+    def _collect(self, s: ChangeStream, size: int) -> list[dict[str, Any]]:
+        """Up to ``size`` events after the stream's position within the majority commit point
+        (a change stream shows majority-committed writes only); the post-batch resume token is
+        the last event's, or a high-water mark at the last entry scanned when that is later."""
+        batch: list[dict[str, Any]] = []
+        while s.pending and len(batch) < size:
+            batch.append(s.pending.pop(0))
+            s.last_token = batch[-1]["_id"]
+        if s.pending:
+            return batch
+        limit = _ts_key(self.majority_point())
+        scanned: tuple[int, int] | None = None
+        start = bisect.bisect_right(self.oplog, s.after, key=_event_key)  # the oplog is in key order
+        for i in range(start, len(self.oplog)):
+            e = self.oplog[i]
+            k = _event_key(e)
+            if _ts_key(e.ts) > limit or len(batch) >= size:
+                break
+            s.after = k
+            scanned = _ts_key(e.ts)
+            if e.op == "n" or e.db != s.db or (s.coll is not None and e.coll != s.coll):
+                continue
+            if e.op in ("create", "createIndexes"):
+                continue
+            doc = self._change_doc(s, e)
+            with _evaluating():
+                out = run_pipeline([doc], s.pipeline, lambda c, f: []) if s.pipeline else [doc]
+            for d in out:
+                fragments = _split_event(d) if s.split else [d]
+                if not s.split and _bson_size(d) > MAX_BSON_OBJECT:
+                    raise Failure(
+                        10334, f"BSONObj size: {_bson_size(d)} is invalid. Size must be between 0 and 16793600(16MB)"
+                    )
+                for f in fragments:
+                    if len(batch) < size:
+                        batch.append(f)
+                        s.last_token = f["_id"]
+                    else:
+                        s.pending.append(f)
+        if scanned is not None and (not batch or scanned > key_of_token(s.last_token)[:2]) and not s.pending:
+            if len(batch) < size:
+                s.last_token = token_of(scanned + (0, 0))
+        return batch
+
+    def _change_doc(self, s: ChangeStream, e: Event) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "_id": token_of(_event_key(e)),
+            "operationType": e.op,
+            "clusterTime": e.ts,
+            "wallTime": e.wall,
+        }
+        if e.op == "dropDatabase":
+            doc["ns"] = {"db": e.db}
+            return doc
+        doc["ns"] = {"db": e.db, "coll": e.coll}
+        if e.op == "drop":
+            return doc
+        if e.op in ("insert", "replace"):
+            doc["fullDocument"] = e.doc  # never changed in place: the pipeline copies what it keeps
+        doc["documentKey"] = copy.deepcopy(e.key)
+        if e.op == "update":
+            doc["updateDescription"] = copy.deepcopy(e.update)
+            if s.full_document == "updateLookup":
+                current = [d for d in self._docs(e.db, e.coll) if d["_id"] == e.key["_id"]]
+                doc["fullDocument"] = copy.deepcopy(current[0]) if current else None
+        return doc
+
+    def _stream_more(self, cursor: Cursor, size: int, max_time_ms: Any) -> dict[str, Any]:
+        """A change stream's ``getMore``: answered at once when events are there, else after
+        ``maxTimeMS`` (the driver sends ``maxAwaitTimeMS`` so; default 1 s) with an empty
+        batch and the post-batch resume token."""
+        s = cursor.stream
+        assert s is not None
+        wait = (1000 if max_time_ms is None else int(max_time_ms)) / 1000
+        deadline = time.monotonic() + wait
+        with self.changed:
+            while True:
+                if self.cursors.get(cursor.id) is not cursor:
+                    raise Failure(43, f"cursor id {cursor.id} not found")
+                batch = self._collect(s, size)
+                left = deadline - time.monotonic()
+                if batch or left <= 0 or self._stop.is_set():
+                    break
+                self.changed.wait(left)
+            return {
+                "cursor": {
+                    "nextBatch": batch,
+                    "postBatchResumeToken": s.last_token,
+                    "id": Int64(cursor.id),
+                    "ns": cursor.ns,
+                }
+            }
+
+
+COMMANDS = {
+    name: "cmd_" + name.lower()
+    for name in (
+        "hello",
+        "isMaster",
+        "ping",
+        "buildInfo",
+        "endSessions",
+        "connectionStatus",
+        "configureFailPoint",
+        "listShards",
+        "shardCollection",
+        "create",
+        "drop",
+        "dropDatabase",
+        "createIndexes",
+        "listIndexes",
+        "listCollections",
+        "listDatabases",
+        "find",
+        "aggregate",
+        "count",
+        "distinct",
+        "getMore",
+        "killCursors",
+        "insert",
+        "update",
+        "delete",
+        "findAndModify",
+        "commitTransaction",
+        "abortTransaction",
+    )
+}
+"""The commands the simulator runs, by their exact (case-sensitive) names; any other is 59
+CommandNotFound."""
+COMMANDS.update({"ismaster": "cmd_hello", "buildinfo": "cmd_buildinfo"})
+
+ErrorIllegalInChangeStream = 5491300
+"""The code of a stage not allowed after ``$changeStream`` (src/mongo/db/pipeline/
+document_source_change_stream.cpp: "... is not permitted in a $changeStream pipeline")."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+_UPDATE_OPERATORS = {
+    "$set",
+    "$unset",
+    "$inc",
+    "$setOnInsert",
+    "$min",
+    "$max",
+    "$mul",
+    "$rename",
+    "$push",
+    "$addToSet",
+    "$pull",
+    "$pop",
+    "$currentDate",
+    "$pullAll",
+}
+
+
+class _Retry(Exception):
+    """A write waited for a transaction: the document is read again before it is written."""
+
+
+class _evaluating:
+    """mongomock's own errors become server errors (code 2: what the server answers to a bad
+    operator argument), NotImplementedError an error naming the gap (never a silent result)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: Any, exc: Any, tb: Any) -> bool:
+        if exc is None or isinstance(exc, Failure):
+            return False
+        if isinstance(exc, mongomock.OperationFailure):
+            raise Failure(exc.code or 2, str(exc)) from exc
+        if isinstance(exc, NotImplementedError):
+            raise Failure(2, f"mongosim: not implemented by the evaluator: {exc}") from exc
+        if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
+            raise Failure(exc.code or 2, str(exc)) from exc
+        return False
+
+
+def _update_kind(update: Any, multi: bool) -> str:
+    if isinstance(update, list):
+        return "pipeline"
+    if not isinstance(update, dict):
+        raise Failure(14, "Update argument must be either an object or an array")
+    ops = [k.startswith("$") for k in update]
+    if update and all(ops):
+        return "operators"
+    if any(ops):
+        raise Failure(9, "Unknown modifier in update: mixed operators and fields")
+    if multi:
+        raise Failure(9, "multi update is not supported for replacement-style update")
+    return "replacement"
+
+
+def _upsert_base(flt: Mapping[str, Any]) -> dict[str, Any]:
+    """The document an upsert inserts starts from the filter's equality conditions (manual,
+    "upsert: true": "the update creates a base document from the equality clauses"), ``$and``
+    included; ``$or``/``$nor``/comparisons are not copied."""
+    out: dict[str, Any] = {}
+
+    def visit(f: Mapping[str, Any]) -> None:
+        for k, v in f.items():
+            if k == "$and":
+                for sub in v:
+                    visit(sub)
+            elif k.startswith("$"):
+                continue
+            elif isinstance(v, dict) and any(str(x).startswith("$") for x in v):
+                if set(v) == {"$eq"}:
+                    _set_path(out, k, v["$eq"])
+            else:
+                _set_path(out, k, v)
+
+    visit(flt)
+    return out
+
+
+def _set_path(doc: dict[str, Any], path: str, value: Any) -> None:
+    parts = path.split(".")
+    for p in parts[:-1]:
+        doc = doc.setdefault(p, {})
+    doc[parts[-1]] = copy.deepcopy(value)
+
+
+def _diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """``updateDescription`` at the top level (the server gives dotted paths of nested
+    changes; the simulator names the changed top-level fields)."""
+    return {
+        "updatedFields": {k: copy.deepcopy(v) for k, v in new.items() if k not in old or old[k] != v},
+        "removedFields": [k for k in old if k not in new],
+        "truncatedArrays": [],
+    }
+
+
+def _split_event(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """``$changeStreamSplitLargeEvent`` (manual, "$changeStreamSplitLargeEvent"): an event over
+    16 MiB in fragments of its top-level fields, each with ``splitEvent {fragment, of}`` and its
+    own resume token; an event that fits is passed as it is."""
+    if _bson_size(event) <= MAX_BSON_OBJECT:
+        return [event]
+    key = key_of_token(event["_id"])
+    fragments: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    for k, v in event.items():
+        if k == "_id":
+            continue
+        if current and _bson_size({**current, k: v}) > MAX_BSON_OBJECT - 1024:
+            fragments.append(current)
+            current = {}
+        current[k] = v
+    fragments.append(current)
+    out = []
+    for i, f in enumerate(fragments, 1):
+        out.append({"_id": token_of(key, i), "splitEvent": {"fragment": i, "of": len(fragments)}, **f})
+    return out
+
+
+def _project(docs: list[dict[str, Any] | None], projection: Mapping[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for d in docs:
+        if d is None:
+            out.append(d)
+            continue
+        include = {k: v for k, v in projection.items() if k != "_id"}
+        keep_id = projection.get("_id", 1)
+        if include and all(v in (1, True) for v in include.values()):
+            new: dict[str, Any] = {"_id": d["_id"]} if keep_id and "_id" in d else {}
+            for k in include:
+                v = get_path(d, k)
+                if v is not None or _has(d, k):
+                    _set_path(new, k, v)
+            out.append(new)
+        elif all(v in (0, False) for v in include.values()):
+            new = copy.deepcopy(d)
+            for k in include:
+                evaluate._unset(new, k.split("."))
+            if not keep_id:
+                new.pop("_id", None)
+            out.append(new)
+        else:
+            raise Failure(2, f"mongosim: projection {projection!r} not modelled (inclusions or exclusions only)")
+    return out  # type: ignore[return-value]
+
+
+def _has(doc: Mapping[str, Any], path: str) -> bool:
+    cur: Any = doc
+    for p in path.split("."):
+        if not isinstance(cur, Mapping) or p not in cur:
+            return False
+        cur = cur[p]
+    return True
+
+
+def _cut(docs: list[dict[str, Any]], size: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A batch: ``size`` documents (0: no count limit), and at most 16 MiB of them (the
+    server's reply limit, src/mongo/db/query/find_common.h: kMaxBytesToReturnToClientAtOnce)."""
+    batch: list[dict[str, Any]] = []
+    total = 0
+    for i, d in enumerate(docs):
+        if size and len(batch) >= size:
+            return batch, docs[i:]
+        total += _bson_size(d)
+        if batch and total > MAX_BSON_OBJECT:
+            return batch, docs[i:]
+        batch.append(d)
+    return batch, []
+
+
+def _lsid(cmd: Mapping[str, Any]) -> bytes:
+    lsid = cmd.get("lsid")
+    if isinstance(lsid, Mapping) and "id" in lsid:
+        v = lsid["id"]
+        return bytes(v.bytes if isinstance(v, uuid.UUID) else v)
+    return b""
+
+
+def _deadline(cmd: Mapping[str, Any]) -> float | None:
+    ms = cmd.get("maxTimeMS")
+    return None if not ms else time.monotonic() + int(ms) / 1000
+
+
+def _check_fields(cmd: Mapping[str, Any], name: str, allowed: set[str]) -> None:
+    """An unknown field of a command is refused as the server's IDL parser refuses it."""
+    for k in cmd:
+        if k == name or k in GENERIC_FIELDS or k in allowed:
+            continue
+        raise Failure(40415, f"BSON field '{name}.{k}' is an unknown field.")
+
+
+def _check_length(pipeline: list[Any]) -> None:
+    if len(pipeline) > MAX_PIPELINE_STAGES:
+        raise Failure(7749501, f"Pipeline length must be no longer than {MAX_PIPELINE_STAGES} stages.")
+
+
+def _check_namespace(db: str, coll: str) -> None:
+    if not db or len(db) > MAX_DB_NAME or any(c in db for c in '/\\. "$'):
+        raise Failure(73, f"Invalid database name: '{db}'")
+    if not coll or "$" in coll or coll.startswith("system.") or "\x00" in coll:
+        raise Failure(73, f"Invalid collection name: {coll}")
+    if len(f"{db}.{coll}".encode()) > MAX_NAMESPACE:
+        raise Failure(73, f"Fully qualified namespace is too long. Namespace: {db}.{coll} Max: {MAX_NAMESPACE}")
+
+
+def _check_field_names(doc: Mapping[str, Any]) -> None:
+    for k in doc:
+        if k.startswith("$"):
+            raise Failure(2, f"Document can't have $ prefixed field names: {k}")
+
+
+def _check_partial(expr: Any) -> None:
+    """A ``partialFilterExpression`` holds only what the manual's "Partial Indexes" page lists:
+    equality, ``$exists: true``, ``$gt``/``$gte``/``$lt``/``$lte``, ``$type``, top-level
+    ``$and``/``$or`` and ``$in`` (6.0+); anything else is code 67."""
+    ok = {"$eq", "$exists", "$gt", "$gte", "$lt", "$lte", "$type", "$and", "$or", "$in"}
+    for key in evaluate._operators(expr):
+        if key not in ok:
+            raise Failure(67, f"Error in specification: unsupported expression in partial index: {key}")
+
+
+def _index_options(spec: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: spec.get(k) for k in ("unique", "partialFilterExpression", "expireAfterSeconds", "sparse")}
+
+
+def _labels_for(name: str, cmd: Mapping[str, Any], code: int) -> list[str]:
+    retryable = (
+        name in ("insert", "update", "delete", "findAndModify", "commitTransaction", "abortTransaction")
+        and "txnNumber" in cmd
+    )
+    labels = ["RetryableWriteError"] if retryable and code in RETRYABLE_CODES else []
+    if cmd.get("autocommit") is False and name not in ("commitTransaction", "abortTransaction"):
+        labels.append("TransientTransactionError")
+    return labels

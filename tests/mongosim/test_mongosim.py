@@ -1,0 +1,506 @@
+"""The simulator answers as a replica-set primary does: what it adds to mongomock, what it
+refuses, its limits, its time (cluster time, oplog, change streams, majority commit point),
+transactions and ``failCommand``. Each test talks to it through the real (synchronous) PyMongo
+driver over a socket."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from bson.max_key import MaxKey
+from bson.min_key import MinKey
+from pymongo import MongoClient
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
+
+from tests.mongosim import Settings, serving
+from tests.mongosim.engine import Engine
+from tests.mongosim.wire import WireServer
+
+Client = MongoClient[dict[str, Any]]
+
+
+@pytest.fixture
+def server() -> Iterator[WireServer]:
+    with serving(Settings(noop_interval=0)) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server: WireServer) -> Iterator[Client]:
+    c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=3000)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _code(exc: pytest.ExceptionInfo[OperationFailure]) -> int | None:
+    return exc.value.code
+
+
+# --------------------------------------------------------------------------- the additions
+
+
+def test_union_with_appends_the_sub_pipeline_of_another_collection(client: Client) -> None:
+    db = client.t
+    db.a.insert_many([{"_id": 1, "x": 2}, {"_id": 2, "x": 1}])
+    db.b.insert_many([{"_id": 3, "x": 0}, {"_id": 4, "x": 9}])
+    got = list(
+        db.a.aggregate(
+            [
+                {"$unionWith": {"coll": "b", "pipeline": [{"$match": {"x": {"$lt": 5}}}]}},
+                {"$unionWith": {"coll": "missing"}},
+                {"$sort": {"x": 1}},
+            ]
+        )
+    )
+    assert [d["_id"] for d in got] == [3, 2, 1]
+
+
+def test_update_pipeline_with_now_merge_objects_replace_with_and_unset(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_one({"_id": 1, "a": 1, "drop": True})
+    before = datetime.datetime.now(datetime.UTC).replace(tzinfo=None, microsecond=0)
+    coll.update_one(
+        {"_id": 1},
+        [
+            {"$set": {"at": {"$toLong": "$$NOW"}, "when": "$$NOW", "later": {"$add": ["$$NOW", 1000]}}},
+            {"$replaceWith": {"$mergeObjects": ["$$ROOT", {"b": {"$literal": "$x"}}, None]}},
+            {"$unset": "drop"},
+        ],
+    )
+    doc = coll.find_one({"_id": 1})
+    assert doc is not None and "drop" not in doc and doc["b"] == "$x" and doc["a"] == 1
+    assert doc["when"] >= before and doc["later"] - doc["when"] == datetime.timedelta(seconds=1)
+    assert doc["at"] == int(doc["when"].replace(tzinfo=datetime.UTC).timestamp() * 1000)
+
+
+def test_a_stage_outside_the_update_stages_is_refused_in_an_update(client: Client) -> None:
+    client.t.c.insert_one({"_id": 1})
+    with pytest.raises(OperationFailure) as exc:
+        client.t.c.update_one({"_id": 1}, [{"$match": {}}])
+    assert _code(exc) == 72
+
+
+def test_expression_comparisons_order_a_missing_field_below_null(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_many([{"_id": 1}, {"_id": 2, "v": None}, {"_id": 3, "v": 5}])
+    got = coll.find({"$expr": {"$lte": ["$v", None]}}, sort=[("_id", 1)])
+    assert [d["_id"] for d in got] == [1, 2]
+    assert [d["_id"] for d in coll.find({"$expr": {"$eq": ["$v", None]}})] == [2]
+
+
+def test_upsert_starts_from_the_equalities_of_the_filter_not_its_or(client: Client) -> None:
+    coll = client.t.c
+    coll.update_one({"k": "a", "n": {"$eq": 1}, "$or": [{"v": 1}, {"v": 2}]}, {"$set": {"x": 1}}, upsert=True)
+    doc = coll.find_one({}, {"_id": 0})
+    assert doc == {"k": "a", "n": 1, "x": 1}
+
+
+def test_partial_unique_index_only_holds_the_documents_in_its_filter(client: Client) -> None:
+    coll = client.t.c
+    client.t.command(
+        {
+            "createIndexes": "c",
+            "indexes": [{"key": {"k": 1}, "name": "k", "unique": True, "partialFilterExpression": {"live": True}}],
+        }
+    )
+    coll.insert_many([{"k": 1, "live": False}, {"k": 1, "live": False}, {"k": 1, "live": True}])
+    with pytest.raises(DuplicateKeyError) as exc:
+        coll.insert_one({"k": 1, "live": True})
+    assert exc.value.details is not None and exc.value.details["keyPattern"] == {"k": 1}
+    assert "index: k dup key" in str(exc.value)
+    # an update that moves a document into the filter meets the key too
+    with pytest.raises(DuplicateKeyError):
+        coll.update_one({"live": False}, {"$set": {"live": True}})
+
+
+def test_unique_keys_compare_numbers_by_value(client: Client) -> None:
+    coll = client.t.c
+    coll.create_index("n", unique=True, name="n")
+    coll.insert_one({"n": 1})
+    with pytest.raises(DuplicateKeyError):
+        coll.insert_one({"n": 1.0})
+
+
+def test_ttl_monitor_deletes_expired_documents_within_the_partial_filter(server: WireServer, client: Client) -> None:
+    coll = client.t.c
+    client.t.command(
+        {
+            "createIndexes": "c",
+            "indexes": [
+                {"key": {"exp": 1}, "name": "ttl", "expireAfterSeconds": 0, "partialFilterExpression": {"dead": True}}
+            ],
+        }
+    )
+    past = datetime.datetime(2020, 1, 1)
+    coll.insert_many([{"_id": 1, "exp": past, "dead": True}, {"_id": 2, "exp": past, "dead": False}, {"_id": 3}])
+    assert coll.count_documents({}) == 3  # the monitor has not run: nothing expires on a read
+    assert server.engine.expire() == 1
+    assert sorted(d["_id"] for d in coll.find()) == [2, 3]
+
+
+def test_min_max_bound_the_hinted_index_in_bson_order(client: Client) -> None:
+    coll = client.t.c
+    coll.create_index([("p", 1), ("v", 1)], name="pv")
+    coll.insert_many([{"p": 1, "v": "a"}, {"p": 1, "v": 3}, {"p": 1, "v": None}, {"p": 2, "v": 0}, {"p": 0, "v": 9}])
+    got = coll.find({}, hint="pv", min={"p": 1, "v": 3}, max={"p": 2, "v": MinKey()}, sort=[("p", 1), ("v", 1)])
+    assert [d["v"] for d in got] == [3, "a"]  # numbers sort before strings; the null before 3 is out
+    got = coll.find({}, hint="pv", min={"p": 1, "v": MinKey()}, max={"p": 1, "v": MaxKey()})
+    assert len(list(got)) == 3
+    with pytest.raises(OperationFailure) as exc:
+        client.t.command({"find": "c", "min": {"p": 1, "v": 3}})  # the driver checks it too; the server does
+    assert _code(exc) == 51173
+
+
+def test_field_indexes_follow_every_write(client: Client) -> None:
+    """The simulator's field indexes (built at a field's first query) answer as a scan would
+    after updates, deletes, arrays, numbers of one value and an aborted transaction."""
+    coll = client.t.c
+    coll.insert_many([{"_id": i, "s": "a", "n": i % 3} for i in range(6)])
+    assert sorted(d["_id"] for d in coll.find({"s": "a", "n": {"$in": [0, 2]}})) == [0, 2, 3, 5]
+    coll.update_one({"_id": 0}, {"$set": {"s": "b"}})
+    coll.delete_one({"_id": 5})
+    coll.insert_one({"_id": 6, "s": ["x", "a"], "n": 2.0})
+    with client.start_session() as session:
+        session.start_transaction()
+        coll.update_one({"_id": 2}, {"$set": {"s": "z"}}, session=session)
+        session.abort_transaction()
+    assert sorted(d["_id"] for d in coll.find({"s": "a", "n": {"$in": [0, 2]}})) == [2, 3, 6]
+    assert [d["_id"] for d in coll.aggregate([{"$match": {"s": "b"}}])] == [0]
+
+
+# --------------------------------------------------------------------------- strictness and limits
+
+
+@pytest.mark.parametrize(
+    ("command", "code"),
+    [
+        ({"frobnicate": 1}, 59),
+        ({"Find": "c"}, 59),  # command names are case-sensitive
+        ({"find": "c", "filter": {"a": {"$near": 1}}}, 2),
+        ({"find": "c", "frob": 1}, 40415),
+        ({"aggregate": "c", "pipeline": [{"$frob": {}}], "cursor": {}}, 40324),
+        ({"aggregate": "c", "pipeline": [{"$match": {}}] * 1001, "cursor": {}}, 7749501),
+        ({"update": "c", "updates": [{"q": {}, "u": {"$frob": {"a": 1}}}]}, 9),
+        ({"createIndexes": "c", "indexes": [{"key": {"a": 1}, "name": "a", "frob": 1}]}, 197),
+        ({"insert": "c" * 300, "documents": [{}]}, 73),
+    ],
+)
+def test_what_is_not_modelled_is_an_error_with_the_servers_code(
+    client: Client, command: dict[str, Any], code: int
+) -> None:
+    client.t.c.insert_one({"a": 1})
+    try:
+        reply = client.t.command(command)
+    except OperationFailure as exc:
+        assert exc.code == code, exc
+    else:
+        errors = reply.get("writeErrors") or [{}]
+        assert errors[0].get("code") == code, reply
+
+
+def test_a_write_batch_over_100000_is_refused(client: Client) -> None:
+    with pytest.raises(OperationFailure) as exc:
+        client.t.command({"delete": "c", "deletes": [{"q": {"a": 1}, "limit": 0}] * 100_001})
+    assert _code(exc) == 16
+
+
+def test_a_document_over_16_mib_after_an_update_is_refused(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_one({"_id": 1, "a": "x" * (9 * 1024 * 1024)})
+    with pytest.raises(OperationFailure) as exc:
+        coll.update_one({"_id": 1}, {"$set": {"b": "y" * (9 * 1024 * 1024)}})
+    assert _code(exc) == 17419
+    assert coll.find_one({"_id": 1}, {"b": 1}) == {"_id": 1}
+
+
+def test_an_ordered_bulk_stops_at_the_first_write_error_and_names_its_index(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_one({"_id": 1})
+    with pytest.raises(BulkWriteError) as exc:
+        coll.insert_many([{"_id": 2}, {"_id": 1}, {"_id": 3}])
+    assert [e["index"] for e in exc.value.details["writeErrors"]] == [1]
+    assert sorted(d["_id"] for d in coll.find()) == [1, 2]
+
+
+# --------------------------------------------------------------------------- time and change streams
+
+
+def test_cluster_time_advances_per_write_and_majority_reads_answer_the_commit_point(
+    server: WireServer, client: Client
+) -> None:
+    db = client.t
+    first = db.command("insert", "c", documents=[{}])["operationTime"]
+    second = db.command("insert", "c", documents=[{}])["operationTime"]
+    assert (second.time, second.inc) > (first.time, first.inc)
+    server.engine.hold_majority()
+    db.command("insert", "c", documents=[{}])
+    majority = db.command({"find": "c", "filter": {"_id": None}, "readConcern": {"level": "majority"}})
+    assert majority["operationTime"] == server.engine.majority_point()
+    assert (majority["operationTime"].time, majority["operationTime"].inc) < (
+        server.engine.ct.time,
+        server.engine.ct.inc,
+    )
+    server.engine.release_majority()
+
+
+def test_change_stream_tokens_resume_after_start_after_and_at_operation_time(client: Client) -> None:
+    db = client.t
+    start = db.command("ping")["operationTime"]
+    db.c.insert_many([{"_id": i} for i in range(3)])
+    with db.watch([{"$match": {"operationType": "insert"}}], start_at_operation_time=start) as s:
+        events = [s.next() for _ in range(3)]
+    assert [e["documentKey"]["_id"] for e in events] == [0, 1, 2]
+    tokens = [e["_id"]["_data"] for e in events]
+    assert tokens == sorted(tokens)  # ordered, as the server's KeyString is
+    with db.watch(resume_after=events[0]["_id"], max_await_time_ms=50) as s:
+        assert s.next()["documentKey"]["_id"] == 1
+    with db.watch(start_after=events[1]["_id"], max_await_time_ms=50) as s:
+        assert s.next()["documentKey"]["_id"] == 2
+        assert s.try_next() is None
+        # the empty batch's post-batch resume token is past the last event
+        assert s.resume_token is not None and s.resume_token["_data"] >= events[2]["_id"]["_data"]
+
+
+def test_an_empty_get_more_waits_max_await_time_ms(client: Client) -> None:
+    with client.t.watch(max_await_time_ms=300) as s:
+        started = time.monotonic()
+        assert s.try_next() is None
+        assert time.monotonic() - started >= 0.25
+
+
+def test_an_insert_wakes_a_waiting_get_more(client: Client) -> None:
+    with client.t.watch(max_await_time_ms=5000) as s:
+        timer = threading.Timer(0.1, lambda: client.t.c.insert_one({"_id": "late"}))
+        timer.start()
+        started = time.monotonic()
+        change = s.try_next()
+        timer.join()
+    assert change is not None and change["documentKey"] == {"_id": "late"}
+    assert time.monotonic() - started < 2
+
+
+def test_a_stream_only_shows_majority_committed_writes(server: WireServer, client: Client) -> None:
+    with client.t.watch(max_await_time_ms=50) as s:
+        server.engine.hold_majority()
+        client.t.c.insert_one({"_id": 1})
+        assert s.try_next() is None
+        server.engine.release_majority()
+        change = s.try_next()
+    assert change is not None and change["documentKey"] == {"_id": 1}
+
+
+def test_history_lost_after_the_oplog_window_and_an_unknown_token_is_fatal() -> None:
+    with serving(Settings(noop_interval=0, oplog_window=60)) as server:
+        client: Client = MongoClient(server.uri)
+        try:
+            start = client.t.command("ping")["operationTime"]
+            client.t.c.insert_one({"_id": 1})
+            client.t.c.insert_one({"_id": 2})
+            with client.t.watch(start_at_operation_time=start) as s:
+                assert s.next()["documentKey"] == {"_id": 1}  # within the window
+            with server.engine.lock:
+                server.engine._truncate(now=time.time() + 3600)  # an hour on: only the newest entry is left
+            with pytest.raises(OperationFailure) as exc:
+                client.t.watch(start_at_operation_time=start)
+            assert exc.value.code == 286
+            ct = server.engine.ct
+            with pytest.raises(OperationFailure) as exc:
+                client.t.watch(resume_after={"_data": f"82{ct.time:08X}{ct.inc:08X}8000000009"})
+            assert exc.value.code == 280
+        finally:
+            client.close()
+
+
+def test_the_no_op_writer_moves_an_idle_streams_token() -> None:
+    with serving(Settings(noop_interval=0.2)) as server:
+        client: Client = MongoClient(server.uri)
+        try:
+            with client.t.watch(max_await_time_ms=50) as s:
+                assert s.try_next() is None
+                first = s.resume_token
+                deadline = time.monotonic() + 5
+                while s.resume_token == first and time.monotonic() < deadline:
+                    assert s.try_next() is None
+                assert s.resume_token != first
+                assert first is not None and s.resume_token is not None
+                assert s.resume_token["_data"] > first["_data"]
+        finally:
+            client.close()
+
+
+def test_no_op_only_when_nothing_else_was_written() -> None:
+    engine = Engine(Settings(noop_interval=0.3))
+    try:
+        for _ in range(12):  # a write every 50 ms for 0.6 s keeps the no-op writer quiet
+            with engine.changed:
+                engine._append([])
+            time.sleep(0.05)
+        with engine.lock:
+            assert not any(e.op == "n" for e in engine.oplog)
+        with engine.changed:
+            assert engine.changed.wait_for(lambda: any(e.op == "n" for e in engine.oplog), timeout=3)
+    finally:
+        engine.shutdown()
+
+
+def test_split_large_event_cuts_an_event_over_16_mib_into_fragments(client: Client) -> None:
+    db = client.t
+    db.c.insert_one({"_id": 1})
+    big = "x" * (9 * 1024 * 1024)
+    with db.watch([{"$changeStreamSplitLargeEvent": {}}], full_document="updateLookup", max_await_time_ms=50) as s:
+        db.c.update_one({"_id": 1}, {"$set": {"a": big}})
+        # updateDescription and fullDocument each hold the 9 MiB: an 18 MiB event
+        fragments = [s.next(), s.next()]
+    assert [f["splitEvent"] for f in fragments] == [{"fragment": 1, "of": 2}, {"fragment": 2, "of": 2}]
+    assert fragments[0]["_id"] != fragments[1]["_id"]
+    assert fragments[0]["updateDescription"]["updatedFields"]["a"] == big and fragments[1]["fullDocument"]["a"] == big
+    with pytest.raises(OperationFailure) as exc:
+        db.watch([{"$changeStreamSplitLargeEvent": {}}, {"$match": {}}])
+    assert exc.value.code == 7182802
+
+
+# --------------------------------------------------------------------------- transactions, fail points
+
+
+def test_a_transaction_commits_as_one_entry_and_an_abort_undoes(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_one({"_id": 0})
+    with client.start_session() as session, session.start_transaction():
+        coll.insert_one({"_id": 1}, session=session)
+        coll.update_one({"_id": 0}, {"$set": {"x": 1}}, session=session)
+    with client.start_session() as session:
+        session.start_transaction()
+        coll.insert_one({"_id": 2}, session=session)
+        coll.delete_one({"_id": 0}, session=session)
+        session.abort_transaction()
+    assert sorted(d["_id"] for d in coll.find()) == [0, 1]
+    assert coll.find_one({"_id": 0}) == {"_id": 0, "x": 1}
+
+
+def test_an_open_transaction_holds_only_the_documents_it_wrote(client: Client) -> None:
+    """Another session reads and writes other documents at once; another transaction writing one
+    of its documents meets a write conflict (112, TransientTransactionError); a write outside
+    a transaction waits for it to end, then applies to what it left."""
+    coll = client.t.c
+    coll.insert_many([{"_id": 1, "n": 0}, {"_id": 2, "n": 0}])
+    with client.start_session() as s1:
+        s1.start_transaction()
+        coll.update_one({"_id": 1}, {"$inc": {"n": 1}}, session=s1)
+        started = time.monotonic()
+        coll.update_one({"_id": 2}, {"$inc": {"n": 1}})  # another document: not held
+        assert coll.find_one({"_id": 2}) == {"_id": 2, "n": 1}
+        assert time.monotonic() - started < 1
+        with client.start_session() as s2:
+            s2.start_transaction()
+            with pytest.raises(OperationFailure) as exc:
+                coll.update_one({"_id": 1}, {"$inc": {"n": 10}}, session=s2)
+            assert exc.value.code == 112 and exc.value.has_error_label("TransientTransactionError")
+        done = threading.Event()
+
+        def write_outside() -> None:
+            coll.update_one({"_id": 1}, {"$inc": {"n": 100}})
+            done.set()
+
+        writer = threading.Thread(target=write_outside)
+        writer.start()
+        assert not done.wait(0.3)  # held by the open transaction
+        s1.commit_transaction()
+        writer.join(5)
+    assert done.is_set()
+    assert coll.find_one({"_id": 1}) == {"_id": 1, "n": 101}
+
+
+def test_fail_command_error_code_labels_and_times(client: Client) -> None:
+    client.admin.command(
+        {
+            "configureFailPoint": "failCommand",
+            "mode": {"times": 1},
+            "data": {"failCommands": ["find"], "errorCode": 2, "errorLabels": ["Custom"]},
+        }
+    )
+    with pytest.raises(OperationFailure) as exc:
+        client.t.c.find_one()
+    assert exc.value.code == 2 and exc.value.has_error_label("Custom")
+    assert client.t.c.find_one() is None  # once only
+    reply = client.admin.command({"configureFailPoint": "failCommand", "mode": "off"})
+    assert reply["count"] == 0
+
+
+def test_fail_command_write_concern_error_applies_the_write(client: Client) -> None:
+    client.admin.command(
+        {
+            "configureFailPoint": "failCommand",
+            "mode": {"times": 1},
+            "data": {"failCommands": ["insert"], "writeConcernError": {"code": 64, "errmsg": "waiting timed out"}},
+        }
+    )
+    with pytest.raises(BulkWriteError) as exc:
+        client.t.c.bulk_write([__import__("pymongo").InsertOne({"_id": 1})])
+    assert exc.value.details["writeConcernErrors"][0]["code"] == 64
+    assert client.t.c.find_one({"_id": 1}) == {"_id": 1}
+
+
+def test_fail_command_block_connection_delays_the_answer(client: Client) -> None:
+    client.admin.command(
+        {
+            "configureFailPoint": "failCommand",
+            "mode": {"times": 1},
+            "data": {"failCommands": ["ping"], "blockConnection": True, "blockTimeMS": 300},
+        }
+    )
+    started = time.monotonic()
+    client.t.command("ping")
+    assert time.monotonic() - started >= 0.25
+
+
+def test_an_unknown_fail_point_or_data_field_is_refused(client: Client) -> None:
+    with pytest.raises(OperationFailure):
+        client.admin.command({"configureFailPoint": "failCommand", "mode": "alwaysOn", "data": {"frob": 1}})
+    with pytest.raises(OperationFailure):
+        client.t.command({"configureFailPoint": "failCommand", "mode": "off"})  # admin only
+
+
+# --------------------------------------------------------------------------- as a process
+
+
+@pytest.mark.process
+def test_python_m_tests_mongosim_serves_until_sigterm() -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.mongosim", "--port", "0", "--noop-interval", "0"],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mongosim listening: mongodb://127.0.0.1:"), line
+        uri = line.split(": ", 1)[1].strip()
+        c: Client = MongoClient(uri, serverSelectionTimeoutMS=5000)
+        try:
+            assert c.admin.command("hello")["setName"] == "wowdsim"
+            c.t.c.insert_one({"_id": 1})
+            assert c.t.c.find_one() == {"_id": 1}
+        finally:
+            c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

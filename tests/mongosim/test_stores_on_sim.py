@@ -1,0 +1,114 @@
+"""What the simulator found in the MongoDB stores: races a wire script cannot show, each ordered
+with ``failCommand`` as a real server started with test commands would order it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import pytest
+from pymongo import AsyncMongoClient
+
+from tests.contract.test_timers import T0, owner, timer
+from tests.mongosim import Settings, WireServer, serving
+from wowd.errors import StorageUnavailable
+from wowd.model import AggregateType
+from wowd.stores.mongo._common import quarantine_collection
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.timers import MongoTimerStore
+
+pytestmark = pytest.mark.anyio
+
+ALL = frozenset(range(8))
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[WireServer]:
+    with serving(Settings(noop_interval=0)) as s:
+        yield s
+
+
+async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: WireServer) -> None:
+    """Two timers due; the claim's settle is held back (``blockConnection`` on its ``update``)
+    while a cancel of one of them lands: the settle matches the other only, and the read-back of
+    the claims meets the CANCELLED tombstone at the claim's revision (the cancel raised the
+    revision as the claim would have). The claim answers the other timer alone; the timer round
+    does not fail on the tombstone."""
+    uri = server.uri
+    claimer: AsyncMongoClient[Any] = AsyncMongoClient(uri, appname="claimer")
+    other: AsyncMongoClient[Any] = AsyncMongoClient(uri)
+    claims = MongoTimerStore(claimer, "db", context="ctx", partitions=8)
+    cancels = MongoTimerStore(other, "db", context="ctx", partitions=8)
+    try:
+        await claims.prepare()
+        await cancels.prepare()
+        t, kept = timer(owner("o-1")), timer(owner("o-2"))
+        assert await cancels.put(t) and await cancels.put(kept)
+        await other.admin.command(
+            {
+                "configureFailPoint": "failCommand",
+                "mode": {"times": 1},
+                "data": {"failCommands": ["update"], "appName": "claimer", "blockConnection": True, "blockTimeMS": 500},
+            }
+        )
+        claimed: list[Any] = []
+
+        async def claim() -> None:
+            claimed.extend(await claims.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(claim)
+                engine = server.engine
+
+                def held() -> bool:  # the claim's settle met the fail point: it is held from now
+                    with engine.changed:
+                        return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
+
+                assert await anyio.to_thread.run_sync(held)
+                assert await cancels.cancel(t.owner, t.key, t.version)
+        assert [c.timer_id for c in claimed] == [kept.timer_id]
+        assert await claims.find(t.owner, t.key) is None
+    finally:
+        await claims.close()
+        await cancels.close()
+        await claimer.close()
+        await other.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=StorageUnavailable,
+    reason="known defect: the quarantine counts in one document inside a transaction; a replica killed "
+    "mid-quarantine leaves its transaction open for transactionLifetimeLimitSeconds (60 s), and every "
+    "other quarantine meets a write conflict on the counter until then (the feed stalls)",
+)
+async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_others(server: WireServer) -> None:
+    """A replica killed between its quarantine transaction's counter update and its commit: the
+    server keeps the transaction (and its write on the counter) until the lifetime limit. Another
+    replica's quarantine should still succeed within its operation timeout."""
+    killed: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    other: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(seconds=1))
+    try:
+        await log.prepare()
+        session = killed.start_session()
+        await session.start_transaction()
+        await killed["db"][quarantine_collection("ctx")].find_one_and_update(
+            {"_id": "seq"}, {"$inc": {"n": 1}}, upsert=True, session=session
+        )
+        # the process dies here: no commit, no abort, no endSessions
+        with anyio.fail_after(10):
+            await log.quarantine("wowd", 1, AggregateType(context="ctx", aggregate="order"), {"_id": "x"}, "bad")
+        assert len(await log.quarantined()) == 1
+    finally:
+        await log.close()
+        await killed.close()
+        await other.close()
