@@ -128,6 +128,8 @@ class ChaosConfig:
     backend: Literal["embedded", "mongo-sim"] = "embedded"
     """The replicas' stores: the embedded file, or MongoDB on the simulator (``tests/mongosim``,
     a process) with the sink on the Elasticsearch fake (``tests/elasticsearch``, in this process)."""
+    sink_outages: bool = True
+    """On ``mongo-sim``: the event index refuses every write now and then (``_sink_outages``)."""
 
     @property
     def slow_latency_s(self) -> float:
@@ -546,6 +548,9 @@ class Harness:
         self._fences: dict[int, int] = {}
         self._starts = 0
         self.marks: list[FaultMark] = []
+        self._es_model: Any = None
+        """The Elasticsearch fake's model (``mongo-sim``): what its index refuses."""
+        self._outage_rng = random.Random(config.seed + 3)
         pick = random.Random(config.seed + 2)
         aggs = [f"order-{i}" for i in range(config.aggregates)]
         slow = {a for a in aggs if pick.random() < config.slow_share}
@@ -733,6 +738,25 @@ class Harness:
                     await anyio.sleep(0.05)
         except TimeoutError:
             self.report.paused_holders_kept_acting.append(f"{r.name}: {r.tail(5)}")
+
+    async def _sink_outages(self, until: float) -> None:
+        """The event index down and up again while the other faults go on: a write block on the
+        index (the fake answers 403 ``cluster_block_exception`` to every write) for 2 to 6 s, every
+        8 to 15 s. The replicas' index views fall behind and catch up; their timers keep firing."""
+        model, rng = self._es_model, self._outage_rng
+        index = f"wow.{CONTEXT}.{TYPE.aggregate}.events"
+        while anyio.current_time() < until:
+            await anyio.sleep(rng.uniform(8.0, 15.0))
+            if anyio.current_time() >= until or index not in model.indices:
+                continue
+            down = rng.uniform(2.0, 6.0)
+            log.info("fault: the event index refuses writes for %.1fs", down)
+            model.block_writes(index)
+            self.report.faults["sink"] += 1
+            try:
+                await anyio.sleep(down)
+            finally:
+                model.block_writes(index, on=False)
 
     async def _faults(self, until: float) -> None:
         lo, hi = self.config.fault_gap_s
@@ -940,6 +964,7 @@ class Harness:
             fake = FakeElasticsearch()
             fake.model = EsModel()
             fake.start()
+            self._es_model = fake.model
             stack.callback(fake.stop)
             self.env = replica_env(cfg, self.db, mongo_uri=uri, es_url=fake.url)
             self._log = MongoLog(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
@@ -1016,6 +1041,8 @@ class Harness:
                 async with anyio.create_task_group() as work:
                     work.start_soon(producer.run, until)
                     work.start_soon(self._faults, until)
+                    if cfg.backend == "mongo-sim" and cfg.sink_outages:
+                        work.start_soon(self._sink_outages, until)
                     await anyio.sleep(min(5.0, cfg.duration_s / 2))  # replicas settled in
                     rep.rss_start_kib = max((_rss_kib(r.proc.pid) for r in self.live()), default=0)
                 # drain: every replica running, then poll the stores until caught up

@@ -55,7 +55,11 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
         ("host", f"{platform.system()} {platform.machine()}, Python {platform.python_version()}"),
         ("faults survived", faults_line),
         ("timers fired", f"{report.timers_fired} of {report.timers_expected} (cancelled {report.cancelled})"),
-        ("commits fed", f"{report.commits_fed} of {report.commits_expected}"),
+        (
+            "commits fed",
+            f"{report.commits_fed} of {report.commits_expected} in the event index, "
+            f"{len(report.extra_documents)} documents there more than once",
+        ),
         ("malformed", f"{report.malformed_injected} injected, {report.quarantined} quarantined"),
         ("lost", str(report.lost)),
         (
@@ -85,17 +89,29 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
         ("drain", f"caught up {report.drain_s:.1f}s after the producer stopped"),
         ("verdict", "PASS" if not violations else "FAIL: " + "; ".join(violations)),
     ]
-    lines = [f"## Chaos soak ({label}, {minutes:g} min)", "", "| | |", "|---|---|"]
+    lines = [f"{heading(c)} ({label}, {minutes:g} min)", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n\n"
 
 
+def heading(config: ChaosConfig) -> str:
+    """The soak section's heading (without its run): one section per backend."""
+    return "## Chaos soak" if config.backend == "embedded" else "## Chaos soak on the MongoDB simulator"
+
+
 def replace_soak_section(path: Path, text: str) -> None:
     """Write the soak's section ``text`` into the Markdown file ``path`` in place of the soak
-    sections there (at the first one's place; at the end when there is none), keeping the rest."""
+    sections of its backend there (at the first one's place; after the last soak section, or at
+    the end, when there is none), keeping the rest."""
     old = path.read_text() if path.exists() else ""
     head, *sections = re.split(r"(?m)^(?=## )", old)
-    soaks = [i for i, s in enumerate(sections) if s.startswith("## Chaos soak")]
+    title = text.split(" (", 1)[0]
+    soaks = [i for i, s in enumerate(sections) if s.split(" (", 1)[0] == title]
+    if not soaks:
+        others = [i for i, s in enumerate(sections) if s.startswith("## Chaos soak")]
+        soaks_at = others[-1] + 1 if others else len(sections)
+        sections.insert(soaks_at, "")
+        soaks = [soaks_at]
     at = soaks[0] if soaks else len(sections)
     kept = [s for i, s in enumerate(sections) if i not in soaks]
     kept.insert(at, text)

@@ -1889,30 +1889,23 @@ def _split_event(event: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+_PROJECTING = mongomock.MongoClient().get_database("mongosim").get_collection("projection")
+"""A mongomock collection whose projection code the simulator uses (no document is stored in it)."""
+
+
 def _project(docs: list[dict[str, Any] | None], projection: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A ``find``'s projection, as mongomock projects (paths through arrays of documents
+    included: ``{"events.name": 1}`` keeps each element's ``name``, manual: Project Fields to
+    Return from Query, "Project Specific Array Elements in the Returned Array")."""
     out = []
     for d in docs:
         if d is None:
             out.append(d)
             continue
-        include = {k: v for k, v in projection.items() if k != "_id"}
-        keep_id = projection.get("_id", 1)
-        if include and all(v in (1, True) for v in include.values()):
-            new: dict[str, Any] = {"_id": d["_id"]} if keep_id and "_id" in d else {}
-            for k in include:
-                v = get_path(d, k)
-                if v is not None or _has(d, k):
-                    _set_path(new, k, v)
-            out.append(new)
-        elif all(v in (0, False) for v in include.values()):
-            new = copy.deepcopy(d)
-            for k in include:
-                evaluate._unset(new, k.split("."))
-            if not keep_id:
-                new.pop("_id", None)
-            out.append(new)
-        else:
-            raise Failure(2, f"mongosim: projection {projection!r} not modelled (inclusions or exclusions only)")
+        try:
+            out.append(_PROJECTING._copy_only_fields(d, dict(projection), dict))
+        except (ValueError, mongomock.OperationFailure) as exc:
+            raise Failure(2, f"mongosim: projection {dict(projection)!r}: {exc}") from exc
     return out  # type: ignore[return-value]
 
 

@@ -46,6 +46,15 @@ def _code(exc: pytest.ExceptionInfo[OperationFailure]) -> int | None:
 # --------------------------------------------------------------------------- the additions
 
 
+def test_a_projection_through_an_array_keeps_each_elements_fields(client: Client) -> None:
+    """Manual, Project Fields to Return from Query: a dotted path into an array of documents
+    projects each element (what the log check reads of a commit's events)."""
+    coll = client.db.log
+    coll.insert_one({"v": 2, "events": [{"name": "A", "id": "e1", "body": {"key": "k", "x": 1}}, {"name": "B"}]})
+    [doc] = coll.find({}, {"_id": 0, "v": 1, "events.name": 1, "events.body.key": 1})
+    assert doc == {"v": 2, "events": [{"name": "A", "body": {"key": "k"}}, {"name": "B"}]}
+
+
 def test_union_with_appends_the_sub_pipeline_of_another_collection(client: Client) -> None:
     db = client.t
     db.a.insert_many([{"_id": 1, "x": 2}, {"_id": 2, "x": 1}])
