@@ -236,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if args.before is not None:
         r = run_once("mongo-sim", args.timers, args.spread_s, args.seed, code=args.before.resolve())
-        rows.append((f"MongoDB (simulated replica set), {args.before.name} (waits for the watermark)", r))
-    command = "python -m bench.mongo_fire_lag " + " ".join(argv if argv is not None else sys.argv[1:])
+        rev = subprocess.run(
+            ["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        rows.append((f"MongoDB (simulated replica set), the code of {rev or args.before} (waits for the watermark)", r))
+    shown = ["--before", "CHECKOUT"] if args.before is not None else []
+    command = "python -m bench.mongo_fire_lag " + " ".join(shown)
     text = section(rows, command.strip(), (before_load, _load()), args.timers, args.spread_s)
     print(text)
     if not args.no_write:
