@@ -37,6 +37,7 @@ __all__ = [
     "enabled_views",
     "reset_view",
     "start_positions",
+    "stored_checkpoints",
     "view_named",
 ]
 
@@ -57,11 +58,6 @@ class View:
     name: str
     consumer: str
     aggregate: str | None = None
-
-    @property
-    def kind(self) -> str:
-        """``timers``, ``index`` or ``snapshots``."""
-        return SNAPSHOTS if self.aggregate is not None else self.name
 
 
 def view_named(name: str) -> View:
@@ -90,10 +86,20 @@ def enabled_views(settings: WowdSettings, reducers: Iterable[str]) -> tuple[View
     )
 
 
+async def stored_checkpoints(
+    log: Log, views: Iterable[View], partitions: Sequence[int]
+) -> tuple[dict[int, Checkpoint], dict[View, dict[int, Checkpoint]]]:
+    """The ``wowd`` checkpoints of ``partitions`` and each view's own (the timer view's are the
+    ``wowd`` ones, read once)."""
+    legacy = await log.checkpoints(LEGACY_CONSUMER, partitions)
+    own = {v: legacy if v.consumer == LEGACY_CONSUMER else await log.checkpoints(v.consumer, partitions) for v in views}
+    return legacy, own
+
+
 def start_positions(
-    view: View, own: Mapping[int, Checkpoint], legacy: Mapping[int, Checkpoint], partitions: Sequence[int]
+    own: Mapping[int, Checkpoint], legacy: Mapping[int, Checkpoint], partitions: Sequence[int]
 ) -> dict[int, Position | None]:
-    """Where ``view`` reads each partition from: its own checkpoint (:data:`FROM_START`: the
+    """Where a view reads each partition from: its own checkpoint (:data:`FROM_START`: the
     first commit), else the ``wowd`` one (``legacy``), else the first commit."""
     out: dict[int, Position | None] = {}
     for p in partitions:
@@ -117,12 +123,11 @@ async def views_status(settings: WowdSettings, log: Log, reducers: Iterable[str]
     fell behind, or is catching up, reads them on its own; an index or snapshot view ahead of
     a stalled timer view counts too)."""
     parts = list(range(settings.partitions))
-    legacy = await log.checkpoints(LEGACY_CONSUMER, parts)
-    lead = start_positions(view_named(TIMERS), legacy, legacy, parts)
+    legacy, own = await stored_checkpoints(log, enabled_views(settings, reducers), parts)
+    lead = start_positions(legacy, legacy, parts)
     out: list[dict[str, Any]] = []
-    for v in enabled_views(settings, reducers):
-        own = legacy if v.consumer == LEGACY_CONSUMER else await log.checkpoints(v.consumer, parts)
-        at = start_positions(v, own, legacy, parts)
+    for v, stored in own.items():
+        at = start_positions(stored, legacy, parts)
         behind = [p for p in parts if at[p] != lead[p]]
         out.append({"view": v.name, "consumer": v.consumer, "partitions_behind": behind})
     return out

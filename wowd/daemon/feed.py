@@ -65,7 +65,16 @@ from wowd.model import (
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
 from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
-from wowd.views import FROM_START, INDEX, LEGACY_CONSUMER, TIMERS, View, enabled_views, start_positions
+from wowd.views import (
+    FROM_START,
+    INDEX,
+    LEGACY_CONSUMER,
+    TIMERS,
+    View,
+    enabled_views,
+    start_positions,
+    stored_checkpoints,
+)
 
 from .leases import HeldSlot
 from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
@@ -366,15 +375,13 @@ class Feeder:
         starts (the ``wowd`` checkpoint, or the log's start), under the slot's fence: a view that
         then falls behind keeps its place, however far the timer view's checkpoint moves on."""
         log_ = self._backend.log
-        legacy = await log_.checkpoints(LEGACY_CONSUMER, parts)
-        out: dict[View, dict[int, Position | None]] = {}
+        legacy, own = await stored_checkpoints(log_, self.views, parts)
+        out = {v: start_positions(stored, legacy, parts) for v, stored in own.items()}
         carried: dict[int, tuple[str, ...]] = {}
-        for v in self.views:
-            own = legacy if v.consumer == LEGACY_CONSUMER else await log_.checkpoints(v.consumer, parts)
-            out[v] = start_positions(v, own, legacy, parts)
+        for v, stored in own.items():
             if v.consumer != LEGACY_CONSUMER:
                 for p in parts:
-                    if p not in own:
+                    if p not in stored:
                         carried[p] = (*carried.get(p, ()), v.consumer)
         by_consumers: dict[tuple[str, ...], dict[int, Position]] = {}
         for p, consumers in carried.items():
