@@ -58,18 +58,20 @@ def _summary(out: str) -> dict[str, int]:
     return found
 
 
-async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: int) -> dict[str, set[str]]:
-    """Schedules :data:`N` timers (one per order) through the replica ``a``: fired (due now and
+async def _scheduled(
+    stores: Backend, a: Replica, *, park: bool, pending_in_ms: int, n: int = N
+) -> dict[str, set[str]]:
+    """Schedules ``n`` timers (one per order) through the replica ``a``: fired (due now and
     delivered into the outbox), cancelled, parked and failed (due in an hour, then settled so by
     the test as a replica would), and pending (due ``pending_in_ms`` from now). Answers the timer
     ids of each kind."""
     now = int(time.time() * 1000)
-    fifth = N // 5
+    fifth = n // 5
     kinds = ["fired", "cancelled", "parked", "failed", "pending"]
     due = {"fired": now, "cancelled": now + 3_600_000, "parked": now + 3_600_000, "failed": now + 3_600_000}
     due["pending"] = now + pending_in_ms
     commits = []
-    for i in range(N):
+    for i in range(n):
         kind = kinds[i // fifth]
         commits.append(timer_commit(f"o-{kind}-{i}", 1, [f"k-{i}"], due_at=due[kind]))
     await stores.log.append_many(commits)

@@ -114,7 +114,7 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
     """What the feed applied after the replay read the log is read again in the finishing
     transaction, up to the timer view's checkpoint of each partition: the view swapped in is
     where the feed continues (a commit past the checkpoint is left to the feed)."""
-    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
@@ -129,7 +129,7 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
         await engine.begin()
         n, last, entries = await engine.read(0, 100)
         assert n == 1
-        project = _project(settings, None)
+        project = project_for(settings, None)
         await engine.write(project(entries))
         # meanwhile: two more commits, the feed applied (checkpointed) the first of them only
         await backend.log.append_many(
@@ -153,7 +153,7 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
 
 
 async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_swap(tmp_path: Path) -> None:
-    from wowd.daemon.timer_rebuild import _project, timer_view_consumer
+    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
@@ -170,7 +170,7 @@ async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_
         await engine.acquire(60)
         await engine.begin()
         n, last, entries = await engine.read(0, 100)
-        project = _project(settings, None)
+        project = project_for(settings, None)
         await engine.write(project(entries))
         result = Finished()
         await engine.carry_over(expired_before=None, result=result)

@@ -47,13 +47,21 @@ TOL = timedelta(seconds=1)
 A = Owner(key="host-a:11:aaaaaa")
 B = Owner(key="host-b:22:bbbbbb")
 
+NOT_HELD = {"$not": [{"$gt": ["$holdUntil", "$$NOW"]}]}
+"""No live hold (a timer view rebuild's) on the slot."""
+
 FREE = {
-    "$or": [
-        {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
-        {"$lt": [{"$add": ["$expiresAt", 1000]}, "$$NOW"]},
+    "$and": [
+        NOT_HELD,
+        {
+            "$or": [
+                {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
+                {"$lt": [{"$add": ["$expiresAt", 1000]}, "$$NOW"]},
+            ]
+        },
     ]
 }
-"""Free: no owner, or expired beyond the tolerance (1 s) by the store clock."""
+"""Free: not held, and no owner or expired beyond the tolerance (1 s) by the store clock."""
 
 
 def take(owner: str, ttl_ms: int = 10_000) -> list[dict[str, Any]]:
@@ -88,6 +96,8 @@ FIELDS = {
     "floor": 1,
     "ceiling": 1,
     "writtenAt": 1,
+    "holdBy": 1,
+    "holdUntil": 1,
 }
 
 
@@ -462,6 +472,7 @@ async def test_sticky_takes_the_last_slot_guarded_by_the_fence_read(store: Mongo
                         FREE,
                         {
                             "$and": [
+                                NOT_HELD,
                                 {"$eq": ["$ownerKey", {"$literal": A.key}]},
                                 {"$lte": ["$expiresAt", "$$NOW"]},
                             ]
@@ -537,9 +548,14 @@ async def test_expired_lease_of_another_owner_is_taken_with_the_next_fence(
         reply_cursor(req, "cosid_slot", [{"mine": [], "present": [4, 5]}])
         req = await wire.command("findAndModify")
         expired_beyond_2500ms = {
-            "$or": [
-                {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
-                {"$lt": [{"$add": ["$expiresAt", 2500]}, "$$NOW"]},
+            "$and": [
+                NOT_HELD,
+                {
+                    "$or": [
+                        {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
+                        {"$lt": [{"$add": ["$expiresAt", 2500]}, "$$NOW"]},
+                    ]
+                },
             ]
         }
         assert body(req) == find_and_modify(

@@ -953,6 +953,36 @@ class Engine:
         self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
         del meta
 
+    def cmd_renamecollection(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``renameCollection`` within one database (manual, "renameCollection": run against
+        ``admin``; 26 NamespaceNotFound for a missing source, 48 NamespaceExists for an existing
+        target without ``dropTarget``; the indexes go with the collection; one oplog entry, a
+        ``rename`` event on the source's namespace with ``to``). A rename across databases (a
+        copy on a server) is not modelled: refused."""
+        _check_fields(cmd, "renameCollection", {"to", "dropTarget", "stayTemp"})
+        if cmd["$db"] != "admin":
+            raise Failure(13, "renameCollection may only be run against the admin database.")
+        source, target = str(cmd["renameCollection"]), str(cmd.get("to", ""))
+        (sdb, _, scoll), (tdb, _, tcoll) = source.partition("."), target.partition(".")
+        if sdb != tdb:
+            raise Failure(115, "the simulator renames within one database only")
+        _check_namespace(tdb, tcoll)
+        if (sdb, scoll) not in self.catalog:
+            raise Failure(26, f"Source collection {source} does not exist")
+        if (tdb, tcoll) in self.catalog:
+            if not cmd.get("dropTarget"):
+                raise Failure(48, "target namespace exists")
+            meta = self.catalog.pop((tdb, tcoll))
+            del meta
+        tables: tuple[dict[tuple[str, str], Any], ...] = (self.data, self.uniques, self.fields)
+        for table in tables:
+            table.pop((tdb, tcoll), None)
+            if (sdb, scoll) in table:
+                table[(tdb, tcoll)] = table.pop((sdb, scoll))
+        self.catalog[(tdb, tcoll)] = self.catalog.pop((sdb, scoll))
+        self._append([Event(Timestamp(0, 0), 0, "rename", sdb, scoll, doc={"db": tdb, "coll": tcoll})])
+        return {}
+
     def cmd_dropdatabase(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         db = cmd["$db"]
         for d, c in [k for k in self.catalog if k[0] == db]:
@@ -1689,6 +1719,9 @@ class Engine:
         doc["ns"] = {"db": e.db, "coll": e.coll}
         if e.op == "drop":
             return doc
+        if e.op == "rename":
+            doc["to"] = dict(e.doc or {})
+            return doc
         if e.op in ("insert", "replace"):
             doc["fullDocument"] = e.doc  # never changed in place: the pipeline copies what it keeps
         doc["documentKey"] = copy.deepcopy(e.key)
@@ -1741,6 +1774,7 @@ COMMANDS = {
         "create",
         "drop",
         "dropDatabase",
+        "renameCollection",
         "createIndexes",
         "listIndexes",
         "listCollections",

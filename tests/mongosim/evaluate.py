@@ -16,7 +16,10 @@ Additions (mongomock 4.3 lacks them):
   ``$project``/``$unset``, ``$replaceRoot``/``$replaceWith`` (another stage: code 72, "... is not
   allowed to be used within an update");
 - comparison expressions in BSON order across types, a missing field below null (manual,
-  "Comparison/Sort Order"); ``$add`` of a Date and milliseconds (manual, "$add").
+  "Comparison/Sort Order"); ``$add`` of a Date and milliseconds (manual, "$add");
+- ``$not`` of its one-element argument array (manual, "$not (aggregation)": ``{$not:
+  [<expression>]}`` is true when the expression is false, null, 0 or missing; mongomock negates
+  the array itself, always false).
 
 Everything else is mongomock's; what it does not implement raises, and the engine answers an
 error (never a silent success).
@@ -88,6 +91,10 @@ class _Parser(_BaseParser):  # type: ignore[misc,valid-type]
                         )
                     out.update(parsed)
                 return out
+            if op == "$not":
+                arg = value[0] if isinstance(value, list) and len(value) == 1 else value
+                v = self._parse_or_missing(arg)
+                return v is MISSING or v is None or v is False or (isinstance(v, int | float) and v == 0)
             if op == "$add" and isinstance(value, list):
                 args = [self.parse(v) for v in value]
                 dates = [a for a in args if isinstance(a, datetime.datetime)]

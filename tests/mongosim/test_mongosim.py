@@ -104,6 +104,36 @@ def test_expression_comparisons_order_a_missing_field_below_null(client: Client)
     assert [d["_id"] for d in coll.find({"$expr": {"$eq": ["$v", None]}})] == [2]
 
 
+def test_not_negates_the_expression_in_its_argument_array(client: Client) -> None:
+    coll = client.t.c
+    coll.insert_many([{"_id": 1}, {"_id": 2, "v": 0}, {"_id": 3, "v": 5}, {"_id": 4, "v": False}])
+    got = coll.find({"$expr": {"$not": ["$v"]}}, sort=[("_id", 1)])
+    assert [d["_id"] for d in got] == [1, 2, 4]
+    # false sorts above every number (BSON order): only the missing field and 0 are not above 1
+    assert [d["_id"] for d in coll.find({"$expr": {"$not": [{"$gt": ["$v", 1]}]}}, sort=[("_id", 1)])] == [1, 2]
+
+
+def test_renaming_a_collection_over_another_keeps_its_documents_and_indexes(client: Client) -> None:
+    client.t.a.insert_one({"_id": 1, "k": "a"})
+    client.t.a.create_index("k", unique=True, name="k")
+    client.t.b.insert_one({"_id": 9})
+    with pytest.raises(OperationFailure) as exc:
+        client.admin.command("renameCollection", "t.a", to="t.b")
+    assert _code(exc) == 48  # NamespaceExists
+    with pytest.raises(OperationFailure) as exc:
+        client.t.command("renameCollection", "t.a", to="t.b", dropTarget=True)
+    assert _code(exc) == 13  # only against admin
+    client.admin.command("renameCollection", "t.a", to="t.b", dropTarget=True)
+    assert list(client.t.b.find()) == [{"_id": 1, "k": "a"}]
+    assert "a" not in client.t.list_collection_names()
+    assert "k" in client.t.b.index_information()
+    with pytest.raises(DuplicateKeyError):
+        client.t.b.insert_one({"k": "a"})
+    with pytest.raises(OperationFailure) as exc:
+        client.admin.command("renameCollection", "t.a", to="t.c")
+    assert _code(exc) == 26  # NamespaceNotFound
+
+
 def test_upsert_starts_from_the_equalities_of_the_filter_not_its_or(client: Client) -> None:
     coll = client.t.c
     coll.update_one({"k": "a", "n": {"$eq": 1}, "$or": [{"v": 1}, {"v": 2}]}, {"$set": {"x": 1}}, upsert=True)

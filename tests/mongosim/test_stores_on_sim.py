@@ -13,7 +13,7 @@ from pymongo import AsyncMongoClient
 
 from tests.contract.test_timers import T0, owner, timer
 from tests.mongosim import Settings, WireServer, serving
-from wowd.errors import StorageUnavailable
+from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import AggregateType
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
@@ -112,3 +112,53 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
         await log.close()
         await killed.close()
         await other.close()
+
+
+async def test_a_held_slot_is_released_by_its_holder_and_taken_by_nobody_until_lifted(server: WireServer) -> None:
+    """A hold (a timer view rebuild's) on the slots of a namespace: the holder's renewal still
+    succeeds and answers who holds it; once released, no owner takes the slot, not even the
+    holder's own key; lifted, it is taken again. Another rebuild's hold is refused."""
+    from wowd.model import Owner
+    from wowd.stores.mongo.leases import MongoSlotLeaseStore
+
+    store = MongoSlotLeaseStore(server.uri, "db")
+    ttl, tol = timedelta(seconds=30), timedelta(seconds=1)
+    a, b = Owner(key="a"), Owner(key="b")
+    try:
+        got = await store.acquire("ns", a, 2, ttl, tol)
+        assert got.lease is not None and got.lease.held_by is None
+        states = await store.hold("ns", "rebuild-1", timedelta(seconds=30))
+        assert [s.held for s in states] == [True, True]  # both slots, one of them never taken yet
+        renewed = await store.renew(got.lease, ttl, tol)
+        assert renewed is not None and renewed.held_by == "rebuild-1"  # still the holder's, asked to go
+        assert await store.release(renewed, renewed.written_at)
+        assert (await store.acquire("ns", a, 2, ttl, tol)).status == "exhausted"
+        assert (await store.acquire("ns", b, 2, ttl, tol)).status == "exhausted"
+        with pytest.raises(StorageError, match="held by rebuild-1"):
+            await store.hold("ns", "rebuild-2", timedelta(seconds=30))
+        assert await store.lift("ns", "rebuild-1") == 2
+        again = await store.acquire("ns", a, 2, ttl, tol)
+        assert again.acquired and again.lease is not None and again.lease.held_by is None
+        assert again.lease.fence > got.lease.fence  # a new tenure: what the one before wrote is fenced
+    finally:
+        await store.close()
+
+
+async def test_a_hold_not_renewed_lapses(server: WireServer) -> None:
+    from wowd.model import Owner
+    from wowd.stores.mongo.leases import MongoSlotLeaseStore
+
+    store = MongoSlotLeaseStore(server.uri, "db")
+    ttl, tol = timedelta(seconds=30), timedelta(seconds=1)
+    try:
+        first = await store.acquire("ns", Owner(key="a"), 1, ttl, tol)
+        assert first.lease is not None and await store.release(first.lease, first.lease.written_at)
+        await store.hold("ns", "rebuild-killed", timedelta(milliseconds=300))
+        assert (await store.acquire("ns", Owner(key="a"), 1, ttl, tol)).status == "exhausted"
+        with anyio.fail_after(5):  # the hold ends 300 ms later on the store clock
+            while True:
+                if (await store.acquire("ns", Owner(key="a"), 1, ttl, tol)).acquired:
+                    break
+                await anyio.sleep(0.05)
+    finally:
+        await store.close()

@@ -12,24 +12,15 @@ from wowd.errors import ConfigError, LeaseLost
 from wowd.fmt import iso_ms
 from wowd.model import validate_name
 
-__all__ = ["NOT_ON_MONGO", "rebuild"]
-
-NOT_ON_MONGO = (
-    "wowd timers rebuild runs on the embedded backend; on MongoDB stop every replica, drop the context's timer "
-    "collections and their wow_timer_aggregate records and reset the feed's checkpoints (docs/operations.md, "
-    "Recovery)"
-)
-"""The refusal of a rebuild on the MongoDB backend, with what to do instead."""
+__all__ = ["rebuild"]
 
 
 async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Exit 0 when rebuilt (or counted, ``--dry-run``); 1 when another rebuild runs or took the
     lock meanwhile (the live view is left as it was); 2 for bad arguments."""
     from wowd.daemon.timer_rebuild import TimerRebuilder
-    from wowd.stores.embedded.timer_rebuild import RebuildRunning
+    from wowd.stores.timer_rebuild import RebuildRunning, SlotsNotReleased
 
-    if settings.backend != "embedded":
-        raise ConfigError(NOT_ON_MONGO)
     if args.context and args.context != settings.context:
         try:
             validate_name(args.context, field="context")
@@ -49,6 +40,9 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
             err(f"wowd: {exc}")
             return 1
         except LeaseLost as exc:
+            err(f"wowd: {exc}: the live view is left as it was")
+            return 1
+        except SlotsNotReleased as exc:
             err(f"wowd: {exc}: the live view is left as it was")
             return 1
     if report.caught_up:
@@ -80,7 +74,8 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
     st = report.statuses
     statuses = ", ".join(f"{st.get(k, 0)} {k}" for k in ("PENDING", "FIRING", "PARKED", "FAILED"))
     tombstones = f"{st.get('DONE', 0)} DONE and {st.get('CANCELLED', 0)} CANCELLED tombstones"
-    done = "dry run: nothing changed" if report.dry_run else f"swapped in (the write lock held {report.finish_s:.1f} s)"
+    held = "the slots held" if settings.backend == "mongo" else "the write lock held"
+    done = "dry run: nothing changed" if report.dry_run else f"swapped in ({held} {report.finish_s:.1f} s)"
     out(
         f"summary: {report.commits + report.caught_up} commits read; {report.live} timers live ({statuses}; "
         f"{report.expired} expired), {tombstones}; {done}"

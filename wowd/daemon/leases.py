@@ -20,7 +20,10 @@ One :class:`SlotKeeper` per wanted slot (``slots_per_process``). Each keeper:
 - watches the wall clock against the monotonic clock: a step beyond the tolerance (the embedded
   store decides expiry on the wall clock) renews at once, and a refused renew stops the work;
 - after a loss acquires again; on :meth:`stop` the work drains (bounded by the grace period)
-  and the lease is released with ``last_issued`` (shielded, bounded).
+  and the lease is released with ``last_issued`` (shielded, bounded);
+- when a renewal answers that the slot is *held* (``held_by``: a timer view rebuild swapping its
+  view in), drains the work as on a stop (bounded by the grace period), releases the slot and
+  stands by, trying to acquire every :data:`HOLD_POLL` until the hold ends.
 
 Keeper ``i`` uses the owner key ``key`` (``i == 0``) or ``key#i``: an owner key holds one slot
 (acquire is idempotent per key), so a replica holding several slots needs one key per slot.
@@ -64,6 +67,9 @@ RELEASE_TIMEOUT_S = 5.0
 MIN_CLOCK_STEP_S = 0.05
 """The smallest wall-clock step reported, whatever the tolerance (jitter of reading two clocks
 and a slewing NTP stay well below it)."""
+HOLD_POLL = Backoff(0.2, 0.4, jitter=True)
+"""How often a keeper that released its slot for a hold tries to acquire again (a hold lasts a
+few seconds: the replica takes its slot back soon after it ends)."""
 HEARTBEAT_WARN_EVERY_S = 60.0
 """Failed heartbeats are logged at WARNING at most this often (at DEBUG in between)."""
 
@@ -230,6 +236,8 @@ class SlotKeeper:
         self.held: HeldSlot | None = None
         self._cooldown_s = 0.0
         """After a stalled slot was given up: how long to stand by before acquiring again."""
+        self._paused_by: str | None = None
+        """Who held the slot this keeper released last (until it acquires one again)."""
         self.standby = False
         self.acquired_once = False
         self.stall = Stall(f"slot keeper {owner_key}", after_unavailable_s=math.inf)
@@ -320,14 +328,18 @@ class SlotKeeper:
             if lease is None:
                 if not self.standby:
                     self.standby = True
-                    log.info("no free slot in %s: standing by", self._ns)
+                    if self._paused_by is not None:
+                        log.info("slots of %s held by %s: standing by until the hold ends", self._ns, self._paused_by)
+                    else:
+                        log.info("no free slot in %s: standing by", self._ns)
                     self._on_change()
                 if not started:
                     started = True
                     task_status.started(None)
-                await standing_by.pause()
+                await standing_by.pause(HOLD_POLL if self._paused_by is not None else None)
                 continue
             standing_by.reset()
+            self._paused_by = None
             self.standby = False
             held = HeldSlot(
                 lease=lease,
@@ -476,6 +488,24 @@ class SlotKeeper:
             work_scope.deadline = valid_until
             metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(renewed.fence)
             next_at = self._next_renew(held)
+            if renewed.held_by is not None and not held.stopping:
+                self._release_for_hold(held, renewed.held_by)
+
+    def _release_for_hold(self, held: HeldSlot, by: str) -> None:
+        """The slot is held (``by``): its work drains as on a stop, bounded by the grace period;
+        :meth:`_hold` releases it and :meth:`run` stands by until the hold ends."""
+        grace_s = self._settings.shutdown.grace_s
+        log.info(
+            "slot %d is held by %s: draining its work (at most %.1f s) and releasing it until the hold ends",
+            held.slot,
+            by,
+            grace_s,
+            extra=held.log_extra(),
+        )
+        self._paused_by = by
+        held.request_stop()
+        if self._grace_scope is not None:
+            self._grace_scope.deadline = min(self._grace_scope.deadline, anyio.current_time() + grace_s)
 
 
 class Presence:

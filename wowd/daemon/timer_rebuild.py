@@ -48,7 +48,7 @@ from .feed import prepare_batch
 if TYPE_CHECKING:  # the embedded backend's engine (imported where that backend is used)
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild as EmbeddedEngine
 
-__all__ = ["TimerRebuildReport", "TimerRebuilder", "timer_view_consumer"]
+__all__ = ["TimerRebuildReport", "TimerRebuilder", "project_for", "timer_view_consumer"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class TimerRebuildReport:
         return sum(n for s, n in self.statuses.items() if s not in ("DONE", "CANCELLED"))
 
 
-def _project(settings: WowdSettings, aggregate: str | None) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
+def project_for(settings: WowdSettings, aggregate: str | None) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
     """The feed's projection of log entries into the timer view's writes under ``settings``
     (only ``aggregate``'s commits when given)."""
     return _projection(settings.timers.max_body_bytes, settings.partitions, aggregate)
@@ -209,7 +209,7 @@ class TimerRebuilder:
 
     def _engine(self) -> EmbeddedEngine:
         if self._backend.name != "embedded":
-            raise ConfigError(f"the timer view rebuild runs on the embedded backend, not on {self._backend.name}")
+            raise ConfigError(f"no timer view rebuild on the {self._backend.name} backend")
         from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild
         from wowd.stores.embedded.timers import EmbeddedTimerStore
 
@@ -220,9 +220,17 @@ class TimerRebuilder:
     async def run(
         self, *, aggregate: str | None = None, dry_run: bool = False, fire_expired: bool = False
     ) -> TimerRebuildReport:
-        """The rebuild; raises :class:`~wowd.stores.embedded.timer_rebuild.RebuildRunning` when
-        another one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile."""
+        """The rebuild; raises :class:`~wowd.stores.timer_rebuild.RebuildRunning` when another
+        one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile. On MongoDB
+        it is :class:`~wowd.daemon.timer_rebuild_mongo.MongoTimerRebuilder`'s."""
         s = self._settings
+        if self._backend.name == "mongo":
+            from .timer_rebuild_mongo import MongoTimerRebuilder
+
+            mongo = MongoTimerRebuilder(
+                s, self._backend, progress=self._progress, batch_size=self._batch_size, progress_every_s=self._every_s
+            )
+            return await mongo.run(aggregate=aggregate, dry_run=dry_run, fire_expired=fire_expired)
         report = TimerRebuildReport(context=s.context, aggregate=aggregate, dry_run=dry_run)
         engine = self._engine()
         try:
@@ -249,7 +257,7 @@ class TimerRebuilder:
         report: TimerRebuildReport,
     ) -> None:
         s = self._settings
-        project = _project(s, aggregate)
+        project = project_for(s, aggregate)
         await engine.begin()
         report.total = await engine.log_commits()
         self._progress(
@@ -276,7 +284,7 @@ class TimerRebuilder:
         read = dict.fromkeys(range(s.partitions), last[0])  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
-        from wowd.stores.embedded.timer_rebuild import Finished
+        from wowd.stores.timer_rebuild import Finished
 
         finished = Finished()
         await engine.carry_over(expired_before=expired_before, result=finished)

@@ -39,6 +39,10 @@ class SlotLease:
     ceiling: int
     written_at: int
     store_now: int | None = field(default=None, compare=False)
+    held_by: str | None = field(default=None, compare=False)
+    """Who holds the slot's namespace paused (a timer view rebuild), as the store saw it when it
+    answered: the holder drains the slot's work and releases it (docs/operations.md, "Recovery").
+    Not part of equality: a hold is asked of the lease, it is not the lease."""
 
     @property
     def remaining_ms(self) -> int:
@@ -71,6 +75,14 @@ class SlotState:
     expires_at: int
     next_floor: int
     store_now: int
+    held_by: str | None = None
+    """Who holds the slot paused until ``held_until`` (store clock), when that is later than ``store_now``."""
+    held_until: int = 0
+
+    @property
+    def held(self) -> bool:
+        """Whether a live hold keeps the slot from being taken."""
+        return self.held_by is not None and self.held_until > self.store_now
 
     @property
     def live(self) -> bool:

@@ -27,16 +27,12 @@ in by one write transaction (``wowd timers rebuild``; the replay itself is the c
 from __future__ import annotations
 
 import functools
-import os
-import socket
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.to_thread
 
-from wowd.errors import LeaseLost, StorageError
+from wowd.errors import LeaseLost
 from wowd.model import AggregateType, LogEntry, TimerWrite
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
 from wowd.stores.embedded.log import CHECKPOINT_SEQS_SQL, entries_between, entry_of
@@ -50,6 +46,15 @@ from wowd.stores.embedded.timer_sql import (
     table_sql,
 )
 from wowd.stores.embedded.timers import EmbeddedTimerStore, put_types
+from wowd.stores.timer_rebuild import (
+    EXPIRED_LISTED,
+    EXPIRED_REASON,
+    Expired,
+    Finished,
+    RebuildRunning,
+    lock_gone,
+    lock_owner,
+)
 
 __all__ = [
     "EXPIRED_REASON",
@@ -64,13 +69,6 @@ __all__ = [
 
 LOCK_TABLE = "wow_timer_rebuild"
 """One row per context whose timer view is being rebuilt."""
-EXPIRED_REASON = (
-    "expired, state unknown: due before the tombstone retention, with no tombstone and no row in the old view "
-    "(timer view rebuild); not fired: wowd timers retry fires it"
-)
-"""The ``last_error`` of a FAILED timer a rebuild could not tell fired or not."""
-EXPIRED_LISTED = 50
-"""Expired timers named in the summary (all of them are counted)."""
 
 _LOCK_DDL = (
     f"CREATE TABLE IF NOT EXISTS {LOCK_TABLE} (context TEXT PRIMARY KEY, owner TEXT NOT NULL,"
@@ -121,63 +119,6 @@ def rows_between(conn: sqlite3.Connection, context: str, after: int, upto: int) 
     return conn.execute(sql, (context, after, upto)).fetchall()
 
 
-class RebuildRunning(StorageError):
-    """Another rebuild of the same timer view runs (its owner holds the lock row)."""
-
-
-def lock_owner() -> str:
-    """This process's name in the lock row: host, process id and a random tag."""
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-
-def _gone(owner: str) -> bool:
-    """Whether ``owner`` (:func:`lock_owner`) is a process of this host that no longer runs."""
-    host, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class Expired:
-    """A one-shot timer the rebuild could not tell fired or not (not fired unless asked)."""
-
-    timer_id: str
-    owner: str
-    key: str
-    due_at: int
-
-
-@dataclass(slots=True)
-class Finished:
-    """What the finishing transaction found and did."""
-
-    caught_up: int = 0
-    """Commits read while holding the write lock (applied by the feed since the replay read)."""
-    statuses: dict[str, int] = field(default_factory=dict)
-    """Rows of the new view per status (tombstones as DONE and CANCELLED)."""
-    carried: int = 0
-    """Rows taken from the old view (the same or a later version of their key)."""
-    unreadable: list[int] = field(default_factory=list)
-    """Partitions of the old view that could not be read (nothing carried from them)."""
-    old_view: bool = True
-    """The old view's table existed."""
-    fired_in_outbox: int = 0
-    """One-shot timers found in the outbox (DONE tombstones)."""
-    expired: int = 0
-    expired_listed: list[Expired] = field(default_factory=list)
-    swapped: bool = False
-    checkpoints: dict[int, int] = field(default_factory=dict)
-    """The timer view's checkpoint (``seq``) of each partition the new view is consistent with."""
-
-
 class EmbeddedTimerRebuild(SqliteStore):
     """The shadow table, its lock and its swap, on a connection of its own to the file."""
 
@@ -208,7 +149,7 @@ class EmbeddedTimerRebuild(SqliteStore):
             row = conn.execute(
                 f"SELECT owner, started_at, expires_at, {NOW_MS} FROM {LOCK_TABLE} WHERE context = ?", (ctx,)
             ).fetchone()
-            if row is not None and row[0] != me and row[2] > row[3] and not _gone(row[0]):
+            if row is not None and row[0] != me and row[2] > row[3] and not lock_gone(row[0]):
                 raise RebuildRunning(
                     f"a rebuild of the timer view of context {ctx!r} runs: lock held by {row[0]} since "
                     f"{_iso(row[1])}, until {_iso(row[2])} unless renewed (wait for it to end)"

@@ -3,8 +3,11 @@
 Collections:
 
 - ``cosid_slot``: one document per slot, ``{ns, slot, ownerKey, incarnation, lastOwnerKey, fence,
-  expiresAt, floor, ceiling, nextFloor, writtenAt}``, unique on ``(ns, slot)``; every slot of a
-  namespace is created on its first use. Times are BSON dates of the store clock (``$$NOW``).
+  expiresAt, floor, ceiling, nextFloor, writtenAt, holdBy?, holdUntil?}``, unique on ``(ns,
+  slot)``; every slot of a namespace is created on its first use. Times are BSON dates of the
+  store clock (``$$NOW``). A *hold* (``holdBy`` until ``holdUntil``, set by :meth:`~MongoSlotLeaseStore.hold`
+  for a timer view rebuild) keeps a slot from being taken; its holder learns of it at its next
+  renewal (the answer's ``held_by``), drains the slot's work and releases it.
 - ``cosid_namespace``: ``{_id: ns, limit, toleranceMs, slotOffset}``. A document written by an
   older version has no ``slotOffset``: it reads as 0 and is never rewritten.
 - ``cosid_replica``: the presence record of each replica, holder or standby, ``{_id: {ns,
@@ -67,6 +70,11 @@ __all__ = [
     "MongoSlotLeaseStore",
     "free_expr",
     "free_filter",
+    "held_expr",
+    "hold_filter",
+    "hold_update",
+    "lift_filter",
+    "lift_update",
     "heartbeat_update",
     "namespace_doc",
     "namespace_filter",
@@ -106,6 +114,8 @@ LEASE_PROJECTION: dict[str, int] = {
     "floor": 1,
     "ceiling": 1,
     "writtenAt": 1,
+    "holdBy": 1,
+    "holdUntil": 1,
 }
 """What a take or a renewal returns (the document after the write)."""
 
@@ -206,19 +216,32 @@ def new_slot_docs(namespace: str, slots: Sequence[int]) -> list[dict[str, Any]]:
     ]
 
 
+def held_expr() -> dict[str, Any]:
+    """A live hold: ``holdUntil > $$NOW`` (a missing ``holdUntil`` compares below every date:
+    manual, "Comparison/Sort Order")."""
+    return {"$gt": ["$holdUntil", "$$NOW"]}
+
+
 def free_expr(tolerance_ms: int) -> dict[str, Any]:
-    """A slot is free when it has no owner or ``expiresAt + tolerance < $$NOW`` (store clock)."""
+    """A slot is free when no live hold keeps it (:func:`held_expr`) and it has no owner or
+    ``expiresAt + tolerance < $$NOW`` (store clock)."""
     return {
-        "$or": [
-            {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
-            {"$lt": [{"$add": ["$expiresAt", tolerance_ms]}, "$$NOW"]},
+        "$and": [
+            {"$not": [held_expr()]},
+            {
+                "$or": [
+                    {"$eq": [{"$ifNull": ["$ownerKey", None]}, None]},
+                    {"$lt": [{"$add": ["$expiresAt", tolerance_ms]}, "$$NOW"]},
+                ]
+            },
         ]
     }
 
 
 def sticky_filter(namespace: str, slot: int, fence: int, owner_key: str, tolerance_ms: int) -> dict[str, Any]:
     """The owner's last slot, unchanged since it was read (same fence), and free or its own
-    expired lease (the previous process of this owner key stopped at its ``ttl - tolerance``)."""
+    expired lease (the previous process of this owner key stopped at its ``ttl - tolerance``)
+    with no live hold."""
     return {
         "ns": namespace,
         "slot": slot,
@@ -228,6 +251,7 @@ def sticky_filter(namespace: str, slot: int, fence: int, owner_key: str, toleran
                 free_expr(tolerance_ms),
                 {
                     "$and": [
+                        {"$not": [held_expr()]},
                         {"$eq": ["$ownerKey", {"$literal": owner_key}]},
                         {"$lte": ["$expiresAt", "$$NOW"]},
                     ]
@@ -322,6 +346,28 @@ def release_update(last_issued: int) -> list[dict[str, Any]]:
             }
         }
     ]
+
+
+def hold_filter(namespace: str, by: str) -> dict[str, Any]:
+    """The namespace's slots with no live hold of another holder than ``by``."""
+    return {
+        "ns": namespace,
+        "$expr": {"$or": [{"$not": [held_expr()]}, {"$eq": ["$holdBy", {"$literal": by}]}]},
+    }
+
+
+def hold_update(by: str, ttl_ms: int) -> list[dict[str, Any]]:
+    """``holdBy = by``, ``holdUntil = $$NOW + ttl`` (a hold not renewed lapses: a rebuild killed
+    keeps no slot from its replicas for longer)."""
+    return [{"$set": {"holdBy": {"$literal": by}, "holdUntil": {"$add": ["$$NOW", ttl_ms]}}}]
+
+
+def lift_filter(namespace: str, by: str) -> dict[str, Any]:
+    return {"ns": namespace, "holdBy": by}
+
+
+def lift_update() -> dict[str, Any]:
+    return {"$unset": {"holdBy": "", "holdUntil": ""}}
 
 
 def slots_pipeline(namespace: str) -> list[dict[str, Any]]:
@@ -426,7 +472,16 @@ def _lease(doc: Mapping[str, Any]) -> SlotLease:
         floor=_ms(doc.get("floor"), "floor"),
         ceiling=_ms(doc.get("ceiling"), "ceiling"),
         written_at=_ms(doc.get("writtenAt"), "writtenAt"),
+        held_by=_hold_of(doc, _ms(doc.get("writtenAt"), "writtenAt")),
     )
+
+
+def _hold_of(doc: Mapping[str, Any], now: int) -> str | None:
+    """``holdBy`` of a slot document whose hold is live at ``now`` (store clock, ms)."""
+    by, until = doc.get("holdBy"), doc.get("holdUntil")
+    if not isinstance(by, str) or until is None:
+        return None
+    return by if _ms(until, "holdUntil") > now else None
 
 
 def _state(doc: Mapping[str, Any]) -> SlotState:
@@ -442,6 +497,8 @@ def _state(doc: Mapping[str, Any]) -> SlotState:
         expires_at=_ms_or_zero(doc.get("expiresAt"), "expiresAt"),
         next_floor=_ms_or_zero(doc.get("nextFloor"), "nextFloor"),
         store_now=_ms(doc.get("storeNow"), "storeNow"),
+        held_by=doc.get("holdBy") if isinstance(doc.get("holdBy"), str) else None,
+        held_until=_ms_or_zero(doc.get("holdUntil"), "holdUntil"),
     )
 
 
@@ -747,6 +804,38 @@ class MongoSlotLeaseStore(MongoStore):
             )
             return False
         return True
+
+    # ------------------------------------------------------------------ holds
+
+    async def hold(self, namespace: str, by: str, ttl: timedelta) -> list[SlotState]:
+        """Holds every slot of ``namespace`` paused for ``by`` until the store's now + ``ttl``
+        (renewed by calling it again): no acquire takes a held slot, and each holder learns of
+        the hold at its next renewal and releases its slot once its work has drained. Every slot
+        of the namespace's recorded range is created first (so a replica starting meanwhile
+        finds it held). Answers the namespace's slots after the write; raises
+        :class:`~wowd.errors.StorageError` when another holder's live hold is on any of them."""
+        ttl_ms = _whole_ms(ttl)
+        with self._call("hold"):
+            await self._prepare()
+            ns = await self._namespaces.find_one(namespace_filter(namespace))
+            if ns is not None:
+                offset, limit = int(ns.get("slotOffset", 0)), int(ns.get("limit", 0))
+                present = {_int(d, "slot") async for d in self._slots.find({"ns": namespace}, {"_id": 0, "slot": 1})}
+                missing = [s for s in range(offset, offset + limit) if s not in present]
+                if missing:
+                    await self._create_slots(namespace, missing)
+            await self._slots.update_many(hold_filter(namespace, by), hold_update(by, ttl_ms))
+        states = await self.slots(namespace)
+        others = sorted({s.held_by for s in states if s.held and s.held_by != by and s.held_by is not None})
+        if others:
+            raise StorageError(f"lease namespace {namespace!r} is held by {', '.join(others)}")
+        return states
+
+    async def lift(self, namespace: str, by: str) -> int:
+        """Ends ``by``'s hold of the namespace's slots; answers how many it held. Idempotent."""
+        with self._call("lift"):
+            res = await self._slots.update_many(lift_filter(namespace, by), lift_update())
+        return int(res.modified_count)
 
     # ------------------------------------------------------------------ status
 

@@ -123,6 +123,8 @@ class MongoTimerStore(MongoStore):
     the caller resets the timer view's checkpoints) instead of refused with
     :class:`~wowd.errors.FormatError`; format 5 is upgraded in place instead.
     ``tombstone_retention``: how long a fired or cancelled timer is remembered (its ``expires_at``).
+    ``kind`` and ``registry``: the collections' ``wow_<kind>__...`` names and their registry (a
+    timer view rebuild writes its shadow view through a store of other names).
     """
 
     _label = "timers"  # the same label as the embedded twin: one dashboard for both backends
@@ -139,6 +141,8 @@ class MongoTimerStore(MongoStore):
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         drop_other_format: bool = False,
         tombstone_retention: timedelta = timedelta(days=7),
+        kind: str = "timer",
+        registry: str = REGISTRY,
     ) -> None:
         self.context = validate_name(context, field="context")
         if partitions < 1:
@@ -150,7 +154,9 @@ class MongoTimerStore(MongoStore):
         self.drop_other_format = drop_other_format
         self.tombstone_retention = tombstone_retention
         self._retention_ms = int(tombstone_retention.total_seconds() * 1000)
-        self._registry: AsyncCollection[Any] = self._db[REGISTRY]
+        self._kind = kind
+        self.registry_name = registry
+        self._registry: AsyncCollection[Any] = self._db[registry]
         self._known: dict[str, str] = {}
         """Collections read by the union reads: name -> aggregate."""
         self._ready: set[str] = set()
@@ -162,7 +168,7 @@ class MongoTimerStore(MongoStore):
     # ------------------------------------------------------------------ plumbing
 
     def collection_name(self, aggregate: str) -> str:
-        return collection_name("timer", self.context, aggregate)
+        return collection_name(self._kind, self.context, aggregate)
 
     def _collection(self, owner: AggregateRef) -> AsyncCollection[Any]:
         if owner.context != self.context:
@@ -307,7 +313,7 @@ class MongoTimerStore(MongoStore):
             with self._deadline():
                 doc = await self._registry.find_one({"_id": name})
             if doc is None:
-                raise FormatError(f"mongodb timers: {name} is not registered in {REGISTRY} (ddl=validate)")
+                raise FormatError(f"mongodb timers: {name} is not registered in {self.registry_name} (ddl=validate)")
             if doc.get("format") == TIMER_UPGRADES_FROM:
                 await self._upgrade(name)  # refuses
             if doc.get("format") != TIMER_FORMAT:
@@ -330,7 +336,7 @@ class MongoTimerStore(MongoStore):
         duplicate-key upsert of an ``_id`` equality itself), answering the document after it and
         whether this call inserted it (``lastErrorObject.upserted``: the type's very first use)."""
         command: dict[str, Any] = {
-            "findAndModify": REGISTRY,
+            "findAndModify": self.registry_name,
             "query": {"_id": name},
             "update": registry_claim(self.context, aggregate, clock.now_ms()),
             "upsert": True,

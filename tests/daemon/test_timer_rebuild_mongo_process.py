@@ -1,0 +1,243 @@
+"""``wowd timers rebuild`` on MongoDB (the simulator of ``tests/mongosim``) while a replica runs:
+the replica releases its slot for the swap and takes it back, pending timers fire once, nothing
+that fired or was cancelled fires again, PARKED and FAILED come back from the old view, a dropped
+view is rebuilt from the log; a rebuild killed leaves the live view as it was."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from pymongo import AsyncMongoClient
+
+from wowd.config import WowdSettings
+from wowd.model import TimerStatus
+from wowd.stores.base import Backend
+
+from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd
+from .test_timer_rebuild_process import _outbox_timer_ids, _scheduled, _summary
+
+pytestmark = [pytest.mark.anyio, pytest.mark.process]
+
+N = 500
+"""Timers scheduled: a fifth each fired, cancelled, parked, failed and pending at the rebuild
+(fewer than on the embedded file: the simulator evaluates every query by a scan)."""
+DATABASE = "rebuild"
+COLLECTION = f"wow_timer__{CONTEXT}__order"
+
+
+@pytest.fixture
+def sim_uri() -> Iterator[str]:
+    from tests.mongosim import serving
+
+    with serving() as server:
+        yield server.uri
+
+
+@pytest.fixture
+def env(db: Path, sim_uri: str) -> dict[str, str]:
+    return base_env(
+        db,
+        WOWD_BACKEND="mongo",
+        WOWD_MONGODB__URI=sim_uri,
+        WOWD_MONGODB__DATABASE=DATABASE,
+        WOWD_SINK="none",
+        WOWD_LEASE__LIMIT=1,
+    )
+
+
+@pytest.fixture
+async def mongo(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Backend]:
+    from wowd.stores.mongo import open_mongo
+
+    for k, v in env.items():
+        if k.startswith("WOWD_"):
+            monkeypatch.setenv(k, v)
+    backend = await open_mongo(WowdSettings())
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+async def _docs(uri: str, collection: str = COLLECTION) -> list[dict[str, Any]]:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(uri)
+    try:
+        docs = await client[DATABASE][collection].find({}, {"_id": 0}).to_list(None)
+        return sorted(docs, key=lambda d: (d["partition"], d["owner"]["id"], d["key"]))
+    finally:
+        await client.close()
+
+
+async def _drop(uri: str) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(uri)
+    try:
+        await client[DATABASE].drop_collection(COLLECTION)
+    finally:
+        await client.close()
+
+
+def _slot_given_back_within(log: str) -> float:
+    """Seconds between the replica's release of its slot for the hold and its next acquire."""
+    lines = [json.loads(x) for x in log.splitlines() if x.startswith("{")]
+    held = next(i for i, x in enumerate(lines) if "is held by timer view rebuild" in x["msg"])
+    released = next(x for x in lines[held:] if x["msg"].startswith("released slot"))
+    acquired = next(x for x in lines[held:] if x["msg"].startswith("acquired slot"))
+    ts = [datetime.fromisoformat(x["ts"]).timestamp() for x in (released, acquired)]
+    return ts[1] - ts[0]
+
+
+async def _fired_total(r: Replica) -> float:
+    text = (await r.get("/metrics")).text
+    return sum(float(m) for m in re.findall(r"^wowd_timers_fired_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_once(
+    spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend
+) -> None:
+    a = spawn("a", env)
+    await a.wait_ready()
+    ids = await _scheduled(mongo, a, park=True, pending_in_ms=5_000, n=N)
+    fifth = N // 5
+
+    code, out, err = await run_wowd("timers", "rebuild", env=env)
+    assert code == 0, err
+    counts = _summary(out)
+    assert counts["commits"] == N + fifth
+    assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
+    assert counts["PENDING"] + counts["DONE"] == 2 * fifth and counts["DONE"] >= fifth
+    held = re.search(r"swapped in \(the slots held ([\d.]+) s\)", out)
+    assert held is not None, out
+    assert "holding the slots of" in out
+    assert _slot_given_back_within(a.log()) < 5.0  # deliveries paused for the swap only
+
+    async def pending_fired() -> bool:
+        return set(await _outbox_timer_ids(mongo)) >= ids["pending"]
+
+    await eventually(pending_fired, 20, "every pending timer fired after the rebuild (the replica took its slot back)")
+    fired = await _outbox_timer_ids(mongo)
+    assert sorted(fired) == sorted(ids["fired"] | ids["pending"])
+    assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"])  # nothing delivered twice
+    parked = await mongo.timers.scan(status=TimerStatus.PARKED, limit=100_000)
+    failed = await mongo.timers.scan(status=TimerStatus.FAILED, limit=100_000)
+    assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
+    assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
+    assert a.proc.poll() is None
+
+
+async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
+    spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend, sim_uri: str
+) -> None:
+    a = spawn("a", env)
+    await a.wait_ready()
+    ids = await _scheduled(mongo, a, park=False, pending_in_ms=5_000, n=N)
+    fifth = N // 5
+    await _drop(sim_uri)  # by mistake, while the replica runs
+
+    code, out, err = await run_wowd("timers", "rebuild", env=env)
+    assert code == 0, err
+    counts = _summary(out)
+    assert counts["DONE"] == fifth and counts["CANCELLED"] == fifth  # from the outbox and the log
+    assert counts["PENDING"] == 3 * fifth
+    assert f"{fifth} one-shot timer(s) found fired in the outbox" in out
+
+    async def pending_fired() -> bool:
+        return set(await _outbox_timer_ids(mongo)) >= ids["pending"]
+
+    await eventually(pending_fired, 20, "the pending timers fired")
+    assert sorted(await _outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])
+    assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"])
+
+
+async def test_a_rebuild_killed_leaves_the_live_view_and_its_replica_running(
+    spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend, sim_uri: str
+) -> None:
+    import time
+
+    from .conftest import timer_commit
+
+    a = spawn("a", env)
+    await a.wait_ready()
+    await mongo.log.append_many(
+        [timer_commit(f"o-{i}", 1, [f"k-{i}"], due_at=int(time.time() * 1000) + 3_600_000) for i in range(200)]
+    )
+
+    async def fed() -> bool:
+        return len(await mongo.timers.scan(limit=100_000)) == 200
+
+    await eventually(fed, 20, "fed")
+    before = await _docs(sim_uri)
+    proc = await anyio.open_process([sys.executable, "-m", "wowd", "timers", "rebuild"], env=env)
+    try:
+        assert proc.stdout is not None
+        first = b""
+        with anyio.fail_after(15):
+            while b"\n" not in first:
+                first += await proc.stdout.receive()
+        assert first.startswith(b"rebuild of the timer view"), first
+        proc.send_signal(signal.SIGKILL)
+        with anyio.fail_after(10):
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.aclose()
+    assert await _docs(sim_uri) == before
+
+    code, out, err = await run_wowd("timers", "rebuild", "--dry-run", env=env)
+    assert code == 0, err
+    assert _summary(out)["PENDING"] == 200 and "dry run: nothing changed" in out
+    assert await _docs(sim_uri) == before
+    code, out, err = await run_wowd("timers", "rebuild", env=env)
+    assert code == 0, err
+    assert _summary(out)["PENDING"] == 200
+    assert [{k: v for k, v in d.items() if k != "revision"} for d in await _docs(sim_uri)] == [
+        {k: v for k, v in d.items() if k != "revision"} for d in before
+    ]
+    await a.wait_ready()
+
+
+async def test_a_replica_that_keeps_its_slot_fails_the_rebuild_and_the_hold_is_lifted(
+    env: dict[str, str], sim_uri: str
+) -> None:
+    """A replica of a version that knows no hold renews on: the rebuild gives up after the
+    lease's ttl and the grace period, names the slot and its holder, and lifts its hold."""
+    from datetime import timedelta
+
+    from wowd.model import Owner
+    from wowd.stores.mongo.leases import MongoSlotLeaseStore
+
+    store = MongoSlotLeaseStore(sim_uri, DATABASE)
+    ttl, tol = timedelta(seconds=2), timedelta(milliseconds=500)
+    got = await store.acquire(f"wowd.{CONTEXT}", Owner(key="old-replica"), 1, ttl, tol)
+    assert got.lease is not None
+    lease = got.lease
+    done = anyio.Event()
+
+    async def renew_regardless() -> None:
+        nonlocal lease
+        while not done.is_set():
+            renewed = await store.renew(lease, ttl, tol)
+            assert renewed is not None
+            lease = renewed
+            with anyio.move_on_after(0.3):
+                await done.wait()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(renew_regardless)
+            code, _out, err = await run_wowd("timers", "rebuild", env={**env, "WOWD_SHUTDOWN__GRACE_S": "0"})
+            done.set()
+        assert code == 1
+        assert "slot 0 by old-replica" in err and "the live view is left as it was" in err
+        assert [s.held for s in await store.slots(f"wowd.{CONTEXT}")] == [False]
+    finally:
+        await store.close()
