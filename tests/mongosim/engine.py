@@ -10,6 +10,7 @@ lists every behaviour modelled and every limit with its source.
 from __future__ import annotations
 
 import bisect
+import collections
 import copy
 import datetime
 import hashlib
@@ -317,6 +318,12 @@ class Engine:
         """The ``maxTimeMS`` deadline of the command being run."""
         self.commands: dict[str, int] = {}
         """How many of each command were run (the wire counts)."""
+        self.command_counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        """How many commands were run by (client ``appName``, command, collection): the target
+        collection of a CRUD or DDL command, a ``getMore``'s cursor's, ``""`` for the others."""
+        self.stream_batches: collections.Counter[str] = collections.Counter()
+        """Change-stream batches that carried events and their events, by client ``appName``
+        (``<app>:batches``, ``<app>:events``)."""
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._cursor_ids = itertools.count(1000)
@@ -726,6 +733,7 @@ class Engine:
         """The reply document of ``cmd`` (errors as ``ok: 0`` documents, never raised)."""
         name = next(iter(cmd), "")
         self.commands[name] = self.commands.get(name, 0) + 1
+        self.command_counts[(conn.app_name or "", name, self._target(name, cmd))] += 1
         try:
             fail = self._failpoint(conn, name)
             if fail is not None and fail.get("closeConnection"):
@@ -766,11 +774,29 @@ class Engine:
             logger.exception("mongosim: %s failed", name)
             reply = {"ok": 0.0, "errmsg": f"mongosim internal error: {exc!r}", "code": 1, "codeName": "InternalError"}
         reply.setdefault("ok", 1.0)
+        cursor = reply.get("cursor")
+        if isinstance(cursor, dict) and "postBatchResumeToken" in cursor:
+            events = cursor.get("firstBatch") or cursor.get("nextBatch") or []
+            if events:
+                with self.lock:
+                    self.stream_batches[f"{conn.app_name or ''}:batches"] += 1
+                    self.stream_batches[f"{conn.app_name or ''}:events"] += len(events)
         with self.lock:
             signature = {"hash": b"\x00" * 20, "keyId": Int64(0)}
             reply["$clusterTime"] = {"clusterTime": self.ct, "signature": signature}
             reply.setdefault("operationTime", self.ct)
         return reply
+
+    def _target(self, name: str, cmd: dict[str, Any]) -> str:
+        if name == "getMore":
+            return str(cmd.get("collection") or "")
+        target = cmd.get(name)
+        return target if isinstance(target, str) and name not in ("shardCollection", "split", "moveRange") else ""
+
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        """A copy of :attr:`command_counts` (a phase's commands: the difference of two)."""
+        with self.lock:
+            return dict(self.command_counts)
 
     def _failpoint(self, conn: Connection, name: str) -> dict[str, Any] | None:
         with self.lock:

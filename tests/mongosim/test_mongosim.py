@@ -623,3 +623,23 @@ def test_shard_collection_routes_by_chunk_and_is_idempotent(sharded: WireServer,
     with engine.lock:
         placed = {e.doc["p"]: e.shard for e in engine.oplog if e.op == "insert" and e.coll == "r" and e.doc}
     assert placed == {1: 0, 7: 1}
+
+
+def test_commands_are_counted_by_client_name_and_collection(server: WireServer) -> None:
+    c: Client = MongoClient(server.uri, appname="counted", serverSelectionTimeoutMS=3000)
+    try:
+        before = server.engine.counts()
+        with c.t.watch(max_await_time_ms=50) as s:
+            c.t.c.insert_many([{"_id": 1}, {"_id": 2}])
+            c.t.c.find_one({"_id": 1})
+            assert s.try_next() is not None
+        after = server.engine.counts()
+    finally:
+        c.close()
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew[("counted", "insert", "c")] == 1
+    assert grew[("counted", "find", "c")] == 1
+    assert grew[("counted", "aggregate", "")] == 1  # a database stream: aggregate 1
+    assert grew[("counted", "getMore", "$cmd.aggregate")] >= 1
+    assert server.engine.stream_batches["counted:batches"] == 1
+    assert server.engine.stream_batches["counted:events"] == 2
