@@ -47,13 +47,33 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "wowd.db"
 
 
+_SIMULATORS: list[Any] = []
+"""The engines of the session's simulators (their plan checks are read after each test)."""
+
+
 @pytest.fixture(scope="session")
 def mongosim_uri() -> Iterator[str]:
-    """The URI of a MongoDB simulator serving the whole test session."""
-    from tests.mongosim import serving
+    """The URI of a MongoDB simulator serving the whole test session, its plan check on."""
+    from tests.mongosim import Settings, serving
 
-    with serving() as server:
+    with serving(Settings(plan_check=True)) as server:
+        _SIMULATORS.append(server.engine)
         yield server.uri
+
+
+@pytest.fixture(autouse=True)
+def _plan_check() -> Iterator[None]:
+    """Fails a test that sent the simulator a sorted query a server could not sort through its
+    index (more than ``internalQueryMaxScansToExplode`` point scans to merge): the server would
+    answer it, by a sort in memory, so the simulator answers it too and this fixture tells."""
+    seen = [len(e.plan_findings) for e in _SIMULATORS]
+    yield
+    found = [
+        f
+        for e, n in zip(_SIMULATORS, seen + [0] * (len(_SIMULATORS) - len(seen)), strict=True)
+        for f in e.plan_findings[n:]
+    ]
+    assert not found, f"a sorted query the index cannot sort: {found}"
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +83,8 @@ def mongosim_sharded_uri() -> Iterator[str]:
     and the suites should not wait the 10 s of a default deployment for it."""
     from tests.mongosim import Settings, serving
 
-    with serving(Settings(shards=2, noop_interval=0.05)) as server:
+    with serving(Settings(shards=2, noop_interval=0.05, plan_check=True)) as server:
+        _SIMULATORS.append(server.engine)
         yield server.uri
 
 

@@ -56,6 +56,10 @@ MAX_INDEXES = 64
 """Indexes per collection (same page)."""
 DEFAULT_BATCH = 101
 """The first batch of a ``find``/``aggregate`` without ``batchSize`` (manual, "Cursors")."""
+MAX_SCANS_TO_EXPLODE = 200
+"""``internalQueryMaxScansToExplode`` (src/mongo/db/query/query_knobs.idl): the most point
+intervals the planner turns into index scans merged in the sort's order; above, a server plans a
+blocking sort (or another index) instead. The opt-in plan check's bound, never an error."""
 TRANSACTION_LIFETIME_S = 60
 """``transactionLifetimeLimitSeconds``: a transaction older is aborted (manual, "Production
 Considerations" of transactions)."""
@@ -140,6 +144,11 @@ class Settings:
     """``ttlMonitorSleepSecs``: how often the TTL monitor deletes expired documents."""
     max_wire_version: int = 21
     """7.0."""
+    plan_check: bool = False
+    """A test-only check, no server's: a sorted ``find``/``aggregate`` whose sort an index could
+    give only by merging more than :data:`MAX_SCANS_TO_EXPLODE` point scans (its ``$in`` values
+    and ``$or`` branches on the keys before the sort's) is recorded in
+    :attr:`Engine.plan_findings` (and logged); the query is answered as a server answers it."""
     shards: int = 0
     """0: a replica-set primary; N: a ``mongos`` of a sharded cluster of N shards (each with
     its own cluster-time clock, oplog and periodic no-op writer; the data in one store)."""
@@ -321,6 +330,8 @@ class Engine:
         self.command_counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         """How many commands were run by (client ``appName``, command, collection): the target
         collection of a CRUD or DDL command, a ``getMore``'s cursor's, ``""`` for the others."""
+        self.plan_findings: list[str] = []
+        """What the opt-in plan check found (``Settings.plan_check``)."""
         self.stream_batches: collections.Counter[str] = collections.Counter()
         """Change-stream batches that carried events and their events, by client ``appName``
         (``<app>:batches``, ``<app>:events``)."""
@@ -1453,6 +1464,8 @@ class Engine:
         db, coll = cmd["$db"], cmd["find"]
         self._read_concern(cmd)
         flt = cmd.get("filter") or {}
+        if self.settings.plan_check and cmd.get("sort"):
+            self._check_plan(db, coll, flt, cmd["sort"])
         docs = self._find(db, coll, flt)
         if "min" in cmd or "max" in cmd:
             docs = self._bounded(db, coll, docs, cmd)
@@ -1549,11 +1562,53 @@ class Engine:
         if target == 1:
             raise Failure(2, "mongosim: collection-less aggregate not modelled")
         self._read_concern(cmd)
+        if self.settings.plan_check:
+            self._check_pipeline_plans(db, target, pipeline)
         with _evaluating():
             out = run_pipeline(
                 lambda f: self._candidates(db, target, f), pipeline, lambda c, f: self._candidates(db, c, f)
             )
         return self._first_batch(f"{db}.{target}", out, cmd["cursor"], cmd)
+
+    def _check_pipeline_plans(self, db: str, coll: str, pipeline: list[Any]) -> None:
+        """The plan check of a pipeline starting ``$match``, ``$sort`` (what the server plans as
+        a sorted query), and of each ``$unionWith`` sub-pipeline."""
+        stages = [st for st in pipeline if isinstance(st, dict)]
+        if len(stages) >= 2 and "$match" in stages[0] and "$sort" in stages[1]:
+            self._check_plan(db, coll, stages[0]["$match"], stages[1]["$sort"])
+        for st in stages:
+            union = st.get("$unionWith")
+            if isinstance(union, dict) and isinstance(union.get("coll"), str):
+                self._check_pipeline_plans(db, union["coll"], list(union.get("pipeline") or []))
+
+    def _check_plan(self, db: str, coll: str, flt: Mapping[str, Any], sort: Mapping[str, Any]) -> None:
+        """Records a finding when every index that has the sort's keys after a prefix the filter
+        pins to points (equalities, ``$in`` values, ``$or`` branches) needs more than
+        :data:`MAX_SCANS_TO_EXPLODE` scans to give that order, and none gives it with fewer (an
+        index starting with the sort's keys gives it with one). Partial filters and key
+        directions are not weighed."""
+        meta = self.catalog.get((db, coll))
+        if meta is None or not sort:
+            return
+        wanted = list(sort)
+        scans: list[int] = []
+        for ix in meta["indexes"]:
+            keys = list(ix["key"])
+            if wanted[0] not in keys:
+                continue
+            at = keys.index(wanted[0])
+            if keys[at : at + len(wanted)] != wanted[: len(keys) - at]:
+                continue
+            n = _point_scans([flt], keys[:at])
+            if n is not None:
+                scans.append(n)
+        if scans and min(scans) > MAX_SCANS_TO_EXPLODE:
+            finding = (
+                f"{db}.{coll}: the sort {dict(sort)} needs {min(scans)} index scans merged (more than "
+                f"internalQueryMaxScansToExplode = {MAX_SCANS_TO_EXPLODE}): a server sorts it in memory"
+            )
+            logger.warning("mongosim plan check: %s", finding)
+            self.plan_findings.append(finding)
 
     def cmd_count(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(cmd, "count", {"query", "limit", "skip", "hint"})
@@ -2142,6 +2197,48 @@ class _evaluating:
         if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
             raise Failure(exc.code or 2, str(exc)) from exc
         return False
+
+
+def _point_scans(clauses: list[Mapping[str, Any]], prefix: list[str]) -> int | None:
+    """How many point scans of an index whose keys start ``prefix`` the conjunction ``clauses``
+    needs (the product of each key's points, summed over ``$or`` branches); None when a key of
+    the prefix is not pinned to points."""
+    flat: list[Mapping[str, Any]] = []
+    for c in clauses:
+        if isinstance(c, Mapping) and isinstance(c.get("$and"), list):
+            flat.extend(x for x in c["$and"] if isinstance(x, Mapping))
+            flat.append({k: v for k, v in c.items() if k != "$and"})
+        elif isinstance(c, Mapping):
+            flat.append(c)
+    if not prefix:
+        return 1
+    for i, c in enumerate(flat):
+        if isinstance(c.get("$or"), list):
+            rest = flat[:i] + [{k: v for k, v in c.items() if k != "$or"}] + flat[i + 1 :]
+            total = 0
+            for branch in c["$or"]:
+                n = _point_scans([*rest, branch], prefix)
+                if n is None:
+                    return None
+                total += n
+            return total
+    product = 1
+    for key in prefix:
+        counts = [n for c in flat if key in c for n in [_points_of(c[key])] if n is not None]
+        if not counts:
+            return None
+        product *= min(counts)
+    return product
+
+
+def _points_of(cond: Any) -> int | None:
+    if isinstance(cond, Mapping) and any(str(k).startswith("$") for k in cond):
+        if set(cond) == {"$in"} and isinstance(cond["$in"], list):
+            return len(cond["$in"])
+        if set(cond) == {"$eq"}:
+            return 1
+        return None
+    return 1
 
 
 def _update_kind(update: Any, multi: bool) -> str:

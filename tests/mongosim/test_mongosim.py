@@ -643,3 +643,29 @@ def test_commands_are_counted_by_client_name_and_collection(server: WireServer) 
     assert grew[("counted", "getMore", "$cmd.aggregate")] >= 1
     assert server.engine.stream_batches["counted:batches"] == 1
     assert server.engine.stream_batches["counted:events"] == 2
+
+
+def test_the_plan_check_records_a_sort_needing_more_than_200_merged_scans_and_answers_it() -> None:
+    with serving(Settings(noop_interval=0, plan_check=True)) as server:
+        c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=3000)
+        try:
+            coll = c.t.timers
+            coll.create_index([("partition", 1), ("due_at", 1)])
+            coll.insert_many([{"partition": p, "due_at": 300 - p} for p in range(250)])
+            within = coll.find({"partition": {"$in": list(range(200))}}, sort=[("due_at", 1)], limit=2)
+            assert [d["partition"] for d in within] == [199, 198]
+            assert server.engine.plan_findings == []
+            branches = {
+                "$or": [{"partition": {"$in": list(range(150))}}, {"partition": {"$in": list(range(150, 201))}}]
+            }
+            over = list(coll.find(branches, sort=[("due_at", 1)], limit=1))
+            assert [d["partition"] for d in over] == [200]  # answered, as a server answers it
+            assert len(server.engine.plan_findings) == 1 and "201 index scans" in server.engine.plan_findings[0]
+            pipeline = [{"$match": {"partition": {"$in": list(range(201))}}}, {"$sort": {"due_at": 1}}, {"$limit": 1}]
+            assert len(list(coll.aggregate(pipeline))) == 1
+            assert len(server.engine.plan_findings) == 2
+            coll.create_index([("due_at", 1)])  # an index giving the order by itself: no merge needed
+            list(coll.find({"partition": {"$in": list(range(201))}}, sort=[("due_at", 1)], limit=1))
+            assert len(server.engine.plan_findings) == 2
+        finally:
+            c.close()
