@@ -219,6 +219,13 @@ def section(rows: list[tuple[str, dict[str, Any]]], command: str, loads: tuple[s
         "The lag counts from the due time to the outbox entry's creation (the replica's clock), so it holds the "
         "log check's round trip (MongoDB) or the firing transaction (embedded), not a delivery over a network.",
     ]
+    if any("sharded" in label for label, _ in rows):
+        lines += [
+            "",
+            "On the sharded cluster a due timer fires after its log check (a `find` on the log collection, "
+            "answered at once), not after the merged change stream has caught up, so the idle shard's no-op "
+            "writer does not add to the lag; it delays the feed (a commit reaches the views up to 10 s late).",
+        ]
     return "\n".join(lines) + "\n"
 
 
