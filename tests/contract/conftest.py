@@ -31,6 +31,9 @@ CONTEXT = "ctx"
 PARTITIONS = 8
 
 MONGO_IMPLS = ["embedded", "mongo-sim"] + (["mongo"] if MONGO_URI else [])
+SHARDED_IMPLS = [*MONGO_IMPLS, "mongo-sim-sharded"]
+"""The log (checkpoints included) and timer suites also run through a simulated ``mongos`` of
+two shards: the stores shard what they shard, and the log's stream is the shards' merged one."""
 SINK_IMPLS = ["embedded", "fake-elasticsearch"] + (["elasticsearch"] if ES_URL else [])
 
 
@@ -44,12 +47,44 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "wowd.db"
 
 
+_SIMULATORS: list[Any] = []
+"""The engines of the session's simulators (their plan checks are read after each test)."""
+
+
 @pytest.fixture(scope="session")
 def mongosim_uri() -> Iterator[str]:
-    """The URI of a MongoDB simulator serving the whole test session."""
-    from tests.mongosim import serving
+    """The URI of a MongoDB simulator serving the whole test session, its plan check on."""
+    from tests.mongosim import Settings, serving
 
-    with serving() as server:
+    with serving(Settings(plan_check=True)) as server:
+        _SIMULATORS.append(server.engine)
+        yield server.uri
+
+
+@pytest.fixture(autouse=True)
+def _plan_check() -> Iterator[None]:
+    """Fails a test that sent the simulator a sorted query a server could not sort through its
+    index (more than ``internalQueryMaxScansToExplode`` point scans to merge): the server would
+    answer it, by a sort in memory, so the simulator answers it too and this fixture tells."""
+    seen = [len(e.plan_findings) for e in _SIMULATORS]
+    yield
+    found = [
+        f
+        for e, n in zip(_SIMULATORS, seen + [0] * (len(_SIMULATORS) - len(seen)), strict=True)
+        for f in e.plan_findings[n:]
+    ]
+    assert not found, f"a sorted query the index cannot sort: {found}"
+
+
+@pytest.fixture(scope="session")
+def mongosim_sharded_uri() -> Iterator[str]:
+    """The URI of a simulated ``mongos`` of two shards serving the whole test session. Its
+    shards' no-op writers run every 50 ms: a merged stream waits for its idlest shard's no-op,
+    and the suites should not wait the 10 s of a default deployment for it."""
+    from tests.mongosim import Settings, serving
+
+    with serving(Settings(shards=2, noop_interval=0.05, plan_check=True)) as server:
+        _SIMULATORS.append(server.engine)
         yield server.uri
 
 
@@ -154,13 +189,24 @@ def _mongo_sim() -> StoreFactories:
     )
 
 
-BACKENDS: dict[str, Callable[[], StoreFactories]] = {"embedded": _embedded, "mongo": _mongo, "mongo-sim": _mongo_sim}
+BACKENDS: dict[str, Callable[[], StoreFactories]] = {
+    "embedded": _embedded,
+    "mongo": _mongo,
+    "mongo-sim": _mongo_sim,
+    "mongo-sim-sharded": _mongo_sim,
+}
 """The store factories of each backend the suites run on (a backend's modules load when used)."""
 
 
 async def _store(request: pytest.FixtureRequest, db_path: Path, kind: str, *, prepare: bool) -> AsyncIterator[Any]:
     backend = request.param
-    uri = {"mongo": MONGO_URI, "mongo-sim": request.getfixturevalue("mongosim_uri") if backend == "mongo-sim" else None}
+    uri = {
+        "mongo": MONGO_URI,
+        "mongo-sim": request.getfixturevalue("mongosim_uri") if backend == "mongo-sim" else None,
+        "mongo-sim-sharded": request.getfixturevalue("mongosim_sharded_uri")
+        if backend == "mongo-sim-sharded"
+        else None,
+    }
     if backend in uri:
         assert uri[backend], "WOWD_TEST_MONGODB_URI is not set"
         async with _fresh_database(str(uri[backend])) as db:
@@ -185,20 +231,20 @@ async def lease_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIte
         yield s
 
 
-@pytest.fixture(params=MONGO_IMPLS)
+@pytest.fixture(params=SHARDED_IMPLS)
 async def timer_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[TimerStore]:
     async for s in _store(request, db_path, "timer_store", prepare=True):
         yield s
 
 
-@pytest.fixture(params=MONGO_IMPLS)
+@pytest.fixture(params=SHARDED_IMPLS)
 async def snapshot_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[SnapshotStore]:
     """A SnapshotStore that is also its own SnapshotRebuildStore."""
     async for s in _store(request, db_path, "snapshot_store", prepare=True):
         yield s
 
 
-@pytest.fixture(params=MONGO_IMPLS)
+@pytest.fixture(params=SHARDED_IMPLS)
 async def log(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Log]:
     async for s in _store(request, db_path, "log", prepare=True):
         yield s

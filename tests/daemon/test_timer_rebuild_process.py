@@ -58,9 +58,7 @@ def _summary(out: str) -> dict[str, int]:
     return found
 
 
-async def _scheduled(
-    stores: Backend, a: Replica, *, park: bool, pending_in_ms: int, n: int = N
-) -> dict[str, set[str]]:
+async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: int, n: int = N) -> dict[str, set[str]]:
     """Schedules ``n`` timers (one per order) through the replica ``a``: fired (due now and
     delivered into the outbox), cancelled, parked and failed (due in an hour, then settled so by
     the test as a replica would), and pending (due ``pending_in_ms`` from now). Answers the timer

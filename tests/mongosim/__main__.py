@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set-name", default="wowdsim", help="the replica set's name (hello's setName)")
     parser.add_argument("--noop-interval", type=float, default=10.0, help="periodic no-op writer interval, s")
     parser.add_argument("--oplog-window", type=float, default=None, help="history kept, s (default: all)")
+    parser.add_argument("--shards", type=int, default=0, help="answer as a mongos of N shards (0: a replica set)")
     parser.add_argument("--ttl-interval", type=float, default=60.0, help="TTL monitor interval, s")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         noop_interval=args.noop_interval,
         oplog_window=args.oplog_window,
         ttl_interval=args.ttl_interval,
+        shards=args.shards,
     )
     server = WireServer(Engine(settings), host=args.host, port=args.port)
     stop = threading.Event()

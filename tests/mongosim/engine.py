@@ -10,8 +10,10 @@ lists every behaviour modelled and every limit with its source.
 from __future__ import annotations
 
 import bisect
+import collections
 import copy
 import datetime
+import hashlib
 import itertools
 import logging
 import re
@@ -25,7 +27,10 @@ from typing import Any
 
 import bson
 import mongomock
+from bson.binary import Binary
 from bson.int64 import Int64
+from bson.max_key import MaxKey
+from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.regex import Regex
 from bson.timestamp import Timestamp
@@ -51,6 +56,10 @@ MAX_INDEXES = 64
 """Indexes per collection (same page)."""
 DEFAULT_BATCH = 101
 """The first batch of a ``find``/``aggregate`` without ``batchSize`` (manual, "Cursors")."""
+MAX_SCANS_TO_EXPLODE = 200
+"""``internalQueryMaxScansToExplode`` (src/mongo/db/query/query_knobs.idl): the most point
+intervals the planner turns into index scans merged in the sort's order; above, a server plans a
+blocking sort (or another index) instead. The opt-in plan check's bound, never an error."""
 TRANSACTION_LIFETIME_S = 60
 """``transactionLifetimeLimitSeconds``: a transaction older is aborted (manual, "Production
 Considerations" of transactions)."""
@@ -63,6 +72,7 @@ CODE_NAMES = {
     14: "TypeMismatch",
     16: "InvalidLength",
     20: "IllegalOperation",
+    23: "AlreadyInitialized",
     26: "NamespaceNotFound",
     27: "IndexNotFound",
     43: "CursorNotFound",
@@ -71,12 +81,14 @@ CODE_NAMES = {
     59: "CommandNotFound",
     64: "WriteConcernFailed",
     67: "CannotCreateIndex",
+    70: "ShardNotFound",
     72: "InvalidOptions",
     73: "InvalidNamespace",
     85: "IndexOptionsConflict",
     86: "IndexKeySpecsConflict",
     91: "ShutdownInProgress",
     112: "WriteConflict",
+    118: "NamespaceNotSharded",
     136: "CappedPositionLost",
     189: "PrimarySteppedDown",
     197: "InvalidIndexSpecificationOption",
@@ -132,6 +144,14 @@ class Settings:
     """``ttlMonitorSleepSecs``: how often the TTL monitor deletes expired documents."""
     max_wire_version: int = 21
     """7.0."""
+    plan_check: bool = False
+    """A test-only check, no server's: a sorted ``find``/``aggregate`` whose sort an index could
+    give only by merging more than :data:`MAX_SCANS_TO_EXPLODE` point scans (its ``$in`` values
+    and ``$or`` branches on the keys before the sort's) is recorded in
+    :attr:`Engine.plan_findings` (and logged); the query is answered as a server answers it."""
+    shards: int = 0
+    """0: a replica-set primary; N: a ``mongos`` of a sharded cluster of N shards (each with
+    its own cluster-time clock, oplog and periodic no-op writer; the data in one store)."""
 
 
 @dataclass
@@ -157,6 +177,35 @@ class Event:
     update: dict[str, Any] | None = None
     wall: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC).replace(tzinfo=None))
     txn: dict[str, Any] | None = None
+    shard: int = 0
+    """The shard whose oplog holds the entry (a sharded cluster; 0 otherwise)."""
+
+
+@dataclass
+class Shard:
+    """One shard of a sharded cluster: its clock, the time of its oplog's last entry, when it
+    last wrote (its no-op writer's idleness)."""
+
+    name: str
+    ct: Timestamp
+    last: Timestamp
+    last_write: float
+
+
+@dataclass
+class Chunk:
+    """A range of a sharded collection's shard key values from ``min`` (the next chunk's
+    ``min`` is its end) and the shard owning it."""
+
+    min: list[Any]
+    shard: int
+
+
+@dataclass
+class ShardedCollection:
+    key: dict[str, Any]
+    uuid: uuid.UUID
+    chunks: list[Chunk]
 
 
 @dataclass
@@ -278,6 +327,14 @@ class Engine:
         """The ``maxTimeMS`` deadline of the command being run."""
         self.commands: dict[str, int] = {}
         """How many of each command were run (the wire counts)."""
+        self.command_counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        """How many commands were run by (client ``appName``, command, collection): the target
+        collection of a CRUD or DDL command, a ``getMore``'s cursor's, ``""`` for the others."""
+        self.plan_findings: list[str] = []
+        """What the opt-in plan check found (``Settings.plan_check``)."""
+        self.stream_batches: collections.Counter[str] = collections.Counter()
+        """Change-stream batches that carried events and their events, by client ``appName``
+        (``<app>:batches``, ``<app>:events``)."""
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._cursor_ids = itertools.count(1000)
@@ -285,6 +342,12 @@ class Engine:
         self._last_write = time.monotonic()
         self._process_id = ObjectId()
         self._election_id = ObjectId("7fffffff0000000000000001")
+        self.shards: list[Shard] = [
+            Shard(f"shard{i}", self.ct, self.ct, self._last_write) for i in range(self.settings.shards)
+        ]
+        """The shards of a sharded cluster (empty: a replica set); shard 0 is every database's
+        primary shard."""
+        self.sharded: dict[tuple[str, str], ShardedCollection] = {}
         self._threads = [
             threading.Thread(target=self._noop_writer, name="mongosim-noop", daemon=True),
             threading.Thread(target=self._ttl_monitor, name="mongosim-ttl", daemon=True),
@@ -310,13 +373,46 @@ class Engine:
 
     # ------------------------------------------------------------------ time
 
-    def _tick(self) -> Timestamp:
+    def _tick(self, shard: int | None = None) -> Timestamp:
         """The cluster time of a new oplog entry: the wall clock's second, or one increment past
-        the last entry when the clock has not moved on (src/mongo/db/logical_clock.cpp)."""
+        the last entry when the clock has not moved on (src/mongo/db/logical_clock.cpp). On a
+        sharded cluster the shard's own clock ticks, first advanced to the ``mongos``'s time
+        (every command the ``mongos`` sends a shard gossips its ``$clusterTime``, and an open
+        change stream's ``getMore`` reaches every shard); the ``mongos`` then knows the later."""
         now = int(time.time())
-        self.ct = Timestamp(now, 1) if now > self.ct.time else Timestamp(self.ct.time, self.ct.inc + 1)
-        self._last_write = time.monotonic()
-        return self.ct
+        if shard is None or not self.shards:
+            self.ct = Timestamp(now, 1) if now > self.ct.time else Timestamp(self.ct.time, self.ct.inc + 1)
+            self._last_write = time.monotonic()
+            return self.ct
+        s = self.shards[shard]
+        base = self.ct if _ts_key(self.ct) > _ts_key(s.ct) else s.ct
+        s.ct = Timestamp(now, 1) if now > base.time else Timestamp(base.time, base.inc + 1)
+        s.last = s.ct
+        s.last_write = time.monotonic()
+        if _ts_key(s.ct) > _ts_key(self.ct):
+            self.ct = s.ct
+        return s.ct
+
+    def merged_point(self) -> Timestamp:
+        """What a change stream may show: the majority commit point, and on a sharded cluster no
+        later than the oldest of the shards' last oplog entries (the ``mongos`` merges the
+        shards' streams in cluster-time order, so it returns an event only once every shard has
+        shown it nothing earlier remains: the slowest shard holds the stream back)."""
+        point = self.majority_point()
+        for s in self.shards:
+            if _ts_key(s.last) < _ts_key(point):
+                point = s.last
+        return point
+
+    def noop(self, shard: int | None = None) -> None:
+        """Writes the periodic no-op entry now (on ``shard`` of a sharded cluster; None: the
+        primary, or every shard): what the no-op writer does once an interval is idle."""
+        with self.changed:
+            shards = ([shard] if shard is not None else list(range(len(self.shards)))) if self.shards else []
+            if not self.shards:
+                self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop")])
+            for i in shards:
+                self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop", shard=i)])
 
     def majority_point(self) -> Timestamp:
         return self.ct if self.majority is None else self.majority
@@ -334,6 +430,16 @@ class Engine:
     def _append(self, events: list[Event]) -> None:
         if self.txn is not None:
             self.txn.events.extend(events)
+            return
+        if self.shards:
+            # one entry per shard written (a transaction across shards: one per participant)
+            for shard in dict.fromkeys(e.shard for e in events):
+                ts = self._tick(shard)
+                for i, e in enumerate(e for e in events if e.shard == shard):
+                    e.ts, e.index = ts, i
+                    self.oplog.append(e)  # the gossiped clocks: past every entry before it
+            self._truncate()
+            self.changed.notify_all()
             return
         ts = self._tick()
         for i, e in enumerate(events):
@@ -361,8 +467,13 @@ class Engine:
         interval = self.settings.noop_interval
         while not self._stop.wait(interval / 4 if interval > 0 else 1):
             with self.changed:
-                if interval > 0 and time.monotonic() - self._last_write >= interval:
+                if interval <= 0:
+                    continue
+                if not self.shards and time.monotonic() - self._last_write >= interval:
                     self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop")])
+                for i, s in enumerate(self.shards):  # each shard's writer sees its own writes only
+                    if time.monotonic() - s.last_write >= interval:
+                        self.noop(i)
 
     def _ttl_monitor(self) -> None:
         while not self._stop.wait(self.settings.ttl_interval):
@@ -515,7 +626,20 @@ class Engine:
         self._put(db, coll, key, doc)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, None))
-        self._append([Event(Timestamp(0, 0), 0, "insert", db, coll, key={"_id": doc["_id"]}, doc=doc)])
+        self._append(
+            [
+                Event(
+                    Timestamp(0, 0),
+                    0,
+                    "insert",
+                    db,
+                    coll,
+                    key={"_id": doc["_id"]},
+                    doc=doc,
+                    shard=self._route(db, coll, doc),
+                )
+            ]
+        )
         return doc["_id"]
 
     def _replace_stored(
@@ -538,7 +662,10 @@ class Engine:
         new = copy.deepcopy(new)
         self._put(db, coll, key, new)
         op = "replace" if update is None else "update"
-        self._append([Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=new, update=update)])
+        shard = self._route(db, coll, old)
+        self._append(
+            [Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=new, update=update, shard=shard)]
+        )
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
         key = self._store_key(doc["_id"])
@@ -546,7 +673,9 @@ class Engine:
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
         self._put(db, coll, key, None)
-        self._append([Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]})])
+        self._append(
+            [Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]}, shard=self._route(db, coll, doc))]
+        )
 
     def _id_lookup(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         """The candidates of an ``_id`` equality or ``$in`` of plain values through the ``_id``
@@ -615,6 +744,7 @@ class Engine:
         """The reply document of ``cmd`` (errors as ``ok: 0`` documents, never raised)."""
         name = next(iter(cmd), "")
         self.commands[name] = self.commands.get(name, 0) + 1
+        self.command_counts[(conn.app_name or "", name, self._target(name, cmd))] += 1
         try:
             fail = self._failpoint(conn, name)
             if fail is not None and fail.get("closeConnection"):
@@ -655,11 +785,29 @@ class Engine:
             logger.exception("mongosim: %s failed", name)
             reply = {"ok": 0.0, "errmsg": f"mongosim internal error: {exc!r}", "code": 1, "codeName": "InternalError"}
         reply.setdefault("ok", 1.0)
+        cursor = reply.get("cursor")
+        if isinstance(cursor, dict) and "postBatchResumeToken" in cursor:
+            events = cursor.get("firstBatch") or cursor.get("nextBatch") or []
+            if events:
+                with self.lock:
+                    self.stream_batches[f"{conn.app_name or ''}:batches"] += 1
+                    self.stream_batches[f"{conn.app_name or ''}:events"] += len(events)
         with self.lock:
             signature = {"hash": b"\x00" * 20, "keyId": Int64(0)}
             reply["$clusterTime"] = {"clusterTime": self.ct, "signature": signature}
             reply.setdefault("operationTime", self.ct)
         return reply
+
+    def _target(self, name: str, cmd: dict[str, Any]) -> str:
+        if name == "getMore":
+            return str(cmd.get("collection") or "")
+        target = cmd.get(name)
+        return target if isinstance(target, str) and name not in ("shardCollection", "split", "moveRange") else ""
+
+    def counts(self) -> dict[tuple[str, str, str], int]:
+        """A copy of :attr:`command_counts` (a phase's commands: the difference of two)."""
+        with self.lock:
+            return dict(self.command_counts)
 
     def _failpoint(self, conn: Connection, name: str) -> dict[str, Any] | None:
         with self.lock:
@@ -806,6 +954,21 @@ class Engine:
 
     def _hello(self) -> dict[str, Any]:
         now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        if self.shards:  # a mongos: no replica-set fields (manual, "hello": "Sharded Instances")
+            return {
+                "isWritablePrimary": True,
+                "msg": "isdbgrid",
+                "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
+                "maxBsonObjectSize": MAX_BSON_OBJECT,
+                "maxMessageSizeBytes": 48_000_000,
+                "maxWriteBatchSize": MAX_WRITE_BATCH,
+                "localTime": now,
+                "logicalSessionTimeoutMinutes": 30,
+                "connectionId": 1,
+                "minWireVersion": 0,
+                "maxWireVersion": self.settings.max_wire_version,
+                "readOnly": False,
+            }
         optime = {"ts": self.ct, "t": Int64(1)}
         return {
             "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
@@ -922,11 +1085,186 @@ class Engine:
         self.failpoints[name] = {"data": data, "times": times, "skip": skip or 0, "count": 0}
         return {"count": count}
 
+    # ------------------------------------------------------------------ a sharded cluster
+
+    def _mongos_only(self, name: str, cmd: dict[str, Any]) -> None:
+        """A replica-set member does not know the sharding commands (59); a ``mongos`` runs them
+        on ``admin`` only (13)."""
+        if not self.shards:
+            raise Failure(59, f"no such command: '{name}'")
+        if cmd.get("$db") != "admin":
+            raise Failure(13, f"{name} may only be run against the admin database.")
+
     def cmd_listshards(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
-        raise Failure(59, "no such command: 'listShards'")
+        """``listShards`` (manual, "listShards"): each shard's name, host and state."""
+        self._mongos_only("listShards", cmd)
+        return {
+            "shards": [
+                {"_id": s.name, "host": f"{s.name}/127.0.0.1:{27018 + i}", "state": 1, "topologyTime": Timestamp(1, 1)}
+                for i, s in enumerate(self.shards)
+            ]
+        }
+
+    def _split_ns(self, ns: Any) -> tuple[str, str]:
+        if not isinstance(ns, str) or "." not in ns:
+            raise Failure(73, f"Invalid namespace specified '{ns}'")
+        db, coll = ns.split(".", 1)
+        return db, coll
 
     def cmd_shardcollection(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
-        raise Failure(59, "no such command: 'shardCollection'")
+        """``shardCollection`` (manual, "shardCollection"; 7.0): idempotent with the same key
+        (another key: 23 AlreadyInitialized); a missing collection is created; an empty one gets
+        the shard key's index, a non-empty one must have it (72); a unique index must have the
+        shard key as its prefix (72). A ranged key starts as one chunk on the primary shard; a
+        hashed first field is split into one chunk per shard."""
+        self._mongos_only("shardCollection", cmd)
+        _check_fields(cmd, "shardCollection", {"key", "unique", "numInitialChunks", "collation", "timeseries"})
+        db, coll = self._split_ns(cmd["shardCollection"])
+        key = cmd.get("key")
+        if not isinstance(key, dict) or not key or any(v not in (1, 1.0, "hashed") for v in key.values()):
+            raise Failure(
+                2,
+                f"Unsupported shard key pattern {key!r}. Pattern must either be a single hashed field, "
+                "or a list of ascending fields",
+            )
+        if sum(v == "hashed" for v in key.values()) > 1:
+            raise Failure(2, "mongosim: a shard key pattern of more than one hashed field")
+        current = self.sharded.get((db, coll))
+        if current is not None:
+            if list(current.key.items()) != list(key.items()):
+                raise Failure(
+                    23, f"sharding already enabled for collection {db}.{coll} with options {{ key: {current.key} }}"
+                )
+            return {"collectionsharded": f"{db}.{coll}"}
+        meta = self._ensure(db, coll)
+        fields = list(key.items())
+        for ix in meta["indexes"]:
+            prefix = list(ix["key"].items())[: len(fields)]
+            if ix.get("unique") and ix["name"] != "_id_" and [p for p, _ in prefix] != [f for f, _ in fields]:
+                raise Failure(
+                    72,
+                    f"can't shard collection '{db}.{coll}' with unique index on {ix['key']} and "
+                    f"proposed shard key {key}. Uniqueness can't be maintained unless shard key is a "
+                    "prefix",
+                )
+        supported = any(
+            list(ix["key"].items())[: len(fields)] == fields and "partialFilterExpression" not in ix
+            for ix in meta["indexes"]
+        )
+        if not supported:
+            if self._docs(db, coll):
+                raise Failure(
+                    72, "Please create an index that starts with the proposed shard key before sharding the collection"
+                )
+            meta["indexes"].append({"v": 2, "key": dict(key), "name": "_".join(f"{f}_{v}" for f, v in fields)})
+        first_hashed = fields[0][1] == "hashed"
+        n = len(self.shards) if first_hashed else 1
+        chunks = [Chunk([MinKey()] + [MinKey()] * (len(fields) - 1), 0)]
+        for i in range(1, n):  # even ranges of the 64-bit hash
+            chunks.append(Chunk([Int64(-(2**63) + i * (2**64 // n))] + [MinKey()] * (len(fields) - 1), i))
+        self.sharded[(db, coll)] = ShardedCollection(dict(key), meta["uuid"], chunks)
+        self._config_catalog(db, coll)
+        return {"collectionsharded": f"{db}.{coll}"}
+
+    def _config_catalog(self, db: str, coll: str) -> None:
+        """``config.collections`` and ``config.chunks`` of a sharded collection, as the config
+        servers keep them (their writes are on no shard's oplog)."""
+        sc = self.sharded[(db, coll)]
+        ns = f"{db}.{coll}"
+        for name in ("collections", "chunks"):
+            if ("config", name) not in self.catalog:
+                self.catalog[("config", name)] = {
+                    "uuid": uuid.uuid4(),
+                    "indexes": [{"v": 2, "key": {"_id": 1}, "name": "_id_"}],
+                    "options": {},
+                }
+        uid = Binary.from_uuid(sc.uuid)
+        self._put("config", "collections", self._store_key(ns), {"_id": ns, "uuid": uid, "key": dict(sc.key)})
+        for d in [d for d in self._docs("config", "chunks") if d["uuid"] == uid]:
+            self._put("config", "chunks", self._store_key(d["_id"]), None)
+        fields = list(sc.key)
+        for i, c in enumerate(sc.chunks):
+            upper = sc.chunks[i + 1].min if i + 1 < len(sc.chunks) else [MaxKey()] * len(fields)
+            doc = {
+                "_id": ObjectId(),
+                "uuid": uid,
+                "min": dict(zip(fields, c.min, strict=True)),
+                "max": dict(zip(fields, upper, strict=True)),
+                "shard": self.shards[c.shard].name,
+            }
+            self._put("config", "chunks", self._store_key(doc["_id"]), doc)
+
+    def _shard_key_value(self, sc: ShardedCollection, doc: Mapping[str, Any]) -> list[Any]:
+        values = []
+        for f, kind in sc.key.items():
+            v = get_path(doc, f)
+            if kind == "hashed":
+                v = Int64(int.from_bytes(hashlib.md5(_hashable(v)).digest()[:8], "little", signed=True))
+            values.append(v)
+        return values
+
+    def _chunk_index(self, sc: ShardedCollection, values: list[Any]) -> int:
+        key = [_Ordered(v) for v in values]
+        mins = [[_Ordered(v) for v in c.min] for c in sc.chunks]
+        return max(bisect.bisect_right(mins, key) - 1, 0)
+
+    def _route(self, db: str, coll: str, doc: Mapping[str, Any]) -> int:
+        """The shard owning ``doc``: its chunk's by the shard key value (a hashed field by its
+        hash); an unsharded collection lives on the primary shard (0)."""
+        sc = self.sharded.get((db, coll)) if self.shards else None
+        if sc is None:
+            return 0
+        return sc.chunks[self._chunk_index(sc, self._shard_key_value(sc, doc))].shard
+
+    def cmd_split(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``split`` at ``middle`` (manual, "split"): the chunk holding it becomes two on its shard."""
+        self._mongos_only("split", cmd)
+        _check_fields(cmd, "split", {"middle", "find", "bounds"})
+        db, coll = self._split_ns(cmd["split"])
+        sc = self.sharded.get((db, coll))
+        if sc is None:
+            raise Failure(118, f"ns {db}.{coll} is not sharded")
+        middle = cmd.get("middle")
+        if not isinstance(middle, dict) or list(middle) != list(sc.key):
+            raise Failure(2, "mongosim: split is modelled with 'middle' of the shard key's fields only")
+        values = [middle[f] for f in sc.key]
+        i = self._chunk_index(sc, values)
+        if [_Ordered(v) for v in sc.chunks[i].min] == [_Ordered(v) for v in values]:
+            raise Failure(2, f"mongosim: a chunk already starts at {middle}")
+        sc.chunks.insert(i + 1, Chunk(values, sc.chunks[i].shard))
+        self._config_catalog(db, coll)
+        return {}
+
+    def cmd_moverange(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """``moveRange`` of the chunk starting at ``min`` to ``toShard`` (manual, "moveRange";
+        the whole chunk: the simulator has no chunk size). The donor's and the recipient's
+        migration entries are on their oplogs, which change streams do not show."""
+        self._mongos_only("moveRange", cmd)
+        _check_fields(
+            cmd,
+            "moveRange",
+            {"min", "max", "toShard", "forceJumbo", "waitForDelete", "_waitForDelete", "secondaryThrottle"},
+        )
+        db, coll = self._split_ns(cmd["moveRange"])
+        sc = self.sharded.get((db, coll))
+        if sc is None:
+            raise Failure(118, f"ns {db}.{coll} is not sharded")
+        target = next((i for i, s in enumerate(self.shards) if s.name == cmd.get("toShard")), None)
+        if target is None:
+            raise Failure(70, f"Shard {cmd.get('toShard')} not found")
+        low = cmd.get("min")
+        if not isinstance(low, dict) or list(low) != list(sc.key) or "max" in cmd:
+            raise Failure(2, "mongosim: moveRange is modelled with 'min' (a chunk's lower bound) only")
+        wanted = [_Ordered(low[f]) for f in sc.key]
+        chunk = next((c for c in sc.chunks if [_Ordered(v) for v in c.min] == wanted), None)
+        if chunk is None:
+            raise Failure(2, f"mongosim: no chunk starts at {low} (a range inside a chunk is not modelled)")
+        if chunk.shard != target:
+            donor, chunk.shard = chunk.shard, target
+            self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=donor)])
+            self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=target)])
+        self._config_catalog(db, coll)
+        return {}
 
     # ------------------------------------------------------------------ DDL
 
@@ -950,6 +1288,7 @@ class Engine:
         self.data.pop((db, coll), None)
         self.uniques.pop((db, coll), None)
         self.fields.pop((db, coll), None)
+        self.sharded.pop((db, coll), None)
         self._append([Event(Timestamp(0, 0), 0, "drop", db, coll, key=None)])
         del meta
 
@@ -1007,8 +1346,8 @@ class Engine:
             if "key" not in spec or "name" not in spec or not spec["key"]:
                 raise Failure(9, f"Error in specification {spec}: the 'key' and 'name' fields are required")
             for v in spec["key"].values():
-                if v not in (1, -1):
-                    raise Failure(67, f"mongosim: index key type {v!r} not modelled (only 1/-1)")
+                if v not in (1, -1, "hashed") or v == "hashed" and spec.get("unique"):
+                    raise Failure(67, f"mongosim: index key type {v!r} not modelled (only 1/-1, hashed not unique)")
             if "partialFilterExpression" in spec:
                 _check_partial(spec["partialFilterExpression"])
             if "expireAfterSeconds" in spec and len(spec["key"]) != 1:
@@ -1155,6 +1494,8 @@ class Engine:
         db, coll = cmd["$db"], cmd["find"]
         self._read_concern(cmd)
         flt = cmd.get("filter") or {}
+        if self.settings.plan_check and cmd.get("sort"):
+            self._check_plan(db, coll, flt, cmd["sort"])
         docs = self._find(db, coll, flt)
         if "min" in cmd or "max" in cmd:
             docs = self._bounded(db, coll, docs, cmd)
@@ -1251,11 +1592,53 @@ class Engine:
         if target == 1:
             raise Failure(2, "mongosim: collection-less aggregate not modelled")
         self._read_concern(cmd)
+        if self.settings.plan_check:
+            self._check_pipeline_plans(db, target, pipeline)
         with _evaluating():
             out = run_pipeline(
                 lambda f: self._candidates(db, target, f), pipeline, lambda c, f: self._candidates(db, c, f)
             )
         return self._first_batch(f"{db}.{target}", out, cmd["cursor"], cmd)
+
+    def _check_pipeline_plans(self, db: str, coll: str, pipeline: list[Any]) -> None:
+        """The plan check of a pipeline starting ``$match``, ``$sort`` (what the server plans as
+        a sorted query), and of each ``$unionWith`` sub-pipeline."""
+        stages = [st for st in pipeline if isinstance(st, dict)]
+        if len(stages) >= 2 and "$match" in stages[0] and "$sort" in stages[1]:
+            self._check_plan(db, coll, stages[0]["$match"], stages[1]["$sort"])
+        for st in stages:
+            union = st.get("$unionWith")
+            if isinstance(union, dict) and isinstance(union.get("coll"), str):
+                self._check_pipeline_plans(db, union["coll"], list(union.get("pipeline") or []))
+
+    def _check_plan(self, db: str, coll: str, flt: Mapping[str, Any], sort: Mapping[str, Any]) -> None:
+        """Records a finding when every index that has the sort's keys after a prefix the filter
+        pins to points (equalities, ``$in`` values, ``$or`` branches) needs more than
+        :data:`MAX_SCANS_TO_EXPLODE` scans to give that order, and none gives it with fewer (an
+        index starting with the sort's keys gives it with one). Partial filters and key
+        directions are not weighed."""
+        meta = self.catalog.get((db, coll))
+        if meta is None or not sort:
+            return
+        wanted = list(sort)
+        scans: list[int] = []
+        for ix in meta["indexes"]:
+            keys = list(ix["key"])
+            if wanted[0] not in keys:
+                continue
+            at = keys.index(wanted[0])
+            if keys[at : at + len(wanted)] != wanted[: len(keys) - at]:
+                continue
+            n = _point_scans([flt], keys[:at])
+            if n is not None:
+                scans.append(n)
+        if scans and min(scans) > MAX_SCANS_TO_EXPLODE:
+            finding = (
+                f"{db}.{coll}: the sort {dict(sort)} needs {min(scans)} index scans merged (more than "
+                f"internalQueryMaxScansToExplode = {MAX_SCANS_TO_EXPLODE}): a server sorts it in memory"
+            )
+            logger.warning("mongosim plan check: %s", finding)
+            self.plan_findings.append(finding)
 
     def cmd_count(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(cmd, "count", {"query", "limit", "skip", "hint"})
@@ -1672,7 +2055,7 @@ class Engine:
             s.last_token = batch[-1]["_id"]
         if s.pending:
             return batch
-        limit = _ts_key(self.majority_point())
+        limit = _ts_key(self.merged_point())
         scanned: tuple[int, int] | None = None
         start = bisect.bisect_right(self.oplog, s.after, key=_event_key)  # the oplog is in key order
         for i in range(start, len(self.oplog)):
@@ -1704,6 +2087,9 @@ class Engine:
         if scanned is not None and (not batch or scanned > key_of_token(s.last_token)[:2]) and not s.pending:
             if len(batch) < size:
                 s.last_token = token_of(scanned + (0, 0))
+        if self.shards and not s.pending and len(batch) < size and limit > key_of_token(s.last_token)[:2]:
+            # a mongos's post-batch resume token: the minimum of the shards' (the merge point)
+            s.last_token = token_of(limit + (0, 0))
         return batch
 
     def _change_doc(self, s: ChangeStream, e: Event) -> dict[str, Any]:
@@ -1771,6 +2157,8 @@ COMMANDS = {
         "configureFailPoint",
         "listShards",
         "shardCollection",
+        "split",
+        "moveRange",
         "create",
         "drop",
         "dropDatabase",
@@ -1843,6 +2231,48 @@ class _evaluating:
         if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
             raise Failure(exc.code or 2, str(exc)) from exc
         return False
+
+
+def _point_scans(clauses: list[Mapping[str, Any]], prefix: list[str]) -> int | None:
+    """How many point scans of an index whose keys start ``prefix`` the conjunction ``clauses``
+    needs (the product of each key's points, summed over ``$or`` branches); None when a key of
+    the prefix is not pinned to points."""
+    flat: list[Mapping[str, Any]] = []
+    for c in clauses:
+        if isinstance(c, Mapping) and isinstance(c.get("$and"), list):
+            flat.extend(x for x in c["$and"] if isinstance(x, Mapping))
+            flat.append({k: v for k, v in c.items() if k != "$and"})
+        elif isinstance(c, Mapping):
+            flat.append(c)
+    if not prefix:
+        return 1
+    for i, c in enumerate(flat):
+        if isinstance(c.get("$or"), list):
+            rest = flat[:i] + [{k: v for k, v in c.items() if k != "$or"}] + flat[i + 1 :]
+            total = 0
+            for branch in c["$or"]:
+                n = _point_scans([*rest, branch], prefix)
+                if n is None:
+                    return None
+                total += n
+            return total
+    product = 1
+    for key in prefix:
+        counts = [n for c in flat if key in c for n in [_points_of(c[key])] if n is not None]
+        if not counts:
+            return None
+        product *= min(counts)
+    return product
+
+
+def _points_of(cond: Any) -> int | None:
+    if isinstance(cond, Mapping) and any(str(k).startswith("$") for k in cond):
+        if set(cond) == {"$in"} and isinstance(cond["$in"], list):
+            return len(cond["$in"])
+        if set(cond) == {"$eq"}:
+            return 1
+        return None
+    return 1
 
 
 def _update_kind(update: Any, multi: bool) -> str:

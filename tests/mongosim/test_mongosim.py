@@ -543,3 +543,159 @@ def test_python_m_tests_mongosim_serves_until_sigterm() -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+# --------------------------------------------------------------------------- a sharded cluster
+
+
+@pytest.fixture
+def sharded() -> Iterator[WireServer]:
+    """A ``mongos`` of two shards whose no-op writers run only when a test calls
+    ``engine.noop`` (interval 0)."""
+    with serving(Settings(noop_interval=0, shards=2)) as s:
+        yield s
+
+
+@pytest.fixture
+def mongos(sharded: WireServer) -> Iterator[Client]:
+    c: Client = MongoClient(sharded.uri, serverSelectionTimeoutMS=3000)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _token_key(token: Any) -> str:
+    return str(token["_data"])[:18]  # "82", the cluster time
+
+
+def _ts_data(ts: Any) -> str:
+    return f"82{ts.time:08X}{ts.inc:08X}"
+
+
+def test_a_sharded_simulator_answers_hello_as_a_mongos_and_lists_its_shards(mongos: Client) -> None:
+    hello = mongos.admin.command("hello")
+    assert hello["msg"] == "isdbgrid" and "setName" not in hello and "hosts" not in hello
+    mongos.admin.command("ping")
+    assert mongos.topology_description.topology_type_name == "Sharded"
+    shards = mongos.admin.command("listShards")["shards"]
+    assert [s["_id"] for s in shards] == ["shard0", "shard1"]
+    with pytest.raises(OperationFailure) as exc:
+        mongos.t.command("listShards")
+    assert _code(exc) == 13  # admin only
+
+
+def test_the_merged_stream_waits_for_an_idle_shard_until_its_no_op(sharded: WireServer, mongos: Client) -> None:
+    engine = sharded.engine
+    with mongos.t.watch(max_await_time_ms=50) as s:
+        mongos.t.c.insert_one({"_id": 1})  # unsharded: on the primary shard, shard0
+        assert s.try_next() is None  # shard1 has shown nothing as late: the merge holds it back
+        held = s.resume_token
+        assert held is not None and _token_key(held) <= _ts_data(engine.shards[1].last)
+        engine.noop(0)  # the busy shard moving on does not release it
+        assert s.try_next() is None
+        engine.noop(1)  # the idle shard's periodic no-op does
+        change = s.try_next()
+    assert change is not None and change["documentKey"] == {"_id": 1}
+
+
+def test_post_batch_resume_token_is_the_minimum_over_the_shards(sharded: WireServer, mongos: Client) -> None:
+    engine = sharded.engine
+    with mongos.t.watch(max_await_time_ms=50) as s:
+        engine.noop(0)
+        engine.noop(0)
+        assert s.try_next() is None
+        assert s.resume_token is not None
+        assert _token_key(s.resume_token) <= _ts_data(engine.shards[1].last)
+        assert _token_key(s.resume_token) < _ts_data(engine.shards[0].last)
+        engine.noop(1)
+        assert s.try_next() is None
+        assert _token_key(s.resume_token) == _ts_data(engine.shards[0].last)  # now shard0 is the slower
+
+
+def test_merged_events_come_in_cluster_time_order_across_shards(sharded: WireServer, mongos: Client) -> None:
+    engine = sharded.engine
+    mongos.admin.command("shardCollection", "t.h", key={"k": "hashed"})
+    with mongos.t.watch(max_await_time_ms=50) as s:
+        mongos.t.h.insert_many([{"_id": i, "k": i} for i in range(20)], ordered=True)
+        engine.noop()
+        events = []
+        while (e := s.try_next()) is not None:
+            events.append(e)
+    assert [e["documentKey"]["_id"] for e in events] == list(range(20))
+    times = [(e["clusterTime"].time, e["clusterTime"].inc) for e in events]
+    assert times == sorted(times) and len(set(times)) == 20
+    with engine.lock:
+        shards = {e.shard for e in engine.oplog if e.op == "insert" and e.coll == "h"}
+    assert shards == {0, 1}  # the hashed key spread them over both shards
+
+
+def test_shard_collection_routes_by_chunk_and_is_idempotent(sharded: WireServer, mongos: Client) -> None:
+    engine = sharded.engine
+    admin = mongos.admin
+    assert admin.command("shardCollection", "t.r", key={"p": 1})["collectionsharded"] == "t.r"
+    admin.command("shardCollection", "t.r", key={"p": 1})  # the same key again: ok
+    with pytest.raises(OperationFailure) as exc:
+        admin.command("shardCollection", "t.r", key={"q": 1})
+    assert _code(exc) == 23
+    assert [ix["key"] for ix in mongos.t.r.list_indexes()] == [{"_id": 1}, {"p": 1}]
+    mongos.t.u.create_index([("x", 1)], unique=True)
+    with pytest.raises(OperationFailure) as exc:
+        admin.command("shardCollection", "t.u", key={"p": 1})
+    assert _code(exc) == 72  # a unique index not prefixed by the shard key
+    uuid = mongos.config.collections.find_one({"_id": "t.r"})["uuid"]
+    assert mongos.config.chunks.count_documents({"uuid": uuid}) == 1  # one chunk, on the primary shard
+    admin.command("split", "t.r", middle={"p": 4})
+    admin.command("moveRange", "t.r", min={"p": 4}, toShard="shard1")
+    chunks = sorted((c["min"]["p"] == 4, c["shard"]) for c in mongos.config.chunks.find({"uuid": uuid}))
+    assert chunks == [(False, "shard0"), (True, "shard1")]
+    mongos.t.r.insert_many([{"p": 1}, {"p": 7}])
+    with engine.lock:
+        placed = {e.doc["p"]: e.shard for e in engine.oplog if e.op == "insert" and e.coll == "r" and e.doc}
+    assert placed == {1: 0, 7: 1}
+
+
+def test_commands_are_counted_by_client_name_and_collection(server: WireServer) -> None:
+    c: Client = MongoClient(server.uri, appname="counted", serverSelectionTimeoutMS=3000)
+    try:
+        before = server.engine.counts()
+        with c.t.watch(max_await_time_ms=50) as s:
+            c.t.c.insert_many([{"_id": 1}, {"_id": 2}])
+            c.t.c.find_one({"_id": 1})
+            assert s.try_next() is not None
+        after = server.engine.counts()
+    finally:
+        c.close()
+    grew = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert grew[("counted", "insert", "c")] == 1
+    assert grew[("counted", "find", "c")] == 1
+    assert grew[("counted", "aggregate", "")] == 1  # a database stream: aggregate 1
+    assert grew[("counted", "getMore", "$cmd.aggregate")] >= 1
+    assert server.engine.stream_batches["counted:batches"] == 1
+    assert server.engine.stream_batches["counted:events"] == 2
+
+
+def test_the_plan_check_records_a_sort_needing_more_than_200_merged_scans_and_answers_it() -> None:
+    with serving(Settings(noop_interval=0, plan_check=True)) as server:
+        c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=3000)
+        try:
+            coll = c.t.timers
+            coll.create_index([("partition", 1), ("due_at", 1)])
+            coll.insert_many([{"partition": p, "due_at": 300 - p} for p in range(250)])
+            within = coll.find({"partition": {"$in": list(range(200))}}, sort=[("due_at", 1)], limit=2)
+            assert [d["partition"] for d in within] == [199, 198]
+            assert server.engine.plan_findings == []
+            branches = {
+                "$or": [{"partition": {"$in": list(range(150))}}, {"partition": {"$in": list(range(150, 201))}}]
+            }
+            over = list(coll.find(branches, sort=[("due_at", 1)], limit=1))
+            assert [d["partition"] for d in over] == [200]  # answered, as a server answers it
+            assert len(server.engine.plan_findings) == 1 and "201 index scans" in server.engine.plan_findings[0]
+            pipeline = [{"$match": {"partition": {"$in": list(range(201))}}}, {"$sort": {"due_at": 1}}, {"$limit": 1}]
+            assert len(list(coll.aggregate(pipeline))) == 1
+            assert len(server.engine.plan_findings) == 2
+            coll.create_index([("due_at", 1)])  # an index giving the order by itself: no merge needed
+            list(coll.find({"partition": {"$in": list(range(201))}}, sort=[("due_at", 1)], limit=1))
+            assert len(server.engine.plan_findings) == 2
+        finally:
+            c.close()

@@ -162,3 +162,34 @@ async def test_a_hold_not_renewed_lapses(server: WireServer) -> None:
                 await anyio.sleep(0.05)
     finally:
         await store.close()
+
+
+async def test_the_due_query_over_many_partitions_stays_within_the_planners_merge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over 200 partitions the timer store splits the due query's ``$in`` into groups the planner
+    still merges in due order (``internalQueryMaxScansToExplode``); the simulator's plan check
+    holds it to that: with one group of 256 it finds a sort a server would do in memory."""
+    import dataclasses
+
+    from wowd.model import partition
+    from wowd.stores.mongo import timer_queries
+
+    with serving(Settings(noop_interval=0, plan_check=True)) as server:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+        store = MongoTimerStore(client, "plan", context="ctx", partitions=256)
+        try:
+            await store.prepare()
+            t = timer(owner("o-1"))
+            t = dataclasses.replace(t, partition=partition(t.owner.id, 256))
+            assert await store.put(t) is True
+            every = frozenset(range(256))
+            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            assert server.engine.plan_findings == []
+            monkeypatch.setattr(timer_queries, "MAX_SCANS_TO_EXPLODE", 256)
+            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            assert len(server.engine.plan_findings) == 1
+            assert "256 index scans" in server.engine.plan_findings[0]
+        finally:
+            await store.close()
+            await client.close()

@@ -178,6 +178,8 @@ class WireServer:
 
     @property
     def uri(self) -> str:
+        if self.engine.shards:  # a mongos: no replica set to name
+            return f"mongodb://{self.host}:{self.port}/"
         return f"mongodb://{self.host}:{self.port}/?replicaSet={self.engine.set_name}"
 
     def start(self) -> None:
