@@ -156,6 +156,7 @@ def status_doc(
                 "expires_at": st.expires_at if st is not None else None,
                 "expires_in_ms": (st.expires_at - st.store_now) if st is not None else None,
                 "live": st is not None and st.live,
+                "held_by": st.held_by if st is not None and st.held else None,
                 "partitions": len(settings.partitions_of_slot(slot)),
                 "due_backlog": (backlog or {}).get(slot, 0),
             }

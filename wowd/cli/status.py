@@ -45,7 +45,8 @@ async def status(settings: WowdSettings, args: argparse.Namespace) -> int:
                 iso_ms(r["expires_at"]) if r["expires_at"] else "-",
                 r["partitions"],
                 _capped(r["due_backlog"], doc["backlog_cap"]),
-                r["holder"] if r["live"] else f"- (last: {r['last_holder'] or r['holder'] or '-'})",
+                (r["holder"] if r["live"] else f"- (last: {r['last_holder'] or r['holder'] or '-'})")
+                + (f" [held by {r['held_by']}]" if r.get("held_by") else ""),
             ]
             for r in doc["slots"]
         ],
