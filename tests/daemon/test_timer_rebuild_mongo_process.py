@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -22,11 +23,12 @@ from wowd.config import WowdSettings
 from wowd.model import TimerStatus
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd
+from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
 from .test_timer_rebuild_process import _outbox_timer_ids, _scheduled, _summary
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
+DAY_MS = 86_400_000
 N = 500
 """Timers scheduled: a fifth each fired, cancelled, parked, failed and pending at the rebuild
 (fewer than on the embedded file: the simulator evaluates every query by a scan)."""
@@ -95,6 +97,14 @@ def _slot_given_back_within(log: str) -> float:
     return ts[1] - ts[0]
 
 
+async def _forget_outbox_entries_but(uri: str, kept: set[str]) -> None:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(uri)
+    try:
+        await client[DATABASE][f"wow_outbox__{CONTEXT}"].delete_many({"timer_id": {"$nin": sorted(kept)}})
+    finally:
+        await client.close()
+
+
 async def _fired_total(r: Replica) -> float:
     text = (await r.get("/metrics")).text
     return sum(float(m) for m in re.findall(r"^wowd_timers_fired_total\{[^}]*\} (\S+)$", text, re.M))
@@ -140,6 +150,15 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
     await a.wait_ready()
     ids = await _scheduled(mongo, a, park=False, pending_in_ms=5_000, n=N)
     fifth = N // 5
+    # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
+    old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
+    await mongo.log.append_many(old)
+
+    async def old_fired() -> bool:
+        return await mongo.outbox.count() == len(ids["fired"]) + len(old)
+
+    await eventually(old_fired, 20, "the old timers fired")
+    await _forget_outbox_entries_but(sim_uri, ids["fired"])
     await _drop(sim_uri)  # by mistake, while the replica runs
 
     code, out, err = await run_wowd("timers", "rebuild", env=env)
@@ -148,22 +167,22 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
     assert counts["DONE"] == fifth and counts["CANCELLED"] == fifth  # from the outbox and the log
     assert counts["PENDING"] == 3 * fifth
     assert f"{fifth} one-shot timer(s) found fired in the outbox" in out
+    assert counts["expired"] == counts["FAILED"] == len(old)
+    assert "expired, state unknown: 5 one-shot timer(s)" in out
 
     async def pending_fired() -> bool:
         return set(await _outbox_timer_ids(mongo)) >= ids["pending"]
 
     await eventually(pending_fired, 20, "the pending timers fired")
-    assert sorted(await _outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])
-    assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"])
+    assert sorted(await _outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])  # no old one again
+    assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"]) + len(old)
+    expired = await mongo.timers.scan(status=TimerStatus.FAILED, limit=100)
+    assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
 
 
 async def test_a_rebuild_killed_leaves_the_live_view_and_its_replica_running(
     spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend, sim_uri: str
 ) -> None:
-    import time
-
-    from .conftest import timer_commit
-
     a = spawn("a", env)
     await a.wait_ready()
     await mongo.log.append_many(
