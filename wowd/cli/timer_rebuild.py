@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from wowd.backends import opened_backend
 from wowd.cli.output import err, out, span
@@ -11,6 +12,10 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost
 from wowd.fmt import iso_ms
 from wowd.model import validate_name
+
+if TYPE_CHECKING:
+    from wowd.daemon.timer_rebuild import TimerRebuilder
+    from wowd.daemon.timer_rebuild_mongo import MongoTimerRebuilder
 
 __all__ = ["rebuild"]
 
@@ -33,7 +38,13 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--aggregate: {exc}") from exc
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
-        rebuilder = TimerRebuilder(settings, backend, progress=out)
+        rebuilder: TimerRebuilder | MongoTimerRebuilder
+        if backend.name == "mongo":
+            from wowd.daemon.timer_rebuild_mongo import MongoTimerRebuilder
+
+            rebuilder = MongoTimerRebuilder(settings, backend, progress=out)
+        else:
+            rebuilder = TimerRebuilder(settings, backend, progress=out)
         try:
             report = await rebuilder.run(aggregate=args.aggregate, dry_run=args.dry_run, fire_expired=args.fire_expired)
         except RebuildRunning as exc:
@@ -46,7 +57,7 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
             err(f"wowd: {exc}: the live view is left as it was")
             return 1
     if report.caught_up:
-        out(f"rebuild: {report.caught_up} commit(s) more, applied by the feed meanwhile, read under the write lock")
+        out(f"rebuild: {report.caught_up} commit(s) more, applied by the feed meanwhile, read at the swap")
     if not report.old_view:
         out("rebuild: no old view to carry over (its table was gone)")
     else:

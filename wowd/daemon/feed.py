@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import aclosing, contextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
 
 import anyio
 from anyio.abc import TaskStatus
@@ -36,7 +34,6 @@ from wowd.errors import (
     LeaseLost,
     LogBehindOplog,
     ReducerFailed,
-    SinkWriteError,
     SlotStalled,
     StorageError,
     StorageFull,
@@ -53,14 +50,9 @@ from wowd.model import (
     Position,
     SnapshotRecord,
     Timer,
-    TimerCancelled,
     TimerChange,
-    TimerScheduled,
     TimerWrite,
     commit_to_doc,
-    net_writes,
-    timer_event_from,
-    timer_from_event,
 )
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
@@ -76,32 +68,23 @@ from wowd.views import (
     stored_checkpoints,
 )
 
+from .feed_batch import Prepared, StepFailed, field_of, prepare_batch, step
 from .leases import HeldSlot
-from .stall import LOG_EVERY_S, STALL_AFTER_UNAVAILABLE_S
+from .stall import ViewStall
 from .waker import Waker, owner_key
 
-__all__ = ["CONSUMER", "Feeder", "field_of"]
+__all__ = ["CONSUMER", "Feeder", "field_of", "prepare_batch"]
 
 log = logging.getLogger(__name__)
 
 CONSUMER = LEGACY_CONSUMER
 """The timer view's checkpoint consumer (and the one quarantined items name)."""
 
-_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
-
-
-def field_of(error: str | None) -> str:
-    """The field an :class:`InvalidInput` message names (``"field: reason"``), else ``unknown``."""
-    m = _FIELD.match(error or "")
-    return m.group(1) if m else "unknown"
-
 
 RETRY_BACKOFF = Backoff(0.1, 10.0)
 """The pause before retrying a batch the stores could not take."""
 STALL_BACKOFF = Backoff(0.1, 60.0)
 """The pause before retrying a stalled slot's batch (at most a minute)."""
-STALL_LOG_EVERY_S = LOG_EVERY_S
-"""A stalled slot's ERROR line comes at most this often (as any stalled work's)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""
 JOIN_WITHIN_S = 1.0
@@ -110,137 +93,9 @@ JOIN_WITHIN_S = 1.0
 IDLE_CHECKPOINT_EVERY_S = 5.0
 """A quiet partition's checkpoint is saved at most this often (the read moves it on)."""
 
-_Read = tuple[LogBatch, int, "_Prepared | None", Exception | None]
+_Read = tuple[LogBatch, int, "Prepared | None", Exception | None]
 """A batch read ahead, its number (:meth:`Waker.reading`), what its steps need (``None`` for a
 batch with no commits), or the read's failure."""
-
-
-class _StepFailed(Exception):
-    """A feed step's non-transient failure (``error``); ``record_level`` when the error is about
-    the record itself (this document cannot be written), not the store."""
-
-    def __init__(self, step: str, error: WowdError) -> None:
-        super().__init__(f"{step}: {error}")
-        self.step = step
-        self.error = error
-        self.record_level = isinstance(error, InvalidInput | SinkWriteError)
-
-
-@contextmanager
-def _step(name: str) -> Iterator[None]:
-    """Names the step of a non-transient failure; transient ones and a lost lease pass."""
-    try:
-        yield
-    except (StorageUnavailable, LeaseLost, SlotStalled):
-        raise
-    except WowdError as exc:
-        raise _StepFailed(name, exc) from exc
-
-
-@dataclass(slots=True)
-class _Prepared:
-    """A batch read into what each step needs (pure: computed once, reused across retries)."""
-
-    malformed: list[LogEntry]
-    rejected: list[tuple[Commit, int, InvalidInput]]
-    by_type: dict[AggregateType, list[Commit]]
-    timer_writes: list[TimerWrite]
-    """The net effect of the batch's timer events (:func:`~wowd.model.net_writes`)."""
-    planned: object = None
-    """:meth:`FeedWriter.plan` of the batch, when the backend has a feed writer."""
-    planned_for: tuple[bool, bool] | None = None
-    """What ``planned`` holds: the sinks' documents, the timer writes (a plan made for other
-    views is made again)."""
-
-
-def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> _Prepared:
-    """What the steps need of ``entries``. The timer writes of each commit are its timer events in
-    order, then a ``cancel_all`` when it deletes its aggregate; their net effect applies the writes
-    of a commit in that order (:func:`~wowd.model.net_writes`)."""
-    malformed: list[LogEntry] = []
-    rejected: list[tuple[Commit, int, InvalidInput]] = []
-    by_type: dict[AggregateType, list[Commit]] = {}
-    writes: list[TimerWrite] = []
-    last_type: AggregateType | None = None
-    of_type: list[Commit] = []
-    for e in entries:
-        c = e.commit
-        if c is None:
-            malformed.append(e)
-            continue
-        if e.aggregate is not last_type:  # a log read shares one type object per aggregate type
-            last_type = e.aggregate
-            of_type = by_type.setdefault(last_type, [])
-        of_type.append(c)
-        for ev in c.events:
-            try:
-                te = timer_event_from(ev, max_body_bytes=max_body_bytes)
-            except InvalidInput as exc:
-                rejected.append((c, e.partition, exc))
-                continue
-            if isinstance(te, TimerScheduled):
-                writes.append(TimerWrite.put(timer_from_event(c, te, partitions)))
-            elif isinstance(te, TimerCancelled):
-                writes.append(TimerWrite.cancel(c.ref, te.key, c.version))
-        if c.deleted:
-            writes.append(TimerWrite.cancel_all(c.ref, c.version))
-    return _Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_writes=net_writes(writes))
-
-
-class _ViewStall:
-    """Whether one view of a slot can progress: ``reason`` is ``None`` while it does.
-    ``wowd_feed_stalled{slot,view}`` is 1 while it cannot; an ERROR line comes at most once a
-    minute. Only the slot's lead view (the timer view) gives the slot up after
-    ``feed.stall_release_s`` (:class:`SlotStalled`): the others retry until their store takes
-    their batch, each from its own checkpoint."""
-
-    def __init__(self, slot: int, view: View, *, release_s: float | None) -> None:
-        self.view = view
-        self.reason: str | None = None
-        self.since = 0.0
-        self._release_s = release_s
-        self._logged_at = float("-inf")
-        self._unavailable_since: float | None = None
-        self._gauge = metrics.FEED_STALLED.labels(slot=str(slot), view=view.name)
-        self._lag = metrics.FEED_LAG.labels(slot=str(slot), view=view.name)
-
-    def lag(self, seconds: float) -> None:
-        self._lag.set(seconds)
-
-    def unavailable(self, reason: str, logx: logging.LoggerAdapter[logging.Logger], *, full: bool = False) -> None:
-        """A transient failure: stalled once the store has been unavailable for
-        :data:`STALL_AFTER_UNAVAILABLE_S`, at once when it is ``full`` (:class:`StorageFull`: a
-        full disk is freed by an operator, not in seconds). Nothing is quarantined for it: the
-        batch is retried whole until the store takes it."""
-        now = time.monotonic()
-        if self._unavailable_since is None:
-            self._unavailable_since = now
-        if full or now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
-            self.stall(reason, logx)
-
-    def stall(self, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        now = time.monotonic()
-        if self.reason is None:
-            self.since = now
-        self.reason = reason
-        self._gauge.set(1)
-        if now - self._logged_at >= STALL_LOG_EVERY_S:
-            self._logged_at = now
-            logx.error("%s view stalled (retrying): %s", self.view.name, reason)
-        if self._release_s is not None and now - self.since >= self._release_s:
-            raise SlotStalled(f"{self.view.name} view stalled for {now - self.since:.0f} s: {reason}")
-
-    def retrying(self, msg: str, exc: Exception, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        """A transient failure's line: WARNING, DEBUG while stalled (the stall's ERROR line says it)."""
-        logx.log(logging.DEBUG if self.reason is not None else logging.WARNING, msg, exc)
-
-    def progressed(self, logx: logging.LoggerAdapter[logging.Logger]) -> None:
-        self._unavailable_since = None
-        if self.reason is not None:
-            logx.info("%s view progresses again (stalled %.0f s)", self.view.name, time.monotonic() - self.since)
-            self.reason = None
-            self._logged_at = float("-inf")
-        self._gauge.set(0)
 
 
 class Feeder:
@@ -280,7 +135,7 @@ class Feeder:
         self.lead = self.views[0]
         self._current: list[View] = list(self.views)
         """The views following the shared read, in the order of :attr:`views`."""
-        self._stalls: dict[View, _ViewStall] = {}
+        self._stalls: dict[View, ViewStall] = {}
         self._prepared_sinks: set[AggregateType] = set()
         self._processing = False
         self._stopping = False
@@ -311,10 +166,10 @@ class Feeder:
         """Each stalled view's reason, by view name (the lead's among them)."""
         return {v.name: st.reason for v, st in self._stalls.items() if st.reason is not None}
 
-    def stalls_of(self, slot: int) -> dict[View, _ViewStall]:
+    def stalls_of(self, slot: int) -> dict[View, ViewStall]:
         """The stall state of each view, for ``slot``: only the lead's stall gives the slot up."""
         release_s = self._settings.feed.stall_release_s
-        self._stalls = {v: _ViewStall(slot, v, release_s=release_s if v is self.lead else None) for v in self.views}
+        self._stalls = {v: ViewStall(slot, v, release_s=release_s if v is self.lead else None) for v in self.views}
         return self._stalls
 
     def following(self) -> list[str]:
@@ -494,7 +349,7 @@ class Feeder:
     def _indexed(self, views: Sequence[View]) -> bool:
         return any(v.name == INDEX for v in views)
 
-    async def _plan(self, prepared: _Prepared) -> None:
+    async def _plan(self, prepared: Prepared) -> None:
         """The feed writer's :meth:`~FeedWriter.plan` of a batch read ahead, which the batch's
         transaction then takes ready (a failure leaves it to be made when the batch is applied)."""
         writer = self._backend.feed_writer
@@ -513,7 +368,7 @@ class Feeder:
         held: HeldSlot,
         batch: LogBatch,
         read: int,
-        prepared: _Prepared | None,
+        prepared: Prepared | None,
         waker: Waker,
         logx: logging.LoggerAdapter[logging.Logger],
     ) -> None:
@@ -558,7 +413,7 @@ class Feeder:
         self,
         held: HeldSlot,
         batch: LogBatch,
-        prepared: _Prepared,
+        prepared: Prepared,
         waker: Waker | None,
         logx: logging.LoggerAdapter[logging.Logger],
         lead: View,
@@ -586,7 +441,7 @@ class Feeder:
                 st.retrying("feed batch failed (retrying the batch): %s", exc, logx)
                 st.unavailable(str(exc), logx, full=isinstance(exc, StorageFull))
                 await pauses.pause()
-            except _StepFailed as failed:
+            except StepFailed as failed:
                 metrics.FEED_ERRORS.labels(kind="fatal").inc()
                 if isinstance(failed.error, ReducerFailed):
                     # the reducer's code, not the commit: nothing set aside; retried until fixed
@@ -704,14 +559,14 @@ class Feeder:
         self,
         held: HeldSlot,
         positions: Mapping[int, Position],
-        prepared: _Prepared,
+        prepared: Prepared,
         waker: Waker | None,
         logx: logging.LoggerAdapter[logging.Logger],
         lead: View,
         views: Sequence[View],
     ) -> list[View]:
         """Applies a batch to ``views`` (or, with no ``positions``, some of its commits without a
-        checkpoint). A non-transient failure of a ``lead`` step is a :class:`_StepFailed` naming
+        checkpoint). A non-transient failure of a ``lead`` step is a :class:`StepFailed` naming
         the step, and any failure of the lead is raised; another view that fails is left out
         (its checkpoints are not saved). The views the batch was applied to."""
         backend = self._backend
@@ -721,7 +576,7 @@ class Feeder:
         by_name = {v.name: v for v in views}
         # 1. quarantine what cannot be read (the rest is fed): once, by the shared read's lead
         if lead is self.lead:
-            with _step("quarantine"):
+            with step("quarantine"):
                 for e in prepared.malformed:
                     held.check()
                     logx.warning(
@@ -729,7 +584,7 @@ class Feeder:
                     )
                     await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
         if TIMERS in names:
-            with _step("quarantine"):
+            with step("quarantine"):
                 for c, p, exc in prepared.rejected:
                     held.check()
                     logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
@@ -763,12 +618,12 @@ class Feeder:
             # 3. the timer projection: the batch's net effect in one write
             if prepared.timer_writes:
                 held.check()
-                with _step("timers"):
+                with step("timers"):
                     answers = await backend.timers.write(prepared.timer_writes)
                 if waker is not None:
                     _wake_for_puts(held, prepared.timer_writes, answers, waker)
             # 4. resume the parked timers of the aggregates that just committed
-            with _step("parked"):
+            with step("parked"):
                 await self._resume_parked(held, prepared, waker)
         # 5. snapshots where a reducer is configured, a view per aggregate type
         for v in views:
@@ -783,26 +638,26 @@ class Feeder:
 
     @contextlib.asynccontextmanager
     async def _view_step(
-        self, view: View, lead: View, step: str, failed: set[View], logx: logging.LoggerAdapter[logging.Logger]
+        self, view: View, lead: View, name: str, failed: set[View], logx: logging.LoggerAdapter[logging.Logger]
     ) -> AsyncIterator[None]:
-        """A step of ``view``: the lead's failures are raised (named, :func:`_step`); another
-        view's failure puts it in ``failed`` (it leaves the shared read) and the batch goes on."""
+        """A step of ``view``: the lead's failures are raised (named, :func:`~.feed_batch.step`);
+        another view's failure puts it in ``failed`` (it leaves the shared read) and the batch goes on."""
         if view is lead:
-            with _step(step):
+            with step(name):
                 yield
             return
         try:
-            with _step(step):
+            with step(name):
                 yield
         except (LeaseLost, SlotStalled):
             raise
         except Exception as exc:  # noqa: BLE001 - a store or a reducer: the view falls behind
-            error = exc.error if isinstance(exc, _StepFailed) else exc
+            error = exc.error if isinstance(exc, StepFailed) else exc
             metrics.FEED_ERRORS.labels(kind="transient" if isinstance(error, StorageUnavailable) else "fatal").inc()
             self._stalls[view].retrying(f"{view.name} view: batch failed (it falls behind): %s", exc, logx)
             failed.add(view)
 
-    def _folds(self, prepared: _Prepared, views: Sequence[View]) -> bool:
+    def _folds(self, prepared: Prepared, views: Sequence[View]) -> bool:
         """Whether a snapshot view of ``views`` folds commits of the batch (the snapshot step has work)."""
         folded = {v.aggregate for v in views if v.aggregate is not None}
         return bool(folded) and any(t.aggregate in folded for t in prepared.by_type)
@@ -813,7 +668,7 @@ class Feeder:
         writer: FeedWriter,
         sinks: Sequence[tuple[EventSink, Sequence[Commit]]],
         positions: Mapping[int, Position],
-        prepared: _Prepared,
+        prepared: Prepared,
         waker: Waker | None,
         logx: logging.LoggerAdapter[logging.Logger],
         views: Sequence[View],
@@ -884,7 +739,7 @@ class Feeder:
         A record-level refusal (:class:`InvalidInput`, :class:`SinkWriteError`: this document
         cannot be written) is quarantined even when it is the only commit."""
         s = self._settings
-        failed: list[tuple[LogEntry, _StepFailed]] = []
+        failed: list[tuple[LogEntry, StepFailed]] = []
         applied = 0
         live = list(views)
         for e in batch.entries:
@@ -893,12 +748,12 @@ class Feeder:
             try:
                 live = [v for v in await self._apply(held, {}, single, waker, logx, lead, live)]
                 applied += 1
-            except _StepFailed as refused:
+            except StepFailed as refused:
                 failed.append((e, refused))
         if not applied and not any(f.record_level for _e, f in failed):
             return None
         n = s.partitions
-        with _step("quarantine"):
+        with step("quarantine"):
             for e, f in failed:
                 held.check()
                 reason = f"{f.step} refused it: {type(f.error).__name__}: {f.error}"
@@ -928,7 +783,7 @@ class Feeder:
             return
         try:
             await self._checkpoint(held, due, self._current)
-        except _StepFailed as exc:
+        except StepFailed as exc:
             metrics.FEED_ERRORS.labels(kind="fatal").inc()
             logx.warning(
                 "checkpoints of quiet partitions %s not saved (saved at their next move): %s", sorted(due), exc
@@ -945,12 +800,12 @@ class Feeder:
         """The positions of ``views`` under the slot's fence, in one write; refused: another
         holder has the slot."""
         held.check()
-        with _step("checkpoint"):
+        with step("checkpoint"):
             saved = await self._backend.log.save_checkpoints([v.consumer for v in views], positions, held.fence)
         if not saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
 
-    async def _snapshots(self, held: HeldSlot, prepared: _Prepared, aggregate: str) -> None:
+    async def _snapshots(self, held: HeldSlot, prepared: Prepared, aggregate: str) -> None:
         """Folds the batch's commits of ``aggregate`` into its snapshots."""
         reducer = self._reducers.get(aggregate)
         if reducer is None:
@@ -998,7 +853,7 @@ class Feeder:
                 o = refused[0]
                 raise StorageError(f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}")
 
-    async def _resume_parked(self, held: HeldSlot, prepared: _Prepared, waker: Waker | None) -> None:
+    async def _resume_parked(self, held: HeldSlot, prepared: Prepared, waker: Waker | None) -> None:
         timers = self._backend.timers
         # one read over the parked index for every aggregate of the batch (nothing when none is parked)
         parked = await timers.parked_many([c.ref for commits in prepared.by_type.values() for c in commits])

@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from wowd.errors import StorageError, StorageFull, StorageUnavailable
+from wowd import metrics
+from wowd.errors import SlotStalled, StorageError, StorageFull, StorageUnavailable
+from wowd.views import View
 
-__all__ = ["LOG_EVERY_S", "STALL_AFTER_UNAVAILABLE_S", "Stall"]
+__all__ = ["LOG_EVERY_S", "STALL_AFTER_UNAVAILABLE_S", "Stall", "ViewStall"]
 
 LOG_EVERY_S = 60.0
 """A stalled work's ERROR line comes at most this often."""
@@ -116,3 +118,59 @@ class Stall:
     def _set(self, value: float) -> None:
         if self.gauge is not None:
             self.gauge.set(value)
+
+
+class ViewStall:
+    """Whether one view of a slot can progress: ``reason`` is ``None`` while it does.
+    ``wowd_feed_stalled{slot,view}`` is 1 while it cannot; an ERROR line comes at most once a
+    minute. Only the slot's lead view (the timer view) gives the slot up after
+    ``feed.stall_release_s`` (:class:`SlotStalled`): the others retry until their store takes
+    their batch, each from its own checkpoint."""
+
+    def __init__(self, slot: int, view: View, *, release_s: float | None) -> None:
+        self.view = view
+        self.reason: str | None = None
+        self.since = 0.0
+        self._release_s = release_s
+        self._logged_at = float("-inf")
+        self._unavailable_since: float | None = None
+        self._gauge = metrics.FEED_STALLED.labels(slot=str(slot), view=view.name)
+        self._lag = metrics.FEED_LAG.labels(slot=str(slot), view=view.name)
+
+    def lag(self, seconds: float) -> None:
+        self._lag.set(seconds)
+
+    def unavailable(self, reason: str, logx: logging.LoggerAdapter[logging.Logger], *, full: bool = False) -> None:
+        """A transient failure: stalled once the store has been unavailable for
+        :data:`STALL_AFTER_UNAVAILABLE_S`, at once when it is ``full`` (:class:`StorageFull`: a
+        full disk is freed by an operator, not in seconds). Nothing is quarantined for it: the
+        batch is retried whole until the store takes it."""
+        now = time.monotonic()
+        if self._unavailable_since is None:
+            self._unavailable_since = now
+        if full or now - self._unavailable_since >= STALL_AFTER_UNAVAILABLE_S:
+            self.stall(reason, logx)
+
+    def stall(self, reason: str, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        now = time.monotonic()
+        if self.reason is None:
+            self.since = now
+        self.reason = reason
+        self._gauge.set(1)
+        if now - self._logged_at >= LOG_EVERY_S:
+            self._logged_at = now
+            logx.error("%s view stalled (retrying): %s", self.view.name, reason)
+        if self._release_s is not None and now - self.since >= self._release_s:
+            raise SlotStalled(f"{self.view.name} view stalled for {now - self.since:.0f} s: {reason}")
+
+    def retrying(self, msg: str, exc: Exception, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        """A transient failure's line: WARNING, DEBUG while stalled (the stall's ERROR line says it)."""
+        logx.log(logging.DEBUG if self.reason is not None else logging.WARNING, msg, exc)
+
+    def progressed(self, logx: logging.LoggerAdapter[logging.Logger]) -> None:
+        self._unavailable_since = None
+        if self.reason is not None:
+            logx.info("%s view progresses again (stalled %.0f s)", self.view.name, time.monotonic() - self.since)
+            self.reason = None
+            self._logged_at = float("-inf")
+        self._gauge.set(0)

@@ -221,16 +221,9 @@ class TimerRebuilder:
         self, *, aggregate: str | None = None, dry_run: bool = False, fire_expired: bool = False
     ) -> TimerRebuildReport:
         """The rebuild; raises :class:`~wowd.stores.timer_rebuild.RebuildRunning` when another
-        one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile. On MongoDB
-        it is :class:`~wowd.daemon.timer_rebuild_mongo.MongoTimerRebuilder`'s."""
+        one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile (on MongoDB:
+        :class:`~wowd.daemon.timer_rebuild_mongo.MongoTimerRebuilder`)."""
         s = self._settings
-        if self._backend.name == "mongo":
-            from .timer_rebuild_mongo import MongoTimerRebuilder
-
-            mongo = MongoTimerRebuilder(
-                s, self._backend, progress=self._progress, batch_size=self._batch_size, progress_every_s=self._every_s
-            )
-            return await mongo.run(aggregate=aggregate, dry_run=dry_run, fire_expired=fire_expired)
         report = TimerRebuildReport(context=s.context, aggregate=aggregate, dry_run=dry_run)
         engine = self._engine()
         try:
