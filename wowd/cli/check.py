@@ -165,7 +165,7 @@ async def _mongo_formats(settings: WowdSettings, secrets: list[str]) -> list[Sto
     from pymongo.errors import PyMongoError
 
     from wowd.stores.mongo import mongo_client_options
-    from wowd.stores.mongo.formats import mongo_formats
+    from wowd.stores.mongo.formats import mongo_formats, mongo_rebuild_state
 
     assert settings.mongodb.uri is not None  # the settings require it with the mongo backend
     client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
@@ -173,7 +173,11 @@ async def _mongo_formats(settings: WowdSettings, secrets: list[str]) -> list[Sto
     )
     try:
         with anyio.fail_after(OPEN_TIMEOUT_S):
-            return await mongo_formats(client[settings.mongodb.database], settings.context)
+            db = client[settings.mongodb.database]
+            rebuild = await mongo_rebuild_state(db, settings.context)
+            if rebuild is not None:
+                out(f"ok   timer view rebuild: {rebuild}")
+            return await mongo_formats(db, settings.context)
     except (PyMongoError, TimeoutError) as exc:
         err(redact(f"FAIL formats: {type(exc).__name__}: {exc}", secrets))
         return None

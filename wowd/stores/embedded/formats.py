@@ -43,9 +43,11 @@ def embedded_formats(conn: sqlite3.Connection, context: str) -> list[StoreFormat
 
 def rebuild_state(conn: sqlite3.Connection, context: str) -> str | None:
     """A rebuild of the context's timer view that runs or was interrupted (``wowd timers
-    rebuild``): its lock row and its shadow table, in one line; ``None`` when there is neither."""
+    rebuild``): its lock row and its shadow table, in one line (a lock of a process of this host
+    that is gone is an interrupted rebuild's); ``None`` when there is neither."""
     from wowd.fmt import iso_ms
     from wowd.stores.embedded.timer_rebuild import LOCK_TABLE
+    from wowd.stores.timer_rebuild import lock_gone
 
     tables = _tables(conn)
     shadow = timer_sql.shadow_table_name(context)
@@ -56,7 +58,7 @@ def rebuild_state(conn: sqlite3.Connection, context: str) -> str | None:
         ).fetchone()
     if row is None and shadow not in tables:
         return None
-    if row is not None and row[2] > time.time() * 1000:
+    if row is not None and row[2] > time.time() * 1000 and not lock_gone(str(row[0])):
         return f"runs: lock held by {row[0]} since {iso_ms(row[1])}, until {iso_ms(row[2])} unless renewed"
     return (
         f"an interrupted rebuild left {shadow if shadow in tables else 'its lock'}: the live view is as it was; "
