@@ -111,7 +111,9 @@ class MongoTimerRebuilder:
             + ": replaying the log into the shadow collections wow_timer_shadow__*"
         )
         positions: dict[int, Position | None] = dict.fromkeys(range(s.partitions))
-        report.commits = await self._replay(positions, project, report, catching_up=False)
+        report.commits = await self._replay(
+            positions, project, report, await engine.majority_time_ms(), catching_up=False
+        )
         result = Finished()
         async with engine.changes(s.context) as changes:
             if not fire_expired:
@@ -123,7 +125,8 @@ class MongoTimerRebuilder:
             started = time.monotonic()
             if not dry_run:
                 await self._hold()
-            report.caught_up = await self._replay(positions, project, report, catching_up=True)
+            bound = await engine.majority_time_ms()  # every commit the feeds applied is below it
+            report.caught_up = await self._replay(positions, project, report, bound, catching_up=True)
             await self._renew_hold()
             await engine.mark(changes)
             names = await engine.live_names(aggregate)
@@ -160,13 +163,18 @@ class MongoTimerRebuilder:
         positions: dict[int, Position | None],
         project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
         report: TimerRebuildReport,
+        bound_ms: int,
         *,
         catching_up: bool,
     ) -> int:
-        """The log after ``positions`` to its head into the shadow; ``positions`` moves on.
-        Answers the commits read."""
+        """The log after ``positions`` into the shadow until every partition's read has passed
+        ``bound_ms`` (a watermark at or past it: every commit before it was read) or the read
+        is at the log's head, whichever first (producers go on appending meanwhile);
+        ``positions`` moves on. Answers the commits read."""
         read = 0
         shown = time.monotonic()
+        everyone = frozenset(positions)
+        passed: set[int] = set()
         batches = self._backend.log.read(dict(positions), batch_size=self._batch_size, follow=False)
         try:
             async for batch in batches:
@@ -183,6 +191,10 @@ class MongoTimerRebuilder:
                     if not catching_up:
                         live = await self._engine.live_count()
                         self._progress(f"rebuild: {report.commits + read} commits read, {live} timers live")
+                if batch.watermark is not None and batch.watermark >= bound_ms:
+                    passed |= batch.covers if batch.covers is not None else everyone
+                    if passed >= everyone:
+                        break
         finally:
             await batches.aclose()  # type: ignore[attr-defined]
         if not catching_up:

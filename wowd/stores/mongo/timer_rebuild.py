@@ -39,10 +39,11 @@ from pymongo import ReplaceOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from wowd import clock
-from wowd.errors import LeaseLost
+from wowd.errors import LeaseLost, StorageError
 from wowd.fmt import iso_ms
 from wowd.model import TimerStatus, request_id_for
 from wowd.stores.mongo._common import MongoStore, duplicate_keys, outbox_collection
+from wowd.stores.mongo.log_queries import cluster_time_command, cluster_time_of
 from wowd.stores.mongo.timer_queries import TOMBSTONES, registry_claim
 from wowd.stores.mongo.timers import MongoTimerStore
 from wowd.stores.timer_rebuild import (
@@ -249,6 +250,17 @@ class MongoTimerRebuild(MongoStore):
     async def _shadow_names_unbounded(self) -> list[str]:
         docs = await self._shadow_registry.find({"context": self.context}).to_list(None)
         return [str(d["_id"]) for d in docs]
+
+    async def majority_time_ms(self) -> int:
+        """A bound a log read must reach to hold every commit committed now: the second after the
+        majority commit point's (the ``operationTime`` of a majority read that finds nothing;
+        a read's watermark is the start of its cluster time's second)."""
+        with self._call("cluster_time"):
+            reply = await self._db.command(cluster_time_command(LOCK_COLLECTION))
+        ct = cluster_time_of(reply.get("operationTime"))
+        if ct is None:
+            raise StorageError("MongoDB gave no cluster time: the timer view rebuild needs a replica set")
+        return (ct[0] + 1) * 1000
 
     # ---- what the old view and the outbox hold
 
