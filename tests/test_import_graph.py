@@ -218,3 +218,15 @@ def test_the_cli_starts_without_the_http_client() -> None:
     code = "import sys, wowd.cli, wowd.cli.run; print(sorted(m for m in ('aiohttp', 'yarl') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_commands_but_run_start_without_the_replica() -> None:
+    # the replica (supervisor, loops, gateways, HTTP server) is a third of a command's start:
+    # `wowd run` loads it, the other commands do not; a replica loads the status page's
+    # template engine at the first page
+    code = (
+        "import sys, wowd.cli, wowd.daemon.rebuild, wowd.ui.app; "
+        "print(sorted(m for m in ('wowd.daemon.supervisor', 'wowd.delivery', 'jinja2') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
