@@ -25,7 +25,7 @@ TINY = Config(
     aps3_default_n=50,
     aps4_n=5,
     steady_rates=(50,),
-    steady_seconds=1.0,
+    steady_seconds=0.5,
     growth_sizes=(100, 1000),
     growth_types=(1, 3),
     sink_n=300,
@@ -82,7 +82,7 @@ def test_wowd_run_burst_fires_every_timer_into_the_outbox() -> None:
 
 @pytest.mark.process
 def test_wowd_run_steady_fires_what_the_log_schedules() -> None:
-    r = wowd_timers.wowd_steady(50, 1.0, drain_s=10)
+    r = wowd_timers.wowd_steady(50, 0.5, drain_s=10)
     assert r["added"] > 0 and r["fired"] == r["added"]
 
 
@@ -144,10 +144,11 @@ def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
             catch_up_orders=20,
             scheduled_timers=1_000,
             scheduled_commits=10,
-            scheduled_due_in_ms=3_000,
+            scheduled_due_in_ms=1_500,
             firing_sizes=(300,),
             steady_rates=(50,),
-            steady_seconds=1.0,
+            steady_seconds=0.5,
+            steady_delay_ms=500,
         ),
     )
     section = section_e2e(cfg)

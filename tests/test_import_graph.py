@@ -241,3 +241,15 @@ def test_the_timer_loops_run_is_short_and_knows_no_backend() -> None:
         n.attr for n in ast.walk(run) if isinstance(n, ast.Attribute)
     }
     assert not names & {"embedded", "mongo", "FusedFirst", "ClaimDeliverSettle", "FusedFiring"}
+
+
+def test_the_commands_but_run_start_without_the_replica() -> None:
+    # the replica (supervisor, loops, gateways, HTTP server) is a third of a command's start:
+    # `wowd run` loads it, the other commands do not; a replica loads the status page's
+    # template engine at the first page
+    code = (
+        "import sys, wowd.cli, wowd.daemon.rebuild, wowd.ui.app; "
+        "print(sorted(m for m in ('wowd.daemon.supervisor', 'wowd.delivery', 'jinja2') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

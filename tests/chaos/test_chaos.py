@@ -13,7 +13,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow, pytest.m
 
 
 async def test_replicas_under_kills_pauses_and_restarts_lose_nothing(tmp_path: Path) -> None:
-    config = ChaosConfig(seed=20261129, duration_s=18.0, drain_s=60.0)
+    # faults close together and a brisk producer: every kind of fault, 300 commits and over 15
+    # malformed inputs in 8 s of writing
+    config = ChaosConfig(
+        seed=20261129, duration_s=8.0, drain_s=60.0, rate_per_s=35.0, malformed_every=15, fault_gap_s=(0.5, 1.5)
+    )
     report = await run_chaos(config, tmp_path)
     assert not report.violations(), report.summary() + "\n" + "\n".join(report.violations())
     assert set(report.faults) == {"kill", "stop", "restart", "join"}, report.faults

@@ -70,7 +70,7 @@ def wowd(capsys: pytest.CaptureFixture[str], db: Path) -> Run:
 def http_endpoint() -> Iterator[str]:
     """A local HTTP server (it answers HEAD with 501: an answer all the same)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)  # shut down within 50 ms
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/commands"

@@ -213,16 +213,18 @@ def test_a_closed_pipe_ends_the_listing_quietly(wowd: Run, db: Path) -> None:
     assert wowd("demo", "--commits", "100", "--timers", "2000", "--aggregates", "10")[0] == 0
 
     async def feed() -> None:
-        from wowd.model import TimerScheduled, timer_event_from, timer_from_event
+        from wowd.model import TimerScheduled, TimerWrite, timer_event_from, timer_from_event
 
         async with opened_backend(load_settings()) as backend:
             async for batch in backend.log.read(dict.fromkeys(range(8)), follow=False):
+                puts = []
                 for entry in batch.entries:
                     assert entry.commit is not None
                     for ev in entry.commit.events:
                         te = timer_event_from(ev)
                         if isinstance(te, TimerScheduled):
-                            await backend.timers.put(timer_from_event(entry.commit, te, 8))
+                            puts.append(TimerWrite.put(timer_from_event(entry.commit, te, 8)))
+                assert all(await backend.timers.write(puts))  # a write per batch of the log
 
     anyio.run(feed)
     proc = subprocess.Popen(

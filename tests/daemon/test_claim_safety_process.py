@@ -107,7 +107,7 @@ async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
     from wowd.config import EmbeddedSettings, WowdSettings
     from wowd.stores.embedded import open_embedded
 
-    due = int(time.time() * 1000) + 4_000  # a few seconds: the replica starts, the row is edited
+    due = int(time.time() * 1000) + 3_000  # a few seconds: the replica starts, the row is edited
     backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
     try:
         commits = [timer_commit(f"g-{i}", 1, ["k"], due_at=due) for i in range(4)]

@@ -38,9 +38,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_TMPFS") == "1"
 DISK_SIZE = "24m"
 TIMERS = 300
-DUE_FROM_MS = 3000
+DUE_FROM_MS = 2000
 """The first timer is due this long after the commits are appended (the disk is full by then)."""
-DUE_SPREAD_MS = 4000
+DUE_SPREAD_MS = 1500
 """The timers are due over this long: some are still due after the first write failed."""
 
 

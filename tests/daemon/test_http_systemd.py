@@ -65,7 +65,10 @@ async def test_endpoints_on_port_zero(tmp_path: Path) -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_metrics_refreshes_before_each_scrape_and_serves_the_last_value_when_it_hangs() -> None:
+async def test_metrics_refreshes_before_each_scrape_and_serves_the_last_value_when_it_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(http, "REFRESH_TIMEOUT_S", 0.25)  # the bound a hanging refresh is waited for
     registry = CollectorRegistry()
     depth = Gauge("depth", "a gauge read from a store", registry=registry)
     count = 3

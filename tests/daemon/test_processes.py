@@ -289,7 +289,7 @@ async def test_a_replica_whose_clock_disagrees_with_the_file_refuses_to_start(
     far ahead): a replica starting on the file exits 2 naming the skew and the tolerance, before
     it takes a slot; with the stamps a clock in agreement writes, it starts as usual."""
     env = base_env(db, WOWD_LEASE__LIMIT=1)
-    res = await stores.leases.acquire(NS, Owner(key="ahead"), 1, timedelta(seconds=2), timedelta(seconds=0.5))
+    res = await stores.leases.acquire(NS, Owner(key="ahead"), 1, timedelta(seconds=1), timedelta(seconds=0.5))
     assert res.lease is not None
     shift = "UPDATE cosid_slot SET writtenAt = writtenAt + ?, expiresAt = expiresAt + ?, ceiling = ceiling + ?"
     with closing(sqlite3.connect(db)) as conn, conn:

@@ -19,11 +19,12 @@ from wowd.daemon.supervisor import Supervisor
 from wowd.delivery import OutboxGateway
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
-from wowd.model import AggregateRef, AggregateType, DomainEvent, Owner, SnapshotRecord, partition
+from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, partition
 from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit
+from .reducers import reducer_v2
 
 pytestmark = pytest.mark.anyio
 
@@ -33,18 +34,6 @@ IDS = [f"o-{i}" for i in range(8)]  # two aggregates in each of the 4 partitions
 VERSIONS = 3
 ROOT = Path(__file__).resolve().parents[2]
 TTL = timedelta(seconds=60)
-
-
-class CountingReducer:
-    """State revision 2: a state the demo reducer (revision 1) does not write."""
-
-    state_revision = 2
-
-    def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]:
-        return {"seen": int(state.get("seen", 0)) + 1, "last": event.name}
-
-
-reducer_v2 = CountingReducer()
 
 
 def settings(tmp_path: Path, *, partitions: int = PARTS, **extra: Any) -> WowdSettings:
@@ -305,7 +294,7 @@ async def test_a_replica_rebuilds_its_slot_then_feeds_on_top(tmp_path: Path, bac
         tmp_path,
         lease=LeaseSettings(limit=1, ttl_s=30, tolerance_s=1),
         http=HttpSettings(host="127.0.0.1", port=0),
-        reducers={"order": "tests.daemon.test_rebuild:reducer_v2"},
+        reducers={"order": "tests.daemon.reducers:reducer_v2"},
     )
     sup = Supervisor(s, backend, OutboxGateway(backend.outbox))
 
@@ -344,7 +333,7 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
         await b.close()
     env = base_env(
         db,
-        WOWD_REDUCERS=json.dumps({"order": "tests.daemon.test_rebuild:reducer_v2"}),
+        WOWD_REDUCERS=json.dumps({"order": "tests.daemon.reducers:reducer_v2"}),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
 

@@ -72,7 +72,7 @@ async def versions(sink: ElasticsearchEventSink, id: str) -> list[int]:
 async def test_a_page_of_long_ids_is_stamped_without_routing_and_within_the_clause_limit(
     client: AsyncElasticsearch, fake: FakeElasticsearch, model: EsModel
 ) -> None:
-    sink = sink_of(client, refresh=True)
+    sink = sink_of(client, refresh=True, refresh_interval_s=0.05)
     ids = [f"{i:08d}-1234-5678-9abc-def012345678" for i in range(STAMP_PAGE + 5)]  # UUID-long ids
     await sink.write([commit(i, v) for i in ids for v in (1, 2)])
     fake.take()

@@ -549,7 +549,7 @@ async def test_a_previous_document_not_found_is_searched_on_every_shard(
 async def test_a_failed_stamp_is_stamped_again_by_the_retry(
     client: AsyncElasticsearch, fake: FakeElasticsearch
 ) -> None:
-    sink = sink_of(client)
+    sink = sink_of(client, refresh_interval_s=0.05)  # the retry's refresh is not held back
     fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
     await sink.write([commit("a", 1, A, 1)])
     fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
@@ -682,10 +682,12 @@ async def _access(sink: ElasticsearchEventSink, id: str) -> list[tuple[int, Any,
 
 
 async def test_a_write_refreshes_before_it_looks_back_or_stamps(client: AsyncElasticsearch, model: EsModel) -> None:
-    sink = sink_of(client, ddl=Ddl.AUTO)  # no refresh: a search sees what the last refresh saw
+    # no refresh: a search sees what the last refresh saw (one interval apart: 50 ms)
+    sink = sink_of(client, ddl=Ddl.AUTO, refresh_interval_s=0.05)
     await sink.write([commit("a", 1, A, 1), commit("a", 2, B, 2)])  # a change inside one write
     await sink.write([commit("a", 3, C, 3)])  # a change known from the LRU
-    restarted = sink_of(client, ddl=Ddl.AUTO)  # nothing remembered: the stream is searched
+    # nothing remembered: the stream is searched
+    restarted = sink_of(client, ddl=Ddl.AUTO, refresh_interval_s=0.05)
     await restarted.write([commit("a", 4, A, 4)])
     await restarted.write([commit("a", 5, A, 4)])  # no change: no stamp
     ops = [r.split()[0] for r in model.requests]
@@ -701,7 +703,7 @@ async def test_a_write_refreshes_before_it_looks_back_or_stamps(client: AsyncEla
 async def test_a_stamp_meeting_another_searches_again_and_the_later_wins(
     client: AsyncElasticsearch, model: EsModel
 ) -> None:
-    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True)
+    sink = sink_of(client, ddl=Ddl.AUTO, refresh=True, refresh_interval_s=0.05)
     await sink.write([commit(id, v, A, 1) for id in ("a", "b") for v in (1, 2, 3)])
     meanwhile: list[tuple[Any, int]] = []
 

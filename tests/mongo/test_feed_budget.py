@@ -33,6 +33,7 @@ from pymongo import AsyncMongoClient
 
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from tests.mongo.conftest import Wire
+from tests.mongo.conftest import serving as serving_mockupdb
 from tests.mongo.log_support import housekeeping, token
 from tests.mongo.timers_support import matches
 from wowd.config import load_settings
@@ -318,28 +319,24 @@ class Deployment:
 def rs_server() -> Iterator[MockupDB]:
     """One MockupDB for the module answering ``hello`` as the primary of replica set ``rs0``
     (change streams need one); each run has its own client and consumes every command."""
-    server = MockupDB(verbose=False)
-    port = server.run()
-    addr = f"localhost:{port}"
-    server.autoresponds(
-        "ismaster",
-        {
-            "ismaster": True,
-            "isWritablePrimary": True,
-            "setName": "rs0",
-            "hosts": [addr],
-            "primary": addr,
-            "me": addr,
-            "minWireVersion": 0,
-            "maxWireVersion": 21,
-            "logicalSessionTimeoutMinutes": 30,
-        },
-    )
-    server.autoresponds(housekeeping)
-    try:
+    with serving_mockupdb(MockupDB(verbose=False)) as server:  # stopped on a thread of its own
+        addr = f"localhost:{server.port}"
+        server.autoresponds(
+            "ismaster",
+            {
+                "ismaster": True,
+                "isWritablePrimary": True,
+                "setName": "rs0",
+                "hosts": [addr],
+                "primary": addr,
+                "me": addr,
+                "minWireVersion": 0,
+                "maxWireVersion": 21,
+                "logicalSessionTimeoutMinutes": 30,
+            },
+        )
+        server.autoresponds(housekeeping)
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from prometheus_client import Counter
@@ -19,9 +20,11 @@ from wowd.backends import CLOSE_TIMEOUT_S, open_backend
 from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
 from wowd.config import WowdSettings
-from wowd.daemon.supervisor import Supervisor
-from wowd.delivery import CommandGateway, HttpGateway, OutboxGateway
 from wowd.stores.base import Backend
+
+if TYPE_CHECKING:
+    from wowd.daemon.supervisor import Supervisor
+    from wowd.delivery import CommandGateway, OutboxGateway
 
 __all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "SWITCH_INTERVAL_S", "build_gateway", "register", "run", "tune_gc"]
 
@@ -52,6 +55,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Runs the supervisor; the first signal stops gracefully, a later one (at least
     :data:`ESCALATE_AFTER_S` after the first) cancels. Exit 1 when cancelled."""
+    from wowd.daemon.supervisor import Supervisor  # the replica: loaded by this command only
+
     backend = await open_backend(settings)
     gateway, fused = build_gateway(settings, backend)
     sup = Supervisor(settings, backend, gateway, port_file=args.port_file, fused=fused)
@@ -98,6 +103,8 @@ def build_gateway(settings: WowdSettings, backend: Backend) -> tuple[CommandGate
     """The configured gateway, and the same gateway again when it has a fast path for due
     timers (``OutboxGateway.fused``): the ``outbox`` gateway on a backend whose timer store
     writes into the outbox itself (the embedded backend), unless ``outbox.fast_path`` is off."""
+    from wowd.delivery import HttpGateway, OutboxGateway
+
     if settings.gateway.kind == "http":
         return HttpGateway(settings.gateway, concurrency=settings.timers.concurrency), None
     firing = backend.outbox_firing if settings.outbox.fast_path else None

@@ -35,10 +35,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib.resources import files
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlencode, urlsplit
-
-import jinja2
 
 from wowd import __version__
 from wowd.config import WowdSettings
@@ -68,6 +66,9 @@ from wowd.redaction import redact, secret_values
 from wowd.stores.base import Backend, TimerSearch
 from wowd.ui.http import HttpRequest, HttpResponse
 from wowd.ui.window import MetricWindow
+
+if TYPE_CHECKING:
+    import jinja2
 
 __all__ = ["PAGE", "REFRESH_S", "StatusPage"]
 
@@ -155,6 +156,24 @@ class StatusPage:
         self._form_key = secrets.token_hex(32)
         self._secrets = secret_values(settings)
         self._css = files("wowd.ui").joinpath("static/style.css").read_bytes()
+        self._env: jinja2.Environment | None = None
+        self._get: dict[str, Callable[[dict[str, list[str]]], Awaitable[_Out]]] = {
+            "overview": self._overview,
+            "status": self._status,
+            "timers": self._timers,
+            "timer": self._timer,
+            "quarantine": self._quarantine,
+            "outbox": self._outbox,
+            "outbox/entry": self._outbox_entry,
+        }
+
+    def _templates(self) -> jinja2.Environment:
+        """The pages' templates and filters, made at the first page (a replica nobody browses
+        does not load the template engine)."""
+        if self._env is not None:
+            return self._env
+        import jinja2
+
         env = jinja2.Environment(
             loader=jinja2.PackageLoader("wowd.ui", "templates"),
             autoescape=True,
@@ -169,15 +188,7 @@ class StatusPage:
         env.filters["json"] = lambda v: json.dumps(v, indent=2, sort_keys=True, default=str)
         env.filters["query"] = lambda d: urlencode({k: v for k, v in d.items() if v not in (None, "")})
         self._env = env
-        self._get: dict[str, Callable[[dict[str, list[str]]], Awaitable[_Out]]] = {
-            "overview": self._overview,
-            "status": self._status,
-            "timers": self._timers,
-            "timer": self._timer,
-            "quarantine": self._quarantine,
-            "outbox": self._outbox,
-            "outbox/entry": self._outbox_entry,
-        }
+        return env
 
     # ------------------------------------------------------------------ dispatch
 
@@ -219,16 +230,20 @@ class StatusPage:
         if api or out.template is None:
             body = json.dumps(out.json if out.json is not None else out.data, indent=2, default=str) + "\n"
             return HttpResponse(out.status, JSON, redact(body, self._secrets).encode(), SECURITY_HEADERS)
-        page = self._env.get_template(out.template).render(
-            **out.data,
-            page=name,
-            version=__version__,
-            namespace=self._settings.lease_namespace,
-            context=self._settings.context,
-            actions=self._token is not None,
-            form_key=self._form_key,
-            refresh=REFRESH_S if name == "overview" else None,
-            statuses=[s.value for s in TimerStatus],
+        page = (
+            self._templates()
+            .get_template(out.template)
+            .render(
+                **out.data,
+                page=name,
+                version=__version__,
+                namespace=self._settings.lease_namespace,
+                context=self._settings.context,
+                actions=self._token is not None,
+                form_key=self._form_key,
+                refresh=REFRESH_S if name == "overview" else None,
+                statuses=[s.value for s in TimerStatus],
+            )
         )
         return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), SECURITY_HEADERS)
 
