@@ -264,3 +264,44 @@ async def test_a_replica_that_keeps_its_slot_fails_the_rebuild_and_the_hold_is_l
         assert [s.held for s in await store.slots(f"wowd.{CONTEXT}")] == [False]
     finally:
         await store.close()
+
+
+async def test_a_rebuild_while_commits_keep_coming_swaps_in_and_the_view_follows_the_log(
+    spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend
+) -> None:
+    """A producer appends all along (timers, a third of them cancelled by the next commit): the
+    rebuild's reads stop at their bounds, not at a head the producer keeps moving, and after the
+    swap the view holds exactly the live timers of the log, none lost to the swap."""
+    from .test_timer_rebuild_process import _cancel
+
+    a = spawn("a", env)
+    await a.wait_ready()
+    due = int(time.time() * 1000) + 3_600_000
+    appended: list[str] = []
+    cancelled: set[str] = set()
+    stop = anyio.Event()
+
+    async def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            await mongo.log.append_many([timer_commit(f"p-{i}", 1, [f"k-{i}"], due_at=due)])
+            appended.append(f"p-{i}")
+            if i % 3 == 0:
+                await mongo.log.append_many([_cancel(f"p-{i}", 2, f"k-{i}")])
+                cancelled.add(f"p-{i}")
+            i += 1
+            with anyio.move_on_after(0.03):
+                await stop.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        code, out, err = await run_wowd("timers", "rebuild", env=env)
+        stop.set()
+    assert code == 0, err
+    assert "swapped in" in out
+
+    async def follows() -> bool:
+        live = {t.owner.id for t in await mongo.timers.scan(limit=100_000)}
+        return live == set(appended) - cancelled
+
+    await eventually(follows, 20, "the view holds the log's live timers")
