@@ -88,7 +88,7 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
         ),
         (
             "timer view rebuilds",
-            f"{len(report.rebuilds)} ({len(report.rebuilds) - report.rebuilds_killed} ran to their end, "
+            f"{len(report.rebuilds)} ({sum(1 for r in report.rebuilds if r.exit_code == 0)} swapped in, "
             f"{report.rebuilds_killed} SIGKILLed partway, {len(report.rebuild_failures)} failed)"
             + "".join(f"<br>{i}. " + r.text().replace("|", r"\|") for i, r in enumerate(report.rebuilds, 1)),
         ),
@@ -153,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="run `wowd timers rebuild` every 30 to 60 s meanwhile, a third of them killed partway",
     )
+    p.add_argument(
+        "--rebuild-within-s",
+        type=float,
+        default=60.0,
+        help="a rebuild still running after this long is killed and fails the run",
+    )
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         malformed_every=args.malformed_every or 10**9,
         rebuild_gap_s=(30.0, 60.0) if args.rebuilds else None,
+        rebuild_within_s=args.rebuild_within_s,
     )
     report = anyio.run(run_chaos, config, workdir)
     text = markdown(report, args.minutes, args.label)
