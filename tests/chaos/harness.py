@@ -16,7 +16,16 @@ Meanwhile a seeded schedule of faults hits the replicas:
 - ``stop``: SIGSTOP of a slot holder for longer than the ttl, then SIGCONT; the paused holder must
   find its lease gone and stop its slot's work (its log says ``lost slot``);
 - ``restart``: SIGTERM (graceful: exit 0), then a start under the same owner key;
-- ``join``: a new replica (a standby while every slot is held) joins.
+- ``join``: a new replica (a standby while every slot is held) joins;
+- ``rebuild`` (with ``rebuild_gap_s``): ``python -m wowd timers rebuild`` with the replicas'
+  environment, one at a time, the next a while after the last one ended. On the embedded file it
+  swaps the rebuilt view in under the file's write lock; on MongoDB it holds every slot (the
+  replicas drain, release them and stand by) and renames the shadow collections over the live
+  ones. Some rebuilds (``rebuild_kill_share``) are SIGKILLed partway, at a point drawn after
+  their first progress line (on MongoDB, also after the hold line: the slots stay held until the
+  hold lapses, ``HOLD_TTL_S``, the next rebuild waits for that), to check that an interrupted
+  rebuild leaves the live view working. Each rebuild's exit code and last line are recorded; one
+  that exits non-zero other than by the harness's kill is a violation.
 
 When the producer stops, the harness waits (polling the stores inside ``fail_after``) for the
 replicas to catch up, stops them with SIGTERM and checks, from the stores only:
@@ -33,7 +42,11 @@ replicas to catch up, stops them with SIGTERM and checks, from the stores only:
 - no checkpoint went backwards: sampled during the run, a partition's fence never decreases and
   its position never decreases under one fence (nor does a slot's fence in the lease table);
 - the quarantine holds exactly the malformed documents injected, each reason naming its field;
-- no replica exited unless the harness made it (no crash), and each graceful stop exited 0.
+- no replica exited unless the harness made it (no crash), and each graceful stop exited 0;
+- every rebuild exited 0 unless the harness killed it.
+
+A rebuild adds nothing to the duplicate allowance: the replicas a MongoDB hold drains settle or
+release their claims as on a graceful stop, and the embedded swap carries every claim over.
 
 :class:`ChaosReport` holds the counts and :meth:`ChaosReport.violations` the broken promises.
 ``tests/chaos/test_chaos.py`` runs a short schedule; ``tests/chaos/soak.py`` a long one.
@@ -41,6 +54,7 @@ replicas to catch up, stops them with SIGTERM and checks, from the stores only:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -81,6 +95,8 @@ AGGREGATE = "order"
 TYPE = AggregateType(context=CONTEXT, aggregate=AGGREGATE)
 MAX_BODY_BYTES = 1024
 FAULTS = ("kill", "stop", "restart", "join")
+HOLD_LINE = "rebuild: holding the slots"
+"""The MongoDB rebuild's line once it holds the replicas' slots (``timer_rebuild_mongo``)."""
 MONGO_DATABASE = "wowd_chaos"
 ROOT = Path(__file__).resolve().parents[2]
 """The repository (``python -m tests.mongosim`` runs from it)."""
@@ -130,6 +146,16 @@ class ChaosConfig:
     a process) with the sink on the Elasticsearch fake (``tests/elasticsearch``, in this process)."""
     sink_outages: bool = True
     """On ``mongo-sim``: the event index refuses every write now and then (``_sink_outages``)."""
+    rebuild_gap_s: tuple[float, float] | None = None
+    """Rebuilds of the timer view while the producer writes, one at a time: the first this long
+    after the start, each next one this long after the last one ended (drawn in the range);
+    ``None``: no rebuild."""
+    rebuild_kill_share: float = 1 / 3
+    """The share of rebuilds SIGKILLed partway (after their first progress line)."""
+    rebuild_within_s: float = 60.0
+    """How long a rebuild may take: one still running then is killed and counted as failed (the
+    run's log is a few thousand commits; a rebuild that cannot reach the log's head while the
+    producer writes shows here)."""
 
     @property
     def slow_latency_s(self) -> float:
@@ -142,6 +168,27 @@ class ChaosConfig:
 
 
 # --------------------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class RebuildRun:
+    """One ``wowd timers rebuild`` of the run."""
+
+    at: float
+    """Seconds since the run's start."""
+    took_s: float
+    exit_code: int | None
+    killed: str
+    """Where the harness SIGKILLed it (the last line it had printed); empty: not killed."""
+    held: bool
+    """It had printed the hold line (MongoDB: the slots were held when it ended)."""
+    last_line: str
+    """Its summary line (or its last line of output, or of its errors when it failed)."""
+
+    def text(self) -> str:
+        if self.killed:
+            return f"at {self.at:.0f}s, {self.took_s:.1f}s: SIGKILLed after {self.killed!r}"
+        return f"at {self.at:.0f}s, {self.took_s:.1f}s: exit {self.exit_code}: {self.last_line}"
 
 
 @dataclass
@@ -191,6 +238,9 @@ class ChaosReport:
     paused_holders: int = 0
     crashes: list[str] = field(default_factory=list)
     unclean_exits: list[str] = field(default_factory=list)
+    rebuilds: list[RebuildRun] = field(default_factory=list)
+    rebuild_failures: list[str] = field(default_factory=list)
+    """Rebuilds that exited non-zero other than by the harness's kill."""
     rss_start_kib: int = 0
     rss_end_kib: int = 0
     oldest_rss_start_kib: int = 0
@@ -220,10 +270,15 @@ class ChaosReport:
             ("paused holders that did not stop after their lease ran out", self.paused_holders_kept_acting),
             ("replicas that exited on their own", self.crashes),
             ("graceful stops that did not exit 0", self.unclean_exits),
+            ("rebuilds that failed", self.rebuild_failures),
         ):
             if items:
                 out.append(f"{name} ({len(items)}): {items[:5]}")
         return out
+
+    @property
+    def rebuilds_killed(self) -> int:
+        return sum(1 for r in self.rebuilds if r.killed)
 
     @property
     def lost(self) -> int:
@@ -243,7 +298,8 @@ class ChaosReport:
             f"{self.malformed_injected}, quarantined {self.quarantined}; lost {self.lost}; duplicate "
             f"deliveries with distinct fences {len(self.duplicate_fences)}; checkpoint samples "
             f"{self.checkpoint_samples}, regressions {len(self.checkpoint_regressions)} (handover rewinds "
-            f"{self.handover_rewinds}); paused holders {self.paused_holders}; crashes {len(self.crashes)}; "
+            f"{self.handover_rewinds}); paused holders {self.paused_holders}; rebuilds {len(self.rebuilds)} "
+            f"(killed {self.rebuilds_killed}, failed {len(self.rebuild_failures)}); crashes {len(self.crashes)}; "
             f"RSS max start {self.rss_start_kib // 1024} MiB, end {self.rss_end_kib // 1024} MiB, "
             f"longest-lived replica ({self.oldest_uptime_s:.0f}s) {self.oldest_rss_start_kib // 1024} -> "
             f"{self.oldest_rss_end_kib // 1024} MiB; "
@@ -551,6 +607,7 @@ class Harness:
         self._es_model: Any = None
         """The Elasticsearch fake's model (``mongo-sim``): what its index refuses."""
         self._outage_rng = random.Random(config.seed + 3)
+        self._rebuild_rng = random.Random(config.seed + 4)
         pick = random.Random(config.seed + 2)
         aggs = [f"order-{i}" for i in range(config.aggregates)]
         slow = {a for a in aggs if pick.random() < config.slow_share}
@@ -758,6 +815,121 @@ class Harness:
             finally:
                 model.block_writes(index, on=False)
 
+    async def _rebuilds(self, until: float) -> None:
+        """Rebuilds of the timer view while the producer writes (``rebuild_gap_s``), never two at
+        once; after a MongoDB rebuild killed while it held the slots, the next one waits until
+        that hold has lapsed (a hold of another rebuild refuses it)."""
+        gap, rng = self.config.rebuild_gap_s, self._rebuild_rng
+        if gap is None:
+            return
+        while True:
+            await anyio.sleep(rng.uniform(*gap))  # the schedule's pace
+            if anyio.current_time() >= until:
+                return
+            run = await self.rebuild(
+                kill=rng.random() < self.config.rebuild_kill_share, within=self.config.rebuild_within_s
+            )
+            self.report.faults["rebuild"] += 1
+            if run.held and run.exit_code != 0:
+                await self._hold_lapsed()
+
+    async def rebuild(self, *, kill: bool, within: float) -> RebuildRun:
+        """One ``python -m wowd timers rebuild`` with the replicas' environment, its output in
+        ``rebuild-N.log``, SIGKILLed and failed when it runs longer than ``within``; with
+        ``kill``, SIGKILLed a moment after a line drawn among its progress lines (the first one;
+        on MongoDB also the hold line), unless it printed its summary by then (then it ends as it
+        would). Recorded in the report; a non-zero exit other than by the kill is a failure."""
+        rng = self._rebuild_rng
+        n = len(self.report.rebuilds) + 1
+        at = time.monotonic() - self._t0
+        triggers = ["rebuild: "] + ([HOLD_LINE] if self.config.backend == "mongo-sim" else [])
+        trigger = rng.choice(triggers)
+        # the embedded rebuild of a short log swaps within tens of ms of its first progress line
+        delay = rng.uniform(0.0, 0.5 if self.config.backend == "mongo-sim" else 0.05)
+        log_path = self.workdir / f"rebuild-{n}.log"
+        errors_path = self.workdir / f"rebuild-{n}.err"
+        log.info("fault: timer view rebuild %d%s", n, f" (killed after {trigger!r})" if kill else "")
+        lines: list[str] = []
+        seen = anyio.Event()
+        killed = ""
+        started = anyio.current_time()
+        with log_path.open("ab") as out, errors_path.open("ab") as errors:
+            proc = await anyio.open_process(
+                [sys.executable, "-m", "wowd", "timers", "rebuild"],
+                stdin=None,
+                stderr=errors,
+                cwd=self.workdir,
+                env=self.env,
+            )
+
+            async def read() -> None:
+                assert proc.stdout is not None
+                buffer = b""
+                async for chunk in proc.stdout:
+                    out.write(chunk)
+                    buffer += chunk
+                    *complete, buffer = buffer.split(b"\n")
+                    for raw in complete:
+                        line = raw.decode(errors="replace")
+                        lines.append(line)
+                        if line.startswith(trigger):
+                            seen.set()
+                seen.set()  # its output ended: it exited
+
+            try:
+                with anyio.move_on_after(within) as scope:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(read)
+                        if kill:
+                            await seen.wait()
+                            await anyio.sleep(delay)  # a point of the rebuild after the line
+                            if proc.returncode is None and not any(x.startswith("summary: ") for x in lines):
+                                killed = lines[-1] if lines else "(no output)"
+                                proc.kill()
+                        await proc.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+                    await proc.aclose()
+        code = proc.returncode
+        timed_out = scope.cancelled_caught
+        if timed_out or code != -signal.SIGKILL:
+            killed = ""  # it ended before the kill, or ran too long (a failure, not an interruption)
+        err_lines = errors_path.read_text(errors="replace").splitlines()
+        summary = next((x for x in reversed(lines) if x.startswith("summary: ")), "")
+        failed = code != 0 and not killed and not timed_out  # its error says why
+        last = summary or (err_lines[-1] if failed and err_lines else (lines[-1] if lines else ""))
+        run = RebuildRun(
+            at=at,
+            took_s=anyio.current_time() - started,
+            exit_code=code,
+            killed=killed,
+            held=any(x.startswith(HOLD_LINE) for x in lines),
+            last_line=f"still running after {within:g}s, killed: {last}" if timed_out else last,
+        )
+        self.report.rebuilds.append(run)
+        log.info("rebuild %d: %s", n, run.text())
+        if code != 0 and not killed:
+            self.report.rebuild_failures.append(f"rebuild {n} {run.text()} ({log_path.name}, {errors_path.name})")
+        return run
+
+    async def _hold_lapsed(self, within: float = 45.0) -> None:
+        """Polls the lease store until no slot of the replicas' namespace is held (a killed
+        rebuild's hold lapses ``HOLD_TTL_S`` after its last renewal), inside ``move_on_after``;
+        a hold still there after ``within`` is a failure."""
+        with anyio.move_on_after(within):
+            while True:
+                try:
+                    slots = await self._leases.slots(f"wowd.{CONTEXT}")
+                except StorageUnavailable:
+                    slots = None
+                if slots is not None and not any(st.held for st in slots):
+                    return
+                await anyio.sleep(0.5)
+        self.report.rebuild_failures.append(f"the hold of a killed rebuild did not lapse within {within}s")
+
     async def _faults(self, until: float) -> None:
         lo, hi = self.config.fault_gap_s
         queue = self._schedule()
@@ -916,11 +1088,32 @@ class Harness:
         ds = self.target.by_request.get(rid, [])
         return ", ".join(f"{d.tag} at {d.at - t0:.3f}s" for d in ds) or "in the outbox"
 
+    def _resent_by_one_process(self, rid: str) -> int:
+        """The requests of ``rid`` a replica process sent again with no pause of its own between
+        the two that found the timer claimed by it and unsettled (a delivery in flight at a pause
+        may come back failed, a timeout run out while the process stood still, and be retried
+        by the same process once it holds the slot again: a MongoDB rebuild's hold leaves the
+        slot to nobody meanwhile)."""
+        sends: dict[str, list[float]] = {}
+        for d in self.target.by_request.get(rid, []):
+            sends.setdefault(d.tag, []).append(d.at)
+        resent = 0
+        for tag, times in sends.items():
+            pauses = sorted(m.at for m in self.marks if m.kind == "stop" and m.tag == tag and rid in m.unsettled)
+            for before, after in itertools.pairwise(sorted(times)):
+                between = next((at for at in pauses if before <= at <= after), None)
+                if between is None:
+                    resent += 1
+                else:
+                    pauses.remove(between)  # one repeat per pause
+        return resent
+
     def _duplicates(self, in_outbox: set[str]) -> None:
         """Counts the deliveries beyond the first of each request id (the target's requests and
         the outbox's entry), and which of them a fault allows: one per kill or pause of a replica
         that held the timer claimed and unsettled at that moment. Any other repeat (a replica
-        sending a request id twice, a re-fire of a settled timer) is beyond the allowance."""
+        sending a request id twice with no pause of its own in between, a re-fire of a settled
+        timer) is beyond the allowance."""
         rep = self.report
         allowance: Counter[str] = Counter()
         for m in self.marks:
@@ -932,9 +1125,7 @@ class Harness:
             if extra <= 0:
                 continue
             rep.duplicates += extra
-            per_tag = Counter(d.tag for d in self.target.by_request.get(rid, []))
-            same_process = sum(c - 1 for c in per_tag.values())  # one process sending it twice
-            beyond = max(extra - allowance[rid], same_process)
+            beyond = max(extra - allowance[rid], self._resent_by_one_process(rid))
             rep.duplicates_allowed += extra - beyond
             if beyond > 0:
                 rep.duplicates_beyond_n += beyond
@@ -1043,6 +1234,7 @@ class Harness:
                     work.start_soon(self._faults, until)
                     if cfg.backend == "mongo-sim" and cfg.sink_outages:
                         work.start_soon(self._sink_outages, until)
+                    work.start_soon(self._rebuilds, until)
                     await anyio.sleep(min(5.0, cfg.duration_s / 2))  # replicas settled in
                     rep.rss_start_kib = max((_rss_kib(r.proc.pid) for r in self.live()), default=0)
                 # drain: every replica running, then poll the stores until caught up

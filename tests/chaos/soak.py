@@ -4,7 +4,9 @@ Runs one long chaos schedule (faults every few seconds, the producer writing all
 summary and writes it into ``bench/RESULTS.md`` in place of the previous soak's section: faults
 survived, timers fired, commits fed, lost (must be 0), cancelled timers delivered (must be 0),
 duplicate deliveries beyond the ones in flight at a kill or a pause (must be 0), duplicate
-deliveries with distinct fences (must be 0), RSS at start and end.
+deliveries with distinct fences (must be 0), RSS at start and end, and the rebuilds of the timer
+view run meanwhile (``--rebuilds``, on by default: one every 30 to 60 s, a third of them killed
+partway), each with its exit code and summary line.
 Exits 1 when a promise was broken (the violations are printed and recorded too).
 """
 
@@ -84,6 +86,12 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
             f"{report.checkpoint_samples} samples, {len(report.checkpoint_regressions)} went backwards, "
             f"{report.handover_rewinds} rewinds at a handover",
         ),
+        (
+            "timer view rebuilds",
+            f"{len(report.rebuilds)} ({sum(1 for r in report.rebuilds if r.exit_code == 0)} swapped in, "
+            f"{report.rebuilds_killed} SIGKILLed partway, {len(report.rebuild_failures)} failed)"
+            + "".join(f"<br>{i}. " + r.text().replace("|", r"\|") for i, r in enumerate(report.rebuilds, 1)),
+        ),
         ("crashes", str(len(report.crashes))),
         ("RSS", rss),
         ("drain", f"caught up {report.drain_s:.1f}s after the producer stopped"),
@@ -139,6 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         default="embedded",
         help="the replicas' stores: the embedded file, or MongoDB on the simulator (tests/mongosim)",
     )
+    p.add_argument(
+        "--rebuilds",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run `wowd timers rebuild` every 30 to 60 s meanwhile, a third of them killed partway",
+    )
+    p.add_argument(
+        "--rebuild-within-s",
+        type=float,
+        default=60.0,
+        help="a rebuild still running after this long is killed and fails the run",
+    )
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -153,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         drain_s=120.0,
         backend=args.backend,
         malformed_every=args.malformed_every or 10**9,
+        rebuild_gap_s=(30.0, 60.0) if args.rebuilds else None,
+        rebuild_within_s=args.rebuild_within_s,
     )
     report = anyio.run(run_chaos, config, workdir)
     text = markdown(report, args.minutes, args.label)

@@ -1,5 +1,6 @@
-"""A short chaos schedule in ``make test``: every fault kind at least once, nothing lost, no
-cancelled timer delivered, no duplicate but the deliveries in flight at a kill or a pause."""
+"""A short chaos schedule in ``make test``: every fault kind at least once (rebuilds of the timer
+view among them, one killed partway), nothing lost, no cancelled timer delivered, no duplicate but
+the deliveries in flight at a kill or a pause."""
 
 from __future__ import annotations
 
@@ -12,15 +13,25 @@ from tests.chaos.harness import ChaosConfig, run_chaos
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-async def test_replicas_under_kills_pauses_and_restarts_lose_nothing(tmp_path: Path) -> None:
-    # faults close together and a brisk producer: every kind of fault, 300 commits and over 15
-    # malformed inputs in 8 s of writing
+async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tmp_path: Path) -> None:
+    # faults close together and a brisk producer: every kind of fault, timer view rebuilds (one
+    # SIGKILLed partway), 300 commits and over 15 malformed inputs in 8 s of writing
     config = ChaosConfig(
-        seed=20261129, duration_s=8.0, drain_s=60.0, rate_per_s=35.0, malformed_every=15, fault_gap_s=(0.5, 1.5)
+        seed=20261129,
+        duration_s=8.0,
+        drain_s=60.0,
+        rate_per_s=35.0,
+        malformed_every=15,
+        fault_gap_s=(0.5, 1.5),
+        rebuild_gap_s=(1.5, 2.5),
     )
     report = await run_chaos(config, tmp_path)
     assert not report.violations(), report.summary() + "\n" + "\n".join(report.violations())
-    assert set(report.faults) == {"kill", "stop", "restart", "join"}, report.faults
+    assert set(report.faults) == {"kill", "stop", "restart", "join", "rebuild"}, report.faults
+    # the timer view rebuilt while the replicas ran, one rebuild SIGKILLed partway: the next ones
+    # (and the replicas) work on the live view it left
+    assert report.rebuilds_killed >= 1 and not report.rebuild_failures, [r.text() for r in report.rebuilds]
+    assert [r.exit_code for r in report.rebuilds if not r.killed].count(0) >= 1, [r.text() for r in report.rebuilds]
     assert report.paused_holders >= 1, "a slot holder was paused longer than the ttl"
     assert report.timers_fired == report.timers_expected > 100
     assert report.commits_fed == report.commits_expected > 100
