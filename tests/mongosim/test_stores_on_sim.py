@@ -193,3 +193,46 @@ async def test_the_due_query_over_many_partitions_stays_within_the_planners_merg
         finally:
             await store.close()
             await client.close()
+
+
+async def test_a_read_that_does_not_follow_ends_while_commits_keep_coming(server: WireServer) -> None:
+    """A producer appends every 20 ms to the one partition, so no ``getMore`` ever comes back
+    empty: the read still ends, once its stream has passed what was committed when it began,
+    having yielded at least that."""
+    import uuid
+
+    from wowd.model import AggregateRef, Commit, DomainEvent
+
+    log = MongoLog(server.uri, "db", context="ctx", partitions=1, max_await=timedelta(milliseconds=500))
+
+    def commit(i: int) -> Commit:
+        ref = AggregateRef(context="ctx", aggregate="order", id=f"o-{i}")
+        events = (DomainEvent(id=uuid.uuid4().hex, name="Placed", body={}),)
+        return Commit(
+            ref=ref, version=1, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, create_time=1, events=events
+        )
+
+    try:
+        await log.prepare()
+        await log.append_many([commit(i) for i in range(50)])
+        stop = anyio.Event()
+        appended = 50
+
+        async def produce() -> None:
+            nonlocal appended
+            while not stop.is_set():
+                await log.append(commit(appended))
+                appended += 1
+                with anyio.move_on_after(0.02):
+                    await stop.wait()
+
+        read = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce)
+            with anyio.fail_after(10):
+                async for batch in log.read({0: None}, follow=False):
+                    read += len(batch.entries)
+            stop.set()
+        assert 50 <= read <= appended
+    finally:
+        await log.close()

@@ -140,7 +140,9 @@ class Log(Protocol):
         """Yields batches of the given partitions' entries after each one's position (``None``:
         from the start), in log order per aggregate. Malformed documents come as entries with
         ``commit=None`` and ``error`` set, never raised. With ``follow`` it tails forever
-        (waiting without a busy poll); otherwise it stops when caught up. The iterator is closed
+        (waiting without a busy poll); otherwise it stops when caught up, or once it has read
+        every commit acknowledged before it began (a log that keeps receiving commits is never
+        caught up). The iterator is closed
         by ``aclose()``/cancellation.
 
         A batch's ``watermark`` (store time, ms) says that every commit of these partitions

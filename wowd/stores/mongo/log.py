@@ -528,11 +528,29 @@ class MongoLog(MongoStore):
         else:
             kwargs["start_after"] = start.token
         pipeline = change_stream_pipeline(self.context, list(parts))
+        async with self._client.start_session(causal_consistency=False) as session:
+            with self._stream_errors("watch", answered=False):
+                stream = await self._db.watch(
+                    pipeline, batch_size=batch_size, max_await_time_ms=self._max_await_ms, session=session, **kwargs
+                )
+            # a read that does not follow ends once its stream has passed the cluster time of the
+            # reply that opened it (every commit acknowledged before the read is at or below it),
+            # or at an empty getMore, whichever first: a log that keeps receiving commits has no
+            # empty getMore to end on
+            until = None if follow else cluster_time_of(session.operation_time)
+            async with aclosing(self._stream_batches(stream, parts, batch_size, follow, until)) as batches:
+                async for batch in batches:
+                    yield batch
+
+    async def _stream_batches(
+        self,
+        stream: Any,
+        parts: dict[int, _Part],
+        batch_size: int,
+        follow: bool,
+        until: ClusterTime | None,
+    ) -> AsyncGenerator[LogBatch, None]:
         answered = False
-        with self._stream_errors("watch", answered=False):
-            stream = await self._db.watch(
-                pipeline, batch_size=batch_size, max_await_time_ms=self._max_await_ms, **kwargs
-            )
         try:
             entries: list[LogEntry] = []
             fragments: list[Mapping[str, Any]] = []
@@ -571,6 +589,10 @@ class MongoLog(MongoStore):
                     )
                 if change is None and not follow:
                     return  # caught up: a getMore came back empty
+                if until is not None and not _buffered(stream):
+                    passed = token_cluster_time(stream.resume_token)
+                    if passed is not None and passed > until:
+                        return  # past what was committed when the read began
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
                 await stream.close()
