@@ -305,3 +305,20 @@ async def test_a_rebuild_while_commits_keep_coming_swaps_in_and_the_view_follows
         return live == set(appended) - cancelled
 
     await eventually(follows, 20, "the view holds the log's live timers")
+
+
+async def test_a_second_rebuild_is_refused_naming_the_first(env: dict[str, str], sim_uri: str) -> None:
+    from datetime import UTC, timedelta
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(sim_uri)
+    try:
+        now = datetime.now(UTC)
+        await client[DATABASE]["wow_timer_rebuild"].insert_one(
+            {"_id": CONTEXT, "owner": "elsewhere:4242:abcd", "startedAt": now, "expiresAt": now + timedelta(seconds=60)}
+        )
+        code, _out, err = await run_wowd("timers", "rebuild", env=env)
+        assert code == 1
+        assert f"a rebuild of the timer view of context '{CONTEXT}' runs: lock held by elsewhere:4242:abcd" in err
+        assert await client[DATABASE]["wow_timer_shadow_aggregate"].count_documents({}) == 0
+    finally:
+        await client.close()
