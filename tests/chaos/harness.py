@@ -98,6 +98,10 @@ FAULTS = ("kill", "stop", "restart", "join")
 HOLD_LINE = "rebuild: holding the slots"
 """The MongoDB rebuild's line once it holds the replicas' slots (``timer_rebuild_mongo``)."""
 MONGO_DATABASE = "wowd_chaos"
+LAPSE_CLAIMS_EVERY_S = 0.5
+"""How often the claims of each replica are read for the ``lapse`` marks."""
+LAPSE_AFTER_PAUSE_S = 15.0
+"""A lost slot this soon after a pause or a kill of the replica is that fault's, not a lapse."""
 ROOT = Path(__file__).resolve().parents[2]
 """The repository (``python -m tests.mongosim`` runs from it)."""
 
@@ -236,6 +240,9 @@ class ChaosReport:
     quarantine_mismatch: list[str] = field(default_factory=list)
     paused_holders_kept_acting: list[str] = field(default_factory=list)
     paused_holders: int = 0
+    lapses: int = 0
+    """Leases a replica lost while running (not paused or killed by the soak: the store answered
+    its renewals too late), each a fault of its own for the allowance (``lapse`` marks)."""
     crashes: list[str] = field(default_factory=list)
     unclean_exits: list[str] = field(default_factory=list)
     rebuilds: list[RebuildRun] = field(default_factory=list)
@@ -294,11 +301,12 @@ class ChaosReport:
             f"{self.cancelled_in_time}, delivered {len(self.cancelled_delivered)}; raced {self.cancelled_raced}); "
             f"deliveries {self.deliveries} (http {self.http_deliveries}, slow {self.slow_deliveries}); "
             f"duplicates {self.duplicates} (allowed {self.duplicates_allowed} of {self.unsettled_at_faults} "
-            f"unsettled at kills/pauses, beyond {self.duplicates_beyond_n}); malformed injected "
+            f"unsettled at kills/pauses/lapses, beyond {self.duplicates_beyond_n}); malformed injected "
             f"{self.malformed_injected}, quarantined {self.quarantined}; lost {self.lost}; duplicate "
             f"deliveries with distinct fences {len(self.duplicate_fences)}; checkpoint samples "
             f"{self.checkpoint_samples}, regressions {len(self.checkpoint_regressions)} (handover rewinds "
-            f"{self.handover_rewinds}); paused holders {self.paused_holders}; rebuilds {len(self.rebuilds)} "
+            f"{self.handover_rewinds}); paused holders {self.paused_holders}; lease lapses {self.lapses}; "
+            f"rebuilds {len(self.rebuilds)} "
             f"(killed {self.rebuilds_killed}, failed {len(self.rebuild_failures)}); crashes {len(self.crashes)}; "
             f"RSS max start {self.rss_start_kib // 1024} MiB, end {self.rss_end_kib // 1024} MiB, "
             f"longest-lived replica ({self.oldest_uptime_s:.0f}s) {self.oldest_rss_start_kib // 1024} -> "
@@ -602,6 +610,10 @@ class Harness:
         self._joined = 0
         self._checkpoints: dict[int, tuple[tuple[int, ...], int]] = {}
         self._fences: dict[int, int] = {}
+        self._claims: dict[str, frozenset[str]] = {}
+        self._claims_before: dict[str, frozenset[str]] = {}
+        self._claims_at = 0.0
+        self._log_seen: dict[str, int] = {}
         self._starts = 0
         self.marks: list[FaultMark] = []
         self._es_model: Any = None
@@ -789,7 +801,7 @@ class Harness:
         self.report.paused_holders += 1
         try:
             with anyio.fail_after(10):
-                while "lost slot" not in r.log_text()[mark:]:
+                while not any(m in r.log_text()[mark:] for m in ("lost slot", "released slot")):
                     if not r.alive:
                         return
                     await anyio.sleep(0.05)
@@ -976,11 +988,37 @@ class Harness:
                     self.report.checkpoint_regressions.append(f"slot {st.slot}: fence {last_fence} -> {st.fence}")
                 self._fences[st.slot] = max(last_fence, st.fence)
             self.report.checkpoint_samples += 1
+            await self._watch_lapses()
             now = anyio.current_time()
             for r in self.live():
                 if not r.rss_first_kib and now - r.started_at >= 3.0:
                     r.rss_first_kib = _rss_kib(r.proc.pid)  # settled in: the replica's starting RSS
             await anyio.sleep(self.config.sample_every_s)
+
+    async def _watch_lapses(self) -> None:
+        """Marks a replica that lost its lease on its own (``lapse``; not within
+        :data:`LAPSE_AFTER_PAUSE_S` of a pause or a kill by the soak, whose marks count already) with
+        the claims it held at the sample before or now: wowd delivers at least once after a lost
+        lease, and the next holder may send those again."""
+        now = time.monotonic()
+        if now - self._claims_at >= LAPSE_CLAIMS_EVERY_S:
+            self._claims_at = now
+            previous = self._claims
+            self._claims = {r.name: frozenset(await self._claims_of(r.name)) for r in self.live()}
+            self._claims_before = previous
+        for r in self.live():
+            text = r.log_text()
+            seen = self._log_seen.get(r.name, 0)
+            self._log_seen[r.name] = len(text)
+            if "lost slot" not in text[seen:] or r.stopped:
+                continue
+            if any(m.replica == r.name and now - m.at < LAPSE_AFTER_PAUSE_S for m in self.marks if m.kind != "lapse"):
+                continue
+            unsettled = self._claims_before.get(r.name, frozenset()) | self._claims.get(r.name, frozenset())
+            unsettled |= frozenset(await self._claims_of(r.name))
+            self.marks.append(FaultMark(kind="lapse", replica=r.name, tag=r.tag, at=now, unsettled=unsettled))
+            self.report.lapses += 1
+            self.report.unsettled_at_faults += len(unsettled)
 
     async def _outbox(self) -> list[Any]:
         entries: list[Any] = []

@@ -33,7 +33,10 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
     c = report.config
     faults = ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"
     violations = report.violations()
-    faults_line = f"{sum(report.faults.values())} ({faults}); paused slot holders {report.paused_holders}"
+    faults_line = (
+        f"{sum(report.faults.values())} ({faults}); paused slot holders {report.paused_holders}; "
+        f"leases lost on their own (a slow store) {report.lapses}"
+    )
     setup = (
         f"{c.replicas} replicas (max {c.max_replicas}), {c.limit} slots, {c.partitions} partitions, "
         f"ttl {c.ttl_s}s, tolerance {c.tolerance_s}s, claim ttl {c.claim_ttl_s}s, {c.rate_per_s:g} commits/s, "

@@ -45,3 +45,15 @@ def test_a_process_resending_with_no_pause_of_its_own_in_between_is_beyond(tmp_p
     h = _harness(tmp_path, [("r2.3", 34.3), ("r2.3", 50.0), ("r2.3", 67.1)], [_pause("r2.3", 40.0)])
     h._duplicates(set())
     assert (h.report.duplicates, h.report.duplicates_beyond_n) == (2, 1)
+
+
+def test_a_lease_lost_on_its_own_with_the_timer_unsettled_allows_one_repeat_by_the_next_holder(tmp_path: Path) -> None:
+    # r1 delivered it into the outbox and lost its lease before the settle landed (a slow store):
+    # the next holder, r2, sends it again
+    lapse = FaultMark(kind="lapse", replica="r1", tag="r1.2", at=40.0, unsettled=frozenset({"rid"}))
+    h = _harness(tmp_path, [("r2.3", 67.1)], [lapse])
+    h._duplicates({"rid"})
+    assert (h.report.duplicates, h.report.duplicates_allowed, h.report.duplicates_beyond_n) == (1, 1, 0)
+    h = _harness(tmp_path, [("r2.3", 67.1)], [])  # no lapse, no fault: beyond
+    h._duplicates({"rid"})
+    assert h.report.duplicates_beyond_n == 1

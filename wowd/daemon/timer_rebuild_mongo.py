@@ -44,10 +44,13 @@ from wowd.stores.timer_rebuild import Finished, SlotsNotReleased
 
 from .timer_rebuild import LOCK_TTL_S, PROGRESS_EVERY_S, TimerRebuildReport, project_for
 
-__all__ = ["HOLD_POLL_S", "HOLD_TTL_S", "MongoTimerRebuilder"]
+__all__ = ["HOLD_POLL_S", "HOLD_TTL_S", "REPLAY_BATCH", "MongoTimerRebuilder"]
 
 log = logging.getLogger(__name__)
 
+REPLAY_BATCH = 500
+"""Commits read per batch of the replay, whose timer writes go in one bulk per collection: a
+rebuild shares the server with the replicas, whose lease renewals must not wait behind it."""
 HOLD_TTL_S = 30.0
 """How long the slots stay held without a renewal (a rebuild killed holds them no longer)."""
 HOLD_POLL_S = 0.2
@@ -63,7 +66,7 @@ class MongoTimerRebuilder:
         backend: Backend,
         *,
         progress: Callable[[str], None] = lambda _line: None,
-        batch_size: int = 2000,
+        batch_size: int = REPLAY_BATCH,
         progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         self._settings = settings

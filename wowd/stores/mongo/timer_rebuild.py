@@ -75,8 +75,9 @@ SHADOW_KIND = "timer_shadow"
 """The shadow collections' kind: ``wow_timer_shadow__<context>__<aggregate>``."""
 SHADOW_REGISTRY = "wow_timer_shadow_aggregate"
 """The registry of the shadow collections."""
-BATCH = 1000
-"""Documents read or written per command by the carry-over and the outbox's look-up."""
+BATCH = 200
+"""Documents read or written per command by the carry-over and the outbox's look-up (small
+commands: the replicas' lease renewals and deliveries go on beside them)."""
 
 
 def carry_operation(doc: Mapping[str, Any]) -> ReplaceOne[Any]:
