@@ -98,7 +98,7 @@ FAULTS = ("kill", "stop", "restart", "join")
 HOLD_LINE = "rebuild: holding the slots"
 """The MongoDB rebuild's line once it holds the replicas' slots (``timer_rebuild_mongo``)."""
 MONGO_DATABASE = "wowd_chaos"
-LAPSE_CLAIMS_EVERY_S = 0.5
+LAPSE_CLAIMS_EVERY_S = 1.0
 """How often the claims of each replica are read for the ``lapse`` marks."""
 LAPSE_AFTER_PAUSE_S = 15.0
 """A lost slot this soon after a pause or a kill of the replica is that fault's, not a lapse."""
@@ -686,6 +686,10 @@ class Harness:
 
     async def _claims_of(self, name: str) -> set[str]:
         """Request ids of the FIRING timers claimed under ``name`` (any of its slot keys)."""
+        return set((await self._all_claims()).get(name, frozenset()))
+
+    async def _all_claims(self) -> dict[str, frozenset[str]]:
+        """Request ids of the FIRING timers by the replica that claimed them (one read)."""
         for attempt in range(50):
             try:
                 firing = await self._timers.scan(status=TimerStatus.FIRING, limit=1_000_000)
@@ -694,11 +698,11 @@ class Harness:
                 await anyio.sleep(min(1.0, 0.05 * 2**attempt))
         else:
             raise RuntimeError("the timer store did not answer for 50 attempts")
-        return {
-            t.request_id
-            for t in firing
-            if t.claim is not None and (t.claim.owner_key == name or t.claim.owner_key.startswith(name + "#"))
-        }
+        claims: dict[str, set[str]] = {}
+        for t in firing:
+            if t.claim is not None:
+                claims.setdefault(t.claim.owner_key.split("#")[0], set()).add(t.request_id)
+        return {k: frozenset(v) for k, v in claims.items()}
 
     async def mark(self, kind: str, r: Replica) -> None:
         """Records a fault of ``r`` (dead or paused: its claims cannot move) with its claimed and
@@ -1003,9 +1007,7 @@ class Harness:
         now = time.monotonic()
         if now - self._claims_at >= LAPSE_CLAIMS_EVERY_S:
             self._claims_at = now
-            previous = self._claims
-            self._claims = {r.name: frozenset(await self._claims_of(r.name)) for r in self.live()}
-            self._claims_before = previous
+            self._claims_before, self._claims = self._claims, await self._all_claims()
         for r in self.live():
             text = r.log_text()
             seen = self._log_seen.get(r.name, 0)
