@@ -1129,8 +1129,8 @@ class Harness:
         return ", ".join(f"{d.tag} at {d.at - t0:.3f}s" for d in ds) or "in the outbox"
 
     def _resent_by_one_process(self, rid: str) -> int:
-        """The requests of ``rid`` a replica process sent again with no pause of its own between
-        the two that found the timer claimed by it and unsettled (a delivery in flight at a pause
+        """The requests of ``rid`` a replica process sent again with no pause (or lease lost on its
+        own) between the two that found the timer claimed by it and unsettled (a delivery in flight at a pause
         may come back failed, a timeout run out while the process stood still, and be retried
         by the same process once it holds the slot again: a MongoDB rebuild's hold leaves the
         slot to nobody meanwhile)."""
@@ -1139,7 +1139,9 @@ class Harness:
             sends.setdefault(d.tag, []).append(d.at)
         resent = 0
         for tag, times in sends.items():
-            pauses = sorted(m.at for m in self.marks if m.kind == "stop" and m.tag == tag and rid in m.unsettled)
+            pauses = sorted(
+                m.at for m in self.marks if m.kind in ("stop", "lapse") and m.tag == tag and rid in m.unsettled
+            )
             for before, after in itertools.pairwise(sorted(times)):
                 between = next((at for at in pauses if before <= at <= after), None)
                 if between is None:

@@ -57,3 +57,10 @@ def test_a_lease_lost_on_its_own_with_the_timer_unsettled_allows_one_repeat_by_t
     h = _harness(tmp_path, [("r2.3", 67.1)], [])  # no lapse, no fault: beyond
     h._duplicates({"rid"})
     assert h.report.duplicates_beyond_n == 1
+
+
+def test_a_process_resending_after_it_lost_its_lease_on_its_own_is_allowed(tmp_path: Path) -> None:
+    lapse = FaultMark(kind="lapse", replica="joined-1", tag="joined-1.37", at=306.4, unsettled=frozenset({"rid"}))
+    h = _harness(tmp_path, [("joined-1.37", 304.1), ("joined-1.37", 308.2)], [lapse])
+    h._duplicates(set())
+    assert (h.report.duplicates, h.report.duplicates_beyond_n) == (1, 0)
