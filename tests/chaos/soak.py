@@ -75,8 +75,8 @@ def markdown(report: ChaosReport, minutes: float, label: str) -> str:
         (
             "duplicates beyond allowance",
             f"{report.duplicates_beyond_n} (duplicates {report.duplicates}, of which allowed "
-            f"{report.duplicates_allowed}: sent again after a kill, a pause or a lost lease of the replica that had them "
-            f"claimed and unsettled, {report.unsettled_at_faults} such claims at the faults)",
+            f"{report.duplicates_allowed}: sent again after a kill, a pause or a lost lease of the replica "
+            f"that had them claimed and unsettled, {report.unsettled_at_faults} such claims at the faults)",
         ),
         (
             "deliveries",
