@@ -151,6 +151,9 @@ class ChaosConfig:
     sink_outages: bool = True
     """On ``mongo-sim``: the event index refuses every write now and then (``_sink_outages``)."""
     rebuild_gap_s: tuple[float, float] | None = None
+    rebuild_kill_first: bool = False
+    """The first rebuild is SIGKILLed right after its first line (the shadow made, the lock held):
+    a short run is sure to have one rebuild killed partway."""
     """Rebuilds of the timer view while the producer writes, one at a time: the first this long
     after the start, each next one this long after the last one ended (drawn in the range);
     ``None``: no rebuild."""
@@ -838,23 +841,25 @@ class Harness:
         gap, rng = self.config.rebuild_gap_s, self._rebuild_rng
         if gap is None:
             return
+        first = self.config.rebuild_kill_first
         while True:
             await anyio.sleep(rng.uniform(*gap))  # the schedule's pace
             if anyio.current_time() >= until:
                 return
-            run = await self.rebuild(
-                kill=rng.random() < self.config.rebuild_kill_share, within=self.config.rebuild_within_s
-            )
+            kill = first or rng.random() < self.config.rebuild_kill_share
+            run = await self.rebuild(kill=kill, within=self.config.rebuild_within_s, at_start=first)
+            first = False
             self.report.faults["rebuild"] += 1
             if run.held and run.exit_code != 0:
                 await self._hold_lapsed()
 
-    async def rebuild(self, *, kill: bool, within: float) -> RebuildRun:
+    async def rebuild(self, *, kill: bool, within: float, at_start: bool = False) -> RebuildRun:
         """One ``python -m wowd timers rebuild`` with the replicas' environment, its output in
         ``rebuild-N.log``, SIGKILLed and failed when it runs longer than ``within``; with
         ``kill``, SIGKILLed a moment after a line drawn among its progress lines (the first one;
         on MongoDB also the hold line), unless it printed its summary by then (then it ends as it
-        would). Recorded in the report; a non-zero exit other than by the kill is a failure."""
+        would); with ``at_start``, right after its first line. Recorded in the report; a non-zero
+        exit other than by the kill is a failure."""
         rng = self._rebuild_rng
         n = len(self.report.rebuilds) + 1
         at = time.monotonic() - self._t0
@@ -862,6 +867,8 @@ class Harness:
         trigger = rng.choice(triggers)
         # the embedded rebuild of a short log swaps within tens of ms of its first progress line
         delay = rng.uniform(0.0, 0.5 if self.config.backend == "mongo-sim" else 0.05)
+        if at_start:
+            trigger, delay = "rebuild of the timer view", 0.0
         log_path = self.workdir / f"rebuild-{n}.log"
         errors_path = self.workdir / f"rebuild-{n}.err"
         log.info("fault: timer view rebuild %d%s", n, f" (killed after {trigger!r})" if kill else "")

@@ -24,6 +24,7 @@ async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tm
         malformed_every=15,
         fault_gap_s=(0.5, 1.5),
         rebuild_gap_s=(1.5, 2.5),
+        rebuild_kill_first=True,
     )
     report = await run_chaos(config, tmp_path)
     assert not report.violations(), report.summary() + "\n" + "\n".join(report.violations())

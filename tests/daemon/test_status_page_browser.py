@@ -111,12 +111,19 @@ async def _seed(stores: Backend) -> None:
 def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> None:
     """The operator's path: overview, failed timers, the timer, retry, the outbox."""
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     SHOTS.mkdir(parents=True, exist_ok=True)
 
     def text(css: str) -> str:
         return str(driver.find_element(By.CSS_SELECTOR, css).text).strip()
+
+    def follow(element: Any) -> None:
+        """Clicks a link or a form's button and waits for the page it loads (the one before gone)."""
+        page = driver.find_element(By.TAG_NAME, "html")
+        element.click()
+        WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(staleness_of(page), "the next page")
 
     driver.get(f"{base}/ui")
     shown = {
@@ -147,21 +154,21 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
     assert shown["quarantined"] == 1 and shown["holding"] == 1
     driver.save_screenshot(str(SHOTS / "ui-overview.png"))
 
-    driver.find_element(By.LINK_TEXT, "Timers").click()
+    follow(driver.find_element(By.LINK_TEXT, "Timers"))
     Select(driver.find_element(By.NAME, "status")).select_by_value("FAILED")
-    driver.find_element(By.CSS_SELECTOR, "form.search button").click()
+    follow(driver.find_element(By.CSS_SELECTOR, "form.search button"))
     rows = driver.find_elements(By.CSS_SELECTOR, "#timers tbody tr")
     assert len(rows) == 1 and "order o-7 is closed" in rows[0].text
     driver.save_screenshot(str(SHOTS / "ui-timers.png"))
 
-    rows[0].find_element(By.LINK_TEXT, "expire").click()
+    follow(rows[0].find_element(By.LINK_TEXT, "expire"))
     assert text("#timer-status") == "FAILED"
     assert "http 422 from the target: order o-7 is closed" in text("#timer-last-error")
     timer_id = driver.find_element(By.CSS_SELECTOR, "#timer dd:last-of-type code").text
     driver.save_screenshot(str(SHOTS / "ui-timer.png"))
 
     driver.find_element(By.NAME, "token").send_keys(TOKEN)
-    driver.find_element(By.CSS_SELECTOR, "form.action button").click()
+    follow(driver.find_element(By.CSS_SELECTOR, "form.action button"))
     assert "retried: back to PENDING, due now" in text("#done")
 
     def delivered(d: Any) -> bool:
@@ -176,7 +183,7 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
 
     driver.get(f"{base}/ui/quarantine")
     driver.save_screenshot(str(SHOTS / "ui-quarantine.png"))
-    driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a").click()
+    follow(driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a"))
     assert "mapper_parsing_exception" in text("#reason")
     driver.save_screenshot(str(SHOTS / "ui-quarantine-item.png"))
 

@@ -54,7 +54,7 @@ def sorted_json(doc: dict[str, Any], *, ascii: bool) -> str:
     ASCII text), which is several times faster. Raises as ``json.dumps``."""
     if _plain_json(doc):
         out = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
-        if not ascii or out.isascii():
+        if not ascii or (out.isascii() and b"\x7f" not in out):  # json escapes DEL as well with ensure_ascii
             return out.decode()
     return (_SORTED_JSON if ascii else _SORTED_UNICODE_JSON).encode(doc)
 
