@@ -41,6 +41,7 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError
 from wowd.model import LogEntry, TimerWrite
 from wowd.stores.base import Backend
+from wowd.stores.timer_rebuild import Finished
 from wowd.views import TIMERS, view_named
 
 from .feed import prepare_batch
@@ -106,6 +107,26 @@ class TimerRebuildReport:
     @property
     def live(self) -> int:
         return sum(n for s, n in self.statuses.items() if s not in ("DONE", "CANCELLED"))
+
+    def finished(self, found: Finished, *, context: str) -> None:
+        """Takes what the finish found and did, and logs the rebuild's end."""
+        self.statuses = found.statuses
+        self.carried = found.carried
+        self.old_view = found.old_view
+        self.unreadable = found.unreadable
+        self.fired_in_outbox = found.fired_in_outbox
+        self.expired = found.expired
+        self.expired_listed = [(e.timer_id, e.owner, e.key, e.due_at) for e in found.expired_listed]
+        self.swapped = found.swapped
+        log.info(
+            "timer view of %s rebuilt%s: %d commits, %d live, %d expired, swapped %s",
+            context,
+            " (dry run)" if self.dry_run else "",
+            self.commits + self.caught_up,
+            self.live,
+            self.expired,
+            self.swapped,
+        )
 
 
 def project_for(settings: WowdSettings, aggregate: str | None) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
@@ -277,8 +298,6 @@ class TimerRebuilder:
         read = dict.fromkeys(range(s.partitions), last[0])  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
-        from wowd.stores.timer_rebuild import Finished
-
         finished = Finished()
         await engine.carry_over(expired_before=expired_before, result=finished)
         started = time.monotonic()
@@ -292,23 +311,7 @@ class TimerRebuilder:
         )
         report.finish_s = time.monotonic() - started
         report.caught_up = finished.caught_up
-        report.statuses = finished.statuses
-        report.carried = finished.carried
-        report.old_view = finished.old_view
-        report.unreadable = finished.unreadable
-        report.fired_in_outbox = finished.fired_in_outbox
-        report.expired = finished.expired
-        report.expired_listed = [(e.timer_id, e.owner, e.key, e.due_at) for e in finished.expired_listed]
-        report.swapped = finished.swapped
-        log.info(
-            "timer view of %s rebuilt%s: %d commits, %d live, %d expired, swapped %s",
-            s.context,
-            " (dry run)" if dry_run else "",
-            report.commits + report.caught_up,
-            report.live,
-            report.expired,
-            report.swapped,
-        )
+        report.finished(finished, context=s.context)
 
     async def _read_ahead(
         self,

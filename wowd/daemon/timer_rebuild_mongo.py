@@ -144,22 +144,7 @@ class MongoTimerRebuilder:
             else:
                 await engine.drop_shadow()
             report.finish_s = time.monotonic() - started
-        report.statuses = result.statuses
-        report.carried = result.carried
-        report.old_view = result.old_view
-        report.fired_in_outbox = result.fired_in_outbox
-        report.expired = result.expired
-        report.expired_listed = [(e.timer_id, e.owner, e.key, e.due_at) for e in result.expired_listed]
-        report.swapped = result.swapped
-        log.info(
-            "timer view of %s rebuilt%s: %d commits, %d live, %d expired, swapped %s",
-            s.context,
-            " (dry run)" if dry_run else "",
-            report.commits + report.caught_up,
-            report.live,
-            report.expired,
-            report.swapped,
-        )
+        report.finished(result, context=s.context)
 
     async def _replay(
         self,

@@ -336,8 +336,8 @@ class MongoTimerRebuild(MongoStore):
                             docs = await self._db[name].find({"_id": {"$in": wanted[i : i + BATCH]}}).to_list(None)
                             result.carried += await self._write_carried(shadow, [carry_operation(d) for d in docs])
             except OperationFailure as exc:
+                # nothing is carried from it (what the log holds is rebuilt all the same)
                 log.warning("timer view rebuild: the old view's %s could not be read: %s", name, exc)
-                result.unreadable.append(-1)
 
     async def _write_carried(self, shadow: Any, ops: Sequence[ReplaceOne[Any]]) -> int:
         if not ops:
