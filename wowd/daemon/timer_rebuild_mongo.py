@@ -86,7 +86,7 @@ class MongoTimerRebuilder:
     ) -> TimerRebuildReport:
         """The rebuild; raises :class:`~wowd.stores.timer_rebuild.RebuildRunning` when another
         one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile,
-        :class:`~wowd.errors.StorageError` when a replica does not release its slot."""
+        :class:`~wowd.stores.timer_rebuild.SlotsNotReleased` when a replica does not release its slot."""
         report = TimerRebuildReport(context=self._settings.context, aggregate=aggregate, dry_run=dry_run)
         engine = self._engine
         await engine.acquire(LOCK_TTL_S)

@@ -219,9 +219,8 @@ class MongoTimerRebuild(MongoStore):
     async def drop_shadow(self) -> None:
         """Drops the context's shadow collections and their registry records."""
         with self._call("drop_shadow"):
-            docs = await self._shadow_registry.find({"context": self.context}).to_list(None)
-            for doc in docs:
-                await self._db.drop_collection(str(doc["_id"]))
+            for name in await self._shadow_names():
+                await self._db.drop_collection(name)
             await self._shadow_registry.delete_many({"context": self.context})
 
     async def live_names(self, aggregate: str | None) -> dict[str, str]:
@@ -229,28 +228,24 @@ class MongoTimerRebuild(MongoStore):
         in the live registry or made by the shadow: name -> aggregate."""
         with self._call("live_names"):
             live = await self._db[self._timers.registry_name].find({"context": self.context}).to_list(None)
-            shadow = await self._shadow_registry.find({"context": self.context}).to_list(None)
+            shadow = await self._shadow_names()
         names = {str(d["_id"]): str(d.get("aggregate")) for d in live}
-        names.update({self._timers.collection_name(str(d["aggregate"])): str(d["aggregate"]) for d in shadow})
+        names.update({self._timers.collection_name(agg): agg for agg in shadow.values()})
         return {n: a for n, a in names.items() if aggregate is None or a == aggregate}
 
     async def _shadow_names(self) -> dict[str, str]:
-        """The shadow's collections: name -> aggregate."""
-        with self._call("shadow_names"):
-            docs = await self._shadow_registry.find({"context": self.context}).to_list(None)
+        """The shadow's collections, from its registry: name -> aggregate (inside a caller's
+        :meth:`_call`)."""
+        docs = await self._shadow_registry.find({"context": self.context}).to_list(None)
         return {str(d["_id"]): str(d["aggregate"]) for d in docs}
 
     async def live_count(self) -> int:
         """Live timers in the shadow so far (for the progress lines)."""
         n = 0
         with self._call("count"):
-            for name in await self._shadow_names_unbounded():
+            for name in await self._shadow_names():
                 n += await self._db[name].count_documents({"status": {"$nin": list(TOMBSTONES)}})
         return n
-
-    async def _shadow_names_unbounded(self) -> list[str]:
-        docs = await self._shadow_registry.find({"context": self.context}).to_list(None)
-        return [str(d["_id"]) for d in docs]
 
     async def majority_time_ms(self) -> int:
         """A bound a log read must reach to hold every commit committed now: the second after the
@@ -358,7 +353,7 @@ class MongoTimerRebuild(MongoStore):
     async def expire(self, before: int) -> None:
         """One-shot timers of the shadow due before ``before`` (epoch ms): FAILED as expired."""
         with self._call("expire", bounded=False):
-            for name in await self._shadow_names_unbounded():
+            for name in await self._shadow_names():
                 await self._db[name].update_many(
                     {"status": TimerStatus.PENDING.value, "rule.type": "once", "due_at": {"$lt": before}},
                     [
@@ -378,7 +373,7 @@ class MongoTimerRebuild(MongoStore):
         outbox = self._db[outbox_collection(self.context)]
         retention_ms = int(self._timers.tombstone_retention.total_seconds() * 1000)
         with self._call("outbox_fired", bounded=False):
-            for name in await self._shadow_names_unbounded():
+            for name in await self._shadow_names():
                 coll = self._db[name]
                 pending = coll.find(
                     {"status": TimerStatus.PENDING.value, "rule.type": "once"},
