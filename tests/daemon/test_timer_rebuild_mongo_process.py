@@ -24,7 +24,7 @@ from wowd.model import TimerStatus
 from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
-from .test_timer_rebuild_process import _outbox_timer_ids, _scheduled, _summary
+from .test_timer_rebuild_process import _assert_parked_and_failed_kept, _outbox_timer_ids, _scheduled, _summary
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -137,10 +137,7 @@ async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_
     fired = await _outbox_timer_ids(mongo)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])
     assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"])  # nothing delivered twice
-    parked = await mongo.timers.scan(status=TimerStatus.PARKED, limit=100_000)
-    failed = await mongo.timers.scan(status=TimerStatus.FAILED, limit=100_000)
-    assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
-    assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
+    await _assert_parked_and_failed_kept(mongo, ids)
     assert a.proc.poll() is None
 
 
