@@ -71,6 +71,7 @@ from typing import IO, Any, Literal
 import anyio
 from anyio.abc import Process
 
+from tests.chaos.stopping_rebuild import STOPPED_LINE
 from tests.chaos.target import CommandTarget
 from wowd.daemon.feed import CONSUMER
 from wowd.errors import StorageUnavailable
@@ -858,8 +859,9 @@ class Harness:
         ``rebuild-N.log``, SIGKILLed and failed when it runs longer than ``within``; with
         ``kill``, SIGKILLed a moment after a line drawn among its progress lines (the first one;
         on MongoDB also the hold line), unless it printed its summary by then (then it ends as it
-        would); with ``at_start``, right after its first line. Recorded in the report; a non-zero
-        exit other than by the kill is a failure."""
+        would); with ``kill`` and ``at_start``, run by :mod:`tests.chaos.stopping_rebuild`, which
+        stops itself once its replay is done, and SIGKILLed there (always partway). Recorded in the
+        report; a non-zero exit other than by the kill is a failure."""
         rng = self._rebuild_rng
         n = len(self.report.rebuilds) + 1
         at = time.monotonic() - self._t0
@@ -867,8 +869,14 @@ class Harness:
         trigger = rng.choice(triggers)
         # the embedded rebuild of a short log swaps within tens of ms of its first progress line
         delay = rng.uniform(0.0, 0.5 if self.config.backend == "mongo-sim" else 0.05)
-        if at_start:
-            trigger, delay = "rebuild of the timer view", 0.0
+        command = [sys.executable, "-m", "wowd", "timers", "rebuild"]
+        env = self.env
+        if at_start and kill:
+            # a rebuild that stops itself between its replay and its carry-over: the kill lands
+            # there whatever the machine's load (a short log's rebuild outruns a reaction to a line)
+            trigger, delay = STOPPED_LINE, 0.0
+            command = [sys.executable, "-m", "tests.chaos.stopping_rebuild"]
+            env = {**self.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), self.env.get("PYTHONPATH")]))}
         log_path = self.workdir / f"rebuild-{n}.log"
         errors_path = self.workdir / f"rebuild-{n}.err"
         log.info("fault: timer view rebuild %d%s", n, f" (killed after {trigger!r})" if kill else "")
@@ -877,13 +885,7 @@ class Harness:
         killed = ""
         started = anyio.current_time()
         with log_path.open("ab") as out, errors_path.open("ab") as errors:
-            proc = await anyio.open_process(
-                [sys.executable, "-m", "wowd", "timers", "rebuild"],
-                stdin=None,
-                stderr=errors,
-                cwd=self.workdir,
-                env=self.env,
-            )
+            proc = await anyio.open_process(command, stdin=None, stderr=errors, cwd=self.workdir, env=env)
 
             async def read() -> None:
                 assert proc.stdout is not None
@@ -905,6 +907,8 @@ class Harness:
                         tg.start_soon(read)
                         if kill:
                             await seen.wait()
+                            if trigger == STOPPED_LINE:
+                                await _stopped(proc.pid)
                             await anyio.sleep(delay)  # a point of the rebuild after the line
                             if proc.returncode is None and not any(x.startswith("summary: ") for x in lines):
                                 killed = lines[-1] if lines else "(no output)"
@@ -1328,3 +1332,16 @@ async def run_chaos(config: ChaosConfig, workdir: Path) -> ChaosReport:
     """Runs one chaos schedule in ``workdir`` (the SQLite file and the replicas' logs)."""
     await anyio.Path(workdir).mkdir(parents=True, exist_ok=True)
     return await Harness(config, workdir).run()
+
+
+async def _stopped(pid: int) -> None:
+    """Returns once process ``pid`` is stopped (``T`` in ``/proc/PID/stat``) or gone."""
+    stat = anyio.Path(f"/proc/{pid}/stat")
+    while True:
+        try:
+            state = (await stat.read_text()).rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        await anyio.sleep(0.01)
