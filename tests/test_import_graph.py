@@ -8,6 +8,7 @@ function (a deferred import is still a dependency), except under ``if TYPE_CHECK
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -64,7 +65,10 @@ def _imports(name: str, path: Path) -> set[str]:
     return {m for m in found if m in MODULES and m != name}
 
 
-GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """What each wowd module imports (of wowd), parsed once, when a test first asks."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _cycle() -> list[str] | None:
@@ -74,7 +78,7 @@ def _cycle() -> list[str] | None:
     def dfs(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(GRAPH[node]):
+        for nxt in sorted(graph()[node]):
             if state.get(nxt) == 1:
                 return [*stack[stack.index(nxt) :], nxt]
             if nxt not in state and (found := dfs(nxt)) is not None:
@@ -83,16 +87,16 @@ def _cycle() -> list[str] | None:
         state[node] = 2
         return None
 
-    for start in sorted(GRAPH):
+    for start in sorted(graph()):
         if start not in state and (found := dfs(start)) is not None:
             return found
     return None
 
 
 def test_the_walk_sees_the_package() -> None:
-    assert "wowd.cli.main" in GRAPH and "wowd.stores.base" in GRAPH
-    assert "wowd.stores.base" in GRAPH["wowd.stores.embedded"]  # an import the walk must see
-    assert "wowd.stores.embedded" in GRAPH["wowd.backends"]  # a deferred one too
+    assert "wowd.cli.main" in graph() and "wowd.stores.base" in graph()
+    assert "wowd.stores.base" in graph()["wowd.stores.embedded"]  # an import the walk must see
+    assert "wowd.stores.embedded" in graph()["wowd.backends"]  # a deferred one too
 
 
 def test_no_module_of_wowd_imports_itself_back() -> None:
@@ -121,7 +125,7 @@ def _in(module: str, layer: str) -> bool:
 def test_imports_go_one_way(layer: str, above: tuple[str, ...]) -> None:
     offenders = sorted(
         f"{name} -> {dep}"
-        for name, deps in GRAPH.items()
+        for name, deps in graph().items()
         if _in(name, layer)
         for dep in deps
         if any(_in(dep, a) for a in above)
@@ -130,7 +134,7 @@ def test_imports_go_one_way(layer: str, above: tuple[str, ...]) -> None:
 
 
 def test_the_protocol_layer_names_no_backend() -> None:
-    for name, deps in GRAPH.items():
+    for name, deps in graph().items():
         if name in ("wowd.stores", "wowd.stores.base"):
             assert not {d for d in deps if d.startswith(("wowd.stores.", "wowd.cli", "wowd.daemon"))} - {
                 "wowd.stores.base"
@@ -139,7 +143,9 @@ def test_the_protocol_layer_names_no_backend() -> None:
 
 @pytest.mark.parametrize("layer", ["wowd.stores", "wowd.daemon"])
 def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
-    offenders = {n for n, deps in GRAPH.items() if n.startswith(layer) and any(d.startswith("wowd.cli") for d in deps)}
+    offenders = {
+        n for n, deps in graph().items() if n.startswith(layer) and any(d.startswith("wowd.cli") for d in deps)
+    }
     assert not offenders
 
 
@@ -166,7 +172,7 @@ def _names_from_daemon(path: Path) -> set[tuple[str, str]]:
 def test_only_the_cli_imports_the_daemon() -> None:
     offenders = {
         n
-        for n, deps in GRAPH.items()
+        for n, deps in graph().items()
         if not n.startswith(("wowd.daemon", "wowd.cli")) and any(d.startswith("wowd.daemon") for d in deps)
     }
     assert not offenders
