@@ -7,6 +7,7 @@ then receives each command, asserts its document, and scripts the answer.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -104,6 +105,17 @@ def bounded_reprs() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Request, "__repr__", bounded)
         yield
+
+
+def unanswered(server: MockupDB) -> list[Request]:
+    """The requests ``server`` received that nobody took, taken now (``receives(timeout=0)``
+    would first wait out its queue's 50 ms poll, after every test that drains so)."""
+    taken: list[Request] = []
+    while True:
+        try:
+            taken.append(server._request_q.get(block=False))
+        except queue.Empty:
+            return taken
 
 
 _STOPPING: list[threading.Thread] = []
