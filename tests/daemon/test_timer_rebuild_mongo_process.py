@@ -1,7 +1,8 @@
 """``wowd timers rebuild`` on MongoDB (the simulator of ``tests/mongosim``) while a replica runs:
 the replica releases its slot for the swap and takes it back, pending timers fire once, nothing
 that fired or was cancelled fires again, PARKED and FAILED come back from the old view, a dropped
-view is rebuilt from the log; a rebuild killed leaves the live view as it was."""
+view is rebuilt from the log; a rebuild killed leaves the live view as it was; a rebuild while
+commits keep coming leaves the view following the log."""
 
 from __future__ import annotations
 
@@ -22,16 +23,27 @@ from pymongo import AsyncMongoClient
 from wowd.config import WowdSettings
 from wowd.model import TimerStatus
 from wowd.stores.base import Backend
+from wowd.stores.mongo.formats import mongo_rebuild_state
+from wowd.stores.mongo.timer_rebuild import BATCH
 
 from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
-from .test_timer_rebuild_process import _assert_parked_and_failed_kept, _outbox_timer_ids, _scheduled, _summary
+from .test_timer_rebuild_process import (
+    _assert_parked_and_failed_kept,
+    _cancel,
+    _outbox_timer_ids,
+    _scheduled,
+    _summary,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
 DAY_MS = 86_400_000
-N = 500
+N = 250
 """Timers scheduled: a fifth each fired, cancelled, parked, failed and pending at the rebuild
-(fewer than on the embedded file: the simulator evaluates every query by a scan)."""
+(fewer than on the embedded file: the simulator evaluates every query by a scan), enough for
+more than one batch of the carry-over."""
+N_DROPPED = 100
+"""Timers scheduled before the view is dropped (nothing to carry over: one batch of each)."""
 DATABASE = "rebuild"
 COLLECTION = f"wow_timer__{CONTEXT}__order"
 
@@ -115,6 +127,7 @@ async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_
 ) -> None:
     a = spawn("a", env)
     await a.wait_ready()
+    assert N > BATCH  # the old view is carried over in more than one batch
     ids = await _scheduled(mongo, a, park=True, pending_in_ms=5_000, n=N)
     fifth = N // 5
 
@@ -146,8 +159,8 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
 ) -> None:
     a = spawn("a", env)
     await a.wait_ready()
-    ids = await _scheduled(mongo, a, park=False, pending_in_ms=5_000, n=N)
-    fifth = N // 5
+    ids = await _scheduled(mongo, a, park=False, pending_in_ms=5_000, n=N_DROPPED)
+    fifth = N_DROPPED // 5
     # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
     old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
     await mongo.log.append_many(old)
@@ -178,9 +191,14 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
     assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
 
 
-async def test_a_rebuild_killed_leaves_the_live_view_and_its_replica_running(
+async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_commits_keep_coming_follows_the_log(
     spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend, sim_uri: str
 ) -> None:
+    """A rebuild killed leaves the live view and its replica as they were; ``wowd check`` names
+    what it left, a dry run counts and changes nothing. The next rebuild runs while a producer
+    appends all along (timers, a third of them cancelled by the next commit): its reads stop at
+    their bounds, not at a head the producer keeps moving, and after the swap the view holds
+    exactly the live timers of the log, none lost to the swap, the ones before as they were."""
     a = spawn("a", env)
     await a.wait_ready()
     await mongo.log.append_many(
@@ -215,15 +233,47 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_its_replica_running(
     assert code == 0, err
     assert _summary(out)["PENDING"] == 200 and "dry run: nothing changed" in out
     assert await _docs(sim_uri) == before
-    code, out, err = await run_wowd("timers", "rebuild", env=env)
+
+    due = int(time.time() * 1000) + 3_600_000
+    appended = [f"o-{i}" for i in range(200)]
+    cancelled: set[str] = set()
+    stop = anyio.Event()
+
+    async def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            await mongo.log.append_many([timer_commit(f"p-{i}", 1, [f"k-{i}"], due_at=due)])
+            appended.append(f"p-{i}")
+            if i % 3 == 0:
+                await mongo.log.append_many([_cancel(f"p-{i}", 2, f"k-{i}")])
+                cancelled.add(f"p-{i}")
+            i += 1
+            with anyio.move_on_after(0.03):
+                await stop.wait()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(produce)
+        code, out, err = await run_wowd("timers", "rebuild", env=env)
+        stop.set()
     assert code == 0, err
-    assert _summary(out)["PENDING"] == 200
-    assert [{k: v for k, v in d.items() if k != "revision"} for d in await _docs(sim_uri)] == [
-        {k: v for k, v in d.items() if k != "revision"} for d in before
-    ]
+    assert "swapped in" in out and _summary(out)["PENDING"] >= 200
+
+    async def follows() -> bool:
+        live = {t.owner.id for t in await mongo.timers.scan(limit=100_000)}
+        return live == set(appended) - cancelled
+
+    await eventually(follows, 20, "the view holds the log's live timers")
+
+    def without_revision(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in d.items() if k != "revision"} for d in docs if d["owner"]["id"].startswith("o-")]
+
+    assert without_revision(await _docs(sim_uri)) == without_revision(before)
     await a.wait_ready()
-    code, out, err = await run_wowd("check", env=env)
-    assert "timer view rebuild" not in out, out
+    client: AsyncMongoClient[Any] = AsyncMongoClient(sim_uri)
+    try:
+        assert await mongo_rebuild_state(client[DATABASE], CONTEXT) is None  # what wowd check names: nothing left
+    finally:
+        await client.close()
 
 
 async def test_a_replica_that_keeps_its_slot_fails_the_rebuild_and_the_hold_is_lifted(
@@ -255,54 +305,20 @@ async def test_a_replica_that_keeps_its_slot_fails_the_rebuild_and_the_hold_is_l
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(renew_regardless)
-            code, _out, err = await run_wowd("timers", "rebuild", env={**env, "WOWD_SHUTDOWN__GRACE_S": "0"})
+            # the rebuild's own lease ttl (what it waits for) short: the holder renews regardless
+            rebuild_env = {
+                **env,
+                "WOWD_LEASE__TTL_S": "0.6",
+                "WOWD_LEASE__TOLERANCE_S": "0.1",
+                "WOWD_SHUTDOWN__GRACE_S": "0",
+            }
+            code, _out, err = await run_wowd("timers", "rebuild", env=rebuild_env)
             done.set()
         assert code == 1
         assert "slot 0 by old-replica" in err and "the live view is left as it was" in err
         assert [s.held for s in await store.slots(f"wowd.{CONTEXT}")] == [False]
     finally:
         await store.close()
-
-
-async def test_a_rebuild_while_commits_keep_coming_swaps_in_and_the_view_follows_the_log(
-    spawn: Callable[..., Replica], env: dict[str, str], mongo: Backend
-) -> None:
-    """A producer appends all along (timers, a third of them cancelled by the next commit): the
-    rebuild's reads stop at their bounds, not at a head the producer keeps moving, and after the
-    swap the view holds exactly the live timers of the log, none lost to the swap."""
-    from .test_timer_rebuild_process import _cancel
-
-    a = spawn("a", env)
-    await a.wait_ready()
-    due = int(time.time() * 1000) + 3_600_000
-    appended: list[str] = []
-    cancelled: set[str] = set()
-    stop = anyio.Event()
-
-    async def produce() -> None:
-        i = 0
-        while not stop.is_set():
-            await mongo.log.append_many([timer_commit(f"p-{i}", 1, [f"k-{i}"], due_at=due)])
-            appended.append(f"p-{i}")
-            if i % 3 == 0:
-                await mongo.log.append_many([_cancel(f"p-{i}", 2, f"k-{i}")])
-                cancelled.add(f"p-{i}")
-            i += 1
-            with anyio.move_on_after(0.03):
-                await stop.wait()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(produce)
-        code, out, err = await run_wowd("timers", "rebuild", env=env)
-        stop.set()
-    assert code == 0, err
-    assert "swapped in" in out
-
-    async def follows() -> bool:
-        live = {t.owner.id for t in await mongo.timers.scan(limit=100_000)}
-        return live == set(appended) - cancelled
-
-    await eventually(follows, 20, "the view holds the log's live timers")
 
 
 async def test_a_second_rebuild_is_refused_naming_the_first(env: dict[str, str], sim_uri: str) -> None:

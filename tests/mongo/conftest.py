@@ -7,6 +7,7 @@ then receives each command, asserts its document, and scripts the answer.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import bson
 import pytest
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
@@ -80,6 +82,40 @@ class Wire:
         req = await self.receives(timeout=timeout)
         assert req.command_name == name, f"expected {name}, got {req.command_name}: {req.doc}"
         return req
+
+
+REPR_LIMIT = 64 * 1024
+"""Requests of more BSON bytes are named, not spelled out, by their ``repr`` (:func:`bounded_reprs`)."""
+
+
+@pytest.fixture(autouse=True, scope="session")
+def bounded_reprs() -> Iterator[None]:
+    """MockupDB formats every request it receives for its log, verbose or not (``%r``, through
+    ``json_util.dumps``): an aggregation of thousands of stages (megabytes) takes a good part of
+    a second each. A request over :data:`REPR_LIMIT` is named by its command and size instead;
+    the smaller ones read as MockupDB spells them."""
+    spelled = Request.__repr__
+
+    def bounded(self: Request) -> str:
+        size = sum(len(bson.encode(d)) for d in self.docs)
+        if size <= REPR_LIMIT:
+            return spelled(self)
+        return f"{type(self).__name__}({getattr(self, 'command_name', None)!r}: {size} bytes of BSON)"
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Request, "__repr__", bounded)
+        yield
+
+
+def unanswered(server: MockupDB) -> list[Request]:
+    """The requests ``server`` received that nobody took, taken now (``receives(timeout=0)``
+    would first wait out its queue's 50 ms poll, after every test that drains so)."""
+    taken: list[Request] = []
+    while True:
+        try:
+            taken.append(server._request_q.get(block=False))
+        except queue.Empty:
+            return taken
 
 
 _STOPPING: list[threading.Thread] = []

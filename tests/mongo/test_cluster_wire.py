@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +21,7 @@ from pydantic import SecretStr, ValidationError
 from pymongo import AsyncMongoClient
 from pymongo.errors import BulkWriteError, OperationFailure
 
-from tests.mongo.conftest import CODE_NAMES, Wire, primary, server_error, write_concern_timeout
+from tests.mongo.conftest import CODE_NAMES, Wire, primary, server_error, unanswered, write_concern_timeout
 from tests.mongo.log_support import (
     CONTEXT,
     DB,
@@ -76,14 +77,9 @@ def rs_server() -> Iterator[MockupDB]:
 def _no_leftovers(rs_server: MockupDB) -> Iterator[None]:
     """After each test, hang up on what it left unanswered: the next test starts clean."""
     yield
-    while True:
-        try:
-            leftover = rs_server.receives(timeout=0)
+    for leftover in unanswered(rs_server):
+        with suppress(OSError):  # a request of a connection the test's client closed already: dropped
             leftover.hangup()
-        except AssertionError:
-            return
-        except OSError:  # a request of a connection the test's client closed already: dropped
-            continue
 
 
 @pytest.fixture

@@ -366,7 +366,7 @@ async def test_a_timer_on_an_idle_cluster_fires_at_its_due_time_after_one_log_ch
     fake = FakeCluster(Wire(server), idle_since)
     fake.checkpoints = {p: {"_id": {"consumer": CONSUMER, "partition": p}, "position": position(idle_since),
                             "fence": 1, "written_at": 0} for p in range(PARTS)}  # fmt: skip
-    due = now_ms() + 1500
+    due = now_ms() + 400
     await backend.timers.put(timer(agg, due))
     client = await client_of(server)
     slot = Slot(tmp_path, backend, make_log(client))
@@ -410,7 +410,7 @@ async def test_a_cancel_committed_before_the_due_time_wins_on_an_idle_cluster(
     fake = FakeCluster(Wire(server), idle_since)
     fake.checkpoints = {p: {"_id": {"consumer": CONSUMER, "partition": p}, "position": position(idle_since),
                             "fence": 1, "written_at": 0} for p in range(PARTS)}  # fmt: skip
-    due = now_ms() + 1500
+    due = now_ms() + 400
     await backend.timers.put(timer(agg, due))
     cancel = cancel_doc(agg, due - 300)
     fake.check_answer = [
@@ -487,7 +487,7 @@ async def test_a_long_scan_gives_no_watermark_before_every_partition_is_scanned(
                     await fake.until(lambda: len(cuts) == 2)
                     # while the second partition waits for its scan, the timer loop has nothing:
                     # a loop given the catch-up's watermark would deliver within an idle period
-                    with anyio.move_on_after(1.5):
+                    with anyio.move_on_after(0.8):  # four idle periods
                         await slot.gateway.until_fired(1)
                     assert slot.waker.watermark is None
                     fake.answer_held()

@@ -18,7 +18,7 @@ from mockupdb import MockupDB
 from prometheus_client import REGISTRY
 from pymongo import AsyncMongoClient
 
-from tests.mongo.conftest import Wire, server_error, serving, write_concern_timeout
+from tests.mongo.conftest import Wire, server_error, serving, unanswered, write_concern_timeout
 from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
@@ -93,11 +93,7 @@ def _no_leftovers(mock_server: MockupDB) -> Iterator[None]:
     """After each test (its client closed), hang up on any request it left unanswered, so a
     failing test does not hand its commands to the next one on the shared server."""
     yield
-    while True:
-        try:
-            leftover = mock_server.receives(timeout=0)
-        except AssertionError:
-            return
+    for leftover in unanswered(mock_server):
         leftover.hangup()
 
 

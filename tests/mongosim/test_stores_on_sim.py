@@ -96,7 +96,7 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
     replica's quarantine should still succeed within its operation timeout."""
     killed: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
     other: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(seconds=1))
+    log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(milliseconds=500))
     try:
         await log.prepare()
         session = killed.start_session()

@@ -174,7 +174,8 @@ class WireServer:
         self.host = host
         self.port = int(self._server.server_address[1])
         engine.address = f"{host}:{self.port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), name="mongosim", daemon=True)
+        # the accept loop's poll: how long a stop waits for it (every test with a simulator stops one)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.01,), name="mongosim", daemon=True)
 
     @property
     def uri(self) -> str:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pymongo import AsyncMongoClient
 
     from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
+    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
 __all__ = [
     "MongoLog",
@@ -88,8 +89,6 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
     from wowd.model import AggregateType
     from wowd.stores.base import Ddl
-    from wowd.stores.elasticsearch.options import new_client, sink_options
-    from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
     from wowd.stores.mongo.timers import MongoTimerStore
@@ -110,7 +109,9 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         )
         stack.push_async_callback(client.close)
         es: AsyncElasticsearch | None = None
-        if indexed:
+        if indexed:  # the Elasticsearch client's modules only then (they take a while to import)
+            from wowd.stores.elasticsearch.options import new_client
+
             es = new_client(es_settings)
             stack.push_async_callback(es.close)
 
@@ -142,6 +143,9 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
         sink_factory: Callable[[AggregateType], ElasticsearchEventSink] | None = None
         if es is not None:
+            from wowd.stores.elasticsearch.options import sink_options
+            from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+
             sink_kwargs, client_es = sink_options(es_settings), es
 
             def sink_factory(type: AggregateType) -> ElasticsearchEventSink:
