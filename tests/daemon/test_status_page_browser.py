@@ -2,8 +2,8 @@
 through ``/usr/bin/chromedriver`` by Selenium (nothing downloads a browser or a driver) opens
 ``/ui`` of a running ``wowd run`` with demo data, finds the overview's numbers equal to ``wowd
 status --json``, goes to a failed timer, retries it with the token and sees it delivered (its
-command in the outbox). A screenshot of each page is saved (``make screenshots``: to ``docs/img/``,
-which docs/operations.md shows).
+command in the outbox). With ``WOWD_TEST_SCREENSHOTS`` set (``make screenshots``: to ``docs/img/``,
+which docs/operations.md shows), a screenshot of each page is saved there.
 
 Without the browser the test is skipped, and fails instead with ``WOWD_TEST_REQUIRE_BROWSER=1``
 (``.ci/run`` sets it where it installed ``chromium`` and ``chromium-driver``)."""
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +43,17 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_BROWSER") == "1"
-SHOTS = Path(os.environ.get("WOWD_TEST_SCREENSHOTS") or tempfile.mkdtemp(prefix="wowd-ui-shots-"))
+SHOTS = Path(os.environ["WOWD_TEST_SCREENSHOTS"]) if os.environ.get("WOWD_TEST_SCREENSHOTS") else None
 """Where the screenshots go: ``make screenshots`` points it at docs/img (used by docs/operations.md);
-a plain test run writes them to a temporary directory (the tree is left as it was)."""
+a plain test run takes none."""
 TOKEN = "ui-browser-token-3317"
 WAIT_S = 20
 
 
 @pytest.fixture
-def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A headless Chromium session (a laptop's window, 1366x860)."""
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Future[Any]]:
+    """A headless Chromium session (a laptop's window, 1366x860), starting in a thread while the
+    test starts its replica: the future's result."""
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
         why = f"no browser: {', '.join(missing)} missing (apt-get install chromium chromium-driver)"
@@ -67,11 +68,12 @@ def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     options.binary_location = str(CHROMIUM)
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,860"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        driver = pool.submit(webdriver.Chrome, options=options, service=Service(executable_path=str(CHROMEDRIVER)))
+        try:
+            yield driver
+        finally:
+            driver.result().quit()
 
 
 async def _seed(stores: Backend) -> None:
@@ -114,7 +116,12 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
     from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    SHOTS.mkdir(parents=True, exist_ok=True)
+    if SHOTS is not None:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+
+    def shot(name: str) -> None:
+        if SHOTS is not None:
+            driver.save_screenshot(str(SHOTS / name))
 
     def text(css: str) -> str:
         return str(driver.find_element(By.CSS_SELECTOR, css).text).strip()
@@ -152,20 +159,20 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         "holders": [r["holder"] for r in doc["slots"]],
     }
     assert shown["quarantined"] == 1 and shown["holding"] == 1
-    driver.save_screenshot(str(SHOTS / "ui-overview.png"))
+    shot("ui-overview.png")
 
     follow(driver.find_element(By.LINK_TEXT, "Timers"))
     Select(driver.find_element(By.NAME, "status")).select_by_value("FAILED")
     follow(driver.find_element(By.CSS_SELECTOR, "form.search button"))
     rows = driver.find_elements(By.CSS_SELECTOR, "#timers tbody tr")
     assert len(rows) == 1 and "order o-7 is closed" in rows[0].text
-    driver.save_screenshot(str(SHOTS / "ui-timers.png"))
+    shot("ui-timers.png")
 
     follow(rows[0].find_element(By.LINK_TEXT, "expire"))
     assert text("#timer-status") == "FAILED"
     assert "http 422 from the target: order o-7 is closed" in text("#timer-last-error")
     timer_id = driver.find_element(By.CSS_SELECTOR, "#timer dd:last-of-type code").text
-    driver.save_screenshot(str(SHOTS / "ui-timer.png"))
+    shot("ui-timer.png")
 
     driver.find_element(By.NAME, "token").send_keys(TOKEN)
     follow(driver.find_element(By.CSS_SELECTOR, "form.action button"))
@@ -176,20 +183,20 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         return bool(d.find_elements(By.CSS_SELECTOR, f'#outbox tr[data-timer-id="{timer_id}"]'))
 
     WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(delivered, "the retried timer's command in the outbox")
-    driver.save_screenshot(str(SHOTS / "ui-outbox.png"))
+    shot("ui-outbox.png")
 
     driver.get(f"{base}/ui/timers?status=FAILED")
     assert "no live timer matches" in text("#timers")
 
     driver.get(f"{base}/ui/quarantine")
-    driver.save_screenshot(str(SHOTS / "ui-quarantine.png"))
+    shot("ui-quarantine.png")
     follow(driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a"))
     assert "mapper_parsing_exception" in text("#reason")
-    driver.save_screenshot(str(SHOTS / "ui-quarantine-item.png"))
+    shot("ui-quarantine-item.png")
 
 
 async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
-    browser: Any, spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
+    browser: Future[Any], spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
 ) -> None:
     env = base_env(db, WOWD_LEASE__LIMIT="1", WOWD_UI__TOKEN=TOKEN)
     rc, out, err = await run_wowd(
@@ -215,8 +222,9 @@ async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
         assert code == 0, err
         return json.loads(out)  # type: ignore[no-any-return]
 
+    driver = await anyio.to_thread.run_sync(browser.result)
     # the browser runs in a worker thread; wowd status --json runs in this loop, through the portal
     async with anyio.from_thread.BlockingPortal() as portal:
         await anyio.to_thread.run_sync(
-            _browse, browser, f"http://127.0.0.1:{replica.port}", lambda: portal.call(status_now)
+            _browse, driver, f"http://127.0.0.1:{replica.port}", lambda: portal.call(status_now)
         )
