@@ -23,7 +23,7 @@ async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tm
         drain_s=60.0,
         rate_per_s=45.0,
         malformed_every=15,
-        fault_gap_s=(0.3, 1.0),
+        fault_gap_s=(0.2, 0.6),
         rebuild_gap_s=(1.0, 2.0),
         rebuild_kill_first=True,
     )
