@@ -2,8 +2,8 @@
 through ``/usr/bin/chromedriver`` by Selenium (nothing downloads a browser or a driver) opens
 ``/ui`` of a running ``wowd run`` with demo data, finds the overview's numbers equal to ``wowd
 status --json``, goes to a failed timer, retries it with the token and sees it delivered (its
-command in the outbox). With ``WOWD_TEST_SCREENSHOTS`` set (``make screenshots``: to ``docs/img/``,
-which docs/operations.md shows), a screenshot of each page is saved there.
+command in the outbox). A screenshot of each page is saved (``make screenshots``: to ``docs/img/``,
+which docs/operations.md shows).
 
 Without the browser the test is skipped, and fails instead with ``WOWD_TEST_REQUIRE_BROWSER=1``
 (``.ci/run`` sets it where it installed ``chromium`` and ``chromium-driver``)."""
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,9 +44,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 REQUIRE = os.environ.get("WOWD_TEST_REQUIRE_BROWSER") == "1"
-SHOTS = Path(os.environ["WOWD_TEST_SCREENSHOTS"]) if os.environ.get("WOWD_TEST_SCREENSHOTS") else None
+SHOTS = Path(os.environ.get("WOWD_TEST_SCREENSHOTS") or tempfile.mkdtemp(prefix="wowd-ui-shots-"))
 """Where the screenshots go: ``make screenshots`` points it at docs/img (used by docs/operations.md);
-a plain test run takes none."""
+a plain test run writes them to a temporary directory (the tree is left as it was)."""
 TOKEN = "ui-browser-token-3317"
 WAIT_S = 20
 
@@ -116,12 +117,7 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
     from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    if SHOTS is not None:
-        SHOTS.mkdir(parents=True, exist_ok=True)
-
-    def shot(name: str) -> None:
-        if SHOTS is not None:
-            driver.save_screenshot(str(SHOTS / name))
+    SHOTS.mkdir(parents=True, exist_ok=True)
 
     def text(css: str) -> str:
         return str(driver.find_element(By.CSS_SELECTOR, css).text).strip()
@@ -159,20 +155,20 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         "holders": [r["holder"] for r in doc["slots"]],
     }
     assert shown["quarantined"] == 1 and shown["holding"] == 1
-    shot("ui-overview.png")
+    driver.save_screenshot(str(SHOTS / "ui-overview.png"))
 
     follow(driver.find_element(By.LINK_TEXT, "Timers"))
     Select(driver.find_element(By.NAME, "status")).select_by_value("FAILED")
     follow(driver.find_element(By.CSS_SELECTOR, "form.search button"))
     rows = driver.find_elements(By.CSS_SELECTOR, "#timers tbody tr")
     assert len(rows) == 1 and "order o-7 is closed" in rows[0].text
-    shot("ui-timers.png")
+    driver.save_screenshot(str(SHOTS / "ui-timers.png"))
 
     follow(rows[0].find_element(By.LINK_TEXT, "expire"))
     assert text("#timer-status") == "FAILED"
     assert "http 422 from the target: order o-7 is closed" in text("#timer-last-error")
     timer_id = driver.find_element(By.CSS_SELECTOR, "#timer dd:last-of-type code").text
-    shot("ui-timer.png")
+    driver.save_screenshot(str(SHOTS / "ui-timer.png"))
 
     driver.find_element(By.NAME, "token").send_keys(TOKEN)
     follow(driver.find_element(By.CSS_SELECTOR, "form.action button"))
@@ -183,16 +179,16 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         return bool(d.find_elements(By.CSS_SELECTOR, f'#outbox tr[data-timer-id="{timer_id}"]'))
 
     WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(delivered, "the retried timer's command in the outbox")
-    shot("ui-outbox.png")
+    driver.save_screenshot(str(SHOTS / "ui-outbox.png"))
 
     driver.get(f"{base}/ui/timers?status=FAILED")
     assert "no live timer matches" in text("#timers")
 
     driver.get(f"{base}/ui/quarantine")
-    shot("ui-quarantine.png")
+    driver.save_screenshot(str(SHOTS / "ui-quarantine.png"))
     follow(driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a"))
     assert "mapper_parsing_exception" in text("#reason")
-    shot("ui-quarantine-item.png")
+    driver.save_screenshot(str(SHOTS / "ui-quarantine-item.png"))
 
 
 async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
