@@ -41,6 +41,9 @@ APS4_PYTHON = os.environ.get("WOWD_BENCH_APS4_PYTHON", "/tmp/aps4venv/bin/python
 @dataclass(frozen=True, kw_only=True)
 class Config:
     burst_sizes: tuple[int, ...] = (10_000, 100_000)
+    burst_lead_ms: int = 300
+    """A ``wowd run`` burst's timers come due this long (and 1 ms per 40 timers) after their insert
+    began."""
     runs: int = 3
     aps3_max_runs_large: int = 1
     """APScheduler 3 at the largest size: runs (it takes minutes each)."""
@@ -52,10 +55,14 @@ class Config:
     growth_types: tuple[int, ...] = (1, 10, 100)
     sink_n: int = 50_000
     sink_batches: tuple[int, ...] = (100, 1000, 5000)
+    sink_refresh_interval_s: float | None = None
+    """The sink's refresh interval in the refresh rows; ``None``: its default."""
     failover_ttls: tuple[float, ...] = (5.0, 15.0)
     http_n: int = 20_000
     http_concurrency: tuple[int, ...] = (1, 8, 64)
     http_steady_rate: int = 1000
+    http_steady_delay_ms: int = 1000
+    """A steady HTTP timer is due this long after its append."""
     timeout_s: float = 900.0
     e2e: E2eConfig = field(default_factory=E2eConfig)
 
@@ -132,8 +139,8 @@ def section_timers(cfg: Config) -> Section:
         r: dict[str, dict[str, Any]] = {}
         r["bare loop (ceiling)"] = _repeat(partial(run_worker, "ceiling", {"n": n}), cfg.runs)
         r["wowd store path (in-process)"] = _repeat(partial(run_worker, "store_path", {"n": n}), cfg.runs)
-        r["wowd run, 1 process"] = _repeat(partial(wowd_burst, n, 1), cfg.runs)
-        r["wowd run, 2 processes (limit=2)"] = _repeat(partial(wowd_burst, n, 2), cfg.runs)
+        r["wowd run, 1 process"] = _repeat(partial(wowd_burst, n, 1, lead_ms=cfg.burst_lead_ms), cfg.runs)
+        r["wowd run, 2 processes (limit=2)"] = _repeat(partial(wowd_burst, n, 2, lead_ms=cfg.burst_lead_ms), cfg.runs)
         aps_runs = cfg.aps3_max_runs_large if n == largest and n >= 100_000 else cfg.runs
         r["APScheduler 3 (SQLite WAL)"] = _repeat(
             partial(run_worker, "aps3_burst", {"n": n, "wal": True}, timeout=cfg.timeout_s), aps_runs
@@ -362,9 +369,10 @@ def section_growth(cfg: Config) -> Section:
 
 
 def section_sink(cfg: Config) -> Section:
-    res = run_worker(
-        "sink", {"n": cfg.sink_n, "batches": list(cfg.sink_batches), "runs": cfg.runs}, timeout=cfg.timeout_s
-    )
+    params: dict[str, Any] = {"n": cfg.sink_n, "batches": list(cfg.sink_batches), "runs": cfg.runs}
+    if cfg.sink_refresh_interval_s is not None:
+        params["refresh_interval_s"] = cfg.sink_refresh_interval_s
+    res = run_worker("sink", params, timeout=cfg.timeout_s)
     rows = []
     by_batch: dict[int, dict[str, dict[str, Any]]] = {}
     for r in res["rows"]:
@@ -399,7 +407,13 @@ def section_sink(cfg: Config) -> Section:
     if refresh_rows:
         body += (
             "\n\nRefreshes: four writers at once into one index (later versions of their own aggregates), "
-            "requests per 1,000 commits:\n\n"
+            "requests per 1,000 commits"
+            + (
+                f" (a refresh at most every {cfg.sink_refresh_interval_s:g} s)"
+                if cfg.sink_refresh_interval_s is not None
+                else ""
+            )
+            + ":\n\n"
         )
         body += table(
             ["access attributes", "batch", "commits", "_refresh", "_update_by_query", "commits/s"], refresh_rows
@@ -460,23 +474,26 @@ def section_http(cfg: Config) -> Section:
             if c == top:  # signed and unsigned runs taken in turn: the machine's drift hits both alike
                 plain_runs = []
                 for _ in range(max(1, cfg.runs)):
-                    plain_runs.append(http_burst(target, n, c))
-                    signed_runs.append(http_burst(target, n, c, signed=True))
+                    plain_runs.append(http_burst(target, n, c, lead_ms=cfg.burst_lead_ms))
+                    signed_runs.append(http_burst(target, n, c, signed=True, lead_ms=cfg.burst_lead_ms))
                 wowd = median_of(plain_runs)
             else:
-                wowd = _repeat(partial(http_burst, target, n, c), cfg.runs)
+                wowd = _repeat(partial(http_burst, target, n, c, lead_ms=cfg.burst_lead_ms), cfg.runs)
             rows.append({**bare, "system": "bare aiohttp loop", "concurrency": c, "per_target": "-"})
             rows.append({**wowd, "system": "wowd run, http gateway", "concurrency": c, "per_target": c})
         if HTTP_DEFAULT_PER_TARGET < top:
-            x = _repeat(partial(http_burst, target, n, top, per_target=HTTP_DEFAULT_PER_TARGET), cfg.runs)
+            x = _repeat(
+                partial(http_burst, target, n, top, per_target=HTTP_DEFAULT_PER_TARGET, lead_ms=cfg.burst_lead_ms),
+                cfg.runs,
+            )
             rows.append(
                 {**x, "system": "wowd run, http gateway", "concurrency": top, "per_target": HTTP_DEFAULT_PER_TARGET}
             )
         signed = median_of(signed_runs)
         rows.append({**signed, "system": "wowd run, http gateway, signed", "concurrency": top, "per_target": top})
-        steady = http_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
+        steady = http_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top, delay_ms=cfg.http_steady_delay_ms)
         bare_steady = http_bare_steady(target, cfg.http_steady_rate, cfg.steady_seconds, top)
-    outbox = _repeat(partial(wowd_burst, n, 1), cfg.runs)
+    outbox = _repeat(partial(wowd_burst, n, 1, lead_ms=cfg.burst_lead_ms), cfg.runs)
     rows.append({**outbox, "system": "wowd run, outbox gateway (reference)", "concurrency": "-", "per_target": "-"})
     body = f"{fmt(n)} commands due at once, one target (`billing.invoice`), medians of {cfg.runs} run(s):\n\n"
     body += table(
@@ -528,7 +545,8 @@ def section_http(cfg: Config) -> Section:
     )
     body += (
         f"\n\nSteady {fmt(steady['rate'])}/s over HTTP for {fmt(cfg.steady_seconds)} s (concurrency {top}, "
-        f"due 1 s after the append): fired {fmt(steady['fired'])} / {fmt(steady['added'])}, lag p50 "
+        f"due {cfg.http_steady_delay_ms / 1000:g} s after the append): fired {fmt(steady['fired'])} / "
+        f"{fmt(steady['added'])}, lag p50 "
         f"{fmt_ms(steady['p50_ms'])} ms, p99 {fmt_ms(steady['p99_ms'])} ms, max {fmt_ms(steady['max_ms'])} ms, "
         f"CPU {fmt(steady['cpu_s'], 2)} s. The bare steady loop at the same rate, right after it: fired "
         f"{fmt(bare_steady['fired'])} / {fmt(bare_steady['added'])}, lag p50 {fmt_ms(bare_steady['p50_ms'])} ms, "
@@ -588,7 +606,7 @@ def section_e2e(cfg: Config) -> Section:
             ),
         )
         for n in c.firing_sizes:
-            measure(f"alone {n}", partial(wowd_burst, n, 1, timeout_s=cfg.timeout_s))
+            measure(f"alone {n}", partial(wowd_burst, n, 1, timeout_s=cfg.timeout_s, lead_ms=cfg.burst_lead_ms))
             measure(f"bare {n}", partial(run_worker, "ceiling", {"n": n}, timeout=cfg.timeout_s))
         for rate in c.steady_rates:
             measure(f"log steady {rate}", partial(e2e.log_steady, rate, c.steady_seconds, delay_ms=c.steady_delay_ms))

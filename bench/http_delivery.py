@@ -314,10 +314,12 @@ def http_burst(
     per_target: int | None = None,
     signed: bool = False,
     timeout_s: float = 600,
+    lead_ms: int = 300,
 ) -> dict[str, Any]:
-    """``n`` timers due at once, fired over HTTP by one ``wowd run`` (all to one target,
-    ``billing.invoice``); ``per_target`` defaults to ``concurrency`` (like for like with the bare
-    loop); ``signed``: every request signed (``WOWD_GATEWAY__SIGNING_SECRETS``)."""
+    """``n`` timers due at once, ``lead_ms`` (and 1 ms per 40 timers) after their insert began,
+    fired over HTTP by one ``wowd run`` (all to one target, ``billing.invoice``); ``per_target``
+    defaults to ``concurrency`` (like for like with the bare loop); ``signed``: every request
+    signed (``WOWD_GATEWAY__SIGNING_SECRETS``)."""
     target.reset()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
@@ -328,7 +330,7 @@ def http_burst(
             env["WOWD_GATEWAY__SIGNING_SECRETS"] = json.dumps([SIGNING_SECRET])
         with daemons(tmp, db, 1, limit=1, extra_env=env) as ds:
             (d,) = ds
-            due = now_ms() + 300 + n // 40
+            due = now_ms() + lead_ms + n // 40
             insert_timer_rows(db, timer_rows(n, due_at=due, partitions=PARTITIONS))
             wait_until(lambda: now_ms() >= due, 60, "due time", every_s=0.001)
             _, cpu0 = d.stats()

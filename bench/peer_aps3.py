@@ -95,12 +95,12 @@ def _dt(ms: int) -> datetime:
     return datetime.fromtimestamp(ms / 1000, UTC)
 
 
-async def _burst(n: int, timeout_s: float, wal: bool) -> dict[str, Any]:
+async def _burst(n: int, timeout_s: float, wal: bool, lead_ms: int = 500) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         sched = _scheduler(Path(tmp), wal)
         _STATE.expected = n
         sched.start(paused=True)
-        due = now_ms() + 500 + int(n * ADD_MS_PER_JOB[wal])
+        due = now_ms() + lead_ms + int(n * ADD_MS_PER_JOB[wal])
         for i in range(n):
             sched.add_job(fire, "date", run_date=_dt(due), args=[f"t{i}", due], id=f"t{i}")
         overrun = max(0, now_ms() - due)
@@ -133,8 +133,16 @@ async def _burst(n: int, timeout_s: float, wal: bool) -> dict[str, Any]:
 
 
 def run_burst(params: dict[str, Any]) -> dict[str, Any]:
-    """Worker: ``n`` date jobs all due at one instant; fired/s from the due time to the last fire."""
-    return asyncio.run(_burst(int(params["n"]), float(params.get("timeout_s", 600)), bool(params.get("wal", True))))
+    """Worker: ``n`` date jobs all due at one instant, ``lead_ms`` (default 500) and the adds'
+    estimate after the start; fired/s from the due time to the last fire."""
+    return asyncio.run(
+        _burst(
+            int(params["n"]),
+            float(params.get("timeout_s", 600)),
+            bool(params.get("wal", True)),
+            int(params.get("lead_ms", 500)),
+        )
+    )
 
 
 async def _steady(rate: float, seconds: float, delay_ms: int, drain_s: float, wal: bool) -> dict[str, Any]:

@@ -152,8 +152,11 @@ def make_versions(writer: int, aggregates: int, versions: int, changes: bool) ->
     return batches
 
 
-async def _measure_refreshes(url: str, http: Any, n: int, batch: int, changes: bool) -> dict[str, Any]:
-    """Refresh and update-by-query requests per 1,000 commits of ``WRITERS`` writers at once."""
+async def _measure_refreshes(
+    url: str, http: Any, n: int, batch: int, changes: bool, refresh_interval_s: float | None = None
+) -> dict[str, Any]:
+    """Refresh and update-by-query requests per 1,000 commits of ``WRITERS`` writers at once, a
+    refresh at most every ``refresh_interval_s`` (default: the sink's)."""
     from elasticsearch import AsyncElasticsearch
 
     from wowd.model import AggregateType
@@ -162,8 +165,11 @@ async def _measure_refreshes(url: str, http: Any, n: int, batch: int, changes: b
     versions = max(2, n // (WRITERS * batch) + 1)
     plans = [make_versions(w, batch, versions, changes) for w in range(WRITERS)]
     client = AsyncElasticsearch(url, request_timeout=60)
+    interval: dict[str, Any] = {} if refresh_interval_s is None else {"refresh_interval_s": refresh_interval_s}
     try:
-        sink = ElasticsearchEventSink(client, AggregateType(context=CONTEXT, aggregate=AGGREGATE), ddl="none")
+        sink = ElasticsearchEventSink(
+            client, AggregateType(context=CONTEXT, aggregate=AGGREGATE), ddl="none", **interval
+        )
         for plan in plans:  # version 1 of every aggregate: the LRU knows each stream
             await sink.write(plan[0])
         await http.post("/_bench/reset")
@@ -192,7 +198,7 @@ async def _measure_refreshes(url: str, http: Any, n: int, batch: int, changes: b
         await client.close()
 
 
-async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
+async def _run(n: int, batches: list[int], runs: int, refresh_interval_s: float | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as t:
         port_file = Path(t) / "es.port"
         proc = await anyio.open_process([sys.executable, "-m", "bench.es_endpoint", str(port_file)], cwd=str(REPO))
@@ -219,7 +225,7 @@ async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
                                 (s, c, stats["bytes"] / s, stats["requests"])
                             )
                 refresh_rows = [
-                    await _measure_refreshes(url, http, n, batch, changes)
+                    await _measure_refreshes(url, http, n, batch, changes, refresh_interval_s)
                     for changes in (False, True)
                     for batch in batches
                 ]
@@ -245,10 +251,13 @@ async def _run(n: int, batches: list[int], runs: int) -> dict[str, Any]:
 
 
 def run_sink(params: dict[str, Any]) -> dict[str, Any]:
-    """Worker: every variant at every batch size, ``runs`` times each (medians)."""
+    """Worker: every variant at every batch size, ``runs`` times each (medians); the refresh rows
+    at ``refresh_interval_s`` when given (else the sink's default)."""
+    interval = params.get("refresh_interval_s")
     return anyio.run(
         _run,
         int(params.get("n", 20_000)),
         [int(b) for b in params.get("batches", [100, 1000, 5000])],
         int(params.get("runs", 3)),
+        None if interval is None else float(interval),
     )

@@ -227,16 +227,22 @@ def _sum_stats(ds: Sequence[Daemon]) -> tuple[float, float]:
 
 
 def wowd_burst(
-    n: int, processes: int, *, timeout_s: float = 600, extra_env: dict[str, str] | None = None
+    n: int,
+    processes: int,
+    *,
+    timeout_s: float = 600,
+    extra_env: dict[str, str] | None = None,
+    lead_ms: int = 300,
 ) -> dict[str, Any]:
-    """``n`` timers due at once, fired by ``processes`` replicas (``limit = processes``;
-    ``extra_env``: settings over the defaults, e.g. ``WOWD_OUTBOX__FAST_PATH=false``)."""
+    """``n`` timers due at once, ``lead_ms`` (and 1 ms per 40 timers) after their insert began,
+    fired by ``processes`` replicas (``limit = processes``; ``extra_env``: settings over the
+    defaults, e.g. ``WOWD_OUTBOX__FAST_PATH=false``)."""
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
         with daemons(tmp, db, processes, limit=processes, extra_env=extra_env) as ds:
-            due = now_ms() + 300 + n // 40
+            due = now_ms() + lead_ms + n // 40
             insert_timer_rows(db, timer_rows(n, due_at=due, partitions=PARTITIONS))
             overrun = max(0, now_ms() - due)
             wait_until(lambda: now_ms() >= due, 60, "due time", every_s=0.001)

@@ -21,19 +21,22 @@ pytestmark = pytest.mark.slow
 
 TINY = Config(
     burst_sizes=(200,),
+    burst_lead_ms=100,
     runs=1,
     aps3_default_n=50,
     aps4_n=5,
     steady_rates=(50,),
-    steady_seconds=0.5,
+    steady_seconds=0.2,
     growth_sizes=(100, 1000),
     growth_types=(1, 3),
     sink_n=300,
     sink_batches=(100,),
+    sink_refresh_interval_s=0.05,
     failover_ttls=(1.5,),
-    http_n=200,
-    http_concurrency=(1, 4),
+    http_n=100,
+    http_concurrency=(4,),
     http_steady_rate=50,
+    http_steady_delay_ms=300,
 )
 
 
@@ -62,9 +65,9 @@ def test_store_path_fires_every_timer_through_the_outbox_gateway() -> None:
 
 
 def test_apscheduler3_burst_and_steady() -> None:
-    burst = peer_aps3.run_burst({"n": 50})
+    burst = peer_aps3.run_burst({"n": 50, "lead_ms": 100})
     assert burst["fired"] == 50 and burst["p99_ms"] >= 0
-    steady = peer_aps3.run_steady({"rate": 50, "seconds": 0.5, "drain_s": 10})
+    steady = peer_aps3.run_steady({"rate": 50, "seconds": 0.2, "delay_ms": 200, "drain_s": 10})
     assert steady["added"] > 0 and steady["fired"] == steady["added"]
 
 
@@ -75,21 +78,9 @@ def test_apscheduler4_burst() -> None:
 
 
 @pytest.mark.process
-def test_wowd_run_burst_fires_every_timer_into_the_outbox() -> None:
-    r = wowd_timers.wowd_burst(200, 1, timeout_s=30)
-    assert r["fired"] == 200 and r["peak_rss_mb"] > 0
-
-
-@pytest.mark.process
-def test_wowd_run_steady_fires_what_the_log_schedules() -> None:
-    r = wowd_timers.wowd_steady(50, 0.5, drain_s=10)
-    assert r["added"] > 0 and r["fired"] == r["added"]
-
-
-@pytest.mark.process
 def test_failover_measures_the_standbys_first_fire() -> None:
-    r = failover_once(1.5, warm_s=0.3)
-    assert 0 < r["failover_ms"] < 20_000 and r["bound_ms"] > 1500
+    r = failover_once(1.0, warm_s=0.3)
+    assert 0 < r["failover_ms"] < 20_000 and r["bound_ms"] > 1000
 
 
 @pytest.mark.process
@@ -97,13 +88,14 @@ def test_http_delivery_fires_every_timer_over_http_beside_the_bare_loop() -> Non
     section = section_http(TINY)
     rows = section.data["rows"]
     systems = {(r["system"], r["concurrency"]) for r in rows}
-    assert {
-        ("bare aiohttp loop", 1),
+    # one concurrency (each more is two process starts more: the bare loop's and wowd's)
+    assert systems == {
         ("bare aiohttp loop", 4),
-        ("wowd run, http gateway", 1),
         ("wowd run, http gateway", 4),
-    } <= systems
-    assert all(r["fired"] == 200 for r in rows), "every command reached the target (or the outbox) once"
+        ("wowd run, http gateway, signed", 4),
+        ("wowd run, outbox gateway (reference)", "-"),
+    }
+    assert all(r["fired"] == TINY.http_n for r in rows), "every command reached the target (or the outbox) once"
     assert all(0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] and r["fired_per_s"] > 0 for r in rows)
     steady = section.data["steady"]
     assert steady["added"] > 0 and steady["fired"] == steady["added"]
@@ -144,11 +136,11 @@ def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
             catch_up_orders=20,
             scheduled_timers=1_000,
             scheduled_commits=10,
-            scheduled_due_in_ms=1_500,
+            scheduled_due_in_ms=1_000,
             firing_sizes=(300,),
             steady_rates=(50,),
-            steady_seconds=0.5,
-            steady_delay_ms=500,
+            steady_seconds=0.2,
+            steady_delay_ms=300,
         ),
     )
     section = section_e2e(cfg)
@@ -160,8 +152,9 @@ def test_end_to_end_section_feeds_and_fires_what_the_log_schedules() -> None:
     scheduled = med["scheduled"]
     assert scheduled["fired"] == scheduled["expected"] == 1_000 and scheduled["fed_before_due"]
     assert 0 <= scheduled["p50_ms"] <= scheduled["p99_ms"] <= scheduled["max_ms"]
-    assert med["alone 300"]["fired"] == med["bare 300"]["fired"] == 300
-    for key in ("log steady 50", "alone steady 50"):
+    # the firing path alone: ``wowd run`` fires every timer put into its table into the outbox
+    assert med["alone 300"]["fired"] == med["bare 300"]["fired"] == 300 and med["alone 300"]["peak_rss_mb"] > 0
+    for key in ("log steady 50", "alone steady 50"):  # log steady: ``wowd run`` fires what the log schedules
         assert med[key]["added"] > 0 and med[key]["fired"] == med[key]["added"]
     assert med["catch_up"]["cpu_s"] > 0 and med["catch_up"]["peak_rss_mb"] > 0
     text = render([section], cfg=cfg, command="python -m bench --quick --only e2e", quick=True, total_s=1.0)

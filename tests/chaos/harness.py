@@ -153,8 +153,10 @@ class ChaosConfig:
     """On ``mongo-sim``: the event index refuses every write now and then (``_sink_outages``)."""
     rebuild_gap_s: tuple[float, float] | None = None
     rebuild_kill_first: bool = False
-    """The first rebuild is SIGKILLed right after its first line (the shadow made, the lock held):
-    a short run is sure to have one rebuild killed partway."""
+    """The first rebuild is SIGKILLed right after its first line (the shadow made, the lock held),
+    and the rebuilds go on after the producer stopped until one ended by itself: a short run is
+    sure to have one rebuild killed partway and one run to its end after it, however long the
+    first one took to start on a busy machine."""
     """Rebuilds of the timer view while the producer writes, one at a time: the first this long
     after the start, each next one this long after the last one ended (drawn in the range);
     ``None``: no rebuild."""
@@ -837,18 +839,21 @@ class Harness:
 
     async def _rebuilds(self, until: float) -> None:
         """Rebuilds of the timer view while the producer writes (``rebuild_gap_s``), never two at
-        once; after a MongoDB rebuild killed while it held the slots, the next one waits until
-        that hold has lapsed (a hold of another rebuild refuses it)."""
+        once (with ``rebuild_kill_first``, past ``until`` until one ended by itself); after a
+        MongoDB rebuild killed while it held the slots, the next one waits until that hold has
+        lapsed (a hold of another rebuild refuses it)."""
         gap, rng = self.config.rebuild_gap_s, self._rebuild_rng
         if gap is None:
             return
         first = self.config.rebuild_kill_first
+        ended = not first  # a rebuild that ended by itself is still to come
         while True:
             await anyio.sleep(rng.uniform(*gap))  # the schedule's pace
-            if anyio.current_time() >= until:
+            if anyio.current_time() >= until and ended:
                 return
             kill = first or rng.random() < self.config.rebuild_kill_share
             run = await self.rebuild(kill=kill, within=self.config.rebuild_within_s, at_start=first)
+            ended = ended or not run.killed
             first = False
             self.report.faults["rebuild"] += 1
             if run.held and run.exit_code != 0:

@@ -15,15 +15,16 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow, pytest.m
 
 async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tmp_path: Path) -> None:
     # faults close together and a brisk producer: every kind of fault, timer view rebuilds (one
-    # SIGKILLed partway), 300 commits and over 15 malformed inputs in 8 s of writing
+    # SIGKILLed partway, then at least one more), about 300 commits and over 15 malformed inputs in
+    # 6.5 s of writing (the faults go on until each kind has happened once)
     config = ChaosConfig(
         seed=20261129,
-        duration_s=8.0,
+        duration_s=6.5,
         drain_s=60.0,
-        rate_per_s=35.0,
+        rate_per_s=45.0,
         malformed_every=15,
-        fault_gap_s=(0.5, 1.5),
-        rebuild_gap_s=(1.5, 2.5),
+        fault_gap_s=(0.2, 0.6),
+        rebuild_gap_s=(1.0, 2.0),
         rebuild_kill_first=True,
     )
     report = await run_chaos(config, tmp_path)

@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,9 @@ WAIT_S = 20
 
 
 @pytest.fixture
-def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A headless Chromium session (a laptop's window, 1366x860)."""
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Future[Any]]:
+    """A headless Chromium session (a laptop's window, 1366x860), starting in a thread while the
+    test starts its replica: the future's result."""
     missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
     if missing:
         why = f"no browser: {', '.join(missing)} missing (apt-get install chromium chromium-driver)"
@@ -67,11 +69,12 @@ def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     options.binary_location = str(CHROMIUM)
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1366,860"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=str(CHROMEDRIVER)))
-    try:
-        yield driver
-    finally:
-        driver.quit()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        driver = pool.submit(webdriver.Chrome, options=options, service=Service(executable_path=str(CHROMEDRIVER)))
+        try:
+            yield driver
+        finally:
+            driver.result().quit()
 
 
 async def _seed(stores: Backend) -> None:
@@ -189,7 +192,7 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
 
 
 async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
-    browser: Any, spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
+    browser: Future[Any], spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
 ) -> None:
     env = base_env(db, WOWD_LEASE__LIMIT="1", WOWD_UI__TOKEN=TOKEN)
     rc, out, err = await run_wowd(
@@ -215,8 +218,9 @@ async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
         assert code == 0, err
         return json.loads(out)  # type: ignore[no-any-return]
 
+    driver = await anyio.to_thread.run_sync(browser.result)
     # the browser runs in a worker thread; wowd status --json runs in this loop, through the portal
     async with anyio.from_thread.BlockingPortal() as portal:
         await anyio.to_thread.run_sync(
-            _browse, browser, f"http://127.0.0.1:{replica.port}", lambda: portal.call(status_now)
+            _browse, driver, f"http://127.0.0.1:{replica.port}", lambda: portal.call(status_now)
         )

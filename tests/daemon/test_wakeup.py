@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.daemon import timer_plan
 from wowd.daemon import timers as timer_loop
 from wowd.daemon.feed import Feeder
 from wowd.daemon.timers import TimerLoop, wake_time
@@ -194,7 +195,9 @@ def timer(id: str, due_at: int, rule: Rule | None = None) -> Timer:
 
 @pytest.fixture
 def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle period the loop waits (``timers``) and plans its wake-ups with (``timer_plan``)."""
     monkeypatch.setattr(timer_loop, "MAX_IDLE_S", 30.0)
+    monkeypatch.setattr(timer_plan, "MAX_IDLE_S", 30.0)
 
 
 @pytest.fixture
@@ -230,7 +233,7 @@ async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Record
 @pytest.mark.usefixtures("long_idle")
 async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTimerStore) -> None:
     """Stored before the loop runs (no Waker involved): found by the first round's ``next_due``."""
-    due = [now_ms() + 400, now_ms() + 700]
+    due = [now_ms() + 300, now_ms() + 500]
     for i, d in enumerate(due):
         assert await store.put(timer(f"s-{i}", d))
 
@@ -251,7 +254,7 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
     async def body(gw: Recorder) -> None:
         await anyio.wait_all_tasks_blocked()  # the loop read nothing and sleeps (30 s)
         base = now_ms()
-        for i, d in enumerate((base + 300, base + 600, base + 900)):
+        for i, d in enumerate((base + 200, base + 400, base + 600)):  # each a round of its own
             assert await blind.put(timer(f"w-{i}", d))
             waker.maybe_wake(d)  # as the feed does after a put
         await gw.until_fired(3)
@@ -263,14 +266,14 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
 
 @pytest.mark.usefixtures("long_idle")
 async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDue) -> None:
-    assert await blind.put(timer("r-1", now_ms(), IntervalRule(every_ms=300)))
+    assert await blind.put(timer("r-1", now_ms(), IntervalRule(every_ms=200)))
 
     async def body(gw: Recorder) -> None:
         await gw.until_fired(3)
 
     gw = await run_loop(blind, caught_up_waker(), body)
     first = gw.fired[0][0].scheduled_at
-    assert [t.scheduled_at for t, _at in gw.fired[:3]] == [first, first + 300, first + 600]
+    assert [t.scheduled_at for t, _at in gw.fired[:3]] == [first, first + 200, first + 400]
 
 
 async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNextDue) -> None:
