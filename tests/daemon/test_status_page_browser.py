@@ -114,19 +114,27 @@ async def _seed(stores: Backend) -> None:
 def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> None:
     """The operator's path: overview, failed timers, the timer, retry, the outbox."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.expected_conditions import staleness_of
+    from selenium.webdriver.support.expected_conditions import presence_of_element_located, staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     SHOTS.mkdir(parents=True, exist_ok=True)
 
     def text(css: str) -> str:
-        return str(driver.find_element(By.CSS_SELECTOR, css).text).strip()
+        found = WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(
+            presence_of_element_located((By.CSS_SELECTOR, css)), css
+        )
+        return str(found.text).strip()
+
+    def loaded(d: Any) -> bool:
+        return bool(d.execute_script("return document.readyState") == "complete")
 
     def follow(element: Any) -> None:
-        """Clicks a link or a form's button and waits for the page it loads (the one before gone)."""
+        """Clicks a link or a form's button and waits for the page it loads: the one before gone,
+        the new one parsed and loaded."""
         page = driver.find_element(By.TAG_NAME, "html")
         element.click()
         WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(staleness_of(page), "the next page")
+        WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(loaded, "the next page loaded")
 
     driver.get(f"{base}/ui")
     shown = {
