@@ -152,7 +152,12 @@ async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Repli
     owners = [f"o-{i}" for i in range(20)]
     target = CommandTarget(slow=set(owners), slow_s=0.03)  # every request answered after 30 ms
     # one target (context.aggregate) for all: timers.concurrency alone bounds the requests in flight
-    extra = {"WOWD_TIMERS__CONCURRENCY": concurrency, "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency}
+    extra: dict[str, object] = {
+        "WOWD_TIMERS__CONCURRENCY": concurrency,
+        "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency,
+    }
+    # the killed replica's lease expires within 1.75 s (a renew every 0.5 s, each given 0.75 s)
+    extra |= {"WOWD_LEASE__TTL_S": 1.5, "WOWD_LEASE__TOLERANCE_S": 0.25}
     killed: list[Replica] = []
     async with anyio.create_task_group() as tg:
         await tg.start(target.serve)
