@@ -111,8 +111,8 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
         await tg.start(target.serve)
         replica = spawn("a", http_env(db, target, "a", WOWD_GATEWAY__TIMEOUT_S=TIMEOUT_S))
         await replica.wait_ready()
-        # due over 1.5 s from 1.3 s on; the hanging target's among them from the first on
-        start = int(time.time() * 1000) + 1300
+        # due over 1.5 s from 1.8 s on; the hanging target's among them from the first on
+        start = int(time.time() * 1000) + 1800
         specs = [
             Spec(f"o-{i}", "k", start + i * 1500 // n, "stuck", hanging[i // 41])
             if i % 41 == 0
