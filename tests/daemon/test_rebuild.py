@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -342,9 +343,16 @@ async def test_cli_status_and_rebuild(
             monkeypatch.setenv(key, value)
 
     async def run_wowd(*args: str) -> tuple[int, str, str]:
-        """``wowd ARGS`` in-process (``main``, in a thread: it runs its own event loop)."""
+        """``wowd ARGS`` in-process (``main``, in a thread: it runs its own event loop); the
+        root logger's handlers and level are given back (``main`` sets up its own)."""
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
         capsys.readouterr()
-        code = await anyio.to_thread.run_sync(main, list(args))
+        try:
+            code = await anyio.to_thread.run_sync(main, list(args))
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
         captured = capsys.readouterr()
         return code, captured.out, captured.err
 
