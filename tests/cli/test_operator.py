@@ -114,7 +114,7 @@ def test_check_names_each_unreachable_server_by_its_setting(db: Path) -> None:
         env.update(
             WOWD_BACKEND="mongo",
             WOWD_MONGODB__URI=f"mongodb://wowd:pw-secret@127.0.0.1:{port}/?replicaSet=rs0",
-            WOWD_MONGODB__TIMEOUT_MS="1000",
+            WOWD_MONGODB__TIMEOUT_MS="200",
             WOWD_ELASTICSEARCH__URL=f"http://127.0.0.1:{port}",
         )
         done = subprocess.run(

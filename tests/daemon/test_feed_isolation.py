@@ -17,11 +17,13 @@ import pytest
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import FeedSettings, WowdSettings
+from wowd.daemon import feed as feed_module
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.errors import InvalidInput, SlotStalled, StorageError, StorageFull
 from wowd.model import AggregateType, Commit, partition
+from wowd.retry import Backoff
 from wowd.stores.base import Backend, EventSink
 from wowd.views import view_named
 
@@ -139,19 +141,20 @@ async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_
 
 
 async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
-    tmp_path: Path, backend: Backend
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sink = refusing(backend, broken=True)
     await backend.log.append_many([timer_commit(f"o-{i}", 1, []) for i in range(3)])
     held = await hold(backend)
-    s = settings(tmp_path, stall_release_s=1.5)
+    monkeypatch.setattr(feed_module, "STALL_BACKOFF", Backoff(0.1, 0.2))  # tried again soon after the release
+    s = settings(tmp_path, stall_release_s=1.0)
     feeder = Feeder(s, backend, views=INDEX_ALONE)
     started = time.monotonic()
     with anyio.fail_after(10), pytest.raises(BaseExceptionGroup) as info:
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, Waker())
     assert info.group_contains(SlotStalled, match="database disk image is malformed")
-    assert time.monotonic() - started >= 1.5
+    assert time.monotonic() - started >= 1.0
     # stalled, nothing quarantined (the records are fine: the store is not), nothing checkpointed
     assert feeder.stalled is not None and "sink: StorageError" in feeder.stalled
     assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 1

@@ -111,8 +111,8 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
         await tg.start(target.serve)
         replica = spawn("a", http_env(db, target, "a", WOWD_GATEWAY__TIMEOUT_S=TIMEOUT_S))
         await replica.wait_ready()
-        # due over 1.5 s from 2 s on; the hanging target's among them from the first on
-        start = int(time.time() * 1000) + 2000
+        # due over 1.5 s from 1.8 s on; the hanging target's among them from the first on
+        start = int(time.time() * 1000) + 1800
         specs = [
             Spec(f"o-{i}", "k", start + i * 1500 // n, "stuck", hanging[i // 41])
             if i % 41 == 0
@@ -121,7 +121,7 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
         ]
         commits, rids = schedule(specs)
         await append(db, commits)
-        assert time.time() * 1000 < start - 1000, "scheduled too late to be claimed ahead of the due times"
+        assert time.time() * 1000 < start - 800, "scheduled too late to be claimed ahead of the due times"
         due_of = {rid: s.due_at for rid, s in zip(rids, specs, strict=True) if s.target_aggregate == "fine"}
         assert len(due_of) == 400
 
@@ -144,15 +144,20 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
 
 
 async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Replica], db: Path) -> None:
-    """2,000 timers due at once, answered after 30 ms; the replica is SIGKILLed once 800 have
-    arrived and a new one is started on the file: every timer arrives, and the re-sent ones
+    """1,000 timers due at once, answered after 30 ms; the replica is SIGKILLed once 400 have
+    arrived and a standby on the file takes over: every timer arrives, and the re-sent ones
     are at most what the killed replica had sent and not settled (its window)."""
-    timers, kill_after = 2000, 800
+    timers, kill_after = 1000, 400
     concurrency = TimerSettings().concurrency
     owners = [f"o-{i}" for i in range(20)]
     target = CommandTarget(slow=set(owners), slow_s=0.03)  # every request answered after 30 ms
     # one target (context.aggregate) for all: timers.concurrency alone bounds the requests in flight
-    extra = {"WOWD_TIMERS__CONCURRENCY": concurrency, "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency}
+    extra: dict[str, object] = {
+        "WOWD_TIMERS__CONCURRENCY": concurrency,
+        "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency,
+    }
+    # the killed replica's lease expires within 1.75 s (a renew every 0.5 s, each given 0.75 s)
+    extra |= {"WOWD_LEASE__TTL_S": 1.5, "WOWD_LEASE__TOLERANCE_S": 0.25}
     killed: list[Replica] = []
     async with anyio.create_task_group() as tg:
         await tg.start(target.serve)
@@ -165,6 +170,9 @@ async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Repli
 
         target.on_delivery = kill_at_threshold
         await first.wait_ready()
+        # started while the first delivers (a standby: every slot is held), it takes over once
+        # the killed replica's lease expires
+        second = spawn("b", http_env(db, target, "b", **extra))
         due = int(time.time() * 1000)
         specs = [Spec(owners[i % 20], f"k-{i}", due, "order", owners[i % 20]) for i in range(timers)]
         commits, rids = schedule(specs)
@@ -175,7 +183,6 @@ async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Repli
 
         await eventually(was_killed, 20, f"{kill_after} timers delivered")
         await first.wait_exit(5)
-        second = spawn("b", http_env(db, target, "b", **extra))
 
         async def all_delivered() -> bool:
             assert second.proc.poll() is None, second.log()

@@ -120,7 +120,7 @@ async def test_a_re_acquire_near_the_end_of_the_lease_never_overlaps_the_next_ho
     holder may only count what is left of it: a standby legitimately takes the slot with fence 2
     once it expired, and nothing is done under fence 1 from the moment fence 2 was asked for."""
     db = tmp_path / "wowd.db"
-    s = settings(ttl=1.5, tolerance=0.2)
+    s = settings(ttl=1.0, tolerance=0.2)
     store_a = Outage(EmbeddedSlotLeaseStore(db))
     store_b = Outage(EmbeddedSlotLeaseStore(db))
     ledger = Ledger()
@@ -172,7 +172,7 @@ async def test_a_restart_with_a_fixed_owner_key_never_works_under_the_hung_prede
     fence; the predecessor's renew, when it gets through, is refused. (The hung predecessor's own
     keeper stopped its work at its validity on the monotonic clock, renew or no renew.)"""
     db = tmp_path / "wowd.db"
-    s = settings(ttl=1.2, tolerance=0.2)
+    s = settings(ttl=0.9, tolerance=0.2)
     old = Outage(EmbeddedSlotLeaseStore(db))
     new = Outage(EmbeddedSlotLeaseStore(db))
     ledger = Ledger()
@@ -190,7 +190,7 @@ async def test_a_restart_with_a_fixed_owner_key_never_works_under_the_hung_prede
             assert await tg.start(second.run) is None  # the key's live lease is not its own
             await ledger.started_event(2).wait()
             # the predecessor, woken up, renews what it holds: refused
-            late = await old.inner.renew(held.lease, timedelta(seconds=1.2), timedelta(seconds=0.2))
+            late = await old.inner.renew(held.lease, timedelta(seconds=0.9), timedelta(seconds=0.2))
             unhang.set()
             first.stop(1.0)
             second.stop(1.0)

@@ -138,19 +138,19 @@ async def test_refused_renew_stops_work_at_once_and_reacquires() -> None:
 
     async def work(held: HeldSlot) -> None:
         try:
-            await anyio.sleep_forever()
+            await held.stop_event.wait()
         finally:
             if held.fence == 1:
                 cancelled.set()
 
-    keeper = SlotKeeper(0, settings(ttl=3.0, tolerance=0.5), store, work, owner_key="me")  # type: ignore[arg-type]
+    keeper = SlotKeeper(0, settings(ttl=1.8, tolerance=0.3), store, work, owner_key="me")  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         start = anyio.current_time()
         await tg.start(keeper.run)
         with anyio.fail_after(3):
             await cancelled.wait()
-        # lost on the first renew (ttl/3 = 1 s), well before the 2.5 s validity
-        assert anyio.current_time() - start < 2.0
+        # lost on the first renew (ttl/3 = 0.6 s), well before the 1.5 s validity
+        assert anyio.current_time() - start < 1.2
         store.renew_mode = "ok"
         with anyio.fail_after(3):
             await store.wait_acquires(2)
@@ -382,7 +382,7 @@ async def test_a_full_disk_stalls_the_keeper_until_a_lease_write_succeeds() -> N
 
     async def work(held: HeldSlot) -> None:
         fences.append(held.fence)
-        await anyio.sleep_forever()
+        await held.stop_event.wait()
 
     keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
     gauge = metrics.TIMERS_STALLED.labels(slot="1")

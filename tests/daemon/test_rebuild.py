@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -12,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from wowd.cli import main
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
@@ -23,7 +25,7 @@ from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, parti
 from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, base_env, eventually, run_wowd, timer_commit
+from .conftest import CONTEXT, base_env, eventually, timer_commit
 from .reducers import reducer_v2
 
 pytestmark = pytest.mark.anyio
@@ -32,7 +34,6 @@ PARTS = 4
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
 IDS = [f"o-{i}" for i in range(8)]  # two aggregates in each of the 4 partitions
 VERSIONS = 3
-ROOT = Path(__file__).resolve().parents[2]
 TTL = timedelta(seconds=60)
 
 
@@ -319,7 +320,9 @@ async def test_a_replica_rebuilds_its_slot_then_feeds_on_top(tmp_path: Path, bac
     assert await backend.rebuilds.pending(ORDER, 2, None, 100) == []
 
 
-async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
+async def test_cli_status_and_rebuild(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from wowd.stores.embedded import open_embedded
 
     db = tmp_path / "wowd.db"
@@ -331,13 +334,29 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
         assert held.lease is not None and held.lease.slot == 0  # a live replica holds partitions 0, 2, 4, 6
     finally:
         await b.close()
-    env = base_env(
-        db,
-        WOWD_REDUCERS=json.dumps({"order": "tests.daemon.reducers:reducer_v2"}),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
+    env = base_env(db, WOWD_REDUCERS=json.dumps({"order": "tests.daemon.reducers:reducer_v2"}))
+    for key in list(os.environ):
+        if key.startswith("WOWD_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        if key.startswith("WOWD_"):
+            monkeypatch.setenv(key, value)
 
-    code, out, err = await run_wowd("snapshots", "status", "--json", env=env, cwd=tmp_path)
+    async def run_wowd(*args: str) -> tuple[int, str, str]:
+        """``wowd ARGS`` in-process (``main``, in a thread: it runs its own event loop); the
+        root logger's handlers and level are given back (``main`` sets up its own)."""
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level
+        capsys.readouterr()
+        try:
+            code = await anyio.to_thread.run_sync(main, list(args))
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, out, err = await run_wowd("snapshots", "status", "--json")
     assert code == 0, err
     assert json.loads(out) == [
         {
@@ -351,11 +370,11 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
         }
     ]
 
-    code, out, err = await run_wowd("snapshots", "rebuild", env=env, cwd=tmp_path)
+    code, out, err = await run_wowd("snapshots", "rebuild")
     assert code == 1 and "partitions 0,2..6 (4 partitions) have a live holder" in err
 
     args = ("snapshots", "rebuild", "--partitions", "1,3", "5", "7", "--json")
-    code, out, err = await run_wowd(*args, env=env, cwd=tmp_path)
+    code, out, err = await run_wowd(*args)
     assert code == 0, err
     [r] = json.loads(out)
     expected = sum(1 for i in range(16) if partition(f"c-{i}", parts) % 2 == 1)
@@ -363,9 +382,9 @@ async def test_cli_status_and_rebuild(tmp_path: Path) -> None:
     assert not r["backfilled"]
     assert r["table"]["revision"] == 2 and r["table"]["rebuilding"]
 
-    code, out, err = await run_wowd("snapshots", "status", env=env, cwd=tmp_path)
+    code, out, err = await run_wowd("snapshots", "status")
     assert code == 0, err
     assert out.splitlines()[1].split() == ["order", "2", "2", "rebuilding", "0", f"4/{parts}"]
 
-    code, out, err = await run_wowd("snapshots", "rebuild", "--aggregate", "nope", env=env, cwd=tmp_path)
+    code, out, err = await run_wowd("snapshots", "rebuild", "--aggregate", "nope")
     assert code == 2 and "no reducer configured for nope" in err

@@ -1,5 +1,5 @@
 """One slow target does not delay the others (docs/delivery.md, "Slow or failing targets"):
-1,000 due timers for 10 targets, one of which never answers. The healthy targets' timers are
+300 due timers for 10 targets, one of which never answers. The healthy targets' timers are
 delivered well within the gateway's timeout while the hanging target's circuit opens; a stop
 starts no delivery and the loop is done within the gateway's timeout."""
 
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 CONTEXT = "shop"
 PARTS = 8
 TARGETS = [f"svc{i}" for i in range(9)] + ["hang"]
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 """The gateway's timeout: a healthy target's timer waiting behind the hanging one would be this late."""
 
 
@@ -84,7 +84,7 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     due = int(time.time() * 1000)
-    timers = [timer(i, due) for i in range(1000)]
+    timers = [timer(i, due) for i in range(300)]
     assert await backend.timers.write([TimerWrite.put(t) for t in timers]) == [1] * len(timers)
     target.healthy_expected = sum(1 for t in timers if t.target.aggregate != "hang")
     gateway = HttpGateway(
@@ -96,7 +96,7 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     held = HeldSlot(
         lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
     )
-    loop = TimerLoop(TimerSettings(batch=1000, concurrency=64), backend.timers, gateway)
+    loop = TimerLoop(TimerSettings(batch=300, concurrency=64), backend.timers, gateway)
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -114,10 +114,13 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     finally:
         await gateway.aclose()
         await runner.cleanup()
-    healthy = sorted(at - due / 1000 for at, a, _r in target.arrivals if a != "hang")
-    assert len(healthy) == 900 and len({r for _t, a, r in target.arrivals if a != "hang"}) == 900
+    # counted from the first request (the loop's start, the claim and the connections are not
+    # the hanging target's doing)
+    first = min(at for at, _a, _r in target.arrivals)
+    healthy = sorted(at - first for at, a, _r in target.arrivals if a != "hang")
+    assert len(healthy) == 270 and len({r for _t, a, r in target.arrivals if a != "hang"}) == 270
     # well under the timeout (what a wait behind the hanging target costs); the rest is this
-    # machine's delivery rate (900 requests with the replica's CPU)
+    # machine's delivery rate (270 requests with the replica's CPU)
     assert healthy[int(0.99 * len(healthy)) - 1] < TIMEOUT_S / 2, healthy[-10:]
     # the hanging target got at most its per-target share of requests before its circuit opened
     hung = [at for at, a, _r in target.arrivals if a == "hang"]
@@ -127,4 +130,4 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     assert done_in < TIMEOUT_S + 1
     # the hanging target's timers are all still there, due again (none lost, none failed)
     left = await backend.timers.scan(limit=200)
-    assert len(left) == 100 and all(t.status is TimerStatus.PENDING for t in left)
+    assert len(left) == 30 and all(t.status is TimerStatus.PENDING for t in left)

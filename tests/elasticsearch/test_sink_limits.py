@@ -16,7 +16,7 @@ from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Raw, serving
 from wowd.errors import FormatError, InvalidInput, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent, stream_id
 from wowd.stores.base import Ddl
-from wowd.stores.elasticsearch.documents import MAX_ROUTING_CHARS, REFRESH_INTERVAL_S, STAMP_PAGE
+from wowd.stores.elasticsearch.documents import MAX_ROUTING_CHARS, STAMP_PAGE
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
 pytestmark = pytest.mark.anyio
@@ -383,7 +383,8 @@ async def test_an_update_by_query_has_its_own_client_timeout_and_is_not_retried(
 async def test_writes_waiting_for_a_refresh_share_it_and_send_their_stamps_in_one_request(
     client: AsyncElasticsearch, model: EsModel
 ) -> None:
-    sink = sink_of(client)
+    interval_s = 0.5
+    sink = sink_of(client, refresh_interval_s=interval_s)
     await sink.write([commit(f"o{i}", 1) for i in range(10)])
     model.requests.clear()
     # ten writes at once, each changing an aggregate's attributes (the feed of several slots)
@@ -391,7 +392,7 @@ async def test_writes_waiting_for_a_refresh_share_it_and_send_their_stamps_in_on
     async with anyio.create_task_group() as tg:
         for i in range(10):
             tg.start_soon(sink.write, [commit(f"o{i}", 2, B, 2)])
-    intervals = int((anyio.current_time() - started) // REFRESH_INTERVAL_S)
+    intervals = int((anyio.current_time() - started) // interval_s)
     ops = [r.split()[0] for r in model.requests]
     assert ops.count("bulk") == 10
     # one refresh for the writes done when it starts, then at most one an interval: not ten
@@ -404,13 +405,13 @@ async def test_writes_waiting_for_a_refresh_share_it_and_send_their_stamps_in_on
 
 
 async def test_a_refresh_is_sent_at_most_once_per_interval(client: AsyncElasticsearch, model: EsModel) -> None:
-    sink = sink_of(client, refresh_interval_s=0.5)
+    sink = sink_of(client, refresh_interval_s=0.25)
     await sink.write([commit("a", 1)])
     started = anyio.current_time()
     for v in range(2, 5):  # three writes in a row, each changing the attributes
         await sink.write([commit("a", v, A if v % 2 else B, v)])
     assert sink.refreshes == 3
-    assert anyio.current_time() - started >= 2 * 0.5  # the second and third waited for their slot
+    assert anyio.current_time() - started >= 2 * 0.25  # the second and third waited for their slot
 
 
 # --------------------------------------------------------------------------- large commits

@@ -850,7 +850,8 @@ class Engine:
                 txn_reply = self._transaction_state(cmd, name)
                 if txn_reply is not None:
                     return txn_reply
-                token = evaluate.NOW.set(datetime.datetime.now(datetime.UTC).replace(tzinfo=None, microsecond=0))
+                now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # a BSON date: milliseconds
+                token = evaluate.NOW.set(now.replace(microsecond=now.microsecond // 1000 * 1000))
                 try:
                     return handler(conn, cmd)
                 except Failure:
