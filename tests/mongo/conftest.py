@@ -74,8 +74,17 @@ class Wire:
         self.server = server
 
     async def receives(self, *args: Any, timeout: float = 10, **kwargs: Any) -> Request:  # noqa: ASYNC109
-        """The next request the driver sent (heartbeats are answered by MockupDB itself)."""
-        return await anyio.to_thread.run_sync(partial(self.server.receives, *args, timeout=timeout, **kwargs))
+        """The next request the driver sent (heartbeats are answered by MockupDB itself). A request
+        whose connection the driver closed before it was matched is passed over, as a server
+        drops it: nothing can answer it, and MockupDB's matcher, which reads the peer's address,
+        raises ``OSError`` on it."""
+        deadline = anyio.current_time() + timeout
+        while True:
+            left = max(deadline - anyio.current_time(), 0.001)
+            try:
+                return await anyio.to_thread.run_sync(partial(self.server.receives, *args, timeout=left, **kwargs))
+            except OSError:
+                continue
 
     async def command(self, name: str, timeout: float = 10) -> Request:  # noqa: ASYNC109
         """The next request, asserted to be the command ``name``."""
