@@ -18,6 +18,7 @@ from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, timer_commit
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -108,8 +109,8 @@ async def test_backup_refuses_mongo_and_an_existing_path(db: Path, tmp_path: Pat
     env = base_env(db)
     existing = tmp_path / "there.db"
     existing.write_bytes(b"")
-    code, _out, err = await run_wowd("backup", str(existing), env=env)
+    code, _out, err = await wowd_in_process("backup", str(existing), env=env)
     assert code == 2 and "exists" in err and "--force" in err
     mongo = {**env, "WOWD_BACKEND": "mongo", "WOWD_ELASTICSEARCH__URL": "http://127.0.0.1:1"}
-    code, _out, err = await run_wowd("backup", str(tmp_path / "m.db"), env=mongo)
+    code, _out, err = await wowd_in_process("backup", str(tmp_path / "m.db"), env=mongo)
     assert code == 2 and "mongodump" in err

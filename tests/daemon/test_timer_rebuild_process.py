@@ -21,6 +21,7 @@ from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -231,6 +232,6 @@ async def test_a_second_rebuild_is_refused_naming_the_first(db: Path, stores: Ba
     )
     now = int(time.time() * 1000)
     _sql(db, "INSERT INTO wow_timer_rebuild VALUES (?, 'elsewhere:4242:abcd', ?, ?)", CONTEXT, now, now + 60_000)
-    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 1
     assert "a rebuild of the timer view of context 'demo' runs: lock held by elsewhere:4242:abcd" in err
