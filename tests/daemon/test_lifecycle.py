@@ -104,7 +104,7 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
 
 
 async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callable[..., Replica], db: Path) -> None:
-    watchdog_usec = 200_000
+    watchdog_usec = 100_000
     with tempfile.TemporaryDirectory(prefix="wowd-") as d:  # short: AF_UNIX paths are <= 107 bytes
         path = str(Path(d) / "notify")
         async with await anyio.create_unix_datagram_socket(local_path=path) as sock:
@@ -134,7 +134,7 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callabl
                 await until(lambda m: m == "WATCHDOG=1", 2, "WATCHDOG=1")
                 pings.append(received[-1][0])
             mean_gap = (pings[-1] - pings[0]) / (len(pings) - 1)
-            assert 0.05 <= mean_gap <= watchdog_usec / 1e6, pings
+            assert watchdog_usec / 4e6 <= mean_gap <= watchdog_usec / 1e6, pings
 
             r.signal(signal.SIGTERM)
             stopping = await until(lambda m: "STOPPING=1" in m, 10, "STOPPING=1")
