@@ -17,7 +17,7 @@ from wowd.stores.base import Backend
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
 
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_commit
+from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, timer_commit
 from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
@@ -69,7 +69,7 @@ async def test_backup_under_load_is_sound_and_a_replica_on_it_fires_what_was_pen
     async with anyio.create_task_group() as tg:
         tg.start_soon(load)
         await eventually(lambda: _fired_some(stores), 10, "the replica fires timers")
-        code, out, err = await wowd_in_process("backup", str(copy), "--step-pages", "4", env=env)
+        code, out, err = await run_wowd("backup", str(copy), "--step-pages", "4", env=env)
         stop.set()
     assert code == 0, err
     assert "integrity_check ok" in out and "pages copied (100%)" in out
