@@ -18,6 +18,7 @@ from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, timer_commit
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -45,19 +46,21 @@ async def _outbox_ids(b: Backend) -> list[str]:
 async def test_backup_under_load_is_sound_and_a_replica_on_it_fires_what_was_pending(
     spawn: Callable[..., Replica], db: Path, stores: Backend, tmp_path: Path
 ) -> None:
-    env = base_env(db, WOWD_LEASE__LIMIT=1)
+    # a's lease, copied with the file, has lapsed by the time the replica on the copy first tries it
+    lease = {"WOWD_LEASE__LIMIT": 1, "WOWD_LEASE__TTL_S": 1, "WOWD_LEASE__TOLERANCE_S": 0.25}
+    env = base_env(db, **lease)
     a = spawn("a", env)
     await a.wait_ready()
     appended = 0
     stop = anyio.Event()
 
     async def load() -> None:
-        # a commit every few ms, its timers due from now to 2 s from now: some fire before the
+        # a commit every few ms, its timers due from now to 1 s from now: some fire before the
         # copy, some are pending in it, some are in its log and not yet fed
         nonlocal appended
         while not stop.is_set():
             now = int(time.time() * 1000)
-            due = now + (appended % 5) * 500
+            due = now + (appended % 5) * 250
             await stores.log.append_many([timer_commit(f"o-{appended}", 1, [f"k-{appended}"], due_at=due)])
             appended += 1
             await anyio.sleep(0.005)
@@ -85,7 +88,7 @@ async def test_backup_under_load_is_sound_and_a_replica_on_it_fires_what_was_pen
         assert pending, "the copy holds pending timers"
         assert fired_before and fired_before < expected
         assert appended > len(expected)  # the load went on after the copy's snapshot
-        b = spawn("b", base_env(copy, WOWD_LEASE__LIMIT=1))
+        b = spawn("b", base_env(copy, **lease))
         await b.wait_ready()
 
         async def all_fired() -> bool:
@@ -106,8 +109,8 @@ async def test_backup_refuses_mongo_and_an_existing_path(db: Path, tmp_path: Pat
     env = base_env(db)
     existing = tmp_path / "there.db"
     existing.write_bytes(b"")
-    code, _out, err = await run_wowd("backup", str(existing), env=env)
+    code, _out, err = await wowd_in_process("backup", str(existing), env=env)
     assert code == 2 and "exists" in err and "--force" in err
     mongo = {**env, "WOWD_BACKEND": "mongo", "WOWD_ELASTICSEARCH__URL": "http://127.0.0.1:1"}
-    code, _out, err = await run_wowd("backup", str(tmp_path / "m.db"), env=mongo)
+    code, _out, err = await wowd_in_process("backup", str(tmp_path / "m.db"), env=mongo)
     assert code == 2 and "mongodump" in err

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -40,14 +41,20 @@ DISK_SIZE = "24m"
 TIMERS = 300
 DUE_FROM_MS = 2000
 """The first timer is due this long after the commits are appended (the disk is full by then)."""
-DUE_SPREAD_MS = 1500
+DUE_SPREAD_MS = 600
 """The timers are due over this long: some are still due after the first write failed."""
+WATCH_MS = 600
+"""How long the stalled replica is watched after the last timer came due: the disk is full for
+longer than a lease of 2 s is valid (the lease-lapses variant's lease lapses meanwhile)."""
 
 
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs of :data:`DISK_SIZE` at ``tmp_path/disk``, unmounted afterwards."""
-    disk = tmp_path / "disk"
+VARIANTS = {"lease-held": (30, True), "lease-held-claims": (30, False), "lease-lapses": (2, True)}
+"""Each variant's lease ttl (s) and whether the outbox's fast path fires (else claims)."""
+
+
+@contextlib.contextmanager
+def small_disk(disk: Path) -> Iterator[Path]:
+    """A tmpfs of :data:`DISK_SIZE` mounted at ``disk``, unmounted afterwards."""
     disk.mkdir()
     try:
         mount = subprocess.run(
@@ -69,14 +76,19 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-async def stores(small_disk: Path) -> AsyncIterator[Backend]:
+def small_disks(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """A small tmpfs for each of :data:`VARIANTS`, at ``tmp_path/NAME``."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(small_disk(tmp_path / name)) for name in VARIANTS}
+
+
+@contextlib.asynccontextmanager
+async def opened(db: Path) -> AsyncIterator[Backend]:
+    """The test's own view of the embedded file ``db``."""
     from wowd.stores.embedded import open_embedded
 
     settings = WowdSettings(
-        context=CONTEXT,
-        partitions=PARTITIONS,
-        embedded=EmbeddedSettings(path=small_disk / "wowd.db"),
-        lease=LeaseSettings(limit=1),
+        context=CONTEXT, partitions=PARTITIONS, embedded=EmbeddedSettings(path=db), lease=LeaseSettings(limit=1)
     )
     backend = await open_embedded(settings)
     try:
@@ -135,20 +147,35 @@ def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float 
     return None
 
 
-@pytest.mark.parametrize(
-    ("ttl_s", "fast_path"),
-    [(30, True), (30, False), (2, True)],
-    ids=["lease-held", "lease-held-claims", "lease-lapses"],
-)
 async def test_a_full_disk_stalls_the_timer_loop_and_it_resumes_when_space_returns(
-    small_disk: Path, stores: Backend, spawn: Callable[..., Replica], ttl_s: int, fast_path: bool
+    small_disks: dict[str, Path], spawn: Callable[..., Replica]
 ) -> None:
-    """``fast_path``: the outbox's fast path (fired in one transaction) or claims (claimed,
-    delivered, settled; a claim the full disk left unsettled expires after 3 s)."""
-    db = small_disk / "wowd.db"
+    """Each of :data:`VARIANTS` side by side, a replica on a disk of its own (they wait for the
+    same seconds: their timers coming due and their stalls)."""
+    async with anyio.create_task_group() as tg:
+        for name, (ttl_s, fast_path) in VARIANTS.items():
+            tg.start_soon(stalls_and_resumes, name, small_disks[name], spawn, ttl_s, fast_path)
+
+
+async def stalls_and_resumes(name: str, disk: Path, spawn: Callable[..., Replica], ttl_s: int, fast_path: bool) -> None:
+    """One variant: ``ttl_s``, the lease ttl; ``fast_path``: the outbox's fast path (fired in one
+    transaction) or claims (claimed, delivered, settled; a claim the full disk left unsettled
+    expires after 2 s). A failure names the variant."""
+    db = disk / "wowd.db"
     env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_LEASE__TTL_S=ttl_s, WOWD_OUTBOX__FAST_PATH=str(fast_path).lower())
-    replica = spawn("a", {**env, "WOWD_TIMERS__CLAIM_TTL_S": "3"})
-    await replica.wait_ready()
+    replica = spawn(name, {**env, "WOWD_TIMERS__CLAIM_TTL_S": "2"})
+    try:
+        async with opened(db) as stores:
+            await replica.wait_ready()
+            await stalls_and_resumes_on(replica, stores, disk, ttl_s)
+    except AssertionError as exc:
+        raise AssertionError(f"{name}: {exc}") from exc
+
+
+async def stalls_and_resumes_on(replica: Replica, stores: Backend, disk: Path, ttl_s: int) -> None:
+    """The variant of ``replica`` on the embedded file ``disk/wowd.db`` (``stores``, the test's
+    view of it) after the replica is ready."""
+    db = disk / "wowd.db"
 
     start = int(time.time() * 1000) + DUE_FROM_MS
     commits = [
@@ -168,7 +195,7 @@ async def test_a_full_disk_stalls_the_timer_loop_and_it_resumes_when_space_retur
 
     await eventually(fed, DUE_FROM_MS / 1000, "the commits fed")
     truncate_wal(db)
-    filler = small_disk / "filler"
+    filler = disk / "filler"
     assert fill(filler) > 0
     assert time.time() * 1000 < start, "the disk was filled after the first timer came due"
 
@@ -185,7 +212,7 @@ async def test_a_full_disk_stalls_the_timer_loop_and_it_resumes_when_space_retur
     async def all_due() -> bool:  # those not fired wait; the replica stays up and not ready
         r = await get(replica, "/readyz")
         answers.append((r.status_code, r.text))
-        return time.time() * 1000 > start + DUE_SPREAD_MS + 1000
+        return time.time() * 1000 > start + DUE_SPREAD_MS + WATCH_MS
 
     await eventually(all_due, DUE_SPREAD_MS / 1000 + 5, "every timer due")
     assert await stores.outbox.count() < TIMERS  # they waited for the disk

@@ -104,7 +104,7 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
 
 
 async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callable[..., Replica], db: Path) -> None:
-    watchdog_usec = 200_000
+    watchdog_usec = 100_000
     with tempfile.TemporaryDirectory(prefix="wowd-") as d:  # short: AF_UNIX paths are <= 107 bytes
         path = str(Path(d) / "notify")
         async with await anyio.create_unix_datagram_socket(local_path=path) as sock:
@@ -134,7 +134,7 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callabl
                 await until(lambda m: m == "WATCHDOG=1", 2, "WATCHDOG=1")
                 pings.append(received[-1][0])
             mean_gap = (pings[-1] - pings[0]) / (len(pings) - 1)
-            assert 0.05 <= mean_gap <= watchdog_usec / 1e6, pings
+            assert watchdog_usec / 4e6 <= mean_gap <= watchdog_usec / 1e6, pings
 
             r.signal(signal.SIGTERM)
             stopping = await until(lambda m: "STOPPING=1" in m, 10, "STOPPING=1")
@@ -152,56 +152,10 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callabl
 PROGRESS = re.compile(r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers")
 
 
-async def test_make_run_demo_shows_commits_fed_and_timers_fired_then_exits_zero(tmp_path: Path) -> None:
-    """``make run`` is ``.venv/bin/wowd run --demo`` with no configuration, from a fresh directory:
-    progress lines on stdout show commits fed and timers fired within seconds; SIGTERM exits 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k not in ("NOTIFY_SOCKET",)}
-    env.update({"WOWD_HTTP__PORT": "0", "PYTHONUNBUFFERED": "1"})
-    err_path = tmp_path / "stderr.log"
-    with err_path.open("wb") as err:
-        proc = await anyio.open_process(
-            [*_wowd_command(), "run", "--demo"],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=err,
-        )
-        try:
-            assert proc.stdout is not None
-            buf = b""
-            lines: list[str] = []
-            try:
-                with anyio.fail_after(15):
-                    while True:
-                        buf += await proc.stdout.receive()
-                        *done, buf = buf.split(b"\n")
-                        lines += [line.decode() for line in done]
-                        counts = [tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))]
-                        if counts and counts[-1][2] > 0 and counts[-1][3] > 0:
-                            break
-            except (TimeoutError, anyio.EndOfStream):
-                what = f"no progress with fed > 0 and fired > 0: {lines!r}\n{err_path.read_text()}"
-                raise AssertionError(what) from None
-            appended, timers, fed, fired = counts[-1]
-            assert appended >= fed > 0 and timers >= fired > 0
-            assert (tmp_path / "wowd.db").exists()  # the embedded default: ./wowd.db
-
-            proc.send_signal(signal.SIGTERM)
-            with anyio.fail_after(15):
-                rc = await proc.wait()
-            assert rc == 0, err_path.read_text()
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                with anyio.CancelScope(shield=True):
-                    await proc.wait()
-            await proc.aclose()
-    assert "received SIGTERM: stopping gracefully" in err_path.read_text()
-
-
 async def _demo_output(tmp_path: Path, **settings: str) -> list[str]:
     """``wowd run --demo`` from a fresh directory, stdout and stderr in one pipe as a terminal
-    shows them, until a progress line shows timers fired; then SIGTERM. Its lines, in order."""
+    shows them, until a progress line shows timers fired; then SIGTERM, and it exits 0. Its
+    lines, in order."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k not in ("NOTIFY_SOCKET",)}
     env.update({"WOWD_HTTP__PORT": "0", "PYTHONUNBUFFERED": "1", **settings})
     proc = await anyio.open_process(
@@ -231,10 +185,19 @@ async def _demo_output(tmp_path: Path, **settings: str) -> list[str]:
     return lines
 
 
-async def test_a_first_run_shows_the_progress_line_within_its_first_ten_lines(tmp_path: Path) -> None:
-    """The first build of the snapshots of a new file is routine (logged at DEBUG), so the
-    first progress line comes within the first ten lines a terminal shows."""
+async def test_make_run_shows_commits_fed_and_timers_fired_the_first_progress_within_ten_lines_then_exits_zero(
+    tmp_path: Path,
+) -> None:
+    """``make run`` is ``.venv/bin/wowd run --demo`` with no configuration, from a fresh directory:
+    progress lines show commits fed and timers fired within seconds; SIGTERM exits 0. The first
+    build of the snapshots of a new file is routine (logged at DEBUG), so the first progress line
+    comes within the first ten lines a terminal shows."""
     lines = await _demo_output(tmp_path)
+    counts = [tuple(map(int, m.groups())) for line in lines if (m := PROGRESS.search(line))]
+    appended, timers, fed, fired = next(c for c in reversed(counts) if c[3] > 0)
+    assert appended >= fed > 0 and timers >= fired > 0, lines
+    assert (tmp_path / "wowd.db").exists()  # the embedded default: ./wowd.db
+    assert any("received SIGTERM: stopping gracefully" in line for line in lines), lines
     first = next(i for i, line in enumerate(lines) if PROGRESS.search(line))
     assert first < 10, "\n".join(lines[: first + 1])
     assert not [line for line in lines if "snapshots" in line]
@@ -280,7 +243,7 @@ async def test_two_sigterms_within_a_second_count_once(
         WOWD_GATEWAY__KIND="http",
         WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
         WOWD_GATEWAY__TIMEOUT_S=60,
-        WOWD_SHUTDOWN__GRACE_S=2,
+        WOWD_SHUTDOWN__GRACE_S=1,
     )
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, hang)
@@ -295,7 +258,7 @@ async def test_two_sigterms_within_a_second_count_once(
         r.signal(signal.SIGTERM)
         assert time.monotonic() - first < ESCALATE_AFTER_S  # else this test says nothing
         assert await r.wait_exit(20) == 0
-        assert time.monotonic() - first >= 1.5  # the grace period (2 s) ran
+        assert time.monotonic() - first >= 0.8  # the grace period (1 s) ran
         assert await _logged(r, "again within 1 s of the first: still stopping gracefully")
         tg.cancel_scope.cancel()
 
@@ -335,8 +298,8 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
             await requests.wait()  # the delivery is in flight and will not finish by itself
 
         r.signal(signal.SIGTERM)
-        first = time.monotonic()
         await eventually(lambda: _logged(r, "stopping: draining within 60.0s"), 10, "graceful stop begun")
+        first = time.monotonic()  # the replica took the first signal before this (a loaded one late)
         assert r.proc.poll() is None  # draining: waits for the delivery in flight
         (timer,) = await stores.timers.scan(limit=10)
         assert timer.status is TimerStatus.FIRING

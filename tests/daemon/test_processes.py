@@ -40,6 +40,7 @@ from .conftest import (
     run_wowd,
     timer_commit,
 )
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -237,12 +238,12 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     assert [(s.labels["field"], s.value) for s in rejected] == [("rule.type", 1.0)]
     assert_no_secret(text)
 
-    rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+    rc, out, err = await wowd_in_process("status", "--json", env=env, cwd=tmp_path)
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["slots"][0]["holder"] == "r" and doc["partitions_without_live_holder"] == []
     assert_no_secret(out + err)
-    rc, out, err = await run_wowd("check", env=env, cwd=tmp_path)
+    rc, out, err = await wowd_in_process("check", env=env, cwd=tmp_path)
     assert rc == 0, out + err
     assert "ok   log" in out and "ok   timers" in out
     assert_no_secret(out + err)

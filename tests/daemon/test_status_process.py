@@ -12,7 +12,8 @@ import pytest
 
 from wowd.stores.base import Backend
 
-from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd
+from .conftest import CONTEXT, Replica, base_env, eventually
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -27,7 +28,7 @@ async def states(stores: Backend) -> dict[str, str]:
 async def test_status_shows_the_standby_and_forgets_it_once_it_left(
     spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend
 ) -> None:
-    env = base_env(db, WOWD_LEASE__LIMIT="1")
+    env = base_env(db, WOWD_LEASE__LIMIT="1", WOWD_LEASE__TTL_S="1", WOWD_LEASE__TOLERANCE_S="0.25")
     a = spawn("a", env)
     await a.wait_ready()
     b = spawn("b", env)
@@ -38,7 +39,7 @@ async def test_status_shows_the_standby_and_forgets_it_once_it_left(
 
     await eventually(both, 15, "a holding and b standing by in the presence records")
 
-    rc, out, err = await run_wowd("status", env=env, cwd=tmp_path)
+    rc, out, err = await wowd_in_process("status", env=env, cwd=tmp_path)
     assert rc == 0, err
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("replica "))
@@ -48,14 +49,14 @@ async def test_status_shows_the_standby_and_forgets_it_once_it_left(
     assert rows["b"][-1].endswith(f"/{b.proc.pid}") and rows["a"][-1].endswith(f"/{a.proc.pid}")
     assert "replicas holding a slot: 1 (a)" in lines and "standbys: 1 (b)" in lines
 
-    rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+    rc, out, err = await wowd_in_process("status", "--json", env=env, cwd=tmp_path)
     assert rc == 0, err
     doc = json.loads(out)
     assert doc["holders"] == ["a"] and doc["standbys"] == ["b"]
     by_key = {r["owner_key"]: r for r in doc["replicas"]}
     assert (by_key["b"]["state"], by_key["b"]["slots"], by_key["b"]["pid"]) == ("standby", [], b.proc.pid)
     assert (by_key["a"]["state"], by_key["a"]["slots"]) == ("holding", [0])
-    assert 0 <= by_key["b"]["seen_ms_ago"] < 2000  # heartbeats every ttl/3 (the ttl is 2 s)
+    assert 0 <= by_key["b"]["seen_ms_ago"] < 1000  # heartbeats every ttl/3 (the ttl is 1 s)
 
     b.signal(signal.SIGTERM)
     assert await b.wait_exit(10) == 0
@@ -70,7 +71,7 @@ async def test_status_shows_the_standby_and_forgets_it_once_it_left(
         return await states(stores) == {"a": "gone"} and not leases_live
 
     await eventually(a_gone, 10, "a's record and lease expired (killed: it could not leave)")
-    rc, out, err = await run_wowd("status", "--json", env=env, cwd=tmp_path)
+    rc, out, err = await wowd_in_process("status", "--json", env=env, cwd=tmp_path)
     assert rc == 0, err
     doc = json.loads(out)
     assert [(r["owner_key"], r["state"]) for r in doc["replicas"]] == [("a", "gone")]

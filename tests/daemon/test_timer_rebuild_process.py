@@ -20,12 +20,15 @@ from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStat
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
 
-from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
+from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
+from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
 N = 2000
 """Timers scheduled: a fifth each fired, cancelled, parked, failed and pending at the rebuild."""
+SMALL_N = 500
+"""Timers scheduled by the tests of a view rebuilt from nothing, in five kinds as for :data:`N`."""
 DAY_MS = 86_400_000
 TABLE = f"wow_timer__{CONTEXT}"
 
@@ -108,15 +111,15 @@ async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_th
 ) -> None:
     a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
     await a.wait_ready()
-    ids = await _scheduled(stores, a, park=True, pending_in_ms=6_000)
+    ids = await _scheduled(stores, a, park=True, pending_in_ms=2_500)
     fifth = N // 5
 
-    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
     counts = _summary(out)
     assert counts["commits"] == N + fifth
     assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
-    # the pending ones are due 6 s after they were scheduled: on a slow machine a few may fire first
+    # the pending ones are due 2.5 s after they were scheduled: on a slow machine a few may fire first
     assert counts["PENDING"] + counts["DONE"] == 2 * fifth and counts["DONE"] >= fifth
     assert counts["live"] == counts["PENDING"] + 2 * fifth
     assert "swapped in" in out and "rebuild: 0 of" not in out
@@ -137,7 +140,7 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
 ) -> None:
     a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
     await a.wait_ready()
-    ids = await _scheduled(stores, a, park=False, pending_in_ms=3_000)
+    ids = await _scheduled(stores, a, park=False, pending_in_ms=2_500, n=SMALL_N)
     # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
     old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
     await stores.log.append_many(old)
@@ -153,10 +156,10 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
     b = spawn("b", base_env(db, WOWD_LEASE__LIMIT=1))  # starts on an empty view
     await b.wait_ready()
 
-    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
     counts = _summary(out)
-    fifth = N // 5
+    fifth = SMALL_N // 5
     assert counts["expired"] == counts["FAILED"] == len(old)
     assert "expired, state unknown: 5 one-shot timer(s)" in out
     assert counts["DONE"] == fifth and counts["CANCELLED"] == fifth  # from the outbox and the log
@@ -207,11 +210,11 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
     assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
     assert _sql(db, "SELECT count(*) FROM wow_timer_rebuild") == [(1,)]  # its lock, left behind
 
-    code, out, err = await run_wowd("timers", "rebuild", "--dry-run", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", "--dry-run", env=base_env(db))
     assert code == 0, err
     assert _summary(out)["PENDING"] == N and "dry run: nothing changed" in out
     assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
-    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
     assert _summary(out)["PENDING"] == N
     after = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")
@@ -229,6 +232,6 @@ async def test_a_second_rebuild_is_refused_naming_the_first(db: Path, stores: Ba
     )
     now = int(time.time() * 1000)
     _sql(db, "INSERT INTO wow_timer_rebuild VALUES (?, 'elsewhere:4242:abcd', ?, ?)", CONTEXT, now, now + 60_000)
-    code, out, err = await run_wowd("timers", "rebuild", env=base_env(db))
+    code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 1
     assert "a rebuild of the timer view of context 'demo' runs: lock held by elsewhere:4242:abcd" in err
