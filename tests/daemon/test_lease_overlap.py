@@ -155,8 +155,9 @@ async def test_a_re_acquire_near_the_end_of_the_lease_never_overlaps_the_next_ho
     ((reacquire_sent, again),) = [(t, r) for t, r in store_a.answers if r.lease and r.lease.store_now]
     first_take = store_a.answers[0][1].lease
     assert again.lease == first_take  # handed back unchanged: same fence, same expiry
-    # what is left: the tolerance plus the few ms between sending the take and its write
-    assert again.lease is not None and again.lease.remaining_ms < 200 + 100
+    # what is left: the tolerance plus the time between sending the take and its write (up to
+    # 400 ms on a loaded machine), far from the 1,000 ms of a lease taken afresh
+    assert again.lease is not None and again.lease.remaining_ms < 200 + 400
     granted_sent = next(t for t, r in store_b.answers if r.lease is not None and r.lease.fence == 2)
     assert ledger.last(1) < granted_sent
     # fence 1 stopped at its first validity (sent + ttl - tolerance), not a second one
