@@ -46,7 +46,7 @@ from wowd.model import AggregateRef, AggregateType, Claim, LogBatch, SnapshotRec
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
-from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.log import CATCH_UP_AWAIT_MS, MongoLog
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
 from wowd.stores.mongo.timer_queries import (
     MAX_SCANS_TO_EXPLODE,
@@ -138,7 +138,9 @@ async def test_the_change_stream_runs_without_the_clients_timeout_but_keeps_max_
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(100, 1)}}
             agg.ok(cursor([], first=True))
             more = await rs_wire.command("getMore")
-            assert more["maxTimeMS"] == 1000  # maxAwaitTimeMS: the server's wait for new changes
+            # maxAwaitTimeMS: the server's wait for new changes, short for a read that ends when
+            # caught up (the log's max_await, a second, is for a read that follows)
+            assert more["maxTimeMS"] == CATCH_UP_AWAIT_MS == 200
             more.ok(cursor([], first=False, pbrt=token((101, 0))))
             await call.done.wait()
             # nothing read; caught up at the post-batch token's second (the watermark)
@@ -248,7 +250,9 @@ async def test_a_resumable_getmore_error_is_resumed_then_transient(
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: pos((100, 1))}, follow=True)))
             (await rs_wire.command("aggregate")).ok(cursor([], first=True, pbrt=token((100, 1))))
-            server_error(await rs_wire.command("getMore"), 133, NO_PRIMARY, labels=("ResumableChangeStreamError",))
+            more = await rs_wire.command("getMore")
+            assert more["maxTimeMS"] == 1000  # a read that follows waits the log's max_await
+            server_error(more, 133, NO_PRIMARY, labels=("ResumableChangeStreamError",))
             resumed = await rs_wire.command("aggregate")
             assert "maxTimeMS" not in resumed.doc
             server_error(resumed, 133, NO_PRIMARY)

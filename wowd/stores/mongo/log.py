@@ -32,8 +32,10 @@ time, then the resume token's ``_data``). A partition that sees nothing for ``id
 moved to the stream's post-batch resume token (a high-water mark, never another partition's
 event). The stream runs without the client's ``timeoutMS`` (``pymongo.timeout(0)``): a first
 ``aggregate`` scanning a long stretch of oplog may take longer than any call deadline; the server
-bounds each empty ``getMore`` by ``maxAwaitTimeMS``. Events over 16 MiB come split
-(``$changeStreamSplitLargeEvent``, 7.0+) and are joined again.
+bounds each empty ``getMore`` by ``maxAwaitTimeMS`` (``max_await`` for a read that follows;
+at most :data:`CATCH_UP_AWAIT_MS` for one that ends when caught up, which an empty ``getMore``
+tells at once). Events over 16 MiB come split (``$changeStreamSplitLargeEvent``, 7.0+) and are
+joined again.
 """
 
 from __future__ import annotations
@@ -129,6 +131,12 @@ from wowd.stores.mongo.log_queries import (
 log = logging.getLogger(__name__)
 
 __all__ = ["MongoLog"]
+
+CATCH_UP_AWAIT_MS = 200
+"""The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
+joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
+longer for commits it will not wait for only delays its end (and what waits on it). Its
+positions carry the rest: a read ended early loses nothing."""
 
 
 class MongoLog(MongoStore):
@@ -531,7 +539,11 @@ class MongoLog(MongoStore):
         async with self._client.start_session(causal_consistency=False) as session:
             with self._stream_errors("watch", answered=False):
                 stream = await self._db.watch(
-                    pipeline, batch_size=batch_size, max_await_time_ms=self._max_await_ms, session=session, **kwargs
+                    pipeline,
+                    batch_size=batch_size,
+                    max_await_time_ms=self._max_await_ms if follow else min(self._max_await_ms, CATCH_UP_AWAIT_MS),
+                    session=session,
+                    **kwargs,
                 )
             # a read that does not follow ends once its stream has passed the cluster time of the
             # reply that opened it (every commit acknowledged before the read is at or below it),
