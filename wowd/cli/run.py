@@ -162,7 +162,8 @@ async def _demo_in_process(backend: Backend, sup: Supervisor, settings: WowdSett
 
     async def progress() -> None:
         start = time.monotonic()
-        await anyio.sleep(0.5)  # the HTTP server has bound its port by now
+        with anyio.move_on_after(5):  # a port that cannot be bound stops the replica meanwhile
+            await sup.listening.wait()
         port = sup.http.bound_port if sup.http is not None else None
         show(_newcomer(settings, port), {"port": port or 0})
         while True:

@@ -71,6 +71,8 @@ class Supervisor:
         self._cancelled = False
         self.stores_ok = False
         self.http: HttpServer | None = None
+        self.listening = anyio.Event()
+        """Set once :attr:`http` has bound its port."""
         self._reducers: dict[str, Reducer] = {}
         self._feeders: dict[int, Feeder] = {}
         """The feed of each slot held now (its ``stalled`` state decides readiness)."""
@@ -221,6 +223,7 @@ class Supervisor:
             self._scope = scope
             async with anyio.create_task_group() as tg:
                 port = await tg.start(self.http.serve)
+                self.listening.set()
                 if not await self._prepare():
                     tg.cancel_scope.cancel()
                     return
