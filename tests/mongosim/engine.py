@@ -955,28 +955,27 @@ class Engine:
 
     def _hello(self) -> dict[str, Any]:
         now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)
+        server = {  # what a mongos and a replica set member both answer
+            "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
+            "isWritablePrimary": True,
+            "maxBsonObjectSize": MAX_BSON_OBJECT,
+            "maxMessageSizeBytes": 48_000_000,
+            "maxWriteBatchSize": MAX_WRITE_BATCH,
+            "localTime": now,
+            "logicalSessionTimeoutMinutes": 30,
+            "connectionId": 1,
+            "minWireVersion": 0,
+            "maxWireVersion": self.settings.max_wire_version,
+            "readOnly": False,
+        }
         if self.shards:  # a mongos: no replica-set fields (manual, "hello": "Sharded Instances")
-            return {
-                "isWritablePrimary": True,
-                "msg": "isdbgrid",
-                "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
-                "maxBsonObjectSize": MAX_BSON_OBJECT,
-                "maxMessageSizeBytes": 48_000_000,
-                "maxWriteBatchSize": MAX_WRITE_BATCH,
-                "localTime": now,
-                "logicalSessionTimeoutMinutes": 30,
-                "connectionId": 1,
-                "minWireVersion": 0,
-                "maxWireVersion": self.settings.max_wire_version,
-                "readOnly": False,
-            }
+            return {**server, "msg": "isdbgrid"}
         optime = {"ts": self.ct, "t": Int64(1)}
         return {
-            "topologyVersion": {"processId": self._process_id, "counter": Int64(0)},
+            **server,
             "hosts": [self.address],
             "setName": self.set_name,
             "setVersion": 1,
-            "isWritablePrimary": True,
             "secondary": False,
             "primary": self.address,
             "me": self.address,
@@ -987,15 +986,6 @@ class Engine:
                 "majorityOpTime": {"ts": self.majority_point(), "t": Int64(1)},
                 "majorityWriteDate": now,
             },
-            "maxBsonObjectSize": MAX_BSON_OBJECT,
-            "maxMessageSizeBytes": 48_000_000,
-            "maxWriteBatchSize": MAX_WRITE_BATCH,
-            "localTime": now,
-            "logicalSessionTimeoutMinutes": 30,
-            "connectionId": 1,
-            "minWireVersion": 0,
-            "maxWireVersion": self.settings.max_wire_version,
-            "readOnly": False,
         }
 
     def cmd_hello(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
