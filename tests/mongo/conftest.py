@@ -162,6 +162,7 @@ def primary(replica_set: str | None = None) -> Iterator[MockupDB]:
             "ismaster",
             {
                 "ismaster": True,
+                "isWritablePrimary": True,
                 "setName": replica_set,
                 "hosts": [addr],
                 "primary": addr,

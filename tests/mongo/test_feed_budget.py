@@ -32,8 +32,7 @@ from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
-from tests.mongo.conftest import Wire
-from tests.mongo.conftest import serving as serving_mockupdb
+from tests.mongo.conftest import Wire, primary
 from tests.mongo.log_support import housekeeping, token
 from tests.mongo.timers_support import matches
 from wowd.config import load_settings
@@ -319,22 +318,7 @@ class Deployment:
 def rs_server() -> Iterator[MockupDB]:
     """One MockupDB for the module answering ``hello`` as the primary of replica set ``rs0``
     (change streams need one); each run has its own client and consumes every command."""
-    with serving_mockupdb(MockupDB(verbose=False)) as server:  # stopped on a thread of its own
-        addr = f"localhost:{server.port}"
-        server.autoresponds(
-            "ismaster",
-            {
-                "ismaster": True,
-                "isWritablePrimary": True,
-                "setName": "rs0",
-                "hosts": [addr],
-                "primary": addr,
-                "me": addr,
-                "minWireVersion": 0,
-                "maxWireVersion": 21,
-                "logicalSessionTimeoutMinutes": 30,
-            },
-        )
+    with primary("rs0") as server:  # stopped on a thread of its own
         server.autoresponds(housekeeping)
         yield server
 
