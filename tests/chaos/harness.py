@@ -71,7 +71,7 @@ from typing import IO, Any, Literal
 import anyio
 from anyio.abc import Process
 
-from tests.chaos.stopping_rebuild import STOPPED_LINE
+from tests.chaos.stopping_rebuild import STOPPED_LINE, stopped
 from tests.chaos.target import CommandTarget
 from wowd.daemon.feed import CONSUMER
 from wowd.errors import StorageUnavailable
@@ -913,7 +913,7 @@ class Harness:
                         if kill:
                             await seen.wait()
                             if trigger == STOPPED_LINE:
-                                await _stopped(proc.pid)
+                                await stopped(proc.pid)
                             await anyio.sleep(delay)  # a point of the rebuild after the line
                             if proc.returncode is None and not any(x.startswith("summary: ") for x in lines):
                                 killed = lines[-1] if lines else "(no output)"
@@ -1337,16 +1337,3 @@ async def run_chaos(config: ChaosConfig, workdir: Path) -> ChaosReport:
     """Runs one chaos schedule in ``workdir`` (the SQLite file and the replicas' logs)."""
     await anyio.Path(workdir).mkdir(parents=True, exist_ok=True)
     return await Harness(config, workdir).run()
-
-
-async def _stopped(pid: int) -> None:
-    """Returns once process ``pid`` is stopped (``T`` in ``/proc/PID/stat``) or gone."""
-    stat = anyio.Path(f"/proc/{pid}/stat")
-    while True:
-        try:
-            state = (await stat.read_text()).rsplit(")", 1)[1].split()[0]
-        except (FileNotFoundError, ProcessLookupError):
-            return
-        if state in ("T", "t", "Z", "X"):
-            return
-        await anyio.sleep(0.01)

@@ -3,7 +3,8 @@ carries the old view over, on either backend: the chaos harness SIGKILLs it ther
 point partway (the lock taken, the shadow written, the live view untouched), however fast the
 rebuild of a short log would otherwise swap in.
 
-Run as ``python -m tests.chaos.stopping_rebuild [wowd timers rebuild arguments]``."""
+Run as ``python -m tests.chaos.stopping_rebuild [wowd timers rebuild arguments]``; :func:`stopped`
+tells when it has stopped."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import anyio
 
 from wowd.cli import main
 from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild
@@ -29,6 +32,19 @@ def _stopping(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[
         return await method(self, *args, **kwargs)
 
     return stop_first
+
+
+async def stopped(pid: int) -> None:
+    """Returns once process ``pid`` is stopped (``T`` in ``/proc/PID/stat``) or gone."""
+    stat = anyio.Path(f"/proc/{pid}/stat")
+    while True:
+        try:
+            state = (await stat.read_text()).rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        await anyio.sleep(0.01)
 
 
 def run(argv: list[str]) -> int:

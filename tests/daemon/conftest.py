@@ -193,6 +193,36 @@ async def run_wowd(*args: str, env: dict[str, str], cwd: Path | None = None) -> 
     return out.returncode, out.stdout.decode(), out.stderr.decode()
 
 
+REPO = Path(__file__).resolve().parents[2]
+"""The repository (``python -m tests...`` runs from it)."""
+
+
+async def rebuild_killed_partway(env: dict[str, str]) -> None:
+    """``wowd timers rebuild`` SIGKILLed at a known point partway: run by
+    :mod:`tests.chaos.stopping_rebuild`, which stops itself once its replay is done (the lock
+    taken, the shadow written, the live view untouched), and killed there, however fast the
+    rebuild would otherwise swap in."""
+    from tests.chaos.stopping_rebuild import STOPPED_LINE, stopped
+
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
+    proc = await anyio.open_process([sys.executable, "-m", "tests.chaos.stopping_rebuild"], env=env)
+    try:
+        assert proc.stdout is not None
+        out = b""
+        with anyio.fail_after(15):
+            while STOPPED_LINE.encode() not in out:
+                out += await proc.stdout.receive()
+            await stopped(proc.pid)
+        assert out.startswith(b"rebuild of the timer view"), out
+        proc.kill()
+        with anyio.fail_after(10):
+            await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.aclose()
+
+
 @pytest.fixture
 def db(tmp_path: Path) -> Path:
     """The embedded file the process tests' replicas share."""

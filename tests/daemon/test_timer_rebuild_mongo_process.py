@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
@@ -26,7 +24,7 @@ from wowd.stores.base import Backend
 from wowd.stores.mongo.formats import mongo_rebuild_state
 from wowd.stores.mongo.timer_rebuild import BATCH
 
-from .conftest import CONTEXT, Replica, base_env, eventually, run_wowd, timer_commit
+from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, run_wowd, timer_commit
 from .test_timer_rebuild_process import (
     _assert_parked_and_failed_kept,
     _cancel,
@@ -210,21 +208,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
 
     await eventually(fed, 20, "fed")
     before = await _docs(sim_uri)
-    proc = await anyio.open_process([sys.executable, "-m", "wowd", "timers", "rebuild"], env=env)
-    try:
-        assert proc.stdout is not None
-        first = b""
-        with anyio.fail_after(15):
-            while b"\n" not in first:
-                first += await proc.stdout.receive()
-        assert first.startswith(b"rebuild of the timer view"), first
-        proc.send_signal(signal.SIGKILL)
-        with anyio.fail_after(10):
-            await proc.wait()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.aclose()
+    await rebuild_killed_partway(env)
     assert await _docs(sim_uri) == before
     code, out, err = await run_wowd("check", env=env)
     assert "ok   timer view rebuild: an interrupted rebuild left" in out, err  # its lock (of a process gone)

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import re
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
-import anyio
 import pytest
 
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
 
-from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
+from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, timer_commit
 from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
@@ -192,21 +190,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
 
     await eventually(fed, 20, "fed")
     before = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")
-    proc = await anyio.open_process([sys.executable, "-m", "wowd", "timers", "rebuild"], env=base_env(db))
-    try:
-        assert proc.stdout is not None
-        first = b""
-        with anyio.fail_after(15):
-            while b"\n" not in first:
-                first += await proc.stdout.receive()
-        assert first.startswith(b"rebuild of the timer view"), first
-        proc.send_signal(signal.SIGKILL)  # the shadow made, the lock held, the replay started
-        with anyio.fail_after(10):
-            await proc.wait()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-        await proc.aclose()
+    await rebuild_killed_partway(base_env(db))
     assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
     assert _sql(db, "SELECT count(*) FROM wow_timer_rebuild") == [(1,)]  # its lock, left behind
 
