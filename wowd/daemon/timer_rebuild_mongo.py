@@ -195,14 +195,17 @@ class MongoTimerRebuilder:
     def _namespace(self) -> str:
         return self._settings.lease_namespace
 
+    def _hold_by(self) -> str:
+        """Who holds the slots, as ``wowd status`` names it."""
+        return f"timer view rebuild {self._engine.owner}"
+
     async def _hold(self) -> None:
         """Holds every slot and waits until no replica holds one (module docstring, step 4);
         raises :class:`SlotsNotReleased` naming the holders still there after a lease ttl, a third
         of it and the shutdown grace period (a replica of a version that knows no hold)."""
         s = self._settings
-        by = f"timer view rebuild {self._engine.owner}"
         self._held = True
-        await self._leases.hold(self._namespace(), by, timedelta(seconds=HOLD_TTL_S))
+        await self._leases.hold(self._namespace(), self._hold_by(), timedelta(seconds=HOLD_TTL_S))
         self._hold_renewed = time.monotonic()
         self._progress(f"rebuild: holding the slots of {self._namespace()}: their replicas drain and release them")
         tolerance_ms = int(s.lease.tolerance_s * 1000)
@@ -223,8 +226,7 @@ class MongoTimerRebuilder:
 
     async def _renew_hold(self) -> None:
         if self._held and time.monotonic() - self._hold_renewed >= HOLD_TTL_S / 3:
-            by = f"timer view rebuild {self._engine.owner}"
-            await self._leases.hold(self._namespace(), by, timedelta(seconds=HOLD_TTL_S))
+            await self._leases.hold(self._namespace(), self._hold_by(), timedelta(seconds=HOLD_TTL_S))
             self._hold_renewed = time.monotonic()
 
     async def _lift(self) -> None:
@@ -232,6 +234,6 @@ class MongoTimerRebuilder:
             return
         self._held = False
         try:
-            await self._leases.lift(self._namespace(), f"timer view rebuild {self._engine.owner}")
+            await self._leases.lift(self._namespace(), self._hold_by())
         except StorageError as exc:
             log.warning("the hold of the slots could not be lifted (it lapses within %.0f s): %s", HOLD_TTL_S, exc)
