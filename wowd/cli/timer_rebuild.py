@@ -50,10 +50,7 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
         except RebuildRunning as exc:
             err(f"wowd: {exc}")
             return 1
-        except LeaseLost as exc:
-            err(f"wowd: {exc}: the live view is left as it was")
-            return 1
-        except SlotsNotReleased as exc:
+        except (LeaseLost, SlotsNotReleased) as exc:
             err(f"wowd: {exc}: the live view is left as it was")
             return 1
     if report.caught_up:
