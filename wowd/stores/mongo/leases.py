@@ -462,6 +462,7 @@ def _lease(doc: Mapping[str, Any]) -> SlotLease:
     owner = doc.get("ownerKey")
     if not isinstance(owner, str):
         raise StorageError(f"mongodb {SLOT_COLLECTION}: a held slot without ownerKey: {doc!r}")
+    written_at = _ms(doc.get("writtenAt"), "writtenAt")
     return SlotLease(
         namespace=str(doc.get("ns")),
         slot=_int(doc, "slot"),
@@ -471,8 +472,8 @@ def _lease(doc: Mapping[str, Any]) -> SlotLease:
         expires_at=_ms(doc.get("expiresAt"), "expiresAt"),
         floor=_ms(doc.get("floor"), "floor"),
         ceiling=_ms(doc.get("ceiling"), "ceiling"),
-        written_at=_ms(doc.get("writtenAt"), "writtenAt"),
-        held_by=_hold_of(doc, _ms(doc.get("writtenAt"), "writtenAt")),
+        written_at=written_at,
+        held_by=_hold_of(doc, written_at),
     )
 
 
