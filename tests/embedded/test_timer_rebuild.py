@@ -259,3 +259,58 @@ async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_
                 assert "USING INTEGER PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
     finally:
         await backend.close()
+
+
+async def test_a_claim_taken_before_the_swap_is_not_settled_onto_a_newer_row_of_its_key(tmp_path: Path) -> None:
+    """The replay read a cancel the feed had not applied yet: the rebuilt row is newer than the
+    claimed one. Settled after the swap, the claim (guarded by the revision it was claimed at)
+    finds a revision past it and writes nothing: the cancelled timer stays cancelled, never
+    released to fire."""
+    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
+    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
+    from wowd.stores.embedded.timers import EmbeddedTimerStore
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many([_commit("order", "o-1", _scheduled("order", "o-1", "k"))])
+        await TimerRebuilder(settings, backend).run()  # the live view, as the feed left it
+        timers = backend.timers
+        assert isinstance(timers, EmbeddedTimerStore)
+        (claimed,) = await timers.claim_due(
+            frozenset({0}),
+            int(time.time() * 1000) + 7_200_000,
+            10,
+            owner_key="a",
+            fence=1,
+            claim_until=int(time.time() * 1000) + 60_000,
+        )
+        # a cancel appended, not applied by the feed yet; the rebuild's replay reads it
+        cancel = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+        await backend.log.append_many([_commit("order", "o-1", cancel, version=2)])
+        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
+        await engine.acquire(60)
+        await engine.begin()
+        project = project_for(settings, None)
+        last = 0
+        for _ in range(2):  # the put and the cancel in batches of their own
+            n, last, entries = await engine.read(last, 1)
+            assert n == 1
+            await engine.write(project(entries))
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        await engine.finish(
+            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
+        )
+        assert result.swapped
+        release = TimerChange.release(claimed, fence=1, due_at=int(time.time() * 1000), reason="changed")
+        assert await timers.settle([release]) == 0
+        with closing(sqlite3.connect(tmp_path / "w.db", isolation_level=None)) as conn:
+            rows = conn.execute(f"SELECT owner_id, version, status FROM wow_timer__{CTX}").fetchall()
+        assert rows == [("o-1", 2, "CANCELLED")]
+        assert await timers.claim_due(frozenset({0}), int(time.time() * 1000) + 7_200_000, 10, owner_key="a", fence=1,
+                                      claim_until=int(time.time() * 1000) + 60_000) == []  # fmt: skip
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()

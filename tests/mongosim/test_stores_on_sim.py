@@ -237,3 +237,37 @@ async def test_a_read_that_does_not_follow_ends_while_commits_keep_coming(server
         assert {f"o-{i}" for i in range(50)} <= read
     finally:
         await log.close()
+
+
+async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_newer_row_alone(
+    server: WireServer,
+) -> None:
+    """A rebuild's replay read a cancel the feed had not applied: the shadow's document is newer
+    than the claimed one, its revision moved past it in the carry-over; the claim settled after
+    the swap (a late settle of the old holder) writes nothing and the cancel stands."""
+    from wowd.model import TimerChange, TimerWrite
+    from wowd.stores.mongo.timer_rebuild import MongoTimerRebuild
+    from wowd.stores.timer_rebuild import Finished
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    store = MongoTimerStore(client, "rebuild", context="ctx", partitions=8)
+    try:
+        await store.prepare()
+        t = timer(owner("o-1"), due_at=T0)
+        await store.write([TimerWrite.put(t)])
+        (claimed,) = await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
+        engine = MongoTimerRebuild(store, database_name="rebuild")
+        await engine.begin()
+        # the replay writes the put and, in a later batch, the cancel (v2) the feed has not applied
+        await engine.shadow.write([TimerWrite.put(t)])
+        await engine.shadow.write([TimerWrite.cancel(t.owner, t.key, 2)])
+        result = Finished()
+        await engine.carry(await engine.live_names(None), result)
+        await engine.swap(None)
+        release = TimerChange.release(claimed, fence=1, due_at=T0, reason="changed")
+        assert await store.settle([release]) == 0
+        (doc,) = await client["rebuild"][store.collection_name("order")].find({}).to_list(None)
+        assert (doc["version"], doc["status"]) == (2, "CANCELLED") and doc["revision"] > claimed.revision
+        assert await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
+    finally:
+        await client.close()

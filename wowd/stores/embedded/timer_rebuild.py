@@ -15,7 +15,9 @@ in by one write transaction (``wowd timers rebuild``; the replay itself is the c
   asked to fire them); then, one partition per transaction, every row of the old view that can be
   read replaces the shadow's row of its key when its version is the same or later (tombstones,
   attempts, PARKED and FAILED and their reasons, claims, revisions, recurring timers'
-  occurrences).
+  occurrences), and a shadow row of a later version (a commit the replay read before the feed
+  applied it) takes a revision past the old row's: a claim of the old row, settled after the
+  swap under the revision it was claimed at, finds the newer row moved on and writes nothing.
 - **Finish.** One ``BEGIN IMMEDIATE`` transaction (the file's write lock: the feeds and timer
   loops of every replica wait for it): the shadow catches up to the timer view's checkpoint of
   each partition (the commits the feed applied since the replay read them), the outbox is looked
@@ -413,9 +415,17 @@ class EmbeddedTimerRebuild(SqliteStore):
             f'INSERT INTO {self.shadow} ({_COLS}) SELECT {live_cols} FROM {self.live} AS l WHERE l."partition" = ?'
             f"{unchanged} ON CONFLICT ({_KEY}) DO UPDATE SET {updates} WHERE {self.shadow}.version <= excluded.version"
         )
+        # a row the replay read past the old one (a commit the feed had not applied yet): its
+        # revision moves past the old row's, so a claim of the old row settled after the swap
+        # (guarded by the revision it was claimed at) never lands on it
+        past = (
+            f"UPDATE {self.shadow} AS s SET revision = l.revision + 1 FROM {self.live} AS l"
+            f' WHERE l."partition" = ? AND {same} AND s.version > l.version AND s.revision <= l.revision'
+        )
         conn.execute("SAVEPOINT carry")
         try:
             result.carried += int(conn.execute(sql, (p,)).rowcount)
+            conn.execute(past, (p,))
         except sqlite3.DatabaseError:
             conn.execute("ROLLBACK TO carry")
             if p not in result.unreadable:

@@ -15,7 +15,9 @@ while the slots are held (``wowd timers rebuild``; the replay itself is the call
   finish carries those again, not the whole old view.
 - **Carry-over.** Every document of the old view replaces the shadow's document of its key when
   its version is the same or later (tombstones, attempts, PARKED and FAILED and their reasons,
-  claims, revisions, recurring timers' occurrences); a key the shadow does not hold is copied.
+  claims, revisions, recurring timers' occurrences); a key the shadow does not hold is copied; a
+  shadow document of a later version takes a revision past the old one's (a late settle of a
+  claim of the old document then writes nothing).
   One-shot timers the outbox holds an entry of become DONE tombstones; one-shot timers due before
   the tombstone retention become FAILED as "expired, state unknown" (unless asked to fire them).
 - **Swap.** While the slots are held (no replica works on them: :meth:`MongoSlotLeaseStore.hold`),
@@ -35,7 +37,7 @@ from typing import Any
 
 import anyio
 import pymongo
-from pymongo import ReplaceOne
+from pymongo import ReplaceOne, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 
 from wowd import clock
@@ -63,6 +65,7 @@ __all__ = [
     "Changes",
     "MongoTimerRebuild",
     "carry_operation",
+    "revision_past",
     "lock_filter",
     "lock_update",
 ]
@@ -94,6 +97,24 @@ def carry_operation(doc: Mapping[str, Any]) -> ReplaceOne[Any]:
         "version": {"$lte": doc.get("version")},
     }
     return ReplaceOne(flt, {k: v for k, v in doc.items() if k != "_id"}, upsert=True)
+
+
+def revision_past(doc: Mapping[str, Any]) -> UpdateOne:
+    """The shadow's document of the key of the old view's ``doc``, of a later version (a commit
+    the replay read before the feed applied it), given a revision past ``doc``'s: a claim of
+    ``doc``, settled after the swap under the revision it was claimed at, then finds the newer
+    document moved on and writes nothing (a cancel the replay read stays a cancel)."""
+    owner = doc.get("owner") or {}
+    revision = int(doc.get("revision") or 0)
+    flt = {
+        "partition": doc.get("partition"),
+        "owner.tenant_id": owner.get("tenant_id"),
+        "owner.id": owner.get("id"),
+        "key": doc.get("key"),
+        "version": {"$gt": doc.get("version")},
+        "revision": {"$lte": revision},
+    }
+    return UpdateOne(flt, {"$set": {"revision": revision + 1}})
 
 
 def lock_filter(context: str, owner: str) -> dict[str, Any]:
@@ -319,9 +340,9 @@ class MongoTimerRebuild(MongoStore):
                 with self._call("carry", bounded=False):
                     if wanted is None:
                         cursor = self._db[name].find({}, batch_size=BATCH)
-                        batch: list[ReplaceOne[Any]] = []
+                        batch: list[Mapping[str, Any]] = []
                         async for doc in cursor:
-                            batch.append(carry_operation(doc))
+                            batch.append(doc)
                             if len(batch) >= BATCH:
                                 result.carried += await self._write_carried(shadow, batch)
                                 batch = []
@@ -329,18 +350,23 @@ class MongoTimerRebuild(MongoStore):
                     else:
                         for i in range(0, len(wanted), BATCH):
                             docs = await self._db[name].find({"_id": {"$in": wanted[i : i + BATCH]}}).to_list(None)
-                            result.carried += await self._write_carried(shadow, [carry_operation(d) for d in docs])
+                            result.carried += await self._write_carried(shadow, docs)
             except OperationFailure as exc:
                 # nothing is carried from it (what the log holds is rebuilt all the same)
                 log.warning("timer view rebuild: the old view's %s could not be read: %s", name, exc)
 
-    async def _write_carried(self, shadow: Any, ops: Sequence[ReplaceOne[Any]]) -> int:
-        if not ops:
+    async def _write_carried(self, shadow: Any, docs: Sequence[Mapping[str, Any]]) -> int:
+        """``docs`` of the old view into ``shadow`` (:func:`carry_operation`); a key whose shadow
+        document is of a later version keeps it, with a revision past the old document's
+        (:func:`revision_past`)."""
+        if not docs:
             return 0
         try:
-            res = await shadow.bulk_write(list(ops), ordered=False)
+            res = await shadow.bulk_write([carry_operation(d) for d in docs], ordered=False)
         except BulkWriteError as exc:
-            duplicate_keys(exc, "timer view rebuild carry-over")  # the shadow's key is of a later version: kept
+            # the shadow's key is of a later version: kept
+            newer = [docs[e["index"]] for e in duplicate_keys(exc, "timer view rebuild carry-over")]
+            await shadow.bulk_write([revision_past(d) for d in newer], ordered=False)
             details = exc.details or {}
             return int(details.get("nModified", 0)) + int(details.get("nUpserted", 0))
         return int(res.modified_count) + int(res.upserted_count)
