@@ -71,6 +71,7 @@ from typing import IO, Any, Literal
 import anyio
 from anyio.abc import Process
 
+from tests import forkserver
 from tests.chaos.stopping_rebuild import STOPPED_LINE, stopped
 from tests.chaos.target import CommandTarget
 from wowd.daemon.feed import CONSUMER
@@ -648,7 +649,7 @@ class Harness:
         gateway = {"WOWD_GATEWAY__KIND": kind}
         if kind == "http":
             gateway["WOWD_GATEWAY__URL"] = self.target.url(tag)
-        proc = await anyio.open_process(
+        proc = await forkserver.open_process(
             [sys.executable, "-m", "wowd", "run", "--port-file", str(port_file)],
             stdin=None,
             stdout=out,
@@ -890,7 +891,7 @@ class Harness:
         killed = ""
         started = anyio.current_time()
         with log_path.open("ab") as out, errors_path.open("ab") as errors:
-            proc = await anyio.open_process(command, stdin=None, stderr=errors, cwd=self.workdir, env=env)
+            proc = await forkserver.open_process(command, stdin=None, stderr=errors, cwd=self.workdir, env=env)
 
             async def read() -> None:
                 assert proc.stdout is not None

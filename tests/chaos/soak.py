@@ -23,6 +23,7 @@ from pathlib import Path
 
 import anyio
 
+from tests import forkserver
 from tests.chaos.harness import ChaosConfig, ChaosReport, run_chaos
 from wowd.stores.embedded.sqlite import LIBRARY
 
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--workdir", type=Path, help="where the SQLite file and logs go (default: a temp dir)")
     args = p.parse_args(argv)
+    forkserver.ENABLED = False  # every replica and rebuild started afresh, as systemd starts one
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the harness's readiness probes
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="wowd-soak-"))

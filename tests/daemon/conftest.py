@@ -1,4 +1,5 @@
-"""Real ``python -m wowd run`` processes on one SQLite file (tmp_path), HTTP on port 0."""
+"""Real ``python -m wowd run`` processes (forked from :mod:`tests.forkserver`) on one SQLite file
+(tmp_path), HTTP on port 0."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import anyio
 import httpx
 import pytest
 
+from tests import forkserver
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.model import AggregateRef, Commit, DomainEvent, Owner
@@ -78,7 +80,7 @@ class Replica:
         self.log_path = tmp_path / f"{name}.log"
         self.port_file.unlink(missing_ok=True)
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
+        self.proc = forkserver.popen(
             [sys.executable, "-m", "wowd", "run", "--port-file", str(self.port_file)],
             env={**env, "WOWD_LEASE__OWNER_KEY": name},
             stdout=self._log,
@@ -189,8 +191,8 @@ def timer_commit(agg_id: str, version: int, keys: list[str], due_at: int | None 
 async def run_wowd(*args: str, env: dict[str, str], cwd: Path | None = None) -> tuple[int, str, str]:
     """``python -m wowd ARGS``; answers (exit code, stdout, stderr)."""
     with anyio.fail_after(60):
-        out = await anyio.run_process([sys.executable, "-m", "wowd", *args], env=env, cwd=cwd, check=False)
-    return out.returncode, out.stdout.decode(), out.stderr.decode()
+        code, out, err = await forkserver.run_process([sys.executable, "-m", "wowd", *args], env=env, cwd=cwd)
+    return code, out.decode(), err.decode()
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,7 +207,7 @@ async def rebuild_killed_partway(env: dict[str, str]) -> None:
     from tests.chaos.stopping_rebuild import STOPPED_LINE, stopped
 
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
-    proc = await anyio.open_process([sys.executable, "-m", "tests.chaos.stopping_rebuild"], env=env)
+    proc = await forkserver.open_process([sys.executable, "-m", "tests.chaos.stopping_rebuild"], env=env)
     try:
         assert proc.stdout is not None
         out = b""
