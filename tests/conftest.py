@@ -19,6 +19,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=rank)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When any test to run starts wowd processes, the fork server they are forked from
+    (:mod:`tests.forkserver`) starts importing now, beside the first tests."""
+    if any(item.get_closest_marker("process") for item in session.items):
+        from tests import forkserver
+
+        forkserver.start()
+
+
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"

@@ -180,18 +180,27 @@ class _Server:
         theirs.close()
         self.sock = ours
         self.lock = threading.Lock()
-        if self.sock.recv(16) != b"ready":
-            raise RuntimeError("the fork server did not start")
+        self._ready = False
 
     def fork(self, module: str, args: Sequence[str], env: dict[str, str], cwd: Path, fds: Sequence[int]) -> int:
         request = json.dumps({"module": module, "args": list(args), "env": env, "cwd": str(cwd)}).encode()
         with self.lock:
+            if not self._ready:  # its imports done
+                if self.sock.recv(16) != b"ready":
+                    raise RuntimeError("the fork server did not start")
+                self._ready = True
             socket.send_fds(self.sock, [request], list(fds))
             return int(self.sock.recv(32))
 
 
 _server: _Server | None = None
 _server_lock = threading.Lock()
+
+
+def start() -> None:
+    """Starts the server now, its imports running while the caller goes on (the first fork waits
+    for them)."""
+    _get_server()
 
 
 def _get_server() -> _Server | None:

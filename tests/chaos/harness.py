@@ -141,9 +141,15 @@ class ChaosConfig:
     """How long the producer writes and faults are applied."""
     rate_per_s: float = 20.0
     aggregates: int = 24
+    due_in_ms: tuple[int, int] = (100, 2500)
+    """How far ahead of its commit a timer comes due (drawn in the range)."""
     malformed_every: int = 30
     """One malformed input per this many commits."""
     fault_gap_s: tuple[float, float] = (1.0, 2.5)
+    faults_for_s: float | None = None
+    """How long after the start faults begin (each kind at least once, whatever it says);
+    ``None``: while the producer writes. A shorter time lets the last pause end before the
+    producer stops, instead of the run waiting for it."""
     drain_s: float = 60.0
     """How long the replicas get to catch up once the producer stopped."""
     sample_every_s: float = 0.25
@@ -493,7 +499,7 @@ class Producer:
         rng, exp = self._rng, self.expected
         agg_id = f"order-{rng.randrange(self._config.aggregates)}"
         version = exp.versions.get(agg_id, 0) + 1
-        due = now + rng.randint(100, 2500)
+        due = now + rng.randint(*self._config.due_in_ms)
         key = f"t{version}"
         events = [_scheduled(agg_id, key, due)]
         pending = exp.later.pop(agg_id, None)
@@ -1290,7 +1296,8 @@ class Harness:
                 until = anyio.current_time() + cfg.duration_s
                 async with anyio.create_task_group() as work:
                     work.start_soon(producer.run, until)
-                    work.start_soon(self._faults, until)
+                    faults_until = until if cfg.faults_for_s is None else anyio.current_time() + cfg.faults_for_s
+                    work.start_soon(self._faults, faults_until)
                     if cfg.backend == "mongo-sim" and cfg.sink_outages:
                         work.start_soon(self._sink_outages, until)
                     work.start_soon(self._rebuilds, until)

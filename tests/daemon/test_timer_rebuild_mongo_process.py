@@ -126,7 +126,7 @@ async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_
     a = spawn("a", env)
     await a.wait_ready()
     assert N > BATCH  # the old view is carried over in more than one batch
-    ids = await _scheduled(mongo, a, park=True, pending_in_ms=5_000, n=N)
+    ids = await _scheduled(mongo, a, park=True, pending_in_ms=4_000, n=N)
     fifth = N // 5
 
     code, out, err = await run_wowd("timers", "rebuild", env=env)
@@ -157,7 +157,7 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
 ) -> None:
     a = spawn("a", env)
     await a.wait_ready()
-    ids = await _scheduled(mongo, a, park=False, pending_in_ms=5_000, n=N_DROPPED)
+    ids = await _scheduled(mongo, a, park=False, pending_in_ms=4_000, n=N_DROPPED)
     fifth = N_DROPPED // 5
     # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
     old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
