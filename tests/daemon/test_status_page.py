@@ -281,7 +281,10 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
     assert "has no live holder: nothing feeds or fires its partitions" in later
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
-    assert "no live timer" in gone
+    assert "no live timer" in gone and 'id="done"' not in gone
+    # back from a retry whose timer fired before the page was asked for: the action's notice stays
+    fired = await page.html("/ui/timer?owner=order/o-1&key=never&done=retried%3A+back+to+PENDING", 404)
+    assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "no live timer" in fired
 
 
 async def test_no_secret_is_ever_shown(page: Page) -> None:

@@ -403,10 +403,14 @@ class StatusPage:
     async def _timer(self, params: dict[str, list[str]]) -> _Out:
         owner, key, t = await self._load(params)
         if t is None:
-            raise _NotFound(
+            gone = (
                 f"no live timer {key!r} of {owner}: it fired (a one-shot timer goes once delivered), was "
                 "cancelled, or its schedule is not fed yet"
             )
+            done = _one(params, "done")
+            if done is not None:  # back from a retry or resume: the timer may have fired since
+                return _Out({"error": gone, "done": done}, "error.html", 404)
+            raise _NotFound(gone)
         doc = timer_doc(t)
         doc["detail"] = detail(t)
         doc["owner_ref"] = _ref_params(t.owner)
