@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 
+from bench import wowd_timers
 from bench.common import (
     BENCH_CONTEXT,
     create_timer_tables,
@@ -145,19 +146,18 @@ def demo_cli(tmp: Path, db: Path, *, commits: int, timers: int, due_in_ms: int, 
     env = daemon_env(db, limit=1, owner_key="demo")
     args = ["--commits", str(commits), "--timers", str(timers), "--due-in-ms", str(due_in_ms)]
     started = time.monotonic()
-    proc = subprocess.run(
+    proc = wowd_timers.POPEN(
         [*wowd_command(), "demo", *args, "--aggregates", str(aggregates)],
         env=env,
         cwd=str(tmp),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
+    out, err = (b.decode(errors="replace") for b in proc.communicate(timeout=900))
     elapsed = time.monotonic() - started
-    m = _DEMO_OUT.search(proc.stdout)
+    m = _DEMO_OUT.search(out)
     if proc.returncode != 0 or m is None:
-        raise RuntimeError(f"wowd demo failed (exit {proc.returncode}): {proc.stdout[-500:]} {proc.stderr[-2000:]}")
+        raise RuntimeError(f"wowd demo failed (exit {proc.returncode}): {out[-500:]} {err[-2000:]}")
     return {"commits": int(m[1]), "timers": int(m[2]), "cancelled": int(m[3]), "append_s": elapsed}
 
 

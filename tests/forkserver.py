@@ -31,6 +31,7 @@ import json
 import os
 import runpy
 import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -262,6 +263,31 @@ class Forked:
             if not readable:
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
         return self.poll()  # type: ignore[return-value]
+
+    def communicate(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """What the piped ``stdout`` and ``stderr`` carried until they closed, once the process
+        has exited (``subprocess.Popen.communicate`` with no input; ``b""`` for a stream not
+        piped)."""
+        pipes = [p for p in (self.stdout, self.stderr) if p is not None]
+        chunks: dict[int, list[bytes]] = {p.fileno(): [] for p in pipes}
+        with selectors.DefaultSelector() as selector:
+            for fd in chunks:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map():
+                ready = selector.select(timeout)
+                if not ready:
+                    raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+                for key, _events in ready:
+                    data = os.read(key.fd, 65536)
+                    if data:
+                        chunks[key.fd].append(data)
+                    else:
+                        selector.unregister(key.fd)
+        out, err = (b"".join(chunks[p.fileno()]) if p is not None else b"" for p in (self.stdout, self.stderr))
+        for p in pipes:
+            p.close()
+        self.wait(timeout)
+        return out, err
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

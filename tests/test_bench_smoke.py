@@ -19,6 +19,18 @@ from bench.failover import failover_once
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def forked_wowd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' ``wowd`` processes forked from the tests' fork server
+    (:mod:`tests.forkserver`): the smoke run asserts what the benchmarks count, not their times,
+    which include a process's start."""
+    from bench import wowd_timers
+    from tests import forkserver
+
+    monkeypatch.setattr(wowd_timers, "POPEN", forkserver.popen)
+
+
 TINY = Config(
     burst_sizes=(200,),
     burst_lead_ms=100,

@@ -70,3 +70,13 @@ async def test_a_signal_ends_a_forked_process_as_it_ends_a_started_one(tmp_path:
         if proc.returncode is None:
             proc.kill()
         await proc.aclose()
+
+
+def test_communicate_reads_both_pipes_to_their_end(tmp_path: Path) -> None:
+    proc = forkserver.popen(
+        [*PROBE, "raise"], env=_env(PROBE="7"), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 1
+    assert out.decode().splitlines()[0] == f"cwd={tmp_path.resolve()} probe=7 argv=['raise']"
+    assert b"RuntimeError: the probe raised" in err
