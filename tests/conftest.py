@@ -22,6 +22,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When any test to run starts wowd processes, the fork server they are forked from
     (:mod:`tests.forkserver`) starts importing now, beside the first tests."""
+    if session.config.option.collectonly:
+        return
     if any(item.get_closest_marker("process") for item in session.items):
         from tests import forkserver
 
