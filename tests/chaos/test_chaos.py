@@ -16,16 +16,16 @@ pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow, pytest.m
 async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tmp_path: Path) -> None:
     # faults close together and a brisk producer: every kind of fault, timer view rebuilds (one
     # SIGKILLed partway, then at least one more), about 300 commits and over 15 malformed inputs in
-    # 6.5 s of writing, timers due within 1.5 s; faults begin in the first 3.5 s (and go on until
-    # each kind has happened once), so that the last pause past the ttl ends while the producer
-    # still writes
+    # 5 s of writing, timers due within 1.5 s; faults begin in the first 3 s (and go on until each
+    # kind has happened once), so that the last pause past the ttl ends while the producer still
+    # writes
     config = ChaosConfig(
         seed=20261129,
-        duration_s=6.5,
-        faults_for_s=3.5,
+        duration_s=5.0,
+        faults_for_s=3.0,
         due_in_ms=(100, 1500),
         drain_s=60.0,
-        rate_per_s=45.0,
+        rate_per_s=60.0,
         malformed_every=15,
         fault_gap_s=(0.2, 0.6),
         rebuild_gap_s=(1.0, 2.0),
