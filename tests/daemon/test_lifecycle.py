@@ -21,6 +21,7 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
+from tests import forkserver
 from wowd.cli.run import ESCALATE_AFTER_S
 from wowd.model import Owner, TimerStatus
 from wowd.stores.base import Backend
@@ -152,14 +153,16 @@ async def test_systemd_ready_watchdog_cadence_status_and_stopping(spawn: Callabl
 PROGRESS = re.compile(r"demo: appended (\d+) commits \((\d+) timers\) \| fed (\d+) commits \| fired (\d+) timers")
 
 
-async def _demo_output(tmp_path: Path, **settings: str) -> list[str]:
+async def _demo_output(tmp_path: Path, *, forked: bool = False, **settings: str) -> list[str]:
     """``wowd run --demo`` from a fresh directory, stdout and stderr in one pipe as a terminal
     shows them, until a progress line shows timers fired; then SIGTERM, and it exits 0. Its
-    lines, in order."""
+    lines, in order. ``forked``: ``python -m wowd`` from the fork server (:mod:`tests.forkserver`),
+    else the console script ``make run`` calls, started afresh."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WOWD_") and k not in ("NOTIFY_SOCKET",)}
     env.update({"WOWD_HTTP__PORT": "0", "PYTHONUNBUFFERED": "1", **settings})
-    proc = await anyio.open_process(
-        [*_wowd_command(), "run", "--demo"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    command = [sys.executable, "-m", "wowd"] if forked else _wowd_command()
+    proc = await forkserver.open_process(
+        [*command, "run", "--demo"], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     buf = b""
     lines: list[str] = []
@@ -206,7 +209,7 @@ async def test_make_run_shows_commits_fed_and_timers_fired_the_first_progress_wi
 async def test_at_4096_partitions_no_log_line_is_over_1_kb(tmp_path: Path) -> None:
     """Every line of a slot carries the slot and its partitions in a compact form; the full list
     is logged once at acquisition, at DEBUG."""
-    lines = await _demo_output(tmp_path, WOWD_PARTITIONS="4096")
+    lines = await _demo_output(tmp_path, forked=True, WOWD_PARTITIONS="4096")
     assert max(len(line.encode()) for line in lines) <= 1024, max(lines, key=len)[:300]
     of_slot = [json.loads(line) for line in lines if line.startswith("{") and '"slot": 0' in line]
     assert {"acquired", "feeding", "released"} <= {doc["msg"].split()[0] for doc in of_slot}
