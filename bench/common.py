@@ -223,6 +223,13 @@ class WorkerError(RuntimeError):
     pass
 
 
+POPEN: Callable[..., Any] = subprocess.Popen
+"""Starts each process of the benchmarks (``wowd`` and the measurement workers), with
+``subprocess.Popen``'s arguments. The benchmarks' smoke test (``tests/test_bench_smoke.py``)
+forks them from its fork server instead: what it asserts does not depend on how a process
+starts, which the numbers here include."""
+
+
 def run_worker(
     name: str,
     params: Mapping[str, Any],
@@ -237,10 +244,16 @@ def run_worker(
     cmd = [exe, str(script), json.dumps(params)] if script else [exe, "-m", "bench.worker", name, json.dumps(params)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO), check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    proc = POPEN(cmd, env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = (b.decode(errors="replace") for b in proc.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise WorkerError(f"{name} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        raise WorkerError(f"{name} failed (exit {proc.returncode}): {err.strip()[-2000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 

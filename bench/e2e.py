@@ -36,7 +36,7 @@ from typing import Any
 
 import anyio
 
-from bench import wowd_timers
+from bench import common
 from bench.common import (
     BENCH_CONTEXT,
     create_timer_tables,
@@ -146,7 +146,7 @@ def demo_cli(tmp: Path, db: Path, *, commits: int, timers: int, due_in_ms: int, 
     env = daemon_env(db, limit=1, owner_key="demo")
     args = ["--commits", str(commits), "--timers", str(timers), "--due-in-ms", str(due_in_ms)]
     started = time.monotonic()
-    proc = wowd_timers.POPEN(
+    proc = common.POPEN(
         [*wowd_command(), "demo", *args, "--aggregates", str(aggregates)],
         env=env,
         cwd=str(tmp),

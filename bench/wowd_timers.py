@@ -25,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from typing import Any
 
 import anyio
 
+from bench import common
 from bench.common import (
     BENCH_CONTEXT,
     REPO,
@@ -124,12 +125,6 @@ def _byte_compiled() -> None:
     compileall.compile_dir(REPO / "wowd", quiet=1)
 
 
-POPEN: Callable[..., Any] = subprocess.Popen
-"""Starts each ``wowd`` process of the benchmarks, with ``subprocess.Popen``'s arguments. The
-benchmarks' smoke test (``tests/test_bench_smoke.py``) starts them from its fork server instead:
-what it asserts does not depend on how a process starts, which the numbers here include."""
-
-
 def wowd_command() -> list[str]:
     _byte_compiled()
     return [sys.executable, "-m", "wowd"]
@@ -141,7 +136,7 @@ def start_daemon(
     port_file = tmp / f"{name}.port"
     log_file = tmp / f"{name}.log"
     with log_file.open("wb") as out:
-        proc = POPEN(
+        proc = common.POPEN(
             [*wowd_command(), "run", "--port-file", str(port_file)],
             env=daemon_env(db, limit=limit, ttl_s=ttl_s, owner_key=name, extra=extra_env),
             stdout=out,

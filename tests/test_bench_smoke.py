@@ -22,13 +22,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(autouse=True)
 def forked_wowd(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The benchmarks' ``wowd`` processes forked from the tests' fork server
-    (:mod:`tests.forkserver`): the smoke run asserts what the benchmarks count, not their times,
-    which include a process's start."""
-    from bench import wowd_timers
+    """The benchmarks' processes (``wowd`` and the measurement workers) forked from the tests'
+    fork server (:mod:`tests.forkserver`): the smoke run asserts what the benchmarks count, not
+    their times, which include a process's start."""
+    from bench import common
     from tests import forkserver
 
-    monkeypatch.setattr(wowd_timers, "POPEN", forkserver.popen)
+    monkeypatch.setattr(common, "POPEN", forkserver.popen)
 
 
 TINY = Config(
