@@ -245,6 +245,8 @@ class Forked:
         self.pid = pid
         self.pidfd = os.pidfd_open(pid)
         """Readable once the process has exited (Linux 5.3)."""
+        # ChildProcessError if the kernel did not hand it to this process (nothing reaped here)
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         self.returncode: int | None = None
         self.stdout = stdout
         self.stderr = stderr
@@ -341,7 +343,6 @@ def popen(
     finally:
         for fd in mine:
             os.close(fd)
-    os.waitpid(pid, os.WNOHANG)  # ChildProcessError if the kernel did not hand it to this process
     return Forked(pid, stdout=pipes.get("stdout"), stderr=pipes.get("stderr"))
 
 
