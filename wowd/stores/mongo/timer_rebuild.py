@@ -83,19 +83,24 @@ BATCH = 200
 commands: the replicas' lease renewals and deliveries go on beside them)."""
 
 
-def carry_operation(doc: Mapping[str, Any]) -> ReplaceOne[Any]:
-    """The old view's document ``doc`` in place of the shadow's document of its key when that
-    one's version is the same or lower, or as a new document when the shadow holds none (an
-    upsert; a key whose shadow document is of a later version answers a duplicate key, which
-    keeps the shadow's). The key's fields are the unique index's; ``partition`` is the shard key."""
+def _key_of(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The filter of the key of the timer document ``doc``: the unique index's fields
+    (``partition`` is the shard key)."""
     owner = doc.get("owner") or {}
-    flt = {
+    return {
         "partition": doc.get("partition"),
         "owner.tenant_id": owner.get("tenant_id"),
         "owner.id": owner.get("id"),
         "key": doc.get("key"),
-        "version": {"$lte": doc.get("version")},
     }
+
+
+def carry_operation(doc: Mapping[str, Any]) -> ReplaceOne[Any]:
+    """The old view's document ``doc`` in place of the shadow's document of its key when that
+    one's version is the same or lower, or as a new document when the shadow holds none (an
+    upsert; a key whose shadow document is of a later version answers a duplicate key, which
+    keeps the shadow's)."""
+    flt = {**_key_of(doc), "version": {"$lte": doc.get("version")}}
     return ReplaceOne(flt, {k: v for k, v in doc.items() if k != "_id"}, upsert=True)
 
 
@@ -104,16 +109,8 @@ def revision_past(doc: Mapping[str, Any]) -> UpdateOne:
     the replay read before the feed applied it), given a revision past ``doc``'s: a claim of
     ``doc``, settled after the swap under the revision it was claimed at, then finds the newer
     document moved on and writes nothing (a cancel the replay read stays a cancel)."""
-    owner = doc.get("owner") or {}
     revision = int(doc.get("revision") or 0)
-    flt = {
-        "partition": doc.get("partition"),
-        "owner.tenant_id": owner.get("tenant_id"),
-        "owner.id": owner.get("id"),
-        "key": doc.get("key"),
-        "version": {"$gt": doc.get("version")},
-        "revision": {"$lte": revision},
-    }
+    flt = {**_key_of(doc), "version": {"$gt": doc.get("version")}, "revision": {"$lte": revision}}
     return UpdateOne(flt, {"$set": {"revision": revision + 1}})
 
 
