@@ -153,6 +153,8 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
                 stream.flush()
             except Exception:  # noqa: BLE001  # a closed pipe: nothing more to write
                 pass
+    except BaseException:  # the process could not be set up (a directory gone, a stream closed)
+        traceback.print_exc()
     finally:
         os._exit(code & 0xFF)
 

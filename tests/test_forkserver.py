@@ -80,3 +80,8 @@ def test_communicate_reads_both_pipes_to_their_end(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert out.decode().splitlines()[0] == f"cwd={tmp_path.resolve()} probe=7 argv=['raise']"
     assert b"RuntimeError: the probe raised" in err
+
+
+async def test_a_process_that_cannot_be_set_up_exits_1_saying_why(tmp_path: Path) -> None:
+    code, _out, err = await forkserver.run_process([*PROBE], env=_env(), cwd=tmp_path / "gone")
+    assert code == 1 and b"FileNotFoundError" in err
