@@ -319,20 +319,18 @@ def popen(
     server = _get_server() if target else None
     if server is None or target is None:
         return subprocess.Popen(list(command), env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)
-    pipes: dict[str, IO[bytes]] = {}
+    if stdin == subprocess.PIPE:
+        raise ValueError("a forked process's stdin is a file or DEVNULL, not a pipe")
+    pipes: dict[int, IO[bytes]] = {}
+    """The read ends of the piped output streams, by their descriptor in the process (1, 2)."""
     mine: list[int] = []
     fds: list[int] = []
-    for name, stream, default in (("stdin", stdin, 0), ("stdout", stdout, 1), ("stderr", stderr, 2)):
+    for stream, default in ((stdin, 0), (stdout, 1), (stderr, 2)):
         if stream == subprocess.PIPE:
             r, w = os.pipe()
-            if name == "stdin":
-                pipes[name] = os.fdopen(w, "wb")
-                fds.append(r)
-                mine.append(r)
-            else:
-                pipes[name] = os.fdopen(r, "rb")
-                fds.append(w)
-                mine.append(w)
+            pipes[default] = os.fdopen(r, "rb")
+            fds.append(w)
+            mine.append(w)
         elif stream == subprocess.STDOUT:
             fds.append(fds[1])
         else:
@@ -345,7 +343,7 @@ def popen(
     finally:
         for fd in mine:
             os.close(fd)
-    return Forked(pid, stdout=pipes.get("stdout"), stderr=pipes.get("stderr"))
+    return Forked(pid, stdout=pipes.get(1), stderr=pipes.get(2))
 
 
 class _PipeStream:
