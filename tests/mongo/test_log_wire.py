@@ -478,31 +478,29 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
 
         async with anyio.create_task_group() as tg:
             q = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, entries[1].error or ""))
-            counter = await rs_wire.command("findAndModify")
-            counter.ok(value={"_id": "seq", "n": 1}, lastErrorObject={"n": 1, "updatedExisting": True})
+            await answer_last_drawn(rs_wire, counter=None, last=None)
             insert = await rs_wire.command("insert")
             assert insert["insert"] == f"wow_quarantine__{CONTEXT}"
+            assert "txnNumber" not in insert and "startTransaction" not in insert  # no transaction
             doc = insert.docs[0]["documents"][0]
             assert doc["_id"] == {"consumer": "feed", "aggregate": "order", "key": bad["_id"]}
             assert (doc["consumer"], doc["partition"], doc["aggregate"], doc["raw"]) == ("feed", 3, "order", bad)
             assert doc["reason"] == entries[1].error
             assert doc["seq"] == ObjectId("ffffffff0000000000000001")
             insert.ok(n=1)
-            (await rs_wire.command("commitTransaction")).ok()
+            raised = await rs_wire.command("update")
+            assert raised["updates"] == [{"q": {"_id": "seq"}, "u": {"$max": {"n": 1}}, "multi": False, "upsert": True}]
+            raised.ok(n=1, nModified=0, upserted=[{"index": 0, "_id": "seq"}])
             await q.done.wait()
             q.result()
-            # quarantining it again is idempotent: the duplicate key is not an error, the stored
-            # item gets the new reason (a 7.0 server aborts the transaction on the write error:
-            # the driver's abortTransaction then meets NoSuchTransaction, which it ignores)
+            # quarantining it again is idempotent: the duplicate key on _id is not an error, the
+            # stored item gets the new reason
             again = start(tg, lambda: log.quarantine("feed", 3, ORDER, bad, "again"))
-            (await rs_wire.command("findAndModify")).ok(value={"_id": "seq", "n": 2})
+            await answer_last_drawn(rs_wire, counter=1, last=1)
             (await rs_wire.command("insert")).ok(n=0, writeErrors=[dup(0, {"_id": 1})])
-            server_error(
-                await rs_wire.command("abortTransaction"),
-                251,
-                "Transaction with { txnNumber: 2 } has been aborted.",
-                labels=("TransientTransactionError",),
-            )
+            found = await rs_wire.command("find")
+            assert found["filter"] == {"_id": doc["_id"]}
+            found.ok(cursor={"id": 0, "ns": f"{DB}.wow_quarantine__{CONTEXT}", "firstBatch": [{"_id": doc["_id"]}]})
             update = await rs_wire.command("update")
             assert update["update"] == f"wow_quarantine__{CONTEXT}"
             assert update["updates"] == [
@@ -513,51 +511,59 @@ async def test_malformed_document_is_an_entry_with_an_error_then_quarantined(
             again.result()
 
 
-async def test_quarantine_draws_its_seq_in_the_transaction_that_inserts_the_item(
+async def answer_last_drawn(wire: Wire, *, counter: int | None, last: int | None) -> None:
+    """Answers a quarantine's two reads of the highest number drawn: the counter document by
+    ``_id``, then the last counted item down the ``seq`` index."""
+    ns = f"{DB}.wow_quarantine__{CONTEXT}"
+    find = await wire.command("find")
+    assert (find["filter"], find["projection"]) == ({"_id": "seq"}, {"n": 1})
+    find.ok(cursor={"id": 0, "ns": ns, "firstBatch": [] if counter is None else [{"_id": "seq", "n": counter}]})
+    find = await wire.command("find")
+    assert find["filter"] == {"seq": {"$gte": ObjectId("ffffffff0000000000000000")}}
+    assert (find["sort"], find["projection"], find["limit"]) == ({"seq": -1}, {"seq": 1}, 1)
+    top = [] if last is None else [{"_id": {"consumer": "wowd"}, "seq": counted(last)}]
+    find.ok(cursor={"id": 0, "ns": ns, "firstBatch": top})
+
+
+def counted(n: int) -> ObjectId:
+    return ObjectId(b"\xff\xff\xff\xff" + n.to_bytes(8, "big"))
+
+
+async def test_quarantine_draws_the_number_after_the_highest_and_again_when_another_took_it(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
-    """Two quarantines at once: the first holds the counter document until it commits, so the
-    second's ``findAndModify`` meets a write conflict (code 112 with the
-    ``TransientTransactionError`` label, as a 7.0 server answers a write to a document another
-    open transaction wrote: manual, Transactions, "Transactions and Write Conflicts"), and its
-    transaction is run again (a fresh one: ``startTransaction``, another ``txnNumber``) after the
-    first committed. Its ``seq`` is the next number: ``seq`` order is commit order, so a listing
-    paged by ``seq`` passes no item committed after it. Each pair of commands is one
-    transaction on one session."""
+    """Two quarantines at once, no transaction: each draws the number after the highest drawn
+    (the counter document's ``n``, raised by a release, or the last item's), and the insert claims
+    it through the unique ``seq_unique`` index. The one that inserts second meets E11000 on
+    ``seq`` (``keyPattern`` as a 7.0 server answers it) and draws again past the other's item,
+    which is visible by then: ``seq`` order is commit order, so a listing paged by ``seq`` passes
+    no item committed after it. The counter is then raised to the number; that write timing out
+    (a replica of an earlier version holding the counter in an abandoned transaction) is logged,
+    not raised: the item is stored."""
     log = make_log(rs_client)
     raw = {"_id": {"t": "(0)", "a": ID_P3, "v": 9}, "aggregate_id": ID_P3, "partition": 3, "version": "x"}
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             q = start(tg, lambda: log.quarantine("feed", 3, ORDER, raw, "unreadable"))
-            first = await rs_wire.command("findAndModify")
-            assert first["findAndModify"] == f"wow_quarantine__{CONTEXT}"
-            assert first["query"] == {"_id": "seq"} and first["update"] == {"$inc": {"n": 1}}
-            assert first["upsert"] is True and first["new"] is True
-            assert first["startTransaction"] is True and first["autocommit"] is False
-            server_error(
-                first,
-                112,
-                "Caused by :: Write conflict during plan execution and yielding is disabled. :: Please retry your "
-                "operation or multi-document transaction.",
-                labels=("TransientTransactionError",),
-            )
-            server_error(
-                await rs_wire.command("abortTransaction"),
-                251,
-                f"Transaction with {{ txnNumber: {first['txnNumber']} }} has been aborted.",
-                labels=("TransientTransactionError",),
-            )
-            second = await rs_wire.command("findAndModify")
-            assert second["startTransaction"] is True and second["txnNumber"] > first["txnNumber"]
-            second.ok(value={"_id": "seq", "n": 8}, lastErrorObject={"n": 1, "updatedExisting": True})
+            await answer_last_drawn(rs_wire, counter=7, last=5)  # items 6 and 7 released
             insert = await rs_wire.command("insert")
-            assert insert["lsid"] == second["lsid"] and insert["txnNumber"] == second["txnNumber"]
-            assert insert["autocommit"] is False and "startTransaction" not in insert
-            assert insert.docs[0]["documents"][0]["seq"] == ObjectId("ffffffff0000000000000008")
+            assert insert.docs[0]["documents"][0]["seq"] == counted(8)
+            taken = {
+                "index": 0,
+                "code": 11000,
+                "errmsg": "E11000 duplicate key error collection: wowd."
+                f"wow_quarantine__{CONTEXT} index: seq_unique dup key: {{ seq: ObjectId('ffffffff0000000000000008') }}",
+                "keyPattern": {"seq": -1},
+                "keyValue": {"seq": counted(8)},
+            }
+            insert.ok(n=0, writeErrors=[taken])
+            await answer_last_drawn(rs_wire, counter=7, last=8)
+            insert = await rs_wire.command("insert")
+            assert insert.docs[0]["documents"][0]["seq"] == counted(9)
             insert.ok(n=1)
-            commit = await rs_wire.command("commitTransaction")
-            assert commit["txnNumber"] == second["txnNumber"]
-            commit.ok()
+            raised = await rs_wire.command("update")
+            assert raised["updates"] == [{"q": {"_id": "seq"}, "u": {"$max": {"n": 9}}, "multi": False, "upsert": True}]
+            server_error(raised, 50, "operation exceeded time limit")
             await q.done.wait()
     q.result()
     # the listing without a cursor reads items only (an ObjectId seq), not the counter document
@@ -621,10 +627,32 @@ async def test_quarantined_pages_by_seq_and_release_deletes_by_seq(
             await picked.done.wait()
             assert picked.result() == []
 
-            released = start(tg, lambda: log.release_quarantined([str(a), str(b), "12"]))
+            # release: the items found, the counter raised past the highest counted one (an id
+            # never names another item), then the delete of what was found
+            c = counted(12)
+            released = start(tg, lambda: log.release_quarantined([str(a), str(b), str(c), "12"]))
+            find = await rs_wire.command("find")
+            assert (find["filter"], find["projection"]) == ({"seq": {"$in": [a, b, c]}}, {"seq": 1})
+            find.ok(
+                cursor={"id": 0, "ns": ns, "firstBatch": [{"_id": {"k": 1}, "seq": b}, {"_id": {"k": 2}, "seq": c}]}
+            )
+            raised = await rs_wire.command("update")
+            assert raised["updates"] == [
+                {"q": {"_id": "seq"}, "u": {"$max": {"n": 12}}, "multi": False, "upsert": True}
+            ]
+            raised.ok(n=1, nModified=1)
             delete = await rs_wire.command("delete")
             assert delete["delete"] == f"wow_quarantine__{CONTEXT}"
-            assert delete["deletes"] == [{"q": {"seq": {"$in": [a, b]}}, "limit": 0}]
+            assert delete["deletes"] == [{"q": {"seq": {"$in": [b, c]}}, "limit": 0}]
+            delete.ok(n=2)
+            await released.done.wait()
+            assert released.result() == 2
+            # items of an earlier version (client-made ObjectIds) raise nothing
+            released = start(tg, lambda: log.release_quarantined([str(a)]))
+            find = await rs_wire.command("find")
+            find.ok(cursor={"id": 0, "ns": ns, "firstBatch": [{"_id": {"k": 0}, "seq": a}]})
+            delete = await rs_wire.command("delete")
+            assert delete["deletes"] == [{"q": {"seq": {"$in": [a]}}, "limit": 0}]
             delete.ok(n=1)
             await released.done.wait()
             assert released.result() == 1
@@ -647,8 +675,14 @@ async def test_prepare_creates_the_quarantine_seq_index(rs_client: AsyncMongoCli
             assert create["indexes"] == [
                 {"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"},
                 {"key": {"seq": 1}, "name": "seq"},
+                {
+                    "key": {"seq": -1},
+                    "name": "seq_unique",
+                    "unique": True,
+                    "partialFilterExpression": {"seq": {"$type": "objectId"}},
+                },
             ]
-            create.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)
+            create.ok(numIndexesBefore=2, numIndexesAfter=4, createdCollectionAutomatically=False)
             await call.done.wait()
             call.result()
 

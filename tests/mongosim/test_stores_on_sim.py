@@ -13,10 +13,12 @@ from pymongo import AsyncMongoClient
 
 from tests.contract.test_timers import T0, owner, timer
 from tests.mongosim import Settings, WireServer, serving
-from wowd.errors import StorageError, StorageUnavailable
+from wowd.errors import FormatError, StorageError
 from wowd.model import AggregateType
+from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.log_queries import counted_seq
 from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
@@ -83,17 +85,15 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
         await other.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=StorageUnavailable,
-    reason="known defect: the quarantine counts in one document inside a transaction; a replica killed "
-    "mid-quarantine leaves its transaction open for transactionLifetimeLimitSeconds (60 s), and every "
-    "other quarantine meets a write conflict on the counter until then (the feed stalls)",
-)
+ORDER = AggregateType(context="ctx", aggregate="order")
+
+
 async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_others(server: WireServer) -> None:
-    """A replica killed between its quarantine transaction's counter update and its commit: the
-    server keeps the transaction (and its write on the counter) until the lifetime limit. Another
-    replica's quarantine should still succeed within its operation timeout."""
+    """A replica of an earlier version (which draws ``seq`` with ``$inc`` on the counter inside a
+    transaction) killed between that update and its commit: the server keeps the transaction, and
+    its write on the counter, until the lifetime limit (60 s). A quarantine of this version holds
+    nothing across commands: it draws past the last item and inserts; only its raise of the
+    counter waits, for its operation timeout, and is logged. It succeeds within a second."""
     killed: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
     other: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
     log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(milliseconds=500))
@@ -105,13 +105,99 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
             {"_id": "seq"}, {"$inc": {"n": 1}}, upsert=True, session=session
         )
         # the process dies here: no commit, no abort, no endSessions
-        with anyio.fail_after(10):
-            await log.quarantine("wowd", 1, AggregateType(context="ctx", aggregate="order"), {"_id": "x"}, "bad")
-        assert len(await log.quarantined()) == 1
+        with anyio.fail_after(1):
+            await log.quarantine("wowd", 1, ORDER, {"_id": "x"}, "bad")
+        assert [i["raw"] for i in await log.quarantined()] == [{"_id": "x"}]
     finally:
         await log.close()
         await killed.close()
         await other.close()
+
+
+async def test_quarantines_at_once_take_distinct_numbers_in_the_order_they_become_visible(server: WireServer) -> None:
+    """A quarantine draws its number and is then held on its insert (``blockConnection``);
+    another draws the same number meanwhile and inserts first. The held one meets E11000 on
+    ``seq`` and draws again, past the other's item: the listing's order is the order in which the
+    items became visible, and a listing paged after the first item finds the second."""
+    slow_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri, appname="slow")
+    fast_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    slow = MongoLog(slow_client, "db", context="ctx", partitions=8)
+    fast = MongoLog(fast_client, "db", context="ctx", partitions=8)
+    try:
+        await fast.prepare()
+        await fast_client.admin.command(
+            {
+                "configureFailPoint": "failCommand",
+                "mode": {"times": 1},
+                "data": {"failCommands": ["insert"], "appName": "slow", "blockConnection": True, "blockTimeMS": 300},
+            }
+        )
+        engine = server.engine
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(slow.quarantine, "wowd", 1, ORDER, {"_id": "held"}, "bad")
+
+                def held() -> bool:  # the slow one drew its number and its insert is held from now
+                    with engine.changed:
+                        return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
+
+                assert await anyio.to_thread.run_sync(held)
+                await fast.quarantine("wowd", 2, ORDER, {"_id": "first"}, "bad")
+                first = await fast.quarantined()
+                assert [i["raw"]["_id"] for i in first] == ["first"]
+        items = await fast.quarantined()
+        assert [i["raw"]["_id"] for i in items] == ["first", "held"]
+        assert [i["id"] for i in items] == [str(counted_seq(1)), str(counted_seq(2))]
+        assert [i["raw"]["_id"] for i in await fast.quarantined(after=first[0]["id"])] == ["held"]
+    finally:
+        await slow.close()
+        await fast.close()
+        await slow_client.close()
+        await fast_client.close()
+
+
+async def test_a_released_id_never_names_another_item(server: WireServer) -> None:
+    """The highest item released, including one whose writer died before it raised the counter
+    (inserted here without the raise): the next quarantine draws past it, so a stale id given to
+    ``quarantine retry`` or ``release`` names nothing rather than a newer item."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    log = MongoLog(client, "db", context="ctx", partitions=8)
+    coll = client["db"][quarantine_collection("ctx")]
+    try:
+        await log.prepare()
+        for key in ("a", "b"):
+            await log.quarantine("wowd", 1, ORDER, {"_id": key}, "bad")
+        assert (await coll.find_one({"_id": "seq"}) or {}).get("n") == 2
+        await coll.insert_one({"_id": {"consumer": "wowd", "aggregate": "order", "key": "c"}, "seq": counted_seq(3)})
+        assert await log.release_quarantined([str(counted_seq(2)), str(counted_seq(3))]) == 2
+        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "bad")
+        items = await log.quarantined()
+        assert [(i["raw"]["_id"], i["id"]) for i in items] == [("a", str(counted_seq(1))), ("d", str(counted_seq(4)))]
+        # quarantined again: the stored item keeps its id and takes the new reason
+        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "again")
+        [_, d] = await log.quarantined()
+        assert (d["id"], d["reason"]) == (str(counted_seq(4)), "again")
+    finally:
+        await log.close()
+        await client.close()
+
+
+async def test_validate_refuses_a_quarantine_without_its_unique_seq_index(server: WireServer) -> None:
+    """``DDL=validate`` on a quarantine made by an earlier version (``seq`` indexed, not unique):
+    the start is refused naming the missing index, since without it two quarantines could take
+    one id; after an ``auto`` run it passes."""
+    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    coll = client["db"][quarantine_collection("ctx")]
+    try:
+        await coll.create_index([("quarantined_at", 1), ("seq", 1)], name="quarantined_at")
+        await coll.create_index([("seq", 1)], name="seq")
+        strict = MongoLog(client, "db", context="ctx", partitions=8, ddl=Ddl.VALIDATE)
+        with pytest.raises(FormatError, match="seq_unique"):
+            await strict.prepare()
+        await MongoLog(client, "db", context="ctx", partitions=8).prepare()
+        await strict.prepare()
+    finally:
+        await client.close()
 
 
 async def test_a_held_slot_is_released_by_its_holder_and_taken_by_nobody_until_lifted(server: WireServer) -> None:

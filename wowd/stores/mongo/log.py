@@ -8,11 +8,12 @@ Collections (``<ctx>`` the context):
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
 - ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
-  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, indexed) names
-  an item: its hex is the item's id. ``seq`` is drawn from the counter document of the collection
-  (``_id: "seq"``) in the transaction that inserts the item, so items become visible in ``seq``
-  order: a listing paged by ``seq`` never passes an item committed later (a client-made ObjectId
-  would: each writer's clock and counter order them, not their commits).
+  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, unique) names
+  an item: its hex is the item's id. ``seq`` is the number after the highest drawn (the last
+  item's, or the counter document's, ``_id: "seq"``), claimed by the insert through the unique
+  index, so items become visible in ``seq`` order: a listing paged by ``seq`` never passes an
+  item committed later (a client-made ObjectId would: each writer's clock and counter order
+  them, not their commits).
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
@@ -53,7 +54,7 @@ import anyio
 import pymongo
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient, InsertOne, ReturnDocument, UpdateOne
+from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
@@ -68,6 +69,7 @@ from wowd.errors import (
     InvalidInput,
     LogBehindOplog,
     StorageError,
+    StorageUnavailable,
 )
 from wowd.model import (
     AggregateRef,
@@ -95,6 +97,7 @@ from wowd.stores.mongo._common import (
 )
 from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
+    COUNTED_FILTER,
     QUARANTINE_SEQ_ID,
     RESUME_POINT_GONE,
     SCAN_INDEX,
@@ -125,6 +128,7 @@ from wowd.stores.mongo.log_queries import (
     quarantined_filter,
     scan_bounds,
     scan_filter,
+    seq_number,
     token_cluster_time,
 )
 
@@ -132,6 +136,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MongoLog"]
 
+QUARANTINE_DRAWS = 100
+"""How many ``seq`` numbers one quarantine draws before it gives up (each taken number is
+another quarantine's item stored meanwhile)."""
 CATCH_UP_AWAIT_MS = 200
 """The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
 joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
@@ -207,13 +214,22 @@ class MongoLog(MongoStore):
             with self._call("prepare", bounded=False):
                 await self._create_indexes(name, log_indexes(), logger)
         elif self._ddl is Ddl.VALIDATE:
-            with self._call("prepare"):
-                info = await self._db[name].index_information()
-            for spec in log_indexes():
-                found = info.get(spec["name"])
-                if found is None or dict(found.get("key", [])) != spec["key"]:
-                    raise FormatError(f"mongodb {name}: index {spec['name']} {spec['key']} is missing")
+            await self._validate(name, log_indexes())
         self._ensured.add(name)
+
+    async def _validate(self, name: str, indexes: Sequence[Doc]) -> None:
+        """:class:`FormatError` naming the first of ``indexes`` the collection ``name`` lacks
+        (by name, keys and uniqueness)."""
+        with self._call("prepare"):
+            info = await self._db[name].index_information()
+        for spec in indexes:
+            found = info.get(spec["name"])
+            if (
+                found is None
+                or dict(found.get("key", [])) != spec["key"]
+                or bool(found.get("unique")) != bool(spec.get("unique"))
+            ):
+                raise FormatError(f"mongodb {name}: index {spec['name']} {spec['key']} is missing")
 
     async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
         with self._call("list"):
@@ -234,6 +250,8 @@ class MongoLog(MongoStore):
         if self._ddl is Ddl.AUTO:
             with self._call("prepare", bounded=False):
                 await self._create_indexes(self._quarantine.name, quarantine_indexes(), logger)
+        else:
+            await self._validate(self._quarantine.name, quarantine_indexes())
 
     def nudge(self) -> None:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
@@ -738,32 +756,40 @@ class MongoLog(MongoStore):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
-        """One transaction: the counter's next number (``findAndModify`` ``$inc`` of the counter
-        document, upserted) and the insert of the item with its ``seq`` (:func:`counted_seq`).
-        A concurrent quarantine holds the counter until it commits: this one meets a write
-        conflict (a transient transaction error), and the transaction is run again, so ``seq``
-        order is commit order. E11000 on ``_id`` (quarantined before): the stored item's reason
-        is set instead."""
+        """No transaction and nothing held between commands: the item's ``seq`` is the one after
+        the highest drawn (:meth:`_last_drawn`), and the insert claims it through the unique
+        ``seq_unique`` index. E11000 on ``seq`` (another quarantine drew the same number and
+        inserted first): drawn again. A number is drawn only past an item already visible, so
+        items become visible in ``seq`` order and a listing paged by ``seq`` passes no item
+        committed after it; a writer that dies anywhere on the way holds nothing another waits
+        for. Then the counter document's ``n`` is raised to the number (``$max``), which keeps
+        it ahead for releases and for replicas of earlier versions, which draw from it with
+        ``$inc`` in a transaction; this last write waits at most the operation timeout and its
+        failure is logged, not raised (the item is stored). E11000 on ``_id`` (quarantined
+        before): the stored item's reason is set instead."""
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
-
-        async def insert(session: AsyncClientSession) -> None:
-            counter = await self._quarantine.find_one_and_update(
-                {"_id": QUARANTINE_SEQ_ID},
-                {"$inc": {"n": 1}},
-                upsert=True,
-                return_document=ReturnDocument.AFTER,
-                session=session,
-            )
-            assert counter is not None  # an upsert answers the document after it
-            await self._quarantine.insert_one({**doc, "seq": counted_seq(int(counter["n"]))}, session=session)
-
         with self._call("quarantine"):
-            try:
-                async with self._client.start_session() as session:
-                    await session.with_transaction(insert)
-            except DuplicateKeyError:
-                await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
-                return
+            for _ in range(QUARANTINE_DRAWS):
+                n = await self._last_drawn() + 1
+                try:
+                    await write_one(self._quarantine, InsertOne({**doc, "seq": counted_seq(n)}), "log.quarantine")
+                    break
+                except DuplicateKeyError as exc:
+                    if (exc.details or {}).get("keyPattern") == {"seq": -1}:
+                        continue
+                    if await self._quarantine.find_one({"_id": doc["_id"]}, {"_id": 1}) is None:
+                        continue  # released meanwhile: drawn again
+                    await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
+                    return
+            else:
+                raise StorageUnavailable(
+                    f"mongodb log.quarantine: {QUARANTINE_DRAWS} numbers drawn in a row were taken by other quarantines"
+                )
+        try:
+            with self._call("quarantine_counter"):
+                await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
+        except StorageError as exc:
+            logger.warning("log %s: quarantine counter not raised to %d (the item is stored): %s", self.context, n, exc)
         logger.warning(
             "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
             self.context,
@@ -772,6 +798,15 @@ class MongoLog(MongoStore):
             consumer,
             reason,
         )
+
+    async def _last_drawn(self) -> int:
+        """The highest ``seq`` number drawn so far: the counter document's ``n`` (raised past
+        every released item) or the last counted item's, whichever is higher. Two reads by
+        ``_id`` and down the ``seq_unique`` index."""
+        counter = await self._quarantine.find_one({"_id": QUARANTINE_SEQ_ID}, {"n": 1})
+        last = await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)])
+        n = counter.get("n") if counter is not None else 0
+        return max(int(n) if isinstance(n, int) else 0, seq_number(last.get("seq")) if last is not None else 0)
 
     async def quarantined(
         self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
@@ -792,12 +827,20 @@ class MongoLog(MongoStore):
         return out
 
     async def release_quarantined(self, ids: Collection[str]) -> int:
-        """One ``delete`` of the items by ``seq``."""
+        """The items found among ``ids`` (one ``find``), the counter raised to their highest
+        ``seq`` number (``$max``: a number is never drawn again, so an id never names another
+        item), then one ``delete`` of them by ``seq``."""
         wanted = _object_ids(ids)
         if not wanted:
             return 0
         with self._call("release_quarantined"):
-            result = await self._quarantine.delete_many(quarantined_filter(None, wanted))
+            found = [d["seq"] async for d in self._quarantine.find(quarantined_filter(None, wanted), {"seq": 1})]
+            if not found:
+                return 0
+            top = max(seq_number(s) for s in found)
+            if top:
+                await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": top}}, upsert=True)
+            result = await self._quarantine.delete_many(quarantined_filter(None, found))
         return int(result.deleted_count)
 
 

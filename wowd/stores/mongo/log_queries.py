@@ -82,9 +82,18 @@ def log_indexes() -> list[Doc]:
 
 
 def quarantine_indexes() -> list[Doc]:
+    """``seq`` (the listing's order) and ``seq_unique``: one item per ``seq``, the guard of
+    :meth:`~wowd.stores.mongo.log.MongoLog.quarantine`'s draw (partial to the items: the counter
+    document has no ``seq``)."""
     return [
         {"key": {"quarantined_at": 1, "seq": 1}, "name": "quarantined_at"},
         {"key": {"seq": 1}, "name": "seq"},
+        {
+            "key": {"seq": -1},
+            "name": "seq_unique",
+            "unique": True,
+            "partialFilterExpression": {"seq": {"$type": "objectId"}},
+        },
     ]
 
 
@@ -322,6 +331,18 @@ NO_SEQ = ObjectId(b"\x00" * 12)
 def counted_seq(n: int) -> ObjectId:
     """The ``seq`` of the ``n``-th quarantined item: :data:`SEQ_PREFIX` then ``n`` (8 bytes)."""
     return ObjectId(SEQ_PREFIX + n.to_bytes(8, "big"))
+
+
+def seq_number(seq: Any) -> int:
+    """The ``n`` of a counted ``seq`` (:func:`counted_seq`); 0 for anything else (an item of an
+    earlier version, whose client-made ObjectId sorts below every counted one)."""
+    if isinstance(seq, ObjectId) and seq.binary.startswith(SEQ_PREFIX):
+        return int.from_bytes(seq.binary[len(SEQ_PREFIX) :], "big")
+    return 0
+
+
+COUNTED_FILTER: Doc = {"seq": {"$gte": counted_seq(0)}}
+"""The counted items (sorted by ``seq`` descending, the first is the last drawn)."""
 
 
 def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -> Doc:
