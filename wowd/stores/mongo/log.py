@@ -118,6 +118,7 @@ from wowd.stores.mongo.log_queries import (
     committed_after_filter,
     counted_seq,
     join_fragments,
+    last_drawn,
     last_version_query,
     log_collection_prefix,
     log_indexes,
@@ -137,8 +138,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MongoLog"]
 
 QUARANTINE_DRAWS = 100
-"""How many ``seq`` numbers one quarantine draws before it gives up (each taken number is
-another quarantine's item stored meanwhile)."""
+"""How many ``seq`` numbers one quarantine draws (each taken by another's item) before it gives up."""
 CATCH_UP_AWAIT_MS = 200
 """The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
 joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
@@ -223,12 +223,8 @@ class MongoLog(MongoStore):
         with self._call("prepare"):
             info = await self._db[name].index_information()
         for spec in indexes:
-            found = info.get(spec["name"])
-            if (
-                found is None
-                or dict(found.get("key", [])) != spec["key"]
-                or bool(found.get("unique")) != bool(spec.get("unique"))
-            ):
+            found = info.get(spec["name"]) or {}
+            if (dict(found.get("key", [])), found.get("unique", False)) != (spec["key"], spec.get("unique", False)):
                 raise FormatError(f"mongodb {name}: index {spec['name']} {spec['key']} is missing")
 
     async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
@@ -756,17 +752,14 @@ class MongoLog(MongoStore):
     async def quarantine(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
-        """No transaction and nothing held between commands: the item's ``seq`` is the one after
-        the highest drawn (:meth:`_last_drawn`), and the insert claims it through the unique
-        ``seq_unique`` index. E11000 on ``seq`` (another quarantine drew the same number and
-        inserted first): drawn again. A number is drawn only past an item already visible, so
-        items become visible in ``seq`` order and a listing paged by ``seq`` passes no item
-        committed after it; a writer that dies anywhere on the way holds nothing another waits
-        for. Then the counter document's ``n`` is raised to the number (``$max``), which keeps
-        it ahead for releases and for replicas of earlier versions, which draw from it with
-        ``$inc`` in a transaction; this last write waits at most the operation timeout and its
-        failure is logged, not raised (the item is stored). E11000 on ``_id`` (quarantined
-        before): the stored item's reason is set instead."""
+        """No transaction, nothing held between commands: ``seq`` is the number after the
+        highest drawn (:meth:`_last_drawn`), claimed by the insert through the unique
+        ``seq_unique`` index; E11000 on ``seq`` (another quarantine inserted it first): drawn
+        again. A number is drawn only past an item already visible, so items become visible in
+        ``seq`` order (a listing paged by ``seq`` passes no item committed after it). Then the
+        counter's ``n`` is raised to it (``$max``) for replicas of earlier versions, which draw
+        with ``$inc`` in a transaction; a failure of that write is logged (the item is stored).
+        E11000 on ``_id`` (quarantined before): the stored item's reason is set instead."""
         doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
         with self._call("quarantine"):
             for _ in range(QUARANTINE_DRAWS):
@@ -800,13 +793,10 @@ class MongoLog(MongoStore):
         )
 
     async def _last_drawn(self) -> int:
-        """The highest ``seq`` number drawn so far: the counter document's ``n`` (raised past
-        every released item) or the last counted item's, whichever is higher. Two reads by
-        ``_id`` and down the ``seq_unique`` index."""
+        """The highest ``seq`` number drawn (:func:`last_drawn`): two reads, by ``_id`` and down
+        the ``seq`` index."""
         counter = await self._quarantine.find_one({"_id": QUARANTINE_SEQ_ID}, {"n": 1})
-        last = await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)])
-        n = counter.get("n") if counter is not None else 0
-        return max(int(n) if isinstance(n, int) else 0, seq_number(last.get("seq")) if last is not None else 0)
+        return last_drawn(counter, await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)]))
 
     async def quarantined(
         self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None

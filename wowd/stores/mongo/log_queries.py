@@ -341,6 +341,13 @@ def seq_number(seq: Any) -> int:
     return 0
 
 
+def last_drawn(counter: Mapping[str, Any] | None, last: Mapping[str, Any] | None) -> int:
+    """The highest ``seq`` number drawn: the counter document's ``n`` (a release raises it past
+    the items it deletes) or the last counted item's, whichever is higher."""
+    n = counter.get("n") if counter is not None else 0
+    return max(n if isinstance(n, int) else 0, seq_number(last.get("seq")) if last is not None else 0)
+
+
 COUNTED_FILTER: Doc = {"seq": {"$gte": counted_seq(0)}}
 """The counted items (sorted by ``seq`` descending, the first is the last drawn)."""
 
