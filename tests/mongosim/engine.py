@@ -228,6 +228,8 @@ class ChangeStream:
     full_document: str
     last_token: dict[str, Any]
     pending: list[dict[str, Any]] = field(default_factory=list)
+    gate: Callable[[Event], bool] | None = None
+    """False for an entry the pipeline's leading ``$match`` surely excludes (:func:`_stream_gate`)."""
 
 
 @dataclass
@@ -244,6 +246,58 @@ class Txn:
 
 def _ts_key(ts: Timestamp) -> tuple[int, int]:
     return (ts.time, ts.inc)
+
+
+_REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
+
+
+def _string_test(cond: Any) -> Callable[[str], bool] | None:
+    """A test of a string field by ``cond`` (a string, ``$eq``, ``$in`` of strings, ``$regex``
+    with ``$options``); None for any other condition, which the full match decides."""
+    if isinstance(cond, str):
+        return lambda v: v == cond
+    if isinstance(cond, (re.Pattern, Regex)):
+        pattern = cond.try_compile() if isinstance(cond, Regex) else cond
+        return lambda v: pattern.search(v) is not None
+    if not isinstance(cond, dict) or len(cond) not in (1, 2):
+        return None
+    if set(cond) == {"$eq"} and isinstance(cond["$eq"], str):
+        return _string_test(cond["$eq"])
+    if set(cond) == {"$in"} and isinstance(cond["$in"], list) and all(isinstance(w, str) for w in cond["$in"]):
+        wanted = frozenset(cond["$in"])
+        return lambda v: v in wanted
+    if "$regex" in cond and set(cond) <= {"$regex", "$options"} and isinstance(cond["$regex"], str):
+        options = cond.get("$options", "")
+        if not isinstance(options, str) or set(options) - set(_REGEX_FLAGS):
+            return None
+        flags = 0
+        for o in options:
+            flags |= _REGEX_FLAGS[o]
+        pattern = re.compile(cond["$regex"], flags)
+        return lambda v: pattern.search(v) is not None
+    return None
+
+
+def _stream_gate(pipeline: list[dict[str, Any]]) -> Callable[[Event], bool] | None:
+    """A cheap test of an oplog entry against the top-level ``operationType`` and ``ns.coll``
+    conditions of a change stream's leading ``$match`` (each must hold: a filter's top-level
+    conditions are ANDed, manual "Query Documents"), run before the event document is made: an
+    entry it rejects could not pass the ``$match``. The full match still decides the rest."""
+    if not pipeline or set(pipeline[0]) != {"$match"} or not isinstance(pipeline[0]["$match"], dict):
+        return None
+    flt = pipeline[0]["$match"]
+    op = _string_test(flt["operationType"]) if "operationType" in flt else None
+    coll = _string_test(flt["ns.coll"]) if "ns.coll" in flt else None
+    if op is None and coll is None:
+        return None
+
+    def gate(e: Event) -> bool:
+        if op is not None and not op(e.op):
+            return False
+        # a database's drop has no ns.coll: a string condition on it fails
+        return coll is None or (e.op != "dropDatabase" and coll(e.coll))
+
+    return gate
 
 
 def _event_key(e: Event) -> tuple[int, int, int, int]:
@@ -2019,9 +2073,13 @@ class Engine:
             raise Failure(
                 286, "Resume of change stream was not possible, as the resume point may no longer be in the oplog."
             )
+        for stage in rest:
+            if "$match" in stage:
+                check_filter(stage["$match"])
         stream = ChangeStream(
             db, coll, after, rest, split, full, token_of(after[:2] + (0, 0)) if after[2] < 128 else token_of(after)
         )
+        stream.gate = _stream_gate(rest)
         cid = next(self._cursor_ids)
         cursor = Cursor(cid, f"{db}.{coll or '$cmd.aggregate'}", stream=stream, lsid=_lsid(cmd))
         size = int(cmd["cursor"].get("batchSize", DEFAULT_BATCH))
@@ -2060,9 +2118,15 @@ class Engine:
                 continue
             if e.op in ("create", "createIndexes"):
                 continue
+            if s.gate is not None and not s.gate(e):
+                continue
             doc = self._change_doc(s, e)
             with _evaluating():
-                out = run_pipeline([doc], s.pipeline, lambda c, f: []) if s.pipeline else [doc]
+                out = (
+                    run_pipeline([doc], s.pipeline, lambda c, f: [], checked=True)
+                    if s.pipeline
+                    else [copy.deepcopy(doc)]
+                )
             for d in out:
                 fragments = _split_event(d) if s.split else [d]
                 if not s.split and _bson_size(d) > MAX_BSON_OBJECT:
@@ -2099,14 +2163,15 @@ class Engine:
         if e.op == "rename":
             doc["to"] = dict(e.doc or {})
             return doc
+        # the entry's own values, not copies: :meth:`_collect` copies what a stream returns
         if e.op in ("insert", "replace"):
-            doc["fullDocument"] = e.doc  # never changed in place: the pipeline copies what it keeps
-        doc["documentKey"] = copy.deepcopy(e.key)
+            doc["fullDocument"] = e.doc
+        doc["documentKey"] = e.key
         if e.op == "update":
-            doc["updateDescription"] = copy.deepcopy(e.update)
+            doc["updateDescription"] = e.update
             if s.full_document == "updateLookup":
                 current = [d for d in self._docs(e.db, e.coll) if d["_id"] == e.key["_id"]]
-                doc["fullDocument"] = copy.deepcopy(current[0]) if current else None
+                doc["fullDocument"] = current[0] if current else None
         return doc
 
     def _stream_more(self, cursor: Cursor, size: int, max_time_ms: Any) -> dict[str, Any]:

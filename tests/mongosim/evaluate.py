@@ -272,13 +272,17 @@ def check_stage(stage: Any) -> tuple[str, Any]:
     return name, spec
 
 
-def run_pipeline(source: Source, pipeline: Sequence[Any], lookup: Lookup) -> list[dict[str, Any]]:
+def run_pipeline(
+    source: Source, pipeline: Sequence[Any], lookup: Lookup, *, checked: bool = False
+) -> list[dict[str, Any]]:
     """``pipeline`` over the documents of ``source`` (a list, or a function answering those that
     may match a leading ``$match``), deep-copied after that ``$match``: the additions here, every
-    other stage mongomock's."""
+    other stage mongomock's. ``checked``: the leading ``$match``'s operators were checked
+    already (a change stream's, once when it was opened)."""
     if pipeline and isinstance(pipeline[0], dict) and set(pipeline[0]) == {"$match"}:
         flt = pipeline[0]["$match"]
-        check_filter(flt)
+        if not checked:
+            check_filter(flt)
         candidates = source if isinstance(source, list) else source(flt)
         docs = [d for d in prefilter(flt, candidates) if matches(flt, d)]
         pipeline = pipeline[1:]

@@ -307,6 +307,33 @@ def test_change_stream_tokens_resume_after_start_after_and_at_operation_time(cli
         assert s.resume_token is not None and s.resume_token["_data"] >= events[2]["_id"]["_data"]
 
 
+@pytest.mark.parametrize(
+    "match",
+    [
+        # forms the stream's gate decides before it makes an event (a regex with options, $in)
+        {"operationType": {"$in": ["insert", "update"]}, "ns.coll": {"$regex": "^LOG_", "$options": "i"}},
+        # and one it leaves to the full match alone ($or at the top level)
+        {"$or": [{"operationType": "insert"}, {"operationType": "update"}], "ns.coll": {"$in": ["log_a", "log_b"]}},
+    ],
+)
+def test_a_streams_match_on_operation_type_and_collection(client: Client, match: dict[str, Any]) -> None:
+    """Inserts and updates of the ``log_`` collections only: a delete, another collection's
+    writes, a drop and a database's drop are not shown, whichever way the match is written."""
+    db = client.t
+    start = db.command("ping")["operationTime"]
+    db.log_a.insert_one({"_id": 1})
+    db.other.insert_one({"_id": 2})
+    db.log_b.update_one({"_id": 3}, {"$set": {"x": 1}}, upsert=True)
+    db.log_b.update_one({"_id": 3}, {"$set": {"x": 2}})
+    db.log_a.delete_one({"_id": 1})
+    db.other.update_one({"_id": 2}, {"$set": {"x": 1}})
+    db.log_a.drop()
+    db.log_b.insert_one({"_id": 4})
+    with db.watch([{"$match": match}], start_at_operation_time=start, max_await_time_ms=50) as s:
+        seen = [(e["operationType"], e["ns"]["coll"], e["documentKey"]["_id"]) for e in iter(s.try_next, None)]
+    assert seen == [("insert", "log_a", 1), ("insert", "log_b", 3), ("update", "log_b", 3), ("insert", "log_b", 4)]
+
+
 def test_an_empty_get_more_waits_max_await_time_ms(client: Client) -> None:
     with client.t.watch(max_await_time_ms=150) as s:
         started = time.monotonic()
