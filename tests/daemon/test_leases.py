@@ -30,10 +30,13 @@ class ScriptedLeases:
         self.full = False
         """Acquires and renewals raise :class:`StorageFull` (counted in ``refused``) while set."""
         self.refused = 0
+        self.acquire_hangs = False
+        """Acquires wait forever (a store that does not answer) while set."""
         self.acquires = 0
         self.renews = 0
         self.released: list[tuple[SlotLease, int]] = []
         self._changed = anyio.Event()
+        self.hung = anyio.Event()
 
     async def wait_acquires(self, n: int) -> None:
         while self.acquires < n:
@@ -50,6 +53,9 @@ class ScriptedLeases:
         preferred_slot: int | None = None,
     ) -> AcquireResult:
         self._refuse_if_full()
+        if self.acquire_hangs:
+            self.hung.set()
+            await anyio.sleep_forever()
         if self.exhausted:
             return AcquireResult(status="exhausted")
         self.acquires += 1
@@ -370,6 +376,26 @@ async def test_a_keeper_stopped_before_it_runs_starts_as_a_standby_and_ends() ->
     with anyio.fail_after(3):
         async with anyio.create_task_group() as tg:
             assert await tg.start(keeper.run) is None
+    assert not store.released
+
+
+async def test_a_stop_ends_a_standby_whose_acquire_hangs() -> None:
+    """A SIGTERM while a standby's acquire waits on a store that does not answer: the acquire is
+    given up at once (a standby has nothing to drain), so the replica exits within its grace
+    rather than after the store call's timeout."""
+    store = ScriptedLeases()
+    store.exhausted = True
+
+    async def work(held: HeldSlot) -> None:
+        raise AssertionError("no slot is taken")
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            assert await tg.start(keeper.run) is None
+            store.acquire_hangs = True
+            await store.hung.wait()
+            keeper.stop(5.0)
     assert not store.released
 
 

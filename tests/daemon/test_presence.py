@@ -199,3 +199,17 @@ async def test_a_standby_replica_is_recorded_then_holds_then_leaves_on_a_gracefu
     assert await records(backend) == {}  # left: deleted after its lease was released
     (slot,) = await backend.leases.slots("wowd.demo")
     assert slot.owner_key is None and slot.last_owner_key == "replica-b"
+
+
+async def test_a_stop_ends_a_heartbeat_that_hangs_and_deletes_the_record() -> None:
+    """A SIGTERM while the store does not answer a heartbeat: the heartbeat in flight is given up
+    at once (not after the ttl) and the record's deletion is still sent."""
+    store = ScriptedPresence()
+    store.hang = True
+    presence = Presence(settings(ttl=30, tolerance=1), store, list, owner_key="me")  # type: ignore[arg-type]
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            await tg.start(presence.run)
+            await store.wait(1)
+            presence.stop()
+    assert [owner for _at, _ns, owner in store.left] == ["me"]

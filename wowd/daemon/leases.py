@@ -233,6 +233,8 @@ class SlotKeeper:
         self._stop = anyio.Event()
         self._grace_scope: anyio.CancelScope | None = None
         self._grace_deadline = math.inf
+        self._acquiring: anyio.CancelScope | None = None
+        """The acquire in flight, which a stop cancels: a standby has nothing to drain."""
         self.held: HeldSlot | None = None
         self._cooldown_s = 0.0
         """After a stalled slot was given up: how long to stand by before acquiring again."""
@@ -253,6 +255,8 @@ class SlotKeeper:
     def stop(self, grace_s: float) -> None:
         """Stops acquiring; the held slot's work is asked to stop and cancelled after ``grace_s``."""
         self._stop.set()
+        if self._acquiring is not None:
+            self._acquiring.cancel()
         self._grace_deadline = min(self._grace_deadline, anyio.current_time() + grace_s)
         if self.held is not None:
             self.held.request_stop()
@@ -324,7 +328,16 @@ class SlotKeeper:
         started = False
         standing_by = Pauses(self._standby_backoff, self._stop)
         while not self._stop.is_set():
-            sent, lease = await self._acquire()
+            sent, lease = anyio.current_time(), None
+            with anyio.CancelScope() as self._acquiring:
+                sent, lease = await self._acquire()
+            self._acquiring = None
+            if self._stop.is_set():
+                if lease is None:
+                    # stopped while a store that does not answer kept the acquire waiting: a
+                    # lease it may have granted meanwhile goes unused and expires with its ttl
+                    break
+                # granted just as the stop came: held and released at once (the work sees the stop)
             if lease is None:
                 if not self.standby:
                     self.standby = True
@@ -535,6 +548,7 @@ class Presence:
         self._instance = uuid.uuid4().hex
         self._poke = anyio.Event()
         self._stop = anyio.Event()
+        self._beating: anyio.CancelScope | None = None
         self._warned_at = -math.inf
         self._failures = 0
 
@@ -553,8 +567,11 @@ class Presence:
         self._poke.set()
 
     def stop(self) -> None:
+        """Ends the heartbeats; one in flight is cancelled (the record is deleted next)."""
         self._stop.set()
         self._poke.set()
+        if self._beating is not None:
+            self._beating.cancel()
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Heartbeats until stopped: at once, then every ``ttl/3`` or sooner after a change;
@@ -563,7 +580,9 @@ class Presence:
         try:
             while not self._stop.is_set():
                 self._poke = anyio.Event()
-                await self._beat()
+                with anyio.CancelScope() as self._beating:
+                    await self._beat()
+                self._beating = None
                 with anyio.move_on_after(self._every_s):
                     await self._poke.wait()
         finally:
