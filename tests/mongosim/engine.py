@@ -228,6 +228,8 @@ class ChangeStream:
     full_document: str
     last_token: dict[str, Any]
     pending: list[dict[str, Any]] = field(default_factory=list)
+    behind: bool = False
+    """The last scan stopped short of the oplog's end (:meth:`Engine._collect`)."""
     gate: Callable[[Event], bool] | None = None
     """False for an entry the pipeline's leading ``$match`` surely excludes (:func:`_stream_gate`)."""
 
@@ -247,6 +249,9 @@ class Txn:
 def _ts_key(ts: Timestamp) -> tuple[int, int]:
     return (ts.time, ts.inc)
 
+
+SCAN_STEP = 500
+"""How many oplog entries one change-stream scan reads before it lets the other commands run."""
 
 _REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
 
@@ -2097,7 +2102,12 @@ class Engine:
     def _collect(self, s: ChangeStream, size: int) -> list[dict[str, Any]]:
         """Up to ``size`` events after the stream's position within the majority commit point
         (a change stream shows majority-committed writes only); the post-batch resume token is
-        the last event's, or a high-water mark at the last entry scanned when that is later."""
+        the last event's, or a high-water mark at the last entry scanned when that is later.
+        One call scans at most :data:`SCAN_STEP` entries (then up to the end of their cluster
+        time) and sets ``s.behind`` when it stopped short: the lock is not held over a long
+        stretch of oplog (a server yields during such a scan; its ``getMore`` answers what it
+        found by ``maxAwaitTimeMS``, with the resume token of where it got to)."""
+        s.behind = False
         batch: list[dict[str, Any]] = []
         while s.pending and len(batch) < size:
             batch.append(s.pending.pop(0))
@@ -2111,6 +2121,9 @@ class Engine:
             e = self.oplog[i]
             k = _event_key(e)
             if _ts_key(e.ts) > limit or len(batch) >= size:
+                break
+            if i - start >= SCAN_STEP and scanned is not None and _ts_key(e.ts) != scanned:
+                s.behind = True
                 break
             s.after = k
             scanned = _ts_key(e.ts)
@@ -2142,7 +2155,13 @@ class Engine:
         if scanned is not None and (not batch or scanned > key_of_token(s.last_token)[:2]) and not s.pending:
             if len(batch) < size:
                 s.last_token = token_of(scanned + (0, 0))
-        if self.shards and not s.pending and len(batch) < size and limit > key_of_token(s.last_token)[:2]:
+        if (
+            self.shards
+            and not s.pending
+            and not s.behind
+            and len(batch) < size
+            and limit > key_of_token(s.last_token)[:2]
+        ):
             # a mongos's post-batch resume token: the minimum of the shards' (the merge point)
             s.last_token = token_of(limit + (0, 0))
         return batch
@@ -2190,7 +2209,8 @@ class Engine:
                 left = deadline - time.monotonic()
                 if batch or left <= 0 or self._stop.is_set():
                     break
-                self.changed.wait(left)
+                # more oplog to scan: let the other commands run a moment, then go on
+                self.changed.wait(0.001 if s.behind else left)
             return {
                 "cursor": {
                     "nextBatch": batch,
