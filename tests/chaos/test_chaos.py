@@ -43,7 +43,7 @@ async def test_replicas_under_kills_pauses_restarts_and_rebuilds_lose_nothing(tm
     assert report.commits_fed == report.commits_expected > 100
     assert report.malformed_injected >= 8 and report.quarantined == report.malformed_injected
     # the checkpoints were sampled all along (every 0.25 s, later when a sample waits on a busy
-    # file: 27-33 samples here, 19 once on a loaded machine)
+    # file: 27-33 samples on an idle machine, under 20 on a loaded one)
     assert report.checkpoint_samples > 10
     # the HTTP target and the outbox both took deliveries; some targets were slower than a claim
     assert report.http_deliveries > 50 and report.deliveries > report.http_deliveries
