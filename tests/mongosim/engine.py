@@ -253,54 +253,27 @@ def _ts_key(ts: Timestamp) -> tuple[int, int]:
 SCAN_STEP = 500
 """How many oplog entries one change-stream scan reads before it lets the other commands run."""
 
-_REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL, "x": re.VERBOSE}
-
-
-def _string_test(cond: Any) -> Callable[[str], bool] | None:
-    """A test of a string field by ``cond`` (a string, ``$eq``, ``$in`` of strings, ``$regex``
-    with ``$options``); None for any other condition, which the full match decides."""
-    if isinstance(cond, str):
-        return lambda v: v == cond
-    if isinstance(cond, (re.Pattern, Regex)):
-        pattern = cond.try_compile() if isinstance(cond, Regex) else cond
-        return lambda v: pattern.search(v) is not None
-    if not isinstance(cond, dict) or len(cond) not in (1, 2):
-        return None
-    if set(cond) == {"$eq"} and isinstance(cond["$eq"], str):
-        return _string_test(cond["$eq"])
-    if set(cond) == {"$in"} and isinstance(cond["$in"], list) and all(isinstance(w, str) for w in cond["$in"]):
-        wanted = frozenset(cond["$in"])
-        return lambda v: v in wanted
-    if "$regex" in cond and set(cond) <= {"$regex", "$options"} and isinstance(cond["$regex"], str):
-        options = cond.get("$options", "")
-        if not isinstance(options, str) or set(options) - set(_REGEX_FLAGS):
-            return None
-        flags = 0
-        for o in options:
-            flags |= _REGEX_FLAGS[o]
-        pattern = re.compile(cond["$regex"], flags)
-        return lambda v: pattern.search(v) is not None
-    return None
+_GATE_FIELDS = ("operationType", "ns.coll")
+"""What an oplog entry tells before its event document is made (:func:`_stream_gate`)."""
 
 
 def _stream_gate(pipeline: list[dict[str, Any]]) -> Callable[[Event], bool] | None:
     """A cheap test of an oplog entry against the top-level ``operationType`` and ``ns.coll``
     conditions of a change stream's leading ``$match`` (each must hold: a filter's top-level
-    conditions are ANDed, manual "Query Documents"), run before the event document is made: an
-    entry it rejects could not pass the ``$match``. The full match still decides the rest."""
+    conditions are ANDed, manual "Query Documents"), run by mongomock's match on those two
+    fields before the event document is made: an entry it rejects could not pass the
+    ``$match``. The full match still decides the rest."""
     if not pipeline or set(pipeline[0]) != {"$match"} or not isinstance(pipeline[0]["$match"], dict):
         return None
-    flt = pipeline[0]["$match"]
-    op = _string_test(flt["operationType"]) if "operationType" in flt else None
-    coll = _string_test(flt["ns.coll"]) if "ns.coll" in flt else None
-    if op is None and coll is None:
+    flt = {k: v for k, v in pipeline[0]["$match"].items() if k in _GATE_FIELDS}
+    if not flt:
         return None
 
     def gate(e: Event) -> bool:
-        if op is not None and not op(e.op):
-            return False
-        # a database's drop has no ns.coll: a string condition on it fails
-        return coll is None or (e.op != "dropDatabase" and coll(e.coll))
+        # a database's drop has no ns.coll, as its event has none
+        ns = {"db": e.db} if e.op == "dropDatabase" else {"db": e.db, "coll": e.coll}
+        with _evaluating():
+            return matches(flt, {"operationType": e.op, "ns": ns})
 
     return gate
 
