@@ -332,12 +332,11 @@ class SlotKeeper:
             with anyio.CancelScope() as self._acquiring:
                 sent, lease = await self._acquire()
             self._acquiring = None
-            if self._stop.is_set():
-                if lease is None:
-                    # stopped while a store that does not answer kept the acquire waiting: a
-                    # lease it may have granted meanwhile goes unused and expires with its ttl
-                    break
-                # granted just as the stop came: held and released at once (the work sees the stop)
+            if lease is None and self._stop.is_set():
+                # stopped while a store that does not answer kept the acquire waiting: a lease it
+                # may have granted meanwhile goes unused and expires with its ttl (one granted just
+                # as the stop came is held, and released at once: the work sees the stop)
+                break
             if lease is None:
                 if not self.standby:
                     self.standby = True

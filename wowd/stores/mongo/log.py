@@ -218,8 +218,7 @@ class MongoLog(MongoStore):
         self._ensured.add(name)
 
     async def _validate(self, name: str, indexes: Sequence[Doc]) -> None:
-        """:class:`FormatError` naming the first of ``indexes`` the collection ``name`` lacks
-        (by name, keys and uniqueness)."""
+        """:class:`FormatError` naming the first of ``indexes`` (name, keys, unique) ``name`` lacks."""
         with self._call("prepare"):
             info = await self._db[name].index_information()
         for spec in indexes:
@@ -780,7 +779,7 @@ class MongoLog(MongoStore):
                 )
         try:
             with self._call("quarantine_counter"):
-                await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
+                await self._raise_counter(n)
         except StorageError as exc:
             logger.warning("log %s: quarantine counter not raised to %d (the item is stored): %s", self.context, n, exc)
         logger.warning(
@@ -793,10 +792,13 @@ class MongoLog(MongoStore):
         )
 
     async def _last_drawn(self) -> int:
-        """The highest ``seq`` number drawn (:func:`last_drawn`): two reads, by ``_id`` and down
-        the ``seq`` index."""
+        """The highest ``seq`` number drawn (:func:`last_drawn`): reads by ``_id``, down ``seq``."""
         counter = await self._quarantine.find_one({"_id": QUARANTINE_SEQ_ID}, {"n": 1})
         return last_drawn(counter, await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)]))
+
+    async def _raise_counter(self, n: int) -> None:
+        """The counter document's ``n`` raised to ``n`` at least (``$max``, upserted)."""
+        await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
 
     async def quarantined(
         self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
@@ -829,7 +831,7 @@ class MongoLog(MongoStore):
                 return 0
             top = max(seq_number(s) for s in found)
             if top:
-                await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": top}}, upsert=True)
+                await self._raise_counter(top)
             result = await self._quarantine.delete_many(quarantined_filter(None, found))
         return int(result.deleted_count)
 
