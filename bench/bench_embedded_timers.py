@@ -6,7 +6,7 @@
 Store level (default): puts N timers due now into a fresh file, then runs, batch after batch until
 none is due, what the timer loop runs on the embedded stores: the claim (``claim_due``: the due
 read and the claim in one transaction; with a store without it, ``due`` then a claim ``settle``),
-the ``OutboxGateway`` delivery into the outbox (one ``put_many``), and the fired ``settle`` (once
+the ``OutboxGateway`` delivery into the outbox (one ``send_batch``: one ``put_many``), and the fired ``settle`` (once
 rules: deleted). Prints timers/s, CPU seconds and the time of each step.
 
 Daemon level (``--daemon``): starts ``python -m wowd run`` on a fresh file (outbox gateway,
@@ -81,7 +81,7 @@ async def put_timers(store: EmbeddedTimerStore, db: SqliteDatabase, timers: list
 
 async def main(n: int, batch: int, partitions: int) -> None:
     """The store-level run (see the module's docstring)."""
-    from wowd.delivery import Delivered, OutboxGateway, Outcome
+    from wowd.delivery import Delivered, OutboxGateway
 
     with tempfile.TemporaryDirectory() as tmp:
         db = SqliteDatabase(Path(tmp) / "bench.db")
@@ -98,11 +98,6 @@ async def main(n: int, batch: int, partitions: int) -> None:
 
         parts = frozenset(range(partitions))
         claim_due = getattr(store, "claim_due", None)
-        results: list[tuple[Timer, Outcome]] = []
-
-        def record(timer: Timer, outcome: Outcome) -> None:
-            results.append((timer, outcome))
-
         fired = 0
         t_claim = t_out = t_fired = 0.0
         cpu0 = time.process_time()
@@ -120,10 +115,9 @@ async def main(n: int, batch: int, partitions: int) -> None:
             t1 = time.perf_counter()
             if not claimed:
                 break
-            results.clear()
-            await gateway.deliver(claimed, record)
+            outcome = await gateway.send_batch(claimed)
             t2 = time.perf_counter()
-            done = [TimerChange.fired(t, fence=1, next_due=None) for t, o in results if isinstance(o, Delivered)]
+            done = [TimerChange.fired(t, fence=1, next_due=None) for t in claimed if isinstance(outcome, Delivered)]
             assert await store.settle(done) == len(claimed)
             t3 = time.perf_counter()
             fired += len(claimed)

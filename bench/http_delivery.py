@@ -6,7 +6,7 @@ a bare loop of the same client (aiohttp) at the same concurrency.
   ``200 {}`` and is recorded with its arrival time (ms) and body; ``GET /count``, ``GET /dump``
   (the records as JSON) and ``GET /reset`` serve the measurement.
 - Burst: ``n`` timers put straight into the timer table, due at one instant, one ``wowd run``
-  process with ``WOWD_GATEWAY__KIND=http`` and ``WOWD_TIMERS__CONCURRENCY`` (and the per-target
+  process with ``WOWD_GATEWAY__KIND=http`` and ``WOWD_GATEWAY__CONCURRENCY`` (and the per-target
   limit) at the concurrency measured. Lag = arrival at the target - due time; fired/s = n /
   (last arrival - due time).
 - Bare loop: ``concurrency`` tasks on one ``aiohttp.ClientSession`` (connector limit =
@@ -297,7 +297,7 @@ def _http_env(target: Target, concurrency: int, per_target: int | None) -> dict[
     return {
         "WOWD_GATEWAY__KIND": "http",
         "WOWD_GATEWAY__URL": target.url,
-        "WOWD_TIMERS__CONCURRENCY": str(concurrency),
+        "WOWD_GATEWAY__CONCURRENCY": str(concurrency),
         "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": str(per_target if per_target is not None else concurrency),
     }
 

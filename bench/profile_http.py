@@ -2,9 +2,9 @@
 timer loop firing over the ``http`` gateway, in-process, under cProfile.
 
 The target is :mod:`bench.http_delivery`'s server in its own process. ``n`` timers due at once are
-put into a fresh embedded timer store; one :class:`~wowd.daemon.timers.TimerLoop` holding every
-partition (the embedded timer store, an :class:`~wowd.delivery.HttpGateway` of
-``concurrency`` requests in flight, per target too) claims, delivers and settles them until the
+put into a fresh embedded timer store; one timer loop holding every partition (the embedded
+timer store, an :class:`~wowd.delivery.HttpGateway` under limits of ``concurrency`` requests in
+flight, per target too) claims, delivers and settles them until the
 target has seen all of them. No feed and no lease renewals run: what is measured is the firing path
 per command (claim, deliver, settle). ``--bare`` times (and profiles) the bare aiohttp loop of
 :mod:`bench.http_delivery` in this process instead (same requests, same concurrency).
@@ -61,8 +61,9 @@ STEPS = (
 
 async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
+    from wowd.daemon.firing import Firing
     from wowd.daemon.leases import HeldSlot
-    from wowd.daemon.timers import TimerLoop
+    from wowd.daemon.stream import target_limits
     from wowd.daemon.waker import Waker
     from wowd.delivery import Delivered, HttpGateway, Outcome
     from wowd.model import SlotLease
@@ -84,10 +85,15 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
                     all_delivered.set()
             return outcome
 
-    gateway = Counting(
-        GatewaySettings(kind="http", url=target.url, per_target_concurrency=concurrency), concurrency=concurrency
+    gateway = Counting(GatewaySettings(kind="http", url=target.url), pool_size=concurrency)
+    firing = Firing(
+        settings=TimerSettings(),
+        timers=store,
+        gateway=gateway,
+        limits=target_limits(concurrency, lambda _target: concurrency),
+        nudge=lambda: None,
+        gate=None,
     )
-    settings = TimerSettings(concurrency=concurrency)
     lease = SlotLease(
         namespace="bench",
         slot=0,
@@ -120,7 +126,7 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
                 profiler.enable()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch)
-                await TimerLoop(settings, store, gateway).run(held, waker)
+                await firing.loop().run(held, waker)
             if profiler is not None:
                 profiler.disable()
             elapsed = time.perf_counter() - started

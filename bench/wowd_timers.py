@@ -9,7 +9,7 @@
   replica feeds them (sink, timers, checkpoints) and fires them.
 - Store path (in-process, no daemon): the loop the daemon's timer loop runs, on the real stores
   and the real ``OutboxGateway``: ``claim_due`` (or ``due`` + a claim ``settle`` on a store
-  without it) -> ``deliver`` -> fired ``settle``, with no lease, feed or idle wait; ``fused``:
+  without it) -> ``send_batch`` -> fired ``settle``, with no lease, feed or idle wait; ``fused``:
   the gateway's fast path (``fire_due``, one store call per batch) instead.
 """
 
@@ -328,10 +328,10 @@ def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: f
 
 
 async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]:
-    from wowd.daemon.timers import next_occurrence
-    from wowd.delivery import Delivered, OutboxGateway, Outcome
+    from wowd.daemon.timer_plan import next_occurrence
+    from wowd.delivery import Delivered, OutboxGateway
     from wowd.model import Timer, TimerChange
-    from wowd.stores.base import FireRequest
+    from wowd.stores.base import OutboxRound
     from wowd.stores.embedded.db import SqliteDatabase
     from wowd.stores.embedded.outbox import EmbeddedOutbox
     from wowd.stores.embedded.timers import EmbeddedTimerStore
@@ -344,7 +344,7 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
         outbox = EmbeddedOutbox(db)
         await store.prepare()
         await outbox.prepare()
-        gateway = OutboxGateway(outbox, firing=store if fused else None)
+        gateway = OutboxGateway(outbox)
         due = now_ms() + 300 + n // 40
         insert_timer_rows(db_path, timer_rows(n, due_at=due, partitions=PARTITIONS))
         await anyio.sleep(max(0.0, (due - now_ms()) / 1000))
@@ -353,21 +353,17 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
         cpu0 = cpu_seconds()
         start = time.perf_counter()
         fired = 0
-        results: list[tuple[Timer, Outcome]] = []
-
-        def record(timer: Timer, outcome: Outcome) -> None:
-            results.append((timer, outcome))
-
-        while fused:  # the outbox gateway's fast path: fire and settle in one store call
+        while fused:  # the outbox shortcut: fire and settle in one store call
             now = now_ms()
-            request = FireRequest(
-                partitions=frozenset(parts), until=now, limit=batch, at=now, owner_key="bench", fence=1,
-                next_due=next_occurrence,
+            done = await store.fire_into_outbox(
+                OutboxRound(
+                    partitions=frozenset(parts), at=now, read_to=now, limit=batch, owner_key="bench", fence=1,
+                    next_due=next_occurrence,
+                )
             )  # fmt: skip
-            changes = await gateway.fire_due(request)
-            if not changes:
+            if not done.fired:
                 break
-            fired += len(changes)
+            fired += len(done.fired)
         while not fused:
             now = now_ms()
             claimed: list[Timer]
@@ -380,11 +376,10 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
                 claimed = [c for ch in claims if (c := ch.applied()) is not None]
             if not claimed:
                 break
-            results.clear()
-            await gateway.deliver(claimed, record)
-            done = [TimerChange.fired(x, fence=1, next_due=None) for x, o in results if isinstance(o, Delivered)]
-            await store.settle(done)
-            fired += len(done)
+            outcome = await gateway.send_batch(claimed)
+            settled = [TimerChange.fired(x, fence=1, next_due=None) for x in claimed if isinstance(outcome, Delivered)]
+            await store.settle(settled)
+            fired += len(settled)
         elapsed = time.perf_counter() - start
         cpu = cpu_seconds() - cpu0
         await store.close()
@@ -403,5 +398,5 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
 
 def run_store_path(params: dict[str, Any]) -> dict[str, Any]:
     """Worker: the daemon's firing path in-process on the real stores (no leases, no idle wait);
-    ``fused``: the outbox gateway's fast path (``fire_due``) instead of claim, deliver, settle."""
+    ``fused``: the outbox shortcut (``fire_into_outbox``) instead of claim, deliver, settle."""
     return anyio.run(_store_path, int(params["n"]), int(params.get("batch", 1000)), bool(params.get("fused", False)))

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import anyio
 
+from wowd.config import TimerSettings, WowdSettings
+from wowd.daemon.firing import Firing, LogGate
 from wowd.daemon.leases import HeldSlot
+from wowd.daemon.replica import delivery, replica_of
+from wowd.daemon.stream import DeliveryStream, Limits, batch_limits, target_limits
+from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
+from wowd.delivery import CommandGateway, Delivered, OutboxGateway, Outcome
 from wowd.model import AggregateRef, Command, SlotLease, Timer, deterministic_timer_id, partition
+from wowd.stores.base import Backend, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
 
@@ -45,3 +56,81 @@ def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: floa
         lease=lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + valid_for,
         owner_key="me",
     )  # fmt: skip
+
+
+def firing(
+    store: TimerStore,
+    gateway: CommandGateway,
+    settings: TimerSettings | None = None,
+    *,
+    gate: LogGate | None = None,
+    nudge: Nudge = lambda: None,
+    limits: Limits | None = None,
+    shortcut: OutboxShortcut | None = None,
+) -> Firing:
+    """How a replica of these collaborators fires (the object the replica's assembly chooses):
+    claim, deliver and settle through ``gateway`` under ``limits`` (default: 64 deliveries in
+    flight, 16 per target; the outbox's chunks for an :class:`OutboxGateway`), the log asked at
+    the due times with ``gate``; the outbox shortcut's rounds with ``shortcut``."""
+    if limits is None:
+        limits = batch_limits(64) if isinstance(gateway, OutboxGateway) else target_limits(64, lambda _target: 16)
+    return Firing(
+        settings=settings or TimerSettings(),
+        timers=store,
+        gateway=gateway,
+        limits=limits,
+        nudge=nudge,
+        gate=gate,
+        shortcut=shortcut,
+    )
+
+
+def timer_loop(
+    store: TimerStore, gateway: CommandGateway, settings: TimerSettings | None = None, **kw: Any
+) -> TimerLoop:
+    """The timer loop of one slot of :func:`firing` of these collaborators."""
+    return firing(store, gateway, settings, **kw).loop()
+
+
+async def stream_all(
+    gw: CommandGateway, batches: list[list[Timer]], record: Callable[[Timer, Outcome], None], limits: Limits
+) -> None:
+    """Every timer of ``batches`` (each put on the stream at once) through one delivery stream
+    under ``limits``, each outcome written at once; returns when every one was delivered."""
+    async with anyio.create_task_group() as tg:
+
+        def recorded(t: Timer, o: Outcome) -> None:
+            record(t, o)
+            stream.settled(1)
+
+        stream = DeliveryStream(gw, limits, recorded, stopped=lambda: False)
+        stream.bind(tg)
+        for batch in batches:
+            stream.put(batch)
+
+
+class Recorder:
+    """A gateway that delivers every timer and records when (ms since the epoch)."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[Timer, int]] = []
+        self.changed = anyio.Event()
+
+    async def send(self, timer: Timer) -> Outcome:
+        self.fired.append((timer, int(time.time() * 1000)))
+        self.changed.set()
+        self.changed = anyio.Event()
+        return Delivered()
+
+    async def until_fired(self, n: int) -> None:
+        while len(self.fired) < n:
+            await self.changed.wait()
+
+    async def aclose(self) -> None:
+        return None
+
+
+def replica_firing(settings: WowdSettings, backend: Backend) -> Firing:
+    """How ``wowd run`` of ``settings`` on ``backend`` fires (its gateway made by the replica's
+    assembly)."""
+    return replica_of(settings, backend, delivery(settings, backend)).firing

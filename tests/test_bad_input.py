@@ -517,7 +517,7 @@ async def test_gateway_answers_become_an_outcome_never_a_crash(
 
     port = await target(behave)
     timeout_s = 0.2 if case.startswith("slow") else 0.5  # the slow ones end at the timeout
-    gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}/api", timeout_s=timeout_s))
+    gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}/api", timeout_s=timeout_s), pool_size=4)
     try:
         with anyio.fail_after(5):  # bounded by the gateway's own timeout, whatever the target does
             outcome = await gw.send(_timer())
@@ -535,7 +535,7 @@ async def test_a_refused_connection_is_a_retry() -> None:
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     port = int(listener.extra(anyio.abc.SocketAttribute.local_port))
     await listener.aclose()  # nobody listens there now
-    gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=0.5))
+    gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=0.5), pool_size=4)
     try:
         with anyio.fail_after(5):
             assert isinstance(await gw.send(_timer()), Retry)

@@ -108,13 +108,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("wowd.model", ("wowd.stores", "wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client", "wowd.backends")),
     ("wowd.stores", ("wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client", "wowd.backends")),
     ("wowd.delivery", ("wowd.daemon", "wowd.cli", "wowd.client", "wowd.backends")),
-    ("wowd.daemon", ("wowd.cli", "wowd.client", "wowd.backends")),
+    ("wowd.daemon", ("wowd.cli", "wowd.client")),
     ("wowd.backends", ("wowd.daemon", "wowd.delivery", "wowd.cli", "wowd.client")),
     ("wowd.client", ("wowd.daemon", "wowd.delivery", "wowd.cli")),
 ]
 """Which way imports go: each layer and the layers above it that it never imports (the model
 below the stores, the stores below delivery, delivery below the daemon; the command line on top;
-assembly and the application client beside the daemon, never reaching into it or the CLI)."""
+the stores' assembly and the application client beside the daemon, never reaching into it or the
+CLI; the replica's composition root opens its backend through the stores' assembly)."""
 
 
 def _in(module: str, layer: str) -> bool:
@@ -131,6 +132,11 @@ def test_imports_go_one_way(layer: str, above: tuple[str, ...]) -> None:
         if any(_in(dep, a) for a in above)
     )
     assert not offenders
+
+
+def test_only_the_composition_root_of_the_daemon_opens_a_backend() -> None:
+    opening = {n for n, deps in graph().items() if n.startswith("wowd.daemon") and "wowd.backends" in deps}
+    assert opening == {"wowd.daemon.replica"}
 
 
 def test_the_protocol_layer_names_no_backend() -> None:
@@ -150,6 +156,7 @@ def test_stores_and_daemon_never_import_the_cli(layer: str) -> None:
 
 
 DAEMON_WORK = {
+    "wowd.daemon.replica": {"open_replica"},
     "wowd.daemon.supervisor": {"Supervisor"},
     "wowd.daemon.rebuild": {"Rebuilder", "RebuildReport", "RebuildStatus"},
     "wowd.daemon.timer_rebuild": {"TimerRebuilder"},

@@ -32,7 +32,7 @@ from pymongo import AsyncMongoClient
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import FakeElasticsearch, serving
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, timer_loop
 from tests.mongo import conftest as black_pipe
 from tests.mongo.conftest import Wire, server_error
 from wowd import metrics
@@ -669,7 +669,6 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     timer is delivered (one outbox entry per request id) and settled (done)."""
     from wowd.config import TimerSettings
     from wowd.daemon.leases import HeldSlot
-    from wowd.daemon.timers import TimerLoop
     from wowd.delivery import OutboxGateway
     from wowd.stores.embedded.outbox import EmbeddedOutbox
     from wowd.stores.embedded.timers import EmbeddedTimerStore
@@ -699,7 +698,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
         owner_key="me",
     )
     settings = TimerSettings(backoff_base_s=0.05)
-    loop = TimerLoop(settings, flaky, OutboxGateway(box))
+    loop = timer_loop(flaky, OutboxGateway(box), settings)  # type: ignore[arg-type]
     try:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:

@@ -18,7 +18,17 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -180,7 +190,6 @@ class TimerSettings(_Part):
     batch: int = Field(default=1000, ge=1, le=100_000)
     lookahead_ms: int = Field(default=200, ge=0)
     claim_ttl_s: float = Field(default=30.0, gt=0)
-    concurrency: int = Field(default=64, ge=1)
     max_attempts: int = Field(default=10, ge=1)
     max_body_bytes: int = Field(default=64 * 1024, ge=64)
     backoff_base_s: float = Field(default=1.0, gt=0)
@@ -269,6 +278,9 @@ class GatewaySettings(_Part):
     """The client certificate's private key (PEM, unencrypted); unset: it is in ``client_cert``."""
     signing_secrets: list[SecretStr] = []
     """``whsec_<base64>`` secrets: each request is signed with each (Standard Webhooks)."""
+    concurrency: int = Field(default=64, ge=1)
+    """At most this many deliveries in flight in all (the http gateway's connection pool has as
+    many connections)."""
     per_target_concurrency: int = Field(default=16, ge=1)
     """At most this many requests in flight to one target (``context.aggregate``) of the http gateway."""
     breaker_failures: int = Field(default=5, ge=1)
@@ -337,6 +349,36 @@ class ShutdownSettings(_Part):
     grace_s: float = Field(default=20.0, ge=0)
 
 
+RENAMED: dict[tuple[str, str], tuple[str, str]] = {("timers", "concurrency"): ("gateway", "concurrency")}
+"""Settings read under an earlier name: ``(part, key)`` -> where they are now. The old name is read
+(the new one wins where both are given) and :attr:`WowdSettings.renamed` says so."""
+
+
+def _setting_name(part: str, key: str) -> str:
+    return f"{part}.{key} ({variable((part, key))})"
+
+
+def _move_renamed(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` with each setting of :data:`RENAMED` moved to its new place, and what was moved."""
+    notes: list[str] = []
+    for (part, key), (new_part, new_key) in RENAMED.items():
+        old = data.get(part)
+        if not isinstance(old, Mapping) or key not in old:
+            continue
+        data = dict(data)
+        rest = dict(old)
+        value = rest.pop(key)
+        data[part] = rest
+        new = dict(data.get(new_part) or {})
+        new.setdefault(new_key, value)
+        data[new_part] = new
+        notes.append(
+            f"{_setting_name(part, key)} is now {_setting_name(new_part, new_key)}: "
+            "the old name is read for now, rename it"
+        )
+    return data, notes
+
+
 class WowdSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="WOWD_",
@@ -372,6 +414,22 @@ class WowdSettings(BaseSettings):
     and ``fold(state, event) -> state``: snapshots of that type are kept from the log."""
     demo: bool = False
     """Run the demo producer in-process (``wowd run --demo``)."""
+    _renamed: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _renamed_settings(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> WowdSettings:
+        notes: list[str] = []
+        if isinstance(data, Mapping):
+            data, notes = _move_renamed(dict(data))
+        settings: WowdSettings = handler(data)
+        settings._renamed = tuple(notes)
+        return settings
+
+    @property
+    def renamed(self) -> tuple[str, ...]:
+        """A line for each setting given under an earlier name (:data:`RENAMED`), to be logged."""
+        return self._renamed
 
     @field_validator("log_level")
     @classmethod
@@ -487,8 +545,12 @@ def _unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | 
         part = field_.annotation
         if rest and isinstance(part, type) and issubclass(part, BaseModel):
             name = rest.split("__", 1)[0]
-            if name not in part.model_fields:
-                found.append((key, _closest(name, part.model_fields, f"WOWD_{head.upper()}__")))
+            if name not in part.model_fields and (head, name) not in RENAMED:
+                close = _closest(name, part.model_fields, f"WOWD_{head.upper()}__")
+                old = [key for (p, key) in RENAMED if p == head]
+                if close is None and (renamed := _closest(name, dict.fromkeys(old), "")) is not None:
+                    close = variable(RENAMED[head, renamed.lower()])  # its new name
+                found.append((key, close))
     return found
 
 

@@ -160,8 +160,12 @@ def test_trimming_unacknowledged_entries_is_deliberate(
     ("key", "says"),
     [
         (
+            "WOWD_GATEWAY__CONCURENCY",
+            "WOWD_GATEWAY__CONCURENCY: not a wowd setting (did you mean WOWD_GATEWAY__CONCURRENCY?)",
+        ),
+        (  # a misspelling of a setting's earlier name: its name now
             "WOWD_TIMERS__CONCURENCY",
-            "WOWD_TIMERS__CONCURENCY: not a wowd setting (did you mean WOWD_TIMERS__CONCURRENCY?)",
+            "WOWD_TIMERS__CONCURENCY: not a wowd setting (did you mean WOWD_GATEWAY__CONCURRENCY?)",
         ),
         ("WOWD_TIMRS__BATCH", "WOWD_TIMRS__BATCH: not a wowd setting (did you mean WOWD_TIMERS__BATCH?)"),
         ("WOWD_CONTEXTT", "WOWD_CONTEXTT: not a wowd setting (did you mean WOWD_CONTEXT?)"),
@@ -174,6 +178,23 @@ def test_an_unknown_setting_names_the_variable_and_a_close_match(
     monkeypatch.setenv(key, "3")
     code, out, err = wowd("check")
     assert code == 2 and out == "" and says in err
+
+
+def test_a_setting_under_its_earlier_name_is_read_and_the_log_names_its_new_name(
+    wowd: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WOWD_TIMERS__CONCURRENCY", "7")
+    assert load_settings().gateway.concurrency == 7
+    monkeypatch.setenv("WOWD_GATEWAY__CONCURRENCY", "9")  # the new name wins where both are given
+    assert load_settings().gateway.concurrency == 9
+    monkeypatch.setenv("WOWD_LOG_FORMAT", "text")
+    _code, _out, err = wowd("check")
+    warned = [line for line in err.splitlines() if "TIMERS__CONCURRENCY" in line]
+    assert len(warned) == 1 and "WARNING" in warned[0]
+    assert warned[0].endswith(
+        "timers.concurrency (WOWD_TIMERS__CONCURRENCY) is now gateway.concurrency (WOWD_GATEWAY__CONCURRENCY): "
+        "the old name is read for now, rename it"
+    )
 
 
 @pytest.mark.process

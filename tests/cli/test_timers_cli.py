@@ -16,7 +16,7 @@ from wowd.backends import opened_backend
 from wowd.cli import output
 from wowd.client import schedule_stream
 from wowd.config import TimerSettings, load_settings
-from wowd.daemon.timers import outcome_changes
+from wowd.daemon.timer_plan import outcome_changes
 from wowd.delivery import Park, Retry
 from wowd.fmt import iso_ms
 from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerStatus, timer_event_from, timer_from_event

@@ -71,7 +71,7 @@ async def test_a_target_slower_than_the_claim_gets_each_request_once_before_its_
     env = base_env(
         db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
         WOWD_TIMERS__CLAIM_TTL_S=0.5, WOWD_TIMERS__BATCH=2, WOWD_TIMERS__BACKOFF_BASE_S=30,
-        WOWD_TIMERS__CONCURRENCY=1, WOWD_TIMERS__LOOKAHEAD_MS=0, WOWD_GATEWAY__BREAKER_FAILURES=100,
+        WOWD_GATEWAY__CONCURRENCY=1, WOWD_TIMERS__LOOKAHEAD_MS=0, WOWD_GATEWAY__BREAKER_FAILURES=100,
     )  # fmt: skip
     from wowd.config import EmbeddedSettings, WowdSettings
     from wowd.stores.embedded import open_embedded

@@ -1,7 +1,7 @@
-"""The timer loop with the outbox gateway's fast path (the embedded backend): the timers due now
-are fired and settled in one store call per batch, with no claim, and the outcome is the one the
-claim, deliver and settle steps give: the same outbox entries, the same timer view, the same
-counts in the metrics. ``wowd run`` on the embedded backend uses it unless turned off."""
+"""The timer loop with the outbox shortcut (the embedded backend, the outbox gateway): the timers
+due now are fired and settled in one store call per batch, with no claim, and the outcome is the
+one the claim, deliver and settle steps give: the same outbox entries, the same timer view, the
+same counts in the metrics. ``wowd run`` on the embedded backend uses it unless turned off."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ import anyio
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.helpers import caught_up_waker, held_slot
-from wowd.cli.run import build_gateway
+from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import (
     EmbeddedSettings,
     GatewaySettings,
@@ -26,13 +25,14 @@ from wowd.config import (
     TimerSettings,
     WowdSettings,
 )
-from wowd.daemon.supervisor import Supervisor
-from wowd.daemon.timers import FusedFirst, TimerLoop
+from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
+from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
 from wowd.delivery import HttpGateway, OutboxGateway
-from wowd.model import AggregateRef, Command, IntervalRule, OnceRule, Timer, deterministic_timer_id
+from wowd.model import AggregateRef, Command, Commit, DomainEvent, IntervalRule, OnceRule, Timer, deterministic_timer_id
 from wowd.model import partition as partition_of
 from wowd.stores.base import Backend
+from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
@@ -74,9 +74,9 @@ class CountingTimers(EmbeddedTimerStore):
 
     async def fire_into_outbox(self, *args: Any, **kwargs: Any) -> Any:
         self.calls["fire_into_outbox"] += 1
-        changes = await super().fire_into_outbox(*args, **kwargs)
-        self._count_fired(len(changes))
-        return changes
+        done = await super().fire_into_outbox(*args, **kwargs)
+        self._count_fired(len(done.fired))
+        return done
 
 
 def timers(now: int, n: int) -> list[Timer]:
@@ -121,9 +121,8 @@ async def run_loop(
     for t in ts:
         assert await store.put(t)
     held = held_slot(PARTS, fence=3)
-    gateway = OutboxGateway(box, firing=store if fast else None)
-    assert (gateway.fused is gateway) is fast
-    loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
+    loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store if fast else None)
+    assert isinstance(loop.strategy, OutboxRounds if fast else ClaimDeliverSettle)
     before = fired_metrics()
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -134,13 +133,13 @@ async def run_loop(
     return store, box, {k: after[k] - before[k] for k in after}
 
 
-async def test_the_loop_fires_due_timers_through_the_fast_path_as_the_steps_would(tmp_path: Path) -> None:
+async def test_the_loop_fires_due_timers_through_the_outbox_shortcut_as_the_steps_would(tmp_path: Path) -> None:
     now = int(time.time() * 1000)
     ts = timers(now, 250)
     steps, steps_box, steps_metrics = await run_loop(tmp_path / "steps.db", ts, fast=False)
     fast, fast_box, fast_metrics = await run_loop(tmp_path / "fast.db", ts, fast=True)
     try:
-        # the fast path: one call per batch of 100, no claim, no settle
+        # the shortcut: one call per batch of 100, no claim, no settle
         assert fast.calls["fire_into_outbox"] >= 3 and fast.calls["settle"] == 0 and fast.claimed == 0
         assert steps.calls["fire_into_outbox"] == 0 and steps.claimed == 250
 
@@ -194,28 +193,29 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
         await b.close()
 
 
-async def test_wowd_run_uses_the_fast_path_with_the_embedded_outbox_unless_turned_off(
+async def test_wowd_run_uses_the_outbox_shortcut_with_the_embedded_outbox_unless_turned_off(
     tmp_path: Path, backend: Backend
 ) -> None:
-    gateway, fused = build_gateway(embedded(tmp_path), backend)
-    assert isinstance(gateway, OutboxGateway) and fused is gateway and gateway.fused is gateway
-    gateway, fused = build_gateway(embedded(tmp_path, outbox=OutboxSettings(fast_path=False)), backend)
-    assert isinstance(gateway, OutboxGateway) and fused is None and gateway.fused is None
+    def strategy(settings: WowdSettings) -> object:
+        sup = replica_of(settings, backend, delivery(settings, backend))
+        return sup.firing.strategy()
+
+    assert isinstance(strategy(embedded(tmp_path)), OutboxRounds)
+    assert isinstance(strategy(embedded(tmp_path, outbox=OutboxSettings(fast_path=False))), ClaimDeliverSettle)
     http = embedded(tmp_path, gateway=GatewaySettings(kind="http", url="http://127.0.0.1:9"))
-    gateway, fused = build_gateway(http, backend)
-    assert isinstance(gateway, HttpGateway) and fused is None
-    await gateway.aclose()
+    deliveries = delivery(http, backend)
+    assert isinstance(deliveries.gateway, HttpGateway) and deliveries.outbox is None
+    assert isinstance(replica_of(http, backend, deliveries).firing.strategy(), ClaimDeliverSettle)
+    await deliveries.gateway.aclose()
 
 
-async def test_a_replica_fires_a_backlog_through_the_fast_path(tmp_path: Path, backend: Backend) -> None:
+async def test_a_replica_fires_a_backlog_through_the_outbox_shortcut(tmp_path: Path, backend: Backend) -> None:
     """The supervisor's slot: timers already due when the feed applies them are fired by the
-    fast path (no claim and no settle of the timer store), each once: by the feed's own
-    transaction or by the loop's next round, whichever reads them first."""
+    loop's outbox rounds (no claim and no settle of the timer store), each once."""
     due = int(time.time() * 1000) - 5_000
     await backend.log.append_many([timer_commit(f"o-{i}", 1, ["a", "b"], due_at=due) for i in range(40)])
     settings = embedded(tmp_path)
-    gateway, fused = build_gateway(settings, backend)
-    sup = Supervisor(settings, backend, gateway, fused=fused)
+    sup = replica_of(settings, backend, delivery(settings, backend))
 
     def calls(operation: str) -> float:
         return sample("wowd_store_call_seconds_count", store="timers", operation=operation)
@@ -236,30 +236,41 @@ async def test_a_replica_fires_a_backlog_through_the_fast_path(tmp_path: Path, b
     assert await backend.timers.scan(limit=10) == []
 
 
-async def test_the_fast_path_fires_nothing_the_feed_has_not_applied_the_log_up_to(tmp_path: Path) -> None:
-    """The watermark rule: a timer due after the feed's watermark (a cancel appended before its
-    due time may not be in the view yet) is not fired, however late it is by the clock."""
+async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_has_not_applied(
+    tmp_path: Path,
+) -> None:
+    """The fire rule in the outbox round's transaction: a timer due by the feed's watermark fires;
+    one due after it fires unless the log holds a commit of its owner above the timer's version
+    (a cancel the feed has not applied may be among them), however late it is by the clock."""
     now = int(time.time() * 1000)
     ts = timers(now, 10)  # due over [now - 1000, now - 991]
     store = CountingTimers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, expect=10)
     box = EmbeddedOutbox(tmp_path / "wowd.db")
+    log = EmbeddedLog(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     try:
         for t in ts:
             assert await store.put(t)
+        # the owners of the last three have a second commit the view has not applied
+        later = [
+            Commit(ref=t.owner, version=2, command_id=f"c-{t.owner.id}", request_id=f"r-{t.owner.id}",
+                   create_time=now, events=(DomainEvent(id=f"e-{t.owner.id}", name="Touched", body={}),))
+            for t in ts[7:]
+        ]  # fmt: skip
+        assert await log.append_many(later) == ["appended"] * 3
         held = held_slot(PARTS, fence=3)
-        gateway = OutboxGateway(box, firing=store)
-        loop = TimerLoop(TimerSettings(batch=100), store, gateway, fused=gateway.fused)
-        fused = loop.strategy
-        assert isinstance(fused, FusedFirst)
+        loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store)
+        rounds = loop.strategy
+        assert isinstance(rounds, OutboxRounds)
         waker = Waker()
         parts = frozenset(range(PARTS))
-        assert (await fused.fire(held, parts, waker, None))[0] == 0  # the feed has not reached the head
-        waker.advance(now - 996)  # applied up to the sixth due time (exclusive of later appends)
-        assert (await fused.fire(held, parts, waker, None))[0] == 5
-        assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:5])
-        waker.advance(now)
-        assert (await fused.fire(held, parts, waker, None))[0] == 5
+        waker.advance(now - 996)  # applied up to the fifth due time
+        r = await rounds.round(held, waker, parts)
+        assert (r.taken, r.skipped) == (7, 3)  # the five by the watermark, two the log has nothing past
+        assert sorted(e.timer_id for e in await box.entries()) == sorted(t.timer_id for t in ts[:7])
+        waker.advance(now)  # the feed applied the second commits: nothing of theirs changed the timers
+        r = await rounds.round(held, waker, parts)
+        assert (r.taken, r.skipped) == (3, 0)
         assert await box.count() == 10
     finally:
-        await store.close()
-        await box.close()
+        for closing in (store, box, log):
+            await closing.close()

@@ -6,11 +6,9 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,32 +16,24 @@ from typing import Any
 import anyio
 import pytest
 
-from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.delivery.outbox import OutboxGateway, outbox_entry
-from wowd.errors import LeaseLost
 from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
     DomainEvent,
-    OutboxEntry,
-    Position,
     TimerChange,
     TimerScheduled,
     TimerWrite,
-    deterministic_timer_id,
     partition,
-    request_id_for,
     timer_event_from,
     timer_from_event,
 )
-from wowd.stores.base import Backend, FeedFiring, FeedWriter
-from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.base import Backend, FeedWriter
 from wowd.stores.embedded.timer_sql import WRITE_CHUNK
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
@@ -85,14 +75,14 @@ async def hold(b: Backend) -> HeldSlot:
     return await hold_slot(b, PARTS)
 
 
-async def feed(s: WowdSettings, b: Backend, *, batch_size: int = 500, fused: OutboxGateway | None = None) -> None:
-    """The slot's feed (batches of ``batch_size`` commits, firing through ``fused``'s fast path
-    when given) until it reached the log's end, then stopped."""
+async def feed(s: WowdSettings, b: Backend, *, batch_size: int = 500) -> None:
+    """The slot's feed (batches of ``batch_size`` commits) until it reached the log's end, then
+    stopped."""
     held = await hold(b)
     waker = Waker()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            await tg.start(Feeder(s, b, batch_size=batch_size, fused=fused).run, held, waker)
+            await tg.start(Feeder(s, b, batch_size=batch_size).run, held, waker)
             while waker.watermark is None:  # the feed read to the log's end and applied it
                 await waker.wait_applied(waker.applied_batches, 1.0)
             held.request_stop()
@@ -325,196 +315,6 @@ async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backen
     await sink.prepare()
     assert await writer.apply([(sink, [c])], writes, CONSUMER, {0: {"seq": 1}}, 1, now=0) is None
     assert await backend.timers.scan(limit=10) == []
-
-
-# --------------------------------------------------------------------------- timers fired as fed
-
-FAR = 1e12
-"""A lease deadline (``time.monotonic()``) that never comes."""
-
-
-async def positions_of(b: Backend) -> dict[tuple[str, int], tuple[int, Position]]:
-    """Each commit's ``(partition, position)`` in the log, by ``(aggregate id, version)``."""
-    out: dict[tuple[str, int], tuple[int, Position]] = {}
-    async for batch in b.log.read({p: None for p in range(PARTS)}, follow=False):
-        for e in batch.entries:
-            assert e.commit is not None
-            out[(e.commit.ref.id, e.commit.version)] = (e.partition, e.position)
-    return out
-
-
-async def apply_batch(
-    b: Backend, commits: list[Commit], upto: list[tuple[str, int]], fire: FeedFiring, *, fence: int = 1
-) -> Any:
-    """``commits`` applied as one batch that read the log up to the commits ``upto``."""
-    writer: FeedWriter | None = b.feed_writer
-    assert writer is not None
-    sink = b.sink(ORDER)
-    await sink.prepare()
-    where = await positions_of(b)
-    positions = dict(where[k] for k in upto)
-    return await writer.apply(
-        [(sink, commits)], puts(*commits), CONSUMER, positions, fence, now=int(time.time() * 1000), fire=fire
-    )
-
-
-async def test_a_batch_fires_its_due_timers_that_no_later_commit_can_cancel(backend: Backend) -> None:
-    now = int(time.time() * 1000)
-    a1 = timer_commit("a", 1, ["k1", "k2"], due_at=now)
-    b1 = timer_commit("b", 1, ["k1"], due_at=now)
-    b2 = commit("b", 2, cancelled("k1"))  # in the log, past the batch: b's timer must not fire
-    c1 = timer_commit("c", 1, ["k1"], due_at=now + HOUR_MS)  # not due
-    await backend.log.append_many([a1, b1, b2, c1])
-    done = await apply_batch(backend, [a1, b1, c1], [("a", 1), ("b", 1), ("c", 1)], FeedFiring("me", FAR, 100), fence=3)
-    assert done is not None and done.saved
-    fired = {(f.aggregate, f.timer_id) for f in done.fired}
-    a_timers = [w.timer for w in puts(a1)]
-    assert fired == {("order", t.timer_id) for t in a_timers if t is not None}
-    entries = await backend.outbox.entries(limit=10)
-    assert sorted(e.request_id for e in entries) == sorted(
-        request_id_for(t.timer_id, t.scheduled_at) for t in a_timers if t is not None
-    )
-    assert {(e.fence, e.owner_key) for e in entries} == {(3, "me")}
-    # a's timers are DONE tombstones; b's is left for the loop (then cancelled), c's is not due
-    left = sorted((t.owner.id, t.key, t.status.value) for t in await backend.timers.scan(limit=10))
-    assert left == [("b", "k1", "PENDING"), ("c", "k1", "PENDING")]
-    # a replay of the batch (a takeover reading from an older checkpoint) fires nothing again
-    again = await apply_batch(
-        backend, [a1, b1, c1], [("a", 1), ("b", 1), ("c", 1)], FeedFiring("me", FAR, 100), fence=3
-    )
-    assert again is not None and again.saved and again.fired == []
-    assert await backend.outbox.count() == 2
-    assert await backend.timers.write(puts(a1)) == [0, 0]
-
-
-async def test_a_batch_with_replayed_and_new_due_timers_fires_only_the_new(backend: Backend) -> None:
-    """A batch read again after a takeover, with commits past what was applied: the timers fired
-    already change nothing and fire nothing; the new ones fire, once."""
-    now = int(time.time() * 1000)
-    a1 = timer_commit("a", 1, ["k1", "k2"], due_at=now)
-    d1 = timer_commit("d", 1, ["k1", "k2"], due_at=now)
-    await backend.log.append_many([a1, d1])
-    first = await apply_batch(backend, [a1], [("a", 1)], FeedFiring("me", FAR, 100))
-    assert first is not None and len(first.fired) == 2
-    again = await apply_batch(backend, [a1, d1], [("a", 1), ("d", 1)], FeedFiring("me", FAR, 100))
-    assert again is not None and again.saved
-    d_timers = [w.timer for w in puts(d1)]
-    assert {f.timer_id for f in again.fired} == {t.timer_id for t in d_timers if t is not None}
-    assert again.timer_answers == [0, 0, 1, 1]
-    assert await backend.outbox.count() == 4
-    assert await backend.timers.scan(limit=10) == []
-
-
-async def test_a_refire_already_in_the_outbox_is_recorded_as_a_redelivery(backend: Backend, tmp_path: Path) -> None:
-    """The outbox holds the entry of a timer the batch fires (delivered before its tombstone was
-    swept and the log replayed): no second entry; the re-delivery is recorded, the rest fired."""
-    now = int(time.time() * 1000)
-    a1 = timer_commit("a", 1, ["k1", "k2"], due_at=now)
-    first, second = (w.timer for w in puts(a1))
-    assert first is not None and second is not None
-    await backend.outbox.put(outbox_entry(first, now))
-    await backend.log.append_many([a1])
-    done = await apply_batch(backend, [a1], [("a", 1)], FeedFiring("me", FAR, 100), fence=4)
-    assert done is not None and len(done.fired) == 2
-    entries = await backend.outbox.entries(limit=10)
-    assert sorted(e.timer_id for e in entries) == sorted([first.timer_id, second.timer_id])
-    with closing(sqlite3.connect(tmp_path / "wowd.db")) as conn:
-        again = conn.execute("SELECT request_id, fence, owner_key FROM outbox_redelivery").fetchall()
-    assert again == [(request_id_for(first.timer_id, first.scheduled_at), 4, "me")]
-
-
-async def test_a_batch_fires_at_most_the_loops_batch_and_nothing_recurring(backend: Backend) -> None:
-    now = int(time.time() * 1000)
-    a1 = timer_commit("a", 1, ["k1", "k2", "k3"], due_at=now)
-    every = timer_commit("e", 1, ["tick"], due_at=now)
-    body = {**every.events[1].body, "rule": {"type": "interval", "every_ms": 60_000}}
-    every = replace(every, events=(every.events[0], replace(every.events[1], body=body)))
-    await backend.log.append_many([every, a1])
-    done = await apply_batch(backend, [every, a1], [("e", 1), ("a", 1)], FeedFiring("me", FAR, 2))
-    assert done is not None and len(done.fired) == 2
-    assert await backend.outbox.count() == 2
-    left = sorted((t.owner.id, t.key) for t in await backend.timers.scan(limit=10))
-    assert len(left) == 2 and ("e", "tick") in left  # one of a's, and the interval timer: the loop's
-
-
-async def test_a_lapsed_lease_rolls_back_the_batch_that_fired(backend: Backend) -> None:
-    now = int(time.time() * 1000)
-    a1 = timer_commit("a", 1, ["k1"], due_at=now)
-    await backend.log.append_many([a1])
-    with pytest.raises(LeaseLost):
-        await apply_batch(backend, [a1], [("a", 1)], FeedFiring("me", time.monotonic() - 1, 100))
-    assert await backend.outbox.count() == 0
-    assert await backend.timers.scan(limit=10) == []
-    assert await backend.sink(ORDER).documents(a1.ref) == []
-    assert await backend.log.checkpoints(CONSUMER, [partition("a", PARTS)]) == {}
-
-
-async def test_a_backlog_fires_as_it_is_fed_and_a_cancel_further_on_still_wins(tmp_path: Path) -> None:
-    """The feed alone (no timer loop) over a backlog read two commits a batch: every due timer
-    whose aggregate is done committing is in the outbox once the feed is at the log's head,
-    counted as fired; the one cancelled by a commit two batches on never is."""
-    s = settings(tmp_path)
-    now = int(time.time() * 1000)
-    commits = [timer_commit(f"o{i}", 1, ["k"], due_at=now) for i in range(6)]
-    commits.insert(1, timer_commit("x", 1, ["k"], due_at=now))
-    commits.append(commit("x", 2, cancelled("k")))
-    async with opened_backend(s) as b:
-        await b.log.append_many(commits)
-        stale = OutboxEntry(
-            request_id="stale@1",
-            timer_id="stale",
-            target=AggregateRef(context=CONTEXT, aggregate="order", id="stale"),
-            command="{}",
-            scheduled_at=1,
-            fence=1,
-            owner_key="gone",
-            created_at=1_000,  # long before the retention
-        )
-        await b.outbox.put(stale)
-        gateway = OutboxGateway(b.outbox, retention_s=3600, firing=b.outbox_firing)
-        fired_before = _fired_total()
-        held = await hold_slot(b, PARTS)
-        waker = Waker()
-        with anyio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                await tg.start(Feeder(s, b, batch_size=2, fused=gateway).run, held, waker)
-                while waker.watermark is None:
-                    await waker.wait_applied(waker.applied_batches, 1.0)
-                held.request_stop()
-        entries = await b.outbox.entries(limit=20)
-        # housekept as after a delivery (at its first fired batch): the stale entry trimmed
-        assert "stale" not in {e.timer_id for e in entries}
-        assert sorted(e.timer_id for e in entries) == sorted(
-            w.timer.timer_id for c in commits[:1] + commits[2:-1] for w in puts(c) if w.timer is not None
-        )
-        assert _fired_total() - fired_before == 6
-        assert await b.timers.scan(limit=10) == []  # x's timer cancelled, the others DONE
-
-
-async def test_a_batch_fires_the_timer_a_commit_cancelled_and_scheduled_again(tmp_path: Path) -> None:
-    """A due timer cancelled and scheduled again by one commit, and one scheduled twice by one
-    commit (first not due, then due): the batch fires the timer each commit left."""
-    s = settings(tmp_path)
-    now = int(time.time() * 1000)
-    x = commit("x", 1, cancelled("k"), scheduled("x", "k", now))
-    y = commit("y", 1, scheduled("y", "k", now + HOUR_MS, n="A"), scheduled("y", "k", now, n="B"))
-    async with opened_backend(s) as b:
-        await b.log.append_many([x, y])
-        await feed(s, b, fused=OutboxGateway(b.outbox, firing=b.outbox_firing))
-        entries = await b.outbox.entries(limit=10)
-        assert sorted((e.target.id, e.request_id) for e in entries) == [
-            (c.ref.id, request_id_for(deterministic_timer_id(c.ref, "k", 1), now)) for c in (x, y)
-        ]
-        assert [json.loads(e.command)["body"].get("n") for e in sorted(entries, key=lambda e: e.target.id)] == [
-            None,
-            "B",
-        ]
-        assert await b.timers.scan(limit=10) == []  # both DONE
-
-
-def _fired_total() -> float:
-    value = metrics.REGISTRY.get_sample_value("wowd_timers_fired_total", {"aggregate": "order"})
-    return value or 0.0
 
 
 class StalledWriter:

@@ -4,7 +4,7 @@ backend) and an HTTP command target on 127.0.0.1 (:class:`~tests.chaos.target.Co
 - a target that never answers holds its own requests in flight until the gateway's timeout,
   and nothing else: the other targets' timers fire on time;
 - a SIGKILL re-sends only what was in flight: the deliveries sent and not yet settled, at most
-  ``timers.concurrency + SETTLE_GROUP``; nothing is lost.
+  ``gateway.concurrency + SETTLE_GROUP``; nothing is lost.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from tests.chaos.target import CommandTarget, Delivery
-from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
+from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, WowdSettings
 from wowd.daemon.stream import SETTLE_GROUP
 from wowd.model import AggregateRef, Commit, DomainEvent, deterministic_timer_id, request_id_for
 
@@ -148,12 +148,12 @@ async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Repli
     arrived and a standby on the file takes over: every timer arrives, and the re-sent ones
     are at most what the killed replica had sent and not settled (its window)."""
     timers, kill_after = 1000, 400
-    concurrency = TimerSettings().concurrency
+    concurrency = GatewaySettings().concurrency
     owners = [f"o-{i}" for i in range(20)]
     target = CommandTarget(slow=set(owners), slow_s=0.03)  # every request answered after 30 ms
-    # one target (context.aggregate) for all: timers.concurrency alone bounds the requests in flight
+    # one target (context.aggregate) for all: gateway.concurrency alone bounds the requests in flight
     extra: dict[str, object] = {
-        "WOWD_TIMERS__CONCURRENCY": concurrency,
+        "WOWD_GATEWAY__CONCURRENCY": concurrency,
         "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency,
     }
     # the killed replica's lease expires within 1.75 s (a renew every 0.5 s, each given 0.75 s)

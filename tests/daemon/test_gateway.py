@@ -4,7 +4,6 @@ HTTP server (aiohttp.web) over sockets."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import ssl
@@ -25,7 +24,9 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
+from tests.helpers import stream_all
 from wowd.config import GatewaySettings
+from wowd.daemon.stream import target_limits
 from wowd.delivery import (
     CircuitBreaker,
     Delivered,
@@ -41,7 +42,6 @@ from wowd.delivery import (
     request_parts,
     target_of,
 )
-from wowd.delivery.http import _Slots
 from wowd.delivery.outbox import outbox_entry
 from wowd.errors import ConfigError, StorageUnavailable
 from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerStatus
@@ -166,12 +166,12 @@ async def serving(handler: Handler, ssl_context: ssl.SSLContext | None = None) -
 
 
 def gateway(url: str, **kw: Any) -> HttpGateway:
-    concurrency = kw.pop("concurrency", 4)
+    pool_size = kw.pop("pool_size", 4)
     outcomes = kw.pop("outcomes", None)
     clock = kw.pop("clock", None)
     settings = GatewaySettings(kind="http", url=url, timeout_s=kw.pop("timeout_s", 2.0), **kw)
     extra: dict[str, Any] = {"clock": clock} if clock else {}
-    return HttpGateway(settings, concurrency=concurrency, outcomes=outcomes, **extra)
+    return HttpGateway(settings, pool_size=pool_size, outcomes=outcomes, **extra)
 
 
 def status(code: int, **kw: Any) -> Handler:
@@ -246,7 +246,7 @@ async def test_http_gateway_keeps_one_connection_alive() -> None:
         return web.Response(status=200)
 
     async with serving(handler) as (_srv, url):
-        gw = gateway(url, concurrency=1)
+        gw = gateway(url, pool_size=1)
         try:
             for i in range(5):
                 assert isinstance(await gw.send(make_timer(agg_id=f"a{i}")), Delivered)
@@ -309,7 +309,8 @@ async def test_http_gateway_deliver_reports_each_timer() -> None:
         timers = [make_timer(agg_id=f"a{i}", name="ok" if i % 2 else "nope") for i in range(10)]
         got: list[tuple[str, Outcome]] = []
         try:
-            await gw.deliver(timers, lambda t, o: got.append((t.target.id, o)))
+            for t in timers:
+                got.append((t.target.id, await gw.send(t)))
         finally:
             await gw.aclose()
     assert len(got) == 10
@@ -386,7 +387,7 @@ def test_http_gateway_loads_its_client_when_made_not_at_the_first_delivery() -> 
         "from wowd.config import GatewaySettings\n"
         "from wowd.delivery import HttpGateway\n"
         "assert 'aiohttp' not in sys.modules\n"
-        "HttpGateway(GatewaySettings(kind='http', url='https://127.0.0.1:1/'))\n"
+        "HttpGateway(GatewaySettings(kind='http', url='https://127.0.0.1:1/'), pool_size=1)\n"
         "assert 'aiohttp' in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -396,6 +397,8 @@ def test_http_gateway_loads_its_client_when_made_not_at_the_first_delivery() -> 
 
 
 async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> None:
+    """The http gateway under the delivery stream's limits: a target whose requests wait has at
+    most its limit in flight, and another target's timer goes out meanwhile."""
     in_flight = {"order": 0, "cart": 0}
     most = {"order": 0, "cart": 0}
     three_waiting = anyio.Event()
@@ -423,11 +426,11 @@ async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> Non
             cart_done.set()
 
     async with serving(handler) as (srv, url):
-        gw = gateway(url, concurrency=8, per_target_concurrency=3)
+        gw = gateway(url, pool_size=8)
         try:
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(gw.deliver, timers, record)
+                    tg.start_soon(stream_all, gw, [timers], record, target_limits(8, lambda _target: 3))
                     await three_waiting.wait()
                     await cart_done.wait()  # not held up behind the order target's slots
                     assert in_flight["order"] == 3 and len(got) == 1
@@ -438,9 +441,9 @@ async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> Non
     assert most["order"] == 3
 
 
-async def test_per_target_limit_holds_across_batches_delivered_at_once() -> None:
-    """Two batches for one target delivered at once (two rounds in flight) and a single send:
-    the target never has more than its limit in flight."""
+async def test_per_target_limit_holds_across_batches_put_at_once() -> None:
+    """Two batches for one target put on the stream at once (two rounds in flight): the target
+    never has more than its limit in flight."""
     in_flight = 0
     most = 0
     two_waiting = anyio.Event()
@@ -461,78 +464,20 @@ async def test_per_target_limit_holds_across_batches_delivered_at_once() -> None
     second = [make_timer(agg_id=f"b{i}") for i in range(5)]
     got: list[Outcome] = []
     async with serving(handler) as (srv, url):
-        gw = gateway(url, concurrency=8, per_target_concurrency=2)
+        gw = gateway(url, pool_size=8)
         try:
             with anyio.fail_after(10):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(gw.deliver, first, lambda t, o: got.append(o))
-                    tg.start_soon(gw.deliver, second, lambda t, o: got.append(o))
+                    limits = target_limits(8, lambda _target: 2)
+                    tg.start_soon(stream_all, gw, [first, second], lambda t, o: got.append(o), limits)
                     await two_waiting.wait()
-
-                    async def single() -> None:
-                        got.append(await gw.send(make_timer(agg_id="c")))
-
-                    tg.start_soon(single)
                     await anyio.wait_all_tasks_blocked()
                     assert in_flight == 2
                     srv.gate.set()
         finally:
             await gw.aclose()
-    assert len(got) == 11 and all(isinstance(o, Delivered) for o in got)
+    assert len(got) == 10 and all(isinstance(o, Delivered) for o in got)
     assert most == 2
-
-
-async def test_a_batch_cancelled_while_waiting_for_slots_leaves_them_free() -> None:
-    release = anyio.Event()
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        if "held" in request.path:
-            await release.wait()
-        return web.Response(status=200)
-
-    got: list[Outcome] = []
-    async with serving(handler) as (_srv, url):
-        gw = gateway(url, concurrency=8, per_target_concurrency=2)
-        try:
-            with anyio.fail_after(10):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(gw.deliver, [make_timer(agg_id=f"held{i}") for i in range(2)], lambda t, o: None)
-                    await anyio.wait_all_tasks_blocked()
-                    async with anyio.create_task_group() as waiting:
-                        more = [make_timer(agg_id=f"x{i}") for i in range(3)]
-                        waiting.start_soon(gw.deliver, more, lambda t, o: None)
-                        await anyio.wait_all_tasks_blocked()
-                        waiting.cancel_scope.cancel()  # waiting for the held slots: cancelled
-                    release.set()
-                await gw.deliver([make_timer(agg_id=f"y{i}") for i in range(4)], lambda t, o: got.append(o))
-        finally:
-            await gw.aclose()
-    assert len(got) == 4 and all(isinstance(o, Delivered) for o in got)
-
-
-async def test_slots_pass_on_a_slot_handed_to_a_cancelled_waiter() -> None:
-    """A waiter handed the slot, then cancelled before it resumed (an asyncio task cancelled
-    outright): the slot goes on to the next waiter, none is lost."""
-    slots = _Slots(1)
-    assert slots.take() and not slots.take()
-    order: list[str] = []
-
-    async def waiter(name: str) -> None:
-        await slots.wait()
-        order.append(name)
-        slots.give()
-
-    first = asyncio.ensure_future(waiter("first"))
-    second = asyncio.ensure_future(waiter("second"))
-    await anyio.wait_all_tasks_blocked()
-    slots.give()  # handed to "first", which is cancelled before it resumes
-    first.cancel()
-    with anyio.fail_after(5):
-        await second
-    with pytest.raises(asyncio.CancelledError):
-        await first
-    assert order == ["second"]
-    assert slots.take() and not slots.take()
 
 
 # --------------------------------------------------------------------------- circuit breaker
@@ -678,8 +623,8 @@ async def test_http_gateway_logs_its_outcomes_rate_limited(caplog: pytest.LogCap
     async with serving(status(503)) as (_srv, url):
         gw = gateway(url, outcomes=DeliveryLog(clock=Clock()), breaker_failures=100)
         try:
-            timers = [make_timer(agg_id=f"a{i}") for i in range(20)]
-            await gw.deliver(timers, lambda t, o: None)
+            for i in range(20):
+                await gw.send(make_timer(agg_id=f"a{i}"))
         finally:
             await gw.aclose()
     retries = [r for r in caplog.records if "will be retried" in r.getMessage()]
@@ -734,9 +679,7 @@ async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -
 
 async def test_outbox_gateway_unavailable_is_retry() -> None:
     gw = OutboxGateway(FakeOutbox(fail=True))  # type: ignore[arg-type]
-    got: list[Outcome] = []
-    await gw.deliver([make_timer()], lambda t, o: got.append(o))
-    assert isinstance(got[0], Retry)
+    assert isinstance(await gw.send_batch([make_timer()]), Retry)
 
 
 async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when_asked(tmp_path: Path) -> None:
@@ -749,10 +692,10 @@ async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when
         old = replace(make_timer(agg_id="old"), timer_id="t-old")
         await box.put(outbox_entry(old, 1_000))  # created long before the retention
         gw = OutboxGateway(box, retention_s=3600)
-        got: list[Outcome] = []
         fresh = [replace(make_timer(agg_id=i), timer_id=f"t-{i}") for i in ("a", "b")]
-        await gw.deliver(fresh, lambda t, o: got.append(o))
-        assert all(isinstance(o, Delivered) for o in got)
+        assert isinstance(await gw.send_batch(fresh), Delivered)
+        assert {e.target.id for e in await box.entries()} == {"old", "a", "b"}
+        await gw.housekeep()
         assert {e.target.id for e in await box.entries()} == {"a", "b"}
         await gw.count_depth()
         assert REGISTRY.get_sample_value("wowd_outbox_depth") == 2
@@ -766,7 +709,7 @@ async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when
 async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: pytest.LogCaptureFixture) -> None:
     box = FakeOutbox()
     gw = OutboxGateway(box)  # type: ignore[arg-type]
-    await gw.deliver([make_timer()], lambda t, o: None)
+    await gw.send(make_timer())
     await gw.count_depth()
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
     counted = gw.depth_age()
@@ -786,8 +729,7 @@ async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: p
 async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:
     box = FakeOutbox()
     gw = OutboxGateway(box, retention_s=60)  # type: ignore[arg-type]
-    got: list[Outcome] = []
-    await gw.deliver([make_timer()], lambda t, o: got.append(o))
+    outcome = await gw.send(make_timer())
     box.fail = True
     await gw.housekeep()  # logged, not raised
-    assert isinstance(got[0], Delivered) and len(box.entries) == 1
+    assert isinstance(outcome, Delivered) and len(box.entries) == 1

@@ -1,8 +1,8 @@
-"""The fast path's log check (the embedded backend: log, feed checkpoints and timers in one file).
-A timer due after the feed's watermark is fired only when the log, read in the firing
-transaction, holds no commit of its aggregate past the feed's checkpoint of its partition: a
-cancel appended before the due time always wins, and the timers of every other aggregate fire at
-their due time although the feed is behind."""
+"""The fire rule in the outbox shortcut's transaction (the embedded backend: log and timers in one
+file). A timer due after the feed's watermark is fired only when the log, read in the firing
+transaction, holds no commit of its owner above the timer's version: a cancel appended before the
+due time always wins, and the timers of every other aggregate fire at their due time although the
+feed is behind."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ import pytest
 
 from tests.helpers import once_timer
 from wowd.backends import opened_backend
-from wowd.cli.run import build_gateway
 from wowd.config import HttpSettings, WowdSettings
-from wowd.daemon.feed import CONSUMER, Feeder
+from wowd.daemon.feed import Feeder
+from wowd.daemon.firing import OutboxRounds
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop
+from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
 from wowd.model import partition as partition_of
-from wowd.stores.base import Backend, EventSink, FireRequest, LogCheck
+from wowd.stores.base import Backend, EventSink, OutboxRound
 
 from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
@@ -72,23 +72,25 @@ async def feed_to_head(tmp_path: Path, b: Backend, held: HeldSlot) -> None:
             held.request_stop()
 
 
-async def fire(b: Backend, check: LogCheck | None) -> list[str]:
-    """The fast path over every partition, due by now: the owner ids fired."""
-    firing = b.outbox_firing
-    assert firing is not None
+async def fire(b: Backend, read_to: int) -> tuple[list[str], int]:
+    """The outbox shortcut over every partition, due by now, the feed's watermark at
+    ``read_to``: the timer ids fired and how many were left for the feed."""
+    shortcut = b.outbox_shortcut
+    assert shortcut is not None
     now = int(time.time() * 1000)
-    request = FireRequest(
-        partitions=ALL, until=now, limit=100, at=now, owner_key="a", fence=1, next_due=lambda t, at: None, check=check
+    done = await shortcut.fire_into_outbox(
+        OutboxRound(
+            partitions=ALL, at=now, read_to=read_to, limit=100, owner_key="a", fence=1, next_due=lambda t, at: None
+        )
     )
-    fired = await firing.fire_into_outbox(request)
-    return sorted(str(f.timer_id) for f in fired)
+    return sorted(str(f.timer_id) for f in done.fired), done.left
 
 
 async def owners_fired(b: Backend) -> list[str]:
     return sorted(e.target.id for e in await b.outbox.entries())
 
 
-async def test_a_timer_whose_aggregate_has_a_commit_past_the_checkpoint_is_left_for_the_feed(
+async def test_a_timer_whose_owner_has_a_commit_above_its_version_is_left_for_the_feed(
     tmp_path: Path, backend: Backend
 ) -> None:
     due = int(time.time() * 1000) - 1_000
@@ -96,16 +98,14 @@ async def test_a_timer_whose_aggregate_has_a_commit_past_the_checkpoint_is_left_
     await feed_to_head(tmp_path, backend, await hold(backend))
     # two cancels appended before the due time's fire, not applied by the feed yet
     await backend.log.append_many([cancel_commit("o-0", 2), cancel_commit("o-1", 2)])
-    check = LogCheck(CONSUMER, watermark=due - 1)
-    assert len(await fire(backend, check)) == 4
-    assert check.skipped == 2
+    fired, left_n = await fire(backend, due - 1)
+    assert (len(fired), left_n) == (4, 2)
     assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
     left = await backend.timers.scan(limit=10)
     assert sorted(t.owner.id for t in left) == ["o-0", "o-1"] and {t.status for t in left} == {TimerStatus.PENDING}
     # the feed applies the cancels: nothing is left to fire
     await feed_to_head(tmp_path, backend, await hold(backend))
-    check = LogCheck(CONSUMER, watermark=due - 1)
-    assert await fire(backend, check) == [] and check.skipped == 0
+    assert await fire(backend, due - 1) == ([], 0)
     assert await backend.timers.scan(limit=10) == []
     assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
 
@@ -117,23 +117,21 @@ async def test_timers_due_by_the_watermark_are_fired_without_reading_the_log(tmp
     await backend.log.append_many([timer_commit("o-0", 1, ["k"], due_at=due)])
     await feed_to_head(tmp_path, backend, await hold(backend))
     await backend.log.append_many([timer_commit("o-0", 2, [], due_at=due)])  # after the due time
-    check = LogCheck(CONSUMER, watermark=due)
-    assert len(await fire(backend, check)) == 1 and check.skipped == 0
+    fired, left = await fire(backend, due)
+    assert (len(fired), left) == (1, 0)
 
 
-async def test_a_partition_without_a_checkpoint_counts_every_commit_as_not_applied(
+async def test_a_commit_above_the_timers_version_holds_it_whatever_the_feeds_checkpoints(
     tmp_path: Path, backend: Backend
 ) -> None:
-    """A timer put by another writer than the feed, whose aggregate then commits in a partition
-    the feed never checkpointed: left until the feed has applied that commit."""
+    """Timers at version 1 in a view the feed never checkpointed; one owner's log holds a commit
+    at version 2: that timer is left until the feed has applied it, the other fires."""
     due = int(time.time() * 1000) - 1_000
     ts = [embedded_timer(f"x-{i}", due) for i in range(2)]
     for t in ts:
         assert await backend.timers.put(t)
-    await backend.log.append_many([cancel_commit("x-0", 1)])
-    check = LogCheck(CONSUMER, watermark=due - 1)
-    assert await owners_after(backend, check) == ["x-1"]
-    assert check.skipped == 1
+    await backend.log.append_many([timer_commit("x-0", 1, []), cancel_commit("x-0", 2)])
+    assert await owners_after(backend, due - 1) == (["x-1"], 1)
 
 
 async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: Path, backend: Backend) -> None:
@@ -146,10 +144,10 @@ async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: P
     assert len(same) >= 5
     for agg in same[:2]:
         assert await backend.timers.put(embedded_timer(agg, due))
-    # commits of other aggregates of the same partition, and one of the second timer's own
-    await backend.log.append_many([timer_commit(agg, 1, []) for agg in same[2:5]] + [cancel_commit(same[1], 1)])
-    check = LogCheck(CONSUMER, watermark=due - 1)
-    assert await owners_after(backend, check) == [same[0]] and check.skipped == 1
+    # commits of other aggregates of the same partition, and one above the second timer's version
+    others = [timer_commit(agg, v, []) for agg in same[2:5] for v in (1, 2)]
+    await backend.log.append_many([*others, timer_commit(same[1], 1, []), cancel_commit(same[1], 2)])
+    assert await owners_after(backend, due - 1) == ([same[0]], 1)
     [left] = await backend.timers.scan(limit=10)
     assert left.owner.id == same[1]
 
@@ -158,9 +156,11 @@ def embedded_timer(agg_id: str, due: int) -> Timer:
     return once_timer(CONTEXT, agg_id, PARTS, due)
 
 
-async def owners_after(b: Backend, check: LogCheck) -> list[str]:
-    await fire(b, check)
-    return await owners_fired(b)
+async def owners_after(b: Backend, read_to: int) -> tuple[list[str], int]:
+    """The owners fired by one shortcut round (the watermark at ``read_to``), and how many were
+    left."""
+    _fired, left = await fire(b, read_to)
+    return await owners_fired(b), left
 
 
 class HeldSink:
@@ -183,13 +183,13 @@ class HeldSink:
 async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancelled_timer(
     tmp_path: Path, backend: Backend
 ) -> None:
-    """``wowd run``'s slot on the embedded backend with the outbox fast path: the feed applied
+    """``wowd run``'s slot on the embedded backend with the outbox shortcut: the feed applied
     six timers due in a second, then sticks on a batch holding a cancel of one of them. At the
     due time the five others are fired (the loop does not wait for the feed); the cancelled one
     is not, and is gone once the feed applied the cancel."""
-    s = settings(tmp_path)
-    gateway, fused = build_gateway(s, backend)
-    assert fused is not None and backend.checks_log
+    s = settings(tmp_path).model_copy(update={"timers": settings(tmp_path).timers.model_copy(update={"batch": 100})})
+    firing = replica_of(s, backend, delivery(s, backend)).firing
+    assert firing.shortcut is not None
     gate: dict[str, Any] = {"hold": False, "held": anyio.Event(), "release": anyio.Event()}
     make_sink = backend.sink_factory
 
@@ -199,8 +199,8 @@ async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancel
     backend.sink_factory = sink_factory
     held = await hold(backend)
     waker = Waker()
-    loop = TimerLoop(s.timers.model_copy(update={"batch": 100}), backend.timers, gateway,
-                     nudge=backend.log.nudge, fused=fused, check_log=True)  # fmt: skip
+    loop = firing.loop()
+    assert isinstance(loop.strategy, OutboxRounds)
     due = int(time.time() * 1000) + 1_000
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:

@@ -13,15 +13,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.helpers import held_slot
-from wowd.config import TimerSettings
-from wowd.daemon.timers import CHANGED, TimerLoop
+from tests.helpers import Recorder, held_slot, timer_loop
+from wowd.daemon.firing import CHANGED
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 from .conftest import CONTEXT, eventually
-from .test_wakeup import PARTS, Recorder, timer
+from .test_wakeup import PARTS, timer
 
 pytestmark = pytest.mark.anyio
 
@@ -67,7 +66,7 @@ async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermar
     await store.put(timer("o-1", due))
     gate, gateway, waker = Gate(set()), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = TimerLoop(TimerSettings(), store, gateway, gate=gate)
+    loop = timer_loop(store, gateway, gate=gate)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -87,7 +86,7 @@ async def test_a_timer_the_log_check_holds_back_is_settled_back_once_the_feed_re
     await store.put(t)
     gate, gateway, waker = Gate({0}), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = TimerLoop(TimerSettings(), store, gateway, gate=gate)
+    loop = timer_loop(store, gateway, gate=gate)
 
     async def settled_back() -> bool:
         stored = await store.find(t.owner, "k")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -12,15 +12,16 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop, next_occurrence, outcome_changes
+from wowd.daemon.stream import target_limits
+from wowd.daemon.timer_plan import next_occurrence, outcome_changes
 from wowd.daemon.waker import Waker
-from wowd.delivery import Delivered, Fail, Lane, Outcome, Park, Record, Retry, Stopped
+from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
 from wowd.demo import reducer
 from wowd.errors import LeaseLost
 from wowd.model import (
@@ -152,10 +153,10 @@ class ScriptedGateway:
         self.gate: anyio.Event | None = None
         self.entered = anyio.Event()
 
-    def lane(self, timer: Timer) -> Lane:
-        return Lane("all", limit=64, chunk=1000)  # batches, as they were claimed
-
     async def send(self, timer: Timer) -> Outcome:
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
         self.sent.append(timer)
         kind = timer.target.id.split("-")[0]
         answers: dict[str, Outcome] = {
@@ -165,15 +166,6 @@ class ScriptedGateway:
             "fail": Fail(reason="HTTP 400"),
         }
         return answers[kind]
-
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
-        self.entered.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        for t in timers:
-            if stopped():
-                return
-            record(t, await self.send(t))
 
     async def aclose(self) -> None:
         return None
@@ -213,7 +205,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
     before = [c.labels(aggregate="order")._value.get() for c in counters]
-    loop = TimerLoop(TimerSettings(max_attempts=10), t, gw)
+    loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
         with anyio.fail_after(10):
@@ -245,25 +237,28 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
 
 
 async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(backend: Backend) -> None:
+    """Five claimed timers of one target delivered one at a time: the stop comes while the first
+    is in flight; that one finishes and settles, none of the others is sent, and they are
+    released, due again with no attempt spent."""
     t = backend.timers
     for i in range(5):
         assert await t.put(due_timer(f"ok-{i}"))
     gw = ScriptedGateway()
     gw.gate = anyio.Event()
     held = await hold(backend)
-    loop = TimerLoop(TimerSettings(), t, gw)
+    loop = timer_loop(t, gw, limits=target_limits(64, lambda _target: 1))
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await gw.entered.wait()  # claimed, about to deliver
+            await gw.entered.wait()  # claimed, the first in flight
             firing = await t.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
             held.request_stop()  # the signal: nothing more is sent
             gw.gate.set()
-    assert gw.sent == []
-    # released at once, due again, no attempt spent
+    assert len(gw.sent) == 1
+    assert await t.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
     released = await t.scan(limit=10)
-    assert len(released) == 5
+    assert len(released) == 4
     assert all(x.status is TimerStatus.PENDING and x.attempts == 0 and x.claim is None for x in released)
     assert all(x.last_error == "not delivered: stopped" for x in released)
 
@@ -290,13 +285,14 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
 ) -> None:
     """Claimed, then the wall clock steps back ten minutes: the timer now looks ten minutes
     ahead, yet it is delivered after at most the lookahead (on the monotonic clock)."""
-    from wowd.daemon import timers as timer_loop
+    from wowd.daemon import firing, timers
 
     t = backend.timers
     assert await t.put(due_timer("ok-step"))
-    real = timer_loop.now_ms
+    real = timers.now_ms
     step = {"ms": 0}
-    monkeypatch.setattr(timer_loop, "now_ms", lambda: real() - step["ms"])
+    for module in (timers, firing):
+        monkeypatch.setattr(module, "now_ms", lambda: real() - step["ms"])
 
     class SteppingStore:
         async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
@@ -310,7 +306,7 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
 
     gw = ScriptedGateway()
     held = await hold(backend)
-    loop = TimerLoop(TimerSettings(lookahead_ms=200), SteppingStore(), gw)  # type: ignore[arg-type]
+    loop = timer_loop(SteppingStore(), gw, TimerSettings(lookahead_ms=200))  # type: ignore[arg-type]
     started = anyio.current_time()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -392,7 +388,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(bac
     gw = ScriptedGateway()
     held = await hold(backend)
     skipped_before = metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get()
-    loop = TimerLoop(TimerSettings(), t, gw)
+    loop = timer_loop(t, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
         with anyio.fail_after(10):
@@ -415,7 +411,7 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
     assert await t.put(due_timer("ok-first"))
     gw = ScriptedGateway()
     held = await hold(backend)
-    loop = TimerLoop(TimerSettings(batch=1), t, gw)
+    loop = timer_loop(t, gw, TimerSettings(batch=1))
 
     async def first_settled() -> bool:
         return await t.find(ref("owner-ok-first"), "k") is None

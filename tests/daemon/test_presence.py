@@ -16,8 +16,7 @@ from tests.helpers import held_slot
 from wowd import __version__, metrics
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, Presence
-from wowd.daemon.supervisor import Supervisor
-from wowd.delivery import OutboxGateway
+from wowd.daemon.replica import delivery, replica_of
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import Owner
 from wowd.stores.base import Backend, ReplicaInfo, ReplicaState
@@ -184,7 +183,7 @@ async def test_a_standby_replica_is_recorded_then_holds_then_leaves_on_a_gracefu
 ) -> None:
     blocker = await backend.leases.acquire("wowd.demo", Owner(key="replica-a"), 1, timedelta(seconds=60), timedelta(0))
     assert blocker.lease is not None
-    sup = Supervisor(replica_settings, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(replica_settings, backend, delivery(replica_settings, backend))
     async with anyio.create_task_group() as tg:
         await tg.start(sup.run)
         found = await until(backend, lambda f: "replica-b" in f)

@@ -14,10 +14,8 @@ from wowd import metrics
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.leases import HeldSlot, SlotKeeper
+from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.stall import Stall
-from wowd.daemon.supervisor import Supervisor
-from wowd.daemon.timers import TimerLoop
-from wowd.delivery import OutboxGateway
 from wowd.errors import StorageFull, StorageUnavailable
 from wowd.stores.base import Backend
 from wowd.views import view_named
@@ -47,7 +45,7 @@ async def backend(settings: WowdSettings) -> AsyncIterator[Backend]:
 
 
 async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: WowdSettings, backend: Backend) -> None:
-    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(settings, backend, delivery(settings, backend))
     await sup._ping()
     assert sup.readiness(False) == (True, "standby: no free slot in wowd.demo")
     assert sup.readiness(True) == (False, "standby: no free slot in wowd.demo")
@@ -65,7 +63,7 @@ async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: Wowd
 async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
     settings: WowdSettings, backend: Backend
 ) -> None:
-    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(settings, backend, delivery(settings, backend))
     await sup._ping()
     feeder = Feeder(settings, backend)
     stalls = feeder.stalls_of(3)
@@ -92,9 +90,9 @@ log = logging.getLogger("test.readiness")
 async def test_a_stalled_timer_loop_makes_its_replica_not_ready_and_says_which(
     settings: WowdSettings, backend: Backend
 ) -> None:
-    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(settings, backend, delivery(settings, backend))
     await sup._ping()
-    loop = TimerLoop(settings.timers, backend.timers, OutboxGateway(backend.outbox))
+    loop = sup.firing.loop()
     loop.stall = Stall("timer loop of slot 3", metrics.TIMERS_STALLED.labels(slot="3"))
     sup._loops[3] = loop
     assert sup.readiness(False)[0] is True
@@ -112,7 +110,7 @@ async def test_a_keeper_whose_lease_writes_find_the_disk_full_makes_its_replica_
 ) -> None:
     """Between slots too: its lease lapsed and it cannot take one back, which no healthy standby
     is."""
-    sup = Supervisor(settings, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(settings, backend, delivery(settings, backend))
     await sup._ping()
 
     async def work(held: HeldSlot) -> None:

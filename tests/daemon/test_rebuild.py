@@ -17,8 +17,7 @@ from wowd.cli import main
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
-from wowd.daemon.supervisor import Supervisor
-from wowd.delivery import OutboxGateway
+from wowd.daemon.replica import delivery, replica_of
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, partition
@@ -297,7 +296,7 @@ async def test_a_replica_rebuilds_its_slot_then_feeds_on_top(tmp_path: Path, bac
         http=HttpSettings(host="127.0.0.1", port=0),
         reducers={"order": "tests.daemon.reducers:reducer_v2"},
     )
-    sup = Supervisor(s, backend, OutboxGateway(backend.outbox))
+    sup = replica_of(s, backend, delivery(s, backend))
 
     async def backfilled() -> bool:
         t = await backend.rebuilds.table(ORDER)

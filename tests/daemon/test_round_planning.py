@@ -3,18 +3,17 @@ lanes, window and settle groups, without a store or a clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import anyio
 import pytest
 
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
-from wowd.daemon.stream import DeliveryStream, Settler
-from wowd.daemon.timers import FusedFirst, ReadFirst, Round, Sleep, plan_wait, wants_next_due
-from wowd.delivery import Delivered, Lane, Outcome, Record, Stopped
+from wowd.daemon.firing import OutboxRounds
+from wowd.daemon.stream import SETTLE_GROUP, DeliveryStream, Lane, Limits, Settler
+from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, wants_next_due
+from wowd.delivery import Delivered, Outcome
 from wowd.model import AggregateRef, Command, Timer, TimerChange, deterministic_timer_id
-from wowd.stores.base import FiredTimer, FireRequest
+from wowd.stores.base import OutboxFired, OutboxRound
 
 LOOK = 1_000
 IDLE_S = 0.5
@@ -72,8 +71,9 @@ class Gate:
         self.peak: dict[str, int] = {}
         self.sent = anyio.Event()
 
-    def lane(self, t: Timer) -> Lane:
-        return Lane(t.target.aggregate, self.limit)
+    def limits(self, concurrency: int) -> Limits:
+        """A lane per target aggregate of ``limit`` calls at once, ``concurrency`` in all."""
+        return Limits(concurrency=concurrency, lane_of=lambda t: Lane(t.target.aggregate, self.limit))
 
     async def send(self, t: Timer) -> Outcome:
         name = t.target.aggregate
@@ -88,9 +88,6 @@ class Gate:
             self.in_flight[name] -= 1
         return Delivered()
 
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
-        raise AssertionError("a lane of single calls sends")
-
     async def aclose(self) -> None:
         return None
 
@@ -100,7 +97,12 @@ async def test_a_hanging_target_holds_only_its_own_slots() -> None:
     gw = Gate(limit=4)
     gw.gates["hang"] = anyio.Event()
     done: list[Timer] = []
-    stream = DeliveryStream(gw, lambda t, _o: done.append(t), concurrency=8, window=1000, stopped=lambda: False)
+
+    def record(t: Timer, _outcome: Outcome) -> None:
+        done.append(t)
+        stream.settled(1)  # written at once: the window never fills
+
+    stream = DeliveryStream(gw, gw.limits(8), record, stopped=lambda: False)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             stream.bind(tg)
@@ -120,19 +122,22 @@ async def test_a_hanging_target_holds_only_its_own_slots() -> None:
 async def test_the_window_bounds_what_is_sent_and_not_settled() -> None:
     gw = Gate(limit=64)
     recorded: list[Timer] = []
-    stream = DeliveryStream(gw, lambda t, _o: recorded.append(t), concurrency=16, window=20, stopped=lambda: False)
+    limits = gw.limits(16)
+    window = limits.window
+    assert window == 16 + SETTLE_GROUP
+    stream = DeliveryStream(gw, limits, lambda t, _o: recorded.append(t), stopped=lambda: False)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             stream.bind(tg)
-            stream.put([timer(i, "ok") for i in range(100)])
+            stream.put([timer(i, "ok") for i in range(window + 100)])
             await anyio.wait_all_tasks_blocked()
-            assert len(recorded) == 20 and stream.open == 20  # nothing settled: the window is full
+            assert len(recorded) == window and stream.open == window  # nothing settled: the window is full
             stream.settled(15)
             await anyio.wait_all_tasks_blocked()
-            assert len(recorded) == 35 and stream.open == 20
-            stream.settled(80)
+            assert len(recorded) == window + 15 and stream.open == window
+            stream.settled(window + 100)
             await anyio.wait_all_tasks_blocked()
-    assert len(recorded) == 100
+    assert len(recorded) == window + 100
 
 
 def change(i: int) -> TimerChange:
@@ -164,28 +169,25 @@ async def test_the_settler_writes_a_full_group_at_once_and_a_partial_one_after_i
     assert writes == [10, 3]
 
 
-class SlowFast:
-    """A fast path that takes a while: timers come due during its transaction."""
+class SlowShortcut:
+    """An outbox shortcut that takes a while: timers come due during its transaction."""
 
     def __init__(self) -> None:
-        self.requests: list[FireRequest] = []
+        self.rounds: list[OutboxRound] = []
 
-    async def fire_due(self, request: FireRequest) -> list[FiredTimer]:
-        self.requests.append(request)
+    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
+        self.rounds.append(round)
         await anyio.sleep(0.05)  # the transaction's time, not a synchronisation
-        return []
-
-    async def fired_elsewhere(self) -> None:
-        return None
+        return OutboxFired([])
 
 
 @pytest.mark.anyio
-async def test_a_fast_path_round_reads_up_to_its_fire_time_not_past_it() -> None:
+async def test_an_outbox_round_reads_up_to_its_fire_time_not_past_it() -> None:
     """What a round read is what was due at its fire time: a timer that came due while the
     transaction ran is not taken as read (the waker keeps it, and the loop wakes for it)."""
-    fast = SlowFast()
-    strategy = FusedFirst(TimerSettings(), fast, check_log=True)
+    shortcut = SlowShortcut()
+    strategy = OutboxRounds(TimerSettings(), shortcut)
     waker = caught_up_waker()
     r = await strategy.round(held_slot(8), waker, frozenset(range(8)))
-    (request,) = fast.requests
+    (request,) = shortcut.rounds
     assert r.until == request.at and not r.claims_ahead

@@ -22,10 +22,12 @@ from pydantic import SecretStr
 
 from tests.certs import Pki, make_pki
 from tests.daemon.test_gateway import serving, status
+from tests.helpers import stream_all
 from wowd.cli.logs import secret_values
 from wowd.config import GatewaySettings, RouteSettings, WowdSettings, load_settings
+from wowd.daemon.stream import target_limits
 from wowd.delivery import Delivered, DeliveryLog, Fail, HttpGateway, Retry, target_of
-from wowd.delivery.routes import FALLBACK, Routes, matches
+from wowd.delivery.routes import FALLBACK, Routes, matches, per_target_limit
 from wowd.errors import ConfigError
 from wowd.model import AggregateRef, Command, Timer, TimerStatus
 
@@ -295,7 +297,7 @@ def test_an_unusable_tls_file_stops_the_gateway_naming_its_setting(pki: Pki, cas
         "route CA missing": _route(url=url, ca_certs=pki.ca.parent / "missing-ca.pem"),
     }[case]
     with pytest.raises(ConfigError, match=says):
-        HttpGateway(settings)
+        HttpGateway(settings, pool_size=4)
 
 
 # --------------------------------------------------------------------------- requests
@@ -319,7 +321,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
                               api_key_header="X-Api-Key"),
             ],
         )  # fmt: skip
-        gw = HttpGateway(settings, outcomes=DeliveryLog())
+        gw = HttpGateway(settings, pool_size=4, outcomes=DeliveryLog())
         before = REGISTRY.get_sample_value("wowd_gateway_requests_total", {"route": "payment", "outcome": "fail"})
         try:
             outcomes = {
@@ -362,13 +364,15 @@ async def test_a_target_without_a_route_fails_at_once_without_a_request(caplog: 
     async with serving(status(200)) as (orders, orders_url):
         gw = HttpGateway(
             GatewaySettings(kind="http", routes=[RouteSettings(match="order", url=orders_url)]),
+            pool_size=4,
             outcomes=DeliveryLog(),
         )
         before = REGISTRY.get_sample_value("wowd_gateway_unrouted_total", {"target": "shipping.parcel"}) or 0
         got: dict[str, Any] = {}
         try:
             timers = [timer("shipping", "parcel", f"p-{i}") for i in range(3)] + [timer("order", "order")]
-            await gw.deliver(timers, lambda t, o: got.__setitem__(t.target.id, o))
+            for t in timers:
+                got[t.target.id] = await gw.send(t)
         finally:
             await gw.aclose()
     assert [p for _m, p, _h, _b in orders.seen] == ["/api/order/a-1/go"]
@@ -409,15 +413,16 @@ async def test_a_routes_time_limit_and_per_target_limit_are_its_own() -> None:
                 RouteSettings(match="narrow", url=url, per_target_concurrency=2),
             ],
         )  # fmt: skip
-        gw = HttpGateway(settings, concurrency=32)
+        gw = HttpGateway(settings, pool_size=32)
         try:
             with anyio.fail_after(10):
                 hung = await gw.send(timer("slow", "hang"))
             assert isinstance(hung, Retry) and hung.reason == "timeout after 0.3s"
             outcomes: list[Any] = []
             async with anyio.create_task_group() as tg:
-                tg.start_soon(gw.deliver, [timer("narrow", "x", f"n-{i}") for i in range(8)],
-                              lambda t, o: outcomes.append(o))  # fmt: skip
+                limits = target_limits(32, per_target_limit(settings))
+                tg.start_soon(stream_all, gw, [[timer("narrow", "x", f"n-{i}") for i in range(8)]],
+                              lambda t, o: outcomes.append(o), limits)  # fmt: skip
                 with anyio.fail_after(10):
                     await two_in_flight.wait()
                 await anyio.sleep(0.2)  # room for a third request, if the limit let it go
@@ -442,7 +447,7 @@ async def test_a_route_presents_its_client_certificate(pki: Pki) -> None:
             kind="http", ca_certs=pki.ca, url=url,
             routes=[RouteSettings(match="ledger", url=url, client_cert=pki.client_cert, client_key=pki.client_key)],
         )  # fmt: skip
-        gw = HttpGateway(settings)
+        gw = HttpGateway(settings, pool_size=4)
         try:
             with anyio.fail_after(10):
                 with_cert = await gw.send(timer("ledger", "entry"))

@@ -14,11 +14,11 @@ import anyio
 import pytest
 from aiohttp import web
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop
+from wowd.daemon.stream import target_limits
 from wowd.delivery import HttpGateway
 from wowd.model import AggregateRef, Command, Owner, Timer, TimerStatus, TimerWrite, deterministic_timer_id, partition
 from wowd.stores.base import Backend
@@ -89,14 +89,14 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     target.healthy_expected = sum(1 for t in timers if t.target.aggregate != "hang")
     gateway = HttpGateway(
         GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S, breaker_open_s=30),
-        concurrency=64,
+        pool_size=64,
     )
     res = await backend.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
     assert res.lease is not None
     held = HeldSlot(
         lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
     )
-    loop = TimerLoop(TimerSettings(batch=300, concurrency=64), backend.timers, gateway)
+    loop = timer_loop(backend.timers, gateway, TimerSettings(batch=300), limits=target_limits(64, lambda _target: 16))
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:

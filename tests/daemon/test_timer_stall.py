@@ -14,12 +14,10 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker
+from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
-from wowd.config import TimerSettings
-from wowd.daemon import timers as timers_module
-from wowd.daemon.timers import TimerLoop
+from wowd.daemon import firing
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
 from wowd.stores.base import Backend, TimerStore
@@ -91,7 +89,7 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
     gw = ScriptedGateway()
     held = await hold(backend)
     gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
-    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+    loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
     async def stalled() -> bool:
         return loop.stall is not None and loop.stall.stalled
@@ -116,13 +114,13 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
 async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(timers_module, "SETTLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
     assert await backend.timers.put(due_timer("ok-1"))
     store = FailingTimers(backend.timers)
     store.settle_fail = FULL
     gw = ScriptedGateway()
     held = await hold(backend)
-    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+    loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
     async def tried_twice() -> bool:
         return store.settles >= 2
@@ -147,7 +145,7 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     store.settle_fail = FULL
     gw = ScriptedGateway()
     held = await hold(backend)
-    loop = TimerLoop(TimerSettings(), store, gw)  # type: ignore[arg-type]
+    loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
     async def tried_twice() -> bool:
         return store.settles >= 2

@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import anyio
 import pytest
 
+from tests.helpers import replica_firing, timer_loop
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.delivery import OutboxGateway
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus, deterministic_timer_id, request_id_for
+from wowd.delivery import OutboxGateway, Outcome
+from wowd.model import AggregateRef, Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
@@ -34,15 +34,15 @@ def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
 
 
-@pytest.fixture(params=["steps", "fast path"])
+@pytest.fixture(params=["steps", "outbox shortcut"])
 async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     """The embedded backend; ``run_slot`` fires with the outbox gateway's claim, deliver and
-    settle steps, or with its fast path (checking the log, as ``wowd run`` does)."""
+    settle steps, or with the outbox shortcut (as ``wowd run`` does)."""
     from wowd.stores.embedded import open_embedded
 
     b = await open_embedded(settings(tmp_path))
     if request.param == "steps":
-        b.outbox_firing = None
+        b.outbox_shortcut = None
     try:
         yield b
     finally:
@@ -77,11 +77,7 @@ async def run_slot(
     every checkpoint is at the log's end, then stops them."""
     s = settings(tmp_path)
     waker = Waker()
-    gateway = OutboxGateway(backend.outbox, firing=backend.outbox_firing)
-    loop = TimerLoop(
-        TimerSettings(batch=100), backend.timers, gateway, nudge=backend.log.nudge, fused=gateway.fused,
-        check_log=backend.checks_log,
-    )  # fmt: skip
+    loop = replica_firing(s.model_copy(update={"timers": TimerSettings(batch=100)}), backend).loop()
     feeder = Feeder(s, backend, batch_size=feed_batch)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -231,13 +227,14 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     held = await hold(backend, "a")
 
     class LapsingOutbox(OutboxGateway):
-        async def deliver(self, timers, record, stopped=lambda: False):  # type: ignore[no-untyped-def]
+        async def send_batch(self, timers: Sequence[Timer]) -> Outcome:
             held.valid_until = anyio.current_time() - 1  # the lease lapses while delivering
-            await super().deliver(timers, record, stopped)
+            outcome = await super().send_batch(timers)
             held.request_stop()  # (the keeper stops a lapsed slot's work)
+            return outcome
 
     waker = Waker()
-    loop = TimerLoop(TimerSettings(batch=100), backend.timers, LapsingOutbox(backend.outbox), nudge=backend.log.nudge)
+    loop = timer_loop(backend.timers, LapsingOutbox(backend.outbox), TimerSettings(batch=100), nudge=backend.log.nudge)
     feeder = Feeder(settings(tmp_path), backend)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -275,8 +272,8 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
     s = settings(tmp_path)
     held = await hold(backend, "a")
     waker = Waker()
-    loop = TimerLoop(
-        TimerSettings(batch=100, lookahead_ms=2_000), backend.timers, OutboxGateway(backend.outbox),
+    loop = timer_loop(
+        backend.timers, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
         nudge=backend.log.nudge,
     )  # fmt: skip
     feeder = Feeder(s, backend)

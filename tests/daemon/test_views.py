@@ -15,13 +15,13 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.helpers import timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
-from wowd.config import TimerSettings, WowdSettings
+from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
-from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.delivery import Delivered, Lane, Outcome
+from wowd.delivery import Delivered, Outcome
 from wowd.model import AggregateType, Commit, Timer, TimerWrite, partition
 from wowd.stores.base import Backend
 from wowd.views import FROM_START, reset_view, view_named, views_status
@@ -53,9 +53,6 @@ class Recorder:
 
     def __init__(self) -> None:
         self.sent: dict[str, float] = {}
-
-    def lane(self, timer: Timer) -> Lane:
-        return Lane("all", limit=64)
 
     async def send(self, timer: Timer) -> Outcome:
         self.sent.setdefault(timer.owner.id, time.time())
@@ -90,7 +87,7 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)
     gateway = Recorder()
-    loop = TimerLoop(TimerSettings(), backend.timers, gateway)  # type: ignore[arg-type]
+    loop = timer_loop(backend.timers, gateway)  # type: ignore[arg-type]
     waker = Waker()
     start = int(time.time() * 1000) + 500
     # 100 timers due over 0.7 s, each in its own commit, appended as they come due

@@ -14,14 +14,12 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker, held_slot
+from tests.helpers import Recorder, caught_up_waker, held_slot, timer_loop
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
-from wowd.daemon import timer_plan
-from wowd.daemon import timers as timer_loop
+from wowd.daemon import timer_plan, timers
 from wowd.daemon.feed import Feeder
-from wowd.daemon.timers import TimerLoop, wake_time
+from wowd.daemon.timer_plan import wake_time
 from wowd.daemon.waker import Waker
-from wowd.delivery import Delivered, Lane, Record, Stopped
 from wowd.errors import StorageUnavailable
 from wowd.model import (
     AggregateRef,
@@ -143,34 +141,6 @@ def test_wake_time_is_the_next_due_less_the_lookahead_within_the_idle_period() -
 # --------------------------------------------------------------------------- the loop
 
 
-class Recorder:
-    """A gateway that delivers every timer and records when."""
-
-    def __init__(self) -> None:
-        self.fired: list[tuple[Timer, int]] = []
-        self.changed = anyio.Event()
-
-    def lane(self, timer: Timer) -> Lane:
-        return Lane("all", limit=64, chunk=1000)  # batches, as they were claimed
-
-    async def send(self, timer: Timer) -> Delivered:
-        return Delivered()
-
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
-        for t in timers:
-            self.fired.append((t, now_ms()))
-            record(t, Delivered())
-        self.changed.set()
-        self.changed = anyio.Event()
-
-    async def until_fired(self, n: int) -> None:
-        while len(self.fired) < n:
-            await self.changed.wait()
-
-    async def aclose(self) -> None:
-        return None
-
-
 class NoNextDue(EmbeddedTimerStore):
     """A store whose ``next_due`` knows nothing (or fails): only the Waker tells the loop."""
 
@@ -196,7 +166,7 @@ def timer(id: str, due_at: int, rule: Rule | None = None) -> Timer:
 @pytest.fixture
 def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """The idle period the loop waits (``timers``) and plans its wake-ups with (``timer_plan``)."""
-    monkeypatch.setattr(timer_loop, "MAX_IDLE_S", 30.0)
+    monkeypatch.setattr(timers, "MAX_IDLE_S", 30.0)
     monkeypatch.setattr(timer_plan, "MAX_IDLE_S", 30.0)
 
 
@@ -221,7 +191,7 @@ async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
 async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
     gw = Recorder()
     held = held_slot(PARTS)
-    loop = TimerLoop(TimerSettings(lookahead_ms=100), store, gw)
+    loop = timer_loop(store, gw, TimerSettings(lookahead_ms=100))
     with anyio.fail_after(8):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -306,7 +276,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
         waker = Waker()
         held = held_slot(PARTS)
         gw = Recorder()
-        loop = TimerLoop(TimerSettings(lookahead_ms=100), backend.timers, gw, nudge=backend.log.nudge)
+        loop = timer_loop(backend.timers, gw, TimerSettings(lookahead_ms=100), nudge=backend.log.nudge)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, waker)
@@ -372,7 +342,7 @@ async def fire_over_an_idle_log(
     for t in timers:
         assert await store.put(t)
     gw = Recorder()
-    loop = TimerLoop(TimerSettings(lookahead_ms=lookahead_ms), store, gw, nudge=nudge)
+    loop = timer_loop(store, gw, TimerSettings(lookahead_ms=lookahead_ms), nudge=nudge)
     held = held_slot(PARTS)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

@@ -1,6 +1,6 @@
-"""The embedded outbox fast path (``EmbeddedTimerStore.fire_into_outbox``): the due timers read,
+"""The embedded outbox shortcut (``EmbeddedTimerStore.fire_into_outbox``): the due timers read,
 written to the outbox table of the same file and settled as fired in one transaction, with no
-claim. Held to what ``claim_due``, the outbox gateway's ``deliver`` and a fired ``settle`` do."""
+claim. Held to what ``claim_due``, the outbox gateway's ``send_batch`` and a fired ``settle`` do."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.embedded.test_firing_path import CTX, T0, by_due, populate, timer
-from wowd.daemon.timers import next_occurrence
+from wowd.daemon.timer_plan import next_occurrence
 from wowd.delivery.outbox import outbox_entry
 from wowd.errors import LeaseLost, StorageError
 from wowd.model import (
@@ -27,7 +27,7 @@ from wowd.model import (
     TimerChange,
     TimerStatus,
 )
-from wowd.stores.base import FiredTimer, FireRequest
+from wowd.stores.base import FiredTimer, OutboxRound
 from wowd.stores.embedded.outbox import EmbeddedOutbox, entry_row
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timer_sql import outbox_row, table_name, timer_params
@@ -60,30 +60,32 @@ async def db(tmp_path: Path) -> AsyncIterator[File]:
 
 async def fire(
     store: EmbeddedTimerStore,
-    until: int,
+    at: int,
     limit: int = 1000,
     *,
-    at: int | None = None,
     parts: frozenset[int] = ALL,
     fence: int = 5,
     owner_key: str = "me",
     exclude: Collection[str] = (),
     deadline: float | None = None,
 ) -> list[FiredTimer]:
-    """A fused round as the outbox gateway runs it (fire time ``at``, default ``until``)."""
-    at = until if at is None else at
-    request = FireRequest(
-        partitions=parts,
-        until=until,
-        limit=limit,
-        at=at,
-        owner_key=owner_key,
-        fence=fence,
-        next_due=next_occurrence,
-        exclude=exclude,
-        deadline=deadline,
+    """An outbox round of the timers due by ``at``, the feed's watermark past them (no question
+    to the log)."""
+    done = await store.fire_into_outbox(
+        OutboxRound(
+            partitions=parts,
+            at=at,
+            read_to=at,
+            limit=limit,
+            owner_key=owner_key,
+            fence=fence,
+            next_due=next_occurrence,
+            exclude=exclude,
+            deadline=deadline,
+        )
     )
-    return await store.fire_into_outbox(request)
+    assert done.left == 0
+    return done.fired
 
 
 def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
@@ -93,7 +95,7 @@ def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
 
 async def test_it_fires_the_timers_claim_due_would_claim_in_the_same_order(tmp_path: Path) -> None:
     """Two files populated alike (PENDING timers, claims expiring at various times, parked and
-    failed ones): per round, the fused round fires exactly the timers ``claim_due`` claims on
+    failed ones): per round, the outbox round fires exactly the timers ``claim_due`` claims on
     the other, in due order, each answered as read; ``exclude`` is neither fired nor counted."""
     stores = [EmbeddedTimerStore(tmp_path / f"{n}.db", context=CTX, partitions=PARTS) for n in ("a", "b")]
     claiming, firing = stores
@@ -126,7 +128,7 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
     ts = [timer(f"o-{i}", PARTS, due_at=T0 + i, aggregate=("order", "cart")[i % 2]) for i in range(30)]
     for t in ts:
         assert await db.timers.put(t)
-    fired = await fire(db.timers, T0 + 100, at=T0 + 200)
+    fired = await fire(db.timers, T0 + 200)
     assert fired == [FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None) for t in by_due(ts)]
     assert await db.outbox.entries() == [
         OutboxEntry(
@@ -212,7 +214,7 @@ async def test_a_recurring_timer_moves_to_its_next_occurrence(db: File) -> None:
     assert loaded["every"].attempts == 1 and loaded["every"].last_error == "HTTP 503"
     at = T0 + 2_500
     ids = {t.timer_id: name for name, t in loaded.items()}
-    fired = {ids[f.timer_id]: f.next_due for f in await fire(db.timers, T0, at=at)}
+    fired = {ids[f.timer_id]: f.next_due for f in await fire(db.timers, at)}
     assert fired == {"every": T0 + 3_000, "ending": None, "cron": next_occurrence(loaded["cron"], at)}
     for name, nxt in fired.items():
         t = loaded[name]
@@ -284,7 +286,7 @@ def test_an_outbox_row_is_the_row_of_the_gateways_entry(target: AggregateRef) ->
 
 
 async def test_an_occurrence_past_its_misfire_grace_is_settled_with_no_outbox_entry(db: File) -> None:
-    """The fast path fires late (a backlog after a restart): an occurrence later than its rule's
+    """The outbox round fires late (a backlog after a restart): an occurrence later than its rule's
     misfire grace is settled as passed (a one-shot timer done, a recurring one at its next
     occurrence) in the same transaction, with no outbox entry; the others are delivered."""
     graced_once = replace(timer("graced-once", PARTS, due_at=T0), rule=OnceRule(misfire_grace_ms=1_000))
@@ -295,7 +297,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_settled_with_no_outbox_en
     plain = timer("plain", PARTS, due_at=T0)
     for t in (graced_once, graced_every, within, plain):
         assert await db.timers.put(t)
-    fired = {f.timer_id: f for f in await fire(db.timers, T0, at=T0 + 5_000)}
+    fired = {f.timer_id: f for f in await fire(db.timers, T0 + 5_000)}
     assert {t.owner.id for t in (graced_once, graced_every) if fired[t.timer_id].misfired} == {
         "graced-once",
         "graced-every",

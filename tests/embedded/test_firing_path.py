@@ -14,9 +14,8 @@ from typing import Any, get_args, get_type_hints
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker, held_slot
+from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import TimerSettings
-from wowd.daemon.timers import TimerLoop
 from wowd.delivery import OutboxGateway
 from wowd.model import (
     AggregateRef,
@@ -337,7 +336,7 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
     for t in timers:
         assert await store.put(t)
     held = held_slot(parts, fence=3)
-    loop = TimerLoop(TimerSettings(batch=100), store, OutboxGateway(box))
+    loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100))
     try:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:

@@ -20,7 +20,7 @@ from wowd import clock
 from wowd.daemon.leases import check_store_clock, clock_disagreement
 from wowd.errors import ConfigError, FormatError
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, SlotLease, partition
-from wowd.stores.base import ClockReading, Ddl, ReplicaInfo
+from wowd.stores.base import ClockReading, Ddl, OwnerProbe, ReplicaInfo
 from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
 from wowd.stores.embedded.sqlite import sqlite3
@@ -286,12 +286,12 @@ async def elog(tmp_path: Path) -> AsyncIterator[EmbeddedLog]:
 
 
 @pytest.mark.parametrize("asked", [1, 3, 256, 257, 600])
-async def test_which_owners_have_a_commit_past_a_position_is_one_seek_each_in_few_statements(
+async def test_which_owners_have_a_commit_above_a_version_is_one_seek_each_in_few_statements(
     tmp_path: Path, asked: int
 ) -> None:
-    """What the feed asks before firing a batch's due timers: of many aggregates, which the log
-    holds a commit of past a position, as the single seek answers it, whatever the count (chunks
-    and the padding of the last one)."""
+    """The fire rule's question: of many aggregates, which the log holds a commit of above a
+    version, whatever the count (chunks and the padding of the last one), answered the same
+    inside a transaction and by ``EmbeddedLog.committed_after``."""
     path = tmp_path / "log.db"
     store = EmbeddedLog(path, context="ctx", partitions=8)
     try:
@@ -299,15 +299,15 @@ async def test_which_owners_have_a_commit_past_a_position_is_one_seek_each_in_fe
         ids = [f"o{i}" for i in range(asked)]
         await store.append_many([commit(i) for i in ids])
         await store.append_many([commit(i, 2) for i in ids[::3]])
+        owners = [("ctx", "order", "(0)", "never-committed", 0), ("ctx", "order", "(0)", ids[0], 2)]
+        owners += [("ctx", "order", "(0)", i, 1) for i in ids]
+        expected = {2 + n for n in range(0, asked, 3)}
+        probes = [OwnerProbe(AggregateRef(context=c, aggregate=a, tenant_id=t, id=i), v) for c, a, t, i, v in owners]
+        assert await store.committed_after(probes) == expected
     finally:
         await store.close()
     with sqlite3.connect(path) as conn:
-        seqs = dict(conn.execute("SELECT aggregate_id, seq FROM log WHERE version = 1"))
-        owners = [("ctx", "order", "(0)", "never-committed", 0), ("ctx", "order", "(0)", ids[0], 10**9)]
-        owners += [("ctx", "order", "(0)", i, seqs[i]) for i in ids]
-        expected = {n for n, o in enumerate(owners) if log_module.committed_past(conn, o[:4], o[4])}
-        assert expected == {2 + n for n in range(0, asked, 3)}
-        assert log_module.committed_past_many(conn, owners) == expected
+        assert log_module.committed_after(conn, owners) == expected
 
 
 async def test_log_refuses_tables_of_another_format(tmp_path: Path) -> None:

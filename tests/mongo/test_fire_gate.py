@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
@@ -28,16 +28,14 @@ from bson.timestamp import Timestamp
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
-from tests.helpers import held_slot
+from tests.helpers import Recorder, held_slot, timer_loop
 from tests.mongo.conftest import Wire, primary, serving
 from tests.mongo.log_support import CONTEXT, DB, ORDERS, housekeeping, token
 from wowd.backends import opened_backend
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
-from wowd.daemon.timers import TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.delivery import Delivered, Lane, Record, Stopped
 from wowd.metrics import REGISTRY
 from wowd.model import (
     AggregateRef,
@@ -125,34 +123,6 @@ def insert_event(doc: dict[str, Any], ct: tuple[int, int]) -> dict[str, Any]:
 
 def position(ct: tuple[int, int]) -> dict[str, Any]:
     return {"token": token(ct), "cluster_time": list(ct)}
-
-
-class Recorder:
-    """A gateway that delivers every timer and records when (ms)."""
-
-    def __init__(self) -> None:
-        self.fired: list[tuple[Timer, int]] = []
-        self.changed = anyio.Event()
-
-    def lane(self, timer: Timer) -> Lane:
-        return Lane("all", limit=64, chunk=1000)
-
-    async def send(self, timer: Timer) -> Delivered:
-        return Delivered()
-
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped) -> None:
-        for t in timers:
-            self.fired.append((t, now_ms()))
-            record(t, Delivered())
-        self.changed.set()
-        self.changed = anyio.Event()
-
-    async def until_fired(self, n: int) -> None:
-        while len(self.fired) < n:
-            await self.changed.wait()
-
-    async def aclose(self) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- the server
@@ -314,13 +284,13 @@ class Slot:
 
     def __init__(self, tmp_path: Path, backend: Backend, log: MongoLog) -> None:
         self.settings = settings(tmp_path)
-        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, outbox_firing=None, checks_log=False)
+        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, outbox_shortcut=None)
         self.log = log
         self.gateway = Recorder()
         self.held: HeldSlot | None = None
         self.waker = Waker(partitions=range(PARTS))
-        self.loop = TimerLoop(self.settings.timers, backend.timers, self.gateway, nudge=log.nudge,
-                              gate=log.committed_after)  # fmt: skip
+        self.loop = timer_loop(backend.timers, self.gateway, self.settings.timers, nudge=log.nudge,
+                               gate=log.committed_after)  # fmt: skip
 
     async def run(
         self, *, loop: bool = True, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED

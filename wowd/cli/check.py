@@ -215,7 +215,7 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
         return 0  # the outbox is probed with the stores
     from wowd.delivery import HttpGateway
 
-    gateway = HttpGateway(settings.gateway, concurrency=1)
+    gateway = HttpGateway(settings.gateway, pool_size=1)
     failures = 0
     try:
         for route in gateway.routes:

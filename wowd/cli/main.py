@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         err(f"wowd: {exc}")
         return 2
     setup_logging(settings)
+    for note in settings.renamed:
+        log.warning("%s", note)
     handler: Handler = args.handler
     try:
         return _anyio_run(partial(handler, settings, args))

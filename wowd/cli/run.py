@@ -16,7 +16,6 @@ import anyio
 from prometheus_client import Counter
 
 from wowd import __version__, metrics
-from wowd.backends import CLOSE_TIMEOUT_S, open_backend
 from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
 from wowd.config import WowdSettings
@@ -24,9 +23,8 @@ from wowd.stores.base import Backend
 
 if TYPE_CHECKING:
     from wowd.daemon.supervisor import Supervisor
-    from wowd.delivery import CommandGateway, OutboxGateway
 
-__all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "SWITCH_INTERVAL_S", "build_gateway", "register", "run", "tune_gc"]
+__all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "SWITCH_INTERVAL_S", "register", "run", "tune_gc"]
 
 log = logging.getLogger("wowd")
 
@@ -55,16 +53,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
 async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Runs the supervisor; the first signal stops gracefully, a later one (at least
     :data:`ESCALATE_AFTER_S` after the first) cancels. Exit 1 when cancelled."""
-    from wowd.daemon.supervisor import Supervisor  # the replica: loaded by this command only
+    from wowd.daemon.replica import open_replica  # the replica: loaded by this command only
 
-    backend = await open_backend(settings)
-    gateway, fused = build_gateway(settings, backend)
-    sup = Supervisor(settings, backend, gateway, port_file=args.port_file, fused=fused)
-    tune_gc()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     forced = False
 
-    async def signals(received: AsyncIterator[int], scope: anyio.CancelScope) -> None:
+    async def signals(received: AsyncIterator[int], scope: anyio.CancelScope, sup: Supervisor) -> None:
         nonlocal forced
         first: float | None = None
         async for signum in received:
@@ -85,31 +78,16 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
 
     # the signals are ours until the stores are closed: a late one does not kill the close
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
-        try:
+        async with open_replica(settings, port_file=args.port_file) as sup:
+            tune_gc()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(signals, received, tg.cancel_scope)
+                tg.start_soon(signals, received, tg.cancel_scope, sup)
                 if settings.demo:
-                    tg.start_soon(_demo_in_process, backend, sup, settings)
+                    tg.start_soon(_demo_in_process, sup.backend, sup, settings)
                 await sup.run()
                 tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_TIMEOUT_S):
-                await gateway.aclose()
-                await backend.close()
     return 1 if forced else 0
-
-
-def build_gateway(settings: WowdSettings, backend: Backend) -> tuple[CommandGateway, OutboxGateway | None]:
-    """The configured gateway, and the same gateway again when it has a fast path for due
-    timers (``OutboxGateway.fused``): the ``outbox`` gateway on a backend whose timer store
-    writes into the outbox itself (the embedded backend), unless ``outbox.fast_path`` is off."""
-    from wowd.delivery import HttpGateway, OutboxGateway
-
-    if settings.gateway.kind == "http":
-        return HttpGateway(settings.gateway, concurrency=settings.timers.concurrency), None
-    firing = backend.outbox_firing if settings.outbox.fast_path else None
-    outbox = OutboxGateway(backend.outbox, retention_s=settings.outbox.retention_s, firing=firing)
-    return outbox, outbox if outbox.fused is not None else None
 
 
 def tune_gc() -> None:

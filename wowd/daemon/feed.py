@@ -27,7 +27,6 @@ from anyio.streams.memory import MemoryObjectSendStream
 from wowd import metrics
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
-from wowd.delivery import FusedFiring
 from wowd.errors import (
     ConfigError,
     InvalidInput,
@@ -56,7 +55,7 @@ from wowd.model import (
 )
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import Backend, EventSink, FeedFiring, FeedWriter
+from wowd.stores.base import Backend, EventSink, FeedWriter
 from wowd.views import (
     FROM_START,
     INDEX,
@@ -119,14 +118,10 @@ class Feeder:
         *,
         reducers: Mapping[str, Reducer] | None = None,
         batch_size: int = 500,
-        fused: FusedFiring | None = None,
         views: Sequence[View] | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
-        self._fused = fused
-        """The gateway's fast path into the backend's outbox, when a batch applied in one
-        transaction fires the due timers it puts (:class:`~wowd.stores.base.FeedFiring`)."""
         self._reducers = dict(reducers or {})
         self._batch_size = batch_size
         self.views = tuple(views) if views is not None else enabled_views(settings, self._reducers)
@@ -680,9 +675,6 @@ class Feeder:
         timers = any(v.name == TIMERS for v in views)
         indexed = self._indexed(views)
         writes = prepared.timer_writes if timers else []
-        fire = None
-        if self._fused is not None and timers:
-            fire = FeedFiring(held.owner_key, held.deadline(), self._settings.timers.batch)
         planned = prepared.planned if prepared.planned_for == (indexed, bool(writes)) else None
         try:
             done = await writer.apply(
@@ -692,7 +684,6 @@ class Feeder:
                 positions,
                 held.fence,
                 now=now,
-                fire=fire,
                 planned=planned,
             )
         except (StorageUnavailable, LeaseLost, SlotStalled):
@@ -704,21 +695,10 @@ class Feeder:
             return False
         if not done.saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
-        answers = done.timer_answers
-        if done.fired:
-            metrics.count_fired((f.aggregate, f.scheduled_at, now) for f in done.fired)
-            fired = {f.timer_id for f in done.fired}
-            # a timer fired here needs no wake-up of the loop
-            answers = [
-                0 if w.timer is not None and w.timer.timer_id in fired else a
-                for w, a in zip(writes, answers, strict=True)
-            ]
         if waker is not None:
-            _wake_for_puts(held, writes, answers, waker)
+            _wake_for_puts(held, writes, done.timer_answers, waker)
             if done.resumed:
                 _resumed(held, done.resumed, now, waker)
-        if done.fired and self._fused is not None:
-            await self._fused.fired_elsewhere()
         return True
 
     async def _isolate(

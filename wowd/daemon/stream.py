@@ -1,10 +1,13 @@
 """Deliveries as a stream: claimed timers flow into one queue per target (a *lane*), workers
-deliver them, and each outcome is settled as it comes.
+deliver them through the gateway, and each outcome is settled as it comes. Every limit of
+deliveries lives here (:class:`Limits`, sized once where the replica is assembled); a gateway only
+sends.
 
-- :class:`DeliveryStream` keeps a lane per target (``CommandGateway.lane``): at most the lane's
+- :class:`DeliveryStream` keeps a lane per target (:attr:`Limits.lane_of`): at most the lane's
   ``limit`` deliveries of a target at once, at most ``concurrency`` in all, lanes served in turn.
   A request that hangs holds one slot of its own target until its timeout, and nothing else:
-  the other targets' timers go on through the free workers.
+  the other targets' timers go on through the free workers. A lane of chunks (the outbox) hands
+  the gateway up to ``chunk`` timers per call (:meth:`~wowd.delivery.BatchGateway.send_batch`).
 - :class:`Settler` writes the outcomes in groups: as soon as :data:`SETTLE_GROUP` are waiting or
   :data:`SETTLE_LINGER_S` after the first of a group, one ``settle`` call each.
 - The *window*: a delivery holds a place in it from before its request until its outcome is
@@ -18,17 +21,28 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import anyio
 from anyio.abc import TaskGroup
 
 from wowd import metrics
-from wowd.delivery import CommandGateway, Lane, Outcome
+from wowd.delivery import BatchGateway, CommandGateway, Outcome, target_of
 from wowd.errors import StorageError
 from wowd.model import Timer, TimerChange
 from wowd.retry import Backoff, retrying
 
-__all__ = ["SETTLE_GROUP", "SETTLE_LINGER_S", "DeliveryStream", "Settler"]
+__all__ = [
+    "OUTBOX_CHUNK",
+    "SETTLE_GROUP",
+    "SETTLE_LINGER_S",
+    "DeliveryStream",
+    "Lane",
+    "Limits",
+    "Settler",
+    "batch_limits",
+    "target_limits",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,58 @@ SETTLE_MAX = 1000
 """At most this many changes in one ``settle`` call."""
 SETTLE_BACKOFF = Backoff(0.05, 2.0)
 """The pause before retrying a settle the store could not take."""
+OUTBOX_CHUNK = 500
+"""At most this many timers in one call of a gateway that takes chunks (one outbox write)."""
+OUTBOX_LANES = 4
+"""Chunks of the outbox written at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """Where a timer waits for delivery: one queue per ``name`` (a target), at most ``limit``
+    calls of it at once, each carrying up to ``chunk`` timers (1: ``send``; more: ``send_batch``
+    of a :class:`~wowd.delivery.BatchGateway`)."""
+
+    name: str
+    limit: int
+    chunk: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Every limit of a replica's deliveries: ``concurrency`` calls in flight in all (the HTTP
+    gateway's connection pool has as many connections), each timer's lane (:class:`Lane`: the
+    per-target limit, from its route), and the window: at most ``concurrency + SETTLE_GROUP``
+    deliveries sent and not settled, what a kill can re-send."""
+
+    concurrency: int
+    lane_of: Callable[[Timer], Lane]
+
+    @property
+    def window(self) -> int:
+        return self.concurrency + SETTLE_GROUP
+
+
+def target_limits(concurrency: int, per_target: Callable[[str], int]) -> Limits:
+    """A lane per target (``context.aggregate``), ``per_target(target)`` calls of it at once (a
+    route's ``per_target_concurrency``), one timer a call."""
+    lanes: dict[str, Lane] = {}
+
+    def lane_of(timer: Timer) -> Lane:
+        name = target_of(timer)
+        lane = lanes.get(name)
+        if lane is None:
+            lane = lanes[name] = Lane(name, min(per_target(name), concurrency))
+        return lane
+
+    return Limits(concurrency=concurrency, lane_of=lane_of)
+
+
+def batch_limits(concurrency: int) -> Limits:
+    """One lane for every timer, chunks of :data:`OUTBOX_CHUNK`, :data:`OUTBOX_LANES` at once
+    (the outbox: one write serves a chunk)."""
+    lane = Lane("outbox", min(OUTBOX_LANES, concurrency), OUTBOX_CHUNK)
+    return Limits(concurrency=concurrency, lane_of=lambda _timer: lane)
 
 
 class Settler:
@@ -167,12 +233,13 @@ class _LaneState:
 
 
 class DeliveryStream:
-    """Per-target queues and up to ``concurrency`` workers (tasks in the bound task group,
+    """Per-target queues and up to ``limits.concurrency`` workers (tasks in the bound task group,
     started as timers arrive, ending when nothing is left to deliver); each outcome goes to
     ``record``.
 
     Before each call a worker waits for room in the window: calls in flight plus outcomes
-    recorded and not yet written (:meth:`settled` says when they are) stay within ``window``.
+    recorded and not yet written (:meth:`settled` says when they are) stay within
+    ``limits.window``.
     No delivery starts once ``stopped()``; the timers still queued then are the caller's to
     release (:meth:`left`), and so is a call cancelled in flight (it records nothing). A timer
     ``skip`` answers True for when its turn comes is not sent: ``skip`` queues its change itself
@@ -182,18 +249,18 @@ class DeliveryStream:
     def __init__(
         self,
         gateway: CommandGateway,
+        limits: Limits,
         record: Callable[[Timer, Outcome], None],
         *,
-        concurrency: int,
-        window: int,
         stopped: Callable[[], bool],
         skip: Callable[[Timer], bool] | None = None,
     ) -> None:
         self._gateway = gateway
+        self._lane_of = limits.lane_of
         self._skip = skip
         self._record = record
-        self._concurrency = concurrency
-        self._window = window
+        self._concurrency = limits.concurrency
+        self._window = limits.window
         self._stopped = stopped
         self._lanes: dict[str, _LaneState] = {}
         self._ready: deque[_LaneState] = deque()
@@ -217,7 +284,7 @@ class DeliveryStream:
     def put(self, timers: Sequence[Timer]) -> None:
         """Queues ``timers`` on their targets' lanes (in this order) and starts workers."""
         lanes = self._lanes
-        lane_of = self._gateway.lane
+        lane_of = self._lane_of
         for t in timers:
             spec = lane_of(t)
             lane = lanes.get(spec.name)
@@ -333,7 +400,9 @@ class DeliveryStream:
 
         if lane.chunk == 1:
             (t,) = batch
-            outcome = await self._gateway.send(t)
+            recorded(t, await self._gateway.send(t))
+            return
+        # a lane of chunks is a batch gateway's (the replica's assembly pairs them: batch_limits)
+        outcome = await cast(BatchGateway, self._gateway).send_batch(batch)
+        for t in batch:
             recorded(t, outcome)
-        else:
-            await self._gateway.deliver(batch, recorded, self._stopped)

@@ -19,7 +19,8 @@ from anyio.abc import TaskStatus
 from wowd import metrics
 from wowd.clock import now_ms
 from wowd.config import WowdSettings
-from wowd.delivery import CommandGateway, FusedFiring, OutboxGateway
+from wowd.delivery import OutboxGateway
+from wowd.delivery.outbox import OUTBOX_HOUSEKEEPING_S
 from wowd.errors import StorageError
 from wowd.reducers import Reducer, load_reducer
 from wowd.retry import Backoff, RetryStopped, retrying
@@ -27,11 +28,12 @@ from wowd.stores.base import Backend
 from wowd.ui import StatusPage
 
 from .feed import Feeder
+from .firing import Firing
 from .http import HttpServer
 from .leases import HeldSlot, Presence, SlotKeeper, check_store_clock, owner_key_for
 from .rebuild import Rebuilder
 from .systemd import SystemdNotifier
-from .timers import TimerLoop, round_strategy
+from .timers import TimerLoop
 from .waker import Waker
 
 __all__ = ["Supervisor"]
@@ -51,17 +53,18 @@ class Supervisor:
         self,
         settings: WowdSettings,
         backend: Backend,
-        gateway: CommandGateway,
+        firing: Firing,
         *,
+        outbox: OutboxGateway | None = None,
         notifier: SystemdNotifier | None = None,
         port_file: Path | None = None,
-        fused: FusedFiring | None = None,
     ) -> None:
         self.settings = settings
         self.backend = backend
-        self.gateway = gateway
-        self.fused = fused
-        """The gateway's fast path for due timers, when it has one (``OutboxGateway.fused``)."""
+        self.firing = firing
+        """How the slots' timers fire (:func:`~wowd.daemon.firing.choose`)."""
+        self.outbox = outbox
+        """The outbox gateway, when it is the gateway: its depth and retention are kept here."""
         self.notifier = notifier or SystemdNotifier()
         self._port_file = port_file
         self._keepers: list[SlotKeeper] = []
@@ -208,7 +211,7 @@ class Supervisor:
         ]
         presence = self._presence = Presence(s, self.backend.leases, lambda: self.held, owner_key=base_key)
         # the outbox depth is counted at each scrape (the store call cannot run inside a collector)
-        outbox = self.gateway if isinstance(self.gateway, OutboxGateway) else None
+        outbox = self.outbox
         if outbox is not None:
             metrics.OUTBOX_DEPTH_AGE.set_function(outbox.depth_age)
         self.http = HttpServer(
@@ -229,6 +232,8 @@ class Supervisor:
                     return
                 await self._ping()
                 tg.start_soon(self._health_loop)
+                if outbox is not None:
+                    tg.start_soon(self._outbox_loop, outbox)
                 if self.notifier.watchdog_interval:
                     tg.start_soon(self._watchdog_loop, self.notifier.watchdog_interval)
                 async with anyio.create_task_group() as replica:
@@ -276,22 +281,8 @@ class Supervisor:
 
     async def _slot_work(self, held: HeldSlot) -> None:
         waker = Waker(partitions=held.partitions)
-        # with the gateway's fast path into the backend's outbox, a batch fires the due timers it
-        # puts (those no later commit can cancel) in its own transaction
-        feeder = Feeder(
-            self.settings, self.backend, reducers=self._reducers, fused=self.fused if self.backend.checks_log else None
-        )
-        timers = self.settings.timers
-        strategy = round_strategy(
-            timers,
-            self.backend.timers,
-            self.gateway,
-            nudge=self.backend.log.nudge,
-            fused=self.fused,
-            check_log=self.backend.checks_log,
-            gate=self.backend.log.committed_after,
-        )
-        loop = TimerLoop(timers, self.backend.timers, self.gateway, nudge=self.backend.log.nudge, strategy=strategy)
+        feeder = Feeder(self.settings, self.backend, reducers=self._reducers)
+        loop = self.firing.loop()
         self._feeders[held.slot] = feeder
         self._loops[held.slot] = loop
         self._wakers[held.slot] = waker
@@ -345,6 +336,12 @@ class Supervisor:
             except (StorageError, TimeoutError) as exc:
                 log.debug("slot table not read: %s", exc)
             await anyio.sleep(min(HEALTH_EVERY_S, s.lease.ttl_s / 2))
+
+    async def _outbox_loop(self, outbox: OutboxGateway) -> None:
+        """Trims the outbox past its retention every :data:`OUTBOX_HOUSEKEEPING_S`."""
+        while True:
+            await outbox.housekeep()
+            await anyio.sleep(OUTBOX_HOUSEKEEPING_S)
 
     async def _watchdog_loop(self, every_s: float) -> None:
         while True:

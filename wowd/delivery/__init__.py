@@ -1,8 +1,9 @@
-"""Command delivery: where a fired timer's command goes.
+"""Command delivery: where a fired timer's command goes. A gateway only sends; when, how many at
+once and to whom is the delivery stream's (:mod:`wowd.daemon.stream`).
 
 - :mod:`~wowd.delivery.outcomes`: what a delivery answers (:class:`Delivered`, :class:`Retry`,
-  :class:`Park`, :class:`Fail`), the :class:`CommandGateway` protocol, lanes and the fast path's
-  :class:`FusedFiring` protocol;
+  :class:`Park`, :class:`Fail`) and the gateway protocols (:class:`CommandGateway`,
+  :class:`BatchGateway`);
 - :mod:`~wowd.delivery.outbox`: the ``outbox`` gateway (:class:`OutboxGateway`);
 - :mod:`~wowd.delivery.http`: the ``http`` gateway (:class:`HttpGateway`), over
   :mod:`~wowd.delivery.routes` (where each target's commands go), :mod:`~wowd.delivery.commands`
@@ -18,40 +19,32 @@ from wowd.delivery.http import HttpGateway
 from wowd.delivery.log import DeliveryLog, delivery_log
 from wowd.delivery.outbox import OutboxGateway
 from wowd.delivery.outcomes import (
+    BatchGateway,
     CommandGateway,
     Delivered,
     Fail,
-    FusedFiring,
-    Lane,
     Outcome,
     Park,
-    Record,
     Retry,
-    Stopped,
-    deliver_concurrently,
     outcome_for_status,
     target_of,
 )
 from wowd.signing import InvalidSignature, verify
 
 __all__ = [
+    "BatchGateway",
     "CircuitBreaker",
     "CommandGateway",
     "Delivered",
     "DeliveryLog",
     "Fail",
-    "FusedFiring",
     "HttpGateway",
     "InvalidSignature",
-    "Lane",
     "OutboxGateway",
     "Outcome",
     "Park",
-    "Record",
     "Retry",
-    "Stopped",
     "command_url",
-    "deliver_concurrently",
     "delivery_log",
     "outcome_for_status",
     "request_parts",

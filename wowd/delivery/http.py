@@ -1,19 +1,16 @@
 """The http gateway: POSTs to a Wow-style command endpoint with ``Command-Request-Id`` (aiohttp,
-one keep-alive connection pool), at most ``per_target_concurrency`` requests in flight per target
-and a :class:`~wowd.delivery.breaker.CircuitBreaker` per target; each target goes by its route
-(:mod:`wowd.delivery.routes`): URL, credential, time limit, TLS context, signing secrets.
+one keep-alive connection pool) behind a :class:`~wowd.delivery.breaker.CircuitBreaker` per
+target; each target goes by its route (:mod:`wowd.delivery.routes`): URL, credential, time
+limit, TLS context, signing secrets. It only sends: how many requests are in flight, in all and
+per target, is the delivery stream's to decide (the pool is sized to its limit).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-import anyio
 
 from wowd import metrics
 from wowd.config import GatewaySettings
@@ -34,13 +31,9 @@ from wowd.delivery.outcomes import (
     DELIVERED,
     OUTCOME_NAMES,
     Fail,
-    Lane,
     Outcome,
-    Record,
     Retry,
-    Stopped,
     is_target_failure,
-    never_stopped,
     outcome_for_status,
     target_of,
 )
@@ -59,57 +52,14 @@ def _transport_reason(exc: BaseException) -> str:
     return f"transport error: {name}"
 
 
-class _Slots:
-    """A counting limit for one event loop: :meth:`take` answers at once whether a slot was free
-    (no coroutine, no task switch), :meth:`wait` queues in order; :meth:`give` hands a slot to the
-    first waiter. A waiter cancelled after it was handed a slot passes it on."""
-
-    __slots__ = ("_free", "_waiters")
-
-    def __init__(self, size: int) -> None:
-        self._free = size
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    def take(self) -> bool:
-        if self._free > 0 and not self._waiters:
-            self._free -= 1
-            return True
-        return False
-
-    async def wait(self) -> None:
-        """Until a slot is this caller's (:meth:`take` answered False)."""
-        if self.take():
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.give()  # handed a slot, then cancelled before it resumed
-            else:
-                fut.cancel()  # left in the queue: give() skips it
-            raise
-
-    def give(self) -> None:
-        waiters = self._waiters
-        while waiters:
-            fut = waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._free += 1
-
-
 class _Target:
-    """What the gateway keeps per target: its circuit, its slots and its short-circuit counter."""
+    """What the gateway keeps per target: its circuit and its short-circuit counter."""
 
-    __slots__ = ("_short_circuited", "breaker", "name", "slots")
+    __slots__ = ("_short_circuited", "breaker", "name")
 
-    def __init__(self, name: str, breaker: CircuitBreaker, slots: int) -> None:
+    def __init__(self, name: str, breaker: CircuitBreaker) -> None:
         self.name = name
         self.breaker = breaker
-        self.slots = _Slots(slots)
         self._short_circuited: Any = None
 
     def short_circuit(self, after_s: float) -> Outcome:
@@ -124,28 +74,28 @@ class _Target:
 class HttpGateway:
     """POSTs each command to its target's endpoint, ``Command-Request-Id: timer.request_id``.
 
-    A target's endpoint, credential, time limit, TLS context and per-target limit are those of
-    its route (:class:`~wowd.delivery.routes.Routes`: the first of ``routes`` matching it, else
-    ``url``); a timer whose target has no route fails without a request ("no route for ...",
-    ``wowd_gateway_unrouted_total``). The credential (``token``) goes as
-    ``Authorization: Bearer`` or, with ``api_key_header``, in that header; it is never logged nor
-    put in a reason (a target echoing it has it masked). With signing secrets, each request is
-    signed (:mod:`wowd.signing`: ``webhook-id`` is the request id). TLS verification is on unless
+    A target's endpoint, credential, time limit and TLS context are those of its route
+    (:class:`~wowd.delivery.routes.Routes`: the first of ``routes`` matching it, else ``url``); a
+    timer whose target has no route fails without a request ("no route for ...",
+    ``wowd_gateway_unrouted_total``). The credential (``token``) goes as ``Authorization:
+    Bearer`` or, with ``api_key_header``, in that header; it is never logged nor put in a reason
+    (a target echoing it has it masked). With signing secrets, each request is signed
+    (:mod:`wowd.signing`: ``webhook-id`` is the request id). TLS verification is on unless
     disabled; ``ca_certs`` names a CA bundle, else the system's CAs; ``client_cert`` (and
     ``client_key``) is presented to a target asking for one. Each exchange is bounded by
     ``timeout_s``; at most :data:`MAX_ANSWER_BYTES` of an answer are read (an answer left unread
-    closes its connection). One connection pool, keep-alive, at most ``concurrency``
-    connections and requests in flight, at most ``per_target_concurrency`` per target; a
-    :class:`CircuitBreaker` per target. The session is opened on the first send (in the
-    running loop) and closed by :meth:`aclose` unless it was given. Its requests ask for no
-    compression (``Accept-Encoding: identity``) and it keeps no cookies.
+    closes its connection). One keep-alive connection pool of ``pool_size`` connections (the
+    delivery stream's limit of requests in flight); a :class:`CircuitBreaker` per target. The
+    session is opened on the first send (in the running loop) and closed by :meth:`aclose` unless
+    it was given. Its requests ask for no compression (``Accept-Encoding: identity``) and it keeps
+    no cookies.
     """
 
     def __init__(
         self,
         settings: GatewaySettings,
         *,
-        concurrency: int = 64,
+        pool_size: int,
         session: aiohttp.ClientSession | None = None,
         outcomes: DeliveryLog | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -153,16 +103,14 @@ class HttpGateway:
         if not settings.url and not settings.routes:
             raise ValueError("gateway url or routes are required for the http gateway")
         self._settings = settings
-        self._concurrency = concurrency
+        self._pool_size = pool_size
         headers = {"content-type": "application/json", "accept": "application/json", "accept-encoding": "identity"}
         self._headers = headers
         self._owns = session is None
         self._session = session
         self._outcomes = outcomes or delivery_log
         self._clock = clock
-        self._in_flight = _Slots(concurrency)
         self._targets: dict[str, _Target] = {}
-        self._lanes: dict[str, Lane] = {}
         self._options: dict[str, dict[str, Any]] = {}
         # the client is loaded and the TLS contexts built (CA bundles, client certificates and
         # keys read) here, at start-up: it takes a tenth of a second or more, which the first
@@ -173,13 +121,11 @@ class HttpGateway:
         # an owned session sends the constant headers itself; a given one has them per request
         self._routes = Routes(settings, base_headers={} if self._owns else headers)
         self._secrets = sorted({r.secret for r in self._routes.all if r.secret}, key=len, reverse=True)
-        # deliver starts up to this many workers per target; each holds one of the target's slots
-        self._per_target = max(r.per_target_concurrency for r in self._routes.all)
 
     def _open_session(self) -> aiohttp.ClientSession:
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=0)
+        connector = aiohttp.TCPConnector(limit=self._pool_size, limit_per_host=0)
         self._session = aiohttp.ClientSession(
             connector=connector,
             headers=self._headers,
@@ -204,30 +150,15 @@ class HttpGateway:
                 open_s=self._settings.breaker_open_s,
                 clock=self._clock,
             )
-            route = self._routes.route(name)
-            slots = route.per_target_concurrency if route is not None else 1
-            t = self._targets[name] = _Target(name, breaker, slots)
+            t = self._targets[name] = _Target(name, breaker)
         return t
-
-    def lane(self, timer: Timer) -> Lane:
-        """A lane per target, its route's ``per_target_concurrency`` requests of it at once."""
-        name = target_of(timer)
-        lane = self._lanes.get(name)
-        if lane is None:
-            route = self._routes.route(name)
-            limit = route.per_target_concurrency if route is not None else 1
-            lane = self._lanes[name] = Lane(name, limit)
-        return lane
 
     def breaker(self, target: str) -> CircuitBreaker:
         """The circuit of ``target`` (created closed)."""
         return self._target(target).breaker
 
     async def send(self, timer: Timer) -> Outcome:
-        return await self._send(timer, self._target(target_of(timer)))
-
-    async def _send(self, timer: Timer, target: _Target, *, holding: bool = False) -> Outcome:
-        """``holding``: the caller holds one of the target's slots for this send."""
+        target = self._target(target_of(timer))
         request_id = timer.request_id
         route = self._routes.route(target.name)
         if route is None:
@@ -235,52 +166,35 @@ class HttpGateway:
             unrouted = Fail(reason=f"no route for {target.name}")
             self._outcomes.outcome(target.name, unrouted, request_id)
             return unrouted
-        breaker = target.breaker
-        refusing = breaker.refusing()
-        if refusing is not None:
-            outcome = target.short_circuit(refusing)
-            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
-            return outcome
         import yarl
 
         try:
             name, body, body_type = request_parts(timer.body)
             url = yarl.URL(target_command_url(route.url, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
-            outcome = Fail(reason=f"unreadable command: {exc}")
-            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
-            return outcome
+            unreadable = Fail(reason=f"unreadable command: {exc}")
+            self._outcomes.outcome(route.target_label(target.name), unreadable, request_id)
+            return unreadable
+        breaker = target.breaker
+        admission = breaker.admit()
+        if admission is Admission.REFUSE:
+            refused = target.short_circuit(breaker.refusing() or 0.0)
+            self._outcomes.outcome(route.target_label(target.name), refused, request_id)
+            return refused
+        trial = admission is Admission.TRIAL
         headers = {**route.headers, "command-request-id": request_id}
         if body_type:
             headers["command-type"] = body_type
         if route.signer is not None:
             headers.update(route.signer.headers(request_id, body))
-        slots = target.slots
-        if not holding and not slots.take():
-            await slots.wait()
         try:
-            admission = breaker.admit()  # the circuit may have opened while this send waited
-            if admission is Admission.REFUSE:
-                outcome = target.short_circuit(breaker.refusing() or 0.0)
-            else:
-                trial = admission is Admission.TRIAL
-                in_flight = self._in_flight
-                try:
-                    if not in_flight.take():
-                        await in_flight.wait()
-                    try:
-                        outcome, failed = await self._post(route, url, body, headers)
-                        route.counted[OUTCOME_NAMES[type(outcome)]].inc()
-                    finally:
-                        in_flight.give()
-                except BaseException:
-                    if trial:
-                        breaker.abandon_trial()
-                    raise
-                breaker.record(not failed, trial=trial)
-        finally:
-            if not holding:
-                slots.give()
+            outcome, failed = await self._post(route, url, body, headers)
+        except BaseException:
+            if trial:
+                breaker.abandon_trial()
+            raise
+        route.counted[OUTCOME_NAMES[type(outcome)]].inc()
+        breaker.record(not failed, trial=trial)
         if outcome is not DELIVERED:
             self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
         return outcome
@@ -375,38 +289,6 @@ class HttpGateway:
             msg = doc.get("errorMsg") or doc.get("message") or doc.get("errorCode") or ""
             return str(msg)[:200]
         return ""
-
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = never_stopped) -> None:
-        """Per target, up to ``per_target_concurrency`` workers (a slow target's timers do not
-        hold up the other targets'), each holding one of the target's slots while it sends its
-        timers one after the other (a batch delivered at the same time as another waits for those
-        slots instead of adding requests); at most ``concurrency`` requests in flight in all; none
-        starts once ``stopped()``."""
-        if not timers:
-            return
-        groups: dict[str, list[Timer]] = {}
-        for t in timers:
-            groups.setdefault(target_of(t), []).append(t)
-        send = self._send
-
-        async def worker(target: _Target, group: Iterator[Timer]) -> None:
-            slots = target.slots
-            if not slots.take():
-                await slots.wait()
-            try:
-                for t in group:
-                    if stopped():
-                        return
-                    record(t, await send(t, target, holding=True))
-            finally:
-                slots.give()
-
-        async with anyio.create_task_group() as tg:
-            for name, group in groups.items():
-                target = self._target(name)
-                it = iter(group)
-                for _ in range(min(len(group), self._per_target, self._concurrency)):
-                    tg.start_soon(worker, target, it)
 
     async def aclose(self) -> None:
         if self._owns and self._session is not None:

@@ -1,22 +1,19 @@
 """What a delivery answers and the protocols of a command gateway.
 
 ``CommandGateway.send(timer)`` answers one of :class:`Delivered`, :class:`Retry`, :class:`Park`,
-:class:`Fail`; it never raises for a failure of the target or the transport. ``deliver`` sends a
-batch and reports each outcome through a callback as soon as it is known, so a caller cancelled
-mid-batch (shutdown grace, lost lease) still settles what was delivered. A *target*
-(:func:`target_of`) is the timer's target context and aggregate type, ``context.aggregate``.
+:class:`Fail`; it never raises for a failure of the target or the transport. A
+:class:`BatchGateway` also sends a chunk of timers in one write (the outbox). A gateway only
+sends; the delivery stream decides when and how many at once. A *target* (:func:`target_of`) is
+the timer's target context and aggregate type, ``context.aggregate``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
-
-import anyio
+from typing import Any, Protocol, TypeAlias, runtime_checkable
 
 from wowd.model import Timer
-from wowd.stores.base import FiredTimer, FireRequest
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,87 +54,29 @@ class Fail:
 
 
 Outcome: TypeAlias = Delivered | Retry | Park | Fail
-Stopped: TypeAlias = Callable[[], bool]
 
 DELIVERED = Delivered()
 OUTCOME_NAMES: dict[type[Any], str] = {Delivered: "delivered", Retry: "retry", Park: "park", Fail: "fail"}
 
 
-def never_stopped() -> bool:
-    return False
-
-
-Record: TypeAlias = Callable[[Timer, Outcome], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Lane:
-    """Where a timer waits for delivery: one queue per ``name`` (a target), at most ``limit``
-    calls of it at once, each carrying up to ``chunk`` timers (1: :meth:`CommandGateway.send`;
-    more: :meth:`CommandGateway.deliver` of a batch)."""
-
-    name: str
-    limit: int
-    chunk: int = 1
-
-
 class CommandGateway(Protocol):
-    def lane(self, timer: Timer) -> Lane:
-        """The lane ``timer`` is delivered on."""
-        ...
+    """Sends a timer's command where it goes and answers what became of it. A gateway only sends:
+    what is sent when, how many at once and to whom (every limit) is the delivery stream's
+    (:class:`~wowd.daemon.stream.DeliveryStream`)."""
 
     async def send(self, timer: Timer) -> Outcome:
         """Delivers one timer's command; never raises for a target or transport failure."""
         ...
 
-    async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = never_stopped) -> None:
-        """Delivers a batch, calling ``record(timer, outcome)`` for each as soon as it is known.
-        Once ``stopped()`` answers True no further delivery starts (those not started are not
-        recorded: the caller releases them)."""
-        ...
-
     async def aclose(self) -> None: ...
 
 
-async def deliver_concurrently(
-    send: Callable[[Timer], Any],
-    timers: Sequence[Timer],
-    record: Record,
-    concurrency: int,
-    stopped: Stopped = never_stopped,
-) -> None:
-    """Runs ``send`` over ``timers`` with at most ``concurrency`` in flight (worker tasks, not one
-    task per timer); none starts once ``stopped()``."""
-    if not timers:
-        return
-    it = iter(timers)
+@runtime_checkable
+class BatchGateway(CommandGateway, Protocol):
+    """A gateway where one write serves many commands (the outbox): the stream hands it chunks."""
 
-    async def worker() -> None:
-        for t in it:
-            if stopped():
-                return
-            record(t, await send(t))
-
-    async with anyio.create_task_group() as tg:
-        for _ in range(min(concurrency, len(timers))):
-            tg.start_soon(worker)
-
-
-class FusedFiring(Protocol):
-    """A gateway's fast path: it fires the due timers itself, delivery and settle in one step."""
-
-    async def fire_due(self, request: FireRequest) -> list[FiredTimer]:
-        """Delivers and settles, all or nothing, the timers of ``request`` as a claim under its
-        owner key and fence, then a ``deliver`` answering Delivered and a fired ``settle`` would;
-        answers the timers fired. Raises :class:`~wowd.errors.StorageUnavailable` (nothing
-        written; retry) and :class:`~wowd.errors.LeaseLost` when it could not commit before the
-        request's deadline. With a ``check``, a due timer the log may have changed since the
-        feed's checkpoint is left (:class:`~wowd.stores.base.LogCheck`)."""
-        ...
-
-    async def fired_elsewhere(self) -> None:
-        """Timers were fired into this gateway's outbox by the feed's own transaction
-        (:class:`~wowd.stores.base.FeedFiring`): the housekeeping that follows a delivery."""
+    async def send_batch(self, timers: Sequence[Timer]) -> Outcome:
+        """Delivers every timer of ``timers`` in one write; the one outcome is each one's."""
         ...
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ssl
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from wowd.config import GatewaySettings
 from wowd.errors import ConfigError
 from wowd.signing import Signer
 
-__all__ = ["FALLBACK", "Route", "Routes", "env_proxy", "matches"]
+__all__ = ["FALLBACK", "Route", "Routes", "env_proxy", "matches", "per_target_limit"]
 
 FALLBACK = "*"
 """The name of the route of ``gateway.url`` (every target no route matches)."""
@@ -35,6 +35,29 @@ def matches(match: str, target: str) -> bool:
     """Whether a route's ``match`` (``context`` or ``context.aggregate``) takes ``target``
     (``context.aggregate``)."""
     return target == match or (target.startswith(match) and target[len(match) : len(match) + 1] == ".")
+
+
+def _first_match(matchers: Sequence[str], target: str) -> int | None:
+    """The index of the first of ``matchers`` (routes' ``match``) that takes ``target``."""
+    return next((i for i, m in enumerate(matchers) if matches(m, target)), None)
+
+
+def per_target_limit(settings: GatewaySettings) -> Callable[[str], int]:
+    """The deliveries in flight each target may have: its route's ``per_target_concurrency``
+    (or ``gateway.per_target_concurrency``); 1 for a target with no route (its timers fail
+    without a request)."""
+    matchers = [r.match for r in settings.routes]
+    limits = [
+        r.per_target_concurrency if r.per_target_concurrency is not None else settings.per_target_concurrency
+        for r in settings.routes
+    ]
+    fallback = settings.per_target_concurrency if settings.url else 1
+
+    def limit(target: str) -> int:
+        i = _first_match(matchers, target)
+        return fallback if i is None else limits[i]
+
+    return limit
 
 
 def env_proxy(url: str) -> str | None:
@@ -228,7 +251,8 @@ class Routes:
             return self._by_target[target]
         except KeyError:
             pass
-        found = next((r for r in self.routes if matches(r.name, target)), self.fallback)
+        i = _first_match([r.name for r in self.routes], target)
+        found = self.fallback if i is None else self.routes[i]
         if len(self._by_target) < 65_536:
             self._by_target[target] = found
         return found

@@ -48,14 +48,14 @@ __all__ = [
     "Ddl",
     "EventSink",
     "FeedApplied",
-    "FeedFiring",
     "FeedWriter",
     "FiredTimer",
     "Log",
-    "LogCheck",
     "Outbox",
     "OUTBOX_TAKE_LEASE",
-    "OutboxFiring",
+    "OutboxFired",
+    "OutboxRound",
+    "OutboxShortcut",
     "OwnerProbe",
     "PRESENCE_RETENTION",
     "ReplicaInfo",
@@ -680,7 +680,7 @@ class Outbox(Protocol):
 
 
 class FiredTimer(NamedTuple):
-    """A timer :meth:`OutboxFiring.fire_into_outbox` fired (a tuple: one per timer on the hot
+    """A timer :meth:`OutboxShortcut.fire_into_outbox` fired (a tuple: one per timer on the hot
     path, where a frozen dataclass would cost more than the rest of its handling)."""
 
     timer_id: str
@@ -694,73 +694,58 @@ class FiredTimer(NamedTuple):
     """Past its rule's misfire grace: settled, not delivered (no outbox entry)."""
 
 
-@dataclass(slots=True)
-class LogCheck:
-    """What a timer store whose log is in its own database checks of the log in the transaction
-    that fires due timers (:meth:`OutboxFiring.fire_into_outbox`):
-    every commit appended before ``watermark`` (store time, ms) is applied to the timer view, so
-    a timer due by then is taken as read; one due after it is taken only when the log, read in
-    that transaction, holds no commit of its aggregate past ``consumer``'s checkpoint of its
-    partition (the feed saves a batch's checkpoints after its timer writes). A transaction that
-    begins at or after a timer's due time therefore sees every commit appended before it: a
-    cancel appended before the due time is applied, or its timer is left for the feed.
-
-    The store counts in ``skipped`` the due timers it left so (the feed has not applied a commit
-    of their aggregate): the caller tries them again once the feed has applied its next batch."""
-
-    consumer: str
-    watermark: int
-    skipped: int = 0
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
-class FireRequest:
-    """One round of the outbox fast path: fire, under ``fence`` and ``owner_key`` at ``at`` (the
-    fire time, ms), the first ``limit`` timers of ``partitions`` due by ``until`` (and never
-    after ``at``: a timer is written to the outbox at its due time, not ahead of it), none of
-    ``exclude``; ``next_due(timer, at)`` is a recurring timer's next occurrence."""
+class OutboxRound:
+    """One round of :meth:`OutboxShortcut.fire_into_outbox`: fire, under ``fence`` and
+    ``owner_key`` at ``at`` (the fire time, ms), the first ``limit`` timers of ``partitions`` due
+    by ``at``, none of ``exclude``, by the fire rule: a timer due by ``read_to`` (every commit of
+    these partitions appended before it is applied to the timer view) fires; one due after it
+    fires only when the log holds no commit of its owner above the timer's version
+    (:meth:`Log.committed_after`, asked in the same transaction, which begins after ``at``: it
+    sees every commit appended before the timer's due time); else it is left for the feed.
+    ``next_due(timer, at)`` is a recurring timer's next occurrence."""
 
     partitions: frozenset[int]
-    until: int
-    limit: int
     at: int
+    read_to: int
+    limit: int
     owner_key: str
     fence: int
     next_due: Callable[[Timer, int], int | None]
     exclude: Collection[str] = ()
     deadline: float | None = None
     """The lease's validity on ``time.monotonic()``'s clock: nothing is committed after it."""
-    check: LogCheck | None = None
-    """With the log check: a due timer the log may have changed since the feed's checkpoint is
-    left (:class:`LogCheck`)."""
-
-    @property
-    def due_by(self) -> int:
-        return min(self.until, self.at)
 
 
-class OutboxFiring(Protocol):
-    """A timer store that fires due timers straight into the backend's outbox, in the write
-    transaction that settles them: the outbox on the timers' own database (the embedded
-    backend's one file), so no claim is needed between reading and settling."""
+@dataclass(frozen=True, slots=True)
+class OutboxFired:
+    """What :meth:`OutboxShortcut.fire_into_outbox` did: the timers fired, in due order, and how
+    many due timers it left because the log holds a commit of their owner the feed has not
+    applied yet (taken again once it has)."""
 
-    async def fire_into_outbox(self, request: FireRequest) -> list[FiredTimer]:
+    fired: list[FiredTimer]
+    left: int = 0
+
+
+class OutboxShortcut(Protocol):
+    """A capability of a backend whose timers, log and outbox share one transaction (the embedded
+    file): the outbox gateway's round in one write, with no claim (the claim, the outbox insert
+    and the settle of the claim, deliver and settle path, at once)."""
+
+    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
         """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
-        (the first ``request.limit`` due by ``request.due_by`` of its partitions, in due order,
-        none of ``request.exclude``; a timer claimed by anyone is due only once its claim
-        expired), inserts the outbox entry of each (request id, timer, target, command, scheduled
-        time, the request's ``fence`` and ``owner_key``, created ``at``; a request id there
-        already is recorded as a re-delivery, as :meth:`Outbox.put_many` does) and settles each
-        as ``TimerChange.fired(timer, fence=fence, next_due=request.next_due(timer, at))`` writes
-        it (asked of recurring timers only: a one-shot timer has no next occurrence); an
-        occurrence past its rule's ``misfire_grace_ms`` at ``at`` is settled the same way with no
-        outbox entry (``FiredTimer.misfired``). Answers
-        them in due order. All of it is written or nothing: with a ``deadline``
-        (``time.monotonic()``), the transaction rolls back and raises
-        :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose rule or
-        next occurrence cannot be computed is set FAILED as ``claim_due`` does. With ``check``, a
-        due timer the log may have changed since the feed's checkpoint is left as it is
-        (:class:`LogCheck`)."""
+        (the first ``round.limit`` due by ``round.at`` of its partitions, in due order, none of
+        ``round.exclude``; a timer claimed by anyone is due only once its claim expired), leaves
+        those the fire rule does not fire yet (:class:`OutboxRound`), inserts the outbox entry of
+        each other one (request id, timer, target, command, scheduled time, the round's ``fence``
+        and ``owner_key``, created ``at``; a request id there already is recorded as a
+        re-delivery, as :meth:`Outbox.put_many` does) and settles each as
+        ``TimerChange.fired(timer, fence=fence, next_due=round.next_due(timer, at))`` writes it
+        (asked of recurring timers only); an occurrence past its rule's ``misfire_grace_ms`` at
+        ``at`` is settled the same way with no outbox entry (``FiredTimer.misfired``). All of it is
+        written or nothing: with a ``deadline`` (``time.monotonic()``), the transaction rolls back
+        and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose
+        rule or next occurrence cannot be computed is set FAILED as ``claim_due`` does."""
         ...
 
 
@@ -773,23 +758,6 @@ class FeedApplied:
     timer_answers: list[int]
     resumed: list[Timer]
     saved: bool
-    fired: list[FiredTimer] = field(default_factory=list)
-    """The timers of the batch fired into the outbox in its transaction (:class:`FeedFiring`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class FeedFiring:
-    """A feed batch may fire the one-shot timers it puts that are due already, into the outbox
-    of its own database, in its transaction (the ``outbox`` gateway on the embedded file): each
-    one whose aggregate has no commit in the log past the batch (nothing the feed has not
-    applied can cancel it), as the gateway's fast path would fire it under the batch's fence and
-    ``owner_key``, at most ``limit`` of them (the timer loop's batch: the rest are the loop's).
-    The transaction rolls back with :class:`~wowd.errors.LeaseLost` when it fired and could not
-    commit before ``deadline`` (``time.monotonic()``)."""
-
-    owner_key: str
-    deadline: float
-    limit: int
 
 
 class FeedWriter(Protocol):
@@ -816,13 +784,11 @@ class FeedWriter(Protocol):
         fence: int,
         *,
         now: int,
-        fire: FeedFiring | None = None,
         planned: object = None,
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
         writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
-        with ``fire`` the due timers it put fired (:class:`FeedFiring`), and the checkpoints of
-        ``consumer`` (one, or each of several);
+        and the checkpoints of ``consumer`` (one, or each of several);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
         applies it step by step, which names what is refused. ``planned``: :meth:`plan` of these
@@ -845,12 +811,9 @@ class Backend:
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink] | None
     """``None``: no event index (``sink = "none"``)."""
-    outbox_firing: OutboxFiring | None = None
-    """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
-    backend has one: the embedded backend, whose timers and outbox share one file."""
-    checks_log: bool = False
-    """Whether ``outbox_firing`` can check the log in its transaction (:class:`LogCheck`): the
-    embedded backend, whose log, the feed's checkpoints and timers share one file."""
+    outbox_shortcut: OutboxShortcut | None = None
+    """The outbox gateway's round in one transaction (:class:`OutboxShortcut`), when the
+    backend's timers, log and outbox share one (the embedded file)."""
     feed_writer: FeedWriter | None = None
     """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
     (the embedded backend)."""

@@ -7,10 +7,6 @@ the checkpoints under the slot's fence in one ``BEGIN IMMEDIATE`` ... ``COMMIT``
 refused (another holder's higher fence) rolls the whole batch back. Each step is the store's own
 code (:meth:`EmbeddedEventSink.plan_write`, :meth:`EmbeddedTimerStore.write_steps`, ...), so the
 rows written are those the step-by-step path writes.
-
-With the ``outbox`` gateway (:class:`~wowd.stores.base.FeedFiring`), the same transaction fires
-the one-shot timers of the batch that are due already and that no later commit of the log can
-cancel (:meth:`EmbeddedTimerStore.write_firing`): a backlog's timers fire as the feed applies it.
 """
 
 from __future__ import annotations
@@ -21,10 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from wowd.errors import LeaseLost
 from wowd.metrics import SINK_BULK_SECONDS
 from wowd.model import Commit, Position, Timer, TimerChange, TimerWrite
-from wowd.stores.base import EventSink, FeedApplied, FeedFiring, FiredTimer
+from wowd.stores.base import EventSink, FeedApplied
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
@@ -91,7 +86,6 @@ class EmbeddedFeedWriter(SqliteStore):
         fence: int,
         *,
         now: int,
-        fire: FeedFiring | None = None,
         planned: object = None,
     ) -> FeedApplied | None:
         ready = planned if isinstance(planned, _Plan) else await self.plan(records, timer_writes)
@@ -100,21 +94,16 @@ class EmbeddedFeedWriter(SqliteStore):
         plans = [(sink, sink.remember(plan)) for sink, plan in ready.sinks]
         timers = self._timers
         checkpoints = self._log.checkpoint_rows(consumer, positions, fence)
-        firing: _Firing | None = None
-        if fire is not None and any(w.timer is not None and w.timer.due_at <= now for w in timer_writes):
-            await timers.prepare_outbox()
-            seqs = {p: int(pos["seq"]) for p, pos in positions.items()}
-            firing = _Firing(timer_writes, seqs, fence, fire)
-        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, firing, now)
+        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, now)
         try:
-            created, sink_s, answers, resumed, fired = await self._run("apply", self._db.transaction(work))
+            created, sink_s, answers, resumed = await self._run("apply", self._db.transaction(work))
         except _Refused:
             return FeedApplied(timer_answers=[], resumed=[], saved=False)
         if plans:
             SINK_BULK_SECONDS.observe(sink_s)
         for (sink, plan), n in zip(plans, created, strict=True):
             sink.written(plan, n)
-        return FeedApplied(timer_answers=answers, resumed=resumed, saved=True, fired=fired)
+        return FeedApplied(timer_answers=answers, resumed=resumed, saved=True)
 
 
 class _Plan:
@@ -134,47 +123,21 @@ class _Plan:
         self.parked = parked
 
 
-class _Firing:
-    """What firing the due timers a batch puts in its transaction needs."""
-
-    __slots__ = ("fence", "fire", "seqs", "writes")
-
-    def __init__(self, writes: Sequence[TimerWrite], seqs: dict[int, int], fence: int, fire: FeedFiring) -> None:
-        self.writes = writes
-        self.seqs = seqs
-        self.fence = fence
-        self.fire = fire
-
-
 def _apply(
     plans: Sequence[tuple[EmbeddedEventSink, SinkWrite]],
     timers: EmbeddedTimerStore,
     steps: Sequence[tuple[str, tuple[Any, ...]]],
     parked: Sequence[tuple[Any, ...]],
     checkpoints: Sequence[tuple[Any, ...]],
-    firing: _Firing | None,
     now: int,
     conn: sqlite3.Connection,
-) -> tuple[list[int], float, list[int], list[Timer], list[FiredTimer]]:
+) -> tuple[list[int], float, list[int], list[Timer]]:
     """The batch in the caller's transaction: documents created per sink, the seconds the sinks
-    took, the timer writes' answers, the PARKED timers resumed, the timers fired."""
+    took, the timer writes' answers, the PARKED timers resumed."""
     started = time.perf_counter()
     created = [plan.work(conn) for _sink, plan in plans]
     sink_s = time.perf_counter() - started
-    fired: list[FiredTimer] = []
-    if firing is not None:
-        answers, fired = timers.write_firing(
-            firing.writes,
-            steps,
-            firing.seqs,
-            conn,
-            fence=firing.fence,
-            owner_key=firing.fire.owner_key,
-            created_at=now,
-            limit=firing.fire.limit,
-        )
-    else:
-        answers = timers.write_steps(steps, conn) if steps else []
+    answers = timers.write_steps(steps, conn) if steps else []
     resumed: list[Timer] = []
     if parked:
         resumed = timers.parked_timers(parked, conn)
@@ -182,6 +145,4 @@ def _apply(
             timers.settle_changes([TimerChange.resume(t, due_at=now) for t in resumed], conn)
     if save_checkpoint_rows(checkpoints, conn) != len(checkpoints):
         raise _Refused
-    if firing is not None and fired and time.monotonic() >= firing.fire.deadline:
-        raise LeaseLost("lease no longer valid: the batch and the timers it fired are rolled back")
-    return created, sink_s, answers, resumed, fired
+    return created, sink_s, answers, resumed

@@ -524,25 +524,13 @@ class EmbeddedLog(SqliteStore):
         return await self._run("last_version", run)
 
     async def committed_after(self, probes: Sequence[OwnerProbe]) -> set[int]:
-        """Per aggregate asked, its highest version (one seek of index ``log_version`` each, in
-        one read of the file): any commit above a probe's version answers it, whatever its key."""
+        """Per aggregate asked, whether its highest version is above the probe's (one seek of
+        index ``log_version`` each, :func:`committed_after`, in one read of the file): any commit
+        above a probe's version answers it, whatever its key."""
         if not probes:
             return set()
-        owners = {(p.ref.aggregate, p.ref.tenant_id, p.ref.id) for p in probes}
-        context = self.context
-
-        def run(conn: sqlite3.Connection) -> dict[tuple[str, str, str], int]:
-            sql = last_version_sql()
-            last: dict[tuple[str, str, str], int] = {}
-            for owner in owners:
-                found = conn.execute(sql, (context, *owner)).fetchone()[0]
-                last[owner] = int(found) if found is not None else 0
-            return last
-
-        last = await self._run("committed_after", run)
-        return {
-            i for i, p in enumerate(probes) if last.get((p.ref.aggregate, p.ref.tenant_id, p.ref.id), 0) > p.version
-        }
+        asked = [(self.context, p.ref.aggregate, p.ref.tenant_id, p.ref.id, p.version) for p in probes]
+        return await self._run("committed_after", lambda conn: committed_after(conn, asked))
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
         """Stores ``document`` as is (its JSON). Partition: of ``aggregate_id`` when that is a
@@ -797,56 +785,42 @@ def _check_format(conn: sqlite3.Connection) -> None:
         raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")
 
 
-# ---- what the timer store reads of the log in its own transactions (the log check)
+# ---- the fire rule's question to the log: a commit of these aggregates past these versions
 
 CHECKPOINT_SEQS_SQL = (
     "SELECT partition, json_extract(position, '$.seq') FROM log_checkpoint WHERE context = ? AND consumer = ?"
 )
 """The log position (``seq``) of each partition's checkpoint of a consumer."""
-LAST_COMMIT_SQL = (
-    "SELECT seq FROM log WHERE context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
-    " ORDER BY version DESC LIMIT 1"
-)
-"""The position of an aggregate's last commit: one seek of index ``log_version`` (an aggregate's
-versions are appended in order, so its last version is its last commit)."""
-
-
-def committed_past(conn: sqlite3.Connection, owner: tuple[str, str, str, str], seq: int) -> bool:
-    """Whether the log holds a commit of ``owner`` (context, aggregate, tenant, id) past ``seq``:
-    its last commit, one seek of :data:`LAST_COMMIT_SQL`."""
-    last = conn.execute(LAST_COMMIT_SQL, owner).fetchone()
-    return last is not None and last[0] > seq
-
-
-COMMITTED_PAST_CHUNK = 256
-"""Owners asked about in one statement of :func:`committed_past_many`."""
+COMMITTED_AFTER_CHUNK = 256
+"""Aggregates asked about in one statement of :func:`committed_after`."""
 
 
 @lru_cache(maxsize=16)
-def committed_past_sql(rows: int) -> str:
-    """Which of ``rows`` owners (context, aggregate, tenant, id, seq: five parameters each) the
-    log holds a commit of past their ``seq``: per owner, its last commit (one seek of index
-    ``log_version``, as :data:`LAST_COMMIT_SQL`); answers the owners' row numbers (from 0)."""
+def committed_after_sql(rows: int) -> str:
+    """Which of ``rows`` aggregates (context, aggregate, tenant, id, version: five parameters
+    each) the log holds a commit of above their ``version``: per aggregate, its highest version
+    (one seek of index ``log_version``); answers the aggregates' row numbers (from 0)."""
     values = ", ".join(f"({i}, ?, ?, ?, ?, ?)" for i in range(rows))
     return (
-        f"WITH o(i, c, a, t, d, s) AS (VALUES {values})"
-        " SELECT o.i FROM o WHERE (SELECT seq FROM log WHERE context = o.c AND aggregate = o.a"
-        " AND tenant_id = o.t AND aggregate_id = o.d ORDER BY version DESC LIMIT 1) > o.s"
+        f"WITH o(i, c, a, t, d, v) AS (VALUES {values})"
+        " SELECT o.i FROM o WHERE (SELECT MAX(version) FROM log WHERE context = o.c AND aggregate = o.a"
+        " AND tenant_id = o.t AND aggregate_id = o.d) > o.v"
     )
 
 
-def committed_past_many(conn: sqlite3.Connection, owners: Sequence[tuple[str, str, str, str, int]]) -> set[int]:
-    """:func:`committed_past` of many owners ((context, aggregate, tenant, id, seq) each) in a few
-    statements: the indexes in ``owners`` of those the log holds a commit of past their ``seq``.
-    A statement asks about a power of two of owners (the last padded with repeats of its last
-    owner), so that a few statement texts, each prepared once per connection, serve any count."""
-    past: set[int] = set()
-    for start in range(0, len(owners), COMMITTED_PAST_CHUNK):
-        chunk = owners[start : start + COMMITTED_PAST_CHUNK]
+def committed_after(conn: sqlite3.Connection, asked: Sequence[tuple[str, str, str, str, int]]) -> set[int]:
+    """The fire rule's question (:meth:`~wowd.stores.base.Log.committed_after`) in the caller's
+    transaction on ``conn``: the indexes in ``asked`` ((context, aggregate, tenant, id, version)
+    each) of the aggregates the log holds a commit of above that version. A few statements: each
+    asks about a power of two of aggregates (the last padded with repeats of its last one), so
+    that a few statement texts, each prepared once per connection, serve any count."""
+    found: set[int] = set()
+    for start in range(0, len(asked), COMMITTED_AFTER_CHUNK):
+        chunk = asked[start : start + COMMITTED_AFTER_CHUNK]
         rows = power_of_two(len(chunk))
         params = [v for owner in padded(chunk, rows) for v in owner]
-        past.update(start + i for (i,) in conn.execute(committed_past_sql(rows), params) if i < len(chunk))
-    return past
+        found.update(start + i for (i,) in conn.execute(committed_after_sql(rows), params) if i < len(chunk))
+    return found
 
 
 ENTRIES_BETWEEN_SQL = (

@@ -8,9 +8,8 @@ target (JSON ``{context, aggregate, tenant_id, id}``), the command's JSON text, 
 of the row statement that skips a request id already there (no savepoint, no multi-row
 statement: either makes SQLite journal every index page the random request ids touch). Only when
 some request id was there already are the rows it inserted read back (by ``seq``) and the others
-recorded as re-deliveries (:func:`put_rows`). The timer store's fast path into this table (one
-transaction that fires and settles, see ``EmbeddedTimerStore.fire_into_outbox``) and a feed
-batch that fires (``EmbeddedTimerStore.write_firing``) write the same rows the same way
+recorded as re-deliveries (:func:`put_rows`). The timer store's round that fires and settles in
+one transaction (``EmbeddedTimerStore.fire_into_outbox``) writes the same rows the same way
 (:func:`entry_row`, :func:`put_rows`).
 
 A take holds what it read: table ``outbox_lease`` (request id, the take's id, ``until`` on the

@@ -25,14 +25,12 @@ from wowd.model import (
     request_id_for,
     validate_name,
 )
-from wowd.stores.base import LogCheck, TimerSearch
+from wowd.stores.base import TimerSearch
 from wowd.stores.embedded.db import (
     NOW_MS,
     power_of_two,
 )
-from wowd.stores.embedded.log import CHECKPOINT_SEQS_SQL, committed_past
 from wowd.stores.embedded.outbox import target_json
-from wowd.stores.embedded.sqlite import sqlite3
 
 log = logging.getLogger("wowd.stores.embedded.timers")
 
@@ -442,37 +440,6 @@ def _report_failed(failed: Iterable[tuple[Sequence[Any], str]]) -> None:
             r[C_PARTITION],
             reason,
         )
-
-
-class _LogChecker:
-    """A :class:`LogCheck` in the transaction that takes due rows: whether the log may have
-    changed a row's timer since the feed's checkpoint, i.e. whether its aggregate's last commit
-    is past the checkpoint of its partition (one index seek per row due after the watermark; the
-    checkpoints are read once, when the first row needs them)."""
-
-    __slots__ = ("_check", "_checkpoints", "_conn", "_context")
-
-    def __init__(self, conn: sqlite3.Connection, context: str, check: LogCheck) -> None:
-        self._conn = conn
-        self._context = context
-        self._check = check
-        self._checkpoints: dict[int, int] | None = None
-
-    def stale(self, r: Sequence[Any]) -> bool:
-        """Whether the row (``COLUMNS`` order) is left for the feed (counted in ``skipped``)."""
-        if r[C_DUE_AT] <= self._check.watermark:
-            return False
-        if self._checkpoints is None:
-            rows = self._conn.execute(CHECKPOINT_SEQS_SQL, (self._context, self._check.consumer)).fetchall()
-            self._checkpoints = {p: int(seq) for p, seq in rows if seq is not None}
-        if not committed_past(
-            self._conn,
-            (self._context, r[C_AGGREGATE], r[C_OWNER_TENANT], r[C_OWNER_ID]),
-            self._checkpoints.get(r[C_PARTITION], 0),
-        ):
-            return False
-        self._check.skipped += 1
-        return True
 
 
 def due_plan(partitions: Iterable[int], arms: int = DUE_ARMS) -> list[tuple[int, ...]]:

@@ -31,12 +31,11 @@ timers as claimed. ``next_due`` (the timer loop's sleep) is one compound stateme
 ``MIN(due_at)`` per partition over the same partial index. Rows are decoded into
 :class:`Timer` objects without re-validating what the store wrote itself.
 
-The fast path into the outbox table of the same file (:meth:`EmbeddedTimerStore.fire_into_outbox`,
-the ``outbox`` gateway's on the embedded backend): the due read of ``claim_due``, the outbox rows
-and the fired settle of each timer by ``rowid`` in one write transaction, with no claim: nothing
-can move between the read and the settle, and a crash leaves all of it or none. A feed batch's
-transaction fires the same way the due one-shot timers it puts
-(:meth:`EmbeddedTimerStore.write_firing`), each written once, as the DONE tombstone a fire leaves.
+The outbox shortcut into the outbox table of the same file (:meth:`EmbeddedTimerStore.fire_into_outbox`,
+the ``outbox`` gateway's round on the embedded backend): the due read of ``claim_due``, the fire
+rule's question to the log, the outbox rows and the fired settle of each timer by ``rowid`` in one
+write transaction, with no claim: nothing can move between the read and the settle, and a crash
+leaves all of it or none.
 
 The SQL each method sends is built by the pure ``*_sql`` functions next to it.
 """
@@ -47,7 +46,7 @@ import functools
 import heapq
 import logging
 import time
-from collections.abc import Callable, Collection, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,6 @@ from wowd.errors import InvalidInput, LeaseLost, StorageError
 from wowd.model import (
     AggregateRef,
     Claim,
-    OnceRule,
     Timer,
     TimerChange,
     TimerStatus,
@@ -65,7 +63,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.base import FiredTimer, FireRequest, TimerSearch
+from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound, TimerSearch
 from wowd.stores.embedded.db import (
     SqliteDatabase,
     SqliteStore,
@@ -74,7 +72,7 @@ from wowd.stores.embedded.db import (
     merged_read,
     update_rows,
 )
-from wowd.stores.embedded.log import committed_past_many
+from wowd.stores.embedded.log import committed_after
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows
 from wowd.stores.embedded.sqlite import sqlite3, variable_limit
@@ -82,11 +80,15 @@ from wowd.stores.embedded.timer_sql import (
     _ONCE_JSON,
     _SETTLE_SET,
     C_AGGREGATE,
+    C_DUE_AT,
+    C_OWNER_ID,
+    C_OWNER_TENANT,
     C_REVISION,
     C_ROWID,
     C_RULE,
     C_SCHEDULED_AT,
     C_TIMER_ID,
+    C_VERSION,
     DUE_ARMS,
     FORMAT,
     PARKED_TARGET,
@@ -95,7 +97,6 @@ from wowd.stores.embedded.timer_sql import (
     WRITE_CHUNK,
     T,
     _due_key,
-    _LogChecker,
     _report_failed,
     _tombstone_params,
     cancel_all_sql,
@@ -370,81 +371,6 @@ class EmbeddedTimerStore(SqliteStore):
             i = j
         return out
 
-    def write_firing(
-        self,
-        writes: Sequence[TimerWrite],
-        steps: Sequence[tuple[str, tuple[Any, ...]]],
-        seqs: Mapping[int, int],
-        conn: sqlite3.Connection,
-        *,
-        fence: int,
-        owner_key: str,
-        created_at: int,
-        limit: int,
-    ) -> tuple[list[int], list[FiredTimer]]:
-        """:meth:`write_steps` of ``writes`` (planned as ``steps``) in the caller's (a feed
-        batch's) transaction on ``conn``, firing into the outbox the one-shot timers they put
-        that are due by ``created_at`` and that no later commit can cancel, at most ``limit``:
-        those whose aggregate has no commit in the log past ``seqs`` (the position the batch
-        applied, per partition; :func:`committed_past_many`). Such a put is written as the DONE
-        tombstone a fire leaves (at ``created_at``) with its outbox entry under ``fence`` and
-        ``owner_key``, as :meth:`fire_into_outbox` fires it; one that changes nothing (the same
-        or a later version is stored) fires nothing. Every other timer is left to the timer
-        loop. Answers each write's answer and the timers fired. The fired puts go in few
-        statements (:func:`~wowd.stores.embedded.db.insert_rows`, in a savepoint: when one of
-        them changed nothing, they are written again one by one).
-
-        The fired puts are written after the other steps: a batch holds at most one write per
-        key (:func:`~wowd.model.net_writes`), and a ``cancel_all`` of the batch is at a version
-        below every put of its owner that remains, so the order does not change the view."""
-        candidates: list[tuple[int, int]] = []  # due one-shot puts: index in writes, owner's in asked
-        owners: dict[AggregateRef, int] = {}
-        asked: list[tuple[str, str, str, str, int]] = []
-        for i, w in enumerate(writes):
-            t = w.timer
-            if w.kind != "put" or t is None or t.due_at > created_at or not isinstance(t.rule, OnceRule):
-                continue
-            if t.rule.misfire_grace_ms is not None:  # the timer loop skips it if it is too late
-                continue
-            o = t.owner
-            n = owners.get(o)
-            if n is None:
-                n = owners[o] = len(asked)
-                asked.append((o.context, o.aggregate, o.tenant_id, o.id, seqs.get(t.partition, 0)))
-            candidates.append((i, n))
-        # fired only where the batch applied the owner's last commit in the log
-        past = committed_past_many(conn, asked) if asked else set()
-        firing = [i for i, n in candidates if n not in past][:limit]
-        if not firing:
-            return self.write_steps(steps, conn), []
-        chosen = set(firing)
-        answers = self.write_steps([st for i, st in enumerate(steps) if i not in chosen], conn)
-        put = self._write_sql["put"]
-        fired: list[FiredTimer] = []
-        rows: list[tuple[Any, ...]] = []
-        out: dict[int, int] = {}
-        # each row as a fire leaves it: a DONE tombstone since created_at
-        done_rows = [(*steps[i][1][:7], "DONE", created_at, *steps[i][1][9:]) for i in firing]
-        conn.execute("SAVEPOINT fire")
-        every = insert_rows(conn, put, done_rows) == len(done_rows)
-        if not every:  # some put changed nothing (a replay): the puts one by one, to tell which
-            conn.execute("ROLLBACK TO fire")
-        conn.execute("RELEASE fire")
-        for i, done_params in zip(firing, done_rows, strict=True):
-            t = writes[i].timer
-            assert t is not None
-            params = steps[i][1]
-            if every or conn.execute(put, done_params).rowcount == 1:
-                out[i] = 1
-                fired.append(FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None))
-                rows.append(outbox_row(params, fence, owner_key, created_at))
-            else:  # the same version stored live (admitted, changes nothing) or a tombstone
-                out[i] = 1 if conn.execute(self._write_sql["live_at"], (*params[1:6], params[6])).fetchone() else 0
-        if rows:
-            put_rows(conn, rows)
-        rest = iter(answers)
-        return [out[i] if i in out else next(rest) for i in range(len(steps))], fired
-
     async def sweep(self, before: int, limit: int) -> int:
         await self.prepare()
         sql = sweep_sql(self.context)
@@ -593,65 +519,73 @@ class EmbeddedTimerStore(SqliteStore):
         _report_failed(failed)
         return timers
 
-    async def fire_into_outbox(self, request: FireRequest) -> list[FiredTimer]:
-        """:class:`~wowd.stores.base.OutboxFiring` into the ``outbox`` table of this store's file:
-        the due read of ``claim_due`` (a claim another holder made is due only once expired),
-        the outbox rows (:func:`outbox_row`, :func:`~wowd.stores.embedded.outbox.put_rows`: a
-        request id in the outbox already, a re-fire, is recorded as a re-delivery) and the fired
-        settle by ``rowid``, one :func:`~wowd.stores.embedded.db.update_rows` per kind
-        (:func:`fired_rowid_sql`), in one ``BEGIN IMMEDIATE`` transaction. A one-shot timer is
-        handled from its row alone; a recurring one is decoded for ``next_due``."""
-        partitions, limit, check, at = request.partitions, request.limit, request.check, request.at
-        fence, owner_key, deadline = request.fence, request.owner_key, request.deadline
-        next_due = request.next_due
+    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
+        """:class:`~wowd.stores.base.OutboxShortcut` into the ``outbox`` table of this store's
+        file: the due read of ``claim_due`` (a claim another holder made is due only once
+        expired), the fire rule's question to the log for the timers due after ``read_to``
+        (:func:`~wowd.stores.embedded.log.committed_after`, the statement of
+        :meth:`EmbeddedLog.committed_after`), the outbox rows (:func:`outbox_row`,
+        :func:`~wowd.stores.embedded.outbox.put_rows`: a request id in the outbox already, a
+        re-fire, is recorded as a re-delivery) and the fired settle by ``rowid``, one
+        :func:`~wowd.stores.embedded.db.update_rows` per kind (:func:`fired_rowid_sql`), in one
+        ``BEGIN IMMEDIATE`` transaction. A one-shot timer is handled from its row alone; a
+        recurring one is decoded for ``next_due``."""
+        partitions, limit, at, read_to = round.partitions, round.limit, round.at, round.read_to
+        fence, owner_key, deadline = round.fence, round.owner_key, round.deadline
+        next_due = round.next_due
         if not partitions or limit <= 0:
-            return []
+            return OutboxFired([])
         await self.prepare()
         await self.prepare_outbox()
-        skip = frozenset(request.exclude)
-        read = self._due_rows(partitions, request.due_by, limit + len(skip))
+        skip = frozenset(round.exclude)
+        read = self._due_rows(partitions, at, limit + len(skip))
         fail_sql = fail_rowid_sql(self.context)
         done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
         ctx = self.context
         failed: list[tuple[Sequence[Any], str]] = []
 
-        def work(conn: sqlite3.Connection) -> list[FiredTimer]:
+        def work(conn: sqlite3.Connection) -> OutboxFired:
             failed.clear()
             fired: list[FiredTimer] = []
             rows: list[tuple[Any, ...]] = []
             done: list[tuple[Any, ...]] = []
             moved: list[tuple[Any, ...]] = []
             undecodable: list[tuple[str, Any, Any]] = []
-            if check is not None:
-                check.skipped = 0  # a transaction run again (its store busy) counts anew
-            checker = None if check is None else _LogChecker(conn, ctx, check)
             with closing(read(conn)) as due:
-                for r in due:
-                    if r[C_TIMER_ID] in skip:
+                candidates = [r for r in due if r[C_TIMER_ID] not in skip]
+            # due after read_to: fired only where the log holds no commit of the owner above the
+            # timer's version (a cancel, a put or a delete the feed has not applied yet)
+            asked = [
+                (n, (ctx, r[C_AGGREGATE], r[C_OWNER_TENANT], r[C_OWNER_ID], r[C_VERSION]))
+                for n, r in enumerate(candidates)
+                if r[C_DUE_AT] > read_to
+            ]
+            held = committed_after(conn, [q for _, q in asked]) if asked else set()
+            left = {asked[i][0] for i in held}
+            for n, r in enumerate(candidates):
+                if n in left:
+                    continue
+                if len(fired) >= limit:
+                    break
+                nxt: int | None = None
+                late = False
+                if r[C_RULE] != _ONCE_JSON:
+                    try:
+                        timer = fired_from_row(ctx, r)
+                        nxt = next_due(timer, at)
+                        late = misfired(timer.rule, timer.scheduled_at, at)
+                    except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
+                        reason = f"undecodable timer: {type(exc).__name__}: {exc}"
+                        undecodable.append((reason, r[C_ROWID], r[C_REVISION]))
+                        failed.append((r, reason))
                         continue
-                    if len(fired) >= limit:
-                        break
-                    if checker is not None and checker.stale(r):
-                        continue
-                    nxt: int | None = None
-                    late = False
-                    if r[C_RULE] != _ONCE_JSON:
-                        try:
-                            timer = fired_from_row(ctx, r)
-                            nxt = next_due(timer, at)
-                            late = misfired(timer.rule, timer.scheduled_at, at)
-                        except Exception as exc:  # a row this version cannot fire: FAILED, not a crash
-                            reason = f"undecodable timer: {type(exc).__name__}: {exc}"
-                            undecodable.append((reason, r[C_ROWID], r[C_REVISION]))
-                            failed.append((r, reason))
-                            continue
-                    fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt, late))
-                    if not late:  # past its misfire grace: settled, not delivered
-                        rows.append(outbox_row(r, fence, owner_key, at))
-                    if nxt is None:
-                        done.append((r[C_ROWID], r[C_REVISION]))
-                    else:
-                        moved.append((nxt, nxt, r[C_ROWID], r[C_REVISION]))
+                fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt, late))
+                if not late:  # past its misfire grace: settled, not delivered
+                    rows.append(outbox_row(r, fence, owner_key, at))
+                if nxt is None:
+                    done.append((r[C_ROWID], r[C_REVISION]))
+                else:
+                    moved.append((nxt, nxt, r[C_ROWID], r[C_REVISION]))
             if undecodable:
                 conn.executemany(fail_sql, undecodable)
             if fired:
@@ -662,11 +596,11 @@ class EmbeddedTimerStore(SqliteStore):
                     raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
             if deadline is not None and time.monotonic() >= deadline:
                 raise LeaseLost("lease no longer valid: the fired batch is rolled back")
-            return fired
+            return OutboxFired(fired, len(left))
 
-        fired = await self._write("fire_into_outbox", work)
+        out = await self._write("fire_into_outbox", work)
         _report_failed(failed)
-        return fired
+        return out
 
     async def prepare_outbox(self) -> None:
         """Creates the outbox table of this file when missing (once; the outbox store's DDL)."""
