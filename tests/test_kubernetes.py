@@ -54,16 +54,7 @@ OVERLAYS = ("overlays/embedded", "overlays/mongo")
 """The kustomizations an operator applies (the base is not applied alone)."""
 COMPONENT = "components/prometheus-operator"
 OPERATOR_GROUP = "monitoring.coreos.com"
-WORKLOAD_KINDS = {
-    "Deployment",
-    "StatefulSet",
-    "DaemonSet",
-    "ReplicaSet",
-    "ReplicationController",
-    "Pod",
-    "Job",
-    "CronJob",
-}
+WORKLOAD_KINDS = set("Deployment StatefulSet DaemonSet ReplicaSet ReplicationController Pod Job CronJob".split())
 SECRET_EXAMPLE = K8S / "overlays" / "mongo" / "secret.env.example"
 POD_NAME = "wowd-0"
 
@@ -168,6 +159,7 @@ def test_the_image_writes_no_bytecode_and_ships_it_compiled() -> None:
     assert "compileall" in text and "--invalidation-mode checked-hash /opt/wowd/lib" in text
     assert "__pycache__" not in text, "the build removes the bytecode it compiled"
     assert "--no-compile" in text  # pip's own (timestamp) bytecode replaced by compileall's
+    assert re.search(r"compileall .*sysconfig.*get_path\(\"stdlib\"\)", text)  # the standard library's
 
 
 # ----------------------------------------------------------------------------------- the rendering
