@@ -1,4 +1,4 @@
-"""Log contract, checkpoints against a holder one fence behind (docs/concepts.md, "Fences").
+"""Log contract, checkpoints against a holder one fence behind (docs/concepts.md, "Fence").
 
 A takeover raises the slot's fence by exactly one, so the stale writer a checkpoint meets is the
 previous holder at ``fence - 1``: its late checkpoints, written one at a time or several
