@@ -6,6 +6,7 @@ that ends the wait at once. ``retrying_blocking``, a worker thread's, on the rea
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import anyio
@@ -123,20 +124,30 @@ async def test_pauses_grow_with_the_failures_reset_on_progress_and_end_on_a_stop
     assert anyio.current_time() == t
 
 
-def test_a_blocking_call_is_retried_within_its_deadline_then_raises_the_last_error() -> None:
-    calls: list[int] = []
+@anyio_mark
+async def test_pauses_without_a_stop_wait_their_backoff() -> None:
+    pauses = Pauses(Backoff(0.5, 2.0))
+    t = anyio.current_time()
+    await pauses.pause()
+    await pauses.pause()
+    assert abs(anyio.current_time() - t - 1.5) < EXACT
+
+
+def test_a_blocking_call_is_retried_after_the_backoff_within_its_deadline_then_raises_the_last_error() -> None:
+    calls: list[float] = []
 
     def busy() -> None:
-        calls.append(1)
+        calls.append(time.monotonic())
         raise StorageUnavailable(f"database is locked ({len(calls)})")
 
     with pytest.raises(StorageUnavailable, match="locked"):
         for attempt in retrying_blocking(
-            backoff=Backoff(0.001, 0.005), within_s=0.2, retry_if=lambda e: isinstance(e, StorageUnavailable)
+            backoff=Backoff(0.02, 0.02), within_s=0.2, retry_if=lambda e: isinstance(e, StorageUnavailable)
         ):
             with attempt:
                 busy()
-    assert len(calls) > 3  # retried for the deadline's length
+    assert 3 <= len(calls) <= 11  # retried for the deadline's length, 20 ms apart
+    assert all(b - a >= 0.02 for a, b in zip(calls, calls[1:], strict=False))
 
     calls.clear()
     with pytest.raises(StorageError, match="malformed"):
