@@ -8,7 +8,6 @@ margin for a loaded machine is needed: the virtual clock is the one the keeper r
 
 from __future__ import annotations
 
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -18,8 +17,10 @@ from trio.testing import MockClock
 
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, Presence, SlotKeeper
-from wowd.model import AcquireResult, Owner, SlotLease
+from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
+
+from .test_leases import WallClockLeases
 
 pytestmark = pytest.mark.anyio
 
@@ -38,14 +39,13 @@ def settings() -> WowdSettings:
     return WowdSettings(partitions=8, lease=LeaseSettings(limit=1, ttl_s=TTL_S, tolerance_s=TOLERANCE_S))
 
 
-class VirtualLeases:
-    """One slot whose expiry is decided on a wall clock that follows the virtual one (plus
-    ``offset_s``, a step the test makes); renewals are answered at once, or never (``hang``)."""
+class VirtualLeases(WallClockLeases):
+    """:class:`WallClockLeases` on a wall clock that follows the virtual one (plus ``offset_s``, a
+    step the test makes); renewals are answered at once, or never (``hang``)."""
 
     def __init__(self) -> None:
-        self.offset_s = 0.0
+        super().__init__()
         self.hang = False
-        self.lease: SlotLease | None = None
         self.acquired_at: list[float] = []
         self.renewed_at: list[float] = []
         self.renewed = anyio.Event()
@@ -53,41 +53,19 @@ class VirtualLeases:
     def wall(self) -> float:
         return WALL_BASE_S + anyio.current_time() + self.offset_s
 
-    def _now_ms(self) -> int:
-        return int(self.wall() * 1000)
-
-    async def acquire(
-        self,
-        namespace: str,
-        owner: Owner,
-        limit: int,
-        ttl: timedelta,
-        tolerance: timedelta,
-        slot_offset: int = 0,
-        preferred_slot: int | None = None,
-    ) -> AcquireResult:
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
         self.acquired_at.append(anyio.current_time())
-        now = self._now_ms()
-        fence = self.lease.fence + 1 if self.lease else 1
-        self.lease = SlotLease(
-            namespace=namespace, slot=0, owner_key=owner.key, incarnation=fence, fence=fence,
-            expires_at=now + ttl // timedelta(milliseconds=1), floor=now, ceiling=now, written_at=now,
-        )  # fmt: skip
-        return AcquireResult(status="acquired", lease=self.lease)
+        return await super().acquire(*args, **kwargs)
 
     async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
         self.renewed_at.append(anyio.current_time())
         if self.hang:
             await anyio.sleep_forever()
-        now = self._now_ms()
-        assert self.lease == lease and lease.expires_at > now
-        self.lease = replace(lease, written_at=now, expires_at=now + ttl // timedelta(milliseconds=1))
+        renewed = await super().renew(lease, ttl, tolerance)
+        assert renewed is not None
         self.renewed.set()
         self.renewed = anyio.Event()
-        return self.lease
-
-    async def release(self, lease: SlotLease, last_issued: int) -> bool:
-        return self.lease == lease
+        return renewed
 
 
 class Work:
