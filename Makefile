@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 FORMATTED := wowd tests bench deploy
 IMAGE ?= wowd:local
 
-.PHONY: venv run test lint unit bench screenshots soak lock image clean
+.PHONY: venv run test lint unit bench screenshots soak mutate lock image clean
 
 $(RUNTIME_STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -54,10 +54,16 @@ screenshots: venv
 soak: venv
 	$(BIN)/python -m tests.chaos.soak --minutes 30
 
+# Mutation testing (mutmut, one mutant at a time, niced) of the modules where a silent change loses
+# or repeats a timer; the groups and their fast tests are listed in tests/mutate.py. Not part of
+# `make test`: each group takes minutes. GROUPS=retry (say) runs some only; docs/testing.md.
+mutate: venv
+	env -u PYTHONDONTWRITEBYTECODE nice -n 19 $(BIN)/python -m tests.mutate $(GROUPS)
+
 # Re-pin requirements.lock after changing pyproject.toml dependencies.
 lock: venv
 	$(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip compile pyproject.toml --extra test --extra bench --python-version 3.11 -o requirements.lock
+	$(BIN)/uv pip compile pyproject.toml --extra test --extra bench --extra mutate --python-version 3.11 -o requirements.lock
 
 # The container image, labelled with its version, source repository and revision.
 image:

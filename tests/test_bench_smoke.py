@@ -65,20 +65,30 @@ def test_timer_rows_are_the_stores_partitioning() -> None:
     assert len({r[0] for r in rows}) == 5 and all(r[8] == r[9] == 7 for r in rows)
 
 
+def assert_lags(r: dict[str, float], within_ms: float = 30_000) -> None:
+    """Fire lags measured from the due times: ordered, none before its due time, some lag (a
+    run that fires hundreds takes milliseconds), none past the run's length (a lag measured from
+    another origin than the due time)."""
+    assert 0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] < within_ms, r
+    assert r["max_ms"] > 0, r
+
+
 def test_bare_loop_fires_every_timer_once() -> None:
     r = ceiling.run_burst({"n": 300})
     assert r["fired"] == 300 and r["fired_per_s"] > 0
-    assert 0 <= r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]
+    assert_lags(r)
 
 
 def test_store_path_fires_every_timer_through_the_outbox_gateway() -> None:
     r = wowd_timers.run_store_path({"n": 300})
-    assert r["fired"] == 300 and r["max_ms"] >= 0
+    assert r["fired"] == 300 and r["fired_per_s"] > 0
+    assert_lags(r)
 
 
 def test_apscheduler3_burst_and_steady() -> None:
     burst = peer_aps3.run_burst({"n": 50, "lead_ms": 100})
-    assert burst["fired"] == 50 and burst["p99_ms"] >= 0
+    assert burst["fired"] == 50 and burst["fired_per_s"] > 0
+    assert_lags(burst)
     steady = peer_aps3.run_steady({"rate": 50, "seconds": 0.2, "delay_ms": 200, "drain_s": 10})
     assert steady["added"] > 0 and steady["fired"] == steady["added"]
 

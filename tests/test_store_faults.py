@@ -50,6 +50,7 @@ from wowd.model import (
     deterministic_timer_id,
     partition,
 )
+from wowd.retry import Backoff, retrying
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
 from wowd.stores.mongo.timer_queries import timer_to_doc
@@ -102,16 +103,13 @@ class Call:
         return self.value
 
 
-async def with_backoff(fn: Callable[[], Awaitable[T]], attempts: int = 20) -> T:
-    """Retries ``fn`` on :class:`StorageUnavailable` with a short backoff, as the daemon's loops do
-    (after a dropped connection the driver needs a heartbeat before it selects the server again)."""
-    for attempt in range(attempts):
-        try:
+async def wowd_retry(fn: Callable[[], Awaitable[T]]) -> T:
+    """``fn`` under wowd's own retry (``wowd.retry.retrying``), on :class:`StorageUnavailable`,
+    as the daemon's loops retry a store call (after a dropped connection the driver needs a
+    heartbeat before it selects the server again); the test's ``fail_after`` bounds it."""
+    async for attempt in retrying("the store call", backoff=Backoff(0.05, 1.0), logger=None):
+        with attempt:
             return await fn()
-        except StorageUnavailable:
-            if attempt == attempts - 1:
-                raise
-            await anyio.sleep(min(1.0, 0.05 * 2**attempt))
     raise AssertionError("unreachable")
 
 
@@ -284,7 +282,7 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
             with pytest.raises(StorageUnavailable, match="timers.settle"):
                 await call.result()
 
-            call = Call.start(tg, lambda: with_backoff(lambda: timers_store.settle(changes)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.settle(changes)))
             req = await wire.command("update")
             assert req.doc["updates"] == first["updates"], "the retry sends the same guarded statements"
             n = server.update(req.doc["updates"])
@@ -313,7 +311,7 @@ async def test_a_put_refused_by_a_not_writable_primary_is_retried_unchanged(time
             with pytest.raises(StorageUnavailable, match="not primary"):
                 await call.result()
 
-            call = Call.start(tg, lambda: with_backoff(lambda: timers_store.put(t)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first["updates"]
             assert req.doc["updates"][0]["upsert"] is True
@@ -339,7 +337,7 @@ async def test_a_put_past_its_timeout_is_retried_and_the_landed_write_matches(
             with pytest.raises(StorageUnavailable):
                 await call.result()  # never answered
 
-            call = Call.start(tg, lambda: with_backoff(lambda: store.put(t)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: store.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first
             landed = {"_id": ObjectId(), **timer_to_doc(t)}
@@ -423,7 +421,7 @@ async def test_an_append_cut_off_mid_bulk_is_retried_as_duplicates_and_appends(
             with pytest.raises(StorageUnavailable):
                 await call.result()
 
-            call = Call.start(tg, lambda: with_backoff(lambda: log.append_many(commits)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: log.append_many(commits)))
             req = await wire.command("insert")
             assert req.doc["documents"] == first
             assert req.doc["ordered"] is False
@@ -460,7 +458,7 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
             with pytest.raises(StorageUnavailable):
                 await call.result()
 
-            call = Call.start(tg, lambda: with_backoff(lambda: log.save_checkpoint("wowd", 3, position, 4)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: log.save_checkpoint("wowd", 3, position, 4)))
             req = await wire.command("update")
             assert req.doc["updates"] == first, "the retry is the same fence-guarded upsert"
             req.ok(n=1, nModified=1)

@@ -30,11 +30,18 @@ ES_URL = os.environ.get("WOWD_TEST_ELASTICSEARCH_URL")
 CONTEXT = "ctx"
 PARTITIONS = 8
 
-MONGO_IMPLS = ["embedded", "mongo-sim"] + (["mongo"] if MONGO_URI else [])
+MONGO_IMPLS: list[Any] = ["embedded", "mongo-sim"] + (
+    [pytest.param("mongo", marks=pytest.mark.mongo)] if MONGO_URI else []
+)
+"""With ``WOWD_TEST_MONGODB_URI`` set, the real server's runs are marked ``mongo``: ``pytest -m
+mongo tests/contract`` runs them alone."""
 SHARDED_IMPLS = [*MONGO_IMPLS, "mongo-sim-sharded"]
 """The log (checkpoints included) and timer suites also run through a simulated ``mongos`` of
 two shards: the stores shard what they shard, and the log's stream is the shards' merged one."""
-SINK_IMPLS = ["embedded", "fake-elasticsearch"] + (["elasticsearch"] if ES_URL else [])
+SINK_IMPLS: list[Any] = ["embedded", "fake-elasticsearch"] + (
+    [pytest.param("elasticsearch", marks=pytest.mark.elasticsearch)] if ES_URL else []
+)
+"""With ``WOWD_TEST_ELASTICSEARCH_URL`` set, the real server's runs are marked ``elasticsearch``."""
 
 
 @pytest.fixture
@@ -93,13 +100,17 @@ async def _fresh_database(uri: str) -> AsyncIterator[Any]:
     """A fresh database on the server of ``uri``; fails if it does not answer."""
     from pymongo import AsyncMongoClient
 
-    client: AsyncMongoClient[Any] = AsyncMongoClient(uri, serverSelectionTimeoutMS=5000)
-    await client.admin.command("ping")  # raises (fails the test) when the server is absent
-    name = f"wowd_test_{uuid.uuid4().hex[:12]}"
+    # 5 s to find the server, unless the URI says otherwise
+    timeout = {} if "serverselectiontimeoutms=" in uri.lower() else {"serverSelectionTimeoutMS": 5000}
+    client: AsyncMongoClient[Any] = AsyncMongoClient(uri, **timeout)
     try:
-        yield client[name]
+        await client.admin.command("ping")  # raises (fails the test) when the server is absent
+        name = f"wowd_test_{uuid.uuid4().hex[:12]}"
+        try:
+            yield client[name]
+        finally:
+            await client.drop_database(name)
     finally:
-        await client.drop_database(name)
         await client.close()
 
 
@@ -287,7 +298,11 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
 
         assert ES_URL
         client = AsyncElasticsearch(ES_URL)
-        await client.info()  # fails the test when the server is absent
+        try:
+            await client.info()  # fails the test when the server is absent
+        except BaseException:
+            await client.close()
+            raise
         prefix = f"t{uuid.uuid4().hex[:10]}"
         store = ElasticsearchEventSink(
             client, AggregateType(context=prefix, aggregate="order"), refresh=True, owns_client=True

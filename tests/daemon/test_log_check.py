@@ -231,4 +231,6 @@ async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancel
             held.request_stop()
     assert await owners_fired(backend) == [f"o-{i}" for i in range(1, 6)]
     entries = await backend.outbox.entries()
-    assert all(e.created_at >= due for e in entries)
+    # at the due time, not before; not a second late (0.7 s: a loaded machine's share of it)
+    lags = sorted(e.created_at - due for e in entries)
+    assert 0 <= lags[0] and lags[-1] <= 700, f"fired {lags} ms after the due time"

@@ -284,13 +284,15 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Claimed, then the wall clock steps back ten minutes: the timer now looks ten minutes
-    ahead, yet it is delivered after at most the lookahead (on the monotonic clock)."""
+    ahead, yet it is delivered after at most the lookahead (on the monotonic clock; the bound
+    allows 0.8 s more for a loaded machine, short of the next second)."""
     from wowd.daemon import firing, timers
 
     t = backend.timers
     assert await t.put(due_timer("ok-step"))
     real = timers.now_ms
     step = {"ms": 0}
+    stepped_at: list[float] = []
     for module in (timers, firing):
         monkeypatch.setattr(module, "now_ms", lambda: real() - step["ms"])
 
@@ -299,6 +301,7 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
             claimed = await t.claim_due(*args, **kwargs)
             if claimed:
                 step["ms"] = 600_000  # the clock steps back right after the claim
+                stepped_at.append(anyio.current_time())
             return claimed
 
         def __getattr__(self, name: str) -> Any:
@@ -307,23 +310,15 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
     gw = ScriptedGateway()
     held = await hold(backend)
     loop = timer_loop(SteppingStore(), gw, TimerSettings(lookahead_ms=200))  # type: ignore[arg-type]
-    started = anyio.current_time()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually_sent(gw)
-            delivered_after = anyio.current_time() - started
+            await gw.entered.wait()
+            delivered_at = anyio.current_time()
             held.request_stop()
     assert [x.target.id for x in gw.sent] == ["ok-step"]
-    assert delivered_after < 2.0
-
-
-async def eventually_sent(gw: ScriptedGateway) -> None:
-    for _ in range(400):
-        if gw.sent:
-            return
-        await anyio.sleep(0.01)
-    raise AssertionError("nothing delivered")
+    (claimed_at,) = stepped_at
+    assert delivered_at - claimed_at <= 0.2 + 0.8, f"delivered {delivered_at - claimed_at:.3f} s after the claim"
 
 
 async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_read_in_a_loop(

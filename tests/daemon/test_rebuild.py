@@ -284,6 +284,7 @@ async def test_a_transient_failure_is_retried(
     s = settings(tmp_path)
     with anyio.fail_after(10):
         [r] = await rebuild_slot(s, backend, reducer_v2, set(range(PARTS)), "me")
+    assert failures == [], "the injected failure never happened"
     assert r.backfilled and sorted(r.partitions) == list(range(PARTS))
     assert await backend.rebuilds.pending(ORDER, 2, None, 100) == []
 

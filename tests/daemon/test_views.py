@@ -120,7 +120,11 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
             await eventually(joined, 10, "the index caught up and joined the shared read")
             held.request_stop()
     lags = sorted(gateway.sent[c.ref.id] - c.create_time / 1000 for c in commits)
-    assert lags[-1] < 1.0, f"fire lag p100 {lags[-1]:.3f} s with the index down"
+    # on time: half of them within 0.3 s of their due time, none a second late (a loaded machine
+    # delays some; a wait behind the index's retries would delay them all)
+    assert lags[len(lags) // 2] < 0.3 and lags[-1] < 1.0, (
+        f"fire lag p50 {lags[len(lags) // 2]:.3f} s, p100 {lags[-1]:.3f} s with the index down"
+    )
     assert set((await index_count(backend, commits)).values()) == {1}  # each commit once
     assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 0
 

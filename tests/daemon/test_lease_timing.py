@@ -1,0 +1,164 @@
+"""When the slot keeper renews its lease, how long it works under it, and when the presence record
+is written (docs/concepts.md, "Slot and lease"), timed on trio's virtual clock
+(``trio.testing.MockClock``, jumping ahead whenever every task waits): the renewals come at exactly
+``ttl/3`` after a take or a renewal, the work stops exactly at ``sent + ttl - tolerance`` of the
+last answered renewal, a wall clock stepped back renews at once (within the clock check's half
+tolerance) without extending the lease, and the presence heartbeats come every ``ttl/3``. No
+margin for a loaded machine is needed: the virtual clock is the one the keeper reads."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import pytest
+from trio.testing import MockClock
+
+from wowd.config import LeaseSettings, WowdSettings
+from wowd.daemon.leases import HeldSlot, Presence, SlotKeeper
+from wowd.model import AcquireResult, SlotLease
+from wowd.stores.base import ReplicaInfo
+
+from .test_leases import WallClockLeases
+
+pytestmark = pytest.mark.anyio
+
+TTL_S, TOLERANCE_S = 3.0, 0.5
+EXACT = 1e-6
+"""Floating-point noise: the virtual clock moves only when every task waits."""
+WALL_BASE_S = 1_700_000_000.0
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, Any]]:
+    return "trio", {"clock": MockClock(autojump_threshold=0)}
+
+
+def settings() -> WowdSettings:
+    return WowdSettings(partitions=8, lease=LeaseSettings(limit=1, ttl_s=TTL_S, tolerance_s=TOLERANCE_S))
+
+
+class VirtualLeases(WallClockLeases):
+    """:class:`WallClockLeases` on a wall clock that follows the virtual one (plus ``offset_s``, a
+    step the test makes); renewals are answered at once, or never (``hang``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hang = False
+        self.acquired_at: list[float] = []
+        self.renewed_at: list[float] = []
+        self.renewed = anyio.Event()
+
+    def wall(self) -> float:
+        return WALL_BASE_S + anyio.current_time() + self.offset_s
+
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
+        self.acquired_at.append(anyio.current_time())
+        return await super().acquire(*args, **kwargs)
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        self.renewed_at.append(anyio.current_time())
+        if self.hang:
+            await anyio.sleep_forever()
+        renewed = await super().renew(lease, ttl, tolerance)
+        assert renewed is not None
+        self.renewed.set()
+        self.renewed = anyio.Event()
+        return renewed
+
+
+class Work:
+    """The slot's work: notes when it stopped."""
+
+    def __init__(self) -> None:
+        self.stopped_at: float | None = None
+        self.stopped = anyio.Event()
+
+    async def __call__(self, held: HeldSlot) -> None:
+        if self.stopped.is_set():  # a later holding: wait for the test's stop
+            await held.stop_event.wait()
+            return
+        try:
+            await held.stop_event.wait()
+        finally:
+            self.stopped_at = anyio.current_time()
+            self.stopped.set()
+
+
+async def test_the_lease_is_renewed_every_third_of_the_ttl() -> None:
+    store, work = VirtualLeases(), Work()
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        while len(store.renewed_at) < 4:
+            await store.renewed.wait()
+        keeper.stop(1.0)
+    (took,) = store.acquired_at
+    gaps = [b - a for a, b in zip([took, *store.renewed_at], store.renewed_at[:4], strict=False)]
+    assert all(abs(g - TTL_S / 3) < EXACT for g in gaps), gaps
+
+
+async def test_the_work_stops_at_the_validity_of_the_last_renewal_answered() -> None:
+    store, work = VirtualLeases(), Work()
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await store.renewed.wait()
+        store.hang = True  # the next renewals never come back
+        await work.stopped.wait()
+        keeper.stop(1.0)
+    answered = store.renewed_at[0]
+    assert work.stopped_at is not None
+    assert abs(work.stopped_at - (answered + TTL_S - TOLERANCE_S)) < EXACT
+
+
+async def test_a_wall_clock_stepped_back_renews_at_once_and_extends_nothing() -> None:
+    """The step back is noticed at the next clock check (every half tolerance) and renewed then,
+    long before the ``ttl/3`` renewal; the work goes on, under the renewal's validity and no
+    longer: when the renewals after it hang, it stops ``ttl - tolerance`` after that one."""
+    store, work = VirtualLeases(), Work()
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        held = await tg.start(keeper.run)
+        assert held is not None
+        await anyio.sleep(0.1)
+        stepped = anyio.current_time()
+        store.offset_s -= 3600.0
+        await store.renewed.wait()
+        (renewed,) = store.renewed_at
+        assert renewed - stepped <= TOLERANCE_S / 2 + EXACT  # not at the scheduled ttl/3 (1 s)
+        assert held.valid and keeper.held is held
+        store.hang = True
+        await work.stopped.wait()
+        keeper.stop(1.0)
+    assert work.stopped_at is not None
+    assert abs(work.stopped_at - (renewed + TTL_S - TOLERANCE_S)) < EXACT
+
+
+class Heartbeats:
+    def __init__(self) -> None:
+        self.at: list[float] = []
+        self.beat = anyio.Event()
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        self.at.append(anyio.current_time())
+        self.beat.set()
+        self.beat = anyio.Event()
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        return True
+
+
+async def test_the_presence_record_is_written_at_once_then_every_third_of_the_ttl() -> None:
+    store = Heartbeats()
+    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        started = anyio.current_time()
+        await tg.start(presence.run)
+        while len(store.at) < 4:
+            await store.beat.wait()
+        presence.stop()
+    assert abs(store.at[0] - started) < EXACT
+    gaps = [b - a for a, b in zip(store.at, store.at[1:4], strict=False)]
+    assert all(abs(g - TTL_S / 3) < EXACT for g in gaps), gaps
