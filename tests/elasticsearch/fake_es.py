@@ -148,6 +148,9 @@ class FakeElasticsearch:
     max_content_length: int = MAX_CONTENT_LENGTH
     tls: ssl.SSLContext | None = None
     """The server's TLS context (None: plain HTTP); read at each new connection."""
+    proxy: tuple[str, int, Raw] | None = None
+    """A proxy in front of the node answers the requests whose path matches (a regular
+    expression) with this status and page (:func:`proxy_page`) instead of passing them on."""
     _answers: list[_Answer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
@@ -198,6 +201,8 @@ class FakeElasticsearch:
     def _answer_unfiltered(self, req: Recorded) -> tuple[int, Any]:
         with self._lock:
             self.requests.append(req)
+            if self.proxy is not None and re.fullmatch(self.proxy[0], req.path):
+                return self.proxy[1], self.proxy[2]
             for i, a in enumerate(self._answers):
                 if a.method == req.method and a.path.fullmatch(req.path):
                     del self._answers[i]
@@ -1388,11 +1393,21 @@ class EsModel:
             if kind == "keyword" and isinstance(v, str):
                 above = spec.get("ignore_above")
                 if (above is None or len(v) <= int(above)) and len(v.encode()) > MAX_KEYWORD_BYTES:
+                    # Lucene's IndexWriter refuses the term (an IllegalArgumentException, 400, not a
+                    # parsing failure), caused by BytesRefHash's MaxBytesLengthExceededException
+                    size = len(v.encode())
                     raise _ApiFailure(
                         400,
-                        "document_parsing_exception",
-                        f'[1:2] failed to parse: Document contains at least one immense term in field="{path}" '
-                        f"(whose UTF8 encoding is longer than the max length {MAX_KEYWORD_BYTES})",
+                        "illegal_argument_exception",
+                        f'Document contains at least one immense term in field="{path}" (whose UTF8 encoding is '
+                        f"longer than the max length {MAX_KEYWORD_BYTES}), all of which were skipped.  Please correct "
+                        "the analyzer to not produce such terms.  The prefix of the first immense term is: "
+                        f"'{list(v.encode()[:30])}...', original message: bytes can be at most {MAX_KEYWORD_BYTES} in "
+                        f"length; got {size}",
+                        caused_by={
+                            "type": "max_bytes_length_exceeded_exception",
+                            "reason": f"bytes can be at most {MAX_KEYWORD_BYTES} in length; got {size}",
+                        },
                     )
             ok = {
                 "keyword": isinstance(v, str | int | float) and not isinstance(v, Mapping),
@@ -1452,8 +1467,12 @@ class EsModel:
         body = req.json() if req.body else {}
         if set(body) - {"mappings", "settings", "aliases"}:
             raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
-        if name in self.indices or name in self.aliases or name in self.data_streams:
+        if name in self.indices or name in self.data_streams:
             raise _ApiFailure(400, "resource_already_exists_exception", f"index [{name}/xyz] already exists")
+        if name in self.aliases:  # MetadataCreateIndexService.validateIndexName
+            raise _ApiFailure(
+                400, "invalid_index_name_exception", f"Invalid index name [{name}], already exists as alias"
+            )
         template_name, template = self._template_for(name)
         if template is not None and "data_stream" in template:
             # MetadataCreateIndexService.validateIndexName (IllegalArgumentException, 400)
@@ -2035,10 +2054,10 @@ def _duration_s(text: str) -> float:
 
 
 @contextmanager
-def serving() -> Iterator[FakeElasticsearch]:
-    """A started fake; on a clean exit it asserts that nothing unscripted came and every
-    scripted answer was used (the tests' fixture)."""
-    server = FakeElasticsearch()
+def serving(tls: ssl.SSLContext | None = None) -> Iterator[FakeElasticsearch]:
+    """A started fake (over TLS with ``tls``); on a clean exit it asserts that nothing
+    unscripted came and every scripted answer was used (the tests' fixture)."""
+    server = FakeElasticsearch(tls=tls)
     server.start()
     try:
         yield server

@@ -13,7 +13,7 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, Raw, serving
-from wowd.errors import InvalidInput, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
+from wowd.errors import InvalidInput, SinkWriteError, StorageUnavailable, StoreRefused
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent, stream_id
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.documents import MAX_ROUTING_CHARS, STAMP_PAGE

@@ -14,7 +14,7 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
-from wowd.errors import SinkWriteError, StorageError, StorageUnavailable, StoreRefused
+from wowd.errors import SinkWriteError, StorageUnavailable, StoreRefused
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
 from wowd.stores.base import Ddl, EventSink

@@ -191,7 +191,7 @@ RULES: tuple[Rule, ...] = (
         fault=Fault.TRANSIENT,
         from_es=False,
         statuses=_TRANSIENT,
-        says="no answer from Elasticsearch: something in front of it answers",
+        says="no answer from Elasticsearch: a proxy (or another server) in front of it answers",
     ),
     Rule(
         fault=Fault.STORE,

@@ -281,14 +281,19 @@ class ElasticsearchEventSink:
             )
 
     async def _create_index(self) -> bool:
-        """Creates the index (the template's settings apply); False when it exists already."""
+        """Creates the index (the template's settings apply); False when it exists already (or
+        is an alias)."""
         with translated(self.index, "create_index"):
             try:
                 await self._client.indices.create(index=self.index, mappings=events_mapping())
             except ApiError as exc:
                 f = failure_of(exc)
-                if f.from_es and f.type == "resource_already_exists_exception":
-                    return False
+                if f.from_es and (
+                    f.type == "resource_already_exists_exception"
+                    or f.type == "invalid_index_name_exception"
+                    and "already exists as alias" in f.reason
+                ):
+                    return False  # its mapping is checked instead (an alias: each index behind it)
                 raise
         log.info("created the events index %s", self.index)
         self._index_missing = False
