@@ -25,6 +25,7 @@ pytestmark = pytest.mark.anyio
 TYPE = AggregateType(context="ctx", aggregate="order")
 INDEX = "wow.ctx.order.events"
 IAE = "illegal_argument_exception"
+PROXY = "not elasticsearch"
 
 # --------------------------------------------------------------------------- the table
 
@@ -114,17 +115,17 @@ TABLE: list[tuple[str, Failure, Fault, str]] = [
         "flood-stage watermark",
     ),
     ("a rejection", Failure(status=429, type="es_rejected_execution_exception", records=1), Fault.TRANSIENT, "busy"),
-    ("a proxy's 404", Failure(status=404, type="not elasticsearch", from_es=False, records=3), Fault.STORE, "not"),
-    ("a proxy's 405", Failure(status=405, type="not elasticsearch", from_es=False, records=1), Fault.STORE, "not"),
+    ("a proxy's 404", Failure(status=404, type=PROXY, from_es=False, records=3), Fault.STORE, "not"),
+    ("a proxy's 405", Failure(status=405, type=PROXY, from_es=False, records=1), Fault.STORE, "not"),
     (
         "a proxy's 408",
-        Failure(status=408, type="not elasticsearch", from_es=False, records=1),
+        Failure(status=408, type=PROXY, from_es=False, records=1),
         Fault.TRANSIENT,
         "proxy",
     ),
     (
         "a proxy's 502",
-        Failure(status=502, type="not elasticsearch", from_es=False, records=1),
+        Failure(status=502, type=PROXY, from_es=False, records=1),
         Fault.TRANSIENT,
         "proxy",
     ),
