@@ -383,7 +383,7 @@ class ElasticsearchEventSink:
         if self._mapping_problem is not None:
             await self._recheck_mapping()
         elif not self._index_missing and now - self._mapping_checked >= self._mapping_check_s:
-            await self._check_created()  # another replica's write may have made the index again
+            await self._check_created(missing_ok=True)  # another replica's write may have made it again
         try:
             digests = [self._digest(c.access) for c in records]
         except (TypeError, ValueError) as exc:
@@ -425,13 +425,15 @@ class ElasticsearchEventSink:
         while len(self._written) > MAX_REMEMBERED_WRITTEN:
             self._written.popitem(last=False)
 
-    async def _check_created(self) -> None:
+    async def _check_created(self, *, missing_ok: bool = False) -> None:
         """The index may be new (a write made a shard's first document, went through where the
         index was missing, or the last look is :data:`MAPPING_CHECK_S` old: another replica's
         write may have made it again): its mapping must have every field wowd writes, else every
-        write is refused (:class:`StoreRefused`) until it has."""
+        write is refused (:class:`StoreRefused`) until it has. With ``missing_ok``, a missing
+        index is looked at after the write that makes it."""
         try:
-            await self._validate_mapping()
+            if not await self._validate_mapping(missing_ok=missing_ok):
+                self._index_missing = True
         except FormatError as exc:
             self._mapping_problem = str(exc)
             self._written.clear()  # written into an index that is not wowd's: to be written again
