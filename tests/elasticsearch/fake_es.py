@@ -1237,6 +1237,12 @@ class EsModel:
         with self._lock:
             self.indices[name].flood_stage = on
 
+    def settled(self, timeout_s: float) -> bool:
+        """Waits (in a thread) until no request waits on the cluster any more and the last one
+        that did is answered; False after ``timeout_s``."""
+        with self._lock:
+            return self._condition().wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
     def release(self) -> None:
         """Ends every wait (the server stops)."""
         with self._lock:
@@ -1644,6 +1650,7 @@ class EsModel:
             changed.wait_for(lambda: index.primary_active or self._released, timeout=timeout_s)
         finally:
             self.in_flight -= 1
+            changed.notify_all()  # seen by settled() once this request's answer is done (the lock)
         return index.primary_active
 
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
