@@ -5,7 +5,6 @@ template, another template in the way, a primary that is not active, Elastic Clo
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -34,16 +33,6 @@ TYPE = AggregateType(context="ctx", aggregate="order")
 INDEX = "wow.ctx.order.events"
 A = {"owner_id": "alice", "space_id": "s1", "tags": ["x"]}
 B = {"owner_id": "bob", "space_id": "s1", "tags": ["x"]}
-
-
-@pytest.fixture
-async def second_client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
-    """Another replica's client of the same cluster."""
-    es = AsyncElasticsearch(fake.url, request_timeout=5)
-    try:
-        yield es
-    finally:
-        await es.close()
 
 
 # --------------------------------------------------------------------------- credentials
