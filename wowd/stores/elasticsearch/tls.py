@@ -106,7 +106,10 @@ def pinned_context(settings: ElasticsearchSettings) -> Pin | None:
     chain: tuple[str, str | None] | None = None
     if settings.client_cert is not None:
         chain = (str(settings.client_cert), str(settings.client_key) if settings.client_key is not None else None)
-        context.load_cert_chain(*chain)
+        try:
+            context.load_cert_chain(*chain)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"elasticsearch.client_cert / client_key: cannot be loaded: {exc}") from exc
     return Pin(fingerprint, context, chain)
 
 
