@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Pki", "make_pki"]
+__all__ = ["Pki", "make_expired_server_cert", "make_pki"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,13 @@ def _openssl(*args: str) -> None:
 EC_KEY = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1")
 
 
-def _issue(d: Path, name: str, subject: str, ca: Path, ca_key: Path, ext: str) -> tuple[Path, Path]:
+def _issue(d: Path, name: str, subject: str, ca: Path, ca_key: Path, ext: str, days: int = 1) -> tuple[Path, Path]:
     key, csr, cert, extfile = d / f"{name}.key", d / f"{name}.csr", d / f"{name}.pem", d / f"{name}.ext"
     extfile.write_text(ext + "\n")
     _openssl("req", *EC_KEY, "-nodes", "-keyout", str(key), "-out", str(csr), "-subj", subject)
     _openssl(
         "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-        "-out", str(cert), "-days", "1", "-extfile", str(extfile),
+        "-out", str(cert), "-days", str(days), "-extfile", str(extfile),
     )  # fmt: skip
     return cert, key
 
@@ -72,3 +72,17 @@ def make_pki(d: Path, client_cn: str = "wowd-client") -> Pki:
     encrypted_key = d / "client-encrypted.key"
     _openssl("pkey", "-in", str(client_key), "-aes256", "-passout", "pass:hunter22", "-out", str(encrypted_key))
     return Pki(ca, server_cert, server_key, client_cert, client_key, client_cn, other_key, encrypted_key)
+
+
+def make_expired_server_cert(d: Path) -> tuple[Path, Path]:
+    """A server certificate for 127.0.0.1 signed by the CA :func:`make_pki` wrote into ``d``, that
+    expired a day ago (its certificate and key)."""
+    return _issue(
+        d,
+        "expired",
+        "/CN=127.0.0.1",
+        d / "ca.pem",
+        d / "ca.key",
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth",
+        days=-1,
+    )

@@ -523,7 +523,7 @@ def busy() -> dict[str, Any]:
     return fake_es.error(429, "es_rejected_execution_exception", "rejected execution of coordinating op")
 
 
-async def test_the_sink_retried_after_429s_and_mixed_items_counts_409s_as_written(
+async def test_the_sink_retried_after_429s_counts_409s_as_written_and_sends_only_what_was_not(
     es: AsyncElasticsearch, fake: FakeElasticsearch
 ) -> None:
     from wowd.stores.elasticsearch import ElasticsearchEventSink
@@ -534,7 +534,7 @@ async def test_the_sink_retried_after_429s_and_mixed_items_counts_409s_as_writte
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, body=fake_es.bulk_answer(201, 409, 429))  # written, written before, rejected
-    fake.on("PUT", BULK, body=fake_es.bulk_answer(409, 409, 201))  # the retry of the whole write
+    fake.on("PUT", BULK, body=fake_es.bulk_answer(201))  # the retry: only the item rejected
     before = {s: items(s) for s in ("201", "409", "429")}
     attempts = 0
     with anyio.fail_after(10):
@@ -548,8 +548,9 @@ async def test_the_sink_retried_after_429s_and_mixed_items_counts_409s_as_writte
     assert attempts == 4
     bulks = [r for r in fake.take() if r.path == BULK]
     assert len(bulks) == 4
-    assert all(b.ndjson() == bulks[0].ndjson() for b in bulks), "the whole write, each time"
-    assert items("409") == before["409"] + 3, "the 409s count as written"
+    assert all(b.ndjson() == bulks[0].ndjson() for b in bulks[:3]), "the whole write while nothing was written"
+    assert bulks[3].ndjson() == bulks[0].ndjson()[4:], "then what was not written only"
+    assert items("409") == before["409"] + 1, "the 409s count as written"
     assert items("201") == before["201"] + 2
     assert items("429") == before["429"] + 1
 
@@ -586,7 +587,7 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     fake.on("GET", MAPPING, body=mapping_answer())
     fake.on("PUT", BULK, 429, busy())
     fake.on("PUT", BULK, body=fake_es.bulk_answer(201, 429, 201))
-    fake.on("PUT", BULK, body=fake_es.bulk_answer(409, 201, 409))
+    fake.on("PUT", BULK, body=fake_es.bulk_answer(201))  # the retry: only the item rejected
     transient = metrics.FEED_ERRORS.labels(kind="transient")._value.get()
     conflicts = items("409")
     lease = SlotLease(
@@ -622,9 +623,10 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
     cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
     assert {cp.fence for cp in cps.values()} == {5}
     bulks = [r for r in fake.take() if r.path == BULK]
-    assert len(bulks) == 3 and all(b.ndjson() == bulks[0].ndjson() for b in bulks)
+    assert len(bulks) == 3 and bulks[1].ndjson() == bulks[0].ndjson()
+    assert bulks[2].ndjson() == bulks[0].ndjson()[2:4], "the retry sends only what was not written"
     assert metrics.FEED_ERRORS.labels(kind="transient")._value.get() == transient + 2
-    assert items("409") == conflicts + 2
+    assert items("409") == conflicts
 
 
 # --------------------------------------------------------------------------- the daemon's retries

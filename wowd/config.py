@@ -123,13 +123,23 @@ class MongoSettings(_Part):
 
 class ElasticsearchSettings(_Part):
     url: str | None = None
+    """The cluster's URL, or the URLs of several of its nodes separated by commas (a request that
+    cannot reach one node goes to the next)."""
     cloud_id: str | None = None
     """Elastic Cloud's deployment id, instead of ``url``."""
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str | None) -> str | None:
-        return _http_url(v)
+        if v is None:
+            return v
+        for one in v.split(","):
+            _http_url(one.strip())
+        return v
+
+    def hosts(self) -> list[str]:
+        """The node URLs of ``url``, in order (none with ``cloud_id``)."""
+        return [u.strip() for u in (self.url or "").split(",") if u.strip()]
 
     api_key: SecretStr | None = None
     username: str | None = None
@@ -141,7 +151,8 @@ class ElasticsearchSettings(_Part):
     client_key: Path | None = None
     """The client certificate's private key (PEM), when not in ``client_cert``."""
     ssl_assert_fingerprint: str | None = None
-    """The SHA-256 fingerprint of the cluster's certificate (hex), pinned instead of a CA."""
+    """The SHA-256 fingerprint (hex) of the certificate pinned instead of a CA: the cluster's HTTP
+    CA (Elasticsearch prints it at setup) or a node's own certificate."""
     ddl: Literal["auto", "validate", "none"] = "auto"
     request_timeout_s: float = Field(default=30.0, gt=0)
     refresh_interval_s: float = Field(default=1.0, gt=0)

@@ -9,6 +9,9 @@
 - :class:`Pauses`: the same backoff for a long-running loop that goes on after a failure (the
   feed, the timer loop): ``await pauses.pause()`` after a failure, ``pauses.reset()`` after
   progress.
+- :class:`Holdoff`: the same backoff for a call that several callers share and none waits for
+  (a store's preparation of an index): after a failure, the calls within the backoff fail at
+  once instead of asking the store again.
 
 Nothing else in wowd sleeps to retry (a test looks for it).
 """
@@ -31,7 +34,7 @@ from tenacity import (
 
 from wowd.errors import StorageUnavailable
 
-__all__ = ["Backoff", "Pauses", "RetryStopped", "retrying", "retrying_blocking"]
+__all__ = ["Backoff", "Holdoff", "Pauses", "RetryStopped", "retrying", "retrying_blocking"]
 
 log = logging.getLogger(__name__)
 
@@ -134,3 +137,28 @@ class Pauses:
             return
         with anyio.move_on_after(delay):
             await self._stop.wait()
+
+
+class Holdoff:
+    """The backoff of a call shared by callers that do not wait for it: :meth:`failed` after a
+    failure holds the call off for ``backoff`` of the failures since the last :meth:`reset`;
+    :meth:`remaining` says how long it is held off still (0: try it). Times are anyio's clock."""
+
+    def __init__(self, backoff: Backoff) -> None:
+        self._backoff = backoff
+        self.failures = 0
+        self._until = float("-inf")
+
+    def failed(self) -> float:
+        """One more failure: answers the time the call is held off."""
+        delay = self._backoff(self.failures)
+        self.failures += 1
+        self._until = anyio.current_time() + delay
+        return delay
+
+    def remaining(self) -> float:
+        return max(0.0, self._until - anyio.current_time())
+
+    def reset(self) -> None:
+        self.failures = 0
+        self._until = float("-inf")

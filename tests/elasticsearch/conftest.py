@@ -26,14 +26,26 @@ def model(fake: FakeElasticsearch) -> EsModel:
     return fake.model
 
 
-@pytest.fixture
-async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
+async def _client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
     """The client's defaults (max_retries 3, retry_on_status 429/502/503/504), as in production."""
     es = AsyncElasticsearch(fake.url, request_timeout=5)
     try:
         yield es
     finally:
         await es.close()
+
+
+@pytest.fixture
+async def client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
+    async for es in _client(fake):
+        yield es
+
+
+@pytest.fixture
+async def second_client(fake: FakeElasticsearch) -> AsyncIterator[AsyncElasticsearch]:
+    """Another replica's client of the same cluster."""
+    async for es in _client(fake):
+        yield es
 
 
 def order_commit(

@@ -1,15 +1,21 @@
 """A local HTTP server that answers as Elasticsearch 9 does, scripted per test.
 
 It runs in a thread (``http.server``) on ``127.0.0.1:0``; the real ``AsyncElasticsearch``
-client talks to it over a socket. Every answer carries ``X-Elastic-Product: Elasticsearch``
-(the client refuses a server without it) and the content type ES 9 answers to the client's
-``compatible-with=9`` accept header.
+client talks to it over a socket, in plain HTTP or, with ``tls`` (a server context: the
+certificates of ``tests/certs.py``), over TLS; :meth:`FakeElasticsearch.restart_with` serves
+another certificate (one rotated, or expired) from the next connection on, closing the open ones
+as a node's restart does. Every answer of Elasticsearch carries ``X-Elastic-Product:
+Elasticsearch`` (every REST answer since 7.14: ``RestController``; the client refuses a first
+successful answer without it) and the content type ES 9 answers to the client's
+``compatible-with=9`` accept header. A proxy's page (:func:`proxy_page`) carries neither.
 
 A test queues answers (``fake.on(method, path, status, body)``: FIFO, each used once; ``body``
 may be a function of the request), calls the store, then reads ``fake.requests``. A request with
 no answer queued is answered 400 and kept in ``fake.unexpected`` (the fixture asserts it empty),
 unless ``fake.model`` is set: an :class:`EsModel`, a stateful Elasticsearch 9 for the APIs the
-sink uses (see the section at the end), answers it then.
+sink uses (see the section at the end), answers it then. Several clients (replicas) may share
+one fake: the model answers each request under its own lock, which a request waiting on the
+cluster (a primary that is not active) lets go meanwhile.
 
 Before any answer, the server enforces the HTTP limits of a node with default settings: a
 request line over ``http.max_initial_line_length`` (4 KB) is a 400
@@ -19,11 +25,15 @@ request line over ``http.max_initial_line_length`` (4 KB) is a 400
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import json
 import re
+import socket
+import ssl
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,14 +47,42 @@ MAX_CONTENT_LENGTH = 100 * 1024 * 1024
 MAX_CLAUSE_COUNT = 1024
 """The floor of the clause limit ES 9 computes from the heap and the search threads."""
 MAX_KEYWORD_BYTES = 32766
+LUCENE_MAX_DOCS = 2_147_483_519
+"""``IndexWriter.MAX_DOCS``: the documents a shard holds at most, nested and deleted ones counted
+(reference: troubleshoot/elasticsearch/... "Number of documents in the shard cannot exceed")."""
 
 
 @dataclass(frozen=True)
 class Raw:
-    """An answer body sent as it is (a proxy's page, an empty body), with its content type."""
+    """An answer body sent as it is (a proxy's page, an empty body), with its content type
+    (``"auto"``: the one Elasticsearch gives the request's accept header), the product header
+    or not (a proxy's page has none) and any other headers."""
 
     data: bytes
     content_type: str | None = None
+    product: bool = True
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def proxy_page(status: int) -> Raw:
+    """The error page a reverse proxy (nginx) sends in place of Elasticsearch's answer: HTML,
+    without Elasticsearch's product header (``ngx_http_special_response.c``: "<center><h1>502
+    Bad Gateway</h1></center>" and the server's name)."""
+    titles = {
+        404: "404 Not Found",
+        405: "405 Not Allowed",
+        408: "408 Request Time-out",
+        413: "413 Request Entity Too Large",
+        502: "502 Bad Gateway",
+        503: "503 Service Temporarily Unavailable",
+        504: "504 Gateway Time-out",
+    }
+    title = titles[status]
+    page = (
+        f"<html>\r\n<head><title>{title}</title></head>\r\n<body>\r\n<center><h1>{title}</h1></center>\r\n"
+        "<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n"
+    )
+    return Raw(page.encode(), "text/html", product=False)
 
 
 @dataclass(frozen=True)
@@ -75,6 +113,32 @@ class _Answer:
     body: Body
 
 
+class _Server(ThreadingHTTPServer):
+    """The HTTP server, wrapping each connection in the fake's TLS context of the moment."""
+
+    daemon_threads = True
+    fake: FakeElasticsearch
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        fake = self.fake
+        ctx = fake.tls
+        conn = request
+        if ctx is not None:
+            try:
+                conn = ctx.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, OSError):
+                return  # the client refused the certificate (or the other way round)
+        with fake._lock:
+            fake._connections.add(conn)
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            with fake._lock:
+                fake._connections.discard(conn)
+            if conn is not request:
+                conn.close()
+
+
 @dataclass
 class FakeElasticsearch:
     requests: list[Recorded] = field(default_factory=list)
@@ -82,16 +146,22 @@ class FakeElasticsearch:
     model: EsModel | None = None
     """When set, answers every request no queued answer matched (a stateful Elasticsearch)."""
     max_content_length: int = MAX_CONTENT_LENGTH
+    tls: ssl.SSLContext | None = None
+    """The server's TLS context (None: plain HTTP); read at each new connection."""
+    proxy: tuple[str, int, Raw] | None = None
+    """A proxy in front of the node answers the requests whose path matches (a regular
+    expression) with this status and page (:func:`proxy_page`) instead of passing them on."""
     _answers: list[_Answer] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
+    _connections: set[Any] = field(default_factory=set)
 
     @property
     def url(self) -> str:
         assert self._server is not None
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host!s}:{port}"
 
     def on(self, method: str, path: str, status: int = 200, body: Body = None) -> None:
         """Queues one answer to the next ``method`` request whose path fully matches ``path`` (a
@@ -110,6 +180,18 @@ class FakeElasticsearch:
             out, self.requests = self.requests, []
             return out
 
+    def restart_with(self, tls: ssl.SSLContext) -> None:
+        """The node restarts with another certificate (rotated, or expired): the connections open
+        are closed, and the next ones are served with ``tls``."""
+        with self._lock:
+            self.tls = tls
+            open_ = list(self._connections)
+        for conn in open_:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
     def _answer(self, req: Recorded) -> tuple[int, Any]:
         status, body = self._answer_unfiltered(req)
         if "filter_path" in req.params and isinstance(body, dict) and "error" not in body:
@@ -119,14 +201,18 @@ class FakeElasticsearch:
     def _answer_unfiltered(self, req: Recorded) -> tuple[int, Any]:
         with self._lock:
             self.requests.append(req)
+            if self.proxy is not None and re.fullmatch(self.proxy[0], req.path):
+                return self.proxy[1], self.proxy[2]
             for i, a in enumerate(self._answers):
                 if a.method == req.method and a.path.fullmatch(req.path):
                     del self._answers[i]
                     body = a.body(req) if callable(a.body) else a.body
                     return a.status, body
-            if self.model is not None:
-                return self.model.answer(req)
-            self.unexpected.append(req)
+            model = self.model
+            if model is None:
+                self.unexpected.append(req)
+        if model is not None:
+            return model.answer(req)  # under the model's own lock
         return 400, error(400, "illegal_argument_exception", f"fake: no answer for {req.method} {req.path}")
 
     def start(self) -> None:
@@ -162,20 +248,25 @@ class FakeElasticsearch:
                 # the media type asked for: compatible-with=9 for the client's, else plain JSON
                 compat = "compatible-with" in req.headers.get("accept", "")
                 content_type: str | None = CONTENT_TYPE if compat else "application/json"
+                product, extra = True, ()
                 if isinstance(body, Raw):
-                    data, content_type = body.data, body.content_type
+                    data, product, extra = body.data, body.product, body.headers
+                    content_type = content_type if body.content_type == "auto" else body.content_type
                 else:
                     data = b"" if body is None else json.dumps(body).encode()
                 try:
                     self.send_response(status)
-                    self.send_header("X-Elastic-Product", "Elasticsearch")
+                    if product:
+                        self.send_header("X-Elastic-Product", "Elasticsearch")
+                    for name, value in extra:
+                        self.send_header(name, value)
                     if content_type is not None:
                         self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
+                except (BrokenPipeError, ConnectionResetError, ssl.SSLError, OSError):
                     self.close_connection = True  # the client gave up (a timeout test)
 
             do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _handle
@@ -183,13 +274,15 @@ class FakeElasticsearch:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
+        server = _Server(("127.0.0.1", 0), Handler)
+        server.fake = self
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, args=(0.01,), name="fake-es", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        if self.model is not None:
+            self.model.release()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -235,6 +328,17 @@ def filter_path(body: dict[str, Any], spec: str) -> dict[str, Any]:
 
     kept = keep(body, patterns)
     return {} if kept is _DROP else kept
+
+
+def api_key_header(key: str) -> str:
+    """The ``Authorization`` value a client sends for an API key given as one string (its
+    ``id:key`` encoded): ``ApiKey <key>`` (reference: security-api-create-api-key, "encoded")."""
+    return f"ApiKey {key}"
+
+
+def basic_header(user: str, password: str) -> str:
+    """The ``Authorization`` value of a user and password (HTTP basic authentication)."""
+    return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def error(status: int, type: str, reason: str, **extra: Any) -> dict[str, Any]:
@@ -832,6 +936,14 @@ class _Doc:
     source: dict[str, Any]
     routing: str
     seq_no: int
+    shard: int = 0
+
+
+def shard_of(routing: str, shards: int) -> int:
+    """The shard a routing value picks (reference: mapping-routing-field.md, ``shard_num =
+    hash(_routing) % num_primary_shards``; Elasticsearch hashes with Murmur3, the fake with
+    CRC-32: which shard is not what the sink relies on, only that a routing picks one)."""
+    return zlib.crc32(routing.encode()) % shards
 
 
 @dataclass
@@ -839,21 +951,55 @@ class _Index:
     mapping: dict[str, Any]
     live: dict[str, _Doc] = field(default_factory=dict)
     visible: dict[str, _Doc] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The index's settings as created (``index.number_of_shards``, ``index.lifecycle.name``...)."""
+    shards: int = 1
+    """``index.number_of_shards`` (1 by default since 7.0)."""
     write_block: bool = False
     """``index.blocks.write`` (reference: index-settings/index-block.md)."""
+    flood_stage: bool = False
+    """``index.blocks.read_only_allow_delete``, which the disk monitor puts on every index of a node
+    over the flood-stage watermark (reference: troubleshoot/.../fix-watermark-errors.md;
+    ``DiskThresholdMonitor``), and lifts once the disk is below the high watermark."""
     closed: bool = False
     """Closed by the close index API (reference: rest-apis/close-index; ``IndexClosedException``)."""
-
-    seq: int = -1
-    """The shard's last sequence number: one shard, its first operation numbered 0 (reference:
+    primary_active: bool = True
+    """False: its primaries are unassigned (a node lost): a write waits for them for its ``timeout``."""
+    data_stream: str | None = None
+    """The data stream it backs (``.ds-<name>-<date>-000001``)."""
+    seqs: dict[int, int] = field(default_factory=dict)
+    """Each shard's last sequence number, its first operation numbered 0 (reference:
     docs-replication, "sequence numbers"; ``LocalCheckpointTracker``, ``NO_OPS_PERFORMED`` -1)."""
+    docs: dict[int, int] = field(default_factory=dict)
+    """Each shard's Lucene documents, nested and deleted ones counted (an update deletes one)."""
 
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+    def next_seq(self, shard: int) -> int:
+        self.seqs[shard] = self.seqs.get(shard, -1) + 1
+        return self.seqs[shard]
 
     def refresh(self) -> None:
-        self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no) for k, d in self.live.items()}
+        self.visible = {k: _Doc(copy.deepcopy(d.source), d.routing, d.seq_no, d.shard) for k, d in self.live.items()}
+
+
+def lucene_docs(mapping: Mapping[str, Any], source: Mapping[str, Any]) -> int:
+    """The Lucene documents a document makes: itself and one per nested object (reference:
+    mapping nested.md, "each nested object is indexed as a separate Lucene document")."""
+    return 1 + sum(
+        len(v) if isinstance(v, list) else 1
+        for k, v in source.items()
+        if field_type(mapping, k) == "nested" and v is not None
+    )
+
+
+@dataclass
+class _DataStream:
+    """A data stream (reference: data-streams.md): writes go to its write (last) backing index,
+    ``create`` only, each document with an ``@timestamp``; custom routing only where its template
+    allows it (``allow_custom_routing``)."""
+
+    name: str
+    indices: list[str]
+    allow_custom_routing: bool = False
 
 
 _PARAMS = {
@@ -877,6 +1023,7 @@ _PARAMS = {
     "create": {"timeout", "master_timeout", "wait_for_active_shards"},
     "mapping": {"master_timeout", "local"},
     "put_template": {"create", "master_timeout", "cause"},
+    "put_component": {"create", "master_timeout"},
     "health": {"wait_for_status", "wait_for_active_shards", "timeout", "level", "wait_for_nodes", "master_timeout"},
 }
 _INDEX_IMPLIES: dict[str, set[str]] = {
@@ -910,20 +1057,32 @@ _UBQ_BODY = {"conflicts", "max_docs", "query", "script", "slice"}
 
 @dataclass
 class EsModel:
-    """One Elasticsearch 9 node, one shard per index, for the APIs the sink uses."""
+    """One Elasticsearch 9 node for the APIs the sink uses: indices of one or more shards, aliases
+    and data streams, index and component templates, credentials and privileges, blocks."""
 
     indices: dict[str, _Index] = field(default_factory=dict)
     templates: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Composable index templates by name (``PUT _index_template/<name>``)."""
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Component templates by name (``PUT _component_template/<name>``)."""
+    aliases: dict[str, dict[str, bool | None]] = field(default_factory=dict)
+    """Aliases: name -> {index: is_write_index} (reference: aliases.md)."""
+    data_streams: dict[str, _DataStream] = field(default_factory=dict)
     before_update: Callable[[EsModel, str, str], None] | None = None
     """Called with (model, index, id) as update_by_query is about to write a document: a test
     changes the document meanwhile (a concurrent stamp) to make a version conflict."""
+    fail_update: Callable[[str], tuple[int, str, str] | None] | None = None
+    """Given a document's id as update_by_query writes it: a failure (status, type, reason) of
+    that document's write (a rejection, a mapping), or None."""
     requests: list[str] = field(default_factory=list)
     """``"<api> <index>"`` of each request answered (in order)."""
     auto_create_index: bool = True
     """``action.auto_create_index``: a bulk into a missing index creates it with a dynamic
     mapping (ES's default), else its items fail with 404 ``index_not_found_exception``."""
 
+    credentials: set[str] | None = None
+    """The ``Authorization`` values the node takes (:func:`api_key_header`, :func:`basic_header`);
+    None: security off for authentication (every request anonymous and allowed)."""
     api_key_expired: bool = False
     """Every request is refused 401, as ES 9 refuses an expired API key (``ApiKeyService``: the
     authentication fails, ``AuthenticatorChain`` answers ``security_exception`` 401)."""
@@ -938,6 +1097,13 @@ class EsModel:
     index-settings/pressure.md); a bulk over the limit is refused 429 (``IndexingPressure``)."""
     nested_objects_limit: int = 10_000
     """``index.mapping.nested_objects.limit`` (reference: index-settings/mapping-limit.md)."""
+    max_docs_per_shard: int = LUCENE_MAX_DOCS
+    """The Lucene documents a shard holds at most (a test lowers it)."""
+    in_flight: int = 0
+    """Bulks the node is working on now (one waits for a primary even after its client gave up)."""
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+    _changed: threading.Condition | None = None
+    _released: bool = False
 
     version: str = "9.1.0"
     """The node's version (``GET /``); its major decides which compatible versions it accepts."""
@@ -982,22 +1148,18 @@ class EsModel:
         }
 
     def answer(self, req: Recorded) -> tuple[int, Any]:
+        with self._lock:
+            return self._answer(req)
+
+    def _answer(self, req: Recorded) -> tuple[int, Any]:
         parts = [p for p in req.path.split("/") if p]
         try:
             self._compatible(req)
         except _ApiFailure as exc:
             return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
-        if self.api_key_expired:
-            reason = (
-                "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
-            )
-            body = error(
-                401,
-                "security_exception",
-                reason,
-                additional_unsuccessful_credentials="API key: api key [k1] has expired",
-            )
-            return 401, body
+        refused = self._authenticate(req)
+        if refused is not None:
+            return 401, refused
         try:
             if not parts and req.method in ("GET", "HEAD"):
                 return self._info(req)
@@ -1005,6 +1167,8 @@ class EsModel:
                 return self._has_privileges(req)
             if parts[:1] == ["_index_template"] and len(parts) == 2 and req.method in ("PUT", "POST"):
                 return self._put_template(parts[1], req)
+            if parts[:1] == ["_component_template"] and len(parts) == 2 and req.method in ("PUT", "POST"):
+                return self._put_component(parts[1], req)
             if req.method == "GET" and parts[:2] == ["_cluster", "health"] and len(parts) == 3:
                 return self._health(parts[2], req)
             if len(parts) == 1 and req.method == "PUT":
@@ -1029,6 +1193,66 @@ class EsModel:
             raise _ApiFailure(400, "illegal_argument_exception", f"no handler for [{req.method} {req.path}]")
         except _ApiFailure as exc:
             return exc.status, error(exc.status, exc.type, exc.reason, **exc.extra)
+
+    def _authenticate(self, req: Recorded) -> Raw | None:
+        """The 401 of a request without credentials the node takes (``AuthenticationService``:
+        "missing authentication credentials for REST request [path]" without any, else "unable
+        to authenticate ..."), with the schemes in ``WWW-Authenticate``
+        (``DefaultAuthenticationFailureHandler``); None when it may go on."""
+        given = req.headers.get("authorization")
+        if self.api_key_expired:
+            reason = (
+                "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
+            )
+            body = error(
+                401,
+                "security_exception",
+                reason,
+                additional_unsuccessful_credentials="API key: api key [k1] has expired",
+            )
+        elif self.credentials is None or given in self.credentials:
+            return None
+        elif given is None:
+            body = error(401, "security_exception", f"missing authentication credentials for REST request [{req.path}]")
+        else:
+            reason = (
+                "unable to authenticate with provided credentials and anonymous access is not allowed for this request"
+            )
+            body = error(401, "security_exception", reason)
+        challenge = (("WWW-Authenticate", 'Basic realm="security", charset="UTF-8"'), ("WWW-Authenticate", "ApiKey"))
+        return Raw(json.dumps(body).encode(), "auto", headers=challenge)
+
+    # ---- the cluster's state, for tests
+
+    def primaries(self, name: str, active: bool) -> None:
+        """The primaries of an index become unassigned (a node lost) or active again; a write
+        waiting for them goes on then."""
+        with self._lock:
+            self.indices[name].primary_active = active
+            self._condition().notify_all()
+
+    def flood(self, name: str, on: bool = True) -> None:
+        """The disk holding an index goes over the flood-stage watermark (or back below the high
+        one): the block ``index.blocks.read_only_allow_delete`` is put on it (or lifted)."""
+        with self._lock:
+            self.indices[name].flood_stage = on
+
+    def settled(self, timeout_s: float) -> bool:
+        """Waits (in a thread) until no request waits on the cluster any more and the last one
+        that did is answered; False after ``timeout_s``."""
+        with self._lock:
+            return self._condition().wait_for(lambda: self.in_flight == 0, timeout=timeout_s)
+
+    def release(self) -> None:
+        """Ends every wait (the server stops)."""
+        with self._lock:
+            self._released = True
+            self._condition().notify_all()
+
+    def _condition(self) -> threading.Condition:
+        if self._changed is None:
+            self._changed = threading.Condition(self._lock)
+        return self._changed
 
     # ---- blocks, closed indices, privileges
 
@@ -1175,11 +1399,21 @@ class EsModel:
             if kind == "keyword" and isinstance(v, str):
                 above = spec.get("ignore_above")
                 if (above is None or len(v) <= int(above)) and len(v.encode()) > MAX_KEYWORD_BYTES:
+                    # Lucene's IndexWriter refuses the term (an IllegalArgumentException, 400, not a
+                    # parsing failure), caused by BytesRefHash's MaxBytesLengthExceededException
+                    size = len(v.encode())
                     raise _ApiFailure(
                         400,
-                        "document_parsing_exception",
-                        f'[1:2] failed to parse: Document contains at least one immense term in field="{path}" '
-                        f"(whose UTF8 encoding is longer than the max length {MAX_KEYWORD_BYTES})",
+                        "illegal_argument_exception",
+                        f'Document contains at least one immense term in field="{path}" (whose UTF8 encoding is '
+                        f"longer than the max length {MAX_KEYWORD_BYTES}), all of which were skipped.  Please correct "
+                        "the analyzer to not produce such terms.  The prefix of the first immense term is: "
+                        f"'{list(v.encode()[:30])}...', original message: bytes can be at most {MAX_KEYWORD_BYTES} in "
+                        f"length; got {size}",
+                        caused_by={
+                            "type": "max_bytes_length_exceeded_exception",
+                            "reason": f"bytes can be at most {MAX_KEYWORD_BYTES} in length; got {size}",
+                        },
                     )
             ok = {
                 "keyword": isinstance(v, str | int | float) and not isinstance(v, Mapping),
@@ -1214,10 +1448,24 @@ class EsModel:
     def _health(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("health", name, req)
         self._authorize_cluster("cluster:monitor/health", "monitor", "manage", "all")
-        if name not in self.indices:
+        targets = self._targets(name, missing_ok=True)
+        if not targets or not all(self.indices[t].primary_active for t in targets):
             body = health(name, "red", timed_out=True)
             return (408 if "wait_for_status" in req.params else 200), body
         return 200, health(name, "yellow")
+
+    def _targets(self, name: str, *, missing_ok: bool = False) -> list[str]:
+        """The indices a name stands for: an index, an alias's indices, a data stream's backing
+        indices (reference: aliases.md, data-streams.md); 404 when none and not ``missing_ok``."""
+        if name in self.indices:
+            return [name]
+        if name in self.aliases:
+            return sorted(self.aliases[name])
+        if name in self.data_streams:
+            return list(self.data_streams[name].indices)
+        if missing_ok:
+            return []
+        raise _ApiFailure(404, "index_not_found_exception", f"no such index [{name}]", **{"resource.id": name})
 
     def _create(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("create", name, req)
@@ -1225,33 +1473,69 @@ class EsModel:
         body = req.json() if req.body else {}
         if set(body) - {"mappings", "settings", "aliases"}:
             raise _ApiFailure(400, "parse_exception", f"unknown key(s) {sorted(set(body))} for create index")
-        if name in self.indices:
+        if name in self.indices or name in self.data_streams:
             raise _ApiFailure(400, "resource_already_exists_exception", f"index [{name}/xyz] already exists")
-        mapping = self._template_mapping(name)
+        if name in self.aliases:  # MetadataCreateIndexService.validateIndexName
+            raise _ApiFailure(
+                400, "invalid_index_name_exception", f"Invalid index name [{name}], already exists as alias"
+            )
+        template_name, template = self._template_for(name)
+        if template is not None and "data_stream" in template:
+            # MetadataCreateIndexService.validateIndexName (IllegalArgumentException, 400)
+            reason = (
+                f"cannot create index with name [{name}], because it matches with template [{template_name}] that "
+                "creates data streams only, use create data stream api instead"
+            )
+            raise _ApiFailure(400, "illegal_argument_exception", reason)
+        mapping, settings = self._composed(template)
         asked = body.get("mappings", {})
         mapping = {**mapping, **asked, "properties": {**mapping.get("properties", {}), **asked.get("properties", {})}}
+        settings = {**settings, **_flat(body.get("settings", {}))}
         if str(mapping.get("dynamic", "true")).lower() not in ("true", "false", "strict", "runtime"):
             raise _ApiFailure(400, "mapper_parsing_exception", "bad dynamic")
-        self.indices[name] = _Index(mapping=mapping)
+        self.indices[name] = self._new_index(mapping, settings)
         return 200, created(name)
 
-    def _template_mapping(self, name: str) -> dict[str, Any]:
-        """The mappings of the index template with the highest priority whose patterns match the
-        name, which a new index gets, made by the create index API (the request's mappings over
-        them) or by a write (reference: index-templates.md, "the index template with the highest
-        priority is used"; ``MetadataIndexTemplateService.findV2Template``)."""
+    @staticmethod
+    def _new_index(mapping: dict[str, Any], settings: dict[str, Any]) -> _Index:
+        return _Index(mapping=mapping, settings=settings, shards=int(settings.get("index.number_of_shards", 1)))
+
+    def _template_for(self, name: str) -> tuple[str | None, dict[str, Any] | None]:
+        """The index template with the highest priority whose patterns match the name, which a
+        new index (or data stream) gets, made by the create index API or by a write (reference:
+        index-templates.md, "the index template with the highest priority is used";
+        ``MetadataIndexTemplateService.findV2Template``)."""
         found = [
-            t for t in self.templates.values() if any(fnmatch.fnmatchcase(name, p) for p in t.get("index_patterns", []))
+            (n, t)
+            for n, t in self.templates.items()
+            if any(fnmatch.fnmatchcase(name, p) for p in t.get("index_patterns", []))
         ]
         if not found:
-            return {}
-        best = max(found, key=lambda t: int(t.get("priority", 0)))
-        return copy.deepcopy(best.get("template", {}).get("mappings", {}))
+            return None, None
+        return max(found, key=lambda nt: int(nt[1].get("priority", 0)))
+
+    def _composed(self, template: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The mappings and settings a template gives: its component templates merged in the
+        order of ``composed_of`` (a later one over an earlier one), then its own over them
+        (reference: index-templates.md; a missing one listed in
+        ``ignore_missing_component_templates`` is skipped)."""
+        mapping: dict[str, Any] = {}
+        settings: dict[str, Any] = {}
+        if template is None:
+            return mapping, settings
+        parts = [self.components[c]["template"] for c in template.get("composed_of", []) if c in self.components]
+        for part in [*parts, template.get("template", {})]:
+            m = copy.deepcopy(part.get("mappings", {}))
+            mapping = {**mapping, **m, "properties": {**mapping.get("properties", {}), **m.get("properties", {})}}
+            settings.update(_flat(part.get("settings", {})))
+        return mapping, settings
 
     def _put_template(self, name: str, req: Recorded) -> tuple[int, Any]:
         """``PUT _index_template/<name>`` (reference: rest-apis/put-index-template): replaces a
         template of that name; another template matching the same names at the same priority is
-        refused (``MetadataIndexTemplateService.validateV2TemplateRequest``, 400)."""
+        refused (``MetadataIndexTemplateService.validateV2TemplateRequest``, 400), and so is a
+        component template named in ``composed_of`` that does not exist, unless it is listed in
+        ``ignore_missing_component_templates`` (``InvalidIndexTemplateException``, 400)."""
         self._log("put_template", name, req)
         self._authorize_cluster("indices:admin/index_template/put", "manage_index_templates", "manage", "all")
         body = req.json() if req.body else {}
@@ -1271,6 +1555,13 @@ class EsModel:
             raise _ApiFailure(400, "x_content_parse_exception", f"unknown field(s) {sorted(set(body) - allowed)}")
         if set(body.get("template", {})) - {"mappings", "settings", "aliases", "lifecycle"}:
             raise _ApiFailure(400, "x_content_parse_exception", "unknown field in [template]")
+        ignored = set(body.get("ignore_missing_component_templates", []))
+        missing = [c for c in body.get("composed_of", []) if c not in self.components and c not in ignored]
+        if missing:
+            reason = f"index template [{name}] specifies component templates {missing} that do not exist"
+            raise _ApiFailure(
+                400, "invalid_index_template_exception", f"index_template [{name}] invalid, cause [{reason}]"
+            )
         patterns = body.get("index_patterns") or []
         for other_name, other in self.templates.items():
             if other_name == name or int(other.get("priority", 0)) != int(body.get("priority", 0)):
@@ -1286,16 +1577,81 @@ class EsModel:
         self.templates[name] = copy.deepcopy(body)
         return 200, {"acknowledged": True}
 
+    def _put_component(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """``PUT _component_template/<name>`` (reference: rest-apis/put-component-template)."""
+        self._log("put_component", name, req)
+        self._authorize_cluster("cluster:admin/component_template/put", "manage_index_templates", "manage", "all")
+        body = req.json() if req.body else {}
+        if set(body) - {"template", "version", "_meta", "deprecated"}:
+            raise _ApiFailure(400, "x_content_parse_exception", f"unknown field(s) {sorted(body)}")
+        self.components[name] = copy.deepcopy(body)
+        return 200, {"acknowledged": True}
+
     def _get_mapping(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """Each index the name stands for, by its own name (reference: indices-get-mapping)."""
         self._log("mapping", name, req)
         self._authorize("indices:admin/mappings/get", name, "view_index_metadata", "manage", "all")
-        return 200, {name: {"mappings": stored_mapping(self._index(name).mapping)}}
+        return 200, {t: {"mappings": stored_mapping(self.indices[t].mapping)} for t in self._targets(name)}
 
     def _refresh(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("refresh", name, req)
         self._authorize("indices:admin/refresh", name, "maintenance", "manage", "all")
-        self._open_index(name).refresh()
+        for t in self._targets(name):
+            self._open_index(t).refresh()
         return 200, refreshed()
+
+    def _write_index(self, name: str) -> tuple[str | None, str | None]:
+        """Where a write to ``name`` goes: (index, None), or (None, why not: an alias without a
+        write index, ``IndexAbstraction.getWriteIndex``; IllegalArgumentException, 400), or
+        (None, None) when it names nothing."""
+        if name in self.indices:
+            return name, None
+        if name in self.data_streams:
+            return self.data_streams[name].indices[-1], None
+        if name in self.aliases:
+            targets = self.aliases[name]
+            flagged = [t for t, w in targets.items() if w]
+            if flagged:
+                return flagged[0], None
+            if len(targets) == 1 and next(iter(targets.values())) is not False:
+                return next(iter(targets)), None
+            reason = (
+                f"no write index is defined for alias [{name}]. The write index may be explicitly disabled using "
+                "is_write_index=false or the alias points to multiple indices without one being designated as a "
+                "write index"
+            )
+            return None, reason
+        return None, None
+
+    def _auto_create(self, name: str) -> None:
+        """A write to a missing name: a data stream where the matching template makes them, else
+        an index with the template's mapping and settings, else a dynamic one (ES's defaults)."""
+        self.requests.append(f"auto_create {name}")
+        _template_name, template = self._template_for(name)
+        mapping, settings = self._composed(template)
+        if template is not None and "data_stream" in template:
+            backing = f".ds-{name}-2026.01.01-000001"
+            mapping.setdefault("properties", {})["@timestamp"] = {"type": "date"}
+            mapping["_data_stream_timestamp"] = {"enabled": True}
+            self.indices[backing] = self._new_index(mapping, settings)
+            self.indices[backing].data_stream = name
+            allow = bool(template["data_stream"].get("allow_custom_routing", False))
+            self.data_streams[name] = _DataStream(name, [backing], allow_custom_routing=allow)
+            return
+        self.indices[name] = self._new_index(mapping, settings)
+
+    def _wait_for_primaries(self, index: _Index, timeout_s: float) -> bool:
+        """Waits (the model's lock let go) up to the bulk's ``timeout`` for the index's primaries
+        (``TransportReplicationAction.ReroutePhase``: it retries on each cluster state change
+        until the request's timeout); True once they are active."""
+        changed = self._condition()
+        self.in_flight += 1
+        try:
+            changed.wait_for(lambda: index.primary_active or self._released, timeout=timeout_s)
+        finally:
+            self.in_flight -= 1
+            changed.notify_all()  # seen by settled() once this request's answer is done (the lock)
+        return index.primary_active
 
     def _bulk(self, name: str, req: Recorded) -> tuple[int, Any]:
         self._log("bulk", name, req)
@@ -1323,7 +1679,9 @@ class EsModel:
         if problems:
             reason = "Validation Failed: " + "".join(f"{n}: {p};" for n, p in enumerate(problems, 1))
             raise _ApiFailure(400, "action_request_validation_exception", reason)
-        if name not in self.indices:
+        timeout_s = _duration_s(req.params.get("timeout", "1m"))
+        target, no_write_index = self._write_index(name)
+        if target is None and no_write_index is None:
             if not self.auto_create_index:
                 items = [
                     {
@@ -1337,48 +1695,109 @@ class EsModel:
                     for a, _ in pairs
                 ]
                 return 200, {"errors": True, "took": 1, "items": items}
-            self.requests.append(f"auto_create {name}")
-            # the matching index template's mapping, else a dynamic one (ES's defaults)
-            self.indices[name] = _Index(mapping=self._template_mapping(name))
-        index = self.indices[name]
+            self._auto_create(name)
+            target, no_write_index = self._write_index(name)
+        stream = self.data_streams.get(name)
+        index = self.indices[target] if target is not None else None
+        if index is not None and not index.primary_active and not self._wait_for_primaries(index, timeout_s):
+            # UnavailableShardsException (503), each item of the shard's bulk
+            reason = (
+                f"[{target}][0] primary shard is not active Timeout: [{req.params.get('timeout', '1m')}], request: "
+                f"[BulkShardRequest [[{target}][0]] containing [{len(pairs)}] requests]"
+            )
+            items = [
+                {"create": {"_index": target, "_id": a["create"].get("_id"), "status": 503,
+                            "error": {"type": "unavailable_shards_exception", "reason": reason}}}
+                for a, _ in pairs
+            ]  # fmt: skip
+            return 200, {"errors": True, "took": int(timeout_s * 1000), "items": items}
         items = []
         for action_line, doc in pairs:
             meta = action_line["create"]
             _id = meta.get("_id")
-            item: dict[str, Any] = {"_index": name, "_id": _id}
+            item: dict[str, Any] = {"_index": target or name, "_id": _id}
             try:
-                # per item, in the order ES checks them: the privilege (AuthorizationService
-                # authorizes each item of a bulk), a closed index (BulkOperation), a block
-                # (TransportReplicationAction, the bulk shard request)
-                granted = ("create_doc", "create", "index", "write", "all")
-                if self.index_privileges is not None and not self.index_privileges & set(granted):
-                    raise _ApiFailure(
-                        403, "security_exception", self._denied("indices:data/write/bulk[s]", name, granted)
-                    )
-                if index.closed:
-                    raise _ApiFailure(400, "index_closed_exception", "closed")
-                if index.write_block:
-                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
-                    raise _ApiFailure(403, "cluster_block_exception", reason)
-                routing = meta.get("routing") or None  # an empty routing is none
-                if index.mapping.get("_routing", {}).get("required") and routing is None:
-                    raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{name}]/[{_id}]")
-                self._check_doc(index, doc)
-                if _id in index.live:
-                    raise _ApiFailure(
-                        409,
-                        "version_conflict_engine_exception",
-                        f"[{_id}]: version conflict, document already exists (current version [1])",
-                    )
-                seq_no = index.next_seq()
-                index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, seq_no)
-                item.update(status=201, result="created", _version=1, _seq_no=seq_no, _primary_term=1)
+                self._create_doc(name, index, stream, no_write_index, meta, doc)
+                assert index is not None
+                d = index.live[_id]
+                item.update(status=201, result="created", _version=1, _seq_no=d.seq_no, _primary_term=1)
             except _ApiFailure as exc:
-                item.update(status=exc.status, error={"type": exc.type, "reason": exc.reason})
+                err = {"type": exc.type, "reason": exc.reason}
+                if "caused_by" in exc.extra:
+                    err["caused_by"] = exc.extra["caused_by"]
+                item.update(status=exc.status, error=err)
             items.append({"create": item})
-        if self._flag(req, "refresh"):
+        if index is not None and self._flag(req, "refresh"):
             index.refresh()
         return 200, {"errors": any(it["create"]["status"] >= 300 for it in items), "took": 1, "items": items}
+
+    def _create_doc(
+        self,
+        name: str,
+        index: _Index | None,
+        stream: _DataStream | None,
+        no_write_index: str | None,
+        meta: Mapping[str, Any],
+        doc: Any,
+    ) -> None:
+        """One ``create`` of a bulk, its checks in the order Elasticsearch makes them: the write
+        index of an alias (``TransportBulkAction``), a data stream's custom routing
+        (``TransportBulkAction.prohibitCustomRoutingOnDataStream``), the privilege
+        (``AuthorizationService`` authorizes each item), a closed index (``BulkOperation``), the
+        blocks (``TransportReplicationAction``: the write block 403, the flood-stage block 429,
+        ``ClusterBlockException.status``), routing, the mapping (``DocumentParser``), the shard's
+        document limit (``InternalEngine.tryAcquireInFlightDocs``: IllegalArgumentException,
+        400), the id (409)."""
+        _id = meta.get("_id")
+        if no_write_index is not None:
+            raise _ApiFailure(400, "illegal_argument_exception", no_write_index)
+        assert index is not None
+        target = next(n for n, i in self.indices.items() if i is index)
+        routing = meta.get("routing") or None  # an empty routing is none
+        if stream is not None and routing is not None and not stream.allow_custom_routing:
+            reason = (
+                f"index request targeting data stream [{stream.name}] specifies a custom routing but the "
+                "[allow_custom_routing] setting was not enabled in the data stream's template."
+            )
+            raise _ApiFailure(400, "illegal_argument_exception", reason)
+        granted = ("create_doc", "create", "index", "write", "all")
+        if self.index_privileges is not None and not self.index_privileges & set(granted):
+            raise _ApiFailure(403, "security_exception", self._denied("indices:data/write/bulk[s]", name, granted))
+        if index.closed:
+            raise _ApiFailure(400, "index_closed_exception", "closed")
+        if index.write_block:
+            reason = f"index [{target}] blocked by: [FORBIDDEN/8/index write (api)];"
+            raise _ApiFailure(403, "cluster_block_exception", reason)
+        if index.flood_stage:
+            reason = (
+                f"index [{target}] blocked by: [TOO_MANY_REQUESTS/12/disk usage exceeded flood-stage watermark, "
+                "index has read-only-allow-delete block];"
+            )
+            raise _ApiFailure(429, "cluster_block_exception", reason)
+        if index.mapping.get("_routing", {}).get("required") and routing is None:
+            raise _ApiFailure(400, "routing_missing_exception", f"routing is required for [{target}]/[{_id}]")
+        self._check_doc(index, doc)
+        if index.data_stream is not None and not isinstance(doc.get("@timestamp"), str | int):
+            # DataStreamTimestampFieldMapper: a DocumentParsingException caused by an IllegalArgumentException
+            cause = {
+                "type": "illegal_argument_exception",
+                "reason": "data stream timestamp field [@timestamp] is missing",
+            }
+            reason = "[1:2] failed to parse: data stream timestamp field [@timestamp] is missing"
+            raise _ApiFailure(400, "document_parsing_exception", reason, caused_by=cause)
+        shard = shard_of(routing or _id, index.shards)
+        count = lucene_docs(index.mapping, doc)
+        if index.docs.get(shard, 0) + count > self.max_docs_per_shard:
+            reason = f"Number of documents in the shard cannot exceed [{self.max_docs_per_shard}]"
+            raise _ApiFailure(400, "illegal_argument_exception", reason)
+        if _id in index.live:
+            raise _ApiFailure(
+                409,
+                "version_conflict_engine_exception",
+                f"[{_id}]: version conflict, document already exists (current version [1])",
+            )
+        index.docs[shard] = index.docs.get(shard, 0) + count
+        index.live[_id] = _Doc(copy.deepcopy(doc), routing or _id, index.next_seq(shard), shard)
 
     def _mget(self, name: str, req: Recorded) -> tuple[int, Any]:
         """Realtime by default: a document is read as written, refreshed or not."""
@@ -1393,6 +1812,14 @@ class EsModel:
                 raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(spec)} in a doc")
             target = spec.get("_index", name)
             _id = spec["_id"]
+            targets = self._targets(target, missing_ok=True)
+            if len(targets) > 1:  # an alias of several indices, a data stream: a get needs one index
+                reason = f"alias [{target}] has more than one index associated with it, can't execute a single index op"
+                docs.append(
+                    {"_index": target, "_id": _id, "error": {"type": "illegal_argument_exception", "reason": reason}}
+                )
+                continue
+            target = targets[0] if targets else target
             if target not in self.indices:
                 err = {"type": "index_not_found_exception", "reason": f"no such index [{target}]"}
                 docs.append({"_index": target, "_id": _id, "error": err})
@@ -1449,8 +1876,8 @@ class EsModel:
         if set(body) - _SEARCH_BODY:
             raise _ApiFailure(400, "parsing_exception", f"Unknown key(s) {sorted(set(body) - _SEARCH_BODY)}")
         self._authorize("indices:data/read/search", name, "read", "all")
-        index = self._open_index(name)
-        found = self._select(index, body.get("query", {"match_all": {}}), routing)
+        query = body.get("query", {"match_all": {}})
+        found = [kd for t in self._targets(name) for kd in self._select(self._open_index(t), query, routing)]
         sort = body.get("sort", [])
         keys: list[tuple[str, bool]] = []
         for s in sort:
@@ -1501,6 +1928,11 @@ class EsModel:
         return 200, {"took": 1, "responses": responses}
 
     def _ubq(self, name: str, req: Recorded) -> tuple[int, Any]:
+        """``_update_by_query`` (reference: docs-update-by-query): the documents the query finds
+        in the last refresh, updated in batches of ``scroll_size`` (1,000); a document changed
+        since the search is a version conflict; a batch whose bulk had a failure ends the request
+        (``AbstractAsyncBulkByScrollAction.onBulkResponse``: "if there are failures, finish"),
+        and what it updated stays."""
         self._log("update_by_query", name, req)
         body = req.json() if req.body else {}
         if set(body) - _UBQ_BODY:
@@ -1510,7 +1942,6 @@ class EsModel:
             raise _ApiFailure(400, "illegal_argument_exception", f"conflicts may only be abort or proceed: {conflicts}")
         self._authorize("indices:data/read/search", name, "read", "all")
         self._authorize("indices:data/write/update/byquery", name, "index", "write", "all")
-        index = self._open_index(name)
         script = body.get("script") or {}
         if script.get("lang", "painless") != "painless" or not isinstance(script.get("source"), str):
             raise _ApiFailure(400, "illegal_argument_exception", "fake: a painless source script is expected")
@@ -1519,44 +1950,75 @@ class EsModel:
         except ValueError as exc:
             raise _ApiFailure(400, "script_exception", f"compile error: {exc}") from exc
         params = script.get("params", {})
+        batch = int(req.params.get("scroll_size", 1000))
         answer = ubq_answer()
-        for _id, seen in self._select(index, body.get("query", {"match_all": {}}), req.params.get("routing")):
-            if self.before_update is not None:
-                self.before_update(self, name, _id)
-            ctx: dict[str, Any] = {"_source": copy.deepcopy(seen.source), "op": "index", "_id": _id}
-            try:
-                program.run(copy.deepcopy(params), ctx)
-            except ScriptError as exc:
-                err = script_error("runtime error", exc.type, exc.reason)
-                return 400, err
-            answer["total"] += 1
-            if ctx["op"] == "noop":
-                answer["noops"] += 1
-                continue
-            if ctx["op"] != "index":
-                raise _ApiFailure(400, "illegal_argument_exception", f"fake: op [{ctx['op']}] not supported")
-            live = index.live[_id]
-            if live.seq_no != seen.seq_no:  # changed since the search read it
-                answer["version_conflicts"] += 1
-                if conflicts == "abort":
-                    answer["failures"].append(
-                        bulk_failure(name, _id, 409, "version_conflict_engine_exception", f"[{_id}]: version conflict")
-                    )
-                    break
-                continue
-            try:
-                if index.write_block:  # the bulk of the updates meets the block (see _bulk)
-                    reason = f"index [{name}] blocked by: [FORBIDDEN/8/index write (api)];"
-                    raise _ApiFailure(403, "cluster_block_exception", reason)
-                self._check_doc(index, ctx["_source"])
-            except _ApiFailure as exc:
-                answer["failures"].append(bulk_failure(name, _id, exc.status, exc.type, exc.reason))
-                continue
-            index.live[_id] = _Doc(ctx["_source"], live.routing, index.next_seq())
-            answer["updated"] += 1
+        found = [
+            (t, _id, seen)
+            for t in self._targets(name)
+            for _id, seen in self._select(
+                self._open_index(t), body.get("query", {"match_all": {}}), req.params.get("routing")
+            )
+        ]
+        for start in range(0, len(found), batch):
+            answer["batches"] = start // batch + 1
+            for target, _id, seen in found[start : start + batch]:
+                index = self.indices[target]
+                if self.before_update is not None:
+                    self.before_update(self, target, _id)
+                ctx: dict[str, Any] = {"_source": copy.deepcopy(seen.source), "op": "index", "_id": _id}
+                try:
+                    program.run(copy.deepcopy(params), ctx)
+                except ScriptError as exc:
+                    err = script_error("runtime error", exc.type, exc.reason)
+                    return 400, err
+                answer["total"] += 1
+                if ctx["op"] == "noop":
+                    answer["noops"] += 1
+                    continue
+                if ctx["op"] != "index":
+                    raise _ApiFailure(400, "illegal_argument_exception", f"fake: op [{ctx['op']}] not supported")
+                live = index.live[_id]
+                if live.seq_no != seen.seq_no:  # changed since the search read it
+                    answer["version_conflicts"] += 1
+                    if conflicts == "abort":
+                        answer["failures"].append(
+                            bulk_failure(
+                                target, _id, 409, "version_conflict_engine_exception", f"[{_id}]: version conflict"
+                            )
+                        )
+                    continue
+                try:
+                    self._update_doc(target, index, _id, ctx["_source"])
+                except _ApiFailure as exc:
+                    answer["failures"].append(bulk_failure(target, _id, exc.status, exc.type, exc.reason))
+                    continue
+                index.live[_id] = _Doc(ctx["_source"], live.routing, index.next_seq(live.shard), live.shard)
+                index.docs[live.shard] = index.docs.get(live.shard, 0) + lucene_docs(index.mapping, ctx["_source"])
+                answer["updated"] += 1
+            if answer["failures"]:
+                break
         if self._flag(req, "refresh"):
-            index.refresh()
+            for t in self._targets(name):
+                self.indices[t].refresh()
         return ubq_status(answer), answer
+
+    def _update_doc(self, target: str, index: _Index, _id: str, source: Any) -> None:
+        """One update of an ``_update_by_query``'s bulk: the blocks (see :meth:`_create_doc`),
+        a failure a test puts on the document (:attr:`fail_update`), the mapping."""
+        if index.write_block:
+            raise _ApiFailure(
+                403, "cluster_block_exception", f"index [{target}] blocked by: [FORBIDDEN/8/index write (api)];"
+            )
+        if index.flood_stage:
+            reason = (
+                f"index [{target}] blocked by: [TOO_MANY_REQUESTS/12/disk usage exceeded flood-stage watermark, "
+                "index has read-only-allow-delete block];"
+            )
+            raise _ApiFailure(429, "cluster_block_exception", reason)
+        failure = self.fail_update(_id) if self.fail_update is not None else None
+        if failure is not None:
+            raise _ApiFailure(*failure)
+        self._check_doc(index, source)
 
     # ---- for tests
 
@@ -1571,14 +2033,38 @@ class EsModel:
             access_version=as_of,
             access_digest=digest,
         )
-        self.indices[index].live[_id] = _Doc(source, live.routing, self.indices[index].next_seq())
+        self.indices[index].live[_id] = _Doc(source, live.routing, self.indices[index].next_seq(live.shard), live.shard)
+
+
+def _flat(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Settings as Elasticsearch normalizes them: nested objects flattened to dotted keys, each
+    under ``index.`` (``{"number_of_shards": 2}`` is ``index.number_of_shards``)."""
+    out: dict[str, Any] = {}
+    for k, v in settings.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat(v, f"{key}."))
+        else:
+            out[key if key.startswith("index.") else f"index.{key}"] = v
+    return out
+
+
+_UNITS = {"nanos": 1e-9, "micros": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _duration_s(text: str) -> float:
+    """A time value as Elasticsearch reads one (reference: api-conventions, "time units")."""
+    m = re.fullmatch(r"(\d+)(nanos|micros|ms|s|m|h|d)", text)
+    if m is None:
+        raise _ApiFailure(400, "illegal_argument_exception", f"failed to parse setting [timeout] with value [{text}]")
+    return int(m.group(1)) * _UNITS[m.group(2)]
 
 
 @contextmanager
-def serving() -> Iterator[FakeElasticsearch]:
-    """A started fake; on a clean exit it asserts that nothing unscripted came and every
-    scripted answer was used (the tests' fixture)."""
-    server = FakeElasticsearch()
+def serving(tls: ssl.SSLContext | None = None) -> Iterator[FakeElasticsearch]:
+    """A started fake (over TLS with ``tls``); on a clean exit it asserts that nothing
+    unscripted came and every scripted answer was used (the tests' fixture)."""
+    server = FakeElasticsearch(tls=tls)
     server.start()
     try:
         yield server

@@ -99,16 +99,15 @@ async def test_check_reads_the_servers_version_and_says_which_it_supports(
 
 def test_tls_client_certificate_fingerprint_and_cloud_id_are_settings(tmp_path: Path) -> None:
     cert, key = tmp_path / "client.pem", tmp_path / "client.key"
-    settings = ElasticsearchSettings(
-        url="https://es:9200",
-        api_key="k",
-        client_cert=cert,
-        client_key=key,
-        ssl_assert_fingerprint="AB:CD",
-    )
+    settings = ElasticsearchSettings(url="https://es:9200", api_key="k", client_cert=cert, client_key=key)
     options = client_options(settings)
     assert options["client_cert"] == str(cert) and options["client_key"] == str(key)
-    assert options["ssl_assert_fingerprint"] == "AB:CD"
+    # a pinned certificate is a SHA-256 fingerprint (tests/elasticsearch/test_sink_tls.py pins one)
+    with pytest.raises(ConfigError, match="must be a SHA-256 fingerprint"):
+        client_options(ElasticsearchSettings(url="https://es:9200", ssl_assert_fingerprint="AB:CD"))
+    pinned = ElasticsearchSettings(url="https://es:9200", ssl_assert_fingerprint="ab" * 32, client_cert=cert)
+    with pytest.raises(ConfigError, match="client_cert / client_key: cannot be loaded"):
+        client_options(pinned)  # the settings' check before anything is opened
     with pytest.raises(ConfigError, match="client_cert is required with elasticsearch.client_key"):
         client_options(ElasticsearchSettings(url="https://es:9200", client_key=key))
     # an Elastic Cloud id instead of a URL: <name>:base64(<host>$<es uuid>$<kibana uuid>)

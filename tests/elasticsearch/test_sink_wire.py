@@ -14,7 +14,7 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch import fake_es
 from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
-from wowd.errors import FormatError, SinkWriteError, StorageError, StorageUnavailable, StoreRefused
+from wowd.errors import SinkWriteError, StorageUnavailable, StoreRefused
 from wowd.metrics import SINK_BULK_SECONDS, SINK_ITEMS
 from wowd.model import AccessStamp, AggregateRef, AggregateType, Commit, DomainEvent
 from wowd.stores.base import Ddl, EventSink
@@ -188,7 +188,7 @@ async def test_refresh_param_only_when_refresh_is_true(client: AsyncElasticsearc
     assert req.params["refresh"] == "true"
 
 
-async def test_transient_items_fail_the_write_and_the_retry_of_409s_succeeds(
+async def test_transient_items_fail_the_write_and_its_retry_sends_only_what_was_not_written(
     client: AsyncElasticsearch, fake: FakeElasticsearch
 ) -> None:
     sink = sink_of(client)
@@ -196,10 +196,16 @@ async def test_transient_items_fail_the_write_and_the_retry_of_409s_succeeds(
     fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201, 409, 429))
     with pytest.raises(StorageUnavailable, match=r"1 of 3 items.*%280%29:c:1.*429"):
         await sink.write(records)
-    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(409, 409, 409))
+    # the retry under 429 pressure: the items written (201) or written before (409) stay out
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(201))
     await sink.write(records)
     first, retry = fake.take()
-    assert first.body == retry.body
+    assert [a["create"]["_id"] for a in retry.ndjson()[0::2]] == ["%280%29:c:1"]
+    assert retry.ndjson()[1] == first.ndjson()[5]
+    # once written, nothing is remembered: the same records again (a replay) are all sent
+    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(409, 409, 409))
+    await sink.write(records)
+    assert fake.take()[0].body == first.body
 
 
 async def test_a_refused_item_fails_the_write_naming_it(client: AsyncElasticsearch, fake: FakeElasticsearch) -> None:
@@ -235,10 +241,10 @@ async def test_a_timeout_is_transient(fake: FakeElasticsearch) -> None:
         return fake_es.bulk_answer(201)(req)
 
     fake.on("PUT", f"{P}/_bulk", body=slow)
-    es = AsyncElasticsearch(fake.url, max_retries=0, request_timeout=0.2)
+    es = AsyncElasticsearch(fake.url, max_retries=0)
     try:
         with pytest.raises(StorageUnavailable, match="bulk"):
-            await sink_of(es).write([commit("a", 1)])
+            await sink_of(es, request_timeout_s=0.2).write([commit("a", 1)])
     finally:
         release.set()
         await es.close()
@@ -380,23 +386,24 @@ async def test_stamp_failures_are_classified(client: AsyncElasticsearch, fake: F
         body = fake_es.ubq_answer(**kwargs)
         fake.on("POST", f"{P}/_update_by_query", fake_es.ubq_status(body), body)
 
+    # a stamp carries no record of the write: what it meets is the store's (a stall), never a record's
     mapping = fake_es.bulk_failure(INDEX, "x", 400, "strict_dynamic_mapping_exception", "strict")
     answer(updated=1, failures=[mapping])
-    with pytest.raises(StorageError, match=r"id x: \[400\] strict_dynamic_mapping_exception") as info:
+    with pytest.raises(StoreRefused, match=r"\[400\] strict_dynamic_mapping_exception: strict .*id x"):
         await sink.stamp(ref("a"), B, 4, 1, 3)
-    assert not isinstance(info.value, StorageUnavailable)
     rejected = fake_es.bulk_failure(INDEX, "y", 429, "es_rejected_execution_exception", "queue full")
     answer(failures=[rejected])
-    with pytest.raises(StorageUnavailable, match="es_rejected_execution_exception"):
+    with pytest.raises(StorageUnavailable, match="es_rejected_execution_exception") as info:
         await sink.stamp(ref("a"), B, 4, 1, 3)
+    assert not isinstance(info.value, StoreRefused)
     # answered 429 (the highest status), yet one failure is not transient: not transient
     answer(failures=[rejected, mapping])
-    with pytest.raises(StorageError, match=r"id x: \[400\]") as info:
+    with pytest.raises(StoreRefused, match=r"\[400\] strict_dynamic_mapping_exception.*2 failures; id x"):
         await sink.stamp(ref("a"), B, 4, 1, 3)
-    assert not isinstance(info.value, StorageUnavailable)
     answer(failures=[fake_es.search_failure(INDEX, 503, "no_shard_available_action_exception", "gone")])
-    with pytest.raises(StorageUnavailable, match=r"shard 0: \[503\] no_shard_available_action_exception"):
+    with pytest.raises(StorageUnavailable, match=r"\[503\] no_shard_available_action_exception.*shard 0") as info:
         await sink.stamp(ref("a"), B, 4, 1, 3)
+    assert not isinstance(info.value, StoreRefused)
     timed_out = {**fake_es.ubq_answer(updated=1), "timed_out": True}
     fake.on("POST", f"{P}/_update_by_query", fake_es.ubq_status(timed_out), timed_out)
     with pytest.raises(StorageUnavailable, match="timed out"):
@@ -405,7 +412,7 @@ async def test_stamp_failures_are_classified(client: AsyncElasticsearch, fake: F
     assert await sink.stamp(ref("a"), B, 4, 1, 3) == 2
     # a script that fails at run time fails the whole request (an error body)
     fake.on("POST", f"{P}/_update_by_query", 400, fake_es.script_error("runtime error", "null_pointer_exception", "x"))
-    with pytest.raises(StorageError, match="script_exception: runtime error .caused by null_pointer_exception"):
+    with pytest.raises(StoreRefused, match="script_exception: runtime error .caused by null_pointer_exception"):
         await sink.stamp(ref("a"), B, 4, 1, 3)
 
 
@@ -496,8 +503,8 @@ async def test_an_aggregate_not_in_the_lru_reads_its_previous_document(
     bulk, mget, refresh, ubq = fake.take()
     assert mget.json() == {
         "docs": [
-            {"_id": "%280%29:b:4", "routing": "b", "_source": ["access_digest", "access"]},
-            {"_id": "%280%29:c:2", "routing": "c", "_source": ["access_digest", "access"]},
+            {"_id": "%280%29:b:4", "routing": "b", "_source": ["access_digest", "access", "access_version"]},
+            {"_id": "%280%29:c:2", "routing": "c", "_source": ["access_digest", "access", "access_version"]},
         ]
     }
     assert mget.params == {}  # realtime (the default): a document not refreshed yet is read
@@ -557,11 +564,12 @@ async def test_a_failed_stamp_is_stamped_again_by_the_retry(
     fake.on("POST", f"{P}/_update_by_query", 429, fake_es.error(429, "es_rejected_execution_exception", "full"))
     with pytest.raises(StorageUnavailable):
         await sink.write([commit("a", 2, B, 2)])
-    fake.on("PUT", f"{P}/_bulk", body=fake_es.bulk_answer(409))
     fake.on("POST", f"{P}/_refresh", body=fake_es.refreshed())
     fake.on("POST", f"{P}/_update_by_query", body=fake_es.ubq_answer(updated=1))
-    await sink.write([commit("a", 2, B, 2)])
-    assert fake.take()[-1].json()["query"] == _clause(ref("a"), 1, 1, 2, B)
+    await sink.write([commit("a", 2, B, 2)])  # its document was written: only the stamp again
+    retry = fake.take()[-2:]
+    assert [r.path for r in retry] == [f"{P}/_refresh", f"{P}/_update_by_query"]
+    assert retry[-1].json()["query"] == _clause(ref("a"), 1, 1, 2, B)
 
 
 # --------------------------------------------------------------------------- prepare
@@ -612,12 +620,12 @@ async def test_prepare_validate_requires_the_index_with_its_key_fields(
     client: AsyncElasticsearch, fake: FakeElasticsearch
 ) -> None:
     fake.on("GET", f"{P}/_mapping", 404, fake_es.error(404, "index_not_found_exception", f"no such index [{INDEX}]"))
-    with pytest.raises(FormatError, match="does not exist"):
+    with pytest.raises(StoreRefused, match="does not exist"):
         await sink_of(client, ddl=Ddl.VALIDATE).prepare()
     wrong = events_mapping()
     wrong["properties"]["version"] = {"type": "keyword"}
     fake.on("GET", f"{P}/_mapping", body={INDEX: {"mappings": fake_es.stored_mapping(wrong)}})
-    with pytest.raises(FormatError, match="version is keyword, expected long"):
+    with pytest.raises(StoreRefused, match="version is keyword, expected long"):
         await sink_of(client, ddl=Ddl.VALIDATE).prepare()
     fake.on("GET", f"{P}/_mapping", body=MAPPING_ANSWER)
     fake.on("GET", f"/_cluster/health/{INDEX}", body=fake_es.health(INDEX))
@@ -633,7 +641,7 @@ async def test_prepare_none_creates_nothing_and_checks_an_existing_mapping(
     assert [(r.method, r.path) for r in fake.take()] == [("GET", f"{P}/_mapping")]
     dynamic = {INDEX: {"mappings": {"properties": {"tenant_id": {"type": "text"}}}}}
     fake.on("GET", f"{P}/_mapping", body=dynamic)
-    with pytest.raises(FormatError, match="tenant_id is text, expected keyword"):
+    with pytest.raises(StoreRefused, match="tenant_id is text, expected keyword"):
         await sink_of(client, ddl=Ddl.NONE).prepare()
 
 
@@ -726,7 +734,7 @@ async def test_a_stamp_meeting_another_searches_again_and_the_later_wins(
 
 
 async def test_prepare_against_a_stateful_es(client: AsyncElasticsearch, model: EsModel) -> None:
-    with pytest.raises(FormatError, match="does not exist"):
+    with pytest.raises(StoreRefused, match="does not exist"):
         await sink_of(client, ddl=Ddl.VALIDATE).prepare()
     await sink_of(client, ddl=Ddl.AUTO).prepare()
     await sink_of(client, ddl=Ddl.AUTO).prepare()  # there already: its mapping is checked instead

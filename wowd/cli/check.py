@@ -257,38 +257,42 @@ async def _check_mongodb(settings: WowdSettings, secrets: list[str]) -> int:
 
 
 async def _check_elasticsearch(settings: WowdSettings, secrets: list[str]) -> int:
-    """Elasticsearch answers its root endpoint (one line naming the setting and the host if not)."""
-    from elasticsearch import AsyncElasticsearch
-
+    """Elasticsearch answers its root endpoint with wowd's credentials (one line naming the
+    setting and the hosts if not): ``url`` (each of its nodes in turn until one answers) or
+    ``cloud_id``; a pinned certificate is learned first."""
     from wowd.config import url_host
-    from wowd.stores.mongo import elasticsearch_client_options
+    from wowd.stores.elasticsearch.options import new_client
+    from wowd.stores.elasticsearch.tls import ensure_pinned
 
-    url = settings.elasticsearch.url
-    assert url is not None  # the settings require it with the mongo backend
+    es_settings = settings.elasticsearch
+    setting = "WOWD_ELASTICSEARCH__URL" if es_settings.url else "WOWD_ELASTICSEARCH__CLOUD_ID"
     try:
-        es = AsyncElasticsearch(url, **elasticsearch_client_options(settings.elasticsearch), max_retries=0)
+        es = new_client(es_settings)
     except (ConfigError, ValueError) as exc:
-        err(redact(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: {exc}", secrets))
+        err(redact(f"FAIL elasticsearch: {setting}: {exc}", secrets))
         return 1
+    nodes = es.transport.node_pool.all()
+    hosts = ", ".join(url_host(n.base_url) for n in nodes)
     quiet = logging.getLogger("elastic_transport")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the transport's warning of the failure this reports in one line
     try:
         with anyio.fail_after(OPEN_TIMEOUT_S):
-            info = await es.info()
+            await ensure_pinned(es)
+            info = await es.options(max_retries=len(nodes) - 1).info()
     except TimeoutError:
-        err(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: no answer from {url_host(url)} in {OPEN_TIMEOUT_S:.0f} s")
+        err(f"FAIL elasticsearch: {setting}: no answer from {hosts} in {OPEN_TIMEOUT_S:.0f} s")
         return 1
     except Exception as exc:  # the client's transport and API errors: one line each
         text = str(getattr(exc, "message", None) or exc)
         reason = text.splitlines()[0] if text else type(exc).__name__
-        err(redact(f"FAIL elasticsearch: WOWD_ELASTICSEARCH__URL: {url_host(url)}: {reason}", secrets))
+        err(redact(f"FAIL elasticsearch: {setting}: {hosts}: {reason}", secrets))
         return 1
     finally:
         quiet.setLevel(level)
         with anyio.CancelScope(shield=True):
             await es.close()
-    out(f"ok   elasticsearch {url_host(url)} (version {info.get('version', {}).get('number', '?')})")
+    out(f"ok   elasticsearch {hosts} (version {info.get('version', {}).get('number', '?')})")
     return 0
 
 

@@ -80,9 +80,10 @@ CONSUMER = LEGACY_CONSUMER
 """The timer view's checkpoint consumer (and the one quarantined items name)."""
 
 
-RETRY_BACKOFF = Backoff(0.1, 10.0)
-"""The pause before retrying a batch the stores could not take."""
-STALL_BACKOFF = Backoff(0.1, 60.0)
+RETRY_BACKOFF = Backoff(0.1, 10.0, jitter=True)
+"""The pause before retrying a batch the stores could not take (jittered: the slots of the
+replicas retrying one store do not retry in step)."""
+STALL_BACKOFF = Backoff(0.1, 60.0, jitter=True)
 """The pause before retrying a stalled slot's batch (at most a minute)."""
 READ_AHEAD = 4
 """Batches the feed reads ahead of the one it applies."""

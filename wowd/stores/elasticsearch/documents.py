@@ -1,6 +1,6 @@
-"""The event index's documents, mapping, template, bulk bodies and queries, and how an answer of
-Elasticsearch is read (a refusal of the store or of one record): pure functions the sink
-(:mod:`wowd.stores.elasticsearch.sink`) sends and reads."""
+"""The event index's documents, mapping, template, bulk bodies and queries: pure functions the sink
+(:mod:`wowd.stores.elasticsearch.sink`) sends and reads (how a failure is read:
+:mod:`wowd.stores.elasticsearch.faults`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,6 @@ from urllib.parse import quote
 
 import anyio
 import orjson
-from elastic_transport import SerializationError, Serializer
-from elasticsearch import ApiError, AsyncElasticsearch
 
 from wowd.errors import (
     InvalidInput,
@@ -38,6 +36,8 @@ __all__ = [
     "supported_version",
     "BULK_BYTES",
     "BULK_FILTER_PATH",
+    "CUSTOM_TEMPLATE",
+    "MAPPING_CHECK_S",
     "EMPTY_ID_ROUTING",
     "KEYWORD_IGNORE_ABOVE",
     "MAX_CONFLICT_ROUNDS",
@@ -47,16 +47,16 @@ __all__ = [
     "MAX_QUERY_LEAVES",
     "MAX_REQUEST_BYTES",
     "MAX_ROUTING_CHARS",
-    "RECORD_ERRORS",
     "REFRESH_INTERVAL_S",
     "STAMP_CLAUSE_LEAVES",
     "STAMP_PAGE",
     "STAMP_SCRIPT",
+    "Seen",
     "SUPPORTED",
     "TEMPLATE_NAME",
-    "TRANSIENT_STATUSES",
     "access_digest",
     "bulk_bodies",
+    "bulk_timeout",
     "bulk_lines",
     "check_mapping",
     "documents_search",
@@ -66,7 +66,6 @@ __all__ = [
     "index_template",
     "latest_search",
     "previous_docs",
-    "refusal",
     "routing_of",
     "stamp_clause",
     "stamp_query",
@@ -76,8 +75,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-TRANSIENT_STATUSES = frozenset({429, 502, 503, 504})
-"""Item (and request) statuses a retry can fix."""
 MAX_CONFLICT_ROUNDS = 8
 """How many times a stamp is searched again after version conflicts before giving up (transient)."""
 MAX_QUERY_LEAVES = 1000
@@ -122,14 +119,32 @@ KEYWORD_IGNORE_ABOVE = 8191
 EMPTY_ID_ROUTING = "-"
 """The routing of an empty aggregate id (Elasticsearch reads an empty routing as none, refused
 where routing is required). It only picks a shard: searches filter by aggregate id."""
-BULK_FILTER_PATH = "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason"
+BULK_FILTER_PATH = (
+    "items.*._id,items.*.status,items.*._seq_no,items.*.error.type,items.*.error.reason,"
+    "items.*.error.caused_by.type,items.*.error.caused_by.reason"
+)
 """What a bulk answer is asked to hold: per item its operation, id, status, sequence number and
-error. A sequence number 0 is the first operation of a shard: the index (or that shard) was just
-made, by wowd or by a write that auto-created it, and its mapping is checked."""
+error with its cause. A sequence number 0 is the first operation of a shard: the index (or that
+shard) was just made, by wowd or by a write that auto-created it, and its mapping is checked."""
 TEMPLATE_NAME = "wowd-events"
 """The composable index template wowd installs under ``ddl auto``: an events index created by a
 write (Elasticsearch's ``action.auto_create_index``, an index deleted at run time) gets wowd's
 mapping, not a dynamic one."""
+CUSTOM_TEMPLATE = "wowd-events@custom"
+"""The component template :data:`TEMPLATE_NAME` is composed of, the operator's: the events
+indexes' settings (shards, replicas, ``index.lifecycle.name``). wowd never writes it."""
+MAPPING_CHECK_S = 30.0
+"""How often at most a sink looks at its index's mapping again while it writes: an index made
+again meanwhile with another mapping (by another replica's write) is seen within this."""
+
+
+def bulk_timeout(request_timeout_s: float) -> str:
+    """The ``timeout`` of a bulk (how long its shards wait for an active primary, a mapping
+    update): half the client's request timeout, so that the cluster answers (a 503, retried)
+    before the client gives up on a bulk that then goes on there while its retry is sent."""
+    return f"{max(1, int(request_timeout_s * 500))}ms"
+
+
 TEMPLATE_PATTERNS = ("wow.*.events",)
 TEMPLATE_PRIORITY = 200
 """Above the built-in templates (priority 100 and below); two templates matching one name at the
@@ -187,39 +202,46 @@ def events_mapping() -> dict[str, Any]:
     }
 
 
-_KEY_FIELDS: dict[str, str] = {
-    "tenant_id": "keyword",
-    "aggregate_id": "keyword",
-    "version": "long",
-    "create_time": "date",
-    "events": "nested",
-    "owner_id": "keyword",
-    "space_id": "keyword",
-    "access_version": "long",
-    "access_digest": "keyword",
-}
-
-
 def index_template() -> dict[str, Any]:
-    """The body of the ``PUT _index_template/wowd-events`` request (:data:`TEMPLATE_NAME`)."""
+    """The body of the ``PUT _index_template/wowd-events`` request (:data:`TEMPLATE_NAME`): wowd's
+    mapping, composed with the operator's component template :data:`CUSTOM_TEMPLATE` (shards,
+    replicas, a lifecycle policy: wowd never writes it, and it may not exist); the template's own
+    mapping overrides a component's, so the fields wowd writes keep their types."""
     return {
         "index_patterns": list(TEMPLATE_PATTERNS),
         "priority": TEMPLATE_PRIORITY,
+        "composed_of": [CUSTOM_TEMPLATE],
+        "ignore_missing_component_templates": [CUSTOM_TEMPLATE],
         "template": {"mappings": events_mapping()},
-        "_meta": {"managed_by": "wowd", "description": "the events indexes of wowd's event sink"},
+        "_meta": {
+            "managed_by": "wowd",
+            "description": f"the events indexes of wowd's event sink; settings go into {CUSTOM_TEMPLATE}",
+        },
     }
 
 
 def check_mapping(mapping: Mapping[str, Any]) -> list[str]:
-    """The problems of a stored mapping (``{"properties": ...}``) with the key fields the sink's
-    writes, stamps and searches rely on; empty when it fits."""
-    props = mapping.get("properties") or {}
+    """The problems of a stored mapping (``{"properties": ...}``) with the fields wowd writes:
+    each field of :func:`events_mapping` must be there with its type, and an object wowd keeps
+    unindexed (``enabled: false``) unindexed; empty when it fits."""
     problems: list[str] = []
-    for name, kind in _KEY_FIELDS.items():
-        field = props.get(name)
-        got = None if not isinstance(field, Mapping) else field.get("type", "object")
-        if got != kind:
-            problems.append(f"{name} is {got or 'missing'}, expected {kind}")
+
+    def walk(want: Mapping[str, Any], got: Mapping[str, Any], prefix: str) -> None:
+        for name, spec in want.get("properties", {}).items():
+            path = prefix + name
+            field = (got.get("properties") or {}).get(name)
+            kind = spec.get("type", "object")
+            found = None if not isinstance(field, Mapping) else field.get("type", "object")
+            if found != kind:
+                problems.append(f"{path} is {found or 'missing'}, expected {kind}")
+                continue
+            assert isinstance(field, Mapping)
+            if spec.get("enabled") is False and field.get("enabled") not in (False, "false"):
+                problems.append(f"{path} is indexed, expected enabled false")
+            if "properties" in spec:
+                walk(spec, field, f"{path}.")
+
+    walk(events_mapping(), mapping, "")
     return problems
 
 
@@ -385,7 +407,7 @@ def _stream_filter(ref: AggregateRef) -> list[dict[str, Any]]:
 
 def previous_docs(records: Sequence[Commit]) -> list[dict[str, Any]]:
     """The ``_mget`` docs of the document just before each record (version - 1, with routing)."""
-    source = ["access_digest", "access"]
+    source = ["access_digest", "access", "access_version"]
     return [
         {"_id": stream_id(c.ref, c.version - 1), "routing": routing_of(c.ref.id), "_source": source} for c in records
     ]
@@ -513,124 +535,6 @@ def stamp_rounds(stamps: Sequence[AccessStamp]) -> list[list[AccessStamp]]:
     return rounds
 
 
-def _api_reason(exc: ApiError) -> str:
-    body = exc.body
-    if isinstance(body, Mapping):
-        err = body.get("error")
-        if isinstance(err, Mapping):
-            reason = f"{err.get('type', 'error')}: {err.get('reason', '')}"
-            cause = err.get("caused_by")
-            if isinstance(cause, Mapping):
-                reason += f" (caused by {cause.get('type', 'error')}: {cause.get('reason', '')})"
-            return reason
-        if err is not None:
-            return str(err)
-    if isinstance(body, str | bytes) and body:
-        text = body if isinstance(body, str) else body.decode("utf-8", "replace")
-        return " ".join(text.split())[:200]
-    return "(no body)" if body in (None, "", b"") else str(exc.message)
-
-
-def _api_error(exc: ApiError) -> tuple[str, str]:
-    """The error type and reason of an error answer (``("error", text)`` for another body)."""
-    body = exc.body
-    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
-        err = body["error"]
-        return str(err.get("type", "error")), str(err.get("reason", ""))
-    return "error", _api_reason(exc)
-
-
-def _is_transient(status: int) -> bool:
-    """Seed 002: 429, 502, 503 and 504 are transient; any other status is not (a 500 is a
-    defect or a refused request that a retry repeats)."""
-    return status in TRANSIENT_STATUSES
-
-
-RECORD_ERRORS = frozenset(
-    {
-        "document_parsing_exception",
-        "mapper_parsing_exception",
-        "strict_dynamic_mapping_exception",
-        "illegal_argument_exception",
-        "x_content_parse_exception",
-        "routing_missing_exception",
-        "version_conflict_engine_exception",
-    }
-)
-"""Item errors the record causes (the document cannot be written into this index as it is):
-its commit is set aside. Any other non-transient failure is the store's (:func:`refusal`)."""
-_STORE_400 = frozenset({"index_closed_exception", "media_type_header_exception", "cluster_block_exception"})
-
-
-def refusal(index: str, status: int, kind: str, reason: str) -> str | None:
-    """What a non-transient failure says when the store refuses the write for a reason of its
-    own (credentials, privileges, a block, a closed or missing index, a server error): a message
-    naming the cause; None when the failure is not a refusal (the request or the record is)."""
-    if status in TRANSIENT_STATUSES:
-        return None
-    detail = f"[{status}] {kind}: {reason}"
-    if status == 401:
-        return f"elasticsearch refuses wowd's credentials (an expired or revoked API key, a wrong password): {detail}"
-    if kind == "cluster_block_exception":
-        # the block's description in IndexMetadata (APIBlock): "index write (api)",
-        # "index read-only (api)", "index metadata (api)"; the reason names it
-        for needle, setting in (
-            ("index write", "index.blocks.write"),
-            ("index read-only (api)", "index.blocks.read_only"),
-            ("read-only / allow delete", "index.blocks.read_only_allow_delete"),
-        ):
-            if needle in reason:
-                return f"index {index} is write-blocked ({setting}): {detail}"
-        return f"elasticsearch blocks writes to {index}: {detail}"
-    if kind == "index_closed_exception":
-        return f"index {index} is closed: {detail}"
-    if kind == "index_not_found_exception":
-        return f"index {index} does not exist: {detail}"
-    if kind == "media_type_header_exception":
-        return f"the cluster does not take the Elasticsearch 9 client's requests (an older server?): {detail}"
-    if status == 403:
-        return f"wowd's Elasticsearch user lacks a privilege on {index}: {detail}"
-    if status >= 500:
-        return f"elasticsearch fails the request on {index}: {detail}"
-    if status == 400 and kind in _STORE_400:
-        return f"elasticsearch refuses the request on {index}: {detail}"
-    return None
-
-
-def _is_update_by_query_answer(body: object) -> bool:
-    """An ``_update_by_query`` answer (as opposed to an ``{"error": ...}`` body): Elasticsearch
-    sends it with a non-2xx status when it holds failures (the highest failure's status) or
-    timed out (408)."""
-    return isinstance(body, Mapping) and "error" not in body and ("failures" in body or "timed_out" in body)
-
-
-class _TextOnFailure(Serializer):
-    """A JSON deserializer that hands back the text of a body that is not JSON (a proxy's error
-    page sent as JSON), so that the answer keeps its status and is classified by it."""
-
-    def __init__(self, inner: Serializer) -> None:
-        self.inner = inner
-        self.mimetype = inner.mimetype  # type: ignore[misc]
-
-    def loads(self, data: bytes) -> Any:
-        try:
-            return self.inner.loads(data)
-        except SerializationError:
-            return bytes(data).decode("utf-8", "replace")
-
-    def dumps(self, data: Any) -> bytes:
-        return self.inner.dumps(data)
-
-
-def _tolerate_non_json(client: AsyncElasticsearch) -> None:
-    collection = client.transport.serializers
-    for mimetype, serializer in list(collection.serializers.items()):
-        if "json" in mimetype and not isinstance(serializer, _TextOnFailure):
-            collection.serializers[mimetype] = _TextOnFailure(serializer)
-    if not isinstance(collection.default_serializer, _TextOnFailure):
-        collection.default_serializer = _TextOnFailure(collection.default_serializer)
-
-
 def _version(record: Commit) -> int:
     return record.version
 
@@ -644,6 +548,22 @@ class _Waiting:
     done: anyio.Event
     taken: bool = False
     error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Seen:
+    """A stored document of a stream, as a look-up before a write reads it: the digest of its
+    attributes, the version they are of, and its own version."""
+
+    digest: str
+    access_version: int | None
+    version: int
+
+    def stamp_begun(self, record: Commit) -> bool:
+        """Whether ``record``'s own stamp rewrote this earlier document already: its attributes
+        are of ``record``'s access version, later than the document itself. A stamp that failed
+        halfway (``_update_by_query`` keeps what it updated) is finished by stamping again."""
+        return self.access_version == record.access_version and self.access_version > self.version
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
