@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 from wowd.delivery.breaker import Admission, CircuitBreaker
-from wowd.delivery.commands import request_parts, target_command_url
+from wowd.delivery.commands import UnsafeSegment, request_parts, target_command_url
 from wowd.delivery.log import DeliveryLog, delivery_log
 from wowd.delivery.outcomes import (
     CIRCUIT_OPEN,
@@ -247,7 +247,8 @@ class HttpGateway:
             name, body, body_type = request_parts(timer.body)
             url = yarl.URL(target_command_url(route.url, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
-            outcome = Fail(reason=f"unreadable command: {exc}")
+            unsafe = isinstance(exc, UnsafeSegment)
+            outcome = Fail(reason=f"refused: {exc}" if unsafe else f"unreadable command: {exc}")
             self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
             return outcome
         headers = {**route.headers, "command-request-id": request_id}

@@ -27,6 +27,7 @@ from wowd.model.ids import (
     AggregateType,
     java_string_hash,
     partition,
+    refuse_controls,
     stream_id,
     validate_name,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "net_writes",
     "parse_rule",
     "partition",
+    "refuse_controls",
     "request_id_for",
     "sorted_json",
     "stream_id",

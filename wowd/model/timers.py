@@ -14,7 +14,7 @@ import orjson
 
 from wowd.errors import ConfigError, InvalidInput
 from wowd.model.commits import Commit, DomainEvent, _is_doc, _shared_ref, unchecked
-from wowd.model.ids import DEFAULT_TENANT, MAX_BODY_BYTES, AggregateRef, partition
+from wowd.model.ids import DEFAULT_TENANT, MAX_BODY_BYTES, AggregateRef, partition, refuse_controls
 from wowd.model.rules import _MAX_MS, OnceRule, Rule, parse_rule
 
 _SORTED_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
@@ -372,6 +372,7 @@ def timer_event_from(
     key = body.get("key")
     if not isinstance(key, str) or not key or len(key) > 512:
         raise InvalidInput("must be a non-empty string of at most 512 characters", field="body.key")
+    refuse_controls(key, field="body.key")
     if event.name == "TimerCancelled":
         return TimerCancelled(key=key)
     due_at = body.get("due_at")
