@@ -54,6 +54,29 @@ def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: 
     assert code == 2 and err.startswith(f"wowd: config file '{bad}': not TOML: ") and "Traceback" not in err
 
 
+def test_a_text_log_line_stays_one_line_whatever_an_id_or_an_answer_holds() -> None:
+    """An aggregate id or a target's answer with a line break and terminal escapes: the text
+    line escapes them (no forged line, no cursor moved), its traceback keeps its lines, and a
+    JSON line is JSON as before."""
+    import logging
+
+    from wowd.cli.logs import LogFormatter
+
+    hostile = "o-1\n2026-01-01 00:00:00,000 INFO wowd: forged\x1b[2J\u2028"
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("wowd.x", logging.WARNING, __file__, 1, "retry of %s", (hostile,), sys.exc_info())
+    record.target = "a\rb"
+    text = LogFormatter(False, []).format(record)
+    first, *trace = text.splitlines()
+    assert first.endswith("retry of o-1\\n2026-01-01 00:00:00,000 INFO wowd: forged\\x1b[2J\\u2028"), first
+    assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "ValueError: boom [target=a\\rb]"
+    assert "\x1b" not in text and "\r" not in text
+    line = LogFormatter(True, []).format(record)
+    assert "\n" not in line and json.loads(line)["msg"] == f"retry of {hostile}"
+
+
 def test_the_log_level_is_taken_in_any_case(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WOWD_LOG_LEVEL", "debug")
     assert load_settings().log_level == "DEBUG"

@@ -330,6 +330,38 @@ async def test_http_gateway_secret_not_in_reasons() -> None:
     assert "planted-secret-xyz" not in out.reason and "***" in out.reason
 
 
+def _u_escaped(text: str) -> str:
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda token: json.dumps({"message": f"bad token {token}"}).replace("/", "\\/"),
+        lambda token: '{"message": "bad token ' + _u_escaped(token) + '"}',
+        lambda token: '{"message": "bad token ' + _u_escaped(token) + '", "cut": "sh',  # no JSON: cut short
+    ],
+    ids=["solidus escaped", "unicode escapes", "cut short"],
+)
+async def test_http_gateway_masks_a_token_echoed_with_json_escapes(answer: Callable[[str], str]) -> None:
+    """A target that echoes the token in JSON spells it as it likes: the reason (stored as the
+    timer's last error) never holds it, however it was escaped."""
+    token = "planted/secret-xyz-0042"
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=400, text=answer(request.headers["authorization"].removeprefix("Bearer ")))
+
+    async with serving(echo) as (_srv, url):
+        gw = gateway(url, token=SecretStr(token))
+        try:
+            out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
+    assert isinstance(out, Fail) and "bad token" in out.reason, out
+    assert token not in out.reason and "secret-xyz" not in out.reason and "\\u0073" not in out.reason
+    assert "***" in out.reason
+
+
 async def test_http_gateway_deliver_reports_each_timer() -> None:
     async def handler(request: web.Request) -> web.StreamResponse:
         return web.Response(status=200 if request.path.endswith("/ok") else 404)

@@ -16,7 +16,7 @@ from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
-from wowd.fmt import iso_ms
+from wowd.fmt import iso_ms, one_line
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
 from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
 from wowd.stores.base import Log, TimerSearch, TimerStore
@@ -408,5 +408,5 @@ def _print_one(t: Timer, *, as_json: bool) -> None:
             v = at(v)
         elif isinstance(v, dict | list):
             v = json.dumps(v, separators=(",", ":"))
-        out(f"{k + ':':<13} {v if v is not None else '-'}")
-    out(f"{'detail:':<13} {detail(t)}")
+        out(f"{k + ':':<13} {one_line(str(v)) if v is not None else '-'}")
+    out(f"{'detail:':<13} {one_line(detail(t))}")

@@ -20,6 +20,7 @@ from wowd.config import GatewaySettings
 from wowd.delivery.routes import Route, Routes
 from wowd.errors import StorageUnavailable
 from wowd.model import Timer
+from wowd.redaction import redact, unescaped
 
 if TYPE_CHECKING:
     import aiohttp
@@ -366,15 +367,13 @@ class HttpGateway:
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
         text = buf.decode("utf-8", "replace")
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
         try:
             doc = json.loads(text)
-        except ValueError:
-            return " ".join(text.split())[:200]
+        except ValueError:  # masked as it reads: a JSON escape (\/, \u0041) does not hide a secret
+            return " ".join(redact(unescaped(text), self._secrets).split())[:200]
         if isinstance(doc, dict):
             msg = doc.get("errorMsg") or doc.get("message") or doc.get("errorCode") or ""
-            return str(msg)[:200]
+            return redact(str(msg), self._secrets)[:200]  # decoded first, then masked
         return ""
 
     async def deliver(self, timers: Sequence[Timer], record: Record, stopped: Stopped = never_stopped) -> None:
