@@ -28,7 +28,7 @@ from pydantic_settings import (
 )
 
 from wowd.errors import ConfigError
-from wowd.model import validate_name
+from wowd.model import MIN_INTERVAL_MS, validate_name
 from wowd.signing import secret_key
 
 __all__ = [
@@ -83,6 +83,22 @@ def uri_hosts(uri: str) -> str:
 def url_host(url: str) -> str:
     """The ``host[:port]`` of an HTTP URL, without its credentials."""
     return urlsplit(url).netloc.rpartition("@")[2]
+
+
+def url_shown(url: str) -> str:
+    """An HTTP URL as it may be printed: without the credentials it may hold (``user:password@``)."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
+def _no_two_credentials(part: GatewaySettings | RouteSettings) -> None:
+    """A URL with credentials (``user:password@``, sent as ``Authorization: Basic``) and a token
+    sent as ``Authorization: Bearer`` would both be the one header: every request would fail."""
+    if part.url and "@" in urlsplit(part.url).netloc and part.token is not None and part.api_key_header is None:
+        raise ValueError(
+            "url holds credentials (user:password@) and token is set: both would be the Authorization header; "
+            "give one (or api_key_header, to send the token in a header of its own)"
+        )
 
 
 class MongoSettings(_Part):
@@ -183,6 +199,9 @@ class TimerSettings(_Part):
     concurrency: int = Field(default=64, ge=1)
     max_attempts: int = Field(default=10, ge=1)
     max_body_bytes: int = Field(default=64 * 1024, ge=64)
+    min_interval_ms: int = Field(default=MIN_INTERVAL_MS, ge=1)
+    """The shortest interval rule a timer may have (ms): a schedule with less is refused (the
+    client and the command line say so; the feed quarantines the timer event as bad input)."""
     backoff_base_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=300.0, gt=0)
     tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60)
@@ -250,6 +269,7 @@ class RouteSettings(_Part):
     @model_validator(mode="after")
     def _consistent(self) -> RouteSettings:
         _client_key_needs_cert(self)
+        _no_two_credentials(self)
         return self
 
 
@@ -286,6 +306,7 @@ class GatewaySettings(_Part):
         if self.kind == "http" and not self.url and not self.routes:
             raise ValueError("url or routes is required when kind is 'http'")
         _client_key_needs_cert(self)
+        _no_two_credentials(self)
         for i, route in enumerate(self.routes):
             for j, earlier in enumerate(self.routes[:i]):
                 if route.match == earlier.match or route.match.startswith(earlier.match + "."):
@@ -327,10 +348,33 @@ class HttpSettings(_Part):
     port: int = Field(default=9180, ge=0, le=65535)
 
 
+MIN_UI_TOKEN_CHARS = 16
+"""The shortest ``ui.token``: anyone who guesses it acts on timers and reads command bodies."""
+
+
 class UiSettings(_Part):
     token: SecretStr | None = None
     """Enables the status page's actions (retry, resume, re-feed, acknowledge), each a POST that
-    carries it; unset: the page is read-only."""
+    carries it, and its reads of command bodies; unset: the page is read-only and shows no
+    command body (unless ``open_bodies``). At least 16 characters."""
+
+    @field_validator("token")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return v
+        n = len(v.get_secret_value())
+        if n == 0:
+            raise ValueError(
+                "is empty (a variable set to an unset one?): unset it for a read-only status page, or give a token "
+                f"of at least {MIN_UI_TOKEN_CHARS} characters"
+            )
+        if n < MIN_UI_TOKEN_CHARS:
+            raise ValueError(
+                f"is {n} characters: a token of at least {MIN_UI_TOKEN_CHARS} is required "
+                "(python -c 'import secrets; print(secrets.token_urlsafe(24))' makes one)"
+            )
+        return v
 
 
 class ShutdownSettings(_Part):

@@ -460,7 +460,9 @@ def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWri
     rejected: InvalidInput | None = None
     for ev in commit.events:
         try:
-            te = timer_event_from(ev, max_body_bytes=settings.timers.max_body_bytes)
+            te = timer_event_from(
+                ev, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
+            )
         except InvalidInput as exc:
             rejected = rejected or exc
             continue

@@ -18,7 +18,8 @@ MASK = "**********"
 
 def secret_values(settings: WowdSettings) -> list[str]:
     """Every credential in the settings (tokens and signing secrets of the gateway and of each
-    route, the status page's token, the password inside the MongoDB URI), longest first."""
+    route, the status page's token, the password inside the MongoDB URI and inside the gateway's,
+    the routes' and Elasticsearch's URLs), longest first, each also as a JSON text spells it."""
     out: list[str] = []
     gateway = settings.gateway
     candidates = [gateway.token, settings.elasticsearch.api_key, settings.elasticsearch.password, settings.ui.token]
@@ -31,15 +32,20 @@ def secret_values(settings: WowdSettings) -> list[str]:
             out.append(value)
             if value.startswith(SECRET_PREFIX):
                 out.append(value[len(SECRET_PREFIX) :])  # a signing secret's key, as base64
+    urls = [gateway.url, settings.elasticsearch.url, *(route.url for route in gateway.routes)]
     if settings.mongodb.uri is not None:
         uri = settings.mongodb.uri.get_secret_value()
         out.append(uri)
+        urls.append(uri)
+    for url in urls:
         try:
-            parts = urlsplit(uri)
-            if parts.password:
-                out += [parts.password, unquote(parts.password)]
+            parts = urlsplit(url) if url else None
+            # a token given as the user (https://TOKEN@host) when there is no password
+            credential = None if parts is None else parts.password or parts.username
         except ValueError:
-            pass
+            continue
+        if credential:
+            out += [credential, unquote(credential)]
     # as a JSON text spells them (a quote, a backslash, a non-ASCII character escaped)
     out += [json.dumps(v, ensure_ascii=ascii)[1:-1] for v in out for ascii in (True, False)]
     return sorted({v for v in out if len(v) >= 3}, key=len, reverse=True)
@@ -52,7 +58,9 @@ def redact(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
-_JSON_ESCAPE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\[\\/\"bfnrt]")
+_JSON_ESCAPE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{4}|\\[\\/\"bfnrt]"
+)
 """A JSON string escape: a surrogate pair, one ``\\uXXXX``, or one of the short ones."""
 
 

@@ -36,6 +36,21 @@ def test_version(wowd: Run) -> None:
             "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https://",
         ),
         ({"WOWD_LOG_LEVEL": "verbose"}, "'verbose' is not a log level"),
+        # an environment passing WOWD_UI__TOKEN=${UI_TOKEN} with UI_TOKEN unset: actions open to anyone
+        ({"WOWD_UI__TOKEN": ""}, "ui.token (WOWD_UI__TOKEN): is empty"),
+        ({"WOWD_UI__TOKEN": "x"}, "ui.token (WOWD_UI__TOKEN): is 1 characters: a token of at least 16"),
+        ({"WOWD_UI__TOKEN": "fifteen-chars-1"}, "ui.token (WOWD_UI__TOKEN): is 15 characters"),
+        (
+            {"WOWD_GATEWAY__URL": "https://svc:pw-in-url@orders.internal/api", "WOWD_GATEWAY__TOKEN": "t0k3n"},
+            "gateway (WOWD_GATEWAY): url holds credentials (user:password@) and token is set",
+        ),
+        (
+            {
+                "WOWD_GATEWAY__ROUTES": '[{"match": "demo", "url": "https://svc:pw-in-url@o.internal", "token": "t0k3n"}]'
+            },
+            "gateway.routes.0 (WOWD_GATEWAY__ROUTES): url holds credentials (user:password@) and token is set",
+        ),
+        ({"WOWD_TIMERS__MIN_INTERVAL_MS": "0"}, "timers.min_interval_ms (WOWD_TIMERS__MIN_INTERVAL_MS)"),
     ],
 )
 def test_bad_settings_are_refused_at_start_with_one_clean_message(
@@ -45,6 +60,7 @@ def test_bad_settings_are_refused_at_start_with_one_clean_message(
         monkeypatch.setenv(k, v)
     code, out, err = wowd("check")
     assert code == 2 and out == "" and says in err and "Traceback" not in err
+    assert "t0k3n" not in err and "pw-in-url" not in err
 
 
 def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: Path) -> None:
@@ -109,6 +125,15 @@ def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://127.0.0.1:{closed}/")
     code, out, err = wowd("check")
     assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
+    # credentials in the URL are never printed, answered or not
+    user_info = http_endpoint.replace("http://", "http://svc:pw-in-url@")
+    monkeypatch.setenv("WOWD_GATEWAY__URL", user_info)
+    code, out, err = wowd("check")
+    assert code == 0 and f"ok   gateway {http_endpoint} (HEAD answered 501)" in out, out + err
+    monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://svc:pw-in-url@127.0.0.1:{closed}/")
+    code, out, err = wowd("check")
+    assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
+    assert "pw-in-url" not in out + err and "svc:" not in out + err
 
 
 def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:

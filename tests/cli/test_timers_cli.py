@@ -93,6 +93,9 @@ def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -
     assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--every-ms", "1")
+    assert code == 2 and err.startswith("wowd: --every-ms: 1 ms is below the shortest interval, 1000 ms ")
+    assert "WOWD_TIMERS__MIN_INTERVAL_MS" in err
 
 
 def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Run, feed_once: None) -> None:

@@ -340,7 +340,9 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
 async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
     from wowd.client import WowdClient
 
-    client = WowdClient(log, max_body_bytes=settings.timers.max_body_bytes)
+    client = WowdClient(
+        log, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
+    )
     owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
         stream = owner if args.in_owner_stream else schedule_stream(owner)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from wowd import metrics
-from wowd.config import GatewaySettings
+from wowd.config import GatewaySettings, url_shown
 from wowd.delivery.routes import Route, Routes
 from wowd.errors import StorageUnavailable
 from wowd.model import Timer
@@ -307,9 +307,9 @@ class HttpGateway:
             ) as resp:
                 return resp.status
         except TimeoutError as exc:
-            raise StorageUnavailable(f"gateway {r.url}: no answer within {r.timeout_s:g}s") from exc
+            raise StorageUnavailable(f"gateway {url_shown(r.url)}: no answer within {r.timeout_s:g}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise StorageUnavailable(f"gateway {r.url}: {_transport_reason(exc)}") from exc
+            raise StorageUnavailable(f"gateway {url_shown(r.url)}: {_transport_reason(exc)}") from exc
 
     async def _post(self, route: Route, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
         """One exchange on ``route``: the outcome and whether it counts against the target's

@@ -43,6 +43,7 @@ from wowd.model.outbox import (
     OutboxEntry,
 )
 from wowd.model.rules import (
+    MIN_INTERVAL_MS,
     CronRule,
     IntervalRule,
     OnceRule,
@@ -75,6 +76,7 @@ from wowd.model.timers import (
 __all__ = [
     "DEFAULT_TENANT",
     "MAX_BODY_BYTES",
+    "MIN_INTERVAL_MS",
     "MAX_COMMIT_DOCUMENT_BYTES",
     "MAX_COMMIT_EVENTS",
     "MAX_STREAM_KEY_BYTES",
