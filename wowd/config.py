@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import secrets
 import socket
 import tomllib
@@ -343,9 +344,26 @@ class OutboxSettings(_Part):
     in one transaction (no claim); False: claim, deliver and settle as with any gateway."""
 
 
+_HOST_NAME = re.compile(r"^(\*|\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?)$")
+
+
 class HttpSettings(_Part):
     host: str = "0.0.0.0"
     port: int = Field(default=9180, ge=0, le=65535)
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    """Connections the listener serves at once; at the cap, the one that has waited longest
+    without a request is closed to make room, and a client beyond it waits in the backlog."""
+    allowed_hosts: list[str] = []
+    """Names a request's ``Host`` may give besides an IP address and ``localhost``: a name, a
+    ``.domain`` (it and every name under it) or ``*`` (any). Another is answered 400."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _HOST_NAME.match(name):
+                raise ValueError(f"{name!r} is not a host name, a .domain or * (no scheme, port or path)")
+        return v
 
 
 MIN_UI_TOKEN_CHARS = 16
@@ -357,6 +375,9 @@ class UiSettings(_Part):
     """Enables the status page's actions (retry, resume, re-feed, acknowledge), each a POST that
     carries it, and its reads of command bodies; unset: the page is read-only and shows no
     command body (unless ``open_bodies``). At least 16 characters."""
+    open_bodies: bool = False
+    """Shows command bodies (and quarantined commits' events) to anyone who reaches the page;
+    ``False``: only to a request carrying the token."""
 
     @field_validator("token")
     @classmethod

@@ -46,7 +46,9 @@ def test_version(wowd: Run) -> None:
         ),
         (
             {
-                "WOWD_GATEWAY__ROUTES": '[{"match": "demo", "url": "https://svc:pw-in-url@o.internal", "token": "t0k3n"}]'
+                "WOWD_GATEWAY__ROUTES": json.dumps(
+                    [{"match": "demo", "url": "https://u:pw-in-url@o.in", "token": "t0k3n"}]
+                )
             },
             "gateway.routes.0 (WOWD_GATEWAY__ROUTES): url holds credentials (user:password@) and token is set",
         ),

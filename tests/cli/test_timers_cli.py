@@ -142,7 +142,8 @@ def test_list_and_show_mask_secrets_and_escape_control_characters(
     _settle("park", "k2", reason=f"HTTP 401: bad token {token}\n\x1b[2Jforged line")
     monkeypatch.setenv("WOWD_GATEWAY__TOKEN", token)
     parked = _find("k2")
-    for args in (("timers", "list"), ("timers", "show", parked.timer_id), ("timers", "show", "--json", parked.timer_id)):
+    shows = (("timers", "show", parked.timer_id), ("timers", "show", "--json", parked.timer_id))
+    for args in (("timers", "list"), *shows):
         code, out, _ = wowd(*args)
         assert code == 0 and token not in out and "**********" in out, out
         assert "\x1b" not in out and "forged line" in out

@@ -124,19 +124,26 @@ async def test_backup_never_writes_over_the_database_or_its_wal_and_refuses_a_di
     a symlink or a hard link) is refused and the live files stay as they are; a directory is
     refused without a traceback or a ``PATH.partial`` left behind."""
     env = base_env(db)
-    wal, shm = Path(f"{db}-wal"), Path(f"{db}-shm")
-    assert wal.exists() and shm.exists()  # ``stores`` holds the file open
-    inodes = {p: p.stat().st_ino for p in (db, wal, shm)}
-    (tmp_path / "wal-link").symlink_to(wal)
+    live = (db, Path(f"{db}-wal"), Path(f"{db}-shm"))  # ``stores`` holds the file open: all three exist
+    inodes = _inodes(live)
+    (tmp_path / "wal-link").symlink_to(live[1])
     os.link(db, tmp_path / "db-hardlink")
-    for path in (wal, shm, db, tmp_path / "wal-link", tmp_path / "db-hardlink"):
+    for path in (live[1], live[2], db, tmp_path / "wal-link", tmp_path / "db-hardlink"):
         code, _out, err = await wowd_in_process("backup", str(path), "--force", env=env)
         assert code == 2 and "never writes over the database" in err and "Traceback" not in err, (path, err)
-    assert {p: p.stat().st_ino for p in (db, wal, shm)} == inodes
+    assert _inodes(live) == inodes
     await stores.log.ping()  # the database still reads
     assert await stores.log.checkpoints("timers", [0]) is not None
     folder = tmp_path / "backups"
     folder.mkdir()
     code, _out, err = await wowd_in_process("backup", str(folder), "--force", env=env)
     assert code == 2 and "is a directory" in err and "Traceback" not in err, err
-    assert not list(tmp_path.glob("*.partial*")) and list(folder.iterdir()) == []
+    assert _listing(tmp_path, "*.partial*") == [] and _listing(folder, "*") == []
+
+
+def _inodes(paths: tuple[Path, ...]) -> dict[Path, int]:
+    return {p: p.stat().st_ino for p in paths}
+
+
+def _listing(folder: Path, pattern: str) -> list[Path]:
+    return sorted(folder.glob(pattern))
