@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -112,14 +113,16 @@ def host_allowed(host: str | None, allowed: Sequence[str]) -> bool:
 
 
 class _Conn:
-    """A connection served: ``idle`` until its request head arrived; ``scope`` cancels its work."""
+    """A connection served: ``idle`` until its request head arrived; ``scope`` cancels its work;
+    ``done`` is set once it is closed."""
 
-    __slots__ = ("idle", "scope", "stream")
+    __slots__ = ("done", "idle", "scope", "stream")
 
     def __init__(self, stream: SocketStream) -> None:
         self.stream = stream
         self.idle = True
         self.scope = anyio.CancelScope()
+        self.done = anyio.Event()
 
 
 def _abort(stream: SocketStream) -> None:
@@ -212,30 +215,37 @@ class HttpServer:
                     continue
                 if exc.errno not in _OUT_OF_RESOURCES:
                     raise
-                pause = min(max(2 * pause, ACCEPT_PAUSE_S[0]), ACCEPT_PAUSE_S[1])
-                closed = self._close_oldest_idle()
                 HTTP_REFUSED.labels(reason="accept").inc()
+                closed = self._close_oldest_idle()
+                if closed is None:
+                    pause = min(max(2 * pause, ACCEPT_PAUSE_S[0]), ACCEPT_PAUSE_S[1])
                 self._rlog.log(
                     "accept",
                     logging.WARNING,
-                    "http: accept failed (%s) with %d connections open; %s, accepting again in %.2f s "
+                    "http: accept failed (%s) with %d connections open: %s "
                     "(raise the descriptor limit, LimitNOFILE, or lower WOWD_HTTP__MAX_CONNECTIONS)",
                     os.strerror(exc.errno or 0),
                     len(self._conns),
-                    "the oldest idle one closed" if closed else "none idle",
-                    pause,
+                    "the oldest idle one closed"
+                    if closed is not None
+                    else f"none idle, accepting again in {pause:.2f} s",
                 )
-                await anyio.sleep(pause)
+                if closed is not None:  # its descriptor is free once it is closed: accept again then
+                    await closed.done.wait()
+                    await anyio.lowlevel.checkpoint()
+                else:
+                    await anyio.sleep(pause)
                 continue
             pause = 0.0
-            while len(self._conns) >= self._max_connections and not self._close_oldest_idle():
+            while len(self._conns) >= self._max_connections and self._close_oldest_idle() is None:
                 # every connection is answering a request: the next one waits for one of them
                 freed = self._freed = anyio.Event()
                 await freed.wait()
             tasks.start_soon(self._serve_connection, stream)
 
-    def _close_oldest_idle(self) -> bool:
-        """Closes the connection that has waited longest without a request; False: none."""
+    def _close_oldest_idle(self) -> _Conn | None:
+        """Closes the connection that has waited longest without a request (answers it; ``None``:
+        none waits)."""
         for key, conn in self._conns.items():
             if conn.idle:
                 del self._conns[key]
@@ -243,8 +253,8 @@ class HttpServer:
                 HTTP_REFUSED.labels(reason="cap").inc()
                 _abort(conn.stream)
                 conn.scope.cancel()
-                return True
-        return False
+                return conn
+        return None
 
     async def _serve_connection(self, stream: SocketStream) -> None:
         conn = _Conn(stream)
@@ -255,6 +265,7 @@ class HttpServer:
             with conn.scope:
                 await self._handle(conn)
         finally:
+            conn.done.set()
             if self._conns.pop(key, None) is not None:
                 HTTP_CONNECTIONS.dec()
             if self._freed is not None:
