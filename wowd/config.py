@@ -53,8 +53,15 @@ __all__ = [
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+DAY_S = 86_400
+"""The longest duration a time setting takes (a ttl, a timeout, a pause): longer is a typo, and
+would overflow the clocks that count it."""
+YEARS_S = 100 * 365 * DAY_S
+"""The longest retention a setting takes."""
+
+
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _http_url(v: str | None) -> str | None:
@@ -79,6 +86,25 @@ def uri_hosts(uri: str) -> str:
     rest = uri.partition("://")[2]
     authority = rest.split("/", 1)[0].split("?", 1)[0]
     return authority.rpartition("@")[2]
+
+
+def _host_problem(host: str) -> str | None:
+    """What is wrong with a ``host[:port]`` of a MongoDB URI (``None``: nothing)."""
+    name, port = host, ""
+    if host.startswith("["):
+        literal, sep, rest = host[1:].partition("]")
+        if not sep or not literal or (rest and not rest.startswith(":")):
+            return "an IPv6 address is written [address] or [address]:port"
+        name, port = literal, rest[1:]
+    elif host.count(":") > 1:
+        return "an IPv6 address is written in brackets, [address]:port"
+    elif ":" in host:
+        name, _, port = host.partition(":")
+    if not name:
+        return "no host name"
+    if ":" in host and not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+        return "the port must be a number from 1 to 65535"
+    return None
 
 
 def url_host(url: str) -> str:
@@ -116,10 +142,14 @@ class MongoSettings(_Part):
         if scheme not in ("mongodb", "mongodb+srv") or not uri_hosts(uri):
             shown = f"a {scheme}:// URI" if scheme else "no URI"
             raise ValueError(f"must be a mongodb:// or mongodb+srv:// URI with a host, got {shown}")
+        for host in uri_hosts(uri).split(","):
+            problem = _host_problem(host)
+            if problem is not None:  # the message never repeats the URI: it may hold a password
+                raise ValueError(f"host {host!r} of the URI: {problem}")
         return v
 
     database: str = "wowd"
-    timeout_ms: int = Field(default=10_000, ge=0)
+    timeout_ms: int = Field(default=10_000, ge=0, le=DAY_S * 1000)
     """The deadline of each store call (0: none); the change stream is never cut by it."""
     write_concern: Literal["majority", "1"] = "majority"
     ddl: Literal["auto", "validate", "none"] = "auto"
@@ -150,8 +180,8 @@ class ElasticsearchSettings(_Part):
     ssl_assert_fingerprint: str | None = None
     """The SHA-256 fingerprint of the cluster's certificate (hex), pinned instead of a CA."""
     ddl: Literal["auto", "validate", "none"] = "auto"
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    refresh_interval_s: float = Field(default=1.0, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S)
+    refresh_interval_s: float = Field(default=1.0, gt=0, le=DAY_S)
     """At most one ``_refresh`` per index this often, shared by the access stamps waiting for it."""
     bulk_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     """A write is split into bulks of about this many bytes."""
@@ -177,8 +207,8 @@ class LeaseSettings(_Part):
     namespace: str | None = None
     """Defaults to ``wowd.<context>``."""
     limit: int = Field(default=1, ge=1, le=4096)
-    ttl_s: float = Field(default=10.0, gt=0)
-    tolerance_s: float = Field(default=1.0, ge=0)
+    ttl_s: float = Field(default=10.0, gt=0, le=DAY_S)
+    tolerance_s: float = Field(default=1.0, ge=0, le=DAY_S)
     slot_offset: int = Field(default=0, ge=0)
     slots_per_process: int = Field(default=1, ge=1)
     owner_key: str | None = None
@@ -195,17 +225,17 @@ class LeaseSettings(_Part):
 
 class TimerSettings(_Part):
     batch: int = Field(default=1000, ge=1, le=100_000)
-    lookahead_ms: int = Field(default=200, ge=0)
-    claim_ttl_s: float = Field(default=30.0, gt=0)
+    lookahead_ms: int = Field(default=200, ge=0, le=DAY_S * 1000)
+    claim_ttl_s: float = Field(default=30.0, gt=0, le=DAY_S)
     concurrency: int = Field(default=64, ge=1)
     max_attempts: int = Field(default=10, ge=1)
     max_body_bytes: int = Field(default=64 * 1024, ge=64)
-    min_interval_ms: int = Field(default=MIN_INTERVAL_MS, ge=1)
+    min_interval_ms: int = Field(default=MIN_INTERVAL_MS, ge=1, le=DAY_S * 1000)
     """The shortest interval rule a timer may have (ms): a schedule with less is refused (the
     client and the command line say so; the feed quarantines the timer event as bad input)."""
-    backoff_base_s: float = Field(default=1.0, gt=0)
-    backoff_max_s: float = Field(default=300.0, gt=0)
-    tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60)
+    backoff_base_s: float = Field(default=1.0, gt=0, le=DAY_S)
+    backoff_max_s: float = Field(default=300.0, gt=0, le=DAY_S)
+    tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60, le=YEARS_S)
     """How long a fired or cancelled timer is remembered: a replay of the log within it
     re-delivers nothing."""
 
@@ -243,7 +273,7 @@ class RouteSettings(_Part):
     url: str
     token: SecretStr | None = None
     api_key_header: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=DAY_S)
     per_target_concurrency: int | None = Field(default=None, ge=1)
     ca_certs: Path | None = None
     client_cert: Path | None = None
@@ -281,7 +311,7 @@ class GatewaySettings(_Part):
     token: SecretStr | None = None
     api_key_header: str | None = None
     """When set, the token is sent in this header instead of ``Authorization: Bearer``."""
-    timeout_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=10.0, gt=0, le=DAY_S)
     ca_certs: Path | None = None
     verify_certs: bool = True
     client_cert: Path | None = None
@@ -294,7 +324,7 @@ class GatewaySettings(_Part):
     """At most this many requests in flight to one target (``context.aggregate``) of the http gateway."""
     breaker_failures: int = Field(default=5, ge=1)
     """Consecutive failures (timeout, transport error, 408, 429, 5xx) of a target that open its circuit."""
-    breaker_open_s: float = Field(default=30.0, gt=0)
+    breaker_open_s: float = Field(default=30.0, gt=0, le=DAY_S)
     """How long an open circuit answers Retry without a request before one trial request."""
     routes: list[RouteSettings] = []
     """Per context (or ``context.aggregate``), in order: the first that matches a target is its route."""
@@ -318,7 +348,7 @@ class GatewaySettings(_Part):
 
 
 class FeedSettings(_Part):
-    stall_release_s: float = Field(default=300.0, ge=1)
+    stall_release_s: float = Field(default=300.0, ge=1, le=DAY_S)
     """A slot whose timer view has been stalled this long is released (another replica may try
     it). Another view's stall never releases the slot: it retries until its store takes it."""
     views_off: list[str] = []
@@ -337,7 +367,7 @@ class FeedSettings(_Part):
 
 
 class OutboxSettings(_Part):
-    retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    retention_s: float = Field(default=7 * 24 * 3600.0, ge=0, le=YEARS_S)
     """Entries older than this are trimmed by the outbox gateway, acknowledged or not (0: kept)."""
     fast_path: bool = True
     """On the embedded backend, the timers due now are read, written to the outbox and settled
@@ -399,7 +429,7 @@ class UiSettings(_Part):
 
 
 class ShutdownSettings(_Part):
-    grace_s: float = Field(default=20.0, ge=0)
+    grace_s: float = Field(default=20.0, ge=0, le=DAY_S)
 
 
 class WowdSettings(BaseSettings):
@@ -409,6 +439,7 @@ class WowdSettings(BaseSettings):
         extra="forbid",
         frozen=True,
         case_sensitive=False,
+        allow_inf_nan=False,
     )
 
     context: str = "demo"

@@ -53,6 +53,19 @@ def test_version(wowd: Run) -> None:
             "gateway.routes.0 (WOWD_GATEWAY__ROUTES): url holds credentials (user:password@) and token is set",
         ),
         ({"WOWD_TIMERS__MIN_INTERVAL_MS": "0"}, "timers.min_interval_ms (WOWD_TIMERS__MIN_INTERVAL_MS)"),
+        # values that crashed a command with a traceback further on
+        ({"WOWD_LEASE__TTL_S": "1e300"}, "lease.ttl_s (WOWD_LEASE__TTL_S): Input should be less than or equal to"),
+        ({"WOWD_LEASE__TTL_S": "inf"}, "lease.ttl_s (WOWD_LEASE__TTL_S): Input should be a finite number"),
+        ({"WOWD_SHUTDOWN__GRACE_S": "nan"}, "shutdown.grace_s (WOWD_SHUTDOWN__GRACE_S): Input should be a finite"),
+        (
+            {"WOWD_BACKEND": "mongo", "WOWD_SINK": "none", "WOWD_MONGODB__URI": "mongodb://u:pw-in-url@h:99999/"},
+            "mongodb.uri (WOWD_MONGODB__URI): host 'h:99999' of the URI: the port must be a number from 1 to 65535",
+        ),
+        (
+            {"WOWD_BACKEND": "mongo", "WOWD_SINK": "none", "WOWD_MONGODB__URI": "mongodb://[::1/"},
+            "mongodb.uri (WOWD_MONGODB__URI): host '[::1' of the URI: an IPv6 address is written [address]",
+        ),
+        ({"WOWD_HTTP__ALLOWED_HOSTS": '["https://wowd.internal:9180"]'}, "is not a host name, a .domain or *"),
     ],
 )
 def test_bad_settings_are_refused_at_start_with_one_clean_message(
@@ -63,6 +76,25 @@ def test_bad_settings_are_refused_at_start_with_one_clean_message(
     code, out, err = wowd("check")
     assert code == 2 and out == "" and says in err and "Traceback" not in err
     assert "t0k3n" not in err and "pw-in-url" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("timers", "list", "--limit", "9" * 30), "--limit: must be <= 2147483647"),
+        (("outbox", "list", "--limit", "9" * 30), "--limit: must be <= 2147483647"),
+        (("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "nan"), "--in: a number of seconds"),
+        (("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "1e308"), "--in: a number of seconds"),
+        (("timers", "list", "--after", "\u00b2:x"), "not a cursor of 'timers list'"),
+        (("timers", "list", "--after", "9" * 30 + ":x"), "not a cursor of 'timers list'"),
+        (("backup", "copy.db", "--step-pages", "9" * 30), "--step-pages: must be <= 2147483647"),
+    ],
+)
+def test_values_out_of_range_are_refused_with_one_clean_message(
+    wowd: Run, created: Path, args: tuple[str, ...], says: str
+) -> None:
+    code, _out, err = wowd(*args)
+    assert code == 2 and says in err and "Traceback" not in err, err
 
 
 def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: Path) -> None:

@@ -158,11 +158,24 @@ async def test_many_aggregate_types_cost_no_descriptor_and_no_thread_each(replic
     assert r.proc.poll() is None
 
 
-@pytest.mark.parametrize(("token", "says"), [("", "is empty"), ("short", "is 5 characters")])
-async def test_an_empty_or_short_ui_token_stops_the_replica_at_start(tmp_path: Path, token: str, says: str) -> None:
-    """``WOWD_UI__TOKEN=${UI_TOKEN}`` with ``UI_TOKEN`` unset opened every action to anyone (and
-    the page said "actions enabled"): the replica does not start, naming the setting."""
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        # WOWD_UI__TOKEN=${UI_TOKEN} with UI_TOKEN unset opened every action to anyone (and the
+        # page said "actions enabled")
+        ({"WOWD_UI__TOKEN": ""}, "ui.token (WOWD_UI__TOKEN): is empty"),
+        ({"WOWD_UI__TOKEN": "short"}, "ui.token (WOWD_UI__TOKEN): is 5 characters"),
+        # these crashed with a traceback
+        ({"WOWD_HTTP__HOST": "no-such-host.invalid"}, "WOWD_HTTP__HOST: cannot listen on 'no-such-host.invalid'"),
+        ({"WOWD_EMBEDDED__PATH": "/proc/no-such-pid/wowd.db"}, "(WOWD_EMBEDDED__PATH)"),
+    ],
+    ids=["empty token", "short token", "unknown host", "uncreatable directory"],
+)
+async def test_settings_that_would_open_or_crash_the_replica_stop_it_at_start(
+    tmp_path: Path, setting: dict[str, str], says: str
+) -> None:
     db = tmp_path / "wowd.db"
-    code, out, err = await run_wowd("run", env=base_env(db, WOWD_UI__TOKEN=token))
-    assert code == 2 and f"ui.token (WOWD_UI__TOKEN): {says}" in err and "Traceback" not in err, err
-    assert not db.exists()
+    code, _out, err = await run_wowd("run", env={**base_env(db), **setting})
+    assert code == 2 and says in err and "Traceback" not in err, err
+    if "WOWD_UI__TOKEN" in setting:
+        assert not db.exists()  # refused before anything is opened

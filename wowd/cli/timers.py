@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from wowd.backends import opened_backend
-from wowd.cli.args import non_negative_int, positive_int
+from wowd.cli.args import non_negative_int, positive_int, seconds
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--body-type", help="the command's body type (sent as Command-Type)")
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
-    when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
+    when.add_argument("--in", dest="in_s", type=seconds, metavar="SECONDS", help="due this many seconds from now")
     tsc.add_argument(
         "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
     )

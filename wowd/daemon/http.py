@@ -39,6 +39,7 @@ import h11
 from anyio.abc import SocketAttribute, SocketListener, SocketStream, TaskGroup, TaskStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from wowd.errors import ConfigError
 from wowd.metrics import HTTP_CONNECTIONS, HTTP_REFUSED, REGISTRY
 from wowd.ratelog import RateLimitedLog
 from wowd.ui.http import HttpRequest, HttpResponse
@@ -189,7 +190,16 @@ class HttpServer:
     async def serve(self, *, task_status: TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:
         """Binds, reports the bound port through ``task_status`` (and the port file), serves
         until cancelled."""
-        listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        try:
+            listener = await anyio.create_tcp_listener(local_host=self._host, local_port=self._port)
+        except OSError as exc:
+            if isinstance(exc, socket.gaierror) or exc.errno in (errno.EADDRNOTAVAIL, errno.EINVAL):
+                raise ConfigError(f"WOWD_HTTP__HOST: cannot listen on {self._host!r}: {exc.strerror or exc}") from None
+            if exc.errno == errno.EACCES:
+                raise ConfigError(
+                    f"WOWD_HTTP__PORT: port {self._port} needs a privilege this process lacks (take one above 1023)"
+                ) from None
+            raise
         async with listener:
             port = int(listener.extra(SocketAttribute.local_port))
             self.bound_port = port
