@@ -127,6 +127,24 @@ def test_a_text_log_line_stays_one_line_whatever_an_id_or_an_answer_holds() -> N
     assert "\n" not in line and json.loads(line)["msg"] == f"retry of {hostile}"
 
 
+def test_wowd_run_raises_its_descriptor_limit_within_the_hard_limit() -> None:
+    """Started with the 1,024 descriptors systemd and container runtimes give, a replica asks
+    for what its hard limit allows (up to 65,536): 1,100 idle connections no longer reach it."""
+    import resource
+
+    from wowd.cli.run import NOFILE_WANTED, raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 1024 if hard == resource.RLIM_INFINITY else min(1024, hard // 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        raise_descriptor_limit()
+        wanted = NOFILE_WANTED if hard == resource.RLIM_INFINITY else min(NOFILE_WANTED, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_the_log_level_is_taken_in_any_case(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WOWD_LOG_LEVEL", "debug")
     assert load_settings().log_level == "DEBUG"
