@@ -42,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from wowd.errors import ConfigError
 from wowd.metrics import HTTP_CONNECTIONS, HTTP_REFUSED, REGISTRY
 from wowd.ratelog import RateLimitedLog
+from wowd.retry import Backoff, Pauses
 from wowd.ui.http import HttpRequest, HttpResponse
 
 __all__ = [
@@ -65,9 +66,9 @@ read is dropped after it, and its answer freed."""
 WRITE_CHUNK = 64 * 1024
 MAX_CONNECTIONS = 256
 """Connections served at once unless the settings say otherwise (``http.max_connections``)."""
-ACCEPT_PAUSE_S = (0.05, 1.0)
-"""After an ``accept`` that failed for want of resources, the first pause and the longest (it
-doubles while they last)."""
+ACCEPT_PAUSE = Backoff(0.05, 1.0)
+"""After an ``accept`` that failed for want of resources with no idle connection to close, the
+pause (doubling from 50 ms to 1 s while the failures last)."""
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _GONE_BEFORE_ACCEPT = frozenset({errno.ECONNABORTED, errno.ECONNRESET, errno.EPROTO, errno.EPERM})
 """What ``accept`` answers for a client that left (or a firewall refused) before it was taken."""
@@ -216,7 +217,7 @@ class HttpServer:
                     tasks.start_soon(self._accept_loop, one, tasks)
 
     async def _accept_loop(self, listener: SocketListener, tasks: TaskGroup) -> None:
-        pause = 0.0
+        pauses = Pauses(ACCEPT_PAUSE)
         while True:
             try:
                 stream = await listener.accept()
@@ -225,33 +226,34 @@ class HttpServer:
                     continue
                 if exc.errno not in _OUT_OF_RESOURCES:
                     raise
-                HTTP_REFUSED.labels(reason="accept").inc()
-                closed = self._close_oldest_idle()
-                if closed is None:
-                    pause = min(max(2 * pause, ACCEPT_PAUSE_S[0]), ACCEPT_PAUSE_S[1])
-                self._rlog.log(
-                    "accept",
-                    logging.WARNING,
-                    "http: accept failed (%s) with %d connections open: %s "
-                    "(raise the descriptor limit, LimitNOFILE, or lower WOWD_HTTP__MAX_CONNECTIONS)",
-                    os.strerror(exc.errno or 0),
-                    len(self._conns),
-                    "the oldest idle one closed"
-                    if closed is not None
-                    else f"none idle, accepting again in {pause:.2f} s",
-                )
-                if closed is not None:  # its descriptor is free once it is closed: accept again then
-                    await closed.done.wait()
-                    await anyio.lowlevel.checkpoint()
-                else:
-                    await anyio.sleep(pause)
+                await self._accept_failed(exc, pauses)
                 continue
-            pause = 0.0
+            pauses.reset()
             while len(self._conns) >= self._max_connections and self._close_oldest_idle() is None:
                 # every connection is answering a request: the next one waits for one of them
                 freed = self._freed = anyio.Event()
                 await freed.wait()
             tasks.start_soon(self._serve_connection, stream)
+
+    async def _accept_failed(self, exc: OSError, pauses: Pauses) -> None:
+        """After an ``accept`` that found no descriptor (or memory): closes the oldest idle
+        connection and waits until its descriptor is free, or, with none idle, pauses."""
+        HTTP_REFUSED.labels(reason="accept").inc()
+        closed = self._close_oldest_idle()
+        self._rlog.log(
+            "accept",
+            logging.WARNING,
+            "http: accept failed (%s) with %d connections open: %s "
+            "(raise the descriptor limit, LimitNOFILE, or lower WOWD_HTTP__MAX_CONNECTIONS)",
+            os.strerror(exc.errno or 0),
+            len(self._conns),
+            "the oldest idle one closed" if closed is not None else "none idle, accepting again after a pause",
+        )
+        if closed is not None:  # its descriptor is free once it is closed: accept again then
+            await closed.done.wait()
+            await anyio.lowlevel.checkpoint()
+        else:
+            await pauses.pause()
 
     def _close_oldest_idle(self) -> _Conn | None:
         """Closes the connection that has waited longest without a request (answers it; ``None``:
