@@ -10,6 +10,7 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -830,11 +831,18 @@ class FeedWriter(Protocol):
         ...
 
 
+SINKS_KEPT = 256
+"""Event sinks a :class:`Backend` keeps made (the types used last); another is made again when
+its type comes back."""
+
+
 @dataclass(kw_only=True)
 class Backend:
-    """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
-    the event sink of a type. ``close`` closes the sinks, then ``resources`` (the stores and
-    clients the backend opened, in reverse order of opening)."""
+    """The stores of one context, as a backend opened them; ``sink(type)`` gives the event sink of
+    a type, keeping the :data:`SINKS_KEPT` used last (a sink holds nothing of its own: the
+    connections, clients and caches are the backend's, shared by the sinks of every type, so
+    that nothing grows with the number of types). ``close`` closes the sinks kept, then
+    ``resources`` (the stores and clients the backend opened, in reverse order of opening)."""
 
     name: str
     log: Log
@@ -844,7 +852,8 @@ class Backend:
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink] | None
-    """``None``: no event index (``sink = "none"``)."""
+    """``None``: no event index (``sink = "none"``). A sink it makes uses the backend's
+    resources only: one dropped from the sinks kept needs no closing."""
     outbox_firing: OutboxFiring | None = None
     """The timer store's fast path into ``outbox`` (one transaction per fired batch), when the
     backend has one: the embedded backend, whose timers and outbox share one file."""
@@ -859,7 +868,7 @@ class Backend:
     process's clock compares with the file's last writes (:class:`ClockReading`; the argument:
     the replica's owner key): a replica checks it before it takes a slot."""
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
-    _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
+    _sinks: OrderedDict[AggregateType, EventSink] = field(default_factory=OrderedDict)
 
     @property
     def has_sink(self) -> bool:
@@ -867,11 +876,16 @@ class Backend:
 
     def sink(self, type: AggregateType) -> EventSink:
         """The event sink of ``type``; a :class:`ConfigError` when there is no event index."""
-        s = self._sinks.get(type)
+        sinks = self._sinks
+        s = sinks.get(type)
         if s is None:
             if self.sink_factory is None:
                 raise ConfigError('no event index: sink = "none"')
-            s = self._sinks[type] = self.sink_factory(type)
+            s = sinks[type] = self.sink_factory(type)
+            if len(sinks) > SINKS_KEPT:
+                sinks.popitem(last=False)
+        else:
+            sinks.move_to_end(type)
         return s
 
     async def close(self) -> None:
