@@ -10,7 +10,8 @@ per command (claim, deliver, settle). ``--bare`` times (and profiles) the bare a
 :mod:`bench.http_delivery` in this process instead (same requests, same concurrency).
 
 By default the store's SQLite calls run inline on the event loop's thread (so that the profile
-sees their cost); ``--threads`` keeps the worker threads. ``--no-profile`` times the path without
+sees their cost); ``--threads`` keeps the worker threads; ``--null`` a gateway that answers at once with no request
+(the firing path's own cost). ``--no-profile`` times the path without
 the profiler's overhead (CPU per command to compare a change with). The event loop is uvloop and
 the garbage collector tuned, as ``wowd run`` has them (``--default-gc``: Python's defaults).
 """
@@ -59,7 +60,9 @@ STEPS = (
 """The path's steps: (label, file name, function) as cProfile names them."""
 
 
-async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool) -> Any:
+async def _fire(
+    target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool, null: bool = False
+) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
     from wowd.daemon.firing import Firing
     from wowd.daemon.leases import HeldSlot
@@ -85,7 +88,20 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
                     all_delivered.set()
             return outcome
 
-    gateway = Counting(GatewaySettings(kind="http", url=target.url), pool_size=concurrency)
+    class Null:
+        """Answers Delivered at once, no request: the firing path's own cost."""
+
+        async def send(self, timer: Timer) -> Outcome:
+            nonlocal delivered
+            delivered += 1
+            if delivered >= n:
+                all_delivered.set()
+            return Delivered()
+
+        async def aclose(self) -> None:
+            return None
+
+    gateway: Any = Null() if null else Counting(GatewaySettings(kind="http", url=target.url), pool_size=concurrency)
     firing = Firing(
         settings=TimerSettings(),
         timers=store,
@@ -138,7 +154,14 @@ async def _fire(target: Target, db_path: Path, n: int, concurrency: int, *, inli
 
 
 def fire_once(
-    n: int, concurrency: int, *, inline: bool = True, profile: bool = True, bare: bool = False, tune_gc: bool = True
+    n: int,
+    concurrency: int,
+    *,
+    inline: bool = True,
+    profile: bool = True,
+    bare: bool = False,
+    tune_gc: bool = True,
+    null: bool = False,
 ) -> dict[str, Any]:
     """Fires ``n`` timers due at once over HTTP in this process (or, with ``bare``, runs the bare
     aiohttp loop); answers the timings (and, with ``profile``, the ``cProfile.Profile``).
@@ -170,7 +193,9 @@ def fire_once(
             return {"n": n, "wall_s": wall, "cpu_s": r["cpu_s"], "profiler": bare_profiler, **_rates(n, r)}
         db_path = Path(tmp) / "wowd.db"
         create_timer_tables(db_path)
-        elapsed, cpu, profiler = uvloop.run(_fire(target, db_path, n, concurrency, inline=inline, profile=profile))
+        elapsed, cpu, profiler = uvloop.run(
+            _fire(target, db_path, n, concurrency, inline=inline, profile=profile, null=null)
+        )
         seen = target.count()
     return {
         "n": n,
@@ -207,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-profile", action="store_true", help="time the path without cProfile")
     ap.add_argument("--bare", action="store_true", help="the bare aiohttp loop instead")
     ap.add_argument("--default-gc", action="store_true", help="Python's collector settings, not wowd run's")
+    ap.add_argument("--null", action="store_true", help="a gateway that answers at once, no request")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
@@ -217,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=not args.no_profile,
         bare=args.bare,
         tune_gc=not args.default_gc,
+        null=args.null,
     )
     text = report(result, args.top)
     sys.stdout.write(text + "\n")

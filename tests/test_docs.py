@@ -212,6 +212,14 @@ def _with(change: str) -> dict[str, Any]:
         del doc["request_id"]
     elif change == "version 0":
         doc["version"] = 0
+    elif change == "control character in the key":
+        body["key"] = "remind\x1fv2"  # joined by \x1f into the timer's id: two timers would be one
+    elif change == "control character in the aggregate id":
+        doc["aggregate_id"] = "order-1\n2026-01-01 INFO forged line"
+    elif change == "control character in the tenant":
+        doc["tenant_id"] = "acme\x1b[2J"
+    elif change == "control character in the target id":
+        body["target"]["id"] = "o-\x9b1"
     return doc
 
 
@@ -227,6 +235,10 @@ def _with(change: str) -> dict[str, Any]:
         "empty key",
         "no request id",
         "version 0",
+        "control character in the key",
+        "control character in the aggregate id",
+        "control character in the tenant",
+        "control character in the target id",
     ],
 )
 def test_the_schema_refuses_what_wowd_refuses(change: str) -> None:

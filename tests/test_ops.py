@@ -223,6 +223,9 @@ def test_systemd_unit_has_the_operational_settings() -> None:
     assert re.search(r"^RestrictAddressFamilies=", unit, re.M)
     assert re.search(r"^(DynamicUser=yes|User=wowd)", unit, re.M)
     assert re.search(r"^WatchdogSec=\d+", unit, re.M)
+    # descriptors for the listener's connections and the stores' (systemd's default soft limit: 1,024)
+    assert int(re.search(r"^LimitNOFILE=(\d+)$", unit, re.M).group(1)) >= 65536  # type: ignore[union-attr]
+    assert re.search(r"^TasksMax=\d+$", unit, re.M) and re.search(r"^MemoryMax=\d+[KMG]$", unit, re.M)
     # the stop timeout must exceed the default drain grace (20 s)
     stop = int(re.search(r"^TimeoutStopSec=(\d+)", unit, re.M).group(1))  # type: ignore[union-attr]
     assert stop > 20
@@ -255,6 +258,17 @@ def test_compose_stack_has_replicas_standby_and_monitoring() -> None:
     assert services["elasticsearch"]["image"].rsplit(":", 1)[1].startswith("9.")
     assert {"wowd-1", "wowd-2", "wowd-3", "wowd-standby", "prometheus", "grafana"} <= set(services)
     assert compose["x-wowd"]["environment"]["WOWD_LEASE__LIMIT"] == "3"
+
+
+def test_compose_limits_the_replicas_and_lets_prometheus_scrape_them_by_name() -> None:
+    compose = yaml.safe_load((ROOT / "deploy/compose.yaml").read_text())
+    wowd = compose["x-wowd"]
+    assert wowd["ulimits"]["nofile"] == {"soft": 65536, "hard": 65536}
+    assert wowd["mem_limit"] and wowd["pids_limit"] > 0
+    allowed = json.loads(wowd["environment"]["WOWD_HTTP__ALLOWED_HOSTS"])
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())["scrape_configs"]
+    targets = {t.rpartition(":")[0] for job in scrape for c in job["static_configs"] for t in c["targets"]}
+    assert targets and targets <= set(allowed)  # a scrape by a name not allowed is answered 400
 
 
 def test_compose_mongo_healthcheck_exits_non_zero_without_a_primary() -> None:

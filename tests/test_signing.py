@@ -81,8 +81,21 @@ def test_verify_accepts_a_signature_of_any_secret_whatever_the_header_case() -> 
         (_signed(recipe(KEY, MSG_ID, TIMESTAMP, BODY).replace("v1,", "v2,")), BODY, TIMESTAMP, "no signature"),
         ({"webhook-id": MSG_ID, "webhook-timestamp": str(TIMESTAMP)}, BODY, TIMESTAMP, "no webhook-signature"),
         (_signed("v1,x", timestamp=0) | {"Webhook-Timestamp": "soon"}, BODY, TIMESTAMP, "not an integer"),
+        # beyond a float's range: a verification failure, not OverflowError (a handler's 500)
+        (_signed("v1,x") | {"Webhook-Timestamp": "9" * 400}, BODY, TIMESTAMP, "not an integer"),
+        (_signed("v1,x") | {"Webhook-Timestamp": "-1767225600"}, BODY, TIMESTAMP, "not an integer"),
     ],
-    ids=["body changed", "other secret", "too old", "too new", "unknown version", "unsigned", "bad timestamp"],
+    ids=[
+        "body changed",
+        "other secret",
+        "too old",
+        "too new",
+        "unknown version",
+        "unsigned",
+        "bad timestamp",
+        "400 digits",
+        "negative",
+    ],
 )
 def test_verify_refuses(headers: dict[str, str], body: bytes, now: int, says: str) -> None:
     with pytest.raises(InvalidSignature, match=says):

@@ -39,6 +39,7 @@ from wowd.config import WowdSettings
 from wowd.errors import ConflictError, InvalidInput
 from wowd.model import (
     MAX_BODY_BYTES,
+    MIN_INTERVAL_MS,
     AggregateRef,
     Command,
     Commit,
@@ -105,6 +106,7 @@ def scheduled_event(
     rule: Rule | Mapping[str, Any] | None = None,
     now_ms: int | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    min_interval_ms: int = MIN_INTERVAL_MS,
 ) -> DomainEvent:
     """A ``TimerScheduled`` event, checked as the feed checks it (an error names the field,
     ``body.due_at``, ``body.command`` ...). Without ``due_at``, the first occurrence is the
@@ -145,10 +147,13 @@ def scheduled_event(
     }
     event = DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body_type="wowd.TimerScheduled", body=body)
     try:
-        timer_event_from(event, max_body_bytes=max_body_bytes)  # raises InvalidInput naming the field
+        # raises InvalidInput naming the field
+        timer_event_from(event, max_body_bytes=max_body_bytes, min_interval_ms=min_interval_ms)
     except InvalidInput as exc:
         if exc.field == "body.command" and "over the limit" in exc.reason:  # a limit of the settings
             raise InvalidInput(f"{exc.reason} (WOWD_TIMERS__MAX_BODY_BYTES)", field=exc.field) from None
+        if exc.field == "rule.every_ms" and "shortest interval" in exc.reason:
+            raise InvalidInput(f"{exc.reason} (WOWD_TIMERS__MIN_INTERVAL_MS)", field=exc.field) from None
         raise
     return event
 
@@ -163,9 +168,12 @@ def cancelled_event(key: str) -> DomainEvent:
 class WowdClient:
     """Schedules and cancels timers on ``log`` (the caller's; :meth:`connect` opens one)."""
 
-    def __init__(self, log: Log, *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, log: Log, *, max_body_bytes: int = MAX_BODY_BYTES, min_interval_ms: int = MIN_INTERVAL_MS
+    ) -> None:
         self.log = log
         self._max_body_bytes = max_body_bytes
+        self._min_interval_ms = min_interval_ms
 
     @classmethod
     @asynccontextmanager
@@ -184,7 +192,7 @@ class WowdClient:
             if missing is not None:
                 raise missing
         async with opened_backend(s) as backend:
-            yield cls(backend.log, max_body_bytes=s.timers.max_body_bytes)
+            yield cls(backend.log, max_body_bytes=s.timers.max_body_bytes, min_interval_ms=s.timers.min_interval_ms)
 
     async def schedule(
         self,
@@ -217,6 +225,7 @@ class WowdClient:
             due_at=due_at,
             rule=rule,
             max_body_bytes=self._max_body_bytes,
+            min_interval_ms=self._min_interval_ms,
         )
         return await self._append(owner if in_owner_stream else schedule_stream(owner), event, request_id)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import secrets
 import socket
 import tomllib
@@ -38,7 +39,7 @@ from pydantic_settings import (
 )
 
 from wowd.errors import ConfigError
-from wowd.model import validate_name
+from wowd.model import MIN_INTERVAL_MS, validate_name
 from wowd.signing import secret_key
 
 __all__ = [
@@ -62,8 +63,15 @@ __all__ = [
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+DAY_S = 86_400
+"""The longest duration a time setting takes (a ttl, a timeout, a pause): longer is a typo, and
+would overflow the clocks that count it."""
+YEARS_S = 100 * 365 * DAY_S
+"""The longest retention a setting takes."""
+
+
 class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _http_url(v: str | None) -> str | None:
@@ -90,9 +98,44 @@ def uri_hosts(uri: str) -> str:
     return authority.rpartition("@")[2]
 
 
+def _host_problem(host: str) -> str | None:
+    """What is wrong with a ``host[:port]`` of a MongoDB URI (``None``: nothing)."""
+    name, port = host, ""
+    if host.startswith("["):
+        literal, sep, rest = host[1:].partition("]")
+        if not sep or not literal or (rest and not rest.startswith(":")):
+            return "an IPv6 address is written [address] or [address]:port"
+        name, port = literal, rest[1:]
+    elif host.count(":") > 1:
+        return "an IPv6 address is written in brackets, [address]:port"
+    elif ":" in host:
+        name, _, port = host.partition(":")
+    if not name:
+        return "no host name"
+    if ":" in host and not (port.isascii() and port.isdigit() and 0 < int(port) <= 65535):
+        return "the port must be a number from 1 to 65535"
+    return None
+
+
 def url_host(url: str) -> str:
     """The ``host[:port]`` of an HTTP URL, without its credentials."""
     return urlsplit(url).netloc.rpartition("@")[2]
+
+
+def url_shown(url: str) -> str:
+    """An HTTP URL as it may be printed: without the credentials it may hold (``user:password@``)."""
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if "@" in parts.netloc else url
+
+
+def _no_two_credentials(part: GatewaySettings | RouteSettings) -> None:
+    """A URL with credentials (``user:password@``, sent as ``Authorization: Basic``) and a token
+    sent as ``Authorization: Bearer`` would both be the one header: every request would fail."""
+    if part.url and "@" in urlsplit(part.url).netloc and part.token is not None and part.api_key_header is None:
+        raise ValueError(
+            "url holds credentials (user:password@) and token is set: both would be the Authorization header; "
+            "give one (or api_key_header, to send the token in a header of its own)"
+        )
 
 
 class MongoSettings(_Part):
@@ -109,10 +152,14 @@ class MongoSettings(_Part):
         if scheme not in ("mongodb", "mongodb+srv") or not uri_hosts(uri):
             shown = f"a {scheme}:// URI" if scheme else "no URI"
             raise ValueError(f"must be a mongodb:// or mongodb+srv:// URI with a host, got {shown}")
+        for host in uri_hosts(uri).split(","):
+            problem = _host_problem(host)
+            if problem is not None:  # the message never repeats the URI: it may hold a password
+                raise ValueError(f"host {host!r} of the URI: {problem}")
         return v
 
     database: str = "wowd"
-    timeout_ms: int = Field(default=10_000, ge=0)
+    timeout_ms: int = Field(default=10_000, ge=0, le=DAY_S * 1000)
     """The deadline of each store call (0: none); the change stream is never cut by it."""
     write_concern: Literal["majority", "1"] = "majority"
     ddl: Literal["auto", "validate", "none"] = "auto"
@@ -154,8 +201,8 @@ class ElasticsearchSettings(_Part):
     """The SHA-256 fingerprint (hex) of the certificate pinned instead of a CA: the cluster's HTTP
     CA (Elasticsearch prints it at setup) or a node's own certificate."""
     ddl: Literal["auto", "validate", "none"] = "auto"
-    request_timeout_s: float = Field(default=30.0, gt=0)
-    refresh_interval_s: float = Field(default=1.0, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0, le=DAY_S)
+    refresh_interval_s: float = Field(default=1.0, gt=0, le=DAY_S)
     """At most one ``_refresh`` per index this often, shared by the access stamps waiting for it."""
     bulk_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
     """A write is split into bulks of about this many bytes."""
@@ -181,8 +228,8 @@ class LeaseSettings(_Part):
     namespace: str | None = None
     """Defaults to ``wowd.<context>``."""
     limit: int = Field(default=1, ge=1, le=4096)
-    ttl_s: float = Field(default=10.0, gt=0)
-    tolerance_s: float = Field(default=1.0, ge=0)
+    ttl_s: float = Field(default=10.0, gt=0, le=DAY_S)
+    tolerance_s: float = Field(default=1.0, ge=0, le=DAY_S)
     slot_offset: int = Field(default=0, ge=0)
     slots_per_process: int = Field(default=1, ge=1)
     owner_key: str | None = None
@@ -199,13 +246,16 @@ class LeaseSettings(_Part):
 
 class TimerSettings(_Part):
     batch: int = Field(default=1000, ge=1, le=100_000)
-    lookahead_ms: int = Field(default=200, ge=0)
-    claim_ttl_s: float = Field(default=30.0, gt=0)
+    lookahead_ms: int = Field(default=200, ge=0, le=DAY_S * 1000)
+    claim_ttl_s: float = Field(default=30.0, gt=0, le=DAY_S)
     max_attempts: int = Field(default=10, ge=1)
     max_body_bytes: int = Field(default=64 * 1024, ge=64)
-    backoff_base_s: float = Field(default=1.0, gt=0)
-    backoff_max_s: float = Field(default=300.0, gt=0)
-    tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60)
+    min_interval_ms: int = Field(default=MIN_INTERVAL_MS, ge=1, le=DAY_S * 1000)
+    """The shortest interval rule a timer may have (ms): a schedule with less is refused (the
+    client and the command line say so; the feed quarantines the timer event as bad input)."""
+    backoff_base_s: float = Field(default=1.0, gt=0, le=DAY_S)
+    backoff_max_s: float = Field(default=300.0, gt=0, le=DAY_S)
+    tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60, le=YEARS_S)
     """How long a fired or cancelled timer is remembered: a replay of the log within it
     re-delivers nothing."""
 
@@ -243,7 +293,7 @@ class RouteSettings(_Part):
     url: str
     token: SecretStr | None = None
     api_key_header: str | None = None
-    timeout_s: float | None = Field(default=None, gt=0)
+    timeout_s: float | None = Field(default=None, gt=0, le=DAY_S)
     per_target_concurrency: int | None = Field(default=None, ge=1)
     ca_certs: Path | None = None
     client_cert: Path | None = None
@@ -270,6 +320,7 @@ class RouteSettings(_Part):
     @model_validator(mode="after")
     def _consistent(self) -> RouteSettings:
         _client_key_needs_cert(self)
+        _no_two_credentials(self)
         return self
 
 
@@ -280,7 +331,7 @@ class GatewaySettings(_Part):
     token: SecretStr | None = None
     api_key_header: str | None = None
     """When set, the token is sent in this header instead of ``Authorization: Bearer``."""
-    timeout_s: float = Field(default=10.0, gt=0)
+    timeout_s: float = Field(default=10.0, gt=0, le=DAY_S)
     ca_certs: Path | None = None
     verify_certs: bool = True
     client_cert: Path | None = None
@@ -296,7 +347,7 @@ class GatewaySettings(_Part):
     """At most this many requests in flight to one target (``context.aggregate``) of the http gateway."""
     breaker_failures: int = Field(default=5, ge=1)
     """Consecutive failures (timeout, transport error, 408, 429, 5xx) of a target that open its circuit."""
-    breaker_open_s: float = Field(default=30.0, gt=0)
+    breaker_open_s: float = Field(default=30.0, gt=0, le=DAY_S)
     """How long an open circuit answers Retry without a request before one trial request."""
     routes: list[RouteSettings] = []
     """Per context (or ``context.aggregate``), in order: the first that matches a target is its route."""
@@ -309,6 +360,7 @@ class GatewaySettings(_Part):
         if self.kind == "http" and not self.url and not self.routes:
             raise ValueError("url or routes is required when kind is 'http'")
         _client_key_needs_cert(self)
+        _no_two_credentials(self)
         for i, route in enumerate(self.routes):
             for j, earlier in enumerate(self.routes[:i]):
                 if route.match == earlier.match or route.match.startswith(earlier.match + "."):
@@ -319,7 +371,7 @@ class GatewaySettings(_Part):
 
 
 class FeedSettings(_Part):
-    stall_release_s: float = Field(default=300.0, ge=1)
+    stall_release_s: float = Field(default=300.0, ge=1, le=DAY_S)
     """A slot whose timer view has been stalled this long is released (another replica may try
     it). Another view's stall never releases the slot: it retries until its store takes it."""
     views_off: list[str] = []
@@ -338,26 +390,69 @@ class FeedSettings(_Part):
 
 
 class OutboxSettings(_Part):
-    retention_s: float = Field(default=7 * 24 * 3600.0, ge=0)
+    retention_s: float = Field(default=7 * 24 * 3600.0, ge=0, le=YEARS_S)
     """Entries older than this are trimmed by the outbox gateway, acknowledged or not (0: kept)."""
     fast_path: bool = True
     """On the embedded backend, the timers due now are read, written to the outbox and settled
     in one transaction (no claim); False: claim, deliver and settle as with any gateway."""
 
 
+_HOST_NAME = re.compile(r"^(\*|\.?[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?)$")
+
+
 class HttpSettings(_Part):
     host: str = "0.0.0.0"
     port: int = Field(default=9180, ge=0, le=65535)
+    max_connections: int = Field(default=256, ge=1, le=65536)
+    """Connections the listener serves at once; at the cap, the one that has waited longest
+    without a request is closed to make room, and a client beyond it waits in the backlog."""
+    allowed_hosts: list[str] = []
+    """Names a request's ``Host`` may give besides an IP address and ``localhost``: a name, a
+    ``.domain`` (it and every name under it) or ``*`` (any). Another is answered 400."""
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _HOST_NAME.match(name):
+                raise ValueError(f"{name!r} is not a host name, a .domain or * (no scheme, port or path)")
+        return v
+
+
+MIN_UI_TOKEN_CHARS = 16
+"""The shortest ``ui.token``: anyone who guesses it acts on timers and reads command bodies."""
 
 
 class UiSettings(_Part):
     token: SecretStr | None = None
     """Enables the status page's actions (retry, resume, re-feed, acknowledge), each a POST that
-    carries it; unset: the page is read-only."""
+    carries it, and its reads of command bodies; unset: the page is read-only and shows no
+    command body (unless ``open_bodies``). At least 16 characters."""
+    open_bodies: bool = False
+    """Shows command bodies (and quarantined commits' events) to anyone who reaches the page;
+    ``False``: only to a request carrying the token."""
+
+    @field_validator("token")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None:
+            return v
+        n = len(v.get_secret_value())
+        if n == 0:
+            raise ValueError(
+                "is empty (a variable set to an unset one?): unset it for a read-only status page, or give a token "
+                f"of at least {MIN_UI_TOKEN_CHARS} characters"
+            )
+        if n < MIN_UI_TOKEN_CHARS:
+            raise ValueError(
+                f"is {n} characters: a token of at least {MIN_UI_TOKEN_CHARS} is required "
+                "(python -c 'import secrets; print(secrets.token_urlsafe(24))' makes one)"
+            )
+        return v
 
 
 class ShutdownSettings(_Part):
-    grace_s: float = Field(default=20.0, ge=0)
+    grace_s: float = Field(default=20.0, ge=0, le=DAY_S)
 
 
 RENAMED: dict[tuple[str, str], tuple[str, str]] = {("timers", "concurrency"): ("gateway", "concurrency")}
@@ -397,6 +492,7 @@ class WowdSettings(BaseSettings):
         extra="forbid",
         frozen=True,
         case_sensitive=False,
+        allow_inf_nan=False,
     )
 
     context: str = "demo"

@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
 
-__all__ = ["at", "compact_partitions", "iso_ms", "span"]
+__all__ = ["at", "compact_partitions", "iso_ms", "one_line", "span"]
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+"""Control characters (C0, DEL, C1) and the Unicode line and paragraph separators."""
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    c = match.group()
+    return _SHORT.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def one_line(text: str) -> str:
+    """``text`` with each control character written as its escape (``\\n``, ``\\x1b``): what an
+    id, a key or a target's answer holds stays on its line of a log or a table, and never
+    moves a terminal's cursor or colours (``repr``'s spelling; printable text is unchanged)."""
+    return text if text.isprintable() or not _CONTROL.search(text) else _CONTROL.sub(_escape, text)
 
 
 def iso_ms(ms: int) -> str:

@@ -225,6 +225,16 @@ FEED_POISON = Counter(
 )
 SLOT_HELD = Gauge("wowd_slot_held", "1 for each slot this replica holds now", ["slot"])
 
+# the HTTP listener
+HTTP_CONNECTIONS = Gauge("wowd_http_connections", "Connections the HTTP listener serves now")
+HTTP_REFUSED = Counter(
+    "wowd_http_refused_total",
+    "Clients the HTTP listener refused or dropped: an accept without resources (accept), an idle connection "
+    "closed at the connection cap (cap), a Host not allowed (host), a request not sent in time (request "
+    "timeout), an answer not read in time (slow reader)",
+    ["reason"],
+)
+
 # status page
 UI_REFUSED = Counter(
     "wowd_ui_refused_total",
@@ -254,6 +264,8 @@ EMBEDDED_SQLITE_INFO = Gauge(
     ["version", "module", "wal_reset_bug"],
 )
 
+for _reason in ("accept", "cap", "host", "request timeout", "slow reader"):
+    HTTP_REFUSED.labels(reason=_reason)
 for _kind in ("transient", "fatal"):
     FEED_ERRORS.labels(kind=_kind)
 for _reason in ("unavailable", "error", "lost"):

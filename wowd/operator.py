@@ -270,7 +270,8 @@ def cursor_of(t: Timer) -> str:
 def parse_cursor(text: str) -> tuple[int, str]:
     """A cursor of :func:`cursor_of`; :class:`InvalidInput` (field ``after``) otherwise."""
     due, sep, tid = text.partition(":")
-    if not sep or not due.lstrip("-").isdigit() or not tid:
+    digits = due.removeprefix("-")
+    if not sep or not (digits.isascii() and digits.isdigit()) or len(digits) > 18 or not tid:
         raise InvalidInput(f"{text!r} is not a cursor of a timer list (DUE_AT:TIMER_ID)", field="after")
     return int(due), tid
 
@@ -460,7 +461,9 @@ def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWri
     rejected: InvalidInput | None = None
     for ev in commit.events:
         try:
-            te = timer_event_from(ev, max_body_bytes=settings.timers.max_body_bytes)
+            te = timer_event_from(
+                ev, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
+            )
         except InvalidInput as exc:
             rejected = rejected or exc
             continue

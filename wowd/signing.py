@@ -37,6 +37,9 @@ SECRET_PREFIX = "whsec_"
 DEFAULT_TOLERANCE_S = 300
 """How far (s) a request's timestamp may be from the receiver's clock, either way."""
 MIN_KEY_BYTES = 16
+MAX_TIMESTAMP_DIGITS = 12
+"""A ``webhook-timestamp`` longer than this (seconds until the year 33658) is refused as it is
+read: an integer far beyond a float's range would otherwise fail the comparison with the clock."""
 
 
 class InvalidSignature(ValueError):
@@ -121,10 +124,9 @@ def verify(
     msg_id = _header(headers, "webhook-id")
     stamp = _header(headers, "webhook-timestamp")
     given = _header(headers, "webhook-signature")
-    try:
-        timestamp = int(stamp)
-    except ValueError:
-        raise InvalidSignature("webhook-timestamp is not an integer") from None
+    if not (stamp.isascii() and stamp.isdigit()) or len(stamp) > MAX_TIMESTAMP_DIGITS:
+        raise InvalidSignature(f"webhook-timestamp is not an integer of at most {MAX_TIMESTAMP_DIGITS} digits")
+    timestamp = int(stamp)
     at = time.time() if now is None else now
     if abs(at - timestamp) > tolerance_s:
         raise InvalidSignature(f"webhook-timestamp is more than {tolerance_s:g}s away from now")

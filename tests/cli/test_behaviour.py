@@ -36,6 +36,36 @@ def test_version(wowd: Run) -> None:
             "gateway.url (WOWD_GATEWAY__URL): must be an http:// or https://",
         ),
         ({"WOWD_LOG_LEVEL": "verbose"}, "'verbose' is not a log level"),
+        # an environment passing WOWD_UI__TOKEN=${UI_TOKEN} with UI_TOKEN unset: actions open to anyone
+        ({"WOWD_UI__TOKEN": ""}, "ui.token (WOWD_UI__TOKEN): is empty"),
+        ({"WOWD_UI__TOKEN": "x"}, "ui.token (WOWD_UI__TOKEN): is 1 characters: a token of at least 16"),
+        ({"WOWD_UI__TOKEN": "fifteen-chars-1"}, "ui.token (WOWD_UI__TOKEN): is 15 characters"),
+        (
+            {"WOWD_GATEWAY__URL": "https://svc:pw-in-url@orders.internal/api", "WOWD_GATEWAY__TOKEN": "t0k3n"},
+            "gateway (WOWD_GATEWAY): url holds credentials (user:password@) and token is set",
+        ),
+        (
+            {
+                "WOWD_GATEWAY__ROUTES": json.dumps(
+                    [{"match": "demo", "url": "https://u:pw-in-url@o.in", "token": "t0k3n"}]
+                )
+            },
+            "gateway.routes.0 (WOWD_GATEWAY__ROUTES): url holds credentials (user:password@) and token is set",
+        ),
+        ({"WOWD_TIMERS__MIN_INTERVAL_MS": "0"}, "timers.min_interval_ms (WOWD_TIMERS__MIN_INTERVAL_MS)"),
+        # values that crashed a command with a traceback further on
+        ({"WOWD_LEASE__TTL_S": "1e300"}, "lease.ttl_s (WOWD_LEASE__TTL_S): Input should be less than or equal to"),
+        ({"WOWD_LEASE__TTL_S": "inf"}, "lease.ttl_s (WOWD_LEASE__TTL_S): Input should be a finite number"),
+        ({"WOWD_SHUTDOWN__GRACE_S": "nan"}, "shutdown.grace_s (WOWD_SHUTDOWN__GRACE_S): Input should be a finite"),
+        (
+            {"WOWD_BACKEND": "mongo", "WOWD_SINK": "none", "WOWD_MONGODB__URI": "mongodb://u:pw-in-url@h:99999/"},
+            "mongodb.uri (WOWD_MONGODB__URI): host 'h:99999' of the URI: the port must be a number from 1 to 65535",
+        ),
+        (
+            {"WOWD_BACKEND": "mongo", "WOWD_SINK": "none", "WOWD_MONGODB__URI": "mongodb://[::1/"},
+            "mongodb.uri (WOWD_MONGODB__URI): host '[::1' of the URI: an IPv6 address is written [address]",
+        ),
+        ({"WOWD_HTTP__ALLOWED_HOSTS": '["https://wowd.internal:9180"]'}, "is not a host name, a .domain or *"),
     ],
 )
 def test_bad_settings_are_refused_at_start_with_one_clean_message(
@@ -45,6 +75,26 @@ def test_bad_settings_are_refused_at_start_with_one_clean_message(
         monkeypatch.setenv(k, v)
     code, out, err = wowd("check")
     assert code == 2 and out == "" and says in err and "Traceback" not in err
+    assert "t0k3n" not in err and "pw-in-url" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("timers", "list", "--limit", "9" * 30), "--limit: must be <= 2147483647"),
+        (("outbox", "list", "--limit", "9" * 30), "--limit: must be <= 2147483647"),
+        (("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "nan"), "--in: a number of seconds"),
+        (("timers", "schedule", "order/o-1", "k", "--command", "x", "--in", "1e308"), "--in: a number of seconds"),
+        (("timers", "list", "--after", "\u00b2:x"), "not a cursor of 'timers list'"),
+        (("timers", "list", "--after", "9" * 30 + ":x"), "not a cursor of 'timers list'"),
+        (("backup", "copy.db", "--step-pages", "9" * 30), "--step-pages: must be <= 2147483647"),
+    ],
+)
+def test_values_out_of_range_are_refused_with_one_clean_message(
+    wowd: Run, created: Path, args: tuple[str, ...], says: str
+) -> None:
+    code, _out, err = wowd(*args)
+    assert code == 2 and says in err and "Traceback" not in err, err
 
 
 def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: Path) -> None:
@@ -52,6 +102,47 @@ def test_a_toml_file_that_is_not_toml_is_one_clean_message(wowd: Run, tmp_path: 
     bad.write_text('context = "demo\n')
     code, _, err = wowd("status", "--config", str(bad))
     assert code == 2 and err.startswith(f"wowd: config file '{bad}': not TOML: ") and "Traceback" not in err
+
+
+def test_a_text_log_line_stays_one_line_whatever_an_id_or_an_answer_holds() -> None:
+    """An aggregate id or a target's answer with a line break and terminal escapes: the text
+    line escapes them (no forged line, no cursor moved), its traceback keeps its lines, and a
+    JSON line is JSON as before."""
+    import logging
+
+    from wowd.cli.logs import LogFormatter
+
+    hostile = "o-1\n2026-01-01 00:00:00,000 INFO wowd: forged\x1b[2J\u2028"
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("wowd.x", logging.WARNING, __file__, 1, "retry of %s", (hostile,), sys.exc_info())
+    record.target = "a\rb"
+    text = LogFormatter(False, []).format(record)
+    first, *trace = text.splitlines()
+    assert first.endswith("retry of o-1\\n2026-01-01 00:00:00,000 INFO wowd: forged\\x1b[2J\\u2028"), first
+    assert trace[0] == "Traceback (most recent call last):" and trace[-1] == "ValueError: boom [target=a\\rb]"
+    assert "\x1b" not in text and "\r" not in text
+    line = LogFormatter(True, []).format(record)
+    assert "\n" not in line and json.loads(line)["msg"] == f"retry of {hostile}"
+
+
+def test_wowd_run_raises_its_descriptor_limit_within_the_hard_limit() -> None:
+    """Started with the 1,024 descriptors systemd and container runtimes give, a replica asks
+    for what its hard limit allows (up to 65,536): 1,100 idle connections no longer reach it."""
+    import resource
+
+    from wowd.cli.run import NOFILE_WANTED, raise_descriptor_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 1024 if hard == resource.RLIM_INFINITY else min(1024, hard // 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        raise_descriptor_limit()
+        wanted = NOFILE_WANTED if hard == resource.RLIM_INFINITY else min(NOFILE_WANTED, hard)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (wanted, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_the_log_level_is_taken_in_any_case(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,6 +177,15 @@ def test_check_probes_the_http_gateway(wowd: Run, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://127.0.0.1:{closed}/")
     code, out, err = wowd("check")
     assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
+    # credentials in the URL are never printed, answered or not
+    user_info = http_endpoint.replace("http://", "http://svc:pw-in-url@")
+    monkeypatch.setenv("WOWD_GATEWAY__URL", user_info)
+    code, out, err = wowd("check")
+    assert code == 0 and f"ok   gateway {http_endpoint} (HEAD answered 501)" in out, out + err
+    monkeypatch.setenv("WOWD_GATEWAY__URL", f"http://svc:pw-in-url@127.0.0.1:{closed}/")
+    code, out, err = wowd("check")
+    assert code == 1 and f"FAIL gateway: gateway http://127.0.0.1:{closed}/: transport error" in err
+    assert "pw-in-url" not in out + err and "svc:" not in out + err
 
 
 def test_status_lists_holders_and_standbys(wowd: Run, monkeypatch: pytest.MonkeyPatch) -> None:

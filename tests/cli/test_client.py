@@ -113,6 +113,8 @@ async def _always_zero(ref: AggregateRef) -> int:
         ({"due_at": 1, "command": {"body": {}}}, "body.command"),
         ({"due_at": 1, "command": {"name": "x"}, "rule": {"type": "weekly"}}, "rule.type"),
         ({"due_at": 1, "command": {"name": "x"}, "rule": {"type": "interval", "every_ms": 0}}, "rule.every_ms"),
+        # under timers.min_interval_ms (1 s): one timer would ask for many deliveries a second
+        ({"due_at": 1, "command": {"name": "x"}, "rule": {"type": "interval", "every_ms": 999}}, "rule.every_ms"),
         ({"due_at": 1, "command": {"name": "x", "body": {"big": "x" * 70_000}}}, "body.command"),
     ],
 )

@@ -24,8 +24,9 @@ from wowd.model import AggregateRef, Timer, TimerChange, TimerScheduled, TimerSt
 ORDER = AggregateRef(context=CONTEXT, aggregate="order", id="o-1")
 
 
-def _settle(kind: str, key: str) -> None:
-    """Claims the timer ``key`` of o-1 and settles one delivery outcome, as the timer loop does."""
+def _settle(kind: str, key: str, reason: str = "") -> None:
+    """Claims the timer ``key`` of o-1 and settles one delivery outcome, as the timer loop does
+    (``reason``: the park's, instead of a 404's)."""
 
     async def go() -> None:
         async with opened_backend(load_settings()) as backend:
@@ -39,7 +40,7 @@ def _settle(kind: str, key: str) -> None:
             assert claimed is not None
             if kind == "claim":
                 return
-            outcome = Retry(reason="HTTP 503") if kind == "retry" else Park(reason="HTTP 404: no such order")
+            outcome = Retry(reason="HTTP 503") if kind == "retry" else Park(reason=reason or "HTTP 404: no such order")
             changes = outcome_changes([(claimed, outcome, now)], 1, TimerSettings(max_attempts=3))
             assert await store.settle(changes) == 1
 
@@ -92,6 +93,9 @@ def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -
     assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--every-ms", "1")
+    assert code == 2 and err.startswith("wowd: --every-ms: 1 ms is below the shortest interval, 1000 ms ")
+    assert "WOWD_TIMERS__MIN_INTERVAL_MS" in err
 
 
 def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Run, feed_once: None) -> None:
@@ -126,6 +130,28 @@ def test_list_shows_what_each_status_needs_with_attempts_as_the_metrics_count(wo
     assert " 0  claimed by replica-a until " in firing
     code, out, _ = wowd("timers", "list", "--status", "FAILED", "--json")
     assert '"attempts": 3' in out
+
+
+def test_list_and_show_mask_secrets_and_escape_control_characters(
+    wowd: Run, feed_once: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A last error stored with a token in it (a target echoed it) and a line break and a
+    terminal escape: the table and ``show`` print the token masked, as the logs and the page do,
+    and the row on one line, the escape spelled out."""
+    token = "planted-gw-token-0042"
+    _settle("park", "k2", reason=f"HTTP 401: bad token {token}\n\x1b[2Jforged line")
+    monkeypatch.setenv("WOWD_GATEWAY__TOKEN", token)
+    parked = _find("k2")
+    shows = (("timers", "show", parked.timer_id), ("timers", "show", "--json", parked.timer_id))
+    for args in (("timers", "list"), *shows):
+        code, out, _ = wowd(*args)
+        assert code == 0 and token not in out and "**********" in out, out
+        assert "\x1b" not in out and "forged line" in out
+    code, out, _ = wowd("timers", "list")
+    (row,) = [line for line in out.splitlines() if "PARKED" in line]
+    assert row.endswith("bad token **********\\n\\x1b[2Jforged line"), row
+    code, out, _ = wowd("timers", "show", parked.timer_id)
+    assert "last_error:   HTTP 401: bad token **********\\n\\x1b[2Jforged line" in out.splitlines()
 
 
 def test_resume_and_retry_name_an_unknown_timer(wowd: Run, feed_once: None) -> None:

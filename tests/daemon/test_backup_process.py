@@ -3,6 +3,7 @@ replica started on it fires what was pending when it was taken."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from contextlib import aclosing, closing
@@ -114,3 +115,35 @@ async def test_backup_refuses_mongo_and_an_existing_path(db: Path, tmp_path: Pat
     mongo = {**env, "WOWD_BACKEND": "mongo", "WOWD_ELASTICSEARCH__URL": "http://127.0.0.1:1"}
     code, _out, err = await wowd_in_process("backup", str(tmp_path / "m.db"), env=mongo)
     assert code == 2 and "mongodump" in err
+
+
+async def test_backup_never_writes_over_the_database_or_its_wal_and_refuses_a_directory(
+    db: Path, tmp_path: Path, stores: Backend
+) -> None:
+    """``--force`` or not, a PATH that is the database, its ``-wal`` or ``-shm`` (by name, through
+    a symlink or a hard link) is refused and the live files stay as they are; a directory is
+    refused without a traceback or a ``PATH.partial`` left behind."""
+    env = base_env(db)
+    live = (db, Path(f"{db}-wal"), Path(f"{db}-shm"))  # ``stores`` holds the file open: all three exist
+    inodes = _inodes(live)
+    (tmp_path / "wal-link").symlink_to(live[1])
+    os.link(db, tmp_path / "db-hardlink")
+    for path in (live[1], live[2], db, tmp_path / "wal-link", tmp_path / "db-hardlink"):
+        code, _out, err = await wowd_in_process("backup", str(path), "--force", env=env)
+        assert code == 2 and "never writes over the database" in err and "Traceback" not in err, (path, err)
+    assert _inodes(live) == inodes
+    await stores.log.ping()  # the database still reads
+    assert await stores.log.checkpoints("timers", [0]) is not None
+    folder = tmp_path / "backups"
+    folder.mkdir()
+    code, _out, err = await wowd_in_process("backup", str(folder), "--force", env=env)
+    assert code == 2 and "is a directory" in err and "Traceback" not in err, err
+    assert _listing(tmp_path, "*.partial*") == [] and _listing(folder, "*") == []
+
+
+def _inodes(paths: tuple[Path, ...]) -> dict[Path, int]:
+    return {p: p.stat().st_ino for p in paths}
+
+
+def _listing(folder: Path, pattern: str) -> list[Path]:
+    return sorted(folder.glob(pattern))

@@ -107,12 +107,42 @@ def test_command_url_follows_wow_rest_shape() -> None:
     )
 
 
-@given(agg_id=st.text(max_size=12), name=st.text(min_size=1, max_size=12))
-@example(agg_id="a-b_c.d~e", name="remind")
-@example(agg_id="", name="ä")
-def test_command_url_encodes_each_segment_like_quote(agg_id: str, name: str) -> None:
-    url = command_url("http://h/api", make_timer(agg_id=agg_id, name=name))
-    assert url == f"http://h/api/order/{quote(agg_id, safe='')}/{quote(name, safe='')}"
+SEGMENT = st.text(st.characters(exclude_categories=("Cc", "Cs")), min_size=1, max_size=12).filter(
+    lambda s: s not in (".", "..")
+)
+"""An id or a command name that makes a path segment of its own (not ``.`` or ``..``)."""
+
+
+@given(agg_id=SEGMENT, tenant=SEGMENT, name=SEGMENT)
+@example(agg_id="a-b_c.d~e", tenant="(0)", name="remind")
+@example(agg_id="...", tenant="t/../x", name="ä")
+def test_command_url_encodes_each_segment_like_quote(agg_id: str, tenant: str, name: str) -> None:
+    url = command_url("http://h/api", make_timer(agg_id=agg_id, tenant=tenant, name=name))
+    in_tenant = "" if tenant == "(0)" else f"tenant/{quote(tenant, safe='')}/"
+    assert url == f"http://h/api/{in_tenant}order/{quote(agg_id, safe='')}/{quote(name, safe='')}"
+
+
+@pytest.mark.parametrize(
+    ("agg_id", "tenant", "name", "says"),
+    [
+        ("..", "(0)", "purge", "the target id '..'"),
+        (".", "(0)", "purge", "the target id '.'"),
+        ("", "(0)", "purge", "the target id ''"),
+        ("o-1", "..", "purge", "the tenant id '..'"),
+        ("o-1", "(0)", "..", "the command name '..'"),
+    ],
+)
+async def test_a_dot_segment_fails_the_timer_without_a_request(agg_id: str, tenant: str, name: str, says: str) -> None:
+    """``POST /api/order/../purge`` leaves the route's base path (a proxy resolves it to
+    ``/api/purge``, with the route's credentials): such a timer fails, and nothing is sent."""
+    async with serving(status(200)) as (srv, url):
+        gw = gateway(url, token=SecretStr("route-token-1234"))
+        try:
+            out = await gw.send(make_timer(agg_id=agg_id, tenant=tenant, name=name))
+        finally:
+            await gw.aclose()
+    assert isinstance(out, Fail) and out.reason.startswith(f"refused: {says}"), out
+    assert srv.seen == []
 
 
 def test_request_parts_keep_the_body_as_json_says_it() -> None:
@@ -298,6 +328,38 @@ async def test_http_gateway_secret_not_in_reasons() -> None:
             await gw.aclose()
     assert isinstance(out, Retry) and out.reason.startswith("HTTP 500")
     assert "planted-secret-xyz" not in out.reason and "***" in out.reason
+
+
+def _u_escaped(text: str) -> str:
+    return "".join(f"\\u{ord(c):04x}" for c in text)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda token: json.dumps({"message": f"bad token {token}"}).replace("/", "\\/"),
+        lambda token: '{"message": "bad token ' + _u_escaped(token) + '"}',
+        lambda token: '{"message": "bad token ' + _u_escaped(token) + '", "cut": "sh',  # no JSON: cut short
+    ],
+    ids=["solidus escaped", "unicode escapes", "cut short"],
+)
+async def test_http_gateway_masks_a_token_echoed_with_json_escapes(answer: Callable[[str], str]) -> None:
+    """A target that echoes the token in JSON spells it as it likes: the reason (stored as the
+    timer's last error) never holds it, however it was escaped."""
+    token = "planted/secret-xyz-0042"
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=400, text=answer(request.headers["authorization"].removeprefix("Bearer ")))
+
+    async with serving(echo) as (_srv, url):
+        gw = gateway(url, token=SecretStr(token))
+        try:
+            out = await gw.send(make_timer())
+        finally:
+            await gw.aclose()
+    assert isinstance(out, Fail) and "bad token" in out.reason, out
+    assert token not in out.reason and "secret-xyz" not in out.reason and "\\u0073" not in out.reason
+    assert "***" in out.reason
 
 
 async def test_http_gateway_deliver_reports_each_timer() -> None:

@@ -16,6 +16,9 @@ import wowd.metrics  # noqa: F401  (registers every metric)
 from wowd.daemon import http
 from wowd.daemon.http import HttpServer
 from wowd.daemon.systemd import SystemdNotifier
+from wowd.metrics import HTTP_REFUSED
+
+from .conftest import eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -62,6 +65,114 @@ async def test_endpoints_on_port_zero(tmp_path: Path) -> None:
                     answer = b""
             assert answer == b"" or answer.startswith(b"HTTP/1.1 400")
             assert (await client.get("/healthz")).status_code == 200
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed", "ok"),
+    [
+        (None, (), True),  # HTTP/1.0 without a Host: no browser sends that
+        ("127.0.0.1:9180", (), True),
+        ("10.1.2.3", (), True),
+        ("[::1]:9180", (), True),
+        ("[::1:9180", (), False),
+        ("localhost:9180", (), True),
+        ("LOCALHOST.", (), True),
+        ("grafana.localhost", (), True),
+        ("rebind.attacker.example:9180", (), False),
+        ("wowd-1:9180", (), False),
+        ("wowd-1:9180", ("wowd-1",), True),
+        ("WOWD-1.", ("wowd-1",), True),
+        ("ops.example.com", (".example.com",), True),
+        ("example.com", (".example.com",), True),
+        ("badexample.com", (".example.com",), False),
+        ("anything", ("*",), True),
+        ("", (), False),
+        (":9180", (), False),
+    ],
+)
+def test_a_host_is_an_address_localhost_or_an_allowed_name(
+    host: str | None, allowed: tuple[str, ...], ok: bool
+) -> None:
+    assert http.host_allowed(host, allowed) is ok
+
+
+async def test_a_request_naming_another_host_is_refused_before_anything_is_read() -> None:
+    """A page of another site whose name was made to point here (DNS rebinding) sends its own
+    name as the Host: refused (400, counted), while probes and scrapes by address go through."""
+    asked: list[str] = []
+
+    async def app(request: http.HttpRequest) -> http.HttpResponse:
+        asked.append(request.target)
+        return http.HttpResponse(200, "text/plain", b"a command body\n")
+
+    refused = HTTP_REFUSED.labels(reason="host")._value.get()
+    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), app=app, allowed_hosts=["wowd.internal"])
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for host in ("rebind.attacker.example", f"rebind.attacker.example:{port}"):
+                for path in ("/api/v1/timers", "/metrics", "/healthz"):
+                    r = await client.get(path, headers={"host": host})
+                    assert r.status_code == 400 and "Host" in r.text, (host, path)
+            assert asked == [] and HTTP_REFUSED.labels(reason="host")._value.get() == refused + 6
+            for host in (f"127.0.0.1:{port}", f"localhost:{port}", "wowd.internal", f"[::1]:{port}"):
+                assert (await client.get("/api/v1/timers", headers={"host": host})).status_code == 200, host
+        tg.cancel_scope.cancel()
+
+
+async def test_a_reader_that_does_not_read_is_dropped_after_the_write_timeout() -> None:
+    """A client asks for a large answer and never reads it: after the write timeout its
+    connection is reset and the answer freed, not held for as long as the client likes."""
+    big = b"x" * (16 * 1024 * 1024)
+
+    async def app(request: http.HttpRequest) -> http.HttpResponse:
+        return http.HttpResponse(200, "text/plain", big)
+
+    dropped = HTTP_REFUSED.labels(reason="slow reader")._value.get()
+    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), app=app, write_timeout_s=0.3)
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        with socket.socket() as reader:
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            reader.connect(("127.0.0.1", port))
+            reader.sendall(b"GET /ui/big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+
+            async def dropped_it() -> bool:
+                return not server.connections and HTTP_REFUSED.labels(reason="slow reader")._value.get() > dropped
+
+            await eventually(dropped_it, 5, "the reader dropped")  # the defect: held until the client goes
+            reader.setblocking(False)
+            received = 0
+            with pytest.raises(ConnectionResetError), anyio.fail_after(5):
+                while True:  # what the kernel had of the answer, then the reset
+                    await anyio.wait_readable(reader)
+                    chunk = reader.recv(1 << 20)
+                    assert chunk, "a reset, not an orderly end"
+                    received += len(chunk)
+            assert received < len(big)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            assert (await client.get("/healthz")).status_code == 200
+        tg.cancel_scope.cancel()
+
+
+async def test_idle_connections_at_the_cap_make_room_for_a_probe() -> None:
+    """Clients that connect and send nothing fill the connection cap: each new connection closes
+    the one that waited longest without a request, so the listener stays within its cap and a
+    probe is still answered."""
+    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), max_connections=8, request_timeout_s=60)
+    closed = HTTP_REFUSED.labels(reason="cap")._value.get()
+    async with anyio.create_task_group() as tg:
+        port = await tg.start(server.serve)
+        idle = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(40)]
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+                assert (await client.get("/healthz")).status_code == 200
+            assert server.connections <= 8
+            assert HTTP_REFUSED.labels(reason="cap")._value.get() - closed >= 40 + 1 - 8
+        finally:
+            for stream in idle:
+                await stream.aclose()
         tg.cancel_scope.cancel()
 
 

@@ -30,6 +30,7 @@ from wowd.delivery import Delivered, DeliveryLog, Fail, HttpGateway, Retry, targ
 from wowd.delivery.routes import FALLBACK, Routes, matches, per_target_limit
 from wowd.errors import ConfigError
 from wowd.model import AggregateRef, Command, Timer, TimerStatus
+from wowd.redaction import MASK
 
 pytestmark = pytest.mark.anyio
 
@@ -333,7 +334,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
     assert isinstance(outcomes["order.order"], Delivered) and isinstance(outcomes["order.invoice"], Delivered)
     assert isinstance(outcomes["shipping.parcel"], Delivered)
     refused = outcomes["payment.payment"]
-    assert isinstance(refused, Fail) and refused.reason == "HTTP 401: bad signature for ***"
+    assert isinstance(refused, Fail) and refused.reason == f"HTTP 401: bad signature for {MASK}"
     after = REGISTRY.get_sample_value("wowd_gateway_requests_total", {"route": "payment", "outcome": "fail"})
     assert (after or 0) - (before or 0) == 1
 
@@ -355,7 +356,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
 
     failed = [r.getMessage() for r in caplog.records if "failed for good" in r.getMessage()]
     assert failed == [f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature "
-                      f"for *** (request id {timer('payment', 'payment').request_id})"]  # fmt: skip
+                      f"for {MASK} (request id {timer('payment', 'payment').request_id})"]  # fmt: skip
     assert not any("token" in r.getMessage() for r in caplog.records)
 
 

@@ -5,6 +5,7 @@ behind the token and the cross-site checks, and no secret in any answer."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -12,13 +13,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import anyio
 import httpx
 import pytest
 
 from tests.daemon.conftest import CONTEXT, PARTITIONS, SECRET_MONGO_PW, SECRET_TOKEN
-from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
+from wowd.config import EmbeddedSettings, LeaseSettings, UiSettings, WowdSettings
 from wowd.daemon.http import HttpServer
 from wowd.metrics import UI_REFUSED
 from wowd.model import (
@@ -38,10 +40,12 @@ from wowd.model import (
 from wowd.operator import read_status
 from wowd.stores.base import Backend
 from wowd.ui import StatusPage
+from wowd.ui.access import sign_notice
+from wowd.ui.http import HttpRequest, HttpResponse
 
 pytestmark = pytest.mark.anyio
 
-UI_TOKEN = "ui-token-5521"
+UI_TOKEN = "ui-token-5521-0123456789"
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
 
 
@@ -268,6 +272,31 @@ async def test_a_bad_search_is_answered_400_with_the_reason_and_counted(page: Pa
     assert UI_REFUSED.labels(reason="bad input")._value.get() == before + 4
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/api/v1/timers?due_from=%C2%B2",  # a digit int() does not read
+        "/api/v1/timers?due_until=" + "9" * 30,  # beyond SQLite's integers
+        "/api/v1/timers?due_from=-" + "9" * 30,
+        "/api/v1/timers?due_from=%2B275760-09-13",  # an ISO time beyond datetime's years
+        "/api/v1/timers?after=%C2%B2:x",
+        "/api/v1/timers?after=" + "9" * 30 + ":x",
+        "/api/v1/outbox?offset=%C2%B2",
+        "/api/v1/outbox?offset=" + "9" * 30,
+        "/api/v1/outbox/entry?request_id=r&offset=" + "9" * 30,
+        "/api/v1/quarantine?after=" + "9" * 30,
+        "/ui/quarantine/" + "9" * 30,
+        "/api/v1/timers?owner=order/o%00x",
+        "/api/v1/timer?owner=order/o-1&key=k&tenant=%1B%5B2J",
+    ],
+)
+async def test_a_bad_query_value_is_answered_400_or_404_never_500(page: Page, target: str) -> None:
+    """What an anonymous client may put in a query: an answer naming the value, never a 500 (and
+    its traceback in the log)."""
+    r = await page.client.get(target)
+    assert r.status_code in (400, 404), (r.status_code, r.text)
+
+
 async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     parked = await page.html("/ui/timer?owner=order/o-1&key=parked")
     assert "PARKED" in parked and "http 404: order o-1 not found" in parked
@@ -283,8 +312,13 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
     assert "no live timer" in gone and 'id="done"' not in gone
     # back from a retry whose timer fired before the page was asked for: the action's notice stays
-    fired = await page.html("/ui/timer?owner=order/o-1&key=never&done=retried%3A+back+to+PENDING", 404)
+    key = await page.form_key("/ui/timer?owner=order/o-1&key=failed")
+    notice = urlencode({"done": "retried: back to PENDING", "sig": sign_notice(key, "retried: back to PENDING")})
+    fired = await page.html(f"/ui/timer?owner=order/o-1&key=never&{notice}", 404)
     assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "no live timer" in fired
+    # a notice this process did not write is not shown: a link cannot make the page say anything
+    forged = await page.html("/ui/timer?owner=order/o-1&key=never&done=Session+expired:+call+555&sig=0", 404)
+    assert "555" not in forged and 'id="done"' not in forged
 
 
 async def test_no_secret_is_ever_shown(page: Page) -> None:
@@ -358,6 +392,77 @@ async def test_without_a_token_the_page_is_read_only(read_only: Page) -> None:
     assert await read_only.backend.outbox.count() == 2
     t = await read_only.backend.timers.find(order("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.FAILED
+
+
+# --------------------------------------------------------------------------- command bodies and the token
+
+
+async def test_command_bodies_are_shown_only_to_a_request_with_the_token(page: Page) -> None:
+    """A command's body (a card number, say) and a quarantined commit's events: hidden from an
+    anonymous reader, shown with ``Authorization: Bearer`` or, in a browser, after ``/ui/login``
+    asked for the token (HTTP Basic)."""
+    bearer = {"authorization": f"Bearer {UI_TOKEN}"}
+    anon = await page.api("/api/v1/timer?owner=order/o-1&key=failed")
+    assert anon["command"] == {"name": "expire-order", "body": None, "body_hidden": True}
+    r = await page.client.get("/api/v1/timer?owner=order/o-1&key=failed", headers=bearer)
+    assert r.status_code == 200 and r.json()["command"]["body"] == {"key": "failed"}
+    listed = await page.api("/api/v1/timers?owner=order/o-1")
+    assert listed["timers"] and all(t["command"]["body"] is None for t in listed["timers"])
+    entries = (await page.api("/api/v1/outbox"))["entries"]
+    assert entries and all(e["command"] == {"name": "expire-order", "body": None, "body_hidden": True} for e in entries)
+    item = (await page.api("/api/v1/quarantine"))["items"][0]
+    assert item["raw"]["aggregate_id"] == "o-9" and item["raw"]["events"][0]["body"] is None
+    r = await page.client.get("/api/v1/quarantine", headers=bearer)
+    assert r.json()["items"][0]["raw"]["events"][0]["body"] == {"n": 1}
+
+    html = await page.html("/ui/timer?owner=order/o-1&key=failed")
+    assert '"body": null' in html and '"key": "failed"' not in html and 'id="sign-in"' in html
+    login = "/ui/login?next=" + quote("/ui/timer?owner=order/o-1&key=failed", safe="")
+    r = await page.client.get(login)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic realm=")
+    r = await page.client.get(login, auth=("anyone", UI_TOKEN))
+    assert r.status_code == 303 and r.headers["location"] == "/ui/timer?owner=order/o-1&key=failed"
+    r = await page.client.get(r.headers["location"], auth=("anyone", UI_TOKEN))
+    assert r.status_code == 200 and '"key": "failed"' in r.text and 'id="sign-in"' not in r.text
+    r = await page.client.get("/ui/login?next=https://evil.example/", auth=("anyone", UI_TOKEN))
+    assert r.headers["location"] == "/ui"  # never leads off the status page
+    r = await page.client.get("/api/v1/timer?owner=order/o-1&key=failed", headers={"authorization": "Bearer nope"})
+    assert r.status_code == 403 and "body" not in r.text
+
+
+async def test_without_a_token_nobody_reads_bodies_unless_the_settings_open_them(read_only: Page) -> None:
+    r = await read_only.client.get("/api/v1/outbox", headers={"authorization": f"Bearer {UI_TOKEN}"})
+    assert r.status_code == 200 and r.json()["entries"][0]["command"]["body"] is None
+    r = await read_only.client.get("/ui/login", auth=("anyone", UI_TOKEN))
+    assert r.status_code == 403 and "no token is set" in r.text
+    opened = read_only.settings.model_copy(update={"ui": UiSettings(open_bodies=True)})
+    answer = await StatusPage(opened, read_only.backend)(HttpRequest("GET", "/api/v1/outbox", {}, b"", "10.0.0.1"))
+    assert json.loads(answer.body)["entries"][0]["command"] == {"name": "expire-order", "body": {}}
+
+
+async def test_token_guessing_is_slowed_down_per_client_and_logged_in_a_few_lines(
+    page: Page, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client offering wrong tokens gets 10 tries, then one every 2 s (429, ``Retry-After``),
+    whatever token it offers; another client is not held up; the log says it in a line or two,
+    not one per try (the metric counts each)."""
+    app = StatusPage(page.settings, page.backend)
+
+    async def get(client: str, token: str) -> HttpResponse:
+        headers = {"authorization": f"Bearer {token}"}
+        return await app(HttpRequest("GET", "/api/v1/timer?owner=order/o-1&key=failed", headers, b"", client))
+
+    refused = UI_REFUSED.labels(reason="too many tries")._value.get()
+    with caplog.at_level(logging.WARNING, logger="wowd.ui.app"):
+        answers = [await get("10.0.0.1", f"guess-{i:04d}-0123456789") for i in range(200)]
+        right_but_late = await get("10.0.0.1", UI_TOKEN)
+        other = await get("10.0.0.2", UI_TOKEN)
+    assert [a.status for a in answers[:10]] == [403] * 10 and {a.status for a in answers[10:]} == {429}
+    assert dict(answers[-1].headers)["retry-after"] == "2"
+    assert right_but_late.status == 429  # refused before the token is compared
+    assert other.status == 200 and json.loads(other.body)["command"]["body"] == {"key": "failed"}
+    assert UI_REFUSED.labels(reason="too many tries")._value.get() == refused + 191
+    assert len([r for r in caplog.records if r.name == "wowd.ui.app"]) <= 2, caplog.text
 
 
 # --------------------------------------------------------------------------- quarantine and outbox

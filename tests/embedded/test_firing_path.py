@@ -278,7 +278,7 @@ async def test_put_many_keeps_order_and_answers_per_entry(tmp_path: Path) -> Non
 
 
 def test_the_target_is_written_as_json_dumps_writes_it() -> None:
-    for id in ("inv-1", 'quo"te\\back', "聚合根", "emoji-😀", "tab\tnl\n", ""):
+    for id in ("inv-1", 'quo"te\\back', "聚合根", "emoji-😀", "sp ace/sl\u2028ash", ""):
         ref = AggregateRef(context="billing", aggregate="invoice", tenant_id="t-ü", id=id)
         expected = json.dumps(
             {"context": ref.context, "aggregate": ref.aggregate, "tenant_id": ref.tenant_id, "id": ref.id},

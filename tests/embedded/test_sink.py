@@ -15,7 +15,7 @@ from wowd.model import (
     AggregateType,
     Commit,
 )
-from wowd.stores.embedded.sink import EmbeddedEventSink
+from wowd.stores.embedded.sink import AccessMemory, EmbeddedEventSink
 
 pytestmark = pytest.mark.anyio
 
@@ -119,3 +119,54 @@ async def test_a_streams_first_document_is_written_without_reading_the_stream(db
     finally:
         await reader.close()
     assert [(d["version"], d["access"]) for d in docs] == [(1, B), (2, B)]
+
+
+async def test_the_sinks_of_every_type_share_one_connection_and_a_bounded_memory(
+    db_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sinks of 300 aggregate types, each written once: no thread, no descriptor and no
+    sink kept per type, and the attributes remembered bounded for all types together (each type
+    kept a connection, a thread and two descriptors forever; 600 types under 1,024 descriptors
+    stalled the feed, then crashed the replica)."""
+    import os
+    import threading
+
+    from wowd.config import EmbeddedSettings, WowdSettings
+    from wowd.stores import base
+    from wowd.stores.embedded import open_embedded
+
+    monkeypatch.setattr(base, "SINKS_KEPT", 16)
+    backend = await open_embedded(WowdSettings(context=CTX, partitions=8, embedded=EmbeddedSettings(path=db_path)))
+    try:
+        types = [AggregateType(context=CTX, aggregate=f"type-{i}") for i in range(300)]
+        await backend.sink(types[0]).write([_of(types[0], "a-0")])
+        threads, descriptors = threading.active_count(), len(os.listdir("/proc/self/fd"))
+        for i, t in enumerate(types):
+            await backend.sink(t).write([_of(t, f"a-{i}")])
+        assert threading.active_count() <= threads and len(os.listdir("/proc/self/fd")) <= descriptors
+        assert len(backend._sinks) == 16
+        for i, t in enumerate(types[:3]):  # made again after it was dropped: the same documents
+            assert [d["aggregate_id"] for d in await backend.sink(t).documents(_of(t, f"a-{i}").ref)] == [f"a-{i}"]
+    finally:
+        await backend.close()
+
+
+def _of(t: AggregateType, agg_id: str) -> Commit:
+    return Commit(
+        ref=AggregateRef(context=t.context, aggregate=t.aggregate, id=agg_id),
+        version=1,
+        command_id="c",
+        request_id=f"r-{agg_id}",
+        create_time=T0,
+        access=A,
+        access_version=1,
+    )
+
+
+def test_the_memory_of_written_attributes_is_bounded_for_every_type_together() -> None:
+    memory = AccessMemory(capacity=100)
+    for i in range(1000):
+        memory.put(("ctx", f"type-{i % 50}", "(0)", f"a-{i}"), 1, "{}")
+    assert len(memory) == 100 and memory.get(("ctx", "type-49", "(0)", "a-999")) == (1, "{}")
+    memory.put(("ctx", "type-49", "(0)", "a-999"), 0, "{old}")  # an older record never replaces it
+    assert memory.get(("ctx", "type-49", "(0)", "a-999")) == (1, "{}")

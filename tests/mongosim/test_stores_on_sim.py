@@ -357,3 +357,55 @@ async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_new
         assert await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
     finally:
         await client.close()
+
+
+async def test_the_mongodb_backend_holds_nothing_per_aggregate_type(
+    server: WireServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MongoDB's side of "nothing grows with the number of types": the log, the timer view and the
+    sinks of 60 aggregate types go through the backend's one client (no client, connection or
+    cursor of a type's own: the descriptors of this process, the simulator's included, stay as
+    they were) and the backend keeps at most ``SINKS_KEPT`` sinks."""
+    import os
+
+    from tests.contract.test_timers import CONTEXT
+    from wowd.config import WowdSettings
+    from wowd.model import AggregateRef, Commit, DomainEvent
+    from wowd.stores import base
+    from wowd.stores.mongo import open_mongo
+
+    monkeypatch.setattr(base, "SINKS_KEPT", 16)
+    settings = WowdSettings(
+        context=CONTEXT, partitions=8, backend="mongo", sink="none", mongodb={"uri": server.uri, "database": "types"}
+    )
+    backend = await open_mongo(settings)
+    made: list[AggregateType] = []
+
+    class Sink:  # what a sink holds of its own: nothing (the Elasticsearch sinks share the client)
+        def __init__(self, type_: AggregateType) -> None:
+            made.append(type_)
+
+        async def close(self) -> None:
+            pass
+
+    backend.sink_factory = Sink  # type: ignore[assignment]
+    try:
+
+        async def one_type(i: int) -> None:
+            ref = AggregateRef(context=CONTEXT, aggregate=f"type-{i}", id=f"a-{i}")
+            event = DomainEvent(id=f"e-{i}", name="Created", body={})
+            commit = Commit(ref=ref, version=1, command_id="c", request_id=f"r-{i}", create_time=T0, events=(event,))
+            await backend.log.append(commit)
+            assert await backend.timers.put(timer(owner(f"a-{i}", aggregate=f"type-{i}")))
+            backend.sink(ref.type)
+
+        await one_type(0)
+        descriptors = len(os.listdir("/proc/self/fd"))
+        for i in range(1, 60):
+            await one_type(i)
+        assert len(os.listdir("/proc/self/fd")) <= descriptors + 2
+        assert len(backend._sinks) == 16 and len(made) == 60
+        due = await backend.timers.due(ALL, T0 + 1, 100)
+        assert len(due) == 60  # one read over every type's collection
+    finally:
+        await backend.close()

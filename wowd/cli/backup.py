@@ -38,7 +38,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
         help="copy the embedded database file while replicas run (checked with integrity_check)",
     )
     p.add_argument("path", metavar="PATH", help="the file to write (not an existing one, unless --force)")
-    p.add_argument("--force", action="store_true", help="replace PATH when it exists")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace PATH when it exists (never the database, its -wal/-shm/-journal, or a directory)",
+    )
     p.add_argument(
         "--step-pages",
         type=positive_int,
@@ -122,14 +126,48 @@ def copy_file(
     return BackupReport(pages=int(pages), page_size=page_size, steps=steps, integrity=integrity, taken_at=taken_at)
 
 
+def _family(path: Path) -> list[Path]:
+    """A SQLite file and the files SQLite keeps beside it (``-wal``, ``-shm``, ``-journal``)."""
+    return [path, *(Path(f"{path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))]
+
+
 def _remove(path: Path) -> None:
-    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm"), Path(f"{path}-journal")):
+    for p in _family(path):
         p.unlink(missing_ok=True)
+
+
+def _same(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: one real path, or one inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def _refuse_overwrite(source: Path, target: Path, partial: Path) -> None:
+    """Refuses a ``target`` whose writing (the copy, ``partial`` and its journal, the files
+    removed around it) would touch the database or a file SQLite keeps beside it, whatever
+    ``--force`` says: replacing a live ``-wal`` destroys the database."""
+    live = _family(source)
+    for written in (target, *_family(partial)):
+        for p in live:
+            if _same(written, p):
+                which = (
+                    "the database file itself" if p == source else f"the database's {str(p)[len(str(source)) :]} file"
+                )
+                shown = "PATH" if written == target else f"{str(written)!r} (written on the way)"
+                raise ConfigError(
+                    f"{str(target)!r}: {shown} is {which} ({str(p)!r}): a backup never writes over the database or "
+                    "the files beside it, --force or not; give another PATH"
+                )
 
 
 async def backup(settings: WowdSettings, args: argparse.Namespace) -> int:
     """Exit 0 with the copy at ``PATH``; 1 when the copy fails its ``integrity_check`` (nothing
-    left at ``PATH``); 2 for the MongoDB backend, a missing source or an existing ``PATH``."""
+    left at ``PATH``); 2 for the MongoDB backend, a missing source, an existing ``PATH`` (without
+    ``--force``), a directory, or a ``PATH`` that is the database or a file beside it."""
     import anyio.to_thread
 
     return await anyio.to_thread.run_sync(_backup, settings, args)
@@ -145,13 +183,16 @@ def _backup(settings: WowdSettings, args: argparse.Namespace) -> int:
     if not source.exists():
         raise ConfigError(f"WOWD_EMBEDDED__PATH: the database file {str(source)!r} does not exist: nothing to back up")
     target = Path(args.path)
+    partial = Path(f"{target}.partial")
+    _refuse_overwrite(source, target, partial)
+    if target.is_dir():
+        raise ConfigError(f"{str(target)!r} is a directory: give the path of the file to write (in it, say)")
     if target.exists() and not args.force:
         raise ConfigError(f"{str(target)!r} exists: give another PATH, or --force to replace it")
-    if target.exists() and os.path.samefile(target, source):
-        raise ConfigError(f"{str(target)!r} is the database file itself")
     if not target.parent.is_dir():
         raise ConfigError(f"the directory of {str(target)!r} does not exist")
-    partial = Path(f"{target}.partial")
+    if partial.is_dir():
+        raise ConfigError(f"{str(partial)!r}, where the copy is written before its check, is a directory")
     _remove(partial)
     try:
         report = copy_file(str(source), partial, step_pages=args.step_pages)
@@ -162,7 +203,11 @@ def _backup(settings: WowdSettings, args: argparse.Namespace) -> int:
         _remove(partial)
         err(f"wowd: the copy failed its integrity_check: {report.integrity} (nothing written to {target})")
         return 1
-    os.replace(partial, target)
+    try:
+        os.replace(partial, target)
+    except OSError as exc:
+        _remove(partial)
+        raise StorageError(f"the copy could not be renamed to {str(target)!r}: {exc} (nothing written there)") from exc
     _remove(partial)
     size = report.pages * report.page_size
     out(

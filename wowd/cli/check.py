@@ -17,7 +17,7 @@ import anyio
 from wowd.backends import opened_backend
 from wowd.cli.logs import redact, secret_values
 from wowd.cli.output import err, out
-from wowd.config import WowdSettings
+from wowd.config import WowdSettings, url_shown
 from wowd.errors import ConfigError, FormatError, StorageError, WowdError
 from wowd.model import AggregateRef, AggregateType
 from wowd.stores.base import Backend
@@ -226,7 +226,7 @@ async def _check_gateway(settings: WowdSettings, secrets: list[str]) -> int:
                 err(redact(f"FAIL {name}: {exc}", secrets))
                 failures += 1
                 continue
-            out(f"ok   {name}{'' if route.is_fallback else ':'} {route.url} (HEAD answered {status})")
+            out(f"ok   {name}{'' if route.is_fallback else ':'} {url_shown(route.url)} (HEAD answered {status})")
     finally:
         with anyio.CancelScope(shield=True):
             await gateway.aclose()

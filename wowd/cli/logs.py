@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from wowd.config import WowdSettings
+from wowd.fmt import one_line
 from wowd.redaction import redact, secret_values
 
 __all__ = ["LogFormatter", "json_logs", "redact", "secret_values", "setup_logging"]
@@ -17,7 +18,8 @@ _STD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
 
 
 class LogFormatter(logging.Formatter):
-    """Text or JSON lines; a record's extra fields are appended; every secret value is masked."""
+    """Text or JSON lines; a record's extra fields are appended; every secret value is masked;
+    a text line's control characters are escaped."""
 
     def __init__(self, json_lines: bool, secrets: list[str]) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -40,8 +42,14 @@ class LogFormatter(logging.Formatter):
         else:
             line = super().format(record)
             if extras:
-                line += " [" + " ".join(f"{k}={v}" for k, v in extras.items()) + "]"
+                line += " [" + " ".join(f"{k}={one_line(str(v))}" for k, v in extras.items()) + "]"
         return redact(line, self._secrets)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        """A text line's message on one line, its control characters escaped (an id, a key or a
+        target's answer cannot forge a line or send a terminal escape); a traceback, added after
+        it, keeps its lines. JSON lines escape them as JSON does."""
+        return one_line(super().formatMessage(record))
 
 
 def json_logs(settings: WowdSettings, stream: TextIO | None = None) -> bool:

@@ -21,7 +21,7 @@ import anyio
 from wowd import __version__
 from wowd.cli import backup, check, demo, outbox, quarantine, run, snapshots, status, timers
 from wowd.cli.logs import redact, secret_values, setup_logging
-from wowd.cli.output import err, out
+from wowd.cli.output import err, mask, out
 from wowd.config import WowdSettings, load_settings
 from wowd.errors import ConfigError, WowdError
 
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         err(f"wowd: {exc}")
         return 2
     setup_logging(settings)
+    mask(secret_values(settings))
     for note in settings.renamed:
         log.warning("%s", note)
     handler: Handler = args.handler

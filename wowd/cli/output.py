@@ -7,18 +7,29 @@ import sys
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from wowd.fmt import at, span
+from wowd.fmt import at, one_line, span
+from wowd.redaction import redact
 
-__all__ = ["at", "confirm", "err", "interactive", "out", "print_json", "print_table", "span"]
+__all__ = ["at", "confirm", "err", "interactive", "mask", "out", "print_json", "print_table", "span"]
+
+_SECRETS: list[str] = []
+"""The credentials of the command's settings (:func:`mask`), masked in everything it prints."""
+
+
+def mask(secrets: Collection[str]) -> None:
+    """Masks ``secrets`` (:func:`wowd.redaction.secret_values` of the settings) in every line
+    printed from now on, as the log lines and the status page mask them: a stored value (a
+    timer's last error) may hold what a target echoed."""
+    _SECRETS[:] = secrets
 
 
 def out(text: str = "") -> None:
-    sys.stdout.write(text + "\n")
+    sys.stdout.write((redact(text, _SECRETS) if _SECRETS else text) + "\n")
     sys.stdout.flush()
 
 
 def err(text: str) -> None:
-    sys.stderr.write(text + "\n")
+    sys.stderr.write((redact(text, _SECRETS) if _SECRETS else text) + "\n")
     sys.stderr.flush()
 
 
@@ -28,8 +39,9 @@ def print_json(doc: Any) -> None:
 
 def print_table(header: Sequence[str], rows: Iterable[Sequence[object]], *, right: Collection[int] = ()) -> None:
     """A header line and one line per row, columns padded to their widest cell (``right``: the
-    indexes of right-aligned columns); the last column is not padded."""
-    cells = [[str(c) for c in header], *([("-" if c is None else str(c)) for c in row] for row in rows)]
+    indexes of right-aligned columns); the last column is not padded. A control character in a
+    cell is written as its escape (:func:`~wowd.fmt.one_line`)."""
+    cells = [[str(c) for c in header], *([("-" if c is None else one_line(str(c))) for c in row] for row in rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     last = len(header) - 1
     for r in cells:

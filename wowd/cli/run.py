@@ -24,7 +24,16 @@ from wowd.stores.base import Backend
 if TYPE_CHECKING:
     from wowd.daemon.supervisor import Supervisor
 
-__all__ = ["ESCALATE_AFTER_S", "GC_GEN0_THRESHOLD", "SWITCH_INTERVAL_S", "register", "run", "tune_gc"]
+__all__ = [
+    "ESCALATE_AFTER_S",
+    "GC_GEN0_THRESHOLD",
+    "NOFILE_WANTED",
+    "SWITCH_INTERVAL_S",
+    "raise_descriptor_limit",
+    "register",
+    "run",
+    "tune_gc",
+]
 
 log = logging.getLogger("wowd")
 
@@ -43,6 +52,28 @@ waited up to 5 ms for it, a delay that lands on a feed batch's transaction and o
 claims and settles."""
 
 
+NOFILE_WANTED = 65_536
+"""Open descriptors a replica asks for: its soft limit is raised to this, or to its hard limit
+when that is lower."""
+
+
+def raise_descriptor_limit() -> None:
+    """Raises the soft limit of open descriptors towards :data:`NOFILE_WANTED`, within the hard
+    limit (which only a privileged process may raise): a process started with the 1,024 that
+    systemd and container runtimes give by default gets what its hard limit allows. The HTTP
+    listener's connection cap and its handling of ``EMFILE`` hold whatever the limit is."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = NOFILE_WANTED if hard == resource.RLIM_INFINITY else min(NOFILE_WANTED, hard)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            log.debug("descriptor limit raised from %d to %d (hard limit %s)", soft, wanted, hard)
+    except (ValueError, OSError) as exc:
+        log.debug("descriptor limit left as it is: %s", exc)
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("run", parents=[common], help="run a replica until SIGTERM/SIGINT")
     p.add_argument("--demo", action="store_true", help="also run the demo producer in-process")
@@ -55,6 +86,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     :data:`ESCALATE_AFTER_S` after the first) cancels. Exit 1 when cancelled."""
     from wowd.daemon.replica import open_replica  # the replica: loaded by this command only
 
+    raise_descriptor_limit()
     forced = False
 
     async def signals(received: AsyncIterator[int], scope: anyio.CancelScope, sup: Supervisor) -> None:

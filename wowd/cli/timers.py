@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from wowd.backends import opened_backend
-from wowd.cli.args import non_negative_int, positive_int
+from wowd.cli.args import non_negative_int, positive_int, seconds
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.client import SCHEDULES, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
-from wowd.fmt import iso_ms
+from wowd.fmt import iso_ms, one_line
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
 from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
 from wowd.stores.base import Log, TimerSearch, TimerStore
@@ -140,7 +140,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--body-type", help="the command's body type (sent as Command-Type)")
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
-    when.add_argument("--in", dest="in_s", type=float, metavar="SECONDS", help="due this many seconds from now")
+    when.add_argument("--in", dest="in_s", type=seconds, metavar="SECONDS", help="due this many seconds from now")
     tsc.add_argument(
         "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
     )
@@ -340,7 +340,9 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
 async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
     from wowd.client import WowdClient
 
-    client = WowdClient(log, max_body_bytes=settings.timers.max_body_bytes)
+    client = WowdClient(
+        log, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
+    )
     owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
         stream = owner if args.in_owner_stream else schedule_stream(owner)
@@ -408,5 +410,5 @@ def _print_one(t: Timer, *, as_json: bool) -> None:
             v = at(v)
         elif isinstance(v, dict | list):
             v = json.dumps(v, separators=(",", ":"))
-        out(f"{k + ':':<13} {v if v is not None else '-'}")
-    out(f"{'detail:':<13} {detail(t)}")
+        out(f"{k + ':':<13} {one_line(str(v)) if v is not None else '-'}")
+    out(f"{'detail:':<13} {one_line(detail(t))}")

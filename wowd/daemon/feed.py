@@ -330,9 +330,7 @@ class Feeder:
                         with contextlib.suppress(anyio.WouldBlock):
                             send.send_nowait((batch, registered[0], None, None))
                         continue
-                    prepared = (
-                        prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions) if batch.entries else None
-                    )
+                    prepared = prepare_batch(batch.entries, s.timers, s.partitions) if batch.entries else None
                     if prepared is not None:
                         await self._plan(prepared)
                     await send.send((batch, registered[0], prepared, None))
@@ -491,7 +489,7 @@ class Feeder:
                 async with aclosing(reader) as batches:  # type: ignore[type-var]
                     async for batch in batches:
                         if batch.entries:
-                            prepared = prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions)
+                            prepared = prepare_batch(batch.entries, s.timers, s.partitions)
                             await self._apply_until_done(held, batch, prepared, None, logx, view, (view,))
                             last = max((e.commit.create_time for e in batch.entries if e.commit is not None), default=0)
                             st.lag(max(0.0, time.time() - last / 1000) if last else 0.0)
@@ -536,7 +534,7 @@ class Feeder:
                     async with aclosing(reader) as batches:  # type: ignore[type-var]
                         async for batch in batches:
                             if batch.entries:
-                                prepared = prepare_batch(batch.entries, s.timers.max_body_bytes, s.partitions)
+                                prepared = prepare_batch(batch.entries, s.timers, s.partitions)
                                 await self._apply(held, batch.positions, prepared, None, logx, view, (view,))
                             positions.update(batch.positions)
                 except (LeaseLost, SlotStalled):
@@ -725,7 +723,7 @@ class Feeder:
         live = list(views)
         for e in batch.entries:
             held.check()
-            single = prepare_batch((e,), s.timers.max_body_bytes, s.partitions)
+            single = prepare_batch((e,), s.timers, s.partitions)
             try:
                 live = [v for v in await self._apply(held, {}, single, waker, logx, lead, live)]
                 applied += 1

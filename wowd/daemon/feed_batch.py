@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from wowd.config import TimerSettings
 from wowd.errors import InvalidInput, LeaseLost, SinkWriteError, SlotStalled, StorageUnavailable, WowdError
 from wowd.model import (
     AggregateType,
@@ -70,10 +71,12 @@ class Prepared:
     views is made again)."""
 
 
-def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: int) -> Prepared:
+def prepare_batch(entries: Sequence[LogEntry], limits: TimerSettings, partitions: int) -> Prepared:
     """What the steps need of ``entries``. The timer writes of each commit are its timer events in
     order, then a ``cancel_all`` when it deletes its aggregate; their net effect applies the writes
-    of a commit in that order (:func:`~wowd.model.net_writes`)."""
+    of a commit in that order (:func:`~wowd.model.net_writes`). A timer event beyond ``limits``
+    (its body's size, its rule's interval) is rejected."""
+    max_body_bytes, min_interval_ms = limits.max_body_bytes, limits.min_interval_ms
     malformed: list[LogEntry] = []
     rejected: list[tuple[Commit, int, InvalidInput]] = []
     by_type: dict[AggregateType, list[Commit]] = {}
@@ -91,7 +94,7 @@ def prepare_batch(entries: Sequence[LogEntry], max_body_bytes: int, partitions: 
         of_type.append(c)
         for ev in c.events:
             try:
-                te = timer_event_from(ev, max_body_bytes=max_body_bytes)
+                te = timer_event_from(ev, max_body_bytes=max_body_bytes, min_interval_ms=min_interval_ms)
             except InvalidInput as exc:
                 rejected.append((c, e.partition, exc))
                 continue

@@ -221,6 +221,8 @@ class Supervisor:
             port_file=self._port_file,
             refresh=outbox.count_depth if outbox is not None else None,
             app=StatusPage(s, self.backend, local=self.slot_stalls),
+            max_connections=s.http.max_connections,
+            allowed_hosts=s.http.allowed_hosts,
         )
         with anyio.CancelScope() as scope:
             self._scope = scope

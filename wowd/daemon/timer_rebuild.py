@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from wowd.config import WowdSettings
+from wowd.config import TimerSettings, WowdSettings
 from wowd.errors import ConfigError
 from wowd.model import LogEntry, TimerWrite
 from wowd.stores.base import Backend
@@ -132,11 +132,11 @@ class TimerRebuildReport:
 def project_for(settings: WowdSettings, aggregate: str | None) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
     """The feed's projection of log entries into the timer view's writes under ``settings``
     (only ``aggregate``'s commits when given)."""
-    return _projection(settings.timers.max_body_bytes, settings.partitions, aggregate)
+    return _projection(settings.timers, settings.partitions, aggregate)
 
 
 def _projection(
-    max_body_bytes: int, partitions: int, aggregate: str | None
+    limits: TimerSettings, partitions: int, aggregate: str | None
 ) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
     """The feed's projection of log entries into the timer view's writes (only ``aggregate``'s
     commits when given)."""
@@ -146,7 +146,7 @@ def _projection(
             entries = [e for e in entries if e.aggregate.aggregate == aggregate]
         if not entries:
             return []
-        return prepare_batch(entries, max_body_bytes, partitions).timer_writes
+        return prepare_batch(entries, limits, partitions).timer_writes
 
     return project
 
@@ -159,14 +159,14 @@ class _Planner:
     """Reads ranges of the log on a connection of its own, decodes them and projects them into
     the timer store's planned writes: in a process of the replay's pool (:func:`_plan_range`)."""
 
-    def __init__(self, path: str, context: str, partitions: int, max_body_bytes: int, aggregate: str | None) -> None:
+    def __init__(self, path: str, context: str, partitions: int, limits: TimerSettings, aggregate: str | None) -> None:
         from wowd.stores.embedded.db import SqliteDatabase
         from wowd.stores.embedded.timers import EmbeddedTimerStore
 
         self._db = SqliteDatabase(path)
         self._context = context
         self._timers = EmbeddedTimerStore(self._db, context=context, partitions=partitions)
-        self._project = _projection(max_body_bytes, partitions, aggregate)
+        self._project = _projection(limits, partitions, aggregate)
 
     def plan(self, after: int, upto: int) -> tuple[int, Steps, set[str]]:
         """The commits of ``after < seq <= upto``: how many, their planned writes and the
@@ -184,9 +184,9 @@ _planner: _Planner | None = None
 """A pool process's planner (:func:`_start_planner`)."""
 
 
-def _start_planner(path: str, context: str, partitions: int, max_body_bytes: int, aggregate: str | None) -> None:
+def _start_planner(path: str, context: str, partitions: int, limits: TimerSettings, aggregate: str | None) -> None:
     global _planner
-    _planner = _Planner(path, context, partitions, max_body_bytes, aggregate)
+    _planner = _Planner(path, context, partitions, limits, aggregate)
 
 
 def _plan_range(after: int, upto: int) -> tuple[int, Steps, set[str]]:
@@ -358,7 +358,7 @@ class TimerRebuilder:
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_planner,
-            initargs=(engine.path, s.context, s.partitions, s.timers.max_body_bytes, aggregate),
+            initargs=(engine.path, s.context, s.partitions, s.timers, aggregate),
         )
         try:
             pending: deque[tuple[int, asyncio.Future[tuple[int, Steps, set[str]]]]] = deque()

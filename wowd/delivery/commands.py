@@ -13,31 +13,47 @@ import orjson
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer
 
 
+class UnsafeSegment(ValueError):
+    """A part of a command's URL that would not stay one path segment under the route's base:
+    empty, ``.`` or ``..`` (a server or proxy in front of the target removes it, or goes up a
+    level, however it is encoded: RFC 3986 reads ``%2E`` as ``.``)."""
+
+
 def command_url(base: str, timer: Timer, command: Command | None = None) -> str:
     """``{base}/[tenant/{tenant_id}/]{aggregate}/{id}/{command}`` (Wow's REST shape); each path
     part percent-encoded; the tenant part only for a tenant other than the default. ``command``:
-    the timer's, when already read."""
+    the timer's, when already read. Raises :class:`UnsafeSegment` for a part that is empty,
+    ``.`` or ``..``: every URL stays under ``base``."""
     return target_command_url(base, timer.target, (command or timer.command).name)
 
 
 def target_command_url(base: str, target: AggregateRef, name: str) -> str:
-    return _url_prefix(base, target.tenant_id, target.aggregate) + _segment(target.id) + "/" + _segment(name)
+    return (
+        _url_prefix(base, target.tenant_id, target.aggregate)
+        + _segment(target.id, "target id")
+        + "/"
+        + _segment(name, "command name")
+    )
 
 
 _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+").fullmatch
 """A path segment ``quote(..., safe="")`` leaves as it is."""
 
 
-def _segment(part: str) -> str:
-    """``part`` percent-encoded as one path segment."""
+def _segment(part: str, what: str) -> str:
+    """``part`` percent-encoded as one path segment; :class:`UnsafeSegment` for one that would
+    not stay a segment (``what`` names the part)."""
+    if part in ("", ".", ".."):
+        raise UnsafeSegment(f"the {what} {part!r} is not a path segment of its own (empty, '.' or '..')")
     return part if _UNRESERVED(part) else quote(part, safe="")
 
 
 @functools.lru_cache(maxsize=1024)
 def _url_prefix(base: str, tenant_id: str, aggregate: str) -> str:
-    parts = ["tenant", tenant_id] if tenant_id != DEFAULT_TENANT else []
-    parts.append(aggregate)
-    return base.rstrip("/") + "/" + "".join(_segment(p) + "/" for p in parts)
+    prefix = base.rstrip("/") + "/"
+    if tenant_id != DEFAULT_TENANT:
+        prefix += "tenant/" + _segment(tenant_id, "tenant id") + "/"
+    return prefix + aggregate + "/"  # a name: [a-z0-9_-]+
 
 
 class _NotJson(ValueError):

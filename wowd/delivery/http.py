@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from wowd import metrics
-from wowd.config import GatewaySettings
+from wowd.config import GatewaySettings, url_shown
 from wowd.delivery.routes import Route, Routes
 from wowd.errors import StorageUnavailable
 from wowd.model import Timer
+from wowd.redaction import redact, unescaped
 
 if TYPE_CHECKING:
     import aiohttp
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 from wowd.delivery.breaker import Admission, CircuitBreaker
-from wowd.delivery.commands import request_parts, target_command_url
+from wowd.delivery.commands import UnsafeSegment, request_parts, target_command_url
 from wowd.delivery.log import DeliveryLog, delivery_log
 from wowd.delivery.outcomes import (
     CIRCUIT_OPEN,
@@ -172,7 +173,8 @@ class HttpGateway:
             name, body, body_type = request_parts(timer.body)
             url = yarl.URL(target_command_url(route.url, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
-            unreadable = Fail(reason=f"unreadable command: {exc}")
+            unsafe = isinstance(exc, UnsafeSegment)
+            unreadable = Fail(reason=f"refused: {exc}" if unsafe else f"unreadable command: {exc}")
             self._outcomes.outcome(route.target_label(target.name), unreadable, request_id)
             return unreadable
         breaker = target.breaker
@@ -219,9 +221,9 @@ class HttpGateway:
             ) as resp:
                 return resp.status
         except TimeoutError as exc:
-            raise StorageUnavailable(f"gateway {r.url}: no answer within {r.timeout_s:g}s") from exc
+            raise StorageUnavailable(f"gateway {url_shown(r.url)}: no answer within {r.timeout_s:g}s") from exc
         except (aiohttp.ClientError, OSError) as exc:
-            raise StorageUnavailable(f"gateway {r.url}: {_transport_reason(exc)}") from exc
+            raise StorageUnavailable(f"gateway {url_shown(r.url)}: {_transport_reason(exc)}") from exc
 
     async def _post(self, route: Route, url: yarl.URL, body: bytes, headers: dict[str, str]) -> tuple[Outcome, bool]:
         """One exchange on ``route``: the outcome and whether it counts against the target's
@@ -279,15 +281,13 @@ class HttpGateway:
         except (TimeoutError, aiohttp.ClientError, OSError):
             pass
         text = buf.decode("utf-8", "replace")
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
         try:
             doc = json.loads(text)
-        except ValueError:
-            return " ".join(text.split())[:200]
+        except ValueError:  # masked as it reads: a JSON escape (\/, \u0041) does not hide a secret
+            return " ".join(redact(unescaped(text), self._secrets).split())[:200]
         if isinstance(doc, dict):
             msg = doc.get("errorMsg") or doc.get("message") or doc.get("errorCode") or ""
-            return str(msg)[:200]
+            return redact(str(msg), self._secrets)[:200]  # decoded first, then masked
         return ""
 
     async def aclose(self) -> None:

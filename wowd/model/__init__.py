@@ -27,6 +27,7 @@ from wowd.model.ids import (
     AggregateType,
     java_string_hash,
     partition,
+    refuse_controls,
     stream_id,
     validate_name,
 )
@@ -42,6 +43,7 @@ from wowd.model.outbox import (
     OutboxEntry,
 )
 from wowd.model.rules import (
+    MIN_INTERVAL_MS,
     CronRule,
     IntervalRule,
     OnceRule,
@@ -74,6 +76,7 @@ from wowd.model.timers import (
 __all__ = [
     "DEFAULT_TENANT",
     "MAX_BODY_BYTES",
+    "MIN_INTERVAL_MS",
     "MAX_COMMIT_DOCUMENT_BYTES",
     "MAX_COMMIT_EVENTS",
     "MAX_STREAM_KEY_BYTES",
@@ -116,6 +119,7 @@ __all__ = [
     "net_writes",
     "parse_rule",
     "partition",
+    "refuse_controls",
     "request_id_for",
     "sorted_json",
     "stream_id",

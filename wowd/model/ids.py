@@ -37,6 +37,22 @@ _FAST_KEY_CHARS = MAX_STREAM_KEY_BYTES // 12
 :data:`MAX_STREAM_KEY_BYTES` whatever they hold (a character percent-encodes to 12 bytes at most)."""
 
 _NAME = re.compile(r"^[a-z0-9_-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""The control characters (Unicode's ``Cc``: C0, DEL, C1), refused in ids and keys."""
+
+
+def refuse_controls(value: str, *, field: str) -> str:
+    """``value`` when it holds no control character; else :class:`InvalidInput` naming ``field``
+    and the first one. An id or a key is joined with others by ``\\x1f`` into a timer's id,
+    and is shown in logs and terminals: a control character in it could make two timers one,
+    or rewrite what an operator reads."""
+    if not value.isprintable():  # an ASCII string is printable exactly when it has none
+        found = _CONTROL.search(value)
+        if found is not None:
+            raise InvalidInput(
+                f"holds the control character {found.group()!r} at {found.start()}: ids and keys may not", field=field
+            )
+    return value
 
 
 _VALID_NAMES: set[str] = set()
@@ -120,6 +136,8 @@ class AggregateRef:
             raise InvalidInput("must be a string", field="aggregate_id")
         if not isinstance(self.tenant_id, str) or not self.tenant_id:
             raise InvalidInput("must be a non-empty string", field="tenant_id")
+        refuse_controls(self.id, field="aggregate_id")
+        refuse_controls(self.tenant_id, field="tenant_id")
         if len(self.id) + len(self.tenant_id) > _FAST_KEY_CHARS:
             size = len(_percent_encoded(self.tenant_id)) + len(_percent_encoded(self.id))
             if size > MAX_STREAM_KEY_BYTES:

@@ -11,6 +11,9 @@ from wowd.errors import InvalidInput
 from wowd.model.commits import _is_doc
 
 _MAX_MS = 253402300799999  # 9999-12-31T23:59:59.999Z
+MIN_INTERVAL_MS = 1000
+"""The shortest interval rule a timer event may carry, unless the settings say otherwise
+(``timers.min_interval_ms``): one timer never asks for more than a delivery a second."""
 
 
 def _check_grace(grace: int | None) -> None:

@@ -14,8 +14,8 @@ import orjson
 
 from wowd.errors import ConfigError, InvalidInput
 from wowd.model.commits import Commit, DomainEvent, _is_doc, _shared_ref, unchecked
-from wowd.model.ids import DEFAULT_TENANT, MAX_BODY_BYTES, AggregateRef, partition
-from wowd.model.rules import _MAX_MS, OnceRule, Rule, parse_rule
+from wowd.model.ids import DEFAULT_TENANT, MAX_BODY_BYTES, AggregateRef, partition, refuse_controls
+from wowd.model.rules import _MAX_MS, MIN_INTERVAL_MS, IntervalRule, OnceRule, Rule, parse_rule
 
 _SORTED_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
 """``json.dumps(doc, separators=(",", ":"), sort_keys=True)`` without building an encoder per call."""
@@ -360,11 +360,12 @@ _ONCE_DOC = {"type": "once"}
 
 
 def timer_event_from(
-    event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES
+    event: DomainEvent, *, max_body_bytes: int = MAX_BODY_BYTES, min_interval_ms: int = MIN_INTERVAL_MS
 ) -> TimerScheduled | TimerCancelled | None:
     """Reads a timer event of the log (docs/schema.md); ``None`` for other events.
 
-    Raises :class:`InvalidInput` naming the field for a malformed timer event.
+    Raises :class:`InvalidInput` naming the field for a malformed timer event, and for an
+    interval rule shorter than ``min_interval_ms``.
     """
     if event.name not in ("TimerScheduled", "TimerCancelled"):
         return None
@@ -372,6 +373,7 @@ def timer_event_from(
     key = body.get("key")
     if not isinstance(key, str) or not key or len(key) > 512:
         raise InvalidInput("must be a non-empty string of at most 512 characters", field="body.key")
+    refuse_controls(key, field="body.key")
     if event.name == "TimerCancelled":
         return TimerCancelled(key=key)
     due_at = body.get("due_at")
@@ -379,6 +381,10 @@ def timer_event_from(
         raise InvalidInput(f"must be an integer in [0, {_MAX_MS}] (ms), got {due_at!r}", field="body.due_at")
     rule_doc = body.get("rule", _ONCE_DOC)
     rule = _ONCE if rule_doc == _ONCE_DOC else parse_rule(rule_doc)
+    if isinstance(rule, IntervalRule) and rule.every_ms < min_interval_ms:
+        raise InvalidInput(
+            f"{rule.every_ms} ms is below the shortest interval, {min_interval_ms} ms", field="rule.every_ms"
+        )
     t = body.get("target")
     if not _is_doc(t):
         raise InvalidInput("must be a document {context, aggregate, tenant_id, id}", field="body.target")

@@ -10,6 +10,7 @@ another :class:`~wowd.errors.StorageError`. No driver exception crosses these me
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -796,11 +797,18 @@ class FeedWriter(Protocol):
         ...
 
 
+SINKS_KEPT = 256
+"""Event sinks a :class:`Backend` keeps made (the types used last); another is made again when
+its type comes back."""
+
+
 @dataclass(kw_only=True)
 class Backend:
-    """The stores of one context, as a backend opened them; ``sink(type)`` gives (and caches)
-    the event sink of a type. ``close`` closes the sinks, then ``resources`` (the stores and
-    clients the backend opened, in reverse order of opening)."""
+    """The stores of one context, as a backend opened them; ``sink(type)`` gives the event sink of
+    a type, keeping the :data:`SINKS_KEPT` used last (a sink holds nothing of its own: the
+    connections, clients and caches are the backend's, shared by the sinks of every type, so
+    that nothing grows with the number of types). ``close`` closes the sinks kept, then
+    ``resources`` (the stores and clients the backend opened, in reverse order of opening)."""
 
     name: str
     log: Log
@@ -810,7 +818,8 @@ class Backend:
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink] | None
-    """``None``: no event index (``sink = "none"``)."""
+    """``None``: no event index (``sink = "none"``). A sink it makes uses the backend's
+    resources only: one dropped from the sinks kept needs no closing."""
     outbox_shortcut: OutboxShortcut | None = None
     """The outbox gateway's round in one transaction (:class:`OutboxShortcut`), when the
     backend's timers, log and outbox share one (the embedded file)."""
@@ -822,7 +831,7 @@ class Backend:
     process's clock compares with the file's last writes (:class:`ClockReading`; the argument:
     the replica's owner key): a replica checks it before it takes a slot."""
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
-    _sinks: dict[AggregateType, EventSink] = field(default_factory=dict)
+    _sinks: OrderedDict[AggregateType, EventSink] = field(default_factory=OrderedDict)
 
     @property
     def has_sink(self) -> bool:
@@ -830,11 +839,16 @@ class Backend:
 
     def sink(self, type: AggregateType) -> EventSink:
         """The event sink of ``type``; a :class:`ConfigError` when there is no event index."""
-        s = self._sinks.get(type)
+        sinks = self._sinks
+        s = sinks.get(type)
         if s is None:
             if self.sink_factory is None:
                 raise ConfigError('no event index: sink = "none"')
-            s = self._sinks[type] = self.sink_factory(type)
+            s = sinks[type] = self.sink_factory(type)
+            if len(sinks) > SINKS_KEPT:
+                sinks.popitem(last=False)
+        else:
+            sinks.move_to_end(type)
         return s
 
     async def close(self) -> None:

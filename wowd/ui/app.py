@@ -21,14 +21,16 @@ Actions are POSTs, refused unless ``ui.token`` is set: ``/ui/timer/retry|resume`
 page), ``/api/v1/...`` likewise (``Authorization: Bearer TOKEN``; the acknowledge takes
 ``{"request_ids": [...]}``). A POST whose ``Origin`` is
 not this listener's own or whose ``Sec-Fetch-Site`` is ``cross-site`` or ``same-site`` is
-refused (cross-site request forgery). Every answer has each secret of the settings masked.
+refused (cross-site request forgery). Command bodies are shown only to a request carrying the
+token (``/ui/login`` asks a browser for it) unless ``ui.open_bodies`` (:mod:`wowd.ui.access`); a
+client offering wrong tokens is slowed down. Every answer has each secret of the settings masked.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -62,8 +64,10 @@ from wowd.operator import (
     steps_needed,
     timer_doc,
 )
+from wowd.ratelog import RateLimitedLog
 from wowd.redaction import redact, secret_values
 from wowd.stores.base import Backend, TimerSearch
+from wowd.ui.access import TokenTries, compare, hide_bodies, offered_token, sign_notice, signed_notice
 from wowd.ui.http import HttpRequest, HttpResponse
 from wowd.ui.window import MetricWindow
 
@@ -76,6 +80,10 @@ log = logging.getLogger(__name__)
 
 PAGE = 50
 """Rows per page of a list."""
+MAX_MS = 253402300799999
+"""The last millisecond of year 9999: the latest time a search takes."""
+MAX_OFFSET_DIGITS = 12
+"""An outbox offset has at most this many digits."""
 REFRESH_S = 10
 """The overview reloads itself this often (``<meta http-equiv=refresh>``)."""
 HTML = "text/html; charset=utf-8"
@@ -91,17 +99,24 @@ SECURITY_HEADERS = (
     ("referrer-policy", "same-origin"),
 )
 
+_ASK_TOKEN = 'Basic realm="wowd status page: the token as the password", charset="UTF-8"'
+"""What a browser is asked for to read command bodies (``WWW-Authenticate``)."""
+_PAGE_OF_UI = re.compile(r"/ui(/[A-Za-z0-9/_.~-]*)?(\?[A-Za-z0-9_.~%=&+/:,-]*)?")
+"""Where ``/ui/login`` may lead: a page of the status page, nowhere else."""
+
 LocalSlots = Callable[[], Mapping[int, str | None]]
 """The slots this process holds now, each with why its work is stalled (``None``: progressing)."""
 
 
 class _Refused(Exception):
-    """An action refused: ``status`` 403 or 405 and why (the reason label of the metric)."""
+    """A request refused: ``status`` (401, 403, 405, 429) and why (the reason label of the
+    metric), with the answer's extra ``headers``."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, headers: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.headers = headers
 
 
 class _NotFound(Exception):
@@ -125,16 +140,19 @@ def _one(params: Mapping[str, list[str]], name: str) -> str | None:
 
 
 def _instant(text: str, name: str) -> int:
-    """Epoch milliseconds or ISO 8601 (a time without a zone is UTC)."""
-    if text.lstrip("-").isdigit():
+    """Epoch milliseconds (up to year 9999) or ISO 8601 (a time without a zone is UTC)."""
+    digits = text.removeprefix("-")
+    if digits.isascii() and digits.isdigit():
+        if len(digits) > len(str(MAX_MS)) or abs(int(text)) > MAX_MS:
+            raise InvalidInput(f"{text!r} is beyond the epoch milliseconds of year 9999", field=name)
         return int(text)
     try:
         moment = datetime.fromisoformat(text)
-    except ValueError:
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=UTC)
+        return int(moment.timestamp() * 1000)
+    except (ValueError, OverflowError):
         raise InvalidInput(f"{text!r} is neither epoch milliseconds nor an ISO 8601 time", field=name) from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp() * 1000)
 
 
 class StatusPage:
@@ -153,6 +171,9 @@ class StatusPage:
         self._local = local
         self._window = window or MetricWindow()
         self._token = settings.ui.token.get_secret_value() if settings.ui.token is not None else None
+        self._open_bodies = settings.ui.open_bodies
+        self._tries = TokenTries()
+        self._refusals = RateLimitedLog(log)
         self._form_key = secrets.token_hex(32)
         self._secrets = secret_values(settings)
         self._css = files("wowd.ui").joinpath("static/style.css").read_bytes()
@@ -203,8 +224,17 @@ class StatusPage:
         if not api and name == "":
             name = "overview"
         params = parse_qs(query)
+        reader = self._open_bodies
+        extra: tuple[tuple[str, str], ...] = ()
         try:
             if request.method in ("GET", "HEAD"):
+                offered = offered_token(request)
+                if name == "login":
+                    return self._login(request, offered, params)
+                if offered is not None and self._token is not None:
+                    basic = request.headers.get("authorization", "").lstrip().lower().startswith("basic")
+                    self._check_token(request, offered, basic=basic)
+                    reader = True
                 out = await self._read(name, params)
             elif request.method == "POST":
                 form = self._form(request, api)
@@ -218,8 +248,11 @@ class StatusPage:
             out = _Out({"error": str(exc)}, "error.html", 404)
         except _Refused as exc:
             UI_REFUSED.labels(reason=exc.reason).inc()
-            log.warning("ui: %s %s refused: %s", request.method, path, exc)
+            self._refusals.log(
+                exc.reason, logging.WARNING, "ui: %s %s from %s refused: %s", request.method, path, request.client, exc
+            )
             out = _Out({"error": str(exc)}, "error.html", exc.status)
+            extra = exc.headers
         except (InvalidInput, ConfigError) as exc:
             UI_REFUSED.labels(reason="bad input").inc()
             out = _Out({"error": str(exc)}, "error.html", 400)
@@ -227,9 +260,12 @@ class StatusPage:
             out = _Out({"error": f"the store does not answer: {exc}"}, "error.html", 503)
         except StorageError as exc:
             out = _Out({"error": f"the store refused: {type(exc).__name__}: {exc}"}, "error.html", 500)
+        if not reader:
+            out = _Out(hide_bodies(out.data), out.template, out.status, hide_bodies(out.json))
+        headers = (*SECURITY_HEADERS, *extra)
         if api or out.template is None:
             body = json.dumps(out.json if out.json is not None else out.data, indent=2, default=str) + "\n"
-            return HttpResponse(out.status, JSON, redact(body, self._secrets).encode(), SECURITY_HEADERS)
+            return HttpResponse(out.status, JSON, redact(body, self._secrets).encode(), headers)
         page = (
             self._templates()
             .get_template(out.template)
@@ -240,12 +276,14 @@ class StatusPage:
                 namespace=self._settings.lease_namespace,
                 context=self._settings.context,
                 actions=self._token is not None,
+                bodies_hidden=not reader,
+                here=request.target,
                 form_key=self._form_key,
                 refresh=REFRESH_S if name == "overview" else None,
                 statuses=[s.value for s in TimerStatus],
             )
         )
-        return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), SECURITY_HEADERS)
+        return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), headers)
 
     async def _read(self, name: str, params: dict[str, list[str]]) -> _Out:
         if name in self._get:
@@ -266,6 +304,15 @@ class StatusPage:
         if head == "quarantine" and item and verb == "refeed":
             return await self._refeed(item)
         raise _Refused(405, "unknown action", f"no action {name!r}")
+
+    def _notice(self, text: str) -> dict[str, str]:
+        """The query parameters that make the page after an action say ``text``."""
+        return {"done": text, "sig": sign_notice(self._form_key, text)}
+
+    def _done(self, params: Mapping[str, list[str]]) -> str | None:
+        """The notice of the action just done, when this process wrote it (a link made elsewhere
+        cannot make a page say what wowd did not)."""
+        return signed_notice(self._form_key, _one(params, "done"), _one(params, "sig"))
 
     @staticmethod
     def _back(name: str, out: _Out) -> str:
@@ -315,16 +362,55 @@ class StatusPage:
             if origin == "null" or parts.netloc != host:
                 raise _Refused(403, "cross-site", f"refused: Origin {origin} is not this listener ({host})")
         if api:
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer":
-                given = ""
+            given = offered_token(request) or ""
         else:
             given = (form.get("token") or [""])[-1]
             key = (form.get("form_key") or [""])[-1]
-            if not hmac.compare_digest(key.encode(), self._form_key.encode()):
+            if not compare(key, self._form_key):
                 raise _Refused(403, "form key", "refused: the form's key is not this page's (reload the page)")
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
+        self._check_token(request, given, basic=False)
+
+    def _check_token(self, request: HttpRequest, given: str, *, basic: bool) -> None:
+        """Refuses a wrong token (401 asking a browser again when it came as HTTP Basic, else
+        403), and any token from a client that offered too many wrong ones lately (429)."""
+        assert self._token is not None
+        wait = self._tries.wait_s(request.client)
+        if wait > 0:
+            after = TokenTries.retry_after(wait)
+            raise _Refused(
+                429,
+                "too many tries",
+                f"refused: too many wrong tokens from {request.client or 'this client'}; try again in {after} s",
+                (("retry-after", after),),
+            )
+        if not compare(given, self._token):
+            self._tries.failed(request.client)
+            if basic:
+                raise _Refused(401, "token", "refused: wrong token", (("www-authenticate", _ASK_TOKEN),))
             raise _Refused(403, "token", "refused: wrong or missing token")
+
+    def _login(self, request: HttpRequest, offered: str | None, params: Mapping[str, list[str]]) -> HttpResponse:
+        """``/ui/login?next=PAGE``: asks a browser for the token (HTTP Basic: any user name, the
+        token as the password), then leads to ``PAGE`` (a page of ``/ui``), where command bodies
+        are shown to it from then on."""
+        wanted = _one(params, "next") or "/ui"
+        back = wanted if _PAGE_OF_UI.fullmatch(wanted) else "/ui"
+        if self._token is None:
+            raise _Refused(
+                403,
+                "read-only",
+                "no token is set (ui.token, WOWD_UI__TOKEN): command bodies are shown to nobody here, unless "
+                "ui.open_bodies shows them to anyone",
+            )
+        if offered is None:
+            raise _Refused(
+                401,
+                "sign in",
+                "the token is asked for: any user name, the token as the password",
+                (("www-authenticate", _ASK_TOKEN),),
+            )
+        self._check_token(request, offered, basic=True)
+        return HttpResponse(303, HTML, b"", (("location", back), *SECURITY_HEADERS))
 
     # ------------------------------------------------------------------ overview
 
@@ -407,7 +493,7 @@ class StatusPage:
                 f"no live timer {key!r} of {owner}: it fired (a one-shot timer goes once delivered), was "
                 "cancelled, or its schedule is not fed yet"
             )
-            done = _one(params, "done")
+            done = self._done(params)
             if done is not None:  # back from a retry or resume: the timer may have fired since
                 return _Out({"error": gone, "done": done}, "error.html", 404)
             raise _NotFound(gone)
@@ -416,7 +502,7 @@ class StatusPage:
         doc["owner_ref"] = _ref_params(t.owner)
         doc["scheduled_by"] = f"{t.owner} v{t.version}"
         doc["slot"] = await self._slot_of(t.partition)
-        done = _one(params, "done")
+        done = self._done(params)
         return _Out({"timer": doc, "done": done}, "timer.html", json=doc)
 
     async def _slot_of(self, part: int) -> dict[str, Any]:
@@ -442,7 +528,7 @@ class StatusPage:
         verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
         log.info("ui: timer %r of %s %s (%s -> PENDING, due now)", t.key, t.owner, verb, wanted.value)
         done = f"{verb}: back to PENDING, due now" if written else "not changed: the timer moved on meanwhile"
-        back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, "done": done})
+        back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
         return _Out({"written": written, "timer": timer_doc(t), "back": back})
 
     # ------------------------------------------------------------------ quarantine
@@ -450,7 +536,7 @@ class StatusPage:
     async def _quarantine(self, params: dict[str, list[str]]) -> _Out:
         items, nxt = await quarantine_page(self._backend.log, _one(params, "after"), PAGE)
         rows = [{**i, "record": record_of(i)} for i in items]
-        data = {"items": rows, "next": nxt, "done": _one(params, "done")}
+        data = {"items": rows, "next": nxt, "done": self._done(params)}
         return _Out(data, "quarantine.html", json={"items": items, "next": nxt})
 
     async def _quarantine_item(self, item_id: str) -> _Out:
@@ -469,7 +555,7 @@ class StatusPage:
         doc = {"item_id": outcome.item_id, "record": outcome.record, "done": outcome.done, "reason": outcome.reason}
         if outcome.reason is None:
             doc["back"] = "/ui/quarantine?" + urlencode(
-                {"done": f"{item_id} fed ({', '.join(outcome.done)}) and released"}
+                self._notice(f"{item_id} fed ({', '.join(outcome.done)}) and released")
             )
         else:
             doc["back"] = f"/ui/quarantine/{item_id}"
@@ -479,8 +565,10 @@ class StatusPage:
 
     def _offset(self, params: Mapping[str, list[str]]) -> int:
         text = _one(params, "offset") or "0"
-        if not text.isdigit():
-            raise InvalidInput(f"{text!r} is not an offset (0, 1, ...)", field="offset")
+        if not (text.isascii() and text.isdigit()) or len(text) > MAX_OFFSET_DIGITS:
+            raise InvalidInput(
+                f"{text!r} is not an offset (0, 1, ... with at most {MAX_OFFSET_DIGITS} digits)", field="offset"
+            )
         return int(text)
 
     async def _outbox(self, params: dict[str, list[str]]) -> _Out:
@@ -489,7 +577,7 @@ class StatusPage:
         depth = await self._backend.outbox.count()
         docs = [{**outbox_entry_doc(e), "offset": offset + i} for i, e in enumerate(entries)]
         doc = {"entries": docs, "next": nxt, "offset": offset, "depth": depth}
-        return _Out({**doc, "done": _one(params, "done")}, "outbox.html", json=doc)
+        return _Out({**doc, "done": self._done(params)}, "outbox.html", json=doc)
 
     async def _outbox_entry(self, params: dict[str, list[str]]) -> _Out:
         """The entry of ``request_id``, looked for around ``offset`` (where the list showed it;
@@ -513,7 +601,7 @@ class StatusPage:
         removed = await self._backend.outbox.ack(ids)
         log.info("ui: %d outbox entries acknowledged", removed)
         done = f"{removed} of {len(set(ids))} entries acknowledged (removed)"
-        return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode({"done": done})})
+        return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode(self._notice(done))})
 
 
 def _ref_params(ref: Any) -> dict[str, str]:

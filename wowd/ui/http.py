@@ -9,12 +9,14 @@ __all__ = ["HttpRequest", "HttpResponse"]
 
 @dataclass(frozen=True, slots=True)
 class HttpRequest:
-    """A request for the ``app``: header names in lower case (a repeated header's last value)."""
+    """A request for the ``app``: header names in lower case (a repeated header's last value);
+    ``client``: the address of the peer (a proxy's, behind one)."""
 
     method: str
     target: str
     headers: dict[str, str]
     body: bytes
+    client: str = ""
 
 
 @dataclass(frozen=True, slots=True)

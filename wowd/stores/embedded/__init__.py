@@ -12,6 +12,8 @@ import logging
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
 
+import anyio.to_thread
+
 from wowd import metrics
 from wowd.stores.base import Backend
 from wowd.stores.embedded.db import SqliteDatabase, WalCheckpointer
@@ -39,6 +41,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+SINK_MEMORY = 16_384
+"""Aggregates whose last written attributes the event sinks remember, all types together."""
+
 _LAZY = {
     "EmbeddedTimerStore": "wowd.stores.embedded.timers",
     "EmbeddedSnapshotStore": "wowd.stores.embedded.snapshots",
@@ -59,7 +64,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
     (:class:`~wowd.stores.embedded.db.WalCheckpointer`). The backend's ``close`` closes them all."""
     from wowd.model import AggregateType
     from wowd.stores.embedded.feed import EmbeddedFeedWriter
-    from wowd.stores.embedded.sink import EmbeddedEventSink
+    from wowd.stores.embedded.sink import AccessMemory, EmbeddedEventSink
     from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
@@ -94,8 +99,14 @@ async def open_embedded(settings: WowdSettings) -> Backend:
         await snapshots.prepare()
         await outbox.prepare()
 
+        # the sinks of every aggregate type share one connection (its thread, its descriptors)
+        # and one memory of the attributes they wrote
+        sink_db = SqliteDatabase(path)
+        stack.push_async_callback(anyio.to_thread.run_sync, sink_db.close)
+        memory = AccessMemory(SINK_MEMORY)
+
         def sink_factory(type: AggregateType) -> EmbeddedEventSink:
-            return EmbeddedEventSink(path, type)
+            return EmbeddedEventSink(sink_db, type, memory=memory)
 
         feed_writer = EmbeddedFeedWriter(path, log=log, timers=timers)
         stack.push_async_callback(feed_writer.close)

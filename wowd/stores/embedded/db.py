@@ -29,7 +29,7 @@ import anyio.to_thread
 import orjson
 from prometheus_client import Histogram
 
-from wowd.errors import StorageError, StorageFull, StorageUnavailable
+from wowd.errors import ConfigError, StorageError, StorageFull, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.retry import Backoff, retrying_blocking
 from wowd.stores.embedded.sqlite import WAL_RESET_BUG, sqlite3, variable_limit
@@ -119,7 +119,14 @@ class SqliteDatabase:
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
             if self.path != ":memory:":
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                parent = Path(self.path).parent
+                try:
+                    parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise ConfigError(
+                        f"the directory of the embedded database {self.path!r} cannot be created: "
+                        f"{exc.strerror or exc} (WOWD_EMBEDDED__PATH)"
+                    ) from None
             conn = sqlite3.connect(
                 self.path, timeout=self._busy_timeout_ms / 1000, isolation_level=None, check_same_thread=False
             )

@@ -261,11 +261,12 @@ def release_quarantined_sql(ids: int) -> str:
 
 
 def _row_ids(ids: Collection[str]) -> list[int]:
-    """The row ids among ``ids`` (a string that is not one names nothing)."""
+    """The row ids among ``ids`` (a string that is not one, or beyond SQLite's integers, names
+    nothing)."""
     out: set[int] = set()
     for i in ids:
         text = str(i).strip()
-        if text.isascii() and text.isdigit():
+        if text.isascii() and text.isdigit() and len(text) <= 19 and int(text) < 2**63:
             out.add(int(text))
     return sorted(out)
 

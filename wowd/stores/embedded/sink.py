@@ -11,9 +11,13 @@ A write is one transaction, run holding the file's in-process write lock
 than retried by SQLite's busy handler): ``INSERT OR IGNORE`` of every record (a record written
 before is ignored and counts as written: "409"), then the access stamps: per aggregate, the last
 record whose attributes differ from the record before it (in the write, else the last one this
-sink wrote of the aggregate, ``capacity`` aggregates remembered, else the stream's latest stored
-document, none before version 1) stamps its attributes over the aggregate's earlier documents
-under the guard of :meth:`EmbeddedEventSink.stamp`.
+sink wrote of the aggregate, as its :class:`AccessMemory` remembers it, else the stream's latest
+stored document, none before version 1) stamps its attributes over the aggregate's earlier
+documents under the guard of :meth:`EmbeddedEventSink.stamp`.
+
+The backend gives the sinks of every aggregate type one connection and one :class:`AccessMemory`
+(:func:`~wowd.stores.embedded.open_embedded`): what they hold does not grow with the number of
+types.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from wowd.model import (
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
 
-__all__ = ["TABLE", "EmbeddedEventSink", "SinkWrite"]
+__all__ = ["TABLE", "AccessMemory", "EmbeddedEventSink", "SinkWrite"]
 
 T = TypeVar("T")
 
@@ -138,6 +142,35 @@ def _stamp_params(s: AccessStamp, access: str) -> tuple[Any, ...]:
     return (access, s.as_of, r.context, r.aggregate, r.tenant_id, r.id, s.from_, s.until, s.as_of, s.as_of, access)
 
 
+class AccessMemory:
+    """The version and attributes' text of the last record written of each aggregate, for at most
+    ``capacity`` aggregates (the least recently written forgotten first), whatever their types:
+    one memory may serve the sinks of every type. What it forgets is read from the stream."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        if capacity < 0:
+            raise InvalidInput(f"must be >= 0, got {capacity}", field="capacity")
+        self.capacity = capacity
+        self._last: OrderedDict[tuple[str, str, str, str], tuple[int, str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def get(self, key: tuple[str, str, str, str]) -> tuple[int, str] | None:
+        """What is remembered of the aggregate ``(context, aggregate, tenant_id, id)``."""
+        return self._last.get(key)
+
+    def put(self, key: tuple[str, str, str, str], version: int, access: str) -> None:
+        """Remembers the record ``version`` with attributes ``access`` (unless a later one is)."""
+        last = self._last
+        seen = last.get(key)
+        if seen is None or seen[0] <= version:
+            last[key] = (version, access)
+        last.move_to_end(key)
+        while len(last) > self.capacity:
+            last.popitem(last=False)
+
+
 _CREATED = SINK_ITEMS.labels("201")
 _EXISTING = SINK_ITEMS.labels("409")
 
@@ -164,23 +197,27 @@ class SinkWrite:
 class EmbeddedEventSink(SqliteStore):
     """:class:`~wowd.stores.base.EventSink` of ``type`` on SQLite.
 
-    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this sink opens (and
-    closes in :meth:`close`). ``capacity``: how many aggregates' last written attributes it
-    remembers (an LRU), to tell an access change without reading the stream.
+    ``db_or_path``: a :class:`SqliteDatabase` the caller owns (the backend's, shared by the
+    sinks of every type), or a path this sink opens (and closes in :meth:`close`). ``memory``:
+    where the last written attributes of aggregates are remembered, to tell an access change
+    without reading the stream (the backend's, shared; default: one of ``capacity`` aggregates
+    of this sink's own).
     """
 
     STORE = "sink"
 
-    def __init__(self, db_or_path: SqliteDatabase | str | Path, type: AggregateType, *, capacity: int = 1024) -> None:
+    def __init__(
+        self,
+        db_or_path: SqliteDatabase | str | Path,
+        type: AggregateType,
+        *,
+        capacity: int = 1024,
+        memory: AccessMemory | None = None,
+    ) -> None:
         self.type = type
-        if capacity < 0:
-            raise InvalidInput(f"must be >= 0, got {capacity}", field="capacity")
-        self.capacity = capacity
+        self._memory = memory if memory is not None else AccessMemory(capacity)
         super().__init__(db_or_path)
         self._prepared = False
-        self._last: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
-        """Per aggregate (tenant and id), the version and attributes of the last record this sink
-        wrote."""
 
     def __repr__(self) -> str:
         return f"EmbeddedEventSink({self._db.path!r}, {self.type})"
@@ -257,8 +294,8 @@ class EmbeddedEventSink(SqliteStore):
 
     def remember(self, plan: SinkWrite) -> SinkWrite:
         """``plan`` with the attributes this sink remembers of its aggregates now."""
-        last = self._last
-        plan.remembered = {key: last.get(key) for key in plan.streams}
+        get, context, aggregate = self._memory.get, self.type.context, self.type.aggregate
+        plan.remembered = {key: get((context, aggregate, *key)) for key in plan.streams}
         return plan
 
     def written(self, plan: SinkWrite, created: int) -> None:
@@ -267,14 +304,10 @@ class EmbeddedEventSink(SqliteStore):
         the plan left records out."""
         _CREATED.inc(created)
         _EXISTING.inc(len(plan.rows) - created)
+        put, context, aggregate = self._memory.put, self.type.context, self.type.aggregate
         for key, items in plan.streams.items():
             last, access = items[-1]
-            seen = self._last.get(key)
-            if seen is None or seen[0] <= last.version:
-                self._last[key] = (last.version, access)
-            self._last.move_to_end(key)
-        while len(self._last) > self.capacity:
-            self._last.popitem(last=False)
+            put((context, aggregate, *key), last.version, access)
         if plan.bad:
             SINK_ITEMS.labels("400").inc(len(plan.bad))
             c, reason = plan.bad[0]
