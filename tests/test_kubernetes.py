@@ -38,8 +38,8 @@ from pydantic import BaseModel, SecretStr
 
 from wowd.backends import CLOSE_TIMEOUT_S
 from wowd.config import WowdSettings, load_settings, unknown_environment_keys, variable
+from wowd.daemon.firing import SETTLE_TIMEOUT_S
 from wowd.daemon.leases import RELEASE_TIMEOUT_S
-from wowd.daemon.timers import SETTLE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "kubernetes"
