@@ -25,7 +25,7 @@ from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
 from wowd.model import partition as partition_of
-from wowd.stores.base import Backend, EventSink, OutboxRound
+from wowd.stores.base import OUTBOX_SHORTCUT, Backend, EventSink, OutboxRound
 
 from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
@@ -75,7 +75,7 @@ async def feed_to_head(tmp_path: Path, b: Backend, held: HeldSlot) -> None:
 async def fire(b: Backend, read_to: int) -> tuple[list[str], int]:
     """The outbox shortcut over every partition, due by now, the feed's watermark at
     ``read_to``: the timer ids fired and how many were left for the feed."""
-    shortcut = b.outbox_shortcut
+    shortcut = b.capability(OUTBOX_SHORTCUT)
     assert shortcut is not None
     now = int(time.time() * 1000)
     done = await shortcut.fire_into_outbox(

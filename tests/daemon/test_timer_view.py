@@ -42,7 +42,7 @@ async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
 
     b = await open_embedded(settings(tmp_path))
     if request.param == "steps":
-        b.outbox_shortcut = None
+        b.offers = ()
     try:
         yield b
     finally:

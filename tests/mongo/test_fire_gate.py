@@ -284,7 +284,7 @@ class Slot:
 
     def __init__(self, tmp_path: Path, backend: Backend, log: MongoLog) -> None:
         self.settings = settings(tmp_path)
-        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, outbox_shortcut=None)
+        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, offers=())
         self.log = log
         self.gateway = Recorder()
         self.held: HeldSlot | None = None

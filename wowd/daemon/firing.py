@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from operator import attrgetter
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -39,7 +40,7 @@ from wowd.config import TimerSettings, WowdSettings
 from wowd.delivery import CommandGateway, Outcome, Retry
 from wowd.errors import StorageError
 from wowd.model import Timer, TimerChange, misfired
-from wowd.stores.base import Backend, OutboxRound, OutboxShortcut, OwnerProbe, TimerStore
+from wowd.stores.base import OUTBOX_SHORTCUT, Backend, OutboxRound, OutboxShortcut, OwnerProbe, TimerStore
 
 from .leases import HeldSlot
 from .stall import Stall
@@ -137,6 +138,8 @@ class ClaimDeliverSettle:
         self._results: list[tuple[Timer, Outcome, int]] = []
         """Outcomes recorded, not yet made into changes (:meth:`_outcome_changes`)."""
         self._room = anyio.Event()
+        self._gauges: dict[str, Any] = {}
+        """``wowd_timers_waiting`` of this slot, by reason (looked up once)."""
         self._held: HeldSlot | None = None
         self._waker: Waker | None = None
         self._settler: Settler | None = None
@@ -146,6 +149,10 @@ class ClaimDeliverSettle:
     @asynccontextmanager
     async def running(self, held: HeldSlot, waker: Waker, stall: Stall, logx: Logx) -> AsyncIterator[None]:
         self._held, self._waker = held, waker
+        self._gauges = {
+            reason: metrics.TIMERS_WAITING.labels(slot=str(held.slot), reason=reason)
+            for reason in (WAITING_FEED, WAITING_CHECK, WAITING_LIMIT, WAITING_CIRCUIT)
+        }
         settler = self._settler = Settler(
             self._store.settle,
             self._written,
@@ -173,8 +180,8 @@ class ClaimDeliverSettle:
             finally:
                 stream.left()
                 self._release(list(self._claimed.values()), STOPPED)
-                for reason in (WAITING_FEED, WAITING_CHECK, WAITING_LIMIT, WAITING_CIRCUIT):
-                    metrics.TIMERS_WAITING.labels(slot=str(held.slot), reason=reason).set(0)
+                for gauge in self._gauges.values():
+                    gauge.set(0)
                 side.cancel_scope.cancel()
                 if len(settler) and not held.valid:
                     logx.info("lease lapsed while delivering: settling %d outcomes under their claims", len(settler))
@@ -372,7 +379,7 @@ class ClaimDeliverSettle:
         """``wowd_timers_waiting{slot, reason}`` moved by ``n``."""
         assert self._held is not None
         self._waiting[reason] += n
-        metrics.TIMERS_WAITING.labels(slot=str(self._held.slot), reason=reason).set(self._waiting[reason])
+        self._gauges[reason].set(self._waiting[reason])
 
     def _record(self, t: Timer, outcome: Outcome) -> None:
         """An outcome from the stream, kept for the settler's next group."""
@@ -384,24 +391,24 @@ class ClaimDeliverSettle:
             short[t.timer_id] = anyio.current_time()
         elif short:
             short.pop(t.timer_id, None)
-        self._count_queued()
 
     def _count_queued(self) -> None:
         """``wowd_timers_waiting`` of the timers queued for a delivery slot of their target and
-        of those to be retried because their target's circuit was open."""
-        assert self._held is not None and self._stream is not None
-        slot = str(self._held.slot)
+        of those to be retried because their target's circuit was open (as timers are handed on,
+        and as each group of outcomes is taken)."""
+        assert self._stream is not None
         short = self._short_circuited
         if short:
             forget = anyio.current_time() - CIRCUIT_WAIT_FORGET_S
             for timer_id in [i for i, at in short.items() if at < forget]:
                 del short[timer_id]
-        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_LIMIT).set(self._stream.queued)
-        metrics.TIMERS_WAITING.labels(slot=slot, reason=WAITING_CIRCUIT).set(len(short))
+        self._gauges[WAITING_LIMIT].set(self._stream.queued)
+        self._gauges[WAITING_CIRCUIT].set(len(short))
 
     def _outcome_changes(self) -> list[TimerChange]:
         """The settle changes of the outcomes recorded since the last group, counted."""
         assert self._held is not None
+        self._count_queued()
         results, self._results = self._results, []
         changes = outcome_changes(results, self._held.fence, self._settings)
         count_outcomes(results, changes)
@@ -534,7 +541,8 @@ def choose(settings: WowdSettings, backend: Backend, gateway: CommandGateway, li
     """The firing of a replica: the outbox shortcut's rounds where the backend offers it, the
     gateway is the outbox and ``outbox.fast_path`` is on; else claim, deliver and settle, the
     log asked at the due times."""
-    shortcut = backend.outbox_shortcut if settings.gateway.kind == "outbox" and settings.outbox.fast_path else None
+    outbox = settings.gateway.kind == "outbox" and settings.outbox.fast_path
+    shortcut = backend.capability(OUTBOX_SHORTCUT) if outbox else None
     return Firing(
         settings=settings.timers,
         timers=backend.timers,

@@ -65,12 +65,21 @@ def _refuse_constant(name: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+_LONG_NUMBER = re.compile(r"\d{16}").search
+"""A run of digits a 64-bit integer or a double may not hold exactly."""
 
 
 def request_parts(text: str) -> tuple[str, bytes, str | None]:
     """A timer's command JSON text (``{name, body_type?, body}``) as the request's name, body
     (compact JSON bytes) and ``Command-Type``; raises ``ValueError``, ``KeyError`` or
     ``TypeError`` for an unreadable one. Numbers keep their precision (integers of any size)."""
+    if _LONG_NUMBER(text) is None:  # orjson reads an integer past 64 bits as a float
+        try:
+            doc = orjson.loads(text)  # the usual body; what it refuses goes the standard way below
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return doc["name"], orjson.dumps(_body(doc)), doc.get("body_type")
     try:
         doc = _DECODER.decode(text)
     except _NotJson:
@@ -78,11 +87,14 @@ def request_parts(text: str) -> tuple[str, bytes, str | None]:
         body_text = json.dumps(dict(command.body), separators=(",", ":"))
         return command.name, body_text.encode(), command.body_type
     name = doc["name"]
-    body = doc.get("body", {})
-    if type(body) is not dict:
-        body = dict(body)
+    body = _body(doc)
     try:
         payload = orjson.dumps(body)
     except TypeError:  # an integer beyond 64 bits, a lone surrogate: the standard encoder
         payload = json.dumps(body, separators=(",", ":")).encode()
     return name, payload, doc.get("body_type")
+
+
+def _body(doc: Any) -> dict[str, Any]:
+    body = doc.get("body", {})
+    return body if type(body) is dict else dict(body)

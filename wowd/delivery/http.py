@@ -167,11 +167,9 @@ class HttpGateway:
             unrouted = Fail(reason=f"no route for {target.name}")
             self._outcomes.outcome(target.name, unrouted, request_id)
             return unrouted
-        import yarl
-
         try:
             name, body, body_type = request_parts(timer.body)
-            url = yarl.URL(target_command_url(route.url, timer.target, name), encoded=True)
+            url = route.origin.with_path(target_command_url(route.path, timer.target, name), encoded=True)
         except (ValueError, KeyError, TypeError) as exc:
             unsafe = isinstance(exc, UnsafeSegment)
             unreadable = Fail(reason=f"refused: {exc}" if unsafe else f"unreadable command: {exc}")

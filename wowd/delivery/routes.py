@@ -77,6 +77,11 @@ class Route:
     name: str
     """``match`` of the route, :data:`FALLBACK` for ``gateway.url``."""
     url: str
+    origin: Any
+    """``yarl.URL`` of ``url`` without its path: a request's URL is its path set on this (a URL
+    parsed once per route, not once per request)."""
+    path: str
+    """The path of ``url`` (percent-encoded as given)."""
     headers: Mapping[str, str]
     """What each request of the route carries besides its own headers (the credential)."""
     secret: str
@@ -166,6 +171,7 @@ class Routes:
 
     def __init__(self, settings: GatewaySettings, *, base_headers: Mapping[str, str] = {}) -> None:
         import aiohttp  # an http gateway's own dependency
+        import yarl
 
         self._by_target: dict[str, Route | None] = {}
         contexts: dict[tuple[str, _Tls], ssl.SSLContext | bool] = {}
@@ -188,6 +194,8 @@ class Routes:
             return Route(
                 name=name,
                 url=url,
+                origin=yarl.URL(url, encoded=True).with_path("/", encoded=True),
+                path=yarl.URL(url, encoded=True).raw_path,
                 headers={**base_headers, **headers},
                 secret=secret,
                 timeout_s=timeout_s,

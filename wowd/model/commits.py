@@ -1,5 +1,5 @@
 """Commits (the log) and their codec: a stored document read into a :class:`Commit`, checked
-or on the fast path for a document of the usual shape."""
+field by field, or at once for a document of the usual shape."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from wowd.errors import ConfigError, InvalidInput
 from wowd.model import (
@@ -54,6 +54,8 @@ __all__ = [
     "Log",
     "Outbox",
     "OUTBOX_TAKE_LEASE",
+    "Capability",
+    "OUTBOX_SHORTCUT",
     "OutboxFired",
     "OutboxRound",
     "OutboxShortcut",
@@ -68,6 +70,17 @@ __all__ = [
     "TimerStore",
     "consumers_of",
 ]
+
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True, slots=True)
+class Capability(Generic[C]):
+    """What only some backends can do (a protocol of this module), as :meth:`Backend.capability`
+    is asked for it; a store implementing it names it in its class's ``CAPABILITIES``."""
+
+    name: str
 
 
 class Ddl(StrEnum):
@@ -729,9 +742,10 @@ class OutboxFired:
 
 
 class OutboxShortcut(Protocol):
-    """A capability of a backend whose timers, log and outbox share one transaction (the embedded
-    file): the outbox gateway's round in one write, with no claim (the claim, the outbox insert
-    and the settle of the claim, deliver and settle path, at once)."""
+    """A capability (:meth:`Backend.capability`) of a backend whose timers, log and outbox share
+    one transaction (the embedded file): the outbox gateway's round in one write, with no claim
+    (the claim, the outbox insert and the settle of the claim, deliver and settle path, at
+    once)."""
 
     async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
         """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
@@ -748,6 +762,10 @@ class OutboxShortcut(Protocol):
         and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose
         rule or next occurrence cannot be computed is set FAILED as ``claim_due`` does."""
         ...
+
+
+OUTBOX_SHORTCUT: Capability[OutboxShortcut] = Capability("outbox shortcut")
+"""The capability :class:`OutboxShortcut`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -820,9 +838,10 @@ class Backend:
     sink_factory: Callable[[AggregateType], EventSink] | None
     """``None``: no event index (``sink = "none"``). A sink it makes uses the backend's
     resources only: one dropped from the sinks kept needs no closing."""
-    outbox_shortcut: OutboxShortcut | None = None
-    """The outbox gateway's round in one transaction (:class:`OutboxShortcut`), when the
-    backend's timers, log and outbox share one (the embedded file)."""
+    offers: tuple[object, ...] = ()
+    """What the backend can do beyond the protocols every backend has (:meth:`capability`): its
+    stores that implement a capability, each naming the capabilities it implements in its class's
+    ``CAPABILITIES``."""
     feed_writer: FeedWriter | None = None
     """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
     (the embedded backend)."""
@@ -832,6 +851,14 @@ class Backend:
     the replica's owner key): a replica checks it before it takes a slot."""
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     _sinks: OrderedDict[AggregateType, EventSink] = field(default_factory=OrderedDict)
+
+    def capability(self, kind: Capability[C]) -> C | None:
+        """The store of this backend that offers the capability ``kind``, or ``None``: this
+        backend does not offer it."""
+        for store in self.offers:
+            if kind in getattr(type(store), "CAPABILITIES", ()):
+                return cast(C, store)
+        return None
 
     @property
     def has_sink(self) -> bool:

@@ -119,7 +119,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             snapshots=snapshots,
             rebuilds=snapshots,
             outbox=outbox,
-            outbox_shortcut=timers,  # the outbox table and the log are in the timers' own file
+            offers=(timers,),  # the outbox table and the log are in the timers' own file
             feed_writer=feed_writer,  # and the event sink's documents
             clock_reading=leases.clock_reading,  # the store clock: each process's own
             sink_factory=sink_factory if settings.sink != "none" else None,

@@ -8,9 +8,9 @@ target (JSON ``{context, aggregate, tenant_id, id}``), the command's JSON text, 
 of the row statement that skips a request id already there (no savepoint, no multi-row
 statement: either makes SQLite journal every index page the random request ids touch). Only when
 some request id was there already are the rows it inserted read back (by ``seq``) and the others
-recorded as re-deliveries (:func:`put_rows`). The timer store's round that fires and settles in
-one transaction (``EmbeddedTimerStore.fire_into_outbox``) writes the same rows the same way
-(:func:`entry_row`, :func:`put_rows`).
+recorded as re-deliveries (:func:`put_rows`). A timer store that fires into this table in the
+transaction that settles the timers writes the same rows the same way (:func:`entry_row`,
+:func:`put_rows`).
 
 A take holds what it read: table ``outbox_lease`` (request id, the take's id, ``until`` on the
 store clock). A take reads the oldest rows no live lease holds and leases them in the same write
@@ -139,8 +139,8 @@ def _target_json(ref: AggregateRef) -> str:
 
 
 def entry_row(e: OutboxEntry) -> tuple[Any, ...]:
-    """An entry as the row :func:`put_sql` inserts (the timer store's fast path builds the same
-    row from a timer's row: ``outbox_row`` in ``wowd.stores.embedded.timers``)."""
+    """An entry as the row :func:`put_sql` inserts (the timer store builds the same row from a
+    timer's row: ``outbox_row`` in ``wowd.stores.embedded.timer_sql``)."""
     return (
         e.request_id,
         e.timer_id,

@@ -419,8 +419,7 @@ def claim_rowid_sql(context: str) -> str:
 def fired_rowid_sql(context: str, kind: str) -> str:
     """The settle of a fired timer (``kind`` ``fired``: ``?1`` and ``?2`` its next occurrence;
     ``done``: a DONE tombstone) by ``rowid`` at its revision as read (the last two parameters),
-    in the transaction that read it (``fire_into_outbox``): the columns :func:`settle_sql` of
-    that kind writes."""
+    in the transaction that read it: the columns :func:`settle_sql` of that kind writes."""
     return (
         f"UPDATE {table_name(context)} SET {_SETTLE_SET[kind]}, revision = revision + 1"
         " WHERE rowid = ? AND revision = ?"

@@ -63,7 +63,7 @@ from wowd.model import (
     partition,
     validate_name,
 )
-from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound, TimerSearch
+from wowd.stores.base import OUTBOX_SHORTCUT, FiredTimer, OutboxFired, OutboxRound, TimerSearch
 from wowd.stores.embedded.db import (
     SqliteDatabase,
     SqliteStore,
@@ -157,6 +157,9 @@ class EmbeddedTimerStore(SqliteStore):
     """
 
     STORE = "timers"
+    CAPABILITIES = (OUTBOX_SHORTCUT,)
+    """The outbox table and the log are in this store's file: a round fires into the outbox in
+    the transaction that settles its timers (:meth:`fire_into_outbox`)."""
 
     def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str, partitions: int) -> None:
         self.context = validate_name(context, field="context")
