@@ -172,7 +172,9 @@ def _await_done(d: Daemon, progress: Progress, expected: int, timeout_s: float, 
     return wait_until(done, timeout_s, what, POLL_S)
 
 
-def catch_up(n: int, *, orders: int | None = None, timeout_s: float = 900) -> dict[str, Any]:
+def catch_up(
+    n: int, *, orders: int | None = None, timeout_s: float = 900, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``wowd demo`` appends ``n`` commits with one timer each (due at once) over ``orders``
     orders (default: one commit each); then one ``wowd run`` starts and feeds, fires and settles
     them all."""
@@ -185,7 +187,7 @@ def catch_up(n: int, *, orders: int | None = None, timeout_s: float = 900) -> di
         with _progress(db) as progress:
             in_log = progress.mark_heads()
             started = time.monotonic()
-            d = start_daemon(tmp, db, "e2e-catchup", limit=1)
+            d = start_daemon(tmp, db, "e2e-catchup", limit=1, extra_env=extra_env)
             try:
                 up_at = wait_until(lambda: d.port_file.exists() or not d.alive(), 60, "wowd run up", POLL_S)
                 fed_at = wait_until(
@@ -219,7 +221,13 @@ def catch_up(n: int, *, orders: int | None = None, timeout_s: float = 900) -> di
 
 
 def scheduled(
-    timers: int, commits: int, *, due_in_ms: int = 20_000, chunk: int = 500, timeout_s: float = 900
+    timers: int,
+    commits: int,
+    *,
+    due_in_ms: int = 20_000,
+    chunk: int = 500,
+    timeout_s: float = 900,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One ``wowd run`` holds the slot; this process appends ``commits`` commits (the demo's, over
     ``commits`` orders) carrying ``timers`` timers, every one due ``due_in_ms`` after the append
@@ -231,7 +239,7 @@ def scheduled(
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
-        with daemons(tmp, db, 1, limit=1) as ds, _progress(db) as progress:
+        with daemons(tmp, db, 1, limit=1, extra_env=extra_env) as ds, _progress(db) as progress:
             d = ds[0]
             load0 = loadavg()
             _, cpu0 = d.stats()
@@ -294,17 +302,21 @@ def scheduled(
     }
 
 
-def log_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30) -> dict[str, Any]:
+def log_steady(
+    rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Steady load through the log (:func:`bench.wowd_timers.wowd_steady`), with the load average."""
     from bench.wowd_timers import wowd_steady
 
     load0 = loadavg()
-    r = wowd_steady(rate, seconds, delay_ms=delay_ms, drain_s=drain_s)
+    r = wowd_steady(rate, seconds, delay_ms=delay_ms, drain_s=drain_s, extra_env=extra_env)
     r.update(load_before=load0, load_after=loadavg(), delay_ms=delay_ms)
     return r
 
 
-def direct_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30) -> dict[str, Any]:
+def direct_steady(
+    rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The firing path alone at a steady rate: this process inserts ``rate`` timers a second
     straight into the timer table (the store's ``put`` statement), each due ``delay_ms`` after its
     insert, for ``seconds``; one ``wowd run`` fires them."""
@@ -315,7 +327,7 @@ def direct_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s:
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
-        with daemons(tmp, db, 1, limit=1) as ds, _progress(db) as progress:
+        with daemons(tmp, db, 1, limit=1, extra_env=extra_env) as ds, _progress(db) as progress:
             d = ds[0]
             _, cpu0 = d.stats()
             conn = sqlite3.connect(str(db), timeout=30, isolation_level=None)

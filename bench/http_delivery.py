@@ -52,7 +52,16 @@ from bench.common import (
 )
 from bench.wowd_timers import PARTITIONS, daemons, wait_until
 
-__all__ = ["Target", "http_bare", "http_burst", "http_steady", "run_bare", "serve", "target_server"]
+__all__ = [
+    "Target",
+    "http_bare",
+    "http_burst",
+    "http_one_service",
+    "http_steady",
+    "run_bare",
+    "serve",
+    "target_server",
+]
 
 _OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
@@ -315,6 +324,7 @@ def http_burst(
     signed: bool = False,
     timeout_s: float = 600,
     lead_ms: int = 300,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``n`` timers due at once, ``lead_ms`` (and 1 ms per 40 timers) after their insert began,
     fired over HTTP by one ``wowd run`` (all to one target, ``billing.invoice``); ``per_target``
@@ -325,7 +335,7 @@ def http_burst(
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
-        env = _http_env(target, concurrency, per_target)
+        env = {**_http_env(target, concurrency, per_target), **(extra_env or {})}
         if signed:
             env["WOWD_GATEWAY__SIGNING_SECRETS"] = json.dumps([SIGNING_SECRET])
         with daemons(tmp, db, 1, limit=1, extra_env=env) as ds:
@@ -355,6 +365,67 @@ def http_burst(
         "target_cpu_s": tcpu1 - tcpu0,
         "peak_rss_mb": rss,
     }
+
+
+def http_one_service(
+    target: Target,
+    *,
+    commits: int = 200,
+    timers: int = 20_000,
+    aggregates: int = 200,
+    due_in_ms: int = 8_000,
+    extra_env: dict[str, str] | None = None,
+    timeout_s: float = 300,
+) -> dict[str, Any]:
+    """One service with the default settings, through the log: ``wowd demo`` appends ``commits``
+    commits over ``aggregates`` orders carrying ``timers`` timers due ``due_in_ms`` later, then one
+    ``wowd run`` (the ``http`` gateway to ``target``, nothing else set) feeds and fires them.
+    fired/s = arrivals / (last arrival - the first due time); CPU: the replica's while it fires."""
+    from bench.e2e import demo_cli
+
+    target.reset()
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        db = tmp / "wowd.db"
+        env = {"WOWD_GATEWAY__KIND": "http", "WOWD_GATEWAY__URL": target.url, **(extra_env or {})}
+        appended = demo_cli(tmp, db, commits=commits, timers=timers, due_in_ms=due_in_ms, aggregates=aggregates)
+        expected = appended["timers"] - appended["cancelled"]
+        due = _first_due(db)
+        with daemons(tmp, db, 1, limit=1, extra_env=env) as ds:
+            (d,) = ds
+            wait_until(lambda: now_ms() >= due or not d.alive(), due_in_ms / 1000 + 60, "due time", every_s=0.001)
+            _, cpu0 = d.stats()
+            wait_until(lambda: target.count() >= expected or not d.alive(), timeout_s, "target", 0.02)
+            rss, cpu1 = d.stats()
+            if not d.alive():
+                raise RuntimeError(f"wowd exited: {d.log_tail()}")
+    arrivals = [at for at, _ in target.dump()]
+    return {
+        "timers": expected,
+        "fired": len(arrivals),
+        "fired_per_s": len(arrivals) / max((max(arrivals) - due) / 1000, 1e-3),
+        **lag_stats([at - due for at in arrivals]).as_dict(),
+        "cpu_s": cpu1 - cpu0,
+        "cpu_us_per_command": (cpu1 - cpu0) / max(len(arrivals), 1) * 1e6,
+        "peak_rss_mb": rss,
+    }
+
+
+def _first_due(db: Path) -> int:
+    """The earliest due time of the timers the log's commits schedule."""
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        dues = [
+            e["body"]["due_at"]
+            for (doc,) in conn.execute("SELECT doc FROM log")
+            for e in json.loads(doc)["events"]
+            if e["name"] == "TimerScheduled"
+        ]
+    finally:
+        conn.close()
+    return min(dues)
 
 
 def _steady_commits(count: int, due_at: int, tick: int) -> list[Any]:

@@ -110,23 +110,29 @@ def daemon_env(
             "WOWD_LOG_LEVEL": "WARNING",
             "WOWD_LOG_FORMAT": "text",
             "WOWD_SHUTDOWN__GRACE_S": "2",
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": str(code_dir()),
         }
     )
     env.update(extra or {})
     return env
 
 
+def code_dir() -> Path:
+    """The checkout whose wowd the measured processes run: ``WOWD_BENCH_CODE`` (another checkout,
+    :mod:`bench.interleave`), else this one."""
+    return Path(os.environ.get("WOWD_BENCH_CODE") or REPO)
+
+
 @functools.cache
-def _byte_compiled() -> None:
-    """Byte-compiles wowd's modules once, as installing the package does: a replica started from
-    a checkout without current bytecode (``PYTHONDONTWRITEBYTECODE``, or a module changed since)
-    compiles them at every start, a cost an installed wowd does not pay."""
-    compileall.compile_dir(REPO / "wowd", quiet=1)
+def _byte_compiled(code: Path) -> None:
+    """Byte-compiles a checkout's wowd modules once, as installing the package does: a replica
+    started from a checkout without current bytecode (``PYTHONDONTWRITEBYTECODE``, or a module
+    changed since) compiles them at every start, a cost an installed wowd does not pay."""
+    compileall.compile_dir(code / "wowd", quiet=1)
 
 
 def wowd_command() -> list[str]:
-    _byte_compiled()
+    _byte_compiled(code_dir())
     return [sys.executable, "-m", "wowd"]
 
 
@@ -268,9 +274,12 @@ def wowd_burst(
     }
 
 
-def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30) -> dict[str, Any]:
-    """One replica; this process appends ``rate`` commits a second, each scheduling one timer
-    due ``delay_ms`` after its append, for ``seconds``."""
+def wowd_steady(
+    rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: float = 30, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One replica (``extra_env``: settings over the outbox defaults); this process appends
+    ``rate`` commits a second, each scheduling one timer due ``delay_ms`` after its append, for
+    ``seconds``."""
     from wowd.demo import demo_commits
     from wowd.stores.embedded.log import EmbeddedLog
 
@@ -278,7 +287,7 @@ def wowd_steady(rate: float, seconds: float, *, delay_ms: int = 1000, drain_s: f
         tmp = Path(t)
         db = tmp / "wowd.db"
         create_timer_tables(db)
-        with daemons(tmp, db, 1, limit=1) as ds:
+        with daemons(tmp, db, 1, limit=1, extra_env=extra_env) as ds:
 
             async def produce() -> int:
                 log = EmbeddedLog(db, context=BENCH_CONTEXT, partitions=PARTITIONS)
