@@ -306,9 +306,18 @@ def _http_env(target: Target, concurrency: int, per_target: int | None) -> dict[
     return {
         "WOWD_GATEWAY__KIND": "http",
         "WOWD_GATEWAY__URL": target.url,
-        "WOWD_GATEWAY__CONCURRENCY": str(concurrency),
+        _concurrency_setting(): str(concurrency),
         "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": str(per_target if per_target is not None else concurrency),
     }
+
+
+def _concurrency_setting() -> str:
+    """The setting of the deliveries in flight in the checkout measured (an earlier wowd, side by
+    side, knows only ``WOWD_TIMERS__CONCURRENCY``)."""
+    from bench.wowd_timers import code_dir
+
+    config = (code_dir() / "wowd" / "config.py").read_text()
+    return "WOWD_GATEWAY__CONCURRENCY" if '("gateway", "concurrency")' in config else "WOWD_TIMERS__CONCURRENCY"
 
 
 SIGNING_SECRET = "whsec_" + base64.b64encode(b"wowd-bench-signing-secret-32-byte").decode()
