@@ -284,6 +284,56 @@ async def test_malformed_documents_come_as_entries_naming_the_field(log: Any) ->
     assert first.partition == p and first.aggregate == ORDER
 
 
+def schema_minimal(agg_id: str, version: int, *events: dict[str, Any]) -> dict[str, Any]:
+    """A commit as the published schema allows it at its least: no ``tenant_id`` (the default
+    tenant), no ``partition`` (its aggregate id's), no ``_id``."""
+    return {
+        "aggregate_id": agg_id,
+        "version": version,
+        "request_id": f"req-{agg_id}-{version}",
+        "create_time": 1_700_000_000_000 + version,
+        "events": list(events),
+    }
+
+
+async def test_a_commit_without_tenant_or_partition_is_read_checked_and_counted(log: Any) -> None:
+    """The schema requires neither ``tenant_id`` (absent: the default tenant) nor ``partition``
+    (absent: its aggregate id's): such a commit is read in its aggregate id's partition as one of
+    the default tenant, by a read from the start and by a following read; the log check and
+    ``last_version`` see it."""
+    (a,) = ids_in(3, 1, prefix="bare")
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=a)  # the default tenant
+    scheduled = {"name": "TimerScheduled", "body": {"key": "k", "due_at": 1, "target": {}, "command": {"name": "c"}}}
+    await log.insert_raw(ORDER, schema_minimal(a, 1, scheduled))
+    await log.insert_raw(ORDER, schema_minimal(commit("other").ref.id, 1))  # another partition's
+    assert await log.last_version(ref) == 1
+    seen: list[LogEntry] = []
+    first, second = anyio.Event(), anyio.Event()
+
+    async def tail() -> None:
+        async for batch in log.read({3: None}, follow=True):
+            seen.extend(batch.entries)
+            if len(seen) >= 1:
+                first.set()
+            if len(seen) >= 2:
+                second.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail)
+        with anyio.fail_after(5):
+            await first.wait()  # read from the start; tailing now
+        await log.insert_raw(ORDER, schema_minimal(a, 2, {"name": "TimerCancelled", "body": {"key": "k"}}))
+        with anyio.fail_after(5):
+            await second.wait()
+        tg.cancel_scope.cancel()
+    assert [(e.partition, e.error, e.commit and (e.commit.ref, e.commit.version)) for e in seen] == [
+        (3, None, (ref, 1)),
+        (3, None, (ref, 2)),
+    ]
+    assert await log.last_version(ref) == 2
+    assert await log.committed_after([OwnerProbe(ref, 1, "k"), OwnerProbe(ref, 2, "k")]) == {0}
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

@@ -17,6 +17,7 @@ Additions (mongomock 4.3 lacks them):
   allowed to be used within an update");
 - comparison expressions in BSON order across types, a missing field below null (manual,
   "Comparison/Sort Order"); ``$add`` of a Date and milliseconds (manual, "$add");
+- ``$type`` of an array of types (manual, "$type": "Querying by Multiple Data Types");
 - ``$not`` of its one-element argument array (manual, "$not (aggregation)": ``{$not:
   [<expression>]}`` is true when the expression is false, null, 0 or missing; mongomock negates
   the array itself, always false).
@@ -196,6 +197,17 @@ def _ms(d: datetime.datetime) -> int:
 
 
 mm_aggregate._Parser = _Parser  # every mongomock stage evaluates expressions through it
+
+
+def _type_of_any(doc_val: Any, search_val: Any) -> bool:
+    """``$type`` of one type or of an array of types (manual, "$type": "Querying by Multiple
+    Data Types": the field matches when its type is any of them); mongomock takes one."""
+    if isinstance(search_val, list):
+        return any(filtering._type_op(doc_val, t) for t in search_val)
+    return bool(filtering._type_op(doc_val, search_val))
+
+
+filtering._filterer_inst._operator_map["$type"] = _type_of_any
 
 
 def sort_docs(docs: list[dict[str, Any]], spec: Mapping[str, Any]) -> list[dict[str, Any]]:

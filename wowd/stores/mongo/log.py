@@ -99,13 +99,13 @@ from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
     COUNTED_FILTER,
     QUARANTINE_SEQ_ID,
+    REGULAR_RANGE,
     RESUME_POINT_GONE,
     SCAN_INDEX,
     SCAN_SORT,
     ClusterTime,
     Doc,
     _HistoryLost,
-    _is_int,
     _object_ids,
     _Part,
     change_stream_pipeline,
@@ -123,13 +123,16 @@ from wowd.stores.mongo.log_queries import (
     log_collection_prefix,
     log_indexes,
     logger,
+    partition_of,
     quarantine_doc,
     quarantine_indexes,
     quarantine_item,
     quarantined_filter,
-    scan_bounds,
-    scan_filter,
+    scan_find,
+    scan_key,
+    scan_ranges,
     seq_number,
+    stored_tenant,
     token_cluster_time,
 )
 
@@ -363,7 +366,7 @@ class MongoLog(MongoStore):
                 ).to_list(None)
             commits: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
             for d in docs:
-                commits.setdefault((d.get("tenant_id"), d.get("aggregate_id")), []).append(d)
+                commits.setdefault((stored_tenant(d), d.get("aggregate_id")), []).append(d)
             for i in indexes:
                 p = probes[i]
                 for d in commits.get((p.ref.tenant_id, p.ref.id), ()):
@@ -497,6 +500,10 @@ class MongoLog(MongoStore):
     async def _scan_partition(
         self, p: int, s: _Part, batch_size: int, session: AsyncClientSession
     ) -> AsyncGenerator[LogBatch, None]:
+        """Each log collection's ranges of :func:`scan_ranges` in order, each one ``find``
+        bounded on the ``partition_order`` index (:func:`scan_find`), from the scan key when
+        resumed; of the ranges besides the partition's own, only the commits whose partition
+        (:func:`partition_of`) is ``p``."""
         assert s.ct is not None and s.scan is not None
         names = await self._log_collections(session)
         after = s.scan
@@ -507,33 +514,30 @@ class MongoLog(MongoStore):
             aggregate = self._aggregate_of(name)
             assert aggregate is not None
             key = after if after and name == after.get("c") else None
+            first = int(key.get("r", REGULAR_RANGE)) if key else 0
             coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            bounds: dict[str, Any] = {}
-            if key:
-                lower, upper = scan_bounds(p, key)
-                bounds = {"hint": SCAN_INDEX, "min": lower, "max": upper}
-            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session, **bounds)
-            try:
-                while True:
-                    with self._call("scan"):
-                        docs = await cursor.to_list(batch_size - len(entries))
-                    if not docs:
-                        break
-                    for doc in docs:
-                        scan_key = {
-                            "c": name,
-                            "a": doc.get("aggregate_id"),
-                            "v": doc.get("version"),
-                            "id": doc.get("_id"),
-                        }
-                        position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
-                        entries.append(self._entry(position, p, aggregate, doc))
-                    if len(entries) >= batch_size:
-                        yield _batch(entries)
-                        entries = []
-            finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                    await cursor.close()
+            for range_ in range(first, len(scan_ranges(p, self.partitions))):
+                flt, lower, upper = scan_find(p, self.partitions, range_, key if range_ == first else None)
+                cursor = coll.find(
+                    flt, sort=SCAN_SORT, batch_size=batch_size, session=session, hint=SCAN_INDEX, min=lower, max=upper
+                )
+                try:
+                    while True:
+                        with self._call("scan"):
+                            docs = await cursor.to_list(batch_size - len(entries))
+                        if not docs:
+                            break
+                        for doc in docs:
+                            if range_ != REGULAR_RANGE and partition_of(doc, self.partitions)[0] != p:
+                                continue  # another partition's commit stored without a regular partition
+                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key(name, range_, doc)}
+                            entries.append(self._entry(position, p, aggregate, doc))
+                        if len(entries) >= batch_size:
+                            yield _batch(entries)
+                            entries = []
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+                        await cursor.close()
         if entries:
             yield _batch(entries)
 
@@ -548,7 +552,7 @@ class MongoLog(MongoStore):
             kwargs["start_at_operation_time"] = Timestamp(*start.ct)
         else:
             kwargs["start_after"] = start.token
-        pipeline = change_stream_pipeline(self.context, list(parts))
+        pipeline = change_stream_pipeline(self.context, list(parts), self.partitions)
         async with self._client.start_session(causal_consistency=False) as session:
             with self._stream_errors("watch", answered=False):
                 stream = await self._db.watch(
@@ -667,9 +671,9 @@ class MongoLog(MongoStore):
         doc = change.get("fullDocument")
         if aggregate is None or not isinstance(doc, Mapping):
             return None
-        p = doc.get("partition")
-        if not _is_int(p) or p not in parts:
-            return None
+        p = partition_of(doc, self.partitions)[0]
+        if p not in parts:
+            return None  # another replica's (a commit without a regular partition reaches every stream)
         s = parts[p]
         token = change.get("_id")
         ct = cluster_time_of(change.get("clusterTime")) or token_cluster_time(token)
@@ -680,14 +684,13 @@ class MongoLog(MongoStore):
         return self._entry(position, p, aggregate, doc)
 
     def _entry(self, position: Position, p: int, aggregate: AggregateType, doc: Mapping[str, Any]) -> LogEntry:
+        """The entry of a commit read in partition ``p`` (:func:`partition_of`'s): a commit, or
+        what is wrong with it (the commit's fields first, then its ``partition``)."""
         try:
             commit = commit_from_doc(aggregate, doc)
-            expected = partition(commit.ref.id, self.partitions)
-            if expected != p:
-                raise InvalidInput(
-                    f"is {p}, but the aggregate id belongs to partition {expected} of {self.partitions}",
-                    field="partition",
-                )
+            wrong = partition_of(doc, self.partitions)[1]
+            if wrong is not None:
+                raise InvalidInput(wrong, field="partition")
         except (InvalidInput, ConfigError) as exc:
             return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc, error=str(exc))
         return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)

@@ -1,0 +1,115 @@
+"""The MongoDB log against what the published commit schema allows and what it refuses, on the
+simulator: a commit whose ``partition`` is missing is read in its aggregate id's partition, one
+whose ``partition`` is anything but that integer is read there (or in the range its number names)
+and comes as an entry naming ``partition``, to be quarantined: none is dropped, by a re-read
+from the collections or by the change stream. (A commit without ``tenant_id`` or ``partition``
+is the contract suite's: the embedded log reads it the same.)"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import pytest
+from pymongo import AsyncMongoClient
+
+from tests.mongosim import Settings, WireServer, serving
+from wowd.model import AggregateType, LogEntry, partition
+from wowd.stores.mongo.log import MongoLog
+
+pytestmark = pytest.mark.anyio
+
+PARTITIONS = 8
+ORDER = AggregateType(context="ctx", aggregate="order")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[WireServer]:
+    with serving(Settings(noop_interval=0.05)) as s:
+        yield s
+
+
+@pytest.fixture
+async def log(server: WireServer, request: pytest.FixtureRequest) -> AsyncIterator[MongoLog]:
+    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    store = MongoLog(client, f"schema_{request.node.name[:40]}", context="ctx", partitions=PARTITIONS)
+    try:
+        await store.prepare()
+        yield store
+    finally:
+        await store.close()
+        await client.close()
+
+
+def id_in(p: int) -> str:
+    return next(f"a-{i}" for i in range(1000) if partition(f"a-{i}", PARTITIONS) == p)
+
+
+def doc(agg_id: str, version: int, **fields: Any) -> dict[str, Any]:
+    return {
+        "aggregate_id": agg_id,
+        "version": version,
+        "request_id": f"r-{agg_id}-{version}",
+        "create_time": 1,
+        "events": [],
+        **fields,
+    }
+
+
+async def test_every_partition_the_schema_refuses_is_read_and_named_never_dropped(log: MongoLog) -> None:
+    a = id_in(2)
+    bad = [
+        doc(a, 1, partition="2"),  # not a number: the aggregate id's partition
+        doc(a, 2, partition=99),  # out of range: the aggregate id's
+        doc(a, 3, partition=-1),
+        doc(a, 4, partition=2.5),  # a number in range: its floor's, not an integer
+        doc(a, 5, partition=5),  # another partition's: read there, its aggregate id's is 2
+        doc(a, 6),  # none: the aggregate id's, and nothing wrong
+        doc(a, 7, partition=2.0),  # the number 2: nothing wrong
+    ]
+    for d in bad:
+        await log.insert_raw(ORDER, d)
+
+    def seen(entries: list[LogEntry], version_base: int) -> dict[int, tuple[int, str | None]]:
+        return {e.raw["version"] - version_base: (e.partition, e.error) for e in entries}
+
+    def expected(version_base: int) -> dict[int, tuple[int, str | None]]:
+        return {
+            1: (2, "partition: is '2', not an integer in [0, 8)"),
+            2: (2, "partition: is 99, not an integer in [0, 8)"),
+            3: (2, "partition: is -1, not an integer in [0, 8)"),
+            4: (2, "partition: is 2.5, not an integer"),
+            5: (5, "partition: is 5, but the aggregate id belongs to partition 2 of 8"),
+            6: (2, None),
+            7: (2, None),
+        }
+
+    entries: list[LogEntry] = []
+    tailing = anyio.Event()
+    streamed = anyio.Event()
+
+    async def tail() -> None:
+        async for batch in log.read({0: None, 2: None, 5: None}, follow=True):
+            entries.extend(batch.entries)
+            if batch.watermark is not None and batch.covers is None:
+                tailing.set()  # re-read from the collections, and the change stream answered
+            if len(entries) == 2 * len(bad):
+                streamed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail)
+        with anyio.fail_after(10):
+            await tailing.wait()
+        assert seen(entries, 0) == expected(0)  # the re-read
+        for d in bad:  # the same again, read by the change stream
+            await log.insert_raw(ORDER, {**d, "version": d["version"] + 10, "request_id": d["request_id"] + "+"})
+        with anyio.fail_after(10):
+            await streamed.wait()
+        tg.cancel_scope.cancel()
+    assert seen(entries[len(bad) :], 10) == expected(10)
