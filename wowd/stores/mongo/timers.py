@@ -113,6 +113,17 @@ log = logging.getLogger(__name__)
 __all__ = ["MongoTimerStore"]
 
 
+def _has_ttl(indexes: Mapping[str, Any]) -> bool:
+    """Whether ``indexes`` (by name) hold the tombstones' TTL index (:func:`ttl_index_spec`: its
+    name, key and ``expireAfterSeconds``)."""
+    spec, found = ttl_index_spec(), indexes.get(TTL_INDEX)
+    return (
+        found is not None
+        and list(found["key"].items()) == list(spec["key"].items())
+        and found.get("expireAfterSeconds") == spec["expireAfterSeconds"]
+    )
+
+
 class MongoTimerStore(MongoStore):
     """The :class:`~wowd.stores.base.TimerStore` of one context on MongoDB.
 
@@ -202,12 +213,14 @@ class MongoTimerStore(MongoStore):
             known[name] = aggregate
         self._known = known
         if self.ddl is Ddl.NONE:
-            # registered in format 6 and assumed to exist: a put goes straight to its upsert. (AUTO
-            # still makes sure of the indexes once: a replica may have registered the type and died
-            # before creating them; VALIDATE checks them.)
+            # registered in format 6 and assumed to exist: its indexes are looked at once, then a
+            # put goes straight to its upsert. (AUTO still makes sure of the indexes once: a
+            # replica may have registered the type and died before creating them; VALIDATE
+            # checks them.)
             for name in sorted(set(known) - self._ready - self._ttl_checked):
+                indexes = await self._validate_indexes(name)  # the TTL index aside: refused without the others
                 self._ttl_checked.add(name)
-                if not await self._ttl_present(name):
+                if not _has_ttl(indexes):
                     log.warning(
                         "timer collection %s has no TTL index %s: its tombstones never expire (ddl=none "
                         "creates nothing and sweep is the TTL index's on MongoDB); create %s on it, or "
@@ -261,21 +274,20 @@ class MongoTimerStore(MongoStore):
             )
 
     async def _ttl_present(self, name: str) -> bool:
-        """Whether the collection ``name`` has the tombstones' TTL index (:func:`ttl_index_spec`:
-        its name, key and ``expireAfterSeconds``); a missing collection has none."""
+        """Whether the collection ``name`` has the tombstones' TTL index (:func:`_has_ttl`); a
+        missing collection has none."""
+        return _has_ttl(await self._indexes(name))
+
+    async def _indexes(self, name: str) -> dict[str, Any]:
+        """The indexes of the collection ``name`` by name (``listIndexes``); none for a missing
+        collection (26 NamespaceNotFound)."""
         try:
             with self._deadline():
-                indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
+                return {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
         except OperationFailure as exc:
             if exc.code == 26:  # NamespaceNotFound
-                return False
+                return {}
             raise
-        spec, found = ttl_index_spec(), indexes.get(TTL_INDEX)
-        return (
-            found is not None
-            and list(found["key"].items()) == list(spec["key"].items())
-            and found.get("expireAfterSeconds") == spec["expireAfterSeconds"]
-        )
 
     async def missing_ttl(self) -> list[str]:
         """The registered timer collections of the context that lack the tombstones' TTL index
@@ -320,6 +332,8 @@ class MongoTimerStore(MongoStore):
                 raise other_format(f"mongodb timers: {name}", doc.get("format"), TIMER_FORMAT)
             await self._validate_indexes(name)
         else:
+            if self.ddl is Ddl.NONE:
+                await self._validate_indexes(name)  # before the registry names it to the reads
             doc, _ = await self._register(name, aggregate)
             if doc.get("format") == TIMER_UPGRADES_FROM:
                 await self._upgrade(name)
@@ -371,21 +385,36 @@ class MongoTimerStore(MongoStore):
         if await self._is_sharded():
             await self._shard(name)
 
-    async def _validate_indexes(self, name: str) -> None:
+    async def _validate_indexes(self, name: str) -> dict[str, Any]:
         """Each index of :func:`index_specs` by name, with its keys *in order* (a compound index
-        on the same keys in another order serves other queries), filter and uniqueness."""
-        with self._deadline():  # a missing collection lists no index (PyMongo answers code 26 so)
-            indexes = {doc["name"]: doc async for doc in await self._db[name].list_indexes()}
-        for spec in index_specs():
-            found = indexes.get(spec["name"])
-            if (
-                found is None
-                or list(found["key"].items()) != list(spec["key"].items())
-                or found.get("partialFilterExpression") != spec.get("partialFilterExpression")
-                or bool(found.get("unique", False)) != bool(spec.get("unique", False))
-                or found.get("expireAfterSeconds") != spec.get("expireAfterSeconds")
-            ):
-                raise FormatError(f"mongodb timers: {name} lacks the index {spec} (ddl=validate)")
+        on the same keys in another order serves other queries), filter and uniqueness: a
+        :class:`FormatError` naming those missing or different. ``ddl=none`` leaves out the TTL
+        index (its absence only keeps tombstones: a warning, and ``wowd check`` fails on it) and
+        names a missing collection: the collection of a new aggregate type is created by nobody
+        then, and its first put would make one without a unique key (a replayed put would make
+        a second live timer of a key: a double delivery), a due index or a TTL index. Answers the
+        indexes found."""
+        indexes = await self._indexes(name)
+        wanted = [s for s in index_specs() if self.ddl is not Ddl.NONE or s["name"] != TTL_INDEX]
+        lacking = [
+            spec
+            for spec in wanted
+            if (found := indexes.get(spec["name"])) is None
+            or list(found["key"].items()) != list(spec["key"].items())
+            or found.get("partialFilterExpression") != spec.get("partialFilterExpression")
+            or bool(found.get("unique", False)) != bool(spec.get("unique", False))
+            or found.get("expireAfterSeconds") != spec.get("expireAfterSeconds")
+        ]
+        if not lacking:
+            return indexes
+        if self.ddl is Ddl.NONE:
+            what = "does not exist" if not indexes else f"lacks the indexes {', '.join(s['name'] for s in lacking)}"
+            raise FormatError(
+                f"mongodb timers: {name} {what}, and WOWD_MONGODB__DDL=none creates nothing: its timers cannot be "
+                f"kept (no unique key, no due index). Create the collection and its indexes {lacking} "
+                "(docs/stores.md), or start once with WOWD_MONGODB__DDL=auto"
+            )
+        raise FormatError(f"mongodb timers: {name} lacks the index {lacking[0]} (ddl=validate)")
 
     async def _is_sharded(self) -> bool:
         if self.sharding is MongoSharding.OFF:
@@ -682,18 +711,27 @@ class MongoTimerStore(MongoStore):
         return claimed
 
     async def _confirm(self, claimed: list[Timer]) -> list[Timer]:
-        """After a partial claim: the timers whose stored document is the claim written. A
-        tombstone at the claim's revision (a cancel that won the race raised the revision as the
-        claim would have) is not a claim: skipped, not decoded."""
-        mine: list[Timer] = []
+        """After a partial claim: the timers whose stored document is the claim written, read
+        back in one ``find`` per collection (a ``$or`` of the claims' :func:`settle_filter`,
+        each over the unique index). A tombstone at the claim's revision (a cancel that won the
+        race raised the revision as the claim would have) is not a claim: skipped, not decoded."""
+        by_collection: dict[str, list[Timer]] = {}
         for t in claimed:
-            coll = self._collection(t.owner)
-            doc = await coll.find_one(settle_filter(t))  # the claim's timer at its revision
-            if doc is not None and doc.get("status") == TimerStatus.FIRING.value:
-                stored = timer_from_doc(doc, context=self.context, aggregate=t.owner.aggregate)
-                if stored.claim == t.claim:
-                    mine.append(stored)
-        return mine
+            by_collection.setdefault(self.collection_name(t.owner.aggregate), []).append(t)
+        mine: list[Timer] = []
+        for name, group in by_collection.items():
+            wanted: dict[tuple[Any, Any, Any], Timer] = {(t.owner.tenant_id, t.owner.id, t.key): t for t in group}
+            for part in split_to_fit(group, lambda ts: {"$or": [settle_filter(t) for t in ts]}):
+                async for doc in self._db[name].find({"$or": [settle_filter(t) for t in part]}):
+                    owner = doc.get("owner") or {}
+                    asked = wanted.get((owner.get("tenant_id"), owner.get("id"), doc.get("key")))
+                    if asked is None or doc.get("status") != TimerStatus.FIRING.value:
+                        continue
+                    stored = timer_from_doc(doc, context=self.context, aggregate=asked.owner.aggregate)
+                    if stored.claim == asked.claim:
+                        mine.append(stored)
+        order = {t.timer_id: i for i, t in enumerate(claimed)}
+        return sorted(mine, key=lambda t: order.get(t.timer_id, len(order)))
 
     async def _fail_undecodable(self, bad: list[tuple[dict[str, Any], Exception]]) -> None:
         by_collection: dict[str, list[tuple[dict[str, Any], str]]] = {}
