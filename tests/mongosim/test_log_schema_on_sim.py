@@ -113,3 +113,49 @@ async def test_every_partition_the_schema_refuses_is_read_and_named_never_droppe
             await streamed.wait()
         tg.cancel_scope.cancel()
     assert seen(entries[len(bad) :], 10) == expected(10)
+
+
+async def test_a_context_never_reads_another_contexts_log_as_its_own(server: WireServer) -> None:
+    """Collection names join the context and the aggregate with ``__``: a context name with ``__``
+    in it (or ``_`` at an end) would name another's collections (``shop__eu``'s ``order`` and
+    ``shop``'s ``eu__order``: one log, one timer collection, each context firing the other's
+    timers). Such a name is refused; and a context never takes a collection whose aggregate part
+    could not be its own (one another deployment wrote) for one of its types, by listing or
+    by stream."""
+    from wowd.errors import ConfigError
+    from wowd.stores.mongo.timers import MongoTimerStore
+
+    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    for bad in ("shop__eu", "shop_", "_shop"):
+        with pytest.raises(ConfigError, match="cannot be told apart"):
+            MongoLog(client, "ctxs", context=bad, partitions=PARTITIONS)
+        with pytest.raises(ConfigError, match="cannot be told apart"):
+            MongoTimerStore(client, "ctxs", context=bad, partitions=PARTITIONS)
+    shop = MongoLog(client, "ctxs", context="shop", partitions=PARTITIONS)
+    a = id_in(1)
+    await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 1), "partition": 1})  # shop__eu's
+    await shop.insert_raw(AggregateType(context="shop", aggregate="order"), {**doc(a, 1), "partition": 1})
+    assert await shop.aggregate_types() == [AggregateType(context="shop", aggregate="order")]
+    entries: list[LogEntry] = []
+    tailing, streamed = anyio.Event(), anyio.Event()
+
+    async def tail() -> None:
+        async for batch in shop.read({1: None}, follow=True):
+            entries.extend(batch.entries)
+            if batch.watermark is not None:
+                tailing.set()
+            if len(entries) >= 2:
+                streamed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail)
+        with anyio.fail_after(10):
+            await tailing.wait()
+        await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 2), "partition": 1})
+        await shop.insert_raw(AggregateType(context="shop", aggregate="order"), {**doc(a, 2), "partition": 1})
+        with anyio.fail_after(10):
+            await streamed.wait()
+        tg.cancel_scope.cancel()
+    assert [(e.aggregate.aggregate, e.raw["version"]) for e in entries] == [("order", 1), ("order", 2)]
+    await shop.close()
+    await client.close()

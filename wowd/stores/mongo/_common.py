@@ -14,6 +14,7 @@ metered call (deadline, error translation, latency and unavailability metrics).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -67,6 +68,8 @@ __all__ = [
     "MongoStore",
     "checkpoint_collection",
     "collection_name",
+    "collection_pattern",
+    "mongo_name",
     "duplicate_keys",
     "durable_or_raise",
     "is_duplicate_key",
@@ -103,23 +106,48 @@ REPLICA_COLLECTION = "cosid_replica"
 """The presence records (one document per replica of every namespace, holder or standby)."""
 
 
+NAME_PART = "[a-z0-9-]+(?:_[a-z0-9-]+)*"
+"""A context or aggregate name as it may stand in a collection name (:func:`mongo_name`)."""
+
+
+def mongo_name(value: str, *, field: str) -> str:
+    """A context or aggregate name (:func:`~wowd.model.validate_name`) that keeps the collection
+    names ``wow_<kind>__<context>__<aggregate>`` apart: no ``__`` in it, no ``_`` first or last.
+    Otherwise two pairs would name one collection (context ``shop``'s aggregate ``eu__order``
+    and context ``shop__eu``'s ``order``: their timers in one collection, each context firing
+    the other's) and a context would read another's log as its own types: a
+    :class:`~wowd.errors.ConfigError`."""
+    validate_name(value, field=field)
+    if "__" in value or value.startswith("_") or value.endswith("_"):
+        raise ConfigError(
+            f"{field}: {value!r} cannot be told apart in MongoDB collection names (wow_<kind>__<context>__<aggregate>,"
+            " where '__' separates the parts): use no '__' in it and no '_' at its start or end"
+        )
+    return value
+
+
 def collection_name(kind: str, context: str, aggregate: str) -> str:
     """``wow_<kind>__<context>__<aggregate>``: the rule of the per-type collections."""
-    validate_name(context, field="context")
-    validate_name(aggregate, field="aggregate")
-    return f"wow_{kind}__{context}__{aggregate}"
+    return f"wow_{kind}__{mongo_name(context, field='context')}__{mongo_name(aggregate, field='aggregate')}"
+
+
+def collection_pattern(kind: str, context: str) -> str:
+    """The regular expression of the names of ``context``'s per-type collections of ``kind``
+    (:func:`collection_name`): another context's never matches, whatever its name."""
+    prefix = f"wow_{kind}__{mongo_name(context, field='context')}__"
+    return f"^{re.escape(prefix)}{NAME_PART}$"
 
 
 def checkpoint_collection(context: str) -> str:
-    return f"wow_checkpoint__{validate_name(context, field='context')}"
+    return f"wow_checkpoint__{mongo_name(context, field='context')}"
 
 
 def quarantine_collection(context: str) -> str:
-    return f"wow_quarantine__{validate_name(context, field='context')}"
+    return f"wow_quarantine__{mongo_name(context, field='context')}"
 
 
 def outbox_collection(context: str) -> str:
-    return f"wow_outbox__{validate_name(context, field='context')}"
+    return f"wow_outbox__{mongo_name(context, field='context')}"
 
 
 DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)

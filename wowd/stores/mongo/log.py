@@ -82,7 +82,6 @@ from wowd.model import (
     commit_from_doc,
     commit_to_doc,
     partition,
-    validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.mongo._common import (
@@ -91,7 +90,9 @@ from wowd.stores.mongo._common import (
     MongoStore,
     checkpoint_collection,
     collection_name,
+    collection_pattern,
     duplicate_keys,
+    mongo_name,
     quarantine_collection,
     write_one,
 )
@@ -175,7 +176,7 @@ class MongoLog(MongoStore):
         idle_advance: timedelta | None = timedelta(minutes=1),
         scan_catch_up: timedelta = timedelta(minutes=1),
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         if partitions < 1:
             raise ConfigError(f"partitions: must be >= 1, got {partitions}")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
@@ -185,6 +186,7 @@ class MongoLog(MongoStore):
         self._idle_advance_s = int(idle_advance.total_seconds()) if idle_advance is not None else None
         self._catch_up_s = scan_catch_up.total_seconds()
         self._prefix = log_collection_prefix(context)
+        self._pattern = collection_pattern("log", context)
         self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
         self._quarantine: AsyncCollection[Doc] = self._db[quarantine_collection(context)]
         self._ensured: set[str] = set()
@@ -196,8 +198,8 @@ class MongoLog(MongoStore):
         return collection_name("log", self.context, aggregate)
 
     def _aggregate_of(self, coll: str) -> AggregateType | None:
-        if not coll.startswith(self._prefix):
-            return None
+        if not re.match(self._pattern, coll):
+            return None  # not this context's (another context's of a name this one starts with)
         try:
             return AggregateType(context=self.context, aggregate=coll[len(self._prefix) :])
         except (ConfigError, InvalidInput):
@@ -232,7 +234,7 @@ class MongoLog(MongoStore):
     async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
         with self._call("list"):
             names = await self._db.list_collection_names(
-                session=session, filter={"name": {"$regex": "^" + re.escape(self._prefix)}}
+                session=session, filter={"name": {"$regex": collection_pattern("log", self.context)}}
             )
         return sorted(n for n in names if self._aggregate_of(n) is not None)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,10 +28,11 @@ from wowd.model import (
     AggregateType,
     Position,
     partition,
-    validate_name,
 )
 from wowd.stores.mongo._common import (
     HISTORY_LOST_CODES,
+    collection_pattern,
+    mongo_name,
 )
 
 __all__ = [
@@ -77,9 +77,9 @@ CappedPositionLost: the oplog was truncated under the stream's position)."""
 
 
 def log_collection_prefix(context: str) -> str:
-    """``wow_log__<context>__``: every log collection of the context starts so."""
-    validate_name(context, field="context")
-    return f"wow_log__{context}__"
+    """``wow_log__<context>__``: every log collection of the context starts so (and so do those
+    of no other context: :func:`~wowd.stores.mongo._common.mongo_name`)."""
+    return f"wow_log__{mongo_name(context, field='context')}__"
 
 
 def log_indexes() -> list[Doc]:
@@ -174,7 +174,7 @@ def change_stream_match(context: str, partitions: Sequence[int], count: int) -> 
     the schema does not require it). Those are seen by every replica's stream and kept by the
     one holding the partition :func:`partition_of` gives them (computed from the aggregate id)."""
     return {
-        "ns.coll": {"$regex": "^" + re.escape(log_collection_prefix(context))},
+        "ns.coll": {"$regex": collection_pattern("log", context)},
         "operationType": "insert",
         "$or": [
             {"fullDocument.partition": {"$in": sorted(partitions)}},

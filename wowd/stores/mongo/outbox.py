@@ -25,12 +25,13 @@ from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from wowd.errors import FormatError, InvalidInput, StorageError
-from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
+from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     MongoStore,
     duplicate_keys,
+    mongo_name,
     outbox_collection,
     write_one,
 )
@@ -121,7 +122,7 @@ class MongoOutbox(MongoStore):
         ddl: Ddl = Ddl.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self._coll: AsyncCollection[Doc] = self._db[outbox_collection(context)]
         self._ddl = Ddl(ddl)

@@ -49,7 +49,6 @@ from wowd.model import (
     SnapshotRecord,
     SnapshotSaveOutcome,
     SnapshotTable,
-    validate_name,
 )
 from wowd.stores.formats import too_new
 from wowd.stores.mongo._common import (
@@ -65,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     durable_or_raise,
     is_duplicate_key,
+    mongo_name,
     split_to_fit,
     write_one,
 )
@@ -434,7 +434,7 @@ class MongoSnapshotStore(MongoStore):
         sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS)
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)

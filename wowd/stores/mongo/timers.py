@@ -47,7 +47,6 @@ from wowd.model import (
     TimerChange,
     TimerStatus,
     TimerWrite,
-    validate_name,
 )
 from wowd.stores.base import Ddl, TimerSearch
 from wowd.stores.formats import other_format, too_new
@@ -59,10 +58,12 @@ from wowd.stores.mongo._common import (
     MongoSharding,
     MongoStore,
     collection_name,
+    collection_pattern,
     duplicate_keys,
     durable_or_raise,
     is_duplicate_key,
     is_unauthorized,
+    mongo_name,
     split_to_fit,
     write_one,
 )
@@ -155,7 +156,7 @@ class MongoTimerStore(MongoStore):
         kind: str = "timer",
         registry: str = REGISTRY,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         if partitions < 1:
             raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
@@ -180,6 +181,10 @@ class MongoTimerStore(MongoStore):
 
     def collection_name(self, aggregate: str) -> str:
         return collection_name(self._kind, self.context, aggregate)
+
+    def collection_pattern(self) -> str:
+        """The regular expression of this store's collection names (:func:`collection_pattern`)."""
+        return collection_pattern(self._kind, self.context)
 
     def _collection(self, owner: AggregateRef) -> AsyncCollection[Any]:
         if owner.context != self.context:
