@@ -915,8 +915,11 @@ async def test_auto_ddl_creates_the_log_indexes_before_the_first_append(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: log.append(commit(ID_P3, 1)))
+            # sharding=auto: is the server a mongos? (a replica set's member: the log is not sharded)
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
             ci = await rs_wire.command("createIndexes")
             assert ci["createIndexes"] == ORDERS
+            assert "aggregate_hashed" not in {i["name"] for i in ci["indexes"]}
             indexes = {i["name"]: i for i in ci["indexes"]}
             assert indexes["aggregate_request"]["key"] == {"aggregate_id": 1, "request_id": 1}
             assert indexes["aggregate_request"]["unique"] is True
@@ -944,6 +947,7 @@ async def test_the_log_indexes_of_an_existing_collection_are_built_with_no_deadl
                 call = start(tg, log.prepare)
                 lc = await rs_wire.command("listCollections")
                 lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]})
+                (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
                 ci = await rs_wire.command("createIndexes")
                 assert ci["createIndexes"] == ORDERS and "maxTimeMS" not in ci
                 ci.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)

@@ -573,12 +573,51 @@ class Engine:
     def _store_key(self, _id: Any) -> bytes:
         return _hashable(_id)
 
-    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any]) -> bytes | None:
-        """The key of ``doc`` in the unique index ``spec`` (None: outside its partial filter)."""
+    def _doc_key(self, db: str, coll: str, doc: Mapping[str, Any]) -> bytes:
+        """The store key of ``doc``: its ``_id``, and in a sharded collection its shard's name
+        too. Each shard holds its own ``_id`` index, unique on that shard only (manual, "Shard
+        Key Indexes": "the _id index only enforces the uniqueness constraint per shard if the
+        _id field is not the shard key"), so two shards may hold one ``_id``."""
+        if self.shards and (db, coll) in self.sharded:
+            return _hashable({"s": self._route(db, coll, doc), "_id": doc["_id"]})
+        return _hashable(doc["_id"])
+
+    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any], shard: int = 0) -> bytes | None:
+        """The key of ``doc`` in the unique index ``spec`` on ``shard`` (None: outside its partial
+        filter). Each shard checks its own documents only (manual, "Maintain Uniqueness in
+        Sharded Clusters"); the shard key is a prefix of every unique index of a sharded
+        collection (``createIndexes``, ``shardCollection`` refuse others), so equal keys are on
+        one shard."""
         pfe = spec.get("partialFilterExpression")
         if pfe is not None and not matches(pfe, doc):
             return None
-        return _hashable([get_path(doc, p) for p in spec["key"]])
+        return _hashable([shard, *(get_path(doc, p) for p in spec["key"])])
+
+    def _shard_of(self, db: str, coll: str, doc: Mapping[str, Any]) -> int:
+        return self._route(db, coll, doc) if self.shards and (db, coll) in self.sharded else 0
+
+    def _rekey(self, db: str, coll: str) -> None:
+        """Stores a collection's documents under their keys again (:meth:`_doc_key`) after its
+        sharding or a chunk's move, and its unique indexes' maps; two documents of one ``_id``
+        meeting on one shard: E11000, as the migration's insert on the recipient would answer."""
+        store = self._coll(db, coll)
+        rekeyed: dict[bytes, dict[str, Any]] = {}
+        for doc in store.values():
+            key = self._doc_key(db, coll, doc)
+            if key in rekeyed:
+                raise Failure(11000, f"E11000 duplicate key error collection: {db}.{coll} index: _id_ dup key: "
+                                     f"{{ _id: {doc['_id']!r} }}")  # fmt: skip
+            rekeyed[key] = doc
+        self.data[(db, coll)] = rekeyed
+        self.fields.pop((db, coll), None)  # rebuilt at the next query
+        maps: dict[str, dict[bytes, bytes]] = {}
+        for spec in self._unique_specs(db, coll):
+            m = maps[spec["name"]] = {}
+            for key, doc in rekeyed.items():
+                k = self._unique_entry(spec, doc, self._shard_of(db, coll, doc))
+                if k is not None:
+                    m[k] = key
+        self.uniques[(db, coll)] = maps
 
     def _unique_specs(self, db: str, coll: str) -> list[dict[str, Any]]:
         return [ix for ix in self.catalog[(db, coll)]["indexes"] if ix.get("unique")]
@@ -592,11 +631,11 @@ class Engine:
             for spec in self._unique_specs(db, coll):
                 m = maps.setdefault(spec["name"], {})
                 if old is not None:
-                    k = self._unique_entry(spec, old)
+                    k = self._unique_entry(spec, old, self._shard_of(db, coll, old))
                     if k is not None and m.get(k) == key:
                         del m[k]
                 if new is not None:
-                    k = self._unique_entry(spec, new)
+                    k = self._unique_entry(spec, new, self._shard_of(db, coll, new))
                     if k is not None:
                         m[k] = key
         for path, index in self.fields.get((db, coll), {}).items():
@@ -611,13 +650,13 @@ class Engine:
 
     def _check_unique(self, db: str, coll: str, doc: dict[str, Any], self_key: Any) -> None:
         """E11000 when another document has ``doc``'s key in a unique index (``_id`` included)."""
-        other = self._coll(db, coll).get(self._store_key(doc["_id"]))
+        other = self._coll(db, coll).get(self._doc_key(db, coll, doc))
         specs: list[tuple[dict[str, Any], Any]] = []
-        if other is not None and self._store_key(other["_id"]) != self_key:
+        if other is not None and self._doc_key(db, coll, other) != self_key:
             specs.append(({"key": {"_id": 1}, "name": "_id_"}, other))
         maps = self.uniques.get((db, coll), {})
         for spec in self._unique_specs(db, coll):
-            k = self._unique_entry(spec, doc)
+            k = self._unique_entry(spec, doc, self._shard_of(db, coll, doc))
             holder = None if k is None else maps.get(spec["name"], {}).get(k)
             if holder is not None and holder != self_key:
                 specs.append((spec, holder))
@@ -651,7 +690,7 @@ class Engine:
             raise Failure(2, "can't use an array for _id")
         _check_field_names(doc)
         self._check_size(doc, update=False)
-        key = self._store_key(doc["_id"])
+        key = self._doc_key(db, coll, doc)
         self._claim_doc(db, coll, key)
         self._check_unique(db, coll, doc, object())
         doc = copy.deepcopy(doc)
@@ -686,7 +725,11 @@ class Engine:
         new = {"_id": old["_id"], **{k: v for k, v in new.items() if k != "_id"}}
         _check_field_names(new)
         self._check_size(new, update=True)
-        key = self._store_key(old["_id"])
+        key = self._doc_key(db, coll, old)
+        if self._shard_of(db, coll, new) != self._shard_of(db, coll, old):
+            raise Failure(
+                2, "mongosim: an update that moves a document to another shard (its shard key) is not modelled"
+            )
         self._claim_doc(db, coll, key)
         self._check_unique(db, coll, new, key)
         if self.txn is not None:
@@ -700,7 +743,7 @@ class Engine:
         )
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
-        key = self._store_key(doc["_id"])
+        key = self._doc_key(db, coll, doc)
         self._claim_doc(db, coll, key)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
@@ -727,11 +770,12 @@ class Engine:
         ):
             return None
         store = self._coll(db, coll) if (db, coll) in self.catalog else {}
+        sharded = bool(self.shards) and (db, coll) in self.sharded
         hits = {}
         for v in values:
-            k = _hashable(v)
-            if k in store:
-                hits[k] = store[k]
+            for k in [_hashable({"s": s, "_id": v}) for s in range(len(self.shards))] if sharded else [_hashable(v)]:
+                if k in store:
+                    hits[k] = store[k]
         return list(hits.values())
 
     def _candidates(self, db: str, coll: str, flt: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -1186,6 +1230,7 @@ class Engine:
         for i in range(1, n):  # even ranges of the 64-bit hash
             chunks.append(Chunk([Int64(-(2**63) + i * (2**64 // n))] + [MinKey()] * (len(fields) - 1), i))
         self.sharded[(db, coll)] = ShardedCollection(dict(key), meta["uuid"], chunks)
+        self._rekey(db, coll)
         self._config_catalog(db, coll)
         return {"collectionsharded": f"{db}.{coll}"}
 
@@ -1284,6 +1329,11 @@ class Engine:
             raise Failure(2, f"mongosim: no chunk starts at {low} (a range inside a chunk is not modelled)")
         if chunk.shard != target:
             donor, chunk.shard = chunk.shard, target
+            try:
+                self._rekey(db, coll)  # the chunk's documents are on the recipient now
+            except Failure:
+                chunk.shard = donor
+                raise
             self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=donor)])
             self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=target)])
         self._config_catalog(db, coll)
@@ -1408,11 +1458,17 @@ class Engine:
                 raise Failure(85, f"Index already exists with a different name: {same_key['name']}")
             if len(meta["indexes"]) >= MAX_INDEXES:
                 raise Failure(67, f"add index fails, too many indexes for {db}.{coll} key:{new['key']}")
+            sc = self.sharded.get((db, coll)) if self.shards else None
+            if sc is not None and new.get("unique") and list(new["key"])[: len(sc.key)] != list(sc.key):
+                # a unique index of a sharded collection must start with the shard key's fields
+                # (manual, "Create a Unique Index on Existing Sharded Collection"; the server's
+                # check: src/mongo/s/shard_key_pattern.cpp, isUniqueIndexCompatible)
+                raise Failure(67, f"cannot create unique index over {new['key']} with shard key pattern {sc.key}")
             if new.get("unique"):
                 self._check_existing_unique(db, coll, new)
                 m = self.uniques.setdefault((db, coll), {}).setdefault(new["name"], {})
                 for key, doc in self._coll(db, coll).items():
-                    k = self._unique_entry(new, doc)
+                    k = self._unique_entry(new, doc, self._shard_of(db, coll, doc))
                     if k is not None:
                         m[k] = key
             meta["indexes"].append(new)
@@ -1819,7 +1875,7 @@ class Engine:
                     except _Retry:
                         if spec.get("limit") == 1:
                             raise  # nothing removed yet: the statement runs again from its match
-                        current = self._coll(db, coll).get(self._store_key(d["_id"]))
+                        current = self._coll(db, coll).get(self._doc_key(db, coll, d))
                         if current is not None and not matches(spec["q"], current):
                             current = None
             return {"n": n}
@@ -1882,7 +1938,7 @@ class Engine:
                 except _Retry:
                     if not multi:
                         raise  # nothing written yet: the statement runs again from its match
-                    current = self._coll(db, coll).get(self._store_key(doc["_id"]))
+                    current = self._coll(db, coll).get(self._doc_key(db, coll, doc))
                     if current is not None and not matches(flt, current):
                         current = None  # it moved out of the filter while the write waited
         if matched or not upsert:

@@ -159,3 +159,27 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(server: Wir
     assert [(e.aggregate.aggregate, e.raw["version"]) for e in entries] == [("order", 1), ("order", 2)]
     await shop.close()
     await client.close()
+
+
+async def test_on_a_sharded_cluster_the_log_is_sharded_on_the_hashed_aggregate_id() -> None:
+    """``ddl=auto`` on a ``mongos`` shards a log collection on ``{aggregate_id: "hashed"}``: the
+    unique index ``{aggregate_id, request_id}`` starts with it, and an aggregate's commits (and
+    their ``_id``, unique per shard) are on one shard. A collection an operator sharded on
+    ``{partition: 1}`` cannot hold that unique index (the server refuses it, 67): the log says
+    so, naming the key to use, instead of failing on the driver's error."""
+    from wowd.errors import ConfigError
+
+    with serving(Settings(shards=2, noop_interval=0.05)) as sharded:
+        client: AsyncMongoClient[Any] = AsyncMongoClient(sharded.uri)
+        try:
+            log = MongoLog(client, "sharded", context="ctx", partitions=PARTITIONS)
+            await log.prepare()
+            await log.insert_raw(ORDER, doc(id_in(1), 1, partition=1))
+            coll = await client.config.collections.find_one({"_id": "sharded.wow_log__ctx__order"})
+            assert coll is not None and coll["key"] == {"aggregate_id": "hashed"}
+            await client.admin.command("shardCollection", "sharded.wow_log__ctx__cart", key={"partition": 1})
+            with pytest.raises(ConfigError, match="aggregate_id"):
+                await log.insert_raw(AggregateType(context="ctx", aggregate="cart"), doc(id_in(1), 1, partition=1))
+            await log.close()
+        finally:
+            await client.close()

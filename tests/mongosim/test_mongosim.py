@@ -726,3 +726,28 @@ def test_the_plan_check_records_a_sort_needing_more_than_200_merged_scans_and_an
             assert len(server.engine.plan_findings) == 2
         finally:
             c.close()
+
+
+def test_each_shard_keeps_its_own_id_index_and_a_unique_index_starts_with_the_shard_key(
+    sharded: WireServer, mongos: Client
+) -> None:
+    """The ``_id`` index of a sharded collection is unique per shard only (manual, "Shard Key
+    Indexes"): one ``_id`` on two shards is two documents; a unique index of a sharded collection
+    must have the shard key as its prefix (manual, "Create a Unique Index on Existing Sharded
+    Collection": otherwise "MongoDB returns an error"; 67 CannotCreateIndex)."""
+    admin = mongos.admin
+    admin.command("shardCollection", "t.s", key={"k": 1})
+    admin.command("split", "t.s", middle={"k": 10})
+    admin.command("moveRange", "t.s", min={"k": 10}, toShard="shard1")
+    mongos.t.s.insert_one({"_id": 1, "k": 1})
+    mongos.t.s.insert_one({"_id": 1, "k": 11})  # shard1: its own _id index
+    with pytest.raises(DuplicateKeyError):
+        mongos.t.s.insert_one({"_id": 1, "k": 2})  # shard0 holds _id 1 already
+    assert sorted(d["k"] for d in mongos.t.s.find({"_id": 1})) == [1, 11]
+    with pytest.raises(OperationFailure) as exc:
+        mongos.t.s.create_index([("x", 1)], unique=True)
+    assert _code(exc) == 67 and "shard key pattern" in str(exc.value)
+    mongos.t.s.create_index([("k", 1), ("x", 1)], unique=True)  # the shard key first: made
+    mongos.t.s.insert_one({"_id": 2, "k": 3, "x": 1})
+    with pytest.raises(DuplicateKeyError):
+        mongos.t.s.insert_one({"_id": 3, "k": 3, "x": 1})

@@ -151,7 +151,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         ddl, sharding = Ddl(mongo.ddl), MongoSharding(mongo.sharding)
         write_concern = WriteConcern(w="majority" if mongo.write_concern == "majority" else 1)
         leases = MongoSlotLeaseStore(lease_client, database, write_concern=write_concern, ddl=ddl, **common)
-        log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, **common)
+        log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, sharding=sharding, **common)
         timers = MongoTimerStore(
             client,
             database,

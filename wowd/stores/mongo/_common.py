@@ -46,6 +46,8 @@ from wowd.model import validate_name
 from wowd.stores.base import Ddl
 
 __all__ = [
+    "ALREADY_INITIALIZED",
+    "CANNOT_CREATE_INDEX",
     "CHANGE_STREAM_UNSUPPORTED",
     "DEFAULT_OPERATION_TIMEOUT",
     "DUPLICATE_KEY",
@@ -179,6 +181,10 @@ def split_to_fit(
 
 DUPLICATE_KEY = 11000
 NAMESPACE_EXISTS = 48
+ALREADY_INITIALIZED = 23
+"""``shardCollection`` of a collection sharded on another key."""
+CANNOT_CREATE_INDEX = 67
+"""CannotCreateIndex: among others, a unique index the shard key is not a prefix of."""
 UNAUTHORIZED = 13
 CHANGE_STREAM_UNSUPPORTED = 40573
 """``$changeStream`` on a standalone server."""
@@ -350,6 +356,7 @@ class MongoStore:
         self._db: AsyncDatabase[Any] = self._client.get_database(database_name, codec_options=codec_options)
         self.operation_timeout = operation_timeout
         self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
+        self._sharded: bool | None = None
 
     @property
     def client(self) -> AsyncMongoClient[Any]:
@@ -407,6 +414,19 @@ class MongoStore:
                 time.monotonic() - started,
             )
         return reply
+
+    async def _is_sharded(self, sharding: MongoSharding) -> bool:
+        """Whether to shard the store's collections: ``on`` yes, ``off`` no, ``auto`` when the
+        server is a ``mongos`` (``hello``'s ``msg: isdbgrid``, asked once)."""
+        if sharding is MongoSharding.OFF:
+            return False
+        if sharding is MongoSharding.ON:
+            return True
+        if self._sharded is None:
+            with self._deadline():
+                hello = await self._client.admin.command("hello")
+            self._sharded = hello.get("msg") == "isdbgrid"
+        return self._sharded
 
     async def _shard_collection(
         self,

@@ -85,8 +85,11 @@ from wowd.model import (
 )
 from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.mongo._common import (
+    ALREADY_INITIALIZED,
+    CANNOT_CREATE_INDEX,
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
+    MongoSharding,
     MongoStore,
     checkpoint_collection,
     collection_name,
@@ -99,6 +102,7 @@ from wowd.stores.mongo._common import (
 from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
     COUNTED_FILTER,
+    LOG_SHARD_KEY,
     QUARANTINE_SEQ_ID,
     REGULAR_RANGE,
     RESUME_POINT_GONE,
@@ -159,6 +163,8 @@ class MongoLog(MongoStore):
     ``max_await``: how long the server holds an empty ``getMore``. ``idle_advance``: after how
     long a quiet partition moves to the stream's high-water mark. ``scan_catch_up``: after how
     long of scanning the partitions scanned so far are caught up by a stream before the next.
+    ``sharding``: with ``ddl=auto``, whether a log collection is sharded (on
+    :data:`~wowd.stores.mongo.log_queries.LOG_SHARD_KEY`) when its indexes are made sure of.
     """
 
     _label = "log"
@@ -171,6 +177,7 @@ class MongoLog(MongoStore):
         context: str,
         partitions: int,
         ddl: Ddl = Ddl.AUTO,
+        sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         max_await: timedelta = timedelta(seconds=1),
         idle_advance: timedelta | None = timedelta(minutes=1),
@@ -182,6 +189,7 @@ class MongoLog(MongoStore):
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self.partitions = partitions
         self._ddl = Ddl(ddl)
+        self._sharding = MongoSharding(sharding)
         self._max_await_ms = max(1, int(max_await.total_seconds() * 1000))
         self._idle_advance_s = int(idle_advance.total_seconds()) if idle_advance is not None else None
         self._catch_up_s = scan_catch_up.total_seconds()
@@ -215,12 +223,38 @@ class MongoLog(MongoStore):
         return self._db[name]
 
     async def _ensure(self, name: str) -> None:
+        """``ddl=auto``: the indexes (and on a sharded cluster the shard key's, then the
+        collection sharded on :data:`LOG_SHARD_KEY`); a collection already sharded on a key the
+        unique index cannot have as its prefix is a :class:`ConfigError` naming the key to use;
+        one sharded on another key that allows it is left so. ``validate``: checked."""
         if self._ddl is Ddl.AUTO:
             with self._call("prepare", bounded=False):
-                await self._create_indexes(name, log_indexes(), logger)
+                sharded = await self._is_sharded(self._sharding)
+                try:
+                    await self._create_indexes(name, log_indexes(sharded=sharded), logger)
+                except OperationFailure as exc:
+                    if exc.code == CANNOT_CREATE_INDEX and "shard key" in str(exc):
+                        raise ConfigError(
+                            f"mongodb log: {self._db.name}.{name} is sharded on a key the unique index "
+                            f"aggregate_request {{aggregate_id, request_id}} cannot start with ({exc}): shard the "
+                            f"log collections on {LOG_SHARD_KEY} (docs/stores.md)"
+                        ) from exc
+                    raise
+                if sharded:
+                    await self._shard_log(name)
         elif self._ddl is Ddl.VALIDATE:
             await self._validate(name, log_indexes())
         self._ensured.add(name)
+
+    async def _shard_log(self, name: str) -> None:
+        """``shardCollection`` on :data:`LOG_SHARD_KEY` (idempotent); already sharded on another
+        key (23 AlreadyInitialized) that the unique index could be made under: logged, left."""
+        try:
+            await self._shard_collection(name, LOG_SHARD_KEY, self._sharding, logger, what="log", bounded=False)
+        except OperationFailure as exc:
+            if exc.code != ALREADY_INITIALIZED:
+                raise
+            logger.info("log collection %s is sharded on another key than %s, left so: %s", name, LOG_SHARD_KEY, exc)
 
     async def _validate(self, name: str, indexes: Sequence[Doc]) -> None:
         """:class:`FormatError` naming the first of ``indexes`` (name, keys, unique) ``name`` lacks."""

@@ -37,6 +37,7 @@ from wowd.stores.mongo._common import (
 
 __all__ = [
     "HISTORY_LOST",
+    "LOG_SHARD_KEY",
     "RESUME_POINT_GONE",
     "RESUME_TOKEN_NOT_FOUND",
     "SCAN_SORT",
@@ -82,12 +83,28 @@ def log_collection_prefix(context: str) -> str:
     return f"wow_log__{mongo_name(context, field='context')}__"
 
 
-def log_indexes() -> list[Doc]:
-    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``."""
-    return [
+LOG_SHARD_KEY: Doc = {"aggregate_id": "hashed"}
+"""The shard key of a log collection on a sharded cluster. The aggregate id: every commit of an
+aggregate on one shard, so the ``_id`` ``{t, a, v}`` (unique per shard only) and the unique
+``{aggregate_id, request_id}`` (a unique index must have the shard key as its prefix) hold across
+the cluster, and the reads by aggregate (the log check, ``last_version``) reach one shard;
+hashed, so that time-ordered ids (Wow's, CosId's) spread their inserts over the shards instead of
+all landing in the last chunk. A partition's re-read asks every shard (it is rare: a start
+without checkpoints, a lost resume point). ``{partition: 1}`` cannot be the key: the unique
+index would not have it as its prefix (createIndexes answers 67 CannotCreateIndex)."""
+
+
+def log_indexes(*, sharded: bool = False) -> list[Doc]:
+    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``;
+    on a sharded cluster also the shard key's (:data:`LOG_SHARD_KEY`: a collection that holds
+    commits already can be sharded only with it)."""
+    specs: list[Doc] = [
         {"key": {"aggregate_id": 1, "request_id": 1}, "name": "aggregate_request", "unique": True},
         {"key": {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}, "name": "partition_order"},
     ]
+    if sharded:
+        specs.append({"key": dict(LOG_SHARD_KEY), "name": "aggregate_hashed"})
+    return specs
 
 
 def quarantine_indexes() -> list[Doc]:

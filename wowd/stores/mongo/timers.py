@@ -173,7 +173,6 @@ class MongoTimerStore(MongoStore):
         """Collections read by the union reads: name -> aggregate."""
         self._ready: set[str] = set()
         """Collections whose DDL this store made sure of (first put of the type)."""
-        self._sharded: bool | None = None
         self._ttl_checked: set[str] = set()
         """Collections whose TTL index ``ddl=none`` looked for (once each)."""
 
@@ -387,7 +386,7 @@ class MongoTimerStore(MongoStore):
             if exc.code in _INDEX_CONFLICT_CODES:
                 raise FormatError(f"mongodb timers: {name} has an index of another layout: {exc}") from exc
             raise
-        if await self._is_sharded():
+        if await self._is_sharded(self.sharding):
             await self._shard(name)
 
     async def _validate_indexes(self, name: str) -> dict[str, Any]:
@@ -421,17 +420,6 @@ class MongoTimerStore(MongoStore):
             )
         raise FormatError(f"mongodb timers: {name} lacks the index {lacking[0]} (ddl=validate)")
 
-    async def _is_sharded(self) -> bool:
-        if self.sharding is MongoSharding.OFF:
-            return False
-        if self.sharding is MongoSharding.ON:
-            return True
-        if self._sharded is None:
-            with self._deadline():
-                hello = await self._client.admin.command("hello")
-            self._sharded = hello.get("msg") == "isdbgrid"
-        return self._sharded
-
     async def _shard(self, name: str) -> None:
         """Shards by ``{partition: 1}`` (idempotent; no ``enableSharding`` needed since 6.0). The
         collection starts as one chunk: its spread over the shards is :meth:`spread_chunks`'s,
@@ -454,7 +442,7 @@ class MongoTimerStore(MongoStore):
         deadline = time.monotonic() + budget.total_seconds()
         with self._call("spread_chunks", bounded=False):
             await self._load_registry()
-            if self.partitions < 2 or not self._known or not await self._is_sharded():
+            if self.partitions < 2 or not self._known or not await self._is_sharded(self.sharding):
                 return done
             try:
                 with self._deadline():
