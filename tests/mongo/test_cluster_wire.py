@@ -691,6 +691,7 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: open_mongo(settings))
             (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            await answer_election_timeout(rs_wire)
             registry = await rs_wire.command("find")  # the one command of ddl=none
             assert registry["find"] == "wow_timer_aggregate"
             assert 0 < registry["maxTimeMS"] <= 2500
@@ -723,6 +724,7 @@ async def test_the_mongo_backend_runs_without_elasticsearch_when_it_keeps_no_ind
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: open_mongo(settings))
             (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            await answer_election_timeout(rs_wire)
             registry = await rs_wire.command("find")
             registry.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": []})
             await call.done.wait()
@@ -761,6 +763,15 @@ READ_WRITE_70 = [
 ]
 """The actions of the built-in ``readWrite`` role on its database in 7.0 (manual, Built-In Roles,
 readWrite; src/mongo/db/auth/builtin_roles.yml)."""
+
+
+async def answer_election_timeout(wire: Wire, timeout_ms: int = 10_000) -> None:
+    """``replSetGetConfig`` (at start, the lease's ttl against the election timeout), on ``admin``,
+    answered as 7.0 does (the settings a default replica set has)."""
+    req = await wire.command("replSetGetConfig")
+    assert req["$db"] == "admin"
+    req.ok(config={"_id": "rs0", "version": 1, "term": 1, "members": [{"_id": 0, "host": "localhost:27017"}],
+                   "settings": {"electionTimeoutMillis": timeout_ms, "heartbeatIntervalMillis": 2000}})  # fmt: skip
 
 
 def connection_status(privileges: list[dict[str, Any]], roles: list[dict[str, str]]) -> dict[str, Any]:

@@ -94,3 +94,42 @@ async def test_a_renewal_answers_while_the_feed_and_the_claims_connections_are_h
             tg.cancel_scope.cancel()
     finally:
         server.engine.failpoints.pop("failCommand", None)
+
+
+async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_by_wowd_check(
+    server: WireServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A holder cut off with the old primary works on until its lease's ``ttl - tolerance`` is
+    spent; a new primary can take a cancel it does not see after ``electionTimeoutMillis``.
+    Longer (15 s - 1 s against 10 s): a warning at start with the arithmetic, and ``wowd
+    check`` fails; shorter (the defaults): said; a ``mongos`` (no ``replSetGetConfig``): not
+    checked, and why."""
+    import logging
+
+    from wowd.cli.check import _election_probe
+    from wowd.config import LeaseSettings
+    from wowd.errors import ConfigError
+
+    def settings(uri: str, lease: LeaseSettings) -> WowdSettings:
+        return WowdSettings(backend="mongo", context="ctx", sink="none", lease=lease,
+                            mongodb=MongoSettings(uri=SecretStr(uri), database="elections"))  # fmt: skip
+
+    long = settings(server.uri, LeaseSettings(ttl_s=15, tolerance_s=1))
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo"):
+        opened = await open_mongo(long)
+    try:
+        assert "14000 ms >= electionTimeoutMillis 10000 ms" in caplog.text
+        with pytest.raises(ConfigError, match="WOWD_LEASE__TTL_S"):
+            await _election_probe(long, opened)
+        assert "9000 ms < electionTimeoutMillis 10000 ms" in await _election_probe(
+            settings(server.uri, LeaseSettings()), opened
+        )
+    finally:
+        await opened.close()
+    with serving(Settings(shards=2, noop_interval=0.05)) as mongos:
+        sharded = settings(mongos.uri, LeaseSettings())
+        opened = await open_mongo(sharded)
+        try:
+            assert "not checked: a mongos" in await _election_probe(sharded, opened)
+        finally:
+            await opened.close()

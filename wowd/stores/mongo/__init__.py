@@ -8,6 +8,7 @@ MongoDB must be a replica set or a sharded cluster: the log is tailed with chang
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import timedelta
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 
     from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_APP_NAME",
@@ -91,6 +94,21 @@ def mongo_client_options(settings: MongoSettings) -> dict[str, Any]:
     return options
 
 
+async def _log_election_window(client: AsyncMongoClient[Any], settings: WowdSettings) -> None:
+    """At start: the lease's time against the replica set's election timeout
+    (:func:`~wowd.stores.mongo.election.election_window`), a warning when it is too long."""
+    from wowd.stores.mongo.election import election_window
+
+    lease = settings.lease
+    window = await election_window(
+        client, ttl=timedelta(seconds=lease.ttl_s), tolerance=timedelta(seconds=lease.tolerance_s)
+    )
+    if window.safe is False:
+        log.warning("mongodb elections: %s", window.text)
+    else:
+        log.info("mongodb elections: %s", window.text)
+
+
 def elasticsearch_client_options(settings: ElasticsearchSettings) -> dict[str, Any]:
     """The keyword arguments of the ``AsyncElasticsearch`` (besides the hosts):
     :func:`wowd.stores.elasticsearch.options.client_options`."""
@@ -145,6 +163,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             stack.push_async_callback(es.close)
 
         await check_replica_set(client, hosts=uri_hosts(uri))
+        await _log_election_window(lease_client, settings)
 
         # every store gets every setting: the operation timeout, the DDL mode, the sharding mode
         common: dict[str, Any] = {"operation_timeout": timeout}
