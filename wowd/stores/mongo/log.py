@@ -198,6 +198,9 @@ class MongoLog(MongoStore):
         self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
         self._quarantine: AsyncCollection[Doc] = self._db[quarantine_collection(context)]
         self._ensured: set[str] = set()
+        self._observed: ClusterTime | None = None
+        """The latest operation time the change stream's replies carried (:meth:`committed_after`
+        reads at or after it)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -378,7 +381,11 @@ class MongoLog(MongoStore):
         cancel their keys or delete them (:func:`committed_after_filter`, the partitions listed),
         the version and timer events' names and keys only. A majority read on the primary returns
         the majority-committed state as of its start: every commit acknowledged with ``w:
-        majority`` before it began (docs/concepts.md, "Firing on MongoDB")."""
+        majority`` before it began (docs/concepts.md, "Firing on MongoDB"). It reads at or after the
+        latest operation time the change stream saw (``afterClusterTime`` in a causally
+        consistent session): a new primary whose majority commit point is still behind that
+        (after an election, 7.0: SERVER-53813) waits until it is not, instead of answering from
+        before commits the old primary acknowledged and the feed may have read already."""
         by_type: dict[str, list[int]] = {}
         for i, probe in enumerate(probes):
             if probe.ref.context != self.context:
@@ -397,9 +404,14 @@ class MongoLog(MongoStore):
                 read_preference=ReadPreference.PRIMARY,
             )
             with self._call("committed_after"):
-                docs = await coll.find(
-                    committed_after_filter(sorted(asked, key=_probe_order)), COMMITTED_AFTER_PROJECTION
-                ).to_list(None)
+                async with self._client.start_session(causal_consistency=True) as session:
+                    if self._observed is not None:
+                        session.advance_operation_time(Timestamp(*self._observed))
+                    docs = await coll.find(
+                        committed_after_filter(sorted(asked, key=_probe_order)),
+                        COMMITTED_AFTER_PROJECTION,
+                        session=session,
+                    ).to_list(None)
             commits: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
             for d in docs:
                 commits.setdefault((stored_tenant(d), d.get("aggregate_id")), []).append(d)
@@ -605,6 +617,7 @@ class MongoLog(MongoStore):
             until = None if follow else cluster_time_of(session.operation_time)
             async with aclosing(self._stream_batches(stream, parts, batch_size, follow, until)) as batches:
                 async for batch in batches:
+                    self._observe(session.operation_time)
                     yield batch
 
     async def _stream_batches(
@@ -681,6 +694,11 @@ class MongoLog(MongoStore):
                         f"sharded cluster, not a standalone server ({exc})"
                     ) from exc
                 raise
+
+    def _observe(self, operation_time: Any) -> None:
+        ct = cluster_time_of(operation_time)
+        if ct is not None and (self._observed is None or ct > self._observed):
+            self._observed = ct
 
     def _idle_positions(
         self, parts: dict[int, _Part], token: Mapping[str, Any] | None, last_event: Any
