@@ -1115,11 +1115,13 @@ async def test_outbox_take_skips_no_entry_a_writer_committed_behind_the_taken_on
         if not found:
             return None, None
         update = await rs_wire.command("update")
-        (u,) = update.docs[0]["updates"]
         ids = [d["_id"] for d in found]
-        assert u["q"] == {"_id": {"$in": ids}, **free} and u["multi"] is True  # free again, per document
-        lease_id = u["u"][0]["$set"]["lease"]
-        assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
+        # one statement per entry, each free again (a retryable write: no multi), unordered
+        assert [u["q"] for u in update.docs[0]["updates"]] == [{"_id": i, **free} for i in ids]
+        assert update.docs[0]["ordered"] is False and not any(u.get("multi") for u in update.docs[0]["updates"])
+        lease_id = update.docs[0]["updates"][0]["u"][0]["$set"]["lease"]
+        for u in update.docs[0]["updates"]:
+            assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
         update.ok(n=modified, nModified=modified)
         readback = await rs_wire.command("find")
         assert readback["filter"] == {"_id": {"$in": ids}, "lease": lease_id}

@@ -191,3 +191,26 @@ async def test_the_log_check_after_an_election_reads_past_what_the_feed_saw(
             found = await log.committed_after([OwnerProbe(ref, 1, "k")])
         tg.cancel_scope.cancel()
     assert found == {0}
+
+
+async def test_an_outbox_take_whose_lease_a_failover_cut_off_still_hands_its_entries_over(
+    server: WireServer, client: AsyncMongoClient[Any]
+) -> None:
+    """The take's lease applied, then the member stepped down and the connection closed: the
+    lease is a retryable write (one statement per entry), retried on the new primary and
+    answered from the server's record; the take returns its entries instead of failing and
+    leaving them leased to nobody for the lease's length."""
+    from wowd.model import OutboxEntry
+    from wowd.stores.mongo.outbox import MongoOutbox
+
+    outbox = MongoOutbox(client, "outbox", context="ctx")
+    await outbox.prepare()
+    target = AggregateRef(context="ctx", aggregate="order", id="o")
+    for i in range(3):
+        entry = OutboxEntry(request_id=f"r-{i}", timer_id=f"t-{i}", target=target, command="{}", scheduled_at=i,
+                            fence=1, owner_key="k", created_at=i)  # fmt: skip
+        assert await outbox.put(entry)
+    server.engine.step_down_on(StepDownTrigger("update", 0.3, after_apply=True, close_connection=True))
+    with anyio.fail_after(10):
+        batch = await outbox.take(10)
+    assert [e.request_id for e in batch.entries] == ["r-0", "r-1", "r-2"]

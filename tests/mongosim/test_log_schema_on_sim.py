@@ -183,3 +183,18 @@ async def test_on_a_sharded_cluster_the_log_is_sharded_on_the_hashed_aggregate_i
             await log.close()
         finally:
             await client.close()
+
+
+async def test_a_commit_near_the_document_limit_is_quarantined_by_the_fields_that_name_it(log: MongoLog) -> None:
+    """A quarantine item holds the document, its reason and the rest: with a commit near 16 MiB
+    it would be over the server's limit (10334) and the commit could never be set aside. The
+    item keeps the fields that name the commit and its size; the reason says where it stays."""
+    big = {**doc(id_in(1), 1, partition=1), "events": "x" * (16 * 1024 * 1024 - 4096)}  # events: not a list
+    await log.insert_raw(ORDER, big)
+    stored = await log._db[log.collection_name("order")].find_one({"version": 1})  # as the feed reads it
+    assert stored is not None
+    await log.quarantine("feed", 1, ORDER, stored, "events: must be an array")
+    [item] = await log.quarantined()
+    assert item["raw"]["aggregate_id"] == big["aggregate_id"] and item["raw"]["version"] == 1
+    assert "events" not in item["raw"] and item["raw"]["raw_bytes"] > 16 * 1024 * 1024 - 4096
+    assert "too large to keep whole" in item["reason"] and "wow_log__ctx__order" in item["reason"]

@@ -54,6 +54,7 @@ __all__ = [
     "COMMAND_PART_BYTES",
     "FORMAT",
     "HISTORY_LOST_CODES",
+    "INDEX_COMMIT_QUORUM",
     "NAMESPACE_COLLECTION",
     "NAMESPACE_EXISTS",
     "REPLICA_COLLECTION",
@@ -154,6 +155,10 @@ def outbox_collection(context: str) -> str:
 
 DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
 """The deadline of one store call (PyMongo's ``pymongo.timeout``) unless told otherwise."""
+
+INDEX_COMMIT_QUORUM = "majority"
+"""The ``commitQuorum`` of wowd's index builds (manual, "createIndexes": the default,
+``votingMembers``, waits for every data-bearing voting member, one down included)."""
 
 COMMAND_PART_BYTES = 15 * 1024 * 1024
 """What the part of one command a store builds (a filter, a pipeline) may encode to: the server's
@@ -389,21 +394,24 @@ class MongoStore:
         (``pymongo.timeout(0)``: no ``maxTimeMS`` is sent, the client's ``timeoutMS`` does not
         apply): a build reads the whole collection, and the server aborts a build whose command
         was interrupted, so under a deadline an index over a large collection would never be
-        built. Logs what it makes sure of before it (an index missing is built then), and what
-        the server built after it. Answers the server's reply. Call it inside ``_call(...,
+        built. ``commitQuorum`` :data:`INDEX_COMMIT_QUORUM`: a build commits once a majority of
+        the voting members built it, not every one (the server's default), so a member down does
+        not hold a start without end. Logs what it makes sure of before it (an index missing is
+        built then), and what the server built after it. Answers the server's reply. Call it inside ``_call(...,
         bounded=False)``."""
         names = ", ".join(str(ix["name"]) for ix in indexes)
         logger.info(
             "mongodb %s: making sure of the indexes %s of %s%s (a missing one is built now, over the whole "
-            "collection, with no deadline)",
+            "collection, with no deadline; it commits once a majority of the voting members built it)",
             self._label,
             names,
             name,
             f" ({why})" if why else "",
         )
         started = time.monotonic()
+        command = {"createIndexes": name, "indexes": list(indexes), "commitQuorum": INDEX_COMMIT_QUORUM}
         with pymongo.timeout(0):
-            reply: Mapping[str, Any] = await self._db.command({"createIndexes": name, "indexes": list(indexes)})
+            reply: Mapping[str, Any] = await self._db.command(command)
         before, after = reply.get("numIndexesBefore"), reply.get("numIndexesAfter")
         if isinstance(before, int) and isinstance(after, int) and after > before:
             logger.info(

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+import bson
 from bson.decimal128 import Decimal128
 from bson.max_key import MaxKey
 from bson.min_key import MinKey
@@ -31,6 +32,7 @@ from wowd.model import (
 )
 from wowd.stores.mongo._common import (
     HISTORY_LOST_CODES,
+    collection_name,
     collection_pattern,
     mongo_name,
 )
@@ -386,18 +388,37 @@ def checkpoint_ids_filter(consumer: str, partitions: Sequence[int]) -> Doc:
     return {"_id": {"$in": [checkpoint_id(consumer, p) for p in partitions]}}
 
 
+QUARANTINE_RAW_BYTES = 15 * 1024 * 1024
+"""The most BSON bytes of a document a quarantine item keeps whole: the item, with its reason and
+the rest, stays within the server's 16 MiB (``maxBsonObjectSize``)."""
+RAW_IDENTITY = ("_id", "tenant_id", "aggregate_id", "version", "request_id", "command_id", "create_time", "partition")
+"""What an item keeps of a document too large to keep whole: the fields that name the commit."""
+
+
 def quarantine_doc(
     consumer: str, partition_: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str, now: datetime
 ) -> Doc:
     """The quarantine document: ``_id`` from the consumer, the type and the raw document's id
-    (a digest of the document when it has none), so quarantining twice is idempotent."""
+    (a digest of the document when it has none), so quarantining twice is idempotent. A raw
+    document of more than :data:`QUARANTINE_RAW_BYTES` (a commit near the 16 MiB limit) is kept
+    by its identity (:data:`RAW_IDENTITY`, each value under 1 KiB) and its size, the reason
+    saying so: the item is kept, the document stays in its log collection."""
     key: Any = raw.get("_id") if "_id" in raw else _digest(raw)
+    kept = dict(raw)
+    size = len(bson.encode(kept))
+    if size > QUARANTINE_RAW_BYTES:
+        kept = {k: raw[k] for k in RAW_IDENTITY if k in raw and len(bson.encode({"v": raw[k]})) <= 1024}
+        kept["raw_bytes"] = size
+        reason = (
+            f"{reason} (the document, {size} bytes, is too large to keep whole here: only the fields that name it "
+            f"are; it stays in {collection_name('log', aggregate.context, aggregate.aggregate)})"
+        )
     return {
         "_id": {"consumer": consumer, "aggregate": aggregate.aggregate, "key": key},
         "consumer": consumer,
         "partition": partition_,
         "aggregate": aggregate.aggregate,
-        "raw": dict(raw),
+        "raw": kept,
         "reason": reason,
         "quarantined_at": now,
     }
