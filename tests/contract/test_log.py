@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from tests.contract.conftest import CONTEXT, PARTITIONS
+from tests.helpers import tailing
 from wowd.errors import ConflictError
 from wowd.model import (
     AggregateRef,
@@ -307,25 +308,11 @@ async def test_a_commit_without_tenant_or_partition_is_read_checked_and_counted(
     await log.insert_raw(ORDER, schema_minimal(a, 1, scheduled))
     await log.insert_raw(ORDER, schema_minimal(commit("other").ref.id, 1))  # another partition's
     assert await log.last_version(ref) == 1
-    seen: list[LogEntry] = []
-    first, second = anyio.Event(), anyio.Event()
-
-    async def tail() -> None:
-        async for batch in log.read({3: None}, follow=True):
-            seen.extend(batch.entries)
-            if len(seen) >= 1:
-                first.set()
-            if len(seen) >= 2:
-                second.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tail)
-        with anyio.fail_after(5):
-            await first.wait()  # read from the start; tailing now
+    async with tailing(log, {3: None}) as tail:
+        await tail.until(lambda t: len(t.entries) >= 1)  # read from the start; tailing now
         await log.insert_raw(ORDER, schema_minimal(a, 2, {"name": "TimerCancelled", "body": {"key": "k"}}))
-        with anyio.fail_after(5):
-            await second.wait()
-        tg.cancel_scope.cancel()
+        await tail.until(lambda t: len(t.entries) >= 2)
+    seen = tail.entries
     assert [(e.partition, e.error, e.commit and (e.commit.ref, e.commit.version)) for e in seen] == [
         (3, None, (ref, 1)),
         (3, None, (ref, 2)),

@@ -3,7 +3,7 @@ simulator: what its clients do when the server holds some of their connections b
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -23,24 +23,13 @@ TTL, TOLERANCE = timedelta(seconds=10), timedelta(seconds=1)
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0.05)) as s:
-        yield s
-
-
-@pytest.fixture
-async def backend(server: WireServer, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+async def backend(sim: WireServer, request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
     settings = WowdSettings(
         backend="mongo",
         context="ctx",
         partitions=8,
         sink="none",
-        mongodb=MongoSettings(uri=SecretStr(server.uri), database=f"b_{request.node.name[:40]}"),
+        mongodb=MongoSettings(uri=SecretStr(sim.uri), database=f"b_{request.node.name[:40]}"),
     )
     opened = await open_mongo(settings)
     try:
@@ -58,7 +47,7 @@ def fail_point(server: WireServer, data: dict[str, Any]) -> None:
 
 
 async def test_a_renewal_answers_while_the_feed_and_the_claims_connections_are_held(
-    server: WireServer, backend: Backend
+    sim: WireServer, backend: Backend
 ) -> None:
     """The server holds every command of the feed's and the claims' client (``failCommand``
     with ``blockConnection`` on that client's ``appName``, as a busy server holds their
@@ -68,9 +57,9 @@ async def test_a_renewal_answers_while_the_feed_and_the_claims_connections_are_h
     assert lease is not None
     app = backend.log.client.options.pool_options.metadata.get("application")  # type: ignore[attr-defined]
     commands = ["find", "aggregate", "getMore", "update", "insert", "findAndModify", "listCollections"]
-    fail_point(server, {"failCommands": commands, "appName": app and app["name"], "blockConnection": True,
+    fail_point(sim, {"failCommands": commands, "appName": app and app["name"], "blockConnection": True,
                         "blockTimeMS": 3000})  # fmt: skip
-    engine = server.engine
+    engine = sim.engine
 
     def held(n: int) -> bool:
         with engine.changed:
@@ -93,11 +82,11 @@ async def test_a_renewal_answers_while_the_feed_and_the_claims_connections_are_h
             assert renewed is not None and renewed.expires_at > lease.expires_at
             tg.cancel_scope.cancel()
     finally:
-        server.engine.failpoints.pop("failCommand", None)
+        sim.engine.failpoints.pop("failCommand", None)
 
 
 async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_by_wowd_check(
-    server: WireServer, caplog: pytest.LogCaptureFixture
+    sim: WireServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A holder cut off with the old primary works on until its lease's ``ttl - tolerance`` is
     spent; a new primary can take a cancel it does not see after ``electionTimeoutMillis``.
@@ -114,7 +103,7 @@ async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_
         return WowdSettings(backend="mongo", context="ctx", sink="none", lease=lease,
                             mongodb=MongoSettings(uri=SecretStr(uri), database="elections"))  # fmt: skip
 
-    long = settings(server.uri, LeaseSettings(ttl_s=15, tolerance_s=1))
+    long = settings(sim.uri, LeaseSettings(ttl_s=15, tolerance_s=1))
     with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo"):
         opened = await open_mongo(long)
     try:
@@ -122,7 +111,7 @@ async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_
         with pytest.raises(ConfigError, match="WOWD_LEASE__TTL_S"):
             await _election_probe(long, opened)
         assert "9000 ms < electionTimeoutMillis 10000 ms" in await _election_probe(
-            settings(server.uri, LeaseSettings()), opened
+            settings(sim.uri, LeaseSettings()), opened
         )
     finally:
         await opened.close()

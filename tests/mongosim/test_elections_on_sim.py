@@ -14,9 +14,10 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from tests.contract.test_timers import T0, owner, timer
+from tests.helpers import tailing
 from tests.mongosim import Settings, WireServer, serving
 from tests.mongosim.engine import StepDownTrigger
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, LogEntry, Owner, partition
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, partition
 from wowd.stores.base import OwnerProbe
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.log import MongoLog
@@ -26,11 +27,6 @@ pytestmark = pytest.mark.anyio
 
 TTL, TOLERANCE = timedelta(seconds=10), timedelta(seconds=1)
 ORDER = AggregateType(context="ctx", aggregate="order")
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture
@@ -121,28 +117,16 @@ async def test_the_feed_reads_on_across_a_failover_losing_and_repeating_nothing(
     log = MongoLog(client, "feed", context="ctx", partitions=8, max_await=timedelta(milliseconds=50))
     await log.prepare()
     agg = next(f"o-{i}" for i in range(100) if partition(f"o-{i}", 8) == 3)
-    seen: list[LogEntry] = []
-    tailing, done = anyio.Event(), anyio.Event()
-
-    async def feed() -> None:
-        async for batch in log.read({3: None}, follow=True):
-            seen.extend(batch.entries)
-            if batch.watermark is not None:
-                tailing.set()
-            if len(seen) >= 6:
-                done.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(feed)
+    async with tailing(log, {3: None}) as tail:
+        await tail.until(lambda t: t.heads > 0)
         with anyio.fail_after(10):
-            await tailing.wait()
             for v in (1, 2, 3):
                 await log.append(commit(agg, v))
             server.engine.step_down(0.3, close_connections=True)
             for v in (4, 5, 6):
                 await log.append(commit(agg, v))
-            await done.wait()
-        tg.cancel_scope.cancel()
+        await tail.until(lambda t: len(t.entries) >= 6)
+    seen = tail.entries
     assert [e.commit.version for e in seen if e.commit] == [1, 2, 3, 4, 5, 6]
 
 
@@ -161,35 +145,20 @@ async def test_the_log_check_after_an_election_reads_past_what_the_feed_saw(
     ref = AggregateRef(context="ctx", aggregate="order", id=agg)
     await log.append(commit(agg, 1))
     engine = server.engine
-    seen: list[LogEntry] = []
-    tailing, read_cancel = anyio.Event(), anyio.Event()
 
-    async def feed() -> None:
-        async for batch in log.read({2: None}, follow=True):
-            seen.extend(batch.entries)
-            if batch.watermark is not None:
-                tailing.set()
-            if len(seen) >= 2:
-                read_cancel.set()
+    def wait_for_the_election() -> bool:
+        with engine.changed:
+            return engine.changed.wait_for(lambda: engine.writable, 5)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(feed)
-        with anyio.fail_after(10):
-            await tailing.wait()  # the change stream is open: it reads the cancel
+    async with tailing(log, {2: None}) as tail:
+        await tail.until(lambda t: t.heads > 0)  # the change stream is open: it reads the cancel
         before = engine.ct
         await log.append(commit(agg, 2, DomainEvent(id="x", name="TimerCancelled", body={"key": "k"})))
-        with anyio.fail_after(10):
-            await read_cancel.wait()
+        await tail.until(lambda t: len(t.entries) >= 2)
         engine.step_down(0.05, majority_at=before, majority_for=0.5)
-
-        def wait_for_the_election() -> bool:
-            with engine.changed:
-                return engine.changed.wait_for(lambda: engine.writable, 5)
-
         with anyio.fail_after(10):
             assert await anyio.to_thread.run_sync(wait_for_the_election)
             found = await log.committed_after([OwnerProbe(ref, 1, "k")])
-        tg.cancel_scope.cancel()
     assert found == {0}
 
 

@@ -7,14 +7,14 @@ is the contract suite's: the embedded log reads it the same.)"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.mongosim import Settings, WireServer, serving
+from tests.helpers import tailing
+from tests.mongosim import Settings, serving
 from wowd.model import AggregateType, LogEntry, partition
 from wowd.stores.mongo.log import MongoLog
 
@@ -25,26 +25,13 @@ ORDER = AggregateType(context="ctx", aggregate="order")
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0.05)) as s:
-        yield s
-
-
-@pytest.fixture
-async def log(server: WireServer, request: pytest.FixtureRequest) -> AsyncIterator[MongoLog]:
-    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    store = MongoLog(client, f"schema_{request.node.name[:40]}", context="ctx", partitions=PARTITIONS)
+async def log(sim_client: AsyncMongoClient[Any], request: pytest.FixtureRequest) -> AsyncIterator[MongoLog]:
+    store = MongoLog(sim_client, f"schema_{request.node.name[:40]}", context="ctx", partitions=PARTITIONS)
     try:
         await store.prepare()
         yield store
     finally:
         await store.close()
-        await client.close()
 
 
 def id_in(p: int) -> str:
@@ -90,32 +77,17 @@ async def test_every_partition_the_schema_refuses_is_read_and_named_never_droppe
             7: (2, None),
         }
 
-    entries: list[LogEntry] = []
-    tailing = anyio.Event()
-    streamed = anyio.Event()
-
-    async def tail() -> None:
-        async for batch in log.read({0: None, 2: None, 5: None}, follow=True):
-            entries.extend(batch.entries)
-            if batch.watermark is not None and batch.covers is None:
-                tailing.set()  # re-read from the collections, and the change stream answered
-            if len(entries) == 2 * len(bad):
-                streamed.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tail)
-        with anyio.fail_after(10):
-            await tailing.wait()
-        assert seen(entries, 0) == expected(0)  # the re-read
+    async with tailing(log, {0: None, 2: None, 5: None}) as tail:
+        await tail.until(lambda t: t.heads > 0)  # re-read from the collections, and the change stream answered
+        assert seen(tail.entries, 0) == expected(0)
         for d in bad:  # the same again, read by the change stream
             await log.insert_raw(ORDER, {**d, "version": d["version"] + 10, "request_id": d["request_id"] + "+"})
-        with anyio.fail_after(10):
-            await streamed.wait()
-        tg.cancel_scope.cancel()
+        await tail.until(lambda t: len(t.entries) == 2 * len(bad))
+    entries = tail.entries
     assert seen(entries[len(bad) :], 10) == expected(10)
 
 
-async def test_a_context_never_reads_another_contexts_log_as_its_own(server: WireServer) -> None:
+async def test_a_context_never_reads_another_contexts_log_as_its_own(sim_client: AsyncMongoClient[Any]) -> None:
     """Collection names join the context and the aggregate with ``__``: a context name with ``__``
     in it (or ``_`` at an end) would name another's collections (``shop__eu``'s ``order`` and
     ``shop``'s ``eu__order``: one log, one timer collection, each context firing the other's
@@ -125,7 +97,7 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(server: Wir
     from wowd.errors import ConfigError
     from wowd.stores.mongo.timers import MongoTimerStore
 
-    client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
+    client = sim_client
     for bad in ("shop__eu", "shop_", "_shop"):
         with pytest.raises(ConfigError, match="cannot be told apart"):
             MongoLog(client, "ctxs", context=bad, partitions=PARTITIONS)
@@ -136,29 +108,14 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(server: Wir
     await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 1), "partition": 1})  # shop__eu's
     await shop.insert_raw(AggregateType(context="shop", aggregate="order"), {**doc(a, 1), "partition": 1})
     assert await shop.aggregate_types() == [AggregateType(context="shop", aggregate="order")]
-    entries: list[LogEntry] = []
-    tailing, streamed = anyio.Event(), anyio.Event()
-
-    async def tail() -> None:
-        async for batch in shop.read({1: None}, follow=True):
-            entries.extend(batch.entries)
-            if batch.watermark is not None:
-                tailing.set()
-            if len(entries) >= 2:
-                streamed.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(tail)
-        with anyio.fail_after(10):
-            await tailing.wait()
+    async with tailing(shop, {1: None}) as tail:
+        await tail.until(lambda t: t.heads > 0)
         await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 2), "partition": 1})
         await shop.insert_raw(AggregateType(context="shop", aggregate="order"), {**doc(a, 2), "partition": 1})
-        with anyio.fail_after(10):
-            await streamed.wait()
-        tg.cancel_scope.cancel()
+        await tail.until(lambda t: len(t.entries) >= 2)
+    entries = tail.entries
     assert [(e.aggregate.aggregate, e.raw["version"]) for e in entries] == [("order", 1), ("order", 2)]
     await shop.close()
-    await client.close()
 
 
 async def test_on_a_sharded_cluster_the_log_is_sharded_on_the_hashed_aggregate_id() -> None:

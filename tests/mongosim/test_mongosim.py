@@ -24,21 +24,6 @@ from tests.mongosim.wire import WireServer
 Client = MongoClient[dict[str, Any]]
 
 
-@pytest.fixture
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0)) as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: WireServer) -> Iterator[Client]:
-    c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=3000)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _code(exc: pytest.ExceptionInfo[OperationFailure]) -> int | None:
     return exc.value.code
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,21 +22,6 @@ from tests.mongosim.engine import StepDownTrigger
 from tests.mongosim.wire import WireServer
 
 Client = MongoClient[dict[str, Any]]
-
-
-@pytest.fixture
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0)) as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: WireServer) -> Iterator[Client]:
-    c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=5000, w="majority")
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_a_step_down_refuses_writes_and_primary_reads_until_the_election_and_the_driver_retries(

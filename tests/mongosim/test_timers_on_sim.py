@@ -3,14 +3,12 @@ beside the wire tests that assert the commands."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 from pymongo import AsyncMongoClient
 
 from tests.contract.test_timers import T0, owner, timer
-from tests.mongosim import Settings, WireServer, serving
 from wowd.model import TimerChange
 from wowd.stores.mongo.timers import MongoTimerStore
 
@@ -19,31 +17,12 @@ pytestmark = pytest.mark.anyio
 ALL = frozenset(range(8))
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0)) as s:
-        yield s
-
-
-@pytest.fixture
-async def client(server: WireServer) -> AsyncIterator[AsyncMongoClient[Any]]:
-    c: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
 async def test_a_tombstone_after_a_fire_or_a_cancel_keeps_no_command_target_or_rule(
-    client: AsyncMongoClient[Any],
+    sim_client: AsyncMongoClient[Any],
 ) -> None:
     """A tombstone answers for its key and version over the retention (7 days): the command's
     body (up to 64 KiB), the target, the rule and the claim are not kept with it."""
+    client = sim_client
     store = MongoTimerStore(client, "tombstones", context="ctx", partitions=8)
     await store.prepare()
     fired, cancelled = timer(owner("o-1")), timer(owner("o-2"))
