@@ -497,7 +497,7 @@ async def test_auto_sharding_without_the_privilege_leaves_the_collection_unshard
 ) -> None:
     store = sharded_timers(rs_client)
     ns = f"{DB}.{TIMERS}"
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
         async with calling(lambda: store.put(timer3())) as out:
             (await rs_wire.command("findAndModify")).ok(
                 value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}

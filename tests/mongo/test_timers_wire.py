@@ -303,7 +303,7 @@ async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_
 
     store = store_on(mongo_client, ddl=Ddl.NONE)
     without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
         async with calling(store.prepare) as out:
             (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
             await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)

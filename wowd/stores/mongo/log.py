@@ -7,13 +7,8 @@ Collections (``<ctx>`` the context):
   ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}`` (idempotent appends) and
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
-- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
-  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, unique) names
-  an item: its hex is the item's id. ``seq`` is the number after the highest drawn (the last
-  item's, or the counter document's, ``_id: "seq"``), claimed by the insert through the unique
-  index, so items become visible in ``seq`` order: a listing paged by ``seq`` never passes an
-  item committed later (a client-made ObjectId would: each writer's clock and counter order
-  them, not their commits).
+- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason
+  (:mod:`wowd.stores.mongo.log_quarantine`, the store's base).
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
@@ -45,14 +40,13 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager, suppress
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import pymongo
-from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
@@ -69,7 +63,6 @@ from wowd.errors import (
     InvalidInput,
     LogBehindOplog,
     StorageError,
-    StorageUnavailable,
 )
 from wowd.model import (
     AggregateRef,
@@ -90,20 +83,16 @@ from wowd.stores.mongo._common import (
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
     MongoSharding,
-    MongoStore,
     checkpoint_collection,
     collection_name,
     collection_pattern,
     duplicate_keys,
-    mongo_name,
-    quarantine_collection,
     write_one,
 )
+from wowd.stores.mongo.log_quarantine import LogQuarantine
 from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
-    COUNTED_FILTER,
     LOG_SHARD_KEY,
-    QUARANTINE_SEQ_ID,
     REGULAR_RANGE,
     RESUME_POINT_GONE,
     SCAN_INDEX,
@@ -111,7 +100,6 @@ from wowd.stores.mongo.log_queries import (
     ClusterTime,
     Doc,
     _HistoryLost,
-    _object_ids,
     _Part,
     change_stream_pipeline,
     changes_timer,
@@ -121,22 +109,16 @@ from wowd.stores.mongo.log_queries import (
     cluster_time_command,
     cluster_time_of,
     committed_after_filter,
-    counted_seq,
     join_fragments,
-    last_drawn,
     last_version_query,
     log_collection_prefix,
     log_indexes,
     logger,
     partition_of,
-    quarantine_doc,
     quarantine_indexes,
-    quarantine_item,
-    quarantined_filter,
     scan_find,
     scan_key,
     scan_ranges,
-    seq_number,
     stored_tenant,
     token_cluster_time,
 )
@@ -145,8 +127,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MongoLog"]
 
-QUARANTINE_DRAWS = 100
-"""How many ``seq`` numbers one quarantine draws (each taken by another's item) before it gives up."""
 CATCH_UP_AWAIT_MS = 200
 """The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
 joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
@@ -154,7 +134,7 @@ longer for commits it will not wait for only delays its end (and what waits on i
 positions carry the rest: a read ended early loses nothing."""
 
 
-class MongoLog(MongoStore):
+class MongoLog(LogQuarantine):
     """The :class:`~wowd.stores.base.Log` of one context on MongoDB.
 
     The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
@@ -183,10 +163,9 @@ class MongoLog(MongoStore):
         idle_advance: timedelta | None = timedelta(minutes=1),
         scan_catch_up: timedelta = timedelta(minutes=1),
     ) -> None:
-        self.context = mongo_name(context, field="context")
         if partitions < 1:
             raise ConfigError(f"partitions: must be >= 1, got {partitions}")
-        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
+        super().__init__(client_or_uri, database_name, context=context, operation_timeout=operation_timeout)
         self.partitions = partitions
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
@@ -196,7 +175,6 @@ class MongoLog(MongoStore):
         self._prefix = log_collection_prefix(context)
         self._pattern = collection_pattern("log", context)
         self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
-        self._quarantine: AsyncCollection[Doc] = self._db[quarantine_collection(context)]
         self._ensured: set[str] = set()
         self._observed: ClusterTime | None = None
         """The latest operation time the change stream's replies carried (:meth:`committed_after`
@@ -749,7 +727,7 @@ class MongoLog(MongoStore):
             return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc, error=str(exc))
         return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)
 
-    # ------------------------------------------------------------------ checkpoints, quarantine
+    # ------------------------------------------------------------------ checkpoints
 
     async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
         if not partitions:
@@ -804,93 +782,6 @@ class MongoLog(MongoStore):
             except DuplicateKeyError:
                 return False
         return True
-
-    async def quarantine(
-        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
-    ) -> None:
-        """No transaction, nothing held between commands: ``seq`` is the number after the
-        highest drawn (:meth:`_last_drawn`), claimed by the insert through the unique
-        ``seq_unique`` index; E11000 on ``seq`` (another quarantine inserted it first): drawn
-        again. A number is drawn only past an item already visible, so items become visible in
-        ``seq`` order (a listing paged by ``seq`` passes no item committed after it). Then the
-        counter's ``n`` is raised to it (``$max``) for replicas of earlier versions, which draw
-        with ``$inc`` in a transaction; a failure of that write is logged (the item is stored).
-        E11000 on ``_id`` (quarantined before): the stored item's reason is set instead."""
-        doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
-        with self._call("quarantine"):
-            for _ in range(QUARANTINE_DRAWS):
-                n = await self._last_drawn() + 1
-                try:
-                    await write_one(self._quarantine, InsertOne({**doc, "seq": counted_seq(n)}), "log.quarantine")
-                    break
-                except DuplicateKeyError as exc:
-                    if (exc.details or {}).get("keyPattern") == {"seq": -1}:
-                        continue
-                    if await self._quarantine.find_one({"_id": doc["_id"]}, {"_id": 1}) is None:
-                        continue  # released meanwhile: drawn again
-                    await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
-                    return
-            else:
-                raise StorageUnavailable(
-                    f"mongodb log.quarantine: {QUARANTINE_DRAWS} numbers drawn in a row were taken by other quarantines"
-                )
-        try:
-            with self._call("quarantine_counter"):
-                await self._raise_counter(n)
-        except StorageError as exc:
-            logger.warning("log %s: quarantine counter not raised to %d (the item is stored): %s", self.context, n, exc)
-        logger.warning(
-            "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
-            self.context,
-            aggregate,
-            partition,
-            consumer,
-            reason,
-        )
-
-    async def _last_drawn(self) -> int:
-        """The highest ``seq`` number drawn (:func:`last_drawn`): reads by ``_id``, down ``seq``."""
-        counter = await self._quarantine.find_one({"_id": QUARANTINE_SEQ_ID}, {"n": 1})
-        return last_drawn(counter, await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)]))
-
-    async def _raise_counter(self, n: int) -> None:
-        """The counter document's ``n`` raised to ``n`` at least (``$max``, upserted)."""
-        await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
-
-    async def quarantined(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
-    ) -> list[dict[str, Any]]:
-        """One ``find`` in ``seq`` order (the ``seq`` index)."""
-        out: list[dict[str, Any]] = []
-        if limit <= 0:
-            return out
-        if after is not None and not ObjectId.is_valid(after):
-            raise InvalidInput(f"is not a quarantine id of the MongoDB log: {after!r}", field="after")
-        wanted = _object_ids(ids) if ids is not None else None
-        if wanted == []:
-            return out
-        filter_ = quarantined_filter(ObjectId(after) if after is not None else None, wanted)
-        with self._call("quarantined"):
-            async for d in self._quarantine.find(filter_, sort=[("seq", 1)], limit=limit):
-                out.append(quarantine_item(d))
-        return out
-
-    async def release_quarantined(self, ids: Collection[str]) -> int:
-        """The items found among ``ids`` (one ``find``), the counter raised to their highest
-        ``seq`` number (``$max``: a number is never drawn again, so an id never names another
-        item), then one ``delete`` of them by ``seq``."""
-        wanted = _object_ids(ids)
-        if not wanted:
-            return 0
-        with self._call("release_quarantined"):
-            found = [d["seq"] async for d in self._quarantine.find(quarantined_filter(None, wanted), {"seq": 1})]
-            if not found:
-                return 0
-            top = max(seq_number(s) for s in found)
-            if top:
-                await self._raise_counter(top)
-            result = await self._quarantine.delete_many(quarantined_filter(None, found))
-        return int(result.deleted_count)
 
 
 # --------------------------------------------------------------------------- helpers
