@@ -321,6 +321,15 @@ async def test_a_commit_without_tenant_or_partition_is_read_checked_and_counted(
     assert await log.committed_after([OwnerProbe(ref, 1, "k"), OwnerProbe(ref, 2, "k")]) == {0}
 
 
+async def test_a_raw_document_colliding_with_a_stored_commit_is_a_conflict(log: Any) -> None:
+    """A writer that retries an insert whose reply it lost finds its own document: a conflict it
+    can tell from an outage, on every backend."""
+    (a,) = ids_in(2, 1, prefix="raw")
+    await log.insert_raw(ORDER, schema_minimal(a, 1))
+    with pytest.raises(ConflictError):
+        await log.insert_raw(ORDER, schema_minimal(a, 1))
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

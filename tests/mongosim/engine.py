@@ -417,6 +417,9 @@ class Engine:
         """The election term (each election makes a new one: ``electionId``)."""
         self.topology_counter = 0
         """``topologyVersion.counter``: moves on every change of the member's state."""
+        self.topology_changed = threading.Condition(threading.Lock())
+        """What an awaitable ``hello`` waits on (a lock of its own: a write's wake-up of the
+        other waits does not wake it)."""
         self.conns: set[Connection] = set()
         self.retryable: dict[bytes, tuple[int, dict[str, Any]]] = {}
         """Per session, the last retryable write's ``txnNumber`` and its reply (the server's
@@ -454,6 +457,11 @@ class Engine:
             timer.cancel()
         with self.changed:
             self.changed.notify_all()
+        self._topology_moved()
+
+    def _topology_moved(self) -> None:
+        with self.topology_changed:
+            self.topology_changed.notify_all()
 
     # ------------------------------------------------------------------ elections
 
@@ -492,6 +500,7 @@ class Engine:
                             conn.sock.shutdown(socket.SHUT_RDWR)
                 self.cursors.clear()
             self.changed.notify_all()
+        self._topology_moved()
         timer = threading.Timer(seconds, self._elect, kwargs={"majority_at": majority_at, "majority_for": majority_for})
         timer.daemon = True
         self._timers.append(timer)
@@ -518,8 +527,11 @@ class Engine:
                 self._timers.append(timer)
                 timer.start()
             self.changed.notify_all()
+        self._topology_moved()
 
     def _triggered(self, conn: Connection, name: str, *, after_apply: bool) -> StepDownTrigger | None:
+        if not self.step_down_triggers:  # most commands: no lock taken for it
+            return None
         with self.lock:
             for t in self.step_down_triggers:
                 if t.command == name and t.after_apply == after_apply and t.app_name in (None, conn.app_name):
@@ -947,23 +959,30 @@ class Engine:
         return self._examined(db, coll, flt, [d for k, d in store.items() if k in keys])  # in natural order
 
     def _examined(
-        self, db: str, coll: str, flt: Mapping[str, Any] | None, docs: list[dict[str, Any]]
+        self, db: str, coll: str, flt: Mapping[str, Any] | None, docs: list[dict[str, Any]], *, indexed: bool = False
     ) -> list[dict[str, Any]]:
         """``docs`` (the candidates), their examination counted in the command's cost: as many
-        as a server examines, the collection's documents when no index can answer ``flt``."""
+        as a server examines, the collection's documents when no index can answer ``flt`` (and
+        the read is not ``indexed`` by its bounds)."""
         per_doc = self.settings.scan_seconds_per_doc
         if per_doc:
             meta = self.catalog.get((db, coll))
-            indexed = meta is not None and _uses_index(flt or {}, meta["indexes"])
+            indexed = indexed or (meta is not None and _uses_index(flt or {}, meta["indexes"]))
             examined = len(docs) if indexed else max(len(docs), len(self._coll(db, coll)))
             self._tls.cost = getattr(self._tls, "cost", 0.0) + examined * per_doc
         return docs
 
     def _find(
-        self, db: str, coll: str, flt: Mapping[str, Any], view: Mapping[bytes, dict[str, Any]] | None = None
+        self,
+        db: str,
+        coll: str,
+        flt: Mapping[str, Any],
+        view: Mapping[bytes, dict[str, Any]] | None = None,
+        *,
+        candidates: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         check_filter(flt)
-        docs = self._id_lookup(db, coll, flt) if view is None else None
+        docs = self._id_lookup(db, coll, flt) if view is None and candidates is None else candidates
         if docs is None:
             docs = self._candidates(db, coll, flt, view)
         docs = evaluate.prefilter(flt, docs)
@@ -1378,8 +1397,8 @@ class Engine:
             # an awaitable hello: answered when the topology changes (a step-down, an election)
             # or the wait is over (the server's streaming protocol, SDAM's "Streaming Protocol")
             seen = (cmd["topologyVersion"] or {}).get("counter")
-            with self.changed:
-                self.changed.wait_for(
+            with self.topology_changed:
+                self.topology_changed.wait_for(
                     lambda: self.topology_counter != seen or self._stop.is_set(),
                     min(int(cmd["maxAwaitTimeMS"]), 10_000) / 1000,
                 )
@@ -1943,7 +1962,11 @@ class Engine:
         if self.settings.plan_check and cmd.get("sort"):
             self._check_plan(db, coll, flt, cmd["sort"])
         self._check_scan(db, coll, flt, cmd.get("sort"), cmd.get("hint"))
-        docs = self._find(db, coll, flt, self._view(db, coll, cmd))
+        view = self._view(db, coll, cmd)
+        if ("min" in cmd or "max" in cmd) and view is None:
+            docs = self._find(db, coll, flt, candidates=self._in_bounds(db, coll, cmd))
+        else:
+            docs = self._find(db, coll, flt, view)
         if "min" in cmd or "max" in cmd:
             docs = self._bounded(db, coll, docs, cmd)
         if cmd.get("sort"):
@@ -1964,6 +1987,36 @@ class Engine:
             limit > 0 and len(docs) <= int(cmd.get("batchSize", DEFAULT_BATCH) or DEFAULT_BATCH)
         )
         return self._first_batch(f"{db}.{coll}", docs, {}, cmd, single=single)
+
+    def _in_bounds(self, db: str, coll: str, cmd: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The documents whose value of the hinted index's first key is within ``min``/``max``'s
+        first values, through the field index of that key (as a server's index scan reads only
+        the bounds; :meth:`_bounded` then decides); None when the hint names no index."""
+        meta = self.catalog.get((db, coll))
+        hint = cmd.get("hint")
+        index = None
+        for ix in meta["indexes"] if meta is not None else []:
+            if ix["name"] == hint or (isinstance(hint, dict) and list(ix["key"].items()) == list(hint.items())):
+                index = ix
+        if index is None:
+            return None
+        path = next(iter(index["key"]))
+        low = _Ordered(next(iter(cmd["min"].values()), MinKey()) if "min" in cmd else MinKey())
+        high = _Ordered(next(iter(cmd["max"].values()), MaxKey()) if "max" in cmd else MaxKey())
+        store = self._coll(db, coll)
+        values = self.fields.setdefault((db, coll), {}).get(path)
+        if values is None:
+            values = self.fields[(db, coll)][path] = {}
+            for k, d in store.items():
+                values.setdefault(evaluate.field_value(d, path), set()).add(k)
+        keys: set[bytes] = set(values.get(evaluate._COMPLEX, ()))
+        for value_key, held in values.items():
+            if value_key is evaluate._COMPLEX:
+                continue
+            v = _Ordered(value_key[1])
+            if not v < low and not high < v:
+                keys |= held
+        return self._examined(db, coll, {}, [d for k, d in store.items() if k in keys], indexed=True)
 
     def _bounded(self, db: str, coll: str, docs: list[dict[str, Any]], cmd: dict[str, Any]) -> list[dict[str, Any]]:
         """``min``/``max`` (manual, "cursor.min()"): index bounds of the hinted index, ``min``

@@ -12,11 +12,13 @@ Collections (``<ctx>`` the context):
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
-the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, a, v,
-id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
+the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, r, p, a,
+v, id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
 write is still in flight: :func:`cluster_time_command`), which reads with ``majority`` read
 concern and ``afterClusterTime`` of it (so it sees every commit at or before it, on every shard;
-the stream starts there), and the last document read (a later read resumes the scan after it).
+the stream starts there), and the last document read: its collection, the range of
+:func:`~wowd.stores.mongo.log_queries.scan_ranges` and its index key (a later read resumes the
+scan after it).
 Each partition takes its own cut just before its scan; when the scans run longer than
 ``scan_catch_up``, the partitions scanned so far are caught up by a stream before the next cut,
 so no cut ages out of the oplog while the others are scanned.
@@ -403,9 +405,15 @@ class MongoLog(LogQuarantine):
         return found
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
+        """One insert of ``document`` as it is; :class:`ConflictError` when it collides with a
+        stored commit (E11000: its ``_id``, or its aggregate id and request id), as the embedded
+        log answers (a writer that retries after a lost reply finds its own document so)."""
         coll = await self._collection(aggregate)
         with self._call("insert_raw"):
-            await coll.insert_one(dict(document))
+            try:
+                await coll.insert_one(dict(document))
+            except DuplicateKeyError as exc:
+                raise ConflictError(f"raw document collides with a stored commit: {exc}") from exc
 
     # ------------------------------------------------------------------ reading
 
