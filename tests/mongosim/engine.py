@@ -1252,11 +1252,12 @@ class Engine:
                 f"Retryable write with txnNumber {number} is prohibited on session because a newer retryable "
                 f"write with txnNumber {recorded[0]} has already started on this session.",
             )
-        return self._write_concern(cmd, copy.deepcopy(recorded[1]))
+        return self._write_concern(cmd, dict(recorded[1]))
 
     def _record_write(self, name: str, cmd: dict[str, Any], reply: dict[str, Any]) -> None:
         if name in RETRYABLE_WRITES and "txnNumber" in cmd and "autocommit" not in cmd:
-            kept = {k: copy.deepcopy(v) for k, v in reply.items() if k not in ("writeConcernError", "errorLabels")}
+            # the reply's values are never changed once answered: kept as they are
+            kept = {k: v for k, v in reply.items() if k not in ("writeConcernError", "errorLabels")}
             self.retryable[_lsid(cmd)] = (int(cmd["txnNumber"]), kept)
 
     # ------------------------------------------------------------------ transactions
@@ -2016,7 +2017,7 @@ class Engine:
             v = _Ordered(value_key[1])
             if not v < low and not high < v:
                 keys |= held
-        return self._examined(db, coll, {}, [d for k, d in store.items() if k in keys], indexed=True)
+        return self._examined(db, coll, {}, [store[k] for k in keys if k in store], indexed=True)
 
     def _bounded(self, db: str, coll: str, docs: list[dict[str, Any]], cmd: dict[str, Any]) -> list[dict[str, Any]]:
         """``min``/``max`` (manual, "cursor.min()"): index bounds of the hinted index, ``min``
@@ -2054,8 +2055,9 @@ class Engine:
                 continue
             if hi is not None and not k < hi:
                 continue
-            out.append(d)
-        return out
+            out.append((k, d))
+        out.sort(key=lambda kd: kd[0])  # in the index's order, as its scan reads them
+        return [d for _, d in out]
 
     def _read_concern(self, cmd: dict[str, Any]) -> None:
         rc = cmd.get("readConcern")
