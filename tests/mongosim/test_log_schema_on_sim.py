@@ -8,6 +8,7 @@ is the contract suite's: the embedded log reads it the same.)"""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -21,12 +22,16 @@ from wowd.stores.mongo.log import MongoLog
 pytestmark = pytest.mark.anyio
 
 PARTITIONS = 8
+QUICK = timedelta(milliseconds=50)
+"""The change stream's empty ``getMore`` wait: a read at the log's head says so soon."""
 ORDER = AggregateType(context="ctx", aggregate="order")
 
 
 @pytest.fixture
 async def log(sim_client: AsyncMongoClient[Any], request: pytest.FixtureRequest) -> AsyncIterator[MongoLog]:
-    store = MongoLog(sim_client, f"schema_{request.node.name[:40]}", context="ctx", partitions=PARTITIONS)
+    store = MongoLog(
+        sim_client, f"schema_{request.node.name[:40]}", context="ctx", partitions=PARTITIONS, max_await=QUICK
+    )
     try:
         await store.prepare()
         yield store
@@ -103,7 +108,7 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(sim_client:
             MongoLog(client, "ctxs", context=bad, partitions=PARTITIONS)
         with pytest.raises(ConfigError, match="cannot be told apart"):
             MongoTimerStore(client, "ctxs", context=bad, partitions=PARTITIONS)
-    shop = MongoLog(client, "ctxs", context="shop", partitions=PARTITIONS)
+    shop = MongoLog(client, "ctxs", context="shop", partitions=PARTITIONS, max_await=QUICK)
     a = id_in(1)
     await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 1), "partition": 1})  # shop__eu's
     await shop.insert_raw(AggregateType(context="shop", aggregate="order"), {**doc(a, 1), "partition": 1})
