@@ -64,7 +64,7 @@ async def test_an_acquire_whose_reply_a_step_down_lost_takes_one_slot_not_two(
     answers the recorded result. Run again, the take's filter (a free slot) would match the next
     slot: the owner would hold two, one of them orphaned until its lease expired."""
     leases = MongoSlotLeaseStore(client, "leases")
-    server.engine.step_down_on(StepDownTrigger("findAndModify", 0.3, after_apply=True, close_connection=True))
+    server.engine.step_down_on(StepDownTrigger("findAndModify", 0.15, after_apply=True, close_connection=True))
     with anyio.fail_after(10):
         result = await leases.acquire("ns", Owner(key="o"), 2, TTL, TOLERANCE)
     assert result.lease is not None and result.lease.slot == 0
@@ -81,7 +81,7 @@ async def test_a_renewal_in_an_election_is_retried_on_the_new_primary_and_keeps_
     leases = MongoSlotLeaseStore(client, "leases")
     lease = (await leases.acquire("ns", Owner(key="o"), 1, TTL, TOLERANCE)).lease
     assert lease is not None
-    server.engine.step_down(0.3)
+    server.engine.step_down(0.15)
     with anyio.fail_after(10):
         renewed = await leases.renew(lease, TTL, TOLERANCE)
     assert renewed is not None and renewed.fence == lease.fence and renewed.expires_at >= lease.expires_at
@@ -100,7 +100,7 @@ async def test_a_claim_whose_settle_a_step_down_interrupts_is_retried_and_claims
     due = [timer(owner(f"o-{i}")) for i in range(5)]
     for t in due:
         assert await timers.put(t)
-    server.engine.step_down_on(StepDownTrigger("update", 0.3, after_apply=False))
+    server.engine.step_down_on(StepDownTrigger("update", 0.15, after_apply=False))
     with anyio.fail_after(10):
         claimed = await timers.claim_due(set(range(8)), T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
     assert sorted(t.timer_id for t in claimed) == sorted(t.timer_id for t in due)
@@ -122,7 +122,7 @@ async def test_the_feed_reads_on_across_a_failover_losing_and_repeating_nothing(
         with anyio.fail_after(10):
             for v in (1, 2, 3):
                 await log.append(commit(agg, v))
-            server.engine.step_down(0.3, close_connections=True)
+            server.engine.step_down(0.15, close_connections=True)
             for v in (4, 5, 6):
                 await log.append(commit(agg, v))
         await tail.until(lambda t: len(t.entries) >= 6)
@@ -155,7 +155,7 @@ async def test_the_log_check_after_an_election_reads_past_what_the_feed_saw(
         before = engine.ct
         await log.append(commit(agg, 2, DomainEvent(id="x", name="TimerCancelled", body={"key": "k"})))
         await tail.until(lambda t: len(t.entries) >= 2)
-        engine.step_down(0.05, majority_at=before, majority_for=0.5)
+        engine.step_down(0.05, majority_at=before, majority_for=0.3)
         with anyio.fail_after(10):
             assert await anyio.to_thread.run_sync(wait_for_the_election)
             found = await log.committed_after([OwnerProbe(ref, 1, "k")])
@@ -179,7 +179,7 @@ async def test_an_outbox_take_whose_lease_a_failover_cut_off_still_hands_its_ent
         entry = OutboxEntry(request_id=f"r-{i}", timer_id=f"t-{i}", target=target, command="{}", scheduled_at=i,
                             fence=1, owner_key="k", created_at=i)  # fmt: skip
         assert await outbox.put(entry)
-    server.engine.step_down_on(StepDownTrigger("update", 0.3, after_apply=True, close_connection=True))
+    server.engine.step_down_on(StepDownTrigger("update", 0.15, after_apply=True, close_connection=True))
     with anyio.fail_after(10):
         batch = await outbox.take(10)
     assert [e.request_id for e in batch.entries] == ["r-0", "r-1", "r-2"]

@@ -35,7 +35,7 @@ def test_a_step_down_refuses_writes_and_primary_reads_until_the_election_and_the
     raw: Client = MongoClient(server.uri, directConnection=True)
     conn = engine.connect(None)  # the server's own answers, as a driver that still takes it for primary meets them
     try:
-        engine.step_down(0.6)
+        engine.step_down(0.3)
         hello = raw.admin.command("hello")
         assert hello["secondary"] is True and hello["isWritablePrimary"] is False and "primary" not in hello
         lsid = {"id": b"\x01" * 16}
@@ -63,7 +63,7 @@ def test_a_write_applied_then_its_reply_lost_is_applied_once_when_the_driver_ret
     steps down after the update applied and the connection closes (the reply is lost): the
     driver retries on the new primary, and the ``$inc`` counts once."""
     client.t.c.insert_one({"_id": 1, "n": 0})
-    server.engine.step_down_on(StepDownTrigger("update", 0.3, after_apply=True, close_connection=True))
+    server.engine.step_down_on(StepDownTrigger("update", 0.15, after_apply=True, close_connection=True))
     client.t.c.update_one({"_id": 1}, {"$inc": {"n": 1}})
     assert client.t.c.find_one({"_id": 1}) == {"_id": 1, "n": 1}
     raw = client.t.command  # an older transaction number of the session than its last: 225
@@ -82,7 +82,7 @@ def test_a_majority_wait_ended_by_a_step_down_is_a_retryable_write_concern_error
     c: Client = MongoClient(server.uri, retryWrites=False, w="majority")
     try:
         engine.hold_majority()
-        threading.Timer(0.2, engine.step_down, args=(0.2,)).start()
+        threading.Timer(0.1, engine.step_down, args=(0.1,)).start()
         with pytest.raises(WriteConcernError) as caught:
             c.t.c.insert_one({"_id": 1})
         assert caught.value.code == 189
@@ -185,7 +185,7 @@ def test_a_new_primary_may_answer_majority_reads_from_a_stale_commit_point_for_a
     before: Timestamp = engine.ct
     coll.insert_one({"_id": 2})  # acknowledged w: majority by the old primary
     after: Timestamp = engine.ct
-    engine.step_down(0.1, majority_at=before, majority_for=0.8)
+    engine.step_down(0.05, majority_at=before, majority_for=0.4)
     majority = coll.with_options(read_concern=ReadConcern("majority"))
     deadline = time.monotonic() + 5
     while not engine.writable and time.monotonic() < deadline:
@@ -206,7 +206,7 @@ def test_a_change_stream_resumes_on_the_new_primary_across_a_failover(server: Wi
         first = stream.try_next()
         while first is None:
             first = stream.try_next()
-        server.engine.step_down(0.3, close_connections=True)
+        server.engine.step_down(0.15, close_connections=True)
         coll.insert_one({"_id": 2})  # retried on the new primary
         seen = []
         deadline = time.monotonic() + 5
