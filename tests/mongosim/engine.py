@@ -985,9 +985,8 @@ class Engine:
         docs = self._id_lookup(db, coll, flt) if view is None and candidates is None else candidates
         if docs is None:
             docs = self._candidates(db, coll, flt, view)
-        docs = evaluate.prefilter(flt, docs)
         with _evaluating():
-            return [d for d in docs if matches(flt, d)]
+            return evaluate.select(flt, docs)
 
     def _view(self, db: str, coll: str, cmd: Mapping[str, Any]) -> dict[bytes, dict[str, Any]] | None:
         """What a read of ``cmd`` sees of a collection when that is not its latest state (None:

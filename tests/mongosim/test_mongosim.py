@@ -736,3 +736,32 @@ def test_each_shard_keeps_its_own_id_index_and_a_unique_index_starts_with_the_sh
     mongos.t.s.insert_one({"_id": 2, "k": 3, "x": 1})
     with pytest.raises(DuplicateKeyError):
         mongos.t.s.insert_one({"_id": 3, "k": 3, "x": 1})
+
+
+def test_the_fast_decision_of_lookups_by_key_agrees_with_mongomocks_match() -> None:
+    """The simulator decides equalities, ``$in`` and integer ranges on plain values itself (the
+    stores' lookups by key); the answer is mongomock's on every document, whatever its values'
+    types (a bool is not 1, a float goes to mongomock, an array or a missing field too)."""
+    from bson.int64 import Int64
+    from bson.objectid import ObjectId
+
+    from tests.mongosim import evaluate
+
+    oid = ObjectId()
+    values: list[Any] = [1, Int64(1), 1.0, True, "1", oid, None, [1], {"a": 1}, 2, -5, 2**40]
+    docs = [{"_id": i, "p": v, "q": {"r": v}} for i, v in enumerate(values)] + [{"_id": 99}]
+    filters: list[dict[str, Any]] = [
+        {"p": 1},
+        {"p": "1"},
+        {"p": oid},
+        {"p": {"$in": [1, "1", oid]}},
+        {"p": {"$in": [2, 2**40]}, "q.r": {"$gte": 2}},
+        {"p": {"$gt": 0, "$lte": 2}},
+        {"q.r": {"$lt": 1}},
+        {"p": {"$eq": 1}, "q.r": 1},
+    ]
+    for flt in filters:
+        assert evaluate.exact_checker(flt) is not None, flt
+        fast = [d["_id"] for d in evaluate.select(flt, docs)]
+        slow = [d["_id"] for d in docs if evaluate.matches(flt, d)]
+        assert fast == slow, flt
