@@ -366,6 +366,10 @@ class Engine:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.data: dict[tuple[str, str], dict[bytes, dict[str, Any]]] = {}
+        self.order: dict[tuple[str, str], dict[bytes, int]] = {}
+        """Each stored document's place in its collection's natural order (a candidate set read
+        through a field index is put in that order without walking the whole collection)."""
+        self._places = itertools.count()
         self.fields: dict[tuple[str, str], dict[str, dict[Any, set[bytes]]]] = {}
         """Field indexes built as queries use the fields: (db, coll) -> path -> value key -> the
         documents' store keys (the value key ``_COMPLEX``: documents every query considers)."""
@@ -745,6 +749,7 @@ class Engine:
                                      f"{{ _id: {doc['_id']!r} }}")  # fmt: skip
             rekeyed[key] = doc
         self.data[(db, coll)] = rekeyed
+        self.order[(db, coll)] = {k: next(self._places) for k in rekeyed}
         self.fields.pop((db, coll), None)  # rebuilt at the next query
         maps: dict[str, dict[bytes, bytes]] = {}
         for spec in self._unique_specs(db, coll):
@@ -779,9 +784,13 @@ class Engine:
                 index.setdefault(evaluate.field_value(old, path), set()).discard(key)
             if new is not None:
                 index.setdefault(evaluate.field_value(new, path), set()).add(key)
+        order = self.order.setdefault((db, coll), {})
         if new is None:
             store.pop(key, None)
+            order.pop(key, None)
         else:
+            if key not in store:
+                order[key] = next(self._places)
             store[key] = new
 
     def _check_unique(self, db: str, coll: str, doc: dict[str, Any], self_key: Any) -> None:
@@ -956,6 +965,10 @@ class Engine:
             keys = found if keys is None else keys & found
         if keys is None:
             return self._examined(db, coll, flt, list(store.values()))
+        if len(keys) * 8 < len(store):  # a few of many: by their places, not a walk of the collection
+            order = self.order.get((db, coll), {})
+            found = sorted((k for k in keys if k in store), key=lambda k: order.get(k, -1))
+            return self._examined(db, coll, flt, [store[k] for k in found])
         return self._examined(db, coll, flt, [d for k, d in store.items() if k in keys])  # in natural order
 
     def _examined(
@@ -1312,6 +1325,7 @@ class Engine:
         for ns in txn.created:
             self.catalog.pop(ns, None)
             self.data.pop(ns, None)
+            self.order.pop(ns, None)
             self.uniques.pop(ns, None)
             self.fields.pop(ns, None)
         self.txn = None if current is txn else current
@@ -1721,6 +1735,7 @@ class Engine:
     def _drop(self, db: str, coll: str) -> None:
         meta = self.catalog.pop((db, coll))
         self.data.pop((db, coll), None)
+        self.order.pop((db, coll), None)
         self.uniques.pop((db, coll), None)
         self.fields.pop((db, coll), None)
         self.sharded.pop((db, coll), None)
@@ -1748,7 +1763,7 @@ class Engine:
                 raise Failure(48, "target namespace exists")
             meta = self.catalog.pop((tdb, tcoll))
             del meta
-        tables: tuple[dict[tuple[str, str], Any], ...] = (self.data, self.uniques, self.fields)
+        tables: tuple[dict[tuple[str, str], Any], ...] = (self.data, self.order, self.uniques, self.fields)
         for table in tables:
             table.pop((tdb, tcoll), None)
             if (sdb, scoll) in table:
