@@ -954,11 +954,7 @@ class Engine:
             wanted = evaluate.indexable(cond)
             if wanted is None:
                 continue
-            index = self.fields.setdefault((db, coll), {}).get(path)
-            if index is None:
-                index = self.fields[(db, coll)][path] = {}
-                for k, d in store.items():
-                    index.setdefault(evaluate.field_value(d, path), set()).add(k)
+            index = self._field_index(db, coll, path)
             found: set[bytes] = set(index.get(evaluate._COMPLEX, ()))
             for w in wanted:
                 found |= index.get(w, set())
@@ -970,6 +966,16 @@ class Engine:
             found = sorted((k for k in keys if k in store), key=lambda k: order.get(k, -1))
             return self._examined(db, coll, flt, [store[k] for k in found])
         return self._examined(db, coll, flt, [d for k, d in store.items() if k in keys])  # in natural order
+
+    def _field_index(self, db: str, coll: str, path: str) -> dict[Any, set[bytes]]:
+        """The field index of ``path`` (value key -> the documents' store keys), built at its first
+        use and kept by every write (:meth:`_put`)."""
+        index = self.fields.setdefault((db, coll), {}).get(path)
+        if index is None:
+            index = self.fields[(db, coll)][path] = {}
+            for k, d in self._coll(db, coll).items():
+                index.setdefault(evaluate.field_value(d, path), set()).add(k)
+        return index
 
     def _examined(
         self, db: str, coll: str, flt: Mapping[str, Any] | None, docs: list[dict[str, Any]], *, indexed: bool = False
@@ -2019,11 +2025,7 @@ class Engine:
         low = _Ordered(next(iter(cmd["min"].values()), MinKey()) if "min" in cmd else MinKey())
         high = _Ordered(next(iter(cmd["max"].values()), MaxKey()) if "max" in cmd else MaxKey())
         store = self._coll(db, coll)
-        values = self.fields.setdefault((db, coll), {}).get(path)
-        if values is None:
-            values = self.fields[(db, coll)][path] = {}
-            for k, d in store.items():
-                values.setdefault(evaluate.field_value(d, path), set()).add(k)
+        values = self._field_index(db, coll, path)
         keys: set[bytes] = set(values.get(evaluate._COMPLEX, ()))
         for value_key, held in values.items():
             if value_key is evaluate._COMPLEX:
