@@ -61,6 +61,8 @@ MAX_SCANS_TO_EXPLODE = 200
 """``internalQueryMaxScansToExplode`` (src/mongo/db/query/query_knobs.idl): the most point
 intervals the planner turns into index scans merged in the sort's order; above, a server plans a
 blocking sort (or another index) instead. The opt-in plan check's bound, never an error."""
+SLOW_COMMAND_S = 2.0
+"""A command (not a waiting ``getMore`` or ``hello``) that took longer is logged, with its target."""
 TRANSACTION_LIFETIME_S = 60
 """``transactionLifetimeLimitSeconds``: a transaction older is aborted (manual, "Production
 Considerations" of transactions)."""
@@ -1075,6 +1077,7 @@ class Engine:
     def run(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         """The reply document of ``cmd`` (errors as ``ok: 0`` documents, never raised)."""
         name = next(iter(cmd), "")
+        arrived = time.monotonic()
         self.commands[name] = self.commands.get(name, 0) + 1
         self.command_counts[(conn.app_name or "", name, self._target(name, cmd))] += 1
         try:
@@ -1138,6 +1141,9 @@ class Engine:
             logger.exception("mongosim: %s failed", name)
             reply = {"ok": 0.0, "errmsg": f"mongosim internal error: {exc!r}", "code": 1, "codeName": "InternalError"}
         reply.setdefault("ok", 1.0)
+        took = time.monotonic() - arrived
+        if took > SLOW_COMMAND_S and not (name == "getMore" or "maxAwaitTimeMS" in cmd):
+            logger.warning("mongosim: %s of %s (%s) took %.1f s", name, self._target(name, cmd), conn.app_name, took)
         cursor = reply.get("cursor")
         if isinstance(cursor, dict) and "postBatchResumeToken" in cursor:
             events = cursor.get("firstBatch") or cursor.get("nextBatch") or []
