@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -16,8 +17,8 @@ from wowd.daemon.stream import DeliveryStream, Limits, batch_limits, target_limi
 from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, Delivered, OutboxGateway, Outcome
-from wowd.model import AggregateRef, Command, SlotLease, Timer, deterministic_timer_id, partition
-from wowd.stores.base import Backend, OutboxShortcut, TimerStore
+from wowd.model import AggregateRef, Command, LogEntry, Position, SlotLease, Timer, deterministic_timer_id, partition
+from wowd.stores.base import Backend, Log, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
 
@@ -134,3 +135,39 @@ def replica_firing(settings: WowdSettings, backend: Backend) -> Firing:
     """How ``wowd run`` of ``settings`` on ``backend`` fires (its gateway made by the replica's
     assembly)."""
     return replica_of(settings, backend, delivery(settings, backend)).firing
+
+
+class Tail:
+    """What a following read of a log has yielded so far (:func:`tailing`)."""
+
+    def __init__(self) -> None:
+        self.entries: list[LogEntry] = []
+        self.heads = 0
+        """Batches that said the read is at the log's head (a watermark for all its partitions)."""
+        self._moved = anyio.Event()
+
+    async def _follow(self, log: Log, positions: Mapping[int, Position | None]) -> None:
+        async for batch in log.read(positions, follow=True):
+            self.entries.extend(batch.entries)
+            if batch.watermark is not None and batch.covers is None:
+                self.heads += 1
+            self._moved.set()
+            self._moved = anyio.Event()
+
+    async def until(self, reached: Callable[[Tail], bool], timeout: float = 10) -> None:  # noqa: ASYNC109
+        """Returns once ``reached(self)`` holds (checked as batches come), else fails the test."""
+        with anyio.fail_after(timeout):
+            while not reached(self):
+                await self._moved.wait()
+
+
+@asynccontextmanager
+async def tailing(log: Log, positions: Mapping[int, Position | None]) -> AsyncIterator[Tail]:
+    """A following read of ``positions`` in a task of its own, stopped on exit."""
+    tail = Tail()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tail._follow, log, positions)
+        try:
+            yield tail
+        finally:
+            tg.cancel_scope.cancel()

@@ -132,10 +132,11 @@ def _get(doc: Mapping[str, Any], path: str) -> Any:
 
 def _tombstone(doc: Mapping[str, Any], pipeline: list[Mapping[str, Any]]) -> dict[str, Any]:
     """The one update pipeline a settle sends (a fired one-shot timer's DONE tombstone): literal
-    ``status``, ``expires_at`` from the server's clock, revision + 1, the claim unset."""
+    ``status``, ``expires_at`` from the server's clock, revision + 1, the claim, command, target
+    and rule unset."""
     [set_stage, unset_stage] = pipeline
     fields = set_stage["$set"]
-    out = {k: v for k, v in doc.items() if k != unset_stage["$unset"]}
+    out = {k: v for k, v in doc.items() if k not in unset_stage["$unset"]}
     out["status"] = fields["status"]
     out["expires_at"] = datetime.now(UTC)
     out["revision"] = doc["revision"] + 1
@@ -159,7 +160,8 @@ def _matches(flt: Mapping[str, Any], doc: Mapping[str, Any]) -> bool:
 
 
 class Collection:
-    """The server side of one collection: applies the replace/delete statements it is sent."""
+    """The server side of one collection: applies the update (``$set``/``$unset``, or the
+    tombstone's pipeline) and delete statements it is sent."""
 
     def __init__(self, docs: list[dict[str, Any]]) -> None:
         self.docs = [copy.deepcopy(d) for d in docs]
@@ -170,7 +172,11 @@ class Collection:
             for i, d in enumerate(self.docs):
                 if _matches(st["q"], d):
                     u = st["u"]
-                    self.docs[i] = _tombstone(d, u) if isinstance(u, list) else {"_id": d.get("_id"), **u}
+                    if isinstance(u, list):
+                        self.docs[i] = _tombstone(d, u)
+                    else:
+                        kept = {k: v for k, v in d.items() if k not in u.get("$unset", {})}
+                        self.docs[i] = {**kept, **u.get("$set", {})}
                     n += 1
                     break
         return n
@@ -210,7 +216,7 @@ def claimed_timer(id: str, revision: int = 1) -> Timer:
 
 async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_timeout: timedelta) -> Any:
     """A MongoTimerStore whose registry records the ``order`` collection (read by ``prepare``)."""
-    from wowd.stores.mongo.timer_queries import ttl_index_spec
+    from wowd.stores.mongo.timer_queries import index_specs
     from wowd.stores.mongo.timers import MongoTimerStore
 
     store = MongoTimerStore(
@@ -228,8 +234,8 @@ async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_
             call = Call.start(tg, store.prepare)
             req = await wire.command("find")
             req.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": [registry]})
-            # ddl=none looks for the tombstones' TTL index of each registered collection once
-            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, {"v": 2, **ttl_index_spec()}]
+            # ddl=none looks at the indexes of each registered collection once
+            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **spec} for spec in index_specs())]
             (await wire.command("listIndexes")).ok(
                 cursor={"id": 0, "ns": f"{DB}.wow_timer__ctx__order", "firstBatch": indexes}
             )
@@ -260,7 +266,7 @@ async def timers_store(mongo_client: AsyncMongoClient[Any], wire: Wire) -> Async
 
 
 async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(timers_store: Any, wire: Wire) -> None:
-    """The connection drops after the server applied the first replace of the bulk. The retry
+    """The connection drops after the server applied the first update of the bulk. The retry
     sends the same statements; the one already applied no longer matches (its revision moved on)
     and is skipped, the others apply: each change lands exactly once."""
 
@@ -268,8 +274,8 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
     server = Collection([{"_id": ObjectId(), **timer_to_doc(t)} for t in timers])
     changes = [
         TimerChange.fired(timers[0], fence=3, next_due=None),  # its DONE tombstone (an update)
-        TimerChange.fired(timers[1], fence=3, next_due=5_000),  # a replace (recurring)
-        TimerChange.retry(timers[2], fence=3, due_at=9_000, error="HTTP 503"),  # a replace
+        TimerChange.fired(timers[1], fence=3, next_due=5_000),  # an update (recurring)
+        TimerChange.retry(timers[2], fence=3, due_at=9_000, error="HTTP 503"),  # an update
     ]
     first: dict[str, Any] = {}
     with anyio.fail_after(15):

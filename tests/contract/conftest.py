@@ -54,6 +54,10 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "wowd.db"
 
 
+TABLE_SCAN_LIMIT = 20
+"""The contract suites' simulators refuse a query no index can answer on a collection of more
+documents than this (as ``notablescan``): a missing or unused index fails the test that sent it."""
+
 _SIMULATORS: list[Any] = []
 """The engines of the session's simulators (their plan checks are read after each test)."""
 
@@ -63,7 +67,7 @@ def mongosim_uri() -> Iterator[str]:
     """The URI of a MongoDB simulator serving the whole test session, its plan check on."""
     from tests.mongosim import Settings, serving
 
-    with serving(Settings(plan_check=True)) as server:
+    with serving(Settings(plan_check=True, table_scan_limit=TABLE_SCAN_LIMIT)) as server:
         _SIMULATORS.append(server.engine)
         yield server.uri
 
@@ -90,7 +94,7 @@ def mongosim_sharded_uri() -> Iterator[str]:
     and the suites should not wait the 10 s of a default deployment for it."""
     from tests.mongosim import Settings, serving
 
-    with serving(Settings(shards=2, noop_interval=0.05, plan_check=True)) as server:
+    with serving(Settings(shards=2, noop_interval=0.05, plan_check=True, table_scan_limit=TABLE_SCAN_LIMIT)) as server:
         _SIMULATORS.append(server.engine)
         yield server.uri
 

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from tests.contract.conftest import CONTEXT, PARTITIONS
+from tests.helpers import tailing
 from wowd.errors import ConflictError
 from wowd.model import (
     AggregateRef,
@@ -282,6 +283,51 @@ async def test_malformed_documents_come_as_entries_naming_the_field(log: Any) ->
     assert second.commit is None and second.error and "events" in second.error
     assert good.commit is not None and good.error is None
     assert first.partition == p and first.aggregate == ORDER
+
+
+def schema_minimal(agg_id: str, version: int, *events: dict[str, Any]) -> dict[str, Any]:
+    """A commit as the published schema allows it at its least: no ``tenant_id`` (the default
+    tenant), no ``partition`` (its aggregate id's), no ``_id``."""
+    return {
+        "aggregate_id": agg_id,
+        "version": version,
+        "request_id": f"req-{agg_id}-{version}",
+        "create_time": 1_700_000_000_000 + version,
+        "events": list(events),
+    }
+
+
+async def test_a_commit_without_tenant_or_partition_is_read_checked_and_counted(log: Any) -> None:
+    """The schema requires neither ``tenant_id`` (absent: the default tenant) nor ``partition``
+    (absent: its aggregate id's): such a commit is read in its aggregate id's partition as one of
+    the default tenant, by a read from the start and by a following read; the log check and
+    ``last_version`` see it."""
+    (a,) = ids_in(3, 1, prefix="bare")
+    ref = AggregateRef(context=CONTEXT, aggregate="order", id=a)  # the default tenant
+    scheduled = {"name": "TimerScheduled", "body": {"key": "k", "due_at": 1, "target": {}, "command": {"name": "c"}}}
+    await log.insert_raw(ORDER, schema_minimal(a, 1, scheduled))
+    await log.insert_raw(ORDER, schema_minimal(commit("other").ref.id, 1))  # another partition's
+    assert await log.last_version(ref) == 1
+    async with tailing(log, {3: None}) as tail:
+        await tail.until(lambda t: len(t.entries) >= 1)  # read from the start; tailing now
+        await log.insert_raw(ORDER, schema_minimal(a, 2, {"name": "TimerCancelled", "body": {"key": "k"}}))
+        await tail.until(lambda t: len(t.entries) >= 2)
+    seen = tail.entries
+    assert [(e.partition, e.error, e.commit and (e.commit.ref, e.commit.version)) for e in seen] == [
+        (3, None, (ref, 1)),
+        (3, None, (ref, 2)),
+    ]
+    assert await log.last_version(ref) == 2
+    assert await log.committed_after([OwnerProbe(ref, 1, "k"), OwnerProbe(ref, 2, "k")]) == {0}
+
+
+async def test_a_raw_document_colliding_with_a_stored_commit_is_a_conflict(log: Any) -> None:
+    """A writer that retries an insert whose reply it lost finds its own document: a conflict it
+    can tell from an outage, on every backend."""
+    (a,) = ids_in(2, 1, prefix="raw")
+    await log.insert_raw(ORDER, schema_minimal(a, 1))
+    with pytest.raises(ConflictError):
+        await log.insert_raw(ORDER, schema_minimal(a, 1))
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -10,6 +10,8 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import pytest
+from bson.max_key import MaxKey
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pymongo import AsyncMongoClient
@@ -74,6 +76,38 @@ async def majority_point(wire: Wire, ct: tuple[int, int]) -> None:
         cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__{CONTEXT}", "firstBatch": []},
         operationTime=Timestamp(*ct),
     )
+
+
+SCAN_SORT = {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}
+"""The order of a partition's re-read: the ``partition_order`` index's."""
+
+
+def scan_bounds(p: int, partitions: int = PARTITIONS) -> list[tuple[list[Any], list[Any]]]:
+    """The index ranges a re-read of partition ``p`` reads in each collection, in order: below the
+    partitions (no ``partition``, a negative one), ``p``'s own, above them (out of range, not a
+    number)."""
+    low = [MinKey()] * 3
+    return [([MinKey(), *low], [0, *low]), ([p, *low], [p + 1, *low]), ([partitions, *low], [MaxKey()] * 4)]
+
+
+async def scan_collection(
+    wire: Wire,
+    coll: str,
+    p: int,
+    docs: list[dict[str, Any]],
+    *,
+    irregular: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], []),
+) -> None:
+    """Answers the three ``find`` commands of partition ``p``'s re-read of ``coll``, from their
+    start: each bounded on ``partition_order`` (``hint``, ``min``, ``max``) in its order,
+    ``docs`` in ``p``'s own range, ``irregular`` in the ranges below and above."""
+    answers = [irregular[0], docs, irregular[1]]
+    for (lower, upper), answer in zip(scan_bounds(p), answers, strict=True):
+        find = await wire.command("find")
+        assert (find["find"], find["filter"], find["hint"]) == (coll, {}, "partition_order")
+        assert find["sort"] == SCAN_SORT
+        assert list(find["min"].values()) == lower and list(find["max"].values()) == upper
+        find.ok(cursor={"id": 0, "ns": f"{DB}.{coll}", "firstBatch": answer})
 
 
 def token(ct: tuple[int, int], n: int = 0) -> dict[str, str]:

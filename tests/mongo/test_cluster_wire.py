@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 from bson import ObjectId
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr, ValidationError
@@ -35,6 +36,7 @@ from tests.mongo.log_support import (
     housekeeping,
     log_doc,
     majority_point,
+    scan_collection,
     start,
     token,
 )
@@ -277,9 +279,7 @@ async def test_capped_position_lost_on_a_getmore_rereads_like_history_lost(
             )
             await majority_point(rs_wire, (600, 1))
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
-            find = await rs_wire.command("find")
-            assert find["filter"] == {"partition": 5}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1), log_doc(ID_P5, 2)]})
+            await scan_collection(rs_wire, ORDERS, 5, [log_doc(ID_P5, 1), log_doc(ID_P5, 2)])
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(600, 1)}}
             agg.ok(cursor([], first=True))
@@ -303,24 +303,31 @@ async def test_each_partition_is_cut_then_scanned_and_caught_up_before_the_next(
             await majority_point(rs_wire, (200, 1))  # partition 3's own cut
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
             find = await rs_wire.command("find")
-            assert find["filter"] == {"partition": 3}
+            assert list(find["min"].values())[0] == MinKey()  # partition 3's re-read, the range below
             assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 1)}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            find = await rs_wire.command("find")
+            assert list(find["min"].values())[0] == 3
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
+            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             # partition 3 caught up from its cut before partition 5 is cut
             catch_up = await rs_wire.command("aggregate")
             assert catch_up["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 1)}}
-            assert catch_up["pipeline"][1]["$match"]["fullDocument.partition"] == {"$in": [3]}
+            assert catch_up["pipeline"][1]["$match"]["$or"][0] == {"fullDocument.partition": {"$in": [3]}}
             catch_up.ok(cursor([change(log_doc(ID_P3, 2), (250, 1))], first=True))
             (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((260, 0))))
             await majority_point(rs_wire, (300, 1))  # partition 5's own cut, later
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
             find = await rs_wire.command("find")
-            assert find["filter"] == {"partition": 5}
             assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(300, 1)}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            find = await rs_wire.command("find")
+            assert list(find["min"].values())[0] == 5
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1)]})
+            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             agg = await rs_wire.command("aggregate")  # from partition 3's caught-up position
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(250, 1)}}
-            assert agg["pipeline"][1]["$match"]["fullDocument.partition"] == {"$in": [3, 5]}
+            assert agg["pipeline"][1]["$match"]["$or"][0] == {"fullDocument.partition": {"$in": [3, 5]}}
             agg.ok(cursor([change(log_doc(ID_P5, 1), (290, 1)), change(log_doc(ID_P5, 2), (310, 1))], first=True))
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
@@ -341,9 +348,7 @@ async def test_history_lost_right_after_a_scan_names_the_oplog_window(
             call = start(tg, lambda: collect(log.read({3: None}, follow=False)))
             await majority_point(rs_wire, (200, 1))
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
-            (await rs_wire.command("find")).ok(
-                cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]}
-            )
+            await scan_collection(rs_wire, ORDERS, 3, [log_doc(ID_P3, 1)])
             server_error(await rs_wire.command("aggregate"), 286, HISTORY_LOST_MSG)
             await call.done.wait()
     with pytest.raises(StorageError, match="oplogMinRetentionHours"):
@@ -492,7 +497,7 @@ async def test_auto_sharding_without_the_privilege_leaves_the_collection_unshard
 ) -> None:
     store = sharded_timers(rs_client)
     ns = f"{DB}.{TIMERS}"
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
         async with calling(lambda: store.put(timer3())) as out:
             (await rs_wire.command("findAndModify")).ok(
                 value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
@@ -686,6 +691,7 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: open_mongo(settings))
             (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            await answer_election_timeout(rs_wire)
             registry = await rs_wire.command("find")  # the one command of ddl=none
             assert registry["find"] == "wow_timer_aggregate"
             assert 0 < registry["maxTimeMS"] <= 2500
@@ -718,6 +724,7 @@ async def test_the_mongo_backend_runs_without_elasticsearch_when_it_keeps_no_ind
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: open_mongo(settings))
             (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
+            await answer_election_timeout(rs_wire)
             registry = await rs_wire.command("find")
             registry.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": []})
             await call.done.wait()
@@ -756,6 +763,15 @@ READ_WRITE_70 = [
 ]
 """The actions of the built-in ``readWrite`` role on its database in 7.0 (manual, Built-In Roles,
 readWrite; src/mongo/db/auth/builtin_roles.yml)."""
+
+
+async def answer_election_timeout(wire: Wire, timeout_ms: int = 10_000) -> None:
+    """``replSetGetConfig`` (at start, the lease's ttl against the election timeout), on ``admin``,
+    answered as 7.0 does (the settings a default replica set has)."""
+    req = await wire.command("replSetGetConfig")
+    assert req["$db"] == "admin"
+    req.ok(config={"_id": "rs0", "version": 1, "term": 1, "members": [{"_id": 0, "host": "localhost:27017"}],
+                   "settings": {"electionTimeoutMillis": timeout_ms, "heartbeatIntervalMillis": 2000}})  # fmt: skip
 
 
 def connection_status(privileges: list[dict[str, Any]], roles: list[dict[str, str]]) -> dict[str, Any]:

@@ -57,7 +57,7 @@ from wowd.stores.mongo import MongoLog, MongoOutbox
 from wowd.stores.mongo._common import MongoSharding
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timer_queries import timer_to_doc, ttl_index_spec
+from wowd.stores.mongo.timer_queries import index_specs, timer_to_doc
 from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
@@ -189,9 +189,11 @@ class Deployment:
             ]
             self.cursor(req, f"{DB}.{REGISTRY}", docs)
         elif name == "listIndexes" and str(coll).startswith(f"wow_timer__{CONTEXT}__"):
-            # ddl=none looks for the tombstones' TTL index of each registered type at prepare
+            # ddl=none looks at the indexes of each registered type at prepare
             self.cursor(
-                req, f"{DB}.{coll}", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, {"v": 2, **ttl_index_spec()}]
+                req,
+                f"{DB}.{coll}",
+                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **s} for s in index_specs())],
             )
         elif name == "find" and coll == CHECKPOINTS:
             # each view's checkpoints: the timer view's (``wowd``), where the others, which have

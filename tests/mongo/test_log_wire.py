@@ -24,6 +24,7 @@ from tests.mongo.log_support import (
     ID_P5,
     ORDERS,
     PARTITIONS,
+    SCAN_SORT,
     change,
     collect,
     commit,
@@ -34,6 +35,7 @@ from tests.mongo.log_support import (
     rs_client,
     rs_server,
     rs_wire,
+    scan_collection,
     start,
     token,
 )
@@ -80,10 +82,13 @@ def dup(index: int, key_pattern: dict[str, int]) -> dict[str, Any]:
 
 
 def expected_match(partitions: list[int]) -> dict[str, Any]:
+    """The stream's filter: the partitions, and every commit without an integral partition in
+    range (the one holding the aggregate id's partition keeps it)."""
+    irregular = {"$not": {"$type": ["int", "long"], "$gte": 0, "$lt": PARTITIONS}}
     return {
-        "ns.coll": {"$regex": "^wow_log__ctx__"},
+        "ns.coll": {"$regex": "^wow_log__ctx__[a-z0-9-]+(?:_[a-z0-9-]+)*$"},
         "operationType": "insert",
-        "fullDocument.partition": {"$in": partitions},
+        "$or": [{"fullDocument.partition": {"$in": partitions}}, {"fullDocument.partition": irregular}],
     }
 
 
@@ -176,7 +181,8 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             await majority_point(rs_wire, (200, 3))
             # 2. the context's log collections
             lc = await rs_wire.command("listCollections")
-            assert lc["filter"] == {"name": {"$regex": "^wow_log__ctx__"}}
+            # the context's own collections: an aggregate part with no "__" (another context's has)
+            assert lc["filter"] == {"name": {"$regex": "^wow_log__ctx__[a-z0-9-]+(?:_[a-z0-9-]+)*$"}}
             lc.ok(
                 cursor={
                     "id": 0,
@@ -184,15 +190,19 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
                     "firstBatch": [{"name": ORDERS, "type": "collection"}],
                 }
             )
-            # 3. the partition's history in (aggregate_id, version) order
+            # 3. the partition's history in (aggregate_id, version) order, over the partition_order
+            # index: commits stored without a regular partition below and above its own range
             find = await rs_wire.command("find")
-            assert find["find"] == ORDERS
-            assert find["filter"] == {"partition": 3}
-            assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
+            assert (find["find"], find["filter"], find["sort"]) == (ORDERS, {}, SCAN_SORT)
             # it reads majority-committed data at or after that cluster time (causally
             # consistent): on every shard it sees each commit at or before the cut
             assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 3)}
+            no_partition = {k: v for k, v in log_doc(ID_P3, 4).items() if k != "partition"}
+            elsewhere = {k: v for k, v in log_doc(ID_P5, 4).items() if k != "partition"}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [no_partition, elsewhere]})
+            find = await rs_wire.command("find")
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
+            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             # 4. the stream starts at that cluster time, not "now"; what is AT it the scan read
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 3)}}
@@ -200,10 +210,11 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
     batches = call.result()
-    assert entries_of(batches) == [(3, ID_P3, 1), (3, ID_P3, 2), (3, ID_P3, 3)]
+    # the commit without a partition is read in its aggregate id's (3); another's is not
+    assert entries_of(batches) == [(3, ID_P3, 4), (3, ID_P3, 1), (3, ID_P3, 2), (3, ID_P3, 3)]
     scanned = batches[0].positions[3]
     assert scanned["cluster_time"] == [200, 3]
-    assert scanned["scan"]["c"] == ORDERS and scanned["scan"]["v"] == 2
+    assert scanned["scan"] == {"c": ORDERS, "r": 1, "p": 3, "a": ID_P3, "v": 2, "id": log_doc(ID_P3, 2)["_id"]}
     assert [b for b in batches if b.entries][-1].positions == {3: pos((200, 4))}
 
 
@@ -228,23 +239,13 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
                     "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
                 }
             )
-            # "account" sorts before the scan's collection: done already; "cart" after the document
+            # "account" sorts before the scan's collection: done already; "cart" after the document,
+            # in its own range (an old position names none: the partition's), then the range above
             find = await rs_wire.command("find")
             assert find["find"] == "wow_log__ctx__cart"
-            # BSON order of aggregation comparisons (as the sort), not type-bracketed operators
-            agg, ver = {"$ifNull": ["$aggregate_id", None]}, {"$ifNull": ["$version", None]}
-            a, v, id_ = {"$literal": ID_P3}, {"$literal": 2}, {"$literal": last["id"]}
-            assert find["filter"] == {
-                "partition": 3,
-                "$expr": {
-                    "$or": [
-                        {"$gt": [agg, a]},
-                        {"$and": [{"$eq": [agg, a]}, {"$gt": [ver, v]}]},
-                        {"$and": [{"$eq": [agg, a]}, {"$eq": [ver, v]}, {"$gt": ["$_id", id_]}]},
-                    ]
-                },
-            }
-            assert find["sort"] == {"aggregate_id": 1, "version": 1, "_id": 1}
+            # from the key (inclusive) on the index, the key's own document left out by _id
+            assert find["filter"] == {"_id": {"$ne": last["id"]}}
+            assert find["sort"] == SCAN_SORT
             assert find["hint"] == "partition_order"
             assert list(find["min"].items()) == [
                 ("partition", 3),
@@ -259,10 +260,10 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
                 ("_id", MinKey()),
             ]
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
-            find = await rs_wire.command("find")  # "order" from its start
-            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
-            assert "min" not in find and "hint" not in find
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            find = await rs_wire.command("find")  # the range above, from its start
+            assert (find["find"], find["filter"], list(find["min"].values())[0]) == ("wow_log__ctx__cart", {}, 8)
+            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
+            await scan_collection(rs_wire, ORDERS, 3, [])  # "order" from its start
             # the stream starts at the cluster time the ORIGINAL scan took
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(70, 1)}}
@@ -334,9 +335,7 @@ async def test_history_lost_rereads_the_partitions_and_restarts_at_the_cluster_t
                     "firstBatch": [{"name": ORDERS, "type": "collection"}],
                 }
             )
-            find = await rs_wire.command("find")
-            assert find["filter"] == {"partition": 3}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
+            await scan_collection(rs_wire, ORDERS, 3, [log_doc(ID_P3, 1)])
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(500, 7)}}
             assert agg["pipeline"][1] == {"$match": expected_match([3])}
@@ -364,9 +363,7 @@ async def test_history_lost_rereads_only_the_partitions_at_the_oldest_position(
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
             )
-            find = await rs_wire.command("find")
-            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 3})
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
+            await scan_collection(rs_wire, ORDERS, 3, [log_doc(ID_P3, 1), log_doc(ID_P3, 2)])
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(500, 1)}}
             assert agg["pipeline"][1] == {"$match": expected_match([3, 5])}
@@ -447,9 +444,7 @@ async def test_a_resume_token_not_found_also_rereads(rs_client: AsyncMongoClient
             (await rs_wire.command("listCollections")).ok(
                 cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
             )
-            find = await rs_wire.command("find")
-            assert (find["find"], find["filter"]) == (ORDERS, {"partition": 5})
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1)]})
+            await scan_collection(rs_wire, ORDERS, 5, [log_doc(ID_P5, 1)])
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(700, 2)}}
             agg.ok(cursor([], first=True))
@@ -920,8 +915,11 @@ async def test_auto_ddl_creates_the_log_indexes_before_the_first_append(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: log.append(commit(ID_P3, 1)))
+            # sharding=auto: is the server a mongos? (a replica set's member: the log is not sharded)
+            (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
             ci = await rs_wire.command("createIndexes")
             assert ci["createIndexes"] == ORDERS
+            assert "aggregate_hashed" not in {i["name"] for i in ci["indexes"]}
             indexes = {i["name"]: i for i in ci["indexes"]}
             assert indexes["aggregate_request"]["key"] == {"aggregate_id": 1, "request_id": 1}
             assert indexes["aggregate_request"]["unique"] is True
@@ -949,6 +947,7 @@ async def test_the_log_indexes_of_an_existing_collection_are_built_with_no_deadl
                 call = start(tg, log.prepare)
                 lc = await rs_wire.command("listCollections")
                 lc.ok(cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]})
+                (await rs_wire.command("hello")).ok(isWritablePrimary=True, setName="rs0", maxWireVersion=21)
                 ci = await rs_wire.command("createIndexes")
                 assert ci["createIndexes"] == ORDERS and "maxTimeMS" not in ci
                 ci.ok(numIndexesBefore=2, numIndexesAfter=3, createdCollectionAutomatically=False)
@@ -1116,11 +1115,13 @@ async def test_outbox_take_skips_no_entry_a_writer_committed_behind_the_taken_on
         if not found:
             return None, None
         update = await rs_wire.command("update")
-        (u,) = update.docs[0]["updates"]
         ids = [d["_id"] for d in found]
-        assert u["q"] == {"_id": {"$in": ids}, **free} and u["multi"] is True  # free again, per document
-        lease_id = u["u"][0]["$set"]["lease"]
-        assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
+        # one statement per entry, each free again (a retryable write: no multi), unordered
+        assert [u["q"] for u in update.docs[0]["updates"]] == [{"_id": i, **free} for i in ids]
+        assert update.docs[0]["ordered"] is False and not any(u.get("multi") for u in update.docs[0]["updates"])
+        lease_id = update.docs[0]["updates"][0]["u"][0]["$set"]["lease"]
+        for u in update.docs[0]["updates"]:
+            assert u["u"] == [{"$set": {"lease_until": {"$add": ["$$NOW", 30_000]}, "lease": lease_id}}]
         update.ok(n=modified, nModified=modified)
         readback = await rs_wire.command("find")
         assert readback["filter"] == {"_id": {"$in": ids}, "lease": lease_id}
@@ -1191,6 +1192,9 @@ async def test_outbox_ack_and_trim_are_one_delete_many_each(rs_client: AsyncMong
 async def test_last_version_reads_one_version_over_the_partition_order_index(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
+    """Two point intervals on the index's first key (the partition, and none stored: the schema
+    leaves ``partition`` out), one on its second, merged in version order; the default tenant
+    also matches a commit stored without ``tenant_id`` (the schema's default)."""
     log = make_log(rs_client)
     ref = AggregateRef(context=CONTEXT, aggregate="order", id=ID_P3, tenant_id="t1")
     with anyio.fail_after(15):
@@ -1198,15 +1202,17 @@ async def test_last_version_reads_one_version_over_the_partition_order_index(
             call = start(tg, lambda: log.last_version(ref))
             find = await rs_wire.command("find")
             assert find["find"] == ORDERS
-            assert find["filter"] == {"partition": 3, "aggregate_id": ID_P3, "tenant_id": "t1"}
+            assert find["filter"] == {"partition": {"$in": [3, None]}, "aggregate_id": ID_P3, "tenant_id": "t1"}
             assert find["sort"] == {"version": -1} and find["limit"] == 1
             assert find["projection"] == {"_id": 0, "version": 1}
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 4}]})
             await call.done.wait()
             assert call.result() == 4
 
-            none = start(tg, lambda: log.last_version(ref))
-            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            none = start(tg, lambda: log.last_version(AggregateRef(context=CONTEXT, aggregate="order", id=ID_P3)))
+            find = await rs_wire.command("find")
+            assert find["filter"]["tenant_id"] == {"$in": ["(0)", None]}
+            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
             await none.done.wait()
             assert none.result() == 0
 

@@ -238,9 +238,25 @@ async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(mong
     assert isinstance(refused.error, FormatError) and "due" in str(refused.error)
 
 
-async def test_ddl_none_registers_the_type_and_creates_nothing(mongo_client: Any, wire: Wire) -> None:
+async def test_ddl_none_refuses_a_new_type_whose_collection_has_no_indexes(mongo_client: Any, wire: Wire) -> None:
+    """``ddl=none`` creates nothing: a new aggregate type's collection must exist with its
+    indexes before its first put, or the put would create it bare (no unique key: a replayed
+    older put makes a second live timer of a key, delivered twice; no due index; no TTL). The
+    indexes are looked at first (``listIndexes``; a missing collection answers 26 on 7.0): the
+    put is refused naming the setting, and nothing is registered or written. With the indexes
+    there (an administrator made them), the type registers and the put is its upsert."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
     async with calling(lambda: store.put(make_timer())) as out:
+        server_error(await wire.command("listIndexes"), 26, "ns does not exist: wowd.wow_timer__ctx__order")
+    assert isinstance(out.error, FormatError), out.error
+    assert "does not exist" in str(out.error) and "WOWD_MONGODB__DDL=auto" in str(out.error)
+    bare = [spec for spec in index_specs() if spec["name"] in ("tombstones_ttl",)]
+    async with calling(lambda: store.put(make_timer())) as out:
+        await answer_indexes(wire, "wow_timer__ctx__order", bare)
+    assert isinstance(out.error, FormatError) and "partition_owner_key" in str(out.error), out.error
+    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    async with calling(lambda: store.put(make_timer())) as out:
+        await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)  # a missing TTL index: logged
         (await wire.command("findAndModify")).ok(value=registry_doc("order"))
         await answer_update(wire)  # straight to the upsert
     assert out.error is None and out.value is True
@@ -260,6 +276,7 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
     assert out.error is None and out.value is True
     assert update["update"] == "wow_timer__ctx__order"
     async with calling(lambda: store.put(make_timer(aggregate="cart", id="c1"))) as cart:
+        await answer_indexes(wire, "wow_timer__ctx__cart", index_specs())  # a new type: its indexes first
         fam = await wire.command("findAndModify")
         assert fam.doc["query"] == {"_id": "wow_timer__ctx__cart"}
         fam.ok(value=registry_doc("cart"))
@@ -286,7 +303,7 @@ async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_
 
     store = store_on(mongo_client, ddl=Ddl.NONE)
     without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timers"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
         async with calling(store.prepare) as out:
             (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
             await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
@@ -732,7 +749,17 @@ async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_cli
     assert updates[0]["q"]["partition"] == a1.partition
     claimed = changes[0].applied()
     assert claimed is not None
-    assert dict(updates[0]["u"]) == timer_to_doc(claimed)  # exactly the applied document
+    # an update of the fields the claim changes (the oplog holds those, not the whole document
+    # with its body, as a replacement's entry would): the status, the claim's expiry as due_at,
+    # the claim, the revision; nothing else
+    assert dict(updates[0]["u"]) == {
+        "$set": {"status": "FIRING", "due_at": 5_000, "claim": {"owner_key": "me", "fence": 3, "until": 5_000},
+                 "revision": 3},
+    }  # fmt: skip
+    assert timer_to_doc(claimed) == {**timer_to_doc(a1), **updates[0]["u"]["$set"]}
+    retried = changes[3].applied()
+    assert retried is not None and "claim" not in timer_to_doc(retried)
+    assert set(updates[2]["u"]["$set"]) <= {"status", "due_at", "attempts", "last_error", "revision"}
     assert not any(u.get("upsert") for u in updates)
     # a fired one-shot timer is not deleted: it becomes a DONE tombstone at its version
     assert updates[1]["u"] == tombstone_update("DONE", None, 7 * 24 * 3600 * 1000)

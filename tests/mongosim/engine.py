@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import copy
 import datetime
 import hashlib
@@ -60,6 +61,8 @@ MAX_SCANS_TO_EXPLODE = 200
 """``internalQueryMaxScansToExplode`` (src/mongo/db/query/query_knobs.idl): the most point
 intervals the planner turns into index scans merged in the sort's order; above, a server plans a
 blocking sort (or another index) instead. The opt-in plan check's bound, never an error."""
+SLOW_COMMAND_S = 2.0
+"""A command (not a waiting ``getMore`` or ``hello``) that took longer is logged, with its target."""
 TRANSACTION_LIFETIME_S = 60
 """``transactionLifetimeLimitSeconds``: a transaction older is aborted (manual, "Production
 Considerations" of transactions)."""
@@ -103,6 +106,8 @@ CODE_NAMES = {
     11600: "InterruptedAtShutdown",
     11602: "InterruptedDueToReplStateChange",
     13435: "NotPrimaryNoSecondaryOk",
+    225: "TransactionTooOld",
+    291: "NoQueryExecutionPlans",
     17419: "Location17419",
     40415: "Location40415",
     40324: "Location40324",
@@ -152,15 +157,40 @@ class Settings:
     shards: int = 0
     """0: a replica-set primary; N: a ``mongos`` of a sharded cluster of N shards (each with
     its own cluster-time clock, oplog and periodic no-op writer; the data in one store)."""
+    election_timeout_ms: int = 10_000
+    """The replica set's ``settings.electionTimeoutMillis`` (``replSetGetConfig`` answers it)."""
+    table_scan_limit: int | None = None
+    """As ``notablescan``, beyond a small collection: a query that only a collection scan can
+    answer (no index its filter or sort can use) is refused (291) on a collection of more
+    documents than this (None: never)."""
+    scan_seconds_per_doc: float = 0.0
+    """What examining one document costs a read (``find``, ``aggregate``, ``count``,
+    ``distinct``): the time its answer takes, which ``maxTimeMS`` bounds (0: no time)."""
+    index_build_seconds_per_doc: float = 0.0
+    """What an index build costs per document of the collection: ``createIndexes`` answers
+    after it (its ``maxTimeMS`` aborts the build), the index usable only then."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Connection:
     """One client connection (its socket, its handshake's ``appName``)."""
 
     sock: socket.socket | None
     id: int
     app_name: str | None = None
+
+
+@dataclass
+class StepDownTrigger:
+    """A step-down made when a command named ``command`` (of client ``app_name``, if given)
+    arrives: before it runs (it is interrupted, 11602) or after it applied (the reply lost with
+    the connection, or a ``w: majority`` wait ended by it: a write concern error, 189)."""
+
+    command: str
+    seconds: float
+    after_apply: bool
+    app_name: str | None = None
+    close_connection: bool = False
 
 
 @dataclass
@@ -179,6 +209,9 @@ class Event:
     txn: dict[str, Any] | None = None
     shard: int = 0
     """The shard whose oplog holds the entry (a sharded cluster; 0 otherwise)."""
+    pre: dict[str, Any] | None = None
+    """The document before an update, a replacement or a delete (a read of an earlier point in
+    time undoes the entry with it: :meth:`Engine._as_of`)."""
 
 
 @dataclass
@@ -335,6 +368,10 @@ class Engine:
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.data: dict[tuple[str, str], dict[bytes, dict[str, Any]]] = {}
+        self.order: dict[tuple[str, str], dict[bytes, int]] = {}
+        """Each stored document's place in its collection's natural order (a candidate set read
+        through a field index is put in that order without walking the whole collection)."""
+        self._places = itertools.count()
         self.fields: dict[tuple[str, str], dict[str, dict[Any, set[bytes]]]] = {}
         """Field indexes built as queries use the fields: (db, coll) -> path -> value key -> the
         documents' store keys (the value key ``_COMPLEX``: documents every query considers)."""
@@ -380,6 +417,24 @@ class Engine:
         """The shards of a sharded cluster (empty: a replica set); shard 0 is every database's
         primary shard."""
         self.sharded: dict[tuple[str, str], ShardedCollection] = {}
+        self.writable = True
+        """A writable primary; False between a step-down and the next election."""
+        self.term = 1
+        """The election term (each election makes a new one: ``electionId``)."""
+        self.topology_counter = 0
+        """``topologyVersion.counter``: moves on every change of the member's state."""
+        self.topology_changed = threading.Condition(threading.Lock())
+        """What an awaitable ``hello`` waits on (a lock of its own: a write's wake-up of the
+        other waits does not wake it)."""
+        self.conns: set[Connection] = set()
+        self.retryable: dict[bytes, tuple[int, dict[str, Any]]] = {}
+        """Per session, the last retryable write's ``txnNumber`` and its reply (the server's
+        transaction table: a retry of the same number answers the recorded result)."""
+        self.step_down_triggers: list[StepDownTrigger] = []
+        """Step-downs to make when a command of a name arrives (:meth:`step_down_on`)."""
+        self._timers: list[threading.Timer] = []
+        self._tls = threading.local()
+        """The command's own: ``cost``, the time its reads' work takes (:meth:`_spend`)."""
         self._threads = [
             threading.Thread(target=self._noop_writer, name="mongosim-noop", daemon=True),
             threading.Thread(target=self._ttl_monitor, name="mongosim-ttl", daemon=True),
@@ -390,18 +445,105 @@ class Engine:
     # ------------------------------------------------------------------ connections
 
     def connect(self, sock: socket.socket | None) -> Connection:
-        return Connection(sock=sock, id=next(self._ids))
+        conn = Connection(sock=sock, id=next(self._ids))
+        with self.lock:
+            self.conns.add(conn)
+        return conn
 
     def disconnect(self, conn: Connection) -> None:
-        pass
+        with self.lock:
+            self.conns.discard(conn)
 
     def next_request_id(self) -> int:
         return next(self._request_ids)
 
     def shutdown(self) -> None:
         self._stop.set()
+        for timer in self._timers:
+            timer.cancel()
         with self.changed:
             self.changed.notify_all()
+        self._topology_moved()
+
+    def _topology_moved(self) -> None:
+        with self.topology_changed:
+            self.topology_changed.notify_all()
+
+    # ------------------------------------------------------------------ elections
+
+    def step_down(
+        self,
+        seconds: float,
+        *,
+        close_connections: bool = False,
+        majority_at: Timestamp | None = None,
+        majority_for: float = 0.0,
+    ) -> None:
+        """The primary steps down (``replSetStepDown``, or it lost its majority): no writable
+        primary for ``seconds``, then an election makes a new one, of a new term (it writes a
+        "new primary" no-op first, as src/mongo/db/repl/replication_coordinator_impl.cpp does).
+
+        Meanwhile, as a 4.2+ member steps down (manual, "replSetStepDown": writes in progress are
+        killed, connections stay): a write answers 10107 NotWritablePrimary ("not primary"), a
+        read of primary read preference 13435 NotPrimaryNoSecondaryOk, both labelled
+        ``RetryableWriteError`` on a retryable write (the driver retries them once a primary is
+        elected); a ``w: majority`` wait in progress ends with a write concern error 189
+        PrimarySteppedDown ("Primary stepped down while waiting for replication"); ``hello``
+        says ``secondary`` and names no primary (an awaitable ``hello`` is answered at once).
+        ``close_connections``: the member went away instead (a crash, a partition): every
+        connection is closed and its cursors are gone (a change stream resumes on the new
+        primary). ``majority_at``: the new primary's majority commit point stays there for
+        ``majority_for`` seconds (a new primary of 7.0 may answer majority reads from a stale
+        commit point after an election, SERVER-53813, fixed in 8.0): majority reads answer the
+        documents as they were then."""
+        with self.changed:
+            self.writable = False
+            self.topology_counter += 1
+            if close_connections:
+                for conn in list(self.conns):
+                    if conn.sock is not None:
+                        with contextlib.suppress(OSError):
+                            conn.sock.shutdown(socket.SHUT_RDWR)
+                self.cursors.clear()
+            self.changed.notify_all()
+        self._topology_moved()
+        timer = threading.Timer(seconds, self._elect, kwargs={"majority_at": majority_at, "majority_for": majority_for})
+        timer.daemon = True
+        self._timers.append(timer)
+        timer.start()
+
+    def step_down_on(self, trigger: StepDownTrigger) -> None:
+        """Steps down when the next command ``trigger`` names arrives (mid-command)."""
+        with self.lock:
+            self.step_down_triggers.append(trigger)
+
+    def _elect(self, *, majority_at: Timestamp | None, majority_for: float) -> None:
+        with self.changed:
+            if self._stop.is_set():
+                return
+            self.writable = True
+            self.term += 1
+            self.topology_counter += 1
+            self._election_id = ObjectId(f"7fffffff{self.term:016x}")
+            self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop", doc={"msg": "new primary"})])
+            if majority_at is not None:
+                self.majority = majority_at
+                timer = threading.Timer(majority_for, self.release_majority)
+                timer.daemon = True
+                self._timers.append(timer)
+                timer.start()
+            self.changed.notify_all()
+        self._topology_moved()
+
+    def _triggered(self, conn: Connection, name: str, *, after_apply: bool) -> StepDownTrigger | None:
+        if not self.step_down_triggers:  # most commands: no lock taken for it
+            return None
+        with self.lock:
+            for t in self.step_down_triggers:
+                if t.command == name and t.after_apply == after_apply and t.app_name in (None, conn.app_name):
+                    self.step_down_triggers.remove(t)
+                    return t
+        return None
 
     # ------------------------------------------------------------------ time
 
@@ -573,12 +715,52 @@ class Engine:
     def _store_key(self, _id: Any) -> bytes:
         return _hashable(_id)
 
-    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any]) -> bytes | None:
-        """The key of ``doc`` in the unique index ``spec`` (None: outside its partial filter)."""
+    def _doc_key(self, db: str, coll: str, doc: Mapping[str, Any]) -> bytes:
+        """The store key of ``doc``: its ``_id``, and in a sharded collection its shard's name
+        too. Each shard holds its own ``_id`` index, unique on that shard only (manual, "Shard
+        Key Indexes": "the _id index only enforces the uniqueness constraint per shard if the
+        _id field is not the shard key"), so two shards may hold one ``_id``."""
+        if self.shards and (db, coll) in self.sharded:
+            return _hashable({"s": self._route(db, coll, doc), "_id": doc["_id"]})
+        return _hashable(doc["_id"])
+
+    def _unique_entry(self, spec: Mapping[str, Any], doc: Mapping[str, Any], shard: int = 0) -> bytes | None:
+        """The key of ``doc`` in the unique index ``spec`` on ``shard`` (None: outside its partial
+        filter). Each shard checks its own documents only (manual, "Maintain Uniqueness in
+        Sharded Clusters"); the shard key is a prefix of every unique index of a sharded
+        collection (``createIndexes``, ``shardCollection`` refuse others), so equal keys are on
+        one shard."""
         pfe = spec.get("partialFilterExpression")
         if pfe is not None and not matches(pfe, doc):
             return None
-        return _hashable([get_path(doc, p) for p in spec["key"]])
+        return _hashable([shard, *(get_path(doc, p) for p in spec["key"])])
+
+    def _shard_of(self, db: str, coll: str, doc: Mapping[str, Any]) -> int:
+        return self._route(db, coll, doc) if self.shards and (db, coll) in self.sharded else 0
+
+    def _rekey(self, db: str, coll: str) -> None:
+        """Stores a collection's documents under their keys again (:meth:`_doc_key`) after its
+        sharding or a chunk's move, and its unique indexes' maps; two documents of one ``_id``
+        meeting on one shard: E11000, as the migration's insert on the recipient would answer."""
+        store = self._coll(db, coll)
+        rekeyed: dict[bytes, dict[str, Any]] = {}
+        for doc in store.values():
+            key = self._doc_key(db, coll, doc)
+            if key in rekeyed:
+                raise Failure(11000, f"E11000 duplicate key error collection: {db}.{coll} index: _id_ dup key: "
+                                     f"{{ _id: {doc['_id']!r} }}")  # fmt: skip
+            rekeyed[key] = doc
+        self.data[(db, coll)] = rekeyed
+        self.order[(db, coll)] = {k: next(self._places) for k in rekeyed}
+        self.fields.pop((db, coll), None)  # rebuilt at the next query
+        maps: dict[str, dict[bytes, bytes]] = {}
+        for spec in self._unique_specs(db, coll):
+            m = maps[spec["name"]] = {}
+            for key, doc in rekeyed.items():
+                k = self._unique_entry(spec, doc, self._shard_of(db, coll, doc))
+                if k is not None:
+                    m[k] = key
+        self.uniques[(db, coll)] = maps
 
     def _unique_specs(self, db: str, coll: str) -> list[dict[str, Any]]:
         return [ix for ix in self.catalog[(db, coll)]["indexes"] if ix.get("unique")]
@@ -592,11 +774,11 @@ class Engine:
             for spec in self._unique_specs(db, coll):
                 m = maps.setdefault(spec["name"], {})
                 if old is not None:
-                    k = self._unique_entry(spec, old)
+                    k = self._unique_entry(spec, old, self._shard_of(db, coll, old))
                     if k is not None and m.get(k) == key:
                         del m[k]
                 if new is not None:
-                    k = self._unique_entry(spec, new)
+                    k = self._unique_entry(spec, new, self._shard_of(db, coll, new))
                     if k is not None:
                         m[k] = key
         for path, index in self.fields.get((db, coll), {}).items():
@@ -604,20 +786,24 @@ class Engine:
                 index.setdefault(evaluate.field_value(old, path), set()).discard(key)
             if new is not None:
                 index.setdefault(evaluate.field_value(new, path), set()).add(key)
+        order = self.order.setdefault((db, coll), {})
         if new is None:
             store.pop(key, None)
+            order.pop(key, None)
         else:
+            if key not in store:
+                order[key] = next(self._places)
             store[key] = new
 
     def _check_unique(self, db: str, coll: str, doc: dict[str, Any], self_key: Any) -> None:
         """E11000 when another document has ``doc``'s key in a unique index (``_id`` included)."""
-        other = self._coll(db, coll).get(self._store_key(doc["_id"]))
+        other = self._coll(db, coll).get(self._doc_key(db, coll, doc))
         specs: list[tuple[dict[str, Any], Any]] = []
-        if other is not None and self._store_key(other["_id"]) != self_key:
+        if other is not None and self._doc_key(db, coll, other) != self_key:
             specs.append(({"key": {"_id": 1}, "name": "_id_"}, other))
         maps = self.uniques.get((db, coll), {})
         for spec in self._unique_specs(db, coll):
-            k = self._unique_entry(spec, doc)
+            k = self._unique_entry(spec, doc, self._shard_of(db, coll, doc))
             holder = None if k is None else maps.get(spec["name"], {}).get(k)
             if holder is not None and holder != self_key:
                 specs.append((spec, holder))
@@ -651,7 +837,7 @@ class Engine:
             raise Failure(2, "can't use an array for _id")
         _check_field_names(doc)
         self._check_size(doc, update=False)
-        key = self._store_key(doc["_id"])
+        key = self._doc_key(db, coll, doc)
         self._claim_doc(db, coll, key)
         self._check_unique(db, coll, doc, object())
         doc = copy.deepcopy(doc)
@@ -686,7 +872,11 @@ class Engine:
         new = {"_id": old["_id"], **{k: v for k, v in new.items() if k != "_id"}}
         _check_field_names(new)
         self._check_size(new, update=True)
-        key = self._store_key(old["_id"])
+        key = self._doc_key(db, coll, old)
+        if self._shard_of(db, coll, new) != self._shard_of(db, coll, old):
+            raise Failure(
+                2, "mongosim: an update that moves a document to another shard (its shard key) is not modelled"
+            )
         self._claim_doc(db, coll, key)
         self._check_unique(db, coll, new, key)
         if self.txn is not None:
@@ -696,18 +886,30 @@ class Engine:
         op = "replace" if update is None else "update"
         shard = self._route(db, coll, old)
         self._append(
-            [Event(Timestamp(0, 0), 0, op, db, coll, key={"_id": old["_id"]}, doc=new, update=update, shard=shard)]
+            [
+                Event(
+                    Timestamp(0, 0),
+                    0,
+                    op,
+                    db,
+                    coll,
+                    key={"_id": old["_id"]},
+                    doc=new,
+                    update=update,
+                    shard=shard,
+                    pre=old,
+                )  # fmt: skip
+            ]
         )
 
     def _remove(self, db: str, coll: str, doc: dict[str, Any]) -> None:
-        key = self._store_key(doc["_id"])
+        key = self._doc_key(db, coll, doc)
         self._claim_doc(db, coll, key)
         if self.txn is not None:
             self.txn.undo.append((db, coll, key, copy.deepcopy(doc)))
         self._put(db, coll, key, None)
-        self._append(
-            [Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]}, shard=self._route(db, coll, doc))]
-        )
+        shard = self._route(db, coll, doc)
+        self._append([Event(Timestamp(0, 0), 0, "delete", db, coll, key={"_id": doc["_id"]}, shard=shard, pre=doc)])
 
     def _id_lookup(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         """The candidates of an ``_id`` equality or ``$in`` of plain values through the ``_id``
@@ -727,17 +929,23 @@ class Engine:
         ):
             return None
         store = self._coll(db, coll) if (db, coll) in self.catalog else {}
+        sharded = bool(self.shards) and (db, coll) in self.sharded
         hits = {}
         for v in values:
-            k = _hashable(v)
-            if k in store:
-                hits[k] = store[k]
+            for k in [_hashable({"s": s, "_id": v}) for s in range(len(self.shards))] if sharded else [_hashable(v)]:
+                if k in store:
+                    hits[k] = store[k]
         return list(hits.values())
 
-    def _candidates(self, db: str, coll: str, flt: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    def _candidates(
+        self, db: str, coll: str, flt: Mapping[str, Any] | None, view: Mapping[bytes, dict[str, Any]] | None = None
+    ) -> list[dict[str, Any]]:
         """The documents that may match ``flt``: through a field index (built at the first
         query on the field, kept by every write) for each top-level equality or ``$in`` of
-        strings or integral numbers, all of them otherwise. Never copies."""
+        strings or integral numbers, all of them otherwise; all of ``view`` (:meth:`_view`)
+        when given. Never copies. What a read examines is its cost (:meth:`_spend`)."""
+        if view is not None:
+            return self._examined(db, coll, flt, list(view.values()))
         if (db, coll) not in self.catalog:
             return []
         store = self._coll(db, coll)
@@ -748,33 +956,128 @@ class Engine:
             wanted = evaluate.indexable(cond)
             if wanted is None:
                 continue
-            index = self.fields.setdefault((db, coll), {}).get(path)
-            if index is None:
-                index = self.fields[(db, coll)][path] = {}
-                for k, d in store.items():
-                    index.setdefault(evaluate.field_value(d, path), set()).add(k)
+            index = self._field_index(db, coll, path)
             found: set[bytes] = set(index.get(evaluate._COMPLEX, ()))
             for w in wanted:
                 found |= index.get(w, set())
             keys = found if keys is None else keys & found
         if keys is None:
-            return list(store.values())
-        return [d for k, d in store.items() if k in keys]  # in natural (insertion) order
+            return self._examined(db, coll, flt, list(store.values()))
+        if len(keys) * 8 < len(store):  # a few of many: by their places, not a walk of the collection
+            order = self.order.get((db, coll), {})
+            found = sorted((k for k in keys if k in store), key=lambda k: order.get(k, -1))
+            return self._examined(db, coll, flt, [store[k] for k in found])
+        return self._examined(db, coll, flt, [d for k, d in store.items() if k in keys])  # in natural order
 
-    def _find(self, db: str, coll: str, flt: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _field_index(self, db: str, coll: str, path: str) -> dict[Any, set[bytes]]:
+        """The field index of ``path`` (value key -> the documents' store keys), built at its first
+        use and kept by every write (:meth:`_put`)."""
+        index = self.fields.setdefault((db, coll), {}).get(path)
+        if index is None:
+            index = self.fields[(db, coll)][path] = {}
+            for k, d in self._coll(db, coll).items():
+                index.setdefault(evaluate.field_value(d, path), set()).add(k)
+        return index
+
+    def _examined(
+        self, db: str, coll: str, flt: Mapping[str, Any] | None, docs: list[dict[str, Any]], *, indexed: bool = False
+    ) -> list[dict[str, Any]]:
+        """``docs`` (the candidates), their examination counted in the command's cost: as many
+        as a server examines, the collection's documents when no index can answer ``flt`` (and
+        the read is not ``indexed`` by its bounds)."""
+        per_doc = self.settings.scan_seconds_per_doc
+        if per_doc:
+            meta = self.catalog.get((db, coll))
+            indexed = indexed or (meta is not None and _uses_index(flt or {}, meta["indexes"]))
+            examined = len(docs) if indexed else max(len(docs), len(self._coll(db, coll)))
+            self._tls.cost = getattr(self._tls, "cost", 0.0) + examined * per_doc
+        return docs
+
+    def _find(
+        self,
+        db: str,
+        coll: str,
+        flt: Mapping[str, Any],
+        view: Mapping[bytes, dict[str, Any]] | None = None,
+        *,
+        candidates: list[dict[str, Any]] | None = None,
+    ) -> list[dict[str, Any]]:
         check_filter(flt)
-        docs = self._id_lookup(db, coll, flt)
+        docs = self._id_lookup(db, coll, flt) if view is None and candidates is None else candidates
         if docs is None:
-            docs = self._candidates(db, coll, flt)
-        docs = evaluate.prefilter(flt, docs)
+            docs = self._candidates(db, coll, flt, view)
         with _evaluating():
-            return [d for d in docs if matches(flt, d)]
+            return evaluate.select(flt, docs)
+
+    def _view(self, db: str, coll: str, cmd: Mapping[str, Any]) -> dict[bytes, dict[str, Any]] | None:
+        """What a read of ``cmd`` sees of a collection when that is not its latest state (None:
+        the latest state). Another session's open transaction's writes are not seen (manual,
+        "Transactions": "data changes made in the transaction are not visible outside the
+        transaction" until it commits): their documents read as before it. A read with
+        ``readConcern: majority`` sees the majority-committed state (manual, "Read Concern
+        "majority""): the writes after the majority commit point are undone, from the oplog."""
+        point = None
+        rc = cmd.get("readConcern") or {}
+        if rc.get("level") == "majority" and self.majority is not None and _ts_key(self.majority) < _ts_key(self.ct):
+            point = _ts_key(self.majority)
+        others = [t for t in self.txns.values() if t is not self.txn and any(u[:2] == (db, coll) for u in t.undo)]
+        if point is None and not others:
+            return None
+        docs = dict(self._coll(db, coll)) if (db, coll) in self.catalog else {}
+        for t in others:
+            seen: set[bytes] = set()
+            for d, c, key, old in t.undo:
+                if (d, c) == (db, coll) and key not in seen:
+                    seen.add(key)
+                    if old is None:
+                        docs.pop(key, None)
+                    else:
+                        docs[key] = old
+        if point is not None:
+            for e in reversed(self.oplog):
+                if _ts_key(e.ts) <= point:
+                    break
+                if e.db != db or e.coll != coll:
+                    continue
+                if e.op == "insert" and e.doc is not None:
+                    docs.pop(self._doc_key(db, coll, e.doc), None)
+                elif e.op in ("update", "replace", "delete") and e.pre is not None:
+                    docs[self._doc_key(db, coll, e.pre)] = e.pre
+        return docs
+
+    def _check_scan(
+        self, db: str, coll: str, flt: Mapping[str, Any] | None, sort: Any = None, hint: Any = None
+    ) -> None:
+        """``notablescan`` beyond :attr:`Settings.table_scan_limit` documents: a query no index
+        can answer (none its filter's top-level conditions or every branch of its ``$or`` can
+        bound, a partial index only when the filter implies its partial filter; none giving its
+        sort; no ``hint``) is refused, 291 NoQueryExecutionPlans, as a server started with
+        ``notablescan`` refuses it (manual, "notablescan"; src/mongo/db/query/
+        query_planner.cpp: "No indexed plans available, and running with 'notablescan'")."""
+        limit = self.settings.table_scan_limit
+        meta = self.catalog.get((db, coll))
+        if limit is None or meta is None or hint or len(self._coll(db, coll)) <= limit:
+            return
+        indexes = [ix for ix in meta["indexes"] if not ix.get("building")]
+        if _uses_index(flt or {}, indexes):
+            return
+        if isinstance(sort, Mapping) and sort:
+            first = next(iter(sort))
+            if any(next(iter(ix["key"])) == first and "partialFilterExpression" not in ix for ix in indexes):
+                return
+        raise Failure(
+            291,
+            f"error processing query: ns={db}.{coll} planner returned error :: caused by :: No indexed plans "
+            f"available, and running with 'notablescan' (filter {dict(flt or {})}, {len(self._coll(db, coll))} "
+            "documents)",
+        )
 
     # ------------------------------------------------------------------ running a command
 
     def run(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         """The reply document of ``cmd`` (errors as ``ok: 0`` documents, never raised)."""
         name = next(iter(cmd), "")
+        arrived = time.monotonic()
         self.commands[name] = self.commands.get(name, 0) + 1
         self.command_counts[(conn.app_name or "", name, self._target(name, cmd))] += 1
         try:
@@ -792,7 +1095,28 @@ class Engine:
             method = COMMANDS.get(name)
             if method is None:
                 raise Failure(59, f"no such command: '{name}'")
+            before = self._triggered(conn, name, after_apply=False)
+            if before is not None:
+                self.step_down(before.seconds, close_connections=before.close_connection)
+                raise Failure(
+                    11602,
+                    "operation was interrupted because of a replication state change",
+                    labels=_labels_for(name, cmd, 11602),
+                )
+            self._check_primary(name, cmd)
+            started = time.monotonic()
+            self._tls.cost = 0.0
             reply = self._run_locked(conn, name, cmd, getattr(self, method))
+            self._spend(name, cmd, started)
+            after = self._triggered(conn, name, after_apply=True)
+            if after is not None:
+                self.step_down(after.seconds, close_connections=after.close_connection)
+                if after.close_connection:
+                    raise ConnectionError("step-down: the connection closed after the command applied")
+                if (cmd.get("writeConcern") or {}).get("w") == "majority":
+                    reply["writeConcernError"] = dict(STEPPED_DOWN_WAITING)
+                    if _labels_for(name, cmd, 189):
+                        reply["errorLabels"] = _labels_for(name, cmd, 189)
             if (cmd.get("readConcern") or {}).get("level") == "majority":
                 with self.lock:
                     reply["operationTime"] = self.majority_point()
@@ -817,6 +1141,9 @@ class Engine:
             logger.exception("mongosim: %s failed", name)
             reply = {"ok": 0.0, "errmsg": f"mongosim internal error: {exc!r}", "code": 1, "codeName": "InternalError"}
         reply.setdefault("ok", 1.0)
+        took = time.monotonic() - arrived
+        if took > SLOW_COMMAND_S and not (name == "getMore" or "maxAwaitTimeMS" in cmd):
+            logger.warning("mongosim: %s of %s (%s) took %.1f s", name, self._target(name, cmd), conn.app_name, took)
         cursor = reply.get("cursor")
         if isinstance(cursor, dict) and "postBatchResumeToken" in cursor:
             events = cursor.get("firstBatch") or cursor.get("nextBatch") or []
@@ -829,6 +1156,35 @@ class Engine:
             reply["$clusterTime"] = {"clusterTime": self.ct, "signature": signature}
             reply.setdefault("operationTime", self.ct)
         return reply
+
+    def _check_primary(self, name: str, cmd: dict[str, Any]) -> None:
+        """Between a step-down and an election: a write is 10107 NotWritablePrimary, a read of
+        primary read preference 13435 NotPrimaryNoSecondaryOk (src/mongo/db/service_entry_point_
+        mongod.cpp; the ``RetryableWriteError`` label on a retryable write, 4.4+). A ``getMore``
+        goes on (a cursor lives on in a secondary), as do ``hello`` and the other commands
+        about the connection."""
+        if self.writable or self.shards:
+            return
+        if name in WRITE_COMMANDS:
+            raise Failure(10107, "not primary", labels=_labels_for(name, cmd, 10107))
+        mode = (cmd.get("$readPreference") or {}).get("mode", "primary")
+        if name in READ_COMMANDS and mode == "primary":
+            raise Failure(13435, "not primary and secondaryOk=false", labels=_labels_for(name, cmd, 13435))
+
+    def _spend(self, name: str, cmd: dict[str, Any], started: float) -> None:
+        """The time a read's work took (:attr:`Settings.scan_seconds_per_doc` per document it
+        examined), spent outside the lock: past the command's ``maxTimeMS`` it answers 50
+        MaxTimeMSExpired ("operation exceeded time limit"), as the server interrupts a read
+        that runs out of time."""
+        cost, self._tls.cost = getattr(self._tls, "cost", 0.0), 0.0
+        if cost <= 0 or name not in READ_COMMANDS:
+            return
+        limit = _deadline(cmd)
+        end = started + cost
+        if limit is not None and limit < end:
+            time.sleep(max(0.0, limit - time.monotonic()))
+            raise Failure(50, "operation exceeded time limit")
+        time.sleep(max(0.0, end - time.monotonic()))
 
     def _target(self, name: str, cmd: dict[str, Any]) -> str:
         if name == "getMore":
@@ -882,10 +1238,15 @@ class Engine:
                 txn_reply = self._transaction_state(cmd, name)
                 if txn_reply is not None:
                     return txn_reply
+                retried = self._retried_write(name, cmd)
+                if retried is not None:
+                    return retried
                 now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # a BSON date: milliseconds
                 token = evaluate.NOW.set(now.replace(microsecond=now.microsecond // 1000 * 1000))
                 try:
-                    return handler(conn, cmd)
+                    reply = handler(conn, cmd)
+                    self._record_write(name, cmd, reply)
+                    return reply
                 except Failure:
                     if self.txn is not None:
                         self._abort(self.txn)  # an error in a transaction aborts it
@@ -894,6 +1255,34 @@ class Engine:
                     evaluate.NOW.reset(token)
             finally:
                 self.txn = None
+
+    # ------------------------------------------------------------------ retryable writes
+
+    def _retried_write(self, name: str, cmd: dict[str, Any]) -> dict[str, Any] | None:
+        """A retryable write (``txnNumber``, no ``autocommit``) the session ran already: the
+        recorded reply, the write concern waited for again; nothing is applied twice (manual,
+        "Retryable Writes": the server keeps each session's last transaction number and its
+        result in the transaction table). An older number than the session's last: 225
+        TransactionTooOld."""
+        if name not in RETRYABLE_WRITES or "txnNumber" not in cmd or "autocommit" in cmd:
+            return None
+        lsid, number = _lsid(cmd), int(cmd["txnNumber"])
+        recorded = self.retryable.get(lsid)
+        if recorded is None or recorded[0] < number:
+            return None
+        if recorded[0] > number:
+            raise Failure(
+                225,
+                f"Retryable write with txnNumber {number} is prohibited on session because a newer retryable "
+                f"write with txnNumber {recorded[0]} has already started on this session.",
+            )
+        return self._write_concern(cmd, dict(recorded[1]))
+
+    def _record_write(self, name: str, cmd: dict[str, Any], reply: dict[str, Any]) -> None:
+        if name in RETRYABLE_WRITES and "txnNumber" in cmd and "autocommit" not in cmd:
+            # the reply's values are never changed once answered: kept as they are
+            kept = {k: v for k, v in reply.items() if k not in ("writeConcernError", "errorLabels")}
+            self.retryable[_lsid(cmd)] = (int(cmd["txnNumber"]), kept)
 
     # ------------------------------------------------------------------ transactions
 
@@ -948,6 +1337,7 @@ class Engine:
         for ns in txn.created:
             self.catalog.pop(ns, None)
             self.data.pop(ns, None)
+            self.order.pop(ns, None)
             self.uniques.pop(ns, None)
             self.fields.pop(ns, None)
         self.txn = None if current is txn else current
@@ -961,6 +1351,7 @@ class Engine:
         reads the document again (the server retries a conflicting single write internally)."""
         ident = (db, coll, key)
         waited = False
+        deadline = self._deadline  # the command's own (another command sets its own while this waits)
         while True:
             holder = next((t for t in self.txns.values() if t is not self.txn and ident in t.touched), None)
             if holder is None:
@@ -972,7 +1363,7 @@ class Engine:
                     "operation or multi-document transaction.",
                     labels=["TransientTransactionError"],
                 )
-            left = None if self._deadline is None else self._deadline - time.monotonic()
+            left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise Failure(50, "operation exceeded time limit")
             waited = True
@@ -1000,34 +1391,43 @@ class Engine:
             "maxWireVersion": self.settings.max_wire_version,
             "readOnly": False,
         }
+        server["topologyVersion"] = {"processId": self._process_id, "counter": Int64(self.topology_counter)}
         if self.shards:  # a mongos: no replica-set fields (manual, "hello": "Sharded Instances")
             return {**server, "msg": "isdbgrid"}
-        optime = {"ts": self.ct, "t": Int64(1)}
-        return {
+        optime = {"ts": self.ct, "t": Int64(self.term)}
+        reply = {
             **server,
             "hosts": [self.address],
             "setName": self.set_name,
             "setVersion": 1,
-            "secondary": False,
-            "primary": self.address,
+            "secondary": not self.writable,
             "me": self.address,
-            "electionId": self._election_id,
             "lastWrite": {
                 "opTime": optime,
                 "lastWriteDate": now,
-                "majorityOpTime": {"ts": self.majority_point(), "t": Int64(1)},
+                "majorityOpTime": {"ts": self.majority_point(), "t": Int64(self.term)},
                 "majorityWriteDate": now,
             },
         }
+        if self.writable:  # between a step-down and an election: a secondary, no primary known
+            reply.update(primary=self.address, electionId=self._election_id)
+        else:
+            reply["isWritablePrimary"] = False
+        return reply
 
     def cmd_hello(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         app = ((cmd.get("client") or {}).get("application") or {}).get("name")
         if app:
             conn.app_name = app
         if "topologyVersion" in cmd and "maxAwaitTimeMS" in cmd:
-            # an awaitable hello: answered when the topology changes or the wait is over
-            # (the server's streaming protocol); the topology never changes here
-            self._stop.wait(min(int(cmd["maxAwaitTimeMS"]), 10_000) / 1000)
+            # an awaitable hello: answered when the topology changes (a step-down, an election)
+            # or the wait is over (the server's streaming protocol, SDAM's "Streaming Protocol")
+            seen = (cmd["topologyVersion"] or {}).get("counter")
+            with self.topology_changed:
+                self.topology_changed.wait_for(
+                    lambda: self.topology_counter != seen or self._stop.is_set(),
+                    min(int(cmd["maxAwaitTimeMS"]), 10_000) / 1000,
+                )
         with self.lock:
             reply = self._hello()
         if "isMaster" in cmd or "ismaster" in cmd:
@@ -1046,6 +1446,38 @@ class Engine:
 
     def cmd_ping(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         return {}
+
+    def cmd_replsetgetconfig(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The replica set's configuration (manual, "replSetGetConfig": on ``admin``; a
+        ``mongos`` has no such command, 59); ``settings.electionTimeoutMillis`` as
+        :attr:`Settings.election_timeout_ms`."""
+        if self.shards:
+            raise Failure(59, "no such command: 'replSetGetConfig'")
+        if cmd.get("$db") != "admin":
+            raise Failure(13, "replSetGetConfig may only be run against the admin database.")
+        _check_fields(cmd, "replSetGetConfig", {"commitmentStatus", "includeNewlyAdded"})
+        member = {"_id": 0, "host": self.address, "arbiterOnly": False, "buildIndexes": True, "hidden": False,
+                  "priority": 1.0, "tags": {}, "secondaryDelaySecs": Int64(0), "votes": 1}  # fmt: skip
+        settings = {
+            "chainingAllowed": True,
+            "heartbeatIntervalMillis": 2000,
+            "heartbeatTimeoutSecs": 10,
+            "electionTimeoutMillis": self.settings.election_timeout_ms,
+            "catchUpTimeoutMillis": -1,
+            "catchUpTakeoverDelayMillis": 30000,
+            "getLastErrorModes": {},
+            "getLastErrorDefaults": {"w": 1, "wtimeout": 0},
+        }
+        config = {
+            "_id": self.set_name,
+            "version": 1,
+            "term": Int64(self.term),
+            "members": [member],
+            "protocolVersion": Int64(1),
+            "writeConcernMajorityJournalDefault": True,
+            "settings": settings,
+        }
+        return {"config": config}
 
     def cmd_buildinfo(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -1186,6 +1618,7 @@ class Engine:
         for i in range(1, n):  # even ranges of the 64-bit hash
             chunks.append(Chunk([Int64(-(2**63) + i * (2**64 // n))] + [MinKey()] * (len(fields) - 1), i))
         self.sharded[(db, coll)] = ShardedCollection(dict(key), meta["uuid"], chunks)
+        self._rekey(db, coll)
         self._config_catalog(db, coll)
         return {"collectionsharded": f"{db}.{coll}"}
 
@@ -1284,6 +1717,11 @@ class Engine:
             raise Failure(2, f"mongosim: no chunk starts at {low} (a range inside a chunk is not modelled)")
         if chunk.shard != target:
             donor, chunk.shard = chunk.shard, target
+            try:
+                self._rekey(db, coll)  # the chunk's documents are on the recipient now
+            except Failure:
+                chunk.shard = donor
+                raise
             self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=donor)])
             self._append([Event(Timestamp(0, 0), 0, "n", db, coll, shard=target)])
         self._config_catalog(db, coll)
@@ -1309,6 +1747,7 @@ class Engine:
     def _drop(self, db: str, coll: str) -> None:
         meta = self.catalog.pop((db, coll))
         self.data.pop((db, coll), None)
+        self.order.pop((db, coll), None)
         self.uniques.pop((db, coll), None)
         self.fields.pop((db, coll), None)
         self.sharded.pop((db, coll), None)
@@ -1336,7 +1775,7 @@ class Engine:
                 raise Failure(48, "target namespace exists")
             meta = self.catalog.pop((tdb, tcoll))
             del meta
-        tables: tuple[dict[tuple[str, str], Any], ...] = (self.data, self.uniques, self.fields)
+        tables: tuple[dict[tuple[str, str], Any], ...] = (self.data, self.order, self.uniques, self.fields)
         for table in tables:
             table.pop((tdb, tcoll), None)
             if (sdb, scoll) in table:
@@ -1355,6 +1794,7 @@ class Engine:
     def cmd_createindexes(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(cmd, "createIndexes", {"indexes", "commitQuorum"})
         db, coll = cmd["$db"], cmd["createIndexes"]
+        self._build_time(db, coll, cmd)
         created_collection = (db, coll) not in self.catalog
         meta = self._ensure(db, coll)
         before = len(meta["indexes"])
@@ -1408,11 +1848,17 @@ class Engine:
                 raise Failure(85, f"Index already exists with a different name: {same_key['name']}")
             if len(meta["indexes"]) >= MAX_INDEXES:
                 raise Failure(67, f"add index fails, too many indexes for {db}.{coll} key:{new['key']}")
+            sc = self.sharded.get((db, coll)) if self.shards else None
+            if sc is not None and new.get("unique") and list(new["key"])[: len(sc.key)] != list(sc.key):
+                # a unique index of a sharded collection must start with the shard key's fields
+                # (manual, "Create a Unique Index on Existing Sharded Collection"; the server's
+                # check: src/mongo/s/shard_key_pattern.cpp, isUniqueIndexCompatible)
+                raise Failure(67, f"cannot create unique index over {new['key']} with shard key pattern {sc.key}")
             if new.get("unique"):
                 self._check_existing_unique(db, coll, new)
                 m = self.uniques.setdefault((db, coll), {}).setdefault(new["name"], {})
                 for key, doc in self._coll(db, coll).items():
-                    k = self._unique_entry(new, doc)
+                    k = self._unique_entry(new, doc, self._shard_of(db, coll, doc))
                     if k is not None:
                         m[k] = key
             meta["indexes"].append(new)
@@ -1421,6 +1867,29 @@ class Engine:
             "numIndexesAfter": len(meta["indexes"]),
             "createdCollectionAutomatically": created_collection,
         }
+
+    def _build_time(self, db: str, coll: str, cmd: dict[str, Any]) -> None:
+        """An index build reads the whole collection: the indexes of ``cmd`` not there yet take
+        :attr:`Settings.index_build_seconds_per_doc` per document each, while the other commands
+        run (the index is not there, nor used, until the build is done). The command's
+        ``maxTimeMS`` running out aborts the build (50 MaxTimeMSExpired, nothing built: manual,
+        "createIndexes", "If you kill the createIndexes command ... the index build is
+        aborted")."""
+        per_doc = self.settings.index_build_seconds_per_doc
+        meta = self.catalog.get((db, coll))
+        if not per_doc or meta is None:
+            return
+        names = {ix["name"] for ix in meta["indexes"]}
+        new = [spec for spec in cmd.get("indexes") or [] if isinstance(spec, dict) and spec.get("name") not in names]
+        cost = per_doc * len(self._coll(db, coll)) * len(new)
+        if cost <= 0:
+            return
+        deadline, end = self._deadline, time.monotonic() + cost
+        while (left := end - time.monotonic()) > 0:
+            if deadline is not None and deadline <= time.monotonic():
+                raise Failure(50, "operation exceeded time limit")
+            self.changed.wait(left if deadline is None else min(left, max(0.0, deadline - time.monotonic())))
+        self.txn = None  # the build is no transaction's (another command's may have been set meanwhile)
 
     def _check_existing_unique(self, db: str, coll: str, spec: dict[str, Any]) -> None:
         seen: set[bytes] = set()
@@ -1519,7 +1988,12 @@ class Engine:
         flt = cmd.get("filter") or {}
         if self.settings.plan_check and cmd.get("sort"):
             self._check_plan(db, coll, flt, cmd["sort"])
-        docs = self._find(db, coll, flt)
+        self._check_scan(db, coll, flt, cmd.get("sort"), cmd.get("hint"))
+        view = self._view(db, coll, cmd)
+        if ("min" in cmd or "max" in cmd) and view is None:
+            docs = self._find(db, coll, flt, candidates=self._in_bounds(db, coll, cmd))
+        else:
+            docs = self._find(db, coll, flt, view)
         if "min" in cmd or "max" in cmd:
             docs = self._bounded(db, coll, docs, cmd)
         if cmd.get("sort"):
@@ -1540,6 +2014,32 @@ class Engine:
             limit > 0 and len(docs) <= int(cmd.get("batchSize", DEFAULT_BATCH) or DEFAULT_BATCH)
         )
         return self._first_batch(f"{db}.{coll}", docs, {}, cmd, single=single)
+
+    def _in_bounds(self, db: str, coll: str, cmd: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The documents whose value of the hinted index's first key is within ``min``/``max``'s
+        first values, through the field index of that key (as a server's index scan reads only
+        the bounds; :meth:`_bounded` then decides); None when the hint names no index."""
+        meta = self.catalog.get((db, coll))
+        hint = cmd.get("hint")
+        index = None
+        for ix in meta["indexes"] if meta is not None else []:
+            if ix["name"] == hint or (isinstance(hint, dict) and list(ix["key"].items()) == list(hint.items())):
+                index = ix
+        if index is None:
+            return None
+        path = next(iter(index["key"]))
+        low = _Ordered(next(iter(cmd["min"].values()), MinKey()) if "min" in cmd else MinKey())
+        high = _Ordered(next(iter(cmd["max"].values()), MaxKey()) if "max" in cmd else MaxKey())
+        store = self._coll(db, coll)
+        values = self._field_index(db, coll, path)
+        keys: set[bytes] = set(values.get(evaluate._COMPLEX, ()))
+        for value_key, held in values.items():
+            if value_key is evaluate._COMPLEX:
+                continue
+            v = _Ordered(value_key[1])
+            if not v < low and not high < v:
+                keys |= held
+        return self._examined(db, coll, {}, [store[k] for k in keys if k in store], indexed=True)
 
     def _bounded(self, db: str, coll: str, docs: list[dict[str, Any]], cmd: dict[str, Any]) -> list[dict[str, Any]]:
         """``min``/``max`` (manual, "cursor.min()"): index bounds of the hinted index, ``min``
@@ -1577,8 +2077,9 @@ class Engine:
                 continue
             if hi is not None and not k < hi:
                 continue
-            out.append(d)
-        return out
+            out.append((k, d))
+        out.sort(key=lambda kd: kd[0])  # in the index's order, as its scan reads them
+        return [d for _, d in out]
 
     def _read_concern(self, cmd: dict[str, Any]) -> None:
         rc = cmd.get("readConcern")
@@ -1593,6 +2094,15 @@ class Engine:
         after = rc.get("afterClusterTime")
         if isinstance(after, Timestamp) and _ts_key(after) > _ts_key(self.ct):
             self._append([Event(Timestamp(0, 0), 0, "n", "admin", "$cmd.noop")])
+        if isinstance(after, Timestamp) and level == "majority":
+            # the read waits until its majority-committed snapshot holds that time (manual, "Read
+            # Concern": afterClusterTime), within its maxTimeMS (50)
+            deadline = self._deadline
+            while _ts_key(self.majority_point()) < _ts_key(after):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Failure(50, "operation exceeded time limit")
+                self.changed.wait(0.05 if left is None else min(left, 0.05))
 
     def cmd_aggregate(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(
@@ -1617,9 +2127,12 @@ class Engine:
         self._read_concern(cmd)
         if self.settings.plan_check:
             self._check_pipeline_plans(db, target, pipeline)
+        self._check_pipeline_scans(db, target, pipeline, cmd.get("hint"))
         with _evaluating():
             out = run_pipeline(
-                lambda f: self._candidates(db, target, f), pipeline, lambda c, f: self._candidates(db, c, f)
+                lambda f: self._candidates(db, target, f, self._view(db, target, cmd)),
+                pipeline,
+                lambda c, f: self._candidates(db, c, f, self._view(db, c, cmd)),
             )
         return self._first_batch(f"{db}.{target}", out, cmd["cursor"], cmd)
 
@@ -1633,6 +2146,20 @@ class Engine:
             union = st.get("$unionWith")
             if isinstance(union, dict) and isinstance(union.get("coll"), str):
                 self._check_pipeline_plans(db, union["coll"], list(union.get("pipeline") or []))
+
+    def _check_pipeline_scans(self, db: str, coll: str, pipeline: list[Any], hint: Any = None) -> None:
+        """:meth:`_check_scan` of a pipeline's leading ``$match`` (and ``$sort`` after it), or of
+        none; and of each ``$unionWith`` sub-pipeline on its collection."""
+        stages = [st for st in pipeline if isinstance(st, dict)]
+        flt = stages[0]["$match"] if stages and "$match" in stages[0] else {}
+        sort = stages[1].get("$sort") if len(stages) >= 2 and "$match" in stages[0] else None
+        if stages and "$sort" in stages[0]:
+            sort = stages[0]["$sort"]
+        self._check_scan(db, coll, flt, sort, hint)
+        for st in stages:
+            union = st.get("$unionWith")
+            if isinstance(union, dict) and isinstance(union.get("coll"), str):
+                self._check_pipeline_scans(db, union["coll"], list(union.get("pipeline") or []))
 
     def _check_plan(self, db: str, coll: str, flt: Mapping[str, Any], sort: Mapping[str, Any]) -> None:
         """Records a finding when every index that has the sort's keys after a prefix the filter
@@ -1666,7 +2193,10 @@ class Engine:
     def cmd_count(self, conn: Connection, cmd: dict[str, Any]) -> dict[str, Any]:
         _check_fields(cmd, "count", {"query", "limit", "skip", "hint"})
         db, coll = cmd["$db"], cmd["count"]
-        n = len(self._find(db, coll, cmd.get("query") or {}))
+        self._read_concern(cmd)
+        if cmd.get("query"):  # no query: the collection's count from its metadata, no plan at all
+            self._check_scan(db, coll, cmd.get("query"), None, cmd.get("hint"))
+        n = len(self._find(db, coll, cmd.get("query") or {}, self._view(db, coll, cmd)))
         n = max(0, n - int(cmd.get("skip") or 0))
         if cmd.get("limit"):
             n = min(n, abs(int(cmd["limit"])))
@@ -1677,7 +2207,9 @@ class Engine:
         db, coll = cmd["$db"], cmd["distinct"]
         values: list[Any] = []
         seen: set[bytes] = set()
-        for d in self._find(db, coll, cmd.get("query") or {}):
+        self._read_concern(cmd)
+        self._check_scan(db, coll, cmd.get("query"), None, cmd.get("hint"))
+        for d in self._find(db, coll, cmd.get("query") or {}, self._view(db, coll, cmd)):
             v = get_path(d, cmd["key"])
             for x in v if isinstance(v, list) else [v]:
                 h = _hashable(x)
@@ -1714,8 +2246,12 @@ class Engine:
     # ------------------------------------------------------------------ writes
 
     def _write_concern(self, cmd: dict[str, Any], reply: dict[str, Any]) -> dict[str, Any]:
-        """``w: majority`` waits for the majority commit point to pass the write (its
-        ``wtimeout``, else for ever); held back past ``wtimeout``: a writeConcernError 64."""
+        """``w: majority`` waits for the majority commit point to pass the write; it ends with a
+        write concern error (the write stays applied) past ``wtimeout`` (64 WriteConcernFailed),
+        past the command's ``maxTimeMS`` (50 MaxTimeMSExpired: manual, "Write Concern", "the
+        write concern wait counts against maxTimeMS") or when the member steps down meanwhile
+        (189 PrimarySteppedDown, labelled ``RetryableWriteError`` on a retryable write: 50 is not
+        a retryable code)."""
         wc = cmd.get("writeConcern") or {}
         unknown = set(wc) - {"w", "j", "wtimeout", "provenance"}
         if unknown:
@@ -1723,17 +2259,33 @@ class Engine:
         w = wc.get("w", 1)
         if w == "majority" and self.majority is not None and _ts_key(self.majority) < _ts_key(self.ct):
             wtimeout = wc.get("wtimeout")
-            deadline = None if not wtimeout else time.monotonic() + int(wtimeout) / 1000
+            deadline = self._deadline  # the command's own (another command sets its own while this waits)
+            timeout_at = time.monotonic() + int(wtimeout) / 1000 if wtimeout else None
+            deadlines = [d for d in (deadline, timeout_at) if d is not None]
             target = _ts_key(self.ct)
+            name = next(iter(cmd), "")
             while self.majority is not None and _ts_key(self.majority) < target:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    reply["writeConcernError"] = {
-                        "code": 64,
-                        "codeName": "WriteConcernFailed",
-                        "errmsg": "waiting for replication timed out",
-                        "errInfo": {"wtimeout": True},
-                    }
+                error: dict[str, Any] | None = None
+                left = min(deadlines) - time.monotonic() if deadlines else None
+                if not self.writable:
+                    error = dict(STEPPED_DOWN_WAITING)
+                elif left is not None and left <= 0:
+                    timed_out = deadline is not None and deadline <= time.monotonic()
+                    error = (
+                        {"code": 50, "codeName": "MaxTimeMSExpired", "errmsg": "operation exceeded time limit"}
+                        if timed_out
+                        else {
+                            "code": 64,
+                            "codeName": "WriteConcernFailed",
+                            "errmsg": "waiting for replication timed out",
+                            "errInfo": {"wtimeout": True},
+                        }
+                    )
+                if error is not None:
+                    reply["writeConcernError"] = error
+                    labels = _labels_for(name, cmd, error["code"])
+                    if labels:
+                        reply["errorLabels"] = labels
                     break
                 self.changed.wait(0.05 if left is None else min(left, 0.05))
         elif isinstance(w, int) and w > 1:
@@ -1805,6 +2357,7 @@ class Engine:
             unknown = set(spec) - {"q", "limit", "hint", "collation"}
             if unknown:
                 raise Failure(40415, f"BSON field 'delete.deletes.{sorted(unknown)[0]}' is an unknown field.")
+            self._check_scan(db, coll, spec["q"], None, spec.get("hint"))
             matched = self._find(db, coll, spec["q"])
             if spec.get("limit") == 1:
                 matched = matched[:1]
@@ -1819,7 +2372,7 @@ class Engine:
                     except _Retry:
                         if spec.get("limit") == 1:
                             raise  # nothing removed yet: the statement runs again from its match
-                        current = self._coll(db, coll).get(self._store_key(d["_id"]))
+                        current = self._coll(db, coll).get(self._doc_key(db, coll, d))
                         if current is not None and not matches(spec["q"], current):
                             current = None
             return {"n": n}
@@ -1836,6 +2389,7 @@ class Engine:
                 raise Failure(40415, f"BSON field 'update.updates.{sorted(unknown)[0]}' is an unknown field.")
             if "arrayFilters" in spec or "collation" in spec:
                 raise Failure(2, "mongosim: arrayFilters/collation not modelled")
+            self._check_scan(db, coll, spec["q"], None, spec.get("hint"))
             n, modified, upserted, _, _ = self._update(
                 db, coll, spec["q"], spec["u"], upsert=bool(spec.get("upsert")), multi=bool(spec.get("multi"))
             )
@@ -1882,7 +2436,7 @@ class Engine:
                 except _Retry:
                     if not multi:
                         raise  # nothing written yet: the statement runs again from its match
-                    current = self._coll(db, coll).get(self._store_key(doc["_id"]))
+                    current = self._coll(db, coll).get(self._doc_key(db, coll, doc))
                     if current is not None and not matches(flt, current):
                         current = None  # it moved out of the filter while the write waited
         if matched or not upsert:
@@ -1953,6 +2507,7 @@ class Engine:
                 raise Failure(2, f"mongosim: findAndModify option {f!r} not modelled")
         db, coll = cmd["$db"], cmd["findAndModify"]
         flt = cmd.get("query") or {}
+        self._check_scan(db, coll, flt, cmd.get("sort"), cmd.get("hint"))
         if cmd.get("remove"):
             if "update" in cmd or cmd.get("upsert") or cmd.get("new"):
                 raise Failure(9, "Cannot specify both an update and remove=true")
@@ -2200,6 +2755,7 @@ COMMANDS = {
         "hello",
         "isMaster",
         "ping",
+        "replSetGetConfig",
         "buildInfo",
         "endSessions",
         "connectionStatus",
@@ -2233,6 +2789,34 @@ COMMANDS = {
 """The commands the simulator runs, by their exact (case-sensitive) names; any other is 59
 CommandNotFound."""
 COMMANDS.update({"ismaster": "cmd_hello", "buildinfo": "cmd_buildinfo"})
+
+WRITE_COMMANDS = frozenset(
+    {
+        "insert",
+        "update",
+        "delete",
+        "findAndModify",
+        "create",
+        "drop",
+        "dropDatabase",
+        "renameCollection",
+        "createIndexes",
+        "commitTransaction",
+        "abortTransaction",
+    }
+)
+"""What only a writable primary runs."""
+READ_COMMANDS = frozenset({"find", "aggregate", "count", "distinct", "listCollections", "listIndexes"})
+"""Reads a secondary runs only with a read preference other than ``primary``."""
+RETRYABLE_WRITES = frozenset({"insert", "update", "delete", "findAndModify"})
+"""The commands a driver retries as retryable writes (with ``txnNumber``)."""
+STEPPED_DOWN_WAITING = {
+    "code": 189,
+    "codeName": "PrimarySteppedDown",
+    "errmsg": "Primary stepped down while waiting for replication",
+}
+"""The write concern error of a write whose ``w: majority`` wait a step-down ended (src/mongo/db/
+repl/replication_coordinator_impl.cpp, awaiting replication on a member no longer primary)."""
 
 ErrorIllegalInChangeStream = 5491300
 """The code of a stage not allowed after ``$changeStream`` (src/mongo/db/pipeline/
@@ -2280,6 +2864,78 @@ class _evaluating:
         if isinstance(exc, mongomock.WriteError | mongomock.DuplicateKeyError):
             raise Failure(exc.code or 2, str(exc)) from exc
         return False
+
+
+_BOUNDED = frozenset({"$eq", "$in", "$gt", "$gte", "$lt", "$lte", "$type", "$exists", "$regex", "$all", "$elemMatch",
+                      "$ne", "$nin", "$not", "$options"})  # fmt: skip
+"""Operators a query's index bounds are built from (src/mongo/db/query/index_bounds_builder.cpp:
+comparisons, ``$in``, ``$type``, ``$exists``, a regular expression, ``$elemMatch``, ``$all``, and
+the negations of those, which bound the rest of the index); ``$expr``, ``$mod``, ``$size``,
+``$where`` bound nothing."""
+
+
+def _conjuncts(flt: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The top-level conditions of a filter, its ``$and``s flattened."""
+    out: list[tuple[str, Any]] = []
+    for k, v in flt.items():
+        if k == "$and" and isinstance(v, list):
+            for sub in v:
+                if isinstance(sub, Mapping):
+                    out.extend(_conjuncts(sub))
+        else:
+            out.append((k, v))
+    return out
+
+
+def _bounds(cond: Any) -> bool:
+    """Whether a field's condition gives an index on that field bounds."""
+    if isinstance(cond, Mapping) and any(str(k).startswith("$") for k in cond):
+        return all(k in _BOUNDED for k in cond)
+    return True  # an equality (a document, an array, a regular expression: one point each)
+
+
+def _implies(conds: list[tuple[str, Any]], pfe: Mapping[str, Any]) -> bool:
+    """Whether a query's top-level conditions imply a partial index's filter (manual, "Partial
+    Indexes": the query must contain the filter expression, or a subset of it, for the index to
+    be used): each of the filter's conditions is one of the query's, or an equality / ``$in``
+    within the filter's ``$in``."""
+    have: dict[str, list[Any]] = {}
+    for k, v in conds:
+        have.setdefault(k, []).append(v)
+    for path, want in _conjuncts(pfe):
+        got = have.get(path, [])
+        allowed = want["$in"] if isinstance(want, Mapping) and set(want) == {"$in"} else None
+        if want in got:
+            continue
+        if allowed is not None and any(
+            (isinstance(g, Mapping) and set(g) == {"$in"} and all(x in allowed for x in g["$in"]))
+            or (not isinstance(g, Mapping) and g in allowed)
+            for g in got
+        ):
+            continue
+        return False
+    return True
+
+
+def _uses_index(flt: Mapping[str, Any], indexes: list[dict[str, Any]]) -> bool:
+    """Whether an index can answer ``flt``: one whose first key the filter's top-level conditions
+    bound (a partial one only when the filter implies its partial filter), or an index for every
+    branch of a top-level ``$or`` (each with the conditions beside it: "$or Clauses and Indexes",
+    every clause must be supported by an index)."""
+    conds = _conjuncts(flt)
+    for ix in indexes:
+        first = next(iter(ix["key"]))
+        pfe = ix.get("partialFilterExpression")
+        if pfe is not None and not _implies(conds, pfe):
+            continue
+        if any(k == first and _bounds(v) for k, v in conds):
+            return True
+    for k, v in conds:
+        if k == "$or" and isinstance(v, list) and v:
+            rest = {"$and": [{a: b} for a, b in conds if a != "$or"]}
+            if all(isinstance(b, Mapping) and _uses_index({"$and": [rest, b]}, indexes) for b in v):
+                return True
+    return False
 
 
 def _point_scans(clauses: list[Mapping[str, Any]], prefix: list[str]) -> int | None:

@@ -17,6 +17,7 @@ Additions (mongomock 4.3 lacks them):
   allowed to be used within an update");
 - comparison expressions in BSON order across types, a missing field below null (manual,
   "Comparison/Sort Order"); ``$add`` of a Date and milliseconds (manual, "$add");
+- ``$type`` of an array of types (manual, "$type": "Querying by Multiple Data Types");
 - ``$not`` of its one-element argument array (manual, "$not (aggregation)": ``{$not:
   [<expression>]}`` is true when the expression is false, null, 0 or missing; mongomock negates
   the array itself, always false).
@@ -198,6 +199,17 @@ def _ms(d: datetime.datetime) -> int:
 mm_aggregate._Parser = _Parser  # every mongomock stage evaluates expressions through it
 
 
+def _type_of_any(doc_val: Any, search_val: Any) -> bool:
+    """``$type`` of one type or of an array of types (manual, "$type": "Querying by Multiple
+    Data Types": the field matches when its type is any of them); mongomock takes one."""
+    if isinstance(search_val, list):
+        return any(filtering._type_op(doc_val, t) for t in search_val)
+    return bool(filtering._type_op(doc_val, search_val))
+
+
+filtering._filterer_inst._operator_map["$type"] = _type_of_any
+
+
 def sort_docs(docs: list[dict[str, Any]], spec: Mapping[str, Any]) -> list[dict[str, Any]]:
     """``docs`` in the order of the sort ``spec`` (mongomock's BSON ordering, stable)."""
     out = list(docs)
@@ -284,7 +296,7 @@ def run_pipeline(
         if not checked:
             check_filter(flt)
         candidates = source if isinstance(source, list) else source(flt)
-        docs = [d for d in prefilter(flt, candidates) if matches(flt, d)]
+        docs = select(flt, candidates)
         pipeline = pipeline[1:]
     else:
         docs = source if isinstance(source, list) else source(None)
@@ -467,6 +479,75 @@ def _may_match(doc: Mapping[str, Any], path: str, cond: Any) -> bool:
             if not _RANGES[op](got, want):
                 return False
     return True
+
+
+_EXACT = (str, ObjectId, int, Int64)
+"""Values whose equality Python decides as BSON does, within these types (no bool: ``True == 1``
+in Python, not in BSON; no float: compared with the others as numbers)."""
+
+
+_RANGE_OPS = {"$lt": operator.lt, "$lte": operator.le, "$gt": operator.gt, "$gte": operator.ge}
+
+
+def exact_checker(flt: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool | None] | None:
+    """A fast decision of ``flt`` for the filters made only of top-level equalities to, or
+    ``$in`` of, strings, ObjectIds and integers, and ranges (``$lt``, ``$lte``, ``$gt``,
+    ``$gte``) of integers (the stores' lookups by key, the due reads): True or False when every
+    field's value in the document is such a value too (an integer, for a range), None
+    (mongomock's match decides) otherwise; None for any other filter."""
+    tests: list[tuple[str, frozenset[Any] | None, list[tuple[Callable[[Any, Any], bool], int]]]] = []
+    for path, cond in flt.items():
+        if path.startswith("$"):
+            return None
+        allowed: frozenset[Any] | None = None
+        ranges: list[tuple[Callable[[Any, Any], bool], int]] = []
+        if isinstance(cond, dict):
+            if not cond or not set(cond) <= {"$in", "$eq", *_RANGE_OPS}:
+                return None
+            for op, want in cond.items():
+                if op in _RANGE_OPS:
+                    if type(want) not in (int, Int64):
+                        return None
+                    ranges.append((_RANGE_OPS[op], want))
+                    continue
+                values = want if op == "$in" else [want]
+                if not isinstance(values, list) or not all(type(v) in _EXACT for v in values):
+                    return None
+                allowed = frozenset(values) if allowed is None else allowed & frozenset(values)
+        elif type(cond) in _EXACT:
+            allowed = frozenset([cond])
+        else:
+            return None
+        tests.append((path, allowed, ranges))
+
+    def check(doc: Mapping[str, Any]) -> bool | None:
+        for path, allowed, ranges in tests:
+            got = _fast_get(doc, path)
+            if type(got) not in _EXACT or ranges and type(got) not in (int, Int64):
+                return None
+            if allowed is not None and got not in allowed:
+                return False
+            if not all(compare(got, want) for compare, want in ranges):
+                return False
+        return True
+
+    return check
+
+
+def select(flt: Mapping[str, Any], docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The documents of ``docs`` that match ``flt``: decided by :func:`exact_checker` where it
+    can, by mongomock's match otherwise (after :func:`prefilter`)."""
+    exact = exact_checker(flt)
+    if exact is None:
+        return [d for d in prefilter(flt, docs) if matches(flt, d)]
+    out = []
+    for d in docs:
+        decided = exact(d)
+        if decided is None:
+            decided = matches(flt, d)
+        if decided:
+            out.append(d)
+    return out
 
 
 def prefilter(flt: Mapping[str, Any], docs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -24,21 +24,6 @@ from tests.mongosim.wire import WireServer
 Client = MongoClient[dict[str, Any]]
 
 
-@pytest.fixture
-def server() -> Iterator[WireServer]:
-    with serving(Settings(noop_interval=0)) as s:
-        yield s
-
-
-@pytest.fixture
-def client(server: WireServer) -> Iterator[Client]:
-    c: Client = MongoClient(server.uri, serverSelectionTimeoutMS=3000)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _code(exc: pytest.ExceptionInfo[OperationFailure]) -> int | None:
     return exc.value.code
 
@@ -726,3 +711,57 @@ def test_the_plan_check_records_a_sort_needing_more_than_200_merged_scans_and_an
             assert len(server.engine.plan_findings) == 2
         finally:
             c.close()
+
+
+def test_each_shard_keeps_its_own_id_index_and_a_unique_index_starts_with_the_shard_key(
+    sharded: WireServer, mongos: Client
+) -> None:
+    """The ``_id`` index of a sharded collection is unique per shard only (manual, "Shard Key
+    Indexes"): one ``_id`` on two shards is two documents; a unique index of a sharded collection
+    must have the shard key as its prefix (manual, "Create a Unique Index on Existing Sharded
+    Collection": otherwise "MongoDB returns an error"; 67 CannotCreateIndex)."""
+    admin = mongos.admin
+    admin.command("shardCollection", "t.s", key={"k": 1})
+    admin.command("split", "t.s", middle={"k": 10})
+    admin.command("moveRange", "t.s", min={"k": 10}, toShard="shard1")
+    mongos.t.s.insert_one({"_id": 1, "k": 1})
+    mongos.t.s.insert_one({"_id": 1, "k": 11})  # shard1: its own _id index
+    with pytest.raises(DuplicateKeyError):
+        mongos.t.s.insert_one({"_id": 1, "k": 2})  # shard0 holds _id 1 already
+    assert sorted(d["k"] for d in mongos.t.s.find({"_id": 1})) == [1, 11]
+    with pytest.raises(OperationFailure) as exc:
+        mongos.t.s.create_index([("x", 1)], unique=True)
+    assert _code(exc) == 67 and "shard key pattern" in str(exc.value)
+    mongos.t.s.create_index([("k", 1), ("x", 1)], unique=True)  # the shard key first: made
+    mongos.t.s.insert_one({"_id": 2, "k": 3, "x": 1})
+    with pytest.raises(DuplicateKeyError):
+        mongos.t.s.insert_one({"_id": 3, "k": 3, "x": 1})
+
+
+def test_the_fast_decision_of_lookups_by_key_agrees_with_mongomocks_match() -> None:
+    """The simulator decides equalities, ``$in`` and integer ranges on plain values itself (the
+    stores' lookups by key); the answer is mongomock's on every document, whatever its values'
+    types (a bool is not 1, a float goes to mongomock, an array or a missing field too)."""
+    from bson.int64 import Int64
+    from bson.objectid import ObjectId
+
+    from tests.mongosim import evaluate
+
+    oid = ObjectId()
+    values: list[Any] = [1, Int64(1), 1.0, True, "1", oid, None, [1], {"a": 1}, 2, -5, 2**40]
+    docs = [{"_id": i, "p": v, "q": {"r": v}} for i, v in enumerate(values)] + [{"_id": 99}]
+    filters: list[dict[str, Any]] = [
+        {"p": 1},
+        {"p": "1"},
+        {"p": oid},
+        {"p": {"$in": [1, "1", oid]}},
+        {"p": {"$in": [2, 2**40]}, "q.r": {"$gte": 2}},
+        {"p": {"$gt": 0, "$lte": 2}},
+        {"q.r": {"$lt": 1}},
+        {"p": {"$eq": 1}, "q.r": 1},
+    ]
+    for flt in filters:
+        assert evaluate.exact_checker(flt) is not None, flt
+        fast = [d["_id"] for d in evaluate.select(flt, docs)]
+        slow = [d["_id"] for d in docs if evaluate.matches(flt, d)]
+        assert fast == slow, flt

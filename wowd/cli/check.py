@@ -342,6 +342,26 @@ async def _privileges_probe(settings: WowdSettings, backend: Backend) -> None:
         raise ConfigError(f"the user lacks {len(missing)} privilege action(s): {lacks} (docs/stores.md lists them)")
 
 
+async def _election_probe(settings: WowdSettings, backend: Backend) -> str:
+    """The lease's time against the replica set's election timeout: fails when a holder cut off
+    with the old primary could go on after a new primary is elected; says so when the setting
+    cannot be read (docs/concepts.md, Elections)."""
+    from datetime import timedelta
+
+    from wowd.stores.mongo.election import election_window
+
+    client = getattr(backend.leases, "client", None)
+    if client is None:
+        return "not checked: no MongoDB client"
+    lease = settings.lease
+    window = await election_window(
+        client, ttl=timedelta(seconds=lease.ttl_s), tolerance=timedelta(seconds=lease.tolerance_s)
+    )
+    if window.safe is False:
+        raise ConfigError(window.text)
+    return window.text
+
+
 async def _ttl_probe(missing_ttl: Callable[[], Awaitable[list[str]]]) -> None:
     """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
     missing = await missing_ttl()
@@ -380,6 +400,7 @@ async def _probes(settings: WowdSettings, backend: Backend) -> list[tuple[str, C
     ]
     if settings.backend == "mongo":
         probes.append(("mongodb privileges", partial(_privileges_probe, settings, backend)))
+        probes.append(("mongodb elections", partial(_election_probe, settings, backend)))
     missing_ttl = getattr(backend.timers, "missing_ttl", None)
     if missing_ttl is not None:
         probes.append(("timers tombstone expiry (TTL index)", partial(_ttl_probe, missing_ttl)))

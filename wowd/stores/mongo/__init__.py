@@ -8,10 +8,12 @@ MongoDB must be a replica set or a sharded cluster: the log is tailed with chang
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 from wowd.config import uri_hosts
 from wowd.errors import ConfigError, StorageUnavailable
@@ -27,9 +29,14 @@ if TYPE_CHECKING:
     from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
 
+log = logging.getLogger(__name__)
+
 __all__ = [
+    "DEFAULT_APP_NAME",
+    "LEASES_APP_SUFFIX",
     "MongoLog",
     "MongoOutbox",
+    "app_name",
     "check_replica_set",
     "elasticsearch_client_options",
     "mongo_client_options",
@@ -61,12 +68,45 @@ async def check_replica_set(client: AsyncMongoClient[Any], *, hosts: str | None 
     )
 
 
+DEFAULT_APP_NAME = "wowd"
+"""The client's ``appName`` (the server's logs, ``currentOp`` and profiler name it) unless the
+URI gives one."""
+LEASES_APP_SUFFIX = "-leases"
+"""The lease client's ``appName`` is the other client's with this suffix."""
+
+
+def app_name(uri: str) -> str:
+    """The URI's ``appName`` option (its name in any case, as the driver reads URI options), else
+    :data:`DEFAULT_APP_NAME`. Read from the query string alone: an ``mongodb+srv`` URI is not
+    resolved here."""
+    for part in urlsplit(uri).query.split("&"):
+        key, _, value = part.partition("=")
+        if key.lower() == "appname" and value:
+            return unquote(value)
+    return DEFAULT_APP_NAME
+
+
 def mongo_client_options(settings: MongoSettings) -> dict[str, Any]:
     """The keyword arguments of the ``AsyncMongoClient`` (besides the URI)."""
     options: dict[str, Any] = {"w": "majority" if settings.write_concern == "majority" else 1}
     if settings.timeout_ms > 0:
         options["timeoutMS"] = settings.timeout_ms
     return options
+
+
+async def _log_election_window(client: AsyncMongoClient[Any], settings: WowdSettings) -> None:
+    """At start: the lease's time against the replica set's election timeout
+    (:func:`~wowd.stores.mongo.election.election_window`), a warning when it is too long."""
+    from wowd.stores.mongo.election import election_window
+
+    lease = settings.lease
+    window = await election_window(
+        client, ttl=timedelta(seconds=lease.ttl_s), tolerance=timedelta(seconds=lease.tolerance_s)
+    )
+    if window.safe is False:
+        log.warning("mongodb elections: %s", window.text)
+    else:
+        log.info("mongodb elections: %s", window.text)
 
 
 def elasticsearch_client_options(settings: ElasticsearchSettings) -> dict[str, Any]:
@@ -80,9 +120,12 @@ def elasticsearch_client_options(settings: ElasticsearchSettings) -> dict[str, A
 async def open_mongo(settings: WowdSettings) -> Backend:
     """Every MongoDB store of ``settings.context`` plus the Elasticsearch sink, prepared.
 
-    Opens one ``AsyncMongoClient`` (``settings.mongodb.uri``, ``timeoutMS``, the write concern)
-    and one ``AsyncElasticsearch``; the backend's ``close`` closes both. Every store gets the
-    operation timeout (``timeout_ms``; 0: none), the DDL mode and the sharding mode of
+    Opens two ``AsyncMongoClient`` (``settings.mongodb.uri``, ``timeoutMS``, the write concern):
+    one for the leases alone (``appName`` :func:`app_name` + :data:`LEASES_APP_SUFFIX`), one for
+    every other store (``appName`` :func:`app_name`), so that a renewal never waits for a
+    connection of the feed's or the claims' pool, nor behind what a server does to that client's
+    connections; and one ``AsyncElasticsearch``. The backend's ``close`` closes them. Every store
+    gets the operation timeout (``timeout_ms``; 0: none), the DDL mode and the sharding mode of
     ``settings.mongodb``. Raises :class:`ConfigError` on a standalone MongoDB server."""
     from pymongo import AsyncMongoClient
     from pymongo.write_concern import WriteConcern
@@ -104,10 +147,14 @@ async def open_mongo(settings: WowdSettings) -> Backend:
     timeout = timedelta(milliseconds=mongo.timeout_ms) if mongo.timeout_ms > 0 else None
 
     async with AsyncExitStack() as stack:
-        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
-            mongo.uri.get_secret_value(), **mongo_client_options(mongo)
-        )
+        uri, options = mongo.uri.get_secret_value(), mongo_client_options(mongo)
+        app = app_name(uri)
+        client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(uri, appname=app, **options)
         stack.push_async_callback(client.close)
+        lease_client: AsyncMongoClient[dict[str, Any]] = AsyncMongoClient(
+            uri, appname=app + LEASES_APP_SUFFIX, **options
+        )
+        stack.push_async_callback(lease_client.close)
         es: AsyncElasticsearch | None = None
         if indexed:  # the Elasticsearch client's modules only then (they take a while to import)
             from wowd.stores.elasticsearch.options import new_client
@@ -115,14 +162,15 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             es = new_client(es_settings)
             stack.push_async_callback(es.close)
 
-        await check_replica_set(client, hosts=uri_hosts(mongo.uri.get_secret_value()))
+        await check_replica_set(client, hosts=uri_hosts(uri))
+        await _log_election_window(lease_client, settings)
 
         # every store gets every setting: the operation timeout, the DDL mode, the sharding mode
         common: dict[str, Any] = {"operation_timeout": timeout}
         ddl, sharding = Ddl(mongo.ddl), MongoSharding(mongo.sharding)
         write_concern = WriteConcern(w="majority" if mongo.write_concern == "majority" else 1)
-        leases = MongoSlotLeaseStore(client, database, write_concern=write_concern, ddl=ddl, **common)
-        log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, **common)
+        leases = MongoSlotLeaseStore(lease_client, database, write_concern=write_concern, ddl=ddl, **common)
+        log = MongoLog(client, database, context=context, partitions=partitions, ddl=ddl, sharding=sharding, **common)
         timers = MongoTimerStore(
             client,
             database,

@@ -14,6 +14,7 @@ metered call (deadline, error translation, latency and unavailability metrics).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -45,12 +46,15 @@ from wowd.model import validate_name
 from wowd.stores.base import Ddl
 
 __all__ = [
+    "ALREADY_INITIALIZED",
+    "CANNOT_CREATE_INDEX",
     "CHANGE_STREAM_UNSUPPORTED",
     "DEFAULT_OPERATION_TIMEOUT",
     "DUPLICATE_KEY",
     "COMMAND_PART_BYTES",
     "FORMAT",
     "HISTORY_LOST_CODES",
+    "INDEX_COMMIT_QUORUM",
     "NAMESPACE_COLLECTION",
     "NAMESPACE_EXISTS",
     "REPLICA_COLLECTION",
@@ -67,6 +71,8 @@ __all__ = [
     "MongoStore",
     "checkpoint_collection",
     "collection_name",
+    "collection_pattern",
+    "mongo_name",
     "duplicate_keys",
     "durable_or_raise",
     "is_duplicate_key",
@@ -103,27 +109,56 @@ REPLICA_COLLECTION = "cosid_replica"
 """The presence records (one document per replica of every namespace, holder or standby)."""
 
 
+NAME_PART = "[a-z0-9-]+(?:_[a-z0-9-]+)*"
+"""A context or aggregate name as it may stand in a collection name (:func:`mongo_name`)."""
+
+
+def mongo_name(value: str, *, field: str) -> str:
+    """A context or aggregate name (:func:`~wowd.model.validate_name`) that keeps the collection
+    names ``wow_<kind>__<context>__<aggregate>`` apart: no ``__`` in it, no ``_`` first or last.
+    Otherwise two pairs would name one collection (context ``shop``'s aggregate ``eu__order``
+    and context ``shop__eu``'s ``order``: their timers in one collection, each context firing
+    the other's) and a context would read another's log as its own types: a
+    :class:`~wowd.errors.ConfigError`."""
+    validate_name(value, field=field)
+    if "__" in value or value.startswith("_") or value.endswith("_"):
+        raise ConfigError(
+            f"{field}: {value!r} cannot be told apart in MongoDB collection names (wow_<kind>__<context>__<aggregate>,"
+            " where '__' separates the parts): use no '__' in it and no '_' at its start or end"
+        )
+    return value
+
+
 def collection_name(kind: str, context: str, aggregate: str) -> str:
     """``wow_<kind>__<context>__<aggregate>``: the rule of the per-type collections."""
-    validate_name(context, field="context")
-    validate_name(aggregate, field="aggregate")
-    return f"wow_{kind}__{context}__{aggregate}"
+    return f"wow_{kind}__{mongo_name(context, field='context')}__{mongo_name(aggregate, field='aggregate')}"
+
+
+def collection_pattern(kind: str, context: str) -> str:
+    """The regular expression of the names of ``context``'s per-type collections of ``kind``
+    (:func:`collection_name`): another context's never matches, whatever its name."""
+    prefix = f"wow_{kind}__{mongo_name(context, field='context')}__"
+    return f"^{re.escape(prefix)}{NAME_PART}$"
 
 
 def checkpoint_collection(context: str) -> str:
-    return f"wow_checkpoint__{validate_name(context, field='context')}"
+    return f"wow_checkpoint__{mongo_name(context, field='context')}"
 
 
 def quarantine_collection(context: str) -> str:
-    return f"wow_quarantine__{validate_name(context, field='context')}"
+    return f"wow_quarantine__{mongo_name(context, field='context')}"
 
 
 def outbox_collection(context: str) -> str:
-    return f"wow_outbox__{validate_name(context, field='context')}"
+    return f"wow_outbox__{mongo_name(context, field='context')}"
 
 
 DEFAULT_OPERATION_TIMEOUT = timedelta(seconds=10)
 """The deadline of one store call (PyMongo's ``pymongo.timeout``) unless told otherwise."""
+
+INDEX_COMMIT_QUORUM = "majority"
+"""The ``commitQuorum`` of wowd's index builds (manual, "createIndexes": the default,
+``votingMembers``, waits for every data-bearing voting member, one down included)."""
 
 COMMAND_PART_BYTES = 15 * 1024 * 1024
 """What the part of one command a store builds (a filter, a pipeline) may encode to: the server's
@@ -151,6 +186,10 @@ def split_to_fit(
 
 DUPLICATE_KEY = 11000
 NAMESPACE_EXISTS = 48
+ALREADY_INITIALIZED = 23
+"""``shardCollection`` of a collection sharded on another key."""
+CANNOT_CREATE_INDEX = 67
+"""CannotCreateIndex: among others, a unique index the shard key is not a prefix of."""
 UNAUTHORIZED = 13
 CHANGE_STREAM_UNSUPPORTED = 40573
 """``$changeStream`` on a standalone server."""
@@ -322,6 +361,7 @@ class MongoStore:
         self._db: AsyncDatabase[Any] = self._client.get_database(database_name, codec_options=codec_options)
         self.operation_timeout = operation_timeout
         self._timeout = None if operation_timeout is None else operation_timeout.total_seconds()
+        self._sharded: bool | None = None
 
     @property
     def client(self) -> AsyncMongoClient[Any]:
@@ -354,21 +394,24 @@ class MongoStore:
         (``pymongo.timeout(0)``: no ``maxTimeMS`` is sent, the client's ``timeoutMS`` does not
         apply): a build reads the whole collection, and the server aborts a build whose command
         was interrupted, so under a deadline an index over a large collection would never be
-        built. Logs what it makes sure of before it (an index missing is built then), and what
-        the server built after it. Answers the server's reply. Call it inside ``_call(...,
+        built. ``commitQuorum`` :data:`INDEX_COMMIT_QUORUM`: a build commits once a majority of
+        the voting members built it, not every one (the server's default), so a member down does
+        not hold a start without end. Logs what it makes sure of before it (an index missing is
+        built then), and what the server built after it. Answers the server's reply. Call it inside ``_call(...,
         bounded=False)``."""
         names = ", ".join(str(ix["name"]) for ix in indexes)
         logger.info(
             "mongodb %s: making sure of the indexes %s of %s%s (a missing one is built now, over the whole "
-            "collection, with no deadline)",
+            "collection, with no deadline; it commits once a majority of the voting members built it)",
             self._label,
             names,
             name,
             f" ({why})" if why else "",
         )
         started = time.monotonic()
+        command = {"createIndexes": name, "indexes": list(indexes), "commitQuorum": INDEX_COMMIT_QUORUM}
         with pymongo.timeout(0):
-            reply: Mapping[str, Any] = await self._db.command({"createIndexes": name, "indexes": list(indexes)})
+            reply: Mapping[str, Any] = await self._db.command(command)
         before, after = reply.get("numIndexesBefore"), reply.get("numIndexesAfter")
         if isinstance(before, int) and isinstance(after, int) and after > before:
             logger.info(
@@ -379,6 +422,19 @@ class MongoStore:
                 time.monotonic() - started,
             )
         return reply
+
+    async def _is_sharded(self, sharding: MongoSharding) -> bool:
+        """Whether to shard the store's collections: ``on`` yes, ``off`` no, ``auto`` when the
+        server is a ``mongos`` (``hello``'s ``msg: isdbgrid``, asked once)."""
+        if sharding is MongoSharding.OFF:
+            return False
+        if sharding is MongoSharding.ON:
+            return True
+        if self._sharded is None:
+            with self._deadline():
+                hello = await self._client.admin.command("hello")
+            self._sharded = hello.get("msg") == "isdbgrid"
+        return self._sharded
 
     async def _shard_collection(
         self,

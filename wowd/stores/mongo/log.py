@@ -7,21 +7,18 @@ Collections (``<ctx>`` the context):
   ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}`` (idempotent appends) and
   ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
 - ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
-- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason; ``_id``
-  from the consumer, the type and the document (idempotent), ``seq`` (an ObjectId, unique) names
-  an item: its hex is the item's id. ``seq`` is the number after the highest drawn (the last
-  item's, or the counter document's, ``_id: "seq"``), claimed by the insert through the unique
-  index, so items become visible in ``seq`` order: a listing paged by ``seq`` never passes an
-  item committed later (a client-made ObjectId would: each writer's clock and counter order
-  them, not their commits).
+- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason
+  (:mod:`wowd.stores.mongo.log_quarantine`, the store's base).
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
-the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, a, v,
-id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
+the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, r, p, a,
+v, id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
 write is still in flight: :func:`cluster_time_command`), which reads with ``majority`` read
 concern and ``afterClusterTime`` of it (so it sees every commit at or before it, on every shard;
-the stream starts there), and the last document read (a later read resumes the scan after it).
+the stream starts there), and the last document read: its collection, the range of
+:func:`~wowd.stores.mongo.log_queries.scan_ranges` and its index key (a later read resumes the
+scan after it).
 Each partition takes its own cut just before its scan; when the scans run longer than
 ``scan_catch_up``, the partitions scanned so far are caught up by a stream before the next cut,
 so no cut ages out of the oplog while the others are scanned.
@@ -45,14 +42,13 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, contextmanager, suppress
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import anyio
 import pymongo
-from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
 from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
@@ -69,7 +65,6 @@ from wowd.errors import (
     InvalidInput,
     LogBehindOplog,
     StorageError,
-    StorageUnavailable,
 )
 from wowd.model import (
     AggregateRef,
@@ -82,31 +77,31 @@ from wowd.model import (
     commit_from_doc,
     commit_to_doc,
     partition,
-    validate_name,
 )
 from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
 from wowd.stores.mongo._common import (
+    ALREADY_INITIALIZED,
+    CANNOT_CREATE_INDEX,
     CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
-    MongoStore,
+    MongoSharding,
     checkpoint_collection,
     collection_name,
+    collection_pattern,
     duplicate_keys,
-    quarantine_collection,
     write_one,
 )
+from wowd.stores.mongo.log_quarantine import LogQuarantine
 from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
-    COUNTED_FILTER,
-    QUARANTINE_SEQ_ID,
+    LOG_SHARD_KEY,
+    REGULAR_RANGE,
     RESUME_POINT_GONE,
     SCAN_INDEX,
     SCAN_SORT,
     ClusterTime,
     Doc,
     _HistoryLost,
-    _is_int,
-    _object_ids,
     _Part,
     change_stream_pipeline,
     changes_timer,
@@ -116,20 +111,17 @@ from wowd.stores.mongo.log_queries import (
     cluster_time_command,
     cluster_time_of,
     committed_after_filter,
-    counted_seq,
     join_fragments,
-    last_drawn,
     last_version_query,
     log_collection_prefix,
     log_indexes,
     logger,
-    quarantine_doc,
+    partition_of,
     quarantine_indexes,
-    quarantine_item,
-    quarantined_filter,
-    scan_bounds,
-    scan_filter,
-    seq_number,
+    scan_find,
+    scan_key,
+    scan_ranges,
+    stored_tenant,
     token_cluster_time,
 )
 
@@ -137,8 +129,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MongoLog"]
 
-QUARANTINE_DRAWS = 100
-"""How many ``seq`` numbers one quarantine draws (each taken by another's item) before it gives up."""
 CATCH_UP_AWAIT_MS = 200
 """The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
 joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
@@ -146,7 +136,7 @@ longer for commits it will not wait for only delays its end (and what waits on i
 positions carry the rest: a read ended early loses nothing."""
 
 
-class MongoLog(MongoStore):
+class MongoLog(LogQuarantine):
     """The :class:`~wowd.stores.base.Log` of one context on MongoDB.
 
     The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
@@ -155,6 +145,8 @@ class MongoLog(MongoStore):
     ``max_await``: how long the server holds an empty ``getMore``. ``idle_advance``: after how
     long a quiet partition moves to the stream's high-water mark. ``scan_catch_up``: after how
     long of scanning the partitions scanned so far are caught up by a stream before the next.
+    ``sharding``: with ``ddl=auto``, whether a log collection is sharded (on
+    :data:`~wowd.stores.mongo.log_queries.LOG_SHARD_KEY`) when its indexes are made sure of.
     """
 
     _label = "log"
@@ -167,24 +159,28 @@ class MongoLog(MongoStore):
         context: str,
         partitions: int,
         ddl: Ddl = Ddl.AUTO,
+        sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
         max_await: timedelta = timedelta(seconds=1),
         idle_advance: timedelta | None = timedelta(minutes=1),
         scan_catch_up: timedelta = timedelta(minutes=1),
     ) -> None:
-        self.context = validate_name(context, field="context")
         if partitions < 1:
             raise ConfigError(f"partitions: must be >= 1, got {partitions}")
-        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
+        super().__init__(client_or_uri, database_name, context=context, operation_timeout=operation_timeout)
         self.partitions = partitions
         self._ddl = Ddl(ddl)
+        self._sharding = MongoSharding(sharding)
         self._max_await_ms = max(1, int(max_await.total_seconds() * 1000))
         self._idle_advance_s = int(idle_advance.total_seconds()) if idle_advance is not None else None
         self._catch_up_s = scan_catch_up.total_seconds()
         self._prefix = log_collection_prefix(context)
+        self._pattern = collection_pattern("log", context)
         self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
-        self._quarantine: AsyncCollection[Doc] = self._db[quarantine_collection(context)]
         self._ensured: set[str] = set()
+        self._observed: ClusterTime | None = None
+        """The latest operation time the change stream's replies carried (:meth:`committed_after`
+        reads at or after it)."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -193,8 +189,8 @@ class MongoLog(MongoStore):
         return collection_name("log", self.context, aggregate)
 
     def _aggregate_of(self, coll: str) -> AggregateType | None:
-        if not coll.startswith(self._prefix):
-            return None
+        if not re.match(self._pattern, coll):
+            return None  # not this context's (another context's of a name this one starts with)
         try:
             return AggregateType(context=self.context, aggregate=coll[len(self._prefix) :])
         except (ConfigError, InvalidInput):
@@ -210,12 +206,38 @@ class MongoLog(MongoStore):
         return self._db[name]
 
     async def _ensure(self, name: str) -> None:
+        """``ddl=auto``: the indexes (and on a sharded cluster the shard key's, then the
+        collection sharded on :data:`LOG_SHARD_KEY`); a collection already sharded on a key the
+        unique index cannot have as its prefix is a :class:`ConfigError` naming the key to use;
+        one sharded on another key that allows it is left so. ``validate``: checked."""
         if self._ddl is Ddl.AUTO:
             with self._call("prepare", bounded=False):
-                await self._create_indexes(name, log_indexes(), logger)
+                sharded = await self._is_sharded(self._sharding)
+                try:
+                    await self._create_indexes(name, log_indexes(sharded=sharded), logger)
+                except OperationFailure as exc:
+                    if exc.code == CANNOT_CREATE_INDEX and "shard key" in str(exc):
+                        raise ConfigError(
+                            f"mongodb log: {self._db.name}.{name} is sharded on a key the unique index "
+                            f"aggregate_request {{aggregate_id, request_id}} cannot start with ({exc}): shard the "
+                            f"log collections on {LOG_SHARD_KEY} (docs/stores.md)"
+                        ) from exc
+                    raise
+                if sharded:
+                    await self._shard_log(name)
         elif self._ddl is Ddl.VALIDATE:
             await self._validate(name, log_indexes())
         self._ensured.add(name)
+
+    async def _shard_log(self, name: str) -> None:
+        """``shardCollection`` on :data:`LOG_SHARD_KEY` (idempotent); already sharded on another
+        key (23 AlreadyInitialized) that the unique index could be made under: logged, left."""
+        try:
+            await self._shard_collection(name, LOG_SHARD_KEY, self._sharding, logger, what="log", bounded=False)
+        except OperationFailure as exc:
+            if exc.code != ALREADY_INITIALIZED:
+                raise
+            logger.info("log collection %s is sharded on another key than %s, left so: %s", name, LOG_SHARD_KEY, exc)
 
     async def _validate(self, name: str, indexes: Sequence[Doc]) -> None:
         """:class:`FormatError` naming the first of ``indexes`` (name, keys, unique) ``name`` lacks."""
@@ -229,7 +251,7 @@ class MongoLog(MongoStore):
     async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
         with self._call("list"):
             names = await self._db.list_collection_names(
-                session=session, filter={"name": {"$regex": "^" + re.escape(self._prefix)}}
+                session=session, filter={"name": {"$regex": collection_pattern("log", self.context)}}
             )
         return sorted(n for n in names if self._aggregate_of(n) is not None)
 
@@ -339,7 +361,11 @@ class MongoLog(MongoStore):
         cancel their keys or delete them (:func:`committed_after_filter`, the partitions listed),
         the version and timer events' names and keys only. A majority read on the primary returns
         the majority-committed state as of its start: every commit acknowledged with ``w:
-        majority`` before it began (docs/concepts.md, "Firing on MongoDB")."""
+        majority`` before it began (docs/concepts.md, "Firing on MongoDB"). It reads at or after the
+        latest operation time the change stream saw (``afterClusterTime`` in a causally
+        consistent session): a new primary whose majority commit point is still behind that
+        (after an election, 7.0: SERVER-53813) waits until it is not, instead of answering from
+        before commits the old primary acknowledged and the feed may have read already."""
         by_type: dict[str, list[int]] = {}
         for i, probe in enumerate(probes):
             if probe.ref.context != self.context:
@@ -358,12 +384,17 @@ class MongoLog(MongoStore):
                 read_preference=ReadPreference.PRIMARY,
             )
             with self._call("committed_after"):
-                docs = await coll.find(
-                    committed_after_filter(sorted(asked, key=_probe_order)), COMMITTED_AFTER_PROJECTION
-                ).to_list(None)
+                async with self._client.start_session(causal_consistency=True) as session:
+                    if self._observed is not None:
+                        session.advance_operation_time(Timestamp(*self._observed))
+                    docs = await coll.find(
+                        committed_after_filter(sorted(asked, key=_probe_order)),
+                        COMMITTED_AFTER_PROJECTION,
+                        session=session,
+                    ).to_list(None)
             commits: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
             for d in docs:
-                commits.setdefault((d.get("tenant_id"), d.get("aggregate_id")), []).append(d)
+                commits.setdefault((stored_tenant(d), d.get("aggregate_id")), []).append(d)
             for i in indexes:
                 p = probes[i]
                 for d in commits.get((p.ref.tenant_id, p.ref.id), ()):
@@ -374,9 +405,15 @@ class MongoLog(MongoStore):
         return found
 
     async def insert_raw(self, aggregate: AggregateType, document: Mapping[str, Any]) -> None:
+        """One insert of ``document`` as it is; :class:`ConflictError` when it collides with a
+        stored commit (E11000: its ``_id``, or its aggregate id and request id), as the embedded
+        log answers (a writer that retries after a lost reply finds its own document so)."""
         coll = await self._collection(aggregate)
         with self._call("insert_raw"):
-            await coll.insert_one(dict(document))
+            try:
+                await coll.insert_one(dict(document))
+            except DuplicateKeyError as exc:
+                raise ConflictError(f"raw document collides with a stored commit: {exc}") from exc
 
     # ------------------------------------------------------------------ reading
 
@@ -497,6 +534,10 @@ class MongoLog(MongoStore):
     async def _scan_partition(
         self, p: int, s: _Part, batch_size: int, session: AsyncClientSession
     ) -> AsyncGenerator[LogBatch, None]:
+        """Each log collection's ranges of :func:`scan_ranges` in order, each one ``find``
+        bounded on the ``partition_order`` index (:func:`scan_find`), from the scan key when
+        resumed; of the ranges besides the partition's own, only the commits whose partition
+        (:func:`partition_of`) is ``p``."""
         assert s.ct is not None and s.scan is not None
         names = await self._log_collections(session)
         after = s.scan
@@ -507,33 +548,30 @@ class MongoLog(MongoStore):
             aggregate = self._aggregate_of(name)
             assert aggregate is not None
             key = after if after and name == after.get("c") else None
+            first = int(key.get("r", REGULAR_RANGE)) if key else 0
             coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            bounds: dict[str, Any] = {}
-            if key:
-                lower, upper = scan_bounds(p, key)
-                bounds = {"hint": SCAN_INDEX, "min": lower, "max": upper}
-            cursor = coll.find(scan_filter(p, key), sort=SCAN_SORT, batch_size=batch_size, session=session, **bounds)
-            try:
-                while True:
-                    with self._call("scan"):
-                        docs = await cursor.to_list(batch_size - len(entries))
-                    if not docs:
-                        break
-                    for doc in docs:
-                        scan_key = {
-                            "c": name,
-                            "a": doc.get("aggregate_id"),
-                            "v": doc.get("version"),
-                            "id": doc.get("_id"),
-                        }
-                        position: Position = {"cluster_time": list(s.ct), "scan": scan_key}
-                        entries.append(self._entry(position, p, aggregate, doc))
-                    if len(entries) >= batch_size:
-                        yield _batch(entries)
-                        entries = []
-            finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                    await cursor.close()
+            for range_ in range(first, len(scan_ranges(p, self.partitions))):
+                flt, lower, upper = scan_find(p, self.partitions, range_, key if range_ == first else None)
+                cursor = coll.find(
+                    flt, sort=SCAN_SORT, batch_size=batch_size, session=session, hint=SCAN_INDEX, min=lower, max=upper
+                )
+                try:
+                    while True:
+                        with self._call("scan"):
+                            docs = await cursor.to_list(batch_size - len(entries))
+                        if not docs:
+                            break
+                        for doc in docs:
+                            if range_ != REGULAR_RANGE and partition_of(doc, self.partitions)[0] != p:
+                                continue  # another partition's commit stored without a regular partition
+                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key(name, range_, doc)}
+                            entries.append(self._entry(position, p, aggregate, doc))
+                        if len(entries) >= batch_size:
+                            yield _batch(entries)
+                            entries = []
+                finally:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+                        await cursor.close()
         if entries:
             yield _batch(entries)
 
@@ -548,7 +586,7 @@ class MongoLog(MongoStore):
             kwargs["start_at_operation_time"] = Timestamp(*start.ct)
         else:
             kwargs["start_after"] = start.token
-        pipeline = change_stream_pipeline(self.context, list(parts))
+        pipeline = change_stream_pipeline(self.context, list(parts), self.partitions)
         async with self._client.start_session(causal_consistency=False) as session:
             with self._stream_errors("watch", answered=False):
                 stream = await self._db.watch(
@@ -565,6 +603,7 @@ class MongoLog(MongoStore):
             until = None if follow else cluster_time_of(session.operation_time)
             async with aclosing(self._stream_batches(stream, parts, batch_size, follow, until)) as batches:
                 async for batch in batches:
+                    self._observe(session.operation_time)
                     yield batch
 
     async def _stream_batches(
@@ -642,6 +681,11 @@ class MongoLog(MongoStore):
                     ) from exc
                 raise
 
+    def _observe(self, operation_time: Any) -> None:
+        ct = cluster_time_of(operation_time)
+        if ct is not None and (self._observed is None or ct > self._observed):
+            self._observed = ct
+
     def _idle_positions(
         self, parts: dict[int, _Part], token: Mapping[str, Any] | None, last_event: Any
     ) -> dict[int, Position]:
@@ -667,9 +711,9 @@ class MongoLog(MongoStore):
         doc = change.get("fullDocument")
         if aggregate is None or not isinstance(doc, Mapping):
             return None
-        p = doc.get("partition")
-        if not _is_int(p) or p not in parts:
-            return None
+        p = partition_of(doc, self.partitions)[0]
+        if p not in parts:
+            return None  # another replica's (a commit without a regular partition reaches every stream)
         s = parts[p]
         token = change.get("_id")
         ct = cluster_time_of(change.get("clusterTime")) or token_cluster_time(token)
@@ -680,19 +724,18 @@ class MongoLog(MongoStore):
         return self._entry(position, p, aggregate, doc)
 
     def _entry(self, position: Position, p: int, aggregate: AggregateType, doc: Mapping[str, Any]) -> LogEntry:
+        """The entry of a commit read in partition ``p`` (:func:`partition_of`'s): a commit, or
+        what is wrong with it (the commit's fields first, then its ``partition``)."""
         try:
             commit = commit_from_doc(aggregate, doc)
-            expected = partition(commit.ref.id, self.partitions)
-            if expected != p:
-                raise InvalidInput(
-                    f"is {p}, but the aggregate id belongs to partition {expected} of {self.partitions}",
-                    field="partition",
-                )
+            wrong = partition_of(doc, self.partitions)[1]
+            if wrong is not None:
+                raise InvalidInput(wrong, field="partition")
         except (InvalidInput, ConfigError) as exc:
             return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc, error=str(exc))
         return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)
 
-    # ------------------------------------------------------------------ checkpoints, quarantine
+    # ------------------------------------------------------------------ checkpoints
 
     async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
         if not partitions:
@@ -747,93 +790,6 @@ class MongoLog(MongoStore):
             except DuplicateKeyError:
                 return False
         return True
-
-    async def quarantine(
-        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
-    ) -> None:
-        """No transaction, nothing held between commands: ``seq`` is the number after the
-        highest drawn (:meth:`_last_drawn`), claimed by the insert through the unique
-        ``seq_unique`` index; E11000 on ``seq`` (another quarantine inserted it first): drawn
-        again. A number is drawn only past an item already visible, so items become visible in
-        ``seq`` order (a listing paged by ``seq`` passes no item committed after it). Then the
-        counter's ``n`` is raised to it (``$max``) for replicas of earlier versions, which draw
-        with ``$inc`` in a transaction; a failure of that write is logged (the item is stored).
-        E11000 on ``_id`` (quarantined before): the stored item's reason is set instead."""
-        doc = quarantine_doc(consumer, partition, aggregate, raw, reason, datetime.now(UTC))
-        with self._call("quarantine"):
-            for _ in range(QUARANTINE_DRAWS):
-                n = await self._last_drawn() + 1
-                try:
-                    await write_one(self._quarantine, InsertOne({**doc, "seq": counted_seq(n)}), "log.quarantine")
-                    break
-                except DuplicateKeyError as exc:
-                    if (exc.details or {}).get("keyPattern") == {"seq": -1}:
-                        continue
-                    if await self._quarantine.find_one({"_id": doc["_id"]}, {"_id": 1}) is None:
-                        continue  # released meanwhile: drawn again
-                    await self._quarantine.update_one({"_id": doc["_id"]}, {"$set": {"reason": reason}})
-                    return
-            else:
-                raise StorageUnavailable(
-                    f"mongodb log.quarantine: {QUARANTINE_DRAWS} numbers drawn in a row were taken by other quarantines"
-                )
-        try:
-            with self._call("quarantine_counter"):
-                await self._raise_counter(n)
-        except StorageError as exc:
-            logger.warning("log %s: quarantine counter not raised to %d (the item is stored): %s", self.context, n, exc)
-        logger.warning(
-            "log %s: quarantined a document of %s (partition %d, consumer %s): %s",
-            self.context,
-            aggregate,
-            partition,
-            consumer,
-            reason,
-        )
-
-    async def _last_drawn(self) -> int:
-        """The highest ``seq`` number drawn (:func:`last_drawn`): reads by ``_id``, down ``seq``."""
-        counter = await self._quarantine.find_one({"_id": QUARANTINE_SEQ_ID}, {"n": 1})
-        return last_drawn(counter, await self._quarantine.find_one(COUNTED_FILTER, {"seq": 1}, sort=[("seq", -1)]))
-
-    async def _raise_counter(self, n: int) -> None:
-        """The counter document's ``n`` raised to ``n`` at least (``$max``, upserted)."""
-        await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
-
-    async def quarantined(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
-    ) -> list[dict[str, Any]]:
-        """One ``find`` in ``seq`` order (the ``seq`` index)."""
-        out: list[dict[str, Any]] = []
-        if limit <= 0:
-            return out
-        if after is not None and not ObjectId.is_valid(after):
-            raise InvalidInput(f"is not a quarantine id of the MongoDB log: {after!r}", field="after")
-        wanted = _object_ids(ids) if ids is not None else None
-        if wanted == []:
-            return out
-        filter_ = quarantined_filter(ObjectId(after) if after is not None else None, wanted)
-        with self._call("quarantined"):
-            async for d in self._quarantine.find(filter_, sort=[("seq", 1)], limit=limit):
-                out.append(quarantine_item(d))
-        return out
-
-    async def release_quarantined(self, ids: Collection[str]) -> int:
-        """The items found among ``ids`` (one ``find``), the counter raised to their highest
-        ``seq`` number (``$max``: a number is never drawn again, so an id never names another
-        item), then one ``delete`` of them by ``seq``."""
-        wanted = _object_ids(ids)
-        if not wanted:
-            return 0
-        with self._call("release_quarantined"):
-            found = [d["seq"] async for d in self._quarantine.find(quarantined_filter(None, wanted), {"seq": 1})]
-            if not found:
-                return 0
-            top = max(seq_number(s) for s in found)
-            if top:
-                await self._raise_counter(top)
-            result = await self._quarantine.delete_many(quarantined_filter(None, found))
-        return int(result.deleted_count)
 
 
 # --------------------------------------------------------------------------- helpers

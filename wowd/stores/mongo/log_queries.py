@@ -7,12 +7,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Any
 
+import bson
+from bson.decimal128 import Decimal128
+from bson.max_key import MaxKey
 from bson.min_key import MinKey
 from bson.objectid import ObjectId
 from bson.timestamp import Timestamp
@@ -21,18 +24,22 @@ from wowd.errors import (
     InvalidInput,
 )
 from wowd.model import (
+    DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
     Position,
     partition,
-    validate_name,
 )
 from wowd.stores.mongo._common import (
     HISTORY_LOST_CODES,
+    collection_name,
+    collection_pattern,
+    mongo_name,
 )
 
 __all__ = [
     "HISTORY_LOST",
+    "LOG_SHARD_KEY",
     "RESUME_POINT_GONE",
     "RESUME_TOKEN_NOT_FOUND",
     "SCAN_SORT",
@@ -49,7 +56,12 @@ __all__ = [
     "quarantine_doc",
     "quarantine_item",
     "quarantined_filter",
-    "scan_filter",
+    "owner_match",
+    "partition_of",
+    "scan_find",
+    "scan_key",
+    "scan_ranges",
+    "stored_tenant",
     "token_cluster_time",
 ]
 
@@ -68,17 +80,33 @@ CappedPositionLost: the oplog was truncated under the stream's position)."""
 
 
 def log_collection_prefix(context: str) -> str:
-    """``wow_log__<context>__``: every log collection of the context starts so."""
-    validate_name(context, field="context")
-    return f"wow_log__{context}__"
+    """``wow_log__<context>__``: every log collection of the context starts so (and so do those
+    of no other context: :func:`~wowd.stores.mongo._common.mongo_name`)."""
+    return f"wow_log__{mongo_name(context, field='context')}__"
 
 
-def log_indexes() -> list[Doc]:
-    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``."""
-    return [
+LOG_SHARD_KEY: Doc = {"aggregate_id": "hashed"}
+"""The shard key of a log collection on a sharded cluster. The aggregate id: every commit of an
+aggregate on one shard, so the ``_id`` ``{t, a, v}`` (unique per shard only) and the unique
+``{aggregate_id, request_id}`` (a unique index must have the shard key as its prefix) hold across
+the cluster, and the reads by aggregate (the log check, ``last_version``) reach one shard;
+hashed, so that time-ordered ids (Wow's, CosId's) spread their inserts over the shards instead of
+all landing in the last chunk. A partition's re-read asks every shard (it is rare: a start
+without checkpoints, a lost resume point). ``{partition: 1}`` cannot be the key: the unique
+index would not have it as its prefix (createIndexes answers 67 CannotCreateIndex)."""
+
+
+def log_indexes(*, sharded: bool = False) -> list[Doc]:
+    """The index specs of a log collection (``createIndexes``'s ``indexes``), besides ``_id``;
+    on a sharded cluster also the shard key's (:data:`LOG_SHARD_KEY`: a collection that holds
+    commits already can be sharded only with it)."""
+    specs: list[Doc] = [
         {"key": {"aggregate_id": 1, "request_id": 1}, "name": "aggregate_request", "unique": True},
         {"key": {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}, "name": "partition_order"},
     ]
+    if sharded:
+        specs.append({"key": dict(LOG_SHARD_KEY), "name": "aggregate_hashed"})
+    return specs
 
 
 def quarantine_indexes() -> list[Doc]:
@@ -129,21 +157,57 @@ def _token_data(token: Any) -> str | None:
     return data if isinstance(data, str) else None
 
 
-def change_stream_match(context: str, partitions: Sequence[int]) -> Doc:
-    """The server-side filter: the context's log collections, inserts, the given partitions."""
+def partition_of(doc: Mapping[str, Any], partitions: int) -> tuple[int, str | None]:
+    """The partition a stored commit belongs to, and what is wrong with its ``partition`` field
+    (``None``: nothing).
+
+    The schema leaves ``partition`` out of the required fields: it is ``floorMod(Java
+    String.hashCode(aggregate_id), partitions)``, computed here when the field is missing, as the
+    embedded log computes it for every commit (``0`` when the aggregate id is not a string: the
+    commit is quarantined for that). A number in ``[0, partitions)`` is the partition its floor
+    names (the replica reading that partition's range of the index or of the stream meets it);
+    it must be an integer and the aggregate id's partition, else the commit is quarantined there,
+    naming ``partition``. Anything else (``null``, a string, a number out of range) is read in
+    the aggregate id's partition and quarantined there, naming ``partition``: never dropped."""
+    agg_id = doc.get("aggregate_id")
+    computed = partition(agg_id, partitions) if isinstance(agg_id, str) else 0
+    if "partition" not in doc:
+        return computed, None
+    stored = doc["partition"]
+    number = stored.to_decimal() if isinstance(stored, Decimal128) else stored
+    if isinstance(number, Decimal) and not number.is_finite():
+        number = None  # NaN (which an ordering comparison refuses) or infinite: out of range
+    if isinstance(number, int | float | Decimal) and not isinstance(number, bool) and 0 <= number < partitions:
+        floor = int(number)
+        if number != floor:
+            return floor, f"is {stored!r}, not an integer"
+        if floor != computed:
+            return floor, f"is {floor}, but the aggregate id belongs to partition {computed} of {partitions}"
+        return floor, None
+    return computed, f"is {stored!r}, not an integer in [0, {partitions})"
+
+
+def change_stream_match(context: str, partitions: Sequence[int], count: int) -> Doc:
+    """The server-side filter: the context's log collections, inserts, the given partitions, and
+    every commit whose ``partition`` is not an integer in ``[0, count)`` (missing, above all:
+    the schema does not require it). Those are seen by every replica's stream and kept by the
+    one holding the partition :func:`partition_of` gives them (computed from the aggregate id)."""
     return {
-        "ns.coll": {"$regex": "^" + re.escape(log_collection_prefix(context))},
+        "ns.coll": {"$regex": collection_pattern("log", context)},
         "operationType": "insert",
-        "fullDocument.partition": {"$in": sorted(partitions)},
+        "$or": [
+            {"fullDocument.partition": {"$in": sorted(partitions)}},
+            {"fullDocument.partition": {"$not": {"$type": ["int", "long"], "$gte": 0, "$lt": count}}},
+        ],
     }
 
 
-def change_stream_pipeline(context: str, partitions: Sequence[int]) -> list[Doc]:
+def change_stream_pipeline(context: str, partitions: Sequence[int], count: int) -> list[Doc]:
     """The pipeline after ``$changeStream`` (the driver adds that stage with the start point):
     the filter, then ``$changeStreamSplitLargeEvent`` (last, as it must be), which splits an
     event over 16 MiB (a commit near the document limit plus the event's own fields) into
     fragments instead of failing every ``getMore`` with BSONObjectTooLarge (10334)."""
-    return [{"$match": change_stream_match(context, partitions)}, {"$changeStreamSplitLargeEvent": {}}]
+    return [{"$match": change_stream_match(context, partitions, count)}, {"$changeStreamSplitLargeEvent": {}}]
 
 
 def join_fragments(fragments: Sequence[Mapping[str, Any]]) -> Doc:
@@ -156,62 +220,81 @@ def join_fragments(fragments: Sequence[Mapping[str, Any]]) -> Doc:
     return event
 
 
-SCAN_SORT: list[tuple[str, int]] = [("aggregate_id", 1), ("version", 1), ("_id", 1)]
-"""The order of a partition re-read: per aggregate by version (the ``partition_order`` index)."""
+SCAN_INDEX = "partition_order"
+"""The index a partition's re-read is bounded on (``hint`` with ``min``/``max``)."""
+SCAN_SORT: list[tuple[str, int]] = [("partition", 1), ("aggregate_id", 1), ("version", 1), ("_id", 1)]
+"""The order of a partition re-read: the ``partition_order`` index's (per aggregate by version)."""
+SCAN_FIELDS = [f for f, _ in SCAN_SORT]
+REGULAR_RANGE = 1
+"""The range of a partition's re-read that holds its integral ``partition`` values."""
 
 
-def _sort_key(field: str) -> Doc:
-    """A field as the index orders it: missing reads as null."""
-    return {"$ifNull": [f"${field}", None]}
+def scan_ranges(partition_: int, partitions: int) -> list[tuple[list[Any], list[Any]]]:
+    """The index ranges ``(lower, upper)`` (inclusive, exclusive; the values of
+    :data:`SCAN_FIELDS`) a re-read of partition ``partition_`` reads in each log collection:
+    ``[MinKey, 0)`` (a missing ``partition`` is indexed as null, which sorts below numbers; a
+    negative one), ``[p, p + 1)`` (the partition's own), ``[partitions, MaxKey]`` (a number out of
+    range, a string or any other type, all of which sort above numbers). The first and last hold
+    only commits whose ``partition`` is not an integer in range: each re-read keeps those
+    :func:`partition_of` gives its partition (so a producer that never writes ``partition`` has
+    every partition's re-read read every commit)."""
+    low, high = [MinKey()] * 3, [MaxKey()] * 3
+    return [
+        ([MinKey(), *low], [0, *low]),
+        ([partition_, *low], [partition_ + 1, *low]),
+        ([partitions, *low], [MaxKey(), *high]),
+    ]
 
 
-def scan_filter(partition_: int, after: Mapping[str, Any] | None = None) -> Doc:
-    """A partition's documents of one collection, after the scan key ``{a, v, id}`` if given.
+def scan_find(partition_: int, partitions: int, range_: int, after: Mapping[str, Any] | None) -> tuple[Doc, Doc, Doc]:
+    """``(filter, min, max)`` of the ``find`` of one range of :func:`scan_ranges` (sent with
+    ``hint`` :data:`SCAN_INDEX` and :data:`SCAN_SORT`). Index bounds are compared in the index's
+    own order, BSON order across types, so nothing malformed is skipped. ``after`` (a scan key
+    ``{c, r, p, a, v, id}`` in this range): from that key (inclusive), its own document left out
+    by ``_id`` (the bounds start at it, so nothing before it is read again)."""
+    lower, upper = scan_ranges(partition_, partitions)[range_]
+    flt: Doc = {}
+    if after:
+        lower = [after.get("p", partition_), after.get("a"), after.get("v"), after.get("id")]
+        flt = {"_id": {"$ne": after.get("id")}}
+    return flt, dict(zip(SCAN_FIELDS, lower, strict=True)), dict(zip(SCAN_FIELDS, upper, strict=True))
 
-    The "after" test is an ``$expr`` of aggregation comparisons, which order values of different
-    types as the sort does (BSON order). A query operator such as ``{version: {$gt: 2}}`` would
-    only match numbers (type bracketing), so a resumed scan would silently skip a malformed
-    document (a string ``version``, a missing ``aggregate_id``) sorted after the key."""
-    if not after:
-        return {"partition": partition_}
-    a, v, id_ = ({"$literal": after.get(k)} for k in ("a", "v", "id"))
-    agg, ver = _sort_key("aggregate_id"), _sort_key("version")
+
+def scan_key(collection: str, range_: int, doc: Mapping[str, Any]) -> Doc:
+    """Where a re-read got to: the collection, the range (:func:`scan_ranges`) and the document's
+    index key (a missing field as null, as the index holds it)."""
     return {
-        "partition": partition_,
-        "$expr": {
-            "$or": [
-                {"$gt": [agg, a]},
-                {"$and": [{"$eq": [agg, a]}, {"$gt": [ver, v]}]},
-                {"$and": [{"$eq": [agg, a]}, {"$eq": [ver, v]}, {"$gt": ["$_id", id_]}]},
-            ]
-        },
+        "c": collection,
+        "r": range_,
+        "p": doc.get("partition"),
+        "a": doc.get("aggregate_id"),
+        "v": doc.get("version"),
+        "id": doc.get("_id"),
     }
 
 
-SCAN_INDEX = "partition_order"
-"""The index a resumed scan is bounded on (``hint`` with ``min``/``max``)."""
+def owner_match(p: int, tenant: str, agg_id: str) -> Doc:
+    """One aggregate's commits, over the ``partition_order`` index's first two keys: the partition
+    (or none stored: the schema leaves it out, and its value is the aggregate id's) and the
+    aggregate id; the tenant (or none stored, for the default tenant: the schema's default)."""
+    return {
+        "partition": {"$in": [p, None]},
+        "aggregate_id": agg_id,
+        "tenant_id": {"$in": [tenant, None]} if tenant == DEFAULT_TENANT else tenant,
+    }
 
 
-def scan_bounds(partition_: int, after: Mapping[str, Any]) -> tuple[Doc, Doc]:
-    """``(min, max)`` of a resumed scan on the ``partition_order`` index: from the scan key
-    ``{a, v, id}`` (inclusive: :func:`scan_filter` leaves the key's own document out) to the
-    next partition (exclusive). Index bounds are compared in the index's own order, BSON order
-    across types as the sort, so no malformed document sorted after the key is skipped, and
-    the scan starts at the key instead of the partition's first document (the ``$expr`` of
-    :func:`scan_filter` has no index bounds: without these each resume re-read the partition
-    from its start)."""
-    lower = {"partition": partition_, "aggregate_id": after.get("a"), "version": after.get("v"), "_id": after.get("id")}
-    upper = {"partition": partition_ + 1, "aggregate_id": MinKey(), "version": MinKey(), "_id": MinKey()}
-    return lower, upper
+def stored_tenant(doc: Mapping[str, Any]) -> Any:
+    """A commit's tenant as :func:`owner_match` matches it (none stored: the default tenant)."""
+    tenant = doc.get("tenant_id")
+    return DEFAULT_TENANT if tenant is None else tenant
 
 
 def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
-    """``(filter, sort)`` of the read of one aggregate's highest version: equality on the
-    ``partition_order`` index's first two keys, sorted on its third."""
-    return (
-        {"partition": partition(ref.id, partitions), "aggregate_id": ref.id, "tenant_id": ref.tenant_id},
-        {"version": -1},
-    )
+    """``(filter, sort)`` of the read of one aggregate's highest version: :func:`owner_match`
+    (two point intervals on the ``partition_order`` index's first key, one on its second),
+    sorted on its third (the two scans merged in version order)."""
+    return owner_match(partition(ref.id, partitions), ref.tenant_id, ref.id), {"version": -1}
 
 
 TIMER_EVENTS = ("TimerScheduled", "TimerCancelled")
@@ -231,20 +314,22 @@ timers (no event bodies)."""
 
 def committed_after_filter(probes: Sequence[tuple[int, str, str, int, str | None]]) -> Doc:
     """The filter of the log check of one log collection: per probe ``(partition, tenant, id,
-    version, key)``, the aggregate's commits above ``version`` that schedule or cancel ``key`` or
-    delete the aggregate (any commit with ``key`` ``None``); each branch an equality on the
-    ``partition_order`` index's first two keys and a range on its third, and the partitions
-    listed at the top (on a sharded cluster by ``partition``, only their shards are read)."""
+    version, key)``, the aggregate's commits (:func:`owner_match`: also those stored without
+    ``partition`` or, for the default tenant, without ``tenant_id``) above ``version`` that
+    schedule or cancel ``key`` or delete the aggregate (any commit with ``key`` ``None``); each
+    branch point intervals on the ``partition_order`` index's first two keys and a range on its
+    third; on a sharded cluster each branch's aggregate id (the log's shard key) names the one
+    shard that holds its commits."""
     branches: list[Doc] = []
     for p, tenant, agg_id, version, key in probes:
-        branch: Doc = {"partition": p, "aggregate_id": agg_id, "tenant_id": tenant, "version": {"$gt": version}}
+        branch: Doc = {**owner_match(p, tenant, agg_id), "version": {"$gt": version}}
         if key is not None:
             branch["$or"] = [
                 {"deleted": True},
                 {"events": {"$elemMatch": {"name": {"$in": list(TIMER_EVENTS)}, "body.key": key}}},
             ]
         branches.append(branch)
-    return {"partition": {"$in": sorted({b[0] for b in probes})}, "$or": branches}
+    return {"$or": branches}
 
 
 def changes_timer(doc: Mapping[str, Any], key: str | None) -> bool:
@@ -303,18 +388,37 @@ def checkpoint_ids_filter(consumer: str, partitions: Sequence[int]) -> Doc:
     return {"_id": {"$in": [checkpoint_id(consumer, p) for p in partitions]}}
 
 
+QUARANTINE_RAW_BYTES = 15 * 1024 * 1024
+"""The most BSON bytes of a document a quarantine item keeps whole: the item, with its reason and
+the rest, stays within the server's 16 MiB (``maxBsonObjectSize``)."""
+RAW_IDENTITY = ("_id", "tenant_id", "aggregate_id", "version", "request_id", "command_id", "create_time", "partition")
+"""What an item keeps of a document too large to keep whole: the fields that name the commit."""
+
+
 def quarantine_doc(
     consumer: str, partition_: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str, now: datetime
 ) -> Doc:
     """The quarantine document: ``_id`` from the consumer, the type and the raw document's id
-    (a digest of the document when it has none), so quarantining twice is idempotent."""
+    (a digest of the document when it has none), so quarantining twice is idempotent. A raw
+    document of more than :data:`QUARANTINE_RAW_BYTES` (a commit near the 16 MiB limit) is kept
+    by its identity (:data:`RAW_IDENTITY`, each value under 1 KiB) and its size, the reason
+    saying so: the item is kept, the document stays in its log collection."""
     key: Any = raw.get("_id") if "_id" in raw else _digest(raw)
+    kept = dict(raw)
+    size = len(bson.encode(kept))
+    if size > QUARANTINE_RAW_BYTES:
+        kept = {k: raw[k] for k in RAW_IDENTITY if k in raw and len(bson.encode({"v": raw[k]})) <= 1024}
+        kept["raw_bytes"] = size
+        reason = (
+            f"{reason} (the document, {size} bytes, is too large to keep whole here: only the fields that name it "
+            f"are; it stays in {collection_name('log', aggregate.context, aggregate.aggregate)})"
+        )
     return {
         "_id": {"consumer": consumer, "aggregate": aggregate.aggregate, "key": key},
         "consumer": consumer,
         "partition": partition_,
         "aggregate": aggregate.aggregate,
-        "raw": dict(raw),
+        "raw": kept,
         "reason": reason,
         "quarantined_at": now,
     }

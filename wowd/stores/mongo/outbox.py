@@ -20,17 +20,18 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from pymongo import AsyncMongoClient, InsertOne
+from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from wowd.errors import FormatError, InvalidInput, StorageError
-from wowd.model import AggregateRef, OutboxBatch, OutboxEntry, validate_name
+from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     MongoStore,
     duplicate_keys,
+    mongo_name,
     outbox_collection,
     write_one,
 )
@@ -121,7 +122,7 @@ class MongoOutbox(MongoStore):
         ddl: Ddl = Ddl.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self._coll: AsyncCollection[Doc] = self._db[outbox_collection(context)]
         self._ddl = Ddl(ddl)
@@ -192,7 +193,11 @@ class MongoOutbox(MongoStore):
     async def take(self, limit: int = 100, *, lease: timedelta = OUTBOX_TAKE_LEASE) -> OutboxBatch:
         """Three commands: a ``find`` of the ``_id`` of the oldest ``limit`` free entries
         (:data:`FREE`), an ``update`` of those ids still free that leases them to this take
-        (:func:`lease_update`), a ``find`` of what the lease id holds, in ``_id`` order."""
+        (:func:`lease_update`, one statement per id: a retryable write, so a reply lost in a
+        failover is retried by the driver and answered by the server's record, instead of
+        leaving the entries leased to nobody for the lease's length), a ``find`` of what the lease
+        id holds, in ``_id`` order. The first ``find`` walks the ``_id`` index and passes over
+        the entries leased before the first free one: those other takes hold (in flight)."""
         lease_ms = int(lease.total_seconds() * 1000)
         if lease_ms <= 0:
             raise InvalidInput(f"the lease of a take must be at least 1 ms, got {lease}", field="lease")
@@ -204,7 +209,8 @@ class MongoOutbox(MongoStore):
             if not free:
                 return OutboxBatch(entries=(), cursor=None)
             ids = [d["_id"] for d in free]
-            await self._coll.update_many({"_id": {"$in": ids}, **FREE}, lease_update(lease_id, lease_ms))
+            update = lease_update(lease_id, lease_ms)
+            await self._coll.bulk_write([UpdateOne({"_id": i, **FREE}, update) for i in ids], ordered=False)
             docs = await self._coll.find({"_id": {"$in": ids}, "lease": lease_id}, sort=[("_id", 1)]).to_list()
         if not docs:
             return OutboxBatch(entries=(), cursor=None)

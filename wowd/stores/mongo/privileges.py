@@ -85,7 +85,7 @@ def required_privileges(database: str, context: str, *, ddl: Ddl, sharded: bool)
         needs.append(Need("all", ("listIndexes",), d, why=f"ddl={ddl.value} checks the indexes"))
     if sharded:
         needs += [
-            Need("timers, snapshots", ("enableSharding",), d, why="shardCollection of a new collection"),
+            Need("log, timers, snapshots", ("enableSharding",), d, why="shardCollection of a new collection"),
             Need("timers", ("listShards",), cluster=True, why="the chunk spread (wowd check --prepare)"),
             Need("timers", ("find",), "config", "collections", why="the chunk spread counts a collection's chunks"),
             Need("timers", ("find",), "config", "chunks", why="the chunk spread counts a collection's chunks"),

@@ -49,7 +49,6 @@ from wowd.model import (
     SnapshotRecord,
     SnapshotSaveOutcome,
     SnapshotTable,
-    validate_name,
 )
 from wowd.stores.formats import too_new
 from wowd.stores.mongo._common import (
@@ -65,6 +64,7 @@ from wowd.stores.mongo._common import (
     collection_name,
     durable_or_raise,
     is_duplicate_key,
+    mongo_name,
     split_to_fit,
     write_one,
 )
@@ -434,12 +434,11 @@ class MongoSnapshotStore(MongoStore):
         sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        self.context = mongo_name(context, field="context")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS)
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
         self._ready: set[str] = set()
-        self._sharded: bool | None = None
         self._ddl_lock: anyio.Lock | None = None
 
     @property
@@ -526,7 +525,7 @@ class MongoSnapshotStore(MongoStore):
             # 7.0+ answers ok on an existing collection of the same options; 48 means other options
             if exc.code != NAMESPACE_EXISTS:
                 raise
-        sharded = await self._is_sharded()
+        sharded = await self._is_sharded(self._sharding)
         await self._create_indexes(name, index_specs(sharded=sharded), log)
         if sharded:
             # the shard key's index exists first, so a collection that already holds snapshots
@@ -544,16 +543,6 @@ class MongoSnapshotStore(MongoStore):
                 or dict(ix.get("partialFilterExpression") or {}) != spec["partialFilterExpression"]
             ):
                 raise FormatError(f"mongodb {name}: index {spec['name']} is missing or differs (ddl=validate)")
-
-    async def _is_sharded(self) -> bool:
-        if self._sharding is MongoSharding.ON:
-            return True
-        if self._sharding is MongoSharding.OFF:
-            return False
-        if self._sharded is None:
-            hello = await self._client.admin.command("hello")
-            self._sharded = hello.get("msg") == "isdbgrid"
-        return self._sharded
 
     # ------------------------------------------------------------------ SnapshotStore
 

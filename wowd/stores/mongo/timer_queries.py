@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 from bson.min_key import MinKey
-from pymongo import ReplaceOne, UpdateMany, UpdateOne
+from pymongo import UpdateMany, UpdateOne
 
 from wowd.errors import InvalidInput, StorageError
 from wowd.model import (
@@ -53,6 +53,7 @@ __all__ = [
     "registry_upgrade",
     "settle_filter",
     "settle_operations",
+    "settle_update",
     "timer_from_doc",
     "timer_to_doc",
     "tombstone_raise_filter",
@@ -326,17 +327,23 @@ def tombstone_raise_filter(owner: AggregateRef, partition: int, key: str, versio
     return {**key_filter(owner, partition, key), "version": {"$lt": version}, "status": {"$in": list(TOMBSTONES)}}
 
 
+TOMBSTONE_DROPS = ["claim", "body", "target", "rule", "last_error"]
+"""What a tombstone does not keep: it answers for its key and version only (the command's body,
+up to ``timers.max_body_bytes``, would otherwise be kept for the whole retention)."""
+
+
 def tombstone_update(status: str, version: int | None, retention_ms: int) -> list[dict[str, Any]]:
     """The update (a pipeline) that makes the matched or upserted document a tombstone: ``status``,
     at ``version`` (``None``: the version it has), ``expires_at`` = the server's ``$$NOW`` + the
-    retention (``$add`` of a Date and milliseconds is a Date: what a TTL index reads), no claim,
-    revision + 1 (0 for an inserted tombstone)."""
+    retention (``$add`` of a Date and milliseconds is a Date: what a TTL index reads), revision +
+    1 (0 for an inserted tombstone), and nothing of :data:`TOMBSTONE_DROPS` (no claim, command,
+    target or rule): a small document."""
     fields: dict[str, Any] = {"status": status}
     if version is not None:
         fields["version"] = {"$literal": version}
     fields["expires_at"] = {"$add": ["$$NOW", retention_ms]}
     fields["revision"] = {"$add": [{"$ifNull": ["$revision", -1]}, 1]}
-    return [{"$set": fields}, {"$unset": "claim"}]
+    return [{"$set": fields}, {"$unset": list(TOMBSTONE_DROPS)}]
 
 
 def write_update(w: TimerWrite, partition: int, retention_ms: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -393,17 +400,34 @@ def settle_filter(timer: Timer) -> dict[str, Any]:
     }
 
 
-def settle_operations(changes: Iterable[TimerChange], retention_ms: int) -> list[ReplaceOne[Any] | UpdateOne]:
-    """One operation per change: the document :meth:`TimerChange.applied` gives, or (a fired
-    timer with no next occurrence) its DONE tombstone at its version."""
-    ops: list[ReplaceOne[Any] | UpdateOne] = []
+def settle_update(before: Timer, after: Timer) -> dict[str, Any]:
+    """The update of a settle: ``$set`` of the fields ``after`` changes (each top-level field
+    whole, as :func:`timer_to_doc` writes it), ``$unset`` of those it no longer has. An update,
+    not a replacement: the oplog holds the fields written, not the whole document (the command's
+    body among them), so claims and settles do not eat into the oplog window the feed reads."""
+    old, new = timer_to_doc(before), timer_to_doc(after)
+    update: dict[str, Any] = {"$set": {k: v for k, v in new.items() if old.get(k, _ABSENT) != v}}
+    removed = {k: "" for k in old if k not in new}
+    if removed:
+        update["$unset"] = removed
+    return update
+
+
+_ABSENT = object()
+
+
+def settle_operations(changes: Iterable[TimerChange], retention_ms: int) -> list[UpdateOne]:
+    """One operation per change: the fields :meth:`TimerChange.applied` changes
+    (:func:`settle_update`), or (a fired timer with no next occurrence) its DONE tombstone at its
+    version."""
+    ops: list[UpdateOne] = []
     for change in changes:
         after = change.applied()
         flt = settle_filter(change.timer)
         if after is None:
             ops.append(UpdateOne(flt, tombstone_update("DONE", None, retention_ms)))
         else:
-            ops.append(ReplaceOne(flt, timer_to_doc(after)))
+            ops.append(UpdateOne(flt, settle_update(change.timer, after)))
     return ops
 
 

@@ -29,7 +29,6 @@ while the slots are held (``wowd timers rebuild``; the replay itself is the call
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -284,9 +283,9 @@ class MongoTimerRebuild(MongoStore):
         also those made meanwhile) and the lock, opened before this returns, recording the
         ``_id`` of every document written meanwhile."""
         lock = LOCK_COLLECTION
-        prefix = "^" + re.escape(self._timers.collection_name("x")[: -len("x")])
+        pattern = self._timers.collection_pattern()
         pipeline: list[dict[str, Any]] = [
-            {"$match": {"$or": [{"ns.coll": {"$regex": prefix}}, {"ns.coll": lock}]}},
+            {"$match": {"$or": [{"ns.coll": {"$regex": pattern}}, {"ns.coll": lock}]}},
             {"$project": {"ns": 1, "documentKey": 1, "updateDescription.updatedFields.marker": 1}},
         ]
         changes = Changes()
