@@ -142,7 +142,7 @@ def test_bad_events_name_the_event(events: list[Any]) -> None:
     try:
         commit = commit_from_doc(TYPE, doc)
     except InvalidInput as exc:
-        assert exc.field is not None and re.fullmatch(r"events\[\d+\](\.(name|body))?", exc.field), exc
+        assert exc.field is not None and re.fullmatch(r"events\[\d+\](\.(name|body|id))?", exc.field), exc
         return
     assert len(commit.events) == len(events)
 
