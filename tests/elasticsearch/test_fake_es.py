@@ -4,6 +4,7 @@ nested-object and indexing-pressure limits, the compatibility header, and no mad
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -89,3 +90,17 @@ def test_a_scripted_bulk_answer_names_only_statuses_es_gives() -> None:
     assert fake_es.bulk_answer(403)(req)["items"][0]["create"]["error"]["type"] == "cluster_block_exception"
     with pytest.raises(AssertionError, match="no item error is scripted for status 500"):
         fake_es.bulk_answer(500)(req)
+
+
+async def test_a_bulk_line_ends_at_a_newline_only(es: AsyncElasticsearch, model: EsModel) -> None:
+    """A string holding a line separator other than "\\n" as it is (JSON allows U+2028, U+0085,
+    U+001E unescaped, and orjson writes them so) stays one line of the bulk's NDJSON."""
+    text = "a\u2028b\x85c\x1ed"
+    body = b'{"create":{"_id":"1"}}\n' + json.dumps({"s": text}, ensure_ascii=False).encode() + b"\n"
+    answer = await es.perform_request(
+        "POST", f"/{INDEX}/_bulk", body=body, headers={"content-type": "application/x-ndjson"}
+    )
+    assert answer.body["errors"] is False
+    await es.indices.refresh(index=INDEX)
+    [hit] = (await es.search(index=INDEX)).body["hits"]["hits"]
+    assert hit["_source"] == {"s": text}
