@@ -103,8 +103,6 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(KEY_TEXT, max_size=6), inner, max_size=3),
     max_leaves=8,
 )
-json_objects = st.dictionaries(st.text(KEY_TEXT, max_size=6), json_values, max_size=4)
-"""A free-form object of the schema (``header``, an event's ``body``, a command's ``body``)."""
 
 
 def rarely(common: st.SearchStrategy[Any], rare: st.SearchStrategy[Any], one_in: int = 10) -> st.SearchStrategy[Any]:
@@ -115,6 +113,15 @@ def rarely(common: st.SearchStrategy[Any], rare: st.SearchStrategy[Any], one_in:
 def _long_text(min_size: int, max_size: int) -> st.SearchStrategy[str]:
     """A long text (a short one repeated), cheap to draw."""
     return st.builds(lambda s, n: (s * n)[:n], st.text(TEXT, min_size=1, max_size=3), st.integers(min_size, max_size))
+
+
+json_objects = rarely(
+    st.dictionaries(st.text(KEY_TEXT, max_size=6), json_values, max_size=4),
+    st.builds(lambda text: {"large": text}, _long_text(50_000, 200_000)),
+    60,
+)
+"""A free-form object of the schema (``header``, an event's ``body``, a command's ``body``); now
+and then a large one."""
 
 
 def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
