@@ -24,16 +24,29 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from tests.differential.backends import EMBEDDED, Holdings, OwnerKey, TimerKey
 from tests.differential.schema_draw import CONTEXT, Stream
 from wowd.daemon.feed_batch import field_of
 from wowd.errors import InvalidInput
-from wowd.model import DEFAULT_TENANT, AggregateRef, AggregateType, SnapshotRecord, Timer, commit_from_doc, stream_id
+from wowd.model import (
+    DEFAULT_TENANT,
+    AggregateRef,
+    AggregateType,
+    DomainEvent,
+    SnapshotRecord,
+    Timer,
+    TimerScheduled,
+    commit_from_doc,
+    stream_id,
+    timer_event_from,
+)
 
 TIMER_EVENTS = ("TimerScheduled", "TimerCancelled")
+Held = Mapping[str, Holdings]
+"""What each backend holds, by name."""
 
 
 def _json(value: Any) -> str:
@@ -78,18 +91,18 @@ def timer_view(t: Timer) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def timers(held: Mapping[str, Holdings]) -> list[str]:
+def _against_oracle(held: Held, aspect: str, of: Callable[[Holdings], Mapping[Any, Any]]) -> list[str]:
+    """The differences of what each backend holds of an ``aspect`` (``of``) from the oracle's."""
+    ours = of(held[EMBEDDED])
+    return [line for name, h in held.items() if name != EMBEDDED for line in _differences(aspect, ours, of(h), name)]
+
+
+def timers(held: Held) -> list[str]:
     """The timer views."""
-    oracle = held[EMBEDDED]
-    out: list[str] = []
-    for name, h in held.items():
-        if name != EMBEDDED:
-            ours = {k: timer_view(t) for k, t in oracle.timers.items()}
-            out += _differences("timer", ours, {k: timer_view(t) for k, t in h.timers.items()}, name)
-    return out
+    return _against_oracle(held, "timer", lambda h: {k: timer_view(t) for k, t in h.timers.items()})
 
 
-def last_versions(stream: Stream, held: Mapping[str, Holdings]) -> list[str]:
+def last_versions(stream: Stream, held: Held) -> list[str]:
     """Each aggregate's last version (what a writer appends after), on every backend at least the
     highest version of its documents that are commits, and at most the highest integer version
     stored: a document the feed sets aside may count on one log and not on the other (the
@@ -119,24 +132,20 @@ def last_versions(stream: Stream, held: Mapping[str, Holdings]) -> list[str]:
     return out
 
 
-def snapshots(held: Mapping[str, Holdings]) -> list[str]:
-    oracle = held[EMBEDDED]
+def snapshot_view(s: SnapshotRecord | None) -> Any:
+    """A snapshot as its store holds it (``None``: none)."""
+    if s is None:
+        return None
+    return {
+        "version": s.version, "revision": s.state_revision, "state": json.loads(_json(s.state)),
+        "owner": s.owner_id, "space": s.space_id, "tags": list(s.tags), "access_version": s.access_version,
+        "deleted": s.deleted, "event_time": s.event_time, "stale": s.stale_version,
+    }  # fmt: skip
 
-    def view(s: SnapshotRecord | None) -> Any:
-        if s is None:
-            return None
-        return {
-            "version": s.version, "revision": s.state_revision, "state": json.loads(_json(s.state)),
-            "owner": s.owner_id, "space": s.space_id, "tags": list(s.tags), "access_version": s.access_version,
-            "deleted": s.deleted, "event_time": s.event_time, "stale": s.stale_version,
-        }  # fmt: skip
 
-    out: list[str] = []
-    for name, h in held.items():
-        if name != EMBEDDED:
-            ours = {k: view(s) for k, s in oracle.snapshots.items()}
-            out += _differences("snapshot of", ours, {k: view(s) for k, s in h.snapshots.items()}, name)
-    return out
+def snapshots(held: Held) -> list[str]:
+    """The snapshots of each aggregate of the stream."""
+    return _against_oracle(held, "snapshot of", lambda h: {k: snapshot_view(s) for k, s in h.snapshots.items()})
 
 
 def _row_keys(key: OwnerKey, docs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
@@ -155,7 +164,7 @@ def _row_keys(key: OwnerKey, docs: list[dict[str, Any]]) -> tuple[list[dict[str,
     return out, wrong
 
 
-def index(held: Mapping[str, Holdings]) -> list[str]:
+def index(held: Held) -> list[str]:
     """The event index's documents of each aggregate, access attributes as stamped."""
     out: list[str] = []
     ours: dict[OwnerKey, list[dict[str, Any]]] = {}
@@ -205,7 +214,7 @@ def quarantine_view(stream: Stream, h: Holdings) -> Counter[tuple[Any, ...]]:
     )
 
 
-def quarantine(stream: Stream, held: Mapping[str, Holdings]) -> list[str]:
+def quarantine(stream: Stream, held: Held) -> list[str]:
     """What each backend set aside and the field each names."""
     ours = quarantine_view(stream, held[EMBEDDED])
     out: list[str] = []
@@ -256,7 +265,7 @@ def _touches(event: Any, key: str) -> bool:
     )
 
 
-def decisions(stream: Stream, held: Mapping[str, Holdings]) -> list[str]:
+def decisions(stream: Stream, held: Held) -> list[str]:
     """The fire decisions at ``stream.at``: the same for each due timer, within the latitude of
     the module's rule; and as the documents not fed require (held where one touches the timer,
     never held with no later commit)."""
@@ -292,9 +301,6 @@ def expected_timers(stream: Stream, accepted: Iterable[int]) -> dict[TimerKey, t
     commits), as ``(version, due_at)``: per aggregate in version order, each commit's timer
     events in order (a schedule puts its key, a cancel removes it), then its deletion removes
     every key; a timer event the feed rejects is skipped (docs/schema.md, "Timer events")."""
-    from wowd.errors import InvalidInput
-    from wowd.model import DomainEvent, TimerScheduled, timer_event_from
-
     by_owner: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for i in accepted:
         a = stream.appends[i]
@@ -310,7 +316,8 @@ def expected_timers(stream: Stream, accepted: Iterable[int]) -> dict[TimerKey, t
                     te = timer_event_from(DomainEvent(id="", name=e["name"], body=e.get("body", {})))
                 except InvalidInput:
                     continue
-                k = (*owner, te.key)  # type: ignore[union-attr]
+                assert te is not None
+                k = (*owner, te.key)
                 if isinstance(te, TimerScheduled):
                     live[k] = (d["version"], te.due_at)
                 else:
