@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 
 @SHRINKING
-@sized(15)
+@sized(10)
 @given(stream=streams(fire=True))
 @example(stream=cases.TENANT_LEFT_OUT_AT_THE_GATE)
 def test_each_backend_decides_alike_which_due_timers_fire(run: Callable[..., Any], stream: Stream) -> None:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 
 @SHRINKING
-@sized(15)
+@sized(10)
 @given(stream=streams())
 def test_the_event_index_holds_the_same_documents_everywhere(run: Callable[..., Any], stream: Stream) -> None:
     held = run(backends.run, stream, (backends.EMBEDDED, backends.MONGO), index=True)

@@ -51,7 +51,7 @@ def one_place(a: str, b: str) -> bool:
 
 
 @SHRINKING
-@sized(15)
+@sized(10)
 @given(stream=streams(refused=True))
 @example(stream=cases.PARTITION_LEFT_OUT_REFUSED)
 def test_what_the_schema_refuses_is_set_aside_alike_everywhere(run: Callable[..., Any], stream: Stream) -> None:

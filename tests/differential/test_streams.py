@@ -60,7 +60,7 @@ def differences(run: Callable[..., Any], stream: Stream) -> list[str]:
 
 
 @SHRINKING
-@sized(20)
+@sized(12)
 @given(stream=streams())
 @example(stream=cases.TENANT_LEFT_OUT)
 @example(stream=cases.PARTITION_LEFT_OUT)
