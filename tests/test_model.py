@@ -662,8 +662,6 @@ def test_commit_round_trip_property(agg_id: str, tenant: str, version: int, dele
         ({"access_version": -1}, "access_version"),
         ({"owner_id": None}, "owner_id"),
         ({"space_id": 1}, "space_id"),
-        ({"partition": -1}, "partition"),
-        ({"partition": "3"}, "partition"),
         ({"events": [{"name": "X", "id": 5}]}, "events[0].id"),
         ({"events": [{"name": "X", "revision": 2}]}, "events[0].revision"),
         ({"events": [{"name": "X", "body_type": None}]}, "events[0].body_type"),
@@ -681,7 +679,7 @@ def test_malformed_commit_documents_name_the_field(change: dict[str, Any], field
     [
         ({}, True),
         ({"tenant_id": None}, True),  # removed below: the default tenant
-        ({"header": None, "access": None, "partition": None}, True),  # removed below
+        ({"header": None, "access": None}, True),  # removed below
         ({"header": {}, "access": {}}, True),
         ({"access": {"owner_id": "o", "tags": ["t"], "other": 1}}, True),
         ({"access_version": None}, True),  # removed below
@@ -700,7 +698,7 @@ def test_a_log_document_reads_alike_on_either_reader(change: dict[str, Any], pla
     leaves to the checked one (answers None) what is not of the JSON types it expects."""
     doc = commit_to_doc(make_commit(), 64) | change
     for key, value in change.items():
-        if value is None and key in ("tenant_id", "access_version", "deleted", "header", "access", "partition"):
+        if value is None and key in ("tenant_id", "access_version", "deleted", "header", "access"):
             del doc[key]
     t = AggregateType(context="ctx", aggregate="order")
     checked = commits._checked_commit(t, doc)

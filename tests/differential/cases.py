@@ -79,3 +79,15 @@ PARTITION_WRITTEN_BY_SOME = Stream(
 collections: the MongoDB log reads those without before those with (the two ranges of its
 index), so the aggregate's versions come out of order (1, 3, 2) and its snapshot stops at 1,
 stale, where the embedded one folds all three."""
+
+OTHER_PARTITIONS = Stream(
+    appends=(
+        Append("order", commit(1, scheduled("k", 0), partition="0"), refused="partition"),
+        Append("order", commit(2, partition=-1), refused="partition"),
+        Append("order", commit(3, partition=1)),
+        Append("order", commit(4, partition=99)),
+    ),
+)
+"""``partition`` of other values: a string, a negative number, another partition's, one out of
+range. The embedded log computes every commit's partition and reads these as the commits they
+are; a MongoDB log quarantines each, naming ``partition``."""

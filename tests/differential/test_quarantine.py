@@ -75,3 +75,21 @@ def test_what_the_schema_refuses_is_set_aside_alike_everywhere(run: Callable[...
             if field not in named:
                 problems.append(f"{name}: document {i} is quarantined naming {named or 'nothing'}, not {field}")
     assert not problems, report(stream, problems)
+
+
+def test_a_partition_of_another_value_is_computed_by_the_embedded_log_and_named_by_mongodb(
+    run: Callable[..., Any],
+) -> None:
+    """The rule where the logs differ by design: the embedded log computes a commit's partition
+    (its ``partition`` is not read), a MongoDB log reads the commit in the partition its aggregate
+    id gives and quarantines it there, naming ``partition``; never drops it."""
+    stream = cases.OTHER_PARTITIONS
+    held = run(backends.run, stream)
+    owner = ("order", "(0)", "")
+    embedded = held[backends.EMBEDDED]
+    assert embedded.quarantined == [] and embedded.last_versions[owner] == 4
+    assert [k[3] for k in embedded.timers] == ["k"]
+    for name in (backends.MONGO, backends.SHARDED):
+        items = sorted(compare.quarantine_view(stream, held[name]).elements(), key=repr)
+        assert items == [("order", i, "partition") for i in range(4)], (name, held[name].quarantined)
+        assert held[name].timers == {}

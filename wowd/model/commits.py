@@ -240,7 +240,6 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
     access = get("access", _ABSENT)
     access_version = get("access_version", 0)
     deleted = get("deleted", False)
-    stored_partition = get("partition", 0)
     if not (
         tenant.__class__ is str
         and tenant
@@ -257,8 +256,6 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
         and access_version.__class__ is int
         and access_version >= 0
         and deleted.__class__ is bool
-        and stored_partition.__class__ is int
-        and stored_partition >= 0
         and get("owner_id", "").__class__ is str
         and get("space_id", "").__class__ is str
     ):
@@ -337,8 +334,6 @@ def _checked_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
     if not isinstance(tenant, str) or not tenant:
         raise InvalidInput("must be a non-empty string", field="tenant_id")
     agg_id = _require(doc, "aggregate_id", str)
-    if _optional(doc, "partition", int, 0) < 0:
-        raise InvalidInput("must be an integer >= 0 or absent", field="partition")
     events_raw = _require(doc, "events", list)
     events: list[DomainEvent] = []
     for i, e in enumerate(events_raw):
