@@ -2,6 +2,10 @@ from __future__ import annotations
 
 import pymongo.common
 import pytest
+from hypothesis import settings
+
+# A night's run of the property tests (docs/differential.md): each test's examples times 500.
+settings.register_profile("night", max_examples=50_000)
 
 # After a network error the driver checks the server again at most every 0.5 s (its minimum
 # heartbeat interval); the black-pipe servers answer at once, so the tests' drivers check again

@@ -142,7 +142,7 @@ def test_bad_events_name_the_event(events: list[Any]) -> None:
     try:
         commit = commit_from_doc(TYPE, doc)
     except InvalidInput as exc:
-        assert exc.field is not None and re.fullmatch(r"events\[\d+\](\.(name|body))?", exc.field), exc
+        assert exc.field is not None and re.fullmatch(r"events\[\d+\](\.(name|body|id))?", exc.field), exc
         return
     assert len(commit.events) == len(events)
 
@@ -640,7 +640,9 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
         for _field, raw in MALFORMED:
             await log.insert_raw(TYPE, raw)
         rejected = [good(f"rej-{i}", 1, ev) for i, (_f, ev) in enumerate(REJECTED_EVENTS)]
-        await log.append_many(rejected)
+        zone = {"type": "cron", "expression": "* * * * *", "zone": "Mars/Olympus"}
+        two = good("rej-two", 1, timer_event("", due_at=5), timer_event("z", rule=zone))
+        await log.append_many([*rejected, two])
         await log.append_many(goods[4:])
 
         lease = SlotLease(
@@ -651,7 +653,7 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
             lease=lease, partitions=frozenset(range(4)), valid_until=anyio.current_time() + 60, owner_key="me"
         )
         feeder = Feeder(feed_settings, backend)
-        last_seq = len(goods) + len(MALFORMED) + len(REJECTED_EVENTS)
+        last_seq = len(goods) + len(MALFORMED) + len(REJECTED_EVENTS) + 1
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 await tg.start(feeder.run, held, Waker())
@@ -672,10 +674,12 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
         for i, (field, _ev) in enumerate(REJECTED_EVENTS):
             assert f"{field}: " in reasons[f"rej-{i}"], (field, reasons[f"rej-{i}"])
             assert _count(metrics.TIMER_EVENTS_REJECTED, field) == before_r[field] + 1, field
-        assert len(quarantined) == len(MALFORMED) + len(REJECTED_EVENTS)
+        # a commit with two rejected timer events is set aside once, naming the first bad field
+        assert reasons["rej-two"].startswith("rejected timer event: body.key: "), reasons["rej-two"]
+        assert len(quarantined) == len(MALFORMED) + len(REJECTED_EVENTS) + 1
 
         sink = backend.sink(TYPE)
-        for c in goods + rejected:
+        for c in [*goods, *rejected, two]:
             docs = await sink.documents(c.ref)
             assert [d["version"] for d in docs] == [1], c.ref
         for i, c in enumerate(goods):

@@ -99,7 +99,9 @@ class Recorded:
         return json.loads(self.body)
 
     def ndjson(self) -> list[Any]:
-        return [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
+        # lines end at "\n" only (reference: rest-apis/bulk, "NDJSON"): a JSON string may hold
+        # U+2028, U+0085 or U+001E as they are, which str.splitlines would split at
+        return [json.loads(line) for line in self.body.decode().split("\n") if line.strip()]
 
 
 Body = Any | Callable[[Recorded], Any]

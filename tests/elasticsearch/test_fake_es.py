@@ -6,6 +6,7 @@ update-by-query stopping at a failure, a bulk that outlives its client, and no m
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -209,3 +210,17 @@ async def test_a_bulk_goes_on_after_its_client_gave_up_and_waits_for_a_primary_u
         assert item["create"]["status"] == 503 and "primary shard is not active Timeout: [100ms]" in str(item)
     finally:
         await es.close()
+
+
+async def test_a_bulk_line_ends_at_a_newline_only(es: AsyncElasticsearch, model: EsModel) -> None:
+    """A string holding a line separator other than "\\n" as it is (JSON allows U+2028, U+0085,
+    U+001E unescaped, and orjson writes them so) stays one line of the bulk's NDJSON."""
+    text = "a\u2028b\x85c\x1ed"
+    body = b'{"create":{"_id":"1"}}\n' + json.dumps({"s": text}, ensure_ascii=False).encode() + b"\n"
+    answer = await es.perform_request(
+        "POST", f"/{INDEX}/_bulk", body=body, headers={"content-type": "application/x-ndjson"}
+    )
+    assert answer.body["errors"] is False
+    await es.indices.refresh(index=INDEX)
+    [hit] = (await es.search(index=INDEX)).body["hits"]["hits"]
+    assert hit["_source"] == {"s": text}

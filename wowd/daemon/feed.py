@@ -579,7 +579,11 @@ class Feeder:
                     await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
         if TIMERS in names:
             with step("quarantine"):
+                named: set[int] = set()
                 for c, p, exc in prepared.rejected:
+                    if id(c) in named:
+                        continue  # a commit is set aside once, naming its first rejected event
+                    named.add(id(c))
                     held.check()
                     logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
                     await backend.log.quarantine(

@@ -236,8 +236,8 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
     create_time = get("create_time")
     command_id = get("command_id", "")
     events_raw = get("events")
-    header = get("header") or {}
-    access = get("access") or {}
+    header = get("header", _ABSENT)
+    access = get("access", _ABSENT)
     access_version = get("access_version", 0)
     deleted = get("deleted", False)
     if not (
@@ -251,12 +251,19 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
         and create_time.__class__ is int
         and command_id.__class__ is str
         and events_raw.__class__ is list
-        and header.__class__ is dict
-        and access.__class__ is dict
+        and (header.__class__ is dict or header is _ABSENT)
+        and (access.__class__ is dict and _plain_access(access) or access is _ABSENT)
         and access_version.__class__ is int
+        and access_version >= 0
         and deleted.__class__ is bool
+        and get("owner_id", "").__class__ is str
+        and get("space_id", "").__class__ is str
     ):
         return None
+    if header is _ABSENT:
+        header = {}
+    if access is _ABSENT:
+        access = {}
     events: list[DomainEvent] = []
     for e in events_raw:
         if e.__class__ is not dict:
@@ -292,6 +299,32 @@ def _plain_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit | 
 
 _event = unchecked(DomainEvent)
 _commit = unchecked(Commit)
+_ABSENT: Any = object()
+"""A property the document leaves out (its default applies; a ``null`` one is refused)."""
+
+
+def _plain_access(access: dict[str, Any]) -> bool:
+    """Whether access attributes are of the schema's types: ``owner_id``, ``space_id`` strings,
+    ``tags`` a list of strings (each optional; other properties allowed)."""
+    if not access:
+        return True
+    tags = access.get("tags", ())
+    return (
+        access.get("owner_id", "").__class__ is str
+        and access.get("space_id", "").__class__ is str
+        and (tags == () or tags.__class__ is list and all(t.__class__ is str for t in tags))
+    )
+
+
+def _optional(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], default: Any, path: str = "") -> Any:
+    """``doc[key]`` when it is of ``kind`` (a bool is no ``int``), ``default`` when it is left
+    out; anything else (``null`` included) raises naming the field."""
+    if key not in doc:
+        return default
+    value = doc[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidInput(f"must be {_kind_name(kind)} or absent, got {type(value).__name__}", field=f"{path}{key}")
+    return value
 
 
 def _checked_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
@@ -312,29 +345,32 @@ def _checked_commit(aggregate: AggregateType, doc: Mapping[str, Any]) -> Commit:
             raise InvalidInput("must be a document", field=f"{path}body")
         events.append(
             DomainEvent(
-                id=str(e.get("id", "")),
+                id=_optional(e, "id", str, "", path),
                 name=_require(e, "name", str, path),
-                revision=str(e.get("revision", "0.0.1")),
-                body_type=str(e.get("body_type", "")),
+                revision=_optional(e, "revision", str, "0.0.1", path),
+                body_type=_optional(e, "body_type", str, "", path),
                 body=body,
             )
         )
-    access = doc.get("access") or {}
-    if not _is_doc(access):
-        raise InvalidInput("must be a document", field="access")
-    header = doc.get("header") or {}
-    if not _is_doc(header):
-        raise InvalidInput("must be a document", field="header")
-    access_version = doc.get("access_version", 0)
-    if not isinstance(access_version, int) or isinstance(access_version, bool):
-        raise InvalidInput("must be an integer", field="access_version")
+    access = _optional(doc, "access", Mapping, {})
+    _optional(access, "owner_id", str, "", "access.")
+    _optional(access, "space_id", str, "", "access.")
+    tags = _optional(access, "tags", (list, tuple), [], "access.")
+    if not all(isinstance(t, str) for t in tags):
+        raise InvalidInput("must be a list of strings", field="access.tags")
+    header = _optional(doc, "header", Mapping, {})
+    access_version = _optional(doc, "access_version", int, 0)
+    if access_version < 0:
+        raise InvalidInput("must be an integer >= 0", field="access_version")
     deleted = doc.get("deleted", False)
     if not isinstance(deleted, bool):
         raise InvalidInput("must be a boolean", field="deleted")
+    _optional(doc, "owner_id", str, "")
+    _optional(doc, "space_id", str, "")
     return Commit(
         ref=AggregateRef(context=aggregate.context, aggregate=aggregate.aggregate, tenant_id=tenant, id=agg_id),
         version=_require(doc, "version", int),
-        command_id=str(doc.get("command_id", "")),
+        command_id=_optional(doc, "command_id", str, ""),
         request_id=_require(doc, "request_id", str),
         create_time=_require(doc, "create_time", int),
         events=tuple(events),

@@ -36,7 +36,8 @@ _FAST_KEY_CHARS = MAX_STREAM_KEY_BYTES // 12
 """A tenant id and an aggregate id of at most this many characters together are within
 :data:`MAX_STREAM_KEY_BYTES` whatever they hold (a character percent-encodes to 12 bytes at most)."""
 
-_NAME = re.compile(r"^[a-z0-9_-]+$")
+_NAME = re.compile(r"[a-z0-9_-]+")
+"""A name's characters, the whole name (``fullmatch``: ``$`` would let a final newline pass)."""
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 """The control characters (Unicode's ``Cc``: C0, DEL, C1), refused in ids and keys."""
 
@@ -66,7 +67,7 @@ def validate_name(value: str, *, field: str = "name") -> str:
     """
     if value.__class__ is str and value in _VALID_NAMES:
         return value
-    if not isinstance(value, str) or not _NAME.match(value) or len(value) > 64:
+    if not isinstance(value, str) or not _NAME.fullmatch(value) or len(value) > 64:
         raise ConfigError(f"{field}: {value!r} is not a valid name (lower-case [a-z0-9_-], 1..64 characters)")
     if len(_VALID_NAMES) < 10_000:
         _VALID_NAMES.add(value)

@@ -148,6 +148,9 @@ def parse_rule(doc: Any) -> Rule:
         raise InvalidInput("must be a document {type, ...}", field="rule")
     kind = doc.get("type")
     grace = doc.get("misfire_grace_ms")
+    for optional in ("misfire_grace_ms", "until") if kind == "interval" else ("misfire_grace_ms",):
+        if optional in doc and doc[optional] is None:  # the schema's integer, or left out
+            raise InvalidInput("must be an integer (ms) or absent, got None", field=f"rule.{optional}")
     if kind == "once":
         return OnceRule(misfire_grace_ms=grace)
     if kind == "interval":

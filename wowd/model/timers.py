@@ -399,7 +399,7 @@ def timer_event_from(
     if not _is_doc(cbody):
         raise InvalidInput("must be a document", field="body.command.body")
     body_type = c.get("body_type")
-    if body_type is not None and not isinstance(body_type, str):
+    if "body_type" in c and not isinstance(body_type, str):
         raise InvalidInput("must be a string or absent", field="body.command.body_type")
     command = _command(name=c["name"], body=cbody, body_type=body_type)
     try:
