@@ -17,6 +17,14 @@ from wowd.model.commits import (
     commit_to_doc,
     unchecked,
 )
+from wowd.model.history import (
+    HISTORY_ATTEMPTS,
+    HistoryKind,
+    HistoryRecord,
+    attempt_record,
+    commit_records,
+    timer_segment,
+)
 from wowd.model.ids import (
     DEFAULT_TENANT,
     MAX_BODY_BYTES,
@@ -75,6 +83,7 @@ from wowd.model.timers import (
 
 __all__ = [
     "DEFAULT_TENANT",
+    "HISTORY_ATTEMPTS",
     "MAX_BODY_BYTES",
     "MIN_INTERVAL_MS",
     "MAX_COMMIT_DOCUMENT_BYTES",
@@ -90,6 +99,8 @@ __all__ = [
     "Commit",
     "CronRule",
     "DomainEvent",
+    "HistoryKind",
+    "HistoryRecord",
     "IntervalRule",
     "LogBatch",
     "LogEntry",
@@ -110,7 +121,9 @@ __all__ = [
     "TimerWrite",
     "TimerScheduled",
     "TimerStatus",
+    "attempt_record",
     "commit_fields",
+    "commit_records",
     "commit_from_doc",
     "commit_to_doc",
     "deterministic_timer_id",
@@ -125,6 +138,7 @@ __all__ = [
     "stream_id",
     "timer_event_from",
     "timer_from_event",
+    "timer_segment",
     "unchecked",
     "validate_name",
 ]

@@ -26,6 +26,7 @@ from wowd.model import (
     AggregateType,
     Checkpoint,
     Commit,
+    HistoryRecord,
     LogBatch,
     OutboxBatch,
     OutboxEntry,
@@ -66,6 +67,8 @@ __all__ = [
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
+    "HISTORY_READ_LIMIT",
+    "TimerHistory",
     "TimerSearch",
     "TimerStore",
     "consumers_of",
@@ -693,6 +696,53 @@ class Outbox(Protocol):
     async def close(self) -> None: ...
 
 
+HISTORY_READ_LIMIT = 200
+"""The records a history read answers at most by default (the latest)."""
+
+
+@runtime_checkable
+class TimerHistory(Protocol):
+    """The history of the context's timers (:class:`~wowd.model.HistoryRecord`): what scheduled
+    and cancelled each (the feed's records of the commits) and each delivery attempt (the firing
+    path's, with each group of outcomes it settles). Kept beside the timers, for as long as
+    tombstones are (each record's ``expires_at``)."""
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def append(self, records: Sequence[HistoryRecord]) -> None:
+        """Writes ``records`` in one write: each replaces the record of its ``(timer_id, slot)``
+        (idempotent: a replay or a retried write changes nothing; an attempt's slot is a ring
+        of the timer's last attempts). A ``scheduled`` or ``cancelled`` record also ends the
+        schedules of its key (of every key of its owner, for key ``""``) at lower versions that
+        have no expiry (a recurring timer's, kept while it lived): they expire with it. No
+        record: nothing written."""
+        ...
+
+    async def of_timer(self, timer_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of ``timer_id``, oldest first (the latest ``limit``). Read-only; over
+        the records' key."""
+        ...
+
+    async def of_key(self, owner: AggregateRef, key: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of the timers ``key`` of ``owner`` (every version), and the cancels of
+        all its keys (key ``""``), oldest first (the latest ``limit``). Read-only; over an index."""
+        ...
+
+    async def of_request(self, request_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of ``request_id``: the attempts that sent it (a re-fire sends it again),
+        or the records of the commit appended with it. Oldest first. Read-only; over an index."""
+        ...
+
+    async def sweep(self, before: int, limit: int) -> int:
+        """Deletes at most ``limit`` records that expired before ``before`` (ms); answers how
+        many (0 where the store expires them itself, a TTL index)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class FiredTimer(NamedTuple):
     """A timer :meth:`OutboxShortcut.fire_into_outbox` fired (a tuple: one per timer on the hot
     path, where a frozen dataclass would cost more than the rest of its handling)."""
@@ -729,6 +779,9 @@ class OutboxRound:
     exclude: Collection[str] = ()
     deadline: float | None = None
     """The lease's validity on ``time.monotonic()``'s clock: nothing is committed after it."""
+    history_retention_ms: int | None = None
+    """Each timer fired (or skipped past its misfire grace) recorded in the timer history of the
+    store's file, in the same transaction, its record kept this long; ``None``: not recorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,7 +810,9 @@ class OutboxShortcut(Protocol):
         re-delivery, as :meth:`Outbox.put_many` does) and settles each as
         ``TimerChange.fired(timer, fence=fence, next_due=round.next_due(timer, at))`` writes it
         (asked of recurring timers only); an occurrence past its rule's ``misfire_grace_ms`` at
-        ``at`` is settled the same way with no outbox entry (``FiredTimer.misfired``). All of it is
+        ``at`` is settled the same way with no outbox entry (``FiredTimer.misfired``). With
+        ``round.history_retention_ms``, the attempt of each (``delivered``, or ``misfired``) is
+        recorded in the timer history of the same file (:meth:`TimerHistory.append`). All of it is
         written or nothing: with a ``deadline`` (``time.monotonic()``), the transaction rolls back
         and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose
         rule or next occurrence cannot be computed is set FAILED as ``claim_due`` does."""
@@ -804,9 +859,11 @@ class FeedWriter(Protocol):
         *,
         now: int,
         planned: object = None,
+        history: Sequence[HistoryRecord] = (),
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
-        writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
+        writes in order and the ``history`` of their commits (as :meth:`TimerHistory.append`
+        writes it), the PARKED timers of the records' aggregates resumed due at ``now``,
         and the checkpoints of ``consumer`` (one, or each of several);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
@@ -842,6 +899,8 @@ class Backend:
     """What the backend can do beyond the protocols every backend has (:meth:`capability`): its
     stores that implement a capability, each naming the capabilities it implements in its class's
     ``CAPABILITIES``."""
+    history: TimerHistory | None = None
+    """The timers' history (``None``: none kept)."""
     feed_writer: FeedWriter | None = None
     """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
     (the embedded backend)."""
