@@ -137,6 +137,10 @@ SETTLE_BATCH = Histogram(
     "wowd_settle_batch_size", "Changes per settle call", buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000)
 )
 SETTLE_SKIPPED = Counter("wowd_settle_skipped_total", "Settle changes skipped: the timer moved on meanwhile")
+HISTORY_UNRECORDED = Counter(
+    "wowd_timer_history_unrecorded_total",
+    "Records of the timer history not written (the history store refused them): the timers were fired all the same",
+)
 TIMER_EVENTS_REJECTED = Counter(
     "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
 )

@@ -31,12 +31,14 @@ from typing import Any
 from wowd.client import schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
-from wowd.fmt import at
+from wowd.fmt import at, iso_ms, one_line
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
     Commit,
+    HistoryKind,
+    HistoryRecord,
     OutboxEntry,
     SlotState,
     Timer,
@@ -50,20 +52,26 @@ from wowd.model import (
     partition,
     timer_event_from,
     timer_from_event,
+    timer_segment,
 )
-from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerSearch, TimerStore
+from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerHistory, TimerSearch, TimerStore
 from wowd.views import views_status
 
 __all__ = [
     "BACKLOG_CAP",
     "QUARANTINE_CAP",
+    "ENDED",
     "STEPS",
+    "TIMER_SCAN_LIMIT",
     "RetryOutcome",
+    "TimerHistoryView",
     "TimerPage",
     "cursor_of",
     "deliveries",
     "detail",
     "find_timer",
+    "history_doc",
+    "history_line",
     "live_partitions",
     "outbox_entry_doc",
     "outbox_page",
@@ -81,6 +89,7 @@ __all__ = [
     "status_doc",
     "steps_needed",
     "timer_doc",
+    "timer_history",
 ]
 
 BACKLOG_CAP = 1000
@@ -325,6 +334,173 @@ async def repair_timers(store: TimerStore, timers: Sequence[Timer], now_ms: int 
     written (a timer that moved on since it was loaded is skipped)."""
     now = _now_ms() if now_ms is None else now_ms
     return await store.settle([TimerChange.resume(t, due_at=now) for t in timers]) if timers else 0
+
+
+# --------------------------------------------------------------------------- a timer's history
+
+
+ENDED = ("DONE", "CANCELLED", "REPLACED", "ENDED")
+"""The states of a timer the view no longer holds, as its history tells them: delivered (or its
+last occurrence skipped), cancelled (by its key's cancel or its owner's delete), replaced (by a
+later schedule of its key), or ended otherwise (its tombstone and last records expired)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimerHistoryView:
+    """What is known of one timer: the live timer (``None`` once it fired, was cancelled or
+    replaced), its ``state`` (its status while live, else one of :data:`ENDED`) and its history,
+    oldest first."""
+
+    timer_id: str
+    owner: AggregateRef
+    key: str
+    state: str
+    timer: Timer | None
+    records: list[HistoryRecord]
+
+
+def history_doc(r: HistoryRecord) -> dict[str, Any]:
+    """A history record as ``wowd timers show --json`` prints it and ``/api/v1`` answers it."""
+    doc: dict[str, Any] = {
+        "at": r.at,
+        "kind": r.kind.value,
+        "timer_id": r.timer_id,
+        "owner": str(r.owner),
+        "key": r.key,
+        "version": r.version,
+        "request_id": r.request_id,
+    }
+    for name in ("scheduled_at", "position", "outcome", "status", "latency_ms", "reason", "answer", "expires_at"):
+        value = getattr(r, name)
+        if value is not None:
+            doc[name] = value
+    return doc
+
+
+def history_line(r: HistoryRecord) -> str:
+    """A history record in one line (times in ISO 8601, UTC)."""
+    when = iso_ms(r.at)
+    if r.kind is HistoryKind.SCHEDULED:
+        where = f", log position {r.position}" if r.position is not None else ""
+        due = f", due {iso_ms(r.scheduled_at)}" if r.scheduled_at is not None else ""
+        return f"{when}  scheduled by {r.owner} v{r.version} (request id {r.request_id}{where}){due}"
+    if r.kind is HistoryKind.CANCELLED:
+        what = "cancelled" if r.key else "cancelled with every timer of its owner (the aggregate was deleted)"
+        where = f", log position {r.position}" if r.position is not None else ""
+        return f"{when}  {what} by {r.owner} v{r.version} (request id {r.request_id}{where})"
+    parts = [f"{when}  attempt {r.outcome}"]
+    if r.status is not None:
+        parts.append(f"HTTP {r.status}")
+    if r.latency_ms is not None:
+        parts.append(f"in {r.latency_ms:.1f} ms")
+    text = " ".join(parts)
+    if r.reason:
+        text += f": {r.reason}"
+    text += f" (request id {r.request_id}"
+    if r.scheduled_at is not None:
+        text += f", occurrence {iso_ms(r.scheduled_at)}"
+    text += ")"
+    if r.answer:
+        text += f"; answered {r.answer}"
+    return one_line(text)
+
+
+def _ended_state(records: Sequence[HistoryRecord], key_records: Sequence[HistoryRecord], timer_id: str) -> str:
+    """The state of a timer the view no longer holds (:data:`ENDED`), from its history."""
+    mine = [r for r in records if r.timer_id == timer_id or r.kind is HistoryKind.CANCELLED]
+    if mine and mine[-1].kind is HistoryKind.CANCELLED:
+        return "CANCELLED"
+    own = next((r for r in records if r.timer_id == timer_id and r.kind is HistoryKind.SCHEDULED), None)
+    if own is not None and any(
+        r.kind is HistoryKind.SCHEDULED and r.version > own.version for r in key_records if r.key == own.key
+    ):
+        return "REPLACED"
+    attempts = [r for r in records if r.kind is HistoryKind.ATTEMPT]
+    if attempts and attempts[-1].outcome in ("delivered", "misfired"):
+        return "DONE"
+    return "ENDED"
+
+
+async def _of_key(history: TimerHistory, owner: AggregateRef, key: str) -> list[HistoryRecord]:
+    """The history of ``key`` in wowd's stream of ``owner`` and in its own, oldest first."""
+    found = [r for stream in owner_streams(owner) for r in await history.of_key(stream, key)]
+    return sorted(found, key=lambda r: (r.at, r.version))
+
+
+async def timer_history(
+    backend: Backend,
+    *,
+    owner: AggregateRef | None = None,
+    key: str | None = None,
+    timer_id: str | None = None,
+    request_id: str | None = None,
+) -> TimerHistoryView | None:
+    """One timer and its history, named by its owner and key (the timer of that key now, live
+    or last), by its id, or by a request id (a delivery's, what the target's log shows, or that
+    of a commit that scheduled or cancelled it); ``None`` when nothing is known of it (never
+    scheduled, or its records expired)."""
+    history = backend.history
+    if request_id is not None:
+        if history is None:
+            return None
+        by_request = await history.of_request(request_id)
+        named = next((r for r in by_request if r.kind is not HistoryKind.CANCELLED), None)
+        if named is None:
+            return None if not by_request else _view(by_request[-1], by_request, by_request, None)
+        timer_id = named.timer_id
+    if timer_id is not None:
+        own = await history.of_timer(timer_id) if history is not None else []
+        if not own:
+            live = await _live_by_id(backend.timers, timer_id)
+            if live is None:
+                return None
+            owner, key = live.owner, live.key
+        else:
+            owner, key = own[0].owner, own[0].key
+    if owner is None or key is None:
+        raise InvalidInput("a timer is named by its id, its owner and key, or a request id", field="timer")
+    live = await find_timer(backend.timers, owner, key)
+    key_records = await _of_key(history, owner, key) if history is not None else []
+    if timer_id is None:
+        if live is not None:
+            timer_id = live.timer_id
+        else:
+            last = next((r for r in reversed(key_records) if r.kind is HistoryKind.SCHEDULED and r.key == key), None)
+            if last is None:
+                return None if not key_records else _view(key_records[-1], key_records, key_records, None)
+            timer_id = last.timer_id
+    if live is not None and live.timer_id != timer_id:
+        live = None
+    segment = timer_segment(key_records, timer_id)
+    if live is None and not segment:
+        return None
+    first = segment[0] if segment else None
+    if live is not None:
+        return TimerHistoryView(timer_id, live.owner, live.key, live.status.value, live, segment)
+    assert first is not None
+    return _view(first, segment, key_records, None, timer_id=timer_id)
+
+
+def _view(
+    first: HistoryRecord,
+    records: list[HistoryRecord],
+    key_records: Sequence[HistoryRecord],
+    live: Timer | None,
+    *,
+    timer_id: str | None = None,
+) -> TimerHistoryView:
+    tid = timer_id or first.timer_id
+    return TimerHistoryView(tid, first.owner, first.key, _ended_state(records, key_records, tid), live, records)
+
+
+async def _live_by_id(store: TimerStore, timer_id: str) -> Timer | None:
+    """The live timer ``timer_id`` (a read of the view: one with no history kept)."""
+    return next((t for t in await store.scan(limit=TIMER_SCAN_LIMIT) if t.timer_id == timer_id), None)
+
+
+TIMER_SCAN_LIMIT = 100_000
+"""Timers read to find one named by its id that has no history (the store lists timers from the
+first due only)."""
 
 
 # --------------------------------------------------------------------------- quarantine

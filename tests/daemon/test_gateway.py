@@ -652,31 +652,38 @@ def test_breaker_counts_consecutive_failures_only() -> None:
 
 
 def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog: pytest.LogCaptureFixture) -> None:
+    """Each line names the timer (its id, owner and key) besides the request id the target saw:
+    a line found by either leads to ``wowd timers show``."""
     caplog.set_level(logging.INFO, logger="wowd.test")
     clock = Clock()
     dl = DeliveryLog(logging.getLogger("wowd.test"), every_s=10, clock=clock)
-    for i in range(5):
-        dl.outcome("demo.order", Retry(reason="HTTP 503"), f"r{i}")
-    dl.outcome("demo.order", Fail(reason="HTTP 400"), "f1")
-    dl.outcome("demo.order", Park(reason="HTTP 404"), "p1")
-    dl.outcome("demo.cart", Retry(reason="timeout after 10s"), "c1")
-    dl.outcome("demo.cart", Delivered(), "c2")
+    order, cart = make_timer(agg_id="o-77"), make_timer(aggregate="cart", agg_id="c-1")
+    named = f"timer t1 of demo.order/(0)/o-77 key 'k', request id {order.request_id}"
+    for _ in range(5):
+        dl.outcome("demo.order", Retry(reason="HTTP 503"), order)
+    dl.outcome("demo.order", Fail(reason="HTTP 400"), order)
+    dl.outcome("demo.order", Park(reason="HTTP 404"), order)
+    dl.outcome("demo.cart", Retry(reason="timeout after 10s"), cart)
+    dl.outcome("demo.cart", Delivered(), cart)
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert lines == [
-        (logging.WARNING, "delivery to demo.order will be retried: HTTP 503 (request id r0)"),
-        (logging.ERROR, "delivery to demo.order failed for good: HTTP 400 (request id f1)"),
-        (logging.INFO, "delivery to demo.order parked: HTTP 404 (request id p1)"),
-        (logging.WARNING, "delivery to demo.cart will be retried: timeout after 10s (request id c1)"),
+        (logging.WARNING, f"delivery to demo.order will be retried: HTTP 503 ({named})"),
+        (logging.ERROR, f"delivery to demo.order failed for good: HTTP 400 ({named})"),
+        (logging.INFO, f"delivery to demo.order parked: HTTP 404 ({named})"),
+        (
+            logging.WARNING,
+            f"delivery to demo.cart will be retried: timeout after 10s (timer t1 of demo.cart/(0)/c-1 key 'k', "
+            f"request id {cart.request_id})",
+        ),
     ]
     caplog.clear()
     clock.now += 9.9
-    dl.outcome("demo.order", Retry(reason="HTTP 503"), "r5")
+    dl.outcome("demo.order", Retry(reason="HTTP 503"), order)
     assert not caplog.records
     clock.now += 0.1
-    dl.outcome("demo.order", Retry(reason="HTTP 502"), "r6")
+    dl.outcome("demo.order", Retry(reason="HTTP 502"), order)
     assert [r.getMessage() for r in caplog.records] == [
-        "delivery to demo.order will be retried: HTTP 502 (request id r6); "
-        "5 more like it left out of the log in the last 10s"
+        f"delivery to demo.order will be retried: HTTP 502 ({named}); 5 more like it left out of the log in the last 10s"
     ]
 
 

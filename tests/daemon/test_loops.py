@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -359,10 +361,14 @@ async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_re
             held.request_stop()
 
 
-async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(backend: Backend) -> None:
+async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     """Claimed late (a replica was down), an occurrence later than its rule's misfire grace is
     settled as passed, not sent: a one-shot timer is done, a recurring one moves to its next
-    occurrence after now; one within its grace, and one without a grace, are delivered."""
+    occurrence after now; one within its grace, and one without a grace, are delivered. The line
+    that says so names the timer (id, owner, key), not only its request id."""
+    caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
     t = backend.timers
     hour_ago = int(time.time() * 1000) - 3_600_000
     late = [
@@ -397,6 +403,8 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(bac
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
     assert metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get() - skipped_before == 2
+    (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
+    assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
 
 
 async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:

@@ -18,8 +18,21 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms, one_line
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
-from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
-from wowd.stores.base import Log, TimerSearch, TimerStore
+from wowd.operator import (
+    TimerHistoryView,
+    cursor_of,
+    deliveries,
+    detail,
+    find_timer,
+    history_doc,
+    history_line,
+    parse_cursor,
+    parse_ref,
+    repair_timers,
+    timer_doc,
+    timer_history,
+)
+from wowd.stores.base import Backend, Log, TimerSearch, TimerStore
 
 __all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
 
@@ -116,13 +129,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tl.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
     tl.add_argument("--json", action="store_true", help="print JSON ({timers, next}; times in epoch ms)")
 
-    ts = tsub.add_parser("show", help="one timer, by its id or by its owner and key")
+    ts = tsub.add_parser(
+        "show",
+        help="one timer and its history (also one that fired or was cancelled): by id, owner and key, or request id",
+    )
     ts.add_argument(
         "timer",
-        nargs="+",
+        nargs="*",
         metavar="TIMER_ID | AGGREGATE/ID KEY",
-        help="a timer id as 'timers list' shows it, or "
+        help="a timer id as 'timers list' or a log line shows it, or "
         "the owner aggregate (CONTEXT.AGGREGATE/ID also taken) and the timer's key",
+    )
+    ts.add_argument(
+        "--request-id",
+        metavar="ID",
+        help="the timer of this request id: a delivery's Command-Request-Id (what the target's log shows), "
+        "or the request id of a commit that scheduled or cancelled it",
     )
     ts.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     ts.add_argument("--json", action="store_true", help="print JSON instead of lines (times in epoch ms)")
@@ -252,7 +274,7 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
         if args.timers_command in ("schedule", "cancel"):
             return await _write(settings, backend.log, store, args)
         if args.timers_command == "show":
-            return await _show(settings, store, args)
+            return await _show(settings, backend, args)
         return await _repair(settings, store, args)
 
 
@@ -292,15 +314,26 @@ async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[A
     return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
 
 
-async def _show(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+async def _show(settings: WowdSettings, backend: Backend, args: argparse.Namespace) -> int:
+    """The timer (live, or as its history tells once it fired, was cancelled or replaced) and its
+    history, oldest first; exit 1 when nothing is known of it."""
     picked = selected(args.timer, context=settings.context, tenant=args.tenant)
-    if len(picked) != 1:
-        raise ConfigError("timers show: give one TIMER_ID, or an owner AGGREGATE/ID and a KEY")
-    t = await _find(settings, store, picked[0])
-    if t is None:
-        err(f"wowd: no timer {_name(picked[0])}")
+    if len(picked) + (args.request_id is not None) != 1:
+        raise ConfigError("timers show: give one TIMER_ID, an owner AGGREGATE/ID and a KEY, or --request-id")
+    if args.request_id is not None:
+        view = await timer_history(backend, request_id=args.request_id)
+        name = f"with request id {args.request_id}"
+    elif isinstance(picked[0], str):
+        view = await timer_history(backend, timer_id=picked[0])
+        name = picked[0]
+    else:
+        view = await timer_history(backend, owner=picked[0][0], key=picked[0][1])
+        name = _name(picked[0])
+    if view is None:
+        kept = settings.timers.tombstone_retention_s / 86400
+        err(f"wowd: no timer {name}: none is live, and none fired or was cancelled in the last {kept:g} days")
         return 1
-    _print_one(t, as_json=args.json)
+    _print_view(view, as_json=args.json)
     return 0
 
 
@@ -400,10 +433,15 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
     return 0
 
 
-def _print_one(t: Timer, *, as_json: bool) -> None:
-    doc = timer_doc(t)
+def _print_view(view: TimerHistoryView, *, as_json: bool) -> None:
+    t = view.timer
+    doc: dict[str, Any] = (
+        timer_doc(t)
+        if t is not None
+        else {"timer_id": view.timer_id, "status": view.state, "owner": str(view.owner), "key": view.key}
+    )
     if as_json:
-        print_json(doc)
+        print_json({**doc, "history": [history_doc(r) for r in view.records]})
         return
     for k, v in doc.items():
         if k in ("due_at", "scheduled_at") and isinstance(v, int):
@@ -411,4 +449,19 @@ def _print_one(t: Timer, *, as_json: bool) -> None:
         elif isinstance(v, dict | list):
             v = json.dumps(v, separators=(",", ":"))
         out(f"{k + ':':<13} {one_line(str(v)) if v is not None else '-'}")
-    out(f"{'detail:':<13} {one_line(detail(t))}")
+    if t is not None:
+        out(f"{'detail:':<13} {one_line(detail(t))}")
+    else:
+        out(f"{'detail:':<13} {ENDED_DETAIL[view.state]}")
+    out(f"history:      {len(view.records)} record(s), oldest first" if view.records else "history:      none kept")
+    for r in view.records:
+        out(f"  {history_line(r)}")
+
+
+ENDED_DETAIL = {
+    "DONE": "fired: it left the timer view (its tombstone and history are kept for the tombstone retention)",
+    "CANCELLED": "cancelled before it fired (or before its next occurrence)",
+    "REPLACED": "replaced by a later schedule of its key (wowd timers show OWNER KEY shows that one)",
+    "ENDED": "no longer in the timer view",
+}
+"""What an ended timer's state means (:data:`~wowd.operator.ENDED`)."""

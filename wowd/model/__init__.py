@@ -56,6 +56,7 @@ from wowd.model.rules import (
     IntervalRule,
     OnceRule,
     Rule,
+    misfire_reason,
     misfired,
     parse_rule,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "commit_to_doc",
     "deterministic_timer_id",
     "java_string_hash",
+    "misfire_reason",
     "misfired",
     "net_writes",
     "parse_rule",

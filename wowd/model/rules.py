@@ -34,6 +34,11 @@ def misfired(rule: Rule, scheduled_at: int, at: int) -> bool:
     return grace is not None and at - scheduled_at > grace
 
 
+def misfire_reason(rule: Rule, scheduled_at: int, at: int) -> str:
+    """Why an occurrence due at ``scheduled_at`` is skipped at ``at`` (:func:`misfired`)."""
+    return f"{at - scheduled_at} ms late, past its misfire grace of {rule.misfire_grace_ms} ms"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OnceRule:
     misfire_grace_ms: int | None = None

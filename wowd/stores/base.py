@@ -756,6 +756,8 @@ class FiredTimer(NamedTuple):
     """Its next occurrence, at which it is PENDING now; None: a DONE tombstone."""
     misfired: bool = False
     """Past its rule's misfire grace: settled, not delivered (no outbox entry)."""
+    timer: Timer | None = None
+    """The timer as read, for a misfired one (its skip is logged naming it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

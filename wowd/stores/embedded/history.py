@@ -21,13 +21,23 @@ from pathlib import Path
 from typing import Any
 
 from wowd.errors import InvalidInput
-from wowd.model import AggregateRef, HistoryKind, HistoryRecord, validate_name
+from wowd.model import HISTORY_ATTEMPTS, AggregateRef, HistoryKind, HistoryRecord, validate_name
 from wowd.model.history import CANCELLED, SCHEDULED
 from wowd.stores.base import HISTORY_READ_LIMIT
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
 from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.timer_sql import (
+    C_AGGREGATE,
+    C_KEY,
+    C_OWNER_ID,
+    C_OWNER_TENANT,
+    C_REVISION,
+    C_SCHEDULED_AT,
+    C_TIMER_ID,
+    C_VERSION,
+)
 
-__all__ = ["EmbeddedTimerHistory", "history_table", "schema_sql", "write_records"]
+__all__ = ["EmbeddedTimerHistory", "attempt_row", "history_table", "record_row", "schema_sql", "write_records"]
 
 COLUMNS = (
     "timer_id",
@@ -92,7 +102,7 @@ def end_sql(context: str) -> str:
     t = history_table(context)
     return (
         f"UPDATE {t} SET expires_at = ?1 WHERE owner_id = ?2 AND aggregate = ?3 AND owner_tenant = ?4"
-        f' AND (?5 = \'\' OR "key" = ?5) AND slot = {SCHEDULED} AND version < ?6 AND expires_at IS NULL'
+        f" AND (?5 = '' OR \"key\" = ?5) AND slot = {SCHEDULED} AND version < ?6 AND expires_at IS NULL"
     )
 
 
@@ -118,6 +128,33 @@ def record_row(r: HistoryRecord) -> tuple[Any, ...]:
         r.latency_ms,
         r.reason,
         r.answer,
+    )
+
+
+def attempt_row(
+    r: Sequence[Any], request_id: str, at: int, expires_at: int, outcome: str, reason: str | None
+) -> tuple[Any, ...]:
+    """The row of an attempt of the timer of the timers' row ``r`` (their ``COLUMNS`` order, as
+    read to fire), as :func:`record_row` writes :func:`~wowd.model.attempt_record` of it."""
+    return (
+        r[C_TIMER_ID],
+        r[C_REVISION] % HISTORY_ATTEMPTS,
+        "attempt",
+        r[C_AGGREGATE],
+        r[C_OWNER_TENANT],
+        r[C_OWNER_ID],
+        r[C_KEY],
+        at,
+        r[C_VERSION],
+        request_id,
+        expires_at,
+        r[C_SCHEDULED_AT],
+        None,
+        outcome,
+        None,
+        None,
+        reason,
+        None,
     )
 
 
@@ -202,7 +239,7 @@ class EmbeddedTimerHistory(SqliteStore):
     async def of_key(self, owner: AggregateRef, key: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
         if owner.context != self.context:
             return []
-        where = 'owner_id = ? AND aggregate = ? AND owner_tenant = ? AND "key" IN (?, \'\')'
+        where = "owner_id = ? AND aggregate = ? AND owner_tenant = ? AND \"key\" IN (?, '')"
         return await self._select("of_key", where, (owner.id, owner.aggregate, owner.tenant_id, key), limit)
 
     async def of_request(self, request_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
