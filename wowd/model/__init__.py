@@ -41,7 +41,10 @@ from wowd.model.ids import (
 )
 from wowd.model.leases import (
     AcquireResult,
+    ClockReading,
     Owner,
+    ReplicaInfo,
+    ReplicaState,
     SlotLease,
     SlotState,
 )
@@ -96,6 +99,7 @@ __all__ = [
     "AggregateType",
     "Checkpoint",
     "Claim",
+    "ClockReading",
     "Command",
     "Commit",
     "CronRule",
@@ -110,6 +114,8 @@ __all__ = [
     "OutboxEntry",
     "Owner",
     "Position",
+    "ReplicaInfo",
+    "ReplicaState",
     "Rule",
     "SlotLease",
     "SlotState",
