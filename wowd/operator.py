@@ -61,6 +61,7 @@ __all__ = [
     "BACKLOG_CAP",
     "QUARANTINE_CAP",
     "ENDED",
+    "ENDED_DETAIL",
     "STEPS",
     "TIMER_SCAN_LIMIT",
     "RetryOutcome",
@@ -343,6 +344,15 @@ ENDED = ("DONE", "CANCELLED", "REPLACED", "ENDED")
 """The states of a timer the view no longer holds, as its history tells them: delivered (or its
 last occurrence skipped), cancelled (by its key's cancel or its owner's delete), replaced (by a
 later schedule of its key), or ended otherwise (its tombstone and last records expired)."""
+
+
+ENDED_DETAIL = {
+    "DONE": "fired: it left the timer view (its tombstone and history are kept for the tombstone retention)",
+    "CANCELLED": "cancelled before it fired (or before its next occurrence)",
+    "REPLACED": "replaced by a later schedule of its key (wowd timers show OWNER KEY shows that one)",
+    "ENDED": "no longer in the timer view",
+}
+"""What an ended timer's state means (:data:`~wowd.operator.ENDED`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -683,7 +683,8 @@ def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog:
     clock.now += 0.1
     dl.outcome("demo.order", Retry(reason="HTTP 502"), order)
     assert [r.getMessage() for r in caplog.records] == [
-        f"delivery to demo.order will be retried: HTTP 502 ({named}); 5 more like it left out of the log in the last 10s"
+        f"delivery to demo.order will be retried: HTTP 502 ({named}); "
+        "5 more like it left out of the log in the last 10s"
     ]
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace

@@ -356,8 +356,10 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
 
     failed = [r.getMessage() for r in caplog.records if "failed for good" in r.getMessage()]
     paid = timer("payment", "payment")
-    assert failed == [f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature "
-                      f"for {MASK} (timer {paid.timer_id} of {paid.owner} key 'k', request id {paid.request_id})"]  # fmt: skip
+    named = f"timer {paid.timer_id} of {paid.owner} key 'k', request id {paid.request_id}"
+    assert failed == [
+        f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature for {MASK} ({named})"
+    ]
     assert not any("token" in r.getMessage() for r in caplog.records)
 
 

@@ -310,12 +310,12 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
     assert "has no live holder: nothing feeds or fires its partitions" in later
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
-    assert "no live timer" in gone and 'id="done"' not in gone
+    assert "of demo.order/(0)/o-1: none is live, and none fired or was cancelled" in gone and 'id="done"' not in gone
     # back from a retry whose timer fired before the page was asked for: the action's notice stays
     key = await page.form_key("/ui/timer?owner=order/o-1&key=failed")
     notice = urlencode({"done": "retried: back to PENDING", "sig": sign_notice(key, "retried: back to PENDING")})
     fired = await page.html(f"/ui/timer?owner=order/o-1&key=never&{notice}", 404)
-    assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "no live timer" in fired
+    assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "none is live" in fired
     # a notice this process did not write is not shown: a link cannot make the page say anything
     forged = await page.html("/ui/timer?owner=order/o-1&key=never&done=Session+expired:+call+555&sig=0", 404)
     assert "555" not in forged and 'id="done"' not in forged

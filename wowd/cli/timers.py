@@ -19,6 +19,7 @@ from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms, one_line
 from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
 from wowd.operator import (
+    ENDED_DETAIL,
     TimerHistoryView,
     cursor_of,
     deliveries,
@@ -456,12 +457,3 @@ def _print_view(view: TimerHistoryView, *, as_json: bool) -> None:
     out(f"history:      {len(view.records)} record(s), oldest first" if view.records else "history:      none kept")
     for r in view.records:
         out(f"  {history_line(r)}")
-
-
-ENDED_DETAIL = {
-    "DONE": "fired: it left the timer view (its tombstone and history are kept for the tombstone retention)",
-    "CANCELLED": "cancelled before it fired (or before its next occurrence)",
-    "REPLACED": "replaced by a later schedule of its key (wowd timers show OWNER KEY shows that one)",
-    "ENDED": "no longer in the timer view",
-}
-"""What an ended timer's state means (:data:`~wowd.operator.ENDED`)."""

@@ -45,10 +45,13 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, StorageError, StorageUnavailable
 from wowd.fmt import at, iso_ms, span
 from wowd.metrics import UI_REFUSED
-from wowd.model import DEFAULT_TENANT, TimerStatus
+from wowd.model import DEFAULT_TENANT, HISTORY_ATTEMPTS, TimerStatus
 from wowd.operator import (
+    ENDED_DETAIL,
+    TimerHistoryView,
     detail,
     find_timer,
+    history_doc,
     outbox_entry_doc,
     outbox_page,
     owner_streams,
@@ -63,6 +66,7 @@ from wowd.operator import (
     search_timers,
     steps_needed,
     timer_doc,
+    timer_history,
 )
 from wowd.ratelog import RateLimitedLog
 from wowd.redaction import redact, secret_values
@@ -281,6 +285,9 @@ class StatusPage:
                 form_key=self._form_key,
                 refresh=REFRESH_S if name == "overview" else None,
                 statuses=[s.value for s in TimerStatus],
+                ended_detail=ENDED_DETAIL,
+                retention=span(self._settings.timers.tombstone_retention_s * 1000),
+                attempts_kept=HISTORY_ATTEMPTS,
             )
         )
         return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), headers)
@@ -451,7 +458,12 @@ class StatusPage:
         return parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
 
     async def _timers(self, params: dict[str, list[str]]) -> _Out:
-        form = {k: _one(params, k) for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until")}
+        form = {
+            k: _one(params, k)
+            for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until", "request_id")
+        }
+        if form["request_id"] is not None:
+            return await self._by_request(form)
         owner = self._owner(params)
         if form["key"] is not None and owner is None:
             raise InvalidInput("a key names a timer of an owner: give the owner too", field="key")
@@ -486,24 +498,72 @@ class StatusPage:
             raise InvalidInput("a timer is named by its owner (AGGREGATE/ID) and its key", field="owner")
         return owner, key, await find_timer(self._backend.timers, owner, key)
 
-    async def _timer(self, params: dict[str, list[str]]) -> _Out:
-        owner, key, t = await self._load(params)
-        if t is None:
-            gone = (
-                f"no live timer {key!r} of {owner}: it fired (a one-shot timer goes once delivered), was "
-                "cancelled, or its schedule is not fed yet"
+    async def _view(self, params: Mapping[str, list[str]]) -> tuple[str, TimerHistoryView | None]:
+        """The timer the parameters name (``timer_id``, ``request_id``, or ``owner`` and ``key``)
+        with its history, and how to name it in a message."""
+        timer_id, request_id = _one(params, "timer_id"), _one(params, "request_id")
+        if request_id is not None:
+            return f"with request id {request_id}", await timer_history(self._backend, request_id=request_id)
+        if timer_id is not None:
+            return timer_id, await timer_history(self._backend, timer_id=timer_id)
+        owner, key = self._owner(params), _one(params, "key")
+        if owner is None or key is None:
+            raise InvalidInput(
+                "a timer is named by its owner (AGGREGATE/ID) and its key, its timer_id or a request_id", field="owner"
             )
-            done = self._done(params)
-            if done is not None:  # back from a retry or resume: the timer may have fired since
+        return f"{key!r} of {owner}", await timer_history(self._backend, owner=owner, key=key)
+
+    async def _timer(self, params: dict[str, list[str]]) -> _Out:
+        name, view = await self._view(params)
+        done = self._done(params)
+        if view is None:
+            days = self._settings.timers.tombstone_retention_s / 86400
+            gone = (
+                f"no timer {name}: none is live, and none fired or was cancelled in the last {days:g} days (or its "
+                "schedule is not fed yet)"
+            )
+            if done is not None:  # back from an action: the timer may have fired since
                 return _Out({"error": gone, "done": done}, "error.html", 404)
             raise _NotFound(gone)
-        doc = timer_doc(t)
-        doc["detail"] = detail(t)
-        doc["owner_ref"] = _ref_params(t.owner)
+        history = [history_doc(r) for r in view.records]
+        shown = [{**_HISTORY_BLANK, **h} for h in history]  # every field, for the template
+        t = view.timer
+        if t is None:
+            doc: dict[str, Any] = {
+                "timer_id": view.timer_id,
+                "status": view.state,
+                "owner": str(view.owner),
+                "key": view.key,
+                "history": history,
+            }
+            page = {**doc, "history": shown, "live": False, "owner_ref": _ref_params(view.owner)}
+            return _Out({"timer": page, "done": done}, "timer.html", json=doc)
+        doc = {**timer_doc(t), "detail": detail(t), "owner_ref": _ref_params(t.owner)}
         doc["scheduled_by"] = f"{t.owner} v{t.version}"
         doc["slot"] = await self._slot_of(t.partition)
-        done = self._done(params)
-        return _Out({"timer": doc, "done": done}, "timer.html", json=doc)
+        page = {**doc, "history": shown, "live": True}
+        return _Out({"timer": page, "done": done}, "timer.html", json={**doc, "history": history})
+
+    async def _by_request(self, form: dict[str, str | None]) -> _Out:
+        """The search by request id: the timer that sent it (or whose commit carried it), live or
+        ended, with its history; no other timer."""
+        assert form["request_id"] is not None
+        view = await timer_history(self._backend, request_id=form["request_id"])
+        docs: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = []
+        if view is not None:
+            history = [history_doc(r) for r in view.records]
+            t = view.timer
+            if t is not None:
+                docs = [{**timer_doc(t), "detail": detail(t)}]
+            else:
+                ended = ENDED_DETAIL[view.state]
+                docs = [{"timer_id": view.timer_id, "status": view.state, "owner": str(view.owner), "key": view.key,
+                         "detail": ended}]  # fmt: skip
+            rows = [{**docs[0], "owner_ref": _ref_params(view.owner), "live": t is not None}]
+        data = {"timers": rows, "next": None, "search": form, "history": history}
+        return _Out(data, "timers.html", json={"timers": docs, "next": None, "history": history})
 
     async def _slot_of(self, part: int) -> dict[str, Any]:
         """The slot of a partition, whether it has a live holder and, held here, its stall."""
@@ -602,6 +662,12 @@ class StatusPage:
         log.info("ui: %d outbox entries acknowledged", removed)
         done = f"{removed} of {len(set(ids))} entries acknowledged (removed)"
         return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode(self._notice(done))})
+
+
+_HISTORY_BLANK = dict.fromkeys(
+    ("scheduled_at", "position", "outcome", "status", "latency_ms", "reason", "answer", "expires_at")
+)
+"""The fields a history record's document may leave out."""
 
 
 def _ref_params(ref: Any) -> dict[str, str]:
