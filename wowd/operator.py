@@ -48,6 +48,7 @@ from wowd.model import (
     TimerStatus,
     TimerWrite,
     commit_from_doc,
+    commit_records,
     net_writes,
     partition,
     timer_event_from,
@@ -620,9 +621,12 @@ async def _feed(
                 await sink.prepare()
                 await sink.write([commit])
             elif step == "timers":
-                writes, rejected = _timer_writes(settings, commit)
+                writes, rejected, events = _timer_writes(settings, commit)
                 if writes:
                     await backend.timers.write(net_writes(writes))
+                if backend.history is not None and (events or commit.deleted):
+                    retention_ms = settings.timers.tombstone_retention_s * 1000
+                    await backend.history.append(commit_records(commit, events, retention_ms))
             elif step == "snapshots":
                 if commit.ref.aggregate in settings.reducers:
                     current = await backend.snapshots.load(commit.ref)
@@ -641,9 +645,13 @@ async def _feed(
     return f"{_REJECTED_TIMER_EVENT}{rejected}" if rejected is not None else None
 
 
-def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWrite], InvalidInput | None]:
-    """The timer writes of ``commit`` as the feed makes them, and the first event it rejects."""
+def _timer_writes(
+    settings: WowdSettings, commit: Commit
+) -> tuple[list[TimerWrite], InvalidInput | None, list[TimerScheduled | TimerCancelled]]:
+    """The timer writes of ``commit`` as the feed makes them, the first event it rejects, and the
+    timer events it takes (their history records)."""
     writes: list[TimerWrite] = []
+    events: list[TimerScheduled | TimerCancelled] = []
     rejected: InvalidInput | None = None
     for ev in commit.events:
         try:
@@ -655,11 +663,13 @@ def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWri
             continue
         if isinstance(te, TimerScheduled):
             writes.append(TimerWrite.put(timer_from_event(commit, te, settings.partitions)))
+            events.append(te)
         elif isinstance(te, TimerCancelled):
             writes.append(TimerWrite.cancel(commit.ref, te.key, commit.version))
+            events.append(te)
     if commit.deleted:
         writes.append(TimerWrite.cancel_all(commit.ref, commit.version))
-    return writes, rejected
+    return writes, rejected, events
 
 
 # --------------------------------------------------------------------------- outbox

@@ -24,7 +24,7 @@ from wowd.errors import InvalidInput
 from wowd.model import HISTORY_ATTEMPTS, AggregateRef, HistoryKind, HistoryRecord, validate_name
 from wowd.model.history import CANCELLED, SCHEDULED
 from wowd.stores.base import HISTORY_READ_LIMIT
-from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
+from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows, update_rows
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timer_sql import (
     C_AGGREGATE,
@@ -193,8 +193,8 @@ def write_records(context: str, rows: Sequence[tuple[Any, ...]], conn: sqlite3.C
         for row in rows
         if row[1] in (SCHEDULED, CANCELLED) and row[10] is not None
     ]
-    if ends:
-        conn.executemany(end_sql(context), ends)
+    if ends:  # a row two of them end is updated once, with one of their expiries (the same moment, near enough)
+        update_rows(conn, end_sql(context), ends)
 
 
 class EmbeddedTimerHistory(SqliteStore):
