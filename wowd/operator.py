@@ -483,6 +483,10 @@ async def timer_history(
     if live is not None and live.timer_id != timer_id:
         live = None
     segment = timer_segment(key_records, timer_id)
+    if history is not None and not any(r.timer_id == timer_id for r in segment):
+        # attempts of a timer whose schedule has no record (it expired, or was fed before the
+        # history was kept): found by the timer's id
+        segment = sorted([*segment, *await history.of_timer(timer_id)], key=lambda r: (r.at, r.version))
     if live is None and not segment:
         return None
     first = segment[0] if segment else None

@@ -52,7 +52,11 @@ async def test_prepare_creates_the_key_request_and_ttl_indexes(mongo_client: Asy
         assert body(req) == {
             "createIndexes": COLLECTION,
             "indexes": [
-                {"key": {"owner_id": 1, "aggregate": 1, "tenant_id": 1, "key": 1, "at": 1}, "name": "key"},
+                {
+                    "key": {"owner_id": 1, "aggregate": 1, "tenant_id": 1, "key": 1, "at": 1},
+                    "name": "key",
+                    "partialFilterExpression": {"slot": {"$lt": 0}},
+                },
                 {"key": {"request_id": 1, "at": 1}, "name": "request_id"},
                 {"key": {"expires_at": 1}, "name": "expires_ttl", "expireAfterSeconds": 0},
             ],
@@ -158,9 +162,11 @@ async def test_a_write_concern_error_is_unavailable_and_a_refused_record_an_erro
         assert isinstance(error, StorageError) and not isinstance(error, StorageUnavailable)
 
 
-async def test_reads_by_key_and_by_request_id_are_sorted_by_time_over_their_index(
+async def test_reads_by_key_by_request_id_and_by_timer_are_sorted_by_time_over_their_index(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
+    """By key: the key's schedule and cancel records over the partial index (its filter repeated),
+    then every record of the timers they name, by ``_id`` ranges."""
     record = _attempt()
     doc = history_doc(record)
     async with anyio.create_task_group() as tg:
@@ -168,8 +174,28 @@ async def test_reads_by_key_and_by_request_id_are_sorted_by_time_over_their_inde
         req = await wire.command("find")
         assert body(req) == {
             "find": COLLECTION,
-            "filter": {"owner_id": "o-1", "aggregate": "order", "tenant_id": "(0)", "key": {"$in": ["k", ""]}},
+            "filter": {
+                "owner_id": "o-1",
+                "aggregate": "order",
+                "tenant_id": "(0)",
+                "key": {"$in": ["k", ""]},
+                "slot": {"$lt": 0},
+            },
+            "projection": {"_id": 0, "timer_id": 1},
             "sort": {"at": -1},
+            "limit": 50,
+        }
+        reply_cursor(req, COLLECTION, [{"timer_id": "t-1"}, {"timer_id": "t-0"}])
+        req = await wire.command("find")
+        assert body(req) == {
+            "find": COLLECTION,
+            "filter": {
+                "$or": [
+                    {"_id": {"$gte": "t-1:", "$lt": "t-1;"}, "timer_id": "t-1"},
+                    {"_id": {"$gte": "t-0:", "$lt": "t-0;"}, "timer_id": "t-0"},
+                ]
+            },
+            "sort": {"at": -1, "version": -1},
             "limit": 50,
         }
         reply_cursor(req, COLLECTION, [doc])

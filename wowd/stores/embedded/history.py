@@ -106,7 +106,8 @@ def end_sql(context: str) -> str:
     t = history_table(context)
     return (
         f"UPDATE {t} SET expires_at = ?1 WHERE owner_id = ?2 AND aggregate = ?3 AND owner_tenant = ?4"
-        f" AND (?5 = '' OR \"key\" = ?5) AND slot = {SCHEDULED} AND version < ?6 AND expires_at IS NULL"
+        # slot < 0: the index's own WHERE, which SQLite reads the index for only when it is repeated
+        f" AND slot < 0 AND slot = {SCHEDULED} AND (?5 = '' OR \"key\" = ?5) AND version < ?6 AND expires_at IS NULL"
     )
 
 

@@ -12,11 +12,14 @@ range of the ``_id`` index (its id and a ``:``), so reading them by timer id nee
 its own. Times are int64 milliseconds since the epoch, but ``expires_at``, a Date, which the TTL
 index expires. Its indexes, each for one read or for the expiry:
 
-- ``key`` ``{owner_id, aggregate, tenant_id, key, at}``: :meth:`MongoTimerHistory.of_key` (equality
-  on the owner and on two keys, the timer's and ``""``, sorted by ``at``: two index ranges merged
-  in order, "Use Indexes to Sort Query Results",
-  https://www.mongodb.com/docs/manual/tutorial/sort-results-with-indexes/), and the update that
-  ends a recurring timer's schedule (:func:`end_operation`);
+- ``key`` ``{owner_id, aggregate, tenant_id, key, at}``, partial over the schedule and cancel
+  records (``slot < 0``: an attempt, written with each settle group, is in no index by key):
+  :meth:`MongoTimerHistory.of_key` finds a key's timers by it (equality on the owner and on two
+  keys, the timer's and ``""``, sorted by ``at``: two index ranges merged in order, "Use Indexes
+  to Sort Query Results", https://www.mongodb.com/docs/manual/tutorial/sort-results-with-indexes/;
+  a query uses a partial index when its filter implies the index's, "Partial Indexes",
+  https://www.mongodb.com/docs/manual/core/index-partial/), and the update that ends a recurring
+  timer's schedule (:func:`end_operation`) reads the schedules by it;
 - ``request_id`` ``{request_id, at}``: :meth:`MongoTimerHistory.of_request` (what a target's log
   shows), sorted by ``at`` from the index;
 - ``expires_ttl`` ``{expires_at}`` with ``expireAfterSeconds: 0``: each document is deleted by
@@ -52,6 +55,8 @@ __all__ = [
     "MongoTimerHistory",
     "end_operation",
     "history_collection",
+    "key_filter",
+    "timers_filter",
     "history_doc",
     "history_indexes",
     "record_from_doc",
@@ -72,7 +77,11 @@ def history_collection(context: str) -> str:
 
 def history_indexes() -> list[Doc]:
     return [
-        {"key": {"owner_id": 1, "aggregate": 1, "tenant_id": 1, "key": 1, "at": 1}, "name": "key"},
+        {
+            "key": {"owner_id": 1, "aggregate": 1, "tenant_id": 1, "key": 1, "at": 1},
+            "name": "key",
+            "partialFilterExpression": {"slot": {"$lt": 0}},
+        },
         {"key": {"request_id": 1, "at": 1}, "name": "request_id"},
         {"key": {"expires_at": 1}, "name": "expires_ttl", "expireAfterSeconds": 0},
     ]
@@ -104,6 +113,23 @@ def history_doc(r: HistoryRecord) -> Doc:
         if value is not None:
             doc[name] = value
     return doc
+
+
+def key_filter(owner: AggregateRef, key: str) -> Doc:
+    """The schedule and cancel records of ``key`` of ``owner`` and its deletes (key ``""``): the
+    partial ``key`` index's filter repeated (``slot < 0``), so that the server may read it."""
+    return {
+        "owner_id": owner.id,
+        "aggregate": owner.aggregate,
+        "tenant_id": owner.tenant_id,
+        "key": {"$in": [key, ""]},
+        "slot": {"$lt": 0},
+    }
+
+
+def timers_filter(timer_ids: Sequence[str]) -> Doc:
+    """Every record of ``timer_ids``: a range of the ``_id`` index each."""
+    return {"$or": [{"_id": {"$gte": f"{t}:", "$lt": f"{t};"}, "timer_id": t} for t in timer_ids]}
 
 
 def end_operation(r: HistoryRecord) -> UpdateMany | None:
@@ -186,6 +212,7 @@ class MongoTimerHistory(MongoStore):
                     ix is None
                     or list(ix["key"].items()) != list(spec["key"].items())
                     or ix.get("expireAfterSeconds") != spec.get("expireAfterSeconds")
+                    or ix.get("partialFilterExpression") != spec.get("partialFilterExpression")
                 ):
                     raise FormatError(f"mongodb {self._coll.name}: the index {spec} is missing (ddl=validate)")
 
@@ -210,19 +237,22 @@ class MongoTimerHistory(MongoStore):
 
     async def of_timer(self, timer_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
         """A range of the ``_id`` index (the timer's few records, sorted by ``at`` in memory)."""
-        flt = {"_id": {"$gte": f"{timer_id}:", "$lt": f"{timer_id};"}, "timer_id": timer_id}
-        return await self._find("of_timer", flt, [("at", -1), ("version", -1)], limit)
+        return await self._find("of_timer", timers_filter([timer_id])["$or"][0], [("at", -1), ("version", -1)], limit)
 
     async def of_key(self, owner: AggregateRef, key: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """Two ``find``s: the schedule and cancel records of the key (and the owner's deletes) over
+        the partial ``key`` index (:func:`key_filter`), which name its timers; then every record
+        of those timers, over the ``_id`` index (:func:`timers_filter`)."""
         if owner.context != self.context:
             return []
-        flt = {
-            "owner_id": owner.id,
-            "aggregate": owner.aggregate,
-            "tenant_id": owner.tenant_id,
-            "key": {"$in": [key, ""]},
-        }
-        return await self._find("of_key", flt, [("at", -1)], limit)
+        with self._call("of_key"):
+            named = await self._coll.find(
+                key_filter(owner, key), {"_id": 0, "timer_id": 1}, sort=[("at", -1)], limit=limit
+            ).to_list()
+            ids = list(dict.fromkeys(str(d["timer_id"]) for d in named))
+        if not ids:
+            return []
+        return await self._find("of_key", timers_filter(ids), [("at", -1), ("version", -1)], limit)
 
     async def of_request(self, request_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
         return await self._find("of_request", {"request_id": request_id}, [("at", -1)], limit)
