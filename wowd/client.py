@@ -45,8 +45,10 @@ from wowd.model import (
     Commit,
     CronRule,
     DomainEvent,
+    IntervalRule,
     OnceRule,
     Rule,
+    cron_dialect_of,
     parse_rule,
     timer_event_from,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "SyncWowdClient",
     "WowdClient",
     "cancelled_event",
+    "next_occurrences",
     "schedule_stream",
     "scheduled_event",
 ]
@@ -90,11 +93,36 @@ def _ms(value: int | datetime, field: str) -> int:
 
 
 def _rule(rule: Rule | Mapping[str, Any] | None) -> Rule:
+    """The rule a schedule writes: a cron rule given with no dialect is read in the one its
+    fields say (:func:`~wowd.model.cron_dialect_of`: five as Vixie cron, six seconds first as
+    the JVM's schedulers), and the rule written names it."""
     if rule is None:
         return OnceRule()
     if isinstance(rule, Mapping):
-        return parse_rule(rule)
+        doc = dict(rule)
+        if doc.get("type") == "cron" and doc.get("dialect") is None and isinstance(doc.get("expression"), str):
+            doc["dialect"] = cron_dialect_of(doc["expression"])
+        return parse_rule(doc)
+    if isinstance(rule, CronRule) and rule.dialect is None:
+        return dataclasses.replace(rule, dialect=cron_dialect_of(rule.expression))
     return rule
+
+
+def next_occurrences(rule: Rule | Mapping[str, Any], n: int = 3, *, after: int | datetime | None = None) -> list[int]:
+    """The next ``n`` due times (ms) of a recurring ``rule`` after ``after`` (default now), read
+    as a schedule writes it (a cron rule with no dialect as :func:`_rule` says): what a timer of
+    that rule fires at. ``[]`` for a once rule."""
+    parsed = _rule(rule)
+    start = clock.now_ms() if after is None else _ms(after, "after")
+    if isinstance(parsed, CronRule):
+        return parsed.occurrences(start, n)
+    out: list[int] = []
+    at: int | None = start
+    while isinstance(parsed, IntervalRule) and len(out) < n and at is not None:
+        at = parsed.next_after(at)
+        if at is not None:
+            out.append(at)
+    return out
 
 
 def scheduled_event(

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -90,12 +92,52 @@ def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
     assert code == 2 and err.startswith("wowd: --at/--in: ") and "(body.due_at)" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
-    assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
+    assert code == 2 and err.startswith("wowd: --cron: 'not cron' has 2 fields: give five (minute hour ")
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not a cron rule at all")
+    assert code == 2 and err == "wowd: --cron: second 'not': 'not' is not a value of the field (rule.expression)\n"
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 25 * * ?")
+    assert code == 2 and err.startswith("wowd: --cron: '0 0 25 * * ?' is not a valid cron expression"), err
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--every-ms", "1")
     assert code == 2 and err.startswith("wowd: --every-ms: 1 ms is below the shortest interval, 1000 ms ")
     assert "WOWD_TIMERS__MIN_INTERVAL_MS" in err
+
+
+def test_schedule_reads_six_cron_fields_seconds_first_and_shows_the_next_occurrences(wowd: Run, created: Path) -> None:
+    """``*/10 * * * * *`` is every ten seconds, as Quartz, Spring, db-scheduler and Wow read it
+    (croniter reads the sixth field as the seconds of every tenth minute); the rule written names
+    its dialect; five fields read as Vixie cron; seven, and what the dialects read differently,
+    are refused naming the flag."""
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "*/10 * * * * *")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("next occurrences (jvm: '*/10 * * * * *'): "))
+    shown = [datetime.fromisoformat(t) for t in line.split("): ", 1)[1].split(", ")]
+    assert len(shown) == 3 and all(b - a == timedelta(seconds=10) for a, b in itertools.pairwise(shown)), line
+    code, out, err = wowd("timers", "schedule", "order/o-1", "j", "--command", "x", "--cron", "*/10 * * * *")
+    assert code == 0 and "next occurrences (unix: '*/10 * * * *'): " in out, err
+
+    async def rules() -> list[dict[str, object]]:
+        async with opened_backend(load_settings()) as backend:
+            return [
+                dict(e.commit.events[0].body["rule"])
+                async for batch in backend.log.read(dict.fromkeys(range(PARTITIONS)), follow=False)
+                for e in batch.entries
+                if e.commit is not None
+            ]
+
+    assert [(r["expression"], r["dialect"]) for r in anyio.run(rules)] == [
+        ("*/10 * * * * *", "jvm"),
+        ("*/10 * * * *", "unix"),
+    ]
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "*/10 * * * * * 2026")
+    assert code == 2 and err.startswith("wowd: --cron: '*/10 * * * * * 2026' has 7 fields: give five"), err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 9 * * 1")
+    assert code == 2 and "1 is Sunday in Quartz, Monday in Spring" in err, err
+    code, _, err = wowd(
+        "timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 9 * * *", "--cron-dialect", "jvm"
+    )
+    assert code == 2 and err.startswith("wowd: --cron: '0 9 * * *' has 5 fields; the jvm dialect reads six"), err
 
 
 def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Run, feed_once: None) -> None:

@@ -13,11 +13,21 @@ from typing import Any
 from wowd.backends import opened_backend
 from wowd.cli.args import non_negative_int, positive_int, seconds
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
-from wowd.client import SCHEDULES, schedule_stream
+from wowd.client import SCHEDULES, next_occurrences, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms, one_line
-from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
+from wowd.model import (
+    CRON_DIALECTS,
+    DEFAULT_TENANT,
+    AggregateRef,
+    Command,
+    CronRule,
+    OnceRule,
+    Timer,
+    TimerStatus,
+    parse_rule,
+)
 from wowd.operator import (
     ENDED_DETAIL,
     TimerHistoryView,
@@ -81,6 +91,8 @@ def _instant(text: str) -> int:
     return int(at.timestamp() * 1000)
 
 
+NEXT_SHOWN = 3
+"""Occurrences a schedule of a recurring timer shows."""
 PAST_TOLERANCE_MS = 1000
 """A due time at most this far in the past is "now" (the clock moved while the command ran)."""
 
@@ -88,6 +100,7 @@ FLAGS = {
     "body.due_at": "--at/--in",
     "rule.expression": "--cron",
     "rule.zone": "--zone",
+    "rule.dialect": "--cron-dialect",
     "rule.every_ms": "--every-ms",
     "rule.misfire_grace_ms": "--misfire-grace-ms",
     "rule": "--cron/--every-ms",
@@ -169,7 +182,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     )
     rule = tsc.add_mutually_exclusive_group()
     rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
-    rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
+    rule.add_argument(
+        "--cron",
+        metavar="EXPR",
+        help="recurring: a cron expression, five fields as Vixie cron ('*/10 * * * *': every ten minutes) or six "
+        "seconds first as Quartz and Spring ('*/10 * * * * *': every ten seconds)",
+    )
+    tsc.add_argument(
+        "--cron-dialect",
+        choices=CRON_DIALECTS,
+        help="how --cron reads: unix (five fields) or jvm (six, seconds first); default: by its number of fields",
+    )
     tsc.add_argument("--zone", default="UTC", help="the time zone of --cron (default UTC)")
     tsc.add_argument(
         "--misfire-grace-ms",
@@ -400,6 +423,10 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
         rule = {"type": "interval", "every_ms": args.every_ms}
     elif args.cron is not None:
         rule = {"type": "cron", "expression": args.cron, "zone": args.zone}
+        if args.cron_dialect is not None:
+            rule["dialect"] = args.cron_dialect
+    elif args.cron_dialect is not None:
+        raise ConfigError("--cron-dialect: it says how --cron reads; give --cron")
     now = int(time.time() * 1000)
     due_at = args.at if args.at is not None else None
     if args.in_s is not None:
@@ -431,6 +458,12 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
         f"timer {args.key!r} of {owner} scheduled in {commit.ref} at version {commit.version}: {args.command} "
         f"to {target} due {iso_ms(event.body['due_at'])}"
     )
+    written = parse_rule(event.body["rule"])
+    if not isinstance(written, OnceRule):
+        first = int(event.body["due_at"])
+        then = [first, *next_occurrences(written, NEXT_SHOWN - 1, after=first)]
+        how = f" ({written.dialect}: {written.expression!r})" if isinstance(written, CronRule) else ""
+        out(f"next occurrences{how}: " + ", ".join(iso_ms(t) for t in then))
     return 0
 
 

@@ -54,11 +54,14 @@ from wowd.model.outbox import (
     OutboxEntry,
 )
 from wowd.model.rules import (
+    CRON_DIALECTS,
     MIN_INTERVAL_MS,
+    CronDialect,
     CronRule,
     IntervalRule,
     OnceRule,
     Rule,
+    cron_dialect_of,
     misfire_reason,
     misfired,
     parse_rule,
@@ -86,6 +89,7 @@ from wowd.model.timers import (
 )
 
 __all__ = [
+    "CRON_DIALECTS",
     "DEFAULT_TENANT",
     "HISTORY_ATTEMPTS",
     "MAX_BODY_BYTES",
@@ -102,6 +106,7 @@ __all__ = [
     "ClockReading",
     "Command",
     "Commit",
+    "CronDialect",
     "CronRule",
     "DomainEvent",
     "HistoryKind",
@@ -133,6 +138,7 @@ __all__ = [
     "commit_records",
     "commit_from_doc",
     "commit_to_doc",
+    "cron_dialect_of",
     "deterministic_timer_id",
     "java_string_hash",
     "misfire_reason",
