@@ -152,6 +152,18 @@ OUTBOX_DEPTH_AGE = Gauge(
     "wowd_outbox_depth_age_seconds",
     "Seconds since wowd_outbox_depth was counted: about 0, growing while the outbox store does not answer",
 )
+OUTBOX_OLDEST_AGE = Gauge(
+    "wowd_outbox_oldest_age_seconds",
+    "Age of the oldest outbox entry not acknowledged yet (0 when the outbox is empty), read when /metrics is scraped",
+)
+OUTBOX_RETENTION = Gauge(
+    "wowd_outbox_retention_seconds",
+    "WOWD_OUTBOX__RETENTION_S: the replicas trim entries older than this, acknowledged or not (0: never)",
+)
+OUTBOX_TRIMMED = Counter(
+    "wowd_outbox_trimmed_total",
+    "Outbox entries the replicas trimmed past the retention, unacknowledged: commands no consumer took, lost",
+)
 
 # http gateway
 GATEWAY_CIRCUIT_OPEN = Gauge(

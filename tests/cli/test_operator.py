@@ -217,8 +217,15 @@ def test_the_demo_run_tells_a_newcomer_where_to_look_in_one_format(tmp_path: Pat
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    assert first["msg"].startswith("wowd ") and " is up on embedded file wowd.db" in first["msg"]
-    assert "`wowd status`" in first["msg"] and f"http://localhost:{first['port']}/metrics" in first["msg"]
+    msg = first["msg"]
+    assert msg.startswith("wowd ") and " is up on embedded file wowd.db" in msg
+    # where fired commands go, and how to read them, as this shell runs wowd (not on its PATH)
+    assert "Fired commands go to the outbox (the outbox table of the file)" in msg
+    runs = f"{sys.executable} -m wowd"
+    assert f"`{runs} outbox list` shows them, `{runs} outbox take` takes them" in msg
+    assert f"`{runs} status`" in msg and "`wowd status`" not in msg
+    assert f"http://localhost:{first['port']}/ui (the status page)" in msg
+    assert f"http://localhost:{first['port']}/metrics" in msg
     assert "demo: appended" in second["msg"] and {"appended", "fed", "fired"} <= set(second)
     logged = [json.loads(line) for line in err.splitlines()]
     assert not [d for d in logged if "holds partitions" in d["msg"] or "snapshots" in d["msg"]], logged
