@@ -89,14 +89,18 @@ READY = Gauge(
 )
 
 # timers
-TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered", ["aggregate"])
-TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later", ["aggregate"])
-TIMERS_PARKED = Counter("wowd_timers_parked_total", "Timers parked (target could not take the command)", ["aggregate"])
-TIMERS_FAILED = Counter("wowd_timers_failed_total", "Timers failed after the retry budget or refused", ["aggregate"])
+TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered, by target", ["target"])
+TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later, by target", ["target"])
+TIMERS_PARKED = Counter(
+    "wowd_timers_parked_total", "Timers parked (their target could not take the command), by target", ["target"]
+)
+TIMERS_FAILED = Counter(
+    "wowd_timers_failed_total", "Timers failed after the retry budget or refused, by target", ["target"]
+)
 TIMERS_MISFIRED = Counter(
     "wowd_timers_misfired_total",
-    "Occurrences skipped, not delivered: they would have fired later than their rule's misfire_grace_ms",
-    ["aggregate"],
+    "Occurrences skipped, not delivered: they would have fired later than their rule's misfire_grace_ms, by target",
+    ["target"],
 )
 
 
@@ -260,16 +264,16 @@ UI_REFUSED = Counter(
 
 
 def count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
-    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
-    time, fire time)`` each."""
-    per_aggregate: dict[str, int] = {}
+    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(target, scheduled
+    time, fire time)`` each (the target as ``context.aggregate``)."""
+    per_target: dict[str, int] = {}
     lags: list[float] = []
-    for aggregate, scheduled_at, at in fired:
-        per_aggregate[aggregate] = per_aggregate.get(aggregate, 0) + 1
+    for target, scheduled_at, at in fired:
+        per_target[target] = per_target.get(target, 0) + 1
         lags.append(max(0.0, (at - scheduled_at) / 1000))
     FIRE_LAG.observe_many(lags)
-    for aggregate, n in per_aggregate.items():
-        TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
+    for target, n in per_target.items():
+        TIMERS_FIRED.labels(target=target).inc(n)
 
 
 BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])

@@ -193,9 +193,10 @@ def status_doc(
 
 async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any]:
     """:func:`status_doc` of the stores now: the lease store's slots and presence records, each
-    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; and
-    ``views``: each view kept and the partitions where it is behind the timer view
-    (:func:`~wowd.views.views_status`)."""
+    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; the
+    FAILED and PARKED timers of every partition (``timers_failed``, ``timers_parked``, at most
+    :data:`BACKLOG_CAP` each); and ``views``: each view kept and the partitions where it is behind
+    the timer view (:func:`~wowd.views.views_status`)."""
     states = await backend.leases.slots(settings.lease_namespace)
     replicas = await backend.leases.replicas(settings.lease_namespace)
     now = states[0].store_now if states else _now_ms()
@@ -219,6 +220,9 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
     doc = status_doc(
         settings, states, replicas, backlog=backlog, quarantined=quarantined, outbox={"depth": depth, "oldest": oldest}
     )
+    for status in (TimerStatus.FAILED, TimerStatus.PARKED):  # over the index of those two statuses
+        found = await backend.timers.search(TimerSearch(status=status), BACKLOG_CAP)
+        doc[f"timers_{status.value.lower()}"] = len(found)
     doc["views"] = await views_status(settings, backend.log, settings.reducers)
     return doc
 

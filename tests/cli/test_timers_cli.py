@@ -78,6 +78,16 @@ def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
     assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 2" in out
 
 
+def test_a_one_shot_schedule_says_when_it_is_due_or_asks_for_now(wowd: Run, created: Path) -> None:
+    """With neither ``--at`` nor ``--in`` a one-shot timer would fire at once: that takes ``--now``."""
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x")
+    assert code == 2 and out == "" and "when is it due? --at TIME, --in SECONDS, or --now" in err
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--now")
+    assert code == 0 and " at version 1: x to demo.order/(0)/o-1 due " in out, err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--now", "--in", "5")
+    assert code == 2 and "not allowed with argument" in err
+
+
 def test_schedule_takes_a_misfire_grace(wowd: Run, created: Path) -> None:
     code, out, err = wowd(
         "timers", "schedule", "order/o-1", "remind", "--command", "remind", "--every-ms", "60000",

@@ -205,7 +205,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     gw = ScriptedGateway()
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
-    before = [c.labels(aggregate="order")._value.get() for c in counters]
+    before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
     loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
@@ -233,7 +233,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     assert p is not None and p.status == TimerStatus.PARKED
     f = await get("fail-1")
     assert f is not None and f.status == TimerStatus.FAILED and f.last_error == "HTTP 400"
-    counted = [c.labels(aggregate="order")._value.get() - n for c, n in zip(counters, before, strict=True)]
+    counted = [c.labels(target=f"{CONTEXT}.order")._value.get() - n for c, n in zip(counters, before, strict=True)]
     assert counted == [2, 1, 1, 2]  # fired, retried, parked, failed (the spent budget and the 400)
 
 
@@ -387,7 +387,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
         assert await t.put(x)
     gw = ScriptedGateway()
     held = await hold(backend)
-    skipped_before = metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get()
+    skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
     loop = timer_loop(t, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
@@ -401,7 +401,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     every = await t.find(ref("owner-ok-every"), "k")
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
-    assert metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get() - skipped_before == 2
+    assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
     (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
     assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
 

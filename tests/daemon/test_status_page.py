@@ -216,6 +216,11 @@ async def test_the_overview_shows_the_stores_and_this_process_and_refreshes_itse
     assert re.search(r'id="quarantined"><a href="/ui/quarantine">1</a>', html)
     assert re.search(r'id="outbox-depth"><a href="/ui/outbox">2</a>', html)
     assert re.search(r'id="due-backlog">1<', html)
+    # timers FAILED and PARKED in the store (every replica's), linked to their list; what this
+    # replica delivered lately is said to be that
+    assert re.search(r'id="timers-failed"><a href="/ui/timers\?status=FAILED">1</a>', html)
+    assert re.search(r'id="timers-parked"><a href="/ui/timers\?status=PARKED">1</a>', html)
+    assert ">deliveries failed here<" in html
     assert "stalled: timers view: disk full" in html, "the slot this process holds stalled says why"
     assert "<script" not in html
     assert re.search(r'<span class="ok">timers current</span>', html)
@@ -514,6 +519,9 @@ def test_a_quantile_is_interpolated_within_its_bucket_as_prometheus_does() -> No
     assert quantile(0.5, [(0.1, 0.0), (0.25, 10.0), (inf, 10.0)]) == pytest.approx(0.175)
     assert quantile(0.99, [(1.0, 5.0), (inf, 10.0)]) == 1.0, "in +Inf: the largest finite bound"
     assert quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None
+    from wowd.ui.window import beyond_top
+
+    assert beyond_top(0.99, [(1.0, 5.0), (inf, 10.0)]) and not beyond_top(0.5, [(1.0, 5.0), (inf, 10.0)])
 
 
 def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -> None:
@@ -523,15 +531,20 @@ def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -
     now = [0.0]
     window = MetricWindow(clock=lambda: now[0], window_s=60)
     FIRE_LAG.observe_many([0.02] * 98 + [4.0] * 2)
-    TIMERS_FIRED.labels(aggregate="window-test").inc(98)
-    TIMERS_PARKED.labels(aggregate="window-test").inc(2)
+    TIMERS_FIRED.labels(target="window.test").inc(98)
+    TIMERS_PARKED.labels(target="window.test").inc(2)
     now[0] = 10.0
     doc = window.read()
     assert doc["deliveries"]["fired"] == 98 and doc["deliveries"]["parked"] == 2 and doc["window_s"] == 10.0
     assert 0.01 < doc["fire_lag_p50_s"] <= 0.025 and 2.5 < doc["fire_lag_p99_s"] <= 5.0
+    assert not doc["fire_lag_p99_beyond"]
     now[0] = 100.0
     later = window.read()
     assert later["deliveries"]["fired"] == 0 and later["fire_lag_p50_s"] is None, "older than the window"
+    FIRE_LAG.observe_many([420.0] * 10)  # a backlog of seven minutes: past the top bucket (60 s)
+    now[0] = 110.0
+    backlog = window.read()
+    assert backlog["fire_lag_p99_s"] == 60.0 and backlog["fire_lag_p99_beyond"] is True
 
 
 async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(page: Page) -> None:

@@ -177,6 +177,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
     when.add_argument("--in", dest="in_s", type=seconds, metavar="SECONDS", help="due this many seconds from now")
+    when.add_argument("--now", action="store_true", help="due now: it fires at once")
     tsc.add_argument(
         "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
     )
@@ -431,9 +432,14 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
     due_at = args.at if args.at is not None else None
     if args.in_s is not None:
         due_at = int(now + args.in_s * 1000)
+    if args.now:
+        due_at = now
     if due_at is None and rule is None:
-        due_at = now  # a one-shot timer without a time: due now
-    elif due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
+        raise ConfigError(
+            "timers schedule: when is it due? --at TIME, --in SECONDS, or --now (it fires at once); a recurring "
+            "timer (--every-ms, --cron) starts at its first occurrence without them"
+        )
+    if due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
         flag = "--at" if args.at is not None else "--in"
         raise ConfigError(
             f"{flag}: the due time {iso_ms(due_at)} is in the past (the timer would fire at once); "

@@ -563,7 +563,7 @@ class OutboxRounds:
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))
-            metrics.count_fired((f.aggregate, f.scheduled_at, at) for f in fired if not f.misfired)
+            metrics.count_fired((f.target, f.scheduled_at, at) for f in fired if not f.misfired)
             for f in fired:
                 if f.next_due is not None:
                     waker.maybe_wake(f.next_due)
@@ -571,7 +571,7 @@ class OutboxRounds:
                     if f.timer is not None:
                         count_misfired(f.timer, at)
                     else:
-                        metrics.TIMERS_MISFIRED.labels(aggregate=f.aggregate).inc()
+                        metrics.TIMERS_MISFIRED.labels(target=f.target).inc()
         if len(fired) >= self._settings.batch:
             return Round(until=at, taken=len(fired), full=True)
         # every timer due by ``at`` was read (not by now: one due since is still to fire)

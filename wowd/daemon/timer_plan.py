@@ -133,17 +133,17 @@ _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fai
 def count_outcomes(results: Sequence[tuple[Timer, Outcome, int]], changes: Sequence[TimerChange]) -> None:
     """Counts what a round's outcomes did: fired (with their fire lag), retried, parked, failed."""
     metrics.count_fired(
-        (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
+        (target_of(t), t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
     )
-    counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
+    counted: Counter[tuple[str, str]] = Counter()  # (kind, target): one label lookup each
     for c in changes:
         if c.kind in _COUNTED:
-            counted[c.kind, c.timer.owner.aggregate] += 1
+            counted[c.kind, target_of(c.timer)] += 1
         if c.kind == "fail" and c.error is not None and c.error.startswith(BUDGET_SPENT):
             # the gateway logged a Retry; that it is given up is the loop's decision
             delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer)
-    for (kind, agg), n in counted.items():
-        _COUNTED[kind].labels(aggregate=agg).inc(n)
+    for (kind, target), n in counted.items():
+        _COUNTED[kind].labels(target=target).inc(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +161,7 @@ _MISFIRE_LOG = _MisfireLog(log)
 
 def count_misfired(t: Timer, at: int) -> None:
     """Counts (and logs, rate-limited) an occurrence skipped past its misfire grace."""
-    metrics.TIMERS_MISFIRED.labels(aggregate=t.owner.aggregate).inc()
+    metrics.TIMERS_MISFIRED.labels(target=target_of(t)).inc()
     why = misfire_reason(t.rule, t.scheduled_at, at)
     _MISFIRE_LOG.outcome(target_of(t), _Skipped(why), t)  # type: ignore[arg-type]
 

@@ -684,8 +684,8 @@ class FiredTimer(NamedTuple):
     path, where a frozen dataclass would cost more than the rest of its handling)."""
 
     timer_id: str
-    aggregate: str
-    """The owner's aggregate type."""
+    target: str
+    """Its target, ``context.aggregate`` (the label of its metrics)."""
     scheduled_at: int
     """The occurrence fired (its outbox entry's)."""
     next_due: int | None

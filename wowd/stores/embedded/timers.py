@@ -91,6 +91,8 @@ from wowd.stores.embedded.timer_sql import (
     C_ROWID,
     C_RULE,
     C_SCHEDULED_AT,
+    C_TARGET_AGGREGATE,
+    C_TARGET_CONTEXT,
     C_TIMER_ID,
     C_VERSION,
     DUE_ARMS,
@@ -592,15 +594,16 @@ class EmbeddedTimerStore(SqliteStore):
                         undecodable.append((reason, r[C_ROWID], r[C_REVISION]))
                         failed.append((r, reason))
                         continue
+                target = f"{r[C_TARGET_CONTEXT]}.{r[C_TARGET_AGGREGATE]}"
                 if late:  # past its misfire grace: settled, not delivered
-                    fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt, True, timer))
+                    fired.append(FiredTimer(r[C_TIMER_ID], target, r[C_SCHEDULED_AT], nxt, True, timer))
                     if retention_ms is not None:
                         assert timer is not None
                         why = misfire_reason(timer.rule, timer.scheduled_at, at)
                         rid = request_id_for(r[C_TIMER_ID], r[C_SCHEDULED_AT])
                         history.append(attempt_row(r, rid, at, at + retention_ms, "misfired", why))
                 else:
-                    fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt))
+                    fired.append(FiredTimer(r[C_TIMER_ID], target, r[C_SCHEDULED_AT], nxt))
                     row = outbox_row(r, fence, owner_key, at)
                     rows.append(row)
                     if retention_ms is not None:
