@@ -253,7 +253,8 @@ def detail(t: Timer, now_ms: int | None = None) -> str:
 
 def timer_doc(t: Timer) -> dict[str, Any]:
     """A timer as ``wowd timers show --json`` prints it and ``/api/v1/timer`` answers it
-    (``version``: the owner's commit that scheduled it; ``request_id``: the next delivery's)."""
+    (``version``: the owner's commit that scheduled it; ``request_id``: the next delivery's;
+    ``due_at``: ``None`` for a FAILED timer, which is not due until retried)."""
     doc: dict[str, Any] = {
         "timer_id": t.timer_id,
         "status": t.status.value,
@@ -261,7 +262,7 @@ def timer_doc(t: Timer) -> dict[str, Any]:
         "owner": str(t.owner),
         "key": t.key,
         "version": t.version,
-        "due_at": t.due_at,
+        "due_at": None if t.status is TimerStatus.FAILED else t.due_at,
         "scheduled_at": t.scheduled_at,
         "target": str(t.target),
         "rule": t.rule.to_doc(),

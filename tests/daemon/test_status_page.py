@@ -307,6 +307,9 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert "PARKED" in parked and "http 404: order o-1 not found" in parked
     failed = await page.api("/api/v1/timer?owner=order/o-1&key=failed")
     assert failed["status"] == "FAILED" and failed["attempts"] == 1
+    # a FAILED timer is due at no time (the store keeps its claim's expiry, a time to come)
+    assert failed["due_at"] is None
+    assert "- (not due: retry it to make it due now)" in await page.html("/ui/timer?owner=order/o-1&key=failed")
     assert failed["request_id"] and failed["rule"] == {"type": "once"}
     later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
     assert "due " in later and ("(in 59 min)" in later or "(in 1.0 h)" in later)
@@ -355,8 +358,13 @@ async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(p
         "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
     )
     assert r.status_code == 200 and r.json()["written"] == 1
+    assert r.json()["timer"]["status"] == "PENDING"  # the timer as it is now, not as it was
     t = await page.backend.timers.find(order("o-1"), "parked")
     assert t is not None and t.status is TimerStatus.PENDING
+    again = await page.client.post(
+        "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
+    )
+    assert again.status_code == 400 and "is PENDING, not PARKED" in again.json()["error"]
     wrong = await page.client.post(
         "/api/v1/timer/retry?owner=order/o-1&key=due", headers={"authorization": f"Bearer {UI_TOKEN}"}
     )
@@ -547,17 +555,29 @@ def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -
     assert backlog["fire_lag_p99_s"] == 60.0 and backlog["fire_lag_p99_beyond"] is True
 
 
-async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(page: Page) -> None:
+async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(
+    page: Page, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answered as the command line answers: 200 when done, 409 when not (its exit 1); each
+    action's log line names who acted."""
+    caplog.set_level(logging.INFO, logger="wowd.ui.app")
     bearer = {"authorization": f"Bearer {UI_TOKEN}"}
     (item,) = (await page.api("/api/v1/quarantine"))["items"]
     r = await page.client.post(f"/api/v1/quarantine/{item['id']}/refeed", headers=bearer)
     assert r.status_code == 200 and r.json()["reason"] is None
     assert r.json()["done"] == ["timers", "snapshots", "parked"]
+    assert any("re-fed by the token holder at 127.0.0.1" in m.getMessage() for m in caplog.records)
+    await page.backend.log.quarantine("wowd", 0, ORDER, {"aggregate_id": "o-8", "version": "x"}, "version: bad")
+    (bad,) = (await page.api("/api/v1/quarantine"))["items"]
+    r = await page.client.post(f"/api/v1/quarantine/{bad['id']}/refeed", headers=bearer)
+    assert r.status_code == 409 and r.json()["reason"] and r.json()["done"] == []  # still quarantined
     entry = await page.api("/api/v1/outbox/entry?request_id=req-1&offset=0")
     assert entry["timer_id"] == "t-1" and entry["offset"] == 1
     r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0", "req-1"]}, headers=bearer)
     assert r.status_code == 200 and r.json()["removed"] == 2
     assert await page.backend.outbox.count() == 0
+    r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers=bearer)
+    assert r.status_code == 409 and r.json()["removed"] == 0 and r.json()["asked"] == 1
     r = await page.client.post(
         "/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers={"authorization": "Bearer x"}
     )

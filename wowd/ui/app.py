@@ -243,7 +243,7 @@ class StatusPage:
             elif request.method == "POST":
                 form = self._form(request, api)
                 self._authorize(request, form, api)
-                out = await self._act(name, params, form)
+                out = await self._act(name, params, form, request.client or "an unknown client")
                 if not api:
                     return HttpResponse(303, HTML, b"", (("location", self._back(name, out)), *SECURITY_HEADERS))
             else:
@@ -300,16 +300,19 @@ class StatusPage:
             return await self._quarantine_item(item)
         raise _NotFound(f"no page {name!r}")
 
-    async def _act(self, name: str, params: dict[str, list[str]], form: dict[str, list[str]]) -> _Out:
+    async def _act(self, name: str, params: dict[str, list[str]], form: dict[str, list[str]], who: str) -> _Out:
+        """An action, done for the token holder at ``who`` (the client's address, which its log
+        line names). Answered as the command line answers it: 200 when done, 409 when it changed
+        nothing or not all it was asked (the command line's exit 1)."""
         both = {**params, **form}
         if name in ("timer/retry", "timer/resume"):
-            return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED)
+            return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED, who)
         if name == "outbox/ack":
-            return await self._ack(both)
+            return await self._ack(both, who)
         head, _, rest = name.partition("/")
         item, _, verb = rest.rpartition("/")
         if head == "quarantine" and item and verb == "refeed":
-            return await self._refeed(item)
+            return await self._refeed(item, who)
         raise _Refused(405, "unknown action", f"no action {name!r}")
 
     def _notice(self, text: str) -> dict[str, str]:
@@ -578,7 +581,7 @@ class StatusPage:
             "stalled": held.get(slot),
         }
 
-    async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus) -> _Out:
+    async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus, who: str) -> _Out:
         owner, key, t = await self._load(params)
         if t is None:
             raise _NotFound(f"no live timer {key!r} of {owner}")
@@ -586,10 +589,20 @@ class StatusPage:
             raise InvalidInput(f"the timer is {t.status.value}, not {wanted.value}", field="status")
         written = await repair_timers(self._backend.timers, [t])
         verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
-        log.info("ui: timer %r of %s %s (%s -> PENDING, due now)", t.key, t.owner, verb, wanted.value)
+        log.info(
+            "ui: timer %r of %s %s by the token holder at %s (%s -> PENDING, due now)%s",
+            t.key,
+            t.owner,
+            verb,
+            who,
+            wanted.value,
+            "" if written else ": not changed, it moved on meanwhile",
+        )
         done = f"{verb}: back to PENDING, due now" if written else "not changed: the timer moved on meanwhile"
         back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
-        return _Out({"written": written, "timer": timer_doc(t), "back": back})
+        after = await find_timer(self._backend.timers, t.owner, t.key)  # the timer as it is now
+        doc = {"written": written, "timer": timer_doc(after) if after is not None else None, "back": back}
+        return _Out(doc, status=200 if written else 409)
 
     # ------------------------------------------------------------------ quarantine
 
@@ -606,12 +619,17 @@ class StatusPage:
         steps = list(steps_needed(str(item.get("reason", ""))))
         return _Out({"item": item, "record": record_of(item), "steps": steps}, "quarantine_item.html", json=item)
 
-    async def _refeed(self, item_id: str) -> _Out:
+    async def _refeed(self, item_id: str, who: str) -> _Out:
         item = await quarantined_item(self._backend.log, item_id)
         if item is None:
             raise _NotFound(f"no quarantined item {item_id}")
         outcome = await retry_item(self._settings, self._backend, item)
-        log.info("ui: quarantined item %s re-fed: %s", item_id, outcome.reason or "released")
+        log.info(
+            "ui: quarantined item %s re-fed by the token holder at %s: %s",
+            item_id,
+            who,
+            f"still quarantined: {outcome.reason}" if outcome.reason else "released",
+        )
         doc = {"item_id": outcome.item_id, "record": outcome.record, "done": outcome.done, "reason": outcome.reason}
         if outcome.reason is None:
             doc["back"] = "/ui/quarantine?" + urlencode(
@@ -619,7 +637,7 @@ class StatusPage:
             )
         else:
             doc["back"] = f"/ui/quarantine/{item_id}"
-        return _Out(doc)
+        return _Out(doc, status=200 if outcome.reason is None else 409)
 
     # ------------------------------------------------------------------ outbox
 
@@ -654,14 +672,15 @@ class StatusPage:
                 return _Out({"entry": doc}, "outbox_entry.html", json=doc)
         raise _NotFound(f"no outbox entry {wanted} near offset {offset} (acknowledged, or trimmed)")
 
-    async def _ack(self, params: dict[str, list[str]]) -> _Out:
+    async def _ack(self, params: dict[str, list[str]], who: str) -> _Out:
         ids = [i for i in [*params.get("request_id", []), *params.get("request_ids", [])] if i.strip()]
         if not ids:
             raise InvalidInput("no entry chosen (request_id)", field="request_id")
         removed = await self._backend.outbox.ack(ids)
-        log.info("ui: %d outbox entries acknowledged", removed)
+        log.info("ui: %d of %d outbox entries acknowledged by the token holder at %s", removed, len(set(ids)), who)
         done = f"{removed} of {len(set(ids))} entries acknowledged (removed)"
-        return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode(self._notice(done))})
+        doc = {"removed": removed, "asked": len(set(ids)), "back": "/ui/outbox?" + urlencode(self._notice(done))}
+        return _Out(doc, status=200 if removed == len(set(ids)) else 409)
 
 
 _HISTORY_BLANK = dict.fromkeys(
