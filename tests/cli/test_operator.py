@@ -169,6 +169,8 @@ def test_trimming_unacknowledged_entries_is_deliberate(
         ),
         ("WOWD_TIMRS__BATCH", "WOWD_TIMRS__BATCH: not a wowd setting (did you mean WOWD_TIMERS__BATCH?)"),
         ("WOWD_CONTEXTT", "WOWD_CONTEXTT: not a wowd setting (did you mean WOWD_CONTEXT?)"),
+        # one underscore where a nested setting has two
+        ("WOWD_GATEWAY_KIND", "WOWD_GATEWAY_KIND: not a wowd setting (did you mean WOWD_GATEWAY__KIND?)"),
         ("WOWD_NOTHING_LIKE_IT", "WOWD_NOTHING_LIKE_IT: not a wowd setting (misspelled?)"),
     ],
 )
