@@ -371,3 +371,4 @@ def test_a_port_in_use_is_one_line_naming_the_setting(db: Path) -> None:
     assert err == (
         f"wowd: HTTP port {port} on 127.0.0.1 is in use (choose another with WOWD_HTTP__PORT, 0 for any free port)"
     )
+    assert not db.exists(), "nothing was started: no database file created"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
 import shutil
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -88,6 +90,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     from wowd.daemon.replica import open_replica  # the replica: loaded by this command only
 
     raise_descriptor_limit()
+    _port_free(settings)
     forced = False
 
     async def signals(received: AsyncIterator[int], scope: anyio.CancelScope, sup: Supervisor) -> None:
@@ -153,6 +156,22 @@ def progress_printer(settings: WowdSettings) -> Callable[[str, dict[str, object]
         out(formatter.format(record))
 
     return emit
+
+
+def _port_free(settings: WowdSettings) -> None:
+    """Raises the ``OSError`` of binding the listener's port when it is taken, before anything
+    is opened (an embedded file is created only by a replica that starts). The listener binds it
+    again when the replica starts (a port taken meanwhile fails the start as it would have)."""
+    if settings.http.port == 0:
+        return
+    try:
+        with socket.create_server((settings.http.host, settings.http.port)):
+            pass
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise
+        # another refusal (a host that does not resolve, a privileged port): the listener's
+        # start names its setting
 
 
 def _newcomer(settings: WowdSettings, port: int | None) -> str:
