@@ -354,3 +354,15 @@ def test_cancel_refuses_a_timer_that_does_not_exist_unless_forced(wowd: Run, fee
     assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 4" in out, err
     code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey", "--force", "--in-owner-stream")
     assert code == 0 and "appended to demo.order/(0)/never-existed at version 1" in out, err
+
+
+def test_cancel_takes_a_timer_id_as_show_retry_and_resume_do(wowd: Run, feed_once: None) -> None:
+    """A timer named by its id is cancelled in the stream that holds it."""
+    k2 = _find("k2")
+    code, out, err = wowd("timers", "cancel", k2.timer_id)
+    assert code == 0 and out == "cancel of timer 'k2' of demo.wowd_schedule/(0)/order/o-1 appended to " \
+        "demo.wowd_schedule/(0)/order/o-1 at version 4\n", err  # fmt: skip
+    code, out, err = wowd("timers", "cancel", "0" * 32)
+    assert (code, out) == (1, "") and f"wowd: no live timer {'0' * 32}" in err
+    code, _, err = wowd("timers", "cancel", k2.timer_id, "--force")
+    assert code == 2 and "in its own stream" in err

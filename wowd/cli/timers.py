@@ -13,7 +13,7 @@ from typing import Any
 from wowd.backends import opened_backend
 from wowd.cli.args import non_negative_int, positive_int, seconds
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
-from wowd.client import SCHEDULES, next_occurrences, schedule_stream
+from wowd.client import SCHEDULES, WowdClient, next_occurrences, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms, one_line
@@ -207,8 +207,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
 
     tc = tsub.add_parser("cancel", help="append a commit cancelling a timer (one that exists, unless --force)")
-    tc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
-    tc.add_argument("key", help="the timer's key")
+    tc.add_argument(
+        "timer",
+        nargs="+",
+        metavar="TIMER_ID | AGGREGATE/ID KEY",
+        help="a timer id as 'timers list' shows it, or the owner aggregate (CONTEXT.AGGREGATE/ID also taken) and "
+        "the timer's key",
+    )
     tc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     tc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
     tc.add_argument(
@@ -396,24 +401,12 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
 
 
 async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
-    from wowd.client import WowdClient
-
     client = WowdClient(
         log, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
     )
-    owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
-        stream = owner if args.in_owner_stream else schedule_stream(owner)
-        if not args.force and await timers_store.find(stream, args.key) is None:
-            err(
-                f"wowd: no timer {args.key!r} of {stream} in the timer view (it fired, was cancelled or never "
-                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
-                "appends the cancel anyway"
-            )
-            return 1
-        commit = await client.cancel(owner, args.key, in_owner_stream=args.in_owner_stream)
-        out(f"cancel of timer {args.key!r} of {owner} appended to {commit.ref} at version {commit.version}")
-        return 0
+        return await _cancel(settings, client, timers_store, args)
+    owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     target = (
         parse_ref(args.target, context=settings.context, tenant=args.target_tenant or owner.tenant_id)
         if (args.target)
@@ -470,6 +463,38 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
         then = [first, *next_occurrences(written, NEXT_SHOWN - 1, after=first)]
         how = f" ({written.dialect}: {written.expression!r})" if isinstance(written, CronRule) else ""
         out(f"next occurrences{how}: " + ", ".join(iso_ms(t) for t in then))
+    return 0
+
+
+async def _cancel(settings: WowdSettings, client: WowdClient, store: TimerStore, args: argparse.Namespace) -> int:
+    """Appends the cancel of one timer, named by its id (to the stream it is in) or by its owner
+    and key (wowd's stream of the owner, or with ``--in-owner-stream`` the owner's own)."""
+    picked = selected(args.timer, context=settings.context, tenant=args.tenant)
+    if len(picked) != 1:
+        raise ConfigError("timers cancel: give one TIMER_ID, or an owner AGGREGATE/ID and a KEY")
+    wanted = picked[0]
+    if isinstance(wanted, str):
+        if args.in_owner_stream or args.force:
+            raise ConfigError("timers cancel: a timer named by its id is cancelled in its own stream (no --force)")
+        t = await _find(settings, store, wanted)
+        if t is None:
+            err(
+                f"wowd: no live timer {wanted} (it fired or was cancelled: wowd timers show {wanted}): nothing appended"
+            )
+            return 1
+        owner, key, own = t.owner, t.key, t.owner.aggregate != SCHEDULES
+    else:
+        owner, key, own = wanted[0], wanted[1], args.in_owner_stream
+        stream = owner if own else schedule_stream(owner)
+        if not args.force and await store.find(stream, key) is None:
+            err(
+                f"wowd: no timer {key!r} of {stream} in the timer view (it fired, was cancelled or never "
+                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
+                "appends the cancel anyway"
+            )
+            return 1
+    commit = await client.cancel(owner, key, in_owner_stream=own)
+    out(f"cancel of timer {key!r} of {owner} appended to {commit.ref} at version {commit.version}")
     return 0
 
 
