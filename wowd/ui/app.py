@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 50
 """Rows per page of a list."""
+BULK_CAP = 1000
+"""Timers one bulk action of the page changes at most (repeat it for more)."""
 MAX_MS = 253402300799999
 """The last millisecond of year 9999: the latest time a search takes."""
 MAX_OFFSET_DIGITS = 12
@@ -307,6 +309,12 @@ class StatusPage:
         both = {**params, **form}
         if name in ("timer/retry", "timer/resume"):
             return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED, who)
+        if name == "timer/cancel":
+            return await self._cancel(both, who)
+        if name in ("timers/retry", "timers/resume"):
+            return await self._repair_target(
+                both, TimerStatus.FAILED if name == "timers/retry" else TimerStatus.PARKED, who
+            )
         if name == "outbox/ack":
             return await self._ack(both, who)
         head, _, rest = name.partition("/")
@@ -491,7 +499,7 @@ class StatusPage:
         now = int(time.time() * 1000)
         docs = [{**timer_doc(t), "detail": detail(t, now)} for t in page.timers]
         rows = [{**d, "owner_ref": _ref_params(t.owner)} for d, t in zip(docs, page.timers, strict=True)]
-        data = {"timers": rows, "next": page.next, "search": form}
+        data = {"timers": rows, "next": page.next, "search": form, "done": self._done(params), "history": []}
         return _Out(data, "timers.html", json={"timers": docs, "next": page.next})
 
     async def _load(self, params: Mapping[str, list[str]]) -> Any:
@@ -565,7 +573,7 @@ class StatusPage:
                 docs = [{"timer_id": view.timer_id, "status": view.state, "owner": str(view.owner), "key": view.key,
                          "detail": ended}]  # fmt: skip
             rows = [{**docs[0], "owner_ref": _ref_params(view.owner), "live": t is not None}]
-        data = {"timers": rows, "next": None, "search": form, "history": history}
+        data = {"timers": rows, "next": None, "search": form, "history": history, "done": None}
         return _Out(data, "timers.html", json={"timers": docs, "next": None, "history": history})
 
     async def _slot_of(self, part: int) -> dict[str, Any]:
@@ -603,6 +611,55 @@ class StatusPage:
         after = await find_timer(self._backend.timers, t.owner, t.key)  # the timer as it is now
         doc = {"written": written, "timer": timer_doc(after) if after is not None else None, "back": back}
         return _Out(doc, status=200 if written else 409)
+
+    async def _cancel(self, params: dict[str, list[str]], who: str) -> _Out:
+        """Appends the cancel of a live timer to the stream that holds it (as ``wowd timers
+        cancel`` does); the feed then ends it."""
+        from wowd.client import SCHEDULES, WowdClient
+
+        owner, key, t = await self._load(params)
+        if t is None:
+            raise _NotFound(f"no live timer {key!r} of {owner}: nothing to cancel")
+        s = self._settings.timers
+        client = WowdClient(self._backend.log, max_body_bytes=s.max_body_bytes, min_interval_ms=s.min_interval_ms)
+        commit = await client.cancel(t.owner, t.key, in_owner_stream=t.owner.aggregate != SCHEDULES)
+        log.info(
+            "ui: timer %r of %s cancelled by the token holder at %s (commit %s v%d)",
+            t.key,
+            t.owner,
+            who,
+            commit.ref,
+            commit.version,
+        )
+        done = f"cancel appended ({commit.ref} v{commit.version}): the timer ends once the feed applies it"
+        back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
+        return _Out({"cancelled": t.timer_id, "commit": f"{commit.ref} v{commit.version}", "back": back})
+
+    async def _repair_target(self, params: dict[str, list[str]], wanted: TimerStatus, who: str) -> _Out:
+        """Every FAILED (``retry``) or PARKED (``resume``) timer of one target back to PENDING, due
+        now (as ``wowd timers retry|resume --target`` does)."""
+        text = _one(params, "target")
+        if text is None:
+            raise InvalidInput("which target's timers: target (AGGREGATE/ID)", field="target")
+        target = parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
+        page = await search_timers(self._backend.timers, TimerSearch(status=wanted, target=target), BULK_CAP)
+        written = await repair_timers(self._backend.timers, page.timers)
+        verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
+        log.info(
+            "ui: %d of the %s timers of target %s %s by the token holder at %s",
+            written,
+            wanted.value,
+            target,
+            verb,
+            who,
+        )
+        more = " (more remain: again)" if page.next is not None else ""
+        done = f"{written} {wanted.value} timer(s) of {target} {verb}: back to PENDING, due now{more}"
+        back = "/ui/timers?" + urlencode({"status": wanted.value, "target": text, **self._notice(done)})
+        status = 200 if written == len(page.timers) else 409
+        return _Out(
+            {"written": written, "asked": len(page.timers), "more": page.next is not None, "back": back}, status=status
+        )
 
     # ------------------------------------------------------------------ quarantine
 
