@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wowd.client import schedule_stream
-from wowd.config import WowdSettings
+from wowd.config import WowdSettings, url_shown
 from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
 from wowd.fmt import at, iso_ms, one_line
 from wowd.model import (
@@ -70,6 +70,7 @@ __all__ = [
     "TimerPage",
     "cursor_of",
     "deliveries",
+    "delivery_doc",
     "detail",
     "find_timer",
     "history_doc",
@@ -224,6 +225,50 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
         found = await backend.timers.search(TimerSearch(status=status), BACKLOG_CAP)
         doc[f"timers_{status.value.lower()}"] = len(found)
     doc["views"] = await views_status(settings, backend.log, settings.reducers)
+    return doc
+
+
+def delivery_doc(settings: WowdSettings) -> dict[str, Any]:
+    """Where a replica of ``settings`` sends fired commands (the status page's "Delivery"): the
+    gateway, and for ``http`` each route in the order they match, then the fallback URL, with
+    the limits and whether a credential, signing and client certificate are set (never their
+    values; a URL without the credentials it may hold)."""
+    g = settings.gateway
+    doc: dict[str, Any] = {"kind": g.kind, "concurrency": g.concurrency}
+    if g.kind == "outbox":
+        doc["outbox"] = {"retention_s": settings.outbox.retention_s, "fast_path": settings.outbox.fast_path}
+        return doc
+    signed = bool(g.signing_secrets)
+    routes = [
+        {
+            "match": r.match,
+            "url": url_shown(r.url),
+            "timeout_s": r.timeout_s or g.timeout_s,
+            "per_target_concurrency": r.per_target_concurrency or g.per_target_concurrency,
+            "credential": "token" if r.token is not None else "none",
+            "signed": bool(r.signing_secrets) if r.signing_secrets is not None else signed,
+            "client_cert": (r.client_cert or g.client_cert) is not None,
+        }
+        for r in g.routes
+    ]
+    if g.url:
+        routes.append(
+            {
+                "match": "*",
+                "url": url_shown(g.url),
+                "timeout_s": g.timeout_s,
+                "per_target_concurrency": g.per_target_concurrency,
+                "credential": "token" if g.token is not None else "none",
+                "signed": signed,
+                "client_cert": g.client_cert is not None,
+            }
+        )
+    doc.update(
+        routes=routes,
+        verify_certs=g.verify_certs,
+        breaker={"failures": g.breaker_failures, "open_s": g.breaker_open_s},
+        unrouted="FAILED at once: no route and no gateway.url" if not g.url else None,
+    )
     return doc
 
 

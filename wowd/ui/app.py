@@ -49,6 +49,7 @@ from wowd.model import DEFAULT_TENANT, HISTORY_ATTEMPTS, TimerStatus
 from wowd.operator import (
     ENDED_DETAIL,
     TimerHistoryView,
+    delivery_doc,
     detail,
     find_timer,
     history_doc,
@@ -454,7 +455,12 @@ class StatusPage:
             }
             for slot, why in sorted(held.items())
         }
-        return {"owner_key": self._settings.owner_key, "slots": slots, **self._window.read()}
+        return {
+            "owner_key": self._settings.owner_key,
+            "slots": slots,
+            "delivery": delivery_doc(self._settings),
+            **self._window.read(),
+        }
 
     async def _overview(self, params: dict[str, list[str]]) -> _Out:
         status = await read_status(self._settings, self._backend)
