@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from tests.cli.conftest import Run
+from tests.daemon.test_gateway import serving
 from wowd.backends import opened_backend
 from wowd.client import schedule_stream
 from wowd.config import load_settings
@@ -23,39 +24,26 @@ from wowd.model import AggregateRef, HistoryKind
 ORDER = AggregateRef(context="demo", aggregate="order", id="o-77")
 
 
-class Target:
-    """Answers the first command 503 ``{"errorMsg": "busy"}``, the next ones 200 ``{"ok": true}``."""
+def busy_once(answered: list[str]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A target answering the first command 503 ``{"errorMsg": "busy"}``, the next ones 200
+    ``{"ok": true}``; the request ids it was sent go to ``answered``, in order."""
 
-    def __init__(self) -> None:
-        self.request_ids: list[str] = []
-
-    async def handle(self, request: web.Request) -> web.Response:
-        self.request_ids.append(request.headers["command-request-id"])
-        if len(self.request_ids) == 1:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        answered.append(request.headers["command-request-id"])
+        if len(answered) == 1:
             return web.json_response({"errorMsg": "busy"}, status=503)
         return web.json_response({"ok": True})
 
-
-async def _served(target: Target) -> AsyncIterator[str]:
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", target.handle)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    return handle
 
 
-def _fire_until_delivered(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+def _fire_until_delivered(answered: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Runs a replica until the history holds the delivery of ``deadline`` and the feed applied
     the cancel of ``reminder``."""
 
     async def run() -> None:
-        served = _served(target)
-        url = await anext(served)
+        served = serving(busy_once(answered))
+        _target, url = await served.__aenter__()
         monkeypatch.setenv("WOWD_GATEWAY__KIND", "http")
         monkeypatch.setenv("WOWD_GATEWAY__URL", url)
         monkeypatch.setenv("WOWD_HTTP__HOST", "127.0.0.1")
@@ -80,7 +68,7 @@ def _fire_until_delivered(target: Target, monkeypatch: pytest.MonkeyPatch) -> No
                             await anyio.sleep(0.05)
                     replica.stop()
         finally:
-            await served.aclose()
+            await served.__aexit__(None, None, None)
 
     anyio.run(run)
 
@@ -94,9 +82,9 @@ def test_show_answers_the_history_of_a_fired_or_cancelled_timer(
     assert code == 0, err
     code, _, err = wowd("timers", "cancel", "order/o-77", "reminder", "--force")
     assert code == 0, err
-    target = Target()
-    _fire_until_delivered(target, monkeypatch)
-    retried, delivered = target.request_ids[:2]
+    answered: list[str] = []
+    _fire_until_delivered(answered, monkeypatch)
+    retried, delivered = answered[:2]
     assert retried == delivered  # a retry carries the same request id
 
     code, out, err = wowd("timers", "show", "order/o-77", "deadline")

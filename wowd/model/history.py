@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from wowd.errors import InvalidInput
 from wowd.model.commits import Commit
 from wowd.model.ids import AggregateRef
 from wowd.model.timers import Timer, TimerCancelled, TimerScheduled, deterministic_timer_id
@@ -29,6 +30,7 @@ __all__ = [
     "HistoryKind",
     "HistoryRecord",
     "attempt_record",
+    "check_context",
     "commit_records",
     "timer_segment",
 ]
@@ -84,6 +86,14 @@ class HistoryRecord:
     latency_ms: float | None = None
     reason: str | None = None
     answer: str | None = None
+
+
+def check_context(records: Iterable[HistoryRecord], context: str) -> None:
+    """Raises :class:`~wowd.errors.InvalidInput` (field ``owner.context``) for a record of
+    another context than a history store's."""
+    for r in records:
+        if r.owner.context != context:
+            raise InvalidInput(f"{r.owner} is not of this store's context {context!r}", field="owner.context")
 
 
 def _cut(text: str | None, n: int) -> str | None:

@@ -24,9 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from wowd.errors import InvalidInput
 from wowd.model import HISTORY_ATTEMPTS, AggregateRef, HistoryKind, HistoryRecord, validate_name
-from wowd.model.history import CANCELLED, SCHEDULED
+from wowd.model.history import CANCELLED, SCHEDULED, check_context
 from wowd.stores.base import HISTORY_READ_LIMIT
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows, update_rows
 from wowd.stores.embedded.sqlite import sqlite3
@@ -225,9 +224,7 @@ class EmbeddedTimerHistory(SqliteStore):
     async def append(self, records: Sequence[HistoryRecord]) -> None:
         if not records:
             return
-        for r in records:
-            if r.owner.context != self.context:
-                raise InvalidInput(f"{r.owner} is not of this store's context {self.context!r}", field="owner.context")
+        check_context(records, self.context)
         rows = [record_row(r) for r in records]
         await self._run("append", self._db.transaction(functools.partial(write_records, self.context, rows)))
 

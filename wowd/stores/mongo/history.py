@@ -38,18 +38,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
-from pymongo import AsyncMongoClient, ReplaceOne, UpdateMany
-from pymongo.asynchronous.collection import AsyncCollection
+from pymongo import ReplaceOne, UpdateMany
 from pymongo.errors import BulkWriteError
 
-from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.errors import InvalidInput, StorageError
 from wowd.model import AggregateRef, HistoryKind, HistoryRecord, validate_name
-from wowd.model.history import CANCELLED, SCHEDULED
-from wowd.stores.base import HISTORY_READ_LIMIT, Ddl
-from wowd.stores.mongo._common import DEFAULT_OPERATION_TIMEOUT, MongoStore, durable_or_raise
+from wowd.model.history import CANCELLED, SCHEDULED, check_context
+from wowd.stores.base import HISTORY_READ_LIMIT
+from wowd.stores.mongo._common import CollectionStore, durable_or_raise
 
 __all__ = [
     "MongoTimerHistory",
@@ -178,51 +177,24 @@ def record_from_doc(context: str, doc: Mapping[str, Any]) -> HistoryRecord:
         raise StorageError(f"mongodb timer history: unreadable record {doc.get('_id')!r}: {exc!r}") from exc
 
 
-class MongoTimerHistory(MongoStore):
+class MongoTimerHistory(CollectionStore):
     """:class:`~wowd.stores.base.TimerHistory` of one context on MongoDB (the
-    :class:`MongoStore` constructor; ``ddl`` as the other stores take it)."""
+    :class:`~wowd.stores.mongo._common.CollectionStore` constructor: client or URI, database,
+    context, ``ddl``, ``operation_timeout``)."""
 
     _label = "history"
 
-    def __init__(
-        self,
-        client_or_uri: AsyncMongoClient[Doc] | str,
-        database_name: str,
-        *,
-        context: str,
-        ddl: Ddl = Ddl.AUTO,
-        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
-    ) -> None:
-        self.context = validate_name(context, field="context")
-        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
-        self._coll: AsyncCollection[Doc] = self._db[history_collection(context)]
-        self._ddl = Ddl(ddl)
+    def collection_of(self, context: str) -> str:
+        return history_collection(context)
 
-    async def prepare(self) -> None:
-        """Creates (AUTO) or checks (VALIDATE) the indexes; idempotent."""
-        if self._ddl is Ddl.AUTO:
-            with self._call("prepare", bounded=False):
-                await self._create_indexes(self._coll.name, history_indexes(), logger)
-        elif self._ddl is Ddl.VALIDATE:
-            with self._call("prepare"):
-                found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}
-            for spec in history_indexes():
-                ix = found.get(spec["name"])
-                if (
-                    ix is None
-                    or list(ix["key"].items()) != list(spec["key"].items())
-                    or ix.get("expireAfterSeconds") != spec.get("expireAfterSeconds")
-                    or ix.get("partialFilterExpression") != spec.get("partialFilterExpression")
-                ):
-                    raise FormatError(f"mongodb {self._coll.name}: the index {spec} is missing (ddl=validate)")
+    def indexes(self) -> list[Doc]:
+        return history_indexes()
 
     async def append(self, records: Sequence[HistoryRecord]) -> None:
         """One unordered ``bulkWrite`` (:func:`write_operations`)."""
         if not records:
             return
-        for r in records:
-            if r.owner.context != self.context:
-                raise InvalidInput(f"{r.owner} is not of this store's context {self.context!r}", field="owner.context")
+        check_context(records, self.context)
         with self._call("append"):
             try:
                 await self._coll.bulk_write(write_operations(records), ordered=False)
