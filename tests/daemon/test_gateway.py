@@ -708,15 +708,15 @@ def test_target_is_context_and_aggregate() -> None:
 
 class FakeOutbox:
     def __init__(self, fail: bool = False) -> None:
-        self.entries: dict[str, OutboxEntry] = {}
+        self.stored: dict[str, OutboxEntry] = {}
         self.fail = fail
 
     async def put(self, entry: OutboxEntry) -> bool:
         if self.fail:
             raise StorageUnavailable("busy")
-        if entry.request_id in self.entries:
+        if entry.request_id in self.stored:
             return False
-        self.entries[entry.request_id] = entry
+        self.stored[entry.request_id] = entry
         return True
 
     async def put_many(self, entries: list[OutboxEntry]) -> list[bool]:
@@ -725,14 +725,19 @@ class FakeOutbox:
     async def count(self) -> int:
         if self.fail:
             raise StorageUnavailable("busy")
-        return len(self.entries)
+        return len(self.stored)
+
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
+        if self.fail:
+            raise StorageUnavailable("busy")
+        return list(self.stored.values())[after : after + limit]
 
     async def trim(self, before: int) -> int:
         if self.fail:
             raise StorageUnavailable("busy")
-        old = [k for k, e in self.entries.items() if e.created_at < before]
+        old = [k for k, e in self.stored.items() if e.created_at < before]
         for k in old:
-            del self.entries[k]
+            del self.stored[k]
         return len(old)
 
 
@@ -742,7 +747,7 @@ async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -
     t = make_timer()
     assert isinstance(await gw.send(t), Delivered)
     assert isinstance(await gw.send(t), Delivered)  # a re-fire is idempotent
-    (entry,) = box.entries.values()
+    (entry,) = box.stored.values()
     assert entry.request_id == t.request_id and entry.fence == 7 and entry.owner_key == "host:1:abc"
     assert entry.command == t.body and entry.scheduled_at == 900
 
@@ -791,7 +796,7 @@ async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: p
     assert gw.depth_age() >= counted  # the age of the last count tells
     assert len([r for r in caplog.records if "depth not counted" in r.getMessage()]) == 1  # once a streak
     box.fail = False
-    box.entries.clear()
+    box.stored.clear()
     await gw.count_depth()
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 0 and gw.depth_age() < counted + 1
 
@@ -802,4 +807,4 @@ async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:
     outcome = await gw.send(make_timer())
     box.fail = True
     await gw.housekeep()  # logged, not raised
-    assert isinstance(outcome, Delivered) and len(box.entries) == 1
+    assert isinstance(outcome, Delivered) and len(box.stored) == 1
