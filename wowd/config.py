@@ -257,7 +257,10 @@ class TimerSettings(_Part):
     backoff_max_s: float = Field(default=300.0, gt=0, le=DAY_S)
     tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60, le=YEARS_S)
     """How long a fired or cancelled timer is remembered: a replay of the log within it
-    re-delivers nothing."""
+    re-delivers nothing. A timer's history is kept as long."""
+    history: bool = True
+    """Keep each timer's history (the commits that scheduled and cancelled it, each attempt);
+    False: none is written (the feed and the firing path write a little less)."""
 
     @model_validator(mode="after")
     def _lookahead_below_claim(self) -> TimerSettings:

@@ -93,15 +93,17 @@ async def open_embedded(settings: WowdSettings) -> Backend:
         stack.push_async_callback(snapshots.close)
         outbox = EmbeddedOutbox(path)
         stack.push_async_callback(outbox.close)
-        history = EmbeddedTimerHistory(path, context=settings.context)
-        stack.push_async_callback(history.close)
+        history = EmbeddedTimerHistory(path, context=settings.context) if settings.timers.history else None
+        if history is not None:
+            stack.push_async_callback(history.close)
         # one at a time: the first prepare creates the file and switches it to WAL
         await leases.prepare()
         await log.prepare()
         await timers.prepare()
         await snapshots.prepare()
         await outbox.prepare()
-        await history.prepare()
+        if history is not None:
+            await history.prepare()
 
         # the sinks of every aggregate type share one connection (its thread, its descriptors)
         # and one memory of the attributes they wrote

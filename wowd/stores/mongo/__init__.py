@@ -137,7 +137,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         snapshots = MongoSnapshotStore(client, database, context=context, ddl=ddl, sharding=sharding, **common)
         outbox = MongoOutbox(client, database, context=context, ddl=ddl, **common)
         history = MongoTimerHistory(client, database, context=context, ddl=ddl, **common)
-        stores = (leases, log, timers, snapshots, outbox, history)
+        stores = (leases, log, timers, snapshots, outbox, *((history,) if settings.timers.history else ()))
         for store in stores:
             stack.push_async_callback(store.close)
         for store in stores:
@@ -161,7 +161,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             snapshots=snapshots,
             rebuilds=snapshots,
             outbox=outbox,
-            history=history,
+            history=history if settings.timers.history else None,
             sink_factory=sink_factory,
             # closed in reverse: the stores first, the clients last
             resources=stack.pop_all(),  # success: the backend owns the clients and stores now
