@@ -13,7 +13,9 @@ By default the store's SQLite calls run inline on the event loop's thread (so th
 sees their cost); ``--threads`` keeps the worker threads; ``--null`` a gateway that answers at once with no request
 (the firing path's own cost). ``--no-profile`` times the path without
 the profiler's overhead (CPU per command to compare a change with). The event loop is uvloop and
-the garbage collector tuned, as ``wowd run`` has them (``--default-gc``: Python's defaults).
+the garbage collector tuned, as ``wowd run`` has them (``--default-gc``: Python's defaults). Each
+attempt is recorded in the timer history with its settle group, as ``wowd run`` records it
+(``--no-history``: not recorded).
 """
 
 from __future__ import annotations
@@ -61,7 +63,15 @@ STEPS = (
 
 
 async def _fire(
-    target: Target, db_path: Path, n: int, concurrency: int, *, inline: bool, profile: bool, null: bool = False
+    target: Target,
+    db_path: Path,
+    n: int,
+    concurrency: int,
+    *,
+    inline: bool,
+    profile: bool,
+    null: bool = False,
+    history: bool = True,
 ) -> Any:
     from wowd.config import GatewaySettings, TimerSettings
     from wowd.daemon.firing import Firing
@@ -70,9 +80,11 @@ async def _fire(
     from wowd.daemon.waker import Waker
     from wowd.delivery import Delivered, HttpGateway, Outcome
     from wowd.model import SlotLease
+    from wowd.stores.embedded.history import EmbeddedTimerHistory
     from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     store = EmbeddedTimerStore(db_path, context=BENCH_CONTEXT, partitions=PARTITIONS)
+    recorded = EmbeddedTimerHistory(db_path, context=BENCH_CONTEXT) if history else None
     all_delivered = anyio.Event()
     delivered = 0
 
@@ -109,6 +121,7 @@ async def _fire(
         limits=target_limits(concurrency, lambda _target: concurrency),
         nudge=lambda: None,
         gate=None,
+        history=recorded,
     )
     lease = SlotLease(
         namespace="bench",
@@ -150,6 +163,8 @@ async def _fire(
     finally:
         await gateway.aclose()
         await store.close()
+        if recorded is not None:
+            await recorded.close()
     return elapsed, cpu, profiler
 
 
@@ -162,6 +177,7 @@ def fire_once(
     bare: bool = False,
     tune_gc: bool = True,
     null: bool = False,
+    history: bool = True,
 ) -> dict[str, Any]:
     """Fires ``n`` timers due at once over HTTP in this process (or, with ``bare``, runs the bare
     aiohttp loop); answers the timings (and, with ``profile``, the ``cProfile.Profile``).
@@ -194,7 +210,7 @@ def fire_once(
         db_path = Path(tmp) / "wowd.db"
         create_timer_tables(db_path)
         elapsed, cpu, profiler = uvloop.run(
-            _fire(target, db_path, n, concurrency, inline=inline, profile=profile, null=null)
+            _fire(target, db_path, n, concurrency, inline=inline, profile=profile, null=null, history=history)
         )
         seen = target.count()
     return {
@@ -233,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bare", action="store_true", help="the bare aiohttp loop instead")
     ap.add_argument("--default-gc", action="store_true", help="Python's collector settings, not wowd run's")
     ap.add_argument("--null", action="store_true", help="a gateway that answers at once, no request")
+    ap.add_argument("--no-history", action="store_true", help="record no attempt in the timer history")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path, help="also write the report here")
     args = ap.parse_args(argv)
@@ -244,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         bare=args.bare,
         tune_gc=not args.default_gc,
         null=args.null,
+        history=not args.no_history,
     )
     text = report(result, args.top)
     sys.stdout.write(text + "\n")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from wowd.signing import InvalidSignature, Signer, secret_key, sign, verify
+from wowd.signing import InvalidSecret, InvalidSignature, Signer, secret_key, sign, verify
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "delivery.md"
 
@@ -114,3 +114,24 @@ def test_a_malformed_secret_is_refused_without_repeating_it(secret: str, says: s
     with pytest.raises(ValueError, match=says) as caught:
         secret_key(secret)
     assert secret not in str(caught.value)
+
+
+def test_verify_takes_one_secret_or_a_list_and_tells_a_bad_secret_from_a_bad_request() -> None:
+    """One secret string is one secret (not its characters); a secret that is not one is the
+    receiver's configuration at fault, :class:`InvalidSecret` naming which, whatever the
+    request; the documented test vector checks with ``now`` set to its time."""
+    headers = {
+        "webhook-id": MSG_ID,
+        "webhook-timestamp": str(TIMESTAMP),
+        "webhook-signature": "v1,J/PqJ5buCp3aMpFHD1RLKrrAz6IrbkGycxqApGQ6Ir0=",
+    }
+    verify(SECRET, headers, BODY, now=TIMESTAMP)  # docs/delivery.md's vector, as its example checks it
+    verify([OLD_SECRET, SECRET], headers, BODY, now=TIMESTAMP)
+    assert Signer(SECRET).headers(MSG_ID, BODY, TIMESTAMP) == headers
+    with pytest.raises(InvalidSecret, match="^secret 2 of 2: a signing secret starts with 'whsec_'$"):
+        verify([SECRET, "d293ZC1zaWduaW5n"], headers, BODY, now=TIMESTAMP)
+    with pytest.raises(InvalidSecret, match="followed by standard base64"):
+        verify("whsec_not base64!", {}, BODY)  # before the request is looked at
+    text = DOCS.read_text()
+    example = text[text.index("**In Python**") : text.index("The Standard Webhooks libraries")]
+    assert "now=1767225600" in example

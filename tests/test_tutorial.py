@@ -120,7 +120,7 @@ def test_the_tutorial_schedules_receives_cancels_and_watches(workdir: Path) -> N
             assert shown.returncode == 0, (watch, shown.stderr)
             if "/metrics" in watch:
                 # a delivery is counted when its outcome is written (within a settle group's 20 ms)
-                fired = 'wowd_timers_fired_total{aggregate="wowd_schedule"} 1.0'
+                fired = 'wowd_timers_fired_total{target="demo.order"} 1.0'
                 deadline = time.monotonic() + 5
                 while fired not in shown.stdout and time.monotonic() < deadline:
                     shown = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=60)

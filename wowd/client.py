@@ -1,4 +1,5 @@
-"""The application API: schedule and cancel timers by appending commits to the context's log.
+"""The application API: schedule and cancel timers by appending commits to the context's log, and
+append an application's own commits (:meth:`WowdClient.append`).
 
 :meth:`WowdClient.schedule` appends a commit carrying one ``TimerScheduled`` event,
 :meth:`WowdClient.cancel` one carrying ``TimerCancelled`` (the schema the daemon's feed reads,
@@ -30,23 +31,27 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from wowd import clock
 from wowd.config import WowdSettings
-from wowd.errors import ConflictError, InvalidInput
+from wowd.errors import ConfigError, ConflictError, InvalidInput
 from wowd.model import (
     MAX_BODY_BYTES,
     MIN_INTERVAL_MS,
     AggregateRef,
+    AggregateType,
     Command,
     Commit,
     CronRule,
     DomainEvent,
+    IntervalRule,
     OnceRule,
     Rule,
+    commit_from_doc,
+    cron_dialect_of,
     parse_rule,
     timer_event_from,
 )
@@ -54,10 +59,12 @@ from wowd.stores.base import Log
 
 __all__ = [
     "MAX_VERSION_RETRIES",
+    "Appended",
     "SCHEDULES",
     "SyncWowdClient",
     "WowdClient",
     "cancelled_event",
+    "next_occurrences",
     "schedule_stream",
     "scheduled_event",
 ]
@@ -90,11 +97,36 @@ def _ms(value: int | datetime, field: str) -> int:
 
 
 def _rule(rule: Rule | Mapping[str, Any] | None) -> Rule:
+    """The rule a schedule writes: a cron rule given with no dialect is read in the one its
+    fields say (:func:`~wowd.model.cron_dialect_of`: five as Vixie cron, six seconds first as
+    the JVM's schedulers), and the rule written names it."""
     if rule is None:
         return OnceRule()
     if isinstance(rule, Mapping):
-        return parse_rule(rule)
+        doc = dict(rule)
+        if doc.get("type") == "cron" and doc.get("dialect") is None and isinstance(doc.get("expression"), str):
+            doc["dialect"] = cron_dialect_of(doc["expression"])
+        return parse_rule(doc)
+    if isinstance(rule, CronRule) and rule.dialect is None:
+        return dataclasses.replace(rule, dialect=cron_dialect_of(rule.expression))
     return rule
+
+
+def next_occurrences(rule: Rule | Mapping[str, Any], n: int = 3, *, after: int | datetime | None = None) -> list[int]:
+    """The next ``n`` due times (ms) of a recurring ``rule`` after ``after`` (default now), read
+    as a schedule writes it (a cron rule with no dialect as :func:`_rule` says): what a timer of
+    that rule fires at. ``[]`` for a once rule."""
+    parsed = _rule(rule)
+    start = clock.now_ms() if after is None else _ms(after, "after")
+    if isinstance(parsed, CronRule):
+        return parsed.occurrences(start, n)
+    out: list[int] = []
+    at: int | None = start
+    while isinstance(parsed, IntervalRule) and len(out) < n and at is not None:
+        at = parsed.next_after(at)
+        if at is not None:
+            out.append(at)
+    return out
 
 
 def scheduled_event(
@@ -165,8 +197,19 @@ def cancelled_event(key: str) -> DomainEvent:
     return event
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Appended:
+    """What :meth:`WowdClient.append` did: ``appended`` the commit, or found its request id in the
+    stream already (``duplicate``: a retry of an append that was written; nothing was added, and
+    ``commit`` is the one asked for)."""
+
+    outcome: Literal["appended", "duplicate"]
+    commit: Commit
+
+
 class WowdClient:
-    """Schedules and cancels timers on ``log`` (the caller's; :meth:`connect` opens one)."""
+    """Schedules and cancels timers, and appends an application's own commits, on ``log`` (the
+    caller's; :meth:`connect` opens one)."""
 
     def __init__(
         self, log: Log, *, max_body_bytes: int = MAX_BODY_BYTES, min_interval_ms: int = MIN_INTERVAL_MS
@@ -238,6 +281,75 @@ class WowdClient:
             owner if in_owner_stream else schedule_stream(owner), cancelled_event(key), request_id
         )
 
+    async def append(
+        self,
+        aggregate: str,
+        commit: Mapping[str, Any],
+        *,
+        expected_version: int | None = None,
+    ) -> Appended:
+        """Appends one commit of the log's schema (docs/schema/commit.schema.json: ``aggregate_id``,
+        ``tenant_id``, ``request_id``, ``events``, ``header``, ``access``, ``deleted``, ...) to
+        the stream of ``aggregate_id`` in the aggregate type ``aggregate`` of the log's context,
+        checked as the feed reads it (a malformed field, a timer event the feed would reject, is
+        :class:`~wowd.errors.InvalidInput` naming the field; nothing is appended).
+
+        Its version: ``expected_version + 1`` with ``expected_version`` (the version the caller
+        saw last; 0 for a new stream), else the document's ``version``; either way a commit of
+        another request id at that version is a :class:`ConflictError` (the stream moved on:
+        read it again, decide, append again). With neither, the stream's next version, read
+        again while other writers take it (up to :data:`MAX_VERSION_RETRIES`).
+
+        Idempotent by ``request_id`` (required): a request id the stream holds already answers
+        ``duplicate`` and appends nothing, so a retry after a lost answer is safe. ``create_time``
+        defaults to now, ``command_id`` to a new id. The partition is the log's to compute."""
+        doc = dict(commit)
+        rid = doc.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidInput(
+                "is required: the append is idempotent by it (a retry with the same request id appends nothing)",
+                field="request_id",
+            )
+        asked = doc.get("version")
+        if expected_version is not None:
+            if not isinstance(expected_version, int) or isinstance(expected_version, bool) or expected_version < 0:
+                raise InvalidInput(f"must be an integer >= 0, got {expected_version!r}", field="expected_version")
+            if asked is not None and asked != expected_version + 1:
+                raise InvalidInput(
+                    f"is {asked!r}, but expected_version {expected_version} appends version {expected_version + 1}",
+                    field="version",
+                )
+            asked = expected_version + 1
+        doc.setdefault("create_time", clock.now_ms())
+        doc.setdefault("command_id", uuid.uuid4().hex)
+        try:
+            type_ = AggregateType(context=self.log.context, aggregate=aggregate)
+        except ConfigError as exc:
+            raise InvalidInput(str(exc), field="aggregate") from None
+        checked = self._checked(type_, {**doc, "version": asked if asked is not None else 1})
+        if asked is not None:
+            outcome = await self.log.append(checked)
+            return Appended(outcome="duplicate" if outcome == "duplicate" else "appended", commit=checked)
+        for _ in range(MAX_VERSION_RETRIES):
+            candidate = dataclasses.replace(checked, version=await self.log.last_version(checked.ref) + 1)
+            try:
+                outcome = await self.log.append(candidate)
+            except ConflictError:
+                continue  # another writer took this version: read the last one again
+            return Appended(outcome="duplicate" if outcome == "duplicate" else "appended", commit=candidate)
+        raise ConflictError(f"{checked.ref}: no free version after {MAX_VERSION_RETRIES} attempts (busy writers)")
+
+    def _checked(self, type_: AggregateType, doc: Mapping[str, Any]) -> Commit:
+        """The commit of ``doc`` as the feed reads it, its timer events checked as the feed
+        checks them (with this client's limits)."""
+        commit = commit_from_doc(type_, doc)
+        for i, ev in enumerate(commit.events):
+            try:
+                timer_event_from(ev, max_body_bytes=self._max_body_bytes, min_interval_ms=self._min_interval_ms)
+            except InvalidInput as exc:
+                raise InvalidInput(exc.reason, field=f"events[{i}].{exc.field}") from None
+        return commit
+
     async def _append(self, owner: AggregateRef, event: DomainEvent, request_id: str | None) -> Commit:
         if owner.context != self.log.context:
             raise InvalidInput(f"{owner.context!r} is not the log's context {self.log.context!r}", field="owner")
@@ -308,5 +420,13 @@ class SyncWowdClient:
     ) -> Commit:
         async def call() -> Commit:
             return await self._client.cancel(owner, key, request_id=request_id, in_owner_stream=in_owner_stream)
+
+        return self._portal.call(call)
+
+    def append(self, aggregate: str, commit: Mapping[str, Any], *, expected_version: int | None = None) -> Appended:
+        """As :meth:`WowdClient.append`."""
+
+        async def call() -> Appended:
+            return await self._client.append(aggregate, commit, expected_version=expected_version)
 
         return self._portal.call(call)

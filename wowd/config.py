@@ -257,7 +257,10 @@ class TimerSettings(_Part):
     backoff_max_s: float = Field(default=300.0, gt=0, le=DAY_S)
     tombstone_retention_s: int = Field(default=7 * 24 * 3600, ge=60, le=YEARS_S)
     """How long a fired or cancelled timer is remembered: a replay of the log within it
-    re-delivers nothing."""
+    re-delivers nothing. A timer's history is kept as long."""
+    history: bool = True
+    """Keep each timer's history (the commits that scheduled and cancelled it, each attempt);
+    False: none is written (the feed and the firing path write a little less)."""
 
     @model_validator(mode="after")
     def _lookahead_below_claim(self) -> TimerSettings:
@@ -646,7 +649,7 @@ def _unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | 
         head, _, rest = upper[len("WOWD_") :].lower().partition("__")
         field_ = fields.get(head)
         if field_ is None:
-            close = _closest(head, fields, "WOWD_")
+            close = _one_underscore(head, fields) or _closest(head, fields, "WOWD_")
             found.append((key, f"{close}__{rest.upper()}" if close and rest else close))
             continue
         part = field_.annotation
@@ -659,6 +662,23 @@ def _unknown(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | 
                     close = variable(RENAMED[head, renamed.lower()])  # its new name
                 found.append((key, close))
     return found
+
+
+def _one_underscore(name: str, fields: Mapping[str, Any]) -> str | None:
+    """The nested setting ``name`` spells with one underscore where two separate its part and
+    its field (``gateway_kind``: ``WOWD_GATEWAY__KIND``), or None."""
+    for i, c in enumerate(name):
+        if c != "_":
+            continue
+        part = fields.get(name[:i])
+        annotation = part.annotation if part is not None else None
+        if (
+            isinstance(annotation, type)
+            and issubclass(annotation, BaseModel)
+            and name[i + 1 :] in annotation.model_fields
+        ):
+            return f"WOWD_{name[:i].upper()}__{name[i + 1 :].upper()}"
+    return None
 
 
 def _closest(name: str, known: Mapping[str, object], prefix: str) -> str | None:

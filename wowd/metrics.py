@@ -89,14 +89,18 @@ READY = Gauge(
 )
 
 # timers
-TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered", ["aggregate"])
-TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later", ["aggregate"])
-TIMERS_PARKED = Counter("wowd_timers_parked_total", "Timers parked (target could not take the command)", ["aggregate"])
-TIMERS_FAILED = Counter("wowd_timers_failed_total", "Timers failed after the retry budget or refused", ["aggregate"])
+TIMERS_FIRED = Counter("wowd_timers_fired_total", "Timer occurrences delivered, by target", ["target"])
+TIMERS_RETRIED = Counter("wowd_timers_retried_total", "Deliveries to retry later, by target", ["target"])
+TIMERS_PARKED = Counter(
+    "wowd_timers_parked_total", "Timers parked (their target could not take the command), by target", ["target"]
+)
+TIMERS_FAILED = Counter(
+    "wowd_timers_failed_total", "Timers failed after the retry budget or refused, by target", ["target"]
+)
 TIMERS_MISFIRED = Counter(
     "wowd_timers_misfired_total",
-    "Occurrences skipped, not delivered: they would have fired later than their rule's misfire_grace_ms",
-    ["aggregate"],
+    "Occurrences skipped, not delivered: they would have fired later than their rule's misfire_grace_ms, by target",
+    ["target"],
 )
 
 
@@ -137,6 +141,10 @@ SETTLE_BATCH = Histogram(
     "wowd_settle_batch_size", "Changes per settle call", buckets=(1, 10, 50, 100, 250, 500, 1000, 2500, 5000)
 )
 SETTLE_SKIPPED = Counter("wowd_settle_skipped_total", "Settle changes skipped: the timer moved on meanwhile")
+HISTORY_UNRECORDED = Counter(
+    "wowd_timer_history_unrecorded_total",
+    "Records of the timer history not written (the history store refused them): the timers were fired all the same",
+)
 TIMER_EVENTS_REJECTED = Counter(
     "wowd_timer_events_rejected_total", "Timer events refused as malformed, by field", ["field"]
 )
@@ -147,6 +155,18 @@ OUTBOX_DEPTH = Gauge(
 OUTBOX_DEPTH_AGE = Gauge(
     "wowd_outbox_depth_age_seconds",
     "Seconds since wowd_outbox_depth was counted: about 0, growing while the outbox store does not answer",
+)
+OUTBOX_OLDEST_AGE = Gauge(
+    "wowd_outbox_oldest_age_seconds",
+    "Age of the oldest outbox entry not acknowledged yet (0 when the outbox is empty), read when /metrics is scraped",
+)
+OUTBOX_RETENTION = Gauge(
+    "wowd_outbox_retention_seconds",
+    "WOWD_OUTBOX__RETENTION_S: the replicas trim entries older than this, acknowledged or not (0: never)",
+)
+OUTBOX_TRIMMED = Counter(
+    "wowd_outbox_trimmed_total",
+    "Outbox entries the replicas trimmed past the retention, unacknowledged: commands no consumer took, lost",
 )
 
 # http gateway
@@ -244,16 +264,16 @@ UI_REFUSED = Counter(
 
 
 def count_fired(fired: Iterable[tuple[str, int, int]]) -> None:
-    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(aggregate, scheduled
-    time, fire time)`` each."""
-    per_aggregate: dict[str, int] = {}
+    """``wowd_timers_fired_total`` and the fire lag of timers delivered: ``(target, scheduled
+    time, fire time)`` each (the target as ``context.aggregate``)."""
+    per_target: dict[str, int] = {}
     lags: list[float] = []
-    for aggregate, scheduled_at, at in fired:
-        per_aggregate[aggregate] = per_aggregate.get(aggregate, 0) + 1
+    for target, scheduled_at, at in fired:
+        per_target[target] = per_target.get(target, 0) + 1
         lags.append(max(0.0, (at - scheduled_at) / 1000))
     FIRE_LAG.observe_many(lags)
-    for aggregate, n in per_aggregate.items():
-        TIMERS_FIRED.labels(aggregate=aggregate).inc(n)
+    for target, n in per_target.items():
+        TIMERS_FIRED.labels(target=target).inc(n)
 
 
 BUILD_INFO = Gauge("wowd_build_info", "Always 1; the version of wowd in the label", ["version"])

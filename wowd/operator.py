@@ -29,14 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wowd.client import schedule_stream
-from wowd.config import WowdSettings
+from wowd.config import WowdSettings, url_shown
 from wowd.errors import ConfigError, InvalidInput, StorageUnavailable, WowdError
-from wowd.fmt import at
+from wowd.fmt import at, iso_ms, one_line
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
     Commit,
+    HistoryKind,
+    HistoryRecord,
     OutboxEntry,
     SlotState,
     Timer,
@@ -46,24 +48,33 @@ from wowd.model import (
     TimerStatus,
     TimerWrite,
     commit_from_doc,
+    commit_records,
     net_writes,
     partition,
     timer_event_from,
     timer_from_event,
+    timer_segment,
 )
-from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerSearch, TimerStore
+from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerHistory, TimerSearch, TimerStore
 from wowd.views import views_status
 
 __all__ = [
     "BACKLOG_CAP",
     "QUARANTINE_CAP",
+    "ENDED",
+    "ENDED_DETAIL",
     "STEPS",
+    "TIMER_SCAN_LIMIT",
     "RetryOutcome",
+    "TimerHistoryView",
     "TimerPage",
     "cursor_of",
     "deliveries",
+    "delivery_doc",
     "detail",
     "find_timer",
+    "history_doc",
+    "history_line",
     "live_partitions",
     "outbox_entry_doc",
     "outbox_page",
@@ -81,6 +92,7 @@ __all__ = [
     "status_doc",
     "steps_needed",
     "timer_doc",
+    "timer_history",
 ]
 
 BACKLOG_CAP = 1000
@@ -182,9 +194,10 @@ def status_doc(
 
 async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any]:
     """:func:`status_doc` of the stores now: the lease store's slots and presence records, each
-    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; and
-    ``views``: each view kept and the partitions where it is behind the timer view
-    (:func:`~wowd.views.views_status`)."""
+    slot's due backlog (one read of the due index per slot), the quarantine and the outbox; the
+    FAILED and PARKED timers of every partition (``timers_failed``, ``timers_parked``, at most
+    :data:`BACKLOG_CAP` each); and ``views``: each view kept and the partitions where it is behind
+    the timer view (:func:`~wowd.views.views_status`)."""
     states = await backend.leases.slots(settings.lease_namespace)
     replicas = await backend.leases.replicas(settings.lease_namespace)
     now = states[0].store_now if states else _now_ms()
@@ -208,7 +221,54 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
     doc = status_doc(
         settings, states, replicas, backlog=backlog, quarantined=quarantined, outbox={"depth": depth, "oldest": oldest}
     )
+    for status in (TimerStatus.FAILED, TimerStatus.PARKED):  # over the index of those two statuses
+        found = await backend.timers.search(TimerSearch(status=status), BACKLOG_CAP)
+        doc[f"timers_{status.value.lower()}"] = len(found)
     doc["views"] = await views_status(settings, backend.log, settings.reducers)
+    return doc
+
+
+def delivery_doc(settings: WowdSettings) -> dict[str, Any]:
+    """Where a replica of ``settings`` sends fired commands (the status page's "Delivery"): the
+    gateway, and for ``http`` each route in the order they match, then the fallback URL, with
+    the limits and whether a credential, signing and client certificate are set (never their
+    values; a URL without the credentials it may hold)."""
+    g = settings.gateway
+    doc: dict[str, Any] = {"kind": g.kind, "concurrency": g.concurrency}
+    if g.kind == "outbox":
+        doc["outbox"] = {"retention_s": settings.outbox.retention_s, "fast_path": settings.outbox.fast_path}
+        return doc
+    signed = bool(g.signing_secrets)
+    routes = [
+        {
+            "match": r.match,
+            "url": url_shown(r.url),
+            "timeout_s": r.timeout_s or g.timeout_s,
+            "per_target_concurrency": r.per_target_concurrency or g.per_target_concurrency,
+            "credential": "token" if r.token is not None else "none",
+            "signed": bool(r.signing_secrets) if r.signing_secrets is not None else signed,
+            "client_cert": (r.client_cert or g.client_cert) is not None,
+        }
+        for r in g.routes
+    ]
+    if g.url:
+        routes.append(
+            {
+                "match": "*",
+                "url": url_shown(g.url),
+                "timeout_s": g.timeout_s,
+                "per_target_concurrency": g.per_target_concurrency,
+                "credential": "token" if g.token is not None else "none",
+                "signed": signed,
+                "client_cert": g.client_cert is not None,
+            }
+        )
+    doc.update(
+        routes=routes,
+        verify_certs=g.verify_certs,
+        breaker={"failures": g.breaker_failures, "open_s": g.breaker_open_s},
+        unrouted="FAILED at once: no route and no gateway.url" if not g.url else None,
+    )
     return doc
 
 
@@ -238,7 +298,8 @@ def detail(t: Timer, now_ms: int | None = None) -> str:
 
 def timer_doc(t: Timer) -> dict[str, Any]:
     """A timer as ``wowd timers show --json`` prints it and ``/api/v1/timer`` answers it
-    (``version``: the owner's commit that scheduled it; ``request_id``: the next delivery's)."""
+    (``version``: the owner's commit that scheduled it; ``request_id``: the next delivery's;
+    ``due_at``: ``None`` for a FAILED timer, which is not due until retried)."""
     doc: dict[str, Any] = {
         "timer_id": t.timer_id,
         "status": t.status.value,
@@ -246,7 +307,7 @@ def timer_doc(t: Timer) -> dict[str, Any]:
         "owner": str(t.owner),
         "key": t.key,
         "version": t.version,
-        "due_at": t.due_at,
+        "due_at": None if t.status is TimerStatus.FAILED else t.due_at,
         "scheduled_at": t.scheduled_at,
         "target": str(t.target),
         "rule": t.rule.to_doc(),
@@ -325,6 +386,186 @@ async def repair_timers(store: TimerStore, timers: Sequence[Timer], now_ms: int 
     written (a timer that moved on since it was loaded is skipped)."""
     now = _now_ms() if now_ms is None else now_ms
     return await store.settle([TimerChange.resume(t, due_at=now) for t in timers]) if timers else 0
+
+
+# --------------------------------------------------------------------------- a timer's history
+
+
+ENDED = ("DONE", "CANCELLED", "REPLACED", "ENDED")
+"""The states of a timer the view no longer holds, as its history tells them: delivered (or its
+last occurrence skipped), cancelled (by its key's cancel or its owner's delete), replaced (by a
+later schedule of its key), or ended otherwise (its tombstone and last records expired)."""
+
+
+ENDED_DETAIL = {
+    "DONE": "fired: it left the timer view (its tombstone and history are kept for the tombstone retention)",
+    "CANCELLED": "cancelled before it fired (or before its next occurrence)",
+    "REPLACED": "replaced by a later schedule of its key (wowd timers show OWNER KEY shows that one)",
+    "ENDED": "no longer in the timer view",
+}
+"""What an ended timer's state means (:data:`~wowd.operator.ENDED`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimerHistoryView:
+    """What is known of one timer: the live timer (``None`` once it fired, was cancelled or
+    replaced), its ``state`` (its status while live, else one of :data:`ENDED`) and its history,
+    oldest first."""
+
+    timer_id: str
+    owner: AggregateRef
+    key: str
+    state: str
+    timer: Timer | None
+    records: list[HistoryRecord]
+
+
+def history_doc(r: HistoryRecord) -> dict[str, Any]:
+    """A history record as ``wowd timers show --json`` prints it and ``/api/v1`` answers it."""
+    doc: dict[str, Any] = {
+        "at": r.at,
+        "kind": r.kind.value,
+        "timer_id": r.timer_id,
+        "owner": str(r.owner),
+        "key": r.key,
+        "version": r.version,
+        "request_id": r.request_id,
+    }
+    for name in ("scheduled_at", "position", "outcome", "status", "latency_ms", "reason", "answer", "expires_at"):
+        value = getattr(r, name)
+        if value is not None:
+            doc[name] = value
+    return doc
+
+
+def history_line(r: HistoryRecord) -> str:
+    """A history record in one line (times in ISO 8601, UTC)."""
+    when = iso_ms(r.at)
+    if r.kind is HistoryKind.SCHEDULED:
+        where = f", log position {r.position}" if r.position is not None else ""
+        due = f", due {iso_ms(r.scheduled_at)}" if r.scheduled_at is not None else ""
+        return f"{when}  scheduled by {r.owner} v{r.version} (request id {r.request_id}{where}){due}"
+    if r.kind is HistoryKind.CANCELLED:
+        what = "cancelled" if r.key else "cancelled with every timer of its owner (the aggregate was deleted)"
+        where = f", log position {r.position}" if r.position is not None else ""
+        return f"{when}  {what} by {r.owner} v{r.version} (request id {r.request_id}{where})"
+    parts = [f"{when}  attempt {r.outcome}"]
+    if r.status is not None:
+        parts.append(f"HTTP {r.status}")
+    if r.latency_ms is not None:
+        parts.append(f"in {r.latency_ms:.1f} ms")
+    text = " ".join(parts)
+    if r.reason:
+        text += f": {r.reason}"
+    text += f" (request id {r.request_id}"
+    if r.scheduled_at is not None:
+        text += f", occurrence {iso_ms(r.scheduled_at)}"
+    text += ")"
+    if r.answer:
+        text += f"; answered {r.answer}"
+    return one_line(text)
+
+
+def _ended_state(records: Sequence[HistoryRecord], key_records: Sequence[HistoryRecord], timer_id: str) -> str:
+    """The state of a timer the view no longer holds (:data:`ENDED`), from its history."""
+    mine = [r for r in records if r.timer_id == timer_id or r.kind is HistoryKind.CANCELLED]
+    if mine and mine[-1].kind is HistoryKind.CANCELLED:
+        return "CANCELLED"
+    own = next((r for r in records if r.timer_id == timer_id and r.kind is HistoryKind.SCHEDULED), None)
+    if own is not None and any(
+        r.kind is HistoryKind.SCHEDULED and r.version > own.version for r in key_records if r.key == own.key
+    ):
+        return "REPLACED"
+    attempts = [r for r in records if r.kind is HistoryKind.ATTEMPT]
+    if attempts and attempts[-1].outcome in ("delivered", "misfired"):
+        return "DONE"
+    return "ENDED"
+
+
+async def _of_key(history: TimerHistory, owner: AggregateRef, key: str) -> list[HistoryRecord]:
+    """The history of ``key`` in wowd's stream of ``owner`` and in its own, oldest first."""
+    found = [r for stream in owner_streams(owner) for r in await history.of_key(stream, key)]
+    return sorted(found, key=lambda r: (r.at, r.version))
+
+
+async def timer_history(
+    backend: Backend,
+    *,
+    owner: AggregateRef | None = None,
+    key: str | None = None,
+    timer_id: str | None = None,
+    request_id: str | None = None,
+) -> TimerHistoryView | None:
+    """One timer and its history, named by its owner and key (the timer of that key now, live
+    or last), by its id, or by a request id (a delivery's, what the target's log shows, or that
+    of a commit that scheduled or cancelled it); ``None`` when nothing is known of it (never
+    scheduled, or its records expired)."""
+    history = backend.history
+    if request_id is not None:
+        if history is None:
+            return None
+        by_request = await history.of_request(request_id)
+        named = next((r for r in by_request if r.kind is not HistoryKind.CANCELLED), None)
+        if named is None:
+            return None if not by_request else _view(by_request[-1], by_request, by_request, None)
+        timer_id = named.timer_id
+    if timer_id is not None:
+        own = await history.of_timer(timer_id) if history is not None else []
+        if not own:
+            live = await _live_by_id(backend.timers, timer_id)
+            if live is None:
+                return None
+            owner, key = live.owner, live.key
+        else:
+            owner, key = own[0].owner, own[0].key
+    if owner is None or key is None:
+        raise InvalidInput("a timer is named by its id, its owner and key, or a request id", field="timer")
+    live = await find_timer(backend.timers, owner, key)
+    key_records = await _of_key(history, owner, key) if history is not None else []
+    if timer_id is None:
+        if live is not None:
+            timer_id = live.timer_id
+        else:
+            last = next((r for r in reversed(key_records) if r.kind is HistoryKind.SCHEDULED and r.key == key), None)
+            if last is None:
+                return None if not key_records else _view(key_records[-1], key_records, key_records, None)
+            timer_id = last.timer_id
+    if live is not None and live.timer_id != timer_id:
+        live = None
+    segment = timer_segment(key_records, timer_id)
+    if history is not None and not any(r.timer_id == timer_id for r in segment):
+        # attempts of a timer whose schedule has no record (it expired, or was fed before the
+        # history was kept): found by the timer's id
+        segment = sorted([*segment, *await history.of_timer(timer_id)], key=lambda r: (r.at, r.version))
+    if live is None and not segment:
+        return None
+    first = segment[0] if segment else None
+    if live is not None:
+        return TimerHistoryView(timer_id, live.owner, live.key, live.status.value, live, segment)
+    assert first is not None
+    return _view(first, segment, key_records, None, timer_id=timer_id)
+
+
+def _view(
+    first: HistoryRecord,
+    records: list[HistoryRecord],
+    key_records: Sequence[HistoryRecord],
+    live: Timer | None,
+    *,
+    timer_id: str | None = None,
+) -> TimerHistoryView:
+    tid = timer_id or first.timer_id
+    return TimerHistoryView(tid, first.owner, first.key, _ended_state(records, key_records, tid), live, records)
+
+
+async def _live_by_id(store: TimerStore, timer_id: str) -> Timer | None:
+    """The live timer ``timer_id`` (a read of the view: one with no history kept)."""
+    return next((t for t in await store.scan(limit=TIMER_SCAN_LIMIT) if t.timer_id == timer_id), None)
+
+
+TIMER_SCAN_LIMIT = 100_000
+"""Timers read to find one named by its id that has no history (the store lists timers from the
+first due only)."""
 
 
 # --------------------------------------------------------------------------- quarantine
@@ -434,9 +675,12 @@ async def _feed(
                 await sink.prepare()
                 await sink.write([commit])
             elif step == "timers":
-                writes, rejected = _timer_writes(settings, commit)
+                writes, rejected, events = _timer_writes(settings, commit)
                 if writes:
                     await backend.timers.write(net_writes(writes))
+                if backend.history is not None and (events or commit.deleted):
+                    retention_ms = settings.timers.tombstone_retention_s * 1000
+                    await backend.history.append(commit_records(commit, events, retention_ms))
             elif step == "snapshots":
                 if commit.ref.aggregate in settings.reducers:
                     current = await backend.snapshots.load(commit.ref)
@@ -455,9 +699,13 @@ async def _feed(
     return f"{_REJECTED_TIMER_EVENT}{rejected}" if rejected is not None else None
 
 
-def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWrite], InvalidInput | None]:
-    """The timer writes of ``commit`` as the feed makes them, and the first event it rejects."""
+def _timer_writes(
+    settings: WowdSettings, commit: Commit
+) -> tuple[list[TimerWrite], InvalidInput | None, list[TimerScheduled | TimerCancelled]]:
+    """The timer writes of ``commit`` as the feed makes them, the first event it rejects, and the
+    timer events it takes (their history records)."""
     writes: list[TimerWrite] = []
+    events: list[TimerScheduled | TimerCancelled] = []
     rejected: InvalidInput | None = None
     for ev in commit.events:
         try:
@@ -469,11 +717,13 @@ def _timer_writes(settings: WowdSettings, commit: Commit) -> tuple[list[TimerWri
             continue
         if isinstance(te, TimerScheduled):
             writes.append(TimerWrite.put(timer_from_event(commit, te, settings.partitions)))
+            events.append(te)
         elif isinstance(te, TimerCancelled):
             writes.append(TimerWrite.cancel(commit.ref, te.key, commit.version))
+            events.append(te)
     if commit.deleted:
         writes.append(TimerWrite.cancel_all(commit.ref, commit.version))
-    return writes, rejected
+    return writes, rejected, events
 
 
 # --------------------------------------------------------------------------- outbox

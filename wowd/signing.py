@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 __all__ = [
     "DEFAULT_TOLERANCE_S",
     "SECRET_PREFIX",
+    "InvalidSecret",
     "InvalidSignature",
     "Signer",
     "secret_key",
@@ -46,24 +47,38 @@ class InvalidSignature(ValueError):
     """A request :func:`verify` refuses; the message says why (never a secret)."""
 
 
+class InvalidSecret(ValueError):
+    """A secret given to :func:`verify` or :class:`Signer` that is not one (the receiver's or
+    sender's configuration is at fault, not the request); the message says why, never the
+    secret."""
+
+
 def secret_key(secret: str) -> bytes:
     """The HMAC key of ``whsec_<base64>``: the decoded part after the prefix; raises
-    ``ValueError`` (without the secret in the message) for anything else or a key shorter than
-    16 bytes."""
-    if not secret.startswith(SECRET_PREFIX):
-        raise ValueError(f"a signing secret starts with {SECRET_PREFIX!r}")
+    :class:`InvalidSecret` (without the secret in the message) for anything else or a key
+    shorter than 16 bytes."""
+    if not isinstance(secret, str) or not secret.startswith(SECRET_PREFIX):
+        raise InvalidSecret(f"a signing secret starts with {SECRET_PREFIX!r}")
     try:
         key = base64.b64decode(secret[len(SECRET_PREFIX) :], validate=True)
     except (binascii.Error, ValueError):
-        raise ValueError(f"a signing secret is {SECRET_PREFIX!r} followed by standard base64") from None
+        raise InvalidSecret(f"a signing secret is {SECRET_PREFIX!r} followed by standard base64") from None
     if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"a signing secret's key is at least {MIN_KEY_BYTES} bytes")
+        raise InvalidSecret(f"a signing secret's key is at least {MIN_KEY_BYTES} bytes")
     return key
 
 
-def _keys(secrets: Iterable[str | bytes]) -> list[bytes]:
-    """``bytes`` are keys already; ``str`` are ``whsec_`` secrets."""
-    return [s if isinstance(s, bytes) else secret_key(s) for s in secrets]
+def _keys(secrets: str | bytes | Iterable[str | bytes]) -> list[bytes]:
+    """One secret or several: ``bytes`` are keys already; ``str`` are ``whsec_`` secrets."""
+    given = [secrets] if isinstance(secrets, str | bytes) else list(secrets)
+    keys: list[bytes] = []
+    for i, s in enumerate(given):
+        try:
+            keys.append(s if isinstance(s, bytes) else secret_key(s))
+        except InvalidSecret as exc:
+            where = f"secret {i + 1} of {len(given)}: " if len(given) > 1 else ""
+            raise InvalidSecret(f"{where}{exc}") from None
+    return keys
 
 
 def _signature(key: bytes, signed: bytes) -> str:
@@ -75,11 +90,11 @@ def _signed_content(msg_id: str, timestamp: int, body: bytes) -> bytes:
 
 
 class Signer:
-    """Signs with each of ``secrets`` (``whsec_`` secrets or keys), in their order."""
+    """Signs with each of ``secrets`` (a ``whsec_`` secret or key, or several, in their order)."""
 
     __slots__ = ("_keys",)
 
-    def __init__(self, secrets: Iterable[str | bytes]) -> None:
+    def __init__(self, secrets: str | bytes | Iterable[str | bytes]) -> None:
         self._keys = _keys(secrets)
         if not self._keys:
             raise ValueError("a signer needs at least one secret")
@@ -110,17 +125,21 @@ def _header(headers: Mapping[str, str], name: str) -> str:
 
 
 def verify(
-    secrets: Iterable[str | bytes],
+    secrets: str | bytes | Iterable[str | bytes],
     headers: Mapping[str, str],
     body: bytes | str,
     tolerance_s: float = DEFAULT_TOLERANCE_S,
     *,
     now: float | None = None,
 ) -> None:
-    """Checks a signed request: its timestamp within ``tolerance_s`` of ``now`` (the clock),
-    and one of its ``v1`` signatures that of one of ``secrets`` (``whsec_`` secrets or keys)
-    over ``{webhook-id}.{webhook-timestamp}.{body}``. Raises :class:`InvalidSignature` saying
-    what is wrong; header names are matched whatever their case."""
+    """Checks a signed request: its timestamp within ``tolerance_s`` of ``now`` (the clock,
+    seconds since the epoch; give the request's own time to check a recorded request or the
+    test vector of docs/delivery.md), and one of its ``v1`` signatures that of one of
+    ``secrets`` (a ``whsec_`` secret or key, or a list of them while one is rotated) over
+    ``{webhook-id}.{webhook-timestamp}.{body}``. Raises :class:`InvalidSignature` saying what is
+    wrong with the request (answer 401); header names are matched whatever their case. A secret
+    that is not one raises :class:`InvalidSecret` whatever the request (fix the configuration)."""
+    keys = _keys(secrets)
     msg_id = _header(headers, "webhook-id")
     stamp = _header(headers, "webhook-timestamp")
     given = _header(headers, "webhook-signature")
@@ -132,7 +151,7 @@ def verify(
         raise InvalidSignature(f"webhook-timestamp is more than {tolerance_s:g}s away from now")
     signed = _signed_content(msg_id, timestamp, body.encode() if isinstance(body, str) else body)
     offered = [s.encode() for s in given.split() if s.startswith("v1,")]
-    for key in _keys(secrets):
+    for key in keys:
         expected = _signature(key, signed).encode()
         if any(hmac.compare_digest(expected, s) for s in offered):
             return

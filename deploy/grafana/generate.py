@@ -88,6 +88,15 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
             ("sum(rate(wowd_timers_retried_total{S}[1m]))", "retried"),
             ("sum(rate(wowd_timers_parked_total{S}[1m]))", "parked"),
             ("sum(rate(wowd_timers_failed_total{S}[1m]))", "failed"),
+            ("sum(rate(wowd_timers_misfired_total{S}[1m]))", "skipped past their misfire grace"),
+        ],
+    ),
+    (
+        "HTTP requests per second by route and outcome",
+        "ops",
+        [
+            ("sum by (route, outcome) (rate(wowd_gateway_requests_total{S}[1m]))", "{{route}} {{outcome}}"),
+            ("sum by (target) (rate(wowd_gateway_unrouted_total{S}[5m]))", "unrouted {{target}}"),
         ],
     ),
     (
@@ -104,7 +113,24 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [
             ("sum by (instance) (wowd_timers_claimed_last_round{S})", "claimed {{instance}}"),
             ("sum by (reason) (wowd_timers_waiting{S})", "due, waiting: {{reason}}"),
+            ("sum by (instance) (wowd_deliveries_queued{S})", "queued for a delivery slot {{instance}}"),
             ("max(wowd_outbox_depth{S})", "outbox"),
+        ],
+    ),
+    (
+        "Outbox: oldest entry and retention",
+        "s",
+        [
+            ("max(wowd_outbox_oldest_age_seconds{S})", "oldest entry's age"),
+            ("max(wowd_outbox_retention_seconds{S})", "retention (trimmed past it)"),
+        ],
+    ),
+    (
+        "Outbox entries trimmed unacknowledged (lost) and history records not written",
+        "short",
+        [
+            ("sum(increase(wowd_outbox_trimmed_total{S}[1h]))", "trimmed in the last hour"),
+            ("sum(increase(wowd_timer_history_unrecorded_total{S}[1h]))", "history records not written, last hour"),
         ],
     ),
     (

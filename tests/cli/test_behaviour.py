@@ -284,19 +284,31 @@ def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) 
     assert lines[-1].startswith("outbox: 2 entries, oldest created 1970-01-01T00:00:01.000+00:00 (")
 
 
-def test_outbox_list_ack_trim(wowd: Run) -> None:
+def test_outbox_list_looks_take_takes_ack_and_trim(wowd: Run) -> None:
+    """``list`` takes nothing: two lists show the same entries and a consumer's take after them
+    gets every one; ``take`` holds what it took from the next take; ``ack`` of an id the outbox
+    does not hold says so and exits 1."""
     fill_outbox({"r1": 1_000, "r2": 2_000, "r3": 4_102_444_800_000})
     code, out, _ = wowd("outbox", "list", "--limit", "2")
     lines = out.splitlines()
     assert code == 0 and lines[0].split() == ["request_id", "created", "target", "command"]
     assert [line.split()[0] for line in lines[1:3]] == ["r1", "r2"]
-    assert lines[-1] == "2 of 3 entries taken for 60 s"
-    code, out, _ = wowd("outbox", "list")  # r1 and r2 are held by the first take
+    assert lines[-1] == "2 of 3 entries shown (none taken); next: --offset 2"
+    assert wowd("outbox", "list", "--limit", "2")[1] == out  # the same again: nothing was taken
+    listed = json.loads(wowd("outbox", "list", "--offset", "2", "--json")[1])
+    assert [e["request_id"] for e in listed["entries"]] == ["r3"] and listed["next"] is None and listed["depth"] == 3
+    code, out, _ = wowd("outbox", "take", "--limit", "2")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:3]] == ["r1", "r2"]
+    assert out.splitlines()[-1] == "2 of 3 entries taken for 60 s: acknowledge them within it (outbox ack)"
+    code, out, _ = wowd("outbox", "take")  # r1 and r2 are held by the first take
     assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["r3"]
-    assert wowd("outbox", "ack", "r1", "r9")[:2] == (0, "1 of 2 entries acknowledged (removed)\n")
+    code, out, err = wowd("outbox", "ack", "r1", "r9")
+    assert (code, out) == (1, "1 of 2 entries acknowledged (removed)\n")
+    assert "wowd: 1 of the request ids named no entry of the outbox" in err
+    assert wowd("outbox", "ack", "r2")[:2] == (0, "1 of 1 entries acknowledged (removed)\n")
     code, out, _ = wowd("outbox", "trim", "--older-than-s", "0", "--include-unacked")
-    assert code == 0 and out.startswith("1 unacknowledged entries created before ")  # r2; r3 is from the future
-    code, _, err = wowd("outbox", "list", "--lease-s", "0")
+    assert code == 0 and out.startswith("0 entries created before ")  # r3 is from the future
+    code, _, err = wowd("outbox", "take", "--lease-s", "0")
     assert code == 1 and "lease" in err
 
 
@@ -359,3 +371,4 @@ def test_a_port_in_use_is_one_line_naming_the_setting(db: Path) -> None:
     assert err == (
         f"wowd: HTTP port {port} on 127.0.0.1 is in use (choose another with WOWD_HTTP__PORT, 0 for any free port)"
     )
+    assert not db.exists(), "nothing was started: no database file created"

@@ -169,6 +169,8 @@ def test_trimming_unacknowledged_entries_is_deliberate(
         ),
         ("WOWD_TIMRS__BATCH", "WOWD_TIMRS__BATCH: not a wowd setting (did you mean WOWD_TIMERS__BATCH?)"),
         ("WOWD_CONTEXTT", "WOWD_CONTEXTT: not a wowd setting (did you mean WOWD_CONTEXT?)"),
+        # one underscore where a nested setting has two
+        ("WOWD_GATEWAY_KIND", "WOWD_GATEWAY_KIND: not a wowd setting (did you mean WOWD_GATEWAY__KIND?)"),
         ("WOWD_NOTHING_LIKE_IT", "WOWD_NOTHING_LIKE_IT: not a wowd setting (misspelled?)"),
     ],
 )
@@ -217,8 +219,15 @@ def test_the_demo_run_tells_a_newcomer_where_to_look_in_one_format(tmp_path: Pat
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
-    assert first["msg"].startswith("wowd ") and " is up on embedded file wowd.db" in first["msg"]
-    assert "`wowd status`" in first["msg"] and f"http://localhost:{first['port']}/metrics" in first["msg"]
+    msg = first["msg"]
+    assert msg.startswith("wowd ") and " is up on embedded file wowd.db" in msg
+    # where fired commands go, and how to read them, as this shell runs wowd (not on its PATH)
+    assert "Fired commands go to the outbox (the outbox table of the file)" in msg
+    runs = f"{sys.executable} -m wowd"
+    assert f"`{runs} outbox list` shows them, `{runs} outbox take` takes them" in msg
+    assert f"`{runs} status`" in msg and "`wowd status`" not in msg
+    assert f"http://localhost:{first['port']}/ui (the status page)" in msg
+    assert f"http://localhost:{first['port']}/metrics" in msg
     assert "demo: appended" in second["msg"] and {"appended", "fed", "fired"} <= set(second)
     logged = [json.loads(line) for line in err.splitlines()]
     assert not [d for d in logged if "holds partitions" in d["msg"] or "snapshots" in d["msg"]], logged

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -76,6 +78,16 @@ def test_schedule_show_list_and_cancel(wowd: Run, created: Path) -> None:
     assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 2" in out
 
 
+def test_a_one_shot_schedule_says_when_it_is_due_or_asks_for_now(wowd: Run, created: Path) -> None:
+    """With neither ``--at`` nor ``--in`` a one-shot timer would fire at once: that takes ``--now``."""
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x")
+    assert code == 2 and out == "" and "when is it due? --at TIME, --in SECONDS, or --now" in err
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--now")
+    assert code == 0 and " at version 1: x to demo.order/(0)/o-1 due " in out, err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--now", "--in", "5")
+    assert code == 2 and "not allowed with argument" in err
+
+
 def test_schedule_takes_a_misfire_grace(wowd: Run, created: Path) -> None:
     code, out, err = wowd(
         "timers", "schedule", "order/o-1", "remind", "--command", "remind", "--every-ms", "60000",
@@ -90,12 +102,52 @@ def test_schedule_refuses_bad_input_naming_the_field(wowd: Run, created: Path) -
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--at", "99999999999999999")
     assert code == 2 and err.startswith("wowd: --at/--in: ") and "(body.due_at)" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not cron")
-    assert code == 2 and err.startswith("wowd: --cron: 'not cron' is not a valid cron expression (rule.expression)")
+    assert code == 2 and err.startswith("wowd: --cron: 'not cron' has 2 fields: give five (minute hour ")
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "not a cron rule at all")
+    assert code == 2 and err == "wowd: --cron: second 'not': 'not' is not a value of the field (rule.expression)\n"
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 25 * * ?")
+    assert code == 2 and err.startswith("wowd: --cron: '0 0 25 * * ?' is not a valid cron expression"), err
     code, _, err = wowd("timers", "schedule", "orders-without-id", "k", "--command", "x")
     assert code == 2 and "AGGREGATE/ID expected" in err
     code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--every-ms", "1")
     assert code == 2 and err.startswith("wowd: --every-ms: 1 ms is below the shortest interval, 1000 ms ")
     assert "WOWD_TIMERS__MIN_INTERVAL_MS" in err
+
+
+def test_schedule_reads_six_cron_fields_seconds_first_and_shows_the_next_occurrences(wowd: Run, created: Path) -> None:
+    """``*/10 * * * * *`` is every ten seconds, as Quartz, Spring, db-scheduler and Wow read it
+    (croniter reads the sixth field as the seconds of every tenth minute); the rule written names
+    its dialect; five fields read as Vixie cron; seven, and what the dialects read differently,
+    are refused naming the flag."""
+    code, out, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "*/10 * * * * *")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("next occurrences (jvm: '*/10 * * * * *'): "))
+    shown = [datetime.fromisoformat(t) for t in line.split("): ", 1)[1].split(", ")]
+    assert len(shown) == 3 and all(b - a == timedelta(seconds=10) for a, b in itertools.pairwise(shown)), line
+    code, out, err = wowd("timers", "schedule", "order/o-1", "j", "--command", "x", "--cron", "*/10 * * * *")
+    assert code == 0 and "next occurrences (unix: '*/10 * * * *'): " in out, err
+
+    async def rules() -> list[dict[str, object]]:
+        async with opened_backend(load_settings()) as backend:
+            return [
+                dict(e.commit.events[0].body["rule"])
+                async for batch in backend.log.read(dict.fromkeys(range(PARTITIONS)), follow=False)
+                for e in batch.entries
+                if e.commit is not None
+            ]
+
+    assert [(r["expression"], r["dialect"]) for r in anyio.run(rules)] == [
+        ("*/10 * * * * *", "jvm"),
+        ("*/10 * * * *", "unix"),
+    ]
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "*/10 * * * * * 2026")
+    assert code == 2 and err.startswith("wowd: --cron: '*/10 * * * * * 2026' has 7 fields: give five"), err
+    code, _, err = wowd("timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 0 9 * * 1")
+    assert code == 2 and "1 is Sunday in Quartz, Monday in Spring" in err, err
+    code, _, err = wowd(
+        "timers", "schedule", "order/o-1", "k", "--command", "x", "--cron", "0 9 * * *", "--cron-dialect", "jvm"
+    )
+    assert code == 2 and err.startswith("wowd: --cron: '0 9 * * *' has 5 fields; the jvm dialect reads six"), err
 
 
 def test_list_has_a_header_takes_a_status_in_any_case_and_says_when_cut(wowd: Run, feed_once: None) -> None:
@@ -302,3 +354,15 @@ def test_cancel_refuses_a_timer_that_does_not_exist_unless_forced(wowd: Run, fee
     assert code == 0 and "appended to demo.wowd_schedule/(0)/order/o-1 at version 4" in out, err
     code, out, err = wowd("timers", "cancel", "order/never-existed", "nokey", "--force", "--in-owner-stream")
     assert code == 0 and "appended to demo.order/(0)/never-existed at version 1" in out, err
+
+
+def test_cancel_takes_a_timer_id_as_show_retry_and_resume_do(wowd: Run, feed_once: None) -> None:
+    """A timer named by its id is cancelled in the stream that holds it."""
+    k2 = _find("k2")
+    code, out, err = wowd("timers", "cancel", k2.timer_id)
+    assert code == 0 and out == "cancel of timer 'k2' of demo.wowd_schedule/(0)/order/o-1 appended to " \
+        "demo.wowd_schedule/(0)/order/o-1 at version 4\n", err  # fmt: skip
+    code, out, err = wowd("timers", "cancel", "0" * 32)
+    assert (code, out) == (1, "") and f"wowd: no live timer {'0' * 32}" in err
+    code, _, err = wowd("timers", "cancel", k2.timer_id, "--force")
+    assert code == 2 and "in its own stream" in err

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from wowd.model import AggregateType
-from wowd.stores.base import Log, Outbox, SlotLeaseStore, SnapshotStore, TimerStore
+from wowd.stores.base import Log, Outbox, SlotLeaseStore, SnapshotStore, TimerHistory, TimerStore
 
 MONGO_URI = os.environ.get("WOWD_TEST_MONGODB_URI")
 ES_URL = os.environ.get("WOWD_TEST_ELASTICSEARCH_URL")
@@ -151,9 +151,11 @@ class StoreFactories:
     snapshot_store: Callable[[Where], SnapshotStore]
     log: Callable[[Where], Log]
     outbox: Callable[[Where], Outbox]
+    history: Callable[[Where], TimerHistory]
 
 
 def _embedded() -> StoreFactories:
+    from wowd.stores.embedded.history import EmbeddedTimerHistory
     from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
     from wowd.stores.embedded.log import EmbeddedLog
     from wowd.stores.embedded.outbox import EmbeddedOutbox
@@ -166,10 +168,12 @@ def _embedded() -> StoreFactories:
         snapshot_store=lambda w: EmbeddedSnapshotStore(w.path, context=CONTEXT),
         log=lambda w: EmbeddedLog(w.path, context=CONTEXT, partitions=PARTITIONS),
         outbox=lambda w: EmbeddedOutbox(w.path),
+        history=lambda w: EmbeddedTimerHistory(w.path, context=CONTEXT),
     )
 
 
 def _mongo() -> StoreFactories:
+    from wowd.stores.mongo.history import MongoTimerHistory
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.log import MongoLog
     from wowd.stores.mongo.outbox import MongoOutbox
@@ -182,6 +186,7 @@ def _mongo() -> StoreFactories:
         snapshot_store=lambda w: MongoSnapshotStore(w.mongo.client, w.mongo.name, context=CONTEXT),
         log=lambda w: MongoLog(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS),
         outbox=lambda w: MongoOutbox(w.mongo.client, w.mongo.name, context=CONTEXT),
+        history=lambda w: MongoTimerHistory(w.mongo.client, w.mongo.name, context=CONTEXT),
     )
 
 
@@ -201,6 +206,7 @@ def _mongo_sim() -> StoreFactories:
             w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS, max_await=timedelta(milliseconds=50)
         ),
         outbox=mongo.outbox,
+        history=mongo.history,
     )
 
 
@@ -268,6 +274,12 @@ async def log(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Lo
 @pytest.fixture(params=MONGO_IMPLS)
 async def outbox(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Outbox]:
     async for s in _store(request, db_path, "outbox", prepare=False):
+        yield s
+
+
+@pytest.fixture(params=MONGO_IMPLS)
+async def history(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[TimerHistory]:
+    async for s in _store(request, db_path, "history", prepare=True):
         yield s
 
 

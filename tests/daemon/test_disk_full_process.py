@@ -249,7 +249,7 @@ async def stalls_and_resumes_on(replica: Replica, stores: Backend, disk: Path, t
     assert len(entries) == TIMERS and {e.request_id for e in entries} == expected  # none lost, none twice
     metrics = (await get(replica, "/metrics")).text
     assert sample(metrics, "wowd_timers_stalled", {"slot": "0"}) == 0.0
-    assert sample(metrics, "wowd_timers_fired_total", {"aggregate": "order"}) == TIMERS
+    assert sample(metrics, "wowd_timers_fired_total", {"target": f"{CONTEXT}.order"}) == TIMERS
 
     replica.signal(signal.SIGTERM)
     assert await replica.wait_exit(15) == 0

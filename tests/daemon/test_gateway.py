@@ -652,30 +652,38 @@ def test_breaker_counts_consecutive_failures_only() -> None:
 
 
 def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog: pytest.LogCaptureFixture) -> None:
+    """Each line names the timer (its id, owner and key) besides the request id the target saw:
+    a line found by either leads to ``wowd timers show``."""
     caplog.set_level(logging.INFO, logger="wowd.test")
     clock = Clock()
     dl = DeliveryLog(logging.getLogger("wowd.test"), every_s=10, clock=clock)
-    for i in range(5):
-        dl.outcome("demo.order", Retry(reason="HTTP 503"), f"r{i}")
-    dl.outcome("demo.order", Fail(reason="HTTP 400"), "f1")
-    dl.outcome("demo.order", Park(reason="HTTP 404"), "p1")
-    dl.outcome("demo.cart", Retry(reason="timeout after 10s"), "c1")
-    dl.outcome("demo.cart", Delivered(), "c2")
+    order, cart = make_timer(agg_id="o-77"), make_timer(aggregate="cart", agg_id="c-1")
+    named = f"timer t1 of demo.order/(0)/o-77 key 'k', request id {order.request_id}"
+    for _ in range(5):
+        dl.outcome("demo.order", Retry(reason="HTTP 503"), order)
+    dl.outcome("demo.order", Fail(reason="HTTP 400"), order)
+    dl.outcome("demo.order", Park(reason="HTTP 404"), order)
+    dl.outcome("demo.cart", Retry(reason="timeout after 10s"), cart)
+    dl.outcome("demo.cart", Delivered(), cart)
     lines = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert lines == [
-        (logging.WARNING, "delivery to demo.order will be retried: HTTP 503 (request id r0)"),
-        (logging.ERROR, "delivery to demo.order failed for good: HTTP 400 (request id f1)"),
-        (logging.INFO, "delivery to demo.order parked: HTTP 404 (request id p1)"),
-        (logging.WARNING, "delivery to demo.cart will be retried: timeout after 10s (request id c1)"),
+        (logging.WARNING, f"delivery to demo.order will be retried: HTTP 503 ({named})"),
+        (logging.ERROR, f"delivery to demo.order failed for good: HTTP 400 ({named})"),
+        (logging.INFO, f"delivery to demo.order parked: HTTP 404 ({named})"),
+        (
+            logging.WARNING,
+            f"delivery to demo.cart will be retried: timeout after 10s (timer t1 of demo.cart/(0)/c-1 key 'k', "
+            f"request id {cart.request_id})",
+        ),
     ]
     caplog.clear()
     clock.now += 9.9
-    dl.outcome("demo.order", Retry(reason="HTTP 503"), "r5")
+    dl.outcome("demo.order", Retry(reason="HTTP 503"), order)
     assert not caplog.records
     clock.now += 0.1
-    dl.outcome("demo.order", Retry(reason="HTTP 502"), "r6")
+    dl.outcome("demo.order", Retry(reason="HTTP 502"), order)
     assert [r.getMessage() for r in caplog.records] == [
-        "delivery to demo.order will be retried: HTTP 502 (request id r6); "
+        f"delivery to demo.order will be retried: HTTP 502 ({named}); "
         "5 more like it left out of the log in the last 10s"
     ]
 
@@ -700,15 +708,15 @@ def test_target_is_context_and_aggregate() -> None:
 
 class FakeOutbox:
     def __init__(self, fail: bool = False) -> None:
-        self.entries: dict[str, OutboxEntry] = {}
+        self.stored: dict[str, OutboxEntry] = {}
         self.fail = fail
 
     async def put(self, entry: OutboxEntry) -> bool:
         if self.fail:
             raise StorageUnavailable("busy")
-        if entry.request_id in self.entries:
+        if entry.request_id in self.stored:
             return False
-        self.entries[entry.request_id] = entry
+        self.stored[entry.request_id] = entry
         return True
 
     async def put_many(self, entries: list[OutboxEntry]) -> list[bool]:
@@ -717,14 +725,19 @@ class FakeOutbox:
     async def count(self) -> int:
         if self.fail:
             raise StorageUnavailable("busy")
-        return len(self.entries)
+        return len(self.stored)
+
+    async def entries(self, limit: int = 1000, after: int = 0) -> list[OutboxEntry]:
+        if self.fail:
+            raise StorageUnavailable("busy")
+        return list(self.stored.values())[after : after + limit]
 
     async def trim(self, before: int) -> int:
         if self.fail:
             raise StorageUnavailable("busy")
-        old = [k for k, e in self.entries.items() if e.created_at < before]
+        old = [k for k, e in self.stored.items() if e.created_at < before]
         for k in old:
-            del self.entries[k]
+            del self.stored[k]
         return len(old)
 
 
@@ -734,7 +747,7 @@ async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -
     t = make_timer()
     assert isinstance(await gw.send(t), Delivered)
     assert isinstance(await gw.send(t), Delivered)  # a re-fire is idempotent
-    (entry,) = box.entries.values()
+    (entry,) = box.stored.values()
     assert entry.request_id == t.request_id and entry.fence == 7 and entry.owner_key == "host:1:abc"
     assert entry.command == t.body and entry.scheduled_at == 900
 
@@ -783,7 +796,7 @@ async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: p
     assert gw.depth_age() >= counted  # the age of the last count tells
     assert len([r for r in caplog.records if "depth not counted" in r.getMessage()]) == 1  # once a streak
     box.fail = False
-    box.entries.clear()
+    box.stored.clear()
     await gw.count_depth()
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 0 and gw.depth_age() < counted + 1
 
@@ -794,4 +807,4 @@ async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:
     outcome = await gw.send(make_timer())
     box.fail = True
     await gw.housekeep()  # logged, not raised
-    assert isinstance(outcome, Delivered) and len(box.entries) == 1
+    assert isinstance(outcome, Delivered) and len(box.stored) == 1

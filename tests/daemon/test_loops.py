@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -204,7 +205,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     gw = ScriptedGateway()
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
-    before = [c.labels(aggregate="order")._value.get() for c in counters]
+    before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
     loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
@@ -232,7 +233,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     assert p is not None and p.status == TimerStatus.PARKED
     f = await get("fail-1")
     assert f is not None and f.status == TimerStatus.FAILED and f.last_error == "HTTP 400"
-    counted = [c.labels(aggregate="order")._value.get() - n for c, n in zip(counters, before, strict=True)]
+    counted = [c.labels(target=f"{CONTEXT}.order")._value.get() - n for c, n in zip(counters, before, strict=True)]
     assert counted == [2, 1, 1, 2]  # fired, retried, parked, failed (the spent budget and the 400)
 
 
@@ -359,10 +360,14 @@ async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_re
             held.request_stop()
 
 
-async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(backend: Backend) -> None:
+async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
     """Claimed late (a replica was down), an occurrence later than its rule's misfire grace is
     settled as passed, not sent: a one-shot timer is done, a recurring one moves to its next
-    occurrence after now; one within its grace, and one without a grace, are delivered."""
+    occurrence after now; one within its grace, and one without a grace, are delivered. The line
+    that says so names the timer (id, owner, key), not only its request id."""
+    caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
     t = backend.timers
     hour_ago = int(time.time() * 1000) - 3_600_000
     late = [
@@ -382,7 +387,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(bac
         assert await t.put(x)
     gw = ScriptedGateway()
     held = await hold(backend)
-    skipped_before = metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get()
+    skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
     loop = timer_loop(t, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
@@ -396,7 +401,9 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(bac
     every = await t.find(ref("owner-ok-every"), "k")
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
-    assert metrics.TIMERS_MISFIRED.labels(aggregate="order")._value.get() - skipped_before == 2
+    assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
+    (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
+    assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
 
 
 async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:

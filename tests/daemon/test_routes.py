@@ -355,8 +355,11 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
     assert headers["webhook-signature"] == expected_signature(GLOBAL_SECRET, headers, body)
 
     failed = [r.getMessage() for r in caplog.records if "failed for good" in r.getMessage()]
-    assert failed == [f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature "
-                      f"for {MASK} (request id {timer('payment', 'payment').request_id})"]  # fmt: skip
+    paid = timer("payment", "payment")
+    named = f"timer {paid.timer_id} of {paid.owner} key 'k', request id {paid.request_id}"
+    assert failed == [
+        f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature for {MASK} ({named})"
+    ]
     assert not any("token" in r.getMessage() for r in caplog.records)
 
 

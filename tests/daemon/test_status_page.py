@@ -216,6 +216,11 @@ async def test_the_overview_shows_the_stores_and_this_process_and_refreshes_itse
     assert re.search(r'id="quarantined"><a href="/ui/quarantine">1</a>', html)
     assert re.search(r'id="outbox-depth"><a href="/ui/outbox">2</a>', html)
     assert re.search(r'id="due-backlog">1<', html)
+    # timers FAILED and PARKED in the store (every replica's), linked to their list; what this
+    # replica delivered lately is said to be that
+    assert re.search(r'id="timers-failed"><a href="/ui/timers\?status=FAILED">1</a>', html)
+    assert re.search(r'id="timers-parked"><a href="/ui/timers\?status=PARKED">1</a>', html)
+    assert ">deliveries failed here<" in html
     assert "stalled: timers view: disk full" in html, "the slot this process holds stalled says why"
     assert "<script" not in html
     assert re.search(r'<span class="ok">timers current</span>', html)
@@ -302,6 +307,9 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert "PARKED" in parked and "http 404: order o-1 not found" in parked
     failed = await page.api("/api/v1/timer?owner=order/o-1&key=failed")
     assert failed["status"] == "FAILED" and failed["attempts"] == 1
+    # a FAILED timer is due at no time (the store keeps its claim's expiry, a time to come)
+    assert failed["due_at"] is None
+    assert "- (not due: retry it to make it due now)" in await page.html("/ui/timer?owner=order/o-1&key=failed")
     assert failed["request_id"] and failed["rule"] == {"type": "once"}
     later = await page.html("/ui/timer?owner=demo.order/o-1&key=later")
     assert "due " in later and ("(in 59 min)" in later or "(in 1.0 h)" in later)
@@ -310,12 +318,12 @@ async def test_a_timer_page_says_why_it_did_not_fire(page: Page) -> None:
     assert failed["slot"] == {"slot": slot, "holder": None, "fence": 0, "stalled": stalled}
     assert "has no live holder: nothing feeds or fires its partitions" in later
     gone = await page.html("/ui/timer?owner=order/o-1&key=never", 404)
-    assert "no live timer" in gone and 'id="done"' not in gone
+    assert "of demo.order/(0)/o-1: none is live, and none fired or was cancelled" in gone and 'id="done"' not in gone
     # back from a retry whose timer fired before the page was asked for: the action's notice stays
     key = await page.form_key("/ui/timer?owner=order/o-1&key=failed")
     notice = urlencode({"done": "retried: back to PENDING", "sig": sign_notice(key, "retried: back to PENDING")})
     fired = await page.html(f"/ui/timer?owner=order/o-1&key=never&{notice}", 404)
-    assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "no live timer" in fired
+    assert '<div class="notice" id="done">retried: back to PENDING</div>' in fired and "none is live" in fired
     # a notice this process did not write is not shown: a link cannot make the page say anything
     forged = await page.html("/ui/timer?owner=order/o-1&key=never&done=Session+expired:+call+555&sig=0", 404)
     assert "555" not in forged and 'id="done"' not in forged
@@ -350,8 +358,13 @@ async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(p
         "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
     )
     assert r.status_code == 200 and r.json()["written"] == 1
+    assert r.json()["timer"]["status"] == "PENDING"  # the timer as it is now, not as it was
     t = await page.backend.timers.find(order("o-1"), "parked")
     assert t is not None and t.status is TimerStatus.PENDING
+    again = await page.client.post(
+        "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
+    )
+    assert again.status_code == 400 and "is PENDING, not PARKED" in again.json()["error"]
     wrong = await page.client.post(
         "/api/v1/timer/retry?owner=order/o-1&key=due", headers={"authorization": f"Bearer {UI_TOKEN}"}
     )
@@ -514,6 +527,9 @@ def test_a_quantile_is_interpolated_within_its_bucket_as_prometheus_does() -> No
     assert quantile(0.5, [(0.1, 0.0), (0.25, 10.0), (inf, 10.0)]) == pytest.approx(0.175)
     assert quantile(0.99, [(1.0, 5.0), (inf, 10.0)]) == 1.0, "in +Inf: the largest finite bound"
     assert quantile(0.5, [(1.0, 0.0), (inf, 0.0)]) is None
+    from wowd.ui.window import beyond_top
+
+    assert beyond_top(0.99, [(1.0, 5.0), (inf, 10.0)]) and not beyond_top(0.5, [(1.0, 5.0), (inf, 10.0)])
 
 
 def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -> None:
@@ -523,28 +539,45 @@ def test_the_window_counts_what_this_process_delivered_over_its_last_minutes() -
     now = [0.0]
     window = MetricWindow(clock=lambda: now[0], window_s=60)
     FIRE_LAG.observe_many([0.02] * 98 + [4.0] * 2)
-    TIMERS_FIRED.labels(aggregate="window-test").inc(98)
-    TIMERS_PARKED.labels(aggregate="window-test").inc(2)
+    TIMERS_FIRED.labels(target="window.test").inc(98)
+    TIMERS_PARKED.labels(target="window.test").inc(2)
     now[0] = 10.0
     doc = window.read()
     assert doc["deliveries"]["fired"] == 98 and doc["deliveries"]["parked"] == 2 and doc["window_s"] == 10.0
     assert 0.01 < doc["fire_lag_p50_s"] <= 0.025 and 2.5 < doc["fire_lag_p99_s"] <= 5.0
+    assert not doc["fire_lag_p99_beyond"]
     now[0] = 100.0
     later = window.read()
     assert later["deliveries"]["fired"] == 0 and later["fire_lag_p50_s"] is None, "older than the window"
+    FIRE_LAG.observe_many([420.0] * 10)  # a backlog of seven minutes: past the top bucket (60 s)
+    now[0] = 110.0
+    backlog = window.read()
+    assert backlog["fire_lag_p99_s"] == 60.0 and backlog["fire_lag_p99_beyond"] is True
 
 
-async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(page: Page) -> None:
+async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(
+    page: Page, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Answered as the command line answers: 200 when done, 409 when not (its exit 1); each
+    action's log line names who acted."""
+    caplog.set_level(logging.INFO, logger="wowd.ui.app")
     bearer = {"authorization": f"Bearer {UI_TOKEN}"}
     (item,) = (await page.api("/api/v1/quarantine"))["items"]
     r = await page.client.post(f"/api/v1/quarantine/{item['id']}/refeed", headers=bearer)
     assert r.status_code == 200 and r.json()["reason"] is None
     assert r.json()["done"] == ["timers", "snapshots", "parked"]
+    assert any("re-fed by the token holder at 127.0.0.1" in m.getMessage() for m in caplog.records)
+    await page.backend.log.quarantine("wowd", 0, ORDER, {"aggregate_id": "o-8", "version": "x"}, "version: bad")
+    (bad,) = (await page.api("/api/v1/quarantine"))["items"]
+    r = await page.client.post(f"/api/v1/quarantine/{bad['id']}/refeed", headers=bearer)
+    assert r.status_code == 409 and r.json()["reason"] and r.json()["done"] == []  # still quarantined
     entry = await page.api("/api/v1/outbox/entry?request_id=req-1&offset=0")
     assert entry["timer_id"] == "t-1" and entry["offset"] == 1
     r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0", "req-1"]}, headers=bearer)
     assert r.status_code == 200 and r.json()["removed"] == 2
     assert await page.backend.outbox.count() == 0
+    r = await page.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers=bearer)
+    assert r.status_code == 409 and r.json()["removed"] == 0 and r.json()["asked"] == 1
     r = await page.client.post(
         "/api/v1/outbox/ack", json={"request_ids": ["req-0"]}, headers={"authorization": "Bearer x"}
     )

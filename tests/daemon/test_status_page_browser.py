@@ -78,8 +78,11 @@ def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Future[Any]]:
 
 
 async def _seed(stores: Backend) -> None:
-    """The order o-7's timer ``expire``, FAILED (the target refused it), and a quarantined commit."""
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id="o-7")
+    """The order o-7's timer ``expire``, FAILED (the target refused it), and a quarantined commit;
+    the order's tenant and id are as long as real ones are (the tables fit a laptop's width)."""
+    owner = AggregateRef(
+        context=CONTEXT, aggregate="order", id="o-7-checkout-2026-12-06-europe-west-1", tenant_id="acme-europe-west"
+    )
     t = Timer(
         timer_id=deterministic_timer_id(owner, "expire", 1),
         partition=partition(owner.id, PARTITIONS),
@@ -136,7 +139,21 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(staleness_of(page), "the next page")
         WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(loaded, "the next page loaded")
 
+    def fits(page: str) -> None:
+        """The page and each of its tables fit a 1280-pixel window: no table is wider than its
+        box (long ids and texts wrap)."""
+        width = driver.execute_script("return document.documentElement.scrollWidth")
+        inner = driver.execute_script("return document.documentElement.clientWidth")
+        assert width <= inner, f"{page}: {width} px wide in a window of {inner} px"
+        wide = driver.execute_script(
+            "return [...document.querySelectorAll('.scroll')].filter(b => b.scrollWidth > b.clientWidth)"
+            ".map(b => (b.querySelector('table') || b).id + ': ' + b.scrollWidth + ' > ' + b.clientWidth)"
+        )
+        assert wide == [], f"{page}: tables wider than their box: {wide}"
+
+    driver.set_window_size(1280, 860)
     driver.get(f"{base}/ui")
+    fits("overview")
     shown = {
         "holding": int(text("#replicas-holding")),
         "standby": int(text("#replicas-standby")),
@@ -170,12 +187,14 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
     follow(driver.find_element(By.CSS_SELECTOR, "form.search button"))
     rows = driver.find_elements(By.CSS_SELECTOR, "#timers tbody tr")
     assert len(rows) == 1 and "order o-7 is closed" in rows[0].text
+    fits("timers")
     driver.save_screenshot(str(SHOTS / "ui-timers.png"))
 
     follow(rows[0].find_element(By.LINK_TEXT, "expire"))
     assert text("#timer-status") == "FAILED"
     assert "http 422 from the target: order o-7 is closed" in text("#timer-last-error")
     timer_id = driver.find_element(By.CSS_SELECTOR, "#timer dd:last-of-type code").text
+    fits("timer")
     driver.save_screenshot(str(SHOTS / "ui-timer.png"))
 
     driver.find_element(By.NAME, "token").send_keys(TOKEN)
@@ -187,12 +206,27 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         return bool(d.find_elements(By.CSS_SELECTOR, f'#outbox tr[data-timer-id="{timer_id}"]'))
 
     WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(delivered, "the retried timer's command in the outbox")
+    fits("outbox")
     driver.save_screenshot(str(SHOTS / "ui-outbox.png"))
+    row = driver.find_element(By.CSS_SELECTOR, f'#outbox tr[data-timer-id="{timer_id}"]')
+    request_id = row.find_element(By.CSS_SELECTOR, 'a[href^="/ui/outbox/entry"]').text.strip()
 
     driver.get(f"{base}/ui/timers?status=FAILED")
     assert "no live timer matches" in text("#timers")
 
+    # gone from the view, the timer is found by the request id of its outbox entry: its history
+    driver.get(f"{base}/ui/timers")
+    driver.find_element(By.NAME, "request_id").send_keys(request_id)
+    follow(driver.find_element(By.CSS_SELECTOR, "form.search button"))
+    follow(driver.find_element(By.CSS_SELECTOR, "#timers tbody a"))
+    assert text("#timer-status") == "DONE"
+    attempts = driver.find_elements(By.CSS_SELECTOR, '#history tr[data-kind="attempt"]')
+    assert attempts and "delivered" in attempts[-1].text and request_id in attempts[-1].text
+    fits("history")
+    driver.save_screenshot(str(SHOTS / "ui-timer-history.png"))
+
     driver.get(f"{base}/ui/quarantine")
+    fits("quarantine")
     driver.save_screenshot(str(SHOTS / "ui-quarantine.png"))
     follow(driver.find_element(By.CSS_SELECTOR, "#quarantine tbody a"))
     assert "mapper_parsing_exception" in text("#reason")

@@ -55,7 +55,7 @@ KEY_TEXT = st.characters(exclude_categories=("Cs",), exclude_characters="\x00")
 
 _KNOWN = frozenset(
     {"$schema", "$defs", "$ref", "title", "description", "default", "type", "required", "properties", "const",
-     "minLength", "maxLength", "pattern", "minimum", "maximum", "items", "oneOf", "allOf", "if", "then"}
+     "minLength", "maxLength", "pattern", "minimum", "maximum", "items", "oneOf", "allOf", "if", "then", "enum"}
 )  # fmt: skip
 """The keywords :class:`SchemaDraw` draws from (``title``, ``description``, ``default`` change nothing)."""
 
@@ -172,6 +172,8 @@ class SchemaDraw:
             return self.node(_merge(SCHEMA["$defs"][name], siblings) if siblings else SCHEMA["$defs"][name], name)
         if "const" in node:
             return st.just(node["const"])
+        if "enum" in node:
+            return st.sampled_from(node["enum"])
         if "oneOf" in node:
             base = {k: v for k, v in node.items() if k != "oneOf"}
             return st.one_of([self.node(_merge(base, branch), where) for branch in node["oneOf"]])
@@ -506,6 +508,8 @@ def _breakings(place: _Place) -> list[Any]:
     out: list[Any] = [_MISSING] if place.required else []
     if "const" in node:
         return out
+    if "enum" in node:
+        out.append("none of " + "|".join(map(str, node["enum"])))
     if kind == "string":
         out += [7, None]
         if node.get("minLength", 0) > 0:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.embedded.test_firing_path import CTX, T0, by_due, populate, timer
 from wowd.daemon.timer_plan import next_occurrence
+from wowd.delivery import target_of
 from wowd.delivery.outbox import outbox_entry
 from wowd.errors import LeaseLost, StorageError
 from wowd.model import (
@@ -111,7 +112,7 @@ async def test_it_fires_the_timers_claim_due_would_claim_in_the_same_order(tmp_p
             parts, until, limit, owner_key="me", fence=5, claim_until=T0 + 10**9, exclude=exclude
         )
         answered = await fire(firing, until, limit, parts=parts, exclude=exclude)
-        assert answered == [FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None) for t in claimed]
+        assert answered == [FiredTimer(t.timer_id, target_of(t), t.scheduled_at, None) for t in claimed]
         assert not exclude & {f.timer_id for f in answered}
         fired.update((t.timer_id, t) for t in claimed)
     assert fired, "the rounds fired something"
@@ -129,7 +130,7 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
     for t in ts:
         assert await db.timers.put(t)
     fired = await fire(db.timers, T0 + 200)
-    assert fired == [FiredTimer(t.timer_id, t.owner.aggregate, t.scheduled_at, None) for t in by_due(ts)]
+    assert fired == [FiredTimer(t.timer_id, target_of(t), t.scheduled_at, None) for t in by_due(ts)]
     assert await db.outbox.entries() == [
         OutboxEntry(
             request_id=t.request_id,
@@ -189,7 +190,7 @@ async def test_another_holders_claim_is_respected_until_it_expires(db: File) -> 
     assert claimed.timer_id == theirs.timer_id
     assert [f.timer_id for f in await fire(db.timers, T0 + 29_999)] == [mine.timer_id]
     # its claim expired (the other replica died): due again, fired under this fence
-    assert await fire(db.timers, T0 + 30_000) == [FiredTimer(theirs.timer_id, "order", T0, None)]
+    assert await fire(db.timers, T0 + 30_000) == [FiredTimer(theirs.timer_id, target_of(theirs), T0, None)]
     entries = {e.timer_id: e for e in await db.outbox.entries()}
     assert (entries[theirs.timer_id].fence, entries[theirs.timer_id].owner_key) == (5, "me")
     assert entries[theirs.timer_id].request_id == theirs.request_id

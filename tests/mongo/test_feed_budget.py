@@ -11,7 +11,8 @@ batch's read).
 
 The budget of a batch (of up to the feed's 500 commits), whatever ``N``: one sink ``_bulk`` per
 aggregate type, one timer bulk per timer collection touched, one snapshot ``find`` and one
-snapshot bulk per reducer type, one checkpoint write, plus a constant (the parked read, a check
+snapshot bulk per reducer type, one checkpoint write, one bulk of the timer history's records,
+plus a constant (the parked read, a check
 before it, and the bulk resuming the parked timers of the one collection holding them).
 """
 
@@ -55,6 +56,7 @@ from wowd.stores.base import Backend, Ddl
 from wowd.stores.elasticsearch import ElasticsearchEventSink
 from wowd.stores.mongo import MongoLog, MongoOutbox
 from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.history import MongoTimerHistory
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
 from wowd.stores.mongo.timer_queries import index_specs, timer_to_doc
@@ -232,6 +234,11 @@ class Deployment:
                 assert not any(u.get("upsert") for u in updates)
                 self.resumed += [u["q"]["timer_id"] for u in updates]
                 self.write_reply(req, n=len(updates), nModified=len(updates))
+        elif name == "update" and coll == f"wow_timer_history__{CONTEXT}":
+            kind = "history bulk"  # the records of the batch's timer events: upserts by _id, each
+            # schedule ending the open schedules of its key (a recurring timer it replaces)
+            assert all(u.get("upsert") and set(u["q"]) == {"_id"} or u.get("multi") for u in req.doc["updates"])
+            self.upserted(req)
         elif name == "aggregate" and coll == REGISTRY:
             kind = "parked read"
             self.cursor(req, f"{DB}.{REGISTRY}", self.union(req.doc["pipeline"]))
@@ -384,6 +391,7 @@ async def feed_one_batch(rs_server: MockupDB, es: AsyncElasticsearch, fake: Fake
         snapshots=snapshots,
         rebuilds=snapshots,
         outbox=MongoOutbox(client, DB, context=CONTEXT, ddl=Ddl.NONE),
+        history=MongoTimerHistory(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         sink_factory=lambda type_: ElasticsearchEventSink(es, type_),
     )
     settings = load_settings(context=CONTEXT, partitions=PARTITIONS)
@@ -438,9 +446,10 @@ BUDGET = {
     "snapshot find": 1,
     "snapshot bulk": 1,
     "checkpoint write": 1,
+    "history bulk": 1,
 }
 """The per-kind budget of the scenario's batch: three types (each a timer collection touched),
-one reducer type."""
+one reducer type; the timer history's records of the batch in one bulk."""
 CONSTANT = {"parked read": 2, "resume bulk": 1}
 """The constant: the parked read (and a check before it); the resumed timers' bulk (one
 collection holds them)."""
@@ -451,7 +460,7 @@ async def test_a_batch_writes_the_sink_timers_snapshots_and_checkpoints_in_a_bul
     rs_server: MockupDB, es: AsyncElasticsearch, fake: FakeElasticsearch, n: int
 ) -> None:
     m = await feed_one_batch(rs_server, es, fake, n)
-    for kind in ("sink _bulk", "timer bulk", "snapshot bulk", "checkpoint write"):
+    for kind in ("sink _bulk", "timer bulk", "snapshot bulk", "checkpoint write", "history bulk"):
         assert m.kinds[kind] == BUDGET[kind], (kind, m.kinds)
     assert m.kinds["resume bulk"] == CONSTANT["resume bulk"], m.kinds
     assert m.es_other == []

@@ -369,7 +369,7 @@ async def test_claim_due_fails_an_undecodable_timer_and_claims_the_rest(
     ok1, ok2 = make_timer(id="o1", due_at=100), make_timer(id="o2", due_at=300)
     flying = replace(make_timer(id="o0", due_at=50), status=TimerStatus.FIRING)
     bad = {**timer_to_doc(make_timer(id="o9", due_at=200, revision=4)), "rule": {"type": "cron", "expression": "?"}}
-    failed = metrics.TIMERS_FAILED.labels(aggregate="order")
+    failed = metrics.TIMERS_FAILED.labels(target="billing.invoice")
     before = failed._value.get()
     docs = [union_doc(timer_to_doc(t)) for t in (flying, ok1)] + [union_doc(bad), union_doc(timer_to_doc(ok2))]
     caplog.set_level(logging.ERROR, logger="wowd.stores.mongo.timer_schema")

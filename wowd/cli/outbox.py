@@ -1,4 +1,7 @@
-"""``wowd outbox list|ack|trim``: the outbox the ``outbox`` gateway delivers into, as a queue."""
+"""``wowd outbox list|take|ack|trim``: the outbox the ``outbox`` gateway delivers into, as a
+queue: ``list`` looks (takes nothing: a consumer's takes are unaffected), ``take`` takes as a
+consumer does (the entries are held from the other takes for the lease), ``ack`` removes what was
+consumed."""
 
 from __future__ import annotations
 
@@ -7,11 +10,11 @@ import time
 from datetime import timedelta
 
 from wowd.backends import opened_backend
-from wowd.cli.args import non_negative_seconds, positive_int
+from wowd.cli.args import non_negative_int, non_negative_seconds, positive_int
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
 from wowd.config import WowdSettings
 from wowd.fmt import iso_ms
-from wowd.operator import outbox_entry_doc
+from wowd.operator import outbox_entry_doc, outbox_page
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Outbox
 
 __all__ = ["COUNT_PAGE", "outbox", "register"]
@@ -21,38 +24,48 @@ COUNT_PAGE = 1000
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("outbox", parents=[common], help="list, acknowledge and trim the outbox's commands")
+    p = sub.add_parser("outbox", parents=[common], help="look at, take, acknowledge and trim the outbox's commands")
     osub = p.add_subparsers(dest="outbox_command", required=True, metavar="COMMAND")
-    ol = osub.add_parser("list", help="take the oldest entries no other take holds, in delivery order")
-    ol.add_argument("--limit", type=positive_int, default=100, help="take at most this many (default 100)")
+    ol = osub.add_parser("list", help="show the entries in delivery order, taking nothing (a consumer's takes go on)")
+    ol.add_argument("--limit", type=positive_int, default=100, help="show at most this many (default 100)")
     ol.add_argument(
+        "--offset", type=non_negative_int, default=0, help="skip this many first (as a previous list printed)"
+    )
+    ol.add_argument(
+        "--json", action="store_true", help="print JSON ({entries, next, depth}; times in epoch ms) instead of a table"
+    )
+    ot = osub.add_parser(
+        "take", help="take the oldest entries no other take holds, as a consumer does: ack them within the lease"
+    )
+    ot.add_argument("--limit", type=positive_int, default=100, help="take at most this many (default 100)")
+    ot.add_argument(
         "--lease-s",
         type=non_negative_seconds,
         default=OUTBOX_TAKE_LEASE.total_seconds(),
         help="hold them for this long: no other take gets them meanwhile; ack them within it "
         f"(default {OUTBOX_TAKE_LEASE.total_seconds():g})",
     )
-    ol.add_argument(
+    ot.add_argument(
         "--json",
         action="store_true",
         help="print JSON ({entries, take, depth}; times in epoch ms) instead of a table",
     )
     oa = osub.add_parser("ack", help="remove consumed entries by request id")
     oa.add_argument("request_ids", nargs="+", metavar="REQUEST_ID", help="request ids as 'outbox list' shows them")
-    ot = osub.add_parser(
+    tr = osub.add_parser(
         "trim", help="remove entries older than an age (unacknowledged ones only with --include-unacked)"
     )
-    ot.add_argument(
+    tr.add_argument(
         "--older-than-s",
         type=non_negative_seconds,
         help="age in seconds (default: the configured outbox.retention_s)",
     )
-    ot.add_argument(
+    tr.add_argument(
         "--include-unacked",
         action="store_true",
         help="remove entries no consumer acknowledged (their commands are lost); without it, trim only counts them",
     )
-    ot.add_argument("--yes", action="store_true", help="do not ask for confirmation at a terminal")
+    tr.add_argument("--yes", action="store_true", help="do not ask for confirmation at a terminal")
     p.set_defaults(handler=outbox)
 
 
@@ -60,24 +73,47 @@ async def outbox(settings: WowdSettings, args: argparse.Namespace) -> int:
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         box = backend.outbox
         if args.outbox_command == "list":
-            batch = await box.take(args.limit, lease=timedelta(seconds=args.lease_s))
+            entries, nxt = await outbox_page(box, args.offset, args.limit)
             depth = await box.count()
+        elif args.outbox_command == "take":
+            batch = await box.take(args.limit, lease=timedelta(seconds=args.lease_s))
+            entries, depth = list(batch.entries), await box.count()
         elif args.outbox_command == "ack":
-            removed = await box.ack(args.request_ids)
-            out(f"{removed} of {len(set(args.request_ids))} entries acknowledged (removed)")
-            return 0
+            return await _ack(box, args.request_ids)
         else:
             return await _trim(settings, box, args)
     if args.json:
-        entries = [outbox_entry_doc(e) for e in batch.entries]
-        print_json({"entries": entries, "take": batch.cursor, "depth": depth})
+        docs = [outbox_entry_doc(e) for e in entries]
+        if args.outbox_command == "list":
+            print_json({"entries": docs, "next": nxt, "depth": depth})
+        else:
+            print_json({"entries": docs, "take": batch.cursor, "depth": depth})
         return 0
     now = int(time.time() * 1000)
     print_table(
         ["request_id", "created", "target", "command"],
-        [[e.request_id, at(e.created_at, now), e.target, e.command] for e in batch.entries],
+        [[e.request_id, at(e.created_at, now), e.target, e.command] for e in entries],
     )
-    out(f"{len(batch.entries)} of {depth} entries taken for {args.lease_s:g} s")
+    if args.outbox_command == "take":
+        out(f"{len(entries)} of {depth} entries taken for {args.lease_s:g} s: acknowledge them within it (outbox ack)")
+    else:
+        more = f"; next: --offset {nxt}" if nxt is not None else ""
+        out(f"{len(entries)} of {depth} entries shown (none taken){more}")
+    return 0
+
+
+async def _ack(box: Outbox, request_ids: list[str]) -> int:
+    """Removes the entries; exit 1 naming how many of the request ids were not there (acknowledged
+    already, trimmed, or never delivered into the outbox)."""
+    wanted = len(set(request_ids))
+    removed = await box.ack(request_ids)
+    out(f"{removed} of {wanted} entries acknowledged (removed)")
+    if removed < wanted:
+        err(
+            f"wowd: {wanted - removed} of the request ids named no entry of the outbox (acknowledged already, "
+            "trimmed, or never delivered into it)"
+        )
+        return 1
     return 0
 
 

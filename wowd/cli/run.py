@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import logging
+import shutil
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +21,7 @@ from prometheus_client import Counter
 from wowd import __version__, metrics
 from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
-from wowd.config import WowdSettings
+from wowd.config import WowdSettings, url_shown
 from wowd.stores.base import Backend
 
 if TYPE_CHECKING:
@@ -87,6 +90,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     from wowd.daemon.replica import open_replica  # the replica: loaded by this command only
 
     raise_descriptor_limit()
+    _port_free(settings)
     forced = False
 
     async def signals(received: AsyncIterator[int], scope: anyio.CancelScope, sup: Supervisor) -> None:
@@ -111,6 +115,7 @@ async def run(settings: WowdSettings, args: argparse.Namespace) -> int:
     # the signals are ours until the stores are closed: a late one does not kill the close
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as received:
         async with open_replica(settings, port_file=args.port_file) as sup:
+            log.info("%s", where_commands_go(settings))
             tune_gc()
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             async with anyio.create_task_group() as tg:
@@ -153,15 +158,70 @@ def progress_printer(settings: WowdSettings) -> Callable[[str, dict[str, object]
     return emit
 
 
+def _port_free(settings: WowdSettings) -> None:
+    """Raises the ``OSError`` of binding the listener's port when it is taken, before anything
+    is opened (an embedded file is created only by a replica that starts). The listener binds it
+    again when the replica starts (a port taken meanwhile fails the start as it would have)."""
+    if settings.http.port == 0:
+        return
+    try:
+        with socket.create_server((settings.http.host, settings.http.port)):
+            pass
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise
+        # another refusal (a host that does not resolve, a privileged port): the listener's
+        # start names its setting
+
+
 def _newcomer(settings: WowdSettings, port: int | None) -> str:
-    """What a first ``make run`` needs to know: it is up, where it writes, where to look."""
+    """What a first ``make run`` needs to know: it is up, where it writes, where fired commands
+    go, where to look (the status page, the commands as this shell runs them, the metrics)."""
     where = f"embedded file {settings.embedded.path}" if settings.backend == "embedded" else "the MongoDB backend"
-    metrics_url = f"http://localhost:{port}/metrics" if port else "/metrics"
+    base = f"http://localhost:{port}" if port else ""
+    wowd = invocation()
     return (
         f"wowd {__version__}: a replica of context {settings.context!r} is up on {where}; a line below every "
-        f"second shows commits fed and timers fired. Look inside with `wowd status`, `wowd timers list` and "
-        f"{metrics_url}; Ctrl-C stops it (details of the replica: WOWD_LOG_LEVEL=DEBUG)."
+        f"second shows commits fed and timers fired. {where_commands_go(settings, wowd)} Look inside at "
+        f"{base}/ui (the status page), with `{wowd} status` and `{wowd} timers list`, and at {base}/metrics; "
+        "Ctrl-C stops it (details of the replica: WOWD_LOG_LEVEL=DEBUG)."
     )
+
+
+def where_commands_go(settings: WowdSettings, wowd: str = "wowd") -> str:
+    """Where this replica's fired commands go, and how they are read (a sentence)."""
+    g = settings.gateway
+    if g.kind == "http":
+        routes = f" (and {len(g.routes)} route(s) by target)" if g.routes else ""
+        to = url_shown(g.url) if g.url else "the routes of WOWD_GATEWAY__ROUTES"
+        return f"Fired commands are POSTed to {to}{routes}."
+    table = "the outbox table of the file" if settings.backend == "embedded" else "the outbox collection"
+    return (
+        f"Fired commands go to the outbox ({table}), for your application to take and acknowledge: "
+        f"`{wowd} outbox list` shows them, `{wowd} outbox take` takes them, docs/operations.md#the-outbox says "
+        "how to consume them from Python; WOWD_GATEWAY__KIND=http and WOWD_GATEWAY__URL POST them to a service "
+        "instead."
+    )
+
+
+def invocation() -> str:
+    """How this shell runs wowd again: ``wowd`` when the PATH finds this one, else the path it
+    was run by (``.venv/bin/wowd``) or ``python -m wowd``."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "__main__.py":
+        return f"{_shown_path(Path(sys.executable))} -m wowd"
+    found = shutil.which(argv0.name)
+    if found is not None and Path(found).resolve() == argv0.resolve():
+        return argv0.name
+    return _shown_path(argv0)
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it, else as given."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 async def _demo_in_process(backend: Backend, sup: Supervisor, settings: WowdSettings) -> None:

@@ -13,13 +13,37 @@ from typing import Any
 from wowd.backends import opened_backend
 from wowd.cli.args import non_negative_int, positive_int, seconds
 from wowd.cli.output import at, confirm, err, out, print_json, print_table
-from wowd.client import SCHEDULES, schedule_stream
+from wowd.client import SCHEDULES, WowdClient, next_occurrences, schedule_stream
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput
 from wowd.fmt import iso_ms, one_line
-from wowd.model import DEFAULT_TENANT, AggregateRef, Command, Timer, TimerStatus
-from wowd.operator import cursor_of, deliveries, detail, find_timer, parse_cursor, parse_ref, repair_timers, timer_doc
-from wowd.stores.base import Log, TimerSearch, TimerStore
+from wowd.model import (
+    CRON_DIALECTS,
+    DEFAULT_TENANT,
+    AggregateRef,
+    Command,
+    CronRule,
+    OnceRule,
+    Timer,
+    TimerStatus,
+    parse_rule,
+)
+from wowd.operator import (
+    ENDED_DETAIL,
+    TimerHistoryView,
+    cursor_of,
+    deliveries,
+    detail,
+    find_timer,
+    history_doc,
+    history_line,
+    parse_cursor,
+    parse_ref,
+    repair_timers,
+    timer_doc,
+    timer_history,
+)
+from wowd.stores.base import Backend, Log, TimerSearch, TimerStore
 
 __all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
 
@@ -67,6 +91,8 @@ def _instant(text: str) -> int:
     return int(at.timestamp() * 1000)
 
 
+NEXT_SHOWN = 3
+"""Occurrences a schedule of a recurring timer shows."""
 PAST_TOLERANCE_MS = 1000
 """A due time at most this far in the past is "now" (the clock moved while the command ran)."""
 
@@ -74,6 +100,7 @@ FLAGS = {
     "body.due_at": "--at/--in",
     "rule.expression": "--cron",
     "rule.zone": "--zone",
+    "rule.dialect": "--cron-dialect",
     "rule.every_ms": "--every-ms",
     "rule.misfire_grace_ms": "--misfire-grace-ms",
     "rule": "--cron/--every-ms",
@@ -116,13 +143,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tl.add_argument("--limit", type=positive_int, default=100, help="list at most this many (default 100)")
     tl.add_argument("--json", action="store_true", help="print JSON ({timers, next}; times in epoch ms)")
 
-    ts = tsub.add_parser("show", help="one timer, by its id or by its owner and key")
+    ts = tsub.add_parser(
+        "show",
+        help="one timer and its history (also one that fired or was cancelled): by id, owner and key, or request id",
+    )
     ts.add_argument(
         "timer",
-        nargs="+",
+        nargs="*",
         metavar="TIMER_ID | AGGREGATE/ID KEY",
-        help="a timer id as 'timers list' shows it, or "
+        help="a timer id as 'timers list' or a log line shows it, or "
         "the owner aggregate (CONTEXT.AGGREGATE/ID also taken) and the timer's key",
+    )
+    ts.add_argument(
+        "--request-id",
+        metavar="ID",
+        help="the timer of this request id: a delivery's Command-Request-Id (what the target's log shows), "
+        "or the request id of a commit that scheduled or cancelled it",
     )
     ts.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     ts.add_argument("--json", action="store_true", help="print JSON instead of lines (times in epoch ms)")
@@ -141,12 +177,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     when = tsc.add_mutually_exclusive_group()
     when.add_argument("--at", type=_instant, help="due at this time: ISO 8601 with a zone, or epoch milliseconds")
     when.add_argument("--in", dest="in_s", type=seconds, metavar="SECONDS", help="due this many seconds from now")
+    when.add_argument("--now", action="store_true", help="due now: it fires at once")
     tsc.add_argument(
         "--allow-past", action="store_true", help="accept a due time in the past (the timer fires at once)"
     )
     rule = tsc.add_mutually_exclusive_group()
     rule.add_argument("--every-ms", type=positive_int, help="recurring: every this many milliseconds")
-    rule.add_argument("--cron", metavar="EXPR", help="recurring: a cron expression (5 or 6 fields)")
+    rule.add_argument(
+        "--cron",
+        metavar="EXPR",
+        help="recurring: a cron expression, five fields as Vixie cron ('*/10 * * * *': every ten minutes) or six "
+        "seconds first as Quartz and Spring ('*/10 * * * * *': every ten seconds)",
+    )
+    tsc.add_argument(
+        "--cron-dialect",
+        choices=CRON_DIALECTS,
+        help="how --cron reads: unix (five fields) or jvm (six, seconds first); default: by its number of fields",
+    )
     tsc.add_argument("--zone", default="UTC", help="the time zone of --cron (default UTC)")
     tsc.add_argument(
         "--misfire-grace-ms",
@@ -160,8 +207,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     tsc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
 
     tc = tsub.add_parser("cancel", help="append a commit cancelling a timer (one that exists, unless --force)")
-    tc.add_argument("owner", metavar="AGGREGATE/ID", help="the owner aggregate (CONTEXT.AGGREGATE/ID also taken)")
-    tc.add_argument("key", help="the timer's key")
+    tc.add_argument(
+        "timer",
+        nargs="+",
+        metavar="TIMER_ID | AGGREGATE/ID KEY",
+        help="a timer id as 'timers list' shows it, or the owner aggregate (CONTEXT.AGGREGATE/ID also taken) and "
+        "the timer's key",
+    )
     tc.add_argument("--tenant", help=f"the owner's tenant id (default {DEFAULT_TENANT})")
     tc.add_argument("--in-owner-stream", action="store_true", help=IN_OWNER_STREAM_HELP)
     tc.add_argument(
@@ -252,7 +304,7 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
         if args.timers_command in ("schedule", "cancel"):
             return await _write(settings, backend.log, store, args)
         if args.timers_command == "show":
-            return await _show(settings, store, args)
+            return await _show(settings, backend, args)
         return await _repair(settings, store, args)
 
 
@@ -292,15 +344,26 @@ async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[A
     return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
 
 
-async def _show(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+async def _show(settings: WowdSettings, backend: Backend, args: argparse.Namespace) -> int:
+    """The timer (live, or as its history tells once it fired, was cancelled or replaced) and its
+    history, oldest first; exit 1 when nothing is known of it."""
     picked = selected(args.timer, context=settings.context, tenant=args.tenant)
-    if len(picked) != 1:
-        raise ConfigError("timers show: give one TIMER_ID, or an owner AGGREGATE/ID and a KEY")
-    t = await _find(settings, store, picked[0])
-    if t is None:
-        err(f"wowd: no timer {_name(picked[0])}")
+    if len(picked) + (args.request_id is not None) != 1:
+        raise ConfigError("timers show: give one TIMER_ID, an owner AGGREGATE/ID and a KEY, or --request-id")
+    if args.request_id is not None:
+        view = await timer_history(backend, request_id=args.request_id)
+        name = f"with request id {args.request_id}"
+    elif isinstance(picked[0], str):
+        view = await timer_history(backend, timer_id=picked[0])
+        name = picked[0]
+    else:
+        view = await timer_history(backend, owner=picked[0][0], key=picked[0][1])
+        name = _name(picked[0])
+    if view is None:
+        kept = settings.timers.tombstone_retention_s / 86400
+        err(f"wowd: no timer {name}: none is live, and none fired or was cancelled in the last {kept:g} days")
         return 1
-    _print_one(t, as_json=args.json)
+    _print_view(view, as_json=args.json)
     return 0
 
 
@@ -338,24 +401,12 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
 
 
 async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
-    from wowd.client import WowdClient
-
     client = WowdClient(
         log, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
     )
-    owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     if args.timers_command == "cancel":
-        stream = owner if args.in_owner_stream else schedule_stream(owner)
-        if not args.force and await timers_store.find(stream, args.key) is None:
-            err(
-                f"wowd: no timer {args.key!r} of {stream} in the timer view (it fired, was cancelled or never "
-                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
-                "appends the cancel anyway"
-            )
-            return 1
-        commit = await client.cancel(owner, args.key, in_owner_stream=args.in_owner_stream)
-        out(f"cancel of timer {args.key!r} of {owner} appended to {commit.ref} at version {commit.version}")
-        return 0
+        return await _cancel(settings, client, timers_store, args)
+    owner = parse_ref(args.owner, context=settings.context, tenant=args.tenant)
     target = (
         parse_ref(args.target, context=settings.context, tenant=args.target_tenant or owner.tenant_id)
         if (args.target)
@@ -366,13 +417,22 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
         rule = {"type": "interval", "every_ms": args.every_ms}
     elif args.cron is not None:
         rule = {"type": "cron", "expression": args.cron, "zone": args.zone}
+        if args.cron_dialect is not None:
+            rule["dialect"] = args.cron_dialect
+    elif args.cron_dialect is not None:
+        raise ConfigError("--cron-dialect: it says how --cron reads; give --cron")
     now = int(time.time() * 1000)
     due_at = args.at if args.at is not None else None
     if args.in_s is not None:
         due_at = int(now + args.in_s * 1000)
+    if args.now:
+        due_at = now
     if due_at is None and rule is None:
-        due_at = now  # a one-shot timer without a time: due now
-    elif due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
+        raise ConfigError(
+            "timers schedule: when is it due? --at TIME, --in SECONDS, or --now (it fires at once); a recurring "
+            "timer (--every-ms, --cron) starts at its first occurrence without them"
+        )
+    if due_at is not None and due_at < now - PAST_TOLERANCE_MS and not args.allow_past:
         flag = "--at" if args.at is not None else "--in"
         raise ConfigError(
             f"{flag}: the due time {iso_ms(due_at)} is in the past (the timer would fire at once); "
@@ -397,13 +457,56 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
         f"timer {args.key!r} of {owner} scheduled in {commit.ref} at version {commit.version}: {args.command} "
         f"to {target} due {iso_ms(event.body['due_at'])}"
     )
+    written = parse_rule(event.body["rule"])
+    if not isinstance(written, OnceRule):
+        first = int(event.body["due_at"])
+        then = [first, *next_occurrences(written, NEXT_SHOWN - 1, after=first)]
+        how = f" ({written.dialect}: {written.expression!r})" if isinstance(written, CronRule) else ""
+        out(f"next occurrences{how}: " + ", ".join(iso_ms(t) for t in then))
     return 0
 
 
-def _print_one(t: Timer, *, as_json: bool) -> None:
-    doc = timer_doc(t)
+async def _cancel(settings: WowdSettings, client: WowdClient, store: TimerStore, args: argparse.Namespace) -> int:
+    """Appends the cancel of one timer, named by its id (to the stream it is in) or by its owner
+    and key (wowd's stream of the owner, or with ``--in-owner-stream`` the owner's own)."""
+    picked = selected(args.timer, context=settings.context, tenant=args.tenant)
+    if len(picked) != 1:
+        raise ConfigError("timers cancel: give one TIMER_ID, or an owner AGGREGATE/ID and a KEY")
+    wanted = picked[0]
+    if isinstance(wanted, str):
+        if args.in_owner_stream or args.force:
+            raise ConfigError("timers cancel: a timer named by its id is cancelled in its own stream (no --force)")
+        t = await _find(settings, store, wanted)
+        if t is None:
+            err(
+                f"wowd: no live timer {wanted} (it fired or was cancelled: wowd timers show {wanted}): nothing appended"
+            )
+            return 1
+        owner, key, own = t.owner, t.key, t.owner.aggregate != SCHEDULES
+    else:
+        owner, key, own = wanted[0], wanted[1], args.in_owner_stream
+        stream = owner if own else schedule_stream(owner)
+        if not args.force and await store.find(stream, key) is None:
+            err(
+                f"wowd: no timer {key!r} of {stream} in the timer view (it fired, was cancelled or never "
+                "existed; a schedule appended a moment ago may not be fed yet): nothing appended; --force "
+                "appends the cancel anyway"
+            )
+            return 1
+    commit = await client.cancel(owner, key, in_owner_stream=own)
+    out(f"cancel of timer {key!r} of {owner} appended to {commit.ref} at version {commit.version}")
+    return 0
+
+
+def _print_view(view: TimerHistoryView, *, as_json: bool) -> None:
+    t = view.timer
+    doc: dict[str, Any] = (
+        timer_doc(t)
+        if t is not None
+        else {"timer_id": view.timer_id, "status": view.state, "owner": str(view.owner), "key": view.key}
+    )
     if as_json:
-        print_json(doc)
+        print_json({**doc, "history": [history_doc(r) for r in view.records]})
         return
     for k, v in doc.items():
         if k in ("due_at", "scheduled_at") and isinstance(v, int):
@@ -411,4 +514,10 @@ def _print_one(t: Timer, *, as_json: bool) -> None:
         elif isinstance(v, dict | list):
             v = json.dumps(v, separators=(",", ":"))
         out(f"{k + ':':<13} {one_line(str(v)) if v is not None else '-'}")
-    out(f"{'detail:':<13} {one_line(detail(t))}")
+    if t is not None:
+        out(f"{'detail:':<13} {one_line(detail(t))}")
+    else:
+        out(f"{'detail:':<13} {ENDED_DETAIL[view.state]}")
+    out(f"history:      {len(view.records)} record(s), oldest first" if view.records else "history:      none kept")
+    for r in view.records:
+        out(f"  {history_line(r)}")

@@ -44,6 +44,7 @@ from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
+    HistoryRecord,
     LogBatch,
     LogEntry,
     Position,
@@ -55,7 +56,7 @@ from wowd.model import (
 )
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import Backend, EventSink, FeedWriter
+from wowd.stores.base import Backend, EventSink, FeedWriter, TimerHistory
 from wowd.views import (
     FROM_START,
     INDEX,
@@ -620,6 +621,8 @@ class Feeder:
                     answers = await backend.timers.write(prepared.timer_writes)
                 if waker is not None:
                     _wake_for_puts(held, prepared.timer_writes, answers, waker)
+            if prepared.history and backend.history is not None:
+                await _record_history(backend.history, prepared.history, logx)
             # 4. resume the parked timers of the aggregates that just committed
             with step("parked"):
                 await self._resume_parked(held, prepared, waker)
@@ -688,6 +691,7 @@ class Feeder:
                 held.fence,
                 now=now,
                 planned=planned,
+                history=prepared.history if timers and self._backend.history is not None else (),
             )
         except (StorageUnavailable, LeaseLost, SlotStalled):
             raise
@@ -855,6 +859,21 @@ def _wake_for_puts(held: HeldSlot, writes: Sequence[TimerWrite], answers: Sequen
     for w, written in zip(writes, answers, strict=True):
         if w.kind == "put" and written and w.timer is not None and w.timer.partition in held.partitions:
             waker.maybe_wake(w.timer.due_at)
+
+
+async def _record_history(
+    history: TimerHistory, records: Sequence[HistoryRecord], logx: logging.LoggerAdapter[logging.Logger]
+) -> None:
+    """The history records of a batch's timer events, one write. Unavailable: raised (the batch
+    is retried, its writes are idempotent); refused: logged and counted, the batch goes on (the
+    history is a record of the log, never a reason to quarantine it)."""
+    try:
+        await history.append(records)
+    except StorageUnavailable:
+        raise
+    except StorageError as exc:
+        metrics.HISTORY_UNRECORDED.inc(len(records))
+        logx.warning("timer history: %d records of the batch's commits not written: %s", len(records), exc)
 
 
 def _resumed(held: HeldSlot, timers: Sequence[Timer], now: int, waker: Waker) -> None:

@@ -6,17 +6,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from wowd.config import TimerSettings
 from wowd.errors import InvalidInput, LeaseLost, SinkWriteError, SlotStalled, StorageUnavailable, WowdError
 from wowd.model import (
     AggregateType,
     Commit,
+    HistoryRecord,
     LogEntry,
     TimerCancelled,
     TimerScheduled,
     TimerWrite,
+    commit_records,
     net_writes,
     timer_event_from,
     timer_from_event,
@@ -64,6 +66,9 @@ class Prepared:
     by_type: dict[AggregateType, list[Commit]]
     timer_writes: list[TimerWrite]
     """The net effect of the batch's timer events (:func:`~wowd.model.net_writes`)."""
+    history: list[HistoryRecord] = field(default_factory=list)
+    """The timer history's records of the batch's timer events, each commit's (every event, also
+    one the net effect leaves out: a schedule cancelled later in the batch was scheduled)."""
     planned: object = None
     """:meth:`FeedWriter.plan` of the batch, when the backend has a feed writer."""
     planned_for: tuple[bool, bool] | None = None
@@ -77,6 +82,8 @@ def prepare_batch(entries: Sequence[LogEntry], limits: TimerSettings, partitions
     of a commit in that order (:func:`~wowd.model.net_writes`). A timer event beyond ``limits``
     (its body's size, its rule's interval) is rejected."""
     max_body_bytes, min_interval_ms = limits.max_body_bytes, limits.min_interval_ms
+    retention_ms = limits.tombstone_retention_s * 1000
+    history: list[HistoryRecord] = []
     malformed: list[LogEntry] = []
     rejected: list[tuple[Commit, int, InvalidInput]] = []
     by_type: dict[AggregateType, list[Commit]] = {}
@@ -92,6 +99,7 @@ def prepare_batch(entries: Sequence[LogEntry], limits: TimerSettings, partitions
             last_type = e.aggregate
             of_type = by_type.setdefault(last_type, [])
         of_type.append(c)
+        events: list[TimerScheduled | TimerCancelled] = []
         for ev in c.events:
             try:
                 te = timer_event_from(ev, max_body_bytes=max_body_bytes, min_interval_ms=min_interval_ms)
@@ -100,8 +108,15 @@ def prepare_batch(entries: Sequence[LogEntry], limits: TimerSettings, partitions
                 continue
             if isinstance(te, TimerScheduled):
                 writes.append(TimerWrite.put(timer_from_event(c, te, partitions)))
+                events.append(te)
             elif isinstance(te, TimerCancelled):
                 writes.append(TimerWrite.cancel(c.ref, te.key, c.version))
+                events.append(te)
         if c.deleted:
             writes.append(TimerWrite.cancel_all(c.ref, c.version))
-    return Prepared(malformed=malformed, rejected=rejected, by_type=by_type, timer_writes=net_writes(writes))
+        if events or c.deleted:
+            seq = e.position.get("seq")
+            history += commit_records(c, events, retention_ms, position=seq if isinstance(seq, int) else None)
+    return Prepared(
+        malformed=malformed, rejected=rejected, by_type=by_type, timer_writes=net_writes(writes), history=history
+    )

@@ -38,14 +38,31 @@ from wowd import metrics
 from wowd.clock import now_ms
 from wowd.config import TimerSettings, WowdSettings
 from wowd.delivery import CommandGateway, Outcome, Retry
-from wowd.errors import StorageError
-from wowd.model import Timer, TimerChange, misfired
-from wowd.stores.base import OUTBOX_SHORTCUT, Backend, OutboxRound, OutboxShortcut, OwnerProbe, TimerStore
+from wowd.errors import StorageError, StorageUnavailable
+from wowd.model import HistoryRecord, Timer, TimerChange, attempt_record, misfire_reason, misfired
+from wowd.ratelog import RateLimitedLog
+from wowd.stores.base import (
+    OUTBOX_SHORTCUT,
+    Backend,
+    OutboxRound,
+    OutboxShortcut,
+    OwnerProbe,
+    TimerHistory,
+    TimerStore,
+)
 
 from .leases import HeldSlot
 from .stall import Stall
 from .stream import DeliveryStream, Limits, Settler
-from .timer_plan import MAX_IDLE_S, Round, count_misfired, count_outcomes, next_occurrence, outcome_changes
+from .timer_plan import (
+    MAX_IDLE_S,
+    Round,
+    attempt_records,
+    count_misfired,
+    count_outcomes,
+    next_occurrence,
+    outcome_changes,
+)
 from .timers import Logx, Nudge, RoundStrategy, TimerLoop
 from .waker import Waker, owner_key
 
@@ -83,6 +100,12 @@ CIRCUIT_WAIT_FORGET_S = 600.0
 outcome not followed by another: cancelled or taken over meanwhile)."""
 SETTLE = "settle"
 """The settle step of a loop's :class:`Stall`."""
+HISTORY_BACKLOG = 20_000
+"""Attempt records kept for the next settle group while the history store is unavailable (more
+are counted in ``wowd_timer_history_unrecorded_total`` and dropped: the history is a record of
+the deliveries, never a condition of them)."""
+
+_history_log = RateLimitedLog(log)
 
 
 LogGate = Callable[[Sequence[OwnerProbe]], Awaitable[set[int]]]
@@ -116,6 +139,7 @@ class ClaimDeliverSettle:
         limits: Limits,
         nudge: Nudge,
         gate: LogGate | None = None,
+        history: TimerHistory | None = None,
     ) -> None:
         self._settings = settings
         self._store = store
@@ -123,6 +147,11 @@ class ClaimDeliverSettle:
         self._limits = limits
         self._nudge = nudge
         self._gate = gate
+        self._history = history
+        """Where each attempt is recorded, with the settle group of its outcome (``None``: not)."""
+        self._retention_ms = settings.tombstone_retention_s * 1000
+        self._attempts: list[HistoryRecord] = []
+        """Attempt records of the outcomes made into changes, written with the next settle."""
         """The log's own check at a due time (:meth:`~wowd.stores.base.Log.committed_after`),
         instead of waiting for the feed to read past it; ``None``: the feed is waited for."""
         self._waiting: Counter[str] = Counter()
@@ -154,7 +183,7 @@ class ClaimDeliverSettle:
             for reason in (WAITING_FEED, WAITING_CHECK, WAITING_LIMIT, WAITING_CIRCUIT)
         }
         settler = self._settler = Settler(
-            self._store.settle,
+            self._store.settle if self._history is None else self._settle,
             self._written,
             logx=logx,
             on_failure=lambda exc: stall.failed(SETTLE, exc, logx),
@@ -406,13 +435,43 @@ class ClaimDeliverSettle:
         self._gauges[WAITING_CIRCUIT].set(len(short))
 
     def _outcome_changes(self) -> list[TimerChange]:
-        """The settle changes of the outcomes recorded since the last group, counted."""
+        """The settle changes of the outcomes recorded since the last group, counted (and their
+        history records made, written with them)."""
         assert self._held is not None
         self._count_queued()
         results, self._results = self._results, []
         changes = outcome_changes(results, self._held.fence, self._settings)
         count_outcomes(results, changes)
+        if self._history is not None:
+            self._attempts += attempt_records(results, changes, self._retention_ms)
         return changes
+
+    async def _settle(self, changes: list[TimerChange]) -> int:
+        """A settle group, then the history records of the attempts made since the last one (one
+        write each). A history store that fails is logged and counted, its records kept for the
+        next group while it is unavailable (up to :data:`HISTORY_BACKLOG`): the settle never
+        waits for it."""
+        written = await self._store.settle(changes)
+        records, self._attempts = self._attempts, []
+        if records:
+            assert self._history is not None
+            try:
+                await self._history.append(records)
+            except StorageError as exc:
+                keep = isinstance(exc, StorageUnavailable) and len(records) <= HISTORY_BACKLOG
+                if keep:
+                    self._attempts = records + self._attempts
+                else:
+                    metrics.HISTORY_UNRECORDED.inc(len(records))
+                _history_log.log(
+                    "history",
+                    logging.WARNING,
+                    "timer history: %d attempt records %s: %s",
+                    len(records),
+                    "not written yet (kept for the next settle)" if keep else "not written",
+                    exc,
+                )
+        return written
 
     def _misfired(self, t: Timer) -> bool:
         """Whether ``t``, its turn come, is past its rule's misfire grace: then it is settled as
@@ -424,6 +483,9 @@ class ClaimDeliverSettle:
         assert self._held is not None and self._settler is not None
         self._claimed.pop(t.timer_id, None)
         count_misfired(t, at)
+        if self._history is not None:
+            why = misfire_reason(t.rule, t.scheduled_at, at)
+            self._attempts.append(attempt_record(t, "misfired", at, self._retention_ms, reason=why))
         self._settler.add([TimerChange.fired(t, fence=self._held.fence, next_due=next_occurrence(t, at))])
         return True
 
@@ -469,9 +531,10 @@ class OutboxRounds:
     outbox and settles them, with no claim; nothing is taken ahead. A timer the rule leaves is
     taken again once the feed has applied its next batch."""
 
-    def __init__(self, settings: TimerSettings, shortcut: OutboxShortcut) -> None:
+    def __init__(self, settings: TimerSettings, shortcut: OutboxShortcut, *, history: bool = False) -> None:
         self._settings = settings
         self._shortcut = shortcut
+        self._history_retention_ms = settings.tombstone_retention_s * 1000 if history else None
 
     @asynccontextmanager
     async def running(self, held: HeldSlot, waker: Waker, stall: Stall, logx: Logx) -> AsyncIterator[None]:
@@ -493,18 +556,22 @@ class OutboxRounds:
                 fence=held.fence,
                 next_due=next_occurrence,
                 deadline=held.deadline(),
+                history_retention_ms=self._history_retention_ms,
             )
         )
         fired = done.fired
         metrics.TIMERS_CLAIMED_LAST_ROUND.set(len(fired))
         if fired:
             metrics.SETTLE_BATCH.observe(len(fired))
-            metrics.count_fired((f.aggregate, f.scheduled_at, at) for f in fired if not f.misfired)
+            metrics.count_fired((f.target, f.scheduled_at, at) for f in fired if not f.misfired)
             for f in fired:
                 if f.next_due is not None:
                     waker.maybe_wake(f.next_due)
                 if f.misfired:
-                    metrics.TIMERS_MISFIRED.labels(aggregate=f.aggregate).inc()
+                    if f.timer is not None:
+                        count_misfired(f.timer, at)
+                    else:
+                        metrics.TIMERS_MISFIRED.labels(target=f.target).inc()
         if len(fired) >= self._settings.batch:
             return Round(until=at, taken=len(fired), full=True)
         # every timer due by ``at`` was read (not by now: one due since is still to fire)
@@ -525,16 +592,21 @@ class Firing:
     """The log's answer to the fire rule (:meth:`~wowd.stores.base.Log.committed_after`)."""
     shortcut: OutboxShortcut | None = None
     """The outbox gateway's rounds in one transaction each, where the backend offers them."""
+    history: TimerHistory | None = None
+    """Where each attempt is recorded (``None``: no history kept). The outbox shortcut's rounds
+    record theirs in their own transaction (the history is in the same file)."""
 
     def strategy(self) -> RoundStrategy:
         """The round strategy of one slot (each holds the slot's claims and deliveries)."""
         if self.shortcut is not None:
-            return OutboxRounds(self.settings, self.shortcut)
-        return ClaimDeliverSettle(self.settings, self.timers, self.gateway, self.limits, self.nudge, self.gate)
+            return OutboxRounds(self.settings, self.shortcut, history=self.history is not None)
+        return ClaimDeliverSettle(
+            self.settings, self.timers, self.gateway, self.limits, self.nudge, self.gate, self.history
+        )
 
     def loop(self) -> TimerLoop:
         """The timer loop of one slot, over its own round strategy."""
-        return TimerLoop(self.settings, self.timers, self.strategy(), self.nudge)
+        return TimerLoop(self.settings, self.timers, self.strategy(), self.nudge, history=self.history)
 
 
 def choose(settings: WowdSettings, backend: Backend, gateway: CommandGateway, limits: Limits) -> Firing:
@@ -551,4 +623,5 @@ def choose(settings: WowdSettings, backend: Backend, gateway: CommandGateway, li
         nudge=backend.log.nudge,
         gate=backend.log.committed_after,
         shortcut=shortcut,
+        history=backend.history,
     )

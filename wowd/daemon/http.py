@@ -204,7 +204,19 @@ class HttpServer:
         async with listener:
             port = int(listener.extra(SocketAttribute.local_port))
             self.bound_port = port
-            log.info("http listening on %s:%d (/metrics /healthz /readyz)", self._host, port)
+            if self._app is not None:
+                shown = "localhost" if self._host in ("0.0.0.0", "::", "") else self._host
+                shown = f"[{shown}]" if ":" in shown else shown
+                log.info(
+                    "http listening on %s:%d: the status page at http://%s:%d/ui (its JSON under /api/v1), "
+                    "/metrics /healthz /readyz",
+                    self._host,
+                    port,
+                    shown,
+                    port,
+                )
+            else:
+                log.info("http listening on %s:%d (/metrics /healthz /readyz)", self._host, port)
             if self._port_file is not None:
                 tmp = self._port_file.with_name(self._port_file.name + ".tmp")
                 tmp.write_text(f"{port}\n")

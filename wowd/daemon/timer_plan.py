@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from wowd import metrics
 from wowd.config import TimerSettings
 from wowd.delivery import Delivered, DeliveryLog, Fail, Outcome, Park, Retry, delivery_log, target_of
-from wowd.model import CronRule, IntervalRule, Timer, TimerChange
+from wowd.model import CronRule, HistoryRecord, IntervalRule, Timer, TimerChange, attempt_record, misfire_reason
 from wowd.retry import Backoff
 
 __all__ = [
     "BUDGET_SPENT",
+    "attempt_records",
     "MAX_IDLE_S",
     "ReadFirst",
     "Round",
@@ -100,6 +101,31 @@ def outcome_changes(
     return changes
 
 
+_SETTLED_AS = {"fired": "delivered", "retry": "retry", "park": "park", "fail": "fail"}
+"""The outcome an attempt's history record names, by the kind of its settle change."""
+
+
+def attempt_records(
+    results: Sequence[tuple[Timer, Outcome, int]], changes: Sequence[TimerChange], retention_ms: int
+) -> list[HistoryRecord]:
+    """The history records of a round's outcomes (:func:`outcome_changes` of ``results``, one
+    change per outcome, in order): what was settled, with the reason, and what the gateway saw of
+    the exchange (status, latency, the answer's first characters)."""
+    return [
+        attempt_record(
+            t,
+            _SETTLED_AS[c.kind],
+            at,
+            retention_ms,
+            status=o.status,
+            latency_ms=o.latency_ms,
+            reason=c.error,
+            answer=o.answer,
+        )
+        for (t, o, at), c in zip(results, changes, strict=True)
+    ]
+
+
 _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fail": metrics.TIMERS_FAILED}
 """The settle changes counted by kind (besides the fired ones)."""
 
@@ -107,17 +133,17 @@ _COUNTED = {"retry": metrics.TIMERS_RETRIED, "park": metrics.TIMERS_PARKED, "fai
 def count_outcomes(results: Sequence[tuple[Timer, Outcome, int]], changes: Sequence[TimerChange]) -> None:
     """Counts what a round's outcomes did: fired (with their fire lag), retried, parked, failed."""
     metrics.count_fired(
-        (t.owner.aggregate, t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
+        (target_of(t), t.scheduled_at, at) for t, outcome, at in results if isinstance(outcome, Delivered)
     )
-    counted: Counter[tuple[str, str]] = Counter()  # (kind, aggregate): one label lookup each
+    counted: Counter[tuple[str, str]] = Counter()  # (kind, target): one label lookup each
     for c in changes:
         if c.kind in _COUNTED:
-            counted[c.kind, c.timer.owner.aggregate] += 1
+            counted[c.kind, target_of(c.timer)] += 1
         if c.kind == "fail" and c.error is not None and c.error.startswith(BUDGET_SPENT):
             # the gateway logged a Retry; that it is given up is the loop's decision
-            delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer.request_id)
-    for (kind, agg), n in counted.items():
-        _COUNTED[kind].labels(aggregate=agg).inc(n)
+            delivery_log.outcome(target_of(c.timer), Fail(reason=c.error), c.timer)
+    for (kind, target), n in counted.items():
+        _COUNTED[kind].labels(target=target).inc(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +152,7 @@ class _Skipped:
 
 
 class _MisfireLog(DeliveryLog):
-    _LEVELS = {_Skipped: (logging.INFO, "an occurrence of a timer for %s was skipped: %s (request id %s)%s")}
+    _LEVELS = {_Skipped: (logging.INFO, "an occurrence of a timer for %s was skipped: %s (%s)%s")}
 
 
 _MISFIRE_LOG = _MisfireLog(log)
@@ -135,9 +161,9 @@ _MISFIRE_LOG = _MisfireLog(log)
 
 def count_misfired(t: Timer, at: int) -> None:
     """Counts (and logs, rate-limited) an occurrence skipped past its misfire grace."""
-    metrics.TIMERS_MISFIRED.labels(aggregate=t.owner.aggregate).inc()
-    why = f"{at - t.scheduled_at} ms late, past its misfire grace of {t.rule.misfire_grace_ms} ms"
-    _MISFIRE_LOG.outcome(target_of(t), _Skipped(why), t.request_id)  # type: ignore[arg-type]
+    metrics.TIMERS_MISFIRED.labels(target=target_of(t)).inc()
+    why = misfire_reason(t.rule, t.scheduled_at, at)
+    _MISFIRE_LOG.outcome(target_of(t), _Skipped(why), t)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- the sleep decision

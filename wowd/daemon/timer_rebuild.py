@@ -51,6 +51,10 @@ if TYPE_CHECKING:  # the embedded backend's engine (imported where that backend 
 
 __all__ = ["TimerRebuildReport", "TimerRebuilder", "project_for", "timer_view_consumer"]
 
+SO_FAR = "timers scheduled and not cancelled so far (the summary counts those live once the fired ones are known)"
+"""What a progress line's count is: the summary's live timers are fewer by the one-shot timers
+found fired at the end (in the outbox, or the old view's tombstones)."""
+
 log = logging.getLogger(__name__)
 
 LOCK_TTL_S = 60.0
@@ -386,4 +390,4 @@ class TimerRebuilder:
             took = time.monotonic() - now
             self._count_at = now + took / COUNT_SHARE
         share = f" ({100 * report.commits // report.total}%)" if report.total else ""
-        self._progress(f"rebuild: {report.commits} of {report.total} commits read{share}, {self._live} timers live")
+        self._progress(f"rebuild: {report.commits} of {report.total} commits read{share}, {self._live} {SO_FAR}")

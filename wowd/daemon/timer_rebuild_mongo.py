@@ -42,7 +42,7 @@ from wowd.stores.mongo.timer_rebuild import MongoTimerRebuild
 from wowd.stores.mongo.timers import MongoTimerStore
 from wowd.stores.timer_rebuild import Finished, SlotsNotReleased
 
-from .timer_rebuild import LOCK_TTL_S, PROGRESS_EVERY_S, TimerRebuildReport, project_for
+from .timer_rebuild import LOCK_TTL_S, PROGRESS_EVERY_S, SO_FAR, TimerRebuildReport, project_for
 
 __all__ = ["HOLD_POLL_S", "HOLD_TTL_S", "REPLAY_BATCH", "MongoTimerRebuilder"]
 
@@ -178,7 +178,7 @@ class MongoTimerRebuilder:
                     await self._renew_hold()
                     if not catching_up:
                         live = await self._engine.live_count()
-                        self._progress(f"rebuild: {report.commits + read} commits read, {live} timers live")
+                        self._progress(f"rebuild: {report.commits + read} commits read, {live} {SO_FAR}")
                 if batch.watermark is not None and batch.watermark >= bound_ms:
                     passed |= batch.covers if batch.covers is not None else everyone
                     if passed >= everyone:
@@ -187,7 +187,7 @@ class MongoTimerRebuilder:
             await batches.aclose()  # type: ignore[attr-defined]
         if not catching_up:
             live = await self._engine.live_count()
-            self._progress(f"rebuild: {read} commits read, {live} timers live")
+            self._progress(f"rebuild: {read} commits read, {live} {SO_FAR}")
         return read
 
     # ---- the hold of the slots

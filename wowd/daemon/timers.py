@@ -41,7 +41,7 @@ from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageError
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import TimerStore
+from wowd.stores.base import TimerHistory, TimerStore
 
 from .leases import HeldSlot
 from .stall import Stall
@@ -93,9 +93,18 @@ def _storage_error(exc: BaseException) -> StorageError:
 class TimerLoop:
     """Fires the due timers of one held slot until the slot stops, in rounds of its strategy."""
 
-    def __init__(self, settings: TimerSettings, store: TimerStore, strategy: RoundStrategy, nudge: Nudge) -> None:
+    def __init__(
+        self,
+        settings: TimerSettings,
+        store: TimerStore,
+        strategy: RoundStrategy,
+        nudge: Nudge,
+        *,
+        history: TimerHistory | None = None,
+    ) -> None:
         self._settings = settings
         self._store = store
+        self._history = history
         self._nudge = nudge
         self.strategy = strategy
         self._next_sweep = 0.0
@@ -185,13 +194,17 @@ class TimerLoop:
             logx.info("%d timers claimed by an earlier holding of the slot are due again", n)
 
     async def _sweep(self, logx: Logx) -> None:
-        """Deletes a small batch of expired tombstones, at most every :data:`SWEEP_EVERY_S`."""
+        """Deletes a small batch of expired tombstones (and of expired history records), at most
+        every :data:`SWEEP_EVERY_S`."""
         t = time.monotonic()
         if t < self._next_sweep:
             return
         self._next_sweep = t + SWEEP_EVERY_S
+        now = now_ms()
         try:
-            await self._store.sweep(now_ms() - self._settings.tombstone_retention_s * 1000, SWEEP_BATCH)
+            await self._store.sweep(now - self._settings.tombstone_retention_s * 1000, SWEEP_BATCH)
+            if self._history is not None:
+                await self._history.sweep(now, SWEEP_BATCH)
         except StorageError as exc:  # nothing waits for it: retried at the next sweep
             stalled = self.stall is not None and self.stall.stalled
             logx.log(logging.DEBUG if stalled else logging.WARNING, "tombstone sweep failed (will retry): %s", exc)

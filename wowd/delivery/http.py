@@ -29,8 +29,8 @@ from wowd.delivery.commands import UnsafeSegment, request_parts, target_command_
 from wowd.delivery.log import DeliveryLog, delivery_log
 from wowd.delivery.outcomes import (
     CIRCUIT_OPEN,
-    DELIVERED,
     OUTCOME_NAMES,
+    Delivered,
     Fail,
     Outcome,
     Retry,
@@ -41,6 +41,9 @@ from wowd.delivery.outcomes import (
 
 MAX_ANSWER_BYTES = 4096
 """How much of an answer's body is read (for an error reason); the rest is discarded."""
+ANSWER_BYTES = 256
+"""How much of an answer an outcome keeps for the timer's history (masked): of a 2xx answer,
+what arrived with its head (never waited for)."""
 
 
 def _transport_reason(exc: BaseException) -> str:
@@ -165,7 +168,7 @@ class HttpGateway:
         if route is None:
             metrics.GATEWAY_UNROUTED.labels(target=target.name).inc()
             unrouted = Fail(reason=f"no route for {target.name}")
-            self._outcomes.outcome(target.name, unrouted, request_id)
+            self._outcomes.outcome(target.name, unrouted, timer)
             return unrouted
         try:
             name, body, body_type = request_parts(timer.body)
@@ -173,13 +176,13 @@ class HttpGateway:
         except (ValueError, KeyError, TypeError) as exc:
             unsafe = isinstance(exc, UnsafeSegment)
             unreadable = Fail(reason=f"refused: {exc}" if unsafe else f"unreadable command: {exc}")
-            self._outcomes.outcome(route.target_label(target.name), unreadable, request_id)
+            self._outcomes.outcome(route.target_label(target.name), unreadable, timer)
             return unreadable
         breaker = target.breaker
         admission = breaker.admit()
         if admission is Admission.REFUSE:
             refused = target.short_circuit(breaker.refusing() or 0.0)
-            self._outcomes.outcome(route.target_label(target.name), refused, request_id)
+            self._outcomes.outcome(route.target_label(target.name), refused, timer)
             return refused
         trial = admission is Admission.TRIAL
         headers = {**route.headers, "command-request-id": request_id}
@@ -195,8 +198,8 @@ class HttpGateway:
             raise
         route.counted[OUTCOME_NAMES[type(outcome)]].inc()
         breaker.record(not failed, trial=trial)
-        if outcome is not DELIVERED:
-            self._outcomes.outcome(route.target_label(target.name), outcome, request_id)
+        if outcome.__class__ is not Delivered:
+            self._outcomes.outcome(route.target_label(target.name), outcome, timer)
         return outcome
 
     async def probe(self, route: Route | None = None) -> int:
@@ -229,24 +232,42 @@ class HttpGateway:
         import aiohttp
 
         session = self._session or self._open_session()
+        clock = time.perf_counter
+        started = clock()
         try:
             async with session.post(
                 url, data=body, headers=headers, allow_redirects=False, **self._request_options(route)
             ) as resp:
                 status = resp.status
+                latency_ms = (clock() - started) * 1000
                 if 200 <= status < 300:
-                    return DELIVERED, False
-                detail = await self._read_detail(resp)
-                outcome = outcome_for_status(status, resp.headers.get("retry-after"), detail)
+                    head = resp.content.read_nowait(ANSWER_BYTES)  # what arrived: never waited for
+                    return Delivered(status=status, latency_ms=latency_ms, answer=self._masked(head)), False
+                detail, read = await self._read_detail(resp)
+                outcome = outcome_for_status(
+                    status,
+                    resp.headers.get("retry-after"),
+                    detail,
+                    latency_ms=latency_ms,
+                    answer=self._masked(read[:ANSWER_BYTES]),
+                )
                 return outcome, is_target_failure(status)
         except TimeoutError:
-            return Retry(reason=f"timeout after {route.timeout_s:g}s"), True
+            return Retry(reason=f"timeout after {route.timeout_s:g}s", latency_ms=(clock() - started) * 1000), True
         except aiohttp.InvalidURL:
             return Fail(reason="request refused: invalid URL"), False
         except (aiohttp.ClientError, OSError) as exc:
-            return Retry(reason=_transport_reason(exc)), True
+            return Retry(reason=_transport_reason(exc), latency_ms=(clock() - started) * 1000), True
         except (ValueError, UnicodeError) as exc:
             return Fail(reason=f"request refused: {type(exc).__name__}"), False
+
+    def _masked(self, head: bytes) -> str | None:
+        """The first bytes of an answer as text, every secret of the routes masked (also one a
+        JSON escape spells); ``None`` for none."""
+        if not head:
+            return None
+        text = head.decode("utf-8", "replace")
+        return redact(unescaped(text), self._secrets) if self._secrets else text
 
     def _request_options(self, route: Route) -> dict[str, Any]:
         """What a request of ``route`` sets beyond the session's defaults (its proxy, its TLS
@@ -264,9 +285,9 @@ class HttpGateway:
             self._options[route.name] = options
         return options
 
-    async def _read_detail(self, resp: aiohttp.ClientResponse) -> str:
-        """The reason an answer gives, from at most :data:`MAX_ANSWER_BYTES` of its body; what
-        arrived when the body ends early, stalls past the timeout or breaks."""
+    async def _read_detail(self, resp: aiohttp.ClientResponse) -> tuple[str, bytes]:
+        """The reason an answer gives, from at most :data:`MAX_ANSWER_BYTES` of its body (what
+        arrived when the body ends early, stalls past the timeout or breaks), and those bytes."""
         import aiohttp
 
         buf = b""
@@ -282,11 +303,11 @@ class HttpGateway:
         try:
             doc = json.loads(text)
         except ValueError:  # masked as it reads: a JSON escape (\/, \u0041) does not hide a secret
-            return " ".join(redact(unescaped(text), self._secrets).split())[:200]
+            return " ".join(redact(unescaped(text), self._secrets).split())[:200], buf
         if isinstance(doc, dict):
             msg = doc.get("errorMsg") or doc.get("message") or doc.get("errorCode") or ""
-            return redact(str(msg), self._secrets)[:200]  # decoded first, then masked
-        return ""
+            return redact(str(msg), self._secrets)[:200], buf  # decoded first, then masked
+        return "", buf
 
     async def aclose(self) -> None:
         if self._owns and self._session is not None:

@@ -9,15 +9,17 @@ from collections.abc import Callable
 from typing import Any
 
 from wowd.delivery.outcomes import Fail, Outcome, Park, Retry
+from wowd.model import Timer
 
-__all__ = ["DeliveryLog", "delivery_log"]
+__all__ = ["DeliveryLog", "delivery_log", "timer_named"]
 
 log = logging.getLogger(__name__)
 
 
 class DeliveryLog:
     """Logs delivery outcomes other than Delivered: WARNING for a Retry, ERROR for a Fail, INFO
-    for a Park, with the target, the reason (status or error) and the request id.
+    for a Park, with the target, the reason (status or error) and the timer (its id, owner and
+    key) with the request id the target saw (:func:`timer_named`).
 
     At most one line per target and kind every ``every_s``; the next line written says how many
     were left out since the previous one. A Fail is never hidden by a burst of Retries of the same
@@ -26,9 +28,9 @@ class DeliveryLog:
     """
 
     _LEVELS: dict[type[Any], tuple[int, str]] = {
-        Retry: (logging.WARNING, "delivery to %s will be retried: %s (request id %s)%s"),
-        Fail: (logging.ERROR, "delivery to %s failed for good: %s (request id %s)%s"),
-        Park: (logging.INFO, "delivery to %s parked: %s (request id %s)%s"),
+        Retry: (logging.WARNING, "delivery to %s will be retried: %s (%s)%s"),
+        Fail: (logging.ERROR, "delivery to %s failed for good: %s (%s)%s"),
+        Park: (logging.INFO, "delivery to %s parked: %s (%s)%s"),
     }
 
     def __init__(
@@ -43,8 +45,9 @@ class DeliveryLog:
         self._clock = clock
         self._windows: dict[tuple[str, type[Any]], list[float]] = {}  # [last line at, left out since]
 
-    def outcome(self, target: str, outcome: Outcome, request_id: str) -> None:
-        """Logs ``outcome`` of a delivery to ``target`` (nothing for Delivered), rate-limited."""
+    def outcome(self, target: str, outcome: Outcome, timer: Timer) -> None:
+        """Logs ``outcome`` of a delivery of ``timer`` to ``target`` (nothing for Delivered),
+        rate-limited."""
         kind = type(outcome)
         spec = self._LEVELS.get(kind)
         if spec is None or not self._log.isEnabledFor(spec[0]):
@@ -58,7 +61,13 @@ class DeliveryLog:
         self._windows[(target, kind)] = [now, 0]
         more = f"; {left_out} more like it left out of the log in the last {self._every:g}s" if left_out else ""
         level, msg = spec
-        self._log.log(level, msg, target, getattr(outcome, "reason", ""), request_id, more)
+        self._log.log(level, msg, target, getattr(outcome, "reason", ""), timer_named(timer), more)
+
+
+def timer_named(t: Timer) -> str:
+    """How a log line names a timer: ``timer <id> of <owner> key <key>, request id <id>`` (a
+    line found by the id a target logged leads to the timer: ``wowd timers show``)."""
+    return f"timer {t.timer_id} of {t.owner} key {t.key!r}, request id {t.request_id}"
 
 
 delivery_log = DeliveryLog()

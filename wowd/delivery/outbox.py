@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from wowd import clock, metrics
 from wowd.delivery.outcomes import DELIVERED, Outcome, Retry
 from wowd.errors import StorageError, StorageUnavailable
+from wowd.fmt import span
 from wowd.model import OutboxEntry, Timer
 from wowd.stores.base import Outbox
 
@@ -51,23 +52,36 @@ class OutboxGateway:
         self._count_failed = False
 
     async def housekeep(self) -> None:
-        """Trims past the retention; a store failure is logged and left for the next time
-        (deliveries do not depend on it)."""
+        """Trims past the retention, counted (``wowd_outbox_trimmed_total``) and said (WARNING):
+        every entry still in the outbox is one no consumer acknowledged, so a trimmed entry is a
+        command lost. A store failure is logged and left for the next time (deliveries do not
+        depend on it)."""
         if self._retention_ms <= 0:
             return
         try:
             trimmed = await self._outbox.trim(clock.now_ms() - self._retention_ms)
-            if trimmed:
-                log.info("outbox: trimmed %d entries older than the retention", trimmed)
         except StorageError as exc:
             log.warning("outbox housekeeping failed (will retry): %s", exc)
+            return
+        if trimmed:
+            metrics.OUTBOX_TRIMMED.inc(trimmed)
+            log.warning(
+                "outbox: %d entries older than the retention of %s (WOWD_OUTBOX__RETENTION_S) trimmed, "
+                "unacknowledged: no consumer took their commands, which are lost",
+                trimmed,
+                span(self._retention_ms),
+            )
 
     async def count_depth(self) -> None:
         """Counts the outbox (its entries not acknowledged nor trimmed yet) into
-        ``wowd_outbox_depth``. A store failure is logged (once until a count succeeds again) and
-        leaves the last count, whose age :meth:`depth_age` tells."""
+        ``wowd_outbox_depth``, and the age of its oldest entry into
+        ``wowd_outbox_oldest_age_seconds`` (beside the retention that trims it,
+        ``wowd_outbox_retention_seconds``). A store failure is logged (once until a count succeeds
+        again) and leaves the last count, whose age :meth:`depth_age` tells."""
+        metrics.OUTBOX_RETENTION.set(self._retention_ms / 1000)
         try:
             depth = await self._outbox.count()
+            oldest = await self._outbox.entries(limit=1) if depth else []
         except StorageError as exc:
             if not self._count_failed:
                 log.warning(
@@ -78,6 +92,7 @@ class OutboxGateway:
             self._count_failed = True
             return
         metrics.OUTBOX_DEPTH.set(depth)
+        metrics.OUTBOX_OLDEST_AGE.set(max(0, clock.now_ms() - oldest[0].created_at) / 1000 if oldest else 0)
         self._counted_at = time.monotonic()
         if self._count_failed:
             log.info("outbox: depth counted again (%d)", depth)

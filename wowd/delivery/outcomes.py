@@ -18,7 +18,15 @@ from wowd.model import Timer
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Delivered:
-    """The target took the command (or had it already: a re-fire with the same request id)."""
+    """The target took the command (or had it already: a re-fire with the same request id).
+
+    Every outcome may say what the gateway saw of the exchange, for the timer's history:
+    ``status`` (the HTTP status), ``latency_ms`` (from sending the request to its answer's
+    status line, or to its failure) and ``answer`` (the answer's first characters, masked)."""
+
+    status: int | None = None
+    latency_ms: float | None = None
+    answer: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,6 +35,9 @@ class Retry:
 
     reason: str
     after_s: float = 0.0
+    status: int | None = None
+    latency_ms: float | None = None
+    answer: str | None = None
 
     @property
     def circuit_open(self) -> bool:
@@ -44,6 +55,9 @@ class Park:
     """The target cannot take the command now (e.g. it does not exist yet)."""
 
     reason: str
+    status: int | None = None
+    latency_ms: float | None = None
+    answer: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,6 +65,9 @@ class Fail:
     """The command is refused for good."""
 
     reason: str
+    status: int | None = None
+    latency_ms: float | None = None
+    answer: str | None = None
 
 
 Outcome: TypeAlias = Delivered | Retry | Park | Fail
@@ -89,17 +106,26 @@ def _retry_after(value: str | None) -> float:
         return 0.0
 
 
-def outcome_for_status(status: int, retry_after: str | None = None, detail: str = "") -> Outcome:
+def outcome_for_status(
+    status: int,
+    retry_after: str | None = None,
+    detail: str = "",
+    *,
+    latency_ms: float | None = None,
+    answer: str | None = None,
+) -> Outcome:
     """2xx delivered; 404 park; 408, 409, 425, 429 and 5xx retry (``Retry-After`` in seconds is
-    the hint); any other status (3xx, the other 4xx) fails."""
+    the hint); any other status (3xx, the other 4xx) fails. ``latency_ms`` and ``answer`` as
+    :class:`Delivered` takes them."""
     if 200 <= status < 300:
-        return DELIVERED
+        return Delivered(status=status, latency_ms=latency_ms, answer=answer)
     reason = f"HTTP {status}" + (f": {detail}" if detail else "")
     if status == 404:
-        return Park(reason=reason)
+        return Park(reason=reason, status=status, latency_ms=latency_ms, answer=answer)
     if status in (408, 409, 425, 429) or status >= 500:
-        return Retry(reason=reason, after_s=_retry_after(retry_after))
-    return Fail(reason=reason)
+        after_s = _retry_after(retry_after)
+        return Retry(reason=reason, after_s=after_s, status=status, latency_ms=latency_ms, answer=answer)
+    return Fail(reason=reason, status=status, latency_ms=latency_ms, answer=answer)
 
 
 def is_target_failure(status: int) -> bool:

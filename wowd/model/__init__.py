@@ -17,6 +17,14 @@ from wowd.model.commits import (
     commit_to_doc,
     unchecked,
 )
+from wowd.model.history import (
+    HISTORY_ATTEMPTS,
+    HistoryKind,
+    HistoryRecord,
+    attempt_record,
+    commit_records,
+    timer_segment,
+)
 from wowd.model.ids import (
     DEFAULT_TENANT,
     MAX_BODY_BYTES,
@@ -33,7 +41,10 @@ from wowd.model.ids import (
 )
 from wowd.model.leases import (
     AcquireResult,
+    ClockReading,
     Owner,
+    ReplicaInfo,
+    ReplicaState,
     SlotLease,
     SlotState,
 )
@@ -43,11 +54,15 @@ from wowd.model.outbox import (
     OutboxEntry,
 )
 from wowd.model.rules import (
+    CRON_DIALECTS,
     MIN_INTERVAL_MS,
+    CronDialect,
     CronRule,
     IntervalRule,
     OnceRule,
     Rule,
+    cron_dialect_of,
+    misfire_reason,
     misfired,
     parse_rule,
 )
@@ -74,7 +89,9 @@ from wowd.model.timers import (
 )
 
 __all__ = [
+    "CRON_DIALECTS",
     "DEFAULT_TENANT",
+    "HISTORY_ATTEMPTS",
     "MAX_BODY_BYTES",
     "MIN_INTERVAL_MS",
     "MAX_COMMIT_DOCUMENT_BYTES",
@@ -86,10 +103,14 @@ __all__ = [
     "AggregateType",
     "Checkpoint",
     "Claim",
+    "ClockReading",
     "Command",
     "Commit",
+    "CronDialect",
     "CronRule",
     "DomainEvent",
+    "HistoryKind",
+    "HistoryRecord",
     "IntervalRule",
     "LogBatch",
     "LogEntry",
@@ -98,6 +119,8 @@ __all__ = [
     "OutboxEntry",
     "Owner",
     "Position",
+    "ReplicaInfo",
+    "ReplicaState",
     "Rule",
     "SlotLease",
     "SlotState",
@@ -110,11 +133,15 @@ __all__ = [
     "TimerWrite",
     "TimerScheduled",
     "TimerStatus",
+    "attempt_record",
     "commit_fields",
+    "commit_records",
     "commit_from_doc",
     "commit_to_doc",
+    "cron_dialect_of",
     "deterministic_timer_id",
     "java_string_hash",
+    "misfire_reason",
     "misfired",
     "net_writes",
     "parse_rule",
@@ -125,6 +152,7 @@ __all__ = [
     "stream_id",
     "timer_event_from",
     "timer_from_event",
+    "timer_segment",
     "unchecked",
     "validate_name",
 ]

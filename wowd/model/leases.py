@@ -1,4 +1,5 @@
-"""Slot leases: owners, leases, acquire results, slot states."""
+"""Slot leases: owners, leases, acquire results, slot states; the presence of each replica beside
+them and the clock reading of a store whose clock is each process's own."""
 
 from __future__ import annotations
 
@@ -87,3 +88,70 @@ class SlotState:
     @property
     def live(self) -> bool:
         return self.owner_key is not None and self.expires_at > self.store_now
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClockReading:
+    """This process's clock set beside the times a store whose clock is each process's own (the
+    embedded backend's file) holds; every time in ms since the epoch.
+
+    ``before`` and ``after`` are this process's clock around a write of the file, and
+    ``file_written`` the file's modification time just after it, stamped by the host the file is
+    on: with this process's clock right, ``before <= file_written <= after``. ``file_coarse``: that
+    time is a whole second (a file system that keeps no finer ones). ``latest``: the latest time a
+    lease or presence record was written at by the clock of the process that wrote it, with
+    ``latest_by`` (its owner key) and ``latest_what``; never later than ``after`` while that
+    process's clock and this one agree."""
+
+    path: str
+    before: int
+    after: int
+    file_written: int | None = None
+    file_coarse: bool = False
+    latest: int | None = None
+    latest_by: str = ""
+    latest_what: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaInfo:
+    """What a replica says of itself in its presence record (:meth:`~wowd.stores.base.SlotLeaseStore.heartbeat`).
+
+    ``instance`` names the process (random at each start): a record written by another instance
+    of the same owner key (a restart) gets a new ``started_at``. ``slots``: the slots it holds
+    now, ascending; none makes it a standby."""
+
+    instance: str
+    host: str
+    pid: int
+    version: str
+    slots: tuple[int, ...] = ()
+
+    @property
+    def state(self) -> Literal["holding", "standby"]:
+        return "holding" if self.slots else "standby"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaState:
+    """One presence record as ``wowd status`` shows it. Times are store-clock milliseconds since
+    the epoch: ``started_at`` the instance's first heartbeat, ``seen_at`` its last one,
+    ``expires_at = seen_at + ttl``, ``store_now`` the store's now when it answered."""
+
+    namespace: str
+    owner_key: str
+    instance: str
+    host: str
+    pid: int
+    version: str
+    state: Literal["holding", "standby"]
+    slots: tuple[int, ...]
+    started_at: int
+    seen_at: int
+    expires_at: int
+    store_now: int
+
+    @property
+    def live(self) -> bool:
+        """False for a replica that stopped heartbeating without leaving (killed, hung, cut off)."""
+        return self.expires_at > self.store_now

@@ -25,12 +25,16 @@ from wowd.model import (
     AggregateRef,
     AggregateType,
     Checkpoint,
+    ClockReading,
     Commit,
+    HistoryRecord,
     LogBatch,
     OutboxBatch,
     OutboxEntry,
     Owner,
     Position,
+    ReplicaInfo,
+    ReplicaState,
     SlotLease,
     SlotState,
     SnapshotRecord,
@@ -66,6 +70,8 @@ __all__ = [
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
+    "HISTORY_READ_LIMIT",
+    "TimerHistory",
     "TimerSearch",
     "TimerStore",
     "consumers_of",
@@ -234,73 +240,6 @@ PRESENCE_RETENTION = timedelta(minutes=5)
 """How long a presence record is kept after it expired (listed as gone by
 :meth:`SlotLeaseStore.replicas`), then deleted: by the next heartbeat of the namespace (embedded)
 or by the TTL index (MongoDB)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClockReading:
-    """This process's clock set beside the times a store whose clock is each process's own (the
-    embedded backend's file) holds; every time in ms since the epoch.
-
-    ``before`` and ``after`` are this process's clock around a write of the file, and
-    ``file_written`` the file's modification time just after it, stamped by the host the file is
-    on: with this process's clock right, ``before <= file_written <= after``. ``file_coarse``: that
-    time is a whole second (a file system that keeps no finer ones). ``latest``: the latest time a
-    lease or presence record was written at by the clock of the process that wrote it, with
-    ``latest_by`` (its owner key) and ``latest_what``; never later than ``after`` while that
-    process's clock and this one agree."""
-
-    path: str
-    before: int
-    after: int
-    file_written: int | None = None
-    file_coarse: bool = False
-    latest: int | None = None
-    latest_by: str = ""
-    latest_what: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaInfo:
-    """What a replica says of itself in its presence record (:meth:`SlotLeaseStore.heartbeat`).
-
-    ``instance`` names the process (random at each start): a record written by another instance
-    of the same owner key (a restart) gets a new ``started_at``. ``slots``: the slots it holds
-    now, ascending; none makes it a standby."""
-
-    instance: str
-    host: str
-    pid: int
-    version: str
-    slots: tuple[int, ...] = ()
-
-    @property
-    def state(self) -> Literal["holding", "standby"]:
-        return "holding" if self.slots else "standby"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaState:
-    """One presence record as ``wowd status`` shows it. Times are store-clock milliseconds since
-    the epoch: ``started_at`` the instance's first heartbeat, ``seen_at`` its last one,
-    ``expires_at = seen_at + ttl``, ``store_now`` the store's now when it answered."""
-
-    namespace: str
-    owner_key: str
-    instance: str
-    host: str
-    pid: int
-    version: str
-    state: Literal["holding", "standby"]
-    slots: tuple[int, ...]
-    started_at: int
-    seen_at: int
-    expires_at: int
-    store_now: int
-
-    @property
-    def live(self) -> bool:
-        """False for a replica that stopped heartbeating without leaving (killed, hung, cut off)."""
-        return self.expires_at > self.store_now
 
 
 @runtime_checkable
@@ -693,19 +632,68 @@ class Outbox(Protocol):
     async def close(self) -> None: ...
 
 
+HISTORY_READ_LIMIT = 200
+"""The records a history read answers at most by default (the latest)."""
+
+
+@runtime_checkable
+class TimerHistory(Protocol):
+    """The history of the context's timers (:class:`~wowd.model.HistoryRecord`): what scheduled
+    and cancelled each (the feed's records of the commits) and each delivery attempt (the firing
+    path's, with each group of outcomes it settles). Kept beside the timers, for as long as
+    tombstones are (each record's ``expires_at``)."""
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def append(self, records: Sequence[HistoryRecord]) -> None:
+        """Writes ``records`` in one write: each replaces the record of its ``(timer_id, slot)``
+        (idempotent: a replay or a retried write changes nothing; an attempt's slot is a ring
+        of the timer's last attempts). A ``scheduled`` or ``cancelled`` record also ends the
+        schedules of its key (of every key of its owner, for key ``""``) at lower versions that
+        have no expiry (a recurring timer's, kept while it lived): they expire with it. No
+        record: nothing written."""
+        ...
+
+    async def of_timer(self, timer_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of ``timer_id``, oldest first (the latest ``limit``). Read-only; over
+        the records' key."""
+        ...
+
+    async def of_key(self, owner: AggregateRef, key: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of the timers ``key`` of ``owner`` (every version), and the cancels of
+        all its keys (key ``""``), oldest first (the latest ``limit``). Read-only; over an index."""
+        ...
+
+    async def of_request(self, request_id: str, limit: int = HISTORY_READ_LIMIT) -> list[HistoryRecord]:
+        """The records of ``request_id``: the attempts that sent it (a re-fire sends it again),
+        or the records of the commit appended with it. Oldest first. Read-only; over an index."""
+        ...
+
+    async def sweep(self, before: int, limit: int) -> int:
+        """Deletes at most ``limit`` records that expired before ``before`` (ms); answers how
+        many (0 where the store expires them itself, a TTL index)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
 class FiredTimer(NamedTuple):
     """A timer :meth:`OutboxShortcut.fire_into_outbox` fired (a tuple: one per timer on the hot
     path, where a frozen dataclass would cost more than the rest of its handling)."""
 
     timer_id: str
-    aggregate: str
-    """The owner's aggregate type."""
+    target: str
+    """Its target, ``context.aggregate`` (the label of its metrics)."""
     scheduled_at: int
     """The occurrence fired (its outbox entry's)."""
     next_due: int | None
     """Its next occurrence, at which it is PENDING now; None: a DONE tombstone."""
     misfired: bool = False
     """Past its rule's misfire grace: settled, not delivered (no outbox entry)."""
+    timer: Timer | None = None
+    """The timer as read, for a misfired one (its skip is logged naming it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -729,6 +717,9 @@ class OutboxRound:
     exclude: Collection[str] = ()
     deadline: float | None = None
     """The lease's validity on ``time.monotonic()``'s clock: nothing is committed after it."""
+    history_retention_ms: int | None = None
+    """Each timer fired (or skipped past its misfire grace) recorded in the timer history of the
+    store's file, in the same transaction, its record kept this long; ``None``: not recorded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -757,7 +748,9 @@ class OutboxShortcut(Protocol):
         re-delivery, as :meth:`Outbox.put_many` does) and settles each as
         ``TimerChange.fired(timer, fence=fence, next_due=round.next_due(timer, at))`` writes it
         (asked of recurring timers only); an occurrence past its rule's ``misfire_grace_ms`` at
-        ``at`` is settled the same way with no outbox entry (``FiredTimer.misfired``). All of it is
+        ``at`` is settled the same way with no outbox entry (``FiredTimer.misfired``). With
+        ``round.history_retention_ms``, the attempt of each (``delivered``, or ``misfired``) is
+        recorded in the timer history of the same file (:meth:`TimerHistory.append`). All of it is
         written or nothing: with a ``deadline`` (``time.monotonic()``), the transaction rolls back
         and raises :class:`~wowd.errors.LeaseLost` when it would commit after it. A timer whose
         rule or next occurrence cannot be computed is set FAILED as ``claim_due`` does."""
@@ -804,9 +797,11 @@ class FeedWriter(Protocol):
         *,
         now: int,
         planned: object = None,
+        history: Sequence[HistoryRecord] = (),
     ) -> FeedApplied | None:
         """Writes the batch in one transaction: ``records`` each to its sink (prepared), the timer
-        writes in order, the PARKED timers of the records' aggregates resumed due at ``now``,
+        writes in order and the ``history`` of their commits (as :meth:`TimerHistory.append`
+        writes it), the PARKED timers of the records' aggregates resumed due at ``now``,
         and the checkpoints of ``consumer`` (one, or each of several);
         ``None``, having written nothing, when it cannot take this batch whole (a record a step
         would refuse, more timer writes than a transaction should hold): the caller then
@@ -842,6 +837,8 @@ class Backend:
     """What the backend can do beyond the protocols every backend has (:meth:`capability`): its
     stores that implement a capability, each naming the capabilities it implements in its class's
     ``CAPABILITIES``."""
+    history: TimerHistory | None = None
+    """The timers' history (``None``: none kept)."""
     feed_writer: FeedWriter | None = None
     """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
     (the embedded backend)."""

@@ -45,10 +45,14 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, InvalidInput, StorageError, StorageUnavailable
 from wowd.fmt import at, iso_ms, span
 from wowd.metrics import UI_REFUSED
-from wowd.model import DEFAULT_TENANT, TimerStatus
+from wowd.model import DEFAULT_TENANT, HISTORY_ATTEMPTS, TimerStatus
 from wowd.operator import (
+    ENDED_DETAIL,
+    TimerHistoryView,
+    delivery_doc,
     detail,
     find_timer,
+    history_doc,
     outbox_entry_doc,
     outbox_page,
     owner_streams,
@@ -63,6 +67,7 @@ from wowd.operator import (
     search_timers,
     steps_needed,
     timer_doc,
+    timer_history,
 )
 from wowd.ratelog import RateLimitedLog
 from wowd.redaction import redact, secret_values
@@ -80,6 +85,8 @@ log = logging.getLogger(__name__)
 
 PAGE = 50
 """Rows per page of a list."""
+BULK_CAP = 1000
+"""Timers one bulk action of the page changes at most (repeat it for more)."""
 MAX_MS = 253402300799999
 """The last millisecond of year 9999: the latest time a search takes."""
 MAX_OFFSET_DIGITS = 12
@@ -239,7 +246,7 @@ class StatusPage:
             elif request.method == "POST":
                 form = self._form(request, api)
                 self._authorize(request, form, api)
-                out = await self._act(name, params, form)
+                out = await self._act(name, params, form, request.client or "an unknown client")
                 if not api:
                     return HttpResponse(303, HTML, b"", (("location", self._back(name, out)), *SECURITY_HEADERS))
             else:
@@ -281,6 +288,9 @@ class StatusPage:
                 form_key=self._form_key,
                 refresh=REFRESH_S if name == "overview" else None,
                 statuses=[s.value for s in TimerStatus],
+                ended_detail=ENDED_DETAIL,
+                retention=span(self._settings.timers.tombstone_retention_s * 1000),
+                attempts_kept=HISTORY_ATTEMPTS,
             )
         )
         return HttpResponse(out.status, HTML, redact(page, self._secrets).encode(), headers)
@@ -293,16 +303,25 @@ class StatusPage:
             return await self._quarantine_item(item)
         raise _NotFound(f"no page {name!r}")
 
-    async def _act(self, name: str, params: dict[str, list[str]], form: dict[str, list[str]]) -> _Out:
+    async def _act(self, name: str, params: dict[str, list[str]], form: dict[str, list[str]], who: str) -> _Out:
+        """An action, done for the token holder at ``who`` (the client's address, which its log
+        line names). Answered as the command line answers it: 200 when done, 409 when it changed
+        nothing or not all it was asked (the command line's exit 1)."""
         both = {**params, **form}
         if name in ("timer/retry", "timer/resume"):
-            return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED)
+            return await self._repair(both, TimerStatus.FAILED if name == "timer/retry" else TimerStatus.PARKED, who)
+        if name == "timer/cancel":
+            return await self._cancel(both, who)
+        if name in ("timers/retry", "timers/resume"):
+            return await self._repair_target(
+                both, TimerStatus.FAILED if name == "timers/retry" else TimerStatus.PARKED, who
+            )
         if name == "outbox/ack":
-            return await self._ack(both)
+            return await self._ack(both, who)
         head, _, rest = name.partition("/")
         item, _, verb = rest.rpartition("/")
         if head == "quarantine" and item and verb == "refeed":
-            return await self._refeed(item)
+            return await self._refeed(item, who)
         raise _Refused(405, "unknown action", f"no action {name!r}")
 
     def _notice(self, text: str) -> dict[str, str]:
@@ -436,7 +455,12 @@ class StatusPage:
             }
             for slot, why in sorted(held.items())
         }
-        return {"owner_key": self._settings.owner_key, "slots": slots, **self._window.read()}
+        return {
+            "owner_key": self._settings.owner_key,
+            "slots": slots,
+            "delivery": delivery_doc(self._settings),
+            **self._window.read(),
+        }
 
     async def _overview(self, params: dict[str, list[str]]) -> _Out:
         status = await read_status(self._settings, self._backend)
@@ -451,7 +475,12 @@ class StatusPage:
         return parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
 
     async def _timers(self, params: dict[str, list[str]]) -> _Out:
-        form = {k: _one(params, k) for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until")}
+        form = {
+            k: _one(params, k)
+            for k in ("owner", "tenant", "key", "status", "target", "due_from", "due_until", "request_id")
+        }
+        if form["request_id"] is not None:
+            return await self._by_request(form)
         owner = self._owner(params)
         if form["key"] is not None and owner is None:
             raise InvalidInput("a key names a timer of an owner: give the owner too", field="key")
@@ -476,7 +505,7 @@ class StatusPage:
         now = int(time.time() * 1000)
         docs = [{**timer_doc(t), "detail": detail(t, now)} for t in page.timers]
         rows = [{**d, "owner_ref": _ref_params(t.owner)} for d, t in zip(docs, page.timers, strict=True)]
-        data = {"timers": rows, "next": page.next, "search": form}
+        data = {"timers": rows, "next": page.next, "search": form, "done": self._done(params), "history": []}
         return _Out(data, "timers.html", json={"timers": docs, "next": page.next})
 
     async def _load(self, params: Mapping[str, list[str]]) -> Any:
@@ -486,24 +515,72 @@ class StatusPage:
             raise InvalidInput("a timer is named by its owner (AGGREGATE/ID) and its key", field="owner")
         return owner, key, await find_timer(self._backend.timers, owner, key)
 
-    async def _timer(self, params: dict[str, list[str]]) -> _Out:
-        owner, key, t = await self._load(params)
-        if t is None:
-            gone = (
-                f"no live timer {key!r} of {owner}: it fired (a one-shot timer goes once delivered), was "
-                "cancelled, or its schedule is not fed yet"
+    async def _view(self, params: Mapping[str, list[str]]) -> tuple[str, TimerHistoryView | None]:
+        """The timer the parameters name (``timer_id``, ``request_id``, or ``owner`` and ``key``)
+        with its history, and how to name it in a message."""
+        timer_id, request_id = _one(params, "timer_id"), _one(params, "request_id")
+        if request_id is not None:
+            return f"with request id {request_id}", await timer_history(self._backend, request_id=request_id)
+        if timer_id is not None:
+            return timer_id, await timer_history(self._backend, timer_id=timer_id)
+        owner, key = self._owner(params), _one(params, "key")
+        if owner is None or key is None:
+            raise InvalidInput(
+                "a timer is named by its owner (AGGREGATE/ID) and its key, its timer_id or a request_id", field="owner"
             )
-            done = self._done(params)
-            if done is not None:  # back from a retry or resume: the timer may have fired since
+        return f"{key!r} of {owner}", await timer_history(self._backend, owner=owner, key=key)
+
+    async def _timer(self, params: dict[str, list[str]]) -> _Out:
+        name, view = await self._view(params)
+        done = self._done(params)
+        if view is None:
+            days = self._settings.timers.tombstone_retention_s / 86400
+            gone = (
+                f"no timer {name}: none is live, and none fired or was cancelled in the last {days:g} days (or its "
+                "schedule is not fed yet)"
+            )
+            if done is not None:  # back from an action: the timer may have fired since
                 return _Out({"error": gone, "done": done}, "error.html", 404)
             raise _NotFound(gone)
-        doc = timer_doc(t)
-        doc["detail"] = detail(t)
-        doc["owner_ref"] = _ref_params(t.owner)
+        history = [history_doc(r) for r in view.records]
+        shown = [{**_HISTORY_BLANK, **h} for h in history]  # every field, for the template
+        t = view.timer
+        if t is None:
+            doc: dict[str, Any] = {
+                "timer_id": view.timer_id,
+                "status": view.state,
+                "owner": str(view.owner),
+                "key": view.key,
+                "history": history,
+            }
+            page = {**doc, "history": shown, "live": False, "owner_ref": _ref_params(view.owner)}
+            return _Out({"timer": page, "done": done}, "timer.html", json=doc)
+        doc = {**timer_doc(t), "detail": detail(t), "owner_ref": _ref_params(t.owner)}
         doc["scheduled_by"] = f"{t.owner} v{t.version}"
         doc["slot"] = await self._slot_of(t.partition)
-        done = self._done(params)
-        return _Out({"timer": doc, "done": done}, "timer.html", json=doc)
+        page = {**doc, "history": shown, "live": True}
+        return _Out({"timer": page, "done": done}, "timer.html", json={**doc, "history": history})
+
+    async def _by_request(self, form: dict[str, str | None]) -> _Out:
+        """The search by request id: the timer that sent it (or whose commit carried it), live or
+        ended, with its history; no other timer."""
+        assert form["request_id"] is not None
+        view = await timer_history(self._backend, request_id=form["request_id"])
+        docs: list[dict[str, Any]] = []
+        rows: list[dict[str, Any]] = []
+        history: list[dict[str, Any]] = []
+        if view is not None:
+            history = [history_doc(r) for r in view.records]
+            t = view.timer
+            if t is not None:
+                docs = [{**timer_doc(t), "detail": detail(t)}]
+            else:
+                ended = ENDED_DETAIL[view.state]
+                docs = [{"timer_id": view.timer_id, "status": view.state, "owner": str(view.owner), "key": view.key,
+                         "detail": ended}]  # fmt: skip
+            rows = [{**docs[0], "owner_ref": _ref_params(view.owner), "live": t is not None}]
+        data = {"timers": rows, "next": None, "search": form, "history": history, "done": None}
+        return _Out(data, "timers.html", json={"timers": docs, "next": None, "history": history})
 
     async def _slot_of(self, part: int) -> dict[str, Any]:
         """The slot of a partition, whether it has a live holder and, held here, its stall."""
@@ -518,7 +595,7 @@ class StatusPage:
             "stalled": held.get(slot),
         }
 
-    async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus) -> _Out:
+    async def _repair(self, params: dict[str, list[str]], wanted: TimerStatus, who: str) -> _Out:
         owner, key, t = await self._load(params)
         if t is None:
             raise _NotFound(f"no live timer {key!r} of {owner}")
@@ -526,10 +603,69 @@ class StatusPage:
             raise InvalidInput(f"the timer is {t.status.value}, not {wanted.value}", field="status")
         written = await repair_timers(self._backend.timers, [t])
         verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
-        log.info("ui: timer %r of %s %s (%s -> PENDING, due now)", t.key, t.owner, verb, wanted.value)
+        log.info(
+            "ui: timer %r of %s %s by the token holder at %s (%s -> PENDING, due now)%s",
+            t.key,
+            t.owner,
+            verb,
+            who,
+            wanted.value,
+            "" if written else ": not changed, it moved on meanwhile",
+        )
         done = f"{verb}: back to PENDING, due now" if written else "not changed: the timer moved on meanwhile"
         back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
-        return _Out({"written": written, "timer": timer_doc(t), "back": back})
+        after = await find_timer(self._backend.timers, t.owner, t.key)  # the timer as it is now
+        doc = {"written": written, "timer": timer_doc(after) if after is not None else None, "back": back}
+        return _Out(doc, status=200 if written else 409)
+
+    async def _cancel(self, params: dict[str, list[str]], who: str) -> _Out:
+        """Appends the cancel of a live timer to the stream that holds it (as ``wowd timers
+        cancel`` does); the feed then ends it."""
+        from wowd.client import SCHEDULES, WowdClient
+
+        owner, key, t = await self._load(params)
+        if t is None:
+            raise _NotFound(f"no live timer {key!r} of {owner}: nothing to cancel")
+        s = self._settings.timers
+        client = WowdClient(self._backend.log, max_body_bytes=s.max_body_bytes, min_interval_ms=s.min_interval_ms)
+        commit = await client.cancel(t.owner, t.key, in_owner_stream=t.owner.aggregate != SCHEDULES)
+        log.info(
+            "ui: timer %r of %s cancelled by the token holder at %s (commit %s v%d)",
+            t.key,
+            t.owner,
+            who,
+            commit.ref,
+            commit.version,
+        )
+        done = f"cancel appended ({commit.ref} v{commit.version}): the timer ends once the feed applies it"
+        back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
+        return _Out({"cancelled": t.timer_id, "commit": f"{commit.ref} v{commit.version}", "back": back})
+
+    async def _repair_target(self, params: dict[str, list[str]], wanted: TimerStatus, who: str) -> _Out:
+        """Every FAILED (``retry``) or PARKED (``resume``) timer of one target back to PENDING, due
+        now (as ``wowd timers retry|resume --target`` does)."""
+        text = _one(params, "target")
+        if text is None:
+            raise InvalidInput("which target's timers: target (AGGREGATE/ID)", field="target")
+        target = parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
+        page = await search_timers(self._backend.timers, TimerSearch(status=wanted, target=target), BULK_CAP)
+        written = await repair_timers(self._backend.timers, page.timers)
+        verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
+        log.info(
+            "ui: %d of the %s timers of target %s %s by the token holder at %s",
+            written,
+            wanted.value,
+            target,
+            verb,
+            who,
+        )
+        more = " (more remain: again)" if page.next is not None else ""
+        done = f"{written} {wanted.value} timer(s) of {target} {verb}: back to PENDING, due now{more}"
+        back = "/ui/timers?" + urlencode({"status": wanted.value, "target": text, **self._notice(done)})
+        status = 200 if written == len(page.timers) else 409
+        return _Out(
+            {"written": written, "asked": len(page.timers), "more": page.next is not None, "back": back}, status=status
+        )
 
     # ------------------------------------------------------------------ quarantine
 
@@ -546,12 +682,17 @@ class StatusPage:
         steps = list(steps_needed(str(item.get("reason", ""))))
         return _Out({"item": item, "record": record_of(item), "steps": steps}, "quarantine_item.html", json=item)
 
-    async def _refeed(self, item_id: str) -> _Out:
+    async def _refeed(self, item_id: str, who: str) -> _Out:
         item = await quarantined_item(self._backend.log, item_id)
         if item is None:
             raise _NotFound(f"no quarantined item {item_id}")
         outcome = await retry_item(self._settings, self._backend, item)
-        log.info("ui: quarantined item %s re-fed: %s", item_id, outcome.reason or "released")
+        log.info(
+            "ui: quarantined item %s re-fed by the token holder at %s: %s",
+            item_id,
+            who,
+            f"still quarantined: {outcome.reason}" if outcome.reason else "released",
+        )
         doc = {"item_id": outcome.item_id, "record": outcome.record, "done": outcome.done, "reason": outcome.reason}
         if outcome.reason is None:
             doc["back"] = "/ui/quarantine?" + urlencode(
@@ -559,7 +700,7 @@ class StatusPage:
             )
         else:
             doc["back"] = f"/ui/quarantine/{item_id}"
-        return _Out(doc)
+        return _Out(doc, status=200 if outcome.reason is None else 409)
 
     # ------------------------------------------------------------------ outbox
 
@@ -594,14 +735,21 @@ class StatusPage:
                 return _Out({"entry": doc}, "outbox_entry.html", json=doc)
         raise _NotFound(f"no outbox entry {wanted} near offset {offset} (acknowledged, or trimmed)")
 
-    async def _ack(self, params: dict[str, list[str]]) -> _Out:
+    async def _ack(self, params: dict[str, list[str]], who: str) -> _Out:
         ids = [i for i in [*params.get("request_id", []), *params.get("request_ids", [])] if i.strip()]
         if not ids:
             raise InvalidInput("no entry chosen (request_id)", field="request_id")
         removed = await self._backend.outbox.ack(ids)
-        log.info("ui: %d outbox entries acknowledged", removed)
+        log.info("ui: %d of %d outbox entries acknowledged by the token holder at %s", removed, len(set(ids)), who)
         done = f"{removed} of {len(set(ids))} entries acknowledged (removed)"
-        return _Out({"removed": removed, "back": "/ui/outbox?" + urlencode(self._notice(done))})
+        doc = {"removed": removed, "asked": len(set(ids)), "back": "/ui/outbox?" + urlencode(self._notice(done))}
+        return _Out(doc, status=200 if removed == len(set(ids)) else 409)
+
+
+_HISTORY_BLANK = dict.fromkeys(
+    ("scheduled_at", "position", "outcome", "status", "latency_ms", "reason", "answer", "expires_at")
+)
+"""The fields a history record's document may leave out."""
 
 
 def _ref_params(ref: Any) -> dict[str, str]:

@@ -20,7 +20,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from wowd import metrics
 
-__all__ = ["OUTCOMES", "WINDOW_S", "MetricWindow", "quantile"]
+__all__ = ["OUTCOMES", "WINDOW_S", "MetricWindow", "beyond_top", "quantile"]
 
 WINDOW_S = 300.0
 """The span the rates are computed over (s)."""
@@ -58,6 +58,15 @@ def _take(at: float) -> _Sample:
     return _Sample(at, tuple(sorted(buckets.items())), outcomes)
 
 
+def beyond_top(q: float, buckets: Iterable[tuple[float, float]]) -> bool:
+    """Whether the ``q`` quantile lies in the ``+Inf`` bucket: :func:`quantile` answers the
+    largest finite bound, and the value is beyond it (shown ``> 60 s``)."""
+    bs = list(buckets)
+    if len(bs) < 2 or bs[-1][1] <= 0:
+        return False
+    return bs[-2][1] < q * bs[-1][1]
+
+
 def quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """The ``q`` quantile of cumulative histogram buckets ``(upper bound, count)`` (ascending,
     ``inf`` last), interpolated linearly within its bucket as Prometheus' ``histogram_quantile``
@@ -88,8 +97,10 @@ class MetricWindow:
         self._samples: deque[_Sample] = deque([_take(clock())])
 
     def read(self) -> dict[str, Any]:
-        """``{window_s, fire_lag_p50_s, fire_lag_p99_s, deliveries: {outcome: n}, open_circuits}``
-        over the window ending now (``window_s``: its actual span)."""
+        """``{window_s, fire_lag_p50_s, fire_lag_p99_s, fire_lag_p50_beyond, fire_lag_p99_beyond,
+        deliveries: {outcome: n}, open_circuits}`` over the window ending now (``window_s``: its
+        actual span; ``..._beyond``: the quantile is past the histogram's top bound, which it
+        reads as)."""
         now = _take(self._clock())
         while len(self._samples) > 1 and now.at - self._samples[1].at >= self._window_s:
             self._samples.popleft()
@@ -104,6 +115,8 @@ class MetricWindow:
             "window_s": round(now.at - base.at, 1),
             "fire_lag_p50_s": p50,
             "fire_lag_p99_s": p99,
+            "fire_lag_p50_beyond": beyond_top(0.5, delta),
+            "fire_lag_p99_beyond": beyond_top(0.99, delta),
             "deliveries": {k: int(now.outcomes[k] - base.outcomes.get(k, 0.0)) for k in OUTCOMES},
             "open_circuits": open_circuits,
         }

@@ -64,6 +64,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
     (:class:`~wowd.stores.embedded.db.WalCheckpointer`). The backend's ``close`` closes them all."""
     from wowd.model import AggregateType
     from wowd.stores.embedded.feed import EmbeddedFeedWriter
+    from wowd.stores.embedded.history import EmbeddedTimerHistory
     from wowd.stores.embedded.sink import AccessMemory, EmbeddedEventSink
     from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
     from wowd.stores.embedded.timers import EmbeddedTimerStore
@@ -92,12 +93,17 @@ async def open_embedded(settings: WowdSettings) -> Backend:
         stack.push_async_callback(snapshots.close)
         outbox = EmbeddedOutbox(path)
         stack.push_async_callback(outbox.close)
+        history = EmbeddedTimerHistory(path, context=settings.context) if settings.timers.history else None
+        if history is not None:
+            stack.push_async_callback(history.close)
         # one at a time: the first prepare creates the file and switches it to WAL
         await leases.prepare()
         await log.prepare()
         await timers.prepare()
         await snapshots.prepare()
         await outbox.prepare()
+        if history is not None:
+            await history.prepare()
 
         # the sinks of every aggregate type share one connection (its thread, its descriptors)
         # and one memory of the attributes they wrote
@@ -119,6 +125,7 @@ async def open_embedded(settings: WowdSettings) -> Backend:
             snapshots=snapshots,
             rebuilds=snapshots,
             outbox=outbox,
+            history=history,
             offers=(timers,),  # the outbox table and the log are in the timers' own file
             feed_writer=feed_writer,  # and the event sink's documents
             clock_reading=leases.clock_reading,  # the store clock: each process's own

@@ -632,10 +632,14 @@ class SqliteStore:
         """The file of the store (``:memory:`` for a database in memory)."""
         return self._db.path
 
+    def schema(self) -> Sequence[str]:
+        """The statements :meth:`_ensure_ready` runs (default: ``SCHEMA``)."""
+        return self.SCHEMA
+
     async def _ensure_ready(self) -> None:
         """Creates or checks what the store needs before its first call (default: its ``SCHEMA``)."""
         if not self._schema_ready:
-            statements = self.SCHEMA
+            statements = self.schema()
 
             def create(conn: sqlite3.Connection) -> None:
                 for statement in statements:

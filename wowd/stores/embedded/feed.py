@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from wowd.metrics import SINK_BULK_SECONDS
-from wowd.model import Commit, Position, Timer, TimerChange, TimerWrite
+from wowd.model import Commit, HistoryRecord, Position, Timer, TimerChange, TimerWrite
 from wowd.stores.base import EventSink, FeedApplied
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
+from wowd.stores.embedded.history import record_row, write_records
 from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
 from wowd.stores.embedded.sqlite import sqlite3
@@ -87,6 +88,7 @@ class EmbeddedFeedWriter(SqliteStore):
         *,
         now: int,
         planned: object = None,
+        history: Sequence[HistoryRecord] = (),
     ) -> FeedApplied | None:
         ready = planned if isinstance(planned, _Plan) else await self.plan(records, timer_writes)
         if ready is None:
@@ -94,7 +96,10 @@ class EmbeddedFeedWriter(SqliteStore):
         plans = [(sink, sink.remember(plan)) for sink, plan in ready.sinks]
         timers = self._timers
         checkpoints = self._log.checkpoint_rows(consumer, positions, fence)
-        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, now)
+        rows = [record_row(r) for r in history]
+        if rows:
+            await timers.prepare_history()
+        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, now, rows)
         try:
             created, sink_s, answers, resumed = await self._run("apply", self._db.transaction(work))
         except _Refused:
@@ -130,14 +135,17 @@ def _apply(
     parked: Sequence[tuple[Any, ...]],
     checkpoints: Sequence[tuple[Any, ...]],
     now: int,
+    history: Sequence[tuple[Any, ...]],
     conn: sqlite3.Connection,
 ) -> tuple[list[int], float, list[int], list[Timer]]:
     """The batch in the caller's transaction: documents created per sink, the seconds the sinks
-    took, the timer writes' answers, the PARKED timers resumed."""
+    took, the timer writes' answers (and the history's rows of their commits), the PARKED timers
+    resumed."""
     started = time.perf_counter()
     created = [plan.work(conn) for _sink, plan in plans]
     sink_s = time.perf_counter() - started
     answers = timers.write_steps(steps, conn) if steps else []
+    write_records(timers.context, history, conn)
     resumed: list[Timer] = []
     if parked:
         resumed = timers.parked_timers(parked, conn)

@@ -429,7 +429,7 @@ def fired_rowid_sql(context: str, kind: str) -> str:
 def _report_failed(failed: Iterable[tuple[Sequence[Any], str]]) -> None:
     """Counts and logs the rows (``COLUMNS`` order) a claim or a fire set FAILED, with why."""
     for r, reason in failed:
-        TIMERS_FAILED.labels(aggregate=r[C_AGGREGATE]).inc()
+        TIMERS_FAILED.labels(target=f"{r[C_TARGET_CONTEXT]}.{r[C_TARGET_AGGREGATE]}").inc()
         log.error(
             "timer %s of %s %s/%s (partition %d) set FAILED: %s",
             r[C_KEY],

@@ -59,8 +59,10 @@ from wowd.model import (
     TimerChange,
     TimerStatus,
     TimerWrite,
+    misfire_reason,
     misfired,
     partition,
+    request_id_for,
     validate_name,
 )
 from wowd.stores.base import OUTBOX_SHORTCUT, FiredTimer, OutboxFired, OutboxRound, TimerSearch
@@ -72,6 +74,8 @@ from wowd.stores.embedded.db import (
     merged_read,
     update_rows,
 )
+from wowd.stores.embedded.history import attempt_row, write_records
+from wowd.stores.embedded.history import schema_sql as history_schema
 from wowd.stores.embedded.log import committed_after
 from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_rows
@@ -87,6 +91,8 @@ from wowd.stores.embedded.timer_sql import (
     C_ROWID,
     C_RULE,
     C_SCHEDULED_AT,
+    C_TARGET_AGGREGATE,
+    C_TARGET_CONTEXT,
     C_TIMER_ID,
     C_VERSION,
     DUE_ARMS,
@@ -175,6 +181,7 @@ class EmbeddedTimerStore(SqliteStore):
         self._claim_sql = claim_rowid_sql(t)
         self._fired_sql = {k: fired_rowid_sql(t, k) for k in ("fired", "done")}
         self._outbox_ready = False
+        self._history_ready = False
         self._write_sql = {
             "put": put_sql(t),
             "live_at": live_at_sql(t),
@@ -546,10 +553,14 @@ class EmbeddedTimerStore(SqliteStore):
         done_sql, fired_sql = self._fired_sql["done"], self._fired_sql["fired"]
         ctx = self.context
         failed: list[tuple[Sequence[Any], str]] = []
+        retention_ms = round.history_retention_ms
+        if retention_ms is not None:
+            await self.prepare_history()
 
         def work(conn: sqlite3.Connection) -> OutboxFired:
             failed.clear()
             fired: list[FiredTimer] = []
+            history: list[tuple[Any, ...]] = []
             rows: list[tuple[Any, ...]] = []
             done: list[tuple[Any, ...]] = []
             moved: list[tuple[Any, ...]] = []
@@ -572,6 +583,7 @@ class EmbeddedTimerStore(SqliteStore):
                     break
                 nxt: int | None = None
                 late = False
+                timer: Timer | None = None
                 if r[C_RULE] != _ONCE_JSON:
                     try:
                         timer = fired_from_row(ctx, r)
@@ -582,9 +594,20 @@ class EmbeddedTimerStore(SqliteStore):
                         undecodable.append((reason, r[C_ROWID], r[C_REVISION]))
                         failed.append((r, reason))
                         continue
-                fired.append(FiredTimer(r[C_TIMER_ID], r[C_AGGREGATE], r[C_SCHEDULED_AT], nxt, late))
-                if not late:  # past its misfire grace: settled, not delivered
-                    rows.append(outbox_row(r, fence, owner_key, at))
+                target = f"{r[C_TARGET_CONTEXT]}.{r[C_TARGET_AGGREGATE]}"
+                if late:  # past its misfire grace: settled, not delivered
+                    fired.append(FiredTimer(r[C_TIMER_ID], target, r[C_SCHEDULED_AT], nxt, True, timer))
+                    if retention_ms is not None:
+                        assert timer is not None
+                        why = misfire_reason(timer.rule, timer.scheduled_at, at)
+                        rid = request_id_for(r[C_TIMER_ID], r[C_SCHEDULED_AT])
+                        history.append(attempt_row(r, rid, at, at + retention_ms, "misfired", why))
+                else:
+                    fired.append(FiredTimer(r[C_TIMER_ID], target, r[C_SCHEDULED_AT], nxt))
+                    row = outbox_row(r, fence, owner_key, at)
+                    rows.append(row)
+                    if retention_ms is not None:
+                        history.append(attempt_row(r, row[0], at, at + retention_ms, "delivered", None))
                 if nxt is None:
                     done.append((r[C_ROWID], r[C_REVISION]))
                 else:
@@ -594,6 +617,8 @@ class EmbeddedTimerStore(SqliteStore):
             if fired:
                 if rows:
                     put_rows(conn, rows)
+                if history:
+                    write_records(ctx, history, conn)
                 settled = update_rows(conn, done_sql, done) + update_rows(conn, fired_sql, moved)
                 if settled != len(fired):  # cannot happen: the rows were read in this transaction
                     raise StorageError(f"fire_into_outbox: settled {settled} of the {len(fired)} timers read")
@@ -605,16 +630,25 @@ class EmbeddedTimerStore(SqliteStore):
         _report_failed(failed)
         return out
 
+    async def prepare_history(self) -> None:
+        """Creates the timer history table of this file when missing (once; the history store's
+        DDL)."""
+        if not self._history_ready:
+            await self._create(history_schema(self.context))
+            self._history_ready = True
+
     async def prepare_outbox(self) -> None:
         """Creates the outbox table of this file when missing (once; the outbox store's DDL)."""
         if not self._outbox_ready:
-
-            def create(conn: sqlite3.Connection) -> None:
-                for statement in OUTBOX_SCHEMA:
-                    conn.execute(statement)
-
-            await self._run("prepare", self._db.transaction(create))
+            await self._create(OUTBOX_SCHEMA)
             self._outbox_ready = True
+
+    async def _create(self, statements: Iterable[str]) -> None:
+        def create(conn: sqlite3.Connection) -> None:
+            for statement in statements:
+                conn.execute(statement)
+
+        await self._run("prepare", self._db.transaction(create))
 
     async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
         if not partitions:

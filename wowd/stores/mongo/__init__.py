@@ -132,6 +132,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
 
     from wowd.model import AggregateType
     from wowd.stores.base import Ddl
+    from wowd.stores.mongo.history import MongoTimerHistory
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
     from wowd.stores.mongo.timers import MongoTimerStore
@@ -183,7 +184,8 @@ async def open_mongo(settings: WowdSettings) -> Backend:
         )
         snapshots = MongoSnapshotStore(client, database, context=context, ddl=ddl, sharding=sharding, **common)
         outbox = MongoOutbox(client, database, context=context, ddl=ddl, **common)
-        stores = (leases, log, timers, snapshots, outbox)
+        history = MongoTimerHistory(client, database, context=context, ddl=ddl, **common)
+        stores = (leases, log, timers, snapshots, outbox, *((history,) if settings.timers.history else ()))
         for store in stores:
             stack.push_async_callback(store.close)
         for store in stores:
@@ -207,6 +209,7 @@ async def open_mongo(settings: WowdSettings) -> Backend:
             snapshots=snapshots,
             rebuilds=snapshots,
             outbox=outbox,
+            history=history if settings.timers.history else None,
             sink_factory=sink_factory,
             # closed in reverse: the stores first, the clients last
             resources=stack.pop_all(),  # success: the backend owns the clients and stores now

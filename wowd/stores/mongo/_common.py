@@ -40,7 +40,7 @@ from pymongo.errors import (
 )
 from pymongo.results import BulkWriteResult
 
-from wowd.errors import ConfigError, StorageError, StorageUnavailable
+from wowd.errors import ConfigError, FormatError, StorageError, StorageUnavailable
 from wowd.metrics import STORE_CALL_SECONDS, STORE_UNAVAILABLE
 from wowd.model import validate_name
 from wowd.stores.base import Ddl
@@ -476,3 +476,57 @@ class MongoStore:
         """Closes the client when the store opened it from a URI (never the caller's)."""
         if self._owns_client:
             await self._client.close()
+
+
+class CollectionStore(MongoStore):
+    """A store of one collection of a context (the outbox, the timers' history): named by
+    :meth:`collection_of` the context, with the indexes :meth:`indexes`, which :meth:`prepare`
+    creates (``ddl`` AUTO) or checks (VALIDATE: each by name, its keys in order, uniqueness,
+    partial filter and expiry) or assumes (NONE). The :class:`MongoStore` constructor, with the
+    context and the DDL mode."""
+
+    def __init__(
+        self,
+        client_or_uri: AsyncMongoClient[Any] | str,
+        database_name: str,
+        *,
+        context: str,
+        ddl: Ddl = Ddl.AUTO,
+        operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
+    ) -> None:
+        self.context = mongo_name(context, field="context")
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
+        self._coll: AsyncCollection[Any] = self._db[self.collection_of(context)]
+        self._ddl = Ddl(ddl)
+
+    def collection_of(self, context: str) -> str:
+        raise NotImplementedError
+
+    def indexes(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    async def prepare(self) -> None:
+        """Creates (AUTO) or checks (VALIDATE) the indexes; idempotent."""
+        logger = logging.getLogger(type(self).__module__)
+        if self._ddl is Ddl.AUTO:
+            with self._call("prepare", bounded=False):
+                await self._create_indexes(self._coll.name, self.indexes(), logger)
+        elif self._ddl is Ddl.VALIDATE:
+            with self._call("prepare"):
+                found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}
+            for spec in self.indexes():
+                if not index_matches(found.get(spec["name"]), spec):
+                    raise FormatError(f"mongodb {self._coll.name}: the index {spec} is missing (ddl=validate)")
+
+
+def index_matches(found: Mapping[str, Any] | None, spec: Mapping[str, Any]) -> bool:
+    """Whether the index ``found`` (as ``listIndexes`` answers it) is ``spec``: its keys in order
+    (a compound index on the same keys in another order serves other queries), uniqueness,
+    partial filter and expiry."""
+    return (
+        found is not None
+        and list(found["key"].items()) == list(spec["key"].items())
+        and bool(found.get("unique", False)) == bool(spec.get("unique", False))
+        and found.get("partialFilterExpression") == spec.get("partialFilterExpression")
+        and found.get("expireAfterSeconds") == spec.get("expireAfterSeconds")
+    )

@@ -21,17 +21,15 @@ from datetime import timedelta
 from typing import Any
 
 from pymongo import AsyncMongoClient, InsertOne, UpdateOne
-from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
-from wowd.errors import FormatError, InvalidInput, StorageError
+from wowd.errors import InvalidInput, StorageError
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
-    MongoStore,
+    CollectionStore,
     duplicate_keys,
-    mongo_name,
     outbox_collection,
     write_one,
 )
@@ -108,8 +106,9 @@ def outbox_entry(doc: Doc) -> OutboxEntry:
         raise StorageError(f"mongodb outbox: unreadable entry {doc.get('_id')!r}: {exc!r}") from exc
 
 
-class MongoOutbox(MongoStore):
-    """:class:`~wowd.stores.base.Outbox` on MongoDB (the :class:`MongoStore` constructor)."""
+class MongoOutbox(CollectionStore):
+    """:class:`~wowd.stores.base.Outbox` on MongoDB (the
+    :class:`~wowd.stores.mongo._common.CollectionStore` constructor)."""
 
     _label = "outbox"
 
@@ -122,26 +121,19 @@ class MongoOutbox(MongoStore):
         ddl: Ddl = Ddl.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
     ) -> None:
-        self.context = mongo_name(context, field="context")
-        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
-        self._coll: AsyncCollection[Doc] = self._db[outbox_collection(context)]
-        self._ddl = Ddl(ddl)
+        super().__init__(client_or_uri, database_name, context=context, ddl=ddl, operation_timeout=operation_timeout)
         self._prepared = self._ddl is Ddl.NONE
 
+    def collection_of(self, context: str) -> str:
+        return outbox_collection(context)
+
+    def indexes(self) -> list[Doc]:
+        return outbox_indexes()
+
     async def prepare(self) -> None:
-        """Creates (AUTO) or checks (VALIDATE) the unique request-id index; idempotent."""
-        if self._ddl is Ddl.AUTO:
-            with self._call("prepare", bounded=False):
-                await self._create_indexes(self._coll.name, outbox_indexes(), logger)
-        elif self._ddl is Ddl.VALIDATE:
-            with self._call("prepare"):
-                found = {ix["name"]: ix async for ix in await self._coll.list_indexes()}
-            (spec,) = outbox_indexes()
-            ix = found.get(spec["name"])
-            if ix is None or dict(ix["key"]) != spec["key"] or not ix.get("unique"):
-                raise FormatError(
-                    f"mongodb {self._coll.name}: the unique index {spec['key']} is missing (ddl=validate)"
-                )
+        """Creates (AUTO) or checks (VALIDATE) the unique request-id index and the ``created_at``
+        one; idempotent."""
+        await super().prepare()
         self._prepared = True
 
     async def put(self, entry: OutboxEntry) -> bool:

@@ -30,6 +30,7 @@ from wowd.stores.mongo._common import (
     quarantine_collection,
     translate_errors,
 )
+from wowd.stores.mongo.history import history_collection
 
 __all__ = ["Need", "check_privileges", "check_user", "missing_privileges", "required_privileges"]
 
@@ -75,6 +76,7 @@ def required_privileges(database: str, context: str, *, ddl: Ddl, sharded: bool)
         Need("snapshots", rw, d, SNAPSHOT_TABLES, why="the snapshots' control plane"),
         Need("snapshots", rw, d, why="the snapshots (wow_snapshot__<context>__*)"),
         Need("outbox", (*rw, "remove"), d, outbox_collection(context), why="put, take (its leases), ack, trim"),
+        Need("history", rw, d, history_collection(context), why="the timers' history"),
     ]
     if ddl is Ddl.AUTO:
         needs += [

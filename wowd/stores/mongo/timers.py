@@ -381,7 +381,11 @@ class MongoTimerStore(TimerCollections):
                 durable_or_raise(exc, "timers.claim_due")
                 log.error("timers of %s not set FAILED: %s", aggregate, exc.details.get("writeErrors"))
             for doc, reason in group:
-                TIMERS_FAILED.labels(aggregate=aggregate).inc()
+                target = doc.get("target")
+                if isinstance(target, Mapping):
+                    TIMERS_FAILED.labels(target=f"{target.get('context')}.{target.get('aggregate')}").inc()
+                else:
+                    TIMERS_FAILED.labels(target="unknown").inc()
                 log.error(
                     "timer %s of %s (partition %s, _id %s) set FAILED: %s",
                     doc.get("key"),
