@@ -100,9 +100,10 @@ def _cut(text: str | None, n: int) -> str | None:
     return text if text is None or len(text) <= n else text[: n - 1] + "…"
 
 
-EXPIRY_MAX_MS = 2**63 - 1
-"""The latest expiry a record is given (the stores keep 64-bit integers): a due time near the
-schema's limit plus the retention would not fit."""
+EXPIRY_MAX_MS = 253_402_300_799_999
+"""The latest expiry a record is given: the last millisecond of year 9999, the latest time the
+published schema allows and a MongoDB TTL index's date can be read back as (a due time near it
+plus the retention would leave both behind)."""
 
 
 def expiry(at: int, retention_ms: int) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pymongo import ReplaceOne, UpdateMany
@@ -86,8 +86,19 @@ def history_indexes() -> list[Doc]:
     ]
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MS = timedelta(milliseconds=1)
+
+
 def _date(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC)
+    """``ms`` as the Date BSON stores (exact: a float of seconds loses the last millisecond of
+    dates far ahead, up to the schema's year 9999)."""
+    return _EPOCH + ms * _MS
+
+
+def _ms(date: datetime) -> int:
+    """A Date read back (naive: UTC, as PyMongo decodes it by default) in milliseconds."""
+    return (date.replace(tzinfo=date.tzinfo or UTC) - _EPOCH) // _MS
 
 
 def history_doc(r: HistoryRecord) -> Doc:
@@ -170,7 +181,7 @@ def record_from_doc(context: str, doc: Mapping[str, Any]) -> HistoryRecord:
             at=int(doc["at"]),
             version=int(doc["version"]),
             request_id=str(doc["request_id"]),
-            expires_at=int(expires.replace(tzinfo=expires.tzinfo or UTC).timestamp() * 1000) if expires else None,
+            expires_at=_ms(expires) if expires else None,
             **{name: doc[name] for name in _OPTIONAL if doc.get(name) is not None},
         )
     except (KeyError, TypeError, ValueError, InvalidInput) as exc:
