@@ -10,7 +10,6 @@ from typing import Any
 import anyio
 import pytest
 from bson import ObjectId
-from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr
@@ -35,6 +34,7 @@ from tests.mongo.log_support import (
     rs_client,
     rs_server,
     rs_wire,
+    scan_bounds,
     scan_collection,
     start,
     token,
@@ -191,18 +191,14 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
                 }
             )
             # 3. the partition's history in (aggregate_id, version) order, over the partition_order
-            # index: commits stored without a regular partition below and above its own range
-            find = await rs_wire.command("find")
-            assert (find["find"], find["filter"], find["sort"]) == (ORDERS, {}, SCAN_SORT)
-            # it reads majority-committed data at or after that cluster time (causally
-            # consistent): on every shard it sees each commit at or before the cut
-            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 3)}
+            # index: the commits stored without a partition and those of its own range merged, then
+            # the ranges of the commits stored with a partition that is no integer in range
             no_partition = {k: v for k, v in log_doc(ID_P3, 4).items() if k != "partition"}
             elsewhere = {k: v for k, v in log_doc(ID_P5, 4).items() if k != "partition"}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [no_partition, elsewhere]})
-            find = await rs_wire.command("find")
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]})
-            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            # it reads majority-committed data at or after that cluster time (causally
+            # consistent): on every shard it sees each commit at or before the cut
+            mine = [log_doc(ID_P3, 1), log_doc(ID_P3, 2)]
+            await scan_collection(rs_wire, ORDERS, 3, mine, missing=[no_partition, elsewhere], cut=(200, 3))
             # 4. the stream starts at that cluster time, not "now"; what is AT it the scan read
             agg = await rs_wire.command("aggregate")
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 3)}}
@@ -210,24 +206,31 @@ async def test_a_partition_without_checkpoint_is_read_from_its_collections_first
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
     batches = call.result()
-    # the commit without a partition is read in its aggregate id's (3); another's is not
-    assert entries_of(batches) == [(3, ID_P3, 4), (3, ID_P3, 1), (3, ID_P3, 2), (3, ID_P3, 3)]
+    # the commit without a partition is read in its aggregate id's (3), in version order among the
+    # others; another's is not
+    assert entries_of(batches) == [(3, ID_P3, 1), (3, ID_P3, 2), (3, ID_P3, 4), (3, ID_P3, 3)]
     scanned = batches[0].positions[3]
     assert scanned["cluster_time"] == [200, 3]
-    assert scanned["scan"] == {"c": ORDERS, "r": 1, "p": 3, "a": ID_P3, "v": 2, "id": log_doc(ID_P3, 2)["_id"]}
+    # where each merged range goes on: the one without a partition after the last commit read,
+    # the partition's own read to its end
+    last = [None, ID_P3, 4, log_doc(ID_P3, 4)["_id"], True]
+    assert scanned["scan"] == {"c": ORDERS, "r": 0, "k": [last, None], "s": 2}
     assert [b for b in batches if b.entries][-1].positions == {3: pos((200, 4))}
 
 
 async def test_a_scan_position_resumes_the_scan_after_its_document(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
-    """The resumed ``find`` is bounded on the ``partition_order`` index from the scan key to the
-    next partition (the find command's ``hint``, ``min`` inclusive and ``max`` exclusive: manual,
-    find command and cursor.min(), "index bounds", a hint required since 4.2): the scan starts
-    at the key instead of reading the partition from its start; the ``$expr`` only leaves the
-    key's own document (and its equals before it) out. The answers are a 7.0 server's."""
+    """The resumed ``find`` of each merged range is bounded on the ``partition_order`` index from
+    the scan key to the range's end (the find command's ``hint``, ``min`` inclusive and ``max``
+    exclusive: manual, find command and cursor.min(), "index bounds", a hint required since 4.2):
+    the scan starts at the key instead of reading the partition from its start; the filter on
+    ``_id`` leaves out the document read last (the other range goes on at its next document,
+    inclusive). The answers are a 7.0 server's."""
     log = make_log(rs_client)
-    last = {"c": "wow_log__ctx__cart", "a": ID_P3, "v": 2, "id": {"t": "(0)", "a": ID_P3, "v": 2}}
+    cart = "wow_log__ctx__cart"
+    read, following = {"t": "(0)", "a": ID_P3, "v": 2}, {"t": "(0)", "a": ID_P3, "v": 3}
+    last = {"c": cart, "r": 0, "k": [[None, ID_P3, 2, read, True], [3, ID_P3, 3, following, False]], "s": 2}
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             call = start(tg, lambda: collect(log.read({3: {"cluster_time": [70, 1], "scan": last}}, follow=False)))
@@ -236,33 +239,21 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
                 cursor={
                     "id": 0,
                     "ns": f"{DB}.$cmd.listCollections",
-                    "firstBatch": [{"name": ORDERS}, {"name": "wow_log__ctx__cart"}, {"name": "wow_log__ctx__account"}],
+                    "firstBatch": [{"name": ORDERS}, {"name": cart}, {"name": "wow_log__ctx__account"}],
                 }
             )
-            # "account" sorts before the scan's collection: done already; "cart" after the document,
-            # in its own range (an old position names none: the partition's), then the range above
-            find = await rs_wire.command("find")
-            assert find["find"] == "wow_log__ctx__cart"
-            # from the key (inclusive) on the index, the key's own document left out by _id
-            assert find["filter"] == {"_id": {"$ne": last["id"]}}
-            assert find["sort"] == SCAN_SORT
-            assert find["hint"] == "partition_order"
-            assert list(find["min"].items()) == [
-                ("partition", 3),
-                ("aggregate_id", ID_P3),
-                ("version", 2),
-                ("_id", last["id"]),
-            ]
-            assert list(find["max"].items()) == [
-                ("partition", 4),
-                ("aggregate_id", MinKey()),
-                ("version", MinKey()),
-                ("_id", MinKey()),
-            ]
-            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
-            find = await rs_wire.command("find")  # the range above, from its start
-            assert (find["find"], find["filter"], list(find["min"].values())[0]) == ("wow_log__ctx__cart", {}, 8)
-            find.ok(cursor={"id": 0, "ns": f"{DB}.wow_log__ctx__cart", "firstBatch": []})
+            # "account" sorts before the scan's collection: done already; "cart" from the key
+            bounds = scan_bounds(3)
+            for (_lower, upper), (*key, exclusive) in zip(bounds[:2], last["k"], strict=True):
+                find = await rs_wire.command("find")
+                assert (find["find"], find["sort"], find["hint"]) == (cart, SCAN_SORT, "partition_order")
+                assert find["filter"] == ({"_id": {"$ne": key[3]}} if exclusive else {})
+                assert list(find["min"].values()) == key and list(find["max"].values()) == upper
+                find.ok(cursor={"id": 0, "ns": f"{DB}.{cart}", "firstBatch": []})
+            for lower, _upper in bounds[2:]:  # the other ranges, from their start
+                find = await rs_wire.command("find")
+                assert (find["find"], find["filter"], list(find["min"].values())) == (cart, {}, lower)
+                find.ok(cursor={"id": 0, "ns": f"{DB}.{cart}", "firstBatch": []})
             await scan_collection(rs_wire, ORDERS, 3, [])  # "order" from its start
             # the stream starts at the cluster time the ORIGINAL scan took
             agg = await rs_wire.command("aggregate")
@@ -271,6 +262,28 @@ async def test_a_scan_position_resumes_the_scan_after_its_document(
             (await rs_wire.command("getMore")).ok(cursor([], first=False))
             await call.done.wait()
     assert call.result() == []
+
+
+async def test_a_scan_position_of_an_older_wowd_reads_its_collection_again(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    """A scan key without the scheme (``{c, r, p, a, v, id}``, an older wowd's) resumes its
+    collection from the start: re-reading is safe (every view is idempotent), guessing its ranges
+    is not."""
+    log = make_log(rs_client)
+    last = {"c": ORDERS, "r": 1, "p": 3, "a": ID_P3, "v": 2, "id": log_doc(ID_P3, 2)["_id"]}
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            call = start(tg, lambda: collect(log.read({3: {"cluster_time": [70, 1], "scan": last}}, follow=False)))
+            await majority_point(rs_wire, (90, 1))
+            (await rs_wire.command("listCollections")).ok(
+                cursor={"id": 0, "ns": f"{DB}.$cmd.listCollections", "firstBatch": [{"name": ORDERS}]}
+            )
+            await scan_collection(rs_wire, ORDERS, 3, [log_doc(ID_P3, 1), log_doc(ID_P3, 2)])
+            (await rs_wire.command("aggregate")).ok(cursor([], first=True))
+            (await rs_wire.command("getMore")).ok(cursor([], first=False))
+            await call.done.wait()
+    assert entries_of(call.result()) == [(3, ID_P3, 1), (3, ID_P3, 2)]
 
 
 async def test_following_waits_on_the_server_and_moves_quiet_partitions_to_the_resume_token(
@@ -1193,8 +1206,9 @@ async def test_last_version_reads_one_version_over_the_partition_order_index(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
     """Two point intervals on the index's first key (the partition, and none stored: the schema
-    leaves ``partition`` out), one on its second, merged in version order; the default tenant
-    also matches a commit stored without ``tenant_id`` (the schema's default)."""
+    leaves ``partition`` out), one on its second, merged in version order, of the integer versions
+    (a string sorts above every number in BSON order); the default tenant also matches a commit
+    stored without ``tenant_id`` (the schema's default)."""
     log = make_log(rs_client)
     ref = AggregateRef(context=CONTEXT, aggregate="order", id=ID_P3, tenant_id="t1")
     with anyio.fail_after(15):
@@ -1202,7 +1216,12 @@ async def test_last_version_reads_one_version_over_the_partition_order_index(
             call = start(tg, lambda: log.last_version(ref))
             find = await rs_wire.command("find")
             assert find["find"] == ORDERS
-            assert find["filter"] == {"partition": {"$in": [3, None]}, "aggregate_id": ID_P3, "tenant_id": "t1"}
+            assert find["filter"] == {
+                "partition": {"$in": [3, None]},
+                "aggregate_id": ID_P3,
+                "tenant_id": "t1",
+                "version": {"$type": ["int", "long"]},
+            }
             assert find["sort"] == {"version": -1} and find["limit"] == 1
             assert find["projection"] == {"_id": 0, "version": 1}
             find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [{"version": 4}]})

@@ -12,13 +12,16 @@ Collections (``<ctx>`` the context):
 
 Positions. A position read from the change stream is ``{"token": <resume token>,
 "cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
-the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, r, p, a,
-v, id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
+the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, r, k,
+s}}``: the cluster time taken *before* the scan (the majority commit point, below which no
 write is still in flight: :func:`cluster_time_command`), which reads with ``majority`` read
 concern and ``afterClusterTime`` of it (so it sees every commit at or before it, on every shard;
-the stream starts there), and the last document read: its collection, the range of
-:func:`~wowd.stores.mongo.log_queries.scan_ranges` and its index key (a later read resumes the
-scan after it).
+the stream starts there), and where the scan got to: its collection, its phase of
+:data:`~wowd.stores.mongo.log_queries.SCAN_PHASES` and, per range of the phase, the index key a
+later read goes on from (:func:`~wowd.stores.mongo.log_queries.scan_key`). A partition's own
+commits and those stored without ``partition`` are read together, merged by aggregate id and
+version, so an aggregate whose commits carry ``partition`` on some only is read in version
+order.
 Each partition takes its own cut just before its scan; when the scans run longer than
 ``scan_catch_up``, the partitions scanned so far are caught up by a stream before the next cut,
 so no cut ages out of the oplog while the others are scanned.
@@ -95,14 +98,17 @@ from wowd.stores.mongo.log_quarantine import LogQuarantine
 from wowd.stores.mongo.log_queries import (
     COMMITTED_AFTER_PROJECTION,
     LOG_SHARD_KEY,
-    REGULAR_RANGE,
+    MERGED,
     RESUME_POINT_GONE,
     SCAN_INDEX,
+    SCAN_PHASES,
+    SCAN_SCHEME,
     SCAN_SORT,
     ClusterTime,
     Doc,
     _HistoryLost,
     _Part,
+    bson_order,
     change_stream_pipeline,
     changes_timer,
     checkpoint_filter,
@@ -111,6 +117,7 @@ from wowd.stores.mongo.log_queries import (
     cluster_time_command,
     cluster_time_of,
     committed_after_filter,
+    index_key,
     join_fragments,
     last_version_query,
     log_collection_prefix,
@@ -120,7 +127,6 @@ from wowd.stores.mongo.log_queries import (
     quarantine_indexes,
     scan_find,
     scan_key,
-    scan_ranges,
     stored_tenant,
     token_cluster_time,
 )
@@ -534,46 +540,88 @@ class MongoLog(LogQuarantine):
     async def _scan_partition(
         self, p: int, s: _Part, batch_size: int, session: AsyncClientSession
     ) -> AsyncGenerator[LogBatch, None]:
-        """Each log collection's ranges of :func:`scan_ranges` in order, each one ``find``
+        """Each log collection's phases of :data:`SCAN_PHASES` in order, each range one ``find``
         bounded on the ``partition_order`` index (:func:`scan_find`), from the scan key when
-        resumed; of the ranges besides the partition's own, only the commits whose partition
-        (:func:`partition_of`) is ``p``."""
+        resumed: first the partition's own commits and those stored without ``partition``,
+        merged in ``(aggregate_id, version)`` order; then the other ranges. Of the ranges
+        besides the partition's own, only the commits whose partition (:func:`partition_of`) is
+        ``p``."""
         assert s.ct is not None and s.scan is not None
         names = await self._log_collections(session)
         after = s.scan
+        ct = list(s.ct)
         entries: list[LogEntry] = []
         for name in names:
             if after and name < str(after.get("c", "")):
                 continue
             aggregate = self._aggregate_of(name)
             assert aggregate is not None
-            key = after if after and name == after.get("c") else None
-            first = int(key.get("r", REGULAR_RANGE)) if key else 0
+            key = after if after and name == after.get("c") and after.get("s") == SCAN_SCHEME else None
+            first = int(key.get("r", MERGED)) if key else MERGED
             coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            for range_ in range(first, len(scan_ranges(p, self.partitions))):
-                flt, lower, upper = scan_find(p, self.partitions, range_, key if range_ == first else None)
-                cursor = coll.find(
-                    flt, sort=SCAN_SORT, batch_size=batch_size, session=session, hint=SCAN_INDEX, min=lower, max=upper
-                )
-                try:
-                    while True:
-                        with self._call("scan"):
-                            docs = await cursor.to_list(batch_size - len(entries))
-                        if not docs:
-                            break
-                        for doc in docs:
-                            if range_ != REGULAR_RANGE and partition_of(doc, self.partitions)[0] != p:
-                                continue  # another partition's commit stored without a regular partition
-                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key(name, range_, doc)}
-                            entries.append(self._entry(position, p, aggregate, doc))
+            for phase in range(first, len(SCAN_PHASES)):
+                resume = key.get("k") if key is not None and phase == first else None
+                docs = self._scan_phase(coll, p, phase, resume, batch_size, session)
+                async with aclosing(docs) as scanned:
+                    async for doc, resumed in scanned:
+                        if partition_of(doc, self.partitions)[0] != p:
+                            continue  # another partition's commit stored without a regular partition
+                        position: Position = {"cluster_time": ct, "scan": scan_key(name, phase, resumed)}
+                        entries.append(self._entry(position, p, aggregate, doc))
                         if len(entries) >= batch_size:
                             yield _batch(entries)
                             entries = []
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                        await cursor.close()
         if entries:
             yield _batch(entries)
+
+    async def _scan_phase(
+        self,
+        coll: AsyncCollection[Doc],
+        p: int,
+        phase: int,
+        resume: Sequence[Sequence[Any] | None] | None,
+        batch_size: int,
+        session: AsyncClientSession,
+    ) -> AsyncGenerator[tuple[Doc, list[list[Any] | None]], None]:
+        """The documents of one phase's ranges (:data:`SCAN_PHASES`), merged in
+        ``(aggregate_id, version)`` order (:func:`bson_order`; a tie goes to the first range),
+        each with where the phase goes on after it: its own range after its key, each other
+        range at its next document (or done)."""
+        ranges = SCAN_PHASES[phase]
+        cursors: list[_Cursor | None] = []
+        for i, range_ in enumerate(ranges):
+            start = resume[i] if resume is not None and i < len(resume) else None
+            if resume is not None and start is None:
+                cursors.append(None)  # read to its end before
+                continue
+            flt, lower, upper = scan_find(
+                p, self.partitions, range_, start[:4] if start else None, exclusive=bool(start and start[4])
+            )
+            find = coll.find(
+                flt, sort=SCAN_SORT, batch_size=batch_size, session=session, hint=SCAN_INDEX, min=lower, max=upper
+            )
+            cursors.append(_Cursor(find, batch_size, lambda: self._call("scan")))
+        try:
+            heads = [await c.next() if c is not None else None for c in cursors]
+            while True:
+                live = [i for i, h in enumerate(heads) if h is not None]
+                if not live:
+                    return
+                i = min(live, key=lambda j: (_merge_order(heads[j]), j))
+                doc = heads[i]
+                assert doc is not None
+                cursor = cursors[i]
+                assert cursor is not None
+                heads[i] = await cursor.next()
+                resumed: list[list[Any] | None] = [
+                    [*index_key(doc), True] if j == i else ([*index_key(h), False] if h is not None else None)
+                    for j, h in enumerate(heads)
+                ]
+                yield doc, resumed
+        finally:
+            for c in cursors:
+                if c is not None:
+                    await c.close()
 
     async def _stream(self, parts: dict[int, _Part], batch_size: int, follow: bool) -> AsyncGenerator[LogBatch, None]:
         if not parts:
@@ -793,6 +841,34 @@ class MongoLog(LogQuarantine):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+class _Cursor:
+    """A re-read's ``find`` read a batch at a time, a document at a time."""
+
+    def __init__(self, cursor: Any, batch_size: int, call: Any) -> None:
+        self._cursor = cursor
+        self._batch_size = batch_size
+        self._call = call
+        self._docs: list[Doc] = []
+        self._done = False
+
+    async def next(self) -> Doc | None:
+        if not self._docs and not self._done:
+            with self._call():
+                self._docs = list(reversed(await self._cursor.to_list(self._batch_size)))
+            self._done = not self._docs
+        return self._docs.pop() if self._docs else None
+
+    async def close(self) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
+            await self._cursor.close()
+
+
+def _merge_order(doc: Doc | None) -> tuple[Any, ...]:
+    """Where a document of a re-read's merged ranges sorts: by aggregate id, then version."""
+    assert doc is not None
+    return (bson_order(doc.get("aggregate_id")), bson_order(doc.get("version")))
 
 
 def _batch(entries: list[LogEntry], watermark: int | None = None) -> LogBatch:

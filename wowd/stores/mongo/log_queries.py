@@ -61,6 +61,8 @@ __all__ = [
     "scan_find",
     "scan_key",
     "scan_ranges",
+    "bson_order",
+    "index_key",
     "stored_tenant",
     "token_cluster_time",
 ]
@@ -225,52 +227,95 @@ SCAN_INDEX = "partition_order"
 SCAN_SORT: list[tuple[str, int]] = [("partition", 1), ("aggregate_id", 1), ("version", 1), ("_id", 1)]
 """The order of a partition re-read: the ``partition_order`` index's (per aggregate by version)."""
 SCAN_FIELDS = [f for f, _ in SCAN_SORT]
-REGULAR_RANGE = 1
-"""The range of a partition's re-read that holds its integral ``partition`` values."""
+SCAN_SCHEME = 2
+"""The scheme of a scan key (``s``): a key without it (of an older wowd) restarts its
+collection's re-read from the start (re-reading is safe: every view is idempotent)."""
+MERGED = 0
+"""The phase of a re-read that reads the partition's own commits: those stored with its number
+and those stored without ``partition`` (whose aggregate id it computes), merged."""
 
 
 def scan_ranges(partition_: int, partitions: int) -> list[tuple[list[Any], list[Any]]]:
     """The index ranges ``(lower, upper)`` (inclusive, exclusive; the values of
     :data:`SCAN_FIELDS`) a re-read of partition ``partition_`` reads in each log collection:
-    ``[MinKey, 0)`` (a missing ``partition`` is indexed as null, which sorts below numbers; a
-    negative one), ``[p, p + 1)`` (the partition's own), ``[partitions, MaxKey]`` (a number out of
-    range, a string or any other type, all of which sort above numbers). The first and last hold
-    only commits whose ``partition`` is not an integer in range: each re-read keeps those
+    ``partition`` missing (indexed as null: the schema does not require it) and ``p`` itself,
+    the two read together (:data:`MERGED`); then those holding only commits whose ``partition``
+    is not an integer in range: below null (a ``MinKey``), negative numbers, between ``p`` and
+    ``p + 1``, and ``[partitions, MaxKey]`` (a number out of range, a string or any other type,
+    all of which sort above numbers). Of all but ``p``'s own, a re-read keeps the commits
     :func:`partition_of` gives its partition (so a producer that never writes ``partition`` has
     every partition's re-read read every commit)."""
     low, high = [MinKey()] * 3, [MaxKey()] * 3
     return [
-        ([MinKey(), *low], [0, *low]),
-        ([partition_, *low], [partition_ + 1, *low]),
+        ([None, *low], [None, *high]),
+        ([partition_, *low], [partition_, *high]),
+        ([MinKey(), *low], [None, *low]),
+        ([None, *high], [0, *low]),
+        ([partition_, *high], [partition_ + 1, *low]),
         ([partitions, *low], [MaxKey(), *high]),
     ]
 
 
-def scan_find(partition_: int, partitions: int, range_: int, after: Mapping[str, Any] | None) -> tuple[Doc, Doc, Doc]:
+SCAN_PHASES = ((0, 1), (2,), (3,), (4,), (5,))
+"""The phases of a re-read of one collection, each the ranges of :func:`scan_ranges` it reads:
+the first (:data:`MERGED`) the missing ``partition`` and the partition's own, merged in
+``(aggregate_id, version)`` order, so that an aggregate whose commits carry ``partition`` on some
+and not on others is read in version order; then the others one after another."""
+
+
+def scan_find(
+    partition_: int, partitions: int, range_: int, after: Sequence[Any] | None, *, exclusive: bool = True
+) -> tuple[Doc, Doc, Doc]:
     """``(filter, min, max)`` of the ``find`` of one range of :func:`scan_ranges` (sent with
     ``hint`` :data:`SCAN_INDEX` and :data:`SCAN_SORT`). Index bounds are compared in the index's
-    own order, BSON order across types, so nothing malformed is skipped. ``after`` (a scan key
-    ``{c, r, p, a, v, id}`` in this range): from that key (inclusive), its own document left out
-    by ``_id`` (the bounds start at it, so nothing before it is read again)."""
+    own order, BSON order across types, so nothing malformed is skipped. ``after`` (an index key
+    ``[p, a, v, id]`` in this range): from that key (inclusive), its own document left out by
+    ``_id`` when ``exclusive`` (the bounds start at it, so nothing before it is read again)."""
     lower, upper = scan_ranges(partition_, partitions)[range_]
     flt: Doc = {}
-    if after:
-        lower = [after.get("p", partition_), after.get("a"), after.get("v"), after.get("id")]
-        flt = {"_id": {"$ne": after.get("id")}}
+    if after is not None:
+        lower = list(after)
+        if exclusive:
+            flt = {"_id": {"$ne": after[3]}}
     return flt, dict(zip(SCAN_FIELDS, lower, strict=True)), dict(zip(SCAN_FIELDS, upper, strict=True))
 
 
-def scan_key(collection: str, range_: int, doc: Mapping[str, Any]) -> Doc:
-    """Where a re-read got to: the collection, the range (:func:`scan_ranges`) and the document's
-    index key (a missing field as null, as the index holds it)."""
-    return {
-        "c": collection,
-        "r": range_,
-        "p": doc.get("partition"),
-        "a": doc.get("aggregate_id"),
-        "v": doc.get("version"),
-        "id": doc.get("_id"),
-    }
+def index_key(doc: Mapping[str, Any]) -> list[Any]:
+    """A stored commit's key in the ``partition_order`` index (a missing field as null, as the
+    index holds it)."""
+    return [doc.get("partition"), doc.get("aggregate_id"), doc.get("version"), doc.get("_id")]
+
+
+def scan_key(collection: str, phase: int, resume: Sequence[Sequence[Any] | None]) -> Doc:
+    """Where a re-read got to: the collection, the phase (:data:`SCAN_PHASES`) and, per range of
+    the phase, where to go on: ``[p, a, v, id, exclusive]`` (from that index key, the key's own
+    document left out when ``exclusive``), or None (read to its end)."""
+    return {"c": collection, "r": phase, "k": [list(k) if k is not None else None for k in resume], "s": SCAN_SCHEME}
+
+
+_BSON_RANK = {type(None): 1, str: 3, dict: 4, list: 5, bytes: 6, ObjectId: 7, bool: 8, datetime: 9, Timestamp: 10}
+
+
+def bson_order(value: Any) -> tuple[Any, ...]:
+    """A sort key of ``value`` in BSON's order across types (MinKey, null, numbers, strings,
+    objects, arrays, binary, ObjectId, booleans, dates, timestamps, ..., MaxKey), exact for
+    numbers and strings (a string's UTF-8 bytes sort as its code points), by its text for what
+    no commit holds well-formed: the merge of a re-read's two ranges (:data:`SCAN_PHASES`) takes
+    the one whose next commit sorts first."""
+    if isinstance(value, MinKey):
+        return (0,)
+    if isinstance(value, MaxKey):
+        return (12,)
+    if isinstance(value, Decimal128):
+        value = value.to_decimal()
+    if isinstance(value, int | float | Decimal) and not isinstance(value, bool):
+        return (2, 0, 0) if value != value else (2, 1, value)  # NaN sorts below every number
+    rank = _BSON_RANK.get(type(value), 11)
+    if rank == 3 or rank == 8:
+        return (rank, value)
+    if rank == 7:
+        return (rank, value.binary)
+    return (rank, repr(value))
 
 
 def owner_match(p: int, tenant: str, agg_id: str) -> Doc:
@@ -293,8 +338,11 @@ def stored_tenant(doc: Mapping[str, Any]) -> Any:
 def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
     """``(filter, sort)`` of the read of one aggregate's highest version: :func:`owner_match`
     (two point intervals on the ``partition_order`` index's first key, one on its second),
-    sorted on its third (the two scans merged in version order)."""
-    return owner_match(partition(ref.id, partitions), ref.tenant_id, ref.id), {"version": -1}
+    sorted on its third (the two scans merged in version order), of the integer versions only (a
+    string sorts above every number: a commit whose version is no integer is the reader's to
+    refuse, never the aggregate's last version)."""
+    query = {**owner_match(partition(ref.id, partitions), ref.tenant_id, ref.id), "version": {"$type": ["int", "long"]}}
+    return query, {"version": -1}
 
 
 TIMER_EVENTS = ("TimerScheduled", "TimerCancelled")
