@@ -18,7 +18,7 @@ from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, Delivered, OutboxGateway, Outcome
 from wowd.model import AggregateRef, Command, LogEntry, Position, SlotLease, Timer, deterministic_timer_id, partition
-from wowd.stores.base import Backend, Log, OutboxShortcut, TimerStore
+from wowd.stores.base import Backend, Log, OutboxShortcut, TimerFiring
 
 FAR_FUTURE_MS = 2**62
 
@@ -60,7 +60,7 @@ def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: floa
 
 
 def firing(
-    store: TimerStore,
+    store: TimerFiring,
     gateway: CommandGateway,
     settings: TimerSettings | None = None,
     *,
@@ -87,7 +87,7 @@ def firing(
 
 
 def timer_loop(
-    store: TimerStore, gateway: CommandGateway, settings: TimerSettings | None = None, **kw: Any
+    store: TimerFiring, gateway: CommandGateway, settings: TimerSettings | None = None, **kw: Any
 ) -> TimerLoop:
     """The timer loop of one slot of :func:`firing` of these collaborators."""
     return firing(store, gateway, settings, **kw).loop()
