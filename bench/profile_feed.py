@@ -98,7 +98,7 @@ async def _feed(
                 profiler.disable()
         elapsed = time.perf_counter() - started
         cpu = cpu_seconds() - cpu0
-        checkpoints = await backend.log.checkpoints("wowd", list(range(64)))
+        checkpoints = await backend.checkpoints.read("wowd", list(range(64)))
         fed = sum(int(cp.position["seq"]) > 0 for cp in checkpoints.values())
         with closing(sqlite3.connect(str(path))) as conn:
             in_log = int(conn.execute("SELECT count(DISTINCT partition) FROM log").fetchone()[0])

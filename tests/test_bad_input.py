@@ -683,8 +683,8 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
             docs = await sink.documents(c.ref)
             assert [d["version"] for d in docs] == [1], c.ref
         for i, c in enumerate(goods):
-            assert await backend.timers.find(c.ref, f"ok-{i}") is not None
-        owners = {t.owner for t in await backend.timers.scan(limit=100)}
+            assert await backend.timer_queries.find(c.ref, f"ok-{i}") is not None
+        owners = {t.owner for t in await backend.timer_queries.scan(limit=100)}
         assert owners == {c.ref for c in goods}, "a rejected timer event puts no timer"
     finally:
         await backend.close()

@@ -53,7 +53,7 @@ from wowd.model import (
 from wowd.retry import Backoff, retrying
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timer_queries import timer_to_doc
+from wowd.stores.mongo.timer_docs import timer_to_doc
 
 pytestmark = pytest.mark.anyio
 
@@ -216,10 +216,10 @@ def claimed_timer(id: str, revision: int = 1) -> Timer:
 
 async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_timeout: timedelta) -> Any:
     """A MongoTimerStore whose registry records the ``order`` collection (read by ``prepare``)."""
-    from wowd.stores.mongo.timer_queries import index_specs
-    from wowd.stores.mongo.timers import MongoTimerStore
+    from tests.timer_stores import mongo_timers
+    from wowd.stores.mongo.schema import timer_index_specs
 
-    store = MongoTimerStore(
+    store = mongo_timers(
         client,
         DB,
         context=CONTEXT,
@@ -235,7 +235,7 @@ async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_
             req = await wire.command("find")
             req.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": [registry]})
             # ddl=none looks at the indexes of each registered collection once
-            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **spec} for spec in index_specs())]
+            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **spec} for spec in timer_index_specs())]
             (await wire.command("listIndexes")).ok(
                 cursor={"id": 0, "ns": f"{DB}.wow_timer__ctx__order", "firstBatch": indexes}
             )
@@ -336,14 +336,14 @@ async def test_a_put_past_its_timeout_is_retried_and_the_landed_write_matches(
     t = replace(claimed_timer("order-7", revision=0), status=TimerStatus.PENDING, claim=None, due_at=1_000)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = Call.start(tg, lambda: store.put(t))
+            call = Call.start(tg, lambda: store.view.put(t))
             req = await put_update(wire)
             first = copy.deepcopy(req.doc["updates"])
             assert 0 < req.doc["maxTimeMS"] <= 400, "the server is told the deadline too"
             with pytest.raises(StorageUnavailable):
                 await call.result()  # never answered
 
-            call = Call.start(tg, lambda: wowd_retry(lambda: store.put(t)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: store.view.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first
             landed = {"_id": ObjectId(), **timer_to_doc(t)}
@@ -619,14 +619,14 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, Waker())
             while True:  # polls the store (inside fail_after) until the index checkpointed each partition
-                cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+                cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
                 if sum(1 for cp in cps.values() if cp.position) == len(parts):
                     break
                 await anyio.sleep(0.02)
             held.request_stop()
     assert feeder.stalled is None
-    assert len(await backend.log.checkpoints(CONSUMER, parts)) == len(parts)
-    cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+    assert len(await backend.checkpoints.read(CONSUMER, parts)) == len(parts)
+    cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
     assert {cp.fence for cp in cps.values()} == {5}
     bulks = [r for r in fake.take() if r.path == BULK]
     assert len(bulks) == 3 and bulks[1].ndjson() == bulks[0].ndjson()
@@ -673,14 +673,14 @@ class FlakyTimers:
 async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_once(tmp_path: Path) -> None:
     """Two claims and an outcome settle fail transiently: the loop backs off, retries, and every
     timer is delivered (one outbox entry per request id) and settled (done)."""
+    from tests.timer_stores import embedded_timers
     from wowd.config import TimerSettings
     from wowd.daemon.leases import HeldSlot
     from wowd.delivery import OutboxGateway
     from wowd.stores.embedded.outbox import EmbeddedOutbox
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     db = tmp_path / "wowd.db"
-    store = EmbeddedTimerStore(db, context=CONTEXT, partitions=PARTITIONS)
+    store = embedded_timers(db, context=CONTEXT, partitions=PARTITIONS)
     await store.prepare()
     box = EmbeddedOutbox(db)
     await box.prepare()
@@ -691,7 +691,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     ]
     timers = [replace(t, scheduled_at=now) for t in timers]
     for t in timers:
-        assert await store.put(t)
+        assert await store.view.put(t)
     flaky = FlakyTimers(store, {"claim_due": {1, 2}, "settle": {1}})  # two claims, the first outcomes
     lease = SlotLease(
         namespace="t", slot=0, owner_key="me", incarnation=1, fence=2, expires_at=0, floor=0, ceiling=0,
@@ -710,7 +710,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, caught_up_waker())
                 while True:  # polls the stores (inside fail_after) until every timer is settled
-                    if await box.count() == len(timers) and not await store.scan(limit=100):
+                    if await box.count() == len(timers) and not await store.queries.scan(limit=100):
                         break
                     await anyio.sleep(0.05)
                 held.request_stop()

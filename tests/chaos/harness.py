@@ -714,7 +714,7 @@ class Harness:
         """Request ids of the FIRING timers by the replica that claimed them (one read)."""
         for attempt in range(50):
             try:
-                firing = await self._timers.scan(status=TimerStatus.FIRING, limit=1_000_000)
+                firing = await self._timers.queries.scan(status=TimerStatus.FIRING, limit=1_000_000)
                 break
             except StorageUnavailable:
                 await anyio.sleep(min(1.0, 0.05 * 2**attempt))
@@ -1122,7 +1122,7 @@ class Harness:
         rep.target_refused = list(target.refused)
         self._duplicates({e.request_id for e in entries})
 
-        stored: list[Timer] = await self._timers.scan(limit=100_000)
+        stored: list[Timer] = await self._timers.queries.scan(limit=100_000)
         rep.dead_timers = [
             f"{t.owner.id}/{t.key} {t.status.value}: {t.last_error}"
             for t in stored
@@ -1219,11 +1219,11 @@ class Harness:
             from elasticsearch import AsyncElasticsearch
 
             from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch
+            from tests.timer_stores import mongo_timers
             from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
             from wowd.stores.mongo.leases import MongoSlotLeaseStore
             from wowd.stores.mongo.log import MongoLog
             from wowd.stores.mongo.outbox import MongoOutbox
-            from wowd.stores.mongo.timers import MongoTimerStore
 
             uri = await self._start_simulator(stack)
             fake = FakeElasticsearch()
@@ -1234,20 +1234,20 @@ class Harness:
             self.env = replica_env(cfg, self.db, mongo_uri=uri, es_url=fake.url)
             self._log = MongoLog(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
             self._leases = MongoSlotLeaseStore(uri, MONGO_DATABASE)
-            self._timers = MongoTimerStore(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._timers = mongo_timers(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = MongoOutbox(uri, MONGO_DATABASE, context=CONTEXT)
             self._es = AsyncElasticsearch(fake.url)
             self._sink = ElasticsearchEventSink(self._es, TYPE, refresh=True, owns_client=True)
         else:
+            from tests.timer_stores import embedded_timers
             from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
             from wowd.stores.embedded.log import EmbeddedLog
             from wowd.stores.embedded.outbox import EmbeddedOutbox
             from wowd.stores.embedded.sink import EmbeddedEventSink
-            from wowd.stores.embedded.timers import EmbeddedTimerStore
 
             self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
             self._leases = EmbeddedSlotLeaseStore(self.db)
-            self._timers = EmbeddedTimerStore(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._timers = embedded_timers(self.db, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = EmbeddedOutbox(self.db)
             self._sink = EmbeddedEventSink(self.db, TYPE)
         for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):

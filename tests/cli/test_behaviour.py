@@ -269,7 +269,7 @@ def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) 
             )
             assert await backend.timers.put(due)
             order = AggregateType(context=s.context, aggregate="order")
-            await backend.log.quarantine("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
+            await backend.quarantine.put("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
 
     anyio.run(fill)
     code, out, _ = wowd("status", "--json")

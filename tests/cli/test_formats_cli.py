@@ -10,7 +10,7 @@ import pytest
 
 from wowd.stores.embedded import log as log_tables
 from wowd.stores.embedded import snapshots as snapshot_tables
-from wowd.stores.embedded import timer_sql
+from wowd.stores.embedded import schema
 from wowd.stores.embedded.sqlite import sqlite3
 
 from .conftest import CONTEXT, Run
@@ -34,28 +34,28 @@ def test_check_reports_each_format_and_that_it_has_nothing_to_do(wowd: Run, crea
     code, out, err = wowd("check")
     assert code == 0, err
     assert f"ok   format embedded log: format {log_tables.FORMAT}, this wowd's: nothing to do" in out
-    assert f"ok   format timer collection {TIMERS}: format {timer_sql.FORMAT}, this wowd's: nothing to do" in out
+    assert f"ok   format timer collection {TIMERS}: format {schema.TIMER_FORMAT}, this wowd's: nothing to do" in out
     assert f"ok   format snapshot collection wow_snapshot__{CONTEXT}__order: format {snapshot_tables.FORMAT}" in out
     assert "ok   timers" in out  # the stores were probed
 
 
 def test_check_says_an_upgrade_in_place_and_does_not_make_it(wowd: Run, created: Path) -> None:
-    _sql(created, "UPDATE wow_timer_aggregate SET format = ?", timer_sql.UPGRADES_FROM)
+    _sql(created, "UPDATE wow_timer_aggregate SET format = ?", schema.TIMER_UPGRADES_FROM)
     code, out, err = wowd("check")
     assert code == 0, err
     assert (
-        f"ok   format timer collection {TIMERS}: format {timer_sql.UPGRADES_FROM},"
-        f" upgraded in place to {timer_sql.FORMAT} at the next start of wowd run" in out
+        f"ok   format timer collection {TIMERS}: format {schema.TIMER_UPGRADES_FROM},"
+        f" upgraded in place to {schema.TIMER_FORMAT} at the next start of wowd run" in out
     )
     assert "stores not probed: opening them would upgrade" in out
-    assert _sql(created, "SELECT DISTINCT format FROM wow_timer_aggregate") == [(timer_sql.UPGRADES_FROM,)]
+    assert _sql(created, "SELECT DISTINCT format FROM wow_timer_aggregate") == [(schema.TIMER_UPGRADES_FROM,)]
 
 
 @pytest.mark.parametrize(
     ("statement", "store", "newer", "known"),
     [
         ("UPDATE log_format SET format = ?", "embedded log", log_tables.FORMAT + 1, log_tables.FORMAT),
-        ("UPDATE wow_timer_aggregate SET format = ?", f"timer collection {TIMERS}", 7, timer_sql.FORMAT),
+        ("UPDATE wow_timer_aggregate SET format = ?", f"timer collection {TIMERS}", 7, schema.TIMER_FORMAT),
     ],
 )
 def test_a_newer_format_is_refused_by_check_and_run_naming_both(

@@ -52,7 +52,7 @@ def _settle(kind: str, key: str, reason: str = "") -> None:
 def _find(key: str) -> Timer:
     async def go() -> Timer | None:
         async with opened_backend(load_settings()) as backend:
-            return await backend.timers.find(schedule_stream(ORDER), key)
+            return await backend.timer_queries.find(schedule_stream(ORDER), key)
 
     t = anyio.run(go)
     assert t is not None

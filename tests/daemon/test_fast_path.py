@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.helpers import caught_up_waker, held_slot, timer_loop
+from tests.timer_stores import embedded_timers
 from wowd.config import (
     EmbeddedSettings,
     GatewaySettings,
@@ -34,7 +35,7 @@ from wowd.model import partition as partition_of
 from wowd.stores.base import Backend
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
 
 from .conftest import CONTEXT, eventually, timer_commit
 
@@ -44,7 +45,7 @@ PARTS = 8
 TYPES = ("order", "cart", "invoice")
 
 
-class CountingTimers(EmbeddedTimerStore):
+class CountingTimers(EmbeddedTimerFiring):
     """Counts the firing calls and the timers they fire; ``all_fired`` once ``expect`` did."""
 
     def __init__(self, *args: Any, expect: int, **kwargs: Any) -> None:
@@ -116,12 +117,14 @@ async def run_loop(
 ) -> tuple[CountingTimers, EmbeddedOutbox, dict[str, float]]:
     """One slot's timer loop (fence 3, owner key ``me``) until every timer of ``ts`` fired;
     answers the store, the outbox and the metrics it counted."""
-    store = CountingTimers(path, context=CONTEXT, partitions=PARTS, expect=len(ts))
+    store = embedded_timers(path, context=CONTEXT, partitions=PARTS, firing=CountingTimers, expect=len(ts))
     box = EmbeddedOutbox(path)
     for t in ts:
         assert await store.put(t)
     held = held_slot(PARTS, fence=3)
-    loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store if fast else None)
+    loop = timer_loop(
+        store.firing, OutboxGateway(box), TimerSettings(batch=100), shortcut=store.firing if fast else None
+    )
     assert isinstance(loop.strategy, OutboxRounds if fast else ClaimDeliverSettle)
     before = fired_metrics()
     with anyio.fail_after(20):
@@ -233,7 +236,7 @@ async def test_a_replica_fires_a_backlog_through_the_outbox_shortcut(tmp_path: P
     assert calls("settle") == before["settle"]
     entries = await backend.outbox.entries()
     assert len(entries) == 80 and len({e.request_id for e in entries}) == 80
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_has_not_applied(
@@ -244,7 +247,7 @@ async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_
     (a cancel the feed has not applied may be among them), however late it is by the clock."""
     now = int(time.time() * 1000)
     ts = timers(now, 10)  # due over [now - 1000, now - 991]
-    store = CountingTimers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, expect=10)
+    store = embedded_timers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, firing=CountingTimers, expect=10)
     box = EmbeddedOutbox(tmp_path / "wowd.db")
     log = EmbeddedLog(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     try:
@@ -258,7 +261,7 @@ async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_
         ]  # fmt: skip
         assert await log.append_many(later) == ["appended"] * 3
         held = held_slot(PARTS, fence=3)
-        loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store)
+        loop = timer_loop(store.firing, OutboxGateway(box), TimerSettings(batch=100), shortcut=store.firing)
         rounds = loop.strategy
         assert isinstance(rounds, OutboxRounds)
         waker = Waker()

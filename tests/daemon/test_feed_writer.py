@@ -34,7 +34,7 @@ from wowd.model import (
     timer_from_event,
 )
 from wowd.stores.base import Backend, FeedWriter
-from wowd.stores.embedded.timer_sql import WRITE_CHUNK
+from wowd.stores.embedded.timer_view import WRITE_CHUNK
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
@@ -147,11 +147,11 @@ async def scenario(
     await b.log.append_many(first)
     await feed(s, b)
     # b's timer is claimed and parked (its target refused it)
-    claimed = await b.timers.claim_due(
+    claimed = await b.firing.claim_due(
         frozenset(range(PARTS)), now, 10, owner_key="x", fence=1, claim_until=now + 30_000
     )
     assert [t.owner.id for t in claimed] == ["b"]
-    assert await b.timers.settle([TimerChange.park(claimed[0], fence=1, reason="404 Not Found")]) == 1
+    assert await b.firing.settle([TimerChange.park(claimed[0], fence=1, reason="404 Not Found")]) == 1
     await b.log.append_many(second)
     await feed(s, b)
     return b, counting
@@ -160,10 +160,10 @@ async def scenario(
 async def view(b: Backend) -> tuple[Any, ...]:
     timers = sorted(
         (t.owner.id, t.key, t.version, t.status.value, t.scheduled_at, t.attempts, t.command)
-        for t in await b.timers.scan(limit=100)
+        for t in await b.timer_queries.scan(limit=100)
     )
     docs = {i: await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "abc"}
-    checkpoints = {p: cp.position for p, cp in (await b.log.checkpoints(CONSUMER, list(range(PARTS)))).items()}
+    checkpoints = {p: cp.position for p, cp in (await b.checkpoints.read(CONSUMER, list(range(PARTS)))).items()}
     return timers, docs, checkpoints
 
 
@@ -221,7 +221,7 @@ async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path)
             views.append(
                 sorted(
                     (t.owner.id, t.key, t.version, t.status.value, t.due_at, t.command.body.get("n"))
-                    for t in await b.timers.scan(limit=100)
+                    for t in await b.timer_queries.scan(limit=100)
                 )
             )
     assert views[0] == [
@@ -281,12 +281,12 @@ async def test_a_refused_checkpoint_writes_nothing_of_the_batch(backend: Backend
     p = partition("a", PARTS)
     sink = backend.sink(ORDER)
     await sink.prepare()
-    assert await backend.log.save_checkpoints(CONSUMER, {p: {"seq": 1}}, 5)
+    assert await backend.checkpoints.save_all(CONSUMER, {p: {"seq": 1}}, 5)
     done = await writer.apply([(sink, [c])], puts(c), CONSUMER, {p: {"seq": 2}}, 3, now=int(time.time() * 1000))
     assert done is not None and not done.saved
     assert await sink.documents(c.ref) == []
-    assert await backend.timers.scan(limit=10) == []
-    assert (await backend.log.checkpoints(CONSUMER, [p]))[p].position == {"seq": 1}
+    assert await backend.timer_queries.scan(limit=10) == []
+    assert (await backend.checkpoints.read(CONSUMER, [p]))[p].position == {"seq": 1}
 
 
 async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: Backend) -> None:
@@ -301,7 +301,7 @@ async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: 
     p = partition("a", PARTS)
     assert await writer.apply([(sink, [good, bad])], [], CONSUMER, {p: {"seq": 2}}, 1, now=0) is None
     assert await sink.documents(good.ref) == []
-    assert await backend.log.checkpoints(CONSUMER, [p]) == {}
+    assert await backend.checkpoints.read(CONSUMER, [p]) == {}
 
 
 async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backend: Backend) -> None:
@@ -314,7 +314,7 @@ async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backen
     sink = backend.sink(ORDER)
     await sink.prepare()
     assert await writer.apply([(sink, [c])], writes, CONSUMER, {0: {"seq": 1}}, 1, now=0) is None
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 class StalledWriter:

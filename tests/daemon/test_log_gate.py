@@ -14,10 +14,10 @@ import anyio
 import pytest
 
 from tests.helpers import Recorder, held_slot, timer_loop
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.daemon.firing import CHANGED
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
-from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 from .conftest import CONTEXT, eventually
 from .test_wakeup import PARTS, timer
@@ -30,8 +30,8 @@ def now_ms() -> int:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
-    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimers]:
+    s = embedded_timers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     try:
         yield s
     finally:
@@ -61,12 +61,12 @@ def frozen_feed(idle_ms: int = 5_000) -> Waker:
     return w
 
 
-async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermark(store: EmbeddedTimerStore) -> None:
+async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermark(store: EmbeddedTimers) -> None:
     due = now_ms() + 400
-    await store.put(timer("o-1", due))
+    await store.view.put(timer("o-1", due))
     gate, gateway, waker = Gate(set()), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway, gate=gate)
+    loop = timer_loop(store.firing, gateway, gate=gate)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -79,17 +79,17 @@ async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermar
 
 
 async def test_a_timer_the_log_check_holds_back_is_settled_back_once_the_feed_reads_the_commit(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     due = now_ms() + 300
     t = timer("o-1", due)
-    await store.put(t)
+    await store.view.put(t)
     gate, gateway, waker = Gate({0}), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway, gate=gate)
+    loop = timer_loop(store.firing, gateway, gate=gate)
 
     async def settled_back() -> bool:
-        stored = await store.find(t.owner, "k")
+        stored = await store.queries.find(t.owner, "k")
         return stored is not None and stored.last_error == CHANGED
 
     with anyio.fail_after(5):

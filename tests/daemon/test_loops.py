@@ -91,7 +91,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
         body=Command(name="go").to_json(),
     )
     assert await backend.timers.put(parked)
-    await backend.timers.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
+    await backend.firing.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
     e1 = timer_commit("o-4", 1, [])
     await backend.log.append_many([c1, c2, d1, d2, e1])
     fed_before = metrics.FEED_COMMITS.labels(aggregate="order")._value.get()
@@ -101,7 +101,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
 
     async def fed() -> None:
         while True:
-            cps = await backend.log.checkpoints("wowd", list(range(PARTS)))
+            cps = await backend.checkpoints.read("wowd", list(range(PARTS)))
             if len(cps) == len({partition(i, PARTS) for i in ("o-1", "o-2", "o-4")}):
                 return
             await anyio.sleep(0.02)
@@ -129,7 +129,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
 
 async def test_feed_stops_on_a_refused_checkpoint(tmp_path: Path, backend: Backend) -> None:
     p = partition("o-9", PARTS)
-    assert await backend.log.save_checkpoint("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
+    assert await backend.checkpoints.save("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
     await backend.log.append(timer_commit("o-9", 1, ["k"]))
     held = await hold(backend)
     with anyio.fail_after(10), pytest.raises(LeaseLost):
@@ -142,8 +142,8 @@ async def test_expired_lease_takes_no_side_effect(tmp_path: Path, backend: Backe
     held = await hold(backend, valid_for=-1.0)
     with anyio.fail_after(10), pytest.raises(LeaseLost):
         await Feeder(settings(tmp_path), backend).run(held, Waker())
-    assert await backend.timers.find(ref("o-5"), "k") is None
-    assert await backend.log.checkpoints("wowd", list(range(PARTS))) == {}
+    assert await backend.timer_queries.find(ref("o-5"), "k") is None
+    assert await backend.checkpoints.read("wowd", list(range(PARTS))) == {}
 
 
 class ScriptedGateway:

@@ -54,8 +54,8 @@ async def _outbox_timer_ids(b: Backend) -> list[str]:
 async def _assert_parked_and_failed_kept(stores: Backend, ids: dict[str, set[str]]) -> None:
     """The PARKED and FAILED timers of :func:`_scheduled` are back with their reasons (what the
     log does not hold: carried over from the old view)."""
-    parked = await stores.timers.scan(status=TimerStatus.PARKED, limit=100_000)
-    failed = await stores.timers.scan(status=TimerStatus.FAILED, limit=100_000)
+    parked = await stores.timer_queries.scan(status=TimerStatus.PARKED, limit=100_000)
+    failed = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100_000)
     assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
     assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
 
@@ -89,18 +89,18 @@ async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: 
     ids: dict[str, set[str]] = {k: set() for k in kinds}
 
     async def settled() -> bool:
-        return await stores.outbox.count() >= fifth and len(await stores.timers.scan(limit=100_000)) == 3 * fifth
+        return await stores.outbox.count() >= fifth and len(await stores.timer_queries.scan(limit=100_000)) == 3 * fifth
 
     await eventually(settled, 20, "the replica fed every commit and fired the due timers")
-    for t in await stores.timers.scan(limit=100_000):
+    for t in await stores.timer_queries.scan(limit=100_000):
         ids[t.owner.id.split("-")[1]].add(t.timer_id)
     ids["fired"] = set(await _outbox_timer_ids(stores))
     assert len(ids["fired"]) == fifth
     if park:
-        by_id = {t.timer_id: t for t in await stores.timers.scan(limit=100_000)}
+        by_id = {t.timer_id: t for t in await stores.timer_queries.scan(limit=100_000)}
         changes = [TimerChange.park(by_id[i], fence=0, reason="target answered 409") for i in ids["parked"]]
         changes += [TimerChange.fail(by_id[i], fence=0, reason="target answered 400") for i in ids["failed"]]
-        assert await stores.timers.settle(changes) == 2 * fifth
+        assert await stores.firing.settle(changes) == 2 * fifth
     return ids
 
 
@@ -177,7 +177,7 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
     fired = await _outbox_timer_ids(stores)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each; no old one, no cancelled one
     assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]
-    expired = await stores.timers.scan(status=TimerStatus.FAILED, limit=100)
+    expired = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100)
     assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
     assert all(t.last_error and t.last_error.startswith("expired, state unknown") for t in expired)
 
@@ -192,7 +192,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
     )
 
     async def fed() -> bool:
-        return len(await stores.timers.scan(limit=100_000)) == N
+        return len(await stores.timer_queries.scan(limit=100_000)) == N
 
     await eventually(fed, 20, "fed")
     before = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")

@@ -20,7 +20,7 @@ from wowd.backends import opened_backend
 from wowd.daemon import firing
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
-from wowd.stores.base import Backend, TimerStore
+from wowd.stores.base import Backend, TimerFiring
 
 from .conftest import embedded_settings, eventually
 from .test_loops import PARTS, ScriptedGateway, due_timer, hold
@@ -32,10 +32,10 @@ DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
 
 
 class FailingTimers:
-    """The timer store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
+    """The firing store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
     settles only)."""
 
-    def __init__(self, inner: TimerStore) -> None:
+    def __init__(self, inner: TimerFiring) -> None:
         self._inner = inner
         self.fail: StorageError | None = None
         self.settle_fail: StorageError | None = None
@@ -95,7 +95,7 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
         return loop.stall is not None and loop.stall.stalled
 
     async def all_fired() -> bool:
-        return len(gw.sent) == 3 and not await backend.timers.scan(limit=10)
+        return len(gw.sent) == 3 and not await backend.timer_queries.scan(limit=10)
 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -135,7 +135,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
             stopped = time.monotonic()
     # the settle that never succeeded ends within its bound: the claim stays, and expires
     assert time.monotonic() - stopped < 0.5 + 1.0
-    [claimed] = await backend.timers.scan(limit=10)
+    [claimed] = await backend.timer_queries.scan(limit=10)
     assert claimed.status is TimerStatus.FIRING and claimed.claim is not None
 
 
@@ -151,7 +151,7 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
         return store.settles >= 2
 
     async def settled() -> bool:
-        return not await backend.timers.scan(limit=10)
+        return not await backend.timer_queries.scan(limit=10)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

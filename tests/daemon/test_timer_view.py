@@ -128,7 +128,7 @@ async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
     assert sorted((e.target.id, e.request_id) for e in entries) == [
         (c.ref.id, request_id_for(deterministic_timer_id(c.ref, "k", c.version), due)) for c in (x2, y1)
     ]
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(
@@ -143,12 +143,12 @@ async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(
     second = await hold(backend, "b")
     assert second.fence > first.fence
     for p in range(PARTS):
-        assert await backend.log.save_checkpoint(CONSUMER, p, {"seq": 0}, second.fence)
+        assert await backend.checkpoints.save(CONSUMER, p, {"seq": 0}, second.fence)
     await backend.log.append_many([timer_commit("late", 1, ["k"], due_at=due)])
     await run_slot(tmp_path, backend, second, until_outbox=31)
     entries = await backend.outbox.entries()
     assert len(entries) == 31 and len({e.request_id for e in entries}) == 31
-    assert await backend.timers.scan(limit=100) == []
+    assert await backend.timer_queries.scan(limit=100) == []
 
 
 async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, backend: Backend) -> None:
@@ -162,10 +162,10 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, first, waker)
-            while len(await backend.timers.scan(limit=10)) < 5:
+            while len(await backend.timer_queries.scan(limit=10)) < 5:
                 await a_moment()
             first.request_stop()
-    claimed = await backend.timers.claim_due(
+    claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
     )
     assert len(claimed) == 5  # the dead replica's claims, live for 30 s
@@ -197,7 +197,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, waker)
-            while len(await backend.timers.scan(limit=10)) < 5:
+            while len(await backend.timer_queries.scan(limit=10)) < 5:
                 await a_moment()
             held.request_stop()
     # the zone disappears from the time zone database the replica runs with
@@ -210,7 +210,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     conn.close()
     await run_slot(tmp_path, backend, await hold(backend, "a"), until_outbox=4)
     assert {e.target.id for e in await backend.outbox.entries()} == {f"o-{i}" for i in range(4)}
-    [failed] = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+    [failed] = await backend.timer_queries.scan(status=TimerStatus.FAILED, limit=10)
     assert failed.owner.id == "bad"
     assert failed.last_error is not None and "undecodable" in failed.last_error and "Europe/Gone" in failed.last_error
 
@@ -241,7 +241,7 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
     assert await backend.outbox.count() == 6
-    assert await backend.timers.scan(limit=10) == []  # settled: fired one-shots are done
+    assert await backend.timer_queries.scan(limit=10) == []  # settled: fired one-shots are done
     # a claim of this fence left over by an earlier holding: fed, then claimed, never delivered
     await backend.log.append_many([timer_commit("left", 1, ["k"], due_at=due)])
     again = await hold(backend, "a")
@@ -250,10 +250,10 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, again, Waker())
-            while not await backend.timers.scan(limit=10):
+            while not await backend.timer_queries.scan(limit=10):
                 await a_moment()
             again.request_stop()
-    claimed = await backend.timers.claim_due(
+    claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
     )
     assert [t.owner.id for t in claimed] == ["left"]
@@ -283,7 +283,7 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
             await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(12)])
-            while len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) < 12:
+            while len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)) < 12:
                 await a_moment()  # every one claimed, about a second ahead of its due time
             assert int(time.time() * 1000) < due
             cancels = [cancel_commit(f"o-{i}", 2, "k") for i in range(0, 12, 3)]
@@ -296,4 +296,4 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
     assert sorted(e.target.id for e in entries) == sorted(f"o-{i}" for i in range(12) if i % 3)
     moved = {f"o-{i}" for i in range(1, 12, 3)}
     assert all(e.created_at >= due + 300 for e in entries if e.target.id in moved)
-    assert not await backend.timers.scan(status=TimerStatus.FIRING, limit=20)
+    assert not await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)

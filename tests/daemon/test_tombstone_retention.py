@@ -16,7 +16,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.contract.test_timers import timer
+from tests.contract.test_timer_view import timer
 from wowd.backends import opened_backend
 from wowd.clock import now_ms
 from wowd.config import HttpSettings, LeaseSettings, TimerSettings, WowdSettings

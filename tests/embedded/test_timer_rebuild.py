@@ -63,14 +63,14 @@ async def test_only_the_aggregate_asked_is_rebuilt_the_others_kept_as_they_are(t
         report = await TimerRebuilder(settings, backend, progress=lines.append).run()
         assert report.swapped and report.statuses == {"PENDING": 2, "CANCELLED": 1}
         assert lines[0].startswith(f"rebuild of the timer view of context {CTX!r}: replaying 4 commits")
-        (cart,) = [t for t in await backend.timers.scan(limit=10) if t.owner.aggregate == "cart"]
-        assert await backend.timers.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
+        (cart,) = [t for t in await backend.timer_queries.scan(limit=10) if t.owner.aggregate == "cart"]
+        assert await backend.firing.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
         with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
             conn.execute(f"DELETE FROM wow_timer__{CTX} WHERE aggregate = 'order'")
 
         report = await TimerRebuilder(settings, backend).run(aggregate="order")
         assert report.swapped and report.statuses == {"PENDING": 1, "CANCELLED": 1}  # the order type's
-        by_owner = {t.owner.id: t for t in await backend.timers.scan(limit=10)}
+        by_owner = {t.owner.id: t for t in await backend.timer_queries.scan(limit=10)}
         assert set(by_owner) == {"o-1", "c-1"}
         assert by_owner["o-1"].status is TimerStatus.PENDING
         assert by_owner["c-1"].status is TimerStatus.PARKED and by_owner["c-1"].last_error == "kept"
@@ -100,11 +100,11 @@ async def test_expired_timers_are_failed_not_fired_unless_asked(tmp_path: Path) 
         )
         report = await TimerRebuilder(settings, backend).run(dry_run=True, fire_expired=True)
         assert (report.expired, report.statuses, report.swapped) == (0, {"PENDING": 2}, False)
-        assert await backend.timers.scan(limit=10) == []  # a dry run changes nothing
+        assert await backend.timer_queries.scan(limit=10) == []  # a dry run changes nothing
         report = await TimerRebuilder(settings, backend).run()
         assert (report.expired, report.statuses) == (1, {"PENDING": 1, "FAILED": 1})
         assert [(e[1], e[2]) for e in report.expired_listed] == [(f"{CTX}.order/o-1 (tenant (0))", "k")]
-        (failed,) = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+        (failed,) = await backend.timer_queries.scan(status=TimerStatus.FAILED, limit=10)
         assert failed.owner.id == "o-1" and (failed.last_error or "").startswith("expired, state unknown")
     finally:
         await backend.close()
@@ -116,7 +116,6 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
     where the feed continues (a commit past the checkpoint is left to the feed)."""
     from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
@@ -138,14 +137,14 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
                 _commit("order", "o-3", _scheduled("order", "o-3", "k")),
             ]
         )
-        await backend.log.save_checkpoints(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
+        await backend.checkpoints.save_all(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
         result = Finished()
         await engine.carry_over(expired_before=None, result=result)
         await engine.finish(
             {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
         )
         assert result.swapped and result.caught_up == 1 and result.checkpoints == {0: last + 1}
-        assert sorted(t.owner.id for t in await backend.timers.scan(limit=10)) == ["o-1", "o-2"]
+        assert sorted(t.owner.id for t in await backend.timer_queries.scan(limit=10)) == ["o-1", "o-2"]
         await engine.release()
         await engine.close()
     finally:
@@ -155,7 +154,6 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
 async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_swap(tmp_path: Path) -> None:
     from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
@@ -231,7 +229,6 @@ async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_
     """Each read of a replay starts where the last one ended on the log's primary key: a read
     through an index of the context would go over all of its commits, every batch."""
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, rows_between
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
@@ -268,7 +265,6 @@ async def test_a_claim_taken_before_the_swap_is_not_settled_onto_a_newer_row_of_
     released to fire."""
     from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
     from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)

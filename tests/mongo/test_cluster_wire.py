@@ -41,23 +41,18 @@ from tests.mongo.log_support import (
 )
 from tests.mongo.timers_support import calling, make_timer, registry_doc
 from tests.mongo.timers_support import cursor as timers_cursor
+from tests.timer_stores import MongoTimers, mongo_timers
 from wowd.config import ElasticsearchSettings, MongoSettings, TimerSettings, WowdSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, Claim, LogBatch, SnapshotRecord
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
-from wowd.stores.mongo.log import CATCH_UP_AWAIT_MS, MongoLog
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.log_read import CATCH_UP_AWAIT_MS
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timer_queries import (
-    MAX_SCANS_TO_EXPLODE,
-    PIPELINE_LENGTH_LIMIT,
-    due_match,
-    next_due_pipeline,
-    settle_filter,
-    timer_to_doc,
-)
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.timer_docs import PIPELINE_LENGTH_LIMIT, timer_to_doc
+from wowd.stores.mongo.timer_firing import MAX_SCANS_TO_EXPLODE, due_match, next_due_pipeline, settle_filter
 
 pytestmark = pytest.mark.anyio
 
@@ -399,8 +394,8 @@ async def test_an_event_over_16_mib_comes_split_and_is_joined(rs_client: AsyncMo
 # --------------------------------------------------------------------------- timers on a sharded cluster
 
 
-def sharded_timers(client: AsyncMongoClient[Any], sharding: MongoSharding = MongoSharding.AUTO) -> MongoTimerStore:
-    return MongoTimerStore(
+def sharded_timers(client: AsyncMongoClient[Any], sharding: MongoSharding = MongoSharding.AUTO) -> MongoTimers:
+    return mongo_timers(
         client, DB, context=CONTEXT, partitions=3, sharding=sharding, operation_timeout=timedelta(seconds=5)
     )
 
@@ -421,7 +416,7 @@ async def test_a_put_never_splits_or_moves_chunks(rs_client: AsyncMongoClient[An
     type is sharded again (idempotent) and the put goes on: the chunks are spread off the feed's
     path (``spread_chunks``), never by a put."""
     store = sharded_timers(rs_client)
-    async with calling(lambda: store.put(timer3())) as out:
+    async with calling(lambda: store.view.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
             value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": True}
         )
@@ -445,7 +440,7 @@ async def test_spread_chunks_leaves_a_collection_of_several_chunks_to_the_balanc
     from bson.binary import Binary, UuidRepresentation
 
     store = sharded_timers(rs_client)
-    async with calling(store.spread_chunks) as out:
+    async with calling(store.view.spread_chunks) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
         (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
         (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
@@ -484,7 +479,7 @@ async def test_auto_sharding_without_the_privilege_leaves_the_collection_unshard
     store = sharded_timers(rs_client)
     ns = f"{DB}.{TIMERS}"
     with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
-        async with calling(lambda: store.put(timer3())) as out:
+        async with calling(lambda: store.view.put(timer3())) as out:
             (await rs_wire.command("findAndModify")).ok(
                 value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
             )
@@ -505,7 +500,7 @@ async def test_sharding_on_without_the_privilege_is_a_config_error(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
     store = sharded_timers(rs_client, MongoSharding.ON)
-    async with calling(lambda: store.put(timer3())) as out:
+    async with calling(lambda: store.view.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
             value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
         )
@@ -536,12 +531,12 @@ async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
 ) -> None:
     """Above ``internalQueryMaxScansToExplode`` (200) point intervals the planner sorts the whole
     match: the due read sends one ``$unionWith`` per collection and group of at most 200."""
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
     assert out.error is None
     partitions = set(range(450))
-    async with calling(lambda: store.due(partitions, 10, 5)) as due:
+    async with calling(lambda: store.firing.due(partitions, 10, 5)) as due:
         agg = await rs_wire.command("aggregate")
         unions = [s["$unionWith"] for s in agg["pipeline"] if "$unionWith" in s]
         groups = [u["pipeline"][0]["$match"]["partition"]["$in"] for u in unions]
@@ -577,7 +572,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
     into aggregations that each fit, and their answers merged: the first timers of all, the
     least next due time."""
     types = [f"t{n}" for n in range(10)]
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(
             **timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc(t) for t in types])
@@ -590,7 +585,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
         return {**doc, "owner": {**doc["owner"], "aggregate": aggregate}}
 
     seen: list[str] = []
-    async with calling(lambda: store.due(everything, 10_000, 3)) as due:
+    async with calling(lambda: store.firing.due(everything, 10_000, 3)) as due:
         for n in range(4):  # ceil(3,280 / 990)
             agg = await aggregation_within_the_length_limit(rs_wire)
             assert agg is not None, f"aggregation {n} is longer than the server takes"
@@ -605,7 +600,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
     assert len(seen) == 3_280 and sorted(set(seen)) == [f"wow_timer__{CONTEXT}__{t}" for t in types]
     assert [t.due_at for t in due.value] == [397, 398, 399]
 
-    async with calling(lambda: store.next_due(everything, 0)) as next_due:
+    async with calling(lambda: store.firing.next_due(everything, 0)) as next_due:
         for n in range(4):
             agg = await aggregation_within_the_length_limit(rs_wire)
             assert agg is not None
@@ -620,13 +615,13 @@ async def test_claim_due_reads_more_partitions_than_the_planner_explodes_in_grou
     """The claim's due read is grouped as the due read is (at most 200 partitions per
     ``$unionWith``), keeps each ``_id`` and over-reads by the excluded ids; the timers it answers
     are claimed in one settle."""
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
     assert out.error is None
     due = make_timer(id="o1", due_at=5)
     stored = {"_id": ObjectId(), **timer_to_doc(due), "owner": {**timer_to_doc(due)["owner"], "aggregate": "order"}}
-    call = lambda: store.claim_due(  # noqa: E731
+    call = lambda: store.firing.claim_due(  # noqa: E731
         set(range(450)), 10, 2, owner_key="me", fence=4, claim_until=9_000, exclude={"in-flight"}
     )
     async with calling(call) as claimed:
@@ -686,7 +681,7 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
     backend = call.result()
     try:
         stores = [backend.log, backend.leases, backend.timers, backend.snapshots, backend.outbox]
-        assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
+        assert {s.view.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:
@@ -853,9 +848,7 @@ async def test_wowd_check_names_the_missing_privileges(
     it is for. Here a custom role with ``readWrite``'s actions on the database but ``remove``
     only on some collections, on a replica set with ``ddl=auto``: the outbox's ``remove`` (its
     ``ack`` and ``trim``) is the one named."""
-    from types import SimpleNamespace
-
-    from wowd.cli.check import _privileges_probe
+    from wowd.stores.mongo.operations import privileges_probe
 
     settings = WowdSettings(
         backend="mongo",
@@ -871,8 +864,7 @@ async def test_wowd_check_names_the_missing_privileges(
             for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
         ),
     ]
-    backend = SimpleNamespace(log=SimpleNamespace(client=rs_client))
-    async with calling(lambda: _privileges_probe(settings, backend)) as out:  # type: ignore[arg-type]
+    async with calling(lambda: privileges_probe(rs_client, settings)) as out:
         (await rs_wire.command("connectionStatus")).ok(
             **connection_status(privileges, [{"role": "wowd", "db": "admin"}])
         )

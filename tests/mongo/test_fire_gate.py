@@ -405,7 +405,7 @@ async def test_a_cancel_committed_before_the_due_time_wins_on_an_idle_cluster(
                     await fake.until(lambda: len(fake.saved) >= 1)  # the cancel applied, then checkpointed
                     await fake.until(lambda: waiting("log_check") == 0)
                     # cancelled: the view holds no live timer of the key (a tombstone)
-                    assert await backend.timers.find(ref(agg), "k") is None
+                    assert await backend.timer_queries.find(ref(agg), "k") is None
                     await stop(slot)
                 outer.cancel_scope.cancel()
     finally:
@@ -467,7 +467,7 @@ async def test_a_long_scan_gives_no_watermark_before_every_partition_is_scanned(
                     await fake.until(lambda: fake.scanned == [0, 1] and len(fake.streams) == 2)
                     await fake.until(lambda: slot.waker.watermark is not None)
                     # the loop's rounds now read a view where the cancel is applied
-                    assert await backend.timers.find(ref(agg), "k") is None
+                    assert await backend.timer_queries.find(ref(agg), "k") is None
                     await stop(slot)
                 outer.cancel_scope.cancel()
     finally:

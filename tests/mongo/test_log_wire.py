@@ -43,14 +43,10 @@ from wowd.config import ElasticsearchSettings, MongoSettings, WowdSettings
 from wowd.errors import ConfigError, ConflictError, InvalidInput, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, LogBatch, OutboxEntry
 from wowd.stores.base import Ddl, Log, Outbox
-from wowd.stores.mongo import (
-    MongoLog,
-    MongoOutbox,
-    check_replica_set,
-    elasticsearch_client_options,
-    mongo_client_options,
-    open_mongo,
-)
+from wowd.stores.elasticsearch.options import client_options
+from wowd.stores.mongo import check_replica_set, mongo_client_options, open_mongo
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.outbox import MongoOutbox
 
 __all__ = ["rs_client", "rs_server", "rs_wire"]  # fixtures re-exported for pytest
 
@@ -1274,7 +1270,7 @@ async def test_open_mongo_on_a_standalone_says_so_and_closes_what_it_opened(mock
 def test_client_options_from_the_settings() -> None:
     mongo = MongoSettings(uri=SecretStr("mongodb://db/?replicaSet=rs0"), timeout_ms=2500, write_concern="1")
     assert mongo_client_options(mongo) == {"w": 1, "timeoutMS": 2500}
-    basic = elasticsearch_client_options(
+    basic = client_options(
         ElasticsearchSettings(
             url="https://es:9200", username="elastic", password=SecretStr("pw"), ca_certs=Path("/ca.pem")
         )
@@ -1282,9 +1278,7 @@ def test_client_options_from_the_settings() -> None:
     assert basic["basic_auth"] == ("elastic", "pw")
     assert basic["verify_certs"] is True  # TLS verification stays on unless switched off
     assert basic["ca_certs"] == "/ca.pem"
-    keyed = elasticsearch_client_options(
-        ElasticsearchSettings(url="https://es:9200", api_key=SecretStr("k"), verify_certs=False)
-    )
+    keyed = client_options(ElasticsearchSettings(url="https://es:9200", api_key=SecretStr("k"), verify_certs=False))
     assert (keyed["api_key"], keyed["verify_certs"], "basic_auth" in keyed) == ("k", False, False)
     with pytest.raises(ConfigError, match="password"):
-        elasticsearch_client_options(ElasticsearchSettings(url="https://es:9200", username="u"))
+        client_options(ElasticsearchSettings(url="https://es:9200", username="u"))

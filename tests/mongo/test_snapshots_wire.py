@@ -23,11 +23,11 @@ from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavaila
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
 from wowd.stores.mongo._common import MongoSharding, split_to_fit
+from wowd.stores.mongo.schema import snapshot_index_specs
 from wowd.stores.mongo.snapshots import (
     TABLES,
     MongoSnapshotStore,
     conditional_upsert_filter,
-    index_specs,
     load_many_filter,
     snapshot_pipeline,
 )
@@ -413,7 +413,7 @@ async def test_first_touch_records_the_format_and_creates_the_indexes(
                 "partialFilterExpression": {"deleted": False},
             },
         ]
-        assert [dict(i) for i in indexes.doc["indexes"]] == index_specs()
+        assert [dict(i) for i in indexes.doc["indexes"]] == snapshot_index_specs()
         indexes.replies({})
         (await wire.command("find")).replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
         assert await call.result() is None
@@ -480,7 +480,7 @@ async def test_validate_requires_the_record_and_the_indexes(mongo_client: AsyncM
         req.replies({"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": [{"_id": ORDERS, "format": 5}]}})
         listed = await wire.command("listIndexes")
         assert listed.doc["listIndexes"] == ORDERS
-        owner = {**index_specs()[0], "v": 2}
+        owner = {**snapshot_index_specs()[0], "v": 2}
         listed.replies(
             {
                 "cursor": {

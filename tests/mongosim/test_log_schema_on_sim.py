@@ -99,15 +99,15 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(sim_client:
     timers). Such a name is refused; and a context never takes a collection whose aggregate part
     could not be its own (one another deployment wrote) for one of its types, by listing or
     by stream."""
+    from tests.timer_stores import mongo_timers
     from wowd.errors import ConfigError
-    from wowd.stores.mongo.timers import MongoTimerStore
 
     client = sim_client
     for bad in ("shop__eu", "shop_", "_shop"):
         with pytest.raises(ConfigError, match="cannot be told apart"):
             MongoLog(client, "ctxs", context=bad, partitions=PARTITIONS)
         with pytest.raises(ConfigError, match="cannot be told apart"):
-            MongoTimerStore(client, "ctxs", context=bad, partitions=PARTITIONS)
+            mongo_timers(client, "ctxs", context=bad, partitions=PARTITIONS)
     shop = MongoLog(client, "ctxs", context="shop", partitions=PARTITIONS, max_await=QUICK)
     a = id_in(1)
     await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 1), "partition": 1})  # shop__eu's

@@ -11,15 +11,15 @@ import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.contract.test_timers import T0, owner, timer
+from tests.contract.test_timer_view import T0, owner, timer
 from tests.mongosim import Settings, WireServer, serving
+from tests.timer_stores import mongo_timers
 from wowd.errors import FormatError, StorageError
 from wowd.model import AggregateType
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.log_queries import counted_seq
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.quarantine import counted_seq
 
 pytestmark = pytest.mark.anyio
 
@@ -46,13 +46,13 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
     uri = server.uri
     claimer: AsyncMongoClient[Any] = AsyncMongoClient(uri, appname="claimer")
     other: AsyncMongoClient[Any] = AsyncMongoClient(uri)
-    claims = MongoTimerStore(claimer, "db", context="ctx", partitions=8)
-    cancels = MongoTimerStore(other, "db", context="ctx", partitions=8)
+    claims = mongo_timers(claimer, "db", context="ctx", partitions=8)
+    cancels = mongo_timers(other, "db", context="ctx", partitions=8)
     try:
         await claims.prepare()
         await cancels.prepare()
         t, kept = timer(owner("o-1")), timer(owner("o-2"))
-        assert await cancels.put(t) and await cancels.put(kept)
+        assert await cancels.view.put(t) and await cancels.view.put(kept)
         await other.admin.command(
             {
                 "configureFailPoint": "failCommand",
@@ -63,7 +63,9 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
         claimed: list[Any] = []
 
         async def claim() -> None:
-            claimed.extend(await claims.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9))
+            claimed.extend(
+                await claims.firing.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
+            )
 
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
@@ -75,9 +77,9 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
                         return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
 
                 assert await anyio.to_thread.run_sync(held)
-                assert await cancels.cancel(t.owner, t.key, t.version)
+                assert await cancels.view.cancel(t.owner, t.key, t.version)
         assert [c.timer_id for c in claimed] == [kept.timer_id]
-        assert await claims.find(t.owner, t.key) is None
+        assert await claims.queries.find(t.owner, t.key) is None
     finally:
         await claims.close()
         await cancels.close()
@@ -263,17 +265,17 @@ async def test_the_due_query_over_many_partitions_stays_within_the_planners_merg
 
     with serving(Settings(noop_interval=0, plan_check=True)) as server:
         client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-        store = MongoTimerStore(client, "plan", context="ctx", partitions=256)
+        store = mongo_timers(client, "plan", context="ctx", partitions=256)
         try:
             await store.prepare()
             t = timer(owner("o-1"))
             t = dataclasses.replace(t, partition=partition(t.owner.id, 256))
-            assert await store.put(t) is True
+            assert await store.view.put(t) is True
             every = frozenset(range(256))
-            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert server.engine.plan_findings == []
             monkeypatch.setattr(timer_queries, "MAX_SCANS_TO_EXPLODE", 256)
-            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert len(server.engine.plan_findings) == 1
             assert "256 index scans" in server.engine.plan_findings[0]
         finally:
@@ -336,12 +338,12 @@ async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_new
     from wowd.stores.timer_rebuild import Finished
 
     client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    store = MongoTimerStore(client, "rebuild", context="ctx", partitions=8)
+    store = mongo_timers(client, "rebuild", context="ctx", partitions=8)
     try:
         await store.prepare()
         t = timer(owner("o-1"), due_at=T0)
-        await store.write([TimerWrite.put(t)])
-        (claimed,) = await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
+        await store.view.write([TimerWrite.put(t)])
+        (claimed,) = await store.firing.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
         engine = MongoTimerRebuild(store, database_name="rebuild")
         await engine.begin()
         # the replay writes the put and, in a later batch, the cancel (v2) the feed has not applied
@@ -351,10 +353,10 @@ async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_new
         await engine.carry(await engine.live_names(None), result)
         await engine.swap(None)
         release = TimerChange.release(claimed, fence=1, due_at=T0, reason="changed")
-        assert await store.settle([release]) == 0
-        (doc,) = await client["rebuild"][store.collection_name("order")].find({}).to_list(None)
+        assert await store.firing.settle([release]) == 0
+        (doc,) = await client["rebuild"][store.view.collection_name("order")].find({}).to_list(None)
         assert (doc["version"], doc["status"]) == (2, "CANCELLED") and doc["revision"] > claimed.revision
-        assert await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
+        assert await store.firing.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
     finally:
         await client.close()
 
@@ -368,7 +370,7 @@ async def test_the_mongodb_backend_holds_nothing_per_aggregate_type(
     they were) and the backend keeps at most ``SINKS_KEPT`` sinks."""
     import os
 
-    from tests.contract.test_timers import CONTEXT
+    from tests.contract.test_timer_view import CONTEXT
     from wowd.config import WowdSettings
     from wowd.model import AggregateRef, Commit, DomainEvent
     from wowd.stores import base
@@ -405,7 +407,7 @@ async def test_the_mongodb_backend_holds_nothing_per_aggregate_type(
             await one_type(i)
         assert len(os.listdir("/proc/self/fd")) <= descriptors + 2
         assert len(backend._sinks) == 16 and len(made) == 60
-        due = await backend.timers.due(ALL, T0 + 1, 100)
+        due = await backend.firing.due(ALL, T0 + 1, 100)
         assert len(due) == 60  # one read over every type's collection
     finally:
         await backend.close()

@@ -24,6 +24,7 @@ from wowd.model import (
     misfired,
     request_id_for,
 )
+from wowd.model.history import expiry
 from wowd.stores.base import OUTBOX_SHORTCUT, FiredTimer, OutboxFired, OutboxRound
 from wowd.stores.embedded.db import (
     NOW_MS,
@@ -459,13 +460,13 @@ class EmbeddedTimerFiring(TimerTable):
                         assert timer is not None
                         why = misfire_reason(timer.rule, timer.scheduled_at, at)
                         rid = request_id_for(r[C_TIMER_ID], r[C_SCHEDULED_AT])
-                        history.append(attempt_row(r, rid, at, at + retention_ms, "misfired", why))
+                        history.append(attempt_row(r, rid, at, expiry(at, retention_ms), "misfired", why))
                 else:
                     fired.append(FiredTimer(r[C_TIMER_ID], target, r[C_SCHEDULED_AT], nxt))
                     row = outbox_row(r, fence, owner_key, at)
                     rows.append(row)
                     if retention_ms is not None:
-                        history.append(attempt_row(r, row[0], at, at + retention_ms, "delivered", None))
+                        history.append(attempt_row(r, row[0], at, expiry(at, retention_ms), "delivered", None))
                 if nxt is None:
                     done.append((r[C_ROWID], r[C_REVISION]))
                 else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from elasticsearch import AsyncElasticsearch
     from pymongo import AsyncMongoClient
 
-    from wowd.config import MongoSettings, WowdSettings
+    from wowd.config import LeaseSettings, MongoSettings, WowdSettings
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
     from wowd.stores.mongo.timer_docs import TimerDocuments
 
@@ -426,56 +426,17 @@ class MongoOperations(Offers):
         return [Probe(f"sink privileges {type}", functools.partial(self._sink_privileges, type))]
 
     async def _privileges(self) -> str | None:
-        """The privileges the MongoDB stores need (their modes as configured), asked of the server
-        with ``connectionStatus``; fails naming each action missing and what it is for."""
-        from wowd.stores.mongo.privileges import check_user
-
-        client = self._opened()[0]
-        mongo, context = self._settings.mongodb, self._settings.context
-        missing = await check_user(
-            client, mongo.database, context, ddl=Ddl(mongo.ddl), sharding=MongoSharding(mongo.sharding)
-        )
-        if missing is None:
-            return "not checked (no authenticated user: access control is off, or no user in the URI)"
-        if missing:
-            lacks = "; ".join(f"{action} on {need.resource} ({need.store}: {need.why})" for need, action in missing)
-            raise ConfigError(f"the user lacks {len(missing)} privilege action(s): {lacks} (docs/stores.md lists them)")
-        return None
+        return await privileges_probe(self._opened()[0], self._settings)
 
     async def _elections(self) -> str:
-        """The lease's time against the replica set's election timeout: fails when a holder cut off
-        with the old primary could go on after a new primary is elected; says so when the setting
-        cannot be read (docs/concepts.md, Elections)."""
-        from wowd.stores.mongo.election import election_window
-
-        lease = self._settings.lease
-        window = await election_window(
-            self._opened()[1], ttl=timedelta(seconds=lease.ttl_s), tolerance=timedelta(seconds=lease.tolerance_s)
-        )
-        if window.safe is False:
-            raise ConfigError(window.text)
-        return window.text
+        return await election_probe(self._opened()[1], self._settings.lease)
 
     async def _ttl(self) -> None:
-        """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
-        missing = await self._opened()[3].missing_ttl()
-        if missing:
-            raise FormatError(
-                f"no TTL index tombstones_ttl on {', '.join(missing)}: their tombstones never expire "
-                "(WOWD_MONGODB__DDL=none creates nothing): create it (docs/stores.md), or start once with "
-                "WOWD_MONGODB__DDL=auto"
-            )
+        await ttl_probe(self._opened()[3].missing_ttl)
 
     async def _sink_privileges(self, type: AggregateType) -> str:
-        """The Elasticsearch sink's privileges on the type's index, as the cluster answers: each
-        missing one named."""
         assert self._sink_factory is not None
-        missing = await self._sink_factory(type).missing_privileges()
-        if missing:
-            raise StorageError(
-                f"wowd's Elasticsearch user lacks {', '.join(missing)} (see docs/stores.md, Elasticsearch)"
-            )
-        return "security off" if missing is None else "every privilege held"
+        return await sink_privileges_probe(self._sink_factory(type))
 
     async def _es_version(self) -> str:
         """The Elasticsearch cluster's version (:meth:`ElasticsearchEventSink.check_version`), asked
@@ -487,3 +448,57 @@ class MongoOperations(Offers):
             types = []
         any_type = types[0] if types else AggregateType(context=self._settings.context, aggregate="wowd")
         return await self._sink_factory(any_type).check_version()
+
+
+# ---- wowd check's probes of the MongoDB backend
+
+
+async def privileges_probe(client: AsyncMongoClient[Any], settings: WowdSettings) -> str | None:
+    """The privileges the MongoDB stores need (their modes as configured), asked of the server
+    with ``connectionStatus``; fails naming each action missing and what it is for."""
+    from wowd.stores.mongo.privileges import check_user
+
+    mongo = settings.mongodb
+    missing = await check_user(
+        client, mongo.database, settings.context, ddl=Ddl(mongo.ddl), sharding=MongoSharding(mongo.sharding)
+    )
+    if missing is None:
+        return "not checked (no authenticated user: access control is off, or no user in the URI)"
+    if missing:
+        lacks = "; ".join(f"{action} on {need.resource} ({need.store}: {need.why})" for need, action in missing)
+        raise ConfigError(f"the user lacks {len(missing)} privilege action(s): {lacks} (docs/stores.md lists them)")
+    return None
+
+
+async def election_probe(client: AsyncMongoClient[Any], lease: LeaseSettings) -> str:
+    """The lease's time against the replica set's election timeout: fails when a holder cut off
+    with the old primary could go on after a new primary is elected; says so when the setting
+    cannot be read (docs/concepts.md, Elections)."""
+    from wowd.stores.mongo.election import election_window
+
+    window = await election_window(
+        client, ttl=timedelta(seconds=lease.ttl_s), tolerance=timedelta(seconds=lease.tolerance_s)
+    )
+    if window.safe is False:
+        raise ConfigError(window.text)
+    return window.text
+
+
+async def ttl_probe(missing_ttl: Callable[[], Awaitable[list[str]]]) -> None:
+    """Fails naming the timer collections whose tombstones never expire (no TTL index)."""
+    missing = await missing_ttl()
+    if missing:
+        raise FormatError(
+            f"no TTL index tombstones_ttl on {', '.join(missing)}: their tombstones never expire "
+            "(WOWD_MONGODB__DDL=none creates nothing): create it (docs/stores.md), or start once with "
+            "WOWD_MONGODB__DDL=auto"
+        )
+
+
+async def sink_privileges_probe(sink: ElasticsearchEventSink) -> str:
+    """The Elasticsearch sink's privileges on its type's index, as the cluster answers: each
+    missing one named."""
+    missing = await sink.missing_privileges()
+    if missing:
+        raise StorageError(f"wowd's Elasticsearch user lacks {', '.join(missing)} (see docs/stores.md, Elasticsearch)")
+    return "security off" if missing is None else "every privilege held"
