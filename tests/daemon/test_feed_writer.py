@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -33,7 +33,7 @@ from wowd.model import (
     timer_event_from,
     timer_from_event,
 )
-from wowd.stores.base import Backend, FeedWriter
+from wowd.stores.base import FEED_TRANSACTION, Backend, FeedWriter
 from wowd.stores.embedded.timer_view import WRITE_CHUNK
 
 from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
@@ -55,8 +55,24 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
         yield b
 
 
+W = TypeVar("W")
+
+
+def swap_writer(b: Backend, wrap: Callable[[FeedWriter], W] | None) -> W | None:
+    """Offers ``wrap`` of the backend's feed transaction instead of it (``None``: no feed
+    transaction: the feed writes step by step); answers the wrapper."""
+    writer = b.capability(FEED_TRANSACTION)
+    assert writer is not None
+    others = tuple(o for o in b.offers if o is not writer)
+    wrapped = None if wrap is None else wrap(writer)
+    b.offers = others if wrapped is None else (wrapped, *others)
+    return wrapped
+
+
 class CountingWriter:
     """The backend's feed writer, counting the batches it applied."""
+
+    CAPABILITIES = (FEED_TRANSACTION,)
 
     def __init__(self, inner: FeedWriter) -> None:
         self.inner = inner
@@ -137,13 +153,7 @@ async def scenario(
 
     s = settings(tmp_path)
     b = await open_embedded(s)
-    counting = None
-    if at_once:
-        assert b.feed_writer is not None
-        counting = CountingWriter(b.feed_writer)
-        b.feed_writer = counting
-    else:
-        b.feed_writer = None
+    counting = swap_writer(b, CountingWriter if at_once else None)
     await b.log.append_many(first)
     await feed(s, b)
     # b's timer is claimed and parked (its target refused it)
@@ -209,12 +219,7 @@ async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path)
     for name, at_once, batch_size in (("one", True, 500), ("steps", False, 500), ("each", True, 1)):
         s = settings(tmp_path / name)
         async with opened_backend(s) as b:
-            counting = None
-            if at_once:
-                assert b.feed_writer is not None
-                b.feed_writer = counting = CountingWriter(b.feed_writer)
-            else:
-                b.feed_writer = None
+            counting = swap_writer(b, CountingWriter if at_once else None)
             await b.log.append_many(commits)
             await feed(s, b, batch_size=batch_size)
             assert counting is None or counting.applied >= 1
@@ -249,12 +254,7 @@ async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_s
     for at_once in (True, False):
         s = settings(tmp_path / str(at_once))
         async with opened_backend(s) as b:
-            counting = None
-            if at_once:
-                assert b.feed_writer is not None
-                b.feed_writer = counting = CountingWriter(b.feed_writer)
-            else:
-                b.feed_writer = None
+            counting = swap_writer(b, CountingWriter if at_once else None)
             await b.log.append_many(commits)
             held = await hold(b)
             waker = Waker()
@@ -275,7 +275,7 @@ async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_s
 async def test_a_refused_checkpoint_writes_nothing_of_the_batch(backend: Backend) -> None:
     """Another holder saved a checkpoint under a higher fence: the batch's documents, timers and
     checkpoints are all rolled back, and the caller is told (the feed then stops: LeaseLost)."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     c = timer_commit("a", 1, ["k1"], due_at=int(time.time() * 1000) + HOUR_MS)
     p = partition("a", PARTS)
@@ -292,7 +292,7 @@ async def test_a_refused_checkpoint_writes_nothing_of_the_batch(backend: Backend
 async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: Backend) -> None:
     """A document that cannot be encoded: the writer takes nothing, so that the sink step names
     the record and the feed quarantines it alone."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     sink = backend.sink(ORDER)
     await sink.prepare()
@@ -306,7 +306,7 @@ async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: 
 
 async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backend: Backend) -> None:
     """The timer store writes a long batch in chunks (the file's write lock is held briefly)."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     c = timer_commit("a", 1, [f"k{i}" for i in range(WRITE_CHUNK + 1)], due_at=int(time.time() * 1000) + HOUR_MS)
     writes = puts(c)
@@ -320,6 +320,8 @@ async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backen
 class StalledWriter:
     """The backend's feed writer, its transactions held until ``go`` is set (another writer
     holding the file's write lock)."""
+
+    CAPABILITIES = (FEED_TRANSACTION,)
 
     def __init__(self, inner: FeedWriter) -> None:
         self.inner = inner
@@ -342,8 +344,8 @@ async def test_a_batch_waiting_for_its_transaction_does_not_stop_the_reads_of_th
     read that began is registered (the timer loop delivers what is due once a read began at its
     due time), however many more than the batches it reads ahead."""
     s = settings(tmp_path)
-    assert backend.feed_writer is not None
-    backend.feed_writer = stalled = StalledWriter(backend.feed_writer)
+    stalled = swap_writer(backend, StalledWriter)
+    assert stalled is not None
     held = await hold(backend)
     waker = Waker()
     with anyio.fail_after(20):

@@ -209,14 +209,14 @@ async def test_a_refused_progress_checkpoint_is_not_recorded_as_rebuilt(
     await backfill_v1(tmp_path, backend)
     consumer = progress_consumer("order", 2)
     theirs = {"revision": 2, "aggregates": 0, "skipped": 0, "holder": "the next"}
-    save = backend.log.save_checkpoint
+    save = backend.checkpoints.save
 
     async def racing(c: str, p: int, position: Any, fence: int) -> bool:
         if c == consumer and p == 1:
             assert await save(c, p, theirs, fence + 1)
         return await save(c, p, position, fence)
 
-    monkeypatch.setattr(backend.log, "save_checkpoint", racing)
+    monkeypatch.setattr(backend.checkpoints, "save", racing)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2})
     with pytest.raises(LeaseLost, match="partition 1 was refused under fence 3"):
         await rebuilder.rebuild(range(PARTS), fence=3)

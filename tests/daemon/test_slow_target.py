@@ -96,7 +96,7 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     held = HeldSlot(
         lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
     )
-    loop = timer_loop(backend.timers, gateway, TimerSettings(batch=300), limits=target_limits(64, lambda _target: 16))
+    loop = timer_loop(backend.firing, gateway, TimerSettings(batch=300), limits=target_limits(64, lambda _target: 16))
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:

@@ -234,7 +234,7 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
             return outcome
 
     waker = Waker()
-    loop = timer_loop(backend.timers, LapsingOutbox(backend.outbox), TimerSettings(batch=100), nudge=backend.log.nudge)
+    loop = timer_loop(backend.firing, LapsingOutbox(backend.outbox), TimerSettings(batch=100), nudge=backend.log.nudge)
     feeder = Feeder(settings(tmp_path), backend)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
@@ -273,7 +273,7 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
     held = await hold(backend, "a")
     waker = Waker()
     loop = timer_loop(
-        backend.timers, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
+        backend.firing, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
         nudge=backend.log.nudge,
     )  # fmt: skip
     feeder = Feeder(s, backend)

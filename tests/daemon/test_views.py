@@ -87,7 +87,7 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)
     gateway = Recorder()
-    loop = timer_loop(backend.timers, gateway)  # type: ignore[arg-type]
+    loop = timer_loop(backend.firing, gateway)  # type: ignore[arg-type]
     waker = Waker()
     start = int(time.time() * 1000) + 500
     # 100 timers due over 0.7 s, each in its own commit, appended as they come due
@@ -230,12 +230,12 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     gone = commits[0]
     await backend.timers.write([TimerWrite.cancel(gone.ref, "k", 2)])
     assert await backend.timer_queries.find(gone.ref, "k") is None
-    assert await reset_view(backend.log, view_named("index"), parts, first.fence)
+    assert await reset_view(backend.checkpoints, view_named("index"), parts, first.fence)
     cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
     assert len(cps) == PARTS and all(cp.position == FROM_START for cp in cps.values())
     # what `wowd status` reports: the index behind the timer view where the log has commits
     fed = sorted({c.partition(PARTS) for c in commits})
-    status = {v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.log, ())}
+    status = {v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.checkpoints, ())}
     assert status == {"timers": [], "index": fed}
     assert backend.sink_factory is not None
     counting = CountingSink(backend.sink_factory(TYPE))

@@ -110,7 +110,7 @@ async def test_it_fires_the_timers_claim_due_would_claim_in_the_same_order(tmp_p
         parts = frozenset(rng.sample(range(PARTS), rng.randrange(1, PARTS + 1)))
         until, limit = T0 + rng.randrange(200), rng.randrange(1, 40)
         exclude = {t.timer_id for t in rng.sample(sorted(live.values(), key=lambda t: t.timer_id), 5)}
-        claimed = await claiming.claim_due(
+        claimed = await claiming.firing.claim_due(
             parts, until, limit, owner_key="me", fence=5, claim_until=T0 + 10**9, exclude=exclude
         )
         answered = await fire(firing, until, limit, parts=parts, exclude=exclude)
@@ -119,7 +119,7 @@ async def test_it_fires_the_timers_claim_due_would_claim_in_the_same_order(tmp_p
         fired.update((t.timer_id, t) for t in claimed)
     assert fired, "the rounds fired something"
     rest = by_due(t for t in live.values() if t.due_at <= T0 + 200 and t.timer_id not in fired)
-    assert await firing.due(ALL, T0 + 200, 1000) == rest
+    assert await firing.firing.due(ALL, T0 + 200, 1000) == rest
     for s in stores:
         await s.close()
 
@@ -130,7 +130,7 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
     of its put is refused (the view's contract) and it never comes due again."""
     ts = [timer(f"o-{i}", PARTS, due_at=T0 + i, aggregate=("order", "cart")[i % 2]) for i in range(30)]
     for t in ts:
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     fired = await fire(db.timers, T0 + 200)
     assert fired == [FiredTimer(t.timer_id, target_of(t), t.scheduled_at, None) for t in by_due(ts)]
     assert await db.outbox.entries() == [
@@ -150,10 +150,10 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
         db.path, f"SELECT DISTINCT status, claim_owner_key, claim_fence, claim_until, revision FROM {timer_table(CTX)}"
     )
     assert stored == [("DONE", None, None, None, 1)]
-    assert await db.timer_queries.scan(limit=100) == []
+    assert await db.timers.queries.scan(limit=100) == []
     for t in ts:
-        assert await db.timers.put(t) is False  # the log replayed: nothing comes back
-    assert await db.firing.due(ALL, T0 + 10**9, 100) == []
+        assert await db.timers.view.put(t) is False  # the log replayed: nothing comes back
+    assert await db.timers.firing.due(ALL, T0 + 10**9, 100) == []
     assert await fire(db.timers, T0 + 10**9) == []
     assert await db.outbox.count() == 30
 
@@ -161,7 +161,7 @@ async def test_outbox_rows_and_tombstones_are_written_together(db: File) -> None
 async def test_a_round_that_fails_leaves_neither_outbox_rows_nor_tombstones(db: File) -> None:
     ts = [timer(f"o-{i}", PARTS, due_at=T0) for i in range(10)]
     for t in ts:
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     with sqlite3.connect(db.path) as conn:  # the settle of one timer fails after the outbox insert
         conn.execute(
             f"CREATE TRIGGER boom BEFORE UPDATE OF status ON {timer_table(CTX)}"
@@ -170,23 +170,23 @@ async def test_a_round_that_fails_leaves_neither_outbox_rows_nor_tombstones(db: 
     with pytest.raises(StorageError, match="boom"):
         await fire(db.timers, T0)
     assert await db.outbox.count() == 0
-    assert await db.firing.due(ALL, T0, 100) == by_due(ts)
+    assert await db.timers.firing.due(ALL, T0, 100) == by_due(ts)
     # the lease lapsed before the round could commit: nothing of it either
     with sqlite3.connect(db.path) as conn:
         conn.execute("DROP TRIGGER boom")
     with pytest.raises(LeaseLost):
         await fire(db.timers, T0, deadline=time.monotonic())
     assert await db.outbox.count() == 0
-    assert await db.firing.due(ALL, T0, 100) == by_due(ts)
+    assert await db.timers.firing.due(ALL, T0, 100) == by_due(ts)
     assert len(await fire(db.timers, T0, deadline=time.monotonic() + 60)) == 10
-    assert await db.outbox.count() == 10 and await db.firing.due(ALL, T0, 100) == []
+    assert await db.outbox.count() == 10 and await db.timers.firing.due(ALL, T0, 100) == []
 
 
 async def test_another_holders_claim_is_respected_until_it_expires(db: File) -> None:
     mine, theirs = timer("mine", PARTS, due_at=T0), timer("theirs", PARTS, due_at=T0)
     for t in (mine, theirs):
-        assert await db.timers.put(t)
-    [claimed] = await db.firing.claim_due(
+        assert await db.timers.view.put(t)
+    [claimed] = await db.timers.firing.claim_due(
         ALL, T0, 1, owner_key="other", fence=9, claim_until=T0 + 30_000, exclude={mine.timer_id}
     )
     assert claimed.timer_id == theirs.timer_id
@@ -196,7 +196,7 @@ async def test_another_holders_claim_is_respected_until_it_expires(db: File) -> 
     entries = {e.timer_id: e for e in await db.outbox.entries()}
     assert (entries[theirs.timer_id].fence, entries[theirs.timer_id].owner_key) == (5, "me")
     assert entries[theirs.timer_id].request_id == theirs.request_id
-    assert await db.timer_queries.scan(limit=10) == []
+    assert await db.timers.queries.scan(limit=10) == []
 
 
 async def test_a_recurring_timer_moves_to_its_next_occurrence(db: File) -> None:
@@ -207,13 +207,13 @@ async def test_a_recurring_timer_moves_to_its_next_occurrence(db: File) -> None:
     ending = replace(timer("ending", PARTS, due_at=T0), rule=IntervalRule(every_ms=1000, until=T0 + 500))
     cron = replace(timer("cron", PARTS, due_at=T0), rule=CronRule(expression="*/5 * * * *"))
     for t in (every, ending, cron):
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     # a failed attempt first: attempts 1, an error, a claim's fence left behind
-    claimed = await db.firing.claim_due({every.partition}, T0, 10, owner_key="x", fence=2, claim_until=T0 + 10)
+    claimed = await db.timers.firing.claim_due({every.partition}, T0, 10, owner_key="x", fence=2, claim_until=T0 + 10)
     retry = [TimerChange.retry(t, fence=2, due_at=T0, error="HTTP 503") for t in claimed if t.key == every.key]
     others = [TimerChange.release(t, fence=2, due_at=T0, reason="stopped") for t in claimed if t not in retry]
-    assert await db.firing.settle([*retry, *others]) == len(claimed)
-    loaded = {t.owner.id: t for t in await db.firing.due(ALL, T0, 10)}
+    assert await db.timers.firing.settle([*retry, *others]) == len(claimed)
+    loaded = {t.owner.id: t for t in await db.timers.firing.due(ALL, T0, 10)}
     assert loaded["every"].attempts == 1 and loaded["every"].last_error == "HTTP 503"
     at = T0 + 2_500
     ids = {t.timer_id: name for name, t in loaded.items()}
@@ -221,8 +221,8 @@ async def test_a_recurring_timer_moves_to_its_next_occurrence(db: File) -> None:
     assert fired == {"every": T0 + 3_000, "ending": None, "cron": next_occurrence(loaded["cron"], at)}
     for name, nxt in fired.items():
         t = loaded[name]
-        assert await db.timer_queries.find(t.owner, t.key) == TimerChange.fired(t, fence=5, next_due=nxt).applied()
-    after = await db.timer_queries.find(every.owner, every.key)
+        assert await db.timers.queries.find(t.owner, t.key) == TimerChange.fired(t, fence=5, next_due=nxt).applied()
+    after = await db.timers.queries.find(every.owner, every.key)
     assert after is not None and (after.status, after.attempts, after.last_error, after.fired) == (
         TimerStatus.PENDING,
         0,
@@ -240,20 +240,20 @@ async def test_a_request_id_in_the_outbox_already_is_a_redelivery(db: File) -> N
     first entry kept, and the timer settled with its batch mates."""
     first, second = timer("first", PARTS, due_at=T0), timer("second", PARTS, due_at=T0)
     for t in (first, second):
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     old = outbox_entry(replace(first, claim=Claim(owner_key="dead", fence=4, until=T0)), T0 - 5)
     assert await db.outbox.put(old)
     assert len(await fire(db.timers, T0)) == 2
     entries = {e.request_id: e for e in await db.outbox.entries()}
     assert entries[first.request_id] == old and entries[second.request_id].owner_key == "me"
     assert rows(db.path, "SELECT request_id, fence, owner_key FROM outbox_redelivery") == [(first.request_id, 5, "me")]
-    assert await db.timer_queries.scan(limit=10) == []
+    assert await db.timers.queries.scan(limit=10) == []
 
 
 async def test_a_timer_that_cannot_be_fired_is_failed_alone(db: File) -> None:
     ts = [timer(f"o-{i}", PARTS, due_at=T0) for i in range(4)]
     for t in ts:
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     with sqlite3.connect(db.path) as conn:
         conn.execute(
             f"UPDATE {timer_table(CTX)} SET rule = ? WHERE owner_id = 'o-2'",
@@ -262,7 +262,7 @@ async def test_a_timer_that_cannot_be_fired_is_failed_alone(db: File) -> None:
     fired = await fire(db.timers, T0)
     assert sorted(f.timer_id for f in fired) == sorted(t.timer_id for t in ts if t.owner.id != "o-2")
     assert await db.outbox.count() == 3
-    [failed] = await db.timer_queries.scan(status=TimerStatus.FAILED, limit=10)
+    [failed] = await db.timers.queries.scan(status=TimerStatus.FAILED, limit=10)
     assert failed.owner.id == "o-2" and failed.last_error is not None and "Europe/Gone" in failed.last_error
 
 
@@ -299,7 +299,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_settled_with_no_outbox_en
     within = replace(timer("within", PARTS, due_at=T0), rule=OnceRule(misfire_grace_ms=60_000))
     plain = timer("plain", PARTS, due_at=T0)
     for t in (graced_once, graced_every, within, plain):
-        assert await db.timers.put(t)
+        assert await db.timers.view.put(t)
     fired = {f.timer_id: f for f in await fire(db.timers, T0 + 5_000)}
     assert {t.owner.id for t in (graced_once, graced_every) if fired[t.timer_id].misfired} == {
         "graced-once",
@@ -308,8 +308,8 @@ async def test_an_occurrence_past_its_misfire_grace_is_settled_with_no_outbox_en
     assert not fired[within.timer_id].misfired and not fired[plain.timer_id].misfired
     delivered = {e.timer_id for e in await db.outbox.entries()}
     assert delivered == {within.timer_id, plain.timer_id}
-    assert await db.timer_queries.find(graced_once.owner, graced_once.key) is None  # done
-    moved = await db.timer_queries.find(graced_every.owner, graced_every.key)
+    assert await db.timers.queries.find(graced_once.owner, graced_once.key) is None  # done
+    moved = await db.timers.queries.find(graced_every.owner, graced_every.key)
     assert moved is not None and moved.status is TimerStatus.PENDING and moved.scheduled_at == T0 + 10_000
 
 

@@ -336,16 +336,16 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, caught_up_waker())
-                await store.all_fired.wait()
+                await store.firing.all_fired.wait()
                 held.request_stop()
         assert await store.queries.scan(limit=10) == []  # every timer settled (fired: deleted)
         entries = await box.entries(limit=1000)
         assert sorted(e.request_id for e in entries) == sorted(t.request_id for t in timers)
         assert {(e.fence, e.owner_key) for e in entries} == {(3, "me")}
-        assert store.calls["due"] == 0
-        assert store.calls["claim_due"] >= 3  # batches of 100
+        assert store.firing.calls["due"] == 0
+        assert store.firing.calls["claim_due"] >= 3  # batches of 100
         # the outcomes in bulk (groups as they come), not one write per timer
-        assert 1 <= store.calls["settle"] <= 2 * store.calls["claim_due"]
+        assert 1 <= store.firing.calls["settle"] <= 2 * store.firing.calls["claim_due"]
     finally:
         await store.close()
         await box.close()

@@ -270,7 +270,7 @@ async def test_the_fire_rule(rig: Rig) -> None:
     assert await rig.backend.timer_queries.scan(limit=20) == []
 
     # a replay of the whole log re-delivers nothing
-    assert await reset_view(log, view_named(TIMERS), range(PARTS), held.fence)
+    assert await reset_view(rig.backend.checkpoints, view_named(TIMERS), range(PARTS), held.fence)
     replay = await _hold(rig.backend)
     waker = Waker(partitions=range(PARTS))
     feeder = Feeder(rig.settings, rig.backend)

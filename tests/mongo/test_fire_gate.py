@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import pytest
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
@@ -48,6 +49,7 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.base import Backend, Ddl
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
 
 pytestmark = pytest.mark.anyio
@@ -231,11 +233,12 @@ class FakeCluster:
             self.checks.append((now_ms(), req))
             req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": self.check_answer})
         elif name == "find" and req["find"] == ORDERS:
-            p = req["min"]["partition"]  # a re-read's range: only a partition's own holds commits here
-            if isinstance(p, int) and p < PARTS:
+            # a re-read's range: only a partition's own (from its lowest key) holds commits here
+            p = req["min"]["partition"]
+            own = isinstance(p, int) and p < PARTS and isinstance(req["min"]["aggregate_id"], MinKey)
+            if own:
                 self.scanned.append(p)
-            req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}",
-                           "firstBatch": self.scans.get(p, []) if isinstance(p, int) else []})  # fmt: skip
+            req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": self.scans.get(p, []) if own else []})
         else:
             self.unexpected.append(f"{name}: {req.doc}")
             req.fail(f"unexpected {name}")
@@ -286,12 +289,14 @@ class Slot:
 
     def __init__(self, tmp_path: Path, backend: Backend, log: MongoLog) -> None:
         self.settings = settings(tmp_path)
-        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, offers=())
+        # the log and its checkpoints on the cluster; the rest of the stores embedded
+        checkpoints = MongoCheckpoints(log.client, DB, context=CONTEXT)
+        self.backend = dataclasses.replace(backend, log=log, checkpoints=checkpoints, offers=())
         self.log = log
         self.gateway = Recorder()
         self.held: HeldSlot | None = None
         self.waker = Waker(partitions=range(PARTS))
-        self.loop = timer_loop(backend.timers, self.gateway, self.settings.timers, nudge=log.nudge,
+        self.loop = timer_loop(backend.firing, self.gateway, self.settings.timers, nudge=log.nudge,
                                gate=log.committed_after)  # fmt: skip
 
     async def run(
