@@ -658,14 +658,14 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
             async with anyio.create_task_group() as tg:
                 await tg.start(feeder.run, held, Waker())
                 while True:
-                    cps = await log.checkpoints(CONSUMER, range(4))
+                    cps = await backend.checkpoints.read(CONSUMER, range(4))
                     if cps and max(cp.position["seq"] for cp in cps.values()) >= last_seq:
                         break
                     await anyio.sleep(0.02)
                 held.request_stop()
         assert feeder.stalled is None
 
-        quarantined = await log.quarantined()
+        quarantined = await backend.quarantine.items()
         reasons = {q["raw"]["aggregate_id"]: q["reason"] for q in quarantined}
         for field, raw in MALFORMED:
             reason = reasons[raw["aggregate_id"]]

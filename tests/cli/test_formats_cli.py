@@ -8,8 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from wowd.stores.embedded import log as log_tables
-from wowd.stores.embedded import snapshots as snapshot_tables
 from wowd.stores.embedded import schema
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -29,13 +27,13 @@ def test_check_reports_each_format_and_that_it_has_nothing_to_do(wowd: Run, crea
         "INSERT INTO wow_snapshot_aggregate VALUES (?, ?, 'order', ?, 0)",
         f"wow_snapshot__{CONTEXT}__order",
         CONTEXT,
-        snapshot_tables.FORMAT,
+        schema.SNAPSHOT_FORMAT,
     )
     code, out, err = wowd("check")
     assert code == 0, err
-    assert f"ok   format embedded log: format {log_tables.FORMAT}, this wowd's: nothing to do" in out
+    assert f"ok   format embedded log: format {schema.LOG_FORMAT}, this wowd's: nothing to do" in out
     assert f"ok   format timer collection {TIMERS}: format {schema.TIMER_FORMAT}, this wowd's: nothing to do" in out
-    assert f"ok   format snapshot collection wow_snapshot__{CONTEXT}__order: format {snapshot_tables.FORMAT}" in out
+    assert f"ok   format snapshot collection wow_snapshot__{CONTEXT}__order: format {schema.SNAPSHOT_FORMAT}" in out
     assert "ok   timers" in out  # the stores were probed
 
 
@@ -54,7 +52,7 @@ def test_check_says_an_upgrade_in_place_and_does_not_make_it(wowd: Run, created:
 @pytest.mark.parametrize(
     ("statement", "store", "newer", "known"),
     [
-        ("UPDATE log_format SET format = ?", "embedded log", log_tables.FORMAT + 1, log_tables.FORMAT),
+        ("UPDATE log_format SET format = ?", "embedded log", schema.LOG_FORMAT + 1, schema.LOG_FORMAT),
         ("UPDATE wow_timer_aggregate SET format = ?", f"timer collection {TIMERS}", 7, schema.TIMER_FORMAT),
     ],
 )
@@ -77,4 +75,4 @@ def test_a_newer_snapshot_format_is_refused_at_start(wowd: Run, created: Path) -
     _sql(created, "INSERT INTO wow_snapshot_aggregate VALUES (?, ?, 'order', 9, 0)", name, CONTEXT)
     code, _out, err = wowd("run")
     assert code == 2, err
-    assert f"snapshot collection {name} is recorded in format 9" in err and f"(format {snapshot_tables.FORMAT})" in err
+    assert f"snapshot collection {name} is recorded in format 9" in err and f"(format {schema.SNAPSHOT_FORMAT})" in err

@@ -75,8 +75,7 @@ async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: P
     await backend.log.append_many([timer_commit(o, 1, ["k"], due_at=due) for o in OWNERS])
     held = await hold_slot(backend, PARTS, "a")
     waker = Waker()
-    loop = timer_loop(
-        backend.timers, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
+    loop = timer_loop(backend.firing, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
         nudge=backend.log.nudge,
     )  # fmt: skip
 

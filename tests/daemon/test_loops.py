@@ -112,13 +112,12 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
             await fed()
         held.request_stop()
 
-    t = backend.timers
-    assert await t.find(ref("o-1"), "k1") is None  # cancelled at v2
-    k2 = await t.find(ref("o-1"), "k2")
+    assert await backend.timer_queries.find(ref("o-1"), "k1") is None  # cancelled at v2
+    k2 = await backend.timer_queries.find(ref("o-1"), "k2")
     assert k2 is not None and k2.timer_id == deterministic_timer_id(ref("o-1"), "k2", 1)
     assert k2.partition == partition("o-1", PARTS) and k2.due_at == far and k2.status == TimerStatus.PENDING
-    assert await t.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
-    resumed = await t.find(ref("o-3"), "wait")
+    assert await backend.timer_queries.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
+    resumed = await backend.timer_queries.find(ref("o-3"), "wait")
     assert resumed is not None and resumed.status == TimerStatus.PENDING
     snap = await backend.snapshots.load(ref("o-1"))
     assert snap is not None and snap.version == 2 and snap.state_revision == reducer.state_revision
@@ -191,7 +190,6 @@ def due_timer(target: str, *, rule: IntervalRule | OnceRule | None = None, attem
 
 
 async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
-    t = backend.timers
     timers = [
         due_timer("ok-1"),
         due_timer("ok-2", rule=IntervalRule(every_ms=60_000)),
@@ -201,16 +199,16 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
         due_timer("fail-1"),
     ]
     for x in timers:
-        assert await t.put(x)
+        assert await backend.timers.put(x)
     gw = ScriptedGateway()
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
     before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
-    loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
+    loop = timer_loop(backend.firing, gw, TimerSettings(max_attempts=10))
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
         with anyio.fail_after(10):
-            while len(gw.sent) < len(timers) or await t.scan(status=TimerStatus.FIRING, limit=1):
+            while len(gw.sent) < len(timers) or await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=1):
                 await gw.entered.wait()
                 await anyio.sleep(0.02)
         held.request_stop()
@@ -218,7 +216,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
 
     async def get(target: str) -> Timer | None:
-        return await t.find(ref(f"owner-{target}"), "k")
+        return await backend.timer_queries.find(ref(f"owner-{target}"), "k")
 
     assert await get("ok-1") is None  # once: deleted
     nxt = await get("ok-2")
@@ -241,24 +239,23 @@ async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(back
     """Five claimed timers of one target delivered one at a time: the stop comes while the first
     is in flight; that one finishes and settles, none of the others is sent, and they are
     released, due again with no attempt spent."""
-    t = backend.timers
     for i in range(5):
-        assert await t.put(due_timer(f"ok-{i}"))
+        assert await backend.timers.put(due_timer(f"ok-{i}"))
     gw = ScriptedGateway()
     gw.gate = anyio.Event()
     held = await hold(backend)
-    loop = timer_loop(t, gw, limits=target_limits(64, lambda _target: 1))
+    loop = timer_loop(backend.firing, gw, limits=target_limits(64, lambda _target: 1))
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
             await gw.entered.wait()  # claimed, the first in flight
-            firing = await t.scan(status=TimerStatus.FIRING, limit=10)
+            firing = await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
             held.request_stop()  # the signal: nothing more is sent
             gw.gate.set()
     assert len(gw.sent) == 1
-    assert await t.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
-    released = await t.scan(limit=10)
+    assert await backend.timer_queries.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
+    released = await backend.timer_queries.scan(limit=10)
     assert len(released) == 4
     assert all(x.status is TimerStatus.PENDING and x.attempts == 0 and x.claim is None for x in released)
     assert all(x.last_error == "not delivered: stopped" for x in released)
@@ -289,8 +286,7 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
     allows 0.8 s more for a loaded machine, short of the next second)."""
     from wowd.daemon import firing, timers
 
-    t = backend.timers
-    assert await t.put(due_timer("ok-step"))
+    assert await backend.timers.put(due_timer("ok-step"))
     real = timers.now_ms
     step = {"ms": 0}
     stepped_at: list[float] = []
@@ -299,14 +295,14 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
 
     class SteppingStore:
         async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
-            claimed = await t.claim_due(*args, **kwargs)
+            claimed = await backend.firing.claim_due(*args, **kwargs)
             if claimed:
                 step["ms"] = 600_000  # the clock steps back right after the claim
                 stepped_at.append(anyio.current_time())
             return claimed
 
         def __getattr__(self, name: str) -> Any:
-            return getattr(t, name)
+            return getattr(backend.firing, name)
 
     gw = ScriptedGateway()
     held = await hold(backend)
@@ -368,7 +364,6 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     occurrence after now; one within its grace, and one without a grace, are delivered. The line
     that says so names the timer (id, owner, key), not only its request id."""
     caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
-    t = backend.timers
     hour_ago = int(time.time() * 1000) - 3_600_000
     late = [
         replace(due_timer("ok-once"), rule=OnceRule(misfire_grace_ms=60_000), due_at=hour_ago, scheduled_at=hour_ago),
@@ -384,21 +379,21 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
         replace(due_timer("ok-plain"), due_at=hour_ago, scheduled_at=hour_ago),
     ]
     for x in late + on_time:
-        assert await t.put(x)
+        assert await backend.timers.put(x)
     gw = ScriptedGateway()
     held = await hold(backend)
     skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
-    loop = timer_loop(t, gw)
+    loop = timer_loop(backend.firing, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
         with anyio.fail_after(10):
-            while len(gw.sent) < len(on_time) or await t.scan(status=TimerStatus.FIRING, limit=1):
+            while len(gw.sent) < len(on_time) or await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=1):
                 await gw.entered.wait()
                 await anyio.sleep(0.02)
         held.request_stop()
     assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
-    assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
-    every = await t.find(ref("owner-ok-every"), "k")
+    assert await backend.timer_queries.find(ref("owner-ok-once"), "k") is None  # done, not delivered
+    every = await backend.timer_queries.find(ref("owner-ok-every"), "k")
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
     assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
@@ -409,17 +404,16 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
 async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:
     """With a batch claimed and unsettled, the next round waits for room; a stop ends that wait
     even after earlier settles (each of which renewed what the round waits on)."""
-    t = backend.timers
-    assert await t.put(due_timer("ok-first"))
+    assert await backend.timers.put(due_timer("ok-first"))
     gw = ScriptedGateway()
     held = await hold(backend)
-    loop = timer_loop(t, gw, TimerSettings(batch=1))
+    loop = timer_loop(backend.firing, gw, TimerSettings(batch=1))
 
     async def first_settled() -> bool:
-        return await t.find(ref("owner-ok-first"), "k") is None
+        return await backend.timer_queries.find(ref("owner-ok-first"), "k") is None
 
     async def two_claimed() -> bool:
-        return len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 2
+        return len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)) == 2
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -427,8 +421,8 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
             await eventually(first_settled, 5, "the first timer settled")
             gw.gate = anyio.Event()  # from now on deliveries wait
             for i in range(3):
-                assert await t.put(due_timer(f"ok-{i}"))
+                assert await backend.timers.put(due_timer(f"ok-{i}"))
             await eventually(two_claimed, 5, "two batches claimed and unsettled")
             held.request_stop()
             gw.gate.set()  # the requests in flight end (the grace period's work)
-    assert len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released
+    assert len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released

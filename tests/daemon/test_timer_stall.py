@@ -84,7 +84,7 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
 ) -> None:
     for i in range(3):
         assert await backend.timers.put(due_timer(f"ok-{i}"))
-    store = FailingTimers(backend.timers)
+    store = FailingTimers(backend.firing)
     store.fail = error
     gw = ScriptedGateway()
     held = await hold(backend)
@@ -116,7 +116,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
 ) -> None:
     monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
     assert await backend.timers.put(due_timer("ok-1"))
-    store = FailingTimers(backend.timers)
+    store = FailingTimers(backend.firing)
     store.settle_fail = FULL
     gw = ScriptedGateway()
     held = await hold(backend)
@@ -141,7 +141,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
 
 async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     assert await backend.timers.put(due_timer("ok-1"))
-    store = FailingTimers(backend.timers)
+    store = FailingTimers(backend.firing)
     store.settle_fail = FULL
     gw = ScriptedGateway()
     held = await hold(backend)
