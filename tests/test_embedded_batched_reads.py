@@ -80,7 +80,7 @@ async def limited(
     SELECTs the connection runs from now on."""
     selects: list[str] = []
     if monkeypatch is not None:
-        for store in ("snapshots", "timers"):
+        for store in ("snapshots", "timer_view"):
             monkeypatch.setattr(f"wowd.stores.embedded.{store}.variable_limit", lambda conn: variables)
 
     def limit(conn: sqlite3.Connection) -> None:

@@ -48,6 +48,7 @@ from wowd.model import AggregateRef, AggregateType, Claim, LogBatch, SnapshotRec
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
 from wowd.stores.mongo.log_read import CATCH_UP_AWAIT_MS
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
@@ -142,7 +143,8 @@ async def test_the_change_stream_runs_without_the_clients_timeout_but_keeps_max_
             # nothing read; caught up at the post-batch token's second (the watermark)
             assert call.result() == [LogBatch(entries=(), positions={}, watermark=101_000)]
 
-            saved = start(tg, lambda: log.checkpoints("feed", [3]))
+            checkpoints = MongoCheckpoints(rs_client, DB, context=CONTEXT, operation_timeout=timedelta(seconds=5))
+            saved = start(tg, lambda: checkpoints.read("feed", [3]))
             find = await rs_wire.command("find")
             assert 0 < find["maxTimeMS"] <= 5000
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__{CONTEXT}", "firstBatch": []})
@@ -464,9 +466,13 @@ async def test_check_prepare_runs_the_spread_and_prints_what_it_did(
     from types import SimpleNamespace
 
     from wowd.cli.check import _prepare
+    from wowd.stores.base import CHUNK_PREPARATION
 
     store = sharded_timers(rs_client, MongoSharding.ON)
-    async with calling(lambda: _prepare(SimpleNamespace(timers=store), [])) as out:  # type: ignore[arg-type]
+    # the backend's chunk preparation: the MongoDB operations object's, which spreads the timers'
+    chunks = SimpleNamespace(prepare_chunks=store.view.spread_chunks)
+    backend = SimpleNamespace(capability=lambda kind: chunks if kind is CHUNK_PREPARATION else None)
+    async with calling(lambda: _prepare(backend, [])) as out:  # type: ignore[arg-type]
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
         (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0", "host": "s0/h:27018", "state": 1}])
     assert out.value == 0, out.error
@@ -478,7 +484,7 @@ async def test_auto_sharding_without_the_privilege_leaves_the_collection_unshard
 ) -> None:
     store = sharded_timers(rs_client)
     ns = f"{DB}.{TIMERS}"
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.schema"):
         async with calling(lambda: store.view.put(timer3())) as out:
             (await rs_wire.command("findAndModify")).ok(
                 value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
@@ -680,8 +686,9 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
             await call.done.wait()
     backend = call.result()
     try:
-        stores = [backend.log, backend.leases, backend.timers, backend.snapshots, backend.outbox]
-        assert {s.view.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
+        stores = [backend.log, backend.checkpoints, backend.quarantine, backend.leases, backend.timers,
+                  backend.firing, backend.timer_queries, backend.snapshots, backend.rebuilds, backend.outbox]  # fmt: skip
+        assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:

@@ -58,7 +58,10 @@ from wowd.stores.elasticsearch import ElasticsearchEventSink
 from wowd.stores.mongo._common import MongoSharding
 from wowd.stores.mongo.history import MongoTimerHistory
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.quarantine import MongoQuarantine
+from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
 from wowd.stores.mongo.outbox import MongoOutbox
 from wowd.stores.mongo.schema import timer_index_specs
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
@@ -388,10 +391,14 @@ async def feed_one_batch(rs_server: MockupDB, es: AsyncElasticsearch, fake: Fake
     backend = Backend(
         name="mongodb",
         log=MongoLog(client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE),
+        checkpoints=MongoCheckpoints(client, DB, context=CONTEXT),
+        quarantine=MongoQuarantine(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         leases=MongoSlotLeaseStore(client, DB),
-        timers=timers,
+        timers=timers.view,
+        firing=timers.firing,
+        timer_queries=timers.queries,
         snapshots=snapshots,
-        rebuilds=snapshots,
+        rebuilds=MongoSnapshotRebuilds(client, DB, context=CONTEXT, **options, shared_with=snapshots),
         outbox=MongoOutbox(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         history=MongoTimerHistory(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         sink_factory=lambda type_: ElasticsearchEventSink(es, type_),

@@ -160,7 +160,7 @@ async def test_the_upgrades_index_build_has_no_deadline_under_the_clients_timeou
             sharding=MongoSharding.OFF,
             operation_timeout=timedelta(seconds=10),
         )
-        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.timer_schema"):
+        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.schema"):
             async with calling(store.prepare) as out:
                 (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
                 ci = await wire.command("createIndexes")
@@ -364,7 +364,7 @@ async def test_claim_due_fails_an_undecodable_timer_and_claims_the_rest(
     failed = metrics.TIMERS_FAILED.labels(target="billing.invoice")
     before = failed._value.get()
     docs = [union_doc(timer_to_doc(t)) for t in (flying, ok1)] + [union_doc(bad), union_doc(timer_to_doc(ok2))]
-    caplog.set_level(logging.ERROR, logger="wowd.stores.mongo.timer_schema")
+    caplog.set_level(logging.ERROR, logger="wowd.stores.mongo.schema")
     call = lambda: store.firing.claim_due(  # noqa: E731
         {0, 1, 2, 3}, 500, 2, owner_key="me", fence=7, claim_until=9_000, exclude={flying.timer_id}
     )

@@ -134,7 +134,7 @@ async def test_next_due_reloads_the_registry_when_its_count_differs(mongo_client
 async def test_next_due_of_no_partition_sends_nothing() -> None:
     client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://localhost:1", connect=False)
     try:
-        assert await store_on(client).next_due(frozenset(), 0) is None
+        assert await store_on(client).firing.next_due(frozenset(), 0) is None
     finally:
         await client.close()
 

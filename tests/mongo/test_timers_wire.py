@@ -222,7 +222,7 @@ async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(mong
     assert out.error is None and out.value is True
 
     other = store_on(mongo_client, ddl=Ddl.VALIDATE)
-    async with calling(lambda: other.put(make_timer())) as refused:
+    async with calling(lambda: other.view.put(make_timer())) as refused:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listIndexes")).ok(
             **cursor(
@@ -298,7 +298,7 @@ async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_
 
     store = store_on(mongo_client, ddl=Ddl.NONE)
     without_ttl = [spec for spec in timer_index_specs() if spec["name"] != "tombstones_ttl"]
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.schema"):
         async with calling(store.prepare) as out:
             (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
             await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
@@ -764,7 +764,7 @@ async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_cli
 
 
 async def test_settle_of_nothing_sends_nothing(idle_client: Any) -> None:
-    assert await store_on(idle_client).settle([]) == 0
+    assert await store_on(idle_client).firing.settle([]) == 0
 
 
 # --------------------------------------------------------------------------- due
@@ -1084,7 +1084,7 @@ async def test_parked_many_reloads_the_registry_when_it_counts_another_number(mo
 
 
 async def test_parked_many_of_no_target_sends_nothing(idle_client: AsyncMongoClient[Any]) -> None:
-    assert await store_on(idle_client).parked_many([]) == []
+    assert await store_on(idle_client).view.parked_many([]) == []
 
 
 def test_parked_many_targets_are_split_to_fit_one_command() -> None:

@@ -19,6 +19,7 @@ from wowd.model import AggregateType
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.quarantine import MongoQuarantine
 from wowd.stores.mongo.quarantine import counted_seq
 
 pytestmark = pytest.mark.anyio
@@ -98,9 +99,9 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
     counter waits, for its operation timeout, and is logged. It succeeds within a second."""
     killed: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
     other: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(milliseconds=500))
+    quarantine = MongoQuarantine(other, "db", context="ctx", operation_timeout=timedelta(milliseconds=500))
     try:
-        await log.prepare()
+        await quarantine.prepare()
         session = killed.start_session()
         await session.start_transaction()
         await killed["db"][quarantine_collection("ctx")].find_one_and_update(
@@ -108,10 +109,10 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
         )
         # the process dies here: no commit, no abort, no endSessions
         with anyio.fail_after(1):
-            await log.quarantine("wowd", 1, ORDER, {"_id": "x"}, "bad")
-        assert [i["raw"] for i in await log.quarantined()] == [{"_id": "x"}]
+            await quarantine.put("wowd", 1, ORDER, {"_id": "x"}, "bad")
+        assert [i["raw"] for i in await quarantine.items()] == [{"_id": "x"}]
     finally:
-        await log.close()
+        await quarantine.close()
         await killed.close()
         await other.close()
 
@@ -123,8 +124,8 @@ async def test_quarantines_at_once_take_distinct_numbers_in_the_order_they_becom
     items became visible, and a listing paged after the first item finds the second."""
     slow_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri, appname="slow")
     fast_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    slow = MongoLog(slow_client, "db", context="ctx", partitions=8)
-    fast = MongoLog(fast_client, "db", context="ctx", partitions=8)
+    slow = MongoQuarantine(slow_client, "db", context="ctx")
+    fast = MongoQuarantine(fast_client, "db", context="ctx")
     try:
         await fast.prepare()
         await fast_client.admin.command(
@@ -137,20 +138,20 @@ async def test_quarantines_at_once_take_distinct_numbers_in_the_order_they_becom
         engine = server.engine
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(slow.quarantine, "wowd", 1, ORDER, {"_id": "held"}, "bad")
+                tg.start_soon(slow.put, "wowd", 1, ORDER, {"_id": "held"}, "bad")
 
                 def held() -> bool:  # the slow one drew its number and its insert is held from now
                     with engine.changed:
                         return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
 
                 assert await anyio.to_thread.run_sync(held)
-                await fast.quarantine("wowd", 2, ORDER, {"_id": "first"}, "bad")
-                first = await fast.quarantined()
+                await fast.put("wowd", 2, ORDER, {"_id": "first"}, "bad")
+                first = await fast.items()
                 assert [i["raw"]["_id"] for i in first] == ["first"]
-        items = await fast.quarantined()
+        items = await fast.items()
         assert [i["raw"]["_id"] for i in items] == ["first", "held"]
         assert [i["id"] for i in items] == [str(counted_seq(1)), str(counted_seq(2))]
-        assert [i["raw"]["_id"] for i in await fast.quarantined(after=first[0]["id"])] == ["held"]
+        assert [i["raw"]["_id"] for i in await fast.items(after=first[0]["id"])] == ["held"]
     finally:
         await slow.close()
         await fast.close()
@@ -163,24 +164,24 @@ async def test_a_released_id_never_names_another_item(server: WireServer) -> Non
     (inserted here without the raise): the next quarantine draws past it, so a stale id given to
     ``quarantine retry`` or ``release`` names nothing rather than a newer item."""
     client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    log = MongoLog(client, "db", context="ctx", partitions=8)
+    quarantine = MongoQuarantine(client, "db", context="ctx")
     coll = client["db"][quarantine_collection("ctx")]
     try:
-        await log.prepare()
+        await quarantine.prepare()
         for key in ("a", "b"):
-            await log.quarantine("wowd", 1, ORDER, {"_id": key}, "bad")
+            await quarantine.put("wowd", 1, ORDER, {"_id": key}, "bad")
         assert (await coll.find_one({"_id": "seq"}) or {}).get("n") == 2
         await coll.insert_one({"_id": {"consumer": "wowd", "aggregate": "order", "key": "c"}, "seq": counted_seq(3)})
-        assert await log.release_quarantined([str(counted_seq(2)), str(counted_seq(3))]) == 2
-        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "bad")
-        items = await log.quarantined()
+        assert await quarantine.release([str(counted_seq(2)), str(counted_seq(3))]) == 2
+        await quarantine.put("wowd", 1, ORDER, {"_id": "d"}, "bad")
+        items = await quarantine.items()
         assert [(i["raw"]["_id"], i["id"]) for i in items] == [("a", str(counted_seq(1))), ("d", str(counted_seq(4)))]
         # quarantined again: the stored item keeps its id and takes the new reason
-        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "again")
-        [_, d] = await log.quarantined()
+        await quarantine.put("wowd", 1, ORDER, {"_id": "d"}, "again")
+        [_, d] = await quarantine.items()
         assert (d["id"], d["reason"]) == (str(counted_seq(4)), "again")
     finally:
-        await log.close()
+        await quarantine.close()
         await client.close()
 
 
@@ -193,10 +194,10 @@ async def test_validate_refuses_a_quarantine_without_its_unique_seq_index(server
     try:
         await coll.create_index([("quarantined_at", 1), ("seq", 1)], name="quarantined_at")
         await coll.create_index([("seq", 1)], name="seq")
-        strict = MongoLog(client, "db", context="ctx", partitions=8, ddl=Ddl.VALIDATE)
+        strict = MongoQuarantine(client, "db", context="ctx", ddl=Ddl.VALIDATE)
         with pytest.raises(FormatError, match="seq_unique"):
             await strict.prepare()
-        await MongoLog(client, "db", context="ctx", partitions=8).prepare()
+        await MongoQuarantine(client, "db", context="ctx").prepare()
         await strict.prepare()
     finally:
         await client.close()
@@ -261,7 +262,7 @@ async def test_the_due_query_over_many_partitions_stays_within_the_planners_merg
     import dataclasses
 
     from wowd.model import partition
-    from wowd.stores.mongo import timer_queries
+    from wowd.stores.mongo import timer_firing
 
     with serving(Settings(noop_interval=0, plan_check=True)) as server:
         client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
@@ -274,7 +275,7 @@ async def test_the_due_query_over_many_partitions_stays_within_the_planners_merg
             every = frozenset(range(256))
             assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert server.engine.plan_findings == []
-            monkeypatch.setattr(timer_queries, "MAX_SCANS_TO_EXPLODE", 256)
+            monkeypatch.setattr(timer_firing, "MAX_SCANS_TO_EXPLODE", 256)
             assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert len(server.engine.plan_findings) == 1
             assert "256 index scans" in server.engine.plan_findings[0]
@@ -344,11 +345,12 @@ async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_new
         t = timer(owner("o-1"), due_at=T0)
         await store.view.write([TimerWrite.put(t)])
         (claimed,) = await store.firing.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
-        engine = MongoTimerRebuild(store, database_name="rebuild")
+        log = MongoLog(client, "rebuild", context="ctx", partitions=8)
+        engine = MongoTimerRebuild(store.view, log, database_name="rebuild", project=lambda _e: [], aggregate=None)
         await engine.begin()
         # the replay writes the put and, in a later batch, the cancel (v2) the feed has not applied
-        await engine.shadow.write([TimerWrite.put(t)])
-        await engine.shadow.write([TimerWrite.cancel(t.owner, t.key, 2)])
+        await engine.shadow_view.write([TimerWrite.put(t)])
+        await engine.shadow_view.write([TimerWrite.cancel(t.owner, t.key, 2)])
         result = Finished()
         await engine.carry(await engine.live_names(None), result)
         await engine.swap(None)
