@@ -130,9 +130,12 @@ async def _mongo_backend(client: Any, database: str, es: Any, settings: WowdSett
     from tests.timer_stores import mongo_timers
     from wowd.stores.elasticsearch.options import sink_options
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+    from wowd.stores.mongo.checkpoints import MongoCheckpoints
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.log import MongoLog
     from wowd.stores.mongo.outbox import MongoOutbox
+    from wowd.stores.mongo.quarantine import MongoQuarantine
+    from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
 
     context, partitions = settings.context, settings.partitions
@@ -141,12 +144,16 @@ async def _mongo_backend(client: Any, database: str, es: Any, settings: WowdSett
         client, database, context=context, partitions=partitions,
         tombstone_retention=timedelta(seconds=settings.timers.tombstone_retention_s),
     )  # fmt: skip
+    checkpoints = MongoCheckpoints(client, database, context=context)
+    quarantine = MongoQuarantine(client, database, context=context)
     snapshots = MongoSnapshotStore(client, database, context=context)
+    rebuilds = MongoSnapshotRebuilds(client, database, context=context, shared_with=snapshots)
     leases, outbox = MongoSlotLeaseStore(client, database), MongoOutbox(client, database, context=context)
     stack = AsyncExitStack()
-    for store in (leases, log, timers, snapshots, outbox):
+    for store in (leases, log, checkpoints, quarantine, timers, snapshots, outbox):
         stack.push_async_callback(store.close)
-    for store in (log, timers, snapshots):  # the feed's (the leases and the outbox stay unused)
+    # the feed's (the leases and the outbox stay unused)
+    for store in (log, checkpoints, quarantine, timers, snapshots):
         await store.prepare()
     kwargs = sink_options(settings.elasticsearch)
 
@@ -154,8 +161,9 @@ async def _mongo_backend(client: Any, database: str, es: Any, settings: WowdSett
         return ElasticsearchEventSink(es, type, owns_client=False, **kwargs)
 
     return Backend(
-        name="mongo", log=log, leases=leases, timers=timers, snapshots=snapshots, rebuilds=snapshots,
-        outbox=outbox, sink_factory=sink if es is not None else None, resources=stack,
+        name="mongo", log=log, checkpoints=checkpoints, quarantine=quarantine, leases=leases, timers=timers.view,
+        firing=timers.firing, timer_queries=timers.queries, snapshots=snapshots, rebuilds=rebuilds, outbox=outbox,
+        sink_factory=sink if es is not None else None, resources=stack,
     )  # fmt: skip
 
 
