@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["STEPS", "fire_once", "main"]
 
 STEPS = (
-    ("claim_due (store)", "timers.py", "claim_due"),
-    ("settle (store)", "timers.py", "settle"),
+    ("claim_due (store)", "timer_firing.py", "claim_due"),
+    ("settle (store)", "timer_firing.py", "settle"),
     ("outcome_changes", "timers.py", "outcome_changes"),
     ("_count (metrics)", "timers.py", "_count"),
     ("gateway deliver", "gateway.py", "deliver"),
