@@ -995,7 +995,7 @@ class Harness:
         parts = list(range(self.config.partitions))
         while True:
             try:
-                cps = await self._log.checkpoints(CONSUMER, parts)
+                cps = await self._checkpoint_store.read(CONSUMER, parts)
             except Exception as exc:  # a busy file: the next sample will do
                 log.debug("checkpoint sample failed: %s", exc)
                 cps = {}
@@ -1084,7 +1084,7 @@ class Harness:
         delivered = {e.request_id for e in await self._outbox()} | set(self.target.by_request)
         if not producer.expected.must_fire() <= delivered:
             return False
-        if len(await self._log.quarantined(limit=100_000)) < len(producer.expected.malformed):
+        if len(await self._quarantine.items(limit=100_000)) < len(producer.expected.malformed):
             return False
         missing, _extra = await self._sink_state(producer)
         return not missing
@@ -1138,7 +1138,7 @@ class Harness:
         rep.lost_commits, rep.extra_documents = missing, extra
         rep.commits_fed = rep.commits_expected - len(missing)
 
-        quarantined = await self._log.quarantined(limit=100_000)
+        quarantined = await self._quarantine.items(limit=100_000)
         rep.quarantined = len(quarantined)
         rep.malformed_injected = len(exp.malformed)
         seen: dict[str, str] = {}
@@ -1222,8 +1222,10 @@ class Harness:
             from tests.timer_stores import mongo_timers
             from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
             from wowd.stores.mongo.leases import MongoSlotLeaseStore
+            from wowd.stores.mongo.checkpoints import MongoCheckpoints
             from wowd.stores.mongo.log import MongoLog
             from wowd.stores.mongo.outbox import MongoOutbox
+            from wowd.stores.mongo.quarantine import MongoQuarantine
 
             uri = await self._start_simulator(stack)
             fake = FakeElasticsearch()
@@ -1233,6 +1235,8 @@ class Harness:
             stack.callback(fake.stop)
             self.env = replica_env(cfg, self.db, mongo_uri=uri, es_url=fake.url)
             self._log = MongoLog(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._checkpoint_store = MongoCheckpoints(uri, MONGO_DATABASE, context=CONTEXT)
+            self._quarantine = MongoQuarantine(uri, MONGO_DATABASE, context=CONTEXT)
             self._leases = MongoSlotLeaseStore(uri, MONGO_DATABASE)
             self._timers = mongo_timers(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = MongoOutbox(uri, MONGO_DATABASE, context=CONTEXT)
@@ -1240,17 +1244,22 @@ class Harness:
             self._sink = ElasticsearchEventSink(self._es, TYPE, refresh=True, owns_client=True)
         else:
             from tests.timer_stores import embedded_timers
+            from wowd.stores.embedded.checkpoints import EmbeddedCheckpoints
             from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
             from wowd.stores.embedded.log import EmbeddedLog
+            from wowd.stores.embedded.quarantine import EmbeddedQuarantine
             from wowd.stores.embedded.outbox import EmbeddedOutbox
             from wowd.stores.embedded.sink import EmbeddedEventSink
 
             self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._checkpoint_store = EmbeddedCheckpoints(self.db, context=CONTEXT)
+            self._quarantine = EmbeddedQuarantine(self.db, context=CONTEXT)
             self._leases = EmbeddedSlotLeaseStore(self.db)
             self._timers = embedded_timers(self.db, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = EmbeddedOutbox(self.db)
             self._sink = EmbeddedEventSink(self.db, TYPE)
-        for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):
+        stores = (self._log, self._checkpoint_store, self._quarantine, self._leases, self._timers, self._outbox_store)
+        for store in (*stores, self._sink):
             stack.push_async_callback(store.close)
             await store.prepare()
 
