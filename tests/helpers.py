@@ -1,10 +1,12 @@
-"""Small helpers shared by test modules."""
+"""A replica's parts run in-process by the tests: a held slot (:func:`held_slot`, or one taken from
+the store, :func:`hold_slot`), how a replica fires (:func:`firing`, its timer loop, the firing of
+``wowd run``'s assembly), a delivery stream run to its end and a following read of a log."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import anyio
@@ -16,8 +18,8 @@ from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.stream import DeliveryStream, Limits, batch_limits, target_limits
 from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.delivery import CommandGateway, Delivered, OutboxGateway, Outcome
-from wowd.model import AggregateRef, Command, LogEntry, Position, SlotLease, Timer, deterministic_timer_id, partition
+from wowd.delivery import CommandGateway, OutboxGateway, Outcome
+from wowd.model import LogEntry, Owner, Position, SlotLease, Timer
 from wowd.stores.base import Backend, Log, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
@@ -28,22 +30,6 @@ def caught_up_waker() -> Waker:
     waker = Waker()
     waker.advance(FAR_FUTURE_MS)
     return waker
-
-
-def once_timer(context: str, id: str, partitions: int, due_at: int) -> Timer:
-    """The one-shot timer ``k`` (version 1) of order ``id``, due at ``due_at``, aimed at itself."""
-    owner = AggregateRef(context=context, aggregate="order", id=id)
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1),
-        partition=partition(id, partitions),
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=due_at,
-        scheduled_at=due_at,
-        target=owner,
-        body=Command(name="go").to_json(),
-    )
 
 
 def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: float = 60) -> HeldSlot:
@@ -57,6 +43,17 @@ def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: floa
         lease=lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + valid_for,
         owner_key="me",
     )  # fmt: skip
+
+
+async def hold_slot(b: Backend, partitions: int, key: str = "a") -> HeldSlot:
+    """Slot 0 of namespace ``ns``, taken by ``key`` for a minute (after the previous holder's
+    lease was released), over partitions ``0 .. partitions - 1``: for the tests that run a
+    slot's loops in-process."""
+    res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + 60, owner_key=key
+    )
 
 
 def firing(
@@ -108,27 +105,6 @@ async def stream_all(
         stream.bind(tg)
         for batch in batches:
             stream.put(batch)
-
-
-class Recorder:
-    """A gateway that delivers every timer and records when (ms since the epoch)."""
-
-    def __init__(self) -> None:
-        self.fired: list[tuple[Timer, int]] = []
-        self.changed = anyio.Event()
-
-    async def send(self, timer: Timer) -> Outcome:
-        self.fired.append((timer, int(time.time() * 1000)))
-        self.changed.set()
-        self.changed = anyio.Event()
-        return Delivered()
-
-    async def until_fired(self, n: int) -> None:
-        while len(self.fired) < n:
-            await self.changed.wait()
-
-    async def aclose(self) -> None:
-        return None
 
 
 def replica_firing(settings: WowdSettings, backend: Backend) -> Firing:

@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
-from tests.daemon.conftest import eventually
+from tests.factories import eventually
 from wowd.backends import opened_backend
 from wowd.cli import quarantine as quarantine_cli
 from wowd.config import WowdSettings, load_settings

@@ -18,10 +18,10 @@ import anyio
 import pytest
 from aiohttp import web
 
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import Replica, base_env
 from wowd.model import DomainEvent, TimerStatus
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 

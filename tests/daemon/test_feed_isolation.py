@@ -14,6 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, embedded_settings, eventually, timer_commit
+from tests.helpers import hold_slot
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import FeedSettings, WowdSettings
@@ -26,8 +28,6 @@ from wowd.model import AggregateType, Commit, partition
 from wowd.retry import Backoff
 from wowd.stores.base import Backend, EventSink
 from wowd.views import view_named
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 

@@ -16,6 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, embedded_settings, ref, scheduled, timer_commit
+from tests.helpers import hold_slot
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
@@ -35,8 +37,6 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend, FeedWriter
 from wowd.stores.embedded.timer_sql import WRITE_CHUNK
-
-from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -189,14 +189,19 @@ def rewriting(now: int) -> list[Commit]:
     return [
         timer_commit("x", 1, ["k"], due_at=now + HOUR_MS),
         # cancelled and scheduled again in one command handler: the new timer is live
-        commit("x", 2, cancelled("k"), scheduled("x", "k", now + 2 * HOUR_MS)),
+        commit("x", 2, cancelled("k"), scheduled("k", now + 2 * HOUR_MS, target=ref("x"))),
         # scheduled twice in one commit: the second is live
-        commit("y", 1, scheduled("y", "k", now + HOUR_MS, n="A"), scheduled("y", "k", now + 2 * HOUR_MS, n="B")),
+        commit(
+            "y",
+            1,
+            scheduled("k", now + HOUR_MS, target=ref("y"), body={"n": "A"}),
+            scheduled("k", now + 2 * HOUR_MS, target=ref("y"), body={"n": "B"}),
+        ),
         # scheduled, then cancelled in one commit: nothing is live
-        commit("w", 1, scheduled("w", "k", now + HOUR_MS), cancelled("k")),
+        commit("w", 1, scheduled("k", now + HOUR_MS, target=ref("w")), cancelled("k")),
         # scheduled by the commit that deletes the aggregate: cancelled with every timer of it
         timer_commit("z", 1, ["k"], due_at=now + HOUR_MS),
-        commit("z", 2, scheduled("z", "j", now + HOUR_MS), deleted=True),
+        commit("z", 2, scheduled("j", now + HOUR_MS, target=ref("z")), deleted=True),
     ]
 
 

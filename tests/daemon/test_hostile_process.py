@@ -18,11 +18,11 @@ import anyio
 import httpx
 import pytest
 
+from tests.factories import CONTEXT, PARTITIONS, eventually, scheduled
+from tests.processes import Replica, base_env, run_wowd
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import AggregateRef, Commit, DomainEvent
 from wowd.stores.embedded import open_embedded
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, scheduled
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -60,7 +60,7 @@ def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica,
     card number, due in a day."""
     tmp = tmp_path_factory.mktemp("hostile")
     db = tmp / "wowd.db"
-    pay = scheduled("o-1", "pay", int(time.time() * 1000) + 86_400_000, card=CARD)
+    pay = scheduled("pay", int(time.time() * 1000) + 86_400_000, body={"card": CARD})
     anyio.run(_append, db, [_commit("order", "o-1", pay)])
     r = Replica(tmp, "a", base_env(db, WOWD_UI__TOKEN=TOKEN, WOWD_LEASE__LIMIT="1"))
     try:

@@ -10,13 +10,12 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import eventually
 from wowd import metrics
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper
 from wowd.errors import LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
-
-from .conftest import eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -22,11 +22,11 @@ import pytest
 from anyio.abc import SocketStream
 
 from tests import forkserver
+from tests.factories import CONTEXT, PARTITIONS, eventually, timer_commit
+from tests.processes import Replica, base_env
 from wowd.cli.run import ESCALATE_AFTER_S
 from wowd.model import Owner, TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_commit
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

@@ -13,6 +13,9 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.daemon.reducers import reducer_v2
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import base_env
 from wowd.cli import main
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
@@ -23,9 +26,6 @@ from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, partition
 from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, base_env, eventually, timer_commit
-from .reducers import reducer_v2
 
 pytestmark = pytest.mark.anyio
 

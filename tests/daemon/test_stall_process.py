@@ -14,13 +14,13 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.factories import CONTEXT, PARTITIONS, eventually
+from tests.processes import Replica, base_env
 from tests.sqlite_damage import corrupt_table, settled_copy
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.demo import produce
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 

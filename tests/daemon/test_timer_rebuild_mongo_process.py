@@ -18,20 +18,20 @@ import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
-from wowd.config import WowdSettings
-from wowd.model import TimerStatus
-from wowd.stores.base import Backend
-from wowd.stores.mongo.formats import mongo_rebuild_state
-from wowd.stores.mongo.timer_rebuild import BATCH
-
-from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, run_wowd, timer_commit
-from .test_timer_rebuild_process import (
+from tests.daemon.test_timer_rebuild_process import (
     _assert_parked_and_failed_kept,
     _cancel,
     _outbox_timer_ids,
     _scheduled,
     _summary,
 )
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import Replica, base_env, rebuild_killed_partway, run_wowd
+from wowd.config import WowdSettings
+from wowd.model import TimerStatus
+from wowd.stores.base import Backend
+from wowd.stores.mongo.formats import mongo_rebuild_state
+from wowd.stores.mongo.timer_rebuild import BATCH
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.inprocess import wowd_in_process
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import Replica, base_env, rebuild_killed_partway
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, timer_commit
-from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

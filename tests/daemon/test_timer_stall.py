@@ -14,6 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import embedded_settings, eventually
+from tests.firing.test_rounds import PARTS, ScriptedGateway, due_timer, hold
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
@@ -21,9 +23,6 @@ from wowd.daemon import firing
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
 from wowd.stores.base import Backend, TimerStore
-
-from .conftest import embedded_settings, eventually
-from .test_loops import PARTS, ScriptedGateway, due_timer, hold
 
 pytestmark = pytest.mark.anyio
 

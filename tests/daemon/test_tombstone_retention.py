@@ -17,14 +17,13 @@ import anyio
 import pytest
 
 from tests.contract.test_timers import timer
+from tests.factories import CONTEXT, embedded_settings, eventually
 from wowd.backends import opened_backend
 from wowd.clock import now_ms
 from wowd.config import HttpSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.replica import delivery, replica_of
 from wowd.model import AggregateRef
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, eventually
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,9 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import timer_loop
+from tests.daemon.test_feed_isolation import RefusingSink
+from tests.factories import CONTEXT, embedded_settings, eventually, timer_commit
+from tests.helpers import hold_slot, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
@@ -25,9 +27,6 @@ from wowd.delivery import Delivered, Outcome
 from wowd.model import AggregateType, Commit, Timer, TimerWrite, partition
 from wowd.stores.base import Backend
 from wowd.views import FROM_START, reset_view, view_named, views_status
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
-from .test_feed_isolation import RefusingSink
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from anyio.abc import TaskStatus
 
-from tests.daemon.conftest import CONTEXT, embedded_settings, eventually
+from tests.factories import CONTEXT, embedded_settings, eventually
 from wowd.backends import opened_backend
 from wowd.clock import now_ms
 from wowd.config import GatewaySettings, HttpSettings, LeaseSettings, TimerSettings, WowdSettings

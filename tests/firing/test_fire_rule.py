@@ -31,8 +31,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.daemon.conftest import eventually
-from tests.helpers import Recorder
+from tests.factories import Recorder, eventually
 from wowd.config import WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.firing import Firing, OutboxRounds, choose

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.test_status_page import UI_TOKEN, Page, _fill, _serve, order
+from tests.ui.test_status_page import UI_TOKEN, Page, _fill, _serve, order
 from wowd.model import TimerStatus
 
 pytestmark = pytest.mark.anyio

@@ -12,8 +12,8 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.daemon.conftest import SECRET_TOKEN
-from tests.daemon.test_status_page import UI_TOKEN, Page, _fill, _serve, order
+from tests.processes import SECRET_TOKEN
+from tests.ui.test_status_page import UI_TOKEN, Page, _fill, _serve, order
 from wowd.model import (
     Command,
     Commit,

@@ -23,10 +23,10 @@ import pytest
 from aiohttp import web
 
 from tests.certs import Pki, make_pki
+from tests.factories import CONTEXT, eventually
+from tests.processes import SECRET_TOKEN, Replica, base_env
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, SECRET_TOKEN, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

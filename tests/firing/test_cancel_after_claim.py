@@ -14,7 +14,9 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import timer_loop
+from tests.factories import embedded_settings, eventually, timer_commit
+from tests.firing.test_timer_view import cancel_commit
+from tests.helpers import hold_slot, timer_loop
 from wowd.backends import opened_backend
 from wowd.config import TimerSettings
 from wowd.daemon.feed import Feeder
@@ -22,9 +24,6 @@ from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway
 from wowd.model import LogBatch, Position, TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import embedded_settings, eventually, hold_slot, timer_commit
-from .test_timer_view import cancel_commit
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.helpers import replica_firing, timer_loop
+from tests.factories import CONTEXT, embedded_settings, ref, scheduled, timer_commit
+from tests.helpers import hold_slot, replica_firing, timer_loop
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
@@ -22,8 +23,6 @@ from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway, Outcome
 from wowd.model import AggregateRef, Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -119,8 +118,13 @@ async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
     is delivered, once."""
     due = int(time.time() * 1000)
     later = due + 3_600_000
-    x2 = events_commit("x", 2, cancelled("k"), scheduled("x", "k", due))
-    y1 = events_commit("y", 1, scheduled("y", "k", later, n="A"), scheduled("y", "k", due, n="B"))
+    x2 = events_commit("x", 2, cancelled("k"), scheduled("k", due, target=ref("x")))
+    y1 = events_commit(
+        "y",
+        1,
+        scheduled("k", later, target=ref("y"), body={"n": "A"}),
+        scheduled("k", due, target=ref("y"), body={"n": "B"}),
+    )
     await backend.log.append_many([timer_commit("x", 1, ["k"], due_at=later), x2, y1])
     held = await hold(backend, "a")
     await run_slot(tmp_path, backend, held, until_outbox=2, feed_batch=1)

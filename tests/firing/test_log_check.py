@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import once_timer
+from tests.factories import CONTEXT, embedded_settings, eventually, timer, timer_commit
+from tests.helpers import hold_slot
 from wowd.backends import opened_backend
 from wowd.config import HttpSettings, WowdSettings
 from wowd.daemon.feed import Feeder
@@ -23,11 +24,9 @@ from wowd.daemon.firing import OutboxRounds
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
+from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, TimerStatus
 from wowd.model import partition as partition_of
 from wowd.stores.base import OUTBOX_SHORTCUT, Backend, EventSink, OutboxRound
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -127,7 +126,7 @@ async def test_a_commit_above_the_timers_version_holds_it_whatever_the_feeds_che
     """Timers at version 1 in a view the feed never checkpointed; one owner's log holds a commit
     at version 2: that timer is left until the feed has applied it, the other fires."""
     due = int(time.time() * 1000) - 1_000
-    ts = [embedded_timer(f"x-{i}", due) for i in range(2)]
+    ts = [timer(f"x-{i}", due, partitions=PARTS) for i in range(2)]
     for t in ts:
         assert await backend.timers.put(t)
     await backend.log.append_many([timer_commit("x-0", 1, []), cancel_commit("x-0", 2)])
@@ -143,17 +142,13 @@ async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: P
     same = [i for i in ids if partition_of(i, PARTS) == part]
     assert len(same) >= 5
     for agg in same[:2]:
-        assert await backend.timers.put(embedded_timer(agg, due))
+        assert await backend.timers.put(timer(agg, due, partitions=PARTS))
     # commits of other aggregates of the same partition, and one above the second timer's version
     others = [timer_commit(agg, v, []) for agg in same[2:5] for v in (1, 2)]
     await backend.log.append_many([*others, timer_commit(same[1], 1, []), cancel_commit(same[1], 2)])
     assert await owners_after(backend, due - 1) == ([same[0]], 1)
     [left] = await backend.timers.scan(limit=10)
     assert left.owner.id == same[1]
-
-
-def embedded_timer(agg_id: str, due: int) -> Timer:
-    return once_timer(CONTEXT, agg_id, PARTS, due)
 
 
 async def owners_after(b: Backend, read_to: int) -> tuple[list[str], int]:

@@ -19,7 +19,8 @@ import anyio
 import httpx
 import pytest
 
-from tests.daemon.conftest import CONTEXT, PARTITIONS, SECRET_MONGO_PW, SECRET_TOKEN
+from tests.factories import CONTEXT, PARTITIONS
+from tests.processes import SECRET_MONGO_PW, SECRET_TOKEN
 from wowd.config import EmbeddedSettings, LeaseSettings, UiSettings, WowdSettings
 from wowd.daemon.http import HttpServer
 from wowd.metrics import UI_REFUSED

@@ -15,6 +15,7 @@ import anyio
 import pytest
 from prometheus_client import REGISTRY
 
+from tests.factories import CONTEXT, eventually, timer_commit
 from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import (
     EmbeddedSettings,
@@ -35,8 +36,6 @@ from wowd.stores.base import Backend
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-from .conftest import CONTEXT, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 

@@ -14,7 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import Recorder, caught_up_waker, held_slot, timer_loop
+from tests.factories import CONTEXT, Recorder, timer_commit
+from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timer_plan, timers
 from wowd.daemon.feed import Feeder
@@ -31,8 +32,6 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-from .conftest import CONTEXT, timer_commit
 
 pytestmark = pytest.mark.anyio
 

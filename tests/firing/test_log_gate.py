@@ -13,14 +13,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.helpers import Recorder, held_slot, timer_loop
+from tests.factories import CONTEXT, Recorder, eventually
+from tests.firing.test_wakeup import PARTS, timer
+from tests.helpers import held_slot, timer_loop
 from wowd.daemon.firing import CHANGED
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
 from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-from .conftest import CONTEXT, eventually
-from .test_wakeup import PARTS, timer
 
 pytestmark = pytest.mark.anyio
 

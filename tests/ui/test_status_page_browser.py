@@ -23,6 +23,8 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, PARTITIONS
+from tests.processes import Replica, base_env, run_wowd
 from wowd.model import (
     AggregateRef,
     AggregateType,
@@ -36,8 +38,6 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, run_wowd
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 

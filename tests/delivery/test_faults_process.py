@@ -20,11 +20,11 @@ import anyio
 import pytest
 
 from tests.chaos.target import CommandTarget, Delivery
+from tests.factories import CONTEXT, PARTITIONS, eventually
+from tests.processes import Replica, base_env
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, WowdSettings
 from wowd.daemon.stream import SETTLE_GROUP
 from wowd.model import AggregateRef, Commit, DomainEvent, deterministic_timer_id, request_id_for
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 

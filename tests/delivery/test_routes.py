@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from tests.certs import Pki, make_pki
-from tests.daemon.test_gateway import serving, status
+from tests.delivery.test_gateway import serving, status
 from tests.helpers import stream_all
 from wowd.cli.logs import secret_values
 from wowd.config import GatewaySettings, RouteSettings, WowdSettings, load_settings

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, embedded_settings, eventually, timer_commit
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
@@ -38,8 +39,6 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 

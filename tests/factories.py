@@ -1,0 +1,186 @@
+"""The tests' one set of builders: aggregates, timers, events and commits with keyword defaults
+(a test names what it asserts on and takes the rest), the settings of one replica on an embedded
+file, one :func:`eventually` and one recording gateway.
+
+The defaults: context :data:`CONTEXT` over :data:`PARTITIONS` partitions, order ``o-1`` of the
+default tenant, timer key ``k`` at version 1, a command ``go`` sent to the timer's owner.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
+from wowd.delivery import Delivered, Outcome
+from wowd.model import AggregateRef, Command, Commit, DomainEvent, Timer, deterministic_timer_id, partition
+
+CONTEXT = "demo"
+PARTITIONS = 8
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def ref(id: str = "o-1", *, aggregate: str = "order", context: str = CONTEXT, tenant: str = "(0)") -> AggregateRef:
+    """The aggregate ``context.aggregate`` ``id`` of ``tenant``."""
+    return AggregateRef(context=context, aggregate=aggregate, id=id, tenant_id=tenant)
+
+
+def timer(
+    id: str = "o-1",
+    due_at: int = 0,
+    *,
+    owner: AggregateRef | None = None,
+    key: str = "k",
+    version: int = 1,
+    partitions: int = PARTITIONS,
+    target: AggregateRef | None = None,
+    command: Command | None = None,
+    **fields: Any,
+) -> Timer:
+    """The timer ``key`` (at ``version``) of order ``id`` (or of ``owner``), due at ``due_at``,
+    sending ``command`` (default ``go``) to ``target`` (default its owner). Its id is the one the
+    feed derives, its partition the owner's among ``partitions``, ``scheduled_at`` its due time;
+    ``fields``: any other field of :class:`Timer` (``rule``, ``status``, ``claim``, ``timer_id``,
+    ``partition``, ``scheduled_at``, ...)."""
+    owner = owner if owner is not None else ref(id)
+    values: dict[str, Any] = {
+        "timer_id": deterministic_timer_id(owner, key, version),
+        "partition": partition(owner.id, partitions),
+        "scheduled_at": due_at,
+        "target": target if target is not None else owner,
+        "body": (command if command is not None else Command(name="go")).to_json(),
+    }
+    values.update(fields)
+    return Timer(owner=owner, key=key, version=version, due_at=due_at, **values)
+
+
+def event(name: str = "ItemAdded", **body: Any) -> DomainEvent:
+    """A domain event ``name`` with ``body`` (a fresh id)."""
+    return DomainEvent(id=uuid.uuid4().hex, name=name, body=body)
+
+
+def scheduled(
+    key: str = "k",
+    due_at: Any = 0,
+    *,
+    target: AggregateRef | Mapping[str, Any] | None = None,
+    command: str | Mapping[str, Any] = "go",
+    body: Mapping[str, Any] | None = None,
+    rule: Mapping[str, Any] | None = None,
+    **fields: Any,
+) -> DomainEvent:
+    """A ``TimerScheduled`` event as a producer writes it: the timer ``key`` due at ``due_at``
+    (``rule``: once), sending the command ``command`` with ``body`` to ``target`` (an aggregate,
+    or its document as written; default order ``o-1``). A mapping for ``command`` is its document
+    as written; ``fields`` are more (or other) fields of the event's body, written as given."""
+    aim = target if target is not None else ref()
+    doc: dict[str, Any] = {
+        "key": key,
+        "due_at": due_at,
+        "rule": dict(rule) if rule is not None else {"type": "once"},
+        "target": {"context": aim.context, "aggregate": aim.aggregate, "id": aim.id}
+        if isinstance(aim, AggregateRef)
+        else aim,
+        "command": {"name": command, "body": dict(body or {})} if isinstance(command, str) else command,
+    }
+    if isinstance(aim, AggregateRef) and aim.tenant_id != "(0)":
+        doc["target"]["tenant_id"] = aim.tenant_id
+    doc.update(fields)
+    return DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=doc)
+
+
+def cancelled(key: str = "k") -> DomainEvent:
+    """A ``TimerCancelled`` event of the timer ``key``."""
+    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
+
+
+def commit(
+    id: str = "o-1",
+    version: int = 1,
+    *events: DomainEvent,
+    owner: AggregateRef | None = None,
+    create_time: int | None = None,
+    **fields: Any,
+) -> Commit:
+    """The commit ``version`` of order ``id`` (or of ``owner``) holding ``events`` (none given:
+    one ``ItemAdded``), created now (or at ``create_time``), with fresh command and request ids;
+    ``fields``: any other field of :class:`Commit` (``deleted``, ``access``, ``request_id``, ...)."""
+    values: dict[str, Any] = {"command_id": uuid.uuid4().hex, "request_id": uuid.uuid4().hex}
+    values.update(fields)
+    return Commit(
+        ref=owner if owner is not None else ref(id),
+        version=version,
+        create_time=now_ms() if create_time is None else create_time,
+        events=events or (event(n=version),),
+        **values,
+    )
+
+
+def timer_commit(agg_id: str, version: int, keys: list[str], due_at: int | None = None) -> Commit:
+    """The commit ``version`` of order ``agg_id``: an ``ItemAdded``, then a timer scheduled for
+    each of ``keys``, due at ``due_at`` (default now), sending ``expire-order`` with ``{"key":
+    key}`` to the order itself."""
+    due = now_ms() if due_at is None else due_at
+    owner = ref(agg_id)
+    timers = [scheduled(key, due, target=owner, command="expire-order", body={"key": key}) for key in keys]
+    return commit(agg_id, version, event(n=version), *timers, create_time=due)
+
+
+def embedded_settings(tmp_path: Path, partitions: int = PARTITIONS, **extra: Any) -> WowdSettings:
+    """One replica's settings (a lease limit of 1) on the embedded file ``tmp_path/wowd.db``;
+    ``extra``: more settings."""
+    extra.setdefault("lease", LeaseSettings(limit=1))
+    return WowdSettings(
+        context=CONTEXT, partitions=partitions, embedded=EmbeddedSettings(path=tmp_path / "wowd.db"), **extra
+    )
+
+
+async def eventually(
+    check: Callable[[], bool | Awaitable[bool]], within: float = 10, what: str = "condition", every: float = 0.05
+) -> None:
+    """Returns once ``check()`` (a function or a coroutine function) holds, asked every ``every``
+    seconds, else fails the test after ``within`` seconds naming ``what``. For a state no event
+    announces (a process's file, another process's store); where the code under test sets an
+    event, wait on that instead."""
+    try:
+        with anyio.fail_after(within):
+            while True:
+                held = check()
+                if inspect.isawaitable(held):
+                    held = await held
+                if held:
+                    return
+                await anyio.sleep(every)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within}s waiting for: {what}") from None
+
+
+class Recorder:
+    """A gateway that delivers every timer and records when (ms since the epoch)."""
+
+    def __init__(self) -> None:
+        self.fired: list[tuple[Timer, int]] = []
+        self.changed = anyio.Event()
+
+    async def send(self, timer: Timer) -> Outcome:
+        self.fired.append((timer, now_ms()))
+        self.changed.set()
+        self.changed = anyio.Event()
+        return Delivered()
+
+    async def until_fired(self, n: int) -> None:
+        """Returns once ``n`` timers were delivered (call it inside ``fail_after``)."""
+        while len(self.fired) < n:
+            await self.changed.wait()
+
+    async def aclose(self) -> None:
+        return None
