@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -165,17 +166,46 @@ async def eventually(
 
 
 class Recorder:
-    """A gateway that delivers every timer and records when (ms since the epoch)."""
+    """A gateway that records each timer it is sent, and when (:attr:`fired`, ms since the
+    epoch), answering ``answer(timer)`` (default :class:`Delivered`). :meth:`hold` makes the sends
+    to a target aggregate (or to all) wait until released; :attr:`in_flight` and :attr:`peak`
+    count the sends under way per target aggregate; :attr:`entered` is set at the first send."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Callable[[Timer], Outcome] | None = None) -> None:
+        self.answer = answer if answer is not None else (lambda _timer: Delivered())
         self.fired: list[tuple[Timer, int]] = []
         self.changed = anyio.Event()
+        self.entered = anyio.Event()
+        self.in_flight: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
+        self._holds: dict[str | None, anyio.Event] = {}
+
+    @property
+    def sent(self) -> list[Timer]:
+        """The timers delivered so far, in order."""
+        return [t for t, _at in self.fired]
+
+    def hold(self, aggregate: str | None = None) -> anyio.Event:
+        """From now on the sends to target aggregate ``aggregate`` (``None``: every send) wait
+        until the event answered is set."""
+        self._holds[aggregate] = anyio.Event()
+        return self._holds[aggregate]
 
     async def send(self, timer: Timer) -> Outcome:
+        aggregate = timer.target.aggregate
+        self.in_flight[aggregate] += 1
+        self.peak[aggregate] = max(self.peak[aggregate], self.in_flight[aggregate])
+        self.entered.set()
+        try:
+            for held in (self._holds.get(aggregate), self._holds.get(None)):
+                if held is not None:
+                    await held.wait()
+        finally:
+            self.in_flight[aggregate] -= 1
         self.fired.append((timer, now_ms()))
         self.changed.set()
         self.changed = anyio.Event()
-        return Delivered()
+        return self.answer(timer)
 
     async def until_fired(self, n: int) -> None:
         """Returns once ``n`` timers were delivered (call it inside ``fail_after``)."""

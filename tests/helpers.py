@@ -45,14 +45,17 @@ def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: floa
     )  # fmt: skip
 
 
-async def hold_slot(b: Backend, partitions: int, key: str = "a") -> HeldSlot:
+async def hold_slot(b: Backend, partitions: int, key: str = "a", *, valid_for: float = 60) -> HeldSlot:
     """Slot 0 of namespace ``ns``, taken by ``key`` for a minute (after the previous holder's
-    lease was released), over partitions ``0 .. partitions - 1``: for the tests that run a
-    slot's loops in-process."""
+    lease was released), over partitions ``0 .. partitions - 1``, valid ``valid_for`` seconds more
+    on this process's clock: for the tests that run a slot's loops in-process."""
     res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
     assert res.lease is not None
     return HeldSlot(
-        lease=res.lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + 60, owner_key=key
+        lease=res.lease,
+        partitions=frozenset(range(partitions)),
+        valid_until=anyio.current_time() + valid_for,
+        owner_key=key,
     )
 
 

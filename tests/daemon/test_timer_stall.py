@@ -14,9 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.factories import embedded_settings, eventually
-from tests.firing.test_rounds import PARTS, ScriptedGateway, due_timer, hold
-from tests.helpers import caught_up_waker, timer_loop
+from tests.factories import Recorder, embedded_settings, eventually, now_ms, timer
+from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.daemon import firing
@@ -26,6 +25,7 @@ from wowd.stores.base import Backend, TimerStore
 
 pytestmark = pytest.mark.anyio
 
+PARTS = 4
 FULL = StorageFull("sqlite wowd.db: database or disk is full")
 DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
 
@@ -82,11 +82,11 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
     backend: Backend, error: StorageError
 ) -> None:
     for i in range(3):
-        assert await backend.timers.put(due_timer(f"ok-{i}"))
+        assert await backend.timers.put(timer(f"ok-{i}", now_ms(), partitions=PARTS))
     store = FailingTimers(backend.timers)
     store.fail = error
-    gw = ScriptedGateway()
-    held = await hold(backend)
+    gw = Recorder()
+    held = await hold_slot(backend, PARTS)
     gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
     loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
@@ -114,11 +114,11 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
-    assert await backend.timers.put(due_timer("ok-1"))
+    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
     store = FailingTimers(backend.timers)
     store.settle_fail = FULL
-    gw = ScriptedGateway()
-    held = await hold(backend)
+    gw = Recorder()
+    held = await hold_slot(backend, PARTS)
     loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
     async def tried_twice() -> bool:
@@ -139,11 +139,11 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
 
 
 async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
-    assert await backend.timers.put(due_timer("ok-1"))
+    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
     store = FailingTimers(backend.timers)
     store.settle_fail = FULL
-    gw = ScriptedGateway()
-    held = await hold(backend)
+    gw = Recorder()
+    held = await hold_slot(backend, PARTS)
     loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
     async def tried_twice() -> bool:

@@ -12,8 +12,9 @@ from urllib.parse import urlencode
 
 import pytest
 
+from tests.factories import ref
 from tests.processes import SECRET_TOKEN
-from tests.ui.test_status_page import UI_TOKEN, Page, _fill, _serve, order
+from tests.ui.conftest import UI_TOKEN, Page, fill, serve
 from wowd.model import (
     Command,
     Commit,
@@ -34,24 +35,19 @@ DAY = 86_400_000
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def page(tmp_path: Path) -> AsyncIterator[Page]:
     """The status page over the store of the status page's tests, and the history of two timers
     of order o-77 that the view no longer holds: ``deadline`` (a 503, then delivered) and
     ``reminder`` (cancelled)."""
-    async for p in _serve(tmp_path / "wowd.db", UI_TOKEN):
-        p.now = await _fill(p.backend)
+    async for p in serve(tmp_path / "wowd.db", UI_TOKEN):
+        p.now = await fill(p.backend)
         await _history(p)
         yield p
 
 
 def _commit(version: int, at: int) -> Commit:
     return Commit(
-        ref=order("o-77"), version=version, command_id=f"c{version}", request_id=f"commit-{version}", create_time=at,
+        ref=ref("o-77"), version=version, command_id=f"c{version}", request_id=f"commit-{version}", create_time=at,
         events=(DomainEvent(id="e", name="x"),),
     )  # fmt: skip
 
@@ -59,7 +55,7 @@ def _commit(version: int, at: int) -> Commit:
 async def _history(p: Page) -> None:
     assert p.backend.history is not None
     now = p.now
-    owner = order("o-77")
+    owner = ref("o-77")
     go = Command(name="expire-order")
     scheduled = [
         TimerScheduled(key=k, due_at=now - 5000, rule=OnceRule(), target=owner, command=go)
@@ -97,7 +93,7 @@ async def test_a_fired_timer_s_history_by_key_by_id_and_by_request_id(page: Page
     assert "HTTP 503: busy" in html and "4.2 ms" in html and "log position 12" in html
     assert SECRET_TOKEN not in html and "**********" in html  # what the target echoed, masked
 
-    timer_id = deterministic_timer_id(order("o-77"), "deadline", 1)
+    timer_id = deterministic_timer_id(ref("o-77"), "deadline", 1)
     by_id = await page.api("/api/v1/timer?" + urlencode({"timer_id": timer_id}))
     assert by_id["status"] == "DONE" and by_id["key"] == "deadline"
     assert [(h["kind"], h.get("outcome"), h.get("status")) for h in by_id["history"]] == [
@@ -116,7 +112,7 @@ async def test_a_fired_timer_s_history_by_key_by_id_and_by_request_id(page: Page
 async def test_the_timer_search_by_request_id_answers_that_timer_alone(page: Page) -> None:
     everything = await page.api("/api/v1/timers")
     assert len(everything["timers"]) == 5  # the live timers of the store
-    timer_id = deterministic_timer_id(order("o-77"), "deadline", 1)
+    timer_id = deterministic_timer_id(ref("o-77"), "deadline", 1)
     request_id = (await page.api("/api/v1/timer?" + urlencode({"timer_id": timer_id})))["history"][-1]["request_id"]
     found = await page.api("/api/v1/timers?" + urlencode({"request_id": request_id}))
     assert [(t["timer_id"], t["status"]) for t in found["timers"]] == [(timer_id, "DONE")]
