@@ -76,18 +76,19 @@ def scheduled(
     target: AggregateRef | Mapping[str, Any] | None = None,
     command: str | Mapping[str, Any] = "go",
     body: Mapping[str, Any] | None = None,
-    rule: Mapping[str, Any] | None = None,
+    rule: Any = None,
     **fields: Any,
 ) -> DomainEvent:
     """A ``TimerScheduled`` event as a producer writes it: the timer ``key`` due at ``due_at``
-    (``rule``: once), sending the command ``command`` with ``body`` to ``target`` (an aggregate,
-    or its document as written; default order ``o-1``). A mapping for ``command`` is its document
-    as written; ``fields`` are more (or other) fields of the event's body, written as given."""
+    (``rule``, its document: once), sending the command ``command`` with ``body`` to ``target``
+    (an aggregate, or its document as written; default order ``o-1``). A mapping for ``command``
+    is its document as written; ``fields`` are more (or other) fields of the event's body, written
+    as given (the readers' tests write what a producer should not)."""
     aim = target if target is not None else ref()
     doc: dict[str, Any] = {
         "key": key,
         "due_at": due_at,
-        "rule": dict(rule) if rule is not None else {"type": "once"},
+        "rule": rule if rule is not None else {"type": "once"},
         "target": {"context": aim.context, "aggregate": aim.aggregate, "id": aim.id}
         if isinstance(aim, AggregateRef)
         else aim,
@@ -114,14 +115,18 @@ def commit(
 ) -> Commit:
     """The commit ``version`` of order ``id`` (or of ``owner``) holding ``events`` (none given:
     one ``ItemAdded``), created now (or at ``create_time``), with fresh command and request ids;
-    ``fields``: any other field of :class:`Commit` (``deleted``, ``access``, ``request_id``, ...)."""
-    values: dict[str, Any] = {"command_id": uuid.uuid4().hex, "request_id": uuid.uuid4().hex}
+    ``fields``: any other field of :class:`Commit` (``deleted``, ``access``, ``request_id``,
+    ``events`` as a tuple, ...)."""
+    values: dict[str, Any] = {
+        "command_id": uuid.uuid4().hex,
+        "request_id": uuid.uuid4().hex,
+        "events": events or (event(n=version),),
+    }
     values.update(fields)
     return Commit(
         ref=owner if owner is not None else ref(id),
         version=version,
         create_time=now_ms() if create_time is None else create_time,
-        events=events or (event(n=version),),
         **values,
     )
 

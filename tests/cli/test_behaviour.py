@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from tests.cli.conftest import Run, fill_outbox
+from tests.factories import ref, timer
 from wowd import __version__
 from wowd.backends import opened_backend
 from wowd.config import load_settings
@@ -251,23 +252,13 @@ def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) 
     fill_outbox({"r1": 1_000, "r2": 2_000})
 
     async def fill() -> None:
-        from wowd.model import AggregateRef, AggregateType, Command, Timer, deterministic_timer_id, partition
+        from wowd.model import AggregateType
 
         s = load_settings()
         async with opened_backend(s) as backend:
-            owner = AggregateRef(context=s.context, aggregate="order", id="o-1")
-            due = Timer(
-                timer_id=deterministic_timer_id(owner, "k", 1),
-                partition=partition("o-1", s.partitions),
-                owner=owner,
-                key="k",
-                version=1,
-                due_at=1_000,
-                scheduled_at=1_000,
-                target=owner,
-                body=Command(name="x").to_json(),
+            assert await backend.timers.put(
+                timer("o-1", 1_000, owner=ref("o-1", context=s.context), partitions=s.partitions)
             )
-            assert await backend.timers.put(due)
             order = AggregateType(context=s.context, aggregate="order")
             await backend.log.quarantine("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
 

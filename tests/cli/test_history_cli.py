@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 
 from tests.cli.conftest import Run
-from tests.delivery.test_gateway import serving
+from tests.delivery.conftest import serving
 from wowd.backends import opened_backend
 from wowd.client import schedule_stream
 from wowd.config import load_settings

@@ -4,7 +4,6 @@ cause is fixed, fed by a retry (idempotent steps from its reason); what still fa
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, closing
 from datetime import timedelta
@@ -15,7 +14,7 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
-from tests.factories import eventually
+from tests.factories import commit, event, eventually, ref, scheduled
 from wowd.backends import opened_backend
 from wowd.cli import quarantine as quarantine_cli
 from wowd.config import WowdSettings, load_settings
@@ -26,7 +25,6 @@ from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
-    DomainEvent,
     Owner,
     SnapshotRecord,
     commit_to_doc,
@@ -41,25 +39,8 @@ DUE = 10**13
 
 def order_commit(agg_id: str, version: int = 1, *, rule: dict[str, Any] | None = None) -> Commit:
     """A commit of ``order/agg_id`` scheduling the timer ``expire`` (``rule``: once)."""
-    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    timer = {
-        "key": "expire",
-        "due_at": DUE,
-        "rule": rule or {"type": "once"},
-        "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
-        "command": {"name": "expire-order", "body": {}},
-    }
-    return Commit(
-        ref=ref,
-        version=version,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=1_700_000_000_000 + version,
-        events=(
-            DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}),
-            DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=timer),
-        ),
-    )
+    expire = scheduled("expire", DUE, target=ref(agg_id), command="expire-order", rule=rule)
+    return commit(agg_id, version, event(n=version), expire, create_time=1_700_000_000_000 + version)
 
 
 class RefusingSink:

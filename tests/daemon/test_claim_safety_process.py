@@ -18,9 +18,9 @@ import anyio
 import pytest
 from aiohttp import web
 
-from tests.factories import CONTEXT, eventually, timer_commit
+from tests.factories import CONTEXT, commit, eventually, ref, scheduled, timer_commit
 from tests.processes import Replica, base_env
-from wowd.model import DomainEvent, TimerStatus
+from wowd.model import TimerStatus
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
@@ -113,15 +113,9 @@ async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
     backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
     try:
         commits = [timer_commit(f"g-{i}", 1, ["k"], due_at=due) for i in range(4)]
-        cron = timer_commit("bad", 1, [], due_at=due)
-        ev = DomainEvent(
-            id="cron", name="TimerScheduled",
-            body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
-                  "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
-        )  # fmt: skip
-        from dataclasses import replace
-
-        await backend.log.append_many([*commits, replace(cron, events=(ev,))])
+        every_minute = {"type": "cron", "expression": "* * * * *", "zone": "UTC"}
+        ev = scheduled("k", due, target=ref("bad"), command={"name": "go"}, rule=every_minute)
+        await backend.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
     finally:
         await backend.close()
     env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}")

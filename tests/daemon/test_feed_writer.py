@@ -7,7 +7,6 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.factories import CONTEXT, embedded_settings, ref, scheduled, timer_commit
+from tests.factories import CONTEXT, cancelled, commit, embedded_settings, ref, scheduled, timer_commit
 from tests.helpers import hold_slot
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
@@ -87,18 +86,6 @@ async def feed(s: WowdSettings, b: Backend, *, batch_size: int = 500) -> None:
                 await waker.wait_applied(waker.applied_batches, 1.0)
             held.request_stop()
     await b.leases.release(held.lease, 0)
-
-
-def commit(agg_id: str, version: int, *events: DomainEvent, deleted: bool = False) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id), version=version,
-        command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}), *events), deleted=deleted,
-    )  # fmt: skip
-
-
-def cancelled(key: str) -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
 
 
 def puts(*commits: Commit) -> list[TimerWrite]:

@@ -20,12 +20,11 @@ from pymongo import AsyncMongoClient
 
 from tests.daemon.test_timer_rebuild_process import (
     _assert_parked_and_failed_kept,
-    _cancel,
     _outbox_timer_ids,
     _scheduled,
     _summary,
 )
-from tests.factories import CONTEXT, eventually, timer_commit
+from tests.factories import CONTEXT, cancelled, commit, eventually, timer_commit
 from tests.processes import Replica, base_env, rebuild_killed_partway, run_wowd
 from wowd.config import WowdSettings
 from wowd.model import TimerStatus
@@ -220,7 +219,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
 
     due = int(time.time() * 1000) + 3_600_000
     appended = [f"o-{i}" for i in range(200)]
-    cancelled: set[str] = set()
+    gone: set[str] = set()
     stop = anyio.Event()
 
     async def produce() -> None:
@@ -229,8 +228,8 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
             await mongo.log.append_many([timer_commit(f"p-{i}", 1, [f"k-{i}"], due_at=due)])
             appended.append(f"p-{i}")
             if i % 3 == 0:
-                await mongo.log.append_many([_cancel(f"p-{i}", 2, f"k-{i}")])
-                cancelled.add(f"p-{i}")
+                await mongo.log.append_many([commit(f"p-{i}", 2, cancelled(f"k-{i}"))])
+                gone.add(f"p-{i}")
             i += 1
             with anyio.move_on_after(0.03):
                 await stop.wait()
@@ -244,7 +243,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
 
     async def follows() -> bool:
         live = {t.owner.id for t in await mongo.timers.scan(limit=100_000)}
-        return live == set(appended) - cancelled
+        return live == set(appended) - gone
 
     await eventually(follows, 20, "the view holds the log's live timers")
 

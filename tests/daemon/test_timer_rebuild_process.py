@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -15,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.inprocess import wowd_in_process
-from tests.factories import CONTEXT, eventually, timer_commit
+from tests.factories import CONTEXT, cancelled, commit, eventually, timer_commit
 from tests.processes import Replica, base_env, rebuild_killed_partway
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.model import TimerChange, TimerStatus
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
 
@@ -29,17 +28,6 @@ SMALL_N = 500
 """Timers scheduled by the tests of a view rebuilt from nothing, in five kinds as for :data:`N`."""
 DAY_MS = 86_400_000
 TABLE = f"wow_timer__{CONTEXT}"
-
-
-def _cancel(agg_id: str, version: int, key: str) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
-        version=version,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key}),),
-    )
 
 
 def _sql(db: Path, statement: str, *params: object) -> list[tuple[object, ...]]:
@@ -83,7 +71,7 @@ async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: 
         kind = kinds[i // fifth]
         commits.append(timer_commit(f"o-{kind}-{i}", 1, [f"k-{i}"], due_at=due[kind]))
     await stores.log.append_many(commits)
-    cancels = [_cancel(f"o-cancelled-{i}", 2, f"k-{i}") for i in range(fifth, 2 * fifth)]
+    cancels = [commit(f"o-cancelled-{i}", 2, cancelled(f"k-{i}")) for i in range(fifth, 2 * fifth)]
     await stores.log.append_many(cancels)
 
     ids: dict[str, set[str]] = {k: set() for k in kinds}

@@ -11,9 +11,8 @@ import anyio
 import pytest
 from anyio.abc import SocketStream
 
-from tests.factories import timer
+from tests.delivery.conftest import claimed
 from wowd.config import GatewaySettings
-from wowd.model import Claim, Command, Timer, TimerStatus
 
 
 async def _drain_request(stream: SocketStream) -> None:
@@ -92,12 +91,6 @@ async def target() -> AsyncIterator[Callable[[Any], Awaitable[int]]]:
         tg.cancel_scope.cancel()
 
 
-def _timer() -> Timer:
-    """A claimed timer, as the stream hands it to the gateway."""
-    claim = Claim(owner_key="me", fence=1, until=1)
-    return timer(due_at=1, command=Command(name="expire-order", body={"n": 1}), status=TimerStatus.FIRING, claim=claim)
-
-
 HUGE = b"<html>" + b"z" * 8_000_000 + b"</html>"
 
 GATEWAY_CASES: list[tuple[str, Any, str]] = [
@@ -128,7 +121,7 @@ async def test_gateway_answers_become_an_outcome_never_a_crash(
     gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}/api", timeout_s=timeout_s), pool_size=4)
     try:
         with anyio.fail_after(5):  # bounded by the gateway's own timeout, whatever the target does
-            outcome = await gw.send(_timer())
+            outcome = await gw.send(claimed())
     finally:
         await gw.aclose()
     assert type(outcome).__name__ == expected, (case, outcome)
@@ -146,6 +139,6 @@ async def test_a_refused_connection_is_a_retry() -> None:
     gw = HttpGateway(GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=0.5), pool_size=4)
     try:
         with anyio.fail_after(5):
-            assert isinstance(await gw.send(_timer()), Retry)
+            assert isinstance(await gw.send(claimed()), Retry)
     finally:
         await gw.aclose()

@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,9 +22,9 @@ import pytest
 from aiohttp import web
 
 from tests.certs import Pki, make_pki
-from tests.factories import CONTEXT, eventually
+from tests.factories import commit, event, eventually, now_ms, ref, scheduled
 from tests.processes import SECRET_TOKEN, Replica, base_env
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
+from wowd.model import Commit, TimerStatus
 from wowd.stores.base import Backend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
@@ -119,26 +118,18 @@ async def serving(service: Service, ssl_context: object = None) -> AsyncIterator
 def _commit(owner_id: str, targets: list[tuple[str, str, str]]) -> Commit:
     """One commit of order ``owner_id`` scheduling a timer, due now, per ``(context, aggregate,
     id)`` target."""
-    now = int(time.time() * 1000)
-    events = [DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={})]
-    for i, (context, aggregate, agg_id) in enumerate(targets):
-        events.append(
-            DomainEvent(
-                id=uuid.uuid4().hex,
-                name="TimerScheduled",
-                body={
-                    "key": f"k{i}",
-                    "due_at": now,
-                    "rule": {"type": "once"},
-                    "target": {"context": context, "aggregate": aggregate, "id": agg_id},
-                    "command": {"name": "expire", "body": {"target": agg_id}},
-                },
-            )
+    now = now_ms()
+    timers = [
+        scheduled(
+            f"k{i}",
+            now,
+            target=ref(agg_id, context=context, aggregate=aggregate),
+            command="expire",
+            body={"target": agg_id},
         )
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=owner_id), version=1, command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex, create_time=now, events=tuple(events),
-    )  # fmt: skip
+        for i, (context, aggregate, agg_id) in enumerate(targets)
+    ]
+    return commit(owner_id, 1, event(), *timers, create_time=now)
 
 
 def _toml(order_url: str, pay_url: str, ledger_url: str, pki: Pki) -> str:

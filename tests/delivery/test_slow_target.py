@@ -14,13 +14,14 @@ import anyio
 import pytest
 from aiohttp import web
 
+from tests.factories import ref, timer
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stream import target_limits
 from wowd.delivery import HttpGateway
-from wowd.model import AggregateRef, Command, Owner, Timer, TimerStatus, TimerWrite, deterministic_timer_id, partition
+from wowd.model import Owner, Timer, TimerStatus, TimerWrite
 from wowd.stores.base import Backend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -65,13 +66,10 @@ class Target:
         return web.json_response({})
 
 
-def timer(i: int, due: int) -> Timer:
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id=f"o-{i}")
-    target = AggregateRef(context=CONTEXT, aggregate=TARGETS[i % len(TARGETS)], id=f"t-{i}")
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(owner.id, PARTS), owner=owner,
-        key="k", version=1, due_at=due, scheduled_at=due, target=target, body=Command(name="go").to_json(),
-    )  # fmt: skip
+def aimed(i: int, due: int) -> Timer:
+    """Order ``o-I``'s timer, due at ``due``, sent to ``t-I`` of one of :data:`TARGETS` in turn."""
+    owner, target = ref(f"o-{i}", context=CONTEXT), ref(f"t-{i}", context=CONTEXT, aggregate=TARGETS[i % len(TARGETS)])
+    return timer(owner=owner, due_at=due, partitions=PARTS, target=target)
 
 
 async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_nothing(backend: Backend) -> None:
@@ -84,7 +82,7 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     due = int(time.time() * 1000)
-    timers = [timer(i, due) for i in range(300)]
+    timers = [aimed(i, due) for i in range(300)]
     assert await backend.timers.write([TimerWrite.put(t) for t in timers]) == [1] * len(timers)
     target.healthy_expected = sum(1 for t in timers if t.target.aggregate != "hang")
     gateway = HttpGateway(

@@ -14,8 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.factories import embedded_settings, eventually, timer_commit
-from tests.firing.test_timer_view import cancel_commit
+from tests.factories import cancelled, commit, embedded_settings, eventually, timer_commit
 from tests.helpers import hold_slot, timer_loop
 from wowd.backends import opened_backend
 from wowd.config import TimerSettings
@@ -93,7 +92,7 @@ async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: P
             await reads.first_read.wait()
             await eventually(all_claimed, 5, "every timer claimed ahead of its due time")
             assert int(time.time() * 1000) < due - 200, "claimed too late for the test to say anything"
-            await backend.log.append_many([cancel_commit(o, 2, "k") for o in sorted(CANCELLED)])
+            await backend.log.append_many([commit(o, 2, cancelled()) for o in sorted(CANCELLED)])
             reads.go.set()  # the feed's next batch: the cancels
             await eventually(all_settled, 10, "the others delivered, the view empty")
             held.request_stop()

@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.factories import Recorder, eventually
+from tests.factories import Recorder, cancelled, commit, event, eventually, ref, scheduled
 from wowd.config import WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.firing import Firing, OutboxRounds, choose
@@ -175,26 +175,13 @@ async def rig(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[R
 
 
 def _commit(owner_id: str, version: int, *events: DomainEvent) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=owner_id), version=version,
-        command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="Touched", body={"v": version}), *events),
-    )  # fmt: skip
+    """The commit ``version`` of order ``owner_id``: a ``Touched``, then ``events``."""
+    return commit(owner_id, version, event("Touched", v=version), *events, owner=ref(owner_id, context=CONTEXT))
 
 
 def _scheduled(owner_id: str, due_at: int, rule: Mapping[str, Any] | None = None) -> DomainEvent:
-    body = {
-        "key": "k",
-        "due_at": due_at,
-        "rule": dict(rule or {"type": "once"}),
-        "target": {"context": CONTEXT, "aggregate": "order", "id": owner_id},
-        "command": {"name": "go", "body": {}},
-    }
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=body)
-
-
-def _cancelled() -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+    """The timer ``k`` of order ``owner_id``, due at ``due_at``, sent to itself."""
+    return scheduled("k", due_at, target=ref(owner_id, context=CONTEXT), rule=rule)
 
 
 async def _hold(backend: Backend) -> HeldSlot:
@@ -239,7 +226,7 @@ async def test_the_fire_rule(rig: Rig) -> None:
         reads.held = True  # the feed behind: what follows is in the log, not in the view
         await log.append_many(
             [
-                _commit(CANCELLED, 2, _cancelled()),
+                _commit(CANCELLED, 2, cancelled()),
                 _commit(COMMITTED, 2),
                 _commit(MOVED, 2, _scheduled(MOVED, due + MOVED_BY_MS)),
             ]

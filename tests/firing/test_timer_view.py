@@ -6,7 +6,6 @@ the previous holder's claims at once; a replay from no checkpoint changes nothin
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -14,14 +13,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.factories import CONTEXT, embedded_settings, ref, scheduled, timer_commit
+from tests.factories import CONTEXT, cancelled, commit, embedded_settings, ref, scheduled, timer_commit
 from tests.helpers import hold_slot, replica_firing, timer_loop
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway, Outcome
-from wowd.model import AggregateRef, Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
+from wowd.model import Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 
 pytestmark = pytest.mark.anyio
@@ -51,22 +50,6 @@ async def backend(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
 async def hold(b: Backend, key: str) -> HeldSlot:
     """The slot, taken by ``key`` (after the previous holder's lease was released)."""
     return await hold_slot(b, PARTS, key)
-
-
-def cancelled(key: str) -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
-
-
-def events_commit(agg_id: str, version: int, *events: DomainEvent) -> Commit:
-    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    return Commit(
-        ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000), events=events,
-    )  # fmt: skip
-
-
-def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
-    return events_commit(agg_id, version, cancelled(key))
 
 
 async def run_slot(
@@ -102,7 +85,7 @@ async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever
     for i in range(20):
         commits.append(timer_commit(f"o-{i}", 1, ["k"], due_at=due))
         if i % 2 == 0:
-            commits.append(cancel_commit(f"o-{i}", 2, "k"))
+            commits.append(commit(f"o-{i}", 2, cancelled()))
     await backend.log.append_many(commits)
     held = await hold(backend, "a")
     await run_slot(tmp_path, backend, held, until_outbox=10, feed_batch=3)
@@ -118,8 +101,8 @@ async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
     is delivered, once."""
     due = int(time.time() * 1000)
     later = due + 3_600_000
-    x2 = events_commit("x", 2, cancelled("k"), scheduled("k", due, target=ref("x")))
-    y1 = events_commit(
+    x2 = commit("x", 2, cancelled("k"), scheduled("k", due, target=ref("x")))
+    y1 = commit(
         "y",
         1,
         scheduled("k", later, target=ref("y"), body={"n": "A"}),
@@ -290,7 +273,7 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
             while len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) < 12:
                 await a_moment()  # every one claimed, about a second ahead of its due time
             assert int(time.time() * 1000) < due
-            cancels = [cancel_commit(f"o-{i}", 2, "k") for i in range(0, 12, 3)]
+            cancels = [commit(f"o-{i}", 2, cancelled()) for i in range(0, 12, 3)]
             moves = [timer_commit(f"o-{i}", 2, ["k"], due_at=due + 300) for i in range(1, 12, 3)]
             await backend.log.append_many([*cancels, *moves])
             while await backend.outbox.count() < 8:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests import factories
 from wowd.errors import InvalidInput
 from wowd.model import (
     MAX_BODY_BYTES,
@@ -129,15 +130,11 @@ def test_bad_events_name_the_event(events: list[Any]) -> None:
 
 
 def scheduled(**body: Any) -> DomainEvent:
-    base: dict[str, Any] = {
-        "key": "expire",
-        "due_at": 1_700_000_000_000,
-        "rule": {"type": "once"},
-        "target": {"context": "chaos", "aggregate": "order", "id": "order-1"},
-        "command": {"name": "expire-order", "body": {"n": 1}},
-    }
-    base.update(body)
-    return DomainEvent(id="e", name="TimerScheduled", body=base)
+    """A ``TimerScheduled`` of order-1's timer ``expire``; ``body``: its fields written over it."""
+    command = {"name": "expire-order", "body": {"n": 1}}
+    target = {"context": "chaos", "aggregate": "order", "id": "order-1"}
+    doc = {"key": "expire", "due_at": 1_700_000_000_000, "target": target, "command": command}
+    return factories.scheduled(**{**doc, **body})
 
 
 def read_timer_event(event: DomainEvent, **kw: Any) -> TimerScheduled | TimerCancelled | None:

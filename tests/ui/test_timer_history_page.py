@@ -12,21 +12,17 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.factories import ref
+from tests.factories import commit, ref, timer
 from tests.processes import SECRET_TOKEN
 from tests.ui.conftest import UI_TOKEN, Page, fill, serve
 from wowd.model import (
     Command,
-    Commit,
-    DomainEvent,
     OnceRule,
-    Timer,
     TimerCancelled,
     TimerScheduled,
     attempt_record,
     commit_records,
     deterministic_timer_id,
-    partition,
 )
 
 pytestmark = pytest.mark.anyio
@@ -45,13 +41,6 @@ async def page(tmp_path: Path) -> AsyncIterator[Page]:
         yield p
 
 
-def _commit(version: int, at: int) -> Commit:
-    return Commit(
-        ref=ref("o-77"), version=version, command_id=f"c{version}", request_id=f"commit-{version}", create_time=at,
-        events=(DomainEvent(id="e", name="x"),),
-    )  # fmt: skip
-
-
 async def _history(p: Page) -> None:
     assert p.backend.history is not None
     now = p.now
@@ -61,12 +50,10 @@ async def _history(p: Page) -> None:
         TimerScheduled(key=k, due_at=now - 5000, rule=OnceRule(), target=owner, command=go)
         for k in ("deadline", "reminder")
     ]
-    records = commit_records(_commit(1, now - 9000), scheduled, DAY, position=12)
-    deadline = Timer(
-        timer_id=deterministic_timer_id(owner, "deadline", 1), partition=partition("o-77", 8), owner=owner,
-        key="deadline", version=1, due_at=now - 5000, scheduled_at=now - 5000, target=owner, body=go.to_json(),
-        revision=1,
-    )  # fmt: skip
+    records = commit_records(
+        commit("o-77", 1, create_time=now - 9000, request_id="commit-1"), scheduled, DAY, position=12
+    )
+    deadline = timer("o-77", now - 5000, key="deadline", command=go, revision=1)
     refused = f'{{"errorMsg": "busy", "echo": "Bearer {SECRET_TOKEN}"}}'
     records += [
         attempt_record(
@@ -82,7 +69,9 @@ async def _history(p: Page) -> None:
             answer='{"ok": true}',
         ),  # fmt: skip
     ]
-    records += commit_records(_commit(2, now - 2000), [TimerCancelled(key="reminder")], DAY)
+    records += commit_records(
+        commit("o-77", 2, create_time=now - 2000, request_id="commit-2"), [TimerCancelled(key="reminder")], DAY
+    )
     await p.backend.history.append(records)
 
 
