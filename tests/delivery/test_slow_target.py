@@ -14,7 +14,7 @@ import anyio
 import pytest
 from aiohttp import web
 
-from tests.factories import ref, timer
+from tests.factories import eventually, ref, timer
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, TimerSettings, WowdSettings
@@ -101,11 +101,8 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
                 await tg.start(loop.run, held, caught_up_waker())
                 await target.all_healthy.wait()
                 # the hanging target's circuit opens after its first failures
-                for _ in range(200):
-                    if metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")._value.get() == 1:
-                        break
-                    await anyio.sleep(0.05)
-                assert metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")._value.get() == 1
+                circuit = metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")
+                await eventually(lambda: circuit._value.get() == 1, 10, "the hanging target's circuit open")
                 stopped_at = time.time()
                 held.request_stop()
             done_in = time.time() - stopped_at

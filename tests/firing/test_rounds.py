@@ -78,10 +78,11 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
-        with anyio.fail_after(10):
-            while len(gw.sent) < len(timers) or await t.scan(status=TimerStatus.FIRING, limit=1):
-                await gw.entered.wait()
-                await anyio.sleep(0.02)
+
+        async def settled() -> bool:
+            return len(gw.sent) >= len(timers) and not await t.scan(status=TimerStatus.FIRING, limit=1)
+
+        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
         held.request_stop()
     assert len(gw.sent) == len(timers)  # each delivered once
     assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
@@ -222,10 +223,11 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     loop = timer_loop(t, gw)
     async with anyio.create_task_group() as tg:
         await tg.start(loop.run, held, caught_up_waker())
-        with anyio.fail_after(10):
-            while len(gw.sent) < len(on_time) or await t.scan(status=TimerStatus.FIRING, limit=1):
-                await gw.entered.wait()
-                await anyio.sleep(0.02)
+
+        async def settled() -> bool:
+            return len(gw.sent) >= len(on_time) and not await t.scan(status=TimerStatus.FIRING, limit=1)
+
+        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
         held.request_stop()
     assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
     assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered

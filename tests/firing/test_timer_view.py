@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
 import pytest
 
-from tests.factories import CONTEXT, cancelled, commit, embedded_settings, ref, scheduled, timer_commit
+from tests.factories import CONTEXT, cancelled, commit, embedded_settings, eventually, ref, scheduled, timer_commit
 from tests.helpers import hold_slot, replica_firing, timer_loop
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway, Outcome
-from wowd.model import Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
+from wowd.model import Commit, Timer, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 
 pytestmark = pytest.mark.anyio
@@ -65,14 +64,17 @@ async def run_slot(
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
-            while await backend.outbox.count() < until_outbox or waker.watermark is None:
-                await a_moment()
+
+            async def done() -> bool:
+                return await backend.outbox.count() >= until_outbox and waker.watermark is not None
+
+            await eventually(done, 10, f"{until_outbox} outbox entries and the feed at the log's end", every=0.01)
             held.request_stop()
 
 
-async def a_moment() -> None:
-    """Between two looks at the stores (each caller's loop runs inside ``fail_after``)."""
-    await anyio.sleep(0.01)
+async def fed(backend: Backend, n: int) -> bool:
+    """Whether the timer view holds ``n`` timers."""
+    return len(await backend.timers.scan(limit=10)) >= n
 
 
 async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever_the_feeds_lag(
@@ -149,8 +151,7 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, first, waker)
-            while len(await backend.timers.scan(limit=10)) < 5:
-                await a_moment()
+            await eventually(lambda: fed(backend, 5), 10, "five timers fed", every=0.01)
             first.request_stop()
     claimed = await backend.timers.claim_due(
         frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
@@ -171,21 +172,16 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
 
     due = int(time.time() * 1000)
     commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)]
-    bad = timer_commit("bad", 1, [], due_at=due)
-    ev = DomainEvent(
-        id="e", name="TimerScheduled",
-        body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
-              "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
-    )  # fmt: skip
-    await backend.log.append_many([*commits, replace(bad, events=(ev,))])
+    every_minute = {"type": "cron", "expression": "* * * * *", "zone": "UTC"}
+    ev = scheduled("k", due, target=ref("bad"), command={"name": "go"}, rule=every_minute)
+    await backend.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
     held = await hold(backend, "a")
     feeder = Feeder(settings(tmp_path), backend)
     waker = Waker()
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, waker)
-            while len(await backend.timers.scan(limit=10)) < 5:
-                await a_moment()
+            await eventually(lambda: fed(backend, 5), 10, "five timers fed", every=0.01)
             held.request_stop()
     # the zone disappears from the time zone database the replica runs with
     conn = sqlite3.connect(tmp_path / "wowd.db")
@@ -237,8 +233,7 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, again, Waker())
-            while not await backend.timers.scan(limit=10):
-                await a_moment()
+            await eventually(lambda: fed(backend, 1), 10, "the timer fed", every=0.01)
             again.request_stop()
     claimed = await backend.timers.claim_due(
         frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
@@ -270,14 +265,21 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
             await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(12)])
-            while len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) < 12:
-                await a_moment()  # every one claimed, about a second ahead of its due time
+
+            async def claimed() -> bool:
+                return len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) >= 12
+
+            # every one claimed, about a second ahead of its due time
+            await eventually(claimed, 10, "every timer claimed", every=0.01)
             assert int(time.time() * 1000) < due
             cancels = [commit(f"o-{i}", 2, cancelled()) for i in range(0, 12, 3)]
             moves = [timer_commit(f"o-{i}", 2, ["k"], due_at=due + 300) for i in range(1, 12, 3)]
             await backend.log.append_many([*cancels, *moves])
-            while await backend.outbox.count() < 8:
-                await a_moment()
+
+            async def delivered() -> bool:
+                return await backend.outbox.count() >= 8
+
+            await eventually(delivered, 10, "eight deliveries", every=0.01)
             held.request_stop()
     entries = await backend.outbox.entries()
     assert sorted(e.target.id for e in entries) == sorted(f"o-{i}" for i in range(12) if i % 3)
