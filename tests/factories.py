@@ -1,5 +1,5 @@
 """The tests' one set of builders: aggregates, timers, events and commits with keyword defaults
-(a test names what it asserts on and takes the rest), the settings of one replica on an embedded
+(a test names what it asserts on and takes the rest), outbox entries, the settings of one replica on an embedded
 file, one :func:`eventually` and one recording gateway.
 
 The defaults: context :data:`CONTEXT` over :data:`PARTITIONS` partitions, order ``o-1`` of the
@@ -20,7 +20,16 @@ import anyio
 
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.delivery import Delivered, Outcome
-from wowd.model import AggregateRef, Command, Commit, DomainEvent, Timer, deterministic_timer_id, partition
+from wowd.model import (
+    AggregateRef,
+    Command,
+    Commit,
+    DomainEvent,
+    OutboxEntry,
+    Timer,
+    deterministic_timer_id,
+    partition,
+)
 
 CONTEXT = "demo"
 PARTITIONS = 8
@@ -139,6 +148,25 @@ def timer_commit(agg_id: str, version: int, keys: list[str], due_at: int | None 
     owner = ref(agg_id)
     timers = [scheduled(key, due, target=owner, command="expire-order", body={"key": key}) for key in keys]
     return commit(agg_id, version, event(n=version), *timers, create_time=due)
+
+
+def outbox_entry(
+    request_id: str = "r-1", created_at: int = 0, *, target: AggregateRef | None = None, **fields: Any
+) -> OutboxEntry:
+    """The outbox's entry ``request_id`` of timer ``t`` (fence 1, owner key ``k``), a command
+    ``go`` to ``target`` (default order ``o-1``) put at ``created_at``; ``fields``: any other
+    field of :class:`OutboxEntry`."""
+    values: dict[str, Any] = {
+        "timer_id": "t",
+        "command": Command(name="go").to_json(),
+        "scheduled_at": 1,
+        "fence": 1,
+        "owner_key": "k",
+    }
+    values.update(fields)
+    return OutboxEntry(
+        request_id=request_id, target=target if target is not None else ref(), created_at=created_at, **values
+    )
 
 
 def embedded_settings(tmp_path: Path, partitions: int = PARTITIONS, **extra: Any) -> WowdSettings:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,20 @@ def rewriting(now: int) -> list[Commit]:
     ]
 
 
+@asynccontextmanager
+async def writing(s: WowdSettings, at_once: bool) -> AsyncIterator[tuple[Backend, CountingWriter | None]]:
+    """The backend of ``s``, its feed batches written in one transaction each (counted) when
+    ``at_once``, else step by step."""
+    async with opened_backend(s) as b:
+        counting = None
+        if at_once:
+            assert b.feed_writer is not None
+            b.feed_writer = counting = CountingWriter(b.feed_writer)
+        else:
+            b.feed_writer = None
+        yield b, counting
+
+
 async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path) -> None:
     """The last timer event of a key in a commit wins, whether the batch is written in one
     transaction or step by step, and wherever the batches are cut."""
@@ -200,13 +215,7 @@ async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path)
     views = []
     for name, at_once, batch_size in (("one", True, 500), ("steps", False, 500), ("each", True, 1)):
         s = settings(tmp_path / name)
-        async with opened_backend(s) as b:
-            counting = None
-            if at_once:
-                assert b.feed_writer is not None
-                b.feed_writer = counting = CountingWriter(b.feed_writer)
-            else:
-                b.feed_writer = None
+        async with writing(s, at_once) as (b, counting):
             await b.log.append_many(commits)
             await feed(s, b, batch_size=batch_size)
             assert counting is None or counting.applied >= 1
@@ -240,22 +249,9 @@ async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_s
     seen = []
     for at_once in (True, False):
         s = settings(tmp_path / str(at_once))
-        async with opened_backend(s) as b:
-            counting = None
-            if at_once:
-                assert b.feed_writer is not None
-                b.feed_writer = counting = CountingWriter(b.feed_writer)
-            else:
-                b.feed_writer = None
+        async with writing(s, at_once) as (b, counting):
             await b.log.append_many(commits)
-            held = await hold(b)
-            waker = Waker()
-            with anyio.fail_after(10):
-                async with anyio.create_task_group() as tg:
-                    await tg.start(Feeder(s, b, batch_size=2).run, held, waker)
-                    while waker.watermark is None:
-                        await waker.wait_applied(waker.applied_batches, 1.0)
-                    held.request_stop()
+            await feed(s, b, batch_size=2)
             if counting is not None:
                 assert counting.applied >= 23
             docs = [await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "ab"]

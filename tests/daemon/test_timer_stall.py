@@ -19,6 +19,8 @@ from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.daemon import firing
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
 from wowd.stores.base import Backend, TimerStore
@@ -77,6 +79,15 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
         yield b
 
 
+async def refused_settles(backend: Backend) -> tuple[FailingTimers, Recorder, HeldSlot, TimerLoop]:
+    """A timer due now, and the loop of a slot over a store whose settles the full disk refuses."""
+    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
+    store = FailingTimers(backend.timers)
+    store.settle_fail = FULL
+    gw = Recorder()
+    return store, gw, await hold_slot(backend, PARTS), timer_loop(store, gw)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("error", [FULL, DAMAGED], ids=["full-disk", "damaged-file"])
 async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
     backend: Backend, error: StorageError
@@ -114,20 +125,12 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
-    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
-    store = FailingTimers(backend.timers)
-    store.settle_fail = FULL
-    gw = Recorder()
-    held = await hold_slot(backend, PARTS)
-    loop = timer_loop(store, gw)  # type: ignore[arg-type]
-
-    async def tried_twice() -> bool:
-        return store.settles >= 2
+    store, gw, held, loop = await refused_settles(backend)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually(tried_twice, 5, "the settle retried")
+            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
             assert [t.target.id for t in gw.sent] == ["ok-1"]
             assert loop.stall is not None and loop.stall.stalled  # the settle's failure stalls the loop
             held.request_stop()
@@ -139,15 +142,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
 
 
 async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
-    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
-    store = FailingTimers(backend.timers)
-    store.settle_fail = FULL
-    gw = Recorder()
-    held = await hold_slot(backend, PARTS)
-    loop = timer_loop(store, gw)  # type: ignore[arg-type]
-
-    async def tried_twice() -> bool:
-        return store.settles >= 2
+    store, gw, held, loop = await refused_settles(backend)
 
     async def settled() -> bool:
         return not await backend.timers.scan(limit=10)
@@ -155,7 +150,7 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually(tried_twice, 5, "the settle retried")
+            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
             store.settle_fail = None
             await eventually(settled, 5, "the fired timer settled")
             held.request_stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -133,39 +134,21 @@ def _commit(owner_id: str, targets: list[tuple[str, str, str]]) -> Commit:
 
 
 def _toml(order_url: str, pay_url: str, ledger_url: str, pki: Pki) -> str:
-    return f"""
-[gateway]
-kind = "http"
-ca_certs = "{pki.ca}"
-signing_secrets = ["{GLOBAL_SECRET}"]
-
-[[gateway.routes]]
-match = "order.invoice"
-url = "{order_url}"
-token = "{ORDER_TOKEN}"
-signing_secrets = ["{WRONG_SECRET}"]
-
-[[gateway.routes]]
-match = "order"
-url = "{order_url}"
-token = "{ORDER_TOKEN}"
-signing_secrets = ["{ORDER_SECRET}"]
-
-[[gateway.routes]]
-match = "payment"
-url = "{pay_url}"
-token = "{PAY_TOKEN}"
-api_key_header = "X-Api-Key"
-per_target_concurrency = 8
-signing_secrets = ["{PAY_NEW}", "{PAY_OLD}"]
-
-[[gateway.routes]]
-match = "ledger"
-url = "{ledger_url}"
-token = "{LEDGER_TOKEN}"
-client_cert = "{pki.client_cert}"
-client_key = "{pki.client_key}"
-"""
+    """The replica's configuration file: the gateway and its routes, in the order they match (each
+    value written as JSON, which TOML reads alike for strings, numbers and lists)."""
+    gateway = {"kind": "http", "ca_certs": str(pki.ca), "signing_secrets": [GLOBAL_SECRET]}
+    routes: list[dict[str, object]] = [
+        {"match": "order.invoice", "url": order_url, "token": ORDER_TOKEN, "signing_secrets": [WRONG_SECRET]},
+        {"match": "order", "url": order_url, "token": ORDER_TOKEN, "signing_secrets": [ORDER_SECRET]},
+        {"match": "payment", "url": pay_url, "token": PAY_TOKEN, "api_key_header": "X-Api-Key",
+         "per_target_concurrency": 8, "signing_secrets": [PAY_NEW, PAY_OLD]},
+        {"match": "ledger", "url": ledger_url, "token": LEDGER_TOKEN, "client_cert": str(pki.client_cert),
+         "client_key": str(pki.client_key)},
+    ]  # fmt: skip
+    lines = ["[gateway]", *(f"{k} = {json.dumps(v)}" for k, v in gateway.items())]
+    for route in routes:
+        lines += ["", "[[gateway.routes]]", *(f"{k} = {json.dumps(v)}" for k, v in route.items())]
+    return "\n".join(lines) + "\n"
 
 
 async def test_each_context_reaches_its_service_with_its_credentials_and_signature(

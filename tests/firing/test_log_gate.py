@@ -6,31 +6,20 @@ read of the log's head is frozen here, as a quiet MongoDB log's post-batch resum
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import anyio
 import pytest
 
-from tests.factories import CONTEXT, Recorder, eventually, now_ms, timer
+from tests.factories import Recorder, eventually, now_ms, timer
+from tests.firing.conftest import PARTS
 from tests.helpers import held_slot, timer_loop
 from wowd.daemon.firing import CHANGED
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
-PARTS = 4
-
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
-    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 class Gate:

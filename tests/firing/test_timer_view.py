@@ -72,9 +72,17 @@ async def run_slot(
             held.request_stop()
 
 
-async def fed(backend: Backend, n: int) -> bool:
-    """Whether the timer view holds ``n`` timers."""
-    return len(await backend.timers.scan(limit=10)) >= n
+async def feed_until(tmp_path: Path, backend: Backend, held: HeldSlot, n: int) -> None:
+    """Runs the slot's feed alone until the timer view holds ``n`` timers, then stops it."""
+
+    async def fed() -> bool:
+        return len(await backend.timers.scan(limit=10)) >= n
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(Feeder(settings(tmp_path), backend).run, held, Waker())
+            await eventually(fed, 10, f"{n} timers fed", every=0.01)
+            held.request_stop()
 
 
 async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever_the_feeds_lag(
@@ -146,13 +154,7 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
     due = int(time.time() * 1000)
     await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(5)])
     first = await hold(backend, "a")
-    feeder = Feeder(settings(tmp_path), backend)
-    waker = Waker()
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, first, waker)
-            await eventually(lambda: fed(backend, 5), 10, "five timers fed", every=0.01)
-            first.request_stop()
+    await feed_until(tmp_path, backend, first, 5)
     claimed = await backend.timers.claim_due(
         frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
     )
@@ -176,13 +178,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     ev = scheduled("k", due, target=ref("bad"), command={"name": "go"}, rule=every_minute)
     await backend.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
     held = await hold(backend, "a")
-    feeder = Feeder(settings(tmp_path), backend)
-    waker = Waker()
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, held, waker)
-            await eventually(lambda: fed(backend, 5), 10, "five timers fed", every=0.01)
-            held.request_stop()
+    await feed_until(tmp_path, backend, held, 5)
     # the zone disappears from the time zone database the replica runs with
     conn = sqlite3.connect(tmp_path / "wowd.db")
     with conn:
@@ -229,12 +225,7 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     await backend.log.append_many([timer_commit("left", 1, ["k"], due_at=due)])
     again = await hold(backend, "a")
     assert again.fence == held.fence
-    feeder = Feeder(settings(tmp_path), backend)
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, again, Waker())
-            await eventually(lambda: fed(backend, 1), 10, "the timer fed", every=0.01)
-            again.request_stop()
+    await feed_until(tmp_path, backend, again, 1)
     claimed = await backend.timers.claim_due(
         frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
     )

@@ -14,6 +14,7 @@ import anyio
 import pytest
 
 from tests.factories import CONTEXT, Recorder, now_ms, timer, timer_commit
+from tests.firing.conftest import PARTS, opened_timers
 from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timer_plan, timers
@@ -28,8 +29,6 @@ from wowd.model import (
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
-
-PARTS = 4
 
 
 # --------------------------------------------------------------------------- the Waker
@@ -151,21 +150,9 @@ def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
-    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
-@pytest.fixture
 async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
-    s = NoNextDue(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
+    async with opened_timers(NoNextDue, tmp_path) as s:
         yield s
-    finally:
-        await s.close()
 
 
 async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
@@ -289,19 +276,16 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
     """The watermark adds no poll: the loop claims the timer within the lookahead, and at its due
     time asks the log to look at its head at once (no due read then) and delivers it as soon as
     the feed has read that far. Here the feed is an idle log: each nudge is one empty read."""
-    store = CountingClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    store.claims = []
     reads: list[int] = []
-    try:
+    async with opened_timers(CountingClaims, tmp_path) as store:
+        store.claims = []
         due = now_ms() + 300
         gw = await fire_over_an_idle_log(store, [timer("n-1", due, partitions=PARTS)], lookahead_ms=100, reads=reads)
-        t, at = gw.fired[0]
-        assert t.scheduled_at == due <= at
-        assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
-        assert min(r for r in reads if r >= due) <= at  # ... came before the delivery
-        assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
-    finally:
-        await store.close()
+    t, at = gw.fired[0]
+    assert t.scheduled_at == due <= at
+    assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
+    assert min(r for r in reads if r >= due) <= at  # ... came before the delivery
+    assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
 
 
 async def fire_over_an_idle_log(
@@ -350,16 +334,13 @@ async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_
     """One timer every 10 ms, a lookahead of 400 ms: each round takes half a lookahead of timers
     and is claimed about half a lookahead before its first one is due, not when that one comes due
     (the claim, and the settle of the round before that it may wait for, would then delay it)."""
-    store = AheadClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    store.ahead = []
-    try:
+    async with opened_timers(AheadClaims, tmp_path) as store:
+        store.ahead = []
         # the first one due past the first round's lookahead: that round is planned too, whether
         # the loop starts at once or, on a busy machine, some hundreds of milliseconds later
         first = now_ms() + 600
         stream = [timer(f"s-{i}", first + 10 * i, partitions=PARTS) for i in range(120)]
         gw = await fire_over_an_idle_log(store, stream, lookahead_ms=400)
-        assert all(at >= t.scheduled_at for t, at in gw.fired)
-        assert len(store.ahead) >= 5
-        assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine
-    finally:
-        await store.close()
+    assert all(at >= t.scheduled_at for t, at in gw.fired)
+    assert len(store.ahead) >= 5
+    assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine

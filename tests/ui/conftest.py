@@ -15,11 +15,11 @@ import anyio
 import httpx
 import pytest
 
-from tests.factories import CONTEXT, PARTITIONS, commit, ref, timer
+from tests.factories import CONTEXT, PARTITIONS, commit, outbox_entry, ref, timer
 from tests.processes import SECRET_MONGO_PW, SECRET_TOKEN
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.daemon.http import HttpServer
-from wowd.model import AggregateType, Command, OutboxEntry, Timer, TimerChange, commit_to_doc, partition
+from wowd.model import AggregateType, Command, Timer, TimerChange, commit_to_doc, partition
 from wowd.stores.base import Backend
 from wowd.ui import StatusPage
 
@@ -129,15 +129,9 @@ async def fill(b: Backend) -> int:
         "wowd", partition("o-9", PARTITIONS), ORDER, raw, "timers refused it: StorageFull: disk full"
     )
     for i in range(2):
-        entry = OutboxEntry(
-            request_id=f"req-{i}",
-            timer_id=f"t-{i}",
-            target=ref("o-1"),
-            command='{"name":"expire-order","body":{}}',
-            scheduled_at=now,
-            fence=1,
-            owner_key="a",
-            created_at=now - 10_000 + i,
+        command = Command(name="expire-order").to_json()
+        entry = outbox_entry(
+            f"req-{i}", now - 10_000 + i, timer_id=f"t-{i}", command=command, scheduled_at=now, owner_key="a"
         )
         assert await b.outbox.put(entry)
     return now
