@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests import forkserver
 from tests.factories import CONTEXT, PARTITIONS, eventually
@@ -141,3 +142,13 @@ async def rebuild_killed_partway(env: dict[str, str]) -> None:
         if proc.returncode is None:
             proc.kill()
         await proc.aclose()
+
+
+def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """The value of the sample ``name`` (with ``labels``) in a replica's ``/metrics`` text, or
+    ``None`` when it has none."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return float(s.value)
+    return None
