@@ -89,3 +89,13 @@ def fill_outbox(created_at: dict[str, int]) -> None:
                 assert await backend.outbox.put(outbox_entry(request_id, created))
 
     anyio.run(fill)
+
+
+def refused_check(wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    """``wowd check`` with ``env`` set, refused at start (exit 2, nothing on stdout, no
+    traceback); answers what it said on stderr."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    return err

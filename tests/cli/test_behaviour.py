@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.cli.conftest import Run, fill_outbox
+from tests.cli.conftest import Run, fill_outbox, refused_check
 from tests.factories import ref, timer
 from wowd import __version__
 from wowd.backends import opened_backend
@@ -72,10 +72,8 @@ def test_version(wowd: Run) -> None:
 def test_bad_settings_are_refused_at_start_with_one_clean_message(
     wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
 ) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code, out, err = wowd("check")
-    assert code == 2 and out == "" and says in err and "Traceback" not in err
+    err = refused_check(wowd, monkeypatch, env)
+    assert says in err
     assert "t0k3n" not in err and "pw-in-url" not in err
 
 

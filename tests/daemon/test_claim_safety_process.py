@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 import pytest
 from aiohttp import web
 
+from tests.delivery.conftest import serving
 from tests.factories import CONTEXT, commit, eventually, ref, scheduled, timer_commit
 from tests.processes import Replica, base_env
 from wowd.model import TimerStatus
@@ -44,32 +46,25 @@ class Target:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Target], anyio.abc.ObjectReceiveStream[int] | int]]:
-    runners: list[web.AppRunner] = []
+async def serve() -> AsyncIterator[Callable[[Target], Awaitable[str]]]:
+    """Starts a target on a local port for the test; answers its URL."""
+    async with AsyncExitStack() as started:
 
-    async def start(target: Target) -> int:
-        app = web.Application()
-        app.router.add_post("/{tail:.*}", target.handle)
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        async def start(target: Target) -> str:
+            _srv, url = await started.enter_async_context(serving(target.handle))
+            return url
 
-    yield start  # type: ignore[misc]
-    for r in runners:
-        await r.cleanup()
+        yield start
 
 
 async def test_a_target_slower_than_the_claim_gets_each_request_once_before_its_backoff(
-    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], Awaitable[str]]
 ) -> None:
     target = Target(status=503, delay_s=0.3)
-    port = await serve(target)  # type: ignore[misc]
+    url = await serve(target)
     db = tmp_path / "wowd.db"
     env = base_env(
-        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=url,
         WOWD_TIMERS__CLAIM_TTL_S=0.5, WOWD_TIMERS__BATCH=2, WOWD_TIMERS__BACKOFF_BASE_S=30,
         WOWD_GATEWAY__CONCURRENCY=1, WOWD_TIMERS__LOOKAHEAD_MS=0, WOWD_GATEWAY__BREAKER_FAILURES=100,
     )  # fmt: skip
@@ -101,10 +96,10 @@ async def _all_sent(target: Target, n: int) -> bool:
 
 
 async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
-    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], Awaitable[str]]
 ) -> None:
     target = Target(status=200, delay_s=0.0)
-    port = await serve(target)  # type: ignore[misc]
+    url = await serve(target)
     db = tmp_path / "wowd.db"
     from wowd.config import EmbeddedSettings, WowdSettings
     from wowd.stores.embedded import open_embedded
@@ -118,7 +113,7 @@ async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
         await backend.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
     finally:
         await backend.close()
-    env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}")
+    env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=url)
     r = spawn("poison", env)
     await r.wait_ready()
 

@@ -5,7 +5,7 @@ scripted store, then a whole supervisor on the embedded store (a standby, then a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -152,17 +152,6 @@ def replica_settings(tmp_path: Path) -> WowdSettings:
         lease=LeaseSettings(limit=1, ttl_s=3, tolerance_s=0.5, owner_key="replica-b"),
         http=HttpSettings(host="127.0.0.1", port=0),
     )
-
-
-@pytest.fixture
-async def backend(replica_settings: WowdSettings) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(replica_settings)
-    try:
-        yield b
-    finally:
-        await b.close()
 
 
 async def records(backend: Backend) -> dict[str, ReplicaState]:

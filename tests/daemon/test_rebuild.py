@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -181,15 +182,19 @@ async def test_a_takeover_skips_rebuilt_partitions_and_an_older_reducer_writes_n
     assert done.outcome == "current" and done.backfilled and reads == []
 
 
+def after(n: int) -> Callable[[], bool]:
+    """A question answered no ``n`` times, then yes."""
+    asked = itertools.count(1)
+    return lambda: next(asked) > n
+
+
 async def test_the_fence_is_checked_before_each_rewrite_batch(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, rewrite_batch=1)
-    checks = 0
+    lost = after(1)
 
     def check() -> None:
-        nonlocal checks
-        checks += 1
-        if checks > 1:
+        if lost():
             raise LeaseLost("lease no longer valid")
 
     with pytest.raises(LeaseLost):
@@ -238,14 +243,7 @@ async def test_an_expired_slot_rewrites_nothing(tmp_path: Path, backend: Backend
 async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, batch_size=1)
-    asked = 0
-
-    def stopping() -> bool:
-        nonlocal asked
-        asked += 1
-        return asked > 1
-
-    [r] = await rebuilder.rebuild(range(PARTS), stopping=stopping)
+    [r] = await rebuilder.rebuild(range(PARTS), stopping=after(1))
     assert r.outcome == "stopped" and r.partitions == [] and r.rewritten == 0
     table = await backend.rebuilds.table(ORDER)
     assert table is not None and table.revision == 2 and table.rebuilding and not table.backfilled

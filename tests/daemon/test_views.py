@@ -22,6 +22,7 @@ from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
+from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateType, Commit, TimerWrite, partition
 from wowd.stores.base import Backend
@@ -153,16 +154,23 @@ async def test_a_raising_reducer_holds_back_its_snapshots_only(tmp_path: Path) -
         assert await backend.log.quarantined() == []
 
 
-async def test_an_upgraded_store_carries_its_checkpoint_over_to_every_view(tmp_path: Path, backend: Backend) -> None:
-    """A store written before views had checkpoints of their own has one, ``wowd``'s: every view
-    starts there (nothing re-indexed), and saves its own from the next batch on."""
+async def upgraded(backend: Backend) -> tuple[list[Commit], HeldSlot]:
+    """The store as an earlier version left it: four commits fed and one checkpoint, ``wowd``'s,
+    at the log's head; answers those commits and the slot, held."""
     old = [timer_commit(f"old-{i}", 1, [], due_at=10**13) for i in range(4)]
     await backend.log.append_many(old)
     held = await hold_slot(backend, PARTS, "me")
     head = {}
     async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
         head.update(batch.positions)
-    assert await backend.log.save_checkpoints(CONSUMER, head, held.fence)  # as the earlier version left it
+    assert await backend.log.save_checkpoints(CONSUMER, head, held.fence)
+    return old, held
+
+
+async def test_an_upgraded_store_carries_its_checkpoint_over_to_every_view(tmp_path: Path, backend: Backend) -> None:
+    """A store written before views had checkpoints of their own has one, ``wowd``'s: every view
+    starts there (nothing re-indexed), and saves its own from the next batch on."""
+    old, held = await upgraded(backend)
     new = timer_commit("new-1", 1, [], due_at=10**13)
     await backend.log.append(new)
     feeder = Feeder(settings(tmp_path), backend)
@@ -239,13 +247,7 @@ async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tm
     """Upgraded (only the ``wowd`` checkpoint), the index down from the first batch, the replica
     restarted while the timer view moved on: the index still starts where it fell behind, so
     every commit since reaches it once the cluster is back."""
-    old = [timer_commit(f"old-{i}", 1, [], due_at=10**13) for i in range(4)]
-    await backend.log.append_many(old)
-    first = await hold_slot(backend, PARTS, "me")
-    head = {}
-    async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
-        head.update(batch.positions)
-    assert await backend.log.save_checkpoints(CONSUMER, head, first.fence)  # as the earlier version left it
+    old, first = await upgraded(backend)
     sink = refusing(backend)
     new = [timer_commit(f"new-{i}", 1, ["k"], due_at=10**13) for i in range(8)]
 

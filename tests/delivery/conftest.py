@@ -57,7 +57,7 @@ async def serving(handler: Handler, ssl_context: ssl.SSLContext | None = None) -
     target = Target(handler)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", target.handle)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
     await site.start()

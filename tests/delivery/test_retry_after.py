@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 from aiohttp import web
-from anyio.abc import TaskStatus
 
+from tests.delivery.conftest import serving
 from tests.factories import embedded_settings, eventually, ref, timer
 from wowd.backends import opened_backend
 from wowd.clock import now_ms
@@ -40,25 +40,9 @@ class Target:
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        aggregate = request.match_info["aggregate"]
+        aggregate = request.path.split("/")[-3]  # .../{aggregate}/{id}/{command}
         self.arrived.setdefault(aggregate, now_ms())
         return web.Response(status=503, headers={"Retry-After": HINTS[aggregate]})
-
-    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        app = web.Application()
-        app.router.add_post("/{aggregate}/{id}/{command}", self.handle)
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
 
 
 def settings(tmp_path: Path, url: str) -> WowdSettings:
@@ -80,10 +64,8 @@ def aimed_at(aggregate: str) -> Timer:
 @pytest.fixture
 async def target() -> AsyncIterator[Target]:
     t = Target()
-    async with anyio.create_task_group() as tg:
-        await tg.start(t.serve)
+    async with serving(t.handle) as (_srv, t.url):
         yield t
-        tg.cancel_scope.cancel()
 
 
 async def test_a_retry_after_is_honoured_up_to_an_hour_and_a_date_is_no_hint(tmp_path: Path, target: Target) -> None:

@@ -14,6 +14,7 @@ import anyio
 import pytest
 from aiohttp import web
 
+from tests.delivery.conftest import serving
 from tests.factories import eventually, ref, timer
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
@@ -55,9 +56,10 @@ class Target:
         self.arrivals: list[tuple[float, str, str]] = []  # (time, aggregate, request id)
         self.all_healthy = anyio.Event()
         self.healthy_expected = 0
+        self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        aggregate = request.match_info["aggregate"]
+        aggregate = request.path.split("/")[-3]  # .../{aggregate}/{id}/{command}
         self.arrivals.append((time.time(), aggregate, request.headers["Command-Request-Id"]))
         if aggregate == "hang":
             await anyio.sleep_forever()
@@ -72,21 +74,22 @@ def aimed(i: int, due: int) -> Timer:
     return timer(owner=owner, due_at=due, partitions=PARTS, target=target)
 
 
-async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_nothing(backend: Backend) -> None:
-    target = Target()
-    app = web.Application()
-    app.router.add_post("/{aggregate}/{id}/{command}", target.handle)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+@pytest.fixture
+async def target() -> AsyncIterator[Target]:
+    t = Target()
+    async with serving(t.handle) as (_srv, t.url):
+        yield t
+
+
+async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_nothing(
+    backend: Backend, target: Target
+) -> None:
     due = int(time.time() * 1000)
     timers = [aimed(i, due) for i in range(300)]
     assert await backend.timers.write([TimerWrite.put(t) for t in timers]) == [1] * len(timers)
     target.healthy_expected = sum(1 for t in timers if t.target.aggregate != "hang")
     gateway = HttpGateway(
-        GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S, breaker_open_s=30),
+        GatewaySettings(kind="http", url=target.url, timeout_s=TIMEOUT_S, breaker_open_s=30),
         pool_size=64,
     )
     res = await backend.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
@@ -108,7 +111,6 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
             done_in = time.time() - stopped_at
     finally:
         await gateway.aclose()
-        await runner.cleanup()
     # counted from the first request (the loop's start, the claim and the connections are not
     # the hanging target's doing)
     first = min(at for at, _a, _r in target.arrivals)
