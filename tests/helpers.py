@@ -1,16 +1,18 @@
 """A replica's parts run in-process by the tests: a held slot (:func:`held_slot`, or one taken from
 the store, :func:`hold_slot`), how a replica fires (:func:`firing`, its timer loop, the firing of
-``wowd run``'s assembly), a delivery stream run to its end and a following read of a log."""
+``wowd run``'s assembly), a delivery stream run to its end, a following read of a log, and an
+event sink that refuses."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 import anyio
 
+from tests.factories import CONTEXT
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.firing import Firing, LogGate
 from wowd.daemon.leases import HeldSlot
@@ -19,8 +21,9 @@ from wowd.daemon.stream import DeliveryStream, Limits, batch_limits, target_limi
 from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, OutboxGateway, Outcome
-from wowd.model import LogEntry, Owner, Position, SlotLease, Timer
-from wowd.stores.base import Backend, Log, OutboxShortcut, TimerStore
+from wowd.errors import InvalidInput, StorageError, StorageFull
+from wowd.model import AggregateType, Commit, LogEntry, Owner, Position, SlotLease, Timer
+from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
 
@@ -150,3 +153,43 @@ async def tailing(log: Log, positions: Mapping[int, Position | None]) -> AsyncIt
             yield tail
         finally:
             tg.cancel_scope.cancel()
+
+
+class RefusingSink:
+    """An event sink that refuses the commits of some aggregates (or every commit)."""
+
+    def __init__(self, inner: EventSink, *, refuse: set[str] | None = None, broken: bool = False) -> None:
+        self._inner = inner
+        self.type = inner.type
+        self.refuse = refuse or set()
+        self.broken = broken
+        self.full_after: int | None = None
+        """Writes taken before the disk is full (``None``: never full)."""
+
+    async def prepare(self) -> None:
+        await self._inner.prepare()
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        if self.broken:
+            raise StorageError("sqlite wowd.db: database disk image is malformed")
+        if self.full_after is not None:
+            if self.full_after <= 0:
+                raise StorageFull("sqlite wowd.db: database or disk is full")
+            self.full_after -= 1
+        for r in records:
+            if r.ref.id in self.refuse:
+                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
+        await self._inner.write(records)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:
+    """Puts a :class:`RefusingSink` (``kwargs``: what it refuses) in front of the backend's event
+    sink of order, for every aggregate type; answers it."""
+    inner = backend.sink_factory
+    sink = RefusingSink(inner(AggregateType(context=CONTEXT, aggregate="order")), **kwargs)
+    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
+    backend._sinks.clear()
+    return sink

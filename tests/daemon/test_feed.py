@@ -15,7 +15,6 @@ import pytest
 from tests.factories import embedded_settings, eventually, now_ms, ref, timer, timer_commit
 from tests.helpers import hold_slot
 from wowd import metrics
-from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.waker import Waker
@@ -27,12 +26,6 @@ from wowd.stores.base import Backend
 pytestmark = pytest.mark.anyio
 
 PARTS = 4
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
 
 
 def settings(tmp_path: Path) -> WowdSettings:

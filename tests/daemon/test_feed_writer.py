@@ -49,12 +49,6 @@ def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
 
 
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
-
-
 class CountingWriter:
     """The backend's feed writer, counting the batches it applied."""
 

@@ -17,6 +17,7 @@ import pytest
 from tests.daemon.reducers import reducer_v2
 from tests.factories import CONTEXT, eventually, timer_commit
 from tests.processes import base_env
+from wowd.backends import opened_backend
 from wowd.cli import main
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
@@ -50,14 +51,10 @@ def ref(agg_id: str) -> AggregateRef:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    """The stores, the log holding :data:`VERSIONS` commits of each of :data:`IDS`."""
+    async with opened_backend(settings(tmp_path)) as b:
         await b.log.append_many([timer_commit(i, v, []) for v in range(1, VERSIONS + 1) for i in IDS])
         yield b
-    finally:
-        await b.close()
 
 
 async def hold(b: Backend, slot_parts: set[int], *, owner: str = "me", valid_for: float = 60.0) -> HeldSlot:

@@ -7,7 +7,7 @@ is retried until it answers, bounded (also on stop)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import pytest
 from tests.factories import Recorder, embedded_settings, eventually, now_ms, timer
 from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
-from wowd.backends import opened_backend
+from wowd.config import WowdSettings
 from wowd.daemon import firing
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
@@ -28,6 +28,12 @@ from wowd.stores.base import Backend, TimerStore
 pytestmark = pytest.mark.anyio
 
 PARTS = 4
+
+
+def settings(tmp_path: Path) -> WowdSettings:
+    return embedded_settings(tmp_path, PARTS)
+
+
 FULL = StorageFull("sqlite wowd.db: database or disk is full")
 DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
 
@@ -71,12 +77,6 @@ class FailingTimers:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(embedded_settings(tmp_path, PARTS)) as b:
-        yield b
 
 
 async def refused_settles(backend: Backend) -> tuple[FailingTimers, Recorder, HeldSlot, TimerLoop]:

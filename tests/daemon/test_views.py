@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.daemon.test_feed_isolation import RefusingSink
 from tests.factories import CONTEXT, Recorder, embedded_settings, eventually, timer_commit
-from tests.helpers import hold_slot, timer_loop
+from tests.helpers import RefusingSink, hold_slot, refusing, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
@@ -51,27 +50,13 @@ def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
 
 
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
-
-
-def refusing(backend: Backend) -> RefusingSink:
-    assert backend.sink_factory is not None
-    sink = RefusingSink(backend.sink_factory(TYPE), broken=True)
-    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
-    backend._sinks.clear()
-    return sink
-
-
 async def index_count(backend: Backend, commits: list[Commit]) -> dict[str, int]:
     sink = backend.sink(TYPE)
     return {c.ref.id: len(await sink.documents(c.ref)) for c in commits}  # type: ignore[attr-defined]
 
 
 async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path: Path, backend: Backend) -> None:
-    sink = refusing(backend)
+    sink = refusing(backend, broken=True)
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)
     gateway = Recorder()
@@ -248,7 +233,7 @@ async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tm
     restarted while the timer view moved on: the index still starts where it fell behind, so
     every commit since reaches it once the cluster is back."""
     old, first = await upgraded(backend)
-    sink = refusing(backend)
+    sink = refusing(backend, broken=True)
     new = [timer_commit(f"new-{i}", 1, ["k"], due_at=10**13) for i in range(8)]
 
     async def run_until(check: Callable[[Feeder], Awaitable[bool]], what: str) -> None:
