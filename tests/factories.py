@@ -1,6 +1,6 @@
-"""The tests' one set of builders: aggregates, timers, events and commits with keyword defaults
-(a test names what it asserts on and takes the rest), outbox entries, the settings of one replica on an embedded
-file, one :func:`eventually` and one recording gateway.
+"""The tests' one set of builders: aggregates, timers, events, commits, outbox entries and slot
+leases with keyword defaults (a test names what it asserts on and takes the rest), the settings of
+one replica on an embedded file, one :func:`eventually` and one recording gateway.
 
 The defaults: context :data:`CONTEXT` over :data:`PARTITIONS` partitions, order ``o-1`` of the
 default tenant, timer key ``k`` at version 1, a command ``go`` sent to the timer's owner.
@@ -26,6 +26,7 @@ from wowd.model import (
     Commit,
     DomainEvent,
     OutboxEntry,
+    SlotLease,
     Timer,
     deterministic_timer_id,
     partition,
@@ -167,6 +168,22 @@ def outbox_entry(
     return OutboxEntry(
         request_id=request_id, target=target if target is not None else ref(), created_at=created_at, **values
     )
+
+
+def lease(fence: int = 1, *, owner_key: str = "me", **fields: Any) -> SlotLease:
+    """Slot 0 of namespace ``t`` held by ``owner_key`` under ``fence`` (its incarnation too),
+    written at 0 and expired since; ``fields``: any other field of :class:`SlotLease`."""
+    values: dict[str, Any] = {
+        "namespace": "t",
+        "slot": 0,
+        "incarnation": fence,
+        "expires_at": 0,
+        "floor": 0,
+        "ceiling": 0,
+        "written_at": 0,
+    }
+    values.update(fields)
+    return SlotLease(owner_key=owner_key, fence=fence, **values)
 
 
 def embedded_settings(tmp_path: Path, partitions: int = PARTITIONS, **extra: Any) -> WowdSettings:

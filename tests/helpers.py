@@ -12,7 +12,7 @@ from typing import Any
 
 import anyio
 
-from tests.factories import CONTEXT
+from tests.factories import CONTEXT, lease
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.firing import Firing, LogGate
 from wowd.daemon.leases import HeldSlot
@@ -22,7 +22,7 @@ from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, OutboxGateway, Outcome
 from wowd.errors import InvalidInput, StorageError, StorageFull
-from wowd.model import AggregateType, Commit, LogEntry, Owner, Position, SlotLease, Timer
+from wowd.model import AggregateType, Commit, LogEntry, Owner, Position, Timer
 from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
@@ -38,14 +38,12 @@ def caught_up_waker() -> Waker:
 def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: float = 60) -> HeldSlot:
     """Slot ``slot`` of namespace ``t`` held by owner key ``me`` under ``fence``, over partitions
     ``0 .. partitions - 1``, its lease valid ``valid_for`` seconds more (call it in a task)."""
-    lease = SlotLease(
-        namespace="t", slot=slot, owner_key="me", incarnation=1, fence=fence, expires_at=0, floor=0, ceiling=0,
-        written_at=0,
-    )  # fmt: skip
     return HeldSlot(
-        lease=lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + valid_for,
+        lease=lease(fence, slot=slot, incarnation=1),
+        partitions=frozenset(range(partitions)),
+        valid_until=anyio.current_time() + valid_for,
         owner_key="me",
-    )  # fmt: skip
+    )
 
 
 async def hold_slot(b: Backend, partitions: int, key: str = "a", *, valid_for: float = 60) -> HeldSlot:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper
 from wowd.errors import StorageUnavailable
-from wowd.model import AcquireResult, Owner, SlotLease
+from wowd.model import AcquireResult, SlotLease
 from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 
 pytestmark = pytest.mark.anyio
@@ -46,22 +47,13 @@ class Outage:
         while not predicate():
             await self.changed.wait()
 
-    async def acquire(
-        self,
-        namespace: str,
-        owner: Owner,
-        limit: int,
-        ttl: timedelta,
-        tolerance: timedelta,
-        slot_offset: int = 0,
-        preferred_slot: int | None = None,
-    ) -> AcquireResult:
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
         sent = anyio.current_time()
         if self.acquires_left is not None:
             if self.acquires_left <= 0:
                 raise StorageUnavailable("primary election in progress")
             self.acquires_left -= 1
-        res = await self.inner.acquire(namespace, owner, limit, ttl, tolerance, slot_offset, preferred_slot)
+        res = await self.inner.acquire(*args, **kwargs)
         self.answers.append((sent, res))
         self._notify()
         return res
