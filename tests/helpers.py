@@ -1,7 +1,7 @@
 """A replica's parts run in-process by the tests: a held slot (:func:`held_slot`, or one taken from
 the store, :func:`hold_slot`), how a replica fires (:func:`firing`, its timer loop, the firing of
-``wowd run``'s assembly), a delivery stream run to its end, a following read of a log, and an
-event sink that refuses."""
+``wowd run``'s assembly), a delivery stream run to its end, a following read of a log, a log
+whose reads are held back, and an event sink that refuses."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, OutboxGateway, Outcome
 from wowd.errors import InvalidInput, StorageError, StorageFull
-from wowd.model import AggregateType, Commit, LogEntry, Owner, Position, Timer
+from wowd.model import AggregateType, Commit, LogBatch, LogEntry, Owner, Position, Timer
 from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerStore
 
 FAR_FUTURE_MS = 2**62
@@ -139,6 +139,44 @@ class Tail:
         with anyio.fail_after(timeout):
             while not reached(self):
                 await self._moved.wait()
+
+
+class HeldReads:
+    """A log's reads (put in place of ``log.read``) whose batches are held back while
+    :attr:`held` (with ``hold_after_first``: from the first batch with commits on), until
+    :meth:`release`: what the log holds meanwhile reaches the reader only then, as it reaches a
+    feed behind a slow store. :attr:`first_read` is set once a batch with commits was read."""
+
+    def __init__(self, read: Any, *, hold_after_first: bool = False) -> None:
+        self._read = read
+        self._hold_after_first = hold_after_first
+        self.held = False
+        self.go = anyio.Event()
+        self.first_read = anyio.Event()
+
+    def __call__(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
+        return self._reading(positions, **kwargs)
+
+    async def _reading(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
+        reader = self._read(positions, **kwargs)
+        try:
+            while True:
+                try:
+                    batch = await reader.__anext__()
+                except StopAsyncIteration:
+                    return
+                if self.held:
+                    await self.go.wait()
+                if batch.entries and not self.first_read.is_set():
+                    self.first_read.set()
+                    self.held = self.held or self._hold_after_first
+                yield batch
+        finally:
+            await reader.aclose()
+
+    def release(self) -> None:
+        self.held = False
+        self.go.set()
 
 
 @asynccontextmanager

@@ -52,22 +52,6 @@ class FailingTimers:
         if self.fail is not None:
             raise self.fail
 
-    async def claim_due(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.claim_due(*args, **kwargs)
-
-    async def reclaim(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.reclaim(*args, **kwargs)
-
-    async def next_due(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.next_due(*args, **kwargs)
-
-    async def sweep(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.sweep(*args, **kwargs)
-
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         self._check()
         self.settles += 1
@@ -76,7 +60,15 @@ class FailingTimers:
         return await self._inner.settle(changes)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        call = getattr(self._inner, name)
+        if name not in ("claim_due", "reclaim", "next_due", "sweep"):
+            return call
+
+        async def failing(*args: Any, **kwargs: Any) -> Any:
+            self._check()
+            return await call(*args, **kwargs)
+
+        return failing
 
 
 async def refused_settles(backend: Backend) -> tuple[FailingTimers, Recorder, HeldSlot, TimerLoop]:

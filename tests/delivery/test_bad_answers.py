@@ -30,7 +30,6 @@ async def _drain_request(stream: SocketStream) -> None:
 
 def answer(status: int, body: bytes, *, ctype: bytes = b"application/json", trickle: float = 0.0) -> Any:
     async def behave(stream: SocketStream) -> None:
-        await _drain_request(stream)
         head = b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (status, ctype, len(body))
         await stream.send(head)
         if trickle:
@@ -44,22 +43,18 @@ def answer(status: int, body: bytes, *, ctype: bytes = b"application/json", tric
 
 
 async def never_answers(stream: SocketStream) -> None:
-    await _drain_request(stream)
     await anyio.sleep_forever()
 
 
 async def garbage(stream: SocketStream) -> None:
-    await _drain_request(stream)
     await stream.send(b"\x00\xffTHIS IS NOT HTTP\r\n\r\n")
 
 
 async def hangs_up(stream: SocketStream) -> None:
-    await _drain_request(stream)
     await stream.aclose()
 
 
 async def chunked_forever(stream: SocketStream) -> None:
-    await _drain_request(stream)
     await stream.send(b"HTTP/1.1 503 X\r\ntransfer-encoding: chunked\r\n\r\n")
     while True:
         await stream.send(b"400\r\n" + b"y" * 1024 + b"\r\n")
@@ -76,6 +71,7 @@ async def target() -> AsyncIterator[Callable[[Any], Awaitable[int]]]:
             async def handle(stream: SocketStream) -> None:
                 async with stream:
                     try:
+                        await _drain_request(stream)
                         await behave(stream)
                     except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                         pass

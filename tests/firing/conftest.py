@@ -4,7 +4,7 @@ the fire rule runs on (the contract suites' session-wide ones)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,11 +26,10 @@ Store = TypeVar("Store", bound=EmbeddedTimerStore)
 async def opened_timers(kind: type[Store], tmp_path: Path) -> AsyncIterator[Store]:
     """An embedded timer store of class ``kind`` on ``tmp_path/wowd.db`` (:data:`PARTS`
     partitions), closed on exit."""
-    store = kind(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
+    async with AsyncExitStack() as opened:
+        store = kind(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
+        opened.push_async_callback(store.close)
         yield store
-    finally:
-        await store.close()
 
 
 @pytest.fixture

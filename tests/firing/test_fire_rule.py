@@ -32,6 +32,7 @@ import anyio
 import pytest
 
 from tests.factories import Recorder, cancelled, commit, event, eventually, ref, scheduled
+from tests.helpers import HeldReads
 from wowd.config import WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.firing import Firing, OutboxRounds, choose
@@ -39,7 +40,7 @@ from wowd.daemon.leases import HeldSlot
 from wowd.daemon.replica import delivery
 from wowd.daemon.stream import target_limits
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Commit, DomainEvent, LogBatch, Owner, Position, deterministic_timer_id
+from wowd.model import AggregateRef, Commit, DomainEvent, Owner, deterministic_timer_id
 from wowd.stores.base import Backend
 from wowd.views import TIMERS, reset_view, view_named
 
@@ -52,42 +53,6 @@ CANCELLED, COMMITTED, MOVED, MISFIRED = "o-0", "o-1", "o-2", "m-0"
 LEAD_MS = 900
 """The timers come due this long after they were appended (the feed applies them meanwhile)."""
 MOVED_BY_MS = 300
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-class HeldReads:
-    """The log's reads, their batches held back while :attr:`held` (what the log holds meanwhile
-    reaches the feed only once released), as a feed behind a slow store is."""
-
-    def __init__(self, read: Any) -> None:
-        self._read = read
-        self.held = False
-        self.go = anyio.Event()
-
-    def __call__(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        return self._reading(positions, **kwargs)
-
-    async def _reading(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        reader = self._read(positions, **kwargs)
-        try:
-            while True:
-                try:
-                    batch = await reader.__anext__()
-                except StopAsyncIteration:
-                    return
-                if self.held:
-                    await self.go.wait()
-                yield batch
-        finally:
-            await reader.aclose()
-
-    def release(self) -> None:
-        self.held = False
-        self.go.set()
 
 
 @dataclass

@@ -21,9 +21,10 @@ from wowd.config import TimerSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import next_occurrence, outcome_changes
+from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
 from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
-from wowd.stores.base import Backend
+from wowd.stores.base import Backend, TimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -54,6 +55,19 @@ def scripted() -> Recorder:
     return Recorder(answer=lambda t: ANSWERS[t.target.id.split("-")[0]])
 
 
+async def run_until_settled(loop: TimerLoop, held: HeldSlot, gw: Recorder, timers: TimerStore, n: int) -> None:
+    """Runs the slot's timer loop until ``n`` timers were sent and none of ``timers`` is claimed,
+    then stops it."""
+
+    async def settled() -> bool:
+        return len(gw.sent) >= n and not await timers.scan(status=TimerStatus.FIRING, limit=1)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run, held, caught_up_waker())
+        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
+        held.request_stop()
+
+
 def due_timer(target: str, **fields: Any) -> Timer:
     """A timer of ``owner-TARGET`` due 50 ms ago, sent to order ``target``."""
     return timer(f"owner-{target}", now_ms() - 50, partitions=PARTS, target=ref(target), **fields)
@@ -76,14 +90,7 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
     before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
     loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
-    async with anyio.create_task_group() as tg:
-        await tg.start(loop.run, held, caught_up_waker())
-
-        async def settled() -> bool:
-            return len(gw.sent) >= len(timers) and not await t.scan(status=TimerStatus.FIRING, limit=1)
-
-        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
-        held.request_stop()
+    await run_until_settled(loop, held, gw, t, len(timers))
     assert len(gw.sent) == len(timers)  # each delivered once
     assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
 
@@ -221,14 +228,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     held = await hold(backend)
     skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
     loop = timer_loop(t, gw)
-    async with anyio.create_task_group() as tg:
-        await tg.start(loop.run, held, caught_up_waker())
-
-        async def settled() -> bool:
-            return len(gw.sent) >= len(on_time) and not await t.scan(status=TimerStatus.FIRING, limit=1)
-
-        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
-        held.request_stop()
+    await run_until_settled(loop, held, gw, t, len(on_time))
     assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
     assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
     every = await t.find(ref("owner-ok-every"), "k")
