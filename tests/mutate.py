@@ -38,9 +38,9 @@ GROUPS: dict[str, Group] = {
         (
             "tests/contract/test_log.py",
             "tests/contract/test_checkpoint_fences.py",
-            "tests/test_embedded_log_batches.py",
-            "tests/test_embedded_log_union_read.py",
-            "tests/test_embedded_batched_reads.py",
+            "tests/embedded/test_log_batches.py",
+            "tests/embedded/test_log_union_read.py",
+            "tests/embedded/test_batched_reads.py",
             "tests/embedded/test_leases_log.py",
         ),
     ),  # fmt: skip
@@ -79,11 +79,11 @@ GROUPS: dict[str, Group] = {
     "fire-gate": Group(
         ("wowd/daemon/waker.py", "wowd/daemon/timer_plan.py", "wowd/daemon/timers.py"),
         (
-            "tests/daemon/test_wakeup.py",
-            "tests/daemon/test_round_planning.py",
-            "tests/daemon/test_loops.py",
-            "tests/daemon/test_cancel_after_claim.py",
-            "tests/daemon/test_log_gate.py",
+            "tests/firing/test_wakeup.py",
+            "tests/firing/test_round_planning.py",
+            "tests/firing/test_rounds.py",
+            "tests/firing/test_cancel_after_claim.py",
+            "tests/firing/test_log_gate.py",
             "tests/daemon/test_tombstone_retention.py",
         ),
     ),  # fmt: skip

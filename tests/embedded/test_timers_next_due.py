@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import once_timer
+from tests.factories import ref
+from tests.factories import timer as a_timer
 from wowd.model import Timer, partition
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timer_sql import DUE_ARMS, ddl_sql, next_due_sql, table_name
@@ -17,7 +18,7 @@ CTX = "ctx"
 
 
 def timer(id: str, partitions: int, due_at: int) -> Timer:
-    return once_timer(CTX, id, partitions, due_at)
+    return a_timer(id, due_at, owner=ref(id, context=CTX), partitions=partitions)
 
 
 def test_next_due_sql_seeks_the_partial_due_index_in_each_arm() -> None:

@@ -6,36 +6,20 @@ read of the log's head is frozen here, as a quiet MongoDB log's post-batch resum
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import anyio
 import pytest
 
-from tests.helpers import Recorder, held_slot, timer_loop
+from tests.factories import Recorder, eventually, now_ms, timer
+from tests.firing.conftest import PARTS
+from tests.helpers import held_slot, timer_loop
 from wowd.daemon.firing import CHANGED
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
-from .conftest import CONTEXT, eventually
-from .test_wakeup import PARTS, timer
-
 pytestmark = pytest.mark.anyio
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
-    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 class Gate:
@@ -63,7 +47,7 @@ def frozen_feed(idle_ms: int = 5_000) -> Waker:
 
 async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermark(store: EmbeddedTimerStore) -> None:
     due = now_ms() + 400
-    await store.put(timer("o-1", due))
+    await store.put(timer("o-1", due, partitions=PARTS))
     gate, gateway, waker = Gate(set()), Recorder(), frozen_feed()
     held = held_slot(PARTS)
     loop = timer_loop(store, gateway, gate=gate)
@@ -75,14 +59,14 @@ async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermar
     (_t, at), = gateway.fired  # fmt: skip
     assert due <= at <= due + 200
     ((asked_at, probes),) = gate.calls
-    assert asked_at >= due and probes == [OwnerProbe(timer("o-1", due).owner, 1, "k")]
+    assert asked_at >= due and probes == [OwnerProbe(timer("o-1", due, partitions=PARTS).owner, 1, "k")]
 
 
 async def test_a_timer_the_log_check_holds_back_is_settled_back_once_the_feed_reads_the_commit(
     store: EmbeddedTimerStore,
 ) -> None:
     due = now_ms() + 300
-    t = timer("o-1", due)
+    t = timer("o-1", due, partitions=PARTS)
     await store.put(t)
     gate, gateway, waker = Gate({0}), Recorder(), frozen_feed()
     held = held_slot(PARTS)

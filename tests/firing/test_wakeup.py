@@ -6,7 +6,6 @@ for, not found by the idle poll."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,9 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import Recorder, caught_up_waker, held_slot, timer_loop
+from tests.factories import CONTEXT, Recorder, now_ms, timer, timer_commit
+from tests.firing.conftest import PARTS, opened_timers
+from tests.helpers import caught_up_waker, held_slot, timer_loop
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timer_plan, timers
 from wowd.daemon.feed import Feeder
@@ -22,25 +23,12 @@ from wowd.daemon.timer_plan import wake_time
 from wowd.daemon.waker import Waker
 from wowd.errors import StorageUnavailable
 from wowd.model import (
-    AggregateRef,
-    Command,
     IntervalRule,
-    Rule,
     Timer,
-    deterministic_timer_id,
-    partition,
 )
 from wowd.stores.embedded.timers import EmbeddedTimerStore
 
-from .conftest import CONTEXT, timer_commit
-
 pytestmark = pytest.mark.anyio
-
-PARTS = 4
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 # --------------------------------------------------------------------------- the Waker
@@ -154,15 +142,6 @@ class NoNextDue(EmbeddedTimerStore):
         return None
 
 
-def timer(id: str, due_at: int, rule: Rule | None = None) -> Timer:
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id=id)
-    kwargs: dict[str, Any] = {} if rule is None else {"rule": rule}
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(id, PARTS), owner=owner, key="k",
-        version=1, due_at=due_at, scheduled_at=due_at, target=owner, body=Command(name="go").to_json(), **kwargs,
-    )  # fmt: skip
-
-
 @pytest.fixture
 def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
     """The idle period the loop waits (``timers``) and plans its wake-ups with (``timer_plan``)."""
@@ -171,21 +150,9 @@ def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[EmbeddedTimerStore]:
-    s = EmbeddedTimerStore(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
-@pytest.fixture
 async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
-    s = NoNextDue(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    try:
+    async with opened_timers(NoNextDue, tmp_path) as s:
         yield s
-    finally:
-        await s.close()
 
 
 async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
@@ -205,7 +172,7 @@ async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTim
     """Stored before the loop runs (no Waker involved): found by the first round's ``next_due``."""
     due = [now_ms() + 300, now_ms() + 500]
     for i, d in enumerate(due):
-        assert await store.put(timer(f"s-{i}", d))
+        assert await store.put(timer(f"s-{i}", d, partitions=PARTS))
 
     async def body(gw: Recorder) -> None:
         await gw.until_fired(2)
@@ -225,7 +192,7 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
         await anyio.wait_all_tasks_blocked()  # the loop read nothing and sleeps (30 s)
         base = now_ms()
         for i, d in enumerate((base + 200, base + 400, base + 600)):  # each a round of its own
-            assert await blind.put(timer(f"w-{i}", d))
+            assert await blind.put(timer(f"w-{i}", d, partitions=PARTS))
             waker.maybe_wake(d)  # as the feed does after a put
         await gw.until_fired(3)
 
@@ -236,7 +203,7 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
 
 @pytest.mark.usefixtures("long_idle")
 async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDue) -> None:
-    assert await blind.put(timer("r-1", now_ms(), IntervalRule(every_ms=200)))
+    assert await blind.put(timer("r-1", now_ms(), partitions=PARTS, rule=IntervalRule(every_ms=200)))
 
     async def body(gw: Recorder) -> None:
         await gw.until_fired(3)
@@ -252,7 +219,7 @@ async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNex
 
     async def body(gw: Recorder) -> None:
         await anyio.wait_all_tasks_blocked()
-        assert await blind.put(timer("p-1", now_ms()))  # no Waker: another process's put
+        assert await blind.put(timer("p-1", now_ms(), partitions=PARTS))  # no Waker: another process's put
         await gw.until_fired(1)
 
     await run_loop(blind, caught_up_waker(), body)
@@ -309,19 +276,16 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
     """The watermark adds no poll: the loop claims the timer within the lookahead, and at its due
     time asks the log to look at its head at once (no due read then) and delivers it as soon as
     the feed has read that far. Here the feed is an idle log: each nudge is one empty read."""
-    store = CountingClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    store.claims = []
     reads: list[int] = []
-    try:
+    async with opened_timers(CountingClaims, tmp_path) as store:
+        store.claims = []
         due = now_ms() + 300
-        gw = await fire_over_an_idle_log(store, [timer("n-1", due)], lookahead_ms=100, reads=reads)
-        t, at = gw.fired[0]
-        assert t.scheduled_at == due <= at
-        assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
-        assert min(r for r in reads if r >= due) <= at  # ... came before the delivery
-        assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
-    finally:
-        await store.close()
+        gw = await fire_over_an_idle_log(store, [timer("n-1", due, partitions=PARTS)], lookahead_ms=100, reads=reads)
+    t, at = gw.fired[0]
+    assert t.scheduled_at == due <= at
+    assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
+    assert min(r for r in reads if r >= due) <= at  # ... came before the delivery
+    assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
 
 
 async def fire_over_an_idle_log(
@@ -370,16 +334,13 @@ async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_
     """One timer every 10 ms, a lookahead of 400 ms: each round takes half a lookahead of timers
     and is claimed about half a lookahead before its first one is due, not when that one comes due
     (the claim, and the settle of the round before that it may wait for, would then delay it)."""
-    store = AheadClaims(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
-    store.ahead = []
-    try:
+    async with opened_timers(AheadClaims, tmp_path) as store:
+        store.ahead = []
         # the first one due past the first round's lookahead: that round is planned too, whether
         # the loop starts at once or, on a busy machine, some hundreds of milliseconds later
         first = now_ms() + 600
-        stream = [timer(f"s-{i}", first + 10 * i) for i in range(120)]
+        stream = [timer(f"s-{i}", first + 10 * i, partitions=PARTS) for i in range(120)]
         gw = await fire_over_an_idle_log(store, stream, lookahead_ms=400)
-        assert all(at >= t.scheduled_at for t, at in gw.fired)
-        assert len(store.ahead) >= 5
-        assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine
-    finally:
-        await store.close()
+    assert all(at >= t.scheduled_at for t, at in gw.fired)
+    assert len(store.ahead) >= 5
+    assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine

@@ -1,45 +1,30 @@
-"""The feed and the timer loop of one held slot, in-process on the embedded backend."""
+"""The timer loop of one held slot, in-process on the embedded backend: each outcome settled,
+nothing sent after a stop, the next occurrence and the retry's backoff, a wall clock stepped back,
+a misfired occurrence skipped."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker, timer_loop
+from tests.factories import CONTEXT, Recorder, embedded_settings, eventually, now_ms, ref, timer
+from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
-from wowd.config import TimerSettings, WowdSettings
-from wowd.daemon.feed import Feeder
+from wowd.config import TimerSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import next_occurrence, outcome_changes
-from wowd.daemon.waker import Waker
+from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
-from wowd.demo import reducer
-from wowd.errors import LeaseLost
-from wowd.model import (
-    AggregateRef,
-    Command,
-    IntervalRule,
-    OnceRule,
-    Owner,
-    Timer,
-    TimerChange,
-    TimerStatus,
-    deterministic_timer_id,
-    partition,
-)
-from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, eventually, timer_commit
+from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
+from wowd.stores.base import Backend, TimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -48,146 +33,44 @@ PARTS = 4
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
+    async with opened_backend(embedded_settings(tmp_path, PARTS)) as b:
         yield b
 
 
-def settings(tmp_path: Path) -> WowdSettings:
-    return embedded_settings(tmp_path, PARTS, reducers={"order": "wowd.demo:reducer"})
+async def hold(b: Backend) -> HeldSlot:
+    return await hold_slot(b, PARTS, "me")
 
 
-async def hold(b: Backend, valid_for: float = 60.0) -> HeldSlot:
-    res = await b.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
-    assert res.lease is not None
-    return HeldSlot(
-        lease=res.lease,
-        partitions=frozenset(range(PARTS)),
-        valid_until=anyio.current_time() + valid_for,
-        owner_key="me",
-    )
+ANSWERS: dict[str, Outcome] = {
+    "ok": Delivered(),
+    "retry": Retry(reason="HTTP 503"),
+    "park": Park(reason="HTTP 404"),
+    "fail": Fail(reason="HTTP 400"),
+}
 
 
-def ref(agg_id: str) -> AggregateRef:
-    return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
+def scripted() -> Recorder:
+    """A gateway answering by the target id's prefix (``ok-1`` is delivered, ``retry-1`` a 503,
+    ``park-1`` a 404, ``fail-1`` a 400)."""
+    return Recorder(answer=lambda t: ANSWERS[t.target.id.split("-")[0]])
 
 
-async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp_path: Path, backend: Backend) -> None:
-    far = int(time.time() * 1000) + 3_600_000
-    c1 = timer_commit("o-1", 1, ["k1", "k2"], due_at=far)
-    c2 = timer_commit("o-1", 2, [], due_at=far)
-    c2 = replace(c2, events=(*c2.events, replace(c1.events[1], name="TimerCancelled", body={"key": "k1"})))
-    d1 = timer_commit("o-2", 1, ["k"], due_at=far)
-    d2 = replace(timer_commit("o-2", 2, [], due_at=far), deleted=True)
-    # a timer of o-3 parked because its target o-4 did not exist; o-4's first commit resumes it
-    parked = Timer(
-        timer_id="p1",
-        partition=partition("o-3", PARTS),
-        owner=ref("o-3"),
-        key="wait",
-        version=1,
-        due_at=far,
-        scheduled_at=far,
-        target=ref("o-4"),
-        body=Command(name="go").to_json(),
-    )
-    assert await backend.timers.put(parked)
-    await backend.timers.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
-    e1 = timer_commit("o-4", 1, [])
-    await backend.log.append_many([c1, c2, d1, d2, e1])
-    fed_before = metrics.FEED_COMMITS.labels(aggregate="order")._value.get()
+async def run_until_settled(loop: TimerLoop, held: HeldSlot, gw: Recorder, timers: TimerStore, n: int) -> None:
+    """Runs the slot's timer loop until ``n`` timers were sent and none of ``timers`` is claimed,
+    then stops it."""
 
-    held = await hold(backend)
-    feeder = Feeder(settings(tmp_path), backend, reducers={"order": reducer})
-
-    async def fed() -> None:
-        while True:
-            cps = await backend.log.checkpoints("wowd", list(range(PARTS)))
-            if len(cps) == len({partition(i, PARTS) for i in ("o-1", "o-2", "o-4")}):
-                return
-            await anyio.sleep(0.02)
+    async def settled() -> bool:
+        return len(gw.sent) >= n and not await timers.scan(status=TimerStatus.FIRING, limit=1)
 
     async with anyio.create_task_group() as tg:
-        await tg.start(feeder.run, held, Waker())
-        with anyio.fail_after(10):
-            await fed()
+        await tg.start(loop.run, held, caught_up_waker())
+        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
         held.request_stop()
 
-    t = backend.timers
-    assert await t.find(ref("o-1"), "k1") is None  # cancelled at v2
-    k2 = await t.find(ref("o-1"), "k2")
-    assert k2 is not None and k2.timer_id == deterministic_timer_id(ref("o-1"), "k2", 1)
-    assert k2.partition == partition("o-1", PARTS) and k2.due_at == far and k2.status == TimerStatus.PENDING
-    assert await t.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
-    resumed = await t.find(ref("o-3"), "wait")
-    assert resumed is not None and resumed.status == TimerStatus.PENDING
-    snap = await backend.snapshots.load(ref("o-1"))
-    assert snap is not None and snap.version == 2 and snap.state_revision == reducer.state_revision
-    assert snap.state["timers"] == 2 and snap.state["cancelled"] == 1 and snap.state["events"] == 5
-    assert [d["version"] for d in await backend.sink(ref("o-1").type).documents(ref("o-1"))] == [1, 2]
-    assert metrics.FEED_COMMITS.labels(aggregate="order")._value.get() == fed_before + 5
 
-
-async def test_feed_stops_on_a_refused_checkpoint(tmp_path: Path, backend: Backend) -> None:
-    p = partition("o-9", PARTS)
-    assert await backend.log.save_checkpoint("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
-    await backend.log.append(timer_commit("o-9", 1, ["k"]))
-    held = await hold(backend)
-    with anyio.fail_after(10), pytest.raises(LeaseLost):
-        await Feeder(settings(tmp_path), backend).run(held, Waker())
-
-
-async def test_expired_lease_takes_no_side_effect(tmp_path: Path, backend: Backend) -> None:
-    """A process that wakes (e.g. from SIGSTOP) after its validity acts on nothing."""
-    await backend.log.append(timer_commit("o-5", 1, ["k"]))
-    held = await hold(backend, valid_for=-1.0)
-    with anyio.fail_after(10), pytest.raises(LeaseLost):
-        await Feeder(settings(tmp_path), backend).run(held, Waker())
-    assert await backend.timers.find(ref("o-5"), "k") is None
-    assert await backend.log.checkpoints("wowd", list(range(PARTS))) == {}
-
-
-class ScriptedGateway:
-    """Answers by the target id's prefix; ``gate`` holds deliveries until set."""
-
-    def __init__(self) -> None:
-        self.sent: list[Timer] = []
-        self.gate: anyio.Event | None = None
-        self.entered = anyio.Event()
-
-    async def send(self, timer: Timer) -> Outcome:
-        self.entered.set()
-        if self.gate is not None:
-            await self.gate.wait()
-        self.sent.append(timer)
-        kind = timer.target.id.split("-")[0]
-        answers: dict[str, Outcome] = {
-            "ok": Delivered(),
-            "retry": Retry(reason="HTTP 503"),
-            "park": Park(reason="HTTP 404"),
-            "fail": Fail(reason="HTTP 400"),
-        }
-        return answers[kind]
-
-    async def aclose(self) -> None:
-        return None
-
-
-def due_timer(target: str, *, rule: IntervalRule | OnceRule | None = None, attempts: int = 0) -> Timer:
-    now = int(time.time() * 1000) - 50
-    owner = ref(f"owner-{target}")
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1),
-        partition=partition(owner.id, PARTS),
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=now,
-        scheduled_at=now,
-        target=ref(target),
-        body=Command(name="go").to_json(),
-        rule=rule if rule is not None else OnceRule(),
-        attempts=attempts,
-    )
+def due_timer(target: str, **fields: Any) -> Timer:
+    """A timer of ``owner-TARGET`` due 50 ms ago, sent to order ``target``."""
+    return timer(f"owner-{target}", now_ms() - 50, partitions=PARTS, target=ref(target), **fields)
 
 
 async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
@@ -202,18 +85,12 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
     ]
     for x in timers:
         assert await t.put(x)
-    gw = ScriptedGateway()
+    gw = scripted()
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
     before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
     loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
-    async with anyio.create_task_group() as tg:
-        await tg.start(loop.run, held, caught_up_waker())
-        with anyio.fail_after(10):
-            while len(gw.sent) < len(timers) or await t.scan(status=TimerStatus.FIRING, limit=1):
-                await gw.entered.wait()
-                await anyio.sleep(0.02)
-        held.request_stop()
+    await run_until_settled(loop, held, gw, t, len(timers))
     assert len(gw.sent) == len(timers)  # each delivered once
     assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
 
@@ -244,8 +121,8 @@ async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(back
     t = backend.timers
     for i in range(5):
         assert await t.put(due_timer(f"ok-{i}"))
-    gw = ScriptedGateway()
-    gw.gate = anyio.Event()
+    gw = scripted()
+    release = gw.hold()
     held = await hold(backend)
     loop = timer_loop(t, gw, limits=target_limits(64, lambda _target: 1))
     with anyio.fail_after(10):
@@ -255,7 +132,7 @@ async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(back
             firing = await t.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
             held.request_stop()  # the signal: nothing more is sent
-            gw.gate.set()
+            release.set()
     assert len(gw.sent) == 1
     assert await t.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
     released = await t.scan(limit=10)
@@ -308,7 +185,7 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
         def __getattr__(self, name: str) -> Any:
             return getattr(t, name)
 
-    gw = ScriptedGateway()
+    gw = scripted()
     held = await hold(backend)
     loop = timer_loop(SteppingStore(), gw, TimerSettings(lookahead_ms=200))  # type: ignore[arg-type]
     with anyio.fail_after(10):
@@ -322,44 +199,6 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
     assert delivered_at - claimed_at <= 0.2 + 0.8, f"delivered {delivered_at - claimed_at:.3f} s after the claim"
 
 
-async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_read_in_a_loop(
-    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A log whose history was lost twice in one read (the feed slower than the oplog window)
-    stalls the slot at once, naming it, and is not read again on the short retry backoff."""
-    from wowd.errors import LogBehindOplog
-
-    reads = 0
-
-    def read(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        async def lost() -> AsyncIterator[Any]:
-            nonlocal reads
-            reads += 1
-            raise LogBehindOplog("history lost twice: keep more oplog (oplogMinRetentionHours)", partitions=(0,))
-            yield  # an async generator
-
-        return lost()
-
-    monkeypatch.setattr(backend.log, "read", read)
-    held = await hold(backend)
-    feeder = Feeder(settings(tmp_path), backend)
-    with anyio.fail_after(5):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, held, Waker())
-
-            async def stalled() -> bool:
-                return feeder.stalled is not None
-
-            await eventually(stalled, 5, "the feed stalled")
-            assert feeder.stalled is not None and "oplog" in feeder.stalled
-            assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="timers")._value.get() == 1
-            first = reads
-            with anyio.move_on_after(0.3):
-                await held.stop_event.wait()  # the stall's backoff, not a hot loop of re-reads
-            assert reads - first <= 2
-            held.request_stop()
-
-
 async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     backend: Backend, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -369,7 +208,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     that says so names the timer (id, owner, key), not only its request id."""
     caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
     t = backend.timers
-    hour_ago = int(time.time() * 1000) - 3_600_000
+    hour_ago = now_ms() - 3_600_000
     late = [
         replace(due_timer("ok-once"), rule=OnceRule(misfire_grace_ms=60_000), due_at=hour_ago, scheduled_at=hour_ago),
         replace(
@@ -385,22 +224,16 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     ]
     for x in late + on_time:
         assert await t.put(x)
-    gw = ScriptedGateway()
+    gw = scripted()
     held = await hold(backend)
     skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
     loop = timer_loop(t, gw)
-    async with anyio.create_task_group() as tg:
-        await tg.start(loop.run, held, caught_up_waker())
-        with anyio.fail_after(10):
-            while len(gw.sent) < len(on_time) or await t.scan(status=TimerStatus.FIRING, limit=1):
-                await gw.entered.wait()
-                await anyio.sleep(0.02)
-        held.request_stop()
+    await run_until_settled(loop, held, gw, t, len(on_time))
     assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
     assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
     every = await t.find(ref("owner-ok-every"), "k")
     assert every is not None and every.status is TimerStatus.PENDING
-    assert every.scheduled_at > int(time.time() * 1000) - 600_000  # the next occurrence after now
+    assert every.scheduled_at > now_ms() - 600_000  # the next occurrence after now
     assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
     (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
     assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
@@ -411,7 +244,7 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
     even after earlier settles (each of which renewed what the round waits on)."""
     t = backend.timers
     assert await t.put(due_timer("ok-first"))
-    gw = ScriptedGateway()
+    gw = scripted()
     held = await hold(backend)
     loop = timer_loop(t, gw, TimerSettings(batch=1))
 
@@ -425,10 +258,10 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
             await eventually(first_settled, 5, "the first timer settled")
-            gw.gate = anyio.Event()  # from now on deliveries wait
+            release = gw.hold()  # from now on deliveries wait
             for i in range(3):
                 assert await t.put(due_timer(f"ok-{i}"))
             await eventually(two_claimed, 5, "two batches claimed and unsettled")
             held.request_stop()
-            gw.gate.set()  # the requests in flight end (the grace period's work)
+            release.set()  # the requests in flight end (the grace period's work)
     assert len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released
