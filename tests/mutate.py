@@ -77,8 +77,10 @@ GROUPS: dict[str, Group] = {
     "retry": Group(("wowd/retry.py",), ("tests/test_retrying.py", "tests/test_retry.py")),
     # the daemon's side, last: the fire gate and the timer loop's plan, the slot keeper's timing
     "fire-gate": Group(
-        ("wowd/daemon/waker.py", "wowd/daemon/timer_plan.py", "wowd/daemon/timers.py"),
+        ("wowd/daemon/firing.py", "wowd/daemon/waker.py", "wowd/daemon/timer_plan.py", "wowd/daemon/timers.py"),
         (
+            "tests/firing/test_fire_rule.py",
+            "tests/firing/test_outbox_shortcut.py",
             "tests/firing/test_wakeup.py",
             "tests/firing/test_round_planning.py",
             "tests/firing/test_rounds.py",
