@@ -208,9 +208,11 @@ async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDu
     async def body(gw: Recorder) -> None:
         await gw.until_fired(3)
 
-    gw = await run_loop(blind, caught_up_waker(), body)
-    first = gw.fired[0][0].scheduled_at
-    assert [t.scheduled_at for t, _at in gw.fired[:3]] == [first, first + 200, first + 400]
+    gw = await run_loop(blind, caught_up_waker(), body)  # three fires, not one round per idle period (30 s)
+    due = [t.scheduled_at for t, _at in gw.fired[:3]]
+    # each fire a later occurrence of the rule (one the loop reached late, on a loaded machine, is
+    # coalesced into the next: next_occurrence)
+    assert all(b > a and (b - a) % 200 == 0 for a, b in zip(due, due[1:]))
 
 
 async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNextDue) -> None:
