@@ -81,6 +81,7 @@ GROUPS: dict[str, Group] = {
         (
             "tests/firing/test_fire_rule.py",
             "tests/firing/test_outbox_shortcut.py",
+            "tests/firing/test_history.py",
             "tests/firing/test_wakeup.py",
             "tests/firing/test_round_planning.py",
             "tests/firing/test_rounds.py",
