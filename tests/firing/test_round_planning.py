@@ -9,7 +9,7 @@ import pytest
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
 from wowd.daemon.firing import OutboxRounds
-from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, wants_next_due
+from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
 from wowd.stores.base import OutboxFired, OutboxRound
 
 LOOK = 1_000
@@ -71,3 +71,12 @@ async def test_an_outbox_round_reads_up_to_its_fire_time_not_past_it() -> None:
     r = await strategy.round(held_slot(8), waker, frozenset(range(8)))
     (request,) = shortcut.rounds
     assert r.until == request.at and not r.claims_ahead
+
+
+def test_a_retry_waits_its_jittered_backoff_and_at_least_the_targets_hint() -> None:
+    settings = TimerSettings(backoff_base_s=0.1, backoff_max_s=10.0)
+    delays = [retry_delay_s(3, settings) for _ in range(200)]
+    assert all(0.4 <= d <= 0.8 for d in delays)  # 0.1 s * 2**3, scaled by [0.5, 1]
+    assert len(set(delays)) > 100  # jittered: the replicas retrying one target spread out
+    assert all(retry_delay_s(30, settings) <= 10.0 for _ in range(20))  # capped
+    assert retry_delay_s(3, settings, hint_s=5.0) == 5.0  # a Retry-After longer than the backoff
