@@ -237,6 +237,7 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
     (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
     assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
+    assert f"a timer for {CONTEXT}.order was skipped: " in line and "past its misfire grace of 60000 ms" in line, line
 
 
 async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:
