@@ -49,7 +49,7 @@ bench: venv
 
 # The status page's screenshots in docs/img (the browser test, Debian's chromium and chromium-driver).
 screenshots: venv
-	WOWD_TEST_SCREENSHOTS=$(CURDIR)/docs/img WOWD_TEST_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -n 0 tests/daemon/test_status_page_browser.py
+	WOWD_TEST_SCREENSHOTS=$(CURDIR)/docs/img WOWD_TEST_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -n 0 tests/ui/test_status_page_browser.py
 
 soak: venv
 	$(BIN)/python -m tests.chaos.soak --minutes 30

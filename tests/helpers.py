@@ -1,14 +1,18 @@
-"""Small helpers shared by test modules."""
+"""A replica's parts run in-process by the tests: a held slot (:func:`held_slot`, or one taken from
+the store, :func:`hold_slot`), how a replica fires (:func:`firing`, its timer loop, the firing of
+``wowd run``'s assembly), a delivery stream run to its end, a following read of a log, a log
+whose reads are held back, and an event sink that refuses."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import anyio
 
+from tests.factories import CONTEXT, lease
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.firing import Firing, LogGate
 from wowd.daemon.leases import HeldSlot
@@ -16,9 +20,10 @@ from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.stream import DeliveryStream, Limits, batch_limits, target_limits
 from wowd.daemon.timers import Nudge, TimerLoop
 from wowd.daemon.waker import Waker
-from wowd.delivery import CommandGateway, Delivered, OutboxGateway, Outcome
-from wowd.model import AggregateRef, Command, LogEntry, Position, SlotLease, Timer, deterministic_timer_id, partition
-from wowd.stores.base import Backend, Log, OutboxShortcut, TimerFiring
+from wowd.delivery import CommandGateway, OutboxGateway, Outcome
+from wowd.errors import InvalidInput, StorageError, StorageFull
+from wowd.model import AggregateType, Commit, LogBatch, LogEntry, Owner, Position, Timer
+from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerFiring
 
 FAR_FUTURE_MS = 2**62
 
@@ -30,33 +35,29 @@ def caught_up_waker() -> Waker:
     return waker
 
 
-def once_timer(context: str, id: str, partitions: int, due_at: int) -> Timer:
-    """The one-shot timer ``k`` (version 1) of order ``id``, due at ``due_at``, aimed at itself."""
-    owner = AggregateRef(context=context, aggregate="order", id=id)
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1),
-        partition=partition(id, partitions),
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=due_at,
-        scheduled_at=due_at,
-        target=owner,
-        body=Command(name="go").to_json(),
-    )
-
-
 def held_slot(partitions: int, *, fence: int = 1, slot: int = 0, valid_for: float = 60) -> HeldSlot:
     """Slot ``slot`` of namespace ``t`` held by owner key ``me`` under ``fence``, over partitions
     ``0 .. partitions - 1``, its lease valid ``valid_for`` seconds more (call it in a task)."""
-    lease = SlotLease(
-        namespace="t", slot=slot, owner_key="me", incarnation=1, fence=fence, expires_at=0, floor=0, ceiling=0,
-        written_at=0,
-    )  # fmt: skip
     return HeldSlot(
-        lease=lease, partitions=frozenset(range(partitions)), valid_until=anyio.current_time() + valid_for,
+        lease=lease(fence, slot=slot, incarnation=1),
+        partitions=frozenset(range(partitions)),
+        valid_until=anyio.current_time() + valid_for,
         owner_key="me",
-    )  # fmt: skip
+    )
+
+
+async def hold_slot(b: Backend, partitions: int, key: str = "a", *, valid_for: float = 60) -> HeldSlot:
+    """Slot 0 of namespace ``ns``, taken by ``key`` for a minute (after the previous holder's
+    lease was released), over partitions ``0 .. partitions - 1``, valid ``valid_for`` seconds more
+    on this process's clock: for the tests that run a slot's loops in-process."""
+    res = await b.leases.acquire("ns", Owner(key=key), 1, timedelta(seconds=60), timedelta(seconds=1))
+    assert res.lease is not None
+    return HeldSlot(
+        lease=res.lease,
+        partitions=frozenset(range(partitions)),
+        valid_until=anyio.current_time() + valid_for,
+        owner_key=key,
+    )
 
 
 def firing(
@@ -110,27 +111,6 @@ async def stream_all(
             stream.put(batch)
 
 
-class Recorder:
-    """A gateway that delivers every timer and records when (ms since the epoch)."""
-
-    def __init__(self) -> None:
-        self.fired: list[tuple[Timer, int]] = []
-        self.changed = anyio.Event()
-
-    async def send(self, timer: Timer) -> Outcome:
-        self.fired.append((timer, int(time.time() * 1000)))
-        self.changed.set()
-        self.changed = anyio.Event()
-        return Delivered()
-
-    async def until_fired(self, n: int) -> None:
-        while len(self.fired) < n:
-            await self.changed.wait()
-
-    async def aclose(self) -> None:
-        return None
-
-
 def replica_firing(settings: WowdSettings, backend: Backend) -> Firing:
     """How ``wowd run`` of ``settings`` on ``backend`` fires (its gateway made by the replica's
     assembly)."""
@@ -161,6 +141,44 @@ class Tail:
                 await self._moved.wait()
 
 
+class HeldReads:
+    """A log's reads (put in place of ``log.read``) whose batches are held back while
+    :attr:`held` (with ``hold_after_first``: from the first batch with commits on), until
+    :meth:`release`: what the log holds meanwhile reaches the reader only then, as it reaches a
+    feed behind a slow store. :attr:`first_read` is set once a batch with commits was read."""
+
+    def __init__(self, read: Any, *, hold_after_first: bool = False) -> None:
+        self._read = read
+        self._hold_after_first = hold_after_first
+        self.held = False
+        self.go = anyio.Event()
+        self.first_read = anyio.Event()
+
+    def __call__(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
+        return self._reading(positions, **kwargs)
+
+    async def _reading(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
+        reader = self._read(positions, **kwargs)
+        try:
+            while True:
+                try:
+                    batch = await reader.__anext__()
+                except StopAsyncIteration:
+                    return
+                if self.held:
+                    await self.go.wait()
+                if batch.entries and not self.first_read.is_set():
+                    self.first_read.set()
+                    self.held = self.held or self._hold_after_first
+                yield batch
+        finally:
+            await reader.aclose()
+
+    def release(self) -> None:
+        self.held = False
+        self.go.set()
+
+
 @asynccontextmanager
 async def tailing(log: Log, positions: Mapping[int, Position | None]) -> AsyncIterator[Tail]:
     """A following read of ``positions`` in a task of its own, stopped on exit."""
@@ -171,3 +189,43 @@ async def tailing(log: Log, positions: Mapping[int, Position | None]) -> AsyncIt
             yield tail
         finally:
             tg.cancel_scope.cancel()
+
+
+class RefusingSink:
+    """An event sink that refuses the commits of some aggregates (or every commit)."""
+
+    def __init__(self, inner: EventSink, *, refuse: set[str] | None = None, broken: bool = False) -> None:
+        self._inner = inner
+        self.type = inner.type
+        self.refuse = refuse or set()
+        self.broken = broken
+        self.full_after: int | None = None
+        """Writes taken before the disk is full (``None``: never full)."""
+
+    async def prepare(self) -> None:
+        await self._inner.prepare()
+
+    async def write(self, records: Sequence[Commit]) -> None:
+        if self.broken:
+            raise StorageError("sqlite wowd.db: database disk image is malformed")
+        if self.full_after is not None:
+            if self.full_after <= 0:
+                raise StorageFull("sqlite wowd.db: database or disk is full")
+            self.full_after -= 1
+        for r in records:
+            if r.ref.id in self.refuse:
+                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
+        await self._inner.write(records)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:
+    """Puts a :class:`RefusingSink` (``kwargs``: what it refuses) in front of the backend's event
+    sink of order, for every aggregate type; answers it."""
+    inner = backend.sink_factory
+    sink = RefusingSink(inner(AggregateType(context=CONTEXT, aggregate="order")), **kwargs)
+    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
+    backend._sinks.clear()
+    return sink

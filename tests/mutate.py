@@ -38,9 +38,9 @@ GROUPS: dict[str, Group] = {
         (
             "tests/contract/test_log.py",
             "tests/contract/test_checkpoints.py",
-            "tests/test_embedded_log_batches.py",
-            "tests/test_embedded_log_union_read.py",
-            "tests/test_embedded_batched_reads.py",
+            "tests/embedded/test_log_batches.py",
+            "tests/embedded/test_log_union_read.py",
+            "tests/embedded/test_batched_reads.py",
             "tests/embedded/test_leases_log.py",
         ),
     ),  # fmt: skip
@@ -75,14 +75,14 @@ GROUPS: dict[str, Group] = {
     ),
     # retries and their backoff
     "retry": Group(("wowd/retry.py",), ("tests/test_retrying.py", "tests/test_retry.py")),
-    # firing: the fire rule and its rounds (claims and settles, the outbox shortcut's round), the
-    # timer loop's plan and the log's watermark, the tombstone sweep; then the slot keeper's timing
+    # firing: the fire rule and its rounds (claims and settles, the outbox shortcut's round, the
+    # tombstone sweep), the timer loop's plan and the log's watermark; then the slot keeper's timing
     "fire-gate": Group(
         (
+            "wowd/daemon/firing.py",
             "wowd/daemon/waker.py",
             "wowd/daemon/timer_plan.py",
             "wowd/daemon/timers.py",
-            "wowd/daemon/firing.py",
             "wowd/stores/embedded/timer_firing.py",
         ),
         (
@@ -92,12 +92,13 @@ GROUPS: dict[str, Group] = {
             "tests/embedded/test_firing_path.py",
             "tests/embedded/test_fast_path.py",
             "tests/firing/test_fire_rule.py",
-            "tests/daemon/test_fast_path.py",
-            "tests/daemon/test_wakeup.py",
-            "tests/daemon/test_round_planning.py",
-            "tests/daemon/test_loops.py",
-            "tests/daemon/test_cancel_after_claim.py",
-            "tests/daemon/test_log_gate.py",
+            "tests/firing/test_outbox_shortcut.py",
+            "tests/firing/test_history.py",
+            "tests/firing/test_wakeup.py",
+            "tests/firing/test_round_planning.py",
+            "tests/firing/test_rounds.py",
+            "tests/firing/test_cancel_after_claim.py",
+            "tests/firing/test_log_gate.py",
             "tests/daemon/test_tombstone_retention.py",
         ),
     ),  # fmt: skip

@@ -66,6 +66,13 @@ def test_every_relative_link_resolves(doc: Path) -> None:
             assert anchor in _anchors(path), f"{doc.name}: {link}: no heading with that anchor"
 
 
+@pytest.mark.parametrize("doc", [*USER_DOCS, ROOT / "Makefile"], ids=lambda p: p.name)
+def test_every_test_module_named_exists(doc: Path) -> None:
+    """A page that points a maintainer at ``tests/...py`` points at a module that is there."""
+    named = set(re.findall(r"\btests/[\w/]+\.py\b", doc.read_text()))
+    assert not {n for n in named if not (ROOT / n).exists()}, f"{doc.name} names test modules that are not there"
+
+
 def test_link_checker_sees_a_broken_link(tmp_path: Path) -> None:
     page = tmp_path / "page.md"
     page.write_text("# Title\n\n[a](missing.md) [b](#title) [c](https://example.com)\n```\n[d](x.md)\n```\n")

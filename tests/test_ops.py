@@ -173,21 +173,15 @@ def test_every_alert_has_a_unit_test_that_fires_it() -> None:
     assert set(_alert_rules()) == fired == silent
 
 
-def test_promtool_runs_the_alert_unit_tests() -> None:
+@pytest.mark.parametrize(
+    ("command", "file"),
+    [("test", "alerts.test.yaml"), ("check", "alerts.yaml")],
+    ids=["runs the alert unit tests", "checks the alert rules"],
+)
+def test_promtool(command: str, file: str) -> None:
     promtool = _tool("promtool")
     out = subprocess.run(
-        [promtool, "test", "rules", str(ROOT / "deploy/prometheus/alerts.test.yaml")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-
-
-def test_promtool_checks_the_alert_rules() -> None:
-    promtool = _tool("promtool")
-    out = subprocess.run(
-        [promtool, "check", "rules", str(ROOT / "deploy/prometheus/alerts.yaml")],
+        [promtool, command, "rules", str(ROOT / "deploy/prometheus" / file)],
         capture_output=True,
         text=True,
         check=False,

@@ -19,6 +19,8 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.factories import eventually
+
 ROOT = Path(__file__).resolve().parent.parent
 TUTORIAL = (ROOT / "docs" / "tutorial.md").read_text()
 README = (ROOT / "README.md").read_text()
@@ -45,15 +47,6 @@ def shell_commands(text: str) -> list[str]:
 def command(text: str, startswith: str) -> list[str]:
     [found] = [c for c in shell_commands(text) if startswith in c]
     return shlex.split(found)
-
-
-def eventually(check: object, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {within}s waiting for: {what}")
 
 
 @pytest.fixture
@@ -100,7 +93,7 @@ def test_the_tutorial_schedules_receives_cancels_and_watches(workdir: Path) -> N
             except OSError:
                 return False
 
-        eventually(holding, 30, "the replica holds its slot")
+        anyio.run(eventually, holding, 30, "the replica holds its slot")
         out = subprocess.run(exe(command(TUTORIAL, "schedule.py")), cwd=workdir, env=env, capture_output=True,
                              text=True, timeout=60, check=True)  # fmt: skip
         assert "scheduled 'reminder', scheduled and cancelled 'expiry'" in out.stdout

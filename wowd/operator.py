@@ -245,7 +245,7 @@ def delivery_doc(settings: WowdSettings) -> dict[str, Any]:
     g = settings.gateway
     doc: dict[str, Any] = {"kind": g.kind, "concurrency": g.concurrency}
     if g.kind == "outbox":
-        doc["outbox"] = {"retention_s": settings.outbox.retention_s, "fast_path": settings.outbox.fast_path}
+        doc["outbox"] = settings.outbox.model_dump()
         return doc
     signed = bool(g.signing_secrets)
     routes = [

@@ -11,10 +11,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.factories import outbox_entry
 from wowd.backends import opened_backend
 from wowd.cli import main
 from wowd.config import load_settings
-from wowd.model import AggregateRef, OutboxEntry
 
 CONTEXT = "demo"
 PARTITIONS = 8
@@ -82,21 +82,20 @@ def http_endpoint() -> Iterator[str]:
 
 def fill_outbox(created_at: dict[str, int]) -> None:
     """Puts an outbox entry per request id, created at the time given (of ``demo.order`` o-1)."""
-    target = AggregateRef(context="demo", aggregate="order", id="o-1")
 
     async def fill() -> None:
         async with opened_backend(load_settings()) as backend:
             for request_id, created in created_at.items():
-                e = OutboxEntry(
-                    request_id=request_id,
-                    timer_id="t",
-                    target=target,
-                    command='{"name":"x"}',
-                    scheduled_at=1,
-                    fence=1,
-                    owner_key="k",
-                    created_at=created,
-                )
-                assert await backend.outbox.put(e)
+                assert await backend.outbox.put(outbox_entry(request_id, created))
 
     anyio.run(fill)
+
+
+def refused_check(wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> str:
+    """``wowd check`` with ``env`` set, refused at start (exit 2, nothing on stdout, no
+    traceback); answers what it said on stderr."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    code, out, err = wowd("check")
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    return err

@@ -13,7 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.cli.conftest import Run, fill_outbox
+from tests.cli.conftest import Run, fill_outbox, refused_check
+from tests.factories import ref, timer
 from wowd import __version__
 from wowd.backends import opened_backend
 from wowd.config import load_settings
@@ -71,10 +72,8 @@ def test_version(wowd: Run) -> None:
 def test_bad_settings_are_refused_at_start_with_one_clean_message(
     wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
 ) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code, out, err = wowd("check")
-    assert code == 2 and out == "" and says in err and "Traceback" not in err
+    err = refused_check(wowd, monkeypatch, env)
+    assert says in err
     assert "t0k3n" not in err and "pw-in-url" not in err
 
 
@@ -251,23 +250,13 @@ def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) 
     fill_outbox({"r1": 1_000, "r2": 2_000})
 
     async def fill() -> None:
-        from wowd.model import AggregateRef, AggregateType, Command, Timer, deterministic_timer_id, partition
+        from wowd.model import AggregateType
 
         s = load_settings()
         async with opened_backend(s) as backend:
-            owner = AggregateRef(context=s.context, aggregate="order", id="o-1")
-            due = Timer(
-                timer_id=deterministic_timer_id(owner, "k", 1),
-                partition=partition("o-1", s.partitions),
-                owner=owner,
-                key="k",
-                version=1,
-                due_at=1_000,
-                scheduled_at=1_000,
-                target=owner,
-                body=Command(name="x").to_json(),
+            assert await backend.timers.put(
+                timer("o-1", 1_000, owner=ref("o-1", context=s.context), partitions=s.partitions)
             )
-            assert await backend.timers.put(due)
             order = AggregateType(context=s.context, aggregate="order")
             await backend.quarantine.put("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
 

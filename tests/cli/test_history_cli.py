@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from tests.cli.conftest import Run
-from tests.daemon.test_gateway import serving
+from tests.delivery.conftest import serving
+from tests.factories import eventually
 from wowd.backends import opened_backend
 from wowd.client import schedule_stream
 from wowd.config import load_settings
@@ -57,15 +58,15 @@ def _fire_until_delivered(answered: list[str], monkeypatch: pytest.MonkeyPatch) 
                 assert probe.history is not None
                 async with anyio.create_task_group() as tg:
                     await tg.start(replica.run)
-                    with anyio.fail_after(20):
-                        while True:
-                            records = await probe.history.of_key(stream, "deadline")
-                            cancels = await probe.history.of_key(stream, "reminder")
-                            if any(r.outcome == "delivered" for r in records) and any(
-                                r.kind is HistoryKind.CANCELLED for r in cancels
-                            ):
-                                break
-                            await anyio.sleep(0.05)
+
+                    async def delivered_and_cancelled() -> bool:
+                        records = await probe.history.of_key(stream, "deadline")
+                        cancels = await probe.history.of_key(stream, "reminder")
+                        return any(r.outcome == "delivered" for r in records) and any(
+                            r.kind is HistoryKind.CANCELLED for r in cancels
+                        )
+
+                    await eventually(delivered_and_cancelled, 20, "deadline delivered and reminder cancelled")
                     replica.stop()
         finally:
             await served.__aexit__(None, None, None)

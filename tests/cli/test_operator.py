@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.cli.conftest import Run, fill_outbox
+from tests.cli.conftest import Run, fill_outbox, refused_check
 from wowd.backends import opened_backend
 from wowd.cli import output
 from wowd.client import SyncWowdClient
@@ -99,10 +99,7 @@ def test_a_bad_store_url_is_a_settings_error_naming_the_variable(
     monkeypatch.setenv("WOWD_BACKEND", "mongo")
     monkeypatch.setenv("WOWD_MONGODB__URI", "mongodb://db/?replicaSet=rs0")
     monkeypatch.setenv("WOWD_ELASTICSEARCH__URL", "http://es:9200")
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code, out, err = wowd("check")
-    assert code == 2 and out == "" and says in err and "Traceback" not in err
+    assert says in refused_check(wowd, monkeypatch, env)
 
 
 @pytest.mark.process

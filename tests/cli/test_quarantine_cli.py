@@ -4,8 +4,7 @@ cause is fixed, fed by a retry (idempotent steps from its reason); what still fa
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, closing
 from datetime import timedelta
 from pathlib import Path
@@ -15,24 +14,23 @@ import anyio
 import pytest
 
 from tests.cli.conftest import CONTEXT, PARTITIONS, Run
-from tests.daemon.conftest import eventually
+from tests.factories import commit, event, eventually, ref, scheduled
+from tests.helpers import refusing
 from wowd.backends import opened_backend
 from wowd.cli import quarantine as quarantine_cli
 from wowd.config import WowdSettings, load_settings
 from wowd.daemon.feed import CONSUMER, Feeder, Waker
 from wowd.daemon.leases import HeldSlot
-from wowd.errors import InvalidInput
 from wowd.model import (
     AggregateRef,
     AggregateType,
     Commit,
-    DomainEvent,
     Owner,
     SnapshotRecord,
     commit_to_doc,
     partition,
 )
-from wowd.stores.base import Backend, EventSink
+from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
 
 ORDER = AggregateType(context=CONTEXT, aggregate="order")
@@ -41,49 +39,8 @@ DUE = 10**13
 
 def order_commit(agg_id: str, version: int = 1, *, rule: dict[str, Any] | None = None) -> Commit:
     """A commit of ``order/agg_id`` scheduling the timer ``expire`` (``rule``: once)."""
-    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    timer = {
-        "key": "expire",
-        "due_at": DUE,
-        "rule": rule or {"type": "once"},
-        "target": {"context": CONTEXT, "aggregate": "order", "id": agg_id},
-        "command": {"name": "expire-order", "body": {}},
-    }
-    return Commit(
-        ref=ref,
-        version=version,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=1_700_000_000_000 + version,
-        events=(
-            DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}),
-            DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=timer),
-        ),
-    )
-
-
-class RefusingSink:
-    """The event sink refusing the commits of some aggregates, as Elasticsearch refuses one
-    document (a 400 on its item: a mapping conflict)."""
-
-    def __init__(self, inner: EventSink, refuse: set[str]) -> None:
-        self._inner = inner
-        self.refuse = refuse
-
-    async def write(self, records: Sequence[Commit]) -> None:
-        for r in records:
-            if r.ref.id in self.refuse:
-                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
-        await self._inner.write(records)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-def refuse_in_sink(backend: Backend, refuse: set[str]) -> None:
-    inner = backend.sink_factory
-    backend.sink_factory = lambda type_: RefusingSink(inner(type_), refuse)  # type: ignore[assignment,return-value]
-    backend._sinks.clear()
+    expire = scheduled("expire", DUE, target=ref(agg_id), command="expire-order", rule=rule)
+    return commit(agg_id, version, event(n=version), expire, create_time=1_700_000_000_000 + version)
 
 
 async def feed_until_caught_up(settings: WowdSettings, backend: Backend) -> None:
@@ -147,7 +104,7 @@ def test_a_commit_the_sink_refused_is_listed_shown_then_fed_by_retry(wowd: Run, 
         settings = load_settings()
         async with opened_backend(settings) as backend:
             await backend.log.append_many(commits)
-            refuse_in_sink(backend, {"bad"})
+            refusing(backend, refuse={"bad"})
             await feed_until_caught_up(settings, backend)
 
     anyio.run(feed_with_a_refusing_sink)
@@ -201,7 +158,7 @@ def test_what_still_fails_stays_quarantined_under_its_id_with_the_new_reason(
     @asynccontextmanager
     async def refusing_backend(settings: WowdSettings, *, create: bool = True) -> AsyncIterator[Backend]:
         async with real(settings, create=create) as backend:
-            refuse_in_sink(backend, {"s-1"})
+            refusing(backend, refuse={"s-1"})
             yield backend
 
     monkeypatch.setattr(quarantine_cli, "opened_backend", refusing_backend)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.certs import Pki, make_pki
-from tests.cli.conftest import Run
+from tests.cli.conftest import Run, refused_check
 
 TOKEN = "route-token-planted-5512"
 SECRET = "whsec_cm91dGUtc2lnbmluZy1zZWNyZXQtcGxhbnRlZA=="
@@ -94,7 +94,5 @@ def test_a_bad_global_client_certificate_stops_check(
 def test_a_list_setting_that_is_not_json_is_named(
     wowd: Run, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], says: str
 ) -> None:
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    code, out, err = wowd("check")
-    assert code == 2 and out == "" and says in err and SECRET not in err and SECRET[6:] not in err
+    err = refused_check(wowd, monkeypatch, env)
+    assert says in err and SECRET not in err and SECRET[6:] not in err

@@ -22,7 +22,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 async def wowd_in_process(*args: str, env: dict[str, str], cwd: Path | None = None) -> tuple[int, str, str]:
-    """``wowd ARGS`` as :func:`~tests.daemon.conftest.run_wowd` runs it, in a worker thread of
+    """``wowd ARGS`` as :func:`~tests.processes.run_wowd` runs it, in a worker thread of
     this process: ``main(ARGS)`` with ``env`` as the environment and ``cwd`` as the working
     directory; answers (exit code, stdout, stderr). The environment, the working directory and
     the logging set up by the command are restored afterwards."""

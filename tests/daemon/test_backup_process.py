@@ -12,14 +12,14 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.daemon.inprocess import wowd_in_process
+from tests.factories import CONTEXT, PARTITIONS, eventually, timer_commit
+from tests.processes import Replica, base_env, run_wowd
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, timer_commit
-from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

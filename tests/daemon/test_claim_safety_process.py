@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import anyio
 import pytest
 from aiohttp import web
 
-from wowd.model import DomainEvent, TimerStatus
+from tests.delivery.conftest import serving
+from tests.factories import CONTEXT, commit, eventually, ref, scheduled, timer_commit
+from tests.processes import Replica, base_env
+from wowd.model import TimerStatus
+from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, Replica, base_env, eventually, timer_commit
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
@@ -44,43 +47,27 @@ class Target:
 
 
 @pytest.fixture
-async def serve() -> AsyncIterator[Callable[[Target], anyio.abc.ObjectReceiveStream[int] | int]]:
-    runners: list[web.AppRunner] = []
+async def serve() -> AsyncIterator[Callable[[Target], Awaitable[str]]]:
+    """Starts a target on a local port for the test; answers its URL."""
+    async with AsyncExitStack() as started:
 
-    async def start(target: Target) -> int:
-        app = web.Application()
-        app.router.add_post("/{tail:.*}", target.handle)
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        async def start(target: Target) -> str:
+            _srv, url = await started.enter_async_context(serving(target.handle))
+            return url
 
-    yield start  # type: ignore[misc]
-    for r in runners:
-        await r.cleanup()
+        yield start
 
 
 async def test_a_target_slower_than_the_claim_gets_each_request_once_before_its_backoff(
-    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+    db: Path, stores: Backend, spawn: Callable[..., Replica], serve: Callable[[Target], Awaitable[str]]
 ) -> None:
     target = Target(status=503, delay_s=0.3)
-    port = await serve(target)  # type: ignore[misc]
-    db = tmp_path / "wowd.db"
     env = base_env(
-        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=await serve(target),
         WOWD_TIMERS__CLAIM_TTL_S=0.5, WOWD_TIMERS__BATCH=2, WOWD_TIMERS__BACKOFF_BASE_S=30,
         WOWD_GATEWAY__CONCURRENCY=1, WOWD_TIMERS__LOOKAHEAD_MS=0, WOWD_GATEWAY__BREAKER_FAILURES=100,
     )  # fmt: skip
-    from wowd.config import EmbeddedSettings, WowdSettings
-    from wowd.stores.embedded import open_embedded
-
-    backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
-    try:
-        await backend.log.append_many([timer_commit(f"s-{i}", 1, ["k"]) for i in range(4)])
-    finally:
-        await backend.close()
+    await stores.log.append_many([timer_commit(f"s-{i}", 1, ["k"]) for i in range(4)])
     # (the breaker is set out of reach: every answer is a 503, and this test is about the claims)
     r = spawn("slow", env)
     # four timers, one at a time, 0.3 s each: all sent once within ~1.2 s; claims of 0.5 s expire
@@ -101,30 +88,15 @@ async def _all_sent(target: Target, n: int) -> bool:
 
 
 async def test_an_undecodable_timer_is_failed_and_its_batch_mates_are_delivered(
-    tmp_path: Path, spawn: Callable[..., Replica], serve: Callable[[Target], object]
+    db: Path, stores: Backend, spawn: Callable[..., Replica], serve: Callable[[Target], Awaitable[str]]
 ) -> None:
     target = Target(status=200, delay_s=0.0)
-    port = await serve(target)  # type: ignore[misc]
-    db = tmp_path / "wowd.db"
-    from wowd.config import EmbeddedSettings, WowdSettings
-    from wowd.stores.embedded import open_embedded
-
     due = int(time.time() * 1000) + 3_600_000  # brought forward once the row is edited
-    backend = await open_embedded(WowdSettings(context=CONTEXT, partitions=8, embedded=EmbeddedSettings(path=db)))
-    try:
-        commits = [timer_commit(f"g-{i}", 1, ["k"], due_at=due) for i in range(4)]
-        cron = timer_commit("bad", 1, [], due_at=due)
-        ev = DomainEvent(
-            id="cron", name="TimerScheduled",
-            body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
-                  "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
-        )  # fmt: skip
-        from dataclasses import replace
-
-        await backend.log.append_many([*commits, replace(cron, events=(ev,))])
-    finally:
-        await backend.close()
-    env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}")
+    commits = [timer_commit(f"g-{i}", 1, ["k"], due_at=due) for i in range(4)]
+    every_minute = {"type": "cron", "expression": "* * * * *", "zone": "UTC"}
+    ev = scheduled("k", due, target=ref("bad"), command={"name": "go"}, rule=every_minute)
+    await stores.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
+    env = base_env(db, WOWD_LEASE__LIMIT=1, WOWD_GATEWAY__KIND="http", WOWD_GATEWAY__URL=await serve(target))
     r = spawn("poison", env)
     await r.wait_ready()
 

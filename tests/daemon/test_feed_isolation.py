@@ -7,27 +7,26 @@ everything stalls the view (``wowd_feed_stalled{view}`` 1) and, when that view i
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+from tests.factories import embedded_settings, eventually, timer_commit
+from tests.helpers import hold_slot, refusing
 from wowd import metrics
-from wowd.backends import opened_backend
 from wowd.config import FeedSettings, WowdSettings
 from wowd.daemon import feed as feed_module
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.errors import InvalidInput, SlotStalled, StorageError, StorageFull
-from wowd.model import AggregateType, Commit, partition
+from wowd.errors import SlotStalled
+from wowd.model import partition
 from wowd.retry import Backoff
-from wowd.stores.base import Backend, EventSink
+from wowd.stores.base import Backend
 from wowd.views import view_named
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -49,50 +48,6 @@ async def index_fed(backend: Backend) -> set[int]:
 
 def settings(tmp_path: Path, **feed: Any) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS, feed=FeedSettings(**feed))
-
-
-class RefusingSink:
-    """An event sink that refuses the commits of some aggregates (or every commit)."""
-
-    def __init__(self, inner: EventSink, *, refuse: set[str] | None = None, broken: bool = False) -> None:
-        self._inner = inner
-        self.type = inner.type
-        self.refuse = refuse or set()
-        self.broken = broken
-        self.full_after: int | None = None
-        """Writes taken before the disk is full (``None``: never full)."""
-
-    async def prepare(self) -> None:
-        await self._inner.prepare()
-
-    async def write(self, records: Sequence[Commit]) -> None:
-        if self.broken:
-            raise StorageError("sqlite wowd.db: database disk image is malformed")
-        if self.full_after is not None:
-            if self.full_after <= 0:
-                raise StorageFull("sqlite wowd.db: database or disk is full")
-            self.full_after -= 1
-        for r in records:
-            if r.ref.id in self.refuse:
-                raise InvalidInput(f"{r.ref} v{r.version}: mapper_parsing_exception", field="events")
-        await self._inner.write(records)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
-
-
-def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:
-    inner = backend.sink_factory
-    sink = RefusingSink(inner(AggregateType(context=CONTEXT, aggregate="order")), **kwargs)
-    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
-    backend._sinks.clear()
-    return sink
 
 
 def caught_up(waker: Waker) -> Callable[[], Awaitable[bool]]:

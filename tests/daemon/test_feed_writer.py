@@ -7,8 +7,8 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, cancelled, commit, embedded_settings, ref, scheduled, timer_commit
+from tests.helpers import hold_slot
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, READ_AHEAD, Feeder
@@ -36,8 +38,6 @@ from wowd.model import (
 from wowd.stores.base import FEED_TRANSACTION, Backend, FeedWriter
 from wowd.stores.embedded.timer_view import WRITE_CHUNK
 
-from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
-
 pytestmark = pytest.mark.anyio
 
 PARTS = 4
@@ -47,12 +47,6 @@ HOUR_MS = 3_600_000
 
 def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
 
 
 W = TypeVar("W")
@@ -103,18 +97,6 @@ async def feed(s: WowdSettings, b: Backend, *, batch_size: int = 500) -> None:
                 await waker.wait_applied(waker.applied_batches, 1.0)
             held.request_stop()
     await b.leases.release(held.lease, 0)
-
-
-def commit(agg_id: str, version: int, *events: DomainEvent, deleted: bool = False) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id), version=version,
-        command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": version}), *events), deleted=deleted,
-    )  # fmt: skip
-
-
-def cancelled(key: str) -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
 
 
 def puts(*commits: Commit) -> list[TimerWrite]:
@@ -199,15 +181,29 @@ def rewriting(now: int) -> list[Commit]:
     return [
         timer_commit("x", 1, ["k"], due_at=now + HOUR_MS),
         # cancelled and scheduled again in one command handler: the new timer is live
-        commit("x", 2, cancelled("k"), scheduled("x", "k", now + 2 * HOUR_MS)),
+        commit("x", 2, cancelled("k"), scheduled("k", now + 2 * HOUR_MS, target=ref("x"))),
         # scheduled twice in one commit: the second is live
-        commit("y", 1, scheduled("y", "k", now + HOUR_MS, n="A"), scheduled("y", "k", now + 2 * HOUR_MS, n="B")),
+        commit(
+            "y",
+            1,
+            scheduled("k", now + HOUR_MS, target=ref("y"), body={"n": "A"}),
+            scheduled("k", now + 2 * HOUR_MS, target=ref("y"), body={"n": "B"}),
+        ),
         # scheduled, then cancelled in one commit: nothing is live
-        commit("w", 1, scheduled("w", "k", now + HOUR_MS), cancelled("k")),
+        commit("w", 1, scheduled("k", now + HOUR_MS, target=ref("w")), cancelled("k")),
         # scheduled by the commit that deletes the aggregate: cancelled with every timer of it
         timer_commit("z", 1, ["k"], due_at=now + HOUR_MS),
-        commit("z", 2, scheduled("z", "j", now + HOUR_MS), deleted=True),
+        commit("z", 2, scheduled("j", now + HOUR_MS, target=ref("z")), deleted=True),
     ]
+
+
+@asynccontextmanager
+async def writing(s: WowdSettings, at_once: bool) -> AsyncIterator[tuple[Backend, CountingWriter | None]]:
+    """The backend of ``s``, its feed batches written in one transaction each (counted) when
+    ``at_once``, else step by step."""
+    async with opened_backend(s) as b:
+        counting = swap_writer(b, CountingWriter if at_once else None)
+        yield b, counting
 
 
 async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path) -> None:
@@ -218,8 +214,7 @@ async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path)
     views = []
     for name, at_once, batch_size in (("one", True, 500), ("steps", False, 500), ("each", True, 1)):
         s = settings(tmp_path / name)
-        async with opened_backend(s) as b:
-            counting = swap_writer(b, CountingWriter if at_once else None)
+        async with writing(s, at_once) as (b, counting):
             await b.log.append_many(commits)
             await feed(s, b, batch_size=batch_size)
             assert counting is None or counting.applied >= 1
@@ -253,17 +248,9 @@ async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_s
     seen = []
     for at_once in (True, False):
         s = settings(tmp_path / str(at_once))
-        async with opened_backend(s) as b:
-            counting = swap_writer(b, CountingWriter if at_once else None)
+        async with writing(s, at_once) as (b, counting):
             await b.log.append_many(commits)
-            held = await hold(b)
-            waker = Waker()
-            with anyio.fail_after(10):
-                async with anyio.create_task_group() as tg:
-                    await tg.start(Feeder(s, b, batch_size=2).run, held, waker)
-                    while waker.watermark is None:
-                        await waker.wait_applied(waker.applied_batches, 1.0)
-                    held.request_stop()
+            await feed(s, b, batch_size=2)
             if counting is not None:
                 assert counting.applied >= 23
             docs = [await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "ab"]

@@ -10,7 +10,6 @@ import resource
 import socket
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +17,11 @@ import anyio
 import httpx
 import pytest
 
+from tests.factories import CONTEXT, PARTITIONS, commit, eventually, ref, scheduled
+from tests.processes import Replica, base_env, run_wowd
 from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
-from wowd.model import AggregateRef, Commit, DomainEvent
+from wowd.model import Commit
 from wowd.stores.embedded import open_embedded
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, run_wowd, scheduled
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -43,25 +42,14 @@ async def _append(db: Path, commits: list[Commit]) -> None:
         await backend.close()
 
 
-def _commit(aggregate: str, agg_id: str, *events: DomainEvent) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate=aggregate, id=agg_id),
-        version=1,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=1_767_225_600_000,
-        events=events or (DomainEvent(id=uuid.uuid4().hex, name="Created", body={"n": 1}),),
-    )
-
-
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, Path]]:
     """A replica (the status page's token set) on a file holding a timer whose command carries a
     card number, due in a day."""
     tmp = tmp_path_factory.mktemp("hostile")
     db = tmp / "wowd.db"
-    pay = scheduled("o-1", "pay", int(time.time() * 1000) + 86_400_000, card=CARD)
-    anyio.run(_append, db, [_commit("order", "o-1", pay)])
+    pay = scheduled("pay", int(time.time() * 1000) + 86_400_000, body={"card": CARD})
+    anyio.run(_append, db, [commit("o-1", 1, pay)])
     r = Replica(tmp, "a", base_env(db, WOWD_UI__TOKEN=TOKEN, WOWD_LEASE__LIMIT="1"))
     try:
         anyio.run(r.wait_ready)
@@ -146,7 +134,7 @@ async def test_many_aggregate_types_cost_no_descriptor_and_no_thread_each(replic
     pid = r.proc.pid
     assert (await r.get("/healthz")).status_code == 200
     descriptors, threads = _descriptors(pid), _threads(pid)
-    await _append(db, [_commit(f"type-{i}", f"a-{i}") for i in range(150)])
+    await _append(db, [commit(owner=ref(f"a-{i}", aggregate=f"type-{i}")) for i in range(150)])
 
     async def indexed() -> bool:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:

@@ -13,12 +13,11 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 import wowd.metrics  # noqa: F401  (registers every metric)
+from tests.factories import eventually
 from wowd.daemon import http
 from wowd.daemon.http import HttpServer
 from wowd.daemon.systemd import SystemdNotifier
 from wowd.metrics import HTTP_REFUSED
-
-from .conftest import eventually
 
 pytestmark = pytest.mark.anyio
 

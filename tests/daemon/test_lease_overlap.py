@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper
 from wowd.errors import StorageUnavailable
-from wowd.model import AcquireResult, Owner, SlotLease
+from wowd.model import AcquireResult, SlotLease
 from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 
 pytestmark = pytest.mark.anyio
@@ -46,22 +47,13 @@ class Outage:
         while not predicate():
             await self.changed.wait()
 
-    async def acquire(
-        self,
-        namespace: str,
-        owner: Owner,
-        limit: int,
-        ttl: timedelta,
-        tolerance: timedelta,
-        slot_offset: int = 0,
-        preferred_slot: int | None = None,
-    ) -> AcquireResult:
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
         sent = anyio.current_time()
         if self.acquires_left is not None:
             if self.acquires_left <= 0:
                 raise StorageUnavailable("primary election in progress")
             self.acquires_left -= 1
-        res = await self.inner.acquire(namespace, owner, limit, ttl, tolerance, slot_offset, preferred_slot)
+        res = await self.inner.acquire(*args, **kwargs)
         self.answers.append((sent, res))
         self._notify()
         return res
@@ -110,8 +102,22 @@ class Ledger:
         return min(t for f, t in self.done if f == fence)
 
 
-def settings(ttl: float, tolerance: float) -> WowdSettings:
-    return WowdSettings(partitions=4, lease=LeaseSettings(limit=1, ttl_s=ttl, tolerance_s=tolerance))
+def two_keepers(
+    tmp_path: Path, ttl: float, keys: tuple[str, str]
+) -> tuple[tuple[Outage, Outage], Ledger, tuple[SlotKeeper, SlotKeeper]]:
+    """Two keepers of one slot on ``tmp_path/wowd.db`` (a lease of ``ttl`` seconds, a tolerance of
+    0.2 s) with the owner keys ``keys``, each through an :class:`Outage` of its own; their work
+    is written on one :class:`Ledger`."""
+    s = WowdSettings(partitions=4, lease=LeaseSettings(limit=1, ttl_s=ttl, tolerance_s=0.2))
+    stores = (
+        Outage(EmbeddedSlotLeaseStore(tmp_path / "wowd.db")),
+        Outage(EmbeddedSlotLeaseStore(tmp_path / "wowd.db")),
+    )
+    ledger = Ledger()
+    keepers = tuple(
+        SlotKeeper(0, s, store, ledger.work, owner_key=key) for store, key in zip(stores, keys, strict=True)
+    )
+    return stores, ledger, keepers  # type: ignore[return-value]
 
 
 async def test_a_re_acquire_near_the_end_of_the_lease_never_overlaps_the_next_holder(tmp_path: Path) -> None:
@@ -119,13 +125,7 @@ async def test_a_re_acquire_near_the_end_of_the_lease_never_overlaps_the_next_ho
     re-acquires with the lease nearly spent; the store hands the same lease back unchanged. The
     holder may only count what is left of it: a standby legitimately takes the slot with fence 2
     once it expired, and nothing is done under fence 1 from the moment fence 2 was asked for."""
-    db = tmp_path / "wowd.db"
-    s = settings(ttl=1.0, tolerance=0.2)
-    store_a = Outage(EmbeddedSlotLeaseStore(db))
-    store_b = Outage(EmbeddedSlotLeaseStore(db))
-    ledger = Ledger()
-    a = SlotKeeper(0, s, store_a, ledger.work, owner_key="replica-a")  # type: ignore[arg-type]
-    b = SlotKeeper(0, s, store_b, ledger.work, owner_key="replica-b")  # type: ignore[arg-type]
+    (store_a, store_b), ledger, (a, b) = two_keepers(tmp_path, 1.0, ("replica-a", "replica-b"))
 
     def b_granted() -> bool:
         return any(r.lease is not None and r.lease.fence == 2 for _, r in store_b.answers)
@@ -172,13 +172,7 @@ async def test_a_restart_with_a_fixed_owner_key_never_works_under_the_hung_prede
     the key's live lease, waits for it to expire, then takes the slot with a new incarnation and
     fence; the predecessor's renew, when it gets through, is refused. (The hung predecessor's own
     keeper stopped its work at its validity on the monotonic clock, renew or no renew.)"""
-    db = tmp_path / "wowd.db"
-    s = settings(ttl=0.9, tolerance=0.2)
-    old = Outage(EmbeddedSlotLeaseStore(db))
-    new = Outage(EmbeddedSlotLeaseStore(db))
-    ledger = Ledger()
-    first = SlotKeeper(0, s, old, ledger.work, owner_key="pod-0")  # type: ignore[arg-type]
-    second = SlotKeeper(0, s, new, ledger.work, owner_key="pod-0")  # type: ignore[arg-type]
+    (old, new), ledger, (first, second) = two_keepers(tmp_path, 0.9, ("pod-0", "pod-0"))
     unhang = anyio.Event()
 
     with anyio.fail_after(15):

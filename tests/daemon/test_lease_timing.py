@@ -15,12 +15,11 @@ import anyio
 import pytest
 from trio.testing import MockClock
 
+from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, Presence, SlotKeeper
 from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
-
-from .test_leases import WallClockLeases
 
 pytestmark = pytest.mark.anyio
 

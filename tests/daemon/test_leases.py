@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -10,18 +11,36 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import eventually, lease
 from wowd import metrics
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper
 from wowd.errors import LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
 
-from .conftest import eventually
-
 pytestmark = pytest.mark.anyio
 
 
-class ScriptedLeases:
+class OneSlot:
+    """A lease store of one slot, for the keeper: what a take answers is the subclass's."""
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        return await self.take(namespace, owner, ttl)
+
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
+        raise NotImplementedError
+
+
+class ScriptedLeases(OneSlot):
     """One slot; ``renew_mode``: ok | hang | lost."""
 
     def __init__(self) -> None:
@@ -42,16 +61,7 @@ class ScriptedLeases:
         while self.acquires < n:
             await self._changed.wait()
 
-    async def acquire(
-        self,
-        namespace: str,
-        owner: Owner,
-        limit: int,
-        ttl: timedelta,
-        tolerance: timedelta,
-        slot_offset: int = 0,
-        preferred_slot: int | None = None,
-    ) -> AcquireResult:
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
         self._refuse_if_full()
         if self.acquire_hangs:
             self.hung.set()
@@ -61,18 +71,11 @@ class ScriptedLeases:
         self.acquires += 1
         self._changed.set()
         self._changed = anyio.Event()
-        lease = SlotLease(
-            namespace=namespace,
-            slot=1,
-            owner_key=owner.key,
-            incarnation=self.acquires,
-            fence=self.acquires,
-            expires_at=123 + ttl // timedelta(milliseconds=1),
-            floor=0,
-            ceiling=0,
-            written_at=123,
+        expires_at = 123 + ttl // timedelta(milliseconds=1)
+        taken = lease(
+            self.acquires, owner_key=owner.key, namespace=namespace, slot=1, expires_at=expires_at, written_at=123
         )
-        return AcquireResult(status="acquired", lease=lease)
+        return AcquireResult(status="acquired", lease=taken)
 
     def _refuse_if_full(self) -> None:
         if self.full:
@@ -219,7 +222,7 @@ async def test_exhausted_is_standby_then_takes_a_freed_slot() -> None:
         keeper.stop(1.0)
 
 
-class WallClockLeases:
+class WallClockLeases(OneSlot):
     """One slot whose expiry is decided on a wall clock the test can step, as the embedded store
     decides it on SQLite's ``now``."""
 
@@ -232,28 +235,23 @@ class WallClockLeases:
     def wall(self) -> float:
         return time.time() + self.offset_s
 
+    def keeper(self, work: Callable[[HeldSlot], Awaitable[None]]) -> SlotKeeper:
+        """A keeper of the slot over this store (a lease of 6 s), on this store's wall clock."""
+        s = settings(ttl=6.0, tolerance=0.5)
+        return SlotKeeper(0, s, self, work, owner_key="me", wall_clock=self.wall)  # type: ignore[arg-type]
+
     def now_ms(self) -> int:
         return int(self.wall() * 1000)
 
-    async def acquire(
-        self,
-        namespace: str,
-        owner: Owner,
-        limit: int,
-        ttl: timedelta,
-        tolerance: timedelta,
-        slot_offset: int = 0,
-        preferred_slot: int | None = None,
-    ) -> AcquireResult:
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
         now = self.now_ms()
         fence = self.lease.fence if self.lease else 0
-        self.lease = SlotLease(
-            namespace=namespace,
-            slot=0,
+        expires_at = now + ttl // timedelta(milliseconds=1)
+        self.lease = lease(
+            fence + 1,
             owner_key=owner.key,
-            incarnation=fence + 1,
-            fence=fence + 1,
-            expires_at=now + ttl // timedelta(milliseconds=1),
+            namespace=namespace,
+            expires_at=expires_at,
             floor=now,
             ceiling=now,
             written_at=now,
@@ -291,14 +289,7 @@ async def test_a_wall_clock_step_forward_renews_at_once_and_a_refused_renew_stop
             times["stopped"] = anyio.current_time()
             stopped.set()
 
-    keeper = SlotKeeper(
-        0,
-        settings(ttl=6.0, tolerance=0.5),
-        store,
-        work,
-        owner_key="me",  # type: ignore[arg-type]
-        wall_clock=store.wall,
-    )
+    keeper = store.keeper(work)
     async with anyio.create_task_group() as tg:
         held = await tg.start(keeper.run)
         assert held is not None and held.fence == 1
@@ -318,14 +309,7 @@ async def test_a_wall_clock_step_back_renews_at_once_and_the_work_goes_on() -> N
         await held.stop_event.wait()
         held.check()
 
-    keeper = SlotKeeper(
-        0,
-        settings(ttl=6.0, tolerance=0.5),
-        store,
-        work,
-        owner_key="me",  # type: ignore[arg-type]
-        wall_clock=store.wall,
-    )
+    keeper = store.keeper(work)
     async with anyio.create_task_group() as tg:
         held = await tg.start(keeper.run)
         assert held is not None
@@ -349,14 +333,7 @@ async def test_a_slewing_wall_clock_is_no_step() -> None:
     async def work(held: HeldSlot) -> None:
         await held.stop_event.wait()
 
-    keeper = SlotKeeper(
-        0,
-        settings(ttl=6.0, tolerance=0.5),
-        store,
-        work,
-        owner_key="me",  # type: ignore[arg-type]
-        wall_clock=store.wall,
-    )
+    keeper = store.keeper(work)
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
         store.offset_s += 0.4

@@ -13,7 +13,8 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,11 +23,11 @@ import pytest
 from anyio.abc import SocketStream
 
 from tests import forkserver
+from tests.factories import CONTEXT, PARTITIONS, eventually, timer_commit
+from tests.processes import Replica, base_env
 from wowd.cli.run import ESCALATE_AFTER_S
 from wowd.model import Owner, TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually, timer_commit
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -226,52 +227,12 @@ def _wowd_command() -> list[str]:
 # --------------------------------------------------------------------------- 4. a second signal
 
 
-async def test_two_sigterms_within_a_second_count_once(
-    spawn: Callable[..., Replica], db: Path, stores: Backend
-) -> None:
-    """``timeout`` and ``make`` forwarding one stop together: the drain of a delivery in flight
-    runs its grace period and the replica exits 0, not cancelled."""
-    requests = anyio.Event()
-
-    async def hang(stream: SocketStream) -> None:
-        async with stream:
-            requests.set()
-            await anyio.sleep_forever()
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-    port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    env = base_env(
-        db,
-        WOWD_LEASE__LIMIT=1,
-        WOWD_GATEWAY__KIND="http",
-        WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
-        WOWD_GATEWAY__TIMEOUT_S=60,
-        WOWD_SHUTDOWN__GRACE_S=1,
-    )
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, hang)
-        r = spawn("twice", env)
-        await r.wait_ready()
-        await stores.log.append(timer_commit("slow-2", 1, ["k"]))
-        with anyio.fail_after(15):
-            await requests.wait()
-        r.signal(signal.SIGTERM)
-        first = time.monotonic()
-        await eventually(lambda: _logged(r, "received SIGTERM: stopping gracefully"), 10, "the first signal taken")
-        r.signal(signal.SIGTERM)
-        assert time.monotonic() - first < ESCALATE_AFTER_S  # else this test says nothing
-        assert await r.wait_exit(20) == 0
-        assert time.monotonic() - first >= 0.8  # the grace period (1 s) ran
-        assert await _logged(r, "again within 1 s of the first: still stopping gracefully")
-        tg.cancel_scope.cancel()
-
-
-async def test_second_sigterm_during_a_long_drain_cancels_at_once(
-    spawn: Callable[..., Replica], db: Path, stores: Backend
-) -> None:
-    """The target never answers, so the graceful drain would last the whole grace period; a second
-    SIGTERM (a second or more after the first) ends it at once (exit 1), still settling the claim
-    and releasing the lease."""
+@asynccontextmanager
+async def delivering_forever(
+    spawn: Callable[..., Replica], db: Path, stores: Backend, name: str, grace_s: float
+) -> AsyncIterator[Replica]:
+    """The replica ``name`` (one slot, the http gateway, a grace period of ``grace_s``), once the
+    delivery of its one timer is in flight to a target that reads the request and never answers."""
     requests = anyio.Event()
 
     async def hang(stream: SocketStream) -> None:
@@ -284,22 +245,49 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    url = f"http://127.0.0.1:{port}"
     env = base_env(
         db,
         WOWD_LEASE__LIMIT=1,
         WOWD_GATEWAY__KIND="http",
-        WOWD_GATEWAY__URL=f"http://127.0.0.1:{port}",
+        WOWD_GATEWAY__URL=url,
         WOWD_GATEWAY__TIMEOUT_S=60,
-        WOWD_SHUTDOWN__GRACE_S=60,
+        WOWD_SHUTDOWN__GRACE_S=grace_s,
     )
     async with listener, anyio.create_task_group() as tg:
         tg.start_soon(listener.serve, hang)
-        r = spawn("drainer", env)
+        r = spawn(name, env)
         await r.wait_ready()
-        await stores.log.append(timer_commit("slow-1", 1, ["k"]))
+        await stores.log.append(timer_commit(f"{name}-1", 1, ["k"]))
         with anyio.fail_after(15):
             await requests.wait()  # the delivery is in flight and will not finish by itself
+        yield r
+        tg.cancel_scope.cancel()
 
+
+async def test_two_sigterms_within_a_second_count_once(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """``timeout`` and ``make`` forwarding one stop together: the drain of a delivery in flight
+    runs its grace period and the replica exits 0, not cancelled."""
+    async with delivering_forever(spawn, db, stores, "twice", grace_s=1) as r:
+        r.signal(signal.SIGTERM)
+        first = time.monotonic()
+        await eventually(lambda: _logged(r, "received SIGTERM: stopping gracefully"), 10, "the first signal taken")
+        r.signal(signal.SIGTERM)
+        assert time.monotonic() - first < ESCALATE_AFTER_S  # else this test says nothing
+        assert await r.wait_exit(20) == 0
+        assert time.monotonic() - first >= 0.8  # the grace period (1 s) ran
+        assert await _logged(r, "again within 1 s of the first: still stopping gracefully")
+
+
+async def test_second_sigterm_during_a_long_drain_cancels_at_once(
+    spawn: Callable[..., Replica], db: Path, stores: Backend
+) -> None:
+    """The target never answers, so the graceful drain would last the whole grace period; a second
+    SIGTERM (a second or more after the first) ends it at once (exit 1), still settling the claim
+    and releasing the lease."""
+    async with delivering_forever(spawn, db, stores, "drainer", grace_s=60) as r:
         r.signal(signal.SIGTERM)
         await eventually(lambda: _logged(r, "stopping: draining within 60.0s"), 10, "graceful stop begun")
         first = time.monotonic()  # the replica took the first signal before this (a loaded one late)
@@ -313,7 +301,6 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
         second = time.monotonic()
         assert await r.wait_exit(10) == 1
         assert time.monotonic() - second < 5  # not the 60 s grace nor the 60 s delivery timeout
-        tg.cancel_scope.cancel()
 
     assert "again: cancelling" in r.log()
     # cancelled, yet the claim is settled (back to PENDING, due again at once) and the lease released

@@ -5,13 +5,14 @@ scripted store, then a whole supervisor on the embedded store (a standby, then a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
 import anyio
 import pytest
 
+from tests.factories import eventually
 from tests.helpers import held_slot
 from wowd import __version__, metrics
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
@@ -153,29 +154,21 @@ def replica_settings(tmp_path: Path) -> WowdSettings:
     )
 
 
-@pytest.fixture
-async def backend(replica_settings: WowdSettings) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(replica_settings)
-    try:
-        yield b
-    finally:
-        await b.close()
-
-
 async def records(backend: Backend) -> dict[str, ReplicaState]:
     return {r.owner_key: r for r in await backend.leases.replicas("wowd.demo")}
 
 
-async def until(backend: Backend, check: object) -> dict[str, ReplicaState]:
-    assert callable(check)
-    with anyio.fail_after(10):
-        while True:
-            found = await records(backend)
-            if check(found):
-                return found
-            await anyio.sleep(0.02)
+async def until(backend: Backend, check: Callable[[dict[str, ReplicaState]], bool]) -> dict[str, ReplicaState]:
+    """The presence records, once ``check`` holds of them."""
+    found: dict[str, ReplicaState] = {}
+
+    async def holds() -> bool:
+        nonlocal found
+        found = await records(backend)
+        return check(found)
+
+    await eventually(holds, 10, "the presence records", every=0.02)
+    return found
 
 
 async def test_a_standby_replica_is_recorded_then_holds_then_leaves_on_a_graceful_stop(

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.daemon.inprocess import wowd_in_process
+from tests.factories import CONTEXT, PARTITIONS, eventually, timer_commit
+from tests.processes import SECRET_MONGO_PW, SECRET_TOKEN, Replica, base_env, run_wowd
 from wowd.model import (
     AggregateType,
     Commit,
@@ -28,19 +31,6 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import (
-    CONTEXT,
-    PARTITIONS,
-    SECRET_MONGO_PW,
-    SECRET_TOKEN,
-    Replica,
-    base_env,
-    eventually,
-    run_wowd,
-    timer_commit,
-)
-from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -29,23 +28,14 @@ def ready_gauge() -> float | None:
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> WowdSettings:
+def replica_settings(tmp_path: Path) -> WowdSettings:
     return WowdSettings(embedded=EmbeddedSettings(path=tmp_path / "wowd.db"))
 
 
-@pytest.fixture
-async def backend(settings: WowdSettings) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings)
-    try:
-        yield b
-    finally:
-        await b.close()
-
-
-async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: WowdSettings, backend: Backend) -> None:
-    sup = replica_of(settings, backend, delivery(settings, backend))
+async def test_a_standby_is_ready_until_its_stores_stop_answering(
+    replica_settings: WowdSettings, backend: Backend
+) -> None:
+    sup = replica_of(replica_settings, backend, delivery(replica_settings, backend))
     await sup._ping()
     assert sup.readiness(False) == (True, "standby: no free slot in wowd.demo")
     assert sup.readiness(True) == (False, "standby: no free slot in wowd.demo")
@@ -61,11 +51,11 @@ async def test_a_standby_is_ready_until_its_stores_stop_answering(settings: Wowd
 
 
 async def test_a_stalled_slot_makes_its_replica_not_ready_and_says_which(
-    settings: WowdSettings, backend: Backend
+    replica_settings: WowdSettings, backend: Backend
 ) -> None:
-    sup = replica_of(settings, backend, delivery(settings, backend))
+    sup = replica_of(replica_settings, backend, delivery(replica_settings, backend))
     await sup._ping()
-    feeder = Feeder(settings, backend)
+    feeder = Feeder(replica_settings, backend)
     stalls = feeder.stalls_of(3)
     sup._feeders[3] = feeder
     logx = logging.LoggerAdapter(log)
@@ -88,9 +78,9 @@ log = logging.getLogger("test.readiness")
 
 
 async def test_a_stalled_timer_loop_makes_its_replica_not_ready_and_says_which(
-    settings: WowdSettings, backend: Backend
+    replica_settings: WowdSettings, backend: Backend
 ) -> None:
-    sup = replica_of(settings, backend, delivery(settings, backend))
+    sup = replica_of(replica_settings, backend, delivery(replica_settings, backend))
     await sup._ping()
     loop = sup.firing.loop()
     loop.stall = Stall("timer loop of slot 3", metrics.TIMERS_STALLED.labels(slot="3"))
@@ -106,17 +96,17 @@ async def test_a_stalled_timer_loop_makes_its_replica_not_ready_and_says_which(
 
 
 async def test_a_keeper_whose_lease_writes_find_the_disk_full_makes_its_replica_not_ready(
-    settings: WowdSettings, backend: Backend
+    replica_settings: WowdSettings, backend: Backend
 ) -> None:
     """Between slots too: its lease lapsed and it cannot take one back, which no healthy standby
     is."""
-    sup = replica_of(settings, backend, delivery(settings, backend))
+    sup = replica_of(replica_settings, backend, delivery(replica_settings, backend))
     await sup._ping()
 
     async def work(held: HeldSlot) -> None:
         return None
 
-    keeper = SlotKeeper(0, settings, backend.leases, work, owner_key="a")
+    keeper = SlotKeeper(0, replica_settings, backend.leases, work, owner_key="a")
     sup._keepers = [keeper]
     keeper.stall.failed("lease acquire", FULL, log)
     assert sup.readiness(False) == (

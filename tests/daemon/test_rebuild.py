@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,10 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.daemon.reducers import reducer_v2
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import base_env
+from wowd.backends import opened_backend
 from wowd.cli import main
 from wowd.config import EmbeddedSettings, HttpSettings, LeaseSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
@@ -23,9 +28,6 @@ from wowd.errors import LeaseLost, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, partition
 from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, base_env, eventually, timer_commit
-from .reducers import reducer_v2
 
 pytestmark = pytest.mark.anyio
 
@@ -49,14 +51,10 @@ def ref(agg_id: str) -> AggregateRef:
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    from wowd.stores.embedded import open_embedded
-
-    b = await open_embedded(settings(tmp_path))
-    try:
+    """The stores, the log holding :data:`VERSIONS` commits of each of :data:`IDS`."""
+    async with opened_backend(settings(tmp_path)) as b:
         await b.log.append_many([timer_commit(i, v, []) for v in range(1, VERSIONS + 1) for i in IDS])
         yield b
-    finally:
-        await b.close()
 
 
 async def hold(b: Backend, slot_parts: set[int], *, owner: str = "me", valid_for: float = 60.0) -> HeldSlot:
@@ -181,15 +179,19 @@ async def test_a_takeover_skips_rebuilt_partitions_and_an_older_reducer_writes_n
     assert done.outcome == "current" and done.backfilled and reads == []
 
 
+def after(n: int) -> Callable[[], bool]:
+    """A question answered no ``n`` times, then yes."""
+    asked = itertools.count(1)
+    return lambda: next(asked) > n
+
+
 async def test_the_fence_is_checked_before_each_rewrite_batch(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, rewrite_batch=1)
-    checks = 0
+    lost = after(1)
 
     def check() -> None:
-        nonlocal checks
-        checks += 1
-        if checks > 1:
+        if lost():
             raise LeaseLost("lease no longer valid")
 
     with pytest.raises(LeaseLost):
@@ -238,14 +240,7 @@ async def test_an_expired_slot_rewrites_nothing(tmp_path: Path, backend: Backend
 async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(tmp_path: Path, backend: Backend) -> None:
     await backfill_v1(tmp_path, backend)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}, batch_size=1)
-    asked = 0
-
-    def stopping() -> bool:
-        nonlocal asked
-        asked += 1
-        return asked > 1
-
-    [r] = await rebuilder.rebuild(range(PARTS), stopping=stopping)
+    [r] = await rebuilder.rebuild(range(PARTS), stopping=after(1))
     assert r.outcome == "stopped" and r.partitions == [] and r.rewritten == 0
     table = await backend.rebuilds.table(ORDER)
     assert table is not None and table.revision == 2 and table.rebuilding and not table.backfilled

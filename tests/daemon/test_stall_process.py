@@ -12,15 +12,14 @@ from pathlib import Path
 
 import anyio
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.factories import CONTEXT, PARTITIONS, eventually
+from tests.processes import Replica, base_env, sample
 from tests.sqlite_damage import corrupt_table, settled_copy
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.demo import produce
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
@@ -28,14 +27,6 @@ WITHIN_S = 15.0
 """How soon a replica must say that its slot is stalled, from its start."""
 WATCH_S = 1.5
 """How long the stalled replica is watched afterwards."""
-
-
-def sample(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                return float(s.value)
-    return None
 
 
 async def test_a_replica_on_a_log_with_damaged_pages_is_not_ready_and_names_its_stalled_slot(

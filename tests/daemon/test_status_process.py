@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.inprocess import wowd_in_process
+from tests.factories import CONTEXT, eventually
+from tests.processes import Replica, base_env
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, Replica, base_env, eventually
-from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 

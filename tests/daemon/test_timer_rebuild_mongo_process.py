@@ -18,20 +18,14 @@ import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
+from tests.daemon.timer_rebuilds import assert_parked_and_failed_kept, outbox_timer_ids, schedule_five_kinds, summary
+from tests.factories import CONTEXT, cancelled, commit, eventually, timer_commit
+from tests.processes import Replica, base_env, rebuild_killed_partway, run_wowd
 from wowd.config import WowdSettings
 from wowd.model import TimerStatus
 from wowd.stores.base import Backend
 from wowd.stores.mongo.schema import mongo_rebuild_state
 from wowd.stores.mongo.timer_rebuild import BATCH
-
-from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, run_wowd, timer_commit
-from .test_timer_rebuild_process import (
-    _assert_parked_and_failed_kept,
-    _cancel,
-    _outbox_timer_ids,
-    _scheduled,
-    _summary,
-)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -126,12 +120,12 @@ async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_
     a = spawn("a", env)
     await a.wait_ready()
     assert N > BATCH  # the old view is carried over in more than one batch
-    ids = await _scheduled(mongo, a, park=True, pending_in_ms=4_000, n=N)
+    ids = await schedule_five_kinds(mongo, a, park=True, pending_in_ms=4_000, n=N)
     fifth = N // 5
 
     code, out, err = await run_wowd("timers", "rebuild", env=env)
     assert code == 0, err
-    counts = _summary(out)
+    counts = summary(out)
     assert counts["commits"] == N + fifth
     assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
     assert counts["PENDING"] + counts["DONE"] == 2 * fifth and counts["DONE"] >= fifth
@@ -140,15 +134,15 @@ async def test_rebuild_while_a_replica_runs_pauses_it_briefly_and_fires_pending_
     assert "holding the slots of" in out
 
     async def pending_fired() -> bool:
-        return set(await _outbox_timer_ids(mongo)) >= ids["pending"]
+        return set(await outbox_timer_ids(mongo)) >= ids["pending"]
 
     await eventually(pending_fired, 20, "every pending timer fired")
     await a.wait_ready()  # the replica holds its slot again
     assert _slot_given_back_within(a.log()) < 5.0  # deliveries paused for the swap only
-    fired = await _outbox_timer_ids(mongo)
+    fired = await outbox_timer_ids(mongo)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])
     assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"])  # nothing delivered twice
-    await _assert_parked_and_failed_kept(mongo, ids)
+    await assert_parked_and_failed_kept(mongo, ids)
     assert a.proc.poll() is None
 
 
@@ -157,7 +151,7 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
 ) -> None:
     a = spawn("a", env)
     await a.wait_ready()
-    ids = await _scheduled(mongo, a, park=False, pending_in_ms=4_000, n=N_DROPPED)
+    ids = await schedule_five_kinds(mongo, a, park=False, pending_in_ms=4_000, n=N_DROPPED)
     fifth = N_DROPPED // 5
     # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
     old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
@@ -172,7 +166,7 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
 
     code, out, err = await run_wowd("timers", "rebuild", env=env)
     assert code == 0, err
-    counts = _summary(out)
+    counts = summary(out)
     assert counts["DONE"] == fifth and counts["CANCELLED"] == fifth  # from the outbox and the log
     assert counts["PENDING"] == 3 * fifth
     assert f"{fifth} one-shot timer(s) found fired in the outbox" in out
@@ -180,10 +174,10 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
     assert "expired, state unknown: 5 one-shot timer(s)" in out
 
     async def pending_fired() -> bool:
-        return set(await _outbox_timer_ids(mongo)) >= ids["pending"]
+        return set(await outbox_timer_ids(mongo)) >= ids["pending"]
 
     await eventually(pending_fired, 20, "the pending timers fired")
-    assert sorted(await _outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])  # no old one again
+    assert sorted(await outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])  # no old one again
     assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"]) + len(old)
     expired = await mongo.timer_queries.scan(status=TimerStatus.FAILED, limit=100)
     assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
@@ -215,12 +209,12 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
 
     code, out, err = await run_wowd("timers", "rebuild", "--dry-run", env=env)
     assert code == 0, err
-    assert _summary(out)["PENDING"] == 200 and "dry run: nothing changed" in out
+    assert summary(out)["PENDING"] == 200 and "dry run: nothing changed" in out
     assert await _docs(sim_uri) == before
 
     due = int(time.time() * 1000) + 3_600_000
     appended = [f"o-{i}" for i in range(200)]
-    cancelled: set[str] = set()
+    gone: set[str] = set()
     stop = anyio.Event()
 
     async def produce() -> None:
@@ -229,8 +223,8 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
             await mongo.log.append_many([timer_commit(f"p-{i}", 1, [f"k-{i}"], due_at=due)])
             appended.append(f"p-{i}")
             if i % 3 == 0:
-                await mongo.log.append_many([_cancel(f"p-{i}", 2, f"k-{i}")])
-                cancelled.add(f"p-{i}")
+                await mongo.log.append_many([commit(f"p-{i}", 2, cancelled(f"k-{i}"))])
+                gone.add(f"p-{i}")
             i += 1
             with anyio.move_on_after(0.03):
                 await stop.wait()
@@ -240,11 +234,11 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
         code, out, err = await run_wowd("timers", "rebuild", env=env)
         stop.set()
     assert code == 0, err
-    assert "swapped in" in out and _summary(out)["PENDING"] >= 200
+    assert "swapped in" in out and summary(out)["PENDING"] >= 200
 
     async def follows() -> bool:
         live = {t.owner.id for t in await mongo.timer_queries.scan(limit=100_000)}
-        return live == set(appended) - cancelled
+        return live == set(appended) - gone
 
     await eventually(follows, 20, "the view holds the log's live timers")
 

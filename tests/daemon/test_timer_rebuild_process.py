@@ -7,19 +7,19 @@ from __future__ import annotations
 import re
 import signal
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from tests.daemon.inprocess import wowd_in_process
+from tests.daemon.timer_rebuilds import assert_parked_and_failed_kept, outbox_timer_ids, schedule_five_kinds, summary
+from tests.factories import CONTEXT, eventually, timer_commit
+from tests.processes import Replica, base_env, rebuild_killed_partway
+from wowd.model import TimerStatus
 from wowd.stores.base import Backend
 from wowd.stores.embedded.sqlite import sqlite3
-
-from .conftest import CONTEXT, Replica, base_env, eventually, rebuild_killed_partway, timer_commit
-from .inprocess import wowd_in_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -31,77 +31,9 @@ DAY_MS = 86_400_000
 TABLE = f"wow_timer__{CONTEXT}"
 
 
-def _cancel(agg_id: str, version: int, key: str) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=agg_id),
-        version=version,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key}),),
-    )
-
-
 def _sql(db: Path, statement: str, *params: object) -> list[tuple[object, ...]]:
     with closing(sqlite3.connect(db, isolation_level=None, timeout=10)) as conn:
         return conn.execute(statement, params).fetchall()
-
-
-async def _outbox_timer_ids(b: Backend) -> list[str]:
-    return [e.timer_id for e in await b.outbox.entries(limit=100_000)]
-
-
-async def _assert_parked_and_failed_kept(stores: Backend, ids: dict[str, set[str]]) -> None:
-    """The PARKED and FAILED timers of :func:`_scheduled` are back with their reasons (what the
-    log does not hold: carried over from the old view)."""
-    parked = await stores.timer_queries.scan(status=TimerStatus.PARKED, limit=100_000)
-    failed = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100_000)
-    assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
-    assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
-
-
-def _summary(out: str) -> dict[str, int]:
-    line = next(x for x in out.splitlines() if x.startswith("summary: "))
-    found = {k: int(v) for v, k in re.findall(r"(\d+) (PENDING|FIRING|PARKED|FAILED|DONE|CANCELLED|expired)", line)}
-    found["commits"] = int(re.search(r"(\d+) commits read", line).group(1))  # type: ignore[union-attr]
-    found["live"] = int(re.search(r"(\d+) timers live", line).group(1))  # type: ignore[union-attr]
-    return found
-
-
-async def _scheduled(stores: Backend, a: Replica, *, park: bool, pending_in_ms: int, n: int = N) -> dict[str, set[str]]:
-    """Schedules ``n`` timers (one per order) through the replica ``a``: fired (due now and
-    delivered into the outbox), cancelled, parked and failed (due in an hour, then settled so by
-    the test as a replica would), and pending (due ``pending_in_ms`` from now). Answers the timer
-    ids of each kind."""
-    now = int(time.time() * 1000)
-    fifth = n // 5
-    kinds = ["fired", "cancelled", "parked", "failed", "pending"]
-    due = {"fired": now, "cancelled": now + 3_600_000, "parked": now + 3_600_000, "failed": now + 3_600_000}
-    due["pending"] = now + pending_in_ms
-    commits = []
-    for i in range(n):
-        kind = kinds[i // fifth]
-        commits.append(timer_commit(f"o-{kind}-{i}", 1, [f"k-{i}"], due_at=due[kind]))
-    await stores.log.append_many(commits)
-    cancels = [_cancel(f"o-cancelled-{i}", 2, f"k-{i}") for i in range(fifth, 2 * fifth)]
-    await stores.log.append_many(cancels)
-
-    ids: dict[str, set[str]] = {k: set() for k in kinds}
-
-    async def settled() -> bool:
-        return await stores.outbox.count() >= fifth and len(await stores.timer_queries.scan(limit=100_000)) == 3 * fifth
-
-    await eventually(settled, 20, "the replica fed every commit and fired the due timers")
-    for t in await stores.timer_queries.scan(limit=100_000):
-        ids[t.owner.id.split("-")[1]].add(t.timer_id)
-    ids["fired"] = set(await _outbox_timer_ids(stores))
-    assert len(ids["fired"]) == fifth
-    if park:
-        by_id = {t.timer_id: t for t in await stores.timer_queries.scan(limit=100_000)}
-        changes = [TimerChange.park(by_id[i], fence=0, reason="target answered 409") for i in ids["parked"]]
-        changes += [TimerChange.fail(by_id[i], fence=0, reason="target answered 400") for i in ids["failed"]]
-        assert await stores.firing.settle(changes) == 2 * fifth
-    return ids
 
 
 async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_the_log_does_not_hold(
@@ -109,12 +41,12 @@ async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_th
 ) -> None:
     a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
     await a.wait_ready()
-    ids = await _scheduled(stores, a, park=True, pending_in_ms=2_500)
+    ids = await schedule_five_kinds(stores, a, park=True, pending_in_ms=2_500, n=N)
     fifth = N // 5
 
     code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
-    counts = _summary(out)
+    counts = summary(out)
     assert counts["commits"] == N + fifth
     assert (counts["PARKED"], counts["FAILED"], counts["CANCELLED"], counts["expired"]) == (fifth, fifth, fifth, 0)
     # the pending ones are due 2.5 s after they were scheduled: on a slow machine a few may fire first
@@ -129,13 +61,13 @@ async def test_rebuild_while_a_replica_runs_fires_pending_once_and_keeps_what_th
     assert so_far >= counts["live"]
 
     async def pending_fired() -> bool:
-        return set(await _outbox_timer_ids(stores)) >= ids["pending"]
+        return set(await outbox_timer_ids(stores)) >= ids["pending"]
 
     await eventually(pending_fired, 20, "every pending timer fired after the rebuild")
-    fired = await _outbox_timer_ids(stores)
+    fired = await outbox_timer_ids(stores)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each, nothing else
     assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]  # nothing fired twice
-    await _assert_parked_and_failed_kept(stores, ids)
+    await assert_parked_and_failed_kept(stores, ids)
     assert a.proc.poll() is None
 
 
@@ -144,7 +76,7 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
 ) -> None:
     a = spawn("a", base_env(db, WOWD_LEASE__LIMIT=1))
     await a.wait_ready()
-    ids = await _scheduled(stores, a, park=False, pending_in_ms=2_500, n=SMALL_N)
+    ids = await schedule_five_kinds(stores, a, park=False, pending_in_ms=2_500, n=SMALL_N)
     # some fired long ago, their outbox entries acknowledged and gone: nothing says they fired
     old = [timer_commit(f"o-old-{i}", 1, [f"k-old-{i}"], due_at=int(time.time() * 1000) - 8 * DAY_MS) for i in range(5)]
     await stores.log.append_many(old)
@@ -162,7 +94,7 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
 
     code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
-    counts = _summary(out)
+    counts = summary(out)
     fifth = SMALL_N // 5
     assert counts["expired"] == counts["FAILED"] == len(old)
     assert "expired, state unknown: 5 one-shot timer(s)" in out
@@ -171,10 +103,10 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
     assert f"{fifth} one-shot timer(s) found fired in the outbox" in out
 
     async def pending_fired() -> bool:
-        return set(await _outbox_timer_ids(stores)) >= ids["pending"]
+        return set(await outbox_timer_ids(stores)) >= ids["pending"]
 
     await eventually(pending_fired, 20, "the pending timers fired")
-    fired = await _outbox_timer_ids(stores)
+    fired = await outbox_timer_ids(stores)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each; no old one, no cancelled one
     assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]
     expired = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100)
@@ -202,11 +134,11 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
 
     code, out, err = await wowd_in_process("timers", "rebuild", "--dry-run", env=base_env(db))
     assert code == 0, err
-    assert _summary(out)["PENDING"] == N and "dry run: nothing changed" in out
+    assert summary(out)["PENDING"] == N and "dry run: nothing changed" in out
     assert _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id") == before
     code, out, err = await wowd_in_process("timers", "rebuild", env=base_env(db))
     assert code == 0, err
-    assert _summary(out)["PENDING"] == N
+    assert summary(out)["PENDING"] == N
     after = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")
     assert after == before  # the same view, rebuilt
     assert _sql(db, "SELECT name FROM sqlite_schema WHERE name LIKE '%rebuild%' AND type = 'table'") == [

@@ -7,32 +7,39 @@ is retried until it answers, bounded (also on stop)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.helpers import caught_up_waker, timer_loop
+from tests.factories import Recorder, embedded_settings, eventually, now_ms, timer
+from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
-from wowd.backends import opened_backend
+from wowd.config import WowdSettings
 from wowd.daemon import firing
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.timers import TimerLoop
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
 from wowd.stores.base import Backend, TimerFiring
 
-from .conftest import embedded_settings, eventually
-from .test_loops import PARTS, ScriptedGateway, due_timer, hold
-
 pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+def settings(tmp_path: Path) -> WowdSettings:
+    return embedded_settings(tmp_path, PARTS)
+
 
 FULL = StorageFull("sqlite wowd.db: database or disk is full")
 DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
 
 
 class FailingTimers:
-    """The firing store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
+    """The timer store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
     settles only)."""
 
     def __init__(self, inner: TimerFiring) -> None:
@@ -45,22 +52,6 @@ class FailingTimers:
         if self.fail is not None:
             raise self.fail
 
-    async def claim_due(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.claim_due(*args, **kwargs)
-
-    async def reclaim(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.reclaim(*args, **kwargs)
-
-    async def next_due(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.next_due(*args, **kwargs)
-
-    async def sweep(self, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        return await self._inner.sweep(*args, **kwargs)
-
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         self._check()
         self.settles += 1
@@ -69,13 +60,24 @@ class FailingTimers:
         return await self._inner.settle(changes)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        call = getattr(self._inner, name)
+        if name not in ("claim_due", "reclaim", "next_due", "sweep"):
+            return call
+
+        async def failing(*args: Any, **kwargs: Any) -> Any:
+            self._check()
+            return await call(*args, **kwargs)
+
+        return failing
 
 
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(embedded_settings(tmp_path, PARTS)) as b:
-        yield b
+async def refused_settles(backend: Backend) -> tuple[FailingTimers, Recorder, HeldSlot, TimerLoop]:
+    """A timer due now, and the loop of a slot over a store whose settles the full disk refuses."""
+    assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
+    store = FailingTimers(backend.firing)
+    store.settle_fail = FULL
+    gw = Recorder()
+    return store, gw, await hold_slot(backend, PARTS), timer_loop(store, gw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("error", [FULL, DAMAGED], ids=["full-disk", "damaged-file"])
@@ -83,11 +85,11 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
     backend: Backend, error: StorageError
 ) -> None:
     for i in range(3):
-        assert await backend.timers.put(due_timer(f"ok-{i}"))
+        assert await backend.timers.put(timer(f"ok-{i}", now_ms(), partitions=PARTS))
     store = FailingTimers(backend.firing)
     store.fail = error
-    gw = ScriptedGateway()
-    held = await hold(backend)
+    gw = Recorder()
+    held = await hold_slot(backend, PARTS)
     gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
     loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
@@ -115,20 +117,12 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
-    assert await backend.timers.put(due_timer("ok-1"))
-    store = FailingTimers(backend.firing)
-    store.settle_fail = FULL
-    gw = ScriptedGateway()
-    held = await hold(backend)
-    loop = timer_loop(store, gw)  # type: ignore[arg-type]
-
-    async def tried_twice() -> bool:
-        return store.settles >= 2
+    store, gw, held, loop = await refused_settles(backend)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually(tried_twice, 5, "the settle retried")
+            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
             assert [t.target.id for t in gw.sent] == ["ok-1"]
             assert loop.stall is not None and loop.stall.stalled  # the settle's failure stalls the loop
             held.request_stop()
@@ -140,15 +134,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
 
 
 async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
-    assert await backend.timers.put(due_timer("ok-1"))
-    store = FailingTimers(backend.firing)
-    store.settle_fail = FULL
-    gw = ScriptedGateway()
-    held = await hold(backend)
-    loop = timer_loop(store, gw)  # type: ignore[arg-type]
-
-    async def tried_twice() -> bool:
-        return store.settles >= 2
+    store, gw, held, loop = await refused_settles(backend)
 
     async def settled() -> bool:
         return not await backend.timer_queries.scan(limit=10)
@@ -156,7 +142,7 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually(tried_twice, 5, "the settle retried")
+            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
             store.settle_fail = None
             await eventually(settled, 5, "the fired timer settled")
             held.request_stop()

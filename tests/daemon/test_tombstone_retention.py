@@ -10,21 +10,18 @@ one well within it."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
 
 from tests.contract.test_timer_view import timer
-from wowd.backends import opened_backend
+from tests.factories import CONTEXT, embedded_settings, eventually
 from wowd.clock import now_ms
 from wowd.config import HttpSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.replica import delivery, replica_of
 from wowd.model import AggregateRef
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -42,12 +39,6 @@ def settings(tmp_path: Path) -> WowdSettings:
         http=HttpSettings(host="127.0.0.1", port=0),
         timers=TimerSettings(tombstone_retention_s=RETENTION_S),
     )
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
 
 
 def owner(id: str) -> AggregateRef:

@@ -8,26 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from tests.helpers import timer_loop
+from tests.factories import CONTEXT, Recorder, embedded_settings, eventually, timer_commit
+from tests.helpers import RefusingSink, hold_slot, refusing, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
+from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
-from wowd.delivery import Delivered, Outcome
-from wowd.model import AggregateType, Commit, Timer, TimerWrite, partition
+from wowd.model import AggregateType, Commit, TimerWrite, partition
 from wowd.stores.base import Backend
 from wowd.views import FROM_START, reset_view, view_named, views_status
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
-from .test_feed_isolation import RefusingSink
 
 pytestmark = pytest.mark.anyio
 
@@ -48,33 +46,8 @@ class Reducer:
         return {"n": state.get("n", 0) + 1}
 
 
-class Recorder:
-    """A gateway that delivers everything and notes when each timer was sent."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, float] = {}
-
-    async def send(self, timer: Timer) -> Outcome:
-        self.sent.setdefault(timer.owner.id, time.time())
-        return Delivered()
-
-
 def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
-
-
-@pytest.fixture
-async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
-    async with opened_backend(settings(tmp_path)) as b:
-        yield b
-
-
-def refusing(backend: Backend) -> RefusingSink:
-    assert backend.sink_factory is not None
-    sink = RefusingSink(backend.sink_factory(TYPE), broken=True)
-    backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
-    backend._sinks.clear()
-    return sink
 
 
 async def index_count(backend: Backend, commits: list[Commit]) -> dict[str, int]:
@@ -83,11 +56,11 @@ async def index_count(backend: Backend, commits: list[Commit]) -> dict[str, int]
 
 
 async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path: Path, backend: Backend) -> None:
-    sink = refusing(backend)
+    sink = refusing(backend, broken=True)
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)
     gateway = Recorder()
-    loop = timer_loop(backend.firing, gateway)  # type: ignore[arg-type]
+    loop = timer_loop(backend.firing, gateway)
     waker = Waker()
     start = int(time.time() * 1000) + 500
     # 100 timers due over 0.7 s, each in its own commit, appended as they come due
@@ -101,7 +74,7 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
                 await anyio.sleep(0.1)  # a producer's pace, not synchronisation
 
             async def all_sent() -> bool:
-                return len(gateway.sent) == len(commits)
+                return len({t.owner.id for t in gateway.sent}) == len(commits)
 
             await eventually(all_sent, 10, "every timer delivered")
             # the index is stalled, the timer view is not: the replica stays ready
@@ -119,7 +92,8 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
 
             await eventually(joined, 10, "the index caught up and joined the shared read")
             held.request_stop()
-    lags = sorted(gateway.sent[c.ref.id] - c.create_time / 1000 for c in commits)
+    first = {t.owner.id: at for t, at in reversed(gateway.fired)}
+    lags = sorted((first[c.ref.id] - c.create_time) / 1000 for c in commits)
     # on time: half of them within 0.3 s of their due time, none a second late (a loaded machine
     # delays some; a wait behind the index's retries would delay them all)
     assert lags[len(lags) // 2] < 0.3 and lags[-1] < 1.0, (
@@ -165,16 +139,23 @@ async def test_a_raising_reducer_holds_back_its_snapshots_only(tmp_path: Path) -
         assert await backend.quarantine.items() == []
 
 
-async def test_an_upgraded_store_carries_its_checkpoint_over_to_every_view(tmp_path: Path, backend: Backend) -> None:
-    """A store written before views had checkpoints of their own has one, ``wowd``'s: every view
-    starts there (nothing re-indexed), and saves its own from the next batch on."""
+async def upgraded(backend: Backend) -> tuple[list[Commit], HeldSlot]:
+    """The store as an earlier version left it: four commits fed and one checkpoint, ``wowd``'s,
+    at the log's head; answers those commits and the slot, held."""
     old = [timer_commit(f"old-{i}", 1, [], due_at=10**13) for i in range(4)]
     await backend.log.append_many(old)
     held = await hold_slot(backend, PARTS, "me")
     head = {}
     async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
         head.update(batch.positions)
-    assert await backend.checkpoints.save_all(CONSUMER, head, held.fence)  # as the earlier version left it
+    assert await backend.checkpoints.save_all(CONSUMER, head, held.fence)
+    return old, held
+
+
+async def test_an_upgraded_store_carries_its_checkpoint_over_to_every_view(tmp_path: Path, backend: Backend) -> None:
+    """A store written before views had checkpoints of their own has one, ``wowd``'s: every view
+    starts there (nothing re-indexed), and saves its own from the next batch on."""
+    old, held = await upgraded(backend)
     new = timer_commit("new-1", 1, [], due_at=10**13)
     await backend.log.append(new)
     feeder = Feeder(settings(tmp_path), backend)
@@ -235,7 +216,9 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     assert len(cps) == PARTS and all(cp.position == FROM_START for cp in cps.values())
     # what `wowd status` reports: the index behind the timer view where the log has commits
     fed = sorted({c.partition(PARTS) for c in commits})
-    status = {v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.checkpoints, ())}
+    status = {
+        v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.checkpoints, ())
+    }
     assert status == {"timers": [], "index": fed}
     assert backend.sink_factory is not None
     counting = CountingSink(backend.sink_factory(TYPE))
@@ -251,14 +234,8 @@ async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tm
     """Upgraded (only the ``wowd`` checkpoint), the index down from the first batch, the replica
     restarted while the timer view moved on: the index still starts where it fell behind, so
     every commit since reaches it once the cluster is back."""
-    old = [timer_commit(f"old-{i}", 1, [], due_at=10**13) for i in range(4)]
-    await backend.log.append_many(old)
-    first = await hold_slot(backend, PARTS, "me")
-    head = {}
-    async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
-        head.update(batch.positions)
-    assert await backend.checkpoints.save_all(CONSUMER, head, first.fence)  # as the earlier version left it
-    sink = refusing(backend)
+    old, first = await upgraded(backend)
+    sink = refusing(backend, broken=True)
     new = [timer_commit(f"new-{i}", 1, ["k"], due_at=10**13) for i in range(8)]
 
     async def run_until(check: Callable[[Feeder], Awaitable[bool]], what: str) -> None:

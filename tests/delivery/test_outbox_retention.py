@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.factories import outbox_entry
 from wowd import clock, metrics
 from wowd.delivery import OutboxGateway
 from wowd.model import AggregateRef, OutboxEntry
@@ -22,16 +23,9 @@ DAY_S = 86_400
 TARGET = AggregateRef(context="demo", aggregate="order", id="o-1")
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def entry(request_id: str, age_s: float) -> OutboxEntry:
-    return OutboxEntry(
-        request_id=request_id, timer_id="t", target=TARGET, command='{"name":"go"}', scheduled_at=1, fence=1,
-        owner_key="k", created_at=clock.now_ms() - int(age_s * 1000),
-    )  # fmt: skip
+    """The entry ``request_id`` put ``age_s`` seconds ago."""
+    return outbox_entry(request_id, clock.now_ms() - int(age_s * 1000), target=TARGET)
 
 
 async def test_the_trim_of_unacknowledged_entries_is_said_counted_and_seen_coming(

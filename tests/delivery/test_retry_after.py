@@ -12,14 +12,14 @@ from pathlib import Path
 import anyio
 import pytest
 from aiohttp import web
-from anyio.abc import TaskStatus
 
-from tests.daemon.conftest import CONTEXT, embedded_settings, eventually
+from tests.delivery.conftest import serving
+from tests.factories import embedded_settings, eventually, ref, timer
 from wowd.backends import opened_backend
 from wowd.clock import now_ms
 from wowd.config import GatewaySettings, HttpSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.replica import delivery, replica_of
-from wowd.model import AggregateRef, Command, Timer, TimerStatus, deterministic_timer_id, partition
+from wowd.model import Timer, TimerStatus
 from wowd.stores.base import Backend
 
 pytestmark = pytest.mark.anyio
@@ -40,25 +40,9 @@ class Target:
         self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        aggregate = request.match_info["aggregate"]
+        aggregate = request.path.split("/")[-3]  # .../{aggregate}/{id}/{command}
         self.arrived.setdefault(aggregate, now_ms())
         return web.Response(status=503, headers={"Retry-After": HINTS[aggregate]})
-
-    async def serve(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        app = web.Application()
-        app.router.add_post("/{aggregate}/{id}/{command}", self.handle)
-        runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            task_status.started()
-            await anyio.sleep_forever()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await runner.cleanup()
 
 
 def settings(tmp_path: Path, url: str) -> WowdSettings:
@@ -72,23 +56,16 @@ def settings(tmp_path: Path, url: str) -> WowdSettings:
     )
 
 
-def timer(target_aggregate: str) -> Timer:
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id=f"o-{target_aggregate}")
-    due = now_ms()
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(owner.id, PARTS), owner=owner, key="k",
-        version=1, due_at=due, scheduled_at=due, target=AggregateRef(context=CONTEXT, aggregate=target_aggregate,
-        id="t-1"), body=Command(name="go").to_json(),
-    )  # fmt: skip
+def aimed_at(aggregate: str) -> Timer:
+    """Order ``o-AGGREGATE``'s timer, due now, sent to ``t-1`` of ``aggregate``."""
+    return timer(f"o-{aggregate}", now_ms(), partitions=PARTS, target=ref("t-1", aggregate=aggregate))
 
 
 @pytest.fixture
 async def target() -> AsyncIterator[Target]:
     t = Target()
-    async with anyio.create_task_group() as tg:
-        await tg.start(t.serve)
+    async with serving(t.handle) as (_srv, t.url):
         yield t
-        tg.cancel_scope.cancel()
 
 
 async def test_a_retry_after_is_honoured_up_to_an_hour_and_a_date_is_no_hint(tmp_path: Path, target: Target) -> None:
@@ -97,7 +74,7 @@ async def test_a_retry_after_is_honoured_up_to_an_hour_and_a_date_is_no_hint(tmp
         await retried_once(s, backend, target)
         delay = {}
         for aggregate in HINTS:
-            t = await backend.timer_queries.find(timer(aggregate).owner, "k")
+            t = await backend.timer_queries.find(aimed_at(aggregate).owner, "k")
             assert t is not None and t.status is TimerStatus.PENDING and t.attempts == 1, t
             assert t.last_error is not None and "503" in t.last_error
             delay[aggregate] = t.due_at - target.arrived[aggregate]
@@ -109,10 +86,10 @@ async def test_a_retry_after_is_honoured_up_to_an_hour_and_a_date_is_no_hint(tmp
 async def retried_once(s: WowdSettings, backend: Backend, target: Target) -> None:
     """Runs a replica until each target's 503 is settled as a retry."""
     for aggregate in HINTS:
-        assert await backend.timers.put(timer(aggregate))
+        assert await backend.timers.put(aimed_at(aggregate))
 
     async def settled() -> bool:
-        found = [await backend.timer_queries.find(timer(a).owner, "k") for a in HINTS]
+        found = [await backend.timer_queries.find(aimed_at(a).owner, "k") for a in HINTS]
         return all(t is not None and t.attempts == 1 and t.status is TimerStatus.PENDING for t in found)
 
     deliveries = delivery(s, backend)

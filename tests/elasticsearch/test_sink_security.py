@@ -12,13 +12,13 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch.conftest import order_commit
 from tests.elasticsearch.fake_es import EsModel
-from wowd.stores.mongo.operations import sink_privileges_probe
 from wowd.config import ElasticsearchSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StoreRefused
 from wowd.model import AggregateType, Commit
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.options import client_options, new_client
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+from wowd.stores.mongo.operations import sink_privileges_probe
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import once_timer
+from tests.factories import ref
+from tests.factories import timer as a_timer
 from tests.timer_stores import embedded_timers
 from wowd.model import Timer, partition
 from wowd.stores.embedded.schema import timer_ddl, timer_table
@@ -18,7 +19,7 @@ CTX = "ctx"
 
 
 def timer(id: str, partitions: int, due_at: int) -> Timer:
-    return once_timer(CTX, id, partitions, due_at)
+    return a_timer(id, due_at, owner=ref(id, context=CTX), partitions=partitions)
 
 
 def test_next_due_sql_seeks_the_partial_due_index_in_each_arm() -> None:
@@ -55,13 +56,13 @@ async def test_next_due_reads_every_statement_of_many_partitions(tmp_path: Path)
                 break
         # the earliest in the last statement's partitions, later ones in the first statements'
         last = max(ids)
-        assert await store.view.put(timer(ids[last], parts, 5_000))
-        assert await store.view.put(timer(ids[0], parts, 9_000))
-        assert await store.view.put(timer(ids[DUE_ARMS], parts, 7_000))
+        assert await store.put(timer(ids[last], parts, 5_000))
+        assert await store.put(timer(ids[0], parts, 9_000))
+        assert await store.put(timer(ids[DUE_ARMS], parts, 7_000))
         everything = frozenset(range(parts))
-        assert await store.firing.next_due(everything, 0) == 5_000
-        assert await store.firing.next_due(everything, 5_000) == 7_000
-        assert await store.firing.next_due(everything - {last}, 0) == 7_000
-        assert await store.firing.next_due(everything, 9_000) is None
+        assert await store.next_due(everything, 0) == 5_000
+        assert await store.next_due(everything, 5_000) == 7_000
+        assert await store.next_due(everything - {last}, 0) == 7_000
+        assert await store.next_due(everything, 9_000) is None
     finally:
         await store.close()

@@ -1,4 +1,4 @@
-"""The embedded timer store's tombstone sweep (``TimerStore.sweep``): it deletes the tombstones
+"""The embedded timer store's tombstone sweep (``TimerFiring.sweep``): it deletes the tombstones
 made before its cut, oldest first and at most its limit, and no other; a put the deleted
 tombstone refused is then written again (the store forgot the fired or cancelled timer)."""
 

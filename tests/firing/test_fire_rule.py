@@ -31,8 +31,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.daemon.conftest import eventually
-from tests.helpers import Recorder
+from tests.factories import Recorder, cancelled, commit, event, eventually, ref, scheduled
+from tests.helpers import HeldReads
 from wowd.config import WowdSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.firing import Firing, OutboxRounds, choose
@@ -40,7 +40,7 @@ from wowd.daemon.leases import HeldSlot
 from wowd.daemon.replica import delivery
 from wowd.daemon.stream import target_limits
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, Commit, DomainEvent, LogBatch, Owner, Position, deterministic_timer_id
+from wowd.model import AggregateRef, Commit, DomainEvent, Owner, deterministic_timer_id
 from wowd.stores.base import Backend
 from wowd.views import TIMERS, reset_view, view_named
 
@@ -53,42 +53,6 @@ CANCELLED, COMMITTED, MOVED, MISFIRED = "o-0", "o-1", "o-2", "m-0"
 LEAD_MS = 900
 """The timers come due this long after they were appended (the feed applies them meanwhile)."""
 MOVED_BY_MS = 300
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-class HeldReads:
-    """The log's reads, their batches held back while :attr:`held` (what the log holds meanwhile
-    reaches the feed only once released), as a feed behind a slow store is."""
-
-    def __init__(self, read: Any) -> None:
-        self._read = read
-        self.held = False
-        self.go = anyio.Event()
-
-    def __call__(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        return self._reading(positions, **kwargs)
-
-    async def _reading(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        reader = self._read(positions, **kwargs)
-        try:
-            while True:
-                try:
-                    batch = await reader.__anext__()
-                except StopAsyncIteration:
-                    return
-                if self.held:
-                    await self.go.wait()
-                yield batch
-        finally:
-            await reader.aclose()
-
-    def release(self) -> None:
-        self.held = False
-        self.go.set()
 
 
 @dataclass
@@ -176,26 +140,13 @@ async def rig(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[R
 
 
 def _commit(owner_id: str, version: int, *events: DomainEvent) -> Commit:
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=owner_id), version=version,
-        command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex, create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="Touched", body={"v": version}), *events),
-    )  # fmt: skip
+    """The commit ``version`` of order ``owner_id``: a ``Touched``, then ``events``."""
+    return commit(owner_id, version, event("Touched", v=version), *events, owner=ref(owner_id, context=CONTEXT))
 
 
 def _scheduled(owner_id: str, due_at: int, rule: Mapping[str, Any] | None = None) -> DomainEvent:
-    body = {
-        "key": "k",
-        "due_at": due_at,
-        "rule": dict(rule or {"type": "once"}),
-        "target": {"context": CONTEXT, "aggregate": "order", "id": owner_id},
-        "command": {"name": "go", "body": {}},
-    }
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=body)
-
-
-def _cancelled() -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+    """The timer ``k`` of order ``owner_id``, due at ``due_at``, sent to itself."""
+    return scheduled("k", due_at, target=ref(owner_id, context=CONTEXT), rule=rule)
 
 
 async def _hold(backend: Backend) -> HeldSlot:
@@ -240,7 +191,7 @@ async def test_the_fire_rule(rig: Rig) -> None:
         reads.held = True  # the feed behind: what follows is in the log, not in the view
         await log.append_many(
             [
-                _commit(CANCELLED, 2, _cancelled()),
+                _commit(CANCELLED, 2, cancelled()),
                 _commit(COMMITTED, 2),
                 _commit(MOVED, 2, _scheduled(MOVED, due + MOVED_BY_MS)),
             ]

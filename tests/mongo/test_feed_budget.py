@@ -56,14 +56,14 @@ from wowd.model import (
 from wowd.stores.base import Backend, Ddl
 from wowd.stores.elasticsearch import ElasticsearchEventSink
 from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.history import MongoTimerHistory
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
-from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.quarantine import MongoQuarantine
-from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
 from wowd.stores.mongo.outbox import MongoOutbox
+from wowd.stores.mongo.quarantine import MongoQuarantine
 from wowd.stores.mongo.schema import timer_index_specs
+from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
 from wowd.stores.mongo.timer_docs import timer_to_doc
 

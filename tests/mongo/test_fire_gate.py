@@ -29,7 +29,8 @@ from bson.timestamp import Timestamp
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
 
-from tests.helpers import Recorder, held_slot, timer_loop
+from tests.factories import Recorder
+from tests.helpers import held_slot, timer_loop
 from tests.mongo.conftest import Wire, primary, serving
 from tests.mongo.log_support import CONTEXT, DB, ORDERS, housekeeping, token
 from wowd.backends import opened_backend

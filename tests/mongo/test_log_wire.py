@@ -47,8 +47,8 @@ from wowd.stores.elasticsearch.options import client_options
 from wowd.stores.mongo import check_replica_set, mongo_client_options, open_mongo
 from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.quarantine import MongoQuarantine
 from wowd.stores.mongo.outbox import MongoOutbox
+from wowd.stores.mongo.quarantine import MongoQuarantine
 
 __all__ = ["rs_client", "rs_server", "rs_wire"]  # fixtures re-exported for pytest
 

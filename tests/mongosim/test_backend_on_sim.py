@@ -95,9 +95,9 @@ async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_
     checked, and why."""
     import logging
 
-    from wowd.stores.mongo.operations import election_probe
     from wowd.config import LeaseSettings
     from wowd.errors import ConfigError
+    from wowd.stores.mongo.operations import election_probe
 
     def settings(uri: str, lease: LeaseSettings) -> WowdSettings:
         return WowdSettings(backend="mongo", context="ctx", sink="none", lease=lease,

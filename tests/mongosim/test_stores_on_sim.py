@@ -19,8 +19,7 @@ from wowd.model import AggregateType
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.quarantine import MongoQuarantine
-from wowd.stores.mongo.quarantine import counted_seq
+from wowd.stores.mongo.quarantine import MongoQuarantine, counted_seq
 
 pytestmark = pytest.mark.anyio
 

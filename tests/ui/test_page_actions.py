@@ -5,29 +5,16 @@ target retried or resumed at once; each action's log line names who acted."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
-from tests.daemon.test_status_page import UI_TOKEN, Page, _fill, _serve, order
+from tests.factories import ref
+from tests.ui.conftest import UI_TOKEN, Page
 from wowd.model import TimerStatus
 
 pytestmark = pytest.mark.anyio
 
 BEARER = {"authorization": f"Bearer {UI_TOKEN}"}
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
-async def page(tmp_path: Path) -> AsyncIterator[Page]:
-    async for p in _serve(tmp_path / "wowd.db", UI_TOKEN):
-        p.now = await _fill(p.backend)
-        yield p
 
 
 async def test_a_timer_is_cancelled_from_its_page(page: Page, caplog: pytest.LogCaptureFixture) -> None:
@@ -39,7 +26,7 @@ async def test_a_timer_is_cancelled_from_its_page(page: Page, caplog: pytest.Log
     r = await page.client.post("/ui/timer/cancel", data=form)
     assert r.status_code == 303 and "cancel+appended" in r.headers["location"]
     # appended to the stream that holds the timer (the order's own, where it was scheduled)
-    assert await page.backend.log.last_version(order("o-2")) == 1
+    assert await page.backend.log.last_version(ref("o-2")) == 1
     assert any("cancelled by the token holder at 127.0.0.1" in m.getMessage() for m in caplog.records)
 
 
@@ -48,7 +35,7 @@ async def test_every_failed_timer_of_a_target_is_retried_at_once(page: Page) -> 
     assert 'action="/ui/timers/retry"' in listed and "retry all" in listed
     r = await page.client.post("/api/v1/timers/retry?target=order/o-1", headers=BEARER)
     assert r.status_code == 200 and r.json()["written"] == 1 and r.json()["more"] is False
-    t = await page.backend.timer_queries.find(order("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.PENDING
     r = await page.client.post("/api/v1/timers/resume?target=order/o-1", headers=BEARER)
     assert r.status_code == 200 and r.json()["written"] == 1

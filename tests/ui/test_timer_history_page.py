@@ -12,20 +12,17 @@ from urllib.parse import urlencode
 
 import pytest
 
-from tests.daemon.conftest import SECRET_TOKEN
-from tests.daemon.test_status_page import UI_TOKEN, Page, _fill, _serve, order
+from tests.factories import commit, ref, timer
+from tests.processes import SECRET_TOKEN
+from tests.ui.conftest import UI_TOKEN, Page, fill, serve
 from wowd.model import (
     Command,
-    Commit,
-    DomainEvent,
     OnceRule,
-    Timer,
     TimerCancelled,
     TimerScheduled,
     attempt_record,
     commit_records,
     deterministic_timer_id,
-    partition,
 )
 
 pytestmark = pytest.mark.anyio
@@ -34,43 +31,29 @@ DAY = 86_400_000
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def page(tmp_path: Path) -> AsyncIterator[Page]:
     """The status page over the store of the status page's tests, and the history of two timers
     of order o-77 that the view no longer holds: ``deadline`` (a 503, then delivered) and
     ``reminder`` (cancelled)."""
-    async for p in _serve(tmp_path / "wowd.db", UI_TOKEN):
-        p.now = await _fill(p.backend)
+    async for p in serve(tmp_path / "wowd.db", UI_TOKEN):
+        p.now = await fill(p.backend)
         await _history(p)
         yield p
-
-
-def _commit(version: int, at: int) -> Commit:
-    return Commit(
-        ref=order("o-77"), version=version, command_id=f"c{version}", request_id=f"commit-{version}", create_time=at,
-        events=(DomainEvent(id="e", name="x"),),
-    )  # fmt: skip
 
 
 async def _history(p: Page) -> None:
     assert p.backend.history is not None
     now = p.now
-    owner = order("o-77")
+    owner = ref("o-77")
     go = Command(name="expire-order")
     scheduled = [
         TimerScheduled(key=k, due_at=now - 5000, rule=OnceRule(), target=owner, command=go)
         for k in ("deadline", "reminder")
     ]
-    records = commit_records(_commit(1, now - 9000), scheduled, DAY, position=12)
-    deadline = Timer(
-        timer_id=deterministic_timer_id(owner, "deadline", 1), partition=partition("o-77", 8), owner=owner,
-        key="deadline", version=1, due_at=now - 5000, scheduled_at=now - 5000, target=owner, body=go.to_json(),
-        revision=1,
-    )  # fmt: skip
+    records = commit_records(
+        commit("o-77", 1, create_time=now - 9000, request_id="commit-1"), scheduled, DAY, position=12
+    )
+    deadline = timer("o-77", now - 5000, key="deadline", command=go, revision=1)
     refused = f'{{"errorMsg": "busy", "echo": "Bearer {SECRET_TOKEN}"}}'
     records += [
         attempt_record(
@@ -86,7 +69,9 @@ async def _history(p: Page) -> None:
             answer='{"ok": true}',
         ),  # fmt: skip
     ]
-    records += commit_records(_commit(2, now - 2000), [TimerCancelled(key="reminder")], DAY)
+    records += commit_records(
+        commit("o-77", 2, create_time=now - 2000, request_id="commit-2"), [TimerCancelled(key="reminder")], DAY
+    )
     await p.backend.history.append(records)
 
 
@@ -97,7 +82,7 @@ async def test_a_fired_timer_s_history_by_key_by_id_and_by_request_id(page: Page
     assert "HTTP 503: busy" in html and "4.2 ms" in html and "log position 12" in html
     assert SECRET_TOKEN not in html and "**********" in html  # what the target echoed, masked
 
-    timer_id = deterministic_timer_id(order("o-77"), "deadline", 1)
+    timer_id = deterministic_timer_id(ref("o-77"), "deadline", 1)
     by_id = await page.api("/api/v1/timer?" + urlencode({"timer_id": timer_id}))
     assert by_id["status"] == "DONE" and by_id["key"] == "deadline"
     assert [(h["kind"], h.get("outcome"), h.get("status")) for h in by_id["history"]] == [
@@ -116,7 +101,7 @@ async def test_a_fired_timer_s_history_by_key_by_id_and_by_request_id(page: Page
 async def test_the_timer_search_by_request_id_answers_that_timer_alone(page: Page) -> None:
     everything = await page.api("/api/v1/timers")
     assert len(everything["timers"]) == 5  # the live timers of the store
-    timer_id = deterministic_timer_id(order("o-77"), "deadline", 1)
+    timer_id = deterministic_timer_id(ref("o-77"), "deadline", 1)
     request_id = (await page.api("/api/v1/timer?" + urlencode({"timer_id": timer_id})))["history"][-1]["request_id"]
     found = await page.api("/api/v1/timers?" + urlencode({"request_id": request_id}))
     assert [(t["timer_id"], t["status"]) for t in found["timers"]] == [(timer_id, "DONE")]

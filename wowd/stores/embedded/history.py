@@ -14,7 +14,7 @@ many pages of the table as rows (twice the time, measured).
 
 The rows are written by statements of many rows each
 (:func:`~wowd.stores.embedded.db.insert_rows`), by the feed in the transaction of its batch and
-by the outbox shortcut in the transaction of its round (:func:`write_records`), or by
+by the timer store in the transaction that fires a round into the outbox (:func:`write_records`), or by
 :meth:`EmbeddedTimerHistory.append` in a transaction of its own (the settle groups of the claim,
 deliver and settle path).
 """

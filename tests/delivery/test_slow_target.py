@@ -14,13 +14,15 @@ import anyio
 import pytest
 from aiohttp import web
 
+from tests.delivery.conftest import serving
+from tests.factories import eventually, ref, timer
 from tests.helpers import caught_up_waker, timer_loop
 from wowd import metrics
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stream import target_limits
 from wowd.delivery import HttpGateway
-from wowd.model import AggregateRef, Command, Owner, Timer, TimerStatus, TimerWrite, deterministic_timer_id, partition
+from wowd.model import Owner, Timer, TimerStatus, TimerWrite
 from wowd.stores.base import Backend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -54,9 +56,10 @@ class Target:
         self.arrivals: list[tuple[float, str, str]] = []  # (time, aggregate, request id)
         self.all_healthy = anyio.Event()
         self.healthy_expected = 0
+        self.url = ""
 
     async def handle(self, request: web.Request) -> web.Response:
-        aggregate = request.match_info["aggregate"]
+        aggregate = request.path.split("/")[-3]  # .../{aggregate}/{id}/{command}
         self.arrivals.append((time.time(), aggregate, request.headers["Command-Request-Id"]))
         if aggregate == "hang":
             await anyio.sleep_forever()
@@ -65,30 +68,28 @@ class Target:
         return web.json_response({})
 
 
-def timer(i: int, due: int) -> Timer:
-    owner = AggregateRef(context=CONTEXT, aggregate="order", id=f"o-{i}")
-    target = AggregateRef(context=CONTEXT, aggregate=TARGETS[i % len(TARGETS)], id=f"t-{i}")
-    return Timer(
-        timer_id=deterministic_timer_id(owner, "k", 1), partition=partition(owner.id, PARTS), owner=owner,
-        key="k", version=1, due_at=due, scheduled_at=due, target=target, body=Command(name="go").to_json(),
-    )  # fmt: skip
+def aimed(i: int, due: int) -> Timer:
+    """Order ``o-I``'s timer, due at ``due``, sent to ``t-I`` of one of :data:`TARGETS` in turn."""
+    owner, target = ref(f"o-{i}", context=CONTEXT), ref(f"t-{i}", context=CONTEXT, aggregate=TARGETS[i % len(TARGETS)])
+    return timer(owner=owner, due_at=due, partitions=PARTS, target=target)
 
 
-async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_nothing(backend: Backend) -> None:
-    target = Target()
-    app = web.Application()
-    app.router.add_post("/{aggregate}/{id}/{command}", target.handle)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+@pytest.fixture
+async def target() -> AsyncIterator[Target]:
+    t = Target()
+    async with serving(t.handle) as (_srv, t.url):
+        yield t
+
+
+async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_nothing(
+    backend: Backend, target: Target
+) -> None:
     due = int(time.time() * 1000)
-    timers = [timer(i, due) for i in range(300)]
+    timers = [aimed(i, due) for i in range(300)]
     assert await backend.timers.write([TimerWrite.put(t) for t in timers]) == [1] * len(timers)
     target.healthy_expected = sum(1 for t in timers if t.target.aggregate != "hang")
     gateway = HttpGateway(
-        GatewaySettings(kind="http", url=f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S, breaker_open_s=30),
+        GatewaySettings(kind="http", url=target.url, timeout_s=TIMEOUT_S, breaker_open_s=30),
         pool_size=64,
     )
     res = await backend.leases.acquire("ns", Owner(key="me"), 1, timedelta(seconds=60), timedelta(seconds=1))
@@ -103,17 +104,13 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
                 await tg.start(loop.run, held, caught_up_waker())
                 await target.all_healthy.wait()
                 # the hanging target's circuit opens after its first failures
-                for _ in range(200):
-                    if metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")._value.get() == 1:
-                        break
-                    await anyio.sleep(0.05)
-                assert metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")._value.get() == 1
+                circuit = metrics.GATEWAY_CIRCUIT_OPEN.labels(target=f"{CONTEXT}.hang")
+                await eventually(lambda: circuit._value.get() == 1, 10, "the hanging target's circuit open")
                 stopped_at = time.time()
                 held.request_stop()
             done_in = time.time() - stopped_at
     finally:
         await gateway.aclose()
-        await runner.cleanup()
     # counted from the first request (the loop's start, the claim and the connections are not
     # the hanging target's doing)
     first = min(at for at, _a, _r in target.arrivals)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from tests import factories
 from wowd import model
 from wowd.errors import ConfigError, InvalidInput
 from wowd.model import (
@@ -263,15 +264,13 @@ TARGET_DOC = {"context": "billing", "aggregate": "invoice", "tenant_id": "t1", "
 
 
 def scheduled(**body: Any) -> DomainEvent:
-    doc: dict[str, Any] = {
-        "key": "expire",
-        "due_at": 1_700_000_000_000,
-        "rule": {"type": "interval", "every_ms": 1000},
-        "target": TARGET_DOC,
-        "command": {"name": "ExpireInvoice", "body": {"why": "late"}},
-    }
-    doc.update(body)
-    return DomainEvent(id="e1", name="TimerScheduled", body=doc)
+    """A ``TimerScheduled`` of the timer ``expire``, every second, sent to invoice inv-1 of tenant
+    t1; ``body``: its body's fields written over it."""
+    command = {"name": "ExpireInvoice", "body": {"why": "late"}}
+    rule = {"type": "interval", "every_ms": 1000}
+    return factories.scheduled(
+        **{"key": "expire", "due_at": 1_700_000_000_000, "rule": rule, "target": TARGET_DOC, "command": command, **body}
+    )
 
 
 def test_timer_scheduled_is_read() -> None:
@@ -345,22 +344,14 @@ TARGET = AggregateRef(context="billing", aggregate="invoice", id="inv-1")
 
 
 def timer(**kw: Any) -> Timer:
+    """Timer ``expire`` of :data:`OWNER` at version 3, sent to :data:`TARGET`, at revision 4 after
+    two attempts; ``kw``: its fields written over these."""
     values: dict[str, Any] = {
-        "timer_id": deterministic_timer_id(OWNER, "expire", 3),
-        "partition": OWNER.partition(8),
-        "owner": OWNER,
-        "key": "expire",
-        "version": 3,
-        "due_at": 1_000,
-        "scheduled_at": 1_000,
-        "target": TARGET,
-        "body": Command(name="Expire").to_json(),
-        "revision": 4,
-        "attempts": 2,
-        "last_error": "503",
-    }
+        "owner": OWNER, "key": "expire", "version": 3, "due_at": 1_000, "scheduled_at": 1_000, "target": TARGET,
+        "command": Command(name="Expire"), "revision": 4, "attempts": 2, "last_error": "503",
+    }  # fmt: skip
     values.update(kw)
-    return Timer(**values)
+    return factories.timer(**values)
 
 
 def test_timer_ids_and_request_ids_are_deterministic() -> None:

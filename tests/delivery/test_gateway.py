@@ -9,8 +9,7 @@ import logging
 import ssl
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
+from tests.delivery.conftest import claimed, serving, status
 from tests.helpers import stream_all
 from wowd.config import GatewaySettings
 from wowd.daemon.stream import target_limits
@@ -44,28 +44,9 @@ from wowd.delivery import (
 )
 from wowd.delivery.outbox import outbox_entry
 from wowd.errors import ConfigError, StorageUnavailable
-from wowd.model import AggregateRef, Claim, Command, OutboxEntry, Timer, TimerStatus
+from wowd.model import Command, OutboxEntry, Timer
 
 pytestmark = pytest.mark.anyio
-
-
-def make_timer(
-    tenant: str = "(0)", agg_id: str = "order-1", name: str = "expire-order", aggregate: str = "order"
-) -> Timer:
-    owner = AggregateRef(context="demo", aggregate=aggregate, id=agg_id, tenant_id=tenant)
-    return Timer(
-        timer_id="t1",
-        partition=3,
-        owner=owner,
-        key="k",
-        version=1,
-        due_at=1000,
-        scheduled_at=900,
-        target=owner,
-        body=Command(name=name, body={"reason": "late"}, body_type="demo.Expire").to_json(),
-        status=TimerStatus.FIRING,
-        claim=Claim(owner_key="host:1:abc", fence=7, until=1000),
-    )
 
 
 @pytest.mark.parametrize(
@@ -100,10 +81,9 @@ def test_retry_after_is_a_hint_and_bounded() -> None:
 
 
 def test_command_url_follows_wow_rest_shape() -> None:
-    assert command_url("http://h/api/", make_timer()) == "http://h/api/order/order-1/expire-order"
+    assert command_url("http://h/api/", claimed()) == "http://h/api/order/order-1/expire-order"
     assert (
-        command_url("http://h", make_timer(tenant="t 1", agg_id="a/b"))
-        == "http://h/tenant/t%201/order/a%2Fb/expire-order"
+        command_url("http://h", claimed(tenant="t 1", agg_id="a/b")) == "http://h/tenant/t%201/order/a%2Fb/expire-order"
     )
 
 
@@ -117,7 +97,7 @@ SEGMENT = st.text(st.characters(exclude_categories=("Cc", "Cs")), min_size=1, ma
 @example(agg_id="a-b_c.d~e", tenant="(0)", name="remind")
 @example(agg_id="...", tenant="t/../x", name="ä")
 def test_command_url_encodes_each_segment_like_quote(agg_id: str, tenant: str, name: str) -> None:
-    url = command_url("http://h/api", make_timer(agg_id=agg_id, tenant=tenant, name=name))
+    url = command_url("http://h/api", claimed(agg_id=agg_id, tenant=tenant, name=name))
     in_tenant = "" if tenant == "(0)" else f"tenant/{quote(tenant, safe='')}/"
     assert url == f"http://h/api/{in_tenant}order/{quote(agg_id, safe='')}/{quote(name, safe='')}"
 
@@ -138,7 +118,7 @@ async def test_a_dot_segment_fails_the_timer_without_a_request(agg_id: str, tena
     async with serving(status(200)) as (srv, url):
         gw = gateway(url, token=SecretStr("route-token-1234"))
         try:
-            out = await gw.send(make_timer(agg_id=agg_id, tenant=tenant, name=name))
+            out = await gw.send(claimed(agg_id=agg_id, tenant=tenant, name=name))
         finally:
             await gw.aclose()
     assert isinstance(out, Fail) and out.reason.startswith(f"refused: {says}"), out
@@ -159,42 +139,6 @@ def test_request_parts_keep_the_body_as_json_says_it() -> None:
             request_parts(bad)
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class Target:
-    """A local HTTP server (aiohttp.web on 127.0.0.1) answering every path with ``handler``;
-    ``gate`` holds the handlers that wait on it (set before the server stops)."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
-        self.gate = anyio.Event()
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        self.seen.append((request.method, request.path_qs, {k.lower(): v for k, v in request.headers.items()}, body))
-        return await self.handler(request)
-
-
-@asynccontextmanager
-async def serving(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> AsyncIterator[tuple[Target, str]]:
-    target = Target(handler)
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", target.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
-    await site.start()
-    port = runner.addresses[0][1]
-    scheme = "https" if ssl_context else "http"
-    try:
-        yield target, f"{scheme}://127.0.0.1:{port}/api"
-    finally:
-        target.gate.set()
-        await runner.cleanup()
-
-
 def gateway(url: str, **kw: Any) -> HttpGateway:
     pool_size = kw.pop("pool_size", 4)
     outcomes = kw.pop("outcomes", None)
@@ -204,18 +148,11 @@ def gateway(url: str, **kw: Any) -> HttpGateway:
     return HttpGateway(settings, pool_size=pool_size, outcomes=outcomes, **extra)
 
 
-def status(code: int, **kw: Any) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        return web.Response(status=code, **kw)
-
-    return handler
-
-
 async def test_http_gateway_posts_the_command_with_request_id_type_and_bearer() -> None:
     async with serving(status(200, text='{"ok": true}', content_type="application/json")) as (srv, url):
         gw = gateway(url, token=SecretStr("s3cr3t-token"))
         try:
-            t = make_timer()
+            t = claimed()
             assert isinstance(await gw.send(t), Delivered)
         finally:
             await gw.aclose()
@@ -239,7 +176,7 @@ async def test_http_gateway_asks_for_no_compression_and_keeps_no_cookies() -> No
         gw = gateway(url)
         try:
             for i in range(2):
-                assert isinstance(await gw.send(make_timer(agg_id=f"a{i}")), Delivered)
+                assert isinstance(await gw.send(claimed(agg_id=f"a{i}")), Delivered)
         finally:
             await gw.aclose()
     for _method, _path, headers, _body in srv.seen:
@@ -250,7 +187,7 @@ async def test_http_gateway_unreadable_command_fails_without_a_request() -> None
     async with serving(status(200)) as (srv, url):
         gw = gateway(url)
         try:
-            out = await gw.send(replace(make_timer(), body='{"body": {}}'))
+            out = await gw.send(replace(claimed(), body='{"body": {}}'))
         finally:
             await gw.aclose()
     assert isinstance(out, Fail) and out.reason.startswith("unreadable command")
@@ -261,7 +198,7 @@ async def test_http_gateway_api_key_header() -> None:
     async with serving(status(202)) as (srv, url):
         gw = gateway(url, token=SecretStr("k3y"), api_key_header="X-Api-Key")
         try:
-            assert isinstance(await gw.send(make_timer()), Delivered)
+            assert isinstance(await gw.send(claimed()), Delivered)
         finally:
             await gw.aclose()
     headers = srv.seen[0][2]
@@ -279,7 +216,7 @@ async def test_http_gateway_keeps_one_connection_alive() -> None:
         gw = gateway(url, pool_size=1)
         try:
             for i in range(5):
-                assert isinstance(await gw.send(make_timer(agg_id=f"a{i}")), Delivered)
+                assert isinstance(await gw.send(claimed(agg_id=f"a{i}")), Delivered)
         finally:
             await gw.aclose()
     assert len(peers) == 1, "five sequential sends on one kept-alive connection"
@@ -289,7 +226,7 @@ async def test_http_gateway_bad_answers_never_raise() -> None:
     async with serving(status(400, body=b"<html>" + b"x" * 5_000_000)) as (_srv, url):
         gw = gateway(url)
         try:
-            out = await gw.send(make_timer())
+            out = await gw.send(claimed())
         finally:
             await gw.aclose()
     assert isinstance(out, Fail) and len(out.reason) < 300
@@ -297,7 +234,7 @@ async def test_http_gateway_bad_answers_never_raise() -> None:
     async with serving(status(404, text='{"errorMsg": "aggregate not found"}')) as (_srv, url):
         gw = gateway(url)
         try:
-            out = await gw.send(make_timer())
+            out = await gw.send(claimed())
         finally:
             await gw.aclose()
     assert isinstance(out, Park) and "aggregate not found" in out.reason
@@ -310,7 +247,7 @@ async def test_http_gateway_bad_answers_never_raise() -> None:
         gw = gateway(url, timeout_s=0.1)
         try:
             with anyio.fail_after(3):
-                out = await gw.send(make_timer())
+                out = await gw.send(claimed())
         finally:
             await gw.aclose()
     assert isinstance(out, Retry) and "timeout" in out.reason
@@ -323,7 +260,7 @@ async def test_http_gateway_secret_not_in_reasons() -> None:
     async with serving(echo) as (_srv, url):
         gw = gateway(url, token=SecretStr("planted-secret-xyz"))
         try:
-            out = await gw.send(make_timer())
+            out = await gw.send(claimed())
         finally:
             await gw.aclose()
     assert isinstance(out, Retry) and out.reason.startswith("HTTP 500")
@@ -354,7 +291,7 @@ async def test_http_gateway_masks_a_token_echoed_with_json_escapes(answer: Calla
     async with serving(echo) as (_srv, url):
         gw = gateway(url, token=SecretStr(token))
         try:
-            out = await gw.send(make_timer())
+            out = await gw.send(claimed())
         finally:
             await gw.aclose()
     assert isinstance(out, Fail) and "bad token" in out.reason, out
@@ -368,7 +305,7 @@ async def test_http_gateway_deliver_reports_each_timer() -> None:
 
     async with serving(handler) as (_srv, url):
         gw = gateway(url)
-        timers = [make_timer(agg_id=f"a{i}", name="ok" if i % 2 else "nope") for i in range(10)]
+        timers = [claimed(agg_id=f"a{i}", name="ok" if i % 2 else "nope") for i in range(10)]
         got: list[tuple[str, Outcome]] = []
         try:
             for t in timers:
@@ -425,7 +362,7 @@ async def test_http_gateway_tls_verifies_against_the_given_cas_or_not_at_all(sel
         }.items():
             gw = gateway(url, **kw)
             try:
-                outcomes[name] = await gw.send(make_timer())
+                outcomes[name] = await gw.send(claimed())
             finally:
                 await gw.aclose()
     assert isinstance(outcomes["system CAs"], Retry), "a certificate no system CA signed is refused"
@@ -478,7 +415,7 @@ async def test_per_target_limit_holds_and_other_targets_are_not_held_up() -> Non
         finally:
             in_flight[agg] -= 1
 
-    timers = [make_timer(agg_id=f"o{i}") for i in range(10)] + [make_timer(agg_id="c1", aggregate="cart")]
+    timers = [claimed(agg_id=f"o{i}") for i in range(10)] + [claimed(agg_id="c1", aggregate="cart")]
     got: dict[str, Outcome] = {}
     cart_done = anyio.Event()
 
@@ -522,8 +459,8 @@ async def test_per_target_limit_holds_across_batches_put_at_once() -> None:
         finally:
             in_flight -= 1
 
-    first = [make_timer(agg_id=f"a{i}") for i in range(5)]
-    second = [make_timer(agg_id=f"b{i}") for i in range(5)]
+    first = [claimed(agg_id=f"a{i}") for i in range(5)]
+    second = [claimed(agg_id=f"b{i}") for i in range(5)]
     got: list[Outcome] = []
     async with serving(handler) as (srv, url):
         gw = gateway(url, pool_size=8)
@@ -570,7 +507,7 @@ async def test_breaker_opens_short_circuits_then_a_trial_closes_it(caplog: pytes
         gw = gateway(url, breaker_failures=3, breaker_open_s=30, clock=clock, outcomes=DeliveryLog(clock=clock))
         try:
             for _ in range(3):
-                assert isinstance(await gw.send(make_timer()), Retry)
+                assert isinstance(await gw.send(claimed()), Retry)
             assert len(srv.seen) == 3
             assert _metric("wowd_gateway_circuit_open", "demo.order") == 1
             assert any(
@@ -579,22 +516,22 @@ async def test_breaker_opens_short_circuits_then_a_trial_closes_it(caplog: pytes
             )
             # open: answered without a request, with the time left as the retry hint
             clock.now += 10
-            out = await gw.send(make_timer())
+            out = await gw.send(claimed())
             assert isinstance(out, Retry) and "circuit open" in out.reason and out.after_s == pytest.approx(20)
             assert len(srv.seen) == 3
             assert _metric("wowd_gateway_short_circuited_total", "demo.order") == short0 + 1
             # another target is not affected
-            assert isinstance(await gw.send(make_timer(aggregate="cart")), Retry)
+            assert isinstance(await gw.send(claimed(aggregate="cart")), Retry)
             assert len(srv.seen) == 4
             # half-open: one trial; it fails (503): open again for the whole period
             clock.now += 20
-            assert isinstance(await gw.send(make_timer()), Retry)
+            assert isinstance(await gw.send(claimed()), Retry)
             assert len(srv.seen) == 5
-            assert isinstance(await gw.send(make_timer()), Retry) and len(srv.seen) == 5
+            assert isinstance(await gw.send(claimed()), Retry) and len(srv.seen) == 5
             # the next trial succeeds: closed
             clock.now += 30
-            assert isinstance(await gw.send(make_timer()), Delivered)
-            assert isinstance(await gw.send(make_timer()), Delivered)
+            assert isinstance(await gw.send(claimed()), Delivered)
+            assert isinstance(await gw.send(claimed()), Delivered)
             assert len(srv.seen) == 7
         finally:
             await gw.aclose()
@@ -624,11 +561,11 @@ async def test_half_open_sends_one_trial_at_a_time() -> None:
                 async with anyio.create_task_group() as tg:
 
                     async def trial() -> None:
-                        results.append(await gw.send(make_timer()))
+                        results.append(await gw.send(claimed()))
 
                     tg.start_soon(trial)
                     await arrived.wait()
-                    other = await gw.send(make_timer(agg_id="o2"))  # while the trial is in flight
+                    other = await gw.send(claimed(agg_id="o2"))  # while the trial is in flight
                     assert isinstance(other, Retry) and "circuit open" in other.reason
                     answered.set()
         finally:
@@ -657,7 +594,7 @@ def test_delivery_log_levels_and_one_line_per_target_and_kind_per_window(caplog:
     caplog.set_level(logging.INFO, logger="wowd.test")
     clock = Clock()
     dl = DeliveryLog(logging.getLogger("wowd.test"), every_s=10, clock=clock)
-    order, cart = make_timer(agg_id="o-77"), make_timer(aggregate="cart", agg_id="c-1")
+    order, cart = claimed(agg_id="o-77"), claimed(aggregate="cart", agg_id="c-1")
     named = f"timer t1 of demo.order/(0)/o-77 key 'k', request id {order.request_id}"
     for _ in range(5):
         dl.outcome("demo.order", Retry(reason="HTTP 503"), order)
@@ -694,7 +631,7 @@ async def test_http_gateway_logs_its_outcomes_rate_limited(caplog: pytest.LogCap
         gw = gateway(url, outcomes=DeliveryLog(clock=Clock()), breaker_failures=100)
         try:
             for i in range(20):
-                await gw.send(make_timer(agg_id=f"a{i}"))
+                await gw.send(claimed(agg_id=f"a{i}"))
         finally:
             await gw.aclose()
     retries = [r for r in caplog.records if "will be retried" in r.getMessage()]
@@ -703,7 +640,7 @@ async def test_http_gateway_logs_its_outcomes_rate_limited(caplog: pytest.LogCap
 
 
 def test_target_is_context_and_aggregate() -> None:
-    assert target_of(make_timer(tenant="t1", agg_id="x")) == "demo.order"
+    assert target_of(claimed(tenant="t1", agg_id="x")) == "demo.order"
 
 
 class FakeOutbox:
@@ -744,7 +681,7 @@ class FakeOutbox:
 async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -> None:
     box = FakeOutbox()
     gw = OutboxGateway(box)  # type: ignore[arg-type]
-    t = make_timer()
+    t = claimed()
     assert isinstance(await gw.send(t), Delivered)
     assert isinstance(await gw.send(t), Delivered)  # a re-fire is idempotent
     (entry,) = box.stored.values()
@@ -754,7 +691,7 @@ async def test_outbox_gateway_writes_request_id_fence_and_owner_of_the_claim() -
 
 async def test_outbox_gateway_unavailable_is_retry() -> None:
     gw = OutboxGateway(FakeOutbox(fail=True))  # type: ignore[arg-type]
-    assert isinstance(await gw.send_batch([make_timer()]), Retry)
+    assert isinstance(await gw.send_batch([claimed()]), Retry)
 
 
 async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when_asked(tmp_path: Path) -> None:
@@ -764,10 +701,10 @@ async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when
     box = EmbeddedOutbox(tmp_path / "o.db")
     try:
         await box.prepare()
-        old = replace(make_timer(agg_id="old"), timer_id="t-old")
+        old = replace(claimed(agg_id="old"), timer_id="t-old")
         await box.put(outbox_entry(old, 1_000))  # created long before the retention
         gw = OutboxGateway(box, retention_s=3600)
-        fresh = [replace(make_timer(agg_id=i), timer_id=f"t-{i}") for i in ("a", "b")]
+        fresh = [replace(claimed(agg_id=i), timer_id=f"t-{i}") for i in ("a", "b")]
         assert isinstance(await gw.send_batch(fresh), Delivered)
         assert {e.target.id for e in await box.entries()} == {"old", "a", "b"}
         await gw.housekeep()
@@ -784,7 +721,7 @@ async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when
 async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: pytest.LogCaptureFixture) -> None:
     box = FakeOutbox()
     gw = OutboxGateway(box)  # type: ignore[arg-type]
-    await gw.send(make_timer())
+    await gw.send(claimed())
     await gw.count_depth()
     assert REGISTRY.get_sample_value("wowd_outbox_depth") == 1
     counted = gw.depth_age()
@@ -804,7 +741,7 @@ async def test_outbox_depth_keeps_its_last_count_while_the_store_fails(caplog: p
 async def test_outbox_housekeeping_failure_does_not_undo_a_delivery() -> None:
     box = FakeOutbox()
     gw = OutboxGateway(box, retention_s=60)  # type: ignore[arg-type]
-    outcome = await gw.send(make_timer())
+    outcome = await gw.send(claimed())
     box.fail = True
     await gw.housekeep()  # logged, not raised
     assert isinstance(outcome, Delivered) and len(box.stored) == 1

@@ -10,9 +10,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import json
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,10 +23,10 @@ import pytest
 from aiohttp import web
 
 from tests.certs import Pki, make_pki
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerStatus
+from tests.factories import commit, event, eventually, now_ms, ref, scheduled
+from tests.processes import SECRET_TOKEN, Replica, base_env
+from wowd.model import Commit, TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, SECRET_TOKEN, Replica, base_env, eventually
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
 
@@ -119,62 +119,36 @@ async def serving(service: Service, ssl_context: object = None) -> AsyncIterator
 def _commit(owner_id: str, targets: list[tuple[str, str, str]]) -> Commit:
     """One commit of order ``owner_id`` scheduling a timer, due now, per ``(context, aggregate,
     id)`` target."""
-    now = int(time.time() * 1000)
-    events = [DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={})]
-    for i, (context, aggregate, agg_id) in enumerate(targets):
-        events.append(
-            DomainEvent(
-                id=uuid.uuid4().hex,
-                name="TimerScheduled",
-                body={
-                    "key": f"k{i}",
-                    "due_at": now,
-                    "rule": {"type": "once"},
-                    "target": {"context": context, "aggregate": aggregate, "id": agg_id},
-                    "command": {"name": "expire", "body": {"target": agg_id}},
-                },
-            )
+    now = now_ms()
+    timers = [
+        scheduled(
+            f"k{i}",
+            now,
+            target=ref(agg_id, context=context, aggregate=aggregate),
+            command="expire",
+            body={"target": agg_id},
         )
-    return Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id=owner_id), version=1, command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex, create_time=now, events=tuple(events),
-    )  # fmt: skip
+        for i, (context, aggregate, agg_id) in enumerate(targets)
+    ]
+    return commit(owner_id, 1, event(), *timers, create_time=now)
 
 
 def _toml(order_url: str, pay_url: str, ledger_url: str, pki: Pki) -> str:
-    return f"""
-[gateway]
-kind = "http"
-ca_certs = "{pki.ca}"
-signing_secrets = ["{GLOBAL_SECRET}"]
-
-[[gateway.routes]]
-match = "order.invoice"
-url = "{order_url}"
-token = "{ORDER_TOKEN}"
-signing_secrets = ["{WRONG_SECRET}"]
-
-[[gateway.routes]]
-match = "order"
-url = "{order_url}"
-token = "{ORDER_TOKEN}"
-signing_secrets = ["{ORDER_SECRET}"]
-
-[[gateway.routes]]
-match = "payment"
-url = "{pay_url}"
-token = "{PAY_TOKEN}"
-api_key_header = "X-Api-Key"
-per_target_concurrency = 8
-signing_secrets = ["{PAY_NEW}", "{PAY_OLD}"]
-
-[[gateway.routes]]
-match = "ledger"
-url = "{ledger_url}"
-token = "{LEDGER_TOKEN}"
-client_cert = "{pki.client_cert}"
-client_key = "{pki.client_key}"
-"""
+    """The replica's configuration file: the gateway and its routes, in the order they match (each
+    value written as JSON, which TOML reads alike for strings, numbers and lists)."""
+    gateway = {"kind": "http", "ca_certs": str(pki.ca), "signing_secrets": [GLOBAL_SECRET]}
+    routes: list[dict[str, object]] = [
+        {"match": "order.invoice", "url": order_url, "token": ORDER_TOKEN, "signing_secrets": [WRONG_SECRET]},
+        {"match": "order", "url": order_url, "token": ORDER_TOKEN, "signing_secrets": [ORDER_SECRET]},
+        {"match": "payment", "url": pay_url, "token": PAY_TOKEN, "api_key_header": "X-Api-Key",
+         "per_target_concurrency": 8, "signing_secrets": [PAY_NEW, PAY_OLD]},
+        {"match": "ledger", "url": ledger_url, "token": LEDGER_TOKEN, "client_cert": str(pki.client_cert),
+         "client_key": str(pki.client_key)},
+    ]  # fmt: skip
+    lines = ["[gateway]", *(f"{k} = {json.dumps(v)}" for k, v in gateway.items())]
+    for route in routes:
+        lines += ["", "[[gateway.routes]]", *(f"{k} = {json.dumps(v)}" for k, v in route.items())]
+    return "\n".join(lines) + "\n"
 
 
 async def test_each_context_reaches_its_service_with_its_credentials_and_signature(

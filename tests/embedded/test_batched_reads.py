@@ -1,4 +1,4 @@
-"""The embedded batched reads (``SnapshotStore.load_many``, ``TimerStore.parked_many``): each
+"""The embedded batched reads (``SnapshotStore.load_many``, ``TimerFiring.parked_many``): each
 ref or target is one index search (EXPLAIN QUERY PLAN), a batch is one statement, and a batch
 over SQLite's variable limit is split into as few statements as the limit allows, read whole."""
 

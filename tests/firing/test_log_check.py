@@ -7,7 +7,6 @@ feed is behind."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.helpers import once_timer
+from tests.factories import cancelled, commit, embedded_settings, eventually, timer, timer_commit
+from tests.helpers import hold_slot
 from wowd.backends import opened_backend
 from wowd.config import HttpSettings, WowdSettings
 from wowd.daemon.feed import Feeder
@@ -23,11 +23,9 @@ from wowd.daemon.firing import OutboxRounds
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
-from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Timer, TimerStatus
+from wowd.model import AggregateType, Commit, TimerStatus
 from wowd.model import partition as partition_of
 from wowd.stores.base import OUTBOX_SHORTCUT, Backend, EventSink, OutboxRound
-
-from .conftest import CONTEXT, embedded_settings, eventually, hold_slot, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -47,15 +45,6 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
 
 async def hold(b: Backend) -> HeldSlot:
     return await hold_slot(b, PARTS)
-
-
-def cancel_commit(agg_id: str, version: int) -> Commit:
-    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    ev = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
-    return Commit(
-        ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000), events=(ev,),
-    )  # fmt: skip
 
 
 async def feed_to_head(tmp_path: Path, b: Backend, held: HeldSlot) -> None:
@@ -97,7 +86,7 @@ async def test_a_timer_whose_owner_has_a_commit_above_its_version_is_left_for_th
     await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(6)])
     await feed_to_head(tmp_path, backend, await hold(backend))
     # two cancels appended before the due time's fire, not applied by the feed yet
-    await backend.log.append_many([cancel_commit("o-0", 2), cancel_commit("o-1", 2)])
+    await backend.log.append_many([commit("o-0", 2, cancelled()), commit("o-1", 2, cancelled())])
     fired, left_n = await fire(backend, due - 1)
     assert (len(fired), left_n) == (4, 2)
     assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
@@ -127,10 +116,10 @@ async def test_a_commit_above_the_timers_version_holds_it_whatever_the_feeds_che
     """Timers at version 1 in a view the feed never checkpointed; one owner's log holds a commit
     at version 2: that timer is left until the feed has applied it, the other fires."""
     due = int(time.time() * 1000) - 1_000
-    ts = [embedded_timer(f"x-{i}", due) for i in range(2)]
+    ts = [timer(f"x-{i}", due, partitions=PARTS) for i in range(2)]
     for t in ts:
         assert await backend.timers.put(t)
-    await backend.log.append_many([timer_commit("x-0", 1, []), cancel_commit("x-0", 2)])
+    await backend.log.append_many([timer_commit("x-0", 1, []), commit("x-0", 2, cancelled())])
     assert await owners_after(backend, due - 1) == (["x-1"], 1)
 
 
@@ -143,17 +132,13 @@ async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: P
     same = [i for i in ids if partition_of(i, PARTS) == part]
     assert len(same) >= 5
     for agg in same[:2]:
-        assert await backend.timers.put(embedded_timer(agg, due))
+        assert await backend.timers.put(timer(agg, due, partitions=PARTS))
     # commits of other aggregates of the same partition, and one above the second timer's version
     others = [timer_commit(agg, v, []) for agg in same[2:5] for v in (1, 2)]
-    await backend.log.append_many([*others, timer_commit(same[1], 1, []), cancel_commit(same[1], 2)])
+    await backend.log.append_many([*others, timer_commit(same[1], 1, []), commit(same[1], 2, cancelled())])
     assert await owners_after(backend, due - 1) == ([same[0]], 1)
     [left] = await backend.timer_queries.scan(limit=10)
     assert left.owner.id == same[1]
-
-
-def embedded_timer(agg_id: str, due: int) -> Timer:
-    return once_timer(CONTEXT, agg_id, PARTS, due)
 
 
 async def owners_after(b: Backend, read_to: int) -> tuple[list[str], int]:
@@ -213,7 +198,7 @@ async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancel
 
             await eventually(lambda: viewed(6), 10, "six timers in the view")
             gate["hold"] = True
-            await backend.log.append_many([cancel_commit("o-0", 2)])
+            await backend.log.append_many([commit("o-0", 2, cancelled())])
             await gate["held"].wait()  # the feed read the cancel and is stuck writing it
 
             async def delivered() -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +19,11 @@ import anyio
 import pytest
 
 from tests.chaos.target import CommandTarget, Delivery
+from tests.factories import CONTEXT, PARTITIONS, commit, eventually, ref, scheduled
+from tests.processes import Replica, base_env
 from wowd.config import EmbeddedSettings, GatewaySettings, LeaseSettings, WowdSettings
 from wowd.daemon.stream import SETTLE_GROUP
-from wowd.model import AggregateRef, Commit, DomainEvent, deterministic_timer_id, request_id_for
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, eventually
+from wowd.model import Commit, deterministic_timer_id, request_id_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
@@ -68,29 +67,13 @@ def schedule(specs: Sequence[Spec]) -> tuple[list[Commit], list[str]]:
     rids = [""] * len(specs)
     now = int(time.time() * 1000)
     for owner, mine in by_owner.items():
-        ref = AggregateRef(context=CONTEXT, aggregate="order", id=owner)
         events = []
         for i in mine:
             s = specs[i]
-            body = {
-                "key": s.key,
-                "due_at": s.due_at,
-                "rule": {"type": "once"},
-                "target": {"context": CONTEXT, "aggregate": s.target_aggregate, "id": s.target_id},
-                "command": {"name": "expire", "body": {"key": s.key}},
-            }
-            events.append(DomainEvent(id=uuid.uuid4().hex, name="TimerScheduled", body=body))
-            rids[i] = request_id_for(deterministic_timer_id(ref, s.key, 1), s.due_at)
-        commits.append(
-            Commit(
-                ref=ref,
-                version=1,
-                command_id=uuid.uuid4().hex,
-                request_id=uuid.uuid4().hex,
-                create_time=now,
-                events=tuple(events),
-            )
-        )
+            target = ref(s.target_id, aggregate=s.target_aggregate)
+            events.append(scheduled(s.key, s.due_at, target=target, command="expire", body={"key": s.key}))
+            rids[i] = request_id_for(deterministic_timer_id(ref(owner), s.key, 1), s.due_at)
+        commits.append(commit(owner, 1, *events, create_time=now))
     return commits, rids
 
 

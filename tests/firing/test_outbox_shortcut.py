@@ -15,6 +15,7 @@ import anyio
 import pytest
 from prometheus_client import REGISTRY
 
+from tests.factories import CONTEXT, commit, eventually, ref, timer, timer_commit
 from tests.helpers import caught_up_waker, held_slot, timer_loop
 from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import (
@@ -30,14 +31,11 @@ from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
 from wowd.daemon.replica import delivery, replica_of
 from wowd.daemon.waker import Waker
 from wowd.delivery import HttpGateway, OutboxGateway
-from wowd.model import AggregateRef, Command, Commit, DomainEvent, IntervalRule, OnceRule, Timer, deterministic_timer_id
-from wowd.model import partition as partition_of
+from wowd.model import Command, IntervalRule, OnceRule, Timer
 from wowd.stores.base import Backend
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
-
-from .conftest import CONTEXT, eventually, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -82,23 +80,17 @@ class CountingTimers(EmbeddedTimerFiring):
 
 def timers(now: int, n: int) -> list[Timer]:
     """``n`` timers of three aggregate types due over the last second; every fifth recurring."""
-    out = []
-    for i in range(n):
-        owner = AggregateRef(context=CONTEXT, aggregate=TYPES[i % 3], id=f"o-{i}")
-        t = Timer(
-            timer_id=deterministic_timer_id(owner, "k", 1),
-            partition=partition_of(owner.id, PARTS),
-            owner=owner,
-            key="k",
-            version=1,
+    return [
+        timer(
+            owner=ref(f"o-{i}", aggregate=TYPES[i % 3]),
             due_at=now - 1000 + i,
-            scheduled_at=now - 1000 + i,
-            target=AggregateRef(context="billing", aggregate="invoice", id=f"inv-{i}"),
-            body=Command(name="Remind", body={"i": i}).to_json(),
+            partitions=PARTS,
+            target=ref(f"inv-{i}", context="billing", aggregate="invoice"),
+            command=Command(name="Remind", body={"i": i}),
             rule=IntervalRule(every_ms=3_600_000) if i % 5 == 0 else OnceRule(),
         )
-        out.append(t)
-    return out
+        for i in range(n)
+    ]
 
 
 def sample(name: str, **labels: str) -> float:
@@ -143,7 +135,9 @@ async def test_the_loop_fires_due_timers_through_the_outbox_shortcut_as_the_step
     fast, fast_box, fast_metrics = await run_loop(tmp_path / "fast.db", ts, fast=True)
     try:
         # the shortcut: one call per batch of 100, no claim, no settle
-        assert fast.firing.calls["fire_into_outbox"] >= 3 and fast.firing.calls["settle"] == 0 and fast.firing.claimed == 0
+        assert (
+            fast.firing.calls["fire_into_outbox"] >= 3 and fast.firing.calls["settle"] == 0 and fast.firing.claimed == 0
+        )
         assert steps.firing.calls["fire_into_outbox"] == 0 and steps.firing.claimed == 250
 
         # the same entries (request id, target, command, occurrence, fence, owner key)
@@ -254,11 +248,7 @@ async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_
         for t in ts:
             assert await store.view.put(t)
         # the owners of the last three have a second commit the view has not applied
-        later = [
-            Commit(ref=t.owner, version=2, command_id=f"c-{t.owner.id}", request_id=f"r-{t.owner.id}",
-                   create_time=now, events=(DomainEvent(id=f"e-{t.owner.id}", name="Touched", body={}),))
-            for t in ts[7:]
-        ]  # fmt: skip
+        later = [commit(owner=t.owner, version=2, create_time=now) for t in ts[7:]]
         assert await log.append_many(later) == ["appended"] * 3
         held = held_slot(PARTS, fence=3)
         loop = timer_loop(store.firing, OutboxGateway(box), TimerSettings(batch=100), shortcut=store.firing)

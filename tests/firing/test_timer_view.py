@@ -6,24 +6,21 @@ the previous holder's claims at once; a replay from no checkpoint changes nothin
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
 import pytest
 
-from tests.helpers import replica_firing, timer_loop
+from tests.factories import CONTEXT, cancelled, commit, embedded_settings, eventually, ref, scheduled, timer_commit
+from tests.helpers import hold_slot, replica_firing, timer_loop
 from wowd.config import TimerSettings, WowdSettings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway, Outcome
-from wowd.model import AggregateRef, Commit, DomainEvent, Timer, TimerStatus, deterministic_timer_id, request_id_for
+from wowd.model import Commit, Timer, TimerStatus, deterministic_timer_id, request_id_for
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, embedded_settings, hold_slot, scheduled, timer_commit
 
 pytestmark = pytest.mark.anyio
 
@@ -54,22 +51,6 @@ async def hold(b: Backend, key: str) -> HeldSlot:
     return await hold_slot(b, PARTS, key)
 
 
-def cancelled(key: str) -> DomainEvent:
-    return DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": key})
-
-
-def events_commit(agg_id: str, version: int, *events: DomainEvent) -> Commit:
-    ref = AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-    return Commit(
-        ref=ref, version=version, command_id=uuid.uuid4().hex, request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000), events=events,
-    )  # fmt: skip
-
-
-def cancel_commit(agg_id: str, version: int, key: str) -> Commit:
-    return events_commit(agg_id, version, cancelled(key))
-
-
 async def run_slot(
     tmp_path: Path, backend: Backend, held: HeldSlot, *, until_outbox: int, feed_batch: int = 500
 ) -> None:
@@ -83,14 +64,25 @@ async def run_slot(
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
-            while await backend.outbox.count() < until_outbox or waker.watermark is None:
-                await a_moment()
+
+            async def done() -> bool:
+                return await backend.outbox.count() >= until_outbox and waker.watermark is not None
+
+            await eventually(done, 10, f"{until_outbox} outbox entries and the feed at the log's end", every=0.01)
             held.request_stop()
 
 
-async def a_moment() -> None:
-    """Between two looks at the stores (each caller's loop runs inside ``fail_after``)."""
-    await anyio.sleep(0.01)
+async def feed_until(tmp_path: Path, backend: Backend, held: HeldSlot, n: int) -> None:
+    """Runs the slot's feed alone until the timer view holds ``n`` timers, then stops it."""
+
+    async def fed() -> bool:
+        return len(await backend.timer_queries.scan(limit=10)) >= n
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(Feeder(settings(tmp_path), backend).run, held, Waker())
+            await eventually(fed, 10, f"{n} timers fed", every=0.01)
+            held.request_stop()
 
 
 async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever_the_feeds_lag(
@@ -103,7 +95,7 @@ async def test_a_cancel_appended_before_the_due_time_is_never_delivered_whatever
     for i in range(20):
         commits.append(timer_commit(f"o-{i}", 1, ["k"], due_at=due))
         if i % 2 == 0:
-            commits.append(cancel_commit(f"o-{i}", 2, "k"))
+            commits.append(commit(f"o-{i}", 2, cancelled()))
     await backend.log.append_many(commits)
     held = await hold(backend, "a")
     await run_slot(tmp_path, backend, held, until_outbox=10, feed_batch=3)
@@ -119,8 +111,13 @@ async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
     is delivered, once."""
     due = int(time.time() * 1000)
     later = due + 3_600_000
-    x2 = events_commit("x", 2, cancelled("k"), scheduled("x", "k", due))
-    y1 = events_commit("y", 1, scheduled("y", "k", later, n="A"), scheduled("y", "k", due, n="B"))
+    x2 = commit("x", 2, cancelled("k"), scheduled("k", due, target=ref("x")))
+    y1 = commit(
+        "y",
+        1,
+        scheduled("k", later, target=ref("y"), body={"n": "A"}),
+        scheduled("k", due, target=ref("y"), body={"n": "B"}),
+    )
     await backend.log.append_many([timer_commit("x", 1, ["k"], due_at=later), x2, y1])
     held = await hold(backend, "a")
     await run_slot(tmp_path, backend, held, until_outbox=2, feed_batch=1)
@@ -157,14 +154,7 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
     due = int(time.time() * 1000)
     await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(5)])
     first = await hold(backend, "a")
-    feeder = Feeder(settings(tmp_path), backend)
-    waker = Waker()
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, first, waker)
-            while len(await backend.timer_queries.scan(limit=10)) < 5:
-                await a_moment()
-            first.request_stop()
+    await feed_until(tmp_path, backend, first, 5)
     claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
     )
@@ -184,22 +174,11 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
 
     due = int(time.time() * 1000)
     commits = [timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(4)]
-    bad = timer_commit("bad", 1, [], due_at=due)
-    ev = DomainEvent(
-        id="e", name="TimerScheduled",
-        body={"key": "k", "due_at": due, "rule": {"type": "cron", "expression": "* * * * *", "zone": "UTC"},
-              "target": {"context": CONTEXT, "aggregate": "order", "id": "bad"}, "command": {"name": "go"}},
-    )  # fmt: skip
-    await backend.log.append_many([*commits, replace(bad, events=(ev,))])
+    every_minute = {"type": "cron", "expression": "* * * * *", "zone": "UTC"}
+    ev = scheduled("k", due, target=ref("bad"), command={"name": "go"}, rule=every_minute)
+    await backend.log.append_many([*commits, commit("bad", 1, ev, create_time=due)])
     held = await hold(backend, "a")
-    feeder = Feeder(settings(tmp_path), backend)
-    waker = Waker()
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, held, waker)
-            while len(await backend.timer_queries.scan(limit=10)) < 5:
-                await a_moment()
-            held.request_stop()
+    await feed_until(tmp_path, backend, held, 5)
     # the zone disappears from the time zone database the replica runs with
     conn = sqlite3.connect(tmp_path / "wowd.db")
     with conn:
@@ -246,13 +225,7 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
     await backend.log.append_many([timer_commit("left", 1, ["k"], due_at=due)])
     again = await hold(backend, "a")
     assert again.fence == held.fence
-    feeder = Feeder(settings(tmp_path), backend)
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(feeder.run, again, Waker())
-            while not await backend.timer_queries.scan(limit=10):
-                await a_moment()
-            again.request_stop()
+    await feed_until(tmp_path, backend, again, 1)
     claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
     )
@@ -283,14 +256,21 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
             await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(12)])
-            while len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)) < 12:
-                await a_moment()  # every one claimed, about a second ahead of its due time
+
+            async def claimed() -> bool:
+                return len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)) >= 12
+
+            # every one claimed, about a second ahead of its due time
+            await eventually(claimed, 10, "every timer claimed", every=0.01)
             assert int(time.time() * 1000) < due
-            cancels = [cancel_commit(f"o-{i}", 2, "k") for i in range(0, 12, 3)]
+            cancels = [commit(f"o-{i}", 2, cancelled()) for i in range(0, 12, 3)]
             moves = [timer_commit(f"o-{i}", 2, ["k"], due_at=due + 300) for i in range(1, 12, 3)]
             await backend.log.append_many([*cancels, *moves])
-            while await backend.outbox.count() < 8:
-                await a_moment()
+
+            async def delivered() -> bool:
+                return await backend.outbox.count() >= 8
+
+            await eventually(delivered, 10, "eight deliveries", every=0.01)
             held.request_stop()
     entries = await backend.outbox.entries()
     assert sorted(e.target.id for e in entries) == sorted(f"o-{i}" for i in range(12) if i % 3)

@@ -7,59 +7,27 @@ the feed reads after the claim, every time."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 
-from tests.helpers import timer_loop
+from tests.factories import cancelled, commit, embedded_settings, eventually, timer_commit
+from tests.helpers import HeldReads, hold_slot, timer_loop
 from wowd.backends import opened_backend
 from wowd.config import TimerSettings
 from wowd.daemon.feed import Feeder
 from wowd.daemon.waker import Waker
 from wowd.delivery import OutboxGateway
-from wowd.model import LogBatch, Position, TimerStatus
+from wowd.model import TimerStatus
 from wowd.stores.base import Backend
-
-from .conftest import embedded_settings, eventually, hold_slot, timer_commit
-from .test_timer_view import cancel_commit
 
 pytestmark = pytest.mark.anyio
 
 PARTS = 4
 OWNERS = [f"o-{i}" for i in range(6)]
 CANCELLED = {"o-0", "o-3"}
-
-
-class HeldReads:
-    """The log's reads, each stopped before its next batch once one batch with commits has been
-    read, until :attr:`go` is set: nothing the log holds meanwhile is read before it."""
-
-    def __init__(self, read: Any) -> None:
-        self._read = read
-        self.go = anyio.Event()
-        self.first_read = anyio.Event()
-
-    def __call__(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        return self._held(positions, **kwargs)
-
-    async def _held(self, positions: Mapping[int, Position | None], **kwargs: Any) -> AsyncIterator[LogBatch]:
-        reader = self._read(positions, **kwargs)
-        try:
-            while True:
-                if self.first_read.is_set():
-                    await self.go.wait()
-                try:
-                    batch = await reader.__anext__()
-                except StopAsyncIteration:
-                    return
-                if batch.entries:
-                    self.first_read.set()
-                yield batch
-        finally:
-            await reader.aclose()
 
 
 @pytest.fixture
@@ -69,7 +37,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
 
 
 async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: Path, backend: Backend) -> None:
-    reads = HeldReads(backend.log.read)
+    reads = HeldReads(backend.log.read, hold_after_first=True)
     backend.log.read = reads  # type: ignore[method-assign]
     due = int(time.time() * 1000) + 1_500
     await backend.log.append_many([timer_commit(o, 1, ["k"], due_at=due) for o in OWNERS])
@@ -95,8 +63,8 @@ async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: P
             await reads.first_read.wait()
             await eventually(all_claimed, 5, "every timer claimed ahead of its due time")
             assert int(time.time() * 1000) < due - 200, "claimed too late for the test to say anything"
-            await backend.log.append_many([cancel_commit(o, 2, "k") for o in sorted(CANCELLED)])
-            reads.go.set()  # the feed's next batch: the cancels
+            await backend.log.append_many([commit(o, 2, cancelled()) for o in sorted(CANCELLED)])
+            reads.release()  # the feed's next batch: the cancels
             await eventually(all_settled, 10, "the others delivered, the view empty")
             held.request_stop()
     delivered = sorted(e.target.id for e in await backend.outbox.entries())

@@ -21,7 +21,8 @@ from prometheus_client import REGISTRY
 from pydantic import SecretStr
 
 from tests.certs import Pki, make_pki
-from tests.daemon.test_gateway import serving, status
+from tests.delivery.conftest import serving, status
+from tests.factories import ref, timer
 from tests.helpers import stream_all
 from wowd.cli.logs import secret_values
 from wowd.config import GatewaySettings, RouteSettings, WowdSettings, load_settings
@@ -29,7 +30,7 @@ from wowd.daemon.stream import target_limits
 from wowd.delivery import Delivered, DeliveryLog, Fail, HttpGateway, Retry, target_of
 from wowd.delivery.routes import FALLBACK, Routes, matches, per_target_limit
 from wowd.errors import ConfigError
-from wowd.model import AggregateRef, Command, Timer, TimerStatus
+from wowd.model import Command, Timer, TimerStatus
 from wowd.redaction import MASK
 
 pytestmark = pytest.mark.anyio
@@ -38,13 +39,11 @@ ORDER_SECRET = "whsec_" + base64.b64encode(b"order-context-signing-key-000001").
 GLOBAL_SECRET = "whsec_" + base64.b64encode(b"gateway-wide-signing-key-0000001").decode()
 
 
-def timer(context: str, aggregate: str, agg_id: str = "a-1") -> Timer:
-    target = AggregateRef(context=context, aggregate=aggregate, id=agg_id)
-    owner = AggregateRef(context="demo", aggregate="order", id=agg_id)
-    return Timer(
-        timer_id=f"t-{context}-{aggregate}-{agg_id}", partition=0, owner=owner, key="k", version=1, due_at=1000,
-        scheduled_at=900, target=target, body=Command(name="go", body={"n": 1}).to_json(), status=TimerStatus.FIRING,
-    )  # fmt: skip
+def aimed(context: str, aggregate: str, agg_id: str = "a-1") -> Timer:
+    """Order ``agg_id``'s timer, sent to ``agg_id`` of ``context.aggregate``."""
+    target = ref(agg_id, context=context, aggregate=aggregate)
+    go = Command(name="go", body={"n": 1})
+    return timer(agg_id, 1000, target=target, command=go, status=TimerStatus.FIRING, timer_id=f"t-{target}")
 
 
 def expected_signature(secret: str, headers: dict[str, str], body: bytes) -> str:
@@ -326,7 +325,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
         before = REGISTRY.get_sample_value("wowd_gateway_requests_total", {"route": "payment", "outcome": "fail"})
         try:
             outcomes = {
-                name: await gw.send(timer(*name.split(".")))
+                name: await gw.send(aimed(*name.split(".")))
                 for name in ("order.order", "order.invoice", "payment.payment", "shipping.parcel")
             }
         finally:
@@ -355,7 +354,7 @@ async def test_each_request_goes_by_its_route_with_its_credential_and_signature(
     assert headers["webhook-signature"] == expected_signature(GLOBAL_SECRET, headers, body)
 
     failed = [r.getMessage() for r in caplog.records if "failed for good" in r.getMessage()]
-    paid = timer("payment", "payment")
+    paid = aimed("payment", "payment")
     named = f"timer {paid.timer_id} of {paid.owner} key 'k', request id {paid.request_id}"
     assert failed == [
         f"delivery to payment.payment via route payment failed for good: HTTP 401: bad signature for {MASK} ({named})"
@@ -374,7 +373,7 @@ async def test_a_target_without_a_route_fails_at_once_without_a_request(caplog: 
         before = REGISTRY.get_sample_value("wowd_gateway_unrouted_total", {"target": "shipping.parcel"}) or 0
         got: dict[str, Any] = {}
         try:
-            timers = [timer("shipping", "parcel", f"p-{i}") for i in range(3)] + [timer("order", "order")]
+            timers = [aimed("shipping", "parcel", f"p-{i}") for i in range(3)] + [aimed("order", "order")]
             for t in timers:
                 got[t.target.id] = await gw.send(t)
         finally:
@@ -420,12 +419,12 @@ async def test_a_routes_time_limit_and_per_target_limit_are_its_own() -> None:
         gw = HttpGateway(settings, pool_size=32)
         try:
             with anyio.fail_after(10):
-                hung = await gw.send(timer("slow", "hang"))
+                hung = await gw.send(aimed("slow", "hang"))
             assert isinstance(hung, Retry) and hung.reason == "timeout after 0.3s"
             outcomes: list[Any] = []
             async with anyio.create_task_group() as tg:
                 limits = target_limits(32, per_target_limit(settings))
-                tg.start_soon(stream_all, gw, [[timer("narrow", "x", f"n-{i}") for i in range(8)]],
+                tg.start_soon(stream_all, gw, [[aimed("narrow", "x", f"n-{i}") for i in range(8)]],
                               lambda t, o: outcomes.append(o), limits)  # fmt: skip
                 with anyio.fail_after(10):
                     await two_in_flight.wait()
@@ -454,8 +453,8 @@ async def test_a_route_presents_its_client_certificate(pki: Pki) -> None:
         gw = HttpGateway(settings, pool_size=4)
         try:
             with anyio.fail_after(10):
-                with_cert = await gw.send(timer("ledger", "entry"))
-                without = await gw.send(timer("other", "entry"))  # the fallback has no client certificate
+                with_cert = await gw.send(aimed("ledger", "entry"))
+                without = await gw.send(aimed("other", "entry"))  # the fallback has no client certificate
                 assert isinstance(await gw.probe(gw.routes[0]), int)
         finally:
             await gw.aclose()

@@ -14,7 +14,7 @@ import pytest
 
 from wowd.signing import InvalidSecret, InvalidSignature, Signer, secret_key, sign, verify
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "delivery.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "delivery.md"
 
 KEY = b"wowd-signing-test-vector-key-32b"
 OLD_KEY = b"wowd-rotation-old-secret-key-32b"

@@ -7,183 +7,25 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode
 
-import anyio
-import httpx
 import pytest
 
-from tests.daemon.conftest import CONTEXT, PARTITIONS, SECRET_MONGO_PW, SECRET_TOKEN
-from wowd.config import EmbeddedSettings, LeaseSettings, UiSettings, WowdSettings
-from wowd.daemon.http import HttpServer
+from tests.factories import ref
+from tests.processes import SECRET_MONGO_PW, SECRET_TOKEN
+from tests.ui.conftest import ORDER, UI_TOKEN, Page, order_timer
+from wowd.config import UiSettings
 from wowd.metrics import UI_REFUSED
 from wowd.model import (
-    AggregateRef,
-    AggregateType,
-    Command,
-    Commit,
-    DomainEvent,
-    OutboxEntry,
-    Timer,
-    TimerChange,
     TimerStatus,
-    commit_to_doc,
-    deterministic_timer_id,
-    partition,
 )
 from wowd.operator import read_status
-from wowd.stores.base import Backend
 from wowd.ui import StatusPage
 from wowd.ui.access import sign_notice
 from wowd.ui.http import HttpRequest, HttpResponse
 
 pytestmark = pytest.mark.anyio
-
-UI_TOKEN = "ui-token-5521-0123456789"
-ORDER = AggregateType(context=CONTEXT, aggregate="order")
-
-
-def order(agg_id: str) -> AggregateRef:
-    return AggregateRef(context=CONTEXT, aggregate="order", id=agg_id)
-
-
-def timer(agg_id: str, key: str, due_at: int) -> Timer:
-    owner = order(agg_id)
-    return Timer(
-        timer_id=deterministic_timer_id(owner, key, 1),
-        partition=partition(agg_id, PARTITIONS),
-        owner=owner,
-        key=key,
-        version=1,
-        due_at=due_at,
-        scheduled_at=due_at,
-        target=owner,
-        body=Command(name="expire-order", body={"key": key}).to_json(),
-    )
-
-
-def settings(db: Path, token: str | None) -> WowdSettings:
-    return WowdSettings(
-        context=CONTEXT,
-        partitions=PARTITIONS,
-        embedded=EmbeddedSettings(path=db),
-        lease=LeaseSettings(limit=2),
-        ui={"token": token},
-        gateway={"token": SECRET_TOKEN},
-        mongodb={"uri": f"mongodb://wowd:{SECRET_MONGO_PW}@127.0.0.1:1/"},
-    )
-
-
-@dataclass
-class Page:
-    client: httpx.AsyncClient
-    backend: Backend
-    settings: WowdSettings
-    now: int = 0
-    """When the store was filled (ms): the timers' due times are relative to it."""
-
-    async def html(self, path: str, status: int = 200) -> str:
-        r = await self.client.get(path)
-        assert r.status_code == status, r.text
-        assert r.headers["content-type"].startswith("text/html")
-        assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
-        return r.text
-
-    async def api(self, path: str, status: int = 200) -> Any:
-        r = await self.client.get(path)
-        assert r.status_code == status, r.text
-        assert r.headers["content-type"] == "application/json"
-        return r.json()
-
-    async def form_key(self, path: str) -> str:
-        m = re.search(r'name="form_key" value="([0-9a-f]+)"', await self.html(path))
-        assert m is not None, "the page has no action form"
-        return m.group(1)
-
-
-async def _serve(db: Path, token: str | None) -> AsyncIterator[Page]:
-    from wowd.stores.embedded import open_embedded
-
-    s = settings(db, token)
-    backend = await open_embedded(s)
-    app = StatusPage(s, backend, local=lambda: {0: None, 1: "timers view: disk full"})
-    server = HttpServer("127.0.0.1", 0, lambda holding: (True, "ok"), app=app)
-    try:
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(server.serve)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                yield Page(client, backend, s)
-            tg.cancel_scope.cancel()
-    finally:
-        await backend.close()
-
-
-@pytest.fixture
-async def page(db: Path) -> AsyncIterator[Page]:
-    """The page with actions (the token set) over a store holding: a FAILED, a PARKED and two
-    PENDING timers of order o-1, one PENDING of o-2, a quarantined commit, two outbox entries."""
-    async for p in _serve(db, UI_TOKEN):
-        p.now = await _fill(p.backend)
-        yield p
-
-
-@pytest.fixture
-async def read_only(db: Path) -> AsyncIterator[Page]:
-    async for p in _serve(db, None):
-        p.now = await _fill(p.backend)
-        yield p
-
-
-async def _fill(b: Backend) -> int:
-    """Fills the store; answers its now (ms)."""
-    now = int(time.time() * 1000)
-    await b.timers.prepare()
-    ts = [
-        timer("o-1", "failed", now - 3000),
-        timer("o-1", "parked", now - 2000),
-        timer("o-1", "later", now + 3_600_000),
-        timer("o-1", "due", now - 1000),
-        timer("o-2", "expire", now + 60_000),
-    ]
-    for t in ts:
-        assert await b.timers.put(t)
-    failed = await b.timer_queries.find(order("o-1"), "failed")
-    parked = await b.timer_queries.find(order("o-1"), "parked")
-    assert failed is not None and parked is not None
-    reason = f"http 400 from the target (token {SECRET_TOKEN} refused)"
-    await b.firing.settle([TimerChange.fail(failed, fence=1, reason=reason)])
-    await b.firing.settle([TimerChange.park(parked, fence=1, reason="http 404: order o-1 not found")])
-    commit = Commit(
-        ref=order("o-9"),
-        version=1,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=now,
-        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": 1}),),
-    )
-    raw = commit_to_doc(commit, PARTITIONS)
-    await b.quarantine.put(
-        "wowd", partition("o-9", PARTITIONS), ORDER, raw, "timers refused it: StorageFull: disk full"
-    )
-    for i in range(2):
-        entry = OutboxEntry(
-            request_id=f"req-{i}",
-            timer_id=f"t-{i}",
-            target=order("o-1"),
-            command='{"name":"expire-order","body":{}}',
-            scheduled_at=now,
-            fence=1,
-            owner_key="a",
-            created_at=now - 10_000 + i,
-        )
-        assert await b.outbox.put(entry)
-    return now
 
 
 def _stable(doc: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +97,7 @@ async def test_the_timer_list_pages_by_cursor(page: Page) -> None:
     from wowd.ui import app
 
     for i in range(app.PAGE + 5):
-        await page.backend.timers.put(timer(f"bulk-{i}", "k", page.now + 10_000_000 + i))
+        await page.backend.timers.put(order_timer(f"bulk-{i}", "k", page.now + 10_000_000 + i))
     first = await page.api("/api/v1/timers")
     assert len(first["timers"]) == app.PAGE and first["next"]
     second = await page.api(f"/api/v1/timers?after={first['next']}")
@@ -349,7 +191,7 @@ async def test_a_failed_timer_is_retried_with_the_token_from_its_page(page: Page
     assert r.status_code == 303
     html = await page.html(r.headers["location"])
     assert "retried: back to PENDING, due now" in html and 'id="timer-status">PENDING' in html
-    t = await page.backend.timer_queries.find(order("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.PENDING and t.due_at >= page.now
 
 
@@ -359,7 +201,7 @@ async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(p
     )
     assert r.status_code == 200 and r.json()["written"] == 1
     assert r.json()["timer"]["status"] == "PENDING"  # the timer as it is now, not as it was
-    t = await page.backend.timer_queries.find(order("o-1"), "parked")
+    t = await page.backend.timer_queries.find(ref("o-1"), "parked")
     assert t is not None and t.status is TimerStatus.PENDING
     again = await page.client.post(
         "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
@@ -391,7 +233,7 @@ async def test_an_action_without_the_token_form_key_or_from_another_site_is_refu
     r = await page.client.post("/ui/timer/retry", data=data, headers=change.get("headers", {}))
     assert r.status_code == 403 and "refused" in r.text
     assert UI_REFUSED.labels(reason=reason)._value.get() == before + 1
-    t = await page.backend.timer_queries.find(order("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.FAILED
 
 
@@ -403,7 +245,7 @@ async def test_without_a_token_the_page_is_read_only(read_only: Page) -> None:
     r = await read_only.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0"]})
     assert r.status_code == 403
     assert await read_only.backend.outbox.count() == 2
-    t = await read_only.backend.timer_queries.find(order("o-1"), "failed")
+    t = await read_only.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.FAILED
 
 

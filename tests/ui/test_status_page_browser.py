@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -23,21 +21,16 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.factories import CONTEXT, PARTITIONS, commit, now_ms, ref, timer
+from tests.processes import Replica, base_env, run_wowd
 from wowd.model import (
-    AggregateRef,
     AggregateType,
     Command,
-    Commit,
-    DomainEvent,
-    Timer,
     TimerChange,
     commit_to_doc,
-    deterministic_timer_id,
     partition,
 )
 from wowd.stores.base import Backend
-
-from .conftest import CONTEXT, PARTITIONS, Replica, base_env, run_wowd
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process, pytest.mark.slow]
 
@@ -80,35 +73,16 @@ def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Future[Any]]:
 async def _seed(stores: Backend) -> None:
     """The order o-7's timer ``expire``, FAILED (the target refused it), and a quarantined commit;
     the order's tenant and id are as long as real ones are (the tables fit a laptop's width)."""
-    owner = AggregateRef(
-        context=CONTEXT, aggregate="order", id="o-7-checkout-2026-12-06-europe-west-1", tenant_id="acme-europe-west"
-    )
-    t = Timer(
-        timer_id=deterministic_timer_id(owner, "expire", 1),
-        partition=partition(owner.id, PARTITIONS),
-        owner=owner,
-        key="expire",
-        version=1,
-        due_at=int(time.time() * 1000) - 60_000,
-        scheduled_at=int(time.time() * 1000) - 60_000,
-        target=owner,
-        body=Command(name="expire-order", body={"order": "o-7"}).to_json(),
-    )
+    owner = ref("o-7-checkout-2026-12-06-europe-west-1", tenant="acme-europe-west")
+    expire = Command(name="expire-order", body={"order": "o-7"})
+    t = timer(owner=owner, due_at=now_ms() - 60_000, key="expire", partitions=PARTITIONS, command=expire)
     await stores.timers.prepare()
     assert await stores.timers.put(t)
     loaded = await stores.timer_queries.find(owner, "expire")
     assert loaded is not None
     reason = "http 422 from the target: order o-7 is closed"
     assert await stores.firing.settle([TimerChange.fail(loaded, fence=1, reason=reason)])
-    bad = Commit(
-        ref=AggregateRef(context=CONTEXT, aggregate="order", id="o-8"),
-        version=3,
-        command_id=uuid.uuid4().hex,
-        request_id=uuid.uuid4().hex,
-        create_time=int(time.time() * 1000),
-        events=(DomainEvent(id=uuid.uuid4().hex, name="ItemAdded", body={"n": 3}),),
-    )
-    raw = commit_to_doc(bad, PARTITIONS)
+    raw = commit_to_doc(commit("o-8", 3), PARTITIONS)
     order = AggregateType(context=CONTEXT, aggregate="order")
     reason = "sink refused it: InvalidInput: events: mapper_parsing_exception"
     await stores.quarantine.put("wowd", partition("o-8", PARTITIONS), order, raw, reason)

@@ -1,0 +1,82 @@
+"""The timer loop's sleep decision (``plan_wait``, ``wants_next_due``) and what an outbox round
+takes as read, without a store or a clock."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from tests.helpers import caught_up_waker, held_slot
+from wowd.config import TimerSettings
+from wowd.daemon.firing import OutboxRounds
+from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
+from wowd.stores.base import OutboxFired, OutboxRound
+
+LOOK = 1_000
+IDLE_S = 0.5
+
+
+def test_nothing_due_sleeps_an_idle_period() -> None:
+    assert plan_wait(10_000, Round(until=11_000), (None, None), LOOK, IDLE_S) == Sleep(10_500, 11_500)
+
+
+def test_a_timer_beyond_the_lookahead_wakes_the_loop_a_lookahead_before_it() -> None:
+    # due at 10,300 + 1,000: woken at 10,300, claimed then, half a lookahead's rounds apart at least
+    r = Round(until=10_000 + LOOK)
+    assert plan_wait(10_000, r, (11_300, None), LOOK, 30) == Sleep(10_500, 11_500)
+    assert plan_wait(10_000, r, (14_000, 12_500), LOOK, 30) == Sleep(11_500, 12_500)
+
+
+def test_a_timer_within_the_lookahead_past_the_feeds_read_asks_for_a_read() -> None:
+    # the round read up to 10,600 (the feed's read lagged); a timer at 10,800 is within the lookahead
+    r = Round(until=10_600)
+    assert plan_wait(10_200, r, (10_800, None), LOOK, IDLE_S) == ReadFirst(10_800, 9_800)
+    # not before half the round's lookahead has passed
+    assert isinstance(plan_wait(10_000, r, (10_800, None), LOOK, IDLE_S), Sleep)
+
+
+def test_rounds_at_the_due_time_wake_at_the_next_due_time() -> None:
+    r = Round(until=10_000, claims_ahead=False)
+    assert plan_wait(10_000, r, (10_040, None), LOOK, IDLE_S) == Sleep(10_040, 10_040)
+    assert plan_wait(10_000, r, (None, 20_000), LOOK, IDLE_S) == Sleep(10_500, 10_500)
+
+
+def test_the_stores_next_due_time_is_read_unless_a_put_comes_due_within_an_idle_period() -> None:
+    at_due = Round(until=10_000, claims_ahead=False)
+    assert not wants_next_due(at_due, 10_400, IDLE_S)
+    assert wants_next_due(at_due, 10_600, IDLE_S)
+    assert wants_next_due(at_due, None, IDLE_S)
+    assert wants_next_due(Round(until=10_000), 10_100, IDLE_S)
+
+
+class SlowShortcut:
+    """An outbox shortcut that takes a while: timers come due during its transaction."""
+
+    def __init__(self) -> None:
+        self.rounds: list[OutboxRound] = []
+
+    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
+        self.rounds.append(round)
+        await anyio.sleep(0.05)  # the transaction's time, not a synchronisation
+        return OutboxFired([])
+
+
+@pytest.mark.anyio
+async def test_an_outbox_round_reads_up_to_its_fire_time_not_past_it() -> None:
+    """What a round read is what was due at its fire time: a timer that came due while the
+    transaction ran is not taken as read (the waker keeps it, and the loop wakes for it)."""
+    shortcut = SlowShortcut()
+    strategy = OutboxRounds(TimerSettings(), shortcut)
+    waker = caught_up_waker()
+    r = await strategy.round(held_slot(8), waker, frozenset(range(8)))
+    (request,) = shortcut.rounds
+    assert r.until == request.at and not r.claims_ahead
+
+
+def test_a_retry_waits_its_jittered_backoff_and_at_least_the_targets_hint() -> None:
+    settings = TimerSettings(backoff_base_s=0.1, backoff_max_s=10.0)
+    delays = [retry_delay_s(3, settings) for _ in range(200)]
+    assert all(0.4 <= d <= 0.8 for d in delays)  # 0.1 s * 2**3, scaled by [0.5, 1]
+    assert len(set(delays)) > 100  # jittered: the replicas retrying one target spread out
+    assert all(retry_delay_s(30, settings) <= 10.0 for _ in range(20))  # capped
+    assert retry_delay_s(3, settings, hint_s=5.0) == 5.0  # a Retry-After longer than the backoff

@@ -1,0 +1,268 @@
+"""The timer loop of one held slot, in-process on the embedded backend: each outcome settled,
+nothing sent after a stop, the next occurrence and the retry's backoff, a wall clock stepped back,
+a misfired occurrence skipped."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.factories import CONTEXT, Recorder, embedded_settings, eventually, now_ms, ref, timer
+from tests.helpers import caught_up_waker, hold_slot, timer_loop
+from wowd import metrics
+from wowd.backends import opened_backend
+from wowd.config import TimerSettings
+from wowd.daemon.leases import HeldSlot
+from wowd.daemon.stream import target_limits
+from wowd.daemon.timer_plan import next_occurrence, outcome_changes
+from wowd.daemon.timers import TimerLoop
+from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
+from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
+from wowd.stores.base import Backend, TimerFiring
+
+pytestmark = pytest.mark.anyio
+
+PARTS = 4
+
+
+@pytest.fixture
+async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
+    async with opened_backend(embedded_settings(tmp_path, PARTS)) as b:
+        yield b
+
+
+async def hold(b: Backend) -> HeldSlot:
+    return await hold_slot(b, PARTS, "me")
+
+
+ANSWERS: dict[str, Outcome] = {
+    "ok": Delivered(),
+    "retry": Retry(reason="HTTP 503"),
+    "park": Park(reason="HTTP 404"),
+    "fail": Fail(reason="HTTP 400"),
+}
+
+
+def scripted() -> Recorder:
+    """A gateway answering by the target id's prefix (``ok-1`` is delivered, ``retry-1`` a 503,
+    ``park-1`` a 404, ``fail-1`` a 400)."""
+    return Recorder(answer=lambda t: ANSWERS[t.target.id.split("-")[0]])
+
+
+async def run_until_settled(loop: TimerLoop, held: HeldSlot, gw: Recorder, timers: TimerFiring, n: int) -> None:
+    """Runs the slot's timer loop until ``n`` timers were sent and none of ``timers`` is claimed,
+    then stops it."""
+
+    async def settled() -> bool:
+        return len(gw.sent) >= n and not await timers.scan(status=TimerStatus.FIRING, limit=1)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(loop.run, held, caught_up_waker())
+        await eventually(settled, 10, "every due timer delivered and settled", every=0.02)
+        held.request_stop()
+
+
+def due_timer(target: str, **fields: Any) -> Timer:
+    """A timer of ``owner-TARGET`` due 50 ms ago, sent to order ``target``."""
+    return timer(f"owner-{target}", now_ms() - 50, partitions=PARTS, target=ref(target), **fields)
+
+
+async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
+    t = backend.timers
+    timers = [
+        due_timer("ok-1"),
+        due_timer("ok-2", rule=IntervalRule(every_ms=60_000)),
+        due_timer("retry-1"),
+        due_timer("retry-2", attempts=9),
+        due_timer("park-1"),
+        due_timer("fail-1"),
+    ]
+    for x in timers:
+        assert await t.put(x)
+    gw = scripted()
+    held = await hold(backend)
+    counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
+    before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
+    loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
+    await run_until_settled(loop, held, gw, t, len(timers))
+    assert len(gw.sent) == len(timers)  # each delivered once
+    assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
+
+    async def get(target: str) -> Timer | None:
+        return await t.find(ref(f"owner-{target}"), "k")
+
+    assert await get("ok-1") is None  # once: deleted
+    nxt = await get("ok-2")
+    assert nxt is not None and nxt.status == TimerStatus.PENDING and nxt.fired == 1
+    assert nxt.scheduled_at == timers[1].scheduled_at + 60_000
+    r1 = await get("retry-1")
+    assert r1 is not None and r1.status == TimerStatus.PENDING and r1.attempts == 1
+    assert r1.due_at >= timers[2].due_at + 500 and r1.last_error == "HTTP 503"
+    r2 = await get("retry-2")
+    assert r2 is not None and r2.status == TimerStatus.FAILED  # retry budget spent
+    p = await get("park-1")
+    assert p is not None and p.status == TimerStatus.PARKED
+    f = await get("fail-1")
+    assert f is not None and f.status == TimerStatus.FAILED and f.last_error == "HTTP 400"
+    counted = [c.labels(target=f"{CONTEXT}.order")._value.get() - n for c, n in zip(counters, before, strict=True)]
+    assert counted == [2, 1, 1, 2]  # fired, retried, parked, failed (the spent budget and the 400)
+
+
+async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(backend: Backend) -> None:
+    """Five claimed timers of one target delivered one at a time: the stop comes while the first
+    is in flight; that one finishes and settles, none of the others is sent, and they are
+    released, due again with no attempt spent."""
+    t = backend.timers
+    for i in range(5):
+        assert await t.put(due_timer(f"ok-{i}"))
+    gw = scripted()
+    release = gw.hold()
+    held = await hold(backend)
+    loop = timer_loop(t, gw, limits=target_limits(64, lambda _target: 1))
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await gw.entered.wait()  # claimed, the first in flight
+            firing = await t.scan(status=TimerStatus.FIRING, limit=10)
+            assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
+            held.request_stop()  # the signal: nothing more is sent
+            release.set()
+    assert len(gw.sent) == 1
+    assert await t.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
+    released = await t.scan(limit=10)
+    assert len(released) == 4
+    assert all(x.status is TimerStatus.PENDING and x.attempts == 0 and x.claim is None for x in released)
+    assert all(x.last_error == "not delivered: stopped" for x in released)
+
+
+def test_next_occurrence_coalesces_missed_intervals() -> None:
+    t = due_timer("ok-x", rule=IntervalRule(every_ms=1000))
+    assert next_occurrence(t, t.scheduled_at) == t.scheduled_at + 1000
+    assert next_occurrence(t, t.scheduled_at + 5500) == t.scheduled_at + 6000
+    bounded = replace(t, rule=IntervalRule(every_ms=1000, until=t.scheduled_at + 2000))
+    assert next_occurrence(bounded, t.scheduled_at + 5500) is None
+    assert next_occurrence(due_timer("ok-y"), 0) is None
+
+
+def test_retry_backoff_is_exponential_with_jitter() -> None:
+    s = TimerSettings(backoff_base_s=1.0, backoff_max_s=30.0, max_attempts=10)
+    for attempts, lo, hi in ((0, 500, 1000), (3, 4000, 8000), (8, 15_000, 30_000)):
+        t = replace(due_timer("retry-z"), attempts=attempts)
+        (c,) = outcome_changes([(t, Retry(reason="x"), 1_000)], 1, s)
+        assert c.kind == "retry" and c.due_at is not None and lo <= c.due_at - 1_000 <= hi
+
+
+async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_the_lookahead(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Claimed, then the wall clock steps back ten minutes: the timer now looks ten minutes
+    ahead, yet it is delivered after at most the lookahead (on the monotonic clock; the bound
+    allows 0.8 s more for a loaded machine, short of the next second)."""
+    from wowd.daemon import firing, timers
+
+    t = backend.timers
+    assert await t.put(due_timer("ok-step"))
+    real = timers.now_ms
+    step = {"ms": 0}
+    stepped_at: list[float] = []
+    for module in (timers, firing):
+        monkeypatch.setattr(module, "now_ms", lambda: real() - step["ms"])
+
+    class SteppingStore:
+        async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
+            claimed = await t.claim_due(*args, **kwargs)
+            if claimed:
+                step["ms"] = 600_000  # the clock steps back right after the claim
+                stepped_at.append(anyio.current_time())
+            return claimed
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(t, name)
+
+    gw = scripted()
+    held = await hold(backend)
+    loop = timer_loop(SteppingStore(), gw, TimerSettings(lookahead_ms=200))  # type: ignore[arg-type]
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await gw.entered.wait()
+            delivered_at = anyio.current_time()
+            held.request_stop()
+    assert [x.target.id for x in gw.sent] == ["ok-step"]
+    (claimed_at,) = stepped_at
+    assert delivered_at - claimed_at <= 0.2 + 0.8, f"delivered {delivered_at - claimed_at:.3f} s after the claim"
+
+
+async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
+    backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Claimed late (a replica was down), an occurrence later than its rule's misfire grace is
+    settled as passed, not sent: a one-shot timer is done, a recurring one moves to its next
+    occurrence after now; one within its grace, and one without a grace, are delivered. The line
+    that says so names the timer (id, owner, key), not only its request id."""
+    caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
+    t = backend.timers
+    hour_ago = now_ms() - 3_600_000
+    late = [
+        replace(due_timer("ok-once"), rule=OnceRule(misfire_grace_ms=60_000), due_at=hour_ago, scheduled_at=hour_ago),
+        replace(
+            due_timer("ok-every"),
+            rule=IntervalRule(every_ms=600_000, misfire_grace_ms=60_000),
+            due_at=hour_ago,
+            scheduled_at=hour_ago,
+        ),
+    ]
+    on_time = [
+        due_timer("ok-graced", rule=OnceRule(misfire_grace_ms=600_000)),
+        replace(due_timer("ok-plain"), due_at=hour_ago, scheduled_at=hour_ago),
+    ]
+    for x in late + on_time:
+        assert await t.put(x)
+    gw = scripted()
+    held = await hold(backend)
+    skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
+    loop = timer_loop(t, gw)
+    await run_until_settled(loop, held, gw, t, len(on_time))
+    assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
+    assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
+    every = await t.find(ref("owner-ok-every"), "k")
+    assert every is not None and every.status is TimerStatus.PENDING
+    assert every.scheduled_at > now_ms() - 600_000  # the next occurrence after now
+    assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
+    (line,) = [r.getMessage() for r in caplog.records if "was skipped" in r.getMessage()]  # one per target
+    assert any(f"(timer {x.timer_id} of {x.owner} key 'k', request id {x.request_id})" in line for x in late), line
+    assert f"a timer for {CONTEXT}.order was skipped: " in line and "past its misfire grace of 60000 ms" in line, line
+
+
+async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:
+    """With a batch claimed and unsettled, the next round waits for room; a stop ends that wait
+    even after earlier settles (each of which renewed what the round waits on)."""
+    t = backend.timers
+    assert await t.put(due_timer("ok-first"))
+    gw = scripted()
+    held = await hold(backend)
+    loop = timer_loop(t, gw, TimerSettings(batch=1))
+
+    async def first_settled() -> bool:
+        return await t.find(ref("owner-ok-first"), "k") is None
+
+    async def two_claimed() -> bool:
+        return len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 2
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(first_settled, 5, "the first timer settled")
+            release = gw.hold()  # from now on deliveries wait
+            for i in range(3):
+                assert await t.put(due_timer(f"ok-{i}"))
+            await eventually(two_claimed, 5, "two batches claimed and unsettled")
+            held.request_stop()
+            release.set()  # the requests in flight end (the grace period's work)
+    assert len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released
