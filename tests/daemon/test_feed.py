@@ -59,13 +59,12 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
         await eventually(fed, 10, "every partition with a commit checkpointed")
         held.request_stop()
 
-    t = backend.timers
-    assert await t.find(ref("o-1"), "k1") is None  # cancelled at v2
-    k2 = await t.find(ref("o-1"), "k2")
+    assert await backend.timer_queries.find(ref("o-1"), "k1") is None  # cancelled at v2
+    k2 = await backend.timer_queries.find(ref("o-1"), "k2")
     assert k2 is not None and k2.timer_id == deterministic_timer_id(ref("o-1"), "k2", 1)
     assert k2.partition == partition("o-1", PARTS) and k2.due_at == far and k2.status == TimerStatus.PENDING
-    assert await t.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
-    resumed = await t.find(ref("o-3"), "wait")
+    assert await backend.timer_queries.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
+    resumed = await backend.timer_queries.find(ref("o-3"), "wait")
     assert resumed is not None and resumed.status == TimerStatus.PENDING
     snap = await backend.snapshots.load(ref("o-1"))
     assert snap is not None and snap.version == 2 and snap.state_revision == reducer.state_revision

@@ -105,14 +105,14 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
                 await tg.start(feeder.run, held, Waker())
 
                 async def past_all() -> bool:
-                    cps = await log.checkpoints(CONSUMER, range(4))
+                    cps = await backend.checkpoints.read(CONSUMER, range(4))
                     return bool(cps) and max(cp.position["seq"] for cp in cps.values()) >= last_seq
 
                 await eventually(past_all, 20, "every partition's checkpoint past the last commit")
                 held.request_stop()
         assert feeder.stalled is None
 
-        quarantined = await log.quarantined()
+        quarantined = await backend.quarantine.items()
         reasons = {q["raw"]["aggregate_id"]: q["reason"] for q in quarantined}
         for field, raw in MALFORMED:
             reason = reasons[raw["aggregate_id"]]

@@ -56,13 +56,13 @@ async def test_next_due_reads_every_statement_of_many_partitions(tmp_path: Path)
                 break
         # the earliest in the last statement's partitions, later ones in the first statements'
         last = max(ids)
-        assert await store.put(timer(ids[last], parts, 5_000))
-        assert await store.put(timer(ids[0], parts, 9_000))
-        assert await store.put(timer(ids[DUE_ARMS], parts, 7_000))
+        assert await store.view.put(timer(ids[last], parts, 5_000))
+        assert await store.view.put(timer(ids[0], parts, 9_000))
+        assert await store.view.put(timer(ids[DUE_ARMS], parts, 7_000))
         everything = frozenset(range(parts))
-        assert await store.next_due(everything, 0) == 5_000
-        assert await store.next_due(everything, 5_000) == 7_000
-        assert await store.next_due(everything - {last}, 0) == 7_000
-        assert await store.next_due(everything, 9_000) is None
+        assert await store.firing.next_due(everything, 0) == 5_000
+        assert await store.firing.next_due(everything, 5_000) == 7_000
+        assert await store.firing.next_due(everything - {last}, 0) == 7_000
+        assert await store.firing.next_due(everything, 9_000) is None
     finally:
         await store.close()

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 from tests.factories import CONTEXT, Recorder, eventually, now_ms, timer
 from tests.firing.conftest import PARTS
 from tests.helpers import caught_up_waker, firing, held_slot
-from tests.timer_stores import EmbeddedTimers
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import TimerSettings
 from wowd.delivery import OutboxGateway
 from wowd.delivery.outcomes import Delivered, Fail, Outcome

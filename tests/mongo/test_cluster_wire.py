@@ -686,9 +686,11 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
             await call.done.wait()
     backend = call.result()
     try:
-        stores = [backend.log, backend.checkpoints, backend.quarantine, backend.leases, backend.timers,
-                  backend.firing, backend.timer_queries, backend.snapshots, backend.rebuilds, backend.outbox]  # fmt: skip
-        assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
+        b = backend
+        stores = [b.log, b.checkpoints, b.quarantine, b.leases, b.timers, b.firing, b.timer_queries, b.snapshots,
+                  b.rebuilds, b.outbox]  # fmt: skip
+        timeouts = {s.operation_timeout for s in stores}  # type: ignore[attr-defined]
+        assert timeouts == {timedelta(milliseconds=2500)}
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:

@@ -27,8 +27,8 @@ async def test_a_tombstone_after_a_fire_or_a_cancel_keeps_no_command_target_or_r
     await store.prepare()
     fired, cancelled = timer(owner("o-1")), timer(owner("o-2"))
     assert await store.view.put(fired) and await store.view.put(cancelled)
-    [claimed] = [t for t in await store.firing.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
-                 if t.timer_id == fired.timer_id]  # fmt: skip
+    claimed_all = await store.firing.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
+    [claimed] = [t for t in claimed_all if t.timer_id == fired.timer_id]
     assert await store.firing.settle([TimerChange.fired(claimed, fence=1, next_due=None)]) == 1
     assert await store.view.cancel(cancelled.owner, cancelled.key, cancelled.version + 1)
     docs = await client["tombstones"][store.view.collection_name("order")].find({}, {"_id": 0}).to_list(None)

@@ -852,7 +852,7 @@ class FeedWriter(Protocol):
     """A capability (:data:`FEED_TRANSACTION`) of a backend whose stores share one transaction
     (the embedded file): a feed batch applied in it, the event sink's documents, the timer
     writes, the resumption of the PARKED timers of the batch's aggregates and the checkpoints
-    under the slot's fence, all or nothing. Ours (the seeds name the single steps)."""
+    under the slot's fence, all or nothing."""
 
     async def plan(
         self, records: Sequence[tuple[EventSink, Sequence[Commit]]], timer_writes: Sequence[TimerWrite]
