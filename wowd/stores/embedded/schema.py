@@ -220,22 +220,35 @@ def timer_upgrade_sql() -> str:
     return f"UPDATE {TIMER_REGISTRY} SET format = {TIMER_FORMAT} WHERE context = ? AND format = {TIMER_UPGRADES_FROM}"
 
 
-def timer_format_sql() -> str:
-    """The format recorded for one collection."""
-    return f"SELECT format FROM {TIMER_REGISTRY} WHERE collection = ?"
+def registry_format_sql(registry: str) -> str:
+    """The format a registry (of the timers, of the snapshots) records for one collection."""
+    return f"SELECT format FROM {registry} WHERE collection = ?"
 
 
-def timer_register_sql() -> str:
-    """Records a collection in the registry at format 5 unless recorded already."""
+def registry_formats_sql(registry: str) -> str:
+    """The format a registry records for each of a context's collections."""
+    return f"SELECT collection, format FROM {registry} WHERE context = ?"
+
+
+def registry_insert_sql(registry: str, format: int) -> str:
+    """Records a collection (collection, context, aggregate) in a registry at ``format`` unless
+    recorded already."""
     return (
-        f"INSERT INTO {TIMER_REGISTRY} (collection, context, aggregate, format, created_at)"
-        f" VALUES (?, ?, ?, {TIMER_FORMAT}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
+        f"INSERT INTO {registry} (collection, context, aggregate, format, created_at)"
+        f" VALUES (?, ?, ?, {format}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
     )
 
 
+def timer_format_sql() -> str:
+    return registry_format_sql(TIMER_REGISTRY)
+
+
+def timer_register_sql() -> str:
+    return registry_insert_sql(TIMER_REGISTRY, TIMER_FORMAT)
+
+
 def timer_formats_sql() -> str:
-    """The recorded format of each of a context's collections."""
-    return f"SELECT collection, format FROM {TIMER_REGISTRY} WHERE context = ?"
+    return registry_formats_sql(TIMER_REGISTRY)
 
 
 # ---- the snapshots
@@ -277,20 +290,15 @@ def snapshot_ddl(context: str) -> list[str]:
 
 
 def snapshot_format_sql() -> str:
-    """The format recorded for one collection."""
-    return f"SELECT format FROM {SNAPSHOT_REGISTRY} WHERE collection = ?"
+    return registry_format_sql(SNAPSHOT_REGISTRY)
 
 
 def snapshot_formats_sql() -> str:
-    """The recorded format of each of a context's collections."""
-    return f"SELECT collection, format FROM {SNAPSHOT_REGISTRY} WHERE context = ?"
+    return registry_formats_sql(SNAPSHOT_REGISTRY)
 
 
 def snapshot_register_sql() -> str:
-    return (
-        f"INSERT INTO {SNAPSHOT_REGISTRY} (collection, context, aggregate, format, created_at)"
-        f" VALUES (?, ?, ?, {SNAPSHOT_FORMAT}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
-    )
+    return registry_insert_sql(SNAPSHOT_REGISTRY, SNAPSHOT_FORMAT)
 
 
 # ---- the outbox
