@@ -153,3 +153,4 @@ async def test_a_timer_the_feed_never_reads_past_is_settled_back_undelivered_aft
             await eventually(settled_back, 3, "the held timer settled back as not read")
             held.request_stop()
     assert gateway.fired == []
+    assert waiting("feed_behind") == 0  # each held timer counted while held, and no more
