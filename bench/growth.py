@@ -1,9 +1,9 @@
 """Growth: what a due read costs as the work grows.
 
-- Embedded: ``EmbeddedTimerStore.due`` over every partition with a fixed 100 due timers while the
+- Embedded: ``EmbeddedTimerFiring.due`` over every partition with a fixed 100 due timers while the
   stored-but-not-due timers grow from 1k to 1M; the time must stay flat (the partial index
   ``(partition, due_at, timer_id)`` bounds the scan to what is due).
-- MongoDB, on the wire: ``MongoTimerStore`` against a MockupDB black-pipe server, with 1, 10
+- MongoDB, on the wire: the MongoDB timer stores against a MockupDB black-pipe server, with 1, 10
   and 100 aggregate types (collections) registered: the commands one ``due`` sends (one
   ``aggregate`` on the registry, whatever the number of types), and the commands of one batch of
   1,000 timers of one type (due, claim settle, fired settle).

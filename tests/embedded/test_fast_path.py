@@ -1,4 +1,4 @@
-"""The embedded outbox shortcut (``EmbeddedTimerStore.fire_into_outbox``): the due timers read,
+"""The embedded outbox shortcut (``EmbeddedTimerFiring.fire_into_outbox``): the due timers read,
 written to the outbox table of the same file and settled as fired in one transaction, with no
 claim. Held to what ``claim_due``, the outbox gateway's ``send_batch`` and a fired ``settle`` do."""
 

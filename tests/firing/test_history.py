@@ -24,7 +24,7 @@ from wowd.config import TimerSettings
 from wowd.delivery import OutboxGateway
 from wowd.delivery.outcomes import Delivered, Fail, Outcome
 from wowd.errors import StorageError, StorageUnavailable
-from wowd.model import HistoryKind, HistoryRecord, Timer, TimerStatus
+from wowd.model import HistoryKind, HistoryRecord, OnceRule, Timer, TimerStatus
 from wowd.stores.embedded.history import EmbeddedTimerHistory
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 
@@ -63,9 +63,12 @@ class History:
             await self.changed.wait()
 
 
-async def fire(store: EmbeddedTimers, gateway: Recorder, history: Any, *groups: list[Timer]) -> None:
+async def fire(
+    store: EmbeddedTimers, gateway: Recorder, history: Any, *groups: list[Timer], expect: int | None = None
+) -> None:
     """One slot's claim, deliver and settle loop firing ``groups`` one after the other (each
-    stored once the one before was delivered, so that each is a settle group of its own)."""
+    stored once the one before was delivered, so that each is a settle group of its own; ``expect``:
+    how many of a single group are delivered, when not all)."""
     settings = TimerSettings(tombstone_retention_s=RETENTION_S)
     loop = replace(firing(store.firing, gateway, settings), history=history).loop()
     held = held_slot(PARTS)
@@ -76,7 +79,7 @@ async def fire(store: EmbeddedTimers, gateway: Recorder, history: Any, *groups: 
             for group in groups:
                 for t in group:
                     assert await store.view.put(t)
-                fired += len(group)
+                fired += len(group) if expect is None else expect
                 await gateway.until_fired(fired)
                 await eventually(partial(settled, store, group), 5, "the group settled")
             held.request_stop()
@@ -121,6 +124,22 @@ async def test_each_attempt_is_recorded_with_what_the_gateway_saw(store: Embedde
         assert (r.owner, r.key, r.version, r.scheduled_at) == (t.owner, t.key, t.version, t.scheduled_at)
         assert r.expires_at == r.at + RETENTION_S * 1000  # kept as long as the tombstone
         assert due <= r.at <= now_ms()
+
+
+async def test_an_occurrence_skipped_past_its_misfire_grace_is_recorded_with_the_reason(
+    store: EmbeddedTimers,
+) -> None:
+    history = History()
+    hour_ago = now_ms() - 3_600_000
+    late = replace(timer("o-late", hour_ago, partitions=PARTS), rule=OnceRule(misfire_grace_ms=60_000))
+    on_time = timer("o-on-time", now_ms(), partitions=PARTS)
+    gateway = Recorder()
+    await fire(store, gateway, history, [on_time, late], expect=1)
+    await history.until_recorded(2)
+    (r,) = [r for r in history.records if r.timer_id == late.timer_id]
+    assert (r.outcome, r.status, r.scheduled_at) == ("misfired", None, hour_ago)
+    assert r.reason is not None and r.reason.endswith("ms late, past its misfire grace of 60000 ms")
+    assert r.expires_at == r.at + RETENTION_S * 1000
 
 
 async def test_records_the_history_store_could_not_take_are_written_with_the_next_settle_group(

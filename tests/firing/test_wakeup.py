@@ -69,15 +69,57 @@ async def test_a_slots_watermark_is_the_lowest_of_its_partitions() -> None:
     w.reading(1_000, (), frozenset({0, 1}))
     w.advance(1_000, frozenset({0, 1}))
     assert (w.read_mark, w.watermark) == (None, None)
-    w.reading(900, (), frozenset({2}))
-    w.applied(w.applied_batches + 1, 900, frozenset({2}))
-    assert (w.read_mark, w.watermark) == (900, 900)
+    w.reading(1_100, (), frozenset({2}))
+    w.applied(w.applied_batches + 1, 1_100, frozenset({2}))
+    assert (w.read_mark, w.watermark) == (1_000, 1_000)  # partitions 0 and 1's, not the last read's
     w.advance(2_000)
     assert w.watermark == 2_000
     blind = Waker()  # the slot's partitions unknown: a read of some of them moves nothing
     blind.reading(1_000, (), frozenset({0}))
     blind.advance(1_000, frozenset({0}))
     assert (blind.read_mark, blind.watermark) == (None, None)
+
+
+async def test_the_feeds_reads_and_applies_release_their_waiters_once_past_the_mark() -> None:
+    """``read_past(at)``: every commit appended before ``at`` read (a read mark at ``at`` is
+    enough, one below it is not); ``wait_applied(after)``: a batch numbered above ``after``
+    applied."""
+    w = Waker()
+    w.reading(1_000, ())
+    with anyio.fail_after(1):
+        assert await w.read_past(1_000, 5)  # at once
+    assert not await w.read_past(1_001, 0)
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            passed = anyio.Event()
+
+            async def read_to_1_500() -> None:
+                assert await w.read_past(1_500, 5)
+                passed.set()
+
+            tg.start_soon(read_to_1_500)
+            await anyio.wait_all_tasks_blocked()
+            w.reading(1_499, ())
+            await anyio.wait_all_tasks_blocked()
+            assert not passed.is_set()
+            w.reading(1_500, ())
+            await passed.wait()
+    batch = w.reading(None, ())
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            applied = anyio.Event()
+
+            async def after_batch() -> None:
+                await w.wait_applied(batch, 5)
+                applied.set()
+
+            tg.start_soon(after_batch)
+            await anyio.wait_all_tasks_blocked()
+            w.applied(batch, None)  # the batch itself: not above it
+            await anyio.wait_all_tasks_blocked()
+            assert not applied.is_set()
+            w.applied(w.reading(None, ()), None)
+            await applied.wait()
 
 
 async def test_a_put_due_before_the_wake_up_wakes_the_waiting_loop() -> None:

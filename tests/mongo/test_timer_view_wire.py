@@ -1,4 +1,4 @@
-"""MongoTimerStore's timer view on the wire (MockupDB): tombstones and their TTL index, the format
+"""The MongoDB timer view on the wire (MockupDB): tombstones and their TTL index, the format
 upgrade, the batched write, the claim of due timers and the takeover's reclaim."""
 
 from __future__ import annotations

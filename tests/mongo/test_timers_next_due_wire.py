@@ -1,4 +1,4 @@
-"""MongoTimerStore.next_due on the wire (MockupDB): one aggregation on the registry, the exact
+"""MongoTimerFiring.next_due on the wire (MockupDB): one aggregation on the registry, the exact
 pipeline, and how its answer is read."""
 
 from __future__ import annotations
