@@ -1,4 +1,5 @@
-"""The MongoDB timer stores (the view, firing, the queries) on the wire (MockupDB): the exact commands it sends and how it reads answers."""
+"""The MongoDB timer stores (the view, firing, the queries) on the wire (MockupDB): the exact
+commands they send and how they read answers."""
 
 from __future__ import annotations
 
