@@ -303,51 +303,35 @@ def factories(backend: str) -> StoreFactories:
     return BACKENDS[backend].stores()
 
 
-async def _opened(*stores: Any, prepare: bool) -> AsyncIterator[None]:
-    try:
-        if prepare:
+def _opened(name: str, kind: str, *, prepare: bool = True) -> Any:
+    """The fixture ``name``: the store (or the stores made together) ``factories.KIND`` makes
+    where the test's stores live, prepared unless ``prepare`` is false, closed after the test."""
+
+    @pytest.fixture(name=name)
+    async def opened(factories: StoreFactories, where: Where) -> AsyncIterator[Any]:
+        made = getattr(factories, kind)(where)
+        stores = made if isinstance(made, tuple) else (made,)
+        try:
+            if prepare:
+                for s in stores:
+                    await s.prepare()
+            yield made
+        finally:
             for s in stores:
-                await s.prepare()
-        yield
-    finally:
-        for s in stores:
-            await s.close()
+                await s.close()
+
+    return opened
 
 
-@pytest.fixture
-async def log(factories: StoreFactories, where: Where) -> AsyncIterator[Log]:
-    store = factories.log(where)
-    async for _ in _opened(store, prepare=True):
-        yield store
-
-
-@pytest.fixture
-async def checkpoints(factories: StoreFactories, where: Where) -> AsyncIterator[Checkpoints]:
-    store = factories.checkpoints(where)
-    async for _ in _opened(store, prepare=True):
-        yield store
-
-
-@pytest.fixture
-async def quarantine(factories: StoreFactories, where: Where) -> AsyncIterator[Quarantine]:
-    store = factories.quarantine(where)
-    async for _ in _opened(store, prepare=True):
-        yield store
-
-
-@pytest.fixture
-async def lease_store(factories: StoreFactories, where: Where) -> AsyncIterator[SlotLeaseStore]:
-    store = factories.leases(where)
-    async for _ in _opened(store, prepare=False):
-        yield store
-
-
-@pytest.fixture
-async def timer_stores(factories: StoreFactories, where: Where) -> AsyncIterator[TimerStores]:
-    """The three timer stores of one table (one registry of collections), prepared."""
-    stores = factories.timers(where)
-    async for _ in _opened(*stores, prepare=True):
-        yield stores
+log = _opened("log", "log")
+checkpoints = _opened("checkpoints", "checkpoints")
+quarantine = _opened("quarantine", "quarantine")
+lease_store = _opened("lease_store", "leases", prepare=False)
+timer_stores = _opened("timer_stores", "timers")
+"""The three timer stores of one table (one registry of collections)."""
+snapshot_stores = _opened("snapshot_stores", "snapshots")
+outbox = _opened("outbox", "outbox", prepare=False)
+history = _opened("history", "history")
 
 
 @pytest.fixture
@@ -366,13 +350,6 @@ def timer_queries(timer_stores: TimerStores) -> TimerQueries:
 
 
 @pytest.fixture
-async def snapshot_stores(factories: StoreFactories, where: Where) -> AsyncIterator[SnapshotStores]:
-    stores = factories.snapshots(where)
-    async for _ in _opened(*stores, prepare=True):
-        yield stores
-
-
-@pytest.fixture
 def snapshot_store(snapshot_stores: SnapshotStores) -> SnapshotStore:
     return snapshot_stores[0]
 
@@ -380,20 +357,6 @@ def snapshot_store(snapshot_stores: SnapshotStores) -> SnapshotStore:
 @pytest.fixture
 def snapshot_rebuilds(snapshot_stores: SnapshotStores) -> SnapshotRebuildStore:
     return snapshot_stores[1]
-
-
-@pytest.fixture
-async def outbox(factories: StoreFactories, where: Where) -> AsyncIterator[Outbox]:
-    store = factories.outbox(where)
-    async for _ in _opened(store, prepare=False):
-        yield store
-
-
-@pytest.fixture
-async def history(factories: StoreFactories, where: Where) -> AsyncIterator[TimerHistory]:
-    store = factories.history(where)
-    async for _ in _opened(store, prepare=True):
-        yield store
 
 
 SINK_TYPE = AggregateType(context=CONTEXT, aggregate="order")
@@ -417,8 +380,10 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
             client = AsyncElasticsearch(fake.url, request_timeout=5)
             store = ElasticsearchEventSink(client, SINK_TYPE, refresh=True, owns_client=True)
             await store.prepare()
-            async for _ in _opened(store, prepare=False):
+            try:
                 yield store
+            finally:
+                await store.close()
         return
     else:
         from elasticsearch import AsyncElasticsearch
@@ -437,5 +402,7 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
             client, AggregateType(context=prefix, aggregate="order"), refresh=True, owns_client=True
         )
     await store.prepare()
-    async for _ in _opened(store, prepare=False):
+    try:
         yield store
+    finally:
+        await store.close()

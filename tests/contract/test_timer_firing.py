@@ -25,6 +25,14 @@ from wowd.stores.base import TimerFiring, TimerQueries, TimerView
 pytestmark = pytest.mark.anyio
 
 
+async def viewed(view: TimerView, n: int) -> list[Timer]:
+    """``n`` timers of the owners ``o-0``, ``o-1``, ... due at T0, T0 + 1, ..., put in the view."""
+    ts = [timer(owner(f"o-{i}"), version=1, due_at=T0 + i) for i in range(n)]
+    for t in ts:
+        assert await view.put(t)
+    return ts
+
+
 def nth_id_in(p: int, n: int = 0) -> str:
     """The ``n``-th aggregate id (of ``agg-<i>``) whose partition is ``p``."""
     found = [f"agg-{i}" for i in range(10_000) if partition(f"agg-{i}", PARTITIONS) == p]
@@ -198,9 +206,7 @@ async def test_due_excludes_parked_failed_and_live_claims_and_includes_an_expire
 async def test_claim_due_claims_in_due_order_and_skips_excluded_ids(
     timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
 ) -> None:
-    ts = [timer(owner(f"o-{i}"), version=1, due_at=T0 + i) for i in range(5)]
-    for t in ts:
-        await timer_view.put(t)
+    ts = await viewed(timer_view, 5)
     first = await timer_firing.claim_due(ALL, T0 + 10, 2, owner_key="k", fence=3, claim_until=T0 + 100)
     assert [t.timer_id for t in first] == [ts[0].timer_id, ts[1].timer_id]
     for t in first:
@@ -217,9 +223,7 @@ async def test_claim_due_claims_in_due_order_and_skips_excluded_ids(
 async def test_reclaim_ends_the_claims_of_a_lower_fence_at_once(
     timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
 ) -> None:
-    ts = [timer(owner(f"o-{i}"), version=1, due_at=T0 + i) for i in range(3)]
-    for t in ts:
-        await timer_view.put(t)
+    ts = await viewed(timer_view, 3)
     old = await timer_firing.claim_due(ALL, T0 + 1, 2, owner_key="dead", fence=4, claim_until=T0 + 10**9)
     retried = TimerChange.retry(old[1], fence=4, due_at=T0 + 1, error="503")
     assert await timer_firing.settle([retried]) == 1

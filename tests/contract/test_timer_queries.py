@@ -9,16 +9,7 @@ import pytest
 
 from tests.contract.test_timer_view import ALL, T0, TARGET, fire, id_in, loaded, owner, timer
 from wowd.errors import InvalidInput
-from wowd.model import (
-    AggregateRef,
-    CronRule,
-    IntervalRule,
-    OnceRule,
-    Rule,
-    Timer,
-    TimerChange,
-    TimerStatus,
-)
+from wowd.model import AggregateRef, CronRule, IntervalRule, OnceRule, Rule, Timer, TimerChange, TimerStatus
 from wowd.stores.base import TimerFiring, TimerQueries, TimerSearch, TimerView
 
 pytestmark = pytest.mark.anyio
