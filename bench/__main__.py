@@ -327,7 +327,7 @@ def section_growth(cfg: Config) -> Section:
     emb = run_worker("growth_embedded", {"sizes": list(cfg.growth_sizes)}, timeout=cfg.timeout_s)
     wire = run_worker("growth_mongo", {"types": list(cfg.growth_types)}, timeout=cfg.timeout_s)
     rows = [[fmt(s), fmt_ms(t)] for s, t in zip(emb["stored"], emb["due_read_ms"], strict=True)]
-    body = "Embedded: `EmbeddedTimerStore.due` (64 partitions, 100 due, limit 1000), median of 50 reads:\n\n"
+    body = "Embedded: `EmbeddedTimerFiring.due` (64 partitions, 100 due, limit 1000), median of 50 reads:\n\n"
     body += table(["timers stored", "due read ms"], rows)
     body += (
         f"\n\nSlowest / fastest read: {fmt(emb['growth_ratio'], 2)}x; largest size / smallest size: "

@@ -36,12 +36,14 @@ from typing import Any
 
 import anyio
 
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.model import AggregateRef, OnceRule, Timer, TimerChange, deterministic_timer_id, partition
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.outbox import EmbeddedOutbox
+from wowd.stores.embedded.schema import timer_table
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import put_sql, table_name, timer_params
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_rows import timer_params
+from wowd.stores.embedded.timer_view import put_sql
 
 CONTEXT = "bench"
 AGGREGATES = ("order", "cart", "invoice")
@@ -69,11 +71,11 @@ def make_timers(n: int, partitions: int, due: int) -> list[Timer]:
     return out
 
 
-async def put_timers(store: EmbeddedTimerStore, db: SqliteDatabase, timers: list[Timer]) -> None:
+async def put_timers(store: EmbeddedTimers, db: SqliteDatabase, timers: list[Timer]) -> None:
     """Registers the aggregate types (one ``put`` each), then writes every timer with the store's
     ``put`` statement in one transaction."""
     for agg in AGGREGATES:
-        await store.put(next(t for t in timers if t.owner.aggregate == agg))
+        await store.view.put(next(t for t in timers if t.owner.aggregate == agg))
     params: list[Any] = [timer_params(t) for t in timers]
     sql = put_sql(CONTEXT)
     await db.run(db.transaction(lambda conn: conn.executemany(sql, params)))
@@ -85,7 +87,7 @@ async def main(n: int, batch: int, partitions: int) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         db = SqliteDatabase(Path(tmp) / "bench.db")
-        store = EmbeddedTimerStore(db, context=CONTEXT, partitions=partitions)
+        store = embedded_timers(db, context=CONTEXT, partitions=partitions)
         await store.prepare()
         outbox = EmbeddedOutbox(db)
         await outbox.prepare()
@@ -93,7 +95,7 @@ async def main(n: int, batch: int, partitions: int) -> None:
         now = int(time.time() * 1000)
         timers = make_timers(n, partitions, now - 10_000)
         await put_timers(store, db, timers)
-        count = await db.run(lambda c: c.execute(f"SELECT count(*) FROM {table_name(CONTEXT)}").fetchone()[0])
+        count = await db.run(lambda c: c.execute(f"SELECT count(*) FROM {timer_table(CONTEXT)}").fetchone()[0])
         assert count == n, count
 
         parts = frozenset(range(partitions))
@@ -108,9 +110,9 @@ async def main(n: int, batch: int, partitions: int) -> None:
             if claim_due is not None:
                 claimed: list[Timer] = await claim_due(parts, now, batch, owner_key="bench", fence=1, claim_until=until)
             else:  # a tree without claim_due (comparing with an older wowd)
-                due = await store.due(parts, now, batch)
+                due = await store.firing.due(parts, now, batch)
                 claims = [TimerChange.claim(t, owner_key="bench", fence=1, until=until) for t in due]
-                assert await store.settle(claims) == len(due)
+                assert await store.firing.settle(claims) == len(due)
                 claimed = [c for ch in claims if (c := ch.applied()) is not None]
             t1 = time.perf_counter()
             if not claimed:
@@ -118,7 +120,7 @@ async def main(n: int, batch: int, partitions: int) -> None:
             outcome = await gateway.send_batch(claimed)
             t2 = time.perf_counter()
             done = [TimerChange.fired(t, fence=1, next_due=None) for t in claimed if isinstance(outcome, Delivered)]
-            assert await store.settle(done) == len(claimed)
+            assert await store.firing.settle(done) == len(claimed)
             t3 = time.perf_counter()
             fired += len(claimed)
             t_claim += t1 - t0
@@ -195,7 +197,7 @@ def daemon_run(n: int, batch: int, partitions: int) -> dict[str, float]:
 
             async def put() -> None:
                 db = SqliteDatabase(path)
-                store = EmbeddedTimerStore(db, context=CONTEXT, partitions=partitions)
+                store = embedded_timers(db, context=CONTEXT, partitions=partitions)
                 await put_timers(store, db, make_timers(n, partitions, int(time.time() * 1000) - 1000))
                 await store.close()
                 db.close()
@@ -203,7 +205,7 @@ def daemon_run(n: int, batch: int, partitions: int) -> dict[str, float]:
             cpu0 = _cpu_s(proc.pid)
             anyio.run(put)
             conn = sqlite3.connect(str(path), timeout=30)
-            table = table_name(CONTEXT)
+            table = timer_table(CONTEXT)
             done_at = [0.0]
 
             def settled() -> bool:

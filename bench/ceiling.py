@@ -22,10 +22,10 @@ from bench.common import (
     peak_rss_mb,
     timer_rows,
 )
-from wowd.stores.embedded.outbox import SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.outbox import put_sql as outbox_put_sql
+from wowd.stores.embedded.schema import OUTBOX_SCHEMA as OUTBOX_SCHEMA
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import claim_rowid_sql, due_plan, due_union_sql, settle_sql
+from wowd.stores.embedded.timer_firing import claim_rowid_sql, due_plan, due_union_sql, settle_sql
 
 __all__ = ["bare_loop", "run_burst"]
 

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from wowd.model import partition
+from wowd.stores.embedded.schema import timer_ddl, timer_register_sql, timer_table
 from wowd.stores.embedded.sqlite import MODULE, sqlite3
-from wowd.stores.embedded.timer_sql import COLUMNS, ddl_sql, put_sql, register_sql, table_name
+from wowd.stores.embedded.timer_rows import COLUMNS
+from wowd.stores.embedded.timer_view import put_sql
 
 __all__ = [
     "BENCH_CONTEXT",
@@ -107,11 +109,11 @@ def create_timer_tables(path: Path | str, context: str = BENCH_CONTEXT) -> None:
     conn = _connect(path)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        for stmt in ddl_sql(context):
+        for stmt in timer_ddl(context):
             conn.execute(stmt)
-        conn.execute(register_sql(), (table_name(context), context, None))
+        conn.execute(timer_register_sql(), (timer_table(context), context, None))
         for agg in AGGREGATES:
-            conn.execute(register_sql(), (f"wow_timer__{context}__{agg}", context, agg))
+            conn.execute(timer_register_sql(), (f"wow_timer__{context}__{agg}", context, agg))
         conn.execute("COMMIT")
     finally:
         conn.close()

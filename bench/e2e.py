@@ -320,7 +320,7 @@ def direct_steady(
     """The firing path alone at a steady rate: this process inserts ``rate`` timers a second
     straight into the timer table (the store's ``put`` statement), each due ``delay_ms`` after its
     insert, for ``seconds``; one ``wowd run`` fires them."""
-    from wowd.stores.embedded.timer_sql import put_sql
+    from wowd.stores.embedded.timer_view import put_sql
 
     load0 = loadavg()
     with tempfile.TemporaryDirectory() as t:

@@ -1,9 +1,9 @@
 """Growth: what a due read costs as the work grows.
 
-- Embedded: ``EmbeddedTimerStore.due`` over every partition with a fixed 100 due timers while the
+- Embedded: ``EmbeddedTimerFiring.due`` over every partition with a fixed 100 due timers while the
   stored-but-not-due timers grow from 1k to 1M; the time must stay flat (the partial index
   ``(partition, due_at, timer_id)`` bounds the scan to what is due).
-- MongoDB, on the wire: ``MongoTimerStore`` against a MockupDB black-pipe server, with 1, 10
+- MongoDB, on the wire: the MongoDB timer stores against a MockupDB black-pipe server, with 1, 10
   and 100 aggregate types (collections) registered: the commands one ``due`` sends (one
   ``aggregate`` on the registry, whatever the number of types), and the commands of one batch of
   1,000 timers of one type (due, claim settle, fired settle).
@@ -32,7 +32,7 @@ FAR = 4_102_444_800_000  # 2100-01-01
 
 
 async def _embedded(sizes: list[int], reads: int) -> dict[str, Any]:
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
+    from tests.timer_stores import embedded_timers
 
     out: dict[str, Any] = {"sizes": sizes, "due_read_ms": [], "stored": []}
     with tempfile.TemporaryDirectory() as t:
@@ -40,7 +40,7 @@ async def _embedded(sizes: list[int], reads: int) -> dict[str, Any]:
         create_timer_tables(path)
         now = now_ms()
         insert_timer_rows(path, timer_rows(DUE, due_at=now - 1000, partitions=PARTITIONS, prefix="due"))
-        store = EmbeddedTimerStore(path, context=BENCH_CONTEXT, partitions=PARTITIONS)
+        store = embedded_timers(path, context=BENCH_CONTEXT, partitions=PARTITIONS)
         await store.prepare()
         parts = frozenset(range(PARTITIONS))
         stored = 0
@@ -53,12 +53,12 @@ async def _embedded(sizes: list[int], reads: int) -> dict[str, Any]:
                 )
                 stored = size
             for _ in range(3):  # warm the page cache and the worker thread
-                got = await store.due(parts, now, 1000)
+                got = await store.firing.due(parts, now, 1000)
             assert len(got) == DUE, len(got)
             times = []
             for _ in range(reads):
                 started = time.perf_counter()
-                await store.due(parts, now, 1000)
+                await store.firing.due(parts, now, 1000)
                 times.append((time.perf_counter() - started) * 1000)
             out["due_read_ms"].append(statistics.median(times))
             out["stored"].append(stored + DUE)
@@ -128,10 +128,10 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
     from mockupdb import MockupDB
     from pymongo import AsyncMongoClient
 
+    from tests.timer_stores import mongo_timers
     from wowd.model import AggregateRef, Timer, TimerChange, deterministic_timer_id, partition
-    from wowd.stores.mongo._common import TIMER_FORMAT
-    from wowd.stores.mongo.timer_queries import timer_to_doc
-    from wowd.stores.mongo.timers import MongoTimerStore
+    from wowd.stores.mongo.schema import TIMER_FORMAT
+    from wowd.stores.mongo.timer_docs import timer_to_doc
 
     wire = _Wire()
     server = MockupDB(auto_ismaster={"maxWireVersion": 21}, verbose=False)
@@ -175,21 +175,21 @@ async def _mongo(type_counts: list[int], batch: int) -> dict[str, Any]:
                 d["owner"]["aggregate"] = "t0"
                 docs.append(d)
             wire.answer_timers = docs
-            store = MongoTimerStore(client, "wowd", context=BENCH_CONTEXT, partitions=PARTITIONS)
+            store = mongo_timers(client, "wowd", context=BENCH_CONTEXT, partitions=PARTITIONS)
             with anyio.fail_after(30):
                 await store.prepare()
                 wire.reset()
-                due = await store.due(frozenset(range(PARTITIONS)), 10_000, batch)
+                due = await store.firing.due(frozenset(range(PARTITIONS)), 10_000, batch)
                 due_cmds = sum(wire.counts.values())
                 due_bytes = wire.sizes[-1] if wire.sizes else 0
                 stages = wire.stages[-1] if wire.stages else 0
                 claims = [TimerChange.claim(x, owner_key="bench", fence=1, until=99_999) for x in due]
                 wire.reset()
-                await store.settle(claims)
+                await store.firing.settle(claims)
                 claim_cmds = sum(wire.counts.values())
                 claimed = [c for ch in claims if (c := ch.applied()) is not None]
                 wire.reset()
-                await store.settle([TimerChange.fired(x, fence=1, next_due=None) for x in claimed])
+                await store.firing.settle([TimerChange.fired(x, fence=1, next_due=None) for x in claimed])
                 fired_cmds = sum(wire.counts.values())
             rows.append(
                 {

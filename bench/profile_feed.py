@@ -38,12 +38,12 @@ STEPS = (
     ("read: documents decoded (_entry)", "log.py", "_entry"),
     ("prepare_batch (timer events, net effect)", "feed.py", "prepare_batch"),
     ("sink documents built", "sink.py", "plan_write"),
-    ("timer writes built", "timers.py", "plan_write"),
+    ("timer writes built", "timer_view.py", "plan_write"),
     ("the batch's transaction", "embedded/feed.py", "apply"),
     ("- sink rows", "sink.py", "work"),
-    ("- timer view rows", "timers.py", "write_steps"),
-    ("- parked-timer check", "timers.py", "parked_timers"),
-    ("- checkpoints", "log.py", "save_checkpoint_rows"),
+    ("- timer view rows", "timer_view.py", "write_steps"),
+    ("- parked-timer check", "timer_view.py", "parked_timers"),
+    ("- checkpoints", "checkpoints.py", "save_checkpoint_rows"),
     ("one batch applied (_apply)", "feed.py", "_apply"),
     ("one batch processed (_process)", "feed.py", "_process"),
 )
@@ -98,7 +98,7 @@ async def _feed(
                 profiler.disable()
         elapsed = time.perf_counter() - started
         cpu = cpu_seconds() - cpu0
-        checkpoints = await backend.log.checkpoints("wowd", list(range(64)))
+        checkpoints = await backend.checkpoints.read("wowd", list(range(64)))
         fed = sum(int(cp.position["seq"]) > 0 for cp in checkpoints.values())
         with closing(sqlite3.connect(str(path))) as conn:
             in_log = int(conn.execute("SELECT count(DISTINCT partition) FROM log").fetchone()[0])

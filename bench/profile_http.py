@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["STEPS", "fire_once", "main"]
 
 STEPS = (
-    ("claim_due (store)", "timers.py", "claim_due"),
-    ("settle (store)", "timers.py", "settle"),
+    ("claim_due (store)", "timer_firing.py", "claim_due"),
+    ("settle (store)", "timer_firing.py", "settle"),
     ("outcome_changes", "timers.py", "outcome_changes"),
     ("_count (metrics)", "timers.py", "_count"),
     ("gateway deliver", "gateway.py", "deliver"),
@@ -73,6 +73,7 @@ async def _fire(
     null: bool = False,
     history: bool = True,
 ) -> Any:
+    from tests.timer_stores import embedded_timers
     from wowd.config import GatewaySettings, TimerSettings
     from wowd.daemon.firing import Firing
     from wowd.daemon.leases import HeldSlot
@@ -81,9 +82,8 @@ async def _fire(
     from wowd.delivery import Delivered, HttpGateway, Outcome
     from wowd.model import SlotLease
     from wowd.stores.embedded.history import EmbeddedTimerHistory
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
-    store = EmbeddedTimerStore(db_path, context=BENCH_CONTEXT, partitions=PARTITIONS)
+    store = embedded_timers(db_path, context=BENCH_CONTEXT, partitions=PARTITIONS)
     recorded = EmbeddedTimerHistory(db_path, context=BENCH_CONTEXT) if history else None
     all_delivered = anyio.Event()
     delivered = 0
@@ -187,7 +187,7 @@ def fire_once(
     if tune_gc:
         import wowd.cli.run
         import wowd.daemon.timers
-        import wowd.stores.embedded.timers  # noqa: F401  (start-up done before the collector is tuned)
+        import wowd.stores.embedded.timer_firing  # noqa: F401  (start-up done before the collector is tuned)
 
         wowd.cli.run.tune_gc()
 

@@ -25,7 +25,8 @@ from wowd.config import EmbeddedSettings, LeaseSettings, WowdSettings
 from wowd.model import AggregateRef, Command, Timer, TimerStatus, deterministic_timer_id, partition
 from wowd.stores.base import TimerSearch
 from wowd.stores.embedded import open_embedded
-from wowd.stores.embedded.timer_sql import COLUMNS, table_name, timer_params
+from wowd.stores.embedded.schema import timer_table
+from wowd.stores.embedded.timer_rows import COLUMNS, timer_params
 from wowd.ui import StatusPage
 from wowd.ui.http import HttpRequest
 
@@ -47,7 +48,7 @@ async def fill(path: Path, n: int) -> None:
         await backend.timers.prepare()
         now = int(time.time() * 1000)
         rng = random.Random(44)
-        table = table_name(CONTEXT)
+        table = timer_table(CONTEXT)
         marks = ", ".join("?" for _ in COLUMNS)
         cols = ", ".join(f'"{c}"' for c in COLUMNS)
         sql = f"INSERT INTO {table} ({cols}) VALUES ({marks})"
@@ -109,7 +110,7 @@ async def measure(path: Path, runs: int) -> None:
     try:
         page = StatusPage(_settings(path), backend)
         now = int(time.time() * 1000)
-        first = await backend.timers.search(TimerSearch(), 50)
+        first = await backend.timer_queries.search(TimerSearch(), 50)
         cursor = f"{first[-1].due_at}:{first[-1].timer_id}"
         print("| search | median ms | slowest ms | rows |\n|---|---:|---:|---:|")
         for name, target in SEARCHES:

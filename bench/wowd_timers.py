@@ -337,19 +337,19 @@ def wowd_steady(
 
 
 async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]:
+    from tests.timer_stores import embedded_timers
     from wowd.daemon.timer_plan import next_occurrence
     from wowd.delivery import Delivered, OutboxGateway
     from wowd.model import Timer, TimerChange
     from wowd.stores.base import OutboxRound
     from wowd.stores.embedded.db import SqliteDatabase
     from wowd.stores.embedded.outbox import EmbeddedOutbox
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     with tempfile.TemporaryDirectory() as t:
         db_path = Path(t) / "wowd.db"
         create_timer_tables(db_path)
         db = SqliteDatabase(db_path)
-        store = EmbeddedTimerStore(db, context=BENCH_CONTEXT, partitions=PARTITIONS)
+        store = embedded_timers(db, context=BENCH_CONTEXT, partitions=PARTITIONS)
         outbox = EmbeddedOutbox(db)
         await store.prepare()
         await outbox.prepare()
@@ -364,7 +364,7 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
         fired = 0
         while fused:  # the outbox shortcut: fire and settle in one store call
             now = now_ms()
-            done = await store.fire_into_outbox(
+            done = await store.firing.fire_into_outbox(
                 OutboxRound(
                     partitions=frozenset(parts), at=now, read_to=now, limit=batch, owner_key="bench", fence=1,
                     next_due=next_occurrence,
@@ -379,15 +379,15 @@ async def _store_path(n: int, batch: int, fused: bool = False) -> dict[str, Any]
             if claim_due is not None:  # what the daemon's loop calls when the store has it
                 claimed = await claim_due(parts, now, batch, owner_key="bench", fence=1, claim_until=now + 30_000)
             else:
-                timers = await store.due(parts, now, batch)
+                timers = await store.firing.due(parts, now, batch)
                 claims = [TimerChange.claim(x, owner_key="bench", fence=1, until=now + 30_000) for x in timers]
-                await store.settle(claims)
+                await store.firing.settle(claims)
                 claimed = [c for ch in claims if (c := ch.applied()) is not None]
             if not claimed:
                 break
             outcome = await gateway.send_batch(claimed)
             settled = [TimerChange.fired(x, fence=1, next_due=None) for x in claimed if isinstance(outcome, Delivered)]
-            await store.settle(settled)
+            await store.firing.settle(settled)
             fired += len(settled)
         elapsed = time.perf_counter() - start
         cpu = cpu_seconds() - cpu0

@@ -23,7 +23,7 @@ from wowd.daemon.waker import Waker
 from wowd.delivery import CommandGateway, OutboxGateway, Outcome
 from wowd.errors import InvalidInput, StorageError, StorageFull
 from wowd.model import AggregateType, Commit, LogBatch, LogEntry, Owner, Position, Timer
-from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerStore
+from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerFiring
 
 FAR_FUTURE_MS = 2**62
 
@@ -61,7 +61,7 @@ async def hold_slot(b: Backend, partitions: int, key: str = "a", *, valid_for: f
 
 
 def firing(
-    store: TimerStore,
+    store: TimerFiring,
     gateway: CommandGateway,
     settings: TimerSettings | None = None,
     *,
@@ -88,7 +88,7 @@ def firing(
 
 
 def timer_loop(
-    store: TimerStore, gateway: CommandGateway, settings: TimerSettings | None = None, **kw: Any
+    store: TimerFiring, gateway: CommandGateway, settings: TimerSettings | None = None, **kw: Any
 ) -> TimerLoop:
     """The timer loop of one slot of :func:`firing` of these collaborators."""
     return firing(store, gateway, settings, **kw).loop()

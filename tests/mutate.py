@@ -34,10 +34,10 @@ class Group:
 GROUPS: dict[str, Group] = {
     # fences and checkpoints, the log's reads
     "log": Group(
-        ("wowd/stores/embedded/log.py",),
+        ("wowd/stores/embedded/log.py", "wowd/stores/embedded/checkpoints.py"),
         (
             "tests/contract/test_log.py",
-            "tests/contract/test_checkpoint_fences.py",
+            "tests/contract/test_checkpoints.py",
             "tests/embedded/test_log_batches.py",
             "tests/embedded/test_log_union_read.py",
             "tests/embedded/test_batched_reads.py",
@@ -54,18 +54,18 @@ GROUPS: dict[str, Group] = {
             "tests/embedded/test_presence.py",
         ),
     ),  # fmt: skip
-    # claims and settles, the view's puts and cancels, the tombstone sweep
+    # the view's puts and cancels, its rows, the operators' reads
     "timers": Group(
-        ("wowd/stores/embedded/timers.py", "wowd/stores/embedded/timer_sql.py"),
         (
-            "tests/contract/test_timers.py",
+            "wowd/stores/embedded/timer_view.py",
+            "wowd/stores/embedded/timer_rows.py",
+            "wowd/stores/embedded/timer_queries.py",
+        ),
+        (
             "tests/contract/test_timer_view.py",
-            "tests/contract/test_timers_next_due.py",
+            "tests/contract/test_timer_queries.py",
             "tests/embedded/test_timers.py",
-            "tests/embedded/test_timers_next_due.py",
-            "tests/embedded/test_tombstone_sweep.py",
             "tests/embedded/test_firing_path.py",
-            "tests/embedded/test_fast_path.py",
         ),
     ),  # fmt: skip
     # the outbox: puts, acks, the fast path's writes
@@ -75,10 +75,22 @@ GROUPS: dict[str, Group] = {
     ),
     # retries and their backoff
     "retry": Group(("wowd/retry.py",), ("tests/test_retrying.py", "tests/test_retry.py")),
-    # the daemon's side, last: the fire gate and the timer loop's plan, the slot keeper's timing
+    # firing: the fire rule and its rounds (claims and settles, the outbox shortcut's round, the
+    # tombstone sweep), the timer loop's plan and the log's watermark; then the slot keeper's timing
     "fire-gate": Group(
-        ("wowd/daemon/firing.py", "wowd/daemon/waker.py", "wowd/daemon/timer_plan.py", "wowd/daemon/timers.py"),
         (
+            "wowd/daemon/firing.py",
+            "wowd/daemon/waker.py",
+            "wowd/daemon/timer_plan.py",
+            "wowd/daemon/timers.py",
+            "wowd/stores/embedded/timer_firing.py",
+        ),
+        (
+            "tests/contract/test_timer_firing.py",
+            "tests/embedded/test_timers_next_due.py",
+            "tests/embedded/test_tombstone_sweep.py",
+            "tests/embedded/test_firing_path.py",
+            "tests/embedded/test_fast_path.py",
             "tests/firing/test_fire_rule.py",
             "tests/firing/test_outbox_shortcut.py",
             "tests/firing/test_history.py",

@@ -272,15 +272,13 @@ def test_the_version_in_examples_is_the_packages() -> None:
 
 def test_the_upgrade_notes_name_the_store_formats_of_this_version() -> None:
     """docs/operations.md says which upgrades are rolling and names the formats the code has."""
-    from wowd.stores.embedded import log as embedded_log
-    from wowd.stores.embedded import snapshots as embedded_snapshots
-    from wowd.stores.embedded import timers as embedded_timers
-    from wowd.stores.mongo import _common as mongo
+    from wowd.stores.embedded import schema as embedded
+    from wowd.stores.mongo import schema as mongo
 
     text = " ".join((DOCS / "operations.md").read_text().split())
     assert (
-        f"embedded log and snapshot tables {embedded_log.FORMAT}, timer tables {embedded_timers.FORMAT}" in text
-        and embedded_log.FORMAT == embedded_snapshots.FORMAT
+        f"embedded log and snapshot tables {embedded.LOG_FORMAT}, timer tables {embedded.TIMER_FORMAT}" in text
+        and embedded.LOG_FORMAT == embedded.SNAPSHOT_FORMAT
     )
     assert f"MongoDB collections {mongo.FORMAT}, timer collections {mongo.TIMER_FORMAT}" in text
     assert "Such an upgrade is not rolling" in text

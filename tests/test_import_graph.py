@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import re
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+
+from wowd.stores import base
 
 ROOT = Path(__file__).resolve().parents[1] / "wowd"
 
@@ -95,7 +98,7 @@ def _cycle() -> list[str] | None:
 
 def test_the_walk_sees_the_package() -> None:
     assert "wowd.cli.main" in graph() and "wowd.stores.base" in graph()
-    assert "wowd.stores.base" in graph()["wowd.stores.embedded"]  # an import the walk must see
+    assert "wowd.stores.base" in graph()["wowd.stores.embedded.operations"]  # an import the walk must see
     assert "wowd.stores.embedded" in graph()["wowd.backends"]  # a deferred one too
 
 
@@ -139,12 +142,68 @@ def test_only_the_composition_root_of_the_daemon_opens_a_backend() -> None:
     assert opening == {"wowd.daemon.replica"}
 
 
+BACKEND_PACKAGES = tuple(
+    f"wowd.stores.{p.name}" for p in sorted((ROOT / "stores").iterdir()) if (p / "__init__.py").exists()
+)
+"""The packages of the backends (and of the Elasticsearch sink): ``wowd.stores.embedded``, ..."""
+
+
 def test_the_protocol_layer_names_no_backend() -> None:
+    assert "wowd.stores.embedded" in BACKEND_PACKAGES and "wowd.stores.mongo" in BACKEND_PACKAGES
     for name, deps in graph().items():
         if name in ("wowd.stores", "wowd.stores.base"):
-            assert not {d for d in deps if d.startswith(("wowd.stores.", "wowd.cli", "wowd.daemon"))} - {
-                "wowd.stores.base"
-            }, name
+            assert not {d for d in deps if _in(d, "wowd.cli") or _in(d, "wowd.daemon")}, name
+            assert not {d for d in deps if any(_in(d, b) for b in BACKEND_PACKAGES)}, name
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module a file names in an import, those only a type checker reads included."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.update({node.module, *(f"{node.module}.{a.name}" for a in node.names)})
+    return found
+
+
+def _backend_branches(path: Path) -> list[str]:
+    """The comparisons of a ``backend`` setting (``settings.backend == "mongo"``) and of a
+    backend's name (``... == "embedded"``) in a file, by line."""
+    names = {"embedded", "mongo"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Compare, ast.Match)):
+            sides = [node.subject] if isinstance(node, ast.Match) else [node.left, *node.comparators]
+            if any(isinstance(x, ast.Attribute) and x.attr == "backend" for x in sides) or any(
+                isinstance(x, ast.Constant) and x.value in names for x in sides
+            ):
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}")
+    return found
+
+
+OUTSIDE_THE_STORES = {
+    name: path
+    for name, path in MODULES.items()
+    if not _in(name, "wowd.stores") and name not in ("wowd.backends", "wowd.config")
+}
+"""The modules of wowd that know no backend: all but the stores, their assembly and the settings
+(which say which settings each backend needs)."""
+
+
+def test_no_module_outside_the_stores_and_their_assembly_imports_a_backend() -> None:
+    # a command or the daemon asks the backend for a capability (wowd.stores.base), never
+    # imports or isinstance-checks a concrete store: no backend is named outside wowd/stores
+    importing = {
+        name: sorted(m for m in _all_imports(path) if any(_in(m, b) for b in BACKEND_PACKAGES))
+        for name, path in OUTSIDE_THE_STORES.items()
+    }
+    assert {name: found for name, found in importing.items() if found} == {}
+
+
+def test_no_module_outside_the_stores_and_their_assembly_branches_on_the_backend() -> None:
+    branches = [b for path in OUTSIDE_THE_STORES.values() for b in _backend_branches(path)]
+    assert branches == []
 
 
 @pytest.mark.parametrize("layer", ["wowd.stores", "wowd.daemon"])
@@ -234,13 +293,35 @@ def test_the_cli_starts_without_the_http_client() -> None:
     assert out.strip() == "[]"
 
 
-MAX_MODULE_LINES = 900
-"""A module longer than this holds more than one concern: split it (docs/architecture.md)."""
+STORE_PROTOCOLS = (
+    base.Log, base.Checkpoints, base.Quarantine, base.SlotLeaseStore, base.TimerView, base.TimerFiring,
+    base.TimerQueries, base.SnapshotStore, base.SnapshotRebuildStore, base.EventSink, base.Outbox, base.TimerHistory,
+)  # fmt: skip
+"""The protocols every backend implements (its capabilities aside)."""
 
 
-def test_no_module_of_wowd_is_longer_than_900_lines() -> None:
-    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert long == {}
+def _members(protocol: type) -> set[str]:
+    return {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+
+
+def test_no_store_protocol_has_more_than_twelve_methods() -> None:
+    wide = {p.__name__: len(_members(p)) for p in STORE_PROTOCOLS if len(_members(p)) > 12}
+    assert wide == {}
+
+
+def test_each_module_of_a_backend_implements_one_store_protocol_at_most() -> None:
+    """A module is one concern: a backend module implements one protocol of the stores (what it
+    needs of another is a store of its own, or a function of the backend's schema module)."""
+    several = {}
+    for name in MODULES:
+        if not any(_in(name, b) and name != b for b in BACKEND_PACKAGES):
+            continue
+        module = importlib.import_module(name)
+        classes = [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == name]
+        implemented = {p.__name__ for p in STORE_PROTOCOLS for c in classes if _members(p) <= {n for n in dir(c)}}
+        if len(implemented) > 1:
+            several[name] = sorted(implemented)
+    assert several == {}
 
 
 def test_the_timer_loops_run_is_short_and_knows_no_backend() -> None:

@@ -53,7 +53,7 @@ from wowd.model import (
 from wowd.retry import Backoff, retrying
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timer_queries import timer_to_doc
+from wowd.stores.mongo.timer_docs import timer_to_doc
 
 pytestmark = pytest.mark.anyio
 
@@ -215,11 +215,11 @@ def claimed_timer(id: str, revision: int = 1) -> Timer:
 
 
 async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_timeout: timedelta) -> Any:
-    """A MongoTimerStore whose registry records the ``order`` collection (read by ``prepare``)."""
-    from wowd.stores.mongo.timer_queries import index_specs
-    from wowd.stores.mongo.timers import MongoTimerStore
+    """The MongoDB timer stores whose registry records the ``order`` collection (read by ``prepare``)."""
+    from tests.timer_stores import mongo_timers
+    from wowd.stores.mongo.schema import timer_index_specs
 
-    store = MongoTimerStore(
+    store = mongo_timers(
         client,
         DB,
         context=CONTEXT,
@@ -235,7 +235,7 @@ async def open_timer_store(client: AsyncMongoClient[Any], wire: Wire, operation_
             req = await wire.command("find")
             req.ok(cursor={"id": 0, "ns": f"{DB}.wow_timer_aggregate", "firstBatch": [registry]})
             # ddl=none looks at the indexes of each registered collection once
-            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **spec} for spec in index_specs())]
+            indexes = [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **spec} for spec in timer_index_specs())]
             (await wire.command("listIndexes")).ok(
                 cursor={"id": 0, "ns": f"{DB}.wow_timer__ctx__order", "firstBatch": indexes}
             )
@@ -280,7 +280,7 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
     first: dict[str, Any] = {}
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = Call.start(tg, lambda: timers_store.settle(changes))
+            call = Call.start(tg, lambda: timers_store.firing.settle(changes))
             req = await wire.command("update")
             first = copy.deepcopy(dict(req.doc))
             server.update(req.doc["updates"][:1])  # the server applied the first statement...
@@ -288,7 +288,7 @@ async def test_a_settle_cut_off_mid_bulk_is_retried_and_every_change_lands_once(
             with pytest.raises(StorageUnavailable, match="timers.settle"):
                 await call.result()
 
-            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.settle(changes)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.firing.settle(changes)))
             req = await wire.command("update")
             assert req.doc["updates"] == first["updates"], "the retry sends the same guarded statements"
             n = server.update(req.doc["updates"])
@@ -310,14 +310,14 @@ async def test_a_put_refused_by_a_not_writable_primary_is_retried_unchanged(time
     t = replace(claimed_timer("order-9", revision=0), status=TimerStatus.PENDING, claim=None, due_at=1_000)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = Call.start(tg, lambda: timers_store.put(t))
+            call = Call.start(tg, lambda: timers_store.view.put(t))
             req = await put_update(wire)
             first = copy.deepcopy(dict(req.doc))
             server_error(req, 10107, "not primary")
             with pytest.raises(StorageUnavailable, match="not primary"):
                 await call.result()
 
-            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.put(t)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: timers_store.view.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first["updates"]
             assert req.doc["updates"][0]["upsert"] is True
@@ -336,14 +336,14 @@ async def test_a_put_past_its_timeout_is_retried_and_the_landed_write_matches(
     t = replace(claimed_timer("order-7", revision=0), status=TimerStatus.PENDING, claim=None, due_at=1_000)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = Call.start(tg, lambda: store.put(t))
+            call = Call.start(tg, lambda: store.view.put(t))
             req = await put_update(wire)
             first = copy.deepcopy(req.doc["updates"])
             assert 0 < req.doc["maxTimeMS"] <= 400, "the server is told the deadline too"
             with pytest.raises(StorageUnavailable):
                 await call.result()  # never answered
 
-            call = Call.start(tg, lambda: wowd_retry(lambda: store.put(t)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: store.view.put(t)))
             req = await wire.command("update")
             assert req.doc["updates"] == first
             landed = {"_id": ObjectId(), **timer_to_doc(t)}
@@ -450,13 +450,13 @@ async def test_an_append_cut_off_mid_bulk_is_retried_as_duplicates_and_appends(
 async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    from wowd.stores.mongo.log import MongoLog
+    from wowd.stores.mongo.checkpoints import MongoCheckpoints
 
-    log = MongoLog(mongo_client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE, operation_timeout=None)
+    checkpoints = MongoCheckpoints(mongo_client, DB, context=CONTEXT, operation_timeout=None)
     position = {"token": {"_data": "8263"}, "cluster_time": 7}
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            call = Call.start(tg, lambda: log.save_checkpoint("wowd", 3, position, 4))
+            call = Call.start(tg, lambda: checkpoints.save("wowd", 3, position, 4))
             req = await wire.command("update")
             first = copy.deepcopy(req.doc["updates"])
             assert first[0]["q"] == {"_id": {"consumer": "wowd", "partition": 3}, "fence": {"$lte": 4}}
@@ -464,14 +464,14 @@ async def test_a_checkpoint_cut_off_is_retried_with_the_same_fenced_update(
             with pytest.raises(StorageUnavailable):
                 await call.result()
 
-            call = Call.start(tg, lambda: wowd_retry(lambda: log.save_checkpoint("wowd", 3, position, 4)))
+            call = Call.start(tg, lambda: wowd_retry(lambda: checkpoints.save("wowd", 3, position, 4)))
             req = await wire.command("update")
             assert req.doc["updates"] == first, "the retry is the same fence-guarded upsert"
             req.ok(n=1, nModified=1)
             assert await call.result() is True
 
             # meanwhile a new holder (fence 5) wrote it: the old holder's retry is refused
-            call = Call.start(tg, lambda: log.save_checkpoint("wowd", 3, position, 4))
+            call = Call.start(tg, lambda: checkpoints.save("wowd", 3, position, 4))
             req = await wire.command("update")
             req.ok(
                 n=0,
@@ -619,14 +619,14 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
         async with anyio.create_task_group() as tg:
             await tg.start(feeder.run, held, Waker())
             while True:  # polls the store (inside fail_after) until the index checkpointed each partition
-                cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+                cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
                 if sum(1 for cp in cps.values() if cp.position) == len(parts):
                     break
                 await anyio.sleep(0.02)
             held.request_stop()
     assert feeder.stalled is None
-    assert len(await backend.log.checkpoints(CONSUMER, parts)) == len(parts)
-    cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+    assert len(await backend.checkpoints.read(CONSUMER, parts)) == len(parts)
+    cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
     assert {cp.fence for cp in cps.values()} == {5}
     bulks = [r for r in fake.take() if r.path == BULK]
     assert len(bulks) == 3 and bulks[1].ndjson() == bulks[0].ndjson()
@@ -639,7 +639,7 @@ async def test_the_feed_retries_the_whole_batch_through_429s_and_checkpoints_it_
 
 
 class FlakyTimers:
-    """A timer store whose ``due`` and ``settle`` fail transiently on the calls numbered in
+    """A firing store whose ``due`` and ``settle`` fail transiently on the calls numbered in
     ``fail_on`` (1-based, per method), as a store behind a dropped connection would."""
 
     def __init__(self, store: Any, fail_on: dict[str, set[int]]) -> None:
@@ -673,14 +673,14 @@ class FlakyTimers:
 async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_once(tmp_path: Path) -> None:
     """Two claims and an outcome settle fail transiently: the loop backs off, retries, and every
     timer is delivered (one outbox entry per request id) and settled (done)."""
+    from tests.timer_stores import embedded_timers
     from wowd.config import TimerSettings
     from wowd.daemon.leases import HeldSlot
     from wowd.delivery import OutboxGateway
     from wowd.stores.embedded.outbox import EmbeddedOutbox
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     db = tmp_path / "wowd.db"
-    store = EmbeddedTimerStore(db, context=CONTEXT, partitions=PARTITIONS)
+    store = embedded_timers(db, context=CONTEXT, partitions=PARTITIONS)
     await store.prepare()
     box = EmbeddedOutbox(db)
     await box.prepare()
@@ -691,8 +691,8 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
     ]
     timers = [replace(t, scheduled_at=now) for t in timers]
     for t in timers:
-        assert await store.put(t)
-    flaky = FlakyTimers(store, {"claim_due": {1, 2}, "settle": {1}})  # two claims, the first outcomes
+        assert await store.view.put(t)
+    flaky = FlakyTimers(store.firing, {"claim_due": {1, 2}, "settle": {1}})  # two claims, the first outcomes
     lease = SlotLease(
         namespace="t", slot=0, owner_key="me", incarnation=1, fence=2, expires_at=0, floor=0, ceiling=0,
         written_at=0,
@@ -710,7 +710,7 @@ async def test_the_timer_loop_retries_through_store_faults_and_fires_each_timer_
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, caught_up_waker())
                 while True:  # polls the stores (inside fail_after) until every timer is settled
-                    if await box.count() == len(timers) and not await store.scan(limit=100):
+                    if await box.count() == len(timers) and not await store.queries.scan(limit=100):
                         break
                     await anyio.sleep(0.05)
                 held.request_stop()

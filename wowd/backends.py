@@ -1,51 +1,70 @@
-"""Backend assembly: settings -> the configured backend's stores (opened, prepared), closed whatever
-happens. Used by the command line and by the application client (:mod:`wowd.client`)."""
+"""Backend assembly: settings -> the configured backend's operations object and its stores (opened,
+prepared), closed whatever happens. Used by the command line, the daemon's composition root and
+the application client (:mod:`wowd.client`).
+
+The one place a backend is registered (:data:`BACKENDS`): its name (``WOWD_BACKEND``) and the
+package that gives its operations object, imported only when that backend is used (the embedded
+default never imports pymongo). docs/architecture.md, "Adding a backend", says what a backend
+package implements.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
 
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError
-from wowd.stores.base import Backend
+from wowd.stores.base import Backend, Operations
 
-__all__ = ["CLOSE_TIMEOUT_S", "missing_database", "open_backend", "opened_backend"]
+__all__ = ["BACKENDS", "CLOSE_TIMEOUT_S", "missing_database", "open_backend", "opened_backend", "operations"]
 
 CLOSE_TIMEOUT_S = 10.0
 
 
+def _embedded(settings: WowdSettings) -> Operations:
+    from wowd.stores.embedded import EmbeddedOperations
+
+    return EmbeddedOperations(settings)
+
+
+def _mongo(settings: WowdSettings) -> Operations:
+    from wowd.stores.mongo import MongoOperations
+
+    return MongoOperations(settings)
+
+
+BACKENDS: dict[str, Callable[[WowdSettings], Operations]] = {"embedded": _embedded, "mongo": _mongo}
+"""The backends by name (``WOWD_BACKEND``): each makes its operations object of the settings."""
+
+
+def operations(settings: WowdSettings) -> Operations:
+    """The operations object of the configured backend (nothing opened)."""
+    make = BACKENDS.get(settings.backend)
+    if make is None:
+        raise ConfigError(f"WOWD_BACKEND: no backend {settings.backend!r} (there are {', '.join(sorted(BACKENDS))})")
+    return make(settings)
+
+
 def missing_database(settings: WowdSettings, how_to_create: str) -> ConfigError | None:
-    """The error of opening the embedded database without creating it when its file does not
-    exist (a mistyped path, the wrong directory), naming the setting, the path and
-    ``how_to_create`` it; None when the file exists or the backend is not embedded."""
-    path = settings.embedded.path
-    if settings.backend != "embedded" or path.exists():
-        return None
-    where = "" if path.is_absolute() else f" (in {str(path.absolute().parent)!r})"
-    return ConfigError(
-        f"WOWD_EMBEDDED__PATH: the database file {str(path)!r}{where} does not exist "
-        f"(wowd run creates it; {how_to_create})"
-    )
+    """The error of opening the stores without creating them when they do not exist (a mistyped
+    embedded file path, the wrong directory), naming the setting and ``how_to_create`` them;
+    None when they exist or the backend's stores are a server's."""
+    return operations(settings).absent(how_to_create)
 
 
 async def open_backend(settings: WowdSettings, *, create: bool = True) -> Backend:
     """Opens and prepares every store of the configured backend; imports its drivers only now
-    (the embedded backend never imports pymongo). With ``create`` false, an embedded database
-    file that does not exist is a :class:`ConfigError` (nothing is created)."""
+    (the embedded backend never imports pymongo). With ``create`` false, stores that do not
+    exist are a :class:`ConfigError` (nothing is created)."""
+    ops = operations(settings)
     if not create:
-        missing = missing_database(settings, "--create creates it")
+        missing = ops.absent("--create creates it")
         if missing is not None:
             raise missing
-    if settings.backend == "embedded":
-        from wowd.stores.embedded import open_embedded
-
-        return await open_embedded(settings)
-    from wowd.stores.mongo import open_mongo
-
-    return await open_mongo(settings)
+    return await ops.open()
 
 
 @asynccontextmanager

@@ -55,7 +55,16 @@ from wowd.model import (
     timer_from_event,
     timer_segment,
 )
-from wowd.stores.base import Backend, Log, Outbox, ReplicaState, TimerHistory, TimerSearch, TimerStore
+from wowd.stores.base import (
+    Backend,
+    Outbox,
+    Quarantine,
+    ReplicaState,
+    TimerFiring,
+    TimerHistory,
+    TimerQueries,
+    TimerSearch,
+)
 from wowd.views import views_status
 
 __all__ = [
@@ -205,8 +214,8 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
     backlog: dict[int, int] = {}
     for slot in range(lo, lo + settings.lease.limit):
         parts = frozenset(settings.partitions_of_slot(slot))
-        backlog[slot] = len(await backend.timers.due(parts, now, BACKLOG_CAP)) if parts else 0
-    quarantined = len(await backend.log.quarantined(limit=QUARANTINE_CAP))
+        backlog[slot] = len(await backend.firing.due(parts, now, BACKLOG_CAP)) if parts else 0
+    quarantined = len(await backend.quarantine.items(limit=QUARANTINE_CAP))
     depth = await backend.outbox.count()
     first = await backend.outbox.entries(limit=1) if depth else []
     oldest = None
@@ -222,9 +231,9 @@ async def read_status(settings: WowdSettings, backend: Backend) -> dict[str, Any
         settings, states, replicas, backlog=backlog, quarantined=quarantined, outbox={"depth": depth, "oldest": oldest}
     )
     for status in (TimerStatus.FAILED, TimerStatus.PARKED):  # over the index of those two statuses
-        found = await backend.timers.search(TimerSearch(status=status), BACKLOG_CAP)
+        found = await backend.timer_queries.search(TimerSearch(status=status), BACKLOG_CAP)
         doc[f"timers_{status.value.lower()}"] = len(found)
-    doc["views"] = await views_status(settings, backend.log, settings.reducers)
+    doc["views"] = await views_status(settings, backend.checkpoints, settings.reducers)
     return doc
 
 
@@ -365,14 +374,14 @@ class TimerPage:
     next: str | None
 
 
-async def search_timers(store: TimerStore, query: TimerSearch, limit: int) -> TimerPage:
-    """A page of :meth:`TimerStore.search` (one more read to know whether a next page exists)."""
+async def search_timers(store: TimerQueries, query: TimerSearch, limit: int) -> TimerPage:
+    """A page of :meth:`TimerQueries.search` (one more read to know whether a next page exists)."""
     found = await store.search(query, limit + 1)
     shown = found[:limit]
     return TimerPage(shown, cursor_of(shown[-1]) if len(found) > limit else None)
 
 
-async def find_timer(store: TimerStore, owner: AggregateRef, key: str) -> Timer | None:
+async def find_timer(store: TimerQueries, owner: AggregateRef, key: str) -> Timer | None:
     """The live timer ``key`` of ``owner`` (in wowd's stream of the owner, else its own)."""
     for stream in owner_streams(owner):
         found = await store.find(stream, key)
@@ -381,7 +390,7 @@ async def find_timer(store: TimerStore, owner: AggregateRef, key: str) -> Timer 
     return None
 
 
-async def repair_timers(store: TimerStore, timers: Sequence[Timer], now_ms: int | None = None) -> int:
+async def repair_timers(store: TimerFiring, timers: Sequence[Timer], now_ms: int | None = None) -> int:
     """FAILED or PARKED timers (as loaded) back to PENDING, due now; answers how many were
     written (a timer that moved on since it was loaded is skipped)."""
     now = _now_ms() if now_ms is None else now_ms
@@ -512,7 +521,7 @@ async def timer_history(
     if timer_id is not None:
         own = await history.of_timer(timer_id) if history is not None else []
         if not own:
-            live = await _live_by_id(backend.timers, timer_id)
+            live = await _live_by_id(backend.timer_queries, timer_id)
             if live is None:
                 return None
             owner, key = live.owner, live.key
@@ -520,7 +529,7 @@ async def timer_history(
             owner, key = own[0].owner, own[0].key
     if owner is None or key is None:
         raise InvalidInput("a timer is named by its id, its owner and key, or a request id", field="timer")
-    live = await find_timer(backend.timers, owner, key)
+    live = await find_timer(backend.timer_queries, owner, key)
     key_records = await _of_key(history, owner, key) if history is not None else []
     if timer_id is None:
         if live is not None:
@@ -558,7 +567,7 @@ def _view(
     return TimerHistoryView(tid, first.owner, first.key, _ended_state(records, key_records, tid), live, records)
 
 
-async def _live_by_id(store: TimerStore, timer_id: str) -> Timer | None:
+async def _live_by_id(store: TimerQueries, timer_id: str) -> Timer | None:
     """The live timer ``timer_id`` (a read of the view: one with no history kept)."""
     return next((t for t in await store.scan(limit=TIMER_SCAN_LIMIT) if t.timer_id == timer_id), None)
 
@@ -577,14 +586,16 @@ _REFUSED = re.compile(r"^(\w+) refused it: ")
 _REJECTED_TIMER_EVENT = "rejected timer event: "
 
 
-async def quarantine_page(log: Log, after: str | None, limit: int) -> tuple[list[dict[str, Any]], str | None]:
+async def quarantine_page(
+    quarantine: Quarantine, after: str | None, limit: int
+) -> tuple[list[dict[str, Any]], str | None]:
     """A page of quarantined items, oldest first, and the id to page on from (``None``: last)."""
-    items = await log.quarantined(limit=limit, after=after)
+    items = await quarantine.items(limit=limit, after=after)
     return items, (items[-1]["id"] if len(items) == limit else None)
 
 
-async def quarantined_item(log: Log, item_id: str) -> dict[str, Any] | None:
-    found = await log.quarantined(limit=1, ids=[item_id])
+async def quarantined_item(quarantine: Quarantine, item_id: str) -> dict[str, Any] | None:
+    found = await quarantine.items(limit=1, ids=[item_id])
     return found[0] if found else None
 
 
@@ -653,10 +664,10 @@ async def retry_item(settings: WowdSettings, backend: Backend, item: Mapping[str
         outcome.record = f"{commit.ref} v{commit.version}"
         outcome.reason = await _feed(settings, backend, commit, steps_needed(str(item.get("reason", ""))), outcome)
     if outcome.reason is None:
-        await backend.log.release_quarantined([outcome.item_id])
+        await backend.quarantine.release([outcome.item_id])
     else:
         type_ = AggregateType(context=settings.context, aggregate=str(item["aggregate"]))
-        await backend.log.quarantine(str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason)
+        await backend.quarantine.put(str(item["consumer"]), int(item["partition"]), type_, item["raw"], outcome.reason)
     return outcome
 
 
@@ -687,10 +698,10 @@ async def _feed(
                     if current is not None and current.version < commit.version:
                         await backend.snapshots.mark_stale(commit.ref)
             elif step == "parked":
-                parked = await backend.timers.parked(commit.ref)
+                parked = await backend.timer_queries.parked(commit.ref)
                 if parked:
                     now = int(time.time() * 1000)
-                    await backend.timers.settle([TimerChange.resume(t, due_at=now) for t in parked])
+                    await backend.firing.settle([TimerChange.resume(t, due_at=now) for t in parked])
         except StorageUnavailable:
             raise
         except WowdError as exc:

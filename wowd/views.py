@@ -25,7 +25,7 @@ from typing import Any
 from wowd.config import WowdSettings
 from wowd.errors import ConfigError
 from wowd.model import Checkpoint, Position
-from wowd.stores.base import Log
+from wowd.stores.base import Checkpoints
 
 __all__ = [
     "FROM_START",
@@ -87,12 +87,14 @@ def enabled_views(settings: WowdSettings, reducers: Iterable[str]) -> tuple[View
 
 
 async def stored_checkpoints(
-    log: Log, views: Iterable[View], partitions: Sequence[int]
+    checkpoints: Checkpoints, views: Iterable[View], partitions: Sequence[int]
 ) -> tuple[dict[int, Checkpoint], dict[View, dict[int, Checkpoint]]]:
     """The ``wowd`` checkpoints of ``partitions`` and each view's own (the timer view's are the
     ``wowd`` ones, read once)."""
-    legacy = await log.checkpoints(LEGACY_CONSUMER, partitions)
-    own = {v: legacy if v.consumer == LEGACY_CONSUMER else await log.checkpoints(v.consumer, partitions) for v in views}
+    legacy = await checkpoints.read(LEGACY_CONSUMER, partitions)
+    own = {
+        v: legacy if v.consumer == LEGACY_CONSUMER else await checkpoints.read(v.consumer, partitions) for v in views
+    }
     return legacy, own
 
 
@@ -108,22 +110,24 @@ def start_positions(
     return out
 
 
-async def reset_view(log: Log, view: View, partitions: Sequence[int], fence: int) -> bool:
+async def reset_view(checkpoints: Checkpoints, view: View, partitions: Sequence[int], fence: int) -> bool:
     """Makes ``view`` read ``partitions`` again from the log's first commit, at the next start
     of their feed (a replica taking the slot, a restart): a :data:`FROM_START` checkpoint under
     ``fence``, with no feed of these partitions running (a running one saves its own position
     over it). Replaying the timer view is safe: the tombstones keep what fired or was cancelled
     within their retention from firing again. False when a higher fence holds one."""
-    return await log.save_checkpoints(view.consumer, dict.fromkeys(partitions, FROM_START), fence)
+    return await checkpoints.save_all(view.consumer, dict.fromkeys(partitions, FROM_START), fence)
 
 
-async def views_status(settings: WowdSettings, log: Log, reducers: Iterable[str]) -> list[dict[str, Any]]:
+async def views_status(
+    settings: WowdSettings, checkpoints: Checkpoints, reducers: Iterable[str]
+) -> list[dict[str, Any]]:
     """Each view kept by the replicas of ``settings``, from the stores: its checkpoint consumer
     and the partitions where its checkpoint is not the timer view's (``behind``: a view that
     fell behind, or is catching up, reads them on its own; an index or snapshot view ahead of
     a stalled timer view counts too)."""
     parts = list(range(settings.partitions))
-    legacy, own = await stored_checkpoints(log, enabled_views(settings, reducers), parts)
+    legacy, own = await stored_checkpoints(checkpoints, enabled_views(settings, reducers), parts)
     lead = start_positions(legacy, legacy, parts)
     out: list[dict[str, Any]] = []
     for v, stored in own.items():

@@ -133,8 +133,8 @@ def burst_commits(n_timers: int, aggregates: int, due: int, now: int) -> tuple[l
 
 
 async def run_burst(workdir: Path, *, timers: int = 20_000, aggregates: int = 5, ttl_s: float = 3.0) -> BurstReport:
+    from tests.timer_stores import embedded_timers
     from wowd.stores.embedded.log import EmbeddedLog
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
 
     config = ChaosConfig(replicas=3, limit=2, partitions=16, ttl_s=ttl_s, gateway="http", slow_share=0.0)
     h = Harness(config, workdir)
@@ -155,7 +155,7 @@ async def run_burst(workdir: Path, *, timers: int = 20_000, aggregates: int = 5,
     h.target.on_delivery = first_delivery
     log_store = EmbeddedLog(h.db, context=CONTEXT, partitions=config.partitions)
     await log_store.prepare()
-    h._timers = EmbeddedTimerStore(h.db, context=CONTEXT, partitions=config.partitions)
+    h._timers = embedded_timers(h.db, context=CONTEXT, partitions=config.partitions)
     await h._timers.prepare()
     try:
         async with anyio.create_task_group() as tg:

@@ -714,7 +714,7 @@ class Harness:
         """Request ids of the FIRING timers by the replica that claimed them (one read)."""
         for attempt in range(50):
             try:
-                firing = await self._timers.scan(status=TimerStatus.FIRING, limit=1_000_000)
+                firing = await self._timers.queries.scan(status=TimerStatus.FIRING, limit=1_000_000)
                 break
             except StorageUnavailable:
                 await anyio.sleep(min(1.0, 0.05 * 2**attempt))
@@ -995,7 +995,7 @@ class Harness:
         parts = list(range(self.config.partitions))
         while True:
             try:
-                cps = await self._log.checkpoints(CONSUMER, parts)
+                cps = await self._checkpoint_store.read(CONSUMER, parts)
             except Exception as exc:  # a busy file: the next sample will do
                 log.debug("checkpoint sample failed: %s", exc)
                 cps = {}
@@ -1092,7 +1092,7 @@ class Harness:
                 delivered = {e.request_id for e in await self._outbox()} | set(self.target.by_request)
                 if not must <= delivered:
                     return False
-            if len(await self._log.quarantined(limit=100_000)) < len(producer.expected.malformed):
+            if len(await self._quarantine.items(limit=100_000)) < len(producer.expected.malformed):
                 return False
         except StorageUnavailable as exc:
             log.info("drain: the store did not answer the poll (%s); polling again", exc)
@@ -1133,7 +1133,7 @@ class Harness:
         rep.target_refused = list(target.refused)
         self._duplicates({e.request_id for e in entries})
 
-        stored: list[Timer] = await self._timers.scan(limit=100_000)
+        stored: list[Timer] = await self._timers.queries.scan(limit=100_000)
         rep.dead_timers = [
             f"{t.owner.id}/{t.key} {t.status.value}: {t.last_error}"
             for t in stored
@@ -1149,7 +1149,7 @@ class Harness:
         rep.lost_commits, rep.extra_documents = missing, extra
         rep.commits_fed = rep.commits_expected - len(missing)
 
-        quarantined = await self._log.quarantined(limit=100_000)
+        quarantined = await self._quarantine.items(limit=100_000)
         rep.quarantined = len(quarantined)
         rep.malformed_injected = len(exp.malformed)
         seen: dict[str, str] = {}
@@ -1230,11 +1230,13 @@ class Harness:
             from elasticsearch import AsyncElasticsearch
 
             from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch
+            from tests.timer_stores import mongo_timers
             from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+            from wowd.stores.mongo.checkpoints import MongoCheckpoints
             from wowd.stores.mongo.leases import MongoSlotLeaseStore
             from wowd.stores.mongo.log import MongoLog
             from wowd.stores.mongo.outbox import MongoOutbox
-            from wowd.stores.mongo.timers import MongoTimerStore
+            from wowd.stores.mongo.quarantine import MongoQuarantine
 
             uri = await self._start_simulator(stack)
             fake = FakeElasticsearch()
@@ -1244,24 +1246,31 @@ class Harness:
             stack.callback(fake.stop)
             self.env = replica_env(cfg, self.db, mongo_uri=uri, es_url=fake.url)
             self._log = MongoLog(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._checkpoint_store = MongoCheckpoints(uri, MONGO_DATABASE, context=CONTEXT)
+            self._quarantine = MongoQuarantine(uri, MONGO_DATABASE, context=CONTEXT)
             self._leases = MongoSlotLeaseStore(uri, MONGO_DATABASE)
-            self._timers = MongoTimerStore(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
+            self._timers = mongo_timers(uri, MONGO_DATABASE, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = MongoOutbox(uri, MONGO_DATABASE, context=CONTEXT)
             self._es = AsyncElasticsearch(fake.url)
             self._sink = ElasticsearchEventSink(self._es, TYPE, refresh=True, owns_client=True)
         else:
+            from tests.timer_stores import embedded_timers
+            from wowd.stores.embedded.checkpoints import EmbeddedCheckpoints
             from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
             from wowd.stores.embedded.log import EmbeddedLog
             from wowd.stores.embedded.outbox import EmbeddedOutbox
+            from wowd.stores.embedded.quarantine import EmbeddedQuarantine
             from wowd.stores.embedded.sink import EmbeddedEventSink
-            from wowd.stores.embedded.timers import EmbeddedTimerStore
 
             self._log = EmbeddedLog(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._checkpoint_store = EmbeddedCheckpoints(self.db, context=CONTEXT)
+            self._quarantine = EmbeddedQuarantine(self.db, context=CONTEXT)
             self._leases = EmbeddedSlotLeaseStore(self.db)
-            self._timers = EmbeddedTimerStore(self.db, context=CONTEXT, partitions=cfg.partitions)
+            self._timers = embedded_timers(self.db, context=CONTEXT, partitions=cfg.partitions)
             self._outbox_store = EmbeddedOutbox(self.db)
             self._sink = EmbeddedEventSink(self.db, TYPE)
-        for store in (self._log, self._leases, self._timers, self._outbox_store, self._sink):
+        stores = (self._log, self._checkpoint_store, self._quarantine, self._leases, self._timers, self._outbox_store)
+        for store in (*stores, self._sink):
             stack.push_async_callback(store.close)
             await store.prepare()
 

@@ -258,7 +258,7 @@ def test_status_counts_the_due_backlog_the_quarantine_and_the_outbox(wowd: Run) 
                 timer("o-1", 1_000, owner=ref("o-1", context=s.context), partitions=s.partitions)
             )
             order = AggregateType(context=s.context, aggregate="order")
-            await backend.log.quarantine("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
+            await backend.quarantine.put("wowd", 0, order, {"aggregate_id": "o-2"}, "version: is missing")
 
     anyio.run(fill)
     code, out, _ = wowd("status", "--json")

@@ -79,15 +79,15 @@ def events_rows(db: Path, agg_id: str) -> list[tuple[int, str]]:
 
 async def timer_of(agg_id: str) -> Any:
     async with opened_backend(load_settings()) as backend:
-        return await backend.timers.find(AggregateRef(context=CONTEXT, aggregate="order", id=agg_id), "expire")
+        return await backend.timer_queries.find(AggregateRef(context=CONTEXT, aggregate="order", id=agg_id), "expire")
 
 
 async def quarantine_directly(*items: tuple[dict[str, Any], str]) -> list[str]:
     async with opened_backend(load_settings()) as backend:
         for raw, reason in items:
             p = partition(str(raw.get("aggregate_id", "")), PARTITIONS)
-            await backend.log.quarantine(CONSUMER, p, ORDER, raw, reason)
-        return [i["id"] for i in await backend.log.quarantined()]
+            await backend.quarantine.put(CONSUMER, p, ORDER, raw, reason)
+        return [i["id"] for i in await backend.quarantine.items()]
 
 
 def listed(wowd: Run) -> list[dict[str, Any]]:

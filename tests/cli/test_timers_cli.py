@@ -32,19 +32,18 @@ def _settle(kind: str, key: str, reason: str = "") -> None:
 
     async def go() -> None:
         async with opened_backend(load_settings()) as backend:
-            store = backend.timers
-            t = await store.find(schedule_stream(ORDER), key)
+            t = await backend.timer_queries.find(schedule_stream(ORDER), key)
             assert t is not None
             now = int(time.time() * 1000)
             claim = TimerChange.claim(t, owner_key="replica-a", fence=1, until=now + 30_000)
-            assert await store.settle([claim]) == 1
+            assert await backend.firing.settle([claim]) == 1
             claimed = claim.applied()
             assert claimed is not None
             if kind == "claim":
                 return
             outcome = Retry(reason="HTTP 503") if kind == "retry" else Park(reason=reason or "HTTP 404: no such order")
             changes = outcome_changes([(claimed, outcome, now)], 1, TimerSettings(max_attempts=3))
-            assert await store.settle(changes) == 1
+            assert await backend.firing.settle(changes) == 1
 
     anyio.run(go)
 
@@ -52,7 +51,7 @@ def _settle(kind: str, key: str, reason: str = "") -> None:
 def _find(key: str) -> Timer:
     async def go() -> Timer | None:
         async with opened_backend(load_settings()) as backend:
-            return await backend.timers.find(schedule_stream(ORDER), key)
+            return await backend.timer_queries.find(schedule_stream(ORDER), key)
 
     t = anyio.run(go)
     assert t is not None

@@ -1,4 +1,8 @@
-"""Contract suites: every implementation of a protocol runs the same tests.
+"""Contract suites: every implementation of a protocol runs the same tests, one suite per
+protocol of :mod:`wowd.stores.base` (a store fixture each: ``log``, ``checkpoints``,
+``quarantine``, ``lease_store``, ``timer_view``, ``timer_firing``, ``timer_queries``,
+``snapshot_store``, ``snapshot_rebuilds``, ``outbox``, ``history``, ``sink``). A backend runs them
+by its entry in :data:`BACKENDS`: how it makes each store, and the server it runs on.
 
 ``embedded`` and ``mongo-sim`` (the MongoDB stores on the simulator of ``tests/mongosim``, one
 per test session, a fresh database per test) always; ``mongo`` when ``WOWD_TEST_MONGODB_URI`` is
@@ -16,13 +20,26 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from wowd.model import AggregateType
-from wowd.stores.base import Log, Outbox, SlotLeaseStore, SnapshotStore, TimerHistory, TimerStore
+from wowd.stores.base import (
+    Checkpoints,
+    Log,
+    Outbox,
+    Quarantine,
+    SlotLeaseStore,
+    SnapshotRebuildStore,
+    SnapshotStore,
+    TimerFiring,
+    TimerHistory,
+    TimerQueries,
+    TimerView,
+)
 
 MONGO_URI = os.environ.get("WOWD_TEST_MONGODB_URI")
 ES_URL = os.environ.get("WOWD_TEST_ELASTICSEARCH_URL")
@@ -126,13 +143,6 @@ async def mongo_db() -> AsyncIterator[Any]:
         yield db
 
 
-async def _closing(store: Any) -> AsyncIterator[Any]:
-    try:
-        yield store
-    finally:
-        await store.close()
-
-
 @dataclass(frozen=True, slots=True)
 class Where:
     """Where a test's stores live: the embedded file, or a fresh MongoDB database."""
@@ -142,145 +152,211 @@ class Where:
     """The test's ``AsyncDatabase`` (MongoDB only)."""
 
 
+TimerStores = tuple[TimerView, TimerFiring, TimerQueries]
+"""The three timer stores of one table (or one registry of collections)."""
+SnapshotStores = tuple[SnapshotStore, SnapshotRebuildStore]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreFactories:
-    """How one backend makes each store of the contract suites (``prepare`` is the fixture's)."""
+    """How one backend makes the stores of the contract suites, one per protocol (``prepare`` is
+    the fixtures'). The timer stores come together (one table, or one registry of collections),
+    and so do the snapshots and their rebuild control plane."""
 
-    lease_store: Callable[[Where], SlotLeaseStore]
-    timer_store: Callable[[Where], TimerStore]
-    snapshot_store: Callable[[Where], SnapshotStore]
     log: Callable[[Where], Log]
+    checkpoints: Callable[[Where], Checkpoints]
+    quarantine: Callable[[Where], Quarantine]
+    leases: Callable[[Where], SlotLeaseStore]
+    timers: Callable[[Where], TimerStores]
+    snapshots: Callable[[Where], SnapshotStores]
     outbox: Callable[[Where], Outbox]
     history: Callable[[Where], TimerHistory]
 
 
 def _embedded() -> StoreFactories:
+    from wowd.stores.embedded.checkpoints import EmbeddedCheckpoints
     from wowd.stores.embedded.history import EmbeddedTimerHistory
     from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
     from wowd.stores.embedded.log import EmbeddedLog
     from wowd.stores.embedded.outbox import EmbeddedOutbox
+    from wowd.stores.embedded.quarantine import EmbeddedQuarantine
+    from wowd.stores.embedded.snapshot_rebuilds import EmbeddedSnapshotRebuilds
     from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
+    from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
+    from wowd.stores.embedded.timer_queries import EmbeddedTimerQueries
+    from wowd.stores.embedded.timer_view import EmbeddedTimerView
+
+    def timers(w: Where) -> TimerStores:
+        kw: dict[str, Any] = {"context": CONTEXT, "partitions": PARTITIONS}
+        return EmbeddedTimerView(w.path, **kw), EmbeddedTimerFiring(w.path, **kw), EmbeddedTimerQueries(w.path, **kw)
 
     return StoreFactories(
-        lease_store=lambda w: EmbeddedSlotLeaseStore(w.path),
-        timer_store=lambda w: EmbeddedTimerStore(w.path, context=CONTEXT, partitions=PARTITIONS),
-        snapshot_store=lambda w: EmbeddedSnapshotStore(w.path, context=CONTEXT),
         log=lambda w: EmbeddedLog(w.path, context=CONTEXT, partitions=PARTITIONS),
+        checkpoints=lambda w: EmbeddedCheckpoints(w.path, context=CONTEXT),
+        quarantine=lambda w: EmbeddedQuarantine(w.path, context=CONTEXT),
+        leases=lambda w: EmbeddedSlotLeaseStore(w.path),
+        timers=timers,
+        snapshots=lambda w: (
+            EmbeddedSnapshotStore(w.path, context=CONTEXT),
+            EmbeddedSnapshotRebuilds(w.path, context=CONTEXT),
+        ),
         outbox=lambda w: EmbeddedOutbox(w.path),
         history=lambda w: EmbeddedTimerHistory(w.path, context=CONTEXT),
     )
 
 
-def _mongo() -> StoreFactories:
+def _mongo(max_await: timedelta = timedelta(seconds=1)) -> StoreFactories:
+    from wowd.stores.mongo.checkpoints import MongoCheckpoints
     from wowd.stores.mongo.history import MongoTimerHistory
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.log import MongoLog
     from wowd.stores.mongo.outbox import MongoOutbox
+    from wowd.stores.mongo.quarantine import MongoQuarantine
+    from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
-    from wowd.stores.mongo.timers import MongoTimerStore
+    from wowd.stores.mongo.timer_firing import MongoTimerFiring
+    from wowd.stores.mongo.timer_queries import MongoTimerQueries
+    from wowd.stores.mongo.timer_view import MongoTimerView
+
+    def timers(w: Where) -> TimerStores:
+        view = MongoTimerView(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS)
+        return view, view.sibling(MongoTimerFiring), view.sibling(MongoTimerQueries)
+
+    def snapshots(w: Where) -> SnapshotStores:
+        store = MongoSnapshotStore(w.mongo.client, w.mongo.name, context=CONTEXT)
+        return store, MongoSnapshotRebuilds(w.mongo.client, w.mongo.name, context=CONTEXT, shared_with=store)
 
     return StoreFactories(
-        lease_store=lambda w: MongoSlotLeaseStore(w.mongo.client, w.mongo.name),
-        timer_store=lambda w: MongoTimerStore(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS),
-        snapshot_store=lambda w: MongoSnapshotStore(w.mongo.client, w.mongo.name, context=CONTEXT),
-        log=lambda w: MongoLog(w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS),
+        log=lambda w: MongoLog(
+            w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS, max_await=max_await
+        ),
+        checkpoints=lambda w: MongoCheckpoints(w.mongo.client, w.mongo.name, context=CONTEXT),
+        quarantine=lambda w: MongoQuarantine(w.mongo.client, w.mongo.name, context=CONTEXT),
+        leases=lambda w: MongoSlotLeaseStore(w.mongo.client, w.mongo.name),
+        timers=timers,
+        snapshots=snapshots,
         outbox=lambda w: MongoOutbox(w.mongo.client, w.mongo.name, context=CONTEXT),
         history=lambda w: MongoTimerHistory(w.mongo.client, w.mongo.name, context=CONTEXT),
     )
 
 
-def _mongo_sim() -> StoreFactories:
-    """The MongoDB stores, the log's empty ``getMore`` held 50 ms (not 1 s): a read that is
-    caught up ends after one empty wait, and the suite waits less on the simulator."""
-    from datetime import timedelta
+@dataclass(frozen=True, slots=True)
+class Registered:
+    """A backend the suites run on: its stores, and the server its tests get a fresh database of
+    (``None``: a file in the test's directory)."""
 
-    from wowd.stores.mongo.log import MongoLog
-
-    mongo = _mongo()
-    return StoreFactories(
-        lease_store=mongo.lease_store,
-        timer_store=mongo.timer_store,
-        snapshot_store=mongo.snapshot_store,
-        log=lambda w: MongoLog(
-            w.mongo.client, w.mongo.name, context=CONTEXT, partitions=PARTITIONS, max_await=timedelta(milliseconds=50)
-        ),
-        outbox=mongo.outbox,
-        history=mongo.history,
-    )
+    stores: Callable[[], StoreFactories]
+    server: Callable[[pytest.FixtureRequest], str] | None = None
 
 
-BACKENDS: dict[str, Callable[[], StoreFactories]] = {
-    "embedded": _embedded,
-    "mongo": _mongo,
-    "mongo-sim": _mongo_sim,
-    "mongo-sim-sharded": _mongo_sim,
+def _mongo_server(request: pytest.FixtureRequest) -> str:
+    assert MONGO_URI, "WOWD_TEST_MONGODB_URI is not set"
+    return MONGO_URI
+
+
+BACKENDS: dict[str, Registered] = {
+    "embedded": Registered(_embedded),
+    "mongo": Registered(_mongo, _mongo_server),
+    # the log's empty ``getMore`` held 50 ms (not 1 s): a read that is caught up ends after one
+    # empty wait, and the suites wait less on the simulator
+    "mongo-sim": Registered(lambda: _mongo(timedelta(milliseconds=50)), lambda r: r.getfixturevalue("mongosim_uri")),
+    "mongo-sim-sharded": Registered(
+        lambda: _mongo(timedelta(milliseconds=50)), lambda r: r.getfixturevalue("mongosim_sharded_uri")
+    ),
 }
-"""The store factories of each backend the suites run on (a backend's modules load when used)."""
+"""The backends the suites run on, registered here: a new backend adds one entry (its stores'
+factories, and its server where it has one). Its modules load when used."""
+
+SHARDED_STORES = frozenset(
+    {"log", "checkpoints", "quarantine", "timer_view", "timer_firing", "timer_queries", "snapshot_store",
+     "snapshot_rebuilds"}
+)  # fmt: skip
+"""The stores whose suites also run through the sharded simulator."""
 
 
-async def _store(request: pytest.FixtureRequest, db_path: Path, kind: str, *, prepare: bool) -> AsyncIterator[Any]:
-    backend = request.param
-    uri = {
-        "mongo": MONGO_URI,
-        "mongo-sim": request.getfixturevalue("mongosim_uri") if backend == "mongo-sim" else None,
-        "mongo-sim-sharded": request.getfixturevalue("mongosim_sharded_uri")
-        if backend == "mongo-sim-sharded"
-        else None,
-    }
-    if backend in uri:
-        assert uri[backend], "WOWD_TEST_MONGODB_URI is not set"
-        async with _fresh_database(str(uri[backend])) as db:
-            async for s in _opened(BACKENDS[backend](), kind, Where(db_path, db), prepare=prepare):
-                yield s
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Each test of a store runs on every backend (``backend``): those of :data:`MONGO_IMPLS`,
+    and the sharded simulator too for :data:`SHARDED_STORES`."""
+    if "backend" in metafunc.fixturenames:
+        impls = SHARDED_IMPLS if SHARDED_STORES & set(metafunc.fixturenames) else MONGO_IMPLS
+        metafunc.parametrize("backend", impls, indirect=True)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def where(request: pytest.FixtureRequest, backend: str, db_path: Path) -> AsyncIterator[Where]:
+    """Where the test's stores live: a fresh file, or a fresh database on the backend's server."""
+    server = BACKENDS[backend].server
+    if server is None:
+        yield Where(db_path)
         return
-    async for s in _opened(BACKENDS[backend](), kind, Where(db_path), prepare=prepare):
-        yield s
+    async with _fresh_database(server(request)) as db:
+        yield Where(db_path, db)
 
 
-async def _opened(factories: StoreFactories, kind: str, where: Where, *, prepare: bool) -> AsyncIterator[Any]:
-    store = getattr(factories, kind)(where)
-    if prepare:
-        await store.prepare()
-    async for s in _closing(store):
-        yield s
+@pytest.fixture
+def factories(backend: str) -> StoreFactories:
+    return BACKENDS[backend].stores()
 
 
-@pytest.fixture(params=MONGO_IMPLS)
-async def lease_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[SlotLeaseStore]:
-    async for s in _store(request, db_path, "lease_store", prepare=False):
-        yield s
+def _opened(name: str, kind: str, *, prepare: bool = True) -> Any:
+    """The fixture ``name``: the store (or the stores made together) ``factories.KIND`` makes
+    where the test's stores live, prepared unless ``prepare`` is false, closed after the test."""
+
+    @pytest.fixture(name=name)
+    async def opened(factories: StoreFactories, where: Where) -> AsyncIterator[Any]:
+        made = getattr(factories, kind)(where)
+        stores = made if isinstance(made, tuple) else (made,)
+        try:
+            if prepare:
+                for s in stores:
+                    await s.prepare()
+            yield made
+        finally:
+            for s in stores:
+                await s.close()
+
+    return opened
 
 
-@pytest.fixture(params=SHARDED_IMPLS)
-async def timer_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[TimerStore]:
-    async for s in _store(request, db_path, "timer_store", prepare=True):
-        yield s
+log = _opened("log", "log")
+checkpoints = _opened("checkpoints", "checkpoints")
+quarantine = _opened("quarantine", "quarantine")
+lease_store = _opened("lease_store", "leases", prepare=False)
+timer_stores = _opened("timer_stores", "timers")
+"""The three timer stores of one table (one registry of collections)."""
+snapshot_stores = _opened("snapshot_stores", "snapshots")
+outbox = _opened("outbox", "outbox", prepare=False)
+history = _opened("history", "history")
 
 
-@pytest.fixture(params=SHARDED_IMPLS)
-async def snapshot_store(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[SnapshotStore]:
-    """A SnapshotStore that is also its own SnapshotRebuildStore."""
-    async for s in _store(request, db_path, "snapshot_store", prepare=True):
-        yield s
+@pytest.fixture
+def timer_view(timer_stores: TimerStores) -> TimerView:
+    return timer_stores[0]
 
 
-@pytest.fixture(params=SHARDED_IMPLS)
-async def log(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Log]:
-    async for s in _store(request, db_path, "log", prepare=True):
-        yield s
+@pytest.fixture
+def timer_firing(timer_stores: TimerStores) -> TimerFiring:
+    return timer_stores[1]
 
 
-@pytest.fixture(params=MONGO_IMPLS)
-async def outbox(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[Outbox]:
-    async for s in _store(request, db_path, "outbox", prepare=False):
-        yield s
+@pytest.fixture
+def timer_queries(timer_stores: TimerStores) -> TimerQueries:
+    return timer_stores[2]
 
 
-@pytest.fixture(params=MONGO_IMPLS)
-async def history(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[TimerHistory]:
-    async for s in _store(request, db_path, "history", prepare=True):
-        yield s
+@pytest.fixture
+def snapshot_store(snapshot_stores: SnapshotStores) -> SnapshotStore:
+    return snapshot_stores[0]
+
+
+@pytest.fixture
+def snapshot_rebuilds(snapshot_stores: SnapshotStores) -> SnapshotRebuildStore:
+    return snapshot_stores[1]
 
 
 SINK_TYPE = AggregateType(context=CONTEXT, aggregate="order")
@@ -304,8 +380,10 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
             client = AsyncElasticsearch(fake.url, request_timeout=5)
             store = ElasticsearchEventSink(client, SINK_TYPE, refresh=True, owns_client=True)
             await store.prepare()
-            async for s in _closing(store):
-                yield s
+            try:
+                yield store
+            finally:
+                await store.close()
         return
     else:
         from elasticsearch import AsyncElasticsearch
@@ -324,5 +402,7 @@ async def sink(request: pytest.FixtureRequest, db_path: Path) -> AsyncIterator[A
             client, AggregateType(context=prefix, aggregate="order"), refresh=True, owns_client=True
         )
     await store.prepare()
-    async for s in _closing(store):
-        yield s
+    try:
+        yield store
+    finally:
+        await store.close()

@@ -1,11 +1,10 @@
-"""Log contract (docs/schema.md): appends, reads per partition, checkpoints, quarantine.
+"""Log contract (docs/schema.md): appends, the log check, reads per partition.
 
 Positions are opaque here: a test only passes back positions the log gave it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -328,127 +327,3 @@ async def test_a_raw_document_colliding_with_a_stored_commit_is_a_conflict(log: 
     await log.insert_raw(ORDER, schema_minimal(a, 1))
     with pytest.raises(ConflictError):
         await log.insert_raw(ORDER, schema_minimal(a, 1))
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-async def test_checkpoint_fence_guard(log: Any) -> None:
-    (a,) = ids_in(2, 1)
-    await log.append(commit(a, 1))
-    await log.append(commit(a, 2))
-    pos1, pos2 = (e.position for e in entries(await read_all(log, {2: None})))
-    assert await log.save_checkpoint("feed", 2, pos1, 5) is True
-    assert await log.save_checkpoint("feed", 2, pos2, 4) is False  # lower fence refused
-    stored = (await log.checkpoints("feed", [2]))[2]
-    assert stored.position == pos1 and stored.fence == 5 and stored.consumer == "feed" and stored.partition == 2
-    assert await log.save_checkpoint("feed", 2, pos2, 5) is True  # same fence admitted
-    assert (await log.checkpoints("feed", [2]))[2].position == pos2
-    assert await log.save_checkpoint("feed", 2, pos1, 6) is True  # higher fence admitted
-    assert (await log.checkpoints("feed", [2]))[2].fence == 6
-
-
-async def test_checkpoints_of_several_partitions_in_one_write_are_each_fenced(log: Any) -> None:
-    parts = [0, 1, 2, 5]
-    for p in parts:
-        (a,) = ids_in(p, 1)
-        await log.append(commit(a, 1))
-    positions = {e.partition: e.position for e in entries(await read_all(log, {p: None for p in parts}))}
-    assert await log.save_checkpoints("feed", positions, 3) is True
-    stored = await log.checkpoints("feed", parts)
-    assert {p: (c.position, c.fence, c.partition) for p, c in stored.items()} == {
-        p: (positions[p], 3, p) for p in parts
-    }
-    assert all(c.written_at > 0 for c in stored.values())
-    # a higher fence wrote partition 1: the others are written, the write answers False
-    assert await log.save_checkpoint("feed", 1, positions[1], 9) is True
-    assert await log.save_checkpoints("feed", positions, 4) is False
-    fences = {p: c.fence for p, c in (await log.checkpoints("feed", parts)).items()}
-    assert fences == {0: 4, 1: 9, 2: 4, 5: 4}
-    assert await log.save_checkpoints("feed", {p: positions[p] for p in (0, 2)}, 4) is True
-
-
-async def test_checkpoints_are_per_consumer_and_partition(log: Any) -> None:
-    (a,) = ids_in(0, 1)
-    await log.append(commit(a, 1))
-    (pos,) = (e.position for e in entries(await read_all(log, {0: None})))
-    assert await log.save_checkpoint("feed", 0, pos, 1)
-    assert await log.checkpoints("feed", [0, 1]) == {0: (await log.checkpoints("feed", [0]))[0]}
-    assert await log.checkpoints("other", [0]) == {}
-    # a checkpoint resumes the read after it
-    checkpoint = (await log.checkpoints("feed", [0]))[0]
-    assert entries(await read_all(log, {0: checkpoint.position})) == []
-
-
-# --------------------------------------------------------------------------- quarantine
-
-
-def _content(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in i.items() if k not in ("id", "created_at")} for i in items]
-
-
-async def test_quarantine_keeps_raw_and_reason_once(log: Any) -> None:
-    raw = {"aggregate_id": "x", "version": "one"}
-    await log.quarantine("feed", 3, ORDER, raw, "version: must be int")
-    await log.quarantine("feed", 3, ORDER, dict(raw), "version: must be int")  # idempotent
-    await log.quarantine("feed", 3, ORDER, {"aggregate_id": "y"}, "events: is missing")
-    items = await log.quarantined()
-    assert _content(items) == [
-        {
-            "consumer": "feed",
-            "partition": 3,
-            "aggregate": "order",
-            "raw": raw,
-            "reason": "version: must be int",
-        },
-        {
-            "consumer": "feed",
-            "partition": 3,
-            "aggregate": "order",
-            "raw": {"aggregate_id": "y"},
-            "reason": "events: is missing",
-        },
-    ]
-    assert len(await log.quarantined(limit=1)) == 1
-
-
-async def test_quarantined_items_have_stable_ids_pages_and_a_reason_replaced_in_place(log: Any) -> None:
-    before = int(time.time() * 1000) - 1000
-    for i in range(5):
-        await log.quarantine("feed", i % PARTITIONS, ORDER, {"aggregate_id": f"q-{i}"}, f"reason {i}")
-    items = await log.quarantined()
-    assert [i["raw"]["aggregate_id"] for i in items] == [f"q-{i}" for i in range(5)]
-    ids = [i["id"] for i in items]
-    assert all(isinstance(i, str) and i for i in ids) and len(set(ids)) == 5
-    assert all(before <= i["created_at"] <= time.time() * 1000 + 1000 for i in items)
-    # pages: after the last id of the previous page
-    first = await log.quarantined(limit=2)
-    second = await log.quarantined(limit=2, after=first[-1]["id"])
-    third = await log.quarantined(limit=2, after=second[-1]["id"])
-    assert [i["id"] for i in first + second + third] == ids
-    assert await log.quarantined(limit=2, after=ids[-1]) == []
-    # by id (an id naming nothing is skipped)
-    picked = await log.quarantined(ids=[ids[3], ids[1], "0" * 24, "999999999", "not-an-id"])
-    assert [i["id"] for i in picked] == [ids[1], ids[3]]
-    assert await log.quarantined(ids=[]) == []
-    # quarantined again: same id, the new reason
-    await log.quarantine("feed", 2, ORDER, {"aggregate_id": "q-2"}, "sink refused it: SinkWriteError: boom")
-    [again] = await log.quarantined(ids=[ids[2]])
-    assert again["reason"] == "sink refused it: SinkWriteError: boom"
-    assert again["created_at"] == items[2]["created_at"]
-    assert [i["id"] for i in await log.quarantined()] == ids
-
-
-async def test_release_quarantined_deletes_those_ids_once(log: Any) -> None:
-    for i in range(3):
-        await log.quarantine("feed", 1, ORDER, {"aggregate_id": f"r-{i}"}, "events: is missing")
-    ids = [i["id"] for i in await log.quarantined()]
-    assert await log.release_quarantined([ids[0], ids[2], "0" * 24, "999999999", "nope"]) == 2
-    assert [i["id"] for i in await log.quarantined()] == [ids[1]]
-    assert await log.release_quarantined([ids[0], ids[2]]) == 0  # idempotent
-    assert await log.release_quarantined([]) == 0
-    # a document released and quarantined again is a new item
-    await log.quarantine("feed", 1, ORDER, {"aggregate_id": "r-0"}, "events: is missing")
-    items = await log.quarantined()
-    assert [i["raw"]["aggregate_id"] for i in items] == ["r-1", "r-0"]
-    assert items[1]["id"] not in ids

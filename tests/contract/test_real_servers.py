@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_SERVER_RUNS = [
-    "tests/contract/test_log.py::test_checkpoint_fence_guard[mongo]",
+    "tests/contract/test_checkpoints.py::test_checkpoint_fence_guard[mongo]",
     "tests/contract/test_leases.py::test_acquire_stamps_the_lease_on_the_store_clock[mongo]",
     "tests/contract/test_sink.py::test_writing_the_same_records_twice_leaves_one_document_each[elasticsearch]",
 ]

@@ -83,7 +83,9 @@ async def test_backup_under_load_is_sound_and_a_replica_on_it_fires_what_was_pen
     )
     restored = await open_embedded(settings)
     try:
-        pending = [t for t in await restored.timers.scan(limit=100_000) if t.status.value in ("PENDING", "FIRING")]
+        pending = [
+            t for t in await restored.timer_queries.scan(limit=100_000) if t.status.value in ("PENDING", "FIRING")
+        ]
         expected = await _scheduled_request_ids(restored)
         fired_before = set(await _outbox_ids(restored))
         assert pending, "the copy holds pending timers"
@@ -133,7 +135,7 @@ async def test_backup_never_writes_over_the_database_or_its_wal_and_refuses_a_di
         assert code == 2 and "never writes over the database" in err and "Traceback" not in err, (path, err)
     assert _inodes(live) == inodes
     await stores.log.ping()  # the database still reads
-    assert await stores.log.checkpoints("timers", [0]) is not None
+    assert await stores.checkpoints.read("timers", [0]) is not None
     folder = tmp_path / "backups"
     folder.mkdir()
     code, _out, err = await wowd_in_process("backup", str(folder), "--force", env=env)

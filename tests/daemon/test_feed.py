@@ -42,7 +42,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
     # a timer of o-3 parked because its target o-4 did not exist; o-4's first commit resumes it
     parked = timer("o-3", far, key="wait", partitions=PARTS, target=ref("o-4"), timer_id="p1")
     assert await backend.timers.put(parked)
-    await backend.timers.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
+    await backend.firing.settle([TimerChange.park(parked, fence=1, reason="HTTP 404")])
     e1 = timer_commit("o-4", 1, [])
     await backend.log.append_many([c1, c2, d1, d2, e1])
     fed_before = metrics.FEED_COMMITS.labels(aggregate="order")._value.get()
@@ -51,7 +51,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
     feeder = Feeder(settings(tmp_path), backend, reducers={"order": reducer})
 
     async def fed() -> bool:
-        cps = await backend.log.checkpoints("wowd", list(range(PARTS)))
+        cps = await backend.checkpoints.read("wowd", list(range(PARTS)))
         return len(cps) == len({partition(i, PARTS) for i in ("o-1", "o-2", "o-4")})
 
     async with anyio.create_task_group() as tg:
@@ -59,13 +59,12 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
         await eventually(fed, 10, "every partition with a commit checkpointed")
         held.request_stop()
 
-    t = backend.timers
-    assert await t.find(ref("o-1"), "k1") is None  # cancelled at v2
-    k2 = await t.find(ref("o-1"), "k2")
+    assert await backend.timer_queries.find(ref("o-1"), "k1") is None  # cancelled at v2
+    k2 = await backend.timer_queries.find(ref("o-1"), "k2")
     assert k2 is not None and k2.timer_id == deterministic_timer_id(ref("o-1"), "k2", 1)
     assert k2.partition == partition("o-1", PARTS) and k2.due_at == far and k2.status == TimerStatus.PENDING
-    assert await t.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
-    resumed = await t.find(ref("o-3"), "wait")
+    assert await backend.timer_queries.find(ref("o-2"), "k") is None  # deleted commit: cancel_all
+    resumed = await backend.timer_queries.find(ref("o-3"), "wait")
     assert resumed is not None and resumed.status == TimerStatus.PENDING
     snap = await backend.snapshots.load(ref("o-1"))
     assert snap is not None and snap.version == 2 and snap.state_revision == reducer.state_revision
@@ -76,7 +75,7 @@ async def test_feed_projects_timers_snapshots_resumes_parked_and_checkpoints(tmp
 
 async def test_feed_stops_on_a_refused_checkpoint(tmp_path: Path, backend: Backend) -> None:
     p = partition("o-9", PARTS)
-    assert await backend.log.save_checkpoint("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
+    assert await backend.checkpoints.save("wowd", p, {"seq": 0}, 99)  # a newer holder's fence
     await backend.log.append(timer_commit("o-9", 1, ["k"]))
     held = await hold_slot(backend, PARTS, "me")
     with anyio.fail_after(10), pytest.raises(LeaseLost):
@@ -89,8 +88,8 @@ async def test_expired_lease_takes_no_side_effect(tmp_path: Path, backend: Backe
     held = await hold_slot(backend, PARTS, "me", valid_for=-1.0)
     with anyio.fail_after(10), pytest.raises(LeaseLost):
         await Feeder(settings(tmp_path), backend).run(held, Waker())
-    assert await backend.timers.find(ref("o-5"), "k") is None
-    assert await backend.log.checkpoints("wowd", list(range(PARTS))) == {}
+    assert await backend.timer_queries.find(ref("o-5"), "k") is None
+    assert await backend.checkpoints.read("wowd", list(range(PARTS))) == {}
 
 
 async def test_a_log_behind_the_oplog_stalls_the_feed_at_once_and_does_not_re_read_in_a_loop(

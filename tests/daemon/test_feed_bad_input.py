@@ -105,14 +105,14 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
                 await tg.start(feeder.run, held, Waker())
 
                 async def past_all() -> bool:
-                    cps = await log.checkpoints(CONSUMER, range(4))
+                    cps = await backend.checkpoints.read(CONSUMER, range(4))
                     return bool(cps) and max(cp.position["seq"] for cp in cps.values()) >= last_seq
 
                 await eventually(past_all, 20, "every partition's checkpoint past the last commit")
                 held.request_stop()
         assert feeder.stalled is None
 
-        quarantined = await log.quarantined()
+        quarantined = await backend.quarantine.items()
         reasons = {q["raw"]["aggregate_id"]: q["reason"] for q in quarantined}
         for field, raw in MALFORMED:
             reason = reasons[raw["aggregate_id"]]
@@ -130,8 +130,8 @@ async def test_the_feed_quarantines_bad_input_counts_it_and_goes_on(feed_setting
             docs = await sink.documents(c.ref)
             assert [d["version"] for d in docs] == [1], c.ref
         for i, c in enumerate(goods):
-            assert await backend.timers.find(c.ref, f"ok-{i}") is not None
-        owners = {t.owner for t in await backend.timers.scan(limit=100)}
+            assert await backend.timer_queries.find(c.ref, f"ok-{i}") is not None
+        owners = {t.owner for t in await backend.timer_queries.scan(limit=100)}
         assert owners == {c.ref for c in goods}, "a rejected timer event puts no timer"
     finally:
         await backend.close()

@@ -39,7 +39,7 @@ INDEX_CONSUMER = INDEX_ALONE[0].consumer
 
 async def index_fed(backend: Backend) -> set[int]:
     """The partitions whose index checkpoint has moved past the log's start."""
-    cps = await backend.log.checkpoints(INDEX_CONSUMER, list(range(PARTS)))
+    cps = await backend.checkpoints.read(INDEX_CONSUMER, list(range(PARTS)))
     return {p for p, cp in cps.items() if cp.position}
 
 
@@ -85,13 +85,13 @@ async def test_a_commit_the_sink_refuses_is_quarantined_and_the_rest_is_fed(tmp_
     assert fed == {f"o-{i}" for i in range(6)}
     # every commit's timers are in the timer view (only the index refused one); the refused
     # commit is kept with its step and error
-    assert len(await backend.timers.scan(limit=20)) == 7
-    [q] = await backend.log.quarantined()
+    assert len(await backend.timer_queries.scan(limit=20)) == 7
+    [q] = await backend.quarantine.items()
     assert q["raw"]["aggregate_id"] == "bad" and q["partition"] == partition("bad", PARTS)
     assert q["reason"].startswith("sink refused it: InvalidInput:") and "mapper_parsing_exception" in q["reason"]
     assert metrics.FEED_POISON.labels(step="sink", error="InvalidInput")._value.get() == poisoned + 1
     for consumer in (CONSUMER, "wowd.index"):
-        cps = await backend.log.checkpoints(consumer, list(range(PARTS)))
+        cps = await backend.checkpoints.read(consumer, list(range(PARTS)))
         assert {p for p in cps} == {partition(c.ref.id, PARTS) for c in commits}
 
 
@@ -113,7 +113,7 @@ async def test_a_store_that_refuses_everything_stalls_the_slot_then_gives_it_up(
     # stalled, nothing quarantined (the records are fine: the store is not), nothing checkpointed
     assert feeder.stalled is not None and "sink: StorageError" in feeder.stalled
     assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 1
-    assert await backend.log.quarantined() == []
+    assert await backend.quarantine.items() == []
     assert await index_fed(backend) == set()
     # once the store answers again the same batch is fed
     sink.broken = False
@@ -154,13 +154,13 @@ async def test_a_full_disk_stalls_the_slot_at_once_and_quarantines_nothing_for_i
             await eventually(stalled, 5, "the feed stalled")
             assert feeder.stalled is not None and "database or disk is full" in feeder.stalled
             assert gauge._value.get() == 1
-            assert await backend.log.quarantined() == []
+            assert await backend.quarantine.items() == []
             assert await index_fed(backend) == set()
             sink.full_after = None  # space returns
             await eventually(caught_up(waker), 10, "the feed at the log's head")
             held.request_stop()
     assert feeder.stalled is None and gauge._value.get() == 0
-    [q] = await backend.log.quarantined()
+    [q] = await backend.quarantine.items()
     assert q["raw"]["aggregate_id"] == "bad" and q["reason"].startswith("sink refused it: InvalidInput:")
     fed = {d["aggregate_id"] for c in commits for d in await sink.documents(c.ref)}
     assert fed == {f"o-{i}" for i in range(4)}

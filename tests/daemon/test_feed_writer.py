@@ -7,11 +7,11 @@ lease, at most the timer loop's batch; a backlog's timers fire as it is fed."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -35,8 +35,8 @@ from wowd.model import (
     timer_event_from,
     timer_from_event,
 )
-from wowd.stores.base import Backend, FeedWriter
-from wowd.stores.embedded.timer_sql import WRITE_CHUNK
+from wowd.stores.base import FEED_TRANSACTION, Backend, FeedWriter
+from wowd.stores.embedded.timer_view import WRITE_CHUNK
 
 pytestmark = pytest.mark.anyio
 
@@ -49,8 +49,24 @@ def settings(tmp_path: Path) -> WowdSettings:
     return embedded_settings(tmp_path, PARTS)
 
 
+W = TypeVar("W")
+
+
+def swap_writer(b: Backend, wrap: Callable[[FeedWriter], W] | None) -> W | None:
+    """Offers ``wrap`` of the backend's feed transaction instead of it (``None``: no feed
+    transaction: the feed writes step by step); answers the wrapper."""
+    writer = b.capability(FEED_TRANSACTION)
+    assert writer is not None
+    others = tuple(o for o in b.offers if o is not writer)
+    wrapped = None if wrap is None else wrap(writer)
+    b.offers = others if wrapped is None else (wrapped, *others)
+    return wrapped
+
+
 class CountingWriter:
     """The backend's feed writer, counting the batches it applied."""
+
+    CAPABILITIES = (FEED_TRANSACTION,)
 
     def __init__(self, inner: FeedWriter) -> None:
         self.inner = inner
@@ -119,21 +135,15 @@ async def scenario(
 
     s = settings(tmp_path)
     b = await open_embedded(s)
-    counting = None
-    if at_once:
-        assert b.feed_writer is not None
-        counting = CountingWriter(b.feed_writer)
-        b.feed_writer = counting
-    else:
-        b.feed_writer = None
+    counting = swap_writer(b, CountingWriter if at_once else None)
     await b.log.append_many(first)
     await feed(s, b)
     # b's timer is claimed and parked (its target refused it)
-    claimed = await b.timers.claim_due(
+    claimed = await b.firing.claim_due(
         frozenset(range(PARTS)), now, 10, owner_key="x", fence=1, claim_until=now + 30_000
     )
     assert [t.owner.id for t in claimed] == ["b"]
-    assert await b.timers.settle([TimerChange.park(claimed[0], fence=1, reason="404 Not Found")]) == 1
+    assert await b.firing.settle([TimerChange.park(claimed[0], fence=1, reason="404 Not Found")]) == 1
     await b.log.append_many(second)
     await feed(s, b)
     return b, counting
@@ -142,10 +152,10 @@ async def scenario(
 async def view(b: Backend) -> tuple[Any, ...]:
     timers = sorted(
         (t.owner.id, t.key, t.version, t.status.value, t.scheduled_at, t.attempts, t.command)
-        for t in await b.timers.scan(limit=100)
+        for t in await b.timer_queries.scan(limit=100)
     )
     docs = {i: await b.sink(ORDER).documents(AggregateRef(context=CONTEXT, aggregate="order", id=i)) for i in "abc"}
-    checkpoints = {p: cp.position for p, cp in (await b.log.checkpoints(CONSUMER, list(range(PARTS)))).items()}
+    checkpoints = {p: cp.position for p, cp in (await b.checkpoints.read(CONSUMER, list(range(PARTS)))).items()}
     return timers, docs, checkpoints
 
 
@@ -192,12 +202,7 @@ async def writing(s: WowdSettings, at_once: bool) -> AsyncIterator[tuple[Backend
     """The backend of ``s``, its feed batches written in one transaction each (counted) when
     ``at_once``, else step by step."""
     async with opened_backend(s) as b:
-        counting = None
-        if at_once:
-            assert b.feed_writer is not None
-            b.feed_writer = counting = CountingWriter(b.feed_writer)
-        else:
-            b.feed_writer = None
+        counting = swap_writer(b, CountingWriter if at_once else None)
         yield b, counting
 
 
@@ -216,7 +221,7 @@ async def test_the_timer_events_of_a_commit_are_applied_in_order(tmp_path: Path)
             views.append(
                 sorted(
                     (t.owner.id, t.key, t.version, t.status.value, t.due_at, t.command.body.get("n"))
-                    for t in await b.timers.scan(limit=100)
+                    for t in await b.timer_queries.scan(limit=100)
                 )
             )
     assert views[0] == [
@@ -257,24 +262,24 @@ async def test_attributes_changed_across_batches_read_ahead_are_stamped_as_the_s
 async def test_a_refused_checkpoint_writes_nothing_of_the_batch(backend: Backend) -> None:
     """Another holder saved a checkpoint under a higher fence: the batch's documents, timers and
     checkpoints are all rolled back, and the caller is told (the feed then stops: LeaseLost)."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     c = timer_commit("a", 1, ["k1"], due_at=int(time.time() * 1000) + HOUR_MS)
     p = partition("a", PARTS)
     sink = backend.sink(ORDER)
     await sink.prepare()
-    assert await backend.log.save_checkpoints(CONSUMER, {p: {"seq": 1}}, 5)
+    assert await backend.checkpoints.save_all(CONSUMER, {p: {"seq": 1}}, 5)
     done = await writer.apply([(sink, [c])], puts(c), CONSUMER, {p: {"seq": 2}}, 3, now=int(time.time() * 1000))
     assert done is not None and not done.saved
     assert await sink.documents(c.ref) == []
-    assert await backend.timers.scan(limit=10) == []
-    assert (await backend.log.checkpoints(CONSUMER, [p]))[p].position == {"seq": 1}
+    assert await backend.timer_queries.scan(limit=10) == []
+    assert (await backend.checkpoints.read(CONSUMER, [p]))[p].position == {"seq": 1}
 
 
 async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: Backend) -> None:
     """A document that cannot be encoded: the writer takes nothing, so that the sink step names
     the record and the feed quarantines it alone."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     sink = backend.sink(ORDER)
     await sink.prepare()
@@ -283,12 +288,12 @@ async def test_a_record_the_sink_refuses_leaves_the_batch_to_the_steps(backend: 
     p = partition("a", PARTS)
     assert await writer.apply([(sink, [good, bad])], [], CONSUMER, {p: {"seq": 2}}, 1, now=0) is None
     assert await sink.documents(good.ref) == []
-    assert await backend.log.checkpoints(CONSUMER, [p]) == {}
+    assert await backend.checkpoints.read(CONSUMER, [p]) == {}
 
 
 async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backend: Backend) -> None:
     """The timer store writes a long batch in chunks (the file's write lock is held briefly)."""
-    writer = backend.feed_writer
+    writer = backend.capability(FEED_TRANSACTION)
     assert writer is not None
     c = timer_commit("a", 1, [f"k{i}" for i in range(WRITE_CHUNK + 1)], due_at=int(time.time() * 1000) + HOUR_MS)
     writes = puts(c)
@@ -296,12 +301,14 @@ async def test_more_timer_writes_than_a_transaction_holds_go_to_the_steps(backen
     sink = backend.sink(ORDER)
     await sink.prepare()
     assert await writer.apply([(sink, [c])], writes, CONSUMER, {0: {"seq": 1}}, 1, now=0) is None
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 class StalledWriter:
     """The backend's feed writer, its transactions held until ``go`` is set (another writer
     holding the file's write lock)."""
+
+    CAPABILITIES = (FEED_TRANSACTION,)
 
     def __init__(self, inner: FeedWriter) -> None:
         self.inner = inner
@@ -324,8 +331,8 @@ async def test_a_batch_waiting_for_its_transaction_does_not_stop_the_reads_of_th
     read that began is registered (the timer loop delivers what is due once a read began at its
     due time), however many more than the batches it reads ahead."""
     s = settings(tmp_path)
-    assert backend.feed_writer is not None
-    backend.feed_writer = stalled = StalledWriter(backend.feed_writer)
+    stalled = swap_writer(backend, StalledWriter)
+    assert stalled is not None
     held = await hold(backend)
     waker = Waker()
     with anyio.fail_after(20):

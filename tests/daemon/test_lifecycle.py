@@ -82,7 +82,7 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
     parts = list(range(PARTITIONS))
 
     async def timer_viewed() -> bool:
-        return await stores.timers.find(commit.ref, "k") is not None
+        return await stores.timer_queries.find(commit.ref, "k") is not None
 
     async def view_stalled() -> bool:
         text = (await r.get("/metrics")).text
@@ -92,9 +92,9 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
     await eventually(view_stalled, 15, "the snapshot view stalled")
     assert (await r.get("/readyz")).status_code == 200
     assert r.proc.poll() is None
-    assert len(await stores.log.checkpoints("wowd", parts)) == 1
+    assert len(await stores.checkpoints.read("wowd", parts)) == 1
     # the snapshot view's position stays before the commit (it is folded once the reducer is fixed)
-    snapshot_cps = await stores.log.checkpoints("wowd.snapshots.order", parts)
+    snapshot_cps = await stores.checkpoints.read("wowd.snapshots.order", parts)
     assert not any(cp.position for cp in snapshot_cps.values())
     assert await stores.snapshots.load(commit.ref) is None
     log = r.log()
@@ -292,7 +292,7 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
         await eventually(lambda: _logged(r, "stopping: draining within 60.0s"), 10, "graceful stop begun")
         first = time.monotonic()  # the replica took the first signal before this (a loaded one late)
         assert r.proc.poll() is None  # draining: waits for the delivery in flight
-        (timer,) = await stores.timers.scan(limit=10)
+        (timer,) = await stores.timer_queries.scan(limit=10)
         assert timer.status is TimerStatus.FIRING
 
         # a repeat within ESCALATE_AFTER_S of the first counts as the same signal
@@ -304,7 +304,7 @@ async def test_second_sigterm_during_a_long_drain_cancels_at_once(
 
     assert "again: cancelling" in r.log()
     # cancelled, yet the claim is settled (back to PENDING, due again at once) and the lease released
-    (timer,) = await stores.timers.scan(limit=10)
+    (timer,) = await stores.timer_queries.scan(limit=10)
     assert timer.status is TimerStatus.PENDING and timer.claim is None, timer
     assert timer.last_error == "not delivered: stopped" and timer.due_at <= int(time.time() * 1000)
     (state,) = await stores.leases.slots(NS)

@@ -110,7 +110,7 @@ async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
     assert (await live_slots(stores))[a_slot] == ("c", a_fence + 1)
     await c.wait_ready()
     await eventually(lambda: _outbox_has(stores, 64), 20, "round 2 fired")
-    assert await stores.timers.scan(limit=10) == []  # none left: none lost
+    assert await stores.timer_queries.scan(limit=10) == []  # none left: none lost
 
     entries = await stores.outbox.entries(limit=1000)
     assert len(entries) == 64 and {e.request_id for e in entries} == expected_request_ids(round1 + round2)
@@ -151,7 +151,7 @@ async def test_sigterm_mid_batch_exits_zero_releases_and_settles(
     (state,) = await stores.leases.slots(NS)
     assert state.owner_key is None and state.last_owner_key == "solo"
     # every claimed timer settled: nothing left FIRING under the stopped process's claim
-    assert await stores.timers.scan(status=TimerStatus.FIRING, limit=10) == []
+    assert await stores.timer_queries.scan(status=TimerStatus.FIRING, limit=10) == []
     # the next acquire by that owner key is immediate and sticky
     res = await stores.leases.acquire(NS, Owner(key="solo"), 1, timedelta(seconds=2), timedelta(seconds=0.5))
     assert res.acquired and res.lease is not None and res.lease.slot == 0
@@ -208,7 +208,7 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     await eventually(lambda: notified("STATUS=holding slot(s) 0"), 10, "STATUS holding")
 
     await eventually(lambda: _outbox_has(stores, 2), 15, "good timers fired")
-    quarantined = await stores.log.quarantined()
+    quarantined = await stores.quarantine.items()
     reasons = " | ".join(q["reason"] for q in quarantined)
     assert len(quarantined) == 2, reasons
     assert "rule.type" in reasons
@@ -216,7 +216,7 @@ async def test_bad_input_quarantined_metrics_readiness_and_no_secret(
     sink = stores.sink(ORDER)
     for commit in (good_before, bad_timer, good_after):
         assert [d["version"] for d in await sink.documents(commit.ref)] == [1]
-    assert await stores.log.checkpoints("wowd", [partition("g-3", PARTITIONS)])
+    assert await stores.checkpoints.read("wowd", [partition("g-3", PARTITIONS)])
 
     text = (await r.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -318,7 +318,7 @@ async def _outbox_has(b: Backend, n: int) -> bool:
 
 
 async def _no_timer_left(b: Backend) -> bool:
-    return await b.timers.scan(limit=1) == []
+    return await b.timer_queries.scan(limit=1) == []
 
 
 def _sample_sum(text: str, name: str) -> float:

@@ -199,7 +199,7 @@ async def test_the_fence_is_checked_before_each_rewrite_batch(tmp_path: Path, ba
 
     states = [await backend.snapshots.load(ref(i)) for i in IDS if partition(i, PARTS) == 0]
     assert sorted(s.state_revision for s in states if s is not None) == [1, 2]  # one batch, then stopped
-    assert await backend.log.checkpoints(progress_consumer("order", 2), [0]) == {}
+    assert await backend.checkpoints.read(progress_consumer("order", 2), [0]) == {}
 
 
 async def test_a_refused_progress_checkpoint_is_not_recorded_as_rebuilt(
@@ -211,18 +211,18 @@ async def test_a_refused_progress_checkpoint_is_not_recorded_as_rebuilt(
     await backfill_v1(tmp_path, backend)
     consumer = progress_consumer("order", 2)
     theirs = {"revision": 2, "aggregates": 0, "skipped": 0, "holder": "the next"}
-    save = backend.log.save_checkpoint
+    save = backend.checkpoints.save
 
     async def racing(c: str, p: int, position: Any, fence: int) -> bool:
         if c == consumer and p == 1:
             assert await save(c, p, theirs, fence + 1)
         return await save(c, p, position, fence)
 
-    monkeypatch.setattr(backend.log, "save_checkpoint", racing)
+    monkeypatch.setattr(backend.checkpoints, "save", racing)
     rebuilder = Rebuilder(settings(tmp_path), backend, {"order": reducer_v2})
     with pytest.raises(LeaseLost, match="partition 1 was refused under fence 3"):
         await rebuilder.rebuild(range(PARTS), fence=3)
-    recorded = await backend.log.checkpoints(consumer, list(range(PARTS)))
+    recorded = await backend.checkpoints.read(consumer, list(range(PARTS)))
     assert sorted(recorded) == [0, 1]
     assert (recorded[0].fence, recorded[1].fence, recorded[1].position) == (3, 4, theirs)
     table = await backend.rebuilds.table(ORDER)
@@ -244,7 +244,7 @@ async def test_a_stop_ends_the_rebuild_at_a_batch_boundary_unrecorded(tmp_path: 
     assert r.outcome == "stopped" and r.partitions == [] and r.rewritten == 0
     table = await backend.rebuilds.table(ORDER)
     assert table is not None and table.revision == 2 and table.rebuilding and not table.backfilled
-    assert await backend.log.checkpoints(progress_consumer("order", 2), list(range(PARTS))) == {}
+    assert await backend.checkpoints.read(progress_consumer("order", 2), list(range(PARTS))) == {}
 
 
 async def test_a_gap_in_the_log_leaves_the_aggregate_pending(tmp_path: Path, backend: Backend) -> None:

@@ -24,7 +24,7 @@ from tests.processes import Replica, base_env, rebuild_killed_partway, run_wowd
 from wowd.config import WowdSettings
 from wowd.model import TimerStatus
 from wowd.stores.base import Backend
-from wowd.stores.mongo.formats import mongo_rebuild_state
+from wowd.stores.mongo.schema import mongo_rebuild_state
 from wowd.stores.mongo.timer_rebuild import BATCH
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
@@ -179,7 +179,7 @@ async def test_rebuild_of_a_dropped_view_while_a_replica_runs(
     await eventually(pending_fired, 20, "the pending timers fired")
     assert sorted(await outbox_timer_ids(mongo)) == sorted(ids["fired"] | ids["pending"])  # no old one again
     assert await _fired_total(a) == len(ids["fired"]) + len(ids["pending"]) + len(old)
-    expired = await mongo.timers.scan(status=TimerStatus.FAILED, limit=100)
+    expired = await mongo.timer_queries.scan(status=TimerStatus.FAILED, limit=100)
     assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
 
 
@@ -198,7 +198,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
     )
 
     async def fed() -> bool:
-        return len(await mongo.timers.scan(limit=100_000)) == 200
+        return len(await mongo.timer_queries.scan(limit=100_000)) == 200
 
     await eventually(fed, 20, "fed")
     before = await _docs(sim_uri)
@@ -237,7 +237,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_the_next_one_while_comm
     assert "swapped in" in out and summary(out)["PENDING"] >= 200
 
     async def follows() -> bool:
-        live = {t.owner.id for t in await mongo.timers.scan(limit=100_000)}
+        live = {t.owner.id for t in await mongo.timer_queries.scan(limit=100_000)}
         return live == set(appended) - gone
 
     await eventually(follows, 20, "the view holds the log's live timers")

@@ -109,7 +109,7 @@ async def test_rebuild_of_a_dropped_view_keeps_fired_and_cancelled_and_counts_th
     fired = await outbox_timer_ids(stores)
     assert sorted(fired) == sorted(ids["fired"] | ids["pending"])  # once each; no old one, no cancelled one
     assert _sql(db, "SELECT count(*) FROM outbox_redelivery") == [(0,)]
-    expired = await stores.timers.scan(status=TimerStatus.FAILED, limit=100)
+    expired = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100)
     assert {t.owner.id for t in expired} == {f"o-old-{i}" for i in range(5)}
     assert all(t.last_error and t.last_error.startswith("expired, state unknown") for t in expired)
 
@@ -124,7 +124,7 @@ async def test_a_rebuild_killed_leaves_the_live_view_and_can_run_again(
     )
 
     async def fed() -> bool:
-        return len(await stores.timers.scan(limit=100_000)) == N
+        return len(await stores.timer_queries.scan(limit=100_000)) == N
 
     await eventually(fed, 20, "fed")
     before = _sql(db, f"SELECT * FROM {TABLE} ORDER BY timer_id")

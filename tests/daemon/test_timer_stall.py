@@ -23,7 +23,7 @@ from wowd.daemon.leases import HeldSlot
 from wowd.daemon.timers import TimerLoop
 from wowd.errors import StorageError, StorageFull
 from wowd.model import TimerChange, TimerStatus
-from wowd.stores.base import Backend, TimerStore
+from wowd.stores.base import Backend, TimerFiring
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,7 @@ class FailingTimers:
     """The timer store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
     settles only)."""
 
-    def __init__(self, inner: TimerStore) -> None:
+    def __init__(self, inner: TimerFiring) -> None:
         self._inner = inner
         self.fail: StorageError | None = None
         self.settle_fail: StorageError | None = None
@@ -74,7 +74,7 @@ class FailingTimers:
 async def refused_settles(backend: Backend) -> tuple[FailingTimers, Recorder, HeldSlot, TimerLoop]:
     """A timer due now, and the loop of a slot over a store whose settles the full disk refuses."""
     assert await backend.timers.put(timer("ok-1", now_ms(), partitions=PARTS))
-    store = FailingTimers(backend.timers)
+    store = FailingTimers(backend.firing)
     store.settle_fail = FULL
     gw = Recorder()
     return store, gw, await hold_slot(backend, PARTS), timer_loop(store, gw)  # type: ignore[arg-type]
@@ -86,7 +86,7 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
 ) -> None:
     for i in range(3):
         assert await backend.timers.put(timer(f"ok-{i}", now_ms(), partitions=PARTS))
-    store = FailingTimers(backend.timers)
+    store = FailingTimers(backend.firing)
     store.fail = error
     gw = Recorder()
     held = await hold_slot(backend, PARTS)
@@ -97,7 +97,7 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
         return loop.stall is not None and loop.stall.stalled
 
     async def all_fired() -> bool:
-        return len(gw.sent) == 3 and not await backend.timers.scan(limit=10)
+        return len(gw.sent) == 3 and not await backend.timer_queries.scan(limit=10)
 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
@@ -129,7 +129,7 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
             stopped = time.monotonic()
     # the settle that never succeeded ends within its bound: the claim stays, and expires
     assert time.monotonic() - stopped < 0.5 + 1.0
-    [claimed] = await backend.timers.scan(limit=10)
+    [claimed] = await backend.timer_queries.scan(limit=10)
     assert claimed.status is TimerStatus.FIRING and claimed.claim is not None
 
 
@@ -137,7 +137,7 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     store, gw, held, loop = await refused_settles(backend)
 
     async def settled() -> bool:
-        return not await backend.timers.scan(limit=10)
+        return not await backend.timer_queries.scan(limit=10)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.contract.test_timers import timer
+from tests.contract.test_timer_view import timer
 from tests.factories import CONTEXT, embedded_settings, eventually
 from wowd.clock import now_ms
 from wowd.config import HttpSettings, LeaseSettings, TimerSettings, WowdSettings

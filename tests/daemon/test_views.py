@@ -60,7 +60,7 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)
     gateway = Recorder()
-    loop = timer_loop(backend.timers, gateway)
+    loop = timer_loop(backend.firing, gateway)
     waker = Waker()
     start = int(time.time() * 1000) + 500
     # 100 timers due over 0.7 s, each in its own commit, appended as they come due
@@ -83,7 +83,7 @@ async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path:
             assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 1
             assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="timers")._value.get() == 0
             # the index's checkpoints stay where it started (the log's start: none had been saved)
-            cps = await backend.log.checkpoints(INDEX_CONSUMER, list(range(PARTS)))
+            cps = await backend.checkpoints.read(INDEX_CONSUMER, list(range(PARTS)))
             assert len(cps) == PARTS and all(cp.position == FROM_START for cp in cps.values())
             sink.broken = False  # the cluster is back
 
@@ -123,7 +123,7 @@ async def test_a_raising_reducer_holds_back_its_snapshots_only(tmp_path: Path) -
                 await eventually(stalled, 10, "the snapshot view stalled")
                 assert "reducer bug" in feeder.view_stalls()[snap] and feeder.stalled is None
                 # the timer view and the index fed everything meanwhile
-                assert len(await backend.timers.scan(limit=50)) == 10
+                assert len(await backend.timer_queries.scan(limit=50)) == 10
                 assert set((await index_count(backend, commits)).values()) == {2}
                 assert await backend.snapshots.load(commits[0].ref) is None
                 Reducer.broken = False  # the reducer is fixed
@@ -136,7 +136,7 @@ async def test_a_raising_reducer_holds_back_its_snapshots_only(tmp_path: Path) -
         for c in commits[::2]:
             record = await backend.snapshots.load(c.ref)
             assert record is not None and record.version == 2 and record.state == {"n": 4}
-        assert await backend.log.quarantined() == []
+        assert await backend.quarantine.items() == []
 
 
 async def upgraded(backend: Backend) -> tuple[list[Commit], HeldSlot]:
@@ -148,7 +148,7 @@ async def upgraded(backend: Backend) -> tuple[list[Commit], HeldSlot]:
     head = {}
     async for batch in backend.log.read(dict.fromkeys(range(PARTS)), follow=False):
         head.update(batch.positions)
-    assert await backend.log.save_checkpoints(CONSUMER, head, held.fence)
+    assert await backend.checkpoints.save_all(CONSUMER, head, held.fence)
     return old, held
 
 
@@ -171,7 +171,7 @@ async def test_an_upgraded_store_carries_its_checkpoint_over_to_every_view(tmp_p
             held.request_stop()
     assert set((await index_count(backend, old)).values()) == {0}  # not replayed
     p = partition(new.ref.id, PARTS)
-    assert p in await backend.log.checkpoints(INDEX_CONSUMER, [p])
+    assert p in await backend.checkpoints.read(INDEX_CONSUMER, [p])
 
 
 class CountingSink(RefusingSink):
@@ -199,7 +199,7 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
                 await tg.start(feeder.run, held, waker)
 
                 async def done() -> bool:
-                    cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+                    cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
                     at_head = len(cps) == len({c.partition(PARTS) for c in commits})
                     return waker.watermark is not None and at_head and all(cp.position for cp in cps.values())
 
@@ -210,13 +210,15 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     # one timer settled away (as if it fired): a replay of the timer view would put it back
     gone = commits[0]
     await backend.timers.write([TimerWrite.cancel(gone.ref, "k", 2)])
-    assert await backend.timers.find(gone.ref, "k") is None
-    assert await reset_view(backend.log, view_named("index"), parts, first.fence)
-    cps = await backend.log.checkpoints(INDEX_CONSUMER, parts)
+    assert await backend.timer_queries.find(gone.ref, "k") is None
+    assert await reset_view(backend.checkpoints, view_named("index"), parts, first.fence)
+    cps = await backend.checkpoints.read(INDEX_CONSUMER, parts)
     assert len(cps) == PARTS and all(cp.position == FROM_START for cp in cps.values())
     # what `wowd status` reports: the index behind the timer view where the log has commits
     fed = sorted({c.partition(PARTS) for c in commits})
-    status = {v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.log, ())}
+    status = {
+        v["view"]: v["partitions_behind"] for v in await views_status(settings(tmp_path), backend.checkpoints, ())
+    }
     assert status == {"timers": [], "index": fed}
     assert backend.sink_factory is not None
     counting = CountingSink(backend.sink_factory(TYPE))
@@ -225,7 +227,7 @@ async def test_a_reset_view_is_replayed_alone(tmp_path: Path, backend: Backend) 
     await feed_to_head()
     assert CountingSink.written == len(commits)  # the index replayed from the first commit ...
     assert set((await index_count(backend, commits)).values()) == {1}  # ... each commit still once
-    assert await backend.timers.find(gone.ref, "k") is None  # the timer view was not replayed
+    assert await backend.timer_queries.find(gone.ref, "k") is None  # the timer view was not replayed
 
 
 async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tmp_path: Path, backend: Backend) -> None:
@@ -247,7 +249,7 @@ async def test_a_view_behind_since_an_upgrade_keeps_its_place_across_restarts(tm
 
     async def timers_fed(count: int) -> Callable[[Feeder], Awaitable[bool]]:
         async def check(_feeder: Feeder) -> bool:
-            return len(await backend.timers.scan(limit=50)) == count
+            return len(await backend.timer_queries.scan(limit=50)) == count
 
         return check
 

@@ -21,8 +21,8 @@ async def outbox_timer_ids(b: Backend) -> list[str]:
 async def assert_parked_and_failed_kept(stores: Backend, ids: dict[str, set[str]]) -> None:
     """The PARKED and FAILED timers of :func:`schedule_five_kinds` are back with their reasons (what the
     log does not hold: carried over from the old view)."""
-    parked = await stores.timers.scan(status=TimerStatus.PARKED, limit=100_000)
-    failed = await stores.timers.scan(status=TimerStatus.FAILED, limit=100_000)
+    parked = await stores.timer_queries.scan(status=TimerStatus.PARKED, limit=100_000)
+    failed = await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100_000)
     assert {t.timer_id for t in parked} == ids["parked"] and {t.last_error for t in parked} == {"target answered 409"}
     assert {t.timer_id for t in failed} == ids["failed"] and {t.last_error for t in failed} == {"target answered 400"}
 
@@ -59,16 +59,16 @@ async def schedule_five_kinds(
     ids: dict[str, set[str]] = {k: set() for k in kinds}
 
     async def settled() -> bool:
-        return await stores.outbox.count() >= fifth and len(await stores.timers.scan(limit=100_000)) == 3 * fifth
+        return await stores.outbox.count() >= fifth and len(await stores.timer_queries.scan(limit=100_000)) == 3 * fifth
 
     await eventually(settled, 20, "the replica fed every commit and fired the due timers")
-    for t in await stores.timers.scan(limit=100_000):
+    for t in await stores.timer_queries.scan(limit=100_000):
         ids[t.owner.id.split("-")[1]].add(t.timer_id)
     ids["fired"] = set(await outbox_timer_ids(stores))
     assert len(ids["fired"]) == fifth
     if park:
-        by_id = {t.timer_id: t for t in await stores.timers.scan(limit=100_000)}
+        by_id = {t.timer_id: t for t in await stores.timer_queries.scan(limit=100_000)}
         changes = [TimerChange.park(by_id[i], fence=0, reason="target answered 409") for i in ids["parked"]]
         changes += [TimerChange.fail(by_id[i], fence=0, reason="target answered 400") for i in ids["failed"]]
-        assert await stores.timers.settle(changes) == 2 * fifth
+        assert await stores.firing.settle(changes) == 2 * fifth
     return ids

@@ -696,7 +696,7 @@ async def test_outbox_gateway_unavailable_is_retry() -> None:
 
 async def test_outbox_gateway_trims_past_the_retention_and_counts_the_depth_when_asked(tmp_path: Path) -> None:
     from wowd.metrics import REGISTRY
-    from wowd.stores.embedded import EmbeddedOutbox
+    from wowd.stores.embedded.outbox import EmbeddedOutbox
 
     box = EmbeddedOutbox(tmp_path / "o.db")
     try:

@@ -74,7 +74,7 @@ async def test_a_retry_after_is_honoured_up_to_an_hour_and_a_date_is_no_hint(tmp
         await retried_once(s, backend, target)
         delay = {}
         for aggregate in HINTS:
-            t = await backend.timers.find(aimed_at(aggregate).owner, "k")
+            t = await backend.timer_queries.find(aimed_at(aggregate).owner, "k")
             assert t is not None and t.status is TimerStatus.PENDING and t.attempts == 1, t
             assert t.last_error is not None and "503" in t.last_error
             delay[aggregate] = t.due_at - target.arrived[aggregate]
@@ -89,7 +89,7 @@ async def retried_once(s: WowdSettings, backend: Backend, target: Target) -> Non
         assert await backend.timers.put(aimed_at(aggregate))
 
     async def settled() -> bool:
-        found = [await backend.timers.find(aimed_at(a).owner, "k") for a in HINTS]
+        found = [await backend.timer_queries.find(aimed_at(a).owner, "k") for a in HINTS]
         return all(t is not None and t.attempts == 1 and t.status is TimerStatus.PENDING for t in found)
 
     deliveries = delivery(s, backend)

@@ -203,7 +203,7 @@ async def test_each_context_reaches_its_service_with_its_credentials_and_signatu
             await all_in.wait()
 
         async def failed() -> bool:
-            return len(await stores.timers.scan(status=TimerStatus.FAILED, limit=100)) >= 2 * FAILING
+            return len(await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100)) >= 2 * FAILING
 
         await eventually(failed, 30, "the wrong-secret and unrouted timers FAILED")
         metrics_text = (await r.get("/metrics")).text
@@ -219,7 +219,7 @@ async def test_each_context_reaches_its_service_with_its_credentials_and_signatu
     seen = order.headers_seen + payment.headers_seen + ledger.headers_seen
     assert not any(SECRET_TOKEN in v for h in seen for v in h.values())  # gateway.token is no route's
 
-    failed_timers = {t.target.id: t for t in await stores.timers.scan(status=TimerStatus.FAILED, limit=100)}
+    failed_timers = {t.target.id: t for t in await stores.timer_queries.scan(status=TimerStatus.FAILED, limit=100)}
     assert set(failed_timers) == invoices | {f"parcel-{i}" for i in range(FAILING)}
     for i in invoices:
         assert failed_timers[i].last_error == "HTTP 401: bad signature"
@@ -227,7 +227,7 @@ async def test_each_context_reaches_its_service_with_its_credentials_and_signatu
         parcel = failed_timers[f"parcel-{i}"]
         assert parcel.last_error == "no route for shipping.parcel"
         assert parcel.attempts <= 1  # failed at once, never retried
-    assert not await stores.timers.scan(status=TimerStatus.PENDING, limit=10)
+    assert not await stores.timer_queries.scan(status=TimerStatus.PENDING, limit=10)
     assert re.search(r'^wowd_gateway_unrouted_total\{target="shipping.parcel"\} 5\.0$', metrics_text, re.M)
     assert re.search(r'^wowd_gateway_requests_total\{outcome="delivered",route="order"\} 500\.0$', metrics_text, re.M)
     assert re.search(r'^wowd_gateway_requests_total\{outcome="fail",route="order.invoice"\} 5\.0$', metrics_text, re.M)

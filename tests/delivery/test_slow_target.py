@@ -97,7 +97,7 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     held = HeldSlot(
         lease=res.lease, partitions=frozenset(range(PARTS)), valid_until=anyio.current_time() + 60, owner_key="me"
     )
-    loop = timer_loop(backend.timers, gateway, TimerSettings(batch=300), limits=target_limits(64, lambda _target: 16))
+    loop = timer_loop(backend.firing, gateway, TimerSettings(batch=300), limits=target_limits(64, lambda _target: 16))
     try:
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
@@ -126,5 +126,5 @@ async def test_a_hanging_target_does_not_delay_the_others_and_a_stop_starts_noth
     assert not [at for at, _a, _r in target.arrivals if at > stopped_at + 0.05]
     assert done_in < TIMEOUT_S + 1
     # the hanging target's timers are all still there, due again (none lost, none failed)
-    left = await backend.timers.scan(limit=200)
+    left = await backend.timer_queries.scan(limit=200)
     assert len(left) == 30 and all(t.status is TimerStatus.PENDING for t in left)

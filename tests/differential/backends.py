@@ -127,26 +127,33 @@ async def opened(world: World, name: str, *, sink: bool) -> AsyncIterator[Opened
 async def _mongo_backend(client: Any, database: str, es: Any, settings: WowdSettings) -> Backend:
     """The stores :func:`~wowd.stores.mongo.open_mongo` makes of ``settings`` (on ``client``),
     the log's empty ``getMore`` held 5 ms."""
+    from tests.timer_stores import mongo_timers
     from wowd.stores.elasticsearch.options import sink_options
     from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+    from wowd.stores.mongo.checkpoints import MongoCheckpoints
     from wowd.stores.mongo.leases import MongoSlotLeaseStore
     from wowd.stores.mongo.log import MongoLog
     from wowd.stores.mongo.outbox import MongoOutbox
+    from wowd.stores.mongo.quarantine import MongoQuarantine
+    from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
     from wowd.stores.mongo.snapshots import MongoSnapshotStore
-    from wowd.stores.mongo.timers import MongoTimerStore
 
     context, partitions = settings.context, settings.partitions
     log = MongoLog(client, database, context=context, partitions=partitions, max_await=timedelta(milliseconds=5))
-    timers = MongoTimerStore(
+    timers = mongo_timers(
         client, database, context=context, partitions=partitions,
         tombstone_retention=timedelta(seconds=settings.timers.tombstone_retention_s),
     )  # fmt: skip
+    checkpoints = MongoCheckpoints(client, database, context=context)
+    quarantine = MongoQuarantine(client, database, context=context)
     snapshots = MongoSnapshotStore(client, database, context=context)
+    rebuilds = MongoSnapshotRebuilds(client, database, context=context, shared_with=snapshots)
     leases, outbox = MongoSlotLeaseStore(client, database), MongoOutbox(client, database, context=context)
     stack = AsyncExitStack()
-    for store in (leases, log, timers, snapshots, outbox):
+    for store in (leases, log, checkpoints, quarantine, timers, snapshots, outbox):
         stack.push_async_callback(store.close)
-    for store in (log, timers, snapshots):  # the feed's (the leases and the outbox stay unused)
+    # the feed's (the leases and the outbox stay unused)
+    for store in (log, checkpoints, quarantine, timers, snapshots):
         await store.prepare()
     kwargs = sink_options(settings.elasticsearch)
 
@@ -154,8 +161,9 @@ async def _mongo_backend(client: Any, database: str, es: Any, settings: WowdSett
         return ElasticsearchEventSink(es, type, owns_client=False, **kwargs)
 
     return Backend(
-        name="mongo", log=log, leases=leases, timers=timers, snapshots=snapshots, rebuilds=snapshots,
-        outbox=outbox, sink_factory=sink if es is not None else None, resources=stack,
+        name="mongo", log=log, checkpoints=checkpoints, quarantine=quarantine, leases=leases, timers=timers.view,
+        firing=timers.firing, timer_queries=timers.queries, snapshots=snapshots, rebuilds=rebuilds, outbox=outbox,
+        sink_factory=sink if es is not None else None, resources=stack,
     )  # fmt: skip
 
 
@@ -285,13 +293,13 @@ async def holdings(
     asked the snapshots, the event index's documents, the fire decisions at ``stream.at``."""
     b = o.backend
     h = Holdings(o.name)
-    h.timers = {timer_key(t): t for t in await b.timers.scan(limit=100_000)}
+    h.timers = {timer_key(t): t for t in await b.timer_queries.scan(limit=100_000)}
     refs = refs_of(stream)
     for k, ref in refs.items():
         h.last_versions[k] = await b.log.last_version(ref)
         if snapshots:
             h.snapshots[k] = await b.snapshots.load(ref)
-    h.quarantined = await b.log.quarantined(limit=100_000)
+    h.quarantined = await b.quarantine.items(limit=100_000)
     if index:
         if o.es is not None:  # documents are searchable once refreshed
             from elasticsearch import NotFoundError
@@ -304,7 +312,7 @@ async def holdings(
         for k, ref in refs.items():
             h.index[k] = await b.sink(ref.type).documents(ref)
     if decide:
-        due = await b.timers.due(ALL_PARTITIONS, stream.at, 100_000)
+        due = await b.firing.due(ALL_PARTITIONS, stream.at, 100_000)
         held = await gate(b, due)
         for i, t in enumerate(due):
             h.decisions[timer_key(t)] = (

@@ -64,9 +64,9 @@ VERSION_NO_INTEGER = Stream(
         Append("order", commit(2, version="2"), refused="version"),
     ),
 )
-"""A document of the aggregate whose ``version`` is a string: the MongoDB log's last version reads
-the highest ``version`` in BSON order, where a string sorts above every number, finds no
-integer there and answers 0 (a writer then appends at 1, a conflict, again and again)."""
+"""A document of the aggregate whose ``version`` is a string, which sorts above every number in
+BSON order: the aggregate's last version is its highest integer one still (else a writer would
+append at 1, a conflict, again and again)."""
 
 PARTITION_WRITTEN_BY_SOME = Stream(
     appends=(
@@ -76,9 +76,8 @@ PARTITION_WRITTEN_BY_SOME = Stream(
     ),
 )
 """One aggregate's commits, some with ``partition`` and some without, re-read from the log's
-collections: the MongoDB log reads those without before those with (the two ranges of its
-index), so the aggregate's versions come out of order (1, 3, 2) and its snapshot stops at 1,
-stale, where the embedded one folds all three."""
+collections: the MongoDB log's index holds them in two ranges, read merged, so the aggregate's
+versions come in order and its snapshot folds all three, as the embedded one does."""
 
 OTHER_PARTITIONS = Stream(
     appends=(

@@ -71,23 +71,11 @@ def test_a_stream_leaves_the_same_timers_versions_and_snapshots_everywhere(
     assert not problems, report(stream, problems)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MongoDB log: last_version reads the highest version in BSON order, where a string sorts above "
-    "every number, and answers 0 (cases.VERSION_NO_INTEGER; the streams do not break a version so)",
-)
 def test_a_version_that_is_no_integer_hides_no_commit(run: Callable[..., Any]) -> None:
     problems = differences(run, cases.VERSION_NO_INTEGER)
     assert not problems, report(cases.VERSION_NO_INTEGER, problems)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MongoDB log: a partition re-read reads an aggregate's commits stored without partition "
-    "before those with it (or, without reading those, never), out of version order: its snapshot "
-    "stops stale (cases.PARTITION_WRITTEN_BY_SOME; the streams write partition for all of an aggregate's "
-    "commits or none)",
-)
 def test_an_aggregate_whose_commits_carry_partition_or_not_folds_every_version(run: Callable[..., Any]) -> None:
     problems = differences(run, cases.PARTITION_WRITTEN_BY_SOME)
     assert not problems, report(cases.PARTITION_WRITTEN_BY_SOME, problems)

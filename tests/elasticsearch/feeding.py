@@ -75,10 +75,10 @@ async def index_view_stalls_and_catches_up(
         return "index" in feeder.view_stalls()
 
     async def timers_fed() -> bool:
-        return len(await backend.log.checkpoints(CONSUMER, parts)) == len(parts)
+        return len(await backend.checkpoints.read(CONSUMER, parts)) == len(parts)
 
     async def index_fed() -> bool:
-        cps = await backend.log.checkpoints(index_consumer, parts)
+        cps = await backend.checkpoints.read(index_consumer, parts)
         return sum(1 for cp in cps.values() if cp.position) == len(parts)
 
     with anyio.fail_after(within_s):
@@ -90,11 +90,11 @@ async def index_view_stalls_and_catches_up(
             assert "StoreRefused" in why and re.search(cause, why), why
             assert feeder.stalled is None  # the index view's stall, not the slot's
             assert metrics.FEED_STALLED.labels(slot=str(held.slot), view="index")._value.get() == 1
-            assert await backend.log.quarantined() == []
-            assert not any(cp.position for cp in (await backend.log.checkpoints(index_consumer, parts)).values())
+            assert await backend.quarantine.items() == []
+            assert not any(cp.position for cp in (await backend.checkpoints.read(index_consumer, parts)).values())
             lift()
             await until(index_fed)
             held.request_stop()
     assert feeder.view_stalls() == {}
-    assert await backend.log.quarantined() == []
+    assert await backend.quarantine.items() == []
     return why

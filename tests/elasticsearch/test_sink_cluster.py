@@ -16,7 +16,6 @@ from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, api_key_head
 from tests.elasticsearch.feeding import PARTITIONS, embedded_with_sink, until
 from tests.helpers import held_slot
 from wowd import metrics
-from wowd.cli import check
 from wowd.config import ElasticsearchSettings, load_settings
 from wowd.daemon import feed
 from wowd.errors import StorageUnavailable, StoreRefused
@@ -26,6 +25,7 @@ from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.documents import CUSTOM_TEMPLATE, TEMPLATE_NAME, events_mapping
 from wowd.stores.elasticsearch.options import new_client
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+from wowd.stores.mongo import operations
 
 pytestmark = pytest.mark.anyio
 
@@ -55,17 +55,17 @@ async def test_the_version_check_sends_the_credentials(fake: FakeElasticsearch, 
         await stranger.close()
 
 
-async def test_check_reaches_a_cloud_id_naming_its_setting_and_host(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setattr(check, "OPEN_TIMEOUT_S", 3.0)
+async def test_check_reaches_a_cloud_id_naming_its_setting_and_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no server answers either: what check reads first names the setting and the cloud's host
+    monkeypatch.setattr(operations, "OPEN_TIMEOUT_S", 1.5)
     cloud_id = "prod:" + base64.b64encode(b"es.invalid$abc123$def456").decode()
     settings = load_settings(
         backend="mongo", mongodb={"uri": "mongodb://m/?replicaSet=rs"}, elasticsearch={"cloud_id": cloud_id}
     )
-    assert await check._check_elasticsearch(settings, []) == 1
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("FAIL elasticsearch: WOWD_ELASTICSEARCH__CLOUD_ID: abc123.es.invalid:443")
+    found = await operations.MongoOperations(settings).preflight()
+    (line,) = [line for line in found.lines if line.text.startswith("elasticsearch")]
+    assert not line.ok and found.formats is None
+    assert line.text.startswith("elasticsearch: WOWD_ELASTICSEARCH__CLOUD_ID: abc123.es.invalid:443")
 
 
 # --------------------------------------------------------------------------- several replicas, one index
@@ -199,7 +199,7 @@ async def test_a_template_in_the_way_is_asked_again_after_a_backoff_not_at_each_
         assert "another index template claims" in feeder.view_stalls().get("index", "")
     # five retries of the batch (never commit by commit) within the index's holdoff (0.25 s at least)
     assert model.requests.count(f"put_template {TEMPLATE_NAME}") <= 3
-    assert await backend.log.quarantined() == []
+    assert await backend.quarantine.items() == []
 
 
 # --------------------------------------------------------------------------- a primary that is not active

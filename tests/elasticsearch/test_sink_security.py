@@ -12,13 +12,13 @@ from elasticsearch import AsyncElasticsearch
 
 from tests.elasticsearch.conftest import order_commit
 from tests.elasticsearch.fake_es import EsModel
-from wowd.cli.check import _sink_privileges
 from wowd.config import ElasticsearchSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StoreRefused
 from wowd.model import AggregateType, Commit
 from wowd.stores.base import Ddl
 from wowd.stores.elasticsearch.options import client_options, new_client
 from wowd.stores.elasticsearch.sink import ElasticsearchEventSink
+from wowd.stores.mongo.operations import sink_privileges_probe
 
 pytestmark = pytest.mark.anyio
 
@@ -46,7 +46,7 @@ async def test_the_documented_privileges_run_writes_stamps_and_checks(
     model.indices[INDEX].refresh()
     assert [d["owner_id"] for d in await sink.documents(commit("a", 1).ref)] == ["u2"] * 3
     assert await sink.missing_privileges() == []
-    assert await _sink_privileges(sink) == "every privilege held"
+    assert await sink_privileges_probe(sink) == "every privilege held"
 
 
 async def test_without_maintenance_and_monitor_the_stamps_fail_and_check_names_what_is_missing(
@@ -65,7 +65,7 @@ async def test_without_maintenance_and_monitor_the_stamps_fail_and_check_names_w
         f"index maintenance on {INDEX}",
     ]
     with pytest.raises(StorageError, match=r"lacks cluster monitor, cluster manage_index_templates, index maintenance"):
-        await _sink_privileges(sink)
+        await sink_privileges_probe(sink)
     model.security_enabled = False
     assert await sink.missing_privileges() is None
 

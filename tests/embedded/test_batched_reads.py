@@ -1,4 +1,4 @@
-"""The embedded batched reads (``SnapshotStore.load_many``, ``TimerStore.parked_many``): each
+"""The embedded batched reads (``SnapshotStore.load_many``, ``TimerFiring.parked_many``): each
 ref or target is one index search (EXPLAIN QUERY PLAN), a batch is one statement, and a batch
 over SQLite's variable limit is split into as few statements as the limit allows, read whole."""
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.timer_stores import embedded_timers
 from wowd.model import AggregateRef, Command, SnapshotRecord, Timer, TimerChange, deterministic_timer_id, partition
 from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.schema import snapshot_ddl as snapshot_ddl
+from wowd.stores.embedded.schema import snapshot_table as snapshot_table
+from wowd.stores.embedded.schema import timer_ddl as timer_ddl
+from wowd.stores.embedded.schema import timer_table as timer_table
 from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore, load_many_sql
-from wowd.stores.embedded.snapshots import ddl_sql as snapshot_ddl
-from wowd.stores.embedded.snapshots import table_name as snapshot_table
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import ddl_sql as timer_ddl
-from wowd.stores.embedded.timer_sql import parked_many_sql
-from wowd.stores.embedded.timer_sql import table_name as timer_table
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_view import parked_many_sql
 
 pytestmark = pytest.mark.anyio
 
@@ -80,7 +80,7 @@ async def limited(
     SELECTs the connection runs from now on."""
     selects: list[str] = []
     if monkeypatch is not None:
-        for store in ("snapshots", "timers"):
+        for store in ("snapshots", "timer_view"):
             monkeypatch.setattr(f"wowd.stores.embedded.{store}.variable_limit", lambda conn: variables)
 
     def limit(conn: sqlite3.Connection) -> None:
@@ -110,7 +110,7 @@ async def test_load_many_splits_only_under_the_variable_limit(
 async def test_parked_many_splits_only_under_the_variable_limit(
     database: SqliteDatabase, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store = EmbeddedTimerStore(database, context=CTX, partitions=PARTITIONS)
+    store = embedded_timers(database, context=CTX, partitions=PARTITIONS)
     targets = [AggregateRef(context="billing", aggregate="invoice", id=f"inv-{i}") for i in range(5)]
     parked = []
     for i, target in enumerate(targets):
@@ -126,13 +126,13 @@ async def test_parked_many_splits_only_under_the_variable_limit(
             target=target,
             body=Command(name="go").to_json(),
         )
-        assert await store.put(t)
-        found = await store.find(owner, "k")
+        assert await store.view.put(t)
+        found = await store.queries.find(owner, "k")
         assert found is not None
-        assert await store.settle([TimerChange.park(found, fence=1, reason="404")]) == 1
-        parked.append(await store.find(owner, "k"))
+        assert await store.firing.settle([TimerChange.park(found, fence=1, reason="404")]) == 1
+        parked.append(await store.queries.find(owner, "k"))
     selects = await limited(database, monkeypatch)
-    got = await store.parked_many(targets)
+    got = await store.view.parked_many(targets)
     assert got == sorted(parked, key=lambda t: (t.due_at, t.timer_id))  # type: ignore[union-attr]
     reads = [s for s in selects if timer_table(CTX) in s]
     assert len(reads) == 3, reads  # 5 targets by 2 a statement
@@ -140,12 +140,12 @@ async def test_parked_many_splits_only_under_the_variable_limit(
 
 async def test_a_feed_batch_is_one_statement_per_type_and_one_for_its_targets(database: SqliteDatabase) -> None:
     snapshots = EmbeddedSnapshotStore(database, context=CTX)
-    timers = EmbeddedTimerStore(database, context=CTX, partitions=PARTITIONS)
+    timers = embedded_timers(database, context=CTX, partitions=PARTITIONS)
     refs = [AggregateRef(context=CTX, aggregate=("order", "cart")[i % 2], id=f"a-{i}") for i in range(500)]
     await snapshots.save_all([SnapshotRecord(ref=r, version=1, state_revision=1, state={}) for r in refs[::3]])
     await timers.prepare()
     selects = await limited(database)
     assert len(await snapshots.load_many(refs)) == len(refs[::3])
-    assert await timers.parked_many(refs) == []
+    assert await timers.view.parked_many(refs) == []
     assert len([s for s in selects if snapshot_table(CTX) in s]) == 2  # one per type
     assert len([s for s in selects if timer_table(CTX) in s]) == 1

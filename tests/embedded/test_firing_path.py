@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from tests.helpers import caught_up_waker, held_slot, timer_loop
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import TimerSettings
 from wowd.delivery import OutboxGateway
 from wowd.model import (
@@ -33,16 +34,10 @@ from wowd.model import (
 )
 from wowd.stores.embedded.db import SqliteDatabase, file_write_lock
 from wowd.stores.embedded.outbox import EmbeddedOutbox, _target_json
+from wowd.stores.embedded.schema import timer_table
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import (
-    _SETTLE_SET,
-    DUE_ARMS,
-    due_union_sql,
-    table_name,
-    timer_from_row,
-    timer_params,
-)
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import DUE_ARMS, SETTLE_SET, EmbeddedTimerFiring, due_union_sql
+from wowd.stores.embedded.timer_rows import timer_from_row, timer_params
 
 pytestmark = pytest.mark.anyio
 
@@ -67,14 +62,14 @@ def timer(id: str, n: int, *, due_at: int, aggregate: str = "order", tenant: str
     )
 
 
-async def populate(store: EmbeddedTimerStore, n: int, count: int, seed: int) -> dict[str, Timer]:
+async def populate(store: EmbeddedTimers, n: int, count: int, seed: int) -> dict[str, Timer]:
     """``count`` timers: PENDING (most), claimed (some claims expired, some not), parked, failed.
     Answers the ones ``due`` may answer (PENDING or FIRING), as stored."""
     rng = random.Random(seed)
     live: dict[str, Timer] = {}
     for i in range(count):
         t = timer(f"t-{i}", n, due_at=T0 + rng.randrange(100), aggregate=rng.choice(TYPES))
-        assert await store.put(t)
+        assert await store.view.put(t)
         kind = rng.choice(("pending", "pending", "pending", "claim", "park", "fail"))
         if kind == "pending":
             live[t.timer_id] = t
@@ -83,7 +78,7 @@ async def populate(store: EmbeddedTimerStore, n: int, count: int, seed: int) -> 
             change = TimerChange.claim(t, owner_key="old", fence=1, until=T0 + rng.randrange(200))
         else:
             change = getattr(TimerChange, kind)(t, fence=1, reason="r")
-        assert await store.settle([change]) == 1
+        assert await store.firing.settle([change]) == 1
         after = change.applied()
         if kind == "claim" and after is not None:
             live[t.timer_id] = after
@@ -102,40 +97,40 @@ async def test_due_and_claim_due_answer_what_a_model_of_the_store_does(tmp_path:
     """``due`` over one compound statement (<= DUE_ARMS partitions) or several merged, and
     ``claim_due``: the same timers, in ``(due_at, timer_id)`` order; ``claim_due`` answers and
     stores exactly ``TimerChange.claim(t, ...).applied()`` of each."""
-    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=partitions)
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=partitions)
     live = await populate(store, partitions, 300, seed=partitions)
     rng = random.Random(5)
     for _ in range(12):
         parts = set(rng.sample(range(partitions), rng.randrange(1, partitions + 1)))
         until, limit = T0 + rng.randrange(200), rng.randrange(1, 120)
         expected = by_due(t for t in live.values() if t.partition in parts and t.due_at <= until)[:limit]
-        assert await store.due(parts, until, limit) == expected
+        assert await store.firing.due(parts, until, limit) == expected
     parts = set(range(partitions))
     until = T0 + 150
-    due = await store.due(parts, until, 70)
+    due = await store.firing.due(parts, until, 70)
     assert len(due) == 70
-    claimed = await store.claim_due(parts, until, 70, owner_key="me", fence=7, claim_until=T0 + 10_000)
+    claimed = await store.firing.claim_due(parts, until, 70, owner_key="me", fence=7, claim_until=T0 + 10_000)
     assert claimed == [TimerChange.claim(t, owner_key="me", fence=7, until=T0 + 10_000).applied() for t in due]
     for t in claimed:
-        assert await store.find(t.owner, t.key) == t
+        assert await store.queries.find(t.owner, t.key) == t
     # a change made against a timer as loaded before the claim is skipped: it moved on
-    assert await store.settle([TimerChange.fired(due[0], fence=1, next_due=None)]) == 0
+    assert await store.firing.settle([TimerChange.fired(due[0], fence=1, next_due=None)]) == 0
     # the claimed ones are no longer due before their claim expires; the next read goes on
     rest = by_due(t for t in live.values() if t.due_at <= until and t.timer_id not in {c.timer_id for c in due})
-    assert await store.due(parts, until, 1000) == rest
-    assert await store.claim_due(parts, until, 0, owner_key="me", fence=7, claim_until=T0) == []
-    assert await store.claim_due(set(), until, 10, owner_key="me", fence=7, claim_until=T0) == []
+    assert await store.firing.due(parts, until, 1000) == rest
+    assert await store.firing.claim_due(parts, until, 0, owner_key="me", fence=7, claim_until=T0) == []
+    assert await store.firing.claim_due(set(), until, 10, owner_key="me", fence=7, claim_until=T0) == []
     await store.close()
 
 
 async def test_a_claimed_timer_settles_as_one_claimed_by_settle(tmp_path: Path) -> None:
     """Every later change (fired of a recurring timer, retry, park) applies to a timer answered
     by ``claim_due`` as to one claimed through ``settle``."""
-    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=4)
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=4)
     ts = [replace(timer(f"s-{i}", 4, due_at=T0), rule=IntervalRule(every_ms=1000)) for i in range(3)]
     for t in ts:
-        assert await store.put(t)
-    claimed = await store.claim_due({0, 1, 2, 3}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 500)
+        assert await store.view.put(t)
+    claimed = await store.firing.claim_due({0, 1, 2, 3}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 500)
     assert {t.timer_id for t in claimed} == {t.timer_id for t in ts}
     a, b, c = claimed
     changes = [
@@ -143,9 +138,9 @@ async def test_a_claimed_timer_settles_as_one_claimed_by_settle(tmp_path: Path) 
         TimerChange.retry(b, fence=2, due_at=T0 + 50, error="HTTP 503"),
         TimerChange.park(c, fence=2, reason="HTTP 404"),
     ]
-    assert await store.settle(changes) == 3
+    assert await store.firing.settle(changes) == 3
     for ch in changes:
-        stored = await store.find(ch.timer.owner, ch.timer.key)
+        stored = await store.queries.find(ch.timer.owner, ch.timer.key)
         assert stored == ch.applied()
     await store.close()
 
@@ -168,30 +163,30 @@ async def test_each_settle_statement_stores_what_applied_answers(tmp_path: Path)
     (every field read back), on a timer with attempts, an error and a claim to carry or reset;
     ``done`` leaves a DONE tombstone out of the view. ``claim_due`` stores what a claim's
     ``applied()`` answers too."""
-    assert set(SETTLES) == set(get_args(get_type_hints(TimerChange)["kind"])) | {"done"} == set(_SETTLE_SET)
-    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=4)
+    assert set(SETTLES) == set(get_args(get_type_hints(TimerChange)["kind"])) | {"done"} == set(SETTLE_SET)
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=4)
     revisions: dict[str, int] = {}
     for kind, make in SETTLES.items():
         t = replace(timer(f"k-{kind}", 4, due_at=T0), rule=IntervalRule(every_ms=1000))
-        assert await store.put(t)
+        assert await store.view.put(t)
         claimed = TimerChange.claim(t, owner_key="me", fence=2, until=T0 + 10)
         assert (firing := claimed.applied()) is not None
         failed_once = TimerChange.retry(firing, fence=2, due_at=T0, error="HTTP 502")
         assert (pending := failed_once.applied()) is not None
-        assert await store.settle([claimed]) == 1 and await store.settle([failed_once]) == 1
-        (loaded,) = await store.claim_due({t.partition}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 20)
+        assert await store.firing.settle([claimed]) == 1 and await store.firing.settle([failed_once]) == 1
+        (loaded,) = await store.firing.claim_due({t.partition}, T0, 10, owner_key="me", fence=2, claim_until=T0 + 20)
         assert loaded == TimerChange.claim(pending, owner_key="me", fence=2, until=T0 + 20).applied()
         assert loaded.attempts == 1 and loaded.last_error == "HTTP 502" and loaded.claim is not None
         if kind == "resume":
-            assert await store.settle([TimerChange.park(loaded, fence=2, reason="HTTP 404")]) == 1
-            (loaded,) = await store.scan(status=TimerStatus.PARKED, partitions={t.partition})
+            assert await store.firing.settle([TimerChange.park(loaded, fence=2, reason="HTTP 404")]) == 1
+            (loaded,) = await store.queries.scan(status=TimerStatus.PARKED, partitions={t.partition})
         change = make(loaded)
-        assert await store.settle([change]) == 1
-        assert await store.find(t.owner, t.key) == change.applied(), kind
+        assert await store.firing.settle([change]) == 1
+        assert await store.queries.find(t.owner, t.key) == change.applied(), kind
         revisions[kind] = loaded.revision
     with sqlite3.connect(tmp_path / "wowd.db") as conn:
         row = conn.execute(
-            f"SELECT status, claim_owner_key, claim_fence, claim_until, revision FROM {table_name(CTX)}"
+            f"SELECT status, claim_owner_key, claim_fence, claim_until, revision FROM {timer_table(CTX)}"
             " WHERE \"key\" = 'k' AND owner_id = 'k-done'"
         ).fetchone()
     assert row == ("DONE", None, None, None, revisions["done"] + 1)
@@ -201,7 +196,7 @@ async def test_each_settle_statement_stores_what_applied_answers(tmp_path: Path)
 async def test_the_due_read_is_one_merge_over_the_partial_index(tmp_path: Path) -> None:
     """Each arm of the compound statement reads the partial index in order and SQLite merges
     them (no sort of every due timer): the read costs about ``limit`` rows however many are due."""
-    store = EmbeddedTimerStore(tmp_path / "wowd.db", context=CTX, partitions=DUE_ARMS)
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=DUE_ARMS)
     await store.prepare()
     sql = due_union_sql(CTX, DUE_ARMS, 10)
     conn = sqlite3.connect(tmp_path / "wowd.db")
@@ -298,8 +293,8 @@ def test_writers_of_one_file_share_one_write_lock(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the loop
 
 
-class CountingTimers(EmbeddedTimerStore):
-    """The embedded store, counting the calls the loop makes."""
+class CountingTimers(EmbeddedTimerFiring):
+    """The embedded firing store, counting the calls the loop makes."""
 
     def __init__(self, *args: Any, expect_fired: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -329,28 +324,28 @@ async def test_the_loop_claims_with_one_call_per_round_and_fires_each_timer_once
     """On the embedded store a round is ``claim_due`` (no ``due``, no claim ``settle``), the
     delivery under the slot's fence and owner key, the outcomes settled in bulk."""
     n, parts = 250, 8
-    store = CountingTimers(tmp_path / "wowd.db", context=CTX, partitions=parts, expect_fired=n)
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=parts, firing=CountingTimers, expect_fired=n)
     box = EmbeddedOutbox(tmp_path / "wowd.db")
     now = int(time.time() * 1000)
     timers = [timer(f"l-{i}", parts, due_at=now - 1000 + i, aggregate=TYPES[i % 3]) for i in range(n)]
     for t in timers:
-        assert await store.put(t)
+        assert await store.view.put(t)
     held = held_slot(parts, fence=3)
-    loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100))
+    loop = timer_loop(store.firing, OutboxGateway(box), TimerSettings(batch=100))
     try:
         with anyio.fail_after(20):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, caught_up_waker())
-                await store.all_fired.wait()
+                await store.firing.all_fired.wait()
                 held.request_stop()
-        assert await store.scan(limit=10) == []  # every timer settled (fired: deleted)
+        assert await store.queries.scan(limit=10) == []  # every timer settled (fired: deleted)
         entries = await box.entries(limit=1000)
         assert sorted(e.request_id for e in entries) == sorted(t.request_id for t in timers)
         assert {(e.fence, e.owner_key) for e in entries} == {(3, "me")}
-        assert store.calls["due"] == 0
-        assert store.calls["claim_due"] >= 3  # batches of 100
+        assert store.firing.calls["due"] == 0
+        assert store.firing.calls["claim_due"] >= 3  # batches of 100
         # the outcomes in bulk (groups as they come), not one write per timer
-        assert 1 <= store.calls["settle"] <= 2 * store.calls["claim_due"]
+        assert 1 <= store.firing.calls["settle"] <= 2 * store.firing.calls["claim_due"]
     finally:
         await store.close()
         await box.close()

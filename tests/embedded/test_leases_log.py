@@ -22,8 +22,11 @@ from wowd.daemon.leases import check_store_clock, clock_disagreement
 from wowd.errors import ConfigError, FormatError
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, SlotLease, partition
 from wowd.stores.base import ClockReading, Ddl, OwnerProbe, ReplicaInfo
-from wowd.stores.embedded import EmbeddedLog, EmbeddedOutbox, EmbeddedSlotLeaseStore, SqliteDatabase
 from wowd.stores.embedded import log as log_module
+from wowd.stores.embedded.db import SqliteDatabase
+from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
+from wowd.stores.embedded.log import EmbeddedLog
+from wowd.stores.embedded.outbox import EmbeddedOutbox
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
@@ -46,9 +49,9 @@ def commit(agg_id: str, version: int = 1) -> Commit:
 
 def test_importing_the_embedded_backend_loads_no_mongodb_or_elasticsearch_driver() -> None:
     code = (
-        "import sys, wowd.stores.embedded\n"
-        "from wowd.stores.embedded import (EmbeddedEventSink, EmbeddedLog, EmbeddedOutbox,\n"
-        "    EmbeddedSlotLeaseStore, EmbeddedSnapshotStore, EmbeddedTimerStore, open_embedded)\n"
+        "import sys, pkgutil, importlib, wowd.stores.embedded\n"
+        "for m in pkgutil.iter_modules(wowd.stores.embedded.__path__):\n"
+        "    importlib.import_module('wowd.stores.embedded.' + m.name)\n"
         "drivers = ('pymongo', 'bson', 'motor', 'elasticsearch', 'elastic_transport')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in drivers)\n"
         "print(bad)\n"
@@ -488,7 +491,9 @@ async def test_open_embedded_builds_every_store_on_the_file(tmp_path: Path) -> N
         SlotLeaseStore,
         SnapshotRebuildStore,
         SnapshotStore,
-        TimerStore,
+        TimerFiring,
+        TimerQueries,
+        TimerView,
     )
     from wowd.stores.embedded import open_embedded
 
@@ -497,7 +502,8 @@ async def test_open_embedded_builds_every_store_on_the_file(tmp_path: Path) -> N
     try:
         assert backend.name == "embedded"
         assert isinstance(backend.log, Log) and isinstance(backend.leases, SlotLeaseStore)
-        assert isinstance(backend.timers, TimerStore) and isinstance(backend.outbox, Outbox)
+        assert isinstance(backend.timers, TimerView) and isinstance(backend.outbox, Outbox)
+        assert isinstance(backend.firing, TimerFiring) and isinstance(backend.timer_queries, TimerQueries)
         assert isinstance(backend.snapshots, SnapshotStore) and isinstance(backend.rebuilds, SnapshotRebuildStore)
         assert backend.log.context == "shop" and backend.log.partitions == 4
         sink = backend.sink(AggregateType(context="shop", aggregate="order"))

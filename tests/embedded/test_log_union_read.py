@@ -11,7 +11,8 @@ import pytest
 
 from wowd.model import AggregateRef, Commit, DomainEvent, LogBatch, Position, partition
 from wowd.stores.embedded import log as embedded_log
-from wowd.stores.embedded.log import READ_ARMS, SCHEMA, EmbeddedLog, read_plan, read_sql
+from wowd.stores.embedded.log import READ_ARMS, EmbeddedLog, read_plan, read_sql
+from wowd.stores.embedded.schema import LOG_SCHEMA
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
@@ -73,7 +74,7 @@ def test_read_plan_groups_at_most_read_arms_partitions() -> None:
 def test_read_sql_merges_the_arms_in_index_order_without_a_sort(arms: int) -> None:
     conn = sqlite3.connect(":memory:")
     try:
-        for statement in SCHEMA:
+        for statement in LOG_SCHEMA:
             conn.execute(statement)
         params = ("ctx", *(0,) * (2 * arms))
         steps = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + read_sql(arms, 10), params)]

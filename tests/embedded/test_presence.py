@@ -10,7 +10,7 @@ import pytest
 
 from wowd.model import Owner
 from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo
-from wowd.stores.embedded import EmbeddedSlotLeaseStore
+from wowd.stores.embedded.leases import EmbeddedSlotLeaseStore
 from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio

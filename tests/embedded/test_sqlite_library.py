@@ -144,7 +144,7 @@ def test_the_compound_reads_write_their_limit_into_the_statement() -> None:
     # bound parameter (about 0.5-1 ms for 64 arms, ten times the read): the log's and the due
     # reads write it, rounded up for the due read so that a few texts serve every limit
     from wowd.stores.embedded.log import read_sql
-    from wowd.stores.embedded.timer_sql import due_union_sql, statement_limit
+    from wowd.stores.embedded.timer_firing import due_union_sql, statement_limit
 
     assert read_sql(64, 500).endswith("ORDER BY seq LIMIT 500")
     assert due_union_sql("ctx", 64, 1024).endswith("LIMIT 1024")

@@ -7,15 +7,18 @@ import time
 import uuid
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.timer_rebuild import TimerRebuilder
 from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.stores.base import TIMER_VIEW_REBUILD, Backend
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
 from wowd.stores.embedded.timer_rebuild import may_write_timers
+from wowd.stores.timer_rebuild import Finished
 
 pytestmark = pytest.mark.anyio
 
@@ -63,14 +66,14 @@ async def test_only_the_aggregate_asked_is_rebuilt_the_others_kept_as_they_are(t
         report = await TimerRebuilder(settings, backend, progress=lines.append).run()
         assert report.swapped and report.statuses == {"PENDING": 2, "CANCELLED": 1}
         assert lines[0].startswith(f"rebuild of the timer view of context {CTX!r}: replaying 4 commits")
-        (cart,) = [t for t in await backend.timers.scan(limit=10) if t.owner.aggregate == "cart"]
-        assert await backend.timers.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
+        (cart,) = [t for t in await backend.timer_queries.scan(limit=10) if t.owner.aggregate == "cart"]
+        assert await backend.firing.settle([TimerChange.park(cart, fence=0, reason="kept")]) == 1
         with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
             conn.execute(f"DELETE FROM wow_timer__{CTX} WHERE aggregate = 'order'")
 
         report = await TimerRebuilder(settings, backend).run(aggregate="order")
         assert report.swapped and report.statuses == {"PENDING": 1, "CANCELLED": 1}  # the order type's
-        by_owner = {t.owner.id: t for t in await backend.timers.scan(limit=10)}
+        by_owner = {t.owner.id: t for t in await backend.timer_queries.scan(limit=10)}
         assert set(by_owner) == {"o-1", "c-1"}
         assert by_owner["o-1"].status is TimerStatus.PENDING
         assert by_owner["c-1"].status is TimerStatus.PARKED and by_owner["c-1"].last_error == "kept"
@@ -100,37 +103,51 @@ async def test_expired_timers_are_failed_not_fired_unless_asked(tmp_path: Path) 
         )
         report = await TimerRebuilder(settings, backend).run(dry_run=True, fire_expired=True)
         assert (report.expired, report.statuses, report.swapped) == (0, {"PENDING": 2}, False)
-        assert await backend.timers.scan(limit=10) == []  # a dry run changes nothing
+        assert await backend.timer_queries.scan(limit=10) == []  # a dry run changes nothing
         report = await TimerRebuilder(settings, backend).run()
         assert (report.expired, report.statuses) == (1, {"PENDING": 1, "FAILED": 1})
         assert [(e[1], e[2]) for e in report.expired_listed] == [(f"{CTX}.order/o-1 (tenant (0))", "k")]
-        (failed,) = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+        (failed,) = await backend.timer_queries.scan(status=TimerStatus.FAILED, limit=10)
         assert failed.owner.id == "o-1" and (failed.last_error or "").startswith("expired, state unknown")
     finally:
         await backend.close()
+
+
+def rebuild_of(settings: WowdSettings, backend: Backend) -> Any:
+    """The embedded backend's rebuild of the whole timer view (:data:`TIMER_VIEW_REBUILD`), with
+    the feed's projection."""
+    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
+
+    rebuilds = backend.capability(TIMER_VIEW_REBUILD)
+    assert rebuilds is not None
+    return rebuilds.rebuild(project=project_for(settings, None), consumer=timer_view_consumer(), aggregate=None)
+
+
+async def replayed(engine: Any, batch_size: int) -> list[int]:
+    """Locks, begins and replays the log to its end in batches of ``batch_size`` (in process):
+    the commits of each batch."""
+    await engine.acquire(60)
+    await engine.begin()
+    return [n async for n in engine.replay(batch_size=batch_size, workers=0)]
+
+
+async def nothing() -> None:
+    """The finishing transaction's tick: the embedded one pauses the writers itself."""
 
 
 async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further(tmp_path: Path) -> None:
     """What the feed applied after the replay read the log is read again in the finishing
     transaction, up to the timer view's checkpoint of each partition: the view swapped in is
     where the feed continues (a commit past the checkpoint is left to the feed)."""
-    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
-    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
+    from wowd.daemon.timer_rebuild import timer_view_consumer
 
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
     try:
         await backend.log.append_many([_commit("order", "o-1", _scheduled("order", "o-1", "k"))])
-        timers = backend.timers
-        assert isinstance(timers, EmbeddedTimerStore)
-        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
-        await engine.acquire(60)
-        await engine.begin()
-        n, last, entries = await engine.read(0, 100)
-        assert n == 1
-        project = project_for(settings, None)
-        await engine.write(project(entries))
+        engine = rebuild_of(settings, backend)
+        assert await replayed(engine, 100) == [1]
+        last = 1
         # meanwhile: two more commits, the feed applied (checkpointed) the first of them only
         await backend.log.append_many(
             [
@@ -138,14 +155,12 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
                 _commit("order", "o-3", _scheduled("order", "o-3", "k")),
             ]
         )
-        await backend.log.save_checkpoints(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
+        await backend.checkpoints.save_all(timer_view_consumer(), {0: {"seq": last + 1}}, 1)
         result = Finished()
         await engine.carry_over(expired_before=None, result=result)
-        await engine.finish(
-            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
-        )
+        await engine.finish(swap=True, result=result, tick=nothing)
         assert result.swapped and result.caught_up == 1 and result.checkpoints == {0: last + 1}
-        assert sorted(t.owner.id for t in await backend.timers.scan(limit=10)) == ["o-1", "o-2"]
+        assert sorted(t.owner.id for t in await backend.timer_queries.scan(limit=10)) == ["o-1", "o-2"]
         await engine.release()
         await engine.close()
     finally:
@@ -153,10 +168,6 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
 
 
 async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_swap(tmp_path: Path) -> None:
-    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
-    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
-
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
     try:
@@ -164,23 +175,15 @@ async def test_a_change_of_the_live_view_after_the_carry_over_is_carried_by_the_
             [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(3)]
         )
         await TimerRebuilder(settings, backend).run()  # the live view
-        timers = backend.timers
-        assert isinstance(timers, EmbeddedTimerStore)
-        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
-        await engine.acquire(60)
-        await engine.begin()
-        n, last, entries = await engine.read(0, 100)
-        project = project_for(settings, None)
-        await engine.write(project(entries))
+        engine = rebuild_of(settings, backend)
+        assert await replayed(engine, 100) == [3]
         result = Finished()
         await engine.carry_over(expired_before=None, result=result)
         # the timer loop parks one after the carry-over, before the swap
-        (t,) = [t for t in await timers.scan(limit=10) if t.owner.id == "o-1"]
-        assert await timers.settle([TimerChange.park(t, fence=0, reason="late change")]) == 1
-        await engine.finish(
-            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
-        )
-        (parked,) = await timers.scan(status=TimerStatus.PARKED, limit=10)
+        (t,) = [t for t in await backend.timer_queries.scan(limit=10) if t.owner.id == "o-1"]
+        assert await backend.firing.settle([TimerChange.park(t, fence=0, reason="late change")]) == 1
+        await engine.finish(swap=True, result=result, tick=nothing)
+        (parked,) = await backend.timer_queries.scan(status=TimerStatus.PARKED, limit=10)
         assert parked.owner.id == "o-1" and parked.last_error == "late change"
         await engine.release()
         await engine.close()
@@ -230,8 +233,7 @@ async def test_a_replay_by_a_pool_of_processes_builds_the_view_a_replay_in_proce
 async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_context(tmp_path: Path) -> None:
     """Each read of a replay starts where the last one ended on the log's primary key: a read
     through an index of the context would go over all of its commits, every batch."""
-    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, rows_between
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
+    from wowd.stores.embedded.timer_rebuild import rows_between
 
     settings = WowdSettings(context=CTX, partitions=4, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
@@ -239,21 +241,20 @@ async def test_a_replays_reads_walk_the_log_by_seq_not_by_an_index_of_the_whole_
         await backend.log.append_many(
             [_commit("order", f"o-{i}", _scheduled("order", f"o-{i}", "k")) for i in range(5)]
         )
-        assert isinstance(backend.timers, EmbeddedTimerStore)
-        engine = EmbeddedTimerRebuild(settings.embedded.path, timers=backend.timers)
+        engine = rebuild_of(settings, backend)
         statements: list[str] = []
-        engine._reader.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+        engine._reader.run_sync(lambda conn: conn.set_trace_callback(statements.append))  # type: ignore[attr-defined]
         try:
-            n, last, entries = await engine.read(0, 3)
-            assert (n, last, len(entries)) == (3, 3, 3)
+            assert await replayed(engine, 3) == [3, 2]
         finally:
+            await engine.release()
             await engine.close()
         with closing(sqlite3.connect(settings.embedded.path, isolation_level=None)) as conn:
             conn.set_trace_callback(statements.append)
             assert [r[0] for r in rows_between(conn, CTX, 3, 5)] == [4, 5]
             conn.set_trace_callback(None)
             reads = [s for s in statements if s.startswith("SELECT") and "FROM log" in s]
-            assert len(reads) == 2
+            assert len(reads) == 4  # the replay's three (the last finds nothing) and the one here
             for statement in reads:
                 plan = " ".join(str(r[3]) for r in conn.execute(f"EXPLAIN QUERY PLAN {statement}"))
                 assert "USING INTEGER PRIMARY KEY" in plan and "TEMP B-TREE" not in plan, plan
@@ -266,17 +267,12 @@ async def test_a_claim_taken_before_the_swap_is_not_settled_onto_a_newer_row_of_
     claimed one. Settled after the swap, the claim (guarded by the revision it was claimed at)
     finds a revision past it and writes nothing: the cancelled timer stays cancelled, never
     released to fire."""
-    from wowd.daemon.timer_rebuild import project_for, timer_view_consumer
-    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild, Finished
-    from wowd.stores.embedded.timers import EmbeddedTimerStore
-
     settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
     backend = await open_embedded(settings)
     try:
         await backend.log.append_many([_commit("order", "o-1", _scheduled("order", "o-1", "k"))])
         await TimerRebuilder(settings, backend).run()  # the live view, as the feed left it
-        timers = backend.timers
-        assert isinstance(timers, EmbeddedTimerStore)
+        timers = backend.firing
         (claimed,) = await timers.claim_due(
             frozenset({0}),
             int(time.time() * 1000) + 7_200_000,
@@ -288,20 +284,11 @@ async def test_a_claim_taken_before_the_swap_is_not_settled_onto_a_newer_row_of_
         # a cancel appended, not applied by the feed yet; the rebuild's replay reads it
         cancel = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
         await backend.log.append_many([_commit("order", "o-1", cancel, version=2)])
-        engine = EmbeddedTimerRebuild(timers.path, timers=timers)
-        await engine.acquire(60)
-        await engine.begin()
-        project = project_for(settings, None)
-        last = 0
-        for _ in range(2):  # the put and the cancel in batches of their own
-            n, last, entries = await engine.read(last, 1)
-            assert n == 1
-            await engine.write(project(entries))
+        engine = rebuild_of(settings, backend)
+        assert await replayed(engine, 1) == [1, 1]  # the put and the cancel in batches of their own
         result = Finished()
         await engine.carry_over(expired_before=None, result=result)
-        await engine.finish(
-            {0: last}, consumer=timer_view_consumer(), project=project, aggregate=None, swap=True, result=result
-        )
+        await engine.finish(swap=True, result=result, tick=nothing)
         assert result.swapped
         release = TimerChange.release(claimed, fence=1, due_at=int(time.time() * 1000), reason="changed")
         assert await timers.settle([release]) == 0

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.timer_stores import embedded_timers
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import (
     AggregateRef,
@@ -22,8 +23,8 @@ from wowd.model import (
 )
 from wowd.stores.embedded.db import SqliteDatabase
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import due_sql, merge_due
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import due_sql
+from wowd.stores.embedded.timer_rows import merge_due
 
 pytestmark = pytest.mark.anyio
 
@@ -59,32 +60,32 @@ def sql(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[Any]:
 
 
 async def test_timer_store_refuses_a_registry_of_another_format(db_path: Path) -> None:
-    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
-    await store.put(timer("a"))
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    await store.view.put(timer("a"))
     await store.close()
     sql(db_path, "UPDATE wow_timer_aggregate SET format = 4 WHERE collection = ?", ("wow_timer__ctx__order",))
-    again = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    again = embedded_timers(db_path, context=CTX, partitions=N)
     with pytest.raises(FormatError, match="wow_timer__ctx__order.*format 4"):
         await again.prepare()
     await again.close()
     # another context on the same file is not concerned
-    other = EmbeddedTimerStore(db_path, context="other", partitions=N)
+    other = embedded_timers(db_path, context="other", partitions=N)
     await other.prepare()
     await other.close()
 
 
 async def test_timer_store_refuses_a_timer_outside_its_owners_partition_or_context(db_path: Path) -> None:
-    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    store = embedded_timers(db_path, context=CTX, partitions=N)
     t = timer("a")
     with pytest.raises(InvalidInput, match="partition"):
-        await store.put(replace(t, partition=t.partition + 1))
+        await store.view.put(replace(t, partition=t.partition + 1))
     with pytest.raises(InvalidInput, match="context"):
-        await store.find(AggregateRef(context="other", aggregate="order", id="a"), "k")
+        await store.queries.find(AggregateRef(context="other", aggregate="order", id="a"), "k")
     await store.close()
 
 
 async def test_due_reads_each_partition_over_the_partial_index(db_path: Path) -> None:
-    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    store = embedded_timers(db_path, context=CTX, partitions=N)
     await store.prepare()
     plan = sql(db_path, "EXPLAIN QUERY PLAN " + due_sql(CTX), (1, T0))
     detail = " ".join(str(r[-1]) for r in plan)
@@ -98,22 +99,26 @@ async def test_due_timers_are_read_in_one_statement_and_a_blob_another_program_w
     """The due rows come as one value built by SQLite; a row holding a value JSON cannot hold
     (a BLOB) makes the read go row by row: the claim takes the other due timers and sets that
     one FAILED."""
-    store = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    store = embedded_timers(db_path, context=CTX, partitions=N)
     try:
         ids = [f"o{i}" for i in range(6)]
         for i in ids:
-            await store.put(timer(i, due_at=T0 + int(i[1:])))
+            await store.view.put(timer(i, due_at=T0 + int(i[1:])))
         statements: list[str] = []
-        store._db.run_sync(lambda conn: conn.set_trace_callback(statements.append))
-        first = await store.claim_due(set(range(N)), T0 + 100, 3, owner_key="me", fence=1, claim_until=T0 + 10_000)
+        store.view._db.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+        first = await store.firing.claim_due(
+            set(range(N)), T0 + 100, 3, owner_key="me", fence=1, claim_until=T0 + 10_000
+        )
         assert [t.owner.id for t in first] == ids[:3]
         assert sum(s.startswith("SELECT json_group_array(") for s in statements) == 1
         sql(db_path, "UPDATE wow_timer__ctx SET target_id = CAST(target_id AS BLOB) WHERE owner_id = 'o4'")
-        rest = await store.claim_due(set(range(N)), T0 + 100, 10, owner_key="me", fence=1, claim_until=T0 + 10_000)
+        rest = await store.firing.claim_due(
+            set(range(N)), T0 + 100, 10, owner_key="me", fence=1, claim_until=T0 + 10_000
+        )
         assert sorted(t.owner.id for t in rest) == ["o3", "o5"]  # o4 cannot be decoded: FAILED
         assert sql(db_path, "SELECT status FROM wow_timer__ctx WHERE owner_id = 'o4'") == [("FAILED",)]
     finally:
-        store._db.run_sync(lambda conn: conn.set_trace_callback(None))
+        store.view._db.run_sync(lambda conn: conn.set_trace_callback(None))
         await store.close()
 
 
@@ -129,15 +134,15 @@ def test_merge_due_takes_the_first_rows_of_sorted_streams() -> None:
 
 async def test_two_connections_on_one_file_share_timers(db_path: Path) -> None:
     db = SqliteDatabase(db_path)
-    a = EmbeddedTimerStore(db, context=CTX, partitions=N)
-    b = EmbeddedTimerStore(db_path, context=CTX, partitions=N)
+    a = embedded_timers(db, context=CTX, partitions=N)
+    b = embedded_timers(db_path, context=CTX, partitions=N)
     t = timer("shared")
-    assert await a.put(t)
-    (due,) = await b.due({t.partition}, T0, 10)
+    assert await a.view.put(t)
+    (due,) = await b.firing.due({t.partition}, T0, 10)
     assert due == t
-    assert await b.settle([TimerChange.claim(due, owner_key="b", fence=1, until=T0 + 10)]) == 1
+    assert await b.firing.settle([TimerChange.claim(due, owner_key="b", fence=1, until=T0 + 10)]) == 1
     # a's copy as loaded moved on
-    assert await a.settle([TimerChange.claim(due, owner_key="a", fence=1, until=T0 + 10)]) == 0
+    assert await a.firing.settle([TimerChange.claim(due, owner_key="a", fence=1, until=T0 + 10)]) == 0
     await a.close()
     await b.close()
     # a store closes only what it opened: the shared database still answers

@@ -43,17 +43,18 @@ async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: P
     await backend.log.append_many([timer_commit(o, 1, ["k"], due_at=due) for o in OWNERS])
     held = await hold_slot(backend, PARTS, "a")
     waker = Waker()
-    loop = timer_loop(
-        backend.timers, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
+    loop = timer_loop(backend.firing, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
         nudge=backend.log.nudge,
     )  # fmt: skip
 
     async def all_claimed() -> bool:
-        return len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) == len(OWNERS)
+        return len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)) == len(OWNERS)
 
     async def all_settled() -> bool:
         # each timer fired (delivered, then gone from the view) or cancelled (gone)
-        return await backend.outbox.count() >= len(OWNERS) - len(CANCELLED) and not await backend.timers.scan(limit=20)
+        return await backend.outbox.count() >= len(OWNERS) - len(CANCELLED) and not await backend.timer_queries.scan(
+            limit=20
+        )
 
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:

@@ -171,7 +171,7 @@ async def test_the_fire_rule(rig: Rig) -> None:
         return waker.watermark is not None  # the loop fires nothing before
 
     async def viewed() -> bool:
-        return {t.owner.id for t in await rig.backend.timers.scan(limit=20)} >= set(OWNERS)
+        return {t.owner.id for t in await rig.backend.timer_queries.scan(limit=20)} >= set(OWNERS)
 
     async def delivered_now() -> set[tuple[str, int]]:
         return set(await rig.delivered())
@@ -218,10 +218,10 @@ async def test_the_fire_rule(rig: Rig) -> None:
         held.request_stop()
     delivered = await rig.delivered()
     assert sorted(delivered) == sorted(expected), "each once; never the cancelled, the misfired or the moved's v1"
-    assert await rig.backend.timers.scan(limit=20) == []
+    assert await rig.backend.timer_queries.scan(limit=20) == []
 
     # a replay of the whole log re-delivers nothing
-    assert await reset_view(log, view_named(TIMERS), range(PARTS), held.fence)
+    assert await reset_view(rig.backend.checkpoints, view_named(TIMERS), range(PARTS), held.fence)
     replay = await _hold(rig.backend)
     waker = Waker(partitions=range(PARTS))
     feeder = Feeder(rig.settings, rig.backend)

@@ -19,6 +19,7 @@ from prometheus_client import REGISTRY
 from tests.factories import CONTEXT, Recorder, eventually, now_ms, timer
 from tests.firing.conftest import PARTS
 from tests.helpers import caught_up_waker, firing, held_slot
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import TimerSettings
 from wowd.delivery import OutboxGateway
 from wowd.delivery.outcomes import Delivered, Fail, Outcome
@@ -26,7 +27,6 @@ from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import HistoryKind, HistoryRecord, OnceRule, Timer, TimerStatus
 from wowd.stores.embedded.history import EmbeddedTimerHistory
 from wowd.stores.embedded.outbox import EmbeddedOutbox
-from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -64,13 +64,13 @@ class History:
 
 
 async def fire(
-    store: EmbeddedTimerStore, gateway: Recorder, history: Any, *groups: list[Timer], expect: int | None = None
+    store: EmbeddedTimers, gateway: Recorder, history: Any, *groups: list[Timer], expect: int | None = None
 ) -> None:
     """One slot's claim, deliver and settle loop firing ``groups`` one after the other (each
     stored once the one before was delivered, so that each is a settle group of its own; ``expect``:
     how many of a single group are delivered, when not all)."""
     settings = TimerSettings(tombstone_retention_s=RETENTION_S)
-    loop = replace(firing(store, gateway, settings), history=history).loop()
+    loop = replace(firing(store.firing, gateway, settings), history=history).loop()
     held = held_slot(PARTS)
     fired = 0
     with anyio.fail_after(10):
@@ -78,17 +78,17 @@ async def fire(
             await tg.start(loop.run, held, caught_up_waker())
             for group in groups:
                 for t in group:
-                    assert await store.put(t)
+                    assert await store.view.put(t)
                 fired += len(group) if expect is None else expect
                 await gateway.until_fired(fired)
                 await eventually(partial(settled, store, group), 5, "the group settled")
             held.request_stop()
 
 
-async def settled(store: EmbeddedTimerStore, group: list[Timer]) -> bool:
+async def settled(store: EmbeddedTimers, group: list[Timer]) -> bool:
     """Every timer of ``group`` settled after its attempt (done, or failed for good)."""
     for t in group:
-        stored = await store.find(t.owner, t.key)
+        stored = await store.queries.find(t.owner, t.key)
         if stored is not None and (stored.claim is not None or stored.status is not TimerStatus.FAILED):
             return False
     return True
@@ -100,7 +100,7 @@ def answers(t: Timer) -> Outcome:
     return Delivered(status=202, latency_ms=3.25, answer="{}")
 
 
-async def test_each_attempt_is_recorded_with_what_the_gateway_saw(store: EmbeddedTimerStore) -> None:
+async def test_each_attempt_is_recorded_with_what_the_gateway_saw(store: EmbeddedTimers) -> None:
     history = History()
     due = now_ms()
     ok, refused = timer("o-ok", due, partitions=PARTS), timer("o-refused", due, partitions=PARTS)
@@ -127,7 +127,7 @@ async def test_each_attempt_is_recorded_with_what_the_gateway_saw(store: Embedde
 
 
 async def test_an_occurrence_skipped_past_its_misfire_grace_is_recorded_with_the_reason(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     history = History()
     hour_ago = now_ms() - 3_600_000
@@ -143,7 +143,7 @@ async def test_an_occurrence_skipped_past_its_misfire_grace_is_recorded_with_the
 
 
 async def test_records_the_history_store_could_not_take_are_written_with_the_next_settle_group(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     history = History()
     history.refusals.append(StorageUnavailable("history: the server did not answer"))
@@ -159,7 +159,7 @@ async def test_records_the_history_store_could_not_take_are_written_with_the_nex
 
 
 async def test_records_a_history_store_refuses_are_counted_and_the_timers_fire_all_the_same(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     history = History()
     history.refusals.append(StorageError("history: not authorized on wowd to execute command update"))
@@ -176,14 +176,16 @@ async def test_records_a_history_store_refuses_are_counted_and_the_timers_fire_a
 
 async def test_the_outbox_shortcut_records_each_rounds_attempts_for_as_long_as_tombstones_are(tmp_path: Path) -> None:
     path = tmp_path / "wowd.db"
-    store = EmbeddedTimerStore(path, context=CONTEXT, partitions=PARTS)
+    store = embedded_timers(path, context=CONTEXT, partitions=PARTS)
     box, history = EmbeddedOutbox(path), EmbeddedTimerHistory(path, context=CONTEXT)
     try:
         ts = [timer(f"o-{i}", now_ms(), partitions=PARTS) for i in range(3)]
         for t in ts:
-            assert await store.put(t)
+            assert await store.view.put(t)
         settings = TimerSettings(tombstone_retention_s=RETENTION_S)
-        loop = replace(firing(store, OutboxGateway(box), settings, shortcut=store), history=history).loop()
+        loop = replace(
+            firing(store.firing, OutboxGateway(box), settings, shortcut=store.firing), history=history
+        ).loop()
         held = held_slot(PARTS)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:

@@ -90,12 +90,12 @@ async def test_a_timer_whose_owner_has_a_commit_above_its_version_is_left_for_th
     fired, left_n = await fire(backend, due - 1)
     assert (len(fired), left_n) == (4, 2)
     assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
-    left = await backend.timers.scan(limit=10)
+    left = await backend.timer_queries.scan(limit=10)
     assert sorted(t.owner.id for t in left) == ["o-0", "o-1"] and {t.status for t in left} == {TimerStatus.PENDING}
     # the feed applies the cancels: nothing is left to fire
     await feed_to_head(tmp_path, backend, await hold(backend))
     assert await fire(backend, due - 1) == ([], 0)
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
     assert await owners_fired(backend) == [f"o-{i}" for i in range(2, 6)]
 
 
@@ -137,7 +137,7 @@ async def test_only_commits_of_the_timers_own_aggregate_hold_it_back(tmp_path: P
     others = [timer_commit(agg, v, []) for agg in same[2:5] for v in (1, 2)]
     await backend.log.append_many([*others, timer_commit(same[1], 1, []), commit(same[1], 2, cancelled())])
     assert await owners_after(backend, due - 1) == ([same[0]], 1)
-    [left] = await backend.timers.scan(limit=10)
+    [left] = await backend.timer_queries.scan(limit=10)
     assert left.owner.id == same[1]
 
 
@@ -194,7 +194,7 @@ async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancel
             await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(6)])
 
             async def viewed(n: int) -> bool:
-                return len(await backend.timers.scan(limit=10)) == n
+                return len(await backend.timer_queries.scan(limit=10)) == n
 
             await eventually(lambda: viewed(6), 10, "six timers in the view")
             gate["hold"] = True
@@ -208,7 +208,7 @@ async def test_the_loop_fires_on_time_while_the_feed_is_stuck_and_never_a_cancel
             assert int(time.time() * 1000) >= due
             assert waker.watermark is not None and waker.watermark < due
             assert await owners_fired(backend) == [f"o-{i}" for i in range(1, 6)]
-            [left] = await backend.timers.scan(limit=10)
+            [left] = await backend.timer_queries.scan(limit=10)
             assert left.owner.id == "o-0"
             gate["hold"] = False
             gate["release"].set()

@@ -15,11 +15,11 @@ from prometheus_client import REGISTRY
 from tests.factories import Recorder, eventually, now_ms, timer
 from tests.firing.conftest import PARTS
 from tests.helpers import held_slot, timer_loop
+from tests.timer_stores import EmbeddedTimers
 from wowd.daemon import firing
 from wowd.daemon.firing import CHANGED, NOT_READ
 from wowd.daemon.waker import Waker, owner_key
 from wowd.stores.base import OwnerProbe
-from wowd.stores.embedded.timers import EmbeddedTimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -47,12 +47,12 @@ def frozen_feed(idle_ms: int = 5_000) -> Waker:
     return w
 
 
-async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermark(store: EmbeddedTimerStore) -> None:
+async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermark(store: EmbeddedTimers) -> None:
     due = now_ms() + 400
-    await store.put(timer("o-1", due, partitions=PARTS))
+    await store.view.put(timer("o-1", due, partitions=PARTS))
     gate, gateway, waker = Gate(set()), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway, gate=gate)
+    loop = timer_loop(store.firing, gateway, gate=gate)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -65,17 +65,17 @@ async def test_a_due_timer_is_delivered_after_the_log_check_without_the_watermar
 
 
 async def test_a_timer_the_log_check_holds_back_is_settled_back_once_the_feed_reads_the_commit(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     due = now_ms() + 300
     t = timer("o-1", due, partitions=PARTS)
-    await store.put(t)
+    await store.view.put(t)
     gate, gateway, waker = Gate({0}), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway, gate=gate)
+    loop = timer_loop(store.firing, gateway, gate=gate)
 
     async def settled_back() -> bool:
-        stored = await store.find(t.owner, "k")
+        stored = await store.queries.find(t.owner, "k")
         return stored is not None and stored.last_error == CHANGED
 
     with anyio.fail_after(5):
@@ -108,14 +108,14 @@ class HeldGate(Gate):
 
 
 async def test_timers_under_the_log_check_are_counted_waiting_while_it_runs_and_no_more_after(
-    store: EmbeddedTimerStore,
+    store: EmbeddedTimers,
 ) -> None:
     due = now_ms() + 200
-    await store.put(timer("o-1", due, partitions=PARTS))
-    await store.put(timer("o-2", due, partitions=PARTS))
+    await store.view.put(timer("o-1", due, partitions=PARTS))
+    await store.view.put(timer("o-2", due, partitions=PARTS))
     gate, gateway, waker = HeldGate(set()), Recorder(), frozen_feed()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway, gate=gate)
+    loop = timer_loop(store.firing, gateway, gate=gate)
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -128,7 +128,7 @@ async def test_timers_under_the_log_check_are_counted_waiting_while_it_runs_and_
 
 
 async def test_a_timer_the_feed_never_reads_past_is_settled_back_undelivered_after_the_read_wait(
-    store: EmbeddedTimerStore, monkeypatch: pytest.MonkeyPatch
+    store: EmbeddedTimers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No log check, and a feed that read the log up to now and no further: the timer due within
     the lookahead is claimed, waits :data:`~wowd.daemon.firing.READ_WAIT_S` for the feed to read
@@ -138,13 +138,13 @@ async def test_a_timer_the_feed_never_reads_past_is_settled_back_undelivered_aft
     waker = frozen_feed(idle_ms=0)
     due = now_ms() + 100
     t = timer("o-1", due, partitions=PARTS)
-    await store.put(t)
+    await store.view.put(t)
     gateway = Recorder()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gateway)
+    loop = timer_loop(store.firing, gateway)
 
     async def settled_back() -> bool:
-        stored = await store.find(t.owner, "k")
+        stored = await store.queries.find(t.owner, "k")
         return stored is not None and stored.last_error == NOT_READ
 
     with anyio.fail_after(5):

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from tests.factories import CONTEXT, commit, eventually, ref, timer, timer_commit
 from tests.helpers import caught_up_waker, held_slot, timer_loop
+from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import (
     EmbeddedSettings,
     GatewaySettings,
@@ -34,7 +35,7 @@ from wowd.model import Command, IntervalRule, OnceRule, Timer
 from wowd.stores.base import Backend
 from wowd.stores.embedded.log import EmbeddedLog
 from wowd.stores.embedded.outbox import EmbeddedOutbox
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +43,7 @@ PARTS = 8
 TYPES = ("order", "cart", "invoice")
 
 
-class CountingTimers(EmbeddedTimerStore):
+class CountingTimers(EmbeddedTimerFiring):
     """Counts the firing calls and the timers they fire; ``all_fired`` once ``expect`` did."""
 
     def __init__(self, *args: Any, expect: int, **kwargs: Any) -> None:
@@ -105,21 +106,23 @@ def fired_metrics() -> dict[str, float]:
 
 async def run_loop(
     path: Path, ts: list[Timer], *, fast: bool
-) -> tuple[CountingTimers, EmbeddedOutbox, dict[str, float]]:
+) -> tuple[EmbeddedTimers, EmbeddedOutbox, dict[str, float]]:
     """One slot's timer loop (fence 3, owner key ``me``) until every timer of ``ts`` fired;
     answers the store, the outbox and the metrics it counted."""
-    store = CountingTimers(path, context=CONTEXT, partitions=PARTS, expect=len(ts))
+    store = embedded_timers(path, context=CONTEXT, partitions=PARTS, firing=CountingTimers, expect=len(ts))
     box = EmbeddedOutbox(path)
     for t in ts:
-        assert await store.put(t)
+        assert await store.view.put(t)
     held = held_slot(PARTS, fence=3)
-    loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store if fast else None)
+    loop = timer_loop(
+        store.firing, OutboxGateway(box), TimerSettings(batch=100), shortcut=store.firing if fast else None
+    )
     assert isinstance(loop.strategy, OutboxRounds if fast else ClaimDeliverSettle)
     before = fired_metrics()
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await store.all_fired.wait()
+            await store.firing.all_fired.wait()
             held.request_stop()
     after = fired_metrics()
     return store, box, {k: after[k] - before[k] for k in after}
@@ -132,8 +135,10 @@ async def test_the_loop_fires_due_timers_through_the_outbox_shortcut_as_the_step
     fast, fast_box, fast_metrics = await run_loop(tmp_path / "fast.db", ts, fast=True)
     try:
         # the shortcut: one call per batch of 100, no claim, no settle
-        assert fast.calls["fire_into_outbox"] >= 3 and fast.calls["settle"] == 0 and fast.claimed == 0
-        assert steps.calls["fire_into_outbox"] == 0 and steps.claimed == 250
+        assert (
+            fast.firing.calls["fire_into_outbox"] >= 3 and fast.firing.calls["settle"] == 0 and fast.firing.claimed == 0
+        )
+        assert steps.firing.calls["fire_into_outbox"] == 0 and steps.firing.claimed == 250
 
         # the same entries (request id, target, command, occurrence, fence, owner key)
         def entries(es: Any) -> set[tuple[Any, ...]]:
@@ -148,14 +153,14 @@ async def test_the_loop_fires_due_timers_through_the_outbox_shortcut_as_the_step
         def view(xs: list[Timer]) -> list[tuple[Any, ...]]:
             return sorted((t.timer_id, t.status, t.due_at, t.scheduled_at, t.fired, t.attempts, t.claim) for t in xs)
 
-        left = await fast.scan(limit=1000)
-        assert view(left) == view(await steps.scan(limit=1000))
+        left = await fast.queries.scan(limit=1000)
+        assert view(left) == view(await steps.queries.scan(limit=1000))
         assert {t.timer_id: t.scheduled_at for t in left} == {
             t.timer_id: t.scheduled_at + 3_600_000 for t in ts if isinstance(t.rule, IntervalRule)
         }
         for t in ts:  # a replay of the log changes nothing: no one-shot back, no occurrence reset
-            await fast.put(t)
-        assert view(await fast.scan(limit=1000)) == view(left)
+            await fast.view.put(t)
+        assert view(await fast.queries.scan(limit=1000)) == view(left)
         # the same counts
         assert fast_metrics == steps_metrics == {"billing.invoice": 250, "lag": 250}
     finally:
@@ -225,7 +230,7 @@ async def test_a_replica_fires_a_backlog_through_the_outbox_shortcut(tmp_path: P
     assert calls("settle") == before["settle"]
     entries = await backend.outbox.entries()
     assert len(entries) == 80 and len({e.request_id for e in entries}) == 80
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_has_not_applied(
@@ -236,17 +241,17 @@ async def test_an_outbox_round_leaves_a_timer_whose_owner_has_a_commit_the_feed_
     (a cancel the feed has not applied may be among them), however late it is by the clock."""
     now = int(time.time() * 1000)
     ts = timers(now, 10)  # due over [now - 1000, now - 991]
-    store = CountingTimers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, expect=10)
+    store = embedded_timers(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS, firing=CountingTimers, expect=10)
     box = EmbeddedOutbox(tmp_path / "wowd.db")
     log = EmbeddedLog(tmp_path / "wowd.db", context=CONTEXT, partitions=PARTS)
     try:
         for t in ts:
-            assert await store.put(t)
+            assert await store.view.put(t)
         # the owners of the last three have a second commit the view has not applied
         later = [commit(owner=t.owner, version=2, create_time=now) for t in ts[7:]]
         assert await log.append_many(later) == ["appended"] * 3
         held = held_slot(PARTS, fence=3)
-        loop = timer_loop(store, OutboxGateway(box), TimerSettings(batch=100), shortcut=store)
+        loop = timer_loop(store.firing, OutboxGateway(box), TimerSettings(batch=100), shortcut=store.firing)
         rounds = loop.strategy
         assert isinstance(rounds, OutboxRounds)
         waker = Waker()

@@ -24,7 +24,7 @@ from wowd.daemon.timer_plan import next_occurrence, outcome_changes
 from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
 from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
-from wowd.stores.base import Backend, TimerStore
+from wowd.stores.base import Backend, TimerQueries
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +55,7 @@ def scripted() -> Recorder:
     return Recorder(answer=lambda t: ANSWERS[t.target.id.split("-")[0]])
 
 
-async def run_until_settled(loop: TimerLoop, held: HeldSlot, gw: Recorder, timers: TimerStore, n: int) -> None:
+async def run_until_settled(loop: TimerLoop, held: HeldSlot, gw: Recorder, timers: TimerQueries, n: int) -> None:
     """Runs the slot's timer loop until ``n`` timers were sent and none of ``timers`` is claimed,
     then stops it."""
 
@@ -74,7 +74,6 @@ def due_timer(target: str, **fields: Any) -> Timer:
 
 
 async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
-    t = backend.timers
     timers = [
         due_timer("ok-1"),
         due_timer("ok-2", rule=IntervalRule(every_ms=60_000)),
@@ -84,18 +83,18 @@ async def test_timer_loop_settles_each_outcome(backend: Backend) -> None:
         due_timer("fail-1"),
     ]
     for x in timers:
-        assert await t.put(x)
+        assert await backend.timers.put(x)
     gw = scripted()
     held = await hold(backend)
     counters = (metrics.TIMERS_FIRED, metrics.TIMERS_RETRIED, metrics.TIMERS_PARKED, metrics.TIMERS_FAILED)
     before = [c.labels(target=f"{CONTEXT}.order")._value.get() for c in counters]
-    loop = timer_loop(t, gw, TimerSettings(max_attempts=10))
-    await run_until_settled(loop, held, gw, t, len(timers))
+    loop = timer_loop(backend.firing, gw, TimerSettings(max_attempts=10))
+    await run_until_settled(loop, held, gw, backend.timer_queries, len(timers))
     assert len(gw.sent) == len(timers)  # each delivered once
     assert {x.claim.fence for x in gw.sent if x.claim} == {held.fence}
 
     async def get(target: str) -> Timer | None:
-        return await t.find(ref(f"owner-{target}"), "k")
+        return await backend.timer_queries.find(ref(f"owner-{target}"), "k")
 
     assert await get("ok-1") is None  # once: deleted
     nxt = await get("ok-2")
@@ -118,24 +117,23 @@ async def test_no_delivery_starts_after_a_stop_and_the_claimed_are_released(back
     """Five claimed timers of one target delivered one at a time: the stop comes while the first
     is in flight; that one finishes and settles, none of the others is sent, and they are
     released, due again with no attempt spent."""
-    t = backend.timers
     for i in range(5):
-        assert await t.put(due_timer(f"ok-{i}"))
+        assert await backend.timers.put(due_timer(f"ok-{i}"))
     gw = scripted()
     release = gw.hold()
     held = await hold(backend)
-    loop = timer_loop(t, gw, limits=target_limits(64, lambda _target: 1))
+    loop = timer_loop(backend.firing, gw, limits=target_limits(64, lambda _target: 1))
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
             await gw.entered.wait()  # claimed, the first in flight
-            firing = await t.scan(status=TimerStatus.FIRING, limit=10)
+            firing = await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)
             assert len(firing) == 5 and all(x.claim and x.claim.owner_key == "me" for x in firing)
             held.request_stop()  # the signal: nothing more is sent
             release.set()
     assert len(gw.sent) == 1
-    assert await t.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
-    released = await t.scan(limit=10)
+    assert await backend.timer_queries.find(gw.sent[0].owner, "k") is None  # the one in flight: delivered and settled
+    released = await backend.timer_queries.scan(limit=10)
     assert len(released) == 4
     assert all(x.status is TimerStatus.PENDING and x.attempts == 0 and x.claim is None for x in released)
     assert all(x.last_error == "not delivered: stopped" for x in released)
@@ -166,8 +164,7 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
     allows 0.8 s more for a loaded machine, short of the next second)."""
     from wowd.daemon import firing, timers
 
-    t = backend.timers
-    assert await t.put(due_timer("ok-step"))
+    assert await backend.timers.put(due_timer("ok-step"))
     real = timers.now_ms
     step = {"ms": 0}
     stepped_at: list[float] = []
@@ -176,14 +173,14 @@ async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_th
 
     class SteppingStore:
         async def claim_due(self, *args: Any, **kwargs: Any) -> list[Timer]:
-            claimed = await t.claim_due(*args, **kwargs)
+            claimed = await backend.firing.claim_due(*args, **kwargs)
             if claimed:
                 step["ms"] = 600_000  # the clock steps back right after the claim
                 stepped_at.append(anyio.current_time())
             return claimed
 
         def __getattr__(self, name: str) -> Any:
-            return getattr(t, name)
+            return getattr(backend.firing, name)
 
     gw = scripted()
     held = await hold(backend)
@@ -207,7 +204,6 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
     occurrence after now; one within its grace, and one without a grace, are delivered. The line
     that says so names the timer (id, owner, key), not only its request id."""
     caplog.set_level(logging.INFO, logger="wowd.daemon.timers")
-    t = backend.timers
     hour_ago = now_ms() - 3_600_000
     late = [
         replace(due_timer("ok-once"), rule=OnceRule(misfire_grace_ms=60_000), due_at=hour_ago, scheduled_at=hour_ago),
@@ -223,15 +219,15 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
         replace(due_timer("ok-plain"), due_at=hour_ago, scheduled_at=hour_ago),
     ]
     for x in late + on_time:
-        assert await t.put(x)
+        assert await backend.timers.put(x)
     gw = scripted()
     held = await hold(backend)
     skipped_before = metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get()
-    loop = timer_loop(t, gw)
-    await run_until_settled(loop, held, gw, t, len(on_time))
+    loop = timer_loop(backend.firing, gw)
+    await run_until_settled(loop, held, gw, backend.timer_queries, len(on_time))
     assert sorted(x.target.id for x in gw.sent) == ["ok-graced", "ok-plain"]
-    assert await t.find(ref("owner-ok-once"), "k") is None  # done, not delivered
-    every = await t.find(ref("owner-ok-every"), "k")
+    assert await backend.timer_queries.find(ref("owner-ok-once"), "k") is None  # done, not delivered
+    every = await backend.timer_queries.find(ref("owner-ok-every"), "k")
     assert every is not None and every.status is TimerStatus.PENDING
     assert every.scheduled_at > now_ms() - 600_000  # the next occurrence after now
     assert metrics.TIMERS_MISFIRED.labels(target=f"{CONTEXT}.order")._value.get() - skipped_before == 2
@@ -243,17 +239,16 @@ async def test_an_occurrence_past_its_misfire_grace_is_skipped_not_delivered(
 async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend: Backend) -> None:
     """With a batch claimed and unsettled, the next round waits for room; a stop ends that wait
     even after earlier settles (each of which renewed what the round waits on)."""
-    t = backend.timers
-    assert await t.put(due_timer("ok-first"))
+    assert await backend.timers.put(due_timer("ok-first"))
     gw = scripted()
     held = await hold(backend)
-    loop = timer_loop(t, gw, TimerSettings(batch=1))
+    loop = timer_loop(backend.firing, gw, TimerSettings(batch=1))
 
     async def first_settled() -> bool:
-        return await t.find(ref("owner-ok-first"), "k") is None
+        return await backend.timer_queries.find(ref("owner-ok-first"), "k") is None
 
     async def two_claimed() -> bool:
-        return len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 2
+        return len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)) == 2
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -261,8 +256,8 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
             await eventually(first_settled, 5, "the first timer settled")
             release = gw.hold()  # from now on deliveries wait
             for i in range(3):
-                assert await t.put(due_timer(f"ok-{i}"))
+                assert await backend.timers.put(due_timer(f"ok-{i}"))
             await eventually(two_claimed, 5, "two batches claimed and unsettled")
             held.request_stop()
             release.set()  # the requests in flight end (the grace period's work)
-    assert len(await t.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released
+    assert len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released

@@ -25,14 +25,14 @@ def _sources() -> dict[str, str]:
 
 
 def test_the_outbox_shortcut_is_named_in_four_modules_only() -> None:
-    # the protocol (stores/base.py), the store that offers it (embedded/timers.py), the round
+    # the protocol (stores/base.py), the store that offers it (embedded/timer_firing.py), the round
     # strategy that uses it (daemon/firing.py) and its setting (config.py)
     naming = sorted(path for path, text in _sources().items() if SHORTCUT.search(text))
     assert naming == [
         "wowd/config.py",
         "wowd/daemon/firing.py",
         "wowd/stores/base.py",
-        "wowd/stores/embedded/timers.py",
+        "wowd/stores/embedded/timer_firing.py",
     ]
 
 

@@ -76,7 +76,7 @@ async def feed_until(tmp_path: Path, backend: Backend, held: HeldSlot, n: int) -
     """Runs the slot's feed alone until the timer view holds ``n`` timers, then stops it."""
 
     async def fed() -> bool:
-        return len(await backend.timers.scan(limit=10)) >= n
+        return len(await backend.timer_queries.scan(limit=10)) >= n
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -125,7 +125,7 @@ async def test_a_timer_cancelled_and_scheduled_again_by_one_commit_is_delivered(
     assert sorted((e.target.id, e.request_id) for e in entries) == [
         (c.ref.id, request_id_for(deterministic_timer_id(c.ref, "k", c.version), due)) for c in (x2, y1)
     ]
-    assert await backend.timers.scan(limit=10) == []
+    assert await backend.timer_queries.scan(limit=10) == []
 
 
 async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(
@@ -140,12 +140,12 @@ async def test_a_takeover_from_no_checkpoint_re_delivers_nothing_already_fired(
     second = await hold(backend, "b")
     assert second.fence > first.fence
     for p in range(PARTS):
-        assert await backend.log.save_checkpoint(CONSUMER, p, {"seq": 0}, second.fence)
+        assert await backend.checkpoints.save(CONSUMER, p, {"seq": 0}, second.fence)
     await backend.log.append_many([timer_commit("late", 1, ["k"], due_at=due)])
     await run_slot(tmp_path, backend, second, until_outbox=31)
     entries = await backend.outbox.entries()
     assert len(entries) == 31 and len({e.request_id for e in entries}) == 31
-    assert await backend.timers.scan(limit=100) == []
+    assert await backend.timer_queries.scan(limit=100) == []
 
 
 async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, backend: Backend) -> None:
@@ -155,7 +155,7 @@ async def test_a_takeover_ends_the_dead_holders_claims_at_once(tmp_path: Path, b
     await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(5)])
     first = await hold(backend, "a")
     await feed_until(tmp_path, backend, first, 5)
-    claimed = await backend.timers.claim_due(
+    claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due, 10, owner_key="a", fence=first.fence, claim_until=due + 30_000
     )
     assert len(claimed) == 5  # the dead replica's claims, live for 30 s
@@ -189,7 +189,7 @@ async def test_an_undecodable_timer_fails_alone_and_its_batch_mates_are_delivere
     conn.close()
     await run_slot(tmp_path, backend, await hold(backend, "a"), until_outbox=4)
     assert {e.target.id for e in await backend.outbox.entries()} == {f"o-{i}" for i in range(4)}
-    [failed] = await backend.timers.scan(status=TimerStatus.FAILED, limit=10)
+    [failed] = await backend.timer_queries.scan(status=TimerStatus.FAILED, limit=10)
     assert failed.owner.id == "bad"
     assert failed.last_error is not None and "undecodable" in failed.last_error and "Europe/Gone" in failed.last_error
 
@@ -213,20 +213,20 @@ async def test_a_lapsed_lease_still_settles_what_was_delivered_and_its_holding_e
             return outcome
 
     waker = Waker()
-    loop = timer_loop(backend.timers, LapsingOutbox(backend.outbox), TimerSettings(batch=100), nudge=backend.log.nudge)
+    loop = timer_loop(backend.firing, LapsingOutbox(backend.outbox), TimerSettings(batch=100), nudge=backend.log.nudge)
     feeder = Feeder(settings(tmp_path), backend)
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
             await tg.start(feeder.run, held, waker)
     assert await backend.outbox.count() == 6
-    assert await backend.timers.scan(limit=10) == []  # settled: fired one-shots are done
+    assert await backend.timer_queries.scan(limit=10) == []  # settled: fired one-shots are done
     # a claim of this fence left over by an earlier holding: fed, then claimed, never delivered
     await backend.log.append_many([timer_commit("left", 1, ["k"], due_at=due)])
     again = await hold(backend, "a")
     assert again.fence == held.fence
     await feed_until(tmp_path, backend, again, 1)
-    claimed = await backend.timers.claim_due(
+    claimed = await backend.firing.claim_due(
         frozenset(range(PARTS)), due + 1, 10, owner_key="a", fence=again.fence, claim_until=due + 30_000
     )
     assert [t.owner.id for t in claimed] == ["left"]
@@ -246,7 +246,7 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
     held = await hold(backend, "a")
     waker = Waker()
     loop = timer_loop(
-        backend.timers, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
+        backend.firing, OutboxGateway(backend.outbox), TimerSettings(batch=100, lookahead_ms=2_000),
         nudge=backend.log.nudge,
     )  # fmt: skip
     feeder = Feeder(s, backend)
@@ -258,7 +258,7 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
             await backend.log.append_many([timer_commit(f"o-{i}", 1, ["k"], due_at=due) for i in range(12)])
 
             async def claimed() -> bool:
-                return len(await backend.timers.scan(status=TimerStatus.FIRING, limit=20)) >= 12
+                return len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)) >= 12
 
             # every one claimed, about a second ahead of its due time
             await eventually(claimed, 10, "every timer claimed", every=0.01)
@@ -276,4 +276,4 @@ async def test_a_cancel_appended_after_the_claim_and_before_the_due_time_wins(tm
     assert sorted(e.target.id for e in entries) == sorted(f"o-{i}" for i in range(12) if i % 3)
     moved = {f"o-{i}" for i in range(1, 12, 3)}
     assert all(e.created_at >= due + 300 for e in entries if e.target.id in moved)
-    assert not await backend.timers.scan(status=TimerStatus.FIRING, limit=20)
+    assert not await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=20)

@@ -16,6 +16,7 @@ import pytest
 from tests.factories import CONTEXT, Recorder, now_ms, timer, timer_commit
 from tests.firing.conftest import PARTS, opened_timers
 from tests.helpers import caught_up_waker, held_slot, timer_loop
+from tests.timer_stores import EmbeddedTimers
 from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSettings
 from wowd.daemon import timer_plan, timers
 from wowd.daemon.feed import Feeder
@@ -26,7 +27,7 @@ from wowd.model import (
     IntervalRule,
     Timer,
 )
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
 
 pytestmark = pytest.mark.anyio
 
@@ -171,7 +172,7 @@ def test_wake_time_is_the_next_due_less_the_lookahead_within_the_idle_period() -
 # --------------------------------------------------------------------------- the loop
 
 
-class NoNextDue(EmbeddedTimerStore):
+class NoNextDue(EmbeddedTimerFiring):
     """A store whose ``next_due`` knows nothing (or fails): only the Waker tells the loop."""
 
     fail = False
@@ -192,15 +193,15 @@ def long_idle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-async def blind(tmp_path: Path) -> AsyncIterator[NoNextDue]:
-    async with opened_timers(NoNextDue, tmp_path) as s:
+async def blind(tmp_path: Path) -> AsyncIterator[EmbeddedTimers]:
+    async with opened_timers(tmp_path, NoNextDue) as s:
         yield s
 
 
-async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Recorder:
+async def run_loop(store: EmbeddedTimers, waker: Waker, body: Any) -> Recorder:
     gw = Recorder()
     held = held_slot(PARTS)
-    loop = timer_loop(store, gw, TimerSettings(lookahead_ms=100))
+    loop = timer_loop(store.firing, gw, TimerSettings(lookahead_ms=100))
     with anyio.fail_after(8):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, waker)
@@ -210,11 +211,11 @@ async def run_loop(store: EmbeddedTimerStore, waker: Waker, body: Any) -> Record
 
 
 @pytest.mark.usefixtures("long_idle")
-async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTimerStore) -> None:
+async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTimers) -> None:
     """Stored before the loop runs (no Waker involved): found by the first round's ``next_due``."""
     due = [now_ms() + 300, now_ms() + 500]
     for i, d in enumerate(due):
-        assert await store.put(timer(f"s-{i}", d, partitions=PARTS))
+        assert await store.view.put(timer(f"s-{i}", d, partitions=PARTS))
 
     async def body(gw: Recorder) -> None:
         await gw.until_fired(2)
@@ -225,7 +226,7 @@ async def test_the_loop_sleeps_until_the_stores_next_due_time(store: EmbeddedTim
 
 
 @pytest.mark.usefixtures("long_idle")
-async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one(blind: NoNextDue) -> None:
+async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one(blind: EmbeddedTimers) -> None:
     """With a single mark, the round that covered the
     first put forgot the second and slept the idle period."""
     waker = caught_up_waker()
@@ -234,7 +235,7 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
         await anyio.wait_all_tasks_blocked()  # the loop read nothing and sleeps (30 s)
         base = now_ms()
         for i, d in enumerate((base + 200, base + 400, base + 600)):  # each a round of its own
-            assert await blind.put(timer(f"w-{i}", d, partitions=PARTS))
+            assert await blind.view.put(timer(f"w-{i}", d, partitions=PARTS))
             waker.maybe_wake(d)  # as the feed does after a put
         await gw.until_fired(3)
 
@@ -244,8 +245,8 @@ async def test_the_loop_remembers_later_puts_after_a_round_covers_an_earlier_one
 
 
 @pytest.mark.usefixtures("long_idle")
-async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDue) -> None:
-    assert await blind.put(timer("r-1", now_ms(), partitions=PARTS, rule=IntervalRule(every_ms=200)))
+async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: EmbeddedTimers) -> None:
+    assert await blind.view.put(timer("r-1", now_ms(), partitions=PARTS, rule=IntervalRule(every_ms=200)))
 
     async def body(gw: Recorder) -> None:
         await gw.until_fired(3)
@@ -257,17 +258,17 @@ async def test_a_recurring_timers_next_occurrence_wakes_the_loop(blind: NoNextDu
     assert all(b > a and (b - a) % 200 == 0 for a, b in zip(due, due[1:], strict=False))
 
 
-async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: NoNextDue) -> None:
+async def test_the_loop_polls_when_the_next_due_time_cannot_be_read(blind: EmbeddedTimers) -> None:
     """A failing ``next_due`` only leaves the loop to the idle poll (the default period)."""
-    blind.fail = True
+    blind.firing.fail = True
 
     async def body(gw: Recorder) -> None:
         await anyio.wait_all_tasks_blocked()
-        assert await blind.put(timer("p-1", now_ms(), partitions=PARTS))  # no Waker: another process's put
+        assert await blind.view.put(timer("p-1", now_ms(), partitions=PARTS))  # no Waker: another process's put
         await gw.until_fired(1)
 
     await run_loop(blind, caught_up_waker(), body)
-    assert blind.calls >= 1
+    assert blind.firing.calls >= 1
 
 
 @pytest.mark.usefixtures("long_idle")
@@ -287,7 +288,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
         waker = Waker()
         held = held_slot(PARTS)
         gw = Recorder()
-        loop = timer_loop(backend.timers, gw, TimerSettings(lookahead_ms=100), nudge=backend.log.nudge)
+        loop = timer_loop(backend.firing, gw, TimerSettings(lookahead_ms=100), nudge=backend.log.nudge)
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 await tg.start(loop.run, held, waker)
@@ -303,7 +304,7 @@ async def test_the_feeds_puts_fire_at_their_time_without_an_idle_poll(tmp_path: 
         await backend.close()
 
 
-class CountingClaims(EmbeddedTimerStore):
+class CountingClaims(EmbeddedTimerFiring):
     """Records when each due read (``claim_due``) began."""
 
     claims: list[int]
@@ -321,19 +322,19 @@ async def test_a_timer_is_claimed_ahead_and_delivered_after_a_read_of_the_log_th
     time asks the log to look at its head at once (no due read then) and delivers it as soon as
     the feed has read that far. Here the feed is an idle log: each nudge is one empty read."""
     reads: list[int] = []
-    async with opened_timers(CountingClaims, tmp_path) as store:
-        store.claims = []
+    async with opened_timers(tmp_path, CountingClaims) as store:
+        store.firing.claims = []
         due = now_ms() + 300
         gw = await fire_over_an_idle_log(store, [timer("n-1", due, partitions=PARTS)], lookahead_ms=100, reads=reads)
     t, at = gw.fired[0]
     assert t.scheduled_at == due <= at
     assert [r for r in reads if r >= due]  # a read that began at or after the due time ...
     assert min(r for r in reads if r >= due) <= at  # ... came before the delivery
-    assert not [c for c in store.claims if c >= due]  # claimed ahead: no due read at the due time
+    assert not [c for c in store.firing.claims if c >= due]  # claimed ahead: no due read at the due time
 
 
 async def fire_over_an_idle_log(
-    store: EmbeddedTimerStore, timers: Sequence[Timer], *, lookahead_ms: int, reads: list[int] | None = None
+    store: EmbeddedTimers, timers: Sequence[Timer], *, lookahead_ms: int, reads: list[int] | None = None
 ) -> Recorder:
     """Puts ``timers`` and runs a timer loop over ``store`` until it has delivered them all; the
     feed is an idle log: each nudge is one empty read of its head, applied at once (its start
@@ -348,9 +349,9 @@ async def fire_over_an_idle_log(
 
     waker.advance(now_ms())
     for t in timers:
-        assert await store.put(t)
+        assert await store.view.put(t)
     gw = Recorder()
-    loop = timer_loop(store, gw, TimerSettings(lookahead_ms=lookahead_ms), nudge=nudge)
+    loop = timer_loop(store.firing, gw, TimerSettings(lookahead_ms=lookahead_ms), nudge=nudge)
     held = held_slot(PARTS)
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -360,7 +361,7 @@ async def fire_over_an_idle_log(
     return gw
 
 
-class AheadClaims(EmbeddedTimerStore):
+class AheadClaims(EmbeddedTimerFiring):
     """Records how long before its first timer's due time each claim that took timers began."""
 
     ahead: list[int]
@@ -378,13 +379,13 @@ async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_
     """One timer every 10 ms, a lookahead of 400 ms: each round takes half a lookahead of timers
     and is claimed about half a lookahead before its first one is due, not when that one comes due
     (the claim, and the settle of the round before that it may wait for, would then delay it)."""
-    async with opened_timers(AheadClaims, tmp_path) as store:
-        store.ahead = []
+    async with opened_timers(tmp_path, AheadClaims) as store:
+        store.firing.ahead = []
         # the first one due past the first round's lookahead: that round is planned too, whether
         # the loop starts at once or, on a busy machine, some hundreds of milliseconds later
         first = now_ms() + 600
         stream = [timer(f"s-{i}", first + 10 * i, partitions=PARTS) for i in range(120)]
         gw = await fire_over_an_idle_log(store, stream, lookahead_ms=400)
     assert all(at >= t.scheduled_at for t, at in gw.fired)
-    assert len(store.ahead) >= 5
-    assert min(store.ahead) >= 100, store.ahead  # about 200 ms each, with room for a slow machine
+    assert len(store.firing.ahead) >= 5
+    assert min(store.firing.ahead) >= 100, store.firing.ahead  # about 200 ms each, with room for a slow machine

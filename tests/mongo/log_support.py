@@ -83,11 +83,18 @@ SCAN_SORT = {"partition": 1, "aggregate_id": 1, "version": 1, "_id": 1}
 
 
 def scan_bounds(p: int, partitions: int = PARTITIONS) -> list[tuple[list[Any], list[Any]]]:
-    """The index ranges a re-read of partition ``p`` reads in each collection, in order: below the
-    partitions (no ``partition``, a negative one), ``p``'s own, above them (out of range, not a
-    number)."""
-    low = [MinKey()] * 3
-    return [([MinKey(), *low], [0, *low]), ([p, *low], [p + 1, *low]), ([partitions, *low], [MaxKey()] * 4)]
+    """The index ranges a re-read of partition ``p`` reads in each collection, in order: no
+    ``partition`` stored and ``p``'s own (read together, merged), then below null, the negative
+    numbers, between ``p`` and ``p + 1``, and above the partitions (out of range, not a number)."""
+    low, high = [MinKey()] * 3, [MaxKey()] * 3
+    return [
+        ([None, *low], [None, *high]),
+        ([p, *low], [p, *high]),
+        ([MinKey(), *low], [None, *low]),
+        ([None, *high], [0, *low]),
+        ([p, *high], [p + 1, *low]),
+        ([partitions, *low], [MaxKey(), *high]),
+    ]
 
 
 async def scan_collection(
@@ -96,17 +103,22 @@ async def scan_collection(
     p: int,
     docs: list[dict[str, Any]],
     *,
-    irregular: tuple[list[dict[str, Any]], list[dict[str, Any]]] = ([], []),
+    missing: list[dict[str, Any]] | None = None,
+    cut: tuple[int, int] | None = None,
 ) -> None:
-    """Answers the three ``find`` commands of partition ``p``'s re-read of ``coll``, from their
+    """Answers the six ``find`` commands of partition ``p``'s re-read of ``coll``, from their
     start: each bounded on ``partition_order`` (``hint``, ``min``, ``max``) in its order,
-    ``docs`` in ``p``'s own range, ``irregular`` in the ranges below and above."""
-    answers = [irregular[0], docs, irregular[1]]
+    ``missing`` (commits stored without ``partition``) and ``docs`` in ``p``'s own range, nothing
+    in the others; with ``cut``, each reads majority-committed data at or after that cluster time
+    (causally consistent: on every shard it sees each commit at or before the cut)."""
+    answers = [missing or [], docs, [], [], [], []]
     for (lower, upper), answer in zip(scan_bounds(p), answers, strict=True):
         find = await wire.command("find")
         assert (find["find"], find["filter"], find["hint"]) == (coll, {}, "partition_order")
         assert find["sort"] == SCAN_SORT
         assert list(find["min"].values()) == lower and list(find["max"].values()) == upper
+        if cut is not None:
+            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(*cut)}
         find.ok(cursor={"id": 0, "ns": f"{DB}.{coll}", "firstBatch": answer})
 
 

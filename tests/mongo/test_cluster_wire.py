@@ -15,7 +15,6 @@ from typing import Any
 import anyio
 import pytest
 from bson import ObjectId
-from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB
 from pydantic import SecretStr, ValidationError
@@ -42,23 +41,19 @@ from tests.mongo.log_support import (
 )
 from tests.mongo.timers_support import calling, make_timer, registry_doc
 from tests.mongo.timers_support import cursor as timers_cursor
+from tests.timer_stores import MongoTimers, mongo_timers
 from wowd.config import ElasticsearchSettings, MongoSettings, TimerSettings, WowdSettings, load_settings
 from wowd.errors import ConfigError, StorageError, StorageUnavailable
 from wowd.model import AggregateRef, AggregateType, Claim, LogBatch, SnapshotRecord
 from wowd.stores.base import Ddl
 from wowd.stores.mongo import open_mongo
 from wowd.stores.mongo._common import MongoSharding, is_transient
-from wowd.stores.mongo.log import CATCH_UP_AWAIT_MS, MongoLog
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.log_read import CATCH_UP_AWAIT_MS
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timer_queries import (
-    MAX_SCANS_TO_EXPLODE,
-    PIPELINE_LENGTH_LIMIT,
-    due_match,
-    next_due_pipeline,
-    settle_filter,
-    timer_to_doc,
-)
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.timer_docs import PIPELINE_LENGTH_LIMIT, timer_to_doc
+from wowd.stores.mongo.timer_firing import MAX_SCANS_TO_EXPLODE, due_match, next_due_pipeline, settle_filter
 
 pytestmark = pytest.mark.anyio
 
@@ -148,7 +143,8 @@ async def test_the_change_stream_runs_without_the_clients_timeout_but_keeps_max_
             # nothing read; caught up at the post-batch token's second (the watermark)
             assert call.result() == [LogBatch(entries=(), positions={}, watermark=101_000)]
 
-            saved = start(tg, lambda: log.checkpoints("feed", [3]))
+            checkpoints = MongoCheckpoints(rs_client, DB, context=CONTEXT, operation_timeout=timedelta(seconds=5))
+            saved = start(tg, lambda: checkpoints.read("feed", [3]))
             find = await rs_wire.command("find")
             assert 0 < find["maxTimeMS"] <= 5000
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_checkpoint__{CONTEXT}", "firstBatch": []})
@@ -302,14 +298,7 @@ async def test_each_partition_is_cut_then_scanned_and_caught_up_before_the_next(
             call = start(tg, lambda: collect(log.read({3: None, 5: None}, follow=False)))
             await majority_point(rs_wire, (200, 1))  # partition 3's own cut
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
-            find = await rs_wire.command("find")
-            assert list(find["min"].values())[0] == MinKey()  # partition 3's re-read, the range below
-            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(200, 1)}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
-            find = await rs_wire.command("find")
-            assert list(find["min"].values())[0] == 3
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P3, 1)]})
-            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            await scan_collection(rs_wire, ORDERS, 3, [log_doc(ID_P3, 1)], cut=(200, 1))  # partition 3's re-read
             # partition 3 caught up from its cut before partition 5 is cut
             catch_up = await rs_wire.command("aggregate")
             assert catch_up["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(200, 1)}}
@@ -318,13 +307,7 @@ async def test_each_partition_is_cut_then_scanned_and_caught_up_before_the_next(
             (await rs_wire.command("getMore")).ok(cursor([], first=False, pbrt=token((260, 0))))
             await majority_point(rs_wire, (300, 1))  # partition 5's own cut, later
             (await rs_wire.command("listCollections")).ok(collections_answer(ORDERS))
-            find = await rs_wire.command("find")
-            assert find["readConcern"] == {"level": "majority", "afterClusterTime": Timestamp(300, 1)}
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
-            find = await rs_wire.command("find")
-            assert list(find["min"].values())[0] == 5
-            find.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": [log_doc(ID_P5, 1)]})
-            (await rs_wire.command("find")).ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []})
+            await scan_collection(rs_wire, ORDERS, 5, [log_doc(ID_P5, 1)], cut=(300, 1))
             agg = await rs_wire.command("aggregate")  # from partition 3's caught-up position
             assert agg["pipeline"][0] == {"$changeStream": {"startAtOperationTime": Timestamp(250, 1)}}
             assert agg["pipeline"][1]["$match"]["$or"][0] == {"fullDocument.partition": {"$in": [3, 5]}}
@@ -413,8 +396,8 @@ async def test_an_event_over_16_mib_comes_split_and_is_joined(rs_client: AsyncMo
 # --------------------------------------------------------------------------- timers on a sharded cluster
 
 
-def sharded_timers(client: AsyncMongoClient[Any], sharding: MongoSharding = MongoSharding.AUTO) -> MongoTimerStore:
-    return MongoTimerStore(
+def sharded_timers(client: AsyncMongoClient[Any], sharding: MongoSharding = MongoSharding.AUTO) -> MongoTimers:
+    return mongo_timers(
         client, DB, context=CONTEXT, partitions=3, sharding=sharding, operation_timeout=timedelta(seconds=5)
     )
 
@@ -435,7 +418,7 @@ async def test_a_put_never_splits_or_moves_chunks(rs_client: AsyncMongoClient[An
     type is sharded again (idempotent) and the put goes on: the chunks are spread off the feed's
     path (``spread_chunks``), never by a put."""
     store = sharded_timers(rs_client)
-    async with calling(lambda: store.put(timer3())) as out:
+    async with calling(lambda: store.view.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
             value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": True}
         )
@@ -459,7 +442,7 @@ async def test_spread_chunks_leaves_a_collection_of_several_chunks_to_the_balanc
     from bson.binary import Binary, UuidRepresentation
 
     store = sharded_timers(rs_client)
-    async with calling(store.spread_chunks) as out:
+    async with calling(store.view.spread_chunks) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
         (await rs_wire.command("hello")).ok(isWritablePrimary=True, msg="isdbgrid", maxWireVersion=21)
         (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
@@ -483,9 +466,13 @@ async def test_check_prepare_runs_the_spread_and_prints_what_it_did(
     from types import SimpleNamespace
 
     from wowd.cli.check import _prepare
+    from wowd.stores.base import CHUNK_PREPARATION
 
     store = sharded_timers(rs_client, MongoSharding.ON)
-    async with calling(lambda: _prepare(SimpleNamespace(timers=store), [])) as out:  # type: ignore[arg-type]
+    # the backend's chunk preparation: the MongoDB operations object's, which spreads the timers'
+    chunks = SimpleNamespace(prepare_chunks=store.view.spread_chunks)
+    backend = SimpleNamespace(capability=lambda kind: chunks if kind is CHUNK_PREPARATION else None)
+    async with calling(lambda: _prepare(backend, [])) as out:  # type: ignore[arg-type]
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
         (await rs_wire.command("listShards")).ok(shards=[{"_id": "s0", "host": "s0/h:27018", "state": 1}])
     assert out.value == 0, out.error
@@ -497,8 +484,8 @@ async def test_auto_sharding_without_the_privilege_leaves_the_collection_unshard
 ) -> None:
     store = sharded_timers(rs_client)
     ns = f"{DB}.{TIMERS}"
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
-        async with calling(lambda: store.put(timer3())) as out:
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.schema"):
+        async with calling(lambda: store.view.put(timer3())) as out:
             (await rs_wire.command("findAndModify")).ok(
                 value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
             )
@@ -519,7 +506,7 @@ async def test_sharding_on_without_the_privilege_is_a_config_error(
     rs_client: AsyncMongoClient[Any], rs_wire: Wire
 ) -> None:
     store = sharded_timers(rs_client, MongoSharding.ON)
-    async with calling(lambda: store.put(timer3())) as out:
+    async with calling(lambda: store.view.put(timer3())) as out:
         (await rs_wire.command("findAndModify")).ok(
             value=registry_doc("order"), lastErrorObject={"n": 1, "updatedExisting": False, "upserted": TIMERS}
         )
@@ -550,12 +537,12 @@ async def test_more_partitions_than_the_planner_explodes_are_read_in_groups(
 ) -> None:
     """Above ``internalQueryMaxScansToExplode`` (200) point intervals the planner sorts the whole
     match: the due read sends one ``$unionWith`` per collection and group of at most 200."""
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
     assert out.error is None
     partitions = set(range(450))
-    async with calling(lambda: store.due(partitions, 10, 5)) as due:
+    async with calling(lambda: store.firing.due(partitions, 10, 5)) as due:
         agg = await rs_wire.command("aggregate")
         unions = [s["$unionWith"] for s in agg["pipeline"] if "$unionWith" in s]
         groups = [u["pipeline"][0]["$match"]["partition"]["$in"] for u in unions]
@@ -591,7 +578,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
     into aggregations that each fit, and their answers merged: the first timers of all, the
     least next due time."""
     types = [f"t{n}" for n in range(10)]
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(
             **timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc(t) for t in types])
@@ -604,7 +591,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
         return {**doc, "owner": {**doc["owner"], "aggregate": aggregate}}
 
     seen: list[str] = []
-    async with calling(lambda: store.due(everything, 10_000, 3)) as due:
+    async with calling(lambda: store.firing.due(everything, 10_000, 3)) as due:
         for n in range(4):  # ceil(3,280 / 990)
             agg = await aggregation_within_the_length_limit(rs_wire)
             assert agg is not None, f"aggregation {n} is longer than the server takes"
@@ -619,7 +606,7 @@ async def test_due_and_next_due_at_the_most_partitions_and_ten_types_stay_within
     assert len(seen) == 3_280 and sorted(set(seen)) == [f"wow_timer__{CONTEXT}__{t}" for t in types]
     assert [t.due_at for t in due.value] == [397, 398, 399]
 
-    async with calling(lambda: store.next_due(everything, 0)) as next_due:
+    async with calling(lambda: store.firing.next_due(everything, 0)) as next_due:
         for n in range(4):
             agg = await aggregation_within_the_length_limit(rs_wire)
             assert agg is not None
@@ -634,13 +621,13 @@ async def test_claim_due_reads_more_partitions_than_the_planner_explodes_in_grou
     """The claim's due read is grouped as the due read is (at most 200 partitions per
     ``$unionWith``), keeps each ``_id`` and over-reads by the excluded ids; the timers it answers
     are claimed in one settle."""
-    store = MongoTimerStore(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
+    store = mongo_timers(rs_client, DB, context=CONTEXT, partitions=512, sharding=MongoSharding.OFF)
     async with calling(store.prepare) as out:
         (await rs_wire.command("find")).ok(**timers_cursor(f"{DB}.wow_timer_aggregate", [registry_doc("order")]))
     assert out.error is None
     due = make_timer(id="o1", due_at=5)
     stored = {"_id": ObjectId(), **timer_to_doc(due), "owner": {**timer_to_doc(due)["owner"], "aggregate": "order"}}
-    call = lambda: store.claim_due(  # noqa: E731
+    call = lambda: store.firing.claim_due(  # noqa: E731
         set(range(450)), 10, 2, owner_key="me", fence=4, claim_until=9_000, exclude={"in-flight"}
     )
     async with calling(call) as claimed:
@@ -699,8 +686,11 @@ async def test_open_mongo_gives_every_store_the_timeout_and_the_ddl_mode(rs_serv
             await call.done.wait()
     backend = call.result()
     try:
-        stores = [backend.log, backend.leases, backend.timers, backend.snapshots, backend.outbox]
-        assert {s.operation_timeout for s in stores} == {timedelta(milliseconds=2500)}  # type: ignore[attr-defined]
+        b = backend
+        stores = [b.log, b.checkpoints, b.quarantine, b.leases, b.timers, b.firing, b.timer_queries, b.snapshots,
+                  b.rebuilds, b.outbox]  # fmt: skip
+        timeouts = {s.operation_timeout for s in stores}  # type: ignore[attr-defined]
+        assert timeouts == {timedelta(milliseconds=2500)}
         assert backend.timers.ddl is Ddl.NONE and backend.timers.sharding is MongoSharding.OFF  # type: ignore[attr-defined]
         assert backend.timers.tombstone_retention == timedelta(hours=1)  # type: ignore[attr-defined]
     finally:
@@ -867,9 +857,7 @@ async def test_wowd_check_names_the_missing_privileges(
     it is for. Here a custom role with ``readWrite``'s actions on the database but ``remove``
     only on some collections, on a replica set with ``ddl=auto``: the outbox's ``remove`` (its
     ``ack`` and ``trim``) is the one named."""
-    from types import SimpleNamespace
-
-    from wowd.cli.check import _privileges_probe
+    from wowd.stores.mongo.operations import privileges_probe
 
     settings = WowdSettings(
         backend="mongo",
@@ -885,8 +873,7 @@ async def test_wowd_check_names_the_missing_privileges(
             for c in (f"wow_quarantine__{CONTEXT}", "cosid_slot", "cosid_replica", "wow_timer_aggregate")
         ),
     ]
-    backend = SimpleNamespace(log=SimpleNamespace(client=rs_client))
-    async with calling(lambda: _privileges_probe(settings, backend)) as out:  # type: ignore[arg-type]
+    async with calling(lambda: privileges_probe(rs_client, settings)) as out:
         (await rs_wire.command("connectionStatus")).ok(
             **connection_status(privileges, [{"role": "wowd", "db": "admin"}])
         )

@@ -36,6 +36,7 @@ from tests.elasticsearch.fake_es import EsModel, FakeElasticsearch, serving
 from tests.mongo.conftest import Wire, primary
 from tests.mongo.log_support import housekeeping, token
 from tests.mongo.timers_support import matches
+from tests.timer_stores import mongo_timers
 from wowd.config import load_settings
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
@@ -54,13 +55,17 @@ from wowd.model import (
 )
 from wowd.stores.base import Backend, Ddl
 from wowd.stores.elasticsearch import ElasticsearchEventSink
-from wowd.stores.mongo import MongoLog, MongoOutbox
 from wowd.stores.mongo._common import MongoSharding
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.history import MongoTimerHistory
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
+from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.outbox import MongoOutbox
+from wowd.stores.mongo.quarantine import MongoQuarantine
+from wowd.stores.mongo.schema import timer_index_specs
+from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timer_queries import index_specs, timer_to_doc
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.timer_docs import timer_to_doc
 
 pytestmark = pytest.mark.anyio
 
@@ -195,7 +200,7 @@ class Deployment:
             self.cursor(
                 req,
                 f"{DB}.{coll}",
-                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **s} for s in index_specs())],
+                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *({"v": 2, **s} for s in timer_index_specs())],
             )
         elif name == "find" and coll == CHECKPOINTS:
             # each view's checkpoints: the timer view's (``wowd``), where the others, which have
@@ -381,15 +386,19 @@ async def feed_one_batch(rs_server: MockupDB, es: AsyncElasticsearch, fake: Fake
         rs_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False
     )
     options: dict[str, Any] = {"ddl": Ddl.NONE, "sharding": MongoSharding.OFF}
-    timers = MongoTimerStore(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
+    timers = mongo_timers(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
     snapshots = MongoSnapshotStore(client, DB, context=CONTEXT, **options)
     backend = Backend(
         name="mongodb",
         log=MongoLog(client, DB, context=CONTEXT, partitions=PARTITIONS, ddl=Ddl.NONE),
+        checkpoints=MongoCheckpoints(client, DB, context=CONTEXT),
+        quarantine=MongoQuarantine(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         leases=MongoSlotLeaseStore(client, DB),
-        timers=timers,
+        timers=timers.view,
+        firing=timers.firing,
+        timer_queries=timers.queries,
         snapshots=snapshots,
-        rebuilds=snapshots,
+        rebuilds=MongoSnapshotRebuilds(client, DB, context=CONTEXT, **options, shared_with=snapshots),
         outbox=MongoOutbox(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         history=MongoTimerHistory(client, DB, context=CONTEXT, ddl=Ddl.NONE),
         sink_factory=lambda type_: ElasticsearchEventSink(es, type_),

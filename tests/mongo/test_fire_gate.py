@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 import pytest
+from bson.min_key import MinKey
 from bson.timestamp import Timestamp
 from mockupdb import MockupDB, Request
 from pymongo import AsyncMongoClient
@@ -49,6 +50,7 @@ from wowd.model import (
     partition,
 )
 from wowd.stores.base import Backend, Ddl
+from wowd.stores.mongo.checkpoints import MongoCheckpoints
 from wowd.stores.mongo.log import MongoLog
 
 pytestmark = pytest.mark.anyio
@@ -232,11 +234,12 @@ class FakeCluster:
             self.checks.append((now_ms(), req))
             req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": self.check_answer})
         elif name == "find" and req["find"] == ORDERS:
-            p = req["min"]["partition"]  # a re-read's range: only a partition's own holds commits here
-            if isinstance(p, int) and p < PARTS:
+            # a re-read's range: only a partition's own (from its lowest key) holds commits here
+            p = req["min"]["partition"]
+            own = isinstance(p, int) and p < PARTS and isinstance(req["min"]["aggregate_id"], MinKey)
+            if own:
                 self.scanned.append(p)
-            req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}",
-                           "firstBatch": self.scans.get(p, []) if isinstance(p, int) else []})  # fmt: skip
+            req.ok(cursor={"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": self.scans.get(p, []) if own else []})
         else:
             self.unexpected.append(f"{name}: {req.doc}")
             req.fail(f"unexpected {name}")
@@ -287,12 +290,14 @@ class Slot:
 
     def __init__(self, tmp_path: Path, backend: Backend, log: MongoLog) -> None:
         self.settings = settings(tmp_path)
-        self.backend = dataclasses.replace(backend, log=log, feed_writer=None, offers=())
+        # the log and its checkpoints on the cluster; the rest of the stores embedded
+        checkpoints = MongoCheckpoints(log.client, DB, context=CONTEXT)
+        self.backend = dataclasses.replace(backend, log=log, checkpoints=checkpoints, offers=())
         self.log = log
         self.gateway = Recorder()
         self.held: HeldSlot | None = None
         self.waker = Waker(partitions=range(PARTS))
-        self.loop = timer_loop(backend.timers, self.gateway, self.settings.timers, nudge=log.nudge,
+        self.loop = timer_loop(backend.firing, self.gateway, self.settings.timers, nudge=log.nudge,
                                gate=log.committed_after)  # fmt: skip
 
     async def run(
@@ -406,7 +411,7 @@ async def test_a_cancel_committed_before_the_due_time_wins_on_an_idle_cluster(
                     await fake.until(lambda: len(fake.saved) >= 1)  # the cancel applied, then checkpointed
                     await fake.until(lambda: waiting("log_check") == 0)
                     # cancelled: the view holds no live timer of the key (a tombstone)
-                    assert await backend.timers.find(ref(agg), "k") is None
+                    assert await backend.timer_queries.find(ref(agg), "k") is None
                     await stop(slot)
                 outer.cancel_scope.cancel()
     finally:
@@ -468,7 +473,7 @@ async def test_a_long_scan_gives_no_watermark_before_every_partition_is_scanned(
                     await fake.until(lambda: fake.scanned == [0, 1] and len(fake.streams) == 2)
                     await fake.until(lambda: slot.waker.watermark is not None)
                     # the loop's rounds now read a view where the cancel is applied
-                    assert await backend.timers.find(ref(agg), "k") is None
+                    assert await backend.timer_queries.find(ref(agg), "k") is None
                     await stop(slot)
                 outer.cancel_scope.cancel()
     finally:

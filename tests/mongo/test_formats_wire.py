@@ -10,11 +10,11 @@ from pymongo import AsyncMongoClient
 
 from tests.mongo.conftest import Wire
 from tests.mongo.timers_support import CONTEXT, REGISTRY, calling, cursor, registry_doc
+from tests.timer_stores import mongo_timers
 from wowd.errors import ConfigError, FormatTooNew
-from wowd.stores.mongo._common import FORMAT, SNAPSHOT_TABLES, TIMER_FORMAT, TIMER_UPGRADES_FROM, MongoSharding
-from wowd.stores.mongo.formats import mongo_formats
+from wowd.stores.mongo._common import SNAPSHOT_TABLES, MongoSharding
+from wowd.stores.mongo.schema import FORMAT, TIMER_FORMAT, TIMER_UPGRADES_FROM, mongo_formats
 from wowd.stores.mongo.snapshots import MongoSnapshotStore
-from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -56,7 +56,7 @@ async def test_the_formats_are_read_with_two_finds_and_judged(mongo_client: Asyn
 async def test_a_newer_timer_format_is_refused_even_where_another_one_is_dropped(
     mongo_client: AsyncMongoClient[Any], wire: Wire
 ) -> None:
-    store = MongoTimerStore(
+    store = mongo_timers(
         mongo_client,
         DB,
         context=CONTEXT,

@@ -23,11 +23,12 @@ from wowd.errors import FormatError, InvalidInput, StorageError, StorageUnavaila
 from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotTable
 from wowd.stores.base import Ddl, SnapshotRebuildStore, SnapshotStore
 from wowd.stores.mongo._common import MongoSharding, split_to_fit
+from wowd.stores.mongo.schema import snapshot_index_specs
+from wowd.stores.mongo.snapshot_rebuilds import MongoSnapshotRebuilds
 from wowd.stores.mongo.snapshots import (
     TABLES,
     MongoSnapshotStore,
     conditional_upsert_filter,
-    index_specs,
     load_many_filter,
     snapshot_pipeline,
 )
@@ -105,6 +106,14 @@ async def store(mongo_client: AsyncMongoClient[Any]) -> AsyncIterator[MongoSnaps
     await s.close()
 
 
+@pytest.fixture
+def rebuilds(store: MongoSnapshotStore, mongo_client: AsyncMongoClient[Any]) -> MongoSnapshotRebuilds:
+    """The rebuilds' control plane on the store's collections."""
+    return MongoSnapshotRebuilds(
+        mongo_client, DB, context=CTX, ddl=Ddl.NONE, sharding=MongoSharding.OFF, shared_with=store
+    )
+
+
 def upsert_reply(n: int = 1) -> dict[str, Any]:
     return {
         "n": n,
@@ -117,10 +126,9 @@ def updates(req: Any) -> list[dict[str, Any]]:
     return [dict(u) for u in req.doc["updates"]]
 
 
-async def test_store_implements_both_protocols(store: MongoSnapshotStore) -> None:
+async def test_the_stores_implement_their_protocols(store: MongoSnapshotStore, rebuilds: MongoSnapshotRebuilds) -> None:
     assert isinstance(store, SnapshotStore)
-    assert isinstance(store, SnapshotRebuildStore)
-    assert store.rebuilds is store
+    assert isinstance(rebuilds, SnapshotRebuildStore)
 
 
 async def test_save_is_one_guarded_upsert_with_a_pipeline(store: MongoSnapshotStore, wire: Wire) -> None:
@@ -346,11 +354,11 @@ async def test_save_of_a_state_bson_cannot_hold_raises_invalid_input(store: Mong
         await store.save(snap("o-1", state={"x": object()}))
 
 
-async def test_pending_filter_sort_and_limit(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_pending_filter_sort_and_limit(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     type = AggregateType(context=CTX, aggregate="order")
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.pending(type, 3, ref("o-5", tenant="t1"), 2))
+        tg.start_soon(call.run, rebuilds.pending(type, 3, ref("o-5", tenant="t1"), 2))
         req = await wire.command("find")
         assert req.doc["find"] == ORDERS
         assert req.doc["filter"] == {"state_revision": {"$lt": 3}, "_id": {"$gt": {"t": "t1", "a": "o-5"}}}
@@ -370,10 +378,10 @@ async def test_pending_filter_sort_and_limit(store: MongoSnapshotStore, wire: Wi
         assert await call.result() == [ref("o-6", tenant="t1"), ref("a", tenant="t2")]
 
 
-async def test_pending_from_the_start_has_no_key_bound(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_pending_from_the_start_has_no_key_bound(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.pending(AggregateType(context=CTX, aggregate="order"), 1, None, 10))
+        tg.start_soon(call.run, rebuilds.pending(AggregateType(context=CTX, aggregate="order"), 1, None, 10))
         req = await wire.command("find")
         assert req.doc["filter"] == {"state_revision": {"$lt": 1}}
         req.replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
@@ -413,7 +421,7 @@ async def test_first_touch_records_the_format_and_creates_the_indexes(
                 "partialFilterExpression": {"deleted": False},
             },
         ]
-        assert [dict(i) for i in indexes.doc["indexes"]] == index_specs()
+        assert [dict(i) for i in indexes.doc["indexes"]] == snapshot_index_specs()
         indexes.replies({})
         (await wire.command("find")).replies({"cursor": {"id": 0, "ns": f"{DB}.{ORDERS}", "firstBatch": []}})
         assert await call.result() is None
@@ -480,7 +488,7 @@ async def test_validate_requires_the_record_and_the_indexes(mongo_client: AsyncM
         req.replies({"cursor": {"id": 0, "ns": f"{DB}.{TABLES}", "firstBatch": [{"_id": ORDERS, "format": 5}]}})
         listed = await wire.command("listIndexes")
         assert listed.doc["listIndexes"] == ORDERS
-        owner = {**index_specs()[0], "v": 2}
+        owner = {**snapshot_index_specs()[0], "v": 2}
         listed.replies(
             {
                 "cursor": {
@@ -522,11 +530,11 @@ async def test_a_sharded_collection_is_sharded_on_tenant_and_hashed_id(
         await call.result()
 
 
-async def test_claim_is_one_atomic_upsert_answering_the_table(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_claim_is_one_atomic_upsert_answering_the_table(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     type = AggregateType(context=CTX, aggregate="order")
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.claim(type, 4))
+        tg.start_soon(call.run, rebuilds.claim(type, 4))
         req = await wire.command("findAndModify")
         assert req.doc["findAndModify"] == TABLES
         assert req.doc["query"] == {"_id": ORDERS}
@@ -558,11 +566,11 @@ async def test_claim_is_one_atomic_upsert_answering_the_table(store: MongoSnapsh
         assert await call.result() == SnapshotTable(type=type, revision=4, updated_at=1700000000000)
 
 
-async def test_mark_sets_the_flags_given_at_the_claimed_revision(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_mark_sets_the_flags_given_at_the_claimed_revision(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     type = AggregateType(context=CTX, aggregate="order")
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.mark(type, 4, backfilled=True))
+        tg.start_soon(call.run, rebuilds.mark(type, 4, backfilled=True))
         req = await wire.command("findAndModify")
         assert req.doc["query"] == {"_id": ORDERS, "revision": 4}
         assert not req.doc.get("upsert")
@@ -585,11 +593,11 @@ async def test_mark_stale_sets_version_plus_one_unless_later(store: MongoSnapsho
         assert await call.result() is False
 
 
-async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     s = snap("o-1", version=5, revision=3)
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.rewrite(s))
+        tg.start_soon(call.run, rebuilds.rewrite(s))
         req = await wire.command("update")
         [u] = updates(req)
         assert u["q"] == {
@@ -609,7 +617,7 @@ async def test_rewrite_is_a_guarded_upsert_clearing_the_stale_mark(store: MongoS
         assert await call.result() is True
         # refused by the guard: the upsert meets the key
         call = Call()
-        tg.start_soon(call.run, store.rewrite(s))
+        tg.start_soon(call.run, rebuilds.rewrite(s))
         (await wire.command("update")).replies({"n": 0, "nModified": 0, "writeErrors": [E11000]})
         assert await call.result() is False
 
@@ -744,10 +752,10 @@ async def test_save_all_fails_an_item_of_another_context_alone(store: MongoSnaps
     assert [o.status for o in outcomes] == ["failed", "saved"]
 
 
-async def test_another_server_error_is_a_storage_error(store: MongoSnapshotStore, wire: Wire) -> None:
+async def test_another_server_error_is_a_storage_error(rebuilds: MongoSnapshotRebuilds, wire: Wire) -> None:
     async with anyio.create_task_group() as tg:
         call = Call()
-        tg.start_soon(call.run, store.table(AggregateType(context=CTX, aggregate="order")))
+        tg.start_soon(call.run, rebuilds.table(AggregateType(context=CTX, aggregate="order")))
         server_error(
             await wire.command("find"),
             13,

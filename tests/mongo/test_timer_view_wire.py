@@ -1,4 +1,4 @@
-"""MongoTimerStore's timer view on the wire (MockupDB): tombstones and their TTL index, the format
+"""The MongoDB timer view on the wire (MockupDB): tombstones and their TTL index, the format
 upgrade, the batched write, the claim of due timers and the takeover's reclaim."""
 
 from __future__ import annotations
@@ -28,24 +28,16 @@ from tests.mongo.timers_support import (
     registry_doc,
     tombstone,
 )
+from tests.timer_stores import MongoTimers, mongo_timers
 from wowd import metrics
 from wowd.errors import FormatError
 from wowd.model import Claim, TimerChange, TimerStatus, TimerWrite
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timer_queries import (
-    cancel_all_filter,
-    cancel_filter,
-    index_specs,
-    put_filter,
-    put_update,
-    reclaim_filter,
-    settle_filter,
-    timer_to_doc,
-    tombstone_update,
-    ttl_index_spec,
-)
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.schema import timer_index_specs, ttl_index_spec
+from wowd.stores.mongo.timer_docs import timer_to_doc, tombstone_update
+from wowd.stores.mongo.timer_firing import reclaim_filter, settle_filter
+from wowd.stores.mongo.timer_view import cancel_all_filter, cancel_filter, put_filter, put_update
 
 pytestmark = pytest.mark.anyio
 
@@ -56,23 +48,23 @@ DAY_MS = 24 * 3600 * 1000
 TOMBSTONES = ["DONE", "CANCELLED"]
 
 
-def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimerStore:
+def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimers:
     options: dict[str, Any] = {"sharding": MongoSharding.OFF, "operation_timeout": None}
     options.update(kwargs)
-    return MongoTimerStore(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
+    return mongo_timers(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
 
 
-async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
+async def prepare(store: MongoTimers, wire: Wire, *aggregates: str) -> None:
     async with calling(store.prepare) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc(a) for a in aggregates]))
     assert out.error is None, out.error
 
 
-async def ready(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
+async def ready(store: MongoTimers, wire: Wire, *aggregates: str) -> None:
     """Makes ``aggregates`` known and their DDL done (each type's first put)."""
     for aggregate in aggregates:
         t = make_timer(aggregate=aggregate, id=f"{aggregate}-first")
-        async with calling(lambda t=t: store.put(t)) as out:  # type: ignore[misc]
+        async with calling(lambda t=t: store.view.put(t)) as out:  # type: ignore[misc]
             await answer_first_use(wire, aggregate)
             (await wire.command("update")).ok(n=1, nModified=0, upserted=[{"index": 0, "_id": ObjectId()}])
         assert out.value is True, out.error
@@ -105,7 +97,7 @@ def test_the_tombstones_ttl_index_is_a_partial_single_field_date_index() -> None
     assert list(spec["key"].items()) == [("expires_at", 1)]
     assert spec["expireAfterSeconds"] == 0
     assert spec["partialFilterExpression"] == {"status": {"$in": TOMBSTONES}}
-    specs = {s["name"]: s for s in index_specs()}
+    specs = {s["name"]: s for s in timer_index_specs()}
     assert specs["tombstones_ttl"] == spec
     assert specs["due"]["partialFilterExpression"] == {"status": {"$in": ["PENDING", "FIRING"]}}
     # the tombstone's expiry is the server's clock plus the retention: a Date, as a TTL index reads
@@ -137,7 +129,7 @@ async def test_prepare_upgrades_a_format_5_collection_in_place(mongo_client: Any
         assert not u.get("upsert", False)
         up.ok(n=1, nModified=1)
     assert out.error is None, out.error
-    async with calling(lambda: store.due({0}, 10, 5)) as due:
+    async with calling(lambda: store.firing.due({0}, 10, 5)) as due:
         agg = await wire.command("aggregate")
         assert [s["$unionWith"]["coll"] for s in agg.doc["pipeline"] if "$unionWith" in s] == [CART, ORDER]
         agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}]))
@@ -160,7 +152,7 @@ async def test_the_upgrades_index_build_has_no_deadline_under_the_clients_timeou
         mock_server.uri, serverSelectionTimeoutMS=3000, retryWrites=False, retryReads=False, timeoutMS=10_000
     )
     try:
-        store = MongoTimerStore(
+        store = mongo_timers(
             client,
             DB,
             context=CONTEXT,
@@ -168,7 +160,7 @@ async def test_the_upgrades_index_build_has_no_deadline_under_the_clients_timeou
             sharding=MongoSharding.OFF,
             operation_timeout=timedelta(seconds=10),
         )
-        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.timer_schema"):
+        with caplog.at_level(logging.INFO, logger="wowd.stores.mongo.schema"):
             async with calling(store.prepare) as out:
                 (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
                 ci = await wire.command("createIndexes")
@@ -212,7 +204,7 @@ async def test_first_put_of_a_format_5_type_upgrades_it_then_makes_sure_of_its_i
     mongo_client: Any, wire: Wire
 ) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         (await wire.command("findAndModify")).ok(value=registry_doc("order", fmt=5))
         ci = await wire.command("createIndexes")
         assert [dict(i) for i in ci.doc["indexes"]] == [ttl_index_spec()]
@@ -251,7 +243,7 @@ async def test_write_is_one_unordered_bulk_per_collection_answered_from_its_resu
         TimerWrite.cancel_all(c, 2),  # cart: nothing live
     ]
     seen: dict[str, Any] = {}
-    async with calling(lambda: store.write(writes)) as out:
+    async with calling(lambda: store.view.write(writes)) as out:
         for _ in range(2):
             req = await wire.command("update")
             seen[req.doc["update"]] = req.doc
@@ -279,7 +271,7 @@ async def test_write_is_one_unordered_bulk_per_collection_answered_from_its_resu
     assert all(u["q"]["partition"] in (pa, pb) for u in order)  # the shard key in every filter
     cart = seen[CART]["updates"]
     assert [u["q"] for u in cart] == [put_filter(c1), cancel_all_filter(c, pc, 2)]
-    assert await store.write([]) == []
+    assert await store.view.write([]) == []
 
 
 async def test_write_decides_the_items_that_met_the_unique_key_with_one_read(mongo_client: Any, wire: Wire) -> None:
@@ -301,7 +293,7 @@ async def test_write_decides_the_items_that_met_the_unique_key_with_one_read(mon
         TimerWrite.put(make_timer(id="o5", version=1)),
     ]
     stored = [done, later, raced, old]
-    async with calling(lambda: store.write(writes)) as out:
+    async with calling(lambda: store.view.write(writes)) as out:
         bulk = await wire.command("update")
         assert len(bulk.doc["updates"]) == 5 and bulk.doc["ordered"] is False
         for i in (0, 1, 3):  # as the server judges them: none matches what is stored
@@ -340,7 +332,7 @@ async def test_two_cancel_alls_in_one_collection_are_counted_by_one_read_before_
     in one collection, one aggregation counts each owner's live timers first."""
     store = store_on(mongo_client)
     a, b = ref(id="a"), ref(id="b")
-    async with calling(lambda: store.write([TimerWrite.cancel_all(a, 5), TimerWrite.cancel_all(b, 7)])) as out:
+    async with calling(lambda: store.view.write([TimerWrite.cancel_all(a, 5), TimerWrite.cancel_all(b, 7)])) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["aggregate"] == ORDER
         match, group = agg.doc["pipeline"]
@@ -372,8 +364,8 @@ async def test_claim_due_fails_an_undecodable_timer_and_claims_the_rest(
     failed = metrics.TIMERS_FAILED.labels(target="billing.invoice")
     before = failed._value.get()
     docs = [union_doc(timer_to_doc(t)) for t in (flying, ok1)] + [union_doc(bad), union_doc(timer_to_doc(ok2))]
-    caplog.set_level(logging.ERROR, logger="wowd.stores.mongo.timer_schema")
-    call = lambda: store.claim_due(  # noqa: E731
+    caplog.set_level(logging.ERROR, logger="wowd.stores.mongo.schema")
+    call = lambda: store.firing.claim_due(  # noqa: E731
         {0, 1, 2, 3}, 500, 2, owner_key="me", fence=7, claim_until=9_000, exclude={flying.timer_id}
     )
     async with calling(call) as out:
@@ -403,7 +395,7 @@ async def test_claim_due_confirms_a_partial_claim_by_reading_it_back(mongo_clien
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
     t1, t2 = make_timer(id="o1", due_at=100), make_timer(id="o2", due_at=200)
-    call = lambda: store.claim_due({0, 1, 2, 3, 4, 5, 6, 7}, 500, 10, owner_key="me", fence=7, claim_until=9_000)  # noqa: E731
+    call = lambda: store.firing.claim_due({0, 1, 2, 3, 4, 5, 6, 7}, 500, 10, owner_key="me", fence=7, claim_until=9_000)  # noqa: E731
     async with calling(call) as out:
         (await wire.command("aggregate")).ok(
             **cursor(f"{DB}.{REGISTRY}", [{"registered": 1}, union_doc(timer_to_doc(t1)), union_doc(timer_to_doc(t2))])
@@ -429,7 +421,7 @@ async def test_reclaim_is_one_update_many_per_collection_of_the_registry(mongo_c
     (a type another replica registered has claims too); the filter carries the partitions (the
     shard key) and the reclaim index's partial filter."""
     store = store_on(mongo_client)
-    async with calling(lambda: store.reclaim({3, 1}, 5)) as out:
+    async with calling(lambda: store.firing.reclaim({3, 1}, 5)) as out:
         reg = await wire.command("find")
         assert reg.doc["find"] == REGISTRY
         reg.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
@@ -499,7 +491,7 @@ def test_reclaim_reads_only_the_firing_timers_of_an_older_fence_over_the_reclaim
     ``FETCH`` tests nothing more. The due index also qualifies (FIRING is one of its statuses)
     but reads every live timer of the partitions and tests the fence after fetching each: the
     planner's trial picks the plan that answers with fewer works (manual, Query Plans)."""
-    specs = {s["name"]: s for s in index_specs()}
+    specs = {s["name"]: s for s in timer_index_specs()}
     predicate = reclaim_filter({3, 1}, 5)
     plan = ixscan(specs["reclaim"], predicate)
     assert plan == {
@@ -518,10 +510,10 @@ def test_reclaim_reads_only_the_firing_timers_of_an_older_fence_over_the_reclaim
 
 async def test_sweep_and_empty_calls_send_nothing(idle_client: AsyncMongoClient[Any]) -> None:
     store = store_on(idle_client)
-    assert await store.sweep(2**62, 100) == 0  # the TTL index expires tombstones
-    assert await store.reclaim(set(), 5) == 0
-    assert await store.claim_due(set(), 1, 1, owner_key="k", fence=1, claim_until=2) == []
-    assert await store.write([]) == []
+    assert await store.firing.sweep(2**62, 100) == 0  # the TTL index expires tombstones
+    assert await store.firing.reclaim(set(), 5) == 0
+    assert await store.firing.claim_due(set(), 1, 1, owner_key="k", fence=1, claim_until=2) == []
+    assert await store.view.write([]) == []
 
 
 async def test_a_replayed_batch_costs_one_bulk_and_one_read_per_collection(mongo_client: Any, wire: Wire) -> None:
@@ -533,7 +525,7 @@ async def test_a_replayed_batch_costs_one_bulk_and_one_read_per_collection(mongo
     timers = [make_timer(aggregate=agg, id=f"{agg}-{i}", version=2) for agg in ("order", "cart") for i in range(200)]
     fired = {t.timer_id for t in timers[::2]}
     commands: list[str] = []
-    async with calling(lambda: store.write([TimerWrite.put(t) for t in timers])) as out:
+    async with calling(lambda: store.view.write([TimerWrite.put(t) for t in timers])) as out:
         for _ in range(2):
             bulk = await wire.command("update")
             commands.append("update")

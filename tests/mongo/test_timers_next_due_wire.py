@@ -1,4 +1,4 @@
-"""MongoTimerStore.next_due on the wire (MockupDB): one aggregation on the registry, the exact
+"""MongoTimerFiring.next_due on the wire (MockupDB): one aggregation on the registry, the exact
 pipeline, and how its answer is read."""
 
 from __future__ import annotations
@@ -10,23 +10,24 @@ from pymongo import AsyncMongoClient
 
 from tests.mongo.conftest import Wire, server_error
 from tests.mongo.timers_support import CONTEXT, PARTITIONS, REGISTRY, calling, cursor, registry_doc
+from tests.timer_stores import MongoTimers, mongo_timers
 from wowd.errors import StorageUnavailable
 from wowd.stores.mongo._common import MongoSharding
-from wowd.stores.mongo.timer_queries import index_specs, next_due_match, next_due_pipeline
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.schema import timer_index_specs
+from wowd.stores.mongo.timer_firing import next_due_match, next_due_pipeline
 
 pytestmark = pytest.mark.anyio
 
 DB = "wowd"
 
 
-def store_on(client: AsyncMongoClient[Any]) -> MongoTimerStore:
-    return MongoTimerStore(
+def store_on(client: AsyncMongoClient[Any]) -> MongoTimers:
+    return mongo_timers(
         client, DB, context=CONTEXT, partitions=PARTITIONS, sharding=MongoSharding.OFF, operation_timeout=None
     )
 
 
-async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
+async def prepare(store: MongoTimers, wire: Wire, *aggregates: str) -> None:
     async with calling(store.prepare) as out:
         req = await wire.command("find")
         req.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc(a) for a in aggregates]))
@@ -51,7 +52,7 @@ def sub_pipeline(partitions: list[int], after: int) -> list[dict[str, Any]]:
 async def test_next_due_is_one_aggregate_with_a_first_due_time_per_collection(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     await prepare(store, wire, "order", "cart")
-    async with calling(lambda: store.next_due({3, 1}, 500)) as out:
+    async with calling(lambda: store.firing.next_due({3, 1}, 500)) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["aggregate"] == REGISTRY
         assert agg.doc["pipeline"] == [
@@ -72,7 +73,7 @@ def test_next_due_sub_pipeline_is_served_by_the_partial_due_index() -> None:
     first key and ``due_at`` ``$gt`` a range on the second; the sort ``{due_at: 1}`` is the key
     after the points (one scan per partition, SORT_MERGE, no blocking sort), so ``$limit: 1``
     stops after one key per partition. ``$project`` keeps one field."""
-    [due] = [s for s in index_specs() if s["name"] == "due"]
+    [due] = [s for s in timer_index_specs() if s["name"] == "due"]
     keys = list(due["key"].items())
     match = next_due_match([7, 2, 2], 42)
     assert set(match["status"]["$in"]) <= set(due["partialFilterExpression"]["status"]["$in"])
@@ -89,7 +90,7 @@ def test_next_due_sub_pipeline_is_served_by_the_partial_due_index() -> None:
 async def test_next_due_of_no_timer_is_none(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
-    async with calling(lambda: store.next_due({0}, 500)) as out:
+    async with calling(lambda: store.firing.next_due({0}, 500)) as out:
         agg = await wire.command("aggregate")
         # $min over no due_at is null; the count document alone reaches the group
         agg.ok(**cursor(f"{DB}.{REGISTRY}", [{"_id": None, "registered": 1, "next_due": None}]))
@@ -99,7 +100,7 @@ async def test_next_due_of_no_timer_is_none(mongo_client: Any, wire: Wire) -> No
 
 async def test_next_due_with_no_collection_reads_the_count_alone(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.next_due({0, 1}, 500)) as out:
+    async with calling(lambda: store.firing.next_due({0, 1}, 500)) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["pipeline"] == [
             {"$match": {"context": CONTEXT}},
@@ -114,7 +115,7 @@ async def test_next_due_with_no_collection_reads_the_count_alone(mongo_client: A
 async def test_next_due_reloads_the_registry_when_its_count_differs(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
-    async with calling(lambda: store.next_due({0, 1}, 500)) as out:
+    async with calling(lambda: store.firing.next_due({0, 1}, 500)) as out:
         first = await wire.command("aggregate")
         first.ok(**cursor(f"{DB}.{REGISTRY}", [{"_id": None, "registered": 2, "next_due": 900}]))
         reload = await wire.command("find")  # another replica registered cart
@@ -133,14 +134,14 @@ async def test_next_due_reloads_the_registry_when_its_count_differs(mongo_client
 async def test_next_due_of_no_partition_sends_nothing() -> None:
     client: AsyncMongoClient[Any] = AsyncMongoClient("mongodb://localhost:1", connect=False)
     try:
-        assert await store_on(client).next_due(frozenset(), 0) is None
+        assert await store_on(client).firing.next_due(frozenset(), 0) is None
     finally:
         await client.close()
 
 
 async def test_next_due_not_writable_primary_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.next_due({0}, 0)) as out:
+    async with calling(lambda: store.firing.next_due({0}, 0)) as out:
         server_error(await wire.command("aggregate"), 10107, "not primary")
     assert isinstance(out.error, StorageUnavailable), out.error
     assert "timers.next_due" in str(out.error)

@@ -1,4 +1,5 @@
-"""MongoTimerStore on the wire (MockupDB): the exact commands it sends and how it reads answers."""
+"""The MongoDB timer stores (the view, firing, the queries) on the wire (MockupDB): the exact
+commands they send and how they read answers."""
 
 from __future__ import annotations
 
@@ -30,37 +31,30 @@ from tests.mongo.timers_support import (
     registry_doc,
     tombstone,
 )
+from tests.timer_stores import MongoTimers, mongo_timers
 from wowd import metrics
 from wowd.errors import FormatError, InvalidInput, StorageUnavailable
 from wowd.model import CronRule, Timer, TimerChange, TimerStatus
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import MongoSharding, split_to_fit
-from wowd.stores.mongo.timer_queries import (
-    due_match,
-    index_specs,
-    parked_many_match,
-    put_filter,
-    settle_filter,
-    timer_from_doc,
-    timer_to_doc,
-    tombstone_update,
-    union_batch_size,
-    union_pipeline,
-)
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.schema import timer_index_specs
+from wowd.stores.mongo.timer_docs import timer_to_doc, tombstone_update, union_batch_size, union_pipeline
+from wowd.stores.mongo.timer_firing import due_match, settle_filter
+from wowd.stores.mongo.timer_queries import timer_from_doc
+from wowd.stores.mongo.timer_view import parked_many_match, put_filter
 
 pytestmark = pytest.mark.anyio
 
 DB = "wowd"
 
 
-def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimerStore:
+def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimers:
     options: dict[str, Any] = {"sharding": MongoSharding.OFF, "operation_timeout": None}
     options.update(kwargs)
-    return MongoTimerStore(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
+    return mongo_timers(client, DB, context=CONTEXT, partitions=PARTITIONS, **options)
 
 
-async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
+async def prepare(store: MongoTimers, wire: Wire, *aggregates: str) -> None:
     """``prepare`` reading a registry that records ``aggregates`` (format 6)."""
     async with calling(store.prepare) as out:
         req = await wire.command("find")
@@ -70,8 +64,8 @@ async def prepare(store: MongoTimerStore, wire: Wire, *aggregates: str) -> None:
     assert out.error is None, out.error
 
 
-async def first_put(store: MongoTimerStore, wire: Wire, aggregate: str = "order") -> None:
-    async with calling(lambda: store.put(make_timer(aggregate=aggregate))) as out:
+async def first_put(store: MongoTimers, wire: Wire, aggregate: str = "order") -> None:
+    async with calling(lambda: store.view.put(make_timer(aggregate=aggregate))) as out:
         await answer_first_use(wire, aggregate)
         await answer_update(wire)
     assert out.value is True, out.error
@@ -98,10 +92,10 @@ def stored(timer: Timer, *, aggregate: str | None = None) -> dict[str, Any]:
 
 
 async def test_collection_name_follows_the_log_rule(idle_client: AsyncMongoClient[Any]) -> None:
-    store = MongoTimerStore(idle_client, DB, context=CONTEXT, partitions=PARTITIONS)
-    assert store.collection_name("order") == "wow_timer__ctx__order"
+    store = mongo_timers(idle_client, DB, context=CONTEXT, partitions=PARTITIONS)
+    assert store.view.collection_name("order") == "wow_timer__ctx__order"
     with pytest.raises(ValueError):
-        store.collection_name("Bad.Name")
+        store.view.collection_name("Bad.Name")
 
 
 def test_timer_document_round_trip_keeps_every_field() -> None:
@@ -128,7 +122,7 @@ def test_timer_document_round_trip_keeps_every_field() -> None:
 
 
 def test_index_specs() -> None:
-    specs = {s["name"]: s for s in index_specs()}
+    specs = {s["name"]: s for s in timer_index_specs()}
     unique = specs["partition_owner_key"]
     assert list(unique["key"].items()) == [
         ("partition", 1),
@@ -148,7 +142,7 @@ def test_index_specs() -> None:
 async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
     timer = make_timer()
-    async with calling(lambda: store.put(timer)) as out:
+    async with calling(lambda: store.view.put(timer)) as out:
         fam = await wire.command("findAndModify")
         assert fam.doc["findAndModify"] == REGISTRY
         assert fam.doc["query"] == {"_id": "wow_timer__ctx__order"}
@@ -166,8 +160,8 @@ async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: An
         create.ok()  # 7.0+: ok on an existing collection of the same options (another replica made it)
         ci = await wire.command("createIndexes")
         assert ci.doc["createIndexes"] == "wow_timer__ctx__order"
-        assert [dict(i) for i in ci.doc["indexes"]] == index_specs()
-        assert [list(i["key"]) for i in ci.doc["indexes"]] == [list(s["key"]) for s in index_specs()]
+        assert [dict(i) for i in ci.doc["indexes"]] == timer_index_specs()
+        assert [list(i["key"]) for i in ci.doc["indexes"]] == [list(s["key"]) for s in timer_index_specs()]
         ci.ok()
         update = await answer_update(wire)
     assert out.error is None and out.value is True
@@ -186,14 +180,14 @@ async def test_first_put_registers_creates_indexes_then_upserts(mongo_client: An
     assert merged[1] == {"$literal": literal}
 
     # the type is known now: the next put is the upsert alone
-    async with calling(lambda: store.put(make_timer(version=6))) as out2:
+    async with calling(lambda: store.view.put(make_timer(version=6))) as out2:
         await answer_update(wire, upserted=False)
     assert out2.value is True
 
 
 async def test_put_refused_on_another_format(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         await answer_first_use(wire, "order", fmt=4)
     assert isinstance(out.error, FormatError)
     assert "format 4" in str(out.error)
@@ -201,7 +195,7 @@ async def test_put_refused_on_another_format(mongo_client: Any, wire: Wire) -> N
 
 async def test_first_put_drops_and_rebuilds_another_format_when_told(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client, drop_other_format=True)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         (await wire.command("findAndModify")).ok(value=registry_doc("order", fmt=4))
         drop = await wire.command("drop")
         assert drop.doc["drop"] == "wow_timer__ctx__order"
@@ -216,23 +210,25 @@ async def test_first_put_drops_and_rebuilds_another_format_when_told(mongo_clien
 
 async def test_ddl_validate_checks_registry_and_indexes_and_creates_nothing(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client, ddl=Ddl.VALIDATE)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         reg = await wire.command("find")
         assert reg.doc["find"] == REGISTRY and reg.doc["filter"] == {"_id": "wow_timer__ctx__order"}
         reg.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         li = await wire.command("listIndexes")
         assert li.doc["listIndexes"] == "wow_timer__ctx__order"
-        li.ok(**cursor(f"{DB}.wow_timer__ctx__order", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()]))
+        li.ok(
+            **cursor(f"{DB}.wow_timer__ctx__order", [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *timer_index_specs()])
+        )
         await answer_update(wire)
     assert out.error is None and out.value is True
 
     other = store_on(mongo_client, ddl=Ddl.VALIDATE)
-    async with calling(lambda: other.put(make_timer())) as refused:
+    async with calling(lambda: other.view.put(make_timer())) as refused:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listIndexes")).ok(
             **cursor(
                 f"{DB}.wow_timer__ctx__order",
-                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *index_specs()[:1]],
+                [{"v": 2, "key": {"_id": 1}, "name": "_id_"}, *timer_index_specs()[:1]],
             )
         )
     assert isinstance(refused.error, FormatError) and "due" in str(refused.error)
@@ -246,16 +242,16 @@ async def test_ddl_none_refuses_a_new_type_whose_collection_has_no_indexes(mongo
     put is refused naming the setting, and nothing is registered or written. With the indexes
     there (an administrator made them), the type registers and the put is its upsert."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         server_error(await wire.command("listIndexes"), 26, "ns does not exist: wowd.wow_timer__ctx__order")
     assert isinstance(out.error, FormatError), out.error
     assert "does not exist" in str(out.error) and "WOWD_MONGODB__DDL=auto" in str(out.error)
-    bare = [spec for spec in index_specs() if spec["name"] in ("tombstones_ttl",)]
-    async with calling(lambda: store.put(make_timer())) as out:
+    bare = [spec for spec in timer_index_specs() if spec["name"] in ("tombstones_ttl",)]
+    async with calling(lambda: store.view.put(make_timer())) as out:
         await answer_indexes(wire, "wow_timer__ctx__order", bare)
     assert isinstance(out.error, FormatError) and "partition_owner_key" in str(out.error), out.error
-    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
-    async with calling(lambda: store.put(make_timer())) as out:
+    without_ttl = [spec for spec in timer_index_specs() if spec["name"] != "tombstones_ttl"]
+    async with calling(lambda: store.view.put(make_timer())) as out:
         await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)  # a missing TTL index: logged
         (await wire.command("findAndModify")).ok(value=registry_doc("order"))
         await answer_update(wire)  # straight to the upsert
@@ -269,14 +265,14 @@ async def test_ddl_none_puts_a_type_the_registry_records_straight_to_its_upsert(
     store = store_on(mongo_client, ddl=Ddl.NONE)
     async with calling(store.prepare) as prepared:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
-        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+        await answer_indexes(wire, "wow_timer__ctx__order", timer_index_specs())
     assert prepared.error is None, prepared.error
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         update = await answer_update(wire)
     assert out.error is None and out.value is True
     assert update["update"] == "wow_timer__ctx__order"
-    async with calling(lambda: store.put(make_timer(aggregate="cart", id="c1"))) as cart:
-        await answer_indexes(wire, "wow_timer__ctx__cart", index_specs())  # a new type: its indexes first
+    async with calling(lambda: store.view.put(make_timer(aggregate="cart", id="c1"))) as cart:
+        await answer_indexes(wire, "wow_timer__ctx__cart", timer_index_specs())  # a new type: its indexes first
         fam = await wire.command("findAndModify")
         assert fam.doc["query"] == {"_id": "wow_timer__ctx__cart"}
         fam.ok(value=registry_doc("cart"))
@@ -302,22 +298,22 @@ async def test_ddl_none_says_at_start_that_tombstones_without_a_ttl_index_never_
     import logging
 
     store = store_on(mongo_client, ddl=Ddl.NONE)
-    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
-    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.timer_schema"):
+    without_ttl = [spec for spec in timer_index_specs() if spec["name"] != "tombstones_ttl"]
+    with caplog.at_level(logging.WARNING, logger="wowd.stores.mongo.schema"):
         async with calling(store.prepare) as out:
             (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
             await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
     assert out.error is None, out.error
     assert "wow_timer__ctx__order has no TTL index tombstones_ttl" in caplog.text
     assert "never expire" in caplog.text and "WOWD_MONGODB__DDL=auto" in caplog.text
-    async with calling(store.missing_ttl) as missing:  # what wowd check asks
+    async with calling(store.view.missing_ttl) as missing:  # what wowd check asks
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
     assert missing.value == ["wow_timer__ctx__order"], missing.error
 
 
 async def test_wowd_check_names_the_collections_whose_tombstones_never_expire() -> None:
-    from wowd.cli.check import _ttl_probe
+    from wowd.stores.mongo.operations import ttl_probe
 
     async def missing() -> list[str]:
         return ["wow_timer__ctx__order"]
@@ -326,9 +322,9 @@ async def test_wowd_check_names_the_collections_whose_tombstones_never_expire() 
         return []
 
     with pytest.raises(FormatError, match="no TTL index tombstones_ttl on wow_timer__ctx__order") as caught:
-        await _ttl_probe(missing)
+        await ttl_probe(missing)
     assert "never expire" in str(caught.value) and "WOWD_MONGODB__DDL=auto" in str(caught.value)
-    await _ttl_probe(none)
+    await ttl_probe(none)
 
 
 async def test_ddl_none_refuses_to_upgrade_format_5_without_the_ttl_index(mongo_client: Any, wire: Wire) -> None:
@@ -336,7 +332,7 @@ async def test_ddl_none_refuses_to_upgrade_format_5_without_the_ttl_index(mongo_
     (tombstones never expiring): it is refused at start, naming the index and the setting, and
     the registry is left at 5. With the index there (an operator made it), 6 is recorded."""
     store = store_on(mongo_client, ddl=Ddl.NONE)
-    without_ttl = [spec for spec in index_specs() if spec["name"] != "tombstones_ttl"]
+    without_ttl = [spec for spec in timer_index_specs() if spec["name"] != "tombstones_ttl"]
     async with calling(store.prepare) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
         await answer_indexes(wire, "wow_timer__ctx__order", without_ttl)
@@ -345,7 +341,7 @@ async def test_ddl_none_refuses_to_upgrade_format_5_without_the_ttl_index(mongo_
 
     async with calling(store.prepare) as again:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order", fmt=5)]))
-        await answer_indexes(wire, "wow_timer__ctx__order", index_specs())
+        await answer_indexes(wire, "wow_timer__ctx__order", timer_index_specs())
         up = await wire.command("update")
         assert up.doc["updates"][0]["q"] == {"_id": "wow_timer__ctx__order", "format": 5}
         up.ok(n=1, nModified=1)
@@ -358,7 +354,7 @@ async def test_ddl_auto_still_makes_sure_of_the_indexes_of_a_registered_type(mon
     puts would land in a collection without its unique key."""
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         await answer_first_use(wire, "order")
         await answer_update(wire)
     assert out.value is True, out.error
@@ -367,12 +363,12 @@ async def test_ddl_auto_still_makes_sure_of_the_indexes_of_a_registered_type(mon
 async def test_ddl_validate_refuses_the_due_keys_in_another_order(mongo_client: Any, wire: Wire) -> None:
     """``(due_at, partition, timer_id)`` is another index: it cannot serve a due read of a few
     partitions (no equality prefix). The key order is compared, not the set of keys."""
-    swapped = [dict(s) for s in index_specs()]
+    swapped = [dict(s) for s in timer_index_specs()]
     [due] = [s for s in swapped if s["name"] == "due"]
     due["key"] = {"due_at": 1, "partition": 1, "timer_id": 1}
-    assert due["key"] == index_specs()[1]["key"]  # equal as dicts: only the order differs
+    assert due["key"] == timer_index_specs()[1]["key"]  # equal as dicts: only the order differs
     store = store_on(mongo_client, ddl=Ddl.VALIDATE)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listIndexes")).ok(**cursor(f"{DB}.wow_timer__ctx__order", swapped))
     assert isinstance(out.error, FormatError) and "due" in str(out.error)
@@ -380,7 +376,7 @@ async def test_ddl_validate_refuses_the_due_keys_in_another_order(mongo_client: 
 
 async def test_ddl_validate_refuses_a_registered_collection_that_does_not_exist(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client, ddl=Ddl.VALIDATE)
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         server_error(await wire.command("listIndexes"), 26, f"ns does not exist: {DB}.wow_timer__ctx__order")
     assert isinstance(out.error, FormatError), out.error  # not a StorageError to retry forever
@@ -397,7 +393,7 @@ async def test_ddl_commands_are_bounded_one_by_one_not_by_the_puts_timeout(mongo
     import anyio
 
     store = store_on(mongo_client, operation_timeout=timedelta(milliseconds=750))
-    async with calling(lambda: store.put(make_timer())) as out:
+    async with calling(lambda: store.view.put(make_timer())) as out:
         for name in ("findAndModify", "create", "createIndexes"):
             req = await wire.command(name)
             if name == "createIndexes":
@@ -439,7 +435,7 @@ async def test_prepare_drops_another_format_when_told(mongo_client: Any, wire: W
         delete.ok(n=1)
     assert out.error is None, out.error
     # only the format-6 collection is read by due
-    async with calling(lambda: store.due({0}, 10, 5)) as due:
+    async with calling(lambda: store.firing.due({0}, 10, 5)) as due:
         agg = await wire.command("aggregate")
         unions = [s["$unionWith"]["coll"] for s in agg.doc["pipeline"] if "$unionWith" in s]
         assert unions == ["wow_timer__ctx__order"]
@@ -459,11 +455,11 @@ async def answer_one_chunk(wire: Wire, ns: str) -> None:
     (await wire.command("aggregate")).ok(**cursor("config.chunks", [{"_id": 1, "n": 1}]))
 
 
-async def first_sharded_put(store: MongoTimerStore, wire: Wire, timer: Timer) -> None:
+async def first_sharded_put(store: MongoTimers, wire: Wire, timer: Timer) -> None:
     """A type's first put on a sharded cluster: registered, created, indexed, sharded, then the
     upsert; nothing else (no ``listShards``, ``split`` or ``moveRange`` on a feed batch's path)."""
     ns = f"{DB}.wow_timer__ctx__order"
-    async with calling(lambda: store.put(timer)) as out:
+    async with calling(lambda: store.view.put(timer)) as out:
         (await wire.command("findAndModify")).ok(
             value=registry_doc("order"),
             lastErrorObject={"n": 1, "updatedExisting": False, "upserted": "wow_timer__ctx__order"},
@@ -479,13 +475,13 @@ async def first_sharded_put(store: MongoTimerStore, wire: Wire, timer: Timer) ->
 
 
 async def test_sharded_cluster_gets_its_chunks_spread_off_the_put_path(mongo_client: Any, wire: Wire) -> None:
-    store = MongoTimerStore(
+    store = mongo_timers(
         mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
     )
     timer = make_timer(id="a")
     await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
     ns = f"{DB}.wow_timer__ctx__order"
-    async with calling(store.spread_chunks) as out:
+    async with calling(store.view.spread_chunks) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
         await answer_one_chunk(wire, ns)
@@ -511,11 +507,11 @@ async def test_the_spread_at_the_most_partitions_is_bounded_by_the_shards(mongo_
     sends nothing more (the balancer's then)."""
     from datetime import timedelta
 
-    store = MongoTimerStore(
+    store = mongo_timers(
         mongo_client, DB, context=CONTEXT, partitions=65_536, sharding=MongoSharding.ON, operation_timeout=None
     )
     ns = f"{DB}.wow_timer__ctx__order"
-    async with calling(store.spread_chunks) as out:
+    async with calling(store.view.spread_chunks) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
         await answer_one_chunk(wire, ns)
@@ -533,7 +529,7 @@ async def test_the_spread_at_the_most_partitions_is_bounded_by_the_shards(mongo_
         assert targets == ["s0", "s1"] * 4
     assert out.value == {"wow_timer__ctx__order": "spread: 8 chunks over 2 shards"}, out.error
 
-    async with calling(lambda: store.spread_chunks(budget=timedelta(0))) as spent:
+    async with calling(lambda: store.view.spread_chunks(budget=timedelta(0))) as spent:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(shards=[{"_id": "s0"}, {"_id": "s1"}])
         await answer_one_chunk(wire, ns)
@@ -545,12 +541,12 @@ async def test_a_one_shard_cluster_gets_no_split(mongo_client: Any, wire: Wire) 
     (nothing to spread; 7.0's AutoMerger merges the chunks of a shard back, manual, "Automerger",
     so the next start would find one chunk and split it again). The answers are a 7.0
     ``mongos``'s: ``listShards`` lists the one shard."""
-    store = MongoTimerStore(
+    store = mongo_timers(
         mongo_client, DB, context=CONTEXT, partitions=3, sharding=MongoSharding.AUTO, operation_timeout=None
     )
     timer = make_timer(id="a")
     await first_sharded_put(store, wire, replace(timer, partition=timer.owner.partition(3)))
-    async with calling(store.spread_chunks) as out:
+    async with calling(store.view.spread_chunks) as out:
         (await wire.command("find")).ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order")]))
         (await wire.command("listShards")).ok(
             shards=[{"_id": "s0", "host": "s0/localhost:27018", "state": 1, "topologyTime": Timestamp(1, 1)}]
@@ -574,7 +570,7 @@ async def test_put_refused_by_the_unique_key_is_decided_by_one_read(mongo_client
     await first_put(store, wire)
     timer = make_timer(version=3)
     later = stored_doc(5)
-    async with calling(lambda: store.put(timer)) as out:
+    async with calling(lambda: store.view.put(timer)) as out:
         first = await wire.command("update")
         assert first.doc["updates"][0]["q"] == put_filter(timer)
         first.ok(n=0, nModified=0, writeErrors=[dup_key_error(0, later)])
@@ -602,7 +598,7 @@ async def test_put_that_lost_an_insert_race_is_admitted_over_the_winner(mongo_cl
     store = store_on(mongo_client)
     await first_put(store, wire)
     won = stored_doc(5)
-    async with calling(lambda: store.put(make_timer(version=7))) as out:
+    async with calling(lambda: store.view.put(make_timer(version=7))) as out:
         (await wire.command("update")).ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)])
         (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(won)]))
         req = await wire.command("update")
@@ -621,7 +617,7 @@ async def test_a_put_alone_that_meets_the_key_with_a_write_concern_error_is_unav
     store = store_on(mongo_client)
     await first_put(store, wire)
     won = stored_doc(5)
-    async with calling(lambda: store.put(make_timer(version=7))) as out:
+    async with calling(lambda: store.view.put(make_timer(version=7))) as out:
         (await wire.command("update")).ok(n=0, nModified=0, writeErrors=[dup_key_error(0, won)])
         (await wire.command("find")).ok(**cursor(f"{DB}.wow_timer__ctx__order", [key_doc(won)]))
         alone = await wire.command("update")
@@ -651,7 +647,7 @@ async def test_put_version_guard(
     store = store_on(mongo_client)
     await first_put(store, wire)
     existing = stored_doc(stored_version, status)
-    async with calling(lambda: store.put(make_timer(version=new))) as out:
+    async with calling(lambda: store.view.put(make_timer(version=new))) as out:
         req = await wire.command("update")
         if matches(req.doc["updates"][0]["q"], existing):
             req.ok(n=1, nModified=0 if new == stored_version else 1)
@@ -668,10 +664,10 @@ async def test_put_refuses_a_timer_of_another_context_or_partition(idle_client: 
     store = store_on(idle_client)
     other = AggregateRef(context="other", aggregate="order", id="order-1")
     with pytest.raises(InvalidInput):
-        await store.put(replace(make_timer(), owner=other))
+        await store.view.put(replace(make_timer(), owner=other))
     t = make_timer()
     with pytest.raises(InvalidInput):
-        await store.put(replace(t, partition=(t.partition + 1) % PARTITIONS))
+        await store.view.put(replace(t, partition=(t.partition + 1) % PARTITIONS))
 
 
 # --------------------------------------------------------------------------- owner reads and writes
@@ -683,7 +679,7 @@ async def test_find_cancel_cancel_all_filter_on_partition_and_owner(mongo_client
     p = owner.partition(PARTITIONS)
     t = make_timer()
     key = {"partition": p, "owner.tenant_id": "(0)", "owner.id": "order-1", "key": "remind"}
-    async with calling(lambda: store.find(owner, "remind")) as found:
+    async with calling(lambda: store.queries.find(owner, "remind")) as found:
         req = await wire.command("find")
         assert req.doc["find"] == "wow_timer__ctx__order"
         assert req.doc["filter"] == {**key, "status": {"$nin": ["DONE", "CANCELLED"]}}  # no tombstone
@@ -691,7 +687,7 @@ async def test_find_cancel_cancel_all_filter_on_partition_and_owner(mongo_client
     assert found.value == t
 
     # a cancel may upsert a tombstone: the type's first use makes sure of its collection first
-    async with calling(lambda: store.cancel(owner, "remind", 7)) as cancelled:
+    async with calling(lambda: store.view.cancel(owner, "remind", 7)) as cancelled:
         await answer_first_use(wire, "order")
         req = await wire.command("update")
         [u] = req.doc["updates"]
@@ -701,7 +697,7 @@ async def test_find_cancel_cancel_all_filter_on_partition_and_owner(mongo_client
         req.ok(n=1, nModified=1)  # matched: a live timer cancelled
     assert cancelled.value is True, cancelled.error
 
-    async with calling(lambda: store.cancel_all(owner, 9)) as all_:
+    async with calling(lambda: store.view.cancel_all(owner, 9)) as all_:
         req = await wire.command("update")
         [u] = req.doc["updates"]
         assert u["q"] == {
@@ -731,7 +727,7 @@ async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_cli
         TimerChange.retry(a2, fence=3, due_at=7_000, error="503"),
     ]
     seen: dict[str, dict[str, Any]] = {}
-    async with calling(lambda: store.settle(changes)) as out:
+    async with calling(lambda: store.firing.settle(changes)) as out:
         for _ in range(2):
             req = await wire.command("update")
             seen[req.doc["update"]] = dict(req.doc)
@@ -769,7 +765,7 @@ async def test_settle_is_one_unordered_command_per_collection_and_kind(mongo_cli
 
 
 async def test_settle_of_nothing_sends_nothing(idle_client: Any) -> None:
-    assert await store_on(idle_client).settle([]) == 0
+    assert await store_on(idle_client).firing.settle([]) == 0
 
 
 # --------------------------------------------------------------------------- due
@@ -781,7 +777,7 @@ async def test_due_is_one_aggregate_with_a_union_per_collection(mongo_client: An
     o1 = make_timer(id="o1", due_at=300)
     c1 = make_timer(aggregate="cart", id="c1", due_at=100)
     u1 = make_timer(aggregate="user", id="u1", due_at=200)
-    async with calling(lambda: store.due({3, 1}, 500, 10)) as out:
+    async with calling(lambda: store.firing.due({3, 1}, 500, 10)) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["aggregate"] == REGISTRY
         # the count document and at most 10 timers, with room for the server to meet EOF in the
@@ -825,7 +821,7 @@ def test_due_sub_pipeline_is_covered_by_the_partial_index() -> None:
       scan into one per point (up to 200) and merges them with SORT_MERGE (no blocking SORT),
       and the ``$limit`` ends the merge early.
     """
-    [due] = [s for s in index_specs() if s["name"] == "due"]
+    [due] = [s for s in timer_index_specs() if s["name"] == "due"]
     keys = list(due["key"].items())
     sub = union_pipeline(CONTEXT, {"wow_timer__ctx__order": "order"}, due_match({5, 1, 7}, 900), 50)[2]
     match, sort, limit = (stage for stage in sub["$unionWith"]["pipeline"][:3])
@@ -848,7 +844,7 @@ async def test_due_reloads_the_registry_when_its_count_differs(mongo_client: Any
     await prepare(store, wire, "order")
     c1 = make_timer(aggregate="cart", id="c1", due_at=100)
     o1 = make_timer(id="o1", due_at=300)
-    async with calling(lambda: store.due({0, 1, 2}, 500, 10)) as out:
+    async with calling(lambda: store.firing.due({0, 1, 2}, 500, 10)) as out:
         first = await wire.command("aggregate")
         assert [s["$unionWith"]["coll"] for s in first.doc["pipeline"] if "$unionWith" in s] == [
             "wow_timer__ctx__order"
@@ -882,7 +878,7 @@ async def test_due_reads_on_when_the_server_splits_its_answer(mongo_client: Any,
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
     t1, t2 = make_timer(id="o1", due_at=100), make_timer(id="o2", due_at=200)
-    async with calling(lambda: store.due({0, 1, 2, 3, 4, 5, 6, 7}, 500, 10)) as out:
+    async with calling(lambda: store.firing.due({0, 1, 2, 3, 4, 5, 6, 7}, 500, 10)) as out:
         agg = await wire.command("aggregate")
         agg.ok(cursor={"id": 42, "ns": f"{DB}.{REGISTRY}", "firstBatch": [{"registered": 1}, stored(t1)]})
         more = await wire.command("getMore")
@@ -894,7 +890,7 @@ async def test_due_reads_on_when_the_server_splits_its_answer(mongo_client: Any,
 
 async def test_due_with_no_collection_counts_zero(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.due({0}, 500, 10)) as out:
+    async with calling(lambda: store.firing.due({0}, 500, 10)) as out:
         agg = await wire.command("aggregate")
         assert agg.doc["pipeline"] == [
             {"$match": {"context": CONTEXT}},
@@ -910,7 +906,7 @@ async def test_parked_reads_every_collection_by_target(mongo_client: Any, wire: 
     store = store_on(mongo_client)
     await prepare(store, wire, "order", "cart")
     t = replace(make_timer(), status=TimerStatus.PARKED, last_error="404")
-    async with calling(lambda: store.parked(t.target)) as out:
+    async with calling(lambda: store.queries.parked(t.target)) as out:
         agg = await wire.command("aggregate")
         for stage in agg.doc["pipeline"][2:4]:
             sub = stage["$unionWith"]["pipeline"]
@@ -939,7 +935,7 @@ async def test_a_search_of_an_owner_is_one_union_and_keeps_the_owners_aggregate_
     await prepare(store, wire, "order", "cart")
     mine = make_timer(key="a", due_at=10)
     other = make_timer(aggregate="cart", key="b", due_at=5)
-    async with calling(lambda: store.search(TimerSearch(owners=(mine.owner,)), 10)) as out:
+    async with calling(lambda: store.queries.search(TimerSearch(owners=(mine.owner,)), 10)) as out:
         agg = await wire.command("aggregate")
         sub = agg.doc["pipeline"][2]["$unionWith"]["pipeline"]
         assert sub[0]["$match"]["$and"][0] == {
@@ -958,7 +954,7 @@ async def test_not_writable_primary_is_storage_unavailable(mongo_client: Any, wi
     await first_put(store, wire)
     counted = metrics.STORE_UNAVAILABLE.labels("timers", "put")
     before = counted._value.get()
-    async with calling(lambda: store.put(make_timer(version=6))) as out:
+    async with calling(lambda: store.view.put(make_timer(version=6))) as out:
         server_error(await wire.command("update"), 10107, "not primary")
     assert isinstance(out.error, StorageUnavailable)
     assert "timers.put" in str(out.error)
@@ -968,7 +964,7 @@ async def test_not_writable_primary_is_storage_unavailable(mongo_client: Any, wi
 
 async def test_hangup_is_storage_unavailable(mongo_client: Any, wire: Wire) -> None:
     store = store_on(mongo_client)
-    async with calling(lambda: store.due({0}, 1, 1)) as out:
+    async with calling(lambda: store.firing.due({0}, 1, 1)) as out:
         (await wire.command("aggregate")).hangup()
     assert isinstance(out.error, StorageUnavailable)
 
@@ -977,7 +973,7 @@ async def test_operation_timeout_bounds_each_command(mongo_client: Any, wire: Wi
     from datetime import timedelta
 
     store = store_on(mongo_client, operation_timeout=timedelta(seconds=5))
-    async with calling(lambda: store.find(ref(), "remind")) as out:
+    async with calling(lambda: store.queries.find(ref(), "remind")) as out:
         req = await wire.command("find")
         assert 0 < req.doc["maxTimeMS"] <= 5_000
         req.ok(**cursor(f"{DB}.wow_timer__ctx__order", []))
@@ -1021,7 +1017,7 @@ async def test_parked_many_is_one_aggregation_over_every_collection(mongo_client
             parked_clause(["inv-9"], context="shipping"),
         ]
     }
-    async with calling(lambda: store.parked_many(asked)) as out:
+    async with calling(lambda: store.view.parked_many(asked)) as out:
         agg = await wire.command("aggregate")
         assert {k: v for k, v in agg.doc.items() if k not in DRIVER_FIELDS} == {
             "aggregate": REGISTRY,
@@ -1057,7 +1053,7 @@ async def test_parked_many_reads_on_past_the_first_batch(mongo_client: Any, wire
     await prepare(store, wire, "order")
     t1 = replace(make_timer(id="o1", due_at=100), status=TimerStatus.PARKED)
     t2 = replace(make_timer(id="o2", due_at=200), status=TimerStatus.PARKED)
-    async with calling(lambda: store.parked_many([t1.target])) as out:
+    async with calling(lambda: store.view.parked_many([t1.target])) as out:
         agg = await wire.command("aggregate")
         agg.ok(cursor={"firstBatch": [{"registered": 1}, stored(t1)], "id": 5_120_447_110, "ns": f"{DB}.{REGISTRY}"})
         more = await wire.command("getMore")
@@ -1071,7 +1067,7 @@ async def test_parked_many_reloads_the_registry_when_it_counts_another_number(mo
     store = store_on(mongo_client)
     await prepare(store, wire, "order")
     t = replace(make_timer(aggregate="cart", id="c1"), status=TimerStatus.PARKED)
-    async with calling(lambda: store.parked_many([t.target])) as out:
+    async with calling(lambda: store.view.parked_many([t.target])) as out:
         first = await wire.command("aggregate")
         assert len(first.doc["pipeline"]) == 4  # match, count, the order collection, sort
         first.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}]))
@@ -1089,7 +1085,7 @@ async def test_parked_many_reloads_the_registry_when_it_counts_another_number(mo
 
 
 async def test_parked_many_of_no_target_sends_nothing(idle_client: AsyncMongoClient[Any]) -> None:
-    assert await store_on(idle_client).parked_many([]) == []
+    assert await store_on(idle_client).view.parked_many([]) == []
 
 
 def test_parked_many_targets_are_split_to_fit_one_command() -> None:

@@ -1,4 +1,4 @@
-"""Helpers of the MongoTimerStore black-pipe tests: timers, scripted answers, a call in flight."""
+"""Helpers of the MongoDB timer stores' black-pipe tests: timers, scripted answers, a call in flight."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ async def test_a_renewal_answers_while_the_feed_and_the_claims_connections_are_h
             pass
 
     async def claim() -> None:
-        await backend.timers.claim_due(set(range(8)), 10**13, 100, owner_key="o", fence=1, claim_until=10**14)
+        await backend.firing.claim_due(set(range(8)), 10**13, 100, owner_key="o", fence=1, claim_until=10**14)
 
     try:
         async with anyio.create_task_group() as tg:
@@ -95,9 +95,9 @@ async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_
     checked, and why."""
     import logging
 
-    from wowd.cli.check import _election_probe
     from wowd.config import LeaseSettings
     from wowd.errors import ConfigError
+    from wowd.stores.mongo.operations import election_probe
 
     def settings(uri: str, lease: LeaseSettings) -> WowdSettings:
         return WowdSettings(backend="mongo", context="ctx", sink="none", lease=lease,
@@ -109,16 +109,14 @@ async def test_the_lease_time_is_held_against_the_election_timeout_at_start_and_
     try:
         assert "14000 ms >= electionTimeoutMillis 10000 ms" in caplog.text
         with pytest.raises(ConfigError, match="WOWD_LEASE__TTL_S"):
-            await _election_probe(long, opened)
-        assert "9000 ms < electionTimeoutMillis 10000 ms" in await _election_probe(
-            settings(sim.uri, LeaseSettings()), opened
-        )
+            await election_probe(opened.leases.client, long.lease)
+        assert "9000 ms < electionTimeoutMillis 10000 ms" in await election_probe(opened.leases.client, LeaseSettings())
     finally:
         await opened.close()
     with serving(Settings(shards=2, noop_interval=0.05)) as mongos:
         sharded = settings(mongos.uri, LeaseSettings())
         opened = await open_mongo(sharded)
         try:
-            assert "not checked: a mongos" in await _election_probe(sharded, opened)
+            assert "not checked: a mongos" in await election_probe(opened.leases.client, sharded.lease)
         finally:
             await opened.close()

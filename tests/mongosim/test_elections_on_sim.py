@@ -13,15 +13,15 @@ import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.contract.test_timers import T0, owner, timer
+from tests.contract.test_timer_view import T0, owner, timer
 from tests.helpers import tailing
 from tests.mongosim import Settings, WireServer, serving
 from tests.mongosim.engine import StepDownTrigger
+from tests.timer_stores import mongo_timers
 from wowd.model import AggregateRef, AggregateType, Commit, DomainEvent, Owner, partition
 from wowd.stores.base import OwnerProbe
 from wowd.stores.mongo.leases import MongoSlotLeaseStore
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.timers import MongoTimerStore
 
 pytestmark = pytest.mark.anyio
 
@@ -95,16 +95,20 @@ async def test_a_claim_whose_settle_a_step_down_interrupts_is_retried_and_claims
     interrupted by the step-down (11602 InterruptedDueToReplStateChange, ``RetryableWriteError``)
     before it applied: the driver retries it on the new primary and every due timer is claimed,
     none twice."""
-    timers = MongoTimerStore(client, "timers", context="ctx", partitions=8)
+    timers = mongo_timers(client, "timers", context="ctx", partitions=8)
     await timers.prepare()
     due = [timer(owner(f"o-{i}")) for i in range(5)]
     for t in due:
-        assert await timers.put(t)
+        assert await timers.view.put(t)
     server.engine.step_down_on(StepDownTrigger("update", 0.15, after_apply=False))
     with anyio.fail_after(10):
-        claimed = await timers.claim_due(set(range(8)), T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
+        claimed = await timers.firing.claim_due(
+            set(range(8)), T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9
+        )
     assert sorted(t.timer_id for t in claimed) == sorted(t.timer_id for t in due)
-    assert await timers.claim_due(set(range(8)), T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9) == []
+    assert (
+        await timers.firing.claim_due(set(range(8)), T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9) == []
+    )
     assert server.engine.term == 2
 
 

@@ -18,6 +18,7 @@ from tests.helpers import tailing
 from tests.mongosim import Settings, serving
 from wowd.model import AggregateType, LogEntry, partition
 from wowd.stores.mongo.log import MongoLog
+from wowd.stores.mongo.quarantine import MongoQuarantine
 
 pytestmark = pytest.mark.anyio
 
@@ -99,15 +100,15 @@ async def test_a_context_never_reads_another_contexts_log_as_its_own(sim_client:
     timers). Such a name is refused; and a context never takes a collection whose aggregate part
     could not be its own (one another deployment wrote) for one of its types, by listing or
     by stream."""
+    from tests.timer_stores import mongo_timers
     from wowd.errors import ConfigError
-    from wowd.stores.mongo.timers import MongoTimerStore
 
     client = sim_client
     for bad in ("shop__eu", "shop_", "_shop"):
         with pytest.raises(ConfigError, match="cannot be told apart"):
             MongoLog(client, "ctxs", context=bad, partitions=PARTITIONS)
         with pytest.raises(ConfigError, match="cannot be told apart"):
-            MongoTimerStore(client, "ctxs", context=bad, partitions=PARTITIONS)
+            mongo_timers(client, "ctxs", context=bad, partitions=PARTITIONS)
     shop = MongoLog(client, "ctxs", context="shop", partitions=PARTITIONS, max_await=QUICK)
     a = id_in(1)
     await client["ctxs"]["wow_log__shop__eu__order"].insert_one({**doc(a, 1), "partition": 1})  # shop__eu's
@@ -155,8 +156,10 @@ async def test_a_commit_near_the_document_limit_is_quarantined_by_the_fields_tha
     await log.insert_raw(ORDER, big)
     stored = await log._db[log.collection_name("order")].find_one({"version": 1})  # as the feed reads it
     assert stored is not None
-    await log.quarantine("feed", 1, ORDER, stored, "events: must be an array")
-    [item] = await log.quarantined()
+    quarantine = MongoQuarantine(log.client, log._db.name, context="ctx")
+    await quarantine.prepare()
+    await quarantine.put("feed", 1, ORDER, stored, "events: must be an array")
+    [item] = await quarantine.items()
     assert item["raw"]["aggregate_id"] == big["aggregate_id"] and item["raw"]["version"] == 1
     assert "events" not in item["raw"] and item["raw"]["raw_bytes"] > 16 * 1024 * 1024 - 4096
     assert "too large to keep whole" in item["reason"] and "wow_log__ctx__order" in item["reason"]

@@ -11,15 +11,15 @@ import anyio
 import pytest
 from pymongo import AsyncMongoClient
 
-from tests.contract.test_timers import T0, owner, timer
+from tests.contract.test_timer_view import T0, owner, timer
 from tests.mongosim import Settings, WireServer, serving
+from tests.timer_stores import mongo_timers
 from wowd.errors import FormatError, StorageError
 from wowd.model import AggregateType
 from wowd.stores.base import Ddl
 from wowd.stores.mongo._common import quarantine_collection
 from wowd.stores.mongo.log import MongoLog
-from wowd.stores.mongo.log_queries import counted_seq
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.quarantine import MongoQuarantine, counted_seq
 
 pytestmark = pytest.mark.anyio
 
@@ -46,13 +46,13 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
     uri = server.uri
     claimer: AsyncMongoClient[Any] = AsyncMongoClient(uri, appname="claimer")
     other: AsyncMongoClient[Any] = AsyncMongoClient(uri)
-    claims = MongoTimerStore(claimer, "db", context="ctx", partitions=8)
-    cancels = MongoTimerStore(other, "db", context="ctx", partitions=8)
+    claims = mongo_timers(claimer, "db", context="ctx", partitions=8)
+    cancels = mongo_timers(other, "db", context="ctx", partitions=8)
     try:
         await claims.prepare()
         await cancels.prepare()
         t, kept = timer(owner("o-1")), timer(owner("o-2"))
-        assert await cancels.put(t) and await cancels.put(kept)
+        assert await cancels.view.put(t) and await cancels.view.put(kept)
         await other.admin.command(
             {
                 "configureFailPoint": "failCommand",
@@ -63,7 +63,9 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
         claimed: list[Any] = []
 
         async def claim() -> None:
-            claimed.extend(await claims.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9))
+            claimed.extend(
+                await claims.firing.claim_due(ALL, T0 + 10, 10, owner_key="k", fence=1, claim_until=T0 + 10**9)
+            )
 
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
@@ -75,9 +77,9 @@ async def test_a_claim_that_lost_a_timer_to_a_cancel_claims_the_others(server: W
                         return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
 
                 assert await anyio.to_thread.run_sync(held)
-                assert await cancels.cancel(t.owner, t.key, t.version)
+                assert await cancels.view.cancel(t.owner, t.key, t.version)
         assert [c.timer_id for c in claimed] == [kept.timer_id]
-        assert await claims.find(t.owner, t.key) is None
+        assert await claims.queries.find(t.owner, t.key) is None
     finally:
         await claims.close()
         await cancels.close()
@@ -96,9 +98,9 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
     counter waits, for its operation timeout, and is logged. It succeeds within a second."""
     killed: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
     other: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    log = MongoLog(other, "db", context="ctx", partitions=8, operation_timeout=timedelta(milliseconds=500))
+    quarantine = MongoQuarantine(other, "db", context="ctx", operation_timeout=timedelta(milliseconds=500))
     try:
-        await log.prepare()
+        await quarantine.prepare()
         session = killed.start_session()
         await session.start_transaction()
         await killed["db"][quarantine_collection("ctx")].find_one_and_update(
@@ -106,10 +108,10 @@ async def test_a_quarantine_abandoned_by_a_killed_replica_does_not_stall_the_oth
         )
         # the process dies here: no commit, no abort, no endSessions
         with anyio.fail_after(1):
-            await log.quarantine("wowd", 1, ORDER, {"_id": "x"}, "bad")
-        assert [i["raw"] for i in await log.quarantined()] == [{"_id": "x"}]
+            await quarantine.put("wowd", 1, ORDER, {"_id": "x"}, "bad")
+        assert [i["raw"] for i in await quarantine.items()] == [{"_id": "x"}]
     finally:
-        await log.close()
+        await quarantine.close()
         await killed.close()
         await other.close()
 
@@ -121,8 +123,8 @@ async def test_quarantines_at_once_take_distinct_numbers_in_the_order_they_becom
     items became visible, and a listing paged after the first item finds the second."""
     slow_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri, appname="slow")
     fast_client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    slow = MongoLog(slow_client, "db", context="ctx", partitions=8)
-    fast = MongoLog(fast_client, "db", context="ctx", partitions=8)
+    slow = MongoQuarantine(slow_client, "db", context="ctx")
+    fast = MongoQuarantine(fast_client, "db", context="ctx")
     try:
         await fast.prepare()
         await fast_client.admin.command(
@@ -135,20 +137,20 @@ async def test_quarantines_at_once_take_distinct_numbers_in_the_order_they_becom
         engine = server.engine
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(slow.quarantine, "wowd", 1, ORDER, {"_id": "held"}, "bad")
+                tg.start_soon(slow.put, "wowd", 1, ORDER, {"_id": "held"}, "bad")
 
                 def held() -> bool:  # the slow one drew its number and its insert is held from now
                     with engine.changed:
                         return engine.changed.wait_for(lambda: "failCommand" not in engine.failpoints, 5)
 
                 assert await anyio.to_thread.run_sync(held)
-                await fast.quarantine("wowd", 2, ORDER, {"_id": "first"}, "bad")
-                first = await fast.quarantined()
+                await fast.put("wowd", 2, ORDER, {"_id": "first"}, "bad")
+                first = await fast.items()
                 assert [i["raw"]["_id"] for i in first] == ["first"]
-        items = await fast.quarantined()
+        items = await fast.items()
         assert [i["raw"]["_id"] for i in items] == ["first", "held"]
         assert [i["id"] for i in items] == [str(counted_seq(1)), str(counted_seq(2))]
-        assert [i["raw"]["_id"] for i in await fast.quarantined(after=first[0]["id"])] == ["held"]
+        assert [i["raw"]["_id"] for i in await fast.items(after=first[0]["id"])] == ["held"]
     finally:
         await slow.close()
         await fast.close()
@@ -161,24 +163,24 @@ async def test_a_released_id_never_names_another_item(server: WireServer) -> Non
     (inserted here without the raise): the next quarantine draws past it, so a stale id given to
     ``quarantine retry`` or ``release`` names nothing rather than a newer item."""
     client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    log = MongoLog(client, "db", context="ctx", partitions=8)
+    quarantine = MongoQuarantine(client, "db", context="ctx")
     coll = client["db"][quarantine_collection("ctx")]
     try:
-        await log.prepare()
+        await quarantine.prepare()
         for key in ("a", "b"):
-            await log.quarantine("wowd", 1, ORDER, {"_id": key}, "bad")
+            await quarantine.put("wowd", 1, ORDER, {"_id": key}, "bad")
         assert (await coll.find_one({"_id": "seq"}) or {}).get("n") == 2
         await coll.insert_one({"_id": {"consumer": "wowd", "aggregate": "order", "key": "c"}, "seq": counted_seq(3)})
-        assert await log.release_quarantined([str(counted_seq(2)), str(counted_seq(3))]) == 2
-        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "bad")
-        items = await log.quarantined()
+        assert await quarantine.release([str(counted_seq(2)), str(counted_seq(3))]) == 2
+        await quarantine.put("wowd", 1, ORDER, {"_id": "d"}, "bad")
+        items = await quarantine.items()
         assert [(i["raw"]["_id"], i["id"]) for i in items] == [("a", str(counted_seq(1))), ("d", str(counted_seq(4)))]
         # quarantined again: the stored item keeps its id and takes the new reason
-        await log.quarantine("wowd", 1, ORDER, {"_id": "d"}, "again")
-        [_, d] = await log.quarantined()
+        await quarantine.put("wowd", 1, ORDER, {"_id": "d"}, "again")
+        [_, d] = await quarantine.items()
         assert (d["id"], d["reason"]) == (str(counted_seq(4)), "again")
     finally:
-        await log.close()
+        await quarantine.close()
         await client.close()
 
 
@@ -191,10 +193,10 @@ async def test_validate_refuses_a_quarantine_without_its_unique_seq_index(server
     try:
         await coll.create_index([("quarantined_at", 1), ("seq", 1)], name="quarantined_at")
         await coll.create_index([("seq", 1)], name="seq")
-        strict = MongoLog(client, "db", context="ctx", partitions=8, ddl=Ddl.VALIDATE)
+        strict = MongoQuarantine(client, "db", context="ctx", ddl=Ddl.VALIDATE)
         with pytest.raises(FormatError, match="seq_unique"):
             await strict.prepare()
-        await MongoLog(client, "db", context="ctx", partitions=8).prepare()
+        await MongoQuarantine(client, "db", context="ctx").prepare()
         await strict.prepare()
     finally:
         await client.close()
@@ -259,21 +261,21 @@ async def test_the_due_query_over_many_partitions_stays_within_the_planners_merg
     import dataclasses
 
     from wowd.model import partition
-    from wowd.stores.mongo import timer_queries
+    from wowd.stores.mongo import timer_firing
 
     with serving(Settings(noop_interval=0, plan_check=True)) as server:
         client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-        store = MongoTimerStore(client, "plan", context="ctx", partitions=256)
+        store = mongo_timers(client, "plan", context="ctx", partitions=256)
         try:
             await store.prepare()
             t = timer(owner("o-1"))
             t = dataclasses.replace(t, partition=partition(t.owner.id, 256))
-            assert await store.put(t) is True
+            assert await store.view.put(t) is True
             every = frozenset(range(256))
-            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert server.engine.plan_findings == []
-            monkeypatch.setattr(timer_queries, "MAX_SCANS_TO_EXPLODE", 256)
-            assert [d.timer_id for d in await store.due(every, T0 + 1, 10)] == [t.timer_id]
+            monkeypatch.setattr(timer_firing, "MAX_SCANS_TO_EXPLODE", 256)
+            assert [d.timer_id for d in await store.firing.due(every, T0 + 1, 10)] == [t.timer_id]
             assert len(server.engine.plan_findings) == 1
             assert "256 index scans" in server.engine.plan_findings[0]
         finally:
@@ -336,25 +338,26 @@ async def test_a_claim_of_the_old_view_settled_after_a_rebuild_swap_leaves_a_new
     from wowd.stores.timer_rebuild import Finished
 
     client: AsyncMongoClient[Any] = AsyncMongoClient(server.uri)
-    store = MongoTimerStore(client, "rebuild", context="ctx", partitions=8)
+    store = mongo_timers(client, "rebuild", context="ctx", partitions=8)
     try:
         await store.prepare()
         t = timer(owner("o-1"), due_at=T0)
-        await store.write([TimerWrite.put(t)])
-        (claimed,) = await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
-        engine = MongoTimerRebuild(store, database_name="rebuild")
+        await store.view.write([TimerWrite.put(t)])
+        (claimed,) = await store.firing.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000)
+        log = MongoLog(client, "rebuild", context="ctx", partitions=8)
+        engine = MongoTimerRebuild(store.view, log, database_name="rebuild", project=lambda _e: [], aggregate=None)
         await engine.begin()
         # the replay writes the put and, in a later batch, the cancel (v2) the feed has not applied
-        await engine.shadow.write([TimerWrite.put(t)])
-        await engine.shadow.write([TimerWrite.cancel(t.owner, t.key, 2)])
+        await engine.shadow_view.write([TimerWrite.put(t)])
+        await engine.shadow_view.write([TimerWrite.cancel(t.owner, t.key, 2)])
         result = Finished()
         await engine.carry(await engine.live_names(None), result)
         await engine.swap(None)
         release = TimerChange.release(claimed, fence=1, due_at=T0, reason="changed")
-        assert await store.settle([release]) == 0
-        (doc,) = await client["rebuild"][store.collection_name("order")].find({}).to_list(None)
+        assert await store.firing.settle([release]) == 0
+        (doc,) = await client["rebuild"][store.view.collection_name("order")].find({}).to_list(None)
         assert (doc["version"], doc["status"]) == (2, "CANCELLED") and doc["revision"] > claimed.revision
-        assert await store.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
+        assert await store.firing.claim_due(ALL, T0, 10, owner_key="a", fence=1, claim_until=T0 + 60_000) == []
     finally:
         await client.close()
 
@@ -368,7 +371,7 @@ async def test_the_mongodb_backend_holds_nothing_per_aggregate_type(
     they were) and the backend keeps at most ``SINKS_KEPT`` sinks."""
     import os
 
-    from tests.contract.test_timers import CONTEXT
+    from tests.contract.test_timer_view import CONTEXT
     from wowd.config import WowdSettings
     from wowd.model import AggregateRef, Commit, DomainEvent
     from wowd.stores import base
@@ -405,7 +408,7 @@ async def test_the_mongodb_backend_holds_nothing_per_aggregate_type(
             await one_type(i)
         assert len(os.listdir("/proc/self/fd")) <= descriptors + 2
         assert len(backend._sinks) == 16 and len(made) == 60
-        due = await backend.timers.due(ALL, T0 + 1, 100)
+        due = await backend.firing.due(ALL, T0 + 1, 100)
         assert len(due) == 60  # one read over every type's collection
     finally:
         await backend.close()

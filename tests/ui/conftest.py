@@ -118,14 +118,14 @@ async def fill(b: Backend) -> int:
     ]
     for t in ts:
         assert await b.timers.put(t)
-    failed = await b.timers.find(ref("o-1"), "failed")
-    parked = await b.timers.find(ref("o-1"), "parked")
+    failed = await b.timer_queries.find(ref("o-1"), "failed")
+    parked = await b.timer_queries.find(ref("o-1"), "parked")
     assert failed is not None and parked is not None
     reason = f"http 400 from the target (token {SECRET_TOKEN} refused)"
-    await b.timers.settle([TimerChange.fail(failed, fence=1, reason=reason)])
-    await b.timers.settle([TimerChange.park(parked, fence=1, reason="http 404: order o-1 not found")])
+    await b.firing.settle([TimerChange.fail(failed, fence=1, reason=reason)])
+    await b.firing.settle([TimerChange.park(parked, fence=1, reason="http 404: order o-1 not found")])
     raw = commit_to_doc(commit("o-9", create_time=now), PARTITIONS)
-    await b.log.quarantine(
+    await b.quarantine.put(
         "wowd", partition("o-9", PARTITIONS), ORDER, raw, "timers refused it: StorageFull: disk full"
     )
     for i in range(2):

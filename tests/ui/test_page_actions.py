@@ -35,7 +35,7 @@ async def test_every_failed_timer_of_a_target_is_retried_at_once(page: Page) -> 
     assert 'action="/ui/timers/retry"' in listed and "retry all" in listed
     r = await page.client.post("/api/v1/timers/retry?target=order/o-1", headers=BEARER)
     assert r.status_code == 200 and r.json()["written"] == 1 and r.json()["more"] is False
-    t = await page.backend.timers.find(ref("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.PENDING
     r = await page.client.post("/api/v1/timers/resume?target=order/o-1", headers=BEARER)
     assert r.status_code == 200 and r.json()["written"] == 1

@@ -191,7 +191,7 @@ async def test_a_failed_timer_is_retried_with_the_token_from_its_page(page: Page
     assert r.status_code == 303
     html = await page.html(r.headers["location"])
     assert "retried: back to PENDING, due now" in html and 'id="timer-status">PENDING' in html
-    t = await page.backend.timers.find(ref("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.PENDING and t.due_at >= page.now
 
 
@@ -201,7 +201,7 @@ async def test_a_parked_timer_is_resumed_through_the_api_with_the_bearer_token(p
     )
     assert r.status_code == 200 and r.json()["written"] == 1
     assert r.json()["timer"]["status"] == "PENDING"  # the timer as it is now, not as it was
-    t = await page.backend.timers.find(ref("o-1"), "parked")
+    t = await page.backend.timer_queries.find(ref("o-1"), "parked")
     assert t is not None and t.status is TimerStatus.PENDING
     again = await page.client.post(
         "/api/v1/timer/resume?owner=order/o-1&key=parked", headers={"authorization": f"Bearer {UI_TOKEN}"}
@@ -233,7 +233,7 @@ async def test_an_action_without_the_token_form_key_or_from_another_site_is_refu
     r = await page.client.post("/ui/timer/retry", data=data, headers=change.get("headers", {}))
     assert r.status_code == 403 and "refused" in r.text
     assert UI_REFUSED.labels(reason=reason)._value.get() == before + 1
-    t = await page.backend.timers.find(ref("o-1"), "failed")
+    t = await page.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.FAILED
 
 
@@ -245,7 +245,7 @@ async def test_without_a_token_the_page_is_read_only(read_only: Page) -> None:
     r = await read_only.client.post("/api/v1/outbox/ack", json={"request_ids": ["req-0"]})
     assert r.status_code == 403
     assert await read_only.backend.outbox.count() == 2
-    t = await read_only.backend.timers.find(ref("o-1"), "failed")
+    t = await read_only.backend.timer_queries.find(ref("o-1"), "failed")
     assert t is not None and t.status is TimerStatus.FAILED
 
 
@@ -409,7 +409,7 @@ async def test_the_api_refeeds_and_acknowledges_with_the_bearer_token(
     assert r.status_code == 200 and r.json()["reason"] is None
     assert r.json()["done"] == ["timers", "snapshots", "parked"]
     assert any("re-fed by the token holder at 127.0.0.1" in m.getMessage() for m in caplog.records)
-    await page.backend.log.quarantine("wowd", 0, ORDER, {"aggregate_id": "o-8", "version": "x"}, "version: bad")
+    await page.backend.quarantine.put("wowd", 0, ORDER, {"aggregate_id": "o-8", "version": "x"}, "version: bad")
     (bad,) = (await page.api("/api/v1/quarantine"))["items"]
     r = await page.client.post(f"/api/v1/quarantine/{bad['id']}/refeed", headers=bearer)
     assert r.status_code == 409 and r.json()["reason"] and r.json()["done"] == []  # still quarantined

@@ -78,14 +78,14 @@ async def _seed(stores: Backend) -> None:
     t = timer(owner=owner, due_at=now_ms() - 60_000, key="expire", partitions=PARTITIONS, command=expire)
     await stores.timers.prepare()
     assert await stores.timers.put(t)
-    loaded = await stores.timers.find(owner, "expire")
+    loaded = await stores.timer_queries.find(owner, "expire")
     assert loaded is not None
     reason = "http 422 from the target: order o-7 is closed"
-    assert await stores.timers.settle([TimerChange.fail(loaded, fence=1, reason=reason)])
+    assert await stores.firing.settle([TimerChange.fail(loaded, fence=1, reason=reason)])
     raw = commit_to_doc(commit("o-8", 3), PARTITIONS)
     order = AggregateType(context=CONTEXT, aggregate="order")
     reason = "sink refused it: InvalidInput: events: mapper_parsing_exception"
-    await stores.log.quarantine("wowd", partition("o-8", PARTITIONS), order, raw, reason)
+    await stores.quarantine.put("wowd", partition("o-8", PARTITIONS), order, raw, reason)
 
 
 def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> None:

@@ -1,34 +1,24 @@
-"""``wowd backup PATH``: a consistent copy of the embedded file while replicas run on it.
-
-The copy is SQLite's online backup (``sqlite3_backup_*``) from a connection that holds one read
-transaction throughout: in WAL mode that is one snapshot of the file, which the replicas' writes
-(other processes) do not disturb, and which they do not wait for. The pages go over in steps,
-with a progress line every few steps, into ``PATH.partial`` next to ``PATH``; the copy is then
-checked with ``PRAGMA integrity_check`` and renamed to ``PATH`` only when it passes. The MongoDB
-backend is backed up with its own tools (``mongodump``, a managed backup): docs/operations.md,
-"Recovery".
-"""
+"""``wowd backup PATH``: a consistent copy of the stores while replicas run on them, where the
+backend offers one (:data:`~wowd.stores.base.ONLINE_BACKUP`: the embedded file, copied with
+SQLite's online backup and checked before it is put at ``PATH``). Another backend's stores are
+backed up with their own tools (docs/operations.md, "Recovery")."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from wowd.backends import operations
 from wowd.cli.args import positive_int
 from wowd.cli.output import err, out
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, StorageError
-from wowd.fmt import iso_ms
+from wowd.errors import ConfigError
+from wowd.stores.base import ONLINE_BACKUP
 
-__all__ = ["BackupReport", "backup", "copy_file", "register"]
+__all__ = ["STEP_PAGES", "backup", "register"]
 
 STEP_PAGES = 4096
 """Pages copied per step of the backup (16 MiB of 4 KiB pages) unless ``--step-pages`` says."""
-PROGRESS_EVERY_S = 1.0
-"""A progress line at most this often (and one at the end)."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: argparse.ArgumentParser) -> None:
@@ -52,166 +42,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser], common: a
     p.set_defaults(handler=backup)
 
 
-@dataclass(frozen=True, slots=True)
-class BackupReport:
-    """What :func:`copy_file` did."""
-
-    pages: int
-    """Pages of the copy."""
-    page_size: int
-    steps: int
-    """Backup steps taken."""
-    integrity: str
-    """``ok``, or the first message of ``integrity_check``."""
-    taken_at: int
-    """When the copy's snapshot was taken (epoch ms): the copy holds what was committed then."""
-
-
-def copy_file(
-    source: str, target: Path, *, step_pages: int = STEP_PAGES, progress_every_s: float = PROGRESS_EVERY_S
-) -> BackupReport:
-    """Copies the SQLite file ``source`` into ``target`` (which must not exist) with SQLite's
-    online backup, from one read transaction (one snapshot; writers of other connections go on),
-    ``step_pages`` pages per step with a progress line on stdout at most every
-    ``progress_every_s``; then ``PRAGMA integrity_check`` of the copy, on a connection of its own.
-    The copy is left in place whatever the check says (the caller decides). Raises
-    :class:`StorageError` when the source cannot be read or the copy written."""
-    from wowd.stores.embedded.db import SqliteDatabase
-    from wowd.stores.embedded.sqlite import sqlite3
-
-    db = SqliteDatabase(source)
-    steps = 0
-    shown = [time.monotonic()]
-
-    def progress(_status: int, remaining: int, total: int) -> None:
-        nonlocal steps
-        steps += 1
-        now = time.monotonic()
-        if remaining and now - shown[0] < progress_every_s:
-            return
-        shown[0] = now
-        done = total - remaining
-        out(f"backup: {done} of {total} pages copied ({100 * done // max(total, 1)}%)")
-
-    def run(conn: sqlite3.Connection) -> tuple[int, int, int]:
-        conn.execute("BEGIN")  # one snapshot for every step (WAL: the writers do not wait for it)
-        try:
-            conn.execute("SELECT count(*) FROM sqlite_schema").fetchone()
-            taken_at = int(time.time() * 1000)
-            (page_size,) = conn.execute("PRAGMA page_size").fetchone()
-            (pages,) = conn.execute("PRAGMA page_count").fetchone()
-            out(f"backup of {source}: {pages} pages of {page_size} bytes, {step_pages} per step")
-            dest = sqlite3.connect(str(target), isolation_level=None)
-            try:
-                conn.backup(dest, pages=step_pages, progress=progress)
-            finally:
-                dest.close()
-        finally:
-            conn.execute("COMMIT")
-        return int(pages), int(page_size), taken_at
-
-    try:
-        pages, page_size, taken_at = db.run_sync(run)
-    finally:
-        db.close()
-    check = sqlite3.connect(str(target), isolation_level=None)
-    try:
-        rows = check.execute("PRAGMA integrity_check(1)").fetchall()
-        (pages,) = check.execute("PRAGMA page_count").fetchone()
-    except sqlite3.Error as exc:
-        raise StorageError(f"sqlite {target}: the copy cannot be read: {exc}") from exc
-    finally:
-        check.close()
-    integrity = str(rows[0][0]) if rows else "integrity_check answered nothing"
-    return BackupReport(pages=int(pages), page_size=page_size, steps=steps, integrity=integrity, taken_at=taken_at)
-
-
-def _family(path: Path) -> list[Path]:
-    """A SQLite file and the files SQLite keeps beside it (``-wal``, ``-shm``, ``-journal``)."""
-    return [path, *(Path(f"{path}{suffix}") for suffix in ("-wal", "-shm", "-journal"))]
-
-
-def _remove(path: Path) -> None:
-    for p in _family(path):
-        p.unlink(missing_ok=True)
-
-
-def _same(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` name one file: one real path, or one inode (a hard link)."""
-    if os.path.realpath(a) == os.path.realpath(b):
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist
-        return False
-
-
-def _refuse_overwrite(source: Path, target: Path, partial: Path) -> None:
-    """Refuses a ``target`` whose writing (the copy, ``partial`` and its journal, the files
-    removed around it) would touch the database or a file SQLite keeps beside it, whatever
-    ``--force`` says: replacing a live ``-wal`` destroys the database."""
-    live = _family(source)
-    for written in (target, *_family(partial)):
-        for p in live:
-            if _same(written, p):
-                which = (
-                    "the database file itself" if p == source else f"the database's {str(p)[len(str(source)) :]} file"
-                )
-                shown = "PATH" if written == target else f"{str(written)!r} (written on the way)"
-                raise ConfigError(
-                    f"{str(target)!r}: {shown} is {which} ({str(p)!r}): a backup never writes over the database or "
-                    "the files beside it, --force or not; give another PATH"
-                )
-
-
 async def backup(settings: WowdSettings, args: argparse.Namespace) -> int:
-    """Exit 0 with the copy at ``PATH``; 1 when the copy fails its ``integrity_check`` (nothing
-    left at ``PATH``); 2 for the MongoDB backend, a missing source, an existing ``PATH`` (without
-    ``--force``), a directory, or a ``PATH`` that is the database or a file beside it."""
-    import anyio.to_thread
-
-    return await anyio.to_thread.run_sync(_backup, settings, args)
-
-
-def _backup(settings: WowdSettings, args: argparse.Namespace) -> int:
-    if settings.backend != "embedded":
+    """Exit 0 with the copy at ``PATH``; 1 when the copy fails its check (nothing left at
+    ``PATH``); 2 for a backend without an online backup, missing stores, an existing ``PATH``
+    (without ``--force``), a directory, or a ``PATH`` that is the stores or a file beside them."""
+    ops = operations(settings)
+    online = ops.capability(ONLINE_BACKUP)
+    if online is None:
         raise ConfigError(
-            "wowd backup copies the embedded database file; back up MongoDB with mongodump (or a managed "
-            "backup) of the log, checkpoint and outbox collections together (docs/operations.md, Recovery)"
+            f"wowd backup copies the stores of a backend that has an online backup; the {ops.name} backend has "
+            f"none: back it up with {ops.recovery}"
         )
-    source = settings.embedded.path
-    if not source.exists():
-        raise ConfigError(f"WOWD_EMBEDDED__PATH: the database file {str(source)!r} does not exist: nothing to back up")
-    target = Path(args.path)
-    partial = Path(f"{target}.partial")
-    _refuse_overwrite(source, target, partial)
-    if target.is_dir():
-        raise ConfigError(f"{str(target)!r} is a directory: give the path of the file to write (in it, say)")
-    if target.exists() and not args.force:
-        raise ConfigError(f"{str(target)!r} exists: give another PATH, or --force to replace it")
-    if not target.parent.is_dir():
-        raise ConfigError(f"the directory of {str(target)!r} does not exist")
-    if partial.is_dir():
-        raise ConfigError(f"{str(partial)!r}, where the copy is written before its check, is a directory")
-    _remove(partial)
-    try:
-        report = copy_file(str(source), partial, step_pages=args.step_pages)
-    except BaseException:
-        _remove(partial)
-        raise
-    if report.integrity != "ok":
-        _remove(partial)
-        err(f"wowd: the copy failed its integrity_check: {report.integrity} (nothing written to {target})")
+    done = await online.backup(Path(args.path), force=args.force, step_pages=args.step_pages, progress=out)
+    if not done.written:
+        err(f"wowd: {done.text}")
         return 1
-    try:
-        os.replace(partial, target)
-    except OSError as exc:
-        _remove(partial)
-        raise StorageError(f"the copy could not be renamed to {str(target)!r}: {exc} (nothing written there)") from exc
-    _remove(partial)
-    size = report.pages * report.page_size
-    out(
-        f"backup written to {target}: {report.pages} pages ({size / 1048576:.1f} MiB) in {report.steps} step(s), "
-        f"integrity_check ok; it holds what was committed at {iso_ms(report.taken_at)}"
-    )
+    out(done.text)
     return 0

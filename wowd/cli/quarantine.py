@@ -48,11 +48,11 @@ async def quarantine(settings: WowdSettings, args: argparse.Namespace) -> int:
         return 2
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
         if args.quarantine_command == "list":
-            items = await backend.log.quarantined(limit=args.limit, after=args.after)
+            items = await backend.quarantine.items(limit=args.limit, after=args.after)
             _print_list(items, args.limit, as_json=args.json)
             return 0
         if args.quarantine_command == "show":
-            found = await backend.log.quarantined(limit=1, ids=[args.id])
+            found = await backend.quarantine.items(limit=1, ids=[args.id])
             if not found:
                 err(f"wowd: no quarantined item {args.id}")
                 return 1
@@ -82,13 +82,13 @@ def _print_list(items: list[dict[str, Any]], limit: int, *, as_json: bool) -> No
 
 
 async def _retry(settings: WowdSettings, backend: Backend, args: argparse.Namespace) -> int:
-    log = backend.log
+    quarantine = backend.quarantine
     failures = 0
     fed = 0
     if args.all:
         after: str | None = None
         while True:
-            page = await log.quarantined(limit=PAGE, after=after)
+            page = await quarantine.items(limit=PAGE, after=after)
             for item in page:
                 ok = _report(await retry_item(settings, backend, item))
                 fed, failures = fed + ok, failures + (not ok)
@@ -97,7 +97,7 @@ async def _retry(settings: WowdSettings, backend: Backend, args: argparse.Namesp
             after = page[-1]["id"]
     else:
         wanted = list(dict.fromkeys(args.ids))
-        found = {i["id"]: i for i in await log.quarantined(limit=len(wanted), ids=wanted)}
+        found = {i["id"]: i for i in await quarantine.items(limit=len(wanted), ids=wanted)}
         for item_id in wanted:
             if item_id not in found:
                 err(f"wowd: no quarantined item {item_id}")

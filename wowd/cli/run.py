@@ -19,6 +19,7 @@ import anyio
 from prometheus_client import Counter
 
 from wowd import __version__, metrics
+from wowd.backends import operations
 from wowd.cli.logs import LogFormatter, json_logs
 from wowd.cli.output import out
 from wowd.config import WowdSettings, url_shown
@@ -177,7 +178,7 @@ def _port_free(settings: WowdSettings) -> None:
 def _newcomer(settings: WowdSettings, port: int | None) -> str:
     """What a first ``make run`` needs to know: it is up, where it writes, where fired commands
     go, where to look (the status page, the commands as this shell runs them, the metrics)."""
-    where = f"embedded file {settings.embedded.path}" if settings.backend == "embedded" else "the MongoDB backend"
+    where = operations(settings).where()
     base = f"http://localhost:{port}" if port else ""
     wowd = invocation()
     return (
@@ -195,7 +196,7 @@ def where_commands_go(settings: WowdSettings, wowd: str = "wowd") -> str:
         routes = f" (and {len(g.routes)} route(s) by target)" if g.routes else ""
         to = url_shown(g.url) if g.url else "the routes of WOWD_GATEWAY__ROUTES"
         return f"Fired commands are POSTed to {to}{routes}."
-    table = "the outbox table of the file" if settings.backend == "embedded" else "the outbox collection"
+    table = operations(settings).outbox_where()
     return (
         f"Fired commands go to the outbox ({table}), for your application to take and acknowledge: "
         f"`{wowd} outbox list` shows them, `{wowd} outbox take` takes them, docs/operations.md#the-outbox says "

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from wowd.backends import opened_backend
 from wowd.cli.output import err, out, span
@@ -12,10 +11,6 @@ from wowd.config import WowdSettings
 from wowd.errors import ConfigError, LeaseLost
 from wowd.fmt import iso_ms
 from wowd.model import validate_name
-
-if TYPE_CHECKING:
-    from wowd.daemon.timer_rebuild import TimerRebuilder
-    from wowd.daemon.timer_rebuild_mongo import MongoTimerRebuilder
 
 __all__ = ["rebuild"]
 
@@ -38,13 +33,7 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(f"--aggregate: {exc}") from exc
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
-        rebuilder: TimerRebuilder | MongoTimerRebuilder
-        if backend.name == "mongo":
-            from wowd.daemon.timer_rebuild_mongo import MongoTimerRebuilder
-
-            rebuilder = MongoTimerRebuilder(settings, backend, progress=out)
-        else:
-            rebuilder = TimerRebuilder(settings, backend, progress=out)
+        rebuilder = TimerRebuilder(settings, backend, progress=out)
         try:
             report = await rebuilder.run(aggregate=args.aggregate, dry_run=args.dry_run, fire_expired=args.fire_expired)
         except RebuildRunning as exc:
@@ -82,8 +71,7 @@ async def rebuild(settings: WowdSettings, args: argparse.Namespace) -> int:
     st = report.statuses
     statuses = ", ".join(f"{st.get(k, 0)} {k}" for k in ("PENDING", "FIRING", "PARKED", "FAILED"))
     tombstones = f"{st.get('DONE', 0)} DONE and {st.get('CANCELLED', 0)} CANCELLED tombstones"
-    held = "the slots held" if settings.backend == "mongo" else "the write lock held"
-    done = "dry run: nothing changed" if report.dry_run else f"swapped in ({held} {report.finish_s:.1f} s)"
+    done = "dry run: nothing changed" if report.dry_run else f"swapped in ({report.pause} {report.finish_s:.1f} s)"
     out(
         f"summary: {report.commits + report.caught_up} commits read; {report.live} timers live ({statuses}; "
         f"{report.expired} expired), {tombstones}; {done}"

@@ -43,7 +43,7 @@ from wowd.operator import (
     timer_doc,
     timer_history,
 )
-from wowd.stores.base import Backend, Log, TimerSearch, TimerStore
+from wowd.stores.base import Backend, Log, TimerFiring, TimerQueries, TimerSearch
 
 __all__ = ["SCAN_LIMIT", "cursor_of", "deliveries", "parse_ref", "register", "selected", "timer_doc", "timers"]
 
@@ -298,17 +298,17 @@ async def timers(settings: WowdSettings, args: argparse.Namespace) -> int:
 
         return await rebuild(settings, args)
     async with opened_backend(settings, create=getattr(args, "create", False)) as backend:
-        store = backend.timers
+        store = backend.timer_queries
         if args.timers_command == "list":
             return await _list(settings, store, args)
         if args.timers_command in ("schedule", "cancel"):
             return await _write(settings, backend.log, store, args)
         if args.timers_command == "show":
             return await _show(settings, backend, args)
-        return await _repair(settings, store, args)
+        return await _repair(settings, store, backend.firing, args)
 
 
-async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+async def _list(settings: WowdSettings, store: TimerQueries, args: argparse.Namespace) -> int:
     target = parse_ref(args.target, context=settings.context, tenant=args.tenant) if args.target else None
     after = _after(args.after) if args.after else None
     stuck = (TimerStatus.PARKED, TimerStatus.FAILED)
@@ -338,7 +338,7 @@ async def _list(settings: WowdSettings, store: TimerStore, args: argparse.Namesp
     return 0
 
 
-async def _find(settings: WowdSettings, store: TimerStore, wanted: str | tuple[AggregateRef, str]) -> Timer | None:
+async def _find(settings: WowdSettings, store: TimerQueries, wanted: str | tuple[AggregateRef, str]) -> Timer | None:
     if isinstance(wanted, tuple):
         return await find_timer(store, *wanted)
     return next((t for t in await store.scan(limit=SCAN_LIMIT) if t.timer_id == wanted), None)
@@ -367,7 +367,7 @@ async def _show(settings: WowdSettings, backend: Backend, args: argparse.Namespa
     return 0
 
 
-async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Namespace) -> int:
+async def _repair(settings: WowdSettings, store: TimerQueries, firing: TimerFiring, args: argparse.Namespace) -> int:
     """``retry`` (FAILED) and ``resume`` (PARKED): back to PENDING, due now; by id, by owner and
     key, or in bulk (``--all``, ``--target``) after a count and a confirmation at a terminal."""
     wanted_status = TimerStatus.FAILED if args.timers_command == "retry" else TimerStatus.PARKED
@@ -389,7 +389,7 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
     else:
         candidates = [t for t in in_status if any(_matches(t, w) for w in picked)]
         missing = [w for w in picked if not any(_matches(t, w) for t in candidates)]
-    written = await repair_timers(store, candidates)
+    written = await repair_timers(firing, candidates)
     out(f"{written} timer(s) back to PENDING")
     for w in missing:
         other = await _find(settings, store, w)
@@ -400,7 +400,7 @@ async def _repair(settings: WowdSettings, store: TimerStore, args: argparse.Name
     return 0 if not missing and written == len(candidates) else 1
 
 
-async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, args: argparse.Namespace) -> int:
+async def _write(settings: WowdSettings, log: Log, timers_store: TimerQueries, args: argparse.Namespace) -> int:
     client = WowdClient(
         log, max_body_bytes=settings.timers.max_body_bytes, min_interval_ms=settings.timers.min_interval_ms
     )
@@ -466,7 +466,7 @@ async def _write(settings: WowdSettings, log: Log, timers_store: TimerStore, arg
     return 0
 
 
-async def _cancel(settings: WowdSettings, client: WowdClient, store: TimerStore, args: argparse.Namespace) -> int:
+async def _cancel(settings: WowdSettings, client: WowdClient, store: TimerQueries, args: argparse.Namespace) -> int:
     """Appends the cancel of one timer, named by its id (to the stream it is in) or by its owner
     and key (wowd's stream of the owner, or with ``--in-owner-stream`` the owner's own)."""
     picked = selected(args.timer, context=settings.context, tenant=args.tenant)

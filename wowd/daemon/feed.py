@@ -56,7 +56,7 @@ from wowd.model import (
 )
 from wowd.reducers import Reducer, fold_commit
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import Backend, EventSink, FeedWriter, TimerHistory
+from wowd.stores.base import FEED_TRANSACTION, Backend, EventSink, FeedWriter, TimerHistory
 from wowd.views import (
     FROM_START,
     INDEX,
@@ -226,8 +226,7 @@ class Feeder:
         view without a checkpoint of its own for a partition is given one at once, where it
         starts (the ``wowd`` checkpoint, or the log's start), under the slot's fence: a view that
         then falls behind keeps its place, however far the timer view's checkpoint moves on."""
-        log_ = self._backend.log
-        legacy, own = await stored_checkpoints(log_, self.views, parts)
+        legacy, own = await stored_checkpoints(self._backend.checkpoints, self.views, parts)
         out = {v: start_positions(stored, legacy, parts) for v, stored in own.items()}
         carried: dict[int, tuple[str, ...]] = {}
         for v, stored in own.items():
@@ -241,7 +240,7 @@ class Feeder:
             by_consumers.setdefault(consumers, {})[p] = cp.position if cp is not None else FROM_START
         for consumers, positions in by_consumers.items():
             held.check()
-            if not await log_.save_checkpoints(list(consumers), positions, held.fence):
+            if not await self._backend.checkpoints.save_all(list(consumers), positions, held.fence):
                 raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
         return out
 
@@ -347,7 +346,7 @@ class Feeder:
     async def _plan(self, prepared: Prepared) -> None:
         """The feed writer's :meth:`~FeedWriter.plan` of a batch read ahead, which the batch's
         transaction then takes ready (a failure leaves it to be made when the batch is applied)."""
-        writer = self._backend.feed_writer
+        writer = self._backend.capability(FEED_TRANSACTION)
         views = self._current
         if writer is None or self._folds(prepared, views):
             return
@@ -577,7 +576,7 @@ class Feeder:
                     logx.warning(
                         "quarantining a malformed commit of %s (partition %d): %s", e.aggregate, e.partition, e.error
                     )
-                    await backend.log.quarantine(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
+                    await backend.quarantine.put(CONSUMER, e.partition, e.aggregate, e.raw, e.error or "malformed")
         if TIMERS in names:
             with step("quarantine"):
                 named: set[int] = set()
@@ -587,7 +586,7 @@ class Feeder:
                     named.add(id(c))
                     held.check()
                     logx.warning("quarantining commit %s v%d: rejected timer event: %s", c.ref, c.version, exc)
-                    await backend.log.quarantine(
+                    await backend.quarantine.put(
                         CONSUMER, p, c.ref.type, commit_to_doc(c, n), f"rejected timer event: {exc}"
                     )
         # 2. the event sink, one write per aggregate type
@@ -604,9 +603,10 @@ class Feeder:
                     sinks.append((sink, commits))
         live = [v for v in views if v not in failed]
         # where the stores share a transaction, a whole batch in one (nothing for the steps below)
-        if positions and backend.feed_writer is not None and not self._folds(prepared, live):
+        writer = backend.capability(FEED_TRANSACTION)
+        if positions and writer is not None and not self._folds(prepared, live):
             held.check()
-            if await self._apply_at_once(held, backend.feed_writer, sinks, positions, prepared, waker, logx, live):
+            if await self._apply_at_once(held, writer, sinks, positions, prepared, waker, logx, live):
                 return live
         if INDEX in names and by_name[INDEX] not in failed:
             async with self._view_step(by_name[INDEX], lead, "sink", failed, logx):
@@ -745,7 +745,7 @@ class Feeder:
                 held.check()
                 reason = f"{f.step} refused it: {type(f.error).__name__}: {f.error}"
                 raw = e.raw if e.commit is None else commit_to_doc(e.commit, n)
-                await self._backend.log.quarantine(CONSUMER, e.partition, e.aggregate, raw, reason)
+                await self._backend.quarantine.put(CONSUMER, e.partition, e.aggregate, raw, reason)
                 metrics.FEED_POISON.labels(step=f.step, error=type(f.error).__name__).inc()
                 where = f"{e.commit.ref} v{e.commit.version}" if e.commit is not None else f"of {e.aggregate}"
                 logx.warning("quarantined commit %s (partition %d): %s", where, e.partition, reason)
@@ -788,7 +788,7 @@ class Feeder:
         holder has the slot."""
         held.check()
         with step("checkpoint"):
-            saved = await self._backend.log.save_checkpoints([v.consumer for v in views], positions, held.fence)
+            saved = await self._backend.checkpoints.save_all([v.consumer for v in views], positions, held.fence)
         if not saved:
             raise LeaseLost(f"checkpoints of partitions {sorted(positions)} refused under fence {held.fence}")
 
@@ -841,14 +841,14 @@ class Feeder:
                 raise StorageError(f"{len(refused)} snapshot(s) not saved, the first {o.ref} v{o.version}: {o.reason}")
 
     async def _resume_parked(self, held: HeldSlot, prepared: Prepared, waker: Waker | None) -> None:
-        timers = self._backend.timers
         # one read over the parked index for every aggregate of the batch (nothing when none is parked)
-        parked = await timers.parked_many([c.ref for commits in prepared.by_type.values() for c in commits])
+        refs = [c.ref for commits in prepared.by_type.values() for c in commits]
+        parked = await self._backend.timers.parked_many(refs)
         now = now_ms()
         changes = [TimerChange.resume(t, due_at=now) for t in parked]
         if changes:
             held.check()
-            await timers.settle(changes)
+            await self._backend.firing.settle(changes)
             if waker is not None:
                 _resumed(held, parked, now, waker)
 

@@ -47,8 +47,8 @@ from wowd.stores.base import (
     OutboxRound,
     OutboxShortcut,
     OwnerProbe,
+    TimerFiring,
     TimerHistory,
-    TimerStore,
 )
 
 from .leases import HeldSlot
@@ -134,7 +134,7 @@ class ClaimDeliverSettle:
     def __init__(
         self,
         settings: TimerSettings,
-        store: TimerStore,
+        store: TimerFiring,
         gateway: CommandGateway,
         limits: Limits,
         nudge: Nudge,
@@ -584,7 +584,7 @@ class Firing:
     makes the round strategy of each slot it holds."""
 
     settings: TimerSettings
-    timers: TimerStore
+    timers: TimerFiring
     gateway: CommandGateway
     limits: Limits
     nudge: Nudge
@@ -617,7 +617,7 @@ def choose(settings: WowdSettings, backend: Backend, gateway: CommandGateway, li
     shortcut = backend.capability(OUTBOX_SHORTCUT) if outbox else None
     return Firing(
         settings=settings.timers,
-        timers=backend.timers,
+        timers=backend.firing,
         gateway=gateway,
         limits=limits,
         nudge=backend.log.nudge,

@@ -212,7 +212,7 @@ class Rebuilder:
                 if len(refs) < page:
                     break
                 after = refs[-1]
-            done = await self._backend.log.checkpoints(progress_consumer(aggregate, target), list(range(n)))
+            done = await self._backend.checkpoints.read(progress_consumer(aggregate, target), list(range(n)))
             out.append(
                 RebuildStatus(
                     type=type_,
@@ -310,7 +310,7 @@ class Rebuilder:
             return job
         todo = set(parts)
         if skip_done and todo:
-            done = await self._backend.log.checkpoints(progress_consumer(aggregate, revision), sorted(todo))
+            done = await self._backend.checkpoints.read(progress_consumer(aggregate, revision), sorted(todo))
             todo -= set(done)
         job.todo = todo
         if todo and not table.rebuilding:
@@ -391,7 +391,7 @@ class Rebuilder:
             job = f.job
             position = {"revision": job.revision, "aggregates": len(f.snapshots), "skipped": len(f.broken)}
             consumer = progress_consumer(job.type.aggregate, job.revision)
-            if not await self._backend.log.save_checkpoint(consumer, p, position, fence):
+            if not await self._backend.checkpoints.save(consumer, p, position, fence):
                 raise LeaseLost(
                     f"snapshots of {job.type}: the progress checkpoint of partition {p} was refused under "
                     f"fence {fence} (a holder with a higher fence has the partition): not recorded as rebuilt"
@@ -416,7 +416,7 @@ class Rebuilder:
 
     async def _finish(self, job: _Job) -> None:
         n = self._settings.partitions
-        done = await self._backend.log.checkpoints(progress_consumer(job.type.aggregate, job.revision), list(range(n)))
+        done = await self._backend.checkpoints.read(progress_consumer(job.type.aggregate, job.revision), list(range(n)))
         if len(done) < n:
             return
         marked = await self._backend.rebuilds.mark(job.type, job.revision, rebuilding=False, backfilled=True)

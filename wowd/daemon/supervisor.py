@@ -24,7 +24,7 @@ from wowd.delivery.outbox import OUTBOX_HOUSEKEEPING_S
 from wowd.errors import StorageError
 from wowd.reducers import Reducer, load_reducer
 from wowd.retry import Backoff, RetryStopped, retrying
-from wowd.stores.base import Backend
+from wowd.stores.base import PROCESS_CLOCK, Backend
 from wowd.ui import StatusPage
 
 from .feed import Feeder
@@ -273,9 +273,10 @@ class Supervisor:
                     await b.snapshots.prepare()
                     for agg in self._reducers:
                         await b.snapshots.create_collection(agg)
-                    if b.clock_reading is not None:
+                    clock = b.capability(PROCESS_CLOCK)
+                    if clock is not None:
                         # the store clock is this process's own: no slot on a clock the file disagrees with
-                        reading = await b.clock_reading(self.settings.owner_key)
+                        reading = await clock.clock_reading(self.settings.owner_key)
                         check_store_clock(reading, self.settings.lease.tolerance_s)
         except RetryStopped:
             return False

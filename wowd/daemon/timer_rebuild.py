@@ -1,55 +1,61 @@
 """A rebuild of the timer view from the log, beside the live view, swapped in while the replicas
-run (``wowd timers rebuild``; docs/operations.md, "Recovery").
+run (``wowd timers rebuild``; docs/operations.md, "Recovery"), on any backend that offers it
+(:data:`~wowd.stores.base.TIMER_VIEW_REBUILD`).
 
 1. **Lock.** The backend's rebuild lock of the context (one rebuild at a time; another one is
    refused naming the holder), renewed at every progress line.
-2. **Replay.** The context's log from its start, in log order and in batches, into a shadow of
-   the view beside the live one, through the feed's own projection of commits into timer writes
-   (:func:`~wowd.daemon.feed.prepare_batch`), written with the timer store's own writes: the
-   shadow is the view the feed would have built (cancels leave their tombstones). Commits whose
-   text shows they write nothing to the view are skipped undecoded. A large log is read, decoded
-   and projected in ranges by a pool of processes (:func:`pool_size`), written in log order.
-3. **Finish.** In one write transaction of the backend: the shadow catches up to the timer view's
-   checkpoint of each partition (:func:`timer_view_consumer`), fired one-shot timers the outbox
-   knows of become tombstones, one-shot timers due before the tombstone retention with no
-   tombstone are "expired, state unknown" (FAILED, not fired, unless ``fire_expired``), what the
-   old view holds that the log does not (tombstones, attempts, PARKED, FAILED and their reasons,
-   claims, occurrences of recurring timers) is carried over where its rows can be read, and the
-   shadow replaces the view. Deliveries pause while that transaction holds the write lock.
+2. **Replay.** The context's log from its start, in log order per aggregate and in batches, into
+   a shadow of the view beside the live one, through the feed's own projection of commits into
+   timer writes (:func:`~wowd.daemon.feed.prepare_batch`), written with the timer view's own
+   writes: the shadow is the view the feed would have built (cancels leave their tombstones).
+3. **Carry-over.** What the old view holds that the log does not (tombstones, attempts, PARKED,
+   FAILED and their reasons, claims, occurrences of recurring timers) is carried over, one-shot
+   timers the outbox knows of become tombstones, and one-shot timers due before the tombstone
+   retention with no tombstone are "expired, state unknown" (FAILED, not fired, unless
+   ``fire_expired``); the replicas go on meanwhile.
+4. **Pause.** A backend whose swap needs it has every slot of the replicas' lease namespace held
+   (:data:`~wowd.stores.base.SLOT_HOLD`): each holder learns of it at its next renewal (within a
+   third of the lease ttl), drains its slot's work (deliveries in flight are settled) and
+   releases the slot; the rebuild waits until no slot is held by a replica. Another pauses the
+   replicas' writes itself (the embedded file's write lock, in its finishing transaction).
+   Deliveries pause from here.
+5. **Finish.** The shadow catches up to what the feed applied since the replay, what the old
+   view was written meanwhile is carried again, and the shadow replaces the view; the hold is
+   lifted.
 
-A dry run does all of it and rolls the finishing transaction back: the counts, nothing changed.
-A rebuild interrupted anywhere leaves the live view as it was; run it again.
+A dry run does all of it but the hold and the swap: the counts, nothing changed. A rebuild
+interrupted anywhere leaves the live view as it was (the shadow dropped, a hold lifted or left to
+lapse); run it again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import multiprocessing
-import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from datetime import timedelta
 
 import anyio
-from anyio.streams.memory import MemoryObjectSendStream
 
 from wowd.config import TimerSettings, WowdSettings
-from wowd.errors import ConfigError
+from wowd.errors import ConfigError, StorageError
 from wowd.model import LogEntry, TimerWrite
-from wowd.stores.base import Backend
-from wowd.stores.timer_rebuild import Finished
+from wowd.stores.base import SLOT_HOLD, TIMER_VIEW_REBUILD, Backend, SlotHold, TimerViewRebuild
+from wowd.stores.timer_rebuild import Finished, SlotsNotReleased
 from wowd.views import TIMERS, view_named
 
 from .feed import prepare_batch
 
-if TYPE_CHECKING:  # the embedded backend's engine (imported where that backend is used)
-    from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild as EmbeddedEngine
-
-__all__ = ["TimerRebuildReport", "TimerRebuilder", "project_for", "timer_view_consumer"]
+__all__ = [
+    "HOLD_POLL_S",
+    "HOLD_TTL_S",
+    "FeedProjection",
+    "TimerRebuildReport",
+    "TimerRebuilder",
+    "project_for",
+    "timer_view_consumer",
+]
 
 SO_FAR = "timers scheduled and not cancelled so far (the summary counts those live once the fired ones are known)"
 """What a progress line's count is: the summary's live timers are fewer by the one-shot timers
@@ -64,15 +70,10 @@ PROGRESS_EVERY_S = 1.0
 COUNT_SHARE = 0.05
 """The most of the replay's time the progress lines spend counting live timers (a count reads
 the whole shadow: a line between two counts shows the last one)."""
-READ_AHEAD = 2
-"""Batches of the log read and projected ahead of the one written."""
-POOL_MIN_COMMITS = 50_000
-"""A replay of at least this many commits is decoded and projected by a pool of processes (one
-per CPU) while this one writes: below it, starting the pool costs more than it saves."""
-POOL_MAX = 4
-"""The most processes of a replay's pool."""
-POOL_IN_FLIGHT = 3
-"""Ranges of the log given to each process of the pool ahead of the one written."""
+HOLD_TTL_S = 30.0
+"""How long the slots stay held without a renewal (a rebuild killed holds them no longer)."""
+HOLD_POLL_S = 0.2
+"""How often the rebuild reads the slots while it waits for their holders to release them."""
 
 
 def timer_view_consumer() -> str:
@@ -89,11 +90,11 @@ class TimerRebuildReport:
     context: str
     aggregate: str | None
     commits: int = 0
-    """Commits replayed before the finishing transaction."""
+    """Commits replayed before the finish."""
     caught_up: int = 0
-    """Commits read in the finishing transaction (applied by the feed since the replay read them)."""
-    total: int = 0
-    """Commits of the log when the replay started."""
+    """Commits read in the finish (applied by the feed since the replay read them)."""
+    total: int | None = None
+    """Commits of the log when the replay started (where the backend counts them at once)."""
     statuses: dict[str, int] = field(default_factory=dict)
     """Timers of the new view per status (tombstones as DONE and CANCELLED)."""
     carried: int = 0
@@ -106,7 +107,9 @@ class TimerRebuildReport:
     swapped: bool = False
     dry_run: bool = False
     finish_s: float = 0.0
-    """How long the finishing transaction held the write lock."""
+    """How long the finish paused the replicas (the write lock or the slots held)."""
+    pause: str = ""
+    """What the finish held, as the summary names it."""
 
     @property
     def live(self) -> int:
@@ -114,6 +117,7 @@ class TimerRebuildReport:
 
     def finished(self, found: Finished, *, context: str) -> None:
         """Takes what the finish found and did, and logs the rebuild's end."""
+        self.caught_up = found.caught_up
         self.statuses = found.statuses
         self.carried = found.carried
         self.old_view = found.old_view
@@ -133,84 +137,34 @@ class TimerRebuildReport:
         )
 
 
-def project_for(settings: WowdSettings, aggregate: str | None) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
-    """The feed's projection of log entries into the timer view's writes under ``settings``
-    (only ``aggregate``'s commits when given)."""
-    return _projection(settings.timers, settings.partitions, aggregate)
-
-
-def _projection(
-    limits: TimerSettings, partitions: int, aggregate: str | None
-) -> Callable[[Sequence[LogEntry]], list[TimerWrite]]:
+@dataclass(frozen=True, slots=True)
+class FeedProjection:
     """The feed's projection of log entries into the timer view's writes (only ``aggregate``'s
-    commits when given)."""
+    commits when given); picklable, so that a backend may run it in processes of its own."""
 
-    def project(entries: Sequence[LogEntry]) -> list[TimerWrite]:
-        if aggregate is not None:
-            entries = [e for e in entries if e.aggregate.aggregate == aggregate]
+    limits: TimerSettings
+    partitions: int
+    aggregate: str | None = None
+
+    def __call__(self, entries: Sequence[LogEntry]) -> list[TimerWrite]:
+        if self.aggregate is not None:
+            entries = [e for e in entries if e.aggregate.aggregate == self.aggregate]
         if not entries:
             return []
-        return prepare_batch(entries, limits, partitions).timer_writes
-
-    return project
+        return prepare_batch(entries, self.limits, self.partitions).timer_writes
 
 
-Steps = list[tuple[str, tuple[Any, ...]]]
-"""The timer store's planned writes (``EmbeddedTimerStore.steps_of``)."""
-
-
-class _Planner:
-    """Reads ranges of the log on a connection of its own, decodes them and projects them into
-    the timer store's planned writes: in a process of the replay's pool (:func:`_plan_range`)."""
-
-    def __init__(self, path: str, context: str, partitions: int, limits: TimerSettings, aggregate: str | None) -> None:
-        from wowd.stores.embedded.db import SqliteDatabase
-        from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-        self._db = SqliteDatabase(path)
-        self._context = context
-        self._timers = EmbeddedTimerStore(self._db, context=context, partitions=partitions)
-        self._project = _projection(limits, partitions, aggregate)
-
-    def plan(self, after: int, upto: int) -> tuple[int, Steps, set[str]]:
-        """The commits of ``after < seq <= upto``: how many, their planned writes and the
-        aggregate types whose timers those put."""
-        from wowd.stores.embedded.timer_rebuild import replay_entries, rows_between
-        from wowd.stores.embedded.timers import put_types
-
-        ctx = self._context
-        rows = self._db.run_sync(lambda conn: rows_between(conn, ctx, after, upto))
-        writes = self._project(replay_entries(ctx, rows))
-        return len(rows), self._timers.steps_of(writes), put_types(writes)
-
-
-_planner: _Planner | None = None
-"""A pool process's planner (:func:`_start_planner`)."""
-
-
-def _start_planner(path: str, context: str, partitions: int, limits: TimerSettings, aggregate: str | None) -> None:
-    global _planner
-    _planner = _Planner(path, context, partitions, limits, aggregate)
-
-
-def _plan_range(after: int, upto: int) -> tuple[int, Steps, set[str]]:
-    assert _planner is not None
-    return _planner.plan(after, upto)
-
-
-def pool_size(commits: int) -> int:
-    """The processes that decode and project a replay of ``commits`` commits: none (this process
-    does) below :data:`POOL_MIN_COMMITS`, else one per CPU this process may use, at most
-    :data:`POOL_MAX`."""
-    if commits < POOL_MIN_COMMITS:
-        return 0
-    return max(
-        1, min(POOL_MAX, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    )
+def project_for(settings: WowdSettings, aggregate: str | None) -> FeedProjection:
+    """The feed's projection of log entries into the timer view's writes under ``settings``
+    (only ``aggregate``'s commits when given)."""
+    return FeedProjection(settings.timers, settings.partitions, aggregate)
 
 
 class TimerRebuilder:
-    """Rebuilds one context's timer view (module docstring)."""
+    """Rebuilds one context's timer view (module docstring) with the backend's
+    :data:`~wowd.stores.base.TIMER_VIEW_REBUILD`. ``batch_size``: commits per batch of the replay
+    (``None``: the backend's); ``workers``: processes that project the replay where the backend
+    uses them (``None``: as many as fit)."""
 
     def __init__(
         self,
@@ -218,7 +172,7 @@ class TimerRebuilder:
         backend: Backend,
         *,
         progress: Callable[[str], None] = lambda _line: None,
-        batch_size: int = 2000,
+        batch_size: int | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
         workers: int | None = None,
     ) -> None:
@@ -228,159 +182,103 @@ class TimerRebuilder:
         self._batch_size = batch_size
         self._every_s = progress_every_s
         self._workers = workers
-        """Processes of the replay's pool (``None``: :func:`pool_size` of the log)."""
         self._live = 0
         self._count_at = 0.0
-
-    def _engine(self) -> EmbeddedEngine:
-        if self._backend.name != "embedded":
-            raise ConfigError(f"no timer view rebuild on the {self._backend.name} backend")
-        from wowd.stores.embedded.timer_rebuild import EmbeddedTimerRebuild
-        from wowd.stores.embedded.timers import EmbeddedTimerStore
-
-        timers = self._backend.timers
-        assert isinstance(timers, EmbeddedTimerStore)
-        return EmbeddedTimerRebuild(timers.path, timers=timers)
+        self._ticked = 0.0
+        self._hold: SlotHold | None = None
+        self._held = False
+        self._hold_renewed = 0.0
+        self._owner = ""
+        self._engine: TimerViewRebuild | None = None
 
     async def run(
         self, *, aggregate: str | None = None, dry_run: bool = False, fire_expired: bool = False
     ) -> TimerRebuildReport:
         """The rebuild; raises :class:`~wowd.stores.timer_rebuild.RebuildRunning` when another
-        one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile (on MongoDB:
-        :class:`~wowd.daemon.timer_rebuild_mongo.MongoTimerRebuilder`)."""
-        s = self._settings
-        report = TimerRebuildReport(context=s.context, aggregate=aggregate, dry_run=dry_run)
-        engine = self._engine()
+        one runs, :class:`~wowd.errors.LeaseLost` when another took the lock meanwhile,
+        :class:`~wowd.stores.timer_rebuild.SlotsNotReleased` when a replica does not release its
+        slot, :class:`~wowd.errors.ConfigError` on a backend that offers no rebuild."""
+        s, backend = self._settings, self._backend
+        rebuilds = backend.capability(TIMER_VIEW_REBUILD)
+        if rebuilds is None:
+            raise ConfigError(f"no timer view rebuild on the {backend.name} backend")
+        engine = rebuilds.rebuild(
+            project=project_for(s, aggregate), consumer=timer_view_consumer(), aggregate=aggregate
+        )
+        if engine.holds_slots:
+            self._hold = backend.capability(SLOT_HOLD)
+            if self._hold is None:
+                raise ConfigError(f"the timer view rebuild of the {backend.name} backend holds slots its leases cannot")
+        report = TimerRebuildReport(context=s.context, aggregate=aggregate, dry_run=dry_run, pause=engine.pause)
+        self._engine = engine
+        self._owner = f"timer view rebuild {engine.owner}"
         try:
             await engine.acquire(LOCK_TTL_S)
             try:
-                await self._replay(engine, aggregate, fire_expired, dry_run, report)
+                await self._rebuild(engine, aggregate, fire_expired, dry_run, report)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await engine.abort()
                 raise
             finally:
                 with anyio.CancelScope(shield=True):
+                    await self._lift()
                     await engine.release()
         finally:
             await engine.close()
         return report
 
-    async def _replay(
+    async def _rebuild(
         self,
-        engine: EmbeddedEngine,
+        engine: TimerViewRebuild,
         aggregate: str | None,
         fire_expired: bool,
         dry_run: bool,
         report: TimerRebuildReport,
     ) -> None:
         s = self._settings
-        project = project_for(s, aggregate)
-        await engine.begin()
-        report.total = await engine.log_commits()
+        report.total = await engine.begin()
+        replaying = f"{report.total} commits" if report.total is not None else "the log"
         self._progress(
             f"rebuild of the timer view of context {s.context!r}"
             + (f", aggregate {aggregate!r}" if aggregate else "")
-            + f": replaying {report.total} commits into {engine.shadow}"
+            + f": replaying {replaying} into {engine.shadow}"
         )
-        shown = time.monotonic()
-        last = [0]
-        workers = pool_size(report.total) if self._workers is None else self._workers
-        send, receive = anyio.create_memory_object_stream[tuple[int, Steps, set[str]]](READ_AHEAD)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._read_ahead, engine, project, aggregate, workers, send, last)
-            async with receive:
-                async for n, steps, types in receive:
-                    report.commits += n
-                    await engine.write_steps(steps, types)
-                    now = time.monotonic()
-                    if now - shown >= self._every_s:
-                        shown = now
-                        await engine.renew(LOCK_TTL_S)
-                        await self._line(engine, report)
+        shown = self._ticked = time.monotonic()
+        async for n in engine.replay(batch_size=self._batch_size, workers=self._workers):
+            report.commits += n
+            now = time.monotonic()
+            if now - shown >= self._every_s:
+                shown = now
+                await self._tick()
+                await self._line(engine, report)
         await self._line(engine, report, last=True)
-        read = dict.fromkeys(range(s.partitions), last[0])  # every partition read to the same point
         retention_ms = s.timers.tombstone_retention_s * 1000
         expired_before = None if fire_expired else int(time.time() * 1000) - retention_ms
-        finished = Finished()
-        await engine.carry_over(expired_before=expired_before, result=finished)
-        started = time.monotonic()
-        await engine.finish(
-            read,
-            consumer=timer_view_consumer(),
-            project=project,
-            aggregate=aggregate,
-            swap=not dry_run,
-            result=finished,
-        )
-        report.finish_s = time.monotonic() - started
-        report.caught_up = finished.caught_up
-        report.finished(finished, context=s.context)
+        result = Finished()
+        async with engine.finishing(expired_before=expired_before, result=result):
+            started = time.monotonic()
+            if engine.holds_slots and not dry_run:
+                await self._hold_slots()
+            await engine.finish(swap=not dry_run, result=result, tick=self._tick)
+            report.finish_s = time.monotonic() - started
+            await self._lift()
+        report.finished(result, context=s.context)
 
-    async def _read_ahead(
-        self,
-        engine: EmbeddedEngine,
-        project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
-        aggregate: str | None,
-        workers: int,
-        send: MemoryObjectSendStream[tuple[int, Steps, set[str]]],
-        last: list[int],
-    ) -> None:
-        """Reads the log in its order to its end and projects each batch while the batch before
-        is written (the write runs on the connection's thread), handing on (commits read, planned
-        writes, the aggregate types they put timers of); ``last[0]``: the ``seq`` read to. With
-        ``workers``, the log as it was at the start is read, decoded and projected in ranges by
-        a pool of that many processes (the decoding is Python: the processes use the other
-        CPUs), then what was appended meanwhile by this one."""
-        from wowd.stores.embedded.timers import put_types
+    async def _tick(self) -> None:
+        """Between batches: the lock renewed (at most every progress interval) and the hold."""
+        now = time.monotonic()
+        if now - self._ticked >= self._every_s:
+            self._ticked = now
+            await self._renew_lock()
+        await self._renew_hold()
 
-        async with send:
-            if workers and engine.path != ":memory:":
-                await self._pooled(engine, aggregate, workers, send, last)
-            while True:
-                n, seq, entries = await engine.read(last[0], self._batch_size)
-                if not n:
-                    return
-                last[0] = seq
-                writes = project(entries)
-                await send.send((n, engine.steps_of(writes), put_types(writes)))
+    async def _renew_lock(self) -> None:
+        engine = self._engine
+        if engine is not None:
+            await engine.renew(LOCK_TTL_S)
 
-    async def _pooled(
-        self,
-        engine: EmbeddedEngine,
-        aggregate: str | None,
-        workers: int,
-        send: MemoryObjectSendStream[tuple[int, Steps, set[str]]],
-        last: list[int],
-    ) -> None:
-        """:meth:`_read_ahead` of the log to its last ``seq`` at the start, by a pool of
-        ``workers`` processes, in ranges of :attr:`_batch_size` ``seq`` handed on in log order."""
-        s = self._settings
-        top = await engine.last_seq()
-        loop = asyncio.get_running_loop()
-        pool = ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_planner,
-            initargs=(engine.path, s.context, s.partitions, s.timers, aggregate),
-        )
-        try:
-            pending: deque[tuple[int, asyncio.Future[tuple[int, Steps, set[str]]]]] = deque()
-            after = last[0]
-            while after < top or pending:
-                while after < top and len(pending) < workers * POOL_IN_FLIGHT:
-                    upto = min(after + self._batch_size, top)
-                    pending.append((upto, loop.run_in_executor(pool, _plan_range, after, upto)))
-                    after = upto
-                upto, future = pending.popleft()
-                n, steps, types = await future
-                last[0] = upto
-                if n:
-                    await send.send((n, steps, types))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _line(self, engine: EmbeddedEngine, report: TimerRebuildReport, *, last: bool = False) -> None:
+    async def _line(self, engine: TimerViewRebuild, report: TimerRebuildReport, *, last: bool = False) -> None:
         """A progress line; the live timers counted again when the counting has taken no more
         than :data:`COUNT_SHARE` of the time since the last count (it reads the whole shadow),
         and on the ``last`` line."""
@@ -389,5 +287,51 @@ class TimerRebuilder:
             self._live = await engine.live_count()
             took = time.monotonic() - now
             self._count_at = now + took / COUNT_SHARE
+        if report.total is None:
+            self._progress(f"rebuild: {report.commits} commits read, {self._live} {SO_FAR}")
+            return
         share = f" ({100 * report.commits // report.total}%)" if report.total else ""
         self._progress(f"rebuild: {report.commits} of {report.total} commits read{share}, {self._live} {SO_FAR}")
+
+    # ---- the hold of the slots
+
+    async def _hold_slots(self) -> None:
+        """Holds every slot and waits until no replica holds one (module docstring, step 4);
+        raises :class:`SlotsNotReleased` naming the holders still there after a lease ttl, a third
+        of it and the shutdown grace period (a replica of a version that knows no hold)."""
+        s, hold = self._settings, self._hold
+        assert hold is not None
+        namespace = s.lease_namespace
+        self._held = True
+        await hold.hold(namespace, self._owner, timedelta(seconds=HOLD_TTL_S))
+        self._hold_renewed = time.monotonic()
+        self._progress(f"rebuild: holding the slots of {namespace}: their replicas drain and release them")
+        tolerance_ms = int(s.lease.tolerance_s * 1000)
+        limit = time.monotonic() + s.lease.ttl_s * 4 / 3 + s.shutdown.grace_s + s.lease.tolerance_s
+        while True:
+            states = await self._backend.leases.slots(namespace)
+            busy = [st for st in states if st.owner_key is not None and st.expires_at + tolerance_ms >= st.store_now]
+            if not busy:
+                return
+            if time.monotonic() > limit:
+                named = ", ".join(f"slot {st.slot} by {st.owner_key}" for st in busy)
+                raise SlotsNotReleased(
+                    f"the slots were not released within {limit - self._hold_renewed:.0f} s: {named} (a replica of "
+                    "a wowd version that does not release held slots: upgrade it, or stop it for the rebuild)"
+                )
+            await self._renew_hold()
+            await anyio.sleep(HOLD_POLL_S)
+
+    async def _renew_hold(self) -> None:
+        if self._held and self._hold is not None and time.monotonic() - self._hold_renewed >= HOLD_TTL_S / 3:
+            await self._hold.hold(self._settings.lease_namespace, self._owner, timedelta(seconds=HOLD_TTL_S))
+            self._hold_renewed = time.monotonic()
+
+    async def _lift(self) -> None:
+        if not self._held or self._hold is None:
+            return
+        self._held = False
+        try:
+            await self._hold.lift(self._settings.lease_namespace, self._owner)
+        except StorageError as exc:
+            log.warning("the hold of the slots could not be lifted (it lapses within %.0f s): %s", HOLD_TTL_S, exc)

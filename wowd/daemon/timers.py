@@ -1,6 +1,6 @@
 """The timer loop of one held slot (``docs/architecture.md``, "Firing").
 
-On start it ends the claims a previous holder of the slot left (``TimerStore.reclaim``: they
+On start it ends the claims a previous holder of the slot left (``TimerFiring.reclaim``: they
 come due at once, not after ``claim_ttl_s``), and fires nothing before the feed has applied the
 log up to its head. Then it runs *rounds* through the slot's
 :class:`~wowd.daemon.firing.RoundStrategy` (what fires when is :mod:`wowd.daemon.firing`'s).
@@ -41,7 +41,7 @@ from wowd.clock import now_ms
 from wowd.config import TimerSettings
 from wowd.errors import StorageError
 from wowd.retry import Backoff, Pauses, RetryStopped, retrying
-from wowd.stores.base import TimerHistory, TimerStore
+from wowd.stores.base import TimerFiring, TimerHistory
 
 from .leases import HeldSlot
 from .stall import Stall
@@ -96,7 +96,7 @@ class TimerLoop:
     def __init__(
         self,
         settings: TimerSettings,
-        store: TimerStore,
+        store: TimerFiring,
         strategy: RoundStrategy,
         nudge: Nudge,
         *,

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Generic, Literal, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 from wowd.errors import ConfigError, InvalidInput
@@ -29,6 +30,7 @@ from wowd.model import (
     Commit,
     HistoryRecord,
     LogBatch,
+    LogEntry,
     OutboxBatch,
     OutboxEntry,
     Owner,
@@ -45,35 +47,62 @@ from wowd.model import (
     TimerStatus,
     TimerWrite,
 )
+from wowd.stores.formats import StoreFormat
+from wowd.stores.timer_rebuild import Finished
 
 __all__ = [
     "AppendOutcome",
     "Backend",
+    "BackupDone",
+    "CHUNK_PREPARATION",
+    "Capability",
+    "CheckLine",
+    "Checkpoints",
+    "ChunkPreparation",
     "ClockReading",
     "Ddl",
     "EventSink",
+    "FEED_TRANSACTION",
     "FeedApplied",
     "FeedWriter",
     "FiredTimer",
+    "HISTORY_READ_LIMIT",
     "Log",
-    "Outbox",
-    "OUTBOX_TAKE_LEASE",
-    "Capability",
+    "ONLINE_BACKUP",
     "OUTBOX_SHORTCUT",
+    "OUTBOX_TAKE_LEASE",
+    "Offers",
+    "OnlineBackup",
+    "Operations",
+    "Outbox",
     "OutboxFired",
     "OutboxRound",
     "OutboxShortcut",
     "OwnerProbe",
     "PRESENCE_RETENTION",
+    "PROCESS_CLOCK",
+    "Preflight",
+    "Probe",
+    "ProcessClock",
+    "Projection",
+    "Quarantine",
     "ReplicaInfo",
     "ReplicaState",
+    "SERVER_CHECKS",
+    "SLOT_HOLD",
+    "ServerChecks",
+    "SlotHold",
     "SlotLeaseStore",
     "SnapshotRebuildStore",
     "SnapshotStore",
-    "HISTORY_READ_LIMIT",
+    "TIMER_VIEW_REBUILD",
+    "TimerFiring",
     "TimerHistory",
+    "TimerQueries",
     "TimerSearch",
-    "TimerStore",
+    "TimerView",
+    "TimerViewRebuild",
+    "TimerViewRebuilds",
     "consumers_of",
 ]
 
@@ -116,7 +145,7 @@ class OwnerProbe(NamedTuple):
 
 @runtime_checkable
 class Log(Protocol):
-    """The context's log of commits (docs/schema.md), checkpoints and quarantine."""
+    """The context's log of commits (docs/schema.md)."""
 
     context: str
     partitions: int
@@ -177,25 +206,57 @@ class Log(Protocol):
         waits for the watermark to pass a due time). Cheap; never blocks."""
         ...
 
-    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
+    async def aggregate_types(self) -> list[AggregateType]:
+        """The aggregate types that have a log collection/table."""
+        ...
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def ping(self) -> None:
+        """Raises :class:`~wowd.errors.StorageUnavailable` if the store does not answer."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Checkpoints(Protocol):
+    """How far each consumer of the log (a view, a rebuild) has read each partition, fenced."""
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def read(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
         """The stored checkpoints of ``consumer`` for ``partitions`` (missing ones absent)."""
         ...
 
-    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
+    async def save(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
         """Stores a checkpoint, admitted only when the stored one's fence is the same or lower:
         a checkpoint written under fence f is never overwritten under a fence below f.
         Answers False when refused. Idempotent."""
         ...
 
-    async def save_checkpoints(
-        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
-    ) -> bool:
-        """:meth:`save_checkpoint` of several partitions, for one consumer or several (the views
-        a feed batch was applied to), in one write. False when any was refused (the others may
-        be written: each is fenced on its own)."""
+    async def save_all(self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int) -> bool:
+        """:meth:`save` of several partitions, for one consumer or several (the views a feed
+        batch was applied to), in one write. False when any was refused (the others may be
+        written: each is fenced on its own)."""
         ...
 
-    async def quarantine(
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class Quarantine(Protocol):
+    """Documents of the log the feed cannot read or apply, kept with the reason."""
+
+    async def prepare(self) -> None:
+        """Creates what the store needs as its DDL mode says (idempotent)."""
+        ...
+
+    async def put(
         self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
     ) -> None:
         """Keeps a document the feed cannot read or apply, with the reason. Idempotent per
@@ -203,7 +264,7 @@ class Log(Protocol):
         id and replaces its reason with ``reason``."""
         ...
 
-    async def quarantined(
+    async def items(
         self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
     ) -> list[dict[str, Any]]:
         """The quarantined items, oldest first (in the order of their ids): ``{id, created_at,
@@ -216,21 +277,9 @@ class Log(Protocol):
         inserts the item), so paging by ``after`` never passes an item quarantined later."""
         ...
 
-    async def release_quarantined(self, ids: Collection[str]) -> int:
+    async def release(self, ids: Collection[str]) -> int:
         """Deletes the quarantined items ``ids`` (ids that name nothing are skipped); answers how
         many were deleted. Idempotent."""
-        ...
-
-    async def aggregate_types(self) -> list[AggregateType]:
-        """The aggregate types that have a log collection/table."""
-        ...
-
-    async def prepare(self) -> None:
-        """Creates what the store needs as its DDL mode says (idempotent)."""
-        ...
-
-    async def ping(self) -> None:
-        """Raises :class:`~wowd.errors.StorageUnavailable` if the store does not answer."""
         ...
 
     async def close(self) -> None: ...
@@ -312,7 +361,7 @@ class SlotLeaseStore(Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TimerSearch:
-    """What :meth:`TimerStore.search` lists: the live timers matching every field given.
+    """What :meth:`TimerQueries.search` lists: the live timers matching every field given.
 
     ``owners``: of any of these owners (an owner's own stream and wowd's stream of it), with
     ``key`` only that key; ``status``: in that status; ``target``: whose command goes there, a
@@ -345,8 +394,9 @@ class TimerSearch:
 
 
 @runtime_checkable
-class TimerStore(Protocol):
-    """The timers of one context (docs/concepts.md)."""
+class TimerView(Protocol):
+    """The timers of one context as the feed writes them from the log (docs/concepts.md): puts,
+    cancels and tombstones, the parked timers a commit of their target resumes."""
 
     async def prepare(self) -> None:
         """Claims the registry's format (refuses another one) as the DDL mode says."""
@@ -385,9 +435,40 @@ class TimerStore(Protocol):
         Embedded: one transaction; MongoDB: one unordered bulk write per collection. Idempotent."""
         ...
 
-    async def sweep(self, before: int, limit: int) -> int:
-        """Deletes at most ``limit`` tombstones made before ``before`` (ms); answers how many
-        (0 where the store expires them itself, e.g. a TTL index)."""
+    async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
+        """The PARKED timers whose target is any of ``targets`` (every partition, every owner
+        type), each once, ordered by ``(due_at, timer_id)``: what :meth:`TimerQueries.parked`
+        answers for each target, together. ``[]`` for no targets. Read-only.
+
+        One read over the parked index whatever the number of targets (a feed batch's committed
+        aggregates): embedded one statement, split only where the targets exceed SQLite's
+        variable limit (the statements in one read transaction); MongoDB one aggregation on the
+        registry, split only where its command would exceed 16 MiB."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TimerFiring(Protocol):
+    """The due timers of one context as the timer loop takes and settles them (docs/concepts.md):
+    claims under a slot's fence, the outcomes settled, the next due time it sleeps until."""
+
+    async def prepare(self) -> None:
+        """Claims the registry's format (refuses another one) as the DDL mode says."""
+        ...
+
+    async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
+        """Read-only. The first ``limit`` PENDING or FIRING timers of ``partitions`` with ``due_at <= until``,
+        across every aggregate type, ordered by ``(due_at, timer_id)``. A FIRING timer whose
+        claim expired is due again."""
+        ...
+
+    async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
+        """The earliest ``due_at`` above ``after`` of the PENDING or FIRING timers of
+        ``partitions``, across every aggregate type (a FIRING timer counts at its claim's expiry,
+        when it is due again); ``None`` when there is none. One read over the due index, whatever
+        the number of timers stored: the timer loop sleeps until then. Read-only."""
         ...
 
     async def claim_due(
@@ -415,40 +496,35 @@ class TimerStore(Protocol):
         takeover); attempts unchanged. Answers how many."""
         ...
 
-    async def find(self, owner: AggregateRef, key: str) -> Timer | None: ...
-
-    async def parked(self, target: AggregateRef) -> list[Timer]:
-        """The PARKED timers whose target is ``target`` (every partition)."""
-        ...
-
-    async def parked_many(self, targets: Sequence[AggregateRef]) -> list[Timer]:
-        """The PARKED timers whose target is any of ``targets`` (every partition, every owner
-        type), each once, ordered by ``(due_at, timer_id)``: what :meth:`parked` answers for each
-        target, together. ``[]`` for no targets. Read-only.
-
-        One read over the parked index whatever the number of targets (a feed batch's committed
-        aggregates): embedded one statement, split only where the targets exceed SQLite's
-        variable limit (the statements in one read transaction); MongoDB one aggregation on the
-        registry, split only where its command would exceed 16 MiB."""
-        ...
-
     async def settle(self, changes: Sequence[TimerChange]) -> int:
         """Applies each change (see :class:`~wowd.model.TimerChange`) to the document as loaded
         (``timer_id`` + ``revision``), one unordered bulk write per collection. A change whose
         document moved on is skipped. Answers how many were written."""
         ...
 
-    async def due(self, partitions: set[int] | frozenset[int], until: int, limit: int) -> list[Timer]:
-        """Read-only. The first ``limit`` PENDING or FIRING timers of ``partitions`` with ``due_at <= until``,
-        across every aggregate type, ordered by ``(due_at, timer_id)``. A FIRING timer whose
-        claim expired is due again."""
+    async def sweep(self, before: int, limit: int) -> int:
+        """Deletes at most ``limit`` tombstones made before ``before`` (ms); answers how many
+        (0 where the store expires them itself, e.g. a TTL index)."""
         ...
 
-    async def next_due(self, partitions: set[int] | frozenset[int], after: int) -> int | None:
-        """The earliest ``due_at`` above ``after`` of the PENDING or FIRING timers of
-        ``partitions``, across every aggregate type (a FIRING timer counts at its claim's expiry,
-        when it is due again); ``None`` when there is none. One read over the due index, whatever
-        the number of timers stored: the timer loop sleeps until then. Read-only."""
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class TimerQueries(Protocol):
+    """The timers of one context as the operator's tools read them (``wowd timers``, ``wowd
+    status``, the status page): by key, by target, by status, by search. Read-only."""
+
+    async def prepare(self) -> None:
+        """Claims the registry's format (refuses another one) as the DDL mode says."""
+        ...
+
+    async def find(self, owner: AggregateRef, key: str) -> Timer | None:
+        """The live timer ``key`` of ``owner`` (no tombstone), or ``None``."""
+        ...
+
+    async def parked(self, target: AggregateRef) -> list[Timer]:
+        """The PARKED timers whose target is ``target`` (every partition)."""
         ...
 
     async def scan(
@@ -739,7 +815,7 @@ class OutboxShortcut(Protocol):
     once)."""
 
     async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
-        """In one write transaction: reads the timers :meth:`TimerStore.claim_due` would claim
+        """In one write transaction: reads the timers :meth:`TimerFiring.claim_due` would claim
         (the first ``round.limit`` due by ``round.at`` of its partitions, in due order, none of
         ``round.exclude``; a timer claimed by anyone is due only once its claim expired), leaves
         those the fire rule does not fire yet (:class:`OutboxRound`), inserts the outbox entry of
@@ -763,7 +839,7 @@ OUTBOX_SHORTCUT: Capability[OutboxShortcut] = Capability("outbox shortcut")
 
 @dataclass(frozen=True, slots=True)
 class FeedApplied:
-    """What :meth:`FeedWriter.apply` did: each timer write's answer (as :meth:`TimerStore.write`
+    """What :meth:`FeedWriter.apply` did: each timer write's answer (as :meth:`TimerView.write`
     gives them), the PARKED timers it resumed, and whether the checkpoints were admitted (when
     not, nothing was written)."""
 
@@ -773,10 +849,10 @@ class FeedApplied:
 
 
 class FeedWriter(Protocol):
-    """A feed batch applied in one transaction, when a backend's stores share one: the event
-    sink's documents, the timer writes, the resumption of the PARKED timers of the batch's
-    aggregates and the checkpoints under the slot's fence, all or nothing. Ours (the seeds name
-    the single steps); the embedded backend has one."""
+    """A capability (:data:`FEED_TRANSACTION`) of a backend whose stores share one transaction
+    (the embedded file): a feed batch applied in it, the event sink's documents, the timer
+    writes, the resumption of the PARKED timers of the batch's aggregates and the checkpoints
+    under the slot's fence, all or nothing."""
 
     async def plan(
         self, records: Sequence[tuple[EventSink, Sequence[Commit]]], timer_writes: Sequence[TimerWrite]
@@ -810,6 +886,270 @@ class FeedWriter(Protocol):
         ...
 
 
+FEED_TRANSACTION: Capability[FeedWriter] = Capability("feed transaction")
+"""The capability :class:`FeedWriter`."""
+
+
+class ProcessClock(Protocol):
+    """A capability (:data:`PROCESS_CLOCK`) of a backend whose store clock is each replica
+    process's own (the embedded file's): how this process's clock compares with the store's last
+    writes, which a replica checks before it takes a slot."""
+
+    async def clock_reading(self, owner_key: str) -> ClockReading:
+        """This process's clock beside the store's last writes (:class:`ClockReading`), written
+        under ``owner_key`` (the replica's)."""
+        ...
+
+
+PROCESS_CLOCK: Capability[ProcessClock] = Capability("process clock")
+"""The capability :class:`ProcessClock`."""
+
+
+class SlotHold(Protocol):
+    """A capability (:data:`SLOT_HOLD`) of a lease store: every slot of a namespace held paused
+    for a while (a rebuild of the timer view swaps it in while no replica works)."""
+
+    async def hold(self, namespace: str, by: str, ttl: timedelta) -> list[SlotState]:
+        """Holds every slot of ``namespace`` paused for ``by`` until the store's now + ``ttl``
+        (renewed by calling it again): no acquire takes a held slot, and each holder learns of
+        the hold at its next renewal and releases its slot once its work has drained. Answers the
+        namespace's slots after the write; raises :class:`~wowd.errors.StorageError` when another
+        holder's live hold is on any of them."""
+        ...
+
+    async def lift(self, namespace: str, by: str) -> int:
+        """Ends the hold of ``by`` on the slots of ``namespace``; answers how many it held."""
+        ...
+
+
+SLOT_HOLD: Capability[SlotHold] = Capability("slot hold")
+"""The capability :class:`SlotHold`."""
+
+
+Projection = Callable[[Sequence[LogEntry]], list[TimerWrite]]
+"""The feed's projection of log entries into the timer view's writes (a rebuild replays the log
+through it)."""
+
+
+class TimerViewRebuild(Protocol):
+    """One rebuild of the context's timer view from the log (``wowd timers rebuild``;
+    docs/operations.md, "Recovery"): a shadow of the view beside the live one, replayed from the
+    log, what the old view holds carried over, swapped in. The daemon's rebuilder drives it: the
+    lock, the replay (with progress), the carry-over, the pause (:attr:`holds_slots`), the
+    finish. Interrupted anywhere, it leaves the live view as it was."""
+
+    owner: str
+    """Who holds the rebuild's lock (host, process and a random tag)."""
+    shadow: str
+    """Where the replay writes, as a progress line names it."""
+    holds_slots: bool
+    """Whether the swap needs every slot of the replicas held (:data:`SLOT_HOLD`) while it runs;
+    otherwise it pauses what it must itself (:attr:`pause`)."""
+    pause: str
+    """What the swap holds while it runs, as the summary names it."""
+
+    async def acquire(self, ttl_s: float) -> None:
+        """Takes the context's rebuild lock for ``ttl_s``; raises
+        :class:`~wowd.stores.timer_rebuild.RebuildRunning` naming the holder when another live
+        rebuild holds it (one of this host whose process is gone holds nothing)."""
+        ...
+
+    async def renew(self, ttl_s: float) -> None:
+        """Extends the lock; raises :class:`~wowd.errors.LeaseLost` when another rebuild took it."""
+        ...
+
+    async def release(self) -> None:
+        """Drops the lock if this rebuild holds it."""
+        ...
+
+    async def begin(self) -> int | None:
+        """A new, empty shadow (a leftover of an interrupted rebuild is dropped); answers the
+        commits the replay reads when the store can count them at once (``None`` otherwise)."""
+        ...
+
+    def replay(self, *, batch_size: int | None = None, workers: int | None = None) -> AsyncIterator[int]:
+        """The log from its start into the shadow, through the projection, in log order per
+        aggregate; yields the commits read after each batch is written (``batch_size`` commits
+        at most; ``None``: the store's). ``workers``: processes that decode and project ranges of
+        the log meanwhile where the store can use them (``None``: as many as fit; 0: none)."""
+        ...
+
+    async def live_count(self) -> int:
+        """Live timers in the shadow so far (for the progress lines)."""
+        ...
+
+    def finishing(self, *, expired_before: int | None, result: Finished) -> AbstractAsyncContextManager[None]:
+        """What is done before the pause, the replicas' writes going on: one-shot timers the
+        outbox holds become DONE tombstones, one-shot timers due before ``expired_before``
+        (epoch ms; ``None``: none) FAILED as "expired, state unknown", and what the old view
+        holds is carried over (tombstones, attempts, PARKED, FAILED and their reasons, claims);
+        until the block ends, what the old view is written meanwhile is recorded for
+        :meth:`finish` to carry again. ``result`` records what was found."""
+        ...
+
+    async def finish(self, *, swap: bool, result: Finished, tick: Callable[[], Awaitable[None]]) -> None:
+        """Within :meth:`finishing`, paused (:attr:`holds_slots`): the shadow catches up to what
+        the feed applied since the replay, what the old view was written meanwhile is carried
+        again, the new view counted into ``result``, and the shadow replaces the live view; with
+        ``swap`` false (a dry run) everything is counted and nothing changed (the shadow dropped).
+        ``tick`` is awaited between the catch-up's batches (the caller renews what it holds)."""
+        ...
+
+    async def abort(self) -> None:
+        """Drops the shadow (the live view is left as it is), unless another rebuild holds the
+        lock now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class TimerViewRebuilds(Protocol):
+    """A capability (:data:`TIMER_VIEW_REBUILD`): rebuilds of the context's timer view."""
+
+    def rebuild(self, *, project: Projection, consumer: str, aggregate: str | None) -> TimerViewRebuild:
+        """A rebuild replaying the log through ``project`` (picklable: a store may project in
+        processes of its own), the view's checkpoints those of ``consumer``; only ``aggregate``'s
+        timers when given (the old view's other timers are kept as they are)."""
+        ...
+
+
+TIMER_VIEW_REBUILD: Capability[TimerViewRebuilds] = Capability("timer view rebuild")
+"""The capability :class:`TimerViewRebuilds`."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackupDone:
+    """What :meth:`OnlineBackup.backup` did: ``written`` (the copy passed its check and is at
+    its path; else nothing is) and one line saying what was copied, or why not."""
+
+    written: bool
+    text: str
+
+
+class OnlineBackup(Protocol):
+    """A capability (:data:`ONLINE_BACKUP`) of the operations of a backend whose stores can be
+    copied while replicas run (``wowd backup``)."""
+
+    async def backup(
+        self, target: Path, *, force: bool, step_pages: int, progress: Callable[[str], None]
+    ) -> BackupDone:
+        """A consistent copy of the stores at ``target`` (replaced with ``force``), checked before
+        it is put there, with progress lines; raises :class:`~wowd.errors.ConfigError` for a
+        target it must not write (the stores themselves, a directory, one that exists without
+        ``force``) or stores that do not exist."""
+        ...
+
+
+ONLINE_BACKUP: Capability[OnlineBackup] = Capability("online backup")
+"""The capability :class:`OnlineBackup`."""
+
+
+class Probe(NamedTuple):
+    """One check of ``wowd check``: ``run`` answers (a text is shown after the name) or raises
+    :class:`~wowd.errors.WowdError` naming what is wrong."""
+
+    name: str
+    run: Callable[[], Awaitable[object]]
+
+
+class ServerChecks(Protocol):
+    """A capability (:data:`SERVER_CHECKS`) of the operations of a backend on servers: the
+    privileges and versions ``wowd check`` asks them for beyond what the stores answer."""
+
+    def probes(self) -> list[Probe]:
+        """The checks of the servers (privileges, versions, settings that matter to the leases)."""
+        ...
+
+    def type_probes(self, type: AggregateType) -> list[Probe]:
+        """The checks of what one aggregate type uses on the servers (its event index's privileges)."""
+        ...
+
+
+SERVER_CHECKS: Capability[ServerChecks] = Capability("server checks")
+"""The capability :class:`ServerChecks`."""
+
+
+class ChunkPreparation(Protocol):
+    """A capability (:data:`CHUNK_PREPARATION`) of the operations of a backend that can spread a
+    new collection's chunks over its shards, a one-off it leaves off the feed's path (``wowd
+    check --prepare``)."""
+
+    async def prepare_chunks(self) -> dict[str, str]:
+        """Spreads the chunks of each timer collection that needs it (bounded in time); answers
+        what it did per collection (none: nothing to spread)."""
+        ...
+
+
+CHUNK_PREPARATION: Capability[ChunkPreparation] = Capability("chunk preparation")
+"""The capability :class:`ChunkPreparation`."""
+
+
+class CheckLine(NamedTuple):
+    """A line of ``wowd check``: ``ok`` or not, and what was found."""
+
+    ok: bool
+    text: str
+
+
+@dataclass(slots=True)
+class Preflight:
+    """What ``wowd check`` reads of a backend before it opens it (nothing created or changed):
+    a line per server or file reached, and the formats its stores recorded (``None``: not read,
+    with the line that says why; the stores are not opened then)."""
+
+    lines: list[CheckLine] = field(default_factory=list)
+    formats: list[StoreFormat] | None = None
+
+
+class Operations(Protocol):
+    """One backend's operations object, made from the settings alone (nothing opened): it opens
+    the backend (:meth:`open`) and does what the backend does besides its stores' protocols,
+    each a capability it offers or not (:meth:`capability`; the opened :class:`Backend` offers
+    them too). A backend package gives one (docs/architecture.md, "Adding a backend")."""
+
+    name: str
+    """The backend's name (``WOWD_BACKEND``)."""
+    recovery: str
+    """How the backend's stores are backed up and restored (docs/operations.md, "Recovery"), for
+    a command that cannot do it itself."""
+
+    def where(self) -> str:
+        """Where the stores are, in a sentence (``embedded file ./wowd.db``)."""
+        ...
+
+    def outbox_where(self) -> str:
+        """Where the ``outbox`` gateway writes, in a sentence."""
+        ...
+
+    def absent(self, how_to_create: str) -> ConfigError | None:
+        """The error of opening the stores without creating them when they do not exist (a
+        mistyped path), naming the setting and ``how_to_create`` them; ``None`` when they exist
+        or a backend's stores are created elsewhere (a server)."""
+        ...
+
+    async def preflight(self) -> Preflight:
+        """What ``wowd check`` reads before opening the stores: the servers or the file reached,
+        the formats recorded and a rebuild of the timer view running or interrupted."""
+        ...
+
+    async def open(self) -> Backend:
+        """Opens and prepares every store (:class:`Backend`); imports the backend's drivers only now."""
+        ...
+
+    def capability(self, kind: Capability[C]) -> C | None:
+        """This object, when its class names ``kind`` in ``CAPABILITIES``; else ``None``."""
+        ...
+
+
+class Offers:
+    """What offers capabilities: its class names them in ``CAPABILITIES``."""
+
+    CAPABILITIES: tuple[Capability[Any], ...] = ()
+
+    def capability(self, kind: Capability[C]) -> C | None:
+        return cast(C, self) if kind in type(self).CAPABILITIES else None
+
+
 SINKS_KEPT = 256
 """Event sinks a :class:`Backend` keeps made (the types used last); another is made again when
 its type comes back."""
@@ -817,41 +1157,38 @@ its type comes back."""
 
 @dataclass(kw_only=True)
 class Backend:
-    """The stores of one context, as a backend opened them; ``sink(type)`` gives the event sink of
-    a type, keeping the :data:`SINKS_KEPT` used last (a sink holds nothing of its own: the
-    connections, clients and caches are the backend's, shared by the sinks of every type, so
-    that nothing grows with the number of types). ``close`` closes the sinks kept, then
+    """The stores of one context, as a backend opened them, one per protocol; ``sink(type)`` gives
+    the event sink of a type, keeping the :data:`SINKS_KEPT` used last (a sink holds nothing of
+    its own: the connections, clients and caches are the backend's, shared by the sinks of every
+    type, so that nothing grows with the number of types). ``close`` closes the sinks kept, then
     ``resources`` (the stores and clients the backend opened, in reverse order of opening)."""
 
     name: str
     log: Log
+    checkpoints: Checkpoints
+    quarantine: Quarantine
     leases: SlotLeaseStore
-    timers: TimerStore
+    timers: TimerView
+    firing: TimerFiring
+    timer_queries: TimerQueries
     snapshots: SnapshotStore
     rebuilds: SnapshotRebuildStore
     outbox: Outbox
     sink_factory: Callable[[AggregateType], EventSink] | None
     """``None``: no event index (``sink = "none"``). A sink it makes uses the backend's
     resources only: one dropped from the sinks kept needs no closing."""
-    offers: tuple[object, ...] = ()
-    """What the backend can do beyond the protocols every backend has (:meth:`capability`): its
-    stores that implement a capability, each naming the capabilities it implements in its class's
-    ``CAPABILITIES``."""
     history: TimerHistory | None = None
     """The timers' history (``None``: none kept)."""
-    feed_writer: FeedWriter | None = None
-    """A feed batch in one transaction (:class:`FeedWriter`), when the backend's stores share one
-    (the embedded backend)."""
-    clock_reading: Callable[[str], Awaitable[ClockReading]] | None = None
-    """Where the store clock is each replica process's own (the embedded backend), how this
-    process's clock compares with the file's last writes (:class:`ClockReading`; the argument:
-    the replica's owner key): a replica checks it before it takes a slot."""
+    offers: tuple[object, ...] = ()
+    """What the backend can do beyond the protocols every backend has (:meth:`capability`): its
+    stores that implement a capability and its operations object, each naming the capabilities
+    it implements in its class's ``CAPABILITIES``."""
     resources: AsyncExitStack = field(default_factory=AsyncExitStack)
     _sinks: OrderedDict[AggregateType, EventSink] = field(default_factory=OrderedDict)
 
     def capability(self, kind: Capability[C]) -> C | None:
-        """The store of this backend that offers the capability ``kind``, or ``None``: this
-        backend does not offer it."""
+        """The store (or the operations object) of this backend that offers the capability
+        ``kind``, or ``None``: this backend does not offer it."""
         for store in self.offers:
             if kind in getattr(type(store), "CAPABILITIES", ()):
                 return cast(C, store)

@@ -501,7 +501,7 @@ class StatusPage:
             due_until=_instant(form["due_until"], "due_until") if form["due_until"] else None,
             after=parse_cursor(after_text) if after_text else None,
         )
-        page = await search_timers(self._backend.timers, query, PAGE)
+        page = await search_timers(self._backend.timer_queries, query, PAGE)
         now = int(time.time() * 1000)
         docs = [{**timer_doc(t), "detail": detail(t, now)} for t in page.timers]
         rows = [{**d, "owner_ref": _ref_params(t.owner)} for d, t in zip(docs, page.timers, strict=True)]
@@ -513,7 +513,7 @@ class StatusPage:
         key = _one(params, "key")
         if owner is None or key is None:
             raise InvalidInput("a timer is named by its owner (AGGREGATE/ID) and its key", field="owner")
-        return owner, key, await find_timer(self._backend.timers, owner, key)
+        return owner, key, await find_timer(self._backend.timer_queries, owner, key)
 
     async def _view(self, params: Mapping[str, list[str]]) -> tuple[str, TimerHistoryView | None]:
         """The timer the parameters name (``timer_id``, ``request_id``, or ``owner`` and ``key``)
@@ -601,7 +601,7 @@ class StatusPage:
             raise _NotFound(f"no live timer {key!r} of {owner}")
         if t.status is not wanted:
             raise InvalidInput(f"the timer is {t.status.value}, not {wanted.value}", field="status")
-        written = await repair_timers(self._backend.timers, [t])
+        written = await repair_timers(self._backend.firing, [t])
         verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
         log.info(
             "ui: timer %r of %s %s by the token holder at %s (%s -> PENDING, due now)%s",
@@ -614,7 +614,7 @@ class StatusPage:
         )
         done = f"{verb}: back to PENDING, due now" if written else "not changed: the timer moved on meanwhile"
         back = "/ui/timer?" + urlencode({**_ref_params(t.owner), "key": t.key, **self._notice(done)})
-        after = await find_timer(self._backend.timers, t.owner, t.key)  # the timer as it is now
+        after = await find_timer(self._backend.timer_queries, t.owner, t.key)  # the timer as it is now
         doc = {"written": written, "timer": timer_doc(after) if after is not None else None, "back": back}
         return _Out(doc, status=200 if written else 409)
 
@@ -648,8 +648,8 @@ class StatusPage:
         if text is None:
             raise InvalidInput("which target's timers: target (AGGREGATE/ID)", field="target")
         target = parse_ref(text, context=self._settings.context, tenant=_one(params, "tenant"))
-        page = await search_timers(self._backend.timers, TimerSearch(status=wanted, target=target), BULK_CAP)
-        written = await repair_timers(self._backend.timers, page.timers)
+        page = await search_timers(self._backend.timer_queries, TimerSearch(status=wanted, target=target), BULK_CAP)
+        written = await repair_timers(self._backend.firing, page.timers)
         verb = "retried" if wanted is TimerStatus.FAILED else "resumed"
         log.info(
             "ui: %d of the %s timers of target %s %s by the token holder at %s",
@@ -670,20 +670,20 @@ class StatusPage:
     # ------------------------------------------------------------------ quarantine
 
     async def _quarantine(self, params: dict[str, list[str]]) -> _Out:
-        items, nxt = await quarantine_page(self._backend.log, _one(params, "after"), PAGE)
+        items, nxt = await quarantine_page(self._backend.quarantine, _one(params, "after"), PAGE)
         rows = [{**i, "record": record_of(i)} for i in items]
         data = {"items": rows, "next": nxt, "done": self._done(params)}
         return _Out(data, "quarantine.html", json={"items": items, "next": nxt})
 
     async def _quarantine_item(self, item_id: str) -> _Out:
-        item = await quarantined_item(self._backend.log, item_id)
+        item = await quarantined_item(self._backend.quarantine, item_id)
         if item is None:
             raise _NotFound(f"no quarantined item {item_id} (released, or never quarantined)")
         steps = list(steps_needed(str(item.get("reason", ""))))
         return _Out({"item": item, "record": record_of(item), "steps": steps}, "quarantine_item.html", json=item)
 
     async def _refeed(self, item_id: str, who: str) -> _Out:
-        item = await quarantined_item(self._backend.log, item_id)
+        item = await quarantined_item(self._backend.quarantine, item_id)
         if item is None:
             raise _NotFound(f"no quarantined item {item_id}")
         outcome = await retry_item(self._settings, self._backend, item)

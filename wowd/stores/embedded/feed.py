@@ -5,7 +5,7 @@ SQLite file, so a batch's writes need not be four transactions: one connection o
 the sink's inserts and stamps, the timer writes, the resumption of the batch's PARKED timers and
 the checkpoints under the slot's fence in one ``BEGIN IMMEDIATE`` ... ``COMMIT``. A checkpoint
 refused (another holder's higher fence) rolls the whole batch back. Each step is the store's own
-code (:meth:`EmbeddedEventSink.plan_write`, :meth:`EmbeddedTimerStore.write_steps`, ...), so the
+code (:meth:`EmbeddedEventSink.plan_rows`, :meth:`EmbeddedTimerView.write_steps`, ...), so the
 rows written are those the step-by-step path writes.
 """
 
@@ -19,14 +19,14 @@ from typing import Any
 
 from wowd.metrics import SINK_BULK_SECONDS
 from wowd.model import Commit, HistoryRecord, Position, Timer, TimerChange, TimerWrite
-from wowd.stores.base import EventSink, FeedApplied
+from wowd.stores.base import FEED_TRANSACTION, EventSink, FeedApplied
+from wowd.stores.embedded.checkpoints import EmbeddedCheckpoints, save_checkpoint_rows
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore
 from wowd.stores.embedded.history import record_row, write_records
-from wowd.stores.embedded.log import EmbeddedLog, save_checkpoint_rows
 from wowd.stores.embedded.sink import EmbeddedEventSink, SinkWrite
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import WRITE_CHUNK, parked_params
-from wowd.stores.embedded.timers import EmbeddedTimerStore
+from wowd.stores.embedded.timer_firing import EmbeddedTimerFiring
+from wowd.stores.embedded.timer_view import WRITE_CHUNK, EmbeddedTimerView, parked_params
 
 __all__ = ["EmbeddedFeedWriter"]
 
@@ -41,17 +41,20 @@ class EmbeddedFeedWriter(SqliteStore):
     connection's thread; the file's write lock orders the writes)."""
 
     STORE = "feed"
+    CAPABILITIES = (FEED_TRANSACTION,)
 
     def __init__(
         self,
         db_or_path: SqliteDatabase | str | Path,
         *,
-        log: EmbeddedLog,
-        timers: EmbeddedTimerStore,
+        checkpoints: EmbeddedCheckpoints,
+        timers: EmbeddedTimerView,
+        firing: EmbeddedTimerFiring,
     ) -> None:
         super().__init__(db_or_path)
-        self._log = log
+        self._checkpoints = checkpoints
         self._timers = timers
+        self._firing = firing
 
     def __repr__(self) -> str:
         return f"EmbeddedFeedWriter({self._db.path!r})"
@@ -94,12 +97,12 @@ class EmbeddedFeedWriter(SqliteStore):
         if ready is None:
             return None
         plans = [(sink, sink.remember(plan)) for sink, plan in ready.sinks]
-        timers = self._timers
-        checkpoints = self._log.checkpoint_rows(consumer, positions, fence)
+        timers, firing = self._timers, self._firing
+        checkpoints = self._checkpoints.checkpoint_rows(consumer, positions, fence)
         rows = [record_row(r) for r in history]
         if rows:
-            await timers.prepare_history()
-        work = functools.partial(_apply, plans, timers, ready.steps, ready.parked, checkpoints, now, rows)
+            await firing.prepare_history()
+        work = functools.partial(_apply, plans, timers, firing, ready.steps, ready.parked, checkpoints, now, rows)
         try:
             created, sink_s, answers, resumed = await self._run("apply", self._db.transaction(work))
         except _Refused:
@@ -130,7 +133,8 @@ class _Plan:
 
 def _apply(
     plans: Sequence[tuple[EmbeddedEventSink, SinkWrite]],
-    timers: EmbeddedTimerStore,
+    timers: EmbeddedTimerView,
+    firing: EmbeddedTimerFiring,
     steps: Sequence[tuple[str, tuple[Any, ...]]],
     parked: Sequence[tuple[Any, ...]],
     checkpoints: Sequence[tuple[Any, ...]],
@@ -150,7 +154,7 @@ def _apply(
     if parked:
         resumed = timers.parked_timers(parked, conn)
         if resumed:
-            timers.settle_changes([TimerChange.resume(t, due_at=now) for t in resumed], conn)
+            firing.settle_changes([TimerChange.resume(t, due_at=now) for t in resumed], conn)
     if save_checkpoint_rows(checkpoints, conn) != len(checkpoints):
         raise _Refused
     return created, sink_s, answers, resumed

@@ -30,8 +30,9 @@ from wowd.model import HISTORY_ATTEMPTS, AggregateRef, HistoryKind, HistoryRecor
 from wowd.model.history import CANCELLED, SCHEDULED, check_context
 from wowd.stores.base import HISTORY_READ_LIMIT
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows, update_rows
+from wowd.stores.embedded.schema import history_ddl, history_table
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import (
+from wowd.stores.embedded.timer_rows import (
     C_AGGREGATE,
     C_KEY,
     C_OWNER_ID,
@@ -42,7 +43,7 @@ from wowd.stores.embedded.timer_sql import (
     C_VERSION,
 )
 
-__all__ = ["EmbeddedTimerHistory", "attempt_row", "history_table", "record_row", "schema_sql", "write_records"]
+__all__ = ["EmbeddedTimerHistory", "attempt_row", "record_row", "write_records"]
 
 COLUMNS = (
     "timer_id",
@@ -66,29 +67,6 @@ COLUMNS = (
 )
 _COLS = ", ".join(f'"{c}"' for c in COLUMNS)
 _KINDS = {k.value: k for k in HistoryKind}
-
-
-def history_table(context: str) -> str:
-    """The context's history table."""
-    return f"wow_timer_history__{validate_name(context, field='context')}"
-
-
-def schema_sql(context: str) -> list[str]:
-    """The table and its indexes."""
-    t = history_table(context)
-    return [
-        f"CREATE TABLE IF NOT EXISTS {t} ("
-        " timer_id TEXT NOT NULL, slot INTEGER NOT NULL, kind TEXT NOT NULL, aggregate TEXT NOT NULL,"
-        ' owner_tenant TEXT NOT NULL, owner_id TEXT NOT NULL, "key" TEXT NOT NULL, at INTEGER NOT NULL,'
-        " version INTEGER NOT NULL, request_id TEXT NOT NULL, expires_at INTEGER, scheduled_at INTEGER,"
-        " position INTEGER, outcome TEXT, status INTEGER, latency_ms REAL, reason TEXT, answer TEXT)",
-        f"CREATE UNIQUE INDEX IF NOT EXISTS {t}__record ON {t} (timer_id, slot)",
-        f'CREATE INDEX IF NOT EXISTS {t}__key ON {t} (owner_id, aggregate, owner_tenant, "key", at) WHERE slot < 0',
-        f"CREATE INDEX IF NOT EXISTS {t}__request ON {t} (request_id)",
-        f"CREATE INDEX IF NOT EXISTS {t}__expires ON {t} (expires_at) WHERE expires_at IS NOT NULL",
-        f'CREATE INDEX IF NOT EXISTS {t}__open ON {t} (owner_id, aggregate, owner_tenant, "key")'
-        f" WHERE slot = {SCHEDULED} AND expires_at IS NULL",
-    ]
 
 
 @functools.lru_cache(maxsize=16)
@@ -221,7 +199,7 @@ class EmbeddedTimerHistory(SqliteStore):
         return f"EmbeddedTimerHistory({self._db.path!r}, context={self.context!r})"
 
     def schema(self) -> Sequence[str]:
-        return schema_sql(self.context)
+        return history_ddl(self.context)
 
     async def prepare(self) -> None:
         await self._ensure_ready()

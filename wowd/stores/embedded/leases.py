@@ -46,8 +46,9 @@ from typing import Any, TypeVar
 from wowd import clock
 from wowd.errors import StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.base import PRESENCE_RETENTION, ClockReading, ReplicaInfo, ReplicaState
+from wowd.stores.base import PRESENCE_RETENTION, PROCESS_CLOCK, ClockReading, ReplicaInfo, ReplicaState
 from wowd.stores.embedded.db import NOW_MS, SqliteStore
+from wowd.stores.embedded.schema import LEASE_SCHEMA
 from wowd.stores.embedded.sqlite import sqlite3
 
 __all__ = ["EmbeddedSlotLeaseStore"]
@@ -56,47 +57,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS cosid_namespace (
-        ns TEXT PRIMARY KEY,
-        "limit" INTEGER NOT NULL,
-        toleranceMs INTEGER NOT NULL,
-        slotOffset INTEGER
-    )""",
-    """CREATE TABLE IF NOT EXISTS cosid_slot (
-        ns TEXT NOT NULL,
-        slot INTEGER NOT NULL,
-        ownerKey TEXT,
-        incarnation INTEGER NOT NULL DEFAULT 0,
-        lastOwnerKey TEXT,
-        fence INTEGER NOT NULL DEFAULT 0,
-        expiresAt INTEGER NOT NULL DEFAULT 0,
-        floor INTEGER NOT NULL DEFAULT 0,
-        ceiling INTEGER NOT NULL DEFAULT 0,
-        nextFloor INTEGER,
-        writtenAt INTEGER NOT NULL DEFAULT 0,
-        PRIMARY KEY (ns, slot)
-    )""",
-    """CREATE TABLE IF NOT EXISTS cosid_replica (
-        ns TEXT NOT NULL,
-        ownerKey TEXT NOT NULL,
-        instance TEXT NOT NULL,
-        host TEXT NOT NULL,
-        pid INTEGER NOT NULL,
-        version TEXT NOT NULL,
-        state TEXT NOT NULL,
-        slots TEXT NOT NULL,
-        startedAt INTEGER NOT NULL,
-        seenAt INTEGER NOT NULL,
-        expiresAt INTEGER NOT NULL,
-        PRIMARY KEY (ns, ownerKey)
-    )""",
-    """CREATE TABLE IF NOT EXISTS clock_probe (
-        id INTEGER PRIMARY KEY CHECK (id = 0),
-        ownerKey TEXT NOT NULL,
-        writtenAt INTEGER NOT NULL
-    )""",
-)
 
 _LEASE_COLUMNS = "ns, slot, ownerKey, incarnation, fence, expiresAt, floor, ceiling, writtenAt"
 
@@ -291,7 +251,10 @@ class EmbeddedSlotLeaseStore(SqliteStore):
     """
 
     STORE = "leases"
-    SCHEMA = SCHEMA
+    SCHEMA = LEASE_SCHEMA
+    CAPABILITIES = (PROCESS_CLOCK,)
+    """The store clock is each process's own: a replica compares its clock with the file's last
+    writes before it takes a slot (:meth:`clock_reading`)."""
 
     async def prepare(self) -> None:
         """Creates the tables when missing (idempotent)."""

@@ -1,19 +1,14 @@
 """The context's log on SQLite (docs/schema.md, embedded).
 
-Tables (shared by the contexts of one file, each row carrying its ``context``):
-
-- ``log``: ``seq`` (INTEGER PRIMARY KEY AUTOINCREMENT: the position, assigned at append, in
-  commit order since SQLite has one writer at a time), ``aggregate``, ``tenant_id``,
-  ``aggregate_id``, ``version``, ``partition``, ``request_id`` and ``doc`` (the commit's document,
-  :func:`~wowd.model.commit_to_doc`, as JSON). Unique ``(context, aggregate, tenant_id,
-  aggregate_id, version)`` and ``(context, aggregate, aggregate_id, request_id)``; index
-  ``(context, partition, seq)``.
-- ``log_checkpoint``: ``(context, consumer, partition)`` -> ``position`` (JSON), ``fence``,
-  ``written_at``; a save is one upsert admitted only when the stored fence is <= the new one.
-- ``log_quarantine``: documents the feed cannot read or apply, with the reason; ``id`` (INTEGER
-  PRIMARY KEY AUTOINCREMENT) names an item; unique per ``(context, consumer, aggregate, sha256 of
-  the raw document's canonical JSON)`` (quarantining a document again replaces its reason).
-- ``log_format``: the layout version (:data:`FORMAT`); another one is refused.
+Table ``log`` (shared by the contexts of one file, each row carrying its ``context``): ``seq``
+(INTEGER PRIMARY KEY AUTOINCREMENT: the position, assigned at append, in commit order since
+SQLite has one writer at a time), ``aggregate``, ``tenant_id``, ``aggregate_id``, ``version``,
+``partition``, ``request_id`` and ``doc`` (the commit's document,
+:func:`~wowd.model.commit_to_doc`, as JSON). Unique ``(context, aggregate, tenant_id,
+aggregate_id, version)`` and ``(context, aggregate, aggregate_id, request_id)``; index
+``(context, partition, seq)``. The checkpoints and the quarantine are tables of the same format
+(:data:`~wowd.stores.embedded.schema.LOG_FORMAT`, recorded in ``log_format``; their stores are
+:mod:`~wowd.stores.embedded.checkpoints` and :mod:`~wowd.stores.embedded.quarantine`).
 
 A position is ``{"seq": n}``. ``read`` sends one query per batch (per :data:`READ_ARMS`
 partitions: :func:`read_sql`), each partition read after its own position. When
@@ -26,15 +21,13 @@ commit order and a query sees every commit made before it began.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import heapq
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from itertools import chain, islice
 from operator import itemgetter
@@ -46,13 +39,11 @@ import anyio.lowlevel
 import anyio.to_thread
 import orjson
 
-from wowd.errors import ConflictError, FormatError, InvalidInput, StorageError, StorageUnavailable, WowdError
-from wowd.metrics import STORE_CALL_SECONDS
+from wowd.errors import ConflictError, InvalidInput, StorageError, StorageUnavailable, WowdError
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
-    Checkpoint,
     Commit,
     LogBatch,
     LogEntry,
@@ -63,67 +54,21 @@ from wowd.model import (
     unchecked,
     validate_name,
 )
-from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
-from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore, in_snapshot, json_rows, padded, power_of_two
+from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe
+from wowd.stores.embedded.db import SqliteDatabase, in_snapshot, json_rows, padded, power_of_two
+from wowd.stores.embedded.schema import LogTables
 from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.formats import too_new
 
-__all__ = ["FORMAT", "POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "save_checkpoint_rows"]
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "EmbeddedLog", "committed_after", "entries_between", "entry_of"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-FORMAT = 5
-"""The layout version of the embedded log tables, recorded in ``log_format``."""
 
 POLL_MIN_S = 0.002
 POLL_MAX_S = 0.1
 
-TABLES = ("log", "log_checkpoint", "log_quarantine", "log_format")
-
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS log (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        context TEXT NOT NULL,
-        aggregate TEXT NOT NULL,
-        tenant_id TEXT,
-        aggregate_id TEXT,
-        version INTEGER,
-        partition INTEGER NOT NULL,
-        request_id TEXT,
-        doc TEXT NOT NULL
-    )""",
-    "CREATE UNIQUE INDEX IF NOT EXISTS log_version ON log (context, aggregate, tenant_id, aggregate_id, version)",
-    "CREATE UNIQUE INDEX IF NOT EXISTS log_request ON log (context, aggregate, aggregate_id, request_id)",
-    "CREATE INDEX IF NOT EXISTS log_partition ON log (context, partition, seq)",
-    """CREATE TABLE IF NOT EXISTS log_checkpoint (
-        context TEXT NOT NULL,
-        consumer TEXT NOT NULL,
-        partition INTEGER NOT NULL,
-        position TEXT NOT NULL,
-        fence INTEGER NOT NULL,
-        written_at INTEGER NOT NULL,
-        PRIMARY KEY (context, consumer, partition)
-    )""",
-    """CREATE TABLE IF NOT EXISTS log_quarantine (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        context TEXT NOT NULL,
-        consumer TEXT NOT NULL,
-        partition INTEGER NOT NULL,
-        aggregate TEXT NOT NULL,
-        raw TEXT NOT NULL,
-        raw_hash TEXT NOT NULL,
-        reason TEXT NOT NULL,
-        created_at INTEGER NOT NULL,
-        UNIQUE (context, consumer, aggregate, raw_hash)
-    )""",
-    """CREATE TABLE IF NOT EXISTS log_format (
-        name TEXT PRIMARY KEY,
-        format INTEGER NOT NULL,
-        created_at INTEGER NOT NULL
-    )""",
-)
 
 # --------------------------------------------------------------------------- SQL builders
 
@@ -178,97 +123,6 @@ def read_plan(partitions: Iterable[int], arms: int = READ_ARMS) -> list[tuple[in
     """The partitions, sorted, in groups of at most ``arms``: one compound statement each."""
     parts = sorted(partitions)
     return [tuple(parts[i : i + arms]) for i in range(0, len(parts), arms)]
-
-
-def save_checkpoint_sql() -> str:
-    """One upsert, admitted over a stored checkpoint of the same or a lower fence."""
-    return (
-        "INSERT INTO log_checkpoint (context, consumer, partition, position, fence, written_at) "
-        f"VALUES (?, ?, ?, ?, ?, {NOW_MS}) "
-        "ON CONFLICT (context, consumer, partition) DO UPDATE SET position = excluded.position, "
-        "fence = excluded.fence, written_at = excluded.written_at "
-        "WHERE log_checkpoint.fence <= excluded.fence"
-    )
-
-
-_POSITION_JSON = json.JSONEncoder(separators=(",", ":"))
-"""A checkpoint's position as stored (``json.dumps(position, separators=(",", ":"))``, without an
-encoder made per call)."""
-
-
-def save_checkpoints_sql() -> str:
-    """:func:`save_checkpoint_sql` of several partitions in one statement. Parameters: context,
-    consumer, fence, and a JSON array of ``[partition, position text]``."""
-    return (
-        "INSERT INTO log_checkpoint (context, consumer, partition, position, fence, written_at) "
-        f"SELECT ?1, ?2, json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'), ?3, {NOW_MS}"
-        " FROM json_each(?4) AS j WHERE true "
-        "ON CONFLICT (context, consumer, partition) DO UPDATE SET position = excluded.position, "
-        "fence = excluded.fence, written_at = excluded.written_at "
-        "WHERE log_checkpoint.fence <= excluded.fence"
-    )
-
-
-def save_checkpoint_rows(rows: Sequence[tuple[Any, ...]], conn: sqlite3.Connection) -> int:
-    """Saves the checkpoints of :meth:`EmbeddedLog.checkpoint_rows` (under one fence) on ``conn``
-    (in the caller's transaction), one statement per consumer; how many were admitted (each one
-    refused had a higher fence)."""
-    if len(rows) == 1:
-        return int(conn.execute(save_checkpoint_sql(), rows[0]).rowcount)
-    if not rows:
-        return 0
-    before = conn.total_changes
-    context, _consumer, _partition, _position, fence = rows[0]
-    for consumer in dict.fromkeys(r[1] for r in rows):
-        pairs = orjson.dumps([(r[2], r[3]) for r in rows if r[1] == consumer]).decode()
-        conn.execute(save_checkpoints_sql(), (context, consumer, fence, pairs))
-    return conn.total_changes - before
-
-
-def checkpoints_sql(partitions: int) -> str:
-    marks = ", ".join("?" * partitions)
-    return (
-        "SELECT partition, position, fence, written_at FROM log_checkpoint "
-        f"WHERE context = ? AND consumer = ? AND partition IN ({marks})"
-    )
-
-
-def quarantine_sql() -> str:
-    return (
-        "INSERT INTO log_quarantine"
-        " (context, consumer, partition, aggregate, raw, raw_hash, reason, created_at) "
-        f"VALUES (?, ?, ?, ?, ?, ?, ?, {NOW_MS}) "
-        "ON CONFLICT (context, consumer, aggregate, raw_hash) DO UPDATE SET reason = excluded.reason"
-    )
-
-
-QUARANTINE_COLUMNS = ("id", "created_at", "consumer", "partition", "aggregate", "raw", "reason")
-RELEASE_CHUNK = 500
-"""Ids per statement of :meth:`EmbeddedLog.release_quarantined` and of an ``ids`` read (far
-below SQLite's limit of bound parameters)."""
-
-
-def quarantined_sql(*, after: bool, ids: int | None) -> str:
-    """The quarantined items of a context in id order: after an id and/or among ``ids`` ids."""
-    where = "context = ?" + (" AND id > ?" if after else "")
-    if ids is not None:
-        where += f" AND id IN ({', '.join('?' * ids)})"
-    return f"SELECT {', '.join(QUARANTINE_COLUMNS)} FROM log_quarantine WHERE {where} ORDER BY id LIMIT ?"
-
-
-def release_quarantined_sql(ids: int) -> str:
-    return f"DELETE FROM log_quarantine WHERE context = ? AND id IN ({', '.join('?' * ids)})"
-
-
-def _row_ids(ids: Collection[str]) -> list[int]:
-    """The row ids among ``ids`` (a string that is not one, or beyond SQLite's integers, names
-    nothing)."""
-    out: set[int] = set()
-    for i in ids:
-        text = str(i).strip()
-        if text.isascii() and text.isdigit() and len(text) <= 19 and int(text) < 2**63:
-            out.add(int(text))
-    return sorted(out)
 
 
 # --------------------------------------------------------------------------- in-process wake-ups
@@ -362,10 +216,6 @@ def _reader(
     return lambda conn: in_snapshot(conn, merged)
 
 
-def _canonical(doc: Mapping[str, Any]) -> str:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str)
-
-
 _log_entry = unchecked(LogEntry)
 
 
@@ -394,13 +244,9 @@ def _entry(type_: AggregateType, row: tuple[Any, ...]) -> LogEntry:
     return _log_entry(position={"seq": seq}, partition=part, aggregate=type_, commit=commit, raw=raw, error=error)
 
 
-class EmbeddedLog(SqliteStore):
-    """:class:`~wowd.stores.base.Log` on a SQLite file shared by several processes.
-
-    ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
-    closes in :meth:`close`). ``ddl``: ``auto`` creates the tables and records the format,
-    ``validate`` requires them (and the format), ``none`` assumes them.
-    """
+class EmbeddedLog(LogTables):
+    """:class:`~wowd.stores.base.Log` on a SQLite file shared by several processes (the log's
+    tables: :class:`~wowd.stores.embedded.schema.LogTables`)."""
 
     STORE = "log"
 
@@ -412,14 +258,11 @@ class EmbeddedLog(SqliteStore):
         partitions: int,
         ddl: Ddl = Ddl.AUTO,
     ) -> None:
-        self.context = validate_name(context, field="context")
+        super().__init__(db_or_path, context=context, ddl=ddl)
         if partitions < 1:
             raise InvalidInput(f"must be >= 1, got {partitions}", field="partitions")
         self.partitions = partitions
-        self.ddl = Ddl(ddl)
-        super().__init__(db_or_path)
         self._notifier = _notifier_for(self._db.path)
-        self._prepared = False
         # the tail is read on a connection of its own: a read of the log's head never queues
         # behind this store's writes (checkpoints wait for the file's write lock)
         memory = self._db.path == ":memory:"
@@ -431,26 +274,6 @@ class EmbeddedLog(SqliteStore):
         if self._tail_db is not self._db:
             await anyio.to_thread.run_sync(self._tail_db.close)
         await super().close()
-
-    async def _ensure_ready(self) -> None:
-        if not self._prepared:
-            await self._prepare()
-
-    async def _prepare(self) -> None:
-        if self.ddl is Ddl.AUTO:
-            await self._db.run(self._db.transaction(_create))
-        elif self.ddl is Ddl.VALIDATE:
-            await self._db.run(_validate)
-        self._prepared = True
-
-    async def prepare(self) -> None:
-        """Creates the tables and records :data:`FORMAT` (``auto``), or checks them
-        (``validate``); raises :class:`FormatError` for tables recorded in another format."""
-        started = time.perf_counter()
-        try:
-            await self._prepare()
-        finally:
-            STORE_CALL_SECONDS.labels("log", "prepare").observe(time.perf_counter() - started)
 
     async def ping(self) -> None:
         try:
@@ -631,118 +454,6 @@ class EmbeddedLog(SqliteStore):
     def nudge(self) -> None:
         self._notifier.notify()
 
-    # ------------------------------------------------------------------ checkpoints
-
-    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
-        parts = list(dict.fromkeys(partitions))
-        if not parts:
-            return {}
-        params = (self.context, consumer, *parts)
-
-        def run(conn: sqlite3.Connection) -> dict[int, Checkpoint]:
-            return {
-                r[0]: Checkpoint(
-                    consumer=consumer, partition=r[0], position=json.loads(r[1]), fence=r[2], written_at=r[3]
-                )
-                for r in conn.execute(checkpoints_sql(len(parts)), params).fetchall()
-            }
-
-        return await self._run("checkpoints", run)
-
-    async def save_checkpoints(
-        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
-    ) -> bool:
-        if not positions:
-            return True
-        rows = self.checkpoint_rows(consumer, positions, fence)
-        # holding the file's write lock: queued behind this process's other writers, not retried
-        saved = await self._run("save_checkpoint", self._db.transaction(functools.partial(save_checkpoint_rows, rows)))
-        if saved != len(rows):
-            log.info("checkpoints of %s refused: a higher fence than %s wrote one of them", consumer, fence)
-            return False
-        return True
-
-    def checkpoint_rows(
-        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
-    ) -> list[tuple[Any, ...]]:
-        """The parameters of :func:`save_checkpoint_rows` for ``positions`` of ``consumer`` (each
-        of several) under ``fence``."""
-        encoded = [(p, _POSITION_JSON.encode(pos)) for p, pos in sorted(positions.items())]
-        return [(self.context, c, p, text, fence) for c in consumers_of(consumer) for p, text in encoded]
-
-    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        (params,) = self.checkpoint_rows(consumer, {partition: position}, fence)
-        saved = await self._run("save_checkpoint", lambda c: c.execute(save_checkpoint_sql(), params).rowcount)
-        if not saved:
-            log.info(
-                "checkpoint of %s partition %s refused: a higher fence than %s wrote it",
-                consumer,
-                partition,
-                fence,
-            )
-        return saved == 1
-
-    # ------------------------------------------------------------------ quarantine
-
-    async def quarantine(
-        self, consumer: str, partition: int, aggregate: AggregateType, raw: Mapping[str, Any], reason: str
-    ) -> None:
-        text = _canonical(raw)
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        params = (self.context, consumer, partition, aggregate.aggregate, text, digest, reason)
-        await self._run("quarantine", lambda c: c.execute(quarantine_sql(), params))
-
-    async def quarantined(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
-    ) -> list[dict[str, Any]]:
-        if limit <= 0:
-            return []
-        after_ids = _row_ids([after]) if after is not None else []
-        if after is not None and not after_ids:
-            raise InvalidInput(f"is not a quarantine id of the embedded log: {after!r}", field="after")
-        wanted = _row_ids(ids) if ids is not None else None
-
-        def run(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            chunks = (
-                [None]
-                if wanted is None
-                else [wanted[i : i + RELEASE_CHUNK] for i in range(0, len(wanted), RELEASE_CHUNK)]
-            )
-            rows: list[tuple[Any, ...]] = []
-            for chunk in chunks:
-                sql = quarantined_sql(after=bool(after_ids), ids=None if chunk is None else len(chunk))
-                params = (self.context, *after_ids, *(chunk or ()), limit)
-                rows += conn.execute(sql, params).fetchall()
-            rows.sort(key=lambda r: int(r[0]))
-            return [
-                {
-                    "id": str(r[0]),
-                    "created_at": r[1],
-                    "consumer": r[2],
-                    "partition": r[3],
-                    "aggregate": r[4],
-                    "raw": json.loads(r[5]),
-                    "reason": r[6],
-                }
-                for r in rows[:limit]
-            ]
-
-        return await self._run("quarantined", run)
-
-    async def release_quarantined(self, ids: Collection[str]) -> int:
-        wanted = _row_ids(ids)
-        if not wanted:
-            return 0
-
-        def run(conn: sqlite3.Connection) -> int:
-            deleted = 0
-            for i in range(0, len(wanted), RELEASE_CHUNK):
-                chunk = wanted[i : i + RELEASE_CHUNK]
-                deleted += conn.execute(release_quarantined_sql(len(chunk)), (self.context, *chunk)).rowcount
-            return deleted
-
-        return await self._run("release_quarantined", self._db.transaction(run))
-
     async def aggregate_types(self) -> list[AggregateType]:
         def run(conn: sqlite3.Connection) -> list[AggregateType]:
             rows = conn.execute(
@@ -753,45 +464,8 @@ class EmbeddedLog(SqliteStore):
         return await self._run("aggregate_types", run)
 
 
-def _create(conn: sqlite3.Connection) -> None:
-    for statement in SCHEMA:
-        conn.execute(statement)
-    conn.execute(
-        f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) ON CONFLICT (name) DO NOTHING",
-        (FORMAT,),
-    )
-    _check_format(conn)
-
-
-def _validate(conn: sqlite3.Connection) -> None:
-    present = {
-        r[0]
-        for r in conn.execute(
-            f"SELECT name FROM sqlite_master WHERE type = 'table' AND name IN ({', '.join('?' * len(TABLES))})",
-            TABLES,
-        ).fetchall()
-    }
-    missing = [t for t in TABLES if t not in present]
-    if missing:
-        raise FormatError(f"embedded log: tables missing (ddl=validate): {', '.join(missing)}")
-    _check_format(conn)
-
-
-def _check_format(conn: sqlite3.Connection) -> None:
-    row = conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone()
-    if row is not None and isinstance(row[0], int) and row[0] > FORMAT:
-        raise too_new("embedded log", row[0], FORMAT)
-    if row is None or row[0] != FORMAT:
-        found = "no format" if row is None else f"format {row[0]}"
-        raise FormatError(f"embedded log: tables recorded with {found}, this wowd reads format {FORMAT}")
-
-
 # ---- the fire rule's question to the log: a commit of these aggregates past these versions
 
-CHECKPOINT_SEQS_SQL = (
-    "SELECT partition, json_extract(position, '$.seq') FROM log_checkpoint WHERE context = ? AND consumer = ?"
-)
-"""The log position (``seq``) of each partition's checkpoint of a consumer."""
 COMMITTED_AFTER_CHUNK = 256
 """Aggregates asked about in one statement of :func:`committed_after`."""
 

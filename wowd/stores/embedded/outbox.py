@@ -30,40 +30,13 @@ from wowd.errors import InvalidInput
 from wowd.model import AggregateRef, OutboxBatch, OutboxEntry
 from wowd.stores.base import OUTBOX_TAKE_LEASE
 from wowd.stores.embedded.db import NOW_MS, SqliteStore, insert_rows
+from wowd.stores.embedded.schema import OUTBOX_SCHEMA
 from wowd.stores.embedded.sqlite import sqlite3
 
-__all__ = ["SCHEMA", "EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
+__all__ = ["EmbeddedOutbox", "entry_row", "put_rows", "target_json"]
 
 T = TypeVar("T")
 
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS outbox (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
-        request_id TEXT NOT NULL UNIQUE,
-        timer_id TEXT NOT NULL,
-        target TEXT NOT NULL,
-        command TEXT NOT NULL,
-        scheduled_at INTEGER NOT NULL,
-        fence INTEGER NOT NULL,
-        owner_key TEXT NOT NULL,
-        created_at INTEGER NOT NULL
-    )""",
-    "CREATE INDEX IF NOT EXISTS outbox_created ON outbox (created_at)",
-    # A re-delivery of a request id already in the outbox (a re-fire after a crash between send
-    # and settle, or by a new slot holder): kept so that tests and operators can see who re-fired.
-    """CREATE TABLE IF NOT EXISTS outbox_redelivery (
-        request_id TEXT NOT NULL,
-        fence INTEGER NOT NULL,
-        owner_key TEXT NOT NULL,
-        created_at INTEGER NOT NULL
-    )""",
-    # The take that holds an entry until ``until`` (store clock, ms); a lease that ran out frees it.
-    """CREATE TABLE IF NOT EXISTS outbox_lease (
-        request_id TEXT PRIMARY KEY,
-        lease TEXT NOT NULL,
-        until INTEGER NOT NULL
-    )""",
-)
 
 _COLUMNS = "request_id, timer_id, target, command, scheduled_at, fence, owner_key, created_at"
 
@@ -171,7 +144,7 @@ class EmbeddedOutbox(SqliteStore):
     """:class:`~wowd.stores.base.Outbox` on SQLite; ``db_or_path`` as the other embedded stores."""
 
     STORE = "outbox"
-    SCHEMA = SCHEMA
+    SCHEMA = OUTBOX_SCHEMA
 
     async def prepare(self) -> None:
         """Creates the table when missing (idempotent)."""

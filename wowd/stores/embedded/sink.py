@@ -46,33 +46,23 @@ from wowd.model import (
     stream_id,
 )
 from wowd.stores.embedded.db import SqliteDatabase, SqliteStore, insert_rows
+from wowd.stores.embedded.schema import EVENTS_TABLE, events_ddl
 from wowd.stores.embedded.sqlite import sqlite3
 
-__all__ = ["TABLE", "AccessMemory", "EmbeddedEventSink", "SinkWrite"]
+__all__ = ["AccessMemory", "EmbeddedEventSink", "SinkWrite"]
 
 T = TypeVar("T")
 
-TABLE = "events"
 _STREAM = "context = ? AND aggregate = ? AND tenant_id = ? AND aggregate_id = ?"
 
 
 # --------------------------------------------------------------------------- pure SQL builders
 
 
-def ddl_sql() -> list[str]:
-    return [
-        f"CREATE TABLE IF NOT EXISTS {TABLE} ("
-        " context TEXT NOT NULL, aggregate TEXT NOT NULL, tenant_id TEXT NOT NULL,"
-        " aggregate_id TEXT NOT NULL, version INTEGER NOT NULL, id TEXT NOT NULL,"
-        " document TEXT NOT NULL, access TEXT, access_version INTEGER,"
-        " PRIMARY KEY (context, aggregate, tenant_id, aggregate_id, version))",
-    ]
-
-
 def insert_sql() -> str:
     """Creates a document unless its id (its key) is there: a repeat is ignored."""
     return (
-        f"INSERT OR IGNORE INTO {TABLE}"
+        f"INSERT OR IGNORE INTO {EVENTS_TABLE}"
         " (context, aggregate, tenant_id, aggregate_id, version, id, document, access, access_version)"
         " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
     )
@@ -83,18 +73,18 @@ def stamp_sql() -> str:
     guarded: a document without ``access_version``, with one below, or with the same one and
     other attributes. Parameters: access, as_of, stream (4), from, until, as_of, as_of, access."""
     return (
-        f"UPDATE {TABLE} SET access = ?, access_version = ? WHERE {_STREAM} AND version BETWEEN ? AND ?"
+        f"UPDATE {EVENTS_TABLE} SET access = ?, access_version = ? WHERE {_STREAM} AND version BETWEEN ? AND ?"
         " AND (access_version IS NULL OR access_version < ? OR (access_version = ? AND access IS NOT ?))"
     )
 
 
 def previous_sql() -> str:
     """The stream's latest stored document before a version: its attributes."""
-    return f"SELECT access FROM {TABLE} WHERE {_STREAM} AND version < ? ORDER BY version DESC LIMIT 1"
+    return f"SELECT access FROM {EVENTS_TABLE} WHERE {_STREAM} AND version < ? ORDER BY version DESC LIMIT 1"
 
 
 def documents_sql() -> str:
-    return f"SELECT document, access, access_version FROM {TABLE} WHERE {_STREAM} ORDER BY version"
+    return f"SELECT document, access, access_version FROM {EVENTS_TABLE} WHERE {_STREAM} ORDER BY version"
 
 
 # --------------------------------------------------------------------------- documents
@@ -231,7 +221,7 @@ class EmbeddedEventSink(SqliteStore):
         if not self._prepared:
 
             def work(conn: sqlite3.Connection) -> None:
-                for stmt in ddl_sql():
+                for stmt in events_ddl():
                     conn.execute(stmt)
 
             await self._run("prepare", self._db.transaction(work))

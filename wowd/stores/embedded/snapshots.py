@@ -28,18 +28,23 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wowd.errors import InvalidInput
-from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, SnapshotTable, validate_name
+from wowd.model import AggregateRef, AggregateType, SnapshotRecord, SnapshotSaveOutcome, validate_name
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
+from wowd.stores.embedded.schema import (
+    SNAPSHOT_FORMAT,
+    snapshot_ddl,
+    snapshot_format_sql,
+    snapshot_formats_sql,
+    snapshot_register_sql,
+    snapshot_table,
+)
 from wowd.stores.embedded.sqlite import sqlite3, variable_limit
 from wowd.stores.formats import other_format, too_new
 
-__all__ = ["FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
+__all__ = ["SNAPSHOT_FORMAT", "EmbeddedSnapshotStore", "decode_state", "encode_state"]
 
 T = TypeVar("T")
 
-FORMAT = 5
-REGISTRY = "wow_snapshot_aggregate"
-TABLES = "wow_snapshot_tables"
 DECIMAL_TAG = "$numberDecimal"
 
 COLUMNS = (
@@ -94,49 +99,6 @@ def decode_state(text: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- pure SQL builders
 
 
-def table_name(context: str) -> str:
-    return f"wow_snapshot__{validate_name(context, field='context')}"
-
-
-def ddl_sql(context: str) -> list[str]:
-    t = table_name(context)
-    return [
-        f"CREATE TABLE IF NOT EXISTS {REGISTRY} ("
-        " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT NOT NULL,"
-        " format INTEGER NOT NULL, created_at INTEGER NOT NULL)",
-        f"CREATE TABLE IF NOT EXISTS {TABLES} ("
-        " collection TEXT PRIMARY KEY, context TEXT NOT NULL, aggregate TEXT NOT NULL,"
-        " revision INTEGER NOT NULL, rebuilding INTEGER NOT NULL, backfilled INTEGER NOT NULL,"
-        " updated_at INTEGER NOT NULL)",
-        f"CREATE TABLE IF NOT EXISTS {t} ("
-        " aggregate TEXT NOT NULL, tenant_id TEXT NOT NULL, aggregate_id TEXT NOT NULL,"
-        " version INTEGER NOT NULL, state_revision INTEGER NOT NULL, state TEXT NOT NULL,"
-        " owner_id TEXT NOT NULL, space_id TEXT NOT NULL, tags TEXT NOT NULL,"
-        " access_version INTEGER NOT NULL, deleted INTEGER NOT NULL, event_time INTEGER NOT NULL,"
-        " stale_version INTEGER, written_at INTEGER NOT NULL,"
-        " PRIMARY KEY (aggregate, tenant_id, aggregate_id))",
-        f"CREATE INDEX IF NOT EXISTS {t}__owner ON {t} (aggregate, tenant_id, owner_id) WHERE deleted = 0",
-        f"CREATE INDEX IF NOT EXISTS {t}__space ON {t} (aggregate, tenant_id, space_id) WHERE deleted = 0",
-    ]
-
-
-def format_sql() -> str:
-    """The format recorded for one collection."""
-    return f"SELECT format FROM {REGISTRY} WHERE collection = ?"
-
-
-def formats_sql() -> str:
-    """The recorded format of each of a context's collections."""
-    return f"SELECT collection, format FROM {REGISTRY} WHERE context = ?"
-
-
-def register_sql() -> str:
-    return (
-        f"INSERT INTO {REGISTRY} (collection, context, aggregate, format, created_at)"
-        f" VALUES (?, ?, ?, {FORMAT}, {NOW_MS}) ON CONFLICT (collection) DO NOTHING"
-    )
-
-
 def _stale_after(t: str) -> str:
     """The stale mark kept by a write of ``excluded.version``: the later of the stored one and
     the written one when it is above that version, else none."""
@@ -144,8 +106,8 @@ def _stale_after(t: str) -> str:
     return f"CASE WHEN {mark} > excluded.version THEN {mark} ELSE NULL END"
 
 
-def _upsert(context: str, guard: str, stale: str) -> str:
-    t = table_name(context)
+def upsert_sql(context: str, guard: str, stale: str) -> str:
+    t = snapshot_table(context)
     marks = ", ".join("?" for _ in COLUMNS)
     sets = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[3:-1])
     return (
@@ -158,8 +120,8 @@ def _upsert(context: str, guard: str, stale: str) -> str:
 def save_sql(context: str) -> str:
     """The conditional upsert of a save: written when the stored version is below the new one and
     the stored state revision is not above the new one; clears a stale mark up to its version."""
-    t = table_name(context)
-    return _upsert(
+    t = snapshot_table(context)
+    return upsert_sql(
         context,
         f"{t}.version < excluded.version AND {t}.state_revision <= excluded.state_revision",
         _stale_after(t),
@@ -171,24 +133,13 @@ def mark_refused_sql(context: str) -> str:
     revision and a lower version is behind the log; its stale mark becomes at least that version.
     Parameters: version, key, state revision, version."""
     return (
-        f"UPDATE {table_name(context)} SET stale_version = MAX(COALESCE(stale_version, 0), ?)"
+        f"UPDATE {snapshot_table(context)} SET stale_version = MAX(COALESCE(stale_version, 0), ?)"
         f" WHERE {_KEY} AND state_revision > ? AND version < ?"
     )
 
 
-def rewrite_sql(context: str) -> str:
-    """A rebuilt snapshot in place: admitted over a lower state revision at the same or a lower
-    version, or the same state revision at a lower version; clears the stale mark."""
-    t = table_name(context)
-    guard = (
-        f"({t}.state_revision < excluded.state_revision AND {t}.version <= excluded.version)"
-        f" OR ({t}.state_revision = excluded.state_revision AND {t}.version < excluded.version)"
-    )
-    return _upsert(context, guard, "excluded.stale_version")
-
-
 def load_sql(context: str) -> str:
-    return f"SELECT {_COLS} FROM {table_name(context)} WHERE {_KEY}"
+    return f"SELECT {_COLS} FROM {snapshot_table(context)} WHERE {_KEY}"
 
 
 def load_many_sql(context: str, refs: int) -> str:
@@ -199,44 +150,15 @@ def load_many_sql(context: str, refs: int) -> str:
     rows = ", ".join(["(?, ?)"] * refs)
     cols = ", ".join(f"s.{c}" for c in COLUMNS)
     return (
-        f"SELECT {cols} FROM (VALUES {rows}) AS k CROSS JOIN {table_name(context)} AS s"
+        f"SELECT {cols} FROM (VALUES {rows}) AS k CROSS JOIN {snapshot_table(context)} AS s"
         " ON s.aggregate = ? AND s.tenant_id = k.column1 AND s.aggregate_id = k.column2"
     )
 
 
 def mark_stale_sql(context: str) -> str:
-    return f"UPDATE {table_name(context)} SET stale_version = MAX(COALESCE(stale_version, 0), version + 1) WHERE {_KEY}"
-
-
-def claim_sql() -> str:
-    """Records a claimed revision when higher than the stored one (or lower, with ``lower``: the
-    last parameter); a new revision starts with both flags cleared."""
     return (
-        f"INSERT INTO {TABLES} (collection, context, aggregate, revision, rebuilding, backfilled, updated_at)"
-        f" VALUES (?, ?, ?, ?, 0, 0, {NOW_MS}) ON CONFLICT (collection) DO UPDATE SET"
-        " revision = excluded.revision, rebuilding = 0, backfilled = 0, updated_at = excluded.updated_at"
-        f" WHERE excluded.revision > {TABLES}.revision OR (? AND excluded.revision < {TABLES}.revision)"
-    )
-
-
-def mark_sql() -> str:
-    """Sets the flags given (NULL: unchanged) when the claimed revision is the one named."""
-    return (
-        f"UPDATE {TABLES} SET rebuilding = COALESCE(?, rebuilding), backfilled = COALESCE(?, backfilled),"
-        f" updated_at = {NOW_MS} WHERE collection = ? AND revision = ?"
-    )
-
-
-def table_sql() -> str:
-    return f"SELECT context, aggregate, revision, rebuilding, backfilled, updated_at FROM {TABLES} WHERE collection = ?"
-
-
-def pending_sql(context: str, *, after: bool) -> str:
-    """Snapshots of a type below a state revision, in key order, after a key (row values)."""
-    cond = " AND (tenant_id, aggregate_id) > (?, ?)" if after else ""
-    return (
-        f"SELECT tenant_id, aggregate_id FROM {table_name(context)} WHERE aggregate = ? AND state_revision < ?"
-        f"{cond} ORDER BY tenant_id, aggregate_id LIMIT ?"
+        f"UPDATE {snapshot_table(context)} SET stale_version = MAX(COALESCE(stale_version, 0), version + 1)"
+        f" WHERE {_KEY}"
     )
 
 
@@ -281,22 +203,13 @@ def snapshot_from_row(context: str, r: Sequence[Any]) -> SnapshotRecord:
     )
 
 
-def _table(row: Sequence[Any]) -> SnapshotTable:
-    return SnapshotTable(
-        type=AggregateType(context=row[0], aggregate=row[1]),
-        revision=row[2],
-        rebuilding=bool(row[3]),
-        backfilled=bool(row[4]),
-        updated_at=row[5],
-    )
-
-
 # --------------------------------------------------------------------------- the store
 
 
-class EmbeddedSnapshotStore(SqliteStore):
-    """:class:`~wowd.stores.base.SnapshotStore` and its own
-    :class:`~wowd.stores.base.SnapshotRebuildStore` on SQLite.
+class SnapshotTables(SqliteStore):
+    """A store of the context's snapshot table (the base of the snapshots and of their rebuild
+    control plane): the context's check, the tables made sure of at first use, each aggregate
+    type's collection recorded in the registry (another format refused).
 
     ``db_or_path``: a :class:`SqliteDatabase` the caller owns, or a path this store opens (and
     closes in :meth:`close`).
@@ -309,16 +222,9 @@ class EmbeddedSnapshotStore(SqliteStore):
         super().__init__(db_or_path)
         self._prepared = False
         self._known: set[str] = set()
-        self._save_sql = save_sql(context)
-        self._mark_refused_sql = mark_refused_sql(context)
 
     def __repr__(self) -> str:
-        return f"EmbeddedSnapshotStore({self._db.path!r}, context={self.context!r})"
-
-    @property
-    def rebuilds(self) -> EmbeddedSnapshotStore:
-        """This store rewrites its snapshots in place: it is its own rebuild control plane."""
-        return self
+        return f"{type(self).__name__}({self._db.path!r}, context={self.context!r})"
 
     def collection_name(self, aggregate: str) -> str:
         return f"wow_snapshot__{self.context}__{validate_name(aggregate, field='aggregate')}"
@@ -329,11 +235,11 @@ class EmbeddedSnapshotStore(SqliteStore):
         if not self._prepared:
 
             def work(conn: sqlite3.Connection) -> None:
-                for stmt in ddl_sql(self.context):
+                for stmt in snapshot_ddl(self.context):
                     conn.execute(stmt)
-                for name, fmt in conn.execute(formats_sql(), (self.context,)):
-                    if isinstance(fmt, int) and fmt > FORMAT:  # a newer wowd's: refused at start
-                        raise too_new(f"snapshot collection {name}", fmt, FORMAT)
+                for name, fmt in conn.execute(snapshot_formats_sql(), (self.context,)):
+                    if isinstance(fmt, int) and fmt > SNAPSHOT_FORMAT:  # a newer wowd's: refused at start
+                        raise too_new(f"snapshot collection {name}", fmt, SNAPSHOT_FORMAT)
 
             await self._run("prepare", self._db.transaction(work))
             self._prepared = True
@@ -345,20 +251,27 @@ class EmbeddedSnapshotStore(SqliteStore):
             return
 
         def work(conn: sqlite3.Connection) -> int:
-            conn.execute(register_sql(), (name, self.context, aggregate))
-            row = conn.execute(format_sql(), (name,)).fetchone()
+            conn.execute(snapshot_register_sql(), (name, self.context, aggregate))
+            row = conn.execute(snapshot_format_sql(), (name,)).fetchone()
             return int(row[0])
 
         fmt = await self._run("create_collection", work)
-        if fmt != FORMAT:
-            raise other_format(f"snapshot collection {name}", fmt, FORMAT)
+        if fmt != SNAPSHOT_FORMAT:
+            raise other_format(f"snapshot collection {name}", fmt, SNAPSHOT_FORMAT)
         self._known.add(aggregate)
 
     def _check(self, ref: AggregateRef | AggregateType) -> None:
         if ref.context != self.context:
             raise InvalidInput(f"{ref} is not of this store's context {self.context!r}", field="context")
 
-    # ---- snapshots
+
+class EmbeddedSnapshotStore(SnapshotTables):
+    """:class:`~wowd.stores.base.SnapshotStore` on SQLite."""
+
+    def __init__(self, db_or_path: SqliteDatabase | str | Path, *, context: str) -> None:
+        super().__init__(db_or_path, context=context)
+        self._save_sql = save_sql(context)
+        self._mark_refused_sql = mark_refused_sql(context)
 
     async def load(self, ref: AggregateRef) -> SnapshotRecord | None:
         self._check(ref)
@@ -458,63 +371,3 @@ class EmbeddedSnapshotStore(SqliteStore):
         await self.create_collection(ref.aggregate)
         sql, key = mark_stale_sql(self.context), (ref.aggregate, ref.tenant_id, ref.id)
         return await self._run("mark_stale", lambda conn: conn.execute(sql, key).rowcount == 1)
-
-    # ---- rebuild control plane
-
-    async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
-        self._check(type)
-        await self.prepare()
-        name = self.collection_name(type.aggregate)
-
-        def work(conn: sqlite3.Connection) -> SnapshotTable:
-            conn.execute(claim_sql(), (name, type.context, type.aggregate, revision, 1 if lower else 0))
-            return _table(conn.execute(table_sql(), (name,)).fetchone())
-
-        return await self._run("claim", self._db.transaction(work))
-
-    async def mark(
-        self, type: AggregateType, revision: int, rebuilding: bool | None = None, backfilled: bool | None = None
-    ) -> SnapshotTable | None:
-        self._check(type)
-        await self.prepare()
-        name = self.collection_name(type.aggregate)
-        flags = (None if rebuilding is None else int(rebuilding), None if backfilled is None else int(backfilled))
-
-        def work(conn: sqlite3.Connection) -> SnapshotTable | None:
-            if conn.execute(mark_sql(), (*flags, name, revision)).rowcount != 1:
-                return None
-            return _table(conn.execute(table_sql(), (name,)).fetchone())
-
-        return await self._run("mark", self._db.transaction(work))
-
-    async def table(self, type: AggregateType) -> SnapshotTable | None:
-        self._check(type)
-        await self.prepare()
-        name = self.collection_name(type.aggregate)
-        row = await self._run("table", lambda conn: conn.execute(table_sql(), (name,)).fetchone())
-        return _table(row) if row is not None else None
-
-    async def pending(
-        self, type: AggregateType, revision: int, after: AggregateRef | None, limit: int
-    ) -> list[AggregateRef]:
-        self._check(type)
-        await self.create_collection(type.aggregate)
-        params: tuple[Any, ...] = (type.aggregate, revision)
-        if after is not None:
-            params += (after.tenant_id, after.id)
-        params += (limit,)
-        sql = pending_sql(self.context, after=after is not None)
-        rows = await self._run("pending", lambda conn: conn.execute(sql, params).fetchall())
-        return [AggregateRef(context=type.context, aggregate=type.aggregate, tenant_id=t, id=i) for t, i in rows]
-
-    async def rewrite(self, snapshot: SnapshotRecord) -> bool:
-        self._check(snapshot.ref)
-        try:
-            params = (*snapshot_params(snapshot)[:-1], None)  # a rewrite clears the stale mark
-        except (TypeError, ValueError) as exc:
-            raise InvalidInput(f"the state of {snapshot.ref} cannot be stored: {exc}", field="state") from exc
-        await self.create_collection(snapshot.ref.aggregate)
-        sql = rewrite_sql(self.context)
-        return await self._run("rewrite", lambda conn: conn.execute(sql, params).rowcount == 1)
-
-    # ---- plumbing

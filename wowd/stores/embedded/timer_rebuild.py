@@ -1,14 +1,18 @@
-"""A rebuild of the timer view on the embedded file: a shadow table beside the live one, swapped
-in by one write transaction (``wowd timers rebuild``; the replay itself is the caller's,
-:mod:`wowd.daemon.timer_rebuild`).
+"""A rebuild of the timer view on the embedded file (:class:`~wowd.stores.base.TimerViewRebuild`,
+driven by :mod:`wowd.daemon.timer_rebuild`): a shadow table beside the live one, swapped in by one
+write transaction.
 
 - **Lock.** One row per context in ``wow_timer_rebuild`` (owner, start, expiry): a second rebuild
   is refused while the row is another live owner's. The owner renews it as it goes; an owner
   of this host whose process is gone (a rebuild killed) holds nothing.
-- **Shadow.** ``wow_timer__<context>__rebuild`` (:func:`~wowd.stores.embedded.timer_sql.shadow_table_name`),
-  the live table's columns and unique key, no other index; dropped and created anew by
-  :meth:`EmbeddedTimerRebuild.begin`. The replay writes into it with the timer store's own
-  writes (:meth:`~wowd.stores.embedded.timers.EmbeddedTimerStore.write_steps`).
+- **Shadow.** ``wow_timer__<context>__rebuild``
+  (:func:`~wowd.stores.embedded.schema.timer_shadow_table`), the live table's columns and unique
+  key, no other index; dropped and created anew by :meth:`EmbeddedTimerRebuild.begin`.
+- **Replay.** The context's log from its start, in log order and in batches, through the
+  projection, written with the timer view's own writes
+  (:meth:`~wowd.stores.embedded.timer_view.EmbeddedTimerView.write_steps`). Commits whose text
+  shows they write nothing to the view are skipped undecoded. A large log is read, decoded and
+  projected in ranges by a pool of processes (:func:`pool_size`), written in log order.
 - **Carry-over.** Before the finish, in short write transactions (the replicas' writes go on
   between them): one-shot timers the outbox holds an entry of become DONE tombstones; one-shot
   timers due before the tombstone retention become FAILED as "expired, state unknown" (unless
@@ -28,26 +32,38 @@ in by one write transaction (``wowd timers rebuild``; the replay itself is the c
 
 from __future__ import annotations
 
+import asyncio
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import anyio.to_thread
+from anyio.streams.memory import MemoryObjectSendStream
 
 from wowd.errors import LeaseLost
 from wowd.model import AggregateType, LogEntry, TimerWrite
+from wowd.stores.base import Projection
+from wowd.stores.embedded.checkpoints import CHECKPOINT_SEQS_SQL
 from wowd.stores.embedded.db import NOW_MS, SqliteDatabase, SqliteStore
-from wowd.stores.embedded.log import CHECKPOINT_SEQS_SQL, entries_between, entry_of
-from wowd.stores.embedded.sqlite import sqlite3
-from wowd.stores.embedded.timer_sql import (
-    COLUMNS,
+from wowd.stores.embedded.log import entries_between, entry_of
+from wowd.stores.embedded.schema import (
+    REBUILD_LOCK_DDL,
+    REBUILD_LOCK_TABLE,
     TOMBSTONES,
-    index_sql,
-    shadow_table_name,
-    table_name,
-    table_sql,
+    timer_index_sql,
+    timer_shadow_table,
+    timer_table,
+    timer_table_sql,
 )
-from wowd.stores.embedded.timers import EmbeddedTimerStore, put_types
+from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.timer_rows import COLUMNS
+from wowd.stores.embedded.timer_view import EmbeddedTimerView, put_types
 from wowd.stores.timer_rebuild import (
     EXPIRED_LISTED,
     EXPIRED_REASON,
@@ -59,23 +75,31 @@ from wowd.stores.timer_rebuild import (
 )
 
 __all__ = [
-    "EXPIRED_REASON",
-    "LOCK_TABLE",
+    "BATCH",
+    "POOL_MAX",
+    "POOL_MIN_COMMITS",
     "EmbeddedTimerRebuild",
-    "Expired",
-    "Finished",
-    "RebuildRunning",
+    "pool_size",
     "replay_entries",
     "rows_between",
 ]
 
-LOCK_TABLE = "wow_timer_rebuild"
-"""One row per context whose timer view is being rebuilt."""
+BATCH = 2000
+"""Commits read per batch of the replay (a write transaction each)."""
+READ_AHEAD = 2
+"""Batches of the log read and projected ahead of the one written."""
+POOL_MIN_COMMITS = 50_000
+"""A replay of at least this many commits is decoded and projected by a pool of processes (one
+per CPU) while this one writes: below it, starting the pool costs more than it saves."""
+POOL_MAX = 4
+"""The most processes of a replay's pool."""
+POOL_IN_FLIGHT = 3
+"""Ranges of the log given to each process of the pool ahead of the one written."""
 
-_LOCK_DDL = (
-    f"CREATE TABLE IF NOT EXISTS {LOCK_TABLE} (context TEXT PRIMARY KEY, owner TEXT NOT NULL,"
-    " started_at INTEGER NOT NULL, expires_at INTEGER NOT NULL)"
-)
+Steps = list[tuple[str, tuple[Any, ...]]]
+"""The timer view's planned writes (:meth:`EmbeddedTimerView.steps_of`)."""
+
+
 _COLS = ", ".join(f'"{c}"' for c in COLUMNS)
 _KEY = '"partition", aggregate, owner_tenant, owner_id, "key"'
 
@@ -121,23 +145,86 @@ def rows_between(conn: sqlite3.Connection, context: str, after: int, upto: int) 
     return conn.execute(sql, (context, after, upto)).fetchall()
 
 
+def pool_size(commits: int) -> int:
+    """The processes that decode and project a replay of ``commits`` commits: none (this process
+    does) below :data:`POOL_MIN_COMMITS`, else one per CPU this process may use, at most
+    :data:`POOL_MAX`."""
+    if commits < POOL_MIN_COMMITS:
+        return 0
+    return max(
+        1, min(POOL_MAX, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
+
+
+class _Planner:
+    """Reads ranges of the log on a connection of its own, decodes them and projects them into
+    the timer view's planned writes: in a process of the replay's pool (:func:`_plan_range`)."""
+
+    def __init__(self, path: str, context: str, partitions: int, project: Projection) -> None:
+        self._db = SqliteDatabase(path)
+        self._context = context
+        self._timers = EmbeddedTimerView(self._db, context=context, partitions=partitions)
+        self._project = project
+
+    def plan(self, after: int, upto: int) -> tuple[int, Steps, set[str]]:
+        """The commits of ``after < seq <= upto``: how many, their planned writes and the
+        aggregate types whose timers those put."""
+        ctx = self._context
+        rows = self._db.run_sync(lambda conn: rows_between(conn, ctx, after, upto))
+        writes = self._project(replay_entries(ctx, rows))
+        return len(rows), self._timers.steps_of(writes), put_types(writes)
+
+
+_planner: _Planner | None = None
+"""A pool process's planner (:func:`_start_planner`)."""
+
+
+def _start_planner(path: str, context: str, partitions: int, project: Projection) -> None:
+    global _planner
+    _planner = _Planner(path, context, partitions, project)
+
+
+def _plan_range(after: int, upto: int) -> tuple[int, Steps, set[str]]:
+    assert _planner is not None
+    return _planner.plan(after, upto)
+
+
 class EmbeddedTimerRebuild(SqliteStore):
-    """The shadow table, its lock and its swap, on a connection of its own to the file."""
+    """The shadow table, its lock, its replay and its swap, on connections of its own to the file
+    (module docstring). ``project``: the feed's projection (picklable: the pool's processes run
+    it); ``consumer``: whose checkpoints say how far the view applied the log; ``aggregate``: only
+    that type's timers rebuilt (the old view's other rows are kept as they are)."""
 
     STORE = "timer_rebuild"
+    holds_slots = False
+    pause = "the write lock held"
 
     def __init__(
-        self, db_or_path: SqliteDatabase | str, *, timers: EmbeddedTimerStore, owner: str | None = None
+        self,
+        path: str,
+        *,
+        context: str,
+        partitions: int,
+        project: Projection,
+        consumer: str,
+        aggregate: str | None,
+        owner: str | None = None,
     ) -> None:
-        super().__init__(db_or_path)
-        self._timers = timers
-        self.context = timers.context
+        super().__init__(path)
+        self._timers = EmbeddedTimerView(self._db, context=context, partitions=partitions)
+        self.context = context
+        self._partitions = partitions
+        self._project = project
+        self._consumer = consumer
+        self._aggregate = aggregate
         self.owner = owner or lock_owner()
-        self.live = table_name(self.context)
-        self.shadow = shadow_table_name(self.context)
+        self.live = timer_table(context)
+        self.shadow = timer_shadow_table(context)
         self._reader = SqliteDatabase(self.path)
         """A connection of its own for the replay's reads of the log: they run while the batch
         before is written on the store's connection (SQLite runs each on its own thread)."""
+        self._read_to = 0
+        """The ``seq`` the replay read to (every partition read to the same point)."""
 
     # ---- the lock
 
@@ -147,9 +234,9 @@ class EmbeddedTimerRebuild(SqliteStore):
         ctx, me, ttl = self.context, self.owner, int(ttl_s * 1000)
 
         def work(conn: sqlite3.Connection) -> None:
-            conn.execute(_LOCK_DDL)
+            conn.execute(REBUILD_LOCK_DDL)
             row = conn.execute(
-                f"SELECT owner, started_at, expires_at, {NOW_MS} FROM {LOCK_TABLE} WHERE context = ?", (ctx,)
+                f"SELECT owner, started_at, expires_at, {NOW_MS} FROM {REBUILD_LOCK_TABLE} WHERE context = ?", (ctx,)
             ).fetchone()
             if row is not None and row[0] != me and row[2] > row[3] and not lock_gone(row[0]):
                 raise RebuildRunning(
@@ -157,7 +244,7 @@ class EmbeddedTimerRebuild(SqliteStore):
                     f"{_iso(row[1])}, until {_iso(row[2])} unless renewed (wait for it to end)"
                 )
             conn.execute(
-                f"INSERT INTO {LOCK_TABLE} (context, owner, started_at, expires_at)"
+                f"INSERT INTO {REBUILD_LOCK_TABLE} (context, owner, started_at, expires_at)"
                 f" VALUES (?, ?, {NOW_MS}, {NOW_MS} + ?)"
                 " ON CONFLICT (context) DO UPDATE SET owner = excluded.owner, started_at = excluded.started_at,"
                 " expires_at = excluded.expires_at",
@@ -171,7 +258,7 @@ class EmbeddedTimerRebuild(SqliteStore):
         ctx, me, ttl = self.context, self.owner, int(ttl_s * 1000)
 
         def work(conn: sqlite3.Connection) -> int:
-            sql = f"UPDATE {LOCK_TABLE} SET expires_at = {NOW_MS} + ? WHERE context = ? AND owner = ?"
+            sql = f"UPDATE {REBUILD_LOCK_TABLE} SET expires_at = {NOW_MS} + ? WHERE context = ? AND owner = ?"
             return int(conn.execute(sql, (ttl, ctx, me)).rowcount)
 
         if not await self._run("renew", self._db.transaction(work)):
@@ -181,30 +268,100 @@ class EmbeddedTimerRebuild(SqliteStore):
         """Drops the lock row if this rebuild holds it."""
 
         def work(conn: sqlite3.Connection) -> None:
-            conn.execute(_LOCK_DDL)
-            conn.execute(f"DELETE FROM {LOCK_TABLE} WHERE context = ? AND owner = ?", (self.context, self.owner))
+            conn.execute(REBUILD_LOCK_DDL)
+            conn.execute(
+                f"DELETE FROM {REBUILD_LOCK_TABLE} WHERE context = ? AND owner = ?", (self.context, self.owner)
+            )
 
         await self._run("release", self._db.transaction(work))
 
     def _check_lock(self, conn: sqlite3.Connection) -> None:
-        row = conn.execute(f"SELECT owner FROM {LOCK_TABLE} WHERE context = ?", (self.context,)).fetchone()
+        row = conn.execute(f"SELECT owner FROM {REBUILD_LOCK_TABLE} WHERE context = ?", (self.context,)).fetchone()
         if row is None or row[0] != self.owner:
             raise LeaseLost(f"the timer view rebuild's lock of context {self.context!r} was taken by another rebuild")
 
     # ---- the shadow
 
-    async def begin(self) -> None:
-        """A new, empty shadow table (a leftover of an interrupted rebuild is dropped)."""
+    async def begin(self) -> int:
+        """A new, empty shadow table (a leftover of an interrupted rebuild is dropped); answers
+        the commits of the context's log (the replay's total, for the progress lines)."""
 
         def work(conn: sqlite3.Connection) -> None:
             self._check_lock(conn)
             conn.execute(f"DROP TABLE IF EXISTS {self.shadow}")
-            conn.execute(table_sql(self.shadow))
+            conn.execute(timer_table_sql(self.shadow))
 
         await self._timers.prepare()
         await self._run("begin", self._db.transaction(work))
+        self._read_to = 0
+        ctx = self.context
+        sql = "SELECT count(*) FROM log WHERE context = ?"
+        return int(await self._run("count", lambda conn: conn.execute(sql, (ctx,)).fetchone()[0]))
 
-    async def read(self, after: int, limit: int) -> tuple[int, int, list[LogEntry]]:
+    async def replay(self, *, batch_size: int | None = None, workers: int | None = None) -> AsyncIterator[int]:
+        """The log in its order to its end into the shadow; each batch is read and projected
+        while the batch before is written (the write runs on the connection's thread). With
+        ``workers`` (``None``: :func:`pool_size` of the log), the log as it was at the start is
+        read, decoded and projected in ranges by a pool of that many processes (the decoding is
+        Python: the processes use the other CPUs), then what was appended meanwhile by this one.
+        Yields the commits read after each batch is written."""
+        size = batch_size or BATCH
+        if workers is None:
+            workers = pool_size(await self._log_commits())
+        send, receive = anyio.create_memory_object_stream[tuple[int, Steps, set[str]]](READ_AHEAD)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_ahead, size, workers, send)
+            async with receive:
+                async for n, steps, types in receive:
+                    await self._write_steps(steps, types)
+                    yield n
+
+    async def _read_ahead(
+        self, batch_size: int, workers: int, send: MemoryObjectSendStream[tuple[int, Steps, set[str]]]
+    ) -> None:
+        """Reads the log in its order to its end and projects each batch, handing on (commits
+        read, planned writes, the aggregate types they put timers of)."""
+        async with send:
+            if workers and self.path != ":memory:":
+                await self._pooled(batch_size, workers, send)
+            while True:
+                n, seq, entries = await self._read(self._read_to, batch_size)
+                if not n:
+                    return
+                self._read_to = seq
+                writes = self._project(entries)
+                await send.send((n, self._timers.steps_of(writes), put_types(writes)))
+
+    async def _pooled(
+        self, batch_size: int, workers: int, send: MemoryObjectSendStream[tuple[int, Steps, set[str]]]
+    ) -> None:
+        """:meth:`_read_ahead` of the log to its last ``seq`` at the start, by a pool of
+        ``workers`` processes, in ranges of ``batch_size`` ``seq`` handed on in log order."""
+        top = await self._last_seq()
+        loop = asyncio.get_running_loop()
+        pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_planner,
+            initargs=(self.path, self.context, self._partitions, self._project),
+        )
+        try:
+            pending: deque[tuple[int, asyncio.Future[tuple[int, Steps, set[str]]]]] = deque()
+            after = self._read_to
+            while after < top or pending:
+                while after < top and len(pending) < workers * POOL_IN_FLIGHT:
+                    upto = min(after + batch_size, top)
+                    pending.append((upto, loop.run_in_executor(pool, _plan_range, after, upto)))
+                    after = upto
+                upto, future = pending.popleft()
+                n, steps, types = await future
+                self._read_to = upto
+                if n:
+                    await send.send((n, steps, types))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _read(self, after: int, limit: int) -> tuple[int, int, list[LogEntry]]:
         """The next ``limit`` commits of the context's log after ``seq`` ``after``, in log order:
         how many were read, the last one's ``seq`` (``after`` when none) and the entries of those
         that may hold a write of the timer view, decoded (:func:`replay_entries`)."""
@@ -224,29 +381,25 @@ class EmbeddedTimerRebuild(SqliteStore):
 
     async def write(self, writes: Sequence[TimerWrite]) -> None:
         """The net effect of a batch of the log (the feed's projection) into the shadow."""
-        await self.write_steps(self.steps_of(writes), put_types(writes))
+        await self._write_steps(self._timers.steps_of(writes), put_types(writes))
 
-    async def last_seq(self) -> int:
+    async def _last_seq(self) -> int:
         """The ``seq`` of the context's last commit (0 when none)."""
         ctx = self.context
         sql = "SELECT coalesce(max(seq), 0) FROM log WHERE context = ?"
         return int(await self._run("read", lambda conn: conn.execute(sql, (ctx,)).fetchone()[0], db=self._reader))
 
-    def steps_of(self, writes: Sequence[TimerWrite]) -> list[tuple[str, tuple[Any, ...]]]:
-        """The timer store's steps of ``writes`` (:meth:`~wowd.stores.embedded.timers.EmbeddedTimerStore.steps_of`)."""
-        return self._timers.steps_of(writes)
-
-    async def write_steps(self, steps: Sequence[tuple[str, tuple[Any, ...]]], types: Iterable[str]) -> None:
-        """Planned writes (:meth:`steps_of`) into the shadow; ``types``: the aggregate types of
-        the timers they put (their collections recorded first)."""
+    async def _write_steps(self, steps: Sequence[tuple[str, tuple[Any, ...]]], types: Iterable[str]) -> None:
+        """Planned writes (:meth:`EmbeddedTimerView.steps_of`) into the shadow; ``types``: the
+        aggregate types of the timers they put (their collections recorded first)."""
         await self._timers.record_types(types)
         if not steps:
             return
         timers, shadow = self._timers, self.shadow
         await self._run("write", self._db.transaction(lambda conn: timers.write_steps(steps, conn, table=shadow)))
 
-    async def log_commits(self) -> int:
-        """The commits of the context's log (the replay's total, for the progress lines)."""
+    async def _log_commits(self) -> int:
+        """The commits of the context's log."""
         ctx = self.context
         sql = "SELECT count(*) FROM log WHERE context = ?"
         return int(await self._run("count", lambda conn: conn.execute(sql, (ctx,)).fetchone()[0]))
@@ -267,13 +420,20 @@ class EmbeddedTimerRebuild(SqliteStore):
         lock now (the shadow is its own then)."""
 
         def work(conn: sqlite3.Connection) -> None:
-            conn.execute(_LOCK_DDL)
-            row = conn.execute(f"SELECT owner FROM {LOCK_TABLE} WHERE context = ?", (self.context,)).fetchone()
+            conn.execute(REBUILD_LOCK_DDL)
+            row = conn.execute(f"SELECT owner FROM {REBUILD_LOCK_TABLE} WHERE context = ?", (self.context,)).fetchone()
             if row is not None and row[0] != self.owner:
                 return
             conn.execute(f"DROP TABLE IF EXISTS {self.shadow}")
 
         await self._run("abort", self._db.transaction(work))
+
+    @asynccontextmanager
+    async def finishing(self, *, expired_before: int | None, result: Finished) -> AsyncIterator[None]:
+        """:meth:`carry_over`, before the finishing transaction (which carries what changed since:
+        a row's revision moves with every write)."""
+        await self.carry_over(expired_before=expired_before, result=result)
+        yield
 
     async def carry_over(self, *, expired_before: int | None, result: Finished) -> None:
         """What can be done before the finishing transaction, in short write transactions of its
@@ -292,32 +452,23 @@ class EmbeddedTimerRebuild(SqliteStore):
         if not await self._run("carry_over", lambda conn: _exists(conn, self.live)):
             result.old_view = False
             return
-        for p in await self._run("carry_over", self._partitions):
+        for p in await self._run("carry_over", self._partitions_of):
             await self._run("carry_over", self._db.transaction(functools.partial(self._carry_one, p, result)))
 
-    async def finish(
-        self,
-        read: Mapping[int, int],
-        *,
-        consumer: str,
-        project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
-        aggregate: str | None,
-        swap: bool,
-        result: Finished,
-    ) -> Finished:
-        """The finishing transaction (module docstring). ``read``: the ``seq`` the replay read to
-        in each partition; ``consumer``: whose checkpoints the view follows; ``project``: the
-        feed's projection of log entries into timer writes; ``aggregate``: only this type's
-        timers were rebuilt (the old view's other rows are kept as they are); ``result``: what
-        :meth:`carry_over` found, completed here. ``swap`` false (a dry run): everything is
-        counted, nothing is changed (the transaction is rolled back and the shadow dropped)."""
+    async def finish(self, *, swap: bool, result: Finished, tick: Callable[[], Awaitable[None]]) -> None:
+        """The finishing transaction (module docstring), which pauses the replicas' writes by
+        itself (``tick`` is not needed); ``result``: what :meth:`carry_over` found, completed
+        here. ``swap`` false (a dry run): everything is counted, nothing is changed (the
+        transaction is rolled back and the shadow dropped)."""
+        read = dict.fromkeys(range(self._partitions), self._read_to)
+        consumer, project, aggregate = self._consumer, self._project, self._aggregate
 
         def work(conn: sqlite3.Connection) -> None:
             self._check_lock(conn)
             self._catch_up(conn, read, consumer, project, aggregate, result)
             self._outbox_fired(conn, result)
             if result.old_view and _exists(conn, self.live):
-                for p in self._partitions(conn):
+                for p in self._partitions_of(conn):
                     self._carry(conn, p, result, changed=True)
             else:
                 result.old_view = False
@@ -326,7 +477,7 @@ class EmbeddedTimerRebuild(SqliteStore):
                 raise _DryRun
             conn.execute(f"DROP TABLE IF EXISTS {self.live}")
             conn.execute(f"ALTER TABLE {self.shadow} RENAME TO {self.live}")
-            for statement in index_sql(self.context):
+            for statement in timer_index_sql(self.context):
                 conn.execute(statement)
             result.swapped = True
 
@@ -334,14 +485,13 @@ class EmbeddedTimerRebuild(SqliteStore):
             await self._run("finish", self._db.transaction(work))
         except _DryRun:
             await self.abort()
-        return result
 
     def _catch_up(
         self,
         conn: sqlite3.Connection,
         read: Mapping[int, int],
         consumer: str,
-        project: Callable[[Sequence[LogEntry]], list[TimerWrite]],
+        project: Projection,
         aggregate: str | None,
         result: Finished,
     ) -> None:
@@ -382,14 +532,14 @@ class EmbeddedTimerRebuild(SqliteStore):
             (EXPIRED_REASON, before),
         )
 
-    def _partitions(self, conn: sqlite3.Connection) -> list[int]:
+    def _partitions_of(self, conn: sqlite3.Connection) -> list[int]:
         """The partitions of the shadow and of the old view (every partition of the context when
         the old view cannot be read that far)."""
         found = {int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.shadow}')}
         try:
             found |= {int(r[0]) for r in conn.execute(f'SELECT DISTINCT "partition" FROM {self.live}')}
         except sqlite3.DatabaseError:
-            found |= set(range(self._timers.partitions))
+            found |= set(range(self._partitions))
         return sorted(found)
 
     def _carry_one(self, p: int, result: Finished, conn: sqlite3.Connection) -> None:

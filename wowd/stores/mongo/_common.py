@@ -46,13 +46,13 @@ from wowd.model import validate_name
 from wowd.stores.base import Ddl
 
 __all__ = [
+    "Doc",
     "ALREADY_INITIALIZED",
     "CANNOT_CREATE_INDEX",
     "CHANGE_STREAM_UNSUPPORTED",
     "DEFAULT_OPERATION_TIMEOUT",
     "DUPLICATE_KEY",
     "COMMAND_PART_BYTES",
-    "FORMAT",
     "HISTORY_LOST_CODES",
     "INDEX_COMMIT_QUORUM",
     "NAMESPACE_COLLECTION",
@@ -60,9 +60,7 @@ __all__ = [
     "REPLICA_COLLECTION",
     "SLOT_COLLECTION",
     "SNAPSHOT_TABLES",
-    "TIMER_FORMAT",
     "TIMER_REGISTRY",
-    "TIMER_UPGRADES_FROM",
     "TRANSIENT_CODES",
     "TRANSIENT_LABELS",
     "UNAUTHORIZED",
@@ -87,15 +85,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------- formats and names
 
-FORMAT = 5
-"""The layout version of wowd's collections (``format`` in the registries), the timer
-collections' aside (:data:`TIMER_FORMAT`)."""
-TIMER_FORMAT = 6
-"""The layout version of the timer collections (``format`` in :data:`TIMER_REGISTRY`): with
-tombstones (DONE/CANCELLED documents and their TTL index)."""
-TIMER_UPGRADES_FROM = 5
-"""The timer collections' format upgraded in place to :data:`TIMER_FORMAT` (the same layout
-without tombstones: the TTL index is created, then the registry records the new format)."""
 
 TIMER_REGISTRY = "wow_timer_aggregate"
 """The registry of the timer collections of every context."""
@@ -166,6 +155,8 @@ COMMAND_PART_BYTES = 15 * 1024 * 1024
 (``$db``, ``lsid``, ``$clusterTime``, ``maxTimeMS``, the cursor options)."""
 
 T = TypeVar("T")
+Doc = dict[str, Any]
+"""A MongoDB document as the stores build and read them."""
 
 
 def split_to_fit(

@@ -48,7 +48,8 @@ from wowd.errors import InvalidInput, StorageError
 from wowd.model import AggregateRef, HistoryKind, HistoryRecord, validate_name
 from wowd.model.history import CANCELLED, SCHEDULED, check_context
 from wowd.stores.base import HISTORY_READ_LIMIT
-from wowd.stores.mongo._common import CollectionStore, durable_or_raise
+from wowd.stores.mongo._common import CollectionStore, Doc, durable_or_raise
+from wowd.stores.mongo.schema import history_indexes
 
 __all__ = [
     "MongoTimerHistory",
@@ -62,7 +63,6 @@ __all__ = [
     "write_operations",
 ]
 
-Doc = dict[str, Any]
 
 logger = logging.getLogger(__name__)
 
@@ -72,18 +72,6 @@ _KINDS = {k.value: k for k in HistoryKind}
 
 def history_collection(context: str) -> str:
     return f"wow_timer_history__{validate_name(context, field='context')}"
-
-
-def history_indexes() -> list[Doc]:
-    return [
-        {
-            "key": {"owner_id": 1, "aggregate": 1, "tenant_id": 1, "key": 1, "at": 1},
-            "name": "key",
-            "partialFilterExpression": {"slot": {"$lt": 0}},
-        },
-        {"key": {"request_id": 1, "at": 1}, "name": "request_id"},
-        {"key": {"expires_at": 1}, "name": "expires_ttl", "expireAfterSeconds": 0},
-    ]
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

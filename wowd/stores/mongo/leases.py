@@ -40,14 +40,14 @@ import anyio
 from bson.codec_options import CodecOptions, DatetimeConversion
 from bson.datetime_ms import DatetimeMS
 from bson.int64 import Int64
-from pymongo import AsyncMongoClient, IndexModel, InsertOne, ReadPreference, ReturnDocument
+from pymongo import AsyncMongoClient, InsertOne, ReadPreference, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, OperationFailure
 from pymongo.write_concern import WriteConcern
 
 from wowd.errors import ConfigError, FormatError, StorageError
 from wowd.model import AcquireResult, Owner, SlotLease, SlotState
-from wowd.stores.base import PRESENCE_RETENTION, Ddl, ReplicaInfo, ReplicaState
+from wowd.stores.base import PRESENCE_RETENTION, SLOT_HOLD, Ddl, ReplicaInfo, ReplicaState
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     NAMESPACE_COLLECTION,
@@ -58,6 +58,7 @@ from wowd.stores.mongo._common import (
     is_duplicate_key,
     write_one,
 )
+from wowd.stores.mongo.schema import REPLICA_TTL_INDEX, SLOT_INDEX_NAME, replica_indexes, slot_indexes, whole_seconds
 
 __all__ = [
     "NAMESPACE_COLLECTION",
@@ -97,8 +98,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SLOT_INDEX_NAME = "ns_1_slot_1"
-REPLICA_TTL_INDEX = "expiresAt_ttl"
 
 TAKE_SORT: dict[str, int] = {"slot": 1}
 """The free step takes the first free slot in slot order."""
@@ -128,11 +127,6 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 # --------------------------------------------------------------------------- pure builders
-
-
-def slot_indexes() -> list[IndexModel]:
-    """The one index of ``cosid_slot``: unique ``(ns, slot)``."""
-    return [IndexModel([("ns", 1), ("slot", 1)], name=SLOT_INDEX_NAME, unique=True)]
 
 
 def namespace_filter(namespace: str) -> dict[str, Any]:
@@ -380,14 +374,6 @@ def slots_pipeline(namespace: str) -> list[dict[str, Any]]:
     ]
 
 
-def replica_indexes() -> list[IndexModel]:
-    """The one index of ``cosid_replica``: a TTL index on ``expiresAt`` that deletes a presence
-    record :data:`~wowd.stores.base.PRESENCE_RETENTION` after it expired (``replicas`` lists it
-    as gone meanwhile). The ``_id`` index serves the heartbeat and the leave; a namespace's read
-    scans the few records of the collection."""
-    return [IndexModel([("expiresAt", 1)], name=REPLICA_TTL_INDEX, expireAfterSeconds=_whole_s(PRESENCE_RETENTION))]
-
-
 def replica_filter(namespace: str, owner_key: str) -> dict[str, Any]:
     """A presence record by its ``_id``, ``{ns, ownerKey}`` in that order."""
     return {"_id": {"ns": namespace, "ownerKey": owner_key}}
@@ -539,10 +525,6 @@ def _whole_ms(value: timedelta) -> int:
     return value // timedelta(milliseconds=1)
 
 
-def _whole_s(value: timedelta) -> int:
-    return value // timedelta(seconds=1)
-
-
 # --------------------------------------------------------------------------- the store
 
 
@@ -557,6 +539,10 @@ class MongoSlotLeaseStore(MongoStore):
     :meth:`prepare`; the first :meth:`acquire` (the slot index) and the first :meth:`heartbeat`
     (the TTL index) do it when nobody did before (the constructor does no I/O).
     """
+
+    CAPABILITIES = (SLOT_HOLD,)
+    """Every slot of a namespace can be held paused (:meth:`hold`, :meth:`lift`): a rebuild of the
+    timer view swaps it in while no replica works."""
 
     _label = "leases"
 
@@ -616,7 +602,7 @@ class MongoSlotLeaseStore(MongoStore):
             elif self._ddl is Ddl.VALIDATE:
                 found = {ix["name"]: ix async for ix in await self._replicas.list_indexes()}
                 ix = found.get(REPLICA_TTL_INDEX)
-                want = _whole_s(PRESENCE_RETENTION)
+                want = whole_seconds(PRESENCE_RETENTION)
                 if ix is None or list(ix["key"].items()) != [("expiresAt", 1)] or ix.get("expireAfterSeconds") != want:
                     raise FormatError(
                         f"mongodb {REPLICA_COLLECTION}: the TTL index {REPLICA_TTL_INDEX} on expiresAt "

@@ -1,60 +1,25 @@
-"""The log on MongoDB (docs/schema.md): commit collections, change-stream tailing,
-fenced checkpoints and the quarantine.
+"""The log on MongoDB (docs/schema.md): its commit collections, the appends and the log check.
 
-Collections (``<ctx>`` the context):
-
-- ``wow_log__<ctx>__<aggregate>``: one document per commit (:func:`wowd.model.commit_to_doc`),
-  ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}`` (idempotent appends) and
-  ``{partition, aggregate_id, version, _id}`` (the partition re-read's order).
-- ``wow_checkpoint__<ctx>``: ``{_id: {consumer, partition}, position, fence, written_at}``.
-- ``wow_quarantine__<ctx>``: documents the feed cannot read or apply, with the reason
-  (:mod:`wowd.stores.mongo.log_quarantine`, the store's base).
-
-Positions. A position read from the change stream is ``{"token": <resume token>,
-"cluster_time": [time, inc]}``. A partition read from the collections (no checkpoint yet, or
-the resume point fell off the oplog) gets ``{"cluster_time": [time, inc], "scan": {c, r, p, a,
-v, id}}``: the cluster time taken *before* the scan (the majority commit point, below which no
-write is still in flight: :func:`cluster_time_command`), which reads with ``majority`` read
-concern and ``afterClusterTime`` of it (so it sees every commit at or before it, on every shard;
-the stream starts there), and the last document read: its collection, the range of
-:func:`~wowd.stores.mongo.log_queries.scan_ranges` and its index key (a later read resumes the
-scan after it).
-Each partition takes its own cut just before its scan; when the scans run longer than
-``scan_catch_up``, the partitions scanned so far are caught up by a stream before the next cut,
-so no cut ages out of the oplog while the others are scanned.
-
-The stream is one ``watch`` on the database from the oldest position of the partitions read,
-started at that position's cluster time (``startAtOperationTime``: a token of any partition,
-of any ``$match``, resumes); each partition skips what is at or before its own position (cluster
-time, then the resume token's ``_data``). A partition that sees nothing for ``idle_advance`` is
-moved to the stream's post-batch resume token (a high-water mark, never another partition's
-event). The stream runs without the client's ``timeoutMS`` (``pymongo.timeout(0)``): a first
-``aggregate`` scanning a long stretch of oplog may take longer than any call deadline; the server
-bounds each empty ``getMore`` by ``maxAwaitTimeMS`` (``max_await`` for a read that follows;
-at most :data:`CATCH_UP_AWAIT_MS` for one that ends when caught up, which an empty ``getMore``
-tells at once). Events over 16 MiB come split (``$changeStreamSplitLargeEvent``, 7.0+) and are
-joined again.
+``wow_log__<ctx>__<aggregate>`` (``<ctx>`` the context): one document per commit
+(:func:`wowd.model.commit_to_doc`), ``_id: {t, a, v}``; unique ``{aggregate_id, request_id}``
+(idempotent appends) and ``{partition, aggregate_id, version, _id}`` (the partition re-read's
+order, the reads by aggregate). Its read (the partitions' re-reads and the change stream) is
+:mod:`~wowd.stores.mongo.log_read`'s, the store's base; its checkpoints and its quarantine are
+stores of their own (:mod:`~wowd.stores.mongo.checkpoints`, :mod:`~wowd.stores.mongo.quarantine`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import aclosing, contextmanager, suppress
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import anyio
-import pymongo
 from bson.timestamp import Timestamp
-from pymongo import AsyncMongoClient, InsertOne, UpdateOne
-from pymongo.asynchronous.change_stream import AsyncDatabaseChangeStream
-from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo import AsyncMongoClient, InsertOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, PyMongoError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 from pymongo.read_concern import ReadConcern
 from pymongo.read_preferences import ReadPreference
 
@@ -62,81 +27,38 @@ from wowd.errors import (
     ConfigError,
     ConflictError,
     FormatError,
-    InvalidInput,
-    LogBehindOplog,
     StorageError,
 )
 from wowd.model import (
+    DEFAULT_TENANT,
     AggregateRef,
     AggregateType,
-    Checkpoint,
     Commit,
-    LogBatch,
-    LogEntry,
-    Position,
-    commit_from_doc,
     commit_to_doc,
     partition,
 )
-from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe, consumers_of
+from wowd.stores.base import AppendOutcome, Ddl, OwnerProbe
 from wowd.stores.mongo._common import (
     ALREADY_INITIALIZED,
     CANNOT_CREATE_INDEX,
-    CHANGE_STREAM_UNSUPPORTED,
     DEFAULT_OPERATION_TIMEOUT,
+    Doc,
     MongoSharding,
-    checkpoint_collection,
     collection_name,
     collection_pattern,
     duplicate_keys,
+    mongo_name,
     write_one,
 )
-from wowd.stores.mongo.log_quarantine import LogQuarantine
-from wowd.stores.mongo.log_queries import (
-    COMMITTED_AFTER_PROJECTION,
-    LOG_SHARD_KEY,
-    REGULAR_RANGE,
-    RESUME_POINT_GONE,
-    SCAN_INDEX,
-    SCAN_SORT,
-    ClusterTime,
-    Doc,
-    _HistoryLost,
-    _Part,
-    change_stream_pipeline,
-    changes_timer,
-    checkpoint_filter,
-    checkpoint_ids_filter,
-    checkpoint_update,
-    cluster_time_command,
-    cluster_time_of,
-    committed_after_filter,
-    join_fragments,
-    last_version_query,
-    log_collection_prefix,
-    log_indexes,
-    logger,
-    partition_of,
-    quarantine_indexes,
-    scan_find,
-    scan_key,
-    scan_ranges,
-    stored_tenant,
-    token_cluster_time,
-)
+from wowd.stores.mongo.log_read import ClusterTime, LogReading
+from wowd.stores.mongo.schema import LOG_SHARD_KEY, log_indexes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MongoLog"]
 
-CATCH_UP_AWAIT_MS = 200
-"""The longest ``maxAwaitTimeMS`` of a read that does not follow (a rebuild's replay, a view
-joining the shared read, a scan's catch-up): it ends at its first empty ``getMore``, so waiting
-longer for commits it will not wait for only delays its end (and what waits on it). Its
-positions carry the rest: a read ended early loses nothing."""
 
-
-class MongoLog(LogQuarantine):
+class MongoLog(LogReading):
     """The :class:`~wowd.stores.base.Log` of one context on MongoDB.
 
     The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
@@ -167,7 +89,8 @@ class MongoLog(LogQuarantine):
     ) -> None:
         if partitions < 1:
             raise ConfigError(f"partitions: must be >= 1, got {partitions}")
-        super().__init__(client_or_uri, database_name, context=context, operation_timeout=operation_timeout)
+        self.context = mongo_name(context, field="context")
+        super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout)
         self.partitions = partitions
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
@@ -176,7 +99,6 @@ class MongoLog(LogQuarantine):
         self._catch_up_s = scan_catch_up.total_seconds()
         self._prefix = log_collection_prefix(context)
         self._pattern = collection_pattern("log", context)
-        self._checkpoints: AsyncCollection[Doc] = self._db[checkpoint_collection(context)]
         self._ensured: set[str] = set()
         self._observed: ClusterTime | None = None
         """The latest operation time the change stream's replies carried (:meth:`committed_after`
@@ -187,15 +109,6 @@ class MongoLog(LogQuarantine):
     def collection_name(self, aggregate: str) -> str:
         """``wow_log__<context>__<aggregate>``."""
         return collection_name("log", self.context, aggregate)
-
-    def _aggregate_of(self, coll: str) -> AggregateType | None:
-        if not re.match(self._pattern, coll):
-            return None  # not this context's (another context's of a name this one starts with)
-        try:
-            return AggregateType(context=self.context, aggregate=coll[len(self._prefix) :])
-        except (ConfigError, InvalidInput):
-            logger.warning("ignoring collection %s: not a valid aggregate name", coll)
-            return None
 
     async def _collection(self, aggregate: AggregateType) -> AsyncCollection[Doc]:
         if aggregate.context != self.context:
@@ -214,7 +127,7 @@ class MongoLog(LogQuarantine):
             with self._call("prepare", bounded=False):
                 sharded = await self._is_sharded(self._sharding)
                 try:
-                    await self._create_indexes(name, log_indexes(sharded=sharded), logger)
+                    await self._create_indexes(name, log_indexes(sharded=sharded), log)
                 except OperationFailure as exc:
                     if exc.code == CANNOT_CREATE_INDEX and "shard key" in str(exc):
                         raise ConfigError(
@@ -233,11 +146,11 @@ class MongoLog(LogQuarantine):
         """``shardCollection`` on :data:`LOG_SHARD_KEY` (idempotent); already sharded on another
         key (23 AlreadyInitialized) that the unique index could be made under: logged, left."""
         try:
-            await self._shard_collection(name, LOG_SHARD_KEY, self._sharding, logger, what="log", bounded=False)
+            await self._shard_collection(name, LOG_SHARD_KEY, self._sharding, log, what="log", bounded=False)
         except OperationFailure as exc:
             if exc.code != ALREADY_INITIALIZED:
                 raise
-            logger.info("log collection %s is sharded on another key than %s, left so: %s", name, LOG_SHARD_KEY, exc)
+            log.info("log collection %s is sharded on another key than %s, left so: %s", name, LOG_SHARD_KEY, exc)
 
     async def _validate(self, name: str, indexes: Sequence[Doc]) -> None:
         """:class:`FormatError` naming the first of ``indexes`` (name, keys, unique) ``name`` lacks."""
@@ -248,27 +161,15 @@ class MongoLog(LogQuarantine):
             if (dict(found.get("key", [])), found.get("unique", False)) != (spec["key"], spec.get("unique", False)):
                 raise FormatError(f"mongodb {name}: index {spec['name']} {spec['key']} is missing")
 
-    async def _log_collections(self, session: AsyncClientSession | None = None) -> list[str]:
-        with self._call("list"):
-            names = await self._db.list_collection_names(
-                session=session, filter={"name": {"$regex": collection_pattern("log", self.context)}}
-            )
-        return sorted(n for n in names if self._aggregate_of(n) is not None)
-
     # ------------------------------------------------------------------ DDL, health
 
     async def prepare(self) -> None:
-        """Creates (AUTO) or checks (VALIDATE) the indexes of the existing log collections and
-        of the quarantine. Idempotent."""
+        """Creates (AUTO) or checks (VALIDATE) the indexes of the existing log collections.
+        Idempotent."""
         if self._ddl is Ddl.NONE:
             return
         for name in await self._log_collections():
             await self._ensure(name)
-        if self._ddl is Ddl.AUTO:
-            with self._call("prepare", bounded=False):
-                await self._create_indexes(self._quarantine.name, quarantine_indexes(), logger)
-        else:
-            await self._validate(self._quarantine.name, quarantine_indexes())
 
     def nudge(self) -> None:
         """A no-op: the change stream answers at least every ``maxAwaitTimeMS``."""
@@ -417,414 +318,16 @@ class MongoLog(LogQuarantine):
 
     # ------------------------------------------------------------------ reading
 
-    def read(
-        self, positions: Mapping[int, Position | None], *, batch_size: int = 500, follow: bool = True
-    ) -> AsyncIterator[LogBatch]:
-        """Partitions without a position are first re-read from the collections (by
-        ``partition``, ``(aggregate_id, version)``), then one change stream on the database
-        serves every partition from the oldest position. A lost resume point (code 286 or 280)
-        re-reads the partitions at that oldest position and restarts the stream at the cluster
-        time taken before the re-read (or at the next oldest position, should that be older).
-        A stream that had answered and loses its history a second time in one read (the reader
-        is slower than the oplog window) raises :class:`~wowd.errors.LogBehindOplog` instead of
-        re-reading again."""
-        for p in positions:
-            if not 0 <= p < self.partitions:
-                raise ConfigError(f"partition {p} is outside [0, {self.partitions})")
-        return self._read(dict(positions), max(1, batch_size), follow)
-
-    async def _read(
-        self, positions: dict[int, Position | None], batch_size: int, follow: bool
-    ) -> AsyncIterator[LogBatch]:
-        if not positions:
-            if follow:
-                await anyio.sleep_forever()  # nothing to tail, but a follower never ends by itself
-            return
-        parts = {p: _Part.from_position(pos) for p, pos in positions.items()}
-        lost_while_following = 0
-        while True:
-            try:
-                async with aclosing(self._scan(parts, batch_size)) as scanned:
-                    async for batch in scanned:
-                        yield batch
-                async with aclosing(self._stream(parts, batch_size, follow)) as streamed:
-                    async for batch in streamed:
-                        yield batch
-                return
-            except _HistoryLost as exc:
-                # the stream started from the oldest position: those partitions are re-read (a
-                # partition whose checkpoint is still in the oplog keeps it; should the next
-                # oldest be gone too, the next attempt says so and re-reads that one)
-                oldest = min(s.stream_start() for s in parts.values())
-                lost = sorted(p for p, s in parts.items() if s.stream_start() == oldest)
-                if not exc.answered and any(parts[p].cut for p in lost):
-                    # the cut this read took before scanning left the oplog while it scanned:
-                    # scanning again would only lose it again
-                    raise StorageError(
-                        f"mongodb log {self.context}: the scan of partitions {lost} took longer than "
-                        "the oplog window (the change stream cannot start at the cut taken before "
-                        f"it: {exc}); keep more oplog: raise the replica set's oplogMinRetentionHours "
-                        "or oplog size (replSetResizeOplog)"
-                    ) from exc
-                if exc.answered:
-                    lost_while_following += 1
-                if lost_while_following > 1:
-                    # the stream answered, then fell off the oplog; re-read, it did so again: the
-                    # reader is slower than the oplog window and re-reading would loop for ever
-                    raise LogBehindOplog(
-                        f"mongodb log {self.context}: the change stream of partitions {lost} fell behind "
-                        "the oplog window again after they were re-read (ChangeStreamHistoryLost while "
-                        f"following: {exc}); the feed reads slower than the oplog keeps history: keep more "
-                        "oplog (the replica set's oplogMinRetentionHours, or replSetResizeOplog) or give the "
-                        "feed more replicas",
-                        partitions=tuple(lost),
-                    ) from exc
-                logger.warning(
-                    "log %s: change stream history lost; re-reading partitions %s from the collections "
-                    "(once: should the stream fall behind the oplog window again, the read stops with "
-                    "LogBehindOplog)",
-                    self.context,
-                    lost,
-                )
-                for p in lost:
-                    parts[p] = _Part(scan={})
-
-    async def _cluster_time(self, session: AsyncClientSession) -> ClusterTime:
-        """The majority commit point (the ``operationTime`` of :func:`cluster_time_command`)."""
-        with self._call("cluster_time"):
-            reply = await self._db.command(cluster_time_command(self._checkpoints.name), session=session)
-        ct = cluster_time_of(reply.get("operationTime"))
-        if ct is None:
-            raise ConfigError(
-                "MongoDB gave no cluster time: the log needs a replica set or a sharded cluster "
-                "(change streams); a one-node replica set will do"
-            )
-        return ct
-
-    async def _scan(self, parts: dict[int, _Part], batch_size: int) -> AsyncGenerator[LogBatch, None]:
-        """Scans the partitions that need it, one after another, each after its own cut; once
-        the scans have run for ``scan_catch_up`` since the oldest cut not streamed past, the
-        partitions done so far are caught up by a stream before the next cut."""
-        pending = sorted(p for p, s in parts.items() if s.scan is not None)
-        oldest_cut: float | None = None
-        for p in pending:
-            if oldest_cut is not None and time.monotonic() - oldest_cut >= self._catch_up_s:
-                done = {q: s for q, s in parts.items() if s.scan is None}
-                covers = frozenset(done)
-                async with aclosing(self._stream(done, batch_size, follow=False)) as streamed:
-                    async for batch in streamed:
-                        # its watermark holds for the partitions it reads, not those still to scan
-                        yield dataclasses.replace(batch, covers=covers) if batch.watermark is not None else batch
-                oldest_cut = None
-            # a causally consistent session: the scan reads at or after the cut (afterClusterTime)
-            # with majority read concern, so on every shard it sees each commit at or before it
-            async with self._client.start_session(causal_consistency=True) as session:
-                t0 = await self._cluster_time(session)
-                session.advance_operation_time(Timestamp(*t0))
-                s = parts[p]
-                if s.ct is None:  # a resumed scan keeps its original cut: the stream starts there
-                    s.ct, s.token, s.cut = t0, None, True
-                if oldest_cut is None:
-                    oldest_cut = time.monotonic()
-                async with aclosing(self._scan_partition(p, s, batch_size, session)) as scanned:
-                    async for batch in scanned:
-                        yield batch
-            s.scan = None
-
-    async def _scan_partition(
-        self, p: int, s: _Part, batch_size: int, session: AsyncClientSession
-    ) -> AsyncGenerator[LogBatch, None]:
-        """Each log collection's ranges of :func:`scan_ranges` in order, each one ``find``
-        bounded on the ``partition_order`` index (:func:`scan_find`), from the scan key when
-        resumed; of the ranges besides the partition's own, only the commits whose partition
-        (:func:`partition_of`) is ``p``."""
-        assert s.ct is not None and s.scan is not None
-        names = await self._log_collections(session)
-        after = s.scan
-        entries: list[LogEntry] = []
-        for name in names:
-            if after and name < str(after.get("c", "")):
-                continue
-            aggregate = self._aggregate_of(name)
-            assert aggregate is not None
-            key = after if after and name == after.get("c") else None
-            first = int(key.get("r", REGULAR_RANGE)) if key else 0
-            coll = self._db.get_collection(name, read_concern=ReadConcern("majority"))
-            for range_ in range(first, len(scan_ranges(p, self.partitions))):
-                flt, lower, upper = scan_find(p, self.partitions, range_, key if range_ == first else None)
-                cursor = coll.find(
-                    flt, sort=SCAN_SORT, batch_size=batch_size, session=session, hint=SCAN_INDEX, min=lower, max=upper
-                )
-                try:
-                    while True:
-                        with self._call("scan"):
-                            docs = await cursor.to_list(batch_size - len(entries))
-                        if not docs:
-                            break
-                        for doc in docs:
-                            if range_ != REGULAR_RANGE and partition_of(doc, self.partitions)[0] != p:
-                                continue  # another partition's commit stored without a regular partition
-                            position: Position = {"cluster_time": list(s.ct), "scan": scan_key(name, range_, doc)}
-                            entries.append(self._entry(position, p, aggregate, doc))
-                        if len(entries) >= batch_size:
-                            yield _batch(entries)
-                            entries = []
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                        await cursor.close()
-        if entries:
-            yield _batch(entries)
-
-    async def _stream(self, parts: dict[int, _Part], batch_size: int, follow: bool) -> AsyncGenerator[LogBatch, None]:
-        if not parts:
-            return
-        start = min(parts.values(), key=_Part.stream_start)
-        kwargs: dict[str, Any] = {}
-        if start.ct is not None:
-            # at the position's cluster time (each partition skips what it saw): a token of
-            # another partition or of another $match resumes too, where startAfter would not (280)
-            kwargs["start_at_operation_time"] = Timestamp(*start.ct)
-        else:
-            kwargs["start_after"] = start.token
-        pipeline = change_stream_pipeline(self.context, list(parts), self.partitions)
-        async with self._client.start_session(causal_consistency=False) as session:
-            with self._stream_errors("watch", answered=False):
-                stream = await self._db.watch(
-                    pipeline,
-                    batch_size=batch_size,
-                    max_await_time_ms=self._max_await_ms if follow else min(self._max_await_ms, CATCH_UP_AWAIT_MS),
-                    session=session,
-                    **kwargs,
-                )
-            # a read that does not follow ends once its stream has passed the cluster time of the
-            # reply that opened it (every commit acknowledged before the read is at or below it),
-            # or at an empty getMore, whichever first: a log that keeps receiving commits has no
-            # empty getMore to end on
-            until = None if follow else cluster_time_of(session.operation_time)
-            async with aclosing(self._stream_batches(stream, parts, batch_size, follow, until)) as batches:
-                async for batch in batches:
-                    self._observe(session.operation_time)
-                    yield batch
-
-    async def _stream_batches(
-        self,
-        stream: Any,
-        parts: dict[int, _Part],
-        batch_size: int,
-        follow: bool,
-        until: ClusterTime | None,
-    ) -> AsyncGenerator[LogBatch, None]:
-        answered = False
-        try:
-            entries: list[LogEntry] = []
-            fragments: list[Mapping[str, Any]] = []
-            last_event: Any = None
-            while True:
-                with self._stream_errors("getMore", answered=answered):
-                    change = await stream.try_next()
-                answered = True
-                if change is not None and isinstance(change.get("splitEvent"), Mapping):
-                    fragments.append(change)
-                    split = change["splitEvent"]
-                    if split.get("fragment") != split.get("of"):
-                        continue  # the rest of the event is in the next fragments
-                    change, fragments = join_fragments(fragments), []
-                if change is not None:
-                    last_event = change.get("_id")
-                    entry = self._change_entry(change, parts)
-                    if entry is not None:
-                        entries.append(entry)
-                    if len(entries) < batch_size and _buffered(stream):
-                        continue  # the rest of the server's batch is here already
-                # the server's batch is all here: its post-batch resume token's time is the watermark
-                watermark = _watermark(stream.resume_token) if change is None or not _buffered(stream) else None
-                if entries:
-                    yield _batch(entries, watermark)
-                    entries = []
-                idle = self._idle_positions(parts, stream.resume_token, last_event)
-                if idle or (change is None and watermark is not None):
-                    yield LogBatch(entries=(), positions=idle, watermark=watermark)
-                if change is None and not stream.alive:
-                    # the server closed the cursor (an invalidate: the database was dropped);
-                    # try_next would answer None at once from now on, a busy loop
-                    raise StorageError(
-                        f"mongodb log {self.context}: the change stream was closed by the server "
-                        "(invalidated: was the database dropped?)"
-                    )
-                if change is None and not follow:
-                    return  # caught up: a getMore came back empty
-                if until is not None and not _buffered(stream):
-                    passed = token_cluster_time(stream.resume_token)
-                    if passed is not None and passed > until:
-                        return  # past what was committed when the read began
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(5), suppress(PyMongoError):
-                await stream.close()
-
-    @contextmanager
-    def _stream_errors(self, operation: str, *, answered: bool) -> Iterator[None]:
-        """The stream's calls without the client's ``timeoutMS`` (``pymongo.timeout(0)``: a
-        first ``aggregate`` over a long stretch of oplog may take longer than any call deadline;
-        ``timeout(None)`` would fall back to the client's). :data:`RESUME_POINT_GONE` becomes
-        :class:`_HistoryLost` (handled by :meth:`_read`), 40573 a :class:`ConfigError`; the rest
-        as :meth:`_call` translates it."""
-        with self._call(operation, bounded=False), pymongo.timeout(0):
-            try:
-                yield
-            except OperationFailure as exc:
-                if exc.code in RESUME_POINT_GONE:
-                    raise _HistoryLost(str(exc), answered=answered) from exc
-                if exc.code == CHANGE_STREAM_UNSUPPORTED:
-                    raise ConfigError(
-                        "MongoDB refused a change stream: the log needs a replica set or a "
-                        f"sharded cluster, not a standalone server ({exc})"
-                    ) from exc
-                raise
-
-    def _observe(self, operation_time: Any) -> None:
-        ct = cluster_time_of(operation_time)
-        if ct is not None and (self._observed is None or ct > self._observed):
-            self._observed = ct
-
-    def _idle_positions(
-        self, parts: dict[int, _Part], token: Mapping[str, Any] | None, last_event: Any
-    ) -> dict[int, Position]:
-        """Moves partitions that saw nothing for ``idle_advance`` to the stream's resume token,
-        so a quiet partition's checkpoint does not fall off the oplog. Only a high-water-mark
-        token (the post-batch resume token past the last event): the token of an event of
-        another partition is never stored as this partition's position."""
-        if self._idle_advance_s is None or token is None or token == last_event:
-            return {}
-        ct = token_cluster_time(token)
-        if ct is None:
-            return {}
-        moved: dict[int, Position] = {}
-        for p, s in parts.items():
-            if s.scan is None and s.ct is not None and ct[0] - s.ct[0] >= self._idle_advance_s:
-                s.ct, s.token, s.cut = ct, dict(token), False
-                moved[p] = {"token": dict(token), "cluster_time": list(ct)}
-        return moved
-
-    def _change_entry(self, change: Mapping[str, Any], parts: dict[int, _Part]) -> LogEntry | None:
-        ns = change.get("ns") or {}
-        aggregate = self._aggregate_of(str(ns.get("coll", "")))
-        doc = change.get("fullDocument")
-        if aggregate is None or not isinstance(doc, Mapping):
-            return None
-        p = partition_of(doc, self.partitions)[0]
-        if p not in parts:
-            return None  # another replica's (a commit without a regular partition reaches every stream)
-        s = parts[p]
-        token = change.get("_id")
-        ct = cluster_time_of(change.get("clusterTime")) or token_cluster_time(token)
-        if s.skips(ct, token):
-            return None
-        s.ct, s.token, s.cut = ct, token, False
-        position: Position = {"token": token, "cluster_time": list(ct) if ct else None}
-        return self._entry(position, p, aggregate, doc)
-
-    def _entry(self, position: Position, p: int, aggregate: AggregateType, doc: Mapping[str, Any]) -> LogEntry:
-        """The entry of a commit read in partition ``p`` (:func:`partition_of`'s): a commit, or
-        what is wrong with it (the commit's fields first, then its ``partition``)."""
-        try:
-            commit = commit_from_doc(aggregate, doc)
-            wrong = partition_of(doc, self.partitions)[1]
-            if wrong is not None:
-                raise InvalidInput(wrong, field="partition")
-        except (InvalidInput, ConfigError) as exc:
-            return LogEntry(position=position, partition=p, aggregate=aggregate, commit=None, raw=doc, error=str(exc))
-        return LogEntry(position=position, partition=p, aggregate=aggregate, commit=commit, raw=doc)
-
     # ------------------------------------------------------------------ checkpoints
-
-    async def checkpoints(self, consumer: str, partitions: Sequence[int]) -> dict[int, Checkpoint]:
-        if not partitions:
-            return {}
-        out: dict[int, Checkpoint] = {}
-        with self._call("checkpoints"):
-            async for d in self._checkpoints.find(checkpoint_ids_filter(consumer, partitions)):
-                p = d["_id"]["partition"]
-                out[p] = Checkpoint(
-                    consumer=consumer,
-                    partition=p,
-                    position=dict(d.get("position") or {}),
-                    fence=int(d.get("fence", 0)),
-                    written_at=int(d.get("written_at", 0)),
-                )
-        return out
-
-    async def save_checkpoints(
-        self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int
-    ) -> bool:
-        """One unordered bulk of the upserts :meth:`save_checkpoint` sends; an E11000 item (a
-        higher fence holds that partition) makes the answer False."""
-        if not positions:
-            return True
-        ops = [
-            UpdateOne(checkpoint_filter(c, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True)
-            for c in consumers_of(consumer)
-            for p, pos in sorted(positions.items())
-        ]
-        with self._call("save_checkpoint"):
-            try:
-                await self._checkpoints.bulk_write(ops, ordered=False)
-            except BulkWriteError as exc:
-                duplicate_keys(exc, "log save_checkpoints")  # a higher fence holds one
-                return False
-        return True
-
-    async def save_checkpoint(self, consumer: str, partition: int, position: Position, fence: int) -> bool:
-        """One upsert filtered on the fence guard; E11000 (a higher fence holds it) is False, but
-        E11000 with a write concern error :class:`StorageUnavailable` (:func:`write_one`)."""
-        with self._call("save_checkpoint"):
-            try:
-                await write_one(
-                    self._checkpoints,
-                    UpdateOne(
-                        checkpoint_filter(consumer, partition, fence),
-                        checkpoint_update(_bson_position(position), fence),
-                        upsert=True,
-                    ),
-                    "log.save_checkpoint",
-                )
-            except DuplicateKeyError:
-                return False
-        return True
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _batch(entries: list[LogEntry], watermark: int | None = None) -> LogBatch:
-    positions: dict[int, Position] = {}
-    for e in entries:
-        positions[e.partition] = e.position
-    return LogBatch(entries=tuple(entries), positions=positions, watermark=watermark)
-
-
-def _watermark(token: Mapping[str, Any] | None) -> int | None:
-    """The watermark of a change stream's post-batch resume token: the start (ms) of its cluster
-    time's second. Every event of the stream's partitions with an earlier cluster time has been
-    returned; a commit appended before it by the primary's clock has such a cluster time while
-    the cluster time follows that clock (it runs ahead only after the clock stepped back).
-    Second-grained: a timer fires up to about a second after its due time, plus the stream's
-    wait (``maxAwaitTimeMS``) when the log is quiet."""
-    ct = token_cluster_time(token) if token is not None else None
-    return ct[0] * 1000 if ct is not None else None
 
 
 def _probe_order(probe: tuple[int, str, str, int, str | None]) -> tuple[int, str, str, int, str]:
     """The order of the log check's branches (a stable filter for a stable set of probes)."""
     p, tenant, agg_id, version, key = probe
     return (p, tenant, agg_id, version, key if key is not None else "")
-
-
-def _buffered(stream: AsyncDatabaseChangeStream[Doc]) -> bool:
-    """Whether the stream holds more changes of the batch it received (no round trip needed).
-    PyMongo has no public API for it; without one, every change ends a batch (still correct)."""
-    cursor = getattr(stream, "_cursor", None)
-    has_next = getattr(cursor, "_has_next", None)
-    return bool(has_next()) if callable(has_next) else False
 
 
 def _duplicate_index(err: Mapping[str, Any]) -> str:
@@ -847,10 +350,86 @@ def _id_key(id_: Any) -> tuple[Any, ...]:
     return (repr(id_),)
 
 
-def _bson_position(position: Position) -> Position:
-    """A position as stored: a cluster time as ``[time, inc]`` (JSON- and BSON-friendly)."""
-    out = dict(position)
-    ct = cluster_time_of(out.get("cluster_time"))
-    if ct is not None:
-        out["cluster_time"] = list(ct)
-    return out
+def log_collection_prefix(context: str) -> str:
+    """``wow_log__<context>__``: every log collection of the context starts so (and so do those
+    of no other context: :func:`~wowd.stores.mongo._common.mongo_name`)."""
+    return f"wow_log__{mongo_name(context, field='context')}__"
+
+
+def owner_match(p: int, tenant: str, agg_id: str) -> Doc:
+    """One aggregate's commits, over the ``partition_order`` index's first two keys: the partition
+    (or none stored: the schema leaves it out, and its value is the aggregate id's) and the
+    aggregate id; the tenant (or none stored, for the default tenant: the schema's default)."""
+    return {
+        "partition": {"$in": [p, None]},
+        "aggregate_id": agg_id,
+        "tenant_id": {"$in": [tenant, None]} if tenant == DEFAULT_TENANT else tenant,
+    }
+
+
+def stored_tenant(doc: Mapping[str, Any]) -> Any:
+    """A commit's tenant as :func:`owner_match` matches it (none stored: the default tenant)."""
+    tenant = doc.get("tenant_id")
+    return DEFAULT_TENANT if tenant is None else tenant
+
+
+def last_version_query(ref: AggregateRef, partitions: int) -> tuple[Doc, Doc]:
+    """``(filter, sort)`` of the read of one aggregate's highest version: :func:`owner_match`
+    (two point intervals on the ``partition_order`` index's first key, one on its second),
+    sorted on its third (the two scans merged in version order), of the integer versions only (a
+    string sorts above every number: a commit whose version is no integer is the reader's to
+    refuse, never the aggregate's last version)."""
+    query = {**owner_match(partition(ref.id, partitions), ref.tenant_id, ref.id), "version": {"$type": ["int", "long"]}}
+    return query, {"version": -1}
+
+
+TIMER_EVENTS = ("TimerScheduled", "TimerCancelled")
+"""The events that write a timer of the view by its key (docs/schema.md)."""
+
+
+COMMITTED_AFTER_PROJECTION: Doc = {
+    "_id": 0,
+    "tenant_id": 1,
+    "aggregate_id": 1,
+    "version": 1,
+    "deleted": 1,
+    "events.name": 1,
+    "events.body.key": 1,
+}
+"""What the log check reads of a commit it finds: its aggregate, version and what it does to
+timers (no event bodies)."""
+
+
+def committed_after_filter(probes: Sequence[tuple[int, str, str, int, str | None]]) -> Doc:
+    """The filter of the log check of one log collection: per probe ``(partition, tenant, id,
+    version, key)``, the aggregate's commits (:func:`owner_match`: also those stored without
+    ``partition`` or, for the default tenant, without ``tenant_id``) above ``version`` that
+    schedule or cancel ``key`` or delete the aggregate (any commit with ``key`` ``None``); each
+    branch point intervals on the ``partition_order`` index's first two keys and a range on its
+    third; on a sharded cluster each branch's aggregate id (the log's shard key) names the one
+    shard that holds its commits."""
+    branches: list[Doc] = []
+    for p, tenant, agg_id, version, key in probes:
+        branch: Doc = {**owner_match(p, tenant, agg_id), "version": {"$gt": version}}
+        if key is not None:
+            branch["$or"] = [
+                {"deleted": True},
+                {"events": {"$elemMatch": {"name": {"$in": list(TIMER_EVENTS)}, "body.key": key}}},
+            ]
+        branches.append(branch)
+    return {"$or": branches}
+
+
+def changes_timer(doc: Mapping[str, Any], key: str | None) -> bool:
+    """Whether a commit the log check found may change the timer ``key`` of its aggregate."""
+    if key is None or doc.get("deleted") is True:
+        return True
+    events = doc.get("events")
+    if not isinstance(events, list):
+        return False
+    for e in events:
+        if isinstance(e, Mapping) and e.get("name") in TIMER_EVENTS:
+            body = e.get("body")
+            if isinstance(body, Mapping) and body.get("key") == key:
+                return True
+    return False

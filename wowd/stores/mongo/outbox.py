@@ -18,7 +18,6 @@ import logging
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
 
 from pymongo import AsyncMongoClient, InsertOne, UpdateOne
 from pymongo.errors import BulkWriteError, DuplicateKeyError
@@ -29,10 +28,12 @@ from wowd.stores.base import OUTBOX_TAKE_LEASE, Ddl
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     CollectionStore,
+    Doc,
     duplicate_keys,
     outbox_collection,
     write_one,
 )
+from wowd.stores.mongo.schema import outbox_indexes
 
 __all__ = [
     "FREE",
@@ -45,16 +46,8 @@ __all__ = [
     "trim_filter",
 ]
 
-Doc = dict[str, Any]
 
 logger = logging.getLogger(__name__)
-
-
-def outbox_indexes() -> list[Doc]:
-    return [
-        {"key": {"request_id": 1}, "name": "request_id", "unique": True},
-        {"key": {"created_at": 1}, "name": "created_at"},
-    ]
 
 
 FREE: Doc = {"$expr": {"$lte": ["$lease_until", "$$NOW"]}}

@@ -48,13 +48,11 @@ from wowd.model import (
     AggregateType,
     SnapshotRecord,
     SnapshotSaveOutcome,
-    SnapshotTable,
 )
 from wowd.stores.formats import too_new
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     DUPLICATE_KEY,
-    FORMAT,
     NAMESPACE_EXISTS,
     SNAPSHOT_TABLES,
     TRANSIENT_CODES,
@@ -68,6 +66,13 @@ from wowd.stores.mongo._common import (
     split_to_fit,
     write_one,
 )
+from wowd.stores.mongo.schema import (
+    FORMAT,
+    literal,
+    snapshot_index_specs,
+    snapshot_shard_key,
+    table_format_update,
+)
 
 __all__ = [
     "CODEC_OPTIONS",
@@ -76,23 +81,16 @@ __all__ = [
     "TABLES",
     "DecimalCodec",
     "MongoSnapshotStore",
-    "claim_update",
+    "SnapshotCollections",
+    "encodable",
     "conditional_upsert_filter",
-    "index_specs",
     "load_many_filter",
-    "mark_filter",
     "mark_stale_update",
-    "mark_update",
-    "pending_filter",
-    "pending_sort",
     "record_from_doc",
-    "rewrite_filter",
-    "shard_key",
     "snapshot_filter",
     "snapshot_pipeline",
     "stale_filter",
     "stale_update",
-    "table_format_update",
 ]
 
 log = logging.getLogger(__name__)
@@ -147,26 +145,16 @@ _UNENCODABLE = (BSONError, OverflowError, ArithmeticError, TypeError, ValueError
 """What encoding a value BSON cannot hold raises (``decimal.Inexact`` is an ArithmeticError)."""
 
 
-def _lit(value: Any) -> dict[str, Any]:
-    """A value given to an update pipeline as data: a string starting with ``$`` or a key
-    starting with ``$`` in the state is not read as a field path or an operator."""
-    return {"$literal": value}
-
-
-def _now_ms() -> dict[str, Any]:
-    return {"$toLong": "$$NOW"}
-
-
 # --------------------------------------------------------------------------- query builders
 
 
-def _key(ref: AggregateRef) -> dict[str, Any]:
+def snapshot_key(ref: AggregateRef) -> dict[str, Any]:
     return {"t": ref.tenant_id, "a": ref.id}
 
 
 def snapshot_filter(ref: AggregateRef) -> dict[str, Any]:
     """The document of ``ref``: its key and the shard key fields."""
-    return {"_id": _key(ref), "tenant_id": ref.tenant_id, "aggregate_id": ref.id}
+    return {"_id": snapshot_key(ref), "tenant_id": ref.tenant_id, "aggregate_id": ref.id}
 
 
 def load_many_filter(refs: Sequence[AggregateRef]) -> dict[str, Any]:
@@ -174,7 +162,7 @@ def load_many_filter(refs: Sequence[AggregateRef]) -> dict[str, Any]:
     point per ref), with the shard key fields' ``$in`` beside it, so that on a sharded collection
     ``mongos`` asks only the shards owning those keys (as :func:`snapshot_filter` for one)."""
     return {
-        "_id": {"$in": [_key(r) for r in refs]},
+        "_id": {"$in": [snapshot_key(r) for r in refs]},
         "tenant_id": {"$in": sorted({r.tenant_id for r in refs})},
         "aggregate_id": {"$in": sorted({r.id for r in refs})},
     }
@@ -205,18 +193,18 @@ def snapshot_pipeline(snapshot: SnapshotRecord, *, rewrite: bool = False) -> lis
     return [
         {
             "$replaceWith": {
-                "_id": _lit(_key(ref)),
-                "tenant_id": _lit(ref.tenant_id),
-                "aggregate_id": _lit(ref.id),
-                "version": _lit(v),
-                "state_revision": _lit(snapshot.state_revision),
-                "state": _lit(dict(snapshot.state)),
-                "owner_id": _lit(snapshot.owner_id),
-                "space_id": _lit(snapshot.space_id),
-                "access": _lit(access),
-                "access_version": _lit(snapshot.access_version),
-                "deleted": _lit(snapshot.deleted),
-                "event_time": _lit(snapshot.event_time),
+                "_id": literal(snapshot_key(ref)),
+                "tenant_id": literal(ref.tenant_id),
+                "aggregate_id": literal(ref.id),
+                "version": literal(v),
+                "state_revision": literal(snapshot.state_revision),
+                "state": literal(dict(snapshot.state)),
+                "owner_id": literal(snapshot.owner_id),
+                "space_id": literal(snapshot.space_id),
+                "access": literal(access),
+                "access_version": literal(snapshot.access_version),
+                "deleted": literal(snapshot.deleted),
+                "event_time": literal(snapshot.event_time),
                 "stale_version": stale,
             }
         }
@@ -241,111 +229,6 @@ def stale_update(snapshot: SnapshotRecord) -> dict[str, Any]:
 def mark_stale_update() -> list[dict[str, Any]]:
     """``stale_version`` = its version + 1, unless already later."""
     return [{"$set": {"stale_version": {"$max": [{"$ifNull": ["$stale_version", 0]}, {"$add": ["$version", 1]}]}}}]
-
-
-def rewrite_filter(snapshot: SnapshotRecord) -> dict[str, Any]:
-    """The guard of a rewrite in place: a lower stored state revision at a version not above the
-    new one, or the same state revision at a lower version."""
-    return {
-        **snapshot_filter(snapshot.ref),
-        "$or": [
-            {"state_revision": {"$lt": snapshot.state_revision}, "version": {"$lte": snapshot.version}},
-            {"state_revision": snapshot.state_revision, "version": {"$lt": snapshot.version}},
-        ],
-    }
-
-
-def pending_filter(revision: int, after: AggregateRef | None) -> dict[str, Any]:
-    """Snapshots below ``revision``, after the key of ``after`` (documents compare field by
-    field, ``t`` then ``a``: the key order)."""
-    query: dict[str, Any] = {"state_revision": {"$lt": revision}}
-    if after is not None:
-        query["_id"] = {"$gt": _key(after)}
-    return query
-
-
-def pending_sort() -> dict[str, int]:
-    return {"_id": 1}
-
-
-def index_specs(*, sharded: bool = False) -> list[dict[str, Any]]:
-    """The indexes of a snapshot collection (createIndexes' ``indexes``): the two partial ones,
-    and on a sharded collection the shard key's (not unique: ``_id`` alone keeps it unique)."""
-    partial = {"deleted": False}
-    specs: list[dict[str, Any]] = [
-        {
-            "key": {"tenant_id": 1, "owner_id": 1},
-            "name": "tenant_id_1_owner_id_1",
-            "partialFilterExpression": partial,
-        },
-        {
-            "key": {"tenant_id": 1, "space_id": 1},
-            "name": "tenant_id_1_space_id_1",
-            "partialFilterExpression": partial,
-        },
-    ]
-    if sharded:
-        specs.append({"key": shard_key(), "name": "tenant_id_1_aggregate_id_hashed"})
-    return specs
-
-
-def shard_key() -> dict[str, Any]:
-    """The shard key of a sharded snapshot collection: the tenant, then the hashed aggregate id
-    (every write's filter names both)."""
-    return {"tenant_id": 1, "aggregate_id": "hashed"}
-
-
-def table_format_update(type: AggregateType) -> list[dict[str, Any]]:
-    """The format record of a type's collection (upsert): recorded when missing, kept otherwise,
-    so the answer tells which format the collection holds."""
-    return [
-        {
-            "$set": {
-                "context": _lit(type.context),
-                "aggregate": _lit(type.aggregate),
-                "format": {"$ifNull": ["$format", FORMAT]},
-                "created_at": {"$ifNull": ["$created_at", _now_ms()]},
-            }
-        }
-    ]
-
-
-def claim_update(type: AggregateType, revision: int, lower: bool) -> list[dict[str, Any]]:
-    """Records ``revision`` when higher than the stored one (or different, with ``lower``);
-    a new claim starts neither rebuilding nor backfilled. Same revision: unchanged."""
-    stored = {"$ifNull": ["$revision", None]}
-    takes: dict[str, Any] = (
-        {"$ne": [stored, revision]} if lower else {"$or": [{"$eq": [stored, None]}, {"$lt": [stored, revision]}]}
-    )
-    return [
-        {"$set": {"_claim": takes}},
-        {
-            "$set": {
-                "context": _lit(type.context),
-                "aggregate": _lit(type.aggregate),
-                "format": {"$ifNull": ["$format", FORMAT]},
-                "created_at": {"$ifNull": ["$created_at", _now_ms()]},
-                "revision": {"$cond": ["$_claim", revision, "$revision"]},
-                "rebuilding": {"$cond": ["$_claim", False, {"$ifNull": ["$rebuilding", False]}]},
-                "backfilled": {"$cond": ["$_claim", False, {"$ifNull": ["$backfilled", False]}]},
-                "updated_at": {"$cond": ["$_claim", _now_ms(), {"$ifNull": ["$updated_at", _now_ms()]}]},
-            }
-        },
-        {"$unset": "_claim"},
-    ]
-
-
-def mark_filter(name: str, revision: int) -> dict[str, Any]:
-    return {"_id": name, "revision": revision}
-
-
-def mark_update(rebuilding: bool | None, backfilled: bool | None) -> list[dict[str, Any]]:
-    fields: dict[str, Any] = {"updated_at": _now_ms()}
-    if rebuilding is not None:
-        fields["rebuilding"] = rebuilding
-    if backfilled is not None:
-        fields["backfilled"] = backfilled
-    return [{"$set": fields}]
 
 
 # --------------------------------------------------------------------------- readers
@@ -378,19 +261,7 @@ def record_from_doc(type: AggregateType, doc: Mapping[str, Any]) -> SnapshotReco
         raise StorageError(f"mongodb snapshot {doc.get('_id')!r} of {type}: malformed ({exc!r})") from exc
 
 
-def _table_from_doc(type: AggregateType, doc: Mapping[str, Any] | None) -> SnapshotTable | None:
-    if doc is None or doc.get("revision") is None:
-        return None
-    return SnapshotTable(
-        type=type,
-        revision=int(doc["revision"]),
-        rebuilding=bool(doc.get("rebuilding", False)),
-        backfilled=bool(doc.get("backfilled", False)),
-        updated_at=int(doc.get("updated_at", 0)),
-    )
-
-
-def _encodable(statement: Mapping[str, Any]) -> str | None:
+def encodable(statement: Mapping[str, Any]) -> str | None:
     """Why ``statement`` cannot be sent as BSON, or None when it can."""
     try:
         size = len(bson.encode(statement, codec_options=CODEC_OPTIONS))
@@ -410,12 +281,13 @@ class _Item:
 # --------------------------------------------------------------------------- the store
 
 
-class MongoSnapshotStore(MongoStore):
-    """The :class:`~wowd.stores.base.SnapshotStore` of one context on MongoDB, and its own
-    :class:`~wowd.stores.base.SnapshotRebuildStore` (it rewrites snapshots in place).
+class SnapshotCollections(MongoStore):
+    """The snapshot collections of one context on MongoDB (the base of the snapshots and of their
+    rebuild control plane): each type's collection with its format record and indexes.
 
     The :class:`~wowd.stores.mongo._common.MongoStore` constructor (client or URI, database,
-    ``operation_timeout``). Nothing happens in the constructor; a type's collection is created
+    ``operation_timeout``); ``shared_with``: another store of the same collections whose made-sure
+    collections this one shares. Nothing happens in the constructor; a type's collection is created
     (with its format record and indexes, as ``ddl`` says) the first time the store touches the
     type, or by :meth:`create_collection`. A failure of the database is raised: network and
     election errors as :class:`~wowd.errors.StorageUnavailable`, others as
@@ -433,18 +305,16 @@ class MongoSnapshotStore(MongoStore):
         ddl: Ddl = Ddl.AUTO,
         sharding: MongoSharding = MongoSharding.AUTO,
         operation_timeout: timedelta | None = DEFAULT_OPERATION_TIMEOUT,
+        shared_with: SnapshotCollections | None = None,
     ) -> None:
         self.context = mongo_name(context, field="context")
         super().__init__(client_or_uri, database_name, operation_timeout=operation_timeout, codec_options=CODEC_OPTIONS)
         self._ddl = Ddl(ddl)
         self._sharding = MongoSharding(sharding)
-        self._ready: set[str] = set()
+        self._ready: set[str] = set() if shared_with is None else shared_with._ready
+        """Collections made sure of (shared with ``shared_with``: the snapshots and their rebuild
+        control plane of a backend make sure of a type's collection once)."""
         self._ddl_lock: anyio.Lock | None = None
-
-    @property
-    def rebuilds(self) -> MongoSnapshotStore:
-        """This store rewrites its snapshots in place: it is its own rebuild control plane."""
-        return self
 
     # ------------------------------------------------------------------ plumbing
 
@@ -526,16 +396,18 @@ class MongoSnapshotStore(MongoStore):
             if exc.code != NAMESPACE_EXISTS:
                 raise
         sharded = await self._is_sharded(self._sharding)
-        await self._create_indexes(name, index_specs(sharded=sharded), log)
+        await self._create_indexes(name, snapshot_index_specs(sharded=sharded), log)
         if sharded:
             # the shard key's index exists first, so a collection that already holds snapshots
             # (created unsharded) can be sharded too; shardCollection is idempotent on 7.0
-            await self._shard_collection(name, shard_key(), self._sharding, log, what="snapshot", bounded=False)
+            await self._shard_collection(
+                name, snapshot_shard_key(), self._sharding, log, what="snapshot", bounded=False
+            )
 
     async def _validate(self, name: str) -> None:
         # a missing collection lists no indexes (PyMongo answers NamespaceNotFound as empty)
         found = {ix["name"]: ix async for ix in await self._db.get_collection(name).list_indexes()}
-        for spec in index_specs():
+        for spec in snapshot_index_specs():
             ix = found.get(spec["name"])
             if (
                 ix is None
@@ -544,7 +416,14 @@ class MongoSnapshotStore(MongoStore):
             ):
                 raise FormatError(f"mongodb {name}: index {spec['name']} is missing or differs (ddl=validate)")
 
-    # ------------------------------------------------------------------ SnapshotStore
+    def _check_type(self, type: AggregateType) -> None:
+        if type.context != self.context:
+            raise InvalidInput(f"{type} is not of context {self.context!r}", field="type.context")
+
+
+class MongoSnapshotStore(SnapshotCollections):
+    """:class:`~wowd.stores.base.SnapshotStore` of one context on MongoDB (the constructor of
+    :class:`SnapshotCollections`)."""
 
     async def load(self, ref: AggregateRef) -> SnapshotRecord | None:
         self._check_ref(ref)
@@ -579,7 +458,7 @@ class MongoSnapshotStore(MongoStore):
         """One conditional upsert (see :meth:`_conditional_upsert`). A state BSON cannot hold
         raises :class:`~wowd.errors.InvalidInput` naming the snapshot."""
         self._check_ref(snapshot.ref)
-        reason = _encodable({"q": conditional_upsert_filter(snapshot), "u": snapshot_pipeline(snapshot)})
+        reason = encodable({"q": conditional_upsert_filter(snapshot), "u": snapshot_pipeline(snapshot)})
         if reason is not None:
             raise InvalidInput(f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state")
         await self._ensure(snapshot.ref.aggregate)
@@ -657,7 +536,7 @@ class MongoSnapshotStore(MongoStore):
         requests: list[UpdateOne] = []
         for item in items:
             q, u = conditional_upsert_filter(item.snapshot), snapshot_pipeline(item.snapshot)
-            reason = _encodable({"q": q, "u": u})
+            reason = encodable({"q": q, "u": u})
             if reason is not None:
                 log.warning(
                     "snapshot %s at version %s not saved: %s",
@@ -713,92 +592,6 @@ class MongoSnapshotStore(MongoStore):
         with self._call("mark_stale"):
             result = await self._collection(ref.aggregate).update_one(snapshot_filter(ref), mark_stale_update())
         return result.matched_count > 0
-
-    # ------------------------------------------------------------------ SnapshotRebuildStore
-
-    async def claim(self, type: AggregateType, revision: int, lower: bool = False) -> SnapshotTable:
-        self._check_type(type)
-        await self._ensure(type.aggregate)
-        name = self.collection_name(type.aggregate)
-        with self._call("claim"):
-            doc = await self._tables.find_one_and_update(
-                {"_id": name},
-                claim_update(type, revision, lower),
-                upsert=True,
-                return_document=ReturnDocument.AFTER,
-            )
-        table = _table_from_doc(type, doc)
-        if table is None:  # pragma: no cover - the upsert always answers the document
-            raise StorageError(f"mongodb snapshots claim: no table document for {name}")
-        return table
-
-    async def mark(
-        self,
-        type: AggregateType,
-        revision: int,
-        rebuilding: bool | None = None,
-        backfilled: bool | None = None,
-    ) -> SnapshotTable | None:
-        self._check_type(type)
-        name = self.collection_name(type.aggregate)
-        with self._call("mark"):
-            doc = await self._tables.find_one_and_update(
-                mark_filter(name, revision),
-                mark_update(rebuilding, backfilled),
-                return_document=ReturnDocument.AFTER,
-            )
-        return _table_from_doc(type, doc)
-
-    async def table(self, type: AggregateType) -> SnapshotTable | None:
-        self._check_type(type)
-        with self._call("table"):
-            doc = await self._tables.find_one({"_id": self.collection_name(type.aggregate)})
-        return _table_from_doc(type, doc)
-
-    async def pending(
-        self, type: AggregateType, revision: int, after: AggregateRef | None, limit: int
-    ) -> list[AggregateRef]:
-        self._check_type(type)
-        if limit <= 0:
-            return []
-        await self._ensure(type.aggregate)
-        with self._call("pending"):
-            cursor = self._collection(type.aggregate).find(
-                pending_filter(revision, after),
-                projection={"_id": 1},
-                sort=pending_sort(),
-                limit=limit,
-            )
-            docs = await cursor.to_list()
-        return [
-            AggregateRef(context=type.context, aggregate=type.aggregate, tenant_id=d["_id"]["t"], id=d["_id"]["a"])
-            for d in docs
-        ]
-
-    async def rewrite(self, snapshot: SnapshotRecord) -> bool:
-        """Writes a rebuilt snapshot in place under :func:`rewrite_filter` (one conditional
-        upsert, like the embedded store: a missing snapshot is written; E11000 means the guard
-        refused it); clears the stale mark."""
-        self._check_ref(snapshot.ref)
-        q, u = rewrite_filter(snapshot), snapshot_pipeline(snapshot, rewrite=True)
-        reason = _encodable({"q": q, "u": u})
-        if reason is not None:
-            raise InvalidInput(f"snapshot of {snapshot.ref} at version {snapshot.version}: {reason}", field="state")
-        await self._ensure(snapshot.ref.aggregate)
-        with self._call("rewrite"):
-            try:
-                await write_one(
-                    self._collection(snapshot.ref.aggregate), UpdateOne(q, u, upsert=True), "snapshots.rewrite"
-                )
-            except OperationFailure as exc:
-                if is_duplicate_key(exc):
-                    return False
-                raise
-        return True
-
-    def _check_type(self, type: AggregateType) -> None:
-        if type.context != self.context:
-            raise InvalidInput(f"{type} is not of context {self.context!r}", field="type.context")
 
 
 def _outcome(snapshot: SnapshotRecord, status: Literal["saved", "unchanged"]) -> SnapshotSaveOutcome:

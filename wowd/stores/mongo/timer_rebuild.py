@@ -1,15 +1,19 @@
-"""A rebuild of the timer view on MongoDB: shadow collections beside the live ones, renamed in
-while the slots are held (``wowd timers rebuild``; the replay itself is the caller's,
-:mod:`wowd.daemon.timer_rebuild`).
+"""A rebuild of the timer view on MongoDB (:class:`~wowd.stores.base.TimerViewRebuild`, driven by
+:mod:`wowd.daemon.timer_rebuild`): shadow collections beside the live ones, renamed in while the
+slots are held.
 
 - **Lock.** One document per context in ``wow_timer_rebuild`` (``{_id: context, owner,
   startedAt, expiresAt}``, times on the store clock): a second rebuild is refused while the
   document is another live owner's. The owner renews it as it goes; an owner of this host whose
   process is gone (a rebuild killed) holds nothing.
 - **Shadow.** ``wow_timer_shadow__<context>__<aggregate>``, registered in
-  ``wow_timer_shadow_aggregate``: a :class:`~wowd.stores.mongo.timers.MongoTimerStore` of those
-  names (the same indexes and sharding), dropped and made anew by :meth:`MongoTimerRebuild.begin`.
-  The replay writes into it with the timer store's own writes.
+  ``wow_timer_shadow_aggregate``: a :class:`~wowd.stores.mongo.timer_view.MongoTimerView` of
+  those names (the same indexes and sharding), dropped and made anew by
+  :meth:`MongoTimerRebuild.begin`.
+- **Replay.** The context's log from its start (every partition, in log order per aggregate:
+  :meth:`~wowd.stores.base.Log.read`) through the projection into the shadow, written with the
+  timer view's own writes, until every partition's read has passed the majority commit point
+  taken before it.
 - **Changes.** From before the first carry-over, a change stream on the live timer collections
   records the ``_id`` of every timer written meanwhile (:meth:`MongoTimerRebuild.changes`): the
   finish carries those again, not the whole old view.
@@ -20,7 +24,10 @@ while the slots are held (``wowd timers rebuild``; the replay itself is the call
   claim of the old document then writes nothing).
   One-shot timers the outbox holds an entry of become DONE tombstones; one-shot timers due before
   the tombstone retention become FAILED as "expired, state unknown" (unless asked to fire them).
-- **Swap.** While the slots are held (no replica works on them: :meth:`MongoSlotLeaseStore.hold`),
+- **Swap.** While the slots are held (no replica works on them: the leases'
+  :class:`~wowd.stores.base.SlotHold`), the shadow catches up to the log's head (what the feed
+  applied since the replay), the old view's documents written since the carry-over (the change
+  stream's) are carried again, and
   each shadow collection is renamed over its live collection (``renameCollection`` with
   ``dropTarget``: one atomic step per collection) and recorded in the live registry. A rebuild
   killed at any point leaves the live view as it was (its hold lapses).
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,11 +49,13 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure
 from wowd import clock
 from wowd.errors import LeaseLost, StorageError
 from wowd.fmt import iso_ms
-from wowd.model import TimerStatus, request_id_for
+from wowd.model import Position, TimerStatus, request_id_for
+from wowd.stores.base import Log, Projection
 from wowd.stores.mongo._common import MongoStore, duplicate_keys, outbox_collection
-from wowd.stores.mongo.log_queries import cluster_time_command, cluster_time_of
-from wowd.stores.mongo.timer_queries import TOMBSTONES, registry_claim
-from wowd.stores.mongo.timers import MongoTimerStore
+from wowd.stores.mongo.log_read import cluster_time_command, cluster_time_of
+from wowd.stores.mongo.schema import LOCK_COLLECTION, SHADOW_KIND, SHADOW_REGISTRY, TOMBSTONES, registry_claim
+from wowd.stores.mongo.timer_docs import TimerDocuments
+from wowd.stores.mongo.timer_view import MongoTimerView
 from wowd.stores.timer_rebuild import (
     EXPIRED_LISTED,
     EXPIRED_REASON,
@@ -58,9 +67,8 @@ from wowd.stores.timer_rebuild import (
 )
 
 __all__ = [
-    "LOCK_COLLECTION",
-    "SHADOW_KIND",
-    "SHADOW_REGISTRY",
+    "BATCH",
+    "REPLAY_BATCH",
     "Changes",
     "MongoTimerRebuild",
     "carry_operation",
@@ -71,15 +79,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LOCK_COLLECTION = "wow_timer_rebuild"
-"""One document per context whose timer view is being rebuilt."""
-SHADOW_KIND = "timer_shadow"
-"""The shadow collections' kind: ``wow_timer_shadow__<context>__<aggregate>``."""
-SHADOW_REGISTRY = "wow_timer_shadow_aggregate"
-"""The registry of the shadow collections."""
 BATCH = 200
 """Documents read or written per command by the carry-over and the outbox's look-up (small
 commands: the replicas' lease renewals and deliveries go on beside them)."""
+REPLAY_BATCH = 500
+"""Commits read per batch of the replay, whose timer writes go in one bulk per collection: a
+rebuild shares the server with the replicas, whose lease renewals must not wait behind it."""
 
 
 def _key_of(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,16 +168,33 @@ class Changes:
 
 
 class MongoTimerRebuild(MongoStore):
-    """The shadow collections, their lock and their swap (module docstring)."""
+    """The shadow collections, their lock, their replay and their swap (module docstring), on
+    the client of ``timers`` (the live view), replaying ``log`` through ``project``; only
+    ``aggregate``'s timers rebuilt when given."""
 
     _label = "timer_rebuild"
+    shadow = "the shadow collections wow_timer_shadow__*"
+    holds_slots = True
+    pause = "the slots held"
 
-    def __init__(self, timers: MongoTimerStore, *, database_name: str, owner: str | None = None) -> None:
+    def __init__(
+        self,
+        timers: TimerDocuments,
+        log: Log,
+        *,
+        database_name: str,
+        project: Projection,
+        aggregate: str | None,
+        owner: str | None = None,
+    ) -> None:
         super().__init__(timers.client, database_name, operation_timeout=timers.operation_timeout)
         self._timers = timers
+        self._log = log
+        self._project = project
+        self._aggregate = aggregate
         self.context = timers.context
         self.owner = owner or lock_owner()
-        self.shadow = MongoTimerStore(
+        self.shadow_view = MongoTimerView(
             timers.client,
             database_name,
             context=timers.context,
@@ -185,6 +207,8 @@ class MongoTimerRebuild(MongoStore):
         )
         self._lock = self._db[LOCK_COLLECTION]
         self._shadow_registry = self._db[SHADOW_REGISTRY]
+        self._positions: dict[int, Position | None] = dict.fromkeys(range(timers.partitions))
+        self._changes: Changes | None = None
 
     # ---- the lock
 
@@ -229,9 +253,88 @@ class MongoTimerRebuild(MongoStore):
     # ---- the shadow
 
     async def begin(self) -> None:
-        """New, empty shadow collections (the leftovers of an interrupted rebuild are dropped)."""
+        """New, empty shadow collections (the leftovers of an interrupted rebuild are dropped);
+        the commits to replay are not counted (``None``)."""
         await self.drop_shadow()
-        await self.shadow.prepare()
+        await self.shadow_view.prepare()
+        self._positions = dict.fromkeys(range(self._timers.partitions))
+
+    async def replay(self, *, batch_size: int | None = None, workers: int | None = None) -> AsyncIterator[int]:
+        """The log from its start into the shadow until every partition's read has passed the
+        majority commit point taken now (:meth:`_replay`); ``workers`` aside (one process)."""
+        async for n in self._replay(await self.majority_time_ms(), batch_size or REPLAY_BATCH):
+            yield n
+
+    async def _replay(self, bound_ms: int, batch_size: int) -> AsyncIterator[int]:
+        """The log after the positions read so far into the shadow until every partition's read
+        has passed ``bound_ms`` (a watermark at or past it: every commit before it was read) or
+        the read is at the log's head, whichever first (producers go on appending meanwhile);
+        the positions move on. Yields the commits read after each batch is written."""
+        positions = self._positions
+        everyone = frozenset(positions)
+        passed: set[int] = set()
+        batches = self._log.read(dict(positions), batch_size=batch_size, follow=False)
+        try:
+            async for batch in batches:
+                positions.update(batch.positions)
+                writes = self._project([e for e in batch.entries if e.commit is not None])
+                if writes:
+                    await self.shadow_view.write(writes)
+                yield len(batch.entries)
+                if batch.watermark is not None and batch.watermark >= bound_ms:
+                    passed |= batch.covers if batch.covers is not None else everyone
+                    if passed >= everyone:
+                        break
+        finally:
+            await batches.aclose()  # type: ignore[attr-defined]
+
+    @asynccontextmanager
+    async def finishing(self, *, expired_before: int | None, result: Finished) -> AsyncIterator[None]:
+        """A change stream on the live timer collections opened first (:meth:`changes`), then,
+        the replicas going on: one-shot timers due before ``expired_before`` FAILED as expired,
+        those the outbox holds DONE tombstones, the old view carried over (:meth:`carry`); the
+        stream records what the old view is written until the block ends."""
+        async with self.changes(self.context) as changes:
+            self._changes = changes
+            if expired_before is not None:
+                await self.expire(expired_before)
+            await self.outbox_fired(result)
+            names = await self.live_names(self._aggregate)
+            result.old_view = await self.old_view_exists(names)
+            await self.carry(names, result)
+            try:
+                yield
+            finally:
+                self._changes = None
+
+    async def finish(self, *, swap: bool, result: Finished, tick: Callable[[], Awaitable[None]]) -> None:
+        """With the slots held: the shadow catches up to the log's head (the majority commit
+        point taken now), the old view's documents written since the carry-over are carried
+        again (the change stream's, once it passed a marker written now), the outbox looked at
+        again, the new view counted, and each shadow collection renamed over its live one (a
+        dry run drops the shadow instead)."""
+        changes = self._changes
+        assert changes is not None, "finish runs within finishing"
+        bound = await self.majority_time_ms()  # every commit the feeds applied is below it
+        async for n in self._replay(bound, REPLAY_BATCH):
+            result.caught_up += n
+            await tick()
+        await tick()
+        await self.mark(changes)
+        names = await self.live_names(self._aggregate)
+        await self.carry(names, result, ids=changes.ids)
+        await self.outbox_fired(result)
+        await self.count(self._aggregate, result)
+        if not swap:
+            await self.drop_shadow()
+            return
+        await tick()
+        await self.swap(self._aggregate)
+        result.swapped = True
+
+    async def abort(self) -> None:
+        """Drops the shadow (the live view is left as it is)."""
+        await self.drop_shadow()
 
     async def drop_shadow(self) -> None:
         """Drops the context's shadow collections and their registry records."""
@@ -328,7 +431,7 @@ class MongoTimerRebuild(MongoStore):
         """The old view's documents into the shadow (:func:`carry_operation`): every one of the
         live collections ``names`` (name -> aggregate), or only those of ``ids`` (by collection)."""
         for name, aggregate in sorted(names.items()):
-            shadow = self._db[self.shadow.collection_name(aggregate)]
+            shadow = self._db[self.shadow_view.collection_name(aggregate)]
             wanted = None if ids is None else sorted(ids.get(name, ()), key=str)
             if wanted is not None and not wanted:
                 continue
