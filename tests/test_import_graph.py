@@ -34,6 +34,12 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The syntax tree of a module, parsed once for every test here."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
@@ -64,7 +70,7 @@ def _imports(name: str, path: Path) -> set[str]:
         for child in ast.iter_child_nodes(node):
             visit(child)
 
-    visit(ast.parse(path.read_text(), str(path)))
+    visit(_tree(path))
     return {m for m in found if m in MODULES and m != name}
 
 
@@ -159,7 +165,7 @@ def test_the_protocol_layer_names_no_backend() -> None:
 def _all_imports(path: Path) -> set[str]:
     """Every module a file names in an import, those only a type checker reads included."""
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -172,7 +178,7 @@ def _backend_branches(path: Path) -> list[str]:
     backend's name (``... == "embedded"``) in a file, by line."""
     names = {"embedded", "mongo"}
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, (ast.Compare, ast.Match)):
             sides = [node.subject] if isinstance(node, ast.Match) else [node.left, *node.comparators]
             if any(isinstance(x, ast.Attribute) and x.attr == "backend" for x in sides) or any(
@@ -227,7 +233,7 @@ helper it needs beside them lives outside ``wowd.daemon`` (the gateways in ``wow
 
 def _names_from_daemon(path: Path) -> set[tuple[str, str]]:
     found: set[tuple[str, str]] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.update((a.name, "*") for a in node.names if a.name.startswith("wowd.daemon"))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wowd.daemon"):
@@ -263,7 +269,7 @@ def test_the_dependencies_declared_are_the_ones_imported() -> None:
     declared = {_distribution(r) for r in project["dependencies"]}
     top_level: set[str] = set()
     for path in MODULES.values():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Import):
                 top_level.update(a.name.partition(".")[0] for a in node.names)
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
@@ -327,7 +333,7 @@ def test_each_module_of_a_backend_implements_one_store_protocol_at_most() -> Non
 def test_the_timer_loops_run_is_short_and_knows_no_backend() -> None:
     """``TimerLoop.run`` reads as the loop it is: what differs per backend is the round strategy
     chosen where the backend is assembled, not a branch in the loop."""
-    tree = ast.parse(MODULES["wowd.daemon.timers"].read_text())
+    tree = _tree(MODULES["wowd.daemon.timers"])
     loop = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TimerLoop")
     run = next(n for n in loop.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "run")
     assert run.end_lineno is not None and run.end_lineno - run.lineno + 1 < 60

@@ -71,14 +71,15 @@ async def fire(
     how many of a single group are delivered, when not all)."""
     settings = TimerSettings(tombstone_retention_s=RETENTION_S)
     loop = replace(firing(store.firing, gateway, settings), history=history).loop()
-    held = held_slot(PARTS)
+    held, waker = held_slot(PARTS), caught_up_waker()
     fired = 0
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
+            await tg.start(loop.run, held, waker)
             for group in groups:
                 for t in group:
                     assert await store.view.put(t)
+                    waker.maybe_wake(t.due_at)  # as the feed does after a put
                 fired += len(group) if expect is None else expect
                 await gateway.until_fired(fired)
                 await eventually(partial(settled, store, group), 5, "the group settled")
