@@ -75,22 +75,29 @@ GROUPS: dict[str, Group] = {
     ),
     # retries and their backoff
     "retry": Group(("wowd/retry.py",), ("tests/test_retrying.py", "tests/test_retry.py")),
-    # firing: the fire rule and its rounds (claims and settles, the outbox shortcut's round, the
-    # tombstone sweep), the timer loop's plan and the log's watermark; then the slot keeper's timing
-    "fire-gate": Group(
-        (
-            "wowd/daemon/firing.py",
-            "wowd/daemon/waker.py",
-            "wowd/daemon/timer_plan.py",
-            "wowd/daemon/timers.py",
-            "wowd/stores/embedded/timer_firing.py",
-        ),
+    # firing: the embedded store's claims, settles, the outbox shortcut's round and the tombstone
+    # sweep; the fire rule and its rounds, the timer loop's plan and the log's watermark; then the
+    # slot keeper's timing
+    "firing-store": Group(
+        ("wowd/stores/embedded/timer_firing.py",),
         (
             "tests/contract/test_timer_firing.py",
             "tests/embedded/test_timers_next_due.py",
             "tests/embedded/test_tombstone_sweep.py",
             "tests/embedded/test_firing_path.py",
             "tests/embedded/test_fast_path.py",
+            "tests/firing/test_outbox_shortcut.py",
+            "tests/firing/test_history.py",
+        ),
+    ),  # fmt: skip
+    "fire-gate": Group(
+        (
+            "wowd/daemon/firing.py",
+            "wowd/daemon/waker.py",
+            "wowd/daemon/timer_plan.py",
+            "wowd/daemon/timers.py",
+        ),
+        (
             "tests/firing/test_fire_rule.py",
             "tests/firing/test_outbox_shortcut.py",
             "tests/firing/test_history.py",
