@@ -949,18 +949,7 @@ class Engine:
         if (db, coll) not in self.catalog:
             return []
         store = self._coll(db, coll)
-        keys: set[bytes] | None = None
-        for path, cond in (flt or {}).items():
-            if path.startswith("$"):
-                continue
-            wanted = evaluate.indexable(cond)
-            if wanted is None:
-                continue
-            index = self._field_index(db, coll, path)
-            found: set[bytes] = set(index.get(evaluate._COMPLEX, ()))
-            for w in wanted:
-                found |= index.get(w, set())
-            keys = found if keys is None else keys & found
+        keys = self._candidate_keys(db, coll, flt or {})
         if keys is None:
             return self._examined(db, coll, flt, list(store.values()))
         if len(keys) * 8 < len(store):  # a few of many: by their places, not a walk of the collection
@@ -968,6 +957,33 @@ class Engine:
             found = sorted((k for k in keys if k in store), key=lambda k: order.get(k, -1))
             return self._examined(db, coll, flt, [store[k] for k in found])
         return self._examined(db, coll, flt, [d for k, d in store.items() if k in keys])  # in natural order
+
+    def _candidate_keys(self, db: str, coll: str, flt: Mapping[str, Any]) -> set[bytes] | None:
+        """The store keys of the documents that may match ``flt`` by its top-level equalities
+        and ``$in`` lists (intersected), and by a top-level ``$or`` whose every branch has such a
+        condition (the union of the branches', as a server's OR plan scans an index per clause:
+        manual, "$or Clauses and Indexes"); None when nothing narrows it."""
+        keys: set[bytes] | None = None
+        for path, cond in flt.items():
+            found: set[bytes] | None = None
+            if path == "$or" and isinstance(cond, list) and cond and all(isinstance(b, Mapping) for b in cond):
+                found = set()
+                for branch in cond:
+                    of_branch = self._candidate_keys(db, coll, branch)
+                    if of_branch is None:
+                        found = None
+                        break
+                    found |= of_branch
+            elif not path.startswith("$"):
+                wanted = evaluate.indexable(cond)
+                if wanted is not None:
+                    index = self._field_index(db, coll, path)
+                    found = set(index.get(evaluate._COMPLEX, ()))
+                    for w in wanted:
+                        found |= index.get(w, set())
+            if found is not None:
+                keys = found if keys is None else keys & found
+        return keys
 
     def _field_index(self, db: str, coll: str, path: str) -> dict[Any, set[bytes]]:
         """The field index of ``path`` (value key -> the documents' store keys), built at its first

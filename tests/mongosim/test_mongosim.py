@@ -765,3 +765,24 @@ def test_the_fast_decision_of_lookups_by_key_agrees_with_mongomocks_match() -> N
         fast = [d["_id"] for d in evaluate.select(flt, docs)]
         slow = [d["_id"] for d in docs if evaluate.matches(flt, d)]
         assert fast == slow, flt
+
+
+def test_an_or_of_lookups_by_key_reads_each_branchs_candidates_and_answers_as_mongomock(
+    client: Client, server: WireServer
+) -> None:
+    """A top-level ``$or`` whose every branch has an equality or ``$in`` is read through each
+    branch's field index (the log check's query, one branch per timer), not by a walk of the
+    collection; a branch without one (``{"v": {"$gt": 1}}``) leaves every document a candidate.
+    Either way the answer is mongomock's on every document."""
+    from tests.mongosim import evaluate
+
+    docs = [{"_id": i, "a": f"a{i % 50}", "t": None if i % 7 == 0 else "(0)", "v": i % 5} for i in range(1000)]
+    client.db.c.insert_many(docs)
+    branches = [{"a": f"a{n}", "t": {"$in": ["(0)", None]}, "v": {"$gt": 2}} for n in (3, 17, 49)]
+    for flt in ({"$or": branches}, {"$or": [*branches, {"v": {"$gt": 3}}]}, {"v": 4, "$or": branches}):
+        want = sorted(d["_id"] for d in docs if evaluate.matches(flt, d))
+        assert sorted(d["_id"] for d in client.db.c.find(flt)) == want, flt
+    engine = server.engine
+    narrowed = engine._candidate_keys("db", "c", {"$or": branches})
+    assert narrowed is not None and len(narrowed) == 3 * 20  # the three aggregates' documents only
+    assert engine._candidate_keys("db", "c", {"$or": [*branches, {"v": {"$gt": 3}}]}) is None
