@@ -143,7 +143,9 @@ async def test_the_sinks_of_every_type_share_one_connection_and_a_bounded_memory
         threads, descriptors = threading.active_count(), len(os.listdir("/proc/self/fd"))
         for i, t in enumerate(types):
             await backend.sink(t).write([_of(t, f"a-{i}")])
-        assert threading.active_count() <= threads and len(os.listdir("/proc/self/fd")) <= descriptors
+        # none per type (300 types would be 300 threads and 600 descriptors more); a few of the
+        # process's own may open or close meanwhile (a test worker's other resources)
+        assert threading.active_count() <= threads + 2 and len(os.listdir("/proc/self/fd")) <= descriptors + 8
         assert len(backend._sinks) == 16
         for i, t in enumerate(types[:3]):  # made again after it was dropped: the same documents
             assert [d["aggregate_id"] for d in await backend.sink(t).documents(_of(t, f"a-{i}").ref)] == [f"a-{i}"]
