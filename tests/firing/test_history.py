@@ -106,7 +106,8 @@ async def test_each_attempt_is_recorded_with_what_the_gateway_saw(store: Embedde
     due = now_ms()
     ok, refused = timer("o-ok", due, partitions=PARTS), timer("o-refused", due, partitions=PARTS)
     await fire(store, Recorder(answers), history, [ok, refused])
-    await history.until_recorded(2)
+    with anyio.fail_after(5):
+        await history.until_recorded(2)
     by_timer = {r.timer_id: r for r in history.records}
     assert set(by_timer) == {ok.timer_id, refused.timer_id}
     for t, outcome, status, latency, answer, reason in (
@@ -136,7 +137,8 @@ async def test_an_occurrence_skipped_past_its_misfire_grace_is_recorded_with_the
     on_time = timer("o-on-time", now_ms(), partitions=PARTS)
     gateway = Recorder()
     await fire(store, gateway, history, [on_time, late], expect=1)
-    await history.until_recorded(2)
+    with anyio.fail_after(5):
+        await history.until_recorded(2)
     (r,) = [r for r in history.records if r.timer_id == late.timer_id]
     assert (r.outcome, r.status, r.scheduled_at) == ("misfired", None, hour_ago)
     assert r.reason is not None and r.reason.endswith("ms late, past its misfire grace of 60000 ms")
@@ -153,7 +155,8 @@ async def test_records_the_history_store_could_not_take_are_written_with_the_nex
     gateway = Recorder()
     await fire(store, gateway, history, [first], [second])
     assert [t.timer_id for t in gateway.sent] == [first.timer_id, second.timer_id]  # the settle never waited
-    await history.until_recorded(2)
+    with anyio.fail_after(5):
+        await history.until_recorded(2)
     assert history.appends == [2]  # the first group's record kept, written with the second's
     assert {r.timer_id for r in history.records} == {first.timer_id, second.timer_id}
     assert unrecorded() == before
@@ -171,7 +174,8 @@ async def test_records_a_history_store_refuses_are_counted_and_the_timers_fire_a
     await fire(store, gateway, history, ts, [later])
     assert len(gateway.sent) == 4
     assert unrecorded() == before + 3
-    await history.until_recorded(1)
+    with anyio.fail_after(5):
+        await history.until_recorded(1)
     assert [r.timer_id for r in history.records] == [later.timer_id]  # the refused ones not sent again
 
 

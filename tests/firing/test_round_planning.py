@@ -3,14 +3,19 @@ takes as read, without a store or a clock."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
+from prometheus_client import REGISTRY
 
+from tests.factories import timer
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
 from wowd.daemon.firing import OutboxRounds
 from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
-from wowd.stores.base import OutboxFired, OutboxRound
+from wowd.delivery.outcomes import target_of
+from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound
 
 LOOK = 1_000
 IDLE_S = 0.5
@@ -80,3 +85,80 @@ def test_a_retry_waits_its_jittered_backoff_and_at_least_the_targets_hint() -> N
     assert len(set(delays)) > 100  # jittered: the replicas retrying one target spread out
     assert all(retry_delay_s(30, settings) <= 10.0 for _ in range(20))  # capped
     assert retry_delay_s(3, settings, hint_s=5.0) == 5.0  # a Retry-After longer than the backoff
+
+
+class ScriptedShortcut:
+    """An outbox shortcut answering ``answer`` to each round, recording what it was asked."""
+
+    def __init__(self, answer: OutboxFired) -> None:
+        self.answer = answer
+        self.rounds: list[OutboxRound] = []
+
+    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
+        self.rounds.append(round)
+        return self.answer
+
+
+def _fired(n: int, **kw: Any) -> list[FiredTimer]:
+    return [FiredTimer(f"t-{i}", "demo.order", 1_000 + i, None, **kw) for i in range(n)]
+
+
+def _misfired_count(target: str) -> float:
+    return REGISTRY.get_sample_value("wowd_timers_misfired_total", {"target": target}) or 0.0
+
+
+def _fired_count(target: str) -> float:
+    return REGISTRY.get_sample_value("wowd_timers_fired_total", {"target": target}) or 0.0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("history", [True, False])
+async def test_an_outbox_round_is_bounded_by_the_slots_lease_and_keeps_the_history_as_tombstones(
+    history: bool,
+) -> None:
+    """The round's transaction commits only within the lease the slot holds (its deadline), and
+    records the attempts for as long as tombstones are kept, or not at all without a history."""
+    shortcut = ScriptedShortcut(OutboxFired([]))
+    held = held_slot(8, valid_for=30)
+    await OutboxRounds(TimerSettings(tombstone_retention_s=600), shortcut, history=history).round(
+        held, caught_up_waker(), frozenset(range(8))
+    )
+    (request,) = shortcut.rounds
+    assert request.deadline is not None and abs(request.deadline - held.deadline()) < 0.5
+    assert request.history_retention_ms == (600_000 if history else None)
+    assert request.limit == TimerSettings().batch and request.fence == held.fence
+
+
+@pytest.mark.anyio
+async def test_a_full_outbox_round_asks_for_the_next_at_once_and_a_partial_one_read_all_due() -> None:
+    settings = TimerSettings(batch=3)
+    waker = caught_up_waker()
+    full = await OutboxRounds(settings, ScriptedShortcut(OutboxFired(_fired(3)))).round(
+        held_slot(8), waker, frozenset(range(8))
+    )
+    assert full.full and full.taken == 3 and full.until > 0
+    partial = await OutboxRounds(settings, ScriptedShortcut(OutboxFired(_fired(2), left=4))).round(
+        held_slot(8), waker, frozenset(range(8))
+    )
+    assert (partial.full, partial.taken, partial.claims_ahead, partial.skipped) == (False, 2, False, 4)
+
+
+@pytest.mark.anyio
+async def test_an_outbox_round_counts_its_misfired_occurrences_by_target_and_not_as_fired() -> None:
+    """A misfired occurrence is counted under its target: read whole (its skip logged naming it),
+    or by the target the shortcut names; never as fired."""
+    late = timer("o-late", 1_000)
+    answer = OutboxFired(
+        [
+            FiredTimer("t-gone", "demo.invoice", 1_000, None, True),
+            FiredTimer(late.timer_id, target_of(late), 1_000, None, True, late),
+            *_fired(2),
+        ]
+    )
+    before = (_misfired_count("demo.invoice"), _misfired_count(target_of(late)), _fired_count("demo.invoice"))
+    await OutboxRounds(TimerSettings(), ScriptedShortcut(answer)).round(
+        held_slot(8), caught_up_waker(), frozenset(range(8))
+    )
+    assert _misfired_count("demo.invoice") == before[0] + 1
+    assert _misfired_count(target_of(late)) == before[1] + 1
+    assert _fired_count("demo.invoice") == before[2]
