@@ -797,9 +797,19 @@ def what_it_wrote(pid: int) -> tuple[int, dict[str, int]]:
     uid = re.search(r"^Uid:\s+(\d+)", status, re.M)
     assert uid is not None
     inside = Path(f"/proc/{pid}/root")
-    files = {
-        f"/{p.relative_to(inside)}": p.stat().st_uid for d in ("var/lib/wowd", "tmp") for p in (inside / d).rglob("*")
-    }
+    host = [Path(h) for h in _host_paths()]  # bound read-only, in a volume where the checkout is (/tmp/...)
+
+    def bound(path: Path) -> bool:
+        return any(path.is_relative_to(h) or h.is_relative_to(path) for h in host)
+
+    files: dict[str, int] = {}
+    for d in ("var/lib/wowd", "tmp"):
+        for top, dirs, names in os.walk(inside / d):
+            here = Path("/") / Path(top).relative_to(inside)
+            dirs[:] = [x for x in dirs if not bound(here / x)]  # not into what is bound from the host
+            for name in [*dirs, *names]:
+                if not bound(here / name):
+                    files[str(here / name)] = (Path(top) / name).stat().st_uid
     return int(uid[1]), files
 
 
