@@ -20,12 +20,16 @@ from tests.factories import CONTEXT, Recorder, eventually, now_ms, timer
 from tests.firing.conftest import PARTS
 from tests.helpers import caught_up_waker, firing, held_slot
 from tests.timer_stores import EmbeddedTimers, embedded_timers
-from wowd.config import TimerSettings
+from wowd.config import EmbeddedSettings, TimerSettings, WowdSettings
+from wowd.daemon import firing as firing_module
+from wowd.daemon.firing import choose
+from wowd.daemon.stream import target_limits
 from wowd.delivery import OutboxGateway
 from wowd.delivery.outcomes import Delivered, Fail, Outcome
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import HistoryKind, HistoryRecord, OnceRule, Timer, TimerStatus
 from wowd.stores.embedded.history import EmbeddedTimerHistory
+from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 
 pytestmark = pytest.mark.anyio
@@ -146,8 +150,11 @@ async def test_an_occurrence_skipped_past_its_misfire_grace_is_recorded_with_the
 
 
 async def test_records_the_history_store_could_not_take_are_written_with_the_next_settle_group(
-    store: EmbeddedTimers,
+    store: EmbeddedTimers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Kept while the store is unavailable, up to the backlog (here one record: the first
+    group's)."""
+    monkeypatch.setattr(firing_module, "HISTORY_BACKLOG", 1)
     history = History()
     history.refusals.append(StorageUnavailable("history: the server did not answer"))
     before = unrecorded()
@@ -206,3 +213,20 @@ async def test_the_outbox_shortcut_records_each_rounds_attempts_for_as_long_as_t
         await history.close()
         await box.close()
         await store.close()
+
+
+async def test_a_replica_records_its_attempts_in_its_backends_history(tmp_path: Path) -> None:
+    """The firing a replica assembles (:func:`~wowd.daemon.firing.choose`) records into the
+    backend's history, with either strategy; none without one."""
+    for history in (True, False):
+        settings = WowdSettings(
+            context=CONTEXT,
+            embedded=EmbeddedSettings(path=tmp_path / f"{history}.db"),
+            timers=TimerSettings(history=history),
+        )
+        backend = await open_embedded(settings)
+        try:
+            chosen = choose(settings, backend, Recorder(), target_limits(4, lambda _t: 4))
+            assert chosen.history is backend.history and (chosen.history is not None) is history
+        finally:
+            await backend.close()
