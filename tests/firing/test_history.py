@@ -28,8 +28,8 @@ from wowd.delivery import OutboxGateway
 from wowd.delivery.outcomes import Delivered, Fail, Outcome
 from wowd.errors import StorageError, StorageUnavailable
 from wowd.model import HistoryKind, HistoryRecord, OnceRule, Timer, TimerStatus
-from wowd.stores.embedded.history import EmbeddedTimerHistory
 from wowd.stores.embedded import open_embedded
+from wowd.stores.embedded.history import EmbeddedTimerHistory
 from wowd.stores.embedded.outbox import EmbeddedOutbox
 
 pytestmark = pytest.mark.anyio
