@@ -100,8 +100,26 @@ async def test_an_entry_not_acknowledged_within_its_lease_is_taken_again(outbox:
 async def test_take_refuses_a_lease_under_a_millisecond(outbox: Any) -> None:
     from wowd.errors import InvalidInput
 
-    with pytest.raises(InvalidInput, match="lease"):
+    with pytest.raises(InvalidInput, match="the lease of a take must be at least 1 ms") as refused:
         await outbox.take(lease=timedelta(0))
+    assert refused.value.field == "lease"
+
+
+async def test_a_take_of_nothing_is_an_empty_batch_and_an_ack_of_nothing_removes_nothing(outbox: Any) -> None:
+    await outbox.put(entry("r-1"))
+    batch = await outbox.take(limit=0)
+    assert (tuple(batch.entries), batch.cursor) == ((), None)
+    assert await outbox.ack([]) == 0
+    assert [e.request_id for e in await outbox.entries()] == ["r-1"]
+
+
+async def test_an_ack_of_many_removes_each_once_and_counts_them(outbox: Any) -> None:
+    """An acknowledgement of more entries than one statement takes (a consumer that drained a
+    backlog) removes every one and answers how many; ids given twice count once."""
+    ids = [f"r-{i}" for i in range(1_200)]
+    assert all(await outbox.put_many([entry(i) for i in ids]))
+    assert await outbox.ack([*ids, *ids[:10]]) == 1_200
+    assert await outbox.entries() == [] and await outbox.count() == 0
 
 
 async def test_trim_removes_the_entries_created_before(outbox: Any) -> None:
