@@ -209,6 +209,22 @@ async def test_the_outbox_shortcut_records_each_rounds_attempts_for_as_long_as_t
             (r,) = await history.of_timer(t.timer_id)
             assert (r.kind, r.outcome, r.request_id) == (HistoryKind.ATTEMPT, "delivered", t.request_id)
             assert r.expires_at == r.at + RETENTION_S * 1000
+        # an occurrence past its misfire grace: settled with no outbox entry, recorded as misfired
+        hour_ago = now_ms() - 3_600_000
+        late = replace(timer("o-late", hour_ago, partitions=PARTS), rule=OnceRule(misfire_grace_ms=60_000))
+        assert await store.view.put(late)
+        held = held_slot(PARTS)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, caught_up_waker())
+                while not await history.of_timer(late.timer_id):
+                    await anyio.wait_all_tasks_blocked()
+                held.request_stop()
+        (r,) = await history.of_timer(late.timer_id)
+        assert (r.outcome, r.request_id, r.scheduled_at) == ("misfired", late.request_id, hour_ago)
+        assert r.reason is not None and r.reason.endswith("ms late, past its misfire grace of 60000 ms")
+        assert r.expires_at == r.at + RETENTION_S * 1000
+        assert len(await box.entries(limit=10)) == 3 and await store.queries.find(late.owner, late.key) is None
     finally:
         await history.close()
         await box.close()
