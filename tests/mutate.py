@@ -88,6 +88,7 @@ GROUPS: dict[str, Group] = {
             "tests/embedded/test_fast_path.py",
             "tests/firing/test_outbox_shortcut.py",
             "tests/firing/test_history.py",
+            "tests/firing/test_log_check.py",
         ),
     ),  # fmt: skip
     "fire-gate": Group(

@@ -250,6 +250,14 @@ async def test_a_request_id_in_the_outbox_already_is_a_redelivery(db: File) -> N
     assert await db.timers.queries.scan(limit=10) == []
 
 
+async def test_a_round_of_one_fires_the_earliest_due_timer(db: File) -> None:
+    ts = [timer(f"o-{i}", PARTS, due_at=T0 + i) for i in range(3)]
+    for t in ts:
+        assert await db.timers.view.put(t)
+    assert [f.timer_id for f in await fire(db.timers, T0 + 10, limit=1)] == [ts[0].timer_id]
+    assert await db.outbox.count() == 1
+
+
 async def test_a_timer_that_cannot_be_fired_is_failed_alone(db: File) -> None:
     ts = [timer(f"o-{i}", PARTS, due_at=T0) for i in range(4)]
     for t in ts:
