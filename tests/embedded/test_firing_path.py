@@ -13,11 +13,13 @@ from typing import Any, get_args, get_type_hints
 
 import anyio
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.helpers import caught_up_waker, held_slot, timer_loop
 from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.config import TimerSettings
 from wowd.delivery import OutboxGateway
+from wowd.errors import InvalidInput
 from wowd.model import (
     AggregateRef,
     Claim,
@@ -120,6 +122,40 @@ async def test_due_and_claim_due_answer_what_a_model_of_the_store_does(tmp_path:
     assert await store.firing.due(parts, until, 1000) == rest
     assert await store.firing.claim_due(parts, until, 0, owner_key="me", fence=7, claim_until=T0) == []
     assert await store.firing.claim_due(set(), until, 10, owner_key="me", fence=7, claim_until=T0) == []
+    await store.close()
+
+
+async def test_a_claim_sets_a_row_it_cannot_read_failed_naming_why_and_claims_the_others(tmp_path: Path) -> None:
+    """A timer row the store cannot decode (a rule that is no JSON) stops no claim: it is set
+    FAILED with the reason, and the timers after it in due order are claimed."""
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=4)
+    ts = [timer(f"o-{i}", 4, due_at=T0 + i) for i in range(4)]
+    for t in ts:
+        assert await store.view.put(t)
+    with sqlite3.connect(tmp_path / "wowd.db") as conn:
+        conn.execute(f"UPDATE {timer_table(CTX)} SET rule = '{{not json' WHERE owner_id = 'o-1'")
+    failed_before = REGISTRY.get_sample_value("wowd_timers_failed_total", {"target": "billing.invoice"}) or 0.0
+    claimed = await store.firing.claim_due(set(range(4)), T0 + 10, 10, owner_key="me", fence=7, claim_until=T0 + 9_000)
+    assert [t.owner.id for t in claimed] == ["o-0", "o-2", "o-3"]
+    with sqlite3.connect(tmp_path / "wowd.db") as conn:
+        ((status, error),) = conn.execute(
+            f"SELECT status, last_error FROM {timer_table(CTX)} WHERE owner_id = 'o-1'"
+        ).fetchall()
+    assert status == "FAILED" and str(error).startswith("undecodable timer: ")
+    failed = REGISTRY.get_sample_value("wowd_timers_failed_total", {"target": "billing.invoice"}) or 0.0
+    assert failed == failed_before + 1
+    await store.close()
+
+
+async def test_a_settle_of_another_contexts_timer_is_refused_naming_the_field(tmp_path: Path) -> None:
+    store = embedded_timers(tmp_path / "wowd.db", context=CTX, partitions=4)
+    t = timer("o-0", 4, due_at=T0)
+    assert await store.view.put(t)
+    other = replace(t, owner=replace(t.owner, context="other"))
+    with pytest.raises(InvalidInput, match="not of this store's context") as refused:
+        await store.firing.settle([TimerChange.fired(other, fence=1, next_due=None)])
+    assert refused.value.field == "owner.context"
+    assert await store.queries.find(t.owner, t.key) == t  # nothing written
     await store.close()
 
 
