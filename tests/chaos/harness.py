@@ -1086,10 +1086,10 @@ class Harness:
         does not answer in time is not caught up yet: the replicas share the store with this poll,
         and a slow answer under load is not the soak's failure (what the replicas did is checked
         after the drain)."""
-        must = producer.expected.must_fire()
+        must, delivered = producer.expected.must_fire(), set(self.target.by_request)
         try:
-            if not must <= set(self.target.by_request):  # the outbox is read only while needed
-                delivered = {e.request_id for e in await self._outbox()} | set(self.target.by_request)
+            if not must <= delivered:  # the outbox is read only while needed
+                delivered |= {e.request_id for e in await self._outbox()}
                 if not must <= delivered:
                     return False
             if len(await self._quarantine.items(limit=100_000)) < len(producer.expected.malformed):

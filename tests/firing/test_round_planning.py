@@ -54,23 +54,27 @@ def test_the_stores_next_due_time_is_read_unless_a_put_comes_due_within_an_idle_
     assert wants_next_due(Round(until=10_000), 10_100, IDLE_S)
 
 
-class SlowShortcut:
-    """An outbox shortcut that takes a while: timers come due during its transaction."""
+class ScriptedShortcut:
+    """An outbox shortcut answering ``answer`` to each round after ``takes_s`` (its transaction's
+    time: timers come due meanwhile), recording what it was asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: OutboxFired | None = None, *, takes_s: float = 0.0) -> None:
+        self.answer = answer if answer is not None else OutboxFired([])
+        self.takes_s = takes_s
         self.rounds: list[OutboxRound] = []
 
     async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
         self.rounds.append(round)
-        await anyio.sleep(0.05)  # the transaction's time, not a synchronisation
-        return OutboxFired([])
+        if self.takes_s:
+            await anyio.sleep(self.takes_s)  # the transaction's time, not a synchronisation
+        return self.answer
 
 
 @pytest.mark.anyio
 async def test_an_outbox_round_reads_up_to_its_fire_time_not_past_it() -> None:
     """What a round read is what was due at its fire time: a timer that came due while the
     transaction ran is not taken as read (the waker keeps it, and the loop wakes for it)."""
-    shortcut = SlowShortcut()
+    shortcut = ScriptedShortcut(takes_s=0.05)
     strategy = OutboxRounds(TimerSettings(), shortcut)
     waker = caught_up_waker()
     r = await strategy.round(held_slot(8), waker, frozenset(range(8)))
@@ -85,18 +89,6 @@ def test_a_retry_waits_its_jittered_backoff_and_at_least_the_targets_hint() -> N
     assert len(set(delays)) > 100  # jittered: the replicas retrying one target spread out
     assert all(retry_delay_s(30, settings) <= 10.0 for _ in range(20))  # capped
     assert retry_delay_s(3, settings, hint_s=5.0) == 5.0  # a Retry-After longer than the backoff
-
-
-class ScriptedShortcut:
-    """An outbox shortcut answering ``answer`` to each round, recording what it was asked."""
-
-    def __init__(self, answer: OutboxFired) -> None:
-        self.answer = answer
-        self.rounds: list[OutboxRound] = []
-
-    async def fire_into_outbox(self, round: OutboxRound) -> OutboxFired:
-        self.rounds.append(round)
-        return self.answer
 
 
 def _fired(n: int, **kw: Any) -> list[FiredTimer]:
