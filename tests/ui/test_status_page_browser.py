@@ -90,6 +90,7 @@ async def _seed(stores: Backend) -> None:
 
 def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> None:
     """The operator's path: overview, failed timers, the timer, retry, the outbox."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.expected_conditions import presence_of_element_located, staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
@@ -102,6 +103,21 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         )
         return str(found.text).strip()
 
+    def gone(element: Any) -> Callable[[Any], bool]:
+        """``staleness_of``, with Chromium's other answer for an element the navigation removed
+        from its document ("Node with given id does not belong to the document") taken as stale."""
+        stale = staleness_of(element)
+
+        def check(d: Any) -> bool:
+            try:
+                return bool(stale(d))
+            except WebDriverException as exc:
+                if "does not belong to the document" in str(exc.msg):
+                    return True
+                raise
+
+        return check
+
     def loaded(d: Any) -> bool:
         return bool(d.execute_script("return document.readyState") == "complete")
 
@@ -110,7 +126,7 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
         the new one parsed and loaded."""
         page = driver.find_element(By.TAG_NAME, "html")
         element.click()
-        WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(staleness_of(page), "the next page")
+        WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(gone(page), "the next page")
         WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(loaded, "the next page loaded")
 
     def fits(page: str) -> None:
