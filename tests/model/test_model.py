@@ -235,6 +235,8 @@ def test_a_never_firing_cron_has_no_next_occurrence() -> None:
         ({"type": "interval", "every_ms": 10, "until": "later"}, "rule.until"),
         ({"type": "cron", "expression": "every minute"}, "rule.expression"),
         ({"type": "cron", "expression": "* * * * *", "zone": "Mars/Olympus"}, "rule.zone"),
+        ({"type": "cron", "expression": "* * * * *", "zone": "\u00f5" * 300}, "rule.zone"),  # past a file name's limit
+        ({"type": "cron", "expression": "* * * * *", "zone": "America"}, "rule.zone"),  # a directory of zones
         ({"type": "once", "misfire_grace_ms": -1}, "rule.misfire_grace_ms"),
         ({"type": "interval", "every_ms": 10, "misfire_grace_ms": "1m"}, "rule.misfire_grace_ms"),
     ],

@@ -244,7 +244,9 @@ class CronRule:
         croniter_expression(self.expression, self.dialect)
         try:
             ZoneInfo(self.zone)
-        except (ZoneInfoNotFoundError, ValueError, TypeError) as exc:
+        except (ZoneInfoNotFoundError, ValueError, TypeError, OSError) as exc:
+            # OSError: the name is looked up as a file (a name past the file system's limit, a
+            # directory of zones)
             raise InvalidInput(f"{self.zone!r} is not a known time zone", field="rule.zone") from exc
 
     @property
