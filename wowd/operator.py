@@ -64,6 +64,7 @@ from wowd.stores.base import (
     TimerHistory,
     TimerQueries,
     TimerSearch,
+    dismissal,
 )
 from wowd.views import views_status
 
@@ -81,6 +82,7 @@ __all__ = [
     "deliveries",
     "delivery_doc",
     "detail",
+    "dismiss_item",
     "find_timer",
     "history_doc",
     "history_line",
@@ -587,11 +589,28 @@ _REJECTED_TIMER_EVENT = "rejected timer event: "
 
 
 async def quarantine_page(
-    quarantine: Quarantine, after: str | None, limit: int
+    quarantine: Quarantine, after: str | None, limit: int, *, dismissed: bool = False
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """A page of quarantined items, oldest first, and the id to page on from (``None``: last)."""
-    items = await quarantine.items(limit=limit, after=after)
+    """A page of quarantined items (``dismissed``: of the dismissed ones), oldest first, and the
+    id to page on from (``None``: last)."""
+    items = await quarantine.items(limit=limit, after=after, dismissed=dismissed)
     return items, (items[-1]["id"] if len(items) == limit else None)
+
+
+async def dismiss_item(quarantine: Quarantine, item_id: str, reason: str, by: str) -> str | None:
+    """Dismisses one quarantined item (:meth:`~wowd.stores.base.Quarantine.dismiss`); answers
+    why it was not (no such item, dismissed already), ``None`` when it was. A blank reason or
+    author is refused first (:class:`~wowd.errors.InvalidInput`)."""
+    reason, by = dismissal(reason, by)
+    item = await quarantined_item(quarantine, item_id)
+    if item is None:
+        return f"no quarantined item {item_id} (released, or never quarantined)"
+    mark = item.get("dismissed")
+    if mark is not None:
+        return f"{item_id} was dismissed already, {iso_ms(mark['at'])} by {mark['by']}: {mark['reason']}"
+    if await quarantine.dismiss([item_id], reason, by) == 0:
+        return f"{item_id} was released or dismissed meanwhile"
+    return None
 
 
 async def quarantined_item(quarantine: Quarantine, item_id: str) -> dict[str, Any] | None:

@@ -225,3 +225,54 @@ def test_list_pages_and_retry_needs_ids_or_all(wowd: Run) -> None:
     assert code == 2 and "ids or --all" in err
     code, _, err = wowd("quarantine", "retry", ids[0], "--all")
     assert code == 2
+
+
+def test_a_dismissed_commit_leaves_the_list_and_retry_all_and_is_kept_with_who_and_why(wowd: Run) -> None:
+    never = {"aggregate_id": "t-1", "version": "one"}
+    ids = anyio.run(
+        quarantine_directly,
+        (never, "version: must be an int"),
+        ({"aggregate_id": "t-2", "version": "two"}, "version: must be an int"),
+    )
+    code, out, err = wowd("quarantine", "dismiss", ids[0], "--reason", "test data from the load test", "--by", "ana")
+    assert code == 0, err
+    assert f"dismissed {ids[0]}" in out and "1 of 1 dismissed by ana: test data from the load test" in out
+    assert [i["id"] for i in listed(wowd)] == [ids[1]]
+    # kept for audit: listed with --dismissed, shown by id
+    code, out, err = wowd("quarantine", "list", "--dismissed")
+    assert code == 0, err
+    assert ids[0] in out and "ana" in out and "test data from the load test" in out and "1 dismissed items" in out
+    assert "t-2" not in out
+    code, out, err = wowd("quarantine", "show", ids[0])
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["raw"] == never and shown["reason"] == "version: must be an int"
+    assert (shown["dismissed"]["by"], shown["dismissed"]["reason"]) == ("ana", "test data from the load test")
+    # retry --all passes it by: only the other is tried
+    code, out, err = wowd("quarantine", "retry", "--all")
+    assert code == 1 and ids[0] not in err and f"FAIL {ids[1]}" in err
+    assert "0 fed and released, 1 still quarantined" in out
+
+
+def test_a_dismissal_names_what_it_could_not_dismiss_and_exits_1(wowd: Run) -> None:
+    [item_id] = anyio.run(quarantine_directly, ({"aggregate_id": "u-1", "version": "one"}, "version: x"))
+    code, _, err = wowd("quarantine", "dismiss", item_id, "--reason", "duplicate of u-2")
+    assert code == 0, err
+    [kept] = json.loads(wowd("quarantine", "list", "--dismissed", "--json")[1])["items"]
+    assert kept["dismissed"]["by"] == quarantine_cli.default_author()
+    code, out, err = wowd("quarantine", "dismiss", item_id, "999999", "--reason", "again", "--by", "bo")
+    assert code == 1
+    assert f"wowd: {item_id} was dismissed already" in err and "duplicate of u-2" in err
+    assert "wowd: no quarantined item 999999" in err and "0 of 2 dismissed" in out
+    [still] = json.loads(wowd("quarantine", "list", "--dismissed", "--json")[1])["items"]
+    assert still["dismissed"] == kept["dismissed"]
+
+
+@pytest.mark.parametrize(("flags", "named"), [(["--reason", " "], "--reason"), (["--reason", "x", "--by", ""], "--by")])
+def test_a_dismissal_without_a_reason_or_an_author_is_a_usage_error(wowd: Run, flags: list[str], named: str) -> None:
+    [item_id] = anyio.run(quarantine_directly, ({"aggregate_id": "v-1", "version": "one"}, "version: x"))
+    code, _, err = wowd("quarantine", "dismiss", item_id, *flags)
+    assert code == 2 and f"wowd quarantine dismiss: {named} is required" in err
+    assert [i["id"] for i in listed(wowd)] == [item_id]
+    code, _, err = wowd("quarantine", "dismiss", item_id)
+    assert code == 2 and "--reason" in err

@@ -10,6 +10,7 @@ import pytest
 
 from tests.contract.conftest import PARTITIONS
 from tests.contract.test_log import ORDER
+from wowd.errors import InvalidInput
 from wowd.stores.base import Quarantine
 
 pytestmark = pytest.mark.anyio
@@ -32,6 +33,7 @@ async def test_quarantine_keeps_raw_and_reason_once(quarantine: Quarantine) -> N
             "aggregate": "order",
             "raw": raw,
             "reason": "version: must be int",
+            "dismissed": None,
         },
         {
             "consumer": "feed",
@@ -39,6 +41,7 @@ async def test_quarantine_keeps_raw_and_reason_once(quarantine: Quarantine) -> N
             "aggregate": "order",
             "raw": {"aggregate_id": "y"},
             "reason": "events: is missing",
+            "dismissed": None,
         },
     ]
     assert len(await quarantine.items(limit=1)) == 1
@@ -84,3 +87,68 @@ async def test_release_deletes_those_ids_once(quarantine: Quarantine) -> None:
     items = await quarantine.items()
     assert [i["raw"]["aggregate_id"] for i in items] == ["r-1", "r-0"]
     assert items[1]["id"] not in ids
+
+
+async def test_a_dismissed_item_leaves_the_listing_and_is_kept_with_its_reason_and_author(
+    quarantine: Quarantine,
+) -> None:
+    for i in range(4):
+        await quarantine.put("feed", 1, ORDER, {"aggregate_id": f"d-{i}"}, "events: is missing")
+    ids = [i["id"] for i in await quarantine.items()]
+    before = int(time.time() * 1000) - 1000
+    assert await quarantine.dismiss([ids[1], ids[3], "0" * 24, "999999999", "nope"], " never applies ", "ops@host") == 2
+    assert [i["id"] for i in await quarantine.items()] == [ids[0], ids[2]]
+    kept = await quarantine.items(dismissed=True)
+    assert [i["id"] for i in kept] == [ids[1], ids[3]]
+    for item in kept:
+        mark = item["dismissed"]
+        assert (mark["reason"], mark["by"]) == ("never applies", "ops@host")
+        assert before <= mark["at"] <= time.time() * 1000 + 1000
+        assert item["reason"] == "events: is missing"
+    # pages of the dismissed, after an id
+    assert [i["id"] for i in await quarantine.items(limit=1, dismissed=True, after=ids[1])] == [ids[3]]
+    # read by id, dismissed or not
+    assert [(i["id"], i["dismissed"] is None) for i in await quarantine.items(ids=ids)] == [
+        (ids[0], True),
+        (ids[1], False),
+        (ids[2], True),
+        (ids[3], False),
+    ]
+    # dismissed once: a second dismissal changes nothing, not even the reason
+    assert await quarantine.dismiss([ids[1]], "another reason", "someone else") == 0
+    [again] = await quarantine.items(ids=[ids[1]])
+    assert again["dismissed"]["reason"] == "never applies"
+    assert await quarantine.dismiss([], "x", "y") == 0
+
+
+async def test_a_dismissed_document_quarantined_again_stays_dismissed_and_a_release_deletes_it(
+    quarantine: Quarantine,
+) -> None:
+    await quarantine.put("feed", 2, ORDER, {"aggregate_id": "e-0"}, "events: is missing")
+    [item] = await quarantine.items()
+    assert await quarantine.dismiss([item["id"]], "test data", "ops") == 1
+    await quarantine.put("feed", 2, ORDER, {"aggregate_id": "e-0"}, "sink refused it: SinkWriteError: x")
+    assert await quarantine.items() == []
+    [again] = await quarantine.items(dismissed=True)
+    assert (again["id"], again["reason"], again["dismissed"]["reason"]) == (
+        item["id"],
+        "sink refused it: SinkWriteError: x",
+        "test data",
+    )
+    assert await quarantine.release([item["id"]]) == 1
+    assert await quarantine.items(dismissed=True) == []
+
+
+@pytest.mark.parametrize(
+    ("reason", "by", "field"),
+    [("", "ops", "reason"), ("   ", "ops", "reason"), ("why", "", "by"), ("x" * 1001, "ops", "reason")],
+)
+async def test_a_dismissal_without_a_reason_or_an_author_is_refused_naming_the_field(
+    quarantine: Quarantine, reason: str, by: str, field: str
+) -> None:
+    await quarantine.put("feed", 2, ORDER, {"aggregate_id": "f-0"}, "events: is missing")
+    [item] = await quarantine.items()
+    with pytest.raises(InvalidInput) as refused:
+        await quarantine.dismiss([item["id"]], reason, by)
+    assert refused.value.field == field
+    assert [i["id"] for i in await quarantine.items()] == [item["id"]]

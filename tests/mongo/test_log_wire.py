@@ -586,7 +586,10 @@ async def test_quarantine_draws_the_number_after_the_highest_and_again_when_anot
         async with anyio.create_task_group() as tg:
             page = start(tg, lambda: quarantine.items())
             find = await rs_wire.command("find")
-            assert find["filter"] == {"seq": {"$gt": ObjectId("000000000000000000000000")}}
+            assert find["filter"] == {
+                "seq": {"$gt": ObjectId("000000000000000000000000")},
+                "dismissed": {"$exists": False},
+            }
             find.ok(cursor={"id": 0, "ns": f"{DB}.wow_quarantine__{CONTEXT}", "firstBatch": []})
             await page.done.wait()
     assert page.result() == []
@@ -618,7 +621,7 @@ async def test_quarantined_pages_by_seq_and_release_deletes_by_seq(
             page = start(tg, lambda: quarantine.items(limit=2, after=str(a)))
             find = await rs_wire.command("find")
             assert find["find"] == f"wow_quarantine__{CONTEXT}"
-            assert find["filter"] == {"seq": {"$gt": a}}
+            assert find["filter"] == {"seq": {"$gt": a}, "dismissed": {"$exists": False}}
             assert find["sort"] == {"seq": 1}
             assert find["limit"] == 2
             find.ok(cursor={"id": 0, "ns": ns, "firstBatch": [quarantine_stored(b, ID_P3, "sink refused it: x")]})
@@ -633,6 +636,7 @@ async def test_quarantined_pages_by_seq_and_release_deletes_by_seq(
                 "sink refused it: x",
             )
             assert item["raw"]["aggregate_id"] == ID_P3
+            assert item["dismissed"] is None
 
             # by ids: an id that is not an ObjectId names nothing and is not sent
             picked = start(tg, lambda: quarantine.items(ids=[str(b), "nope", str(a)]))
@@ -676,6 +680,54 @@ async def test_quarantined_pages_by_seq_and_release_deletes_by_seq(
     assert await quarantine.items(ids=["x"]) == []
     with pytest.raises(InvalidInput, match="after"):
         await quarantine.items(after="12")
+
+
+async def test_a_dismissal_marks_the_items_not_dismissed_yet_and_the_listing_of_the_dismissed_reads_them(
+    rs_client: AsyncMongoClient[Any], rs_wire: Wire
+) -> None:
+    quarantine = make_quarantine(rs_client)
+    a, b = ObjectId("67c2f8a0aaaaaaaaaaaaaaa1"), ObjectId("67c2f8a0aaaaaaaaaaaaaaa2")
+    ns = f"{DB}.wow_quarantine__{CONTEXT}"
+    before = datetime.now(UTC).replace(microsecond=0)
+    with anyio.fail_after(15):
+        async with anyio.create_task_group() as tg:
+            # one update by seq of the items not dismissed yet (an id that is not one is not sent)
+            dismissed = start(tg, lambda: quarantine.dismiss([str(b), "12", str(a)], " test data ", "ops@host"))
+            update = await rs_wire.command("update")
+            assert update["update"] == f"wow_quarantine__{CONTEXT}"
+            [u] = update["updates"]
+            assert u["q"] == {"seq": {"$in": [a, b]}, "dismissed": {"$exists": False}}
+            assert (u["multi"], u.get("upsert", False)) == (True, False)
+            mark = u["u"]["$set"]["dismissed"]
+            assert (mark["reason"], mark["by"]) == ("test data", "ops@host")
+            assert before <= mark["at"].replace(tzinfo=UTC) <= datetime.now(UTC)
+            update.ok(n=1, nModified=1)
+            await dismissed.done.wait()
+            assert dismissed.result() == 1
+
+            # the listing of the dismissed: the same find with the other side of dismissed
+            page = start(tg, lambda: quarantine.items(dismissed=True))
+            find = await rs_wire.command("find")
+            assert find["filter"] == {
+                "seq": {"$gt": ObjectId("000000000000000000000000")},
+                "dismissed": {"$exists": True},
+            }
+            stored = {
+                **quarantine_stored(b, ID_P3, "events: is missing"),
+                "dismissed": {"at": datetime(2025, 3, 2, 8, 0, 0, 500_000), "reason": "test data", "by": "ops@host"},
+            }
+            find.ok(cursor={"id": 0, "ns": ns, "firstBatch": [stored]})
+            await page.done.wait()
+            [item] = page.result()
+            assert item["dismissed"] == {
+                "at": int(datetime(2025, 3, 2, 8, 0, 0, 500_000, tzinfo=UTC).timestamp() * 1000),
+                "reason": "test data",
+                "by": "ops@host",
+            }
+    # nothing to send: no id is an ObjectId; a blank reason is refused before any command
+    assert await quarantine.dismiss(["12", "x"], "why", "ops") == 0
+    with pytest.raises(InvalidInput, match="reason"):
+        await quarantine.dismiss([str(a)], " ", "ops")
 
 
 async def test_prepare_creates_the_quarantine_seq_index(rs_client: AsyncMongoClient[Any], rs_wire: Wire) -> None:

@@ -338,6 +338,44 @@ async def test_the_quarantine_lists_shows_and_refeeds_an_item(page: Page) -> Non
     await page.api(f"/api/v1/quarantine/{item['id']}", 404)
 
 
+async def test_a_quarantined_item_dismissed_on_the_page_leaves_the_listing_and_is_shown_with_who_and_why(
+    page: Page, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="wowd.ui.app")
+    (item,) = (await page.api("/api/v1/quarantine"))["items"]
+    assert "/dismiss" in await page.html(f"/ui/quarantine/{item['id']}")
+    key = await page.form_key(f"/ui/quarantine/{item['id']}")
+    form = {"token": UI_TOKEN, "form_key": key, "reason": "test data: the order was deleted"}
+    r = await page.client.post(f"/ui/quarantine/{item['id']}/dismiss", data=form)
+    assert r.status_code == 303
+    assert "dismissed: test data: the order was deleted" in await page.html(r.headers["location"])
+    assert (await page.api("/api/v1/quarantine"))["items"] == []
+    [kept] = (await page.api("/api/v1/quarantine?dismissed=1"))["items"]
+    assert kept["id"] == item["id"] and kept["dismissed"]["reason"] == "test data: the order was deleted"
+    assert kept["dismissed"]["by"] == "the token holder at 127.0.0.1"
+    listing = await page.html("/ui/quarantine?dismissed=1")
+    assert item["id"] in listing and "test data: the order was deleted" in listing
+    shown = await page.html(f"/ui/quarantine/{item['id']}")
+    assert "the token holder at 127.0.0.1: test data: the order was deleted" in shown and "/dismiss" not in shown
+    assert any(
+        f"quarantined item {item['id']} dismissed by the token holder at 127.0.0.1" in m.getMessage()
+        for m in caplog.records
+    )
+    # dismissed already: 409 and nothing changes; a blank reason: 400; an unknown id: 404
+    bearer = {"authorization": f"Bearer {UI_TOKEN}"}
+    r = await page.client.post(f"/api/v1/quarantine/{item['id']}/dismiss", json={"reason": "again"}, headers=bearer)
+    assert r.status_code == 409 and "dismissed already" in r.json()["reason"]
+    await page.backend.quarantine.put("wowd", 0, ORDER, {"aggregate_id": "o-8", "version": "x"}, "version: bad")
+    (other,) = (await page.api("/api/v1/quarantine"))["items"]
+    r = await page.client.post(f"/api/v1/quarantine/{other['id']}/dismiss", json={"reason": " "}, headers=bearer)
+    assert r.status_code == 400 and "reason" in r.json()["error"]
+    r = await page.client.post("/api/v1/quarantine/999999/dismiss", json={"reason": "x"}, headers=bearer)
+    assert r.status_code == 404
+    r = await page.client.post(f"/api/v1/quarantine/{other['id']}/dismiss", json={"reason": "bad data"}, headers=bearer)
+    assert r.status_code == 200 and r.json()["dismissed"] is True
+    assert [i["id"] for i in (await page.api("/api/v1/quarantine?dismissed=1"))["items"]] == [item["id"], other["id"]]
+
+
 async def test_the_outbox_lists_shows_and_acknowledges_entries_without_taking_them(page: Page) -> None:
     doc = await page.api("/api/v1/outbox")
     assert [e["request_id"] for e in doc["entries"]] == ["req-0", "req-1"] and doc["depth"] == 2

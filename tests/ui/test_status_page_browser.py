@@ -222,6 +222,22 @@ def _browse(driver: Any, base: str, status: Callable[[], dict[str, Any]]) -> Non
     assert "mapper_parsing_exception" in text("#reason")
     driver.save_screenshot(str(SHOTS / "ui-quarantine-item.png"))
 
+    # a commit that will never apply, dismissed with the reason: out of the listing, kept for audit
+    item_id = driver.current_url.rstrip("/").rpartition("/")[2]
+    dismiss = driver.find_element(By.CSS_SELECTOR, 'form.action[action$="/dismiss"]')
+    dismiss.find_element(By.NAME, "reason").send_keys("a test commit of the load test")
+    dismiss.find_element(By.NAME, "token").send_keys(TOKEN)
+    follow(dismiss.find_element(By.CSS_SELECTOR, "button"))
+    assert f"{item_id} dismissed: a test commit of the load test" in text("#done")
+    text("#quarantine")
+
+    def listed() -> list[str]:
+        return [a.text.strip() for a in driver.find_elements(By.CSS_SELECTOR, "#quarantine tbody a")]
+
+    assert item_id not in listed()
+    follow(driver.find_element(By.ID, "dismissed"))
+    assert item_id in listed() and "a test commit of the load test" in text("#quarantine")
+
 
 async def test_an_operator_finds_and_retries_a_failed_timer_in_a_browser(
     browser: Future[Any], spawn: Callable[..., Replica], db: Path, tmp_path: Path, stores: Backend

@@ -60,6 +60,7 @@ __all__ = [
     "Checkpoints",
     "ChunkPreparation",
     "ClockReading",
+    "DISMISSAL_TEXT_MAX",
     "Ddl",
     "EventSink",
     "FEED_TRANSACTION",
@@ -104,6 +105,7 @@ __all__ = [
     "TimerViewRebuild",
     "TimerViewRebuilds",
     "consumers_of",
+    "dismissal",
 ]
 
 
@@ -265,16 +267,33 @@ class Quarantine(Protocol):
         ...
 
     async def items(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+        self,
+        limit: int = 1000,
+        after: str | None = None,
+        *,
+        ids: Collection[str] | None = None,
+        dismissed: bool = False,
     ) -> list[dict[str, Any]]:
         """The quarantined items, oldest first (in the order of their ids): ``{id, created_at,
-        consumer, partition, aggregate, raw, reason}``. ``id`` is a string that names the item
-        for as long as it is kept (embedded: the row id; MongoDB: the hex of the document's
-        ``seq`` ObjectId), ``created_at`` when it was first quarantined (ms since the epoch).
-        ``after``: only items after this id (the last id of a previous page); ``ids``: only
-        these (ids that name nothing are skipped). Read-only. Ids are given in commit order
+        consumer, partition, aggregate, raw, reason, dismissed}``. ``id`` is a string that names
+        the item for as long as it is kept (embedded: the row id; MongoDB: the hex of the
+        document's ``seq`` ObjectId), ``created_at`` when it was first quarantined (ms since the
+        epoch), ``dismissed`` ``None`` or ``{at, reason, by}`` (:meth:`dismiss`). A listing
+        holds the items not dismissed, or with ``dismissed`` the dismissed ones only; ``after``:
+        only items after this id (the last id of a previous page); ``ids``: only these, dismissed
+        or not (ids that name nothing are skipped). Read-only. Ids are given in commit order
         (embedded: one writer at a time; MongoDB: ``seq`` is drawn in the transaction that
         inserts the item), so paging by ``after`` never passes an item quarantined later."""
+        ...
+
+    async def dismiss(self, ids: Collection[str], reason: str, by: str) -> int:
+        """Marks the items ``ids`` not dismissed yet as dismissed: an operator's verdict that the
+        commit will never apply, with ``reason`` and who gave it (``by``), at the store's or the
+        client's time. A dismissed item leaves the listing, the quarantine's count and ``retry
+        --all``, and is kept for audit (listed with ``dismissed``, read by id) until released;
+        quarantining its document again keeps it dismissed (and replaces its reason). Answers how
+        many were dismissed (ids that name nothing or an item dismissed already are skipped);
+        a blank ``reason`` or ``by`` is refused (:func:`dismissal`)."""
         ...
 
     async def release(self, ids: Collection[str]) -> int:
@@ -283,6 +302,24 @@ class Quarantine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+DISMISSAL_TEXT_MAX = 1000
+"""The most characters of a dismissal's reason and of who gave it."""
+
+
+def dismissal(reason: str, by: str) -> tuple[str, str]:
+    """A dismissal's reason and author, stripped; :class:`~wowd.errors.InvalidInput` naming the
+    field when one is blank or longer than :data:`DISMISSAL_TEXT_MAX` characters."""
+    out = []
+    for name, value, need in (("reason", reason, ": say why the commit will never apply"), ("by", by, "")):
+        text = value.strip() if isinstance(value, str) else ""
+        if not text:
+            raise InvalidInput(f"is required{need}", field=name)
+        if len(text) > DISMISSAL_TEXT_MAX:
+            raise InvalidInput(f"is longer than {DISMISSAL_TEXT_MAX} characters", field=name)
+        out.append(text)
+    return out[0], out[1]
 
 
 PRESENCE_RETENTION = timedelta(minutes=5)

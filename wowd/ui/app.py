@@ -51,6 +51,7 @@ from wowd.operator import (
     TimerHistoryView,
     delivery_doc,
     detail,
+    dismiss_item,
     find_timer,
     history_doc,
     outbox_entry_doc,
@@ -144,6 +145,11 @@ class _Out:
 def _one(params: Mapping[str, list[str]], name: str) -> str | None:
     values = params.get(name)
     return values[-1].strip() or None if values else None
+
+
+def _flag(params: Mapping[str, list[str]], name: str) -> bool:
+    """A yes/no query parameter: ``1``, ``true``, ``yes`` or ``on`` (any case) is yes."""
+    return (_one(params, name) or "").lower() in ("1", "true", "yes", "on")
 
 
 def _instant(text: str, name: str) -> int:
@@ -322,6 +328,8 @@ class StatusPage:
         item, _, verb = rest.rpartition("/")
         if head == "quarantine" and item and verb == "refeed":
             return await self._refeed(item, who)
+        if head == "quarantine" and item and verb == "dismiss":
+            return await self._dismiss(item, both, who)
         raise _Refused(405, "unknown action", f"no action {name!r}")
 
     def _notice(self, text: str) -> dict[str, str]:
@@ -670,9 +678,10 @@ class StatusPage:
     # ------------------------------------------------------------------ quarantine
 
     async def _quarantine(self, params: dict[str, list[str]]) -> _Out:
-        items, nxt = await quarantine_page(self._backend.quarantine, _one(params, "after"), PAGE)
+        dismissed = _flag(params, "dismissed")
+        items, nxt = await quarantine_page(self._backend.quarantine, _one(params, "after"), PAGE, dismissed=dismissed)
         rows = [{**i, "record": record_of(i)} for i in items]
-        data = {"items": rows, "next": nxt, "done": self._done(params)}
+        data = {"items": rows, "next": nxt, "done": self._done(params), "dismissed": dismissed}
         return _Out(data, "quarantine.html", json={"items": items, "next": nxt})
 
     async def _quarantine_item(self, item_id: str) -> _Out:
@@ -701,6 +710,19 @@ class StatusPage:
         else:
             doc["back"] = f"/ui/quarantine/{item_id}"
         return _Out(doc, status=200 if outcome.reason is None else 409)
+
+    async def _dismiss(self, item_id: str, params: dict[str, list[str]], who: str) -> _Out:
+        """Dismisses a quarantined commit that will never apply, with the reason given (as ``wowd
+        quarantine dismiss`` does); kept for audit, out of the listing."""
+        reason = _one(params, "reason") or ""
+        why_not = await dismiss_item(self._backend.quarantine, item_id, reason, f"the token holder at {who}")
+        if why_not is not None:
+            if why_not.startswith("no quarantined item"):
+                raise _NotFound(why_not)
+            return _Out({"item_id": item_id, "dismissed": False, "reason": why_not}, status=409)
+        log.info("ui: quarantined item %s dismissed by the token holder at %s: %s", item_id, who, reason.strip())
+        back = "/ui/quarantine?" + urlencode(self._notice(f"{item_id} dismissed: {reason.strip()}"))
+        return _Out({"item_id": item_id, "dismissed": True, "back": back})
 
     # ------------------------------------------------------------------ outbox
 

@@ -12,6 +12,7 @@ from wowd.errors import InvalidInput
 from wowd.model import (
     AggregateType,
 )
+from wowd.stores.base import dismissal
 from wowd.stores.embedded.db import NOW_MS
 from wowd.stores.embedded.schema import LogTables
 from wowd.stores.embedded.sqlite import sqlite3
@@ -28,20 +29,42 @@ def quarantine_sql() -> str:
     )
 
 
-QUARANTINE_COLUMNS = ("id", "created_at", "consumer", "partition", "aggregate", "raw", "reason")
+QUARANTINE_COLUMNS = (
+    "id",
+    "created_at",
+    "consumer",
+    "partition",
+    "aggregate",
+    "raw",
+    "reason",
+    "dismissed_at",
+    "dismissed_reason",
+    "dismissed_by",
+)
 
 
 RELEASE_CHUNK = 500
-"""Ids per statement of :meth:`EmbeddedLog.release_quarantined` and of an ``ids`` read (far
+"""Ids per statement of a release, a dismissal and an ``ids`` read (far
 below SQLite's limit of bound parameters)."""
 
 
-def quarantined_sql(*, after: bool, ids: int | None) -> str:
-    """The quarantined items of a context in id order: after an id and/or among ``ids`` ids."""
+def quarantined_sql(*, after: bool, ids: int | None, dismissed: bool = False) -> str:
+    """The quarantined items of a context in id order: after an id and/or among ``ids`` ids
+    (dismissed or not); without ids, those not dismissed (``dismissed``: the dismissed ones)."""
     where = "context = ?" + (" AND id > ?" if after else "")
     if ids is not None:
         where += f" AND id IN ({', '.join('?' * ids)})"
+    else:
+        where += f" AND dismissed_at IS {'NOT ' if dismissed else ''}NULL"
     return f"SELECT {', '.join(QUARANTINE_COLUMNS)} FROM log_quarantine WHERE {where} ORDER BY id LIMIT ?"
+
+
+def dismiss_sql(ids: int) -> str:
+    """Marks the items among ``ids`` ids not dismissed yet as dismissed (reason, by)."""
+    return (
+        f"UPDATE log_quarantine SET dismissed_at = {NOW_MS}, dismissed_reason = ?, dismissed_by = ?"
+        f" WHERE context = ? AND dismissed_at IS NULL AND id IN ({', '.join('?' * ids)})"
+    )
 
 
 def release_quarantined_sql(ids: int) -> str:
@@ -78,7 +101,12 @@ class EmbeddedQuarantine(LogTables):
         await self._run("quarantine", lambda c: c.execute(quarantine_sql(), params))
 
     async def items(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+        self,
+        limit: int = 1000,
+        after: str | None = None,
+        *,
+        ids: Collection[str] | None = None,
+        dismissed: bool = False,
     ) -> list[dict[str, Any]]:
         if limit <= 0:
             return []
@@ -95,7 +123,9 @@ class EmbeddedQuarantine(LogTables):
             )
             rows: list[tuple[Any, ...]] = []
             for chunk in chunks:
-                sql = quarantined_sql(after=bool(after_ids), ids=None if chunk is None else len(chunk))
+                sql = quarantined_sql(
+                    after=bool(after_ids), ids=None if chunk is None else len(chunk), dismissed=dismissed
+                )
                 params = (self.context, *after_ids, *(chunk or ()), limit)
                 rows += conn.execute(sql, params).fetchall()
             rows.sort(key=lambda r: int(r[0]))
@@ -108,11 +138,27 @@ class EmbeddedQuarantine(LogTables):
                     "aggregate": r[4],
                     "raw": json.loads(r[5]),
                     "reason": r[6],
+                    "dismissed": None if r[7] is None else {"at": r[7], "reason": r[8], "by": r[9]},
                 }
                 for r in rows[:limit]
             ]
 
         return await self._run("quarantined", run)
+
+    async def dismiss(self, ids: Collection[str], reason: str, by: str) -> int:
+        why, who = dismissal(reason, by)
+        wanted = _row_ids(ids)
+        if not wanted:
+            return 0
+
+        def run(conn: sqlite3.Connection) -> int:
+            done = 0
+            for i in range(0, len(wanted), RELEASE_CHUNK):
+                chunk = wanted[i : i + RELEASE_CHUNK]
+                done += conn.execute(dismiss_sql(len(chunk)), (why, who, self.context, *chunk)).rowcount
+            return done
+
+        return await self._run("dismiss_quarantined", self._db.transaction(run))
 
     async def release(self, ids: Collection[str]) -> int:
         wanted = _row_ids(ids)

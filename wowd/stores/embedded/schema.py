@@ -21,8 +21,20 @@ from wowd.stores.formats import StoreFormat, too_new
 # ---- the log: its commits, the checkpoints of its consumers and the quarantine (one format)
 
 
-LOG_FORMAT = 5
+LOG_FORMAT = 6
 """The layout version of the embedded log tables, recorded in ``log_format``."""
+
+
+LOG_UPGRADES_FROM = 5
+"""The format ``prepare`` upgrades in place: the quarantine without its dismissal columns."""
+
+
+QUARANTINE_DISMISSAL_COLUMNS = (
+    ("dismissed_at", "INTEGER"),
+    ("dismissed_reason", "TEXT"),
+    ("dismissed_by", "TEXT"),
+)
+"""An item an operator dismissed: when (ms since the epoch), why and who (all NULL until then)."""
 
 
 LOG_TABLES = ("log", "log_checkpoint", "log_quarantine", "log_format")
@@ -62,6 +74,9 @@ LOG_SCHEMA = (
         raw_hash TEXT NOT NULL,
         reason TEXT NOT NULL,
         created_at INTEGER NOT NULL,
+        dismissed_at INTEGER,
+        dismissed_reason TEXT,
+        dismissed_by TEXT,
         UNIQUE (context, consumer, aggregate, raw_hash)
     )""",
     """CREATE TABLE IF NOT EXISTS log_format (
@@ -116,7 +131,22 @@ def create_log(conn: sqlite3.Connection) -> None:
         f"INSERT INTO log_format (name, format, created_at) VALUES ('log', ?, {NOW_MS}) ON CONFLICT (name) DO NOTHING",
         (LOG_FORMAT,),
     )
+    upgrade_log(conn)
     check_log_format(conn)
+
+
+def upgrade_log(conn: sqlite3.Connection) -> None:
+    """Upgrades tables recorded in :data:`LOG_UPGRADES_FROM` in place (in the caller's
+    transaction): the quarantine's dismissal columns added (``ALTER TABLE ... ADD COLUMN``, no
+    row rewritten), then :data:`LOG_FORMAT` recorded."""
+    row = conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone()
+    if row is None or row[0] != LOG_UPGRADES_FROM:
+        return
+    have = {str(r[1]) for r in conn.execute("PRAGMA table_info(log_quarantine)")}
+    for name, kind in QUARANTINE_DISMISSAL_COLUMNS:
+        if name not in have:
+            conn.execute(f"ALTER TABLE log_quarantine ADD COLUMN {name} {kind}")
+    conn.execute("UPDATE log_format SET format = ? WHERE name = 'log' AND format = ?", (LOG_FORMAT, LOG_UPGRADES_FROM))
 
 
 def validate_log(conn: sqlite3.Connection) -> None:
@@ -447,7 +477,7 @@ def embedded_formats(conn: sqlite3.Connection, context: str) -> list[StoreFormat
     row = (
         conn.execute("SELECT format FROM log_format WHERE name = 'log'").fetchone() if "log_format" in tables else None
     )
-    found.append(StoreFormat("embedded log", None if row is None else int(row[0]), LOG_FORMAT))
+    found.append(StoreFormat("embedded log", None if row is None else int(row[0]), LOG_FORMAT, LOG_UPGRADES_FROM))
     timers = conn.execute(timer_formats_sql(), (context,)).fetchall() if TIMER_REGISTRY in tables else []
     if not timers:
         timers = [(timer_table(context), None)]

@@ -32,7 +32,7 @@ from wowd.errors import (
 from wowd.model import (
     AggregateType,
 )
-from wowd.stores.base import Ddl
+from wowd.stores.base import Ddl, dismissal
 from wowd.stores.mongo._common import (
     DEFAULT_OPERATION_TIMEOUT,
     CollectionStore,
@@ -129,7 +129,12 @@ class MongoQuarantine(CollectionStore):
         await self._quarantine.update_one({"_id": QUARANTINE_SEQ_ID}, {"$max": {"n": n}}, upsert=True)
 
     async def items(
-        self, limit: int = 1000, after: str | None = None, *, ids: Collection[str] | None = None
+        self,
+        limit: int = 1000,
+        after: str | None = None,
+        *,
+        ids: Collection[str] | None = None,
+        dismissed: bool = False,
     ) -> list[dict[str, Any]]:
         """One ``find`` in ``seq`` order (the ``seq`` index)."""
         out: list[dict[str, Any]] = []
@@ -141,10 +146,25 @@ class MongoQuarantine(CollectionStore):
         if wanted == []:
             return out
         filter_ = quarantined_filter(ObjectId(after) if after is not None else None, wanted)
+        if wanted is None:
+            filter_["dismissed"] = {"$exists": dismissed}
         with self._call("quarantined"):
             async for d in self._quarantine.find(filter_, sort=[("seq", 1)], limit=limit):
                 out.append(quarantine_item(d))
         return out
+
+    async def dismiss(self, ids: Collection[str], reason: str, by: str) -> int:
+        """One ``update`` of the items among ``ids`` (by ``seq``) without ``dismissed``: ``$set``
+        ``dismissed: {at, reason, by}`` (``at`` this client's time, as ``quarantined_at``)."""
+        why, who = dismissal(reason, by)
+        wanted = _object_ids(ids)
+        if not wanted:
+            return 0
+        filter_ = {**quarantined_filter(None, wanted), "dismissed": {"$exists": False}}
+        mark = {"$set": {"dismissed": {"at": datetime.now(UTC), "reason": why, "by": who}}}
+        with self._call("dismiss_quarantined"):
+            result = await self._quarantine.update_many(filter_, mark)
+        return int(result.modified_count)
 
     async def release(self, ids: Collection[str]) -> int:
         """The items found among ``ids`` (one ``find``), the counter raised to their highest
@@ -247,15 +267,23 @@ def quarantined_filter(after: ObjectId | None, ids: Sequence[ObjectId] | None) -
     return {"seq": seq}
 
 
-def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """A quarantine document as :meth:`~wowd.stores.base.Log.quarantined` answers it."""
-    at = doc.get("quarantined_at")
+def _ms(at: Any) -> int:
+    """A stored date (naive: UTC) in ms since the epoch; 0 for anything else."""
     if isinstance(at, datetime):
-        created_at = int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
-    else:
-        created_at = 0
-    item = {"id": str(doc.get("seq")), "created_at": created_at}
+        return int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000)
+    return 0
+
+
+def quarantine_item(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """A quarantine document as :meth:`~wowd.stores.base.Quarantine.items` answers it."""
+    item = {"id": str(doc.get("seq")), "created_at": _ms(doc.get("quarantined_at"))}
     item.update({k: doc.get(k) for k in ("consumer", "partition", "aggregate", "raw", "reason")})
+    mark = doc.get("dismissed")
+    item["dismissed"] = (
+        {"at": _ms(mark.get("at")), "reason": mark.get("reason"), "by": mark.get("by")}
+        if isinstance(mark, Mapping)
+        else None
+    )
     return item
 
 
