@@ -52,11 +52,12 @@ __all__ = ["STEPS", "fire_once", "main"]
 STEPS = (
     ("claim_due (store)", "timer_firing.py", "claim_due"),
     ("settle (store)", "timer_firing.py", "settle"),
-    ("outcome_changes", "timers.py", "outcome_changes"),
-    ("_count (metrics)", "timers.py", "_count"),
-    ("gateway deliver", "gateway.py", "deliver"),
-    ("gateway send", "gateway.py", "send"),
-    ("gateway _post", "gateway.py", "_post"),
+    ("outcome_changes", "timer_plan.py", "outcome_changes"),
+    ("count_outcomes (metrics)", "timer_plan.py", "count_outcomes"),
+    ("history records", "timer_plan.py", "attempt_records"),
+    ("stream worker", "stream.py", "_worker"),
+    ("gateway send", "http.py", "send"),
+    ("gateway _post", "http.py", "_post"),
     ("aiohttp ClientSession._request", "client.py", "_request"),
 )
 """The path's steps: (label, file name, function) as cProfile names them."""
@@ -116,7 +117,7 @@ async def _fire(
     gateway: Any = Null() if null else Counting(GatewaySettings(kind="http", url=target.url), pool_size=concurrency)
     firing = Firing(
         settings=TimerSettings(),
-        timers=store,
+        timers=store.firing,
         gateway=gateway,
         limits=target_limits(concurrency, lambda _target: concurrency),
         nudge=lambda: None,

@@ -190,3 +190,15 @@ def test_feed_profile_reports_the_feed_steps() -> None:
     assert result["partitions_checkpointed"] == result["partitions_in_log"] > 0
     text = report(result, top=5)
     assert "| the batch's transaction |" in text and "| - timer view rows |" in text and "| - checkpoints |" in text
+
+
+@pytest.mark.process
+def test_http_profile_fires_every_command_through_the_timer_loop_and_reports_its_steps() -> None:
+    from bench.profile_http import fire_once, report
+
+    result = fire_once(200, 8, profile=True)
+    assert result["seen"] == result["n"] == 200, "the target saw each command once"
+    text = report(result, top=5)
+    # every step of the path is found in the profile under the name the table gives it
+    for step in ("claim_due (store)", "settle (store)", "outcome_changes", "count_outcomes (metrics)", "gateway send"):
+        assert f"| {step} |" in text, step
