@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from wowd.errors import InvalidInput
@@ -147,29 +147,23 @@ class EmbeddedQuarantine(LogTables):
 
     async def dismiss(self, ids: Collection[str], reason: str, by: str) -> int:
         why, who = dismissal(reason, by)
-        wanted = _row_ids(ids)
-        if not wanted:
-            return 0
-
-        def run(conn: sqlite3.Connection) -> int:
-            done = 0
-            for i in range(0, len(wanted), RELEASE_CHUNK):
-                chunk = wanted[i : i + RELEASE_CHUNK]
-                done += conn.execute(dismiss_sql(len(chunk)), (why, who, self.context, *chunk)).rowcount
-            return done
-
-        return await self._run("dismiss_quarantined", self._db.transaction(run))
+        return await self._by_ids("dismiss_quarantined", ids, dismiss_sql, why, who, self.context)
 
     async def release(self, ids: Collection[str]) -> int:
+        return await self._by_ids("release_quarantined", ids, release_quarantined_sql, self.context)
+
+    async def _by_ids(self, name: str, ids: Collection[str], statement: Callable[[int], str], *head: Any) -> int:
+        """``statement(n)`` over the row ids among ``ids``, :data:`RELEASE_CHUNK` at a time, its
+        parameters ``head`` then a chunk's ids, in one transaction; the rows it changed."""
         wanted = _row_ids(ids)
         if not wanted:
             return 0
 
         def run(conn: sqlite3.Connection) -> int:
-            deleted = 0
+            changed = 0
             for i in range(0, len(wanted), RELEASE_CHUNK):
                 chunk = wanted[i : i + RELEASE_CHUNK]
-                deleted += conn.execute(release_quarantined_sql(len(chunk)), (self.context, *chunk)).rowcount
-            return deleted
+                changed += conn.execute(statement(len(chunk)), (*head, *chunk)).rowcount
+            return changed
 
-        return await self._run("release_quarantined", self._db.transaction(run))
+        return await self._run(name, self._db.transaction(run))
