@@ -1,5 +1,6 @@
-"""The embedded log's format: a file written before the quarantine kept dismissals is upgraded in
-place at the first start with DDL ``auto`` (no item lost), and refused with ``validate``."""
+"""The embedded quarantine: a file written before the quarantine kept dismissals is upgraded in
+place at the first start with DDL ``auto`` (no item lost), and refused with ``validate``; a
+dismissal or a release of more ids than one statement takes changes each item once."""
 
 from __future__ import annotations
 
@@ -93,3 +94,28 @@ async def test_a_format_5_log_is_refused_with_ddl_validate_and_left_as_it_was(tm
     finally:
         await store.close()
     assert recorded(path) == 5
+
+
+async def test_a_dismissal_and_a_release_of_more_ids_than_one_statement_takes_change_each_item_once(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "wowd.db"
+    store = EmbeddedQuarantine(path, context="ctx")
+    try:
+        await store.prepare()
+        with closing(sqlite3.connect(path)) as conn, conn:  # one transaction
+            conn.executemany(
+                "INSERT INTO log_quarantine (context, consumer, partition, aggregate, raw, raw_hash, reason,"
+                " created_at) VALUES ('ctx', 'wowd', 1, 'order', '{}', ?, 'events: is missing', 1)",
+                [(f"h{i}",) for i in range(1_300)],
+            )
+        ids = [i["id"] for i in await store.items(limit=2_000)]
+        assert len(ids) == 1_300
+        assert await store.dismiss([*ids[:1_200], *ids[:10], "nope"], "load test data", "ops") == 1_200
+        assert [i["id"] for i in await store.items(limit=2_000)] == ids[1_200:]
+        assert len(await store.items(limit=2_000, dismissed=True)) == 1_200
+        assert await store.release(ids[100:1_300]) == 1_200
+        assert [i["id"] for i in await store.items(limit=2_000, dismissed=True)] == ids[:100]
+        assert await store.items(limit=2_000) == []
+    finally:
+        await store.close()
