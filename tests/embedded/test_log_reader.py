@@ -221,6 +221,18 @@ async def test_a_following_read_finds_another_processs_commits_by_its_poll(log: 
     assert [e.commit for e in tail.entries] == theirs
 
 
+async def test_a_caught_up_read_backs_off_its_polls_instead_of_polling_busily(log: EmbeddedLog) -> None:
+    """Each poll that finds nothing waits twice as long as the one before, from 2 ms up to 100 ms:
+    eight empty polls take 2 + 4 + ... + 64 + 100 + 100 ms at least, not eight times 2 ms."""
+    async with tailing(log, EVERY) as tail:
+        await caught_up(tail)
+        started = anyio.current_time()
+        heads = tail.heads
+        await tail.until(lambda t: t.heads >= heads + 8, timeout=5)
+        waited = anyio.current_time() - started
+    assert waited >= 0.25
+
+
 async def test_a_following_read_leaves_no_wake_up_subscription_behind(log: EmbeddedLog) -> None:
     """A feed follows the log for days, subscribing to the file's wake-ups before each query: a
     read holds at most one subscription at a time, and none once it ends."""
