@@ -42,6 +42,9 @@ GROUPS: dict[str, Group] = {
             "tests/embedded/test_log_union_read.py",
             "tests/embedded/test_batched_reads.py",
             "tests/embedded/test_leases_log.py",
+            "tests/embedded/test_log_reader.py",
+            "tests/embedded/test_log_writes.py",
+            "tests/embedded/test_log_checkpoints.py",
         ),
     ),  # fmt: skip
     # leases: acquire, renew, release, fences

@@ -125,3 +125,16 @@ async def test_the_successor_one_fence_ahead_writes_every_checkpoint(log: Any, c
         assert await stored(checkpoints, consumer) == {p: (late[p], FENCE + 1) for p in PARTS}
     assert await checkpoints.save(CONSUMERS[0], 0, early[0], FENCE + 2) is True
     assert (await stored(checkpoints, CONSUMERS[0]))[0] == (early[0], FENCE + 2)
+
+
+async def test_a_write_of_one_partition_is_fenced_as_a_write_of_several(log: Any, checkpoints: Checkpoints) -> None:
+    early, late = await two_positions(log)
+    assert await checkpoints.save_all(CONSUMERS[0], {2: late[2]}, FENCE) is True
+    assert await stored(checkpoints, CONSUMERS[0]) == {2: (late[2], FENCE)}
+    assert await checkpoints.save_all(CONSUMERS[0], {2: early[2]}, FENCE - 1) is False
+    assert await stored(checkpoints, CONSUMERS[0]) == {2: (late[2], FENCE)}
+
+
+async def test_a_write_of_no_positions_writes_nothing_and_is_not_refused(log: Any, checkpoints: Checkpoints) -> None:
+    assert await checkpoints.save_all(CONSUMERS, {}, FENCE) is True
+    assert await stored(checkpoints, CONSUMERS[0]) == {}
