@@ -44,7 +44,6 @@ GROUPS: dict[str, Group] = {
             "tests/embedded/test_leases_log.py",
             "tests/embedded/test_log_reader.py",
             "tests/embedded/test_log_writes.py",
-            "tests/embedded/test_log_checkpoints.py",
         ),
     ),  # fmt: skip
     # leases: acquire, renew, release, fences

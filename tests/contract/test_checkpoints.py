@@ -138,3 +138,8 @@ async def test_a_write_of_one_partition_is_fenced_as_a_write_of_several(log: Any
 async def test_a_write_of_no_positions_writes_nothing_and_is_not_refused(log: Any, checkpoints: Checkpoints) -> None:
     assert await checkpoints.save_all(CONSUMERS, {}, FENCE) is True
     assert await stored(checkpoints, CONSUMERS[0]) == {}
+
+
+async def test_a_write_naming_no_consumer_writes_nothing_and_is_not_refused(log: Any, checkpoints: Checkpoints) -> None:
+    assert await checkpoints.save_all([], {0: {"seq": 3}, 1: {"seq": 4}}, FENCE) is True
+    assert await stored(checkpoints, CONSUMERS[0]) == {}

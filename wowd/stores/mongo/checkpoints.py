@@ -104,13 +104,13 @@ class MongoCheckpoints(MongoStore):
     async def save_all(self, consumer: str | Sequence[str], positions: Mapping[int, Position], fence: int) -> bool:
         """One unordered bulk of the upserts :meth:`save` sends; an E11000 item (a
         higher fence holds that partition) makes the answer False."""
-        if not positions:
-            return True
         ops = [
             UpdateOne(checkpoint_filter(c, p, fence), checkpoint_update(_bson_position(pos), fence), upsert=True)
             for c in consumers_of(consumer)
             for p, pos in sorted(positions.items())
         ]
+        if not ops:  # no position or no consumer: nothing to write (a bulk of nothing is refused)
+            return True
         with self._call("save_checkpoint"):
             try:
                 await self._checkpoints.bulk_write(ops, ordered=False)
