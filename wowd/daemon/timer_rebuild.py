@@ -290,6 +290,10 @@ class TimerRebuilder:
         if report.total is None:
             self._progress(f"rebuild: {report.commits} commits read, {self._live} {SO_FAR}")
             return
+        if report.commits > report.total:  # commits appended since the replay began are read too
+            grew = f"the log held {report.total} when the replay began"
+            self._progress(f"rebuild: {report.commits} commits read ({grew}), {self._live} {SO_FAR}")
+            return
         share = f" ({100 * report.commits // report.total}%)" if report.total else ""
         self._progress(f"rebuild: {report.commits} of {report.total} commits read{share}, {self._live} {SO_FAR}")
 
