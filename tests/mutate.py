@@ -119,6 +119,7 @@ GROUPS: dict[str, Group] = {
             "tests/daemon/test_lease_timing.py",
             "tests/daemon/test_lease_overlap.py",
             "tests/daemon/test_presence.py",
+            "tests/embedded/test_leases_log.py",
         ),
     ),  # fmt: skip
 }

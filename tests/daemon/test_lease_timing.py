@@ -17,7 +17,7 @@ from trio.testing import MockClock
 
 from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
-from wowd.daemon.leases import HeldSlot, Presence, SlotKeeper
+from wowd.daemon.leases import RELEASE_TIMEOUT_S, HeldSlot, Presence, SlotKeeper
 from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
 
@@ -161,3 +161,56 @@ async def test_the_presence_record_is_written_at_once_then_every_third_of_the_tt
     assert abs(store.at[0] - started) < EXACT
     gaps = [b - a for a, b in zip(store.at, store.at[1:4], strict=False)]
     assert all(abs(g - TTL_S / 3) < EXACT for g in gaps), gaps
+
+
+class SlowStore(VirtualLeases):
+    """Releases and presence deletes take the store a moment (``hangs``: an hour)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hangs = False
+        self.released: list[int] = []
+        self.left: list[str] = []
+
+    async def _answer(self) -> None:
+        await anyio.sleep(3600.0 if self.hangs else 0.01)
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        await self._answer()
+        self.released.append(lease.fence)
+        return await super().release(lease, last_issued)
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        return None
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        await self._answer()
+        self.left.append(owner_key)
+        return True
+
+
+async def test_a_keeper_and_a_presence_cancelled_from_outside_still_release_the_slot_and_delete_the_record() -> None:
+    store = SlowStore()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await tg.start(presence.run)
+        tg.cancel_scope.cancel()
+    assert store.released == [1]
+    assert store.left == ["me"]
+
+
+async def test_a_release_and_a_delete_the_store_does_not_answer_are_given_up_after_five_seconds() -> None:
+    store = SlowStore()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await tg.start(presence.run)
+        store.hangs = True
+        stopped = anyio.current_time()
+        keeper.stop(1.0)
+        presence.stop()
+    assert abs(anyio.current_time() - stopped - RELEASE_TIMEOUT_S) < EXACT
+    assert store.released == [] and store.left == []

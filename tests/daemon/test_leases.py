@@ -13,8 +13,8 @@ import pytest
 
 from tests.factories import eventually, lease
 from wowd import metrics
-from wowd.config import LeaseSettings, WowdSettings
-from wowd.daemon.leases import HeldSlot, SlotKeeper
+from wowd.config import LeaseSettings, ShutdownSettings, WowdSettings
+from wowd.daemon.leases import HeldSlot, SlotKeeper, owner_key_for
 from wowd.errors import LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
 
@@ -220,6 +220,97 @@ async def test_exhausted_is_standby_then_takes_a_freed_slot() -> None:
             await got.wait()
         assert not keeper.standby
         keeper.stop(1.0)
+
+
+class HeldLeases(ScriptedLeases):
+    """One slot a timer view rebuild may hold: while ``holding``, a renewal answers the lease
+    held by it and a take answers exhausted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.released_event = anyio.Event()
+
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
+        if self.holding:
+            return AcquireResult(status="exhausted")
+        return await super().take(namespace, owner, ttl)
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        renewed = await super().renew(lease, ttl, tolerance)
+        if renewed is not None and self.holding:
+            return replace(renewed, held_by="rebuild of the timer view")
+        return renewed
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        released = await super().release(lease, last_issued)
+        self.released_event.set()
+        return released
+
+
+async def test_a_renewal_answering_the_slot_held_drains_the_work_releases_it_and_takes_it_back_after_the_hold() -> None:
+    store = HeldLeases()
+    drained = anyio.Event()
+    fences: list[int] = []
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        await held.stop_event.wait()
+        await anyio.sleep(0.05)  # the drain's own work
+        held.check()  # still valid while draining
+        if held.fence == 1:
+            drained.set()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.holding = True  # answered at the next renewal (ttl/3 = 0.2 s)
+        with anyio.fail_after(3):
+            await drained.wait()
+            await store.released_event.wait()
+        assert [lease.fence for lease, _last_issued in store.released] == [1]
+        store.holding = False
+        with anyio.fail_after(3):
+            await store.wait_acquires(2)  # taken back once the hold ends
+        keeper.stop(1.0)
+    assert fences == [1, 2]
+
+
+async def test_a_hold_cancels_work_that_outlasts_the_grace_period_and_still_releases() -> None:
+    store = HeldLeases()
+    cancelled = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence > 1:
+            await held.stop_event.wait()
+            return
+        try:
+            await anyio.sleep_forever()  # ignores the stop request
+        finally:
+            cancelled.set()
+
+    s = settings().model_copy(update={"shutdown": ShutdownSettings(grace_s=0.3)})
+    keeper = SlotKeeper(0, s, store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.holding = True
+        with anyio.fail_after(3):  # the lease itself is renewed all along: only the grace ends it
+            await cancelled.wait()
+            await store.released_event.wait()
+        store.holding = False
+        keeper.stop(1.0)
+
+
+def test_each_keeper_of_a_replica_has_an_owner_key_of_its_own() -> None:
+    """An owner key holds one slot (acquire is idempotent per key): keeper ``i`` of a replica
+    that holds several slots takes them under ``key#i``."""
+    assert [owner_key_for("host-a:1:aa", i) for i in range(3)] == ["host-a:1:aa", "host-a:1:aa#1", "host-a:1:aa#2"]
+
+
+async def test_a_held_slots_deadline_is_its_validity_on_the_monotonic_clock() -> None:
+    """What a store call that checks the lease from a thread of its own is handed."""
+    held = HeldSlot(lease=lease(1), partitions=frozenset({1}), valid_until=anyio.current_time() + 2.0, owner_key="me")
+    assert abs(held.deadline() - (time.monotonic() + 2.0)) < 0.5
 
 
 class WallClockLeases(OneSlot):
