@@ -301,6 +301,47 @@ async def test_a_hold_cancels_work_that_outlasts_the_grace_period_and_still_rele
         keeper.stop(1.0)
 
 
+class WornLeases(ScriptedLeases):
+    """Renewals refused; the first re-acquire hands the lease back unchanged with 0.1 s left (less
+    than the tolerance), the later ones take the slot afresh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renew_mode = "lost"
+        self.taken: SlotLease | None = None
+        self.worn = 0
+
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
+        if self.taken is not None and not self.worn:
+            self.worn += 1
+            return AcquireResult(status="acquired", lease=replace(self.taken, store_now=self.taken.expires_at - 100))
+        result = await super().take(namespace, owner, ttl)
+        self.taken = result.lease
+        return result
+
+
+async def test_a_lease_handed_back_with_less_than_the_tolerance_left_is_not_worked_under() -> None:
+    store = WornLeases()
+    fences: list[int] = []
+    second = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        if held.fence == 2:
+            second.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        with anyio.fail_after(3):
+            await second.wait()
+        store.renew_mode = "ok"
+        keeper.stop(1.0)
+    assert store.worn == 1
+    assert fences == [1, 2]  # the worn lease was waited out, not worked under
+
+
 def test_each_keeper_of_a_replica_has_an_owner_key_of_its_own() -> None:
     """An owner key holds one slot (acquire is idempotent per key): keeper ``i`` of a replica
     that holds several slots takes them under ``key#i``."""
