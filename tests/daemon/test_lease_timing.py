@@ -18,6 +18,7 @@ from trio.testing import MockClock
 from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import RELEASE_TIMEOUT_S, HeldSlot, Presence, SlotKeeper
+from wowd.errors import SlotStalled
 from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
 
@@ -214,3 +215,26 @@ async def test_a_release_and_a_delete_the_store_does_not_answer_are_given_up_aft
         presence.stop()
     assert abs(anyio.current_time() - stopped - RELEASE_TIMEOUT_S) < EXACT
     assert store.released == [] and store.left == []
+
+
+async def test_a_slot_whose_work_gives_up_is_released_and_taken_again_after_twice_the_ttl() -> None:
+    """The slot's feed made no progress and gave it up (``SlotStalled``) for another replica to
+    try: the slot is released and this keeper stands by for ``max(2 * ttl, 10 s)`` before it
+    acquires again."""
+    store = VirtualLeases()
+    s = WowdSettings(partitions=8, lease=LeaseSettings(limit=1, ttl_s=6.0, tolerance_s=TOLERANCE_S))
+    again = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence == 1:
+            raise SlotStalled("the feed of slot 0 made no progress for 300 s")
+        again.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, s, store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await again.wait()
+        keeper.stop(1.0)
+    first, second = store.acquired_at
+    assert abs(second - first - 12.0) < EXACT

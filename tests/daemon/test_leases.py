@@ -301,6 +301,29 @@ async def test_a_hold_cancels_work_that_outlasts_the_grace_period_and_still_rele
         keeper.stop(1.0)
 
 
+async def test_work_that_finds_its_lease_lost_is_not_released_and_the_slot_is_taken_again() -> None:
+    """A store call of the work answered that the lease was lost (its own check, on its own
+    clock): the keeper counts the loss and releases nothing (another holder may have the slot)."""
+    store = ScriptedLeases()
+    second = anyio.Event()
+    lost_before = lost_count()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence == 1:
+            raise LeaseLost("slot 1 (fence 1): the round's commit came after the lease's deadline")
+        second.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(ttl=5.0, tolerance=1.0), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        with anyio.fail_after(3):
+            await second.wait()
+        keeper.stop(1.0)
+    assert lost_count() == lost_before + 1
+    assert [lease.fence for lease, _last_issued in store.released] == [2]
+
+
 class WornLeases(ScriptedLeases):
     """Renewals refused; the first re-acquire hands the lease back unchanged with 0.1 s left (less
     than the tolerance), the later ones take the slot afresh."""
