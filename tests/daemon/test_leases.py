@@ -104,6 +104,10 @@ def lost_count() -> float:
     return float(metrics.LEASE_LOST._value.get())
 
 
+def fence_gauge(slot: int) -> float | None:
+    return metrics.REGISTRY.get_sample_value("wowd_lease_fence", {"slot": str(slot)})
+
+
 async def test_work_stops_at_validity_deadline_while_renew_hangs() -> None:
     store = ScriptedLeases()
     store.renew_mode = "hang"
@@ -182,10 +186,12 @@ async def test_stop_drains_work_then_releases_with_last_issued() -> None:
     keeper = SlotKeeper(0, settings(ttl=5.0, tolerance=1.0), store, work, owner_key="me")  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
+        assert fence_gauge(1) == 1.0  # the slot's fence while it is held
         keeper.stop(2.0)
     assert drained.is_set()
     ((lease, last_issued),) = store.released
     assert lease.fence == 1 and last_issued == 123
+    assert fence_gauge(1) is None  # no fence for a slot no longer held
 
 
 async def test_grace_period_cancels_slow_work_and_still_releases() -> None:
