@@ -18,7 +18,7 @@ from trio.testing import MockClock
 from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import RELEASE_TIMEOUT_S, HeldSlot, Presence, SlotKeeper
-from wowd.errors import SlotStalled
+from wowd.errors import SlotStalled, StorageUnavailable
 from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
 
@@ -238,3 +238,36 @@ async def test_a_slot_whose_work_gives_up_is_released_and_taken_again_after_twic
         keeper.stop(1.0)
     first, second = store.acquired_at
     assert abs(second - first - 12.0) < EXACT
+
+
+class FailingRenewals(VirtualLeases):
+    """Renewals the store fails (``failures`` of them, each answered after 10 ms), then answered."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        if self.failures:
+            self.failures -= 1
+            self.renewed_at.append(anyio.current_time())
+            await anyio.sleep(0.01)
+            raise StorageUnavailable("sqlite wowd.db: database is locked")
+        return await super().renew(lease, ttl, tolerance)
+
+
+async def test_a_renewal_the_store_fails_is_retried_every_quarter_of_the_renewal_period() -> None:
+    """Not at once (a store that fails is not hammered), not at the next period (the lease would
+    lapse): ``ttl/12`` after each failure, here 0.25 s; the work goes on under the lease renewed."""
+    store, work = FailingRenewals(3), Work()
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        held = await tg.start(keeper.run)
+        while len(store.renewed_at) < 4:
+            await store.renewed.wait()
+        assert held is not None and held.valid and not work.stopped.is_set()
+        keeper.stop(1.0)
+    (took,) = store.acquired_at
+    assert abs(store.renewed_at[0] - took - TTL_S / 3) < EXACT
+    gaps = [b - a for a, b in zip(store.renewed_at, store.renewed_at[1:4], strict=False)]
+    assert all(abs(g - (0.01 + TTL_S / 12)) < EXACT for g in gaps), gaps
