@@ -330,6 +330,62 @@ async def test_work_that_finds_its_lease_lost_is_not_released_and_the_slot_is_ta
     assert [lease.fence for lease, _last_issued in store.released] == [2]
 
 
+async def test_a_keeper_stalled_by_a_full_disk_recovers_when_a_renewal_gets_through() -> None:
+    """A renewal refused for a full disk stalls the keeper at once; the next one that gets
+    through, within the lease's validity, ends the stall and the work goes on."""
+    store = ScriptedLeases()
+    fences: list[int] = []
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(ttl=3.0, tolerance=0.5), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.full = True
+
+        async def refused() -> bool:
+            return store.refused >= 1
+
+        await eventually(refused, 3, "a renewal refused")
+        assert keeper.stall.stalled
+        store.full = False
+
+        async def recovered() -> bool:
+            return not keeper.stall.stalled
+
+        await eventually(recovered, 3, "the stall ended")
+        assert keeper.held is not None and keeper.held.valid
+        keeper.stop(1.0)
+    assert fences == [1]
+
+
+async def test_a_stalled_keeper_whose_slot_another_replica_took_is_a_healthy_standby() -> None:
+    store = ScriptedLeases()
+
+    async def work(held: HeldSlot) -> None:
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.full = True
+
+        async def lapsed_and_refused() -> bool:
+            return keeper.held is None and store.refused >= 3
+
+        await eventually(lapsed_and_refused, 5, "the lease lapsed, the acquires refused")
+        assert keeper.stall.stalled
+        store.exhausted, store.full = True, False  # another replica took the slot meanwhile
+
+        async def standing_by() -> bool:
+            return keeper.standby and not keeper.stall.stalled
+
+        await eventually(standing_by, 5, "a standby, no longer stalled")
+        keeper.stop(1.0)
+
+
 class WornLeases(ScriptedLeases):
     """Renewals refused; the first re-acquire hands the lease back unchanged with 0.1 s left (less
     than the tolerance), the later ones take the slot afresh."""
