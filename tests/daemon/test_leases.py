@@ -15,7 +15,7 @@ from tests.factories import eventually, lease
 from wowd import metrics
 from wowd.config import LeaseSettings, ShutdownSettings, WowdSettings
 from wowd.daemon.leases import HeldSlot, SlotKeeper, owner_key_for
-from wowd.errors import LeaseLost, StorageFull
+from wowd.errors import ConfigError, LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
 
 pytestmark = pytest.mark.anyio
@@ -384,6 +384,42 @@ async def test_a_stalled_keeper_whose_slot_another_replica_took_is_a_healthy_sta
 
         await eventually(standing_by, 5, "a standby, no longer stalled")
         keeper.stop(1.0)
+
+
+class Asked(OneSlot):
+    """Records what each acquire asks for; answers ``answer``."""
+
+    def __init__(self, answer: AcquireResult) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int, int]] = []
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        self.asked.append((namespace, limit, slot_offset))
+        return self.answer
+
+
+async def test_a_keeper_asks_for_its_configured_slot_range_and_a_refused_configuration_stops_it() -> None:
+    store = Asked(AcquireResult(status="refused", reason="namespace 'wowd.t' is recorded with limit 4"))
+    s = WowdSettings(partitions=8, lease=LeaseSettings(limit=2, slot_offset=6, ttl_s=0.6, tolerance_s=0.2))
+
+    async def work(held: HeldSlot) -> None:
+        raise AssertionError("no slot to work under")
+
+    keeper = SlotKeeper(0, s, store, work, owner_key="me")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="refused this configuration: namespace 'wowd.t' is recorded with limit 4"):
+        with anyio.fail_after(3):
+            await keeper.run()
+    ((_namespace, limit, offset),) = store.asked
+    assert (limit, offset) == (2, 6)
 
 
 class WornLeases(ScriptedLeases):
