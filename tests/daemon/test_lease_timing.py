@@ -234,7 +234,10 @@ async def test_a_slot_whose_work_gives_up_is_released_and_taken_again_after_twic
     keeper = SlotKeeper(0, s, store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
-        await again.wait()
+        await anyio.sleep(6.0)  # halfway through the stand-by
+        assert keeper.standby and keeper.held is None
+        with anyio.fail_after(60):
+            await again.wait()
         keeper.stop(1.0)
     first, second = store.acquired_at
     assert abs(second - first - 12.0) < EXACT
