@@ -274,3 +274,22 @@ async def test_a_renewal_the_store_fails_is_retried_every_quarter_of_the_renewal
     assert abs(store.renewed_at[0] - took - TTL_S / 3) < EXACT
     gaps = [b - a for a, b in zip(store.renewed_at, store.renewed_at[1:4], strict=False)]
     assert all(abs(g - (0.01 + TTL_S / 12)) < EXACT for g in gaps), gaps
+
+
+class NoFreeSlot(VirtualLeases):
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
+        self.acquired_at.append(anyio.current_time())
+        return AcquireResult(status="exhausted")
+
+
+async def test_a_standby_keeper_stops_at_once() -> None:
+    """However long it has stood by (its pauses grow to ``ttl/3``), a stop ends it at once."""
+    store = NoFreeSlot()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        assert await tg.start(keeper.run) is None
+        await anyio.sleep(30.5)
+        stopped = anyio.current_time()
+        keeper.stop(1.0)
+    assert abs(anyio.current_time() - stopped) < EXACT
+    assert len(store.acquired_at) > 20  # it kept asking meanwhile

@@ -180,12 +180,14 @@ async def test_stop_drains_work_then_releases_with_last_issued() -> None:
 
     async def work(held: HeldSlot) -> None:
         await held.stop_event.wait()
+        await anyio.sleep(0.05)  # the drain's own work
         held.check()  # still valid while draining
         drained.set()
 
     keeper = SlotKeeper(0, settings(ttl=5.0, tolerance=1.0), store, work, owner_key="me")  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
-        await tg.start(keeper.run)
+        held = await tg.start(keeper.run)
+        assert held is not None and held.owner_key == "me"
         assert fence_gauge(1) == 1.0  # the slot's fence while it is held
         keeper.stop(2.0)
     assert drained.is_set()
