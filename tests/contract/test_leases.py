@@ -121,6 +121,17 @@ async def test_slot_offset_shifts_the_range(lease_store: Any) -> None:
     assert (await acquire(lease_store, C, limit=2, slot_offset=10)).status == "exhausted"
 
 
+async def test_slots_lists_the_slots_of_the_namespace_asked_and_its_range_only(lease_store: Any) -> None:
+    await held(lease_store, A, limit=2, slot_offset=10)
+    other = await lease_store.acquire("wowd.other", B, 1, LONG, TOL)
+    assert other.status == "acquired"
+    states = await lease_store.slots(NS)
+    assert [(s.namespace, s.slot) for s in states] == [(NS, 10), (NS, 11)]
+    assert [(s.namespace, s.slot, s.owner_key) for s in await lease_store.slots("wowd.other")] == [
+        ("wowd.other", 0, B.key)
+    ]
+
+
 async def test_preferred_slot_is_taken_when_free(lease_store: Any) -> None:
     lease = await held(lease_store, A, limit=4, preferred_slot=2)
     assert lease.slot == 2
@@ -255,7 +266,9 @@ async def test_release_stores_next_floor_for_the_next_holder(lease_store: Any) -
     lease = await held(lease_store, A)
     last_issued = lease.floor + 12_345
     assert await lease_store.release(lease, last_issued)
-    assert (await lease_store.slots(NS))[0].next_floor == last_issued + 1
+    state = (await lease_store.slots(NS))[0]
+    assert state.next_floor == last_issued + 1
+    assert state.expires_at <= state.store_now  # released: over at once
     successor = await held(lease_store, B)
     assert successor.floor == last_issued + 1
 

@@ -118,3 +118,74 @@ async def test_tombstones_are_invisible_to_every_read(
     assert await timer_queries.parked(t.target) == []
     for key in "abc":
         assert await timer_queries.find(ref, key) is None
+
+
+async def test_search_lists_claimed_timers_among_every_status_and_apart_by_their_own(
+    timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
+) -> None:
+    ts = [timer(owner(id_in(p, f"c{i}")), due_at=T0 + i) for i, p in enumerate((0, 1, 2))]
+    for t in ts:
+        await timer_view.put(t)
+    until = T0 + 1_000
+    claim = TimerChange.claim(await loaded(timer_queries, ts[1]), owner_key="k", fence=1, until=until)
+    assert await timer_firing.settle([claim]) == 1
+
+    def ids(found: list[Timer]) -> list[str]:
+        return [t.timer_id for t in found]
+
+    # a claimed timer is due at its claim's expiry
+    assert ids(await timer_queries.search(TimerSearch(), 10)) == ids([ts[0], ts[2], ts[1]])
+    assert ids(await timer_queries.search(TimerSearch(status=TimerStatus.FIRING), 10)) == [ts[1].timer_id]
+    assert ids(await timer_queries.search(TimerSearch(status=TimerStatus.PENDING), 10)) == ids([ts[0], ts[2]])
+
+
+async def test_a_search_of_one_answers_the_first_timer_and_one_of_none_answers_nothing(
+    timer_view: TimerView, timer_queries: TimerQueries
+) -> None:
+    ts = [timer(owner(id_in(p, f"l{i}")), due_at=T0 + 10 - i) for i, p in enumerate((0, 1, 2))]
+    for t in ts:
+        await timer_view.put(t)
+    assert [t.timer_id for t in await timer_queries.search(TimerSearch(), 1)] == [ts[2].timer_id]
+    assert await timer_queries.search(TimerSearch(), 0) == []
+
+
+async def test_a_search_of_owners_of_other_contexts_only_answers_nothing(
+    timer_view: TimerView, timer_queries: TimerQueries
+) -> None:
+    t = timer(owner("o-1"))
+    await timer_view.put(t)
+    elsewhere = replace(t.owner, context="elsewhere")
+    assert await timer_queries.search(TimerSearch(owners=(elsewhere,)), 10) == []
+    assert [f.timer_id for f in await timer_queries.search(TimerSearch(owners=(elsewhere, t.owner)), 10)] == [
+        t.timer_id
+    ]
+
+
+async def test_a_search_combines_its_filters_and_pages_a_filtered_list(
+    timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
+) -> None:
+    ts = [timer(owner(id_in(p, f"f{i}")), "park", due_at=T0 + i) for i, p in enumerate((0, 1, 2, 3))]
+    other_key = timer(owner(id_in(4, "f4")), "other", due_at=T0 + 4)
+    for t in [*ts, other_key]:
+        await timer_view.put(t)
+        assert await timer_firing.settle([TimerChange.park(await loaded(timer_queries, t), fence=1, reason="404")])
+
+    def ids(found: list[Timer]) -> list[str]:
+        return [t.timer_id for t in found]
+
+    assert ids(await timer_queries.search(TimerSearch(key="park", target=TARGET), 10)) == ids(ts)
+    window = TimerSearch(key="park", target=TARGET, due_from=T0 + 1, due_until=T0 + 4)
+    first = await timer_queries.search(window, 2)
+    assert ids(first) == ids(ts[1:3])
+    after = replace(window, after=(first[-1].due_at, first[-1].timer_id))
+    assert ids(await timer_queries.search(after, 2)) == [ts[3].timer_id]
+
+
+async def test_scan_of_several_partitions_answers_the_timers_of_each_of_them(
+    timer_view: TimerView, timer_queries: TimerQueries
+) -> None:
+    ts = [timer(owner(id_in(p, f"p{p}")), due_at=T0 + p) for p in (0, 1, 2, 3)]
+    for t in ts:
+        await timer_view.put(t)
+    asked = {ts[1].partition, ts[3].partition}
+    assert [t.timer_id for t in await timer_queries.scan(partitions=asked)] == [ts[1].timer_id, ts[3].timer_id]

@@ -189,6 +189,15 @@ async def test_parked_many_reads_a_whole_feed_batch_of_targets(
     assert {t.timer_id for t in got} == want and len(got) == len(want)
 
 
+async def test_parked_many_of_one_target_answers_its_parked_timers(
+    timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
+) -> None:
+    t = timer(owner("o-1"), target=TARGET)
+    await timer_view.put(t)
+    assert await timer_firing.settle([TimerChange.park(await loaded(timer_queries, t), fence=1, reason="404")])
+    assert [p.timer_id for p in await timer_view.parked_many([TARGET])] == [t.timer_id]
+
+
 async def test_a_fired_timer_is_not_put_again_by_a_replay(
     timer_view: TimerView, timer_firing: TimerFiring, timer_queries: TimerQueries
 ) -> None:
@@ -281,6 +290,24 @@ async def test_write_applies_a_batch_with_single_item_answers(
     assert await timer_view.write(writes) == [1, 0, 0, 0, 1, 0]
     assert {(t.owner.id, t.key) for t in await timer_queries.scan(limit=10)} == {("o-a", "k1"), ("o-b", "y")}
     assert await timer_view.write([]) == []
+
+
+async def test_a_retried_batch_answers_each_write_in_order_after_a_cancel(
+    timer_view: TimerView, timer_queries: TimerQueries
+) -> None:
+    a, b = owner("o-a"), owner("o-b")
+    await timer_view.put(timer(b, "x", version=1))
+    writes = [
+        TimerWrite.cancel(b, "x", 2),
+        TimerWrite.put(timer(a, "k1", version=1)),
+        TimerWrite.put(timer(a, "k2", version=1)),
+        TimerWrite.cancel(a, "k2", 2),
+    ]
+    assert await timer_view.write(writes) == [1, 1, 1, 1]
+    # again: the cancels find tombstones, the first put is stored live at its version, the
+    # second is refused by its tombstone
+    assert await timer_view.write(writes) == [0, 1, 0, 0]
+    assert [(t.owner.id, t.key) for t in await timer_queries.scan(limit=10)] == [("o-a", "k1")]
 
 
 async def test_the_net_effect_of_a_batch_is_what_the_batch_in_order_leaves(

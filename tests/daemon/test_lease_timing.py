@@ -17,7 +17,8 @@ from trio.testing import MockClock
 
 from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
-from wowd.daemon.leases import HeldSlot, Presence, SlotKeeper
+from wowd.daemon.leases import RELEASE_TIMEOUT_S, HeldSlot, Presence, SlotKeeper
+from wowd.errors import SlotStalled, StorageUnavailable
 from wowd.model import AcquireResult, SlotLease
 from wowd.stores.base import ReplicaInfo
 
@@ -161,3 +162,134 @@ async def test_the_presence_record_is_written_at_once_then_every_third_of_the_tt
     assert abs(store.at[0] - started) < EXACT
     gaps = [b - a for a, b in zip(store.at, store.at[1:4], strict=False)]
     assert all(abs(g - TTL_S / 3) < EXACT for g in gaps), gaps
+
+
+class SlowStore(VirtualLeases):
+    """Releases and presence deletes take the store a moment (``hangs``: an hour)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hangs = False
+        self.released: list[int] = []
+        self.left: list[str] = []
+
+    async def _answer(self) -> None:
+        await anyio.sleep(3600.0 if self.hangs else 0.01)
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        await self._answer()
+        self.released.append(lease.fence)
+        return await super().release(lease, last_issued)
+
+    async def heartbeat(self, namespace: str, owner_key: str, info: ReplicaInfo, ttl: timedelta) -> None:
+        return None
+
+    async def leave(self, namespace: str, owner_key: str) -> bool:
+        await self._answer()
+        self.left.append(owner_key)
+        return True
+
+
+async def test_a_keeper_and_a_presence_cancelled_from_outside_still_release_the_slot_and_delete_the_record() -> None:
+    store = SlowStore()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await tg.start(presence.run)
+        tg.cancel_scope.cancel()
+    assert store.released == [1]
+    assert store.left == ["me"]
+
+
+async def test_a_release_and_a_delete_the_store_does_not_answer_are_given_up_after_five_seconds() -> None:
+    store = SlowStore()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await tg.start(presence.run)
+        store.hangs = True
+        stopped = anyio.current_time()
+        keeper.stop(1.0)
+        presence.stop()
+    assert abs(anyio.current_time() - stopped - RELEASE_TIMEOUT_S) < EXACT
+    assert store.released == [] and store.left == []
+
+
+async def test_a_slot_whose_work_gives_up_is_released_and_taken_again_after_twice_the_ttl() -> None:
+    """The slot's feed made no progress and gave it up (``SlotStalled``) for another replica to
+    try: the slot is released and this keeper stands by for ``max(2 * ttl, 10 s)`` before it
+    acquires again."""
+    store = VirtualLeases()
+    s = WowdSettings(partitions=8, lease=LeaseSettings(limit=1, ttl_s=6.0, tolerance_s=TOLERANCE_S))
+    again = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence == 1:
+            raise SlotStalled("the feed of slot 0 made no progress for 300 s")
+        again.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, s, store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        await anyio.sleep(6.0)  # halfway through the stand-by
+        assert keeper.standby and keeper.held is None
+        with anyio.fail_after(60):
+            await again.wait()
+        keeper.stop(1.0)
+    first, second = store.acquired_at
+    assert abs(second - first - 12.0) < EXACT
+
+
+class FailingRenewals(VirtualLeases):
+    """Renewals the store fails (``failures`` of them, each answered after 10 ms), then answered."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        if self.failures:
+            self.failures -= 1
+            self.renewed_at.append(anyio.current_time())
+            await anyio.sleep(0.01)
+            raise StorageUnavailable("sqlite wowd.db: database is locked")
+        return await super().renew(lease, ttl, tolerance)
+
+
+async def test_a_renewal_the_store_fails_is_retried_every_quarter_of_the_renewal_period() -> None:
+    """Not at once (a store that fails is not hammered), not at the next period (the lease would
+    lapse): ``ttl/12`` after each failure, here 0.25 s; the work goes on under the lease renewed."""
+    store, work = FailingRenewals(3), Work()
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        held = await tg.start(keeper.run)
+        while len(store.renewed_at) < 4:
+            await store.renewed.wait()
+        assert held is not None and held.valid and not work.stopped.is_set()
+        keeper.stop(1.0)
+    (took,) = store.acquired_at
+    assert abs(store.renewed_at[0] - took - TTL_S / 3) < EXACT
+    gaps = [b - a for a, b in zip(store.renewed_at, store.renewed_at[1:4], strict=False)]
+    assert all(abs(g - (0.01 + TTL_S / 12)) < EXACT for g in gaps), gaps
+
+
+class NoFreeSlot(VirtualLeases):
+    async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
+        self.acquired_at.append(anyio.current_time())
+        return AcquireResult(status="exhausted")
+
+
+async def test_a_standby_keeper_stops_at_once() -> None:
+    """However long it has stood by (its pauses grow to ``ttl/3``), a stop ends it at once."""
+    store = NoFreeSlot()
+    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        assert await tg.start(keeper.run) is None
+        await anyio.sleep(30.5)
+        stopped = anyio.current_time()
+        keeper.stop(1.0)
+    assert abs(anyio.current_time() - stopped) < EXACT
+    assert len(store.acquired_at) > 20  # it kept asking meanwhile

@@ -13,9 +13,9 @@ import pytest
 
 from tests.factories import eventually, lease
 from wowd import metrics
-from wowd.config import LeaseSettings, WowdSettings
-from wowd.daemon.leases import HeldSlot, SlotKeeper
-from wowd.errors import LeaseLost, StorageFull
+from wowd.config import LeaseSettings, ShutdownSettings, WowdSettings
+from wowd.daemon.leases import HeldSlot, SlotKeeper, owner_key_for
+from wowd.errors import ConfigError, LeaseLost, StorageFull
 from wowd.model import AcquireResult, Owner, SlotLease
 
 pytestmark = pytest.mark.anyio
@@ -104,6 +104,10 @@ def lost_count() -> float:
     return float(metrics.LEASE_LOST._value.get())
 
 
+def fence_gauge(slot: int) -> float | None:
+    return metrics.REGISTRY.get_sample_value("wowd_lease_fence", {"slot": str(slot)})
+
+
 async def test_work_stops_at_validity_deadline_while_renew_hangs() -> None:
     store = ScriptedLeases()
     store.renew_mode = "hang"
@@ -176,16 +180,20 @@ async def test_stop_drains_work_then_releases_with_last_issued() -> None:
 
     async def work(held: HeldSlot) -> None:
         await held.stop_event.wait()
+        await anyio.sleep(0.05)  # the drain's own work
         held.check()  # still valid while draining
         drained.set()
 
     keeper = SlotKeeper(0, settings(ttl=5.0, tolerance=1.0), store, work, owner_key="me")  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
-        await tg.start(keeper.run)
+        held = await tg.start(keeper.run)
+        assert held is not None and held.owner_key == "me"
+        assert fence_gauge(1) == 1.0  # the slot's fence while it is held
         keeper.stop(2.0)
     assert drained.is_set()
     ((lease, last_issued),) = store.released
     assert lease.fence == 1 and last_issued == 123
+    assert fence_gauge(1) is None  # no fence for a slot no longer held
 
 
 async def test_grace_period_cancels_slow_work_and_still_releases() -> None:
@@ -220,6 +228,253 @@ async def test_exhausted_is_standby_then_takes_a_freed_slot() -> None:
             await got.wait()
         assert not keeper.standby
         keeper.stop(1.0)
+
+
+class HeldLeases(ScriptedLeases):
+    """One slot a timer view rebuild may hold: while ``holding``, a renewal answers the lease
+    held by it and a take answers exhausted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = False
+        self.released_event = anyio.Event()
+
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
+        if self.holding:
+            return AcquireResult(status="exhausted")
+        return await super().take(namespace, owner, ttl)
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        renewed = await super().renew(lease, ttl, tolerance)
+        if renewed is not None and self.holding:
+            return replace(renewed, held_by="rebuild of the timer view")
+        return renewed
+
+    async def release(self, lease: SlotLease, last_issued: int) -> bool:
+        released = await super().release(lease, last_issued)
+        self.released_event.set()
+        return released
+
+
+async def test_a_renewal_answering_the_slot_held_drains_the_work_releases_it_and_takes_it_back_after_the_hold() -> None:
+    store = HeldLeases()
+    drained = anyio.Event()
+    fences: list[int] = []
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        await held.stop_event.wait()
+        await anyio.sleep(0.05)  # the drain's own work
+        held.check()  # still valid while draining
+        if held.fence == 1:
+            drained.set()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.holding = True  # answered at the next renewal (ttl/3 = 0.2 s)
+        with anyio.fail_after(3):
+            await drained.wait()
+            await store.released_event.wait()
+        assert [lease.fence for lease, _last_issued in store.released] == [1]
+        store.holding = False
+        with anyio.fail_after(3):
+            await store.wait_acquires(2)  # taken back once the hold ends
+        keeper.stop(1.0)
+    assert fences == [1, 2]
+
+
+async def test_a_hold_cancels_work_that_outlasts_the_grace_period_and_still_releases() -> None:
+    store = HeldLeases()
+    cancelled = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence > 1:
+            await held.stop_event.wait()
+            return
+        try:
+            await anyio.sleep_forever()  # ignores the stop request
+        finally:
+            cancelled.set()
+
+    s = settings().model_copy(update={"shutdown": ShutdownSettings(grace_s=0.3)})
+    keeper = SlotKeeper(0, s, store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.holding = True
+        with anyio.fail_after(3):  # the lease itself is renewed all along: only the grace ends it
+            await cancelled.wait()
+            await store.released_event.wait()
+        store.holding = False
+        keeper.stop(1.0)
+
+
+async def test_work_that_finds_its_lease_lost_is_not_released_and_the_slot_is_taken_again() -> None:
+    """A store call of the work answered that the lease was lost (its own check, on its own
+    clock): the keeper counts the loss and releases nothing (another holder may have the slot)."""
+    store = ScriptedLeases()
+    second = anyio.Event()
+    lost_before = lost_count()
+
+    async def work(held: HeldSlot) -> None:
+        if held.fence == 1:
+            raise LeaseLost("slot 1 (fence 1): the round's commit came after the lease's deadline")
+        second.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(ttl=5.0, tolerance=1.0), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        with anyio.fail_after(3):
+            await second.wait()
+        keeper.stop(1.0)
+    assert lost_count() == lost_before + 1
+    assert [lease.fence for lease, _last_issued in store.released] == [2]
+
+
+async def test_a_keeper_stalled_by_a_full_disk_recovers_when_a_renewal_gets_through() -> None:
+    """A renewal refused for a full disk stalls the keeper at once; the next one that gets
+    through, within the lease's validity, ends the stall and the work goes on."""
+    store = ScriptedLeases()
+    fences: list[int] = []
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(ttl=3.0, tolerance=0.5), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.full = True
+
+        async def refused() -> bool:
+            return store.refused >= 1
+
+        await eventually(refused, 3, "a renewal refused")
+        assert keeper.stall.stalled
+        store.full = False
+
+        async def recovered() -> bool:
+            return not keeper.stall.stalled
+
+        await eventually(recovered, 3, "the stall ended")
+        assert keeper.held is not None and keeper.held.valid
+        keeper.stop(1.0)
+    assert fences == [1]
+
+
+async def test_a_stalled_keeper_whose_slot_another_replica_took_is_a_healthy_standby() -> None:
+    store = ScriptedLeases()
+
+    async def work(held: HeldSlot) -> None:
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        store.full = True
+
+        async def lapsed_and_refused() -> bool:
+            return keeper.held is None and store.refused >= 3
+
+        await eventually(lapsed_and_refused, 5, "the lease lapsed, the acquires refused")
+        assert keeper.stall.stalled
+        store.exhausted, store.full = True, False  # another replica took the slot meanwhile
+
+        async def standing_by() -> bool:
+            return keeper.standby and not keeper.stall.stalled
+
+        await eventually(standing_by, 5, "a standby, no longer stalled")
+        keeper.stop(1.0)
+
+
+class Asked(OneSlot):
+    """Records what each acquire asks for; answers ``answer``."""
+
+    def __init__(self, answer: AcquireResult) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int, int]] = []
+
+    async def acquire(
+        self,
+        namespace: str,
+        owner: Owner,
+        limit: int,
+        ttl: timedelta,
+        tolerance: timedelta,
+        slot_offset: int = 0,
+        preferred_slot: int | None = None,
+    ) -> AcquireResult:
+        self.asked.append((namespace, limit, slot_offset))
+        return self.answer
+
+
+async def test_a_keeper_asks_for_its_configured_slot_range_and_a_refused_configuration_stops_it() -> None:
+    store = Asked(AcquireResult(status="refused", reason="namespace 'wowd.t' is recorded with limit 4"))
+    s = WowdSettings(partitions=8, lease=LeaseSettings(limit=2, slot_offset=6, ttl_s=0.6, tolerance_s=0.2))
+
+    async def work(held: HeldSlot) -> None:
+        raise AssertionError("no slot to work under")
+
+    keeper = SlotKeeper(0, s, store, work, owner_key="me")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="refused this configuration: namespace 'wowd.t' is recorded with limit 4"):
+        with anyio.fail_after(3):
+            await keeper.run()
+    ((_namespace, limit, offset),) = store.asked
+    assert (limit, offset) == (2, 6)
+
+
+class WornLeases(ScriptedLeases):
+    """Renewals refused; the first re-acquire hands the lease back unchanged with 0.1 s left (less
+    than the tolerance), the later ones take the slot afresh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.renew_mode = "lost"
+        self.taken: SlotLease | None = None
+        self.worn = 0
+
+    async def take(self, namespace: str, owner: Owner, ttl: timedelta) -> AcquireResult:
+        if self.taken is not None and not self.worn:
+            self.worn += 1
+            return AcquireResult(status="acquired", lease=replace(self.taken, store_now=self.taken.expires_at - 100))
+        result = await super().take(namespace, owner, ttl)
+        self.taken = result.lease
+        return result
+
+
+async def test_a_lease_handed_back_with_less_than_the_tolerance_left_is_not_worked_under() -> None:
+    store = WornLeases()
+    fences: list[int] = []
+    second = anyio.Event()
+
+    async def work(held: HeldSlot) -> None:
+        fences.append(held.fence)
+        if held.fence == 2:
+            second.set()
+        await held.stop_event.wait()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me")  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(keeper.run)
+        with anyio.fail_after(3):
+            await second.wait()
+        store.renew_mode = "ok"
+        keeper.stop(1.0)
+    assert store.worn == 1
+    assert fences == [1, 2]  # the worn lease was waited out, not worked under
+
+
+def test_each_keeper_of_a_replica_has_an_owner_key_of_its_own() -> None:
+    """An owner key holds one slot (acquire is idempotent per key): keeper ``i`` of a replica
+    that holds several slots takes them under ``key#i``."""
+    assert [owner_key_for("host-a:1:aa", i) for i in range(3)] == ["host-a:1:aa", "host-a:1:aa#1", "host-a:1:aa#2"]
+
+
+async def test_a_held_slots_deadline_is_its_validity_on_the_monotonic_clock() -> None:
+    """What a store call that checks the lease from a thread of its own is handed."""
+    held = HeldSlot(lease=lease(1), partitions=frozenset({1}), valid_until=anyio.current_time() + 2.0, owner_key="me")
+    assert abs(held.deadline() - (time.monotonic() + 2.0)) < 0.5
 
 
 class WallClockLeases(OneSlot):

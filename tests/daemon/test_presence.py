@@ -205,3 +205,15 @@ async def test_a_stop_ends_a_heartbeat_that_hangs_and_deletes_the_record() -> No
             await store.wait(1)
             presence.stop()
     assert [owner for _at, _ns, owner in store.left] == ["me"]
+
+
+async def test_a_presence_stopped_before_it_runs_writes_nothing_and_deletes_the_record() -> None:
+    """A SIGTERM during the start, before the presence loop runs: no heartbeat, the record's
+    deletion still sent."""
+    store = ScriptedPresence()
+    presence = Presence(settings(), store, list, owner_key="me")  # type: ignore[arg-type]
+    presence.stop()
+    with anyio.fail_after(1):
+        await presence.run()
+    assert store.attempts == 0
+    assert [owner for _at, _ns, owner in store.left] == ["me"]

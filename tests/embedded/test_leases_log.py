@@ -242,6 +242,18 @@ async def test_a_process_whose_clock_agrees_with_the_file_starts(tmp_path: Path)
         await store.close()
 
 
+async def test_the_first_process_on_a_new_file_reads_no_latest_write_and_starts(tmp_path: Path) -> None:
+    store = EmbeddedSlotLeaseStore(tmp_path / "w.db")
+    try:
+        reading = await store.clock_reading("a")
+    finally:
+        await store.close()
+    assert (reading.latest, reading.latest_by, reading.latest_what) == (None, "", "")
+    assert reading.file_written is not None
+    assert clock_disagreement(reading, 0.0) is None
+    check_store_clock(reading, 1.0)
+
+
 @pytest.mark.parametrize("skew_s", [600, -600, 3, -3])
 async def test_a_process_whose_clock_is_off_by_more_than_the_tolerance_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, skew_s: int
@@ -276,7 +288,7 @@ def test_a_file_time_in_whole_seconds_is_given_two_seconds_more() -> None:
     assert clock_disagreement(reading, 1.0) is not None
     assert clock_disagreement(replace(reading, file_coarse=True), 1.0) is None
     later = replace(reading, file_written=14_000, file_coarse=True)
-    assert "behind the host's" in (clock_disagreement(later, 1.0) or "")
+    assert "this process's clock is 3.5 s behind the host's" in (clock_disagreement(later, 1.0) or "")
 
 
 # --------------------------------------------------------------------------- log

@@ -13,7 +13,17 @@ import pytest
 
 from wowd.config import EmbeddedSettings, WowdSettings
 from wowd.daemon.timer_rebuild import TimerRebuilder
-from wowd.model import AggregateRef, Commit, DomainEvent, TimerChange, TimerStatus
+from wowd.model import (
+    AggregateRef,
+    Command,
+    Commit,
+    DomainEvent,
+    OnceRule,
+    Timer,
+    TimerChange,
+    TimerStatus,
+    deterministic_timer_id,
+)
 from wowd.stores.base import TIMER_VIEW_REBUILD, Backend
 from wowd.stores.embedded import open_embedded
 from wowd.stores.embedded.sqlite import sqlite3
@@ -47,6 +57,24 @@ def _scheduled(aggregate: str, agg_id: str, key: str) -> DomainEvent:
             "target": {"context": CTX, "aggregate": aggregate, "id": agg_id},
             "command": {"name": "expire", "body": {}},
         },
+    )
+
+
+def _put(agg_id: str, key: str, *, version: int) -> Timer:
+    """The put of an order's timer as the feed writes it for a commit at ``version`` (one
+    partition), due in an hour."""
+    owner = AggregateRef(context=CTX, aggregate="order", id=agg_id)
+    return Timer(
+        timer_id=deterministic_timer_id(owner, key, version),
+        partition=0,
+        owner=owner,
+        key=key,
+        version=version,
+        due_at=int(time.time() * 1000) + 3_600_000,
+        scheduled_at=0,
+        target=owner,
+        body=Command(name="expire").to_json(),
+        rule=OnceRule(),
     )
 
 
@@ -163,6 +191,75 @@ async def test_the_swap_catches_up_to_the_timer_views_checkpoints_and_no_further
         assert sorted(t.owner.id for t in await backend.timer_queries.scan(limit=10)) == ["o-1", "o-2"]
         await engine.release()
         await engine.close()
+    finally:
+        await backend.close()
+
+
+async def test_the_swap_catches_up_on_a_new_types_put_a_cancel_and_a_deleted_aggregate(tmp_path: Path) -> None:
+    """The commits read again in the finishing transaction are applied as the feed applies them:
+    a put of an aggregate type the view has not met (its collection recorded), a cancel of one
+    key (the owner's other key kept), every timer of a deleted aggregate cancelled, a cancel of a
+    key with no timer kept as a tombstone (the put of an earlier commit replayed is refused)."""
+    from wowd.daemon.timer_rebuild import timer_view_consumer
+
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        await backend.log.append_many(
+            [
+                _commit("order", "o-1", _scheduled("order", "o-1", "a"), _scheduled("order", "o-1", "b")),
+                _commit("order", "o-2", _scheduled("order", "o-2", "a"), _scheduled("order", "o-2", "b")),
+            ]
+        )
+        engine = rebuild_of(settings, backend)
+        assert await replayed(engine, 100) == [2]
+        cancel_a = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "a"})
+        await backend.log.append_many(
+            [
+                _commit("cart", "c-1", _scheduled("cart", "c-1", "k")),
+                _commit("order", "o-1", cancel_a, version=2),
+                _commit("order", "o-2", deleted=True, version=2),
+                _commit("order", "o-3", cancel_a, version=2),
+            ]
+        )
+        await backend.checkpoints.save_all(timer_view_consumer(), {0: {"seq": 6}}, 1)
+        result = Finished()
+        await engine.carry_over(expired_before=None, result=result)
+        await engine.finish(swap=True, result=result, tick=nothing)
+        assert result.swapped and result.caught_up == 4
+        live = await backend.timer_queries.scan(limit=10)
+        assert sorted((t.owner.aggregate, t.owner.id, t.key) for t in live) == [
+            ("cart", "c-1", "k"),
+            ("order", "o-1", "b"),
+        ]
+        with closing(sqlite3.connect(tmp_path / "w.db")) as conn:
+            recorded = conn.execute("SELECT collection FROM wow_timer_aggregate WHERE aggregate = 'cart'").fetchall()
+        assert recorded == [(f"wow_timer__{CTX}__cart",)]
+        assert await backend.timers.put(_put("o-3", "a", version=1)) is False
+        await engine.release()
+        await engine.close()
+    finally:
+        await backend.close()
+
+
+async def test_a_rebuilt_view_keeps_the_tombstone_of_a_cancel_no_put_preceded(tmp_path: Path) -> None:
+    """A cancel of a key that holds no timer leaves a tombstone in the view rebuilt too (and none
+    in the live view on a dry run): the put of an earlier commit the feed replays after the swap
+    is refused, as on the view it replaced."""
+    settings = WowdSettings(context=CTX, partitions=1, embedded=EmbeddedSettings(path=tmp_path / "w.db"))
+    backend = await open_embedded(settings)
+    try:
+        cancel = DomainEvent(id=uuid.uuid4().hex, name="TimerCancelled", body={"key": "k"})
+        await backend.log.append_many([_commit("order", "o-1", cancel, version=2)])
+        report = await TimerRebuilder(settings, backend).run(dry_run=True)
+        assert not report.swapped
+        with closing(sqlite3.connect(tmp_path / "w.db")) as conn:
+            assert conn.execute(f"SELECT count(*) FROM wow_timer__{CTX}").fetchone() == (0,)  # a dry run writes nothing
+        report = await TimerRebuilder(settings, backend).run()
+        assert report.swapped
+        replayed = _put("o-1", "k", version=1)
+        assert await backend.timers.put(replayed) is False
+        assert await backend.timer_queries.find(replayed.owner, "k") is None
     finally:
         await backend.close()
 

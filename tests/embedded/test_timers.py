@@ -3,28 +3,35 @@ The protocol behaviour is in tests/contract/."""
 
 from __future__ import annotations
 
+import functools
 import random
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.timer_stores import embedded_timers
+from tests.timer_stores import EmbeddedTimers, embedded_timers
+from wowd.daemon.timer_plan import next_occurrence
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import (
     AggregateRef,
     Command,
+    IntervalRule,
     OnceRule,
     Timer,
     TimerChange,
+    TimerWrite,
     deterministic_timer_id,
     partition,
 )
+from wowd.stores.base import OutboxRound, TimerSearch
 from wowd.stores.embedded.db import SqliteDatabase
-from wowd.stores.embedded.sqlite import sqlite3
+from wowd.stores.embedded.sqlite import sqlite3, variable_limit
 from wowd.stores.embedded.timer_firing import due_sql
 from wowd.stores.embedded.timer_rows import merge_due
+from wowd.stores.embedded.timer_view import WRITE_CHUNK, parked_params
 
 pytestmark = pytest.mark.anyio
 
@@ -77,10 +84,149 @@ async def test_timer_store_refuses_a_registry_of_another_format(db_path: Path) -
 async def test_timer_store_refuses_a_timer_outside_its_owners_partition_or_context(db_path: Path) -> None:
     store = embedded_timers(db_path, context=CTX, partitions=N)
     t = timer("a")
-    with pytest.raises(InvalidInput, match="partition"):
+    with pytest.raises(InvalidInput, match="partition") as outside:
         await store.view.put(replace(t, partition=t.partition + 1))
+    assert outside.value.field == "partition"
     with pytest.raises(InvalidInput, match="context"):
         await store.queries.find(AggregateRef(context="other", aggregate="order", id="a"), "k")
+    await store.close()
+
+
+async def test_a_timer_store_of_one_partition_keeps_timers_and_one_of_none_is_refused(db_path: Path) -> None:
+    store = embedded_timers(db_path, context=CTX, partitions=1)
+    owner = AggregateRef(context=CTX, aggregate="order", id="a")
+    t = replace(timer("a"), partition=0)
+    assert await store.view.put(t)
+    assert await store.queries.find(owner, "k") == t
+    await store.close()
+    with pytest.raises(InvalidInput) as refused:
+        embedded_timers(db_path, context=CTX, partitions=0)
+    assert refused.value.field == "partitions"
+
+
+async def test_a_put_of_a_type_another_process_recorded_in_another_format_is_refused(db_path: Path) -> None:
+    """A type's collection is checked at its first put: one another process (another version)
+    recorded since this store prepared the file is refused, and nothing is written."""
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    await store.view.put(timer("a"))
+    sql(
+        db_path,
+        "INSERT INTO wow_timer_aggregate (collection, context, aggregate, format, created_at) VALUES (?, ?, ?, 4, 0)",
+        ("wow_timer__ctx__cart", CTX, "cart"),
+    )
+    with pytest.raises(FormatError, match="wow_timer__ctx__cart.*format 4"):
+        await store.view.put(timer("b", aggregate="cart"))
+    assert sql(db_path, "SELECT count(*) FROM wow_timer__ctx WHERE aggregate = 'cart'") == [(0,)]
+    await store.close()
+
+
+async def test_a_timer_of_a_type_no_read_has_met_yet_reads_back_whole(db_path: Path) -> None:
+    """The owner and target of a row are checked when their (context, type) pair is first read,
+    and rebuilt unchecked after that: the first read of a pair answers them as put."""
+    fresh = f"kind-{uuid.uuid4().hex[:12]}"
+    owner = AggregateRef(context=CTX, aggregate=fresh, id="a", tenant_id="t9")
+    target = AggregateRef(context=f"to-{fresh}", aggregate=fresh, id="b", tenant_id="t8")
+    t = replace(timer("a"), owner=owner, target=target, timer_id=deterministic_timer_id(owner, "k", 1))
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    assert await store.view.put(t)
+    found = await store.queries.find(owner, "k")
+    assert found == t
+    assert found is not None and (found.owner, found.target) == (owner, target)
+    await store.close()
+
+
+async def test_the_listing_reads_answer_a_timer_whose_rule_this_version_cannot_read_as_one_shot(
+    db_path: Path,
+) -> None:
+    """A rule another version wrote, unknown here, stops no operator's read: the timer is listed
+    with a one-shot rule (firing it is what sets it FAILED)."""
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    t = replace(timer("a"), rule=IntervalRule(every_ms=60_000))
+    assert await store.view.put(t)
+    sql(db_path, "UPDATE wow_timer__ctx SET rule = ? WHERE owner_id = 'a'", ('{"type":"lunar"}',))
+    listed = replace(t, rule=OnceRule())
+    assert await store.queries.find(t.owner, "k") == listed
+    assert await store.queries.scan(limit=10) == [listed]
+    assert await store.queries.search(TimerSearch(), 10) == [listed]
+    await store.close()
+
+
+async def test_a_claim_sets_a_recurring_timer_whose_rule_this_version_cannot_read_failed(db_path: Path) -> None:
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    ts = [replace(timer(i, due_at=T0 + n), rule=IntervalRule(every_ms=60_000)) for n, i in enumerate(("a", "b"))]
+    for t in ts:
+        assert await store.view.put(t)
+    sql(db_path, "UPDATE wow_timer__ctx SET rule = ? WHERE owner_id = 'a'", ('{"type":"lunar"}',))
+    claimed = await store.firing.claim_due(set(range(N)), T0 + 10, 10, owner_key="me", fence=1, claim_until=T0 + 9_000)
+    assert [c.owner.id for c in claimed] == ["b"]
+    assert claimed[0].rule == IntervalRule(every_ms=60_000)
+    ((status, error),) = sql(db_path, "SELECT status, last_error FROM wow_timer__ctx WHERE owner_id = 'a'")
+    assert status == "FAILED" and "lunar" in str(error)
+    await store.close()
+
+
+async def test_the_outbox_shortcut_sets_a_recurring_timer_whose_rule_this_version_cannot_read_failed(
+    db_path: Path,
+) -> None:
+    """Rather than delivering it once as a one-shot timer; the other recurring timer of the round
+    is delivered and moves to its next occurrence."""
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    ts = [replace(timer(i, due_at=T0 + n), rule=IntervalRule(every_ms=60_000)) for n, i in enumerate(("a", "b"))]
+    for t in ts:
+        assert await store.view.put(t)
+    sql(db_path, "UPDATE wow_timer__ctx SET rule = ? WHERE owner_id = 'a'", ('{"type":"lunar"}',))
+    at = T0 + 10
+    done = await store.firing.fire_into_outbox(
+        OutboxRound(
+            partitions=frozenset(range(N)),
+            at=at,
+            read_to=at,
+            limit=10,
+            owner_key="me",
+            fence=1,
+            next_due=next_occurrence,
+        )
+    )
+    assert [f.timer_id for f in done.fired] == [ts[1].timer_id]
+    assert sql(db_path, "SELECT owner_id, status, due_at FROM wow_timer__ctx ORDER BY owner_id")[1] == (
+        "b",
+        "PENDING",
+        T0 + 1 + 60_000,
+    )
+    ((status, error),) = sql(db_path, "SELECT status, last_error FROM wow_timer__ctx WHERE owner_id = 'a'")
+    assert status == "FAILED" and "lunar" in str(error)
+    await store.close()
+
+
+async def test_a_write_of_more_timers_than_one_transaction_takes_answers_each(db_path: Path) -> None:
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    writes = [TimerWrite.put(timer(f"w{i}")) for i in range(WRITE_CHUNK + 5)]
+    assert await store.view.write(writes) == [1] * len(writes)
+    assert len(await store.queries.scan(limit=len(writes) + 1)) == len(writes)
+    await store.close()
+
+
+async def test_parked_timers_of_more_targets_than_one_statement_names_are_read_in_due_order(db_path: Path) -> None:
+    """A feed batch may name more targets than one statement's variables hold (four a target):
+    the read is split, its answer still one list in due order."""
+    store = embedded_timers(db_path, context=CTX, partitions=N)
+    per = variable_limit_of(store) // 4
+    targets = [AggregateRef(context="billing", aggregate="invoice", id=f"inv-{i}") for i in range(per + per // 2)]
+    # parked timers of the first target of each statement and of the last target, the later
+    # targets' due earlier, their ids in the opposite order
+    parked = []
+    for n, (i, timer_id) in enumerate(((0, "t-a"), (per, "t-b"), (len(targets) - 1, "t-c"))):
+        t = replace(timer(f"p{i}", due_at=T0 + 10 - n), target=targets[i], timer_id=timer_id)
+        assert await store.view.put(t)
+        (loaded,) = [f for f in await store.queries.scan(limit=10) if f.timer_id == timer_id]
+        assert await store.firing.settle([TimerChange.park(loaded, fence=1, reason="404")]) == 1
+        parked.append(timer_id)
+    want = list(reversed(parked))
+    assert [t.timer_id for t in await store.view.parked_many(targets)] == want
+    # in the caller's transaction (as the feed reads them beside its writes)
+    params = parked_params(targets)
+    read = store.view._db.transaction(functools.partial(store.view.parked_timers, params))
+    assert [t.timer_id for t in await store.view._db.run(read)] == want
     await store.close()
 
 
@@ -120,6 +266,10 @@ async def test_due_timers_are_read_in_one_statement_and_a_blob_another_program_w
     finally:
         store.view._db.run_sync(lambda conn: conn.set_trace_callback(None))
         await store.close()
+
+
+def variable_limit_of(store: EmbeddedTimers) -> int:
+    return store.view._db.run_sync(variable_limit)
 
 
 def test_merge_due_takes_the_first_rows_of_sorted_streams() -> None:
