@@ -156,6 +156,29 @@ def test_retry_backoff_is_exponential_with_jitter() -> None:
         assert c.kind == "retry" and c.due_at is not None and lo <= c.due_at - 1_000 <= hi
 
 
+def test_the_settle_of_each_outcome_keeps_its_reason_the_targets_hint_and_the_park_time() -> None:
+    """What operators read of a settled attempt: a retry waits at least the target's hint
+    (``Retry-After``), a spent budget fails naming the attempts and the last reason, a park
+    records when and why, a failure why."""
+    s = TimerSettings(backoff_base_s=1.0, backoff_max_s=30.0, max_attempts=3)
+    t = due_timer("outcome-a")
+    at = 1_000
+    retried, spent, parked, failed = outcome_changes(
+        [
+            (t, Retry(reason="503", after_s=120.0), at),
+            (replace(t, attempts=2), Retry(reason="503 again"), at),
+            (t, Park(reason="404 no such aggregate"), at),
+            (t, Fail(reason="400 refused"), at),
+        ],
+        1,
+        s,
+    )
+    assert retried.kind == "retry" and retried.due_at == at + 120_000 and retried.error == "503"
+    assert (spent.kind, spent.error) == ("fail", "retry budget spent after 3 attempts: 503 again")
+    assert (parked.kind, parked.due_at, parked.error) == ("park", at, "404 no such aggregate")
+    assert (failed.kind, failed.error) == ("fail", "400 refused")
+
+
 async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_the_lookahead(
     backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
