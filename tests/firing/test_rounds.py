@@ -23,7 +23,7 @@ from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import next_occurrence, outcome_changes
 from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
-from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
+from wowd.model import CronRule, IntervalRule, OnceRule, Timer, TimerStatus
 from wowd.stores.base import Backend, TimerQueries
 
 pytestmark = pytest.mark.anyio
@@ -146,6 +146,17 @@ def test_next_occurrence_coalesces_missed_intervals() -> None:
     bounded = replace(t, rule=IntervalRule(every_ms=1000, until=t.scheduled_at + 2000))
     assert next_occurrence(bounded, t.scheduled_at + 5500) is None
     assert next_occurrence(due_timer("ok-y"), 0) is None
+
+
+def test_next_occurrence_is_strictly_after_the_fire_time_and_may_fall_on_the_rules_end() -> None:
+    t = due_timer("ok-x", rule=IntervalRule(every_ms=1000))
+    at = t.scheduled_at
+    assert next_occurrence(t, at + 1000) == at + 2000  # the occurrence due now is the one fired
+    bounded = replace(t, rule=IntervalRule(every_ms=1000, until=at + 6000))
+    assert next_occurrence(bounded, at + 5500) == at + 6000  # ``until`` is inclusive
+    minute = 1_700_000_040_000  # a whole minute, UTC
+    cron = replace(t, scheduled_at=minute, rule=CronRule(expression="* * * * *", zone="UTC"))
+    assert next_occurrence(cron, minute + 330_000) == minute + 360_000  # missed minutes coalesced
 
 
 def test_retry_backoff_is_exponential_with_jitter() -> None:
