@@ -112,6 +112,7 @@ GROUPS: dict[str, Group] = {
             "tests/firing/test_cancel_after_claim.py",
             "tests/firing/test_log_gate.py",
             "tests/daemon/test_tombstone_retention.py",
+            "tests/daemon/test_timer_stall.py",
         ),
     ),  # fmt: skip
     "lease-keeper": Group(

@@ -23,7 +23,7 @@ from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import next_occurrence, outcome_changes
 from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
-from wowd.model import IntervalRule, OnceRule, Timer, TimerStatus
+from wowd.model import CronRule, IntervalRule, OnceRule, Timer, TimerStatus
 from wowd.stores.base import Backend, TimerQueries
 
 pytestmark = pytest.mark.anyio
@@ -148,12 +148,46 @@ def test_next_occurrence_coalesces_missed_intervals() -> None:
     assert next_occurrence(due_timer("ok-y"), 0) is None
 
 
+def test_next_occurrence_is_strictly_after_the_fire_time_and_may_fall_on_the_rules_end() -> None:
+    t = due_timer("ok-x", rule=IntervalRule(every_ms=1000))
+    at = t.scheduled_at
+    assert next_occurrence(t, at + 1000) == at + 2000  # the occurrence due now is the one fired
+    bounded = replace(t, rule=IntervalRule(every_ms=1000, until=at + 6000))
+    assert next_occurrence(bounded, at + 5500) == at + 6000  # ``until`` is inclusive
+    minute = 1_700_000_040_000  # a whole minute, UTC
+    cron = replace(t, scheduled_at=minute, rule=CronRule(expression="* * * * *", zone="UTC"))
+    assert next_occurrence(cron, minute + 330_000) == minute + 360_000  # missed minutes coalesced
+
+
 def test_retry_backoff_is_exponential_with_jitter() -> None:
     s = TimerSettings(backoff_base_s=1.0, backoff_max_s=30.0, max_attempts=10)
     for attempts, lo, hi in ((0, 500, 1000), (3, 4000, 8000), (8, 15_000, 30_000)):
         t = replace(due_timer("retry-z"), attempts=attempts)
         (c,) = outcome_changes([(t, Retry(reason="x"), 1_000)], 1, s)
         assert c.kind == "retry" and c.due_at is not None and lo <= c.due_at - 1_000 <= hi
+
+
+def test_the_settle_of_each_outcome_keeps_its_reason_the_targets_hint_and_the_park_time() -> None:
+    """What operators read of a settled attempt: a retry waits at least the target's hint
+    (``Retry-After``), a spent budget fails naming the attempts and the last reason, a park
+    records when and why, a failure why."""
+    s = TimerSettings(backoff_base_s=1.0, backoff_max_s=30.0, max_attempts=3)
+    t = due_timer("outcome-a")
+    at = 1_000
+    retried, spent, parked, failed = outcome_changes(
+        [
+            (t, Retry(reason="503", after_s=120.0), at),
+            (replace(t, attempts=2), Retry(reason="503 again"), at),
+            (t, Park(reason="404 no such aggregate"), at),
+            (t, Fail(reason="400 refused"), at),
+        ],
+        1,
+        s,
+    )
+    assert retried.kind == "retry" and retried.due_at == at + 120_000 and retried.error == "503"
+    assert (spent.kind, spent.error) == ("fail", "retry budget spent after 3 attempts: 503 again")
+    assert (parked.kind, parked.due_at, parked.error) == ("park", at, "404 no such aggregate")
+    assert (failed.kind, failed.error) == ("fail", "400 refused")
 
 
 async def test_a_wall_clock_stepped_back_holds_a_claimed_round_no_longer_than_the_lookahead(
