@@ -8,6 +8,7 @@ margin for a loaded machine is needed: the virtual clock is the one the keeper r
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -280,6 +281,32 @@ class NoFreeSlot(VirtualLeases):
     async def acquire(self, *args: Any, **kwargs: Any) -> AcquireResult:
         self.acquired_at.append(anyio.current_time())
         return AcquireResult(status="exhausted")
+
+
+async def test_a_standby_asks_again_at_once_then_backs_off_to_a_third_of_the_ttl_with_jitter_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A slot freed is taken soon (the second ask within 0.1 s), the store is not hammered (the
+    pauses grow to ``ttl/3``, never past it), standbys of several replicas do not ask in step
+    (each pause scaled at random), and the replica says once that it stands by."""
+    caplog.set_level(logging.INFO, logger="wowd.daemon.leases")
+    store, changes = NoFreeSlot(), []
+    keeper = SlotKeeper(
+        0, settings(), store, Work(), owner_key="me", on_change=lambda: changes.append(keeper.standby),
+        wall_clock=store.wall,
+    )  # type: ignore[arg-type]  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        assert await tg.start(keeper.run) is None
+        await anyio.sleep(30.0)
+        keeper.stop(1.0)
+    gaps = [b - a for a, b in zip(store.acquired_at, store.acquired_at[1:], strict=False)]
+    assert 0.05 - EXACT <= gaps[0] <= 0.1 + EXACT
+    assert max(gaps) <= TTL_S / 3 + EXACT
+    capped = gaps[10:]
+    assert all(g >= TTL_S / 6 - EXACT for g in capped) and len({round(g, 9) for g in capped}) > 1
+    assert changes == [True]
+    standing_by = [r for r in caplog.records if "no free slot" in r.getMessage()]
+    assert len(standing_by) == 1
 
 
 async def test_a_standby_keeper_stops_at_once() -> None:

@@ -241,7 +241,6 @@ class SlotKeeper:
         self._paused_by: str | None = None
         """Who held the slot this keeper released last (until it acquires one again)."""
         self.standby = False
-        self.acquired_once = False
         self.stall = Stall(f"slot keeper {owner_key}", after_unavailable_s=math.inf)
         """Stalled while the lease store refuses this keeper's acquires or renewals for a full disk
         (or a refusal retrying will not fix), until one is answered again: the lease lapses and
@@ -387,7 +386,6 @@ class SlotKeeper:
             listed = ",".join(map(str, sorted(held.partitions)))
             log.debug("slot %d holds partitions %s", held.slot, listed, extra={"slot": held.slot})
         self.held = held
-        self.acquired_once = True
         self.stall.gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
         metrics.LEASE_FENCE.labels(slot=str(held.slot)).set(held.fence)
         self._on_change()
