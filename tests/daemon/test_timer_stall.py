@@ -283,13 +283,17 @@ async def test_a_round_that_succeeds_leaves_the_loop_stalled_while_its_settles_f
 
 
 async def test_the_claims_an_earlier_holding_left_are_due_again_before_the_first_round(backend: Backend) -> None:
+    """A previous holder's claims (a lower fence) and this holder's own from before its lease
+    lapsed (this fence) are due again; a claim under a higher fence is a later holder's: kept."""
     held = await hold_slot(backend, PARTS)
     assert held.fence >= 1
-    assert await backend.timers.put(timer("left-1", now_ms(), partitions=PARTS))
-    [left] = await backend.firing.claim_due(
-        held.partitions, now_ms(), 10, owner_key="earlier", fence=held.fence - 1, claim_until=now_ms() + 600_000
-    )
-    assert left.status is TimerStatus.FIRING
+    fences = {"previous": held.fence - 1, "own": held.fence, "later": held.fence + 1}
+    for name, fence in fences.items():
+        assert await backend.timers.put(timer(name, now_ms(), partitions=PARTS))
+        [claimed] = await backend.firing.claim_due(
+            held.partitions, now_ms(), 1, owner_key=name, fence=fence, claim_until=now_ms() + 600_000
+        )
+        assert claimed.status is TimerStatus.FIRING
     rounds = Rounds()
     loop = rounds_loop(backend, rounds)
 
@@ -297,10 +301,63 @@ async def test_the_claims_an_earlier_holding_left_are_due_again_before_the_first
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
             await rounds.began(1)
-            [again] = await backend.timer_queries.scan(limit=10)
+            after = {t.target.id: t for t in await backend.timer_queries.scan(limit=10)}
             held.request_stop()
-    assert again.timer_id == left.timer_id
-    assert again.status is TimerStatus.PENDING and again.claim is None
+    assert {name: t.status for name, t in after.items()} == {
+        "previous": TimerStatus.PENDING,
+        "own": TimerStatus.PENDING,
+        "later": TimerStatus.FIRING,
+    }
+    assert after["previous"].claim is None and after["own"].claim is None
+
+
+async def test_a_reclaim_the_store_fails_stalls_the_loop_and_no_round_runs_before_it_succeeds(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(timers, "ROUND_BACKOFF", Backoff(0.05, 0.05))
+    held = await hold_slot(backend, PARTS)
+    store = FailingTimers(backend.firing)
+    store.fail = FULL
+    rounds = Rounds()
+    rounds.full = True
+    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+
+    async def stalled() -> bool:
+        return loop.stall is not None and loop.stall.stalled
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(stalled, 5, "the loop stalled")
+            assert loop.stall is not None and loop.stall.reason == f"{ROUND}: StorageFull: {FULL}"
+            assert rounds.watermarks == []
+            store.fail = None  # space returns
+            await rounds.began(2)
+            assert not loop.stall.stalled
+            held.request_stop()
+
+
+async def test_a_stop_ends_the_retries_of_a_reclaim_the_store_fails(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(timers, "ROUND_BACKOFF", Backoff(60.0, 60.0))
+    held = await hold_slot(backend, PARTS)
+    store = FailingTimers(backend.firing)
+    store.fail = DAMAGED
+    rounds = Rounds()
+    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+
+    async def stalled() -> bool:
+        return loop.stall is not None and loop.stall.stalled
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(stalled, 5, "the loop stalled")  # the reclaim failed: retried in a minute
+            held.request_stop()
+            stopped = anyio.current_time()
+    assert anyio.current_time() - stopped < 5
+    assert rounds.watermarks == []
 
 
 async def test_no_round_runs_before_the_feed_has_applied_the_log_it_read(backend: Backend) -> None:
