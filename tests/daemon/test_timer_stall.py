@@ -23,7 +23,7 @@ from tests.factories import Recorder, embedded_settings, eventually, now_ms, tim
 from tests.helpers import FAR_FUTURE_MS, caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
 from wowd.config import TimerSettings, WowdSettings
-from wowd.daemon import firing, timers
+from wowd.daemon import firing, timer_plan, timers
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stall import Stall
 from wowd.daemon.timer_plan import Round
@@ -48,14 +48,15 @@ DAMAGED = StorageError("sqlite wowd.db: database disk image is malformed")
 
 
 class FailingTimers:
-    """The timer store, whose loop calls raise ``fail`` while it is set (``settle_fail``: its
-    settles only)."""
+    """The timer store, whose loop calls (those named in ``failing``) raise ``fail`` while it is
+    set (``settle_fail``: its settles only)."""
 
     def __init__(self, inner: TimerFiring) -> None:
         self._inner = inner
         self.fail: StorageError | None = None
         self.settle_fail: StorageError | None = None
         self.settles = 0
+        self.failing = ("claim_due", "reclaim", "next_due", "sweep")
 
     def _check(self) -> None:
         if self.fail is not None:
@@ -70,7 +71,7 @@ class FailingTimers:
 
     def __getattr__(self, name: str) -> Any:
         call = getattr(self._inner, name)
-        if name not in ("claim_due", "reclaim", "next_due", "sweep"):
+        if name not in self.failing:
             return call
 
         async def failing(*args: Any, **kwargs: Any) -> Any:
@@ -380,3 +381,41 @@ async def test_no_round_runs_before_the_feed_has_applied_the_log_it_read(backend
             await rounds.began(1)
             held.request_stop()
     assert rounds.watermarks[0] == FAR_FUTURE_MS
+
+
+async def test_a_sweep_or_next_due_read_the_store_fails_is_logged_and_the_loop_goes_on(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Neither stalls the loop (nothing waits for a sweep; without the next due time it polls):
+    each failure is a WARNING line, a DEBUG one while the loop is stalled anyway."""
+    monkeypatch.setattr(timers, "SWEEP_EVERY_S", 0.0)
+    monkeypatch.setattr(timer_plan, "MAX_IDLE_S", 0.02)
+    caplog.set_level(logging.DEBUG, logger="wowd.daemon.timers")
+    held = await hold_slot(backend, PARTS)
+    store = FailingTimers(backend.firing)
+    store.failing = ("next_due", "sweep")
+    store.fail = DAMAGED
+    rounds = Rounds()
+    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+
+    def lines() -> list[tuple[str, int]]:
+        return [
+            (what, r.levelno)
+            for r in caplog.records
+            for what in ("sweep", "next due")
+            if what in r.getMessage() and str(DAMAGED) in r.getMessage()
+        ]
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await rounds.began(3)  # after two rounds, each followed by a sweep and a read that failed
+            assert loop.stall is not None and not loop.stall.stalled
+            before = len(lines())
+            rounds.settle_failed(FULL)
+            await rounds.began(5)
+            held.request_stop()
+    logged = lines()
+    assert logged[:4] == [("sweep", logging.WARNING), ("next due", logging.WARNING)] * 2
+    assert before >= 4 and all(level == logging.WARNING for _what, level in logged[:before])
+    assert logged[before:] and all(level == logging.DEBUG for _what, level in logged[before:])
