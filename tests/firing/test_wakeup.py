@@ -389,3 +389,47 @@ async def test_a_steady_stream_is_claimed_half_a_lookahead_before_each_round_is_
     assert all(at >= t.scheduled_at for t, at in gw.fired)
     assert len(store.firing.ahead) >= 5
     assert min(store.firing.ahead) >= 100, store.firing.ahead  # about 200 ms each, with room for a slow machine
+
+
+@pytest.mark.usefixtures("long_idle")
+async def test_a_timer_due_past_the_feeds_last_read_waits_for_the_feeds_next_read_not_another_round(
+    tmp_path: Path,
+) -> None:
+    """A timer within the lookahead but past what the feed last read of the log: the loop asks
+    the feed to read the log's head and reads nothing more until it has; that read brings the
+    round that claims the timer, delivered at its due time."""
+    async with opened_timers(tmp_path, CountingClaims) as store:
+        store.firing.claims = []
+        waker = Waker()
+        asked = anyio.Event()
+        claims_when_asked: list[int] = []
+        feeding = False
+
+        def nudge() -> None:
+            if not asked.is_set():
+                claims_when_asked.append(len(store.firing.claims))
+                asked.set()
+            if feeding:
+                waker.advance(now_ms())
+
+        waker.advance(now_ms())  # the feed's last read, not repeated until asked
+        due = now_ms() + 300
+        assert await store.view.put(timer("late-read", due, partitions=PARTS))
+        gw = Recorder()
+        loop = timer_loop(store.firing, gw, TimerSettings(lookahead_ms=100), nudge=nudge)
+        held = held_slot(PARTS)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                await tg.start(loop.run, held, waker)
+                await asked.wait()
+                await anyio.wait_all_tasks_blocked()
+                assert len(store.firing.claims) == claims_when_asked[0]  # waiting for the feed
+                waker.maybe_wake(due + 1_000)  # a put due after it: no reason to read now
+                await anyio.wait_all_tasks_blocked()
+                assert len(store.firing.claims) == claims_when_asked[0]
+                feeding = True
+                waker.advance(now_ms())
+                await gw.until_fired(1)
+                held.request_stop()
+    [(t, at)] = gw.fired
+    assert t.target.id == "late-read" and at >= due
