@@ -3,19 +3,24 @@ takes as read, without a store or a clock."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.factories import timer
+from tests.factories import Recorder, now_ms, timer
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
-from wowd.daemon.firing import OutboxRounds
+from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
+from wowd.daemon.stall import Stall
+from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
+from wowd.daemon.waker import Waker
 from wowd.delivery.outcomes import target_of
-from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound
+from wowd.model import Timer, TimerChange
+from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound, OwnerProbe
 
 LOOK = 1_000
 IDLE_S = 0.5
@@ -154,3 +159,69 @@ async def test_an_outbox_round_counts_its_misfired_occurrences_by_target_and_not
     assert _misfired_count("demo.invoice") == before[0] + 1
     assert _misfired_count(target_of(late)) == before[1] + 1
     assert _fired_count("demo.invoice") == before[2]
+
+
+class ScriptedClaims:
+    """A timer store answering each claim with the next of ``answers`` (then none), recording
+    what each claim asked (``exclude`` as it was then); every settle is written."""
+
+    def __init__(self, *answers: list[Timer]) -> None:
+        self.answers = list(answers)
+        self.asked: list[dict[str, Any]] = []
+
+    async def claim_due(self, partitions: frozenset[int], until: int, limit: int, **kw: Any) -> list[Timer]:
+        self.asked.append({**kw, "until": until, "limit": limit, "exclude": set(kw.get("exclude", ()))})
+        return self.answers.pop(0) if self.answers else []
+
+    async def settle(self, changes: list[TimerChange]) -> int:
+        return len(changes)
+
+
+async def _no_commit(_probes: list[OwnerProbe]) -> set[int]:
+    return set()
+
+
+def _claiming(store: ScriptedClaims, gw: Recorder | None = None, **kw: Any) -> ClaimDeliverSettle:
+    settings = TimerSettings(lookahead_ms=200, claim_ttl_s=30)
+    limits = target_limits(64, lambda _target: 16)
+    return ClaimDeliverSettle(settings, store, gw or Recorder(), limits, lambda: None, **kw)
+
+
+@pytest.mark.anyio
+async def test_a_claim_reaches_the_lookahead_past_the_feeds_read_or_with_the_log_check_past_now() -> None:
+    """Without the log check a round claims up to the lookahead past the feed's read of the log
+    (10 s behind here); with it, and the feed reading the log's head lately, up to the lookahead
+    past now. Either claim holds for the claim's time to live."""
+    store = ScriptedClaims()
+    waker = Waker()
+    read_mark = now_ms() - 10_000
+    waker.reading(read_mark, [])  # the feed read the log's head just now, up to 10 s ago
+    before = now_ms()
+    ungated = await _claiming(store).round(held_slot(8), waker, frozenset(range(8)))
+    gated = await _claiming(store, gate=_no_commit).round(held_slot(8), waker, frozenset(range(8)))
+    after = now_ms()
+    assert (ungated.until, ungated.read_bound) == (read_mark + 200, True)
+    assert before + 200 <= gated.until <= after + 200 and not gated.read_bound
+    assert [a["until"] for a in store.asked] == [ungated.until, gated.until]
+    assert all(before + 30_000 <= a["claim_until"] <= after + 30_000 for a in store.asked)
+
+
+@pytest.mark.anyio
+async def test_a_timer_claimed_and_not_settled_is_excluded_from_the_next_claim() -> None:
+    """A claimed timer whose delivery is still under way is never claimed again, however long it
+    takes (its claim may have expired meanwhile): the next round's claim excludes it."""
+    due = timer("o-slow", now_ms() - 50)
+    store = ScriptedClaims([due])
+    gw = Recorder()
+    release = gw.hold()
+    strategy = _claiming(store, gw)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            first = await strategy.round(held, waker, parts)
+            await gw.entered.wait()  # delivery under way
+            await strategy.round(held, waker, parts)
+            held.request_stop()
+            release.set()
+    assert first.taken == 1
+    assert [a["exclude"] for a in store.asked] == [set(), {due.timer_id}]
