@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 from tests.factories import Recorder, now_ms, timer
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
+from wowd.daemon import firing
 from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
 from wowd.daemon.stall import Stall
 from wowd.daemon.stream import target_limits
@@ -168,12 +169,17 @@ class ScriptedClaims:
     def __init__(self, *answers: list[Timer]) -> None:
         self.answers = list(answers)
         self.asked: list[dict[str, Any]] = []
+        self.settled: list[TimerChange] = []
+        self.changed = anyio.Event()
 
     async def claim_due(self, partitions: frozenset[int], until: int, limit: int, **kw: Any) -> list[Timer]:
         self.asked.append({**kw, "until": until, "limit": limit, "exclude": set(kw.get("exclude", ()))})
         return self.answers.pop(0) if self.answers else []
 
     async def settle(self, changes: list[TimerChange]) -> int:
+        self.settled += changes
+        self.changed.set()
+        self.changed = anyio.Event()
         return len(changes)
 
 
@@ -181,8 +187,10 @@ async def _no_commit(_probes: list[OwnerProbe]) -> set[int]:
     return set()
 
 
-def _claiming(store: ScriptedClaims, gw: Recorder | None = None, *, batch: int = 100, **kw: Any) -> ClaimDeliverSettle:
-    settings = TimerSettings(lookahead_ms=200, claim_ttl_s=30, batch=batch)
+def _claiming(
+    store: ScriptedClaims, gw: Recorder | None = None, *, batch: int = 100, claim_ttl_s: float = 30, **kw: Any
+) -> ClaimDeliverSettle:
+    settings = TimerSettings(lookahead_ms=100, claim_ttl_s=claim_ttl_s, batch=batch)
     limits = target_limits(64, lambda _target: 16)
     return ClaimDeliverSettle(settings, store, gw or Recorder(), limits, lambda: None, **kw)
 
@@ -200,8 +208,8 @@ async def test_a_claim_reaches_the_lookahead_past_the_feeds_read_or_with_the_log
     ungated = await _claiming(store).round(held_slot(8), waker, frozenset(range(8)))
     gated = await _claiming(store, gate=_no_commit).round(held_slot(8), waker, frozenset(range(8)))
     after = now_ms()
-    assert (ungated.until, ungated.read_bound) == (read_mark + 200, True)
-    assert before + 200 <= gated.until <= after + 200 and not gated.read_bound
+    assert (ungated.until, ungated.read_bound) == (read_mark + 100, True)
+    assert before + 100 <= gated.until <= after + 100 and not gated.read_bound
     assert [a["until"] for a in store.asked] == [ungated.until, gated.until]
     assert all(before + 30_000 <= a["claim_until"] <= after + 30_000 for a in store.asked)
 
@@ -226,3 +234,37 @@ async def test_a_timer_claimed_and_not_settled_is_excluded_from_the_next_claim()
             release.set()
     assert (first.taken, first.full, first.read_bound) == (1, True, True)
     assert [a["exclude"] for a in store.asked] == [set(), {due.timer_id}]
+
+
+@pytest.mark.anyio
+async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_the_feed_then_goes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The log holds a commit of the due timer's aggregate and the feed never reads it: the
+    timer waits for the feed for half its claim's time to live (longer than the read wait), then
+    is settled back undelivered (the bounds allow 0.6 s for a loaded machine)."""
+    monkeypatch.setattr(firing, "READ_WAIT_S", 0.05)
+    due = timer("o-changed", now_ms() - 50)
+    store = ScriptedClaims([due])
+    checked_at: list[float] = []
+
+    async def commit_found(probes: list[OwnerProbe]) -> set[int]:
+        checked_at.append(anyio.current_time())
+        return set(range(len(probes)))
+
+    gw = Recorder()
+    strategy = _claiming(store, gw, claim_ttl_s=0.6, gate=commit_found)
+    held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
+    waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            while not store.settled:
+                await store.changed.wait()
+            settled_at = anyio.current_time()
+            held.request_stop()
+    (change,) = store.settled
+    (checked,) = checked_at
+    assert (change.kind, change.timer.timer_id, change.error) == ("release", due.timer_id, firing.NOT_READ)
+    assert 0.3 <= settled_at - checked <= 0.9, f"settled back {settled_at - checked:.3f} s after the check"
+    assert gw.sent == []
