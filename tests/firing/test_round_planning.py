@@ -242,7 +242,8 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
 ) -> None:
     """The log holds a commit of the due timer's aggregate and the feed never reads it: the
     timer waits for the feed for half its claim's time to live (longer than the read wait), then
-    is settled back undelivered (the bounds allow 0.6 s for a loaded machine)."""
+    is settled back undelivered (the bounds allow 0.6 s for a loaded machine). The round that
+    claimed it, asking the log at the due times, was not bound by the feed's read."""
     monkeypatch.setattr(firing, "READ_WAIT_S", 0.05)
     due = timer("o-changed", now_ms() - 50)
     store = ScriptedClaims([due])
@@ -258,7 +259,7 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
     waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
     with anyio.fail_after(5):
         async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
-            await strategy.round(held, waker, parts)
+            claimed = await strategy.round(held, waker, parts)
             while not store.settled:
                 await store.changed.wait()
             settled_at = anyio.current_time()
@@ -268,3 +269,4 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
     assert (change.kind, change.timer.timer_id, change.error) == ("release", due.timer_id, firing.NOT_READ)
     assert 0.3 <= settled_at - checked <= 0.9, f"settled back {settled_at - checked:.3f} s after the check"
     assert gw.sent == []
+    assert (claimed.taken, claimed.read_bound) == (1, False)  # claimed up to the lookahead past now
