@@ -270,3 +270,27 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
     assert 0.3 <= settled_at - checked <= 0.9, f"settled back {settled_at - checked:.3f} s after the check"
     assert gw.sent == []
     assert (claimed.taken, claimed.read_bound) == (1, False)  # claimed up to the lookahead past now
+
+
+@pytest.mark.anyio
+async def test_a_timer_claimed_ahead_is_delivered_at_its_scheduled_time_not_at_the_lookaheads_end() -> None:
+    """Claimed 200 ms ahead with a 2 s lookahead, a timer the feed has read past is sent at its
+    scheduled time (the bound allows 0.8 s for a loaded machine), without asking the log to look
+    at its head."""
+    ahead = timer("o-ahead", now_ms() + 200)
+    store = ScriptedClaims([ahead])
+    gw = Recorder()
+    nudges: list[float] = []
+    settings = TimerSettings(lookahead_ms=2_000, claim_ttl_s=30)
+    limits = target_limits(64, lambda _target: 16)
+    strategy = ClaimDeliverSettle(settings, store, gw, limits, lambda: nudges.append(anyio.current_time()))
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            await gw.entered.wait()
+            held.request_stop()
+    ((sent, fired_at),) = gw.fired
+    assert sent.timer_id == ahead.timer_id
+    assert ahead.scheduled_at <= fired_at <= ahead.scheduled_at + 800
+    assert nudges == []
