@@ -263,12 +263,14 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
             while not store.settled:
                 await store.changed.wait()
             settled_at = anyio.current_time()
+            still_waiting = REGISTRY.get_sample_value("wowd_timers_waiting", {"slot": "0", "reason": "log_check"})
             held.request_stop()
     (change,) = store.settled
     (checked,) = checked_at
     assert (change.kind, change.timer.timer_id, change.error) == ("release", due.timer_id, firing.NOT_READ)
     assert 0.3 <= settled_at - checked <= 0.9, f"settled back {settled_at - checked:.3f} s after the check"
     assert gw.sent == []
+    assert still_waiting == 0  # no longer counted as waiting once settled back
     assert (claimed.taken, claimed.read_bound) == (1, False)  # claimed up to the lookahead past now
 
 
