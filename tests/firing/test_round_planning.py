@@ -296,3 +296,28 @@ async def test_a_timer_claimed_ahead_is_delivered_at_its_scheduled_time_not_at_t
     assert sent.timer_id == ahead.timer_id
     assert ahead.scheduled_at <= fired_at <= ahead.scheduled_at + 800
     assert nudges == []
+
+
+@pytest.mark.anyio
+async def test_a_stop_while_a_timer_waits_for_the_feed_settles_it_back_as_stopped() -> None:
+    """Held back by the log check, a timer still waiting for the feed when the slot stops is
+    settled back undelivered (stopped), and the slot's strategy ends cleanly."""
+    due = timer("o-waiting", now_ms() - 50)
+    store = ScriptedClaims([due])
+    checked = anyio.Event()
+
+    async def commit_found(probes: list[OwnerProbe]) -> set[int]:
+        checked.set()
+        return set(range(len(probes)))
+
+    gw = Recorder()
+    strategy = _claiming(store, gw, gate=commit_found)
+    held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
+    waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            await checked.wait()
+            held.request_stop()
+    assert [(c.kind, c.timer.timer_id, c.error) for c in store.settled] == [("release", due.timer_id, firing.STOPPED)]
+    assert gw.sent == []
