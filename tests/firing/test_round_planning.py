@@ -3,19 +3,25 @@ takes as read, without a store or a clock."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
 import pytest
 from prometheus_client import REGISTRY
 
-from tests.factories import timer
+from tests.factories import Recorder, now_ms, timer
 from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
-from wowd.daemon.firing import OutboxRounds
+from wowd.daemon import firing
+from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
+from wowd.daemon.stall import Stall
+from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
+from wowd.daemon.waker import Waker
 from wowd.delivery.outcomes import target_of
-from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound
+from wowd.model import Timer, TimerChange
+from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound, OwnerProbe
 
 LOOK = 1_000
 IDLE_S = 0.5
@@ -154,3 +160,164 @@ async def test_an_outbox_round_counts_its_misfired_occurrences_by_target_and_not
     assert _misfired_count("demo.invoice") == before[0] + 1
     assert _misfired_count(target_of(late)) == before[1] + 1
     assert _fired_count("demo.invoice") == before[2]
+
+
+class ScriptedClaims:
+    """A timer store answering each claim with the next of ``answers`` (then none), recording
+    what each claim asked (``exclude`` as it was then); every settle is written."""
+
+    def __init__(self, *answers: list[Timer]) -> None:
+        self.answers = list(answers)
+        self.asked: list[dict[str, Any]] = []
+        self.settled: list[TimerChange] = []
+        self.changed = anyio.Event()
+
+    async def claim_due(self, partitions: frozenset[int], until: int, limit: int, **kw: Any) -> list[Timer]:
+        self.asked.append({**kw, "until": until, "limit": limit, "exclude": set(kw.get("exclude", ()))})
+        return self.answers.pop(0) if self.answers else []
+
+    async def settle(self, changes: list[TimerChange]) -> int:
+        self.settled += changes
+        self.changed.set()
+        self.changed = anyio.Event()
+        return len(changes)
+
+
+async def _no_commit(_probes: list[OwnerProbe]) -> set[int]:
+    return set()
+
+
+def _claiming(
+    store: ScriptedClaims, gw: Recorder | None = None, *, batch: int = 100, claim_ttl_s: float = 30, **kw: Any
+) -> ClaimDeliverSettle:
+    settings = TimerSettings(lookahead_ms=100, claim_ttl_s=claim_ttl_s, batch=batch)
+    limits = target_limits(64, lambda _target: 16)
+    return ClaimDeliverSettle(settings, store, gw or Recorder(), limits, lambda: None, **kw)
+
+
+@pytest.mark.anyio
+async def test_a_claim_reaches_the_lookahead_past_the_feeds_read_or_with_the_log_check_past_now() -> None:
+    """Without the log check a round claims up to the lookahead past the feed's read of the log
+    (10 s behind here); with it, and the feed reading the log's head lately, up to the lookahead
+    past now. Either claim holds for the claim's time to live."""
+    store = ScriptedClaims()
+    waker = Waker()
+    read_mark = now_ms() - 10_000
+    waker.reading(read_mark, [])  # the feed read the log's head just now, up to 10 s ago
+    before = now_ms()
+    ungated = await _claiming(store).round(held_slot(8), waker, frozenset(range(8)))
+    gated = await _claiming(store, gate=_no_commit).round(held_slot(8), waker, frozenset(range(8)))
+    after = now_ms()
+    assert (ungated.until, ungated.read_bound) == (read_mark + 100, True)
+    assert before + 100 <= gated.until <= after + 100 and not gated.read_bound
+    assert [a["until"] for a in store.asked] == [ungated.until, gated.until]
+    assert all(before + 30_000 <= a["claim_until"] <= after + 30_000 for a in store.asked)
+
+
+@pytest.mark.anyio
+async def test_a_timer_claimed_and_not_settled_is_excluded_from_the_next_claim() -> None:
+    """A claimed timer whose delivery is still under way is never claimed again, however long it
+    takes (its claim may have expired meanwhile): the next round's claim excludes it. The round
+    that claimed a whole batch says so (the loop claims again at once)."""
+    due = timer("o-slow", now_ms() - 50)
+    store = ScriptedClaims([due])
+    gw = Recorder()
+    release = gw.hold()
+    strategy = _claiming(store, gw, batch=1)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            first = await strategy.round(held, waker, parts)
+            await gw.entered.wait()  # delivery under way
+            await strategy.round(held, waker, parts)
+            held.request_stop()
+            release.set()
+    assert (first.taken, first.full, first.read_bound) == (1, True, True)
+    assert [a["exclude"] for a in store.asked] == [set(), {due.timer_id}]
+
+
+@pytest.mark.anyio
+async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_the_feed_then_goes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The log holds a commit of the due timer's aggregate and the feed never reads it: the
+    timer waits for the feed for half its claim's time to live (longer than the read wait), then
+    is settled back undelivered (the bounds allow 0.6 s for a loaded machine). The round that
+    claimed it, asking the log at the due times, was not bound by the feed's read."""
+    monkeypatch.setattr(firing, "READ_WAIT_S", 0.05)
+    due = timer("o-changed", now_ms() - 50)
+    store = ScriptedClaims([due])
+    checked_at: list[float] = []
+
+    async def commit_found(probes: list[OwnerProbe]) -> set[int]:
+        checked_at.append(anyio.current_time())
+        return set(range(len(probes)))
+
+    gw = Recorder()
+    strategy = _claiming(store, gw, claim_ttl_s=0.6, gate=commit_found)
+    held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
+    waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            claimed = await strategy.round(held, waker, parts)
+            while not store.settled:
+                await store.changed.wait()
+            settled_at = anyio.current_time()
+            still_waiting = REGISTRY.get_sample_value("wowd_timers_waiting", {"slot": "0", "reason": "log_check"})
+            held.request_stop()
+    (change,) = store.settled
+    (checked,) = checked_at
+    assert (change.kind, change.timer.timer_id, change.error) == ("release", due.timer_id, firing.NOT_READ)
+    assert 0.3 <= settled_at - checked <= 0.9, f"settled back {settled_at - checked:.3f} s after the check"
+    assert gw.sent == []
+    assert still_waiting == 0  # no longer counted as waiting once settled back
+    assert (claimed.taken, claimed.read_bound) == (1, False)  # claimed up to the lookahead past now
+
+
+@pytest.mark.anyio
+async def test_a_timer_claimed_ahead_is_delivered_at_its_scheduled_time_not_at_the_lookaheads_end() -> None:
+    """Claimed 200 ms ahead with a 2 s lookahead, a timer the feed has read past is sent at its
+    scheduled time (the bound allows 0.8 s for a loaded machine), without asking the log to look
+    at its head."""
+    ahead = timer("o-ahead", now_ms() + 200)
+    store = ScriptedClaims([ahead])
+    gw = Recorder()
+    nudges: list[float] = []
+    settings = TimerSettings(lookahead_ms=2_000, claim_ttl_s=30)
+    limits = target_limits(64, lambda _target: 16)
+    strategy = ClaimDeliverSettle(settings, store, gw, limits, lambda: nudges.append(anyio.current_time()))
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            await gw.entered.wait()
+            held.request_stop()
+    ((sent, fired_at),) = gw.fired
+    assert sent.timer_id == ahead.timer_id
+    assert ahead.scheduled_at <= fired_at <= ahead.scheduled_at + 800
+    assert nudges == []
+
+
+@pytest.mark.anyio
+async def test_a_stop_while_a_timer_waits_for_the_feed_settles_it_back_as_stopped() -> None:
+    """Held back by the log check, a timer still waiting for the feed when the slot stops is
+    settled back undelivered (stopped), and the slot's strategy ends cleanly."""
+    due = timer("o-waiting", now_ms() - 50)
+    store = ScriptedClaims([due])
+    checked = anyio.Event()
+
+    async def commit_found(probes: list[OwnerProbe]) -> set[int]:
+        checked.set()
+        return set(range(len(probes)))
+
+    gw = Recorder()
+    strategy = _claiming(store, gw, gate=commit_found)
+    held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
+    waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            await checked.wait()
+            held.request_stop()
+    assert [(c.kind, c.timer.timer_id, c.error) for c in store.settled] == [("release", due.timer_id, firing.STOPPED)]
+    assert gw.sent == []

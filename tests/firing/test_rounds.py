@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from tests import helpers
 from tests.factories import CONTEXT, Recorder, embedded_settings, eventually, now_ms, ref, timer
 from tests.helpers import caught_up_waker, hold_slot, timer_loop
 from wowd import metrics
@@ -23,7 +24,7 @@ from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import next_occurrence, outcome_changes
 from wowd.daemon.timers import TimerLoop
 from wowd.delivery import Delivered, Fail, Outcome, Park, Retry
-from wowd.model import CronRule, IntervalRule, OnceRule, Timer, TimerStatus
+from wowd.model import CronRule, IntervalRule, OnceRule, Timer, TimerStatus, attempt_record
 from wowd.stores.base import Backend, TimerQueries
 
 pytestmark = pytest.mark.anyio
@@ -295,3 +296,23 @@ async def test_a_stop_wakes_a_round_waiting_for_claimed_timers_to_settle(backend
             held.request_stop()
             release.set()  # the requests in flight end (the grace period's work)
     assert len(await backend.timer_queries.scan(status=TimerStatus.FIRING, limit=10)) == 0  # settled or released
+
+
+async def test_the_timer_loop_of_a_replica_keeping_a_history_deletes_its_expired_records(backend: Backend) -> None:
+    """The history is swept by the slot's timer loop: a record past its retention is deleted at
+    the loop's first sweep."""
+    assert backend.history is not None
+    old = due_timer("ok-old")
+    await backend.history.append([attempt_record(old, "delivered", now_ms() - 60_000, 1_000)])
+    assert len(await backend.history.of_timer(old.timer_id)) == 1
+    held = await hold(backend)
+    loop = replace(helpers.firing(backend.firing, scripted()), history=backend.history).loop()
+
+    async def swept() -> bool:
+        return not await backend.history.of_timer(old.timer_id)  # type: ignore[union-attr]
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            await eventually(swept, 5, "the expired history record deleted", every=0.02)
+            held.request_stop()
