@@ -5,7 +5,6 @@ process's commit found by its poll), and the reads of a rebuild in its own trans
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +28,6 @@ EVERY = dict.fromkeys(range(PARTITIONS))
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-async def log(db_path: Path) -> AsyncIterator[EmbeddedLog]:
-    store = EmbeddedLog(db_path, context=CONTEXT, partitions=PARTITIONS)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 @pytest.fixture

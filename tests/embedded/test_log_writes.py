@@ -5,7 +5,6 @@ and a log that closes its file."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -26,15 +25,6 @@ EVERY = dict.fromkeys(range(PARTITIONS))
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture
-async def log(db_path: Path) -> AsyncIterator[EmbeddedLog]:
-    store = EmbeddedLog(db_path, context=CONTEXT, partitions=PARTITIONS)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def everything(log: EmbeddedLog) -> list[object]:
