@@ -82,6 +82,7 @@ __all__ = [
     "deliveries",
     "delivery_doc",
     "detail",
+    "NotDismissed",
     "dismiss_item",
     "find_timer",
     "history_doc",
@@ -597,19 +598,28 @@ async def quarantine_page(
     return items, (items[-1]["id"] if len(items) == limit else None)
 
 
-async def dismiss_item(quarantine: Quarantine, item_id: str, reason: str, by: str) -> str | None:
+@dataclass(frozen=True, slots=True)
+class NotDismissed:
+    """Why :func:`dismiss_item` dismissed nothing: ``found`` False when no such item is kept."""
+
+    found: bool
+    why: str
+
+
+async def dismiss_item(quarantine: Quarantine, item_id: str, reason: str, by: str) -> NotDismissed | None:
     """Dismisses one quarantined item (:meth:`~wowd.stores.base.Quarantine.dismiss`); answers
     why it was not (no such item, dismissed already), ``None`` when it was. A blank reason or
     author is refused first (:class:`~wowd.errors.InvalidInput`)."""
     reason, by = dismissal(reason, by)
     item = await quarantined_item(quarantine, item_id)
     if item is None:
-        return f"no quarantined item {item_id} (released, or never quarantined)"
+        return NotDismissed(False, f"no quarantined item {item_id} (released, or never quarantined)")
     mark = item.get("dismissed")
     if mark is not None:
-        return f"{item_id} was dismissed already, {iso_ms(mark['at'])} by {mark['by']}: {mark['reason']}"
+        when = iso_ms(mark["at"])
+        return NotDismissed(True, f"{item_id} was dismissed already, {when} by {mark['by']}: {mark['reason']}")
     if await quarantine.dismiss([item_id], reason, by) == 0:
-        return f"{item_id} was released or dismissed meanwhile"
+        return NotDismissed(True, f"{item_id} was released or dismissed meanwhile")
     return None
 
 

@@ -124,22 +124,21 @@ def default_author() -> str:
 
 
 async def _dismiss(backend: Backend, args: argparse.Namespace) -> int:
-    by = args.by if args.by is not None else default_author()
-    try:
-        dismissal(args.reason, by)  # refused before anything is read
+    try:  # refused before anything is read
+        reason, by = dismissal(args.reason, args.by if args.by is not None else default_author())
     except InvalidInput as exc:
         err(f"wowd quarantine dismiss: --{exc.field} {str(exc).partition(': ')[2]}")
         return 2
     failures = 0
     wanted = list(dict.fromkeys(args.ids))
     for item_id in wanted:
-        why_not = await dismiss_item(backend.quarantine, item_id, args.reason, by)
-        if why_not is None:
+        refused = await dismiss_item(backend.quarantine, item_id, reason, by)
+        if refused is None:
             out(f"dismissed {item_id}")
         else:
-            err(f"wowd: {why_not}")
+            err(f"wowd: {refused.why}")
             failures += 1
-    out(f"{len(wanted) - failures} of {len(wanted)} dismissed by {by.strip()}: {args.reason.strip()}")
+    out(f"{len(wanted) - failures} of {len(wanted)} dismissed by {by}: {reason}")
     return 1 if failures else 0
 
 

@@ -714,14 +714,14 @@ class StatusPage:
     async def _dismiss(self, item_id: str, params: dict[str, list[str]], who: str) -> _Out:
         """Dismisses a quarantined commit that will never apply, with the reason given (as ``wowd
         quarantine dismiss`` does); kept for audit, out of the listing."""
-        reason = _one(params, "reason") or ""
-        why_not = await dismiss_item(self._backend.quarantine, item_id, reason, f"the token holder at {who}")
-        if why_not is not None:
-            if why_not.startswith("no quarantined item"):
-                raise _NotFound(why_not)
-            return _Out({"item_id": item_id, "dismissed": False, "reason": why_not}, status=409)
-        log.info("ui: quarantined item %s dismissed by the token holder at %s: %s", item_id, who, reason.strip())
-        back = "/ui/quarantine?" + urlencode(self._notice(f"{item_id} dismissed: {reason.strip()}"))
+        reason = _one(params, "reason") or ""  # stripped
+        refused = await dismiss_item(self._backend.quarantine, item_id, reason, f"the token holder at {who}")
+        if refused is not None:
+            if not refused.found:
+                raise _NotFound(refused.why)
+            return _Out({"item_id": item_id, "dismissed": False, "reason": refused.why}, status=409)
+        log.info("ui: quarantined item %s dismissed by the token holder at %s: %s", item_id, who, reason)
+        back = "/ui/quarantine?" + urlencode(self._notice(f"{item_id} dismissed: {reason}"))
         return _Out({"item_id": item_id, "dismissed": True, "back": back})
 
     # ------------------------------------------------------------------ outbox
