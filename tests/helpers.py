@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,6 +25,7 @@ from wowd.delivery import CommandGateway, OutboxGateway, Outcome
 from wowd.errors import InvalidInput, StorageError, StorageFull
 from wowd.model import AggregateType, Commit, LogBatch, LogEntry, Owner, Position, Timer
 from wowd.stores.base import Backend, EventSink, Log, OutboxShortcut, TimerFiring
+from wowd.stores.embedded.sqlite import sqlite3
 
 FAR_FUTURE_MS = 2**62
 
@@ -229,3 +231,14 @@ def refusing(backend: Backend, **kwargs: Any) -> RefusingSink:
     backend.sink_factory = lambda _type: sink  # type: ignore[assignment,return-value]
     backend._sinks.clear()
     return sink
+
+
+def sql(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[Any]:
+    """One statement on the embedded file ``path`` by a connection of its own, committed: its rows."""
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(statement, params).fetchall()
+        conn.commit()
+        return rows
+    finally:
+        conn.close()

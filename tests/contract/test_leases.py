@@ -6,13 +6,13 @@ inside ``anyio.fail_after``; nothing here reads a client clock.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
 import anyio
 import pytest
 
+from tests.factories import eventually
 from wowd.model import AcquireResult, Owner, SlotLease
 
 pytestmark = pytest.mark.anyio
@@ -39,15 +39,6 @@ async def held(store: Any, owner: Owner, limit: int = 1, **kw: Any) -> SlotLease
     return result.lease
 
 
-async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
-    """Polls the store's answer until it holds (never a bare sleep as synchronisation)."""
-    with anyio.fail_after(5):
-        while True:
-            if await check():
-                return
-            await anyio.sleep(0.01)
-
-
 async def expired(store: Any, lease: SlotLease) -> None:
     """Waits until the store's clock is past the lease's expiry (and a zero tolerance)."""
 
@@ -55,7 +46,7 @@ async def expired(store: Any, lease: SlotLease) -> None:
         states = {s.slot: s for s in await store.slots(lease.namespace)}
         return bool(states[lease.slot].store_now > lease.expires_at)
 
-    await eventually(check)
+    await eventually(check, 5, "the store's clock past the lease's expiry", every=0.01)
 
 
 # --------------------------------------------------------------------------- acquire
@@ -90,7 +81,7 @@ async def test_idempotent_acquire_answers_the_time_left_on_the_store_clock(lease
         states = await lease_store.slots(NS)
         return bool(states[0].store_now >= first.written_at + 20)
 
-    await eventually(moved_on)
+    await eventually(moved_on, 5, "the store's clock 20 ms on", every=0.01)
     again = await held(lease_store, A, ttl=timedelta(seconds=30))
     assert again == first
     assert again.store_now is not None and again.store_now >= first.written_at + 20

@@ -7,13 +7,12 @@ wait by polling its answers inside ``anyio.fail_after``; nothing here reads a cl
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
-import anyio
 import pytest
 
+from tests.factories import eventually
 from wowd.model import Owner
 from wowd.stores.base import PRESENCE_RETENTION, ReplicaInfo, ReplicaState
 
@@ -36,21 +35,13 @@ async def only(store: Any, namespace: str = NS) -> ReplicaState:
     return record
 
 
-async def eventually(check: Callable[[], Awaitable[bool]]) -> None:
-    with anyio.fail_after(5):
-        while True:
-            if await check():
-                return
-            await anyio.sleep(0.01)
-
-
 async def store_clock_after(store: Any, ms: int) -> None:
     """Waits until the store's clock (as its answers carry it) is past ``ms``."""
 
     async def check() -> bool:
         return bool((await only(store)).store_now > ms)
 
-    await eventually(check)
+    await eventually(check, 5, f"the store's clock past {ms}", every=0.01)
 
 
 async def test_a_heartbeat_writes_the_record_on_the_store_clock(lease_store: Any) -> None:
@@ -118,7 +109,7 @@ async def test_an_expired_record_is_listed_as_not_live(lease_store: Any) -> None
         states = {r.owner_key: r for r in await lease_store.replicas(NS)}
         return states["killed"].store_now >= killed.expires_at
 
-    await eventually(expired)
+    await eventually(expired, 5, "the killed replica's record expired", every=0.01)
     states = {r.owner_key: r for r in await lease_store.replicas(NS)}
     assert not states["killed"].live and states["killed"].seen_at == killed.seen_at
     assert states["alive"].live

@@ -9,11 +9,14 @@ margin for a loaded machine is needed: the virtual clock is the one the keeper r
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 from trio.testing import MockClock
 
 from tests.daemon.test_leases import WallClockLeases
@@ -191,13 +194,21 @@ class SlowStore(VirtualLeases):
         return True
 
 
-async def test_a_keeper_and_a_presence_cancelled_from_outside_still_release_the_slot_and_delete_the_record() -> None:
-    store = SlowStore()
+@asynccontextmanager
+async def keeper_and_presence(store: SlowStore) -> AsyncIterator[tuple[TaskGroup, SlotKeeper, Presence]]:
+    """A slot keeper and a presence of the replica ``me`` on ``store``, started in a task group
+    that ends with the block."""
     keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
     presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
         await tg.start(presence.run)
+        yield tg, keeper, presence
+
+
+async def test_a_keeper_and_a_presence_cancelled_from_outside_still_release_the_slot_and_delete_the_record() -> None:
+    store = SlowStore()
+    async with keeper_and_presence(store) as (tg, _keeper, _presence):
         tg.cancel_scope.cancel()
     assert store.released == [1]
     assert store.left == ["me"]
@@ -205,11 +216,7 @@ async def test_a_keeper_and_a_presence_cancelled_from_outside_still_release_the_
 
 async def test_a_release_and_a_delete_the_store_does_not_answer_are_given_up_after_five_seconds() -> None:
     store = SlowStore()
-    keeper = SlotKeeper(0, settings(), store, Work(), owner_key="me", wall_clock=store.wall)  # type: ignore[arg-type]
-    presence = Presence(settings(), store, list, owner_key="me", host="h", pid=7)  # type: ignore[arg-type]
-    async with anyio.create_task_group() as tg:
-        await tg.start(keeper.run)
-        await tg.start(presence.run)
+    async with keeper_and_presence(store) as (_tg, keeper, presence):
         store.hangs = True
         stopped = anyio.current_time()
         keeper.stop(1.0)

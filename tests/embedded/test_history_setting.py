@@ -14,11 +14,6 @@ from wowd.stores.embedded import open_embedded
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.parametrize("kept", [True, False])
 async def test_the_history_is_kept_unless_the_setting_says_not(tmp_path: Path, kept: bool) -> None:
     path = tmp_path / "wowd.db"

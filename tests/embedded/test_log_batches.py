@@ -13,11 +13,6 @@ from wowd.stores.embedded.log import EmbeddedLog
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def commit(i: int, pad: int) -> Commit:
     ref = AggregateRef(context="ctx", aggregate="order", id=f"o-{i}")
     ev = DomainEvent(id=str(i), name="ItemAdded", body={"pad": "x" * pad})

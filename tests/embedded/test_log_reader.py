@@ -26,11 +26,6 @@ EVERY = dict.fromkeys(range(PARTITIONS))
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 def slow_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """A caught-up reader polls the file once a minute: only a notification wakes it sooner."""
     monkeypatch.setattr(embedded_log, "POLL_MIN_S", 60.0)

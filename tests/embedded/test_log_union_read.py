@@ -18,11 +18,6 @@ from wowd.stores.embedded.sqlite import sqlite3
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def ids_in(partitions: int, each: int) -> dict[int, list[str]]:
     """``each`` aggregate ids in every partition of ``partitions``."""
     found: dict[int, list[str]] = {p: [] for p in range(partitions)}

@@ -22,11 +22,6 @@ ORDER = AggregateType(context=CONTEXT, aggregate="order")
 EVERY = dict.fromkeys(range(PARTITIONS))
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def everything(log: EmbeddedLog) -> list[object]:
     with anyio.fail_after(5):
         return [e for b in [b async for b in log.read(EVERY, follow=False)] for e in b.entries]

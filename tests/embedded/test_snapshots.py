@@ -11,27 +11,17 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.helpers import sql
 from wowd.errors import FormatError, InvalidInput
 from wowd.model import (
     AggregateRef,
     SnapshotRecord,
 )
 from wowd.stores.embedded.snapshots import EmbeddedSnapshotStore, encode_state
-from wowd.stores.embedded.sqlite import sqlite3
 
 pytestmark = pytest.mark.anyio
 
 CTX = "ctx"
-
-
-def sql(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[Any]:
-    conn = sqlite3.connect(path)
-    try:
-        rows = conn.execute(statement, params).fetchall()
-        conn.commit()
-        return rows
-    finally:
-        conn.close()
 
 
 def snap(id: str, version: int, state: dict[str, Any] | None = None, revision: int = 1) -> SnapshotRecord:

@@ -8,10 +8,10 @@ import random
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.helpers import sql
 from tests.timer_stores import EmbeddedTimers, embedded_timers
 from wowd.daemon.timer_plan import next_occurrence
 from wowd.errors import FormatError, InvalidInput
@@ -28,7 +28,7 @@ from wowd.model import (
 )
 from wowd.stores.base import OutboxRound, TimerSearch
 from wowd.stores.embedded.db import SqliteDatabase
-from wowd.stores.embedded.sqlite import sqlite3, variable_limit
+from wowd.stores.embedded.sqlite import variable_limit
 from wowd.stores.embedded.timer_firing import due_sql
 from wowd.stores.embedded.timer_rows import merge_due
 from wowd.stores.embedded.timer_view import WRITE_CHUNK, parked_params
@@ -54,16 +54,6 @@ def timer(id: str, *, aggregate: str = "order", due_at: int = T0, version: int =
         body=Command(name="Remind").to_json(),
         rule=OnceRule(),
     )
-
-
-def sql(path: Path, statement: str, params: tuple[Any, ...] = ()) -> list[Any]:
-    conn = sqlite3.connect(path)
-    try:
-        rows = conn.execute(statement, params).fetchall()
-        conn.commit()
-        return rows
-    finally:
-        conn.close()
 
 
 async def test_timer_store_refuses_a_registry_of_another_format(db_path: Path) -> None:

@@ -9,7 +9,16 @@ import pytest
 from pymongo import AsyncMongoClient
 
 from tests.mongo.conftest import Wire, server_error
-from tests.mongo.timers_support import CONTEXT, PARTITIONS, REGISTRY, calling, cursor, registry_doc
+from tests.mongo.timers_support import (
+    CONTEXT,
+    DB,
+    PARTITIONS,
+    REGISTRY,
+    calling,
+    cursor,
+    registry_doc,
+    registry_reloaded,
+)
 from tests.timer_stores import MongoTimers, mongo_timers
 from wowd.errors import StorageUnavailable
 from wowd.stores.mongo._common import MongoSharding
@@ -17,8 +26,6 @@ from wowd.stores.mongo.schema import timer_index_specs
 from wowd.stores.mongo.timer_firing import next_due_match, next_due_pipeline
 
 pytestmark = pytest.mark.anyio
-
-DB = "wowd"
 
 
 def store_on(client: AsyncMongoClient[Any]) -> MongoTimers:
@@ -118,14 +125,7 @@ async def test_next_due_reloads_the_registry_when_its_count_differs(mongo_client
     async with calling(lambda: store.firing.next_due({0, 1}, 500)) as out:
         first = await wire.command("aggregate")
         first.ok(**cursor(f"{DB}.{REGISTRY}", [{"_id": None, "registered": 2, "next_due": 900}]))
-        reload = await wire.command("find")  # another replica registered cart
-        assert reload.doc["find"] == REGISTRY and reload.doc["filter"] == {"context": CONTEXT}
-        reload.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
-        second = await wire.command("aggregate")
-        assert [s["$unionWith"]["coll"] for s in second.doc["pipeline"] if "$unionWith" in s] == [
-            "wow_timer__ctx__cart",
-            "wow_timer__ctx__order",
-        ]
+        second = await registry_reloaded(wire)  # another replica registered cart
         second.ok(**cursor(f"{DB}.{REGISTRY}", [{"_id": None, "registered": 2, "next_due": 600}]))
     assert out.error is None, out.error
     assert out.value == 600

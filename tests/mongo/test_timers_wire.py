@@ -17,6 +17,7 @@ from pymongo import AsyncMongoClient
 from tests.mongo.conftest import Wire, server_error, write_concern_timeout
 from tests.mongo.timers_support import (
     CONTEXT,
+    DB,
     PARTITIONS,
     REGISTRY,
     answer_first_use,
@@ -29,6 +30,7 @@ from tests.mongo.timers_support import (
     matches,
     ref,
     registry_doc,
+    registry_reloaded,
     tombstone,
 )
 from tests.timer_stores import MongoTimers, mongo_timers
@@ -44,8 +46,6 @@ from wowd.stores.mongo.timer_queries import timer_from_doc
 from wowd.stores.mongo.timer_view import parked_many_match, put_filter
 
 pytestmark = pytest.mark.anyio
-
-DB = "wowd"
 
 
 def store_on(client: AsyncMongoClient[Any], **kwargs: Any) -> MongoTimers:
@@ -850,14 +850,7 @@ async def test_due_reloads_the_registry_when_its_count_differs(mongo_client: Any
             "wow_timer__ctx__order"
         ]
         first.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(o1)]))  # another replica added cart
-        reload = await wire.command("find")
-        assert reload.doc["find"] == REGISTRY and reload.doc["filter"] == {"context": CONTEXT}
-        reload.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
-        second = await wire.command("aggregate")
-        assert [s["$unionWith"]["coll"] for s in second.doc["pipeline"] if "$unionWith" in s] == [
-            "wow_timer__ctx__cart",
-            "wow_timer__ctx__order",
-        ]
+        second = await registry_reloaded(wire)  # another replica registered cart
         second.ok(**cursor(f"{DB}.{REGISTRY}", [{"registered": 2}, stored(c1), stored(o1)]))
     assert out.error is None, out.error
     assert out.value == [c1, o1]

@@ -9,6 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 from bson import ObjectId
+from mockupdb import Request
 
 from tests.mongo.conftest import Wire
 from wowd.model import AggregateRef, Timer, deterministic_timer_id, partition
@@ -16,6 +17,7 @@ from wowd.model import AggregateRef, Timer, deterministic_timer_id, partition
 CONTEXT = "ctx"
 PARTITIONS = 8
 REGISTRY = "wow_timer_aggregate"
+DB = "wowd"
 
 T = TypeVar("T")
 
@@ -170,3 +172,17 @@ def tombstone(timer_doc: Mapping[str, Any], status: str, version: int | None = N
         doc["version"] = version
     doc["expires_at"] = datetime.datetime(2030, 1, 1, tzinfo=datetime.UTC)
     return doc
+
+
+async def registry_reloaded(wire: Wire) -> Request:
+    """Answers the registry's reload (another replica registered ``cart`` beside ``order``) and
+    answers the ``aggregate`` asked again, which reads both collections in name order."""
+    reload = await wire.command("find")
+    assert reload.doc["find"] == REGISTRY and reload.doc["filter"] == {"context": CONTEXT}
+    reload.ok(**cursor(f"{DB}.{REGISTRY}", [registry_doc("order"), registry_doc("cart")]))
+    again = await wire.command("aggregate")
+    assert [s["$unionWith"]["coll"] for s in again.doc["pipeline"] if "$unionWith" in s] == [
+        f"wow_timer__{CONTEXT}__cart",
+        f"wow_timer__{CONTEXT}__order",
+    ]
+    return again

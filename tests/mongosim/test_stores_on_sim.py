@@ -27,11 +27,6 @@ ALL = frozenset(range(8))
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture
 async def server() -> AsyncIterator[WireServer]:
     with serving(Settings(noop_interval=0)) as s:
         yield s

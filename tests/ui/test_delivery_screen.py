@@ -20,11 +20,6 @@ TOKEN = "route-token-0123456789"
 SECRET = "whsec_d293ZC1zaWduaW5nLXRlc3QtdmVjdG9yLWtleS0zMmI="
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_the_overview_shows_the_gateway_and_its_routes_without_a_secret(tmp_path: Path) -> None:
     settings = WowdSettings(
         context="demo",
