@@ -419,3 +419,39 @@ async def test_a_sweep_or_next_due_read_the_store_fails_is_logged_and_the_loop_g
     assert logged[:4] == [("sweep", logging.WARNING), ("next due", logging.WARNING)] * 2
     assert before >= 4 and all(level == logging.WARNING for _what, level in logged[:before])
     assert logged[before:] and all(level == logging.DEBUG for _what, level in logged[before:])
+
+
+class CountedSweeps(FailingTimers):
+    """:class:`FailingTimers` recording the cut-off of each tombstone sweep (none failing)."""
+
+    def __init__(self, inner: TimerFiring) -> None:
+        super().__init__(inner)
+        self.sweeps: list[int] = []
+
+    async def sweep(self, before: int, limit: int) -> int:
+        self.sweeps.append(before)
+        return int(await self._inner.sweep(before, limit))
+
+
+async def test_the_loop_sweeps_the_tombstones_past_the_retention_once_per_sweep_period_not_each_round(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first round is followed by a sweep of the tombstones older than the retention (now
+    less the retention, a week by default); the rounds after it, within the sweep period (10 s),
+    sweep nothing: the sweep costs the store a write, not each round's."""
+    monkeypatch.setattr(timer_plan, "MAX_IDLE_S", 0.02)
+    held = await hold_slot(backend, PARTS)
+    store = CountedSweeps(backend.firing)
+    rounds = Rounds()
+    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            started = now_ms()
+            await tg.start(loop.run, held, caught_up_waker())
+            await rounds.began(5)  # four rounds done, each followed by the sweep's turn
+            ended = now_ms()
+            held.request_stop()
+    [cut_off] = store.sweeps
+    retention_ms = TimerSettings().tombstone_retention_s * 1000
+    assert started - retention_ms <= cut_off <= ended - retention_ms

@@ -19,7 +19,7 @@ from wowd.daemon.stall import Stall
 from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
 from wowd.daemon.waker import Waker
-from wowd.delivery.outcomes import target_of
+from wowd.delivery.outcomes import CIRCUIT_OPEN, Delivered, Outcome, Park, Retry, target_of
 from wowd.model import Timer, TimerChange
 from wowd.stores.base import FiredTimer, OutboxFired, OutboxRound, OwnerProbe
 
@@ -58,6 +58,7 @@ def test_the_stores_next_due_time_is_read_unless_a_put_comes_due_within_an_idle_
     assert wants_next_due(at_due, 10_600, IDLE_S)
     assert wants_next_due(at_due, None, IDLE_S)
     assert wants_next_due(Round(until=10_000), 10_100, IDLE_S)
+    assert not wants_next_due(at_due, 11_500, 2.0)  # within the idle period the loop was given
 
 
 class ScriptedShortcut:
@@ -321,3 +322,104 @@ async def test_a_stop_while_a_timer_waits_for_the_feed_settles_it_back_as_stoppe
             held.request_stop()
     assert [(c.kind, c.timer.timer_id, c.error) for c in store.settled] == [("release", due.timer_id, firing.STOPPED)]
     assert gw.sent == []
+
+
+@pytest.mark.anyio
+async def test_a_settled_retry_tells_the_waker_its_due_time_and_a_park_does_not() -> None:
+    """After a settle the loop's waker knows when each retried timer is due again (the loop wakes
+    for it, however long it means to sleep); a parked timer is never due, so the waker is not told
+    of it (it would wake the loop for nothing)."""
+    retried, parked = timer("o-retried", now_ms() - 50), timer("o-parked", now_ms() - 50)
+    store = ScriptedClaims([retried, parked])
+    answers: dict[str, Outcome] = {retried.timer_id: Retry(reason="busy"), parked.timer_id: Park(reason="no order")}
+    gw = Recorder(lambda t: answers[t.timer_id])
+    strategy = _claiming(store, gw)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            while len(store.settled) < 2:
+                await store.changed.wait()
+            await anyio.wait_all_tasks_blocked()  # the settle's answer handled
+            told = [waker.earliest()]
+            waker.covered(told[0] or 0, waker.mark())
+            told.append(waker.earliest())
+            held.request_stop()
+    changes = {c.timer.timer_id: c for c in store.settled}
+    assert changes[retried.timer_id].kind == "retry" and changes[parked.timer_id].kind == "park"
+    assert told == [changes[retried.timer_id].due_at, None]
+
+
+class HeldSettles(ScriptedClaims):
+    """:class:`ScriptedClaims` whose settles after the first wait until :attr:`release` is set
+    (:attr:`held` is set when one does)."""
+
+    def __init__(self, *answers: list[Timer]) -> None:
+        super().__init__(*answers)
+        self.written: list[int] = []
+        self.held = anyio.Event()
+        self.release = anyio.Event()
+
+    async def settle(self, changes: list[TimerChange]) -> int:
+        if self.written:
+            self.held.set()
+            await self.release.wait()
+        self.written.append(len(changes))
+        return await super().settle(changes)
+
+
+@pytest.mark.anyio
+async def test_deliveries_whose_outcomes_are_not_written_stay_within_the_streams_window() -> None:
+    """Outcomes recorded and not yet written hold their place in the delivery stream's window
+    until their settle is written, one place each: with the store's settles held, the stream
+    sends a window (one call in flight plus a settle group) past the outcomes written, no more."""
+    due = [timer(f"o-{i}", now_ms() - 50) for i in range(200)]
+    store = HeldSettles(due)
+    gw = Recorder()
+    limits = target_limits(1, lambda _target: 1)
+    settings = TimerSettings(lookahead_ms=100, batch=200)
+    strategy = ClaimDeliverSettle(settings, store, gw, limits, lambda: None)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            await store.held.wait()  # the first settle written, the second held
+            await anyio.wait_all_tasks_blocked()  # the stream sends until its window is full
+            sent_while_held = len(gw.sent)
+            store.release.set()
+            await gw.until_fired(len(due))
+            held.request_stop()
+    (written_first, *_rest) = store.written
+    assert 0 < written_first < len(due)
+    assert sent_while_held == written_first + limits.window
+    assert len({t.timer_id for t in gw.sent}) == len(due)
+
+
+def _waiting(reason: str) -> float | None:
+    return REGISTRY.get_sample_value("wowd_timers_waiting", {"slot": "0", "reason": reason})
+
+
+@pytest.mark.anyio
+async def test_a_timer_whose_targets_circuit_was_open_counts_as_waiting_until_its_next_outcome() -> None:
+    """A retry answered without a request (the target's circuit open) counts the timer as waiting
+    for the circuit (``wowd_timers_waiting{reason="circuit_open"}``) until another outcome of it
+    comes; the other timers' outcomes meanwhile leave it counted."""
+    shut, first, second = (timer(f"o-{name}", now_ms() - 50 + i) for i, name in enumerate(("shut", "a", "b")))
+    store = ScriptedClaims([shut, first, second], [shut])
+    outcomes: list[Outcome] = [Retry(reason=f"{CIRCUIT_OPEN}demo.order"), Delivered(), Delivered(), Delivered()]
+    gw = Recorder(lambda _t: outcomes.pop(0))
+    strategy = _claiming(store, gw)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+            await strategy.round(held, waker, parts)
+            while len(store.settled) < 3:
+                await store.changed.wait()
+            after_retry = _waiting(firing.WAITING_CIRCUIT)
+            await strategy.round(held, waker, parts)  # its retry, delivered: the circuit closed
+            while len(store.settled) < 4:
+                await store.changed.wait()
+            after_delivery = _waiting(firing.WAITING_CIRCUIT)
+            held.request_stop()
+    assert [t.timer_id for t in gw.sent] == [shut.timer_id, first.timer_id, second.timer_id, shut.timer_id]
+    assert (after_retry, after_delivery) == (1, 0)

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.factories import CONTEXT, Recorder, now_ms, timer, timer_commit
+from tests.factories import CONTEXT, Recorder, now_ms, ref, timer, timer_commit
 from tests.firing.conftest import PARTS, opened_timers
 from tests.helpers import caught_up_waker, held_slot, timer_loop
 from tests.timer_stores import EmbeddedTimers
@@ -21,7 +21,7 @@ from wowd.config import EmbeddedSettings, LeaseSettings, TimerSettings, WowdSett
 from wowd.daemon import timer_plan, timers
 from wowd.daemon.feed import Feeder
 from wowd.daemon.timer_plan import wake_time
-from wowd.daemon.waker import Waker
+from wowd.daemon.waker import Waker, owner_key
 from wowd.errors import StorageUnavailable
 from wowd.model import (
     IntervalRule,
@@ -161,12 +161,62 @@ async def test_wake_ends_a_wait_at_once() -> None:
             w.wake()
 
 
+async def test_wake_ends_the_waits_for_the_feeds_next_read_and_next_batch_at_once() -> None:
+    """A stop wakes the loop wherever it waits for the feed: for its next read (a held timer)
+    and for its next batch applied (a due timer the log check left)."""
+    w = Waker()
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(w.next_read, 30)
+            tg.start_soon(w.wait_applied, w.applied_batches, 30)
+            await anyio.wait_all_tasks_blocked()
+            w.wake()
+
+
+def test_a_batch_read_after_a_mark_is_taken_names_its_owners_changed_the_feeds_first_one_too() -> None:
+    """A timer claimed under a mark taken before the feed read anything is changed by the
+    commits of the first batch it reads, as by any later one."""
+    w = Waker()
+    mark = w.hold()
+    order = owner_key(ref("o-1"))
+    batch = w.reading(None, [order])
+    assert w.changed_since(mark, order)
+    w.applied(batch, None)
+    assert w.changed_since(mark, order)  # kept while the mark is held
+    w.release(mark)
+    assert not w.changed_since(w.hold(), order)
+
+
+async def test_a_partitions_mark_never_moves_back() -> None:
+    """A read of some partitions stamped before one already taken for them leaves their marks:
+    the slot's read mark and watermark are the lowest of the partitions' latest."""
+    w = Waker(partitions={0, 1})
+    w.reading(2_000, (), frozenset({0}))
+    w.reading(1_000, (), frozenset({1}))
+    w.reading(1_500, (), frozenset({0}))  # older than partition 0's mark
+    w.reading(3_000, (), frozenset({1}))
+    assert w.read_mark == 2_000
+    w.advance(2_000, frozenset({0}))
+    w.advance(1_500, frozenset({0}))
+    w.advance(3_000, frozenset({1}))
+    assert w.watermark == 2_000
+
+
+def test_a_waker_is_dated_when_made() -> None:
+    """The slot's feed counts its watermark lag from when its waker was made (the slot taken)
+    until it first reaches the log's head."""
+    before = now_ms()
+    w = Waker()
+    assert before <= w.created_ms <= now_ms()
+
+
 def test_wake_time_is_the_next_due_less_the_lookahead_within_the_idle_period() -> None:
     assert wake_time(1_000, (None, None), 200, 0.25) == 1_250
     assert wake_time(1_000, (5_000, None), 200, 0.25) == 1_250
     assert wake_time(1_000, (1_300, 2_000), 200, 0.25) == 1_100
     assert wake_time(1_000, (None, 1_150), 200, 0.25) == 950  # already within the lookahead: now
     assert wake_time(1_000, (), 0, 30) == 31_000
+    assert wake_time(1_000, (None,), 0) == 1_000 + int(timer_plan.MAX_IDLE_S * 1000)  # the loop's idle period
 
 
 # --------------------------------------------------------------------------- the loop
