@@ -67,7 +67,8 @@ async def _status_is(r: Replica, path: str, code: int) -> bool:
 async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
     spawn: Callable[..., Replica], db: Path, stores: Backend
 ) -> None:
-    env = base_env(db)
+    # a lease of 1 s renewed every 1/3 s: a's lease outlives its kill by 2/3 s at least
+    env = base_env(db, WOWD_LEASE__TTL_S=1, WOWD_LEASE__TOLERANCE_S=0.25)
     a, b = spawn("a", env), spawn("b", env)
     await a.wait_ready()
     await b.wait_ready()
@@ -106,7 +107,7 @@ async def test_failover_standby_takes_the_dead_slot_and_fires_its_timers(
         return now[a_slot][0] == "c"
 
     await eventually(c_took_it, 15, "c holds a's slot")
-    assert time.monotonic() - killed_at >= 1.3  # not before a's lease expired (+ tolerance)
+    assert time.monotonic() - killed_at >= 0.6  # not before a's lease expired (+ tolerance)
     assert (await live_slots(stores))[a_slot] == ("c", a_fence + 1)
     await c.wait_ready()
     await eventually(lambda: _outbox_has(stores, 64), 20, "round 2 fired")
@@ -280,7 +281,7 @@ async def test_a_replica_whose_clock_disagrees_with_the_file_refuses_to_start(
     far ahead): a replica starting on the file exits 2 naming the skew and the tolerance, before
     it takes a slot; with the stamps a clock in agreement writes, it starts as usual."""
     env = base_env(db, WOWD_LEASE__LIMIT=1)
-    res = await stores.leases.acquire(NS, Owner(key="ahead"), 1, timedelta(seconds=1), timedelta(seconds=0.5))
+    res = await stores.leases.acquire(NS, Owner(key="ahead"), 1, timedelta(seconds=0.3), timedelta(seconds=0.1))
     assert res.lease is not None
     shift = "UPDATE cosid_slot SET writtenAt = writtenAt + ?, expiresAt = expiresAt + ?, ceiling = ceiling + ?"
     with closing(sqlite3.connect(db)) as conn, conn:

@@ -94,8 +94,8 @@ async def test_a_hanging_target_holds_only_its_own_slots(spawn: Callable[..., Re
         await tg.start(target.serve)
         replica = spawn("a", http_env(db, target, "a", WOWD_GATEWAY__TIMEOUT_S=TIMEOUT_S))
         await replica.wait_ready()
-        # due over 1.5 s from 1.8 s on; the hanging target's among them from the first on
-        start = int(time.time() * 1000) + 1800
+        # due over 1.5 s from 1.3 s on; the hanging target's among them from the first on
+        start = int(time.time() * 1000) + 1300
         specs = [
             Spec(f"o-{i}", "k", start + i * 1500 // n, "stuck", hanging[i // 41])
             if i % 41 == 0
@@ -139,8 +139,8 @@ async def test_a_kill_resends_only_what_was_in_flight(spawn: Callable[..., Repli
         "WOWD_GATEWAY__CONCURRENCY": concurrency,
         "WOWD_GATEWAY__PER_TARGET_CONCURRENCY": concurrency,
     }
-    # the killed replica's lease expires within 1.75 s (a renew every 0.5 s, each given 0.75 s)
-    extra |= {"WOWD_LEASE__TTL_S": 1.5, "WOWD_LEASE__TOLERANCE_S": 0.25}
+    # the killed replica's lease expires within 1.25 s (its ttl and the tolerance; a renew every 1/3 s)
+    extra |= {"WOWD_LEASE__TTL_S": 1.0, "WOWD_LEASE__TOLERANCE_S": 0.25}
     killed: list[Replica] = []
     async with anyio.create_task_group() as tg:
         await tg.start(target.serve)
