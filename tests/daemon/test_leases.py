@@ -342,7 +342,7 @@ async def test_a_keeper_stalled_by_a_full_disk_recovers_when_a_renewal_gets_thro
         fences.append(held.fence)
         await held.stop_event.wait()
 
-    keeper = SlotKeeper(0, settings(ttl=3.0, tolerance=0.5), store, work, owner_key="me")  # type: ignore[arg-type]
+    keeper = SlotKeeper(0, settings(ttl=1.5, tolerance=0.5), store, work, owner_key="me")  # type: ignore[arg-type]
     async with anyio.create_task_group() as tg:
         await tg.start(keeper.run)
         store.full = True

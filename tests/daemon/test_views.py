@@ -20,10 +20,12 @@ from tests.helpers import RefusingSink, hold_slot, refusing, timer_loop
 from wowd import metrics
 from wowd.backends import opened_backend
 from wowd.config import WowdSettings
+from wowd.daemon import feed
 from wowd.daemon.feed import CONSUMER, Feeder
 from wowd.daemon.leases import HeldSlot
 from wowd.daemon.waker import Waker
 from wowd.model import AggregateType, Commit, TimerWrite, partition
+from wowd.retry import Backoff
 from wowd.stores.base import Backend
 from wowd.views import FROM_START, reset_view, view_named, views_status
 
@@ -55,7 +57,10 @@ async def index_count(backend: Backend, commits: list[Commit]) -> dict[str, int]
     return {c.ref.id: len(await sink.documents(c.ref)) for c in commits}  # type: ignore[attr-defined]
 
 
-async def test_timers_fire_on_time_while_the_index_refuses_every_write(tmp_path: Path, backend: Backend) -> None:
+async def test_timers_fire_on_time_while_the_index_refuses_every_write(
+    tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feed, "STALL_BACKOFF", Backoff(0.1, 0.2, jitter=True))  # tried again soon after the repair
     sink = refusing(backend, broken=True)
     held = await hold_slot(backend, PARTS, "me")
     feeder = Feeder(settings(tmp_path), backend)

@@ -57,10 +57,13 @@ async def test_the_version_check_sends_the_credentials(fake: FakeElasticsearch, 
 
 async def test_check_reaches_a_cloud_id_naming_its_setting_and_host(monkeypatch: pytest.MonkeyPatch) -> None:
     # no server answers either: what check reads first names the setting and the cloud's host
+    # (MongoDB's line is given up after its 100 ms operation timeout, not the check's)
     monkeypatch.setattr(operations, "OPEN_TIMEOUT_S", 1.5)
     cloud_id = "prod:" + base64.b64encode(b"es.invalid$abc123$def456").decode()
     settings = load_settings(
-        backend="mongo", mongodb={"uri": "mongodb://m/?replicaSet=rs"}, elasticsearch={"cloud_id": cloud_id}
+        backend="mongo",
+        mongodb={"uri": "mongodb://m/?replicaSet=rs", "timeout_ms": 100},
+        elasticsearch={"cloud_id": cloud_id},
     )
     found = await operations.MongoOperations(settings).preflight()
     (line,) = [line for line in found.lines if line.text.startswith("elasticsearch")]

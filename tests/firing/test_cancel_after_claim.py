@@ -39,7 +39,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[Backend]:
 async def test_a_cancel_in_the_first_batch_read_after_the_claim_wins(tmp_path: Path, backend: Backend) -> None:
     reads = HeldReads(backend.log.read, hold_after_first=True)
     backend.log.read = reads  # type: ignore[method-assign]
-    due = int(time.time() * 1000) + 1_500
+    due = int(time.time() * 1000) + 800
     await backend.log.append_many([timer_commit(o, 1, ["k"], due_at=due) for o in OWNERS])
     held = await hold_slot(backend, PARTS, "a")
     waker = Waker()

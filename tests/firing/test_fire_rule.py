@@ -25,6 +25,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ CANCELLED, COMMITTED, MOVED, MISFIRED = "o-0", "o-1", "o-2", "m-0"
 LEAD_MS = 900
 """The timers come due this long after they were appended (the feed applies them meanwhile)."""
 MOVED_BY_MS = 300
+MAX_AWAIT = timedelta(milliseconds=50)
+"""The MongoDB rigs' change stream's empty ``getMore`` wait (a deployment's default is 1 s): the
+feed's read at the log's head says so (its first watermark) this soon."""
 
 
 @dataclass
@@ -93,8 +97,17 @@ async def _embedded(tmp: Path, shortcut: bool) -> AsyncIterator[Rig]:
 
 
 @asynccontextmanager
-async def _mongo(uri: str) -> AsyncIterator[Rig]:
+async def _mongo(uri: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
+    from wowd.stores.mongo import log as mongo_log
     from wowd.stores.mongo import open_mongo
+
+    class QuickLog(mongo_log.MongoLog):
+        """The backend's log, its empty ``getMore`` waits :data:`MAX_AWAIT`."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs, max_await=MAX_AWAIT)
+
+    monkeypatch.setattr(mongo_log, "MongoLog", QuickLog)
 
     settings = _settings(
         backend="mongo",
@@ -128,13 +141,13 @@ RIGS = ["embedded, claim", "embedded, outbox shortcut", "mongo-sim", "mongo-sim-
 
 
 @pytest.fixture(params=RIGS)
-async def rig(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Rig]:
+async def rig(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
     opening: AbstractAsyncContextManager[Rig]
     if request.param.startswith("embedded"):
         opening = _embedded(tmp_path, shortcut=request.param.endswith("shortcut"))
     else:
         fixture = "mongosim_sharded_uri" if request.param.endswith("sharded") else "mongosim_uri"
-        opening = _mongo(request.getfixturevalue(fixture))
+        opening = _mongo(request.getfixturevalue(fixture), monkeypatch)
     async with opening as r:
         yield r
 
@@ -150,8 +163,6 @@ def _scheduled(owner_id: str, due_at: int, rule: Mapping[str, Any] | None = None
 
 
 async def _hold(backend: Backend) -> HeldSlot:
-    from datetime import timedelta
-
     res = await backend.leases.acquire("ns", Owner(key="a"), 1, timedelta(seconds=60), timedelta(seconds=1))
     assert res.lease is not None
     return HeldSlot(

@@ -392,21 +392,21 @@ async def test_ddl_commands_are_bounded_one_by_one_not_by_the_puts_timeout(mongo
 
     import anyio
 
-    store = store_on(mongo_client, operation_timeout=timedelta(milliseconds=750))
+    store = store_on(mongo_client, operation_timeout=timedelta(milliseconds=500))
     async with calling(lambda: store.view.put(make_timer())) as out:
         for name in ("findAndModify", "create", "createIndexes"):
             req = await wire.command(name)
             if name == "createIndexes":
                 assert "maxTimeMS" not in req.doc
             else:
-                assert 0 < req.doc["maxTimeMS"] <= 750
-            await anyio.sleep(0.3)  # 0.9 s of DDL in all: more than one operation's 0.75 s
+                assert 0 < req.doc["maxTimeMS"] <= 500
+            await anyio.sleep(0.2)  # 0.6 s of DDL in all: more than one operation's 0.5 s
             if name == "findAndModify":
                 req.ok(value=registry_doc("order"))
             else:
                 req.ok()
         update = await answer_update(wire)
-        assert 0 < update["maxTimeMS"] <= 750
+        assert 0 < update["maxTimeMS"] <= 500
     assert out.error is None, out.error
     assert out.value is True
 
