@@ -748,11 +748,13 @@ class Harness:
         """``/readyz`` of this very process answers 200: it holds a valid lease now."""
         import httpx
 
+        from tests.processes import local_client
+
         if not r.alive or r.stopped or not r.port_file.exists():
             return False
         try:
             port = int(r.port_file.read_text())
-            async with httpx.AsyncClient(timeout=1.0) as client:
+            async with local_client(1.0) as client:
                 return (await client.get(f"http://127.0.0.1:{port}/readyz?holding=1")).status_code == 200
         except (httpx.HTTPError, ValueError, OSError):
             return False
