@@ -4,6 +4,8 @@ takes as read, without a store or a clock."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -15,6 +17,7 @@ from tests.helpers import caught_up_waker, held_slot
 from wowd.config import TimerSettings
 from wowd.daemon import firing
 from wowd.daemon.firing import ClaimDeliverSettle, OutboxRounds
+from wowd.daemon.leases import HeldSlot
 from wowd.daemon.stall import Stall
 from wowd.daemon.stream import target_limits
 from wowd.daemon.timer_plan import ReadFirst, Round, Sleep, plan_wait, retry_delay_s, wants_next_due
@@ -183,9 +186,33 @@ class ScriptedClaims:
         self.changed = anyio.Event()
         return len(changes)
 
+    async def settled_at_least(self, n: int) -> None:
+        """Returns once ``n`` changes were settled."""
+        while len(self.settled) < n:
+            await self.changed.wait()
+
 
 async def _no_commit(_probes: list[OwnerProbe]) -> set[int]:
     return set()
+
+
+@asynccontextmanager
+async def first_round(
+    store: ScriptedClaims, gw: Recorder
+) -> AsyncIterator[tuple[ClaimDeliverSettle, HeldSlot, Waker, frozenset[int]]]:
+    """A claiming strategy over ``store`` and ``gw``, running on a slot of eight partitions with a
+    caught-up waker (within 5 s), its first round done."""
+    strategy = _claiming(store, gw)
+    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
+    with anyio.fail_after(5):
+        async with running(strategy, held, waker):
+            await strategy.round(held, waker, parts)
+            yield strategy, held, waker, parts
+
+
+def running(strategy: ClaimDeliverSettle | OutboxRounds, held: HeldSlot, waker: Waker) -> Any:
+    """``strategy.running`` on ``held`` and ``waker``, as the timer loop enters it."""
+    return strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t")))
 
 
 def _claiming(
@@ -227,7 +254,7 @@ async def test_a_timer_claimed_and_not_settled_is_excluded_from_the_next_claim()
     strategy = _claiming(store, gw, batch=1)
     held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
     with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+        async with running(strategy, held, waker):
             first = await strategy.round(held, waker, parts)
             await gw.entered.wait()  # delivery under way
             await strategy.round(held, waker, parts)
@@ -259,7 +286,7 @@ async def test_a_timer_the_log_check_holds_back_waits_half_the_claims_ttl_for_th
     held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
     waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
     with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+        async with running(strategy, held, waker):
             claimed = await strategy.round(held, waker, parts)
             while not store.settled:
                 await store.changed.wait()
@@ -289,7 +316,7 @@ async def test_a_timer_claimed_ahead_is_delivered_at_its_scheduled_time_not_at_t
     strategy = ClaimDeliverSettle(settings, store, gw, limits, lambda: nudges.append(anyio.current_time()))
     held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
     with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+        async with running(strategy, held, waker):
             await strategy.round(held, waker, parts)
             await gw.entered.wait()
             held.request_stop()
@@ -316,7 +343,7 @@ async def test_a_stop_while_a_timer_waits_for_the_feed_settles_it_back_as_stoppe
     held, waker, parts = held_slot(8), Waker(), frozenset(range(8))
     waker.reading(due.scheduled_at - 1_000, [])  # read the log's head just now, not past the due time
     with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+        async with running(strategy, held, waker):
             await strategy.round(held, waker, parts)
             await checked.wait()
             held.request_stop()
@@ -332,19 +359,13 @@ async def test_a_settled_retry_tells_the_waker_its_due_time_and_a_park_does_not(
     retried, parked = timer("o-retried", now_ms() - 50), timer("o-parked", now_ms() - 50)
     store = ScriptedClaims([retried, parked])
     answers: dict[str, Outcome] = {retried.timer_id: Retry(reason="busy"), parked.timer_id: Park(reason="no order")}
-    gw = Recorder(lambda t: answers[t.timer_id])
-    strategy = _claiming(store, gw)
-    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
-    with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
-            await strategy.round(held, waker, parts)
-            while len(store.settled) < 2:
-                await store.changed.wait()
-            await anyio.wait_all_tasks_blocked()  # the settle's answer handled
-            told = [waker.earliest()]
-            waker.covered(told[0] or 0, waker.mark())
-            told.append(waker.earliest())
-            held.request_stop()
+    async with first_round(store, Recorder(lambda t: answers[t.timer_id])) as (_strategy, held, waker, _parts):
+        await store.settled_at_least(2)
+        await anyio.wait_all_tasks_blocked()  # the settle's answer handled
+        told = [waker.earliest()]
+        waker.covered(told[0] or 0, waker.mark())
+        told.append(waker.earliest())
+        held.request_stop()
     changes = {c.timer.timer_id: c for c in store.settled}
     assert changes[retried.timer_id].kind == "retry" and changes[parked.timer_id].kind == "park"
     assert told == [changes[retried.timer_id].due_at, None]
@@ -381,7 +402,7 @@ async def test_deliveries_whose_outcomes_are_not_written_stay_within_the_streams
     strategy = ClaimDeliverSettle(settings, store, gw, limits, lambda: None)
     held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
     with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
+        async with running(strategy, held, waker):
             await strategy.round(held, waker, parts)
             await store.held.wait()  # the first settle written, the second held
             await anyio.wait_all_tasks_blocked()  # the stream sends until its window is full
@@ -408,18 +429,12 @@ async def test_a_timer_whose_targets_circuit_was_open_counts_as_waiting_until_it
     store = ScriptedClaims([shut, first, second], [shut])
     outcomes: list[Outcome] = [Retry(reason=f"{CIRCUIT_OPEN}demo.order"), Delivered(), Delivered(), Delivered()]
     gw = Recorder(lambda _t: outcomes.pop(0))
-    strategy = _claiming(store, gw)
-    held, waker, parts = held_slot(8), caught_up_waker(), frozenset(range(8))
-    with anyio.fail_after(5):
-        async with strategy.running(held, waker, Stall("timer loop"), logging.LoggerAdapter(logging.getLogger("t"))):
-            await strategy.round(held, waker, parts)
-            while len(store.settled) < 3:
-                await store.changed.wait()
-            after_retry = _waiting(firing.WAITING_CIRCUIT)
-            await strategy.round(held, waker, parts)  # its retry, delivered: the circuit closed
-            while len(store.settled) < 4:
-                await store.changed.wait()
-            after_delivery = _waiting(firing.WAITING_CIRCUIT)
-            held.request_stop()
+    async with first_round(store, gw) as (strategy, held, waker, parts):
+        await store.settled_at_least(3)
+        after_retry = _waiting(firing.WAITING_CIRCUIT)
+        await strategy.round(held, waker, parts)  # its retry, delivered: the circuit closed
+        await store.settled_at_least(4)
+        after_delivery = _waiting(firing.WAITING_CIRCUIT)
+        held.request_stop()
     assert [t.timer_id for t in gw.sent] == [shut.timer_id, first.timer_id, second.timer_id, shut.timer_id]
     assert (after_retry, after_delivery) == (1, 0)
