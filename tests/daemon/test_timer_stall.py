@@ -103,16 +103,13 @@ async def test_a_timer_loop_whose_store_fails_stalls_and_resumes_by_itself(
     gauge = metrics.TIMERS_STALLED.labels(slot=str(held.slot))
     loop = timer_loop(store, gw)  # type: ignore[arg-type]
 
-    async def stalled() -> bool:
-        return loop.stall is not None and loop.stall.stalled
-
     async def all_fired() -> bool:
         return len(gw.sent) == 3 and not await backend.timer_queries.scan(limit=10)
 
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
             await tg.start(loop.run, held, caught_up_waker())
-            await eventually(stalled, 5, "the loop stalled")  # at once: retrying will not fix it soon
+            await eventually(lambda: is_stalled(loop), 5, "the loop stalled")  # at once: retrying will not fix it soon
             assert loop.stall is not None and loop.stall.reason is not None and str(error) in loop.stall.reason
             assert gauge._value.get() == 1
             assert gw.sent == []
@@ -129,14 +126,12 @@ async def test_a_settle_the_full_disk_refuses_is_retried_and_bounded_on_stop(
     monkeypatch.setattr(firing, "SETTLE_TIMEOUT_S", 0.5)
     store, gw, held, loop = await refused_settles(backend)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
-            assert [t.target.id for t in gw.sent] == ["ok-1"]
-            assert loop.stall is not None and loop.stall.stalled  # the settle's failure stalls the loop
-            held.request_stop()
-            stopped = time.monotonic()
+    async with running(loop, held):
+        await eventually(lambda: store.settles >= 2, 5, "the settle retried")
+        assert [t.target.id for t in gw.sent] == ["ok-1"]
+        assert loop.stall is not None and loop.stall.stalled  # the settle's failure stalls the loop
+        held.request_stop()
+        stopped = time.monotonic()
     # the settle that never succeeded ends within its bound: the claim stays, and expires
     assert time.monotonic() - stopped < 0.5 + 1.0
     [claimed] = await backend.timer_queries.scan(limit=10)
@@ -149,13 +144,11 @@ async def test_a_settle_is_written_once_space_returns(backend: Backend) -> None:
     async def settled() -> bool:
         return not await backend.timer_queries.scan(limit=10)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await eventually(lambda: store.settles >= 2, 5, "the settle retried")
-            store.settle_fail = None
-            await eventually(settled, 5, "the fired timer settled")
-            held.request_stop()
+    async with running(loop, held):
+        await eventually(lambda: store.settles >= 2, 5, "the settle retried")
+        store.settle_fail = None
+        await eventually(settled, 5, "the fired timer settled")
+        held.request_stop()
     assert [t.target.id for t in gw.sent] == ["ok-1"]  # delivered once
 
 
@@ -204,6 +197,30 @@ def rounds_loop(backend: Backend, rounds: Rounds, nudge: Any = lambda: None) -> 
     return TimerLoop(TimerSettings(), backend.firing, rounds, nudge)
 
 
+def is_stalled(loop: TimerLoop) -> bool:
+    """The loop has run far enough to have a stall, and it is stalled."""
+    return loop.stall is not None and loop.stall.stalled
+
+
+def failing_loop(backend: Backend, fail: StorageError) -> tuple[FailingTimers, Rounds, TimerLoop]:
+    """A timer loop over ``backend``'s firing store failing with ``fail`` (until its ``fail`` is
+    set to ``None``), its rounds recorded."""
+    store = FailingTimers(backend.firing)
+    store.fail = fail
+    rounds = Rounds()
+    return store, rounds, TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def running(loop: TimerLoop, held: HeldSlot) -> AsyncIterator[None]:
+    """``loop`` running on ``held`` with a caught-up waker while the block lasts, all within 10 s:
+    the block ends with a stop of ``held``."""
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(loop.run, held, caught_up_waker())
+            yield
+
+
 def stall_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "wowd.daemon.timers" and r.levelno == logging.ERROR]
 
@@ -219,20 +236,18 @@ async def test_a_round_the_store_fails_stalls_the_loop_which_retries_after_its_b
     rounds.fail = FULL
     loop = rounds_loop(backend, rounds)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await rounds.began(1)
-            first = anyio.current_time()
-            await rounds.began(3)  # after two failed rounds, each followed by a pause
-            paused = anyio.current_time() - first
-            assert loop.stall is not None and loop.stall.stalled and gauge._value.get() == 1
-            assert loop.stall.reason == f"{ROUND}: StorageFull: {FULL}"
-            rounds.fail = None  # space returns
-            rounds.full = True
-            await rounds.began(5)  # the fourth succeeded
-            assert not loop.stall.stalled and gauge._value.get() == 0
-            held.request_stop()
+    async with running(loop, held):
+        await rounds.began(1)
+        first = anyio.current_time()
+        await rounds.began(3)  # after two failed rounds, each followed by a pause
+        paused = anyio.current_time() - first
+        assert loop.stall is not None and loop.stall.stalled and gauge._value.get() == 1
+        assert loop.stall.reason == f"{ROUND}: StorageFull: {FULL}"
+        rounds.fail = None  # space returns
+        rounds.full = True
+        await rounds.began(5)  # the fourth succeeded
+        assert not loop.stall.stalled and gauge._value.get() == 0
+        held.request_stop()
     assert paused >= 0.09  # 0.05 s after each failure
     [line] = stall_lines(caplog)  # one ERROR line, naming the slot; the others are DEBUG
     assert line.getMessage().startswith(f"timer loop of slot {held.slot} stalled (retrying): {ROUND}")
@@ -246,14 +261,12 @@ async def test_a_stop_ends_the_pause_after_a_failed_round(backend: Backend, monk
     rounds.fail = DAMAGED
     loop = rounds_loop(backend, rounds)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await rounds.began(1)
-            await anyio.wait_all_tasks_blocked()  # the round failed: the loop pauses for a minute
-            assert loop.stall is not None and loop.stall.stalled
-            held.request_stop()
-            stopped = anyio.current_time()
+    async with running(loop, held):
+        await rounds.began(1)
+        await anyio.wait_all_tasks_blocked()  # the round failed: the loop pauses for a minute
+        assert loop.stall is not None and loop.stall.stalled
+        held.request_stop()
+        stopped = anyio.current_time()
     assert anyio.current_time() - stopped < 5
     assert len(rounds.watermarks) == 1  # not retried during the pause
 
@@ -269,16 +282,14 @@ async def test_a_round_that_succeeds_leaves_the_loop_stalled_while_its_settles_f
     rounds.full = True
     loop = rounds_loop(backend, rounds)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await rounds.began(1)
-            rounds.settle_failed(FULL)
-            await rounds.began(len(rounds.watermarks) + 2)  # a round that began after it succeeded
-            assert loop.stall is not None and loop.stall.reason == f"{firing.SETTLE}: StorageFull: {FULL}"
-            rounds.settled()
-            assert not loop.stall.stalled
-            held.request_stop()
+    async with running(loop, held):
+        await rounds.began(1)
+        rounds.settle_failed(FULL)
+        await rounds.began(len(rounds.watermarks) + 2)  # a round that began after it succeeded
+        assert loop.stall is not None and loop.stall.reason == f"{firing.SETTLE}: StorageFull: {FULL}"
+        rounds.settled()
+        assert not loop.stall.stalled
+        held.request_stop()
     [line] = stall_lines(caplog)
     assert line.slot == held.slot  # type: ignore[attr-defined]
 
@@ -298,12 +309,10 @@ async def test_the_claims_an_earlier_holding_left_are_due_again_before_the_first
     rounds = Rounds()
     loop = rounds_loop(backend, rounds)
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await rounds.began(1)
-            after = {t.target.id: t for t in await backend.timer_queries.scan(limit=10)}
-            held.request_stop()
+    async with running(loop, held):
+        await rounds.began(1)
+        after = {t.target.id: t for t in await backend.timer_queries.scan(limit=10)}
+        held.request_stop()
     assert {name: t.status for name, t in after.items()} == {
         "previous": TimerStatus.PENDING,
         "own": TimerStatus.PENDING,
@@ -317,25 +326,17 @@ async def test_a_reclaim_the_store_fails_stalls_the_loop_and_no_round_runs_befor
 ) -> None:
     monkeypatch.setattr(timers, "ROUND_BACKOFF", Backoff(0.05, 0.05))
     held = await hold_slot(backend, PARTS)
-    store = FailingTimers(backend.firing)
-    store.fail = FULL
-    rounds = Rounds()
+    store, rounds, loop = failing_loop(backend, FULL)
     rounds.full = True
-    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
 
-    async def stalled() -> bool:
-        return loop.stall is not None and loop.stall.stalled
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await eventually(stalled, 5, "the loop stalled")
-            assert loop.stall is not None and loop.stall.reason == f"{ROUND}: StorageFull: {FULL}"
-            assert rounds.watermarks == []
-            store.fail = None  # space returns
-            await rounds.began(2)
-            assert not loop.stall.stalled
-            held.request_stop()
+    async with running(loop, held):
+        await eventually(lambda: is_stalled(loop), 5, "the loop stalled")
+        assert loop.stall is not None and loop.stall.reason == f"{ROUND}: StorageFull: {FULL}"
+        assert rounds.watermarks == []
+        store.fail = None  # space returns
+        await rounds.began(2)
+        assert not loop.stall.stalled
+        held.request_stop()
 
 
 async def test_a_stop_ends_the_retries_of_a_reclaim_the_store_fails(
@@ -343,20 +344,12 @@ async def test_a_stop_ends_the_retries_of_a_reclaim_the_store_fails(
 ) -> None:
     monkeypatch.setattr(timers, "ROUND_BACKOFF", Backoff(60.0, 60.0))
     held = await hold_slot(backend, PARTS)
-    store = FailingTimers(backend.firing)
-    store.fail = DAMAGED
-    rounds = Rounds()
-    loop = TimerLoop(TimerSettings(), store, rounds, lambda: None)  # type: ignore[arg-type]
+    _store, rounds, loop = failing_loop(backend, DAMAGED)
 
-    async def stalled() -> bool:
-        return loop.stall is not None and loop.stall.stalled
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await eventually(stalled, 5, "the loop stalled")  # the reclaim failed: retried in a minute
-            held.request_stop()
-            stopped = anyio.current_time()
+    async with running(loop, held):
+        await eventually(lambda: is_stalled(loop), 5, "the loop stalled")  # the reclaim failed: retried in a minute
+        held.request_stop()
+        stopped = anyio.current_time()
     assert anyio.current_time() - stopped < 5
     assert rounds.watermarks == []
 
@@ -406,15 +399,13 @@ async def test_a_sweep_or_next_due_read_the_store_fails_is_logged_and_the_loop_g
             if what in r.getMessage() and str(DAMAGED) in r.getMessage()
         ]
 
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            await tg.start(loop.run, held, caught_up_waker())
-            await rounds.began(3)  # after two rounds, each followed by a sweep and a read that failed
-            assert loop.stall is not None and not loop.stall.stalled
-            before = len(lines())
-            rounds.settle_failed(FULL)
-            await rounds.began(5)
-            held.request_stop()
+    async with running(loop, held):
+        await rounds.began(3)  # after two rounds, each followed by a sweep and a read that failed
+        assert loop.stall is not None and not loop.stall.stalled
+        before = len(lines())
+        rounds.settle_failed(FULL)
+        await rounds.began(5)
+        held.request_stop()
     logged = lines()
     assert logged[:4] == [("sweep", logging.WARNING), ("next due", logging.WARNING)] * 2
     assert before >= 4 and all(level == logging.WARNING for _what, level in logged[:before])
