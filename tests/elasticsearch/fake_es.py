@@ -409,6 +409,22 @@ def bulk_answer(*statuses: int, first_seq_no: int = 100) -> Callable[[Recorded],
     return answer
 
 
+@dataclass
+class Held:
+    """An answer held back until the test sets ``released`` (a node slower than the client's
+    timeout). ``reached`` is set when the request has arrived and taken its queued answer, so a
+    test can wait for that before it ends instead of racing the server's thread."""
+
+    answer: Callable[[Recorded], Any]
+    reached: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, req: Recorded) -> Any:
+        self.reached.set()
+        self.released.wait(10)
+        return self.answer(req)
+
+
 def ubq_answer(*, updated: int = 0, noops: int = 0, version_conflicts: int = 0, failures: Any = ()) -> dict[str, Any]:
     """An ``_update_by_query`` answer."""
     return {
@@ -1239,6 +1255,12 @@ class EsModel:
         with self._lock:
             self.indices[name].flood_stage = on
 
+    def waiting(self, count: int, timeout_s: float) -> bool:
+        """Waits (in a thread) until ``count`` requests wait on the cluster (a request the client
+        gave up on may reach the node a moment after); False after ``timeout_s``."""
+        with self._lock:
+            return self._condition().wait_for(lambda: self.in_flight == count, timeout=timeout_s)
+
     def settled(self, timeout_s: float) -> bool:
         """Waits (in a thread) until no request waits on the cluster any more and the last one
         that did is answered; False after ``timeout_s``."""
@@ -1648,6 +1670,7 @@ class EsModel:
         until the request's timeout); True once they are active."""
         changed = self._condition()
         self.in_flight += 1
+        changed.notify_all()  # seen by waiting()
         try:
             changed.wait_for(lambda: index.primary_active or self._released, timeout=timeout_s)
         finally:

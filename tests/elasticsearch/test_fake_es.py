@@ -198,7 +198,7 @@ async def test_a_bulk_goes_on_after_its_client_gave_up_and_waits_for_a_primary_u
         model.primaries(INDEX, active=False)
         with pytest.raises(ConnectionTimeout):  # the bulk's own timeout: a minute
             await es.bulk(index=INDEX, operations=[{"create": {"_id": "late"}}, {"a": 2}])
-        assert model.in_flight == 1
+        assert await anyio.to_thread.run_sync(model.waiting, 1, 5.0)
         model.primaries(INDEX, active=True)
         assert await anyio.to_thread.run_sync(model.settled, 5.0)
         assert "late" in model.indices[INDEX].live  # written after all: a retry's create is a 409

@@ -3,7 +3,6 @@ request line, body size, id length, clause count, immense terms, dynamic auto-cr
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -358,22 +357,18 @@ async def test_stamp_rounds_are_refreshed_between(
 
 
 async def test_an_update_by_query_has_its_own_client_timeout_and_is_not_retried(fake: FakeElasticsearch) -> None:
-    release = threading.Event()
-
-    def slow(req: fake_es.Recorded) -> Any:
-        release.wait(10)
-        return fake_es.ubq_answer(updated=1)
-
+    slow = fake_es.Held(lambda req: fake_es.ubq_answer(updated=1))
     fake.on("POST", f"{P}/_update_by_query", body=slow)
     es = AsyncElasticsearch(fake.url, request_timeout=30)  # the client's own timeout is longer
     try:
         sink = ElasticsearchEventSink(es, TYPE, ddl=Ddl.NONE, stamp_timeout_s=0.3)
         with anyio.fail_after(5), pytest.raises(StorageUnavailable, match="update_by_query"):
             await sink.stamp(ref("a"), B, 2, 1, 1)
-        release.set()  # the fake answers under its lock
+        assert await anyio.to_thread.run_sync(slow.reached.wait, 5)
+        slow.released.set()  # the fake answers under its lock
         assert len(fake.take()) == 1  # a timed-out update may still run on the cluster: no second one
     finally:
-        release.set()
+        slow.released.set()
         await es.close()
 
 

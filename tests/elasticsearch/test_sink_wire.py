@@ -5,10 +5,10 @@ asserts the requests on the wire."""
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import anyio
 import pytest
 from elasticsearch import AsyncElasticsearch
 
@@ -234,19 +234,15 @@ async def test_request_level_answers_are_classified(client: AsyncElasticsearch, 
 
 
 async def test_a_timeout_is_transient(fake: FakeElasticsearch) -> None:
-    release = threading.Event()
-
-    def slow(req: fake_es.Recorded) -> Any:
-        release.wait(10)
-        return fake_es.bulk_answer(201)(req)
-
+    slow = fake_es.Held(fake_es.bulk_answer(201))
     fake.on("PUT", f"{P}/_bulk", body=slow)
     es = AsyncElasticsearch(fake.url, max_retries=0)
     try:
         with pytest.raises(StorageUnavailable, match="bulk"):
             await sink_of(es, request_timeout_s=0.2).write([commit("a", 1)])
+        assert await anyio.to_thread.run_sync(slow.reached.wait, 5)  # the node had the request
     finally:
-        release.set()
+        slow.released.set()
         await es.close()
 
 
