@@ -48,6 +48,7 @@ __all__ = [
     "SINK_BULK_SECONDS",
     "SINK_ITEMS",
     "SLOT_HELD",
+    "SNAPSHOT_REBUILD_FAILED",
     "STORE_CALL_SECONDS",
     "STORE_UNAVAILABLE",
     "TIMERS_CLAIMED_LAST_ROUND",
@@ -220,6 +221,11 @@ FEED_STALLED = Gauge(
     "wowd_feed_stalled",
     "1 while the view of the slot cannot progress (its store refuses or is unavailable, a reducer raises)",
     ["slot", "view"],
+)
+SNAPSHOT_REBUILD_FAILED = Gauge(
+    "wowd_snapshot_rebuild_failed",
+    "1 while the held slot's snapshot rebuild of the aggregate type failed: its reducer raised",
+    ["slot", "aggregate"],
 )
 TIMERS_STALLED = Gauge(
     "wowd_timers_stalled",

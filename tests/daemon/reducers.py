@@ -18,3 +18,19 @@ class CountingReducer:
 
 
 reducer_v2 = CountingReducer()
+
+
+class ExplodingReducer:
+    """A reducer with a bug: it raises on an ``Explode`` event (and folds the others as
+    :data:`reducer_v2` does)."""
+
+    def __init__(self, state_revision: int) -> None:
+        self.state_revision = state_revision
+
+    def fold(self, state: dict[str, Any], event: DomainEvent) -> dict[str, Any]:
+        if event.name == "Explode":
+            raise RuntimeError("reducer exploded")
+        return reducer_v2.fold(state, event)
+
+
+reducer_exploding = ExplodingReducer(3)

@@ -26,7 +26,7 @@ from tests import forkserver
 from tests.factories import CONTEXT, PARTITIONS, eventually, timer_commit
 from tests.processes import Replica, base_env
 from wowd.cli.run import ESCALATE_AFTER_S
-from wowd.model import Owner, TimerStatus
+from wowd.model import Owner, TimerStatus, partition
 from wowd.stores.base import Backend
 
 pytestmark = [pytest.mark.anyio, pytest.mark.process]
@@ -66,7 +66,10 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
 ) -> None:
     """A bug in user code (a reducer raising a non-wowd exception) stalls that type's snapshot
     view: it says so (``wowd_feed_stalled{view}``, an ERROR line naming the reducer) and does not
-    move its checkpoints, while the replica stays ready and the timer view feeds the commit."""
+    move its checkpoints, while the replica stays ready and the timer view feeds the commits. A
+    commit in the log before the replica starts meets the reducer first in the slot's snapshot
+    rebuild, which fails for the type (``wowd_snapshot_rebuild_failed``, an ERROR line) and lets
+    the feed start."""
     (tmp_path / "crashing_reducer.py").write_text(textwrap.dedent(CRASHING_REDUCER))
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
     env = base_env(
@@ -75,31 +78,39 @@ async def test_a_raising_reducer_stalls_its_snapshot_view_and_nothing_else(
         WOWD_REDUCERS=json.dumps({"order": "crashing_reducer:reducer"}),
         PYTHONPATH=pythonpath,
     )
+    due_at = int(time.time() * 1000) + 3_600_000
+    early, late = (timer_commit(f"boom-{i}", 1, ["k"], due_at=due_at) for i in range(2))
+    await stores.log.append(early)
     r = spawn("crashy", env)
     await r.wait_ready()
-    commit = timer_commit("boom-1", 1, ["k"], due_at=int(time.time() * 1000) + 3_600_000)
-    await stores.log.append(commit)
+    await stores.log.append(late)
     parts = list(range(PARTITIONS))
 
-    async def timer_viewed() -> bool:
-        return await stores.timer_queries.find(commit.ref, "k") is not None
+    async def timers_viewed() -> bool:
+        return None not in [await stores.timer_queries.find(c.ref, "k") for c in (early, late)]
 
-    async def view_stalled() -> bool:
+    async def stalled() -> bool:
         text = (await r.get("/metrics")).text
-        return 'wowd_feed_stalled{slot="0",view="snapshots.order"} 1.0' in text
+        return (
+            'wowd_feed_stalled{slot="0",view="snapshots.order"} 1.0' in text
+            and 'wowd_snapshot_rebuild_failed{aggregate="order",slot="0"} 1.0' in text
+        )
 
-    await eventually(timer_viewed, 15, "the timer view fed the commit")
-    await eventually(view_stalled, 15, "the snapshot view stalled")
+    await eventually(timers_viewed, 15, "the timer view fed the commits")
+    await eventually(stalled, 15, "the snapshot view stalled and its rebuild failed")
     assert (await r.get("/readyz")).status_code == 200
     assert r.proc.poll() is None
-    assert len(await stores.checkpoints.read("wowd", parts)) == 1
-    # the snapshot view's position stays before the commit (it is folded once the reducer is fixed)
+    fed_parts = {partition(c.ref.id, PARTITIONS) for c in (early, late)}
+    assert sorted(await stores.checkpoints.read("wowd", parts)) == sorted(fed_parts)
+    # the snapshot view's position stays before the commits (they are folded once the reducer is fixed)
     snapshot_cps = await stores.checkpoints.read("wowd.snapshots.order", parts)
     assert not any(cp.position for cp in snapshot_cps.values())
-    assert await stores.snapshots.load(commit.ref) is None
+    assert [await stores.snapshots.load(c.ref) for c in (early, late)] == [None, None]
     log = r.log()
     errors = [str(d["msg"]) for d in _json_lines(log) if d.get("level") == "ERROR"]
     assert any("snapshots.order view stalled" in m and "reducer exploded on ItemAdded" in m for m in errors), log
+    rebuild = f"snapshots of {early.ref.context}.order not rebuilt at state revision 1: reducer of order raised on"
+    assert any(m.startswith(rebuild) and "reducer exploded on ItemAdded" in m for m in errors), log
 
 
 # --------------------------------------------------------------------------- 2. systemd watchdog

@@ -14,8 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.daemon.reducers import reducer_v2
-from tests.factories import CONTEXT, eventually, timer_commit
+from tests.daemon.reducers import ExplodingReducer, reducer_v2
+from tests.factories import CONTEXT, commit, event, eventually, timer_commit
 from tests.processes import base_env
 from wowd.backends import opened_backend
 from wowd.cli import main
@@ -25,6 +25,7 @@ from wowd.daemon.rebuild import Rebuilder, RebuildReport, progress_consumer
 from wowd.daemon.replica import delivery, replica_of
 from wowd.demo import reducer as reducer_v1
 from wowd.errors import LeaseLost, StorageUnavailable
+from wowd.metrics import SNAPSHOT_REBUILD_FAILED
 from wowd.model import AggregateRef, AggregateType, Owner, SnapshotRecord, partition
 from wowd.reducers import fold_commit
 from wowd.stores.base import Backend
@@ -263,6 +264,50 @@ async def test_a_gap_in_the_log_leaves_the_aggregate_pending(tmp_path: Path, bac
     assert await backend.rebuilds.pending(ORDER, 2, None, 100) == [ref("o-0")]
 
 
+async def test_a_raising_reducer_fails_its_type_where_it_raised_and_the_other_types_go_on(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """The reducer of ``order`` raises on a commit in partition 2: partitions 0 and 1 are rebuilt
+    and recorded, 2 and 3 are neither rewritten nor recorded, and the report says why; ``item``
+    (another type, in every partition) is rebuilt whole and backfilled."""
+    await backfill_v1(tmp_path, backend)
+    bad = next(i for i in IDS if partition(i, PARTS) == 2)
+    await backend.log.append(commit(bad, VERSIONS + 1, event("Explode")))
+    items = [AggregateRef(context=CONTEXT, aggregate="item", id=f"i-{n}") for n in range(8)]
+    assert {partition(i.id, PARTS) for i in items} == set(range(PARTS))
+    await backend.log.append_many([commit(i.id, 1, owner=i) for i in items])
+
+    reports = await Rebuilder(settings(tmp_path), backend, {"order": ExplodingReducer(2), "item": reducer_v2}).rebuild(
+        range(PARTS)
+    )
+
+    [item, order] = reports
+    assert order.outcome == "failed" and order.partitions == [0, 1] and not order.backfilled
+    assert order.error == f"reducer of order raised on {ref(bad)} v{VERSIONS + 1}: RuntimeError('reducer exploded')"
+    assert sorted(await backend.checkpoints.read(progress_consumer("order", 2), list(range(PARTS)))) == [0, 1]
+    for agg_id in IDS:
+        snap = await backend.snapshots.load(ref(agg_id))
+        assert snap is not None and snap.state_revision == (2 if partition(agg_id, PARTS) < 2 else 1), agg_id
+    assert item.outcome == "rebuilt" and item.partitions == list(range(PARTS)) and item.backfilled
+    assert None not in [await backend.snapshots.load(i) for i in items]
+
+
+async def test_a_slot_whose_reducer_raises_says_so_and_returns_to_start_its_feed(
+    tmp_path: Path, backend: Backend, caplog: pytest.LogCaptureFixture
+) -> None:
+    await backfill_v1(tmp_path, backend)
+    await backend.log.append(commit("o-1", VERSIONS + 1, event("Explode")))
+    held = await hold(backend, set(range(PARTS)))
+    gauge = SNAPSHOT_REBUILD_FAILED.labels(slot=str(held.slot), aggregate="order")
+    with caplog.at_level(logging.ERROR, logger="wowd.daemon.rebuild"), anyio.fail_after(5):
+        [r] = await Rebuilder(settings(tmp_path), backend, {"order": ExplodingReducer(2)}).rebuild_slot(held)
+    assert r.outcome == "failed" and gauge._value.get() == 1
+    [line] = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
+    assert line.startswith(f"snapshots of {ORDER} not rebuilt at state revision 2: reducer of order raised on")
+    [r] = await Rebuilder(settings(tmp_path), backend, {"order": reducer_v2}).rebuild_slot(held)  # fixed
+    assert r.outcome == "rebuilt" and r.backfilled and gauge._value.get() == 0
+
+
 async def test_a_transient_failure_is_retried(
     tmp_path: Path, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -383,3 +428,16 @@ async def test_cli_status_and_rebuild(
 
     code, out, err = await run_wowd("snapshots", "rebuild", "--aggregate", "nope")
     assert code == 2 and "no reducer configured for nope" in err
+
+    # a reducer that raises: the report names the commit, and the command fails
+    bad = next(f"c-{i}" for i in range(16) if partition(f"c-{i}", parts) == 1)
+    b = await open_embedded(settings(tmp_path, partitions=parts))
+    try:
+        await b.log.append(commit(bad, 2, event("Explode")))
+    finally:
+        await b.close()
+    monkeypatch.setenv("WOWD_REDUCERS", json.dumps({"order": "tests.daemon.reducers:reducer_exploding"}))
+    code, out, err = await run_wowd("snapshots", "rebuild", "--partitions", "1", "--json")
+    [r] = json.loads(out)
+    assert code == 1 and (r["outcome"], r["partitions"]) == ("failed", [])
+    assert r["error"] == f"reducer of order raised on {ref(bad)} v2: RuntimeError('reducer exploded')"

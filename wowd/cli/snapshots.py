@@ -69,6 +69,7 @@ def report_doc(r: RebuildReport) -> dict[str, Any]:
         "failed": r.failed,
         "backfilled": r.backfilled,
         "table": _table_doc(r.table),
+        "error": r.error,
     }
 
 
@@ -112,9 +113,11 @@ async def snapshots(settings: WowdSettings, args: argparse.Namespace) -> int:
                 f"{d['aggregate']} revision {d['revision']}: {d['outcome']}, "
                 f"partitions {compact_partitions(d['partitions'])}, "
                 f"{d['aggregates']} aggregate(s), {d['rewritten']} rewritten, {d['unchanged']} unchanged, "
-                f"{d['skipped']} skipped, {d['failed']} failed" + (", backfilled" if d["backfilled"] else "")
+                f"{d['skipped']} skipped, {d['failed']} failed"
+                + (", backfilled" if d["backfilled"] else "")
+                + (f": {d['error']}" if d["error"] else "")
             )
-    return 1 if any(d["outcome"] == "superseded" or d["failed"] for d in docs) else 0
+    return 1 if any(d["outcome"] in ("superseded", "failed") or d["failed"] for d in docs) else 0
 
 
 async def _rebuild_holding_leases(

@@ -14,6 +14,8 @@ snapshots of that aggregate type from the log, each partition by its owner:
    version 1 with its reducer, and each snapshot is written in place with ``rewrite`` in batches;
    the caller's fence check (the held slot's validity) runs before each batch. An aggregate whose
    log has a gap (a malformed or missing commit) is skipped and left pending, as the feed leaves it.
+   A reducer that raises ends its type's rebuild (``failed``, with the reducer's error): that
+   partition is not recorded (a fixed reducer rebuilds it), and the other types go on.
 3. **Progress.** A rebuilt partition is recorded as a checkpoint of the consumer
    ``wowd.rebuild.<aggregate>.<revision>`` (the log's fenced checkpoints: no other table),
    so a replica taking a slot over skips the partitions already rebuilt at that revision, and
@@ -36,8 +38,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from wowd import metrics
 from wowd.config import WowdSettings
-from wowd.errors import ConfigError, InvalidInput, LeaseLost, StorageError
+from wowd.errors import ConfigError, InvalidInput, LeaseLost, ReducerFailed, StorageError
 from wowd.model import (
     DEFAULT_TENANT,
     AggregateRef,
@@ -111,9 +114,10 @@ class RebuildReport:
 
     type: AggregateType
     revision: int
-    outcome: Literal["rebuilt", "current", "superseded", "stopped"]
+    outcome: Literal["rebuilt", "current", "superseded", "stopped", "failed"]
     """``rebuilt``: the partitions asked were rebuilt; ``current``: nothing to do (backfilled);
-    ``superseded``: the table is claimed at a higher revision; ``stopped``: stopped before the end."""
+    ``superseded``: the table is claimed at a higher revision; ``stopped``: stopped before the end;
+    ``failed``: the reducer raised (``error``), the partition it raised in not recorded."""
     partitions: list[int] = field(default_factory=list)
     """The partitions rebuilt by this call."""
     aggregates: int = 0
@@ -130,6 +134,8 @@ class RebuildReport:
     first: bool = False
     """The type had no snapshot table: the first build, with no earlier revision to replace
     (logged at DEBUG: every new file has one)."""
+    error: str | None = None
+    """Why the outcome is ``failed``: the reducer's exception and the commit it raised on."""
 
 
 @dataclass(slots=True)
@@ -148,12 +154,15 @@ class _Fold:
     job: _Job
     snapshots: dict[AggregateRef, SnapshotRecord] = field(default_factory=dict)
     broken: set[AggregateRef] = field(default_factory=set)
+    error: ReducerFailed | None = None
+    """The reducer raised: nothing more is folded, written or recorded for the type."""
 
 
 def _summary(r: RebuildReport) -> str:
     return (
         f"{r.type} at revision {r.revision}: {r.outcome}, {len(r.partitions)} partition(s), {r.rewritten} rewritten,"
         f" {r.unchanged} unchanged, {r.skipped} skipped, {r.failed} failed{', backfilled' if r.backfilled else ''}"
+        + (f" ({r.error})" if r.error else "")
     )
 
 
@@ -267,10 +276,12 @@ class Rebuilder:
         for p in todo:
             if stopping():
                 break
-            wanted = [j for j in jobs if p in j.todo]
-            if not await self._rebuild_partition(p, wanted, check, stopping, fence):
+            wanted = [j for j in jobs if p in j.todo and j.report.outcome != "failed"]
+            if wanted and not await self._rebuild_partition(p, wanted, check, stopping, fence):
                 break
         for job in jobs:
+            if job.report.outcome == "failed":
+                continue
             if job.todo:
                 job.report.outcome = "stopped"
                 continue
@@ -334,7 +345,7 @@ class Rebuilder:
             async for batch in batches:
                 for entry in batch.entries:
                     f = folds.get(entry.aggregate)
-                    if f is None:
+                    if f is None or f.error is not None:
                         continue
                     c = entry.commit
                     if c is None:
@@ -355,6 +366,11 @@ class Rebuilder:
                     self._fold(f, c)
                 if stopping():
                     return False
+        for f in list(folds.values()):
+            if f.error is not None:
+                del folds[f.job.type]
+                f.job.report.outcome = "failed"
+                f.job.report.error = str(f.error)
         for f in folds.values():
             job, report = f.job, f.job.report
             for ref in f.broken:
@@ -412,7 +428,10 @@ class Rebuilder:
         if (cur is None and c.version != 1) or (cur is not None and c.version != cur.version + 1):
             f.broken.add(ref)
             return
-        f.snapshots[ref] = fold_commit(f.job.reducer, cur, c)
+        try:
+            f.snapshots[ref] = fold_commit(f.job.reducer, cur, c)
+        except Exception as exc:  # noqa: BLE001 - the reducer's own code: its failure is its type's
+            f.error = ReducerFailed(f"reducer of {c.ref.aggregate} raised on {ref} v{c.version}: {exc!r}")
 
     async def _finish(self, job: _Job) -> None:
         n = self._settings.partitions
@@ -437,7 +456,9 @@ class Rebuilder:
         the partitions already rebuilt, writes under the slot's fence after checking its
         validity, retries a transient failure with backoff until the slot stops. A non-transient
         store failure is logged and ends the rebuild (the feed still runs; the snapshots stay
-        pending, visible in ``wowd snapshots status``). :class:`~wowd.errors.LeaseLost` propagates."""
+        pending, visible in ``wowd snapshots status``); so does a reducer that raises, for its
+        type (``wowd_snapshot_rebuild_failed{slot,aggregate}`` is 1 while the slot is held).
+        :class:`~wowd.errors.LeaseLost` propagates."""
         if not self._reducers:
             return []
         extra = held.log_extra()
@@ -461,6 +482,18 @@ class Rebuilder:
         except StorageError as exc:
             log.error("snapshot rebuild stopped on a non-transient error: %s", exc, extra=extra)
             return []
+        for r in reports:
+            failed = r.outcome == "failed"
+            metrics.SNAPSHOT_REBUILD_FAILED.labels(slot=str(held.slot), aggregate=r.type.aggregate).set(int(failed))
+            if failed:
+                log.error(
+                    "snapshots of %s not rebuilt at state revision %d: %s; they stay pending (wowd snapshots"
+                    " status) until a fixed reducer is deployed",
+                    r.type,
+                    r.revision,
+                    r.error,
+                    extra=extra,
+                )
         shown = [r for r in reports if r.partitions or r.outcome == "stopped"]
         if shown:
             routine = all(r.first and r.outcome == "rebuilt" and not (r.skipped or r.failed) for r in shown)

@@ -302,6 +302,8 @@ class Supervisor:
             self._wakers.pop(held.slot, None)
             for view in feeder.views:  # the slot's work ended: none of its views is stalled here
                 metrics.FEED_STALLED.labels(slot=str(held.slot), view=view.name).set(0)
+            for aggregate in self._reducers:  # nor is a rebuild of its partitions failing here
+                metrics.SNAPSHOT_REBUILD_FAILED.labels(slot=str(held.slot), aggregate=aggregate).set(0)
             # the slot's timers still wait while its keeper's lease writes are refused (a full disk)
             keeper_stalled = any(k.owner_key == held.owner_key and k.stall.stalled for k in self._keepers)
             metrics.TIMERS_STALLED.labels(slot=str(held.slot)).set(1 if keeper_stalled else 0)
