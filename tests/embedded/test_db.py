@@ -165,6 +165,24 @@ def test_a_full_disk_is_told_by_its_result_codes() -> None:
     assert disk_full(sqlite3.OperationalError("database or disk is full"))  # no code: the message
 
 
+@pytest.mark.parametrize(
+    ("message", "code"), [("database or disk is full", 13), ("disk I/O error", 10 | (19 << 8))], ids=["FULL", "SHMSIZE"]
+)
+def test_a_full_disk_is_named_so_whichever_code_said_it(tmp_path: Path, message: str, code: int) -> None:
+    """What ``/readyz`` and the stall's ERROR line show: a WAL index that could not grow says
+    "disk I/O error" in SQLite's words, and is named a full disk as well."""
+    db = SqliteDatabase(tmp_path / "wowd.db")
+
+    def write(conn: sqlite3.Connection) -> None:
+        raise _sqlite_error(message, code)
+
+    with pytest.raises(StorageFull) as info:
+        db.run_sync(write)
+    db.close()
+    assert str(info.value).startswith(f"sqlite {tmp_path / 'wowd.db'}: {message}")
+    assert "database or disk is full" in str(info.value)
+
+
 # --------------------------------------------------------------------------- rows in few statements
 
 

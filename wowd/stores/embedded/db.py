@@ -91,6 +91,15 @@ SQLITE_IOERR_SHMSIZE = 10 | (19 << 8)
 full file system is the write that found no room."""
 
 
+def _full_reason(exc: sqlite3.Error) -> str:
+    """The reason of a :func:`disk_full` error as operators read it: SQLite's message, which says
+    "disk I/O error" for ``SQLITE_IOERR_SHMSIZE``, then what wowd takes it for."""
+    msg = str(exc)
+    if "database or disk is full" in msg:
+        return msg
+    return f"{msg} (the WAL index, the -shm file, could not grow: database or disk is full)"
+
+
 def disk_full(exc: sqlite3.Error) -> bool:
     """Whether ``exc`` says the file's disk (or quota) has no room for a write: ``SQLITE_FULL``
     (any extended code of it) or ``SQLITE_IOERR_SHMSIZE``. The store is then unable, not the
@@ -166,7 +175,7 @@ class SqliteDatabase:
                     conn.rollback()
                 msg = str(exc)
                 if disk_full(exc):
-                    raise StorageFull(f"sqlite {self.path}: {msg}") from exc
+                    raise StorageFull(f"sqlite {self.path}: {_full_reason(exc)}") from exc
                 if "locked" in msg or "busy" in msg:
                     raise StorageUnavailable(f"sqlite {self.path}: {msg}") from exc
                 raise StorageError(f"sqlite {self.path}: {msg}") from exc
@@ -174,7 +183,7 @@ class SqliteDatabase:
                 if conn.in_transaction:
                     conn.rollback()
                 if disk_full(exc):
-                    raise StorageFull(f"sqlite {self.path}: {exc}") from exc
+                    raise StorageFull(f"sqlite {self.path}: {_full_reason(exc)}") from exc
                 raise StorageError(f"sqlite {self.path}: {exc}") from exc
             except BaseException:
                 if conn.in_transaction:
