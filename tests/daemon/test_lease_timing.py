@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -22,8 +23,8 @@ from trio.testing import MockClock
 from tests.daemon.test_leases import WallClockLeases
 from wowd.config import LeaseSettings, WowdSettings
 from wowd.daemon.leases import RELEASE_TIMEOUT_S, HeldSlot, Presence, SlotKeeper
-from wowd.errors import SlotStalled, StorageUnavailable
-from wowd.model import AcquireResult, SlotLease
+from wowd.errors import SlotStalled, StorageFull, StorageUnavailable
+from wowd.model import AcquireResult, Owner, SlotLease
 from wowd.stores.base import ReplicaInfo
 
 pytestmark = pytest.mark.anyio
@@ -282,6 +283,71 @@ async def test_a_renewal_the_store_fails_is_retried_every_quarter_of_the_renewal
     assert abs(store.renewed_at[0] - took - TTL_S / 3) < EXACT
     gaps = [b - a for a, b in zip(store.renewed_at, store.renewed_at[1:4], strict=False)]
     assert all(abs(g - (0.01 + TTL_S / 12)) < EXACT for g in gaps), gaps
+
+
+class FillingDisk(VirtualLeases):
+    """Writes (takes, renewals) stamp the lease :data:`WRITE_S` after they are sent, and fail with
+    :class:`StorageFull` while ``full``; an acquire while the owner's lease is live by the store
+    clock reads that lease back, with the store's now and no write, as both stores do."""
+
+    WRITE_S = 0.2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+
+    async def acquire(
+        self, namespace: str, owner: Owner, limit: int, ttl: timedelta, *args: Any, **kwargs: Any
+    ) -> AcquireResult:
+        self.acquired_at.append(anyio.current_time())
+        now = self.now_ms()
+        if self.lease is not None and self.lease.owner_key == owner.key and self.lease.expires_at > now:
+            return AcquireResult(status="acquired", lease=replace(self.lease, store_now=now))
+        await anyio.sleep(self.WRITE_S)
+        if self.full:
+            raise StorageFull("sqlite wowd.db: database or disk is full")
+        return await self.take(namespace, owner, ttl)
+
+    async def renew(self, lease: SlotLease, ttl: timedelta, tolerance: timedelta) -> SlotLease | None:
+        await anyio.sleep(self.WRITE_S)
+        if self.full:
+            self.renewed_at.append(anyio.current_time())
+            raise StorageFull("sqlite wowd.db: database or disk is full")
+        return await super().renew(lease, ttl, tolerance)
+
+
+async def test_a_lease_read_back_after_it_lapsed_on_a_full_disk_leaves_the_keeper_stalled() -> None:
+    """Its renewals refused, the keeper stops the work at its own, earlier, reckoning of the
+    lease's end; its next acquire reads the same lease back from the store (still live there), and
+    it works under it again. No write succeeded: it stays stalled (``/readyz`` 503 naming the full
+    disk) until a renewal is written."""
+    store, work = FillingDisk(), Work()
+    holdings: list[HeldSlot] = []
+    held_again = anyio.Event()
+
+    def changed() -> None:
+        held = keeper.held
+        if held is not None and all(held is not h for h in holdings):
+            holdings.append(held)
+            if len(holdings) == 2:
+                held_again.set()
+
+    keeper = SlotKeeper(0, settings(), store, work, owner_key="me", on_change=changed, wall_clock=store.wall)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        first = await tg.start(keeper.run)
+        assert first is not None
+        await store.renewed.wait()
+        store.full = True
+        await work.stopped.wait()
+        with anyio.fail_after(TTL_S):
+            await held_again.wait()
+        again = holdings[1]
+        assert again.fence == first.fence and again.lease.store_now is not None
+        assert keeper.stall.stalled and "renew of slot 0: StorageFull" in str(keeper.stall.reason)
+        store.full = False
+        await store.renewed.wait()
+        assert not keeper.stall.stalled
+        keeper.stop(1.0)
 
 
 class NoFreeSlot(VirtualLeases):

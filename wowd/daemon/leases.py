@@ -318,7 +318,12 @@ class SlotKeeper:
             if res.status == "exhausted":  # every slot held by others: a healthy standby
                 self.stall.progressed(log)
             return sent, None
-        self.stall.progressed(log)  # not for a lease of its own handed back unusable: no write yet
+        if res.lease.store_now is None:
+            self.stall.progressed(log)  # a take: the store took a write (not for a lease handed back unusable)
+        else:
+            # its own live lease read back, no write: a renewal that failed (a full disk) stays
+            # stalled until a renewal succeeds
+            self.stall.progressed(log, "lease acquire")
         return sent, res.lease
 
     async def run(self, *, task_status: TaskStatus[HeldSlot | None] = anyio.TASK_STATUS_IGNORED) -> None:
