@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import signal
-import threading
+import time
 from typing import Any
 
 from tests.mongosim.engine import Engine, Settings
@@ -32,9 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         shards=args.shards,
     )
     server = WireServer(Engine(settings), host=args.host, port=args.port)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # The handler takes no lock: it runs in the main thread between two bytecodes, and one that
+    # sets a threading.Event there can deadlock on the Event's lock, which the main thread holds
+    # from the moment it starts waiting on it.
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: stopping.append(signum))
     profile = os.environ.get("MONGOSIM_PROFILE")
     if profile:  # where the simulator's time goes under a load (pstats file written at exit)
         import cProfile
@@ -52,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         server.engine.run = run  # type: ignore[method-assign]
     server.start()
     print(f"mongosim listening: {server.uri}", flush=True)
-    stop.wait()
+    while not stopping:
+        time.sleep(0.05)  # a poll of the handler's flag; a signal cuts the sleep short
     server.stop()
     if profile:
         profiler.dump_stats(profile)
