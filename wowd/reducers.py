@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
-from wowd.errors import ConfigError
+from wowd.errors import ConfigError, ReducerFailed
 from wowd.model import Commit, DomainEvent, SnapshotRecord
 
 __all__ = ["Reducer", "fold_commit", "load_reducer"]
@@ -18,8 +18,18 @@ class Reducer(Protocol):
 
 
 def fold_commit(reducer: Reducer, current: SnapshotRecord | None, commit: Commit) -> SnapshotRecord:
-    """The snapshot after ``commit`` folded on ``current`` (``None``: before version 1), exactly as
-    the feed folds it: the events in order, then the commit's access attributes and deleted flag."""
+    """The snapshot after ``commit`` folded on ``current`` (``None``: before version 1), as the feed
+    and the rebuilds fold it: the events in order, then the commit's access attributes and deleted
+    flag. Raises :class:`~wowd.errors.ReducerFailed`, naming the commit, when the reducer raises."""
+    try:
+        return _folded(reducer, current, commit)
+    except Exception as exc:  # the reducer's own code: its failure is its snapshot type's
+        raise ReducerFailed(
+            f"reducer of {commit.ref.aggregate} raised on {commit.ref} v{commit.version}: {exc!r}"
+        ) from exc
+
+
+def _folded(reducer: Reducer, current: SnapshotRecord | None, commit: Commit) -> SnapshotRecord:
     state: dict[str, Any] = dict(current.state) if current is not None else {}
     for ev in commit.events:
         state = reducer.fold(state, ev)

@@ -822,10 +822,7 @@ class Feeder:
                 ):
                     stale.add(ref)  # a gap or another state revision: left to a rebuild
                     continue
-                try:
-                    snap = fold_commit(reducer, cur, c)
-                except Exception as exc:  # the reducer's own code: its failure is the view's
-                    raise ReducerFailed(f"reducer of {aggregate} raised on {ref} v{c.version}: {exc!r}") from exc
+                snap = fold_commit(reducer, cur, c)  # ReducerFailed: the view's failure
                 latest[ref] = snap
                 changed[ref] = snap
         for ref in stale:

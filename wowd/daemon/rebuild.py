@@ -154,8 +154,6 @@ class _Fold:
     job: _Job
     snapshots: dict[AggregateRef, SnapshotRecord] = field(default_factory=dict)
     broken: set[AggregateRef] = field(default_factory=set)
-    error: ReducerFailed | None = None
-    """The reducer raised: nothing more is folded, written or recorded for the type."""
 
 
 def _summary(r: RebuildReport) -> str:
@@ -345,7 +343,7 @@ class Rebuilder:
             async for batch in batches:
                 for entry in batch.entries:
                     f = folds.get(entry.aggregate)
-                    if f is None or f.error is not None:
+                    if f is None:
                         continue
                     c = entry.commit
                     if c is None:
@@ -364,13 +362,10 @@ class Rebuilder:
                             )
                         continue
                     self._fold(f, c)
+                    if f.job.report.outcome == "failed":
+                        del folds[entry.aggregate]  # nothing more of its type is folded, written or recorded
                 if stopping():
                     return False
-        for f in list(folds.values()):
-            if f.error is not None:
-                del folds[f.job.type]
-                f.job.report.outcome = "failed"
-                f.job.report.error = str(f.error)
         for f in folds.values():
             job, report = f.job, f.job.report
             for ref in f.broken:
@@ -430,8 +425,9 @@ class Rebuilder:
             return
         try:
             f.snapshots[ref] = fold_commit(f.job.reducer, cur, c)
-        except Exception as exc:  # noqa: BLE001 - the reducer's own code: its failure is its type's
-            f.error = ReducerFailed(f"reducer of {c.ref.aggregate} raised on {ref} v{c.version}: {exc!r}")
+        except ReducerFailed as exc:
+            f.job.report.outcome = "failed"
+            f.job.report.error = str(exc)
 
     async def _finish(self, job: _Job) -> None:
         n = self._settings.partitions
