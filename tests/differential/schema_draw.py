@@ -82,8 +82,17 @@ VALIDATOR = _Validator(SCHEMA)
 
 
 def schema_errors(doc: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``(path, message)`` of each error of ``doc`` against the schema (none: it is a commit)."""
-    return [(json_path(e.absolute_path), e.message) for e in VALIDATOR.iter_errors(doc)]
+    """``(path, message)`` of each error of ``doc`` against the schema (none: it is a commit). A
+    required property left out is named at its own place (``events[1].body.command``), not at the
+    object that lacks it: the fields that object holds are not refused by it."""
+    out = []
+    for e in VALIDATOR.iter_errors(doc):
+        path = list(e.absolute_path)
+        if e.validator == "required" and isinstance(e.instance, dict):
+            # one error for each property left out, its message naming it ("'command' is a ...")
+            path += [p for p in e.validator_value if p not in e.instance and e.message.startswith(repr(p))][:1]
+        out.append((json_path(path), e.message))
+    return out
 
 
 def json_path(parts: Sequence[Any]) -> str:
